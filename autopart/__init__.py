@@ -1,0 +1,32 @@
+"""autopart: a compiler for distributed training.
+
+    plan = autopart.compile("examples/gpt.py", pp=2, microbatches=4)
+    autopart.emit(plan, "out/gpt")      # then: torchrun --nproc-per-node 2 out/gpt/train.py
+
+The compiler is imported on first use, so that the generated programs, which import only
+``autopart.runtime``, start without loading the solver.
+"""
+
+from typing import Any
+
+from autopart.errors import AutopartError
+
+__version__ = "0.1.0"
+
+__all__ = ["compile", "emit", "CompileOptions", "Plan", "load_plan", "AutopartError", "__version__"]
+
+_LAZY = {
+    "compile": "autopart.compiler",
+    "emit": "autopart.compiler",
+    "CompileOptions": "autopart.compiler",
+    "Plan": "autopart.plan",
+    "load_plan": "autopart.plan",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'autopart' has no attribute {name!r}")

@@ -1,0 +1,256 @@
+"""Annotate every node of the training graph with its shapes and its costs.
+
+``annotate(graph, spec, cost_model, micro_batch_size=b) -> OpGraph`` runs the graph once on the
+example batch at the microbatch size and records, per node:
+
+- the shapes and dtypes of what it produces;
+- the kernels it runs in forward and in backward (split into the input-gradient and the
+  weight-gradient halves, which zero-bubble schedules run apart), their FLOPs, and their times
+  from the cost model;
+- the bytes that autograd saves for backward, measured with saved-tensor hooks on a run of the
+  whole graph (a storage saved by two nodes counts once);
+- whether it reads a parameter, and whether it depends only on the batch and on buffers
+  ("batch-derived": position ids, masks, reshaped targets), which later passes recompute on
+  every stage that needs them instead of sending them through the pipeline.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx
+from torch.utils import _pytree as pytree
+
+from autopart.capture import Graph, ModelSpec, graph_args
+from cost_models import CostModel, Kernel, KernelRecorder
+
+__all__ = ["TensorMeta", "NodeCost", "OpGraph", "annotate", "tensor_meta"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class TensorMeta:
+    shape: tuple[int, ...]
+    dtype: str  # "float32", "int64", ...
+
+    @property
+    def nbytes(self) -> int:
+        numel = 1
+        for size in self.shape:
+            numel *= size
+        return numel * torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+
+    def to_json(self) -> dict[str, Any]:
+        return {"shape": list(self.shape), "dtype": self.dtype}
+
+    @staticmethod
+    def from_json(data: dict[str, Any]) -> TensorMeta:
+        return TensorMeta(shape=tuple(int(s) for s in data["shape"]), dtype=str(data["dtype"]))
+
+
+def tensor_meta(tensor: torch.Tensor) -> TensorMeta:
+    return TensorMeta(shape=tuple(tensor.shape), dtype=str(tensor.dtype).removeprefix("torch."))
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodeCost:
+    """What one fx node produces and what it costs, at the annotated microbatch size."""
+
+    name: str
+    op: str  # fx op: placeholder, get_attr, call_function, call_method, output
+    output: TensorMeta | None  # None when the node produces something other than one tensor
+    forward_flops: float = 0.0
+    backward_flops: float = 0.0
+    forward_s: float = 0.0
+    backward_input_s: float = 0.0  # gradients of the node's inputs
+    backward_weight_s: float = 0.0  # gradients of the parameters the node reads
+    saved_bytes: int = 0
+    parameter_bytes: int = 0  # for a get_attr of a parameter
+    is_parameter: bool = False
+    is_buffer: bool = False
+    batch_derived: bool = False
+    module_path: str = ""
+
+    @property
+    def backward_s(self) -> float:
+        return self.backward_input_s + self.backward_weight_s
+
+
+@dataclass(frozen=True, kw_only=True)
+class OpGraph:
+    graph: Graph
+    nodes: dict[str, NodeCost]  # in the graph's topological order
+    micro_batch_size: int
+    cost_model: str
+    kernels: dict[str, tuple[tuple[Kernel, ...], tuple[Kernel, ...]]] = field(default_factory=dict, repr=False)
+
+    def fx_nodes(self) -> list[fx.Node]:
+        return list(self.graph.module.graph.nodes)
+
+
+def _module_path(node: fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return ""
+    return next(reversed(stack.values()))[0]
+
+
+def _run_one(node: fx.Node, args: tuple, kwargs: dict) -> Any:
+    if node.op == "call_function":
+        return node.target(*args, **kwargs)
+    if node.op == "call_method":
+        self_obj, *rest = args
+        return getattr(self_obj, node.target)(*rest, **kwargs)
+    raise AssertionError(f"unexpected node {node.op}")
+
+
+def _grad_ready(value: Any, parameters: set[int], into: list[torch.Tensor], weights: list[torch.Tensor]) -> Any:
+    if not isinstance(value, torch.Tensor):
+        return value
+    leaf = value.detach()
+    if leaf.is_floating_point():
+        leaf.requires_grad_(True)
+        (weights if id(value) in parameters else into).append(leaf)
+    return leaf
+
+
+def _measure_kernels(
+    node: fx.Node, args: tuple, kwargs: dict, parameters: set[int]
+) -> tuple[list[Kernel], list[Kernel], list[Kernel]]:
+    """Kernels of the node's forward, of its input gradients and of its weight gradients."""
+    inputs: list[torch.Tensor] = []
+    weights: list[torch.Tensor] = []
+    args, kwargs = pytree.tree_map(lambda v: _grad_ready(v, parameters, inputs, weights), (args, kwargs))
+    with KernelRecorder() as forward:
+        try:
+            out = _run_one(node, args, kwargs)
+        except RuntimeError:  # an in-place op on a leaf: count it without autograd
+            with torch.no_grad():
+                out = _run_one(node, args, kwargs)
+    outputs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+    grads = [torch.ones_like(t) for t in outputs]
+    input_kernels: list[Kernel] = []
+    weight_kernels: list[Kernel] = []
+    for wrt, sink in ((inputs, input_kernels), (weights, weight_kernels)):
+        if outputs and wrt:
+            with KernelRecorder() as backward:
+                torch.autograd.grad(outputs, wrt, grads, retain_graph=True, allow_unused=True)
+            sink.extend(backward.kernels)
+    return forward.kernels, input_kernels, weight_kernels
+
+
+class _SavedBytes(fx.Interpreter):
+    """Runs the whole graph once, charging each tensor saved for backward to the node that saved it."""
+
+    def __init__(self, module: fx.GraphModule, parameter_storages: set[int]):
+        super().__init__(module)
+        self.current = ""
+        self.seen = set(parameter_storages)
+        self.saved: dict[str, int] = {}
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        key = storage.data_ptr()
+        if key not in self.seen:
+            self.seen.add(key)
+            self.saved[self.current] = self.saved.get(self.current, 0) + storage.nbytes()
+        return tensor
+
+    def run_node(self, node: fx.Node) -> Any:
+        self.current = node.name
+        return super().run_node(node)
+
+    def measure(self, *args: Any) -> dict[str, int]:
+        with torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t):
+            self.run(*args)
+        return self.saved
+
+
+def _batch_derived(node: fx.Node, derived: dict[str, bool], parameter_names: set[str]) -> bool:
+    if node.op == "placeholder":
+        return True
+    if node.op == "get_attr":
+        return node.target not in parameter_names
+    if node.op == "output":
+        return False
+    inputs = node.all_input_nodes
+    return all(derived[n.name] for n in inputs)
+
+
+def annotate(graph: Graph, spec: ModelSpec, cost_model: CostModel, *, micro_batch_size: int) -> OpGraph:
+    """Shapes, kernels, times and saved bytes of every node at ``micro_batch_size``."""
+    module = graph.module
+    inputs, target = spec.example(micro_batch_size)
+    parameters = dict(module.named_parameters())
+    parameter_ids = {id(p) for p in parameters.values()}
+    parameter_storages = {p.untyped_storage().data_ptr() for p in parameters.values()}
+    saved = _SavedBytes(module, parameter_storages).measure(*graph_args(graph, inputs, target))
+
+    values: dict[str, Any] = {}
+    derived: dict[str, bool] = {}
+    nodes: dict[str, NodeCost] = {}
+    kernels: dict[str, tuple[tuple[Kernel, ...], tuple[Kernel, ...]]] = {}
+    feed = iter(graph_args(graph, inputs, target))
+    for node in module.graph.nodes:
+        derived[node.name] = _batch_derived(node, derived, set(parameters))
+        common = dict(name=node.name, op=node.op, module_path=_module_path(node), batch_derived=derived[node.name])
+        if node.op == "placeholder":
+            value = next(feed)
+            values[node.name] = value
+            nodes[node.name] = NodeCost(output=_meta(value), **common)
+            continue
+        if node.op == "get_attr":
+            value = _fetch_attr(module, node.target)
+            values[node.name] = value
+            is_parameter = node.target in parameters
+            nodes[node.name] = NodeCost(
+                output=_meta(value),
+                is_parameter=is_parameter,
+                is_buffer=not is_parameter and isinstance(value, torch.Tensor),
+                parameter_bytes=value.numel() * value.element_size() if is_parameter else 0,
+                **common,
+            )
+            continue
+        if node.op == "output":
+            nodes[node.name] = NodeCost(output=None, **common)
+            continue
+        assert node.op in ("call_function", "call_method"), f"call_module {node.target} left after tracing through"
+        args, kwargs = pytree.tree_map(
+            lambda a: values[a.name] if isinstance(a, fx.Node) else a, (node.args, node.kwargs)
+        )
+        with torch.no_grad():
+            value = _run_one(node, args, kwargs)
+        values[node.name] = value
+        forward, backward_input, backward_weight = _measure_kernels(node, args, kwargs, parameter_ids)
+        kernels[node.name] = (tuple(forward), tuple(backward_input) + tuple(backward_weight))
+        nodes[node.name] = NodeCost(
+            output=_meta(value),
+            forward_flops=_flops(forward),
+            backward_flops=_flops(backward_input) + _flops(backward_weight),
+            forward_s=cost_model.kernels_time(forward),
+            backward_input_s=cost_model.kernels_time(backward_input),
+            backward_weight_s=cost_model.kernels_time(backward_weight),
+            saved_bytes=saved.get(node.name, 0),
+            **common,
+        )
+    return OpGraph(
+        graph=graph, nodes=nodes, micro_batch_size=micro_batch_size, cost_model=cost_model.name, kernels=kernels
+    )
+
+
+def _flops(kernels: Iterable[Kernel]) -> float:
+    return float(sum(k.flops for k in kernels))
+
+
+def _meta(value: Any) -> TensorMeta | None:
+    return tensor_meta(value) if isinstance(value, torch.Tensor) else None
+
+
+def _fetch_attr(module: torch.nn.Module, target: str) -> Any:
+    value: Any = module
+    for part in target.split("."):
+        value = getattr(value, part)
+    return value
+

@@ -1,0 +1,66 @@
+"""The human side of the output directory: report.md, the predicted timeline as a picture and a
+Chrome trace, and the per-rank action lists as CSV."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from autopart.plan import Plan
+from autopart.predict import plan_schedule, plan_timeline
+from autopart.schedule import write_chrome_trace, write_gantt_png, write_schedule_csv
+
+__all__ = ["write_report", "stage_table"]
+
+_GIB = 1 << 30
+
+
+def stage_table(plan: Plan) -> list[list[str]]:
+    """Rows of the per-stage table: stage, rank, blocks, parameters, memory, predicted times."""
+    rows = [["stage", "rank", "blocks", "params MB", "memory GiB", "fwd ms", "bwd ms", "stage ms"]]
+    for stage in plan.stages:
+        rows.append(
+            [
+                str(stage.index),
+                str(stage.rank),
+                f"{stage.blocks[0]}-{stage.blocks[1]}",
+                f"{stage.parameter_bytes / 1e6:.3f}",
+                f"{plan.predicted.memory_bytes[stage.rank] / _GIB:.3f}",
+                f"{stage.forward_s * 1e3:.3f}",
+                f"{stage.backward_s * 1e3:.3f}",
+                f"{plan.predicted.stage_time_s[stage.index] * 1e3:.3f}",
+            ]
+        )
+    return rows
+
+
+def _markdown(rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
+    lines += ["| " + " | ".join(row) + " |" for row in rows[1:]]
+    return "\n".join(lines)
+
+
+def write_report(plan: Plan, out: Path) -> None:
+    timeline = plan_timeline(plan)
+    title = f"{Path(plan.provenance.model_file).name}: {plan.schedule.kind}, pp={plan.mesh['pp']}, m={plan.schedule.microbatches}"
+    write_gantt_png(timeline, out / "timeline.png", title=title)
+    write_chrome_trace(timeline, out / "trace.json", title=title)
+    write_schedule_csv(plan_schedule(plan, lowered=False), out / "schedule.csv")
+    predicted = plan.predicted
+    text = f"""# autopart plan for {Path(plan.provenance.model_file).name}
+
+Mesh: pp={plan.mesh['pp']}, tp={plan.mesh['tp']}, dp={plan.mesh['dp']} ({plan.world_size} processes).
+Schedule: {plan.schedule.kind}, {plan.schedule.microbatches} microbatches of {plan.schedule.micro_batch_size} (global batch {plan.schedule.global_batch_size}).
+
+Predicted step time {predicted.step_s * 1e3:.3f} ms, bubble {predicted.bubble:.1%}, {predicted.p2p_bytes_per_step / 1e6:.3f} MB sent between stages per step.
+Cost model: {plan.provenance.cost_model}. Solver: {plan.provenance.solver_status} (objective {plan.provenance.objective_s * 1e3:.3f} ms, bound {plan.provenance.bound_s * 1e3:.3f} ms, gap {plan.provenance.gap:.2%}).
+
+{_markdown(stage_table(plan))}
+
+Memory: weights, gradients and optimizer state ({plan.optimizer}), plus the
+activations of the microbatches that the schedule keeps in flight, plus framework overhead.
+Tied parameters held by several stages: {", ".join(f"{k} (stages {', '.join(map(str, v))})" for k, v in plan.tied_parameters.items()) or "none"}.
+
+Files: `plan.json` (the plan), `stages/` (one module per stage), `weights/`, `train.py` (the entry point),
+`timeline.png` and `trace.json` (the predicted schedule), `schedule.csv` (per-rank actions).
+"""
+    (out / "report.md").write_text(text)

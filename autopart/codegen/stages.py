@@ -1,0 +1,238 @@
+"""Split the training graph by a plan's stages and write one readable nn.Module per stage.
+
+``stage_graphs(graph, plan)`` builds, for every stage, an fx graph whose inputs are the tensors
+it receives followed by the graph inputs it reads from the batch, and whose output is the
+tuple of tensors it sends on (the loss, on the last stage). Nodes that depend only on the batch
+and on buffers are recomputed on every stage that needs them, parameters are held by every
+stage that reads them. ``stage_source(...)`` turns one such graph into Python source.
+"""
+
+from __future__ import annotations
+
+import builtins
+import re
+import types
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx
+from torch.fx.graph import _custom_builtins
+
+from autopart.annotate import OpGraph, TensorMeta
+from autopart.errors import PlanError
+
+__all__ = ["StageGraph", "stage_graphs", "stage_boundaries", "stage_source"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageGraph:
+    index: int
+    graph: fx.Graph
+    inputs: tuple[str, ...]  # received tensors
+    batch_inputs: tuple[str, ...]
+    outputs: tuple[str, ...]  # sent tensors, or the loss on the last stage
+    parameters: tuple[str, ...]  # get_attr targets that are parameters
+    buffers: tuple[str, ...]  # get_attr targets that are buffers or constants
+
+
+def _free(op_graph: OpGraph, name: str) -> bool:
+    cost = op_graph.nodes[name]
+    return cost.op in ("placeholder", "get_attr") or cost.batch_derived
+
+
+def stage_boundaries(op_graph: OpGraph, stage_nodes: list[tuple[str, ...]]) -> list[tuple[str, ...]]:
+    """For each stage, the compute values it must send on: defined at or before it, used after it."""
+    fx_nodes = {n.name: n for n in op_graph.fx_nodes()}
+    stage_of: dict[str, int] = {}
+    for s, names in enumerate(stage_nodes):
+        for name in names:
+            if name not in fx_nodes or _free(op_graph, name):
+                raise PlanError(f"plan stage {s} lists node {name!r}, which is not a compute node of this model's graph")
+            if name in stage_of:
+                raise PlanError(f"plan lists node {name!r} in stages {stage_of[name]} and {s}; each node belongs to one")
+            stage_of[name] = s
+    missing = [n for n in fx_nodes if n not in stage_of and not _free(op_graph, n) and fx_nodes[n].op != "output"]
+    if missing:
+        raise PlanError(f"plan assigns no stage to node {missing[0]!r} (and {len(missing) - 1} more); recompile")
+    last = len(stage_nodes) - 1
+    order = {n: i for i, n in enumerate(fx_nodes)}
+    sends: list[set[str]] = [set() for _ in stage_nodes]
+    for name, s in stage_of.items():
+        for user in fx_nodes[name].users:
+            used_at = last if user.op == "output" else stage_of.get(user.name)
+            if used_at is None:  # a batch-derived user cannot consume a compute value
+                raise AssertionError(f"free node {user.name} depends on compute node {name}")
+            if used_at < s:
+                raise PlanError(f"plan puts {user.name!r} on stage {used_at} before its input {name!r} on stage {s}")
+            for boundary in range(s, used_at):
+                sends[boundary].add(name)
+    for s in range(last):
+        for name in sends[s]:
+            if op_graph.nodes[name].output is None:
+                raise PlanError(
+                    f"the cut after stage {s} would send {name!r}, which is not a single tensor; move the cut"
+                )
+    return [tuple(sorted(names, key=order.__getitem__)) for names in sends[:last]]
+
+
+def stage_graphs(op_graph: OpGraph, stage_nodes: list[tuple[str, ...]]) -> list[StageGraph]:
+    source = op_graph.graph.module.graph
+    fx_nodes = {n.name: n for n in source.nodes}
+    boundaries = stage_boundaries(op_graph, stage_nodes)
+    output_node = next(n for n in source.nodes if n.op == "output")
+    loss = output_node.args[0]
+    result = []
+    for s, names in enumerate(stage_nodes):
+        received = boundaries[s - 1] if s > 0 else ()
+        sends = boundaries[s] if s < len(boundaries) else (loss.name,)
+        members = set(names)
+        needed: set[str] = set()
+
+        def pull(node: fx.Node) -> None:
+            for arg in node.all_input_nodes:
+                if arg.name in members or arg.name in received or arg.name in needed:
+                    continue
+                assert _free(op_graph, arg.name), f"stage {s} reads {arg.name} without receiving it"
+                needed.add(arg.name)
+                pull(arg)
+
+        for name in names:
+            pull(fx_nodes[name])
+        graph = fx.Graph()
+        env: dict[str, fx.Node] = {}
+        for name in received:
+            env[name] = graph.placeholder(name)
+            env[name].meta = dict(fx_nodes[name].meta)
+        batch_inputs = tuple(n.name for n in source.nodes if n.op == "placeholder" and n.name in needed)
+        for name in batch_inputs:
+            env[name] = graph.placeholder(name)
+        parameters, buffers = [], []
+        for node in source.nodes:
+            if node.op == "placeholder" or node.name in received:
+                continue
+            if node.name in needed or node.name in members:
+                env[node.name] = graph.node_copy(node, lambda n: env[n.name])
+                if node.op == "get_attr":
+                    (parameters if op_graph.nodes[node.name].is_parameter else buffers).append(str(node.target))
+        graph.output(env[sends[0]] if s == len(stage_nodes) - 1 else tuple(env[n] for n in sends))
+        graph.eliminate_dead_code()
+        graph.lint()
+        result.append(
+            StageGraph(
+                index=s,
+                graph=graph,
+                inputs=received,
+                batch_inputs=batch_inputs,
+                outputs=sends,
+                parameters=tuple(dict.fromkeys(parameters)),
+                buffers=tuple(dict.fromkeys(buffers)),
+            )
+        )
+    return result
+
+
+_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def _import_line(name: str, value: Any) -> str:
+    """An import that binds ``name`` to ``value`` in the generated file."""
+
+    if name in _custom_builtins:
+        return _custom_builtins[name].import_str
+    if isinstance(value, types.ModuleType):
+        return f"import {value.__name__} as {name}" if value.__name__ != name else f"import {name}"
+    module = getattr(value, "__module__", None)
+    qualname = getattr(value, "__qualname__", None)
+    if getattr(builtins, name, None) is value:
+        return ""
+    if not module or not qualname or "<" in qualname or not all(_IDENTIFIER.match(p) for p in qualname.split(".")):
+        raise PlanError(f"generated code would need {value!r}, which cannot be imported by name; report this model")
+    top, _, rest = qualname.partition(".")
+    if not rest:
+        return f"from {module} import {top} as {name}" if top != name else f"from {module} import {top}"
+    return f"import {module}\n{name} = {module}.{qualname}"
+
+
+def stage_source(
+    stage: StageGraph,
+    *,
+    stages: int,
+    op_graph: OpGraph,
+    metas: dict[str, torch.Tensor],
+    header: str,
+) -> str:
+    """Python source of one stage: a module docstring, the tensor declarations, the forward code."""
+    code = stage.graph.python_code(root_module="self")
+    used = set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", code.src))
+    imports = sorted(
+        {line for name, value in code.globals.items() if name in used and (line := _import_line(name, value))}
+        - {"import torch"}
+    )
+    forward = _comment_module_paths(code.src.strip("\n"), op_graph)
+    class_name = f"Stage{stage.index}"
+
+    def declarations(names: tuple[str, ...]) -> str:
+        lines = []
+        for target in names:
+            tensor = metas[target]
+            dtype = str(tensor.dtype).removeprefix("torch.")
+            lines.append(f"    {target!r}: ({tuple(tensor.shape)!r}, torch.{dtype}),")
+        return "".join(line + "\n" for line in lines)
+
+    def signature(names: tuple[str, ...]) -> str:
+        return ", ".join(repr(n) for n in names) + ("," if len(names) == 1 else "")
+
+    body = "\n".join("    " + line if line else "" for line in forward.splitlines())
+    return f'''{header}
+{"".join(line + chr(10) for line in imports)}import torch
+
+from autopart.runtime.stage import declare_tensors
+
+# name in the original model -> (shape, dtype); the values are loaded from weights/
+PARAMETERS = {{
+{declarations(stage.parameters)}}}
+BUFFERS = {{
+{declarations(stage.buffers)}}}
+
+
+class {class_name}(torch.nn.Module):
+    """Stage {stage.index} of {stages}."""
+
+    inputs = ({signature(stage.inputs)})  # received from stage {stage.index - 1}
+    batch_inputs = ({signature(stage.batch_inputs)})  # read from the batch
+    outputs = ({signature(stage.outputs)})  # {"the loss" if stage.index == stages - 1 else f"sent to stage {stage.index + 1}"}
+
+    def __init__(self):
+        super().__init__()
+        declare_tensors(self, PARAMETERS, BUFFERS)
+
+{body}
+
+
+STAGE = {class_name}
+'''
+
+
+def _comment_module_paths(source: str, op_graph: OpGraph) -> str:
+    """Put a ``# <module path>`` line wherever the code moves into another module of the model."""
+    lines, current = [], None
+    assignment = re.compile(r"^\s+([A-Za-z_][A-Za-z0-9_]*) = ")
+    for line in source.splitlines():
+        match = assignment.match(line)
+        if match and match.group(1) in op_graph.nodes:
+            path = op_graph.nodes[match.group(1)].module_path
+            if path and path != current:
+                lines.append(f"    # {path}")
+            current = path or current
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def describe_tensors(names: tuple[str, ...], op_graph: OpGraph) -> str:
+    parts = []
+    for name in names:
+        meta: TensorMeta | None = op_graph.nodes[name].output
+        parts.append(f"{name} {tuple(meta.shape) if meta else ''} {meta.dtype if meta else ''}".strip())
+    return ", ".join(parts) or "nothing"
+

@@ -1,0 +1,49 @@
+"""The errors that autopart raises for a user's mistake.
+
+Every one of them is a contract: the message is one line that says what is wrong and what to
+do about it. The command line prints it as ``autopart: error: <message>`` and exits with code 2,
+without a traceback. ``assert`` is kept for autopart's own invariants.
+"""
+
+__all__ = [
+    "AutopartError",
+    "ModelFileError",
+    "CaptureError",
+    "ConfigError",
+    "InfeasibleError",
+    "PlanError",
+    "ScheduleError",
+    "DeviceSpecError",
+]
+
+
+class AutopartError(Exception):
+    """Base class of every error caused by the user's input."""
+
+
+class ModelFileError(AutopartError):
+    """The model file is missing, does not import, or breaks the model-file contract."""
+
+
+class CaptureError(AutopartError):
+    """The model and loss could not be captured into one graph."""
+
+
+class ConfigError(AutopartError):
+    """The options do not fit together or do not fit the model."""
+
+
+class InfeasibleError(AutopartError):
+    """No plan satisfies the memory budget."""
+
+
+class PlanError(AutopartError):
+    """A plan.json is malformed or belongs to another model."""
+
+
+class ScheduleError(AutopartError):
+    """A pipeline schedule is invalid (a missing action, a broken dependency, a deadlock)."""
+
+
+class DeviceSpecError(AutopartError):
+    """A device name is unknown or its spec file is malformed."""

@@ -1,0 +1,219 @@
+"""The Plan: the single source of truth between the solver, the emitter and the runtime.
+
+A plan is plain data, saved as versioned JSON (``plan.json``). A plan written or edited by hand
+is the same type: ``autopart compile --plan plan.json`` skips the solver and emits it.
+Nothing here is unpickled: ``Plan.from_json`` checks every field and raises ``PlanError`` with
+the path of the field that is wrong.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from autopart.annotate import TensorMeta
+from autopart.errors import PlanError
+
+__all__ = ["PLAN_VERSION", "StagePlan", "ScheduleSpec", "Predicted", "Provenance", "Plan", "load_plan"]
+
+PLAN_VERSION = 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class StagePlan:
+    """One pipeline stage: the compute nodes it runs and what it exchanges with its neighbours."""
+
+    index: int
+    rank: int  # pipeline rank that runs it
+    blocks: tuple[int, int]  # first and last block, inclusive
+    nodes: tuple[str, ...]  # compute nodes, in graph order
+    inputs: tuple[tuple[str, TensorMeta], ...]  # received from the previous stage, one microbatch
+    outputs: tuple[tuple[str, TensorMeta], ...]  # sent to the next stage (empty on the last stage)
+    batch_inputs: tuple[str, ...]  # graph inputs this stage reads from the batch
+    parameters: tuple[str, ...]
+    forward_s: float
+    backward_s: float
+    backward_weight_s: float
+    parameter_bytes: int
+    activation_bytes: int  # saved for backward, one microbatch
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScheduleSpec:
+    kind: str  # gpipe | 1f1b | interleaved | zb-h1
+    microbatches: int
+    micro_batch_size: int
+    global_batch_size: int
+    chunks: int = 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class Predicted:
+    step_s: float
+    bubble: float
+    memory_bytes: tuple[int, ...]  # per pipeline rank
+    p2p_bytes_per_step: int
+    stage_time_s: tuple[float, ...]  # forward + backward + transfers of one microbatch, per stage
+    transfer_s: tuple[float, ...]  # one way, one microbatch, per boundary between stages
+
+
+@dataclass(frozen=True, kw_only=True)
+class Provenance:
+    model_file: str
+    model_sha256: str
+    capture: str
+    cost_model: str
+    solver_status: str  # optimal | feasible | pinned (from --plan) | trivial (one stage)
+    objective_s: float
+    bound_s: float
+    gap: float
+    autopart_version: str
+    torch_version: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    mesh: dict[str, int]  # {"pp": P, "tp": 1, "dp": 1}
+    stages: tuple[StagePlan, ...]
+    schedule: ScheduleSpec
+    predicted: Predicted
+    provenance: Provenance
+    graph_inputs: tuple[str, ...] = ()  # the model's inputs in call order, then "target" when there is a loss_fn
+    optimizer: str = "adamw"
+    tied_parameters: dict[str, tuple[int, ...]] = field(default_factory=dict)  # parameter -> stages holding it
+    version: int = PLAN_VERSION
+
+    @property
+    def world_size(self) -> int:
+        return self.mesh["pp"] * self.mesh["tp"] * self.mesh["dp"]
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        for stage in data["stages"]:
+            stage["inputs"] = [[name, meta] for name, meta in stage["inputs"]]
+            stage["outputs"] = [[name, meta] for name, meta in stage["outputs"]]
+        return data
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_json(), indent=2) + "\n")
+
+    @staticmethod
+    def from_json(data: Any) -> Plan:
+        reader = _Reader(data, "plan")
+        version = reader.int("version")
+        if version != PLAN_VERSION:
+            raise PlanError(f"plan version {version} is not supported (this autopart reads version {PLAN_VERSION})")
+        mesh = reader.sub("mesh")
+        schedule = reader.sub("schedule")
+        predicted = reader.sub("predicted")
+        provenance = reader.sub("provenance")
+        stages = tuple(_read_stage(s) for s in reader.list("stages"))
+        if not stages:
+            raise PlanError("plan.stages is empty; a plan needs at least one stage")
+        return Plan(
+            version=version,
+            mesh={k: mesh.int(k) for k in ("pp", "tp", "dp")},
+            stages=stages,
+            schedule=ScheduleSpec(
+                kind=schedule.str("kind"),
+                microbatches=schedule.int("microbatches"),
+                micro_batch_size=schedule.int("micro_batch_size"),
+                global_batch_size=schedule.int("global_batch_size"),
+                chunks=schedule.int("chunks"),
+            ),
+            predicted=Predicted(
+                step_s=predicted.float("step_s"),
+                bubble=predicted.float("bubble"),
+                memory_bytes=tuple(int(v) for v in predicted.list("memory_bytes")),
+                p2p_bytes_per_step=predicted.int("p2p_bytes_per_step"),
+                stage_time_s=tuple(float(v) for v in predicted.list("stage_time_s")),
+                transfer_s=tuple(float(v) for v in predicted.list("transfer_s")),
+            ),
+            provenance=Provenance(
+                **{k: provenance.str(k) for k in ("model_file", "model_sha256", "capture", "cost_model")},
+                solver_status=provenance.str("solver_status"),
+                objective_s=provenance.float("objective_s"),
+                bound_s=provenance.float("bound_s"),
+                gap=provenance.float("gap"),
+                autopart_version=provenance.str("autopart_version"),
+                torch_version=provenance.str("torch_version"),
+            ),
+            graph_inputs=tuple(str(n) for n in reader.list("graph_inputs")),
+            optimizer=reader.str("optimizer"),
+            tied_parameters={
+                str(k): tuple(int(s) for s in v) for k, v in reader.sub("tied_parameters").data.items()
+            },
+        )
+
+
+def _read_stage(data: Any) -> StagePlan:
+    reader = _Reader(data, "plan.stages[]")
+    return StagePlan(
+        index=reader.int("index"),
+        rank=reader.int("rank"),
+        blocks=tuple(int(b) for b in reader.list("blocks")),  # type: ignore[arg-type]
+        nodes=tuple(str(n) for n in reader.list("nodes")),
+        inputs=tuple(_read_tensor(t) for t in reader.list("inputs")),
+        outputs=tuple(_read_tensor(t) for t in reader.list("outputs")),
+        batch_inputs=tuple(str(n) for n in reader.list("batch_inputs")),
+        parameters=tuple(str(n) for n in reader.list("parameters")),
+        forward_s=reader.float("forward_s"),
+        backward_s=reader.float("backward_s"),
+        backward_weight_s=reader.float("backward_weight_s"),
+        parameter_bytes=reader.int("parameter_bytes"),
+        activation_bytes=reader.int("activation_bytes"),
+    )
+
+
+def _read_tensor(data: Any) -> tuple[str, TensorMeta]:
+    if not (isinstance(data, list) and len(data) == 2 and isinstance(data[0], str) and isinstance(data[1], dict)):
+        raise PlanError(f"a stage tensor must be [name, {{shape, dtype}}], got {json.dumps(data)[:80]}")
+    try:
+        return data[0], TensorMeta.from_json(data[1])
+    except (KeyError, TypeError, ValueError):
+        raise PlanError(f"stage tensor {data[0]!r} has a malformed shape or dtype") from None
+
+
+class _Reader:
+    """Typed access to one JSON object, with errors that name the field."""
+
+    def __init__(self, data: Any, where: str):
+        if not isinstance(data, dict):
+            raise PlanError(f"{where} must be a JSON object, got {type(data).__name__}")
+        self.data, self.where = data, where
+
+    def _get(self, key: str, kinds: tuple[type, ...], what: str) -> Any:
+        if key not in self.data:
+            raise PlanError(f"{self.where}.{key} is missing; the plan is incomplete (recompile, or add the field)")
+        value = self.data[key]
+        if isinstance(value, bool) or not isinstance(value, kinds):
+            raise PlanError(f"{self.where}.{key} must be {what}, got {json.dumps(value)[:60]}")
+        return value
+
+    def int(self, key: str) -> int:
+        return self._get(key, (int,), "an integer")
+
+    def float(self, key: str) -> float:
+        return float(self._get(key, (int, float), "a number"))
+
+    def str(self, key: str) -> str:
+        return self._get(key, (str,), "a string")
+
+    def list(self, key: str) -> list[Any]:
+        return self._get(key, (list,), "a list")
+
+    def sub(self, key: str) -> _Reader:
+        return _Reader(self._get(key, (dict,), "an object"), f"{self.where}.{key}")
+
+
+def load_plan(path: str | Path) -> Plan:
+    path = Path(path)
+    if not path.is_file():
+        raise PlanError(f"plan file '{path}' does not exist")
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise PlanError(f"{path} is not valid JSON ({exc}); fix it or recompile to write a new plan") from None
+    return Plan.from_json(data)

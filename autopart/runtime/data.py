@@ -1,0 +1,52 @@
+"""The training data of a step: the i-th global batch, split into microbatches.
+
+Every rank draws the same global batches (from the model file's ``batches(B, seed)``, or seeded
+synthetic batches shaped like ``example_batch``) and keeps the microbatches and the graph inputs
+that it needs. Nothing about the data travels between ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from autopart.capture import ModelSpec, check_batch
+
+__all__ = ["global_batches", "split_microbatches", "synthetic_batches"]
+
+
+def synthetic_batches(spec: ModelSpec, batch_size: int, seed: int) -> Iterator[tuple[tuple[torch.Tensor, ...], Any]]:
+    """Seeded random batches with the shapes, dtypes and value ranges of ``example_batch``."""
+    inputs, target = spec.example(batch_size)
+    step = 0
+    while True:
+        generator = torch.Generator().manual_seed(seed * 1_000_003 + step)
+
+        def fill(like: Any) -> Any:
+            if not isinstance(like, torch.Tensor):
+                return like
+            if like.is_floating_point():
+                return torch.randn(like.shape, generator=generator, dtype=like.dtype)
+            if like.dtype == torch.bool:
+                return torch.randint(0, 2, like.shape, generator=generator).bool()
+            low, high = int(like.min()), int(like.max())
+            return torch.randint(low, high + 1, like.shape, generator=generator, dtype=like.dtype)
+
+        yield tuple(fill(x) for x in inputs), fill(target)
+        step += 1
+
+
+def global_batches(spec: ModelSpec, batch_size: int, seed: int) -> Iterator[tuple[tuple[torch.Tensor, ...], Any]]:
+    if spec.batches is None:
+        yield from synthetic_batches(spec, batch_size, seed)
+        return
+    for batch in spec.batches(batch_size, seed):
+        yield check_batch(spec.path, "batches", batch, batch_size)
+
+
+def split_microbatches(values: tuple[Any, ...], microbatches: int) -> list[tuple[Any, ...]]:
+    """Split every tensor along the batch dimension into ``microbatches`` equal parts."""
+    parts = [v.chunk(microbatches, dim=0) if isinstance(v, torch.Tensor) else [v] * microbatches for v in values]
+    return [tuple(p[m] for p in parts) for m in range(microbatches)]

@@ -1,0 +1,144 @@
+"""Run one rank's action list for one training step.
+
+The action list is the same value that the simulator and the validator read
+(``autopart.schedule``): F, B (or its halves I and W), and the sends and receives that lowering
+inserted. The loss of every microbatch is divided by the number of microbatches before its
+backward, so the gradients are those of the mean loss over the global batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from autopart.annotate import TensorMeta
+from autopart.runtime.p2p import recv_tensors, send_tensors
+from autopart.schedule import Action, Kind, Schedule, format_grid
+
+__all__ = ["StageRuntime", "Executor", "StepFailure"]
+
+
+class StepFailure(RuntimeError):
+    """An action failed; the message names the rank, stage, microbatch and action."""
+
+
+@dataclass(kw_only=True)
+class StageRuntime:
+    """One stage held by this rank, and what it keeps between its actions in a step."""
+
+    index: int
+    module: nn.Module
+    inputs: list[TensorMeta]  # received tensors, one microbatch
+    batch_inputs: list[int]  # positions in the graph inputs of the batch values it reads
+    prev_rank: int | None
+    next_rank: int | None
+    received: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    outputs: dict[int, Any] = field(default_factory=dict)  # the loss, or the tensors sent on
+    output_grads: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    input_grads: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    held_for_weights: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = field(default_factory=dict)
+
+
+class Executor:
+    def __init__(
+        self,
+        *,
+        rank: int,
+        stages: dict[int, StageRuntime],
+        last_stage: int,
+        schedule: Schedule,
+        microbatches: int,
+        device: torch.device,
+    ):
+        self.rank = rank
+        self.stages = stages
+        self.last_stage = last_stage
+        self.schedule = schedule
+        self.actions = schedule[rank]
+        self.microbatches = microbatches
+        self.device = device
+
+    def step(self, microbatches: list[tuple[Any, ...]]) -> list[float]:
+        """Run the action list on the microbatches (graph inputs, split); return the losses held here."""
+        losses: list[float] = []
+        pending: list[Any] = []
+        for position, action in enumerate(self.actions):
+            try:
+                self._run(action, microbatches, losses, pending)
+            except Exception as exc:
+                grid = format_grid(self.schedule, mark=(self.rank, position))
+                raise StepFailure(
+                    f"rank {self.rank}, stage {action.stage}, microbatch {action.microbatch}, action {action}: "
+                    f"{type(exc).__name__}: {exc}\n{grid}"
+                ) from exc
+        for work in pending:
+            work.wait()
+        for stage in self.stages.values():
+            assert not (stage.received or stage.outputs or stage.output_grads or stage.held_for_weights), (
+                f"stage {stage.index} kept state past the end of the step: the schedule is incomplete"
+            )
+        return losses
+
+    def _run(self, action: Action, microbatches: list[tuple[Any, ...]], losses: list[float], pending: list) -> None:
+        stage = self.stages[action.stage]
+        m = action.microbatch
+        kind = action.kind
+        if kind is Kind.RECV_F:
+            stage.received[m] = recv_tensors(stage.inputs, stage.prev_rank, self.device)
+        elif kind is Kind.F:
+            inputs = stage.received.get(m, [])
+            for tensor in inputs:
+                if tensor.is_floating_point():
+                    tensor.requires_grad_(True)
+            batch = [microbatches[m][i] for i in stage.batch_inputs]
+            batch = [b.to(self.device) if isinstance(b, torch.Tensor) else b for b in batch]
+            out = stage.module(*inputs, *batch)
+            if action.stage == self.last_stage:
+                losses.append(out.detach().item())
+                out = out / self.microbatches
+            stage.outputs[m] = out
+        elif kind is Kind.SEND_F:
+            pending.extend(send_tensors(list(stage.outputs[m]), stage.next_rank))
+        elif kind is Kind.RECV_B:
+            metas = [_meta(t) for t in stage.outputs[m] if t.is_floating_point()]
+            stage.output_grads[m] = recv_tensors(metas, stage.next_rank, self.device)
+        elif kind in (Kind.B, Kind.I):
+            self._backward(stage, m, weights=kind is Kind.B)
+        elif kind is Kind.W:
+            self._backward_weights(stage, m)
+        elif kind is Kind.SEND_B:
+            pending.extend(send_tensors(stage.input_grads.pop(m), stage.prev_rank))
+        else:
+            raise AssertionError(f"unknown action kind {kind}")
+
+    def _differentiable(self, stage: StageRuntime, m: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The outputs to differentiate and their incoming gradients (1 for the loss)."""
+        out = stage.outputs.pop(m)
+        if isinstance(out, torch.Tensor):
+            return [out], [torch.ones_like(out)]
+        floating = [t for t in out if t.is_floating_point()]
+        pairs = [(t, g) for t, g in zip(floating, stage.output_grads.pop(m)) if t.requires_grad]
+        return [t for t, _ in pairs], [g for _, g in pairs]
+
+    def _backward(self, stage: StageRuntime, m: int, *, weights: bool) -> None:
+        outputs, grads = self._differentiable(stage, m)
+        inputs = [t for t in stage.received.pop(m, []) if t.is_floating_point()]
+        if weights:
+            torch.autograd.backward(outputs, grads)
+            found = [t.grad for t in inputs]
+        else:  # zero-bubble I: the input gradients now, the graph kept for W
+            found = list(torch.autograd.grad(outputs, inputs, grads, retain_graph=True, allow_unused=True)) if inputs else []
+            stage.held_for_weights[m] = (outputs, grads)
+        stage.input_grads[m] = [g if g is not None else torch.zeros_like(t) for t, g in zip(inputs, found)]
+
+    def _backward_weights(self, stage: StageRuntime, m: int) -> None:
+        outputs, grads = stage.held_for_weights.pop(m)
+        parameters = [p for p in stage.module.parameters() if p.requires_grad]
+        torch.autograd.backward(outputs, grads, inputs=parameters)
+
+
+def _meta(tensor: torch.Tensor) -> TensorMeta:
+    return TensorMeta(shape=tuple(tensor.shape), dtype=str(tensor.dtype).removeprefix("torch."))

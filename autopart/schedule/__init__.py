@@ -1,0 +1,46 @@
+"""Pipeline schedules: which rank runs which forward and backward, in what order, and when.
+
+The pass takes the plan's schedule choice (kind, ranks, microbatches, chunks) and gives the
+per-rank action lists that the runtime executes, plus a simulated `Timeline`. In order:
+`build_schedule` (compute actions) -> `add_communication` (sends and receives) -> `validate`
+(no missing action, no broken dependency, no deadlock) -> `simulate` (when each action runs)
+-> `write_chrome_trace` / `write_gantt_png` / `write_schedule_csv`.
+"""
+
+from autopart.schedule.actions import COMM_KINDS, COMPUTE_KINDS, Action, Kind, Schedule, stage_rank
+from autopart.schedule.generators import SCHEDULE_KINDS, build_schedule
+from autopart.schedule.lowering import add_communication
+from autopart.schedule.simulate import Event, StageCosts, Timeline, simulate
+from autopart.schedule.trace import (
+    chrome_trace_events,
+    read_chrome_trace,
+    read_schedule_csv,
+    write_chrome_trace,
+    write_gantt_png,
+    write_schedule_csv,
+)
+from autopart.schedule.validate import format_grid, validate
+
+__all__ = [
+    "Kind",
+    "Action",
+    "Schedule",
+    "stage_rank",
+    "COMPUTE_KINDS",
+    "COMM_KINDS",
+    "SCHEDULE_KINDS",
+    "build_schedule",
+    "add_communication",
+    "validate",
+    "format_grid",
+    "StageCosts",
+    "Event",
+    "Timeline",
+    "simulate",
+    "chrome_trace_events",
+    "write_chrome_trace",
+    "read_chrome_trace",
+    "write_gantt_png",
+    "write_schedule_csv",
+    "read_schedule_csv",
+]

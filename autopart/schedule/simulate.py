@@ -1,0 +1,256 @@
+"""Predict when every action of a schedule runs, given per-stage costs: a `Timeline`.
+
+The model is the one the schedule formulas in REFERENCE.md assume, and no more: each rank runs
+its actions in order, one at a time; an action starts when its rank is free and its inputs have
+arrived; a tensor that changes rank arrives ``transfer_s`` after it was produced, one that stays
+on its rank arrives at once. Sends take no rank time (they are asynchronous); a receive takes no
+rank time either but holds its rank until the data is there, as a blocking ``recv`` does. So a
+schedule predicted here and the same schedule measured by the runtime can be compared event by
+event, and the plan's bubble and in-flight figures come from the schedule actually emitted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from autopart.errors import ConfigError, ScheduleError
+from autopart.schedule.actions import Action, Kind, Schedule, stage_rank
+from autopart.schedule.validate import format_grid
+
+__all__ = ["StageCosts", "Event", "Timeline", "simulate"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageCosts:
+    """Seconds per microbatch for every virtual stage, and per boundary between stages."""
+
+    forward_s: tuple[float, ...]
+    """Forward of one microbatch, per stage."""
+    backward_s: tuple[float, ...]
+    """Full backward (input and weight gradients) of one microbatch, per stage; B takes this."""
+    weight_s: tuple[float, ...]
+    """The weight-gradient part of ``backward_s``: W takes this, I takes the rest."""
+    transfer_s: tuple[float, ...]
+    """Per boundary s -> s+1 (so one fewer than stages): moving one microbatch's activation
+    across ranks, and the same for its gradient coming back."""
+
+    def __post_init__(self) -> None:
+        stages = len(self.forward_s)
+        if stages == 0:
+            raise ConfigError(
+                "StageCosts needs at least one stage; give forward_s a value per stage"
+            )
+        for name in ("backward_s", "weight_s"):
+            if len(getattr(self, name)) != stages:
+                raise ConfigError(
+                    f"StageCosts.{name} has {len(getattr(self, name))} values but forward_s has "
+                    f"{stages}; give one value per stage"
+                )
+        if len(self.transfer_s) != stages - 1:
+            raise ConfigError(
+                f"StageCosts.transfer_s has {len(self.transfer_s)} values for {stages} stages; "
+                f"give one per boundary ({stages - 1})"
+            )
+        for name in ("forward_s", "backward_s", "weight_s", "transfer_s"):
+            if any(value < 0 for value in getattr(self, name)):
+                raise ConfigError(f"StageCosts.{name} has a negative time; times are seconds >= 0")
+        for stage, (backward, weight) in enumerate(
+            zip(self.backward_s, self.weight_s, strict=True)
+        ):
+            if weight > backward:
+                raise ConfigError(
+                    f"stage {stage}: weight_s ({weight}) is more than backward_s ({backward}); "
+                    "weight_s is the weight-gradient part of the backward"
+                )
+
+    @classmethod
+    def uniform(
+        cls,
+        stages: int,
+        *,
+        forward_s: float,
+        backward_s: float,
+        weight_s: float = 0.0,
+        transfer_s: float = 0.0,
+    ) -> StageCosts:
+        """The same costs on every stage and boundary: the balanced pipeline of the papers."""
+        return cls(
+            forward_s=(forward_s,) * stages,
+            backward_s=(backward_s,) * stages,
+            weight_s=(weight_s,) * stages,
+            transfer_s=(transfer_s,) * (stages - 1),
+        )
+
+    @property
+    def stages(self) -> int:
+        return len(self.forward_s)
+
+    def duration(self, action: Action) -> float:
+        """Rank time that a compute action takes."""
+        stage = action.stage
+        if action.kind is Kind.F:
+            return self.forward_s[stage]
+        if action.kind is Kind.B:
+            return self.backward_s[stage]
+        if action.kind is Kind.I:
+            return self.backward_s[stage] - self.weight_s[stage]
+        if action.kind is Kind.W:
+            return self.weight_s[stage]
+        return 0.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class Event:
+    """One compute action as it ran (or is predicted to run) on one rank, in seconds."""
+
+    rank: int
+    action: Action
+    start: float
+    end: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class Timeline:
+    """When every compute action runs: predicted by `simulate`, or measured by the runtime."""
+
+    events: tuple[Event, ...]
+    step_s: float
+    """From the first start to the last end."""
+    bubble: float
+    """Idle share of the step over all ranks: 1 − busy / (ranks · step_s)."""
+    peak_in_flight: tuple[int, ...]
+    """Per stage: the most microbatches whose F has run and whose backward (B or I) has not;
+    each holds its activations, so this sizes the stage's activation memory."""
+
+    def per_rank(self) -> dict[int, list[Event]]:
+        """Each rank's events in start order, ranks ascending."""
+        by_rank: dict[int, list[Event]] = {}
+        for event in sorted(self.events, key=lambda e: (e.rank, e.start, e.end)):
+            by_rank.setdefault(event.rank, []).append(event)
+        return by_rank
+
+    @classmethod
+    def from_events(cls, events: Iterable[Event], *, ranks: int) -> Timeline:
+        """Derive step time, bubble and in-flight peaks from events, e.g. a measured trace.
+
+        Times are shifted so that the first event starts at 0.
+        """
+        events = list(events)
+        if not events:
+            return cls(events=(), step_s=0.0, bubble=0.0, peak_in_flight=())
+        origin = min(e.start for e in events)
+        shifted = [
+            Event(rank=e.rank, action=e.action, start=e.start - origin, end=e.end - origin)
+            for e in sorted(events, key=lambda e: (e.start, e.end, e.rank))
+        ]
+        step_s = max(e.end for e in shifted)
+        busy = sum(e.end - e.start for e in shifted)
+        bubble = 1.0 - busy / (ranks * step_s) if step_s > 0 else 0.0
+        return cls(
+            events=tuple(shifted),
+            step_s=step_s,
+            bubble=bubble,
+            peak_in_flight=_peak_in_flight([e.action for e in shifted]),
+        )
+
+
+def _peak_in_flight(actions_in_order: list[Action]) -> tuple[int, ...]:
+    stages = max(a.stage for a in actions_in_order) + 1
+    live = [0] * stages
+    peak = [0] * stages
+    for action in actions_in_order:
+        if action.kind is Kind.F:
+            live[action.stage] += 1
+            peak[action.stage] = max(peak[action.stage], live[action.stage])
+        elif action.kind in (Kind.B, Kind.I):
+            live[action.stage] -= 1
+    return tuple(peak)
+
+
+def simulate(schedule: Schedule, costs: StageCosts, *, ranks: int) -> Timeline:
+    """Run ``schedule`` against ``costs`` and return when each compute action starts and ends.
+
+    Accepts a compute-only or a lowered schedule. Raises ScheduleError when an action names a
+    stage that ``costs`` does not have or sits on the wrong rank, and on a deadlock (some rank
+    waits for an input that is never produced before it).
+    """
+    stages = costs.stages
+    for rank, actions in schedule.items():
+        for step, action in enumerate(actions):
+            if action.stage >= stages:
+                raise ScheduleError(
+                    f"rank {rank}, step {step}: {action} names stage {action.stage} but the "
+                    f"costs have {stages} stages"
+                )
+            if stage_rank(action.stage, ranks) != rank:
+                raise ScheduleError(
+                    f"rank {rank}, step {step}: {action} is on the wrong rank: stage "
+                    f"{action.stage} lives on rank {stage_rank(action.stage, ranks)}"
+                )
+
+    finished: dict[tuple[int, Kind, int], float] = {}  # (stage, kind, mb) -> end time
+    free_at = {rank: 0.0 for rank in schedule}
+    cursor = {rank: 0 for rank in schedule}
+    events: list[Event] = []
+
+    def backward_end(stage: int, mb: int) -> float | None:
+        for kind in (Kind.B, Kind.I):
+            if (stage, kind, mb) in finished:
+                return finished[(stage, kind, mb)]
+        return None
+
+    def arrival(producer_end: float | None, boundary: int, crosses: bool) -> float | None:
+        if producer_end is None:
+            return None
+        return producer_end + (costs.transfer_s[boundary] if crosses else 0.0)
+
+    def ready_at(action: Action) -> float | None:
+        """When the inputs of ``action`` are on its rank; None while one is not produced."""
+        stage, mb, kind = action.stage, action.microbatch, action.kind
+        if kind in (Kind.F, Kind.RECV_F):
+            if stage == 0:
+                return 0.0
+            crosses = stage_rank(stage - 1, ranks) != stage_rank(stage, ranks)
+            return arrival(finished.get((stage - 1, Kind.F, mb)), stage - 1, crosses)
+        if kind in (Kind.B, Kind.I, Kind.RECV_B):
+            own_forward = 0.0 if kind is Kind.RECV_B else finished.get((stage, Kind.F, mb))
+            if own_forward is None:
+                return None
+            if stage == stages - 1:
+                return own_forward
+            crosses = stage_rank(stage + 1, ranks) != stage_rank(stage, ranks)
+            gradient = arrival(backward_end(stage + 1, mb), stage, crosses)
+            return None if gradient is None else max(own_forward, gradient)
+        if kind is Kind.W:
+            return finished.get((stage, Kind.I, mb))
+        return 0.0  # a send: its producer ran earlier on this rank
+
+    progress = True
+    while progress:
+        progress = False
+        for rank in sorted(schedule):
+            actions = schedule[rank]
+            while cursor[rank] < len(actions):
+                action = actions[cursor[rank]]
+                ready = ready_at(action)
+                if ready is None:
+                    break
+                start = max(free_at[rank], ready)
+                end = start + costs.duration(action)
+                free_at[rank] = end
+                if action.is_compute:
+                    finished[(action.stage, action.kind, action.microbatch)] = end
+                    events.append(Event(rank=rank, action=action, start=start, end=end))
+                cursor[rank] += 1
+                progress = True
+
+    stuck = [rank for rank in sorted(schedule) if cursor[rank] < len(schedule[rank])]
+    if stuck:
+        waits = "; ".join(
+            f"rank {rank} at step {cursor[rank]} ({schedule[rank][cursor[rank]]})" for rank in stuck
+        )
+        error = ScheduleError(f"the schedule deadlocks: {waits} wait for inputs that never arrive")
+        error.grid = format_grid(schedule, (stuck[0], cursor[stuck[0]]))  # type: ignore[attr-defined]
+        raise error
+    return Timeline.from_events(events, ranks=ranks)

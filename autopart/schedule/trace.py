@@ -1,0 +1,204 @@
+"""Write schedules and timelines where people and tools can look at them.
+
+- Chrome trace JSON (``trace.json``): the simulator's prediction and the runtime's measurement
+  are written in the same form, so they open side by side in Perfetto or chrome://tracing, and
+  `read_chrome_trace` turns either back into a `Timeline` for comparison.
+- A Gantt chart (``timeline.png``) for the report: a row per rank, one colour per action kind.
+- torch.distributed.pipelining's CSV (``schedule.csv``): one row per rank, one action string per
+  cell, which torch's ``_load_csv`` reads, so a schedule can be tried with torch's runtime and
+  a hand-edited CSV can come back through `read_schedule_csv`.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+from typing import Any
+
+from autopart.errors import ScheduleError
+from autopart.schedule.actions import Action, Kind, Schedule
+from autopart.schedule.simulate import Event, Timeline
+
+__all__ = [
+    "chrome_trace_events",
+    "write_chrome_trace",
+    "read_chrome_trace",
+    "write_gantt_png",
+    "write_schedule_csv",
+    "read_schedule_csv",
+]
+
+_US_PER_S = 1e6
+
+# Colour-blind-safe (Okabe-Ito): forward blue, full backward green, I orange, W purple.
+_COLOURS = {Kind.F: "#0072B2", Kind.B: "#009E73", Kind.I: "#E69F00", Kind.W: "#CC79A7"}
+_LABELS = {
+    Kind.F: "F forward",
+    Kind.B: "B backward",
+    Kind.I: "I input grad",
+    Kind.W: "W weight grad",
+}
+
+
+def chrome_trace_events(timeline: Timeline) -> list[dict[str, Any]]:
+    """The Chrome-trace events of ``timeline``: a "thread_name" record per rank, then one
+    complete ("X") event per action with ts and dur in microseconds, pid 0 and tid = rank."""
+    ranks = sorted({event.rank for event in timeline.events})
+    trace: list[dict[str, Any]] = [
+        {"name": "thread_name", "ph": "M", "pid": 0, "tid": rank, "args": {"name": f"rank {rank}"}}
+        for rank in ranks
+    ]
+    for event in sorted(timeline.events, key=lambda e: (e.rank, e.start)):
+        action = event.action
+        trace.append(
+            {
+                "name": str(action),
+                "cat": action.kind.value,
+                "ph": "X",
+                "pid": 0,
+                "tid": event.rank,
+                "ts": event.start * _US_PER_S,
+                "dur": (event.end - event.start) * _US_PER_S,
+                "args": {"stage": action.stage, "microbatch": action.microbatch},
+            }
+        )
+    return trace
+
+
+def write_chrome_trace(timeline: Timeline, path: str | Path, *, title: str = "") -> None:
+    """Write ``timeline`` as a Chrome trace JSON file (open it in Perfetto)."""
+    events = chrome_trace_events(timeline)
+    if title:
+        events.insert(0, {"name": "process_name", "ph": "M", "pid": 0, "args": {"name": title}})
+    document = {
+        "traceEvents": events,
+        "displayTimeUnit": "ms",
+        "otherData": {"title": title, "step_s": timeline.step_s, "bubble": timeline.bubble},
+    }
+    Path(path).write_text(json.dumps(document, indent=1) + "\n")
+
+
+def read_chrome_trace(path: str | Path) -> Timeline:
+    """Read a trace written by `write_chrome_trace`, or measured by the runtime in that form.
+
+    Complete ("X") events named by a compute action become events; other spans (an optimizer
+    step, a wait on a receive) are not part of the schedule and are skipped. The number of
+    ranks counts every rank named by a "thread_name" record, idle ones included.
+    """
+    try:
+        document = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ScheduleError(f"cannot read the trace {path}: {exc}") from exc
+    raw = document.get("traceEvents") if isinstance(document, dict) else document
+    if not isinstance(raw, list):
+        raise ScheduleError(f"{path} is not a Chrome trace: it has no traceEvents list")
+    spans: list[tuple[int, Action, float, float]] = []  # rank, action, ts and dur in µs
+    ranks: set[int] = set()
+    for record in raw:
+        if not isinstance(record, dict):
+            continue
+        if record.get("ph") == "M" and record.get("name") == "thread_name":
+            ranks.add(int(record.get("tid", 0)))
+        if record.get("ph") != "X":
+            continue
+        try:
+            action = Action.parse(str(record.get("name", "")))
+        except ScheduleError:
+            continue
+        if not action.is_compute:
+            continue
+        try:
+            spans.append((int(record["tid"]), action, float(record["ts"]), float(record["dur"])))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ScheduleError(f"{path}: event {record.get('name')!r} lacks tid/ts/dur") from exc
+        ranks.add(spans[-1][0])
+    # Shift in microseconds before converting: a measured clock may count from the epoch, where
+    # seconds as floats would lose the microseconds.
+    origin = min((ts for _, _, ts, _ in spans), default=0.0)
+    events = [
+        Event(
+            rank=rank,
+            action=action,
+            start=(ts - origin) / _US_PER_S,
+            end=(ts - origin + dur) / _US_PER_S,
+        )
+        for rank, action, ts, dur in spans
+    ]
+    return Timeline.from_events(events, ranks=max(ranks) + 1 if ranks else 1)
+
+
+def write_gantt_png(timeline: Timeline, path: str | Path, *, title: str = "") -> None:
+    """Draw ``timeline`` as a Gantt chart: a row per rank, microbatch numbers on the bars.
+
+    With several model chunks per rank (interleaved), odd chunks are drawn lighter so that the
+    rounds through the chunks can be told apart.
+    """
+    # The object API with an Agg canvas: no pyplot global state, no display needed.
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+
+    by_rank = timeline.per_rank()
+    ranks = max(by_rank) + 1 if by_rank else 1
+    figure = Figure(figsize=(12, 1.2 + 0.5 * ranks), dpi=100)
+    FigureCanvasAgg(figure)
+    axes = figure.add_subplot()
+    step = timeline.step_s or 1.0
+    for rank, events in by_rank.items():
+        for event in events:
+            width = event.end - event.start
+            axes.barh(
+                rank,
+                width,
+                left=event.start,
+                height=0.8,
+                color=_COLOURS[event.action.kind],
+                alpha=1.0 if (event.action.stage // ranks) % 2 == 0 else 0.6,
+                edgecolor="white",
+                linewidth=0.5,
+            )
+            if width > step / 150:
+                axes.text(
+                    event.start + width / 2,
+                    rank,
+                    str(event.action.microbatch),
+                    ha="center",
+                    va="center",
+                    fontsize=7,
+                    color="white",
+                )
+    axes.set_yticks(range(ranks), [f"rank {rank}" for rank in range(ranks)])
+    axes.set_ylim(ranks - 0.5, -0.5)  # rank 0 on top, as in the papers' figures
+    axes.set_xlim(0, step)
+    axes.set_xlabel("seconds")
+    kinds = [kind for kind in _COLOURS if any(e.action.kind is kind for e in timeline.events)]
+    axes.legend(
+        handles=[Patch(color=_COLOURS[kind], label=_LABELS[kind]) for kind in kinds],
+        loc="upper left",
+        bbox_to_anchor=(1.005, 1.0),
+        frameon=False,
+    )
+    heading = f"step {timeline.step_s:.4g} s, bubble {timeline.bubble:.1%}"
+    axes.set_title(f"{title}: {heading}" if title else heading)
+    figure.tight_layout()
+    figure.savefig(path)
+
+
+def write_schedule_csv(schedule: Schedule, path: str | Path) -> None:
+    """Write ``schedule`` in torch.distributed.pipelining's CSV form: row r holds rank r's
+    actions. Ranks with no actions get an empty row so that row numbers stay rank numbers."""
+    rows = max(schedule) + 1 if schedule else 0
+    with open(path, "w", newline="") as file:
+        writer = csv.writer(file)
+        for rank in range(rows):
+            writer.writerow([str(action) for action in schedule.get(rank, [])])
+
+
+def read_schedule_csv(path: str | Path) -> Schedule:
+    """Read a schedule CSV (ours or torch's ``_dump_csv``); empty cells are skipped."""
+    with open(path, newline="") as file:
+        return {
+            rank: [Action.parse(cell) for cell in row if cell.strip()]
+            for rank, row in enumerate(csv.reader(file))
+        }

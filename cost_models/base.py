@@ -1,0 +1,53 @@
+"""The interface the compiler sees: seconds for kernels and for communication.
+
+The annotate pass, the tensor-parallel sharder and the solver ask a `CostModel` how long
+things take and never look at a device name or a datasheet figure; a profiled model, an
+analytical one or a mix of both can stand behind the same four questions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Protocol, runtime_checkable
+
+from cost_models.counting import Kernel
+from cost_models.devices import DeviceSpec
+
+__all__ = ["CostModel"]
+
+
+@runtime_checkable
+class CostModel(Protocol):
+    """Predicted seconds on one device of a cluster.
+
+    Collectives follow nccl-tests' convention (see `cost_models.comm`):
+    ``time = latency_per_step · steps + nbytes · factor / bus_bandwidth``, with factor
+    2(n−1)/n for all_reduce, (n−1)/n for all_gather, reduce_scatter and all_to_all, and 1 for
+    broadcast; a group of one rank costs 0 s.
+    """
+
+    @property
+    def name(self) -> str:
+        """Identifies the model and device in a plan's provenance, e.g. ``"roofline:h100-sxm"``."""
+        ...
+
+    @property
+    def device(self) -> DeviceSpec:
+        ...
+
+    def kernel_time(self, kernel: Kernel) -> float:
+        """Seconds one kernel takes, launch overhead included."""
+        ...
+
+    def kernels_time(self, kernels: Iterable[Kernel]) -> float:
+        """Seconds a sequence of kernels takes, run one after another on one stream."""
+        ...
+
+    def p2p_time(self, nbytes: float, *, across_nodes: bool = False) -> float:
+        """Seconds to send ``nbytes`` from one device to another (pipeline send and receive)."""
+        ...
+
+    def collective_time(self, kind: str, nbytes: float, group_size: int, *,
+                        across_nodes: bool = False) -> float:
+        """Seconds for one collective over ``group_size`` ranks; ``nbytes`` as in nccl-tests."""
+        ...

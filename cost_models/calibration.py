@@ -1,0 +1,213 @@
+"""Measuring the CPU at hand, so that the ``cpu`` device spec describes this machine.
+
+A CPU's achievable throughput depends on its cores, its vector units, how many threads torch
+uses and who else is running; no datasheet gives it. So the first time the ``cpu`` spec is
+asked for, one to two seconds are spent measuring fp32 matmuls at a few sizes (which gives the
+efficiency curve), a large copy (memory bandwidth) and a tiny op (per-op overhead). The result
+is cached as JSON under ``$AUTOPART_CACHE_DIR`` (default ``~/.cache/autopart``), keyed by
+hostname, torch version and thread count, the three things that change the answer.
+
+Measurements taken while other processes crowd the cores come out low (a 2-thread matmul
+waits for both threads to be scheduled); ``calibrate_cpu(refresh=True)`` measures again.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import socket
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from autopart.errors import DeviceSpecError
+
+__all__ = ["CpuCalibration", "cache_dir", "calibrate_cpu", "calibrated_cpu_fields",
+           "physical_memory_bytes"]
+
+_SCHEMA = 1
+MATMUL_SIZES = (64, 128, 256, 512, 1024)
+"""Square fp32 matmuls timed: 5e5 to 2e9 FLOPs, the range where a CPU's efficiency changes."""
+COPY_BYTES = 64 << 20
+"""A copy this large streams through every cache level, so it measures memory, not cache."""
+_SECONDS_PER_SIZE = 0.03
+"""Time spent per size and sweep: about 0.5 s for the three sweeps on an idle machine."""
+_GROUPS = 3
+_SWEEPS = 3
+_BUDGET_S = 1.5
+"""Past this, measuring stops after the current group: a loaded machine gets fewer samples."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CpuCalibration:
+    """What was measured, and for which machine; the JSON cache holds exactly this."""
+
+    host: str
+    torch_version: str
+    threads: int
+    matmul_rates: tuple[tuple[float, float], ...]
+    """(FLOPs of one matmul, achieved FLOP/s with the per-op overhead taken out)."""
+    copy_bandwidth: float
+    """Bytes read plus written per second by a large tensor copy."""
+    kernel_overhead_s: float
+    """Time of one tiny eager op: dispatch, allocation, launch of the loop."""
+    seconds_spent: float
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("AUTOPART_CACHE_DIR") or Path.home() / ".cache" / "autopart")
+
+
+def _cache_path(host: str, threads: int) -> Path:
+    def slug(text: str) -> str:
+        return re.sub(r"[^A-Za-z0-9._+-]", "_", text)
+
+    return cache_dir() / f"cpu-{slug(host)}-torch{slug(torch.__version__)}-threads{threads}.json"
+
+
+def calibrate_cpu(*, refresh: bool = False) -> CpuCalibration:
+    """This machine's calibration: from the cache if present and valid, else measured now."""
+    host, threads = socket.gethostname(), torch.get_num_threads()
+    path = _cache_path(host, threads)
+    if not refresh:
+        cached = _read_cache(path, host=host, threads=threads)
+        if cached is not None:
+            return cached
+    calibration = _measure(host=host, threads=threads)
+    _write_cache(path, calibration)
+    return calibration
+
+
+def _read_cache(path: Path, *, host: str, threads: int) -> CpuCalibration | None:
+    """The cached calibration, or None when absent, unreadable or for another setup."""
+    try:
+        data = json.loads(path.read_text())
+        if data.pop("schema") != _SCHEMA:
+            return None
+        data["matmul_rates"] = tuple(tuple(point) for point in data["matmul_rates"])
+        calibration = CpuCalibration(**data)
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return None
+    if (calibration.host, calibration.torch_version, calibration.threads) != (
+            host, torch.__version__, threads):
+        return None
+    return calibration
+
+
+def _write_cache(path: Path, calibration: CpuCalibration) -> None:
+    """Written atomically, so that processes calibrating at once never read half a file."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as tmp:
+            json.dump({"schema": _SCHEMA, **asdict(calibration)}, tmp, indent=2)
+        os.replace(tmp.name, path)
+    except OSError:
+        pass  # an unwritable cache costs a re-measurement next time, nothing more
+
+
+def _best_time(run: Callable[[], Any], *, calls: int, groups: int, deadline: float) -> float:
+    """Seconds per call, the best of up to ``groups`` groups: the least disturbed by other load.
+
+    Past ``deadline`` no further group starts, so that a loaded machine shortens the
+    calibration instead of stretching it.
+    """
+    best = math.inf
+    for _ in range(groups):
+        start = time.perf_counter()
+        for _ in range(calls):
+            run()
+        end = time.perf_counter()
+        best = min(best, (end - start) / calls)
+        if end > deadline:
+            break
+    return best
+
+
+@torch.no_grad()
+def _measure(*, host: str, threads: int) -> CpuCalibration:
+    started = time.perf_counter()
+    deadline = started + _BUDGET_S
+    tiny = torch.ones(1)
+    torch.add(tiny, tiny)
+    overhead = _best_time(lambda: torch.add(tiny, tiny), calls=500, groups=4, deadline=deadline)
+
+    warm = torch.randn(256, 256)
+    for _ in range(5):  # wakes the thread pool and the BLAS library, which the first calls pay
+        torch.mm(warm, warm)
+    operands = {n: (torch.randn(n, n), torch.randn(n, n), torch.empty(n, n)) for n in MATMUL_SIZES}
+    best = dict.fromkeys(MATMUL_SIZES, math.inf)
+    # Sweeps rather than one size at a time: on a shared machine a burst of someone else's load
+    # then spoils one sweep of every size, not every measurement of one size.
+    for sweep in range(_SWEEPS):
+        if sweep > 0 and time.perf_counter() > deadline:
+            break
+        for n, (a, b, out) in operands.items():
+            def matmul() -> None:
+                torch.mm(a, b, out=out)
+
+            once = _best_time(matmul, calls=1, groups=1, deadline=deadline)
+            calls = max(1, min(100, int(_SECONDS_PER_SIZE / _GROUPS / max(once, 1e-7))))
+            best[n] = min(best[n], once,
+                          _best_time(matmul, calls=calls, groups=_GROUPS, deadline=deadline))
+    # A smaller matmul never takes longer than a larger one; when it measured so, a burst of
+    # load hit every one of its samples, and the larger size's time is the better bound.
+    sizes = sorted(best)
+    for smaller, larger in reversed(list(zip(sizes, sizes[1:]))):
+        best[smaller] = min(best[smaller], best[larger])
+    rates = []
+    for n, per_call in best.items():
+        flops = 2.0 * n ** 3
+        rates.append((flops, flops / max(per_call - overhead, 0.1 * per_call)))
+
+    elements = COPY_BYTES // 4
+    src, dst = torch.ones(elements), torch.empty(elements)
+    dst.copy_(src)  # first touch of the pages, not memory speed
+    copy_time = _best_time(lambda: dst.copy_(src), calls=1, groups=5,
+                           deadline=max(deadline, time.perf_counter() + 0.2))
+    return CpuCalibration(
+        host=host, torch_version=torch.__version__, threads=threads,
+        matmul_rates=tuple(rates), copy_bandwidth=2 * COPY_BYTES / copy_time,
+        kernel_overhead_s=overhead, seconds_spent=time.perf_counter() - started)
+
+
+def physical_memory_bytes() -> int:
+    """Total RAM of this machine."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        pass
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    raise DeviceSpecError("cannot read this machine's physical memory; copy cpu.toml, set "
+                          "calibrate = false and state memory_bytes and the other figures")
+
+
+def calibrated_cpu_fields() -> dict[str, Any]:
+    """The `DeviceSpec` fields that ``calibrate = true`` fills in.
+
+    The peak is the best rate measured, so the efficiency curve is measured rate over best
+    rate and reaches 1.0 at the best size. bf16, fp16 and tf32 get the fp32 figure: without
+    AMX, CPUs run 16-bit matmuls no faster than fp32 (often slower), and none is measured.
+    The bandwidth is the measured copy rate, hence an efficiency of 1.0 in ``cpu.toml``.
+    """
+    calibration = calibrate_cpu()
+    peak = max(rate for _, rate in calibration.matmul_rates)
+    curve = [[math.log10(flops), max(rate / peak, 1e-3)] for flops, rate in calibration.matmul_rates]
+    return {
+        "memory_bytes": physical_memory_bytes(),
+        "peak_flops": {"float32": peak, "tf32": peak, "bfloat16": peak, "float16": peak},
+        "matmul_efficiency": curve,
+        "memory_bandwidth": calibration.copy_bandwidth,
+        "kernel_overhead_s": calibration.kernel_overhead_s,
+    }

@@ -1,0 +1,57 @@
+"""Memory that training needs besides activations: model states and the framework itself.
+
+Activations depend on the graph and are measured by the annotate pass; what is here depends
+only on the parameter count, the optimizer and the device, so it is a formula.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import MappingProxyType
+
+from autopart.errors import ConfigError
+
+__all__ = ["FRAMEWORK_OVERHEAD_BYTES", "OPTIMIZER_STATES", "model_state_bytes"]
+
+_MIB = 1 << 20
+
+FRAMEWORK_OVERHEAD_BYTES: Mapping[str, int] = MappingProxyType({
+    # CUDA context, cuBLAS/cuDNN workspaces and the caching allocator's first blocks: about
+    # 500 MiB on an A100/H100 with PyTorch 2.x, before any tensor of the model exists.
+    "cuda": 500 * _MIB,
+    # The HIP runtime and rocBLAS/hipBLASLt workspaces take about as much.
+    "rocm": 500 * _MIB,
+    # The process itself: Python with torch imported measured about 220 MiB resident
+    # (torch 2.13 CPU build, Linux x86-64), rounded up.
+    "cpu": 256 * _MIB,
+})
+"""Bytes each process takes on its device before the model, by `DeviceSpec.kind`."""
+
+OPTIMIZER_STATES: Mapping[str, int] = MappingProxyType({
+    "sgd": 0,  # plain SGD without momentum keeps nothing between steps
+    "sgd_momentum": 1,  # one momentum buffer
+    "adam": 2,  # first and second moments
+    "adamw": 2,
+})
+"""How many tensors the size of the (fp32) parameters each optimizer keeps."""
+
+
+def model_state_bytes(parameter_bytes: int, *, optimizer: str, master_weights: bool = False) -> int:
+    """Bytes of parameters, gradients and optimizer state for parameters of ``parameter_bytes``.
+
+    Gradients have the parameters' dtype. Without master weights the optimizer keeps its state
+    in the parameters' dtype (what ``torch.optim`` does), so fp32 AdamW costs
+    4Ψ + 4Ψ + 8Ψ = 16Ψ for Ψ parameters. With master weights the parameters are 16-bit and the
+    optimizer updates an fp32 copy whose state is fp32 too: 2Ψ + 2Ψ + (4Ψ + 8Ψ) = 16Ψ for
+    AdamW, the mixed-precision figure of ZeRO (Rajbhandari et al., SC20, §5).
+    """
+    if optimizer not in OPTIMIZER_STATES:
+        raise ConfigError(f"unknown optimizer '{optimizer}'; use one of "
+                          f"{', '.join(OPTIMIZER_STATES)}")
+    if parameter_bytes < 0:
+        raise ValueError(f"parameter_bytes must be >= 0, got {parameter_bytes}")
+    states = OPTIMIZER_STATES[optimizer]
+    if not master_weights:
+        return parameter_bytes * (2 + states)
+    fp32_copy = 2 * parameter_bytes  # 16-bit parameters: an fp32 value is twice their size
+    return parameter_bytes * 2 + fp32_copy * (1 + states)

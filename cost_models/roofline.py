@@ -1,0 +1,88 @@
+"""The roofline cost model: a kernel takes as long as its arithmetic or its memory traffic.
+
+    time = max(flops / (peak[dtype] · efficiency(flops)), bytes / (bandwidth · bw_efficiency))
+           + kernel_overhead_s
+
+Matmuls and attention are charged at the matrix-unit peak of their dtype, scaled by the
+device's measured or estimated efficiency for a matmul of that size; every other kernel at the
+fp32 vector peak, which matters little since those kernels are bound by memory. Views cost
+nothing: they launch no kernel.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from cost_models import comm
+from cost_models.counting import Kernel
+from cost_models.devices import DeviceSpec
+
+__all__ = ["RooflineCostModel"]
+
+_MATRIX_CATEGORIES = frozenset({"matmul", "attention"})
+_HALF_DTYPES = {"bfloat16": "bfloat16", "float16": "float16"}
+
+
+@dataclass(frozen=True, kw_only=True)
+class RooflineCostModel:
+    """A `CostModel` from a device's datasheet (or calibration) figures alone."""
+
+    device: DeviceSpec
+
+    @property
+    def name(self) -> str:
+        return f"roofline:{self.device.name}"
+
+    def peak_flops(self, kernel: Kernel) -> float:
+        """The peak that bounds this kernel.
+
+        fp32 matmuls use the fp32 peak unless the device says they run as TF32; float8 and
+        integer matmuls, having no figure in the spec, are charged at the 16-bit and fp32 peaks.
+        """
+        peaks = self.device.peak_flops
+        if kernel.category not in _MATRIX_CATEGORIES:
+            return peaks["float32"]
+        if kernel.dtype in _HALF_DTYPES:
+            return peaks[_HALF_DTYPES[kernel.dtype]]
+        if kernel.dtype.startswith("float8"):
+            return peaks["bfloat16"]
+        if kernel.dtype == "float32" and self.device.fp32_matmul_uses_tf32:
+            return peaks["tf32"]
+        return peaks["float32"]
+
+    def compute_time(self, kernel: Kernel) -> float:
+        if kernel.flops <= 0:
+            return 0.0
+        efficiency = (self.device.matmul_efficiency_at(kernel.flops)
+                      if kernel.category in _MATRIX_CATEGORIES else 1.0)
+        return kernel.flops / (self.peak_flops(kernel) * efficiency)
+
+    def memory_time(self, kernel: Kernel) -> float:
+        return kernel.bytes / (self.device.memory_bandwidth * self.device.memory_efficiency)
+
+    def kernel_time(self, kernel: Kernel) -> float:
+        if kernel.category == "view":
+            return 0.0
+        return (max(self.compute_time(kernel), self.memory_time(kernel))
+                + self.device.kernel_overhead_s)
+
+    def kernels_time(self, kernels: Iterable[Kernel]) -> float:
+        return sum((self.kernel_time(kernel) for kernel in kernels), 0.0)
+
+    def _link(self, across_nodes: bool) -> tuple[float, float]:
+        """(bus bandwidth, latency) of the link a transfer crosses."""
+        device = self.device
+        if across_nodes:
+            return device.inter_node_bandwidth * device.link_efficiency, device.inter_node_latency_s
+        return device.intra_node_bandwidth * device.link_efficiency, device.intra_node_latency_s
+
+    def p2p_time(self, nbytes: float, *, across_nodes: bool = False) -> float:
+        bandwidth, latency = self._link(across_nodes)
+        return comm.p2p_time(nbytes, bandwidth=bandwidth, latency_s=latency)
+
+    def collective_time(self, kind: str, nbytes: float, group_size: int, *,
+                        across_nodes: bool = False) -> float:
+        bandwidth, latency = self._link(across_nodes)
+        return comm.collective_time(kind, nbytes, group_size, bus_bandwidth=bandwidth,
+                                    step_latency_s=latency)

@@ -1,0 +1,192 @@
+"""Device specs: the bundled figures, the loader's error messages, and the CPU calibration."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import pickle
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+
+from autopart.errors import DeviceSpecError
+from cost_models import DeviceSpec, known_devices, load_device
+from cost_models import calibration
+from cost_models.devices import DEVICES_DIR
+
+GB = 1e9
+TFLOPS = 1e12
+
+# REFERENCE.md, "Hardware (dense, vendor datasheets)"
+DATASHEET = [
+    # name,        bf16,   tf32,  fp32,  bandwidth (B/s), memory (GB, at least)
+    ("a100-40gb", 312, 156, 19.5, 1555 * GB, 40),
+    ("a100-80gb", 312, 156, 19.5, 2039 * GB, 80),
+    ("h100-sxm", 989, 495, 67, 3350 * GB, 80),
+    ("h200", 989, 495, 67, 4800 * GB, 141),
+    ("mi300x", 1307, 654, 163, 5300 * GB, 192),
+]
+GPUS = [row[0] for row in DATASHEET]
+
+
+def test_known_devices_are_the_bundled_files() -> None:
+    assert known_devices() == sorted(GPUS + ["cpu"])
+
+
+@pytest.mark.parametrize("name,bf16,tf32,fp32,bandwidth,memory_gb", DATASHEET)
+def test_gpu_specs_carry_the_datasheet_figures(name: str, bf16: float, tf32: float, fp32: float,
+                                               bandwidth: float, memory_gb: int) -> None:
+    spec = load_device(name)
+    assert spec.name == name and spec.kind in ("cuda", "rocm") and spec.source
+    assert spec.peak_flops["bfloat16"] == pytest.approx(bf16 * TFLOPS, rel=0.01)
+    assert spec.peak_flops["float16"] == spec.peak_flops["bfloat16"]
+    assert spec.peak_flops["tf32"] == pytest.approx(tf32 * TFLOPS, rel=0.01)
+    assert spec.peak_flops["float32"] == pytest.approx(fp32 * TFLOPS, rel=0.01)
+    assert spec.memory_bandwidth == pytest.approx(bandwidth)
+    assert memory_gb * GB <= spec.memory_bytes <= memory_gb * 2**30 * 1.1
+    assert spec.framework_overhead_bytes == 500 * 2**20
+
+
+@pytest.mark.parametrize("name", ["a100-40gb", "a100-80gb", "h100-sxm", "h200"])
+def test_nvidia_efficiencies_are_in_the_published_ranges(name: str) -> None:
+    spec = load_device(name)
+    assert 0.70 <= spec.matmul_efficiency_at(2 * 8192**3) <= 0.80  # large bf16 GEMM
+    assert spec.matmul_efficiency_at(2 * 256**3) < 0.15  # a small one cannot fill the GPU
+    assert 0.85 <= spec.memory_efficiency <= 0.90
+    efficiencies = [spec.matmul_efficiency_at(10.0**x) for x in range(5, 14)]
+    assert efficiencies == sorted(efficiencies)
+
+
+def test_efficiency_is_piecewise_linear_in_log_flops_and_flat_beyond_the_ends() -> None:
+    spec = load_device("h100-sxm")
+    (x0, y0), (x1, y1) = spec.matmul_efficiency[2], spec.matmul_efficiency[3]
+    assert spec.matmul_efficiency_at(10 ** ((x0 + x1) / 2)) == pytest.approx((y0 + y1) / 2)
+    assert spec.matmul_efficiency_at(1.0) == spec.matmul_efficiency[0][1]
+    assert spec.matmul_efficiency_at(1e20) == spec.matmul_efficiency[-1][1]
+
+
+def test_unknown_device_lists_the_known_ones() -> None:
+    with pytest.raises(DeviceSpecError, match=r"unknown device 'h800'; known devices: a100-40gb, .*mi300x"):
+        load_device("h800")
+
+
+def test_a_path_to_a_toml_file_is_a_device(tmp_path: Path) -> None:
+    path = tmp_path / "my-gpu.toml"
+    path.write_text((DEVICES_DIR / "h100-sxm.toml").read_text().replace('name = "h100-sxm"\n', ""))
+    spec = load_device(str(path))
+    assert spec.name == "my-gpu" and spec.peak_flops == load_device("h100-sxm").peak_flops
+
+
+@pytest.mark.parametrize("old,new,message", [
+    ("memory_bandwidth = 3.35e12", "memory_bandwidth = -1", "field 'memory_bandwidth' must be a positive number"),
+    ("memory_bandwidth = 3.35e12", "memory_bandwith = 3.35e12", "field 'memory_bandwith' is not a device spec field"),
+    ("kernel_overhead_s = 5e-6", "", "field 'kernel_overhead_s' is missing"),
+    ("bfloat16 = 989e12", "", "field 'peak_flops' lacks bfloat16"),
+    ("[11.0, 0.68]", "[8.5, 0.68]", "field 'matmul_efficiency' points must have increasing"),
+    ("[12.0, 0.75]", "[12.0, 1.5]", r"field 'matmul_efficiency\[12\]' must be a fraction"),
+    ('kind = "cuda"', 'kind = "tpu"', "field 'kind' must be one of cuda, rocm, cpu"),
+    ("memory_efficiency = 0.88", "memory_efficiency = [", "not valid TOML"),
+])
+def test_a_malformed_file_is_named_with_its_field(tmp_path: Path, old: str, new: str, message: str) -> None:
+    text = (DEVICES_DIR / "h100-sxm.toml").read_text()
+    assert old in text
+    path = tmp_path / "broken.toml"
+    path.write_text(text.replace(old, new, 1))
+    with pytest.raises(DeviceSpecError, match=message) as error:
+        load_device(str(path))
+    assert str(path) in str(error.value) and "\n" not in str(error.value)
+
+
+def test_missing_toml_path_is_a_device_spec_error(tmp_path: Path) -> None:
+    with pytest.raises(DeviceSpecError, match="does not exist"):
+        load_device(str(tmp_path / "nowhere.toml"))
+
+
+def test_spec_is_frozen_and_validated_on_construction() -> None:
+    spec = load_device("a100-80gb")
+    with pytest.raises(AttributeError):
+        spec.memory_bytes = 1  # type: ignore[misc]
+    assert pickle.loads(pickle.dumps(spec)) == spec
+    assert dataclasses.asdict(spec)["peak_flops"]["bfloat16"] == 312e12
+    assert hash(spec) == hash(load_device("a100-80gb"))
+    fields = {name: getattr(spec, name) for name in DeviceSpec.__dataclass_fields__}
+    with pytest.raises(DeviceSpecError, match="link_efficiency"):
+        DeviceSpec(**{**fields, "link_efficiency": 0.0})
+
+
+# --- the CPU, calibrated -----------------------------------------------------------------------
+
+@pytest.fixture()
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("AUTOPART_CACHE_DIR", str(tmp_path))
+    return tmp_path
+
+
+def test_cpu_is_calibrated_once_then_read_from_the_cache(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    spec = load_device("cpu")
+    files = list(cache.glob("cpu-*.json"))
+    assert len(files) == 1
+    name = files[0].name
+    assert socket.gethostname().split(".")[0] in name and f"threads{torch.get_num_threads()}" in name
+    assert torch.__version__.split("+")[0] in name
+    recorded = json.loads(files[0].read_text())
+    assert recorded["seconds_spent"] < 5
+
+    assert spec.kind == "cpu" and spec.memory_bytes == calibration.physical_memory_bytes()
+    assert spec.framework_overhead_bytes < load_device("h100-sxm").framework_overhead_bytes
+    assert len(spec.matmul_efficiency) == len(calibration.MATMUL_SIZES)  # a measured curve
+    assert max(y for _, y in spec.matmul_efficiency) == 1.0  # the peak is the best measured rate
+    assert 1e8 < spec.peak_flops["float32"] < 1e13
+    assert 1e8 < spec.memory_bandwidth < 1e12
+    assert 0 < spec.kernel_overhead_s < 1e-3
+
+    def no_measuring(**_: object) -> None:
+        raise AssertionError("measured again instead of reading the cache")
+
+    monkeypatch.setattr(calibration, "_measure", no_measuring)
+    assert load_device("cpu") == spec
+
+
+def test_a_corrupt_or_foreign_cache_is_measured_again(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    measured: list[str] = []
+
+    def measure(*, host: str, threads: int) -> calibration.CpuCalibration:
+        measured.append(host)
+        return calibration.CpuCalibration(
+            host=host, torch_version=torch.__version__, threads=threads,
+            matmul_rates=((1e6, 1e9), (1e9, 5e10)), copy_bandwidth=1e10, kernel_overhead_s=5e-6,
+            seconds_spent=0.0)
+
+    monkeypatch.setattr(calibration, "_measure", measure)
+    first = calibration.calibrate_cpu()
+    assert calibration.calibrate_cpu() == first and len(measured) == 1
+    path = next(cache.glob("cpu-*.json"))
+    path.write_text("{not json")
+    assert calibration.calibrate_cpu() == first and len(measured) == 2
+    path.write_text(path.read_text().replace(f'"threads": {first.threads}', '"threads": 999'))
+    assert calibration.calibrate_cpu() == first and len(measured) == 3
+    assert json.loads(path.read_text())["threads"] == first.threads
+
+
+def test_calibrated_file_must_not_state_measured_fields(tmp_path: Path) -> None:
+    path = tmp_path / "box.toml"
+    path.write_text((DEVICES_DIR / "cpu.toml").read_text() + "memory_bytes = 1024\n")
+    with pytest.raises(DeviceSpecError, match="field 'memory_bytes' is measured when calibrate = true"):
+        load_device(str(path))
+
+
+def test_cpu_template_filled_by_hand_needs_no_calibration(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(calibration, "_measure", lambda **_: math.nan)
+    text = (DEVICES_DIR / "cpu.toml").read_text().replace("calibrate = true", "calibrate = false")
+    text = text.replace('fp32_matmul_uses_tf32 = false', "\n".join([
+        "fp32_matmul_uses_tf32 = false", "memory_bytes = 68_719_476_736",
+        "memory_bandwidth = 20e9", "kernel_overhead_s = 4e-6",
+        "matmul_efficiency = [[6.0, 0.2], [9.0, 0.9]]",
+        "peak_flops = { float32 = 1e12, tf32 = 1e12, bfloat16 = 2e12, float16 = 2e12 }"]))
+    path = tmp_path / "workstation.toml"
+    path.write_text(text)
+    spec = load_device(str(path))
+    assert spec.name == "cpu" and spec.peak_flops["bfloat16"] == 2e12

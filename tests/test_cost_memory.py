@@ -1,0 +1,36 @@
+"""Model-state memory: the 16Ψ figures of ZeRO (SC20 §5) and the framework's own overhead."""
+
+from __future__ import annotations
+
+import pytest
+
+from autopart.errors import ConfigError
+from cost_models import model_state_bytes
+from cost_models.memory import FRAMEWORK_OVERHEAD_BYTES
+
+PARAMETERS = 1_000_003  # Ψ
+
+
+@pytest.mark.parametrize("bytes_per_parameter,optimizer,master_weights,bytes_per_psi", [
+    (4, "adamw", False, 16),  # fp32: weights 4, grads 4, two fp32 moments 8
+    (2, "adamw", True, 16),  # mixed: bf16 weights 2, grads 2, fp32 master 4 + moments 8
+    (4, "adam", False, 16),
+    (4, "sgd", False, 8),  # weights and grads, nothing else
+    (2, "sgd", True, 8),  # 2 + 2 + fp32 master 4
+    (4, "sgd_momentum", False, 12),
+    (2, "adamw", False, 8),  # pure bf16 with moments in bf16, as torch.optim keeps them
+])
+def test_model_state_bytes(bytes_per_parameter: int, optimizer: str, master_weights: bool,
+                           bytes_per_psi: int) -> None:
+    assert model_state_bytes(PARAMETERS * bytes_per_parameter, optimizer=optimizer,
+                             master_weights=master_weights) == PARAMETERS * bytes_per_psi
+
+
+def test_unknown_optimizer_names_the_known_ones() -> None:
+    with pytest.raises(ConfigError, match="unknown optimizer 'lion'; use one of sgd, .*adamw"):
+        model_state_bytes(4, optimizer="lion")
+
+
+def test_framework_overhead_by_device_kind() -> None:
+    assert FRAMEWORK_OVERHEAD_BYTES["cuda"] == 500 * 2**20
+    assert 0 < FRAMEWORK_OVERHEAD_BYTES["cpu"] < FRAMEWORK_OVERHEAD_BYTES["cuda"]

@@ -1,0 +1,151 @@
+"""The roofline model against hand computations from the spec figures, and the nccl-tests
+communication formulas."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from cost_models import calibration
+from cost_models import CostModel, Kernel, KernelRecorder, RooflineCostModel, get_cost_model, load_device
+
+
+def efficiency(spec, flops: float) -> float:
+    """The spec's curve, interpolated here independently of DeviceSpec.matmul_efficiency_at."""
+    xs, ys = zip(*spec.matmul_efficiency)
+    return float(np.interp(math.log10(flops), xs, ys))
+
+
+class Layer(nn.Module):
+    """A GPT layer without biases, so that its matmuls are exactly the hand-counted ones."""
+
+    def __init__(self, hidden: int, heads: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln_1, self.ln_2 = nn.LayerNorm(hidden, dtype=dtype), nn.LayerNorm(hidden, dtype=dtype)
+        self.qkv = nn.Linear(hidden, 3 * hidden, bias=False, dtype=dtype)
+        self.proj = nn.Linear(hidden, hidden, bias=False, dtype=dtype)
+        self.fc = nn.Linear(hidden, 4 * hidden, bias=False, dtype=dtype)
+        self.fc_out = nn.Linear(4 * hidden, hidden, bias=False, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, hidden = x.shape
+        q, k, v = self.qkv(self.ln_1(x)).split(hidden, dim=2)
+        q, k, v = (t.view(batch, seq, self.heads, -1).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(batch, seq, hidden))
+        return x + self.fc_out(F.gelu(self.fc(self.ln_2(x))))
+
+
+def test_gpt3_layer_forward_on_h100_equals_the_hand_computation() -> None:
+    b, s, h, heads = 1, 2048, 12288, 96
+    with FakeTensorMode():  # shapes only: the layer's 1.8e9 parameters are never allocated
+        layer = Layer(h, heads, torch.bfloat16)
+        x = torch.randn(b, s, h, dtype=torch.bfloat16)
+        with torch.no_grad(), KernelRecorder() as recorder:
+            layer(x)
+    heavy = [k for k in recorder.kernels if k.category in ("matmul", "attention")]
+    assert all(k.dtype == "bfloat16" for k in heavy)
+    assert sum(k.flops for k in heavy) == 24 * b * s * h**2 + 4 * b * s**2 * h
+
+    spec = load_device("h100-sxm")
+    peak = spec.peak_flops["bfloat16"]
+    assert peak == 989e12
+    tokens = b * s
+    by_hand = [  # (FLOPs, bytes) of qkv, attention, proj, fc, fc_out
+        (2 * tokens * h * 3 * h, 2 * (tokens * h + 3 * h * h + tokens * 3 * h)),
+        (4 * b * s * s * h, 2 * 4 * tokens * h + 4 * b * heads * s),  # q, k, v, out; fp32 logsumexp
+        (2 * tokens * h * h, 2 * (tokens * h + h * h + tokens * h)),
+        (2 * tokens * h * 4 * h, 2 * (tokens * h + 4 * h * h + tokens * 4 * h)),
+        (2 * tokens * 4 * h * h, 2 * (tokens * 4 * h + 4 * h * h + tokens * h)),
+    ]
+    assert sorted((k.flops, k.bytes) for k in heavy) == sorted(by_hand)
+    expected = 0.0
+    for flops, nbytes in by_hand:
+        compute = flops / (peak * efficiency(spec, flops))
+        assert compute > nbytes / (spec.memory_bandwidth * spec.memory_efficiency)  # compute-bound
+        expected += compute + spec.kernel_overhead_s
+    model = RooflineCostModel(device=spec)
+    assert model.kernels_time(heavy) == pytest.approx(expected, rel=1e-12)
+    assert 0.010 < expected < 0.015  # ~8.1e12 FLOPs at ~740 TFLOP/s
+
+    # the rest of the layer (norms, GELU, residuals) is bound by memory and adds a few percent
+    total = model.kernels_time(recorder.kernels)
+    assert expected < total < 1.15 * expected
+
+
+def test_fp32_matmul_uses_the_fp32_peak_unless_the_spec_says_tf32() -> None:
+    spec = load_device("h100-sxm")
+    kernel = Kernel(op="aten.mm.default", category="matmul", flops=2e12, bytes=0.0, dtype="float32")
+    fp32 = RooflineCostModel(device=spec).kernel_time(kernel)
+    assert fp32 == pytest.approx(2e12 / (67e12 * 0.75) + spec.kernel_overhead_s)
+    tf32_spec = dataclasses.replace(spec, fp32_matmul_uses_tf32=True)
+    tf32 = RooflineCostModel(device=tf32_spec).kernel_time(kernel)
+    assert tf32 == pytest.approx(2e12 / (495e12 * 0.75) + spec.kernel_overhead_s)
+
+
+def test_memory_bound_kernels_and_views() -> None:
+    spec = load_device("h200")
+    model = RooflineCostModel(device=spec)
+    add = Kernel(op="aten.add.Tensor", category="elementwise", flops=1e9, bytes=12e9, dtype="bfloat16")
+    assert model.kernel_time(add) == pytest.approx(12e9 / (4.8e12 * 0.90) + spec.kernel_overhead_s)
+    view = Kernel(op="aten.view.default", category="view", flops=0.0, bytes=0.0, dtype="bfloat16")
+    assert model.kernel_time(view) == 0.0
+    assert model.kernels_time([add, view, add]) == pytest.approx(2 * model.kernel_time(add))
+
+
+def test_collectives_follow_nccl_tests_bus_bandwidth() -> None:
+    spec = load_device("h100-sxm")
+    model = get_cost_model("h100-sxm")
+    assert isinstance(model, CostModel) and model.name == "roofline:h100-sxm"
+    nbytes, n = 256e6, 8
+    busbw = spec.intra_node_bandwidth * spec.link_efficiency
+    step = spec.intra_node_latency_s
+    assert model.collective_time("all_reduce", nbytes, n) == pytest.approx(
+        2 * (n - 1) * step + nbytes * 2 * (n - 1) / n / busbw)
+    for kind in ("all_gather", "reduce_scatter", "all_to_all"):
+        assert model.collective_time(kind, nbytes, n) == pytest.approx(
+            (n - 1) * step + nbytes * (n - 1) / n / busbw)
+    assert model.collective_time("broadcast", nbytes, n) == pytest.approx((n - 1) * step + nbytes / busbw)
+    across = model.collective_time("all_reduce", nbytes, n, across_nodes=True)
+    assert across == pytest.approx(2 * (n - 1) * spec.inter_node_latency_s
+                                   + nbytes * 2 * (n - 1) / n / (spec.inter_node_bandwidth * spec.link_efficiency))
+    for kind in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"):
+        assert model.collective_time(kind, nbytes, 1) == 0.0
+    with pytest.raises(ValueError, match="unknown collective 'allreduce'"):
+        model.collective_time("allreduce", nbytes, n)
+
+
+def test_p2p_is_one_latency_plus_bytes_over_bandwidth() -> None:
+    spec = load_device("a100-80gb")
+    model = RooflineCostModel(device=spec)
+    assert model.p2p_time(1e6) == pytest.approx(
+        spec.intra_node_latency_s + 1e6 / (spec.intra_node_bandwidth * spec.link_efficiency))
+    assert model.p2p_time(1e6, across_nodes=True) > model.p2p_time(1e6)
+    assert model.p2p_time(0) == 0.0
+
+
+def test_default_cost_model_is_this_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Measured rates become the spec (the measuring itself is tested in test_cost_devices)."""
+    monkeypatch.setenv("AUTOPART_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(calibration, "_measure", lambda *, host, threads: calibration.CpuCalibration(
+        host=host, torch_version=torch.__version__, threads=threads,
+        matmul_rates=((2 * 64**3, 10e9), (2 * 1024**3, 100e9)), copy_bandwidth=20e9,
+        kernel_overhead_s=4e-6, seconds_spent=0.5))
+    model = get_cost_model()
+    assert model.name == "roofline:cpu" and model.device.kind == "cpu"
+    mm = Kernel(op="aten.mm.default", category="matmul", flops=2 * 1024**3, bytes=3 * 4 * 1024**2,
+                dtype="float32")
+    assert model.kernel_time(mm) == pytest.approx(2 * 1024**3 / 100e9 + 4e-6)
+    small = dataclasses.replace(mm, flops=2 * 64**3, bytes=3 * 4 * 64**2)
+    assert model.kernel_time(small) == pytest.approx(2 * 64**3 / 10e9 + 4e-6)  # 10 % of peak
+    copy = Kernel(op="aten.copy_.default", category="copy", flops=0.0, bytes=1e9, dtype="float32")
+    assert model.kernel_time(copy) == pytest.approx(1e9 / 20e9 + 4e-6)

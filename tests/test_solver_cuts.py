@@ -1,0 +1,108 @@
+"""The CP-SAT pipeline cuts against exhaustive enumeration, and their memory behaviour."""
+
+import itertools
+import random
+
+import pytest
+
+from autopart.errors import ConfigError, InfeasibleError
+from autopart.solver.pipeline import PipelineProblem, evaluate, solve_cuts
+
+
+def _problem(rng: random.Random, blocks: int, stages: int, microbatches: int, **overrides) -> PipelineProblem:
+    params = {f"p{k}": rng.randint(1, 50) * 1000 for k in range(blocks)}
+    fields = dict(
+        block_time_s=tuple(rng.uniform(1e-4, 5e-3) for _ in range(blocks)),
+        block_activation_bytes=tuple(rng.randint(1, 40) * 1000 for _ in range(blocks)),
+        boundary_transfer_s=tuple(rng.uniform(0, 1e-3) for _ in range(blocks - 1)),
+        parameter_state_bytes=params,
+        block_parameters=tuple((f"p{k}",) for k in range(blocks)),
+        stages=stages,
+        microbatches=microbatches,
+        in_flight=tuple(min(stages - s, microbatches) for s in range(stages)),
+        memory_limit_bytes=1 << 40,
+    )
+    fields.update(overrides)
+    return PipelineProblem(**fields)
+
+
+def _exhaustive(problem: PipelineProblem) -> float | None:
+    blocks = len(problem.block_time_s)
+    best = None
+    for cuts in itertools.combinations(range(blocks - 1), problem.stages - 1):
+        evaluation = evaluate(problem, cuts)
+        if max(evaluation.rank_memory_bytes) > problem.memory_limit_bytes:
+            continue
+        if best is None or evaluation.objective_s < best:
+            best = evaluation.objective_s
+    return best
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_cuts_are_optimal_against_exhaustive_enumeration(seed):
+    rng = random.Random(seed)
+    blocks = rng.randint(4, 9)
+    stages = rng.randint(2, min(4, blocks))
+    problem = _problem(rng, blocks, stages, rng.choice([1, 2, 4, 8]))
+    solution = solve_cuts(problem, time_limit_s=20)
+    assert solution.status == "optimal"
+    assert solution.evaluation.objective_s == pytest.approx(_exhaustive(problem), rel=1e-6)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_cuts_are_optimal_under_a_binding_memory_limit(seed):
+    rng = random.Random(100 + seed)
+    blocks, stages = 8, 3
+    free = _problem(rng, blocks, stages, 4)
+    unconstrained = solve_cuts(free, time_limit_s=20).evaluation
+    # a limit just under what the fastest cuts need forces other cuts
+    limit = max(unconstrained.rank_memory_bytes) - 1
+    problem = _problem(random.Random(100 + seed), blocks, stages, 4, memory_limit_bytes=limit)
+    expected = _exhaustive(problem)
+    if expected is None:
+        with pytest.raises(InfeasibleError):
+            solve_cuts(problem, time_limit_s=20)
+        return
+    solution = solve_cuts(problem, time_limit_s=20)
+    assert max(solution.evaluation.rank_memory_bytes) <= limit
+    assert solution.evaluation.objective_s == pytest.approx(expected, rel=1e-6)
+
+
+def test_a_parameter_read_by_two_stages_is_held_by_both():
+    rng = random.Random(7)
+    problem = _problem(rng, 4, 2, 2, block_parameters=(("tied",), (), (), ("tied",)),
+                       parameter_state_bytes={"tied": 1000})
+    evaluation = evaluate(problem, (1,))
+    activations = problem.block_activation_bytes
+    assert evaluation.rank_memory_bytes[0] == 1000 + 2 * (activations[0] + activations[1])
+    assert evaluation.rank_memory_bytes[1] == 1000 + 1 * (activations[2] + activations[3])
+
+
+def test_heavy_last_block_gets_a_stage_of_its_own():
+    # eight equal layers and a head as slow as four of them: time balance puts the head alone
+    times = (1.0,) * 8 + (4.0,)
+    problem = PipelineProblem(
+        block_time_s=times,
+        block_activation_bytes=(0,) * 9,
+        boundary_transfer_s=(0.0,) * 8,
+        parameter_state_bytes={},
+        block_parameters=((),) * 9,
+        stages=3,
+        microbatches=8,
+        in_flight=(3, 2, 1),
+        memory_limit_bytes=1,
+    )
+    cuts = solve_cuts(problem, time_limit_s=10).evaluation.cuts
+    assert cuts == (3, 7)
+
+
+def test_infeasible_names_the_memory_that_would_fit():
+    rng = random.Random(3)
+    problem = _problem(rng, 6, 2, 4, memory_limit_bytes=10)
+    with pytest.raises(InfeasibleError, match=r"raise --memory to at least \d+\.\d+"):
+        solve_cuts(problem, time_limit_s=10)
+
+
+def test_more_stages_than_blocks_is_a_config_error():
+    with pytest.raises(ConfigError, match="--pp 3 or fewer"):
+        _problem(random.Random(0), 3, 4, 4)
