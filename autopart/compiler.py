@@ -8,7 +8,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -262,11 +262,24 @@ def _batch_inputs(op_graph: OpGraph, nodes: tuple[str, ...], graph_inputs: tuple
 
 
 def _compile(options: CompileOptions) -> tuple[Plan, _Front]:
+    pinned = load_plan(options.plan) if options.plan is not None else None
+    if pinned is not None:  # the plan decides everything it records
+        options = replace(
+            options,
+            pp=pinned.mesh["pp"],
+            schedule=pinned.schedule.kind,
+            chunks=pinned.schedule.chunks,
+            microbatches=pinned.schedule.microbatches,
+            micro_batch_size=pinned.schedule.micro_batch_size,
+            global_batch_size=pinned.schedule.global_batch_size,
+            optimizer=pinned.optimizer,
+        )
     batch = options.batch_shape()
     front = _front(options, batch[2])
     problem = _problem(options, front, batch[1])
-    if options.plan is not None:
-        return _pinned_plan(options, front, problem, batch), front
+    if pinned is not None:
+        cuts = _pinned_cuts(pinned, options, front)
+        return _plan_from_cuts(options, front, problem, cuts, batch, ("pinned", 0.0, 0.0)), front
     solution = solve_cuts(problem, time_limit_s=options.time_limit_s)
     status = solution.status if problem.stages > 1 else "trivial"
     plan = _plan_from_cuts(
@@ -275,22 +288,25 @@ def _compile(options: CompileOptions) -> tuple[Plan, _Front]:
     return plan, front
 
 
-def _pinned_plan(options: CompileOptions, front: _Front, problem: PipelineProblem, batch) -> Plan:
-    """A hand-written or earlier plan: checked against this model, re-predicted, not re-solved."""
-    plan = load_plan(options.plan)
+def _pinned_cuts(plan: Plan, options: CompileOptions, front: _Front) -> tuple[int, ...]:
+    """The cuts of a hand-written or earlier plan, checked against this model."""
     if plan.provenance.model_sha256 != front.spec.source_sha256:
         raise PlanError(
             f"{options.plan} was compiled from another version of {front.spec.path.name} "
             "(its model hash differs); recompile without --plan"
         )
-    first_node = {n: k for k, b in enumerate(front.chain.blocks) for n in b.nodes}
+    block_ending_at = {b.nodes[-1]: k for k, b in enumerate(front.chain.blocks)}
     cuts = []
     for stage in plan.stages[:-1]:
-        if not stage.nodes or stage.nodes[-1] not in first_node:
-            raise PlanError(f"plan stage {stage.index} does not end on a block of this model; recompile")
-        cuts.append(first_node[stage.nodes[-1]])
-    pinned = CompileOptions(**{**options.__dict__, "pp": plan.mesh["pp"], "schedule": plan.schedule.kind, "chunks": plan.schedule.chunks})
-    return _plan_from_cuts(pinned, front, problem, tuple(cuts), batch, ("pinned", 0.0, 0.0))
+        if not stage.nodes or stage.nodes[-1] not in block_ending_at:
+            raise PlanError(
+                f"plan stage {stage.index} does not end on a block of this model (it ends at node "
+                f"{stage.nodes[-1] if stage.nodes else None!r}); move its last node to a block boundary or recompile"
+            )
+        cuts.append(block_ending_at[stage.nodes[-1]])
+    if len(plan.stages) != options.pp * options.chunks or cuts != sorted(set(cuts)):
+        raise PlanError(f"{options.plan} has {len(plan.stages)} stages out of order or not pp x chunks; recompile")
+    return tuple(cuts)
 
 
 def compile(model: str | Path, **options) -> Plan:  # noqa: A001 - the API's verb

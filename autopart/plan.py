@@ -90,11 +90,8 @@ class Plan:
         return self.mesh["pp"] * self.mesh["tp"] * self.mesh["dp"]
 
     def to_json(self) -> dict[str, Any]:
-        data = asdict(self)
-        for stage in data["stages"]:
-            stage["inputs"] = [[name, meta] for name, meta in stage["inputs"]]
-            stage["outputs"] = [[name, meta] for name, meta in stage["outputs"]]
-        return data
+        """The plan as plain JSON values (lists, dicts, numbers, strings)."""
+        return json.loads(json.dumps(asdict(self)))
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_json(), indent=2) + "\n")
