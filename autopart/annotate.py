@@ -72,6 +72,8 @@ class NodeCost:
     is_buffer: bool = False
     batch_derived: bool = False
     module_path: str = ""
+    constant: Any = None  # the value, for a node that computes a Python number or a shape
+
 
     @property
     def backward_s(self) -> float:
@@ -227,6 +229,7 @@ def annotate(graph: Graph, spec: ModelSpec, cost_model: CostModel, *, micro_batc
         kernels[node.name] = (tuple(forward), tuple(backward_input) + tuple(backward_weight))
         nodes[node.name] = NodeCost(
             output=_meta(value),
+            constant=_constant(value),
             forward_flops=_flops(forward),
             backward_flops=_flops(backward_input) + _flops(backward_weight),
             forward_s=cost_model.kernels_time(forward),
@@ -238,6 +241,14 @@ def annotate(graph: Graph, spec: ModelSpec, cost_model: CostModel, *, micro_batc
     return OpGraph(
         graph=graph, nodes=nodes, micro_batch_size=micro_batch_size, cost_model=cost_model.name, kernels=kernels
     )
+
+
+def _constant(value: Any) -> Any:
+    if isinstance(value, (bool, int, float)):
+        return value
+    if isinstance(value, (tuple, list, torch.Size)) and all(isinstance(v, int) for v in value):
+        return tuple(value)
+    return None
 
 
 def _flops(kernels: Iterable[Kernel]) -> float:

@@ -31,6 +31,10 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("model", type=Path, help="the model file (defines build_model and example_batch)")
     c.add_argument("-o", "--out", type=Path, required=True, help="output directory")
     c.add_argument("--pp", type=int, default=1, help="pipeline stages (default 1)")
+    c.add_argument("--tp", type=int, default=1, help="tensor-parallel degree, innermost (default 1)")
+    c.add_argument("--dp", type=int, default=1, help="data-parallel degree (default 1)")
+    c.add_argument("--gpus-per-node", type=int, default=8, help="devices per node; larger groups cross nodes (default 8)")
+    c.add_argument("--zero", action="store_true", help="shard optimizer state over data-parallel ranks (ZeRO-1)")
     batch = c.add_mutually_exclusive_group()
     batch.add_argument("--microbatches", type=int, help="microbatches per step")
     batch.add_argument("--micro-batch-size", type=int, help="samples per microbatch")
@@ -52,6 +56,10 @@ def _compile(args: argparse.Namespace, console: Console) -> None:
     options = CompileOptions(
         model=args.model,
         pp=args.pp,
+        tp=args.tp,
+        dp=args.dp,
+        zero=args.zero,
+        gpus_per_node=args.gpus_per_node,
         microbatches=args.microbatches,
         micro_batch_size=args.micro_batch_size,
         global_batch_size=args.global_batch_size,

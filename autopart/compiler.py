@@ -16,7 +16,7 @@ import torch
 import autopart
 from autopart.annotate import OpGraph, annotate
 from autopart.blocks import BlockChain, build_blocks
-from autopart.capture import ModelSpec, capture, load_model_file
+from autopart.capture import Graph, ModelSpec, capture, load_model_file
 from autopart.codegen.emit import check_output_directory, emit_directory
 from autopart.codegen.stages import stage_boundaries
 from autopart.errors import ConfigError, PlanError
@@ -24,7 +24,10 @@ from autopart.plan import Plan, Predicted, Provenance, ScheduleSpec, StagePlan, 
 from autopart.predict import simulate_pipeline
 from autopart.runtime.optim import OPTIMIZERS
 from autopart.schedule import SCHEDULE_KINDS, stage_rank
+from autopart.rewrite import separate_biases
 from autopart.solver.pipeline import PipelineProblem, evaluate, solve_cuts, stage_ranges
+from autopart.solver.sharding import REPLICATE, Placement
+from autopart.solver.tensor import BlockSharding, shard_chain
 from cost_models import CostModel, get_cost_model, model_state_bytes
 
 __all__ = ["CompileOptions", "compile", "emit", "compile_to_directory"]
@@ -38,6 +41,14 @@ class CompileOptions:
     """The model file (see the model-file contract)."""
     pp: int = 1
     """Pipeline stages (one rank each)."""
+    tp: int = 1
+    """Tensor-parallel degree: ranks that split each op of a stage (innermost, inside a node)."""
+    dp: int = 1
+    """Data-parallel degree: copies of the whole pipeline, each on its share of the batch."""
+    zero: bool = False
+    """Shard the optimizer state over the data-parallel group (ZeRO-1)."""
+    gpus_per_node: int = 8
+    """Devices per node: collectives of groups larger than this cross nodes."""
     microbatches: int | None = None
     """Microbatches per step; by default twice the stages, or global batch / micro-batch size."""
     micro_batch_size: int | None = None
@@ -60,8 +71,11 @@ class CompileOptions:
     """Time limit of each CP-SAT solve."""
 
     def __post_init__(self) -> None:
-        if self.pp < 1:
-            raise ConfigError(f"--pp must be at least 1, got {self.pp}")
+        for name in ("pp", "tp", "dp", "gpus_per_node"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name} must be at least 1, got {getattr(self, name)}")
+        if self.zero and self.dp == 1:
+            raise ConfigError("--zero shards the optimizer state over data-parallel ranks; it needs --dp 2 or more")
         if self.schedule not in SCHEDULE_KINDS:
             raise ConfigError(f"unknown schedule {self.schedule!r}; use one of {', '.join(SCHEDULE_KINDS)}")
         if self.optimizer not in OPTIMIZERS:
@@ -76,7 +90,8 @@ class CompileOptions:
             raise ConfigError(f"--memory must be positive, got {self.memory_gib}")
 
     def batch_shape(self) -> tuple[int, int, int]:
-        """(global batch, microbatches, micro-batch size), filled in and checked."""
+        """(global batch, microbatches, micro-batch size), filled in and checked. With data
+        parallelism every replica runs the microbatches on its share of the global batch."""
         m, b, total = self.microbatches, self.micro_batch_size, self.global_batch_size
         if total is None:
             total = m * b if m is not None and b is not None else 8
@@ -91,6 +106,13 @@ class CompileOptions:
                 f"the global batch ({total}) is not a whole number of microbatches; choose --global-batch-size, "
                 "--microbatches and --micro-batch-size so that microbatches x micro-batch size = global batch"
             )
+        if self.dp > 1:
+            if m * b % self.dp or (m * b // self.dp) % m:
+                raise ConfigError(
+                    f"the global batch ({total}) must split into {self.dp} data-parallel shares of {m} equal "
+                    f"microbatches; use a global batch that is a multiple of {self.dp * m}"
+                )
+            b = total // (self.dp * m)
         if self.schedule == "interleaved" and m % self.pp:
             raise ConfigError(
                 f"interleaved needs microbatches ({m}) to be a multiple of the pipeline degree ({self.pp}); "
@@ -107,14 +129,44 @@ class _Front:
     op_graph: OpGraph
     chain: BlockChain
     cost_model: CostModel = field(repr=False)
+    shardings: tuple[BlockSharding, ...] | None = None  # per block, when tp > 1
+
+
+def _capture(spec: ModelSpec, tp: int) -> Graph:
+    """The training graph, with biases as ops of their own when ops will be split (see rewrite.py)."""
+    graph = capture(spec)
+    return separate_biases(graph) if tp > 1 else graph
 
 
 def _front(options: CompileOptions, micro_batch_size: int) -> _Front:
     spec = load_model_file(options.model)
-    graph = capture(spec)
+    graph = _capture(spec, options.tp)
     cost_model = get_cost_model(options.device)
     op_graph = annotate(graph, spec, cost_model, micro_batch_size=micro_batch_size)
-    return _Front(spec=spec, op_graph=op_graph, chain=build_blocks(op_graph), cost_model=cost_model)
+    chain = build_blocks(op_graph)
+    shardings = None
+    if options.tp > 1:
+        across = options.tp > options.gpus_per_node
+        shardings = tuple(shard_chain(chain, tp=options.tp, cost_model=cost_model, across_nodes=across))
+    return _Front(spec=spec, op_graph=op_graph, chain=chain, cost_model=cost_model, shardings=shardings)
+
+
+def _parameter_placements(front: _Front) -> dict[str, Placement]:
+    placements: dict[str, Placement] = {}
+    for sharding in front.shardings or ():
+        placements.update(sharding.parameters)
+    return placements
+
+
+def _block_times(front: _Front) -> list[tuple[float, float, float]]:
+    """Per block: forward, backward and weight-gradient seconds on one rank, after sharding."""
+    times = []
+    for k, block in enumerate(front.chain.blocks):
+        scale = 1.0
+        if front.shardings is not None and block.forward_s + block.backward_s > 0:
+            scale = front.shardings[k].time_s / (block.forward_s + block.backward_s)
+        times.append((block.forward_s * scale, block.backward_s * scale, block.backward_weight_s * scale))
+    return times
 
 
 def _in_flight(kind: str, ranks: int, microbatches: int, chunks: int) -> tuple[int, ...]:
@@ -138,12 +190,18 @@ def _problem(options: CompileOptions, front: _Front, microbatches: int) -> Pipel
     stages = options.pp * options.chunks
     device = cost_model.device
     memory = round(options.memory_gib * (1 << 30)) if options.memory_gib is not None else device.memory_bytes
+    placements = _parameter_placements(front)
+    saved = [s.saved_bytes for s in front.shardings] if front.shardings else [b.saved_bytes for b in chain.blocks]
     return PipelineProblem(
-        block_time_s=tuple(b.forward_s + b.backward_s for b in chain.blocks),
-        block_activation_bytes=tuple(b.saved_bytes for b in chain.blocks),
-        boundary_transfer_s=tuple(cost_model.p2p_time(boundary.nbytes) for boundary in chain.boundaries),
+        block_time_s=tuple(f + b for f, b, _ in _block_times(front)),
+        block_activation_bytes=tuple(saved),
+        boundary_transfer_s=tuple(
+            cost_model.p2p_time(boundary.nbytes, across_nodes=options.pp * options.tp > options.gpus_per_node)
+            for boundary in chain.boundaries
+        ),
         parameter_state_bytes={
-            name: model_state_bytes(nbytes, optimizer=options.optimizer) for name, nbytes in chain.parameter_bytes.items()
+            name: _state_bytes(options, nbytes // (options.tp if placements.get(name, REPLICATE).kind == "S" else 1))
+            for name, nbytes in chain.parameter_bytes.items()
         },
         block_parameters=tuple(b.parameters for b in chain.blocks),
         stages=stages,
@@ -153,6 +211,15 @@ def _problem(options: CompileOptions, front: _Front, microbatches: int) -> Pipel
         overhead_bytes=device.framework_overhead_bytes,
         stage_rank=tuple(stage_rank(s, options.pp) for s in range(stages)),
     )
+
+
+def _state_bytes(options: CompileOptions, parameter_bytes: int) -> int:
+    """Weights, gradients and optimizer state of one rank's share of a parameter."""
+    full = model_state_bytes(parameter_bytes, optimizer=options.optimizer)
+    if not options.zero:
+        return full
+    weights_and_grads = 2 * parameter_bytes
+    return weights_and_grads + (full - weights_and_grads) // options.dp
 
 
 def _plan_from_cuts(
@@ -171,6 +238,7 @@ def _plan_from_cuts(
     metas = {name: cost.output for name, cost in front.op_graph.nodes.items()}
     graph_inputs = front.op_graph.graph.input_names
     holders: dict[str, list[int]] = {}
+    block_times = _block_times(front)
     stages = []
     for s, r in enumerate(ranges):
         blocks = [chain.blocks[k] for k in r]
@@ -178,6 +246,14 @@ def _plan_from_cuts(
         for p in parameters:
             holders.setdefault(p, []).append(s)
         needed = _batch_inputs(front.op_graph, stage_nodes[s], graph_inputs)
+        times = [block_times[k] for k in r]
+        strategies = {
+            n: str(strategy)
+            for k in r
+            for n, strategy in (front.shardings[k].strategies.items() if front.shardings else ())
+            if strategy.output != REPLICATE or strategy.kind
+        }
+        placements = _parameter_placements(front)
         stages.append(
             StagePlan(
                 index=s,
@@ -188,14 +264,21 @@ def _plan_from_cuts(
                 outputs=tuple((n, metas[n]) for n in (sends[s] if s < len(sends) else ())),
                 batch_inputs=needed,
                 parameters=parameters,
-                forward_s=sum(b.forward_s for b in blocks),
-                backward_s=sum(b.backward_s for b in blocks),
-                backward_weight_s=sum(b.backward_weight_s for b in blocks),
+                forward_s=sum(f for f, _, _ in times),
+                backward_s=sum(b for _, b, _ in times),
+                backward_weight_s=sum(w for _, _, w in times),
                 parameter_bytes=sum(chain.parameter_bytes[p] for p in parameters),
-                activation_bytes=sum(b.saved_bytes for b in blocks),
+                activation_bytes=sum(problem.block_activation_bytes[k] for k in r),
+                strategies=strategies,
+                parameter_placements={p: str(placements[p]) for p in parameters if placements.get(p, REPLICATE) != REPLICATE},
             )
         )
-    transfer = tuple(front.cost_model.p2p_time(sum(m.nbytes for _, m in st.outputs)) for st in stages[:-1])
+    transfer = tuple(
+        front.cost_model.p2p_time(
+            sum(m.nbytes for _, m in st.outputs), across_nodes=options.pp * options.tp > options.gpus_per_node
+        )
+        for st in stages[:-1]
+    )
     total, microbatches, micro_batch_size = batch
     timeline = simulate_pipeline(
         kind=options.schedule,
@@ -208,8 +291,9 @@ def _plan_from_cuts(
         transfer_s=transfer,
     )
     status, bound, gap = solver
+    gradient_sync = _data_parallel_seconds(options, front, stages)
     return Plan(
-        mesh={"pp": options.pp, "tp": 1, "dp": 1},
+        mesh={"pp": options.pp, "tp": options.tp, "dp": options.dp},
         stages=tuple(stages),
         schedule=ScheduleSpec(
             kind=options.schedule,
@@ -219,7 +303,7 @@ def _plan_from_cuts(
             chunks=options.chunks,
         ),
         predicted=Predicted(
-            step_s=timeline.step_s,
+            step_s=timeline.step_s + gradient_sync,
             bubble=timeline.bubble,
             memory_bytes=evaluation.rank_memory_bytes,
             p2p_bytes_per_step=2 * microbatches * sum(sum(m.nbytes for _, m in st.outputs) for st in stages),
@@ -238,10 +322,24 @@ def _plan_from_cuts(
             autopart_version=autopart.__version__,
             torch_version=torch.__version__,
         ),
+        zero=options.zero,
         graph_inputs=graph_inputs,
         optimizer=options.optimizer,
         tied_parameters={p: tuple(s) for p, s in holders.items() if len(s) > 1},
     )
+
+
+def _data_parallel_seconds(options: CompileOptions, front: _Front, stages: list[StagePlan]) -> float:
+    """The gradient all-reduce over the data-parallel group after the pipeline drains (not overlapped)."""
+    if options.dp == 1:
+        return 0.0
+    per_rank: dict[int, float] = {}
+    for stage in stages:
+        share = stage.parameter_bytes / options.tp
+        per_rank[stage.rank] = per_rank.get(stage.rank, 0.0) + front.cost_model.collective_time(
+            "all_reduce", share, options.dp, across_nodes=options.tp * options.pp > options.gpus_per_node
+        )
+    return max(per_rank.values())
 
 
 def _batch_inputs(op_graph: OpGraph, nodes: tuple[str, ...], graph_inputs: tuple[str, ...]) -> tuple[str, ...]:
@@ -267,12 +365,15 @@ def _compile(options: CompileOptions) -> tuple[Plan, _Front]:
         options = replace(
             options,
             pp=pinned.mesh["pp"],
+            tp=pinned.mesh["tp"],
+            dp=pinned.mesh["dp"],
             schedule=pinned.schedule.kind,
             chunks=pinned.schedule.chunks,
             microbatches=pinned.schedule.microbatches,
             micro_batch_size=pinned.schedule.micro_batch_size,
             global_batch_size=pinned.schedule.global_batch_size,
             optimizer=pinned.optimizer,
+            zero=pinned.zero,
         )
     batch = options.batch_shape()
     front = _front(options, batch[2])
@@ -325,7 +426,7 @@ def emit(plan: Plan, out_dir: str | Path) -> Path:
     spec = load_model_file(plan.provenance.model_file)
     if spec.source_sha256 != plan.provenance.model_sha256:
         raise PlanError(f"{spec.path} changed since this plan was compiled; compile it again")
-    graph = capture(spec)
+    graph = _capture(spec, plan.mesh["tp"])
     cost_model = get_cost_model("cpu")
     op_graph = annotate(graph, spec, cost_model, micro_batch_size=plan.schedule.micro_batch_size)
     return emit_directory(plan, op_graph, spec, out_dir)

@@ -36,8 +36,10 @@ class StagePlan:
     forward_s: float
     backward_s: float
     backward_weight_s: float
-    parameter_bytes: int
-    activation_bytes: int  # saved for backward, one microbatch
+    parameter_bytes: int  # the whole stage, before tensor-parallel sharding
+    activation_bytes: int  # saved for backward, one microbatch, one rank
+    strategies: dict[str, str] = field(default_factory=dict)  # node -> tensor-parallel strategy, when not replicated
+    parameter_placements: dict[str, str] = field(default_factory=dict)  # parameter -> placement, when sharded
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,6 +82,7 @@ class Plan:
     schedule: ScheduleSpec
     predicted: Predicted
     provenance: Provenance
+    zero: bool = False  # optimizer state sharded over the data-parallel group (ZeRO-1)
     graph_inputs: tuple[str, ...] = ()  # the model's inputs in call order, then "target" when there is a loss_fn
     optimizer: str = "adamw"
     tied_parameters: dict[str, tuple[int, ...]] = field(default_factory=dict)  # parameter -> stages holding it
@@ -137,6 +140,7 @@ class Plan:
                 autopart_version=provenance.str("autopart_version"),
                 torch_version=provenance.str("torch_version"),
             ),
+            zero=reader.bool("zero"),
             graph_inputs=tuple(str(n) for n in reader.list("graph_inputs")),
             optimizer=reader.str("optimizer"),
             tied_parameters={
@@ -161,6 +165,8 @@ def _read_stage(data: Any) -> StagePlan:
         backward_weight_s=reader.float("backward_weight_s"),
         parameter_bytes=reader.int("parameter_bytes"),
         activation_bytes=reader.int("activation_bytes"),
+        strategies={str(k): str(v) for k, v in reader.sub("strategies").data.items()},
+        parameter_placements={str(k): str(v) for k, v in reader.sub("parameter_placements").data.items()},
     )
 
 
@@ -194,6 +200,12 @@ class _Reader:
 
     def float(self, key: str) -> float:
         return float(self._get(key, (int, float), "a number"))
+
+    def bool(self, key: str) -> bool:
+        value = self.data.get(key)
+        if not isinstance(value, bool):
+            raise PlanError(f"{self.where}.{key} must be true or false, got {json.dumps(value)[:60]}")
+        return value
 
     def str(self, key: str) -> str:
         return self._get(key, (str,), "a string")

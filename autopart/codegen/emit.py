@@ -16,9 +16,13 @@ from safetensors.torch import save_file
 from autopart.annotate import OpGraph
 from autopart.capture import ModelSpec
 from autopart.codegen.report import write_report
+from autopart.codegen.tensor_parallel import shard_stage_graph
 from autopart.codegen.stages import describe_tensors, stage_graphs, stage_source
 from autopart.errors import ConfigError
 from autopart.plan import Plan
+from autopart.runtime.shards import shard_weight
+from autopart.runtime.stage import weights_file_name
+from autopart.solver.sharding import REPLICATE, Placement, Strategy, strategies
 
 __all__ = ["emit_directory", "check_output_directory"]
 
@@ -65,16 +69,38 @@ def _write(plan: Plan, op_graph: OpGraph, spec: ModelSpec, out: Path, *, final: 
             tensors[str(node.target)] = value
     graphs = stage_graphs(op_graph, [stage.nodes for stage in plan.stages])
     command = f"torchrun --nproc-per-node {plan.world_size} {final / 'train.py'} --steps 10"
+    tp = plan.mesh["tp"]
     for stage_plan, stage in zip(plan.stages, graphs):
+        placements = {name: Placement.parse(p) for name, p in stage_plan.parameter_placements.items()}
+        if tp > 1:
+            stage = shard_stage_graph(
+                stage, strategies=_stage_strategies(stage, stage_plan, op_graph), parameters=placements,
+                op_graph=op_graph, tp=tp,
+            )  # fmt: skip
+        names = (*stage.parameters, *stage.buffers)
+        shards = [
+            {n: shard_weight(tensors[n].detach(), placements.get(n, REPLICATE), tp, r).clone() for n in names}
+            for r in range(tp)
+        ]
         header = _stage_docstring(plan, stage_plan.index, stage, op_graph, command)
-        source = stage_source(stage, stages=len(plan.stages), op_graph=op_graph, metas=tensors, header=header)
+        source = stage_source(stage, stages=len(plan.stages), op_graph=op_graph, metas=shards[0], header=header)
         (out / "stages" / f"stage_{stage.index}.py").write_text(source)
-        weights = {name: tensors[name].detach().contiguous().clone() for name in (*stage.parameters, *stage.buffers)}
-        save_file(weights, str(out / "weights" / f"stage_{stage.index}.safetensors"))
+        for r, weights in enumerate(shards):
+            save_file(weights, str(out / "weights" / weights_file_name(stage.index, r, tp)))
     plan.save(out / "plan.json")
     shutil.copyfile(spec.path, out / "model.py")
     (out / "train.py").write_text(_entry_point(plan, command))
     write_report(plan, out)
+
+
+def _stage_strategies(stage, stage_plan, op_graph: OpGraph) -> dict[str, Strategy]:
+    """The plan's strategy of every tensor op of the stage; those it does not list are replicated."""
+    chosen = {name: Strategy.parse(text) for name, text in stage_plan.strategies.items()}
+    for node in stage.graph.nodes:
+        cost = op_graph.nodes.get(node.name)
+        if node.op in ("call_function", "call_method") and node.name not in chosen and cost is not None:
+            chosen[node.name] = strategies(node, op_graph, 1)[0]
+    return chosen
 
 
 def _stage_docstring(plan: Plan, index: int, stage, op_graph: OpGraph, command: str) -> str:

@@ -164,12 +164,19 @@ def stage_source(
 ) -> str:
     """Python source of one stage: a module docstring, the tensor declarations, the forward code."""
     code = stage.graph.python_code(root_module="self")
-    used = set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", code.src))
-    imports = sorted(
-        {line for name, value in code.globals.items() if name in used and (line := _import_line(name, value))}
-        - {"import torch"}
-    )
-    forward = _comment_module_paths(code.src.strip("\n"), op_graph)
+    src = code.src
+    used = set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", src))
+    imports = set()
+    for name, value in code.globals.items():
+        if name not in used:
+            continue
+        if getattr(value, "__module__", None) == "autopart.runtime.collectives":  # read as tp.all_reduce(x)
+            src = re.sub(rf"\b{name}\(", f"tp.{value.__name__}(", src)
+            imports.add("from autopart.runtime import collectives as tp")
+        elif line := _import_line(name, value):
+            imports.add(line)
+    imports = sorted(imports - {"import torch"})
+    forward = _comment_module_paths(src.strip("\n"), op_graph)
     class_name = f"Stage{stage.index}"
 
     def declarations(names: tuple[str, ...]) -> str:

@@ -7,14 +7,26 @@ that it needs. Nothing about the data travels between ranks.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from autopart.capture import ModelSpec, check_batch
+from autopart.plan import Plan
 
-__all__ = ["global_batches", "split_microbatches", "synthetic_batches"]
+__all__ = ["global_batches", "model_file", "split_microbatches", "synthetic_batches"]
+
+
+def model_file(out_dir: Path, plan: Plan) -> Path:
+    """The model file to take the data functions from: the original when it is still the file
+    that was compiled (its imports of sibling files keep working), else the copy in OUT."""
+    original = Path(plan.provenance.model_file)
+    if original.is_file() and hashlib.sha256(original.read_bytes()).hexdigest() == plan.provenance.model_sha256:
+        return original
+    return out_dir / "model.py"
 
 
 def synthetic_batches(spec: ModelSpec, batch_size: int, seed: int) -> Iterator[tuple[tuple[torch.Tensor, ...], Any]]:

@@ -10,12 +10,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
 from autopart.capture import eager_loss, load_model_file
 from autopart.plan import load_plan
-from autopart.runtime.data import global_batches
+from autopart.runtime.data import global_batches, model_file
 from autopart.runtime.optim import make_optimizer
+from autopart.runtime.shards import load_stage_weights
 
 __all__ = ["ReferenceRun", "initial_weights", "train_reference"]
 
@@ -27,17 +27,17 @@ class ReferenceRun:
 
 
 def initial_weights(out_dir: Path) -> dict[str, torch.Tensor]:
-    """The union of every stage's initial weights, by their names in the original model."""
+    """The union of every stage's initial weights, whole, by their names in the original model."""
     weights: dict[str, torch.Tensor] = {}
-    for path in sorted((out_dir / "weights").glob("stage_*.safetensors")):
-        weights.update(load_file(str(path)))
+    for stage in load_stage_weights(load_plan(out_dir / "plan.json"), out_dir / "weights").values():
+        weights.update(stage)
     return weights
 
 
 def train_reference(out_dir: str | Path, *, steps: int, lr: float, optimizer: str, seed: int = 0) -> ReferenceRun:
     out_dir = Path(out_dir)
     plan = load_plan(out_dir / "plan.json")
-    spec = load_model_file(out_dir / "model.py")
+    spec = load_model_file(model_file(out_dir, plan))
     model = spec.module
     assert model is not None
     weights = initial_weights(out_dir)

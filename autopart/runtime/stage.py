@@ -10,7 +10,12 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-__all__ = ["declare_tensors", "load_stage"]
+__all__ = ["declare_tensors", "load_stage", "weights_file_name"]
+
+
+def weights_file_name(stage: int, tp_rank: int, tp: int) -> str:
+    """``stage_<k>.safetensors``, or ``stage_<k>.tp<r>.safetensors`` for each tensor-parallel rank."""
+    return f"stage_{stage}.safetensors" if tp == 1 else f"stage_{stage}.tp{tp_rank}.safetensors"
 
 
 def _owner(root: nn.Module, qualified: str) -> tuple[nn.Module, str]:
@@ -44,8 +49,8 @@ def declare_tensors(
         owner.register_buffer(leaf, torch.empty(shape, dtype=dtype))
 
 
-def load_stage(out_dir: Path, index: int, device: torch.device) -> nn.Module:
-    """Import ``stages/stage_<index>.py``, build the module and load ``weights/stage_<index>.safetensors``."""
+def load_stage(out_dir: Path, index: int, device: torch.device, *, tp_rank: int = 0, tp: int = 1) -> nn.Module:
+    """Import ``stages/stage_<index>.py``, build the module and load this rank's weights."""
     path = out_dir / "stages" / f"stage_{index}.py"
     name = f"autopart_stage_{index}"
     spec = importlib.util.spec_from_file_location(name, path)
@@ -54,6 +59,6 @@ def load_stage(out_dir: Path, index: int, device: torch.device) -> nn.Module:
     sys.modules[name] = source
     spec.loader.exec_module(source)
     stage = source.STAGE()
-    weights = load_file(str(out_dir / "weights" / f"stage_{index}.safetensors"))
+    weights = load_file(str(out_dir / "weights" / weights_file_name(index, tp_rank, tp)))
     stage.load_state_dict(weights, strict=True)
     return stage.to(device)

@@ -26,10 +26,12 @@ from safetensors.torch import save_file
 from autopart.capture import load_model_file
 from autopart.errors import AutopartError, ConfigError
 from autopart.plan import Plan, load_plan
-from autopart.runtime.data import global_batches, split_microbatches
+from autopart.runtime.data import global_batches, model_file, split_microbatches
 from autopart.runtime.executor import Executor, StageRuntime
 from autopart.runtime.optim import OPTIMIZERS, make_optimizer
-from autopart.runtime.stage import load_stage
+from autopart.runtime import collectives
+from autopart.runtime.mesh import Mesh, group_of
+from autopart.runtime.stage import load_stage, weights_file_name
 from autopart.schedule import add_communication, build_schedule, stage_rank
 
 __all__ = ["main", "parse_args"]
@@ -45,15 +47,6 @@ def parse_args(argv: list[str] | None, plan: Plan) -> argparse.Namespace:
     parser.add_argument("--save-weights", type=Path, help="write each stage's final weights here (safetensors)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds before a stuck peer is an error")
     return parser.parse_args(argv)
-
-
-def _model_file(out_dir: Path, plan: Plan) -> Path:
-    copied = out_dir / "model.py"
-    original = Path(plan.provenance.model_file)
-    # the copy keeps OUT self-contained; the original's folder stays importable for its siblings
-    if original.parent.is_dir():
-        sys.path.append(str(original.parent))
-    return copied
 
 
 def main(out_dir: str | Path, argv: list[str] | None = None) -> None:
@@ -89,37 +82,36 @@ def _train(out_dir: Path, argv: list[str] | None) -> None:
 
 
 def _loop(out_dir: Path, plan: Plan, args: argparse.Namespace, rank: int, device: torch.device) -> None:
-    pipeline = plan.mesh["pp"]
+    mesh = Mesh(dp=plan.mesh["dp"], pp=plan.mesh["pp"], tp=plan.mesh["tp"])
+    here = mesh.coordinates(rank)
+    device_mesh = mesh.device_mesh(device.type)
+    collectives.set_group(group_of(device_mesh, "tp"))
+    data_parallel = group_of(device_mesh, "dp")
     schedule_spec = plan.schedule
     stage_count = len(plan.stages)
     stages: dict[int, StageRuntime] = {}
     for stage_plan in plan.stages:
-        if stage_plan.rank != rank:
+        if stage_plan.rank != here.pp:
             continue
         s = stage_plan.index
+        peer = lambda stage: mesh.pipeline_peers(rank, stage_rank(stage, mesh.pp))  # noqa: E731
         stages[s] = StageRuntime(
             index=s,
-            module=load_stage(out_dir, s, device),
+            module=load_stage(out_dir, s, device, tp_rank=here.tp, tp=mesh.tp),
             inputs=[meta for _, meta in stage_plan.inputs],
             batch_inputs=[plan.graph_inputs.index(name) for name in stage_plan.batch_inputs],
-            prev_rank=stage_rank(s - 1, pipeline) if s > 0 else None,
-            next_rank=stage_rank(s + 1, pipeline) if s < stage_count - 1 else None,
+            prev_rank=peer(s - 1) if s > 0 else None,
+            next_rank=peer(s + 1) if s < stage_count - 1 else None,
         )
-    # every rank creates every group, in the same order, as torch.distributed requires
-    tied_groups = []
-    for name, holders in sorted(plan.tied_parameters.items()):
-        ranks = sorted({plan.stages[s].rank for s in holders})
-        group = dist.new_group(ranks)
-        if rank in ranks:
-            tied_groups.append((name, group))
+    tied_groups = _tied_groups(plan, mesh, rank)
     schedule = add_communication(
         build_schedule(
-            schedule_spec.kind, ranks=pipeline, microbatches=schedule_spec.microbatches, chunks=schedule_spec.chunks
+            schedule_spec.kind, ranks=mesh.pp, microbatches=schedule_spec.microbatches, chunks=schedule_spec.chunks
         ),
-        ranks=pipeline,
+        ranks=mesh.pp,
     )
     executor = Executor(
-        rank=rank,
+        rank=here.pp,
         stages=stages,
         last_stage=stage_count - 1,
         schedule=schedule,
@@ -127,32 +119,76 @@ def _loop(out_dir: Path, plan: Plan, args: argparse.Namespace, rank: int, device
         device=device,
     )
     parameters = [p for stage in stages.values() for p in stage.module.parameters()]
-    optimizer = make_optimizer(args.optimizer, parameters, args.lr)
-    spec = load_model_file(_model_file(out_dir, plan), build=False)
+    optimizer = make_optimizer(args.optimizer, parameters, args.lr, zero_group=data_parallel if plan.zero else None)
+    spec = load_model_file(model_file(out_dir, plan), build=False)
     data = global_batches(spec, schedule_spec.global_batch_size, args.seed)
-    holds_loss = stage_count - 1 in stages
+    holds_loss = stage_count - 1 in stages and here.tp == 0
     for step in range(args.steps):
         inputs, target = next(data)
         values = (*inputs, target) if len(plan.graph_inputs) > len(inputs) else tuple(inputs)
+        share = split_microbatches(values, mesh.dp)[here.dp]  # this replica's share of the global batch
         start = time.perf_counter()
-        losses = executor.step(split_microbatches(values, schedule_spec.microbatches))
+        losses = executor.step(split_microbatches(share, schedule_spec.microbatches))
         for name, group in tied_groups:
             _sum_tied_gradients(stages, name, group)
+        if data_parallel is not None:
+            _average_gradients(parameters, data_parallel, mesh.dp)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         elapsed = torch.tensor([time.perf_counter() - start])
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         if holds_loss:
-            loss = sum(losses) / len(losses)
-            print(f"step {step} loss {loss:.6f} step_s {elapsed.item():.4f}", flush=True)
-            if args.metrics:
-                with open(args.metrics, "a") as metrics:
-                    metrics.write(json.dumps({"step": step, "loss": loss, "step_s": elapsed.item()}) + "\n")
-    if args.save_weights:
+            loss = torch.tensor([sum(losses) / len(losses)], dtype=torch.float64)
+            if data_parallel is not None:
+                dist.all_reduce(loss, group=data_parallel)
+            loss = loss.item() / mesh.dp
+            if here.dp == 0:
+                print(f"step {step} loss {loss:.6f} step_s {elapsed.item():.4f}", flush=True)
+                if args.metrics:
+                    with open(args.metrics, "a") as metrics:
+                        metrics.write(json.dumps({"step": step, "loss": loss, "step_s": elapsed.item()}) + "\n")
+    if args.save_weights and here.dp == 0:
         args.save_weights.mkdir(parents=True, exist_ok=True)
         for s, stage in stages.items():
             state = {k: v.detach().cpu().contiguous() for k, v in stage.module.state_dict().items()}
-            save_file(state, str(args.save_weights / f"stage_{s}.safetensors"))
+            save_file(state, str(args.save_weights / weights_file_name(s, here.tp, mesh.tp)))
+
+
+def _tied_groups(plan: Plan, mesh: Mesh, rank: int) -> list[tuple[str, dist.ProcessGroup]]:
+    """One group per tied parameter and (dp, tp) slice: the pipeline ranks that hold a copy.
+    Every rank creates every group, in the same order, as torch.distributed requires."""
+    mine = []
+    for name, holders in sorted(plan.tied_parameters.items()):
+        pipeline_ranks = sorted({plan.stages[s].rank for s in holders})
+        for dp in range(mesh.dp):
+            for tp in range(mesh.tp):
+                ranks = [mesh.rank(dp=dp, pp=p, tp=tp) for p in pipeline_ranks]
+                group = dist.new_group(ranks)
+                if rank in ranks:
+                    mine.append((name, group))
+    return mine
+
+
+def _average_gradients(parameters: list[torch.nn.Parameter], group: dist.ProcessGroup, size: int) -> None:
+    """Mean of the gradients over the data-parallel group, in buckets of about 25 MB."""
+    bucket: list[torch.Tensor] = []
+    filled = 0
+    grads = [p.grad for p in parameters if p.grad is not None]
+    for i, grad in enumerate(grads):
+        bucket.append(grad)
+        filled += grad.numel() * grad.element_size()
+        if filled >= _BUCKET_BYTES or i == len(grads) - 1:
+            flat = torch.cat([g.reshape(-1) for g in bucket])
+            dist.all_reduce(flat, group=group)
+            flat /= size
+            offset = 0
+            for g in bucket:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
+            bucket, filled = [], 0
+
+
+_BUCKET_BYTES = 25 * 1024 * 1024
 
 
 def _sum_tied_gradients(stages: dict[int, StageRuntime], name: str, group: dist.ProcessGroup) -> None:

@@ -1,0 +1,147 @@
+"""Rewrite a stage graph for tensor parallelism: local shapes, explicit collectives, sharded ops.
+
+``shard_stage_graph(stage, strategies=..., parameters=..., op_graph=..., tp=t)`` takes the stage
+graph of ``autopart.codegen.stages`` and the solver's choices and returns the graph that one TP
+rank runs:
+
+- where a tensor's placement differs from what its consumer needs, the conversion is inserted
+  (``tp.all_reduce``, ``tp.all_gather``, ``tp.scatter``); a replicated tensor that needs a
+  gradient and feeds a split op goes through ``tp.copy_to_tp`` (all-reduce of its gradient);
+- vocabulary-parallel embedding and cross-entropy become their ``tp.`` functions;
+- the shapes in views, reshapes and splits become the local ones (the code shows local head
+  counts), and other numbers computed from activation sizes become the constants they are.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from torch import fx
+
+from autopart.annotate import OpGraph
+from autopart.codegen.stages import StageGraph
+from autopart.runtime import collectives
+from autopart.solver.sharding import REPLICATE, Placement, Strategy, local_shape, op_name
+from autopart.solver.tensor import conversion
+
+__all__ = ["shard_stage_graph"]
+
+_KINDS = {
+    "vocab_parallel_embedding": collectives.vocab_parallel_embedding,
+    "vocab_parallel_cross_entropy": collectives.vocab_parallel_cross_entropy,
+}
+
+
+def _needs_grad(op_graph: OpGraph, name: str) -> bool:
+    cost = op_graph.nodes.get(name)
+    if cost is None:
+        return False
+    if cost.is_parameter:
+        return True
+    free = cost.op in ("placeholder", "get_attr") or cost.batch_derived
+    return not free and cost.output is not None and cost.output.dtype.startswith(("float", "bfloat"))
+
+
+def shard_stage_graph(
+    stage: StageGraph,
+    *,
+    strategies: dict[str, Strategy],
+    parameters: dict[str, Placement],
+    op_graph: OpGraph,
+    tp: int,
+) -> StageGraph:
+    graph = stage.graph
+    placement: dict[str, Placement] = {}
+    for node in graph.nodes:
+        if node.op == "get_attr":
+            placement[node.name] = parameters.get(str(node.target), REPLICATE)
+        elif node.name in strategies:
+            placement[node.name] = strategies[node.name].output
+    converted: dict[tuple[str, Placement, bool], fx.Node] = {}
+
+    def convert(arg: fx.Node, required: Placement, copy: bool, before: fx.Node) -> fx.Node:
+        key = (arg.name, required, copy)
+        if key in converted:
+            return converted[key]
+        current = placement.get(arg.name, REPLICATE)
+        step = conversion(current, required)
+        assert step is not None, f"{arg.name}: {current} cannot become {required}"
+        value = arg
+        with graph.inserting_before(before):
+            if current.kind == "P":
+                value = graph.call_function(collectives.all_reduce, (value,))
+            elif current.kind == "S" and required == REPLICATE:
+                value = graph.call_function(collectives.all_gather, (value, current.dim, current.groups))
+            elif current == REPLICATE and required.kind == "S":
+                value = graph.call_function(collectives.scatter, (value, required.dim, required.groups))
+            if copy:
+                value = graph.call_function(collectives.copy_to_tp, (value,))
+        converted[key] = value
+        return value
+
+    for node in list(graph.nodes):
+        if node.op in ("placeholder", "get_attr", "output"):
+            continue
+        strategy = strategies.get(node.name)
+        if strategy is not None:
+            swap = {}
+            for arg, required in zip(node.all_input_nodes, strategy.inputs):
+                if required is None:
+                    continue
+                copy = required == REPLICATE and strategy.output != REPLICATE and _needs_grad(op_graph, arg.name)
+                if placement.get(arg.name, REPLICATE) != required or copy:
+                    swap[arg] = convert(arg, required, copy, node)
+            if swap:
+                node.args = fx.map_arg(node.args, lambda a: swap.get(a, a))
+                node.kwargs = fx.map_arg(node.kwargs, lambda a: swap.get(a, a))
+            if strategy.kind:
+                _replace_op(node, strategy.kind)
+        _fold_numbers(node, op_graph, placement, tp)
+    for node in graph.nodes:  # the outputs: sent on replicated, or the (replicated) loss
+        if node.op == "output":
+            node.args = fx.map_arg(
+                node.args, lambda a: convert(a, REPLICATE, False, node) if placement.get(a.name, REPLICATE) != REPLICATE else a
+            )
+    graph.eliminate_dead_code()
+    graph.lint()
+    return replace(stage, graph=graph)
+
+
+def _replace_op(node: fx.Node, kind: str) -> None:
+    if kind == "vocab_parallel_embedding":
+        node.target, node.args, node.kwargs = _KINDS[kind], node.args[:2], {}
+    elif kind == "vocab_parallel_cross_entropy":
+        ignore = node.kwargs.get("ignore_index", -100)
+        node.target, node.args, node.kwargs = _KINDS[kind], node.args[:2], {"ignore_index": ignore}
+    node.op = "call_function"
+
+
+def _fold_numbers(node: fx.Node, op_graph: OpGraph, placement: dict[str, Placement], tp: int) -> None:
+    """Sizes become constants: local ones where they shape a sharded tensor, global ones elsewhere."""
+    cost = op_graph.nodes.get(node.name)
+    name = op_name(node)
+    out = placement.get(node.name, REPLICATE)
+    if cost is not None and cost.output is not None and name in ("view", "reshape") and node.op == "call_method":
+        node.args = (node.args[0], *local_shape(cost.output.shape, out, tp))
+        return
+    if name == "split" and node.op == "call_method":
+        source = placement.get(node.args[0].name, REPLICATE)
+        size = _number(node.args[1], op_graph)
+        dim = _number(node.kwargs.get("dim", node.args[2] if len(node.args) > 2 else 0), op_graph)
+        rank = len(op_graph.nodes[node.args[0].name].output.shape)
+        if source.kind == "S" and source.dim == dim % rank and isinstance(size, int):
+            size //= tp
+        node.args = (node.args[0], size, *node.args[2:])
+    node.args = fx.map_arg(node.args, lambda a: _constant_or_node(a, op_graph))
+    node.kwargs = fx.map_arg(node.kwargs, lambda a: _constant_or_node(a, op_graph))
+
+
+def _number(value: object, op_graph: OpGraph) -> object:
+    return op_graph.nodes[value.name].constant if isinstance(value, fx.Node) else value
+
+
+def _constant_or_node(arg: fx.Node, op_graph: OpGraph):
+    cost = op_graph.nodes.get(arg.name)
+    if cost is None or cost.constant is None or cost.batch_derived or cost.op in ("placeholder", "get_attr"):
+        return arg
+    return cost.constant

@@ -1,0 +1,173 @@
+"""Autograd-aware tensor-parallel collectives, and the ops that run on vocabulary shards.
+
+The generated stage programs call these as ``tp.all_reduce(x)`` and so on. Each one is a
+conversion between placements (see ``autopart.solver.sharding``) whose backward is the
+conversion's adjoint:
+
+| function        | forward                     | backward               |
+|-----------------|-----------------------------|------------------------|
+| ``all_reduce``  | P -> R: sum the partials    | identity               |
+| ``copy_to_tp``  | identity (R used by a split op) | sum the partial gradients |
+| ``all_gather``  | S(d) -> R                   | keep the local slice   |
+| ``scatter``     | R -> S(d): keep the local slice | all-gather         |
+
+``S(d, g)`` tensors hold a slice of each of g groups: gathering puts every group back together.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.nn import functional as F
+
+__all__ = [
+    "set_group",
+    "all_reduce",
+    "copy_to_tp",
+    "all_gather",
+    "scatter",
+    "vocab_parallel_embedding",
+    "vocab_parallel_cross_entropy",
+]
+
+_GROUP: dist.ProcessGroup | None = None
+
+
+def set_group(group: dist.ProcessGroup | None) -> None:
+    """The tensor-parallel group of this rank; the runtime sets it once before building stages."""
+    global _GROUP
+    _GROUP = group
+
+
+def _size() -> int:
+    return dist.get_world_size(_GROUP) if _GROUP is not None else 1
+
+
+def _rank() -> int:
+    return dist.get_rank(_GROUP) if _GROUP is not None else 0
+
+
+def _reduce(tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
+    tensor = tensor.contiguous().clone()
+    if _size() > 1:
+        dist.all_reduce(tensor, op=op, group=_GROUP)
+    return tensor
+
+
+def _local_slice(tensor: torch.Tensor, dim: int, groups: int) -> torch.Tensor:
+    t, r = _size(), _rank()
+    return torch.cat([part.chunk(t, dim)[r] for part in tensor.chunk(groups, dim)], dim).contiguous()
+
+
+def _gather(tensor: torch.Tensor, dim: int, groups: int) -> torch.Tensor:
+    t = _size()
+    pieces = [torch.empty_like(tensor) for _ in range(t)]
+    dist.all_gather(pieces, tensor.contiguous(), group=_GROUP)
+    per_rank = [piece.chunk(groups, dim) for piece in pieces]  # rank -> its slice of each group
+    return torch.cat([per_rank[r][g] for g in range(groups) for r in range(t)], dim)
+
+
+class _AllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor) -> torch.Tensor:
+        return _reduce(tensor)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return _reduce(grad)
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, dim: int, groups: int) -> torch.Tensor:
+        ctx.dim, ctx.groups = dim, groups
+        return _gather(tensor, dim, groups)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _local_slice(grad, ctx.dim, ctx.groups), None, None
+
+
+class _Scatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, dim: int, groups: int) -> torch.Tensor:
+        ctx.dim, ctx.groups = dim, groups
+        return _local_slice(tensor, dim, groups)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _gather(grad, ctx.dim, ctx.groups), None, None
+
+
+def all_reduce(tensor: torch.Tensor) -> torch.Tensor:
+    return _AllReduce.apply(tensor)
+
+
+def copy_to_tp(tensor: torch.Tensor) -> torch.Tensor:
+    return _CopyToTP.apply(tensor)
+
+
+def all_gather(tensor: torch.Tensor, dim: int, groups: int = 1) -> torch.Tensor:
+    return _AllGather.apply(tensor, dim, groups)
+
+
+def scatter(tensor: torch.Tensor, dim: int, groups: int = 1) -> torch.Tensor:
+    return _Scatter.apply(tensor, dim, groups)
+
+
+def vocab_parallel_embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Rows of a vocabulary-sharded embedding: each rank looks up the ids it holds, zeros elsewhere.
+    The result is partial (P): summed over the group it is the full embedding."""
+    rows = weight.shape[0]
+    start = _rank() * rows
+    outside = (ids < start) | (ids >= start + rows)
+    local = torch.where(outside, torch.zeros_like(ids), ids - start)
+    return F.embedding(local, weight) * (~outside).unsqueeze(-1).to(weight.dtype)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Megatron's cross-entropy over logits sharded along the vocabulary: the max, the sum of
+    exponentials and the target's logit are all-reduced, never the logits themselves."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, ignore_index: int) -> torch.Tensor:
+        rows = logits.shape[-1]
+        start = _rank() * rows
+        logits_max = _reduce(logits.detach().max(dim=-1).values, dist.ReduceOp.MAX)
+        shifted = logits - logits_max.unsqueeze(-1)
+        exp = shifted.exp()
+        sum_exp = _reduce(exp.sum(dim=-1))
+        inside = (target >= start) & (target < start + rows)
+        local_target = torch.where(inside, target - start, torch.zeros_like(target))
+        target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1) * inside.to(logits.dtype)
+        target_logit = _reduce(target_logit)
+        valid = target != ignore_index
+        count = valid.sum().clamp(min=1).to(logits.dtype)
+        losses = (sum_exp.log() - target_logit) * valid.to(logits.dtype)
+        ctx.save_for_backward(exp / sum_exp.unsqueeze(-1), local_target, inside, valid)
+        ctx.count = count
+        return losses.sum() / count
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        softmax, local_target, inside, valid = ctx.saved_tensors
+        grad_logits = softmax.clone()
+        rows = torch.arange(grad_logits.shape[0], device=grad_logits.device)
+        grad_logits[rows, local_target] -= inside.to(grad_logits.dtype)
+        grad_logits *= (valid.to(grad_logits.dtype) * grad / ctx.count).unsqueeze(-1)
+        return grad_logits, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """Mean cross-entropy of (N, V/t) logit shards against (N,) targets; replicated result."""
+    return _VocabParallelCrossEntropy.apply(logits, target, ignore_index)
