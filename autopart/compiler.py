@@ -25,7 +25,9 @@ from autopart.predict import simulate_pipeline
 from autopart.runtime.optim import OPTIMIZERS
 from autopart.schedule import SCHEDULE_KINDS, stage_rank
 from autopart.solver.pipeline import PipelineProblem, evaluate, solve_cuts, stage_ranges
-from cost_models import CostModel, get_cost_model, model_state_bytes
+from autopart.profile import profile_costs
+from cost_models import CostDatabase, CostModel, get_cost_model, model_state_bytes
+from cost_models.devices import local_device_name
 
 __all__ = ["CompileOptions", "compile", "emit", "compile_to_directory"]
 
@@ -58,6 +60,9 @@ class CompileOptions:
     """A plan.json to emit as it is, skipping the solver."""
     time_limit_s: float = 30.0
     """Time limit of each CP-SAT solve."""
+    costs: Path | None = None
+    """A cost database (``autopart profile``): measured op times replace the roofline's where
+    known. When the device is the one at hand, ops it lacks are timed and added to it."""
 
     def __post_init__(self) -> None:
         if self.pp < 1:
@@ -107,14 +112,33 @@ class _Front:
     op_graph: OpGraph
     chain: BlockChain
     cost_model: CostModel = field(repr=False)
+    timed: int = 0  # ops timed for the cost database during this compile
 
 
 def _front(options: CompileOptions, micro_batch_size: int) -> _Front:
     spec = load_model_file(options.model)
     graph = capture(spec)
-    cost_model = get_cost_model(options.device)
+    database, timed = None, 0
+    if options.costs is not None:
+        database = CostDatabase.load(options.costs)
+        local = _local_kind(options.device)
+        if local is not None:
+            timed = profile_costs(graph, spec, database, device=local, micro_batch_size=micro_batch_size,
+                                  optimizer=options.optimizer)
+            if timed:
+                database.save()
+    cost_model = get_cost_model(options.device, database)
     op_graph = annotate(graph, spec, cost_model, micro_batch_size=micro_batch_size)
-    return _Front(spec=spec, op_graph=op_graph, chain=build_blocks(op_graph), cost_model=cost_model)
+    return _Front(spec=spec, op_graph=op_graph, chain=build_blocks(op_graph), cost_model=cost_model, timed=timed)
+
+
+def _local_kind(device: str) -> str | None:
+    """``"cpu"`` or ``"cuda"`` when ``device`` is the machine at hand (so it can be timed), else None."""
+    if device == local_device_name("cpu"):
+        return "cpu"
+    if torch.cuda.is_available() and device == local_device_name("cuda"):
+        return "cuda"
+    return None
 
 
 def _in_flight(kind: str, ranks: int, microbatches: int, chunks: int) -> tuple[int, ...]:

@@ -24,7 +24,7 @@ try:
 except ModuleNotFoundError:  # pragma: no cover - Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
-__all__ = ["DeviceSpec", "PEAK_DTYPES", "load_device", "known_devices", "DEVICES_DIR"]
+__all__ = ["DeviceSpec", "PEAK_DTYPES", "load_device", "known_devices", "local_device_name", "DEVICES_DIR"]
 
 DEVICES_DIR = Path(__file__).resolve().parent / "devices"
 PEAK_DTYPES = ("float32", "tf32", "bfloat16", "float16")
@@ -244,3 +244,22 @@ def _points(value: Any) -> tuple[tuple[float, float], ...]:
             for point in value):
         raise _FieldError("matmul_efficiency", "must be a list of [log10_flops, fraction] pairs")
     return tuple((float(x), float(y)) for x, y in value)
+
+
+_CUDA_PARTS = (("H200", "h200"), ("H100", "h100-sxm"), ("MI300X", "mi300x"))
+
+
+def local_device_name(kind: str) -> str:
+    """The spec name of the device at hand of ``kind`` (``"cpu"`` or ``"cuda"``), under which
+    measurements of it are stored; an unknown GPU keeps the name torch gives it."""
+    if kind != "cuda":
+        return "cpu"
+    import torch
+
+    name = torch.cuda.get_device_name()
+    for part, spec in _CUDA_PARTS:
+        if part in name:
+            return spec
+    if "A100" in name:
+        return "a100-80gb" if torch.cuda.get_device_properties(0).total_memory > 50e9 else "a100-40gb"
+    return name.lower().replace(" ", "-")
