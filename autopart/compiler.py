@@ -23,7 +23,8 @@ from autopart.errors import ConfigError, PlanError
 from autopart.plan import Plan, Predicted, Provenance, ScheduleSpec, StagePlan, load_plan
 from autopart.predict import simulate_pipeline
 from autopart.runtime.optim import OPTIMIZERS
-from autopart.schedule import SCHEDULE_KINDS, stage_rank
+from autopart.schedule import SCHEDULE_KINDS, StageCosts, add_communication, build_schedule, stage_rank
+from autopart.schedule.shared import step_time
 from autopart.solver.pipeline import PipelineProblem, evaluate, solve_cuts, stage_ranges
 from autopart.profile import profile_costs
 from cost_models import CostDatabase, CostModel, get_cost_model, model_state_bytes
@@ -231,6 +232,8 @@ def _plan_from_cuts(
         weight_s=tuple(s.backward_weight_s for s in stages),
         transfer_s=transfer,
     )
+    tails = _rank_tails(options, front, stages, holders)
+    step_s = _step_time(options, front, stages, transfer, tails, microbatches)
     status, bound, gap = solver
     return Plan(
         mesh={"pp": options.pp, "tp": 1, "dp": 1},
@@ -243,12 +246,14 @@ def _plan_from_cuts(
             chunks=options.chunks,
         ),
         predicted=Predicted(
-            step_s=timeline.step_s,
+            step_s=step_s,
             bubble=timeline.bubble,
             memory_bytes=evaluation.rank_memory_bytes,
             p2p_bytes_per_step=2 * microbatches * sum(sum(m.nbytes for _, m in st.outputs) for st in stages),
             stage_time_s=evaluation.stage_time_s,
             transfer_s=transfer,
+            pipeline_s=timeline.step_s,
+            rank_tail_s=tuple(tails[r] for r in range(options.pp)),
         ),
         provenance=Provenance(
             model_file=str(front.spec.path.resolve()),
@@ -266,6 +271,41 @@ def _plan_from_cuts(
         optimizer=options.optimizer,
         tied_parameters={p: tuple(s) for p, s in holders.items() if len(s) > 1},
     )
+
+
+def _rank_tails(options: CompileOptions, front: _Front, stages: list[StagePlan],
+                holders: dict[str, list[int]]) -> dict[int, float]:
+    """Per rank, what the step does after the pipeline: sum tied gradients, step the optimizer."""
+    cost_model = front.cost_model
+    metas = {str(n.target): front.op_graph.nodes[n.name].output
+             for n in front.op_graph.fx_nodes() if front.op_graph.nodes[n.name].is_parameter}
+    tails = {}
+    for rank in range(options.pp):
+        held = dict.fromkeys(p for st in stages if st.rank == rank for p in st.parameters)
+        tied = sum(cost_model.collective_time("all_reduce", metas[p].nbytes, len({stages[s].rank for s in holders[p]}))
+                   for p in held if len(holders[p]) > 1)
+        optimizer = cost_model.optimizer_time(options.optimizer, [(metas[p].shape, metas[p].dtype) for p in held])
+        tails[rank] = tied + optimizer
+    return tails
+
+
+def _step_time(options: CompileOptions, front: _Front, stages: list[StagePlan], transfer: tuple[float, ...],
+               tails: dict[int, float], microbatches: int) -> float:
+    """The step as the runtime times it: the pipeline with the fixed cost of each action, on
+    ranks that share the device's cores when it has them, then each rank's tail."""
+    overheads = front.cost_model.runtime_overheads
+    call = overheads.autograd_call_s
+    costs = StageCosts(
+        forward_s=tuple(s.forward_s + overheads.module_call_s for s in stages),
+        # B starts one backward; zero-bubble schedules start two, one for I and one for W
+        backward_s=tuple(s.backward_s + (2 * call if options.schedule == "zb-h1" else call) for s in stages),
+        weight_s=tuple(s.backward_weight_s + (call if options.schedule == "zb-h1" else 0.0) for s in stages),
+        transfer_s=transfer,
+    )
+    schedule = add_communication(
+        build_schedule(options.schedule, ranks=options.pp, microbatches=microbatches,
+                       chunks=options.chunks), ranks=options.pp)
+    return step_time(schedule, costs, ranks=options.pp, cores=front.cost_model.device.cores, tail_s=tails)
 
 
 def _batch_inputs(op_graph: OpGraph, nodes: tuple[str, ...], graph_inputs: tuple[str, ...]) -> tuple[str, ...]:

@@ -107,11 +107,18 @@ class RooflineCostModel:
         return device.intra_node_bandwidth * device.link_efficiency, device.intra_node_latency_s
 
     def p2p_time(self, nbytes: float, *, across_nodes: bool = False) -> float:
+        measured = None if across_nodes or nbytes == 0 else self.device.measured_comm_time("p2p", nbytes)
+        if measured is not None:
+            return measured
         bandwidth, latency = self._link(across_nodes)
         return comm.p2p_time(nbytes, bandwidth=bandwidth, latency_s=latency)
 
     def collective_time(self, kind: str, nbytes: float, group_size: int, *,
                         across_nodes: bool = False) -> float:
+        if not across_nodes and group_size == self.device.comm_ranks and group_size > 1:
+            measured = self.device.measured_comm_time(kind, nbytes)
+            if measured is not None:
+                return measured
         bandwidth, latency = self._link(across_nodes)
         return comm.collective_time(kind, nbytes, group_size, bus_bandwidth=bandwidth,
                                     step_latency_s=latency)
