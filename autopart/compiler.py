@@ -305,7 +305,9 @@ def _step_time(options: CompileOptions, front: _Front, stages: list[StagePlan], 
     schedule = add_communication(
         build_schedule(options.schedule, ranks=options.pp, microbatches=microbatches,
                        chunks=options.chunks), ranks=options.pp)
-    return step_time(schedule, costs, ranks=options.pp, cores=front.cost_model.device.cores, tail_s=tails)
+    device = front.cost_model.device
+    return step_time(schedule, costs, ranks=options.pp, cores=device.cores, background=device.background_load,
+                     tail_s=tails)
 
 
 def _batch_inputs(op_graph: OpGraph, nodes: tuple[str, ...], graph_inputs: tuple[str, ...]) -> tuple[str, ...]:

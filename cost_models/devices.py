@@ -73,6 +73,8 @@ class DeviceSpec:
     cores: int = 0
     """CPU cores that the ranks of one machine share (their compute cannot overlap beyond
     it); 0 where every rank has a device of its own. Filled in for the calibrated CPU."""
+    background_load: float = field(default=0.0, compare=False)
+    """Other busy processes sharing `cores`, measured when the spec is loaded (CPU only)."""
     process_overhead_bytes: int = 0
     """Measured memory of one rank before the model (``autopart profile-comm``); 0: the
     estimate for the device's kind."""
@@ -254,6 +256,9 @@ def _from_table(data: dict[str, Any], *, default_name: str) -> DeviceSpec:
 
         data.update(calibrated_cpu_fields())
         data["cores"] = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        from cost_models.calibration import background_load
+
+        data["background_load"] = background_load(data["cores"])
     from cost_models.comm_profile import load_comm_profile
 
     measured = load_comm_profile(data["name"])
@@ -261,7 +266,7 @@ def _from_table(data: dict[str, Any], *, default_name: str) -> DeviceSpec:
         data["comm_curves"] = measured.curves
         data["comm_ranks"] = measured.ranks
         data["process_overhead_bytes"] = measured.process_bytes
-    optional = {"fp32_matmul_uses_tf32", "cores", "process_overhead_bytes", "comm_curves", "comm_ranks"}
+    optional = {"fp32_matmul_uses_tf32", "cores", "background_load", "process_overhead_bytes", "comm_curves", "comm_ranks"}
     missing = [f.name for f in fields(DeviceSpec) if f.name not in data and f.name not in optional]
     if missing:
         raise _FieldError(missing[0], "is missing")

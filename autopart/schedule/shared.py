@@ -3,7 +3,8 @@
 `simulate` gives every rank a device of its own. On a CPU machine the ranks are processes that
 share its cores: when more ranks compute at once than there are cores, each advances at
 ``cores / busy`` of its own speed (processor sharing, what the kernel's scheduler gives
-CPU-bound processes). ``step_time`` runs the same action lists under that rule, and after each
+CPU-bound processes), and other processes running on the machine take their share as well.
+``step_time`` runs the same action lists under that rule, and after each
 rank's last action its ``tail_s`` (the optimizer step and anything else the step does after the
 pipeline), and returns when the last rank is done. With ``cores = 0`` (a device per rank) it
 equals `simulate`'s step plus the longest tail on the last rank to finish.
@@ -19,9 +20,10 @@ __all__ = ["step_time"]
 _EPSILON = 1e-12
 
 
-def step_time(schedule: Schedule, costs: StageCosts, *, ranks: int, cores: int = 0,
+def step_time(schedule: Schedule, costs: StageCosts, *, ranks: int, cores: int = 0, background: float = 0.0,
               tail_s: dict[int, float] | None = None) -> float:
-    """Seconds from the first action to the end of the last rank's tail."""
+    """Seconds from the first action to the end of the last rank's tail; ``background`` other
+    busy processes share the ``cores`` too."""
     tail_s = tail_s or {}
     finished: dict = {}
     cursor = {rank: 0 for rank in schedule}
@@ -60,7 +62,7 @@ def step_time(schedule: Schedule, costs: StageCosts, *, ranks: int, cores: int =
                 break
             now = min(wakes)
             continue
-        rate = 1.0 if cores <= 0 else min(1.0, cores / len(remaining))
+        rate = 1.0 if cores <= 0 else min(1.0, cores / (len(remaining) + background))
         step = min(remaining.values()) / rate
         later = [w for w in wakes if w > now]
         if later:
