@@ -27,7 +27,7 @@ from torch.utils import _pytree as pytree
 from autopart.capture import Graph, ModelSpec, graph_args
 from cost_models import CostModel, Kernel, KernelRecorder
 
-__all__ = ["TensorMeta", "NodeCost", "OpGraph", "annotate", "tensor_meta"]
+__all__ = ["TensorMeta", "NodeCost", "OpGraph", "annotate", "tensor_meta", "op_key", "leaves_for_grad"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -108,6 +108,62 @@ def _run_one(node: fx.Node, args: tuple, kwargs: dict) -> Any:
     raise AssertionError(f"unexpected node {node.op}")
 
 
+def _target_name(node: fx.Node) -> str:
+    if node.op == "call_method":
+        return f"Tensor.{node.target}"
+    target = node.target
+    module = getattr(target, "__module__", None) or ""
+    name = getattr(target, "__qualname__", None) or getattr(target, "__name__", None) or str(target)
+    return f"{module}.{name}".removeprefix("torch._C._nn.").removeprefix("_operator.")
+
+
+def op_key(node: fx.Node, args: tuple, kwargs: dict, parameters: set[int]) -> str:
+    """What an op's cost depends on: the function, and per argument its shape, dtype and role.
+
+    Tensors print as ``float32[2,32,64]`` with ``:w`` for a parameter (weight gradient),
+    ``:g`` for another floating tensor (input gradient) and ``:nc`` when not contiguous;
+    other arguments by value. Names are left out, so repeated layers give the same keys.
+    """
+
+    def describe(value: Any) -> str:
+        if isinstance(value, torch.Tensor):
+            text = f"{str(value.dtype).removeprefix('torch.')}[{','.join(map(str, value.shape))}]"
+            if id(value) in parameters:
+                text += ":w"
+            elif value.is_floating_point():
+                text += ":g"
+            return text if value.is_contiguous() else text + ":nc"
+        if isinstance(value, (list, tuple)):
+            inner = ",".join(describe(v) for v in value)
+            return f"[{inner}]" if isinstance(value, list) else f"({inner})"
+        if isinstance(value, dict):
+            return "{" + ",".join(f"{k}={describe(v)}" for k, v in value.items()) + "}"
+        return repr(value)
+
+    parts = [describe(a) for a in args] + [f"{k}={describe(v)}" for k, v in kwargs.items()]
+    return f"{_target_name(node)}({', '.join(parts)})"
+
+
+def leaves_for_grad(args: tuple, kwargs: dict, parameters: set[int], *, clone: bool = False
+                    ) -> tuple[tuple, dict, list[torch.Tensor], list[torch.Tensor]]:
+    """The arguments as fresh autograd leaves: (args, kwargs, input leaves, weight leaves).
+
+    ``clone=True`` copies every tensor first, so that timing an in-place op many times never
+    changes the values that later nodes read.
+    """
+    inputs: list[torch.Tensor] = []
+    weights: list[torch.Tensor] = []
+
+    def ready(value: Any) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value
+        copy = value.detach().clone() if clone else value
+        return _grad_ready(copy, {id(copy)} if id(value) in parameters else set(), inputs, weights)
+
+    args, kwargs = pytree.tree_map(ready, (args, kwargs))
+    return args, kwargs, inputs, weights
+
+
 def _grad_ready(value: Any, parameters: set[int], into: list[torch.Tensor], weights: list[torch.Tensor]) -> Any:
     if not isinstance(value, torch.Tensor):
         return value
@@ -122,9 +178,7 @@ def _measure_kernels(
     node: fx.Node, args: tuple, kwargs: dict, parameters: set[int]
 ) -> tuple[list[Kernel], list[Kernel], list[Kernel]]:
     """Kernels of the node's forward, of its input gradients and of its weight gradients."""
-    inputs: list[torch.Tensor] = []
-    weights: list[torch.Tensor] = []
-    args, kwargs = pytree.tree_map(lambda v: _grad_ready(v, parameters, inputs, weights), (args, kwargs))
+    args, kwargs, inputs, weights = leaves_for_grad(args, kwargs, parameters)
     with KernelRecorder() as forward:
         try:
             out = _run_one(node, args, kwargs)
@@ -227,14 +281,15 @@ def annotate(graph: Graph, spec: ModelSpec, cost_model: CostModel, *, micro_batc
         values[node.name] = value
         forward, backward_input, backward_weight = _measure_kernels(node, args, kwargs, parameter_ids)
         kernels[node.name] = (tuple(forward), tuple(backward_input) + tuple(backward_weight))
+        times = cost_model.op_times(op_key(node, args, kwargs, parameter_ids), forward, backward_input, backward_weight)
         nodes[node.name] = NodeCost(
             output=_meta(value),
             constant=_constant(value),
             forward_flops=_flops(forward),
             backward_flops=_flops(backward_input) + _flops(backward_weight),
-            forward_s=cost_model.kernels_time(forward),
-            backward_input_s=cost_model.kernels_time(backward_input),
-            backward_weight_s=cost_model.kernels_time(backward_weight),
+            forward_s=times.forward_s,
+            backward_input_s=times.backward_input_s,
+            backward_weight_s=times.backward_weight_s,
             saved_bytes=saved.get(node.name, 0),
             **common,
         )

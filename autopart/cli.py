@@ -46,7 +46,50 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--optimizer", default="adamw", help="sgd or adamw: its state counts in memory (default adamw)")
     c.add_argument("--plan", type=Path, help="emit this plan.json as it is instead of solving")
     c.add_argument("--time-limit", type=float, default=30.0, help="seconds per solver run (default 30)")
+    c.add_argument("--costs", type=Path, help="cost database from 'autopart profile' (ops it lacks are timed into it)")
+    p = commands.add_parser("profile", help="time every op of a model on this machine into a cost database")
+    p.add_argument("model", type=Path, help="the model file")
+    p.add_argument("-o", "--out", type=Path, required=True, help="cost database (JSON); added to when it exists")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    p.add_argument("--micro-batch-size", type=int, nargs="+", default=[1], help="microbatch sizes to time (default 1)")
+    p.add_argument("--optimizer", default="adamw", help="sgd or adamw: whose step to time (default adamw)")
+    pc = commands.add_parser("profile-comm", help="measure p2p and collectives between processes on this machine")
+    pc.add_argument("--ranks", type=int, default=2, help="processes to measure between (default 2)")
+    pc.add_argument("--backend", default=None, help="gloo or nccl (default: nccl with CUDA, else gloo)")
     return parser
+
+
+def _profile(args: argparse.Namespace, console: Console) -> None:
+    from autopart.capture import capture, load_model_file
+    from autopart.errors import ConfigError
+    from autopart.profile import profile_costs
+    from autopart.runtime.optim import OPTIMIZERS
+    from cost_models import CostDatabase
+
+    if args.optimizer not in OPTIMIZERS:
+        raise ConfigError(f"unknown optimizer {args.optimizer!r}; use one of {', '.join(OPTIMIZERS)}")
+    if any(b < 1 for b in args.micro_batch_size):
+        raise ConfigError(f"--micro-batch-size must be at least 1, got {min(args.micro_batch_size)}")
+    if args.out.exists() and args.out.is_dir():
+        raise ConfigError(f"{args.out} is a directory; give the path of a .json file with -o")
+    spec = load_model_file(args.model)
+    graph = capture(spec)
+    database = CostDatabase.load(args.out)
+    known = len(database.entries)
+    timed = 0
+    for size in args.micro_batch_size:
+        timed += profile_costs(graph, spec, database, device=args.device, micro_batch_size=size,
+                               optimizer=args.optimizer, console=console)
+    database.save(args.out)
+    console.print(f"timed {timed} ops ({known} already in the database); wrote {args.out}")
+
+
+def _profile_comm(args: argparse.Namespace, console: Console) -> None:
+    from cost_models.comm_profile import profile_comm
+
+    result, path = profile_comm(ranks=args.ranks, backend=args.backend)
+    console.print(result.describe())
+    console.print(f"wrote {path}; the '{result.device}' device spec now uses these figures")
 
 
 def _compile(args: argparse.Namespace, console: Console) -> None:
@@ -70,7 +113,9 @@ def _compile(args: argparse.Namespace, console: Console) -> None:
         optimizer=args.optimizer,
         plan=args.plan,
         time_limit_s=args.time_limit,
+        costs=args.costs,
     )
+    known = _entries(args.costs)
     plan, out = compile_to_directory(options, args.out)
     rows = stage_table(plan)
     table = Table(title=f"{args.model.name}: {plan.schedule.kind}, {plan.schedule.microbatches} microbatches")
@@ -83,7 +128,15 @@ def _compile(args: argparse.Namespace, console: Console) -> None:
         f"predicted step {plan.predicted.step_s * 1e3:.3f} ms, bubble {plan.predicted.bubble:.1%}, "
         f"solver {plan.provenance.solver_status}"
     )
+    if args.costs is not None:
+        console.print(f"costs from {args.costs}: {_entries(args.costs) - known} ops timed, {known} known")
     console.print(f"wrote {out}/; train with:\n  torchrun --nproc-per-node {plan.world_size} {out}/train.py --steps 10")
+
+
+def _entries(path: Path | None) -> int:
+    from cost_models import CostDatabase
+
+    return len(CostDatabase.load(path).entries) if path is not None else 0
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -92,6 +145,10 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if args.command == "compile":
             _compile(args, console)
+        elif args.command == "profile":
+            _profile(args, console)
+        elif args.command == "profile-comm":
+            _profile_comm(args, console)
     except AutopartError as exc:
         print(f"autopart: error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None

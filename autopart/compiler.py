@@ -23,12 +23,15 @@ from autopart.errors import ConfigError, PlanError
 from autopart.plan import Plan, Predicted, Provenance, ScheduleSpec, StagePlan, load_plan
 from autopart.predict import simulate_pipeline
 from autopart.runtime.optim import OPTIMIZERS
-from autopart.schedule import SCHEDULE_KINDS, stage_rank
+from autopart.profile import profile_costs
 from autopart.rewrite import separate_biases
+from autopart.schedule import SCHEDULE_KINDS, StageCosts, add_communication, build_schedule, stage_rank
+from autopart.schedule.shared import step_time
 from autopart.solver.pipeline import PipelineProblem, evaluate, solve_cuts, stage_ranges
 from autopart.solver.sharding import REPLICATE, Placement
 from autopart.solver.tensor import BlockSharding, shard_chain
-from cost_models import CostModel, get_cost_model, model_state_bytes
+from cost_models import CostDatabase, CostModel, get_cost_model, model_state_bytes
+from cost_models.devices import local_device_name
 
 __all__ = ["CompileOptions", "compile", "emit", "compile_to_directory"]
 
@@ -69,6 +72,9 @@ class CompileOptions:
     """A plan.json to emit as it is, skipping the solver."""
     time_limit_s: float = 30.0
     """Time limit of each CP-SAT solve."""
+    costs: Path | None = None
+    """A cost database (``autopart profile``): measured op times replace the roofline's where
+    known. When the device is the one at hand, ops it lacks are timed and added to it."""
 
     def __post_init__(self) -> None:
         for name in ("pp", "tp", "dp", "gpus_per_node"):
@@ -130,6 +136,7 @@ class _Front:
     chain: BlockChain
     cost_model: CostModel = field(repr=False)
     shardings: tuple[BlockSharding, ...] | None = None  # per block, when tp > 1
+    timed: int = 0  # ops timed for the cost database during this compile
 
 
 def _capture(spec: ModelSpec, tp: int) -> Graph:
@@ -141,14 +148,32 @@ def _capture(spec: ModelSpec, tp: int) -> Graph:
 def _front(options: CompileOptions, micro_batch_size: int) -> _Front:
     spec = load_model_file(options.model)
     graph = _capture(spec, options.tp)
-    cost_model = get_cost_model(options.device)
+    database, timed = None, 0
+    if options.costs is not None:
+        database = CostDatabase.load(options.costs)
+        local = _local_kind(options.device)
+        if local is not None:
+            timed = profile_costs(graph, spec, database, device=local, micro_batch_size=micro_batch_size,
+                                  optimizer=options.optimizer)
+            if timed:
+                database.save()
+    cost_model = get_cost_model(options.device, database)
     op_graph = annotate(graph, spec, cost_model, micro_batch_size=micro_batch_size)
     chain = build_blocks(op_graph)
     shardings = None
     if options.tp > 1:
         across = options.tp > options.gpus_per_node
         shardings = tuple(shard_chain(chain, tp=options.tp, cost_model=cost_model, across_nodes=across))
-    return _Front(spec=spec, op_graph=op_graph, chain=chain, cost_model=cost_model, shardings=shardings)
+    return _Front(spec=spec, op_graph=op_graph, chain=chain, cost_model=cost_model, shardings=shardings, timed=timed)
+
+
+def _local_kind(device: str) -> str | None:
+    """``"cpu"`` or ``"cuda"`` when ``device`` is the machine at hand (so it can be timed), else None."""
+    if device == local_device_name("cpu"):
+        return "cpu"
+    if torch.cuda.is_available() and device == local_device_name("cuda"):
+        return "cuda"
+    return None
 
 
 def _parameter_placements(front: _Front) -> dict[str, Placement]:
@@ -290,6 +315,8 @@ def _plan_from_cuts(
         weight_s=tuple(s.backward_weight_s for s in stages),
         transfer_s=transfer,
     )
+    tails = _rank_tails(options, front, stages, holders)
+    step_s = _step_time(options, front, stages, transfer, tails, microbatches)
     status, bound, gap = solver
     gradient_sync = _data_parallel_seconds(options, front, stages)
     return Plan(
@@ -303,12 +330,14 @@ def _plan_from_cuts(
             chunks=options.chunks,
         ),
         predicted=Predicted(
-            step_s=timeline.step_s + gradient_sync,
+            step_s=step_s + gradient_sync,
             bubble=timeline.bubble,
             memory_bytes=evaluation.rank_memory_bytes,
             p2p_bytes_per_step=2 * microbatches * sum(sum(m.nbytes for _, m in st.outputs) for st in stages),
             stage_time_s=evaluation.stage_time_s,
             transfer_s=transfer,
+            pipeline_s=timeline.step_s,
+            rank_tail_s=tuple(tails[r] for r in range(options.pp)),
         ),
         provenance=Provenance(
             model_file=str(front.spec.path.resolve()),
@@ -340,6 +369,43 @@ def _data_parallel_seconds(options: CompileOptions, front: _Front, stages: list[
             "all_reduce", share, options.dp, across_nodes=options.tp * options.pp > options.gpus_per_node
         )
     return max(per_rank.values())
+
+
+def _rank_tails(options: CompileOptions, front: _Front, stages: list[StagePlan],
+                holders: dict[str, list[int]]) -> dict[int, float]:
+    """Per rank, what the step does after the pipeline: sum tied gradients, step the optimizer."""
+    cost_model = front.cost_model
+    metas = {str(n.target): front.op_graph.nodes[n.name].output
+             for n in front.op_graph.fx_nodes() if front.op_graph.nodes[n.name].is_parameter}
+    tails = {}
+    for rank in range(options.pp):
+        held = dict.fromkeys(p for st in stages if st.rank == rank for p in st.parameters)
+        tied = sum(cost_model.collective_time("all_reduce", metas[p].nbytes, len({stages[s].rank for s in holders[p]}))
+                   for p in held if len(holders[p]) > 1)
+        optimizer = cost_model.optimizer_time(options.optimizer, [(metas[p].shape, metas[p].dtype) for p in held])
+        tails[rank] = tied + optimizer
+    return tails
+
+
+def _step_time(options: CompileOptions, front: _Front, stages: list[StagePlan], transfer: tuple[float, ...],
+               tails: dict[int, float], microbatches: int) -> float:
+    """The step as the runtime times it: the pipeline with the fixed cost of each action, on
+    ranks that share the device's cores when it has them, then each rank's tail."""
+    overheads = front.cost_model.runtime_overheads
+    call = overheads.autograd_call_s
+    costs = StageCosts(
+        forward_s=tuple(s.forward_s + overheads.module_call_s for s in stages),
+        # B starts one backward; zero-bubble schedules start two, one for I and one for W
+        backward_s=tuple(s.backward_s + (2 * call if options.schedule == "zb-h1" else call) for s in stages),
+        weight_s=tuple(s.backward_weight_s + (call if options.schedule == "zb-h1" else 0.0) for s in stages),
+        transfer_s=transfer,
+    )
+    schedule = add_communication(
+        build_schedule(options.schedule, ranks=options.pp, microbatches=microbatches,
+                       chunks=options.chunks), ranks=options.pp)
+    device = front.cost_model.device
+    return step_time(schedule, costs, ranks=options.pp, cores=device.cores, background=device.background_load,
+                     tail_s=tails)
 
 
 def _batch_inputs(op_graph: OpGraph, nodes: tuple[str, ...], graph_inputs: tuple[str, ...]) -> tuple[str, ...]:

@@ -59,6 +59,8 @@ class Predicted:
     p2p_bytes_per_step: int
     stage_time_s: tuple[float, ...]  # forward + backward + transfers of one microbatch, per stage
     transfer_s: tuple[float, ...]  # one way, one microbatch, per boundary between stages
+    pipeline_s: float = 0.0  # the schedule alone (the trace's span); step_s adds the runtime's costs
+    rank_tail_s: tuple[float, ...] = ()  # per rank, after the pipeline: tied gradients, optimizer step
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -130,6 +132,8 @@ class Plan:
                 p2p_bytes_per_step=predicted.int("p2p_bytes_per_step"),
                 stage_time_s=tuple(float(v) for v in predicted.list("stage_time_s")),
                 transfer_s=tuple(float(v) for v in predicted.list("transfer_s")),
+                pipeline_s=predicted.float("pipeline_s") if "pipeline_s" in predicted.data else 0.0,
+                rank_tail_s=tuple(float(v) for v in predicted.data.get("rank_tail_s", ())),
             ),
             provenance=Provenance(
                 **{k: provenance.str(k) for k in ("model_file", "model_sha256", "capture", "cost_model")},

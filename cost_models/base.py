@@ -7,10 +7,11 @@ analytical one or a mix of both can stand behind the same four questions.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Protocol, runtime_checkable
 
 from cost_models.counting import Kernel
+from cost_models.database import OpTimes, RuntimeOverheads
 from cost_models.devices import DeviceSpec
 
 __all__ = ["CostModel"]
@@ -41,6 +42,20 @@ class CostModel(Protocol):
 
     def kernels_time(self, kernels: Iterable[Kernel]) -> float:
         """Seconds a sequence of kernels takes, run one after another on one stream."""
+        ...
+
+    def op_times(self, op_key: str, forward: Sequence[Kernel], backward_input: Sequence[Kernel],
+                 backward_weight: Sequence[Kernel]) -> OpTimes:
+        """Seconds of one graph node: measured when the database has ``op_key``, else from its kernels."""
+        ...
+
+    def optimizer_time(self, optimizer: str, parameters: Iterable[tuple[tuple[int, ...], str]]) -> float:
+        """Seconds of one optimizer step over parameters given as (shape, dtype)."""
+        ...
+
+    @property
+    def runtime_overheads(self) -> RuntimeOverheads:
+        """Fixed costs per forward and per backward action that no op carries."""
         ...
 
     def p2p_time(self, nbytes: float, *, across_nodes: bool = False) -> float:

@@ -30,7 +30,7 @@ import torch
 from autopart.errors import DeviceSpecError
 
 __all__ = ["CpuCalibration", "cache_dir", "calibrate_cpu", "calibrated_cpu_fields",
-           "physical_memory_bytes"]
+           "physical_memory_bytes", "background_load"]
 
 _SCHEMA = 1
 MATMUL_SIZES = (64, 128, 256, 512, 1024)
@@ -175,6 +175,23 @@ def _measure(*, host: str, threads: int) -> CpuCalibration:
         host=host, torch_version=torch.__version__, threads=threads,
         matmul_rates=tuple(rates), copy_bandwidth=2 * COPY_BYTES / copy_time,
         kernel_overhead_s=overhead, seconds_spent=time.perf_counter() - started)
+
+
+def background_load(cores: int, seconds: float = 0.3) -> float:
+    """Other processes competing for this machine's cores now, from the share of a core that
+    one busy thread gets: with ``L`` others on ``C`` cores it gets ``C / (L + 1)``.
+
+    Not cached: it changes from minute to minute. Per-op timings hardly see it (an op of
+    microseconds is rarely preempted) while a step of many milliseconds does, so the step
+    prediction needs it. One thread cannot tell an idle machine from one with fewer than
+    ``C`` others, so this is a lower bound.
+    """
+    start_wall, start_cpu = time.perf_counter(), time.thread_time()
+    x = torch.ones(256)
+    while time.perf_counter() - start_wall < seconds:
+        x.mul_(1.0)
+    share = (time.thread_time() - start_cpu) / (time.perf_counter() - start_wall)
+    return max(0.0, cores / max(share, 1e-3) - 1.0) if share < 0.95 else 0.0
 
 
 def physical_memory_bytes() -> int:

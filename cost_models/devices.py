@@ -10,6 +10,7 @@ describes a shared 2-core container.
 from __future__ import annotations
 
 import math
+import os
 from bisect import bisect_right
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -24,7 +25,7 @@ try:
 except ModuleNotFoundError:  # pragma: no cover - Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
-__all__ = ["DeviceSpec", "PEAK_DTYPES", "load_device", "known_devices", "DEVICES_DIR"]
+__all__ = ["DeviceSpec", "PEAK_DTYPES", "load_device", "known_devices", "local_device_name", "DEVICES_DIR"]
 
 DEVICES_DIR = Path(__file__).resolve().parent / "devices"
 PEAK_DTYPES = ("float32", "tf32", "bfloat16", "float16")
@@ -69,10 +70,25 @@ class DeviceSpec:
     fp32_matmul_uses_tf32: bool = False
     """Whether fp32 matmuls run on tensor cores as TF32 (``allow_tf32``); off by default, as in
     PyTorch, so fp32 matmuls are charged at the fp32 peak."""
+    cores: int = 0
+    """CPU cores that the ranks of one machine share (their compute cannot overlap beyond
+    it); 0 where every rank has a device of its own. Filled in for the calibrated CPU."""
+    background_load: float = field(default=0.0, compare=False)
+    """Other busy processes sharing `cores`, measured when the spec is loaded (CPU only)."""
+    process_overhead_bytes: int = 0
+    """Measured memory of one rank before the model (``autopart profile-comm``); 0: the
+    estimate for the device's kind."""
+    comm_curves: Mapping[str, tuple[tuple[float, float], ...]] = field(default_factory=dict, hash=False)
+    """Measured (bytes, seconds) per message kind inside a node (``autopart profile-comm``):
+    ``p2p`` and collectives at `comm_ranks` processes; empty: the link figures' formula."""
+    comm_ranks: int = 0
+    """Group size at which the collectives in `comm_curves` were measured."""
 
     def __post_init__(self) -> None:
         # a private copy, kept a plain dict so that specs pickle, deepcopy and asdict
         object.__setattr__(self, "peak_flops", dict(self.peak_flops))
+        object.__setattr__(self, "comm_curves", {k: tuple((float(b), float(t)) for b, t in v)
+                                                  for k, v in dict(self.comm_curves).items()})
         object.__setattr__(self, "matmul_efficiency",
                            tuple((float(x), float(y)) for x, y in self.matmul_efficiency))
         _validate(self)
@@ -80,7 +96,21 @@ class DeviceSpec:
     @property
     def framework_overhead_bytes(self) -> int:
         """Memory taken before the model's first byte: runtime context, library workspaces."""
-        return FRAMEWORK_OVERHEAD_BYTES[self.kind]
+        return self.process_overhead_bytes or FRAMEWORK_OVERHEAD_BYTES[self.kind]
+
+    def measured_comm_time(self, kind: str, nbytes: float) -> float | None:
+        """Seconds from `comm_curves`, linear between measured sizes and at the last
+        segment's rate beyond them; None when ``kind`` was not measured."""
+        points = self.comm_curves.get(kind)
+        if not points:
+            return None
+        if nbytes <= points[0][0] or len(points) == 1:
+            return points[0][1]
+        for (b0, t0), (b1, t1) in zip(points, points[1:]):
+            if nbytes <= b1:
+                return t0 + (t1 - t0) * (nbytes - b0) / (b1 - b0)
+        (b0, t0), (b1, t1) = points[-2], points[-1]
+        return t1 + (t1 - t0) * (nbytes - b1) / (b1 - b0)
 
     def matmul_efficiency_at(self, flops: float) -> float:
         """Achievable fraction of peak for one matmul of ``flops`` FLOPs."""
@@ -225,8 +255,19 @@ def _from_table(data: dict[str, Any], *, default_name: str) -> DeviceSpec:
         from cost_models.calibration import calibrated_cpu_fields
 
         data.update(calibrated_cpu_fields())
-    missing = [f.name for f in fields(DeviceSpec) if f.name not in data
-               and f.name != "fp32_matmul_uses_tf32"]
+        data["cores"] = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        from cost_models.calibration import background_load
+
+        data["background_load"] = background_load(data["cores"])
+    from cost_models.comm_profile import load_comm_profile
+
+    measured = load_comm_profile(data["name"])
+    if measured is not None:
+        data["comm_curves"] = measured.curves
+        data["comm_ranks"] = measured.ranks
+        data["process_overhead_bytes"] = measured.process_bytes
+    optional = {"fp32_matmul_uses_tf32", "cores", "background_load", "process_overhead_bytes", "comm_curves", "comm_ranks"}
+    missing = [f.name for f in fields(DeviceSpec) if f.name not in data and f.name not in optional]
     if missing:
         raise _FieldError(missing[0], "is missing")
     if not isinstance(data["peak_flops"], dict):
@@ -244,3 +285,22 @@ def _points(value: Any) -> tuple[tuple[float, float], ...]:
             for point in value):
         raise _FieldError("matmul_efficiency", "must be a list of [log10_flops, fraction] pairs")
     return tuple((float(x), float(y)) for x, y in value)
+
+
+_CUDA_PARTS = (("H200", "h200"), ("H100", "h100-sxm"), ("MI300X", "mi300x"))
+
+
+def local_device_name(kind: str) -> str:
+    """The spec name of the device at hand of ``kind`` (``"cpu"`` or ``"cuda"``), under which
+    measurements of it are stored; an unknown GPU keeps the name torch gives it."""
+    if kind != "cuda":
+        return "cpu"
+    import torch
+
+    name = torch.cuda.get_device_name()
+    for part, spec in _CUDA_PARTS:
+        if part in name:
+            return spec
+    if "A100" in name:
+        return "a100-80gb" if torch.cuda.get_device_properties(0).total_memory > 50e9 else "a100-40gb"
+    return name.lower().replace(" ", "-")

@@ -11,17 +11,19 @@ nothing: they launch no kernel.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from cost_models import comm
 from cost_models.counting import Kernel
+from cost_models.database import OpTimes, RuntimeOverheads
 from cost_models.devices import DeviceSpec
 
 __all__ = ["RooflineCostModel"]
 
 _MATRIX_CATEGORIES = frozenset({"matmul", "attention"})
 _HALF_DTYPES = {"bfloat16": "bfloat16", "float16": "float16"}
+_OPTIMIZER_KERNELS = {"sgd": 1, "adamw": 10, "adam": 10}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,6 +72,33 @@ class RooflineCostModel:
     def kernels_time(self, kernels: Iterable[Kernel]) -> float:
         return sum((self.kernel_time(kernel) for kernel in kernels), 0.0)
 
+    def op_times(self, op_key: str, forward: Sequence[Kernel], backward_input: Sequence[Kernel],
+                 backward_weight: Sequence[Kernel]) -> OpTimes:
+        return OpTimes(forward_s=self.kernels_time(forward), backward_input_s=self.kernels_time(backward_input),
+                       backward_weight_s=self.kernels_time(backward_weight))
+
+    def optimizer_time(self, optimizer: str, parameters: Iterable[tuple[tuple[int, ...], str]]) -> float:
+        """Per tensor, the elementwise kernels of ``torch.optim``'s single-tensor step.
+
+        AdamW runs about ten kernels per tensor (decay, two moment updates, bias corrections, the
+        square root, the division, the update), each streaming about three tensors of the
+        parameter's size; SGD one kernel over three.
+        """
+        kernels = _OPTIMIZER_KERNELS.get(optimizer, 1)
+        total = 0.0
+        for shape, dtype in parameters:
+            numel = 1
+            for size in shape:
+                numel *= size
+            nbytes = 3 * numel * (2 if dtype in _HALF_DTYPES else 4)
+            total += kernels * (self.device.kernel_overhead_s + nbytes / (self.device.memory_bandwidth * self.device.memory_efficiency))
+        return total
+
+    @property
+    def runtime_overheads(self) -> RuntimeOverheads:
+        """Not known without measuring: an op's modelled backward carries no call to subtract."""
+        return RuntimeOverheads()
+
     def _link(self, across_nodes: bool) -> tuple[float, float]:
         """(bus bandwidth, latency) of the link a transfer crosses."""
         device = self.device
@@ -78,11 +107,18 @@ class RooflineCostModel:
         return device.intra_node_bandwidth * device.link_efficiency, device.intra_node_latency_s
 
     def p2p_time(self, nbytes: float, *, across_nodes: bool = False) -> float:
+        measured = None if across_nodes or nbytes == 0 else self.device.measured_comm_time("p2p", nbytes)
+        if measured is not None:
+            return measured
         bandwidth, latency = self._link(across_nodes)
         return comm.p2p_time(nbytes, bandwidth=bandwidth, latency_s=latency)
 
     def collective_time(self, kind: str, nbytes: float, group_size: int, *,
                         across_nodes: bool = False) -> float:
+        if not across_nodes and group_size == self.device.comm_ranks and group_size > 1:
+            measured = self.device.measured_comm_time(kind, nbytes)
+            if measured is not None:
+                return measured
         bandwidth, latency = self._link(across_nodes)
         return comm.collective_time(kind, nbytes, group_size, bus_bandwidth=bandwidth,
                                     step_latency_s=latency)

@@ -15,6 +15,7 @@ import argparse
 import datetime
 import json
 import os
+import resource
 import sys
 import time
 from pathlib import Path
@@ -43,7 +44,7 @@ def parse_args(argv: list[str] | None, plan: Plan) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3)")
     parser.add_argument("--optimizer", choices=OPTIMIZERS, default=plan.optimizer)
     parser.add_argument("--seed", type=int, default=0, help="seed of the training batches (default 0)")
-    parser.add_argument("--metrics", type=Path, help="append one JSON line per step: step, loss, step_s")
+    parser.add_argument("--metrics", type=Path, help="append one JSON line per step: step, loss, step_s, peak_memory_bytes (per rank)")
     parser.add_argument("--save-weights", type=Path, help="write each stage's final weights here (safetensors)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds before a stuck peer is an error")
     return parser.parse_args(argv)
@@ -137,6 +138,7 @@ def _loop(out_dir: Path, plan: Plan, args: argparse.Namespace, rank: int, device
         optimizer.zero_grad(set_to_none=True)
         elapsed = torch.tensor([time.perf_counter() - start])
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        peaks = _peak_memory_per_rank(device) if args.metrics else []
         if holds_loss:
             loss = torch.tensor([sum(losses) / len(losses)], dtype=torch.float64)
             if data_parallel is not None:
@@ -145,8 +147,9 @@ def _loop(out_dir: Path, plan: Plan, args: argparse.Namespace, rank: int, device
             if here.dp == 0:
                 print(f"step {step} loss {loss:.6f} step_s {elapsed.item():.4f}", flush=True)
                 if args.metrics:
+                    record = {"step": step, "loss": loss, "step_s": elapsed.item(), "peak_memory_bytes": peaks}
                     with open(args.metrics, "a") as metrics:
-                        metrics.write(json.dumps({"step": step, "loss": loss, "step_s": elapsed.item()}) + "\n")
+                        metrics.write(json.dumps(record) + "\n")
     if args.save_weights and here.dp == 0:
         args.save_weights.mkdir(parents=True, exist_ok=True)
         for s, stage in stages.items():
@@ -189,6 +192,17 @@ def _average_gradients(parameters: list[torch.nn.Parameter], group: dist.Process
 
 
 _BUCKET_BYTES = 25 * 1024 * 1024
+
+
+def _peak_memory_per_rank(device: torch.device) -> list[int]:
+    """Every rank's peak so far: bytes allocated on a GPU, resident memory of the process on a CPU."""
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device)
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kilobytes on Linux
+    gathered = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, torch.tensor([peak], dtype=torch.int64, device=device))
+    return [int(t.item()) for t in gathered]
 
 
 def _sum_tied_gradients(stages: dict[int, StageRuntime], name: str, group: dist.ProcessGroup) -> None:

@@ -18,7 +18,7 @@ from autopart.errors import ConfigError, ScheduleError
 from autopart.schedule.actions import Action, Kind, Schedule, stage_rank
 from autopart.schedule.validate import format_grid
 
-__all__ = ["StageCosts", "Event", "Timeline", "simulate"]
+__all__ = ["StageCosts", "Event", "Timeline", "simulate", "input_ready_at"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -194,37 +194,8 @@ def simulate(schedule: Schedule, costs: StageCosts, *, ranks: int) -> Timeline:
     cursor = {rank: 0 for rank in schedule}
     events: list[Event] = []
 
-    def backward_end(stage: int, mb: int) -> float | None:
-        for kind in (Kind.B, Kind.I):
-            if (stage, kind, mb) in finished:
-                return finished[(stage, kind, mb)]
-        return None
-
-    def arrival(producer_end: float | None, boundary: int, crosses: bool) -> float | None:
-        if producer_end is None:
-            return None
-        return producer_end + (costs.transfer_s[boundary] if crosses else 0.0)
-
     def ready_at(action: Action) -> float | None:
-        """When the inputs of ``action`` are on its rank; None while one is not produced."""
-        stage, mb, kind = action.stage, action.microbatch, action.kind
-        if kind in (Kind.F, Kind.RECV_F):
-            if stage == 0:
-                return 0.0
-            crosses = stage_rank(stage - 1, ranks) != stage_rank(stage, ranks)
-            return arrival(finished.get((stage - 1, Kind.F, mb)), stage - 1, crosses)
-        if kind in (Kind.B, Kind.I, Kind.RECV_B):
-            own_forward = 0.0 if kind is Kind.RECV_B else finished.get((stage, Kind.F, mb))
-            if own_forward is None:
-                return None
-            if stage == stages - 1:
-                return own_forward
-            crosses = stage_rank(stage + 1, ranks) != stage_rank(stage, ranks)
-            gradient = arrival(backward_end(stage + 1, mb), stage, crosses)
-            return None if gradient is None else max(own_forward, gradient)
-        if kind is Kind.W:
-            return finished.get((stage, Kind.I, mb))
-        return 0.0  # a send: its producer ran earlier on this rank
+        return input_ready_at(action, finished, costs, ranks=ranks)
 
     progress = True
     while progress:
@@ -254,3 +225,40 @@ def simulate(schedule: Schedule, costs: StageCosts, *, ranks: int) -> Timeline:
         error.grid = format_grid(schedule, (stuck[0], cursor[stuck[0]]))  # type: ignore[attr-defined]
         raise error
     return Timeline.from_events(events, ranks=ranks)
+
+
+def input_ready_at(action: Action, finished: dict[tuple[int, Kind, int], float], costs: StageCosts, *,
+                   ranks: int) -> float | None:
+    """When the inputs of ``action`` are on its rank, given the end times of the compute actions
+    ``finished`` so far ((stage, kind, microbatch) -> end); None while one is not produced."""
+    stages = costs.stages
+
+    def backward_end(stage: int, mb: int) -> float | None:
+        for kind in (Kind.B, Kind.I):
+            if (stage, kind, mb) in finished:
+                return finished[(stage, kind, mb)]
+        return None
+
+    def arrival(producer_end: float | None, boundary: int, crosses: bool) -> float | None:
+        if producer_end is None:
+            return None
+        return producer_end + (costs.transfer_s[boundary] if crosses else 0.0)
+
+    stage, mb, kind = action.stage, action.microbatch, action.kind
+    if kind in (Kind.F, Kind.RECV_F):
+        if stage == 0:
+            return 0.0
+        crosses = stage_rank(stage - 1, ranks) != stage_rank(stage, ranks)
+        return arrival(finished.get((stage - 1, Kind.F, mb)), stage - 1, crosses)
+    if kind in (Kind.B, Kind.I, Kind.RECV_B):
+        own_forward = 0.0 if kind is Kind.RECV_B else finished.get((stage, Kind.F, mb))
+        if own_forward is None:
+            return None
+        if stage == stages - 1:
+            return own_forward
+        crosses = stage_rank(stage + 1, ranks) != stage_rank(stage, ranks)
+        gradient = arrival(backward_end(stage + 1, mb), stage, crosses)
+        return None if gradient is None else max(own_forward, gradient)
+    if kind is Kind.W:
+        return finished.get((stage, Kind.I, mb))
+    return 0.0  # a send: its producer ran earlier on this rank

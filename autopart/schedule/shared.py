@@ -1,0 +1,81 @@
+"""The step time of a schedule when ranks share a few cores, with each rank's work after it.
+
+`simulate` gives every rank a device of its own. On a CPU machine the ranks are processes that
+share its cores: when more ranks compute at once than there are cores, each advances at
+``cores / busy`` of its own speed (processor sharing, what the kernel's scheduler gives
+CPU-bound processes), and other processes running on the machine take their share as well.
+``step_time`` runs the same action lists under that rule, and after each
+rank's last action its ``tail_s`` (the optimizer step and anything else the step does after the
+pipeline), and returns when the last rank is done. With ``cores = 0`` (a device per rank) it
+equals `simulate`'s step plus the longest tail on the last rank to finish.
+"""
+
+from __future__ import annotations
+
+from autopart.schedule.actions import Schedule
+from autopart.schedule.simulate import StageCosts, input_ready_at
+
+__all__ = ["step_time"]
+
+_EPSILON = 1e-12
+
+
+def step_time(schedule: Schedule, costs: StageCosts, *, ranks: int, cores: int = 0, background: float = 0.0,
+              tail_s: dict[int, float] | None = None) -> float:
+    """Seconds from the first action to the end of the last rank's tail; ``background`` other
+    busy processes share the ``cores`` too."""
+    tail_s = tail_s or {}
+    finished: dict = {}
+    cursor = {rank: 0 for rank in schedule}
+    remaining: dict[int, float] = {}  # rank -> work left of what it runs now
+    running: dict[int, object] = {}  # rank -> the action it runs, or None for its tail
+    done: set[int] = set()
+    now = 0.0
+    while len(done) < len(schedule):
+        wakes: list[float] = []
+        started = True
+        while started:  # start everything that can start now; zero-length actions end at once
+            started = False
+            for rank, actions in schedule.items():
+                if rank in remaining or rank in done:
+                    continue
+                if cursor[rank] == len(actions):
+                    work, action = tail_s.get(rank, 0.0), None
+                else:
+                    action = actions[cursor[rank]]
+                    ready = input_ready_at(action, finished, costs, ranks=ranks)
+                    if ready is None or ready > now + _EPSILON:
+                        if ready is not None:
+                            wakes.append(ready)
+                        continue
+                    work = costs.duration(action)
+                    cursor[rank] += 1
+                if work > 0:
+                    remaining[rank], running[rank] = work, action
+                elif action is None:
+                    done.add(rank)
+                elif action.is_compute:
+                    finished[(action.stage, action.kind, action.microbatch)] = now
+                started = True
+        if not remaining:
+            if not wakes:
+                break
+            now = min(wakes)
+            continue
+        rate = 1.0 if cores <= 0 else min(1.0, cores / (len(remaining) + background))
+        step = min(remaining.values()) / rate
+        later = [w for w in wakes if w > now]
+        if later:
+            step = min(step, min(later) - now)
+        now += step
+        for rank in list(remaining):
+            remaining[rank] -= step * rate
+            if remaining[rank] <= _EPSILON:
+                action = running.pop(rank)
+                del remaining[rank]
+                if action is None:
+                    done.add(rank)
+                elif action.is_compute:
+                    finished[(action.stage, action.kind, action.microbatch)] = now
+    assert len(done) == len(schedule), "the schedule deadlocks; validate it first"
+    return now

@@ -1,0 +1,146 @@
+"""How wrong are the cost models? Predicted against measured on this machine.
+
+    python benchmarks/cost_accuracy.py [--steps 15] [--warmup 5] [--costs COSTS.json] [--rows gpt-s:2,...]
+
+For each example at two sizes and for 2 and 4 ranks: compile with profiled costs
+(``--costs``: ops the database lacks are timed on the way), then measure
+- forward+backward of one microbatch per stage, each stage run alone in this process (one thread);
+- the median ``step_s`` that the generated program reports under torchrun (``--metrics``),
+  warm-up steps left out;
+- the peak resident memory per rank (``peak_memory_bytes`` in ``--metrics``);
+and print each against the plan's prediction, with its error. The 1-minute load average is
+printed too: other work on the machine slows every measured figure and none of the predicted.
+Run ``autopart profile-comm`` first, so that messages and the base memory of a rank are measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+from autopart.compiler import CompileOptions, compile_to_directory  # noqa: E402
+from autopart.plan import Plan  # noqa: E402
+from autopart.runtime.stage import load_stage  # noqa: E402
+
+SIZES = {
+    "gpt-s": ("gpt.py", "vocab_size=512, block_size=32, n_layer=4, n_head=4, n_embd=64"),
+    "gpt-m": ("gpt.py", "vocab_size=1024, block_size=64, n_layer=6, n_head=4, n_embd=128"),
+    "llama-s": ("llama.py", "vocab_size=384, seq_len=32, n_layer=4, n_head=4, n_kv_head=2, dim=64, ffn_dim=176"),
+    "llama-m": ("llama.py", "vocab_size=768, seq_len=64, n_layer=6, n_head=4, n_kv_head=2, dim=128, ffn_dim=352"),
+}
+WRAPPER = """# {name}: examples/{example} with its CONFIG replaced (written by benchmarks/cost_accuracy.py)
+import dataclasses, importlib.util
+_spec = importlib.util.spec_from_file_location("_example_{slug}", {path!r})
+_base = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_base)
+_base.CONFIG = dataclasses.replace(_base.CONFIG, {config})
+build_model, example_batch, loss_fn = _base.build_model, _base.example_batch, _base.loss_fn
+"""
+
+
+def _model_file(folder: Path, name: str) -> Path:
+    example, config = SIZES[name]
+    path = folder / f"{name.replace('-', '_')}.py"
+    path.write_text(WRAPPER.format(name=name, example=example, slug=name.replace("-", "_"),
+                                   path=str(REPO / "examples" / example), config=config))
+    return path
+
+
+def _stage_times(out: Path, plan: Plan, repeats: int = 15) -> list[float]:
+    """Median forward+backward seconds of one microbatch per stage, each stage alone, one thread."""
+    from autopart.capture import load_model_file
+
+    spec = load_model_file(out / "model.py" if (out / "model.py").exists() else plan.provenance.model_file, build=False)
+    inputs, target = spec.example(plan.schedule.micro_batch_size)
+    batch = (*inputs, target)
+    modules = [load_stage(out, s.index, torch.device("cpu")) for s in plan.stages]
+    received: list[torch.Tensor] = []
+    times = []
+    for stage, module in zip(plan.stages, modules):
+        reads = [batch[plan.graph_inputs.index(n)] for n in stage.batch_inputs]
+        samples = []
+        for i in range(repeats + 3):
+            leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in received]
+            start = time.perf_counter()
+            out_value = module(*leaves, *reads)
+            outs = [out_value] if isinstance(out_value, torch.Tensor) else list(out_value)
+            floating = [t for t in outs if t.is_floating_point() and t.requires_grad]
+            torch.autograd.backward(floating, [torch.ones_like(t) for t in floating])
+            if i >= 3:
+                samples.append(time.perf_counter() - start)
+        times.append(statistics.median(samples))
+        received = [t.detach() for t in outs]
+    return times
+
+
+def _run(out: Path, ranks: int, steps: int, warmup: int) -> tuple[float, list[int]]:
+    metrics = out / "metrics.jsonl"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    with __import__("socket").socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}", "--master-addr=127.0.0.1",
+               f"--master-port={port}", str(out / "train.py"), "--steps", str(steps), "--metrics", str(metrics)]
+    subprocess.run(command, check=True, capture_output=True, timeout=600, env=env)
+    lines = [json.loads(line) for line in metrics.read_text().splitlines()]
+    return statistics.median(line["step_s"] for line in lines[warmup:]), lines[-1]["peak_memory_bytes"]
+
+
+def _error(predicted: float, measured: float) -> str:
+    return f"{(predicted - measured) / measured:+.1%}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=15)
+    parser.add_argument("--warmup", type=int, default=5, help="first steps left out of the median")
+    parser.add_argument("--costs", type=Path, help="cost database to use and extend (default: a fresh one)")
+    parser.add_argument("--rows", default="gpt-s:2,gpt-s:4,gpt-m:2,gpt-m:4,llama-s:2,llama-s:4,llama-m:2,llama-m:4")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    console = Console(highlight=False)
+    table = Table(title="cost_accuracy: predicted vs measured on this CPU (errors: (predicted - measured) / measured)")
+    for header in ("model", "ranks", "stage fwd+bwd ms pred/meas (worst err)", "step ms pred", "step ms meas",
+                   "step err", "peak MiB pred", "peak MiB meas", "mem err", "load"):
+        table.add_column(header, justify="right")
+    with tempfile.TemporaryDirectory(prefix="cost_accuracy_") as folder:
+        folder = Path(folder)
+        costs = args.costs or folder / "costs.json"
+        for row in args.rows.split(","):
+            name, ranks = row.split(":")
+            ranks = int(ranks)
+            model = _model_file(folder, name)
+            out = folder / f"{name}-{ranks}"
+            options = CompileOptions(model=model, pp=ranks, microbatches=2 * ranks, micro_batch_size=2, costs=costs,
+                                     time_limit_s=10)
+            plan, _ = compile_to_directory(options, out)
+            measured_stages = _stage_times(out, plan)
+            predicted_stages = [s.forward_s + s.backward_s for s in plan.stages]
+            worst = max(zip(predicted_stages, measured_stages), key=lambda pm: abs(pm[0] - pm[1]) / pm[1])
+            stage_cells = " ".join(f"{p * 1e3:.2f}/{m * 1e3:.2f}" for p, m in zip(predicted_stages, measured_stages))
+            step, peaks = _run(out, ranks, args.steps, args.warmup)
+            predicted_memory, measured_memory = max(plan.predicted.memory_bytes), max(peaks)
+            table.add_row(name, str(ranks), f"{stage_cells} ({_error(*worst)})", f"{plan.predicted.step_s * 1e3:.1f}",
+                          f"{step * 1e3:.1f}", _error(plan.predicted.step_s, step),
+                          f"{predicted_memory / 2**20:.0f}", f"{measured_memory / 2**20:.0f}",
+                          _error(predicted_memory, measured_memory), f"{os.getloadavg()[0]:.1f}")
+            console.print(f"{row}: step {plan.predicted.step_s * 1e3:.1f} ms predicted, {step * 1e3:.1f} ms measured")
+    console.print(table)
+
+
+if __name__ == "__main__":
+    main()

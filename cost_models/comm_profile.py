@@ -1,0 +1,198 @@
+"""``autopart profile-comm``: measure messages and collectives between processes on this machine.
+
+Starts ``ranks`` processes (gloo on loopback here, NCCL on GPUs) and times, at a few sizes, a
+point-to-point message in the runtime's own pattern (``isend``/``irecv`` then ``wait``, one-way
+time as half a round trip), ``all_reduce``, ``all_gather`` and ``reduce_scatter``; median of
+repeats. It also reads each process's resident memory after it has imported the runtime and
+joined the group and run one step of a tiny model: the memory every rank takes besides its
+model's own tensors.
+
+The result is cached next to the CPU calibration (``$AUTOPART_CACHE_DIR``), per host, backend
+and torch version; ``load_device`` puts it into the spec of the device it was measured on, so
+that the cost model's ``p2p_time`` and ``collective_time`` answer measured figures, interpolated
+between the measured sizes (gloo's time per message is no straight line in its size: small
+messages go out at once, larger ones pay a fixed rendezvous first).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from autopart.errors import ConfigError
+from cost_models.calibration import cache_dir
+
+__all__ = ["CommProfile", "profile_comm", "load_comm_profile", "SIZES"]
+
+SIZES = (4, 4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 8 << 20)
+"""Message sizes timed, in bytes: latency-bound to bandwidth-bound."""
+_REPEATS = 15
+_KINDS = ("p2p", "all_reduce", "all_gather", "reduce_scatter")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CommProfile:
+    device: str
+    backend: str
+    ranks: int
+    host: str
+    torch_version: str
+    curves: dict[str, list[list[float]]]
+    """Per kind, [bytes, seconds] points; collectives at ``ranks`` processes."""
+    process_bytes: int
+    """Resident memory of one rank after importing the runtime and joining the group."""
+
+    def describe(self) -> str:
+        lines = [f"{self.backend}, {self.ranks} processes on {self.host} ({self.device}):"]
+        for kind, points in self.curves.items():
+            cells = ", ".join(f"{int(b)} B {s * 1e6:.0f} us" for b, s in points)
+            lines.append(f"  {kind:15s} {cells}")
+        lines.append(f"  memory of one rank before the model: {self.process_bytes / 2**20:.0f} MiB")
+        return "\n".join(lines)
+
+
+def _path(device: str, backend: str) -> Path:
+    slug = re.sub(r"[^A-Za-z0-9._+-]", "_", f"{socket.gethostname()}-{device}-{backend}-torch{torch.__version__}")
+    return cache_dir() / f"comm-{slug}.json"
+
+
+def load_comm_profile(device: str) -> CommProfile | None:
+    """The cached measurements for ``device`` on this host and torch, or None."""
+    backend = "nccl" if device != "cpu" else "gloo"
+    try:
+        data = json.loads(_path(device, backend).read_text())
+        return CommProfile(**data)
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _time(call, device: torch.device) -> float:
+    import torch.distributed as dist
+
+    samples = []
+    for i in range(_REPEATS + 2):
+        dist.barrier()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        call()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if i >= 2:
+            samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def _warm_up(device: torch.device) -> None:
+    """One training step of a tiny Transformer layer, so that the memory read afterwards holds
+    what any training rank holds besides its model: the library code that ops page in, the
+    allocator's arenas, the autograd engine and the optimizer."""
+    from torch.nn import functional as F
+
+    torch.manual_seed(0)
+    embedding = torch.nn.Embedding(64, 32).to(device)
+    norm = torch.nn.LayerNorm(32).to(device)
+    linear = torch.nn.Linear(32, 96).to(device)
+    head = torch.nn.Linear(32, 64).to(device)
+    parameters = [*embedding.parameters(), *norm.parameters(), *linear.parameters(), *head.parameters()]
+    optimizer = torch.optim.AdamW(parameters, foreach=False)
+    tokens = torch.randint(0, 64, (2, 16), device=device)
+    x = norm(embedding(tokens))
+    q, k, v = linear(x).view(2, 16, 3, 4, 8).unbind(2)
+    y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+    logits = head(F.gelu(y.transpose(1, 2).reshape(2, 16, 32)) * torch.rsqrt(x.pow(2).mean(-1, keepdim=True)))
+    F.cross_entropy(logits.reshape(-1, 64), tokens.reshape(-1)).backward()
+    optimizer.step()
+
+
+def _worker(rank: int, ranks: int, backend: str, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    import autopart.runtime.train  # noqa: F401 - the runtime's imports are part of its memory
+
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=ranks)
+    dist.barrier()
+    _warm_up(device)
+    process_bytes = _rss_bytes()
+    curves: dict[str, list[list[float]]] = {kind: [] for kind in _KINDS}
+    for nbytes in SIZES:
+        buffer = torch.zeros(max(1, nbytes // 4), device=device)
+
+        def ping_pong() -> None:
+            if rank == 0:
+                dist.isend(buffer, 1).wait()
+                dist.irecv(buffer, 1).wait()
+            elif rank == 1:
+                dist.irecv(buffer, 0).wait()
+                dist.isend(buffer, 0).wait()
+
+        curves["p2p"].append([nbytes, _time(ping_pong, device) / 2])
+        curves["all_reduce"].append([nbytes, _time(lambda: dist.all_reduce(buffer), device)])
+        part = torch.zeros(max(1, nbytes // 4 // ranks), device=device)
+        whole = torch.zeros(part.numel() * ranks, device=device)
+        curves["all_gather"].append([nbytes, _time(lambda: dist.all_gather_into_tensor(whole, part), device)])
+        try:
+            curves["reduce_scatter"].append([nbytes, _time(lambda: dist.reduce_scatter_tensor(part, whole), device)])
+        except (RuntimeError, NotImplementedError, ValueError):
+            pass  # a backend without reduce_scatter: the cost model keeps its formula for it
+    dist.destroy_process_group()
+    for points in curves.values():  # a smaller message never takes longer than a larger one
+        for i in range(len(points) - 2, -1, -1):
+            points[i][1] = min(points[i][1], points[i + 1][1])
+    if rank == 0:
+        Path(out).write_text(json.dumps({"curves": {k: v for k, v in curves.items() if v},
+                                         "process_bytes": process_bytes}))
+
+
+def profile_comm(*, ranks: int = 2, backend: str | None = None) -> tuple[CommProfile, Path]:
+    """Measure with ``ranks`` processes, cache the result, return it and where it went."""
+    import torch.multiprocessing as mp
+
+    from cost_models.devices import local_device_name
+
+    if ranks < 2:
+        raise ConfigError(f"--ranks must be at least 2 to measure communication, got {ranks}")
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend not in ("gloo", "nccl"):
+        raise ConfigError(f"--backend must be gloo or nccl, got {backend!r}")
+    if backend == "nccl" and torch.cuda.device_count() < ranks:
+        raise ConfigError(f"nccl over {ranks} ranks needs {ranks} GPUs, {torch.cuda.device_count()} visible; use fewer --ranks")
+    device = local_device_name("cuda" if backend == "nccl" else "cpu")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with tempfile.TemporaryDirectory() as folder:
+        out = os.path.join(folder, "comm.json")
+        previous = os.environ.get("OMP_NUM_THREADS")
+        os.environ["OMP_NUM_THREADS"] = "1"  # as torchrun starts every rank
+        try:
+            mp.start_processes(_worker, args=(ranks, backend, port, out), nprocs=ranks, join=True, start_method="spawn")
+        finally:
+            if previous is None:
+                os.environ.pop("OMP_NUM_THREADS", None)
+            else:
+                os.environ["OMP_NUM_THREADS"] = previous
+        data = json.loads(Path(out).read_text())
+    profile = CommProfile(device=device, backend=backend, ranks=ranks, host=socket.gethostname(),
+                          torch_version=torch.__version__, **data)
+    path = _path(device, backend)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(asdict(profile), indent=1) + "\n")
+    return profile, path

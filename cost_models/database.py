@@ -1,0 +1,121 @@
+"""The cost database: measured seconds of ops, saved as JSON, looked up by a key.
+
+A key names everything that changes a measurement::
+
+    cpu|torch 2.5.1|aten.linear(float32[2,32,64]:grad, float32[256,64]:weight, float32[256]:weight)
+
+the device, the torch version and the op with the shapes and dtypes of its arguments (and
+whether each is differentiated as an input or as a weight). Repeated layers produce the same
+keys, so they are measured once; a second compile of the same model finds every key and times
+nothing. Besides ops, the database holds optimizer steps per parameter shape and the fixed
+costs of the runtime that no op carries (starting an autograd backward, calling a stage).
+
+The file is plain JSON so that it can be read, diffed, merged and checked in::
+
+    {"schema": 1, "entries": {KEY: {"forward_s": .., "backward_input_s": .., "backward_weight_s": ..}},
+     "overheads": {DEVICE: {"autograd_call_s": .., "module_call_s": ..}}}
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from autopart.errors import ConfigError
+
+__all__ = ["OpTimes", "RuntimeOverheads", "CostDatabase", "entry_key"]
+
+_SCHEMA = 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class OpTimes:
+    """Seconds of one op: forward, gradients of its inputs, gradients of its weights."""
+
+    forward_s: float = 0.0
+    backward_input_s: float = 0.0
+    backward_weight_s: float = 0.0
+
+    @property
+    def backward_s(self) -> float:
+        return self.backward_input_s + self.backward_weight_s
+
+
+@dataclass(frozen=True, kw_only=True)
+class RuntimeOverheads:
+    """Fixed costs of the runtime that belong to no op, measured on one device."""
+
+    autograd_call_s: float = 0.0
+    """Starting one ``torch.autograd.backward``/``grad``: paid once per backward action, and
+    taken out of every op's measured backward, where the profiler's own call paid it."""
+    module_call_s: float = 0.0
+    """Calling a module (``nn.Module.__call__``): paid once per forward action."""
+
+
+def entry_key(device: str, op_key: str) -> str:
+    return f"{device}|torch {torch.__version__}|{op_key}"
+
+
+@dataclass(kw_only=True)
+class CostDatabase:
+    """Measured costs, keyed by `entry_key`; `timed` counts the measurements made this session."""
+
+    path: Path | None = None
+    entries: dict[str, OpTimes] = field(default_factory=dict)
+    overheads: dict[str, RuntimeOverheads] = field(default_factory=dict)
+    timed: int = 0
+
+    @staticmethod
+    def load(path: str | Path, *, missing_ok: bool = True) -> CostDatabase:
+        """The database at ``path``; an empty one bound to ``path`` when the file does not exist yet."""
+        path = Path(path)
+        if not path.exists():
+            if not missing_ok:
+                raise ConfigError(f"cost database {path} does not exist; write one with 'autopart profile MODEL.py -o {path}'")
+            return CostDatabase(path=path)
+        try:
+            data = json.loads(path.read_text())
+            if data.get("schema") != _SCHEMA:
+                raise ConfigError(f"cost database {path} has schema {data.get('schema')!r}, not {_SCHEMA}; profile again")
+            entries = {str(k): OpTimes(**{n: float(v[n]) for n in ("forward_s", "backward_input_s", "backward_weight_s")})
+                       for k, v in data["entries"].items()}
+            overheads = {str(k): RuntimeOverheads(**{n: float(x) for n, x in v.items()})
+                         for k, v in data.get("overheads", {}).items()}
+        except ConfigError:
+            raise
+        except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
+            raise ConfigError(f"cost database {path} is not a valid cost database ({exc}); "
+                              "delete it or write a new one with 'autopart profile'") from None
+        return CostDatabase(path=path, entries=entries, overheads=overheads)
+
+    def get(self, device: str, op_key: str) -> OpTimes | None:
+        return self.entries.get(entry_key(device, op_key))
+
+    def put(self, device: str, op_key: str, times: OpTimes) -> None:
+        self.entries[entry_key(device, op_key)] = times
+        self.timed += 1
+
+    def devices(self) -> set[str]:
+        return {key.split("|", 1)[0] for key in self.entries}
+
+    def to_json(self) -> dict:
+        return {
+            "schema": _SCHEMA,
+            "entries": {k: asdict(v) for k, v in sorted(self.entries.items())},
+            "overheads": {k: asdict(v) for k, v in sorted(self.overheads.items())},
+        }
+
+    def save(self, path: str | Path | None = None) -> Path:
+        """Written atomically: two compiles sharing one database never leave half a file."""
+        target = Path(path or self.path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=target.parent, delete=False, suffix=".tmp") as tmp:
+            json.dump(self.to_json(), tmp, indent=1)
+            tmp.write("\n")
+        os.replace(tmp.name, target)
+        return target

@@ -1,0 +1,126 @@
+"""The profiler and its cost database: reuse, the command line, and predictions that follow it."""
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from autopart.compiler import compile
+from cost_models import CostDatabase, known_devices
+from tests.distributed import REPO, run_cli
+
+MODEL = """
+import torch
+from torch import nn
+
+class Layer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.norm = nn.LayerNorm(16)
+
+    def forward(self, x):
+        return x + torch.relu(self.fc(self.norm(x)))
+
+def build_model():
+    torch.manual_seed(0)
+    return nn.Sequential(Layer(), Layer(), Layer(), nn.Linear(16, 4))
+
+def example_batch(batch_size):
+    return (torch.randn(batch_size, 16),), torch.randn(batch_size, 4)
+
+def loss_fn(output, target):
+    return torch.nn.functional.mse_loss(output, target)
+"""
+
+
+@pytest.fixture
+def model_file(tmp_path: Path) -> Path:
+    path = tmp_path / "three_layers.py"
+    path.write_text(MODEL)
+    return path
+
+
+@pytest.fixture
+def timings(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Every op the profiler times, by key, in order."""
+    timed: list[str] = []
+    real_put = CostDatabase.put
+
+    def put(self, device, op_key, times):
+        if not op_key.startswith("optimizer."):
+            timed.append(op_key)
+        real_put(self, device, op_key, times)
+
+    monkeypatch.setattr(CostDatabase, "put", put)
+    return timed
+
+
+def test_second_compile_times_nothing_and_repeated_layers_are_timed_once(model_file: Path, tmp_path: Path,
+                                                                           timings: list[str]) -> None:
+    costs = tmp_path / "costs.json"
+    first = compile(model_file, pp=2, microbatches=2, costs=costs, time_limit_s=5)
+    assert timings and len(timings) == len(set(timings))
+    linears = [k for k in timings if k.startswith("linear(float32[4,16]:g, float32[16,16]:w")]
+    assert len(linears) == 1  # three identical layers, one measurement
+    saved = costs.read_text()
+    timings.clear()
+    second = compile(model_file, pp=2, microbatches=2, costs=costs, time_limit_s=5)
+    assert timings == []
+    assert costs.read_text() == saved
+    assert second.predicted.stage_time_s == first.predicted.stage_time_s
+    assert first.provenance.cost_model == "profiled:cpu"
+
+
+def test_costs_change_predictions_through_the_cost_model(model_file: Path, tmp_path: Path) -> None:
+    costs = tmp_path / "costs.json"
+    measured = compile(model_file, pp=1, microbatches=2, costs=costs, time_limit_s=5)
+    roofline = compile(model_file, pp=1, microbatches=2, time_limit_s=5)
+    assert measured.stages[0].forward_s != roofline.stages[0].forward_s
+    database = json.loads(costs.read_text())
+    for times in database["entries"].values():
+        times["forward_s"] *= 10
+    slower = tmp_path / "slower.json"
+    slower.write_text(json.dumps(database))
+    scaled = compile(model_file, pp=1, microbatches=2, costs=slower, time_limit_s=5)
+    assert scaled.stages[0].forward_s == pytest.approx(10 * measured.stages[0].forward_s, rel=1e-9)
+    assert scaled.predicted.step_s > measured.predicted.step_s
+    # measurements of this CPU say nothing about another device: it keeps its roofline
+    h100 = compile(model_file, pp=1, microbatches=2, device="h100-sxm", costs=slower, time_limit_s=5)
+    plain = compile(model_file, pp=1, microbatches=2, device="h100-sxm", time_limit_s=5)
+    assert h100.stages[0].forward_s == plain.stages[0].forward_s
+
+
+def test_profile_cli_writes_a_valid_database(model_file: Path, tmp_path: Path) -> None:
+    costs = tmp_path / "costs.json"
+    result = run_cli("profile", str(model_file), "-o", str(costs), "--micro-batch-size", "1", "2", timeout=240)
+    assert result.returncode == 0, result.stderr
+    assert re.search(r"timed \d+ ops \(0 already in the database\)", result.stdout)
+    database = CostDatabase.load(costs, missing_ok=False)
+    assert database.overheads["cpu"].autograd_call_s > 0
+    assert all(key.startswith("cpu|torch ") for key in database.entries)
+    assert any("float32[2,16]" in key for key in database.entries)  # both microbatch sizes
+    assert any(key.split("|")[2].startswith("optimizer.adamw(") for key in database.entries)
+    for times in database.entries.values():
+        assert times.forward_s >= 0 and times.backward_input_s >= 0 and times.backward_weight_s >= 0
+    again = run_cli("profile", str(model_file), "-o", str(costs), timeout=240)
+    assert "timed 0 ops" in again.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--device", "tpu"], r"can only profile on cpu or cuda, got --device 'tpu'"),
+    (["--optimizer", "lion"], r"unknown optimizer 'lion'"),
+])
+def test_profile_cli_errors_are_one_line(model_file: Path, tmp_path: Path, args: list[str], message: str) -> None:
+    result = run_cli("profile", str(model_file), "-o", str(tmp_path / "c.json"), *args)
+    assert result.returncode == 2
+    assert re.fullmatch(rf"autopart: error: {message}.*\n", result.stderr)
+
+
+def test_the_solver_never_names_a_device() -> None:
+    names = {*known_devices(), "cuda", "nvidia", "a100", "h100", "h200", "mi300"}
+    for source in (REPO / "autopart" / "solver").rglob("*.py"):
+        text = source.read_text().lower()
+        for name in names:
+            assert name not in text, f"{source.name} names the device {name!r}: costs must come through the CostModel"
