@@ -29,6 +29,7 @@ from autopart.plan import Plan, load_plan
 from autopart.runtime.data import global_batches, split_microbatches
 from autopart.runtime.executor import Executor, StageRuntime
 from autopart.runtime.optim import OPTIMIZERS, make_optimizer
+from autopart.runtime.p2p import check_message_order
 from autopart.runtime.stage import load_stage
 from autopart.schedule import add_communication, build_schedule, stage_rank
 
@@ -118,6 +119,7 @@ def _loop(out_dir: Path, plan: Plan, args: argparse.Namespace, rank: int, device
         ),
         ranks=pipeline,
     )
+    check_message_order(schedule, ranks=pipeline)
     executor = Executor(
         rank=rank,
         stages=stages,
