@@ -10,6 +10,7 @@ over the global batch. Zero-bubble's I and W are `autopart.runtime.backward`'s s
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,13 +65,22 @@ class Executor:
         self.microbatches = microbatches
         self.device = device
 
-    def step(self, microbatches: list[tuple[Any, ...]]) -> list[float]:
-        """Run the action list on the microbatches (graph inputs, split); return the losses held here."""
+    def step(
+        self, microbatches: list[tuple[Any, ...]], *, record: list[tuple[Action, float, float]] | None = None
+    ) -> list[float]:
+        """Run the action list on the microbatches (graph inputs, split); return the losses held here.
+
+        With ``record``, append ``(action, start, end)`` for every action, in ``time.perf_counter``
+        seconds; on a GPU each action is synchronized first, so the times are the kernels' own.
+        """
         losses: list[float] = []
         pending: list[Any] = []
         for position, action in enumerate(self.actions):
             try:
+                start = self._now() if record is not None else 0.0
                 self._run(action, microbatches, losses, pending)
+                if record is not None:
+                    record.append((action, start, self._now()))
             except Exception as exc:
                 grid = format_grid(self.schedule, mark=(self.rank, position))
                 raise StepFailure(
@@ -84,6 +94,11 @@ class Executor:
                 f"stage {stage.index} kept state past the end of the step: the schedule is incomplete"
             )
         return losses
+
+    def _now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
 
     def _run(self, action: Action, microbatches: list[tuple[Any, ...]], losses: list[float], pending: list) -> None:
         stage = self.stages[action.stage]
