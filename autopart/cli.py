@@ -42,7 +42,19 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--optimizer", default="adamw", help="sgd or adamw: its state counts in memory (default adamw)")
     c.add_argument("--plan", type=Path, help="emit this plan.json as it is instead of solving")
     c.add_argument("--time-limit", type=float, default=30.0, help="seconds per solver run (default 30)")
+    e = commands.add_parser("explain", help="show a compiled plan, and a measured step against its prediction")
+    e.add_argument("out", type=Path, help="an output directory of autopart compile")
+    e.add_argument("--trace", type=Path, help="a measured trace, from OUT/train.py --trace FILE")
     return parser
+
+
+def _print_table(console: Console, rows: list[list[str]], title: str) -> None:
+    table = Table(title=title)
+    for header in rows[0]:
+        table.add_column(header, justify="right")
+    for row in rows[1:]:
+        table.add_row(*row)
+    console.print(table)
 
 
 def _compile(args: argparse.Namespace, console: Console) -> None:
@@ -64,18 +76,35 @@ def _compile(args: argparse.Namespace, console: Console) -> None:
         time_limit_s=args.time_limit,
     )
     plan, out = compile_to_directory(options, args.out)
-    rows = stage_table(plan)
-    table = Table(title=f"{args.model.name}: {plan.schedule.kind}, {plan.schedule.microbatches} microbatches")
-    for header in rows[0]:
-        table.add_column(header, justify="right")
-    for row in rows[1:]:
-        table.add_row(*row)
-    console.print(table)
+    _print_table(console, stage_table(plan), f"{args.model.name}: {plan.schedule.kind}, {plan.schedule.microbatches} microbatches")
     console.print(
         f"predicted step {plan.predicted.step_s * 1e3:.3f} ms, bubble {plan.predicted.bubble:.1%}, "
         f"solver {plan.provenance.solver_status}"
     )
     console.print(f"wrote {out}/; train with:\n  torchrun --nproc-per-node {plan.world_size} {out}/train.py --steps 10")
+
+
+def _explain(args: argparse.Namespace, console: Console) -> None:
+    from autopart.codegen.report import stage_table
+    from autopart.explain import compare, comparison_rows, load_output, relative_error
+
+    plan = load_output(args.out)
+    comparison = compare(plan, args.trace) if args.trace is not None else None  # a bad trace fails before printing
+    spec = plan.schedule
+    name = Path(plan.provenance.model_file).name
+    title = f"{name}: {spec.kind}, pp={plan.mesh['pp']}, {spec.microbatches} microbatches of {spec.micro_batch_size}"
+    _print_table(console, stage_table(plan), title)
+    predicted = plan.predicted
+    console.print(f"predicted step {predicted.step_s * 1e3:.3f} ms, bubble {predicted.bubble:.1%}, cost model {plan.provenance.cost_model}")
+    if comparison is None:
+        console.print(f"measure a step with: torchrun --nproc-per-node {plan.world_size} {args.out}/train.py --steps 3 --trace trace.json")
+        return
+    _print_table(console, comparison_rows(comparison, plan), f"predicted vs measured ({args.trace})")
+    (step_p, step_m), (bubble_p, bubble_m) = comparison.step_s, comparison.bubble
+    console.print(
+        f"step: predicted {step_p * 1e3:.3f} ms, measured {step_m * 1e3:.3f} ms ({relative_error(step_p, step_m)}); "
+        f"bubble: predicted {bubble_p:.1%}, measured {bubble_m:.1%}"
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -84,6 +113,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if args.command == "compile":
             _compile(args, console)
+        elif args.command == "explain":
+            _explain(args, console)
     except AutopartError as exc:
         print(f"autopart: error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
