@@ -76,7 +76,8 @@ def _compile(args: argparse.Namespace, console: Console) -> None:
         time_limit_s=args.time_limit,
     )
     plan, out = compile_to_directory(options, args.out)
-    _print_table(console, stage_table(plan), f"{args.model.name}: {plan.schedule.kind}, {plan.schedule.microbatches} microbatches")
+    title = f"{args.model.name}: {plan.schedule.kind}, {plan.schedule.microbatches} microbatches"
+    _print_table(console, stage_table(plan), title)
     console.print(
         f"predicted step {plan.predicted.step_s * 1e3:.3f} ms, bubble {plan.predicted.bubble:.1%}, "
         f"solver {plan.provenance.solver_status}"
@@ -95,9 +96,15 @@ def _explain(args: argparse.Namespace, console: Console) -> None:
     title = f"{name}: {spec.kind}, pp={plan.mesh['pp']}, {spec.microbatches} microbatches of {spec.micro_batch_size}"
     _print_table(console, stage_table(plan), title)
     predicted = plan.predicted
-    console.print(f"predicted step {predicted.step_s * 1e3:.3f} ms, bubble {predicted.bubble:.1%}, cost model {plan.provenance.cost_model}")
+    console.print(
+        f"predicted step {predicted.step_s * 1e3:.3f} ms, bubble {predicted.bubble:.1%}, "
+        f"cost model {plan.provenance.cost_model}"
+    )
     if comparison is None:
-        console.print(f"measure a step with: torchrun --nproc-per-node {plan.world_size} {args.out}/train.py --steps 3 --trace trace.json")
+        console.print(
+            f"measure a step with: torchrun --nproc-per-node {plan.world_size} {args.out}/train.py "
+            "--steps 3 --trace trace.json"
+        )
         return
     _print_table(console, comparison_rows(comparison, plan), f"predicted vs measured ({args.trace})")
     (step_p, step_m), (bubble_p, bubble_m) = comparison.step_s, comparison.bubble

@@ -44,7 +44,9 @@ class Comparison:
 def load_output(out_dir: Path) -> Plan:
     """The plan of an output directory, with one-line errors for what is not one."""
     if not out_dir.exists():
-        raise ConfigError(f"output directory '{out_dir}' does not exist; write it with autopart compile MODEL.py -o {out_dir}")
+        raise ConfigError(
+            f"output directory '{out_dir}' does not exist; write it with autopart compile MODEL.py -o {out_dir}"
+        )
     if not out_dir.is_dir() or not (out_dir / "plan.json").is_file():
         raise ConfigError(
             f"'{out_dir}' is not an autopart output directory (it has no plan.json); "

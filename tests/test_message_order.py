@@ -8,7 +8,9 @@ from autopart.runtime.p2p import check_message_order
 from autopart.schedule import Action, add_communication, build_schedule
 
 
-@pytest.mark.parametrize("kind, chunks", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 3), ("zb-h1", 1)])
+@pytest.mark.parametrize(
+    "kind, chunks", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 3), ("zb-h1", 1)]
+)
 @pytest.mark.parametrize("ranks", [1, 2, 3, 4])
 def test_generated_schedules_send_in_the_order_they_receive(kind, chunks, ranks):
     for microbatches in (ranks, 2 * ranks, 3 * ranks):

@@ -136,12 +136,13 @@ def backward_input(
     input_nodes = [n for n in map(_node, inputs) if n is not None and n in parents]
     on_input_path, _ = _ancestors(input_nodes, parents, set())
     reached = [p for p in parameters if p.requires_grad and _node(p) in parents]
-    if not input_nodes or not all(root in on_input_path for root in roots):
-        # An output that does not depend on any input holds weight gradients that no frontier
-        # node sees: keep the whole graph and let W run the backward to the parameters.
+    every_output_on_input_path = all(root in on_input_path for root in roots)
+    groups = _groups(parents, on_input_path, reached) if every_output_on_input_path else []
+    if not every_output_on_input_path or not all(group.frontier for group in groups):
+        # An output that does not depend on any input (all of them, on the first stage) holds
+        # weight gradients that no frontier node sees: keep the whole graph for W instead.
         found = _grad(outputs, grads, inputs, retain_graph=True)
         return found, PendingWeights(whole=(outputs, grads, reached))
-    groups = _groups(parents, on_input_path, reached)
     handles = []
     try:
         for group in groups:
@@ -161,7 +162,9 @@ def _keeper(kept: dict[Node, tuple[torch.Tensor | None, ...]], node: Node):
     return hook
 
 
-def _grad(outputs: list[torch.Tensor], grads: list[torch.Tensor], inputs: Sequence[torch.Tensor], *, retain_graph: bool):
+def _grad(
+    outputs: list[torch.Tensor], grads: list[torch.Tensor], inputs: Sequence[torch.Tensor], *, retain_graph: bool
+) -> list[torch.Tensor | None]:
     wanted = [t for t in inputs if t.requires_grad]
     if not wanted:
         return [None] * len(inputs)

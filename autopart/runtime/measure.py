@@ -38,7 +38,9 @@ def write_measured_trace(clock: StepClock, *, rank: int, ranks: int, path: Path,
         for action, start, end in clock.record
         if action.is_compute
     ]
-    gathered: list[list[tuple[str, float, float]]] | None = [[] for _ in range(dist.get_world_size())] if rank == 0 else None
+    gathered: list[list[tuple[str, float, float]]] | None = None
+    if rank == 0:
+        gathered = [[] for _ in range(dist.get_world_size())]
     dist.gather_object(mine, gathered, dst=0)
     if rank != 0:
         return None

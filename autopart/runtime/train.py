@@ -157,7 +157,8 @@ def _loop(out_dir: Path, plan: Plan, args: argparse.Namespace, rank: int, device
                 with open(args.metrics, "a") as metrics:
                     metrics.write(json.dumps({"step": step, "loss": loss, "step_s": elapsed.item()}) + "\n")
         if clock is not None:
-            title = f"measured: {Path(plan.provenance.model_file).name}, {schedule_spec.kind}, pp={pipeline}, step {step}"
+            name = Path(plan.provenance.model_file).name
+            title = f"measured: {name}, {schedule_spec.kind}, pp={pipeline}, step {step}"
             timeline = write_measured_trace(clock, rank=rank, ranks=pipeline, path=args.trace, title=title)
             if timeline is not None:
                 print(f"wrote {args.trace}: step {step} measured {timeline.step_s * 1e3:.3f} ms, "
