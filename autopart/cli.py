@@ -56,6 +56,9 @@ def _parser() -> argparse.ArgumentParser:
     pc = commands.add_parser("profile-comm", help="measure p2p and collectives between processes on this machine")
     pc.add_argument("--ranks", type=int, default=2, help="processes to measure between (default 2)")
     pc.add_argument("--backend", default=None, help="gloo or nccl (default: nccl with CUDA, else gloo)")
+    e = commands.add_parser("explain", help="show a compiled plan, and a measured step against its prediction")
+    e.add_argument("out", type=Path, help="an output directory of autopart compile")
+    e.add_argument("--trace", type=Path, help="a measured trace, from OUT/train.py --trace FILE")
     return parser
 
 
@@ -92,6 +95,15 @@ def _profile_comm(args: argparse.Namespace, console: Console) -> None:
     console.print(f"wrote {path}; the '{result.device}' device spec now uses these figures")
 
 
+def _print_table(console: Console, rows: list[list[str]], title: str) -> None:
+    table = Table(title=title)
+    for header in rows[0]:
+        table.add_column(header, justify="right")
+    for row in rows[1:]:
+        table.add_row(*row)
+    console.print(table)
+
+
 def _compile(args: argparse.Namespace, console: Console) -> None:
     from autopart.codegen.report import stage_table
     from autopart.compiler import CompileOptions, compile_to_directory
@@ -117,13 +129,8 @@ def _compile(args: argparse.Namespace, console: Console) -> None:
     )
     known = _entries(args.costs)
     plan, out = compile_to_directory(options, args.out)
-    rows = stage_table(plan)
-    table = Table(title=f"{args.model.name}: {plan.schedule.kind}, {plan.schedule.microbatches} microbatches")
-    for header in rows[0]:
-        table.add_column(header, justify="right")
-    for row in rows[1:]:
-        table.add_row(*row)
-    console.print(table)
+    title = f"{args.model.name}: {plan.schedule.kind}, {plan.schedule.microbatches} microbatches"
+    _print_table(console, stage_table(plan), title)
     console.print(
         f"predicted step {plan.predicted.step_s * 1e3:.3f} ms, bubble {plan.predicted.bubble:.1%}, "
         f"solver {plan.provenance.solver_status}"
@@ -137,6 +144,33 @@ def _entries(path: Path | None) -> int:
     from cost_models import CostDatabase
 
     return len(CostDatabase.load(path).entries) if path is not None else 0
+def _explain(args: argparse.Namespace, console: Console) -> None:
+    from autopart.codegen.report import stage_table
+    from autopart.explain import compare, comparison_rows, load_output, relative_error
+
+    plan = load_output(args.out)
+    comparison = compare(plan, args.trace) if args.trace is not None else None  # a bad trace fails before printing
+    spec = plan.schedule
+    name = Path(plan.provenance.model_file).name
+    title = f"{name}: {spec.kind}, pp={plan.mesh['pp']}, {spec.microbatches} microbatches of {spec.micro_batch_size}"
+    _print_table(console, stage_table(plan), title)
+    predicted = plan.predicted
+    console.print(
+        f"predicted step {predicted.step_s * 1e3:.3f} ms, bubble {predicted.bubble:.1%}, "
+        f"cost model {plan.provenance.cost_model}"
+    )
+    if comparison is None:
+        console.print(
+            f"measure a step with: torchrun --nproc-per-node {plan.world_size} {args.out}/train.py "
+            "--steps 3 --trace trace.json"
+        )
+        return
+    _print_table(console, comparison_rows(comparison, plan), f"predicted vs measured ({args.trace})")
+    (step_p, step_m), (bubble_p, bubble_m) = comparison.step_s, comparison.bubble
+    console.print(
+        f"step: predicted {step_p * 1e3:.3f} ms, measured {step_m * 1e3:.3f} ms ({relative_error(step_p, step_m)}); "
+        f"bubble: predicted {bubble_p:.1%}, measured {bubble_m:.1%}"
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -149,6 +183,8 @@ def main(argv: list[str] | None = None) -> None:
             _profile(args, console)
         elif args.command == "profile-comm":
             _profile_comm(args, console)
+        elif args.command == "explain":
+            _explain(args, console)
     except AutopartError as exc:
         print(f"autopart: error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -133,7 +133,8 @@ bubble {plan.predicted.bubble:.1%}.
 
     {command}
 
-Options: --steps N --lr LR --optimizer sgd|adamw --seed S --metrics FILE --save-weights DIR --timeout S
+Options: --steps N --lr LR --optimizer sgd|adamw --seed S --metrics FILE --trace FILE
+--save-weights DIR --timeout S
 (NCCL when CUDA is present, gloo otherwise; several nodes through torchrun's rendezvous).
 """
 

@@ -2,12 +2,15 @@
 
 The action list is the same value that the simulator and the validator read
 (``autopart.schedule``): F, B (or its halves I and W), and the sends and receives that lowering
-inserted. The loss of every microbatch is divided by the number of microbatches before its
-backward, so the gradients are those of the mean loss over the global batch.
+inserted. Two neighbouring stages on one rank (interleaved with one rank) hand their tensors
+over in memory, where lowering put no send and receive. The loss of every microbatch is divided
+by the number of microbatches before its backward, so the gradients are those of the mean loss
+over the global batch. Zero-bubble's I and W are `autopart.runtime.backward`'s split.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,6 +18,7 @@ import torch
 from torch import nn
 
 from autopart.annotate import TensorMeta
+from autopart.runtime.backward import PendingWeights, backward_full, backward_input, backward_weight
 from autopart.runtime.p2p import recv_tensors, send_tensors
 from autopart.schedule import Action, Kind, Schedule, format_grid
 
@@ -39,7 +43,7 @@ class StageRuntime:
     outputs: dict[int, Any] = field(default_factory=dict)  # the loss, or the tensors sent on
     output_grads: dict[int, list[torch.Tensor]] = field(default_factory=dict)
     input_grads: dict[int, list[torch.Tensor]] = field(default_factory=dict)
-    held_for_weights: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = field(default_factory=dict)
+    held_for_weights: dict[int, PendingWeights] = field(default_factory=dict)
 
 
 class Executor:
@@ -61,13 +65,22 @@ class Executor:
         self.microbatches = microbatches
         self.device = device
 
-    def step(self, microbatches: list[tuple[Any, ...]]) -> list[float]:
-        """Run the action list on the microbatches (graph inputs, split); return the losses held here."""
+    def step(
+        self, microbatches: list[tuple[Any, ...]], *, record: list[tuple[Action, float, float]] | None = None
+    ) -> list[float]:
+        """Run the action list on the microbatches (graph inputs, split); return the losses held here.
+
+        With ``record``, append ``(action, start, end)`` for every action, in ``time.perf_counter``
+        seconds; on a GPU each action is synchronized first, so the times are the kernels' own.
+        """
         losses: list[float] = []
         pending: list[Any] = []
         for position, action in enumerate(self.actions):
             try:
+                start = self._now() if record is not None else 0.0
                 self._run(action, microbatches, losses, pending)
+                if record is not None:
+                    record.append((action, start, self._now()))
             except Exception as exc:
                 grid = format_grid(self.schedule, mark=(self.rank, position))
                 raise StepFailure(
@@ -82,6 +95,11 @@ class Executor:
             )
         return losses
 
+    def _now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
     def _run(self, action: Action, microbatches: list[tuple[Any, ...]], losses: list[float], pending: list) -> None:
         stage = self.stages[action.stage]
         m = action.microbatch
@@ -89,30 +107,36 @@ class Executor:
         if kind is Kind.RECV_F:
             stage.received[m] = recv_tensors(stage.inputs, stage.prev_rank, self.device)
         elif kind is Kind.F:
-            inputs = stage.received.get(m, [])
-            for tensor in inputs:
-                if tensor.is_floating_point():
-                    tensor.requires_grad_(True)
-            batch = [microbatches[m][i] for i in stage.batch_inputs]
-            batch = [b.to(self.device) if isinstance(b, torch.Tensor) else b for b in batch]
-            out = stage.module(*inputs, *batch)
-            if action.stage == self.last_stage:
-                losses.append(out.detach().item())
-                out = out / self.microbatches
-            stage.outputs[m] = out
+            self._forward(stage, m, microbatches, losses)
         elif kind is Kind.SEND_F:
             pending.extend(send_tensors(list(stage.outputs[m]), stage.next_rank))
         elif kind is Kind.RECV_B:
             metas = [_meta(t) for t in stage.outputs[m] if t.is_floating_point()]
             stage.output_grads[m] = recv_tensors(metas, stage.next_rank, self.device)
         elif kind in (Kind.B, Kind.I):
-            self._backward(stage, m, weights=kind is Kind.B)
+            self._backward(stage, m, split=kind is Kind.I)
         elif kind is Kind.W:
-            self._backward_weights(stage, m)
+            backward_weight(stage.held_for_weights.pop(m))
         elif kind is Kind.SEND_B:
             pending.extend(send_tensors(stage.input_grads.pop(m), stage.prev_rank))
         else:
             raise AssertionError(f"unknown action kind {kind}")
+
+    def _forward(self, stage: StageRuntime, m: int, microbatches: list[tuple[Any, ...]], losses: list[float]) -> None:
+        inputs = stage.received.get(m, [])
+        for tensor in inputs:
+            if tensor.is_floating_point():
+                tensor.requires_grad_(True)
+        batch = [microbatches[m][i] for i in stage.batch_inputs]
+        batch = [b.to(self.device) if isinstance(b, torch.Tensor) else b for b in batch]
+        out = stage.module(*inputs, *batch)
+        if stage.index == self.last_stage:
+            losses.append(out.detach().item())
+            out = out / self.microbatches
+        stage.outputs[m] = out
+        following = self.stages.get(stage.index + 1)
+        if following is not None:  # the next stage is on this rank: hand the tensors over in memory
+            following.received[m] = [t.detach() for t in out]
 
     def _differentiable(self, stage: StageRuntime, m: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The outputs to differentiate and their incoming gradients (1 for the loss)."""
@@ -123,21 +147,21 @@ class Executor:
         pairs = [(t, g) for t, g in zip(floating, stage.output_grads.pop(m)) if t.requires_grad]
         return [t for t, _ in pairs], [g for _, g in pairs]
 
-    def _backward(self, stage: StageRuntime, m: int, *, weights: bool) -> None:
+    def _backward(self, stage: StageRuntime, m: int, *, split: bool) -> None:
         outputs, grads = self._differentiable(stage, m)
         inputs = [t for t in stage.received.pop(m, []) if t.is_floating_point()]
-        if weights:
-            torch.autograd.backward(outputs, grads)
-            found = [t.grad for t in inputs]
-        else:  # zero-bubble I: the input gradients now, the graph kept for W
-            found = list(torch.autograd.grad(outputs, inputs, grads, retain_graph=True, allow_unused=True)) if inputs else []
-            stage.held_for_weights[m] = (outputs, grads)
-        stage.input_grads[m] = [g if g is not None else torch.zeros_like(t) for t, g in zip(inputs, found)]
-
-    def _backward_weights(self, stage: StageRuntime, m: int) -> None:
-        outputs, grads = stage.held_for_weights.pop(m)
-        parameters = [p for p in stage.module.parameters() if p.requires_grad]
-        torch.autograd.backward(outputs, grads, inputs=parameters)
+        if split:  # zero-bubble I: the input gradients now, the weight gradients left for W
+            found, stage.held_for_weights[m] = backward_input(outputs, grads, inputs, list(stage.module.parameters()))
+        else:
+            found = backward_full(outputs, grads, inputs)
+        if stage.index == 0:
+            return  # no stage before this one wants the gradients of its inputs
+        input_grads = [g if g is not None else torch.zeros_like(t) for t, g in zip(inputs, found)]
+        previous = self.stages.get(stage.index - 1)
+        if previous is not None:  # the previous stage is on this rank: no message
+            previous.output_grads[m] = input_grads
+        else:
+            stage.input_grads[m] = input_grads
 
 
 def _meta(tensor: torch.Tensor) -> TensorMeta:

@@ -1,12 +1,13 @@
 """The training loop that every generated ``train.py`` runs, one process per rank under torchrun.
 
     torchrun --nproc-per-node P OUT/train.py [--steps N] [--lr LR] [--optimizer sgd|adamw]
-        [--seed S] [--metrics FILE] [--save-weights DIR] [--timeout S]
+        [--seed S] [--metrics FILE] [--trace FILE] [--save-weights DIR] [--timeout S]
 
 Each rank builds its stage from ``stages/stage_<k>.py`` and ``weights/stage_<k>.safetensors``,
 draws the same global batches as every other rank, runs its action list of the plan's schedule,
 sums the gradients of parameters that several stages hold (tied embeddings), and steps its
-optimizer. NCCL when CUDA is present, gloo otherwise.
+optimizer. NCCL when CUDA is present, gloo otherwise. ``--trace FILE`` writes the measured
+timeline of the last step as a Chrome trace, in the form of compile's predicted ``trace.json``.
 """
 
 from __future__ import annotations
@@ -29,9 +30,11 @@ from autopart.errors import AutopartError, ConfigError
 from autopart.plan import Plan, load_plan
 from autopart.runtime.data import global_batches, model_file, split_microbatches
 from autopart.runtime.executor import Executor, StageRuntime
+from autopart.runtime.measure import StepClock, write_measured_trace
 from autopart.runtime.optim import OPTIMIZERS, make_optimizer
 from autopart.runtime import collectives
 from autopart.runtime.mesh import Mesh, group_of
+from autopart.runtime.p2p import check_message_order
 from autopart.runtime.stage import load_stage, weights_file_name
 from autopart.schedule import add_communication, build_schedule, stage_rank
 
@@ -45,6 +48,7 @@ def parse_args(argv: list[str] | None, plan: Plan) -> argparse.Namespace:
     parser.add_argument("--optimizer", choices=OPTIMIZERS, default=plan.optimizer)
     parser.add_argument("--seed", type=int, default=0, help="seed of the training batches (default 0)")
     parser.add_argument("--metrics", type=Path, help="append one JSON line per step: step, loss, step_s, peak_memory_bytes (per rank)")
+    parser.add_argument("--trace", type=Path, help="write the measured timeline of the last step (Chrome trace JSON)")
     parser.add_argument("--save-weights", type=Path, help="write each stage's final weights here (safetensors)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds before a stuck peer is an error")
     return parser.parse_args(argv)
@@ -111,6 +115,7 @@ def _loop(out_dir: Path, plan: Plan, args: argparse.Namespace, rank: int, device
         ),
         ranks=mesh.pp,
     )
+    check_message_order(schedule, ranks=mesh.pp)
     executor = Executor(
         rank=here.pp,
         stages=stages,
@@ -128,8 +133,11 @@ def _loop(out_dir: Path, plan: Plan, args: argparse.Namespace, rank: int, device
         inputs, target = next(data)
         values = (*inputs, target) if len(plan.graph_inputs) > len(inputs) else tuple(inputs)
         share = split_microbatches(values, mesh.dp)[here.dp]  # this replica's share of the global batch
+        clock = StepClock() if args.trace and step == args.steps - 1 else None
         start = time.perf_counter()
-        losses = executor.step(split_microbatches(share, schedule_spec.microbatches))
+        losses = executor.step(
+            split_microbatches(share, schedule_spec.microbatches), record=clock.record if clock else None
+        )
         for name, group in tied_groups:
             _sum_tied_gradients(stages, name, group)
         if data_parallel is not None:
@@ -150,6 +158,20 @@ def _loop(out_dir: Path, plan: Plan, args: argparse.Namespace, rank: int, device
                     record = {"step": step, "loss": loss, "step_s": elapsed.item(), "peak_memory_bytes": peaks}
                     with open(args.metrics, "a") as metrics:
                         metrics.write(json.dumps(record) + "\n")
+        if clock is not None:
+            name = Path(plan.provenance.model_file).name
+            title = f"measured: {name}, {schedule_spec.kind}, pp={mesh.pp}, step {step}"
+
+            def drawn(r: int) -> int | None:
+                where = mesh.coordinates(r)
+                return where.pp if where.dp == 0 and where.tp == 0 else None
+
+            timeline = write_measured_trace(
+                clock, rank=rank, ranks=mesh.pp, path=args.trace, title=title, pipeline_rank=drawn
+            )
+            if timeline is not None:
+                print(f"wrote {args.trace}: step {step} measured {timeline.step_s * 1e3:.3f} ms, "
+                      f"bubble {timeline.bubble:.1%}", flush=True)
     if args.save_weights and here.dp == 0:
         args.save_weights.mkdir(parents=True, exist_ok=True)
         for s, stage in stages.items():

@@ -1,0 +1,69 @@
+"""The measured timeline of one training step (``train.py --trace FILE``).
+
+Every rank records when each of its actions starts and ends (`Executor.step(record=...)`), in
+seconds after a barrier that all ranks leave together at the start of the step: the barrier is
+the shared clock, so no two hosts' clocks need to agree, and ranks are aligned to within the
+time it takes the barrier to release them (well under a millisecond on one host). Rank 0
+gathers the events and writes them with `autopart.schedule.write_chrome_trace`, the writer of
+compile's predicted ``trace.json``, so `read_chrome_trace` reads both and they open side by side
+in Perfetto. Only compute actions (F, B, I, W) go into the timeline: a receive's wait is the
+gap before the action that needed it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch.distributed as dist
+
+from autopart.schedule import Action, Event, Timeline, write_chrome_trace
+
+__all__ = ["StepClock", "write_measured_trace"]
+
+
+class StepClock:
+    """Start of a measured step, the same instant on every rank (up to the barrier's release)."""
+
+    def __init__(self) -> None:
+        dist.barrier()
+        self.origin = time.perf_counter()
+        self.record: list[tuple[Action, float, float]] = []
+
+
+def write_measured_trace(
+    clock: StepClock,
+    *,
+    rank: int,
+    ranks: int,
+    path: Path,
+    title: str,
+    pipeline_rank: Callable[[int], int | None] = lambda r: r,
+) -> Timeline | None:
+    """Gather every rank's events on rank 0 and write them as a Chrome trace; rank 0 returns the timeline.
+
+    ``pipeline_rank`` maps a global rank to the pipeline rank it is drawn as, or None to leave it out
+    (with tensor and data parallelism, one (dp, tp) slice of the mesh stands for the others)."""
+    mine = [
+        (str(action), start - clock.origin, end - clock.origin)
+        for action, start, end in clock.record
+        if action.is_compute
+    ]
+    gathered: list[list[tuple[str, float, float]]] | None = None
+    if rank == 0:
+        gathered = [[] for _ in range(dist.get_world_size())]
+    dist.gather_object(mine, gathered, dst=0)
+    if rank != 0:
+        return None
+    assert gathered is not None
+    events = [
+        Event(rank=pipeline_rank(r), action=Action.parse(name), start=start, end=end)
+        for r, records in enumerate(gathered)
+        if pipeline_rank(r) is not None
+        for name, start, end in records
+    ]
+    timeline = Timeline.from_events(events, ranks=ranks)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_chrome_trace(timeline, path, title=title)
+    return timeline
