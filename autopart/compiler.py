@@ -58,6 +58,10 @@ class CompileOptions:
     """A plan.json to emit as it is, skipping the solver."""
     time_limit_s: float = 30.0
     """Time limit of each CP-SAT solve."""
+    capture: str | None = None
+    """How to capture the model: "fx" or "export"; by default fx, and export when fx fails."""
+    leaf: tuple[str, ...] = ()
+    """Module classes kept whole by tracing (``call_module`` nodes); each stage builds its own."""
 
     def __post_init__(self) -> None:
         if self.pp < 1:
@@ -72,6 +76,10 @@ class CompileOptions:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+        if self.capture not in (None, "fx", "export"):
+            raise ConfigError(f"unknown capture method {self.capture!r}; use --capture fx or --capture export")
+        if self.leaf and self.capture == "export":
+            raise ConfigError("--leaf keeps modules opaque to torch.fx, which torch.export cannot do; drop --capture export")
         if self.memory_gib is not None and self.memory_gib <= 0:
             raise ConfigError(f"--memory must be positive, got {self.memory_gib}")
 
@@ -111,7 +119,7 @@ class _Front:
 
 def _front(options: CompileOptions, micro_batch_size: int) -> _Front:
     spec = load_model_file(options.model)
-    graph = capture(spec)
+    graph = capture(spec, batch_size=micro_batch_size, method=options.capture, leaves=options.leaf)
     cost_model = get_cost_model(options.device)
     op_graph = annotate(graph, spec, cost_model, micro_batch_size=micro_batch_size)
     return _Front(spec=spec, op_graph=op_graph, chain=build_blocks(op_graph), cost_model=cost_model)
@@ -230,6 +238,7 @@ def _plan_from_cuts(
             model_file=str(front.spec.path.resolve()),
             model_sha256=front.spec.source_sha256,
             capture=front.op_graph.graph.method,
+            leaves=options.leaf,
             cost_model=front.cost_model.name,
             solver_status=status,
             objective_s=evaluation.objective_s,
@@ -309,7 +318,8 @@ def emit(plan: Plan, out_dir: str | Path) -> Path:
     spec = load_model_file(plan.provenance.model_file)
     if spec.source_sha256 != plan.provenance.model_sha256:
         raise PlanError(f"{spec.path} changed since this plan was compiled; compile it again")
-    graph = capture(spec)
+    method = plan.provenance.capture
+    graph = capture(spec, batch_size=plan.schedule.micro_batch_size, method=method, leaves=plan.provenance.leaves)
     cost_model = get_cost_model("cpu")
     op_graph = annotate(graph, spec, cost_model, micro_batch_size=plan.schedule.micro_batch_size)
     return emit_directory(plan, op_graph, spec, out_dir)

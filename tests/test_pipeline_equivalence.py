@@ -15,22 +15,26 @@ pytestmark = pytest.mark.multiprocess
 STEPS = 3
 
 
-def compile_and_train(tmp_path: Path, example: str, *, pp: int, microbatches: int, schedule: str,
-                      optimizer: str = "sgd", lr: float = 0.1, chunks: int = 1):
+def compile_and_train(tmp_path: Path, example: str | Path, *, pp: int, microbatches: int, schedule: str,
+                      optimizer: str = "sgd", lr: float = 0.1, chunks: int = 1, train_args: tuple[str, ...] = (),
+                      **options):
+    """``example`` names a file of examples/, or is the path of a model file."""
     out = tmp_path / "out"
+    model = example if isinstance(example, Path) else REPO / "examples" / f"{example}.py"
     plan, _ = compile_to_directory(
-        CompileOptions(model=REPO / "examples" / f"{example}.py", pp=pp, microbatches=microbatches,
-                       micro_batch_size=2, schedule=schedule, chunks=chunks, optimizer=optimizer),
+        CompileOptions(model=model, pp=pp, microbatches=microbatches,
+                       micro_batch_size=2, schedule=schedule, chunks=chunks, optimizer=optimizer, **options),
         out,
     )
     metrics = tmp_path / "metrics.jsonl"
     torchrun(out, pp, "--steps", str(STEPS), "--lr", str(lr), "--optimizer", optimizer,
-             "--metrics", str(metrics), "--save-weights", str(tmp_path / "final"))
+             "--metrics", str(metrics), "--save-weights", str(tmp_path / "final"), *train_args)
     return plan, out, read_metrics(metrics), stage_weights(tmp_path / "final")
 
 
-def assert_same_training(plan, out, metrics, finals, *, optimizer: str, lr: float, param_atol: float = 1e-6):
-    reference = train_reference(out, steps=STEPS, lr=lr, optimizer=optimizer)
+def assert_same_training(plan, out, metrics, finals, *, optimizer: str, lr: float, param_atol: float = 1e-6,
+                         weights: Path | None = None):
+    reference = train_reference(out, steps=STEPS, lr=lr, optimizer=optimizer, weights=weights)
     assert [m["step"] for m in metrics] == list(range(STEPS))
     torch.testing.assert_close(
         torch.tensor([m["loss"] for m in metrics], dtype=torch.float64),
