@@ -119,6 +119,7 @@ class _State:
             for name, t in self.tensors.items():
                 if id(t) not in made:
                     made[id(t)] = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
+                    made[id(t)].requires_grad_(t.requires_grad)  # what autograd saves depends on it
                 self.tensors[name] = made[id(t)]
         self.parameter_ids = {id(self.tensors[name]) for name in self.parameters}
 

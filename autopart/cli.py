@@ -101,7 +101,6 @@ def _show_notes() -> None:
     if not any(isinstance(h, _Notes) for h in logger.handlers):
         logger.addHandler(_Notes())
     logger.setLevel(logging.INFO)
-    logger.propagate = False
 
 
 def peak_memory_gib() -> float:

@@ -16,12 +16,13 @@ import torch
 import autopart
 from autopart.annotate import OpGraph, annotate
 from autopart.blocks import BlockChain, build_blocks
-from autopart.capture import ModelSpec, capture, load_model_file
+from autopart.capture import ModelSpec, capture, is_meta, load_model_file
 from autopart.codegen.emit import check_output_directory, emit_directory
 from autopart.codegen.stages import stage_boundaries
 from autopart.errors import ConfigError, PlanError
 from autopart.plan import Plan, Predicted, Provenance, ScheduleSpec, StagePlan, load_plan
 from autopart.predict import simulate_pipeline
+from autopart.runtime.materialise import check_initialisers
 from autopart.runtime.optim import OPTIMIZERS
 from autopart.schedule import SCHEDULE_KINDS, stage_rank
 from autopart.solver.pipeline import PipelineProblem, evaluate, solve_cuts, stage_ranges
@@ -118,9 +119,11 @@ class _Front:
 
 
 def _front(options: CompileOptions, micro_batch_size: int) -> _Front:
+    cost_model = get_cost_model(options.device)  # a bad device spec fails before the slow passes
     spec = load_model_file(options.model)
+    if is_meta(spec.module):  # each rank will make its own weights: every module needs an initialiser
+        check_initialisers(spec.module, spec.init_weights, spec.path.name)
     graph = capture(spec, batch_size=micro_batch_size, method=options.capture, leaves=options.leaf)
-    cost_model = get_cost_model(options.device)
     op_graph = annotate(graph, spec, cost_model, micro_batch_size=micro_batch_size)
     return _Front(spec=spec, op_graph=op_graph, chain=build_blocks(op_graph), cost_model=cost_model)
 

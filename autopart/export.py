@@ -14,7 +14,10 @@ device constants, which become the device of the first input so that stages run 
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import io
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -74,7 +77,13 @@ def export_training_graph(
     args = (*inputs, target) if loss_fn is not None else tuple(inputs)
     # export reads one tensor passed twice (a target that is the input tokens) as one input: copy each
     args = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
-    program = torch.export.export(_Training(model, loss_fn, len(inputs)), args, strict=False)
+    previous = logging.root.manager.disable
+    logging.disable(logging.CRITICAL)  # export logs graphs and guards on failure; the caller says it in one line
+    try:  # ... and prints the partial graph: kept off the terminal too
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            program = torch.export.export(_Training(model, loss_fn, len(inputs)), args, strict=False)
+    finally:
+        logging.disable(previous)
     return _convert(program, model, _input_names(model, len(inputs), target_name if loss_fn is not None else None))
 
 

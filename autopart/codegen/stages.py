@@ -121,7 +121,8 @@ def stage_graphs(op_graph: OpGraph, stage_nodes: list[tuple[str, ...]]) -> list[
                 if node.op == "call_module":
                     leaves.append(str(node.target))
         graph.output(env[sends[0]] if s == len(stage_nodes) - 1 else tuple(env[n] for n in sends))
-        graph.eliminate_dead_code()
+        # a graph without its module cannot ask a leaf module's call whether it is pure: it is
+        graph.eliminate_dead_code(is_impure_node=lambda n: n.op != "call_module" and n.is_impure())
         graph.lint()
         result.append(
             StageGraph(

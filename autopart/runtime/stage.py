@@ -55,14 +55,19 @@ def declare_tensors(
 
 
 @functools.cache
-def _meta_model(model_file: Path) -> nn.Module:
-    """The user's model built on the meta device: the source of --leaf modules and of meta initialisers."""
+def _meta_spec(model_file: Path):
+    """The model file, its model built on the meta device: the source of --leaf modules and of the
+    initialisers of a meta model (which must come from the same import as the model's classes)."""
     from autopart.capture import load_model_file
 
     with torch.device("meta"):
         spec = load_model_file(model_file)
     assert spec.module is not None
-    return spec.module
+    return spec
+
+
+def _meta_model(model_file: Path) -> nn.Module:
+    return _meta_spec(model_file).module
 
 
 def declare_leaves(module: nn.Module, leaves: dict[str, str], model_file: Path) -> None:
@@ -155,8 +160,8 @@ def load_stage(out_dir: Path, index: int, device: torch.device, *, weights: Path
     if missing:
         from autopart.runtime.materialise import materialise
 
-        model = copy.deepcopy(_meta_model(out_dir / "model.py"))
-        values.update(materialise(model, missing, init=_init_weights(out_dir / "model.py")))
+        spec = _meta_spec(out_dir / "model.py")
+        values.update(materialise(copy.deepcopy(spec.module), missing, init=spec.init_weights))
     missing = set(tensors) - set(values)
     if missing:
         raise ConfigError(f"the weights of stage {index} lack {sorted(missing)[0]!r}; recompile")
@@ -165,8 +170,3 @@ def load_stage(out_dir: Path, index: int, device: torch.device, *, weights: Path
             tensor.copy_(values[name])
     return stage.to(device)
 
-
-def _init_weights(model_file: Path):
-    from autopart.capture import load_model_file
-
-    return load_model_file(model_file, build=False).init_weights
