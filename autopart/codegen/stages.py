@@ -221,7 +221,8 @@ LEAVES = {{
 
 from autopart.runtime.stage import {"declare_leaves, " if stage.leaves else ""}declare_tensors
 
-# name in the original model -> (shape, dtype); the values are loaded from weights/
+# name in the original model -> (shape, dtype); values from weights/, train.py --weights CKPT, or
+# (a model built on the meta device) the model's initialisers, run on this rank
 PARAMETERS = {{
 {declarations(stage.parameters)}}}
 BUFFERS = {{
