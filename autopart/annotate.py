@@ -16,15 +16,17 @@ example batch at the microbatch size and records, per node:
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import fx
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 
-from autopart.capture import Graph, ModelSpec, graph_args
+from autopart.capture import Graph, ModelSpec, graph_args, is_meta
 from cost_models import CostModel, Kernel, KernelRecorder
 
 __all__ = ["TensorMeta", "NodeCost", "OpGraph", "annotate", "tensor_meta", "op_key", "leaves_for_grad"]
@@ -87,6 +89,13 @@ class OpGraph:
     micro_batch_size: int
     cost_model: str
     kernels: dict[str, tuple[tuple[Kernel, ...], tuple[Kernel, ...]]] = field(default_factory=dict, repr=False)
+    leaf_tensors: dict[str, dict[str, TensorMeta]] = field(default_factory=dict)
+    """Per call_module node (a ``--leaf`` module): its parameters and buffers, by full name."""
+
+    def leaf_parameters(self, node: str) -> tuple[str, ...]:
+        """The parameters that a leaf module's node reads; () for any other node."""
+        state = dict(self.graph.module.named_parameters(remove_duplicate=False))
+        return tuple(name for name in self.leaf_tensors.get(node, {}) if name in state)
 
     def fx_nodes(self) -> list[fx.Node]:
         return list(self.graph.module.graph.nodes)
@@ -99,12 +108,45 @@ def _module_path(node: fx.Node) -> str:
     return next(reversed(stack.values()))[0]
 
 
-def _run_one(node: fx.Node, args: tuple, kwargs: dict) -> Any:
+class _State:
+    """The graph's parameters and buffers by name: the real tensors, or for a model built on the
+    meta device, fake tensors of the same shapes that allocate nothing."""
+
+    def __init__(self, module: fx.GraphModule, fake: bool):
+        self.parameters = dict(module.named_parameters(remove_duplicate=False))
+        self.tensors: dict[str, torch.Tensor] = {**self.parameters, **dict(module.named_buffers(remove_duplicate=False))}
+        self.root = module
+        if fake:
+            made: dict[int, torch.Tensor] = {}  # tied tensors stay one tensor
+            for name, t in self.tensors.items():
+                if id(t) not in made:
+                    made[id(t)] = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
+                    made[id(t)].requires_grad_(t.requires_grad)  # what autograd saves depends on it
+                self.tensors[name] = made[id(t)]
+        self.parameter_ids = {id(self.tensors[name]) for name in self.parameters}
+
+    def attr(self, target: str) -> Any:
+        return self.tensors[target] if target in self.tensors else _fetch_attr(self.root, target)
+
+    def leaf_state(self, target: str) -> dict[str, torch.Tensor]:
+        prefix = f"{target}."
+        return {name.removeprefix(prefix): t for name, t in self.tensors.items() if name.startswith(prefix)}
+
+    def call_leaf(self, target: str, args: tuple, kwargs: dict, state: dict[str, torch.Tensor] | None = None) -> Any:
+        module = self.root.get_submodule(target)
+        return torch.func.functional_call(module, state or self.leaf_state(target), args, kwargs)
+
+
+def _run_one(node: fx.Node, args: tuple, kwargs: dict, state: _State | None = None) -> Any:
+    """Run one node on concrete arguments (``state`` holds the weights of ``--leaf`` modules)."""
     if node.op == "call_function":
         return node.target(*args, **kwargs)
     if node.op == "call_method":
         self_obj, *rest = args
         return getattr(self_obj, node.target)(*rest, **kwargs)
+    if node.op == "call_module":
+        assert state is not None, "a leaf module runs with the weights of its state"
+        return state.call_leaf(str(node.target), args, kwargs)
     raise AssertionError(f"unexpected node {node.op}")
 
 
@@ -175,16 +217,24 @@ def _grad_ready(value: Any, parameters: set[int], into: list[torch.Tensor], weig
 
 
 def _measure_kernels(
-    node: fx.Node, args: tuple, kwargs: dict, parameters: set[int]
+    node: fx.Node, args: tuple, kwargs: dict, state: _State
 ) -> tuple[list[Kernel], list[Kernel], list[Kernel]]:
     """Kernels of the node's forward, of its input gradients and of its weight gradients."""
+    parameters = state.parameter_ids
     args, kwargs, inputs, weights = leaves_for_grad(args, kwargs, parameters)
     with KernelRecorder() as forward:
         try:
-            out = _run_one(node, args, kwargs)
+            if node.op == "call_module":  # a leaf module: its own weights are the node's weights
+                own = {
+                    k: _grad_ready(v, parameters, inputs, weights) if id(v) in parameters else v
+                    for k, v in state.leaf_state(str(node.target)).items()
+                }
+                out = state.call_leaf(str(node.target), args, kwargs, own)
+            else:
+                out = _run_one(node, args, kwargs, state)
         except RuntimeError:  # an in-place op on a leaf: count it without autograd
             with torch.no_grad():
-                out = _run_one(node, args, kwargs)
+                out = _run_one(node, args, kwargs, state)
     outputs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
     grads = [torch.ones_like(t) for t in outputs]
     input_kernels: list[Kernel] = []
@@ -200,15 +250,23 @@ def _measure_kernels(
 class _SavedBytes(fx.Interpreter):
     """Runs the whole graph once, charging each tensor saved for backward to the node that saved it."""
 
-    def __init__(self, module: fx.GraphModule, parameter_storages: set[int]):
+    def __init__(self, module: fx.GraphModule, state: _State):
         super().__init__(module)
+        self.state = state
         self.current = ""
-        self.seen = set(parameter_storages)
+        # storages are told apart by their StorageImpl, which fake and meta tensors have too
+        self.seen = {t.untyped_storage()._cdata for t in state.tensors.values()}
         self.saved: dict[str, int] = {}
+
+    def fetch_attr(self, target: str) -> Any:
+        return self.state.attr(target)
+
+    def call_module(self, target: Any, args: tuple, kwargs: dict) -> Any:
+        return self.state.call_leaf(str(target), args, kwargs)
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
         storage = tensor.untyped_storage()
-        key = storage.data_ptr()
+        key = storage._cdata
         if key not in self.seen:
             self.seen.add(key)
             self.saved[self.current] = self.saved.get(self.current, 0) + storage.nbytes()
@@ -229,28 +287,44 @@ def _batch_derived(node: fx.Node, derived: dict[str, bool], parameter_names: set
         return True
     if node.op == "get_attr":
         return node.target not in parameter_names
-    if node.op == "output":
+    if node.op in ("output", "call_module"):  # a leaf module holds weights
         return False
     inputs = node.all_input_nodes
     return all(derived[n.name] for n in inputs)
 
 
 def annotate(graph: Graph, spec: ModelSpec, cost_model: CostModel, *, micro_batch_size: int) -> OpGraph:
-    """Shapes, kernels, times and saved bytes of every node at ``micro_batch_size``."""
+    """Shapes, kernels, times and saved bytes of every node at ``micro_batch_size``.
+
+    A model built on the meta device runs on fake tensors: shapes, kernels and saved bytes come
+    out the same, and nothing is allocated.
+    """
     module = graph.module
     inputs, target = spec.example(micro_batch_size)
-    parameters = dict(module.named_parameters())
-    parameter_ids = {id(p) for p in parameters.values()}
-    parameter_storages = {p.untyped_storage().data_ptr() for p in parameters.values()}
-    saved = _SavedBytes(module, parameter_storages).measure(*graph_args(graph, inputs, target))
+    fake = is_meta(module)
+    with FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext():
+        state = _State(module, fake)
+        saved = _SavedBytes(module, state).measure(*graph_args(graph, inputs, target))
+        nodes, kernels, leaves = _annotate_nodes(graph, state, saved, cost_model, graph_args(graph, inputs, target))
+    return OpGraph(
+        graph=graph,
+        nodes=nodes,
+        micro_batch_size=micro_batch_size,
+        cost_model=cost_model.name,
+        kernels=kernels,
+        leaf_tensors=leaves,
+    )
 
+
+def _annotate_nodes(graph: Graph, state: _State, saved: dict[str, int], cost_model: CostModel, feed_values: tuple):
     values: dict[str, Any] = {}
     derived: dict[str, bool] = {}
     nodes: dict[str, NodeCost] = {}
     kernels: dict[str, tuple[tuple[Kernel, ...], tuple[Kernel, ...]]] = {}
-    feed = iter(graph_args(graph, inputs, target))
-    for node in module.graph.nodes:
-        derived[node.name] = _batch_derived(node, derived, set(parameters))
+    leaves: dict[str, dict[str, TensorMeta]] = {}
+    feed = iter(feed_values)
+    for node in graph.module.graph.nodes:
+        derived[node.name] = _batch_derived(node, derived, set(state.parameters))
         common = dict(name=node.name, op=node.op, module_path=_module_path(node), batch_derived=derived[node.name])
         if node.op == "placeholder":
             value = next(feed)
@@ -258,9 +332,9 @@ def annotate(graph: Graph, spec: ModelSpec, cost_model: CostModel, *, micro_batc
             nodes[node.name] = NodeCost(output=_meta(value), **common)
             continue
         if node.op == "get_attr":
-            value = _fetch_attr(module, node.target)
+            value = state.attr(str(node.target))
             values[node.name] = value
-            is_parameter = node.target in parameters
+            is_parameter = node.target in state.parameters
             nodes[node.name] = NodeCost(
                 output=_meta(value),
                 is_parameter=is_parameter,
@@ -272,16 +346,22 @@ def annotate(graph: Graph, spec: ModelSpec, cost_model: CostModel, *, micro_batc
         if node.op == "output":
             nodes[node.name] = NodeCost(output=None, **common)
             continue
-        assert node.op in ("call_function", "call_method"), f"call_module {node.target} left after tracing through"
         args, kwargs = pytree.tree_map(
             lambda a: values[a.name] if isinstance(a, fx.Node) else a, (node.args, node.kwargs)
         )
         with torch.no_grad():
-            value = _run_one(node, args, kwargs)
+            value = _run_one(node, args, kwargs, state)
         values[node.name] = value
-        forward, backward_input, backward_weight = _measure_kernels(node, args, kwargs, parameter_ids)
+        forward, backward_input, backward_weight = _measure_kernels(node, args, kwargs, state)
         kernels[node.name] = (tuple(forward), tuple(backward_input) + tuple(backward_weight))
-        times = cost_model.op_times(op_key(node, args, kwargs, parameter_ids), forward, backward_input, backward_weight)
+        times = cost_model.op_times(
+            op_key(node, args, kwargs, state.parameter_ids), forward, backward_input, backward_weight
+        )
+        parameter_bytes = 0
+        if node.op == "call_module":
+            own = {f"{node.target}.{k}": v for k, v in state.leaf_state(str(node.target)).items()}
+            leaves[node.name] = {k: tensor_meta(v) for k, v in own.items()}
+            parameter_bytes = sum(v.numel() * v.element_size() for k, v in own.items() if k in state.parameters)
         nodes[node.name] = NodeCost(
             output=_meta(value),
             constant=_constant(value),
@@ -291,11 +371,10 @@ def annotate(graph: Graph, spec: ModelSpec, cost_model: CostModel, *, micro_batc
             backward_input_s=times.backward_input_s,
             backward_weight_s=times.backward_weight_s,
             saved_bytes=saved.get(node.name, 0),
+            parameter_bytes=parameter_bytes,
             **common,
         )
-    return OpGraph(
-        graph=graph, nodes=nodes, micro_batch_size=micro_batch_size, cost_model=cost_model.name, kernels=kernels
-    )
+    return nodes, kernels, leaves
 
 
 def _constant(value: Any) -> Any:

@@ -102,13 +102,16 @@ def build_blocks(op_graph: OpGraph) -> BlockChain:
     parameter_bytes = {
         str(n.target): costs[n.name].parameter_bytes for n in fx_nodes if costs[n.name].is_parameter
     }
+    for node, tensors in op_graph.leaf_tensors.items():  # the weights inside --leaf modules
+        for name in op_graph.leaf_parameters(node):
+            parameter_bytes[name] = tensors[name].nbytes
     blocks: list[Block] = []
     boundaries: list[Boundary] = []
     starts = [0, *(i + 1 for i in candidates)]
     ends = [*(i + 1 for i in candidates), len(compute)]
     for index, (start, end) in enumerate(zip(starts, ends)):
         members = compute[start:end]
-        blocks.append(_make_block(index, members, costs))
+        blocks.append(_make_block(index, members, op_graph))
         if end < len(compute):
             boundaries.append(Boundary(tensors=tuple((name, costs[name].output) for name in crossing[end - 1])))
     return BlockChain(
@@ -116,13 +119,15 @@ def build_blocks(op_graph: OpGraph) -> BlockChain:
     )
 
 
-def _make_block(index: int, members: list[fx.Node], costs: dict[str, NodeCost]) -> Block:
+def _make_block(index: int, members: list[fx.Node], op_graph: OpGraph) -> Block:
+    costs = op_graph.nodes
     names = tuple(n.name for n in members)
     parameters: list[str] = []
     for n in members:
         for arg in n.all_input_nodes:
             if costs[arg.name].is_parameter and str(arg.target) not in parameters:
                 parameters.append(str(arg.target))
+        parameters.extend(p for p in op_graph.leaf_parameters(n.name) if p not in parameters)
     return Block(
         index=index,
         nodes=names,

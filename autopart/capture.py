@@ -9,14 +9,20 @@ Two passes live here, because both speak the model-file contract:
 
 Tracing goes *through* every module, so each op is a plain function call with explicit weights
 (``F.linear(x, self.h.0.attn.c_attn.weight, ...)``); that is what lets later passes move any op
-to any stage and shard any weight. Parameters keep their original qualified names.
+to any stage and shard any weight. Parameters keep their original qualified names. Modules of
+the classes named by ``--leaf`` stay whole (``call_module`` nodes). When fx symbolic tracing
+fails (Python control flow on shapes, asserts on sizes), ``torch.export`` captures the model
+instead (``autopart/export.py``), into the same form. A model built on the meta device is
+traced without running it; its graph is checked by running the model on meta tensors.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import inspect
+import logging
 import sys
 import traceback
 from collections.abc import Callable, Iterator
@@ -27,9 +33,12 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from autopart.errors import CaptureError, ModelFileError
+from autopart.errors import CaptureError, ConfigError, ModelFileError
+from autopart.export import export_training_graph
 
-__all__ = ["ModelSpec", "Graph", "load_model_file", "capture", "TARGET"]
+__all__ = ["ModelSpec", "Graph", "load_model_file", "capture", "is_meta", "TARGET"]
+
+log = logging.getLogger("autopart")
 
 TARGET = "target"
 """Name of the graph placeholder that carries the loss target."""
@@ -45,6 +54,7 @@ class ModelSpec:
     example_batch: Callable[[int], tuple[tuple[Any, ...], Any]]
     loss_fn: Callable[[Any, Any], torch.Tensor] | None
     batches: Callable[[int, int], Iterator[tuple[tuple[Any, ...], Any]]] | None
+    init_weights: Callable[[nn.Module], None] | None = None  # for models built on the meta device
 
     def example(self, batch_size: int) -> tuple[tuple[torch.Tensor, ...], Any]:
         """The example batch at ``batch_size``, checked to be ``(tuple of tensors, target)``."""
@@ -59,6 +69,7 @@ class Graph:
     method: str  # "fx" or "export"
     input_names: tuple[str, ...]  # placeholders, in call order; the last is TARGET when there is a loss
     has_target: bool
+    constants: tuple[str, ...] = ()  # get_attr targets that are not the model's tensors (made in forward)
 
 
 def _file_line(exc: BaseException, path: Path) -> str | None:
@@ -110,6 +121,7 @@ def load_model_file(path: str | Path, *, build: bool = True) -> ModelSpec:
     example_batch = _contract_function(module, path, "example_batch", required=True)
     loss_fn = _contract_function(module, path, "loss_fn", required=False)
     batches = _contract_function(module, path, "batches", required=False)
+    init_weights = _contract_function(module, path, "init_weights", required=False)
     model = None
     try:
         if build:
@@ -128,6 +140,7 @@ def load_model_file(path: str | Path, *, build: bool = True) -> ModelSpec:
         example_batch=example_batch,
         loss_fn=loss_fn,
         batches=batches,
+        init_weights=init_weights,
     )
 
 
@@ -177,10 +190,15 @@ def check_batch(path: Path, producer: str, batch: Any, batch_size: int) -> tuple
 
 
 class _ThroughTracer(fx.Tracer):
-    """Traces through every module, so that each op is a function of explicit weights."""
+    """Traces through every module but those of the ``leaves`` classes, so that each op is a
+    function of explicit weights."""
+
+    def __init__(self, leaves: frozenset[type] = frozenset()):
+        super().__init__()
+        self.leaves = leaves
 
     def is_leaf_module(self, module: nn.Module, qualified_name: str) -> bool:
-        return False
+        return type(module) in self.leaves
 
 
 def _concrete_defaults(forward: Callable, positional: int) -> dict[str, Any]:
@@ -193,9 +211,9 @@ def _concrete_defaults(forward: Callable, positional: int) -> dict[str, Any]:
     }
 
 
-def _trace_fx(spec: ModelSpec, inputs: tuple[torch.Tensor, ...]) -> fx.GraphModule:
+def _trace_fx(spec: ModelSpec, inputs: tuple[torch.Tensor, ...], leaves: frozenset[type]) -> fx.GraphModule:
     model = spec.module
-    tracer = _ThroughTracer()
+    tracer = _ThroughTracer(leaves)
     graph = tracer.trace(model, concrete_args=_concrete_defaults(model.forward, len(inputs)) or None)
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     if len(placeholders) != len(inputs):
@@ -219,28 +237,96 @@ def _trace_fx(spec: ModelSpec, inputs: tuple[torch.Tensor, ...]) -> fx.GraphModu
     return fx.GraphModule(model, graph, class_name="TrainingGraph")
 
 
-def capture(spec: ModelSpec, *, batch_size: int = 2) -> Graph:
-    """Trace model and loss into one graph and check that it computes the eager loss."""
+def is_meta(module: nn.Module) -> bool:
+    """Whether the model was built on the meta device: shapes without storage."""
+    return any(t.is_meta for t in (*module.parameters(), *module.buffers()))
+
+
+def leaf_classes(module: nn.Module, names: tuple[str, ...]) -> frozenset[type]:
+    """The module classes that ``--leaf`` names, found among the model's modules."""
+    classes = {type(m).__name__: type(m) for m in module.modules()}
+    classes.update({f"{type(m).__module__}.{type(m).__qualname__}": type(m) for m in module.modules()})
+    found = set()
+    for name in names:
+        if name not in classes:
+            known = ", ".join(sorted({type(m).__name__ for m in module.modules()})[:8])
+            raise ConfigError(f"--leaf {name}: the model has no module of that class; its classes include {known}")
+        if classes[name] is type(module):
+            raise ConfigError(f"--leaf {name} names the model's own class; name a submodule's class")
+        found.add(classes[name])
+    return frozenset(found)
+
+
+def _reason(exc: BaseException, path: Path) -> str:
+    """One line on why a tracer failed, with the user's file and line when the traceback has them."""
+    text = str(exc).strip()
+    reason = text.splitlines()[0] if text else type(exc).__name__
+    if "data-dependent" in text or "DataDependent" in type(exc).__name__:
+        reason = "control flow on tensor values"
+    elif "control flow" in reason or "TraceError" in type(exc).__name__:
+        reason = "Python control flow on a traced shape or tensor"
+    where = _file_line(exc, path)
+    return f"{reason} at {where}" if where else reason
+
+
+def capture(
+    spec: ModelSpec, *, batch_size: int = 2, method: str | None = None, leaves: tuple[str, ...] = ()
+) -> Graph:
+    """Trace model and loss into one graph and check that it computes the eager loss.
+
+    ``method`` None tries torch.fx first and falls back to torch.export when fx fails, with a
+    notice on the ``autopart`` logger; "fx" or "export" forces one. The graph is captured at
+    ``batch_size`` samples, the microbatch size: an exported graph's shapes are fixed.
+    """
+    if method not in (None, "fx", "export"):
+        raise ConfigError(f"unknown capture method {method!r}; use fx or export")
     inputs, target = spec.example(batch_size)
+    expected = _eager_reference(spec, inputs, target)
+    leaf_types = leaf_classes(spec.module, leaves)
+    if leaves and method == "export":
+        raise ConfigError("--leaf keeps modules opaque to torch.fx, which torch.export cannot do; drop --capture export")
+    has_target = spec.loss_fn is not None
+    fx_failure = None
+    if method in (None, "fx"):
+        try:
+            graph = _graph(_trace_fx(spec, inputs, leaf_types), "fx", has_target, spec.module)
+            _check_same_loss(spec, graph, inputs, target, expected)
+            return graph
+        except Exception as exc:
+            fx_failure = _reason(exc, spec.path)
+            if method == "fx" or leaves:
+                raise CaptureError(
+                    f"torch.fx could not trace {spec.path.name}: {fx_failure}; rewrite that code without Python "
+                    f"control flow on tensors{'' if leaves else ', or use --capture export'}"
+                ) from None
     try:
-        module = _trace_fx(spec, inputs)
+        module = export_training_graph(spec.module, spec.loss_fn, _on_model_device(spec, inputs), target, target_name=TARGET)
     except CaptureError:
         raise
     except Exception as exc:
-        where = _file_line(exc, spec.path)
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        if "control flow" in reason or "TraceError" in type(exc).__name__:
-            reason = "data-dependent control flow cannot be traced by torch.fx"
-        at = f" at {where}" if where else ""
+        tried = f"torch.fx ({fx_failure}) nor torch.export" if fx_failure else "torch.export"
         raise CaptureError(
-            f"torch.fx could not trace {spec.path.name}{at}: {reason}; rewrite that code without "
-            "Python control flow on tensor values"
+            f"neither {tried} could capture {spec.path.name}: {_reason(exc, spec.path)}; "
+            "rewrite that code without Python control flow on tensor values"
         ) from None
-    has_target = spec.loss_fn is not None
-    names = tuple(n.name for n in module.graph.nodes if n.op == "placeholder")
-    graph = Graph(module=module, method="fx", input_names=names, has_target=has_target)
-    _check_same_loss(spec, graph, inputs, target)
+    graph = _graph(module, "export", has_target, spec.module)
+    _check_same_loss(spec, graph, inputs, target, expected)
+    if fx_failure:
+        log.info(f"torch.fx could not trace {spec.path.name} ({fx_failure}); captured it with torch.export")
     return graph
+
+
+def _graph(module: fx.GraphModule, method: str, has_target: bool, model: nn.Module) -> Graph:
+    names = tuple(n.name for n in module.graph.nodes if n.op == "placeholder")
+    own = {n for n, _ in (*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False))}
+    constants = tuple(
+        dict.fromkeys(str(n.target) for n in module.graph.nodes if n.op == "get_attr" and str(n.target) not in own)
+    )
+    return Graph(module=module, method=method, input_names=names, has_target=has_target, constants=constants)
+
+
+def _on_model_device(spec: ModelSpec, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    return tuple(x.to("meta") for x in inputs) if is_meta(spec.module) else inputs
 
 
 def eager_loss(spec: ModelSpec, inputs: tuple[torch.Tensor, ...], target: Any) -> torch.Tensor:
@@ -253,21 +339,33 @@ def graph_args(graph: Graph, inputs: tuple[torch.Tensor, ...], target: Any) -> t
     return (*inputs, target) if graph.has_target else tuple(inputs)
 
 
-def _check_same_loss(spec: ModelSpec, graph: Graph, inputs: tuple[torch.Tensor, ...], target: Any) -> None:
-    with torch.no_grad():
+def _eager_reference(spec: ModelSpec, inputs: tuple[torch.Tensor, ...], target: Any) -> torch.Tensor | None:
+    """The eager loss that the graph must match; on the meta device only checked to run (None)."""
+    meta = is_meta(spec.module)
+    with torch.no_grad(), torch.device("meta") if meta else contextlib.nullcontext():
         try:
-            expected = eager_loss(spec, inputs, target)
+            args = _on_model_device(spec, inputs), target.to("meta") if meta and target is not None else target
+            expected = eager_loss(spec, *args)
         except Exception as exc:
             raise ModelFileError(
                 f"the model rejects its own example batch: {_describe(exc, spec.path)}; "
                 "make example_batch() match the model's forward"
             ) from None
-        got = graph.module(*graph_args(graph, inputs, target))
     if not isinstance(expected, torch.Tensor) or expected.numel() != 1:
         raise ModelFileError(
             f"the loss of {spec.path.name} is not a scalar tensor; define loss_fn(output, target) "
             "that returns the mean loss, or make the model return it"
         )
+    return None if meta else expected
+
+
+def _check_same_loss(
+    spec: ModelSpec, graph: Graph, inputs: tuple[torch.Tensor, ...], target: Any, expected: torch.Tensor | None
+) -> None:
+    if expected is None:  # a meta model: nothing to compare, annotate runs the graph on fake tensors
+        return
+    with torch.no_grad():
+        got = graph.module(*graph_args(graph, inputs, target))
     if not torch.allclose(got, expected, rtol=1e-5, atol=1e-6):
         raise CaptureError(
             f"the captured graph computes loss {got.item():.6g} but the model computes {expected.item():.6g}; "

@@ -7,6 +7,8 @@ with exit code 2 and no traceback.
 from __future__ import annotations
 
 import argparse
+import logging
+import resource
 import sys
 from pathlib import Path
 
@@ -46,6 +48,12 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--optimizer", default="adamw", help="sgd or adamw: its state counts in memory (default adamw)")
     c.add_argument("--plan", type=Path, help="emit this plan.json as it is instead of solving")
     c.add_argument("--time-limit", type=float, default=30.0, help="seconds per solver run (default 30)")
+    c.add_argument(
+        "--capture", choices=("fx", "export"), help="capture with torch.fx or torch.export (default: fx, export when fx fails)"
+    )
+    c.add_argument(
+        "--leaf", action="append", default=[], metavar="CLASS", help="keep modules of this class whole (repeatable)"
+    )
     c.add_argument("--costs", type=Path, help="cost database from 'autopart profile' (ops it lacks are timed into it)")
     p = commands.add_parser("profile", help="time every op of a model on this machine into a cost database")
     p.add_argument("model", type=Path, help="the model file")
@@ -126,6 +134,8 @@ def _compile(args: argparse.Namespace, console: Console) -> None:
         plan=args.plan,
         time_limit_s=args.time_limit,
         costs=args.costs,
+        capture=args.capture,
+        leaf=tuple(args.leaf),
     )
     known = _entries(args.costs)
     plan, out = compile_to_directory(options, args.out)
@@ -133,10 +143,11 @@ def _compile(args: argparse.Namespace, console: Console) -> None:
     _print_table(console, stage_table(plan), title)
     console.print(
         f"predicted step {plan.predicted.step_s * 1e3:.3f} ms, bubble {plan.predicted.bubble:.1%}, "
-        f"solver {plan.provenance.solver_status}"
+        f"solver {plan.provenance.solver_status}, capture {plan.provenance.capture}"
     )
     if args.costs is not None:
         console.print(f"costs from {args.costs}: {_entries(args.costs) - known} ops timed, {known} known")
+    console.print(f"compile peak memory {peak_memory_gib():.2f} GiB")
     console.print(f"wrote {out}/; train with:\n  torchrun --nproc-per-node {plan.world_size} {out}/train.py --steps 10")
 
 
@@ -144,6 +155,8 @@ def _entries(path: Path | None) -> int:
     from cost_models import CostDatabase
 
     return len(CostDatabase.load(path).entries) if path is not None else 0
+
+
 def _explain(args: argparse.Namespace, console: Console) -> None:
     from autopart.codegen.report import stage_table
     from autopart.explain import compare, comparison_rows, load_output, relative_error
@@ -173,8 +186,30 @@ def _explain(args: argparse.Namespace, console: Console) -> None:
     )
 
 
+
+class _Notes(logging.Handler):
+    """Notes from the passes (a capture fallback) as ``autopart: note: ...`` lines on stderr."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        print(f"autopart: note: {record.getMessage()}", file=sys.stderr)
+
+
+def _show_notes() -> None:
+    logger = logging.getLogger("autopart")
+    if not any(isinstance(h, _Notes) for h in logger.handlers):
+        logger.addHandler(_Notes())
+    logger.setLevel(logging.INFO)
+
+
+def peak_memory_gib() -> float:
+    """Peak resident memory of this process so far (Linux reports KiB, macOS bytes)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / (1 << 30) if sys.platform == "darwin" else peak / (1 << 20)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = _parser().parse_args(argv)
+    _show_notes()
     console = Console(highlight=False)
     try:
         if args.command == "compile":

@@ -16,12 +16,13 @@ import torch
 import autopart
 from autopart.annotate import OpGraph, annotate
 from autopart.blocks import BlockChain, build_blocks
-from autopart.capture import Graph, ModelSpec, capture, load_model_file
+from autopart.capture import Graph, ModelSpec, capture, is_meta, load_model_file
 from autopart.codegen.emit import check_output_directory, emit_directory
 from autopart.codegen.stages import stage_boundaries
 from autopart.errors import ConfigError, PlanError
 from autopart.plan import Plan, Predicted, Provenance, ScheduleSpec, StagePlan, load_plan
 from autopart.predict import simulate_pipeline
+from autopart.runtime.materialise import check_initialisers
 from autopart.runtime.optim import OPTIMIZERS
 from autopart.profile import profile_costs
 from autopart.rewrite import separate_biases
@@ -75,6 +76,10 @@ class CompileOptions:
     costs: Path | None = None
     """A cost database (``autopart profile``): measured op times replace the roofline's where
     known. When the device is the one at hand, ops it lacks are timed and added to it."""
+    capture: str | None = None
+    """How to capture the model: "fx" or "export"; by default fx, and export when fx fails."""
+    leaf: tuple[str, ...] = ()
+    """Module classes kept whole by tracing (``call_module`` nodes); each stage builds its own."""
 
     def __post_init__(self) -> None:
         for name in ("pp", "tp", "dp", "gpus_per_node"):
@@ -92,6 +97,10 @@ class CompileOptions:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+        if self.capture not in (None, "fx", "export"):
+            raise ConfigError(f"unknown capture method {self.capture!r}; use --capture fx or --capture export")
+        if self.leaf and self.capture == "export":
+            raise ConfigError("--leaf keeps modules opaque to torch.fx, which torch.export cannot do; drop --capture export")
         if self.memory_gib is not None and self.memory_gib <= 0:
             raise ConfigError(f"--memory must be positive, got {self.memory_gib}")
 
@@ -139,15 +148,18 @@ class _Front:
     timed: int = 0  # ops timed for the cost database during this compile
 
 
-def _capture(spec: ModelSpec, tp: int) -> Graph:
+def _capture(spec: ModelSpec, tp: int, **how) -> Graph:
     """The training graph, with biases as ops of their own when ops will be split (see rewrite.py)."""
-    graph = capture(spec)
+    graph = capture(spec, **how)
     return separate_biases(graph) if tp > 1 else graph
 
 
 def _front(options: CompileOptions, micro_batch_size: int) -> _Front:
+    cost_model = get_cost_model(options.device)  # a bad device spec fails before the slow passes
     spec = load_model_file(options.model)
-    graph = _capture(spec, options.tp)
+    if is_meta(spec.module):  # each rank will make its own weights: every module needs an initialiser
+        check_initialisers(spec.module, spec.init_weights, spec.path.name)
+    graph = _capture(spec, options.tp, batch_size=micro_batch_size, method=options.capture, leaves=options.leaf)
     database, timed = None, 0
     if options.costs is not None:
         database = CostDatabase.load(options.costs)
@@ -343,6 +355,7 @@ def _plan_from_cuts(
             model_file=str(front.spec.path.resolve()),
             model_sha256=front.spec.source_sha256,
             capture=front.op_graph.graph.method,
+            leaves=options.leaf,
             cost_model=front.cost_model.name,
             solver_status=status,
             objective_s=evaluation.objective_s,
@@ -492,7 +505,10 @@ def emit(plan: Plan, out_dir: str | Path) -> Path:
     spec = load_model_file(plan.provenance.model_file)
     if spec.source_sha256 != plan.provenance.model_sha256:
         raise PlanError(f"{spec.path} changed since this plan was compiled; compile it again")
-    graph = _capture(spec, plan.mesh["tp"])
+    graph = _capture(
+        spec, plan.mesh["tp"], batch_size=plan.schedule.micro_batch_size, method=plan.provenance.capture,
+        leaves=plan.provenance.leaves,
+    )  # fmt: skip
     cost_model = get_cost_model("cpu")
     op_graph = annotate(graph, spec, cost_model, micro_batch_size=plan.schedule.micro_batch_size)
     return emit_directory(plan, op_graph, spec, out_dir)

@@ -75,6 +75,7 @@ class Provenance:
     gap: float
     autopart_version: str
     torch_version: str
+    leaves: tuple[str, ...] = ()  # module classes kept whole by tracing (--leaf)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -143,6 +144,7 @@ class Plan:
                 gap=provenance.float("gap"),
                 autopart_version=provenance.str("autopart_version"),
                 torch_version=provenance.str("torch_version"),
+                leaves=tuple(str(n) for n in provenance.data.get("leaves", [])),
             ),
             zero=reader.bool("zero"),
             graph_inputs=tuple(str(n) for n in reader.list("graph_inputs")),

@@ -75,28 +75,34 @@ class Trained:
 
 
 def compile_and_train(
-    tmp_path: Path, example: str, *, pp: int, microbatches: int, schedule: str, optimizer: str = "sgd",
+    tmp_path: Path, example: str | Path, *, pp: int, microbatches: int, schedule: str, optimizer: str = "sgd",
     lr: float = 0.1, chunks: int = 1, steps: int = 3, micro_batch_size: int = 2, trace: bool = False,
+    train_args: tuple[str, ...] = (), **options,
 ) -> Trained:
-    """Compile ``examples/<example>.py`` and train it for ``steps`` under one torchrun launch."""
+    """Compile ``examples/<example>.py`` (or the model file at a path) and train it for ``steps``
+    under one torchrun launch; ``options`` are more CompileOptions, ``train_args`` more train.py flags."""
     out = tmp_path / "out"
+    model = example if isinstance(example, Path) else REPO / "examples" / f"{example}.py"
     plan, _ = compile_to_directory(
-        CompileOptions(model=REPO / "examples" / f"{example}.py", pp=pp, microbatches=microbatches,
-                       micro_batch_size=micro_batch_size, schedule=schedule, chunks=chunks, optimizer=optimizer),
+        CompileOptions(model=model, pp=pp, microbatches=microbatches, micro_batch_size=micro_batch_size,
+                       schedule=schedule, chunks=chunks, optimizer=optimizer, **options),
         out,
     )
     metrics = tmp_path / "metrics.jsonl"
     trace_path = tmp_path / "measured.json" if trace else None
     torchrun(out, pp, "--steps", str(steps), "--lr", str(lr), "--optimizer", optimizer,
              "--metrics", str(metrics), "--save-weights", str(tmp_path / "final"),
-             *(["--trace", str(trace_path)] if trace_path else []))
+             *(["--trace", str(trace_path)] if trace_path else []), *train_args)
     return Trained(plan=plan, out=out, metrics=read_metrics(metrics), finals=stage_weights(tmp_path / "final"),
                    steps=steps, trace=trace_path)
 
 
-def assert_same_training(run: Trained, *, optimizer: str, lr: float, param_atol: float = 1e-6) -> None:
-    """Every step's loss and every final parameter equal a single-process run's on the same batches."""
-    reference = train_reference(run.out, steps=run.steps, lr=lr, optimizer=optimizer)
+def assert_same_training(
+    run: Trained, *, optimizer: str, lr: float, param_atol: float = 1e-6, weights: Path | None = None
+) -> None:
+    """Every step's loss and every final parameter equal a single-process run's on the same batches
+    (started from the checkpoint ``weights`` when the programs were)."""
+    reference = train_reference(run.out, steps=run.steps, lr=lr, optimizer=optimizer, weights=weights)
     assert [m["step"] for m in run.metrics] == list(range(run.steps))
     torch.testing.assert_close(
         torch.tensor([m["loss"] for m in run.metrics], dtype=torch.float64),

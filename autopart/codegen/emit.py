@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import save_file
 
 from autopart.annotate import OpGraph
-from autopart.capture import ModelSpec
+from autopart.capture import ModelSpec, is_meta
 from autopart.codegen.report import write_report
 from autopart.codegen.tensor_parallel import shard_stage_graph
 from autopart.codegen.stages import describe_tensors, stage_graphs, stage_source
@@ -60,16 +60,23 @@ def _write(plan: Plan, op_graph: OpGraph, spec: ModelSpec, out: Path, *, final: 
     (out / "stages").mkdir(parents=True)
     (out / "weights").mkdir()
     module = op_graph.graph.module
-    tensors: dict[str, torch.Tensor] = {}
+    tensors: dict[str, torch.Tensor] = {
+        **dict(module.named_parameters(remove_duplicate=False)),
+        **dict(module.named_buffers(remove_duplicate=False)),
+    }
     for node in module.graph.nodes:
         if node.op == "get_attr":
             value = module
             for part in str(node.target).split("."):
                 value = getattr(value, part)
             tensors[str(node.target)] = value
+    # a model built on the meta device has no values to write: each rank makes its own weights
+    # with the model's initialisers, or reads them from a checkpoint (train.py --weights)
+    materialised = not is_meta(module)
     graphs = stage_graphs(op_graph, [stage.nodes for stage in plan.stages])
     command = f"torchrun --nproc-per-node {plan.world_size} {final / 'train.py'} --steps 10"
     tp = plan.mesh["tp"]
+    leaf_names = {str(n.target): list(op_graph.leaf_tensors[n.name]) for n in module.graph.nodes if n.op == "call_module"}
     for stage_plan, stage in zip(plan.stages, graphs):
         placements = {name: Placement.parse(p) for name, p in stage_plan.parameter_placements.items()}
         if tp > 1:
@@ -77,16 +84,19 @@ def _write(plan: Plan, op_graph: OpGraph, spec: ModelSpec, out: Path, *, final: 
                 stage, strategies=_stage_strategies(stage, stage_plan, op_graph), parameters=placements,
                 op_graph=op_graph, tp=tp,
             )  # fmt: skip
-        names = (*stage.parameters, *stage.buffers)
-        shards = [
-            {n: shard_weight(tensors[n].detach(), placements.get(n, REPLICATE), tp, r).clone() for n in names}
-            for r in range(tp)
-        ]
+
+        def local(name: str, rank: int) -> torch.Tensor:
+            return shard_weight(tensors[name].detach(), placements.get(name, REPLICATE), tp, rank)
+
         header = _stage_docstring(plan, stage_plan.index, stage, op_graph, command)
-        source = stage_source(stage, stages=len(plan.stages), op_graph=op_graph, metas=shards[0], header=header)
+        declared = {name: local(name, 0) for name in tensors}
+        source = stage_source(stage, stages=len(plan.stages), op_graph=op_graph, metas=declared, header=header)
         (out / "stages" / f"stage_{stage.index}.py").write_text(source)
-        for r, weights in enumerate(shards):
-            save_file(weights, str(out / "weights" / weights_file_name(stage.index, r, tp)))
+        names = [*stage.parameters, *stage.buffers, *(n for leaf in stage.leaves for n in leaf_names[leaf])]
+        names = [*stage.constants, *(names if materialised else ())]
+        for rank in range(tp) if names else ():
+            weights = {name: local(name, rank).contiguous().clone() for name in names}
+            save_file(weights, str(out / "weights" / weights_file_name(stage.index, rank, tp)))
     plan.save(out / "plan.json")
     shutil.copyfile(spec.path, out / "model.py")
     (out / "train.py").write_text(_entry_point(plan, command))

@@ -33,7 +33,9 @@ class StageGraph:
     batch_inputs: tuple[str, ...]
     outputs: tuple[str, ...]  # sent tensors, or the loss on the last stage
     parameters: tuple[str, ...]  # get_attr targets that are parameters
-    buffers: tuple[str, ...]  # get_attr targets that are buffers or constants
+    buffers: tuple[str, ...]  # get_attr targets that are buffers of the model
+    constants: tuple[str, ...] = ()  # get_attr targets made in forward (not the model's): part of the program
+    leaves: tuple[str, ...] = ()  # call_module targets: --leaf modules that the stage owns whole
 
 
 def _free(op_graph: OpGraph, name: str) -> bool:
@@ -107,7 +109,8 @@ def stage_graphs(op_graph: OpGraph, stage_nodes: list[tuple[str, ...]]) -> list[
         batch_inputs = tuple(n.name for n in source.nodes if n.op == "placeholder" and n.name in needed)
         for name in batch_inputs:
             env[name] = graph.placeholder(name)
-        parameters, buffers = [], []
+        parameters, buffers, leaves = [], [], []
+        constants = set(op_graph.graph.constants)
         for node in source.nodes:
             if node.op == "placeholder" or node.name in received:
                 continue
@@ -115,8 +118,11 @@ def stage_graphs(op_graph: OpGraph, stage_nodes: list[tuple[str, ...]]) -> list[
                 env[node.name] = graph.node_copy(node, lambda n: env[n.name])
                 if node.op == "get_attr":
                     (parameters if op_graph.nodes[node.name].is_parameter else buffers).append(str(node.target))
+                if node.op == "call_module":
+                    leaves.append(str(node.target))
         graph.output(env[sends[0]] if s == len(stage_nodes) - 1 else tuple(env[n] for n in sends))
-        graph.eliminate_dead_code()
+        # a graph without its module cannot ask a leaf module's call whether it is pure: it is
+        graph.eliminate_dead_code(is_impure_node=lambda n: n.op != "call_module" and n.is_impure())
         graph.lint()
         result.append(
             StageGraph(
@@ -126,7 +132,9 @@ def stage_graphs(op_graph: OpGraph, stage_nodes: list[tuple[str, ...]]) -> list[
                 batch_inputs=batch_inputs,
                 outputs=sends,
                 parameters=tuple(dict.fromkeys(parameters)),
-                buffers=tuple(dict.fromkeys(buffers)),
+                buffers=tuple(b for b in dict.fromkeys(buffers) if b not in constants),
+                constants=tuple(b for b in dict.fromkeys(buffers) if b in constants),
+                leaves=tuple(dict.fromkeys(leaves)),
             )
         )
     return result
@@ -187,21 +195,46 @@ def stage_source(
             lines.append(f"    {target!r}: ({tuple(tensor.shape)!r}, torch.{dtype}),")
         return "".join(line + "\n" for line in lines)
 
+    declare_leaves = (
+        "\n        declare_leaves(self, LEAVES, Path(__file__).resolve().parents[1] / \"model.py\")" if stage.leaves else ""
+    )
+
     def signature(names: tuple[str, ...]) -> str:
         return ", ".join(repr(n) for n in names) + ("," if len(names) == 1 else "")
 
     body = "\n".join("    " + line if line else "" for line in forward.splitlines())
+    constant_block = (
+        f"""# tensors that the model makes in forward, captured as constants; loaded from weights/
+CONSTANTS = {{
+{declarations(stage.constants)}}}
+"""
+        if stage.constants
+        else ""
+    )
+    root = op_graph.graph.module
+    leaves = "".join(f"    {t!r}: {type(root.get_submodule(t)).__name__!r},\n" for t in stage.leaves)
+    leaf_block = (
+        f"""
+# module path -> its class in model.py: kept whole (--leaf); built by model.py's build_model()
+# on the meta device, then given this stage's weights like every other tensor
+LEAVES = {{
+{leaves}}}
+"""
+        if stage.leaves
+        else ""
+    )
     return f'''{header}
-{"".join(line + chr(10) for line in imports)}import torch
+{"".join(line + chr(10) for line in imports)}{"from pathlib import Path" + chr(10) + chr(10) if stage.leaves else ""}import torch
 
-from autopart.runtime.stage import declare_tensors
+from autopart.runtime.stage import {"declare_leaves, " if stage.leaves else ""}declare_tensors
 
-# name in the original model -> (shape, dtype); the values are loaded from weights/
+# name in the original model -> (shape, dtype); values from weights/, train.py --weights CKPT, or
+# (a model built on the meta device) the model's initialisers, run on this rank
 PARAMETERS = {{
 {declarations(stage.parameters)}}}
 BUFFERS = {{
 {declarations(stage.buffers)}}}
-
+{constant_block}{leaf_block}
 
 class {class_name}(torch.nn.Module):
     """Stage {stage.index} of {stages}."""
@@ -212,7 +245,7 @@ class {class_name}(torch.nn.Module):
 
     def __init__(self):
         super().__init__()
-        declare_tensors(self, PARAMETERS, BUFFERS)
+        declare_tensors(self, PARAMETERS, BUFFERS{", CONSTANTS" if stage.constants else ""}){declare_leaves}
 
 {body}
 

@@ -14,6 +14,8 @@ import torch
 from autopart.capture import eager_loss, load_model_file
 from autopart.plan import load_plan
 from autopart.runtime.data import global_batches, model_file
+from autopart.runtime.materialise import materialise, meta_names
+from autopart.runtime.stage import stage_names
 from autopart.runtime.optim import make_optimizer
 from autopart.runtime.shards import load_stage_weights
 
@@ -34,17 +36,24 @@ def initial_weights(out_dir: Path) -> dict[str, torch.Tensor]:
     return weights
 
 
-def train_reference(out_dir: str | Path, *, steps: int, lr: float, optimizer: str, seed: int = 0) -> ReferenceRun:
+def train_reference(
+    out_dir: str | Path, *, steps: int, lr: float, optimizer: str, seed: int = 0, weights: Path | None = None
+) -> ReferenceRun:
+    """``weights`` is the checkpoint the programs were started from (``train.py --weights``), if any."""
     out_dir = Path(out_dir)
     plan = load_plan(out_dir / "plan.json")
     spec = load_model_file(model_file(out_dir, plan))
     model = spec.module
     assert model is not None
-    weights = initial_weights(out_dir)
-    named = dict(model.named_parameters()) | dict(model.named_buffers())
+    if any(True for _ in meta_names(model)):  # made as every rank makes its slice
+        materialise(model, meta_names(model), init=spec.init_weights)
+    initial = load_file(str(weights)) if weights is not None else initial_weights(out_dir)
+    named = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers(remove_duplicate=False))
     with torch.no_grad():
-        for name, value in weights.items():
-            named[name].copy_(value)
+        for name, value in initial.items():
+            if name in named:  # not the constants that the model makes in forward
+                named[name].copy_(value)
+    held = [name for stage in plan.stages for name in stage_names(out_dir, stage.index)]
     params = [p for p in model.parameters()]
     opt = make_optimizer(optimizer, params, lr)
     data = global_batches(spec, plan.schedule.global_batch_size, seed)
@@ -56,5 +65,5 @@ def train_reference(out_dir: str | Path, *, steps: int, lr: float, optimizer: st
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
-    final = {name: named[name].detach().clone() for name in weights}
+    final = {name: named[name].detach().clone() for name in held}
     return ReferenceRun(losses=losses, parameters=final)

@@ -35,7 +35,11 @@ def load_stage_weights(plan: Plan, folder: Path) -> dict[int, dict[str, torch.Te
     tp = plan.mesh["tp"]
     stages = {}
     for stage in plan.stages:
-        pieces = [load_file(str(Path(folder) / weights_file_name(stage.index, r, tp))) for r in range(tp)]
+        files = [Path(folder) / weights_file_name(stage.index, r, tp) for r in range(tp)]
+        if not files[0].is_file():  # a meta model's stage made on its rank: nothing written
+            stages[stage.index] = {}
+            continue
+        pieces = [load_file(str(f)) for f in files]
         placements = {name: Placement.parse(p) for name, p in stage.parameter_placements.items()}
         stages[stage.index] = {
             name: unshard_weight([piece[name] for piece in pieces], placements.get(name, REPLICATE))

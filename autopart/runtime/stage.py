@@ -2,15 +2,29 @@
 
 from __future__ import annotations
 
+import copy
+import functools
+import hashlib
 import importlib.util
 import sys
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 from torch import nn
 
-__all__ = ["declare_tensors", "load_stage", "weights_file_name"]
+from autopart.errors import ConfigError
+
+__all__ = [
+    "declare_tensors",
+    "declare_leaves",
+    "load_stage",
+    "stage_names",
+    "check_checkpoint",
+    "read_checkpoint",
+    "weights_file_name",
+]
 
 
 def weights_file_name(stage: int, tp_rank: int, tp: int) -> str:
@@ -35,6 +49,7 @@ def declare_tensors(
     module: nn.Module,
     parameters: dict[str, tuple[tuple[int, ...], torch.dtype]],
     buffers: dict[str, tuple[tuple[int, ...], torch.dtype]],
+    constants: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None,
 ) -> None:
     """Register empty parameters and buffers under their names in the original model.
 
@@ -47,18 +62,141 @@ def declare_tensors(
     for name, (shape, dtype) in buffers.items():
         owner, leaf = _owner(module, name)
         owner.register_buffer(leaf, torch.empty(shape, dtype=dtype))
+    for name, (shape, dtype) in (constants or {}).items():  # part of the program, not of the model's state
+        owner, leaf = _owner(module, name)
+        owner.register_buffer(leaf, torch.empty(shape, dtype=dtype), persistent=False)
 
 
-def load_stage(out_dir: Path, index: int, device: torch.device, *, tp_rank: int = 0, tp: int = 1) -> nn.Module:
-    """Import ``stages/stage_<index>.py``, build the module and load this rank's weights."""
+@functools.cache
+def _meta_spec(model_file: Path):
+    """The model file, its model built on the meta device: the source of --leaf modules and of the
+    initialisers of a meta model (which must come from the same import as the model's classes)."""
+    from autopart.capture import load_model_file
+
+    with torch.device("meta"):
+        spec = load_model_file(model_file)
+    assert spec.module is not None
+    return spec
+
+
+def _meta_model(model_file: Path) -> nn.Module:
+    return _meta_spec(model_file).module
+
+
+def declare_leaves(module: nn.Module, leaves: dict[str, str], model_file: Path) -> None:
+    """Register the ``--leaf`` modules under their paths in the original model.
+
+    Each one is taken from ``build_model()`` of ``model_file`` run on the meta device (so no
+    weights are made for the rest of the model), then given empty storage; the stage's weights
+    fill it like every other tensor.
+    """
+    model = _meta_model(model_file)
+    for path, class_name in leaves.items():
+        leaf = copy.deepcopy(model.get_submodule(path))
+        if type(leaf).__name__ != class_name:
+            raise ConfigError(
+                f"{model_file.name} now builds a {type(leaf).__name__} at '{path}', not the {class_name} this stage "
+                "was compiled with; recompile"
+            )
+        owner, name = _owner(module, path)
+        owner.add_module(name, leaf.to_empty(device="cpu"))
+
+
+def stage_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer of a stage by name, non-persistent buffers included."""
+    return dict(module.named_parameters(remove_duplicate=False)) | dict(module.named_buffers(remove_duplicate=False))
+
+
+def read_checkpoint(path: Path, names: list[str]) -> dict[str, torch.Tensor]:
+    """The tensors ``names`` from a safetensors checkpoint, reading those and no others."""
+    with safe_open(str(path), framework="pt", device="cpu") as checkpoint:
+        return {name: checkpoint.get_tensor(name) for name in names}
+
+
+def check_checkpoint(path: Path, names: list[str], stage: int) -> None:
+    """Refuse, before training starts, a checkpoint that lacks some of a stage's tensors."""
+    if not path.is_file():
+        raise ConfigError(f"weights file '{path}' does not exist; pass a safetensors file of the model's weights")
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as checkpoint:
+            held = set(checkpoint.keys())
+    except Exception as exc:  # safetensors raises its own error types
+        raise ConfigError(f"weights file '{path}' is not a safetensors file ({exc}); pass a safetensors file") from None
+    missing = [n for n in names if n not in held]
+    if missing:
+        raise ConfigError(
+            f"weights file '{path}' lacks {len(missing)} tensor(s) of stage {stage}, first {missing[0]!r}; "
+            "save every parameter under its name in the original model (model.state_dict())"
+        )
+
+
+def stage_names(out_dir: Path, index: int) -> list[str]:
+    """The names of the tensors that stage ``index`` holds, from its generated source."""
+    source = _stage_source(out_dir, index)
+    names = [*source.PARAMETERS, *source.BUFFERS]
+    model_file = out_dir / "model.py"
+    for path in getattr(source, "LEAVES", {}):
+        leaf = _meta_model(model_file).get_submodule(path)
+        names.extend(f"{path}.{name}" for name in stage_tensors(leaf))
+    return names
+
+
+def _stage_source(out_dir: Path, index: int):
+    digest = hashlib.sha256(str(out_dir.resolve()).encode()).hexdigest()[:12]
+    name = f"autopart_stage_{index}_{digest}"  # one per output directory: a process may read several
+    if name in sys.modules:
+        return sys.modules[name]
     path = out_dir / "stages" / f"stage_{index}.py"
-    name = f"autopart_stage_{index}"
     spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None and spec.loader is not None
     source = importlib.util.module_from_spec(spec)
     sys.modules[name] = source
     spec.loader.exec_module(source)
-    stage = source.STAGE()
-    weights = load_file(str(out_dir / "weights" / weights_file_name(index, tp_rank, tp)))
-    stage.load_state_dict(weights, strict=True)
+    return source
+
+
+def load_stage(
+    out_dir: Path,
+    index: int,
+    device: torch.device,
+    *,
+    tp_rank: int = 0,
+    tp: int = 1,
+    weights: Path | None = None,
+    placements: dict[str, str] | None = None,
+) -> nn.Module:
+    """Build stage ``index`` from ``stages/stage_<index>.py`` and give it this rank's weights.
+
+    The weights come from ``weights`` (a safetensors checkpoint of the whole model, read by
+    name) when given, else from ``weights/stage_<index>[.tp<r>].safetensors``, else, for a model
+    built on the meta device, from the model's own initialisers run for this stage's tensors
+    alone. Whole tensors are sliced for this tensor-parallel rank by their ``placements``.
+    """
+    from autopart.placement import REPLICATE, Placement
+    from autopart.runtime.shards import shard_weight
+
+    stage = _stage_source(out_dir, index).STAGE()
+    tensors = stage_tensors(stage)
+    written = out_dir / "weights" / weights_file_name(index, tp_rank, tp)
+    values = load_file(str(written)) if written.is_file() else {}  # a meta model's holds its constants only
+    own = stage_names(out_dir, index)
+    whole: dict[str, torch.Tensor] = {}
+    if weights is not None:
+        whole.update(read_checkpoint(weights, own))
+    missing = [name for name in own if name not in values and name not in whole]
+    if missing:
+        from autopart.runtime.materialise import materialise
+
+        spec = _meta_spec(out_dir / "model.py")
+        whole.update(materialise(copy.deepcopy(spec.module), missing, init=spec.init_weights))
+    placed = {name: Placement.parse(p) for name, p in (placements or {}).items()}
+    for name, tensor in whole.items():
+        values[name] = shard_weight(tensor, placed.get(name, REPLICATE), tp, tp_rank)
+    missing = set(tensors) - set(values)
+    if missing:
+        raise ConfigError(f"the weights of stage {index} lack {sorted(missing)[0]!r}; recompile")
+    with torch.no_grad():
+        for name, tensor in tensors.items():
+            tensor.copy_(values[name])
     return stage.to(device)
+

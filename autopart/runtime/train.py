@@ -1,9 +1,11 @@
 """The training loop that every generated ``train.py`` runs, one process per rank under torchrun.
 
     torchrun --nproc-per-node P OUT/train.py [--steps N] [--lr LR] [--optimizer sgd|adamw]
-        [--seed S] [--metrics FILE] [--trace FILE] [--save-weights DIR] [--timeout S]
+        [--seed S] [--metrics FILE] [--trace FILE] [--save-weights DIR] [--timeout S] [--weights CKPT.safetensors]
 
-Each rank builds its stage from ``stages/stage_<k>.py`` and ``weights/stage_<k>.safetensors``,
+Each rank builds its stage from ``stages/stage_<k>.py`` and ``weights/stage_<k>.safetensors``
+(or, with ``--weights CKPT``, the stage's tensors of a whole-model safetensors checkpoint; or,
+for a model built on the meta device, the model's initialisers run for the stage's tensors),
 draws the same global batches as every other rank, runs its action list of the plan's schedule,
 sums the gradients of parameters that several stages hold (tied embeddings), and steps its
 optimizer. NCCL when CUDA is present, gloo otherwise. ``--trace FILE`` writes the measured
@@ -35,7 +37,7 @@ from autopart.runtime.optim import OPTIMIZERS, make_optimizer
 from autopart.runtime import collectives
 from autopart.runtime.mesh import Mesh, group_of
 from autopart.runtime.p2p import check_message_order
-from autopart.runtime.stage import load_stage, weights_file_name
+from autopart.runtime.stage import check_checkpoint, load_stage, stage_names, weights_file_name
 from autopart.schedule import add_communication, build_schedule, stage_rank
 
 __all__ = ["main", "parse_args"]
@@ -51,6 +53,9 @@ def parse_args(argv: list[str] | None, plan: Plan) -> argparse.Namespace:
     parser.add_argument("--trace", type=Path, help="write the measured timeline of the last step (Chrome trace JSON)")
     parser.add_argument("--save-weights", type=Path, help="write each stage's final weights here (safetensors)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds before a stuck peer is an error")
+    parser.add_argument(
+        "--weights", type=Path, help="initial weights: a safetensors file of the model, read by parameter name"
+    )
     return parser.parse_args(argv)
 
 
@@ -73,6 +78,11 @@ def _train(out_dir: Path, argv: list[str] | None) -> None:
             f"the plan needs {plan.world_size} processes but {world_size} were started; "
             f"run torchrun --nproc-per-node {plan.world_size} {out_dir / 'train.py'}"
         )
+    source_file = model_file(out_dir, plan)
+    if args.weights is not None:  # refuse a checkpoint that lacks this rank's tensors before any peer waits
+        for stage_plan in plan.stages:
+            if stage_plan.rank == Mesh(dp=plan.mesh["dp"], pp=plan.mesh["pp"], tp=plan.mesh["tp"]).coordinates(rank).pp:
+                check_checkpoint(args.weights, stage_names(out_dir, stage_plan.index), stage_plan.index)
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
@@ -81,12 +91,14 @@ def _train(out_dir: Path, argv: list[str] | None) -> None:
         device, backend = torch.device("cpu"), "gloo"
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.timeout))
     try:
-        _loop(out_dir, plan, args, rank, device)
+        _loop(out_dir, plan, args, rank, device, source_file)
     finally:
         dist.destroy_process_group()
 
 
-def _loop(out_dir: Path, plan: Plan, args: argparse.Namespace, rank: int, device: torch.device) -> None:
+def _loop(
+    out_dir: Path, plan: Plan, args: argparse.Namespace, rank: int, device: torch.device, source_file: Path
+) -> None:
     mesh = Mesh(dp=plan.mesh["dp"], pp=plan.mesh["pp"], tp=plan.mesh["tp"])
     here = mesh.coordinates(rank)
     device_mesh = mesh.device_mesh(device.type)
@@ -102,7 +114,9 @@ def _loop(out_dir: Path, plan: Plan, args: argparse.Namespace, rank: int, device
         peer = lambda stage: mesh.pipeline_peers(rank, stage_rank(stage, mesh.pp))  # noqa: E731
         stages[s] = StageRuntime(
             index=s,
-            module=load_stage(out_dir, s, device, tp_rank=here.tp, tp=mesh.tp),
+            module=load_stage(
+                out_dir, s, device, tp_rank=here.tp, tp=mesh.tp, weights=args.weights, placements=stage_plan.parameter_placements
+            ),
             inputs=[meta for _, meta in stage_plan.inputs],
             batch_inputs=[plan.graph_inputs.index(name) for name in stage_plan.batch_inputs],
             prev_rank=peer(s - 1) if s > 0 else None,
@@ -126,7 +140,7 @@ def _loop(out_dir: Path, plan: Plan, args: argparse.Namespace, rank: int, device
     )
     parameters = [p for stage in stages.values() for p in stage.module.parameters()]
     optimizer = make_optimizer(args.optimizer, parameters, args.lr, zero_group=data_parallel if plan.zero else None)
-    spec = load_model_file(model_file(out_dir, plan), build=False)
+    spec = load_model_file(source_file, build=False)
     data = global_batches(spec, schedule_spec.global_batch_size, args.seed)
     holds_loss = stage_count - 1 in stages and here.tp == 0
     for step in range(args.steps):

@@ -166,6 +166,17 @@ class _CutModel:
         p = self.problem
         return sum(self.stage_memory(s) for s in range(p.stages) if p.rank_of(s) == rank) + p.overhead_bytes
 
+    def hint(self, cuts: tuple[int, ...]) -> None:
+        """Start the search from ``cuts``: on long chains (a 7B model has hundreds of blocks) CP-SAT
+        can otherwise spend its whole time limit before it finds any plan."""
+        blocks = len(self.problem.block_time_s)
+        for s, members in enumerate(stage_ranges(cuts, blocks)):
+            for k in range(blocks):
+                self.model.add_hint(self.x[k][s], k in members)
+        for k in range(blocks - 1):
+            for s in range(self.problem.stages - 1):
+                self.model.add_hint(self.end[k][s], cuts[s] == k)
+
     def cuts(self, solver: cp_model.CpSolver) -> tuple[int, ...]:
         blocks = len(self.problem.block_time_s)
         return tuple(
@@ -197,27 +208,52 @@ def solve_cuts(problem: PipelineProblem, *, time_limit_s: float = 30.0) -> CutSo
     for rank in range(problem.ranks):
         m.add(cut_model.rank_memory(rank) <= problem.memory_limit_bytes)
     m.minimize(sum(times) + (problem.microbatches - 1) * slowest)
+    balanced = evaluate(problem, _balanced_cuts(problem))
+    cut_model.hint(balanced.cuts)
     solver, status = _solve(m, time_limit_s)
     if status == cp_model.INFEASIBLE:
         raise InfeasibleError(_infeasible_message(problem, time_limit_s))
+    # On long chains CP-SAT may stop with no plan or a poor one, hint or not: the time-balanced
+    # cuts, when they fit in memory, are then the answer, and CP-SAT's bound still says how good.
+    balanced_fits = max(balanced.rank_memory_bytes) <= problem.memory_limit_bytes
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        raise InfeasibleError(
-            f"the cut solver found no plan within --time-limit {time_limit_s:g} s; raise --time-limit"
-        )
-    evaluation = evaluate(problem, cut_model.cuts(solver))
-    # The solution is re-checked in plain Python: the CP-SAT model and evaluate() must agree up to
-    # the rounding of each block's time to whole nanoseconds.
-    rounding = (len(problem.block_time_s) + 2 * problem.stages) * problem.microbatches
-    assert abs(evaluation.objective_s * _NS - solver.objective_value) <= rounding, (evaluation, solver.objective_value)
+        if not balanced_fits:
+            raise InfeasibleError(
+                f"the cut solver found no plan within --time-limit {time_limit_s:g} s; raise --time-limit"
+            )
+        evaluation = balanced
+    else:
+        evaluation = evaluate(problem, cut_model.cuts(solver))
+        # The solution is re-checked in plain Python: the CP-SAT model and evaluate() must agree up to
+        # the rounding of each block's time to whole nanoseconds.
+        rounding = (len(problem.block_time_s) + 2 * problem.stages) * problem.microbatches
+        assert abs(evaluation.objective_s * _NS - solver.objective_value) <= rounding, (evaluation, solver.objective_value)
+        if balanced_fits and balanced.objective_s < evaluation.objective_s:
+            evaluation = balanced
     _check_memory(problem, evaluation)
-    bound = solver.best_objective_bound / _NS
-    objective = solver.objective_value / _NS
+    bound = min(max(0.0, solver.best_objective_bound / _NS), evaluation.objective_s)
+    objective = evaluation.objective_s
     return CutSolution(
         evaluation=evaluation,
         status="optimal" if status == cp_model.OPTIMAL else "feasible",
         bound_s=bound,
         gap=0.0 if objective == 0 else max(0.0, (objective - bound) / objective),
     )
+
+
+def _balanced_cuts(problem: PipelineProblem) -> tuple[int, ...]:
+    """Cuts that give each stage about an equal share of the compute time, one block at least."""
+    blocks, stages = len(problem.block_time_s), problem.stages
+    total = sum(problem.block_time_s) or 1.0
+    cuts: list[int] = []
+    elapsed = 0.0
+    for k in range(blocks - 1):
+        elapsed += problem.block_time_s[k]
+        room = blocks - 1 - k  # blocks left after k: each later stage needs one
+        due = len(cuts) < stages - 1 and (elapsed >= total * (len(cuts) + 1) / stages or room <= stages - 1 - len(cuts))
+        if due and (not cuts or k > cuts[-1]):
+            cuts.append(k)
+    return tuple(cuts)
 
 
 def _check_memory(problem: PipelineProblem, evaluation: CutEvaluation) -> None:

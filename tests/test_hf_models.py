@@ -1,0 +1,33 @@
+"""Hugging Face transformers 5.x models (tiny random configs, wrapped to return the logits) are
+captured with torch.export and train through autopart like the original model."""
+
+import pytest
+
+from autopart.compiler import CompileOptions, compile_to_directory
+from tests.distributed import REPO
+from tests.distributed import assert_same_training, compile_and_train
+
+pytest.importorskip("transformers", minversion="5")
+
+MODELS = REPO / "tests" / "models"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("model", ["hf_gpt2", "hf_llama"])
+def test_hf_model_trains_like_one_process(tmp_path, model):
+    run = compile_and_train(tmp_path, MODELS / f"{model}.py", pp=2, microbatches=2, schedule="1f1b")
+    assert run.plan.provenance.capture == "export"
+    assert len(run.plan.stages) == 2
+    assert_same_training(run, optimizer="sgd", lr=0.1)
+
+
+def test_hf_bert_compiles_with_its_attention_mask_on_every_stage(tmp_path):
+    # (its training matches one process too; that run is left out of the suite to keep it short)
+    plan, out = compile_to_directory(
+        CompileOptions(model=MODELS / "hf_bert.py", pp=2, microbatches=2, micro_batch_size=2), tmp_path / "out"
+    )
+    assert plan.provenance.capture == "export"
+    assert plan.graph_inputs == ("tokens", "attention_mask", "target")
+    # the mask is batch-derived: each stage rebuilds it from the batch instead of receiving it
+    assert all("attention_mask" in s.batch_inputs for s in plan.stages)
+    assert all(name not in ("attention_mask",) for s in plan.stages for name, _ in s.inputs)

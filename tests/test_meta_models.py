@@ -1,0 +1,57 @@
+"""A model built on the meta device is captured, costed on fake tensors, solved and emitted
+without its weights; its programs make each stage's weights on the rank that holds them, with the
+model's own initialisers, or read them by name from a safetensors checkpoint."""
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from autopart.capture import load_model_file
+from autopart.compiler import CompileOptions, compile_to_directory
+from autopart.runtime.materialise import materialise, meta_names
+from tests.distributed import REPO
+from tests.distributed import assert_same_training, compile_and_train
+
+MODEL = REPO / "tests" / "models" / "meta_lm.py"
+
+
+def test_each_module_is_made_alike_whatever_else_a_process_makes():
+    spec = load_model_file(MODEL)
+    everything = materialise(spec.module, meta_names(spec.module), init=spec.init_weights)
+    other = load_model_file(MODEL)  # another process
+    alone = materialise(other.module, ["blocks.2.gate.scale", "head.weight"], init=other.init_weights)
+    assert torch.equal(alone["blocks.2.gate.scale"], everything["blocks.2.gate.scale"])
+    assert torch.equal(alone["head.weight"], everything["embed.weight"]), "a tied tensor is made once"
+    assert spec.module.head.weight is spec.module.embed.weight, "materialising keeps ties"
+    assert not torch.equal(everything["blocks.0.up.weight"], everything["blocks.1.up.weight"])
+
+
+def test_meta_model_compiles_without_weights(tmp_path):
+    out = tmp_path / "out"
+    plan, _ = compile_to_directory(CompileOptions(model=MODEL, pp=2, microbatches=2, micro_batch_size=2), out)
+    assert len(plan.stages) == 2
+    assert not list((out / "weights").glob("*.safetensors")), "nothing to write: each rank makes its weights"
+    assert all(s.activation_bytes > 0 for s in plan.stages), "saved bytes measured on fake tensors"
+    assert sum(s.parameter_bytes for s in plan.stages) >= (64 * 32 + 4 * (2 * 32 * 64 + 4 * 32)) * 4
+
+
+@pytest.mark.multiprocess
+def test_meta_model_trains_from_its_initialisers(tmp_path):
+    run = compile_and_train(tmp_path, MODEL, pp=2, microbatches=2, schedule="1f1b")
+    assert run.plan.tied_parameters == {"embed.weight": (0, 1)}
+    assert_same_training(run, optimizer="sgd", lr=0.1)
+
+
+@pytest.mark.multiprocess
+def test_meta_model_trains_from_a_checkpoint(tmp_path):
+    model = load_model_file(MODEL).module
+    generator = torch.Generator().manual_seed(99)
+    # one entry per tensor: a tied weight is saved once, under its first name (embed.weight)
+    checkpoint = {name: torch.randn(tuple(t.shape), generator=generator) * 0.1 for name, t in model.named_parameters()}
+    path = tmp_path / "init.safetensors"
+    save_file(checkpoint, str(path))
+    run = compile_and_train(
+        tmp_path, MODEL, pp=2, microbatches=2, schedule="1f1b", train_args=("--weights", str(path))
+    )
+    assert_same_training(run, optimizer="sgd", lr=0.1, weights=path)
+    torch.testing.assert_close(run.finals[0]["blocks.0.up.weight"], checkpoint["blocks.0.up.weight"], atol=0.05, rtol=0)
