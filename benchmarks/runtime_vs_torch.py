@@ -378,6 +378,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5, help="first steps of a launch not counted (default 5)")
     parser.add_argument("--big-head-ranks", type=int, default=2, help="pipeline size of (c) (default 2)")
     parser.add_argument("--skip-big-head", action="store_true", help="only (a, b)")
+    parser.add_argument("--skip-same-split", action="store_true", help="only (c)")
     parser.add_argument("--work", type=Path, help="where the compiled programs go (default: a temporary folder)")
     args = parser.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="autopart-bench-"))
@@ -385,7 +386,7 @@ def main() -> None:
     print(f"machine: {os.cpu_count()} CPUs, torch {torch.__version__}, load average at start {load_average()}", flush=True)
 
     same_rows, ratios = [], []
-    for ranks in args.ranks:
+    for ranks in [] if args.skip_same_split else args.ranks:
         base = compile_plan(GPT, work / f"gpt-pp{ranks}-gpipe", pp=ranks, microbatches=2 * ranks, micro_batch_size=2, schedule="gpipe")
         for kind in args.schedules:
             out = work / f"gpt-pp{ranks}-{kind}"
@@ -403,7 +404,8 @@ def main() -> None:
                 f"{paired_ours:.2f}", f"{paired_theirs:.2f}", f"{paired_ours / paired_theirs:.3f}", f"{difference:.1e}",
             ])  # fmt: skip
             print(f"  done {same_rows[-1][0]} (load {load_average()})", flush=True)
-    single = alternate({"single": ("single", work / f"gpt-pp{args.ranks[0]}-gpipe")}, nproc=1, **measure)["single"]
+    if same_rows:
+        single = alternate({"single": ("single", work / f"gpt-pp{args.ranks[0]}-gpipe")}, nproc=1, **measure)["single"]
 
     big_rows, margin_line = [], ""
     if not args.skip_big_head:
@@ -434,19 +436,21 @@ def main() -> None:
 
     print(f"\nload average at end {load_average()}; {args.repeats} alternated launches of {args.steps} steps each "
           f"(first {args.warmup} dropped), medians; step time in ms, max over ranks\n")  # fmt: skip
-    print("Same stage split and schedule (a: autopart's generated programs, b: torch.distributed.pipelining):\n")
-    print(table([
-        "configuration", "layers/stage", "autopart ms", "torch ms", "autopart/torch",
-        "paired: autopart ms", "torch ms", "autopart/torch", "max loss diff",
-    ], same_rows))  # fmt: skip
-    print("\n(paired: one launch running both runtimes on the same stages, alternated step by step: the same load for both)")
-    print(f"\nsingle process, same model and global batch: {median_ms(single):.2f} ms")
+    if same_rows:
+        print("Same stage split and schedule (a: autopart's generated programs, b: torch.distributed.pipelining):\n")
+        print(table([
+            "configuration", "layers/stage", "autopart ms", "torch ms", "autopart/torch",
+            "paired: autopart ms", "torch ms", "autopart/torch", "max loss diff",
+        ], same_rows))  # fmt: skip
+        print("\n(paired: one launch running both runtimes on the same stages, alternated step by step: the same load for both)")
+        print(f"\nsingle process, same model and global batch: {median_ms(single):.2f} ms")
     if big_rows:
         print(f"\nLarge vocabulary head (big_head.py, {args.big_head_ranks} ranks, 1f1b, 8 microbatches of 2):\n")
         print(table(["plan and runtime", "layers/stage", "predicted ms", "measured ms"], big_rows))
         print(f"\n{margin_line}")
-    geometric = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
-    print(f"ratio autopart/torch = {geometric:.3f}")
+    if ratios:
+        geometric = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
+        print(f"ratio autopart/torch = {geometric:.3f}")
 
 
 if __name__ == "__main__":
