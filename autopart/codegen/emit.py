@@ -20,6 +20,7 @@ from autopart.codegen.tensor_parallel import shard_stage_graph
 from autopart.codegen.stages import describe_tensors, stage_graphs, stage_source
 from autopart.errors import ConfigError
 from autopart.plan import Plan
+from autopart.runtime.launch import PLAN_HASH_KEY, plan_digest
 from autopart.runtime.shards import shard_weight
 from autopart.runtime.stage import weights_file_name
 from autopart.solver.sharding import REPLICATE, Placement, Strategy, strategies
@@ -68,6 +69,8 @@ def _write(plan: Plan, op_graph: OpGraph, spec: ModelSpec, out: Path, *, final: 
                 value = getattr(value, part)
             tensors[str(node.target)] = value
     graphs = stage_graphs(op_graph, [stage.nodes for stage in plan.stages])
+    plan.save(out / "plan.json")
+    compile_id = {PLAN_HASH_KEY: plan_digest(out / "plan.json")}  # checked at launch: weights match the plan
     command = f"torchrun --nproc-per-node {plan.world_size} {final / 'train.py'} --steps 10"
     tp = plan.mesh["tp"]
     for stage_plan, stage in zip(plan.stages, graphs):
@@ -86,8 +89,7 @@ def _write(plan: Plan, op_graph: OpGraph, spec: ModelSpec, out: Path, *, final: 
         source = stage_source(stage, stages=len(plan.stages), op_graph=op_graph, metas=shards[0], header=header)
         (out / "stages" / f"stage_{stage.index}.py").write_text(source)
         for r, weights in enumerate(shards):
-            save_file(weights, str(out / "weights" / weights_file_name(stage.index, r, tp)))
-    plan.save(out / "plan.json")
+            save_file(weights, str(out / "weights" / weights_file_name(stage.index, r, tp)), metadata=compile_id)
     shutil.copyfile(spec.path, out / "model.py")
     (out / "train.py").write_text(_entry_point(plan, command))
     write_report(plan, out)
