@@ -7,12 +7,14 @@ leaving its peers waiting in a collective until their timeout.
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import os
 import sys
 import time
 from pathlib import Path
 
+import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
 
 from autopart.errors import ConfigError
@@ -20,7 +22,7 @@ from autopart.plan import Plan
 from autopart.runtime.mesh import Mesh
 from autopart.runtime.stage import weights_file_name
 
-__all__ = ["PLAN_HASH_KEY", "plan_digest", "check_launch", "inject_failure"]
+__all__ = ["PLAN_HASH_KEY", "plan_digest", "check_launch", "inject_failure", "init_process_group"]
 
 PLAN_HASH_KEY = "autopart_plan_sha256"  # safetensors metadata of every weights file: the plan it was written with
 
@@ -78,3 +80,24 @@ def inject_failure(rank: int, step: int) -> None:
         time.sleep(3600)
     print(f"autopart: AUTOPART_FAIL_AT: rank {rank} dies at step {step}", file=sys.stderr, flush=True)
     os._exit(17)
+
+
+def init_process_group(backend: str, timeout_s: float) -> None:
+    """``init_process_group`` whose store keys are kept apart per torchrun attempt.
+
+    torchrun's static rendezvous (``--master-addr``/``--master-port``, the default) keeps one
+    agent store across ``--max-restarts`` attempts without a per-attempt prefix, so a restarted
+    rank would read the dead attempt's addresses and fail to connect. A prefix with the restart
+    count gives every attempt its own keys.
+    """
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        dist.init_process_group(backend, timeout=timeout)
+        return
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False, timeout=timeout
+    )
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    prefixed = dist.PrefixStore(f"autopart/attempt_{attempt}", store)
+    dist.init_process_group(backend, store=prefixed, rank=rank, world_size=world_size, timeout=timeout)

@@ -33,7 +33,7 @@ from autopart.plan import Plan, load_plan
 from autopart.runtime.data import global_batches, model_file, split_microbatches
 from autopart.runtime.checkpoint import CheckpointContext, restarted
 from autopart.runtime.executor import Executor, StageRuntime, StepFailure
-from autopart.runtime.launch import check_launch, inject_failure
+from autopart.runtime.launch import check_launch, init_process_group, inject_failure
 from autopart.runtime.optim import OPTIMIZERS, make_optimizer
 from autopart.runtime import collectives
 from autopart.runtime.mesh import Mesh, group_of
@@ -84,7 +84,7 @@ def _train(out_dir: Path, argv: list[str] | None) -> None:
         backend = "nccl"
     else:
         device, backend = torch.device("cpu"), "gloo"
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.timeout))
+    init_process_group(backend, args.timeout)
     try:
         _loop(out_dir, plan, args, rank, device)
     finally:
