@@ -222,6 +222,9 @@ def _trace_fx(spec: ModelSpec, inputs: tuple[torch.Tensor, ...]) -> fx.GraphModu
 def capture(spec: ModelSpec, *, batch_size: int = 2) -> Graph:
     """Trace model and loss into one graph and check that it computes the eager loss."""
     inputs, target = spec.example(batch_size)
+    from autopart.codegen.names import check_model_names
+
+    check_model_names(spec.module, spec.path.name)
     try:
         module = _trace_fx(spec, inputs)
     except CaptureError:

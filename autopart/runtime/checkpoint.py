@@ -26,6 +26,7 @@ import pickle
 import random
 import shutil
 import sys
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -219,7 +220,9 @@ def load_tensors(path: Path, keys: Iterable[str], *, distributed: bool) -> dict[
     if missing:
         raise ConfigError(f"checkpoint {path} lacks {missing[0]!r}; it was saved by another compile or mesh")
     state = {k: torch.empty(shapes[k][0], dtype=shapes[k][1]) for k in keys}
-    dcp.load(state, storage_reader=SafeReader(str(path)), no_dist=not distributed)
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.filterwarnings("ignore", message=".*single process.*")
+        dcp.load(state, storage_reader=SafeReader(str(path)), no_dist=not distributed)
     return state
 
 
