@@ -17,7 +17,6 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 
 from autopart.errors import ConfigError
 from autopart.plan import load_plan

@@ -137,6 +137,7 @@ bubble {plan.predicted.bubble:.1%}.
     {command}
 
 Options: --steps N --lr LR --optimizer sgd|adamw --seed S --metrics FILE --save-weights DIR --timeout S
+--checkpoint-dir DIR --checkpoint-every K --resume
 (NCCL when CUDA is present, gloo otherwise; several nodes through torchrun's rendezvous).
 """
 

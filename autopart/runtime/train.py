@@ -15,7 +15,6 @@ latest good checkpoint there.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import resource
