@@ -281,6 +281,9 @@ def capture(
     if method not in (None, "fx", "export"):
         raise ConfigError(f"unknown capture method {method!r}; use fx or export")
     inputs, target = spec.example(batch_size)
+    from autopart.codegen.names import check_model_names
+
+    check_model_names(spec.module, spec.path.name)
     expected = _eager_reference(spec, inputs, target)
     leaf_types = leaf_classes(spec.module, leaves)
     if leaves and method == "export":

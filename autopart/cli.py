@@ -67,7 +67,54 @@ def _parser() -> argparse.ArgumentParser:
     e = commands.add_parser("explain", help="show a compiled plan, and a measured step against its prediction")
     e.add_argument("out", type=Path, help="an output directory of autopart compile")
     e.add_argument("--trace", type=Path, help="a measured trace, from OUT/train.py --trace FILE")
+    v = commands.add_parser("verify", help="run a compile's programs beside the original model and compare")
+    v.add_argument("out", type=Path, help="the output directory of autopart compile")
+    v.add_argument("--steps", type=int, default=3, help="training steps to compare (default 3)")
+    v.add_argument("--lr", type=float, default=0.1, help="learning rate (default 0.1)")
+    v.add_argument("--optimizer", default="sgd", help="sgd or adamw (default sgd: its updates are exact to compare)")
+    v.add_argument("--timeout", type=float, default=600.0, help="seconds for the distributed run (default 600)")
+    k = commands.add_parser("consolidate", help="merge a training checkpoint into the original model's state dict")
+    k.add_argument("checkpoint", type=Path, help="a --checkpoint-dir (its latest good checkpoint) or one step_* in it")
+    k.add_argument("-o", "--out", type=Path, required=True, help="the safetensors file to write")
     return parser
+
+
+def _verify(args: argparse.Namespace, console: Console) -> int:
+    from autopart.errors import ConfigError
+    from autopart.runtime.optim import OPTIMIZERS
+    from autopart.verify import LOSS_TOLERANCE, PARAMETER_TOLERANCE, VerifyRunError, verify
+
+    if args.optimizer not in OPTIMIZERS:
+        raise ConfigError(f"unknown optimizer {args.optimizer!r}; use one of {', '.join(OPTIMIZERS)}")
+    try:
+        result = verify(args.out, steps=args.steps, lr=args.lr, optimizer=args.optimizer, timeout_s=args.timeout)
+    except VerifyRunError as exc:
+        print(f"autopart: verify: {exc}", file=sys.stderr)
+        return 1
+    console.print(
+        f"{result.steps} steps: largest loss difference {result.loss_difference:.3g} (step {result.loss_step}, "
+        f"tolerance {LOSS_TOLERANCE[0]:g} + {LOSS_TOLERANCE[1]:g}*|loss|); largest parameter difference "
+        f"{result.parameter_difference:.3g} ({result.parameter or 'none'}, tolerance {PARAMETER_TOLERANCE[0]:g} + "
+        f"{PARAMETER_TOLERANCE[1]:g}*|value|)",
+        soft_wrap=True,
+    )
+    if result.matches:
+        console.print("the distributed programs match the original model")
+        return 0
+    for line in result.failures[:10]:
+        print(f"autopart: verify: {line}", file=sys.stderr)
+    if len(result.failures) > 10:
+        print(f"autopart: verify: ... and {len(result.failures) - 10} more", file=sys.stderr)
+    return 1
+
+
+def _consolidate(args: argparse.Namespace, console: Console) -> None:
+    from autopart.consolidate import consolidate
+
+    summary = consolidate(args.checkpoint, args.out)
+    for line in summary.skipped:
+        print(f"autopart: {line}", file=sys.stderr)
+    console.print(f"wrote {args.out}: {summary.tensors} tensors from {summary.checkpoint} (after {summary.step} steps)")
 
 
 def _profile(args: argparse.Namespace, console: Console) -> None:
@@ -220,6 +267,10 @@ def main(argv: list[str] | None = None) -> None:
             _profile_comm(args, console)
         elif args.command == "explain":
             _explain(args, console)
+        elif args.command == "verify":
+            raise SystemExit(_verify(args, console))
+        elif args.command == "consolidate":
+            _consolidate(args, console)
     except AutopartError as exc:
         print(f"autopart: error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None

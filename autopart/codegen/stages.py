@@ -20,6 +20,7 @@ from torch import fx
 from torch.fx.graph import _custom_builtins
 
 from autopart.annotate import OpGraph, TensorMeta
+from autopart.codegen.names import plain_text
 from autopart.errors import PlanError
 
 __all__ = ["StageGraph", "stage_graphs", "stage_boundaries", "stage_source"]
@@ -143,18 +144,24 @@ def stage_graphs(op_graph: OpGraph, stage_nodes: list[tuple[str, ...]]) -> list[
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
+def _dotted(name: str) -> bool:
+    return all(_IDENTIFIER.match(part) for part in name.split("."))
+
+
 def _import_line(name: str, value: Any) -> str:
     """An import that binds ``name`` to ``value`` in the generated file."""
 
     if name in _custom_builtins:
         return _custom_builtins[name].import_str
     if isinstance(value, types.ModuleType):
+        if not _dotted(value.__name__):
+            raise PlanError(f"generated code would import module {value.__name__!r}, which is no module path")
         return f"import {value.__name__} as {name}" if value.__name__ != name else f"import {name}"
     module = getattr(value, "__module__", None)
     qualname = getattr(value, "__qualname__", None)
     if getattr(builtins, name, None) is value:
         return ""
-    if not module or not qualname or "<" in qualname or not all(_IDENTIFIER.match(p) for p in qualname.split(".")):
+    if not module or not qualname or not _dotted(module) or not _dotted(qualname):
         raise PlanError(f"generated code would need {value!r}, which cannot be imported by name; report this model")
     top, _, rest = qualname.partition(".")
     if not rest:
@@ -263,7 +270,7 @@ def _comment_module_paths(source: str, op_graph: OpGraph) -> str:
         if match and match.group(1) in op_graph.nodes:
             path = op_graph.nodes[match.group(1)].module_path
             if path and path != current:
-                lines.append(f"    # {path}")
+                lines.append(f"    # {plain_text(path)}")
             current = path or current
         lines.append(line)
     return "\n".join(lines)
@@ -273,6 +280,6 @@ def describe_tensors(names: tuple[str, ...], op_graph: OpGraph) -> str:
     parts = []
     for name in names:
         meta: TensorMeta | None = op_graph.nodes[name].output
-        parts.append(f"{name} {tuple(meta.shape) if meta else ''} {meta.dtype if meta else ''}".strip())
+        parts.append(plain_text(f"{name} {tuple(meta.shape) if meta else ''} {meta.dtype if meta else ''}".strip()))
     return ", ".join(parts) or "nothing"
 

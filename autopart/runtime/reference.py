@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 
 from autopart.capture import eager_loss, load_model_file
 from autopart.plan import load_plan

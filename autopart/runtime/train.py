@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node P OUT/train.py [--steps N] [--lr LR] [--optimizer sgd|adamw]
         [--seed S] [--metrics FILE] [--trace FILE] [--save-weights DIR] [--timeout S] [--weights CKPT.safetensors]
+        [--checkpoint-dir DIR] [--checkpoint-every K] [--resume]
 
 Each rank builds its stage from ``stages/stage_<k>.py`` and ``weights/stage_<k>.safetensors``
 (or, with ``--weights CKPT``, the stage's tensors of a whole-model safetensors checkpoint; or,
@@ -10,12 +11,14 @@ draws the same global batches as every other rank, runs its action list of the p
 sums the gradients of parameters that several stages hold (tied embeddings), and steps its
 optimizer. NCCL when CUDA is present, gloo otherwise. ``--trace FILE`` writes the measured
 timeline of the last step as a Chrome trace, in the form of compile's predicted ``trace.json``.
+With ``--checkpoint-dir`` it saves every K
+steps and at the end; ``--resume``, or a restart by ``torchrun --max-restarts``, continues from the
+latest good checkpoint there.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import resource
@@ -31,7 +34,9 @@ from autopart.capture import load_model_file
 from autopart.errors import AutopartError, ConfigError
 from autopart.plan import Plan, load_plan
 from autopart.runtime.data import global_batches, model_file, split_microbatches
-from autopart.runtime.executor import Executor, StageRuntime
+from autopart.runtime.checkpoint import CheckpointContext, restarted
+from autopart.runtime.executor import Executor, StageRuntime, StepFailure
+from autopart.runtime.launch import check_launch, init_process_group, inject_failure
 from autopart.runtime.measure import StepClock, write_measured_trace
 from autopart.runtime.optim import OPTIMIZERS, make_optimizer
 from autopart.runtime import collectives
@@ -56,6 +61,9 @@ def parse_args(argv: list[str] | None, plan: Plan) -> argparse.Namespace:
     parser.add_argument(
         "--weights", type=Path, help="initial weights: a safetensors file of the model, read by parameter name"
     )
+    parser.add_argument("--checkpoint-dir", type=Path, help="save checkpoints here (torch.distributed.checkpoint)")
+    parser.add_argument("--checkpoint-every", type=int, default=0, help="save every K steps (default: at the end only)")
+    parser.add_argument("--resume", action="store_true", help="continue from the latest good checkpoint in --checkpoint-dir")
     return parser.parse_args(argv)
 
 
@@ -66,6 +74,9 @@ def main(out_dir: str | Path, argv: list[str] | None = None) -> None:
     except AutopartError as exc:
         print(f"autopart: error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
+    except StepFailure as exc:
+        print(f"autopart: error on rank {os.environ.get('RANK', '0')}: {exc}", file=sys.stderr, flush=True)
+        os._exit(1)  # a dead peer can leave the process group unable to shut down cleanly
 
 
 def _train(out_dir: Path, argv: list[str] | None) -> None:
@@ -73,15 +84,14 @@ def _train(out_dir: Path, argv: list[str] | None) -> None:
     args = parse_args(argv, plan)
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if world_size != plan.world_size:
-        raise ConfigError(
-            f"the plan needs {plan.world_size} processes but {world_size} were started; "
-            f"run torchrun --nproc-per-node {plan.world_size} {out_dir / 'train.py'}"
-        )
+    check_launch(out_dir, plan, rank=rank, world_size=world_size)
+    if args.resume and args.checkpoint_dir is None:
+        raise ConfigError("--resume needs --checkpoint-dir DIR: the folder the checkpoints were saved in")
     source_file = model_file(out_dir, plan)
     if args.weights is not None:  # refuse a checkpoint that lacks this rank's tensors before any peer waits
+        pipeline_rank = Mesh(dp=plan.mesh["dp"], pp=plan.mesh["pp"], tp=plan.mesh["tp"]).coordinates(rank).pp
         for stage_plan in plan.stages:
-            if stage_plan.rank == Mesh(dp=plan.mesh["dp"], pp=plan.mesh["pp"], tp=plan.mesh["tp"]).coordinates(rank).pp:
+            if stage_plan.rank == pipeline_rank:
                 check_checkpoint(args.weights, stage_names(out_dir, stage_plan.index), stage_plan.index)
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
@@ -89,7 +99,7 @@ def _train(out_dir: Path, argv: list[str] | None) -> None:
         backend = "nccl"
     else:
         device, backend = torch.device("cpu"), "gloo"
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.timeout))
+    init_process_group(backend, args.timeout)
     try:
         _loop(out_dir, plan, args, rank, device, source_file)
     finally:
@@ -143,7 +153,16 @@ def _loop(
     spec = load_model_file(source_file, build=False)
     data = global_batches(spec, schedule_spec.global_batch_size, args.seed)
     holds_loss = stage_count - 1 in stages and here.tp == 0
-    for step in range(args.steps):
+    checkpointing = CheckpointContext(
+        root=args.checkpoint_dir, out_dir=out_dir, modules={s: stage.module for s, stage in stages.items()},
+        optimizer=optimizer, optimizer_name=args.optimizer, rank=rank, dp_rank=here.dp, tp_rank=here.tp,
+        zero=plan.zero, seed=args.seed,
+    )  # fmt: skip
+    first_step = checkpointing.resume() if args.checkpoint_dir and (args.resume or restarted()) else 0
+    for _ in range(first_step):
+        next(data)  # the data position: the batches of the steps already done
+    for step in range(first_step, args.steps):
+        inject_failure(rank, step)
         inputs, target = next(data)
         values = (*inputs, target) if len(plan.graph_inputs) > len(inputs) else tuple(inputs)
         share = split_microbatches(values, mesh.dp)[here.dp]  # this replica's share of the global batch
@@ -186,6 +205,9 @@ def _loop(
             if timeline is not None:
                 print(f"wrote {args.trace}: step {step} measured {timeline.step_s * 1e3:.3f} ms, "
                       f"bubble {timeline.bubble:.1%}", flush=True)
+        done = step + 1
+        if args.checkpoint_dir and (done == args.steps or (args.checkpoint_every and done % args.checkpoint_every == 0)):
+            checkpointing.save(done)
     if args.save_weights and here.dp == 0:
         args.save_weights.mkdir(parents=True, exist_ok=True)
         for s, stage in stages.items():

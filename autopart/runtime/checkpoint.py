@@ -1,0 +1,327 @@
+"""Checkpoints: save, find the latest good one, resume, and consolidate into one state dict.
+
+A checkpoint is a torch.distributed.checkpoint (DCP) directory ``DIR/step_<n>`` holding only
+tensors, under keys that say whose they are:
+
+    model/stage_<k>/tp_<r>/<name>               a stage's parameters and buffers (original names)
+    optim/[dp_<d>/]stage_<k>/tp_<r>/<name>/<s>  optimizer state (per data-parallel rank with ZeRO-1)
+    rng/rank_<i>/<generator>                    random number generator states
+    progress/step, progress/seed                where the data stream stands
+
+Replicas hold equal keys, which DCP writes once. Beside them: ``plan.json`` and ``model.py`` of
+the compile, and ``autopart.json`` with the step, the optimizer and the sha256 of every file.
+Ranks write into ``DIR/.step_<n>.partial`` and rank 0 renames it into place once every rank has
+finished, so a crash during a save leaves the previous checkpoint the latest good one.
+Nothing is unpickled on the way back: tensors are read with ``weights_only=True`` and DCP's
+metadata file through an unpickler that knows only DCP's metadata classes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import pickle
+import random
+import shutil
+import sys
+import warnings
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+from autopart.errors import ConfigError
+from autopart.runtime.launch import plan_digest
+
+__all__ = [
+    "RECORD",
+    "SafeReader",
+    "training_state",
+    "save_checkpoint",
+    "latest_checkpoint",
+    "restore_checkpoint",
+    "read_record",
+    "load_tensors",
+    "restarted",
+    "CheckpointContext",
+]
+
+RECORD = "autopart.json"
+_STEP = "step_"
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """DCP's ``.metadata`` is a pickle; allow only the plain types and DCP's own dataclasses."""
+
+    _MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.planner")
+    _NAMES = {("torch", "Size"), ("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset"),
+              ("builtins", "slice"), ("torch", "device"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
+              ("torch.serialization", "_get_layout"), ("torch.distributed.checkpoint.filesystem", "_StorageInfo")}  # fmt: skip
+
+    def find_class(self, module: str, name: str):
+        if module in self._MODULES or (module, name) in self._NAMES:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which a checkpoint never holds")
+
+
+class SafeReader(dcp.FileSystemReader):
+    """``FileSystemReader`` whose metadata is read without running arbitrary pickled code."""
+
+    def read_metadata(self, *args, **kwargs):
+        rank = kwargs.get("rank")
+        path = Path(self.path) / (".metadata" if rank is None else f"__{rank}.metadata")
+        metadata = _MetadataUnpickler(io.BytesIO(path.read_bytes())).load()
+        if getattr(metadata, "storage_meta", None) is None:
+            from torch.distributed.checkpoint.metadata import StorageMeta
+
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        if metadata.planner_data is None:
+            metadata.planner_data = {}
+        return metadata
+
+
+def _inner(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    return getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer keeps its shard's optimizer here
+
+
+def _optimizer_prefix(stage: int, tp_rank: int, dp_rank: int, zero: bool) -> str:
+    return f"optim/{f'dp_{dp_rank}/' if zero else ''}stage_{stage}/tp_{tp_rank}/"
+
+
+def training_state(
+    stages: dict[int, nn.Module], optimizer: torch.optim.Optimizer, *, rank: int, dp_rank: int, tp_rank: int,
+    zero: bool, step: int, seed: int,
+) -> dict[str, torch.Tensor]:  # fmt: skip
+    """This rank's share of the checkpoint: tensors that alias the live model and optimizer state."""
+    state: dict[str, torch.Tensor] = {}
+    names: dict[int, str] = {}
+    for s, module in stages.items():
+        for name, value in module.state_dict().items():
+            state[f"model/stage_{s}/tp_{tp_rank}/{name}"] = value
+        for name, parameter in module.named_parameters():
+            names[id(parameter)] = _optimizer_prefix(s, tp_rank, dp_rank, zero) + name
+    for parameter, values in _inner(optimizer).state.items():
+        for key, value in values.items():
+            if isinstance(value, torch.Tensor):  # SGD without momentum keeps a None
+                state[f"{names[id(parameter)]}/{key}"] = value
+    state[f"rng/rank_{rank}/torch"] = torch.get_rng_state()
+    if torch.cuda.is_available():
+        state[f"rng/rank_{rank}/cuda"] = torch.cuda.get_rng_state()
+    python = random.getstate()
+    state[f"rng/rank_{rank}/python"] = torch.tensor([python[0], *python[1], -1 if python[2] is None else 0])
+    state["progress/step"] = torch.tensor(step, dtype=torch.int64)
+    state["progress/seed"] = torch.tensor(seed, dtype=torch.int64)
+    return state
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        for block in iter(lambda: file.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def save_checkpoint(
+    root: Path, state: dict[str, torch.Tensor], *, step: int, rank: int, out_dir: Path, optimizer: str
+) -> Path:
+    """Every rank calls this at the same step; returns ``root/step_<n>`` once it is complete."""
+    final = root / f"{_STEP}{step:08d}"
+    staging = root / f".{_STEP}{step:08d}.partial"
+    if rank == 0:
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+    dist.barrier()
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(staging)))
+    if rank == 0:
+        shutil.copyfile(out_dir / "plan.json", staging / "plan.json")
+        shutil.copyfile(out_dir / "model.py", staging / "model.py")
+        files = {p.name: _sha256(p) for p in sorted(staging.iterdir()) if p.is_file()}
+        record = {"step": step, "optimizer": optimizer, "plan_sha256": plan_digest(out_dir / "plan.json"), "files": files}
+        with open(staging / RECORD, "w") as file:
+            json.dump(record, file, indent=2)
+            file.flush()
+            os.fsync(file.fileno())
+        if final.exists():
+            shutil.rmtree(final)
+        staging.rename(final)
+    dist.barrier()
+    return final
+
+
+def _problem(path: Path) -> str | None:
+    """Why a checkpoint directory cannot be used, or None when every file is as it was written."""
+    try:
+        record = json.loads((path / RECORD).read_text())
+        files = record["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"{RECORD} is missing or unreadable"
+    for name, digest in files.items():
+        if not (path / name).is_file():
+            return f"{name} is missing"
+        if _sha256(path / name) != digest:
+            return f"{name} does not match its sha256"
+    return None
+
+
+def _step_of(path: Path) -> int:
+    try:
+        return int(path.name.removeprefix(_STEP))
+    except ValueError:
+        return -1
+
+
+def latest_checkpoint(root: Path) -> tuple[Path | None, list[str]]:
+    """The newest complete, intact checkpoint under ``root`` (or ``root`` itself when it is one),
+    and one line for every newer one that was passed over."""
+    root = Path(root)
+    if (root / RECORD).exists():
+        problem = _problem(root)
+        if problem:
+            raise ConfigError(f"checkpoint {root} is damaged: {problem}; use an earlier step_* directory")
+        return root, []
+    candidates = sorted((p for p in root.glob(f"{_STEP}*") if _step_of(p) >= 0), key=_step_of, reverse=True)
+    skipped = []
+    for path in candidates:
+        problem = _problem(path)
+        if problem is None:
+            return path, skipped
+        skipped.append(f"checkpoint {path} is damaged ({problem}); falling back to an earlier one")
+    return None, skipped
+
+
+def read_record(path: Path) -> dict:
+    return json.loads((Path(path) / RECORD).read_text())
+
+
+def checkpoint_keys(path: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Every tensor key of a checkpoint with its shape and dtype."""
+    metadata = SafeReader(str(path)).read_metadata()
+    return {
+        key: (tuple(meta.size), meta.properties.dtype)
+        for key, meta in metadata.state_dict_metadata.items()
+        if hasattr(meta, "size")
+    }
+
+
+def load_tensors(path: Path, keys: Iterable[str], *, distributed: bool) -> dict[str, torch.Tensor]:
+    """The named tensors of a checkpoint, freshly allocated."""
+    shapes = checkpoint_keys(path)
+    missing = [k for k in keys if k not in shapes]
+    if missing:
+        raise ConfigError(f"checkpoint {path} lacks {missing[0]!r}; it was saved by another compile or mesh")
+    state = {k: torch.empty(shapes[k][0], dtype=shapes[k][1]) for k in keys}
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.filterwarnings("ignore", message=".*single process.*")
+        dcp.load(state, storage_reader=SafeReader(str(path)), no_dist=not distributed)
+    return state
+
+
+def restore_checkpoint(
+    path: Path, stages: dict[int, nn.Module], optimizer: torch.optim.Optimizer, *, rank: int, dp_rank: int,
+    tp_rank: int, zero: bool, seed: int, optimizer_name: str,
+) -> int:  # fmt: skip
+    """Load model, optimizer state, RNG states into this rank; return the number of steps done."""
+    record = read_record(path)
+    if record.get("optimizer") != optimizer_name:
+        raise ConfigError(
+            f"checkpoint {path} holds {record.get('optimizer')} state but --optimizer is {optimizer_name}; "
+            f"resume with --optimizer {record.get('optimizer')}"
+        )
+    state = training_state(stages, optimizer, rank=rank, dp_rank=dp_rank, tp_rank=tp_rank, zero=zero, step=0, seed=0)
+    state = {k: v for k, v in state.items() if not k.startswith("optim/")}
+    shapes = checkpoint_keys(path)
+    held: dict[str, tuple[nn.Parameter, str]] = {}
+    for s, module in stages.items():
+        prefix = _optimizer_prefix(s, tp_rank, dp_rank, zero)
+        for name, parameter in module.named_parameters():
+            for key in shapes:
+                if key.startswith(f"{prefix}{name}/") and "/" not in key.removeprefix(f"{prefix}{name}/"):
+                    held[key] = (parameter, key.removeprefix(f"{prefix}{name}/"))
+                    state[key] = torch.empty(shapes[key][0], dtype=shapes[key][1])
+    for key in [k for k in state if k.startswith("rng/") and k not in shapes]:
+        del state[key]  # a generator the saving run did not have (CUDA)
+    missing = [k for k in state if k not in shapes]
+    if missing:
+        raise ConfigError(f"checkpoint {path} lacks {missing[0]!r}; it was saved by another compile or mesh")
+    dcp.load(state, storage_reader=SafeReader(str(path)))
+    inner = _inner(optimizer)
+    for key, (parameter, name) in held.items():
+        inner.state[parameter][name] = state[key].to(parameter.device)
+    if f"rng/rank_{rank}/torch" in state:
+        torch.set_rng_state(state[f"rng/rank_{rank}/torch"])
+    if f"rng/rank_{rank}/cuda" in state:
+        torch.cuda.set_rng_state(state[f"rng/rank_{rank}/cuda"])
+    if f"rng/rank_{rank}/python" in state:
+        values = state[f"rng/rank_{rank}/python"].tolist()
+        random.setstate((values[0], tuple(values[1:-1]), None))
+    if int(state["progress/seed"]) != seed:
+        raise ConfigError(
+            f"checkpoint {path} was trained with --seed {int(state['progress/seed'])}, not {seed}; "
+            f"resume with --seed {int(state['progress/seed'])}"
+        )
+    return int(state["progress/step"])
+
+
+def restarted() -> bool:
+    """True in a process that torchrun started again after a failure (``--max-restarts``)."""
+    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
+
+
+@dataclass(kw_only=True)
+class CheckpointContext:
+    """What the training loop needs to save and resume, gathered once."""
+
+    root: Path | None
+    out_dir: Path
+    modules: dict[int, nn.Module]
+    optimizer: torch.optim.Optimizer
+    optimizer_name: str
+    rank: int
+    dp_rank: int
+    tp_rank: int
+    zero: bool
+    seed: int
+
+    def save(self, steps_done: int) -> Path:
+        assert self.root is not None
+        state = training_state(
+            self.modules, self.optimizer, rank=self.rank, dp_rank=self.dp_rank, tp_rank=self.tp_rank,
+            zero=self.zero, step=steps_done, seed=self.seed,
+        )  # fmt: skip
+        return save_checkpoint(
+            self.root, state, step=steps_done, rank=self.rank, out_dir=self.out_dir, optimizer=self.optimizer_name
+        )
+
+    def resume(self) -> int:
+        """Load the latest good checkpoint; the number of steps it had done (0 when there is none)."""
+        assert self.root is not None
+        path, skipped = latest_checkpoint(self.root) if self.root.is_dir() else (None, [])
+        for line in skipped:
+            if self.rank == 0:
+                print(f"autopart: {line}", file=sys.stderr, flush=True)
+        if path is None:
+            if self.rank == 0:
+                print(f"autopart: no checkpoint in {self.root} yet; starting from step 0", flush=True)
+            return 0
+        if read_record(path).get("plan_sha256") != plan_digest(self.out_dir / "plan.json"):
+            raise ConfigError(
+                f"checkpoint {path} was saved by another compile than {self.out_dir}; "
+                "resume it with the output directory that saved it, or choose a new --checkpoint-dir"
+            )
+        done = restore_checkpoint(
+            path, self.modules, self.optimizer, rank=self.rank, dp_rank=self.dp_rank, tp_rank=self.tp_rank,
+            zero=self.zero, seed=self.seed, optimizer_name=self.optimizer_name,
+        )  # fmt: skip
+        if self.rank == 0:
+            print(f"autopart: resumed from {path} after step {done - 1}", flush=True)
+        return done

@@ -1,0 +1,103 @@
+"""Checks that every rank makes before its first collective, and the fault-injection hook of tests.
+
+A rank that would fail later (a missing stage file, weights from another compile, the wrong
+number of processes) fails here instead, alone, with one line that says what to do, rather than
+leaving its peers waiting in a collective until their timeout.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch.distributed as dist
+from safetensors import SafetensorError, safe_open
+
+from autopart.errors import ConfigError
+from autopart.plan import Plan
+from autopart.runtime.mesh import Mesh
+from autopart.runtime.stage import weights_file_name
+
+__all__ = ["PLAN_HASH_KEY", "plan_digest", "check_launch", "inject_failure", "init_process_group"]
+
+PLAN_HASH_KEY = "autopart_plan_sha256"  # safetensors metadata of every weights file: the plan it was written with
+
+
+def plan_digest(plan_path: Path) -> str:
+    """The sha256 of ``plan.json`` as written: weights and checkpoints carry it to name their compile."""
+    return hashlib.sha256(Path(plan_path).read_bytes()).hexdigest()
+
+
+def check_launch(out_dir: Path, plan: Plan, *, rank: int, world_size: int) -> None:
+    """World size, this rank's stage files and weights, and that they come from this plan's compile."""
+    if world_size != plan.world_size:
+        raise ConfigError(
+            f"the plan needs {plan.world_size} processes but {world_size} were started; "
+            f"run torchrun --nproc-per-node {plan.world_size} {out_dir / 'train.py'}"
+        )
+    mesh = Mesh(dp=plan.mesh["dp"], pp=plan.mesh["pp"], tp=plan.mesh["tp"])
+    here = mesh.coordinates(rank)
+    digest = plan_digest(out_dir / "plan.json")
+    for stage in plan.stages:
+        if stage.rank != here.pp:
+            continue
+        source = out_dir / "stages" / f"stage_{stage.index}.py"
+        weights = out_dir / "weights" / weights_file_name(stage.index, here.tp, mesh.tp)
+        for path in (source, weights):
+            if not path.is_file():
+                raise ConfigError(
+                    f"rank {rank} needs {path.relative_to(out_dir)} of stage {stage.index}, which is missing from "
+                    f"{out_dir}; recompile with autopart compile or copy the whole output directory"
+                )
+        try:
+            with safe_open(str(weights), framework="pt") as handle:
+                written_with = (handle.metadata() or {}).get(PLAN_HASH_KEY)
+        except (SafetensorError, OSError) as exc:
+            raise ConfigError(f"rank {rank} cannot read {weights} ({exc}); recompile with autopart compile") from None
+        if written_with != digest:
+            raise ConfigError(
+                f"{weights.relative_to(out_dir)} was not written by the compile that wrote plan.json "
+                f"(plan sha256 {digest[:12]}, weights made for {str(written_with)[:12]}); "
+                "recompile with autopart compile instead of mixing output directories"
+            )
+
+
+def inject_failure(rank: int, step: int) -> None:
+    """Test hook: ``AUTOPART_FAIL_AT=RANK:STEP`` ends that rank at the start of that step, and
+    ``RANK:STEP:hang`` makes it stop answering instead; only in torchrun's first attempt."""
+    spec = os.environ.get("AUTOPART_FAIL_AT")
+    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return
+    parts = spec.split(":")
+    if int(parts[0]) != rank or int(parts[1]) != step:
+        return
+    if len(parts) > 2 and parts[2] == "hang":
+        print(f"autopart: AUTOPART_FAIL_AT: rank {rank} stops answering at step {step}", file=sys.stderr, flush=True)
+        time.sleep(3600)
+    print(f"autopart: AUTOPART_FAIL_AT: rank {rank} dies at step {step}", file=sys.stderr, flush=True)
+    os._exit(17)
+
+
+def init_process_group(backend: str, timeout_s: float) -> None:
+    """``init_process_group`` whose store keys are kept apart per torchrun attempt.
+
+    torchrun's static rendezvous (``--master-addr``/``--master-port``, the default) keeps one
+    agent store across ``--max-restarts`` attempts without a per-attempt prefix, so a restarted
+    rank would read the dead attempt's addresses and fail to connect. A prefix with the restart
+    count gives every attempt its own keys.
+    """
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        dist.init_process_group(backend, timeout=timeout)
+        return
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False, timeout=timeout
+    )
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    prefixed = dist.PrefixStore(f"autopart/attempt_{attempt}", store)
+    dist.init_process_group(backend, store=prefixed, rank=rank, world_size=world_size, timeout=timeout)

@@ -1,0 +1,121 @@
+"""``autopart verify OUT``: run the generated programs beside the original model and compare.
+
+The programs run under torchrun on this machine, with gloo on the CPU whatever the plan was
+compiled for, and the original model trains in this process on the same batches from the same
+initial weights (``autopart.runtime.reference``). Any user can so check any compile: the losses of
+every step and every final parameter must agree to float tolerance.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+
+from autopart.errors import ConfigError
+from autopart.plan import load_plan
+from autopart.runtime.reference import train_reference
+from autopart.runtime.shards import load_stage_weights
+
+__all__ = ["Verification", "verify", "LOSS_TOLERANCE", "PARAMETER_TOLERANCE"]
+
+LOSS_TOLERANCE = (1e-5, 1e-5)  # (atol, rtol): fp32 sums in another order
+PARAMETER_TOLERANCE = (1e-5, 1e-4)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Verification:
+    steps: int
+    losses: list[float]  # the distributed run's
+    reference_losses: list[float]
+    loss_difference: float  # largest absolute difference over the steps
+    loss_step: int
+    parameter_difference: float  # largest absolute difference over every element of every parameter
+    parameter: str  # where it is
+    failures: list[str]  # beyond tolerance: the steps and parameters, worst first
+
+    @property
+    def matches(self) -> bool:
+        return not self.failures
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class VerifyRunError(RuntimeError):
+    """The distributed run itself failed; the message holds the end of its log."""
+
+
+def _run_distributed(out_dir: Path, work: Path, *, steps: int, lr: float, optimizer: str, timeout_s: float) -> None:
+    plan = load_plan(out_dir / "plan.json")
+    command = [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={plan.world_size}",
+        "--master-addr=127.0.0.1", f"--master-port={_free_port()}", str(out_dir / "train.py"),
+        "--steps", str(steps), "--lr", str(lr), "--optimizer", optimizer, "--timeout", str(min(timeout_s, 300)),
+        "--metrics", str(work / "metrics.jsonl"), "--save-weights", str(work / "final"),
+    ]  # fmt: skip
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+    package_root = str(Path(__file__).resolve().parent.parent)  # the generated train.py imports autopart
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH", "")) if p)
+    try:
+        result = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, env=env, cwd=work)
+    except subprocess.TimeoutExpired:
+        raise VerifyRunError(f"the distributed run did not finish within {timeout_s:.0f} s") from None
+    if result.returncode != 0:
+        errors = [line for line in result.stderr.splitlines() if line.startswith("autopart:")]
+        tail = "\n".join(errors) if errors else result.stderr[-3000:]
+        raise VerifyRunError(f"the distributed run failed (exit {result.returncode}):\n{tail}")
+
+
+def verify(out_dir: str | Path, *, steps: int = 3, lr: float = 0.1, optimizer: str = "sgd",
+           timeout_s: float = 600.0) -> Verification:  # fmt: skip
+    out_dir = Path(out_dir).resolve()
+    if not (out_dir / "plan.json").is_file():
+        raise ConfigError(f"'{out_dir}' is not an autopart output directory (no plan.json); pass the -o of a compile")
+    if steps < 1:
+        raise ConfigError(f"--steps must be at least 1, got {steps}")
+    plan = load_plan(out_dir / "plan.json")
+    with tempfile.TemporaryDirectory(prefix="autopart-verify-") as folder:
+        work = Path(folder)
+        _run_distributed(out_dir, work, steps=steps, lr=lr, optimizer=optimizer, timeout_s=timeout_s)
+        records = [json.loads(line) for line in (work / "metrics.jsonl").read_text().splitlines()]
+        finals = load_stage_weights(plan, work / "final")
+    reference = train_reference(out_dir, steps=steps, lr=lr, optimizer=optimizer)
+    losses = [r["loss"] for r in sorted(records, key=lambda r: r["step"])]
+    failures: list[tuple[float, str]] = []
+    loss_atol, loss_rtol = LOSS_TOLERANCE
+    loss_gaps = [abs(a - b) for a, b in zip(losses, reference.losses)]
+    for step, (gap, expected) in enumerate(zip(loss_gaps, reference.losses)):
+        if gap > loss_atol + loss_rtol * abs(expected):
+            failures.append((gap, f"the loss of step {step} differs by {gap:.3g} ({losses[step]:.6f} vs {expected:.6f})"))
+    if len(losses) != steps:
+        failures.append((float("inf"), f"the distributed run reported {len(losses)} losses for {steps} steps"))
+    worst, worst_name = 0.0, ""
+    atol, rtol = PARAMETER_TOLERANCE
+    for stage, weights in finals.items():
+        for name, value in weights.items():
+            if name not in reference.parameters:
+                continue  # a constant of the graph, not a tensor of the model
+            expected = reference.parameters[name]
+            gap_tensor = (value.double() - expected.double()).abs()
+            gap = float(gap_tensor.max()) if gap_tensor.numel() else 0.0
+            if gap > worst:
+                worst, worst_name = gap, name
+            if bool((gap_tensor > atol + rtol * expected.double().abs()).any()):
+                failures.append((gap, f"parameter {name} (stage {stage}) differs by up to {gap:.3g}"))
+    failures.sort(key=lambda f: -f[0])
+    loss_step = max(range(len(loss_gaps)), key=loss_gaps.__getitem__) if loss_gaps else 0
+    return Verification(
+        steps=steps, losses=losses, reference_losses=reference.losses,
+        loss_difference=max(loss_gaps, default=0.0), loss_step=loss_step,
+        parameter_difference=worst, parameter=worst_name, failures=[text for _, text in failures],
+    )  # fmt: skip

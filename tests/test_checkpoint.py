@@ -1,0 +1,184 @@
+"""Checkpoints, resume, a rank failing under torchrun, consolidation, dead peers and launch checks.
+
+One gpt compile (pp=2) and one uninterrupted 6-step run are shared by every test of the module;
+the interrupted runs must reproduce that run bit for bit on the CPU.
+"""
+
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from autopart.capture import eager_loss, load_model_file
+from autopart.compiler import CompileOptions, compile_to_directory
+from autopart.consolidate import consolidated_state
+from autopart.runtime import train
+from autopart.runtime.checkpoint import SafeReader, latest_checkpoint
+from autopart.runtime.data import global_batches
+from tests.distributed import REPO, environment, free_port, read_metrics, run_cli, stage_weights, torchrun
+
+STEPS = 6
+
+
+def launch(out: Path, *args: str, env: dict | None = None, restarts: int = 0, timeout: float = 240):
+    """torchrun that may fail: the completed process, and how long it ran."""
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1",
+        f"--master-port={free_port()}", f"--max-restarts={restarts}", str(out / "train.py"), *args,
+    ]  # fmt: skip
+    start = time.monotonic()
+    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=environment() | (env or {}))
+    return result, time.monotonic() - start
+
+
+def train_args(folder: Path, optimizer: str, *extra: str) -> list[str]:
+    lr = "0.1" if optimizer == "sgd" else "0.01"
+    return ["--lr", lr, "--optimizer", optimizer, "--metrics", str(folder / "metrics.jsonl"),
+            "--save-weights", str(folder / "final"), "--checkpoint-dir", str(folder / "ckpt"), *extra]  # fmt: skip
+
+
+def losses_by_step(path: Path) -> list[float]:
+    """The loss of every step; a step run again after a restart counts once, as last written."""
+    by_step = {m["step"]: m["loss"] for m in read_metrics(path)}
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def assert_identical(folder: Path, reference: Path) -> None:
+    assert losses_by_step(folder / "metrics.jsonl") == losses_by_step(reference / "metrics.jsonl")
+    finals, expected = stage_weights(folder / "final"), stage_weights(reference / "final")
+    assert finals.keys() == expected.keys()
+    for stage in expected:
+        for name, value in expected[stage].items():
+            assert torch.equal(finals[stage][name], value), f"stage {stage} {name} differs"
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("gpt") / "out"
+    compile_to_directory(
+        CompileOptions(model=REPO / "examples" / "gpt.py", pp=2, microbatches=2, micro_batch_size=2, schedule="1f1b"),
+        out,
+    )
+    return out
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(compiled, tmp_path_factory) -> Path:
+    """6 sgd steps with checkpoints after steps 5 and 6."""
+    folder = tmp_path_factory.mktemp("uninterrupted")
+    torchrun(compiled, 2, "--steps", str(STEPS), *train_args(folder, "sgd", "--checkpoint-every", "5"))
+    return folder
+
+
+@pytest.mark.multiprocess
+def test_rank_killed_at_step_3_restarts_and_ends_identical(compiled, uninterrupted, tmp_path):
+    result, _ = launch(compiled, "--steps", str(STEPS), "--timeout", "60",
+                       *train_args(tmp_path, "sgd", "--checkpoint-every", "3"),
+                       env={"AUTOPART_FAIL_AT": "1:3"}, restarts=1)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "rank 1 dies at step 3" in result.stderr
+    assert "resumed from" in result.stdout and "step_00000003" in result.stdout  # by itself: no --resume given
+    assert_identical(tmp_path, uninterrupted)
+
+
+@pytest.mark.multiprocess
+def test_adamw_stop_after_step_3_and_resume_is_bit_identical(compiled, tmp_path):
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    whole.mkdir(), parts.mkdir()
+    torchrun(compiled, 2, "--steps", str(STEPS), *train_args(whole, "adamw"))
+    torchrun(compiled, 2, "--steps", "3", *train_args(parts, "adamw"))
+    assert len(read_metrics(parts / "metrics.jsonl")) == 3
+    resumed = torchrun(compiled, 2, "--steps", str(STEPS), "--resume", *train_args(parts, "adamw"))
+    assert "resumed from" in resumed.stdout
+    assert_identical(parts, whole)
+
+
+@pytest.mark.multiprocess
+def test_consolidated_weights_give_the_last_steps_loss(uninterrupted, tmp_path):
+    output = tmp_path / "model.safetensors"
+    result = run_cli("consolidate", str(uninterrupted / "ckpt" / "step_00000005"), "-o", str(output))
+    assert result.returncode == 0, result.stderr
+    spec = load_model_file(REPO / "examples" / "gpt.py")
+    state = load_file(str(output))
+    assert set(state) == set(spec.module.state_dict()) and "lm_head.weight" in state  # tied: both names
+    spec.module.load_state_dict(state, strict=True)
+    batches = global_batches(spec, 4, 0)
+    for _ in range(STEPS - 1):
+        next(batches)
+    with torch.no_grad():
+        loss = eager_loss(spec, *next(batches)).item()
+    last = read_metrics(uninterrupted / "metrics.jsonl")[-1]
+    assert last["step"] == STEPS - 1
+    assert loss == pytest.approx(last["loss"], rel=1e-6)
+
+
+@pytest.mark.multiprocess
+def test_damaged_latest_checkpoint_falls_back_to_the_previous_one(uninterrupted, tmp_path):
+    root = shutil.copytree(uninterrupted / "ckpt", tmp_path / "ckpt")
+    (root / ".step_00000007.partial").mkdir()  # a save that crashed: never a candidate
+    damaged = root / "step_00000006" / "__0_0.distcp"
+    damaged.write_bytes(damaged.read_bytes()[:-100])
+    path, skipped = latest_checkpoint(root)
+    assert path == root / "step_00000005"
+    assert skipped == [f"checkpoint {root / 'step_00000006'} is damaged (__0_0.distcp does not match its sha256); "
+                       "falling back to an earlier one"]  # fmt: skip
+    _, summary = consolidated_state(root)
+    assert summary.step == 5 and summary.skipped == tuple(skipped)
+
+
+def test_checkpoint_metadata_is_not_unpickled_beyond_dcp_types(tmp_path):
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("echo pwned",))
+
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(Evil()))
+    with pytest.raises(pickle.UnpicklingError, match="system"):
+        SafeReader(str(tmp_path)).read_metadata()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("mode", ["", ":hang"])
+def test_dead_or_stuck_peer_ends_the_job_with_the_failing_action(compiled, tmp_path, mode):
+    result, seconds = launch(compiled, "--steps", "4", "--timeout", "8", env={"AUTOPART_FAIL_AT": f"1:1{mode}"})
+    assert result.returncode != 0
+    assert "autopart: error on rank 0: rank 0, stage 0, microbatch 0, action 0RECV_B0" in result.stderr
+    assert "<-- ERROR HERE (rank 0)" in result.stderr
+    if mode:
+        assert "Timed out" in result.stderr
+    assert seconds < 90, f"took {seconds:.0f} s"
+
+
+def launch_here(out: Path, monkeypatch, capsys, *, rank: int = 0, world_size: int = 2) -> str:
+    """train.py's launch checks, in this process: they all run before any collective."""
+    monkeypatch.setenv("RANK", str(rank))
+    monkeypatch.setenv("WORLD_SIZE", str(world_size))
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(out, ["--steps", "1"])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert error.startswith("autopart: error: ") and error.count("\n") == 1
+    return error
+
+
+@pytest.mark.parametrize("damage", ["world size", "stage file", "weights", "other compile"])
+def test_launch_checks(compiled, tmp_path, monkeypatch, capsys, damage):
+    out = shutil.copytree(compiled, tmp_path / "out")
+    if damage == "world size":
+        assert "the plan needs 2 processes but 3 were started" in launch_here(out, monkeypatch, capsys, world_size=3)
+    elif damage == "stage file":
+        (out / "stages" / "stage_1.py").unlink()
+        assert "rank 1 needs stages/stage_1.py of stage 1" in launch_here(out, monkeypatch, capsys, rank=1)
+    elif damage == "weights":
+        (out / "weights" / "stage_0.safetensors").unlink()
+        assert "rank 0 needs weights/stage_0.safetensors" in launch_here(out, monkeypatch, capsys)
+    else:
+        plan = out / "plan.json"
+        plan.write_text(plan.read_text().replace('"step_s"', '"step_s" ', 1))  # any edit: another compile's plan
+        assert "was not written by the compile that wrote plan.json" in launch_here(out, monkeypatch, capsys)

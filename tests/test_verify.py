@@ -1,0 +1,94 @@
+"""autopart verify on the examples and on a corrupted stage file; names from the model in generated code."""
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+import autopart
+from autopart.codegen.names import plain_text
+from autopart.compiler import CompileOptions, compile_to_directory
+from autopart.errors import CaptureError
+from tests.distributed import REPO, run_cli
+
+
+def compiled(tmp_path: Path, example: str) -> Path:
+    out = tmp_path / example
+    compile_to_directory(CompileOptions(model=REPO / "examples" / f"{example}.py", pp=2, microbatches=2,
+                                        micro_batch_size=2), out)  # fmt: skip
+    return out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("example", ["gpt", "llama"])
+def test_verify_passes_on_the_examples(tmp_path, example):
+    result = run_cli("verify", str(compiled(tmp_path, example)), "--steps", "2")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "largest loss difference" in result.stdout and "match the original model" in result.stdout
+
+
+@pytest.mark.multiprocess
+def test_verify_names_the_parameter_of_a_corrupted_stage(tmp_path):
+    out = compiled(tmp_path, "gpt")
+    stage = out / "stages" / "stage_1.py"
+    source = stage.read_text()
+    assert "torch._C._nn.gelu(linear_14)" in source
+    stage.write_text(source.replace("torch._C._nn.gelu(linear_14)", "torch.relu(linear_14)"))  # h.3's MLP
+    result = run_cli("verify", str(out), "--steps", "2")
+    assert result.returncode == 1, result.stdout + result.stderr
+    worst = re.search(r"largest parameter difference [0-9.e-]+ \(([^,]+),", result.stdout).group(1)
+    assert re.search(rf"autopart: verify: parameter {re.escape(worst)} \(stage \d\) differs by up to", result.stderr)
+    assert "the loss of step 0 differs" in result.stderr
+
+
+def test_plain_text_keeps_generated_comments_and_docstrings_closed():
+    assert plain_text('blocks.my-block') == "blocks.my-block"
+    assert plain_text('a"""\nimport os\\') == "a????import os?"
+
+
+def test_unsafe_module_names_are_refused_before_tracing(tmp_path):
+    model = tmp_path / "odd.py"
+    model.write_text(ODD.format(key=repr('x"""\nimport os')))
+    with pytest.raises(CaptureError, match="rename it"):
+        autopart.compile(model, microbatches=1, micro_batch_size=2)
+
+
+def test_quotes_in_the_model_file_name_stay_inside_the_docstrings(tmp_path):
+    model = tmp_path / 'we"""ird.py'
+    model.write_text(ODD.format(key=repr("my-block")))
+    plan = autopart.compile(model, pp=2, microbatches=2, micro_batch_size=2)
+    out = autopart.emit(plan, tmp_path / "out")
+    for path in [*(out / "stages").glob("*.py"), out / "train.py"]:
+        tree = ast.parse(path.read_text())
+        assert "we???ird.py" in ast.get_docstring(tree)
+    assert "'blocks.my-block.weight'" in (out / "stages" / "stage_0.py").read_text()
+
+
+ODD = '''
+import torch
+from torch import nn
+
+
+class Odd(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleDict({{{key}: nn.Linear(8, 8), "ok": nn.Linear(8, 8)}})
+
+    def forward(self, x):
+        for block in self.blocks.values():
+            x = torch.relu(block(x))
+        return x
+
+
+def build_model():
+    return Odd()
+
+
+def example_batch(batch_size):
+    return (torch.randn(batch_size, 8),), torch.randn(batch_size, 8)
+
+
+def loss_fn(output, target):
+    return ((output - target) ** 2).mean()
+'''
