@@ -81,6 +81,14 @@ class NodeCost:
     def backward_s(self) -> float:
         return self.backward_input_s + self.backward_weight_s
 
+    @property
+    def needs_grad(self) -> bool:
+        """A parameter, or a floating activation (not an input, a buffer or a batch-derived value)."""
+        if self.is_parameter:
+            return True
+        free = self.op in ("placeholder", "get_attr") or self.batch_derived
+        return not free and self.output is not None and self.output.dtype.startswith(("float", "bfloat"))
+
 
 @dataclass(frozen=True, kw_only=True)
 class OpGraph:

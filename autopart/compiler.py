@@ -390,6 +390,8 @@ def _rank_tails(options: CompileOptions, front: _Front, stages: list[StagePlan],
     cost_model = front.cost_model
     metas = {str(n.target): front.op_graph.nodes[n.name].output
              for n in front.op_graph.fx_nodes() if front.op_graph.nodes[n.name].is_parameter}
+    for leaf in front.op_graph.leaf_tensors.values():  # the weights of --leaf modules
+        metas.update(leaf)
     tails = {}
     for rank in range(options.pp):
         held = dict.fromkeys(p for st in stages if st.rank == rank for p in st.parameters)

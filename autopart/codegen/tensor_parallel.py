@@ -32,16 +32,6 @@ _KINDS = {
 }
 
 
-def _needs_grad(op_graph: OpGraph, name: str) -> bool:
-    cost = op_graph.nodes.get(name)
-    if cost is None:
-        return False
-    if cost.is_parameter:
-        return True
-    free = cost.op in ("placeholder", "get_attr") or cost.batch_derived
-    return not free and cost.output is not None and cost.output.dtype.startswith(("float", "bfloat"))
-
-
 def shard_stage_graph(
     stage: StageGraph,
     *,
@@ -88,7 +78,7 @@ def shard_stage_graph(
             for arg, required in zip(node.all_input_nodes, strategy.inputs):
                 if required is None:
                     continue
-                copy = required == REPLICATE and strategy.output != REPLICATE and _needs_grad(op_graph, arg.name)
+                copy = required == REPLICATE and strategy.output != REPLICATE and (arg.name in op_graph.nodes and op_graph.nodes[arg.name].needs_grad)
                 if placement.get(arg.name, REPLICATE) != required or copy:
                     swap[arg] = convert(arg, required, copy, node)
             if swap:

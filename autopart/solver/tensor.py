@@ -27,7 +27,7 @@ from autopart.blocks import Block, BlockChain
 from autopart.solver.sharding import REPLICATE, Placement, Strategy, is_tuple_of_tensors, strategies
 from cost_models import CostModel
 
-__all__ = ["BlockSharding", "conversion", "shard_chain", "needs_grad"]
+__all__ = ["BlockSharding", "conversion", "shard_chain"]
 
 _NS = 1e9
 
@@ -56,14 +56,6 @@ def conversion(source: Placement, target: Placement) -> tuple[str | None, str | 
     if source.kind == "P" and target == REPLICATE:
         return "all_reduce", None
     return None
-
-
-def needs_grad(chain: BlockChain, name: str) -> bool:
-    cost = chain.op_graph.nodes[name]
-    if cost.is_parameter:
-        return True
-    free = cost.op in ("placeholder", "get_attr") or cost.batch_derived
-    return not free and cost.output is not None and cost.output.dtype.startswith(("float", "bfloat"))
 
 
 class _BlockModel:
@@ -154,7 +146,7 @@ class _BlockModel:
                 if required is None:
                     continue
                 chosen = self.choice[node.name][i]
-                copy = required == REPLICATE and strategy.output != REPLICATE and needs_grad(self.chain, arg.name)
+                copy = required == REPLICATE and strategy.output != REPLICATE and self.chain.op_graph.nodes[arg.name].needs_grad
                 if sources is None:  # fixed replicated: a boundary, a buffer, a batch-derived value
                     seconds = self._pair_seconds(REPLICATE, required, copy, arg.name)
                     if seconds is None:
@@ -178,7 +170,7 @@ class _BlockModel:
         if step is None:
             return None
         forward, backward = step
-        seconds = self._seconds(forward, name) + (self._seconds(backward, name) if needs_grad(self.chain, name) else 0.0)
+        seconds = self._seconds(forward, name) + (self._seconds(backward, name) if self.chain.op_graph.nodes[name].needs_grad else 0.0)
         if copy:  # Megatron's f: the gradient of a replicated input of a split op is partial
             seconds += self._seconds("all_reduce", name)
         return seconds
