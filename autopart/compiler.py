@@ -104,6 +104,11 @@ class CompileOptions:
         if self.memory_gib is not None and self.memory_gib <= 0:
             raise ConfigError(f"--memory must be positive, got {self.memory_gib}")
 
+    @property
+    def pipeline_crosses_nodes(self) -> bool:
+        """The ranks of one pipeline (and so its transfers and gradient reductions) span several nodes."""
+        return self.pp * self.tp > self.gpus_per_node
+
     def batch_shape(self) -> tuple[int, int, int]:
         """(global batch, microbatches, micro-batch size), filled in and checked. With data
         parallelism every replica runs the microbatches on its share of the global batch."""
@@ -233,7 +238,7 @@ def _problem(options: CompileOptions, front: _Front, microbatches: int) -> Pipel
         block_time_s=tuple(f + b for f, b, _ in _block_times(front)),
         block_activation_bytes=tuple(saved),
         boundary_transfer_s=tuple(
-            cost_model.p2p_time(boundary.nbytes, across_nodes=options.pp * options.tp > options.gpus_per_node)
+            cost_model.p2p_time(boundary.nbytes, across_nodes=options.pipeline_crosses_nodes)
             for boundary in chain.boundaries
         ),
         parameter_state_bytes={
@@ -312,7 +317,7 @@ def _plan_from_cuts(
         )
     transfer = tuple(
         front.cost_model.p2p_time(
-            sum(m.nbytes for _, m in st.outputs), across_nodes=options.pp * options.tp > options.gpus_per_node
+            sum(m.nbytes for _, m in st.outputs), across_nodes=options.pipeline_crosses_nodes
         )
         for st in stages[:-1]
     )
@@ -379,7 +384,7 @@ def _data_parallel_seconds(options: CompileOptions, front: _Front, stages: list[
     for stage in stages:
         share = stage.parameter_bytes / options.tp
         per_rank[stage.rank] = per_rank.get(stage.rank, 0.0) + front.cost_model.collective_time(
-            "all_reduce", share, options.dp, across_nodes=options.tp * options.pp > options.gpus_per_node
+            "all_reduce", share, options.dp, across_nodes=options.pipeline_crosses_nodes
         )
     return max(per_rank.values())
 

@@ -39,7 +39,7 @@ def check_launch(out_dir: Path, plan: Plan, *, rank: int, world_size: int) -> No
             f"the plan needs {plan.world_size} processes but {world_size} were started; "
             f"run torchrun --nproc-per-node {plan.world_size} {out_dir / 'train.py'}"
         )
-    mesh = Mesh(dp=plan.mesh["dp"], pp=plan.mesh["pp"], tp=plan.mesh["tp"])
+    mesh = Mesh.of(plan)
     here = mesh.coordinates(rank)
     digest = plan_digest(out_dir / "plan.json")
     for stage in plan.stages:

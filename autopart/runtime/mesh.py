@@ -29,6 +29,11 @@ class Mesh:
     pp: int
     tp: int
 
+    @staticmethod
+    def of(plan) -> "Mesh":
+        """The mesh a plan's ``mesh`` field describes."""
+        return Mesh(dp=plan.mesh["dp"], pp=plan.mesh["pp"], tp=plan.mesh["tp"])
+
     @property
     def size(self) -> int:
         return self.dp * self.pp * self.tp

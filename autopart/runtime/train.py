@@ -89,7 +89,7 @@ def _train(out_dir: Path, argv: list[str] | None) -> None:
         raise ConfigError("--resume needs --checkpoint-dir DIR: the folder the checkpoints were saved in")
     source_file = model_file(out_dir, plan)
     if args.weights is not None:  # refuse a checkpoint that lacks this rank's tensors before any peer waits
-        pipeline_rank = Mesh(dp=plan.mesh["dp"], pp=plan.mesh["pp"], tp=plan.mesh["tp"]).coordinates(rank).pp
+        pipeline_rank = Mesh.of(plan).coordinates(rank).pp
         for stage_plan in plan.stages:
             if stage_plan.rank == pipeline_rank:
                 check_checkpoint(args.weights, stage_names(out_dir, stage_plan.index), stage_plan.index)
@@ -109,7 +109,7 @@ def _train(out_dir: Path, argv: list[str] | None) -> None:
 def _loop(
     out_dir: Path, plan: Plan, args: argparse.Namespace, rank: int, device: torch.device, source_file: Path
 ) -> None:
-    mesh = Mesh(dp=plan.mesh["dp"], pp=plan.mesh["pp"], tp=plan.mesh["tp"])
+    mesh = Mesh.of(plan)
     here = mesh.coordinates(rank)
     device_mesh = mesh.device_mesh(device.type)
     collectives.set_group(group_of(device_mesh, "tp"))
