@@ -32,17 +32,20 @@ def _parser() -> argparse.ArgumentParser:
     c = commands.add_parser("compile", help="compile a model file into per-rank training programs")
     c.add_argument("model", type=Path, help="the model file (defines build_model and example_batch)")
     c.add_argument("-o", "--out", type=Path, required=True, help="output directory")
-    c.add_argument("--pp", type=int, default=1, help="pipeline stages (default 1)")
-    c.add_argument("--tp", type=int, default=1, help="tensor-parallel degree, innermost (default 1)")
-    c.add_argument("--dp", type=int, default=1, help="data-parallel degree (default 1)")
+    c.add_argument("--world-size", type=int,
+                   help="devices to plan for: search every choice not pinned by the options below")
+    c.add_argument("--pp", type=int, help="pipeline stages (default 1, or searched)")
+    c.add_argument("--tp", type=int, help="tensor-parallel degree, innermost (default 1, or searched)")
+    c.add_argument("--dp", type=int, help="data-parallel degree (default 1, or searched)")
     c.add_argument("--gpus-per-node", type=int, default=8, help="devices per node; larger groups cross nodes (default 8)")
-    c.add_argument("--zero", action="store_true", help="shard optimizer state over data-parallel ranks (ZeRO-1)")
+    c.add_argument("--zero", action="store_true", default=None,
+                   help="shard optimizer state over data-parallel ranks (ZeRO-1; default off, or searched)")
     batch = c.add_mutually_exclusive_group()
     batch.add_argument("--microbatches", type=int, help="microbatches per step")
     batch.add_argument("--micro-batch-size", type=int, help="samples per microbatch")
     c.add_argument("--global-batch-size", type=int, help="samples per step (default 8)")
-    c.add_argument("--schedule", default="1f1b", help="gpipe, 1f1b, interleaved or zb-h1 (default 1f1b)")
-    c.add_argument("--chunks", type=int, default=1, help="model chunks per rank, with --schedule interleaved")
+    c.add_argument("--schedule", help="gpipe, 1f1b, interleaved or zb-h1 (default 1f1b, or searched)")
+    c.add_argument("--chunks", type=int, help="model chunks per rank, with --schedule interleaved (default 1, or searched)")
     c.add_argument("--device", default="cpu", help="device spec to predict for (default: this machine's cpu)")
     c.add_argument("--memory", type=float, help="memory per device in GiB (default: the device's)")
     c.add_argument("--optimizer", default="adamw", help="sgd or adamw: its state counts in memory (default adamw)")
@@ -160,11 +163,12 @@ def _print_table(console: Console, rows: list[list[str]], title: str) -> None:
 
 
 def _compile(args: argparse.Namespace, console: Console) -> None:
-    from autopart.codegen.report import stage_table
+    from autopart.codegen.report import search_table, stage_table
     from autopart.compiler import CompileOptions, compile_to_directory
 
     options = CompileOptions(
         model=args.model,
+        world_size=args.world_size,
         pp=args.pp,
         tp=args.tp,
         dp=args.dp,
@@ -185,7 +189,12 @@ def _compile(args: argparse.Namespace, console: Console) -> None:
         leaf=tuple(args.leaf),
     )
     known = _entries(args.costs)
-    plan, out = compile_to_directory(options, args.out)
+    if options.searched:
+        with _SearchProgress(console) as progress:
+            plan, out = compile_to_directory(options, args.out, progress=progress)
+        _print_table(console, search_table(plan), _search_title(plan))
+    else:
+        plan, out = compile_to_directory(options, args.out)
     title = f"{args.model.name}: {plan.schedule.kind}, {plan.schedule.microbatches} microbatches"
     _print_table(console, stage_table(plan), title)
     console.print(
@@ -196,6 +205,34 @@ def _compile(args: argparse.Namespace, console: Console) -> None:
         console.print(f"costs from {args.costs}: {_entries(args.costs) - known} ops timed, {known} known")
     console.print(f"compile peak memory {peak_memory_gib():.2f} GiB")
     console.print(f"wrote {out}/; train with:\n  torchrun --nproc-per-node {plan.world_size} {out}/train.py --steps 10")
+
+
+class _SearchProgress:
+    """A progress bar on stderr while the search captures the model and scores layouts."""
+
+    def __init__(self, console: Console):
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                            console=Console(stderr=True), transient=True)
+        self.task = None
+
+    def __enter__(self) -> _SearchProgress:
+        self.bar.start()
+        self.task = self.bar.add_task("search", total=None)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.bar.stop()
+
+    def __call__(self, what: str, done: int, total: int) -> None:
+        self.bar.update(self.task, description=what, completed=done, total=total or None)
+
+
+def _search_title(plan) -> str:
+    found = plan.provenance.search
+    return (f"search: {found['layouts']} layouts, {found['scored']} scored, {found['fitting']} fit, "
+            f"{found['seconds']:.1f} s; the chosen plan first")
 
 
 def _entries(path: Path | None) -> int:

@@ -31,7 +31,7 @@ from autopart.schedule.shared import step_time
 from autopart.solver.pipeline import PipelineProblem, evaluate, solve_cuts, stage_ranges
 from autopart.solver.sharding import REPLICATE, Placement
 from autopart.solver.tensor import BlockSharding, shard_chain
-from cost_models import CostDatabase, CostModel, get_cost_model, model_state_bytes
+from cost_models import CostDatabase, CostModel, ProfiledCostModel, get_cost_model, model_state_bytes
 from cost_models.devices import local_device_name
 
 __all__ = ["CompileOptions", "compile", "emit", "compile_to_directory"]
@@ -43,14 +43,17 @@ class CompileOptions:
 
     model: Path
     """The model file (see the model-file contract)."""
-    pp: int = 1
-    """Pipeline stages (one rank each)."""
-    tp: int = 1
-    """Tensor-parallel degree: ranks that split each op of a stage (innermost, inside a node)."""
-    dp: int = 1
-    """Data-parallel degree: copies of the whole pipeline, each on its share of the batch."""
-    zero: bool = False
-    """Shard the optimizer state over the data-parallel group (ZeRO-1)."""
+    world_size: int | None = None
+    """Devices to plan for. With it, every option left as None below is searched (see
+    ``autopart.search``); without it, they take their defaults (one device, 1F1B, ...)."""
+    pp: int | None = None
+    """Pipeline stages (one rank each); 1 unless searched."""
+    tp: int | None = None
+    """Tensor-parallel degree: ranks that split each op of a stage (innermost, inside a node); 1 unless searched."""
+    dp: int | None = None
+    """Data-parallel degree: copies of the whole pipeline, each on its share of the batch; 1 unless searched."""
+    zero: bool | None = None
+    """Shard the optimizer state over the data-parallel group (ZeRO-1); off unless searched."""
     gpus_per_node: int = 8
     """Devices per node: collectives of groups larger than this cross nodes."""
     microbatches: int | None = None
@@ -59,10 +62,10 @@ class CompileOptions:
     """Samples per microbatch; the other way to fix the microbatch count."""
     global_batch_size: int | None = None
     """Samples per training step; by default microbatches x micro-batch size, or 8."""
-    schedule: str = "1f1b"
-    """Pipeline schedule: gpipe, 1f1b, interleaved or zb-h1."""
-    chunks: int = 1
-    """Model chunks per rank (interleaved schedule)."""
+    schedule: str | None = None
+    """Pipeline schedule: gpipe, 1f1b, interleaved or zb-h1; 1f1b unless searched."""
+    chunks: int | None = None
+    """Model chunks per rank (interleaved schedule); 1 unless searched."""
     device: str = "cpu"
     """Device spec that costs and memory are predicted for (``cpu`` is calibrated here)."""
     memory_gib: float | None = None
@@ -82,16 +85,21 @@ class CompileOptions:
     """Module classes kept whole by tracing (``call_module`` nodes); each stage builds its own."""
 
     def __post_init__(self) -> None:
-        for name in ("pp", "tp", "dp", "gpus_per_node"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"--{name} must be at least 1, got {getattr(self, name)}")
+        for name in ("world_size", "pp", "tp", "dp", "gpus_per_node"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+        if self.world_size is None:  # nothing is searched: what is not given takes its default
+            for name, default in _DEFAULTS.items():
+                if getattr(self, name) is None:
+                    object.__setattr__(self, name, default)
         if self.zero and self.dp == 1:
             raise ConfigError("--zero shards the optimizer state over data-parallel ranks; it needs --dp 2 or more")
-        if self.schedule not in SCHEDULE_KINDS:
+        if self.schedule is not None and self.schedule not in SCHEDULE_KINDS:
             raise ConfigError(f"unknown schedule {self.schedule!r}; use one of {', '.join(SCHEDULE_KINDS)}")
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError(f"unknown optimizer {self.optimizer!r}; use one of {', '.join(OPTIMIZERS)}")
-        if self.chunks < 1 or (self.chunks > 1 and self.schedule != "interleaved"):
+        if self.chunks is not None and (self.chunks < 1 or (self.chunks > 1 and self.schedule not in (None, "interleaved"))):
             raise ConfigError(f"--chunks {self.chunks} needs --schedule interleaved (other schedules use 1 chunk)")
         for name in ("microbatches", "micro_batch_size", "global_batch_size"):
             value = getattr(self, name)
@@ -103,6 +111,11 @@ class CompileOptions:
             raise ConfigError("--leaf keeps modules opaque to torch.fx, which torch.export cannot do; drop --capture export")
         if self.memory_gib is not None and self.memory_gib <= 0:
             raise ConfigError(f"--memory must be positive, got {self.memory_gib}")
+
+    @property
+    def searched(self) -> bool:
+        """Some choice is left to the search (``world_size`` given, the plan not pinned)."""
+        return self.world_size is not None and self.plan is None
 
     @property
     def pipeline_crosses_nodes(self) -> bool:
@@ -141,6 +154,10 @@ class CompileOptions:
         return total, m, b
 
 
+_DEFAULTS = {"pp": 1, "tp": 1, "dp": 1, "zero": False, "schedule": "1f1b", "chunks": 1}
+"""What the options not given are when nothing is searched."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class _Front:
     """What the front passes give: kept so that emitting needs no second capture."""
@@ -160,11 +177,29 @@ def _capture(spec: ModelSpec, tp: int, **how) -> Graph:
 
 
 def _front(options: CompileOptions, micro_batch_size: int) -> _Front:
-    cost_model = get_cost_model(options.device)  # a bad device spec fails before the slow passes
-    spec = load_model_file(options.model)
-    if is_meta(spec.module):  # each rank will make its own weights: every module needs an initialiser
-        check_initialisers(spec.module, spec.init_weights, spec.path.name)
-    graph = _capture(spec, options.tp, batch_size=micro_batch_size, method=options.capture, leaves=options.leaf)
+    return _sharded(_annotated(options, micro_batch_size, separate_biases=options.tp > 1), options)
+
+
+def _sharded(front: _Front, options: CompileOptions) -> _Front:
+    """``front`` with every block's tensor-parallel strategy chosen for ``options.tp``."""
+    if options.tp == 1:
+        return replace(front, shardings=None)
+    across = options.tp > options.gpus_per_node
+    return replace(front, shardings=tuple(shard_chain(front.chain, tp=options.tp, cost_model=front.cost_model,
+                                                      across_nodes=across)))
+
+
+def _annotated(options: CompileOptions, micro_batch_size: int, *, separate_biases: bool,
+               spec: ModelSpec | None = None, roofline: CostModel | None = None) -> _Front:
+    """Capture, cost and cut into blocks; ``separate_biases`` for graphs whose ops will be split.
+    ``spec`` and ``roofline``: the model and device cost model of an earlier call, to reuse."""
+    roofline = roofline or get_cost_model(options.device)  # a bad device spec fails before the slow passes
+    if spec is None:
+        spec = load_model_file(options.model)
+        if is_meta(spec.module):  # each rank will make its own weights: every module needs an initialiser
+            check_initialisers(spec.module, spec.init_weights, spec.path.name)
+    graph = _capture(spec, 2 if separate_biases else 1, batch_size=micro_batch_size, method=options.capture,
+                     leaves=options.leaf)
     database, timed = None, 0
     if options.costs is not None:
         database = CostDatabase.load(options.costs)
@@ -174,14 +209,10 @@ def _front(options: CompileOptions, micro_batch_size: int) -> _Front:
                                   optimizer=options.optimizer)
             if timed:
                 database.save()
-    cost_model = get_cost_model(options.device, database)
+    cost_model = roofline if database is None else ProfiledCostModel(roofline=roofline, database=database)
     op_graph = annotate(graph, spec, cost_model, micro_batch_size=micro_batch_size)
     chain = build_blocks(op_graph)
-    shardings = None
-    if options.tp > 1:
-        across = options.tp > options.gpus_per_node
-        shardings = tuple(shard_chain(chain, tp=options.tp, cost_model=cost_model, across_nodes=across))
-    return _Front(spec=spec, op_graph=op_graph, chain=chain, cost_model=cost_model, shardings=shardings, timed=timed)
+    return _Front(spec=spec, op_graph=op_graph, chain=chain, cost_model=cost_model, timed=timed)
 
 
 def _local_kind(device: str) -> str | None:
@@ -377,15 +408,19 @@ def _plan_from_cuts(
 
 
 def _data_parallel_seconds(options: CompileOptions, front: _Front, stages: list[StagePlan]) -> float:
-    """The gradient all-reduce over the data-parallel group after the pipeline drains (not overlapped)."""
+    """The gradient all-reduce over the data-parallel group after the pipeline drains (not
+    overlapped); with ZeRO-1, also the broadcast of each rank's updated shard to the others (an
+    all-gather's traffic). The group spans nodes once the whole mesh does (dp is outermost)."""
     if options.dp == 1:
         return 0.0
+    across = options.pp * options.tp * options.dp > options.gpus_per_node
     per_rank: dict[int, float] = {}
     for stage in stages:
         share = stage.parameter_bytes / options.tp
-        per_rank[stage.rank] = per_rank.get(stage.rank, 0.0) + front.cost_model.collective_time(
-            "all_reduce", share, options.dp, across_nodes=options.pipeline_crosses_nodes
-        )
+        seconds = front.cost_model.collective_time("all_reduce", share, options.dp, across_nodes=across)
+        if options.zero:
+            seconds += front.cost_model.collective_time("all_gather", share, options.dp, across_nodes=across)
+        per_rank[stage.rank] = per_rank.get(stage.rank, 0.0) + seconds
     return max(per_rank.values())
 
 
@@ -403,6 +438,8 @@ def _rank_tails(options: CompileOptions, front: _Front, stages: list[StagePlan],
         tied = sum(cost_model.collective_time("all_reduce", metas[p].nbytes, len({stages[s].rank for s in holders[p]}))
                    for p in held if len(holders[p]) > 1)
         optimizer = cost_model.optimizer_time(options.optimizer, [(metas[p].shape, metas[p].dtype) for p in held])
+        if options.zero:  # each data-parallel rank steps its shard of the state
+            optimizer /= options.dp
         tails[rank] = tied + optimizer
     return tails
 
@@ -424,7 +461,9 @@ def _step_time(options: CompileOptions, front: _Front, stages: list[StagePlan], 
         build_schedule(options.schedule, ranks=options.pp, microbatches=microbatches,
                        chunks=options.chunks), ranks=options.pp)
     device = front.cost_model.device
-    return step_time(schedule, costs, ranks=options.pp, cores=device.cores, background=device.background_load,
+    # the other tensor- and data-parallel ranks of the machine run the same work beside this pipeline
+    cores = device.cores / (options.tp * options.dp)
+    return step_time(schedule, costs, ranks=options.pp, cores=cores, background=device.background_load,
                      tail_s=tails)
 
 
@@ -445,7 +484,12 @@ def _batch_inputs(op_graph: OpGraph, nodes: tuple[str, ...], graph_inputs: tuple
     return tuple(n for n in graph_inputs if n in found)
 
 
-def _compile(options: CompileOptions) -> tuple[Plan, _Front]:
+def _compile(options: CompileOptions, progress=None) -> tuple[Plan, _Front]:
+    if options.searched:
+        from autopart.planner import plan_by_search  # the search drives this module's passes
+
+        searched = plan_by_search(options, progress=progress)
+        return searched.plan, searched.front
     pinned = load_plan(options.plan) if options.plan is not None else None
     if pinned is not None:  # the plan decides everything it records
         options = replace(
@@ -521,8 +565,9 @@ def emit(plan: Plan, out_dir: str | Path) -> Path:
     return emit_directory(plan, op_graph, spec, out_dir)
 
 
-def compile_to_directory(options: CompileOptions, out_dir: Path) -> tuple[Plan, Path]:
-    """What ``autopart compile`` does: compile, then emit, with one capture."""
+def compile_to_directory(options: CompileOptions, out_dir: Path, *, progress=None) -> tuple[Plan, Path]:
+    """What ``autopart compile`` does: compile, then emit, with one capture. ``progress(what,
+    done, total)`` hears how the search goes."""
     check_output_directory(out_dir)
-    plan, front = _compile(options)
+    plan, front = _compile(options, progress)
     return plan, emit_directory(plan, front.op_graph, front.spec, out_dir)

@@ -76,6 +76,7 @@ class Provenance:
     autopart_version: str
     torch_version: str
     leaves: tuple[str, ...] = ()  # module classes kept whole by tracing (--leaf)
+    search: dict[str, Any] = field(default_factory=dict)  # what the search visited, and its finalists
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -145,6 +146,7 @@ class Plan:
                 autopart_version=provenance.str("autopart_version"),
                 torch_version=provenance.str("torch_version"),
                 leaves=tuple(str(n) for n in provenance.data.get("leaves", [])),
+                search=provenance.sub("search").data if "search" in provenance.data else {},
             ),
             zero=reader.bool("zero"),
             graph_inputs=tuple(str(n) for n in reader.list("graph_inputs")),

@@ -9,7 +9,7 @@ from autopart.plan import Plan
 from autopart.predict import plan_schedule, plan_timeline
 from autopart.schedule import write_chrome_trace, write_gantt_png, write_schedule_csv
 
-__all__ = ["write_report", "stage_table"]
+__all__ = ["write_report", "search_table", "stage_table"]
 
 _GIB = 1 << 30
 
@@ -30,6 +30,19 @@ def stage_table(plan: Plan) -> list[list[str]]:
                 f"{plan.predicted.stage_time_s[stage.index] * 1e3:.3f}",
             ]
         )
+    return rows
+
+
+def search_table(plan: Plan) -> list[list[str]]:
+    """Rows of the search's table: the chosen plan, then the runners-up, with their predictions."""
+    ranked = plan.provenance.search.get("ranked", [])
+    rows = [["#", "layout", "recompute", "step ms", "vs chosen", "peak memory GiB"]]
+    best = ranked[0]["step_s"] if ranked else plan.predicted.step_s
+    for i, entry in enumerate(ranked):
+        modes = entry["recompute"]
+        recompute = modes[0] if len(set(modes)) == 1 else ",".join(modes)
+        rows.append([str(i + 1), entry["layout"], recompute, f"{entry['step_s'] * 1e3:.3f}",
+                     f"{entry['step_s'] / best:.3f}x", f"{entry['memory_bytes'] / _GIB:.2f}"])
     return rows
 
 

@@ -192,8 +192,9 @@ def _solve(model: cp_model.CpModel, time_limit_s: float) -> tuple[cp_model.CpSol
     return solver, status
 
 
-def solve_cuts(problem: PipelineProblem, *, time_limit_s: float = 30.0) -> CutSolution:
-    """The cuts that minimise the pipeline latency within the memory limit."""
+def solve_cuts(problem: PipelineProblem, *, time_limit_s: float = 30.0, hint: tuple[int, ...] | None = None) -> CutSolution:
+    """The cuts that minimise the pipeline latency within the memory limit; the search starts
+    from ``hint`` (by default, cuts that balance the stages' compute)."""
     if problem.stages == 1:
         evaluation = evaluate(problem, ())
         _check_memory(problem, evaluation)
@@ -208,28 +209,28 @@ def solve_cuts(problem: PipelineProblem, *, time_limit_s: float = 30.0) -> CutSo
     for rank in range(problem.ranks):
         m.add(cut_model.rank_memory(rank) <= problem.memory_limit_bytes)
     m.minimize(sum(times) + (problem.microbatches - 1) * slowest)
-    balanced = evaluate(problem, _balanced_cuts(problem))
-    cut_model.hint(balanced.cuts)
+    start = evaluate(problem, hint if hint is not None else _balanced_cuts(problem))
+    cut_model.hint(start.cuts)
     solver, status = _solve(m, time_limit_s)
     if status == cp_model.INFEASIBLE:
         raise InfeasibleError(_infeasible_message(problem, time_limit_s))
-    # On long chains CP-SAT may stop with no plan or a poor one, hint or not: the time-balanced
+    # On long chains CP-SAT may stop with no plan or a poor one, hint or not: the starting
     # cuts, when they fit in memory, are then the answer, and CP-SAT's bound still says how good.
-    balanced_fits = max(balanced.rank_memory_bytes) <= problem.memory_limit_bytes
+    start_fits = max(start.rank_memory_bytes) <= problem.memory_limit_bytes
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        if not balanced_fits:
+        if not start_fits:
             raise InfeasibleError(
                 f"the cut solver found no plan within --time-limit {time_limit_s:g} s; raise --time-limit"
             )
-        evaluation = balanced
+        evaluation = start
     else:
         evaluation = evaluate(problem, cut_model.cuts(solver))
         # The solution is re-checked in plain Python: the CP-SAT model and evaluate() must agree up to
         # the rounding of each block's time to whole nanoseconds.
         rounding = (len(problem.block_time_s) + 2 * problem.stages) * problem.microbatches
         assert abs(evaluation.objective_s * _NS - solver.objective_value) <= rounding, (evaluation, solver.objective_value)
-        if balanced_fits and balanced.objective_s < evaluation.objective_s:
-            evaluation = balanced
+        if start_fits and start.objective_s < evaluation.objective_s:
+            evaluation = start
     _check_memory(problem, evaluation)
     bound = min(max(0.0, solver.best_objective_bound / _NS), evaluation.objective_s)
     objective = evaluation.objective_s

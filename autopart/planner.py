@@ -1,0 +1,310 @@
+"""The compiler's side of the search: costs from real captures, finalists predicted like any plan.
+
+``plan_by_search(options)`` is what ``autopart compile --world-size N`` runs:
+
+1. ``FrontTable`` gives ``autopart.search`` the chain's costs for each micro-batch size, dtype
+   and tensor-parallel degree it asks about, capturing and annotating the model once per
+   micro-batch size (the graph's shapes depend on it) and sharding per degree.
+2. ``autopart.search.search`` scores the layouts and keeps the finalists.
+3. Each finalist becomes a Plan through the compiler's own ``_plan_from_cuts``, so its
+   predicted step is the one that a pinned plan with the same choices gets; they are ranked by it.
+4. The best one's cuts are given to CP-SAT as a start when the chain is small enough to prove
+   them optimal (CP-SAT improves them if it can), and its bound and gap go into the plan.
+5. When nothing fits, one line says the memory per device, or the world size, that would.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from autopart.compiler import (
+    CompileOptions,
+    _annotated,
+    _block_times,
+    _Front,
+    _parameter_placements,
+    _plan_from_cuts,
+    _problem,
+    _sharded,
+    _state_bytes,
+)
+from autopart.errors import ConfigError, InfeasibleError
+from autopart.plan import Plan
+from autopart.search import Cluster, Layout, Scored, SearchResult, SearchSpace, score_layout, search
+from autopart.solver.bottleneck import RECOMPUTE_MODES, ChainCosts
+from autopart.solver.pipeline import evaluate, solve_cuts
+from autopart.solver.sharding import REPLICATE
+from cost_models import get_cost_model
+
+__all__ = ["FrontTable", "plan_by_search", "search_space", "cluster_of"]
+
+CP_SAT_LIMIT = 2_000
+"""CP-SAT refines the chosen cuts when blocks x stages is at most this (its model's size)."""
+
+Progress = Callable[[str, int, int], None]  # (what, done, total)
+
+
+class FrontTable:
+    """The search's ``CostTable`` over real captures of the model, each made once."""
+
+    def __init__(self, options: CompileOptions, progress: Progress | None = None):
+        self.options = options
+        self.progress = progress
+        self._annotated: dict[tuple[int, bool, str], _Front] = {}
+        self._fronts: dict[tuple[int, int, str], _Front] = {}
+        self._costs: dict[tuple[int, int, str], ChainCosts] = {}
+        self._spec = None
+        self._roofline = None
+
+    def front(self, *, micro_batch_size: int, tp: int, dtype: str) -> _Front:
+        key = (micro_batch_size, tp, dtype)
+        if key not in self._fronts:
+            separate = tp > 1
+            base_key = (micro_batch_size, separate, dtype)
+            if base_key not in self._annotated:
+                if self.progress is not None:
+                    self.progress(f"capturing at micro-batch size {micro_batch_size}", len(self._annotated), 0)
+                front = _annotated(self._options(tp=tp, dtype=dtype), micro_batch_size, separate_biases=separate,
+                                   spec=self._spec, roofline=self._roofline)
+                self._spec = front.spec
+                self._roofline = getattr(front.cost_model, "roofline", front.cost_model)
+                self._annotated[base_key] = front
+            self._fronts[key] = _sharded(self._annotated[base_key], self._options(tp=tp, dtype=dtype))
+        return self._fronts[key]
+
+    def _options(self, *, tp: int, dtype: str) -> CompileOptions:
+        return replace(self.options, world_size=None, tp=tp, pp=1, dp=1, zero=False)
+
+    def chain_costs(self, *, micro_batch_size: int, tp: int, dtype: str) -> ChainCosts:
+        key = (micro_batch_size, tp, dtype)
+        if key not in self._costs:
+            self._costs[key] = chain_costs(self.front(micro_batch_size=micro_batch_size, tp=tp, dtype=dtype), tp)
+        return self._costs[key]
+
+    def state_bytes(self, parameter_bytes: int, *, dp: int, zero: bool) -> int:
+        return _state_bytes(replace(self.options, world_size=None, dp=dp, zero=zero), parameter_bytes)
+
+
+def chain_costs(front: _Front, tp: int) -> ChainCosts:
+    """What the cutter reads, per block, from an annotated (and sharded) front."""
+    chain = front.chain
+    times = _block_times(front)
+    if front.shardings is not None:
+        saved = [s.saved_bytes for s in front.shardings]
+    else:
+        saved = [b.saved_bytes for b in chain.blocks]
+    selective_saved, selective_s = [], []
+    for k, block in enumerate(chain.blocks):
+        scale = saved[k] / block.saved_bytes if block.saved_bytes else 1.0
+        time_scale = times[k][0] / block.forward_s if block.forward_s else 1.0
+        selective_saved.append(round(getattr(block, "selective_saved_bytes", block.saved_bytes) * scale))
+        selective_s.append(getattr(block, "selective_recompute_s", 0.0) * time_scale)
+    placements = _parameter_placements(front)
+    local = {
+        name: nbytes // (tp if placements.get(name, REPLICATE).kind == "S" else 1)
+        for name, nbytes in chain.parameter_bytes.items()
+    }
+    op_graph = front.op_graph
+    inputs = sum(op_graph.nodes[n].output.nbytes for n in op_graph.graph.input_names
+                 if n in op_graph.nodes and op_graph.nodes[n].output is not None)
+    return ChainCosts(
+        forward_s=tuple(f for f, _, _ in times),
+        backward_s=tuple(b for _, b, _ in times),
+        weight_s=tuple(w for _, _, w in times),
+        saved_bytes=tuple(saved),
+        selective_saved_bytes=tuple(selective_saved),
+        selective_recompute_s=tuple(selective_s),
+        boundary_bytes=tuple(b.nbytes for b in chain.boundaries),
+        input_bytes=inputs,
+        parameter_bytes=local,
+        parameter_state_bytes=local,  # replaced per layout by the search (dp, ZeRO)
+        block_parameters=tuple(b.parameters for b in chain.blocks),
+    )
+
+
+def search_space(options: CompileOptions) -> SearchSpace:
+    """The options as a search space: each option given is a pin."""
+    if options.global_batch_size is None:
+        raise ConfigError("the search needs the global batch: add --global-batch-size B (samples per step)")
+    if options.microbatches is not None and options.micro_batch_size is not None:
+        raise ConfigError("give --microbatches or --micro-batch-size, not both: the global batch fixes the other")
+
+    def pin(value):
+        return None if value is None else (value,)
+
+    return SearchSpace(
+        world_size=options.world_size,
+        global_batch_size=options.global_batch_size,
+        gpus_per_node=options.gpus_per_node,
+        pp=pin(options.pp),
+        tp=pin(options.tp),
+        dp=pin(options.dp),
+        micro_batch_size=pin(options.micro_batch_size),
+        microbatches=pin(options.microbatches),
+        schedule=pin(options.schedule) or ("gpipe", "1f1b", "interleaved", "zb-h1"),
+        chunks=pin(options.chunks),
+        zero=pin(options.zero) or (False, True),
+        dtype=("fp32",),
+        recompute=RECOMPUTE_MODES,
+    )
+
+
+def cluster_of(options: CompileOptions) -> Cluster:
+    cost_model = get_cost_model(options.device)
+    device = cost_model.device
+    memory = round(options.memory_gib * (1 << 30)) if options.memory_gib is not None else device.memory_bytes
+    sample = 1 << 22  # elements: an optimizer step is bandwidth-bound, its time per byte settles by here
+    per_byte = cost_model.optimizer_time(options.optimizer, [((sample,), "torch.float32")]) / (4 * sample)
+    return Cluster(
+        memory_bytes=memory,
+        overhead_bytes=device.framework_overhead_bytes,
+        gpus_per_node=options.gpus_per_node,
+        p2p_s=lambda nbytes, across: cost_model.p2p_time(nbytes, across_nodes=across),
+        all_reduce_s=lambda nbytes, group, across: cost_model.collective_time("all_reduce", nbytes, group,
+                                                                              across_nodes=across),
+        all_gather_s=lambda nbytes, group, across: cost_model.collective_time("all_gather", nbytes, group,
+                                                                              across_nodes=across),
+        optimizer_s_per_byte=per_byte,
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Searched:
+    plan: Plan
+    front: _Front
+    result: SearchResult
+    plans: tuple[Plan, ...]  # the finalists' plans, best first
+
+
+def plan_by_search(options: CompileOptions, *, progress: Progress | None = None, finalists: int = 5) -> Searched:
+    table = FrontTable(options, progress)
+    space = search_space(options)
+    cluster = cluster_of(options)
+    plans: dict[Layout, Plan] = {}
+
+    def exact(scored: Scored) -> float:
+        plans[scored.layout] = _plan_of(options, table, scored, ("search", 0.0, 0.0))
+        return plans[scored.layout].predicted.step_s
+
+    def visited(done: int, total: int) -> None:
+        if progress is not None:
+            progress("scoring layouts", done, total)
+
+    result = search(space, table, cluster, finalists=finalists, score=exact, progress=visited)
+    if not result.ranked:
+        raise InfeasibleError(_does_not_fit(options, space, table, cluster))
+    best = result.best
+    plan, front = _refined(options, table, best, time_limit_s=options.time_limit_s)
+    ordered = (plan, *(plans[s.layout] for s in result.ranked[1:]))
+    plan = replace(plan, provenance=replace(plan.provenance, search=_summary(result, ordered)))
+    return Searched(plan=plan, front=front, result=result, plans=ordered)
+
+
+def concrete_options(options: CompileOptions, layout: Layout) -> CompileOptions:
+    """The options that pin every choice of ``layout``."""
+    return replace(
+        options, world_size=None, pp=layout.pp, tp=layout.tp, dp=layout.dp, zero=layout.zero,
+        schedule=layout.schedule, chunks=layout.chunks, microbatches=layout.microbatches,
+        micro_batch_size=None, global_batch_size=layout.microbatches * layout.micro_batch_size * layout.dp,
+    )  # fmt: skip
+
+
+def _plan_of(options: CompileOptions, table: FrontTable, scored: Scored, solver: tuple[str, float, float],
+             cuts: tuple[int, ...] | None = None) -> Plan:
+    layout = scored.layout
+    concrete = concrete_options(options, layout)
+    front = table.front(micro_batch_size=layout.micro_batch_size, tp=layout.tp, dtype=layout.dtype)
+    batch = concrete.batch_shape()
+    problem = _problem(concrete, front, batch[1])
+    return _plan_from_cuts(concrete, front, problem, cuts or scored.cut.cuts, batch, solver)
+
+
+def _refined(options: CompileOptions, table: FrontTable, best: Scored, *, time_limit_s: float) -> tuple[Plan, _Front]:
+    """The best layout's plan; its cuts improved and proved by CP-SAT where the chain is small enough."""
+    layout = best.layout
+    concrete = concrete_options(options, layout)
+    front = table.front(micro_batch_size=layout.micro_batch_size, tp=layout.tp, dtype=layout.dtype)
+    batch = concrete.batch_shape()
+    problem = _problem(concrete, front, batch[1])
+    cuts = best.cut.cuts
+    size = len(front.chain.blocks) * layout.stages
+    if layout.stages == 1:
+        solver = ("trivial", evaluate(problem, cuts).objective_s, 0.0)
+    elif all(mode == "none" for mode in best.recompute) and size <= CP_SAT_LIMIT:
+        solution = solve_cuts(problem, time_limit_s=time_limit_s, hint=cuts)
+        cuts = solution.evaluation.cuts
+        solver = (solution.status, solution.bound_s, solution.gap)
+    else:
+        objective = evaluate(problem, cuts).objective_s
+        bound = _latency_bound(best, problem)
+        solver = ("bisection", bound, max(0.0, (objective - bound) / objective) if objective else 0.0)
+    return _plan_from_cuts(concrete, front, problem, cuts, batch, solver), front
+
+
+def _latency_bound(best: Scored, problem) -> float:
+    """No cuts have a lower pipeline latency: all the compute once, the largest share m - 1 more times."""
+    total = sum(problem.block_time_s)
+    slowest = max(total / problem.stages, max(problem.block_time_s))
+    return total + (problem.microbatches - 1) * slowest
+
+
+def _summary(result: SearchResult, plans: tuple[Plan, ...]) -> dict:
+    return {
+        "layouts": result.layouts,
+        "scored": result.scored,
+        "fitting": result.fitting,
+        "seconds": round(result.seconds, 3),
+        "ranked": [
+            {"layout": s.layout.describe(), "recompute": list(s.recompute), "step_s": plan.predicted.step_s,
+             "memory_bytes": max(plan.predicted.memory_bytes)}
+            for s, plan in zip(result.ranked, plans)
+        ],
+    }
+
+
+def _does_not_fit(options: CompileOptions, space: SearchSpace, table: FrontTable, cluster: Cluster) -> str:
+    """One line: the smallest memory per device that some layout of this world size fits in, and
+    the smallest world size (up to 64 times this one) that fits in this memory."""
+    gib = 1 << 30
+    roomy = replace(cluster, memory_bytes=1 << 62)
+    needed = None
+    for layout in space.layouts(len(table.chain_costs(micro_batch_size=_smallest(space), tp=1, dtype="fp32"))):
+        if layout.micro_batch_size != _smallest(space) or (layout.dp > 1 and not layout.zero and True in space.zero):
+            continue
+        scored = score_layout(layout, table, roomy, space, recompute=(("full",),) * layout.stages)
+        if scored is not None:
+            low = _smallest_memory(layout, table, cluster, space)
+            needed = low if needed is None else min(needed, low)
+    larger = None
+    for factor in (2, 4, 8, 16, 32, 64):
+        bigger = replace(space, world_size=space.world_size * factor)
+        if search(bigger, table, cluster, finalists=1).ranked:
+            larger = bigger.world_size
+            break
+    fixes = []
+    if needed is not None:
+        fixes.append(f"--memory {needed / gib:.1f} (GiB per device) or more")
+    if larger is not None:
+        fixes.append(f"--world-size {larger}")
+    need = f"needs at least {needed / gib:.1f} GiB per device" if needed is not None else "does not fit at any memory"
+    return (
+        f"the model does not fit on {space.world_size} devices of {cluster.memory_bytes / gib:.1f} GiB: "
+        f"its leanest layout {need}; use {' or '.join(fixes) or 'a smaller model or batch'}"
+    )
+
+
+def _smallest(space: SearchSpace) -> int:
+    return min(layout.micro_batch_size for layout in space.layouts(1 << 30))
+
+
+def _smallest_memory(layout: Layout, table: FrontTable, cluster: Cluster, space: SearchSpace) -> int:
+    """Bisection on the memory limit: the least that ``layout`` fits in with full recompute."""
+    lo, hi = cluster.overhead_bytes, 1 << 50
+    while hi - lo > (1 << 24):
+        mid = (lo + hi) // 2
+        if score_layout(layout, table, replace(cluster, memory_bytes=mid), space, recompute=None) is not None:
+            hi = mid
+        else:
+            lo = mid
+    return hi

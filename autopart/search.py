@@ -1,0 +1,391 @@
+"""The whole plan by search: mesh shape, microbatches, schedule, recompute, ZeRO and dtype.
+
+    layouts(space) -> score each (cuts by bisection, a closed-form step) -> simulate the finalists
+
+Every way to run the model on ``world_size`` devices is a ``Layout``: the degrees
+``pp * tp * dp = world_size`` (tensor parallelism inside a node unless pinned across), the
+micro-batch size (a divisor of each replica's share of the global batch), the schedule (gpipe,
+1f1b, interleaved with 2 or 4 chunks, zb-h1), ZeRO-1 and the dtype. For each, the cutter
+(``autopart.solver.bottleneck``) places the stages and picks each stage's recompute; the step
+is then estimated in closed form (the pipeline latency of the schedule, the data-parallel
+gradient all-reduce, the optimizer step). Layouts are visited in the order of a lower bound on
+their step (the busiest rank's compute with no bubble), and the visit stops once that bound
+passes the ``finalists``-th best estimate found: the rest cannot make the table. The finalists
+are then simulated action by action (``score``: a callback, so that the compiler predicts them
+exactly as it predicts any plan) and ranked.
+
+Costs come from a ``CostTable``: per (micro-batch size, tp, dtype) the chain's ``ChainCosts``.
+The compiler builds them from annotated captures (one per micro-batch size and dtype); the
+benchmarks may build them any way they like. Nothing here names a device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Protocol
+
+from autopart.errors import ConfigError
+from autopart.schedule import stage_rank
+from autopart.solver.bottleneck import RECOMPUTE_MODES, ChainCosts, StageCut, cut_stages, lower_bound_s
+
+__all__ = [
+    "Layout",
+    "SearchSpace",
+    "Cluster",
+    "CostTable",
+    "Scored",
+    "SearchResult",
+    "search",
+    "in_flight",
+    "estimate_step_s",
+]
+
+DTYPES = ("fp32", "bf16")
+INTERLEAVED_CHUNKS = (2, 4)
+MAX_MICRO_BATCH_SIZE = 16
+"""Micro-batch sizes searched by default: the divisors of a replica's batch up to this."""
+
+
+@dataclass(frozen=True, kw_only=True, order=True)
+class Layout:
+    """One way to run the model; the cuts and the recompute per stage come with its score."""
+
+    pp: int
+    tp: int
+    dp: int
+    micro_batch_size: int
+    microbatches: int
+    schedule: str
+    chunks: int = 1
+    zero: bool = False
+    dtype: str = "fp32"
+
+    @property
+    def stages(self) -> int:
+        return self.pp * self.chunks
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.tp * self.dp
+
+    def data_parallel_crosses_nodes(self, gpus_per_node: int) -> bool:
+        """Data parallelism is outermost: its groups span nodes once the mesh does."""
+        return self.world_size > gpus_per_node
+
+    def describe(self) -> str:
+        schedule = f"{self.schedule} v={self.chunks}" if self.chunks > 1 else self.schedule
+        extras = "".join([" zero" if self.zero else "", f" {self.dtype}" if self.dtype != "fp32" else ""])
+        return f"pp{self.pp} tp{self.tp} dp{self.dp} {self.microbatches}x{self.micro_batch_size} {schedule}{extras}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class SearchSpace:
+    """What the search may choose; a pinned option is a tuple of one value."""
+
+    world_size: int
+    global_batch_size: int
+    gpus_per_node: int = 8
+    pp: tuple[int, ...] | None = None
+    tp: tuple[int, ...] | None = None
+    dp: tuple[int, ...] | None = None
+    micro_batch_size: tuple[int, ...] | None = None
+    microbatches: tuple[int, ...] | None = None
+    schedule: tuple[str, ...] = ("gpipe", "1f1b", "interleaved", "zb-h1")
+    chunks: tuple[int, ...] | None = None
+    zero: tuple[bool, ...] = (False, True)
+    dtype: tuple[str, ...] = ("fp32",)
+    recompute: tuple[str, ...] = RECOMPUTE_MODES  # modes any stage may take
+    tp_across_nodes: bool = False
+
+    def layouts(self, blocks: int) -> Iterator[Layout]:
+        """Every layout of the space that a chain of ``blocks`` blocks can take."""
+        n, batch = self.world_size, self.global_batch_size
+        for tp in self.tp or _divisors(n):
+            if tp > self.gpus_per_node and not (self.tp_across_nodes or self.tp):
+                continue
+            for pp in self.pp or _divisors(n // tp):
+                if n % (tp * pp) or pp > blocks:
+                    continue
+                dp = n // (tp * pp)
+                if self.dp and dp not in self.dp:
+                    continue
+                if batch % dp:
+                    continue
+                share = batch // dp
+                for mbs in self._micro_batch_sizes(share):
+                    m = share // mbs
+                    for schedule, chunks in self._schedules(pp, m, blocks):
+                        for zero in self.zero if dp > 1 else (False,):
+                            for dtype in self.dtype:
+                                yield Layout(pp=pp, tp=tp, dp=dp, micro_batch_size=mbs, microbatches=m,
+                                             schedule=schedule, chunks=chunks, zero=zero, dtype=dtype)
+
+    def _micro_batch_sizes(self, share: int) -> list[int]:
+        if self.microbatches:
+            return [share // m for m in self.microbatches if share % m == 0]
+        if self.micro_batch_size:
+            return [b for b in self.micro_batch_size if share % b == 0]
+        return [b for b in _divisors(share) if b <= MAX_MICRO_BATCH_SIZE]
+
+    def _schedules(self, pp: int, m: int, blocks: int) -> list[tuple[str, int]]:
+        if pp == 1:  # one stage: every schedule runs forward then backward
+            return [(self.schedule[0] if len(self.schedule) == 1 else "1f1b", 1)]
+        found = []
+        for kind in self.schedule:
+            if kind == "interleaved":
+                for v in self.chunks or INTERLEAVED_CHUNKS:
+                    if m % pp == 0 and pp * v <= blocks and v > 1:
+                        found.append((kind, v))
+            elif not self.chunks or self.chunks == (1,):
+                found.append((kind, 1))
+        return found
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Cluster:
+    """The devices and how long things take on them (through the cost model's callbacks)."""
+
+    memory_bytes: int
+    overhead_bytes: int  # per rank, before the model
+    gpus_per_node: int
+    p2p_s: Callable[[float, bool], float]  # (bytes, across nodes) -> seconds
+    all_reduce_s: Callable[[float, int, bool], float]  # (bytes, group, across nodes) -> seconds
+    all_gather_s: Callable[[float, int, bool], float]
+    optimizer_s_per_byte: float  # seconds of the optimizer step per byte of parameters
+
+
+class CostTable(Protocol):
+    def chain_costs(self, *, micro_batch_size: int, tp: int, dtype: str) -> ChainCosts:
+        """The chain's costs per microbatch on one rank of a tensor-parallel group of ``tp``."""
+        ...
+
+    def state_bytes(self, parameter_bytes: int, *, dp: int, zero: bool) -> int:
+        """Weights, gradients and optimizer state of a parameter share of ``parameter_bytes``."""
+        ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class Scored:
+    layout: Layout
+    cut: StageCut
+    estimate_s: float  # closed form, used to rank all layouts
+    step_s: float = math.nan  # simulated (finalists only)
+
+    @property
+    def recompute(self) -> tuple[str, ...]:
+        return self.cut.recompute
+
+    @property
+    def peak_memory_bytes(self) -> int:
+        return max(self.cut.rank_memory_bytes)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SearchResult:
+    ranked: tuple[Scored, ...]  # finalists, best first, by simulated step
+    layouts: int  # layouts in the space
+    scored: int  # layouts cut and estimated
+    fitting: int  # of those, the ones that fit in memory
+    seconds: float
+    bound_s: float  # no layout's estimate is below this
+
+    @property
+    def best(self) -> Scored:
+        return self.ranked[0]
+
+
+def in_flight(kind: str, pp: int, microbatches: int, chunks: int) -> tuple[int, ...]:
+    """Per virtual stage, microbatches whose activations it holds at its peak, from the schedule."""
+    return _in_flight_cached(kind, pp, microbatches, chunks)
+
+
+_IN_FLIGHT: dict[tuple, tuple[int, ...]] = {}
+
+
+def _in_flight_cached(kind: str, pp: int, microbatches: int, chunks: int) -> tuple[int, ...]:
+    # The peak is reached in the warm-up and does not grow with more microbatches than a few
+    # rounds of the pipeline: simulate a short one (a multiple of pp, as interleaving needs).
+    rounds = min(microbatches, 4 * pp)
+    if kind == "interleaved":
+        rounds = max(pp, rounds - rounds % pp)
+    key = (kind, pp, rounds, chunks)
+    if key not in _IN_FLIGHT:
+        from autopart.predict import simulate_pipeline  # the schedule package, at first use
+
+        stages = pp * chunks
+        timeline = simulate_pipeline(kind=kind, ranks=pp, microbatches=rounds, chunks=chunks,
+                                     forward_s=(1.0,) * stages, backward_s=(2.0,) * stages,
+                                     weight_s=(1.0,) * stages, transfer_s=(0.0,) * (stages - 1))
+        _IN_FLIGHT[key] = timeline.peak_in_flight
+    return _IN_FLIGHT[key]
+
+
+def estimate_step_s(layout: Layout, cut: StageCut, cluster: Cluster, rank_parameter_bytes: list[int],
+                    across_nodes: bool) -> float:
+    """The step in closed form: the schedule's pipeline latency, then the gradient all-reduce
+    over the data-parallel group and the optimizer step of the busiest rank."""
+    times, m, p = cut.stage_time_s, layout.microbatches, layout.pp
+    if layout.schedule == "interleaved":
+        per_rank = [sum(times[s] for s in range(len(times)) if stage_rank(s, p) == r) for r in range(p)]
+        pipeline = m * max(per_rank) + (p - 1) * max(per_rank) / layout.chunks
+    else:
+        pipeline = sum(times) + (m - 1) * max(times)
+        if layout.schedule == "zb-h1":  # W fills the cool-down bubble: (p-1)(F+I-W), not (p-1)(F+I+W)
+            pipeline -= 2 * (p - 1) * min(cut.stage_weight_s)
+    tail = 0.0
+    for nbytes in rank_parameter_bytes:
+        sync = cluster.all_reduce_s(nbytes, layout.dp, across_nodes) if layout.dp > 1 else 0.0
+        step = cluster.optimizer_s_per_byte * nbytes
+        if layout.zero:  # a shard of the step each, then the updated shards to everyone
+            step = step / layout.dp + cluster.all_gather_s(nbytes, layout.dp, across_nodes)
+        tail = max(tail, sync + step)
+    return pipeline + tail
+
+
+def search(
+    space: SearchSpace,
+    table: CostTable,
+    cluster: Cluster,
+    *,
+    finalists: int = 5,
+    score: Callable[[Scored], float] | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> SearchResult:
+    """The ``finalists`` best layouts that fit, ranked by ``score`` (default: the estimate)."""
+    start = time.perf_counter()
+    blocks = len(table.chain_costs(micro_batch_size=_any_micro_batch(space), tp=1, dtype=space.dtype[0]))
+    layouts = list(space.layouts(blocks))
+    if not layouts:
+        raise ConfigError(_no_layout_message(space))
+    bounded = sorted(((_lower_bound(table, layout), layout) for layout in layouts), key=lambda x: (x[0], x[1]))
+    best: list[Scored] = []  # the finalists so far, by estimate
+    scored = fitting = 0
+    for visited, (bound, layout) in enumerate(bounded):
+        if progress is not None:
+            progress(visited, len(bounded))
+        if len(best) >= finalists and bound >= best[-1].estimate_s:
+            break
+        scored += 1
+        result = score_layout(layout, table, cluster, space)
+        if result is None:
+            continue
+        fitting += 1
+        best.append(result)
+        best.sort(key=lambda s: (s.estimate_s, s.layout))
+        del best[finalists:]
+    if progress is not None:
+        progress(len(bounded), len(bounded))
+    if not best:
+        return SearchResult(ranked=(), layouts=len(layouts), scored=scored, fitting=0,
+                            seconds=time.perf_counter() - start, bound_s=math.inf)
+    if score is not None:
+        best = [dataclasses.replace(s, step_s=score(s)) for s in best]
+    else:
+        best = [dataclasses.replace(s, step_s=s.estimate_s) for s in best]
+    best.sort(key=lambda s: (s.step_s, s.layout))
+    return SearchResult(ranked=tuple(best), layouts=len(layouts), scored=scored, fitting=fitting,
+                        seconds=time.perf_counter() - start, bound_s=bounded[0][0])
+
+
+def _any_micro_batch(space: SearchSpace) -> int:
+    for layout in space.layouts(1 << 30):
+        return layout.micro_batch_size
+    return 1
+
+
+def _lower_bound(table: CostTable, layout: Layout) -> float:
+    """No cut, recompute or overlap makes this layout's step shorter: the busiest rank does at
+    least its share of every microbatch's compute."""
+    costs = table.chain_costs(micro_batch_size=layout.micro_batch_size, tp=layout.tp, dtype=layout.dtype)
+    return layout.microbatches * lower_bound_s(costs, layout.pp)
+
+
+def score_layout(layout: Layout, table: CostTable, cluster: Cluster, space: SearchSpace,
+                 recompute: tuple[tuple[str, ...], ...] | None = None,
+                 cuts: tuple[int, ...] | None = None) -> Scored | None:
+    """Cut ``layout`` (or take its ``cuts``) and estimate its step; None when it cannot fit."""
+    costs = _with_state(table, layout)
+    stages = layout.stages
+    ranks = tuple(stage_rank(s, layout.pp) for s in range(stages))
+    pipeline_across = layout.pp * layout.tp > cluster.gpus_per_node
+    transfer = tuple(cluster.p2p_s(b, pipeline_across) for b in costs.boundary_bytes)
+    flight = in_flight(layout.schedule, layout.pp, layout.microbatches, layout.chunks)
+    modes = recompute or (space.recompute,) * stages
+    if cuts is None:
+        cut = cut_stages(costs, stages=stages, in_flight=flight, stage_rank=ranks, transfer_s=transfer,
+                         memory_limit_bytes=cluster.memory_bytes, overhead_bytes=cluster.overhead_bytes,
+                         modes=modes)
+    else:
+        cut = _fixed_cut(costs, cuts, modes, flight, ranks, transfer, cluster)
+    if cut is None:
+        return None
+    rank_bytes = _rank_parameter_bytes(table, layout, cut, ranks)
+    estimate = estimate_step_s(layout, cut, cluster, rank_bytes, layout.data_parallel_crosses_nodes(cluster.gpus_per_node))
+    return Scored(layout=layout, cut=cut, estimate_s=estimate)
+
+
+def _fixed_cut(costs, cuts, modes, flight, ranks, transfer, cluster) -> StageCut | None:
+    """Given cuts: each stage takes the lightest allowed recompute that fits its rank."""
+    from autopart.solver.bottleneck import stage_figures
+
+    stages = len(cuts) + 1
+    firsts = [0, *(c + 1 for c in cuts)]
+    lasts = [*cuts, len(costs) - 1]
+    per_rank = [ranks.count(r) for r in range(max(ranks) + 1)]
+    chosen, figures = [], []
+    for s in range(stages):
+        budget = (cluster.memory_bytes - cluster.overhead_bytes) // per_rank[ranks[s]]
+        for mode in modes[s]:
+            f = stage_figures(costs, firsts[s], lasts[s], mode=mode, in_flight=flight[s],
+                              transfer_in_s=transfer[firsts[s] - 1] if s > 0 else 0.0,
+                              transfer_out_s=transfer[lasts[s]] if s < stages - 1 else 0.0)
+            if f.memory_bytes <= budget or mode == modes[s][-1]:
+                break
+        chosen.append(mode)
+        figures.append(f)
+    memory = [cluster.overhead_bytes] * len(per_rank)
+    for s, f in enumerate(figures):
+        memory[ranks[s]] += f.memory_bytes
+    if max(memory) > cluster.memory_bytes:
+        return None
+    return StageCut(cuts=tuple(cuts), recompute=tuple(chosen), stage_time_s=tuple(f.time_s for f in figures),
+                    stage_weight_s=tuple(f.weight_s for f in figures),
+                    stage_memory_bytes=tuple(f.memory_bytes for f in figures), rank_memory_bytes=tuple(memory))
+
+
+def _with_state(table: CostTable, layout: Layout) -> ChainCosts:
+    costs = table.chain_costs(micro_batch_size=layout.micro_batch_size, tp=layout.tp, dtype=layout.dtype)
+    return dataclasses.replace(
+        costs,
+        parameter_state_bytes={p: table.state_bytes(b, dp=layout.dp, zero=layout.zero)
+                               for p, b in costs.parameter_bytes.items()},
+        _prefix={},
+    )
+
+
+def _rank_parameter_bytes(table, layout, cut, ranks) -> list[int]:
+    costs = table.chain_costs(micro_batch_size=layout.micro_batch_size, tp=layout.tp, dtype=layout.dtype)
+    firsts = [0, *(c + 1 for c in cut.cuts)]
+    lasts = [*cut.cuts, len(costs) - 1]
+    held: list[set[str]] = [set() for _ in range(layout.pp)]
+    for s, (a, b) in enumerate(zip(firsts, lasts)):
+        for k in range(a, b + 1):
+            held[ranks[s]].update(costs.block_parameters[k])
+    return [sum(costs.parameter_bytes[p] for p in names) for names in held]
+
+
+def _no_layout_message(space: SearchSpace) -> str:
+    return (
+        f"no layout of {space.world_size} devices fits the pins and a global batch of {space.global_batch_size}: "
+        "pp x tp x dp must equal --world-size, dp must divide the global batch, and interleaved needs "
+        "microbatches divisible by pp; relax a pin or change --global-batch-size"
+    )
+

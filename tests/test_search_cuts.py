@@ -1,0 +1,98 @@
+"""The bisection cutter against every cut set of small random chains."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from autopart.solver.bottleneck import RECOMPUTE_MODES, ChainCosts, cut_stages, stage_figures
+
+
+def random_chain(rng: random.Random, blocks: int, *, tied: bool) -> ChainCosts:
+    forward = tuple(rng.uniform(1, 10) for _ in range(blocks))
+    names = tuple((f"w{k}",) for k in range(blocks))
+    if tied:  # the first and last blocks share a weight, as tied embeddings do
+        names = (("emb", *names[0]), *names[1:-1], ("emb", *names[-1]))
+    parameter_bytes = {p: rng.randrange(1, 50) for ps in names for p in ps}
+    saved = tuple(rng.randrange(10, 100) for _ in range(blocks))
+    return ChainCosts(
+        forward_s=forward,
+        backward_s=tuple(2 * f for f in forward),
+        weight_s=tuple(f for f in forward),
+        saved_bytes=saved,
+        selective_saved_bytes=tuple(s // 2 for s in saved),
+        selective_recompute_s=tuple(f / 4 for f in forward),
+        boundary_bytes=(8,) * (blocks - 1),
+        input_bytes=4,
+        parameter_bytes=parameter_bytes,
+        parameter_state_bytes={p: 4 * b for p, b in parameter_bytes.items()},
+        block_parameters=names,
+    )
+
+
+def exhaustive(costs: ChainCosts, stages: int, in_flight, transfer, limit: int):
+    """The smallest slowest stage over every cut set, each stage with the lightest recompute that fits."""
+    blocks = len(costs)
+    best = None
+    for cuts in itertools.combinations(range(blocks - 1), stages - 1):
+        firsts, lasts = [0, *(c + 1 for c in cuts)], [*cuts, blocks - 1]
+        times = []
+        for s in range(stages):
+            for mode in RECOMPUTE_MODES:
+                f = stage_figures(costs, firsts[s], lasts[s], mode=mode, in_flight=in_flight[s],
+                                  transfer_in_s=transfer[firsts[s] - 1] if s else 0.0,
+                                  transfer_out_s=transfer[lasts[s]] if s < stages - 1 else 0.0)
+                if f.memory_bytes <= limit:
+                    times.append(f.time_s)
+                    break
+            else:
+                break
+        if len(times) == stages and (best is None or max(times) < best):
+            best = max(times)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_bisection_finds_the_smallest_slowest_stage(seed: int) -> None:
+    rng = random.Random(seed)
+    blocks = rng.randint(3, 9)
+    stages = rng.randint(2, min(4, blocks))
+    costs = random_chain(rng, blocks, tied=seed % 2 == 0)
+    in_flight = tuple(stages - s for s in range(stages))  # 1F1B's warm-up
+    transfer = (0.5,) * (blocks - 1)
+    total = sum(costs.parameter_state_bytes.values()) + stages * sum(costs.saved_bytes)
+    limit = rng.choice([10**9, total // stages + rng.randrange(0, total // 2 + 1), total // (3 * stages)])
+    expected = exhaustive(costs, stages, in_flight, transfer, limit)
+    cut = cut_stages(costs, stages=stages, in_flight=in_flight, stage_rank=tuple(range(stages)),
+                     transfer_s=transfer, memory_limit_bytes=limit, overhead_bytes=0)
+    if expected is None:
+        assert cut is None
+        return
+    assert cut is not None
+    assert max(cut.stage_time_s) == pytest.approx(expected, rel=2e-4)
+    assert max(cut.rank_memory_bytes) <= limit
+    # the stage figures it reports are those of its cuts and modes
+    firsts = [0, *(c + 1 for c in cut.cuts)]
+    lasts = [*cut.cuts, blocks - 1]
+    for s in range(stages):
+        f = stage_figures(costs, firsts[s], lasts[s], mode=cut.recompute[s], in_flight=in_flight[s],
+                          transfer_in_s=transfer[firsts[s] - 1] if s else 0.0,
+                          transfer_out_s=transfer[lasts[s]] if s < stages - 1 else 0.0)
+        assert f.time_s == pytest.approx(cut.stage_time_s[s])
+
+
+def test_recompute_is_chosen_only_where_memory_needs_it() -> None:
+    rng = random.Random(7)
+    costs = random_chain(rng, 8, tied=False)
+    kwargs = dict(stages=2, in_flight=(2, 1), stage_rank=(0, 1), transfer_s=(0.0,) * 7, overhead_bytes=0)
+    roomy = cut_stages(costs, memory_limit_bytes=10**9, **kwargs)
+    assert roomy.recompute == ("none", "none")
+    tight_limit = max(roomy.rank_memory_bytes) - 1
+    tight = cut_stages(costs, memory_limit_bytes=tight_limit, **kwargs)
+    assert tight is not None and max(tight.rank_memory_bytes) <= tight_limit
+    assert max(tight.stage_time_s) >= max(roomy.stage_time_s)
+    none_only = cut_stages(costs, memory_limit_bytes=tight_limit, modes=(("none",), ("none",)), **kwargs)
+    if none_only is not None:
+        assert none_only.recompute == ("none", "none")
