@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -31,7 +32,7 @@ from autopart.compiler import (
 )
 from autopart.errors import ConfigError, InfeasibleError
 from autopart.plan import Plan
-from autopart.search import Cluster, Layout, Scored, SearchResult, SearchSpace, score_layout, search
+from autopart.search import Cluster, Layout, Scored, SearchResult, SearchSpace, fits, score_layout, search
 from autopart.solver.bottleneck import RECOMPUTE_MODES, ChainCosts
 from autopart.solver.pipeline import evaluate, solve_cuts
 from autopart.solver.sharding import REPLICATE
@@ -195,7 +196,7 @@ def plan_by_search(options: CompileOptions, *, progress: Progress | None = None,
     if not result.ranked:
         raise InfeasibleError(_does_not_fit(options, space, table, cluster))
     best = result.best
-    plan, front = _refined(options, table, best, time_limit_s=options.time_limit_s)
+    plan, front = _refined(options, table, best, plans[best.layout], time_limit_s=options.time_limit_s)
     ordered = (plan, *(plans[s.layout] for s in result.ranked[1:]))
     plan = replace(plan, provenance=replace(plan.provenance, search=_summary(result, ordered)))
     return Searched(plan=plan, front=front, result=result, plans=ordered)
@@ -220,29 +221,36 @@ def _plan_of(options: CompileOptions, table: FrontTable, scored: Scored, solver:
     return _plan_from_cuts(concrete, front, problem, cuts or scored.cut.cuts, batch, solver)
 
 
-def _refined(options: CompileOptions, table: FrontTable, best: Scored, *, time_limit_s: float) -> tuple[Plan, _Front]:
-    """The best layout's plan; its cuts improved and proved by CP-SAT where the chain is small enough."""
+def _refined(options: CompileOptions, table: FrontTable, best: Scored, scored_plan: Plan, *,
+             time_limit_s: float) -> tuple[Plan, _Front]:
+    """The best layout's plan. Where the chain is small enough, CP-SAT minimises the pipeline
+    latency from its cuts; its cuts are taken when the simulated step agrees they are faster,
+    and its bound says how far from optimal the chosen cuts' latency can be."""
     layout = best.layout
     concrete = concrete_options(options, layout)
     front = table.front(micro_batch_size=layout.micro_batch_size, tp=layout.tp, dtype=layout.dtype)
     batch = concrete.batch_shape()
     problem = _problem(concrete, front, batch[1])
     cuts = best.cut.cuts
-    size = len(front.chain.blocks) * layout.stages
     if layout.stages == 1:
-        solver = ("trivial", evaluate(problem, cuts).objective_s, 0.0)
-    elif all(mode == "none" for mode in best.recompute) and size <= CP_SAT_LIMIT:
+        return _plan_from_cuts(concrete, front, problem, cuts, batch, ("trivial", 0.0, 0.0)), front
+    bound = _latency_bound(problem)
+    if all(mode == "none" for mode in best.recompute) and len(front.chain.blocks) * layout.stages <= CP_SAT_LIMIT:
         solution = solve_cuts(problem, time_limit_s=time_limit_s, hint=cuts)
-        cuts = solution.evaluation.cuts
-        solver = (solution.status, solution.bound_s, solution.gap)
-    else:
+        bound = solution.bound_s
+        if solution.evaluation.cuts != cuts:
+            proposed = _plan_from_cuts(concrete, front, problem, solution.evaluation.cuts, batch, ("", 0.0, 0.0))
+            if proposed.predicted.step_s < scored_plan.predicted.step_s:
+                cuts = solution.evaluation.cuts
         objective = evaluate(problem, cuts).objective_s
-        bound = _latency_bound(best, problem)
-        solver = ("bisection", bound, max(0.0, (objective - bound) / objective) if objective else 0.0)
-    return _plan_from_cuts(concrete, front, problem, cuts, batch, solver), front
+        status = solution.status if objective <= solution.evaluation.objective_s * (1 + 1e-9) else "feasible"
+    else:
+        objective, status = evaluate(problem, cuts).objective_s, "bisection"
+    gap = max(0.0, (objective - bound) / objective) if objective else 0.0
+    return _plan_from_cuts(concrete, front, problem, cuts, batch, (status, min(bound, objective), gap)), front
 
 
-def _latency_bound(best: Scored, problem) -> float:
+def _latency_bound(problem) -> float:
     """No cuts have a lower pipeline latency: all the compute once, the largest share m - 1 more times."""
     total = sum(problem.block_time_s)
     slowest = max(total / problem.stages, max(problem.block_time_s))
@@ -266,32 +274,41 @@ def _summary(result: SearchResult, plans: tuple[Plan, ...]) -> dict:
 def _does_not_fit(options: CompileOptions, space: SearchSpace, table: FrontTable, cluster: Cluster) -> str:
     """One line: the smallest memory per device that some layout of this world size fits in, and
     the smallest world size (up to 64 times this one) that fits in this memory."""
-    gib = 1 << 30
     roomy = replace(cluster, memory_bytes=1 << 62)
+    smallest = _smallest(space)
+    blocks = len(table.chain_costs(micro_batch_size=smallest, tp=1, dtype=space.dtype[0]))
+    # the leanest layouts: the smallest microbatch, ZeRO where allowed, the model split the most ways
+    lean = [layout for layout in space.layouts(blocks) if layout.micro_batch_size == smallest
+            and (layout.zero or layout.dp == 1 or True not in space.zero)]
+    lean.sort(key=lambda layout: -layout.pp * layout.tp)
     needed = None
-    for layout in space.layouts(len(table.chain_costs(micro_batch_size=_smallest(space), tp=1, dtype="fp32"))):
-        if layout.micro_batch_size != _smallest(space) or (layout.dp > 1 and not layout.zero and True in space.zero):
-            continue
-        scored = score_layout(layout, table, roomy, space, recompute=(("full",),) * layout.stages)
-        if scored is not None:
+    for layout in lean[:8]:
+        if score_layout(layout, table, roomy, space, fit_only=True) is not None:
             low = _smallest_memory(layout, table, cluster, space)
             needed = low if needed is None else min(needed, low)
     larger = None
     for factor in (2, 4, 8, 16, 32, 64):
         bigger = replace(space, world_size=space.world_size * factor)
-        if search(bigger, table, cluster, finalists=1).ranked:
+        if fits(bigger, table, cluster):
             larger = bigger.world_size
             break
     fixes = []
     if needed is not None:
-        fixes.append(f"--memory {needed / gib:.1f} (GiB per device) or more")
+        fixes.append(f"--memory {_gib_up(needed)} (GiB per device) or more")
     if larger is not None:
         fixes.append(f"--world-size {larger}")
-    need = f"needs at least {needed / gib:.1f} GiB per device" if needed is not None else "does not fit at any memory"
+    need = f"needs {_gib_up(needed)} GiB per device" if needed is not None else "does not fit at any memory"
     return (
-        f"the model does not fit on {space.world_size} devices of {cluster.memory_bytes / gib:.1f} GiB: "
+        f"the model does not fit on {space.world_size} devices of {cluster.memory_bytes / (1 << 30):.3g} GiB: "
         f"its leanest layout {need}; use {' or '.join(fixes) or 'a smaller model or batch'}"
     )
+
+
+def _gib_up(nbytes: int) -> str:
+    """GiB to three significant figures, rounded up: a limit that fits."""
+    value = nbytes / (1 << 30)
+    scale = 10 ** (2 - math.floor(math.log10(value))) if value > 0 else 1
+    return f"{math.ceil(value * scale) / scale:g}"
 
 
 def _smallest(space: SearchSpace) -> int:
@@ -303,7 +320,7 @@ def _smallest_memory(layout: Layout, table: FrontTable, cluster: Cluster, space:
     lo, hi = cluster.overhead_bytes, 1 << 50
     while hi - lo > (1 << 24):
         mid = (lo + hi) // 2
-        if score_layout(layout, table, replace(cluster, memory_bytes=mid), space, recompute=None) is not None:
+        if score_layout(layout, table, replace(cluster, memory_bytes=mid), space, fit_only=True) is not None:
             hi = mid
         else:
             lo = mid

@@ -40,6 +40,8 @@ __all__ = [
     "Scored",
     "SearchResult",
     "search",
+    "fits",
+    "score_layout",
     "in_flight",
     "estimate_step_s",
 ]
@@ -308,10 +310,18 @@ def _lower_bound(table: CostTable, layout: Layout) -> float:
     return layout.microbatches * lower_bound_s(costs, layout.pp)
 
 
+def fits(space: SearchSpace, table: CostTable, cluster: Cluster) -> bool:
+    """Whether any layout of ``space`` fits in the cluster's memory (its speed aside)."""
+    blocks = len(table.chain_costs(micro_batch_size=_any_micro_batch(space), tp=1, dtype=space.dtype[0]))
+    return any(score_layout(layout, table, cluster, space, fit_only=True) is not None
+               for layout in space.layouts(blocks))
+
+
 def score_layout(layout: Layout, table: CostTable, cluster: Cluster, space: SearchSpace,
                  recompute: tuple[tuple[str, ...], ...] | None = None,
-                 cuts: tuple[int, ...] | None = None) -> Scored | None:
-    """Cut ``layout`` (or take its ``cuts``) and estimate its step; None when it cannot fit."""
+                 cuts: tuple[int, ...] | None = None, fit_only: bool = False) -> Scored | None:
+    """Cut ``layout`` (or take its ``cuts``) and estimate its step; None when it cannot fit.
+    ``fit_only``: any cuts that fit, not the fastest."""
     costs = _with_state(table, layout)
     stages = layout.stages
     ranks = tuple(stage_rank(s, layout.pp) for s in range(stages))
@@ -322,7 +332,7 @@ def score_layout(layout: Layout, table: CostTable, cluster: Cluster, space: Sear
     if cuts is None:
         cut = cut_stages(costs, stages=stages, in_flight=flight, stage_rank=ranks, transfer_s=transfer,
                          memory_limit_bytes=cluster.memory_bytes, overhead_bytes=cluster.overhead_bytes,
-                         modes=modes)
+                         modes=modes, fit_only=fit_only)
     else:
         cut = _fixed_cut(costs, cuts, modes, flight, ranks, transfer, cluster)
     if cut is None:

@@ -141,8 +141,10 @@ def cut_stages(
     overhead_bytes: int,
     modes: tuple[tuple[str, ...], ...] | None = None,
     precision: float = 1e-4,
+    fit_only: bool = False,
 ) -> StageCut | None:
     """The cuts with the smallest slowest stage that fit in memory, or None if nothing fits.
+    With ``fit_only``, any cuts that fit (the question is whether some do).
 
     ``transfer_s[k]``: one-way seconds of what crosses after block k. ``modes``: per stage, the
     recompute modes allowed (all three by default). A rank holding several stages (interleaved)
@@ -200,8 +202,9 @@ def cut_stages(
 
     compute = costs.prefix("compute_s")
     worst_case = compute[-1] + sum(costs.forward_s) + 2 * sum(transfer_s) + 1e-9
-    if greedy(worst_case) is None:
-        return None
+    loose = greedy(worst_case)
+    if loose is None or fit_only:
+        return loose and _finish(costs, loose, stage, stage_rank, ranks, overhead_bytes, modes)
     largest_block = max(f + b for f, b in zip(costs.forward_s, costs.backward_s))
     lo, hi = max(largest_block, compute[-1] / stages) * (1 - 1e-9), worst_case
     while hi - lo > precision * hi:

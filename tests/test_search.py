@@ -1,0 +1,98 @@
+"""The whole-plan search through the compiler: pins, the plan it writes, and models that do not fit."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from autopart.compiler import CompileOptions, compile_to_directory
+from autopart.errors import ConfigError
+from autopart.planner import plan_by_search
+
+REPO = Path(__file__).resolve().parent.parent
+GPT = REPO / "examples" / "gpt.py"
+
+
+@pytest.fixture(scope="module")
+def searched():
+    """GPT on 2 H100s (roofline costs: the same figures on every machine), batch 4."""
+    return plan_by_search(CompileOptions(model=GPT, world_size=2, global_batch_size=4, device="h100-sxm"))
+
+
+def test_the_chosen_plan_is_the_fastest_finalist_and_fits(searched) -> None:
+    plan = searched.plan
+    assert plan.world_size == 2
+    assert plan.schedule.microbatches * plan.schedule.micro_batch_size * plan.mesh["dp"] == 4
+    ranked = plan.provenance.search["ranked"]
+    steps = [entry["step_s"] for entry in ranked]
+    assert steps == sorted(steps) and len(steps) > 1
+    assert steps[0] == pytest.approx(plan.predicted.step_s)
+    assert plan.predicted.step_s <= min(p.predicted.step_s for p in searched.plans) * (1 + 1e-9)
+    assert max(plan.predicted.memory_bytes) <= 80 * (1 << 30)
+    assert searched.result.scored <= searched.result.layouts
+    assert plan.provenance.solver_status in ("optimal", "feasible", "bisection", "trivial")
+    assert 0.0 <= plan.provenance.gap <= 1.0 and plan.provenance.bound_s <= plan.provenance.objective_s * (1 + 1e-9)
+
+
+def test_every_node_is_in_exactly_one_stage(searched) -> None:
+    nodes = [n for stage in searched.plan.stages for n in stage.nodes]
+    assert len(nodes) == len(set(nodes))
+    compute = {b for block in searched.front.chain.blocks for b in block.nodes}
+    assert set(nodes) == compute
+
+
+def test_pins_are_kept_and_the_rest_is_searched() -> None:
+    searched = plan_by_search(CompileOptions(model=GPT, world_size=4, global_batch_size=8, device="h100-sxm", pp=2,
+                                             schedule="gpipe", micro_batch_size=2))
+    assert searched.plan.mesh["pp"] == 2 and searched.plan.mesh["tp"] * searched.plan.mesh["dp"] == 2
+    assert {entry["layout"].split()[0] for entry in searched.plan.provenance.search["ranked"]} == {"pp2"}
+    assert all("x2 gpipe" in entry["layout"]
+               for entry in searched.plan.provenance.search["ranked"])
+
+
+def test_a_searched_plan_pinned_again_is_predicted_the_same(searched, tmp_path: Path) -> None:
+    path = tmp_path / "plan.json"
+    searched.plan.save(path)
+    again, _ = compile_to_directory(CompileOptions(model=GPT, device="h100-sxm", plan=path), tmp_path / "out")
+    assert again.predicted.step_s == pytest.approx(searched.plan.predicted.step_s, rel=1e-9)
+    assert again.predicted.memory_bytes == searched.plan.predicted.memory_bytes
+
+
+def test_the_search_needs_the_global_batch() -> None:
+    with pytest.raises(ConfigError, match="--global-batch-size"):
+        plan_by_search(CompileOptions(model=GPT, world_size=2, device="h100-sxm"))
+
+
+def test_impossible_pins_say_which(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="no layout of 4 devices"):
+        plan_by_search(CompileOptions(model=GPT, world_size=4, global_batch_size=8, device="h100-sxm", pp=3))
+
+
+def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", "from autopart.cli import main; main()", *args], cwd=cwd,
+                          capture_output=True, text=True, timeout=300, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin",
+                                                                            "COLUMNS": "200"})
+
+
+def test_a_model_that_cannot_fit_names_the_memory_that_would(tmp_path: Path) -> None:
+    # An H100 process takes 500 MiB before the model: at 0.47 GiB nothing fits, at any layout.
+    out = tmp_path / "out"
+    result = _cli("compile", str(GPT), "-o", str(out), "--world-size", "2", "--global-batch-size", "4",
+                  "--device", "h100-sxm", "--memory", "0.47", cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("autopart: error: the model does not fit on 2 devices")
+    needed = float(lines[0].split("--memory ")[1].split()[0])
+    assert 0.47 < needed < 0.6
+    assert not out.exists()
+    # and the memory it names is enough
+    fits = _cli("compile", str(GPT), "-o", str(out), "--world-size", "2", "--global-batch-size", "4",
+                "--device", "h100-sxm", "--memory", str(needed), cwd=tmp_path)
+    assert fits.returncode == 0, fits.stderr
+    plan = json.loads((out / "plan.json").read_text())
+    assert max(plan["predicted"]["memory_bytes"]) <= needed * (1 << 30)
+    assert "the chosen plan first" in fits.stdout and "runners-up" not in fits.stderr
