@@ -55,6 +55,11 @@ def _parser() -> argparse.ArgumentParser:
         "--leaf", action="append", default=[], metavar="CLASS", help="keep modules of this class whole (repeatable)"
     )
     c.add_argument("--costs", type=Path, help="cost database from 'autopart profile' (ops it lacks are timed into it)")
+    c.add_argument(
+        "--recompute", default="none", metavar="MODE",
+        help="activation recompute: none, selective or full for every stage, or one per stage as A,B,... (default none)",
+    )  # fmt: skip
+    c.add_argument("--dtype", default="fp32", help="fp32, or bf16: autocast forwards over fp32 weights (default fp32)")
     p = commands.add_parser("profile", help="time every op of a model on this machine into a cost database")
     p.add_argument("model", type=Path, help="the model file")
     p.add_argument("-o", "--out", type=Path, required=True, help="cost database (JSON); added to when it exists")
@@ -183,6 +188,8 @@ def _compile(args: argparse.Namespace, console: Console) -> None:
         costs=args.costs,
         capture=args.capture,
         leaf=tuple(args.leaf),
+        recompute=_recompute_modes(args.recompute),
+        dtype=args.dtype,
     )
     known = _entries(args.costs)
     plan, out = compile_to_directory(options, args.out)
@@ -196,6 +203,12 @@ def _compile(args: argparse.Namespace, console: Console) -> None:
         console.print(f"costs from {args.costs}: {_entries(args.costs) - known} ops timed, {known} known")
     console.print(f"compile peak memory {peak_memory_gib():.2f} GiB")
     console.print(f"wrote {out}/; train with:\n  torchrun --nproc-per-node {plan.world_size} {out}/train.py --steps 10")
+
+
+def _recompute_modes(text: str) -> str | tuple[str, ...]:
+    """``--recompute full`` for every stage, or ``--recompute full,none`` for each stage in turn."""
+    modes = [mode.strip() for mode in text.split(",")]
+    return modes[0] if len(modes) == 1 else tuple(modes)
 
 
 def _entries(path: Path | None) -> int:

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 import autopart
-from autopart.annotate import OpGraph, annotate
+from autopart.annotate import DTYPES, OpGraph, annotate
 from autopart.blocks import BlockChain, build_blocks
 from autopart.capture import Graph, ModelSpec, capture, is_meta, load_model_file
 from autopart.codegen.emit import check_output_directory, emit_directory
@@ -25,6 +25,7 @@ from autopart.predict import simulate_pipeline
 from autopart.runtime.materialise import check_initialisers
 from autopart.runtime.optim import OPTIMIZERS
 from autopart.profile import profile_costs
+from autopart.recompute import recompute_cost, stage_input_bytes, stage_modes, transient_microbatches
 from autopart.rewrite import separate_biases
 from autopart.schedule import SCHEDULE_KINDS, StageCosts, add_communication, build_schedule, stage_rank
 from autopart.schedule.shared import step_time
@@ -80,6 +81,11 @@ class CompileOptions:
     """How to capture the model: "fx" or "export"; by default fx, and export when fx fails."""
     leaf: tuple[str, ...] = ()
     """Module classes kept whole by tracing (``call_module`` nodes); each stage builds its own."""
+    recompute: str | tuple[str, ...] = "none"
+    """Activation recompute: "none", "selective" or "full" for every stage, or one per stage
+    (``autopart.recompute``)."""
+    dtype: str = "fp32"
+    """Precision: "fp32", or "bf16" (forwards under torch.autocast, fp32 weights and gradients)."""
 
     def __post_init__(self) -> None:
         for name in ("pp", "tp", "dp", "gpus_per_node"):
@@ -103,6 +109,9 @@ class CompileOptions:
             raise ConfigError("--leaf keeps modules opaque to torch.fx, which torch.export cannot do; drop --capture export")
         if self.memory_gib is not None and self.memory_gib <= 0:
             raise ConfigError(f"--memory must be positive, got {self.memory_gib}")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"unknown --dtype {self.dtype!r}; use one of {', '.join(DTYPES)}")
+        stage_modes(self.recompute, self.pp * self.chunks)
 
     @property
     def pipeline_crosses_nodes(self) -> bool:
@@ -175,7 +184,7 @@ def _front(options: CompileOptions, micro_batch_size: int) -> _Front:
             if timed:
                 database.save()
     cost_model = get_cost_model(options.device, database)
-    op_graph = annotate(graph, spec, cost_model, micro_batch_size=micro_batch_size)
+    op_graph = annotate(graph, spec, cost_model, micro_batch_size=micro_batch_size, dtype=options.dtype)
     chain = build_blocks(op_graph)
     shardings = None
     if options.tp > 1:
@@ -211,6 +220,19 @@ def _block_times(front: _Front) -> list[tuple[float, float, float]]:
     return times
 
 
+def _recompute_blocks(front: _Front, modes: list[str]) -> tuple[tuple[float, ...], tuple[int, ...]]:
+    """Per block, in the recompute mode of its stage: forward and backward seconds (the recompute
+    included), and the bytes it holds per microbatch in flight (a stage's inputs not included)."""
+    times, held = [], []
+    for k, (block, (forward, backward, _)) in enumerate(zip(front.chain.blocks, _block_times(front))):
+        cost = recompute_cost([block], modes[k], input_bytes=0)
+        scale = forward / block.forward_s if block.forward_s > 0 else 1.0  # the tensor-parallel share
+        shard = front.shardings[k].saved_bytes / block.saved_bytes if front.shardings and block.saved_bytes else 1.0
+        times.append(forward + backward + cost.extra_backward_s * scale)
+        held.append(round(cost.saved_bytes * shard))
+    return tuple(times), tuple(held)
+
+
 def _in_flight(kind: str, ranks: int, microbatches: int, chunks: int) -> tuple[int, ...]:
     """Microbatches whose activations each stage holds at its peak, from the schedule itself."""
     stages = ranks * chunks
@@ -233,10 +255,14 @@ def _problem(options: CompileOptions, front: _Front, microbatches: int) -> Pipel
     device = cost_model.device
     memory = round(options.memory_gib * (1 << 30)) if options.memory_gib is not None else device.memory_bytes
     placements = _parameter_placements(front)
-    saved = [s.saved_bytes for s in front.shardings] if front.shardings else [b.saved_bytes for b in chain.blocks]
+    # The cuts are not known yet: with one recompute mode for every stage the blocks carry its
+    # figures (a stage's inputs, which recompute keeps, are left out); with modes that differ per
+    # stage they carry no recompute's. _plan_from_cuts computes the chosen stages' figures exactly.
+    modes = set(stage_modes(options.recompute, stages))
+    times, saved = _recompute_blocks(front, [modes.pop() if len(modes) == 1 else "none"] * len(chain.blocks))
     return PipelineProblem(
-        block_time_s=tuple(f + b for f, b, _ in _block_times(front)),
-        block_activation_bytes=tuple(saved),
+        block_time_s=times,
+        block_activation_bytes=saved,
         boundary_transfer_s=tuple(
             cost_model.p2p_time(boundary.nbytes, across_nodes=options.pipeline_crosses_nodes)
             for boundary in chain.boundaries
@@ -273,8 +299,9 @@ def _plan_from_cuts(
     solver: tuple[str, float, float],
 ) -> Plan:
     chain = front.chain
-    evaluation = evaluate(problem, cuts)
     ranges = stage_ranges(cuts, len(chain.blocks))
+    problem, recompute = _with_recompute(options, front, problem, ranges)
+    evaluation = evaluate(problem, cuts)
     stage_nodes = [tuple(n for k in r for n in chain.blocks[k].nodes) for r in ranges]
     sends = stage_boundaries(front.op_graph, stage_nodes)
     metas = {name: cost.output for name, cost in front.op_graph.nodes.items()}
@@ -307,12 +334,13 @@ def _plan_from_cuts(
                 batch_inputs=needed,
                 parameters=parameters,
                 forward_s=sum(f for f, _, _ in times),
-                backward_s=sum(b for _, b, _ in times),
+                backward_s=sum(problem.block_time_s[k] for k in r) - sum(f for f, _, _ in times),  # recompute included
                 backward_weight_s=sum(w for _, _, w in times),
                 parameter_bytes=sum(chain.parameter_bytes[p] for p in parameters),
                 activation_bytes=sum(problem.block_activation_bytes[k] for k in r),
                 strategies=strategies,
                 parameter_placements={p: str(placements[p]) for p in parameters if placements.get(p, REPLICATE) != REPLICATE},
+                recompute=recompute[s].mode,
             )
         )
     transfer = tuple(
@@ -349,7 +377,7 @@ def _plan_from_cuts(
         predicted=Predicted(
             step_s=step_s + gradient_sync,
             bubble=timeline.bubble,
-            memory_bytes=evaluation.rank_memory_bytes,
+            memory_bytes=_with_transients(options, evaluation.rank_memory_bytes, recompute, microbatches),
             p2p_bytes_per_step=2 * microbatches * sum(sum(m.nbytes for _, m in st.outputs) for st in stages),
             stage_time_s=evaluation.stage_time_s,
             transfer_s=transfer,
@@ -373,7 +401,37 @@ def _plan_from_cuts(
         graph_inputs=graph_inputs,
         optimizer=options.optimizer,
         tied_parameters={p: tuple(s) for p, s in holders.items() if len(s) > 1},
+        dtype=options.dtype,
     )
+
+
+def _with_recompute(options: CompileOptions, front: _Front, problem: PipelineProblem, ranges: list[range]):
+    """The problem with every block in its stage's recompute mode and each recomputing stage's inputs
+    held, so that evaluating the cuts gives the chosen stages' exact figures; and per stage its
+    `RecomputeCost`."""
+    modes = stage_modes(options.recompute, len(ranges))
+    times, held = _recompute_blocks(front, [modes[s] for s, r in enumerate(ranges) for _ in r])
+    held = list(held)
+    costs = []
+    for s, r in enumerate(ranges):
+        inputs = stage_input_bytes(front.chain, r.start, r.stop - 1)
+        costs.append(recompute_cost([front.chain.blocks[k] for k in r], modes[s], input_bytes=inputs))
+        if modes[s] != "none":  # checkpoint keeps the stage's arguments (whole on every tensor-parallel rank)
+            held[r.start] += inputs
+    return replace(problem, block_time_s=times, block_activation_bytes=tuple(held)), costs
+
+
+def _with_transients(options: CompileOptions, memory: tuple[int, ...], recompute: list, microbatches: int):
+    """Each rank's peak plus the recomputed activations of the backward(s) in progress on it."""
+    schedule = build_schedule(options.schedule, ranks=options.pp, microbatches=microbatches, chunks=options.chunks)
+    at_once = transient_microbatches(schedule, len(recompute))
+    peaks = list(memory)
+    for rank in range(options.pp):
+        peaks[rank] += max(
+            (c.transient_bytes // options.tp * at_once[s] for s, c in enumerate(recompute) if stage_rank(s, options.pp) == rank),
+            default=0,
+        )
+    return tuple(peaks)
 
 
 def _data_parallel_seconds(options: CompileOptions, front: _Front, stages: list[StagePlan]) -> float:
@@ -460,6 +518,8 @@ def _compile(options: CompileOptions) -> tuple[Plan, _Front]:
             global_batch_size=pinned.schedule.global_batch_size,
             optimizer=pinned.optimizer,
             zero=pinned.zero,
+            recompute=tuple(stage.recompute for stage in pinned.stages),
+            dtype=pinned.dtype,
         )
     batch = options.batch_shape()
     front = _front(options, batch[2])
@@ -517,7 +577,7 @@ def emit(plan: Plan, out_dir: str | Path) -> Path:
         leaves=plan.provenance.leaves,
     )  # fmt: skip
     cost_model = get_cost_model("cpu")
-    op_graph = annotate(graph, spec, cost_model, micro_batch_size=plan.schedule.micro_batch_size)
+    op_graph = annotate(graph, spec, cost_model, micro_batch_size=plan.schedule.micro_batch_size, dtype=plan.dtype)
     return emit_directory(plan, op_graph, spec, out_dir)
 
 
