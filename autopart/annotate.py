@@ -292,6 +292,7 @@ class _KeptOutputs(TorchDispatchMode):
     def __init__(self, owner: _SavedBytes):
         super().__init__()
         self.owner = owner
+        self.held: list[torch.Tensor] = []
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         out = func(*args, **(kwargs or {}))
@@ -299,6 +300,7 @@ class _KeptOutputs(TorchDispatchMode):
             for tensor in pytree.tree_leaves(out):
                 if isinstance(tensor, torch.Tensor):
                     self.owner.charge(self.owner.kept, tensor, self.owner.kept_seen)
+                    self.held.append(tensor)  # as the checkpoint holds it: its storage's address stays its own
         return out
 
 
