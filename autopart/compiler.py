@@ -427,10 +427,8 @@ def _with_transients(options: CompileOptions, memory: tuple[int, ...], recompute
     at_once = transient_microbatches(schedule, len(recompute))
     peaks = list(memory)
     for rank in range(options.pp):
-        peaks[rank] += max(
-            (c.transient_bytes // options.tp * at_once[s] for s, c in enumerate(recompute) if stage_rank(s, options.pp) == rank),
-            default=0,
-        )
+        here = [s for s in range(len(recompute)) if stage_rank(s, options.pp) == rank]
+        peaks[rank] += max((recompute[s].transient_bytes // options.tp * at_once[s] for s in here), default=0)
     return tuple(peaks)
 
 

@@ -347,3 +347,14 @@ def test_bad_cli_values_are_one_line_exit_2(tmp_path, capsys, args, message):
     assert len(err) == 1 and err[0].startswith("autopart: error: "), err
     assert re.search(message, err[0]), err[0]
     assert not (tmp_path / "out").exists()
+
+
+def test_a_stage_sends_only_what_the_plan_says():
+    """The next stage sizes its receive buffers by the plan: other dtypes must stop F, not garble the message."""
+    from autopart.annotate import TensorMeta
+    from autopart.runtime.executor import _check_outputs
+
+    promised = [TensorMeta(shape=(2, 32), dtype="float32")]
+    _check_outputs((torch.zeros(2, 32),), promised)
+    with pytest.raises(RuntimeError, match=r"output 0 of the stage is .*bfloat16.* but the plan sends .*float32"):
+        _check_outputs((torch.zeros(2, 32, dtype=torch.bfloat16),), promised)

@@ -189,9 +189,10 @@ def _check_outputs(out: Any, metas: list[TensorMeta]) -> None:
     if produced != metas:
         wrong = next((i for i, (a, b) in enumerate(zip(produced, metas)) if a != b), min(len(produced), len(metas)))
         got = produced[wrong] if wrong < len(produced) else "nothing"
+        promised = metas[wrong] if wrong < len(metas) else "nothing"
         raise RuntimeError(
-            f"output {wrong} is {got}, but the plan sends {metas[wrong] if wrong < len(metas) else 'nothing'}; "
-            "the plan was compiled for other dtypes (autocast on this device makes other ones?): recompile here"
+            f"output {wrong} of the stage is {got}, but the plan sends {promised} and the next stage receives that; "
+            "autocast on this device gives other dtypes than at compile time (CPU autocast): compile with --dtype fp32"
         )
 
 

@@ -81,7 +81,8 @@ class StageForward:
                 else _no_contexts
             )
             return checkpoint(self._call, *args, use_reentrant=False, context_fn=context_fn), None
-        contexts = create_selective_checkpoint_contexts(selective_policy) if self.recompute == "selective" else _no_contexts()
+        selective = self.recompute == "selective"
+        contexts = create_selective_checkpoint_contexts(selective_policy) if selective else _no_contexts()
         rebuild = Rebuild(args=args, rng_states=self._rng_states(), kept_outputs=contexts[1])
         out = checkpoint(self._call, *args, use_reentrant=False, context_fn=lambda: contexts)
         return out, rebuild
