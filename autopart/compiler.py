@@ -471,8 +471,12 @@ def _step_time(options: CompileOptions, front: _Front, stages: list[StagePlan], 
     call = overheads.autograd_call_s
     costs = StageCosts(
         forward_s=tuple(s.forward_s + overheads.module_call_s for s in stages),
-        # B starts one backward; zero-bubble schedules start two, one for I and one for W
-        backward_s=tuple(s.backward_s + (2 * call if options.schedule == "zb-h1" else call) for s in stages),
+        # B starts one backward; zero-bubble schedules start two, one for I and one for W; recompute calls the stage again
+        backward_s=tuple(
+            s.backward_s + (2 * call if options.schedule == "zb-h1" else call)
+            + (overheads.module_call_s if s.recompute != "none" else 0.0)
+            for s in stages
+        ),
         weight_s=tuple(s.backward_weight_s + (call if options.schedule == "zb-h1" else 0.0) for s in stages),
         transfer_s=transfer,
     )

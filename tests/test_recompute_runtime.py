@@ -32,7 +32,7 @@ def test_recompute_trains_like_one_process(tmp_path, schedule, recompute):
 # the fp32 sum over microbatches, and matrix products of another batch size may sum otherwise.
 # So the losses are held to torch.testing's bf16 tolerance (rtol 1.6e-2, about four roundings),
 # and each parameter to 2% (five roundings) of how far training moved it; measured, they differ
-# by at most 0.45% of it. The first loss, computed from the same weights by the same forward in
+# by at most 0.53% of it. The first loss, computed from the same weights by the same forward in
 # the same dtypes, agrees to float noise (4e-8 measured), while the fp32 model's is 2.5e-5 away:
 # that tells a bf16 program from an fp32 one.
 BF16_RTOL, BF16_LOSS_ATOL, BF16_SHARE_OF_STEP = 1.6e-2, 1e-5, 2e-2
@@ -40,7 +40,7 @@ BF16_RTOL, BF16_LOSS_ATOL, BF16_SHARE_OF_STEP = 1.6e-2, 1e-5, 2e-2
 
 def test_bf16_trains_like_one_bf16_process(tmp_path):
     run = compile_and_train(tmp_path, REPO / "tests" / "models" / "tanh_mlp.py", pp=2, microbatches=4,
-                            schedule="1f1b", dtype="bf16", recompute=("none", "selective"))  # fmt: skip
+                            schedule="1f1b", dtype="bf16", recompute=("none", "selective"), steps=2)  # fmt: skip
     assert run.plan.dtype == "bf16"
     assert [meta.dtype for _, meta in run.plan.stages[1].inputs] == ["bfloat16"]  # bf16 crosses, both ways
     reference = train_reference(run.out, steps=run.steps, lr=0.1, optimizer="sgd")

@@ -7,7 +7,8 @@
 Each rank builds its stage from ``stages/stage_<k>.py`` and ``weights/stage_<k>.safetensors``
 (or, with ``--weights CKPT``, the stage's tensors of a whole-model safetensors checkpoint; or,
 for a model built on the meta device, the model's initialisers run for the stage's tensors),
-draws the same global batches as every other rank, runs its action list of the plan's schedule,
+draws the same global batches as every other rank, runs its action list of the plan's schedule
+(each forward in the plan's precision and with its stage's recompute, `autopart.runtime.forward`),
 sums the gradients of parameters that several stages hold (tied embeddings), and steps its
 optimizer. NCCL when CUDA is present, gloo otherwise. ``--trace FILE`` writes the measured
 timeline of the last step as a Chrome trace, in the form of compile's predicted ``trace.json``.
