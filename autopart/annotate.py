@@ -8,10 +8,18 @@ example batch at the microbatch size and records, per node:
   weight-gradient halves, which zero-bubble schedules run apart), their FLOPs, and their times
   from the cost model;
 - the bytes that autograd saves for backward, measured with saved-tensor hooks on a run of the
-  whole graph (a storage saved by two nodes counts once);
+  whole graph (a storage saved by two nodes counts once), and the bytes of the outputs that
+  selective recompute keeps (`autopart.recompute.keeps_output`), measured on the same run;
 - whether it reads a parameter, and whether it depends only on the batch and on buffers
   ("batch-derived": position ids, masks, reshaped targets), which later passes recompute on
   every stage that needs them instead of sending them through the pipeline.
+
+With ``dtype="bf16"`` every forward runs under ``torch.autocast(bfloat16)``, as the runtime runs
+it: output dtypes, kernels (so the roofline's 16-bit rate), saved bytes (16-bit activations,
+and the 16-bit copies of the weights that matrix products save) all follow. Autocast is CPU's
+here, since the graph runs on CPU (or fake CPU) tensors; its op lists differ from CUDA's in a
+few ops (CUDA runs softmax and layer norm of a 16-bit input in fp32), which changes dtypes
+inside a stage, not the residual stream that stages send each other.
 """
 
 from __future__ import annotations
@@ -25,11 +33,30 @@ import torch
 from torch import fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from autopart.capture import Graph, ModelSpec, graph_args, is_meta
+from autopart.recompute import keeps_output
 from cost_models import CostModel, Kernel, KernelRecorder
 
-__all__ = ["TensorMeta", "NodeCost", "OpGraph", "annotate", "tensor_meta", "op_key", "leaves_for_grad"]
+__all__ = [
+    "DTYPES", "TensorMeta", "NodeCost", "OpGraph", "annotate", "autocast_dtype", "precision", "tensor_meta",
+    "op_key", "leaves_for_grad",
+]
+
+DTYPES = ("fp32", "bf16")
+"""Training precisions: fp32, or bf16 autocast over fp32 weights (``Plan.dtype``)."""
+
+
+def autocast_dtype(dtype: str) -> torch.dtype | None:
+    """The dtype that ``torch.autocast`` runs the forward in, or None for plain fp32."""
+    return {"fp32": None, "bf16": torch.bfloat16}[dtype]
+
+
+def precision(dtype: str, device_type: str = "cpu") -> contextlib.AbstractContextManager:
+    """The context a forward runs in at ``dtype``: autocast for bf16, nothing for fp32."""
+    lower = autocast_dtype(dtype)
+    return torch.autocast(device_type, dtype=lower) if lower is not None else contextlib.nullcontext()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -69,6 +96,8 @@ class NodeCost:
     backward_input_s: float = 0.0  # gradients of the node's inputs
     backward_weight_s: float = 0.0  # gradients of the parameters the node reads
     saved_bytes: int = 0
+    selective_saved_bytes: int = 0  # outputs of its ops that selective recompute keeps (matmuls, attention)
+    selective_recompute_s: float = 0.0  # forward seconds of its other ops, which selective recompute runs again
     parameter_bytes: int = 0  # for a get_attr of a parameter
     is_parameter: bool = False
     is_buffer: bool = False
@@ -96,6 +125,7 @@ class OpGraph:
     nodes: dict[str, NodeCost]  # in the graph's topological order
     micro_batch_size: int
     cost_model: str
+    dtype: str = "fp32"  # the precision it was annotated in (DTYPES)
     kernels: dict[str, tuple[tuple[Kernel, ...], tuple[Kernel, ...]]] = field(default_factory=dict, repr=False)
     leaf_tensors: dict[str, dict[str, TensorMeta]] = field(default_factory=dict)
     """Per call_module node (a ``--leaf`` module): its parameters and buffers, by full name."""
@@ -120,7 +150,8 @@ class _State:
     """The graph's parameters and buffers by name: the real tensors, or for a model built on the
     meta device, fake tensors of the same shapes that allocate nothing."""
 
-    def __init__(self, module: fx.GraphModule, fake: bool):
+    def __init__(self, module: fx.GraphModule, fake: bool, dtype: str = "fp32"):
+        self.dtype = dtype
         self.parameters = dict(module.named_parameters(remove_duplicate=False))
         self.tensors: dict[str, torch.Tensor] = {**self.parameters, **dict(module.named_buffers(remove_duplicate=False))}
         self.root = module
@@ -230,7 +261,7 @@ def _measure_kernels(
     """Kernels of the node's forward, of its input gradients and of its weight gradients."""
     parameters = state.parameter_ids
     args, kwargs, inputs, weights = leaves_for_grad(args, kwargs, parameters)
-    with KernelRecorder() as forward:
+    with KernelRecorder() as forward, precision(state.dtype):  # backward runs outside autocast, as in training
         try:
             if node.op == "call_module":  # a leaf module: its own weights are the node's weights
                 own = {
@@ -255,8 +286,27 @@ def _measure_kernels(
     return forward.kernels, input_kernels, weight_kernels
 
 
+class _KeptOutputs(TorchDispatchMode):
+    """Charges the outputs of the ops that selective recompute keeps to the node that runs them."""
+
+    def __init__(self, owner: _SavedBytes):
+        super().__init__()
+        self.owner = owner
+        self.held: list[torch.Tensor] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if keeps_output(func):
+            for tensor in pytree.tree_leaves(out):
+                if isinstance(tensor, torch.Tensor):
+                    self.owner.charge(self.owner.kept, tensor, self.owner.kept_seen)
+                    self.held.append(tensor)  # as the checkpoint holds it: its storage's address stays its own
+        return out
+
+
 class _SavedBytes(fx.Interpreter):
-    """Runs the whole graph once, charging each tensor saved for backward to the node that saved it."""
+    """Runs the whole graph once, charging each tensor saved for backward to the node that saved it,
+    and each output that selective recompute would keep to the node that made it."""
 
     def __init__(self, module: fx.GraphModule, state: _State):
         super().__init__(module)
@@ -265,6 +315,8 @@ class _SavedBytes(fx.Interpreter):
         # storages are told apart by their StorageImpl, which fake and meta tensors have too
         self.seen = {t.untyped_storage()._cdata for t in state.tensors.values()}
         self.saved: dict[str, int] = {}
+        self.kept: dict[str, int] = {}
+        self.kept_seen: set[int] = set()
 
     def fetch_attr(self, target: str) -> Any:
         return self.state.attr(target)
@@ -272,22 +324,27 @@ class _SavedBytes(fx.Interpreter):
     def call_module(self, target: Any, args: tuple, kwargs: dict) -> Any:
         return self.state.call_leaf(str(target), args, kwargs)
 
-    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+    def charge(self, into: dict[str, int], tensor: torch.Tensor, seen: set[int]) -> None:
         storage = tensor.untyped_storage()
         key = storage._cdata
-        if key not in self.seen:
-            self.seen.add(key)
-            self.saved[self.current] = self.saved.get(self.current, 0) + storage.nbytes()
+        if key not in seen:
+            seen.add(key)
+            into[self.current] = into.get(self.current, 0) + storage.nbytes()
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.charge(self.saved, tensor, self.seen)
         return tensor
 
     def run_node(self, node: fx.Node) -> Any:
         self.current = node.name
         return super().run_node(node)
 
-    def measure(self, *args: Any) -> dict[str, int]:
-        with torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t):
-            self.run(*args)
-        return self.saved
+    def measure(self, *args: Any) -> tuple[dict[str, int], dict[str, int]]:
+        """Bytes saved for backward, and bytes that selective recompute keeps, per node."""
+        with torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t), precision(self.state.dtype):
+            with _KeptOutputs(self):
+                self.run(*args)
+        return self.saved, self.kept
 
 
 def _batch_derived(node: fx.Node, derived: dict[str, bool], parameter_names: set[str]) -> bool:
@@ -301,30 +358,51 @@ def _batch_derived(node: fx.Node, derived: dict[str, bool], parameter_names: set
     return all(derived[n.name] for n in inputs)
 
 
-def annotate(graph: Graph, spec: ModelSpec, cost_model: CostModel, *, micro_batch_size: int) -> OpGraph:
-    """Shapes, kernels, times and saved bytes of every node at ``micro_batch_size``.
+def annotate(
+    graph: Graph, spec: ModelSpec, cost_model: CostModel, *, micro_batch_size: int, dtype: str = "fp32"
+) -> OpGraph:
+    """Shapes, kernels, times and saved bytes of every node at ``micro_batch_size``, in ``dtype``.
 
     A model built on the meta device runs on fake tensors: shapes, kernels and saved bytes come
     out the same, and nothing is allocated.
     """
+    assert dtype in DTYPES, dtype
     module = graph.module
     inputs, target = spec.example(micro_batch_size)
     fake = is_meta(module)
     with FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext():
-        state = _State(module, fake)
-        saved = _SavedBytes(module, state).measure(*graph_args(graph, inputs, target))
-        nodes, kernels, leaves = _annotate_nodes(graph, state, saved, cost_model, graph_args(graph, inputs, target))
+        state = _State(module, fake, dtype)
+        saved, kept = _SavedBytes(module, state).measure(*graph_args(graph, inputs, target))
+        nodes, kernels, leaves = _annotate_nodes(
+            graph, state, (saved, kept), cost_model, graph_args(graph, inputs, target)
+        )
     return OpGraph(
         graph=graph,
         nodes=nodes,
         micro_batch_size=micro_batch_size,
         cost_model=cost_model.name,
+        dtype=dtype,
         kernels=kernels,
         leaf_tensors=leaves,
     )
 
 
-def _annotate_nodes(graph: Graph, state: _State, saved: dict[str, int], cost_model: CostModel, feed_values: tuple):
+def _recompute_share(forward: list[Kernel], cost_model: CostModel) -> float:
+    """The share of a node's forward time in the ops that selective recompute runs again."""
+    total = cost_model.kernels_time(forward)
+    if total <= 0:
+        return 1.0
+    return max(0.0, 1.0 - cost_model.kernels_time(k for k in forward if keeps_output(k.op)) / total)
+
+
+def _annotate_nodes(
+    graph: Graph,
+    state: _State,
+    measured: tuple[dict[str, int], dict[str, int]],
+    cost_model: CostModel,
+    feed_values: tuple,
+):
+    saved, kept = measured
     values: dict[str, Any] = {}
     derived: dict[str, bool] = {}
     nodes: dict[str, NodeCost] = {}
@@ -357,14 +435,15 @@ def _annotate_nodes(graph: Graph, state: _State, saved: dict[str, int], cost_mod
         args, kwargs = pytree.tree_map(
             lambda a: values[a.name] if isinstance(a, fx.Node) else a, (node.args, node.kwargs)
         )
-        with torch.no_grad():
+        with torch.no_grad(), precision(state.dtype):
             value = _run_one(node, args, kwargs, state)
         values[node.name] = value
         forward, backward_input, backward_weight = _measure_kernels(node, args, kwargs, state)
         kernels[node.name] = (tuple(forward), tuple(backward_input) + tuple(backward_weight))
-        times = cost_model.op_times(
-            op_key(node, args, kwargs, state.parameter_ids), forward, backward_input, backward_weight
-        )
+        key = op_key(node, args, kwargs, state.parameter_ids)
+        if state.dtype != "fp32":  # the arguments are fp32 but the op runs in 16 bits: not a key timed in fp32
+            key += f" autocast={state.dtype}"
+        times = cost_model.op_times(key, forward, backward_input, backward_weight)
         parameter_bytes = 0
         if node.op == "call_module":
             own = {f"{node.target}.{k}": v for k, v in state.leaf_state(str(node.target)).items()}
@@ -379,6 +458,8 @@ def _annotate_nodes(graph: Graph, state: _State, saved: dict[str, int], cost_mod
             backward_input_s=times.backward_input_s,
             backward_weight_s=times.backward_weight_s,
             saved_bytes=saved.get(node.name, 0),
+            selective_saved_bytes=kept.get(node.name, 0),
+            selective_recompute_s=times.forward_s * _recompute_share(forward, cost_model),
             parameter_bytes=parameter_bytes,
             **common,
         )

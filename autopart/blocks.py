@@ -47,6 +47,8 @@ class Block:
     forward_flops: float
     backward_flops: float
     saved_bytes: int
+    selective_saved_bytes: int  # outputs of its matmuls and attention, which selective recompute keeps
+    selective_recompute_s: float  # forward seconds of its other ops, which selective recompute runs again
     parameters: tuple[str, ...]  # get_attr node targets of the parameters the block reads
     signature: str  # equal for identical blocks (the repeated layers)
 
@@ -137,6 +139,8 @@ def _make_block(index: int, members: list[fx.Node], op_graph: OpGraph) -> Block:
         forward_flops=sum(costs[n].forward_flops for n in names),
         backward_flops=sum(costs[n].backward_flops for n in names),
         saved_bytes=sum(costs[n].saved_bytes for n in names),
+        selective_saved_bytes=sum(costs[n].selective_saved_bytes for n in names),
+        selective_recompute_s=sum(costs[n].selective_recompute_s for n in names),
         parameters=tuple(parameters),
         signature=_signature(members, costs),
     )

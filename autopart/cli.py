@@ -58,6 +58,11 @@ def _parser() -> argparse.ArgumentParser:
         "--leaf", action="append", default=[], metavar="CLASS", help="keep modules of this class whole (repeatable)"
     )
     c.add_argument("--costs", type=Path, help="cost database from 'autopart profile' (ops it lacks are timed into it)")
+    c.add_argument(
+        "--recompute", metavar="MODE",
+        help="activation recompute: none, selective or full for every stage, or one per stage as A,B,... (default none, or searched)",
+    )  # fmt: skip
+    c.add_argument("--dtype", help="fp32, bf16 (autocast forwards over fp32 weights) or auto (searched; default fp32)")
     p = commands.add_parser("profile", help="time every op of a model on this machine into a cost database")
     p.add_argument("model", type=Path, help="the model file")
     p.add_argument("-o", "--out", type=Path, required=True, help="cost database (JSON); added to when it exists")
@@ -187,6 +192,8 @@ def _compile(args: argparse.Namespace, console: Console) -> None:
         costs=args.costs,
         capture=args.capture,
         leaf=tuple(args.leaf),
+        recompute=_recompute_modes(args.recompute) if args.recompute is not None else None,
+        dtype=args.dtype,
     )
     known = _entries(args.costs)
     if options.searched:
@@ -233,6 +240,12 @@ def _search_title(plan) -> str:
     found = plan.provenance.search
     return (f"search: {found['layouts']} layouts, {found['scored']} scored, {found['fitting']} fit, "
             f"{found['seconds']:.1f} s; the chosen plan first")
+
+
+def _recompute_modes(text: str) -> str | tuple[str, ...]:
+    """``--recompute full`` for every stage, or ``--recompute full,none`` for each stage in turn."""
+    modes = [mode.strip() for mode in text.split(",")]
+    return modes[0] if len(modes) == 1 else tuple(modes)
 
 
 def _entries(path: Path | None) -> int:

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 import autopart
-from autopart.annotate import OpGraph, annotate
+from autopart.annotate import DTYPES, OpGraph, annotate
 from autopart.blocks import BlockChain, build_blocks
 from autopart.capture import Graph, ModelSpec, capture, is_meta, load_model_file
 from autopart.codegen.emit import check_output_directory, emit_directory
@@ -25,6 +25,7 @@ from autopart.predict import simulate_pipeline
 from autopart.runtime.materialise import check_initialisers
 from autopart.runtime.optim import OPTIMIZERS
 from autopart.profile import profile_costs
+from autopart.recompute import recompute_cost, stage_input_bytes, stage_modes, transient_microbatches
 from autopart.rewrite import separate_biases
 from autopart.schedule import SCHEDULE_KINDS, StageCosts, add_communication, build_schedule, stage_rank
 from autopart.schedule.shared import step_time
@@ -83,6 +84,12 @@ class CompileOptions:
     """How to capture the model: "fx" or "export"; by default fx, and export when fx fails."""
     leaf: tuple[str, ...] = ()
     """Module classes kept whole by tracing (``call_module`` nodes); each stage builds its own."""
+    recompute: str | tuple[str, ...] | None = None
+    """Activation recompute: "none", "selective" or "full" for every stage, or one per stage
+    (``autopart.recompute``); none unless searched (then chosen per stage)."""
+    dtype: str | None = None
+    """Precision: "fp32", or "bf16" (forwards under torch.autocast, fp32 weights and gradients);
+    "auto" lets the search choose; fp32 unless searched."""
 
     def __post_init__(self) -> None:
         for name in ("world_size", "pp", "tp", "dp", "gpus_per_node"):
@@ -111,6 +118,17 @@ class CompileOptions:
             raise ConfigError("--leaf keeps modules opaque to torch.fx, which torch.export cannot do; drop --capture export")
         if self.memory_gib is not None and self.memory_gib <= 0:
             raise ConfigError(f"--memory must be positive, got {self.memory_gib}")
+        if self.dtype not in (None, *DTYPES, "auto"):
+            raise ConfigError(f"unknown --dtype {self.dtype!r}; use one of {', '.join(DTYPES)} or auto")
+        if self.dtype == "auto" and self.world_size is None:
+            raise ConfigError("--dtype auto lets the search choose the precision; add --world-size N to search")
+        if self.recompute is not None:
+            if self.pp is not None and self.chunks is not None:
+                stage_modes(self.recompute, self.pp * self.chunks)
+            elif not isinstance(self.recompute, str):
+                raise ConfigError("--recompute with one mode per stage needs the stages pinned: add --pp (and --chunks)")
+            else:
+                stage_modes(self.recompute, 1)
 
     @property
     def searched(self) -> bool:
@@ -154,7 +172,8 @@ class CompileOptions:
         return total, m, b
 
 
-_DEFAULTS = {"pp": 1, "tp": 1, "dp": 1, "zero": False, "schedule": "1f1b", "chunks": 1}
+_DEFAULTS = {"pp": 1, "tp": 1, "dp": 1, "zero": False, "schedule": "1f1b", "chunks": 1, "recompute": "none",
+             "dtype": "fp32"}
 """What the options not given are when nothing is searched."""
 
 
@@ -210,7 +229,7 @@ def _annotated(options: CompileOptions, micro_batch_size: int, *, separate_biase
             if timed:
                 database.save()
     cost_model = roofline if database is None else ProfiledCostModel(roofline=roofline, database=database)
-    op_graph = annotate(graph, spec, cost_model, micro_batch_size=micro_batch_size)
+    op_graph = annotate(graph, spec, cost_model, micro_batch_size=micro_batch_size, dtype=options.dtype)
     chain = build_blocks(op_graph)
     return _Front(spec=spec, op_graph=op_graph, chain=chain, cost_model=cost_model, timed=timed)
 
@@ -242,6 +261,19 @@ def _block_times(front: _Front) -> list[tuple[float, float, float]]:
     return times
 
 
+def _recompute_blocks(front: _Front, modes: list[str]) -> tuple[tuple[float, ...], tuple[int, ...]]:
+    """Per block, in the recompute mode of its stage: forward and backward seconds (the recompute
+    included), and the bytes it holds per microbatch in flight (a stage's inputs not included)."""
+    times, held = [], []
+    for k, (block, (forward, backward, _)) in enumerate(zip(front.chain.blocks, _block_times(front))):
+        cost = recompute_cost([block], modes[k], input_bytes=0)
+        scale = forward / block.forward_s if block.forward_s > 0 else 1.0  # the tensor-parallel share
+        shard = front.shardings[k].saved_bytes / block.saved_bytes if front.shardings and block.saved_bytes else 1.0
+        times.append(forward + backward + cost.extra_backward_s * scale)
+        held.append(round(cost.saved_bytes * shard))
+    return tuple(times), tuple(held)
+
+
 def _in_flight(kind: str, ranks: int, microbatches: int, chunks: int) -> tuple[int, ...]:
     """Microbatches whose activations each stage holds at its peak, from the schedule itself."""
     stages = ranks * chunks
@@ -264,10 +296,14 @@ def _problem(options: CompileOptions, front: _Front, microbatches: int) -> Pipel
     device = cost_model.device
     memory = round(options.memory_gib * (1 << 30)) if options.memory_gib is not None else device.memory_bytes
     placements = _parameter_placements(front)
-    saved = [s.saved_bytes for s in front.shardings] if front.shardings else [b.saved_bytes for b in chain.blocks]
+    # The cuts are not known yet: with one recompute mode for every stage the blocks carry its
+    # figures (a stage's inputs, which recompute keeps, are left out); with modes that differ per
+    # stage they carry no recompute's. _plan_from_cuts computes the chosen stages' figures exactly.
+    modes = set(stage_modes(options.recompute, stages))
+    times, saved = _recompute_blocks(front, [modes.pop() if len(modes) == 1 else "none"] * len(chain.blocks))
     return PipelineProblem(
-        block_time_s=tuple(f + b for f, b, _ in _block_times(front)),
-        block_activation_bytes=tuple(saved),
+        block_time_s=times,
+        block_activation_bytes=saved,
         boundary_transfer_s=tuple(
             cost_model.p2p_time(boundary.nbytes, across_nodes=options.pipeline_crosses_nodes)
             for boundary in chain.boundaries
@@ -304,8 +340,9 @@ def _plan_from_cuts(
     solver: tuple[str, float, float],
 ) -> Plan:
     chain = front.chain
-    evaluation = evaluate(problem, cuts)
     ranges = stage_ranges(cuts, len(chain.blocks))
+    problem, recompute = _with_recompute(options, front, problem, ranges)
+    evaluation = evaluate(problem, cuts)
     stage_nodes = [tuple(n for k in r for n in chain.blocks[k].nodes) for r in ranges]
     sends = stage_boundaries(front.op_graph, stage_nodes)
     metas = {name: cost.output for name, cost in front.op_graph.nodes.items()}
@@ -338,12 +375,13 @@ def _plan_from_cuts(
                 batch_inputs=needed,
                 parameters=parameters,
                 forward_s=sum(f for f, _, _ in times),
-                backward_s=sum(b for _, b, _ in times),
+                backward_s=sum(problem.block_time_s[k] for k in r) - sum(f for f, _, _ in times),  # recompute included
                 backward_weight_s=sum(w for _, _, w in times),
                 parameter_bytes=sum(chain.parameter_bytes[p] for p in parameters),
                 activation_bytes=sum(problem.block_activation_bytes[k] for k in r),
                 strategies=strategies,
                 parameter_placements={p: str(placements[p]) for p in parameters if placements.get(p, REPLICATE) != REPLICATE},
+                recompute=recompute[s].mode,
             )
         )
     transfer = tuple(
@@ -380,7 +418,7 @@ def _plan_from_cuts(
         predicted=Predicted(
             step_s=step_s + gradient_sync,
             bubble=timeline.bubble,
-            memory_bytes=evaluation.rank_memory_bytes,
+            memory_bytes=_with_transients(options, evaluation.rank_memory_bytes, recompute, microbatches),
             p2p_bytes_per_step=2 * microbatches * sum(sum(m.nbytes for _, m in st.outputs) for st in stages),
             stage_time_s=evaluation.stage_time_s,
             transfer_s=transfer,
@@ -404,7 +442,35 @@ def _plan_from_cuts(
         graph_inputs=graph_inputs,
         optimizer=options.optimizer,
         tied_parameters={p: tuple(s) for p, s in holders.items() if len(s) > 1},
+        dtype=options.dtype,
     )
+
+
+def _with_recompute(options: CompileOptions, front: _Front, problem: PipelineProblem, ranges: list[range]):
+    """The problem with every block in its stage's recompute mode and each recomputing stage's inputs
+    held, so that evaluating the cuts gives the chosen stages' exact figures; and per stage its
+    `RecomputeCost`."""
+    modes = stage_modes(options.recompute, len(ranges))
+    times, held = _recompute_blocks(front, [modes[s] for s, r in enumerate(ranges) for _ in r])
+    held = list(held)
+    costs = []
+    for s, r in enumerate(ranges):
+        inputs = stage_input_bytes(front.chain, r.start, r.stop - 1)
+        costs.append(recompute_cost([front.chain.blocks[k] for k in r], modes[s], input_bytes=inputs))
+        if modes[s] != "none":  # checkpoint keeps the stage's arguments (whole on every tensor-parallel rank)
+            held[r.start] += inputs
+    return replace(problem, block_time_s=times, block_activation_bytes=tuple(held)), costs
+
+
+def _with_transients(options: CompileOptions, memory: tuple[int, ...], recompute: list, microbatches: int):
+    """Each rank's peak plus the recomputed activations of the backward(s) in progress on it."""
+    schedule = build_schedule(options.schedule, ranks=options.pp, microbatches=microbatches, chunks=options.chunks)
+    at_once = transient_microbatches(schedule, len(recompute))
+    peaks = list(memory)
+    for rank in range(options.pp):
+        here = [s for s in range(len(recompute)) if stage_rank(s, options.pp) == rank]
+        peaks[rank] += max((recompute[s].transient_bytes // options.tp * at_once[s] for s in here), default=0)
+    return tuple(peaks)
 
 
 def _data_parallel_seconds(options: CompileOptions, front: _Front, stages: list[StagePlan]) -> float:
@@ -452,8 +518,12 @@ def _step_time(options: CompileOptions, front: _Front, stages: list[StagePlan], 
     call = overheads.autograd_call_s
     costs = StageCosts(
         forward_s=tuple(s.forward_s + overheads.module_call_s for s in stages),
-        # B starts one backward; zero-bubble schedules start two, one for I and one for W
-        backward_s=tuple(s.backward_s + (2 * call if options.schedule == "zb-h1" else call) for s in stages),
+        # B starts one backward; zero-bubble schedules start two, one for I and one for W; recompute calls the stage again
+        backward_s=tuple(
+            s.backward_s + (2 * call if options.schedule == "zb-h1" else call)
+            + (overheads.module_call_s if s.recompute != "none" else 0.0)
+            for s in stages
+        ),
         weight_s=tuple(s.backward_weight_s + (call if options.schedule == "zb-h1" else 0.0) for s in stages),
         transfer_s=transfer,
     )
@@ -504,6 +574,8 @@ def _compile(options: CompileOptions, progress=None) -> tuple[Plan, _Front]:
             global_batch_size=pinned.schedule.global_batch_size,
             optimizer=pinned.optimizer,
             zero=pinned.zero,
+            recompute=tuple(stage.recompute for stage in pinned.stages),
+            dtype=pinned.dtype,
         )
     batch = options.batch_shape()
     front = _front(options, batch[2])
@@ -561,7 +633,7 @@ def emit(plan: Plan, out_dir: str | Path) -> Path:
         leaves=plan.provenance.leaves,
     )  # fmt: skip
     cost_model = get_cost_model("cpu")
-    op_graph = annotate(graph, spec, cost_model, micro_batch_size=plan.schedule.micro_batch_size)
+    op_graph = annotate(graph, spec, cost_model, micro_batch_size=plan.schedule.micro_batch_size, dtype=plan.dtype)
     return emit_directory(plan, op_graph, spec, out_dir)
 
 

@@ -13,8 +13,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from autopart.annotate import TensorMeta
+from autopart.annotate import DTYPES, TensorMeta
 from autopart.errors import PlanError
+from autopart.recompute import RECOMPUTE_MODES
 
 __all__ = ["PLAN_VERSION", "StagePlan", "ScheduleSpec", "Predicted", "Provenance", "Plan", "load_plan"]
 
@@ -40,6 +41,7 @@ class StagePlan:
     activation_bytes: int  # saved for backward, one microbatch, one rank
     strategies: dict[str, str] = field(default_factory=dict)  # node -> tensor-parallel strategy, when not replicated
     parameter_placements: dict[str, str] = field(default_factory=dict)  # parameter -> placement, when sharded
+    recompute: str = "none"  # none | selective | full (autopart.recompute); backward_s includes its recompute
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -90,6 +92,7 @@ class Plan:
     graph_inputs: tuple[str, ...] = ()  # the model's inputs in call order, then "target" when there is a loss_fn
     optimizer: str = "adamw"
     tied_parameters: dict[str, tuple[int, ...]] = field(default_factory=dict)  # parameter -> stages holding it
+    dtype: str = "fp32"  # fp32, or bf16: forwards under torch.autocast(bfloat16), weights and gradients fp32
     version: int = PLAN_VERSION
 
     @property
@@ -113,7 +116,7 @@ class Plan:
         schedule = reader.sub("schedule")
         predicted = reader.sub("predicted")
         provenance = reader.sub("provenance")
-        stages = tuple(_read_stage(s) for s in reader.list("stages"))
+        stages = tuple(_read_stage(s, i) for i, s in enumerate(reader.list("stages")))
         if not stages:
             raise PlanError("plan.stages is empty; a plan needs at least one stage")
         return Plan(
@@ -154,11 +157,12 @@ class Plan:
             tied_parameters={
                 str(k): tuple(int(s) for s in v) for k, v in reader.sub("tied_parameters").data.items()
             },
+            dtype=reader.choice("dtype", DTYPES, default="fp32"),
         )
 
 
-def _read_stage(data: Any) -> StagePlan:
-    reader = _Reader(data, "plan.stages[]")
+def _read_stage(data: Any, index: int) -> StagePlan:
+    reader = _Reader(data, f"plan.stages[{index}]")
     return StagePlan(
         index=reader.int("index"),
         rank=reader.int("rank"),
@@ -175,6 +179,7 @@ def _read_stage(data: Any) -> StagePlan:
         activation_bytes=reader.int("activation_bytes"),
         strategies={str(k): str(v) for k, v in reader.sub("strategies").data.items()},
         parameter_placements={str(k): str(v) for k, v in reader.sub("parameter_placements").data.items()},
+        recompute=reader.choice("recompute", RECOMPUTE_MODES, default="none"),
     )
 
 
@@ -217,6 +222,15 @@ class _Reader:
 
     def str(self, key: str) -> str:
         return self._get(key, (str,), "a string")
+
+    def choice(self, key: str, allowed: tuple[str, ...], *, default: str) -> str:
+        """One of ``allowed``; ``default`` when the field is absent (plans written before it existed)."""
+        if key not in self.data:
+            return default
+        value = self.data[key]
+        if value not in allowed:
+            raise PlanError(f"{self.where}.{key} must be one of {', '.join(allowed)}, got {json.dumps(value)[:60]}")
+        return value
 
     def list(self, key: str) -> list[Any]:
         return self._get(key, (list,), "a list")

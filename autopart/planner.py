@@ -32,7 +32,7 @@ from autopart.compiler import (
 )
 from autopart.errors import ConfigError, InfeasibleError
 from autopart.plan import Plan
-from autopart.search import Cluster, Layout, Scored, SearchResult, SearchSpace, fits, score_layout, search
+from autopart.search import DTYPES, Cluster, Layout, Scored, SearchResult, SearchSpace, fits, score_layout, search
 from autopart.solver.bottleneck import RECOMPUTE_MODES, ChainCosts
 from autopart.solver.pipeline import evaluate, solve_cuts
 from autopart.solver.sharding import REPLICATE
@@ -75,7 +75,8 @@ class FrontTable:
         return self._fronts[key]
 
     def _options(self, *, tp: int, dtype: str) -> CompileOptions:
-        return replace(self.options, world_size=None, tp=tp, pp=1, dp=1, zero=False)
+        return replace(self.options, world_size=None, tp=tp, pp=1, dp=1, zero=False, schedule="1f1b", chunks=1,
+                       recompute="none", dtype=dtype)
 
     def chain_costs(self, *, micro_batch_size: int, tp: int, dtype: str) -> ChainCosts:
         key = (micro_batch_size, tp, dtype)
@@ -96,11 +97,11 @@ def chain_costs(front: _Front, tp: int) -> ChainCosts:
     else:
         saved = [b.saved_bytes for b in chain.blocks]
     selective_saved, selective_s = [], []
-    for k, block in enumerate(chain.blocks):
+    for k, block in enumerate(chain.blocks):  # the tensor-parallel share, as the compiler takes it
         scale = saved[k] / block.saved_bytes if block.saved_bytes else 1.0
         time_scale = times[k][0] / block.forward_s if block.forward_s else 1.0
-        selective_saved.append(round(getattr(block, "selective_saved_bytes", block.saved_bytes) * scale))
-        selective_s.append(getattr(block, "selective_recompute_s", 0.0) * time_scale)
+        selective_saved.append(round(block.selective_saved_bytes * scale))
+        selective_s.append(block.selective_recompute_s * time_scale)
     placements = _parameter_placements(front)
     local = {
         name: nbytes // (tp if placements.get(name, REPLICATE).kind == "S" else 1)
@@ -146,8 +147,9 @@ def search_space(options: CompileOptions) -> SearchSpace:
         schedule=pin(options.schedule) or ("gpipe", "1f1b", "interleaved", "zb-h1"),
         chunks=pin(options.chunks),
         zero=pin(options.zero) or (False, True),
-        dtype=("fp32",),
-        recompute=RECOMPUTE_MODES,
+        dtype=DTYPES if options.dtype == "auto" else (options.dtype or "fp32",),
+        recompute=(options.recompute,) if isinstance(options.recompute, str) else RECOMPUTE_MODES,
+        recompute_per_stage=options.recompute if isinstance(options.recompute, tuple) else None,
     )
 
 
@@ -185,14 +187,17 @@ def plan_by_search(options: CompileOptions, *, progress: Progress | None = None,
     plans: dict[Layout, Plan] = {}
 
     def exact(scored: Scored) -> float:
-        plans[scored.layout] = _plan_of(options, table, scored, ("search", 0.0, 0.0))
-        return plans[scored.layout].predicted.step_s
+        plan = plans[scored.layout] = _plan_of(options, table, scored, ("search", 0.0, 0.0))
+        # the cutter's memory is the compiler's up to what it simplifies (every batch input held
+        # by a recomputing stage, each stage's own share of its rank): a finalist over the limit goes
+        return plan.predicted.step_s if max(plan.predicted.memory_bytes) <= cluster.memory_bytes else math.inf
 
     def visited(done: int, total: int) -> None:
         if progress is not None:
             progress("scoring layouts", done, total)
 
     result = search(space, table, cluster, finalists=finalists, score=exact, progress=visited)
+    result = replace(result, ranked=tuple(s for s in result.ranked if s.step_s < math.inf))
     if not result.ranked:
         raise InfeasibleError(_does_not_fit(options, space, table, cluster))
     best = result.best
@@ -202,19 +207,20 @@ def plan_by_search(options: CompileOptions, *, progress: Progress | None = None,
     return Searched(plan=plan, front=front, result=result, plans=ordered)
 
 
-def concrete_options(options: CompileOptions, layout: Layout) -> CompileOptions:
-    """The options that pin every choice of ``layout``."""
+def concrete_options(options: CompileOptions, layout: Layout, recompute: tuple[str, ...]) -> CompileOptions:
+    """The options that pin every choice of ``layout`` and its stages' ``recompute``."""
     return replace(
         options, world_size=None, pp=layout.pp, tp=layout.tp, dp=layout.dp, zero=layout.zero,
         schedule=layout.schedule, chunks=layout.chunks, microbatches=layout.microbatches,
         micro_batch_size=None, global_batch_size=layout.microbatches * layout.micro_batch_size * layout.dp,
+        recompute=recompute, dtype=layout.dtype,
     )  # fmt: skip
 
 
 def _plan_of(options: CompileOptions, table: FrontTable, scored: Scored, solver: tuple[str, float, float],
              cuts: tuple[int, ...] | None = None) -> Plan:
     layout = scored.layout
-    concrete = concrete_options(options, layout)
+    concrete = concrete_options(options, layout, scored.recompute)
     front = table.front(micro_batch_size=layout.micro_batch_size, tp=layout.tp, dtype=layout.dtype)
     batch = concrete.batch_shape()
     problem = _problem(concrete, front, batch[1])
@@ -227,7 +233,7 @@ def _refined(options: CompileOptions, table: FrontTable, best: Scored, scored_pl
     latency from its cuts; its cuts are taken when the simulated step agrees they are faster,
     and its bound says how far from optimal the chosen cuts' latency can be."""
     layout = best.layout
-    concrete = concrete_options(options, layout)
+    concrete = concrete_options(options, layout, best.recompute)
     front = table.front(micro_batch_size=layout.micro_batch_size, tp=layout.tp, dtype=layout.dtype)
     batch = concrete.batch_shape()
     problem = _problem(concrete, front, batch[1])

@@ -101,6 +101,7 @@ class SearchSpace:
     zero: tuple[bool, ...] = (False, True)
     dtype: tuple[str, ...] = ("fp32",)
     recompute: tuple[str, ...] = RECOMPUTE_MODES  # modes any stage may take
+    recompute_per_stage: tuple[str, ...] | None = None  # a pin of one mode per stage
     tp_across_nodes: bool = False
 
     def layouts(self, blocks: int) -> Iterator[Layout]:
@@ -114,6 +115,8 @@ class SearchSpace:
                     continue
                 dp = n // (tp * pp)
                 if self.dp and dp not in self.dp:
+                    continue
+                if self.recompute_per_stage and len(self.recompute_per_stage) % pp:
                     continue
                 if batch % dp:
                     continue
@@ -206,14 +209,19 @@ class SearchResult:
 
 def in_flight(kind: str, pp: int, microbatches: int, chunks: int) -> tuple[int, ...]:
     """Per virtual stage, microbatches whose activations it holds at its peak, from the schedule."""
-    return _in_flight_cached(kind, pp, microbatches, chunks)
+    return _in_flight_cached(kind, pp, microbatches, chunks)[0]
+
+
+def _transient(kind: str, pp: int, microbatches: int, chunks: int) -> tuple[int, ...]:
+    """Per virtual stage, microbatches whose recomputed activations live at once."""
+    return _in_flight_cached(kind, pp, microbatches, chunks)[1]
 
 
 _IN_FLIGHT: dict[tuple, tuple[int, ...]] = {}
 
 
-def _in_flight_cached(kind: str, pp: int, microbatches: int, chunks: int) -> tuple[int, ...]:
-    # The peak is reached in the warm-up and does not grow with more microbatches than a few
+def _in_flight_cached(kind: str, pp: int, microbatches: int, chunks: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    # The peaks are reached in the warm-up and do not grow with more microbatches than a few
     # rounds of the pipeline: simulate a short one (a multiple of pp, as interleaving needs).
     rounds = min(microbatches, 4 * pp)
     if kind == "interleaved":
@@ -221,12 +229,15 @@ def _in_flight_cached(kind: str, pp: int, microbatches: int, chunks: int) -> tup
     key = (kind, pp, rounds, chunks)
     if key not in _IN_FLIGHT:
         from autopart.predict import simulate_pipeline  # the schedule package, at first use
+        from autopart.recompute import transient_microbatches
+        from autopart.schedule import build_schedule
 
         stages = pp * chunks
         timeline = simulate_pipeline(kind=kind, ranks=pp, microbatches=rounds, chunks=chunks,
                                      forward_s=(1.0,) * stages, backward_s=(2.0,) * stages,
                                      weight_s=(1.0,) * stages, transfer_s=(0.0,) * (stages - 1))
-        _IN_FLIGHT[key] = timeline.peak_in_flight
+        schedule = build_schedule(kind, ranks=pp, microbatches=rounds, chunks=chunks)
+        _IN_FLIGHT[key] = (timeline.peak_in_flight, transient_microbatches(schedule, stages))
     return _IN_FLIGHT[key]
 
 
@@ -328,13 +339,21 @@ def score_layout(layout: Layout, table: CostTable, cluster: Cluster, space: Sear
     pipeline_across = layout.pp * layout.tp > cluster.gpus_per_node
     transfer = tuple(cluster.p2p_s(b, pipeline_across) for b in costs.boundary_bytes)
     flight = in_flight(layout.schedule, layout.pp, layout.microbatches, layout.chunks)
-    modes = recompute or (space.recompute,) * stages
+    transient = _transient(layout.schedule, layout.pp, layout.microbatches, layout.chunks)
+    if recompute is not None:
+        modes = recompute
+    elif space.recompute_per_stage:
+        modes = tuple((mode,) for mode in space.recompute_per_stage)
+    else:
+        modes = (space.recompute,) * stages
+    if len(modes) != stages:
+        return None
     if cuts is None:
         cut = cut_stages(costs, stages=stages, in_flight=flight, stage_rank=ranks, transfer_s=transfer,
                          memory_limit_bytes=cluster.memory_bytes, overhead_bytes=cluster.overhead_bytes,
-                         modes=modes, fit_only=fit_only)
+                         modes=modes, transient=transient, fit_only=fit_only)
     else:
-        cut = _fixed_cut(costs, cuts, modes, flight, ranks, transfer, cluster)
+        cut = _fixed_cut(costs, cuts, modes, flight, transient, ranks, transfer, cluster)
     if cut is None:
         return None
     rank_bytes = _rank_parameter_bytes(table, layout, cut, ranks)
@@ -342,7 +361,7 @@ def score_layout(layout: Layout, table: CostTable, cluster: Cluster, space: Sear
     return Scored(layout=layout, cut=cut, estimate_s=estimate)
 
 
-def _fixed_cut(costs, cuts, modes, flight, ranks, transfer, cluster) -> StageCut | None:
+def _fixed_cut(costs, cuts, modes, flight, transient, ranks, transfer, cluster) -> StageCut | None:
     """Given cuts: each stage takes the lightest allowed recompute that fits its rank."""
     from autopart.solver.bottleneck import stage_figures
 
@@ -356,7 +375,7 @@ def _fixed_cut(costs, cuts, modes, flight, ranks, transfer, cluster) -> StageCut
         for mode in modes[s]:
             f = stage_figures(costs, firsts[s], lasts[s], mode=mode, in_flight=flight[s],
                               transfer_in_s=transfer[firsts[s] - 1] if s > 0 else 0.0,
-                              transfer_out_s=transfer[lasts[s]] if s < stages - 1 else 0.0)
+                              transfer_out_s=transfer[lasts[s]] if s < stages - 1 else 0.0, transient=transient[s])
             if f.memory_bytes <= budget or mode == modes[s][-1]:
                 break
         chosen.append(mode)

@@ -63,6 +63,7 @@ def write_report(plan: Plan, out: Path) -> None:
 
 Mesh: pp={plan.mesh['pp']}, tp={plan.mesh['tp']}, dp={plan.mesh['dp']} ({plan.world_size} processes).
 Schedule: {plan.schedule.kind}, {plan.schedule.microbatches} microbatches of {plan.schedule.micro_batch_size} (global batch {plan.schedule.global_batch_size}).
+Precision: {plan.dtype}{" (autocast over fp32 weights and gradients)" if plan.dtype == "bf16" else ""}. Activation recompute per stage: {", ".join(st.recompute for st in plan.stages)}.
 
 Predicted step time {predicted.step_s * 1e3:.3f} ms, bubble {predicted.bubble:.1%}, {predicted.p2p_bytes_per_step / 1e6:.3f} MB sent between stages per step.
 Cost model: {plan.provenance.cost_model}. Solver: {plan.provenance.solver_status} (objective {plan.provenance.objective_s * 1e3:.3f} ms, bound {plan.provenance.bound_s * 1e3:.3f} ms, gap {plan.provenance.gap:.2%}).
@@ -70,7 +71,8 @@ Cost model: {plan.provenance.cost_model}. Solver: {plan.provenance.solver_status
 {_markdown(stage_table(plan))}
 
 Memory: weights, gradients and optimizer state ({plan.optimizer}), plus the
-activations of the microbatches that the schedule keeps in flight, plus framework overhead.
+activations of the microbatches that the schedule keeps in flight (what each stage's recompute
+mode keeps), plus the activations that a recomputing backward holds while it runs, plus framework overhead.
 Tied parameters held by several stages: {", ".join(f"{k} (stages {', '.join(map(str, v))})" for k, v in plan.tied_parameters.items()) or "none"}.
 
 Files: `plan.json` (the plan), `stages/` (one module per stage), `weights/`, `train.py` (the entry point),

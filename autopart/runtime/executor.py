@@ -5,7 +5,9 @@ The action list is the same value that the simulator and the validator read
 inserted. Two neighbouring stages on one rank (interleaved with one rank) hand their tensors
 over in memory, where lowering put no send and receive. The loss of every microbatch is divided
 by the number of microbatches before its backward, so the gradients are those of the mean loss
-over the global batch. Zero-bubble's I and W are `autopart.runtime.backward`'s split.
+over the global batch. Zero-bubble's I and W are `autopart.runtime.backward`'s split. A stage's
+forward runs through its `StageForward` (the plan's precision and recompute); a recomputing
+stage in a split backward rebuilds its graph once, at I, for I and W to share.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from torch import nn
 
 from autopart.annotate import TensorMeta
 from autopart.runtime.backward import PendingWeights, backward_full, backward_input, backward_weight
+from autopart.runtime.forward import Rebuild, StageForward
 from autopart.runtime.p2p import recv_tensors, send_tensors
 from autopart.schedule import Action, Kind, Schedule, format_grid
 
@@ -39,6 +42,9 @@ class StageRuntime:
     batch_inputs: list[int]  # positions in the graph inputs of the batch values it reads
     prev_rank: int | None
     next_rank: int | None
+    forward: StageForward | None = None  # how F runs; by default the module itself, in fp32, keeping everything
+    output_metas: list[TensorMeta] | None = None  # what the plan says it sends (checked in F)
+    rebuilds: dict[int, Rebuild] = field(default_factory=dict)  # recomputing stages in a split backward
     received: dict[int, list[torch.Tensor]] = field(default_factory=dict)
     outputs: dict[int, Any] = field(default_factory=dict)  # the loss, or the tensors sent on
     output_grads: dict[int, list[torch.Tensor]] = field(default_factory=dict)
@@ -90,7 +96,9 @@ class Executor:
         for work in pending:
             work.wait()
         for stage in self.stages.values():
-            assert not (stage.received or stage.outputs or stage.output_grads or stage.held_for_weights), (
+            assert not (
+                stage.received or stage.outputs or stage.output_grads or stage.held_for_weights or stage.rebuilds
+            ), (
                 f"stage {stage.index} kept state past the end of the step: the schedule is incomplete"
             )
         return losses
@@ -129,10 +137,17 @@ class Executor:
                 tensor.requires_grad_(True)
         batch = [microbatches[m][i] for i in stage.batch_inputs]
         batch = [b.to(self.device) if isinstance(b, torch.Tensor) else b for b in batch]
-        out = stage.module(*inputs, *batch)
+        if stage.forward is None:
+            out = stage.module(*inputs, *batch)
+        else:
+            out, rebuild = stage.forward(*inputs, *batch)
+            if rebuild is not None:
+                stage.rebuilds[m] = rebuild
         if stage.index == self.last_stage:
             losses.append(out.detach().item())
             out = out / self.microbatches
+        elif stage.output_metas is not None:
+            _check_outputs(out, stage.output_metas)
         stage.outputs[m] = out
         following = self.stages.get(stage.index + 1)
         if following is not None:  # the next stage is on this rank: hand the tensors over in memory
@@ -148,6 +163,10 @@ class Executor:
         return [t for t, _ in pairs], [g for _, g in pairs]
 
     def _backward(self, stage: StageRuntime, m: int, *, split: bool) -> None:
+        if m in stage.rebuilds:  # recomputed, for I and W both: the outputs again, now with their whole graph
+            assert stage.forward is not None and split
+            out = stage.forward.rebuild(stage.rebuilds.pop(m))
+            stage.outputs[m] = out / self.microbatches if stage.index == self.last_stage else out
         outputs, grads = self._differentiable(stage, m)
         inputs = [t for t in stage.received.pop(m, []) if t.is_floating_point()]
         if split:  # zero-bubble I: the input gradients now, the weight gradients left for W
@@ -162,6 +181,19 @@ class Executor:
             previous.output_grads[m] = input_grads
         else:
             stage.input_grads[m] = input_grads
+
+
+def _check_outputs(out: Any, metas: list[TensorMeta]) -> None:
+    """The tensors about to be sent are those the plan promised the next stage, which sizes its buffers by them."""
+    produced = [_meta(t) for t in out]
+    if produced != metas:
+        wrong = next((i for i, (a, b) in enumerate(zip(produced, metas)) if a != b), min(len(produced), len(metas)))
+        got = produced[wrong] if wrong < len(produced) else "nothing"
+        promised = metas[wrong] if wrong < len(metas) else "nothing"
+        raise RuntimeError(
+            f"output {wrong} of the stage is {got}, but the plan sends {promised} and the next stage receives that; "
+            "autocast on this device gives other dtypes than at compile time (CPU autocast): compile with --dtype fp32"
+        )
 
 
 def _meta(tensor: torch.Tensor) -> TensorMeta:

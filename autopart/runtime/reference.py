@@ -1,7 +1,9 @@
 """The single-process reference: the original model trained eagerly on the same batches.
 
 The generated programs must match it: the same per-step losses and the same final parameters,
-to float tolerance. Tests and ``autopart verify`` compare against it.
+to float tolerance. Tests and ``autopart verify`` compare against it. A bf16 plan's reference runs
+each forward under ``torch.autocast(bfloat16)`` too, over fp32 weights, as the stages do; recompute
+changes nothing that it computes, so the reference has none.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from autopart.annotate import precision
 from autopart.capture import eager_loss, load_model_file
 from autopart.plan import load_plan
 from autopart.runtime.data import global_batches, model_file
@@ -38,9 +41,11 @@ def initial_weights(out_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def train_reference(
-    out_dir: str | Path, *, steps: int, lr: float, optimizer: str, seed: int = 0, weights: Path | None = None
+    out_dir: str | Path, *, steps: int, lr: float, optimizer: str, seed: int = 0, weights: Path | None = None,
+    dtype: str | None = None,
 ) -> ReferenceRun:
-    """``weights`` is the checkpoint the programs were started from (``train.py --weights``), if any."""
+    """``weights`` is the checkpoint the programs were started from (``train.py --weights``), if any;
+    ``dtype`` the precision, by default the plan's."""
     out_dir = Path(out_dir)
     plan = load_plan(out_dir / "plan.json")
     spec = load_model_file(model_file(out_dir, plan))
@@ -61,7 +66,8 @@ def train_reference(
     losses = []
     for _ in range(steps):
         inputs, target = next(data)
-        loss = eager_loss(spec, inputs, target)
+        with precision(dtype or plan.dtype, "cpu"):
+            loss = eager_loss(spec, inputs, target)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

@@ -7,7 +7,8 @@
 Each rank builds its stage from ``stages/stage_<k>.py`` and ``weights/stage_<k>.safetensors``
 (or, with ``--weights CKPT``, the stage's tensors of a whole-model safetensors checkpoint; or,
 for a model built on the meta device, the model's initialisers run for the stage's tensors),
-draws the same global batches as every other rank, runs its action list of the plan's schedule,
+draws the same global batches as every other rank, runs its action list of the plan's schedule
+(each forward in the plan's precision and with its stage's recompute, `autopart.runtime.forward`),
 sums the gradients of parameters that several stages hold (tied embeddings), and steps its
 optimizer. NCCL when CUDA is present, gloo otherwise. ``--trace FILE`` writes the measured
 timeline of the last step as a Chrome trace, in the form of compile's predicted ``trace.json``.
@@ -36,6 +37,7 @@ from autopart.plan import Plan, load_plan
 from autopart.runtime.data import global_batches, model_file, split_microbatches
 from autopart.runtime.checkpoint import CheckpointContext, restarted
 from autopart.runtime.executor import Executor, StageRuntime, StepFailure
+from autopart.runtime.forward import StageForward
 from autopart.runtime.launch import check_launch, init_process_group, inject_failure
 from autopart.runtime.measure import StepClock, write_measured_trace
 from autopart.runtime.optim import OPTIMIZERS, make_optimizer
@@ -43,7 +45,7 @@ from autopart.runtime import collectives
 from autopart.runtime.mesh import Mesh, group_of
 from autopart.runtime.p2p import check_message_order
 from autopart.runtime.stage import check_checkpoint, load_stage, stage_names, weights_file_name
-from autopart.schedule import add_communication, build_schedule, stage_rank
+from autopart.schedule import Kind, add_communication, build_schedule, stage_rank
 
 __all__ = ["main", "parse_args"]
 
@@ -116,23 +118,6 @@ def _loop(
     data_parallel = group_of(device_mesh, "dp")
     schedule_spec = plan.schedule
     stage_count = len(plan.stages)
-    stages: dict[int, StageRuntime] = {}
-    for stage_plan in plan.stages:
-        if stage_plan.rank != here.pp:
-            continue
-        s = stage_plan.index
-        peer = lambda stage: mesh.pipeline_peers(rank, stage_rank(stage, mesh.pp))  # noqa: E731
-        stages[s] = StageRuntime(
-            index=s,
-            module=load_stage(
-                out_dir, s, device, tp_rank=here.tp, tp=mesh.tp, weights=args.weights, placements=stage_plan.parameter_placements
-            ),
-            inputs=[meta for _, meta in stage_plan.inputs],
-            batch_inputs=[plan.graph_inputs.index(name) for name in stage_plan.batch_inputs],
-            prev_rank=peer(s - 1) if s > 0 else None,
-            next_rank=peer(s + 1) if s < stage_count - 1 else None,
-        )
-    tied_groups = _tied_groups(plan, mesh, rank)
     schedule = add_communication(
         build_schedule(
             schedule_spec.kind, ranks=mesh.pp, microbatches=schedule_spec.microbatches, chunks=schedule_spec.chunks
@@ -140,6 +125,29 @@ def _loop(
         ranks=mesh.pp,
     )
     check_message_order(schedule, ranks=mesh.pp)
+    split_backward = any(action.kind is Kind.I for action in schedule[here.pp])
+    stages: dict[int, StageRuntime] = {}
+    for stage_plan in plan.stages:
+        if stage_plan.rank != here.pp:
+            continue
+        s = stage_plan.index
+        peer = lambda stage: mesh.pipeline_peers(rank, stage_rank(stage, mesh.pp))  # noqa: E731
+        module = load_stage(
+            out_dir, s, device, tp_rank=here.tp, tp=mesh.tp, weights=args.weights, placements=stage_plan.parameter_placements
+        )  # fmt: skip
+        stages[s] = StageRuntime(
+            index=s,
+            module=module,
+            forward=StageForward(
+                module, recompute=stage_plan.recompute, dtype=plan.dtype, device=device, split_backward=split_backward
+            ),
+            inputs=[meta for _, meta in stage_plan.inputs],
+            output_metas=[meta for _, meta in stage_plan.outputs],
+            batch_inputs=[plan.graph_inputs.index(name) for name in stage_plan.batch_inputs],
+            prev_rank=peer(s - 1) if s > 0 else None,
+            next_rank=peer(s + 1) if s < stage_count - 1 else None,
+        )
+    tied_groups = _tied_groups(plan, mesh, rank)
     executor = Executor(
         rank=here.pp,
         stages=stages,

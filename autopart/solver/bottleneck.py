@@ -39,7 +39,7 @@ class ChainCosts:
     selective_saved_bytes: tuple[int, ...]  # kept under selective recompute
     selective_recompute_s: tuple[float, ...]  # forward work selective recompute repeats in backward
     boundary_bytes: tuple[int, ...]  # what crosses after block k (len = blocks - 1)
-    input_bytes: int  # what the first block reads from the batch, per microbatch
+    input_bytes: int  # the batch inputs (token ids, targets) a stage may read, per microbatch
     parameter_bytes: dict[str, int]  # per parameter, its share on one rank of the tensor-parallel group
     parameter_state_bytes: dict[str, int]  # the same with gradients and optimizer state
     block_parameters: tuple[tuple[str, ...], ...]
@@ -104,20 +104,25 @@ class _Stage:
 
 def stage_figures(
     costs: ChainCosts, first: int, last: int, *, mode: str, in_flight: int, transfer_in_s: float, transfer_out_s: float,
+    transient: int = 1,
 ) -> _Stage:
-    """Time and memory of the stage of blocks ``first..last`` under a recompute mode."""
+    """Time and memory of the stage of blocks ``first..last`` under a recompute mode: the figures
+    of ``autopart.recompute.recompute_cost``. Recompute keeps the stage's arguments (what it
+    receives, and the batch inputs, counted whole) per microbatch in flight, and the activations
+    it rebuilds live while ``transient`` microbatches' backwards run."""
     p = costs.prefix
     compute = p("compute_s")[last + 1] - p("compute_s")[first]
     saved_none = p("saved_bytes")[last + 1] - p("saved_bytes")[first]
+    received = (costs.boundary_bytes[first - 1] if first > 0 else 0) + costs.input_bytes
     if mode == "none":
         extra, held = 0.0, in_flight * saved_none
     elif mode == "selective":
         extra = p("selective_recompute_s")[last + 1] - p("selective_recompute_s")[first]
-        held = in_flight * (p("selective_saved_bytes")[last + 1] - p("selective_saved_bytes")[first])
+        selective = p("selective_saved_bytes")[last + 1] - p("selective_saved_bytes")[first]
+        held = in_flight * (received + selective) + transient * max(0, saved_none - selective)
     elif mode == "full":
         extra = p("full_recompute_s")[last + 1] - p("full_recompute_s")[first]
-        received = costs.input_bytes if first == 0 else costs.boundary_bytes[first - 1]
-        held = in_flight * received + saved_none  # and one microbatch rebuilt during its backward
+        held = in_flight * received + transient * saved_none
     else:
         raise ValueError(f"unknown recompute mode {mode!r}")
     parameters = p("owned_parameter_bytes")[last + 1] - p("owned_parameter_bytes")[first]
@@ -140,6 +145,7 @@ def cut_stages(
     memory_limit_bytes: int,
     overhead_bytes: int,
     modes: tuple[tuple[str, ...], ...] | None = None,
+    transient: tuple[int, ...] | None = None,
     precision: float = 1e-4,
     fit_only: bool = False,
 ) -> StageCut | None:
@@ -149,6 +155,8 @@ def cut_stages(
     ``transfer_s[k]``: one-way seconds of what crosses after block k. ``modes``: per stage, the
     recompute modes allowed (all three by default). A rank holding several stages (interleaved)
     gives each an equal share of its memory while cutting; the result's memory is exact.
+    ``transient``: per stage, the microbatches whose recomputed activations live at once (1 each
+    by default; more where a zero-bubble W waits).
     """
     blocks = len(costs)
     if stages > blocks:
@@ -165,6 +173,7 @@ def cut_stages(
             costs, first, last, mode=mode, in_flight=in_flight[s],
             transfer_in_s=transfer_s[first - 1] if s > 0 else 0.0,
             transfer_out_s=transfer_s[last] if s < stages - 1 else 0.0,
+            transient=transient[s] if transient else 1,
         )  # fmt: skip
 
     def fits(s: int, first: int, last: int, bound: float) -> str | None:

@@ -1,0 +1,360 @@
+"""Activation recompute and bf16, in one process: the runtime's forward computes exactly what it
+computes without recompute, running the forward once more and the kept ops no more; the bytes it
+leaves for the backward are those `autopart.recompute` predicts; the plan carries the modes and
+the dtype, and its figures follow them."""
+
+import gc
+import importlib.util
+import json
+import re
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+import autopart
+from autopart import cli
+from autopart.capture import load_model_file
+from autopart.compiler import CompileOptions, compile_to_directory
+from autopart.errors import ConfigError, PlanError
+from autopart.plan import Plan, load_plan
+from autopart.recompute import keeps_output, recompute_cost, stage_input_bytes, transient_microbatches
+from autopart.runtime.backward import backward_full, backward_input, backward_weight
+from autopart.runtime.forward import StageForward, selective_policy
+from autopart.runtime.stage import load_stage
+from autopart.schedule import build_schedule
+from tests.distributed import REPO
+
+GPT = REPO / "examples" / "gpt.py"
+CPU = torch.device("cpu")
+
+
+def _gpt():
+    spec = importlib.util.spec_from_file_location("autopart_test_gpt", GPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class Counted(nn.Module):
+    """A GPT block with dropout (so the recompute must replay the random numbers), counting its calls."""
+
+    def __init__(self):
+        super().__init__()
+        gpt = _gpt()
+        self.block = gpt.Block(gpt.GPTConfig())
+        self.dropout = nn.Dropout(0.1)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return self.dropout(self.block(x))
+
+
+class KeptOps(TorchDispatchMode):
+    """Counts the forward kernels whose outputs selective recompute keeps (addmm, attention)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += keeps_output(func) and "backward" not in str(func) and func is not torch.ops.aten.mm.default
+        return func(*args, **(kwargs or {}))
+
+
+def _train_once(module: Counted, mode: str, *, split: bool, dtype: str):
+    """F then B (or I then W) of one microbatch; the random state moves on between them, as in a pipeline."""
+    module.zero_grad(set_to_none=True)
+    module.calls = 0
+    x = torch.randn(2, 32, 64, generator=torch.Generator().manual_seed(0)).requires_grad_(True)
+    grad = torch.randn(2, 32, 64, generator=torch.Generator().manual_seed(1))
+    forward = StageForward(module, recompute=mode, dtype=dtype, device=CPU, split_backward=split)
+    torch.manual_seed(5)
+    with KeptOps() as kept:
+        out, rebuild = forward(x)
+        torch.manual_seed(99)
+        if split:
+            if rebuild is not None:
+                out = forward.rebuild(rebuild)
+            found, pending = backward_input([out], [grad.to(out.dtype)], [x], list(module.parameters()))
+            backward_weight(pending)
+        else:
+            found = backward_full([out], [grad.to(out.dtype)], [x])
+    grads = {n: p.grad for n, p in module.named_parameters()}
+    return out.detach(), found[0], grads, module.calls, kept.count
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("split", [False, True], ids=["B", "I+W"])
+@pytest.mark.parametrize("mode", ["selective", "full"])
+def test_recompute_computes_exactly_what_keeping_computes(mode, split, dtype):
+    module = Counted()
+    out, input_grad, grads, calls, kept = _train_once(module, "none", split=False, dtype=dtype)
+    assert (calls, kept) == (1, 5)  # c_attn, attention, c_proj, c_fc, mlp c_proj
+    again = _train_once(module, mode, split=split, dtype=dtype)
+    assert torch.equal(again[0], out) and torch.equal(again[1], input_grad)
+    for name, grad in grads.items():
+        assert torch.equal(again[2][name], grad), name
+    assert again[3] == 2, "the forward runs once more, in backward, whether B or I and W follow"
+    assert again[4] == (5 if mode == "selective" else 10), "selective runs the kept ops once, full twice"
+
+
+def test_checkpoint_alone_recomputes_for_each_autograd_call():
+    """Why a split backward rebuilds the graph itself: non-reentrant checkpoint recomputes once
+    per autograd call, so I and W (two groups of weights here) would run the forward three times
+    more, and selective checkpointing refuses a second recompute outright."""
+    module = Counted()
+    x = torch.randn(2, 32, 64).requires_grad_(True)
+    out = checkpoint(module, x, use_reentrant=False)
+    _, pending = backward_input([out], [torch.ones_like(out)], [x], list(module.parameters()))
+    backward_weight(pending)
+    assert module.calls > 2
+    contexts = lambda: create_selective_checkpoint_contexts(selective_policy)  # noqa: E731
+    out = checkpoint(module, x, use_reentrant=False, context_fn=contexts)
+    _, pending = backward_input([out], [torch.ones_like(out)], [x], list(module.parameters()))
+    with pytest.raises(RuntimeError, match="backward an extra time"):
+        backward_weight(pending)
+
+
+class Created(TorchDispatchMode):
+    """Weak references to every tensor the ops inside it create."""
+
+    def __init__(self):
+        super().__init__()
+        self.storages: list[tuple[StorageWeakRef, int, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in pytree.tree_leaves(out):
+            if isinstance(tensor, torch.Tensor):
+                storage = tensor.untyped_storage()
+                self.storages.append((StorageWeakRef(storage), storage._cdata, storage.nbytes()))
+        return out
+
+
+def held_for_backward(forward: StageForward, args: list) -> tuple[int, object]:
+    """Bytes that a forward leaves for the backward: what autograd saved (saved-tensor hooks: all of
+    it without recompute, the stage's arguments under checkpoint) and what is still alive of the
+    tensors the forward made (what the selective policy kept), not counting the stage's weights and
+    outputs."""
+    packed: dict[int, int] = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        packed[storage._cdata] = storage.nbytes()
+        return tensor
+
+    created = Created()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), created:
+        out, _ = forward(*args)
+    gc.collect(0)  # the youngest generation: what a forward leaves in reference cycles
+    own = {t.untyped_storage()._cdata for t in [*forward.module.parameters(), *forward.module.buffers()]}
+    own |= {t.untyped_storage()._cdata for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)}
+    alive = {key: nbytes for ref, key, nbytes in created.storages if not ref.expired()}
+    return sum(nbytes for key, nbytes in (packed | alive).items() if key not in own), out
+
+
+_COMPILED: dict[str, tuple] = {}
+
+
+def _compiled(tmp_path_factory, dtype: str, schedule: str = "1f1b"):
+    """The gpt example at pp=2 in ``dtype`` (without recompute): its plan, output directory and block chain."""
+    if dtype not in _COMPILED:
+        from autopart.compiler import _compile
+        from autopart.codegen.emit import emit_directory
+
+        options = CompileOptions(model=GPT, pp=2, microbatches=4, micro_batch_size=2, schedule=schedule, dtype=dtype)
+        plan, front = _compile(options)
+        out = emit_directory(plan, front.op_graph, front.spec, tmp_path_factory.mktemp(f"gpt-{dtype}") / "out")
+        _COMPILED[dtype] = (plan, out, front.chain)
+    return _COMPILED[dtype]
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_bytes_held_for_backward_are_the_predicted_ones(tmp_path_factory, dtype):
+    plan, out, chain = _compiled(tmp_path_factory, dtype)
+    inputs, target = load_model_file(GPT).example(2)
+    batch = dict(zip(plan.graph_inputs, (*inputs, target)))
+    received: list[torch.Tensor] = []
+    for stage in plan.stages:
+        module = load_stage(out, stage.index, CPU)
+        first, last = stage.blocks
+        blocks = chain.blocks[first : last + 1]
+        for mode in ("none", "selective", "full"):
+            args = [t.detach().requires_grad_(True) for t in received] + [batch[n] for n in stage.batch_inputs]
+            for split in (False, True):
+                forward = StageForward(module, recompute=mode, dtype=dtype, device=CPU, split_backward=split)
+                measured, result = held_for_backward(forward, args)
+                predicted = recompute_cost(blocks, mode, input_bytes=stage_input_bytes(chain, first, last))
+                assert measured == pytest.approx(predicted.saved_bytes, rel=0.15), (stage.index, mode, split)
+        received = [t.detach() for t in result] if isinstance(result, tuple) else []
+
+
+def _pinned(plan: Plan, modes: tuple[str, ...], tmp_path: Path) -> Plan:
+    """``plan`` compiled again with its cuts pinned and ``modes`` written into its stages."""
+    data = plan.to_json()
+    for stage, mode in zip(data["stages"], modes):
+        stage["recompute"] = mode
+    path = tmp_path / f"plan-{'-'.join(modes)}.json"
+    path.write_text(json.dumps(data))
+    return autopart.compile(GPT, plan=path)
+
+
+def test_plan_figures_follow_the_recompute_mode(tmp_path_factory, tmp_path):
+    from autopart.compiler import _in_flight
+
+    plan, _, chain = _compiled(tmp_path_factory, "fp32")
+    plans = {modes: _pinned(plan, modes, tmp_path) for modes in (("full", "selective"), ("selective", "full"))}
+    plans[("none", "none")] = plan
+    in_flight = _in_flight("1f1b", 2, 4, 1)  # microbatches each stage holds at its peak: (2, 1)
+    for modes, other in plans.items():
+        assert tuple(s.recompute for s in other.stages) == modes
+        for s, (stage, base) in enumerate(zip(other.stages, plan.stages)):
+            first, last = stage.blocks
+            cost = recompute_cost(chain.blocks[first : last + 1], modes[s], input_bytes=stage_input_bytes(chain, first, last))
+            assert stage.activation_bytes == cost.saved_bytes
+            assert stage.backward_s == pytest.approx(base.backward_s + cost.extra_backward_s)
+            assert stage.forward_s == base.forward_s and stage.backward_weight_s == base.backward_weight_s
+            # the peak adds, once, what a recomputing backward rebuilds while it runs (1F1B: one at a time)
+            grown = in_flight[s] * (stage.activation_bytes - base.activation_bytes) + cost.transient_bytes
+            assert other.predicted.memory_bytes[s] - plan.predicted.memory_bytes[s] == grown
+    for s in range(2):
+        by_mode = {p.stages[s].recompute: p.stages[s] for p in plans.values()}
+        held = [by_mode[m].activation_bytes for m in ("none", "selective", "full")]
+        backward = [by_mode[m].backward_s for m in ("none", "selective", "full")]
+        assert held == sorted(held, reverse=True) and backward == sorted(backward)
+        assert by_mode["full"].backward_s == pytest.approx(plan.stages[s].backward_s + by_mode["full"].forward_s)
+        assert by_mode["full"].activation_bytes < plan.stages[s].activation_bytes / 20
+    assert all(p.predicted.pipeline_s > plan.predicted.pipeline_s for p in plans.values() if p is not plan)
+
+
+def test_recomputed_activations_live_from_i_to_w():
+    assert transient_microbatches(build_schedule("1f1b", ranks=2, microbatches=4), 2) == (1, 1)
+    zero_bubble = build_schedule("zb-h1", ranks=4, microbatches=8)
+    waits = transient_microbatches(zero_bubble, 4)
+    assert all(w >= 1 for w in waits) and max(waits) > 1
+
+
+def test_bf16_runs_faster_on_tensor_cores_and_halves_activations(tmp_path):
+    """A GPT layer at sequence 1024 and width 1024 on the meta device, priced for an H100."""
+    model = tmp_path / "gpt_wide.py"
+    model.write_text(textwrap.dedent(f"""
+        import sys
+        import torch
+        sys.path.insert(0, {str(REPO / "examples")!r})
+        import gpt
+
+        CONFIG = gpt.GPTConfig(vocab_size=2048, block_size=1024, n_layer=2, n_head=16, n_embd=1024)
+
+        def build_model():
+            with torch.device("meta"):
+                return gpt.GPT(CONFIG)
+
+        def example_batch(batch_size):
+            tokens = torch.zeros(batch_size, CONFIG.block_size + 1, dtype=torch.long)
+            return (tokens[:, :-1],), tokens[:, 1:]
+
+        loss_fn = gpt.loss_fn
+    """))
+    plans = {dtype: autopart.compile(model, micro_batch_size=16, microbatches=1, device="h100-sxm", dtype=dtype)
+             for dtype in ("fp32", "bf16")}  # fmt: skip
+    fp32, bf16 = plans["fp32"].stages[0], plans["bf16"].stages[0]
+    assert bf16.forward_s + bf16.backward_s < 0.2 * (fp32.forward_s + fp32.backward_s)  # 989 vs 67 TFLOP/s
+    # Not quite half: the residual stream and the layer norms' inputs stay fp32 under autocast, and
+    # the loss's log-softmax runs in fp32; the 16-bit copies of the weights that matmuls save count too.
+    assert 0.45 < bf16.activation_bytes / fp32.activation_bytes < 0.7
+    assert bf16.parameter_bytes == fp32.parameter_bytes, "the master weights stay fp32"
+    assert plans["bf16"].predicted.memory_bytes[0] < plans["fp32"].predicted.memory_bytes[0]
+
+
+def test_plan_round_trip_and_old_plans(tmp_path_factory, tmp_path):
+    plan, _, _ = _compiled(tmp_path_factory, "bf16")
+    assert plan.dtype == "bf16" and all(s.recompute == "none" for s in plan.stages)
+    data = plan.to_json()
+    data["stages"][0]["recompute"] = "full"
+    edited = Plan.from_json(data)
+    assert edited.stages[0].recompute == "full" and Plan.from_json(edited.to_json()) == edited
+    del data["dtype"]
+    for stage in data["stages"]:
+        del stage["recompute"]
+    old = Plan.from_json(data)  # written before the fields existed
+    assert old.dtype == "fp32" and all(s.recompute == "none" for s in old.stages)
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda d: d.update(dtype="fp16"), r"plan\.dtype must be one of fp32, bf16, got \"fp16\""),
+        (lambda d: d["stages"][1].update(recompute="some"), r"plan\.stages\[1\]\.recompute must be one of none, selective, full"),
+        (lambda d: d["stages"][0].update(recompute=None), r"plan\.stages\[0\]\.recompute must be one of"),
+    ],
+)
+def test_bad_plan_values_name_the_field(tmp_path_factory, edit, message):
+    plan, _, _ = _compiled(tmp_path_factory, "bf16")
+    data = plan.to_json()
+    edit(data)
+    with pytest.raises(PlanError, match=message):
+        Plan.from_json(data)
+
+
+def test_a_pinned_plan_keeps_its_recompute_and_dtype(tmp_path_factory, tmp_path):
+    plan, out, _ = _compiled(tmp_path_factory, "bf16")
+    data = json.loads((out / "plan.json").read_text())
+    data["stages"][1]["recompute"] = "selective"
+    (tmp_path / "plan.json").write_text(json.dumps(data))
+    pinned, emitted = compile_to_directory(CompileOptions(model=GPT, plan=tmp_path / "plan.json"), tmp_path / "out")
+    assert pinned.dtype == "bf16" and [s.recompute for s in pinned.stages] == ["none", "selective"]
+    assert load_plan(emitted / "plan.json") == pinned
+    assert "torch.autocast(bfloat16)" in (emitted / "stages" / "stage_1.py").read_text()
+    assert "selective recompute" in (emitted / "stages" / "stage_1.py").read_text()
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(recompute="partial"), r"unknown --recompute mode 'partial'; use one of none, selective, full"),
+        (dict(recompute=("full",)), r"--recompute lists 1 modes for 2 stages; .* --recompute full,full"),
+        (dict(recompute=("full", "half")), r"unknown --recompute mode 'half'"),
+        (dict(dtype="fp16"), r"unknown --dtype 'fp16'; use one of fp32, bf16"),
+    ],
+)
+def test_bad_options_are_config_errors(options, message):
+    with pytest.raises(ConfigError, match=message):
+        CompileOptions(model=GPT, pp=2, **options)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--recompute", "sometimes"], r"unknown --recompute mode 'sometimes'; use one of none, selective, full"),
+        (["--recompute", "full,none,full"], r"--recompute lists 3 modes for 2 stages"),
+        (["--dtype", "float16"], r"unknown --dtype 'float16'; use one of fp32, bf16"),
+    ],
+    ids=["mode", "count", "dtype"],
+)
+def test_bad_cli_values_are_one_line_exit_2(tmp_path, capsys, args, message):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["compile", str(GPT), "-o", str(tmp_path / "out"), "--pp", "2", *args])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("autopart: error: "), err
+    assert re.search(message, err[0]), err[0]
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_stage_sends_only_what_the_plan_says():
+    """The next stage sizes its receive buffers by the plan: other dtypes must stop F, not garble the message."""
+    from autopart.annotate import TensorMeta
+    from autopart.runtime.executor import _check_outputs
+
+    promised = [TensorMeta(shape=(2, 32), dtype="float32")]
+    _check_outputs((torch.zeros(2, 32),), promised)
+    with pytest.raises(RuntimeError, match=r"output 0 of the stage is .*bfloat16.* but the plan sends .*float32"):
+        _check_outputs((torch.zeros(2, 32, dtype=torch.bfloat16),), promised)
