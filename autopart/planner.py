@@ -324,7 +324,7 @@ def _smallest(space: SearchSpace) -> int:
 def _smallest_memory(layout: Layout, table: FrontTable, cluster: Cluster, space: SearchSpace) -> int:
     """Bisection on the memory limit: the least that ``layout`` fits in with full recompute."""
     lo, hi = cluster.overhead_bytes, 1 << 50
-    while hi - lo > (1 << 24):
+    while hi - lo > max(1 << 20, hi >> 10):  # to 0.1%
         mid = (lo + hi) // 2
         if score_layout(layout, table, replace(cluster, memory_bytes=mid), space, fit_only=True) is not None:
             hi = mid

@@ -96,3 +96,25 @@ def test_a_model_that_cannot_fit_names_the_memory_that_would(tmp_path: Path) -> 
     plan = json.loads((out / "plan.json").read_text())
     assert max(plan["predicted"]["memory_bytes"]) <= needed * (1 << 30)
     assert "the chosen plan first" in fits.stdout and "runners-up" not in fits.stderr
+
+
+@pytest.mark.multiprocess
+def test_a_searched_plan_with_interleaving_and_recompute_trains_like_one_process(tmp_path: Path) -> None:
+    """World size 4 on this CPU: the search, given the schedule kind and a memory limit that the
+    first stage cannot meet without recompute, picks the chunks, the cuts and the recompute of
+    each stage; the programs train like one process."""
+    from tests.distributed import Trained, assert_same_training, read_metrics, stage_weights, torchrun
+
+    out = tmp_path / "out"
+    options = CompileOptions(model=GPT, world_size=4, global_batch_size=16, microbatches=8, dp=2, tp=1,
+                             schedule="interleaved", device="h100-sxm", memory_gib=0.4905, optimizer="sgd")
+    plan, _ = compile_to_directory(options, out)
+    assert plan.mesh == {"pp": 2, "tp": 1, "dp": 2} and plan.schedule.chunks >= 2
+    assert any(stage.recompute != "none" for stage in plan.stages)
+    assert max(plan.predicted.memory_bytes) <= 0.4905 * (1 << 30)
+    metrics = tmp_path / "metrics.jsonl"
+    torchrun(out, plan.world_size, "--steps", "2", "--lr", "0.1", "--optimizer", "sgd", "--metrics", str(metrics),
+             "--save-weights", str(tmp_path / "final"))
+    run = Trained(plan=plan, out=out, metrics=read_metrics(metrics), finals=stage_weights(tmp_path / "final"),
+                  steps=2, trace=None)
+    assert_same_training(run, optimizer="sgd", lr=0.1)
