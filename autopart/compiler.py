@@ -324,11 +324,17 @@ def _problem(options: CompileOptions, front: _Front, microbatches: int) -> Pipel
 
 def _state_bytes(options: CompileOptions, parameter_bytes: int) -> int:
     """Weights, gradients and optimizer state of one rank's share of a parameter."""
-    full = model_state_bytes(parameter_bytes, optimizer=options.optimizer)
-    if not options.zero:
+    return state_bytes(parameter_bytes, optimizer=options.optimizer, dp=options.dp, zero=options.zero)
+
+
+def state_bytes(parameter_bytes: int, *, optimizer: str, dp: int, zero: bool) -> int:
+    """Weights, gradients and optimizer state of ``parameter_bytes`` of parameters on one rank;
+    with ZeRO-1 the optimizer state is shared out over the ``dp`` data-parallel ranks."""
+    full = model_state_bytes(parameter_bytes, optimizer=optimizer)
+    if not zero:
         return full
     weights_and_grads = 2 * parameter_bytes
-    return weights_and_grads + (full - weights_and_grads) // options.dp
+    return weights_and_grads + (full - weights_and_grads) // dp
 
 
 def _plan_from_cuts(

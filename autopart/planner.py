@@ -28,7 +28,7 @@ from autopart.compiler import (
     _plan_from_cuts,
     _problem,
     _sharded,
-    _state_bytes,
+    state_bytes,
 )
 from autopart.errors import ConfigError, InfeasibleError
 from autopart.plan import Plan
@@ -85,7 +85,7 @@ class FrontTable:
         return self._costs[key]
 
     def state_bytes(self, parameter_bytes: int, *, dp: int, zero: bool) -> int:
-        return _state_bytes(replace(self.options, world_size=None, dp=dp, zero=zero), parameter_bytes)
+        return state_bytes(parameter_bytes, optimizer=self.options.optimizer, dp=dp, zero=zero)
 
 
 def chain_costs(front: _Front, tp: int) -> ChainCosts:
