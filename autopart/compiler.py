@@ -432,7 +432,8 @@ def _step_time(options: CompileOptions, front: _Front, stages: list[StagePlan], 
                        chunks=options.chunks), ranks=options.pp)
     device = front.cost_model.device
     return step_time(schedule, costs, ranks=options.pp, cores=device.cores, background=device.background_load,
-                     tail_s=tails, resume_s=(overheads.resume_forward_s, overheads.resume_backward_s))
+                     tail_s=tails, resume_s=(overheads.resume_forward_s, overheads.resume_backward_s),
+                     busy_delay_s=front.cost_model.p2p_busy_delay())
 
 
 def _batch_inputs(op_graph: OpGraph, nodes: tuple[str, ...], graph_inputs: tuple[str, ...]) -> tuple[str, ...]:

@@ -68,6 +68,11 @@ class CostModel(Protocol):
         takes a core from their compute; the rest of `p2p_time` is latency."""
         ...
 
+    def p2p_busy_delay(self) -> float:
+        """Seconds a message takes longer when every core is busy: the receiving process (and
+        its communication threads) wait to be scheduled. 0 where not measured."""
+        ...
+
     def collective_time(self, kind: str, nbytes: float, group_size: int, *,
                         across_nodes: bool = False) -> float:
         """Seconds for one collective over ``group_size`` ranks; ``nbytes`` as in nccl-tests."""

@@ -8,7 +8,10 @@ which a rank cannot spend computing (``p2p_send_cpu``, ``p2p_recv_cpu``): the CP
 sender's ``isend().wait()`` and of the receiver's ``irecv().wait()`` on the calling thread, each
 with its share of gloo's communication thread (on this project's CPU about 0.1 to 0.2 ms a side,
 as much as a small layer's forward). On a GPU the host's part is not the device's time: those
-curves stay out. It also reads each process's resident memory after it has imported the runtime and
+curves stay out. Last, on a CPU, what a message takes longer when every core is busy
+(``p2p_busy_delay``: the mean one-way time with one spinning process per core, less the mean
+without): its receiver waits to be scheduled, on this machine up to a scheduler slice (~2 ms),
+which is what ranks that outnumber the cores pay on every message that finds the cores taken. It also reads each process's resident memory after it has imported the runtime and
 joined the group and run one step of a tiny model: the memory every rank takes besides its
 model's own tensors.
 
@@ -135,6 +138,44 @@ def _p2p_cpu(rank: int, buffer: torch.Tensor) -> tuple[float, float]:
     return statistics.median(sends[2:]) + helpers / 2, statistics.median(receives[2:]) + helpers / 2
 
 
+def _busy_delay(rank: int, round_trips: int = 60) -> float:
+    """Mean one-way time of a small message with a spinning process on every core, less without
+    (ranks past the first two only wait)."""
+    import subprocess
+    import sys
+
+    import torch.distributed as dist
+
+    buffer = torch.zeros(1)
+
+    def mean_one_way() -> float:
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(round_trips if rank < 2 else 0):
+            if rank == 0:
+                dist.isend(buffer, 1).wait()
+                dist.irecv(buffer, 1).wait()
+            else:
+                dist.irecv(buffer, 0).wait()
+                dist.isend(buffer, 0).wait()
+        return (time.perf_counter() - start) / round_trips / 2
+
+    idle = mean_one_way()
+    spinners = []
+    if rank == 0:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(cores)]
+        time.sleep(0.3)  # until they spin
+    try:
+        busy = mean_one_way()
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait()
+    dist.barrier()
+    return max(0.0, busy - idle)
+
+
 def _warm_up(device: torch.device) -> None:
     """One training step of a tiny Transformer layer, so that the memory read afterwards holds
     what any training rank holds besides its model: the library code that ops page in, the
@@ -196,6 +237,10 @@ def _worker(rank: int, ranks: int, backend: str, port: int, out: str) -> None:
             curves["reduce_scatter"].append([nbytes, _time(lambda: dist.reduce_scatter_tensor(part, whole), device)])
         except (RuntimeError, NotImplementedError, ValueError):
             pass  # a backend without reduce_scatter: the cost model keeps its formula for it
+    if backend == "gloo":
+        delay = _busy_delay(rank)
+        if rank == 0:
+            curves["p2p_busy_delay"] = [[1, delay]]
     dist.destroy_process_group()
     for points in curves.values():  # a smaller message never takes longer than a larger one
         for i in range(len(points) - 2, -1, -1):

@@ -75,5 +75,8 @@ class ProfiledCostModel:
     def p2p_rank_time(self, nbytes: float, *, across_nodes: bool = False) -> tuple[float, float]:
         return self.roofline.p2p_rank_time(nbytes, across_nodes=across_nodes)
 
+    def p2p_busy_delay(self) -> float:
+        return self.roofline.p2p_busy_delay()
+
     def collective_time(self, kind: str, nbytes: float, group_size: int, *, across_nodes: bool = False) -> float:
         return self.roofline.collective_time(kind, nbytes, group_size, across_nodes=across_nodes)

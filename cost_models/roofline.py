@@ -122,6 +122,10 @@ class RooflineCostModel:
         receive = self.device.measured_comm_time("p2p_recv_cpu", nbytes)
         return send or 0.0, receive or 0.0
 
+    def p2p_busy_delay(self) -> float:
+        """Measured by ``autopart profile-comm`` on a CPU whose cores it keeps busy, else none."""
+        return self.device.measured_comm_time("p2p_busy_delay", 1) or 0.0
+
     def collective_time(self, kind: str, nbytes: float, group_size: int, *,
                         across_nodes: bool = False) -> float:
         if not across_nodes and group_size == self.device.comm_ranks and group_size > 1:

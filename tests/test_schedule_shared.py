@@ -75,8 +75,22 @@ def test_message_rank_time_comes_from_the_measured_curves() -> None:
 
     spec = load_device("h100-sxm")
     assert RooflineCostModel(device=spec).p2p_rank_time(1e6) == (0.0, 0.0)
+    assert RooflineCostModel(device=spec).p2p_busy_delay() == 0.0
     measured = dataclasses.replace(spec, comm_curves={"p2p_send_cpu": [[4, 1e-4], [1000, 3e-4]],
-                                                      "p2p_recv_cpu": [[4, 2e-4], [1000, 2e-4]]}, comm_ranks=2)
+                                                      "p2p_recv_cpu": [[4, 2e-4], [1000, 2e-4]],
+                                                      "p2p_busy_delay": [[1, 1e-3]]}, comm_ranks=2)
     model = RooflineCostModel(device=measured)
+    assert model.p2p_busy_delay() == 1e-3
     assert model.p2p_rank_time(502) == pytest.approx((2e-4, 2e-4))
     assert model.p2p_rank_time(502, across_nodes=True) == (0.0, 0.0)
+
+
+def test_a_message_that_finds_every_core_busy_is_received_later() -> None:
+    schedule = add_communication(build_schedule("1f1b", ranks=4, microbatches=8, chunks=1), ranks=4)
+    costs = StageCosts.uniform(4, forward_s=1.0, backward_s=2.0, transfer_s=0.1)
+    # with a core for every rank a receiver always has one: the delay never applies
+    assert step_time(schedule, costs, ranks=4, cores=4, busy_delay_s=0.5) == step_time(schedule, costs, ranks=4, cores=4)
+    # four ranks on two cores: messages often arrive while two others compute
+    shared = step_time(schedule, costs, ranks=4, cores=2)
+    delayed = step_time(schedule, costs, ranks=4, cores=2, busy_delay_s=0.5)
+    assert shared < delayed <= shared + 0.5 * 2 * 8 * 3  # at most every message of the step, one after another
