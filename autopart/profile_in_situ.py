@@ -3,7 +3,7 @@
 An op timed alone in a loop (`cost_models.profiler.time_op`) runs with its code, its weights
 and its inputs hot in the caches, and writes its output into the block the allocator has just
 freed. In a training step it finds none of that: between two runs of a layer norm come a
-hundred other ops. On this project's CPU the ops of the examples took 1.3 to 2 times longer in
+hundred other ops. On this project's CPU the ops of the examples took 1.5 to 2.2 times longer in
 the whole graph than alone, the parameter reads of the generated code (``getattr(self.h,
 "0").ln_1.weight``, a few microseconds each) are no op at all, and the backward pays for every
 autograd node the engine schedules and for every parameter gradient it accumulates, which no
@@ -209,8 +209,8 @@ def measure_resume(module: fx.GraphModule, args: Sequence[Any], *, repeats: int 
 
     When more ranks than cores share a CPU, a rank's forward or backward starts after another
     rank has run on its core and filled the caches, the branch predictors and the TLB with its
-    own state, and pays for refilling them: on this project's 2-core machine about 0.3 ms per
-    action, whatever its size, a third of a small stage's time. It is measured by forking a
+    own state, and pays for refilling them: on this project's 2-core machine 0.1 to 0.6 ms per
+    action, about the same for a whole graph as for a quarter of it. It is measured by forking a
     copy of this process that runs the graph in a loop on the same core (both pinned to it),
     and timing the graph's forward and backward (CPU time of this thread) with the copy stopped
     throughout, and again right after the copy ran for 2 ms.
