@@ -522,6 +522,11 @@ def _step_time(options: CompileOptions, front: _Front, stages: list[StagePlan], 
     ranks that share the device's cores when it has them, then each rank's tail."""
     overheads = front.cost_model.runtime_overheads
     call = overheads.autograd_call_s
+    # per boundary, the rank time of its messages (one per tensor) on each side; the rest is latency
+    sides = [[front.cost_model.p2p_rank_time(m.nbytes, across_nodes=options.pipeline_crosses_nodes)
+              for _, m in st.outputs] for st in stages[:-1]]
+    send = tuple(sum(s for s, _ in boundary) for boundary in sides)
+    receive = tuple(sum(r for _, r in boundary) for boundary in sides)
     costs = StageCosts(
         forward_s=tuple(s.forward_s + overheads.module_call_s for s in stages),
         # B starts one backward; zero-bubble schedules start two, one for I and one for W; recompute calls the stage again
@@ -531,7 +536,9 @@ def _step_time(options: CompileOptions, front: _Front, stages: list[StagePlan], 
             for s in stages
         ),
         weight_s=tuple(s.backward_weight_s + (call if options.schedule == "zb-h1" else 0.0) for s in stages),
-        transfer_s=transfer,
+        transfer_s=tuple(max(0.0, t - s - r) for t, s, r in zip(transfer, send, receive)),
+        send_s=send,
+        recv_s=receive,
     )
     schedule = add_communication(
         build_schedule(options.schedule, ranks=options.pp, microbatches=microbatches,
@@ -540,7 +547,8 @@ def _step_time(options: CompileOptions, front: _Front, stages: list[StagePlan], 
     # the other tensor- and data-parallel ranks of the machine run the same work beside this pipeline
     cores = device.cores / (options.tp * options.dp)
     return step_time(schedule, costs, ranks=options.pp, cores=cores, background=device.background_load,
-                     tail_s=tails)
+                     tail_s=tails, resume_s=(overheads.resume_forward_s, overheads.resume_backward_s),
+                     busy_delay_s=front.cost_model.p2p_busy_delay())
 
 
 def _batch_inputs(op_graph: OpGraph, nodes: tuple[str, ...], graph_inputs: tuple[str, ...]) -> tuple[str, ...]:

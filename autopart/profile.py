@@ -8,13 +8,19 @@ they are timed once; a second run over the same model times nothing. It also tim
 optimizer step per parameter shape and, once per device, the fixed costs of the runtime.
 
 On the CPU ops are timed with one thread: that is what every rank runs with under torchrun
-(which sets ``OMP_NUM_THREADS=1`` when it starts several processes).
+(which sets ``OMP_NUM_THREADS=1`` when it starts several processes), and where they run: the
+whole graph's forward and backward (`autopart.profile_in_situ`), because an op timed alone in a
+loop is much faster than the same op in a step. Timed alone, each op still gives the split of
+its backward into the input- and the weight-gradient halves, which zero-bubble schedules run
+apart and which the whole backward does not separate. On a GPU ops are timed alone, with CUDA
+events.
 """
 
 from __future__ import annotations
 
 import copy
 from contextlib import nullcontext
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -25,11 +31,12 @@ from torch import fx
 from autopart.annotate import _run_one, leaves_for_grad, op_key
 from autopart.capture import Graph, ModelSpec, graph_args
 from autopart.errors import ConfigError
+from autopart.profile_in_situ import NodeTimes, measure_resume, time_in_situ
 from autopart.runtime.optim import make_optimizer
 from cost_models.database import CostDatabase, OpTimes
 from cost_models.devices import local_device_name
-from cost_models.profiled import optimizer_key
-from cost_models.profiler import measure, measure_overheads, time_op
+from cost_models.profiled import optimizer_call_key, optimizer_key
+from cost_models.profiler import fixed_and_per_item, measure_overheads, time_op
 
 __all__ = ["profile_costs", "torch_device"]
 
@@ -46,7 +53,10 @@ def torch_device(kind: str) -> torch.device:
 
 
 class _Timer(fx.Interpreter):
-    """Runs the graph without autograd and times each node it has not seen, with autograd."""
+    """Runs the graph without autograd and times alone each op the database lacks, with autograd.
+
+    ``timed`` holds those times by key and ``nodes`` the nodes of each such key: the repeated
+    layers give one key several nodes, timed once."""
 
     def __init__(self, module: fx.GraphModule, database: CostDatabase, device: torch.device, device_name: str,
                  progress: Progress | None):
@@ -55,6 +65,8 @@ class _Timer(fx.Interpreter):
         self.parameters = {id(p) for p in module.parameters()}
         self.overheads = database.overheads[device_name]
         self.progress = progress
+        self.timed: dict[str, OpTimes] = {}
+        self.nodes: dict[str, list[str]] = {}
         self.task = progress.add_task("profiling", total=sum(n.op.startswith("call") for n in module.graph.nodes)) if progress else None
 
     def run_node(self, node: fx.Node) -> Any:
@@ -64,13 +76,15 @@ class _Timer(fx.Interpreter):
         args, kwargs = self.fetch_args_kwargs_from_env(node)
         key = op_key(node, args, kwargs, self.parameters)
         if self.database.get(self.device_name, key) is None:
+            self.nodes.setdefault(key, []).append(node.name)
+        if self.database.get(self.device_name, key) is None and key not in self.timed:
             if self.progress is not None:
                 self.progress.update(self.task, description=f"timing {key[:70]}")
             fresh_args, fresh_kwargs, inputs, weights = leaves_for_grad(args, kwargs, self.parameters, clone=True)
             with torch.enable_grad():
                 times = time_op(lambda: _run_one(node, fresh_args, fresh_kwargs), inputs=inputs, weights=weights,
                                 device=self.device, overheads=self.overheads)
-            self.database.put(self.device_name, key, times)
+            self.timed[key] = times
         if self.progress is not None:
             self.progress.advance(self.task)
         return value
@@ -78,15 +92,44 @@ class _Timer(fx.Interpreter):
 
 def _time_optimizer(database: CostDatabase, device_name: str, device: torch.device, optimizer: str,
                     parameters: list[torch.Tensor]) -> None:
+    """Once, the fixed cost of a ``step()``; per parameter shape, what one parameter adds to it.
+
+    Both from steps over several parameters: a step over one parameter pays the fixed cost as
+    well, and a rank steps all its parameters in one call. The fixed cost is the intercept over
+    1 to 8 tiny parameters; a shape's share the slope over 1 to 3 parameters of that shape.
+    """
+    def step_over(count: int, shape: tuple[int, ...] = (4,), dtype: torch.dtype = torch.float32) -> Any:
+        weights = [torch.zeros(shape, dtype=dtype, device=device, requires_grad=True) for _ in range(count)]
+        for weight in weights:
+            weight.grad = torch.full_like(weight, 1e-3)
+        return make_optimizer(optimizer, weights, 1e-3).step
+
+    call_key = optimizer_call_key(optimizer)
+    if database.get(device_name, call_key) is None:
+        fixed, _ = fixed_and_per_item(step_over, device=device)
+        database.put(device_name, call_key, OpTimes(forward_s=fixed))
     for parameter in parameters:
         shape, dtype = tuple(parameter.shape), str(parameter.dtype).removeprefix("torch.")
         key = optimizer_key(optimizer, shape, dtype)
         if database.get(device_name, key) is not None:
             continue
-        weight = torch.zeros(shape, dtype=parameter.dtype, device=device, requires_grad=True)
-        weight.grad = torch.full_like(weight, 1e-3)
-        step = make_optimizer(optimizer, [weight], 1e-3)
-        database.put(device_name, key, OpTimes(forward_s=measure(step.step, device=device)))
+        _, share = fixed_and_per_item(lambda n: step_over(n, shape, parameter.dtype), device=device, counts=(1, 2, 3))
+        database.put(device_name, key, OpTimes(forward_s=share))
+
+
+def _put_in_situ(database: CostDatabase, device_name: str, timer: _Timer, in_situ: dict[str, NodeTimes]) -> None:
+    """Per key, the mean over its nodes of their in-place times; the backward split into its
+    halves as the op split it when timed alone."""
+    for key, alone in timer.timed.items():
+        nodes = [in_situ[n] for n in timer.nodes[key] if n in in_situ]
+        if not nodes:
+            database.put(device_name, key, alone)
+            continue
+        forward = sum(n.forward_s for n in nodes) / len(nodes)
+        backward = sum(n.backward_s for n in nodes) / len(nodes)
+        weight_share = alone.backward_weight_s / alone.backward_s if alone.backward_s > 0 else 0.0
+        database.put(device_name, key, OpTimes(forward_s=forward, backward_input_s=backward * (1 - weight_share),
+                                               backward_weight_s=backward * weight_share))
 
 
 def profile_costs(graph: Graph, spec: ModelSpec, database: CostDatabase, *, device: str = "cpu",
@@ -100,15 +143,26 @@ def profile_costs(graph: Graph, spec: ModelSpec, database: CostDatabase, *, devi
     if where.type == "cpu":
         torch.set_num_threads(threads)
     try:
-        if device_name not in database.overheads:
+        fresh_overheads = device_name not in database.overheads
+        if fresh_overheads:
             database.overheads[device_name] = measure_overheads(where)
         module = graph.module if where.type == "cpu" else copy.deepcopy(graph.module).to(where)
         inputs, target = spec.example(micro_batch_size)
         values = [v.to(where) if isinstance(v, torch.Tensor) else v for v in graph_args(graph, inputs, target)]
         progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                             console=console, transient=True) if console is not None else None
+        timer = _Timer(module, database, where, device_name, progress)
         with progress or nullcontext(), torch.no_grad():
-            _Timer(module, database, where, device_name, progress).run(*values)
+            timer.run(*values)
+        if timer.timed and where.type == "cpu":
+            _put_in_situ(database, device_name, timer, time_in_situ(module, values))
+        else:
+            for key, times in timer.timed.items():
+                database.put(device_name, key, times)
+        if fresh_overheads and where.type == "cpu":
+            forward, backward = measure_resume(module, values)
+            database.overheads[device_name] = replace(database.overheads[device_name], resume_forward_s=forward,
+                                                      resume_backward_s=backward)
         _time_optimizer(database, device_name, where, optimizer, list(dict.fromkeys(module.parameters())))
     finally:
         torch.set_num_threads(previous_threads)

@@ -62,6 +62,17 @@ class CostModel(Protocol):
         """Seconds to send ``nbytes`` from one device to another (pipeline send and receive)."""
         ...
 
+    def p2p_rank_time(self, nbytes: float, *, across_nodes: bool = False) -> tuple[float, float]:
+        """(sender, receiver) seconds of rank time within one message's `p2p_time`: the work the
+        two processes do themselves (posting, completing, their communication threads), which
+        takes a core from their compute; the rest of `p2p_time` is latency."""
+        ...
+
+    def p2p_busy_delay(self) -> float:
+        """Seconds a message takes longer when every core is busy: the receiving process (and
+        its communication threads) wait to be scheduled. 0 where not measured."""
+        ...
+
     def collective_time(self, kind: str, nbytes: float, group_size: int, *,
                         across_nodes: bool = False) -> float:
         """Seconds for one collective over ``group_size`` ranks; ``nbytes`` as in nccl-tests."""

@@ -3,7 +3,15 @@
 Starts ``ranks`` processes (gloo on loopback here, NCCL on GPUs) and times, at a few sizes, a
 point-to-point message in the runtime's own pattern (``isend``/``irecv`` then ``wait``, one-way
 time as half a round trip), ``all_reduce``, ``all_gather`` and ``reduce_scatter``; median of
-repeats. It also reads each process's resident memory after it has imported the runtime and
+repeats. Of a message's time it also measures the part that is the two processes' own work,
+which a rank cannot spend computing (``p2p_send_cpu``, ``p2p_recv_cpu``): the CPU time of the
+sender's ``isend().wait()`` and of the receiver's ``irecv().wait()`` on the calling thread, each
+with its share of gloo's communication thread (on this project's CPU about 0.1 to 0.2 ms a side,
+as much as a small layer's forward). On a GPU the host's part is not the device's time: those
+curves stay out. Last, on a CPU, what a message takes longer when every core is busy
+(``p2p_busy_delay``: the mean one-way time with one spinning process per core, less the mean
+without): its receiver waits to be scheduled, on this machine up to a scheduler slice (~2 ms),
+which is what ranks that outnumber the cores pay on every message that finds the cores taken. It also reads each process's resident memory after it has imported the runtime and
 joined the group and run one step of a tiny model: the memory every rank takes besides its
 model's own tensors.
 
@@ -37,6 +45,7 @@ SIZES = (4, 4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 8 << 20)
 """Message sizes timed, in bytes: latency-bound to bandwidth-bound."""
 _REPEATS = 15
 _KINDS = ("p2p", "all_reduce", "all_gather", "reduce_scatter")
+_CPU_KINDS = ("p2p_send_cpu", "p2p_recv_cpu")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -97,6 +106,76 @@ def _time(call, device: torch.device) -> float:
     return statistics.median(samples)
 
 
+def _helper_threads_cpu() -> float:
+    """CPU seconds so far of this process's threads other than the calling one (gloo's)."""
+    import threading
+
+    own = threading.get_native_id()
+    total = 0
+    for task in os.listdir("/proc/self/task"):
+        if int(task) != own:
+            with open(f"/proc/self/task/{task}/schedstat") as stat:
+                total += int(stat.read().split()[0])
+    return total / 1e9
+
+
+def _p2p_cpu(rank: int, buffer: torch.Tensor) -> tuple[float, float]:
+    """(send, receive) CPU seconds of one message on rank 0 and 1's side of a ping-pong: the
+    calling thread's time in ``isend().wait()`` and in ``irecv().wait()``, each plus half of what
+    the process's other threads spent per message."""
+    import torch.distributed as dist
+
+    peer = 1 - rank
+    sends, receives = [], []
+    dist.barrier()
+    helpers = _helper_threads_cpu()
+    for i in range(_REPEATS + 2):
+        for sending in ((True, False) if rank == 0 else (False, True)):
+            start = time.thread_time()
+            (dist.isend if sending else dist.irecv)(buffer, peer).wait()
+            (sends if sending else receives).append(time.thread_time() - start)
+    helpers = (_helper_threads_cpu() - helpers) / (2 * (_REPEATS + 2))
+    return statistics.median(sends[2:]) + helpers / 2, statistics.median(receives[2:]) + helpers / 2
+
+
+def _busy_delay(rank: int, round_trips: int = 60) -> float:
+    """Mean one-way time of a small message with a spinning process on every core, less without
+    (ranks past the first two only wait)."""
+    import subprocess
+    import sys
+
+    import torch.distributed as dist
+
+    buffer = torch.zeros(1)
+
+    def mean_one_way() -> float:
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(round_trips if rank < 2 else 0):
+            if rank == 0:
+                dist.isend(buffer, 1).wait()
+                dist.irecv(buffer, 1).wait()
+            else:
+                dist.irecv(buffer, 0).wait()
+                dist.isend(buffer, 0).wait()
+        return (time.perf_counter() - start) / round_trips / 2
+
+    idle = mean_one_way()
+    spinners = []
+    if rank == 0:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(cores)]
+        time.sleep(0.3)  # until they spin
+    try:
+        busy = mean_one_way()
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait()
+    dist.barrier()
+    return max(0.0, busy - idle)
+
+
 def _warm_up(device: torch.device) -> None:
     """One training step of a tiny Transformer layer, so that the memory read afterwards holds
     what any training rank holds besides its model: the library code that ops page in, the
@@ -131,7 +210,7 @@ def _worker(rank: int, ranks: int, backend: str, port: int, out: str) -> None:
     dist.barrier()
     _warm_up(device)
     process_bytes = _rss_bytes()
-    curves: dict[str, list[list[float]]] = {kind: [] for kind in _KINDS}
+    curves: dict[str, list[list[float]]] = {kind: [] for kind in _KINDS + (_CPU_KINDS if backend == "gloo" else ())}
     for nbytes in SIZES:
         buffer = torch.zeros(max(1, nbytes // 4), device=device)
 
@@ -144,6 +223,12 @@ def _worker(rank: int, ranks: int, backend: str, port: int, out: str) -> None:
                 dist.isend(buffer, 0).wait()
 
         curves["p2p"].append([nbytes, _time(ping_pong, device) / 2])
+        if backend == "gloo" and rank < 2:
+            send, receive = _p2p_cpu(rank, buffer)
+            curves["p2p_send_cpu"].append([nbytes, send])
+            curves["p2p_recv_cpu"].append([nbytes, receive])
+        elif backend == "gloo":
+            dist.barrier()  # ranks past the pair only join the pair's barrier
         curves["all_reduce"].append([nbytes, _time(lambda: dist.all_reduce(buffer), device)])
         part = torch.zeros(max(1, nbytes // 4 // ranks), device=device)
         whole = torch.zeros(part.numel() * ranks, device=device)
@@ -152,6 +237,10 @@ def _worker(rank: int, ranks: int, backend: str, port: int, out: str) -> None:
             curves["reduce_scatter"].append([nbytes, _time(lambda: dist.reduce_scatter_tensor(part, whole), device)])
         except (RuntimeError, NotImplementedError, ValueError):
             pass  # a backend without reduce_scatter: the cost model keeps its formula for it
+    if backend == "gloo":
+        delay = _busy_delay(rank)
+        if rank == 0:
+            curves["p2p_busy_delay"] = [[1, delay]]
     dist.destroy_process_group()
     for points in curves.values():  # a smaller message never takes longer than a larger one
         for i in range(len(points) - 2, -1, -1):

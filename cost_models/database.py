@@ -12,8 +12,9 @@ costs of the runtime that no op carries (starting an autograd backward, calling 
 
 The file is plain JSON so that it can be read, diffed, merged and checked in::
 
-    {"schema": 1, "entries": {KEY: {"forward_s": .., "backward_input_s": .., "backward_weight_s": ..}},
-     "overheads": {DEVICE: {"autograd_call_s": .., "module_call_s": ..}}}
+    {"schema": 2, "entries": {KEY: {"forward_s": .., "backward_input_s": .., "backward_weight_s": ..}},
+     "overheads": {DEVICE: {"autograd_call_s": .., "module_call_s": .., "resume_forward_s": ..,
+                            "resume_backward_s": ..}}}
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from autopart.errors import ConfigError
 
 __all__ = ["OpTimes", "RuntimeOverheads", "CostDatabase", "entry_key"]
 
-_SCHEMA = 1
+_SCHEMA = 2
+"""2: ops timed in place on the CPU (``autopart.profile_in_situ``), optimizer steps less their fixed cost."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,6 +57,11 @@ class RuntimeOverheads:
     taken out of every op's measured backward, where the profiler's own call paid it."""
     module_call_s: float = 0.0
     """Calling a module (``nn.Module.__call__``): paid once per forward action."""
+    resume_forward_s: float = 0.0
+    """What a forward action costs more when another rank ran on its core just before it
+    (caches, branch predictors and TLB refilled): paid by every forward when ranks share cores."""
+    resume_backward_s: float = 0.0
+    """The same for a backward action."""
 
 
 def entry_key(device: str, op_key: str) -> str:

@@ -16,12 +16,18 @@ from cost_models.database import CostDatabase, OpTimes, RuntimeOverheads
 from cost_models.devices import DeviceSpec
 from cost_models.roofline import RooflineCostModel
 
-__all__ = ["ProfiledCostModel", "optimizer_key"]
+__all__ = ["ProfiledCostModel", "optimizer_key", "optimizer_call_key"]
 
 
 def optimizer_key(optimizer: str, shape: tuple[int, ...], dtype: str) -> str:
-    """Database key of one optimizer step over one parameter (stored as its ``forward_s``)."""
+    """Database key of what one parameter adds to an optimizer step (stored as its ``forward_s``)."""
     return f"optimizer.{optimizer}({dtype}[{','.join(map(str, shape))}])"
+
+
+def optimizer_call_key(optimizer: str) -> str:
+    """Database key of the fixed cost of one ``optimizer.step()``, whatever its parameters: a
+    rank steps all its parameters in one call, so this is paid once per rank and step."""
+    return f"optimizer.{optimizer}(call)"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -51,11 +57,13 @@ class ProfiledCostModel:
         return self.roofline.op_times(op_key, forward, backward_input, backward_weight)
 
     def optimizer_time(self, optimizer: str, parameters: Iterable[tuple[tuple[int, ...], str]]) -> float:
+        """One ``step()`` over ``parameters``: its fixed cost once, then each parameter's share."""
         total = 0.0
         for shape, dtype in parameters:
             measured = self.database.get(self.device.name, optimizer_key(optimizer, shape, dtype))
             total += measured.forward_s if measured else self.roofline.optimizer_time(optimizer, [(shape, dtype)])
-        return total
+        call = self.database.get(self.device.name, optimizer_call_key(optimizer))
+        return total + (call.forward_s if call is not None and total > 0 else 0.0)
 
     @property
     def runtime_overheads(self) -> RuntimeOverheads:
@@ -63,6 +71,12 @@ class ProfiledCostModel:
 
     def p2p_time(self, nbytes: float, *, across_nodes: bool = False) -> float:
         return self.roofline.p2p_time(nbytes, across_nodes=across_nodes)
+
+    def p2p_rank_time(self, nbytes: float, *, across_nodes: bool = False) -> tuple[float, float]:
+        return self.roofline.p2p_rank_time(nbytes, across_nodes=across_nodes)
+
+    def p2p_busy_delay(self) -> float:
+        return self.roofline.p2p_busy_delay()
 
     def collective_time(self, kind: str, nbytes: float, group_size: int, *, across_nodes: bool = False) -> float:
         return self.roofline.collective_time(kind, nbytes, group_size, across_nodes=across_nodes)

@@ -20,7 +20,7 @@ import torch
 
 from cost_models.database import OpTimes, RuntimeOverheads
 
-__all__ = ["measure", "time_op", "measure_overheads", "WARMUP", "REPEATS", "BUDGET_S"]
+__all__ = ["measure", "time_op", "measure_overheads", "fixed_and_per_item", "WARMUP", "REPEATS", "BUDGET_S"]
 
 WARMUP = 3
 """Calls before timing starts: allocator, caches and lazily initialised kernels."""
@@ -123,3 +123,22 @@ def measure_overheads(device: torch.device) -> RuntimeOverheads:
     t_module = measure(lambda: module(x), device=device, **samples)
     t_plain = measure(lambda: plain(x), device=device, **samples)
     return RuntimeOverheads(autograd_call_s=max(0.0, 2 * t_one - t_two), module_call_s=max(0.0, t_module - t_plain))
+
+
+def fixed_and_per_item(make_call: Callable[[int], Callable[[], Any]], *, device: torch.device,
+                       counts: Sequence[int] = (1, 2, 4, 8), rounds: int = 3) -> tuple[float, float]:
+    """(fixed, per item) seconds of a call over ``n`` items, ``make_call(n)`` giving that call:
+    the least-squares line through the medians at ``counts``, the sizes measured in turn for
+    ``rounds`` rounds so that a burst of other load spreads over all of them. The fixed part is
+    what a call costs besides its items (an optimizer ``step()`` over a rank's parameters pays
+    it once, a step timed per parameter once per parameter)."""
+    calls = {n: make_call(n) for n in counts}
+    samples: dict[int, list[float]] = {n: [] for n in counts}
+    for _ in range(rounds):
+        for n in counts:
+            samples[n].append(measure(calls[n], device=device, repeats=50, budget_s=0.05))
+    xs = list(counts)
+    ys = [statistics.median(samples[n]) for n in counts]
+    mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / sum((x - mean_x) ** 2 for x in xs)
+    return max(0.0, mean_y - slope * mean_x), max(0.0, slope)

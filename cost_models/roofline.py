@@ -113,6 +113,19 @@ class RooflineCostModel:
         bandwidth, latency = self._link(across_nodes)
         return comm.p2p_time(nbytes, bandwidth=bandwidth, latency_s=latency)
 
+    def p2p_rank_time(self, nbytes: float, *, across_nodes: bool = False) -> tuple[float, float]:
+        """Measured by ``autopart profile-comm`` where it ran (never across nodes), else none:
+        a device's copy engines and NICs move the bytes, not its compute units."""
+        if across_nodes or nbytes == 0:
+            return 0.0, 0.0
+        send = self.device.measured_comm_time("p2p_send_cpu", nbytes)
+        receive = self.device.measured_comm_time("p2p_recv_cpu", nbytes)
+        return send or 0.0, receive or 0.0
+
+    def p2p_busy_delay(self) -> float:
+        """Measured by ``autopart profile-comm`` on a CPU whose cores it keeps busy, else none."""
+        return self.device.measured_comm_time("p2p_busy_delay", 1) or 0.0
+
     def collective_time(self, kind: str, nbytes: float, group_size: int, *,
                         across_nodes: bool = False) -> float:
         if not across_nodes and group_size == self.device.comm_ranks and group_size > 1:

@@ -2,6 +2,7 @@
 
 import pytest
 
+from autopart.errors import ConfigError
 from autopart.schedule import StageCosts, add_communication, build_schedule, simulate
 from autopart.schedule.shared import step_time
 from cost_models import load_device
@@ -36,3 +37,60 @@ def test_measured_comm_curves_interpolate_and_extend(tmp_path) -> None:
     assert measured.measured_comm_time("p2p", 1500) == pytest.approx(3e-4)
     assert measured.measured_comm_time("p2p", 3000) == pytest.approx(6e-4)
     assert measured.measured_comm_time("all_reduce", 10) is None
+
+
+def test_sends_and_receives_take_rank_time_and_delay_the_data() -> None:
+    # one microbatch over two ranks, by hand: F0 on rank 0 ends at 1, its send at 1.1, the data
+    # is on rank 1 at 1.6, its receive ends at 1.8; F and B on rank 1 to 4.8, the gradient's
+    # send to 4.9, on rank 0 at 5.4, received at 5.6, B on rank 0 to 7.6
+    schedule = add_communication(build_schedule("gpipe", ranks=2, microbatches=1, chunks=1), ranks=2)
+    plain = StageCosts(forward_s=(1.0, 1.0), backward_s=(2.0, 2.0), weight_s=(0.0, 0.0), transfer_s=(0.5,))
+    messages = StageCosts(forward_s=(1.0, 1.0), backward_s=(2.0, 2.0), weight_s=(0.0, 0.0), transfer_s=(0.5,),
+                          send_s=(0.1,), recv_s=(0.2,))
+    assert simulate(schedule, plain, ranks=2).step_s == pytest.approx(7.0)
+    assert simulate(schedule, messages, ranks=2).step_s == pytest.approx(7.6)
+    assert step_time(schedule, messages, ranks=2) == pytest.approx(7.6)
+    with pytest.raises(ConfigError, match=r"send_s has 2 values for 2 stages"):
+        StageCosts(forward_s=(1.0, 1.0), backward_s=(2.0, 2.0), weight_s=(0.0, 0.0), transfer_s=(0.5,), send_s=(0.1, 0.1))
+
+
+def test_ranks_sharing_cores_pay_the_resume_cost_on_every_compute_action() -> None:
+    schedule = add_communication(build_schedule("1f1b", ranks=2, microbatches=8, chunks=1), ranks=2)
+    costs = StageCosts.uniform(2, forward_s=1.0, backward_s=2.0)
+    resume = (0.1, 0.25)
+    # one core: every second of work, resumes included, runs one after another
+    base = step_time(schedule, costs, ranks=2, cores=1)
+    assert step_time(schedule, costs, ranks=2, cores=1, resume_s=resume) == pytest.approx(base + 2 * 8 * 0.35)
+    # a core per rank, nothing else running: no rank ever takes another's core
+    assert step_time(schedule, costs, ranks=2, cores=2, resume_s=resume) == step_time(schedule, costs, ranks=2, cores=2)
+    # ... unless other processes busy the cores too
+    assert step_time(schedule, costs, ranks=2, cores=2, background=1.0, resume_s=resume) > \
+        step_time(schedule, costs, ranks=2, cores=2, background=1.0)
+
+
+def test_message_rank_time_comes_from_the_measured_curves() -> None:
+    import dataclasses
+
+    from cost_models.roofline import RooflineCostModel
+
+    spec = load_device("h100-sxm")
+    assert RooflineCostModel(device=spec).p2p_rank_time(1e6) == (0.0, 0.0)
+    assert RooflineCostModel(device=spec).p2p_busy_delay() == 0.0
+    measured = dataclasses.replace(spec, comm_curves={"p2p_send_cpu": [[4, 1e-4], [1000, 3e-4]],
+                                                      "p2p_recv_cpu": [[4, 2e-4], [1000, 2e-4]],
+                                                      "p2p_busy_delay": [[1, 1e-3]]}, comm_ranks=2)
+    model = RooflineCostModel(device=measured)
+    assert model.p2p_busy_delay() == 1e-3
+    assert model.p2p_rank_time(502) == pytest.approx((2e-4, 2e-4))
+    assert model.p2p_rank_time(502, across_nodes=True) == (0.0, 0.0)
+
+
+def test_a_message_that_finds_every_core_busy_is_received_later() -> None:
+    schedule = add_communication(build_schedule("1f1b", ranks=4, microbatches=8, chunks=1), ranks=4)
+    costs = StageCosts.uniform(4, forward_s=1.0, backward_s=2.0, transfer_s=0.1)
+    # with a core for every rank a receiver always has one: the delay never applies
+    assert step_time(schedule, costs, ranks=4, cores=4, busy_delay_s=0.5) == step_time(schedule, costs, ranks=4, cores=4)
+    # four ranks on two cores: messages often arrive while two others compute
+    shared = step_time(schedule, costs, ranks=4, cores=2)
+    delayed = step_time(schedule, costs, ranks=4, cores=2, busy_delay_s=0.5)
+    assert shared < delayed <= shared + 0.5 * 2 * 8 * 3  # at most every message of the step, one after another

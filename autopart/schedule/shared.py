@@ -3,7 +3,11 @@
 `simulate` gives every rank a device of its own. On a CPU machine the ranks are processes that
 share its cores: when more ranks compute at once than there are cores, each advances at
 ``cores / busy`` of its own speed (processor sharing, what the kernel's scheduler gives
-CPU-bound processes), and other processes running on the machine take their share as well.
+CPU-bound processes), and other processes running on the machine take their share as well. Sharing has a price besides the
+share: a rank whose core another rank had just before starts each compute action with cold
+caches, and pays ``resume_s`` (forward, backward) more for it (measured by ``autopart profile``);
+and a message that arrives while every core is busy is received ``busy_delay_s`` later, when
+its rank gets a core again (measured by ``autopart profile-comm``).
 ``step_time`` runs the same action lists under that rule, and after each
 rank's last action its ``tail_s`` (the optimizer step and anything else the step does after the
 pipeline), and returns when the last rank is done. With ``cores = 0`` (a device per rank) it
@@ -12,7 +16,7 @@ equals `simulate`'s step plus the longest tail on the last rank to finish.
 
 from __future__ import annotations
 
-from autopart.schedule.actions import Schedule
+from autopart.schedule.actions import Kind, Schedule
 from autopart.schedule.simulate import StageCosts, input_ready_at
 
 __all__ = ["step_time"]
@@ -21,10 +25,13 @@ _EPSILON = 1e-12
 
 
 def step_time(schedule: Schedule, costs: StageCosts, *, ranks: int, cores: int = 0, background: float = 0.0,
-              tail_s: dict[int, float] | None = None) -> float:
+              tail_s: dict[int, float] | None = None, resume_s: tuple[float, float] = (0.0, 0.0),
+              busy_delay_s: float = 0.0) -> float:
     """Seconds from the first action to the end of the last rank's tail; ``background`` other
-    busy processes share the ``cores`` too."""
+    busy processes share the ``cores`` too; when they and the ranks outnumber the cores, every
+    compute action pays ``resume_s`` (forward, backward and its halves) on top of its own time."""
     tail_s = tail_s or {}
+    shared = 0 < cores < ranks + background
     finished: dict = {}
     cursor = {rank: 0 for rank in schedule}
     remaining: dict[int, float] = {}  # rank -> work left of what it runs now
@@ -44,11 +51,16 @@ def step_time(schedule: Schedule, costs: StageCosts, *, ranks: int, cores: int =
                 else:
                     action = actions[cursor[rank]]
                     ready = input_ready_at(action, finished, costs, ranks=ranks)
+                    if ready is not None and action.kind in (Kind.RECV_F, Kind.RECV_B) and ready > 0 \
+                            and 0 < cores <= len(remaining) + background:
+                        ready += busy_delay_s
                     if ready is None or ready > now + _EPSILON:
                         if ready is not None:
                             wakes.append(ready)
                         continue
                     work = costs.duration(action)
+                    if shared and action.is_compute:
+                        work += resume_s[0] if action.kind is Kind.F else resume_s[1]
                     cursor[rank] += 1
                 if work > 0:
                     remaining[rank], running[rank] = work, action

@@ -33,7 +33,15 @@ class StageCosts:
     """The weight-gradient part of ``backward_s``: W takes this, I takes the rest."""
     transfer_s: tuple[float, ...]
     """Per boundary s -> s+1 (so one fewer than stages): moving one microbatch's activation
-    across ranks, and the same for its gradient coming back."""
+    across ranks, and the same for its gradient coming back, from the end of the send to the
+    data being on the receiving rank."""
+    send_s: tuple[float, ...] = ()
+    """Per boundary: rank time of one send (posting the message: gloo does it on the caller's
+    thread and its own); empty for none. A send follows its compute at once, so its data leaves
+    ``send_s`` after the compute ends."""
+    recv_s: tuple[float, ...] = ()
+    """Per boundary: rank time of one receive once the data is there (completing it, waking up);
+    empty for none."""
 
     def __post_init__(self) -> None:
         stages = len(self.forward_s)
@@ -47,12 +55,14 @@ class StageCosts:
                     f"StageCosts.{name} has {len(getattr(self, name))} values but forward_s has "
                     f"{stages}; give one value per stage"
                 )
-        if len(self.transfer_s) != stages - 1:
-            raise ConfigError(
-                f"StageCosts.transfer_s has {len(self.transfer_s)} values for {stages} stages; "
-                f"give one per boundary ({stages - 1})"
-            )
-        for name in ("forward_s", "backward_s", "weight_s", "transfer_s"):
+        for name in ("transfer_s", "send_s", "recv_s"):
+            given = len(getattr(self, name))
+            if given != stages - 1 and not (name != "transfer_s" and given == 0):
+                raise ConfigError(
+                    f"StageCosts.{name} has {given} values for {stages} stages; "
+                    f"give one per boundary ({stages - 1})"
+                )
+        for name in ("forward_s", "backward_s", "weight_s", "transfer_s", "send_s", "recv_s"):
             if any(value < 0 for value in getattr(self, name)):
                 raise ConfigError(f"StageCosts.{name} has a negative time; times are seconds >= 0")
         for stage, (backward, weight) in enumerate(
@@ -97,7 +107,9 @@ class StageCosts:
             return self.backward_s[stage] - self.weight_s[stage]
         if action.kind is Kind.W:
             return self.weight_s[stage]
-        return 0.0
+        boundary = {Kind.SEND_F: stage, Kind.RECV_B: stage, Kind.SEND_B: stage - 1, Kind.RECV_F: stage - 1}[action.kind]
+        side = self.send_s if action.kind in (Kind.SEND_F, Kind.SEND_B) else self.recv_s
+        return side[boundary] if side else 0.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -242,7 +254,9 @@ def input_ready_at(action: Action, finished: dict[tuple[int, Kind, int], float],
     def arrival(producer_end: float | None, boundary: int, crosses: bool) -> float | None:
         if producer_end is None:
             return None
-        return producer_end + (costs.transfer_s[boundary] if crosses else 0.0)
+        if not crosses:
+            return producer_end
+        return producer_end + (costs.send_s[boundary] if costs.send_s else 0.0) + costs.transfer_s[boundary]
 
     stage, mb, kind = action.stage, action.microbatch, action.kind
     if kind in (Kind.F, Kind.RECV_F):

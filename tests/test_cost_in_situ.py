@@ -1,0 +1,138 @@
+"""Timing ops where they run: per-node attribution in the whole graph, and the fixed costs the
+runtime pays besides the ops (an optimizer step's own cost, resuming on a shared core)."""
+
+import os
+import time
+
+import pytest
+import torch
+from torch import fx, nn
+
+from autopart.profile import _put_in_situ
+from autopart.profile_in_situ import measure_resume, time_in_situ
+from cost_models import CostDatabase, load_device
+from cost_models.database import OpTimes
+from cost_models.profiled import ProfiledCostModel, optimizer_call_key, optimizer_key
+from cost_models.profiler import fixed_and_per_item
+from cost_models.roofline import RooflineCostModel
+
+
+def _spin(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+class _Slow(torch.autograd.Function):
+    """Identity that takes ``forward_s`` in forward and ``backward_s`` in backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, forward_s: float, backward_s: float) -> torch.Tensor:
+        ctx.backward_s = backward_s
+        _spin(forward_s)
+        return x * 1.0
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        _spin(ctx.backward_s)
+        return grad * 1.0, None, None
+
+
+def slow_a(x):
+    return _Slow.apply(x, 0.002, 0.001)
+
+
+def slow_b(x):
+    return _Slow.apply(x, 0.0005, 0.003)
+
+
+fx.wrap("slow_a")
+fx.wrap("slow_b")
+
+
+class _Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(8, 8))
+        self.register_buffer("steps", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.steps.add_(1)
+        y = slow_b(torch.relu(nn.functional.linear(slow_a(x), self.weight)))
+        return (y * torch.rand_like(y)).sum()
+
+
+def _trace(model: nn.Module) -> fx.GraphModule:
+    """As autopart captures: parameters and buffers are get_attr nodes."""
+    tracer = fx.Tracer()
+    tracer.proxy_buffer_attributes = True
+    return fx.GraphModule(model, tracer.trace(model))
+
+
+def test_each_node_gets_its_own_time_in_the_whole_graph() -> None:
+    module = _trace(_Model())
+    x = torch.randn(4, 8, requires_grad=True)
+    rng = torch.get_rng_state()
+    times = time_in_situ(module, [x], repeats=6)
+    names = {n.name: n for n in module.graph.nodes}
+    a = next(k for k, n in names.items() if n.op == "call_function" and n.target is slow_a)
+    b = next(k for k, n in names.items() if n.op == "call_function" and n.target is slow_b)
+    # each spin lands on the node that spins, in forward and in backward, and nowhere else
+    assert 0.0019 < times[a].forward_s < 0.0035 and 0.0009 < times[a].backward_s < 0.0025
+    assert 0.0004 < times[b].forward_s < 0.002 and 0.0028 < times[b].backward_s < 0.0045
+    for name, node_times in times.items():
+        if name not in (a, b):
+            assert node_times.forward_s < 0.0004 and node_times.backward_s < 0.0004, name
+    # the parameters' reads and gradient accumulation are charged to the linear that reads them
+    assert not any(names[n].op == "get_attr" for n in times)
+    linear = next(k for k, n in names.items() if n.target is nn.functional.linear)
+    assert times[linear].backward_s > 0
+    # the module is left as it was: no gradients, buffers and random state unchanged
+    assert all(p.grad is None for p in module.parameters())
+    assert module.steps.item() == 0
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
+def test_in_situ_times_are_averaged_per_key_and_split_as_the_op_split_alone() -> None:
+    class Timer:
+        timed = {"op(a)": OpTimes(forward_s=1.0, backward_input_s=3.0, backward_weight_s=1.0),
+                 "op(b)": OpTimes(forward_s=5.0),
+                 "op(c)": OpTimes(forward_s=7.0, backward_input_s=1.0)}
+        nodes = {"op(a)": ["a1", "a2"], "op(b)": ["b"], "op(c)": ["c"]}
+
+    from autopart.profile_in_situ import NodeTimes
+
+    in_situ = {"a1": NodeTimes(forward_s=2.0, backward_s=4.0), "a2": NodeTimes(forward_s=4.0, backward_s=12.0),
+               "b": NodeTimes(forward_s=6.0, backward_s=0.5)}
+    database = CostDatabase()
+    _put_in_situ(database, "cpu", Timer(), in_situ)
+    assert database.get("cpu", "op(a)") == OpTimes(forward_s=3.0, backward_input_s=6.0, backward_weight_s=2.0)
+    assert database.get("cpu", "op(b)") == OpTimes(forward_s=6.0, backward_input_s=0.5, backward_weight_s=0.0)
+    assert database.get("cpu", "op(c)") == Timer.timed["op(c)"]  # not seen in place: timed alone
+
+
+def test_an_optimizer_step_pays_its_fixed_cost_once() -> None:
+    database = CostDatabase()
+    database.put("cpu", optimizer_call_key("adamw"), OpTimes(forward_s=1e-3))
+    database.put("cpu", optimizer_key("adamw", (4, 4), "float32"), OpTimes(forward_s=1e-4))
+    model = ProfiledCostModel(roofline=RooflineCostModel(device=load_device("cpu")), database=database)
+    assert model.optimizer_time("adamw", [((4, 4), "float32")] * 3) == pytest.approx(1.3e-3)
+    assert model.optimizer_time("adamw", []) == 0.0
+
+
+def test_fixed_and_per_item_separates_a_calls_own_cost_from_its_items() -> None:
+    fixed, per_item = fixed_and_per_item(lambda n: lambda: _spin(0.002 + n * 0.0005), device=torch.device("cpu"),
+                                         rounds=2)
+    assert fixed == pytest.approx(0.002, abs=4e-4) and per_item == pytest.approx(0.0005, abs=2e-4)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork") or not hasattr(os, "sched_setaffinity"), reason="needs fork and affinity")
+def test_measuring_the_resume_cost_leaves_no_process_and_the_affinity_as_it_was() -> None:
+    module = _trace(nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 1)))
+    affinity = os.sched_getaffinity(0)
+    forward, backward = measure_resume(module, [torch.randn(4, 16)], repeats=3)
+    assert forward >= 0.0 and backward >= 0.0
+    assert os.sched_getaffinity(0) == affinity
+    with pytest.raises(ChildProcessError):
+        os.waitpid(-1, os.WNOHANG)
+    assert all(p.grad is None for p in module.parameters())
