@@ -18,6 +18,7 @@ metadata file through an unpickler that knows only DCP's metadata classes.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import json
@@ -33,7 +34,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from autopart.errors import ConfigError
@@ -72,21 +72,39 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which a checkpoint never holds")
 
 
-class SafeReader(dcp.FileSystemReader):
-    """``FileSystemReader`` whose metadata is read without running arbitrary pickled code."""
+def _dcp():
+    """torch.distributed.checkpoint, imported when a checkpoint is first saved or read: importing
+    it (DTensor and the symbolic-shape machinery with it) took 1.3 s of every rank's start."""
+    import torch.distributed.checkpoint as dcp
 
-    def read_metadata(self, *args, **kwargs):
-        rank = kwargs.get("rank")
-        path = Path(self.path) / (".metadata" if rank is None else f"__{rank}.metadata")
-        metadata = _MetadataUnpickler(io.BytesIO(path.read_bytes())).load()
-        if getattr(metadata, "storage_meta", None) is None:
-            from torch.distributed.checkpoint.metadata import StorageMeta
+    return dcp
 
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        if metadata.planner_data is None:
-            metadata.planner_data = {}
-        return metadata
+
+@functools.cache
+def _safe_reader() -> type:
+    class SafeReader(_dcp().FileSystemReader):
+        """``FileSystemReader`` whose metadata is read without running arbitrary pickled code."""
+
+        def read_metadata(self, *args, **kwargs):
+            rank = kwargs.get("rank")
+            path = Path(self.path) / (".metadata" if rank is None else f"__{rank}.metadata")
+            metadata = _MetadataUnpickler(io.BytesIO(path.read_bytes())).load()
+            if getattr(metadata, "storage_meta", None) is None:
+                from torch.distributed.checkpoint.metadata import StorageMeta
+
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            if metadata.planner_data is None:
+                metadata.planner_data = {}
+            return metadata
+
+    return SafeReader
+
+
+def __getattr__(name: str):
+    if name == "SafeReader":  # ``from autopart.runtime.checkpoint import SafeReader`` imports DCP then
+        return _safe_reader()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _inner(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -141,6 +159,7 @@ def save_checkpoint(
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
     dist.barrier()
+    dcp = _dcp()
     dcp.save(state, storage_writer=dcp.FileSystemWriter(str(staging)))
     if rank == 0:
         shutil.copyfile(out_dir / "plan.json", staging / "plan.json")
@@ -205,7 +224,7 @@ def read_record(path: Path) -> dict:
 
 def checkpoint_keys(path: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Every tensor key of a checkpoint with its shape and dtype."""
-    metadata = SafeReader(str(path)).read_metadata()
+    metadata = _safe_reader()(str(path)).read_metadata()
     return {
         key: (tuple(meta.size), meta.properties.dtype)
         for key, meta in metadata.state_dict_metadata.items()
@@ -222,7 +241,7 @@ def load_tensors(path: Path, keys: Iterable[str], *, distributed: bool) -> dict[
     state = {k: torch.empty(shapes[k][0], dtype=shapes[k][1]) for k in keys}
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.filterwarnings("ignore", message=".*single process.*")
-        dcp.load(state, storage_reader=SafeReader(str(path)), no_dist=not distributed)
+        _dcp().load(state, storage_reader=_safe_reader()(str(path)), no_dist=not distributed)
     return state
 
 
@@ -253,7 +272,7 @@ def restore_checkpoint(
     missing = [k for k in state if k not in shapes]
     if missing:
         raise ConfigError(f"checkpoint {path} lacks {missing[0]!r}; it was saved by another compile or mesh")
-    dcp.load(state, storage_reader=SafeReader(str(path)))
+    _dcp().load(state, storage_reader=_safe_reader()(str(path)))
     inner = _inner(optimizer)
     for key, (parameter, name) in held.items():
         inner.state[parameter][name] = state[key].to(parameter.device)
