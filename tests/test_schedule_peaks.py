@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from autopart.predict import simulate_pipeline
-from autopart.schedule.peaks import peak_in_flight
+from autopart.schedule.peaks import peak_in_flight, transient_in_flight
 
 
 def simulated(kind: str, ranks: int, microbatches: int, chunks: int) -> tuple[int, ...]:
@@ -29,3 +29,13 @@ def test_closed_form_peaks_match_the_simulation(kind: str, ranks: int, microbatc
 def test_one_f_one_b_holds_fewer_than_gpipe() -> None:
     assert peak_in_flight("1f1b", ranks=4, microbatches=16) == (4, 3, 2, 1)
     assert peak_in_flight("gpipe", ranks=4, microbatches=16) == (16,) * 4
+
+
+@pytest.mark.parametrize(("kind", "ranks", "microbatches", "chunks"), CASES)
+def test_closed_form_transients_match_the_action_lists(kind: str, ranks: int, microbatches: int, chunks: int) -> None:
+    from autopart.recompute import transient_microbatches
+    from autopart.schedule import build_schedule
+
+    schedule = build_schedule(kind, ranks=ranks, microbatches=microbatches, chunks=chunks)
+    assert transient_in_flight(kind, ranks=ranks, microbatches=microbatches, chunks=chunks) == transient_microbatches(
+        schedule, ranks * chunks)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["peak_in_flight"]
+__all__ = ["peak_in_flight", "transient_in_flight"]
 
 
 def peak_in_flight(kind: str, *, ranks: int, microbatches: int, chunks: int = 1) -> tuple[int, ...]:
@@ -44,3 +44,12 @@ def _units(n: np.ndarray, chunk: int, p: int, v: int) -> np.ndarray:
     units go in rounds of ``p`` microbatches per chunk, chunk after chunk."""
     full, rest = np.divmod(n, p * v)
     return full * p + np.clip(rest - chunk * p, 0, p)
+
+
+def transient_in_flight(kind: str, *, ranks: int, microbatches: int, chunks: int = 1) -> tuple[int, ...]:
+    """Per stage, the most microbatches whose recomputed activations live at once
+    (``autopart.recompute.transient_microbatches``): one, where a backward is whole; in zb-h1,
+    from a microbatch's I to its W, which rank r holds back r backwards (``generators._zb_h1``)."""
+    if kind == "zb-h1":
+        return tuple(min(r + 1, microbatches) for r in range(ranks))
+    return (1,) * (ranks * chunks)
