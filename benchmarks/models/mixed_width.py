@@ -1,4 +1,4 @@
-"""A GPT whose layers differ in width: 8 layers with the usual 4h MLP, then 24 with a 16h MLP
+"""A GPT whose layers differ in width (16B parameters): 8 layers with the usual 4h MLP, then 24 with a 16h MLP
 (h = 4096, 32 heads, s = 2048), the layout of models that keep their first layers dense and
 widen the rest (DeepSeek-V2/V3 keep their first layers dense and make the rest MoE).
 The file has one layer of each kind; plan_quality repeats the first 8 times and the second 24.
