@@ -22,6 +22,7 @@ benchmarks may build them any way they like. Nothing here names a device.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 from collections.abc import Callable, Iterator
@@ -30,7 +31,9 @@ from typing import Protocol
 
 from autopart.errors import ConfigError
 from autopart.schedule import stage_rank
+from autopart.schedule.peaks import peak_in_flight, transient_in_flight
 from autopart.solver.bottleneck import RECOMPUTE_MODES, ChainCosts, StageCut, cut_stages, lower_bound_s
+from autopart.solver.refine import CutJudge, refine_cuts
 
 __all__ = [
     "Layout",
@@ -221,23 +224,10 @@ _IN_FLIGHT: dict[tuple, tuple[int, ...]] = {}
 
 
 def _in_flight_cached(kind: str, pp: int, microbatches: int, chunks: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    # The peaks are reached in the warm-up and do not grow with more microbatches than a few
-    # rounds of the pipeline: simulate a short one (a multiple of pp, as interleaving needs).
-    rounds = min(microbatches, 4 * pp)
-    if kind == "interleaved":
-        rounds = max(pp, rounds - rounds % pp)
-    key = (kind, pp, rounds, chunks)
-    if key not in _IN_FLIGHT:
-        from autopart.predict import simulate_pipeline  # the schedule package, at first use
-        from autopart.recompute import transient_microbatches
-        from autopart.schedule import build_schedule
-
-        stages = pp * chunks
-        timeline = simulate_pipeline(kind=kind, ranks=pp, microbatches=rounds, chunks=chunks,
-                                     forward_s=(1.0,) * stages, backward_s=(2.0,) * stages,
-                                     weight_s=(1.0,) * stages, transfer_s=(0.0,) * (stages - 1))
-        schedule = build_schedule(kind, ranks=pp, microbatches=rounds, chunks=chunks)
-        _IN_FLIGHT[key] = (timeline.peak_in_flight, transient_microbatches(schedule, stages))
+    key = (kind, pp, microbatches, chunks)
+    if key not in _IN_FLIGHT:  # in closed form: simulating a 64-rank pipeline takes seconds
+        _IN_FLIGHT[key] = (peak_in_flight(kind, ranks=pp, microbatches=microbatches, chunks=chunks),
+                           transient_in_flight(kind, ranks=pp, microbatches=microbatches, chunks=chunks))
     return _IN_FLIGHT[key]
 
 
@@ -247,7 +237,9 @@ def estimate_step_s(layout: Layout, cut: StageCut, cluster: Cluster, rank_parame
     over the data-parallel group and the optimizer step of the busiest rank."""
     times, m, p = cut.stage_time_s, layout.microbatches, layout.pp
     if layout.schedule == "interleaved":
-        per_rank = [sum(times[s] for s in range(len(times)) if stage_rank(s, p) == r) for r in range(p)]
+        per_rank = [0.0] * p
+        for s, time_s in enumerate(times):
+            per_rank[stage_rank(s, p)] += time_s
         pipeline = m * max(per_rank) + (p - 1) * max(per_rank) / layout.chunks
     else:
         pipeline = sum(times) + (m - 1) * max(times)
@@ -278,7 +270,8 @@ def search(
     layouts = list(space.layouts(blocks))
     if not layouts:
         raise ConfigError(_no_layout_message(space))
-    bounded = sorted(((_lower_bound(table, layout), layout) for layout in layouts), key=lambda x: (x[0], x[1]))
+    cluster = _memoised(cluster)
+    bounded = sorted(((_lower_bound(table, layout, cluster), layout) for layout in layouts), key=lambda x: (x[0], x[1]))
     best: list[Scored] = []  # the finalists so far, by estimate
     scored = fitting = 0
     for visited, (bound, layout) in enumerate(bounded):
@@ -287,7 +280,8 @@ def search(
         if len(best) >= finalists and bound >= best[-1].estimate_s:
             break
         scored += 1
-        result = score_layout(layout, table, cluster, space)
+        result = score_layout(layout, table, cluster, space,
+                              refine_below=best[-1].estimate_s if len(best) >= finalists else math.inf)
         if result is None:
             continue
         fitting += 1
@@ -308,17 +302,44 @@ def search(
                         seconds=time.perf_counter() - start, bound_s=bounded[0][0])
 
 
+def _memoised(cluster: Cluster) -> Cluster:
+    """The same cluster, each time it has computed remembered: the search asks the same ones often."""
+    return dataclasses.replace(
+        cluster,
+        p2p_s=functools.lru_cache(maxsize=None)(cluster.p2p_s),
+        all_reduce_s=functools.lru_cache(maxsize=None)(cluster.all_reduce_s),
+        all_gather_s=functools.lru_cache(maxsize=None)(cluster.all_gather_s),
+    )
+
+
 def _any_micro_batch(space: SearchSpace) -> int:
     for layout in space.layouts(1 << 30):
         return layout.micro_batch_size
     return 1
 
 
-def _lower_bound(table: CostTable, layout: Layout) -> float:
-    """No cut, recompute or overlap makes this layout's step shorter: the busiest rank does at
-    least its share of every microbatch's compute."""
+def _lower_bound(table: CostTable, layout: Layout, cluster: Cluster) -> float:
+    """No cut or recompute makes this layout's estimate shorter: ``estimate_step_s`` with every
+    stage at least its share of the compute (and the largest block), the stages' times summing to
+    at least the whole compute, zb-h1's smallest weight-gradient stage at most its share, and the
+    busiest rank holding at least its share of the parameters."""
     costs = table.chain_costs(micro_batch_size=layout.micro_batch_size, tp=layout.tp, dtype=layout.dtype)
-    return layout.microbatches * lower_bound_s(costs, layout.pp)
+    m, p = layout.microbatches, layout.pp
+    total = costs.prefix("compute_s")[-1]
+    slowest = lower_bound_s(costs, p)  # per stage; and per rank, for interleaved
+    if layout.schedule == "interleaved":
+        pipeline = (m + (p - 1) / layout.chunks) * slowest
+    else:
+        pipeline = total + (m - 1) * slowest
+        if layout.schedule == "zb-h1":
+            pipeline -= 2 * (p - 1) * sum(costs.weight_s) / p
+    share = sum(costs.parameter_bytes.values()) // p
+    across = layout.data_parallel_crosses_nodes(cluster.gpus_per_node)
+    sync = cluster.all_reduce_s(share, layout.dp, across) if layout.dp > 1 else 0.0
+    step = cluster.optimizer_s_per_byte * share
+    if layout.zero:
+        step = step / layout.dp + cluster.all_gather_s(share, layout.dp, across)
+    return (pipeline + sync + step) * (1 - 1e-12)  # below the estimate's own rounding
 
 
 def fits(space: SearchSpace, table: CostTable, cluster: Cluster) -> bool:
@@ -330,9 +351,12 @@ def fits(space: SearchSpace, table: CostTable, cluster: Cluster) -> bool:
 
 def score_layout(layout: Layout, table: CostTable, cluster: Cluster, space: SearchSpace,
                  recompute: tuple[tuple[str, ...], ...] | None = None,
-                 cuts: tuple[int, ...] | None = None, fit_only: bool = False) -> Scored | None:
+                 cuts: tuple[int, ...] | None = None, fit_only: bool = False,
+                 refine_below: float = math.inf) -> Scored | None:
     """Cut ``layout`` (or take its ``cuts``) and estimate its step; None when it cannot fit.
-    ``fit_only``: any cuts that fit, not the fastest."""
+    ``fit_only``: any cuts that fit, not the fastest. Otherwise the cuts are refined by the step
+    itself (``autopart.solver.refine``) unless the layout's slowest stage alone keeps its step at
+    or above ``refine_below`` (the search's last finalist)."""
     costs = _with_state(table, layout)
     stages = layout.stages
     ranks = tuple(stage_rank(s, layout.pp) for s in range(stages))
@@ -348,17 +372,46 @@ def score_layout(layout: Layout, table: CostTable, cluster: Cluster, space: Sear
         modes = (space.recompute,) * stages
     if len(modes) != stages:
         return None
-    if cuts is None:
+    across = layout.data_parallel_crosses_nodes(cluster.gpus_per_node)
+    if cuts is not None:
+        cut = _fixed_cut(costs, cuts, modes, flight, transient, ranks, transfer, cluster)
+    else:
         cut = cut_stages(costs, stages=stages, in_flight=flight, stage_rank=ranks, transfer_s=transfer,
                          memory_limit_bytes=cluster.memory_bytes, overhead_bytes=cluster.overhead_bytes,
                          modes=modes, transient=transient, fit_only=fit_only)
-    else:
-        cut = _fixed_cut(costs, cuts, modes, flight, transient, ranks, transfer, cluster)
+        if not fit_only:
+            return _refined(layout, table, cluster, costs, cut, modes, flight, transient, ranks, transfer, across,
+                            refine_below)
     if cut is None:
         return None
     rank_bytes = _rank_parameter_bytes(table, layout, cut, ranks)
-    estimate = estimate_step_s(layout, cut, cluster, rank_bytes, layout.data_parallel_crosses_nodes(cluster.gpus_per_node))
+    estimate = estimate_step_s(layout, cut, cluster, rank_bytes, across)
     return Scored(layout=layout, cut=cut, estimate_s=estimate)
+
+
+def _refined(layout, table, cluster, costs, cut, modes, flight, transient, ranks, transfer, across,
+             refine_below) -> Scored | None:
+    """The bisection's cut, refined by the step itself where that may bring it into the finalists."""
+    judge = CutJudge(costs, in_flight=flight, transient=transient, stage_rank=ranks, transfer_s=transfer,
+                     memory_limit_bytes=cluster.memory_bytes, overhead_bytes=cluster.overhead_bytes, modes=modes,
+                     objective=lambda c, rank_bytes: estimate_step_s(layout, c, cluster, rank_bytes, across))
+    judged = judge.judge(cut.cuts) if cut is not None else None
+    if judged is not None and layout.chunks == 1 and _refine_bound(table, layout, cluster, cut) >= refine_below:
+        pass  # no cuts of this layout can make the finalists: its slowest stage alone keeps it out
+    elif judged is not None and layout.chunks > 1 and judged[0] >= refine_below:
+        pass  # interleaved and out of the finalists as cut: not refined (no bound says it could not get in)
+    else:
+        judged = refine_cuts(judge, cut)
+    if judged is None:
+        return None
+    return Scored(layout=layout, cut=judged[1], estimate_s=judged[0])
+
+
+def _refine_bound(table: CostTable, layout: Layout, cluster: Cluster, cut: StageCut) -> float:
+    """``_lower_bound`` with the bisection's smallest slowest stage in place of the compute's share."""
+    costs = table.chain_costs(micro_batch_size=layout.micro_batch_size, tp=layout.tp, dtype=layout.dtype)
+    share = lower_bound_s(costs, layout.pp)
+    return _lower_bound(table, layout, cluster) + (layout.microbatches - 1) * max(0.0, cut.bound_s - share)
 
 
 def _fixed_cut(costs, cuts, modes, flight, transient, ranks, transfer, cluster) -> StageCut | None:
@@ -392,12 +445,8 @@ def _fixed_cut(costs, cuts, modes, flight, transient, ranks, transfer, cluster) 
 
 def _with_state(table: CostTable, layout: Layout) -> ChainCosts:
     costs = table.chain_costs(micro_batch_size=layout.micro_batch_size, tp=layout.tp, dtype=layout.dtype)
-    return dataclasses.replace(
-        costs,
-        parameter_state_bytes={p: table.state_bytes(b, dp=layout.dp, zero=layout.zero)
-                               for p, b in costs.parameter_bytes.items()},
-        _prefix={},
-    )
+    costs.shared_parameters  # noqa: B018 - computed once on the table's costs, carried to each layout's
+    return costs.with_state(lambda nbytes: table.state_bytes(nbytes, dp=layout.dp, zero=layout.zero))
 
 
 def _rank_parameter_bytes(table, layout, cut, ranks) -> list[int]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 
@@ -96,3 +97,77 @@ def test_recompute_is_chosen_only_where_memory_needs_it() -> None:
     none_only = cut_stages(costs, memory_limit_bytes=tight_limit, modes=(("none",), ("none",)), **kwargs)
     if none_only is not None:
         assert none_only.recompute == ("none", "none")
+
+
+def reference_cut_stages(costs, *, stages, in_flight, transfer, limit):
+    """The cutter as it was before its speed-ups (bisection over every block for each stage's
+    end, every figure from stage_figures), one stage per rank: the faster one must agree."""
+    blocks = len(costs)
+
+    def fits(s, first, last, bound):
+        for mode in RECOMPUTE_MODES:
+            f = stage_figures(costs, first, last, mode=mode, in_flight=in_flight[s],
+                              transfer_in_s=transfer[first - 1] if s else 0.0,
+                              transfer_out_s=transfer[last] if s < stages - 1 else 0.0)
+            if f.memory_bytes <= limit and f.time_s <= bound:
+                return mode
+        return None
+
+    def greedy(bound):
+        result, first = [], 0
+        for s in range(stages):
+            if s == stages - 1:
+                mode = fits(s, first, blocks - 1, bound)
+                return None if mode is None else [*result, (blocks - 1, mode)]
+            if fits(s, first, first, bound) is None:
+                return None
+            lo, hi = first, blocks - (stages - s)
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if fits(s, first, mid, bound) is not None else (lo, mid - 1)
+            result.append((lo, fits(s, first, lo, bound)))
+            first = lo + 1
+
+    compute = costs.prefix("compute_s")
+    worst = compute[-1] + sum(costs.forward_s) + 2 * sum(transfer) + 1e-9
+    if greedy(worst) is None:
+        return None
+    lo = max(max(f + b for f, b in zip(costs.forward_s, costs.backward_s)), compute[-1] / stages) * (1 - 1e-9)
+    hi = worst
+    while hi - lo > 1e-4 * hi:
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if greedy(mid) is not None else (mid, hi)
+    chosen = greedy(hi)
+    return tuple(last for last, _ in chosen[:-1]), tuple(mode for _, mode in chosen)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_fast_cutter_gives_the_reference_cutters_answers(seed: int) -> None:
+    rng = random.Random(1000 + seed)
+    blocks = rng.randint(3, 30)
+    stages = rng.randint(2, min(8, blocks))
+    costs = random_chain(rng, blocks, tied=seed % 2 == 0)
+    in_flight = tuple(stages - s for s in range(stages))
+    transfer = (0.5,) * (blocks - 1)  # equal, as a Transformer's residual stream: the greedy is exact
+    total = sum(costs.parameter_state_bytes.values()) + stages * sum(costs.saved_bytes)
+    limit = rng.choice([10**9, total // stages + rng.randrange(0, total // 2 + 1), total // (3 * stages)])
+    expected = reference_cut_stages(costs, stages=stages, in_flight=in_flight, transfer=transfer, limit=limit)
+    cut = cut_stages(costs, stages=stages, in_flight=in_flight, stage_rank=tuple(range(stages)),
+                     transfer_s=transfer, memory_limit_bytes=limit, overhead_bytes=0)
+    if expected is None:
+        assert cut is None
+        return
+    assert (cut.cuts, cut.recompute) == expected
+    assert cut.bound_s <= max(cut.stage_time_s)
+    # no cut set has a slower slowest stage than the bound says, if it fits
+    if blocks <= 10:
+        assert exhaustive(costs, stages, in_flight, transfer, limit) >= cut.bound_s
+
+
+def test_with_state_is_the_state_of_every_parameter() -> None:
+    costs = random_chain(random.Random(5), 9, tied=True)
+    held = costs.with_state(lambda nbytes: 3 * nbytes + 7)
+    assert held.parameter_state_bytes == {p: 3 * b + 7 for p, b in costs.parameter_bytes.items()}
+    slow = ChainCosts(**{f.name: getattr(held, f.name) for f in dataclasses.fields(held) if f.name != "_prefix"})
+    assert held.prefix("owned_parameter_bytes") == slow.prefix("owned_parameter_bytes")
+    assert held.shared_parameters == slow.shared_parameters == {"emb": (0, 8)}

@@ -20,8 +20,10 @@ Recompute is chosen per stage inside the cut: a stage takes the lightest recompu
 
 from __future__ import annotations
 
+import bisect
 import itertools
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 
 __all__ = ["RECOMPUTE_MODES", "ChainCosts", "StageCut", "cut_stages", "lower_bound_s", "stage_figures"]
 
@@ -53,6 +55,8 @@ class ChainCosts:
         if name not in self._prefix:
             if name == "owned_parameter_bytes":
                 values = self._owned_parameter_bytes()
+            elif name == "owned_weight_bytes":  # the parameters alone, one tensor-parallel rank's share
+                values = [sum(size * count for size, count in sizes) for sizes in self._owned_sizes()]
             elif name == "full_recompute_s":
                 values = self.forward_s
             elif name == "compute_s":
@@ -72,6 +76,31 @@ class ChainCosts:
                     seen.add(p)
                     owned[k] += self.parameter_state_bytes[p]
         return owned
+
+    def _owned_sizes(self) -> list[tuple[tuple[int, int], ...]]:
+        """Per block, (parameter bytes, how many) of the parameters first read there."""
+        if "owned_sizes" not in self._prefix:
+            found, seen = [], set()
+            for names in self.block_parameters:
+                counts: dict[int, int] = {}
+                for p in names:
+                    if p not in seen:
+                        seen.add(p)
+                        counts[self.parameter_bytes[p]] = counts.get(self.parameter_bytes[p], 0) + 1
+                found.append(tuple(counts.items()))
+            self._prefix["owned_sizes"] = found
+        return self._prefix["owned_sizes"]
+
+    def with_state(self, state_bytes: Callable[[int], int]) -> ChainCosts:
+        """These costs with ``parameter_state_bytes[p] = state_bytes(parameter_bytes[p])``. Fast
+        for chains of thousands of parameters: one call per distinct size, and the running sums
+        that depend only on which block reads what are carried over."""
+        state = {size: state_bytes(size) for size in set(self.parameter_bytes.values())}
+        owned = [sum(state[size] * count for size, count in sizes) for sizes in self._owned_sizes()]
+        carried = {name: self._prefix[name] for name in ("owned_sizes", "shared") if name in self._prefix}
+        carried["owned_parameter_bytes"] = [0, *itertools.accumulate(owned)]
+        return replace(self, parameter_state_bytes={p: state[b] for p, b in self.parameter_bytes.items()},
+                       _prefix=carried)
 
     @property
     def shared_parameters(self) -> dict[str, tuple[int, ...]]:
@@ -93,6 +122,7 @@ class StageCut:
     stage_weight_s: tuple[float, ...]
     stage_memory_bytes: tuple[int, ...]
     rank_memory_bytes: tuple[int, ...]
+    bound_s: float = 0.0  # from cut_stages, one stage per rank: no cuts have a smaller slowest stage
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -110,29 +140,59 @@ def stage_figures(
     of ``autopart.recompute.recompute_cost``. Recompute keeps the stage's arguments (what it
     receives, and the batch inputs, counted whole) per microbatch in flight, and the activations
     it rebuilds live while ``transient`` microbatches' backwards run."""
-    p = costs.prefix
-    compute = p("compute_s")[last + 1] - p("compute_s")[first]
-    saved_none = p("saved_bytes")[last + 1] - p("saved_bytes")[first]
-    received = (costs.boundary_bytes[first - 1] if first > 0 else 0) + costs.input_bytes
-    if mode == "none":
-        extra, held = 0.0, in_flight * saved_none
-    elif mode == "selective":
-        extra = p("selective_recompute_s")[last + 1] - p("selective_recompute_s")[first]
-        selective = p("selective_saved_bytes")[last + 1] - p("selective_saved_bytes")[first]
-        held = in_flight * (received + selective) + transient * max(0, saved_none - selective)
-    elif mode == "full":
-        extra = p("full_recompute_s")[last + 1] - p("full_recompute_s")[first]
-        held = in_flight * received + transient * saved_none
-    else:
-        raise ValueError(f"unknown recompute mode {mode!r}")
-    parameters = p("owned_parameter_bytes")[last + 1] - p("owned_parameter_bytes")[first]
-    for name, readers in costs.shared_parameters.items():
-        first_reader = readers[0]
-        if first_reader < first and any(first <= k <= last for k in readers):
-            parameters += costs.parameter_state_bytes[name]
-    weight = p("weight_s")[last + 1] - p("weight_s")[first]
-    return _Stage(time_s=compute + extra + transfer_in_s + transfer_out_s, weight_s=weight,
-                  memory_bytes=parameters + held)
+    time_s, weight_s, memory_bytes = _sums(costs).stage(first, last, mode, in_flight, transfer_in_s, transfer_out_s,
+                                                        transient)
+    return _Stage(time_s=time_s, weight_s=weight_s, memory_bytes=memory_bytes)
+
+
+class _Sums:
+    """A chain's running sums, held in one place: the search evaluates millions of stages."""
+
+    __slots__ = ("compute", "selective_s", "full_s", "saved", "selective_saved", "owned", "weight", "received",
+                 "shared")
+
+    def __init__(self, costs: ChainCosts):
+        p = costs.prefix
+        self.compute, self.weight, self.owned = p("compute_s"), p("weight_s"), p("owned_parameter_bytes")
+        self.selective_s, self.full_s = p("selective_recompute_s"), p("full_recompute_s")
+        self.saved, self.selective_saved = p("saved_bytes"), p("selective_saved_bytes")
+        # what a stage from block ``first`` keeps per microbatch to recompute from: [first]
+        self.received = tuple(b + costs.input_bytes for b in (0, *costs.boundary_bytes))
+        self.shared = tuple((readers, costs.parameter_state_bytes[name])
+                            for name, readers in costs.shared_parameters.items())
+
+    def stage(self, first: int, last: int, mode: str, in_flight: int, transfer_in_s: float,
+              transfer_out_s: float, transient: int = 1) -> tuple[float, float, int]:
+        """(time, weight-gradient time, memory) of blocks ``first..last``: see ``stage_figures``."""
+        end = last + 1
+        compute = self.compute[end] - self.compute[first]
+        saved_none = self.saved[end] - self.saved[first]
+        if mode == "none":
+            extra, held = 0.0, in_flight * saved_none
+        elif mode == "selective":
+            extra = self.selective_s[end] - self.selective_s[first]
+            selective = self.selective_saved[end] - self.selective_saved[first]
+            held = in_flight * (self.received[first] + selective) + transient * max(0, saved_none - selective)
+        elif mode == "full":
+            extra = self.full_s[end] - self.full_s[first]
+            held = in_flight * self.received[first] + transient * saved_none
+        else:
+            raise ValueError(f"unknown recompute mode {mode!r}")
+        parameters = self.owned[end] - self.owned[first]
+        for readers, nbytes in self.shared:  # a weight first read before the stage, read again in it
+            if readers[0] < first:
+                k = bisect.bisect_left(readers, first)
+                if k < len(readers) and readers[k] <= last:
+                    parameters += nbytes
+        return (compute + extra + transfer_in_s + transfer_out_s, self.weight[end] - self.weight[first],
+                parameters + held)
+
+
+def _sums(costs: ChainCosts) -> _Sums:
+    found = costs._prefix.get("sums")
+    if found is None:
+        found = costs._prefix["sums"] = _Sums(costs)
+    return found
 
 
 def cut_stages(
@@ -176,12 +236,20 @@ def cut_stages(
             transient=transient[s] if transient else 1,
         )  # fmt: skip
 
+    sums = _sums(costs)
+
     def fits(s: int, first: int, last: int, bound: float) -> str | None:
+        transfer_in = transfer_s[first - 1] if s > 0 else 0.0
+        transfer_out = transfer_s[last] if s < stages - 1 else 0.0
         for mode in modes[s]:
-            figures = stage(s, first, last, mode)
-            if figures.memory_bytes <= budget[s] and figures.time_s <= bound:
+            time_s, _, memory_bytes = sums.stage(first, last, mode, in_flight[s], transfer_in, transfer_out,
+                                                 transient[s] if transient else 1)
+            if memory_bytes <= budget[s] and time_s <= bound:
                 return mode
         return None
+
+    compute = costs.prefix("compute_s")
+    cheapest_out = min(transfer_s, default=0.0)
 
     def greedy(bound: float) -> list[tuple[int, str]] | None:
         """Per stage (last block, mode), each stage as long as ``bound`` allows; None if none fits."""
@@ -195,21 +263,31 @@ def cut_stages(
                     return None
                 result.append((blocks - 1, mode))
                 break
-            if fits(s, first, first, bound) is None:
-                return None
-            # the last block this stage can end on: bisection (longer stages only cost more)
-            lo, hi = first, latest
+            # No mode is faster than no recompute, so the compute alone caps the stage's end; at
+            # that cap it usually fits, and otherwise bisection finds the last block it can end on
+            # (longer stages only cost more).
+            inbound = transfer_s[first - 1] if s > 0 else 0.0
+            cap = bisect.bisect_right(compute, bound * (1 + 1e-9) + compute[first] - inbound - cheapest_out) - 2
+            lo, hi = first, max(first, min(latest, cap))
+            mode = fits(s, first, hi, bound)
+            if mode is not None:
+                lo = hi
+            else:
+                mode = fits(s, first, first, bound)
+                if mode is None:
+                    return None
+                hi -= 1
             while lo < hi:
                 mid = (lo + hi + 1) // 2
-                if fits(s, first, mid, bound) is not None:
-                    lo = mid
+                found = fits(s, first, mid, bound)
+                if found is not None:
+                    lo, mode = mid, found
                 else:
                     hi = mid - 1
-            result.append((lo, fits(s, first, lo, bound)))
+            result.append((lo, mode))
             first = lo + 1
         return result
 
-    compute = costs.prefix("compute_s")
     worst_case = compute[-1] + sum(costs.forward_s) + 2 * sum(transfer_s) + 1e-9
     loose = greedy(worst_case)
     if loose is None or fit_only:
@@ -224,7 +302,7 @@ def cut_stages(
             lo = mid
     chosen = greedy(hi)
     assert chosen is not None
-    return _finish(costs, chosen, stage, stage_rank, ranks, overhead_bytes, modes)
+    return replace(_finish(costs, chosen, stage, stage_rank, ranks, overhead_bytes, modes), bound_s=lo)
 
 
 def _finish(costs, chosen, stage, stage_rank, ranks, overhead_bytes, modes) -> StageCut:

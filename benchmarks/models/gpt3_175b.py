@@ -1,0 +1,15 @@
+"""GPT-3 175B (Brown et al. 2020, Table 2.1): 96 layers, h = 12288, 96 heads, s = 2048.
+
+Built on the meta device with two of its layers (``LAYERS`` in all): benchmarks/plan_quality.py
+repeats them to full depth (``autopart.solver.repeat``)."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from shallow import gpt3  # noqa: E402
+
+LAYERS = 96
+MODEL = gpt3(n_embd=12288, n_head=96)
+build_model, init_weights, example_batch, loss_fn = MODEL.build_model, MODEL.init_weights, MODEL.example_batch, MODEL.loss_fn

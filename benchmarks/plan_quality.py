@@ -1,0 +1,209 @@
+"""How good is the plan autopart's search picks? Its predicted step time against five baselines,
+all scored by the same function on the same costs.
+
+    python benchmarks/plan_quality.py [--cases NAME ...] [--exhaustive-limit N]
+
+The costs: each model is captured and annotated by the compiler's own front (``FrontTable``, the
+roofline cost model of the cluster's device, fp32 as captured: bf16 is not modelled yet), built
+on the meta device with two of its layers; ``autopart.solver.repeat`` then repeats the layers to
+the model's full depth (a copy costs what the captured layer costs, block for block). The small
+cases at the end use the captured chain as it is, so that exhaustive search can finish.
+
+The score: every candidate of every method, autopart's finalists included, is scored by
+``autopart.search.score_layout`` (its cuts given, for the baselines), i.e. the closed-form step
+estimate ``autopart.search.estimate_step_s``: the schedule's pipeline latency, the
+data-parallel gradient all-reduce and the optimizer step of the busiest rank.
+
+The methods (``autopart.solver.baselines`` and ``autopart.solver.baseline_search``):
+- autopart: ``autopart.search.search`` over its whole space (pp x tp x dp, micro-batch size,
+  gpipe / 1f1b / interleaved / zb-h1, ZeRO-1, recompute per stage).
+- uniform, parameters: DeepSpeed's partition methods; pipedream: PipeDream's dynamic program
+  (SOSP'19); megatron: equal layers per stage. Each on Megatron's grid: every (t, p, d) with t
+  inside a node, every micro-batch size, 1F1B, no ZeRO, one recompute setting for all stages.
+- exhaustive: every layout of autopart's space x every cut set x every recompute mode per
+  stage, where that is at most ``--exhaustive-limit`` candidates ("-" where it is more).
+
+Prints one table (step seconds of autopart, and each baseline's step as a multiple of
+autopart's: above 1.00x, autopart is faster), then the layouts chosen, then a summary line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+from autopart.compiler import CompileOptions  # noqa: E402
+from autopart.planner import FrontTable, cluster_of, search_space  # noqa: E402
+from autopart.search import search  # noqa: E402
+from autopart.solver.baseline_search import PARTITIONERS, exhaustive_search, grid_search  # noqa: E402
+from autopart.solver.baselines import block_layers  # noqa: E402
+from autopart.solver.repeat import RepeatedTable, repeat_last  # noqa: E402
+
+MODELS = REPO / "benchmarks" / "models"
+BASELINES = ("uniform", "parameters", "pipedream", "megatron", "exhaustive")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Case:
+    name: str
+    model: str  # a file of benchmarks/models
+    device: str
+    world_size: int
+    global_batch_size: int
+    gpus_per_node: int = 8
+    pattern: tuple[int, ...] | None = None  # captured layer per layer of the full model; None: as captured
+    tags: tuple[str, ...] = field(default=())
+
+
+CASES = (
+    Case(name="GPT-3 1.3B", model="gpt3_1p3b", device="a100-80gb", world_size=8, global_batch_size=512,
+         pattern=repeat_last(2, 24)),
+    Case(name="GPT-3 1.3B", model="gpt3_1p3b", device="h100-sxm", world_size=64, global_batch_size=512,
+         pattern=repeat_last(2, 24)),
+    Case(name="GPT-3 13B", model="gpt3_13b", device="a100-80gb", world_size=64, global_batch_size=1024,
+         pattern=repeat_last(2, 40)),
+    Case(name="GPT-3 13B", model="gpt3_13b", device="h100-sxm", world_size=256, global_batch_size=1024,
+         pattern=repeat_last(2, 40)),
+    Case(name="GPT-3 175B", model="gpt3_175b", device="a100-80gb", world_size=1024, global_batch_size=1536,
+         pattern=repeat_last(2, 96)),
+    Case(name="GPT-3 175B", model="gpt3_175b", device="h100-sxm", world_size=512, global_batch_size=1536,
+         pattern=repeat_last(2, 96)),
+    Case(name="Llama 8B, 128k vocab", model="llama3_8b", device="h100-sxm", world_size=64, global_batch_size=512,
+         pattern=repeat_last(2, 32), tags=("large-vocab",)),
+    Case(name="Llama 8B, 128k vocab", model="llama3_8b", device="a100-80gb", world_size=128, global_batch_size=512,
+         pattern=repeat_last(2, 32), tags=("large-vocab",)),
+    Case(name="mixed width 16B, 8+24", model="mixed_width", device="a100-80gb", world_size=32, global_batch_size=256,
+         pattern=(0,) * 8 + (1,) * 24, tags=("heterogeneous",)),
+    Case(name="mixed width 16B, 8+24", model="mixed_width", device="h100-sxm", world_size=256, global_batch_size=512,
+         pattern=(0,) * 8 + (1,) * 24, tags=("heterogeneous",)),
+    Case(name="mixed width 58B, 8+40", model="mixed_width_58b", device="a100-80gb", world_size=256,
+         global_batch_size=1024, pattern=(0,) * 8 + (1,) * 40, tags=("heterogeneous",)),
+    Case(name="mixed width 58B, 8+40", model="mixed_width_58b", device="h100-sxm", world_size=512,
+         global_batch_size=1024, pattern=(0,) * 8 + (1,) * 40, tags=("heterogeneous",)),
+    Case(name="GPT-3 175B, 2 layers", model="gpt3_175b", device="a100-40gb", world_size=4, global_batch_size=8,
+         gpus_per_node=1, tags=("small",)),
+    Case(name="GPT-3 13B, 2 layers", model="gpt3_13b", device="a100-80gb", world_size=4, global_batch_size=32,
+         gpus_per_node=2, tags=("small",)),
+    Case(name="mixed width, 2 layers", model="mixed_width", device="a100-40gb", world_size=4, global_batch_size=16,
+         gpus_per_node=1, tags=("small",)),
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Outcome:
+    case: Case
+    autopart: object  # Scored
+    baselines: dict  # name -> BaselineResult
+    search_s: float
+    front_s: float
+
+
+def run_case(case: Case, *, exhaustive_limit: int) -> Outcome:
+    options = CompileOptions(model=MODELS / f"{case.model}.py", world_size=case.world_size, device=case.device,
+                             global_batch_size=case.global_batch_size, gpus_per_node=case.gpus_per_node)
+    front = FrontTable(options)
+
+    def layers_of(micro_batch_size: int, tp: int, dtype: str):
+        return block_layers(front.front(micro_batch_size=micro_batch_size, tp=tp, dtype=dtype).chain)
+
+    table = front if case.pattern is None else RepeatedTable(inner=front, layers_of=layers_of, pattern=case.pattern)
+    table_layers = layers_of if case.pattern is None else (
+        lambda b, t, d: table.block_layers(micro_batch_size=b, tp=t, dtype=d))
+    space = search_space(options)
+    cluster = cluster_of(options)
+    start = time.perf_counter()
+    for layout in space.layouts(1 << 30):  # the front, captured for every (micro-batch size, tp) first
+        table.chain_costs(micro_batch_size=layout.micro_batch_size, tp=layout.tp, dtype=layout.dtype)
+    front_s = time.perf_counter() - start
+    start = time.perf_counter()
+    result = search(space, table, cluster)
+    search_s = time.perf_counter() - start
+    baselines = {name: grid_search(name, space, table, cluster, partition, table_layers)
+                 for name, partition in PARTITIONERS.items()}
+    baselines["exhaustive"] = exhaustive_search(space, table, cluster, limit=exhaustive_limit)
+    return Outcome(case=case, autopart=result.best if result.ranked else None, baselines=baselines,
+                   search_s=search_s, front_s=front_s)
+
+
+def _describe(scored) -> str:
+    if scored is None:
+        return "-"
+    modes = sorted(set(scored.recompute))
+    return f"{scored.layout.describe()} ({'/'.join(modes)})"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", nargs="+", help="run only the cases whose names contain one of these")
+    parser.add_argument("--exhaustive-limit", type=int, default=200_000,
+                        help="most candidates exhaustive search scores (default 200,000)")
+    args = parser.parse_args(argv)
+    console = Console(width=200)
+    cases = [c for c in CASES if not args.cases or any(w.lower() in c.name.lower() for w in args.cases)]
+    outcomes = []
+    for case in cases:
+        console.print(f"[dim]{case.name} on {case.world_size} x {case.device}, batch {case.global_batch_size} ...[/dim]")
+        outcomes.append(run_case(case, exhaustive_limit=args.exhaustive_limit))
+
+    table = Table(title="Predicted step: autopart, and each baseline as a multiple of it (same costs, same estimate)")
+    for column in ("case", "GPUs", "device", "batch", "autopart s", *BASELINES, "search s"):
+        table.add_column(column, justify="left" if column in ("case", "device") else "right")
+    for o in outcomes:
+        cells = []
+        ours = o.autopart.estimate_s if o.autopart is not None else float("inf")
+        for name in BASELINES:
+            result = o.baselines[name]
+            if not result.finished:
+                cells.append("-")
+            elif result.best is None:
+                cells.append("no fit")
+            else:
+                cells.append(f"{result.step_s / ours:.3f}x")
+        table.add_row(o.case.name, str(o.case.world_size), o.case.device, str(o.case.global_batch_size),
+                      f"{ours:.3f}", *cells, f"{o.search_s:.2f}")
+    console.print(table)
+
+    layouts = Table(title="Chosen layouts (recompute modes used)")
+    for column in ("case", "GPUs", "autopart", "megatron", "exhaustive"):
+        layouts.add_column(column)
+    for o in outcomes:
+        layouts.add_row(o.case.name, str(o.case.world_size), _describe(o.autopart),
+                        _describe(o.baselines["megatron"].best), _describe(o.baselines["exhaustive"].best))
+    console.print(layouts)
+    console.print(summary(outcomes))
+
+
+def summary(outcomes: list[Outcome]) -> str:
+    tolerance = 1e-9
+    wins = exact = finished = 0
+    losses = []
+    for o in outcomes:
+        ours = o.autopart.estimate_s if o.autopart is not None else float("inf")
+        others = [r.step_s for n, r in o.baselines.items() if r.finished and n != "exhaustive"]
+        if all(ours <= s * (1 + tolerance) for s in others):
+            wins += 1
+        else:
+            losses.append(o.case.name)
+        exhaustive = o.baselines["exhaustive"]
+        if exhaustive.finished:
+            finished += 1
+            exact += abs(ours - exhaustive.step_s) <= tolerance * exhaustive.step_s
+    targeted = [o for o in outcomes if {"large-vocab", "heterogeneous"} & set(o.case.tags)]
+    speedups = [o.baselines["megatron"].step_s / o.autopart.estimate_s for o in targeted if o.autopart is not None]
+    target = f"; vs megatron on large-vocab and heterogeneous cases: min {min(speedups):.2f}x" if speedups else ""
+    lost = f" (loses on {', '.join(losses)})" if losses else ""
+    return (f"autopart <= every baseline in {wins}/{len(outcomes)} cases{lost}; equal to exhaustive in "
+            f"{exact}/{finished} cases where it finished{target}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,41 @@
+"""The closed-form peaks of in-flight microbatches are the simulated schedules' peaks."""
+
+from __future__ import annotations
+
+import pytest
+
+from autopart.predict import simulate_pipeline
+from autopart.schedule.peaks import peak_in_flight, transient_in_flight
+
+
+def simulated(kind: str, ranks: int, microbatches: int, chunks: int) -> tuple[int, ...]:
+    stages = ranks * chunks
+    return simulate_pipeline(kind=kind, ranks=ranks, microbatches=microbatches, chunks=chunks,
+                             forward_s=(1.0,) * stages, backward_s=(2.0,) * stages, weight_s=(1.0,) * stages,
+                             transfer_s=(0.0,) * (stages - 1)).peak_in_flight
+
+
+CASES = [
+    (kind, p, m, 1) for kind in ("gpipe", "1f1b", "zb-h1") for p in (1, 3, 5) for m in sorted({1, p, 2 * p + 1})
+] + [("interleaved", p, m, v) for p in (2, 3, 4) for v in (2, 3) for m in (p, 3 * p)] + [("interleaved", 4, 8, 4)]
+
+
+@pytest.mark.parametrize(("kind", "ranks", "microbatches", "chunks"), CASES)
+def test_closed_form_peaks_match_the_simulation(kind: str, ranks: int, microbatches: int, chunks: int) -> None:
+    assert peak_in_flight(kind, ranks=ranks, microbatches=microbatches, chunks=chunks) == simulated(
+        kind, ranks, microbatches, chunks)
+
+
+def test_one_f_one_b_holds_fewer_than_gpipe() -> None:
+    assert peak_in_flight("1f1b", ranks=4, microbatches=16) == (4, 3, 2, 1)
+    assert peak_in_flight("gpipe", ranks=4, microbatches=16) == (16,) * 4
+
+
+@pytest.mark.parametrize(("kind", "ranks", "microbatches", "chunks"), CASES)
+def test_closed_form_transients_match_the_action_lists(kind: str, ranks: int, microbatches: int, chunks: int) -> None:
+    from autopart.recompute import transient_microbatches
+    from autopart.schedule import build_schedule
+
+    schedule = build_schedule(kind, ranks=ranks, microbatches=microbatches, chunks=chunks)
+    assert transient_in_flight(kind, ranks=ranks, microbatches=microbatches, chunks=chunks) == transient_microbatches(
+        schedule, ranks * chunks)
