@@ -30,9 +30,10 @@ from autopart.compiler import (
     _sharded,
     state_bytes,
 )
+from autopart.annotate import DTYPES
 from autopart.errors import ConfigError, InfeasibleError
 from autopart.plan import Plan
-from autopart.search import DTYPES, Cluster, Layout, Scored, SearchResult, SearchSpace, fits, score_layout, search
+from autopart.search import Cluster, Layout, Scored, SearchResult, SearchSpace, fits, score_layout, search
 from autopart.solver.bottleneck import RECOMPUTE_MODES, ChainCosts
 from autopart.solver.pipeline import evaluate, solve_cuts
 from autopart.solver.sharding import REPLICATE

@@ -49,7 +49,6 @@ __all__ = [
     "estimate_step_s",
 ]
 
-DTYPES = ("fp32", "bf16")
 INTERLEAVED_CHUNKS = (2, 4)
 MAX_MICRO_BATCH_SIZE = 16
 """Micro-batch sizes searched by default: the divisors of a replica's batch up to this."""

@@ -25,9 +25,9 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-__all__ = ["RECOMPUTE_MODES", "ChainCosts", "StageCut", "cut_stages", "lower_bound_s", "stage_figures"]
+from autopart.recompute import RECOMPUTE_MODES
 
-RECOMPUTE_MODES = ("none", "selective", "full")
+__all__ = ["RECOMPUTE_MODES", "ChainCosts", "StageCut", "cut_stages", "lower_bound_s", "stage_figures"]
 
 
 @dataclass(frozen=True, kw_only=True)
