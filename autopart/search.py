@@ -1,16 +1,18 @@
 """The whole plan by search: mesh shape, microbatches, schedule, recompute, ZeRO and dtype.
 
-    layouts(space) -> score each (cuts by bisection, a closed-form step) -> simulate the finalists
+    layouts(space) -> score each (cuts by bisection, refined by a closed-form step) -> simulate the finalists
 
 Every way to run the model on ``world_size`` devices is a ``Layout``: the degrees
 ``pp * tp * dp = world_size`` (tensor parallelism inside a node unless pinned across), the
 micro-batch size (a divisor of each replica's share of the global batch), the schedule (gpipe,
 1f1b, interleaved with 2 or 4 chunks, zb-h1), ZeRO-1 and the dtype. For each, the cutter
-(``autopart.solver.bottleneck``) places the stages and picks each stage's recompute; the step
-is then estimated in closed form (the pipeline latency of the schedule, the data-parallel
-gradient all-reduce, the optimizer step). Layouts are visited in the order of a lower bound on
-their step (the busiest rank's compute with no bubble), and the visit stops once that bound
-passes the ``finalists``-th best estimate found: the rest cannot make the table. The finalists
+(``autopart.solver.bottleneck``) places the stages so that the slowest is as fast as it can be;
+the step is estimated in closed form (the pipeline latency of the schedule, the data-parallel
+gradient all-reduce, the optimizer step), and ``autopart.solver.refine`` moves the cuts while
+that estimate falls, each rank taking the recompute modes that make it fastest within its
+memory. Layouts are visited in the order of a lower bound on their estimate (every stage its
+share of the compute, the busiest rank its share of the parameters), and the visit stops once
+that bound passes the ``finalists``-th best estimate found: the rest cannot make the table. The finalists
 are then simulated action by action (``score``: a callback, so that the compiler predicts them
 exactly as it predicts any plan) and ranked.
 

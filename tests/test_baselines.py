@@ -134,12 +134,25 @@ def test_the_megatron_grid_is_equal_layers_1f1b_and_one_recompute_setting() -> N
             assert other is None or other.estimate_s >= result.best.estimate_s
 
 
-CASES = [s for s in range(40) if exhaustive_count(small_case(s)[1], len(small_case(s)[0].forward_s)) <= 6_000][:6]
+def pipeline_case(seed: int):
+    """One device per node and a slow network: data parallelism costs, so pipelines win."""
+    rng = random.Random(seed)
+    table = random_table(rng, layers=rng.randint(1, 2))
+    world, batch = rng.choice([2, 4]), rng.choice([4, 8])
+    c0 = table.chain_costs(micro_batch_size=1, tp=1, dtype="fp32")
+    total = 4 * sum(c0.parameter_bytes.values()) + batch * sum(c0.saved_bytes)
+    devices = cluster(memory_bytes=int(total * rng.uniform(0.3, 0.8)), gpus_per_node=1, bandwidth=1000.0,
+                      across=rng.choice([5.0, 20.0]))
+    return table, SearchSpace(world_size=world, global_batch_size=batch, gpus_per_node=1), devices
 
 
-@pytest.mark.parametrize("seed", CASES)
-def test_autopart_is_no_worse_than_any_baseline_and_equals_exhaustive(seed: int) -> None:
-    table, space, devices = small_case(seed)
+ANY = [s for s in range(40) if exhaustive_count(small_case(s)[1], len(small_case(s)[0].forward_s)) <= 6_000][:3]
+CASES = [(small_case, s) for s in ANY] + [(pipeline_case, s) for s in (2, 4, 6, 10, 12)]  # pp 4, 4, 2, 2, 2 x 2 chunks
+
+
+@pytest.mark.parametrize(("case", "seed"), CASES, ids=[f"{c.__name__}-{s}" for c, s in CASES])
+def test_autopart_is_no_worse_than_any_baseline_and_equals_exhaustive(case, seed: int) -> None:
+    table, space, devices = case(seed)
     layers = table.layers
     ours = search(space, table, devices)
     exhaustive = exhaustive_search(space, table, devices, limit=6_000)
