@@ -49,6 +49,8 @@ __all__ = [
     "score_layout",
     "in_flight",
     "estimate_step_s",
+    "tail_s",
+    "parameter_bytes_per_rank",
 ]
 
 INTERLEAVED_CHUNKS = (2, 4)
@@ -246,6 +248,13 @@ def estimate_step_s(layout: Layout, cut: StageCut, cluster: Cluster, rank_parame
         pipeline = sum(times) + (m - 1) * max(times)
         if layout.schedule == "zb-h1":  # W fills the cool-down bubble: (p-1)(F+I-W), not (p-1)(F+I+W)
             pipeline -= 2 * (p - 1) * min(cut.stage_weight_s)
+    return pipeline + tail_s(layout, cluster, rank_parameter_bytes, across_nodes)
+
+
+def tail_s(layout: Layout, cluster: Cluster, rank_parameter_bytes: list[int], across_nodes: bool) -> float:
+    """What the step does after the pipeline drains, on its busiest rank: the gradient
+    all-reduce over the data-parallel group and the optimizer step (with ZeRO-1, a shard of the
+    step and the all-gather of the updated shards)."""
     tail = 0.0
     for nbytes in rank_parameter_bytes:
         sync = cluster.all_reduce_s(nbytes, layout.dp, across_nodes) if layout.dp > 1 else 0.0
@@ -253,7 +262,7 @@ def estimate_step_s(layout: Layout, cut: StageCut, cluster: Cluster, rank_parame
         if layout.zero:  # a shard of the step each, then the updated shards to everyone
             step = step / layout.dp + cluster.all_gather_s(nbytes, layout.dp, across_nodes)
         tail = max(tail, sync + step)
-    return pipeline + tail
+    return tail
 
 
 def search(
@@ -385,7 +394,7 @@ def score_layout(layout: Layout, table: CostTable, cluster: Cluster, space: Sear
                             refine_below)
     if cut is None:
         return None
-    rank_bytes = _rank_parameter_bytes(table, layout, cut, ranks)
+    rank_bytes = parameter_bytes_per_rank(table, layout, cut, ranks)
     estimate = estimate_step_s(layout, cut, cluster, rank_bytes, across)
     return Scored(layout=layout, cut=cut, estimate_s=estimate)
 
@@ -450,7 +459,8 @@ def _with_state(table: CostTable, layout: Layout) -> ChainCosts:
     return costs.with_state(lambda nbytes: table.state_bytes(nbytes, dp=layout.dp, zero=layout.zero))
 
 
-def _rank_parameter_bytes(table, layout, cut, ranks) -> list[int]:
+def parameter_bytes_per_rank(table: CostTable, layout: Layout, cut: StageCut, ranks: tuple[int, ...]) -> list[int]:
+    """Per rank, the bytes of the parameters its stages read (a tied weight once per rank)."""
     costs = table.chain_costs(micro_batch_size=layout.micro_batch_size, tp=layout.tp, dtype=layout.dtype)
     firsts = [0, *(c + 1 for c in cut.cuts)]
     lasts = [*cut.cuts, len(costs) - 1]
