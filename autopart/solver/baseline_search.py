@@ -8,6 +8,9 @@ autopart scores its own (``autopart.search.score_layout``, the closed-form step 
   ``autopart.solver.baselines`` on the same grid give "the best layout with that partitioner".
 - ``exhaustive_search``: every layout of the search space, every cut set, every recompute mode
   per stage; for small chains only (it says how many candidates it would score before it starts).
+
+Each keeps its ``top`` few candidates by estimate, so that a benchmark can rank them again by
+simulation (``autopart.solver.simulated``), as the search ranks its finalists.
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ class BaselineResult:
     candidates: int  # (layout, cuts, recompute) triples scored
     seconds: float
     finished: bool = True
+    top: tuple[Scored, ...] = ()  # the best few candidates by estimate, best first (``best`` is top[0])
 
     @property
     def step_s(self) -> float:
@@ -76,12 +80,13 @@ def grid_space(space: SearchSpace) -> SearchSpace:
 
 
 def grid_search(name: str, space: SearchSpace, table: CostTable, cluster: Cluster, partition: Partitioner,
-                layers_of: LayersOf) -> BaselineResult:
-    """The best layout of Megatron's grid with ``partition``'s cuts and one recompute setting."""
+                layers_of: LayersOf, *, top: int = 5) -> BaselineResult:
+    """The best layout of Megatron's grid with ``partition``'s cuts and one recompute setting (and
+    the ``top`` best)."""
     start = time.perf_counter()
     grid = grid_space(space)
     blocks = len(table.chain_costs(micro_batch_size=_first(grid).micro_batch_size, tp=1, dtype=grid.dtype[0]))
-    best: Scored | None = None
+    best: list[Scored] = []
     candidates = 0
     for layout in grid.layouts(blocks):
         costs = table.chain_costs(micro_batch_size=layout.micro_batch_size, tp=layout.tp, dtype=layout.dtype)
@@ -95,9 +100,21 @@ def grid_search(name: str, space: SearchSpace, table: CostTable, cluster: Cluste
                 continue
             candidates += 1
             scored = score_layout(layout, table, cluster, grid, recompute=((mode,),) * layout.stages, cuts=cuts)
-            if scored is not None and (best is None or (scored.estimate_s, scored.layout) < (best.estimate_s, best.layout)):
-                best = scored
-    return BaselineResult(name=name, best=best, candidates=candidates, seconds=time.perf_counter() - start)
+            _keep(best, scored, top)
+    return BaselineResult(name=name, best=best[0] if best else None, candidates=candidates,
+                          seconds=time.perf_counter() - start, top=tuple(best))
+
+
+def _keep(best: list[Scored], scored: Scored | None, top: int) -> None:
+    """Add ``scored`` to ``best`` (sorted by estimate, then layout) if it is among the ``top``."""
+    if scored is None:
+        return
+    key = (scored.estimate_s, scored.layout)
+    if len(best) >= top and key >= (best[-1].estimate_s, best[-1].layout):
+        return
+    best.append(scored)
+    best.sort(key=lambda s: (s.estimate_s, s.layout))
+    del best[top:]
 
 
 def _first(space: SearchSpace):
@@ -112,20 +129,21 @@ def exhaustive_count(space: SearchSpace, blocks: int) -> int:
     return sum(math.comb(blocks - 1, layout.stages - 1) * modes**layout.stages for layout in space.layouts(blocks))
 
 
-def exhaustive_search(space: SearchSpace, table: CostTable, cluster: Cluster, *, limit: int = 200_000) -> BaselineResult:
+def exhaustive_search(space: SearchSpace, table: CostTable, cluster: Cluster, *, limit: int = 200_000,
+                      top: int = 5) -> BaselineResult:
     """The best of every layout x every cut set x every recompute mode per stage; not started
     (``finished=False``) when that is more than ``limit`` candidates."""
     start = time.perf_counter()
     blocks = len(table.chain_costs(micro_batch_size=_first(space).micro_batch_size, tp=1, dtype=space.dtype[0]))
     if exhaustive_count(space, blocks) > limit:
         return BaselineResult(name="exhaustive", best=None, candidates=0, seconds=0.0, finished=False)
-    best: Scored | None = None
+    best: list[Scored] = []
     candidates = 0
     for layout in space.layouts(blocks):
         for cuts in itertools.combinations(range(blocks - 1), layout.stages - 1):
             for modes in itertools.product(space.recompute, repeat=layout.stages):
                 candidates += 1
                 scored = score_layout(layout, table, cluster, space, recompute=tuple((m,) for m in modes), cuts=cuts)
-                if scored is not None and (best is None or (scored.estimate_s, scored.layout) < (best.estimate_s, best.layout)):
-                    best = scored
-    return BaselineResult(name="exhaustive", best=best, candidates=candidates, seconds=time.perf_counter() - start)
+                _keep(best, scored, top)
+    return BaselineResult(name="exhaustive", best=best[0] if best else None, candidates=candidates,
+                          seconds=time.perf_counter() - start, top=tuple(best))
