@@ -4,11 +4,14 @@ that every equivalence test shares."""
 
 from __future__ import annotations
 
+import atexit
+import functools
 import json
 import os
 import socket
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,6 +39,8 @@ def environment() -> dict[str, str]:
 
 
 def torchrun(out: Path, nproc: int, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    """``torchrun --nproc-per-node NPROC out/train.py ARGS``, as a user runs it: the launcher's own
+    agent, its rendezvous and its restarts."""
     command = [
         sys.executable, "-m", "torch.distributed.run",
         f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1", f"--master-port={free_port()}",
@@ -45,6 +50,59 @@ def torchrun(out: Path, nproc: int, *args: str, timeout: float = 240) -> subproc
     if result.returncode != 0:
         raise AssertionError(f"torchrun failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}")
     return result
+
+
+def run_ranks(out: Path, nproc: int, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    """The ranks of ``out/train.py``, each with the environment torchrun gives its workers (RANK,
+    WORLD_SIZE, MASTER_ADDR, ...) and the same gloo rendezvous, forked by ``tests/rank_zygote.py``
+    from a process that has imported torch once, instead of each importing it under torchrun's
+    agent (which imports it too). Tests of the launcher itself (restarts, the README's command)
+    use ``torchrun``. The completed process carries every rank's output, in rank order."""
+    port = free_port()
+    envs = [{"RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0", "ROLE_RANK": str(rank),
+             "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc), "ROLE_WORLD_SIZE": str(nproc),
+             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "TORCHELASTIC_RESTART_COUNT": "0"}
+            for rank in range(nproc)]  # fmt: skip
+    argv = [str(out / "train.py"), "--timeout", "120", *args]
+    with tempfile.TemporaryDirectory() as folder:
+        outputs = [[f"{folder}/{rank}.out", f"{folder}/{rank}.err"] for rank in range(nproc)]
+        answer = _zygote().launch({"argv": argv, "envs": envs, "outputs": outputs, "timeout": timeout})
+        stdout = "".join(Path(o).read_text() for o, _ in outputs)
+        stderr = "".join(f"[rank {r}] {text}" for r, (_, e) in enumerate(outputs) if (text := Path(e).read_text()))
+    if answer["timed_out"]:
+        raise subprocess.TimeoutExpired(argv, timeout, output=stdout, stderr=stderr)
+    if any(answer["codes"]):
+        raise AssertionError(f"ranks failed (exit codes {answer['codes']}):\n{stdout[-3000:]}\n{stderr[-6000:]}")
+    return subprocess.CompletedProcess(argv, 0, stdout=stdout, stderr=stderr)
+
+
+class _Zygote:
+    """The one ``tests/rank_zygote.py`` process of this test session, started at first use."""
+
+    def __init__(self):
+        self.process = subprocess.Popen(
+            [sys.executable, str(REPO / "tests" / "rank_zygote.py")], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            text=True, env=environment(),
+        )  # fmt: skip
+        atexit.register(self.close)
+
+    def launch(self, request: dict) -> dict:
+        self.process.stdin.write(json.dumps(request) + "\n")
+        self.process.stdin.flush()
+        answer = self.process.stdout.readline()
+        if not answer:
+            raise AssertionError(f"the rank zygote ended (exit code {self.process.wait()}); see its stderr above")
+        return json.loads(answer)
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.stdin.close()
+            self.process.wait(timeout=30)
+
+
+@functools.cache
+def _zygote() -> _Zygote:
+    return _Zygote()
 
 
 def read_metrics(path: Path) -> list[dict]:
@@ -77,10 +135,11 @@ class Trained:
 def compile_and_train(
     tmp_path: Path, example: str | Path, *, pp: int, microbatches: int, schedule: str, optimizer: str = "sgd",
     lr: float = 0.1, chunks: int = 1, steps: int = 3, micro_batch_size: int = 2, trace: bool = False,
-    train_args: tuple[str, ...] = (), **options,
+    train_args: tuple[str, ...] = (), launcher: str = "ranks", **options,
 ) -> Trained:
     """Compile ``examples/<example>.py`` (or the model file at a path) and train it for ``steps``
-    under one torchrun launch; ``options`` are more CompileOptions, ``train_args`` more train.py flags."""
+    in one launch (``run_ranks``, or the real ``torchrun`` with ``launcher="torchrun"``); ``options``
+    are more CompileOptions, ``train_args`` more train.py flags."""
     out = tmp_path / "out"
     model = example if isinstance(example, Path) else REPO / "examples" / f"{example}.py"
     plan, _ = compile_to_directory(
@@ -90,7 +149,8 @@ def compile_and_train(
     )
     metrics = tmp_path / "metrics.jsonl"
     trace_path = tmp_path / "measured.json" if trace else None
-    torchrun(out, pp, "--steps", str(steps), "--lr", str(lr), "--optimizer", optimizer,
+    launch = torchrun if launcher == "torchrun" else run_ranks
+    launch(out, pp, "--steps", str(steps), "--lr", str(lr), "--optimizer", optimizer,
              "--metrics", str(metrics), "--save-weights", str(tmp_path / "final"),
              *(["--trace", str(trace_path)] if trace_path else []), *train_args)
     return Trained(plan=plan, out=out, metrics=read_metrics(metrics), finals=stage_weights(tmp_path / "final"),

@@ -22,7 +22,7 @@ from autopart.consolidate import consolidated_state
 from autopart.runtime import train
 from autopart.runtime.checkpoint import SafeReader, latest_checkpoint
 from autopart.runtime.data import global_batches
-from tests.distributed import REPO, environment, free_port, read_metrics, run_cli, stage_weights, torchrun
+from tests.distributed import REPO, environment, free_port, read_metrics, run_cli, run_ranks, stage_weights
 
 STEPS = 6
 
@@ -73,7 +73,7 @@ def compiled(tmp_path_factory) -> Path:
 def uninterrupted(compiled, tmp_path_factory) -> Path:
     """6 sgd steps with checkpoints after steps 5 and 6."""
     folder = tmp_path_factory.mktemp("uninterrupted")
-    torchrun(compiled, 2, "--steps", str(STEPS), *train_args(folder, "sgd", "--checkpoint-every", "5"))
+    run_ranks(compiled, 2, "--steps", str(STEPS), *train_args(folder, "sgd", "--checkpoint-every", "5"))
     return folder
 
 
@@ -92,10 +92,10 @@ def test_rank_killed_at_step_3_restarts_and_ends_identical(compiled, uninterrupt
 def test_adamw_stop_after_step_3_and_resume_is_bit_identical(compiled, tmp_path):
     whole, parts = tmp_path / "whole", tmp_path / "parts"
     whole.mkdir(), parts.mkdir()
-    torchrun(compiled, 2, "--steps", str(STEPS), *train_args(whole, "adamw"))
-    torchrun(compiled, 2, "--steps", "3", *train_args(parts, "adamw"))
+    run_ranks(compiled, 2, "--steps", str(STEPS), *train_args(whole, "adamw"))
+    run_ranks(compiled, 2, "--steps", "3", *train_args(parts, "adamw"))
     assert len(read_metrics(parts / "metrics.jsonl")) == 3
-    resumed = torchrun(compiled, 2, "--steps", str(STEPS), "--resume", *train_args(parts, "adamw"))
+    resumed = run_ranks(compiled, 2, "--steps", str(STEPS), "--resume", *train_args(parts, "adamw"))
     assert "resumed from" in resumed.stdout
     assert_identical(parts, whole)
 

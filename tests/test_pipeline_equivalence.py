@@ -1,5 +1,7 @@
-"""The first test of every feature: the generated programs, run under torchrun with gloo, give
-the same losses and final parameters as a single-process run of the same batches."""
+"""The first test of every feature: the generated programs, run as ranks with gloo, give the same
+losses and final parameters as a single-process run of the same batches. The ranks are started
+as torchrun starts them (``tests.distributed.run_ranks``); the AdamW case goes through torchrun
+itself."""
 
 import pytest
 
@@ -21,7 +23,8 @@ def test_pipeline_trains_like_one_process(tmp_path, example, pp, schedule, micro
 
 
 def test_adamw_trains_like_one_process(tmp_path):
-    run = compile_and_train(tmp_path, "gpt", pp=2, microbatches=4, schedule="1f1b", optimizer="adamw", lr=1e-3)
+    run = compile_and_train(tmp_path, "gpt", pp=2, microbatches=4, schedule="1f1b", optimizer="adamw", lr=1e-3,
+                           launcher="torchrun")
     # Adam divides by sqrt(v): an element whose gradient is at float-noise level (~1e-9) moves by a
     # noisy fraction of one step, so parameters agree to 1% of a step (lr * 1e-2), not to 1e-6.
     assert_same_training(run, optimizer="adamw", lr=1e-3, param_atol=1e-5)

@@ -103,7 +103,7 @@ def test_a_searched_plan_with_interleaving_and_recompute_trains_like_one_process
     """World size 4 on this CPU: the search, given the schedule kind and a memory limit that the
     first stage cannot meet without recompute, picks the chunks, the cuts and the recompute of
     each stage; the programs train like one process."""
-    from tests.distributed import Trained, assert_same_training, read_metrics, stage_weights, torchrun
+    from tests.distributed import Trained, assert_same_training, read_metrics, stage_weights, run_ranks
 
     out = tmp_path / "out"
     options = CompileOptions(model=GPT, world_size=4, global_batch_size=16, microbatches=8, dp=2, tp=1,
@@ -113,7 +113,7 @@ def test_a_searched_plan_with_interleaving_and_recompute_trains_like_one_process
     assert any(stage.recompute != "none" for stage in plan.stages)
     assert max(plan.predicted.memory_bytes) <= 0.4899 * (1 << 30)
     metrics = tmp_path / "metrics.jsonl"
-    torchrun(out, plan.world_size, "--steps", "2", "--lr", "0.1", "--optimizer", "sgd", "--metrics", str(metrics),
+    run_ranks(out, plan.world_size, "--steps", "2", "--lr", "0.1", "--optimizer", "sgd", "--metrics", str(metrics),
              "--save-weights", str(tmp_path / "final"))
     run = Trained(plan=plan, out=out, metrics=read_metrics(metrics), finals=stage_weights(tmp_path / "final"),
                   steps=2, trace=None)

@@ -13,7 +13,7 @@ import autopart
 from autopart.compiler import CompileOptions, compile_to_directory
 from autopart.runtime.reference import train_reference
 from autopart.runtime.shards import load_stage_weights
-from tests.distributed import REPO, environment, free_port, read_metrics, torchrun
+from tests.distributed import REPO, environment, free_port, read_metrics, run_ranks
 
 STEPS = 2
 FREE_LINKS = REPO / "tests" / "devices" / "free-links.toml"  # collectives cost nothing: every op that can split does
@@ -28,7 +28,7 @@ def train_3d(tmp_path: Path, example: Path, *, pp: int, tp: int, dp: int, zero: 
         out,
     )  # fmt: skip
     metrics = tmp_path / "metrics.jsonl"
-    torchrun(out, pp * tp * dp, "--steps", str(STEPS), "--lr", str(lr), "--optimizer", optimizer,
+    run_ranks(out, pp * tp * dp, "--steps", str(STEPS), "--lr", str(lr), "--optimizer", optimizer,
              "--metrics", str(metrics), "--save-weights", str(tmp_path / "final"), timeout=400)
     reference = train_reference(out, steps=STEPS, lr=lr, optimizer=optimizer)
     losses = [m["loss"] for m in read_metrics(metrics)]
