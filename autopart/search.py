@@ -349,8 +349,9 @@ def _any_micro_batch(space: SearchSpace) -> int:
 def _lower_bound(table: CostTable, layout: Layout, cluster: Cluster) -> float:
     """No cut or recompute makes this layout's estimate shorter: ``estimate_step_s`` with every
     stage at least its share of the compute (and the largest block), the stages' times summing to
-    at least the whole compute, interleaved's largest virtual stage at least the largest block, zb-h1's smallest weight-gradient stage at most its share, and the
-    busiest rank holding at least its share of the parameters."""
+    at least the whole compute, interleaved's largest virtual stage at least the largest block,
+    zb-h1's smallest weight-gradient stage at most its share, and the busiest rank holding at
+    least its share of the parameters."""
     costs = table.chain_costs(micro_batch_size=layout.micro_batch_size, tp=layout.tp, dtype=layout.dtype)
     m, p = layout.microbatches, layout.pp
     total = costs.prefix("compute_s")[-1]
