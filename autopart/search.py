@@ -259,7 +259,7 @@ def _interleaved_pipeline_s(times: tuple[float, ...], p: int, m: int, v: int) ->
     largest virtual stage. With equal stages (t each, R = v t a rank) this is Megatron's
     m R + (p - 1) R / v, which the simulator gives exactly; the busiest rank's m R alone (the
     closed form before this one) let unequal chunks look free, and the simulator ran the cuts
-    refined by it up to 1.4x slower. Measured on random chains cut by the search: at most 1.07x
+    refined by it up to 1.4x slower. Measured on random chains cut by the search: at most 1.11x
     optimistic, 0.93x (v = 2) and 0.96x (v = 4) at the median. The estimate knows each stage's
     forward plus backward only: forward a third of it.
     Never below m max R + (p - 1) max R / v (``_lower_bound`` relies on it): each rank's pairs
