@@ -240,15 +240,36 @@ def estimate_step_s(layout: Layout, cut: StageCut, cluster: Cluster, rank_parame
     over the data-parallel group and the optimizer step of the busiest rank."""
     times, m, p = cut.stage_time_s, layout.microbatches, layout.pp
     if layout.schedule == "interleaved":
-        per_rank = [0.0] * p
-        for s, time_s in enumerate(times):
-            per_rank[stage_rank(s, p)] += time_s
-        pipeline = m * max(per_rank) + (p - 1) * max(per_rank) / layout.chunks
+        pipeline = _interleaved_pipeline_s(times, p, m, layout.chunks)
     else:
         pipeline = sum(times) + (m - 1) * max(times)
         if layout.schedule == "zb-h1":  # W fills the cool-down bubble: (p-1)(F+I-W), not (p-1)(F+I+W)
             pipeline -= 2 * (p - 1) * min(cut.stage_weight_s)
     return pipeline + tail_s(layout, cluster, rank_parameter_bytes, across_nodes)
+
+
+def _interleaved_pipeline_s(times: tuple[float, ...], p: int, m: int, v: int) -> float:
+    """Interleaved 1F1B's pipeline (``autopart.schedule.generators``, Megatron's order) with
+    virtual stages of any sizes. In the steady phase every rank alternates one forward and one
+    backward; over group j of p such slots each rank runs forwards of chunk (j - 1) mod v and
+    backwards of chunk v - 1 - j mod v. The ranks pass activations and gradients every slot, so a
+    slot lasts as long as the slowest rank's pair, except that neighbours' warm-ups differ by two
+    forwards: a rank may run one slot of each group at its own pace. A round of v groups takes p
+    microbatches through every chunk, so m / p rounds; the fill and drain are p - 1 of the
+    largest virtual stage. With equal stages (t each, R = v t a rank) this is Megatron's
+    m R + (p - 1) R / v, which the simulator gives exactly; the busiest rank's m R alone (the
+    closed form before this one) let unequal chunks look free, and the simulator ran the cuts
+    refined by it up to 1.4x slower. Measured on random chains cut by the search: at most 1.11x
+    optimistic, 0.93x (v = 2) and 0.96x (v = 4) at the median. The estimate knows each stage's
+    forward plus backward only: forward a third of it.
+    Never below m max R + (p - 1) max R / v (``_lower_bound`` relies on it): each rank's pairs
+    over a round are its own chunks' forwards and backwards once each."""
+    own = min(1.0, 1 / p)  # of each group's slots, those a rank runs at its own pace
+    pairs = [[times[(j - 1) % v * p + r] / 3 + 2 * times[(v - 1 - j) * p + r] / 3 for r in range(p)]
+             for j in range(v)]
+    slowest = sum(max(group) for group in pairs)
+    rounds = max(sum(group[r] for group in pairs) for r in range(p))  # the busiest rank's R
+    return m * ((1 - own) * slowest + own * rounds) + (p - 1) * max(times)
 
 
 def tail_s(layout: Layout, cluster: Cluster, rank_parameter_bytes: list[int], across_nodes: bool) -> float:
@@ -331,14 +352,16 @@ def _any_micro_batch(space: SearchSpace) -> int:
 def _lower_bound(table: CostTable, layout: Layout, cluster: Cluster) -> float:
     """No cut or recompute makes this layout's estimate shorter: ``estimate_step_s`` with every
     stage at least its share of the compute (and the largest block), the stages' times summing to
-    at least the whole compute, zb-h1's smallest weight-gradient stage at most its share, and the
-    busiest rank holding at least its share of the parameters."""
+    at least the whole compute, interleaved's largest virtual stage at least the largest block,
+    zb-h1's smallest weight-gradient stage at most its share, and the busiest rank holding at
+    least its share of the parameters."""
     costs = table.chain_costs(micro_batch_size=layout.micro_batch_size, tp=layout.tp, dtype=layout.dtype)
     m, p = layout.microbatches, layout.pp
     total = costs.prefix("compute_s")[-1]
     slowest = lower_bound_s(costs, p)  # per stage; and per rank, for interleaved
-    if layout.schedule == "interleaved":
-        pipeline = (m + (p - 1) / layout.chunks) * slowest
+    if layout.schedule == "interleaved":  # some virtual stage holds the largest block
+        largest = max(f + b for f, b in zip(costs.forward_s, costs.backward_s))
+        pipeline = m * slowest + (p - 1) * max(total / (p * layout.chunks), largest)
     else:
         pipeline = total + (m - 1) * slowest
         if layout.schedule == "zb-h1":

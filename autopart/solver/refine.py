@@ -4,8 +4,9 @@
 The step that the search ranks layouts by has more in it: every stage's time once (the
 pipeline's fill and drain), the schedule's own terms (zb-h1 fills its cool-down with the
 smallest stage's weight gradients; an interleaved rank runs several stages, so what counts is
-each rank's sum), and after the pipeline the busiest rank's gradient all-reduce and optimizer
-step, which grow with the parameters it holds. ``refine_cuts`` judges cuts by the step itself
+the slowest rank at each step of the schedule and the largest stage), and after the pipeline
+the busiest rank's gradient all-reduce and optimizer step, which grow with the parameters it
+holds. ``refine_cuts`` judges cuts by the step itself
 (an ``objective`` given by the search) and
 
 - where the chain has few cut sets (at most ``ENUMERATE_LIMIT``), tries every one of them;
