@@ -5,16 +5,18 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from autopart.compiler import CompileOptions, compile_to_directory
-from autopart.errors import ConfigError
+from autopart.errors import ConfigError, InfeasibleError
 from autopart.planner import plan_by_search
 
 REPO = Path(__file__).resolve().parent.parent
 GPT = REPO / "examples" / "gpt.py"
+LONG_GPT = REPO / "tests" / "models" / "long_gpt.py"
 
 
 @pytest.fixture(scope="module")
@@ -98,23 +100,35 @@ def test_a_model_that_cannot_fit_names_the_memory_that_would(tmp_path: Path) -> 
     assert "the chosen plan first" in fits.stdout and "runners-up" not in fits.stderr
 
 
+def _leanest_gib(options: CompileOptions, tmp_path: Path) -> float:
+    """The memory per device that the does-not-fit error names for ``options``."""
+    with pytest.raises(InfeasibleError) as error:
+        compile_to_directory(replace(options, memory_gib=0.1), tmp_path / "too-small")
+    return float(str(error.value).split("--memory ")[1].split()[0])
+
+
 @pytest.mark.multiprocess
 def test_a_searched_plan_with_interleaving_and_recompute_trains_like_one_process(tmp_path: Path) -> None:
-    """World size 4 on this CPU: the search, given the schedule kind and a memory limit that the
-    first stage cannot meet without recompute, picks the chunks, the cuts and the recompute of
-    each stage; the programs train like one process."""
-    from tests.distributed import Trained, assert_same_training, read_metrics, stage_weights, run_ranks
+    """World size 4 on this CPU: the search, given the schedule kind and a memory limit that no
+    plan without recompute meets (half-way between the leanest plan without it and the leanest
+    with full recompute, as the does-not-fit error names them), picks the chunks, the cuts and
+    the recompute of each stage; the programs train like one process."""
+    from tests.distributed import Trained, assert_same_training, read_metrics, run_ranks, stage_weights
 
+    pinned = CompileOptions(model=LONG_GPT, world_size=4, global_batch_size=16, microbatches=8, dp=2, tp=1,
+                            schedule="interleaved", device="h100-sxm", optimizer="sgd")
+    without = _leanest_gib(replace(pinned, recompute="none"), tmp_path)
+    with_full = _leanest_gib(replace(pinned, recompute="full"), tmp_path)
+    assert with_full + 0.004 <= without  # long sequences: recompute frees megabytes here
+    limit = (without + with_full) / 2
     out = tmp_path / "out"
-    options = CompileOptions(model=GPT, world_size=4, global_batch_size=16, microbatches=8, dp=2, tp=1,
-                             schedule="interleaved", device="h100-sxm", memory_gib=0.4897, optimizer="sgd")
-    plan, _ = compile_to_directory(options, out)
+    plan, _ = compile_to_directory(replace(pinned, memory_gib=limit), out)
     assert plan.mesh == {"pp": 2, "tp": 1, "dp": 2} and plan.schedule.chunks >= 2
     assert any(stage.recompute != "none" for stage in plan.stages)
-    assert max(plan.predicted.memory_bytes) <= 0.4897 * (1 << 30)
+    assert max(plan.predicted.memory_bytes) <= limit * (1 << 30)
     metrics = tmp_path / "metrics.jsonl"
     run_ranks(out, plan.world_size, "--steps", "2", "--lr", "0.1", "--optimizer", "sgd", "--metrics", str(metrics),
-             "--save-weights", str(tmp_path / "final"))
+              "--save-weights", str(tmp_path / "final"))
     run = Trained(plan=plan, out=out, metrics=read_metrics(metrics), finals=stage_weights(tmp_path / "final"),
                   steps=2, trace=None)
     assert_same_training(run, optimizer="sgd", lr=0.1)
