@@ -293,6 +293,8 @@ def _does_not_fit(options: CompileOptions, space: SearchSpace, table: FrontTable
         if score_layout(layout, table, roomy, space, fit_only=True) is not None:
             low = _smallest_memory(layout, table, cluster, space)
             needed = low if needed is None else min(needed, low)
+    if needed is not None:  # another layout (a larger microbatch, fewer stages) may fit in less
+        needed = _smallest_fitting_memory(space, table, cluster, fits_at=needed)
     larger = None
     for factor in (2, 4, 8, 16, 32, 64):
         bigger = replace(space, world_size=space.world_size * factor)
@@ -312,10 +314,23 @@ def _does_not_fit(options: CompileOptions, space: SearchSpace, table: FrontTable
 
 
 def _gib_up(nbytes: int) -> str:
-    """GiB to three significant figures, rounded up: a limit that fits."""
+    """GiB to four significant figures, rounded up: a limit that fits."""
     value = nbytes / (1 << 30)
-    scale = 10 ** (2 - math.floor(math.log10(value))) if value > 0 else 1
+    scale = 10 ** (3 - math.floor(math.log10(value))) if value > 0 else 1
     return f"{math.ceil(value * scale) / scale:g}"
+
+
+def _smallest_fitting_memory(space: SearchSpace, table: FrontTable, cluster: Cluster, *, fits_at: int) -> int:
+    """Bisection on the memory limit over every layout of the space: the least that some layout
+    fits in (to 64 KiB), given ``fits_at``, a limit that one fits in. Fitting only grows with memory."""
+    lo, hi = cluster.overhead_bytes, fits_at
+    while hi - lo > 1 << 16:
+        mid = (lo + hi) // 2
+        if fits(space, table, replace(cluster, memory_bytes=mid)):
+            hi = mid
+        else:
+            lo = mid
+    return hi
 
 
 def _smallest(space: SearchSpace) -> int:
