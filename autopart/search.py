@@ -376,9 +376,12 @@ def _lower_bound(table: CostTable, layout: Layout, cluster: Cluster) -> float:
 
 
 def fits(space: SearchSpace, table: CostTable, cluster: Cluster) -> bool:
-    """Whether any layout of ``space`` fits in the cluster's memory (its speed aside)."""
+    """Whether any layout of ``space`` fits in the cluster's memory (its speed aside): the
+    cutter's quick answer first, then, where it finds no cuts, the refinement the search itself
+    runs (which finds cuts the greedy cutter misses when interleaved stages share a rank)."""
     blocks = len(table.chain_costs(micro_batch_size=_any_micro_batch(space), tp=1, dtype=space.dtype[0]))
     return any(score_layout(layout, table, cluster, space, fit_only=True) is not None
+               or score_layout(layout, table, cluster, space) is not None
                for layout in space.layouts(blocks))
 
 

@@ -77,7 +77,8 @@ def run_ranks(out: Path, nproc: int, *args: str, timeout: float = 240) -> subpro
 
 
 class _Zygote:
-    """The one ``tests/rank_zygote.py`` process of this test session, started at first use."""
+    """The ``tests/rank_zygote.py`` process of this test session, started at first use and again
+    after any launch that did not end cleanly (it died, or its answer was not read)."""
 
     def __init__(self):
         self.process = subprocess.Popen(
@@ -87,21 +88,35 @@ class _Zygote:
         atexit.register(self.close)
 
     def launch(self, request: dict) -> dict:
-        self.process.stdin.write(json.dumps(request) + "\n")
-        self.process.stdin.flush()
-        answer = self.process.stdout.readline()
-        if not answer:
-            raise AssertionError(f"the rank zygote ended (exit code {self.process.wait()}); see its stderr above")
-        return json.loads(answer)
+        try:
+            self.process.stdin.write(json.dumps(request) + "\n")
+            self.process.stdin.flush()
+            answer = self.process.stdout.readline()
+            if not answer:
+                raise AssertionError(f"the rank zygote ended (exit code {self.process.wait()}); see its stderr above")
+            return json.loads(answer)
+        except BaseException:  # a broken pipe, or interrupted mid-answer: the next launch starts a new one
+            self.process.kill()
+            _live_zygote.cache_clear()
+            raise
 
     def close(self) -> None:
         if self.process.poll() is None:
             self.process.stdin.close()
-            self.process.wait(timeout=30)
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+
+
+def _zygote() -> _Zygote:
+    if _live_zygote.cache_info().currsize and _live_zygote().process.poll() is not None:
+        _live_zygote.cache_clear()  # it died between launches
+    return _live_zygote()
 
 
 @functools.cache
-def _zygote() -> _Zygote:
+def _live_zygote() -> _Zygote:
     return _Zygote()
 
 

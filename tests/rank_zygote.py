@@ -36,6 +36,7 @@ def _run_rank(argv: list[str], env: dict[str, str], stdout_path: str, stderr_pat
     """In the forked child: become one rank and never return."""
     code = 1
     try:
+        os.setpgid(0, 0)  # its own process group: killing the rank kills what it started too
         for fd, path in ((1, stdout_path), (2, stderr_path)):
             target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             os.dup2(target, fd)
@@ -49,7 +50,10 @@ def _run_rank(argv: list[str], env: dict[str, str], stdout_path: str, stderr_pat
         runpy.run_path(argv[0], run_name="__main__")
         code = 0
     except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if exc.code is None or isinstance(exc.code, int):
+            code = exc.code or 0
+        else:  # sys.exit("message"): python prints it and exits 1
+            print(exc.code, file=sys.stderr)
     except BaseException:  # noqa: BLE001  (reported as python would, then the exit code says it)
         traceback.print_exc()
     finally:
@@ -64,6 +68,10 @@ def _launch(request: dict) -> dict:
         pid = os.fork()
         if pid == 0:
             _run_rank(request["argv"], env, stdout_path, stderr_path)
+        try:
+            os.setpgid(pid, pid)  # here too, so that the group exists whichever of the two runs first
+        except OSError:
+            pass  # the child got there first (or already ended)
         children[pid] = rank
     codes: list[int | None] = [None] * len(children)
     deadline = time.monotonic() + request["timeout"]
@@ -78,7 +86,7 @@ def _launch(request: dict) -> dict:
         if failed or timed_out:
             for other, rank in children.items():
                 if codes[rank] is None:
-                    os.kill(other, signal.SIGKILL)
+                    os.killpg(other, signal.SIGKILL)
             while any(code is None for code in codes):
                 pid, status = os.waitpid(-1, 0)
                 codes[children[pid]] = os.waitstatus_to_exitcode(status)
