@@ -160,14 +160,14 @@ def refine_cuts(judge: CutJudge, start: StageCut | None, *, enumerate_limit: int
     best = judge.judge(start.cuts)
     if best is None:
         return None
-    improved = True
-    while improved:
-        improved = False
+    for _ in range(100 * len(judge.costs) + 100):  # _better's tolerances could, in principle, let moves cycle
         for move in _moves(judge, best, radius):
             judged = judge.judge(move[0], best, move[1])
             if judged is not None and _better(judged, best):
-                best, improved = judged, True
+                best = judged
                 break
+        else:
+            break  # no move is better: a local optimum
     return best[:2]
 
 
