@@ -282,7 +282,7 @@ def _does_not_fit(options: CompileOptions, space: SearchSpace, table: FrontTable
     """One line: the smallest memory per device that some layout of this world size fits in, and
     the smallest world size (up to 64 times this one) that fits in this memory."""
     roomy = replace(cluster, memory_bytes=1 << 62)
-    smallest = _smallest(space)
+    smallest = space.smallest_micro_batch_size()
     blocks = len(table.chain_costs(micro_batch_size=smallest, tp=1, dtype=space.dtype[0]))
     # the leanest layouts: the smallest microbatch, ZeRO where allowed, the model split the most ways
     lean = [layout for layout in space.layouts(blocks) if layout.micro_batch_size == smallest
@@ -331,10 +331,6 @@ def _smallest_fitting_memory(space: SearchSpace, table: FrontTable, cluster: Clu
         else:
             lo = mid
     return hi
-
-
-def _smallest(space: SearchSpace) -> int:
-    return min(layout.micro_batch_size for layout in space.layouts(1 << 30))
 
 
 def _smallest_memory(layout: Layout, table: FrontTable, cluster: Cluster, space: SearchSpace) -> int:

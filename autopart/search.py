@@ -135,6 +135,11 @@ class SearchSpace:
                                 yield Layout(pp=pp, tp=tp, dp=dp, micro_batch_size=mbs, microbatches=m,
                                              schedule=schedule, chunks=chunks, zero=zero, dtype=dtype)
 
+    def smallest_micro_batch_size(self) -> int:
+        """The smallest micro-batch size of any layout (1 when there is none): the leanest, and
+        a size to capture the chain at when any will do (its blocks do not depend on it)."""
+        return min((layout.micro_batch_size for layout in self.layouts(1 << 30)), default=1)
+
     def _micro_batch_sizes(self, share: int) -> list[int]:
         if self.microbatches:
             return [share // m for m in self.microbatches if share % m == 0]
@@ -297,7 +302,7 @@ def search(
 ) -> SearchResult:
     """The ``finalists`` best layouts that fit, ranked by ``score`` (default: the estimate)."""
     start = time.perf_counter()
-    blocks = len(table.chain_costs(micro_batch_size=_any_micro_batch(space), tp=1, dtype=space.dtype[0]))
+    blocks = len(table.chain_costs(micro_batch_size=space.smallest_micro_batch_size(), tp=1, dtype=space.dtype[0]))
     layouts = list(space.layouts(blocks))
     if not layouts:
         raise ConfigError(_no_layout_message(space))
@@ -343,12 +348,6 @@ def _memoised(cluster: Cluster) -> Cluster:
     )
 
 
-def _any_micro_batch(space: SearchSpace) -> int:
-    for layout in space.layouts(1 << 30):
-        return layout.micro_batch_size
-    return 1
-
-
 def _lower_bound(table: CostTable, layout: Layout, cluster: Cluster) -> float:
     """No cut or recompute makes this layout's estimate shorter: ``estimate_step_s`` with every
     stage at least its share of the compute (and the largest block), the stages' times summing to
@@ -379,7 +378,7 @@ def fits(space: SearchSpace, table: CostTable, cluster: Cluster) -> bool:
     """Whether any layout of ``space`` fits in the cluster's memory (its speed aside): the
     cutter's quick answer first, then, where it finds no cuts, the refinement the search itself
     runs (which finds cuts the greedy cutter misses when interleaved stages share a rank)."""
-    blocks = len(table.chain_costs(micro_batch_size=_any_micro_batch(space), tp=1, dtype=space.dtype[0]))
+    blocks = len(table.chain_costs(micro_batch_size=space.smallest_micro_batch_size(), tp=1, dtype=space.dtype[0]))
     return any(score_layout(layout, table, cluster, space, fit_only=True) is not None
                or score_layout(layout, table, cluster, space) is not None
                for layout in space.layouts(blocks))
