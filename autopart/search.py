@@ -84,6 +84,10 @@ class Layout:
         """Data parallelism is outermost: its groups span nodes once the mesh does."""
         return self.world_size > gpus_per_node
 
+    def pipeline_crosses_nodes(self, gpus_per_node: int) -> bool:
+        """A pipeline (pp x tp ranks, tensor parallelism innermost) spans nodes once it has more ranks than a node."""
+        return self.pp * self.tp > gpus_per_node
+
     def describe(self) -> str:
         schedule = f"{self.schedule} v={self.chunks}" if self.chunks > 1 else self.schedule
         extras = "".join([" zero" if self.zero else "", f" {self.dtype}" if self.dtype != "fp32" else ""])
@@ -269,7 +273,7 @@ def _interleaved_pipeline_s(times: tuple[float, ...], p: int, m: int, v: int) ->
     forward plus backward only: forward a third of it.
     Never below m max R + (p - 1) max R / v (``_lower_bound`` relies on it): each rank's pairs
     over a round are its own chunks' forwards and backwards once each."""
-    own = min(1.0, 1 / p)  # of each group's slots, those a rank runs at its own pace
+    own = 1 / p  # of each group's slots, those a rank runs at its own pace
     pairs = [[times[(j - 1) % v * p + r] / 3 + 2 * times[(v - 1 - j) * p + r] / 3 for r in range(p)]
              for j in range(v)]
     slowest = sum(max(group) for group in pairs)
@@ -366,12 +370,8 @@ def _lower_bound(table: CostTable, layout: Layout, cluster: Cluster) -> float:
         if layout.schedule == "zb-h1":
             pipeline -= 2 * (p - 1) * sum(costs.weight_s) / p
     share = sum(costs.parameter_bytes.values()) // p
-    across = layout.data_parallel_crosses_nodes(cluster.gpus_per_node)
-    sync = cluster.all_reduce_s(share, layout.dp, across) if layout.dp > 1 else 0.0
-    step = cluster.optimizer_s_per_byte * share
-    if layout.zero:
-        step = step / layout.dp + cluster.all_gather_s(share, layout.dp, across)
-    return (pipeline + sync + step) * (1 - 1e-12)  # below the estimate's own rounding
+    tail = tail_s(layout, cluster, [share], layout.data_parallel_crosses_nodes(cluster.gpus_per_node))
+    return (pipeline + tail) * (1 - 1e-12)  # below the estimate's own rounding
 
 
 def fits(space: SearchSpace, table: CostTable, cluster: Cluster) -> bool:
@@ -395,7 +395,7 @@ def score_layout(layout: Layout, table: CostTable, cluster: Cluster, space: Sear
     costs = _with_state(table, layout)
     stages = layout.stages
     ranks = tuple(stage_rank(s, layout.pp) for s in range(stages))
-    pipeline_across = layout.pp * layout.tp > cluster.gpus_per_node
+    pipeline_across = layout.pipeline_crosses_nodes(cluster.gpus_per_node)
     transfer = tuple(cluster.p2p_s(b, pipeline_across) for b in costs.boundary_bytes)
     flight = in_flight(layout.schedule, layout.pp, layout.microbatches, layout.chunks)
     transient = _transient(layout.schedule, layout.pp, layout.microbatches, layout.chunks)

@@ -90,7 +90,7 @@ def grid_search(name: str, space: SearchSpace, table: CostTable, cluster: Cluste
     candidates = 0
     for layout in grid.layouts(blocks):
         costs = table.chain_costs(micro_batch_size=layout.micro_batch_size, tp=layout.tp, dtype=layout.dtype)
-        across = layout.pp * layout.tp > cluster.gpus_per_node
+        across = layout.pipeline_crosses_nodes(cluster.gpus_per_node)
         transfer = tuple(cluster.p2p_s(b, across) for b in costs.boundary_bytes)
         layers = layers_of(layout.micro_batch_size, layout.tp, layout.dtype)
         for mode in space.recompute:

@@ -55,7 +55,7 @@ def simulated_stage_costs(scored: Scored, table: CostTable, cluster: Cluster) ->
         forward_s.append(forward[end] - forward[first])
         backward_s.append(backward[end] - backward[first] + _recompute_s(costs, mode, first, end))
         weight_s.append(weight[end] - weight[first])
-    across = layout.pp * layout.tp > cluster.gpus_per_node  # as score_layout: the pipeline spans nodes
+    across = layout.pipeline_crosses_nodes(cluster.gpus_per_node)
     transfer_s = tuple(cluster.p2p_s(costs.boundary_bytes[c], across) for c in cut.cuts)
     return StageCosts(forward_s=tuple(forward_s), backward_s=tuple(backward_s), weight_s=tuple(weight_s),
                       transfer_s=transfer_s)
