@@ -74,6 +74,11 @@ def test_impossible_pins_say_which(tmp_path: Path) -> None:
         plan_by_search(CompileOptions(model=GPT, world_size=4, global_batch_size=8, device="h100-sxm", pp=3))
 
 
+def _named_memory(message: str) -> float:
+    """The GiB per device that a does-not-fit message tells to use (``--memory X``)."""
+    return float(message.split("--memory ")[1].split()[0])
+
+
 def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", "from autopart.cli import main; main()", *args], cwd=cwd,
                           capture_output=True, text=True, timeout=300, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin",
@@ -88,7 +93,7 @@ def test_a_model_that_cannot_fit_names_the_memory_that_would(tmp_path: Path) -> 
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("autopart: error: the model does not fit on 2 devices")
-    needed = float(lines[0].split("--memory ")[1].split()[0])
+    needed = _named_memory(lines[0])
     assert 0.47 < needed < 0.6
     assert not out.exists()
     # and the memory it names is enough
@@ -108,7 +113,7 @@ def _leanest_gib(options: CompileOptions, tmp_path: Path) -> float:
     """The memory per device that the does-not-fit error names for ``options``."""
     with pytest.raises(InfeasibleError) as error:
         compile_to_directory(replace(options, memory_gib=0.1), tmp_path / "too-small")
-    return float(str(error.value).split("--memory ")[1].split()[0])
+    return _named_memory(str(error.value))
 
 
 @pytest.mark.multiprocess
