@@ -284,7 +284,8 @@ def _does_not_fit(options: CompileOptions, space: SearchSpace, table: FrontTable
     roomy = replace(cluster, memory_bytes=1 << 62)
     smallest = space.smallest_micro_batch_size()
     blocks = len(table.chain_costs(micro_batch_size=smallest, tp=1, dtype=space.dtype[0]))
-    # the leanest layouts: the smallest microbatch, ZeRO where allowed, the model split the most ways
+    # a first figure from likely-lean layouts (the smallest microbatch, ZeRO where allowed, the model
+    # split the most ways), one layout each; then the bisection over the whole space from it
     lean = [layout for layout in space.layouts(blocks) if layout.micro_batch_size == smallest
             and (layout.zero or layout.dp == 1 or True not in space.zero)]
     lean.sort(key=lambda layout: -layout.pp * layout.tp)
@@ -293,7 +294,7 @@ def _does_not_fit(options: CompileOptions, space: SearchSpace, table: FrontTable
         if score_layout(layout, table, roomy, space, fit_only=True) is not None:
             low = _smallest_memory(layout, table, cluster, space)
             needed = low if needed is None else min(needed, low)
-    if needed is not None:  # another layout (a larger microbatch, fewer stages) may fit in less
+    if needed is not None:  # other layouts (a larger microbatch, fewer stages) may fit in less
         needed = _smallest_fitting_memory(space, table, cluster, fits_at=needed)
     larger = None
     for factor in (2, 4, 8, 16, 32, 64):
