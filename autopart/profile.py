@@ -5,7 +5,9 @@ at a microbatch size and, for every node whose key (`autopart.annotate.op_key`: 
 dtypes, roles) the database lacks for this device and torch version, times its forward and its
 two backward halves (`cost_models.profiler.time_op`). Repeated layers produce the same keys, so
 they are timed once; a second run over the same model times nothing. It also times one
-optimizer step per parameter shape and, once per device, the fixed costs of the runtime.
+optimizer step per parameter shape (scaled, on the CPU, to a whole step measured right after
+the graph's backward, `autopart.profile_in_situ.optimizer_in_situ`) and, once per device, the
+fixed costs of the runtime.
 
 On the CPU ops are timed with one thread: that is what every rank runs with under torchrun
 (which sets ``OMP_NUM_THREADS=1`` when it starts several processes), and where they run: the
@@ -19,8 +21,10 @@ events.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 import torch
@@ -31,7 +35,7 @@ from torch import fx
 from autopart.annotate import _run_one, leaves_for_grad, op_key
 from autopart.capture import Graph, ModelSpec, graph_args
 from autopart.errors import ConfigError
-from autopart.profile_in_situ import NodeTimes, measure_resume, time_in_situ
+from autopart.profile_in_situ import NodeTimes, measure_resume, optimizer_in_situ, time_in_situ
 from autopart.runtime.optim import make_optimizer
 from cost_models.database import CostDatabase, OpTimes
 from cost_models.devices import local_device_name
@@ -91,12 +95,15 @@ class _Timer(fx.Interpreter):
 
 
 def _time_optimizer(database: CostDatabase, device_name: str, device: torch.device, optimizer: str,
-                    parameters: list[torch.Tensor]) -> None:
+                    parameters: list[torch.Tensor], in_step: Callable[[Callable], float] | None = None) -> None:
     """Once, the fixed cost of a ``step()``; per parameter shape, what one parameter adds to it.
 
     Both from steps over several parameters: a step over one parameter pays the fixed cost as
     well, and a rank steps all its parameters in one call. The fixed cost is the intercept over
     1 to 8 tiny parameters; a shape's share the slope over 1 to 3 parameters of that shape.
+    With ``in_step`` (the CPU's `optimizer_in_situ`, given a maker of the step), the figures
+    timed now are scaled so that the model's whole step costs what it measured in a training
+    step, where caches no longer hold what a step alone in a loop found there.
     """
     def step_over(count: int, shape: tuple[int, ...] = (4,), dtype: torch.dtype = torch.float32) -> Any:
         weights = [torch.zeros(shape, dtype=dtype, device=device, requires_grad=True) for _ in range(count)]
@@ -105,16 +112,22 @@ def _time_optimizer(database: CostDatabase, device_name: str, device: torch.devi
         return make_optimizer(optimizer, weights, 1e-3).step
 
     call_key = optimizer_call_key(optimizer)
+    fresh: dict[str, float] = {}
     if database.get(device_name, call_key) is None:
-        fixed, _ = fixed_and_per_item(step_over, device=device)
-        database.put(device_name, call_key, OpTimes(forward_s=fixed))
-    for parameter in parameters:
-        shape, dtype = tuple(parameter.shape), str(parameter.dtype).removeprefix("torch.")
-        key = optimizer_key(optimizer, shape, dtype)
-        if database.get(device_name, key) is not None:
-            continue
-        _, share = fixed_and_per_item(lambda n: step_over(n, shape, parameter.dtype), device=device, counts=(1, 2, 3))
-        database.put(device_name, key, OpTimes(forward_s=share))
+        fresh[call_key], _ = fixed_and_per_item(step_over, device=device)
+    keys = [optimizer_key(optimizer, tuple(p.shape), str(p.dtype).removeprefix("torch.")) for p in parameters]
+    for parameter, key in zip(parameters, keys):
+        if database.get(device_name, key) is None and key not in fresh:
+            _, fresh[key] = fixed_and_per_item(lambda n: step_over(n, tuple(parameter.shape), parameter.dtype),
+                                               device=device, counts=(1, 2, 3))
+    scale = 1.0
+    if fresh and in_step is not None:
+        known = sum(database.get(device_name, k).forward_s for k in [call_key, *keys] if k not in fresh)
+        timed = fresh.get(call_key, 0.0) + sum(fresh[k] for k in keys if k in fresh)
+        measured = in_step(lambda weights: make_optimizer(optimizer, weights, 1e-3).step)
+        scale = max(0.5, (measured - known) / timed) if timed > 0 else 1.0
+    for key, seconds in fresh.items():
+        database.put(device_name, key, OpTimes(forward_s=scale * seconds))
 
 
 def _put_in_situ(database: CostDatabase, device_name: str, timer: _Timer, in_situ: dict[str, NodeTimes]) -> None:
@@ -163,7 +176,8 @@ def profile_costs(graph: Graph, spec: ModelSpec, database: CostDatabase, *, devi
             forward, backward = measure_resume(module, values)
             database.overheads[device_name] = replace(database.overheads[device_name], resume_forward_s=forward,
                                                       resume_backward_s=backward)
-        _time_optimizer(database, device_name, where, optimizer, list(dict.fromkeys(module.parameters())))
+        in_step = partial(optimizer_in_situ, module, values) if where.type == "cpu" else None
+        _time_optimizer(database, device_name, where, optimizer, list(dict.fromkeys(module.parameters())), in_step)
     finally:
         torch.set_num_threads(previous_threads)
     return database.timed - before

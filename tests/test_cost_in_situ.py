@@ -10,7 +10,7 @@ import torch
 from torch import fx, nn
 
 from autopart.profile import _put_in_situ
-from autopart.profile_in_situ import measure_resume, time_in_situ
+from autopart.profile_in_situ import measure_resume, optimizer_in_situ, time_in_situ
 from cost_models import CostDatabase, load_device
 from cost_models.database import OpTimes
 from cost_models.profiled import ProfiledCostModel, optimizer_call_key, optimizer_key
@@ -74,7 +74,9 @@ def test_each_node_gets_its_own_time_in_the_whole_graph() -> None:
     module = _trace(_Model())
     x = torch.randn(4, 8, requires_grad=True)
     rng = torch.get_rng_state()
-    times = time_in_situ(module, [x], repeats=6)
+    started = time.perf_counter()
+    times = time_in_situ(module, [x], repeats=6, min_seconds=0.4)
+    assert time.perf_counter() - started >= 0.4  # the runs span the time asked for, to see the CPU's states
     names = {n.name: n for n in module.graph.nodes}
     a = next(k for k, n in names.items() if n.op == "call_function" and n.target is slow_a)
     b = next(k for k, n in names.items() if n.op == "call_function" and n.target is slow_b)
@@ -145,3 +147,44 @@ def test_measuring_the_resume_cost_leaves_no_process_and_the_affinity_as_it_was(
     assert os.sched_getaffinity(0) == affinity
     assert _children() == children
     assert all(p.grad is None for p in module.parameters())
+
+
+def test_optimizer_in_situ_times_a_step_after_the_graph_and_leaves_the_module_as_it_was() -> None:
+    module = _trace(_Model())
+    x = torch.randn(4, 8, requires_grad=True)
+    rng = torch.get_rng_state()
+    stepped: list[int] = []
+
+    def make_step(weights: list[torch.Tensor]):
+        assert [w.shape for w in weights] == [p.shape for p in module.parameters()]
+        assert all(w is not p for w, p in zip(weights, module.parameters()))  # copies: the weights stay
+
+        def step() -> None:
+            stepped.append(len(weights))
+            _spin(0.001)
+        return step
+
+    before = [p.detach().clone() for p in module.parameters()]
+    seconds = optimizer_in_situ(module, [x], make_step, repeats=5, min_seconds=0.0)
+    assert 0.0009 < seconds < 0.003 and len(stepped) == 6  # the state's first step, then five timed
+    assert all(torch.equal(p, b) for p, b in zip(module.parameters(), before))
+    assert all(p.grad is None for p in module.parameters())
+    assert module.steps.item() == 0 and torch.equal(torch.get_rng_state(), rng)
+
+
+def test_fresh_optimizer_figures_are_scaled_to_the_step_measured_in_place() -> None:
+    from autopart.profile import _time_optimizer
+
+    weights = [torch.zeros(16, 16), torch.zeros(16)]
+    database = CostDatabase()
+    model = ProfiledCostModel(roofline=RooflineCostModel(device=load_device("cpu")), database=database)
+    shapes = [((16, 16), "float32"), ((16,), "float32")]
+    _time_optimizer(database, "cpu", torch.device("cpu"), "adamw", weights, in_step=lambda make: 0.01)
+    assert model.optimizer_time("adamw", shapes) == pytest.approx(0.01)  # the whole step as measured in place
+    saved = dict(database.entries)
+    _time_optimizer(database, "cpu", torch.device("cpu"), "adamw", weights, in_step=lambda make: 1.0)
+    assert database.entries == saved  # nothing fresh, nothing timed or scaled
+    # a new shape beside known ones: only the new figure moves, so that the total is the measured one
+    _time_optimizer(database, "cpu", torch.device("cpu"), "adamw", [*weights, torch.zeros(8)], in_step=lambda make: 0.02)
+    assert {k: v for k, v in database.entries.items() if k in saved} == saved
+    assert model.optimizer_time("adamw", [*shapes, ((8,), "float32")]) == pytest.approx(0.02)
