@@ -548,7 +548,7 @@ def _step_time(options: CompileOptions, front: _Front, stages: list[StagePlan], 
     cores = device.cores / (options.tp * options.dp)
     return step_time(schedule, costs, ranks=options.pp, cores=cores, background=device.background_load,
                      tail_s=tails, resume_s=(overheads.resume_forward_s, overheads.resume_backward_s),
-                     busy_delay_s=front.cost_model.p2p_busy_delay())
+                     busy_delay_s=front.cost_model.p2p_busy_delay(), wake_s=front.cost_model.wake_time)
 
 
 def _batch_inputs(op_graph: OpGraph, nodes: tuple[str, ...], graph_inputs: tuple[str, ...]) -> tuple[str, ...]:

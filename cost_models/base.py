@@ -73,6 +73,11 @@ class CostModel(Protocol):
         its communication threads) wait to be scheduled. 0 where not measured."""
         ...
 
+    def wake_time(self, idle_s: float) -> float:
+        """Seconds a rank's work takes longer after its core sat idle ``idle_s`` seconds (it
+        waited for a message): the core warms up again. 0 where not measured."""
+        ...
+
     def collective_time(self, kind: str, nbytes: float, group_size: int, *,
                         across_nodes: bool = False) -> float:
         """Seconds for one collective over ``group_size`` ranks; ``nbytes`` as in nccl-tests."""

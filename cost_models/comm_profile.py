@@ -11,9 +11,14 @@ as much as a small layer's forward). On a GPU the host's part is not the device'
 curves stay out. Last, on a CPU, what a message takes longer when every core is busy
 (``p2p_busy_delay``: the mean one-way time with one spinning process per core, less the mean
 without): its receiver waits to be scheduled, on this machine up to a scheduler slice (~2 ms),
-which is what ranks that outnumber the cores pay on every message that finds the cores taken. It also reads each process's resident memory after it has imported the runtime and
-joined the group and run one step of a tiny model: the memory every rank takes besides its
-model's own tensors.
+which is what ranks that outnumber the cores pay on every message that finds the cores taken.
+And what waking costs (``wake``, extra seconds by idle seconds): a rank blocked on a message
+leaves its core idle, and on this project's virtual machine its next few milliseconds of work
+then run slower (after 3 ms idle the first three steps of a tiny layer took ~0.5 to 1 ms more
+than hot ones; the host hands an idle virtual core's physical core to other work, whose state
+the caches and predictors then hold). It also reads each process's resident memory after it
+has imported the runtime and joined the group and run one step of a tiny model: the memory
+every rank takes besides its model's own tensors.
 
 The result is cached next to the CPU calibration (``$AUTOPART_CACHE_DIR``), per host, backend
 and torch version; ``load_device`` puts it into the spec of the device it was measured on, so
@@ -39,12 +44,14 @@ import torch
 from autopart.errors import ConfigError
 from cost_models.calibration import cache_dir
 
-__all__ = ["CommProfile", "profile_comm", "load_comm_profile", "SIZES"]
+__all__ = ["CommProfile", "profile_comm", "load_comm_profile", "SIZES", "WAKE_IDLES"]
 
 SIZES = (4, 4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 8 << 20)
 """Message sizes timed, in bytes: latency-bound to bandwidth-bound."""
 _REPEATS = 15
 _KINDS = ("p2p", "all_reduce", "all_gather", "reduce_scatter")
+WAKE_IDLES = (0.0005, 0.001, 0.003, 0.01, 0.03)
+"""Seconds a rank is kept waiting before its work is timed, for the wake curve."""
 _CPU_KINDS = ("p2p_send_cpu", "p2p_recv_cpu")
 
 
@@ -63,7 +70,10 @@ class CommProfile:
     def describe(self) -> str:
         lines = [f"{self.backend}, {self.ranks} processes on {self.host} ({self.device}):"]
         for kind, points in self.curves.items():
-            cells = ", ".join(f"{int(b)} B {s * 1e6:.0f} us" for b, s in points)
+            if kind == "wake":
+                cells = ", ".join(f"{idle * 1e3:.1f} ms idle +{s * 1e6:.0f} us" for idle, s in points)
+            else:
+                cells = ", ".join(f"{int(b)} B {s * 1e6:.0f} us" for b, s in points)
             lines.append(f"  {kind:15s} {cells}")
         lines.append(f"  memory of one rank before the model: {self.process_bytes / 2**20:.0f} MiB")
         return "\n".join(lines)
@@ -176,26 +186,74 @@ def _busy_delay(rank: int, round_trips: int = 60) -> float:
     return max(0.0, busy - idle)
 
 
+class _TinyLayer:
+    """A tiny Transformer layer: embedding, norm, attention, head, cross-entropy; fp32."""
+
+    def __init__(self, device: torch.device) -> None:
+        torch.manual_seed(0)
+        self.embedding = torch.nn.Embedding(64, 32).to(device)
+        self.norm = torch.nn.LayerNorm(32).to(device)
+        self.linear = torch.nn.Linear(32, 96).to(device)
+        self.head = torch.nn.Linear(32, 64).to(device)
+        self.tokens = torch.randint(0, 64, (2, 16), device=device)
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return [p for m in (self.embedding, self.norm, self.linear, self.head) for p in m.parameters()]
+
+    def step(self) -> None:
+        """One forward and backward (the gradients accumulate)."""
+        from torch.nn import functional as F
+
+        x = self.norm(self.embedding(self.tokens))
+        q, k, v = self.linear(x).view(2, 16, 3, 4, 8).unbind(2)
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        logits = self.head(F.gelu(y.transpose(1, 2).reshape(2, 16, 32)) * torch.rsqrt(x.pow(2).mean(-1, keepdim=True)))
+        F.cross_entropy(logits.reshape(-1, 64), self.tokens.reshape(-1)).backward()
+
+
 def _warm_up(device: torch.device) -> None:
     """One training step of a tiny Transformer layer, so that the memory read afterwards holds
     what any training rank holds besides its model: the library code that ops page in, the
     allocator's arenas, the autograd engine and the optimizer."""
-    from torch.nn import functional as F
-
-    torch.manual_seed(0)
-    embedding = torch.nn.Embedding(64, 32).to(device)
-    norm = torch.nn.LayerNorm(32).to(device)
-    linear = torch.nn.Linear(32, 96).to(device)
-    head = torch.nn.Linear(32, 64).to(device)
-    parameters = [*embedding.parameters(), *norm.parameters(), *linear.parameters(), *head.parameters()]
-    optimizer = torch.optim.AdamW(parameters, foreach=False)
-    tokens = torch.randint(0, 64, (2, 16), device=device)
-    x = norm(embedding(tokens))
-    q, k, v = linear(x).view(2, 16, 3, 4, 8).unbind(2)
-    y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
-    logits = head(F.gelu(y.transpose(1, 2).reshape(2, 16, 32)) * torch.rsqrt(x.pow(2).mean(-1, keepdim=True)))
-    F.cross_entropy(logits.reshape(-1, 64), tokens.reshape(-1)).backward()
+    layer = _TinyLayer(device)
+    optimizer = torch.optim.AdamW(layer.parameters(), foreach=False)
+    layer.step()
     optimizer.step()
+
+
+def _wake_curve(rank: int, rounds: int = 16) -> list[list[float]]:
+    """[idle seconds, extra seconds] at each of `WAKE_IDLES`, on rank 1 (empty elsewhere).
+
+    Rank 0 computes for the idle time and then sends; rank 1, blocked in the receive meanwhile,
+    times six steps of a tiny layer once it has the message: what the first three take beyond
+    three of the later, hot ones is what waking cost (ranks past the first two only wait)."""
+    import torch.distributed as dist
+
+    layer = _TinyLayer(torch.device("cpu"))
+    flag = torch.zeros(1)
+    measured: dict[float, list[tuple[float, float]]] = {idle: [] for idle in WAKE_IDLES}
+    for _ in range(rounds):
+        for idle in WAKE_IDLES:
+            dist.barrier()
+            if rank == 0:
+                end = time.perf_counter() + idle
+                while time.perf_counter() < end:
+                    layer.step()
+                dist.isend(flag, 1).wait()
+                dist.irecv(flag, 1).wait()
+            elif rank == 1:
+                posted = time.perf_counter()
+                dist.irecv(flag, 0).wait()
+                waited = time.perf_counter() - posted
+                calls = []
+                for _ in range(6):
+                    start = time.perf_counter()
+                    layer.step()
+                    calls.append(time.perf_counter() - start)
+                measured[idle].append((waited, sum(calls[:3]) - 3 * statistics.median(calls[3:])))
+                dist.isend(flag, 0).wait()
+    return [[statistics.median(w for w, _ in points), max(0.0, statistics.median(e for _, e in points))]
+            for points in measured.values() if points]
 
 
 def _worker(rank: int, ranks: int, backend: str, port: int, out: str) -> None:
@@ -241,6 +299,10 @@ def _worker(rank: int, ranks: int, backend: str, port: int, out: str) -> None:
         delay = _busy_delay(rank)
         if rank == 0:
             curves["p2p_busy_delay"] = [[1, delay]]
+        wake = [_wake_curve(rank)]
+        dist.broadcast_object_list(wake, src=1)
+        if rank == 0:
+            curves["wake"] = sorted(wake[0])
     dist.destroy_process_group()
     for points in curves.values():  # a smaller message never takes longer than a larger one
         for i in range(len(points) - 2, -1, -1):

@@ -78,5 +78,8 @@ class ProfiledCostModel:
     def p2p_busy_delay(self) -> float:
         return self.roofline.p2p_busy_delay()
 
+    def wake_time(self, idle_s: float) -> float:
+        return self.roofline.wake_time(idle_s)
+
     def collective_time(self, kind: str, nbytes: float, group_size: int, *, across_nodes: bool = False) -> float:
         return self.roofline.collective_time(kind, nbytes, group_size, across_nodes=across_nodes)

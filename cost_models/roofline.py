@@ -126,6 +126,19 @@ class RooflineCostModel:
         """Measured by ``autopart profile-comm`` on a CPU whose cores it keeps busy, else none."""
         return self.device.measured_comm_time("p2p_busy_delay", 1) or 0.0
 
+    def wake_time(self, idle_s: float) -> float:
+        """Measured by ``autopart profile-comm`` on a CPU (the ``wake`` curve), else none: linear
+        from nothing at no idleness through the measured points, flat past the last."""
+        points = self.device.comm_curves.get("wake")
+        if not points or idle_s <= 0:
+            return 0.0
+        previous = (0.0, 0.0)
+        for idle, extra in points:
+            if idle_s <= idle:
+                return previous[1] + (extra - previous[1]) * (idle_s - previous[0]) / (idle - previous[0])
+            previous = (idle, extra)
+        return previous[1]
+
     def collective_time(self, kind: str, nbytes: float, group_size: int, *,
                         across_nodes: bool = False) -> float:
         if not across_nodes and group_size == self.device.comm_ranks and group_size > 1:

@@ -94,3 +94,35 @@ def test_a_message_that_finds_every_core_busy_is_received_later() -> None:
     shared = step_time(schedule, costs, ranks=4, cores=2)
     delayed = step_time(schedule, costs, ranks=4, cores=2, busy_delay_s=0.5)
     assert shared < delayed <= shared + 0.5 * 2 * 8 * 3  # at most every message of the step, one after another
+
+
+def test_a_rank_that_waited_pays_the_wake_cost_on_its_next_work() -> None:
+    # one microbatch over two ranks, by hand, with wake(t) = t / 10: F0 on rank 0 ends at 1, the
+    # data is on rank 1 at 1.5 after 1.5 s idle, so its F runs 1.5 + 1 + 0.15 and its B (no idle)
+    # 2 more, to 4.65; the gradient reaches rank 0 at 5.15, after 4.15 s idle: B0 to 5.15 + 2 + 0.415
+    schedule = add_communication(build_schedule("gpipe", ranks=2, microbatches=1, chunks=1), ranks=2)
+    costs = StageCosts(forward_s=(1.0, 1.0), backward_s=(2.0, 2.0), weight_s=(0.0, 0.0), transfer_s=(0.5,))
+    assert step_time(schedule, costs, ranks=2) == pytest.approx(7.0)
+    assert step_time(schedule, costs, ranks=2, wake_s=lambda idle: idle / 10) == pytest.approx(7.565)
+    # on one core the waiting rank's core is never idle: the other rank runs on it
+    assert step_time(schedule, costs, ranks=2, cores=1, wake_s=lambda idle: idle / 10) == \
+        pytest.approx(step_time(schedule, costs, ranks=2, cores=1))
+    # a rank that never waits never pays it, its tail included
+    alone = add_communication(build_schedule("1f1b", ranks=1, microbatches=4, chunks=1), ranks=1)
+    one = StageCosts.uniform(1, forward_s=1.0, backward_s=2.0)
+    assert step_time(alone, one, ranks=1, tail_s={0: 0.5}, wake_s=lambda idle: 1.0) == pytest.approx(12.5)
+
+
+def test_the_wake_cost_comes_from_the_measured_curve() -> None:
+    import dataclasses
+
+    from cost_models.roofline import RooflineCostModel
+
+    spec = load_device("h100-sxm")
+    assert RooflineCostModel(device=spec).wake_time(0.01) == 0.0  # not measured: nothing
+    measured = dataclasses.replace(spec, comm_curves={"wake": [[0.002, 5e-4], [0.01, 1e-3]]}, comm_ranks=2)
+    model = RooflineCostModel(device=measured)
+    assert model.wake_time(0.0) == 0.0
+    assert model.wake_time(0.001) == pytest.approx(2.5e-4)  # from nothing at no idleness
+    assert model.wake_time(0.006) == pytest.approx(7.5e-4)
+    assert model.wake_time(1.0) == pytest.approx(1e-3)  # flat past the last point

@@ -7,7 +7,9 @@ CPU-bound processes), and other processes running on the machine take their shar
 share: a rank whose core another rank had just before starts each compute action with cold
 caches, and pays ``resume_s`` (forward, backward) more for it (measured by ``autopart profile``);
 and a message that arrives while every core is busy is received ``busy_delay_s`` later, when
-its rank gets a core again (measured by ``autopart profile-comm``).
+its rank gets a core again (measured by ``autopart profile-comm``). When they do not outnumber
+the cores, a rank that waited leaves its core idle, and its next work runs slower while the core
+warms up again: ``wake_s``, extra seconds by idle time (measured by ``autopart profile-comm``).
 ``step_time`` runs the same action lists under that rule, and after each
 rank's last action its ``tail_s`` (the optimizer step and anything else the step does after the
 pipeline), and returns when the last rank is done. With ``cores = 0`` (a device per rank) it
@@ -15,6 +17,8 @@ equals `simulate`'s step plus the longest tail on the last rank to finish.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from autopart.schedule.actions import Kind, Schedule
 from autopart.schedule.simulate import StageCosts, input_ready_at
@@ -26,12 +30,14 @@ _EPSILON = 1e-12
 
 def step_time(schedule: Schedule, costs: StageCosts, *, ranks: int, cores: int = 0, background: float = 0.0,
               tail_s: dict[int, float] | None = None, resume_s: tuple[float, float] = (0.0, 0.0),
-              busy_delay_s: float = 0.0) -> float:
+              busy_delay_s: float = 0.0, wake_s: Callable[[float], float] | None = None) -> float:
     """Seconds from the first action to the end of the last rank's tail; ``background`` other
     busy processes share the ``cores`` too; when they and the ranks outnumber the cores, every
-    compute action pays ``resume_s`` (forward, backward and its halves) on top of its own time."""
+    compute action pays ``resume_s`` (forward, backward and its halves) on top of its own time;
+    when they do not, a rank's first work after it sat idle for ``t`` seconds pays ``wake_s(t)``."""
     tail_s = tail_s or {}
     shared = 0 < cores < ranks + background
+    idle_since = dict.fromkeys(schedule, 0.0)  # when each rank last finished work
     finished: dict = {}
     cursor = {rank: 0 for rank in schedule}
     remaining: dict[int, float] = {}  # rank -> work left of what it runs now
@@ -63,6 +69,8 @@ def step_time(schedule: Schedule, costs: StageCosts, *, ranks: int, cores: int =
                         work += resume_s[0] if action.kind is Kind.F else resume_s[1]
                     cursor[rank] += 1
                 if work > 0:
+                    if wake_s and not shared and now > idle_since[rank] + _EPSILON:
+                        work += wake_s(now - idle_since[rank])
                     remaining[rank], running[rank] = work, action
                 elif action is None:
                     done.add(rank)
@@ -85,6 +93,7 @@ def step_time(schedule: Schedule, costs: StageCosts, *, ranks: int, cores: int =
             if remaining[rank] <= _EPSILON:
                 action = running.pop(rank)
                 del remaining[rank]
+                idle_since[rank] = now
                 if action is None:
                     done.add(rank)
                 elif action.is_compute:
