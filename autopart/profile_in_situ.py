@@ -14,11 +14,15 @@ op's own backward contains. So on the CPU the profiler runs the whole graph, as 
   the end of the tick before it to the start of the tick after it;
 - backward: a pre-hook on every autograd node marks when the engine starts it; the time until
   the next mark (or the end) belongs to the fx node that created it (found by autograd's
-  sequence numbers, which grow in the order nodes are created). The hooks cost a few
-  microseconds each, so these times are scaled by the ratio of a backward run without hooks,
-  timed alternately with the hooked one, to the hooked run. A parameter's gradient
+  sequence numbers, which grow in the order nodes are created). A parameter's gradient
   accumulation belongs to the node that reads it, and so does the forward's read of the
   parameter: a stage pays both exactly when it holds that node.
+
+The ticks and hooks cost a few microseconds each, and some of a run falls to no node (the
+engine's scheduling between nodes, the calls' own start): on the examples the nodes got 75 to
+92% of a run without ticks and hooks. So the graph is also run plain, alternately with the
+instrumented run, and each direction's node times are scaled so that they add up to the plain
+forward or backward: a stage is charged its share of the whole.
 
 What this leaves out, a stage's runtime adds: starting the backward (``autograd_call_s``) and
 calling the module (``module_call_s``).
@@ -38,17 +42,18 @@ import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
-__all__ = ["NodeTimes", "time_in_situ", "measure_resume", "optimizer_in_situ"]
+__all__ = ["NodeTimes", "time_in_situ", "measure_resume", "optimizer_in_situ", "trimmed_mean"]
 
 REPEATS = 10
 """Runs of the whole graph timed at least (after two warm-up runs)."""
-MIN_SECONDS = 3.0
+MIN_SECONDS = 5.0
 """Seconds the timed runs span at least. On this project's virtual machine a core's speed flips
 between two states up to 1.7x apart every one to ten seconds (other tenants of the host), and
 a step of many milliseconds on two ranks sees their mean: back-to-back runs of a tenth of a
 second caught one state, and four profiles of one model in a row predicted its step at 25, 31
-and 36 ms against a measured 42 to 44. So the runs span seconds, and each node keeps its
-trimmed mean (the middle 80% of its samples): a median would pick one of the two states."""
+and 36 ms against a measured 42 to 44. So the runs span seconds (a state can still outlast them),
+and each node keeps its trimmed mean (the middle 80% of its samples): a median would pick one
+of the two states."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -142,7 +147,7 @@ def _owners(nodes: list[torch.autograd.graph.Node], ticks: _Ticks) -> dict[Any, 
     return owner
 
 
-def _trimmed_mean(samples: list[float]) -> float:
+def trimmed_mean(samples: list[float]) -> float:
     """The mean of the middle 80%: the speed states in their proportions, without the outliers."""
     ordered = sorted(samples)
     cut = len(ordered) // 10
@@ -166,8 +171,8 @@ def time_in_situ(module: fx.GraphModule, args: Sequence[Any], *, repeats: int = 
     rng = torch.get_rng_state()
     forward: dict[str, list[float]] = {}
     backward: dict[str, list[float]] = {}
-    plain: list[float] = []  # seconds of a whole backward without hooks ...
-    hooked: list[float] = []  # ... and with them
+    plain: list[tuple[float, float]] = []  # seconds of a whole forward and backward without ticks or hooks ...
+    attributed: list[tuple[float, float]] = []  # ... and what the nodes got of them with
     collecting = gc.isenabled()
     gc.disable()
     try:
@@ -175,11 +180,11 @@ def time_in_situ(module: fx.GraphModule, args: Sequence[Any], *, repeats: int = 
             run, started = 0, time.perf_counter()
             while run < repeats + 2 or time.perf_counter() - started < min_seconds:
                 run += 1
+                start = time.perf_counter()
                 loss = module(*args)
-                if _differentiable(loss):
-                    start = time.perf_counter()
-                    _backward(loss)
-                    plain.append(time.perf_counter() - start)
+                middle = time.perf_counter()
+                _backward(loss)
+                plain.append((middle - start, time.perf_counter() - middle))
                 ticks.reset()
                 loss = timed(*args)
                 per_node = dict(ticks.forward_s)
@@ -193,14 +198,13 @@ def time_in_situ(module: fx.GraphModule, args: Sequence[Any], *, repeats: int = 
                     marks: list[tuple[float, Any]] = []
                     for node in nodes:
                         node.register_prehook(lambda grads, node=node: marks.append((time.perf_counter(), node)))
-                    begin = time.perf_counter()
                     _backward(loss)
                     end = time.perf_counter()
-                    hooked.append(end - begin)
                     for (start, node), stop in zip(marks, [m for m, _ in marks[1:]] + [end]):
                         name = owner.get(node)
                         if name is not None:
                             spent[name] = spent.get(name, 0.0) + stop - start
+                attributed.append((sum(per_node.values()), sum(spent.values())))
                 if run <= 2:
                     started = time.perf_counter()
                     continue
@@ -217,9 +221,12 @@ def time_in_situ(module: fx.GraphModule, args: Sequence[Any], *, repeats: int = 
             for name, b in module.named_buffers():
                 b.copy_(buffers[name])
         torch.set_rng_state(rng)
-    scale = _trimmed_mean(plain[2:]) / _trimmed_mean(hooked[2:]) if hooked else 1.0
-    return {name: NodeTimes(forward_s=_trimmed_mean(forward[name]),
-                            backward_s=scale * _trimmed_mean(backward.get(name, [0.0])))
+    scales = []
+    for part in (0, 1):
+        whole, shared = trimmed_mean([p[part] for p in plain[2:]]), trimmed_mean([a[part] for a in attributed[2:]])
+        scales.append(whole / shared if shared > 0 else 1.0)
+    return {name: NodeTimes(forward_s=scales[0] * trimmed_mean(forward[name]),
+                            backward_s=scales[1] * trimmed_mean(backward.get(name, [0.0])))
             for name in forward}
 
 
@@ -256,7 +263,7 @@ def optimizer_in_situ(module: fx.GraphModule, args: Sequence[Any], make_step: Ca
             for name, b in module.named_buffers():
                 b.copy_(buffers[name])
         torch.set_rng_state(rng)
-    return _trimmed_mean(samples)
+    return trimmed_mean(samples)
 
 
 def measure_resume(module: fx.GraphModule, args: Sequence[Any], *, repeats: int = 20) -> tuple[float, float]:
