@@ -8,8 +8,9 @@ share: a rank whose core another rank had just before starts each compute action
 caches, and pays ``resume_s`` (forward, backward) more for it (measured by ``autopart profile``);
 and a message that arrives while every core is busy is received ``busy_delay_s`` later, when
 its rank gets a core again (measured by ``autopart profile-comm``). When they do not outnumber
-the cores, a rank that waited leaves its core idle, and its next work runs slower while the core
-warms up again: ``wake_s``, extra seconds by idle time (measured by ``autopart profile-comm``).
+the cores, or when they do but fewer are busy for a while (a pipeline's fill and drain), a rank
+that waited leaves its core idle, and its next work runs slower while the core warms up again:
+``wake_s``, extra seconds by idle time (measured by ``autopart profile-comm``).
 ``step_time`` runs the same action lists under that rule, and after each
 rank's last action its ``tail_s`` (the optimizer step and anything else the step does after the
 pipeline), and returns when the last rank is done. With ``cores = 0`` (a device per rank) it
@@ -34,7 +35,8 @@ def step_time(schedule: Schedule, costs: StageCosts, *, ranks: int, cores: int =
     """Seconds from the first action to the end of the last rank's tail; ``background`` other
     busy processes share the ``cores`` too; when they and the ranks outnumber the cores, every
     compute action pays ``resume_s`` (forward, backward and its halves) on top of its own time;
-    when they do not, a rank's first work after it sat idle for ``t`` seconds pays ``wake_s(t)``."""
+    a rank's first work after it sat idle for ``t`` seconds, when it finds a core free (so that
+    core sat idle too), pays ``wake_s(t)`` instead if that is more."""
     tail_s = tail_s or {}
     shared = 0 < cores < ranks + background
     idle_since = dict.fromkeys(schedule, 0.0)  # when each rank last finished work
@@ -65,13 +67,14 @@ def step_time(schedule: Schedule, costs: StageCosts, *, ranks: int, cores: int =
                             wakes.append(ready)
                         continue
                     work = costs.duration(action)
-                    if shared and action.is_compute:
-                        work += resume_s[0] if action.kind is Kind.F else resume_s[1]
                     cursor[rank] += 1
                 if work > 0:
-                    if wake_s and not shared and now > idle_since[rank] + _EPSILON:
-                        work += wake_s(now - idle_since[rank])
-                    remaining[rank], running[rank] = work, action
+                    # another rank had this core meanwhile, or it sat idle; the dearer of the two
+                    extra = resume_s[action.kind is not Kind.F] if shared and action and action.is_compute else 0.0
+                    core_idle = cores <= 0 or len(remaining) + background < cores
+                    if wake_s and core_idle and now > idle_since[rank] + _EPSILON:
+                        extra = max(extra, wake_s(now - idle_since[rank]))
+                    remaining[rank], running[rank] = work + extra, action
                 elif action is None:
                     done.add(rank)
                 elif action.is_compute:
