@@ -1,6 +1,6 @@
 """How wrong are the cost models? Predicted against measured on this machine.
 
-    python benchmarks/cost_accuracy.py [--steps 15] [--warmup 5] [--costs COSTS.json] [--rows gpt-s:2,...] [--shield]
+    python benchmarks/cost_accuracy.py [--steps 40] [--warmup 5] [--costs COSTS.json] [--rows gpt-s:2,...] [--shield]
 
 For each example at two sizes and for 2 and 4 ranks: compile with profiled costs
 (``--costs``: ops the database lacks are timed on the way), then measure
@@ -67,8 +67,12 @@ def _model_file(folder: Path, name: str) -> Path:
     return path
 
 
-def _stage_times(out: Path, plan: Plan, repeats: int = 15) -> list[float]:
-    """Median forward+backward seconds of one microbatch per stage, each stage alone, one thread."""
+def _stage_times(out: Path, plan: Plan, seconds: float = 1.5) -> list[float]:
+    """Forward+backward seconds of one microbatch per stage, each stage alone, one thread: the
+    trimmed mean over ``seconds`` of runs, as the profiler takes it (`time_in_situ`: this CPU's
+    speed flips every few seconds, and a median of a few runs catches one state)."""
+    from autopart.profile_in_situ import trimmed_mean
+
     from autopart.capture import load_model_file
 
     spec = load_model_file(out / "model.py" if (out / "model.py").exists() else plan.provenance.model_file, build=False)
@@ -80,16 +84,18 @@ def _stage_times(out: Path, plan: Plan, repeats: int = 15) -> list[float]:
     for stage, module in zip(plan.stages, modules):
         reads = [batch[plan.graph_inputs.index(n)] for n in stage.batch_inputs]
         samples = []
-        for i in range(repeats + 3):
+        i, started = 0, time.perf_counter()
+        while i < 18 or time.perf_counter() - started < seconds:
+            i += 1
             leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in received]
             start = time.perf_counter()
             out_value = module(*leaves, *reads)
             outs = [out_value] if isinstance(out_value, torch.Tensor) else list(out_value)
             floating = [t for t in outs if t.is_floating_point() and t.requires_grad]
             torch.autograd.backward(floating, [torch.ones_like(t) for t in floating])
-            if i >= 3:
+            if i > 3:
                 samples.append(time.perf_counter() - start)
-        times.append(statistics.median(samples))
+        times.append(trimmed_mean(samples))
         received = [t.detach() for t in outs]
     return times
 
@@ -141,7 +147,7 @@ def _error(predicted: float, measured: float) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=15)
+    parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=5, help="first steps left out of the median")
     parser.add_argument("--costs", type=Path, help="cost database to use and extend (default: a fresh one)")
     parser.add_argument("--shield", action="store_true",
