@@ -31,15 +31,16 @@ calling the module (``module_call_s``).
 from __future__ import annotations
 
 import bisect
+import contextlib
 import gc
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import fx
+from torch import fx, nn
 from torch.utils import _pytree as pytree
 
 __all__ = ["NodeTimes", "time_in_situ", "measure_resume", "optimizer_in_situ", "trimmed_mean"]
@@ -50,7 +51,7 @@ MIN_SECONDS = 5.0
 """Seconds the timed runs span at least. On this project's virtual machine a core's speed flips
 between two states up to 1.7x apart every one to ten seconds (other tenants of the host), and
 a step of many milliseconds on two ranks sees their mean: back-to-back runs of a tenth of a
-second caught one state, and four profiles of one model in a row predicted its step at 25, 31
+second caught one state, and three profiles of one model in a row predicted its step at 25, 31
 and 36 ms against a measured 42 to 44. So the runs span seconds (a state can still outlast them),
 and each node keeps its trimmed mean (the middle 80% of its samples): a median would pick one
 of the two states."""
@@ -147,6 +148,23 @@ def _owners(nodes: list[torch.autograd.graph.Node], ticks: _Ticks) -> dict[Any, 
     return owner
 
 
+@contextlib.contextmanager
+def _left_as_it_was(module: nn.Module) -> Iterator[None]:
+    """Runs of ``module`` inside leave its parameters without gradients and its buffers and the
+    random state as they were before."""
+    buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
+    rng = torch.get_rng_state()
+    try:
+        yield
+    finally:
+        for parameter in module.parameters():
+            parameter.grad = None
+        with torch.no_grad():
+            for name, b in module.named_buffers():
+                b.copy_(buffers[name])
+        torch.set_rng_state(rng)
+
+
 def trimmed_mean(samples: list[float]) -> float:
     """The mean of the middle 80%: the speed states in their proportions, without the outliers."""
     ordered = sorted(samples)
@@ -167,8 +185,6 @@ def time_in_situ(module: fx.GraphModule, args: Sequence[Any], *, repeats: int = 
     timed, ticks = _instrumented(module)
     readers = {n.name: next((u.name for u in n.users if u.op != "output"), None)
                for n in module.graph.nodes if n.op == "get_attr"}
-    buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
-    rng = torch.get_rng_state()
     forward: dict[str, list[float]] = {}
     backward: dict[str, list[float]] = {}
     plain: list[tuple[float, float]] = []  # seconds of a whole forward and backward without ticks or hooks ...
@@ -176,7 +192,7 @@ def time_in_situ(module: fx.GraphModule, args: Sequence[Any], *, repeats: int = 
     collecting = gc.isenabled()
     gc.disable()
     try:
-        with torch.enable_grad():
+        with _left_as_it_was(module), torch.enable_grad():
             run, started = 0, time.perf_counter()
             while run < repeats + 2 or time.perf_counter() - started < min_seconds:
                 run += 1
@@ -215,12 +231,6 @@ def time_in_situ(module: fx.GraphModule, args: Sequence[Any], *, repeats: int = 
     finally:
         if collecting:
             gc.enable()
-        for parameter in module.parameters():
-            parameter.grad = None
-        with torch.no_grad():
-            for name, b in module.named_buffers():
-                b.copy_(buffers[name])
-        torch.set_rng_state(rng)
     scales = []
     for part in (0, 1):
         whole, shared = trimmed_mean([p[part] for p in plain[2:]]), trimmed_mean([a[part] for a in attributed[2:]])
@@ -245,24 +255,14 @@ def optimizer_in_situ(module: fx.GraphModule, args: Sequence[Any], make_step: Ca
         copy.grad = torch.full_like(copy, 1e-3)
     step = make_step(copies)
     step()  # the optimizer's state
-    buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
-    rng = torch.get_rng_state()
     samples: list[float] = []
-    try:
-        with torch.enable_grad():
-            started = time.perf_counter()
-            while len(samples) < repeats or time.perf_counter() - started < min_seconds:
-                _backward(module(*args))
-                start = time.perf_counter()
-                step()
-                samples.append(time.perf_counter() - start)
-    finally:
-        for parameter in parameters:
-            parameter.grad = None
-        with torch.no_grad():
-            for name, b in module.named_buffers():
-                b.copy_(buffers[name])
-        torch.set_rng_state(rng)
+    with _left_as_it_was(module), torch.enable_grad():
+        started = time.perf_counter()
+        while len(samples) < repeats or time.perf_counter() - started < min_seconds:
+            _backward(module(*args))
+            start = time.perf_counter()
+            step()
+            samples.append(time.perf_counter() - start)
     return trimmed_mean(samples)
 
 

@@ -41,6 +41,7 @@ from rich.table import Table  # noqa: E402
 
 from autopart.compiler import CompileOptions, compile_to_directory  # noqa: E402
 from autopart.plan import Plan  # noqa: E402
+from autopart.profile_in_situ import trimmed_mean  # noqa: E402
 from autopart.runtime.stage import load_stage  # noqa: E402
 
 SIZES = {
@@ -71,8 +72,6 @@ def _stage_times(out: Path, plan: Plan, seconds: float = 1.5) -> list[float]:
     """Forward+backward seconds of one microbatch per stage, each stage alone, one thread: the
     trimmed mean over ``seconds`` of runs, as the profiler takes it (`time_in_situ`: this CPU's
     speed flips every few seconds, and a median of a few runs catches one state)."""
-    from autopart.profile_in_situ import trimmed_mean
-
     from autopart.capture import load_model_file
 
     spec = load_model_file(out / "model.py" if (out / "model.py").exists() else plan.provenance.model_file, build=False)
