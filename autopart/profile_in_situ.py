@@ -211,13 +211,20 @@ def time_in_situ(module: fx.GraphModule, args: Sequence[Any], *, repeats: int = 
                 if _differentiable(loss):
                     nodes = _autograd_nodes(loss.grad_fn)
                     owner = _owners(nodes, ticks)
-                    marks: list[tuple[float, Any]] = []
-                    for node in nodes:
-                        node.register_prehook(lambda grads, node=node: marks.append((time.perf_counter(), node)))
-                    _backward(loss)
+                    marks: list[tuple[float, str | None]] = []
+                    # a hook holds the owner's name, not the node: a node's hook that held the node
+                    # would keep it alive for ever (a cycle through C++ that gc cannot see), and with
+                    # it each parameter's gradient accumulator, which every later run reuses: with a
+                    # hook more per run, the runs would get slower and slower
+                    handles = [node.register_prehook(lambda grads, name=owner.get(node): marks.append((time.perf_counter(), name)))
+                               for node in nodes]
+                    try:
+                        _backward(loss)
+                    finally:
+                        for handle in handles:
+                            handle.remove()
                     end = time.perf_counter()
-                    for (start, node), stop in zip(marks, [m for m, _ in marks[1:]] + [end]):
-                        name = owner.get(node)
+                    for (start, name), stop in zip(marks, [m for m, _ in marks[1:]] + [end]):
                         if name is not None:
                             spent[name] = spent.get(name, 0.0) + stop - start
                 attributed.append((sum(per_node.values()), sum(spent.values())))

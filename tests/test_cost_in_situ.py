@@ -96,6 +96,28 @@ def test_each_node_gets_its_own_time_in_the_whole_graph() -> None:
     assert torch.equal(torch.get_rng_state(), rng)
 
 
+def test_timing_in_place_leaves_no_hook_behind() -> None:
+    """A backward hook that held its autograd node kept the node alive for ever, and with it the
+    parameter's gradient accumulator, which every later backward reused: each run of the profile
+    added a hook more to it, and every later run of the model called them all, slower each time."""
+    import gc
+
+    module = _trace(_Model())
+    x = torch.randn(4, 8, requires_grad=True)
+    time_in_situ(module, [x], repeats=10, min_seconds=0.0)
+
+    def objects_after(runs: int) -> int:
+        for _ in range(runs):
+            module(x).backward()
+        gc.collect()
+        return len(gc.get_objects())
+
+    before = objects_after(2)
+    assert objects_after(20) - before < 10  # each leftover hook kept a record of every later run
+    for parameter in module.parameters():
+        parameter.grad = None
+
+
 def test_in_situ_times_are_averaged_per_key_and_split_as_the_op_split_alone() -> None:
     class Timer:
         timed = {"op(a)": OpTimes(forward_s=1.0, backward_input_s=3.0, backward_weight_s=1.0),
