@@ -183,7 +183,9 @@ def main() -> None:
                           f"{step * 1e3:.1f}", _error(plan.predicted.step_s, step),
                           f"{predicted_memory / 2**20:.0f}", f"{measured_memory / 2**20:.0f}",
                           _error(predicted_memory, measured_memory), f"{os.getloadavg()[0]:.1f}")
-            console.print(f"{row}: step {plan.predicted.step_s * 1e3:.1f} ms predicted, {step * 1e3:.1f} ms measured")
+            console.print(f"{row}: step {plan.predicted.step_s * 1e3:.1f} ms predicted (pipeline "
+                          f"{plan.predicted.pipeline_s * 1e3:.1f}, tails "
+                          f"{' '.join(f'{t * 1e3:.1f}' for t in plan.predicted.rank_tail_s)}), {step * 1e3:.1f} ms measured")
     console.print(table)
 
 
