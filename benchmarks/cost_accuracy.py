@@ -10,6 +10,10 @@ For each example at two sizes and for 2 and 4 ranks: compile with profiled costs
 - the peak resident memory per rank (``peak_memory_bytes`` in ``--metrics``);
 and print each against the plan's prediction, with its error. The 1-minute load average is
 printed too: other work on the machine slows every measured figure and none of the predicted.
+So is how far the machine's own speed moved between the profile and the run ("speed moved"):
+the model's whole graph, forward and backward on one thread, timed for 2 s right before the
+compile (which profiles that graph) and again right before and right after the run; +10% means
+it ran 10% slower around the run than at the profile. A virtual machine whose host is shared moves by that much within a minute.
 Run ``autopart profile-comm`` first, so that messages and the base memory of a rank are measured.
 
 ``--shield`` (root only) is for a machine that other sessions keep busy: Linux schedules each
@@ -39,6 +43,7 @@ import torch  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
+from autopart.capture import capture, graph_args, load_model_file  # noqa: E402
 from autopart.compiler import CompileOptions, compile_to_directory  # noqa: E402
 from autopart.plan import Plan  # noqa: E402
 from autopart.profile_in_situ import trimmed_mean  # noqa: E402
@@ -72,8 +77,6 @@ def _stage_times(out: Path, plan: Plan, seconds: float = 1.5) -> list[float]:
     """Forward+backward seconds of one microbatch per stage, each stage alone, one thread: the
     trimmed mean over ``seconds`` of runs, as the profiler takes it (`time_in_situ`: this CPU's
     speed flips every few seconds, and a median of a few runs catches one state)."""
-    from autopart.capture import load_model_file
-
     spec = load_model_file(out / "model.py" if (out / "model.py").exists() else plan.provenance.model_file, build=False)
     inputs, target = spec.example(plan.schedule.micro_batch_size)
     batch = (*inputs, target)
@@ -97,6 +100,33 @@ def _stage_times(out: Path, plan: Plan, seconds: float = 1.5) -> list[float]:
         times.append(trimmed_mean(samples))
         received = [t.detach() for t in outs]
     return times
+
+
+class _SpeedProbe:
+    """The model's whole graph, forward and backward, on one thread: timed right before the
+    compile (which profiles the same graph) and right after the run, it says how far this
+    machine's speed moved between the profile and the measurement (see the README)."""
+
+    def __init__(self, model: Path) -> None:
+        spec = load_model_file(model)
+        graph = capture(spec, batch_size=2)
+        self.module = graph.module
+        self.values = graph_args(graph, *spec.example(2))
+        for _ in range(3):
+            self.run()
+
+    def run(self) -> None:
+        self.module(*self.values).backward()  # the whole model's graph ends in its loss
+        for parameter in self.module.parameters():
+            parameter.grad = None
+
+    def seconds(self, span: float = 2.0) -> float:
+        samples, started = [], time.perf_counter()
+        while len(samples) < 10 or time.perf_counter() - started < span:
+            start = time.perf_counter()
+            self.run()
+            samples.append(time.perf_counter() - start)
+        return trimmed_mean(samples)
 
 
 def _shield(pid: int) -> None:
@@ -160,7 +190,7 @@ def main() -> None:
     table = Table(title="cost_accuracy: predicted vs measured on this CPU (errors: (predicted - measured) / measured)"
                         + (", --shield" if args.shield else ""))
     for header in ("model", "ranks", "stage fwd+bwd ms pred/meas (worst err)", "step ms pred", "step ms meas",
-                   "step err", "peak MiB pred", "peak MiB meas", "mem err", "load"):
+                   "step err", "speed moved", "peak MiB pred", "peak MiB meas", "mem err", "load"):
         table.add_column(header, justify="right")
     with tempfile.TemporaryDirectory(prefix="cost_accuracy_") as folder:
         folder = Path(folder)
@@ -170,6 +200,8 @@ def main() -> None:
             ranks = int(ranks)
             model = _model_file(folder, name)
             out = folder / f"{name}-{ranks}"
+            probe = _SpeedProbe(model)
+            before = probe.seconds()
             options = CompileOptions(model=model, pp=ranks, microbatches=2 * ranks, micro_batch_size=2, costs=costs,
                                      time_limit_s=10)
             plan, _ = compile_to_directory(options, out)
@@ -177,10 +209,12 @@ def main() -> None:
             predicted_stages = [s.forward_s + s.backward_s for s in plan.stages]
             worst = max(zip(predicted_stages, measured_stages), key=lambda pm: abs(pm[0] - pm[1]) / pm[1])
             stage_cells = " ".join(f"{p * 1e3:.2f}/{m * 1e3:.2f}" for p, m in zip(predicted_stages, measured_stages))
+            around_run = probe.seconds()
             step, peaks = _run(out, ranks, args.steps, args.warmup, shield=args.shield)
+            moved = (around_run + probe.seconds()) / 2 / before - 1
             predicted_memory, measured_memory = max(plan.predicted.memory_bytes), max(peaks)
             table.add_row(name, str(ranks), f"{stage_cells} ({_error(*worst)})", f"{plan.predicted.step_s * 1e3:.1f}",
-                          f"{step * 1e3:.1f}", _error(plan.predicted.step_s, step),
+                          f"{step * 1e3:.1f}", _error(plan.predicted.step_s, step), f"{moved:+.1%}",
                           f"{predicted_memory / 2**20:.0f}", f"{measured_memory / 2**20:.0f}",
                           _error(predicted_memory, measured_memory), f"{os.getloadavg()[0]:.1f}")
             console.print(f"{row}: step {plan.predicted.step_s * 1e3:.1f} ms predicted (pipeline "
