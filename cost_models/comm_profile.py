@@ -5,9 +5,11 @@ point-to-point message in the runtime's own pattern (``isend``/``irecv`` then ``
 time as half a round trip), ``all_reduce``, ``all_gather`` and ``reduce_scatter``; median of
 repeats. Of a message's time it also measures the part that is the two processes' own work,
 which a rank cannot spend computing (``p2p_send_cpu``, ``p2p_recv_cpu``): the CPU time of the
-sender's ``isend().wait()`` and of the receiver's ``irecv().wait()`` on the calling thread, each
-with its share of gloo's communication thread (on this project's CPU about 0.1 to 0.2 ms a side,
-as much as a small layer's forward). On a GPU the host's part is not the device's time: those
+sender's ``isend`` and its ``wait`` and of the receiver's ``irecv().wait()`` on the calling
+thread, each with what gloo's communication threads spent per message, measured as a pipeline
+sends: between milliseconds of compute, the message already there when it is received (on this
+project's CPU 0.25 to 0.6 ms a side, as much as a small layer's forward; back to back, with
+gloo's code and state hot in the caches, a third of that). On a GPU the host's part is not the device's time: those
 curves stay out. Last, on a CPU, what a message takes longer when every core is busy
 (``p2p_busy_delay``: the mean one-way time with one spinning process per core, less the mean
 without): its receiver waits to be scheduled, on this machine up to a scheduler slice (~2 ms),
@@ -53,6 +55,8 @@ _KINDS = ("p2p", "all_reduce", "all_gather", "reduce_scatter")
 WAKE_IDLES = (0.0005, 0.001, 0.003, 0.01, 0.03)
 """Seconds a rank is kept waiting before its work is timed, for the wake curve."""
 _CPU_KINDS = ("p2p_send_cpu", "p2p_recv_cpu")
+_BETWEEN_MESSAGES_S = 0.002
+"""Seconds of compute around each message whose CPU cost is measured (``_p2p_cpu``)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -130,22 +134,51 @@ def _helper_threads_cpu() -> float:
 
 
 def _p2p_cpu(rank: int, buffer: torch.Tensor) -> tuple[float, float]:
-    """(send, receive) CPU seconds of one message on rank 0 and 1's side of a ping-pong: the
-    calling thread's time in ``isend().wait()`` and in ``irecv().wait()``, each plus half of what
-    the process's other threads spent per message."""
+    """(send, receive) CPU seconds of one message, rank 0 sending and rank 1 receiving, as a
+    pipeline sends them: between milliseconds of compute (a tiny layer), so that gloo's code
+    and state are out of the caches, and with the message already there when the receiver asks
+    for it. Each side is the calling thread's time in ``isend`` and its ``wait`` or in
+    ``irecv().wait()``, plus what the process's other threads (gloo's) spent per message. Back
+    to back, hot, a message took a third of that here (0.06 ms to send, 0.1 ms to receive)."""
     import torch.distributed as dist
 
-    peer = 1 - rank
-    sends, receives = [], []
+    layer = _TinyLayer(torch.device("cpu"))
+
+    def compute(seconds: float) -> None:
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            layer.step()
+
+    received = torch.empty_like(buffer)
+    done = torch.zeros(1)
+    sides: list[float] = []
     dist.barrier()
     helpers = _helper_threads_cpu()
-    for i in range(_REPEATS + 2):
-        for sending in ((True, False) if rank == 0 else (False, True)):
+    for _ in range(_REPEATS + 2):
+        compute(_BETWEEN_MESSAGES_S)
+        if rank == 0:
             start = time.thread_time()
-            (dist.isend if sending else dist.irecv)(buffer, peer).wait()
-            (sends if sending else receives).append(time.thread_time() - start)
-    helpers = (_helper_threads_cpu() - helpers) / (2 * (_REPEATS + 2))
-    return statistics.median(sends[2:]) + helpers / 2, statistics.median(receives[2:]) + helpers / 2
+            work = dist.isend(buffer, 1)
+            spent = time.thread_time() - start
+            compute(_BETWEEN_MESSAGES_S)
+            start = time.thread_time()
+            work.wait()
+            sides.append(spent + time.thread_time() - start)
+            dist.irecv(done, 1).wait()
+        elif rank == 1:
+            compute(2 * _BETWEEN_MESSAGES_S)  # the message arrives meanwhile
+            start = time.thread_time()
+            dist.irecv(received, 0).wait()
+            sides.append(time.thread_time() - start)
+            dist.isend(done, 0).wait()
+    helpers = (_helper_threads_cpu() - helpers) / (_REPEATS + 2)
+    own = torch.tensor([statistics.median(sides[2:]) + helpers], dtype=torch.float64)
+    if rank == 1:
+        dist.send(own, 0)  # rank 0 writes the curves
+        return 0.0, own.item()
+    receiver = torch.zeros(1, dtype=torch.float64)
+    dist.recv(receiver, 1)
+    return own.item(), receiver.item()
 
 
 def _busy_delay(rank: int, round_trips: int = 60) -> float:
