@@ -522,20 +522,22 @@ def _step_time(options: CompileOptions, front: _Front, stages: list[StagePlan], 
     ranks that share the device's cores when it has them, then each rank's tail."""
     overheads = front.cost_model.runtime_overheads
     call = overheads.autograd_call_s
+    # inside a running pipeline a rank computes beside the others and their messages (measured on a CPU)
+    slower = front.cost_model.pipeline_compute_factor() if options.pp > 1 else 1.0
     # per boundary, the rank time of its messages (one per tensor) on each side; the rest is latency
     sides = [[front.cost_model.p2p_rank_time(m.nbytes, across_nodes=options.pipeline_crosses_nodes)
               for _, m in st.outputs] for st in stages[:-1]]
     send = tuple(sum(s for s, _ in boundary) for boundary in sides)
     receive = tuple(sum(r for _, r in boundary) for boundary in sides)
     costs = StageCosts(
-        forward_s=tuple(s.forward_s + overheads.module_call_s for s in stages),
+        forward_s=tuple(slower * s.forward_s + overheads.module_call_s for s in stages),
         # B starts one backward; zero-bubble schedules start two, one for I and one for W; recompute calls the stage again
         backward_s=tuple(
-            s.backward_s + (2 * call if options.schedule == "zb-h1" else call)
+            slower * s.backward_s + (2 * call if options.schedule == "zb-h1" else call)
             + (overheads.module_call_s if s.recompute != "none" else 0.0)
             for s in stages
         ),
-        weight_s=tuple(s.backward_weight_s + (call if options.schedule == "zb-h1" else 0.0) for s in stages),
+        weight_s=tuple(slower * s.backward_weight_s + (call if options.schedule == "zb-h1" else 0.0) for s in stages),
         transfer_s=tuple(max(0.0, t - s - r) for t, s, r in zip(transfer, send, receive)),
         send_s=send,
         recv_s=receive,

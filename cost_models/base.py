@@ -78,6 +78,12 @@ class CostModel(Protocol):
         waited for a message): the core warms up again. 0 where not measured."""
         ...
 
+    def pipeline_compute_factor(self) -> float:
+        """How many times longer a rank's compute takes inside a running pipeline than alone:
+        the other ranks compute beside it and their messages land mid-compute (shared caches,
+        the communication threads). 1 where not measured."""
+        ...
+
     def collective_time(self, kind: str, nbytes: float, group_size: int, *,
                         across_nodes: bool = False) -> float:
         """Seconds for one collective over ``group_size`` ranks; ``nbytes`` as in nccl-tests."""

@@ -18,7 +18,11 @@ And what waking costs (``wake``, extra seconds by idle seconds): a rank blocked 
 leaves its core idle, and on this project's virtual machine its next few milliseconds of work
 then run slower (after 3 ms idle the first three steps of a tiny layer took ~0.5 to 1 ms more
 than hot ones; the host hands an idle virtual core's physical core to other work, whose state
-the caches and predictors then hold). It also reads each process's resident memory after it
+the caches and predictors then hold). And how much slower compute runs inside a running
+pipeline than alone (``pipeline_compute``, one factor): both ranks compute a tiny layer at once
+while each one's message lands mid-compute on the other, against the same chunks run alone in
+turn (here 2 to 10% for the tiny layer; a real stage's forward and backward took 8 to 19% longer
+in the generated programs than alone a second later). It also reads each process's resident memory after it
 has imported the runtime and joined the group and run one step of a tiny model: the memory
 every rank takes besides its model's own tensors.
 
@@ -76,6 +80,8 @@ class CommProfile:
         for kind, points in self.curves.items():
             if kind == "wake":
                 cells = ", ".join(f"{idle * 1e3:.1f} ms idle +{s * 1e6:.0f} us" for idle, s in points)
+            elif kind == "pipeline_compute":
+                cells = f"x{points[0][1]:.3f} of compute alone"
             else:
                 cells = ", ".join(f"{int(b)} B {s * 1e6:.0f} us" for b, s in points)
             lines.append(f"  {kind:15s} {cells}")
@@ -289,6 +295,58 @@ def _wake_curve(rank: int, rounds: int = 16) -> list[list[float]]:
             for points in measured.values() if points]
 
 
+def _pipeline_compute(rank: int, rounds: int = 10, steps: int = 8, nbytes: int = 262144) -> float:
+    """How much slower compute runs inside a running pipeline than alone (rank 0's answer; the
+    mean over the two ranks; ranks past the first two only wait).
+
+    In the pipeline both ranks compute chunks of ``steps`` tiny-layer steps at once, and each
+    sends the other a message of ``nbytes`` halfway through its chunk, so that it lands while
+    the peer computes, as a pipeline's activations and gradients do; alone, each rank runs the
+    same chunks while the other waits. The first two steps of a chunk are left out (waking, its
+    own curve), and each side keeps the trimmed mean of its steps; the two alternate round by
+    round so that both see the machine at the same speed."""
+    import torch.distributed as dist
+
+    from autopart.profile_in_situ import trimmed_mean
+
+    layer = _TinyLayer(torch.device("cpu"))
+    message, inbox = torch.zeros(nbytes // 4), torch.zeros(nbytes // 4)
+    together: list[float] = []
+    alone: list[float] = []
+
+    def chunk(samples: list[float], exchange: bool) -> None:
+        pending = [dist.irecv(inbox, 1 - rank)] if exchange else []
+        for i in range(steps):
+            if exchange and i == steps // 2:
+                pending.append(dist.isend(message, 1 - rank))
+            start = time.perf_counter()
+            layer.step()
+            if i >= 2:
+                samples.append(time.perf_counter() - start)
+        for work in pending:
+            work.wait()
+
+    for _ in range(rounds):
+        dist.barrier()
+        for _ in range(10 if rank < 2 else 0):
+            chunk(together, exchange=True)
+        for turn in (0, 1):
+            dist.barrier()
+            if rank == turn:
+                for _ in range(10):
+                    chunk(alone, exchange=False)
+    dist.barrier()
+    if rank >= 2:
+        return 1.0
+    ratio = torch.tensor([trimmed_mean(together) / trimmed_mean(alone)], dtype=torch.float64)
+    if rank == 1:
+        dist.send(ratio, 0)
+        return ratio.item()
+    other = torch.zeros(1, dtype=torch.float64)
+    dist.recv(other, 1)
+    return max(1.0, (ratio.item() + other.item()) / 2)
+
+
 def _worker(rank: int, ranks: int, backend: str, port: int, out: str) -> None:
     import torch.distributed as dist
 
@@ -334,8 +392,10 @@ def _worker(rank: int, ranks: int, backend: str, port: int, out: str) -> None:
             curves["p2p_busy_delay"] = [[1, delay]]
         wake = [_wake_curve(rank)]
         dist.broadcast_object_list(wake, src=1)
+        factor = _pipeline_compute(rank)
         if rank == 0:
             curves["wake"] = sorted(wake[0])
+            curves["pipeline_compute"] = [[1, factor]]
     dist.destroy_process_group()
     for points in curves.values():  # a smaller message never takes longer than a larger one
         for i in range(len(points) - 2, -1, -1):

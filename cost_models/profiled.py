@@ -81,5 +81,8 @@ class ProfiledCostModel:
     def wake_time(self, idle_s: float) -> float:
         return self.roofline.wake_time(idle_s)
 
+    def pipeline_compute_factor(self) -> float:
+        return self.roofline.pipeline_compute_factor()
+
     def collective_time(self, kind: str, nbytes: float, group_size: int, *, across_nodes: bool = False) -> float:
         return self.roofline.collective_time(kind, nbytes, group_size, across_nodes=across_nodes)

@@ -1,5 +1,5 @@
 """``autopart profile-comm``: real processes over gloo measure every curve, the wake curve among
-them, and the ``cpu`` device answers with what they measured."""
+them and the factor of compute inside a pipeline, and the ``cpu`` device answers with what they measured."""
 
 import pytest
 
@@ -24,9 +24,13 @@ def test_profile_comm_measures_every_curve_and_the_cpu_device_uses_them(tmp_path
     extras = [extra for _, extra in wake]
     assert all(e >= 0 for e in extras) and extras == sorted(extras)
     assert profile.process_bytes > 100 << 20  # torch and the runtime imported
+    # compute inside a pipeline: one factor, the two ranks' mean, never below compute alone
+    [[_, factor]] = profile.curves["pipeline_compute"]
+    assert 1.0 <= factor < 2.0
 
     from cost_models import get_cost_model
 
     model = get_cost_model("cpu")
     assert model.wake_time(10.0) == pytest.approx(extras[-1])
+    assert model.pipeline_compute_factor() == pytest.approx(factor)
     assert model.p2p_time(SIZES[2]) == pytest.approx(profile.curves["p2p"][2][1])

@@ -129,3 +129,31 @@ def test_the_wake_cost_comes_from_the_measured_curve() -> None:
     assert model.wake_time(0.001) == pytest.approx(2.5e-4)  # from nothing at no idleness
     assert model.wake_time(0.006) == pytest.approx(7.5e-4)
     assert model.wake_time(1.0) == pytest.approx(1e-3)  # flat past the last point
+
+
+def test_compute_inside_a_pipeline_takes_the_measured_factor_longer(monkeypatch, tmp_path) -> None:
+    import dataclasses
+    from pathlib import Path
+
+    import autopart
+    from cost_models.roofline import RooflineCostModel
+
+    spec = load_device("h100-sxm")
+    assert RooflineCostModel(device=spec).pipeline_compute_factor() == 1.0  # not measured: a GPU's own units
+    measured = dataclasses.replace(spec, comm_curves={"pipeline_compute": [[1, 1.07]]}, comm_ranks=2)
+    assert RooflineCostModel(device=measured).pipeline_compute_factor() == pytest.approx(1.07)
+    noise = dataclasses.replace(spec, comm_curves={"pipeline_compute": [[1, 0.97]]}, comm_ranks=2)
+    assert RooflineCostModel(device=noise).pipeline_compute_factor() == 1.0  # never faster than alone
+
+    gpt = Path(__file__).resolve().parent.parent / "examples" / "gpt.py"
+    options = dict(micro_batch_size=2, microbatches=4, schedule="gpipe", device="h100-sxm", time_limit_s=5)
+    pinned = autopart.emit(autopart.compile(gpt, pp=2, **options), tmp_path / "out") / "plan.json"
+    single = autopart.compile(gpt, pp=1, **options)
+    base = autopart.compile(gpt, pp=2, plan=pinned, **options)
+    monkeypatch.setattr(RooflineCostModel, "pipeline_compute_factor", lambda self: 2.0)
+    slower = autopart.compile(gpt, pp=2, plan=pinned, **options)
+    # the same cuts; every forward and backward twice as long, the rest (messages, optimizer) as it was
+    compute = sum(s.forward_s + s.backward_s for s in base.stages)
+    assert base.predicted.step_s < slower.predicted.step_s < 2 * base.predicted.step_s
+    assert slower.predicted.step_s - base.predicted.step_s > compute  # every microbatch's compute grew
+    assert autopart.compile(gpt, pp=1, **options).predicted.step_s == pytest.approx(single.predicted.step_s)  # no pipeline
