@@ -60,6 +60,9 @@ WAKE_IDLES = (0.0005, 0.001, 0.003, 0.01, 0.03)
 """Seconds a rank is kept waiting before its work is timed, for the wake curve."""
 _CPU_KINDS = ("p2p_send_cpu", "p2p_recv_cpu")
 _BETWEEN_MESSAGES_S = 0.002
+_CPU_REPEATS = 40
+"""Messages timed per size for ``_p2p_cpu``: on this project's virtual machine one side's figure
+moved between 0.3 and 2.9 ms from one set of 15 to the next."""
 """Seconds of compute around each message whose CPU cost is measured (``_p2p_cpu``)."""
 
 
@@ -144,9 +147,12 @@ def _p2p_cpu(rank: int, buffer: torch.Tensor) -> tuple[float, float]:
     pipeline sends them: between milliseconds of compute (a tiny layer), so that gloo's code
     and state are out of the caches, and with the message already there when the receiver asks
     for it. Each side is the calling thread's time in ``isend`` and its ``wait`` or in
-    ``irecv().wait()``, plus what the process's other threads (gloo's) spent per message. Back
-    to back, hot, a message took a third of that here (0.06 ms to send, 0.1 ms to receive)."""
+    ``irecv().wait()``, plus what the process's other threads (gloo's) spent meanwhile: the
+    trimmed mean over ``_CPU_REPEATS`` messages. Back to back, hot, a message took a third of
+    that here (0.06 ms to send, 0.1 ms to receive)."""
     import torch.distributed as dist
+
+    from autopart.profile_in_situ import trimmed_mean
 
     layer = _TinyLayer(torch.device("cpu"))
 
@@ -157,11 +163,11 @@ def _p2p_cpu(rank: int, buffer: torch.Tensor) -> tuple[float, float]:
 
     received = torch.empty_like(buffer)
     done = torch.zeros(1)
-    sides: list[float] = []
+    sides: list[float] = []  # per message: the calling thread's CPU and gloo's threads' CPU meanwhile
     dist.barrier()
-    helpers = _helper_threads_cpu()
-    for _ in range(_REPEATS + 2):
+    for i in range(_CPU_REPEATS + 2):
         compute(_BETWEEN_MESSAGES_S)
+        helpers = _helper_threads_cpu()
         if rank == 0:
             start = time.thread_time()
             work = dist.isend(buffer, 1)
@@ -169,16 +175,16 @@ def _p2p_cpu(rank: int, buffer: torch.Tensor) -> tuple[float, float]:
             compute(_BETWEEN_MESSAGES_S)
             start = time.thread_time()
             work.wait()
-            sides.append(spent + time.thread_time() - start)
-            dist.irecv(done, 1).wait()
+            spent += time.thread_time() - start
         elif rank == 1:
             compute(2 * _BETWEEN_MESSAGES_S)  # the message arrives meanwhile
             start = time.thread_time()
             dist.irecv(received, 0).wait()
-            sides.append(time.thread_time() - start)
-            dist.isend(done, 0).wait()
-    helpers = (_helper_threads_cpu() - helpers) / (_REPEATS + 2)
-    own = torch.tensor([statistics.median(sides[2:]) + helpers], dtype=torch.float64)
+            spent = time.thread_time() - start
+        if i >= 2:
+            sides.append(spent + _helper_threads_cpu() - helpers)
+        (dist.irecv if rank == 0 else dist.isend)(done, 1 - rank).wait()
+    own = torch.tensor([trimmed_mean(sides)], dtype=torch.float64)
     if rank == 1:
         dist.send(own, 0)  # rank 0 writes the curves
         return 0.0, own.item()
@@ -187,7 +193,7 @@ def _p2p_cpu(rank: int, buffer: torch.Tensor) -> tuple[float, float]:
     return own.item(), receiver.item()
 
 
-def _busy_delay(rank: int, round_trips: int = 60) -> float:
+def _busy_delay(rank: int, round_trips: int = 200) -> float:
     """Mean one-way time of a small message with a spinning process on every core, less without
     (ranks past the first two only wait)."""
     import subprocess
@@ -260,7 +266,7 @@ def _warm_up(device: torch.device) -> None:
     optimizer.step()
 
 
-def _wake_curve(rank: int, rounds: int = 16) -> list[list[float]]:
+def _wake_curve(rank: int, rounds: int = 30) -> list[list[float]]:
     """[idle seconds, extra seconds] at each of `WAKE_IDLES`, on rank 1 (empty elsewhere).
 
     Rank 0 computes for the idle time and then sends; rank 1, blocked in the receive meanwhile,
