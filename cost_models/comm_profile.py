@@ -8,9 +8,9 @@ which a rank cannot spend computing (``p2p_send_cpu``, ``p2p_recv_cpu``): the CP
 sender's ``isend`` and its ``wait`` and of the receiver's ``irecv().wait()`` on the calling
 thread, each with what gloo's communication threads spent per message, measured as a pipeline
 sends: between milliseconds of compute, the message already there when it is received (on this
-project's CPU 0.25 to 0.6 ms a side, as much as a small layer's forward; back to back, with
-gloo's code and state hot in the caches, a third of that). On a GPU the host's part is not the device's time: those
-curves stay out. Last, on a CPU, what a message takes longer when every core is busy
+project's CPU 0.22 to 0.38 ms a side up to 256 KiB, as much as a small layer's forward; back to
+back, with gloo's code and state hot in the caches, a third of that). On a GPU the host's part
+is not the device's time: those curves stay out. Last, on a CPU, what a message takes longer when every core is busy
 (``p2p_busy_delay``: the mean one-way time with one spinning process per core, less the mean
 without): its receiver waits to be scheduled, on this machine up to a scheduler slice (~2 ms),
 which is what ranks that outnumber the cores pay on every message that finds the cores taken.
@@ -21,10 +21,10 @@ than hot ones; the host hands an idle virtual core's physical core to other work
 the caches and predictors then hold). And how much slower compute runs inside a running
 pipeline than alone (``pipeline_compute``, one factor): both ranks compute a tiny layer at once
 while each one's message lands mid-compute on the other, against the same chunks run alone in
-turn (here 2 to 10% for the tiny layer; a real stage's forward and backward took 8 to 19% longer
-in the generated programs than alone a second later). It also reads each process's resident memory after it
-has imported the runtime and joined the group and run one step of a tiny model: the memory
-every rank takes besides its model's own tensors.
+turn (here 2.5 to 8.5% for the tiny layer; a real stage's forward and backward took 8 to 19%
+longer in the generated programs than alone a second later). It also reads each process's
+resident memory after it has imported the runtime and joined the group and run one step of a
+tiny model: the memory every rank takes besides its model's own tensors.
 
 The result is cached next to the CPU calibration (``$AUTOPART_CACHE_DIR``), per host, backend
 and torch version; ``load_device`` puts it into the spec of the device it was measured on, so
@@ -60,10 +60,10 @@ WAKE_IDLES = (0.0005, 0.001, 0.003, 0.01, 0.03)
 """Seconds a rank is kept waiting before its work is timed, for the wake curve."""
 _CPU_KINDS = ("p2p_send_cpu", "p2p_recv_cpu")
 _BETWEEN_MESSAGES_S = 0.002
+"""Seconds of compute around each message whose CPU cost is measured (``_p2p_cpu``)."""
 _CPU_REPEATS = 40
 """Messages timed per size for ``_p2p_cpu``: on this project's virtual machine one side's figure
 moved between 0.3 and 2.9 ms from one set of 15 to the next."""
-"""Seconds of compute around each message whose CPU cost is measured (``_p2p_cpu``)."""
 
 
 @dataclass(frozen=True, kw_only=True)
