@@ -15,9 +15,9 @@ is not the device's time: those curves stay out. Last, on a CPU, what a message 
 without): its receiver waits to be scheduled, on this machine up to a scheduler slice (~2 ms),
 which is what ranks that outnumber the cores pay on every message that finds the cores taken.
 And what waking costs (``wake``, extra seconds by idle seconds): a rank blocked on a message
-leaves its core idle, and on this project's virtual machine its next few milliseconds of work
-then run slower (after 3 ms idle the first three steps of a tiny layer took ~0.5 to 1 ms more
-than hot ones; the host hands an idle virtual core's physical core to other work, whose state
+leaves its core idle, and on this project's virtual machine its next ten or so milliseconds of
+work then run slower (after 2 to 30 ms idle the first 12 steps of a tiny layer took 1 to 1.6 ms
+more than hot ones; the host hands an idle virtual core's physical core to other work, whose state
 the caches and predictors then hold). And how much slower compute runs inside a running
 pipeline than alone (``pipeline_compute``, one factor): both ranks compute a tiny layer at once
 while each one's message lands mid-compute on the other, against the same chunks run alone in
@@ -270,8 +270,10 @@ def _wake_curve(rank: int, rounds: int = 30) -> list[list[float]]:
     """[idle seconds, extra seconds] at each of `WAKE_IDLES`, on rank 1 (empty elsewhere).
 
     Rank 0 computes for the idle time and then sends; rank 1, blocked in the receive meanwhile,
-    times six steps of a tiny layer once it has the message: what the first three take beyond
-    three of the later, hot ones is what waking cost (ranks past the first two only wait)."""
+    times 24 steps of a tiny layer once it has the message: what the first 12 take beyond as
+    many of the last eight, hot again, is what waking cost (ranks past the first two only wait).
+    The slowness outlasts the first steps: counted over three against the next three, as before,
+    it came to 0.66-0.8 ms here; over 12 against the last eight, to 1.0-1.6 ms."""
     import torch.distributed as dist
 
     layer = _TinyLayer(torch.device("cpu"))
@@ -291,17 +293,17 @@ def _wake_curve(rank: int, rounds: int = 30) -> list[list[float]]:
                 dist.irecv(flag, 0).wait()
                 waited = time.perf_counter() - posted
                 calls = []
-                for _ in range(6):
+                for _ in range(24):
                     start = time.perf_counter()
                     layer.step()
                     calls.append(time.perf_counter() - start)
-                measured[idle].append((waited, sum(calls[:3]) - 3 * statistics.median(calls[3:])))
+                measured[idle].append((waited, sum(calls[:12]) - 12 * statistics.median(calls[16:])))
                 dist.isend(flag, 0).wait()
     return [[statistics.median(w for w, _ in points), max(0.0, statistics.median(e for _, e in points))]
             for points in measured.values() if points]
 
 
-def _pipeline_compute(rank: int, rounds: int = 10, steps: int = 8, nbytes: int = 262144) -> float:
+def _pipeline_compute(rank: int, rounds: int = 30, steps: int = 8, nbytes: int = 262144) -> float:
     """How much slower compute runs inside a running pipeline than alone (rank 0's answer; the
     mean over the two ranks; ranks past the first two only wait).
 
@@ -309,16 +311,15 @@ def _pipeline_compute(rank: int, rounds: int = 10, steps: int = 8, nbytes: int =
     sends the other a message of ``nbytes`` halfway through its chunk, so that it lands while
     the peer computes, as a pipeline's activations and gradients do; alone, each rank runs the
     same chunks while the other waits. The first two steps of a chunk are left out (waking, its
-    own curve), and each side keeps the trimmed mean of its steps; the two alternate round by
-    round so that both see the machine at the same speed."""
+    own curve). Each round compares the two a fraction of a second apart (the trimmed means of
+    its steps), and the answer is the median over the rounds: this machine's speed moves more
+    than the effect between rounds (a ratio of whole-run means gave 1.0 to 1.27 in a row)."""
     import torch.distributed as dist
 
     from autopart.profile_in_situ import trimmed_mean
 
     layer = _TinyLayer(torch.device("cpu"))
     message, inbox = torch.zeros(nbytes // 4), torch.zeros(nbytes // 4)
-    together: list[float] = []
-    alone: list[float] = []
 
     def chunk(samples: list[float], exchange: bool) -> None:
         pending = [dist.irecv(inbox, 1 - rank)] if exchange else []
@@ -332,19 +333,24 @@ def _pipeline_compute(rank: int, rounds: int = 10, steps: int = 8, nbytes: int =
         for work in pending:
             work.wait()
 
+    ratios = []
     for _ in range(rounds):
+        together: list[float] = []
+        alone: list[float] = []
         dist.barrier()
-        for _ in range(10 if rank < 2 else 0):
+        for _ in range(4 if rank < 2 else 0):
             chunk(together, exchange=True)
         for turn in (0, 1):
             dist.barrier()
             if rank == turn:
-                for _ in range(10):
+                for _ in range(4):
                     chunk(alone, exchange=False)
+        if rank < 2:
+            ratios.append(trimmed_mean(together) / trimmed_mean(alone))
     dist.barrier()
     if rank >= 2:
         return 1.0
-    ratio = torch.tensor([trimmed_mean(together) / trimmed_mean(alone)], dtype=torch.float64)
+    ratio = torch.tensor([statistics.median(ratios)], dtype=torch.float64)
     if rank == 1:
         dist.send(ratio, 0)
         return ratio.item()
