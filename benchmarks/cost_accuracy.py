@@ -13,7 +13,8 @@ printed too: other work on the machine slows every measured figure and none of t
 So is how far the machine's own speed moved between the profile and the run ("speed moved"):
 the model's whole graph, forward and backward on one thread, timed for 2 s right before the
 compile (which profiles that graph) and again right before and right after the run; +10% means
-it ran 10% slower around the run than at the profile. A virtual machine whose host is shared moves by that much within a minute.
+it ran 10% slower around the run than at the profile. A virtual machine whose host is shared
+moves by that much within a minute.
 Run ``autopart profile-comm`` first, so that messages and the base memory of a rank are measured.
 
 ``--shield`` (root only) is for a machine that other sessions keep busy: Linux schedules each
@@ -104,8 +105,8 @@ def _stage_times(out: Path, plan: Plan, seconds: float = 1.5) -> list[float]:
 
 class _SpeedProbe:
     """The model's whole graph, forward and backward, on one thread: timed right before the
-    compile (which profiles the same graph) and right after the run, it says how far this
-    machine's speed moved between the profile and the measurement (see the README)."""
+    compile (which profiles the same graph) and around the run, it says how far this machine's
+    speed moved between the profile and the measurement (see the README)."""
 
     def __init__(self, model: Path) -> None:
         spec = load_model_file(model)
