@@ -10,10 +10,11 @@ thread, each with what gloo's communication threads spent per message, measured 
 sends: between milliseconds of compute, the message already there when it is received (on this
 project's CPU 0.22 to 0.38 ms a side up to 256 KiB, as much as a small layer's forward; back to
 back, with gloo's code and state hot in the caches, a third of that). On a GPU the host's part
-is not the device's time: those curves stay out. Last, on a CPU, what a message takes longer when every core is busy
-(``p2p_busy_delay``: the mean one-way time with one spinning process per core, less the mean
-without): its receiver waits to be scheduled, on this machine up to a scheduler slice (~2 ms),
-which is what ranks that outnumber the cores pay on every message that finds the cores taken.
+is not the device's time: those curves stay out. Last, on a CPU, what a message takes longer
+when every core is busy (``p2p_busy_delay``: the mean one-way time with one spinning process
+per core, less the mean without): its receiver waits to be scheduled, on this machine up to a
+scheduler slice (~2 ms), which is what ranks that outnumber the cores pay on every message that
+finds the cores taken.
 And what waking costs (``wake``, extra seconds by idle seconds): a rank blocked on a message
 leaves its core idle, and on this project's virtual machine its next ten or so milliseconds of
 work then run slower (after 2 to 30 ms idle the first 12 steps of a tiny layer took 1 to 1.6 ms
@@ -21,7 +22,7 @@ more than hot ones; the host hands an idle virtual core's physical core to other
 the caches and predictors then hold). And how much slower compute runs inside a running
 pipeline than alone (``pipeline_compute``, one factor): both ranks compute a tiny layer at once
 while each one's message lands mid-compute on the other, against the same chunks run alone in
-turn (here 2.5 to 8.5% for the tiny layer; a real stage's forward and backward took 8 to 19%
+turn (here 1.7 to 4.9% for the tiny layer; a real stage's forward and backward took 8 to 19%
 longer in the generated programs than alone a second later). It also reads each process's
 resident memory after it has imported the runtime and joined the group and run one step of a
 tiny model: the memory every rank takes besides its model's own tensors.
@@ -155,42 +156,44 @@ def _p2p_cpu(rank: int, buffer: torch.Tensor) -> tuple[float, float]:
     from autopart.profile_in_situ import trimmed_mean
 
     layer = _TinyLayer(torch.device("cpu"))
-
-    def compute(seconds: float) -> None:
-        end = time.perf_counter() + seconds
-        while time.perf_counter() < end:
-            layer.step()
-
     received = torch.empty_like(buffer)
     done = torch.zeros(1)
     sides: list[float] = []  # per message: the calling thread's CPU and gloo's threads' CPU meanwhile
     dist.barrier()
     for i in range(_CPU_REPEATS + 2):
-        compute(_BETWEEN_MESSAGES_S)
+        layer.run_for(_BETWEEN_MESSAGES_S)
         helpers = _helper_threads_cpu()
         if rank == 0:
             start = time.thread_time()
             work = dist.isend(buffer, 1)
             spent = time.thread_time() - start
-            compute(_BETWEEN_MESSAGES_S)
+            layer.run_for(_BETWEEN_MESSAGES_S)
             start = time.thread_time()
             work.wait()
             spent += time.thread_time() - start
         elif rank == 1:
-            compute(2 * _BETWEEN_MESSAGES_S)  # the message arrives meanwhile
+            layer.run_for(2 * _BETWEEN_MESSAGES_S)  # the message arrives meanwhile
             start = time.thread_time()
             dist.irecv(received, 0).wait()
             spent = time.thread_time() - start
         if i >= 2:
             sides.append(spent + _helper_threads_cpu() - helpers)
         (dist.irecv if rank == 0 else dist.isend)(done, 1 - rank).wait()
-    own = torch.tensor([trimmed_mean(sides)], dtype=torch.float64)
+    own = trimmed_mean(sides)
+    receiver = _rank_1s(own, rank)
+    return (own, receiver) if rank == 0 else (0.0, own)
+
+
+def _rank_1s(figure: float, rank: int) -> float:
+    """Rank 1's ``figure``, on rank 0 (which writes the curves) and on rank 1 itself."""
+    import torch.distributed as dist
+
+    value = torch.tensor([figure], dtype=torch.float64)
     if rank == 1:
-        dist.send(own, 0)  # rank 0 writes the curves
-        return 0.0, own.item()
-    receiver = torch.zeros(1, dtype=torch.float64)
-    dist.recv(receiver, 1)
-    return own.item(), receiver.item()
+        dist.send(value, 0)
+    else:
+        dist.recv(value, 1)
+    return value.item()
 
 
 def _busy_delay(rank: int, round_trips: int = 200) -> float:
@@ -255,6 +258,12 @@ class _TinyLayer:
         logits = self.head(F.gelu(y.transpose(1, 2).reshape(2, 16, 32)) * torch.rsqrt(x.pow(2).mean(-1, keepdim=True)))
         F.cross_entropy(logits.reshape(-1, 64), self.tokens.reshape(-1)).backward()
 
+    def run_for(self, seconds: float) -> None:
+        """Steps until ``seconds`` have passed: a rank's compute between messages."""
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            self.step()
+
 
 def _warm_up(device: torch.device) -> None:
     """One training step of a tiny Transformer layer, so that the memory read afterwards holds
@@ -283,9 +292,7 @@ def _wake_curve(rank: int, rounds: int = 30) -> list[list[float]]:
         for idle in WAKE_IDLES:
             dist.barrier()
             if rank == 0:
-                end = time.perf_counter() + idle
-                while time.perf_counter() < end:
-                    layer.step()
+                layer.run_for(idle)
                 dist.isend(flag, 1).wait()
                 dist.irecv(flag, 1).wait()
             elif rank == 1:
@@ -350,13 +357,9 @@ def _pipeline_compute(rank: int, rounds: int = 30, steps: int = 8, nbytes: int =
     dist.barrier()
     if rank >= 2:
         return 1.0
-    ratio = torch.tensor([statistics.median(ratios)], dtype=torch.float64)
-    if rank == 1:
-        dist.send(ratio, 0)
-        return ratio.item()
-    other = torch.zeros(1, dtype=torch.float64)
-    dist.recv(other, 1)
-    return max(1.0, (ratio.item() + other.item()) / 2)
+    ratio = statistics.median(ratios)
+    other = _rank_1s(ratio, rank)
+    return max(1.0, (ratio + other) / 2) if rank == 0 else ratio
 
 
 def _worker(rank: int, ranks: int, backend: str, port: int, out: str) -> None:

@@ -142,8 +142,7 @@ class RooflineCostModel:
     def pipeline_compute_factor(self) -> float:
         """Measured by ``autopart profile-comm`` on a CPU, else 1: a device's own compute units
         are not shared with the other ranks'."""
-        points = self.device.comm_curves.get("pipeline_compute")
-        return max(1.0, points[0][1]) if points else 1.0
+        return max(1.0, self.device.measured_comm_time("pipeline_compute", 1) or 1.0)
 
     def collective_time(self, kind: str, nbytes: float, group_size: int, *,
                         across_nodes: bool = False) -> float:
