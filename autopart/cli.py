@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from autopart.errors import AutopartError
+from autopart.local_run import LocalRunError
 
 __all__ = ["main"]
 
@@ -63,6 +64,9 @@ def _parser() -> argparse.ArgumentParser:
         help="activation recompute: none, selective or full for every stage, or one per stage as A,B,... (default none, or searched)",
     )  # fmt: skip
     c.add_argument("--dtype", help="fp32, bf16 (autocast forwards over fp32 weights) or auto (searched; default fp32)")
+    c.add_argument("--profile-pipeline", action="store_true",
+                   help="run the plan here for a few steps, store how much slower its stages compute inside the "
+                        "pipeline in --costs, and compile again with it (once per model and mesh)")
     p = commands.add_parser("profile", help="time every op of a model on this machine into a cost database")
     p.add_argument("model", type=Path, help="the model file")
     p.add_argument("-o", "--out", type=Path, required=True, help="cost database (JSON); added to when it exists")
@@ -90,13 +94,13 @@ def _parser() -> argparse.ArgumentParser:
 def _verify(args: argparse.Namespace, console: Console) -> int:
     from autopart.errors import ConfigError
     from autopart.runtime.optim import OPTIMIZERS
-    from autopart.verify import LOSS_TOLERANCE, PARAMETER_TOLERANCE, VerifyRunError, verify
+    from autopart.verify import LOSS_TOLERANCE, PARAMETER_TOLERANCE, verify
 
     if args.optimizer not in OPTIMIZERS:
         raise ConfigError(f"unknown optimizer {args.optimizer!r}; use one of {', '.join(OPTIMIZERS)}")
     try:
         result = verify(args.out, steps=args.steps, lr=args.lr, optimizer=args.optimizer, timeout_s=args.timeout)
-    except VerifyRunError as exc:
+    except LocalRunError as exc:
         print(f"autopart: verify: {exc}", file=sys.stderr)
         return 1
     console.print(
@@ -194,6 +198,7 @@ def _compile(args: argparse.Namespace, console: Console) -> None:
         leaf=tuple(args.leaf),
         recompute=_recompute_modes(args.recompute) if args.recompute is not None else None,
         dtype=args.dtype,
+        profile_pipeline=args.profile_pipeline,
     )
     known = _entries(args.costs)
     if options.searched:
@@ -210,6 +215,10 @@ def _compile(args: argparse.Namespace, console: Console) -> None:
     )
     if args.costs is not None:
         console.print(f"costs from {args.costs}: {_entries(args.costs) - known} ops timed, {known} known")
+    if plan.predicted.compute_factor_from != "none":
+        where = {"pipeline": "measured in this pipeline", "device": "the device's, from profile-comm"}
+        console.print(f"compute inside the pipeline x{plan.predicted.compute_factor:.3f} "
+                      f"({where[plan.predicted.compute_factor_from]})")
     console.print(f"compile peak memory {peak_memory_gib():.2f} GiB")
     console.print(f"wrote {out}/; train with:\n  torchrun --nproc-per-node {plan.world_size} {out}/train.py --steps 10")
 
@@ -324,6 +333,9 @@ def main(argv: list[str] | None = None) -> None:
     except AutopartError as exc:
         print(f"autopart: error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
+    except LocalRunError as exc:  # the programs ran and failed: not the input's fault
+        print(f"autopart: {args.command}: {exc}", file=sys.stderr)
+        raise SystemExit(1) from None
     except KeyboardInterrupt:
         print("autopart: interrupted", file=sys.stderr)
         raise SystemExit(130) from None

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import tempfile
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from autopart.predict import simulate_pipeline
 from autopart.runtime.materialise import check_initialisers
 from autopart.runtime.optim import OPTIMIZERS
 from autopart.profile import profile_costs
+from autopart.profile_pipeline import pipeline_key, profile_pipeline
 from autopart.recompute import recompute_cost, stage_input_bytes, stage_modes, transient_microbatches
 from autopart.rewrite import separate_biases
 from autopart.schedule import SCHEDULE_KINDS, StageCosts, add_communication, build_schedule, stage_rank
@@ -33,6 +35,7 @@ from autopart.solver.pipeline import PipelineProblem, evaluate, solve_cuts, stag
 from autopart.solver.sharding import REPLICATE, Placement
 from autopart.solver.tensor import BlockSharding, shard_chain
 from cost_models import CostDatabase, CostModel, ProfiledCostModel, get_cost_model, model_state_bytes
+from cost_models.database import PipelineMeasurement
 from cost_models.devices import local_device_name
 
 __all__ = ["CompileOptions", "compile", "emit", "compile_to_directory"]
@@ -90,6 +93,10 @@ class CompileOptions:
     dtype: str | None = None
     """Precision: "fp32", or "bf16" (forwards under torch.autocast, fp32 weights and gradients);
     "auto" lets the search choose; fp32 unless searched."""
+    profile_pipeline: bool = False
+    """Run the compiled programs here for a few steps, store how much longer their stages
+    compute inside the running pipeline than alone in ``costs`` (`autopart.profile_pipeline`),
+    and compile again with it. Once per model and mesh: a later compile finds it there."""
 
     def __post_init__(self) -> None:
         for name in ("world_size", "pp", "tp", "dp", "gpus_per_node"):
@@ -122,6 +129,11 @@ class CompileOptions:
             raise ConfigError(f"unknown --dtype {self.dtype!r}; use one of {', '.join(DTYPES)} or auto")
         if self.dtype == "auto" and self.world_size is None:
             raise ConfigError("--dtype auto lets the search choose the precision; add --world-size N to search")
+        if self.profile_pipeline and self.costs is None:
+            raise ConfigError("--profile-pipeline keeps what it measures in a cost database: add --costs COSTS.json")
+        if self.profile_pipeline and _local_kind(self.device) != "cpu":
+            raise ConfigError(f"--profile-pipeline runs the plan on this machine's CPU, so it profiles plans for "
+                              f"--device cpu, not {self.device}")
         if self.recompute is not None:
             if self.pp is not None and self.chunks is not None:
                 stage_modes(self.recompute, self.pp * self.chunks)
@@ -407,8 +419,10 @@ def _plan_from_cuts(
         weight_s=tuple(s.backward_weight_s for s in stages),
         transfer_s=transfer,
     )
-    tails = _rank_tails(options, front, stages, holders)
-    step_s = _step_time(options, front, stages, transfer, tails, microbatches)
+    in_place = _in_place(options, front, micro_batch_size)
+    tails = _rank_tails(options, front, stages, holders, tied_s=in_place.tied_s if in_place else None)
+    factor = _compute_factor(options, front, in_place)
+    step_s = _step_time(options, front, stages, transfer, tails, microbatches, factor)
     status, bound, gap = solver
     gradient_sync = _data_parallel_seconds(options, front, stages)
     return Plan(
@@ -430,6 +444,8 @@ def _plan_from_cuts(
             transfer_s=transfer,
             pipeline_s=timeline.step_s,
             rank_tail_s=tuple(tails[r] for r in range(options.pp)),
+            compute_factor=factor[0],
+            compute_factor_from=factor[1],
         ),
         provenance=Provenance(
             model_file=str(front.spec.path.resolve()),
@@ -496,9 +512,10 @@ def _data_parallel_seconds(options: CompileOptions, front: _Front, stages: list[
     return max(per_rank.values())
 
 
-def _rank_tails(options: CompileOptions, front: _Front, stages: list[StagePlan],
-                holders: dict[str, list[int]]) -> dict[int, float]:
-    """Per rank, what the step does after the pipeline: sum tied gradients, step the optimizer."""
+def _rank_tails(options: CompileOptions, front: _Front, stages: list[StagePlan], holders: dict[str, list[int]],
+                *, tied_s: float | None = None) -> dict[int, float]:
+    """Per rank, what the step does after the pipeline: sum tied gradients (``tied_s`` where
+    measured in this pipeline, else the all-reduces' model), step the optimizer."""
     cost_model = front.cost_model
     metas = {str(n.target): front.op_graph.nodes[n.name].output
              for n in front.op_graph.fx_nodes() if front.op_graph.nodes[n.name].is_parameter}
@@ -509,6 +526,8 @@ def _rank_tails(options: CompileOptions, front: _Front, stages: list[StagePlan],
         held = dict.fromkeys(p for st in stages if st.rank == rank for p in st.parameters)
         tied = sum(cost_model.collective_time("all_reduce", metas[p].nbytes, len({stages[s].rank for s in holders[p]}))
                    for p in held if len(holders[p]) > 1)
+        if tied and tied_s is not None:
+            tied = tied_s
         optimizer = cost_model.optimizer_time(options.optimizer, [(metas[p].shape, metas[p].dtype) for p in held])
         if options.zero:  # each data-parallel rank steps its shard of the state
             optimizer /= options.dp
@@ -516,14 +535,31 @@ def _rank_tails(options: CompileOptions, front: _Front, stages: list[StagePlan],
     return tails
 
 
+def _in_place(options: CompileOptions, front: _Front, micro_batch_size: int) -> PipelineMeasurement | None:
+    """What this very pipeline measured as it ran (``--profile-pipeline``), if it was."""
+    mesh = {"pp": options.pp, "tp": options.tp, "dp": options.dp}
+    return front.cost_model.pipeline_profile(pipeline_key(front.spec.source_sha256, mesh, micro_batch_size))
+
+
+def _compute_factor(options: CompileOptions, front: _Front, in_place: PipelineMeasurement | None) -> tuple[float, str]:
+    """How many times its profiled time each forward and backward takes inside this pipeline,
+    and where the figure is from: "pipeline" where this very pipeline was run and measured
+    (``--profile-pipeline``), "device" for the device's own (``profile-comm`` on a CPU), "none"."""
+    if in_place is not None:
+        return in_place.compute_factor, "pipeline"
+    # a rank computes beside the others and their messages
+    device = front.cost_model.pipeline_compute_factor() if options.pp > 1 else 1.0
+    return device, "device" if device != 1.0 else "none"
+
+
 def _step_time(options: CompileOptions, front: _Front, stages: list[StagePlan], transfer: tuple[float, ...],
-               tails: dict[int, float], microbatches: int) -> float:
-    """The step as the runtime times it: the pipeline with the fixed cost of each action, on
-    ranks that share the device's cores when it has them, then each rank's tail."""
+               tails: dict[int, float], microbatches: int, factor: tuple[float, str]) -> float:
+    """The step as the runtime times it: the pipeline with the fixed cost of each action, each
+    forward and backward ``factor`` times its profiled time, on ranks that share the device's
+    cores when it has them, then each rank's tail."""
     overheads = front.cost_model.runtime_overheads
     call = overheads.autograd_call_s
-    # inside a running pipeline a rank computes beside the others and their messages (measured on a CPU)
-    slower = front.cost_model.pipeline_compute_factor() if options.pp > 1 else 1.0
+    slower, measured_in_place = factor[0], factor[1] == "pipeline"
     # per boundary, the rank time of its messages (one per tensor) on each side; the rest is latency
     sides = [[front.cost_model.p2p_rank_time(m.nbytes, across_nodes=options.pipeline_crosses_nodes)
               for _, m in st.outputs] for st in stages[:-1]]
@@ -548,9 +584,11 @@ def _step_time(options: CompileOptions, front: _Front, stages: list[StagePlan], 
     device = front.cost_model.device
     # the other tensor- and data-parallel ranks of the machine run the same work beside this pipeline
     cores = device.cores / (options.tp * options.dp)
+    # measured in place, the factor holds what waking and refilling a shared core cost the compute
+    resume = (0.0, 0.0) if measured_in_place else (overheads.resume_forward_s, overheads.resume_backward_s)
     return step_time(schedule, costs, ranks=options.pp, cores=cores, background=device.background_load,
-                     tail_s=tails, resume_s=(overheads.resume_forward_s, overheads.resume_backward_s),
-                     busy_delay_s=front.cost_model.p2p_busy_delay(), wake_s=front.cost_model.wake_time)
+                     tail_s=tails, resume_s=resume, busy_delay_s=front.cost_model.p2p_busy_delay(),
+                     wake_s=None if measured_in_place else front.cost_model.wake_time)
 
 
 def _batch_inputs(op_graph: OpGraph, nodes: tuple[str, ...], graph_inputs: tuple[str, ...]) -> tuple[str, ...]:
@@ -658,4 +696,26 @@ def compile_to_directory(options: CompileOptions, out_dir: Path, *, progress=Non
     done, total)`` hears how the search goes."""
     check_output_directory(out_dir)
     plan, front = _compile(options, progress)
+    if options.profile_pipeline:
+        plan, front = _profiled_in_place(options, plan, front, progress)
     return plan, emit_directory(plan, front.op_graph, front.spec, out_dir)
+
+
+PROFILE_PIPELINE_ROUNDS = 3
+
+
+def _profiled_in_place(options: CompileOptions, plan: Plan, front: _Front, progress) -> tuple[Plan, _Front]:
+    """``plan`` once its pipeline's compute factor is measured (`autopart.profile_pipeline`): run,
+    store, compile again, until the plan compiled is one whose pipeline was run (the factor can
+    move the search to another mesh), at most `PROFILE_PIPELINE_ROUNDS` runs."""
+    for _ in range(PROFILE_PIPELINE_ROUNDS):
+        if plan.predicted.compute_factor_from == "pipeline":
+            break
+        database = front.cost_model.database
+        with tempfile.TemporaryDirectory(prefix="autopart-profile-pipeline-") as folder:
+            out = emit_directory(plan, front.op_graph, front.spec, Path(folder) / "out")
+            profiled = profile_pipeline(out, plan, front.cost_model.runtime_overheads)
+        database.put_pipeline(front.cost_model.device.name, profiled.key, profiled.measured)
+        database.save()
+        plan, front = _compile(options, progress)
+    return plan, front

@@ -9,16 +9,12 @@ every step and every final parameter must agree to float tolerance.
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-
 from autopart.errors import ConfigError
+from autopart.local_run import run_locally
 from autopart.plan import load_plan
 from autopart.runtime.reference import initial_weights, train_reference
 from autopart.runtime.shards import load_stage_weights
@@ -50,35 +46,11 @@ class Verification:
         return not self.failures
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class VerifyRunError(RuntimeError):
-    """The distributed run itself failed; the message holds the end of its log."""
-
-
 def _run_distributed(out_dir: Path, work: Path, *, steps: int, lr: float, optimizer: str, timeout_s: float) -> None:
     plan = load_plan(out_dir / "plan.json")
-    command = [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={plan.world_size}",
-        "--master-addr=127.0.0.1", f"--master-port={_free_port()}", str(out_dir / "train.py"),
-        "--steps", str(steps), "--lr", str(lr), "--optimizer", optimizer, "--timeout", str(min(timeout_s, 300)),
-        "--metrics", str(work / "metrics.jsonl"), "--save-weights", str(work / "final"),
-    ]  # fmt: skip
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
-    package_root = str(Path(__file__).resolve().parent.parent)  # the generated train.py imports autopart
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH", "")) if p)
-    try:
-        result = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, env=env, cwd=work)
-    except subprocess.TimeoutExpired:
-        raise VerifyRunError(f"the distributed run did not finish within {timeout_s:.0f} s") from None
-    if result.returncode != 0:
-        errors = [line for line in result.stderr.splitlines() if line.startswith("autopart:")]
-        tail = "\n".join(errors) if errors else result.stderr[-3000:]
-        raise VerifyRunError(f"the distributed run failed (exit {result.returncode}):\n{tail}")
+    train_args = ["--steps", str(steps), "--lr", str(lr), "--optimizer", optimizer,
+                  "--metrics", str(work / "metrics.jsonl"), "--save-weights", str(work / "final")]
+    run_locally(out_dir, plan.world_size, train_args, timeout_s=timeout_s, cwd=work)
 
 
 def verify(out_dir: str | Path, *, steps: int = 3, lr: float = 0.1, optimizer: str = "sgd",

@@ -1,12 +1,17 @@
 """How wrong are the cost models? Predicted against measured on this machine.
 
-    python benchmarks/cost_accuracy.py [--steps 40] [--warmup 5] [--costs COSTS.json] [--rows gpt-s:2,...] [--shield]
+    python benchmarks/cost_accuracy.py [--steps 40] [--seconds 5] [--warmup 5] [--costs COSTS.json]
+        [--rows gpt-s:2,...] [--shield]
 
 For each example at two sizes and for 2 and 4 ranks: compile with profiled costs
-(``--costs``: ops the database lacks are timed on the way), then measure
+(``--costs``: ops the database lacks are timed on the way), once with the ops' times alone and
+once with ``--profile-pipeline`` (the programs run for a few steps first, and the stages'
+compute inside the pipeline against alone scales every forward and backward: the "factor"
+column), then measure
 - forward+backward of one microbatch per stage, each stage run alone in this process (one thread);
 - the median ``step_s`` that the generated program reports under torchrun (``--metrics``),
-  warm-up steps left out;
+  warm-up steps left out, against the prediction profiled in the pipeline (``step err``) and
+  the one from the ops alone (``err alone``);
 - the peak resident memory per rank (``peak_memory_bytes`` in ``--metrics``);
 and print each against the plan's prediction, with its error. The 1-minute load average is
 printed too: other work on the machine slows every measured figure and none of the predicted.
@@ -29,12 +34,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -179,6 +186,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=5, help="first steps left out of the median")
+    parser.add_argument("--seconds", type=float, default=5.0,
+                        help="and more steps than --steps where it takes that many seconds of predicted steps")
     parser.add_argument("--costs", type=Path, help="cost database to use and extend (default: a fresh one)")
     parser.add_argument("--shield", action="store_true",
                         help="run this process and the ranks at scheduling-group nice -19 (root; see the docstring)")
@@ -190,8 +199,9 @@ def main() -> None:
     console = Console(highlight=False)
     table = Table(title="cost_accuracy: predicted vs measured on this CPU (errors: (predicted - measured) / measured)"
                         + (", --shield" if args.shield else ""))
-    for header in ("model", "ranks", "stage fwd+bwd ms pred/meas (worst err)", "step ms pred", "step ms meas",
-                   "step err", "speed moved", "peak MiB pred", "peak MiB meas", "mem err", "load"):
+    for header in ("model", "ranks", "stage fwd+bwd ms pred/meas (worst err)", "factor", "step ms pred",
+                   "step ms meas", "step err", "err alone", "speed moved", "peak MiB pred", "peak MiB meas", "mem err",
+                   "load"):
         table.add_column(header, justify="right")
     with tempfile.TemporaryDirectory(prefix="cost_accuracy_") as folder:
         folder = Path(folder)
@@ -205,20 +215,24 @@ def main() -> None:
             before = probe.seconds()
             options = CompileOptions(model=model, pp=ranks, microbatches=2 * ranks, micro_batch_size=2, costs=costs,
                                      time_limit_s=10)
-            plan, _ = compile_to_directory(options, out)
+            alone, _ = compile_to_directory(options, folder / f"{name}-{ranks}-alone")
+            plan, _ = compile_to_directory(replace(options, profile_pipeline=True), out)
             measured_stages = _stage_times(out, plan)
             predicted_stages = [s.forward_s + s.backward_s for s in plan.stages]
             worst = max(zip(predicted_stages, measured_stages), key=lambda pm: abs(pm[0] - pm[1]) / pm[1])
             stage_cells = " ".join(f"{p * 1e3:.2f}/{m * 1e3:.2f}" for p, m in zip(predicted_stages, measured_stages))
             around_run = probe.seconds()
-            step, peaks = _run(out, ranks, args.steps, args.warmup, shield=args.shield)
+            steps = max(args.steps, args.warmup + math.ceil(args.seconds / plan.predicted.step_s))
+            step, peaks = _run(out, ranks, steps, args.warmup, shield=args.shield)
             moved = (around_run + probe.seconds()) / 2 / before - 1
             predicted_memory, measured_memory = max(plan.predicted.memory_bytes), max(peaks)
-            table.add_row(name, str(ranks), f"{stage_cells} ({_error(*worst)})", f"{plan.predicted.step_s * 1e3:.1f}",
-                          f"{step * 1e3:.1f}", _error(plan.predicted.step_s, step), f"{moved:+.1%}",
+            table.add_row(name, str(ranks), f"{stage_cells} ({_error(*worst)})", f"{plan.predicted.compute_factor:.3f}",
+                          f"{plan.predicted.step_s * 1e3:.1f}", f"{step * 1e3:.1f}", _error(plan.predicted.step_s, step),
+                          _error(alone.predicted.step_s, step), f"{moved:+.1%}",
                           f"{predicted_memory / 2**20:.0f}", f"{measured_memory / 2**20:.0f}",
                           _error(predicted_memory, measured_memory), f"{os.getloadavg()[0]:.1f}")
-            console.print(f"{row}: step {plan.predicted.step_s * 1e3:.1f} ms predicted (pipeline "
+            console.print(f"{row}: step {plan.predicted.step_s * 1e3:.1f} ms predicted ({alone.predicted.step_s * 1e3:.1f} "
+                          f"from the ops alone; pipeline "
                           f"{plan.predicted.pipeline_s * 1e3:.1f}, tails "
                           f"{' '.join(f'{t * 1e3:.1f}' for t in plan.predicted.rank_tail_s)}), {step * 1e3:.1f} ms measured")
     console.print(table)

@@ -11,7 +11,7 @@ from collections.abc import Iterable, Sequence
 from typing import Protocol, runtime_checkable
 
 from cost_models.counting import Kernel
-from cost_models.database import OpTimes, RuntimeOverheads
+from cost_models.database import OpTimes, PipelineMeasurement, RuntimeOverheads
 from cost_models.devices import DeviceSpec
 
 __all__ = ["CostModel"]
@@ -82,6 +82,13 @@ class CostModel(Protocol):
         """How many times longer a rank's compute takes inside a running pipeline than alone:
         the other ranks compute beside it and their messages land mid-compute (shared caches,
         the communication threads). 1 where not measured."""
+        ...
+
+    def pipeline_profile(self, pipeline: str) -> PipelineMeasurement | None:
+        """What one pipeline measured as it ran (``autopart compile --profile-pipeline``;
+        ``pipeline`` is its `autopart.profile_pipeline.pipeline_key`): its compute factor, which
+        holds the waking after waits and the sharing of cores too, and its tied gradients' sum.
+        None where not measured."""
         ...
 
     def collective_time(self, kind: str, nbytes: float, group_size: int, *,

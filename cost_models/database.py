@@ -8,13 +8,17 @@ the device, the torch version and the op with the shapes and dtypes of its argum
 whether each is differentiated as an input or as a weight). Repeated layers produce the same
 keys, so they are measured once; a second compile of the same model finds every key and times
 nothing. Besides ops, the database holds optimizer steps per parameter shape and the fixed
-costs of the runtime that no op carries (starting an autograd backward, calling a stage).
+costs of the runtime that no op carries (starting an autograd backward, calling a stage), and
+the pipeline compute factors that ``autopart compile --profile-pipeline`` measures: how much
+longer a model's stages compute inside their running pipeline than alone, keyed by the model
+and its mesh (`autopart.profile_pipeline.pipeline_key`).
 
 The file is plain JSON so that it can be read, diffed, merged and checked in::
 
     {"schema": 2, "entries": {KEY: {"forward_s": .., "backward_input_s": .., "backward_weight_s": ..}},
      "overheads": {DEVICE: {"autograd_call_s": .., "module_call_s": .., "resume_forward_s": ..,
-                            "resume_backward_s": ..}}}
+                            "resume_backward_s": ..}},
+     "pipelines": {KEY: {"compute_factor": .., "tied_s": ..}}}
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import torch
 
 from autopart.errors import ConfigError
 
-__all__ = ["OpTimes", "RuntimeOverheads", "CostDatabase", "entry_key"]
+__all__ = ["OpTimes", "RuntimeOverheads", "PipelineMeasurement", "CostDatabase", "entry_key"]
 
 _SCHEMA = 2
 """2: ops timed in place on the CPU (``autopart.profile_in_situ``), optimizer steps less their fixed cost."""
@@ -64,6 +68,17 @@ class RuntimeOverheads:
     """The same for a backward action."""
 
 
+@dataclass(frozen=True, kw_only=True)
+class PipelineMeasurement:
+    """What one pipeline of one model measured as it ran (``autopart compile --profile-pipeline``)."""
+
+    compute_factor: float
+    """Its stages' forwards and backwards took this many times their profiled time."""
+    tied_s: float | None = None
+    """Summing the gradients of tied parameters took this long, on the holder that came last
+    to it (the others wait for it there); None where the model ties none across ranks."""
+
+
 def entry_key(device: str, op_key: str) -> str:
     return f"{device}|torch {torch.__version__}|{op_key}"
 
@@ -75,6 +90,7 @@ class CostDatabase:
     path: Path | None = None
     entries: dict[str, OpTimes] = field(default_factory=dict)
     overheads: dict[str, RuntimeOverheads] = field(default_factory=dict)
+    pipelines: dict[str, PipelineMeasurement] = field(default_factory=dict)
     timed: int = 0
 
     @staticmethod
@@ -93,12 +109,15 @@ class CostDatabase:
                        for k, v in data["entries"].items()}
             overheads = {str(k): RuntimeOverheads(**{n: float(x) for n, x in v.items()})
                          for k, v in data.get("overheads", {}).items()}
+            pipelines = {str(k): PipelineMeasurement(compute_factor=float(v["compute_factor"]),
+                                                     tied_s=None if v.get("tied_s") is None else float(v["tied_s"]))
+                         for k, v in data.get("pipelines", {}).items()}
         except ConfigError:
             raise
         except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
             raise ConfigError(f"cost database {path} is not a valid cost database ({exc}); "
                               "delete it or write a new one with 'autopart profile'") from None
-        return CostDatabase(path=path, entries=entries, overheads=overheads)
+        return CostDatabase(path=path, entries=entries, overheads=overheads, pipelines=pipelines)
 
     def get(self, device: str, op_key: str) -> OpTimes | None:
         return self.entries.get(entry_key(device, op_key))
@@ -106,6 +125,12 @@ class CostDatabase:
     def put(self, device: str, op_key: str, times: OpTimes) -> None:
         self.entries[entry_key(device, op_key)] = times
         self.timed += 1
+
+    def pipeline(self, device: str, key: str) -> PipelineMeasurement | None:
+        return self.pipelines.get(entry_key(device, key))
+
+    def put_pipeline(self, device: str, key: str, measured: PipelineMeasurement) -> None:
+        self.pipelines[entry_key(device, key)] = measured
 
     def devices(self) -> set[str]:
         return {key.split("|", 1)[0] for key in self.entries}
@@ -115,6 +140,7 @@ class CostDatabase:
             "schema": _SCHEMA,
             "entries": {k: asdict(v) for k, v in sorted(self.entries.items())},
             "overheads": {k: asdict(v) for k, v in sorted(self.overheads.items())},
+            "pipelines": {k: asdict(v) for k, v in sorted(self.pipelines.items())},
         }
 
     def save(self, path: str | Path | None = None) -> Path:

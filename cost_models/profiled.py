@@ -2,8 +2,9 @@
 
 Ops the database knows (same op, shapes, dtypes, device and torch version) get their measured
 forward and backward; every other op, every transfer and every collective is asked of the
-roofline model of the same device. So a database profiled on this CPU changes nothing when
-compiling for an H100, and a partly profiled model is still costed everywhere.
+roofline model of the same device; a pipeline's compute factor is the database's where it was
+measured in that pipeline (``--profile-pipeline``). So a database profiled on this CPU changes
+nothing when compiling for an H100, and a partly profiled model is still costed everywhere.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from cost_models.counting import Kernel
-from cost_models.database import CostDatabase, OpTimes, RuntimeOverheads
+from cost_models.database import CostDatabase, OpTimes, PipelineMeasurement, RuntimeOverheads
 from cost_models.devices import DeviceSpec
 from cost_models.roofline import RooflineCostModel
 
@@ -83,6 +84,9 @@ class ProfiledCostModel:
 
     def pipeline_compute_factor(self) -> float:
         return self.roofline.pipeline_compute_factor()
+
+    def pipeline_profile(self, pipeline: str) -> PipelineMeasurement | None:
+        return self.database.pipeline(self.device.name, pipeline)
 
     def collective_time(self, kind: str, nbytes: float, group_size: int, *, across_nodes: bool = False) -> float:
         return self.roofline.collective_time(kind, nbytes, group_size, across_nodes=across_nodes)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from cost_models import comm
 from cost_models.counting import Kernel
-from cost_models.database import OpTimes, RuntimeOverheads
+from cost_models.database import OpTimes, PipelineMeasurement, RuntimeOverheads
 from cost_models.devices import DeviceSpec
 
 __all__ = ["RooflineCostModel"]
@@ -143,6 +143,9 @@ class RooflineCostModel:
         """Measured by ``autopart profile-comm`` on a CPU, else 1: a device's own compute units
         are not shared with the other ranks'."""
         return max(1.0, self.device.measured_comm_time("pipeline_compute", 1) or 1.0)
+
+    def pipeline_profile(self, pipeline: str) -> PipelineMeasurement | None:
+        return None  # a spec holds no model's measurements: the cost database does
 
     def collective_time(self, kind: str, nbytes: float, group_size: int, *,
                         across_nodes: bool = False) -> float:

@@ -131,6 +131,13 @@ OPTION_CASES = {
         r"the model does not fit: .* the fullest device needs 0\.\d+ GiB but the memory limit is 0\.00 GiB; raise --memory",
     ),
     "bad_flag_value": (["--pp", "two"], r"argument --pp: invalid int value: 'two'"),
+    "profile_pipeline_without_costs": (
+        ["--profile-pipeline"], r"--profile-pipeline keeps what it measures in a cost database: add --costs COSTS.json"
+    ),
+    "profile_pipeline_of_another_device": (
+        ["--profile-pipeline", "--costs", "costs.json", "--device", "h100-sxm"],
+        r"--profile-pipeline runs the plan on this machine's CPU, so it profiles plans for --device cpu, not h100-sxm",
+    ),
 }
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -25,7 +25,18 @@ from autopart.runtime.forward import Rebuild, StageForward
 from autopart.runtime.p2p import recv_tensors, send_tensors
 from autopart.schedule import Action, Kind, Schedule, format_grid
 
-__all__ = ["StageRuntime", "Executor", "StepFailure"]
+__all__ = ["ActionRecord", "StageRuntime", "Executor", "StepFailure"]
+
+
+class ActionRecord(NamedTuple):
+    """One action as it ran: wall-clock start and end (``time.perf_counter``), and the CPU
+    seconds of the running thread in between (what the action computed, without the time that
+    other processes held the core or that a receive waited)."""
+
+    action: Action
+    start: float
+    end: float
+    cpu_s: float
 
 
 class StepFailure(RuntimeError):
@@ -72,21 +83,23 @@ class Executor:
         self.device = device
 
     def step(
-        self, microbatches: list[tuple[Any, ...]], *, record: list[tuple[Action, float, float]] | None = None
+        self, microbatches: list[tuple[Any, ...]], *, record: list[ActionRecord] | None = None
     ) -> list[float]:
         """Run the action list on the microbatches (graph inputs, split); return the losses held here.
 
-        With ``record``, append ``(action, start, end)`` for every action, in ``time.perf_counter``
-        seconds; on a GPU each action is synchronized first, so the times are the kernels' own.
+        With ``record``, append an `ActionRecord` for every action: its start and end in
+        ``time.perf_counter`` seconds (on a GPU each action is synchronized first, so the times are
+        the kernels' own) and the CPU time of this thread in between.
         """
         losses: list[float] = []
         pending: list[Any] = []
         for position, action in enumerate(self.actions):
             try:
                 start = self._now() if record is not None else 0.0
+                cpu = time.thread_time() if record is not None else 0.0
                 self._run(action, microbatches, losses, pending)
                 if record is not None:
-                    record.append((action, start, self._now()))
+                    record.append(ActionRecord(action, start, self._now(), time.thread_time() - cpu))
             except Exception as exc:
                 grid = format_grid(self.schedule, mark=(self.rank, position))
                 raise StepFailure(

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from autopart.runtime.executor import ActionRecord
 from autopart.schedule import Action, Event, Timeline, write_chrome_trace
 
 __all__ = ["StepClock", "write_measured_trace"]
@@ -29,7 +30,7 @@ class StepClock:
     def __init__(self) -> None:
         dist.barrier()
         self.origin = time.perf_counter()
-        self.record: list[tuple[Action, float, float]] = []
+        self.record: list[ActionRecord] = []
 
 
 def write_measured_trace(
@@ -46,9 +47,9 @@ def write_measured_trace(
     ``pipeline_rank`` maps a global rank to the pipeline rank it is drawn as, or None to leave it out
     (with tensor and data parallelism, one (dp, tp) slice of the mesh stands for the others)."""
     mine = [
-        (str(action), start - clock.origin, end - clock.origin)
-        for action, start, end in clock.record
-        if action.is_compute
+        (str(record.action), record.start - clock.origin, record.end - clock.origin)
+        for record in clock.record
+        if record.action.is_compute
     ]
     gathered: list[list[tuple[str, float, float]]] | None = None
     if rank == 0:

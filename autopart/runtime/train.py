@@ -1,7 +1,8 @@
 """The training loop that every generated ``train.py`` runs, one process per rank under torchrun.
 
     torchrun --nproc-per-node P OUT/train.py [--steps N] [--lr LR] [--optimizer sgd|adamw]
-        [--seed S] [--metrics FILE] [--trace FILE] [--save-weights DIR] [--timeout S] [--weights CKPT.safetensors]
+        [--seed S] [--metrics FILE] [--trace FILE] [--action-times DIR] [--save-weights DIR] [--timeout S]
+        [--weights CKPT.safetensors]
         [--checkpoint-dir DIR] [--checkpoint-every K] [--resume]
 
 Each rank builds its stage from ``stages/stage_<k>.py`` and ``weights/stage_<k>.safetensors``
@@ -11,7 +12,10 @@ draws the same global batches as every other rank, runs its action list of the p
 (each forward in the plan's precision and with its stage's recompute, `autopart.runtime.forward`),
 sums the gradients of parameters that several stages hold (tied embeddings), and steps its
 optimizer. NCCL when CUDA is present, gloo otherwise. ``--trace FILE`` writes the measured
-timeline of the last step as a Chrome trace, in the form of compile's predicted ``trace.json``.
+timeline of the last step as a Chrome trace, in the form of compile's predicted ``trace.json``;
+``--action-times DIR`` has each rank write ``DIR/rank_<r>.jsonl``, a line per step with the wall
+and CPU seconds of every action and of the step's tail (tied gradients, optimizer), which
+``autopart compile --profile-pipeline`` reads.
 With ``--checkpoint-dir`` it saves every K
 steps and at the end; ``--resume``, or a restart by ``torchrun --max-restarts``, continues from the
 latest good checkpoint there.
@@ -36,7 +40,7 @@ from autopart.errors import AutopartError, ConfigError
 from autopart.plan import Plan, load_plan
 from autopart.runtime.data import global_batches, model_file, split_microbatches
 from autopart.runtime.checkpoint import CheckpointContext, restarted
-from autopart.runtime.executor import Executor, StageRuntime, StepFailure
+from autopart.runtime.executor import ActionRecord, Executor, StageRuntime, StepFailure
 from autopart.runtime.forward import StageForward
 from autopart.runtime.launch import check_launch, init_process_group, inject_failure
 from autopart.runtime.measure import StepClock, write_measured_trace
@@ -58,6 +62,8 @@ def parse_args(argv: list[str] | None, plan: Plan) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="seed of the training batches (default 0)")
     parser.add_argument("--metrics", type=Path, help="append one JSON line per step: step, loss, step_s, peak_memory_bytes (per rank)")
     parser.add_argument("--trace", type=Path, help="write the measured timeline of the last step (Chrome trace JSON)")
+    parser.add_argument("--action-times", type=Path,
+                        help="each rank writes DIR/rank_<r>.jsonl: per step, each action's wall and CPU seconds")
     parser.add_argument("--save-weights", type=Path, help="write each stage's final weights here (safetensors)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds before a stuck peer is an error")
     parser.add_argument(
@@ -67,6 +73,20 @@ def parse_args(argv: list[str] | None, plan: Plan) -> argparse.Namespace:
     parser.add_argument("--checkpoint-every", type=int, default=0, help="save every K steps (default: at the end only)")
     parser.add_argument("--resume", action="store_true", help="continue from the latest good checkpoint in --checkpoint-dir")
     return parser.parse_args(argv)
+
+
+def _write_action_times(folder: Path, rank: int, step: int, origin: float, record: list[ActionRecord],
+                        tail: tuple[float, float, float, float]) -> None:
+    """One line of ``--action-times``: seconds from the step's start, and CPU seconds. The tail:
+    its start, end and CPU time, and when the sums of tied gradients ended within it."""
+    folder.mkdir(parents=True, exist_ok=True)
+    line = {
+        "step": step,
+        "actions": [[str(r.action), r.start - origin, r.end - origin, r.cpu_s] for r in record],
+        "tail": [tail[0] - origin, tail[1] - origin, tail[2], tail[3] - origin],
+    }
+    with open(folder / f"rank_{rank}.jsonl", "a") as file:
+        file.write(json.dumps(line) + "\n")
 
 
 def main(out_dir: str | Path, argv: list[str] | None = None) -> None:
@@ -175,17 +195,21 @@ def _loop(
         values = (*inputs, target) if len(plan.graph_inputs) > len(inputs) else tuple(inputs)
         share = split_microbatches(values, mesh.dp)[here.dp]  # this replica's share of the global batch
         clock = StepClock() if args.trace and step == args.steps - 1 else None
+        record = clock.record if clock else [] if args.action_times else None
         start = time.perf_counter()
-        losses = executor.step(
-            split_microbatches(share, schedule_spec.microbatches), record=clock.record if clock else None
-        )
+        losses = executor.step(split_microbatches(share, schedule_spec.microbatches), record=record)
+        tail_start, tail_cpu = time.perf_counter(), time.thread_time()
         for name, group in tied_groups:
             _sum_tied_gradients(stages, name, group)
+        tied_end = time.perf_counter()
         if data_parallel is not None:
             _average_gradients(parameters, data_parallel, mesh.dp)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        elapsed = torch.tensor([time.perf_counter() - start])
+        tail = (tail_start, time.perf_counter(), time.thread_time() - tail_cpu, tied_end)
+        elapsed = torch.tensor([tail[1] - start])
+        if args.action_times:  # after the step's clock stopped
+            _write_action_times(args.action_times, rank, step, start, record, tail)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         peaks = _peak_memory_per_rank(device) if args.metrics else []
         if holds_loss:

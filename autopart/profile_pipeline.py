@@ -1,0 +1,127 @@
+"""Profile a plan's stages where they run: inside their pipeline, on this machine.
+
+A stage computes more slowly inside a running pipeline than alone in one process, where
+``autopart profile`` times its ops: the other ranks compute beside it and share the caches and
+the memory bus, the messages' threads run mid-compute, a rank that waited wakes on a cold core,
+and with more ranks than cores each one refills what another evicted. On this 2-core machine a
+stage's forward and backward took 8-19% more CPU time in a 2-rank pipeline than alone and up to
+75% more with 4 ranks; ``profile-comm``'s tiny layer shows 2-5%.
+
+`profile_pipeline` runs the compiled programs here for a few steps (``train.py
+--action-times``), takes the CPU time of every forward, backward and weight-gradient action of
+every rank over the steps after the warm-up, less the runtime's fixed cost per action, and
+divides it by what the plan counted for the same actions: the pipeline compute factor of this
+model on this mesh. ``autopart compile --profile-pipeline`` stores it in the cost database under
+`pipeline_key` and compiles again; the step model then multiplies each forward and backward by
+it and, because that CPU time already holds the waking and the refilling, adds neither. The
+wall-clock part of sharing cores and waiting for messages stay the step model's.
+
+It also measures the sum of tied gradients (GPT's embedding and head) at the end of each step:
+the holders wait for each other there, so the one that comes last pays the all-reduce with the
+others just woken, which took 2-4 ms here against the 0.6-0.8 ms ``profile-comm`` measures
+between two busy processes. Its wall time on that rank (median over the steps) replaces the
+all-reduces' model in the tails of the plans of this pipeline.
+
+CPU time is what a rank computed, whatever else held its core; so the figure is the machine's
+and the model's, not the moment's load. It needs the plan's ranks on this host, on its CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from autopart.local_run import run_locally
+from autopart.plan import Plan
+from autopart.runtime.mesh import Mesh
+from autopart.schedule import Action, Kind
+from cost_models.database import PipelineMeasurement, RuntimeOverheads
+
+__all__ = ["PipelineProfile", "pipeline_key", "profile_pipeline", "measure"]
+
+WARMUP_STEPS = 4  # left out: the first steps allocate, and fill the caches and the allocator
+MEASURED_STEPS = 8  # at least; and at least
+MEASURED_SECONDS = 4.0  # by the plan's step: this machine's speed moves within seconds
+
+
+def pipeline_key(model_sha256: str, mesh: dict[str, int], micro_batch_size: int) -> str:
+    """The cost database's key of one model's pipeline: its source, its mesh and microbatch size."""
+    return (f"pipeline(model={model_sha256[:16]}, pp={mesh['pp']}, tp={mesh['tp']}, dp={mesh['dp']}, "
+            f"micro_batch={micro_batch_size})")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineProfile:
+    key: str
+    measured: PipelineMeasurement  # what the cost database keeps
+    compute_s: float  # CPU seconds of the compute actions of all ranks, per step (median over the steps)
+    predicted_s: float  # what the plan counts for them, before the factor
+    steps: int
+
+
+def _action_seconds(plan: Plan, action: Action, overheads: RuntimeOverheads) -> tuple[float, float]:
+    """(compute the plan counts, the runtime's fixed cost) of one compute action, as
+    `autopart.compiler._step_time` costs it before its factor."""
+    stage = plan.stages[action.stage]
+    rebuild = overheads.module_call_s if stage.recompute != "none" else 0.0
+    if action.kind is Kind.F:
+        return stage.forward_s, overheads.module_call_s
+    if action.kind is Kind.W:
+        return stage.backward_weight_s, overheads.autograd_call_s
+    if action.kind is Kind.I:
+        return stage.backward_s - stage.backward_weight_s, overheads.autograd_call_s + rebuild
+    return stage.backward_s, overheads.autograd_call_s + rebuild
+
+
+def measure(plan: Plan, action_times: Path, overheads: RuntimeOverheads, *,
+            warmup: int = WARMUP_STEPS) -> PipelineProfile:
+    """The measurement from a run's ``--action-times`` folder (one ``rank_<r>.jsonl`` per rank)."""
+    measured: dict[int, float] = {}  # step -> CPU seconds of every rank's compute, less fixed costs
+    predicted: dict[int, float] = {}
+    tied: dict[int, tuple[float, float]] = {}  # step -> (start, seconds) of the last holder's tied sums
+    holders = {stage.rank for stage in plan.stages if set(stage.parameters) & set(plan.tied_parameters)}
+    mesh = Mesh.of(plan)
+    files = sorted(action_times.glob("rank_*.jsonl"), key=lambda f: int(f.stem.split("_")[1]))
+    if len(files) != plan.world_size:
+        raise RuntimeError(f"{action_times} holds the action times of {len(files)} ranks, not {plan.world_size}")
+    for rank, file in enumerate(files):
+        for line in file.read_text().splitlines():
+            record = json.loads(line)
+            step = record["step"]
+            if step < warmup:
+                continue
+            start, _end, _cpu, tied_end = record["tail"]
+            if mesh.coordinates(rank).pp in holders and start >= tied.get(step, (-1.0, 0.0))[0]:
+                tied[step] = (start, tied_end - start)
+            for name, _start, _end, cpu_s in record["actions"]:
+                action = Action.parse(name)
+                if not action.is_compute:
+                    continue
+                compute, fixed = _action_seconds(plan, action, overheads)
+                measured[step] = measured.get(step, 0.0) + cpu_s - fixed
+                predicted[step] = predicted.get(step, 0.0) + compute
+    if not measured or min(predicted.values()) <= 0:
+        raise RuntimeError(f"{action_times} holds no compute action after step {warmup}")
+    # the same actions every step: the median step's ratio
+    compute_s, predicted_s = statistics.median(measured.values()), statistics.median(predicted.values())
+    tied_s = statistics.median(seconds for _, seconds in tied.values()) if tied else None
+    return PipelineProfile(key=pipeline_key(plan.provenance.model_sha256, plan.mesh, plan.schedule.micro_batch_size),
+                           measured=PipelineMeasurement(compute_factor=compute_s / predicted_s, tied_s=tied_s),
+                           compute_s=compute_s, predicted_s=predicted_s, steps=len(measured))
+
+
+def profile_pipeline(out_dir: Path, plan: Plan, overheads: RuntimeOverheads, *,
+                     timeout_s: float = 600.0) -> PipelineProfile:
+    """Run the programs in ``out_dir`` on this host's CPU and measure them: `MEASURED_STEPS`
+    steps and `MEASURED_SECONDS` by the plan's predicted step, after `WARMUP_STEPS`."""
+    measured_steps = max(MEASURED_STEPS, math.ceil(MEASURED_SECONDS / max(plan.predicted.step_s, 1e-3)))
+    with tempfile.TemporaryDirectory(prefix="autopart-pipeline-") as folder:
+        work = Path(folder)
+        run_locally(out_dir, plan.world_size,
+                    ["--steps", str(WARMUP_STEPS + measured_steps), "--action-times", str(work / "actions")],
+                    timeout_s=timeout_s, cwd=work)
+        return measure(plan, work / "actions", overheads)

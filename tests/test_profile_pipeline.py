@@ -1,0 +1,155 @@
+"""``--profile-pipeline``: the action times the programs record, the factor taken from them, its
+place in the cost database and in the step model."""
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+import autopart.compiler
+from autopart.compiler import CompileOptions, compile_to_directory
+from autopart.profile_pipeline import _action_seconds, measure, pipeline_key
+from autopart.schedule import Action, add_communication, build_schedule
+from cost_models import CostDatabase
+from cost_models.database import PipelineMeasurement, RuntimeOverheads
+from cost_models.roofline import RooflineCostModel
+from tests.distributed import run_ranks
+
+TINY_GPT = Path(__file__).parent / "models" / "tiny_gpt.py"
+OVERHEADS = RuntimeOverheads(autograd_call_s=1e-4, module_call_s=2e-5)
+
+
+def tiny_options(tmp_path: Path, **changes) -> CompileOptions:
+    return CompileOptions(model=TINY_GPT, pp=2, microbatches=4, micro_batch_size=2, costs=tmp_path / "costs.json",
+                          time_limit_s=5, **changes)
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    """The tiny GPT on two stages with its ops timed, and its database."""
+    folder = tmp_path_factory.mktemp("profile_pipeline")
+    plan, out = compile_to_directory(tiny_options(folder), folder / "out")
+    return plan, out, folder
+
+
+def actions_of(plan) -> dict[int, list[str]]:
+    schedule = add_communication(
+        build_schedule(plan.schedule.kind, ranks=plan.mesh["pp"], microbatches=plan.schedule.microbatches,
+                       chunks=plan.schedule.chunks), ranks=plan.mesh["pp"])  # fmt: skip
+    return {rank: [str(a) for a in actions] for rank, actions in schedule.items()}
+
+
+@pytest.mark.multiprocess
+def test_action_times_hold_every_action_of_every_rank_and_step(compiled, tmp_path):
+    plan, out, _ = compiled
+    run_ranks(out, 2, "--steps", "3", "--action-times", str(tmp_path / "times"))
+    expected = actions_of(plan)
+    for rank in (0, 1):
+        lines = [json.loads(line) for line in (tmp_path / "times" / f"rank_{rank}.jsonl").read_text().splitlines()]
+        assert [line["step"] for line in lines] == [0, 1, 2]
+        for line in lines:
+            assert [name for name, *_ in line["actions"]] == expected[rank]
+            for name, start, end, cpu_s in line["actions"]:
+                assert 0 <= start <= end and cpu_s >= 0
+                if Action.parse(name).is_compute:  # a forward's CPU time is its own, within its wall time
+                    assert 0 < cpu_s <= (end - start) * 1.05 + 1e-4, (name, start, end, cpu_s)
+            tail_start, tail_end, tail_cpu, tied_end = line["tail"]
+            assert line["actions"][-1][2] <= tail_start <= tied_end <= tail_end and tail_cpu > 0
+
+
+def fake_times(folder: Path, plan, scale: float, *, steps: int = 6, warmup: int = 4) -> Path:
+    """Action files in which every compute action took ``scale`` times the plan's count plus the
+    runtime's fixed cost, and the warm-up steps ten times more; rank 0 comes to the tied sums
+    last, at 10 ms, and sums for 3 ms, while rank 1 waits there from 5 ms."""
+    folder.mkdir()
+    for rank, names in actions_of(plan).items():
+        lines = []
+        for step in range(steps):
+            actions = []
+            for name in names:
+                action = Action.parse(name)
+                compute, fixed = _action_seconds(plan, action, OVERHEADS) if action.is_compute else (0.0, 0.0)
+                cpu = (scale * compute + fixed) * (10 if step < warmup else 1)
+                actions.append([name, 0.0, cpu, cpu])
+            start = 0.010 if rank == 0 else 0.005
+            lines.append(json.dumps({"step": step, "actions": actions, "tail": [start, 0.02, 1e-3, 0.013]}))
+        (folder / f"rank_{rank}.jsonl").write_text("\n".join(lines) + "\n")
+    return folder
+
+
+def test_the_factor_is_the_stages_compute_over_the_plans_after_the_warm_up(compiled, tmp_path):
+    plan, _, _ = compiled
+    profile = measure(plan, fake_times(tmp_path / "a", plan, 1.37), OVERHEADS)
+    assert profile.measured.compute_factor == pytest.approx(1.37)
+    assert profile.steps == 2
+    assert profile.measured.tied_s == pytest.approx(0.003)  # the last holder's: the others waited
+    assert profile.key == pipeline_key(plan.provenance.model_sha256, plan.mesh, 2)
+    assert profile.predicted_s == pytest.approx(plan.schedule.microbatches * sum(
+        s.forward_s + s.backward_s for s in plan.stages))
+    (tmp_path / "a" / "rank_1.jsonl").unlink()
+    with pytest.raises(RuntimeError, match="holds the action times of 1 ranks, not 2"):
+        measure(plan, tmp_path / "a", OVERHEADS)
+
+
+def test_a_zero_bubble_plan_counts_its_split_backward(compiled, tmp_path):
+    plan, _, _ = compiled
+    split = replace(plan, schedule=replace(plan.schedule, kind="zb-h1"))
+    assert any(name.endswith(("I0", "W0")) for name in actions_of(split)[0])
+    assert measure(split, fake_times(tmp_path / "zb", split, 0.8), OVERHEADS).measured.compute_factor == \
+        pytest.approx(0.8)
+
+
+def with_factor(folder: Path, plan, factor: float | None, tied_s: float | None = None) -> None:
+    database = CostDatabase.load(folder / "costs.json")
+    key = pipeline_key(plan.provenance.model_sha256, plan.mesh, plan.schedule.micro_batch_size)
+    database.pipelines = {k: v for k, v in database.pipelines.items() if not k.endswith(key)}
+    if factor is not None:
+        database.put_pipeline("cpu", key, PipelineMeasurement(compute_factor=factor, tied_s=tied_s))
+    database.save()
+
+
+def test_a_stored_factor_scales_the_compute_and_replaces_waking_and_resuming(compiled, tmp_path, monkeypatch):
+    plan, _, folder = compiled
+    options = tiny_options(folder)
+    with_factor(folder, plan, 1.0)
+    at_one = compile_to_directory(options, tmp_path / "one")[0]
+    assert (at_one.predicted.compute_factor, at_one.predicted.compute_factor_from) == (1.0, "pipeline")
+    with_factor(folder, plan, 2.0)
+    at_two = compile_to_directory(options, tmp_path / "two")[0]
+    assert at_two.predicted.compute_factor == 2.0
+    # every forward and backward of the pipeline doubles: the step grows by at least the
+    # busiest rank's doubled compute
+    busiest = max(plan.schedule.microbatches * (s.forward_s + s.backward_s) for s in plan.stages)
+    assert at_two.predicted.step_s >= at_one.predicted.step_s + busiest * 0.99
+    # measured in place, waking is in the factor: a wake cost the device claims changes nothing
+    monkeypatch.setattr(RooflineCostModel, "wake_time", lambda self, idle_s: 0.05)
+    assert compile_to_directory(options, tmp_path / "woken")[0].predicted.step_s == at_two.predicted.step_s
+    with_factor(folder, plan, 2.0, tied_s=0.05)  # both ranks hold a copy of the tied embedding
+    tied = compile_to_directory(options, tmp_path / "tied")[0]
+    for before, after in zip(at_two.predicted.rank_tail_s, tied.predicted.rank_tail_s):
+        assert 0.048 < after - before < 0.05  # 50 ms in place of the modelled all-reduce (under 2 ms)
+    assert tied.predicted.step_s > at_two.predicted.step_s + 0.045
+    with_factor(folder, plan, None)
+    unprofiled = compile_to_directory(options, tmp_path / "unprofiled")[0]
+    assert unprofiled.predicted.compute_factor_from != "pipeline"
+    assert unprofiled.predicted.step_s > at_two.predicted.step_s  # 50 ms of waking now counts
+
+
+@pytest.mark.multiprocess
+def test_profile_pipeline_runs_the_plan_once_and_compiles_with_what_it_measured(compiled, tmp_path, monkeypatch):
+    plan, _, folder = compiled
+    with_factor(folder, plan, None)
+    options = tiny_options(folder, profile_pipeline=True)
+    profiled = compile_to_directory(options, tmp_path / "profiled")[0]
+    database = CostDatabase.load(folder / "costs.json")
+    key = pipeline_key(plan.provenance.model_sha256, plan.mesh, 2)
+    stored = database.pipeline("cpu", key)
+    assert stored is not None and 0.5 < stored.compute_factor < 20
+    assert 0 < stored.tied_s < 1  # the tiny GPT ties its embedding and head, on ranks 0 and 1
+    assert (profiled.predicted.compute_factor, profiled.predicted.compute_factor_from) == \
+        (stored.compute_factor, "pipeline")
+    # a second compile finds it and runs nothing
+    monkeypatch.setattr(autopart.compiler, "profile_pipeline", lambda *a, **k: pytest.fail("profiled again"))
+    again = compile_to_directory(options, tmp_path / "again")[0]
+    assert again.predicted.step_s == profiled.predicted.step_s
