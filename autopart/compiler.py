@@ -421,7 +421,7 @@ def _plan_from_cuts(
     )
     in_place = _in_place(options, front, micro_batch_size)
     tails = _rank_tails(options, front, stages, holders, tied_s=in_place.tied_s if in_place else None)
-    factor = _compute_factor(options, front, in_place)
+    factor = _compute_factor(options, front, stages, in_place)
     step_s = _step_time(options, front, stages, transfer, tails, microbatches, factor)
     status, bound, gap = solver
     gradient_sync = _data_parallel_seconds(options, front, stages)
@@ -541,22 +541,23 @@ def _in_place(options: CompileOptions, front: _Front, micro_batch_size: int) -> 
     return front.cost_model.pipeline_profile(pipeline_key(front.spec.source_sha256, mesh, micro_batch_size))
 
 
-def _compute_factor(options: CompileOptions, front: _Front, in_place: PipelineMeasurement | None) -> tuple[float, str]:
-    """How many times its profiled time each forward and backward takes inside this pipeline,
-    and where the figure is from: "pipeline" where this very pipeline was run and measured
-    (``--profile-pipeline``), "device" for the device's own (``profile-comm`` on a CPU), "none"."""
+def _compute_factor(options: CompileOptions, front: _Front, stages: list[StagePlan],
+                    in_place: PipelineMeasurement | None) -> tuple[tuple[float, ...], str]:
+    """Per stage, how many times its profiled time each forward and backward takes inside this
+    pipeline, and where the figures are from: "pipeline" where this very pipeline was run and
+    measured (``--profile-pipeline``), "device" for the device's own (``profile-comm`` on a CPU), "none"."""
     if in_place is not None:
-        return in_place.compute_factor, "pipeline"
+        return tuple(in_place.stage_factor(stage.blocks) for stage in stages), "pipeline"
     # a rank computes beside the others and their messages
     device = front.cost_model.pipeline_compute_factor() if options.pp > 1 else 1.0
-    return device, "device" if device != 1.0 else "none"
+    return (device,) * len(stages), "device" if device != 1.0 else "none"
 
 
 def _step_time(options: CompileOptions, front: _Front, stages: list[StagePlan], transfer: tuple[float, ...],
-               tails: dict[int, float], microbatches: int, factor: tuple[float, str]) -> float:
+               tails: dict[int, float], microbatches: int, factor: tuple[tuple[float, ...], str]) -> float:
     """The step as the runtime times it: the pipeline with the fixed cost of each action, each
-    forward and backward ``factor`` times its profiled time, on ranks that share the device's
-    cores when it has them, then each rank's tail."""
+    forward and backward of stage s ``factor[0][s]`` times its profiled time, on ranks that share
+    the device's cores when it has them, then each rank's tail."""
     overheads = front.cost_model.runtime_overheads
     call = overheads.autograd_call_s
     slower, measured_in_place = factor[0], factor[1] == "pipeline"
@@ -566,14 +567,15 @@ def _step_time(options: CompileOptions, front: _Front, stages: list[StagePlan], 
     send = tuple(sum(s for s, _ in boundary) for boundary in sides)
     receive = tuple(sum(r for _, r in boundary) for boundary in sides)
     costs = StageCosts(
-        forward_s=tuple(slower * s.forward_s + overheads.module_call_s for s in stages),
+        forward_s=tuple(f * s.forward_s + overheads.module_call_s for f, s in zip(slower, stages)),
         # B starts one backward; zero-bubble schedules start two, one for I and one for W; recompute calls the stage again
         backward_s=tuple(
-            slower * s.backward_s + (2 * call if options.schedule == "zb-h1" else call)
+            f * s.backward_s + (2 * call if options.schedule == "zb-h1" else call)
             + (overheads.module_call_s if s.recompute != "none" else 0.0)
-            for s in stages
+            for f, s in zip(slower, stages)
         ),
-        weight_s=tuple(slower * s.backward_weight_s + (call if options.schedule == "zb-h1" else 0.0) for s in stages),
+        weight_s=tuple(f * s.backward_weight_s + (call if options.schedule == "zb-h1" else 0.0)
+                       for f, s in zip(slower, stages)),
         transfer_s=tuple(max(0.0, t - s - r) for t, s, r in zip(transfer, send, receive)),
         send_s=send,
         recv_s=receive,

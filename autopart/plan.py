@@ -63,7 +63,8 @@ class Predicted:
     transfer_s: tuple[float, ...]  # one way, one microbatch, per boundary between stages
     pipeline_s: float = 0.0  # the schedule alone (the trace's span); step_s adds the runtime's costs
     rank_tail_s: tuple[float, ...] = ()  # per rank, after the pipeline: tied gradients, optimizer step
-    compute_factor: float = 1.0  # every forward and backward inside the pipeline takes this many times its profiled time
+    compute_factor: tuple[float, ...] = ()  # per stage: inside the pipeline each forward and backward takes this many
+    # times its profiled time (stage_time_s and the stages' times are the profiled ones); () for 1
     compute_factor_from: str = "none"  # "pipeline": measured in this very pipeline (--profile-pipeline); "device"; "none"
 
 
@@ -141,7 +142,7 @@ class Plan:
                 transfer_s=tuple(float(v) for v in predicted.list("transfer_s")),
                 pipeline_s=predicted.float("pipeline_s") if "pipeline_s" in predicted.data else 0.0,
                 rank_tail_s=tuple(float(v) for v in predicted.data.get("rank_tail_s", ())),
-                compute_factor=float(predicted.data.get("compute_factor", 1.0)),
+                compute_factor=tuple(float(v) for v in predicted.data.get("compute_factor", ())),
                 compute_factor_from=str(predicted.data.get("compute_factor_from", "none")),
             ),
             provenance=Provenance(

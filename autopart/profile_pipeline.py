@@ -10,8 +10,9 @@ stage's forward and backward took 8-19% more CPU time in a 2-rank pipeline than 
 `profile_pipeline` runs the compiled programs here for a few steps (``train.py
 --action-times``), takes the CPU time of every forward, backward and weight-gradient action of
 every rank over the steps after the warm-up, less the runtime's fixed cost per action, and
-divides it by what the plan counted for the same actions: the pipeline compute factor of this
-model on this mesh. ``autopart compile --profile-pipeline`` stores it in the cost database under
+divides it by what the plan counted for the same actions, per stage and for all stages: the
+pipeline compute factors of this model on this mesh (a stage's own differs from the others' by
+up to 25% here: the stage that holds the loss ran slower than profiled, the first on par). ``autopart compile --profile-pipeline`` stores it in the cost database under
 `pipeline_key` and compiles again; the step model then multiplies each forward and backward by
 it and, because that CPU time already holds the waking and the refilling, adds neither. The
 wall-clock part of sharing cores and waiting for messages stay the step model's.
@@ -80,8 +81,9 @@ def _action_seconds(plan: Plan, action: Action, overheads: RuntimeOverheads) -> 
 def measure(plan: Plan, action_times: Path, overheads: RuntimeOverheads, *,
             warmup: int = WARMUP_STEPS) -> PipelineProfile:
     """The measurement from a run's ``--action-times`` folder (one ``rank_<r>.jsonl`` per rank)."""
-    measured: dict[int, float] = {}  # step -> CPU seconds of every rank's compute, less fixed costs
-    predicted: dict[int, float] = {}
+    # (stage, step) -> CPU seconds of its compute actions on every rank, less their fixed costs; and the plan's count
+    measured: dict[tuple[int, int], float] = {}
+    predicted: dict[tuple[int, int], float] = {}
     tied: dict[int, tuple[float, float]] = {}  # step -> (start, seconds) of the last holder's tied sums
     holders = {stage.rank for stage in plan.stages if set(stage.parameters) & set(plan.tied_parameters)}
     mesh = Mesh.of(plan)
@@ -102,16 +104,26 @@ def measure(plan: Plan, action_times: Path, overheads: RuntimeOverheads, *,
                 if not action.is_compute:
                     continue
                 compute, fixed = _action_seconds(plan, action, overheads)
-                measured[step] = measured.get(step, 0.0) + cpu_s - fixed
-                predicted[step] = predicted.get(step, 0.0) + compute
+                measured[action.stage, step] = measured.get((action.stage, step), 0.0) + cpu_s - fixed
+                predicted[action.stage, step] = predicted.get((action.stage, step), 0.0) + compute
     if not measured or min(predicted.values()) <= 0:
         raise RuntimeError(f"{action_times} holds no compute action after step {warmup}")
-    # the same actions every step: the median step's ratio
-    compute_s, predicted_s = statistics.median(measured.values()), statistics.median(predicted.values())
+    steps = sorted({step for _, step in measured})
+    # the same actions every step: the median step's ratio, of all stages and of each
+    compute_s = statistics.median(sum(v for (_, t), v in measured.items() if t == step) for step in steps)
+    predicted_s = statistics.median(sum(v for (_, t), v in predicted.items() if t == step) for step in steps)
+    stage_factors = {
+        f"{stage.blocks[0]}-{stage.blocks[1]}": statistics.median(measured[stage.index, t] for t in steps)
+        / statistics.median(predicted[stage.index, t] for t in steps)
+        for stage in plan.stages
+    }
     tied_s = statistics.median(seconds for _, seconds in tied.values()) if tied else None
-    return PipelineProfile(key=pipeline_key(plan.provenance.model_sha256, plan.mesh, plan.schedule.micro_batch_size),
-                           measured=PipelineMeasurement(compute_factor=compute_s / predicted_s, tied_s=tied_s),
-                           compute_s=compute_s, predicted_s=predicted_s, steps=len(measured))
+    return PipelineProfile(
+        key=pipeline_key(plan.provenance.model_sha256, plan.mesh, plan.schedule.micro_batch_size),
+        measured=PipelineMeasurement(compute_factor=compute_s / predicted_s, stage_factors=stage_factors,
+                                     tied_s=tied_s),
+        compute_s=compute_s, predicted_s=predicted_s, steps=len(steps),
+    )  # fmt: skip
 
 
 def profile_pipeline(out_dir: Path, plan: Plan, overheads: RuntimeOverheads, *,

@@ -226,7 +226,7 @@ def main() -> None:
             step, peaks = _run(out, ranks, steps, args.warmup, shield=args.shield)
             moved = (around_run + probe.seconds()) / 2 / before - 1
             predicted_memory, measured_memory = max(plan.predicted.memory_bytes), max(peaks)
-            table.add_row(name, str(ranks), f"{stage_cells} ({_error(*worst)})", f"{plan.predicted.compute_factor:.3f}",
+            table.add_row(name, str(ranks), f"{stage_cells} ({_error(*worst)})", " ".join(f"{f:.2f}" for f in plan.predicted.compute_factor),
                           f"{plan.predicted.step_s * 1e3:.1f}", f"{step * 1e3:.1f}", _error(plan.predicted.step_s, step),
                           _error(alone.predicted.step_s, step), f"{moved:+.1%}",
                           f"{predicted_memory / 2**20:.0f}", f"{measured_memory / 2**20:.0f}",

@@ -18,7 +18,7 @@ The file is plain JSON so that it can be read, diffed, merged and checked in::
     {"schema": 2, "entries": {KEY: {"forward_s": .., "backward_input_s": .., "backward_weight_s": ..}},
      "overheads": {DEVICE: {"autograd_call_s": .., "module_call_s": .., "resume_forward_s": ..,
                             "resume_backward_s": ..}},
-     "pipelines": {KEY: {"compute_factor": .., "tied_s": ..}}}
+     "pipelines": {KEY: {"compute_factor": .., "stage_factors": {"FIRST-LAST": ..}, "tied_s": ..}}}
 """
 
 from __future__ import annotations
@@ -73,10 +73,16 @@ class PipelineMeasurement:
     """What one pipeline of one model measured as it ran (``autopart compile --profile-pipeline``)."""
 
     compute_factor: float
-    """Its stages' forwards and backwards took this many times their profiled time."""
+    """Its stages' forwards and backwards took this many times their profiled time, all together."""
+    stage_factors: dict[str, float] = field(default_factory=dict)
+    """The same per stage, keyed by the stage's first and last block (``"0-7"``): a stage of
+    other blocks, after the cuts moved, takes ``compute_factor``."""
     tied_s: float | None = None
     """Summing the gradients of tied parameters took this long, on the holder that came last
     to it (the others wait for it there); None where the model ties none across ranks."""
+
+    def stage_factor(self, blocks: tuple[int, int]) -> float:
+        return self.stage_factors.get(f"{blocks[0]}-{blocks[1]}", self.compute_factor)
 
 
 def entry_key(device: str, op_key: str) -> str:
@@ -109,9 +115,11 @@ class CostDatabase:
                        for k, v in data["entries"].items()}
             overheads = {str(k): RuntimeOverheads(**{n: float(x) for n, x in v.items()})
                          for k, v in data.get("overheads", {}).items()}
-            pipelines = {str(k): PipelineMeasurement(compute_factor=float(v["compute_factor"]),
-                                                     tied_s=None if v.get("tied_s") is None else float(v["tied_s"]))
-                         for k, v in data.get("pipelines", {}).items()}
+            pipelines = {str(k): PipelineMeasurement(
+                compute_factor=float(v["compute_factor"]),
+                stage_factors={str(b): float(f) for b, f in v.get("stage_factors", {}).items()},
+                tied_s=None if v.get("tied_s") is None else float(v["tied_s"]),
+            ) for k, v in data.get("pipelines", {}).items()}
         except ConfigError:
             raise
         except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:

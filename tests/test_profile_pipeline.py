@@ -58,8 +58,9 @@ def test_action_times_hold_every_action_of_every_rank_and_step(compiled, tmp_pat
             assert line["actions"][-1][2] <= tail_start <= tied_end <= tail_end and tail_cpu > 0
 
 
-def fake_times(folder: Path, plan, scale: float, *, steps: int = 6, warmup: int = 4) -> Path:
-    """Action files in which every compute action took ``scale`` times the plan's count plus the
+def fake_times(folder: Path, plan, scale: float | tuple[float, ...], *, steps: int = 6, warmup: int = 4) -> Path:
+    """Action files in which every compute action took ``scale`` (per stage, or one for all)
+    times the plan's count plus the
     runtime's fixed cost, and the warm-up steps ten times more; rank 0 comes to the tied sums
     last, at 10 ms, and sums for 3 ms, while rank 1 waits there from 5 ms."""
     folder.mkdir()
@@ -70,7 +71,8 @@ def fake_times(folder: Path, plan, scale: float, *, steps: int = 6, warmup: int 
             for name in names:
                 action = Action.parse(name)
                 compute, fixed = _action_seconds(plan, action, OVERHEADS) if action.is_compute else (0.0, 0.0)
-                cpu = (scale * compute + fixed) * (10 if step < warmup else 1)
+                factor = scale[action.stage] if isinstance(scale, tuple) else scale
+                cpu = (factor * compute + fixed) * (10 if step < warmup else 1)
                 actions.append([name, 0.0, cpu, cpu])
             start = 0.010 if rank == 0 else 0.005
             lines.append(json.dumps({"step": step, "actions": actions, "tail": [start, 0.02, 1e-3, 0.013]}))
@@ -82,6 +84,7 @@ def test_the_factor_is_the_stages_compute_over_the_plans_after_the_warm_up(compi
     plan, _, _ = compiled
     profile = measure(plan, fake_times(tmp_path / "a", plan, 1.37), OVERHEADS)
     assert profile.measured.compute_factor == pytest.approx(1.37)
+    assert [profile.measured.stage_factor(s.blocks) for s in plan.stages] == pytest.approx([1.37, 1.37])
     assert profile.steps == 2
     assert profile.measured.tied_s == pytest.approx(0.003)  # the last holder's: the others waited
     assert profile.key == pipeline_key(plan.provenance.model_sha256, plan.mesh, 2)
@@ -92,6 +95,16 @@ def test_the_factor_is_the_stages_compute_over_the_plans_after_the_warm_up(compi
         measure(plan, tmp_path / "a", OVERHEADS)
 
 
+def test_each_stage_has_its_own_factor_and_the_others_the_pipelines(compiled, tmp_path):
+    plan, _, _ = compiled
+    measured = measure(plan, fake_times(tmp_path / "s", plan, (1.0, 1.5)), OVERHEADS).measured
+    first, last = (stage.blocks for stage in plan.stages)
+    assert measured.stage_factors == pytest.approx({f"{first[0]}-{first[1]}": 1.0, f"{last[0]}-{last[1]}": 1.5})
+    share = sum(s.forward_s + s.backward_s for s in plan.stages[1:]) / sum(s.forward_s + s.backward_s for s in plan.stages)
+    assert measured.compute_factor == pytest.approx(1.0 + 0.5 * share)  # all stages' compute together
+    assert measured.stage_factor((first[0], first[1] + 1)) == measured.compute_factor  # cut elsewhere
+
+
 def test_a_zero_bubble_plan_counts_its_split_backward(compiled, tmp_path):
     plan, _, _ = compiled
     split = replace(plan, schedule=replace(plan.schedule, kind="zb-h1"))
@@ -100,12 +113,13 @@ def test_a_zero_bubble_plan_counts_its_split_backward(compiled, tmp_path):
         pytest.approx(0.8)
 
 
-def with_factor(folder: Path, plan, factor: float | None, tied_s: float | None = None) -> None:
+def with_factor(folder: Path, plan, factor: float | None, tied_s: float | None = None, **stage_factors) -> None:
     database = CostDatabase.load(folder / "costs.json")
     key = pipeline_key(plan.provenance.model_sha256, plan.mesh, plan.schedule.micro_batch_size)
     database.pipelines = {k: v for k, v in database.pipelines.items() if not k.endswith(key)}
     if factor is not None:
-        database.put_pipeline("cpu", key, PipelineMeasurement(compute_factor=factor, tied_s=tied_s))
+        database.put_pipeline("cpu", key, PipelineMeasurement(compute_factor=factor, tied_s=tied_s,
+                                                               stage_factors=stage_factors))
     database.save()
 
 
@@ -114,10 +128,10 @@ def test_a_stored_factor_scales_the_compute_and_replaces_waking_and_resuming(com
     options = tiny_options(folder)
     with_factor(folder, plan, 1.0)
     at_one = compile_to_directory(options, tmp_path / "one")[0]
-    assert (at_one.predicted.compute_factor, at_one.predicted.compute_factor_from) == (1.0, "pipeline")
+    assert (at_one.predicted.compute_factor, at_one.predicted.compute_factor_from) == ((1.0, 1.0), "pipeline")
     with_factor(folder, plan, 2.0)
     at_two = compile_to_directory(options, tmp_path / "two")[0]
-    assert at_two.predicted.compute_factor == 2.0
+    assert at_two.predicted.compute_factor == (2.0, 2.0)
     # every forward and backward of the pipeline doubles: the step grows by at least the
     # busiest rank's doubled compute
     busiest = max(plan.schedule.microbatches * (s.forward_s + s.backward_s) for s in plan.stages)
@@ -125,6 +139,12 @@ def test_a_stored_factor_scales_the_compute_and_replaces_waking_and_resuming(com
     # measured in place, waking is in the factor: a wake cost the device claims changes nothing
     monkeypatch.setattr(RooflineCostModel, "wake_time", lambda self, idle_s: 0.05)
     assert compile_to_directory(options, tmp_path / "woken")[0].predicted.step_s == at_two.predicted.step_s
+    first, last = (stage.blocks for stage in plan.stages)
+    with_factor(folder, plan, 2.0, **{f"{last[0]}-{last[1]}": 3.0})
+    per_stage = compile_to_directory(options, tmp_path / "per_stage")[0]
+    assert per_stage.predicted.compute_factor == (2.0, 3.0)
+    last_compute = plan.schedule.microbatches * (plan.stages[1].forward_s + plan.stages[1].backward_s)
+    assert per_stage.predicted.step_s >= at_two.predicted.step_s + 0.99 * last_compute  # its third more
     with_factor(folder, plan, 2.0, tied_s=0.05)  # both ranks hold a copy of the tied embedding
     tied = compile_to_directory(options, tmp_path / "tied")[0]
     for before, after in zip(at_two.predicted.rank_tail_s, tied.predicted.rank_tail_s):
@@ -148,7 +168,7 @@ def test_profile_pipeline_runs_the_plan_once_and_compiles_with_what_it_measured(
     assert stored is not None and 0.5 < stored.compute_factor < 20
     assert 0 < stored.tied_s < 1  # the tiny GPT ties its embedding and head, on ranks 0 and 1
     assert (profiled.predicted.compute_factor, profiled.predicted.compute_factor_from) == \
-        (stored.compute_factor, "pipeline")
+        (tuple(stored.stage_factor(s.blocks) for s in profiled.stages), "pipeline")
     # a second compile finds it and runs nothing
     monkeypatch.setattr(autopart.compiler, "profile_pipeline", lambda *a, **k: pytest.fail("profiled again"))
     again = compile_to_directory(options, tmp_path / "again")[0]

@@ -77,11 +77,13 @@ def parse_args(argv: list[str] | None, plan: Plan) -> argparse.Namespace:
 
 def _write_action_times(folder: Path, rank: int, step: int, origin: float, record: list[ActionRecord],
                         tail: tuple[float, float, float, float]) -> None:
-    """One line of ``--action-times``: seconds from the step's start, and CPU seconds. The tail:
-    its start, end and CPU time, and when the sums of tied gradients ended within it."""
+    """One line of ``--action-times``: seconds from the step's start (``origin``, in
+    ``time.perf_counter`` seconds, one clock for every process of a host), and CPU seconds. The
+    tail: its start, end and CPU time, and when the sums of tied gradients ended within it."""
     folder.mkdir(parents=True, exist_ok=True)
     line = {
         "step": step,
+        "origin": origin,
         "actions": [[str(r.action), r.start - origin, r.end - origin, r.cpu_s] for r in record],
         "tail": [tail[0] - origin, tail[1] - origin, tail[2], tail[3] - origin],
     }
