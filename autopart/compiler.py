@@ -420,7 +420,7 @@ def _plan_from_cuts(
         transfer_s=transfer,
     )
     in_place = _in_place(options, front, micro_batch_size)
-    tails = _rank_tails(options, front, stages, holders, tied_s=in_place.tied_s if in_place else None)
+    tails = _rank_tails(options, front, stages, holders, in_place)
     factor = _compute_factor(options, front, stages, in_place)
     step_s = _step_time(options, front, stages, transfer, tails, microbatches, factor)
     status, bound, gap = solver
@@ -513,9 +513,9 @@ def _data_parallel_seconds(options: CompileOptions, front: _Front, stages: list[
 
 
 def _rank_tails(options: CompileOptions, front: _Front, stages: list[StagePlan], holders: dict[str, list[int]],
-                *, tied_s: float | None = None) -> dict[int, float]:
-    """Per rank, what the step does after the pipeline: sum tied gradients (``tied_s`` where
-    measured in this pipeline, else the all-reduces' model), step the optimizer."""
+                in_place: PipelineMeasurement | None) -> dict[int, float]:
+    """Per rank, what the step does after the pipeline: sum tied gradients, step the optimizer;
+    each as this pipeline measured it where it was run (``in_place``), else modelled."""
     cost_model = front.cost_model
     metas = {str(n.target): front.op_graph.nodes[n.name].output
              for n in front.op_graph.fx_nodes() if front.op_graph.nodes[n.name].is_parameter}
@@ -526,11 +526,14 @@ def _rank_tails(options: CompileOptions, front: _Front, stages: list[StagePlan],
         held = dict.fromkeys(p for st in stages if st.rank == rank for p in st.parameters)
         tied = sum(cost_model.collective_time("all_reduce", metas[p].nbytes, len({stages[s].rank for s in holders[p]}))
                    for p in held if len(holders[p]) > 1)
-        if tied and tied_s is not None:
-            tied = tied_s
+        if tied and in_place is not None and in_place.tied_s is not None:
+            tied = in_place.tied_s
+        measured = in_place.optimizer_time([st.blocks for st in stages if st.rank == rank]) if in_place else None
         optimizer = cost_model.optimizer_time(options.optimizer, [(metas[p].shape, metas[p].dtype) for p in held])
         if options.zero:  # each data-parallel rank steps its shard of the state
             optimizer /= options.dp
+        if measured is not None:
+            optimizer = measured
         tails[rank] = tied + optimizer
     return tails
 
@@ -538,7 +541,8 @@ def _rank_tails(options: CompileOptions, front: _Front, stages: list[StagePlan],
 def _in_place(options: CompileOptions, front: _Front, micro_batch_size: int) -> PipelineMeasurement | None:
     """What this very pipeline measured as it ran (``--profile-pipeline``), if it was."""
     mesh = {"pp": options.pp, "tp": options.tp, "dp": options.dp}
-    return front.cost_model.pipeline_profile(pipeline_key(front.spec.source_sha256, mesh, micro_batch_size))
+    key = pipeline_key(front.spec.source_sha256, mesh, micro_batch_size, options.optimizer)
+    return front.cost_model.pipeline_profile(key)
 
 
 def _compute_factor(options: CompileOptions, front: _Front, stages: list[StagePlan],

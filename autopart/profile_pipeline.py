@@ -21,7 +21,9 @@ It also measures the sum of tied gradients (GPT's embedding and head) at the end
 the holders wait for each other there, so the one that comes last pays the all-reduce with the
 others just woken, which took 2-4 ms here against the 0.6-0.8 ms ``profile-comm`` measures
 between two busy processes. Its wall time on that rank (median over the steps) replaces the
-all-reduces' model in the tails of the plans of this pipeline.
+all-reduces' model in the tails of the plans of this pipeline; and so does each rank's optimizer
+step, which ran 1.2-1.5x its profile here (after the waits and the all-reduce, its state is
+colder still than right after a backward, where ``autopart profile`` times it).
 
 CPU time is what a rank computed, whatever else held its core; so the figure is the machine's
 and the model's, not the moment's load. It needs the plan's ranks on this host, on its CPU.
@@ -40,7 +42,7 @@ from autopart.local_run import run_locally
 from autopart.plan import Plan
 from autopart.runtime.mesh import Mesh
 from autopart.schedule import Action, Kind
-from cost_models.database import PipelineMeasurement, RuntimeOverheads
+from cost_models.database import PipelineMeasurement, RuntimeOverheads, blocks_key
 
 __all__ = ["PipelineProfile", "pipeline_key", "profile_pipeline", "measure"]
 
@@ -49,10 +51,10 @@ MEASURED_STEPS = 8  # at least; and at least
 MEASURED_SECONDS = 4.0  # by the plan's step: this machine's speed moves within seconds
 
 
-def pipeline_key(model_sha256: str, mesh: dict[str, int], micro_batch_size: int) -> str:
-    """The cost database's key of one model's pipeline: its source, its mesh and microbatch size."""
+def pipeline_key(model_sha256: str, mesh: dict[str, int], micro_batch_size: int, optimizer: str) -> str:
+    """The cost database's key of one model's pipeline: its source, its mesh, microbatch size and optimizer."""
     return (f"pipeline(model={model_sha256[:16]}, pp={mesh['pp']}, tp={mesh['tp']}, dp={mesh['dp']}, "
-            f"micro_batch={micro_batch_size})")
+            f"micro_batch={micro_batch_size}, optimizer={optimizer})")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -85,6 +87,7 @@ def measure(plan: Plan, action_times: Path, overheads: RuntimeOverheads, *,
     measured: dict[tuple[int, int], float] = {}
     predicted: dict[tuple[int, int], float] = {}
     tied: dict[int, tuple[float, float]] = {}  # step -> (start, seconds) of the last holder's tied sums
+    optimizer: dict[int, list[float]] = {}  # rank -> seconds of its optimizer step, per step
     holders = {stage.rank for stage in plan.stages if set(stage.parameters) & set(plan.tied_parameters)}
     mesh = Mesh.of(plan)
     files = sorted(action_times.glob("rank_*.jsonl"), key=lambda f: int(f.stem.split("_")[1]))
@@ -96,9 +99,10 @@ def measure(plan: Plan, action_times: Path, overheads: RuntimeOverheads, *,
             step = record["step"]
             if step < warmup:
                 continue
-            start, _end, _cpu, tied_end = record["tail"]
+            start, end, _cpu, tied_end, optimizer_start = record["tail"]
             if mesh.coordinates(rank).pp in holders and start >= tied.get(step, (-1.0, 0.0))[0]:
                 tied[step] = (start, tied_end - start)
+            optimizer.setdefault(rank, []).append(end - optimizer_start)
             for name, _start, _end, cpu_s in record["actions"]:
                 action = Action.parse(name)
                 if not action.is_compute:
@@ -113,15 +117,19 @@ def measure(plan: Plan, action_times: Path, overheads: RuntimeOverheads, *,
     compute_s = statistics.median(sum(v for (_, t), v in measured.items() if t == step) for step in steps)
     predicted_s = statistics.median(sum(v for (_, t), v in predicted.items() if t == step) for step in steps)
     stage_factors = {
-        f"{stage.blocks[0]}-{stage.blocks[1]}": statistics.median(measured[stage.index, t] for t in steps)
+        blocks_key([stage.blocks]): statistics.median(measured[stage.index, t] for t in steps)
         / statistics.median(predicted[stage.index, t] for t in steps)
         for stage in plan.stages
     }
     tied_s = statistics.median(seconds for _, seconds in tied.values()) if tied else None
+    optimizer_s: dict[str, float] = {}
+    for rank, seconds in optimizer.items():
+        here = blocks_key([stage.blocks for stage in plan.stages if stage.rank == mesh.coordinates(rank).pp])
+        optimizer_s[here] = max(optimizer_s.get(here, 0.0), statistics.median(seconds))
     return PipelineProfile(
-        key=pipeline_key(plan.provenance.model_sha256, plan.mesh, plan.schedule.micro_batch_size),
+        key=pipeline_key(plan.provenance.model_sha256, plan.mesh, plan.schedule.micro_batch_size, plan.optimizer),
         measured=PipelineMeasurement(compute_factor=compute_s / predicted_s, stage_factors=stage_factors,
-                                     tied_s=tied_s),
+                                     tied_s=tied_s, optimizer_s=optimizer_s),
         compute_s=compute_s, predicted_s=predicted_s, steps=len(steps),
     )  # fmt: skip
 

@@ -18,7 +18,8 @@ The file is plain JSON so that it can be read, diffed, merged and checked in::
     {"schema": 2, "entries": {KEY: {"forward_s": .., "backward_input_s": .., "backward_weight_s": ..}},
      "overheads": {DEVICE: {"autograd_call_s": .., "module_call_s": .., "resume_forward_s": ..,
                             "resume_backward_s": ..}},
-     "pipelines": {KEY: {"compute_factor": .., "stage_factors": {"FIRST-LAST": ..}, "tied_s": ..}}}
+     "pipelines": {KEY: {"compute_factor": .., "stage_factors": {"FIRST-LAST": ..}, "tied_s": ..,
+                         "optimizer_s": {"FIRST-LAST[,FIRST-LAST...]": ..}}}}
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -33,7 +35,7 @@ import torch
 
 from autopart.errors import ConfigError
 
-__all__ = ["OpTimes", "RuntimeOverheads", "PipelineMeasurement", "CostDatabase", "entry_key"]
+__all__ = ["OpTimes", "RuntimeOverheads", "PipelineMeasurement", "CostDatabase", "blocks_key", "entry_key"]
 
 _SCHEMA = 2
 """2: ops timed in place on the CPU (``autopart.profile_in_situ``), optimizer steps less their fixed cost."""
@@ -81,8 +83,21 @@ class PipelineMeasurement:
     """Summing the gradients of tied parameters took this long, on the holder that came last
     to it (the others wait for it there); None where the model ties none across ranks."""
 
+    optimizer_s: dict[str, float] = field(default_factory=dict)
+    """The optimizer step at the end of the step, per pipeline rank, keyed by the blocks of the
+    rank's stages (``"0-7"``, ``"0-3,8-11"``; its slowest tensor- or data-parallel copy)."""
+
     def stage_factor(self, blocks: tuple[int, int]) -> float:
-        return self.stage_factors.get(f"{blocks[0]}-{blocks[1]}", self.compute_factor)
+        return self.stage_factors.get(blocks_key([blocks]), self.compute_factor)
+
+    def optimizer_time(self, blocks: Sequence[tuple[int, int]]) -> float | None:
+        """The optimizer step of a rank that holds the stages of these blocks, if measured."""
+        return self.optimizer_s.get(blocks_key(blocks))
+
+
+def blocks_key(blocks: Sequence[tuple[int, int]]) -> str:
+    """``"0-3,8-11"``: the first and last block of each stage, as `PipelineMeasurement` keys them."""
+    return ",".join(f"{first}-{last}" for first, last in blocks)
 
 
 def entry_key(device: str, op_key: str) -> str:
@@ -119,6 +134,7 @@ class CostDatabase:
                 compute_factor=float(v["compute_factor"]),
                 stage_factors={str(b): float(f) for b, f in v.get("stage_factors", {}).items()},
                 tied_s=None if v.get("tied_s") is None else float(v["tied_s"]),
+                optimizer_s={str(b): float(t) for b, t in v.get("optimizer_s", {}).items()},
             ) for k, v in data.get("pipelines", {}).items()}
         except ConfigError:
             raise

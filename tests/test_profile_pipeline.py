@@ -54,15 +54,16 @@ def test_action_times_hold_every_action_of_every_rank_and_step(compiled, tmp_pat
                 assert 0 <= start <= end and cpu_s >= 0
                 if Action.parse(name).is_compute:  # a forward's CPU time is its own, within its wall time
                     assert 0 < cpu_s <= (end - start) * 1.05 + 1e-4, (name, start, end, cpu_s)
-            tail_start, tail_end, tail_cpu, tied_end = line["tail"]
-            assert line["actions"][-1][2] <= tail_start <= tied_end <= tail_end and tail_cpu > 0
+            tail_start, tail_end, tail_cpu, tied_end, optimizer_start = line["tail"]
+            assert line["actions"][-1][2] <= tail_start <= tied_end <= optimizer_start < tail_end and tail_cpu > 0
 
 
 def fake_times(folder: Path, plan, scale: float | tuple[float, ...], *, steps: int = 6, warmup: int = 4) -> Path:
     """Action files in which every compute action took ``scale`` (per stage, or one for all)
     times the plan's count plus the
     runtime's fixed cost, and the warm-up steps ten times more; rank 0 comes to the tied sums
-    last, at 10 ms, and sums for 3 ms, while rank 1 waits there from 5 ms."""
+    last, at 10 ms, and sums for 3 ms, while rank 1 waits there from 5 ms; then the optimizer
+    steps for 4 ms on rank 0 and 6 ms on rank 1."""
     folder.mkdir()
     for rank, names in actions_of(plan).items():
         lines = []
@@ -75,7 +76,8 @@ def fake_times(folder: Path, plan, scale: float | tuple[float, ...], *, steps: i
                 cpu = (factor * compute + fixed) * (10 if step < warmup else 1)
                 actions.append([name, 0.0, cpu, cpu])
             start = 0.010 if rank == 0 else 0.005
-            lines.append(json.dumps({"step": step, "actions": actions, "tail": [start, 0.02, 1e-3, 0.013]}))
+            tail = [start, 0.02, 1e-3, 0.013, 0.02 - (0.004 if rank == 0 else 0.006)]  # optimizer steps of 4 and 6 ms
+            lines.append(json.dumps({"step": step, "actions": actions, "tail": tail}))
         (folder / f"rank_{rank}.jsonl").write_text("\n".join(lines) + "\n")
     return folder
 
@@ -87,7 +89,9 @@ def test_the_factor_is_the_stages_compute_over_the_plans_after_the_warm_up(compi
     assert [profile.measured.stage_factor(s.blocks) for s in plan.stages] == pytest.approx([1.37, 1.37])
     assert profile.steps == 2
     assert profile.measured.tied_s == pytest.approx(0.003)  # the last holder's: the others waited
-    assert profile.key == pipeline_key(plan.provenance.model_sha256, plan.mesh, 2)
+    first, last = (stage.blocks for stage in plan.stages)
+    assert profile.measured.optimizer_s == pytest.approx({f"{first[0]}-{first[1]}": 0.004, f"{last[0]}-{last[1]}": 0.006})
+    assert profile.key == pipeline_key(plan.provenance.model_sha256, plan.mesh, 2, "adamw")
     assert profile.predicted_s == pytest.approx(plan.schedule.microbatches * sum(
         s.forward_s + s.backward_s for s in plan.stages))
     (tmp_path / "a" / "rank_1.jsonl").unlink()
@@ -113,13 +117,15 @@ def test_a_zero_bubble_plan_counts_its_split_backward(compiled, tmp_path):
         pytest.approx(0.8)
 
 
-def with_factor(folder: Path, plan, factor: float | None, tied_s: float | None = None, **stage_factors) -> None:
+def with_factor(folder: Path, plan, factor: float | None, tied_s: float | None = None,
+                optimizer_s: dict[str, float] | None = None, **stage_factors) -> None:
     database = CostDatabase.load(folder / "costs.json")
-    key = pipeline_key(plan.provenance.model_sha256, plan.mesh, plan.schedule.micro_batch_size)
+    key = pipeline_key(plan.provenance.model_sha256, plan.mesh, plan.schedule.micro_batch_size, plan.optimizer)
     database.pipelines = {k: v for k, v in database.pipelines.items() if not k.endswith(key)}
     if factor is not None:
         database.put_pipeline("cpu", key, PipelineMeasurement(compute_factor=factor, tied_s=tied_s,
-                                                               stage_factors=stage_factors))
+                                                               stage_factors=stage_factors,
+                                                               optimizer_s=optimizer_s or {}))
     database.save()
 
 
@@ -150,6 +156,10 @@ def test_a_stored_factor_scales_the_compute_and_replaces_waking_and_resuming(com
     for before, after in zip(at_two.predicted.rank_tail_s, tied.predicted.rank_tail_s):
         assert 0.048 < after - before < 0.05  # 50 ms in place of the modelled all-reduce (under 2 ms)
     assert tied.predicted.step_s > at_two.predicted.step_s + 0.045
+    with_factor(folder, plan, 2.0, tied_s=0.05, optimizer_s={f"{first[0]}-{first[1]}": 0.03})
+    stepped = compile_to_directory(options, tmp_path / "stepped")[0]
+    assert stepped.predicted.rank_tail_s[0] == pytest.approx(0.08)  # both measured
+    assert stepped.predicted.rank_tail_s[1] == tied.predicted.rank_tail_s[1]  # its optimizer step modelled
     with_factor(folder, plan, None)
     unprofiled = compile_to_directory(options, tmp_path / "unprofiled")[0]
     assert unprofiled.predicted.compute_factor_from != "pipeline"
@@ -163,7 +173,7 @@ def test_profile_pipeline_runs_the_plan_once_and_compiles_with_what_it_measured(
     options = tiny_options(folder, profile_pipeline=True)
     profiled = compile_to_directory(options, tmp_path / "profiled")[0]
     database = CostDatabase.load(folder / "costs.json")
-    key = pipeline_key(plan.provenance.model_sha256, plan.mesh, 2)
+    key = pipeline_key(plan.provenance.model_sha256, plan.mesh, 2, "adamw")
     stored = database.pipeline("cpu", key)
     assert stored is not None and 0.5 < stored.compute_factor < 20
     assert 0 < stored.tied_s < 1  # the tiny GPT ties its embedding and head, on ranks 0 and 1

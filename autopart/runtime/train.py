@@ -76,16 +76,17 @@ def parse_args(argv: list[str] | None, plan: Plan) -> argparse.Namespace:
 
 
 def _write_action_times(folder: Path, rank: int, step: int, origin: float, record: list[ActionRecord],
-                        tail: tuple[float, float, float, float]) -> None:
+                        tail: tuple[float, float, float, float, float]) -> None:
     """One line of ``--action-times``: seconds from the step's start (``origin``, in
     ``time.perf_counter`` seconds, one clock for every process of a host), and CPU seconds. The
-    tail: its start, end and CPU time, and when the sums of tied gradients ended within it."""
+    tail: its start, end and CPU time, when the sums of tied gradients ended within it and when
+    the optimizer step began (it runs to the end)."""
     folder.mkdir(parents=True, exist_ok=True)
     line = {
         "step": step,
         "origin": origin,
         "actions": [[str(r.action), r.start - origin, r.end - origin, r.cpu_s] for r in record],
-        "tail": [tail[0] - origin, tail[1] - origin, tail[2], tail[3] - origin],
+        "tail": [tail[0] - origin, tail[1] - origin, tail[2], tail[3] - origin, tail[4] - origin],
     }
     with open(folder / f"rank_{rank}.jsonl", "a") as file:
         file.write(json.dumps(line) + "\n")
@@ -206,9 +207,10 @@ def _loop(
         tied_end = time.perf_counter()
         if data_parallel is not None:
             _average_gradients(parameters, data_parallel, mesh.dp)
+        optimizer_start = time.perf_counter()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        tail = (tail_start, time.perf_counter(), time.thread_time() - tail_cpu, tied_end)
+        tail = (tail_start, time.perf_counter(), time.thread_time() - tail_cpu, tied_end, optimizer_start)
         elapsed = torch.tensor([tail[1] - start])
         if args.action_times:  # after the step's clock stopped
             _write_action_times(args.action_times, rank, step, start, record, tail)
