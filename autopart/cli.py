@@ -218,7 +218,8 @@ def _compile(args: argparse.Namespace, console: Console) -> None:
     if plan.predicted.compute_factor_from != "none":
         where = {"pipeline": "measured in this pipeline", "device": "the device's, from profile-comm"}
         factors = " ".join(f"x{f:.3f}" for f in plan.predicted.compute_factor)
-        console.print(f"compute inside the pipeline, per stage: {factors} ({where[plan.predicted.compute_factor_from]})")
+        from_ = where[plan.predicted.compute_factor_from]
+        console.print(f"compute inside the pipeline, per stage: {factors} ({from_})")
     console.print(f"compile peak memory {peak_memory_gib():.2f} GiB")
     console.print(f"wrote {out}/; train with:\n  torchrun --nproc-per-node {plan.world_size} {out}/train.py --steps 10")
 

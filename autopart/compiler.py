@@ -422,7 +422,7 @@ def _plan_from_cuts(
     in_place = _in_place(options, front, micro_batch_size)
     tails = _rank_tails(options, front, stages, holders, in_place)
     factor = _compute_factor(options, front, stages, in_place)
-    step_s = _step_time(options, front, stages, transfer, tails, microbatches, factor)
+    step_s = _step_time(options, front, stages, transfer, tails, microbatches, factor, in_place)
     status, bound, gap = solver
     gradient_sync = _data_parallel_seconds(options, front, stages)
     return Plan(
@@ -558,10 +558,12 @@ def _compute_factor(options: CompileOptions, front: _Front, stages: list[StagePl
 
 
 def _step_time(options: CompileOptions, front: _Front, stages: list[StagePlan], transfer: tuple[float, ...],
-               tails: dict[int, float], microbatches: int, factor: tuple[tuple[float, ...], str]) -> float:
+               tails: dict[int, float], microbatches: int, factor: tuple[tuple[float, ...], str],
+               in_place: PipelineMeasurement | None = None) -> float:
     """The step as the runtime times it: the pipeline with the fixed cost of each action, each
-    forward and backward of stage s ``factor[0][s]`` times its profiled time, on ranks that share
-    the device's cores when it has them, then each rank's tail."""
+    forward and backward of stage s ``factor[0][s]`` times its profiled time, its messages as
+    this pipeline measured them where it was run (``in_place``), on ranks that share the device's
+    cores when it has them, then each rank's tail."""
     overheads = front.cost_model.runtime_overheads
     call = overheads.autograd_call_s
     slower, measured_in_place = factor[0], factor[1] == "pipeline"
@@ -570,6 +572,9 @@ def _step_time(options: CompileOptions, front: _Front, stages: list[StagePlan], 
               for _, m in st.outputs] for st in stages[:-1]]
     send = tuple(sum(s for s, _ in boundary) for boundary in sides)
     receive = tuple(sum(r for _, r in boundary) for boundary in sides)
+    if in_place is not None and in_place.transfer_s is not None:  # one message per boundary, as measured
+        send, receive = (in_place.send_s,) * len(sides), (in_place.recv_s,) * len(sides)
+        transfer = tuple(in_place.send_s + in_place.recv_s + in_place.transfer_s for _ in sides)
     costs = StageCosts(
         forward_s=tuple(f * s.forward_s + overheads.module_call_s for f, s in zip(slower, stages)),
         # B starts one backward; zero-bubble schedules start two, one for I and one for W; recompute calls the stage again
@@ -720,7 +725,8 @@ def _profiled_in_place(options: CompileOptions, plan: Plan, front: _Front, progr
         database = front.cost_model.database
         with tempfile.TemporaryDirectory(prefix="autopart-profile-pipeline-") as folder:
             out = emit_directory(plan, front.op_graph, front.spec, Path(folder) / "out")
-            profiled = profile_pipeline(out, plan, front.cost_model.runtime_overheads)
+            profiled = profile_pipeline(out, plan, front.cost_model.runtime_overheads,
+                                        cores=front.cost_model.device.cores)
         database.put_pipeline(front.cost_model.device.name, profiled.key, profiled.measured)
         database.save()
         plan, front = _compile(options, progress)

@@ -65,7 +65,7 @@ class Predicted:
     rank_tail_s: tuple[float, ...] = ()  # per rank, after the pipeline: tied gradients, optimizer step
     compute_factor: tuple[float, ...] = ()  # per stage: inside the pipeline each forward and backward takes this many
     # times its profiled time (stage_time_s and the stages' times are the profiled ones); () for 1
-    compute_factor_from: str = "none"  # "pipeline": measured in this very pipeline (--profile-pipeline); "device"; "none"
+    compute_factor_from: str = "none"  # "pipeline" (measured in it: --profile-pipeline), "device" or "none"
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -8,14 +8,16 @@ stage's forward and backward took 8-19% more CPU time in a 2-rank pipeline than 
 75% more with 4 ranks; ``profile-comm``'s tiny layer shows 2-5%.
 
 `profile_pipeline` runs the compiled programs here for a few steps (``train.py
---action-times``), takes the CPU time of every forward, backward and weight-gradient action of
-every rank over the steps after the warm-up, less the runtime's fixed cost per action, and
+--action-times``), takes the time of every forward, backward and weight-gradient action of
+every rank over the steps after the warm-up (wall time, or CPU time where the ranks outnumber
+the cores: the step model shares the cores itself), less the runtime's fixed cost per action, and
 divides it by what the plan counted for the same actions, per stage and for all stages: the
 pipeline compute factors of this model on this mesh (a stage's own differs from the others' by
-up to 25% here: the stage that holds the loss ran slower than profiled, the first on par). ``autopart compile --profile-pipeline`` stores it in the cost database under
-`pipeline_key` and compiles again; the step model then multiplies each forward and backward by
-it and, because that CPU time already holds the waking and the refilling, adds neither. The
-wall-clock part of sharing cores and waiting for messages stay the step model's.
+up to 25% here: the stage that holds the loss ran slower than profiled, the first on par).
+``autopart compile --profile-pipeline`` stores them in the cost database under `pipeline_key`
+and compiles again; the step model then multiplies each forward and backward by its stage's
+factor and, because that time already holds the waking and the refilling, adds neither.
+The wall-clock part of sharing cores and waiting for messages stay the step model's.
 
 It also measures the sum of tied gradients (GPT's embedding and head) at the end of each step:
 the holders wait for each other there, so the one that comes last pays the all-reduce with the
@@ -23,10 +25,11 @@ others just woken, which took 2-4 ms here against the 0.6-0.8 ms ``profile-comm`
 between two busy processes. Its wall time on that rank (median over the steps) replaces the
 all-reduces' model in the tails of the plans of this pipeline; and so does each rank's optimizer
 step, which ran 1.2-1.5x its profile here (after the waits and the all-reduce, its state is
-colder still than right after a backward, where ``autopart profile`` times it).
+colder still than right after a backward, where ``autopart profile`` times it). Its messages,
+paired on the host's clock, give the step model a send's time, a receive's once its data is
+there and the rest of a waited one's delivery, in place of ``profile-comm``'s.
 
-CPU time is what a rank computed, whatever else held its core; so the figure is the machine's
-and the model's, not the moment's load. It needs the plan's ranks on this host, on its CPU.
+It needs the plan's ranks on this host, on its CPU.
 """
 
 from __future__ import annotations
@@ -80,14 +83,19 @@ def _action_seconds(plan: Plan, action: Action, overheads: RuntimeOverheads) -> 
     return stage.backward_s, overheads.autograd_call_s + rebuild
 
 
-def measure(plan: Plan, action_times: Path, overheads: RuntimeOverheads, *,
+def measure(plan: Plan, action_times: Path, overheads: RuntimeOverheads, *, cores: int,
             warmup: int = WARMUP_STEPS) -> PipelineProfile:
-    """The measurement from a run's ``--action-times`` folder (one ``rank_<r>.jsonl`` per rank)."""
+    """The measurement from a run's ``--action-times`` folder (one ``rank_<r>.jsonl`` per rank),
+    on a host of ``cores`` cores: with no more ranks than cores each compute action counts its
+    wall time (a message's thread that takes the core mid-compute slows it too), with more its
+    CPU time (the step model shares the cores itself)."""
+    shared = plan.world_size > cores
     # (stage, step) -> CPU seconds of its compute actions on every rank, less their fixed costs; and the plan's count
     measured: dict[tuple[int, int], float] = {}
     predicted: dict[tuple[int, int], float] = {}
     tied: dict[int, tuple[float, float]] = {}  # step -> (start, seconds) of the last holder's tied sums
     optimizer: dict[int, list[float]] = {}  # rank -> seconds of its optimizer step, per step
+    messages: dict[tuple[int, int, int, str], tuple[float, float]] = {}  # (step, dp, tp, action) -> start, end
     holders = {stage.rank for stage in plan.stages if set(stage.parameters) & set(plan.tied_parameters)}
     mesh = Mesh.of(plan)
     files = sorted(action_times.glob("rank_*.jsonl"), key=lambda f: int(f.stem.split("_")[1]))
@@ -103,12 +111,16 @@ def measure(plan: Plan, action_times: Path, overheads: RuntimeOverheads, *,
             if mesh.coordinates(rank).pp in holders and start >= tied.get(step, (-1.0, 0.0))[0]:
                 tied[step] = (start, tied_end - start)
             optimizer.setdefault(rank, []).append(end - optimizer_start)
-            for name, _start, _end, cpu_s in record["actions"]:
+            where = mesh.coordinates(rank)
+            for name, action_start, action_end, cpu_s in record["actions"]:
                 action = Action.parse(name)
-                if not action.is_compute:
+                if not action.is_compute:  # on the host's clock, to pair each receive with its send
+                    origin = record["origin"]
+                    messages[step, where.dp, where.tp, name] = (origin + action_start, origin + action_end)
                     continue
                 compute, fixed = _action_seconds(plan, action, overheads)
-                measured[action.stage, step] = measured.get((action.stage, step), 0.0) + cpu_s - fixed
+                took = cpu_s if shared else action_end - action_start
+                measured[action.stage, step] = measured.get((action.stage, step), 0.0) + took - fixed
                 predicted[action.stage, step] = predicted.get((action.stage, step), 0.0) + compute
     if not measured or min(predicted.values()) <= 0:
         raise RuntimeError(f"{action_times} holds no compute action after step {warmup}")
@@ -126,15 +138,46 @@ def measure(plan: Plan, action_times: Path, overheads: RuntimeOverheads, *,
     for rank, seconds in optimizer.items():
         here = blocks_key([stage.blocks for stage in plan.stages if stage.rank == mesh.coordinates(rank).pp])
         optimizer_s[here] = max(optimizer_s.get(here, 0.0), statistics.median(seconds))
+    send_s, recv_s, transfer_s = _message_times(messages)
     return PipelineProfile(
         key=pipeline_key(plan.provenance.model_sha256, plan.mesh, plan.schedule.micro_batch_size, plan.optimizer),
         measured=PipelineMeasurement(compute_factor=compute_s / predicted_s, stage_factors=stage_factors,
-                                     tied_s=tied_s, optimizer_s=optimizer_s),
+                                     tied_s=tied_s, optimizer_s=optimizer_s, send_s=send_s, recv_s=recv_s,
+                                     transfer_s=transfer_s),
         compute_s=compute_s, predicted_s=predicted_s, steps=len(steps),
     )  # fmt: skip
 
 
-def profile_pipeline(out_dir: Path, plan: Plan, overheads: RuntimeOverheads, *,
+ARRIVED_S = 5e-4
+"""A receive that starts this long after its send ended finds the data there (one way takes
+0.1-0.4 ms here): its time is the receive's own."""
+
+
+def _message_times(messages: dict[tuple[int, int, int, str], tuple[float, float]]) -> tuple[float | None, ...]:
+    """(send, receive, transfer) seconds as the step model takes them (`StageCosts`), from the
+    pipeline's sends and receives on the host's clock: a send's time; a receive's when its data was
+    there; and what a receive that waited took from the end of its send, less a receive's time."""
+    sends, receives, waited = [], [], []
+    for (step, dp, tp, name), (start, end) in messages.items():
+        action = Action.parse(name)
+        if action.kind in (Kind.SEND_F, Kind.SEND_B):
+            sends.append(end - start)
+            continue
+        sender = (Kind.SEND_F, action.stage - 1) if action.kind is Kind.RECV_F else (Kind.SEND_B, action.stage + 1)
+        send = messages.get((step, dp, tp, str(Action(stage=sender[1], kind=sender[0], microbatch=action.microbatch))))
+        if send is None:
+            continue
+        if start >= send[1] + ARRIVED_S:
+            receives.append(end - start)
+        elif start <= send[0]:
+            waited.append(end - send[1])
+    if not (sends and receives and waited):
+        return None, None, None
+    send_s, recv_s = statistics.median(sends), statistics.median(receives)
+    return send_s, recv_s, max(0.0, statistics.median(waited) - recv_s)
+
+
+def profile_pipeline(out_dir: Path, plan: Plan, overheads: RuntimeOverheads, *, cores: int,
                      timeout_s: float = 600.0) -> PipelineProfile:
     """Run the programs in ``out_dir`` on this host's CPU and measure them: `MEASURED_STEPS`
     steps and `MEASURED_SECONDS` by the plan's predicted step, after `WARMUP_STEPS`."""
@@ -144,4 +187,4 @@ def profile_pipeline(out_dir: Path, plan: Plan, overheads: RuntimeOverheads, *,
         run_locally(out_dir, plan.world_size,
                     ["--steps", str(WARMUP_STEPS + measured_steps), "--action-times", str(work / "actions")],
                     timeout_s=timeout_s, cwd=work)
-        return measure(plan, work / "actions", overheads)
+        return measure(plan, work / "actions", overheads, cores=cores)

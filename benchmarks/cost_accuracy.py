@@ -17,8 +17,8 @@ and print each against the plan's prediction, with its error. The 1-minute load 
 printed too: other work on the machine slows every measured figure and none of the predicted.
 So is how far the machine's own speed moved between the profile and the run ("speed moved"):
 the model's whole graph, forward and backward on one thread, timed for 2 s right before the
-compile (which profiles that graph) and again right before and right after the run; +10% means
-it ran 10% slower around the run than at the profile. A virtual machine whose host is shared
+compile (which profiles that graph) and again right after the run; +10% means it ran 10% slower
+after the run than before the profile. A virtual machine whose host is shared
 moves by that much within a minute.
 Run ``autopart profile-comm`` first, so that messages and the base memory of a rank are measured.
 
@@ -112,8 +112,8 @@ def _stage_times(out: Path, plan: Plan, seconds: float = 1.5) -> list[float]:
 
 class _SpeedProbe:
     """The model's whole graph, forward and backward, on one thread: timed right before the
-    compile (which profiles the same graph) and around the run, it says how far this machine's
-    speed moved between the profile and the measurement (see the README)."""
+    compile (which profiles the same graph) and right after the run, it says how far this
+    machine's speed moved between the profile and the measurement (see the README)."""
 
     def __init__(self, model: Path) -> None:
         spec = load_model_file(model)
@@ -217,23 +217,23 @@ def main() -> None:
                                      time_limit_s=10)
             alone, _ = compile_to_directory(options, folder / f"{name}-{ranks}-alone")
             plan, _ = compile_to_directory(replace(options, profile_pipeline=True), out)
+            # the run right after the pipeline was profiled: this machine's speed moves within seconds
+            steps = max(args.steps, args.warmup + math.ceil(args.seconds / plan.predicted.step_s))
+            step, peaks = _run(out, ranks, steps, args.warmup, shield=args.shield)
+            moved = probe.seconds() / before - 1
             measured_stages = _stage_times(out, plan)
             predicted_stages = [s.forward_s + s.backward_s for s in plan.stages]
             worst = max(zip(predicted_stages, measured_stages), key=lambda pm: abs(pm[0] - pm[1]) / pm[1])
             stage_cells = " ".join(f"{p * 1e3:.2f}/{m * 1e3:.2f}" for p, m in zip(predicted_stages, measured_stages))
-            around_run = probe.seconds()
-            steps = max(args.steps, args.warmup + math.ceil(args.seconds / plan.predicted.step_s))
-            step, peaks = _run(out, ranks, steps, args.warmup, shield=args.shield)
-            moved = (around_run + probe.seconds()) / 2 / before - 1
             predicted_memory, measured_memory = max(plan.predicted.memory_bytes), max(peaks)
-            table.add_row(name, str(ranks), f"{stage_cells} ({_error(*worst)})", " ".join(f"{f:.2f}" for f in plan.predicted.compute_factor),
+            factors = " ".join(f"{f:.2f}" for f in plan.predicted.compute_factor)
+            table.add_row(name, str(ranks), f"{stage_cells} ({_error(*worst)})", factors,
                           f"{plan.predicted.step_s * 1e3:.1f}", f"{step * 1e3:.1f}", _error(plan.predicted.step_s, step),
                           _error(alone.predicted.step_s, step), f"{moved:+.1%}",
                           f"{predicted_memory / 2**20:.0f}", f"{measured_memory / 2**20:.0f}",
                           _error(predicted_memory, measured_memory), f"{os.getloadavg()[0]:.1f}")
             console.print(f"{row}: step {plan.predicted.step_s * 1e3:.1f} ms predicted ({alone.predicted.step_s * 1e3:.1f} "
-                          f"from the ops alone; pipeline "
-                          f"{plan.predicted.pipeline_s * 1e3:.1f}, tails "
+                          f"from the ops alone; pipeline {plan.predicted.pipeline_s * 1e3:.1f}, tails "
                           f"{' '.join(f'{t * 1e3:.1f}' for t in plan.predicted.rank_tail_s)}), {step * 1e3:.1f} ms measured")
     console.print(table)
 

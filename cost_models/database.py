@@ -19,7 +19,8 @@ The file is plain JSON so that it can be read, diffed, merged and checked in::
      "overheads": {DEVICE: {"autograd_call_s": .., "module_call_s": .., "resume_forward_s": ..,
                             "resume_backward_s": ..}},
      "pipelines": {KEY: {"compute_factor": .., "stage_factors": {"FIRST-LAST": ..}, "tied_s": ..,
-                         "optimizer_s": {"FIRST-LAST[,FIRST-LAST...]": ..}}}}
+                         "optimizer_s": {"FIRST-LAST[,FIRST-LAST...]": ..},
+                         "send_s": .., "recv_s": .., "transfer_s": ..}}}
 """
 
 from __future__ import annotations
@@ -86,6 +87,11 @@ class PipelineMeasurement:
     optimizer_s: dict[str, float] = field(default_factory=dict)
     """The optimizer step at the end of the step, per pipeline rank, keyed by the blocks of the
     rank's stages (``"0-7"``, ``"0-3,8-11"``; its slowest tensor- or data-parallel copy)."""
+    send_s: float | None = None
+    """A pipeline message as it ran there (`autopart.schedule.StageCosts`' terms): the rank time
+    of a send, of a receive whose data is there, and the rest of the one-way time."""
+    recv_s: float | None = None
+    transfer_s: float | None = None
 
     def stage_factor(self, blocks: tuple[int, int]) -> float:
         return self.stage_factors.get(blocks_key([blocks]), self.compute_factor)
@@ -135,6 +141,7 @@ class CostDatabase:
                 stage_factors={str(b): float(f) for b, f in v.get("stage_factors", {}).items()},
                 tied_s=None if v.get("tied_s") is None else float(v["tied_s"]),
                 optimizer_s={str(b): float(t) for b, t in v.get("optimizer_s", {}).items()},
+                **{n: None if v.get(n) is None else float(v[n]) for n in ("send_s", "recv_s", "transfer_s")},
             ) for k, v in data.get("pipelines", {}).items()}
         except ConfigError:
             raise

@@ -9,7 +9,7 @@ import pytest
 
 import autopart.compiler
 from autopart.compiler import CompileOptions, compile_to_directory
-from autopart.profile_pipeline import _action_seconds, measure, pipeline_key
+from autopart.profile_pipeline import _action_seconds, _message_times, measure, pipeline_key
 from autopart.schedule import Action, add_communication, build_schedule
 from cost_models import CostDatabase
 from cost_models.database import PipelineMeasurement, RuntimeOverheads
@@ -74,37 +74,62 @@ def fake_times(folder: Path, plan, scale: float | tuple[float, ...], *, steps: i
                 compute, fixed = _action_seconds(plan, action, OVERHEADS) if action.is_compute else (0.0, 0.0)
                 factor = scale[action.stage] if isinstance(scale, tuple) else scale
                 cpu = (factor * compute + fixed) * (10 if step < warmup else 1)
-                actions.append([name, 0.0, cpu, cpu])
+                actions.append([name, 0.0, cpu, cpu / 2])  # half its wall time on the CPU
             start = 0.010 if rank == 0 else 0.005
             tail = [start, 0.02, 1e-3, 0.013, 0.02 - (0.004 if rank == 0 else 0.006)]  # optimizer steps of 4 and 6 ms
-            lines.append(json.dumps({"step": step, "actions": actions, "tail": tail}))
+            lines.append(json.dumps({"step": step, "origin": 0.0, "actions": actions, "tail": tail}))
         (folder / f"rank_{rank}.jsonl").write_text("\n".join(lines) + "\n")
     return folder
 
 
 def test_the_factor_is_the_stages_compute_over_the_plans_after_the_warm_up(compiled, tmp_path):
     plan, _, _ = compiled
-    profile = measure(plan, fake_times(tmp_path / "a", plan, 1.37), OVERHEADS)
+    profile = measure(plan, fake_times(tmp_path / "a", plan, 1.37), OVERHEADS, cores=2)
     assert profile.measured.compute_factor == pytest.approx(1.37)
     assert [profile.measured.stage_factor(s.blocks) for s in plan.stages] == pytest.approx([1.37, 1.37])
     assert profile.steps == 2
     assert profile.measured.tied_s == pytest.approx(0.003)  # the last holder's: the others waited
     first, last = (stage.blocks for stage in plan.stages)
-    assert profile.measured.optimizer_s == pytest.approx({f"{first[0]}-{first[1]}": 0.004, f"{last[0]}-{last[1]}": 0.006})
+    assert profile.measured.optimizer_s == pytest.approx({f"{first[0]}-{first[1]}": 0.004,
+                                                         f"{last[0]}-{last[1]}": 0.006})
     assert profile.key == pipeline_key(plan.provenance.model_sha256, plan.mesh, 2, "adamw")
     assert profile.predicted_s == pytest.approx(plan.schedule.microbatches * sum(
         s.forward_s + s.backward_s for s in plan.stages))
     (tmp_path / "a" / "rank_1.jsonl").unlink()
     with pytest.raises(RuntimeError, match="holds the action times of 1 ranks, not 2"):
-        measure(plan, tmp_path / "a", OVERHEADS)
+        measure(plan, tmp_path / "a", OVERHEADS, cores=2)
+
+
+def test_with_more_ranks_than_cores_the_factor_counts_cpu_time(compiled, tmp_path):
+    plan, _, _ = compiled
+    profile = measure(plan, fake_times(tmp_path / "c", plan, 1.2), OVERHEADS, cores=1)
+    fixed = sum(_action_seconds(plan, Action.parse(n), OVERHEADS)[1]  # a step's, halved with the rest
+                for names in actions_of(plan).values() for n in names if Action.parse(n).is_compute)
+    assert profile.measured.compute_factor == pytest.approx(0.6 - fixed / 2 / profile.predicted_s)
+
+
+def test_messages_are_paired_on_the_hosts_clock():
+    ms = 1e-3
+    messages = {
+        (5, 0, 0, "0SEND_F0"): (1.0, 1.0 + 0.2 * ms),
+        (5, 0, 0, "1RECV_F0"): (0.999, 1.0 + 0.8 * ms),  # waited: delivered 0.6 ms after the send
+        (5, 0, 0, "0SEND_F1"): (1.002, 1.002 + 0.2 * ms),
+        (5, 0, 0, "1RECV_F1"): (1.010, 1.010 + 0.3 * ms),  # its data was there
+        (5, 0, 0, "1SEND_B0"): (1.02, 1.02 + 0.2 * ms),
+        (6, 0, 0, "0RECV_B0"): (1.021, 1.03),  # another step's send: no pair
+    }
+    send, receive, transfer = _message_times(messages)
+    assert (send, receive, transfer) == pytest.approx((0.2 * ms, 0.3 * ms, 0.3 * ms))
+    assert _message_times({k: v for k, v in messages.items() if k[3] != "1RECV_F1"}) == (None, None, None)
 
 
 def test_each_stage_has_its_own_factor_and_the_others_the_pipelines(compiled, tmp_path):
     plan, _, _ = compiled
-    measured = measure(plan, fake_times(tmp_path / "s", plan, (1.0, 1.5)), OVERHEADS).measured
+    measured = measure(plan, fake_times(tmp_path / "s", plan, (1.0, 1.5)), OVERHEADS, cores=2).measured
     first, last = (stage.blocks for stage in plan.stages)
     assert measured.stage_factors == pytest.approx({f"{first[0]}-{first[1]}": 1.0, f"{last[0]}-{last[1]}": 1.5})
-    share = sum(s.forward_s + s.backward_s for s in plan.stages[1:]) / sum(s.forward_s + s.backward_s for s in plan.stages)
+    compute = [s.forward_s + s.backward_s for s in plan.stages]
+    share = compute[1] / sum(compute)
     assert measured.compute_factor == pytest.approx(1.0 + 0.5 * share)  # all stages' compute together
     assert measured.stage_factor((first[0], first[1] + 1)) == measured.compute_factor  # cut elsewhere
 
@@ -113,19 +138,22 @@ def test_a_zero_bubble_plan_counts_its_split_backward(compiled, tmp_path):
     plan, _, _ = compiled
     split = replace(plan, schedule=replace(plan.schedule, kind="zb-h1"))
     assert any(name.endswith(("I0", "W0")) for name in actions_of(split)[0])
-    assert measure(split, fake_times(tmp_path / "zb", split, 0.8), OVERHEADS).measured.compute_factor == \
+    assert measure(split, fake_times(tmp_path / "zb", split, 0.8), OVERHEADS, cores=2).measured.compute_factor == \
         pytest.approx(0.8)
 
 
 def with_factor(folder: Path, plan, factor: float | None, tied_s: float | None = None,
-                optimizer_s: dict[str, float] | None = None, **stage_factors) -> None:
+                optimizer_s: dict[str, float] | None = None, messages: tuple[float, float, float] = (None,) * 3,
+                **stage_factors) -> None:
     database = CostDatabase.load(folder / "costs.json")
     key = pipeline_key(plan.provenance.model_sha256, plan.mesh, plan.schedule.micro_batch_size, plan.optimizer)
     database.pipelines = {k: v for k, v in database.pipelines.items() if not k.endswith(key)}
     if factor is not None:
         database.put_pipeline("cpu", key, PipelineMeasurement(compute_factor=factor, tied_s=tied_s,
                                                                stage_factors=stage_factors,
-                                                               optimizer_s=optimizer_s or {}))
+                                                               optimizer_s=optimizer_s or {},
+                                                               **dict(zip(("send_s", "recv_s", "transfer_s"),
+                                                                          messages))))
     database.save()
 
 
@@ -160,6 +188,10 @@ def test_a_stored_factor_scales_the_compute_and_replaces_waking_and_resuming(com
     stepped = compile_to_directory(options, tmp_path / "stepped")[0]
     assert stepped.predicted.rank_tail_s[0] == pytest.approx(0.08)  # both measured
     assert stepped.predicted.rank_tail_s[1] == tied.predicted.rank_tail_s[1]  # its optimizer step modelled
+    # messages as measured: 1F0's input comes 10 ms after 0F0, and 0B0's gradient 10 ms after 1B0
+    with_factor(folder, plan, 2.0, messages=(0.0, 0.0, 0.01))
+    slow_messages = compile_to_directory(options, tmp_path / "slow_messages")[0]
+    assert slow_messages.predicted.step_s > at_two.predicted.step_s + 0.019
     with_factor(folder, plan, None)
     unprofiled = compile_to_directory(options, tmp_path / "unprofiled")[0]
     assert unprofiled.predicted.compute_factor_from != "pipeline"
