@@ -51,7 +51,7 @@ __all__ = ["PipelineProfile", "pipeline_key", "profile_pipeline", "measure"]
 
 WARMUP_STEPS = 4  # left out: the first steps allocate, and fill the caches and the allocator
 MEASURED_STEPS = 8  # at least; and at least
-MEASURED_SECONDS = 4.0  # by the plan's step: this machine's speed moves within seconds
+MEASURED_SECONDS = 8.0  # by the plan's step: this machine's speed moves within seconds
 
 
 def pipeline_key(model_sha256: str, mesh: dict[str, int], micro_batch_size: int, optimizer: str) -> str:

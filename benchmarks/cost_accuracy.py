@@ -186,7 +186,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=5, help="first steps left out of the median")
-    parser.add_argument("--seconds", type=float, default=5.0,
+    parser.add_argument("--seconds", type=float, default=8.0,
                         help="and more steps than --steps where it takes that many seconds of predicted steps")
     parser.add_argument("--costs", type=Path, help="cost database to use and extend (default: a fresh one)")
     parser.add_argument("--shield", action="store_true",
