@@ -52,6 +52,7 @@ __all__ = ["PipelineProfile", "pipeline_key", "profile_pipeline", "measure"]
 WARMUP_STEPS = 4  # left out: the first steps allocate, and fill the caches and the allocator
 MEASURED_STEPS = 8  # at least; and at least
 MEASURED_SECONDS = 8.0  # by the plan's step: this machine's speed moves within seconds
+MAX_STEPS = 1000  # whatever the seconds: a plan of a millisecond a step has its fixed costs per step besides
 
 
 def pipeline_key(model_sha256: str, mesh: dict[str, int], micro_batch_size: int, optimizer: str) -> str:
@@ -180,8 +181,9 @@ def _message_times(messages: dict[tuple[int, int, int, str], tuple[float, float]
 def profile_pipeline(out_dir: Path, plan: Plan, overheads: RuntimeOverheads, *, cores: int,
                      timeout_s: float = 600.0) -> PipelineProfile:
     """Run the programs in ``out_dir`` on this host's CPU and measure them: `MEASURED_STEPS`
-    steps and `MEASURED_SECONDS` by the plan's predicted step, after `WARMUP_STEPS`."""
-    measured_steps = max(MEASURED_STEPS, math.ceil(MEASURED_SECONDS / max(plan.predicted.step_s, 1e-3)))
+    steps and `MEASURED_SECONDS` by the plan's predicted step (up to `MAX_STEPS`), after `WARMUP_STEPS`."""
+    by_time = math.ceil(MEASURED_SECONDS / max(plan.predicted.step_s, 1e-6))
+    measured_steps = max(MEASURED_STEPS, min(MAX_STEPS, by_time))
     with tempfile.TemporaryDirectory(prefix="autopart-pipeline-") as folder:
         work = Path(folder)
         run_locally(out_dir, plan.world_size,
