@@ -382,6 +382,7 @@ def _plan_from_cuts(
             if strategy.output != REPLICATE or strategy.kind
         }
         placements = _parameter_placements(front)
+        backward = sum(problem.block_time_s[k] for k in r) - sum(f for f, _, _ in times)  # recompute included
         stages.append(
             StagePlan(
                 index=s,
@@ -393,8 +394,9 @@ def _plan_from_cuts(
                 batch_inputs=needed,
                 parameters=parameters,
                 forward_s=sum(f for f, _, _ in times),
-                backward_s=sum(problem.block_time_s[k] for k in r) - sum(f for f, _, _ in times),  # recompute included
-                backward_weight_s=sum(w for _, _, w in times),
+                backward_s=backward,
+                # a stage whose backward is all weight gradients (the embedding alone): equal, not a rounding apart
+                backward_weight_s=min(backward, sum(w for _, _, w in times)),
                 parameter_bytes=sum(chain.parameter_bytes[p] for p in parameters),
                 activation_bytes=sum(problem.block_activation_bytes[k] for k in r),
                 strategies=strategies,
