@@ -561,14 +561,15 @@ def _compute_factor(options: CompileOptions, front: _Front, stages: list[StagePl
 
 def _step_time(options: CompileOptions, front: _Front, stages: list[StagePlan], transfer: tuple[float, ...],
                tails: dict[int, float], microbatches: int, factor: tuple[tuple[float, ...], str],
-               in_place: PipelineMeasurement | None = None) -> float:
+               in_place: PipelineMeasurement | None) -> float:
     """The step as the runtime times it: the pipeline with the fixed cost of each action, each
     forward and backward of stage s ``factor[0][s]`` times its profiled time, its messages as
     this pipeline measured them where it was run (``in_place``), on ranks that share the device's
     cores when it has them, then each rank's tail."""
     overheads = front.cost_model.runtime_overheads
-    call = overheads.autograd_call_s
-    slower, measured_in_place = factor[0], factor[1] == "pipeline"
+    slower, measured_in_place = factor[0], in_place is not None
+    fixed = [overheads.action_costs(recompute=s.recompute != "none", split=options.schedule == "zb-h1")
+             for s in stages]
     # per boundary, the rank time of its messages (one per tensor) on each side; the rest is latency
     sides = [[front.cost_model.p2p_rank_time(m.nbytes, across_nodes=options.pipeline_crosses_nodes)
               for _, m in st.outputs] for st in stages[:-1]]
@@ -578,15 +579,9 @@ def _step_time(options: CompileOptions, front: _Front, stages: list[StagePlan], 
         send, receive = (in_place.send_s,) * len(sides), (in_place.recv_s,) * len(sides)
         transfer = tuple(in_place.send_s + in_place.recv_s + in_place.transfer_s for _ in sides)
     costs = StageCosts(
-        forward_s=tuple(f * s.forward_s + overheads.module_call_s for f, s in zip(slower, stages)),
-        # B starts one backward; zero-bubble schedules start two, one for I and one for W; recompute calls the stage again
-        backward_s=tuple(
-            f * s.backward_s + (2 * call if options.schedule == "zb-h1" else call)
-            + (overheads.module_call_s if s.recompute != "none" else 0.0)
-            for f, s in zip(slower, stages)
-        ),
-        weight_s=tuple(f * s.backward_weight_s + (call if options.schedule == "zb-h1" else 0.0)
-                       for f, s in zip(slower, stages)),
+        forward_s=tuple(f * s.forward_s + x[0] for f, s, x in zip(slower, stages, fixed)),
+        backward_s=tuple(f * s.backward_s + x[1] for f, s, x in zip(slower, stages, fixed)),
+        weight_s=tuple(f * s.backward_weight_s + x[2] for f, s, x in zip(slower, stages, fixed)),
         transfer_s=tuple(max(0.0, t - s - r) for t, s, r in zip(transfer, send, receive)),
         send_s=send,
         recv_s=receive,

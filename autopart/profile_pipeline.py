@@ -65,7 +65,7 @@ def pipeline_key(model_sha256: str, mesh: dict[str, int], micro_batch_size: int,
 class PipelineProfile:
     key: str
     measured: PipelineMeasurement  # what the cost database keeps
-    compute_s: float  # CPU seconds of the compute actions of all ranks, per step (median over the steps)
+    compute_s: float  # seconds of the compute actions of all ranks, per step (median over the steps; see measure)
     predicted_s: float  # what the plan counts for them, before the factor
     steps: int
 
@@ -74,14 +74,15 @@ def _action_seconds(plan: Plan, action: Action, overheads: RuntimeOverheads) -> 
     """(compute the plan counts, the runtime's fixed cost) of one compute action, as
     `autopart.compiler._step_time` costs it before its factor."""
     stage = plan.stages[action.stage]
-    rebuild = overheads.module_call_s if stage.recompute != "none" else 0.0
+    forward, backward, weight = overheads.action_costs(recompute=stage.recompute != "none",
+                                                       split=plan.schedule.kind == "zb-h1")
     if action.kind is Kind.F:
-        return stage.forward_s, overheads.module_call_s
+        return stage.forward_s, forward
     if action.kind is Kind.W:
-        return stage.backward_weight_s, overheads.autograd_call_s
+        return stage.backward_weight_s, weight
     if action.kind is Kind.I:
-        return stage.backward_s - stage.backward_weight_s, overheads.autograd_call_s + rebuild
-    return stage.backward_s, overheads.autograd_call_s + rebuild
+        return stage.backward_s - stage.backward_weight_s, backward - weight
+    return stage.backward_s, backward
 
 
 def measure(plan: Plan, action_times: Path, overheads: RuntimeOverheads, *, cores: int,
@@ -91,7 +92,7 @@ def measure(plan: Plan, action_times: Path, overheads: RuntimeOverheads, *, core
     wall time (a message's thread that takes the core mid-compute slows it too), with more its
     CPU time (the step model shares the cores itself)."""
     shared = plan.world_size > cores
-    # (stage, step) -> CPU seconds of its compute actions on every rank, less their fixed costs; and the plan's count
+    # (stage, step) -> seconds of its compute actions on every rank, less their fixed costs; and the plan's count
     measured: dict[tuple[int, int], float] = {}
     predicted: dict[tuple[int, int], float] = {}
     tied: dict[int, tuple[float, float]] = {}  # step -> (start, seconds) of the last holder's tied sums
@@ -108,15 +109,14 @@ def measure(plan: Plan, action_times: Path, overheads: RuntimeOverheads, *, core
             step = record["step"]
             if step < warmup:
                 continue
+            where, origin = mesh.coordinates(rank), record["origin"]
             start, end, _cpu, tied_end, optimizer_start = record["tail"]
-            if mesh.coordinates(rank).pp in holders and start >= tied.get(step, (-1.0, 0.0))[0]:
+            if where.pp in holders and start >= tied.get(step, (-1.0, 0.0))[0]:
                 tied[step] = (start, tied_end - start)
             optimizer.setdefault(rank, []).append(end - optimizer_start)
-            where = mesh.coordinates(rank)
             for name, action_start, action_end, cpu_s in record["actions"]:
                 action = Action.parse(name)
                 if not action.is_compute:  # on the host's clock, to pair each receive with its send
-                    origin = record["origin"]
                     messages[step, where.dp, where.tp, name] = (origin + action_start, origin + action_end)
                     continue
                 compute, fixed = _action_seconds(plan, action, overheads)

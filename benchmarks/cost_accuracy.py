@@ -53,6 +53,7 @@ from rich.table import Table  # noqa: E402
 
 from autopart.capture import capture, graph_args, load_model_file  # noqa: E402
 from autopart.compiler import CompileOptions, compile_to_directory  # noqa: E402
+from autopart.local_run import free_port  # noqa: E402
 from autopart.plan import Plan  # noqa: E402
 from autopart.profile_in_situ import trimmed_mean  # noqa: E402
 from autopart.runtime.stage import load_stage  # noqa: E402
@@ -158,9 +159,7 @@ def _children(pid: int) -> list[int]:
 def _run(out: Path, ranks: int, steps: int, warmup: int, shield: bool = False) -> tuple[float, list[int]]:
     metrics = out / "metrics.jsonl"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    with __import__("socket").socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}", "--master-addr=127.0.0.1",
                f"--master-port={port}", str(out / "train.py"), "--steps", str(steps), "--metrics", str(metrics)]
     with subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env) as launcher:

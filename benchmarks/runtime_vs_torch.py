@@ -46,7 +46,6 @@ import datetime
 import json
 import math
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -58,6 +57,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from autopart.local_run import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 GPT = REPO / "examples" / "gpt.py"
@@ -291,12 +292,6 @@ def layers_per_stage(plan) -> str:
 
 
 # ---------------------------------------------------------------- launching and measuring
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -49,6 +49,7 @@ from pathlib import Path
 import torch
 
 from autopart.errors import ConfigError
+from autopart.local_run import free_port
 from cost_models.calibration import cache_dir
 
 __all__ = ["CommProfile", "profile_comm", "load_comm_profile", "SIZES", "WAKE_IDLES"]
@@ -434,9 +435,7 @@ def profile_comm(*, ranks: int = 2, backend: str | None = None) -> tuple[CommPro
     if backend == "nccl" and torch.cuda.device_count() < ranks:
         raise ConfigError(f"nccl over {ranks} ranks needs {ranks} GPUs, {torch.cuda.device_count()} visible; use fewer --ranks")
     device = local_device_name("cuda" if backend == "nccl" else "cpu")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     with tempfile.TemporaryDirectory() as folder:
         out = os.path.join(folder, "comm.json")
         previous = os.environ.get("OMP_NUM_THREADS")

@@ -70,6 +70,14 @@ class RuntimeOverheads:
     resume_backward_s: float = 0.0
     """The same for a backward action."""
 
+    def action_costs(self, *, recompute: bool, split: bool) -> tuple[float, float, float]:
+        """What one stage's forward, backward and weight-gradient actions cost beyond their
+        compute, as `autopart.schedule.StageCosts` takes them (its I is the backward less W): a
+        forward calls the stage; a backward starts autograd once, twice when ``split`` into I and W
+        (zero bubble), and calls the stage again when it ``recompute``s; W starts its own."""
+        backward = self.autograd_call_s * (2 if split else 1) + (self.module_call_s if recompute else 0.0)
+        return self.module_call_s, backward, self.autograd_call_s if split else 0.0
+
 
 @dataclass(frozen=True, kw_only=True)
 class PipelineMeasurement:

@@ -8,7 +8,6 @@ import atexit
 import functools
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -19,16 +18,11 @@ import torch
 from safetensors.torch import load_file
 
 from autopart.compiler import CompileOptions, compile_to_directory
+from autopart.local_run import free_port
 from autopart.plan import Plan
 from autopart.runtime.reference import train_reference
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def environment() -> dict[str, str]:
