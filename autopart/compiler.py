@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import statistics
 import tempfile
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -29,7 +30,7 @@ from autopart.profile import profile_costs
 from autopart.profile_pipeline import pipeline_key, profile_pipeline
 from autopart.recompute import recompute_cost, stage_input_bytes, stage_modes, transient_microbatches
 from autopart.rewrite import separate_biases
-from autopart.schedule import SCHEDULE_KINDS, StageCosts, add_communication, build_schedule, stage_rank
+from autopart.schedule import SCHEDULE_KINDS, Action, Kind, StageCosts, add_communication, build_schedule, stage_rank
 from autopart.schedule.shared import step_time
 from autopart.solver.pipeline import PipelineProblem, evaluate, solve_cuts, stage_ranges
 from autopart.solver.sharding import REPLICATE, Placement
@@ -565,9 +566,12 @@ def _step_time(options: CompileOptions, front: _Front, stages: list[StagePlan], 
     """The step as the runtime times it: the pipeline with the fixed cost of each action, each
     forward and backward of stage s ``factor[0][s]`` times its profiled time, its messages as
     this pipeline measured them where it was run (``in_place``), on ranks that share the device's
-    cores when it has them, then each rank's tail."""
+    cores when it has them, then each rank's tail. Where this pipeline was run, the median of its
+    steps replayed: each step measured there with its actions, deliveries and tails as they
+    moved from their medians in that step. A step waits for its slowest rank and its latest
+    message, and a busy machine's slow moments catch the ranks at different times, so the step
+    of the median action times is shorter than the median step (by 5-10% here at 2 ranks)."""
     overheads = front.cost_model.runtime_overheads
-    slower, measured_in_place = factor[0], in_place is not None
     fixed = [overheads.action_costs(recompute=s.recompute != "none", split=options.schedule == "zb-h1")
              for s in stages]
     # per boundary, the rank time of its messages (one per tensor) on each side; the rest is latency
@@ -578,6 +582,16 @@ def _step_time(options: CompileOptions, front: _Front, stages: list[StagePlan], 
     if in_place is not None and in_place.transfer_s is not None:  # one message per boundary, as measured
         send, receive = (in_place.send_s,) * len(sides), (in_place.recv_s,) * len(sides)
         transfer = tuple(in_place.send_s + in_place.recv_s + in_place.transfer_s for _ in sides)
+    schedule = add_communication(
+        build_schedule(options.schedule, ranks=options.pp, microbatches=microbatches,
+                       chunks=options.chunks), ranks=options.pp)
+    device = front.cost_model.device
+    # the other tensor- and data-parallel ranks of the machine run the same work beside this pipeline
+    cores = device.cores / (options.tp * options.dp)
+    # measured in place, the factor holds what waking and refilling a shared core cost the compute
+    resume = (0.0, 0.0) if in_place is not None else (overheads.resume_forward_s, overheads.resume_backward_s)
+
+    slower = factor[0]
     costs = StageCosts(
         forward_s=tuple(f * s.forward_s + x[0] for f, s, x in zip(slower, stages, fixed)),
         backward_s=tuple(f * s.backward_s + x[1] for f, s, x in zip(slower, stages, fixed)),
@@ -586,17 +600,33 @@ def _step_time(options: CompileOptions, front: _Front, stages: list[StagePlan], 
         send_s=send,
         recv_s=receive,
     )
-    schedule = add_communication(
-        build_schedule(options.schedule, ranks=options.pp, microbatches=microbatches,
-                       chunks=options.chunks), ranks=options.pp)
-    device = front.cost_model.device
-    # the other tensor- and data-parallel ranks of the machine run the same work beside this pipeline
-    cores = device.cores / (options.tp * options.dp)
-    # measured in place, the factor holds what waking and refilling a shared core cost the compute
-    resume = (0.0, 0.0) if measured_in_place else (overheads.resume_forward_s, overheads.resume_backward_s)
-    return step_time(schedule, costs, ranks=options.pp, cores=cores, background=device.background_load,
-                     tail_s=tails, resume_s=resume, busy_delay_s=front.cost_model.p2p_busy_delay(),
-                     wake_s=None if measured_in_place else front.cost_model.wake_time)
+
+    def step(costs: StageCosts, tails: dict[int, float]) -> float:
+        return step_time(schedule, costs, ranks=options.pp, cores=cores, background=device.background_load,
+                         tail_s=tails, resume_s=resume, busy_delay_s=front.cost_model.p2p_busy_delay(),
+                         wake_s=None if in_place is not None else front.cost_model.wake_time)
+
+    if in_place is None or not in_place.step_variation:
+        return step(costs, tails)
+    actions = [action for on_rank in schedule.values() for action in on_rank]
+    return statistics.median(
+        step(replace(costs, actions=_replayed(costs, actions, moved)),
+             {rank: seconds * moved.get(f"tail {rank}", 1.0) for rank, seconds in tails.items()})
+        for moved in in_place.step_variation
+    )
+
+
+def _replayed(costs: StageCosts, actions: list[Action], moved: dict[str, float]) -> dict[Action, float]:
+    """The actions' times in one measured step (`PipelineMeasurement.step_variation`): each
+    compute action and send its time times its multiple, each receive its time plus the
+    lateness of its delivery."""
+    times = {}
+    for action in actions:
+        change = moved.get(str(action))
+        if change is not None:
+            receive = action.kind in (Kind.RECV_F, Kind.RECV_B)
+            times[action] = max(0.0, costs.duration(action) + change) if receive else costs.duration(action) * change
+    return times
 
 
 def _batch_inputs(op_graph: OpGraph, nodes: tuple[str, ...], graph_inputs: tuple[str, ...]) -> tuple[str, ...]:

@@ -29,6 +29,15 @@ colder still than right after a backward, where ``autopart profile`` times it). 
 paired on the host's clock, give the step model a send's time, a receive's once its data is
 there and the rest of a waited one's delivery, in place of ``profile-comm``'s.
 
+And it keeps how single steps moved from the median one (`PipelineMeasurement.step_variation`):
+each action's time against its median, how late each message came, each rank's tail. A step
+waits for its slowest rank and its latest message, and a busy machine's slow moments catch the
+ranks at different times, so the median step is longer than the step of the median actions
+(by 8-10% at 2 ranks here); the step model replays the steps kept and takes their median. Not
+where the ranks outnumber the cores: there a step moves mostly with which rank had a core when,
+which the step model's sharing of the cores already holds (replaying it too predicted 25-35%
+long at 4 ranks).
+
 It needs the plan's ranks on this host, on its CPU.
 """
 
@@ -45,7 +54,7 @@ from autopart.local_run import run_locally
 from autopart.plan import Plan
 from autopart.runtime.mesh import Mesh
 from autopart.schedule import Action, Kind
-from cost_models.database import PipelineMeasurement, RuntimeOverheads, blocks_key
+from cost_models.database import VARIATION_STEPS, PipelineMeasurement, RuntimeOverheads, blocks_key
 
 __all__ = ["PipelineProfile", "pipeline_key", "profile_pipeline", "measure"]
 
@@ -95,8 +104,9 @@ def measure(plan: Plan, action_times: Path, overheads: RuntimeOverheads, *, core
     # (stage, step) -> seconds of its compute actions on every rank, less their fixed costs; and the plan's count
     measured: dict[tuple[int, int], float] = {}
     predicted: dict[tuple[int, int], float] = {}
-    tied: dict[int, tuple[float, float]] = {}  # step -> (start, seconds) of the last holder's tied sums
-    optimizer: dict[int, list[float]] = {}  # rank -> seconds of its optimizer step, per step
+    took_by_step: dict[tuple[int, str], float] = {}  # (step, action) -> seconds, its slowest copy's
+    tied: dict[int, tuple[float, float]] = {}  # step -> (start on the host's clock, seconds) of the last holder's tied sums
+    optimizer: dict[tuple[int, int], float] = {}  # (step, rank) -> seconds of its optimizer step
     messages: dict[tuple[int, int, int, str], tuple[float, float]] = {}  # (step, dp, tp, action) -> start, end
     holders = {stage.rank for stage in plan.stages if set(stage.parameters) & set(plan.tied_parameters)}
     mesh = Mesh.of(plan)
@@ -111,16 +121,17 @@ def measure(plan: Plan, action_times: Path, overheads: RuntimeOverheads, *, core
                 continue
             where, origin = mesh.coordinates(rank), record["origin"]
             start, end, _cpu, tied_end, optimizer_start = record["tail"]
-            if where.pp in holders and start >= tied.get(step, (-1.0, 0.0))[0]:
-                tied[step] = (start, tied_end - start)
-            optimizer.setdefault(rank, []).append(end - optimizer_start)
+            if where.pp in holders and origin + start >= tied.get(step, (-math.inf, 0.0))[0]:
+                tied[step] = (origin + start, tied_end - start)
+            optimizer[step, rank] = end - optimizer_start
             for name, action_start, action_end, cpu_s in record["actions"]:
                 action = Action.parse(name)
+                took = cpu_s if shared and action.is_compute else action_end - action_start
+                took_by_step[step, name] = max(took, took_by_step.get((step, name), 0.0))
                 if not action.is_compute:  # on the host's clock, to pair each receive with its send
                     messages[step, where.dp, where.tp, name] = (origin + action_start, origin + action_end)
                     continue
                 compute, fixed = _action_seconds(plan, action, overheads)
-                took = cpu_s if shared else action_end - action_start
                 measured[action.stage, step] = measured.get((action.stage, step), 0.0) + took - fixed
                 predicted[action.stage, step] = predicted.get((action.stage, step), 0.0) + compute
     if not measured or min(predicted.values()) <= 0:
@@ -136,18 +147,73 @@ def measure(plan: Plan, action_times: Path, overheads: RuntimeOverheads, *, core
     }
     tied_s = statistics.median(seconds for _, seconds in tied.values()) if tied else None
     optimizer_s: dict[str, float] = {}
-    for rank, seconds in optimizer.items():
+    tails: dict[tuple[int, int], float] = {}  # (step, pipeline rank) -> its tail as the step model counts it
+    for (step, rank), seconds in optimizer.items():
+        pp = mesh.coordinates(rank).pp
+        tails[step, pp] = max(tails.get((step, pp), 0.0), seconds + (tied[step][1] if pp in holders and tied else 0.0))
+    for rank in range(plan.world_size):
         here = blocks_key([stage.blocks for stage in plan.stages if stage.rank == mesh.coordinates(rank).pp])
-        optimizer_s[here] = max(optimizer_s.get(here, 0.0), statistics.median(seconds))
+        optimizer_s[here] = max(optimizer_s.get(here, 0.0), statistics.median(optimizer[t, rank] for t in steps))
+    # where the ranks outnumber the cores, a step moves mostly with which rank had a core when,
+    # and the step model shares the cores itself: replaying the steps would count that twice
+    step_variation = () if shared else _step_variation(steps, took_by_step, _deliveries(messages), tails)
     send_s, recv_s, transfer_s = _message_times(messages)
     return PipelineProfile(
         key=pipeline_key(plan.provenance.model_sha256, plan.mesh, plan.schedule.micro_batch_size, plan.optimizer),
         measured=PipelineMeasurement(compute_factor=compute_s / predicted_s, stage_factors=stage_factors,
                                      tied_s=tied_s, optimizer_s=optimizer_s, send_s=send_s, recv_s=recv_s,
-                                     transfer_s=transfer_s),
+                                     transfer_s=transfer_s, step_variation=step_variation),
         compute_s=compute_s, predicted_s=predicted_s, steps=len(steps),
     )  # fmt: skip
 
+
+def _step_variation(steps: list[int], took: dict[tuple[int, str], float], deliveries: dict[tuple[int, str], float],
+                    tails: dict[tuple[int, int], float]) -> tuple[dict[str, float], ...]:
+    """Per step (at most `VARIATION_STEPS`, evenly spaced), how each action, delivery and tail
+    differed from its median (`PipelineMeasurement.step_variation`): which ranks a slow moment of
+    the machine caught in the same step, and which message came late, for the step model to run
+    the pipeline through each of those steps."""
+    def median_of(values: dict[tuple[int, object], float]) -> dict[object, float]:
+        by_key: dict[object, list[float]] = {}
+        for (_, key), seconds in values.items():
+            by_key.setdefault(key, []).append(seconds)
+        return {key: statistics.median(v) for key, v in by_key.items()}
+
+    typical_took, typical_tail = median_of(took), median_of(tails)
+    typical_delivery = statistics.median(deliveries.values()) if deliveries else 0.0
+    kept = [steps[round(i * (len(steps) - 1) / (VARIATION_STEPS - 1))] for i in range(VARIATION_STEPS)] \
+        if len(steps) > VARIATION_STEPS else steps
+    variation = []
+    for step in kept:
+        moved = {name: took[step, name] / typical_took[name] for name in typical_took
+                 if (step, name) in took and typical_took[name] > 0 and Action.parse(name).kind not in RECEIVES}
+        moved.update({name: seconds - typical_delivery for (t, name), seconds in deliveries.items() if t == step})
+        moved.update({f"tail {pp}": tails[step, pp] / typical_tail[pp] for pp in typical_tail
+                      if (step, pp) in tails and typical_tail[pp] > 0})
+        variation.append(moved)
+    return tuple(variation)
+
+
+def _deliveries(messages: dict[tuple[int, int, int, str], tuple[float, float]]) -> dict[tuple[int, str], float]:
+    """(step, receive) -> seconds from the later of its start and its send's end to its end (its
+    slowest copy's): how long the data took to be had once it was both sent and asked for."""
+    deliveries: dict[tuple[int, str], float] = {}
+    for (step, dp, tp, name), (start, end) in messages.items():
+        send = messages.get((step, dp, tp, _send_of(name))) if Action.parse(name).kind in RECEIVES else None
+        if send is not None:
+            deliveries[step, name] = max(deliveries.get((step, name), 0.0), end - max(start, send[1]))
+    return deliveries
+
+
+def _send_of(receive: str) -> str:
+    """The send that a receive pairs with: ``1RECV_F3`` -> ``0SEND_F3``, ``0RECV_B3`` -> ``1SEND_B3``."""
+    action = Action.parse(receive)
+    if action.kind is Kind.RECV_F:
+        return str(Action(stage=action.stage - 1, kind=Kind.SEND_F, microbatch=action.microbatch))
+    return str(Action(stage=action.stage + 1, kind=Kind.SEND_B, microbatch=action.microbatch))
+
+
+RECEIVES = (Kind.RECV_F, Kind.RECV_B)
 
 ARRIVED_S = 5e-4
 """A receive that starts this long after its send ended finds the data there (one way takes
@@ -160,12 +226,10 @@ def _message_times(messages: dict[tuple[int, int, int, str], tuple[float, float]
     there; and what a receive that waited took from the end of its send, less a receive's time."""
     sends, receives, waited = [], [], []
     for (step, dp, tp, name), (start, end) in messages.items():
-        action = Action.parse(name)
-        if action.kind in (Kind.SEND_F, Kind.SEND_B):
+        if Action.parse(name).kind not in RECEIVES:
             sends.append(end - start)
             continue
-        sender = (Kind.SEND_F, action.stage - 1) if action.kind is Kind.RECV_F else (Kind.SEND_B, action.stage + 1)
-        send = messages.get((step, dp, tp, str(Action(stage=sender[1], kind=sender[0], microbatch=action.microbatch))))
+        send = messages.get((step, dp, tp, _send_of(name)))
         if send is None:
             continue
         if start >= send[1] + ARRIVED_S:

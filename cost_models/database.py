@@ -36,7 +36,7 @@ import torch
 
 from autopart.errors import ConfigError
 
-__all__ = ["OpTimes", "RuntimeOverheads", "PipelineMeasurement", "CostDatabase", "blocks_key", "entry_key"]
+__all__ = ["OpTimes", "RuntimeOverheads", "PipelineMeasurement", "VARIATION_STEPS", "CostDatabase", "blocks_key", "entry_key"]
 
 _SCHEMA = 2
 """2: ops timed in place on the CPU (``autopart.profile_in_situ``), optimizer steps less their fixed cost."""
@@ -79,6 +79,10 @@ class RuntimeOverheads:
         return self.module_call_s, backward, self.autograd_call_s if split else 0.0
 
 
+VARIATION_STEPS = 64
+"""Steps of a pipeline's profile whose variation the cost database keeps (`PipelineMeasurement`)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class PipelineMeasurement:
     """What one pipeline of one model measured as it ran (``autopart compile --profile-pipeline``)."""
@@ -100,6 +104,13 @@ class PipelineMeasurement:
     of a send, of a receive whose data is there, and the rest of the one-way time."""
     recv_s: float | None = None
     transfer_s: float | None = None
+    step_variation: tuple[dict[str, float], ...] = ()
+    """How single steps differed from the median one: per measured step (at most
+    `VARIATION_STEPS`, evenly spaced), keyed by action (``"0F1"``, ``"1RECV_F1"``): a compute
+    action's or a send's time as a multiple of that action's median over the steps, and for a
+    receive the seconds by which its delivery (from the later of its start and its send's end to
+    its end) was longer than the median delivery; ``"tail 0"``: pipeline rank 0's tail (tied
+    sums and optimizer step) as a multiple of its median."""
 
     def stage_factor(self, blocks: tuple[int, int]) -> float:
         return self.stage_factors.get(blocks_key([blocks]), self.compute_factor)
@@ -150,6 +161,7 @@ class CostDatabase:
                 tied_s=None if v.get("tied_s") is None else float(v["tied_s"]),
                 optimizer_s={str(b): float(t) for b, t in v.get("optimizer_s", {}).items()},
                 **{n: None if v.get(n) is None else float(v[n]) for n in ("send_s", "recv_s", "transfer_s")},
+                step_variation=tuple({str(b): float(m) for b, m in step.items()} for step in v.get("step_variation", ())),
             ) for k, v in data.get("pipelines", {}).items()}
         except ConfigError:
             raise

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 import autopart.compiler
+import autopart.profile_pipeline
 from autopart.compiler import CompileOptions, compile_to_directory
 from autopart.profile_pipeline import _action_seconds, _message_times, measure, pipeline_key
 from autopart.schedule import Action, add_communication, build_schedule
@@ -142,9 +143,51 @@ def test_a_zero_bubble_plan_counts_its_split_backward(compiled, tmp_path):
         pytest.approx(0.8)
 
 
+def test_the_steps_variation_is_each_action_delivery_and_tail_against_its_median(compiled, tmp_path, monkeypatch):
+    plan, _, _ = compiled
+    folder = fake_times(tmp_path / "v", plan, 1.0, steps=7)  # steps 4, 5, 6 measured, alike
+    ms = 1e-3
+    for rank, change in ((1, lambda step, a: a[:2] + [a[2] * 3, a[3]] if step == 5 and a[0] == "1F2" else a),
+                         (0, lambda step, a: [a[0], a[1], 2 * ms, a[3]] if step == 6 and a[0] == "0RECV_B1" else a)):
+        file = folder / f"rank_{rank}.jsonl"
+        records = [json.loads(line) for line in file.read_text().splitlines()]
+        for record in records:
+            record["actions"] = [change(record["step"], a) for a in record["actions"]]
+            if rank == 1 and record["step"] == 6:
+                record["tail"][1] += 8 * ms  # its optimizer step: 6 ms, 14 ms in step 6
+        file.write_text("".join(json.dumps(r) + "\n" for r in records))
+    steps = measure(plan, folder, OVERHEADS, cores=2).measured.step_variation
+    assert len(steps) == 3
+    compute = {n for names in actions_of(plan).values() for n in names if Action.parse(n).is_compute}
+    for number, step in zip((4, 5, 6), steps):
+        assert {n for n in step if "RECV" not in n and "tail" not in n} >= compute
+        for name, value in step.items():
+            if "RECV" in name:  # the seconds beyond the median delivery (0 here: sends and receives at 0)
+                assert value == pytest.approx(2 * ms if (number, name) == (6, "0RECV_B1") else 0.0), (number, name)
+            elif name == "tail 1":  # tied sums 3 ms, optimizer 6 ms, and 14 ms in step 6
+                assert value == pytest.approx(17 / 9 if number == 6 else 1.0)
+            else:
+                assert value == pytest.approx(3.0 if (number, name) == (5, "1F2") else 1.0), (number, name)
+    # more steps than it keeps: evenly spaced, the first and the last
+    monkeypatch.setattr(autopart.profile_pipeline, "VARIATION_STEPS", 2)
+    kept = measure(plan, folder, OVERHEADS, cores=2).measured.step_variation
+    assert kept == (steps[0], steps[2])
+    # ranks that outnumber the cores: the step model shares the cores itself, no replay
+    assert measure(plan, folder, OVERHEADS, cores=1).measured.step_variation == ()
+
+
+def test_the_steps_variation_survives_the_database(tmp_path):
+    database = CostDatabase.load(tmp_path / "costs.json")
+    measured = PipelineMeasurement(compute_factor=1.2, step_variation=({"0F0": 1.5, "1RECV_F0": -1e-5, "tail 0": 0.9},
+                                                                       {"0F0": 1.0}))
+    database.put_pipeline("cpu", "pipeline(x)", measured)
+    database.save()
+    assert CostDatabase.load(tmp_path / "costs.json").pipeline("cpu", "pipeline(x)") == measured
+
+
 def with_factor(folder: Path, plan, factor: float | None, tied_s: float | None = None,
                 optimizer_s: dict[str, float] | None = None, messages: tuple[float, float, float] = (None,) * 3,
-                **stage_factors) -> None:
+                step_variation: tuple[dict[str, float], ...] = (), **stage_factors) -> None:
     database = CostDatabase.load(folder / "costs.json")
     key = pipeline_key(plan.provenance.model_sha256, plan.mesh, plan.schedule.micro_batch_size, plan.optimizer)
     database.pipelines = {k: v for k, v in database.pipelines.items() if not k.endswith(key)}
@@ -152,6 +195,7 @@ def with_factor(folder: Path, plan, factor: float | None, tied_s: float | None =
         database.put_pipeline("cpu", key, PipelineMeasurement(compute_factor=factor, tied_s=tied_s,
                                                                stage_factors=stage_factors,
                                                                optimizer_s=optimizer_s or {},
+                                                               step_variation=step_variation,
                                                                **dict(zip(("send_s", "recv_s", "transfer_s"),
                                                                           messages))))
     database.save()
@@ -196,6 +240,28 @@ def test_a_stored_factor_scales_the_compute_and_replaces_waking_and_resuming(com
     unprofiled = compile_to_directory(options, tmp_path / "unprofiled")[0]
     assert unprofiled.predicted.compute_factor_from != "pipeline"
     assert unprofiled.predicted.step_s > at_two.predicted.step_s  # 50 ms of waking now counts
+
+
+def test_the_step_model_replays_each_measured_step_and_takes_the_median(compiled, tmp_path):
+    plan, _, folder = compiled
+    options = tiny_options(folder)
+
+    def step_s(*steps: dict[str, float]) -> float:
+        with_factor(folder, plan, 1.0, step_variation=steps)
+        return compile_to_directory(options, tmp_path / f"v{len(list(tmp_path.iterdir()))}")[0].predicted.step_s
+
+    at_median = step_s()
+    # all as the median: each action 1.0 times its time, each delivery 0 s late
+    as_median = {n: 0.0 if "RECV" in n else 1.0 for names in actions_of(plan).values() for n in names}
+    assert step_s(*[as_median] * 3) == pytest.approx(at_median, rel=1e-12)
+    slow = {"1F0": 10.0}
+    assert step_s(slow, {}, {}) == pytest.approx(at_median, rel=1e-12)  # one step in three: not the median's
+    first_forward = plan.stages[1].forward_s
+    assert step_s(slow, slow, {}) > at_median + 8 * first_forward  # two in three: the median step has it
+    late = {"1RECV_F0": 0.01}  # its activation came 10 ms late: all of the pipeline waits
+    assert step_s(late, late, {}) > at_median + 0.0099
+    tail = compile_to_directory(options, tmp_path / "tail")[0].predicted.rank_tail_s[0]
+    assert step_s(*[{"tail 0": 3.0}] * 3) == pytest.approx(at_median + 2 * tail)  # rank 0 ends the step
 
 
 @pytest.mark.multiprocess

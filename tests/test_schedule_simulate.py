@@ -136,6 +136,17 @@ def test_split_backward_durations() -> None:
     ]
 
 
+def test_single_actions_take_their_own_time() -> None:
+    costs = StageCosts(forward_s=(1.0,), backward_s=(3.0,), weight_s=(1.0,), transfer_s=(),
+                       actions={Action.parse("0I0"): 5.0})
+    timeline = simulate(_parse({0: "0F0 0I0 0W0"}), costs, ranks=1)
+    assert [(str(e.action), e.start, e.end) for e in timeline.events] == [
+        ("0F0", 0.0, 1.0),
+        ("0I0", 1.0, 6.0),
+        ("0W0", 6.0, 7.0),
+    ]
+
+
 @pytest.mark.parametrize("kind", ["1f1b", "zb-h1", "interleaved"])
 def test_lowered_and_compute_only_schedules_simulate_alike(kind: str) -> None:
     chunks = 2 if kind == "interleaved" else 1
@@ -215,6 +226,11 @@ def test_simulate_rejects_misplaced_actions() -> None:
         (
             {"forward_s": (1.0,), "backward_s": (1.0,), "weight_s": (2.0,), "transfer_s": ()},
             "more than backward_s",
+        ),
+        (
+            {"forward_s": (1.0,), "backward_s": (1.0,), "weight_s": (0.0,), "transfer_s": (),
+             "actions": {Action.parse("0F0"): -0.5}},
+            "StageCosts.actions has a negative time",
         ),
     ],
 )

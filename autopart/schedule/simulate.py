@@ -11,8 +11,8 @@ event, and the plan's bubble and in-flight figures come from the schedule actual
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 
 from autopart.errors import ConfigError, ScheduleError
 from autopart.schedule.actions import Action, Kind, Schedule, stage_rank
@@ -42,6 +42,9 @@ class StageCosts:
     recv_s: tuple[float, ...] = ()
     """Per boundary: rank time of one receive once the data is there (completing it, waking up);
     empty for none."""
+    actions: Mapping[Action, float] = field(default_factory=dict, hash=False)
+    """Rank time of single actions in place of their stage's figure above: one step of a
+    pipeline that was run, replayed (`autopart.compiler`'s step model)."""
 
     def __post_init__(self) -> None:
         stages = len(self.forward_s)
@@ -65,6 +68,8 @@ class StageCosts:
         for name in ("forward_s", "backward_s", "weight_s", "transfer_s", "send_s", "recv_s"):
             if any(value < 0 for value in getattr(self, name)):
                 raise ConfigError(f"StageCosts.{name} has a negative time; times are seconds >= 0")
+        if any(value < 0 for value in self.actions.values()):
+            raise ConfigError("StageCosts.actions has a negative time; times are seconds >= 0")
         for stage, (backward, weight) in enumerate(
             zip(self.backward_s, self.weight_s, strict=True)
         ):
@@ -97,7 +102,9 @@ class StageCosts:
         return len(self.forward_s)
 
     def duration(self, action: Action) -> float:
-        """Rank time that a compute action takes."""
+        """Rank time that an action takes."""
+        if action in self.actions:
+            return self.actions[action]
         stage = action.stage
         if action.kind is Kind.F:
             return self.forward_s[stage]
