@@ -1,7 +1,7 @@
 """How wrong are the cost models? Predicted against measured on this machine.
 
-    python benchmarks/cost_accuracy.py [--steps 40] [--seconds 5] [--warmup 5] [--costs COSTS.json]
-        [--rows gpt-s:2,...] [--shield]
+    python benchmarks/cost_accuracy.py [--steps 40] [--seconds 8] [--warmup 5] [--costs COSTS.json]
+        [--rows gpt-s:2,...] [--repeats 1] [--shield]
 
 For each example at two sizes and for 2 and 4 ranks: compile with profiled costs
 (``--costs``: ops the database lacks are timed on the way), once with the ops' times alone and
@@ -13,7 +13,10 @@ column), then measure
   warm-up steps left out, against the prediction profiled in the pipeline (``step err``) and
   the one from the ops alone (``err alone``);
 - the peak resident memory per rank (``peak_memory_bytes`` in ``--metrics``);
-and print each against the plan's prediction, with its error. The 1-minute load average is
+and print each against the plan's prediction, with its error. ``--repeats N`` profiles the
+pipeline afresh and runs it N times per row, one right after the other: the row shows the
+repeat of the median step error, and every repeat's error beside it ("each repeat"), as the
+machine moved between them. The 1-minute load average is
 printed too: other work on the machine slows every measured figure and none of the predicted.
 So is how far the machine's own speed moved between the profile and the run ("speed moved"):
 the model's whole graph, forward and backward on one thread, timed for 2 s right before the
@@ -57,6 +60,7 @@ from autopart.local_run import free_port  # noqa: E402
 from autopart.plan import Plan  # noqa: E402
 from autopart.profile_in_situ import trimmed_mean  # noqa: E402
 from autopart.runtime.stage import load_stage  # noqa: E402
+from cost_models import CostDatabase  # noqa: E402
 
 SIZES = {
     "gpt-s": ("gpt.py", "vocab_size=512, block_size=32, n_layer=4, n_head=4, n_embd=64"),
@@ -177,6 +181,13 @@ def _run(out: Path, ranks: int, steps: int, warmup: int, shield: bool = False) -
     return statistics.median(line["step_s"] for line in lines[warmup:]), lines[-1]["peak_memory_bytes"]
 
 
+def _forget_pipelines(costs: Path) -> None:
+    """Drop what ``--profile-pipeline`` stored, so that the next compile runs the pipeline again."""
+    database = CostDatabase.load(costs)
+    database.pipelines = {}
+    database.save()
+
+
 def _error(predicted: float, measured: float) -> str:
     return f"{(predicted - measured) / measured:+.1%}"
 
@@ -190,6 +201,8 @@ def main() -> None:
     parser.add_argument("--costs", type=Path, help="cost database to use and extend (default: a fresh one)")
     parser.add_argument("--shield", action="store_true",
                         help="run this process and the ranks at scheduling-group nice -19 (root; see the docstring)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="profile and run each row this many times; the table shows the median error's")
     parser.add_argument("--rows", default="gpt-s:2,gpt-s:4,gpt-m:2,gpt-m:4,llama-s:2,llama-s:4,llama-m:2,llama-m:4")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -199,7 +212,7 @@ def main() -> None:
     table = Table(title="cost_accuracy: predicted vs measured on this CPU (errors: (predicted - measured) / measured)"
                         + (", --shield" if args.shield else ""))
     for header in ("model", "ranks", "stage fwd+bwd ms pred/meas (worst err)", "factor", "step ms pred",
-                   "step ms meas", "step err", "err alone", "speed moved", "peak MiB pred", "peak MiB meas", "mem err",
+                   "step ms meas", "step err", "each repeat", "err alone", "speed moved", "peak MiB pred", "peak MiB meas", "mem err",
                    "load"):
         table.add_column(header, justify="right")
     with tempfile.TemporaryDirectory(prefix="cost_accuracy_") as folder:
@@ -209,16 +222,21 @@ def main() -> None:
             name, ranks = row.split(":")
             ranks = int(ranks)
             model = _model_file(folder, name)
-            out = folder / f"{name}-{ranks}"
             probe = _SpeedProbe(model)
             before = probe.seconds()
             options = CompileOptions(model=model, pp=ranks, microbatches=2 * ranks, micro_batch_size=2, costs=costs,
                                      time_limit_s=10)
             alone, _ = compile_to_directory(options, folder / f"{name}-{ranks}-alone")
-            plan, _ = compile_to_directory(replace(options, profile_pipeline=True), out)
-            # the run right after the pipeline was profiled: this machine's speed moves within seconds
-            steps = max(args.steps, args.warmup + math.ceil(args.seconds / plan.predicted.step_s))
-            step, peaks = _run(out, ranks, steps, args.warmup, shield=args.shield)
+            runs = []  # (plan, measured step, peaks) per repeat: profiled afresh, then run right after
+            for repeat in range(args.repeats):
+                _forget_pipelines(costs)
+                plan, out = compile_to_directory(replace(options, profile_pipeline=True),
+                                                 folder / f"{name}-{ranks}-{repeat}")
+                # the run right after the pipeline was profiled: this machine's speed moves within seconds
+                steps = max(args.steps, args.warmup + math.ceil(args.seconds / plan.predicted.step_s))
+                runs.append((plan, out, *_run(out, ranks, steps, args.warmup, shield=args.shield)))
+            errors = [(p.predicted.step_s - step) / step for p, _, step, _ in runs]
+            plan, out, step, peaks = runs[sorted(range(len(runs)), key=errors.__getitem__)[len(runs) // 2]]
             moved = probe.seconds() / before - 1
             measured_stages = _stage_times(out, plan)
             predicted_stages = [s.forward_s + s.backward_s for s in plan.stages]
@@ -228,7 +246,7 @@ def main() -> None:
             factors = " ".join(f"{f:.2f}" for f in plan.predicted.compute_factor)
             table.add_row(name, str(ranks), f"{stage_cells} ({_error(*worst)})", factors,
                           f"{plan.predicted.step_s * 1e3:.1f}", f"{step * 1e3:.1f}", _error(plan.predicted.step_s, step),
-                          _error(alone.predicted.step_s, step), f"{moved:+.1%}",
+                          " ".join(f"{e:+.1%}" for e in errors), _error(alone.predicted.step_s, step), f"{moved:+.1%}",
                           f"{predicted_memory / 2**20:.0f}", f"{measured_memory / 2**20:.0f}",
                           _error(predicted_memory, measured_memory), f"{os.getloadavg()[0]:.1f}")
             console.print(f"{row}: step {plan.predicted.step_s * 1e3:.1f} ms predicted ({alone.predicted.step_s * 1e3:.1f} "
