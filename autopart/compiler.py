@@ -30,13 +30,13 @@ from autopart.profile import profile_costs
 from autopart.profile_pipeline import pipeline_key, profile_pipeline
 from autopart.recompute import recompute_cost, stage_input_bytes, stage_modes, transient_microbatches
 from autopart.rewrite import separate_biases
-from autopart.schedule import SCHEDULE_KINDS, Action, Kind, StageCosts, add_communication, build_schedule, stage_rank
+from autopart.schedule import RECEIVE_KINDS, SCHEDULE_KINDS, Action, StageCosts, add_communication, build_schedule, stage_rank
 from autopart.schedule.shared import step_time
 from autopart.solver.pipeline import PipelineProblem, evaluate, solve_cuts, stage_ranges
 from autopart.solver.sharding import REPLICATE, Placement
 from autopart.solver.tensor import BlockSharding, shard_chain
 from cost_models import CostDatabase, CostModel, ProfiledCostModel, get_cost_model, model_state_bytes
-from cost_models.database import PipelineMeasurement
+from cost_models.database import PipelineMeasurement, tail_key
 from cost_models.devices import local_device_name
 
 __all__ = ["CompileOptions", "compile", "emit", "compile_to_directory"]
@@ -570,7 +570,7 @@ def _step_time(options: CompileOptions, front: _Front, stages: list[StagePlan], 
     steps replayed: each step measured there with its actions, deliveries and tails as they
     moved from their medians in that step. A step waits for its slowest rank and its latest
     message, and a busy machine's slow moments catch the ranks at different times, so the step
-    of the median action times is shorter than the median step (by 5-10% here at 2 ranks)."""
+    of the median action times is shorter than the median step (by 8-10% here at 2 ranks)."""
     overheads = front.cost_model.runtime_overheads
     fixed = [overheads.action_costs(recompute=s.recompute != "none", split=options.schedule == "zb-h1")
              for s in stages]
@@ -611,7 +611,7 @@ def _step_time(options: CompileOptions, front: _Front, stages: list[StagePlan], 
     actions = [action for on_rank in schedule.values() for action in on_rank]
     return statistics.median(
         step(replace(costs, actions=_replayed(costs, actions, moved)),
-             {rank: seconds * moved.get(f"tail {rank}", 1.0) for rank, seconds in tails.items()})
+             {rank: seconds * moved.get(tail_key(rank), 1.0) for rank, seconds in tails.items()})
         for moved in in_place.step_variation
     )
 
@@ -624,7 +624,7 @@ def _replayed(costs: StageCosts, actions: list[Action], moved: dict[str, float])
     for action in actions:
         change = moved.get(str(action))
         if change is not None:
-            receive = action.kind in (Kind.RECV_F, Kind.RECV_B)
+            receive = action.kind in RECEIVE_KINDS
             times[action] = max(0.0, costs.duration(action) + change) if receive else costs.duration(action) * change
     return times
 

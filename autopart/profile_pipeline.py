@@ -35,7 +35,7 @@ waits for its slowest rank and its latest message, and a busy machine's slow mom
 ranks at different times, so the median step is longer than the step of the median actions
 (by 8-10% at 2 ranks here); the step model replays the steps kept and takes their median. Not
 where the ranks outnumber the cores: there a step moves mostly with which rank had a core when,
-which the step model's sharing of the cores already holds (replaying it too predicted 25-35%
+which the step model's sharing of the cores already holds (replaying it too predicted 22-40%
 long at 4 ranks).
 
 It needs the plan's ranks on this host, on its CPU.
@@ -53,8 +53,8 @@ from pathlib import Path
 from autopart.local_run import run_locally
 from autopart.plan import Plan
 from autopart.runtime.mesh import Mesh
-from autopart.schedule import Action, Kind
-from cost_models.database import VARIATION_STEPS, PipelineMeasurement, RuntimeOverheads, blocks_key
+from autopart.schedule import RECEIVE_KINDS, Action, Kind
+from cost_models.database import VARIATION_STEPS, PipelineMeasurement, RuntimeOverheads, blocks_key, tail_key
 
 __all__ = ["PipelineProfile", "pipeline_key", "profile_pipeline", "measure"]
 
@@ -104,7 +104,7 @@ def measure(plan: Plan, action_times: Path, overheads: RuntimeOverheads, *, core
     # (stage, step) -> seconds of its compute actions on every rank, less their fixed costs; and the plan's count
     measured: dict[tuple[int, int], float] = {}
     predicted: dict[tuple[int, int], float] = {}
-    took_by_step: dict[tuple[int, str], float] = {}  # (step, action) -> seconds, its slowest copy's
+    took_by_step: dict[tuple[int, str], float] = {}  # (step, compute action or send) -> seconds, its slowest copy's
     tied: dict[int, tuple[float, float]] = {}  # step -> (start on the host's clock, seconds) of the last holder's tied sums
     optimizer: dict[tuple[int, int], float] = {}  # (step, rank) -> seconds of its optimizer step
     messages: dict[tuple[int, int, int, str], tuple[float, float]] = {}  # (step, dp, tp, action) -> start, end
@@ -127,7 +127,8 @@ def measure(plan: Plan, action_times: Path, overheads: RuntimeOverheads, *, core
             for name, action_start, action_end, cpu_s in record["actions"]:
                 action = Action.parse(name)
                 took = cpu_s if shared and action.is_compute else action_end - action_start
-                took_by_step[step, name] = max(took, took_by_step.get((step, name), 0.0))
+                if action.kind not in RECEIVE_KINDS:  # a receive's time is mostly waiting: its delivery counts
+                    took_by_step[step, name] = max(took, took_by_step.get((step, name), 0.0))
                 if not action.is_compute:  # on the host's clock, to pair each receive with its send
                     messages[step, where.dp, where.tp, name] = (origin + action_start, origin + action_end)
                     continue
@@ -186,9 +187,9 @@ def _step_variation(steps: list[int], took: dict[tuple[int, str], float], delive
     variation = []
     for step in kept:
         moved = {name: took[step, name] / typical_took[name] for name in typical_took
-                 if (step, name) in took and typical_took[name] > 0 and Action.parse(name).kind not in RECEIVES}
+                 if (step, name) in took and typical_took[name] > 0}
         moved.update({name: seconds - typical_delivery for (t, name), seconds in deliveries.items() if t == step})
-        moved.update({f"tail {pp}": tails[step, pp] / typical_tail[pp] for pp in typical_tail
+        moved.update({tail_key(pp): tails[step, pp] / typical_tail[pp] for pp in typical_tail
                       if (step, pp) in tails and typical_tail[pp] > 0})
         variation.append(moved)
     return tuple(variation)
@@ -199,7 +200,7 @@ def _deliveries(messages: dict[tuple[int, int, int, str], tuple[float, float]]) 
     slowest copy's): how long the data took to be had once it was both sent and asked for."""
     deliveries: dict[tuple[int, str], float] = {}
     for (step, dp, tp, name), (start, end) in messages.items():
-        send = messages.get((step, dp, tp, _send_of(name))) if Action.parse(name).kind in RECEIVES else None
+        send = messages.get((step, dp, tp, _send_of(name))) if Action.parse(name).kind in RECEIVE_KINDS else None
         if send is not None:
             deliveries[step, name] = max(deliveries.get((step, name), 0.0), end - max(start, send[1]))
     return deliveries
@@ -213,8 +214,6 @@ def _send_of(receive: str) -> str:
     return str(Action(stage=action.stage + 1, kind=Kind.SEND_B, microbatch=action.microbatch))
 
 
-RECEIVES = (Kind.RECV_F, Kind.RECV_B)
-
 ARRIVED_S = 5e-4
 """A receive that starts this long after its send ended finds the data there (one way takes
 0.1-0.4 ms here): its time is the receive's own."""
@@ -226,7 +225,7 @@ def _message_times(messages: dict[tuple[int, int, int, str], tuple[float, float]
     there; and what a receive that waited took from the end of its send, less a receive's time."""
     sends, receives, waited = [], [], []
     for (step, dp, tp, name), (start, end) in messages.items():
-        if Action.parse(name).kind not in RECEIVES:
+        if Action.parse(name).kind not in RECEIVE_KINDS:
             sends.append(end - start)
             continue
         send = messages.get((step, dp, tp, _send_of(name)))

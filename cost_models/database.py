@@ -36,7 +36,8 @@ import torch
 
 from autopart.errors import ConfigError
 
-__all__ = ["OpTimes", "RuntimeOverheads", "PipelineMeasurement", "VARIATION_STEPS", "CostDatabase", "blocks_key", "entry_key"]
+__all__ = ["OpTimes", "RuntimeOverheads", "PipelineMeasurement", "VARIATION_STEPS", "CostDatabase", "blocks_key", "entry_key",
+           "tail_key"]
 
 _SCHEMA = 2
 """2: ops timed in place on the CPU (``autopart.profile_in_situ``), optimizer steps less their fixed cost."""
@@ -123,6 +124,11 @@ class PipelineMeasurement:
 def blocks_key(blocks: Sequence[tuple[int, int]]) -> str:
     """``"0-3,8-11"``: the first and last block of each stage, as `PipelineMeasurement` keys them."""
     return ",".join(f"{first}-{last}" for first, last in blocks)
+
+
+def tail_key(rank: int) -> str:
+    """``"tail 0"``: the key of pipeline rank 0's tail in `PipelineMeasurement.step_variation`."""
+    return f"tail {rank}"
 
 
 def entry_key(device: str, op_key: str) -> str:

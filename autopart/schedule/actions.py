@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from autopart.errors import ScheduleError
 
-__all__ = ["Kind", "Action", "Schedule", "stage_rank", "COMPUTE_KINDS", "COMM_KINDS"]
+__all__ = ["Kind", "Action", "Schedule", "stage_rank", "COMPUTE_KINDS", "COMM_KINDS", "RECEIVE_KINDS"]
 
 
 class Kind(enum.Enum):
@@ -49,6 +49,9 @@ COMPUTE_KINDS: frozenset[Kind] = frozenset({Kind.F, Kind.B, Kind.I, Kind.W})
 
 COMM_KINDS: frozenset[Kind] = frozenset({Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B})
 """Kinds that the lowering pass inserts between ranks."""
+
+RECEIVE_KINDS: frozenset[Kind] = frozenset({Kind.RECV_F, Kind.RECV_B})
+"""The communication kinds that wait for another rank's data."""
 
 # Longest names first is not needed: every kind is followed by digits, and the anchors make the
 # match unambiguous ("0SEND_F3" can only split one way).

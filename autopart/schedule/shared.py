@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from autopart.schedule.actions import Kind, Schedule
+from autopart.schedule.actions import RECEIVE_KINDS, Kind, Schedule
 from autopart.schedule.simulate import StageCosts, input_ready_at
 
 __all__ = ["step_time"]
@@ -59,7 +59,7 @@ def step_time(schedule: Schedule, costs: StageCosts, *, ranks: int, cores: int =
                 else:
                     action = actions[cursor[rank]]
                     ready = input_ready_at(action, finished, costs, ranks=ranks)
-                    if ready is not None and action.kind in (Kind.RECV_F, Kind.RECV_B) and ready > 0 \
+                    if ready is not None and action.kind in RECEIVE_KINDS and ready > 0 \
                             and 0 < cores <= len(remaining) + background:
                         ready += busy_delay_s
                     if ready is None or ready > now + _EPSILON:

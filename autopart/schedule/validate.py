@@ -14,7 +14,7 @@ ranks with blocking receives and asynchronous sends that finds any deadlock.
 from __future__ import annotations
 
 from autopart.errors import ScheduleError
-from autopart.schedule.actions import Action, Kind, Schedule, stage_rank
+from autopart.schedule.actions import RECEIVE_KINDS, Action, Kind, Schedule, stage_rank
 
 __all__ = ["validate", "format_grid"]
 
@@ -257,7 +257,7 @@ def _check_message(
     if partner in where:
         return
     partner_name = f"{partner[0]}{partner[1].value}{partner[2]}"
-    if action.kind in (Kind.RECV_F, Kind.RECV_B):
+    if action.kind in RECEIVE_KINDS:
         problem = f"has no matching SEND ({partner_name} is missing)"
     else:
         problem = f"is never received ({partner_name} is missing)"
@@ -276,7 +276,7 @@ def _check_deadlock(
     cursor = {rank: 0 for rank in schedule}
 
     def blocker(action: Action) -> _Key | None:
-        if action.kind in (Kind.RECV_F, Kind.RECV_B):
+        if action.kind in RECEIVE_KINDS:
             partner = _partner(action)
             return None if partner in done else partner
         if lowered or not action.is_compute:
