@@ -220,6 +220,10 @@ def _compile(args: argparse.Namespace, console: Console) -> None:
         factors = " ".join(f"x{f:.3f}" for f in plan.predicted.compute_factor)
         from_ = where[plan.predicted.compute_factor_from]
         console.print(f"compute inside the pipeline, per stage: {factors} ({from_})")
+    if plan.predicted.profiled_step_s is not None:
+        measured = plan.predicted.profiled_step_s
+        console.print(f"this plan ran here at {measured * 1e3:.3f} ms a step (the median of its --profile-pipeline run; "
+                      f"predicted {(plan.predicted.step_s - measured) / measured:+.1%})")
     console.print(f"compile peak memory {peak_memory_gib():.2f} GiB")
     console.print(f"wrote {out}/; train with:\n  torchrun --nproc-per-node {plan.world_size} {out}/train.py --steps 10")
 

@@ -36,7 +36,7 @@ from autopart.solver.pipeline import PipelineProblem, evaluate, solve_cuts, stag
 from autopart.solver.sharding import REPLICATE, Placement
 from autopart.solver.tensor import BlockSharding, shard_chain
 from cost_models import CostDatabase, CostModel, ProfiledCostModel, get_cost_model, model_state_bytes
-from cost_models.database import PipelineMeasurement, tail_key
+from cost_models.database import PipelineMeasurement, plan_shape, tail_key
 from cost_models.devices import local_device_name
 
 __all__ = ["CompileOptions", "compile", "emit", "compile_to_directory"]
@@ -449,6 +449,7 @@ def _plan_from_cuts(
             rank_tail_s=tuple(tails[r] for r in range(options.pp)),
             compute_factor=factor[0],
             compute_factor_from=factor[1],
+            profiled_step_s=_profiled_step(options, stages, microbatches, in_place),
         ),
         provenance=Provenance(
             model_file=str(front.spec.path.resolve()),
@@ -546,6 +547,14 @@ def _in_place(options: CompileOptions, front: _Front, micro_batch_size: int) -> 
     mesh = {"pp": options.pp, "tp": options.tp, "dp": options.dp}
     key = pipeline_key(front.spec.source_sha256, mesh, micro_batch_size, options.optimizer)
     return front.cost_model.pipeline_profile(key)
+
+
+def _profiled_step(options: CompileOptions, stages: list[StagePlan], microbatches: int,
+                   in_place: PipelineMeasurement | None) -> float | None:
+    """The median step this very plan took when ``--profile-pipeline`` ran it, if it did."""
+    if in_place is None or in_place.step_of != plan_shape(options.schedule, microbatches, [s.blocks for s in stages]):
+        return None
+    return in_place.step_s
 
 
 def _compute_factor(options: CompileOptions, front: _Front, stages: list[StagePlan],

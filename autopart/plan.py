@@ -66,6 +66,7 @@ class Predicted:
     compute_factor: tuple[float, ...] = ()  # per stage: inside the pipeline each forward and backward takes this many
     # times its profiled time (stage_time_s and the stages' times are the profiled ones); () for 1
     compute_factor_from: str = "none"  # "pipeline" (measured in it: --profile-pipeline), "device" or "none"
+    profiled_step_s: float | None = None  # the median step this very plan took when --profile-pipeline ran it
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -144,6 +145,8 @@ class Plan:
                 rank_tail_s=tuple(float(v) for v in predicted.data.get("rank_tail_s", ())),
                 compute_factor=tuple(float(v) for v in predicted.data.get("compute_factor", ())),
                 compute_factor_from=str(predicted.data.get("compute_factor_from", "none")),
+                profiled_step_s=None if predicted.data.get("profiled_step_s") is None
+                else float(predicted.data["profiled_step_s"]),
             ),
             provenance=Provenance(
                 **{k: provenance.str(k) for k in ("model_file", "model_sha256", "capture", "cost_model")},

@@ -38,6 +38,10 @@ where the ranks outnumber the cores: there a step moves mostly with which rank h
 which the step model's sharing of the cores already holds (replaying it too predicted 22-40%
 long at 4 ranks).
 
+It keeps the median step the run itself took too (`PipelineMeasurement.step_s`), of the plan it
+ran: where the compile that follows keeps that plan, ``plan.json`` holds it beside the prediction
+(``predicted.profiled_step_s``), the step model's error on the very steps it was built from.
+
 It needs the plan's ranks on this host, on its CPU.
 """
 
@@ -54,7 +58,14 @@ from autopart.local_run import run_locally
 from autopart.plan import Plan
 from autopart.runtime.mesh import Mesh
 from autopart.schedule import RECEIVE_KINDS, Action, Kind
-from cost_models.database import VARIATION_STEPS, PipelineMeasurement, RuntimeOverheads, blocks_key, tail_key
+from cost_models.database import (
+    VARIATION_STEPS,
+    PipelineMeasurement,
+    RuntimeOverheads,
+    blocks_key,
+    plan_shape,
+    tail_key,
+)
 
 __all__ = ["PipelineProfile", "pipeline_key", "profile_pipeline", "measure"]
 
@@ -107,6 +118,7 @@ def measure(plan: Plan, action_times: Path, overheads: RuntimeOverheads, *, core
     took_by_step: dict[tuple[int, str], float] = {}  # (step, compute action or send) -> seconds, its slowest copy's
     tied: dict[int, tuple[float, float]] = {}  # step -> (start on the host's clock, seconds) of the last holder's tied sums
     optimizer: dict[tuple[int, int], float] = {}  # (step, rank) -> seconds of its optimizer step
+    ends: dict[int, float] = {}  # step -> seconds from a rank's start to its optimizer step's end, the slowest rank's
     messages: dict[tuple[int, int, int, str], tuple[float, float]] = {}  # (step, dp, tp, action) -> start, end
     holders = {stage.rank for stage in plan.stages if set(stage.parameters) & set(plan.tied_parameters)}
     mesh = Mesh.of(plan)
@@ -124,6 +136,7 @@ def measure(plan: Plan, action_times: Path, overheads: RuntimeOverheads, *, core
             if where.pp in holders and origin + start >= tied.get(step, (-math.inf, 0.0))[0]:
                 tied[step] = (origin + start, tied_end - start)
             optimizer[step, rank] = end - optimizer_start
+            ends[step] = max(end, ends.get(step, 0.0))
             for name, action_start, action_end, cpu_s in record["actions"]:
                 action = Action.parse(name)
                 took = cpu_s if shared and action.is_compute else action_end - action_start
@@ -163,7 +176,10 @@ def measure(plan: Plan, action_times: Path, overheads: RuntimeOverheads, *, core
         key=pipeline_key(plan.provenance.model_sha256, plan.mesh, plan.schedule.micro_batch_size, plan.optimizer),
         measured=PipelineMeasurement(compute_factor=compute_s / predicted_s, stage_factors=stage_factors,
                                      tied_s=tied_s, optimizer_s=optimizer_s, send_s=send_s, recv_s=recv_s,
-                                     transfer_s=transfer_s, step_variation=step_variation),
+                                     transfer_s=transfer_s, step_variation=step_variation,
+                                     step_s=statistics.median(ends[t] for t in steps),
+                                     step_of=plan_shape(plan.schedule.kind, plan.schedule.microbatches,
+                                                        [stage.blocks for stage in plan.stages])),
         compute_s=compute_s, predicted_s=predicted_s, steps=len(steps),
     )  # fmt: skip
 

@@ -11,7 +11,10 @@ column), then measure
 - forward+backward of one microbatch per stage, each stage run alone in this process (one thread);
 - the median ``step_s`` that the generated program reports under torchrun (``--metrics``),
   warm-up steps left out, against the prediction profiled in the pipeline (``step err``) and
-  the one from the ops alone (``err alone``);
+  the one from the ops alone (``err alone``); and the prediction against the median step of the
+  profile's own run (``err in run``, the median over the repeats; "(k/N)" where the compile
+  that followed the profile moved the cuts in N - k of them, whose plan did not run there):
+  the step model on the steps it was built from, without the machine's drift to the next run;
 - the peak resident memory per rank (``peak_memory_bytes`` in ``--metrics``);
 and print each against the plan's prediction, with its error. ``--repeats N`` profiles the
 pipeline afresh and runs it N times per row, one right after the other: the row shows the
@@ -212,7 +215,7 @@ def main() -> None:
     table = Table(title="cost_accuracy: predicted vs measured on this CPU (errors: (predicted - measured) / measured)"
                         + (", --shield" if args.shield else ""))
     for header in ("model", "ranks", "stage fwd+bwd ms pred/meas (worst err)", "factor", "step ms pred",
-                   "step ms meas", "step err", "each repeat", "err alone", "speed moved", "peak MiB pred", "peak MiB meas", "mem err",
+                   "step ms meas", "step err", "each repeat", "err in run", "err alone", "speed moved", "peak MiB pred", "peak MiB meas", "mem err",
                    "load"):
         table.add_column(header, justify="right")
     with tempfile.TemporaryDirectory(prefix="cost_accuracy_") as folder:
@@ -236,6 +239,9 @@ def main() -> None:
                 steps = max(args.steps, args.warmup + math.ceil(args.seconds / plan.predicted.step_s))
                 runs.append((plan, out, *_run(out, ranks, steps, args.warmup, shield=args.shield)))
             errors = [(p.predicted.step_s - step) / step for p, _, step, _ in runs]
+            # against the profile's own run, where the compile kept the plan it ran: the model without the machine's drift
+            in_run = [(p.predicted.step_s - p.predicted.profiled_step_s) / p.predicted.profiled_step_s
+                      for p, *_ in runs if p.predicted.profiled_step_s is not None]
             plan, out, step, peaks = runs[sorted(range(len(runs)), key=errors.__getitem__)[len(runs) // 2]]
             moved = probe.seconds() / before - 1
             measured_stages = _stage_times(out, plan)
@@ -246,7 +252,10 @@ def main() -> None:
             factors = " ".join(f"{f:.2f}" for f in plan.predicted.compute_factor)
             table.add_row(name, str(ranks), f"{stage_cells} ({_error(*worst)})", factors,
                           f"{plan.predicted.step_s * 1e3:.1f}", f"{step * 1e3:.1f}", _error(plan.predicted.step_s, step),
-                          " ".join(f"{e:+.1%}" for e in errors), _error(alone.predicted.step_s, step), f"{moved:+.1%}",
+                          " ".join(f"{e:+.1%}" for e in errors),
+                          f"{statistics.median(in_run):+.1%}" + (f" ({len(in_run)}/{len(runs)})" if len(in_run) < len(runs) else "")
+                          if in_run else "-",
+                          _error(alone.predicted.step_s, step), f"{moved:+.1%}",
                           f"{predicted_memory / 2**20:.0f}", f"{measured_memory / 2**20:.0f}",
                           _error(predicted_memory, measured_memory), f"{os.getloadavg()[0]:.1f}")
             console.print(f"{row}: step {plan.predicted.step_s * 1e3:.1f} ms predicted ({alone.predicted.step_s * 1e3:.1f} "

@@ -36,7 +36,7 @@ import torch
 
 from autopart.errors import ConfigError
 
-__all__ = ["OpTimes", "RuntimeOverheads", "PipelineMeasurement", "VARIATION_STEPS", "CostDatabase", "blocks_key", "entry_key",
+__all__ = ["OpTimes", "RuntimeOverheads", "PipelineMeasurement", "VARIATION_STEPS", "CostDatabase", "blocks_key", "plan_shape", "entry_key",
            "tail_key"]
 
 _SCHEMA = 2
@@ -112,6 +112,10 @@ class PipelineMeasurement:
     receive the seconds by which its delivery (from the later of its start and its send's end to
     its end) was longer than the median delivery; ``"tail 0"``: pipeline rank 0's tail (tied
     sums and optimizer step) as a multiple of its median."""
+    step_s: float | None = None
+    """The median step as it ran (the slowest rank's, from its start to its optimizer step's
+    end: ``train.py``'s ``step_s``), of the plan that `step_of` names (`plan_shape`)."""
+    step_of: str = ""
 
     def stage_factor(self, blocks: tuple[int, int]) -> float:
         return self.stage_factors.get(blocks_key([blocks]), self.compute_factor)
@@ -119,6 +123,11 @@ class PipelineMeasurement:
     def optimizer_time(self, blocks: Sequence[tuple[int, int]]) -> float | None:
         """The optimizer step of a rank that holds the stages of these blocks, if measured."""
         return self.optimizer_s.get(blocks_key(blocks))
+
+
+def plan_shape(schedule: str, microbatches: int, blocks: Sequence[tuple[int, int]]) -> str:
+    """``"1f1b x8: 0-6,7-12"``: a plan's schedule, microbatches and stages, as `PipelineMeasurement.step_of` names them."""
+    return f"{schedule} x{microbatches}: {blocks_key(blocks)}"
 
 
 def blocks_key(blocks: Sequence[tuple[int, int]]) -> str:
@@ -168,6 +177,7 @@ class CostDatabase:
                 optimizer_s={str(b): float(t) for b, t in v.get("optimizer_s", {}).items()},
                 **{n: None if v.get(n) is None else float(v[n]) for n in ("send_s", "recv_s", "transfer_s")},
                 step_variation=tuple({str(b): float(m) for b, m in step.items()} for step in v.get("step_variation", ())),
+                step_s=None if v.get("step_s") is None else float(v["step_s"]), step_of=str(v.get("step_of", "")),
             ) for k, v in data.get("pipelines", {}).items()}
         except ConfigError:
             raise

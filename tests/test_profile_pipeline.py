@@ -9,11 +9,13 @@ import pytest
 
 import autopart.compiler
 import autopart.profile_pipeline
+from autopart.cli import main as cli_main
 from autopart.compiler import CompileOptions, compile_to_directory
+from autopart.plan import load_plan
 from autopart.profile_pipeline import _action_seconds, _message_times, measure, pipeline_key
 from autopart.schedule import Action, add_communication, build_schedule
 from cost_models import CostDatabase
-from cost_models.database import PipelineMeasurement, RuntimeOverheads
+from cost_models.database import PipelineMeasurement, RuntimeOverheads, plan_shape
 from cost_models.roofline import RooflineCostModel
 from tests.distributed import run_ranks
 
@@ -176,10 +178,48 @@ def test_the_steps_variation_is_each_action_delivery_and_tail_against_its_median
     assert measure(plan, folder, OVERHEADS, cores=1).measured.step_variation == ()
 
 
+def test_the_measured_step_is_the_slowest_ranks_and_the_median_one_of_the_plan_run(compiled, tmp_path):
+    plan, _, _ = compiled
+    folder = fake_times(tmp_path / "s", plan, 1.0, steps=7)  # steps 4, 5, 6 measured, every rank ending at 20 ms
+    for rank, step, end in ((0, 4, 0.025), (1, 5, 0.03)):
+        file = folder / f"rank_{rank}.jsonl"
+        records = [json.loads(line) for line in file.read_text().splitlines()]
+        records[step]["tail"][1] = end
+        file.write_text("".join(json.dumps(r) + "\n" for r in records))
+    measured = measure(plan, folder, OVERHEADS, cores=2).measured
+    assert measured.step_s == pytest.approx(0.025)  # the steps took 25, 30 and 20 ms
+    assert measured.step_of == plan_shape(plan.schedule.kind, plan.schedule.microbatches, [s.blocks for s in plan.stages])
+    assert measured.step_of == f"1f1b x4: {plan.stages[0].blocks[0]}-{plan.stages[0].blocks[1]}," \
+                               f"{plan.stages[1].blocks[0]}-{plan.stages[1].blocks[1]}"
+
+
+def test_the_plan_holds_the_step_its_own_profile_run_took(compiled, tmp_path, capsys):
+    plan, _, folder = compiled
+    options = tiny_options(folder)
+    shape = plan_shape(plan.schedule.kind, plan.schedule.microbatches, [s.blocks for s in plan.stages])
+    with_factor(folder, plan, 1.0, step_s=0.042, step_of=shape)
+    same, out = compile_to_directory(options, tmp_path / "same")
+    assert same.predicted.profiled_step_s == 0.042
+    assert load_plan(out / "plan.json").predicted.profiled_step_s == 0.042
+    cli_main(["compile", str(TINY_GPT), "--pp", "2", "--microbatches", "4", "--global-batch-size", "8",
+              "--costs", str(folder / "costs.json"), "--time-limit", "5", "-o", str(tmp_path / "cli")])
+    printed = " ".join(capsys.readouterr().out.split())  # as the console wraps it
+    error = (same.predicted.step_s - 0.042) / 0.042
+    assert f"this plan ran here at 42.000 ms a step (the median of its --profile-pipeline run; predicted {error:+.1%})" \
+        in printed
+    # a plan of other cuts, or another schedule, was not the one that ran
+    other = plan_shape(plan.schedule.kind, plan.schedule.microbatches, [(0, 0), (1, plan.stages[1].blocks[1])])
+    for step_of in (other, shape.replace("1f1b", "gpipe"), ""):
+        with_factor(folder, plan, 1.0, step_s=0.042, step_of=step_of)
+        assert compile_to_directory(options, tmp_path / "other")[0].predicted.profiled_step_s is None
+    with_factor(folder, plan, None)
+
+
 def test_the_steps_variation_survives_the_database(tmp_path):
     database = CostDatabase.load(tmp_path / "costs.json")
     measured = PipelineMeasurement(compute_factor=1.2, step_variation=({"0F0": 1.5, "1RECV_F0": -1e-5, "tail 0": 0.9},
-                                                                       {"0F0": 1.0}))
+                                                                       {"0F0": 1.0}),
+                                   step_s=0.031, step_of="1f1b x4: 0-3,4-7")
     database.put_pipeline("cpu", "pipeline(x)", measured)
     database.save()
     assert CostDatabase.load(tmp_path / "costs.json").pipeline("cpu", "pipeline(x)") == measured
@@ -187,7 +227,8 @@ def test_the_steps_variation_survives_the_database(tmp_path):
 
 def with_factor(folder: Path, plan, factor: float | None, tied_s: float | None = None,
                 optimizer_s: dict[str, float] | None = None, messages: tuple[float, float, float] = (None,) * 3,
-                step_variation: tuple[dict[str, float], ...] = (), **stage_factors) -> None:
+                step_variation: tuple[dict[str, float], ...] = (), step_s: float | None = None, step_of: str = "",
+                **stage_factors) -> None:
     database = CostDatabase.load(folder / "costs.json")
     key = pipeline_key(plan.provenance.model_sha256, plan.mesh, plan.schedule.micro_batch_size, plan.optimizer)
     database.pipelines = {k: v for k, v in database.pipelines.items() if not k.endswith(key)}
@@ -196,6 +237,7 @@ def with_factor(folder: Path, plan, factor: float | None, tied_s: float | None =
                                                                stage_factors=stage_factors,
                                                                optimizer_s=optimizer_s or {},
                                                                step_variation=step_variation,
+                                                               step_s=step_s, step_of=step_of,
                                                                **dict(zip(("send_s", "recv_s", "transfer_s"),
                                                                           messages))))
     database.save()
@@ -277,6 +319,10 @@ def test_profile_pipeline_runs_the_plan_once_and_compiles_with_what_it_measured(
     assert 0 < stored.tied_s < 1  # the tiny GPT ties its embedding and head, on ranks 0 and 1
     assert (profiled.predicted.compute_factor, profiled.predicted.compute_factor_from) == \
         (tuple(stored.stage_factor(s.blocks) for s in profiled.stages), "pipeline")
+    assert 0 < stored.step_s < 5
+    ran_this_plan = stored.step_of == plan_shape(profiled.schedule.kind, profiled.schedule.microbatches,
+                                                 [s.blocks for s in profiled.stages])
+    assert profiled.predicted.profiled_step_s == (stored.step_s if ran_this_plan else None)
     # a second compile finds it and runs nothing
     monkeypatch.setattr(autopart.compiler, "profile_pipeline", lambda *a, **k: pytest.fail("profiled again"))
     again = compile_to_directory(options, tmp_path / "again")[0]
