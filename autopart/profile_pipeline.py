@@ -196,15 +196,14 @@ def _step_variation(steps: list[int], took: dict[tuple[int, str], float], delive
             by_key.setdefault(key, []).append(seconds)
         return {key: statistics.median(v) for key, v in by_key.items()}
 
-    typical_took, typical_tail = median_of(took), median_of(tails)
-    typical_delivery = statistics.median(deliveries.values()) if deliveries else 0.0
+    typical_took, typical_tail, typical_delivery = median_of(took), median_of(tails), median_of(deliveries)
     kept = [steps[round(i * (len(steps) - 1) / (VARIATION_STEPS - 1))] for i in range(VARIATION_STEPS)] \
         if len(steps) > VARIATION_STEPS else steps
     variation = []
     for step in kept:
         moved = {name: took[step, name] / typical_took[name] for name in typical_took
                  if (step, name) in took and typical_took[name] > 0}
-        moved.update({name: seconds - typical_delivery for (t, name), seconds in deliveries.items() if t == step})
+        moved.update({name: seconds - typical_delivery[name] for (t, name), seconds in deliveries.items() if t == step})
         moved.update({tail_key(pp): tails[step, pp] / typical_tail[pp] for pp in typical_tail
                       if (step, pp) in tails and typical_tail[pp] > 0})
         variation.append(moved)

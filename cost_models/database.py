@@ -110,8 +110,8 @@ class PipelineMeasurement:
     `VARIATION_STEPS`, evenly spaced), keyed by action (``"0F1"``, ``"1RECV_F1"``): a compute
     action's or a send's time as a multiple of that action's median over the steps, and for a
     receive the seconds by which its delivery (from the later of its start and its send's end to
-    its end) was longer than the median delivery; ``"tail 0"``: pipeline rank 0's tail (tied
-    sums and optimizer step) as a multiple of its median."""
+    its end) was longer than that receive's median delivery over the steps; ``"tail 0"``:
+    pipeline rank 0's tail (tied sums and optimizer step) as a multiple of its median."""
     step_s: float | None = None
     """The median step as it ran (the slowest rank's, from its start to its optimizer step's
     end: ``train.py``'s ``step_s``), of the plan that `step_of` names (`plan_shape`)."""
