@@ -242,6 +242,8 @@ def main() -> None:
             # against the profile's own run, where the compile kept the plan it ran: the model without the machine's drift
             in_run = [(p.predicted.step_s - p.predicted.profiled_step_s) / p.predicted.profiled_step_s
                       for p, *_ in runs if p.predicted.profiled_step_s is not None]
+            in_run_cell = "-" if not in_run else f"{statistics.median(in_run):+.1%}" + (
+                f" ({len(in_run)}/{len(runs)})" if len(in_run) < len(runs) else "")
             plan, out, step, peaks = runs[sorted(range(len(runs)), key=errors.__getitem__)[len(runs) // 2]]
             moved = probe.seconds() / before - 1
             measured_stages = _stage_times(out, plan)
@@ -252,10 +254,8 @@ def main() -> None:
             factors = " ".join(f"{f:.2f}" for f in plan.predicted.compute_factor)
             table.add_row(name, str(ranks), f"{stage_cells} ({_error(*worst)})", factors,
                           f"{plan.predicted.step_s * 1e3:.1f}", f"{step * 1e3:.1f}", _error(plan.predicted.step_s, step),
-                          " ".join(f"{e:+.1%}" for e in errors),
-                          f"{statistics.median(in_run):+.1%}" + (f" ({len(in_run)}/{len(runs)})" if len(in_run) < len(runs) else "")
-                          if in_run else "-",
-                          _error(alone.predicted.step_s, step), f"{moved:+.1%}",
+                          " ".join(f"{e:+.1%}" for e in errors), in_run_cell, _error(alone.predicted.step_s, step),
+                          f"{moved:+.1%}",
                           f"{predicted_memory / 2**20:.0f}", f"{measured_memory / 2**20:.0f}",
                           _error(predicted_memory, measured_memory), f"{os.getloadavg()[0]:.1f}")
             console.print(f"{row}: step {plan.predicted.step_s * 1e3:.1f} ms predicted ({alone.predicted.step_s * 1e3:.1f} "

@@ -173,11 +173,11 @@ class CostDatabase:
             pipelines = {str(k): PipelineMeasurement(
                 compute_factor=float(v["compute_factor"]),
                 stage_factors={str(b): float(f) for b, f in v.get("stage_factors", {}).items()},
-                tied_s=None if v.get("tied_s") is None else float(v["tied_s"]),
                 optimizer_s={str(b): float(t) for b, t in v.get("optimizer_s", {}).items()},
-                **{n: None if v.get(n) is None else float(v[n]) for n in ("send_s", "recv_s", "transfer_s")},
+                **{n: None if v.get(n) is None else float(v[n])
+                   for n in ("tied_s", "send_s", "recv_s", "transfer_s", "step_s")},
                 step_variation=tuple({str(b): float(m) for b, m in step.items()} for step in v.get("step_variation", ())),
-                step_s=None if v.get("step_s") is None else float(v["step_s"]), step_of=str(v.get("step_of", "")),
+                step_of=str(v.get("step_of", "")),
             ) for k, v in data.get("pipelines", {}).items()}
         except ConfigError:
             raise
