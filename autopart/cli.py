@@ -224,6 +224,9 @@ def _compile(args: argparse.Namespace, console: Console) -> None:
         measured = plan.predicted.profiled_step_s
         console.print(f"this plan ran here at {measured * 1e3:.3f} ms a step (the median of its --profile-pipeline run; "
                       f"predicted {(plan.predicted.step_s - measured) / measured:+.1%})")
+    if plan.predicted.background_load > 0:
+        console.print(f"{plan.predicted.background_load:g} other busy processes shared this machine's cores while it "
+                      "compiled; the predicted step counts them (compile on a quiet machine for a quiet one's step)")
     console.print(f"compile peak memory {peak_memory_gib():.2f} GiB")
     console.print(f"wrote {out}/; train with:\n  torchrun --nproc-per-node {plan.world_size} {out}/train.py --steps 10")
 

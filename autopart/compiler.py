@@ -450,6 +450,7 @@ def _plan_from_cuts(
             compute_factor=factor[0],
             compute_factor_from=factor[1],
             profiled_step_s=_profiled_step(options, stages, microbatches, in_place),
+            background_load=front.cost_model.device.background_load,
         ),
         provenance=Provenance(
             model_file=str(front.spec.path.resolve()),

@@ -67,6 +67,7 @@ class Predicted:
     # times its profiled time (stage_time_s and the stages' times are the profiled ones); () for 1
     compute_factor_from: str = "none"  # "pipeline" (measured in it: --profile-pipeline), "device" or "none"
     profiled_step_s: float | None = None  # the median step this very plan took when --profile-pipeline ran it
+    background_load: float = 0.0  # other busy processes on the machine's cores at compile time, which step_s counts
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -147,6 +148,7 @@ class Plan:
                 compute_factor_from=str(predicted.data.get("compute_factor_from", "none")),
                 profiled_step_s=None if predicted.data.get("profiled_step_s") is None
                 else float(predicted.data["profiled_step_s"]),
+                background_load=float(predicted.data.get("background_load", 0.0)),
             ),
             provenance=Provenance(
                 **{k: provenance.str(k) for k in ("model_file", "model_sha256", "capture", "cost_model")},

@@ -178,14 +178,46 @@ def _measure(*, host: str, threads: int) -> CpuCalibration:
 
 
 def background_load(cores: int, seconds: float = 0.3) -> float:
-    """Other processes competing for this machine's cores now, from the share of a core that
-    one busy thread gets: with ``L`` others on ``C`` cores it gets ``C / (L + 1)``.
+    """Other processes competing for this machine's cores now, in whole processes.
 
     Not cached: it changes from minute to minute. Per-op timings hardly see it (an op of
     microseconds is rarely preempted) while a step of many milliseconds does, so the step
-    prediction needs it. One thread cannot tell an idle machine from one with fewer than
-    ``C`` others, so this is a lower bound.
+    prediction needs it. On Linux it is the kernel's count of runnable tasks (``procs_running``
+    in ``/proc/stat``) sampled through ``seconds``, less this thread; elsewhere it is inferred
+    from the share of a core that one busy thread gets (with ``L`` others on ``C`` cores it gets
+    ``C / (L + 1)``; one thread cannot tell an idle machine from one with fewer than ``C``
+    others, so there it is a lower bound).
+
+    Rounded to whole processes: a kernel thread that wakes for a moment, or the hypervisor
+    taking the measuring thread's core for a few milliseconds, is no process competing for the
+    step, and two compiles on a quiet machine must predict the same step.
     """
+    running = _runnable_others(seconds)
+    if running is None:
+        running = _others_from_share(cores, seconds)
+    return float(round(running))
+
+
+def _runnable_others(seconds: float) -> float | None:
+    """The mean count of runnable tasks other than this thread over ``seconds``; None where the
+    kernel does not publish it."""
+    try:
+        with open("/proc/stat", "rb") as stat:
+            samples = []
+            started = time.perf_counter()
+            while not samples or time.perf_counter() - started < seconds:
+                stat.seek(0)
+                line = next((line for line in stat if line.startswith(b"procs_running")), None)
+                if line is None:
+                    return None
+                samples.append(int(line.split()[1]) - 1)  # this thread runs while it reads
+                time.sleep(0.005)
+    except (OSError, ValueError, IndexError):
+        return None
+    return max(0.0, sum(samples) / len(samples))
+
+
+def _others_from_share(cores: int, seconds: float) -> float:
     start_wall, start_cpu = time.perf_counter(), time.thread_time()
     x = torch.ones(256)
     while time.perf_counter() - start_wall < seconds:

@@ -190,3 +190,27 @@ def test_cpu_template_filled_by_hand_needs_no_calibration(tmp_path: Path, monkey
     path.write_text(text)
     spec = load_device(str(path))
     assert spec.name == "cpu" and spec.peak_flops["bfloat16"] == 2e12
+
+
+def test_background_load_counts_the_busy_processes_beside_it_in_whole_processes() -> None:
+    import subprocess
+    import sys
+    import time
+
+    assert calibration.background_load(2) == 0.0  # the test suite runs alone
+    spin = [sys.executable, "-c", "import time\nend = time.time() + 20\nwhile time.time() < end: pass"]
+    busy = [subprocess.Popen(spin) for _ in range(2)]
+    try:
+        time.sleep(0.3)  # both started and spinning
+        assert calibration.background_load(2) == 2.0
+    finally:
+        for process in busy:
+            process.kill()
+            process.wait()
+
+
+def test_background_load_without_procfs_is_inferred_from_a_threads_share(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(calibration, "_runnable_others", lambda seconds: None)
+    assert calibration.background_load(2, seconds=0.1) == 0.0
+    monkeypatch.setattr(calibration, "_others_from_share", lambda cores, seconds: 1.4)  # noise on a share
+    assert calibration.background_load(2) == 1.0

@@ -327,3 +327,25 @@ def test_profile_pipeline_runs_the_plan_once_and_compiles_with_what_it_measured(
     monkeypatch.setattr(autopart.compiler, "profile_pipeline", lambda *a, **k: pytest.fail("profiled again"))
     again = compile_to_directory(options, tmp_path / "again")[0]
     assert again.predicted.step_s == profiled.predicted.step_s
+
+
+def test_busy_processes_beside_the_compile_slow_its_step_and_are_said(compiled, tmp_path, monkeypatch, capsys):
+    from cost_models import calibration
+
+    plan, _, folder = compiled
+    with_factor(folder, plan, None)
+    options = tiny_options(folder)
+    monkeypatch.setattr(calibration, "background_load", lambda cores, seconds=0.3: 0.0)
+    quiet = compile_to_directory(options, tmp_path / "quiet")[0]
+    monkeypatch.setattr(calibration, "background_load", lambda cores, seconds=0.3: 2.0)
+    busy, out = compile_to_directory(options, tmp_path / "busy")
+    assert (quiet.predicted.background_load, busy.predicted.background_load) == (0.0, 2.0)
+    # two ranks and two others on two cores: each rank computes at half speed or less
+    busiest = max(plan.schedule.microbatches * (s.forward_s + s.backward_s) for s in busy.stages)
+    assert busy.predicted.step_s > quiet.predicted.step_s + 0.9 * busiest
+    assert load_plan(out / "plan.json").predicted.background_load == 2.0
+    cli_main(["compile", str(TINY_GPT), "--pp", "2", "--microbatches", "4", "--global-batch-size", "8",
+              "--costs", str(folder / "costs.json"), "--time-limit", "5", "-o", str(tmp_path / "cli")])
+    printed = " ".join(capsys.readouterr().out.split())
+    assert "2 other busy processes shared this machine's cores while it compiled; the predicted step counts them" \
+        in printed
