@@ -7,13 +7,14 @@ import random
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from autopart.compiler import CompileOptions
 from autopart.errors import ConfigError
 from autopart.planner import plan_by_search
 from autopart.predict import simulate_pipeline
+from autopart.recompute import transient_microbatches
 from autopart.schedule import add_communication, build_schedule, stage_rank, validate
 from autopart.search import SearchSpace, score_layout, search
 from autopart.solver.bottleneck import stage_figures
@@ -31,6 +32,7 @@ def simulated_in_flight(kind: str, ranks: int, microbatches: int, chunks: int) -
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@example(seed=1, layers=2, world_size=6, gpus_per_node=1, global_batch_size=12, memory=0.1875)  # zb-h1, full recompute
 @given(
     seed=st.integers(0, 2**32 - 1),
     layers=st.integers(1, 4),
@@ -67,19 +69,22 @@ def test_every_plan_the_search_returns_is_valid(seed, layers, world_size, gpus_p
         held = costs.with_state(lambda nbytes: table.state_bytes(nbytes, dp=layout.dp, zero=layout.zero))
         assert held.parameter_state_bytes == state
         flight = simulated_in_flight(layout.schedule, layout.pp, layout.microbatches, layout.chunks)
+        # recomputed activations live from a microbatch's backward to its weight gradient (zb-h1's W waits)
+        schedule = build_schedule(layout.schedule, ranks=layout.pp, microbatches=layout.microbatches,
+                                  chunks=layout.chunks)
+        transient = transient_microbatches(schedule, layout.stages)
         transfer = tuple(devices.p2p_s(b, layout.pp * layout.tp > gpus_per_node) for b in costs.boundary_bytes)
         memory_per_rank = [devices.overhead_bytes] * layout.pp
         for s, (a, b) in enumerate(zip(firsts, lasts)):
             figures = stage_figures(held, a, b, mode=cut.recompute[s], in_flight=flight[s],
                                     transfer_in_s=transfer[a - 1] if s else 0.0,
-                                    transfer_out_s=transfer[b] if s < layout.stages - 1 else 0.0)
+                                    transfer_out_s=transfer[b] if s < layout.stages - 1 else 0.0,
+                                    transient=transient[s])
             memory_per_rank[stage_rank(s, layout.pp)] += figures.memory_bytes
             assert figures.time_s == pytest.approx(cut.stage_time_s[s])
         assert tuple(memory_per_rank) == cut.rank_memory_bytes
         assert max(memory_per_rank) <= devices.memory_bytes
         # the schedule's action lists validate
-        schedule = build_schedule(layout.schedule, ranks=layout.pp, microbatches=layout.microbatches,
-                                  chunks=layout.chunks)
         validate(add_communication(schedule, ranks=layout.pp), ranks=layout.pp, stages=layout.stages,
                  microbatches=layout.microbatches)
         # its step is what the same choices get when given (the baselines' way in)
