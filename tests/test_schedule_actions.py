@@ -55,6 +55,22 @@ def test_compute_and_communication_kinds() -> None:
     assert Action(0, Kind.W, 0).is_compute
 
 
+@pytest.mark.parametrize(("text", "partner"), [("0SEND_F3", "1RECV_F3"), ("1RECV_F3", "0SEND_F3"),
+                                              ("1SEND_B3", "0RECV_B3"), ("0RECV_B3", "1SEND_B3")])
+def test_a_message_s_partner_is_its_other_end_and_back(text: str, partner: str) -> None:
+    action = Action.parse(text)
+    assert str(action.partner) == partner and action.partner.partner == action
+    assert action.peer_stage == action.partner.stage
+
+
+def test_only_messages_have_a_partner_and_the_first_stage_s_backward_send_has_no_peer() -> None:
+    with pytest.raises(ScheduleError, match="0F1 is not a send or a receive"):
+        Action.parse("0F1").partner
+    assert Action.parse("0SEND_B1").peer_stage == -1  # a wrong schedule: validate names it
+    with pytest.raises(ScheduleError, match="negative index"):
+        Action.parse("0SEND_B1").partner
+
+
 @pytest.mark.parametrize(
     ("stage", "ranks", "rank"),
     [(0, 1, 0), (5, 1, 0), (3, 4, 3), (4, 4, 0), (7, 4, 3), (9, 4, 1), (2, 2, 0)],

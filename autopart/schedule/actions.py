@@ -88,6 +88,20 @@ class Action:
         """True when the action occupies its rank (F, B, I, W)."""
         return self.kind in COMPUTE_KINDS
 
+    @property
+    def peer_stage(self) -> int:
+        """The stage at the other end of a send or receive (-1 or past the last where a schedule
+        is wrong)."""
+        if self.kind not in _PARTNER_KIND:
+            raise ScheduleError(f"{self} is not a send or a receive; only messages have a peer")
+        return self.stage + (1 if self.kind in (Kind.SEND_F, Kind.RECV_B) else -1)
+
+    @property
+    def partner(self) -> Action:
+        """The other end of a message: the receive that takes a send's tensors, or the send that
+        a receive waits for (``0SEND_F3`` <-> ``1RECV_F3``, ``1SEND_B3`` <-> ``0RECV_B3``)."""
+        return Action(self.peer_stage, _PARTNER_KIND[self.kind], self.microbatch)
+
     @staticmethod
     def parse(text: str) -> Action:
         """Read back what ``str(action)`` writes, e.g. ``"1F0"`` or ``"0SEND_F3"``.
@@ -104,6 +118,8 @@ class Action:
         stage, kind, microbatch = match.groups()
         return Action(int(stage), Kind(kind), int(microbatch))
 
+
+_PARTNER_KIND = {Kind.SEND_F: Kind.RECV_F, Kind.RECV_F: Kind.SEND_F, Kind.SEND_B: Kind.RECV_B, Kind.RECV_B: Kind.SEND_B}
 
 Schedule = dict[int, list[Action]]
 """Rank -> that rank's actions, in the order the rank runs them."""

@@ -128,13 +128,8 @@ def _place_actions(
     return where
 
 
-def _peer_stage(action: Action) -> int:
-    """The stage at the other end of a send or receive."""
-    return action.stage + (1 if action.kind in (Kind.SEND_F, Kind.RECV_B) else -1)
-
-
 def _check_peer(action: Action, schedule: Schedule, at: _Where, *, ranks: int, stages: int) -> None:
-    peer = _peer_stage(action)
+    peer = action.peer_stage
     prefix = f"rank {at[0]}, step {at[1]}: {action}"
     if not 0 <= peer < stages:
         raise _fail(f"{prefix} talks to stage {peer}, which does not exist", schedule, at)
@@ -241,13 +236,8 @@ def _check_order(
 
 def _partner(action: Action) -> _Key:
     """The send that a receive waits for, or the receive that takes a send's message."""
-    partner_kind = {
-        Kind.SEND_F: Kind.RECV_F,
-        Kind.RECV_F: Kind.SEND_F,
-        Kind.SEND_B: Kind.RECV_B,
-        Kind.RECV_B: Kind.SEND_B,
-    }[action.kind]
-    return (_peer_stage(action), partner_kind, action.microbatch)
+    partner = action.partner  # its stage exists: _check_peer has seen every message
+    return (partner.stage, partner.kind, partner.microbatch)
 
 
 def _check_message(
