@@ -589,9 +589,12 @@ def _step_time(options: CompileOptions, front: _Front, stages: list[StagePlan], 
               for _, m in st.outputs] for st in stages[:-1]]
     send = tuple(sum(s for s, _ in boundary) for boundary in sides)
     receive = tuple(sum(r for _, r in boundary) for boundary in sides)
+    waited: tuple[float, ...] = ()
     if in_place is not None and in_place.transfer_s is not None:  # one message per boundary, as measured
         send, receive = (in_place.send_s,) * len(sides), (in_place.recv_s,) * len(sides)
         transfer = tuple(in_place.send_s + in_place.recv_s + in_place.transfer_s for _ in sides)
+        if in_place.waited_s is not None:  # a receive that waits ends waited_s after its send
+            waited = (min(in_place.recv_s, in_place.waited_s),) * len(sides)
     schedule = add_communication(
         build_schedule(options.schedule, ranks=options.pp, microbatches=microbatches,
                        chunks=options.chunks), ranks=options.pp)
@@ -609,6 +612,7 @@ def _step_time(options: CompileOptions, front: _Front, stages: list[StagePlan], 
         transfer_s=tuple(max(0.0, t - s - r) for t, s, r in zip(transfer, send, receive)),
         send_s=send,
         recv_s=receive,
+        recv_waited_s=waited,
     )
 
     def step(costs: StageCosts, tails: dict[int, float]) -> float:

@@ -171,12 +171,12 @@ def measure(plan: Plan, action_times: Path, overheads: RuntimeOverheads, *, core
     # where the ranks outnumber the cores, a step moves mostly with which rank had a core when,
     # and the step model shares the cores itself: replaying the steps would count that twice
     step_variation = () if shared else _step_variation(steps, took_by_step, _deliveries(messages), tails)
-    send_s, recv_s, transfer_s = _message_times(messages)
+    send_s, recv_s, transfer_s, waited_s = _message_times(messages)
     return PipelineProfile(
         key=pipeline_key(plan.provenance.model_sha256, plan.mesh, plan.schedule.micro_batch_size, plan.optimizer),
         measured=PipelineMeasurement(compute_factor=compute_s / predicted_s, stage_factors=stage_factors,
                                      tied_s=tied_s, optimizer_s=optimizer_s, send_s=send_s, recv_s=recv_s,
-                                     transfer_s=transfer_s, step_variation=step_variation,
+                                     transfer_s=transfer_s, waited_s=waited_s, step_variation=step_variation,
                                      step_s=statistics.median(ends[t] for t in steps),
                                      step_of=plan_shape(plan.schedule.kind, plan.schedule.microbatches,
                                                         [stage.blocks for stage in plan.stages])),
@@ -223,10 +223,7 @@ def _deliveries(messages: dict[tuple[int, int, int, str], tuple[float, float]]) 
 
 def _send_of(receive: str) -> str:
     """The send that a receive pairs with: ``1RECV_F3`` -> ``0SEND_F3``, ``0RECV_B3`` -> ``1SEND_B3``."""
-    action = Action.parse(receive)
-    if action.kind is Kind.RECV_F:
-        return str(Action(stage=action.stage - 1, kind=Kind.SEND_F, microbatch=action.microbatch))
-    return str(Action(stage=action.stage + 1, kind=Kind.SEND_B, microbatch=action.microbatch))
+    return str(Action.parse(receive).partner)
 
 
 ARRIVED_S = 5e-4
@@ -235,9 +232,10 @@ ARRIVED_S = 5e-4
 
 
 def _message_times(messages: dict[tuple[int, int, int, str], tuple[float, float]]) -> tuple[float | None, ...]:
-    """(send, receive, transfer) seconds as the step model takes them (`StageCosts`), from the
-    pipeline's sends and receives on the host's clock: a send's time; a receive's when its data was
-    there; and what a receive that waited took from the end of its send, less a receive's time."""
+    """(send, receive, transfer, waited) seconds as the step model takes them (`StageCosts`), from
+    the pipeline's sends and receives on the host's clock: a send's time; a receive's when its data
+    was there; what a receive that waited took from the end of its send, less a receive's time
+    (not below 0); and all of what it took from the end of its send."""
     sends, receives, waited = [], [], []
     for (step, dp, tp, name), (start, end) in messages.items():
         if Action.parse(name).kind not in RECEIVE_KINDS:
@@ -251,9 +249,9 @@ def _message_times(messages: dict[tuple[int, int, int, str], tuple[float, float]
         elif start <= send[0]:
             waited.append(end - send[1])
     if not (sends and receives and waited):
-        return None, None, None
-    send_s, recv_s = statistics.median(sends), statistics.median(receives)
-    return send_s, recv_s, max(0.0, statistics.median(waited) - recv_s)
+        return None, None, None, None
+    send_s, recv_s, waited_s = statistics.median(sends), statistics.median(receives), statistics.median(waited)
+    return send_s, recv_s, max(0.0, waited_s - recv_s), waited_s
 
 
 def profile_pipeline(out_dir: Path, plan: Plan, overheads: RuntimeOverheads, *, cores: int,

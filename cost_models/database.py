@@ -105,6 +105,10 @@ class PipelineMeasurement:
     of a send, of a receive whose data is there, and the rest of the one-way time."""
     recv_s: float | None = None
     transfer_s: float | None = None
+    waited_s: float | None = None
+    """A receive that was posted before its data left: from the end of its send to its own end
+    (gloo hands a waiting receive its data as the send completes, sooner than ``recv_s``, the
+    unpacking of data that came first); None in databases written before it was kept."""
     step_variation: tuple[dict[str, float], ...] = ()
     """How single steps differed from the median one: per measured step (at most
     `VARIATION_STEPS`, evenly spaced), keyed by action (``"0F1"``, ``"1RECV_F1"``): a compute
@@ -175,7 +179,7 @@ class CostDatabase:
                 stage_factors={str(b): float(f) for b, f in v.get("stage_factors", {}).items()},
                 optimizer_s={str(b): float(t) for b, t in v.get("optimizer_s", {}).items()},
                 **{n: None if v.get(n) is None else float(v[n])
-                   for n in ("tied_s", "send_s", "recv_s", "transfer_s", "step_s")},
+                   for n in ("tied_s", "send_s", "recv_s", "transfer_s", "waited_s", "step_s")},
                 step_variation=tuple({str(b): float(m) for b, m in step.items()} for step in v.get("step_variation", ())),
                 step_of=str(v.get("step_of", "")),
             ) for k, v in data.get("pipelines", {}).items()}

@@ -121,9 +121,11 @@ def test_messages_are_paired_on_the_hosts_clock():
         (5, 0, 0, "1SEND_B0"): (1.02, 1.02 + 0.2 * ms),
         (6, 0, 0, "0RECV_B0"): (1.021, 1.03),  # another step's send: no pair
     }
-    send, receive, transfer = _message_times(messages)
-    assert (send, receive, transfer) == pytest.approx((0.2 * ms, 0.3 * ms, 0.3 * ms))
-    assert _message_times({k: v for k, v in messages.items() if k[3] != "1RECV_F1"}) == (None, None, None)
+    assert _message_times(messages) == pytest.approx((0.2 * ms, 0.3 * ms, 0.3 * ms, 0.6 * ms))
+    assert _message_times({k: v for k, v in messages.items() if k[3] != "1RECV_F1"}) == (None,) * 4
+    # gloo completes a receive that waited as its send ends, sooner than one whose data came first
+    quick = {**messages, (5, 0, 0, "1RECV_F0"): (0.999, 1.0 + 0.25 * ms)}
+    assert _message_times(quick) == pytest.approx((0.2 * ms, 0.3 * ms, 0.0, 0.05 * ms))
 
 
 def test_each_stage_has_its_own_factor_and_the_others_the_pipelines(compiled, tmp_path):
@@ -219,14 +221,14 @@ def test_the_steps_variation_survives_the_database(tmp_path):
     database = CostDatabase.load(tmp_path / "costs.json")
     measured = PipelineMeasurement(compute_factor=1.2, step_variation=({"0F0": 1.5, "1RECV_F0": -1e-5, "tail 0": 0.9},
                                                                        {"0F0": 1.0}),
-                                   step_s=0.031, step_of="1f1b x4: 0-3,4-7")
+                                   step_s=0.031, step_of="1f1b x4: 0-3,4-7", waited_s=2e-4)
     database.put_pipeline("cpu", "pipeline(x)", measured)
     database.save()
     assert CostDatabase.load(tmp_path / "costs.json").pipeline("cpu", "pipeline(x)") == measured
 
 
 def with_factor(folder: Path, plan, factor: float | None, tied_s: float | None = None,
-                optimizer_s: dict[str, float] | None = None, messages: tuple[float, float, float] = (None,) * 3,
+                optimizer_s: dict[str, float] | None = None, messages: tuple[float | None, ...] = (None,) * 4,
                 step_variation: tuple[dict[str, float], ...] = (), step_s: float | None = None, step_of: str = "",
                 **stage_factors) -> None:
     database = CostDatabase.load(folder / "costs.json")
@@ -238,7 +240,7 @@ def with_factor(folder: Path, plan, factor: float | None, tied_s: float | None =
                                                                optimizer_s=optimizer_s or {},
                                                                step_variation=step_variation,
                                                                step_s=step_s, step_of=step_of,
-                                                               **dict(zip(("send_s", "recv_s", "transfer_s"),
+                                                               **dict(zip(("send_s", "recv_s", "transfer_s", "waited_s"),
                                                                           messages))))
     database.save()
 
@@ -278,6 +280,13 @@ def test_a_stored_factor_scales_the_compute_and_replaces_waking_and_resuming(com
     with_factor(folder, plan, 2.0, messages=(0.0, 0.0, 0.01))
     slow_messages = compile_to_directory(options, tmp_path / "slow_messages")[0]
     assert slow_messages.predicted.step_s > at_two.predicted.step_s + 0.019
+    # a receive takes 5 ms when its data came first and 1 ms when it waited for it: 1F0's input
+    # is waited for (and 0B3's gradient, the last): 2 x 4 ms less than at 5 ms each
+    with_factor(folder, plan, 2.0, messages=(0.0, 0.005, 0.0))
+    slow_receives = compile_to_directory(options, tmp_path / "slow_receives")[0].predicted.step_s
+    with_factor(folder, plan, 2.0, messages=(0.0, 0.005, 0.0, 0.001))
+    waited = compile_to_directory(options, tmp_path / "waited")[0].predicted.step_s
+    assert waited <= slow_receives - 0.008 + 1e-9
     with_factor(folder, plan, None)
     unprofiled = compile_to_directory(options, tmp_path / "unprofiled")[0]
     assert unprofiled.predicted.compute_factor_from != "pipeline"

@@ -54,6 +54,31 @@ def test_sends_and_receives_take_rank_time_and_delay_the_data() -> None:
         StageCosts(forward_s=(1.0, 1.0), backward_s=(2.0, 2.0), weight_s=(0.0, 0.0), transfer_s=(0.5,), send_s=(0.1, 0.1))
 
 
+def test_a_receive_that_waited_takes_its_waited_time_and_one_whose_data_came_first_its_own() -> None:
+    # gpipe, two microbatches over two ranks, every message 0.1 to send and 0.5 on the way;
+    # a receive takes 0.2 when its data came first, 0.05 once it is there when it waited
+    schedule = add_communication(build_schedule("gpipe", ranks=2, microbatches=2, chunks=1), ranks=2)
+    assert [str(a) for a in schedule[1]][:4] == ["1RECV_F0", "1F0", "1RECV_F1", "1F1"]
+
+    def step(rank1_forward_s: float, waited: tuple[float, ...]) -> float:
+        costs = StageCosts(forward_s=(1.0, rank1_forward_s), backward_s=(2.0, 2.0), weight_s=(0.0, 0.0),
+                           transfer_s=(0.5,), send_s=(0.1,), recv_s=(0.2,), recv_waited_s=waited)
+        return step_time(schedule, costs, ranks=2)
+
+    # every receive waits: 1RECV_F0 (data at 1.6) ends 1.65, 1F0 2.65, 1RECV_F1 (data at 2.7)
+    # 2.75, 1F1 3.75, 1B0 5.75 + send, 1B1 7.85 + send; 0RECV_B0 (data at 6.35) 6.4, 0B0 8.4,
+    # 0RECV_B1 (data at 8.45) 8.5, 0B1 10.5; with 0.2 for each instead, 11.0
+    assert step(1.0, (0.05,)) == pytest.approx(10.5)
+    assert step(1.0, ()) == pytest.approx(11.0)
+    # rank 1's forward 2.0: it reaches 1RECV_F1 at 3.65, after its data (2.7): 0.2 there
+    # (3.85), then 1F1 5.85, 1B0 7.85, 1B1 9.95 + sends; 0RECV_B0 (data at 8.45) 8.5, 0B0 10.5,
+    # 0RECV_B1 (data at 10.55) 10.6, 0B1 12.6
+    assert step(2.0, (0.05,)) == pytest.approx(12.6)
+    with pytest.raises(ConfigError, match="recv_waited_s needs recv_s"):
+        StageCosts(forward_s=(1.0, 1.0), backward_s=(2.0, 2.0), weight_s=(0.0, 0.0), transfer_s=(0.5,),
+                   recv_waited_s=(0.05,))
+
+
 def test_ranks_sharing_cores_pay_the_resume_cost_on_every_compute_action() -> None:
     schedule = add_communication(build_schedule("1f1b", ranks=2, microbatches=8, chunks=1), ranks=2)
     costs = StageCosts.uniform(2, forward_s=1.0, backward_s=2.0)

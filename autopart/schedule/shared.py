@@ -7,7 +7,8 @@ CPU-bound processes), and other processes running on the machine take their shar
 share: a rank whose core another rank had just before starts each compute action with cold
 caches, and pays ``resume_s`` (forward, backward) more for it (measured by ``autopart profile``);
 and a message that arrives while every core is busy is received ``busy_delay_s`` later, when
-its rank gets a core again (measured by ``autopart profile-comm``). When they do not outnumber
+its rank gets a core again (measured by ``autopart profile-comm``); a receive that waited for
+its data takes ``recv_waited_s`` once it is there, not ``recv_s``. When they do not outnumber
 the cores, or when they do but fewer are busy for a while (a pipeline's fill and drain), a rank
 that waited leaves its core idle, and its next work runs slower while the core warms up again:
 ``wake_s``, extra seconds by idle time (measured by ``autopart profile-comm``).
@@ -66,7 +67,8 @@ def step_time(schedule: Schedule, costs: StageCosts, *, ranks: int, cores: int =
                         if ready is not None:
                             wakes.append(ready)
                         continue
-                    work = costs.duration(action)
+                    waited = action.kind in RECEIVE_KINDS and ready > idle_since[rank] + _EPSILON
+                    work = costs.waited_duration(action) if waited else costs.duration(action)
                     cursor[rank] += 1
                 if work > 0:
                     # another rank had this core meanwhile, or it sat idle; the dearer of the two

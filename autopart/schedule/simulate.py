@@ -42,6 +42,10 @@ class StageCosts:
     recv_s: tuple[float, ...] = ()
     """Per boundary: rank time of one receive once the data is there (completing it, waking up);
     empty for none."""
+    recv_waited_s: tuple[float, ...] = ()
+    """Per boundary: rank time of a receive that waited for its data, from the data being there
+    (`autopart.schedule.shared.step_time`; gloo completes a posted receive as its send does,
+    sooner than one whose data came first); empty: ``recv_s``."""
     actions: Mapping[Action, float] = field(default_factory=dict, hash=False)
     """Rank time of single actions in place of their stage's figure above: one step of a
     pipeline that was run, replayed (`autopart.compiler`'s step model)."""
@@ -58,14 +62,16 @@ class StageCosts:
                     f"StageCosts.{name} has {len(getattr(self, name))} values but forward_s has "
                     f"{stages}; give one value per stage"
                 )
-        for name in ("transfer_s", "send_s", "recv_s"):
+        for name in ("transfer_s", "send_s", "recv_s", "recv_waited_s"):
             given = len(getattr(self, name))
             if given != stages - 1 and not (name != "transfer_s" and given == 0):
                 raise ConfigError(
                     f"StageCosts.{name} has {given} values for {stages} stages; "
                     f"give one per boundary ({stages - 1})"
                 )
-        for name in ("forward_s", "backward_s", "weight_s", "transfer_s", "send_s", "recv_s"):
+        if self.recv_waited_s and not self.recv_s:
+            raise ConfigError("StageCosts.recv_waited_s needs recv_s: it replaces a receive's time when it waited")
+        for name in ("forward_s", "backward_s", "weight_s", "transfer_s", "send_s", "recv_s", "recv_waited_s"):
             if any(value < 0 for value in getattr(self, name)):
                 raise ConfigError(f"StageCosts.{name} has a negative time; times are seconds >= 0")
         if any(value < 0 for value in self.actions.values()):
@@ -114,9 +120,22 @@ class StageCosts:
             return self.backward_s[stage] - self.weight_s[stage]
         if action.kind is Kind.W:
             return self.weight_s[stage]
-        boundary = {Kind.SEND_F: stage, Kind.RECV_B: stage, Kind.SEND_B: stage - 1, Kind.RECV_F: stage - 1}[action.kind]
         side = self.send_s if action.kind in (Kind.SEND_F, Kind.SEND_B) else self.recv_s
-        return side[boundary] if side else 0.0
+        return side[_boundary(action)] if side else 0.0
+
+    def waited_duration(self, action: Action) -> float:
+        """Rank time of a receive that waited for its data: `duration` with `recv_waited_s` in
+        place of `recv_s` (a replayed step's lateness kept)."""
+        if not self.recv_waited_s:
+            return self.duration(action)
+        boundary = _boundary(action)
+        return max(0.0, self.duration(action) - self.recv_s[boundary] + self.recv_waited_s[boundary])
+
+
+def _boundary(message: Action) -> int:
+    """The boundary between stages that a send or receive crosses (s for s -> s + 1)."""
+    stage = message.stage
+    return {Kind.SEND_F: stage, Kind.RECV_B: stage, Kind.SEND_B: stage - 1, Kind.RECV_F: stage - 1}[message.kind]
 
 
 @dataclass(frozen=True, kw_only=True)
