@@ -358,3 +358,19 @@ def test_busy_processes_beside_the_compile_slow_its_step_and_are_said(compiled, 
     printed = " ".join(capsys.readouterr().out.split())
     assert "2 other busy processes shared this machine's cores while it compiled; the predicted step counts them" \
         in printed
+
+
+def test_where_the_ranks_share_the_cores_a_receive_that_waited_takes_its_own_time(compiled, tmp_path, monkeypatch):
+    from cost_models import calibration
+
+    plan, _, folder = compiled
+    options = tiny_options(folder)
+    monkeypatch.setattr(calibration, "background_load", lambda cores, seconds=0.3: 1.0)  # 2 ranks + 1 on 2 cores
+
+    def step_s(*messages: float) -> float:
+        with_factor(folder, plan, 2.0, messages=messages)
+        return compile_to_directory(options, tmp_path / f"m{len(messages)}")[0].predicted.step_s
+
+    # the woken rank gets its core back first: the receive's own time stands (see _step_time)
+    assert step_s(0.0, 0.005, 0.0, 0.001) == step_s(0.0, 0.005, 0.0)
+    with_factor(folder, plan, None)
