@@ -593,13 +593,7 @@ def _step_time(options: CompileOptions, front: _Front, stages: list[StagePlan], 
     if in_place is not None and in_place.transfer_s is not None:  # one message per boundary, as measured
         send, receive = (in_place.send_s,) * len(sides), (in_place.recv_s,) * len(sides)
         transfer = tuple(in_place.send_s + in_place.recv_s + in_place.transfer_s for _ in sides)
-        # a receive that waits ends waited_s after its send, where each rank keeps a core; where
-        # they outnumber the cores it must get one back first, which recv_s holds better (the
-        # 4-rank rows of cost_accuracy on 2 cores: -8..-14% in their own runs with waited_s,
-        # +1..+7% without)
-        device_cores = front.cost_model.device.cores / (options.tp * options.dp)
-        shares_cores = 0 < device_cores < options.pp + front.cost_model.device.background_load
-        if in_place.waited_s is not None and not shares_cores:
+        if in_place.waited_s is not None:  # a receive that waits ends waited_s after its send
             waited = (min(in_place.recv_s, in_place.waited_s),) * len(sides)
     schedule = add_communication(
         build_schedule(options.schedule, ranks=options.pp, microbatches=microbatches,

@@ -74,6 +74,11 @@ def test_a_receive_that_waited_takes_its_waited_time_and_one_whose_data_came_fir
     # (3.85), then 1F1 5.85, 1B0 7.85, 1B1 9.95 + sends; 0RECV_B0 (data at 8.45) 8.5, 0B0 10.5,
     # 0RECV_B1 (data at 10.55) 10.6, 0B1 12.6
     assert step(2.0, (0.05,)) == pytest.approx(12.6)
+    # two ranks on one core: the woken rank waits for the core too, the receive's own time stands
+    shared = [step_time(schedule, StageCosts(forward_s=(1.0, 1.0), backward_s=(2.0, 2.0), weight_s=(0.0, 0.0),
+                                             transfer_s=(0.5,), send_s=(0.1,), recv_s=(0.2,), recv_waited_s=waited),
+                        ranks=2, cores=1) for waited in ((0.05,), ())]
+    assert shared[0] == shared[1]
     with pytest.raises(ConfigError, match="recv_waited_s needs recv_s"):
         StageCosts(forward_s=(1.0, 1.0), backward_s=(2.0, 2.0), weight_s=(0.0, 0.0), transfer_s=(0.5,),
                    recv_waited_s=(0.05,))

@@ -7,8 +7,11 @@ CPU-bound processes), and other processes running on the machine take their shar
 share: a rank whose core another rank had just before starts each compute action with cold
 caches, and pays ``resume_s`` (forward, backward) more for it (measured by ``autopart profile``);
 and a message that arrives while every core is busy is received ``busy_delay_s`` later, when
-its rank gets a core again (measured by ``autopart profile-comm``); a receive that waited for
-its data takes ``recv_waited_s`` once it is there, not ``recv_s``. When they do not outnumber
+its rank gets a core again (measured by ``autopart profile-comm``). A receive that waited for
+its data takes ``recv_waited_s`` once it is there, not ``recv_s``, where each rank keeps a core;
+where they outnumber the cores the woken rank must get one back first, which ``recv_s`` holds
+better (the 4-rank rows of ``benchmarks/cost_accuracy.py`` on 2 cores: 8-14% short in their own
+runs with the waited figure, 1-7% long with ``recv_s``). When they do not outnumber
 the cores, or when they do but fewer are busy for a while (a pipeline's fill and drain), a rank
 that waited leaves its core idle, and its next work runs slower while the core warms up again:
 ``wake_s``, extra seconds by idle time (measured by ``autopart profile-comm``).
@@ -67,7 +70,7 @@ def step_time(schedule: Schedule, costs: StageCosts, *, ranks: int, cores: int =
                         if ready is not None:
                             wakes.append(ready)
                         continue
-                    waited = action.kind in RECEIVE_KINDS and ready > idle_since[rank] + _EPSILON
+                    waited = action.kind in RECEIVE_KINDS and not shared and ready > idle_since[rank] + _EPSILON
                     work = costs.waited_duration(action) if waited else costs.duration(action)
                     cursor[rank] += 1
                 if work > 0:

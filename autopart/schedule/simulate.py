@@ -134,8 +134,7 @@ class StageCosts:
 
 def _boundary(message: Action) -> int:
     """The boundary between stages that a send or receive crosses (s for s -> s + 1)."""
-    stage = message.stage
-    return {Kind.SEND_F: stage, Kind.RECV_B: stage, Kind.SEND_B: stage - 1, Kind.RECV_F: stage - 1}[message.kind]
+    return min(message.stage, message.peer_stage)
 
 
 @dataclass(frozen=True, kw_only=True)
