@@ -25,6 +25,7 @@ inside a stage, not the residual stream that stages send each other.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -65,11 +66,12 @@ class TensorMeta:
     dtype: str  # "float32", "int64", ...
 
     @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
     def nbytes(self) -> int:
-        numel = 1
-        for size in self.shape:
-            numel *= size
-        return numel * torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+        return self.numel * torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
 
     def to_json(self) -> dict[str, Any]:
         return {"shape": list(self.shape), "dtype": self.dtype}

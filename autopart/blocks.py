@@ -3,9 +3,10 @@
 ``build_blocks(op_graph) -> BlockChain``.
 
 The compute nodes are kept in the graph's topological order. A boundary may fall between two
-of them when everything that is live across it is a tensor (no Python ints, no tuples) and its
-bytes are within ``NARROW_FACTOR`` of the narrowest such point in the whole graph: in a
-Transformer these are the residual stream between sublayers. Nodes that depend only on the
+of them when everything that is live across it is a tensor (no Python ints, no tuples), its
+elements are within ``NARROW_FACTOR`` of the narrowest such point in the whole graph, and no
+more tensors cross it than cross the fewest-crossed of those points: in a Transformer these are
+the residual stream alone, between sublayers. Nodes that depend only on the
 batch and on buffers (position ids, masks, reshaped targets), the parameters and the inputs
 belong to no block: every stage that needs them recomputes or holds them, so they never cross
 a boundary. A parameter read on both sides of a boundary (tied embeddings) is held by both.
@@ -97,9 +98,15 @@ def build_blocks(op_graph: OpGraph) -> BlockChain:
         if crossing[i] and all(costs[name].output is not None for name in crossing[i])
     ]
     if candidates:
-        widths = {i: sum(costs[name].output.nbytes for name in crossing[i]) for i in candidates}
+        # Widths in elements, not bytes: under autocast the 16-bit output of a sublayer beside the
+        # fp32 residual stream would otherwise look as narrow as the stream alone, and the cuts
+        # (and so the blocks the sharding solver sees) would depend on the precision.
+        widths = {i: sum(costs[name].output.numel for name in crossing[i]) for i in candidates}
         narrowest = min(widths.values())
         candidates = [i for i in candidates if widths[i] <= NARROW_FACTOR * narrowest]
+        # Where the stream alone is live, not beside a small side value (an RMSNorm's rsqrt).
+        fewest = min(len(crossing[i]) for i in candidates)
+        candidates = [i for i in candidates if len(crossing[i]) == fewest]
 
     parameter_bytes = {
         str(n.target): costs[n.name].parameter_bytes for n in fx_nodes if costs[n.name].is_parameter

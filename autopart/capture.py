@@ -303,7 +303,10 @@ def capture(
                     f"control flow on tensors{'' if leaves else ', or use --capture export'}"
                 ) from None
     try:
-        module = export_training_graph(spec.module, spec.loss_fn, _on_model_device(spec, inputs), target, target_name=TARGET)
+        on_device = _on_model_device(spec, (*inputs, target) if isinstance(target, torch.Tensor) else inputs)
+        module = export_training_graph(spec.module, spec.loss_fn, on_device[: len(inputs)],
+                                       on_device[len(inputs)] if len(on_device) > len(inputs) else target,
+                                       target_name=TARGET)
     except CaptureError:
         raise
     except Exception as exc:

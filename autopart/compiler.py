@@ -8,6 +8,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import statistics
 import tempfile
 from dataclasses import dataclass, field, replace
@@ -40,6 +42,8 @@ from cost_models.database import PipelineMeasurement, plan_shape, tail_key
 from cost_models.devices import local_device_name
 
 __all__ = ["CompileOptions", "compile", "emit", "compile_to_directory"]
+
+log = logging.getLogger("autopart")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -158,25 +162,26 @@ class CompileOptions:
         parallelism every replica runs the microbatches on its share of the global batch."""
         m, b, total = self.microbatches, self.micro_batch_size, self.global_batch_size
         if total is None:
-            total = m * b if m is not None and b is not None else 8
-        if m is None and b is None:
-            m = max(d for d in range(1, 2 * self.pp + 1) if total % d == 0)
-        if m is None:
-            m = total // b if total % b == 0 else 0
-        if b is None:
-            b = total // m if total % m == 0 else 0
-        if m * b != total:
+            total = m * b * self.dp if m is not None and b is not None else 8
+        if total % self.dp:
             raise ConfigError(
-                f"the global batch ({total}) is not a whole number of microbatches; choose --global-batch-size, "
-                "--microbatches and --micro-batch-size so that microbatches x micro-batch size = global batch"
+                f"the global batch ({total}) does not split into {self.dp} equal data-parallel shares; "
+                f"use a global batch that is a multiple of {self.dp}"
             )
-        if self.dp > 1:
-            if m * b % self.dp or (m * b // self.dp) % m:
-                raise ConfigError(
-                    f"the global batch ({total}) must split into {self.dp} data-parallel shares of {m} equal "
-                    f"microbatches; use a global batch that is a multiple of {self.dp * m}"
-                )
-            b = total // (self.dp * m)
+        share = total // self.dp  # what one pipeline replica runs per step
+        if m is None and b is None:
+            m = max(d for d in range(1, 2 * self.pp + 1) if share % d == 0)
+        if m is None:
+            m = share // b if share % b == 0 else 0
+        if b is None:
+            b = share // m if share % m == 0 else 0
+        if m * b != share:
+            share_text = f"{total}, {share} per data-parallel replica" if self.dp > 1 else f"{total}"
+            raise ConfigError(
+                f"the global batch ({share_text}) is not a whole number of microbatches; choose --global-batch-size,"
+                " --microbatches and --micro-batch-size so that microbatches x micro-batch size x data-parallel"
+                " degree = global batch"
+            )
         if self.schedule == "interleaved" and m % self.pp:
             raise ConfigError(
                 f"interleaved needs microbatches ({m}) to be a multiple of the pipeline degree ({self.pp}); "
@@ -217,8 +222,12 @@ def _sharded(front: _Front, options: CompileOptions) -> _Front:
     if options.tp == 1:
         return replace(front, shardings=None)
     across = options.tp > options.gpus_per_node
-    return replace(front, shardings=tuple(shard_chain(front.chain, tp=options.tp, cost_model=front.cost_model,
-                                                      across_nodes=across)))
+    shardings = tuple(shard_chain(front.chain, tp=options.tp, cost_model=front.cost_model, across_nodes=across))
+    if not options.searched and not any(p.kind == "S" for sharding in shardings for p in sharding.parameters.values()):
+        log.info(f"--tp {options.tp} splits no weight of {front.spec.path.name}: none divides {options.tp} ways, or"
+                 f" splitting would be slower than running it whole; each of the {options.tp} ranks holds and computes"
+                 " the whole model (lower --tp, or use --pp or --dp)")
+    return replace(front, shardings=shardings)
 
 
 def _annotated(options: CompileOptions, micro_batch_size: int, *, separate_biases: bool,

@@ -24,7 +24,8 @@ from autopart.plan import Plan
 from autopart.runtime.launch import PLAN_HASH_KEY, plan_digest
 from autopart.runtime.shards import shard_weight
 from autopart.runtime.stage import weights_file_name
-from autopart.solver.sharding import REPLICATE, Placement, Strategy, strategies
+from autopart.solver.sharding import REPLICATE, Placement, Strategy
+from autopart.solver.sharding_rules import strategies
 
 __all__ = ["emit_directory", "check_output_directory"]
 

@@ -18,10 +18,10 @@ from dataclasses import replace
 
 from torch import fx
 
-from autopart.annotate import OpGraph
+from autopart.annotate import OpGraph, TensorMeta
 from autopart.codegen.stages import StageGraph
 from autopart.runtime import collectives
-from autopart.solver.sharding import REPLICATE, Placement, Strategy, local_shape, op_name
+from autopart.solver.sharding import REPLICATE, Placement, Strategy, argument, is_aten, local_shape, op_name
 from autopart.solver.tensor import conversion
 
 __all__ = ["shard_stage_graph"]
@@ -98,12 +98,18 @@ def shard_stage_graph(
 
 
 def _replace_op(node: fx.Node, kind: str) -> None:
-    if kind == "vocab_parallel_embedding":
-        node.target, node.args, node.kwargs = _KINDS[kind], node.args[:2], {}
+    aten = is_aten(node)
+    if kind == "vocab_parallel_embedding":  # aten.embedding takes (weight, ids), F.embedding (ids, weight)
+        ids, weight = (node.args[1], node.args[0]) if aten else node.args[:2]
+        node.target, node.args, node.kwargs = _KINDS[kind], (ids, weight), {}
     elif kind == "vocab_parallel_cross_entropy":
-        ignore = node.kwargs.get("ignore_index", -100)
+        ignore = argument(node, 4, "ignore_index", -100) if aten else node.kwargs.get("ignore_index", -100)
         node.target, node.args, node.kwargs = _KINDS[kind], node.args[:2], {"ignore_index": ignore}
     node.op = "call_function"
+
+
+_SHAPED = {"view", "reshape", "expand"}
+"""Ops that take the shape of their output: the local one where the output is sharded."""
 
 
 def _fold_numbers(node: fx.Node, op_graph: OpGraph, placement: dict[str, Placement], tp: int) -> None:
@@ -111,19 +117,31 @@ def _fold_numbers(node: fx.Node, op_graph: OpGraph, placement: dict[str, Placeme
     cost = op_graph.nodes.get(node.name)
     name = op_name(node)
     out = placement.get(node.name, REPLICATE)
-    if cost is not None and cost.output is not None and name in ("view", "reshape") and node.op == "call_method":
-        node.args = (node.args[0], *local_shape(cost.output.shape, out, tp))
-        return
-    if name == "split" and node.op == "call_method":
+    if cost is not None and cost.output is not None and name in _SHAPED:
+        shape = local_shape(cost.output.shape, out, tp)
+        if node.op == "call_method":  # x.view(B, T, nh, hs)
+            node.args = (node.args[0], *shape)
+            return
+        if is_aten(node):  # aten.view.default(x, [B, T, nh, hs])
+            node.args = (node.args[0], list(shape), *node.args[2:])
+            return
+    if name == "split" and (node.op == "call_method" or is_aten(node)):
         source = placement.get(node.args[0].name, REPLICATE)
         size = _number(node.args[1], op_graph)
-        dim = _number(node.kwargs.get("dim", node.args[2] if len(node.args) > 2 else 0), op_graph)
-        rank = len(op_graph.nodes[node.args[0].name].output.shape)
+        dim = _number(argument(node, 2, "dim", 0), op_graph)
+        rank = len(_source_meta(node.args[0], op_graph).shape)
         if source.kind == "S" and source.dim == dim % rank and isinstance(size, int):
             size //= tp
         node.args = (node.args[0], size, *node.args[2:])
     node.args = fx.map_arg(node.args, lambda a: _constant_or_node(a, op_graph))
     node.kwargs = fx.map_arg(node.kwargs, lambda a: _constant_or_node(a, op_graph))
+
+
+def _source_meta(value: fx.Node, op_graph: OpGraph) -> TensorMeta:
+    """The metadata of the tensor ``value`` carries: a collective inserted here keeps its input's."""
+    while value.name not in op_graph.nodes:
+        value = value.args[0]
+    return op_graph.nodes[value.name].output
 
 
 def _number(value: object, op_graph: OpGraph) -> object:

@@ -11,7 +11,16 @@ compute (divided by t where the op is split) plus the collectives that the choic
   one all-reduce backward (Megatron's ``f``);
 - any other change of placement is not allowed.
 
-What crosses a block boundary is replicated, so blocks are solved independently, and identical
+Time first, then weights, then collectives: among the layouts within ``TIME_TOLERANCE`` of the
+fastest, those within it of the fewest parameter bytes per rank, and of those the one whose
+collectives take least time (the collectives' figures, their overlap and contention, are the less
+certain part of the estimate; among layouts this close, Megatron's has the fewest). Where
+kernels are launch-bound (small widths, a 16-bit matmul rate) splitting an op saves almost no
+time, and a time-only objective would flip between the replicated and the Megatron layout on
+rounding while the replicated one holds t times the weights on every rank.
+
+What crosses a block boundary is replicated (a block's partial or sharded output is reduced or
+gathered as it leaves, at that collective's cost), so blocks are solved independently, and identical
 blocks (the repeated layers) are solved once. A parameter read by two blocks (tied embeddings)
 gets one placement: each candidate is tried with both blocks pinned, and the cheapest kept.
 """
@@ -24,12 +33,17 @@ from ortools.sat.python import cp_model
 from torch import fx
 
 from autopart.blocks import Block, BlockChain
-from autopart.solver.sharding import REPLICATE, Placement, Strategy, is_tuple_of_tensors, strategies
+from autopart.solver.sharding import REPLICATE, Placement, Strategy, is_tuple_of_tensors
+from autopart.solver.sharding_rules import strategies
 from cost_models import CostModel
 
 __all__ = ["BlockSharding", "conversion", "shard_chain"]
 
 _NS = 1e9
+TIME_TOLERANCE = 0.05
+"""How far (a fraction) from the fastest a layout may be and still win on memory, and from the
+fewest bytes and still count as that small: within what the roofline can resolve (its launch
+overheads are estimates, and its error against published runs is larger than this)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -67,7 +81,6 @@ class _BlockModel:
         op_graph = chain.op_graph
         fx_nodes = {n.name: n for n in op_graph.fx_nodes()}
         self.members = [fx_nodes[n] for n in block.nodes if self._tensorish(fx_nodes[n])]
-        member_names = {n.name for n in self.members}
         self.options = {n.name: strategies(n, op_graph, t) for n in self.members}
         self.model = cp_model.CpModel()
         m = self.model
@@ -102,12 +115,22 @@ class _BlockModel:
             bools = {p: m.new_bool_var(f"{name}_is_{p}") for p in sorted(wanted)}
             m.add_exactly_one(bools.values())
             self.placed[name] = bools
-        self.objective = []
+        self.objective = []  # seconds: compute and collectives
+        self.communication = []  # seconds: the collectives alone
+        self.needs: dict[tuple[str, Placement, bool], list] = {}  # (value, placement, copied) -> who needs it
+        self.fx_nodes = fx_nodes
+        self.memory = []  # parameter bytes per rank: what tensor parallelism is there to divide
+        for name, bools in self.placed.items():
+            if name in self.parameters:
+                whole = self.chain.op_graph.nodes[name].parameter_bytes
+                self.memory.extend((whole // (t if p.kind == "S" else 1)) * b for p, b in bools.items())
         for n in self.members:
-            self._edges(n, member_names)
-        for n in self.members:  # what leaves the block is replicated (the replicated strategy always exists)
-            if any(u.name not in member_names for u in n.users):
-                m.add(self.placed[n.name][REPLICATE] == 1)
+            self._edges(n)
+        in_block = set(block.nodes)  # a size read inside the block folds to a number: it does not leave
+        for n in self.members:  # what leaves the block leaves replicated: reduced or gathered on its way out
+            if any(u.name not in in_block for u in n.users):
+                self._leaves(n)
+        self._convert()
         m.minimize(sum(self.objective))
 
     def _tensorish(self, node: fx.Node) -> bool:
@@ -132,38 +155,46 @@ class _BlockModel:
         meta = self.chain.op_graph.nodes[name].output
         return self.cost_model.collective_time(kind, meta.nbytes if meta else 0, self.t, across_nodes=self.across_nodes)
 
-    def _edges(self, node: fx.Node, members: set[str]) -> None:
-        m = self.model
+    def _edges(self, node: fx.Node) -> None:
+        """The op's own time per strategy, and what each strategy needs of each input."""
         cost = self.chain.op_graph.nodes[node.name]
         for i, strategy in enumerate(self.options[node.name]):
             seconds = self.divided_seconds(node.name) if strategy.divided else cost.forward_s + cost.backward_s
             self.objective.append(round(seconds * _NS) * self.choice[node.name][i])
         for j, arg in enumerate(node.all_input_nodes):
-            sources = self.placed.get(arg.name)
-            whole_tuple = is_tuple_of_tensors(arg, self.chain.op_graph)  # split's tuple: its items convert, not it
             for i, strategy in enumerate(self.options[node.name]):
                 required = strategy.inputs[j]
                 if required is None:
                     continue
-                chosen = self.choice[node.name][i]
                 copy = required == REPLICATE and strategy.output != REPLICATE and self.chain.op_graph.nodes[arg.name].needs_grad
-                if sources is None:  # fixed replicated: a boundary, a buffer, a batch-derived value
-                    seconds = self._pair_seconds(REPLICATE, required, copy, arg.name)
-                    if seconds is None:
-                        m.add(chosen == 0)
-                    elif seconds:
-                        self.objective.append(round(seconds * _NS) * chosen)
-                    continue
-                for placement, placed in sources.items():
-                    seconds = self._pair_seconds(placement, required, copy, arg.name)
-                    if whole_tuple and placement != required:
-                        seconds = None
-                    if seconds is None:
-                        m.add_bool_or([chosen.Not(), placed.Not()])
-                    elif seconds:
-                        both = m.new_bool_var(f"{arg.name}_{placement}_to_{node.name}_{i}")
-                        m.add(both >= chosen + placed - 1)
-                        self.objective.append(round(seconds * _NS) * both)
+                self.needs.setdefault((arg.name, required, copy), []).append(self.choice[node.name][i])
+
+    def _leaves(self, node: fx.Node) -> None:
+        """``node`` is read past the block, which takes it replicated: a partial or sharded output
+        pays its all-reduce or all-gather here (a vocabulary-parallel embedding's, say)."""
+        self.needs.setdefault((node.name, REPLICATE, False), []).append(1)
+
+    def _convert(self) -> None:
+        """Each value is converted once for every consumer that needs it in one placement, as the
+        generated code does (three projections that read one replicated input share its ``f``)."""
+        m = self.model
+        for (name, required, copy), users in self.needs.items():
+            needed = m.new_bool_var(f"{name}_as_{required}{'_copied' if copy else ''}")
+            m.add_max_equality(needed, users)
+            sources = self.placed.get(name, {REPLICATE: None})  # None: fixed replicated (a boundary, a buffer)
+            whole_tuple = is_tuple_of_tensors(self.fx_nodes[name], self.chain.op_graph)  # split's tuple: its items convert
+            for placement, placed in sources.items():
+                seconds = self._pair_seconds(placement, required, copy, name)
+                if seconds is None or whole_tuple and placement != required:
+                    m.add_bool_or([needed.Not()] + ([placed.Not()] if placed is not None else []))
+                elif seconds:
+                    both = needed
+                    if placed is not None:
+                        both = m.new_bool_var(f"{name}_{placement}_to_{required}{'_copied' if copy else ''}")
+                        m.add(both >= needed + placed - 1)
+                    term = round(seconds * _NS) * both
+                    self.objective.append(term)
+                    self.communication.append(term)
 
     def _pair_seconds(self, source: Placement, required: Placement, copy: bool, name: str) -> float | None:
         step = conversion(source, required)
@@ -181,6 +212,12 @@ class _BlockModel:
         solver.parameters.num_workers = 2
         status = solver.solve(self.model)
         assert status in (cp_model.OPTIMAL, cp_model.FEASIBLE), "the replicated strategy is always feasible"
+        for objective, then in ((self.objective, self.memory), (self.memory, self.communication)):
+            best = round(solver.objective_value)  # of ``objective``: bound it, and go on to ``then``
+            self.model.add(sum(objective) <= best + round(best * TIME_TOLERANCE))
+            self.model.minimize(sum(then))
+            status = solver.solve(self.model)
+            assert status in (cp_model.OPTIMAL, cp_model.FEASIBLE), "the layout found before is a solution"
         chosen = {
             n.name: self.options[n.name][next(i for i, b in enumerate(self.choice[n.name]) if solver.value(b))]
             for n in self.members
@@ -196,7 +233,7 @@ class _BlockModel:
         )
         saved = sum(costs[n].saved_bytes // (self.t if s.divided else 1) for n, s in chosen.items())
         saved += sum(costs[n].saved_bytes for n in self.block.nodes if n not in chosen)
-        total = solver.objective_value / _NS
+        total = sum(solver.value(term) for term in self.objective) / _NS
         return BlockSharding(
             strategies=chosen,
             parameters=parameters,
