@@ -16,10 +16,9 @@ example batch at the microbatch size and records, per node:
 
 With ``dtype="bf16"`` every forward runs under ``torch.autocast(bfloat16)``, as the runtime runs
 it: output dtypes, kernels (so the roofline's 16-bit rate), saved bytes (16-bit activations,
-and the 16-bit copies of the weights that matrix products save) all follow. Autocast is CPU's
-here, since the graph runs on CPU (or fake CPU) tensors; its op lists differ from CUDA's in a
-few ops (CUDA runs softmax and layer norm of a 16-bit input in fp32), which changes dtypes
-inside a stage, not the residual stream that stages send each other.
+and the 16-bit copies of the weights that matrix products save) all follow. The autocast is the
+target device's: CPU's for ``cpu``, CUDA's casts (``autopart.autocast_lists``) for a GPU spec,
+whose op lists differ from CPU's (CUDA runs ``pow``, ``rsqrt``, softmax and the losses in fp32).
 """
 
 from __future__ import annotations
@@ -36,6 +35,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from autopart.autocast_lists import cuda_autocast
 from autopart.capture import Graph, ModelSpec, graph_args, is_meta
 from autopart.recompute import keeps_output
 from cost_models import CostModel, Kernel, KernelRecorder
@@ -152,8 +152,9 @@ class _State:
     """The graph's parameters and buffers by name: the real tensors, or for a model built on the
     meta device, fake tensors of the same shapes that allocate nothing."""
 
-    def __init__(self, module: fx.GraphModule, fake: bool, dtype: str = "fp32"):
+    def __init__(self, module: fx.GraphModule, fake: bool, dtype: str = "fp32", device_kind: str = "cpu"):
         self.dtype = dtype
+        self.device_kind = device_kind
         self.parameters = dict(module.named_parameters(remove_duplicate=False))
         self.tensors: dict[str, torch.Tensor] = {**self.parameters, **dict(module.named_buffers(remove_duplicate=False))}
         self.root = module
@@ -165,6 +166,14 @@ class _State:
                     made[id(t)].requires_grad_(t.requires_grad)  # what autograd saves depends on it
                 self.tensors[name] = made[id(t)]
         self.parameter_ids = {id(self.tensors[name]) for name in self.parameters}
+
+    def precision(self) -> contextlib.AbstractContextManager:
+        """The autocast the target device runs the forward in: CPU's own, or CUDA's casts applied
+        here (``autopart.autocast_lists``), whatever machine compiles."""
+        lower = autocast_dtype(self.dtype)
+        if lower is not None and self.device_kind in ("cuda", "rocm"):  # ROCm's torch autocasts as "cuda"
+            return cuda_autocast(lower)
+        return precision(self.dtype)
 
     def attr(self, target: str) -> Any:
         return self.tensors[target] if target in self.tensors else _fetch_attr(self.root, target)
@@ -263,7 +272,7 @@ def _measure_kernels(
     """Kernels of the node's forward, of its input gradients and of its weight gradients."""
     parameters = state.parameter_ids
     args, kwargs, inputs, weights = leaves_for_grad(args, kwargs, parameters)
-    with KernelRecorder() as forward, precision(state.dtype):  # backward runs outside autocast, as in training
+    with KernelRecorder() as forward, state.precision():  # backward runs outside autocast, as in training
         try:
             if node.op == "call_module":  # a leaf module: its own weights are the node's weights
                 own = {
@@ -343,7 +352,7 @@ class _SavedBytes(fx.Interpreter):
 
     def measure(self, *args: Any) -> tuple[dict[str, int], dict[str, int]]:
         """Bytes saved for backward, and bytes that selective recompute keeps, per node."""
-        with torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t), precision(self.state.dtype):
+        with torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t), self.state.precision():
             with _KeptOutputs(self):
                 self.run(*args)
         return self.saved, self.kept
@@ -373,7 +382,7 @@ def annotate(
     inputs, target = spec.example(micro_batch_size)
     fake = is_meta(module)
     with FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext():
-        state = _State(module, fake, dtype)
+        state = _State(module, fake, dtype, cost_model.device.kind)
         saved, kept = _SavedBytes(module, state).measure(*graph_args(graph, inputs, target))
         nodes, kernels, leaves = _annotate_nodes(
             graph, state, (saved, kept), cost_model, graph_args(graph, inputs, target)
@@ -437,7 +446,7 @@ def _annotate_nodes(
         args, kwargs = pytree.tree_map(
             lambda a: values[a.name] if isinstance(a, fx.Node) else a, (node.args, node.kwargs)
         )
-        with torch.no_grad(), precision(state.dtype):
+        with torch.no_grad(), state.precision():
             value = _run_one(node, args, kwargs, state)
         values[node.name] = value
         forward, backward_input, backward_weight = _measure_kernels(node, args, kwargs, state)

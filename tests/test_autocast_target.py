@@ -1,0 +1,62 @@
+"""Compile-time dtypes follow the target device's autocast: a plan made on this CPU for a GPU
+holds the dtypes that CUDA autocast gives there, from the op lists of the installed torch."""
+
+import torch
+
+import autopart
+from autopart.autocast_lists import cuda_autocast, cuda_policies
+
+SOFTMAX_CHAIN = """
+import torch
+from torch import nn
+
+class Chain(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(32, 32) for _ in range(4))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.softmax(layer(x), dim=-1)  # (B, 32)
+        return x
+
+def build_model():
+    torch.manual_seed(0)
+    return Chain()
+
+def example_batch(batch_size):
+    return (torch.randn(batch_size, 32),), torch.randn(batch_size, 32)
+
+def loss_fn(output, target):
+    return ((output - target) ** 2).mean()
+"""
+
+
+def test_cuda_lists_come_from_the_installed_torch():
+    policies = cuda_policies()
+    assert len(policies) > 80  # the header's four lists, not a short hand copy
+    assert {policies[op] for op in ("linear", "mm", "bmm", "addmm", "matmul", "scaled_dot_product_attention")} == {"lower"}
+    assert {policies[op] for op in ("softmax", "log_softmax", "layer_norm", "pow", "rsqrt", "sum", "nll_loss")} == {"fp32"}
+    assert "gelu" not in policies and "add" not in policies  # run in whatever dtype their inputs have
+
+
+def test_cuda_casts_differ_from_cpu_ones_where_torch_says_so():
+    x, w = torch.randn(4, 8, requires_grad=True), torch.randn(8, 8, requires_grad=True)
+    with cuda_autocast(torch.bfloat16):
+        y = torch.nn.functional.linear(x, w)
+        cuda = (y.dtype, torch.softmax(y, -1).dtype, y.pow(2).dtype, torch.nn.functional.gelu(y).dtype)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = torch.nn.functional.linear(x, w)
+        cpu = (y.dtype, torch.softmax(y, -1).dtype, y.pow(2).dtype, torch.nn.functional.gelu(y).dtype)
+    assert cuda == (torch.bfloat16, torch.float32, torch.float32, torch.bfloat16)
+    assert cpu == (torch.bfloat16, torch.bfloat16, torch.bfloat16, torch.bfloat16)
+
+
+def test_a_plan_for_a_gpu_sends_what_cuda_autocast_gives(tmp_path):
+    model = tmp_path / "softmax_chain.py"
+    model.write_text(SOFTMAX_CHAIN)
+    sent = {}
+    for device in ("cpu", "h100-sxm"):
+        plan = autopart.compile(model, pp=2, microbatches=2, micro_batch_size=4, device=device, dtype="bf16")
+        sent[device] = [meta.dtype for _, meta in plan.stages[0].outputs]
+    assert sent == {"cpu": ["bfloat16"], "h100-sxm": ["float32"]}  # softmax of a bf16 product: fp32 on CUDA
