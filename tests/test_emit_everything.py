@@ -1,0 +1,23 @@
+"""Every plan that a pin can produce emits: each example at tp 8, bf16 and fp32, interleaved and
+zero-bubble, compiles to an output directory with a stage program per stage."""
+
+import pytest
+
+from autopart.compiler import CompileOptions, compile_to_directory
+from tests.distributed import REPO
+
+EXAMPLES = sorted((REPO / "examples").glob("*.py"))
+
+
+@pytest.mark.parametrize("schedule, chunks", [("interleaved", 2), ("zb-h1", 1)])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda path: path.stem)
+def test_every_example_emits_at_tp8(tmp_path, example, dtype, schedule, chunks):
+    options = CompileOptions(model=example, pp=2, tp=8, chunks=chunks, schedule=schedule, microbatches=4,
+                             micro_batch_size=1, dtype=dtype, device="h100-sxm")  # fmt: skip
+    plan, out = compile_to_directory(options, tmp_path / "out")
+    assert plan.mesh == {"pp": 2, "tp": 8, "dp": 1}
+    assert len(plan.stages) == 2 * chunks
+    for stage in plan.stages:
+        source = (out / "stages" / f"stage_{stage.index}.py").read_text()
+        compile(source, f"stage_{stage.index}.py", "exec")  # what each rank will import
