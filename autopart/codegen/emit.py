@@ -6,8 +6,8 @@ failure never leaves a half-written output directory behind.
 
 from __future__ import annotations
 
-import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -16,10 +16,10 @@ from safetensors.torch import save_file
 from autopart.annotate import OpGraph
 from autopart.capture import ModelSpec, is_meta
 from autopart.codegen.names import plain_text
+from autopart.codegen.output_dir import check_output_directory, remove_output, write_marker
 from autopart.codegen.report import write_report
 from autopart.codegen.tensor_parallel import shard_stage_graph
 from autopart.codegen.stages import describe_tensors, stage_graphs, stage_source
-from autopart.errors import ConfigError
 from autopart.plan import Plan
 from autopart.runtime.launch import PLAN_HASH_KEY, plan_digest
 from autopart.runtime.shards import shard_weight
@@ -28,29 +28,18 @@ from autopart.solver.sharding import REPLICATE, Placement, Strategy, strategies
 
 __all__ = ["emit_directory", "check_output_directory"]
 
-_OURS = "plan.json"  # a directory holding this was written by autopart and may be replaced
-
-
-def check_output_directory(out_dir: Path) -> None:
-    """Refuse, before any work, to write over a directory that autopart did not make."""
-    if out_dir.exists() and not out_dir.is_dir():
-        raise ConfigError(f"output path '{out_dir}' is a file; choose a directory path for -o")
-    if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / _OURS).is_file():
-        raise ConfigError(
-            f"output directory '{out_dir}' holds other files; choose a new or empty directory for -o"
-        )
-
 
 def emit_directory(plan: Plan, op_graph: OpGraph, spec: ModelSpec, out_dir: Path) -> Path:
     out_dir = Path(out_dir)
     check_output_directory(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
+    # a folder of our own beside the destination (so the rename stays on one file system): removing it
+    # whole on a failure removes nothing that autopart did not write
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=out_dir.parent))
     try:
         _write(plan, op_graph, spec, staging, final=out_dir)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
+        write_marker(staging)
+        remove_output(out_dir)
         staging.rename(out_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
