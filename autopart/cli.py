@@ -88,6 +88,8 @@ def _parser() -> argparse.ArgumentParser:
     k = commands.add_parser("consolidate", help="merge a training checkpoint into the original model's state dict")
     k.add_argument("checkpoint", type=Path, help="a --checkpoint-dir (its latest good checkpoint) or one step_* in it")
     k.add_argument("-o", "--out", type=Path, required=True, help="the safetensors file to write")
+    k.add_argument("--model", type=Path,
+                   help="the model file that was compiled (default: the one the plan names, if its hash matches)")
     return parser
 
 
@@ -123,7 +125,7 @@ def _verify(args: argparse.Namespace, console: Console) -> int:
 def _consolidate(args: argparse.Namespace, console: Console) -> None:
     from autopart.consolidate import consolidate
 
-    summary = consolidate(args.checkpoint, args.out)
+    summary = consolidate(args.checkpoint, args.out, args.model)
     for line in summary.skipped:
         print(f"autopart: {line}", file=sys.stderr)
     console.print(f"wrote {args.out}: {summary.tensors} tensors from {summary.checkpoint} (after {summary.step} steps)")

@@ -14,6 +14,7 @@ __all__ = [
     "PlanError",
     "ScheduleError",
     "DeviceSpecError",
+    "CheckpointError",
 ]
 
 
@@ -47,3 +48,7 @@ class ScheduleError(AutopartError):
 
 class DeviceSpecError(AutopartError):
     """A device name is unknown or its spec file is malformed."""
+
+
+class CheckpointError(AutopartError):
+    """A checkpoint is missing, damaged, or holds what autopart never saves (a crafted metadata pickle)."""

@@ -12,8 +12,9 @@ Replicas hold equal keys, which DCP writes once. Beside them: ``plan.json`` and 
 the compile, and ``autopart.json`` with the step, the optimizer and the sha256 of every file.
 Ranks write into ``DIR/.step_<n>.partial`` and rank 0 renames it into place once every rank has
 finished, so a crash during a save leaves the previous checkpoint the latest good one.
-Nothing is unpickled on the way back: tensors are read with ``weights_only=True`` and DCP's
-metadata file through an unpickler that knows only DCP's metadata classes.
+Nothing is unpickled on the way back beyond plain data: tensors are read with ``weights_only=True``
+and DCP's metadata file through an unpickler that resolves only an exact list of DCP's metadata
+classes, so a crafted ``.metadata`` is refused with one line before it can call anything.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autopart.errors import ConfigError
+from autopart.errors import CheckpointError, ConfigError
 from autopart.runtime.launch import plan_digest
 
 __all__ = [
@@ -47,6 +48,7 @@ __all__ = [
     "latest_checkpoint",
     "restore_checkpoint",
     "read_record",
+    "read_metadata_file",
     "load_tensors",
     "restarted",
     "CheckpointContext",
@@ -56,20 +58,50 @@ RECORD = "autopart.json"
 _STEP = "step_"
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    """DCP's ``.metadata`` is a pickle; allow only the plain types and DCP's own dataclasses."""
+_DCP_METADATA = "torch.distributed.checkpoint.metadata"
+_ALLOWED = frozenset({
+    *((_DCP_METADATA, name) for name in (
+        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+        "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING",
+    )),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.serialization", "_get_layout"), ("torch", "Size"), ("torch", "device"),
+    ("collections", "OrderedDict"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
+    *(("torch", name) for name, value in vars(torch).items() if isinstance(value, torch.dtype)),
+})  # fmt: skip
+"""Every global that DCP's metadata pickle names, as exact (module, name) pairs: each is a class
+whose construction only stores its arguments, a dtype, or a lookup of a layout by name. A whole
+module is never allowed (a module's namespace holds what it imported: ``os`` among them), nor a
+dotted name (protocol 4 resolves ``a.b.c`` attribute by attribute, out of any allowed object)."""
 
-    _MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.planner")
-    _NAMES = {("torch", "Size"), ("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset"),
-              ("builtins", "slice"), ("torch", "device"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
-              ("torch.serialization", "_get_layout"), ("torch.distributed.checkpoint.filesystem", "_StorageInfo")}  # fmt: skip
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """DCP's ``.metadata`` is a pickle; this reads the globals of ``_ALLOWED`` and nothing else."""
 
     def find_class(self, module: str, name: str):
-        if module in self._MODULES or (module, name) in self._NAMES:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which a checkpoint never holds")
+        if (module, name) not in _ALLOWED:
+            raise CheckpointError(
+                f"checkpoint metadata names {module}.{name}, which no checkpoint holds; it was not written by "
+                "torch.distributed.checkpoint, so it is not read (use a checkpoint that autopart saved)"
+            )
+        return super().find_class(module, name)
+
+
+def read_metadata_file(path: Path):
+    """DCP's ``Metadata`` from ``path``, or a ``CheckpointError`` that runs nothing of the file."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    try:
+        metadata = _MetadataUnpickler(io.BytesIO(path.read_bytes())).load()
+    except CheckpointError:
+        raise
+    except Exception as exc:  # a truncated or garbled pickle fails in many ways, each a damaged file
+        raise CheckpointError(f"checkpoint metadata {path} is unreadable ({type(exc).__name__}); "
+                              "use an earlier step_* directory or save the checkpoint again") from None
+    if not isinstance(metadata, Metadata):
+        raise CheckpointError(f"checkpoint metadata {path} holds a {type(metadata).__name__}, not DCP's Metadata; "
+                              "use a checkpoint that autopart saved")
+    return metadata
 
 
 def _dcp():
@@ -88,7 +120,7 @@ def _safe_reader() -> type:
         def read_metadata(self, *args, **kwargs):
             rank = kwargs.get("rank")
             path = Path(self.path) / (".metadata" if rank is None else f"__{rank}.metadata")
-            metadata = _MetadataUnpickler(io.BytesIO(path.read_bytes())).load()
+            metadata = read_metadata_file(path)
             if getattr(metadata, "storage_meta", None) is None:
                 from torch.distributed.checkpoint.metadata import StorageMeta
 
