@@ -96,7 +96,7 @@ def _parser() -> argparse.ArgumentParser:
 def _verify(args: argparse.Namespace, console: Console) -> int:
     from autopart.errors import ConfigError
     from autopart.runtime.optim import OPTIMIZERS
-    from autopart.verify import LOSS_TOLERANCE, PARAMETER_TOLERANCE, verify
+    from autopart.verify import verify
 
     if args.optimizer not in OPTIMIZERS:
         raise ConfigError(f"unknown optimizer {args.optimizer!r}; use one of {', '.join(OPTIMIZERS)}")
@@ -107,13 +107,13 @@ def _verify(args: argparse.Namespace, console: Console) -> int:
         return 1
     console.print(
         f"{result.steps} steps: largest loss difference {result.loss_difference:.3g} (step {result.loss_step}, "
-        f"tolerance {LOSS_TOLERANCE[0]:g} + {LOSS_TOLERANCE[1]:g}*|loss|); largest parameter difference "
-        f"{result.parameter_difference:.3g} ({result.parameter or 'none'}, tolerance {PARAMETER_TOLERANCE[0]:g} + "
-        f"{PARAMETER_TOLERANCE[1]:g}*|value|)",
+        f"tolerance {result.loss_tolerance}); largest parameter difference {result.parameter_difference:.3g} "
+        f"({result.parameter or 'none'}, tolerance {result.parameter_tolerance})",
         soft_wrap=True,
     )
     if result.matches:
-        console.print("the distributed programs match the original model")
+        console.print(f"the distributed programs match the original model (losses within {result.loss_tolerance}; "
+                      f"parameters within {result.parameter_tolerance})", soft_wrap=True)
         return 0
     for line in result.failures[:10]:
         print(f"autopart: verify: {line}", file=sys.stderr)
