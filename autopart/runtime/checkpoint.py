@@ -20,7 +20,6 @@ classes, so a crafted ``.metadata`` is refused with one line before it can call 
 from __future__ import annotations
 
 import functools
-import hashlib
 import io
 import json
 import os
@@ -38,7 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 from autopart.errors import CheckpointError, ConfigError
-from autopart.runtime.launch import plan_digest
+from autopart.runtime.launch import file_sha256, plan_digest
 
 __all__ = [
     "RECORD",
@@ -173,14 +172,6 @@ def training_state(
     return state
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as file:
-        for block in iter(lambda: file.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def save_checkpoint(
     root: Path, state: dict[str, torch.Tensor], *, step: int, rank: int, out_dir: Path, optimizer: str
 ) -> Path:
@@ -196,7 +187,7 @@ def save_checkpoint(
     if rank == 0:
         shutil.copyfile(out_dir / "plan.json", staging / "plan.json")
         shutil.copyfile(out_dir / "model.py", staging / "model.py")
-        files = {p.name: _sha256(p) for p in sorted(staging.iterdir()) if p.is_file()}
+        files = {p.name: file_sha256(p) for p in sorted(staging.iterdir()) if p.is_file()}
         record = {"step": step, "optimizer": optimizer, "plan_sha256": plan_digest(out_dir / "plan.json"), "files": files}
         with open(staging / RECORD, "w") as file:
             json.dump(record, file, indent=2)
@@ -219,7 +210,7 @@ def _problem(path: Path) -> str | None:
     for name, digest in files.items():
         if not (path / name).is_file():
             return f"{name} is missing"
-        if _sha256(path / name) != digest:
+        if file_sha256(path / name) != digest:
             return f"{name} does not match its sha256"
     return None
 
