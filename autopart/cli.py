@@ -15,21 +15,15 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from autopart.errors import AutopartError
+from autopart.errors import AutopartError, OneLineParser
 from autopart.local_run import LocalRunError
 
 __all__ = ["main"]
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, exit 2, like every other user error
-        print(f"autopart: error: {message}; see '{self.prog} --help'", file=sys.stderr)
-        raise SystemExit(2)
-
-
 def _parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="autopart", description="A compiler for distributed training.")
-    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    parser = OneLineParser(prog="autopart", description="A compiler for distributed training.")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
     c = commands.add_parser("compile", help="compile a model file into per-rank training programs")
     c.add_argument("model", type=Path, help="the model file (defines build_model and example_batch)")
     c.add_argument("-o", "--out", type=Path, required=True, help="output directory")
