@@ -339,11 +339,14 @@ def test_profile_pipeline_runs_the_plan_once_and_compiles_with_what_it_measured(
 
 
 def test_busy_processes_beside_the_compile_slow_its_step_and_are_said(compiled, tmp_path, monkeypatch, capsys):
-    from cost_models import calibration
+    """Both machine figures the step model takes from the machine are injected (its cores and the
+    busy processes beside the compile), so the test does not depend on where it runs or beside what."""
+    from cost_models import calibration, devices
 
     plan, _, folder = compiled
     with_factor(folder, plan, None)
     options = tiny_options(folder)
+    monkeypatch.setattr(devices.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
     monkeypatch.setattr(calibration, "background_load", lambda cores, seconds=0.3: 0.0)
     quiet = compile_to_directory(options, tmp_path / "quiet")[0]
     monkeypatch.setattr(calibration, "background_load", lambda cores, seconds=0.3: 2.0)
