@@ -711,9 +711,11 @@ def _pinned(options: CompileOptions, pinned: Plan) -> tuple[Plan, _Front]:
     difference = first_difference(pinned, plan)
     if difference is not None:
         field_path, given, expected = difference
+        costs = pinned.provenance.cost_model, plan.provenance.cost_model
+        hint = f" (it was costed with {costs[0]}, this compile with {costs[1]}: pass its --device)" if costs[0] != costs[1] else ""
         raise PlanError(
             f"{options.plan}: {field_path} is {json.dumps(given)[:80]} but this model and the plan's other fields "
-            f"give {json.dumps(expected)[:80]}; fix the field, or recompile without --plan"
+            f"give {json.dumps(expected)[:80]}{hint}; fix the field, or recompile without --plan"
         )
     return plan, front
 

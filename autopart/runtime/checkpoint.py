@@ -31,6 +31,7 @@ import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -38,6 +39,9 @@ from torch import nn
 
 from autopart.errors import CheckpointError, ConfigError
 from autopart.runtime.launch import file_sha256, plan_digest
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import Metadata
 
 __all__ = [
     "RECORD",
@@ -86,7 +90,7 @@ class _MetadataUnpickler(pickle.Unpickler):
         return super().find_class(module, name)
 
 
-def read_metadata_file(path: Path):
+def read_metadata_file(path: Path) -> Metadata:
     """DCP's ``Metadata`` from ``path``, or a ``CheckpointError`` that runs nothing of the file."""
     from torch.distributed.checkpoint.metadata import Metadata
 
