@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from autopart import cli
 from autopart.errors import CheckpointError
-from autopart.runtime.checkpoint import RECORD, read_metadata_file
+from autopart.runtime.checkpoint import RECORD, read_metadata_file, remove_saved
 
 META = "torch.distributed.checkpoint.metadata"
 
@@ -113,3 +113,21 @@ def test_a_crafted_metadata_is_refused_in_one_line_and_runs_nothing(tmp_path, ca
     with pytest.raises(CheckpointError):
         read_metadata_file(checkpoint / ".metadata")
     assert not sentinel.exists()
+
+
+def test_a_step_saved_again_removes_only_what_its_record_lists(tmp_path):
+    """Saving a step that exists replaces it file by file: a file that the record does not list
+    (the user's) stops the replacement before anything is removed."""
+    step = crafted_checkpoint(tmp_path / "step_00000001", b"metadata")
+    (step / "notes.txt").write_text("mine")
+    with pytest.raises(CheckpointError, match="holds notes.txt, which autopart did not save there"):
+        remove_saved(step)
+    assert sorted(p.name for p in step.iterdir()) == [".metadata", RECORD, "notes.txt"]
+    (step / "notes.txt").unlink()
+    remove_saved(step)
+    assert not step.exists()
+    (tmp_path / "step_00000002").mkdir()
+    (tmp_path / "step_00000002" / "thesis.txt").write_text("mine")
+    with pytest.raises(CheckpointError, match="holds no readable autopart.json"):
+        remove_saved(tmp_path / "step_00000002")
+    assert (tmp_path / "step_00000002" / "thesis.txt").exists()

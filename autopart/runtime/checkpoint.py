@@ -52,6 +52,7 @@ __all__ = [
     "restore_checkpoint",
     "read_record",
     "read_metadata_file",
+    "remove_saved",
     "load_tensors",
     "restarted",
     "CheckpointContext",
@@ -197,11 +198,30 @@ def save_checkpoint(
             json.dump(record, file, indent=2)
             file.flush()
             os.fsync(file.fileno())
-        if final.exists():
-            shutil.rmtree(final)
+        remove_saved(final)
         staging.rename(final)
     dist.barrier()
     return final
+
+
+def remove_saved(path: Path) -> None:
+    """Remove a checkpoint that autopart saved (a step saved again after a resume): the files its
+    record lists, the record, then the folder. Anything else in it is a file autopart did not
+    write: it is refused before anything is removed, and kept."""
+    if not path.exists():
+        return
+    try:
+        listed = {str(name) for name in read_record(path)["files"]} | {RECORD}
+    except (OSError, ValueError, KeyError, TypeError):
+        raise CheckpointError(f"{path} exists but holds no readable {RECORD}, so autopart did not save it; "
+                              "move it away or choose another --checkpoint-dir") from None
+    other = sorted(p.name for p in path.iterdir() if p.name not in listed or p.is_symlink() or not p.is_file())
+    if other:
+        raise CheckpointError(f"{path} holds {other[0]}, which autopart did not save there; "
+                              "move it away or choose another --checkpoint-dir")
+    for name in listed:
+        (path / name).unlink(missing_ok=True)
+    path.rmdir()
 
 
 def _problem(path: Path) -> str | None:
