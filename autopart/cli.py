@@ -15,21 +15,15 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from autopart.errors import AutopartError
+from autopart.errors import AutopartError, OneLineParser
 from autopart.local_run import LocalRunError
 
 __all__ = ["main"]
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, exit 2, like every other user error
-        print(f"autopart: error: {message}; see '{self.prog} --help'", file=sys.stderr)
-        raise SystemExit(2)
-
-
 def _parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="autopart", description="A compiler for distributed training.")
-    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    parser = OneLineParser(prog="autopart", description="A compiler for distributed training.")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
     c = commands.add_parser("compile", help="compile a model file into per-rank training programs")
     c.add_argument("model", type=Path, help="the model file (defines build_model and example_batch)")
     c.add_argument("-o", "--out", type=Path, required=True, help="output directory")
@@ -88,13 +82,15 @@ def _parser() -> argparse.ArgumentParser:
     k = commands.add_parser("consolidate", help="merge a training checkpoint into the original model's state dict")
     k.add_argument("checkpoint", type=Path, help="a --checkpoint-dir (its latest good checkpoint) or one step_* in it")
     k.add_argument("-o", "--out", type=Path, required=True, help="the safetensors file to write")
+    k.add_argument("--model", type=Path,
+                   help="the model file that was compiled (default: the one the plan names, if its hash matches)")
     return parser
 
 
 def _verify(args: argparse.Namespace, console: Console) -> int:
     from autopart.errors import ConfigError
     from autopart.runtime.optim import OPTIMIZERS
-    from autopart.verify import LOSS_TOLERANCE, PARAMETER_TOLERANCE, verify
+    from autopart.verify import verify
 
     if args.optimizer not in OPTIMIZERS:
         raise ConfigError(f"unknown optimizer {args.optimizer!r}; use one of {', '.join(OPTIMIZERS)}")
@@ -105,13 +101,13 @@ def _verify(args: argparse.Namespace, console: Console) -> int:
         return 1
     console.print(
         f"{result.steps} steps: largest loss difference {result.loss_difference:.3g} (step {result.loss_step}, "
-        f"tolerance {LOSS_TOLERANCE[0]:g} + {LOSS_TOLERANCE[1]:g}*|loss|); largest parameter difference "
-        f"{result.parameter_difference:.3g} ({result.parameter or 'none'}, tolerance {PARAMETER_TOLERANCE[0]:g} + "
-        f"{PARAMETER_TOLERANCE[1]:g}*|value|)",
+        f"tolerance {result.loss_tolerance}); largest parameter difference {result.parameter_difference:.3g} "
+        f"({result.parameter or 'none'}, tolerance {result.parameter_tolerance})",
         soft_wrap=True,
     )
     if result.matches:
-        console.print("the distributed programs match the original model")
+        console.print(f"the distributed programs match the original model (losses within {result.loss_tolerance}; "
+                      f"parameters within {result.parameter_tolerance})", soft_wrap=True)
         return 0
     for line in result.failures[:10]:
         print(f"autopart: verify: {line}", file=sys.stderr)
@@ -123,7 +119,7 @@ def _verify(args: argparse.Namespace, console: Console) -> int:
 def _consolidate(args: argparse.Namespace, console: Console) -> None:
     from autopart.consolidate import consolidate
 
-    summary = consolidate(args.checkpoint, args.out)
+    summary = consolidate(args.checkpoint, args.out, args.model)
     for line in summary.skipped:
         print(f"autopart: {line}", file=sys.stderr)
     console.print(f"wrote {args.out}: {summary.tensors} tensors from {summary.checkpoint} (after {summary.step} steps)")

@@ -8,8 +8,8 @@
 
 from __future__ import annotations
 
+import json
 import logging
-
 import statistics
 import tempfile
 from dataclasses import dataclass, field, replace
@@ -23,8 +23,8 @@ from autopart.blocks import BlockChain, build_blocks
 from autopart.capture import Graph, ModelSpec, capture, is_meta, load_model_file
 from autopart.codegen.emit import check_output_directory, emit_directory
 from autopart.codegen.stages import stage_boundaries
-from autopart.errors import ConfigError, PlanError
-from autopart.plan import Plan, Predicted, Provenance, ScheduleSpec, StagePlan, load_plan
+from autopart.errors import ConfigError, PlanError, ScheduleError
+from autopart.plan import Plan, Predicted, Provenance, ScheduleSpec, StagePlan, first_difference, load_plan
 from autopart.predict import simulate_pipeline
 from autopart.runtime.materialise import check_initialisers
 from autopart.runtime.optim import OPTIMIZERS
@@ -675,8 +675,23 @@ def _compile(options: CompileOptions, progress=None) -> tuple[Plan, _Front]:
 
         searched = plan_by_search(options, progress=progress)
         return searched.plan, searched.front
-    pinned = load_plan(options.plan) if options.plan is not None else None
-    if pinned is not None:  # the plan decides everything it records
+    if options.plan is not None:  # the plan decides everything it records
+        return _pinned(options, load_plan(options.plan))
+    batch = options.batch_shape()
+    front = _front(options, batch[2])
+    problem = _problem(options, front, batch[1])
+    solution = solve_cuts(problem, time_limit_s=options.time_limit_s)
+    status = solution.status if problem.stages > 1 else "trivial"
+    plan = _plan_from_cuts(
+        options, front, problem, solution.evaluation.cuts, batch, (status, solution.bound_s, solution.gap)
+    )
+    return plan, front
+
+
+def _pinned(options: CompileOptions, pinned: Plan) -> tuple[Plan, _Front]:
+    """The plan of ``--plan``, rebuilt for the model; refused in one line naming the first field
+    that the model or the plan's other fields contradict."""
+    try:
         options = replace(
             options,
             pp=pinned.mesh["pp"],
@@ -691,18 +706,25 @@ def _compile(options: CompileOptions, progress=None) -> tuple[Plan, _Front]:
             zero=pinned.zero,
             recompute=tuple(stage.recompute for stage in pinned.stages),
             dtype=pinned.dtype,
+            capture=pinned.provenance.capture if pinned.provenance.capture in ("fx", "export") else None,
+            leaf=pinned.provenance.leaves,
         )
-    batch = options.batch_shape()
-    front = _front(options, batch[2])
-    problem = _problem(options, front, batch[1])
-    if pinned is not None:
+        batch = options.batch_shape()
+        front = _front(options, batch[2])
+        problem = _problem(options, front, batch[1])
         cuts = _pinned_cuts(pinned, options, front)
-        return _plan_from_cuts(options, front, problem, cuts, batch, ("pinned", 0.0, 0.0)), front
-    solution = solve_cuts(problem, time_limit_s=options.time_limit_s)
-    status = solution.status if problem.stages > 1 else "trivial"
-    plan = _plan_from_cuts(
-        options, front, problem, solution.evaluation.cuts, batch, (status, solution.bound_s, solution.gap)
-    )
+        plan = _plan_from_cuts(options, front, problem, cuts, batch, ("pinned", 0.0, 0.0))
+    except (ConfigError, ScheduleError) as exc:
+        raise PlanError(f"{options.plan} does not fit together: {exc}") from None
+    difference = first_difference(pinned, plan)
+    if difference is not None:
+        field_path, given, expected = difference
+        costs = pinned.provenance.cost_model, plan.provenance.cost_model
+        hint = f" (it was costed with {costs[0]}, this compile with {costs[1]}: pass its --device)" if costs[0] != costs[1] else ""
+        raise PlanError(
+            f"{options.plan}: {field_path} is {json.dumps(given)[:80]} but this model and the plan's other fields "
+            f"give {json.dumps(expected)[:80]}{hint}; fix the field, or recompile without --plan"
+        )
     return plan, front
 
 

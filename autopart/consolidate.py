@@ -5,10 +5,15 @@ Every stage's tensors carry their names in the original model, so consolidation 
 a parameter that several stages hold (a tied embedding), and fill in every name under which the
 original model exposes it (``wte.weight`` and ``lm_head.weight``), so that
 ``build_model().load_state_dict(load_file(path))`` accepts the file with strict checking.
+
+The model is built from the user's model file: the one given, or by default the one the plan
+names, checked against the plan's hash. The copy of ``model.py`` inside a checkpoint folder is
+never imported: a checkpoint is data, and whoever hands one over must not be able to run code.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,9 +24,8 @@ from safetensors.torch import save_file
 from autopart.capture import load_model_file
 from autopart.errors import ConfigError
 from autopart.placement import REPLICATE, Placement
-from autopart.plan import load_plan
+from autopart.plan import Plan, load_plan
 from autopart.runtime.checkpoint import checkpoint_keys, latest_checkpoint, load_tensors, read_record
-from autopart.runtime.data import model_file
 from autopart.runtime.shards import unshard_weight
 
 __all__ = ["Consolidated", "consolidate", "consolidated_state"]
@@ -35,16 +39,33 @@ class Consolidated:
     skipped: tuple[str, ...]  # newer checkpoints passed over as damaged
 
 
-def consolidated_state(checkpoint: Path) -> tuple[dict[str, torch.Tensor], Consolidated]:
-    """The original model's state dict from the latest good checkpoint under ``checkpoint``."""
+def _model_file(plan: Plan, model: Path | None) -> Path:
+    """The model file to build the model from: ``model``, else the plan's own while its hash holds."""
+    if model is not None:
+        if not Path(model).is_file():
+            raise ConfigError(f"model file '{model}' does not exist; pass the model file that was compiled with --model")
+        return Path(model)
+    named = Path(plan.provenance.model_file)
+    if not named.is_file():
+        raise ConfigError(f"the plan's model file '{named}' does not exist here; pass it with --model MODEL.py")
+    if hashlib.sha256(named.read_bytes()).hexdigest() != plan.provenance.model_sha256:
+        raise ConfigError(f"'{named}' changed since the checkpoint's compile (its sha256 differs from the plan's); "
+                          "pass the model file that was compiled with --model MODEL.py")
+    return named
+
+
+def consolidated_state(checkpoint: Path, model: Path | None = None) -> tuple[dict[str, torch.Tensor], Consolidated]:
+    """The original model's state dict from the latest good checkpoint under ``checkpoint``, built
+    from ``model`` (default: the model file the plan names, when its hash still matches)."""
     checkpoint = Path(checkpoint)
     if not checkpoint.is_dir():
         raise ConfigError(f"checkpoint directory '{checkpoint}' does not exist; pass the --checkpoint-dir of a run")
     path, skipped = latest_checkpoint(checkpoint)
     if path is None:
         raise ConfigError(f"'{checkpoint}' holds no complete checkpoint; pass the --checkpoint-dir of a run")
+    keys = [k for k in checkpoint_keys(path) if k.startswith("model/")]  # the metadata is checked first
     plan = load_plan(path / "plan.json")
-    keys = [k for k in checkpoint_keys(path) if k.startswith("model/")]
+    module = load_model_file(_model_file(plan, model)).module
     tensors = load_tensors(path, keys, distributed=False)
     tp = plan.mesh["tp"]
     whole: dict[str, torch.Tensor] = {}
@@ -55,10 +76,9 @@ def consolidated_state(checkpoint: Path) -> tuple[dict[str, torch.Tensor], Conso
             if name not in whole:  # a tied parameter: every holder has the same values
                 pieces = [tensors[f"model/stage_{stage.index}/tp_{r}/{name}"] for r in range(tp)]
                 whole[name] = unshard_weight(pieces, placements.get(name, REPLICATE))
-    model = load_model_file(model_file(path, plan)).module
-    assert model is not None
+    assert module is not None
     aliases: dict[int, list[str]] = {}
-    for name, value in model.state_dict(keep_vars=True).items():
+    for name, value in module.state_dict(keep_vars=True).items():
         aliases.setdefault(id(value), []).append(name)
     state: dict[str, torch.Tensor] = {}
     for names in aliases.values():
@@ -74,12 +94,12 @@ def consolidated_state(checkpoint: Path) -> tuple[dict[str, torch.Tensor], Conso
     return state, summary
 
 
-def consolidate(checkpoint: Path, output: Path) -> Consolidated:
+def consolidate(checkpoint: Path, output: Path, model: Path | None = None) -> Consolidated:
     """Write the consolidated state dict to ``output`` (safetensors), replacing it atomically."""
     output = Path(output)
     if output.is_dir():
         raise ConfigError(f"output path '{output}' is a directory; give a file path such as model.safetensors")
-    state, summary = consolidated_state(checkpoint)
+    state, summary = consolidated_state(checkpoint, model)
     output.parent.mkdir(parents=True, exist_ok=True)
     partial = output.with_name(f".{output.name}.partial-{os.getpid()}")
     save_file(state, str(partial), metadata={"autopart_checkpoint": str(summary.checkpoint), "step": str(summary.step)})

@@ -5,7 +5,11 @@ do about it. The command line prints it as ``autopart: error: <message>`` and ex
 without a traceback. ``assert`` is kept for autopart's own invariants.
 """
 
+import argparse
+import sys
+
 __all__ = [
+    "OneLineParser",
     "AutopartError",
     "ModelFileError",
     "CaptureError",
@@ -14,6 +18,7 @@ __all__ = [
     "PlanError",
     "ScheduleError",
     "DeviceSpecError",
+    "CheckpointError",
 ]
 
 
@@ -47,3 +52,16 @@ class ScheduleError(AutopartError):
 
 class DeviceSpecError(AutopartError):
     """A device name is unknown or its spec file is malformed."""
+
+
+class CheckpointError(AutopartError):
+    """A checkpoint is missing, damaged, or holds what autopart never saves (a crafted metadata pickle)."""
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose mistakes end like every other user error: one line, exit code 2 (argparse's
+    own prints the whole usage first), for ``autopart`` and for the generated ``train.py`` alike."""
+
+    def error(self, message: str) -> None:
+        print(f"autopart: error: {message}; see '{self.prog} --help'", file=sys.stderr)
+        raise SystemExit(2)

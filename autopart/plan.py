@@ -17,7 +17,7 @@ from autopart.annotate import DTYPES, TensorMeta
 from autopart.errors import PlanError
 from autopart.recompute import RECOMPUTE_MODES
 
-__all__ = ["PLAN_VERSION", "StagePlan", "ScheduleSpec", "Predicted", "Provenance", "Plan", "load_plan"]
+__all__ = ["PLAN_VERSION", "StagePlan", "ScheduleSpec", "Predicted", "Provenance", "Plan", "load_plan", "first_difference"]
 
 PLAN_VERSION = 1
 
@@ -99,6 +99,9 @@ class Plan:
     tied_parameters: dict[str, tuple[int, ...]] = field(default_factory=dict)  # parameter -> stages holding it
     dtype: str = "fp32"  # fp32, or bf16: forwards under torch.autocast(bfloat16), weights and gradients fp32
     version: int = PLAN_VERSION
+    stage_sha256: dict[str, str] = field(default_factory=dict, compare=False)
+    """The sha256 of every stage file the compile wrote ("stages/stage_0.py": ...), which each rank
+    checks before it runs one; set at emit, so two plans that decide the same compare equal."""
 
     @property
     def world_size(self) -> int:
@@ -124,6 +127,24 @@ class Plan:
         stages = tuple(_read_stage(s, i) for i, s in enumerate(reader.list("stages")))
         if not stages:
             raise PlanError("plan.stages is empty; a plan needs at least one stage")
+        for key in ("pp", "tp", "dp"):
+            mesh.positive(key)
+        for key in ("microbatches", "micro_batch_size", "global_batch_size", "chunks"):
+            schedule.positive(key)
+        if len(stages) != mesh.data["pp"] * schedule.data["chunks"]:
+            raise PlanError(f"plan.stages lists {len(stages)} stages but plan.mesh.pp x plan.schedule.chunks is "
+                            f"{mesh.data['pp']} x {schedule.data['chunks']}; fix the field or recompile without --plan")
+        for position, stage in enumerate(stages):
+            where = f"plan.stages[{position}]"
+            if stage.index != position:
+                raise PlanError(f"{where}.index is {stage.index} but the stage is number {position} in the list; "
+                                "stages are listed in order")
+            if not 0 <= stage.rank < mesh.data["pp"]:
+                raise PlanError(f"{where}.rank is {stage.rank} but plan.mesh.pp is {mesh.data['pp']}: pipeline ranks "
+                                f"run from 0 to {mesh.data['pp'] - 1}; fix the field or recompile without --plan")
+            if len(stage.blocks) != 2 or not 0 <= stage.blocks[0] <= stage.blocks[1]:
+                raise PlanError(f"{where}.blocks must be [first, last] with 0 <= first <= last, got "
+                                f"{list(stage.blocks)}")
         return Plan(
             version=version,
             mesh={k: mesh.int(k) for k in ("pp", "tp", "dp")},
@@ -168,6 +189,8 @@ class Plan:
                 str(k): tuple(int(s) for s in v) for k, v in reader.sub("tied_parameters").data.items()
             },
             dtype=reader.choice("dtype", DTYPES, default="fp32"),
+            stage_sha256={str(k): str(v) for k, v in reader.sub("stage_sha256").data.items()}
+            if "stage_sha256" in reader.data else {},
         )
 
 
@@ -221,6 +244,12 @@ class _Reader:
     def int(self, key: str) -> int:
         return self._get(key, (int,), "an integer")
 
+    def positive(self, key: str) -> int:
+        value = self.int(key)
+        if value < 1:
+            raise PlanError(f"{self.where}.{key} must be at least 1, got {value}")
+        return value
+
     def float(self, key: str) -> float:
         return float(self._get(key, (int, float), "a number"))
 
@@ -247,6 +276,38 @@ class _Reader:
 
     def sub(self, key: str) -> _Reader:
         return _Reader(self._get(key, (dict,), "an object"), f"{self.where}.{key}")
+
+
+_DECIDED = {
+    "": ("mesh", "zero", "graph_inputs", "optimizer", "tied_parameters", "dtype"),
+    "schedule": ("kind", "microbatches", "micro_batch_size", "global_batch_size", "chunks"),
+    "provenance": ("capture", "leaves"),
+}
+_DECIDED_PER_STAGE = ("index", "rank", "blocks", "nodes", "inputs", "outputs", "batch_inputs", "parameters",
+                      "strategies", "parameter_placements", "recompute", "parameter_bytes")
+
+
+def first_difference(pinned: Plan, rebuilt: Plan) -> tuple[str, Any, Any] | None:
+    """The first field that decides the programs where a pinned plan and the plan rebuilt from it
+    for the model differ: its path, the pinned value, the model's. None when they agree.
+
+    A plan given with ``--plan`` is rebuilt from its cuts and options (the figures are predicted
+    again); a decided field that the rebuilt plan does not share would otherwise be dropped
+    without a word (a stage's ``rank`` edited to 5 on a 2-stage plan).
+    """
+    mine, theirs = pinned.to_json(), rebuilt.to_json()
+    for part, keys in _DECIDED.items():
+        for key in keys:
+            a, b = (mine[part][key], theirs[part][key]) if part else (mine[key], theirs[key])
+            if a != b:
+                return (f"plan.{part}.{key}" if part else f"plan.{key}"), a, b
+    if len(mine["stages"]) != len(theirs["stages"]):
+        return "plan.stages", len(mine["stages"]), len(theirs["stages"])
+    for index, (a, b) in enumerate(zip(mine["stages"], theirs["stages"])):
+        for key in _DECIDED_PER_STAGE:
+            if a[key] != b[key]:
+                return f"plan.stages[{index}].{key}", a[key], b[key]
+    return None
 
 
 def load_plan(path: str | Path) -> Plan:

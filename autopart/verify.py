@@ -40,6 +40,8 @@ class Verification:
     parameter_difference: float  # largest absolute difference over every element of every parameter
     parameter: str  # where it is
     failures: list[str]  # beyond tolerance: the steps and parameters, worst first
+    loss_tolerance: str  # the tolerances applied, as the verdict prints them: a bf16 plan's are looser
+    parameter_tolerance: str
 
     @property
     def matches(self) -> bool:
@@ -72,14 +74,18 @@ def verify(out_dir: str | Path, *, steps: int = 3, lr: float = 0.1, optimizer: s
     losses = [r["loss"] for r in sorted(records, key=lambda r: r["step"])]
     failures: list[tuple[float, str]] = []
     loss_atol, loss_rtol = BF16_LOSS_TOLERANCE if bf16 else LOSS_TOLERANCE
+    atol, rtol = PARAMETER_TOLERANCE
+    loss_tolerance = f"{loss_atol:g} + {loss_rtol:g}*|loss|{', bf16' if bf16 else ''}"
+    parameter_tolerance = (f"{BF16_SHARE_OF_STEP:g}*|its change in training| + 1e-07, bf16" if bf16
+                           else f"{atol:g} + {rtol:g}*|value|")
     loss_gaps = [abs(a - b) for a, b in zip(losses, reference.losses)]
     for step, (gap, expected) in enumerate(zip(loss_gaps, reference.losses)):
         if gap > loss_atol + loss_rtol * abs(expected):
-            failures.append((gap, f"the loss of step {step} differs by {gap:.3g} ({losses[step]:.6f} vs {expected:.6f})"))
+            failures.append((gap, f"the loss of step {step} differs by {gap:.3g} ({losses[step]:.6f} vs {expected:.6f}; "
+                                  f"tolerance {loss_tolerance})"))
     if len(losses) != steps:
         failures.append((float("inf"), f"the distributed run reported {len(losses)} losses for {steps} steps"))
     worst, worst_name = 0.0, ""
-    atol, rtol = PARAMETER_TOLERANCE
     for stage, weights in finals.items():
         for name, value in weights.items():
             if name not in reference.parameters:
@@ -95,11 +101,13 @@ def verify(out_dir: str | Path, *, steps: int = 3, lr: float = 0.1, optimizer: s
             else:
                 allowed = atol + rtol * expected.double().abs()
             if bool((gap_tensor > allowed).any()):
-                failures.append((gap, f"parameter {name} (stage {stage}) differs by up to {gap:.3g}"))
+                failures.append((gap, f"parameter {name} (stage {stage}) differs by up to {gap:.3g} "
+                                      f"(tolerance {parameter_tolerance})"))
     failures.sort(key=lambda f: -f[0])
     loss_step = max(range(len(loss_gaps)), key=loss_gaps.__getitem__) if loss_gaps else 0
     return Verification(
         steps=steps, losses=losses, reference_losses=reference.losses,
         loss_difference=max(loss_gaps, default=0.0), loss_step=loss_step,
         parameter_difference=worst, parameter=worst_name, failures=[text for _, text in failures],
+        loss_tolerance=loss_tolerance, parameter_tolerance=parameter_tolerance,
     )  # fmt: skip

@@ -4,8 +4,6 @@ One gpt compile (pp=2) and one uninterrupted 6-step run are shared by every test
 the interrupted runs must reproduce that run bit for bit on the CPU.
 """
 
-import os
-import pickle
 import shutil
 import subprocess
 import sys
@@ -20,7 +18,9 @@ from autopart.capture import eager_loss, load_model_file
 from autopart.compiler import CompileOptions, compile_to_directory
 from autopart.consolidate import consolidated_state
 from autopart.runtime import train
-from autopart.runtime.checkpoint import SafeReader, latest_checkpoint
+from autopart.errors import ConfigError
+from autopart.runtime.checkpoint import latest_checkpoint
+from autopart.runtime.stage import load_stage
 from autopart.runtime.data import global_batches
 from tests.distributed import REPO, environment, free_port, read_metrics, run_cli, run_ranks, stage_weights
 
@@ -133,16 +133,6 @@ def test_damaged_latest_checkpoint_falls_back_to_the_previous_one(uninterrupted,
     assert summary.step == 5 and summary.skipped == tuple(skipped)
 
 
-def test_checkpoint_metadata_is_not_unpickled_beyond_dcp_types(tmp_path):
-    class Evil:
-        def __reduce__(self):
-            return (os.system, ("echo pwned",))
-
-    (tmp_path / ".metadata").write_bytes(pickle.dumps(Evil()))
-    with pytest.raises(pickle.UnpicklingError, match="system"):
-        SafeReader(str(tmp_path)).read_metadata()
-
-
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("mode", ["", ":hang"])
 def test_dead_or_stuck_peer_ends_the_job_with_the_failing_action(compiled, tmp_path, mode):
@@ -167,7 +157,8 @@ def launch_here(out: Path, monkeypatch, capsys, *, rank: int = 0, world_size: in
     return error
 
 
-@pytest.mark.parametrize("damage", ["world size", "stage file", "weights", "other compile"])
+@pytest.mark.parametrize("damage", ["world size", "stage file", "edited stage file", "edited model file", "weights",
+                                    "other compile"])
 def test_launch_checks(compiled, tmp_path, monkeypatch, capsys, damage):
     out = shutil.copytree(compiled, tmp_path / "out")
     if damage == "world size":
@@ -175,6 +166,19 @@ def test_launch_checks(compiled, tmp_path, monkeypatch, capsys, damage):
     elif damage == "stage file":
         (out / "stages" / "stage_1.py").unlink()
         assert "rank 1 needs stages/stage_1.py of stage 1" in launch_here(out, monkeypatch, capsys, rank=1)
+    elif damage == "edited stage file":  # one added line would run on rank 1 unchecked
+        stage = out / "stages" / "stage_1.py"
+        stage.write_text(stage.read_text() + "\nopen('SENTINEL', 'w')\n")
+        error = launch_here(out, monkeypatch, capsys, rank=1)
+        assert "stages/stage_1.py in" in error and "is not the file that autopart compile wrote" in error
+        assert "recompile with autopart compile" in error
+        with pytest.raises(ConfigError, match="is not the file that autopart compile wrote"):
+            load_stage(out, 1, torch.device("cpu"))  # the loader checks the bytes it executes, too
+        assert not (tmp_path / "SENTINEL").exists() and not Path("SENTINEL").exists()
+    elif damage == "edited model file":
+        (out / "model.py").write_text((out / "model.py").read_text() + "\n# mine\n")
+        error = launch_here(out, monkeypatch, capsys)
+        assert "model.py in" in error and "is not the model file that was compiled" in error and "recompile" in error
     elif damage == "weights":
         (out / "weights" / "stage_0.safetensors").unlink()
         assert "rank 0 needs weights/stage_0.safetensors" in launch_here(out, monkeypatch, capsys)

@@ -1,9 +1,36 @@
-"""``autopart profile-comm``: real processes over gloo measure every curve, the wake curve among
-them and the factor of compute inside a pipeline, and the ``cpu`` device answers with what they measured."""
+"""``autopart profile-comm``: real processes over gloo measure every curve, and each measured
+figure is checked against something measured independently here (a memory copy, a sleep, the
+process's own resident memory), and the ``cpu`` device answers with what they measured.
+
+The profile makes its curves non-decreasing and clamps rank 0's pipeline factor at 1, so those
+shapes say nothing about the measurement; the relations below can fail.
+"""
+
+import resource
+import time
 
 import pytest
+import torch
 
 from cost_models.comm_profile import SIZES, WAKE_IDLES, load_comm_profile, profile_comm
+
+
+def _copy_seconds(nbytes: int) -> float:
+    """The best of a few copies of ``nbytes`` in this process, on one thread (as each rank runs;
+    two threads on a shared machine wait for each other): a lower bound on moving them at all."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        source, target = torch.ones(nbytes // 4), torch.empty(nbytes // 4)
+        target.copy_(source)
+        best = float("inf")
+        for _ in range(20):
+            start = time.perf_counter()
+            target.copy_(source)
+            best = min(best, time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(threads)
+    return best
 
 
 @pytest.mark.multiprocess
@@ -12,25 +39,29 @@ def test_profile_comm_measures_every_curve_and_the_cpu_device_uses_them(tmp_path
     profile, path = profile_comm(ranks=2)
     assert path.parent == tmp_path and load_comm_profile("cpu") == profile
     for kind in ("p2p", "all_reduce", "all_gather", "p2p_send_cpu", "p2p_recv_cpu"):
-        points = profile.curves[kind]
-        assert [size for size, _ in points] == list(SIZES), kind
-        seconds = [s for _, s in points]
-        assert all(s > 0 for s in seconds) and seconds == sorted(seconds), kind  # a larger message never takes less
-    assert profile.curves["p2p_busy_delay"][0][1] >= 0
-    # the wake curve: a point per idle time asked for, each at least that long, extra never shrinking with it
-    wake = profile.curves["wake"]
+        assert [size for size, _ in profile.curves[kind]] == list(SIZES), kind
+    p2p = dict(profile.curves["p2p"])
+    largest = SIZES[-1]
+    # gloo on loopback copies a message through the kernel at least once: never faster than a copy
+    assert p2p[largest] >= _copy_seconds(largest)
+    # 2 ranks: an all-reduce sends at least half the buffer each way and adds it: not under half a message
+    assert dict(profile.curves["all_reduce"])[largest] >= 0.5 * p2p[largest]
+    # the host's part of a message is part of its time: each side's CPU seconds within the one-way time, give or take
+    for kind in ("p2p_send_cpu", "p2p_recv_cpu"):
+        assert dict(profile.curves[kind])[largest] <= 2 * p2p[largest], kind
+    wake = profile.curves["wake"]  # a point per idle time asked for (the idle is a median of rank 1's, not a bound)
     assert len(wake) == len(WAKE_IDLES)
-    assert all(idle >= asked * 0.9 for (idle, _), asked in zip(wake, WAKE_IDLES))
-    extras = [extra for _, extra in wake]
-    assert all(e >= 0 for e in extras) and extras == sorted(extras)
-    assert profile.process_bytes > 100 << 20  # torch and the runtime imported
-    # compute inside a pipeline: one factor, the two ranks' mean, never below compute alone
+    # a rank's resident memory: at least this test process's own torch, at most many times it
+    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10
+    assert own / 4 < profile.process_bytes < 4 * own
     [[_, factor]] = profile.curves["pipeline_compute"]
-    assert 1.0 <= factor < 2.0
+    assert factor > 0  # how much slower depends on who else runs here: no bound holds on a shared machine
 
     from cost_models import get_cost_model
 
     model = get_cost_model("cpu")
-    assert model.wake_time(10.0) == pytest.approx(extras[-1])
+    assert model.wake_time(10.0) == pytest.approx(wake[-1][1])
     assert model.pipeline_compute_factor() == pytest.approx(factor)
     assert model.p2p_time(SIZES[2]) == pytest.approx(profile.curves["p2p"][2][1])
+    between = (SIZES[2] + SIZES[3]) / 2  # interpolated between the measured sizes
+    assert profile.curves["p2p"][2][1] <= model.p2p_time(between) <= profile.curves["p2p"][3][1]

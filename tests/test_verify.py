@@ -2,6 +2,7 @@
 
 import ast
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -26,7 +27,13 @@ def test_verify_passes_on_the_examples(tmp_path, example, dtype):
     """A bf16 plan is held to bf16 tolerances against one bf16 process (fp32's would fail it)."""
     result = run_cli("verify", str(compiled(tmp_path, example, dtype)), "--steps", "2")
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "largest loss difference" in result.stdout and "match the original model" in result.stdout
+    printed = " ".join(result.stdout.split())
+    # every verdict line shows the tolerance it applied: a bf16 plan's, not fp32's
+    loss = "1e-05 + 0.016*|loss|, bf16" if dtype == "bf16" else "1e-05 + 1e-05*|loss|"
+    parameters = "0.02*|its change in training| + 1e-07, bf16" if dtype == "bf16" else "1e-05 + 0.0001*|value|"
+    assert f"largest loss difference" in printed and f"tolerance {loss})" in printed
+    assert f"tolerance {parameters})" in printed
+    assert f"match the original model (losses within {loss}; parameters within {parameters})" in printed
 
 
 @pytest.mark.multiprocess
@@ -36,11 +43,28 @@ def test_verify_names_the_parameter_of_a_corrupted_stage(tmp_path):
     source = stage.read_text()
     assert "torch._C._nn.gelu(linear_14)" in source
     stage.write_text(source.replace("torch._C._nn.gelu(linear_14)", "torch.relu(linear_14)"))  # h.3's MLP
+    sign_again(out)  # as a compile would have: the ranks refuse a stage file that the plan does not know
     result = run_cli("verify", str(out), "--steps", "2")
     assert result.returncode == 1, result.stdout + result.stderr
     worst = re.search(r"largest parameter difference [0-9.e-]+ \(([^,]+),", result.stdout).group(1)
     assert re.search(rf"autopart: verify: parameter {re.escape(worst)} \(stage \d\) differs by up to", result.stderr)
-    assert "the loss of step 0 differs" in result.stderr
+    assert "the loss of step 0 differs" in result.stderr and "tolerance 1e-05 + 1e-05*|loss|" in result.stderr
+
+
+def sign_again(out: Path) -> None:
+    """Record the stage files as they are now in plan.json, and the new plan's hash in the weights."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    from autopart.plan import load_plan
+    from autopart.runtime.launch import PLAN_HASH_KEY, file_sha256, plan_digest
+
+    plan = load_plan(out / "plan.json")
+    replace(plan, stage_sha256={name: file_sha256(out / name) for name in plan.stage_sha256}).save(out / "plan.json")
+    for weights in (out / "weights").iterdir():
+        with safe_open(str(weights), framework="pt") as handle:
+            metadata = {**handle.metadata(), PLAN_HASH_KEY: plan_digest(out / "plan.json")}
+        save_file(load_file(str(weights)), str(weights), metadata=metadata)
 
 
 def test_plain_text_keeps_generated_comments_and_docstrings_closed():

@@ -1,13 +1,12 @@
 """A stage whose backward is all weight gradients (the embedding alone) keeps its weight-gradient
 time within its backward, whatever the rounding of the sums."""
 
-import json
 import math
 from dataclasses import replace
 from pathlib import Path
 
 import autopart.compiler
-from autopart.compiler import CompileOptions, _front, compile_to_directory
+from autopart.compiler import CompileOptions, _front, _plan_from_cuts, _problem, compile_to_directory
 
 TINY_GPT = Path(__file__).parent / "models" / "tiny_gpt.py"
 
@@ -16,11 +15,12 @@ def test_an_embedding_only_stage_keeps_its_weight_gradient_within_its_backward(t
     options = CompileOptions(model=TINY_GPT, pp=2, microbatches=4, micro_batch_size=2, schedule="zb-h1",
                              time_limit_s=5)
     compile_to_directory(options, tmp_path / "first")
-    blocks = _front(options, 2).chain.blocks
-    plan = json.loads((tmp_path / "first" / "plan.json").read_text())
-    plan["stages"][0]["nodes"] = list(blocks[0].nodes)  # the embedding alone
-    plan["stages"][1]["nodes"] = [n for block in blocks[1:] for n in block.nodes]
-    (tmp_path / "pinned.json").write_text(json.dumps(plan))
+    # the embedding alone on stage 0 (its stage ends at block 0): the whole plan, every field that
+    # follows from the cut with it, as --plan checks a plan
+    batch = options.batch_shape()
+    front = _front(options, batch[2])
+    moved = _plan_from_cuts(options, front, _problem(options, front, batch[1]), (0,), batch, ("pinned", 0.0, 0.0))
+    moved.save(tmp_path / "pinned.json")
     original = autopart.compiler._block_times
 
     def all_weight_gradients(front):  # block 0's backward all weight gradients, summed a rounding above

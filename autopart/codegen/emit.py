@@ -6,8 +6,9 @@ failure never leaves a half-written output directory behind.
 
 from __future__ import annotations
 
-import os
 import shutil
+import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -16,12 +17,12 @@ from safetensors.torch import save_file
 from autopart.annotate import OpGraph
 from autopart.capture import ModelSpec, is_meta
 from autopart.codegen.names import plain_text
+from autopart.codegen.output_dir import check_output_directory, remove_output, write_marker
 from autopart.codegen.report import write_report
 from autopart.codegen.tensor_parallel import shard_stage_graph
 from autopart.codegen.stages import describe_tensors, stage_graphs, stage_source
-from autopart.errors import ConfigError
 from autopart.plan import Plan
-from autopart.runtime.launch import PLAN_HASH_KEY, plan_digest
+from autopart.runtime.launch import PLAN_HASH_KEY, file_sha256, plan_digest
 from autopart.runtime.shards import shard_weight
 from autopart.runtime.stage import weights_file_name
 from autopart.solver.sharding import REPLICATE, Placement, Strategy
@@ -29,29 +30,18 @@ from autopart.solver.sharding_rules import strategies
 
 __all__ = ["emit_directory", "check_output_directory"]
 
-_OURS = "plan.json"  # a directory holding this was written by autopart and may be replaced
-
-
-def check_output_directory(out_dir: Path) -> None:
-    """Refuse, before any work, to write over a directory that autopart did not make."""
-    if out_dir.exists() and not out_dir.is_dir():
-        raise ConfigError(f"output path '{out_dir}' is a file; choose a directory path for -o")
-    if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / _OURS).is_file():
-        raise ConfigError(
-            f"output directory '{out_dir}' holds other files; choose a new or empty directory for -o"
-        )
-
 
 def emit_directory(plan: Plan, op_graph: OpGraph, spec: ModelSpec, out_dir: Path) -> Path:
     out_dir = Path(out_dir)
     check_output_directory(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
+    # a folder of our own beside the destination (so the rename stays on one file system): removing it
+    # whole on a failure removes nothing that autopart did not write
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=out_dir.parent))
     try:
         _write(plan, op_graph, spec, staging, final=out_dir)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
+        write_marker(staging)
+        remove_output(out_dir)
         staging.rename(out_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -77,11 +67,14 @@ def _write(plan: Plan, op_graph: OpGraph, spec: ModelSpec, out: Path, *, final: 
     # with the model's initialisers, or reads them from a checkpoint (train.py --weights)
     materialised = not is_meta(module)
     graphs = stage_graphs(op_graph, [stage.nodes for stage in plan.stages])
-    plan.save(out / "plan.json")
-    compile_id = {PLAN_HASH_KEY: plan_digest(out / "plan.json")}  # checked at launch: weights match the plan
     command = plain_text(f"torchrun --nproc-per-node {plan.world_size} {final / 'train.py'} --steps 10")
     tp = plan.mesh["tp"]
     leaf_names = {str(n.target): list(op_graph.leaf_tensors[n.name]) for n in module.graph.nodes if n.op == "call_module"}
+
+    def local(name: str, placements: dict[str, Placement], rank: int) -> torch.Tensor:
+        return shard_weight(tensors[name].detach(), placements.get(name, REPLICATE), tp, rank)
+
+    held: list[tuple[int, dict[str, Placement], list[str]]] = []  # per stage: what its weights files hold
     for stage_plan, stage in zip(plan.stages, graphs):
         placements = {name: Placement.parse(p) for name, p in stage_plan.parameter_placements.items()}
         if tp > 1:
@@ -89,19 +82,20 @@ def _write(plan: Plan, op_graph: OpGraph, spec: ModelSpec, out: Path, *, final: 
                 stage, strategies=_stage_strategies(stage, stage_plan, op_graph), parameters=placements,
                 op_graph=op_graph, tp=tp,
             )  # fmt: skip
-
-        def local(name: str, rank: int) -> torch.Tensor:
-            return shard_weight(tensors[name].detach(), placements.get(name, REPLICATE), tp, rank)
-
         header = _stage_docstring(plan, stage_plan.index, stage, op_graph, command)
-        declared = {name: local(name, 0) for name in tensors}
+        declared = {name: local(name, placements, 0) for name in tensors}
         source = stage_source(stage, stages=len(plan.stages), op_graph=op_graph, metas=declared, header=header)
         (out / "stages" / f"stage_{stage.index}.py").write_text(source)
         names = [*stage.parameters, *stage.buffers, *(n for leaf in stage.leaves for n in leaf_names[leaf])]
-        names = [*stage.constants, *(names if materialised else ())]
+        held.append((stage.index, placements, [*stage.constants, *(names if materialised else ())]))
+    sources = sorted(p.relative_to(out).as_posix() for p in (out / "stages").iterdir())
+    plan = replace(plan, stage_sha256={name: file_sha256(out / name) for name in sources})  # checked by every rank
+    plan.save(out / "plan.json")
+    compile_id = {PLAN_HASH_KEY: plan_digest(out / "plan.json")}  # checked at launch: weights match the plan
+    for index, placements, names in held:
         for rank in range(tp):  # written even when empty (a meta model's ranks make their weights): it
-            weights = {name: local(name, rank).contiguous().clone() for name in names}  # carries the plan's hash
-            save_file(weights, str(out / "weights" / weights_file_name(stage.index, rank, tp)), metadata=compile_id)
+            weights = {name: local(name, placements, rank).contiguous().clone() for name in names}  # carries the plan's hash
+            save_file(weights, str(out / "weights" / weights_file_name(index, rank, tp)), metadata=compile_id)
     shutil.copyfile(spec.path, out / "model.py")
     (out / "train.py").write_text(_entry_point(plan, command))
     write_report(plan, out)

@@ -12,14 +12,14 @@ Replicas hold equal keys, which DCP writes once. Beside them: ``plan.json`` and 
 the compile, and ``autopart.json`` with the step, the optimizer and the sha256 of every file.
 Ranks write into ``DIR/.step_<n>.partial`` and rank 0 renames it into place once every rank has
 finished, so a crash during a save leaves the previous checkpoint the latest good one.
-Nothing is unpickled on the way back: tensors are read with ``weights_only=True`` and DCP's
-metadata file through an unpickler that knows only DCP's metadata classes.
+Nothing is unpickled on the way back beyond plain data: tensors are read with ``weights_only=True``
+and DCP's metadata file through an unpickler that resolves only an exact list of DCP's metadata
+classes, so a crafted ``.metadata`` is refused with one line before it can call anything.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
 import io
 import json
 import os
@@ -31,13 +31,17 @@ import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from autopart.errors import ConfigError
-from autopart.runtime.launch import plan_digest
+from autopart.errors import CheckpointError, ConfigError
+from autopart.runtime.launch import file_sha256, plan_digest
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import Metadata
 
 __all__ = [
     "RECORD",
@@ -47,6 +51,8 @@ __all__ = [
     "latest_checkpoint",
     "restore_checkpoint",
     "read_record",
+    "read_metadata_file",
+    "remove_saved",
     "load_tensors",
     "restarted",
     "CheckpointContext",
@@ -56,20 +62,50 @@ RECORD = "autopart.json"
 _STEP = "step_"
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    """DCP's ``.metadata`` is a pickle; allow only the plain types and DCP's own dataclasses."""
+_DCP_METADATA = "torch.distributed.checkpoint.metadata"
+_ALLOWED = frozenset({
+    *((_DCP_METADATA, name) for name in (
+        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+        "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING",
+    )),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.serialization", "_get_layout"), ("torch", "Size"), ("torch", "device"),
+    ("collections", "OrderedDict"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
+    *(("torch", name) for name, value in vars(torch).items() if isinstance(value, torch.dtype)),
+})  # fmt: skip
+"""Every global that DCP's metadata pickle names, as exact (module, name) pairs: each is a class
+whose construction only stores its arguments, a dtype, or a lookup of a layout by name. A whole
+module is never allowed (a module's namespace holds what it imported: ``os`` among them), nor a
+dotted name (protocol 4 resolves ``a.b.c`` attribute by attribute, out of any allowed object)."""
 
-    _MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.planner")
-    _NAMES = {("torch", "Size"), ("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset"),
-              ("builtins", "slice"), ("torch", "device"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
-              ("torch.serialization", "_get_layout"), ("torch.distributed.checkpoint.filesystem", "_StorageInfo")}  # fmt: skip
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """DCP's ``.metadata`` is a pickle; this reads the globals of ``_ALLOWED`` and nothing else."""
 
     def find_class(self, module: str, name: str):
-        if module in self._MODULES or (module, name) in self._NAMES:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which a checkpoint never holds")
+        if (module, name) not in _ALLOWED:
+            raise CheckpointError(
+                f"checkpoint metadata names {module}.{name}, which no checkpoint holds; it was not written by "
+                "torch.distributed.checkpoint, so it is not read (use a checkpoint that autopart saved)"
+            )
+        return super().find_class(module, name)
+
+
+def read_metadata_file(path: Path) -> Metadata:
+    """DCP's ``Metadata`` from ``path``, or a ``CheckpointError`` that runs nothing of the file."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    try:
+        metadata = _MetadataUnpickler(io.BytesIO(path.read_bytes())).load()
+    except CheckpointError:
+        raise
+    except Exception as exc:  # a truncated or garbled pickle fails in many ways, each a damaged file
+        raise CheckpointError(f"checkpoint metadata {path} is unreadable ({type(exc).__name__}); "
+                              "use an earlier step_* directory or save the checkpoint again") from None
+    if not isinstance(metadata, Metadata):
+        raise CheckpointError(f"checkpoint metadata {path} holds a {type(metadata).__name__}, not DCP's Metadata; "
+                              "use a checkpoint that autopart saved")
+    return metadata
 
 
 def _dcp():
@@ -88,7 +124,7 @@ def _safe_reader() -> type:
         def read_metadata(self, *args, **kwargs):
             rank = kwargs.get("rank")
             path = Path(self.path) / (".metadata" if rank is None else f"__{rank}.metadata")
-            metadata = _MetadataUnpickler(io.BytesIO(path.read_bytes())).load()
+            metadata = read_metadata_file(path)
             if getattr(metadata, "storage_meta", None) is None:
                 from torch.distributed.checkpoint.metadata import StorageMeta
 
@@ -141,14 +177,6 @@ def training_state(
     return state
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as file:
-        for block in iter(lambda: file.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def save_checkpoint(
     root: Path, state: dict[str, torch.Tensor], *, step: int, rank: int, out_dir: Path, optimizer: str
 ) -> Path:
@@ -164,17 +192,36 @@ def save_checkpoint(
     if rank == 0:
         shutil.copyfile(out_dir / "plan.json", staging / "plan.json")
         shutil.copyfile(out_dir / "model.py", staging / "model.py")
-        files = {p.name: _sha256(p) for p in sorted(staging.iterdir()) if p.is_file()}
+        files = {p.name: file_sha256(p) for p in sorted(staging.iterdir()) if p.is_file()}
         record = {"step": step, "optimizer": optimizer, "plan_sha256": plan_digest(out_dir / "plan.json"), "files": files}
         with open(staging / RECORD, "w") as file:
             json.dump(record, file, indent=2)
             file.flush()
             os.fsync(file.fileno())
-        if final.exists():
-            shutil.rmtree(final)
+        remove_saved(final)
         staging.rename(final)
     dist.barrier()
     return final
+
+
+def remove_saved(path: Path) -> None:
+    """Remove a checkpoint that autopart saved (a step saved again after a resume): the files its
+    record lists, the record, then the folder. Anything else in it is a file autopart did not
+    write: it is refused before anything is removed, and kept."""
+    if not path.exists():
+        return
+    try:
+        listed = {str(name) for name in read_record(path)["files"]} | {RECORD}
+    except (OSError, ValueError, KeyError, TypeError):
+        raise CheckpointError(f"{path} exists but holds no readable {RECORD}, so autopart did not save it; "
+                              "move it away or choose another --checkpoint-dir") from None
+    other = sorted(p.name for p in path.iterdir() if p.name not in listed or p.is_symlink() or not p.is_file())
+    if other:
+        raise CheckpointError(f"{path} holds {other[0]}, which autopart did not save there; "
+                              "move it away or choose another --checkpoint-dir")
+    for name in listed:
+        (path / name).unlink(missing_ok=True)
+    path.rmdir()
 
 
 def _problem(path: Path) -> str | None:
@@ -187,7 +234,7 @@ def _problem(path: Path) -> str | None:
     for name, digest in files.items():
         if not (path / name).is_file():
             return f"{name} is missing"
-        if _sha256(path / name) != digest:
+        if file_sha256(path / name) != digest:
             return f"{name} does not match its sha256"
     return None
 

@@ -20,16 +20,25 @@ from safetensors import SafetensorError, safe_open
 from autopart.errors import ConfigError
 from autopart.plan import Plan
 from autopart.runtime.mesh import Mesh
-from autopart.runtime.stage import weights_file_name
+from autopart.runtime.stage import checked_stage_source, weights_file_name
 
-__all__ = ["PLAN_HASH_KEY", "plan_digest", "check_launch", "inject_failure", "init_process_group"]
+__all__ = ["PLAN_HASH_KEY", "file_sha256", "plan_digest", "check_launch", "inject_failure", "init_process_group"]
 
 PLAN_HASH_KEY = "autopart_plan_sha256"  # safetensors metadata of every weights file: the plan it was written with
 
 
+def file_sha256(path: Path) -> str:
+    """The sha256 of a file's bytes, read in blocks (a checkpoint's files may be large)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        for block in iter(lambda: file.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
 def plan_digest(plan_path: Path) -> str:
     """The sha256 of ``plan.json`` as written: weights and checkpoints carry it to name their compile."""
-    return hashlib.sha256(Path(plan_path).read_bytes()).hexdigest()
+    return file_sha256(plan_path)
 
 
 def check_launch(out_dir: Path, plan: Plan, *, rank: int, world_size: int) -> None:
@@ -42,6 +51,9 @@ def check_launch(out_dir: Path, plan: Plan, *, rank: int, world_size: int) -> No
     mesh = Mesh.of(plan)
     here = mesh.coordinates(rank)
     digest = plan_digest(out_dir / "plan.json")
+    if (out_dir / "model.py").is_file() and file_sha256(out_dir / "model.py") != plan.provenance.model_sha256:
+        raise ConfigError(f"model.py in {out_dir} is not the model file that was compiled (its sha256 differs from "
+                          "plan.json's); recompile with autopart compile")
     for stage in plan.stages:
         if stage.rank != here.pp:
             continue
@@ -53,6 +65,7 @@ def check_launch(out_dir: Path, plan: Plan, *, rank: int, world_size: int) -> No
                     f"rank {rank} needs {path.relative_to(out_dir)} of stage {stage.index}, which is missing from "
                     f"{out_dir}; recompile with autopart compile or copy the whole output directory"
                 )
+        checked_stage_source(out_dir, plan, stage.index)
         try:
             with safe_open(str(weights), framework="pt") as handle:
                 written_with = (handle.metadata() or {}).get(PLAN_HASH_KEY)

@@ -5,9 +5,10 @@ from __future__ import annotations
 import copy
 import functools
 import hashlib
-import importlib.util
 import sys
+import types
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
@@ -15,6 +16,9 @@ from safetensors.torch import load_file
 from torch import nn
 
 from autopart.errors import ConfigError
+
+if TYPE_CHECKING:
+    from autopart.plan import Plan
 
 __all__ = [
     "declare_tensors",
@@ -24,6 +28,7 @@ __all__ = [
     "check_checkpoint",
     "read_checkpoint",
     "weights_file_name",
+    "checked_stage_source",
 ]
 
 
@@ -141,17 +146,37 @@ def stage_names(out_dir: Path, index: int) -> list[str]:
     return names
 
 
+def checked_stage_source(out_dir: Path, plan: Plan, index: int) -> bytes:
+    """The bytes of ``stages/stage_<index>.py``, once they are known to be the ones the compile wrote.
+
+    A rank executes its stage file: a file changed since the compile (by hand, by another compile,
+    by whoever could write the folder) would run unchecked code beside weights that it does not fit.
+    """
+    relative = f"stages/stage_{index}.py"
+    source = (out_dir / relative).read_bytes()
+    expected = plan.stage_sha256.get(relative)
+    if expected is None:
+        raise ConfigError(f"plan.json of {out_dir} records no sha256 of {relative} (an older compile); "
+                          "recompile with autopart compile")
+    if hashlib.sha256(source).hexdigest() != expected:
+        raise ConfigError(f"{relative} in {out_dir} is not the file that autopart compile wrote (its sha256 differs "
+                          "from plan.json's); recompile with autopart compile instead of editing it")
+    return source
+
+
 def _stage_source(out_dir: Path, index: int):
     digest = hashlib.sha256(str(out_dir.resolve()).encode()).hexdigest()[:12]
     name = f"autopart_stage_{index}_{digest}"  # one per output directory: a process may read several
     if name in sys.modules:
         return sys.modules[name]
+    from autopart.plan import load_plan
+
     path = out_dir / "stages" / f"stage_{index}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    source = importlib.util.module_from_spec(spec)
+    code = compile(checked_stage_source(out_dir, load_plan(out_dir / "plan.json"), index), str(path), "exec")
+    source = types.ModuleType(name)  # executed from the checked bytes: no second read, no bytecode cache in OUT
+    source.__file__ = str(path)
     sys.modules[name] = source
-    spec.loader.exec_module(source)
+    exec(code, source.__dict__)
     return source
 
 

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 from autopart.capture import load_model_file
-from autopart.errors import AutopartError, ConfigError
+from autopart.errors import AutopartError, ConfigError, OneLineParser
 from autopart.plan import Plan, load_plan
 from autopart.runtime.data import global_batches, model_file, split_microbatches
 from autopart.runtime.checkpoint import CheckpointContext, restarted
@@ -55,7 +55,7 @@ __all__ = ["main", "parse_args"]
 
 
 def parse_args(argv: list[str] | None, plan: Plan) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="train.py", description="Train the compiled model (run under torchrun).")
+    parser = OneLineParser(prog="train.py", description="Train the compiled model (run under torchrun).")
     parser.add_argument("--steps", type=int, default=10, help="training steps (default 10)")
     parser.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3)")
     parser.add_argument("--optimizer", choices=OPTIMIZERS, default=plan.optimizer)
@@ -112,6 +112,11 @@ def _train(out_dir: Path, argv: list[str] | None) -> None:
     check_launch(out_dir, plan, rank=rank, world_size=world_size)
     if args.resume and args.checkpoint_dir is None:
         raise ConfigError("--resume needs --checkpoint-dir DIR: the folder the checkpoints were saved in")
+    for flag, value, least in (("--steps", args.steps, 1), ("--checkpoint-every", args.checkpoint_every, 0)):
+        if value < least:
+            raise ConfigError(f"{flag} must be at least {least}, got {value}")
+    if not args.timeout > 0:
+        raise ConfigError(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
     source_file = model_file(out_dir, plan)
     if args.weights is not None:  # refuse a checkpoint that lacks this rank's tensors before any peer waits
         pipeline_rank = Mesh.of(plan).coordinates(rank).pp

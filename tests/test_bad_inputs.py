@@ -1,0 +1,411 @@
+"""A catalogue of bad inputs: model files, flags, plans, device TOMLs, output directories,
+checkpoints, weights and torchrun misuse. Each one ends as one line naming the problem and what
+to do, exit code 2, no traceback, and nothing half-written or deleted: the folders it touches hold
+exactly the files they held before (no output directory, no partial one beside it).
+
+Most cases call the command line (or a rank's ``train.main``) in this process; a few run it as a
+real subprocess, to show that no traceback reaches the terminal.
+"""
+
+import hashlib
+import json
+import re
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from autopart import cli
+from autopart.runtime import train
+from cost_models.devices import DEVICES_DIR
+from tests.distributed import REPO, run_cli
+
+GOOD_BATCH = """
+import torch
+def example_batch(batch_size):
+    return (torch.randn(batch_size, 8),), torch.randn(batch_size, 4)
+def loss_fn(output, target):
+    return torch.nn.functional.mse_loss(output, target)
+"""
+LINEAR = GOOD_BATCH + "\ndef build_model():\n    return torch.nn.Linear(8, 4)\n"
+DATA_DEPENDENT = GOOD_BATCH + textwrap.dedent(
+    """
+    class Gate(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(8, 4)
+
+        def forward(self, x):
+            if x.sum() > 0:
+                return self.linear(x)
+            return -self.linear(x)
+
+    def build_model():
+        return Gate()
+    """
+)
+NO_INITIALISER = GOOD_BATCH + textwrap.dedent(
+    """
+    class Scale(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.empty(4))
+
+        def forward(self, x):
+            return x * self.weight
+
+    def build_model():
+        with torch.device("meta"):
+            return torch.nn.Sequential(torch.nn.Linear(8, 4), Scale())
+    """
+)
+
+# name -> (model source or None for a missing file, extra arguments, pattern of the one line)
+MODEL_CASES = {
+    "missing": (None, [], r"model file '.*missing\.py' does not exist"),
+    "no_build_model": (GOOD_BATCH, [], r"does not define build_model\(\); add `def build_model\(\) -> nn.Module`"),
+    "raises_on_import": (
+        "import torch\nraise ValueError('bad config')\n",
+        [],
+        r"importing raises_on_import\.py failed: ValueError: bad config \(raises_on_import\.py:2\)",
+    ),
+    "raises_in_build_model": (
+        GOOD_BATCH + "\ndef build_model():\n    return torch.nn.Linear(8, -4)\n",
+        [],
+        r"build_model\(\) in raises_in_build_model\.py raised RuntimeError: .*negative dimension.*\(raises_in_build_model\.py:9\)",
+    ),
+    "returns_not_a_module": (GOOD_BATCH + "\ndef build_model():\n    return 3\n", [], r"returned int, not a torch\.nn\.Module"),
+    "contract_not_a_function": (
+        LINEAR.replace("def example_batch(batch_size):", "example_batch = 3\ndef _unused(batch_size):"),
+        [],
+        r"example_batch in contract_not_a_function\.py is a int, not a function; define it with def",
+    ),
+    "bad_example_batch": (
+        "import torch\ndef build_model():\n    return torch.nn.Linear(8, 4)\ndef example_batch(b):\n    return torch.randn(b, 8)\n",
+        [],
+        r"example_batch\(\) in bad_example_batch\.py returned Tensor; it must return \(inputs: tuple, target\)",
+    ),
+    "batch_not_first": (
+        LINEAR.replace("torch.randn(batch_size, 8)", "torch.randn(8, batch_size)"),
+        [],
+        r"example_batch\(2\) in batch_not_first\.py: input 0 has shape \(8, 2\), whose first dimension is not the batch size 2",
+    ),
+    "model_rejects_batch": (
+        LINEAR.replace("torch.randn(batch_size, 8)", "torch.randn(batch_size, 5)"),
+        [],
+        r"the model rejects its own example batch: RuntimeError: .*; make example_batch\(\) match the model's forward",
+    ),
+    "loss_not_scalar": (
+        LINEAR.replace("mse_loss(output, target)", "mse_loss(output, target, reduction='none')"),
+        [],
+        r"the loss of loss_not_scalar\.py is not a scalar tensor; define loss_fn",
+    ),
+    "neither_fx_nor_export": (
+        DATA_DEPENDENT,
+        [],
+        r"neither torch\.fx \(Python control flow on a traced shape or tensor at neither_fx_nor_export\.py:14\) nor "
+        r"torch\.export could capture neither_fx_nor_export\.py: control flow on tensor values at neither_fx_nor_export\.py:14",
+    ),
+    "fx_forced_on_untraceable": (
+        DATA_DEPENDENT,
+        ["--capture", "fx"],
+        r"torch\.fx could not trace fx_forced_on_untraceable\.py: .* at fx_forced_on_untraceable\.py:14; .*--capture export",
+    ),
+    "unknown_leaf_class": (LINEAR, ["--leaf", "Mixer"], r"--leaf Mixer: the model has no module of that class; its classes include Linear"),
+    "meta_without_initialiser": (
+        NO_INITIALISER,
+        [],
+        r"builds the model on the meta device, but module '1' \(Scale\) has no reset_parameters\(\) and "
+        r"meta_without_initialiser\.py defines no init_weights\(module\)",
+    ),
+    "not_a_python_file": (LINEAR, [], r"is not a \.py file"),
+}
+
+OPTION_CASES = {
+    "batch_does_not_divide": (["--global-batch-size", "10", "--microbatches", "4"], r"the global batch \(10\) is not a whole number of microbatches"),
+    "interleaved_does_not_divide": (
+        ["--schedule", "interleaved", "--chunks", "2", "--microbatches", "3", "--global-batch-size", "6"],
+        r"interleaved needs microbatches \(3\) to be a multiple of the pipeline degree \(2\); use --microbatches 4",
+    ),
+    "more_stages_than_blocks": (["--pp", "64"], r"places where a pipeline stage can start but 64 stages were asked for; use --pp \d+ or fewer"),
+    "unknown_device": (["--device", "tpu-v9"], r"unknown device 'tpu-v9'; known devices: .*h100-sxm"),
+    "unknown_schedule": (["--schedule", "zigzag"], r"unknown schedule 'zigzag'; use one of gpipe"),
+    "out_of_memory": (
+        ["--memory", "0.0001"],
+        r"the model does not fit: .* the fullest device needs 0\.\d+ GiB but the memory limit is 0\.00 GiB; raise --memory",
+    ),
+    "bad_flag_value": (["--pp", "two"], r"argument --pp: invalid int value: 'two'"),
+    "profile_pipeline_without_costs": (
+        ["--profile-pipeline"], r"--profile-pipeline keeps what it measures in a cost database: add --costs COSTS.json"
+    ),
+    "profile_pipeline_of_another_device": (
+        ["--profile-pipeline", "--costs", "costs.json", "--device", "h100-sxm"],
+        r"--profile-pipeline runs the plan on this machine's CPU, so it profiles plans for --device cpu, not h100-sxm",
+    ),
+}
+
+
+def snapshot(*folders: Path) -> dict[Path, str]:
+    """Every file under ``folders`` with the hash of its bytes (Python's bytecode caches aside)."""
+    return {
+        path: hashlib.sha256(path.read_bytes()).hexdigest()
+        for folder in folders for path in sorted(folder.rglob("*"))
+        if path.is_file() and "__pycache__" not in path.parts
+    }
+
+
+def refused(capsys, run, *watch: Path) -> str:
+    """``run()`` must exit 2 with one line and no traceback, and leave every file of ``watch`` as it was."""
+    before = snapshot(*watch)
+    with pytest.raises(SystemExit) as exit_info:
+        run()
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith("autopart: error: ")
+    assert snapshot(*watch) == before, "a file was written, changed or deleted"
+    return lines[0]
+
+
+def call_cli(capsys, *argv: str, watch: tuple[Path, ...] = ()) -> str:
+    """Run the command line in this process; return its one stderr line, having checked the contract."""
+    return refused(capsys, lambda: cli.main(list(argv)), *watch)
+
+
+def assert_nothing_written(folder: Path, out: Path) -> None:
+    assert not out.exists()
+    assert not [p.name for p in folder.iterdir() if p.name.startswith(f".{out.name}")], "a partial output was left"
+
+
+@pytest.mark.parametrize("case", sorted(MODEL_CASES))
+def test_bad_model_file(tmp_path, capsys, case):
+    source, extra, pattern = MODEL_CASES[case]
+    model = tmp_path / (f"{case}.txt" if case == "not_a_python_file" else f"{case}.py")
+    if source is not None:
+        model.write_text(source)
+    out = tmp_path / "out"
+    line = call_cli(capsys, "compile", str(model), "-o", str(out), "--pp", "2", *extra, watch=(tmp_path,))
+    assert re.search(pattern, line), line
+    assert_nothing_written(tmp_path, out)
+
+
+@pytest.mark.parametrize("case", sorted(OPTION_CASES))
+def test_bad_options(tmp_path, capsys, case):
+    extra, pattern = OPTION_CASES[case]
+    model = tmp_path / "linear.py"
+    model.write_text(LINEAR)
+    out = tmp_path / "out"
+    line = call_cli(capsys, "compile", str(model), "-o", str(out), "--pp", "2", *extra, watch=(tmp_path,))
+    assert re.search(pattern, line), line
+    assert_nothing_written(tmp_path, out)
+
+
+H100 = (DEVICES_DIR / "h100-sxm.toml").read_text()
+DEVICE_CASES = {  # name -> (the file's text, or None for no file; the pattern of the one line)
+    "not_toml": ("name = 'mygpu'\npeak_flops = [oops\n", r"mygpu\.toml: not valid TOML .*; fix the file"),
+    "negative_bandwidth": (H100.replace("memory_bandwidth = 3.35e12", "memory_bandwidth = -1"),
+                           r"field 'memory_bandwidth' must be a positive number"),
+    "misspelt_field": (H100.replace("memory_bandwidth = 3.35e12", "memory_bandwith = 3.35e12"),
+                       r"field 'memory_bandwith' is not a device spec field"),
+    "unknown_kind": (H100.replace('kind = "cuda"', 'kind = "tpu"'), r"field 'kind' must be one of cuda, rocm, cpu"),
+    "no_such_file": (None, r"does not exist"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DEVICE_CASES))
+def test_bad_device_spec(tmp_path, capsys, case):
+    text, pattern = DEVICE_CASES[case]
+    spec = tmp_path / "mygpu.toml"
+    if text is not None:
+        spec.write_text(text)
+    line = call_cli(capsys, "compile", "examples/gpt.py", "-o", str(tmp_path / "out"), "--device", str(spec),
+                    watch=(tmp_path,))
+    assert re.search(pattern, line), line
+    assert_nothing_written(tmp_path, tmp_path / "out")
+
+
+def _thesis(out: Path) -> None:  # the case that once lost a thesis: any plan.json made a folder autopart's
+    out.mkdir()
+    (out / "thesis.txt").write_text("four years")
+    (out / "plan.json").write_text("")
+
+
+def _link_out(out: Path) -> None:
+    (out.parent / "elsewhere").mkdir()
+    (out.parent / "elsewhere" / "data.txt").write_text("mine")
+    out.symlink_to(out.parent / "elsewhere")
+
+
+OUTPUT_CASES = {
+    "other_files": (lambda out: (out.mkdir(), (out / "notes.txt").write_text("mine")), r"holds files but no \.autopart-output\.json"),
+    "thesis_beside_an_empty_plan": (_thesis, r"holds files but no \.autopart-output\.json"),
+    "a_file": (lambda out: out.write_text("mine"), r"is a file; choose a directory path for -o"),
+    "a_link": (_link_out, r"is a symbolic link; give the directory itself with -o"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(OUTPUT_CASES))
+def test_output_path_that_autopart_did_not_write_is_left_alone(tmp_path, capsys, case):
+    make, pattern = OUTPUT_CASES[case]
+    make(tmp_path / "out")
+    line = call_cli(capsys, "compile", "examples/gpt.py", "-o", str(tmp_path / "out"), "--pp", "2", watch=(tmp_path,))
+    assert re.search(pattern, line), line
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory) -> Path:
+    """One small compiled output directory, shared by the plan and weights cases."""
+    out = tmp_path_factory.mktemp("compiled") / "out"
+    cli.main(["compile", str(REPO / "examples" / "gpt.py"), "-o", str(out), "--pp", "2", "--microbatches", "2"])
+    return out
+
+
+def _edited_plan(compiled: Path, edit) -> str:
+    data = json.loads((compiled / "plan.json").read_text())
+    edit(data)
+    return json.dumps(data)
+
+
+PLAN_CASES = {  # name -> (the plan's text, given the compiled output; the pattern of the one line)
+    "not_json": (lambda out: "{ not json", r"bad\.json is not valid JSON .*; fix it or recompile"),
+    "missing_field": (lambda out: '{"version": 1}', r"plan\.mesh is missing; the plan is incomplete"),
+    "wrong_version": (lambda out: '{"version": 99}', r"plan version 99 is not supported"),
+    "rank_5_of_2_stages": (lambda out: _edited_plan(out, lambda d: d["stages"][1].update(rank=5)),
+                           r"plan\.stages\[1\]\.rank is 5 but plan\.mesh\.pp is 2"),
+    "three_stages_named_two": (lambda out: _edited_plan(out, lambda d: d["mesh"].update(pp=3)),
+                               r"plan\.stages lists 2 stages but plan\.mesh\.pp x plan\.schedule\.chunks is 3 x 1"),
+    "blocks_that_do_not_fit": (lambda out: _edited_plan(out, lambda d: d["stages"][1].update(blocks=[1, 1])),
+                               r"plan\.stages\[1\]\.blocks is \[1, 1\] but this model"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(PLAN_CASES))
+def test_bad_plan(tmp_path, capsys, compiled, case):
+    text, pattern = PLAN_CASES[case]
+    plan = tmp_path / "bad.json"
+    plan.write_text(text(compiled))
+    line = call_cli(capsys, "compile", "examples/gpt.py", "-o", str(tmp_path / "out"), "--plan", str(plan),
+                    watch=(tmp_path,))
+    assert re.search(pattern, line), line
+    assert_nothing_written(tmp_path, tmp_path / "out")
+
+
+def test_plan_of_another_model(tmp_path, capsys, compiled):
+    line = call_cli(capsys, "compile", "examples/llama.py", "-o", str(tmp_path / "out"), "--plan",
+                    str(compiled / "plan.json"), watch=(tmp_path, compiled))
+    assert re.search(r"plan\.json was compiled from another version of llama\.py .*; recompile without --plan", line), line
+    assert_nothing_written(tmp_path, tmp_path / "out")
+
+
+def _weights_lacking_one(folder: Path, out: Path) -> list[str]:
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(str(out / "weights" / "stage_0.safetensors"))
+    save_file({k: v for k, v in weights.items() if k != sorted(weights)[0]}, str(folder / "partial.safetensors"))
+    return ["--weights", str(folder / "partial.safetensors")]
+
+
+def _not_safetensors(folder: Path, out: Path) -> list[str]:
+    (folder / "w.safetensors").write_text("not a checkpoint")
+    return ["--weights", str(folder / "w.safetensors")]
+
+
+TRAIN_CASES = {  # name -> (environment, arguments given (folder, OUT), pattern of the one line)
+    "wrong_world_size": ({"WORLD_SIZE": "3"}, lambda f, o: [], r"the plan needs 2 processes but 3 were started"),
+    "without_torchrun": ({"WORLD_SIZE": None, "RANK": None}, lambda f, o: [],
+                         r"the plan needs 2 processes but 1 were started; run torchrun --nproc-per-node 2"),
+    "misspelt_flag": ({}, lambda f, o: ["--stpes", "3"], r"unrecognized arguments: --stpes 3; see 'train\.py --help'"),
+    "zero_steps": ({}, lambda f, o: ["--steps", "0"], r"--steps must be at least 1, got 0"),
+    "negative_checkpoint_every": ({}, lambda f, o: ["--checkpoint-dir", str(f / "c"), "--checkpoint-every", "-1"],
+                                  r"--checkpoint-every must be at least 0, got -1"),
+    "resume_without_checkpoint_dir": ({}, lambda f, o: ["--resume"], r"--resume needs --checkpoint-dir DIR"),
+    "weights_lacking_a_parameter": ({}, _weights_lacking_one,
+                                    r"lacks 1 tensor\(s\) of stage 0, first .*; save every parameter under its name"),
+    "weights_not_safetensors": ({}, _not_safetensors, r"is not a safetensors file"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(TRAIN_CASES))
+def test_torchrun_misuse(tmp_path, capsys, monkeypatch, compiled, case):
+    """train.py as rank 0 of the plan's world, in this process: the checks that precede any peer."""
+    environment, arguments, pattern = TRAIN_CASES[case]
+    for name, value in {"RANK": "0", "WORLD_SIZE": "2", **environment}.items():
+        monkeypatch.setenv(name, value) if value is not None else monkeypatch.delenv(name, raising=False)
+    argv = arguments(tmp_path, compiled)
+    line = refused(capsys, lambda: train.main(compiled, argv), tmp_path, compiled)
+    assert re.search(pattern, line), line
+
+
+def test_stage_file_edited_after_the_compile(tmp_path, capsys, monkeypatch, compiled):
+    import shutil
+
+    out = shutil.copytree(compiled, tmp_path / "out")
+    (out / "stages" / "stage_0.py").write_text((out / "stages" / "stage_0.py").read_text() + "\nimport os\n")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    line = refused(capsys, lambda: train.main(out, []), tmp_path)
+    assert "stages/stage_0.py in" in line and "is not the file that autopart compile wrote" in line, line
+
+
+def _damaged(folder: Path) -> Path:
+    (folder / "ckpt").mkdir()
+    (folder / "ckpt" / "autopart.json").write_text(json.dumps({"step": 1, "files": {".metadata": "0" * 64}}))
+    (folder / "ckpt" / ".metadata").write_bytes(b"")
+    return folder / "ckpt"
+
+
+def _crafted(folder: Path) -> Path:
+    import pickle
+
+    (folder / "ckpt").mkdir()
+    metadata = pickle.PROTO + b"\x02" + pickle.GLOBAL + b"os\nsystem\n" + pickle.STOP
+    (folder / "ckpt" / ".metadata").write_bytes(metadata)
+    digest = hashlib.sha256(metadata).hexdigest()
+    (folder / "ckpt" / "autopart.json").write_text(json.dumps({"step": 1, "files": {".metadata": digest}}))
+    return folder / "ckpt"
+
+
+COMMAND_CASES = {  # name -> (arguments given the test's folder and OUT, pattern of the one line)
+    "consolidate_no_such_dir": (lambda f, o: ["consolidate", str(f / "nowhere"), "-o", str(f / "m.safetensors")],
+                                r"checkpoint directory '.*nowhere' does not exist"),
+    "consolidate_no_checkpoint": (lambda f, o: ["consolidate", str(f), "-o", str(f / "m.safetensors")],
+                                  r"holds no complete checkpoint"),
+    "consolidate_damaged": (lambda f, o: ["consolidate", str(_damaged(f)), "-o", str(f / "m.safetensors")],
+                            r"checkpoint .*ckpt is damaged: \.metadata does not match its sha256"),
+    "consolidate_crafted_metadata": (lambda f, o: ["consolidate", str(_crafted(f)), "-o", str(f / "m.safetensors")],
+                                     r"checkpoint metadata names os\.system, which no checkpoint holds"),
+    "consolidate_into_a_directory": (lambda f, o: ["consolidate", str(f), "-o", str(f)], r"is a directory; give a file path"),
+    "verify_not_an_output": (lambda f, o: ["verify", str(f)], r"is not an autopart output directory \(no plan\.json\)"),
+    "verify_zero_steps": (lambda f, o: ["verify", str(o), "--steps", "0"], r"--steps must be at least 1, got 0"),
+    "explain_not_an_output": (lambda f, o: ["explain", str(f)], r"plan\.json"),
+    "profile_zero_batch": (lambda f, o: ["profile", "examples/gpt.py", "-o", str(f / "c.json"), "--micro-batch-size", "0"],
+                           r"--micro-batch-size must be at least 1, got 0"),
+    "profile_into_a_directory": (lambda f, o: ["profile", "examples/gpt.py", "-o", str(f)], r"is a directory; give the path of a \.json"),
+    "unknown_command": (lambda f, o: ["compiel", "examples/gpt.py"], r"invalid choice: 'compiel'"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(COMMAND_CASES))
+def test_bad_command(tmp_path, capsys, compiled, case):
+    arguments, pattern = COMMAND_CASES[case]
+    argv = arguments(tmp_path, compiled)
+    line = call_cli(capsys, *argv, watch=(tmp_path, compiled))
+    assert re.search(pattern, line), line
+
+
+@pytest.mark.parametrize(
+    "argv, pattern",
+    [
+        (["compile", "{tmp}/missing.py", "-o", "{tmp}/out"], r"model file '.*missing\.py' does not exist"),
+        (["compile", "{tmp}/gate.py", "-o", "{tmp}/out", "--pp", "2"], r"neither torch\.fx .* nor torch\.export could capture gate\.py"),
+    ],
+)
+def test_no_traceback_reaches_the_terminal(tmp_path, argv, pattern):
+    (tmp_path / "gate.py").write_text(DATA_DEPENDENT)
+    result = run_cli(*(a.format(tmp=tmp_path) for a in argv))
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert re.search(pattern, lines[0]), lines[0]
+    assert_nothing_written(tmp_path, tmp_path / "out")

@@ -1,0 +1,96 @@
+"""``autopart consolidate`` builds the model from the user's model file, never from the checkpoint's.
+
+A checkpoint folder holds a copy of ``model.py``; whoever hands over a checkpoint could put
+anything in it. The checkpoint here is written in this process with DCP (no torchrun), from a
+compile's initial weights, and its ``model.py`` creates a sentinel file when imported.
+"""
+
+import hashlib
+import json
+import shutil
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file
+
+from autopart import cli
+from autopart.runtime.checkpoint import RECORD
+from tests.distributed import REPO
+
+GPT = REPO / "examples" / "gpt.py"
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> tuple[Path, Path, Path]:
+    """(the checkpoint folder, the model file its plan names, the sentinel its model.py would create)."""
+    folder = tmp_path_factory.mktemp("consolidate")
+    model = shutil.copyfile(GPT, folder / "gpt.py")
+    out = folder / "out"
+    cli.main(["compile", str(model), "-o", str(out), "--pp", "2", "--microbatches", "2", "--global-batch-size", "4",
+              "--device", "h100-sxm", "--time-limit", "5"])
+    step = folder / "ckpt" / "step_00000001"
+    state = {f"model/stage_{k}/tp_0/{name}": value
+             for k in (0, 1) for name, value in load_file(str(out / "weights" / f"stage_{k}.safetensors")).items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(step)), no_dist=True)
+    shutil.copyfile(out / "plan.json", step / "plan.json")
+    sentinel = folder / "SENTINEL"
+    (step / "model.py").write_text(f"open({str(sentinel)!r}, 'w').close()\n" + GPT.read_text())
+    files = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in step.iterdir() if p.is_file()}
+    (step / RECORD).write_text(json.dumps({"step": 1, "optimizer": "adamw", "plan_sha256": "", "files": files}))
+    return folder / "ckpt", model, sentinel
+
+
+def consolidate(capsys, checkpoint: Path, output: Path, *extra: str) -> tuple[int, str]:
+    try:
+        cli.main(["consolidate", str(checkpoint), "-o", str(output), *extra])
+        code = 0
+    except SystemExit as exit_info:
+        code = exit_info.code
+    return code, capsys.readouterr().err
+
+
+def test_the_plan_s_model_file_is_used_while_its_hash_holds(checkpoint, tmp_path, capsys):
+    root, model, sentinel = checkpoint
+    code, err = consolidate(capsys, root, tmp_path / "m.safetensors")
+    assert code == 0, err
+    from autopart.capture import load_model_file
+
+    module = load_model_file(model).module
+    module.load_state_dict(load_file(str(tmp_path / "m.safetensors")), strict=True)
+    assert not sentinel.exists()
+
+
+def test_a_changed_model_file_is_refused_and_the_checkpoint_s_copy_is_not_imported(checkpoint, tmp_path, capsys):
+    root, model, sentinel = checkpoint
+    original = model.read_text()
+    model.write_text(original + "\n# edited since the compile\n")
+    try:
+        code, err = consolidate(capsys, root, tmp_path / "m.safetensors")
+    finally:
+        model.write_text(original)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, err
+    assert "changed since the checkpoint's compile" in lines[0] and "--model MODEL.py" in lines[0]
+    assert not sentinel.exists(), "consolidate imported the checkpoint's model.py"
+    assert not (tmp_path / "m.safetensors").exists()
+
+
+def test_model_given_with_model_is_used(checkpoint, tmp_path, capsys):
+    root, model, sentinel = checkpoint
+    model.rename(model.with_suffix(".moved"))  # the plan's path is gone: --model says where it is
+    try:
+        code, err = consolidate(capsys, root, tmp_path / "m.safetensors", "--model", str(GPT))
+        assert code == 0, err
+        assert set(load_file(str(tmp_path / "m.safetensors"))) >= {"wte.weight"}
+        code, err = consolidate(capsys, root, tmp_path / "n.safetensors")
+        assert code == 2 and "does not exist here; pass it with --model" in err
+    finally:
+        model.with_suffix(".moved").rename(model)
+    assert not sentinel.exists()
+    assert torch.equal(load_file(str(tmp_path / "m.safetensors"))["wte.weight"],
+                       load_file(str(root.parent / "out" / "weights" / "stage_0.safetensors"))["wte.weight"])

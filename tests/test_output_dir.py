@@ -1,0 +1,93 @@
+"""``compile -o OUT`` replaces only what autopart wrote: a user's file, a folder autopart did not
+make, or a symbolic link out of OUT stops the compile with one line, and nothing is deleted."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from autopart import cli
+from autopart.codegen.output_dir import MARKER, check_output_directory, remove_output, write_marker
+from autopart.errors import ConfigError
+from tests.distributed import REPO
+
+GPT = str(REPO / "examples" / "gpt.py")
+
+
+def refused(capsys, out: Path) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["compile", GPT, "-o", str(out), "--pp", "2", "--microbatches", "2", "--time-limit", "5"])
+    assert exit_info.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("autopart: error: "), lines
+    return lines[0]
+
+
+def test_a_folder_with_a_thesis_and_an_empty_plan_json_is_left_as_it_was(tmp_path, capsys):
+    out = tmp_path / "that-folder"
+    out.mkdir()
+    (out / "thesis.txt").write_text("four years of work")
+    (out / "plan.json").write_text("")
+    line = refused(capsys, out)
+    assert f"'{out}' holds files but no {MARKER}" in line
+    assert sorted(p.name for p in out.iterdir()) == ["plan.json", "thesis.txt"]
+    assert (out / "thesis.txt").read_text() == "four years of work"
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".that-folder")]
+
+
+def fake_output(out: Path) -> None:
+    """An output directory as a compile leaves it, without compiling: plan, a stage, the marker."""
+    (out / "stages").mkdir(parents=True)
+    (out / "plan.json").write_text("{}")
+    (out / "stages" / "stage_0.py").write_text("STAGE = None\n")
+    write_marker(out)
+
+
+def test_a_symbolic_link_in_out_pointing_outside_is_refused_and_its_target_survives(tmp_path, capsys):
+    outside = tmp_path / "precious"
+    outside.mkdir()
+    (outside / "data.bin").write_text("keep me")
+    out = tmp_path / "out"
+    fake_output(out)
+    (out / "stages" / "link").symlink_to(outside)
+    line = refused(capsys, out)
+    assert "holds the symbolic link stages/link, which autopart never writes" in line
+    assert (outside / "data.bin").read_text() == "keep me"
+    assert (out / "stages" / "link").is_symlink() and (out / "plan.json").exists()
+    with pytest.raises(ConfigError, match="symbolic link"):
+        remove_output(out)  # the removal itself checks again
+    assert (outside / "data.bin").read_text() == "keep me"
+
+
+def test_out_that_is_itself_a_link_is_refused(tmp_path, capsys):
+    target = tmp_path / "real"
+    fake_output(target)
+    (tmp_path / "out").symlink_to(target)
+    assert "is a symbolic link" in refused(capsys, tmp_path / "out")
+    assert (target / "plan.json").exists()
+
+
+@pytest.mark.parametrize("extra", ["notes.txt", "stages/mine.py", "weights/old.safetensors"])
+def test_a_file_beside_autopart_s_own_is_refused(tmp_path, extra):
+    out = tmp_path / "out"
+    fake_output(out)
+    (out / extra).parent.mkdir(exist_ok=True)
+    (out / extra).write_text("mine")
+    with pytest.raises(ConfigError, match=f"holds other files \\(first {extra}\\)"):
+        check_output_directory(out)
+    assert (out / extra).read_text() == "mine"
+
+
+def test_autopart_s_own_directory_is_replaced_with_its_bytecode(tmp_path, capsys):
+    out = tmp_path / "out"
+    fake_output(out)
+    (out / "stages" / "__pycache__").mkdir()
+    (out / "stages" / "__pycache__" / "stage_0.cpython-312.pyc").write_bytes(b"")  # Python's, from a run
+    cli.main(["compile", GPT, "-o", str(out), "--pp", "2", "--microbatches", "2", "--time-limit", "5"])
+    marker = json.loads((out / MARKER).read_text())
+    written = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
+    assert sorted([*marker["files"], MARKER]) == written and "stages/stage_1.py" in written
+    assert not (out / "stages" / "__pycache__").exists()
+    check_output_directory(out)  # a second compile may replace it again
+    remove_output(out)
+    assert not out.exists()
