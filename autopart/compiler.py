@@ -36,6 +36,7 @@ from autopart.solver.pipeline import PipelineProblem, evaluate, solve_cuts, stag
 from autopart.solver.sharding import REPLICATE, Placement
 from autopart.solver.tensor import BlockSharding, shard_chain
 from cost_models import CostDatabase, CostModel, ProfiledCostModel, get_cost_model, model_state_bytes
+from cost_models.memory import communicator_bytes
 from cost_models.database import PipelineMeasurement, plan_shape, tail_key
 from cost_models.devices import local_device_name
 
@@ -330,9 +331,18 @@ def _problem(options: CompileOptions, front: _Front, microbatches: int) -> Pipel
         microbatches=microbatches,
         in_flight=_in_flight(options.schedule, options.pp, microbatches, options.chunks),
         memory_limit_bytes=memory,
-        overhead_bytes=device.framework_overhead_bytes,
+        overhead_bytes=device.framework_overhead_bytes + _communicator_bytes(options, device.kind),
         stage_rank=tuple(stage_rank(s, options.pp) for s in range(stages)),
     )
+
+
+def _communicator_bytes(options: CompileOptions, kind: str) -> int:
+    """The collective library's buffers on one rank (`cost_models.memory.communicator_bytes`): the
+    whole world's group (step time, peaks), the data- and tensor-parallel groups and the pipeline
+    neighbours it messages (a tied parameter's group, of a few ranks, is left out)."""
+    world = options.pp * options.tp * options.dp
+    groups = [world, options.dp, options.tp]
+    return communicator_bytes(kind, groups, p2p_peers=min(options.pp - 1, 2))
 
 
 def _state_bytes(options: CompileOptions, parameter_bytes: int) -> int:

@@ -15,7 +15,7 @@ import torch
 from autopart.errors import DeviceSpecError
 from cost_models import DeviceSpec, known_devices, load_device
 from cost_models import calibration
-from cost_models.devices import DEVICES_DIR
+from cost_models.devices import DEVICES_DIR, spec_name
 
 GB = 1e9
 TFLOPS = 1e12
@@ -26,6 +26,7 @@ DATASHEET = [
     ("a100-40gb", 312, 156, 19.5, 1555 * GB, 40),
     ("a100-80gb", 312, 156, 19.5, 2039 * GB, 80),
     ("h100-sxm", 989, 495, 67, 3350 * GB, 80),
+    ("h100-pcie", 756, 378, 51, 2000 * GB, 80),
     ("h200", 989, 495, 67, 4800 * GB, 141),
     ("mi300x", 1307, 654, 163, 5300 * GB, 192),
 ]
@@ -48,6 +49,27 @@ def test_gpu_specs_carry_the_datasheet_figures(name: str, bf16: float, tf32: flo
     assert spec.memory_bandwidth == pytest.approx(bandwidth)
     assert memory_gb * GB <= spec.memory_bytes <= memory_gb * 2**30 * 1.1
     assert spec.framework_overhead_bytes == 500 * 2**20
+
+
+@pytest.mark.parametrize(
+    "gpu,memory,spec",
+    [
+        ("NVIDIA H100 80GB HBM3", 85e9, "h100-sxm"),
+        ("NVIDIA H100 SXM5 80GB", 85e9, "h100-sxm"),
+        ("NVIDIA H100 PCIe", 85e9, "h100-pcie"),
+        ("NVIDIA H100 NVL", 100e9, "nvidia-h100-nvl"),  # no spec: not the SXM's figures
+        ("NVIDIA H200", 150e9, "h200"),
+        ("NVIDIA H200 NVL", 150e9, "nvidia-h200-nvl"),
+        ("NVIDIA A100-SXM4-40GB", 42e9, "a100-40gb"),
+        ("NVIDIA A100-SXM4-80GB", 85e9, "a100-80gb"),
+        ("AMD Instinct MI300X", 206e9, "mi300x"),
+    ],
+)
+def test_gpu_names_map_to_their_own_spec_or_none(gpu: str, memory: float, spec: str) -> None:
+    assert spec_name(gpu, int(memory)) == spec
+    if spec not in known_devices():
+        with pytest.raises(DeviceSpecError, match="known devices: .*h100-pcie, h100-sxm, h200"):
+            load_device(spec)
 
 
 @pytest.mark.parametrize("name", ["a100-40gb", "a100-80gb", "h100-sxm", "h200"])

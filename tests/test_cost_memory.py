@@ -6,7 +6,7 @@ import pytest
 
 from autopart.errors import ConfigError
 from cost_models import model_state_bytes
-from cost_models.memory import FRAMEWORK_OVERHEAD_BYTES
+from cost_models.memory import FRAMEWORK_OVERHEAD_BYTES, NCCL_BUFFER_BYTES, NCCL_CHANNELS, communicator_bytes
 
 PARAMETERS = 1_000_003  # Ψ
 
@@ -34,3 +34,18 @@ def test_unknown_optimizer_names_the_known_ones() -> None:
 def test_framework_overhead_by_device_kind() -> None:
     assert FRAMEWORK_OVERHEAD_BYTES["cuda"] == 500 * 2**20
     assert 0 < FRAMEWORK_OVERHEAD_BYTES["cpu"] < FRAMEWORK_OVERHEAD_BYTES["cuda"]
+
+
+@pytest.mark.parametrize(
+    "kind,groups,p2p,peers",
+    [
+        ("cuda", [1, 1, 1], 0, 0),  # one rank: NCCL connects to nobody
+        ("cuda", [2, 2, 1], 0, 2),  # dp 2: the world's group and the dp group, one peer each
+        ("cuda", [8, 1, 8], 0, 4),  # tp 8: rings, two peers each
+        ("cuda", [4, 1, 1], 2, 4),  # pp 4, a middle stage: the world's ring and two neighbours
+        ("cpu", [8, 2, 4], 2, 0),  # gloo's buffers are the process's own memory
+    ],
+)
+def test_nccl_buffers_per_peer_and_channel(kind: str, groups: list[int], p2p: int, peers: int) -> None:
+    assert NCCL_BUFFER_BYTES == 4 << 20  # NCCL_BUFFSIZE's default
+    assert communicator_bytes(kind, groups, p2p_peers=p2p) == peers * NCCL_CHANNELS * NCCL_BUFFER_BYTES
