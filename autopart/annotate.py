@@ -40,8 +40,8 @@ from autopart.recompute import keeps_output
 from cost_models import CostModel, Kernel, KernelRecorder
 
 __all__ = [
-    "DTYPES", "TensorMeta", "NodeCost", "OpGraph", "annotate", "autocast_dtype", "precision", "tensor_meta",
-    "op_key", "leaves_for_grad",
+    "DTYPES", "TensorMeta", "NodeCost", "OpGraph", "annotate", "autocast_dtype", "cost_key", "precision",
+    "tensor_meta", "op_key", "leaves_for_grad",
 ]
 
 DTYPES = ("fp32", "bf16")
@@ -223,6 +223,14 @@ def op_key(node: fx.Node, args: tuple, kwargs: dict, parameters: set[int]) -> st
 
     parts = [describe(a) for a in args] + [f"{k}={describe(v)}" for k, v in kwargs.items()]
     return f"{_target_name(node)}({', '.join(parts)})"
+
+
+def cost_key(node: fx.Node, args: tuple, kwargs: dict, parameters: set[int], dtype: str) -> str:
+    """The cost database's key of an op run in precision ``dtype``: its `op_key`, and under bf16
+    the autocast it ran in (its arguments may be fp32 while it runs in 16 bits: not the op that
+    an fp32 run timed). `autopart.profile` stores under this key, annotate looks it up."""
+    key = op_key(node, args, kwargs, parameters)
+    return key if dtype == "fp32" else f"{key} autocast={dtype}"
 
 
 def leaves_for_grad(args: tuple, kwargs: dict, parameters: set[int], *, clone: bool = False
@@ -440,9 +448,7 @@ def _annotate_nodes(
         values[node.name] = value
         forward, backward_input, backward_weight = _measure_kernels(node, args, kwargs, state)
         kernels[node.name] = (tuple(forward), tuple(backward_input) + tuple(backward_weight))
-        key = op_key(node, args, kwargs, state.parameter_ids)
-        if state.dtype != "fp32":  # the arguments are fp32 but the op runs in 16 bits: not a key timed in fp32
-            key += f" autocast={state.dtype}"
+        key = cost_key(node, args, kwargs, state.parameter_ids, state.dtype)
         times = cost_model.op_times(key, forward, backward_input, backward_weight)
         parameter_bytes = 0
         if node.op == "call_module":

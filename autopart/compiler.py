@@ -239,7 +239,7 @@ def _annotated(options: CompileOptions, micro_batch_size: int, *, separate_biase
         local = _local_kind(options.device)
         if local is not None:
             timed = profile_costs(graph, spec, database, device=local, micro_batch_size=micro_batch_size,
-                                  optimizer=options.optimizer)
+                                  optimizer=options.optimizer, dtype=options.dtype)
             if timed:
                 database.save()
     cost_model = roofline if database is None else ProfiledCostModel(roofline=roofline, database=database)
