@@ -18,8 +18,12 @@ apart and which the whole backward does not separate. On a GPU ops are timed alo
 events.
 
 With ``dtype="bf16"`` every forward runs under ``torch.autocast`` of the device (CUDA's on a GPU,
-the CPU's on the CPU), as the generated programs run it, and each op is stored under the key a
-bf16 compile looks up (`autopart.annotate.cost_key`); backward runs outside autocast, as there.
+the CPU's on the CPU), as the generated programs run it; backward runs outside autocast, as
+there. Each op is stored under the key that a compile looks it up by (`autopart.annotate.cost_key`),
+which names its arguments' dtypes as annotate sees them: annotate runs the graph under the CPU's
+autocast, whose op lists differ from CUDA's (CUDA keeps softmax and layer norm in fp32, so the ops
+after them get fp32 arguments on a GPU). The keys therefore come from one run of the graph on the
+CPU under the CPU's autocast (`_compile_keys`), whatever device the ops are timed on.
 """
 
 from __future__ import annotations
@@ -67,9 +71,10 @@ class _Timer(fx.Interpreter):
     layers give one key several nodes, timed once."""
 
     def __init__(self, module: fx.GraphModule, database: CostDatabase, device: torch.device, device_name: str,
-                 progress: Progress | None, dtype: str):
+                 progress: Progress | None, dtype: str, keys: dict[str, str]):
         super().__init__(module)
         self.database, self.device, self.device_name, self.dtype = database, device, device_name, dtype
+        self.keys = keys
         self.parameters = {id(p) for p in module.parameters()}
         self.overheads = database.overheads[device_name]
         self.progress = progress
@@ -86,7 +91,7 @@ class _Timer(fx.Interpreter):
         if node.op not in ("call_function", "call_method"):
             return value
         args, kwargs = self.fetch_args_kwargs_from_env(node)
-        key = cost_key(node, args, kwargs, self.parameters, self.dtype)
+        key = self.keys[node.name]
         if self.database.get(self.device_name, key) is None:
             self.nodes.setdefault(key, []).append(node.name)
         if self.database.get(self.device_name, key) is None and key not in self.timed:
@@ -105,6 +110,26 @@ class _Timer(fx.Interpreter):
     def _forward(self, node: fx.Node, args: tuple, kwargs: dict) -> Any:
         with self._precision():
             return _run_one(node, args, kwargs)
+
+
+def _compile_keys(module: fx.GraphModule, values: list[Any], dtype: str) -> dict[str, str]:
+    """Per op node, the key a compile in ``dtype`` looks it up by: the graph run on the CPU under
+    the CPU's autocast, as annotate runs it (see the module's docstring)."""
+    parameters = {id(p) for p in module.parameters()}
+    keys: dict[str, str] = {}
+
+    class Keys(fx.Interpreter):
+        def run_node(self, node: fx.Node) -> Any:
+            with precision(dtype, "cpu"):
+                value = super().run_node(node)
+            if node.op in ("call_function", "call_method"):
+                args, kwargs = self.fetch_args_kwargs_from_env(node)
+                keys[node.name] = cost_key(node, args, kwargs, parameters, dtype)
+            return value
+
+    with torch.no_grad():
+        Keys(module).run(*values)
+    return keys
 
 
 def _time_optimizer(database: CostDatabase, device_name: str, device: torch.device, optimizer: str,
@@ -177,10 +202,12 @@ def profile_costs(graph: Graph, spec: ModelSpec, database: CostDatabase, *, devi
             database.overheads[device_name] = measure_overheads(where)
         module = graph.module if where.type == "cpu" else copy.deepcopy(graph.module).to(where)
         inputs, target = spec.example(micro_batch_size)
-        values = [v.to(where) if isinstance(v, torch.Tensor) else v for v in graph_args(graph, inputs, target)]
+        on_cpu = graph_args(graph, inputs, target)
+        keys = _compile_keys(graph.module, on_cpu, dtype)
+        values = [v.to(where) if isinstance(v, torch.Tensor) else v for v in on_cpu]
         progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                             console=console, transient=True) if console is not None else None
-        timer = _Timer(module, database, where, device_name, progress, dtype)
+        timer = _Timer(module, database, where, device_name, progress, dtype, keys)
         with progress or nullcontext(), torch.no_grad():
             timer.run(*values)
         if timer.timed and where.type == "cpu":
