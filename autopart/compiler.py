@@ -331,18 +331,10 @@ def _problem(options: CompileOptions, front: _Front, microbatches: int) -> Pipel
         microbatches=microbatches,
         in_flight=_in_flight(options.schedule, options.pp, microbatches, options.chunks),
         memory_limit_bytes=memory,
-        overhead_bytes=device.framework_overhead_bytes + _communicator_bytes(options, device.kind),
+        overhead_bytes=device.framework_overhead_bytes
+        + communicator_bytes(device.kind, pp=options.pp, tp=options.tp, dp=options.dp),
         stage_rank=tuple(stage_rank(s, options.pp) for s in range(stages)),
     )
-
-
-def _communicator_bytes(options: CompileOptions, kind: str) -> int:
-    """The collective library's buffers on one rank (`cost_models.memory.communicator_bytes`): the
-    whole world's group (step time, peaks), the data- and tensor-parallel groups and the pipeline
-    neighbours it messages (a tied parameter's group, of a few ranks, is left out)."""
-    world = options.pp * options.tp * options.dp
-    groups = [world, options.dp, options.tp]
-    return communicator_bytes(kind, groups, p2p_peers=min(options.pp - 1, 2))
 
 
 def _state_bytes(options: CompileOptions, parameter_bytes: int) -> int:

@@ -69,12 +69,14 @@ NCCL_CHANNELS = 16
 on PCIe; 16 is the common figure, so the estimate errs low rather than refuse a plan that fits."""
 
 
-def communicator_bytes(kind: str, group_sizes: list[int], p2p_peers: int) -> int:
-    """Device memory of the collective library's own buffers on one rank: for every group it
-    belongs to (of ``group_sizes`` ranks; a ring connects each rank to two peers, or one in a
-    group of two) and every pipeline neighbour it messages (``p2p_peers``), `NCCL_BUFFER_BYTES`
-    per channel. Nothing on the CPU, where gloo's buffers are the process's own memory."""
+def communicator_bytes(kind: str, *, pp: int, tp: int, dp: int) -> int:
+    """Device memory of the collective library's own buffers on one rank of a (pp, tp, dp) mesh:
+    `NCCL_BUFFER_BYTES` per channel for every peer it is connected to. It belongs to the whole
+    world's group (step time, peaks) and to its data- and tensor-parallel groups, a ring in each
+    (two peers, one in a group of two), and messages its pipeline neighbours (one or two); a tied
+    parameter's group, of a few ranks, is left out. Nothing on the CPU, where gloo's buffers are
+    the process's own memory."""
     if kind not in ("cuda", "rocm"):  # RCCL keeps NCCL's buffers
         return 0
-    peers = sum(min(size - 1, 2) for size in group_sizes if size > 1) + p2p_peers
+    peers = sum(min(size - 1, 2) for size in (pp * tp * dp, dp, tp) if size > 1) + min(pp - 1, 2)
     return peers * NCCL_CHANNELS * NCCL_BUFFER_BYTES

@@ -37,15 +37,30 @@ def test_framework_overhead_by_device_kind() -> None:
 
 
 @pytest.mark.parametrize(
-    "kind,groups,p2p,peers",
+    "kind,pp,tp,dp,peers",
     [
-        ("cuda", [1, 1, 1], 0, 0),  # one rank: NCCL connects to nobody
-        ("cuda", [2, 2, 1], 0, 2),  # dp 2: the world's group and the dp group, one peer each
-        ("cuda", [8, 1, 8], 0, 4),  # tp 8: rings, two peers each
-        ("cuda", [4, 1, 1], 2, 4),  # pp 4, a middle stage: the world's ring and two neighbours
-        ("cpu", [8, 2, 4], 2, 0),  # gloo's buffers are the process's own memory
+        ("cuda", 1, 1, 1, 0),  # one rank: NCCL connects to nobody
+        ("cuda", 1, 1, 2, 2),  # dp 2: the world's group and the dp group, one peer each
+        ("cuda", 1, 8, 1, 4),  # tp 8: two rings, two peers each
+        ("cuda", 4, 1, 1, 4),  # pp 4: the world's ring and two pipeline neighbours
+        ("cpu", 4, 2, 2, 0),  # gloo's buffers are the process's own memory
     ],
 )
-def test_nccl_buffers_per_peer_and_channel(kind: str, groups: list[int], p2p: int, peers: int) -> None:
+def test_nccl_buffers_per_peer_and_channel(kind: str, pp: int, tp: int, dp: int, peers: int) -> None:
     assert NCCL_BUFFER_BYTES == 4 << 20  # NCCL_BUFFSIZE's default
-    assert communicator_bytes(kind, groups, p2p_peers=p2p) == peers * NCCL_CHANNELS * NCCL_BUFFER_BYTES
+    assert communicator_bytes(kind, pp=pp, tp=tp, dp=dp) == peers * NCCL_CHANNELS * NCCL_BUFFER_BYTES
+
+
+def test_a_gpu_plan_predicts_the_nccl_buffers_on_every_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    from autopart.compiler import compile
+    from cost_models import memory
+    from tests.distributed import REPO
+
+    def predicted(channels: int) -> tuple[int, ...]:
+        monkeypatch.setattr(memory, "NCCL_CHANNELS", channels)
+        plan = compile(REPO / "examples" / "gpt.py", pp=2, microbatches=2, device="h200", time_limit_s=5)
+        return plan.predicted.memory_bytes
+
+    with_buffers, without = predicted(16), predicted(0)
+    peers = 2  # the world's group of two ranks, and the pipeline neighbour
+    assert [a - b for a, b in zip(with_buffers, without)] == [peers * 16 * NCCL_BUFFER_BYTES] * 2
