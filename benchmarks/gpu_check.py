@@ -35,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -194,6 +195,16 @@ def _gemms(device: str) -> list[Row]:
     return rows
 
 
+def _checked(what: str, check: Callable[[], list[Row]]) -> list[Row]:
+    """The check's rows, or one failed row that says why it could not run: one machine session
+    should report every check, not stop at the first that breaks (a module missing there, say)."""
+    try:
+        return check()
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - reported in the table, and it fails the run
+        reason = " ".join(str(exc).split())[-300:]
+        return [Row(check=what, figure=f"{type(exc).__name__}: {reason}", target="runs", passed=False)]
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -209,9 +220,10 @@ def run(folder: Path, steps: int) -> int:
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as scratch:
         work = Path(scratch)
         for name in PLANS:
-            rows.append(_same_losses(folder, name, steps, work, device))
-        rows.extend(_profiled(folder, folder / "fp32" / "model.py", steps, work, device))  # the compiled copy
-    rows.extend(_gemms(device))
+            rows.extend(_checked(name, lambda name=name: [_same_losses(folder, name, steps, work, device)]))
+        model = folder / "fp32" / "model.py"  # the compiled copy
+        rows.extend(_checked("profile, compile --costs", lambda: _profiled(folder, model, steps, work, device)))
+    rows.extend(_checked("matmul efficiency", lambda: _gemms(device)))
     where = torch.cuda.get_device_name() if device == "cuda" else "cpu (gloo)"
     print(f"gpu_check on {where}, torch {torch.__version__}, {time.perf_counter() - started:.0f} s")
     width = max(len(r.check) for r in rows)
