@@ -129,7 +129,9 @@ class Executor:
             record.extend(ActionRecord(a, timer.seconds(s), timer.seconds(e), c) for a, s, e, c in marks)
         return losses
 
-    def _run(self, action: Action, microbatches: list[tuple[Any, ...]], losses: list[torch.Tensor], pending: list) -> None:
+    def _run(
+        self, action: Action, microbatches: list[tuple[Any, ...]], losses: list[torch.Tensor], pending: list
+    ) -> None:
         stage = self.stages[action.stage]
         m = action.microbatch
         kind = action.kind
