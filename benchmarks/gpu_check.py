@@ -30,9 +30,10 @@ but not judged: a shared CPU's step times and resident memory are not what the G
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -157,10 +158,16 @@ def _outside_allocator_bytes(plan) -> int:
 
 
 def _cli(*args: str) -> None:
-    result = subprocess.run([sys.executable, "-m", "autopart.cli", *args], capture_output=True, text=True,
-                            cwd=REPO, timeout=300)  # fmt: skip
-    if result.returncode != 0:
-        raise SystemExit(f"autopart {args[0]} failed:\n{result.stdout[-2000:]}\n{result.stderr[-3000:]}")
+    """``autopart ARGS`` as a user runs it, in this process: its imports are paid once."""
+    from autopart.cli import main as autopart
+
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
+            autopart(list(args))
+    except SystemExit as exc:
+        if exc.code:
+            raise SystemExit(f"autopart {args[0]} failed (exit {exc.code}): {printed.getvalue()[-2000:]}") from None
 
 
 def _gemm_seconds(n: int, device: torch.device, dtype: torch.dtype) -> float:
