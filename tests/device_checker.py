@@ -68,7 +68,7 @@ class _HostTensors(TorchFunctionMode):
             _set(result, True)
         elif name == "cuda" or (name == "to" and _moves(args, kwargs)):
             _set(result, False)
-        elif name.endswith("_") and not name.startswith("__") or name == "__setitem__":
+        elif (name.endswith("_") and not name.startswith("__")) or name == "__setitem__":
             pass  # in place: the tensor stays where it is
         else:
             inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]

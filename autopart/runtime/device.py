@@ -22,7 +22,7 @@ import torch
 
 from autopart.errors import ConfigError
 
-__all__ = ["compute_device", "backend", "tensor", "synchronize", "peak_memory_bytes", "StepTimer"]
+__all__ = ["compute_device", "backend", "tensor", "synchronize", "peak_memory_bytes", "Mark", "StepTimer"]
 
 
 def compute_device() -> torch.device:
@@ -65,6 +65,7 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 
 Mark = float | torch.cuda.Event
+"""An instant of a step: a clock reading on the CPU, a recorded CUDA event on a GPU."""
 
 
 class StepTimer:
