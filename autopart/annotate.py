@@ -41,8 +41,8 @@ from autopart.recompute import keeps_output
 from cost_models import CostModel, Kernel, KernelRecorder
 
 __all__ = [
-    "DTYPES", "TensorMeta", "NodeCost", "OpGraph", "annotate", "autocast_dtype", "precision", "tensor_meta",
-    "op_key", "leaves_for_grad",
+    "DTYPES", "TensorMeta", "NodeCost", "OpGraph", "annotate", "autocast_dtype", "cost_key", "precision", "target_precision",
+    "tensor_meta", "op_key", "leaves_for_grad",
 ]
 
 DTYPES = ("fp32", "bf16")
@@ -52,6 +52,15 @@ DTYPES = ("fp32", "bf16")
 def autocast_dtype(dtype: str) -> torch.dtype | None:
     """The dtype that ``torch.autocast`` runs the forward in, or None for plain fp32."""
     return {"fp32": None, "bf16": torch.bfloat16}[dtype]
+
+
+def target_precision(dtype: str, device_kind: str) -> contextlib.AbstractContextManager:
+    """The autocast a device of ``device_kind`` runs the forward in, applied on this machine's
+    tensors: CPU's own, or CUDA's casts (``autopart.autocast_lists``) whatever machine compiles."""
+    lower = autocast_dtype(dtype)
+    if lower is not None and device_kind in ("cuda", "rocm"):  # ROCm's torch autocasts as "cuda"
+        return cuda_autocast(lower)
+    return precision(dtype)
 
 
 def precision(dtype: str, device_type: str = "cpu") -> contextlib.AbstractContextManager:
@@ -168,12 +177,7 @@ class _State:
         self.parameter_ids = {id(self.tensors[name]) for name in self.parameters}
 
     def precision(self) -> contextlib.AbstractContextManager:
-        """The autocast the target device runs the forward in: CPU's own, or CUDA's casts applied
-        here (``autopart.autocast_lists``), whatever machine compiles."""
-        lower = autocast_dtype(self.dtype)
-        if lower is not None and self.device_kind in ("cuda", "rocm"):  # ROCm's torch autocasts as "cuda"
-            return cuda_autocast(lower)
-        return precision(self.dtype)
+        return target_precision(self.dtype, self.device_kind)
 
     def attr(self, target: str) -> Any:
         return self.tensors[target] if target in self.tensors else _fetch_attr(self.root, target)
@@ -234,6 +238,14 @@ def op_key(node: fx.Node, args: tuple, kwargs: dict, parameters: set[int]) -> st
 
     parts = [describe(a) for a in args] + [f"{k}={describe(v)}" for k, v in kwargs.items()]
     return f"{_target_name(node)}({', '.join(parts)})"
+
+
+def cost_key(node: fx.Node, args: tuple, kwargs: dict, parameters: set[int], dtype: str) -> str:
+    """The cost database's key of an op run in precision ``dtype``: its `op_key`, and under bf16
+    the autocast it ran in (its arguments may be fp32 while it runs in 16 bits: not the op that
+    an fp32 run timed). `autopart.profile` stores under this key, annotate looks it up."""
+    key = op_key(node, args, kwargs, parameters)
+    return key if dtype == "fp32" else f"{key} autocast={dtype}"
 
 
 def leaves_for_grad(args: tuple, kwargs: dict, parameters: set[int], *, clone: bool = False
@@ -451,9 +463,7 @@ def _annotate_nodes(
         values[node.name] = value
         forward, backward_input, backward_weight = _measure_kernels(node, args, kwargs, state)
         kernels[node.name] = (tuple(forward), tuple(backward_input) + tuple(backward_weight))
-        key = op_key(node, args, kwargs, state.parameter_ids)
-        if state.dtype != "fp32":  # the arguments are fp32 but the op runs in 16 bits: not a key timed in fp32
-            key += f" autocast={state.dtype}"
+        key = cost_key(node, args, kwargs, state.parameter_ids, state.dtype)
         times = cost_model.op_times(key, forward, backward_input, backward_weight)
         parameter_bytes = 0
         if node.op == "call_module":

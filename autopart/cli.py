@@ -67,6 +67,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     p.add_argument("--micro-batch-size", type=int, nargs="+", default=[1], help="microbatch sizes to time (default 1)")
     p.add_argument("--optimizer", default="adamw", help="sgd or adamw: whose step to time (default adamw)")
+    p.add_argument("--dtype", default="fp32", help="fp32, or bf16: forwards under the device's autocast, timed "
+                                                   "under the keys a --dtype bf16 compile looks up (default fp32)")
     pc = commands.add_parser("profile-comm", help="measure p2p and collectives between processes on this machine")
     pc.add_argument("--ranks", type=int, default=2, help="processes to measure between (default 2)")
     pc.add_argument("--backend", default=None, help="gloo or nccl (default: nccl with CUDA, else gloo)")
@@ -145,7 +147,7 @@ def _profile(args: argparse.Namespace, console: Console) -> None:
     timed = 0
     for size in args.micro_batch_size:
         timed += profile_costs(graph, spec, database, device=args.device, micro_batch_size=size,
-                               optimizer=args.optimizer, console=console)
+                               optimizer=args.optimizer, console=console, dtype=args.dtype)
     database.save(args.out)
     console.print(f"timed {timed} ops ({known} already in the database); wrote {args.out}")
 

@@ -38,6 +38,7 @@ from autopart.solver.pipeline import PipelineProblem, evaluate, solve_cuts, stag
 from autopart.solver.sharding import REPLICATE, Placement
 from autopart.solver.tensor import BlockSharding, shard_chain
 from cost_models import CostDatabase, CostModel, ProfiledCostModel, get_cost_model, model_state_bytes
+from cost_models.memory import communicator_bytes
 from cost_models.database import PipelineMeasurement, plan_shape, tail_key
 from cost_models.devices import local_device_name
 
@@ -247,7 +248,7 @@ def _annotated(options: CompileOptions, micro_batch_size: int, *, separate_biase
         local = _local_kind(options.device)
         if local is not None:
             timed = profile_costs(graph, spec, database, device=local, micro_batch_size=micro_batch_size,
-                                  optimizer=options.optimizer)
+                                  optimizer=options.optimizer, dtype=options.dtype)
             if timed:
                 database.save()
     cost_model = roofline if database is None else ProfiledCostModel(roofline=roofline, database=database)
@@ -339,7 +340,8 @@ def _problem(options: CompileOptions, front: _Front, microbatches: int) -> Pipel
         microbatches=microbatches,
         in_flight=_in_flight(options.schedule, options.pp, microbatches, options.chunks),
         memory_limit_bytes=memory,
-        overhead_bytes=device.framework_overhead_bytes,
+        overhead_bytes=device.framework_overhead_bytes
+        + communicator_bytes(device.kind, pp=options.pp, tp=options.tp, dp=options.dp),
         stage_rank=tuple(stage_rank(s, options.pp) for s in range(stages)),
     )
 

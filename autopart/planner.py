@@ -38,6 +38,7 @@ from autopart.solver.bottleneck import RECOMPUTE_MODES, ChainCosts
 from autopart.solver.pipeline import evaluate, solve_cuts
 from autopart.solver.sharding import REPLICATE
 from cost_models import get_cost_model
+from cost_models.memory import communicator_bytes
 
 __all__ = ["FrontTable", "plan_by_search", "search_space", "cluster_of"]
 
@@ -170,6 +171,7 @@ def cluster_of(options: CompileOptions) -> Cluster:
         all_gather_s=lambda nbytes, group, across: cost_model.collective_time("all_gather", nbytes, group,
                                                                               across_nodes=across),
         optimizer_s_per_byte=per_byte,
+        communicator_bytes=lambda pp, tp, dp: communicator_bytes(device.kind, pp=pp, tp=tp, dp=dp),
     )
 
 

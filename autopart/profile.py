@@ -16,6 +16,14 @@ loop is much faster than the same op in a step. Timed alone, each op still gives
 its backward into the input- and the weight-gradient halves, which zero-bubble schedules run
 apart and which the whole backward does not separate. On a GPU ops are timed alone, with CUDA
 events.
+
+With ``dtype="bf16"`` every forward runs under ``torch.autocast`` of the device (CUDA's on a GPU,
+the CPU's on the CPU), as the generated programs run it; backward runs outside autocast, as
+there. Each op is stored under the key that a compile looks it up by (`autopart.annotate.cost_key`),
+which names its arguments' dtypes as annotate sees them: annotate runs the graph on the CPU under
+the target's autocast as ``autopart.annotate.target_precision`` applies it (CUDA's casts for a GPU).
+The keys therefore come from one run of the graph on the CPU under that same precision
+(`_compile_keys`), whatever device the ops are timed on.
 """
 
 from __future__ import annotations
@@ -32,7 +40,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from torch import fx
 
-from autopart.annotate import _run_one, leaves_for_grad, op_key
+from autopart.annotate import DTYPES, _run_one, cost_key, leaves_for_grad, precision, target_precision
 from autopart.capture import Graph, ModelSpec, graph_args
 from autopart.errors import ConfigError
 from autopart.profile_in_situ import NodeTimes, measure_resume, optimizer_in_situ, time_in_situ
@@ -63,9 +71,10 @@ class _Timer(fx.Interpreter):
     layers give one key several nodes, timed once."""
 
     def __init__(self, module: fx.GraphModule, database: CostDatabase, device: torch.device, device_name: str,
-                 progress: Progress | None):
+                 progress: Progress | None, dtype: str, keys: dict[str, str]):
         super().__init__(module)
-        self.database, self.device, self.device_name = database, device, device_name
+        self.database, self.device, self.device_name, self.dtype = database, device, device_name, dtype
+        self.keys = keys
         self.parameters = {id(p) for p in module.parameters()}
         self.overheads = database.overheads[device_name]
         self.progress = progress
@@ -73,12 +82,16 @@ class _Timer(fx.Interpreter):
         self.nodes: dict[str, list[str]] = {}
         self.task = progress.add_task("profiling", total=sum(n.op.startswith("call") for n in module.graph.nodes)) if progress else None
 
+    def _precision(self):
+        return precision(self.dtype, self.device.type)
+
     def run_node(self, node: fx.Node) -> Any:
-        value = super().run_node(node)
+        with self._precision():
+            value = super().run_node(node)
         if node.op not in ("call_function", "call_method"):
             return value
         args, kwargs = self.fetch_args_kwargs_from_env(node)
-        key = op_key(node, args, kwargs, self.parameters)
+        key = self.keys[node.name]
         if self.database.get(self.device_name, key) is None:
             self.nodes.setdefault(key, []).append(node.name)
         if self.database.get(self.device_name, key) is None and key not in self.timed:
@@ -86,12 +99,37 @@ class _Timer(fx.Interpreter):
                 self.progress.update(self.task, description=f"timing {key[:70]}")
             fresh_args, fresh_kwargs, inputs, weights = leaves_for_grad(args, kwargs, self.parameters, clone=True)
             with torch.enable_grad():
-                times = time_op(lambda: _run_one(node, fresh_args, fresh_kwargs), inputs=inputs, weights=weights,
-                                device=self.device, overheads=self.overheads)
+                times = time_op(lambda: self._forward(node, fresh_args, fresh_kwargs), inputs=inputs,
+                                weights=weights, device=self.device, overheads=self.overheads)
             self.timed[key] = times
         if self.progress is not None:
             self.progress.advance(self.task)
         return value
+
+
+    def _forward(self, node: fx.Node, args: tuple, kwargs: dict) -> Any:
+        with self._precision():
+            return _run_one(node, args, kwargs)
+
+
+def _compile_keys(module: fx.GraphModule, values: list[Any], dtype: str, device_kind: str) -> dict[str, str]:
+    """Per op node, the key a compile in ``dtype`` for a ``device_kind`` device looks it up by: the
+    graph run on the CPU under that device's autocast, as annotate runs it (see the module's docstring)."""
+    parameters = {id(p) for p in module.parameters()}
+    keys: dict[str, str] = {}
+
+    class Keys(fx.Interpreter):
+        def run_node(self, node: fx.Node) -> Any:
+            with target_precision(dtype, device_kind):
+                value = super().run_node(node)
+            if node.op in ("call_function", "call_method"):
+                args, kwargs = self.fetch_args_kwargs_from_env(node)
+                keys[node.name] = cost_key(node, args, kwargs, parameters, dtype)
+            return value
+
+    with torch.no_grad():
+        Keys(module).run(*values)
+    return keys
 
 
 def _time_optimizer(database: CostDatabase, device_name: str, device: torch.device, optimizer: str,
@@ -147,8 +185,11 @@ def _put_in_situ(database: CostDatabase, device_name: str, timer: _Timer, in_sit
 
 def profile_costs(graph: Graph, spec: ModelSpec, database: CostDatabase, *, device: str = "cpu",
                   micro_batch_size: int, optimizer: str = "adamw", threads: int = 1,
-                  console: Console | None = None) -> int:
-    """Time what ``database`` lacks for this model at ``micro_batch_size``; return how many were timed."""
+                  console: Console | None = None, dtype: str = "fp32") -> int:
+    """Time what ``database`` lacks for this model at ``micro_batch_size`` in precision ``dtype``;
+    return how many were timed."""
+    if dtype not in DTYPES:
+        raise ConfigError(f"unknown --dtype {dtype!r}; profile one of {', '.join(DTYPES)}")
     where = torch_device(device)
     device_name = local_device_name(device)
     before = database.timed
@@ -161,14 +202,17 @@ def profile_costs(graph: Graph, spec: ModelSpec, database: CostDatabase, *, devi
             database.overheads[device_name] = measure_overheads(where)
         module = graph.module if where.type == "cpu" else copy.deepcopy(graph.module).to(where)
         inputs, target = spec.example(micro_batch_size)
-        values = [v.to(where) if isinstance(v, torch.Tensor) else v for v in graph_args(graph, inputs, target)]
+        on_cpu = graph_args(graph, inputs, target)
+        keys = _compile_keys(graph.module, on_cpu, dtype, where.type)
+        values = [v.to(where) if isinstance(v, torch.Tensor) else v for v in on_cpu]
         progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                             console=console, transient=True) if console is not None else None
-        timer = _Timer(module, database, where, device_name, progress)
+        timer = _Timer(module, database, where, device_name, progress, dtype, keys)
         with progress or nullcontext(), torch.no_grad():
             timer.run(*values)
         if timer.timed and where.type == "cpu":
-            _put_in_situ(database, device_name, timer, time_in_situ(module, values))
+            in_situ = time_in_situ(module, values, forward_context=partial(precision, dtype, where.type))
+            _put_in_situ(database, device_name, timer, in_situ)
         else:
             for key, times in timer.timed.items():
                 database.put(device_name, key, times)

@@ -174,9 +174,12 @@ def trimmed_mean(samples: list[float]) -> float:
 
 
 def time_in_situ(module: fx.GraphModule, args: Sequence[Any], *, repeats: int = REPEATS,
-                 min_seconds: float = MIN_SECONDS) -> dict[str, NodeTimes]:
+                 min_seconds: float = MIN_SECONDS,
+                 forward_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+                 ) -> dict[str, NodeTimes]:
     """Forward and backward seconds of every node of ``module`` run whole on ``args``: the
-    trimmed mean over at least ``repeats`` runs spanning at least ``min_seconds``.
+    trimmed mean over at least ``repeats`` runs spanning at least ``min_seconds``; every forward
+    in ``forward_context()`` (the training precision's autocast), every backward outside it.
 
     ``get_attr`` nodes get nothing: their reads (and, in backward, their gradient accumulation)
     are charged to the first node that uses them. Leaves ``module``'s parameters without
@@ -197,12 +200,14 @@ def time_in_situ(module: fx.GraphModule, args: Sequence[Any], *, repeats: int = 
             while run < repeats + 2 or time.perf_counter() - started < min_seconds:
                 run += 1
                 start = time.perf_counter()
-                loss = module(*args)
+                with forward_context():
+                    loss = module(*args)
                 middle = time.perf_counter()
                 _backward(loss)
                 plain.append((middle - start, time.perf_counter() - middle))
                 ticks.reset()
-                loss = timed(*args)
+                with forward_context():
+                    loss = timed(*args)
                 per_node = dict(ticks.forward_s)
                 for attr, reader in readers.items():
                     if reader is not None:

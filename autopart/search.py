@@ -180,6 +180,8 @@ class Cluster:
     all_reduce_s: Callable[[float, int, bool], float]  # (bytes, group, across nodes) -> seconds
     all_gather_s: Callable[[float, int, bool], float]
     optimizer_s_per_byte: float  # seconds of the optimizer step per byte of parameters
+    communicator_bytes: Callable[[int, int, int], int] = lambda pp, tp, dp: 0  # (pp, tp, dp) -> per rank, besides
+    # overhead_bytes: the collective library's buffers (`cost_models.memory.communicator_bytes`)
 
 
 class CostTable(Protocol):
@@ -394,6 +396,8 @@ def score_layout(layout: Layout, table: CostTable, cluster: Cluster, space: Sear
     or above ``refine_below`` (the search's last finalist)."""
     costs = _with_state(table, layout)
     stages = layout.stages
+    buffers = cluster.communicator_bytes(layout.pp, layout.tp, layout.dp)
+    cluster = dataclasses.replace(cluster, overhead_bytes=cluster.overhead_bytes + buffers)  # this mesh's
     ranks = tuple(stage_rank(s, layout.pp) for s in range(stages))
     pipeline_across = layout.pipeline_crosses_nodes(cluster.gpus_per_node)
     transfer = tuple(cluster.p2p_s(b, pipeline_across) for b in costs.boundary_bytes)

@@ -1,8 +1,9 @@
 """``autopart verify OUT``: run the generated programs beside the original model and compare.
 
-The programs run under torchrun on this machine, with gloo on the CPU whatever the plan was
-compiled for, and the original model trains in this process on the same batches from the same
-initial weights (``autopart.runtime.reference``). Any user can so check any compile: the losses of
+The programs run under torchrun on this machine, on its GPUs with NCCL when the plan was
+compiled for a GPU and each rank can have one (`autopart.local_run.runs_on_gpus`), else with
+gloo on the CPU; the original model trains in this process on the same device, on the same
+batches from the same initial weights (``autopart.runtime.reference``). Any user can so check any compile: the losses of
 every step and every final parameter must agree to float tolerance.
 """
 
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from autopart.errors import ConfigError
-from autopart.local_run import run_locally
+from autopart.local_run import run_locally, runs_on_gpus
 from autopart.plan import load_plan
 from autopart.runtime.reference import initial_weights, train_reference
 from autopart.runtime.shards import load_stage_weights
@@ -48,11 +49,13 @@ class Verification:
         return not self.failures
 
 
-def _run_distributed(out_dir: Path, work: Path, *, steps: int, lr: float, optimizer: str, timeout_s: float) -> None:
+def _run_distributed(
+    out_dir: Path, work: Path, *, steps: int, lr: float, optimizer: str, timeout_s: float, gpus: bool
+) -> None:
     plan = load_plan(out_dir / "plan.json")
     train_args = ["--steps", str(steps), "--lr", str(lr), "--optimizer", optimizer,
                   "--metrics", str(work / "metrics.jsonl"), "--save-weights", str(work / "final")]
-    run_locally(out_dir, plan.world_size, train_args, timeout_s=timeout_s, cwd=work)
+    run_locally(out_dir, plan.world_size, train_args, timeout_s=timeout_s, cwd=work, gpus=gpus)
 
 
 def verify(out_dir: str | Path, *, steps: int = 3, lr: float = 0.1, optimizer: str = "sgd",
@@ -63,12 +66,13 @@ def verify(out_dir: str | Path, *, steps: int = 3, lr: float = 0.1, optimizer: s
     if steps < 1:
         raise ConfigError(f"--steps must be at least 1, got {steps}")
     plan = load_plan(out_dir / "plan.json")
+    gpus = runs_on_gpus(plan)
     with tempfile.TemporaryDirectory(prefix="autopart-verify-") as folder:
         work = Path(folder)
-        _run_distributed(out_dir, work, steps=steps, lr=lr, optimizer=optimizer, timeout_s=timeout_s)
+        _run_distributed(out_dir, work, steps=steps, lr=lr, optimizer=optimizer, timeout_s=timeout_s, gpus=gpus)
         records = [json.loads(line) for line in (work / "metrics.jsonl").read_text().splitlines()]
         finals = load_stage_weights(plan, work / "final")
-    reference = train_reference(out_dir, steps=steps, lr=lr, optimizer=optimizer)
+    reference = train_reference(out_dir, steps=steps, lr=lr, optimizer=optimizer, device="cuda" if gpus else "cpu")
     bf16 = plan.dtype == "bf16"
     initial = initial_weights(out_dir) if bf16 else {}
     losses = [r["loss"] for r in sorted(records, key=lambda r: r["step"])]

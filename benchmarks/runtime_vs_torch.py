@@ -163,7 +163,7 @@ class AutopartPipeline:
     def step(self, values: tuple, target) -> list[float]:
         from autopart.runtime.data import split_microbatches
 
-        losses = self.executor.step(split_microbatches(values, self.microbatches))
+        losses = [loss.item() for loss in self.executor.step(split_microbatches(values, self.microbatches))]
         for parameter, group in self.tied:
             dist.all_reduce(parameter.grad, group=group)
         self.optimizer.step()

@@ -11,7 +11,7 @@ from types import MappingProxyType
 
 from autopart.errors import ConfigError
 
-__all__ = ["FRAMEWORK_OVERHEAD_BYTES", "OPTIMIZER_STATES", "model_state_bytes"]
+__all__ = ["FRAMEWORK_OVERHEAD_BYTES", "OPTIMIZER_STATES", "model_state_bytes", "communicator_bytes"]
 
 _MIB = 1 << 20
 
@@ -55,3 +55,28 @@ def model_state_bytes(parameter_bytes: int, *, optimizer: str, master_weights: b
         return parameter_bytes * (2 + states)
     fp32_copy = 2 * parameter_bytes  # 16-bit parameters: an fp32 value is twice their size
     return parameter_bytes * 2 + fp32_copy * (1 + states)
+
+
+NCCL_BUFFER_BYTES = 4 * _MIB
+"""NCCL_BUFFSIZE's default (NCCL documentation, "Environment Variables": 4194304). NCCL keeps a
+buffer of this size for every channel and every peer it is connected to in a communicator, in
+device memory outside PyTorch's allocator, for as long as the communicator lives: so it is
+memory that ``torch.cuda.max_memory_allocated`` never shows, yet that a plan must leave free.
+The LL and LL128 protocols keep smaller buffers beside it, which this figure leaves out."""
+
+NCCL_CHANNELS = 16
+"""Channels per communicator: NCCL opens 16 to 32 on an NVLink/NVSwitch node of H100s and fewer
+on PCIe; 16 is the common figure, so the estimate errs low rather than refuse a plan that fits."""
+
+
+def communicator_bytes(kind: str, *, pp: int, tp: int, dp: int) -> int:
+    """Device memory of the collective library's own buffers on one rank of a (pp, tp, dp) mesh:
+    `NCCL_BUFFER_BYTES` per channel for every peer it is connected to. It belongs to the whole
+    world's group (step time, peaks) and to its data- and tensor-parallel groups, a ring in each
+    (two peers, one in a group of two), and messages its pipeline neighbours (one or two); a tied
+    parameter's group, of a few ranks, is left out. Nothing on the CPU, where gloo's buffers are
+    the process's own memory."""
+    if kind not in ("cuda", "rocm"):  # RCCL keeps NCCL's buffers
+        return 0
+    peers = sum(min(size - 1, 2) for size in (pp * tp * dp, dp, tp) if size > 1) + min(pp - 1, 2)
+    return peers * NCCL_CHANNELS * NCCL_BUFFER_BYTES

@@ -46,16 +46,19 @@ def torchrun(out: Path, nproc: int, *args: str, timeout: float = 240) -> subproc
     return result
 
 
-def run_ranks(out: Path, nproc: int, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+def run_ranks(
+    out: Path, nproc: int, *args: str, timeout: float = 240, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     """The ranks of ``out/train.py``, each with the environment torchrun gives its workers (RANK,
     WORLD_SIZE, MASTER_ADDR, ...) and the same gloo rendezvous, forked by ``tests/rank_zygote.py``
     from a process that has imported torch once, instead of each importing it under torchrun's
     agent (which imports it too). Tests of the launcher itself (restarts, the README's command)
-    use ``torchrun``. The completed process carries every rank's output, in rank order."""
+    use ``torchrun``. ``env``: more variables for every rank. The completed process carries every
+    rank's output, in rank order."""
     port = free_port()
     envs = [{"RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0", "ROLE_RANK": str(rank),
              "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc), "ROLE_WORLD_SIZE": str(nproc),
-             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "TORCHELASTIC_RESTART_COUNT": "0"}
+             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "TORCHELASTIC_RESTART_COUNT": "0", **(env or {})}
             for rank in range(nproc)]  # fmt: skip
     argv = [str(out / "train.py"), "--timeout", "120", *args]
     with tempfile.TemporaryDirectory() as folder:
@@ -144,11 +147,11 @@ class Trained:
 def compile_and_train(
     tmp_path: Path, example: str | Path, *, pp: int, microbatches: int, schedule: str, optimizer: str = "sgd",
     lr: float = 0.1, chunks: int = 1, steps: int = 3, micro_batch_size: int = 2, trace: bool = False,
-    train_args: tuple[str, ...] = (), launcher: str = "ranks", **options,
+    train_args: tuple[str, ...] = (), launcher: str = "ranks", env: dict[str, str] | None = None, **options,
 ) -> Trained:
     """Compile ``examples/<example>.py`` (or the model file at a path) and train it for ``steps``
     in one launch (``run_ranks``, or the real ``torchrun`` with ``launcher="torchrun"``); ``options``
-    are more CompileOptions, ``train_args`` more train.py flags."""
+    are more CompileOptions, ``train_args`` more train.py flags, ``env`` more variables for the ranks."""
     out = tmp_path / "out"
     model = example if isinstance(example, Path) else REPO / "examples" / f"{example}.py"
     plan, _ = compile_to_directory(
@@ -158,8 +161,8 @@ def compile_and_train(
     )
     metrics = tmp_path / "metrics.jsonl"
     trace_path = tmp_path / "measured.json" if trace else None
-    launch = torchrun if launcher == "torchrun" else run_ranks
-    launch(out, pp, "--steps", str(steps), "--lr", str(lr), "--optimizer", optimizer,
+    launch = torchrun if launcher == "torchrun" else functools.partial(run_ranks, env=env)
+    launch(out, plan.world_size, "--steps", str(steps), "--lr", str(lr), "--optimizer", optimizer,
              "--metrics", str(metrics), "--save-weights", str(tmp_path / "final"),
              *(["--trace", str(trace_path)] if trace_path else []), *train_args)
     return Trained(plan=plan, out=out, metrics=read_metrics(metrics), finals=stage_weights(tmp_path / "final"),

@@ -47,6 +47,10 @@ def _run_rank(argv: list[str], env: dict[str, str], stdout_path: str, stderr_pat
         os.environ.update(env)
         sys.argv = list(argv)
         sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
+        if os.environ.get("AUTOPART_DEVICE_CHECK"):  # tests/device_checker.py's docstring says why
+            from tests.device_checker import install
+
+            install(os.environ["AUTOPART_DEVICE_CHECK"])
         runpy.run_path(argv[0], run_name="__main__")
         code = 0
     except SystemExit as exc:

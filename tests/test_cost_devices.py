@@ -17,10 +17,10 @@ from autopart.errors import DeviceSpecError
 from cost_models import DeviceSpec, get_cost_model, known_devices, load_device
 from cost_models import calibration
 from cost_models.counting import Kernel
-from cost_models.devices import DEVICES_DIR
+from cost_models.devices import DEVICES_DIR, spec_name
 
-GPUS = ["a100-40gb", "a100-80gb", "h100-sxm", "h200", "mi300x"]
-NVIDIA = ["a100-40gb", "a100-80gb", "h100-sxm", "h200"]
+GPUS = ["a100-40gb", "a100-80gb", "h100-sxm", "h100-pcie", "h200", "mi300x"]
+NVIDIA = ["a100-40gb", "a100-80gb", "h100-sxm", "h100-pcie", "h200"]
 SAME_DIE = [("a100-40gb", "a100-80gb"), ("h100-sxm", "h200")]  # one chip, more and faster memory
 
 
@@ -52,6 +52,27 @@ def test_a_larger_memory_of_the_same_chip_changes_only_memory_bound_times(small:
     # within the few percent by which the measured memory efficiencies of the two parts differ
     assert ratio < 1 and fast.kernel_time(copy) == pytest.approx(slow.kernel_time(copy) * ratio, rel=0.08)
     assert fast.device.memory_bytes > slow.device.memory_bytes
+
+
+@pytest.mark.parametrize(
+    "gpu,memory,spec",
+    [
+        ("NVIDIA H100 80GB HBM3", 85e9, "h100-sxm"),
+        ("NVIDIA H100 SXM5 80GB", 85e9, "h100-sxm"),
+        ("NVIDIA H100 PCIe", 85e9, "h100-pcie"),
+        ("NVIDIA H100 NVL", 100e9, "nvidia-h100-nvl"),  # no spec: not the SXM's figures
+        ("NVIDIA H200", 150e9, "h200"),
+        ("NVIDIA H200 NVL", 150e9, "nvidia-h200-nvl"),
+        ("NVIDIA A100-SXM4-40GB", 42e9, "a100-40gb"),
+        ("NVIDIA A100-SXM4-80GB", 85e9, "a100-80gb"),
+        ("AMD Instinct MI300X", 206e9, "mi300x"),
+    ],
+)
+def test_gpu_names_map_to_their_own_spec_or_none(gpu: str, memory: float, spec: str) -> None:
+    assert spec_name(gpu, int(memory)) == spec
+    if spec not in known_devices():
+        with pytest.raises(DeviceSpecError, match="known devices: .*h100-pcie, h100-sxm, h200"):
+            load_device(spec)
 
 
 @pytest.mark.parametrize("name", ["a100-40gb", "a100-80gb", "h100-sxm", "h200"])

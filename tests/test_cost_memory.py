@@ -7,7 +7,7 @@ import pytest
 from autopart.errors import ConfigError
 from cost_models import model_state_bytes
 from autopart.compiler import state_bytes
-from cost_models.memory import FRAMEWORK_OVERHEAD_BYTES
+from cost_models.memory import FRAMEWORK_OVERHEAD_BYTES, NCCL_BUFFER_BYTES, NCCL_CHANNELS, communicator_bytes
 
 PARAMETERS = 1_000_003  # Ψ
 
@@ -53,3 +53,33 @@ def test_the_cpu_framework_overhead_covers_a_process_with_torch_imported() -> No
     code = "import resource, torch; print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"
     resident = int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout) << 10
     assert resident <= FRAMEWORK_OVERHEAD_BYTES["cpu"] < 3 * resident
+
+
+@pytest.mark.parametrize(
+    "kind,pp,tp,dp,peers",
+    [
+        ("cuda", 1, 1, 1, 0),  # one rank: NCCL connects to nobody
+        ("cuda", 1, 1, 2, 2),  # dp 2: the world's group and the dp group, one peer each
+        ("cuda", 1, 8, 1, 4),  # tp 8: two rings, two peers each
+        ("cuda", 4, 1, 1, 4),  # pp 4: the world's ring and two pipeline neighbours
+        ("cpu", 4, 2, 2, 0),  # gloo's buffers are the process's own memory
+    ],
+)
+def test_nccl_buffers_per_peer_and_channel(kind: str, pp: int, tp: int, dp: int, peers: int) -> None:
+    assert NCCL_BUFFER_BYTES == 4 << 20  # NCCL_BUFFSIZE's default
+    assert communicator_bytes(kind, pp=pp, tp=tp, dp=dp) == peers * NCCL_CHANNELS * NCCL_BUFFER_BYTES
+
+
+def test_a_gpu_plan_predicts_the_nccl_buffers_on_every_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    from autopart.compiler import compile
+    from cost_models import memory
+    from tests.distributed import REPO
+
+    def predicted(channels: int) -> tuple[int, ...]:
+        monkeypatch.setattr(memory, "NCCL_CHANNELS", channels)
+        plan = compile(REPO / "examples" / "gpt.py", pp=2, microbatches=2, device="h200", time_limit_s=5)
+        return plan.predicted.memory_bytes
+
+    with_buffers, without = predicted(16), predicted(0)
+    peers = 2  # the world's group of two ranks, and the pipeline neighbour
+    assert [a - b for a, b in zip(with_buffers, without)] == [peers * 16 * NCCL_BUFFER_BYTES] * 2

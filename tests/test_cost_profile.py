@@ -7,32 +7,10 @@ from pathlib import Path
 import pytest
 
 from autopart.compiler import compile
-from cost_models import CostDatabase, known_devices
+from cost_models import CostDatabase, ProfiledCostModel, known_devices
 from tests.distributed import REPO, run_cli
 
-MODEL = """
-import torch
-from torch import nn
-
-class Layer(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(16, 16)
-        self.norm = nn.LayerNorm(16)
-
-    def forward(self, x):
-        return x + torch.relu(self.fc(self.norm(x)))
-
-def build_model():
-    torch.manual_seed(0)
-    return nn.Sequential(Layer(), Layer(), Layer(), nn.Linear(16, 4))
-
-def example_batch(batch_size):
-    return (torch.randn(batch_size, 16),), torch.randn(batch_size, 4)
-
-def loss_fn(output, target):
-    return torch.nn.functional.mse_loss(output, target)
-"""
+MODEL = (REPO / "tests" / "models" / "three_layers.py").read_text()
 
 
 @pytest.fixture
@@ -124,3 +102,26 @@ def test_the_solver_never_names_a_device() -> None:
         text = source.read_text().lower()
         for name in names:
             assert name not in text, f"{source.name} names the device {name!r}: costs must come through the CostModel"
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_profiled_keys_are_the_keys_a_compile_of_that_precision_looks_up(
+    model_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, timings: list[str], dtype: str
+) -> None:
+    costs = tmp_path / "costs.json"
+    result = run_cli("profile", str(model_file), "-o", str(costs), "--micro-batch-size", "2", "--dtype", dtype,
+                     timeout=240)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    profiled = CostDatabase.load(costs, missing_ok=False).entries
+    assert all(("autocast=bf16" in key) == (dtype == "bf16") for key in profiled if "optimizer." not in key)
+    looked_up: list[tuple[str, bool]] = []
+    real_op_times = ProfiledCostModel.op_times
+
+    def op_times(self, op_key, *kernels):
+        looked_up.append((op_key, self.database.get(self.device.name, op_key) is not None))
+        return real_op_times(self, op_key, *kernels)
+
+    monkeypatch.setattr(ProfiledCostModel, "op_times", op_times)
+    compile(model_file, pp=1, microbatches=2, micro_batch_size=2, costs=costs, dtype=dtype, time_limit_s=5)
+    assert timings == [], "the compile found every op measured, so it timed none again"
+    assert looked_up and [key for key, found in looked_up if not found] == [], "no op fell back to the roofline"

@@ -292,6 +292,16 @@ def load_tensors(path: Path, keys: Iterable[str], *, distributed: bool) -> dict[
     return state
 
 
+def _state_device(optimizer: torch.optim.Optimizer, parameter: nn.Parameter, name: str) -> torch.device:
+    """Where the optimizer keeps its state ``name`` of ``parameter``: beside the parameter, except
+    AdamW's ``step`` counter, which stays on the CPU unless the group is fused or capturable
+    (torch's own ``load_state_dict`` places it so)."""
+    if name != "step":
+        return parameter.device
+    group = next((g for g in _inner(optimizer).param_groups if any(p is parameter for p in g["params"])), {})
+    return parameter.device if group.get("fused") or group.get("capturable") else torch.device("cpu")
+
+
 def restore_checkpoint(
     path: Path, stages: dict[int, nn.Module], optimizer: torch.optim.Optimizer, *, rank: int, dp_rank: int,
     tp_rank: int, zero: bool, seed: int, optimizer_name: str,
@@ -313,7 +323,8 @@ def restore_checkpoint(
             for key in shapes:
                 if key.startswith(f"{prefix}{name}/") and "/" not in key.removeprefix(f"{prefix}{name}/"):
                     held[key] = (parameter, key.removeprefix(f"{prefix}{name}/"))
-                    state[key] = torch.empty(shapes[key][0], dtype=shapes[key][1])
+                    where = _state_device(optimizer, parameter, held[key][1])
+                    state[key] = torch.empty(shapes[key][0], dtype=shapes[key][1], device=where)
     for key in [k for k in state if k.startswith("rng/") and k not in shapes]:
         del state[key]  # a generator the saving run did not have (CUDA)
     missing = [k for k in state if k not in shapes]
@@ -321,8 +332,8 @@ def restore_checkpoint(
         raise ConfigError(f"checkpoint {path} lacks {missing[0]!r}; it was saved by another compile or mesh")
     _dcp().load(state, storage_reader=_safe_reader()(str(path)))
     inner = _inner(optimizer)
-    for key, (parameter, name) in held.items():
-        inner.state[parameter][name] = state[key].to(parameter.device)
+    for key, (parameter, name) in held.items():  # read where they live: nothing to move one by one
+        inner.state[parameter][name] = state[key]
     if f"rng/rank_{rank}/torch" in state:
         torch.set_rng_state(state[f"rng/rank_{rank}/torch"])
     if f"rng/rank_{rank}/cuda" in state:

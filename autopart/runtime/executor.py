@@ -21,6 +21,7 @@ from torch import nn
 
 from autopart.annotate import TensorMeta
 from autopart.runtime.backward import PendingWeights, backward_full, backward_input, backward_weight
+from autopart.runtime.device import Mark, StepTimer
 from autopart.runtime.forward import Rebuild, StageForward
 from autopart.runtime.p2p import recv_tensors, send_tensors
 from autopart.schedule import Action, Kind, Schedule, format_grid
@@ -83,23 +84,32 @@ class Executor:
         self.device = device
 
     def step(
-        self, microbatches: list[tuple[Any, ...]], *, record: list[ActionRecord] | None = None
-    ) -> list[float]:
-        """Run the action list on the microbatches (graph inputs, split); return the losses held here.
+        self,
+        microbatches: list[tuple[Any, ...]],
+        *,
+        record: list[ActionRecord] | None = None,
+        timer: StepTimer | None = None,
+    ) -> list[torch.Tensor]:
+        """Run the action list on the microbatches (graph inputs, split); return the losses held
+        here, one 0-d tensor per microbatch on the device: the caller reads them once per step,
+        where a ``.item()`` per microbatch would stop the host until the device caught up.
 
         With ``record``, append an `ActionRecord` for every action: its start and end in
-        ``time.perf_counter`` seconds (on a GPU each action is synchronized first, so the times are
-        the kernels' own) and the CPU time of this thread in between.
+        ``time.perf_counter`` seconds (``timer``'s marks: on a GPU CUDA events, so the times are
+        the kernels' own, resolved after the step) and the CPU time of this thread in between.
         """
-        losses: list[float] = []
+        losses: list[torch.Tensor] = []
         pending: list[Any] = []
+        if record is not None and timer is None:
+            timer = StepTimer(self.device)
+        marks: list[tuple[Action, Mark, Mark, float]] = []
         for position, action in enumerate(self.actions):
             try:
-                start = self._now() if record is not None else 0.0
+                start = timer.mark() if record is not None else 0.0
                 cpu = time.thread_time() if record is not None else 0.0
                 self._run(action, microbatches, losses, pending)
                 if record is not None:
-                    record.append(ActionRecord(action, start, self._now(), time.thread_time() - cpu))
+                    marks.append((action, start, timer.mark(), time.thread_time() - cpu))
             except Exception as exc:
                 grid = format_grid(self.schedule, mark=(self.rank, position))
                 raise StepFailure(
@@ -114,14 +124,14 @@ class Executor:
             ), (
                 f"stage {stage.index} kept state past the end of the step: the schedule is incomplete"
             )
+        if record is not None:
+            timer.stop()
+            record.extend(ActionRecord(a, timer.seconds(s), timer.seconds(e), c) for a, s, e, c in marks)
         return losses
 
-    def _now(self) -> float:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter()
-
-    def _run(self, action: Action, microbatches: list[tuple[Any, ...]], losses: list[float], pending: list) -> None:
+    def _run(
+        self, action: Action, microbatches: list[tuple[Any, ...]], losses: list[torch.Tensor], pending: list
+    ) -> None:
         stage = self.stages[action.stage]
         m = action.microbatch
         kind = action.kind
@@ -143,7 +153,9 @@ class Executor:
         else:
             raise AssertionError(f"unknown action kind {kind}")
 
-    def _forward(self, stage: StageRuntime, m: int, microbatches: list[tuple[Any, ...]], losses: list[float]) -> None:
+    def _forward(
+        self, stage: StageRuntime, m: int, microbatches: list[tuple[Any, ...]], losses: list[torch.Tensor]
+    ) -> None:
         inputs = stage.received.get(m, [])
         for tensor in inputs:
             if tensor.is_floating_point():
@@ -157,7 +169,7 @@ class Executor:
             if rebuild is not None:
                 stage.rebuilds[m] = rebuild
         if stage.index == self.last_stage:
-            losses.append(out.detach().item())
+            losses.append(out.detach())
             out = out / self.microbatches
         elif stage.output_metas is not None:
             _check_outputs(out, stage.output_metas)

@@ -16,8 +16,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
+from autopart.runtime.device import synchronize
 from autopart.runtime.executor import ActionRecord
 from autopart.schedule import Action, Event, Timeline, write_chrome_trace
 
@@ -27,7 +29,8 @@ __all__ = ["StepClock", "write_measured_trace"]
 class StepClock:
     """Start of a measured step, the same instant on every rank (up to the barrier's release)."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device) -> None:
+        synchronize(device)  # what the previous step launched is not this step's
         dist.barrier()
         self.origin = time.perf_counter()
         self.record: list[ActionRecord] = []

@@ -20,12 +20,22 @@ def make_optimizer(
     *,
     zero_group: torch.distributed.ProcessGroup | None = None,
 ) -> torch.optim.Optimizer:
-    """SGD or AdamW; with ``zero_group``, its state sharded over that group (ZeRO-1)."""
+    """SGD or AdamW; with ``zero_group``, its state sharded over that group (ZeRO-1).
+
+    On the CPU, one tensor at a time (``foreach=False``): the same per-tensor arithmetic on every
+    rank and in the reference, whichever parameters each holds. On a GPU, fused AdamW and
+    foreach SGD: a per-tensor loop there launches kernels for every parameter and holds the host
+    back; the reference on a GPU makes the same choice, and fused kernels compute each element
+    alike however the tensors are grouped.
+    """
     params = list(parameters)
     if name not in OPTIMIZERS:
         raise ConfigError(f"unknown optimizer {name!r}; use one of {', '.join(OPTIMIZERS)}")
-    # foreach=False: the same per-tensor arithmetic on every rank and in the reference
-    kind, options = (torch.optim.SGD, {"lr": lr}) if name == "sgd" else (torch.optim.AdamW, {"lr": lr, "foreach": False})
+    cuda = bool(params) and params[0].is_cuda
+    if name == "sgd":
+        kind, options = torch.optim.SGD, {"lr": lr, "foreach": cuda}
+    else:
+        kind, options = torch.optim.AdamW, {"lr": lr, "fused": True} if cuda else {"lr": lr, "foreach": False}
     if zero_group is not None:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 

@@ -42,10 +42,11 @@ def initial_weights(out_dir: Path) -> dict[str, torch.Tensor]:
 
 def train_reference(
     out_dir: str | Path, *, steps: int, lr: float, optimizer: str, seed: int = 0, weights: Path | None = None,
-    dtype: str | None = None,
+    dtype: str | None = None, device: str = "cpu",
 ) -> ReferenceRun:
     """``weights`` is the checkpoint the programs were started from (``train.py --weights``), if any;
-    ``dtype`` the precision, by default the plan's."""
+    ``dtype`` the precision, by default the plan's; ``device`` where it trains (``"cuda"``: the
+    current GPU, to compare with programs that ran on GPUs: autocast and kernels differ by device)."""
     out_dir = Path(out_dir)
     plan = load_plan(out_dir / "plan.json")
     spec = load_model_file(model_file(out_dir, plan))
@@ -60,17 +61,20 @@ def train_reference(
             if name in named:  # not the constants that the model makes in forward
                 named[name].copy_(value)
     held = [name for stage in plan.stages for name in stage_names(out_dir, stage.index)]
+    model.to(device)
     params = [p for p in model.parameters()]
     opt = make_optimizer(optimizer, params, lr)
     data = global_batches(spec, plan.schedule.global_batch_size, seed)
     losses = []
     for _ in range(steps):
         inputs, target = next(data)
-        with precision(dtype or plan.dtype, "cpu"):
+        inputs = tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in inputs)
+        target = target.to(device) if isinstance(target, torch.Tensor) else target
+        with precision(dtype or plan.dtype, torch.device(device).type):
             loss = eager_loss(spec, inputs, target)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
-    final = {name: named[name].detach().clone() for name in held}
+    final = {name: named[name].detach().cpu().clone() for name in held}
     return ReferenceRun(losses=losses, parameters=final)

@@ -11,9 +11,9 @@ for a model built on the meta device, the model's initialisers run for the stage
 draws the same global batches as every other rank, runs its action list of the plan's schedule
 (each forward in the plan's precision and with its stage's recompute, `autopart.runtime.forward`),
 sums the gradients of parameters that several stages hold (tied embeddings), and steps its
-optimizer. NCCL when CUDA is present, gloo otherwise. ``--trace FILE`` writes the measured
-timeline of the last step as a Chrome trace, in the form of compile's predicted ``trace.json``;
-``--action-times DIR`` has each rank write ``DIR/rank_<r>.jsonl``, a line per step with the wall
+optimizer. NCCL when CUDA is present, gloo otherwise (`autopart.runtime.device`).
+``--trace FILE`` writes the measured timeline of the last step as a Chrome trace, in the form of
+compile's predicted ``trace.json``; ``--action-times DIR`` has each rank write ``DIR/rank_<r>.jsonl``, a line per step with the wall
 and CPU seconds of every action and of the step's tail (tied gradients, optimizer), which
 ``autopart compile --profile-pipeline`` reads.
 With ``--checkpoint-dir`` it saves every K
@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import sys
 import time
 from pathlib import Path
@@ -40,6 +39,8 @@ from autopart.errors import AutopartError, ConfigError, OneLineParser
 from autopart.plan import Plan, load_plan
 from autopart.runtime.data import global_batches, model_file, split_microbatches
 from autopart.runtime.checkpoint import CheckpointContext, restarted
+from autopart.runtime.device import StepTimer, backend, compute_device, peak_memory_bytes
+from autopart.runtime.device import tensor as device_tensor
 from autopart.runtime.executor import ActionRecord, Executor, StageRuntime, StepFailure
 from autopart.runtime.forward import StageForward
 from autopart.runtime.launch import check_launch, init_process_group, inject_failure
@@ -123,13 +124,8 @@ def _train(out_dir: Path, argv: list[str] | None) -> None:
         for stage_plan in plan.stages:
             if stage_plan.rank == pipeline_rank:
                 check_checkpoint(args.weights, stage_names(out_dir, stage_plan.index), stage_plan.index)
-    if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(device)
-        backend = "nccl"
-    else:
-        device, backend = torch.device("cpu"), "gloo"
-    init_process_group(backend, args.timeout)
+    device = compute_device()
+    init_process_group(backend(device), args.timeout)
     try:
         _loop(out_dir, plan, args, rank, device, source_file)
     finally:
@@ -202,36 +198,38 @@ def _loop(
         inputs, target = next(data)
         values = (*inputs, target) if len(plan.graph_inputs) > len(inputs) else tuple(inputs)
         share = split_microbatches(values, mesh.dp)[here.dp]  # this replica's share of the global batch
-        clock = StepClock() if args.trace and step == args.steps - 1 else None
+        clock = StepClock(device) if args.trace and step == args.steps - 1 else None
         record = clock.record if clock else [] if args.action_times else None
-        start = time.perf_counter()
-        losses = executor.step(split_microbatches(share, schedule_spec.microbatches), record=record)
-        tail_start, tail_cpu = time.perf_counter(), time.thread_time()
+        timer = StepTimer(device)
+        losses = executor.step(split_microbatches(share, schedule_spec.microbatches), record=record, timer=timer)
+        tail_start, tail_cpu = timer.mark(), time.thread_time()
         for name, group in tied_groups:
             _sum_tied_gradients(stages, name, group)
-        tied_end = time.perf_counter()
+        tied_end = timer.mark()
         if data_parallel is not None:
             _average_gradients(parameters, data_parallel, mesh.dp)
-        optimizer_start = time.perf_counter()
+        optimizer_start = timer.mark()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        tail = (tail_start, time.perf_counter(), time.thread_time() - tail_cpu, tied_end, optimizer_start)
-        elapsed = torch.tensor([tail[1] - start])
+        end, tail_cpu = timer.stop(), time.thread_time() - tail_cpu
         if args.action_times:  # after the step's clock stopped
-            _write_action_times(args.action_times, rank, step, start, record, tail)
+            marks = (timer.seconds(tail_start), end, tail_cpu, timer.seconds(tied_end), timer.seconds(optimizer_start))
+            _write_action_times(args.action_times, rank, step, timer.start, record, marks)
+        elapsed = device_tensor([end - timer.start], device)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         peaks = _peak_memory_per_rank(device) if args.metrics else []
         if holds_loss:
-            loss = torch.tensor([sum(losses) / len(losses)], dtype=torch.float64)
+            loss = torch.stack(losses).to(torch.float64).mean().reshape(1)  # one host read per step, below
             if data_parallel is not None:
                 dist.all_reduce(loss, group=data_parallel)
             loss = loss.item() / mesh.dp
             if here.dp == 0:
-                print(f"step {step} loss {loss:.6f} step_s {elapsed.item():.4f}", flush=True)
+                step_s = elapsed.item()
+                print(f"step {step} loss {loss:.6f} step_s {step_s:.4f}", flush=True)
                 if args.metrics:
-                    record = {"step": step, "loss": loss, "step_s": elapsed.item(), "peak_memory_bytes": peaks}
+                    line = {"step": step, "loss": loss, "step_s": step_s, "peak_memory_bytes": peaks}
                     with open(args.metrics, "a") as metrics:
-                        metrics.write(json.dumps(record) + "\n")
+                        metrics.write(json.dumps(line) + "\n")
         if clock is not None:
             name = Path(plan.provenance.model_file).name
             title = f"measured: {name}, {schedule_spec.kind}, pp={mesh.pp}, step {step}"
@@ -294,14 +292,10 @@ _BUCKET_BYTES = 25 * 1024 * 1024
 
 
 def _peak_memory_per_rank(device: torch.device) -> list[int]:
-    """Every rank's peak so far: bytes allocated on a GPU, resident memory of the process on a CPU."""
-    if device.type == "cuda":
-        peak = torch.cuda.max_memory_allocated(device)
-    else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kilobytes on Linux
+    """Every rank's peak so far (`autopart.runtime.device.peak_memory_bytes`)."""
     gathered = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, torch.tensor([peak], dtype=torch.int64, device=device))
-    return [int(t.item()) for t in gathered]
+    dist.all_gather(gathered, device_tensor([peak_memory_bytes(device)], device, torch.int64))
+    return torch.cat(gathered).tolist()
 
 
 def _sum_tied_gradients(stages: dict[int, StageRuntime], name: str, group: dist.ProcessGroup) -> None:

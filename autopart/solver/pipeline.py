@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ortools.sat.python import cp_model
+from autopart.solver._cp_sat import cp_model
 
 from autopart.errors import ConfigError, InfeasibleError
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ortools.sat.python import cp_model
+from autopart.solver._cp_sat import cp_model
 from torch import fx
 
 from autopart.blocks import Block, BlockChain

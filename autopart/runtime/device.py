@@ -1,0 +1,103 @@
+"""Where a rank computes, which backend its process groups use, and how its clock waits for it.
+
+This is the one module of the runtime that knows about CUDA: the rest asks it for the rank's
+compute device, puts every tensor that a collective or a message carries on that device, and
+reads time through it. NCCL moves only CUDA tensors and gloo (here) only CPU ones, so a tensor
+made without a device (``torch.tensor([x])``, on the CPU) fails on an NCCL group at its first
+collective; `tensor` makes the small tensors the step loop reduces on the compute device.
+
+On a GPU the host runs ahead of the kernels it launches: a clock read after a launch measures
+the launch. `StepTimer` therefore synchronises the device at the start and the end of a step,
+and times actions with CUDA events, which the GPU records in stream order, resolved once after
+the step (one host sync per step instead of one per action).
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import time
+
+import torch
+
+from autopart.errors import ConfigError
+
+__all__ = ["compute_device", "backend", "tensor", "synchronize", "peak_memory_bytes", "Mark", "StepTimer"]
+
+
+def compute_device() -> torch.device:
+    """This rank's device: ``cuda:LOCAL_RANK`` (made current) when CUDA is present, else the CPU."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    count = torch.cuda.device_count()
+    if local_rank >= count:
+        raise ConfigError(
+            f"local rank {local_rank} has no GPU of its own ({count} visible); start at most {count} processes "
+            "per node, or hide the GPUs (CUDA_VISIBLE_DEVICES=) to run every rank on the CPU with gloo"
+        )
+    device = torch.device("cuda", local_rank)
+    torch.cuda.set_device(device)  # NCCL's object collectives and barriers use the current device
+    return device
+
+
+def backend(device: torch.device) -> str:
+    """The process-group backend for tensors on ``device``: NCCL for CUDA, gloo for the CPU."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def tensor(values: list[float] | list[int], device: torch.device, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """A small tensor of host values on the compute device, to be reduced over a process group."""
+    return torch.tensor(values, dtype=dtype, device=device)
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait until every kernel launched on ``device`` has run (nothing to wait for on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """The peak so far: bytes allocated on a GPU, resident memory of the process on the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kilobytes on Linux
+
+
+Mark = float | torch.cuda.Event
+"""An instant of a step: a clock reading on the CPU, a recorded CUDA event on a GPU."""
+
+
+class StepTimer:
+    """Marks within one step, as ``time.perf_counter`` seconds once the step is over.
+
+    On the CPU a mark is the clock's reading. On a GPU it is a CUDA event recorded in the
+    current stream, which costs the host nothing; `seconds` turns it into the same clock's
+    seconds after the step by its distance from the event recorded at the start.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.device = device
+        synchronize(device)
+        self.start = time.perf_counter()
+        self._origin = self.mark()
+
+    def mark(self) -> Mark:
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def stop(self) -> float:
+        """Wait for the device; the step's end in ``time.perf_counter`` seconds."""
+        synchronize(self.device)
+        return time.perf_counter()
+
+    def seconds(self, mark: Mark) -> float:
+        """A mark in ``time.perf_counter`` seconds; on a GPU, only after `stop`."""
+        if isinstance(mark, float):
+            return mark
+        assert isinstance(self._origin, torch.cuda.Event)
+        return self.start + self._origin.elapsed_time(mark) / 1e3

@@ -1,0 +1,274 @@
+"""The generated programs on one GPU, checked in one prepared run of a few minutes.
+
+    python benchmarks/gpu_check.py --prepare DIR [--device cuda|cpu] [--model FILE]   # where OR-Tools is
+    python benchmarks/gpu_check.py --run DIR [--steps 30]                             # on the GPU machine
+
+``--prepare`` compiles, here, the plans that need the solver or that the run compares against,
+for the h200 spec (``--device cuda``) or this CPU (``--device cpu``):
+
+- ``fp32``, ``bf16``: one stage on one rank, one microbatch, so that the program and a
+  single-process run of the same batches compute the same products;
+- ``interleaved``: two stages on one rank (interleaved, two chunks), handed over in memory.
+
+``--run`` then needs torch and autopart alone (no OR-Tools: the one compile it makes has one
+stage and builds no CP-SAT model). Each row of its table is one check:
+
+1. each prepared plan trains ``--steps`` steps under torchrun (NCCL on a GPU, gloo on the CPU),
+   and every step's loss equals a single-process run's on the same device (fp32 to 1e-5; bf16 to
+   `autopart verify`'s tolerance);
+2. ``autopart profile --device cuda`` (in the plans' precision), then ``autopart compile
+   --costs``: the predicted step against the measured median step (target 15%), the predicted
+   peak memory, less what lives outside PyTorch's allocator (the CUDA context and workspaces, NCCL's
+   buffers), against ``torch.cuda.max_memory_allocated`` (target 10%);
+3. the spec's matmul efficiency at each of its points against bf16 GEMMs of that size (25%).
+
+It exits 1 when a check fails. On the CPU (gloo) it runs the same code paths, so that the suite
+(``tests/test_gpu_check.py``) keeps it working; there the figures of rows 2 and 3 are printed
+but not judged: a shared CPU's step times and resident memory are not what the GPU model predicts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+from autopart.local_run import run_locally  # noqa: E402
+from autopart.plan import load_plan  # noqa: E402
+from autopart.runtime.reference import train_reference  # noqa: E402
+from autopart.verify import BF16_LOSS_TOLERANCE, LOSS_TOLERANCE  # noqa: E402
+
+MODEL = REPO / "examples" / "gpt.py"
+SPEC = {"cuda": "h200", "cpu": "cpu"}  # the device spec each kind of run is compiled for
+PLANS = {
+    "fp32": {"microbatches": 1, "dtype": "fp32", "schedule": "1f1b", "chunks": 1},
+    "bf16": {"microbatches": 1, "dtype": "bf16", "schedule": "1f1b", "chunks": 1},
+    "interleaved": {"microbatches": 2, "dtype": "fp32", "schedule": "interleaved", "chunks": 2},
+}
+MICRO_BATCH_SIZE = 4
+PROFILED_MICROBATCHES = 4  # the plan whose step and memory are predicted from measured ops
+LR, OPTIMIZER = 0.1, "sgd"  # verify's: SGD moves every parameter by a known amount per step
+STEP_TARGET, MEMORY_TARGET, GEMM_TARGET = 0.15, 0.10, 0.25
+WARMUP_STEPS = 3  # steps left out of the measured median: allocator, kernels chosen, caches
+
+
+@dataclass(frozen=True, kw_only=True)
+class Row:
+    check: str
+    figure: str
+    target: str
+    passed: bool | None  # None: printed, not judged (on the CPU)
+
+
+def prepare(folder: Path, device: str, model: Path) -> None:
+    """Compile the plans of ``--run`` into ``folder`` (this needs OR-Tools for the interleaved cut)."""
+    from autopart.compiler import CompileOptions, compile_to_directory
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, settings in PLANS.items():
+        options = CompileOptions(
+            model=model, pp=1, tp=1, dp=1, device=SPEC[device], micro_batch_size=MICRO_BATCH_SIZE,
+            optimizer=OPTIMIZER, **settings,
+        )  # fmt: skip
+        compile_to_directory(options, folder / name)
+    (folder / "check.json").write_text(json.dumps({"device": device}) + "\n")
+    print(f"prepared {', '.join(PLANS)} in {folder}; run: python benchmarks/gpu_check.py --run {folder}")
+
+
+def _train(out: Path, steps: int, work: Path, *, gpus: bool, extra: tuple[str, ...] = ()) -> list[dict]:
+    """``torchrun`` the one-rank program for ``steps``; its metrics lines."""
+    metrics = work / f"{out.name}.jsonl"
+    metrics.unlink(missing_ok=True)
+    args = ["--steps", str(steps), "--lr", str(LR), "--optimizer", OPTIMIZER, "--metrics", str(metrics), *extra]
+    run_locally(out, 1, args, timeout_s=240, cwd=work, gpus=gpus)
+    return [json.loads(line) for line in metrics.read_text().splitlines()]
+
+
+def _same_losses(folder: Path, name: str, steps: int, work: Path, device: str) -> Row:
+    out = folder / name
+    plan = load_plan(out / "plan.json")
+    losses = [m["loss"] for m in _train(out, steps, work, gpus=device == "cuda")]
+    reference = train_reference(out, steps=steps, lr=LR, optimizer=OPTIMIZER, device=device).losses
+    atol, rtol = BF16_LOSS_TOLERANCE if plan.dtype == "bf16" else LOSS_TOLERANCE
+    gaps = [abs(a - b) - rtol * abs(b) for a, b in zip(losses, reference)]
+    worst = max(range(len(gaps)), key=gaps.__getitem__)
+    stages = f"{len(plan.stages)} stages on 1 rank, " if len(plan.stages) > 1 else ""
+    return Row(
+        check=f"{name}: {stages}{steps} steps, losses = one process",
+        figure=f"worst step {worst}: {losses[worst]:.6f} vs {reference[worst]:.6f}",
+        target=f"|diff| <= {atol:g} + {rtol:g}|loss|",
+        passed=len(losses) == steps and all(g <= atol for g in gaps),
+    )
+
+
+def _profiled(folder: Path, model: Path, steps: int, work: Path, device: str) -> list[Row]:
+    """``autopart profile`` then ``autopart compile --costs``, as a user runs them; the plan's
+    predictions against a run of it."""
+    from cost_models.devices import local_device_name
+
+    costs, out = work / "costs.json", work / "profiled"
+    dtype = "bf16" if device == "cuda" else "fp32"
+    common = ["--micro-batch-size", str(MICRO_BATCH_SIZE)]
+    _cli("profile", str(model), "-o", str(costs), "--device", device, "--dtype", dtype, *common)
+    _cli("compile", str(model), "-o", str(out), "--device", local_device_name(device), "--costs", str(costs),
+         "--pp", "1", "--tp", "1", "--dp", "1", "--microbatches", str(PROFILED_MICROBATCHES), "--dtype", dtype,
+         "--global-batch-size", str(MICRO_BATCH_SIZE * PROFILED_MICROBATCHES), "--optimizer", OPTIMIZER)  # fmt: skip
+    plan = load_plan(out / "plan.json")
+    metrics = _train(out, max(steps, WARMUP_STEPS + 3), work, gpus=device == "cuda")
+    measured = statistics.median(m["step_s"] for m in metrics[WARMUP_STEPS:])
+    peak = metrics[-1]["peak_memory_bytes"][0]
+    predicted, predicted_peak = plan.predicted.step_s, plan.predicted.memory_bytes[0]
+    judged = device == "cuda"
+    if judged:  # the allocator sees the model's tensors, not the CUDA context, workspaces and NCCL's buffers
+        predicted_peak -= _outside_allocator_bytes(plan)
+    step_error, memory_error = predicted / measured - 1, predicted_peak / peak - 1
+    what = "max_memory_allocated (less the CUDA context)" if judged else "resident memory (CPU)"
+    return [
+        Row(check=f"profiled {dtype} plan: predicted step vs measured median",
+            figure=f"{predicted * 1e3:.3f} vs {measured * 1e3:.3f} ms ({step_error:+.1%})",
+            target=f"within {STEP_TARGET:.0%}", passed=abs(step_error) <= STEP_TARGET if judged else None),
+        Row(check=f"profiled {dtype} plan: predicted peak memory vs {what}",
+            figure=f"{predicted_peak / 2**20:.1f} vs {peak / 2**20:.1f} MiB ({memory_error:+.1%})",
+            target=f"within {MEMORY_TARGET:.0%}", passed=abs(memory_error) <= MEMORY_TARGET if judged else None),
+    ]  # fmt: skip
+
+
+def _outside_allocator_bytes(plan) -> int:
+    """What a GPU plan's predicted memory holds besides PyTorch's allocations: the framework's
+    overhead (CUDA context, library workspaces) and the collective library's buffers."""
+    from cost_models.devices import load_device
+    from cost_models.memory import communicator_bytes
+
+    spec = load_device(plan.provenance.cost_model.rpartition(":")[2])
+    return spec.framework_overhead_bytes + communicator_bytes(spec.kind, **plan.mesh)
+
+
+def _cli(*args: str) -> None:
+    """``autopart ARGS`` as a user runs it, in this process: its imports are paid once."""
+    from autopart.cli import main as autopart
+
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
+            autopart(list(args))
+    except SystemExit as exc:
+        if exc.code:
+            raise SystemExit(f"autopart {args[0]} failed (exit {exc.code}): {printed.getvalue()[-2000:]}") from None
+
+
+def _gemm_seconds(n: int, device: torch.device, dtype: torch.dtype) -> float:
+    """Median seconds of an n x n x n matrix product, the device's own clock (CUDA events) on a GPU."""
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    samples = []
+    for _ in range(3):
+        torch.matmul(a, b)
+    for _ in range(10):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            torch.matmul(a, b)
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end) / 1e3)
+        else:
+            began = time.perf_counter()
+            torch.matmul(a, b)
+            samples.append(time.perf_counter() - began)
+    return statistics.median(samples)
+
+
+def _gemms(device: str) -> list[Row]:
+    """The spec's efficiency curve at its own points against measured GEMMs of those sizes (bf16 on
+    a GPU; fp32 on the CPU, whose spec is calibrated in fp32; the largest skipped there)."""
+    from cost_models.devices import load_device
+
+    spec = load_device(SPEC[device])
+    where = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
+    dtype, peak_name = (torch.bfloat16, "bfloat16") if device == "cuda" else (torch.float32, "float32")
+    rows = []
+    for log_flops, _ in spec.matmul_efficiency:
+        if device == "cpu" and log_flops > 9.5:
+            continue
+        n = round((10**log_flops / 2) ** (1 / 3))
+        flops = 2 * n**3
+        measured = flops / _gemm_seconds(n, where, dtype) / spec.peak_flops[peak_name]
+        expected = spec.matmul_efficiency_at(flops)
+        error = measured / expected - 1
+        rows.append(Row(check=f"{spec.name} matmul efficiency, {dtype_name(dtype)} {n}^3 (1e{log_flops:.1f} FLOPs)",
+                        figure=f"measured {measured:.3f} vs spec {expected:.3f} ({error:+.0%})",
+                        target=f"within {GEMM_TARGET:.0%}",
+                        passed=abs(error) <= GEMM_TARGET if device == "cuda" else None))  # fmt: skip
+    return rows
+
+
+def _checked(what: str, check: Callable[[], list[Row]]) -> list[Row]:
+    """The check's rows, or one failed row that says why it could not run: one machine session
+    should report every check, not stop at the first that breaks (a module missing there, say)."""
+    try:
+        return check()
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - reported in the table, and it fails the run
+        reason = " ".join(str(exc).split())[-300:]
+        return [Row(check=what, figure=f"{type(exc).__name__}: {reason}", target="runs", passed=False)]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def run(folder: Path, steps: int) -> int:
+    """Every check, its table; 1 when one failed."""
+    check = json.loads((folder / "check.json").read_text())
+    device = check["device"]
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"{folder} was prepared for CUDA but no GPU is visible here; prepare with --device cpu")
+    started = time.perf_counter()
+    rows: list[Row] = []
+    with tempfile.TemporaryDirectory(prefix="gpu-check-") as scratch:
+        work = Path(scratch)
+        for name in PLANS:
+            rows.extend(_checked(name, lambda name=name: [_same_losses(folder, name, steps, work, device)]))
+        model = folder / "fp32" / "model.py"  # the compiled copy
+        rows.extend(_checked("profile, compile --costs", lambda: _profiled(folder, model, steps, work, device)))
+    rows.extend(_checked("matmul efficiency", lambda: _gemms(device)))
+    where = torch.cuda.get_device_name() if device == "cuda" else "cpu (gloo)"
+    print(f"gpu_check on {where}, torch {torch.__version__}, {time.perf_counter() - started:.0f} s")
+    width = max(len(r.check) for r in rows)
+    for row in rows:
+        status = {True: "ok", False: "FAIL", None: "-"}[row.passed]
+        print(f"{status:4}  {row.check:{width}}  {row.figure}  [{row.target}]")
+    failed = sum(row.passed is False for row in rows)
+    print(f"{failed} failed of {sum(row.passed is not None for row in rows)} judged checks")
+    return 1 if failed else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    action = parser.add_mutually_exclusive_group(required=True)
+    action.add_argument("--prepare", type=Path, metavar="DIR", help="compile the plans into DIR (needs OR-Tools)")
+    action.add_argument("--run", type=Path, metavar="DIR", help="run the checks on the plans in DIR")
+    parser.add_argument("--device", choices=SPEC, default="cuda", help="what --prepare compiles for (default cuda)")
+    parser.add_argument("--model", type=Path, default=MODEL, help="model file (default examples/gpt.py)")
+    parser.add_argument("--steps", type=int, default=30, help="training steps per run (default 30)")
+    args = parser.parse_args(argv)
+    if args.prepare:
+        prepare(args.prepare, args.device, args.model)
+        return 0
+    return run(args.run, args.steps)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,45 @@
+"""The runtime's device module and the local launcher's choice of devices, in one process with
+no GPU: CUDA's answers are stood in for."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from autopart.compiler import CompileOptions, compile_to_directory
+from autopart.errors import ConfigError
+from autopart.local_run import runs_on_gpus
+from autopart.plan import load_plan
+from autopart.runtime import device
+from tests.distributed import REPO
+
+
+def test_the_device_module_picks_the_backend_and_refuses_a_rank_without_a_gpu(monkeypatch):
+    assert device.backend(torch.device("cpu")) == "gloo" and device.backend(torch.device("cuda", 1)) == "nccl"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert device.compute_device() == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: None)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert device.compute_device() == torch.device("cuda", 1)
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    with pytest.raises(ConfigError, match="local rank 2 has no GPU of its own \\(2 visible\\)"):
+        device.compute_device()
+    timer = device.StepTimer(torch.device("cpu"))
+    mark = timer.mark()
+    assert timer.start <= timer.seconds(mark) <= timer.stop()
+
+
+def test_verify_runs_a_gpu_plan_on_the_gpus_only_with_one_per_rank(monkeypatch, tmp_path):
+    from autopart.compiler import CompileOptions, compile_to_directory
+
+    plan, _ = compile_to_directory(CompileOptions(model=REPO / "examples" / "gpt.py", pp=2, microbatches=2,
+                                                  device="h200"), tmp_path / "out")  # fmt: skip
+    cpu_plan = replace(plan, provenance=replace(plan.provenance, cost_model="roofline:cpu"))
+    assert load_plan(tmp_path / "out" / "plan.json").provenance.cost_model == "roofline:h200"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for gpus, expected in ((2, True), (1, False)):
+        monkeypatch.setattr(torch.cuda, "device_count", lambda gpus=gpus: gpus)
+        assert runs_on_gpus(plan) is expected
+        assert runs_on_gpus(cpu_plan) is False
