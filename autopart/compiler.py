@@ -224,11 +224,15 @@ def _sharded(front: _Front, options: CompileOptions) -> _Front:
         return replace(front, shardings=None)
     across = options.tp > options.gpus_per_node
     shardings = tuple(shard_chain(front.chain, tp=options.tp, cost_model=front.cost_model, across_nodes=across))
-    if not options.searched and not any(p.kind == "S" for sharding in shardings for p in sharding.parameters.values()):
+    return replace(front, shardings=shardings)
+
+
+def _note_unsplit(options: CompileOptions, front: _Front) -> None:
+    """A --tp that divides no weight runs the whole model on every rank of its group: say so."""
+    if front.shardings and not any(p.kind == "S" for sharding in front.shardings for p in sharding.parameters.values()):
         log.info(f"--tp {options.tp} splits no weight of {front.spec.path.name}: none divides {options.tp} ways, or"
                  f" splitting would be slower than running it whole; each of the {options.tp} ranks holds and computes"
                  " the whole model (lower --tp, or use --pp or --dp)")
-    return replace(front, shardings=shardings)
 
 
 def _annotated(options: CompileOptions, micro_batch_size: int, *, separate_biases: bool,
@@ -681,6 +685,7 @@ def _compile(options: CompileOptions, progress=None) -> tuple[Plan, _Front]:
         return _pinned(options, load_plan(options.plan))
     batch = options.batch_shape()
     front = _front(options, batch[2])
+    _note_unsplit(options, front)
     problem = _problem(options, front, batch[1])
     solution = solve_cuts(problem, time_limit_s=options.time_limit_s)
     status = solution.status if problem.stages > 1 else "trivial"

@@ -119,11 +119,10 @@ class _BlockModel:
         self.communication = []  # seconds: the collectives alone
         self.needs: dict[tuple[str, Placement, bool], list] = {}  # (value, placement, copied) -> who needs it
         self.fx_nodes = fx_nodes
-        self.memory = []  # parameter bytes per rank: what tensor parallelism is there to divide
-        for name, bools in self.placed.items():
-            if name in self.parameters:
-                whole = self.chain.op_graph.nodes[name].parameter_bytes
-                self.memory.extend((whole // (t if p.kind == "S" else 1)) * b for p, b in bools.items())
+        self.memory = [  # parameter bytes per rank: what tensor parallelism is there to divide
+            op_graph.nodes[name].parameter_bytes // (t if p.kind == "S" else 1) * placed
+            for name in self.parameters for p, placed in self.placed[name].items()
+        ]  # fmt: skip
         for n in self.members:
             self._edges(n)
         in_block = set(block.nodes)  # a size read inside the block folds to a number: it does not leave
@@ -274,12 +273,11 @@ def shard_chain(
     shared = {p: ks for p, ks in readers.items() if len(ks) > 1}
     pinned: dict[str, Placement] = {}
     for parameter, blocks in shared.items():
-        best = None
+        scored = {}  # candidate -> (seconds, parameter bytes per rank) of the blocks that read it
         for candidate in _candidates(chain, parameter, blocks, tp, cost_model, across_nodes):
-            total = sum(_solve_block(chain, k, tp, cost_model, {**pinned, parameter: candidate}, across_nodes).time_s for k in blocks)
-            if best is None or total < best[0]:
-                best = (total, candidate)
-        pinned[parameter] = best[1]
+            solutions = [_solve_block(chain, k, tp, cost_model, {**pinned, parameter: candidate}, across_nodes) for k in blocks]
+            scored[candidate] = (sum(s.time_s for s in solutions), sum(_rank_bytes(chain, s, tp) for s in solutions))
+        pinned[parameter] = _time_then_weights(scored)
     solved: dict[str, tuple[Block, BlockSharding]] = {}
     result = []
     for k, block in enumerate(chain.blocks):
@@ -290,6 +288,19 @@ def shard_chain(
         first, solution = solved[key]
         result.append(solution if first is block else _translate(solution, first, block))
     return result
+
+
+def _rank_bytes(chain: BlockChain, solution: BlockSharding, t: int) -> int:
+    return sum(chain.parameter_bytes[p] // (t if placement.kind == "S" else 1) for p, placement in solution.parameters.items())
+
+
+def _time_then_weights(scored: dict[Placement, tuple[float, int]]) -> Placement:
+    """The blocks' own rule across blocks: within ``TIME_TOLERANCE`` of the fastest, the fewest
+    parameter bytes (within it too), and of those the fastest."""
+    fastest = min(seconds for seconds, _ in scored.values())
+    near = {c: v for c, v in scored.items() if v[0] <= fastest * (1 + TIME_TOLERANCE)}
+    lightest = min(weights for _, weights in near.values())
+    return min((c for c, v in near.items() if v[1] <= lightest * (1 + TIME_TOLERANCE)), key=lambda c: (scored[c][0], c))
 
 
 def _candidates(
