@@ -1,0 +1,196 @@
+"""autopart's predicted step against published large-model training runs, layout pinned.
+
+    python benchmarks/published_runs.py [--rows NAME ...] [--search]
+
+Each row is a public bf16 run on NVIDIA GPUs that autopart can express: the published layout is
+pinned (TP, PP, DP, ZeRO-1 as the distributed optimizer, schedule and chunks, micro-batch,
+recompute), the model is built on the meta device at full depth, and ``autopart.compile`` gives
+the predicted step (roofline of the named device, bf16 under CUDA autocast) and the MFU it
+implies (model FLOPs 72·B·L·s·h²·(1 + s/(6h) + V/(12·h·L)), Narayanan et al.'s count, against
+the datasheet peak). Error is predicted over published, less one.
+
+With ``--search`` the same cluster and batch are handed to the search (``--world-size``), and the
+searched plan's predicted step is shown beside the pinned one: it must be no slower.
+
+Sources (the research notes behind each row are in docs/published_runs.md):
+- BigScience BLOOM-176B, ``bigscience/train/tr11-176B-ml/README.md``: 104.70 s per iteration.
+- Smith et al. 2022, "Using DeepSpeed and Megatron to Train Megatron-Turing NLG 530B", §2.4:
+  60.1 / 50.2 / 44.4 s on 2240 / 2800 / 3360 A100-80GB.
+- Jiang et al. 2024, "MegaScale" (arXiv 2402.15627), Table 2, the Megatron-LM baseline rows of
+  the 175B model: iteration time at batch 768 and 6144.
+Held out on purpose, as an independent check: Table 1 of Narayanan et al. (SC21) and Tables 4-5 of
+Korthikanti et al. (MLSys'23); no row here comes from them or from tables that copy them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+import autopart  # noqa: E402
+from cost_models import get_cost_model  # noqa: E402
+
+MODELS = REPO / "benchmarks" / "models"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Model:
+    layers: int
+    hidden: int
+    heads: int
+    vocab: int
+    seq: int = 2048
+
+    def flops(self, batch: int) -> float:
+        """Model FLOPs of one step (forward and backward, no recompute): Narayanan et al.'s count."""
+        L, h, s, V = self.layers, self.hidden, self.seq, self.vocab
+        return 72 * batch * L * s * h * h * (1 + s / (6 * h) + V / (12 * h * L))
+
+    def file(self, folder: Path) -> Path:
+        path = folder / f"gpt_{self.layers}x{self.hidden}_{self.heads}h_v{self.vocab}.py"
+        path.write_text(
+            f"import sys\nsys.path.insert(0, {str(MODELS)!r})\nfrom shallow import gpt3\n"
+            f"MODEL = gpt3(n_embd={self.hidden}, n_head={self.heads}, layers={self.layers}, seq_len={self.seq}, "
+            f"vocab_size={self.vocab})\n"
+            "build_model, init_weights, example_batch, loss_fn = MODEL.build_model, MODEL.init_weights, "
+            "MODEL.example_batch, MODEL.loss_fn\n"
+        )
+        return path
+
+
+@dataclass(frozen=True, kw_only=True)
+class Run:
+    name: str
+    source: str
+    model: Model
+    device: str
+    tp: int
+    pp: int
+    dp: int
+    micro_batch_size: int
+    global_batch_size: int
+    recompute: str
+    schedule: str
+    chunks: int
+    published_s: float
+    assumed: str = ""  # what the source does not state and the row assumes
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.pp * self.dp
+
+
+BLOOM = Model(layers=70, hidden=14336, heads=112, vocab=250880)
+MT_NLG = Model(layers=105, hidden=20480, heads=128, vocab=51200)
+MEGASCALE_175B = Model(layers=96, hidden=12288, heads=128, vocab=64000)
+GPT3_175B = Model(layers=96, hidden=12288, heads=96, vocab=51200)
+
+_MEGASCALE = dict(source="MegaScale Table 2 (Megatron-LM)", model=MEGASCALE_175B, device="a100-80gb", tp=8, pp=8,
+                  micro_batch_size=1, recompute="selective", schedule="interleaved", chunks=6,
+                  assumed="micro-batch 1, selective recompute, 80 GB")  # fmt: skip
+_MT_NLG = dict(source="MT-NLG (Smith et al. 2022) §2.4", model=MT_NLG, device="a100-80gb", tp=8, pp=35,
+               micro_batch_size=1, global_batch_size=1920, recompute="full", schedule="1f1b", chunks=1,
+               assumed="micro-batch 1")  # fmt: skip
+
+RUNS = (
+    Run(name="bloom-176b", source="BLOOM tr11 README", model=BLOOM, device="a100-80gb", tp=4, pp=12, dp=8,
+        micro_batch_size=2, global_batch_size=2048, recompute="full", schedule="1f1b", chunks=1, published_s=104.70,
+        assumed="learned positions for ALiBi"),
+    Run(name="mt-nlg-530b-2240", dp=8, published_s=60.1, **_MT_NLG),
+    Run(name="mt-nlg-530b-2800", dp=10, published_s=50.2, **_MT_NLG),
+    Run(name="mt-nlg-530b-3360", dp=12, published_s=44.4, **_MT_NLG),
+    Run(name="megascale-175b-256", dp=4, global_batch_size=768, published_s=40.0, **_MEGASCALE),
+    Run(name="megascale-175b-1024", dp=16, global_batch_size=768, published_s=11.9, **_MEGASCALE),
+    Run(name="megascale-175b-3072", dp=48, global_batch_size=6144, published_s=29.02, **_MEGASCALE),
+    Run(name="megascale-175b-12288", dp=192, global_batch_size=6144, published_s=8.57, **_MEGASCALE),
+)
+
+NOT_EXPRESSIBLE = (
+    ("NVIDIA dgxc GPT-3 175B, Nemotron-4 15B and 340B on H100 (BF16)",
+     "sequence parallelism, which these layouts need to fit (GPT-3 175B at t4 p8 v12 without it: 170 GiB)"),
+    ("Llama 3 405B, Llama 3 paper Table 4", "FSDP (ZeRO-3) over the data-parallel group; 8k-128k context parallelism"),
+    ("torchtitan docs/performance.md (Llama 3 8B-405B)", "FSDP2 on every run; float8 on some"),
+    ("NVIDIA dgxc Llama 3.1 8B / 70B / 405B", "context parallelism (CP 2) in every layout"),
+    ("NeMo performance summary, H100 dense rows", "FP8"),
+    ("Models of 1B-15B", "every public figure found uses FSDP, context parallelism or FP8"),
+)
+
+
+def predict(run: Run, folder: Path, *, search: bool) -> dict:
+    model = run.model.file(folder)
+    common = dict(device=run.device, dtype="bf16", gpus_per_node=8, optimizer="adamw",
+                  global_batch_size=run.global_batch_size)  # fmt: skip
+    start = time.perf_counter()
+    plan = autopart.compile(model, tp=run.tp, pp=run.pp, dp=run.dp, zero=True, micro_batch_size=run.micro_batch_size,
+                            recompute=run.recompute, schedule=run.schedule, chunks=run.chunks, **common)  # fmt: skip
+    row = {"plan": plan, "compile_s": time.perf_counter() - start}
+    if search:
+        start = time.perf_counter()
+        row["searched"] = autopart.compile(model, world_size=run.gpus, **common)
+        row["search_s"] = time.perf_counter() - start
+    return row
+
+
+def mfu(run: Run, step_s: float) -> float:
+    peak = get_cost_model(run.device).device.peak_flops["bfloat16"]
+    return run.model.flops(run.global_batch_size) / (step_s * run.gpus * peak)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", nargs="*", help="row names (default: all)")
+    parser.add_argument("--search", action="store_true", help="also search each row's cluster and batch")
+    args = parser.parse_args(argv)
+    runs = [r for r in RUNS if not args.rows or r.name in args.rows]
+    console = Console()
+    table = Table(title="predicted step (layout pinned) against published runs, bf16")
+    for column in ("run", "GPUs", "layout", "published s", "predicted s", "error", "MFU pub.", "MFU pred.",
+                   *(("searched s", "searched layout") if args.search else ()), "source"):
+        table.add_column(column, justify="left" if column in ("run", "layout", "source", "searched layout") else "right")
+    errors = []
+    with tempfile.TemporaryDirectory() as folder:
+        for run in runs:
+            try:
+                row = predict(run, Path(folder), search=args.search)
+            except autopart.AutopartError as error:
+                table.add_row(run.name, str(run.gpus), "", f"{run.published_s:.2f}", "-", "-", "", "", str(error))
+                continue
+            console.print(f"{run.name}: predicted {row['plan'].predicted.step_s:.2f} s, published {run.published_s} s "
+                          f"(compiled in {row['compile_s']:.0f} s)")  # fmt: skip
+            step = row["plan"].predicted.step_s
+            errors.append(step / run.published_s - 1)
+            layout = (f"t{run.tp} p{run.pp} d{run.dp} {run.schedule}{f' v{run.chunks}' if run.chunks > 1 else ''} "
+                      f"b{run.micro_batch_size} {run.recompute}")  # fmt: skip
+            extra = ()
+            if args.search:
+                found = row["searched"]
+                mesh = found.mesh
+                extra = (f"{found.predicted.step_s:.2f}", f"t{mesh['tp']} p{mesh['pp']} d{mesh['dp']} {found.schedule.kind}")
+            table.add_row(run.name, str(run.gpus), layout, f"{run.published_s:.2f}", f"{step:.2f}",
+                          f"{100 * errors[-1]:+.1f}%", f"{100 * mfu(run, run.published_s):.1f}%",
+                          f"{100 * mfu(run, step):.1f}%", *extra, run.source)  # fmt: skip
+    console.print(table)
+    absolute = [abs(e) for e in errors]
+    console.print(f"median |error| {100 * statistics.median(absolute):.1f}%, worst {100 * max(absolute):.1f}% "
+                  f"over {len(errors)} rows")  # fmt: skip
+    for name, why in NOT_EXPRESSIBLE:
+        console.print(f"not expressible yet: {name}: {why}")
+    for run in runs:
+        if run.assumed:
+            console.print(f"assumed in {run.name}: {run.assumed}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
