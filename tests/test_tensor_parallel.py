@@ -50,6 +50,8 @@ def test_3d_parallel_trains_like_one_process(tmp_path, example, pp, tp, dp):
     assert plan.mesh == {"pp": pp, "tp": tp, "dp": dp}
     if tp > 1:
         assert any(stage.parameter_placements for stage in plan.stages), "some weight is sharded"
+        head = {"gpt": "wte.weight", "llama": "output.weight"}[example]  # tied in gpt, not in llama
+        assert {s.parameter_placements.get(head) for s in plan.stages if head in s.parameters} == {"S(0)"}
 
 
 @pytest.mark.multiprocess
