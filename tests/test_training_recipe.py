@@ -1,0 +1,154 @@
+"""train.py's learning-rate schedules, weight decay by parameter, gradient clipping and held-out
+evaluation: the rules in one process, then the programs under pp x dp and pp x tp against the
+single-process reference (torch's LambdaLR and clip_grad_norm_ on the original model)."""
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from autopart.compiler import CompileOptions, compile_to_directory
+from autopart.errors import ConfigError
+from autopart.runtime.recipe import Recipe, clip_factor, embedding_parameters, parameter_groups
+from autopart.runtime.reference import train_reference
+from autopart.runtime.shards import load_stage_weights
+from tests.distributed import REPO, read_metrics, run_cli, run_ranks
+
+FREE_LINKS = REPO / "tests" / "devices" / "free-links.toml"  # collectives cost nothing: every op that can split does
+RECIPE = Recipe(lr_schedule="cosine", warmup_steps=1, min_lr=1e-4, clip_grad_norm=0.05, weight_decay=0.1)
+STEPS = 4
+
+
+@pytest.mark.parametrize(
+    "schedule, factors",
+    [
+        ("constant", [1 / 3, 2 / 3, 1, 1, 1]),
+        ("linear", [1 / 3, 2 / 3, 1, 0.55, 0.1]),  # to min_lr / lr = 0.1 at the last step
+        ("cosine", [1 / 3, 2 / 3, 1, 0.1 + 0.9 * 0.5, 0.1]),
+    ],
+)
+def test_lr_factor_warms_up_then_falls_to_min_lr_at_the_last_step(schedule, factors):
+    factor = Recipe(lr_schedule=schedule, warmup_steps=2, min_lr=0.1).lr_factor(1.0, 5)
+    assert [factor(s) for s in range(5)] == pytest.approx(factors)
+
+
+def test_cosine_factor_is_half_a_cosine():
+    factor = Recipe(lr_schedule="cosine").lr_factor(2.0, 9)
+    assert [factor(s) for s in range(9)] == pytest.approx([0.5 * (1 + math.cos(math.pi * s / 8)) for s in range(9)])
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"lr_schedule": "step"}, "unknown --lr-schedule 'step'"),
+        ({"warmup_steps": -1}, "--warmup-steps must be at least 0"),
+        ({"clip_grad_norm": 0.0}, "--clip-grad-norm must be a positive norm"),
+        ({"weight_decay": -0.1}, "--weight-decay must be at least 0"),
+        ({"min_lr": -1.0}, "--min-lr must be at least 0"),
+    ],
+)
+def test_a_recipe_out_of_range_is_a_config_error(options, message):
+    with pytest.raises(ConfigError, match=message):
+        Recipe(**options)
+
+
+def test_decay_skips_biases_norms_and_every_name_of_a_tied_embedding():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpt_example", REPO / "examples" / "gpt.py")
+    gpt = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpt)
+    with torch.device("meta"):
+        model = gpt.build_model()
+    tables = embedding_parameters(model)
+    assert {"wte.weight", "wpe.weight"} <= set(tables)
+    assert "lm_head.weight" in tables, "tied to wte: the same tensor, not decayed either"
+    decayed, kept = parameter_groups(model.named_parameters(), weight_decay=0.1, embeddings=tables)
+    assert decayed["weight_decay"] == 0.1 and kept["weight_decay"] == 0.0
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert all(p.ndim == 2 for p in decayed["params"])
+    assert not {names[id(p)] for p in decayed["params"]} & set(tables)
+    assert any(names[id(p)].endswith(".bias") for p in kept["params"])
+    assert any(p.ndim == 1 and not names[id(p)].endswith(".bias") for p in kept["params"]), "norm weights"
+
+
+def test_clip_factor_is_torchs():
+    grads = [torch.randn(3, 4) * 5, torch.randn(7)]
+    params = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
+    for p, g in zip(params, grads):
+        p.grad = g.clone()
+    norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
+    total = math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads))
+    assert total == pytest.approx(float(norm), rel=1e-6)
+    torch.testing.assert_close(params[0].grad, grads[0] * clip_factor(total, 1.0))
+    assert clip_factor(0.5, 1.0) == 1.0
+
+
+def _train(tmp_path: Path, *, pp: int, tp: int, dp: int, eval_every: int = 0):
+    out = tmp_path / "out"
+    microbatches = 2 * pp
+    plan, _ = compile_to_directory(
+        CompileOptions(model=REPO / "examples" / "gpt.py", pp=pp, tp=tp, dp=dp, microbatches=microbatches,
+                       global_batch_size=microbatches * dp, optimizer="adamw", device=str(FREE_LINKS)),
+        out,
+    )  # fmt: skip
+    metrics = tmp_path / "metrics.jsonl"
+    evaluation = ["--eval-every", str(eval_every), "--eval-batches", "2"] if eval_every else []
+    run_ranks(out, pp * tp * dp, "--steps", str(STEPS), "--lr", "1e-3", "--optimizer", "adamw", *RECIPE.train_args(),
+              *evaluation, "--metrics", str(metrics), "--save-weights", str(tmp_path / "final"), timeout=400)
+    return plan, out, read_metrics(metrics), load_stage_weights(plan, tmp_path / "final")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("pp, tp, dp", [(2, 1, 2), (2, 2, 1)])
+def test_cosine_warmup_clipping_and_decay_train_like_one_process(tmp_path, pp, tp, dp):
+    plan, out, metrics, finals = _train(tmp_path, pp=pp, tp=tp, dp=dp, eval_every=2)
+    assert plan.tied_parameters, "gpt's tied head: a parameter held by two stages, its norm counted once"
+    if tp > 1:
+        assert any(stage.parameter_placements for stage in plan.stages), "some weight is sharded"
+    reference = train_reference(out, steps=STEPS, lr=1e-3, optimizer="adamw", recipe=RECIPE, eval_every=2,
+                                eval_batch_count=2)
+    losses = torch.tensor([m["loss"] for m in metrics], dtype=torch.float64)
+    torch.testing.assert_close(losses, torch.tensor(reference.losses, dtype=torch.float64), rtol=1e-5, atol=1e-6)
+    assert all(m["grad_norm"] > RECIPE.clip_grad_norm for m in metrics), "the clipping bites at every step"
+    lrs = [m["lr"] for m in metrics]
+    factor = RECIPE.lr_factor(1e-3, STEPS)
+    assert lrs == pytest.approx([1e-3 * factor(s) for s in range(STEPS)])
+    evaluated = {m["step"]: m["eval_loss"] for m in metrics if "eval_loss" in m}
+    assert set(evaluated) == {1, 3} == set(reference.eval_losses)
+    for step, loss in evaluated.items():
+        assert loss == pytest.approx(reference.eval_losses[step], rel=1e-5, abs=1e-6)
+    # Adam divides by sqrt(v): an element whose gradient is at float-noise level moves by a noisy
+    # fraction of one step, so parameters agree to 1% of a step (lr * 1e-2), as in test_pipeline_equivalence
+    for weights in finals.values():
+        for name, value in weights.items():
+            torch.testing.assert_close(value, reference.parameters[name], rtol=1e-5, atol=1e-5, msg=name)
+    assert all(m["tokens_per_s"] > 0 and m["tflops_per_device"] > 0 and 0 < m["mfu"] for m in metrics)
+
+
+def test_the_plan_holds_the_models_flops_and_the_devices_peak():
+    import autopart
+
+    plan = autopart.compile(REPO / "examples" / "gpt.py", microbatches=2, micro_batch_size=2, device="h100-sxm",
+                            dtype="bf16")  # fmt: skip
+    assert plan.predicted.peak_flops == 989e12
+    parameters = sum(stage.parameter_bytes for stage in plan.stages) / 4
+    tokens = plan.schedule.global_batch_size * 32  # gpt's block_size
+    # 6 N T: the matrix products' forward and backward (attention's and the embeddings' aside)
+    assert 0.5 < plan.predicted.model_flops_per_step / (6 * parameters * tokens) < 3
+
+
+def test_tensorboard_without_the_package_is_one_line(tmp_path, monkeypatch):
+    import importlib.util
+
+    from autopart.runtime.progress import check_tensorboard
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ConfigError, match="--tensorboard needs the tensorboard package"):
+        check_tensorboard(tmp_path)
+
+
+def test_verify_takes_the_recipe_flags():
+    result = run_cli("verify", "--help")
+    assert "--clip-grad-norm" in result.stdout and "--lr-schedule" in result.stdout
