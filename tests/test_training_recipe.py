@@ -13,7 +13,7 @@ from autopart.errors import ConfigError
 from autopart.runtime.recipe import Recipe, clip_factor, embedding_parameters, parameter_groups
 from autopart.runtime.reference import train_reference
 from autopart.runtime.shards import load_stage_weights
-from tests.distributed import REPO, read_metrics, run_cli, run_ranks
+from tests.distributed import REPO, assert_same_training, compile_and_train, read_metrics, run_cli, run_ranks
 
 FREE_LINKS = REPO / "tests" / "devices" / "free-links.toml"  # collectives cost nothing: every op that can split does
 RECIPE = Recipe(lr_schedule="cosine", warmup_steps=1, min_lr=1e-4, clip_grad_norm=0.05, weight_decay=0.1)
@@ -152,3 +152,49 @@ def test_tensorboard_without_the_package_is_one_line(tmp_path, monkeypatch):
 def test_verify_takes_the_recipe_flags():
     result = run_cli("verify", "--help")
     assert "--clip-grad-norm" in result.stdout and "--lr-schedule" in result.stdout
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("schedule, chunks", [("zb-h1", 1), ("interleaved", 2)])
+def test_evaluation_runs_the_forwards_of_any_schedule(tmp_path, schedule, chunks):
+    """The held-out loss, forward only through split-backward and interleaved schedules, is the
+    reference's; SGD with the recipe: parameters to fp32 tolerance."""
+    run = compile_and_train(tmp_path, "gpt", pp=2, microbatches=4, schedule=schedule, chunks=chunks, steps=2,
+                            train_args=("--eval-every", "1", "--eval-batches", "2", *RECIPE.train_args()))
+    reference = train_reference(run.out, steps=2, lr=0.1, optimizer="sgd", recipe=RECIPE, eval_every=1,
+                                eval_batch_count=2)
+    assert [m["eval_loss"] for m in run.metrics] == pytest.approx([reference.eval_losses[s] for s in range(2)],
+                                                                  rel=1e-5, abs=1e-6)  # fmt: skip
+    assert_same_training(run, optimizer="sgd", lr=0.1, recipe=RECIPE)
+
+
+@pytest.mark.multiprocess
+def test_a_resumed_run_continues_the_schedule(tmp_path):
+    """Stopped after step 2 and resumed with the same --steps, the rate goes on where it was:
+    bit-identical to one run."""
+    out = tmp_path / "out"
+    compile_to_directory(CompileOptions(model=REPO / "examples" / "gpt.py", pp=2, microbatches=2, micro_batch_size=2,
+                                        optimizer="adamw"), out)  # fmt: skip
+    folders = {name: tmp_path / name for name in ("whole", "parts")}
+
+    def train(folder: Path, steps: int, *extra: str) -> None:
+        folder.mkdir(exist_ok=True)
+        run_ranks(out, 2, "--steps", str(steps), "--optimizer", "adamw", "--lr", "0.01", *RECIPE.train_args(),
+                  "--metrics", str(folder / "metrics.jsonl"), "--checkpoint-dir", str(folder / "ckpt"), *extra)
+
+    train(folders["whole"], 4)
+    train(folders["parts"], 2)
+    (folders["parts"] / "metrics.jsonl").unlink()
+    train(folders["parts"], 4, "--resume")
+    resumed, whole = read_metrics(folders["parts"] / "metrics.jsonl"), read_metrics(folders["whole"] / "metrics.jsonl")
+    assert [(m["step"], m["lr"], m["loss"]) for m in resumed] == [(m["step"], m["lr"], m["loss"]) for m in whole[2:]]
+
+
+@pytest.mark.multiprocess
+def test_verify_applies_the_recipe(tmp_path):
+    out = tmp_path / "out"
+    compile_to_directory(CompileOptions(model=REPO / "examples" / "gpt.py", pp=2, microbatches=2,
+                                        micro_batch_size=2), out)  # fmt: skip
+    result = run_cli("verify", str(out), "--steps", "3", *RECIPE.train_args())
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "match the original model" in " ".join(result.stdout.split())
