@@ -34,7 +34,7 @@ def _example_losses(out, nproc: int) -> list[float]:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("schedule, chunks", [("1f1b", 1), ("interleaved", 2)])
+@pytest.mark.parametrize("schedule, chunks", [("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)])
 def test_the_example_loop_trains_as_train_py(tmp_path, schedule, chunks):
     out = tmp_path / "out"
     plan, _ = compile_to_directory(
