@@ -198,3 +198,60 @@ def test_verify_applies_the_recipe(tmp_path):
     result = run_cli("verify", str(out), "--steps", "3", *RECIPE.train_args())
     assert result.returncode == 0, result.stdout + result.stderr
     assert "match the original model" in " ".join(result.stdout.split())
+
+
+def test_eval_batches_come_from_the_model_file_when_it_has_them(tmp_path):
+    from autopart.capture import load_model_file
+    from autopart.runtime.data import eval_batches, global_batches
+
+    model = tmp_path / "model.py"
+    model.write_text(
+        "import torch\n"
+        "def build_model():\n    return torch.nn.Linear(3, 1)\n"
+        "def example_batch(b):\n    return (torch.zeros(b, 3),), torch.zeros(b, 1)\n"
+        "def loss_fn(out, target):\n    return ((out - target) ** 2).mean()\n"
+        "def eval_batches(b, seed):\n    for i in range(2):\n        yield (torch.full((b, 3), float(i + seed)),), torch.zeros(b, 1)\n"
+    )  # fmt: skip
+    spec = load_model_file(model, build=False)
+    batches = eval_batches(spec, 4, 10, 2)
+    assert [float(inputs[0][0, 0]) for inputs, _ in batches] == [10.0, 11.0]
+    with pytest.raises(ConfigError, match="gave 2 batches but --eval-batches is 3"):
+        eval_batches(spec, 4, 10, 3)
+    spec = load_model_file(REPO / "examples" / "gpt.py", build=False)
+    held_out, training = eval_batches(spec, 2, 0, 1)[0], next(global_batches(spec, 2, 0))
+    assert not torch.equal(held_out[0][0], training[0][0]), "synthetic held-out batches are not the training ones"
+
+
+def test_tensorboard_gets_every_scalar(tmp_path, monkeypatch):
+    import sys
+    import types
+
+    from autopart.runtime.progress import StepReporter, Throughput
+
+    written: list[tuple[str, float, int]] = []
+
+    class Writer:
+        def __init__(self, folder):
+            assert folder == str(tmp_path)
+
+        def add_scalar(self, tag, value, step):
+            written.append((tag, value, step))
+
+        def close(self):
+            written.append(("closed", 0, 0))
+
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", types.SimpleNamespace(SummaryWriter=Writer))
+    reporter = StepReporter(steps=2, first_step=0, metrics=tmp_path / "m.jsonl", tensorboard=tmp_path)
+    reporter.step({"step": 0, "loss": 2.0, "step_s": 0.5, "lr": 1e-3, "eval_loss": 2.5},
+                  Throughput(tokens_per_s=10.0, tflops_per_device=1.0, mfu=0.25))  # fmt: skip
+    reporter.close()
+    tags = {tag: value for tag, value, _ in written}
+    assert tags["train/loss"] == 2.0 and tags["eval/loss"] == 2.5 and tags["train/mfu"] == 0.25 and "closed" in tags
+    assert read_metrics(tmp_path / "m.jsonl")[0]["tokens_per_s"] == 10.0
+
+
+def test_tokens_are_the_token_ids_else_the_samples():
+    from autopart.runtime.progress import tokens_in
+
+    assert tokens_in((torch.zeros(4, 32, dtype=torch.long),)) == 128
+    assert tokens_in((torch.zeros(4, 3),)) == 4
