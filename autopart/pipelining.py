@@ -175,7 +175,9 @@ def build_stages(out_dir: str | Path, *, device: torch.device | None = None, wei
     rank = dist.get_rank()
     here = mesh.coordinates(rank)
     device_mesh = mesh.device_mesh(device.type)
-    groups = ProcessGroups(pp=device_mesh.get_group("pp"), tp=group_of(device_mesh, "tp"), dp=group_of(device_mesh, "dp"))
+    groups = ProcessGroups(
+        pp=device_mesh.get_group("pp"), tp=group_of(device_mesh, "tp"), dp=group_of(device_mesh, "dp")
+    )
     collectives.set_group(groups.tp)
     modules: dict[int, nn.Module] = {}
     stages: list[PipelineStage] = []

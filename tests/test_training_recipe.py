@@ -210,7 +210,8 @@ def test_eval_batches_come_from_the_model_file_when_it_has_them(tmp_path):
         "def build_model():\n    return torch.nn.Linear(3, 1)\n"
         "def example_batch(b):\n    return (torch.zeros(b, 3),), torch.zeros(b, 1)\n"
         "def loss_fn(out, target):\n    return ((out - target) ** 2).mean()\n"
-        "def eval_batches(b, seed):\n    for i in range(2):\n        yield (torch.full((b, 3), float(i + seed)),), torch.zeros(b, 1)\n"
+        "def eval_batches(b, seed):\n    for i in range(2):\n"
+        "        yield (torch.full((b, 3), float(i + seed)),), torch.zeros(b, 1)\n"
     )  # fmt: skip
     spec = load_model_file(model, build=False)
     batches = eval_batches(spec, 4, 10, 2)

@@ -85,9 +85,10 @@ class StepReporter:
         """One step's ``record`` (step, loss, step_s, lr, ... as written to ``--metrics``)."""
         record = {**record, "tokens_per_s": throughput.tokens_per_s,
                   "tflops_per_device": throughput.tflops_per_device, "mfu": throughput.mfu}  # fmt: skip
-        status = (f"loss {record['loss']:.4f}  {throughput.tokens_per_s:,.0f} tok/s  "
-                  f"{throughput.tflops_per_device:.3g} TFLOP/s/device  MFU {throughput.mfu:.1%}")
-        line = f"step {record['step']} loss {record['loss']:.6f} step_s {record['step_s']:.4f} " + status[status.index("  ") + 2:]
+        rates = (f"{throughput.tokens_per_s:,.0f} tok/s  {throughput.tflops_per_device:.3g} TFLOP/s/device  "
+                 f"MFU {throughput.mfu:.1%}")
+        status = f"loss {record['loss']:.4f}  {rates}"
+        line = f"step {record['step']} loss {record['loss']:.6f} step_s {record['step_s']:.4f} {rates}"
         if "eval_loss" in record:
             line += f" eval_loss {record['eval_loss']:.6f}"
         if self.live:
@@ -101,7 +102,8 @@ class StepReporter:
         if self.writer is not None:
             for key in ("loss", "eval_loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_device", "mfu", "step_s"):
                 if record.get(key) is not None:
-                    self.writer.add_scalar(f"train/{key}" if key != "eval_loss" else "eval/loss", record[key], record["step"])
+                    tag = "eval/loss" if key == "eval_loss" else f"train/{key}"
+                    self.writer.add_scalar(tag, record[key], record["step"])
 
     def close(self) -> None:
         self.progress.stop()

@@ -67,7 +67,8 @@ class Recipe:
 
     def train_args(self) -> list[str]:
         """The train.py flags that give this recipe (for ``autopart verify`` and tests)."""
-        args = ["--lr-schedule", self.lr_schedule, "--warmup-steps", str(self.warmup_steps), "--min-lr", repr(self.min_lr)]
+        args = ["--lr-schedule", self.lr_schedule, "--warmup-steps", str(self.warmup_steps)]
+        args += ["--min-lr", repr(self.min_lr)]
         if self.clip_grad_norm is not None:
             args += ["--clip-grad-norm", repr(self.clip_grad_norm)]
         if self.weight_decay is not None:

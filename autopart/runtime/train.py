@@ -17,7 +17,8 @@ optimizer, with the `autopart.runtime.recipe` of the flags (learning-rate schedu
 decay by parameter, clipping of the whole model's gradient norm, `autopart.runtime.gradients`).
 Every ``--eval-every`` K steps it runs the pipeline's forwards alone on ``--eval-batches`` held-out
 batches (`autopart.runtime.data.eval_batches`). Rank 0 reports each step's loss, tokens/s,
-TFLOP/s per device and MFU (`autopart.runtime.progress`). NCCL when CUDA is present, gloo otherwise (`autopart.runtime.device`).
+TFLOP/s per device and MFU (`autopart.runtime.progress`). NCCL when CUDA is present, gloo
+otherwise (`autopart.runtime.device`).
 ``--trace FILE`` writes the measured timeline of the last step as a Chrome trace, in the form of
 compile's predicted ``trace.json``; ``--action-times DIR`` has each rank write ``DIR/rank_<r>.jsonl``, a line per step with the wall
 and CPU seconds of every action and of the step's tail (tied gradients, optimizer), which
@@ -71,7 +72,8 @@ def parse_args(argv: list[str] | None, plan: Plan) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3)")
     parser.add_argument("--optimizer", choices=OPTIMIZERS, default=plan.optimizer)
     parser.add_argument("--seed", type=int, default=0, help="seed of the training batches (default 0)")
-    parser.add_argument("--metrics", type=Path, help="append one JSON line per step: step, loss, step_s, lr, peak_memory_bytes (per rank), "
+    parser.add_argument("--metrics", type=Path,
+                        help="append one JSON line per step: step, loss, step_s, lr, peak_memory_bytes (per rank), "
                         "tokens_per_s, tflops_per_device, mfu, and grad_norm, eval_loss when asked for")
     parser.add_argument("--trace", type=Path, help="write the measured timeline of the last step (Chrome trace JSON)")
     parser.add_argument("--action-times", type=Path,
@@ -217,9 +219,12 @@ def _loop(
     for _ in range(first_step):
         next(data)  # the data position: the batches of the steps already done
     scheduler = recipe.scheduler(optimizer, args.lr, args.steps, done=first_step)
-    held_out = eval_batches(spec, schedule_spec.global_batch_size, args.seed, args.eval_batches) if args.eval_every else []
-    reporter = StepReporter(steps=args.steps, first_step=first_step, metrics=args.metrics, tensorboard=args.tensorboard
-                            ) if holds_loss and here.dp == 0 else None  # fmt: skip
+    batch_size = schedule_spec.global_batch_size
+    held_out = eval_batches(spec, batch_size, args.seed, args.eval_batches) if args.eval_every else []
+    reporter = None
+    if holds_loss and here.dp == 0:
+        reporter = StepReporter(steps=args.steps, first_step=first_step, metrics=args.metrics,
+                                tensorboard=args.tensorboard)  # fmt: skip
 
     def mean_loss(losses: list[torch.Tensor]) -> float:
         """The mean over the global batch, of the microbatch losses held here (pipeline's last stage, tp 0)."""
@@ -231,6 +236,7 @@ def _loop(
     def shares(values: tuple) -> list[tuple]:
         share = split_microbatches(values, mesh.dp)[here.dp]  # this replica's share of the global batch
         return split_microbatches(share, schedule_spec.microbatches)
+
     for step in range(first_step, args.steps):
         inject_failure(rank, step)
         inputs, target = next(data)
@@ -259,8 +265,9 @@ def _loop(
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         peaks = _peak_memory_per_rank(device) if args.metrics else []
         evaluated = args.eval_every and (step + 1) % args.eval_every == 0
-        eval_losses = [t for batch in held_out for t in executor.evaluate(shares(_graph_values(plan, *batch)))] \
-            if evaluated else []  # fmt: skip
+        eval_losses: list[torch.Tensor] = []
+        for batch in held_out if evaluated else []:  # outside the step's clock
+            eval_losses += executor.evaluate(shares(_graph_values(plan, *batch)))
         if holds_loss:
             loss = mean_loss(losses)
             eval_loss = mean_loss(eval_losses) if evaluated else None
