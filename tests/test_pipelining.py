@@ -34,17 +34,27 @@ def _example_losses(out, nproc: int) -> list[float]:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("schedule, chunks", [("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)])
-def test_the_example_loop_trains_as_train_py(tmp_path, schedule, chunks):
+@pytest.mark.parametrize("schedule, chunks, dp", [("1f1b", 1, 1), ("interleaved", 2, 1), ("zb-h1", 1, 1), ("1f1b", 1, 2)])
+def test_the_example_loop_trains_as_train_py(tmp_path, schedule, chunks, dp):
     out = tmp_path / "out"
     plan, _ = compile_to_directory(
-        CompileOptions(model=REPO / "examples" / "gpt.py", pp=2, microbatches=4, micro_batch_size=2, schedule=schedule,
-                       chunks=chunks, optimizer="adamw"),
+        CompileOptions(model=REPO / "examples" / "gpt.py", pp=2, dp=dp, microbatches=4, global_batch_size=8 * dp,
+                       schedule=schedule, chunks=chunks, optimizer="adamw"),
         out,
     )  # fmt: skip
     assert plan.tied_parameters, "gpt's tied head: the example sums its gradient over the stages"
     metrics = tmp_path / "metrics.jsonl"
-    run_ranks(out, 2, "--steps", str(STEPS), "--lr", "1e-3", "--optimizer", "adamw", "--weight-decay", "0.1",
-              "--metrics", str(metrics))  # fmt: skip
+    run_ranks(out, plan.world_size, "--steps", str(STEPS), "--lr", "1e-3", "--optimizer", "adamw",
+              "--weight-decay", "0.1", "--metrics", str(metrics))  # fmt: skip
     expected = [m["loss"] for m in read_metrics(metrics)]
-    assert _example_losses(out, 2) == pytest.approx(expected, abs=2e-6)  # printed to 6 decimals
+    assert _example_losses(out, plan.world_size) == pytest.approx(expected, abs=2e-6)  # printed to 6 decimals
+
+
+def test_build_stages_needs_a_process_group(tmp_path):
+    from autopart.errors import ConfigError
+    from autopart.pipelining import build_stages
+
+    out = tmp_path / "out"
+    compile_to_directory(CompileOptions(model=REPO / "examples" / "gpt.py", pp=2, microbatches=2, micro_batch_size=2), out)
+    with pytest.raises(ConfigError, match="call torch.distributed.init_process_group first"):
+        build_stages(out)
