@@ -85,11 +85,11 @@ def test_clip_factor_is_torchs():
     assert clip_factor(0.5, 1.0) == 1.0
 
 
-def _train(tmp_path: Path, *, pp: int, tp: int, dp: int, eval_every: int = 0):
+def _train(tmp_path: Path, *, pp: int, tp: int, dp: int, zero: bool = False, eval_every: int = 0):
     out = tmp_path / "out"
     microbatches = 2 * pp
     plan, _ = compile_to_directory(
-        CompileOptions(model=REPO / "examples" / "gpt.py", pp=pp, tp=tp, dp=dp, microbatches=microbatches,
+        CompileOptions(model=REPO / "examples" / "gpt.py", pp=pp, tp=tp, dp=dp, zero=zero, microbatches=microbatches,
                        global_batch_size=microbatches * dp, optimizer="adamw", device=str(FREE_LINKS)),
         out,
     )  # fmt: skip
@@ -101,10 +101,13 @@ def _train(tmp_path: Path, *, pp: int, tp: int, dp: int, eval_every: int = 0):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("pp, tp, dp", [(2, 1, 2), (2, 2, 1)])
-def test_cosine_warmup_clipping_and_decay_train_like_one_process(tmp_path, pp, tp, dp):
-    plan, out, metrics, finals = _train(tmp_path, pp=pp, tp=tp, dp=dp, eval_every=2)
-    assert plan.tied_parameters, "gpt's tied head: a parameter held by two stages, its norm counted once"
+@pytest.mark.parametrize("pp, tp, dp, zero", [(2, 1, 2, False), (2, 2, 1, False), (1, 1, 2, True)])
+def test_cosine_warmup_clipping_and_decay_train_like_one_process(tmp_path, pp, tp, dp, zero):
+    """Losses, learning rates, held-out losses and final weights equal the reference's under pp x dp,
+    pp x tp, and ZeRO-1 (where the schedule's rate must reach each replica's sharded optimizer)."""
+    plan, out, metrics, finals = _train(tmp_path, pp=pp, tp=tp, dp=dp, zero=zero, eval_every=2)
+    if pp > 1:
+        assert plan.tied_parameters, "gpt's tied head: a parameter held by two stages, its norm counted once"
     if tp > 1:
         assert any(stage.parameter_placements for stage in plan.stages), "some weight is sharded"
     reference = train_reference(out, steps=STEPS, lr=1e-3, optimizer="adamw", recipe=RECIPE, eval_every=2,
