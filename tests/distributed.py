@@ -24,6 +24,7 @@ from autopart.runtime.recipe import Recipe
 from autopart.runtime.reference import train_reference
 
 REPO = Path(__file__).resolve().parent.parent
+FREE_LINKS = REPO / "tests" / "devices" / "free-links.toml"  # collectives cost nothing: every op that can split does
 
 
 def environment() -> dict[str, str]:

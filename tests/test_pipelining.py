@@ -13,7 +13,7 @@ from autopart.compiler import CompileOptions, compile_to_directory
 from autopart.local_run import free_port
 from autopart.pipelining import TORCH_SCHEDULES
 from autopart.schedule import SCHEDULE_KINDS
-from tests.distributed import REPO, environment, read_metrics, run_ranks
+from tests.distributed import FREE_LINKS, REPO, environment, read_metrics, run_ranks
 
 STEPS = 3
 
@@ -34,15 +34,20 @@ def _example_losses(out, nproc: int) -> list[float]:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("schedule, chunks, dp", [("1f1b", 1, 1), ("interleaved", 2, 1), ("zb-h1", 1, 1), ("1f1b", 1, 2)])
-def test_the_example_loop_trains_as_train_py(tmp_path, schedule, chunks, dp):
+@pytest.mark.parametrize(
+    "schedule, chunks, dp, tp",
+    [("1f1b", 1, 1, 1), ("interleaved", 2, 1, 1), ("zb-h1", 1, 1, 1), ("1f1b", 1, 2, 1), ("1f1b", 1, 1, 2)],
+)
+def test_the_example_loop_trains_as_train_py(tmp_path, schedule, chunks, dp, tp):
     out = tmp_path / "out"
     plan, _ = compile_to_directory(
-        CompileOptions(model=REPO / "examples" / "gpt.py", pp=2, dp=dp, microbatches=4, global_batch_size=8 * dp,
-                       schedule=schedule, chunks=chunks, optimizer="adamw"),
+        CompileOptions(model=REPO / "examples" / "gpt.py", pp=2, dp=dp, tp=tp, microbatches=4, global_batch_size=8 * dp,
+                       schedule=schedule, chunks=chunks, optimizer="adamw", device=str(FREE_LINKS)),
         out,
     )  # fmt: skip
     assert plan.tied_parameters, "gpt's tied head: the example sums its gradient over the stages"
+    if tp > 1:
+        assert any(stage.parameter_placements for stage in plan.stages), "weights split: collectives inside the stages"
     metrics = tmp_path / "metrics.jsonl"
     run_ranks(out, plan.world_size, "--steps", str(STEPS), "--lr", "1e-3", "--optimizer", "adamw",
               "--weight-decay", "0.1", "--metrics", str(metrics))  # fmt: skip

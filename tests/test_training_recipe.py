@@ -13,9 +13,10 @@ from autopart.errors import ConfigError
 from autopart.runtime.recipe import Recipe, clip_factor, embedding_parameters, parameter_groups
 from autopart.runtime.reference import train_reference
 from autopart.runtime.shards import load_stage_weights
-from tests.distributed import REPO, assert_same_training, compile_and_train, read_metrics, run_cli, run_ranks
+from tests.distributed import (
+    FREE_LINKS, REPO, assert_same_training, compile_and_train, read_metrics, run_cli, run_ranks,
+)
 
-FREE_LINKS = REPO / "tests" / "devices" / "free-links.toml"  # collectives cost nothing: every op that can split does
 RECIPE = Recipe(lr_schedule="cosine", warmup_steps=1, min_lr=1e-4, clip_grad_norm=0.05, weight_decay=0.1)
 STEPS = 4
 
