@@ -54,6 +54,7 @@ class ModelSpec:
     example_batch: Callable[[int], tuple[tuple[Any, ...], Any]]
     loss_fn: Callable[[Any, Any], torch.Tensor] | None
     batches: Callable[[int, int], Iterator[tuple[tuple[Any, ...], Any]]] | None
+    eval_batches: Callable[[int, int], Iterator[tuple[tuple[Any, ...], Any]]] | None = None  # held-out data
     init_weights: Callable[[nn.Module], None] | None = None  # for models built on the meta device
 
     def example(self, batch_size: int) -> tuple[tuple[torch.Tensor, ...], Any]:
@@ -121,6 +122,7 @@ def load_model_file(path: str | Path, *, build: bool = True) -> ModelSpec:
     example_batch = _contract_function(module, path, "example_batch", required=True)
     loss_fn = _contract_function(module, path, "loss_fn", required=False)
     batches = _contract_function(module, path, "batches", required=False)
+    eval_batches = _contract_function(module, path, "eval_batches", required=False)
     init_weights = _contract_function(module, path, "init_weights", required=False)
     model = None
     try:
@@ -140,6 +142,7 @@ def load_model_file(path: str | Path, *, build: bool = True) -> ModelSpec:
         example_batch=example_batch,
         loss_fn=loss_fn,
         batches=batches,
+        eval_batches=eval_batches,
         init_weights=init_weights,
     )
 

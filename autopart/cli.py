@@ -17,6 +17,7 @@ from rich.table import Table
 
 from autopart.errors import AutopartError, OneLineParser
 from autopart.local_run import LocalRunError
+from autopart.runtime.recipe import Recipe, add_recipe_arguments
 
 __all__ = ["main"]
 
@@ -81,6 +82,7 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--lr", type=float, default=0.1, help="learning rate (default 0.1)")
     v.add_argument("--optimizer", default="sgd", help="sgd or adamw (default sgd: its updates are exact to compare)")
     v.add_argument("--timeout", type=float, default=600.0, help="seconds for the distributed run (default 600)")
+    add_recipe_arguments(v)
     k = commands.add_parser("consolidate", help="merge a training checkpoint into the original model's state dict")
     k.add_argument("checkpoint", type=Path, help="a --checkpoint-dir (its latest good checkpoint) or one step_* in it")
     k.add_argument("-o", "--out", type=Path, required=True, help="the safetensors file to write")
@@ -97,7 +99,8 @@ def _verify(args: argparse.Namespace, console: Console) -> int:
     if args.optimizer not in OPTIMIZERS:
         raise ConfigError(f"unknown optimizer {args.optimizer!r}; use one of {', '.join(OPTIMIZERS)}")
     try:
-        result = verify(args.out, steps=args.steps, lr=args.lr, optimizer=args.optimizer, timeout_s=args.timeout)
+        result = verify(args.out, steps=args.steps, lr=args.lr, optimizer=args.optimizer, timeout_s=args.timeout,
+                        recipe=Recipe.from_args(args))
     except LocalRunError as exc:
         print(f"autopart: verify: {exc}", file=sys.stderr)
         return 1

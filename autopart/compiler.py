@@ -28,6 +28,7 @@ from autopart.plan import Plan, Predicted, Provenance, ScheduleSpec, StagePlan, 
 from autopart.predict import simulate_pipeline
 from autopart.runtime.materialise import check_initialisers
 from autopart.runtime.optim import OPTIMIZERS
+from autopart.runtime.recipe import embedding_parameters
 from autopart.profile import profile_costs
 from autopart.profile_pipeline import pipeline_key, profile_pipeline
 from autopart.recompute import recompute_cost, stage_input_bytes, stage_modes, transient_microbatches
@@ -40,7 +41,7 @@ from autopart.solver.tensor import BlockSharding, shard_chain
 from cost_models import CostDatabase, CostModel, ProfiledCostModel, get_cost_model, model_state_bytes
 from cost_models.memory import communicator_bytes
 from cost_models.database import PipelineMeasurement, plan_shape, tail_key
-from cost_models.devices import local_device_name
+from cost_models.devices import DeviceSpec, local_device_name
 
 __all__ = ["CompileOptions", "compile", "emit", "compile_to_directory"]
 
@@ -466,6 +467,8 @@ def _plan_from_cuts(
             compute_factor_from=factor[1],
             profiled_step_s=_profiled_step(options, stages, microbatches, in_place),
             background_load=front.cost_model.device.background_load,
+            model_flops_per_step=_model_flops(front.op_graph, total),
+            peak_flops=_peak_flops(front.cost_model.device, options.dtype),
         ),
         provenance=Provenance(
             model_file=str(front.spec.path.resolve()),
@@ -485,7 +488,22 @@ def _plan_from_cuts(
         optimizer=options.optimizer,
         tied_parameters={p: tuple(s) for p, s in holders.items() if len(s) > 1},
         dtype=options.dtype,
+        embedding_parameters=embedding_parameters(front.spec.module) if front.spec.module is not None else (),
     )
+
+
+def _model_flops(op_graph: OpGraph, global_batch_size: int) -> float:
+    """The model's FLOPs of one step (forward and backward, without recompute's), from the ops'
+    FLOPs at the annotated microbatch size: what MFU counts as useful work."""
+    per_sample = sum(n.forward_flops + n.backward_flops for n in op_graph.nodes.values()) / op_graph.micro_batch_size
+    return per_sample * global_batch_size
+
+
+def _peak_flops(device: DeviceSpec, dtype: str) -> float:
+    """The device's dense peak for the plan's matrix products: bf16, or fp32 (TF32 where the spec runs fp32 so)."""
+    if dtype == "bf16":
+        return device.peak_flops["bfloat16"]
+    return device.peak_flops["tf32" if device.fp32_matmul_uses_tf32 else "float32"]
 
 
 def _with_recompute(options: CompileOptions, front: _Front, problem: PipelineProblem, ranges: list[range]):

@@ -68,6 +68,8 @@ class Predicted:
     compute_factor_from: str = "none"  # "pipeline" (measured in it: --profile-pipeline), "device" or "none"
     profiled_step_s: float | None = None  # the median step this very plan took when --profile-pipeline ran it
     background_load: float = 0.0  # other busy processes on the machine's cores at compile time, which step_s counts
+    model_flops_per_step: float = 0.0  # forward and backward of the whole model over the global batch, no recompute
+    peak_flops: float = 0.0  # one device's dense peak FLOP/s in the plan's precision (its spec): MFU's denominator
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -98,6 +100,7 @@ class Plan:
     optimizer: str = "adamw"
     tied_parameters: dict[str, tuple[int, ...]] = field(default_factory=dict)  # parameter -> stages holding it
     dtype: str = "fp32"  # fp32, or bf16: forwards under torch.autocast(bfloat16), weights and gradients fp32
+    embedding_parameters: tuple[str, ...] = ()  # weights of embedding modules, every alias: never weight-decayed
     version: int = PLAN_VERSION
     stage_sha256: dict[str, str] = field(default_factory=dict, compare=False)
     """The sha256 of every stage file the compile wrote ("stages/stage_0.py": ...), which each rank
@@ -170,6 +173,8 @@ class Plan:
                 profiled_step_s=None if predicted.data.get("profiled_step_s") is None
                 else float(predicted.data["profiled_step_s"]),
                 background_load=float(predicted.data.get("background_load", 0.0)),
+                model_flops_per_step=float(predicted.data.get("model_flops_per_step", 0.0)),
+                peak_flops=float(predicted.data.get("peak_flops", 0.0)),
             ),
             provenance=Provenance(
                 **{k: provenance.str(k) for k in ("model_file", "model_sha256", "capture", "cost_model")},
@@ -189,6 +194,7 @@ class Plan:
                 str(k): tuple(int(s) for s in v) for k, v in reader.sub("tied_parameters").data.items()
             },
             dtype=reader.choice("dtype", DTYPES, default="fp32"),
+            embedding_parameters=tuple(str(n) for n in reader.data.get("embedding_parameters", [])),
             stage_sha256={str(k): str(v) for k, v in reader.sub("stage_sha256").data.items()}
             if "stage_sha256" in reader.data else {},
         )

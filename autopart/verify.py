@@ -17,6 +17,7 @@ from pathlib import Path
 from autopart.errors import ConfigError
 from autopart.local_run import run_locally, runs_on_gpus
 from autopart.plan import load_plan
+from autopart.runtime.recipe import Recipe
 from autopart.runtime.reference import initial_weights, train_reference
 from autopart.runtime.shards import load_stage_weights
 
@@ -50,16 +51,18 @@ class Verification:
 
 
 def _run_distributed(
-    out_dir: Path, work: Path, *, steps: int, lr: float, optimizer: str, timeout_s: float, gpus: bool
+    out_dir: Path, work: Path, *, steps: int, lr: float, optimizer: str, timeout_s: float, gpus: bool, recipe: Recipe
 ) -> None:
     plan = load_plan(out_dir / "plan.json")
-    train_args = ["--steps", str(steps), "--lr", str(lr), "--optimizer", optimizer,
+    train_args = ["--steps", str(steps), "--lr", str(lr), "--optimizer", optimizer, *recipe.train_args(),
                   "--metrics", str(work / "metrics.jsonl"), "--save-weights", str(work / "final")]
     run_locally(out_dir, plan.world_size, train_args, timeout_s=timeout_s, cwd=work, gpus=gpus)
 
 
 def verify(out_dir: str | Path, *, steps: int = 3, lr: float = 0.1, optimizer: str = "sgd",
-           timeout_s: float = 600.0) -> Verification:  # fmt: skip
+           timeout_s: float = 600.0, recipe: Recipe | None = None) -> Verification:  # fmt: skip
+    """``recipe``: the learning-rate schedule, weight decay and clipping that both runs apply."""
+    recipe = recipe or Recipe()
     out_dir = Path(out_dir).resolve()
     if not (out_dir / "plan.json").is_file():
         raise ConfigError(f"'{out_dir}' is not an autopart output directory (no plan.json); pass the -o of a compile")
@@ -69,10 +72,12 @@ def verify(out_dir: str | Path, *, steps: int = 3, lr: float = 0.1, optimizer: s
     gpus = runs_on_gpus(plan)
     with tempfile.TemporaryDirectory(prefix="autopart-verify-") as folder:
         work = Path(folder)
-        _run_distributed(out_dir, work, steps=steps, lr=lr, optimizer=optimizer, timeout_s=timeout_s, gpus=gpus)
+        _run_distributed(out_dir, work, steps=steps, lr=lr, optimizer=optimizer, timeout_s=timeout_s, gpus=gpus,
+                         recipe=recipe)
         records = [json.loads(line) for line in (work / "metrics.jsonl").read_text().splitlines()]
         finals = load_stage_weights(plan, work / "final")
-    reference = train_reference(out_dir, steps=steps, lr=lr, optimizer=optimizer, device="cuda" if gpus else "cpu")
+    reference = train_reference(out_dir, steps=steps, lr=lr, optimizer=optimizer, device="cuda" if gpus else "cpu",
+                                recipe=recipe)
     bf16 = plan.dtype == "bf16"
     initial = initial_weights(out_dir) if bf16 else {}
     losses = [r["loss"] for r in sorted(records, key=lambda r: r["step"])]

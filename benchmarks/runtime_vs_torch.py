@@ -59,6 +59,7 @@ import torch.distributed as dist
 from torch import nn
 
 from autopart.local_run import free_port
+from autopart.pipelining import loss_is_the_output
 
 REPO = Path(__file__).resolve().parent.parent
 GPT = REPO / "examples" / "gpt.py"
@@ -79,11 +80,6 @@ class BatchByKeyword(nn.Module):
 
     def forward(self, *received: torch.Tensor, **batch: torch.Tensor):
         return self.stage(*received, **{name: batch[f"batch_{name}"] for name in self.batch_inputs})
-
-
-def loss_is_the_output(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """autopart's last stage computes the loss itself."""
-    return output
 
 
 def batch_keywords(graph_inputs: tuple[str, ...], values: tuple, batch_inputs: tuple[str, ...]) -> dict:

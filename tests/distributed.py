@@ -20,9 +20,11 @@ from safetensors.torch import load_file
 from autopart.compiler import CompileOptions, compile_to_directory
 from autopart.local_run import free_port
 from autopart.plan import Plan
+from autopart.runtime.recipe import Recipe
 from autopart.runtime.reference import train_reference
 
 REPO = Path(__file__).resolve().parent.parent
+FREE_LINKS = REPO / "tests" / "devices" / "free-links.toml"  # collectives cost nothing: every op that can split does
 
 
 def environment() -> dict[str, str]:
@@ -170,11 +172,12 @@ def compile_and_train(
 
 
 def assert_same_training(
-    run: Trained, *, optimizer: str, lr: float, param_atol: float = 1e-6, weights: Path | None = None
+    run: Trained, *, optimizer: str, lr: float, param_atol: float = 1e-6, weights: Path | None = None,
+    recipe: Recipe | None = None,
 ) -> None:
     """Every step's loss and every final parameter equal a single-process run's on the same batches
-    (started from the checkpoint ``weights`` when the programs were)."""
-    reference = train_reference(run.out, steps=run.steps, lr=lr, optimizer=optimizer, weights=weights)
+    (started from the checkpoint ``weights`` when the programs were; with train.py's ``recipe``)."""
+    reference = train_reference(run.out, steps=run.steps, lr=lr, optimizer=optimizer, weights=weights, recipe=recipe)
     assert [m["step"] for m in run.metrics] == list(range(run.steps))
     torch.testing.assert_close(
         torch.tensor([m["loss"] for m in run.metrics], dtype=torch.float64),

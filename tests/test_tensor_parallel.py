@@ -13,10 +13,9 @@ import autopart
 from autopart.compiler import CompileOptions, compile_to_directory
 from autopart.runtime.reference import train_reference
 from autopart.runtime.shards import load_stage_weights
-from tests.distributed import REPO, environment, free_port, read_metrics, run_ranks
+from tests.distributed import FREE_LINKS, REPO, environment, free_port, read_metrics, run_ranks
 
 STEPS = 2
-FREE_LINKS = REPO / "tests" / "devices" / "free-links.toml"  # collectives cost nothing: every op that can split does
 
 
 def train_3d(tmp_path: Path, example: Path, *, pp: int, tp: int, dp: int, zero: bool = False, optimizer="sgd", lr=0.1):

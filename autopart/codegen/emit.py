@@ -158,6 +158,8 @@ bubble {plan.predicted.bubble:.1%}. Precision {plan.dtype}; recompute per stage:
 Options: --steps N --lr LR --optimizer sgd|adamw --seed S --metrics FILE --trace FILE
 --save-weights DIR --weights CKPT.safetensors --timeout S
 --checkpoint-dir DIR --checkpoint-every K --resume
+--lr-schedule constant|cosine|linear --warmup-steps N --min-lr X --clip-grad-norm X --weight-decay X
+--eval-every K --eval-batches N --tensorboard DIR
 (NCCL when CUDA is present, gloo otherwise; several nodes through torchrun's rendezvous).
 """
 

@@ -15,9 +15,10 @@ from typing import Any
 import torch
 
 from autopart.capture import ModelSpec, check_batch
+from autopart.errors import ConfigError
 from autopart.plan import Plan
 
-__all__ = ["global_batches", "model_file", "split_microbatches", "synthetic_batches"]
+__all__ = ["eval_batches", "global_batches", "model_file", "split_microbatches", "synthetic_batches"]
 
 
 def model_file(out_dir: Path, plan: Plan) -> Path:
@@ -56,6 +57,21 @@ def global_batches(spec: ModelSpec, batch_size: int, seed: int) -> Iterator[tupl
         return
     for batch in spec.batches(batch_size, seed):
         yield check_batch(spec.path, "batches", batch, batch_size)
+
+
+def eval_batches(spec: ModelSpec, batch_size: int, seed: int, count: int) -> list[tuple[tuple[torch.Tensor, ...], Any]]:
+    """The ``count`` held-out batches of every evaluation (the same each time, so that evaluations
+    compare): the model file's ``eval_batches(B, seed)``, else synthetic batches of seed
+    ``-1 - seed``, a seed that no training run (seeds from 0) draws."""
+    if spec.eval_batches is None:
+        source = synthetic_batches(spec, batch_size, -1 - seed)
+    else:
+        source = (check_batch(spec.path, "eval_batches", b, batch_size) for b in spec.eval_batches(batch_size, seed))
+    batches = [batch for _, batch in zip(range(count), source)]
+    if len(batches) < count:
+        raise ConfigError(f"eval_batches() of {spec.path.name} gave {len(batches)} batches but --eval-batches is "
+                          f"{count}; give more or lower --eval-batches")
+    return batches
 
 
 def split_microbatches(values: tuple[Any, ...], microbatches: int) -> list[tuple[Any, ...]]:

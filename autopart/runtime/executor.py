@@ -111,11 +111,7 @@ class Executor:
                 if record is not None:
                     marks.append((action, start, timer.mark(), time.thread_time() - cpu))
             except Exception as exc:
-                grid = format_grid(self.schedule, mark=(self.rank, position))
-                raise StepFailure(
-                    f"rank {self.rank}, stage {action.stage}, microbatch {action.microbatch}, action {action}: "
-                    f"{type(exc).__name__}: {exc}\n{grid}"
-                ) from exc
+                raise self._failure(position, action, exc) from exc
         for work in pending:
             work.wait()
         for stage in self.stages.values():
@@ -128,6 +124,35 @@ class Executor:
             timer.stop()
             record.extend(ActionRecord(a, timer.seconds(s), timer.seconds(e), c) for a, s, e, c in marks)
         return losses
+
+    def evaluate(self, microbatches: list[tuple[Any, ...]]) -> list[torch.Tensor]:
+        """Forward only, without autograd: the step's F actions and their messages in the
+        schedule's order (a subsequence of a deadlock-free list whose forward messages keep their
+        order is deadlock-free too); return the losses held here, as `step` does."""
+        losses: list[torch.Tensor] = []
+        pending: list[Any] = []
+        with torch.no_grad():
+            for position, action in enumerate(self.actions):
+                if action.kind not in _FORWARD_KINDS:
+                    continue
+                try:
+                    self._run(action, microbatches, losses, pending)
+                except Exception as exc:
+                    raise self._failure(position, action, exc) from exc
+        for work in pending:
+            work.wait()
+        for stage in self.stages.values():  # what a backward would have consumed
+            stage.received.clear()
+            stage.outputs.clear()
+            stage.rebuilds.clear()
+        return losses
+
+    def _failure(self, position: int, action: Action, exc: Exception) -> StepFailure:
+        grid = format_grid(self.schedule, mark=(self.rank, position))
+        return StepFailure(
+            f"rank {self.rank}, stage {action.stage}, microbatch {action.microbatch}, action {action}: "
+            f"{type(exc).__name__}: {exc}\n{grid}"
+        )
 
     def _run(
         self, action: Action, microbatches: list[tuple[Any, ...]], losses: list[torch.Tensor], pending: list
@@ -206,6 +231,9 @@ class Executor:
             previous.output_grads[m] = input_grads
         else:
             stage.input_grads[m] = input_grads
+
+
+_FORWARD_KINDS = (Kind.RECV_F, Kind.F, Kind.SEND_F)
 
 
 def _check_outputs(out: Any, metas: list[TensorMeta]) -> None:

@@ -15,7 +15,7 @@ OPTIMIZERS = ("sgd", "adamw")
 
 def make_optimizer(
     name: str,
-    parameters: Iterable[torch.nn.Parameter],
+    parameters: Iterable[torch.nn.Parameter] | list[dict],
     lr: float,
     *,
     zero_group: torch.distributed.ProcessGroup | None = None,
@@ -26,12 +26,14 @@ def make_optimizer(
     rank and in the reference, whichever parameters each holds. On a GPU, fused AdamW and
     foreach SGD: a per-tensor loop there launches kernels for every parameter and holds the host
     back; the reference on a GPU makes the same choice, and fused kernels compute each element
-    alike however the tensors are grouped.
+    alike however the tensors are grouped. ``parameters`` may be parameter groups
+    (`autopart.runtime.recipe.parameter_groups`: weight decay per parameter).
     """
     params = list(parameters)
     if name not in OPTIMIZERS:
         raise ConfigError(f"unknown optimizer {name!r}; use one of {', '.join(OPTIMIZERS)}")
-    cuda = bool(params) and params[0].is_cuda
+    tensors = [p for group in params for p in group["params"]] if params and isinstance(params[0], dict) else params
+    cuda = bool(tensors) and tensors[0].is_cuda
     if name == "sgd":
         kind, options = torch.optim.SGD, {"lr": lr, "foreach": cuda}
     else:

@@ -3,13 +3,16 @@
 The generated programs must match it: the same per-step losses and the same final parameters,
 to float tolerance. Tests and ``autopart verify`` compare against it. A bf16 plan's reference runs
 each forward under ``torch.autocast(bfloat16)`` too, over fp32 weights, as the stages do; recompute
-changes nothing that it computes, so the reference has none.
+changes nothing that it computes, so the reference has none. It applies train.py's `Recipe`
+with torch's own means (``LambdaLR``, ``clip_grad_norm_`` over the model's parameters, each once),
+which the distributed programs must equal.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file
@@ -17,10 +20,11 @@ from safetensors.torch import load_file
 from autopart.annotate import precision
 from autopart.capture import eager_loss, load_model_file
 from autopart.plan import load_plan
-from autopart.runtime.data import global_batches, model_file
+from autopart.runtime.data import eval_batches, global_batches, model_file
 from autopart.runtime.materialise import materialise, meta_names
 from autopart.runtime.stage import stage_names
 from autopart.runtime.optim import make_optimizer
+from autopart.runtime.recipe import Recipe, parameter_groups
 from autopart.runtime.shards import load_stage_weights
 
 __all__ = ["ReferenceRun", "initial_weights", "train_reference"]
@@ -30,6 +34,7 @@ __all__ = ["ReferenceRun", "initial_weights", "train_reference"]
 class ReferenceRun:
     losses: list[float]
     parameters: dict[str, torch.Tensor]  # by the names the stages use
+    eval_losses: dict[int, float] = field(default_factory=dict)  # step -> mean held-out loss after it
 
 
 def initial_weights(out_dir: Path) -> dict[str, torch.Tensor]:
@@ -42,11 +47,15 @@ def initial_weights(out_dir: Path) -> dict[str, torch.Tensor]:
 
 def train_reference(
     out_dir: str | Path, *, steps: int, lr: float, optimizer: str, seed: int = 0, weights: Path | None = None,
-    dtype: str | None = None, device: str = "cpu",
+    dtype: str | None = None, device: str = "cpu", recipe: Recipe | None = None, eval_every: int = 0,
+    eval_batch_count: int = 1,
 ) -> ReferenceRun:
     """``weights`` is the checkpoint the programs were started from (``train.py --weights``), if any;
     ``dtype`` the precision, by default the plan's; ``device`` where it trains (``"cuda"``: the
-    current GPU, to compare with programs that ran on GPUs: autocast and kernels differ by device)."""
+    current GPU, to compare with programs that ran on GPUs: autocast and kernels differ by device);
+    ``recipe`` the schedule, decay and clipping of train.py's flags; ``eval_every`` and
+    ``eval_batch_count``: train.py's ``--eval-every`` and ``--eval-batches``."""
+    recipe = recipe or Recipe()
     out_dir = Path(out_dir)
     plan = load_plan(out_dir / "plan.json")
     spec = load_model_file(model_file(out_dir, plan))
@@ -62,19 +71,32 @@ def train_reference(
                 named[name].copy_(value)
     held = [name for stage in plan.stages for name in stage_names(out_dir, stage.index)]
     model.to(device)
-    params = [p for p in model.parameters()]
-    opt = make_optimizer(optimizer, params, lr)
-    data = global_batches(spec, plan.schedule.global_batch_size, seed)
-    losses = []
-    for _ in range(steps):
-        inputs, target = next(data)
+    groups = parameter_groups(model.named_parameters(), weight_decay=recipe.weight_decay,
+                              embeddings=plan.embedding_parameters)
+    opt = make_optimizer(optimizer, groups, lr)
+    scheduler = recipe.scheduler(opt, lr, steps)
+    batch_size = plan.schedule.global_batch_size
+    data = global_batches(spec, batch_size, seed)
+    held_out = eval_batches(spec, batch_size, seed, eval_batch_count) if eval_every else []
+
+    def loss_of(inputs: tuple, target: Any) -> torch.Tensor:
         inputs = tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in inputs)
         target = target.to(device) if isinstance(target, torch.Tensor) else target
         with precision(dtype or plan.dtype, torch.device(device).type):
-            loss = eager_loss(spec, inputs, target)
+            return eager_loss(spec, inputs, target)
+
+    losses, evaluations = [], {}
+    for step in range(steps):
+        loss = loss_of(*next(data))
         loss.backward()
+        if recipe.clip_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.clip_grad_norm)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        scheduler.step()
         losses.append(loss.item())
+        if eval_every and (step + 1) % eval_every == 0:
+            with torch.no_grad():
+                evaluations[step] = sum(loss_of(*batch).item() for batch in held_out) / len(held_out)
     final = {name: named[name].detach().cpu().clone() for name in held}
-    return ReferenceRun(losses=losses, parameters=final)
+    return ReferenceRun(losses=losses, parameters=final, eval_losses=evaluations)

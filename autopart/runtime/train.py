@@ -4,6 +4,8 @@
         [--seed S] [--metrics FILE] [--trace FILE] [--action-times DIR] [--save-weights DIR] [--timeout S]
         [--weights CKPT.safetensors]
         [--checkpoint-dir DIR] [--checkpoint-every K] [--resume]
+        [--lr-schedule constant|cosine|linear] [--warmup-steps N] [--min-lr X] [--clip-grad-norm X]
+        [--weight-decay X] [--eval-every K] [--eval-batches N] [--tensorboard DIR]
 
 Each rank builds its stage from ``stages/stage_<k>.py`` and ``weights/stage_<k>.safetensors``
 (or, with ``--weights CKPT``, the stage's tensors of a whole-model safetensors checkpoint; or,
@@ -11,7 +13,12 @@ for a model built on the meta device, the model's initialisers run for the stage
 draws the same global batches as every other rank, runs its action list of the plan's schedule
 (each forward in the plan's precision and with its stage's recompute, `autopart.runtime.forward`),
 sums the gradients of parameters that several stages hold (tied embeddings), and steps its
-optimizer. NCCL when CUDA is present, gloo otherwise (`autopart.runtime.device`).
+optimizer, with the `autopart.runtime.recipe` of the flags (learning-rate schedule, weight
+decay by parameter, clipping of the whole model's gradient norm, `autopart.runtime.gradients`).
+Every ``--eval-every`` K steps it runs the pipeline's forwards alone on ``--eval-batches`` held-out
+batches (`autopart.runtime.data.eval_batches`). Rank 0 reports each step's loss, tokens/s,
+TFLOP/s per device and MFU (`autopart.runtime.progress`). NCCL when CUDA is present, gloo
+otherwise (`autopart.runtime.device`).
 ``--trace FILE`` writes the measured timeline of the last step as a Chrome trace, in the form of
 compile's predicted ``trace.json``; ``--action-times DIR`` has each rank write ``DIR/rank_<r>.jsonl``, a line per step with the wall
 and CPU seconds of every action and of the step's tail (tied gradients, optimizer), which
@@ -29,6 +36,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -37,7 +45,7 @@ from safetensors.torch import save_file
 from autopart.capture import load_model_file
 from autopart.errors import AutopartError, ConfigError, OneLineParser
 from autopart.plan import Plan, load_plan
-from autopart.runtime.data import global_batches, model_file, split_microbatches
+from autopart.runtime.data import eval_batches, global_batches, model_file, split_microbatches
 from autopart.runtime.checkpoint import CheckpointContext, restarted
 from autopart.runtime.device import StepTimer, backend, compute_device, peak_memory_bytes
 from autopart.runtime.device import tensor as device_tensor
@@ -45,7 +53,10 @@ from autopart.runtime.executor import ActionRecord, Executor, StageRuntime, Step
 from autopart.runtime.forward import StageForward
 from autopart.runtime.launch import check_launch, init_process_group, inject_failure
 from autopart.runtime.measure import StepClock, write_measured_trace
+from autopart.runtime.gradients import average_gradients, clip_gradients, sum_tied_gradients, tied_groups
 from autopart.runtime.optim import OPTIMIZERS, make_optimizer
+from autopart.runtime.progress import StepReporter, Throughput, check_tensorboard, tokens_in
+from autopart.runtime.recipe import Recipe, add_recipe_arguments, parameter_groups
 from autopart.runtime import collectives
 from autopart.runtime.mesh import Mesh, group_of
 from autopart.runtime.p2p import check_message_order
@@ -61,7 +72,9 @@ def parse_args(argv: list[str] | None, plan: Plan) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3)")
     parser.add_argument("--optimizer", choices=OPTIMIZERS, default=plan.optimizer)
     parser.add_argument("--seed", type=int, default=0, help="seed of the training batches (default 0)")
-    parser.add_argument("--metrics", type=Path, help="append one JSON line per step: step, loss, step_s, peak_memory_bytes (per rank)")
+    parser.add_argument("--metrics", type=Path,
+                        help="append one JSON line per step: step, loss, step_s, lr, peak_memory_bytes (per rank), "
+                        "tokens_per_s, tflops_per_device, mfu, and grad_norm, eval_loss when asked for")
     parser.add_argument("--trace", type=Path, help="write the measured timeline of the last step (Chrome trace JSON)")
     parser.add_argument("--action-times", type=Path,
                         help="each rank writes DIR/rank_<r>.jsonl: per step, each action's wall and CPU seconds")
@@ -73,7 +86,12 @@ def parse_args(argv: list[str] | None, plan: Plan) -> argparse.Namespace:
     parser.add_argument("--checkpoint-dir", type=Path, help="save checkpoints here (torch.distributed.checkpoint)")
     parser.add_argument("--checkpoint-every", type=int, default=0, help="save every K steps (default: at the end only)")
     parser.add_argument("--resume", action="store_true", help="continue from the latest good checkpoint in --checkpoint-dir")
+    add_recipe_arguments(parser)
+    parser.add_argument("--eval-every", type=int, default=0, help="every K steps, the mean loss on held-out batches")
+    parser.add_argument("--eval-batches", type=int, default=1, help="held-out global batches per evaluation (default 1)")
+    parser.add_argument("--tensorboard", type=Path, help="write scalars here (needs the tensorboard package)")
     return parser.parse_args(argv)
+
 
 
 def _write_action_times(folder: Path, rank: int, step: int, origin: float, record: list[ActionRecord],
@@ -113,7 +131,10 @@ def _train(out_dir: Path, argv: list[str] | None) -> None:
     check_launch(out_dir, plan, rank=rank, world_size=world_size)
     if args.resume and args.checkpoint_dir is None:
         raise ConfigError("--resume needs --checkpoint-dir DIR: the folder the checkpoints were saved in")
-    for flag, value, least in (("--steps", args.steps, 1), ("--checkpoint-every", args.checkpoint_every, 0)):
+    Recipe.from_args(args)
+    check_tensorboard(args.tensorboard)
+    for flag, value, least in (("--steps", args.steps, 1), ("--checkpoint-every", args.checkpoint_every, 0),
+                               ("--eval-every", args.eval_every, 0), ("--eval-batches", args.eval_batches, 1)):
         if value < least:
             raise ConfigError(f"{flag} must be at least {least}, got {value}")
     if not args.timeout > 0:
@@ -171,7 +192,7 @@ def _loop(
             prev_rank=peer(s - 1) if s > 0 else None,
             next_rank=peer(s + 1) if s < stage_count - 1 else None,
         )
-    tied_groups = _tied_groups(plan, mesh, rank)
+    tied = tied_groups(plan, mesh, rank)
     executor = Executor(
         rank=here.pp,
         stages=stages,
@@ -180,37 +201,62 @@ def _loop(
         microbatches=schedule_spec.microbatches,
         device=device,
     )
-    parameters = [p for stage in stages.values() for p in stage.module.parameters()]
-    optimizer = make_optimizer(args.optimizer, parameters, args.lr, zero_group=data_parallel if plan.zero else None)
+    modules = {s: stage.module for s, stage in stages.items()}
+    parameters = [p for module in modules.values() for p in module.parameters()]
+    recipe = Recipe.from_args(args)
+    named = [item for module in modules.values() for item in module.named_parameters()]
+    groups = parameter_groups(named, weight_decay=recipe.weight_decay, embeddings=plan.embedding_parameters)
+    optimizer = make_optimizer(args.optimizer, groups, args.lr, zero_group=data_parallel if plan.zero else None)
     spec = load_model_file(source_file, build=False)
     data = global_batches(spec, schedule_spec.global_batch_size, args.seed)
     holds_loss = stage_count - 1 in stages and here.tp == 0
     checkpointing = CheckpointContext(
-        root=args.checkpoint_dir, out_dir=out_dir, modules={s: stage.module for s, stage in stages.items()},
+        root=args.checkpoint_dir, out_dir=out_dir, modules=modules,
         optimizer=optimizer, optimizer_name=args.optimizer, rank=rank, dp_rank=here.dp, tp_rank=here.tp,
         zero=plan.zero, seed=args.seed,
     )  # fmt: skip
     first_step = checkpointing.resume() if args.checkpoint_dir and (args.resume or restarted()) else 0
     for _ in range(first_step):
         next(data)  # the data position: the batches of the steps already done
+    scheduler = recipe.scheduler(optimizer, args.lr, args.steps, done=first_step)
+    batch_size = schedule_spec.global_batch_size
+    held_out = eval_batches(spec, batch_size, args.seed, args.eval_batches) if args.eval_every else []
+    reporter = None
+    if holds_loss and here.dp == 0:
+        reporter = StepReporter(steps=args.steps, first_step=first_step, metrics=args.metrics,
+                                tensorboard=args.tensorboard)  # fmt: skip
+
+    def mean_loss(losses: list[torch.Tensor]) -> float:
+        """The mean over the global batch, of the microbatch losses held here (pipeline's last stage, tp 0)."""
+        loss = torch.stack(losses).to(torch.float64).mean().reshape(1)  # one host read per step, below
+        if data_parallel is not None:
+            dist.all_reduce(loss, group=data_parallel)
+        return loss.item() / mesh.dp
+
+    def shares(values: tuple) -> list[tuple]:
+        share = split_microbatches(values, mesh.dp)[here.dp]  # this replica's share of the global batch
+        return split_microbatches(share, schedule_spec.microbatches)
+
     for step in range(first_step, args.steps):
         inject_failure(rank, step)
         inputs, target = next(data)
-        values = (*inputs, target) if len(plan.graph_inputs) > len(inputs) else tuple(inputs)
-        share = split_microbatches(values, mesh.dp)[here.dp]  # this replica's share of the global batch
+        values = _graph_values(plan, inputs, target)
         clock = StepClock(device) if args.trace and step == args.steps - 1 else None
         record = clock.record if clock else [] if args.action_times else None
         timer = StepTimer(device)
-        losses = executor.step(split_microbatches(share, schedule_spec.microbatches), record=record, timer=timer)
+        losses = executor.step(shares(values), record=record, timer=timer)
         tail_start, tail_cpu = timer.mark(), time.thread_time()
-        for name, group in tied_groups:
-            _sum_tied_gradients(stages, name, group)
+        for name, group in tied:
+            sum_tied_gradients(modules, name, group)
         tied_end = timer.mark()
         if data_parallel is not None:
-            _average_gradients(parameters, data_parallel, mesh.dp)
+            average_gradients(parameters, data_parallel, mesh.dp)
+        norm = clip_gradients(modules, plan, here, recipe.clip_grad_norm) if recipe.clip_grad_norm else None
         optimizer_start = timer.mark()
+        lr = optimizer.param_groups[0]["lr"]
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
         end, tail_cpu = timer.stop(), time.thread_time() - tail_cpu
         if args.action_times:  # after the step's clock stopped
             marks = (timer.seconds(tail_start), end, tail_cpu, timer.seconds(tied_end), timer.seconds(optimizer_start))
@@ -218,18 +264,19 @@ def _loop(
         elapsed = device_tensor([end - timer.start], device)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         peaks = _peak_memory_per_rank(device) if args.metrics else []
+        evaluated = args.eval_every and (step + 1) % args.eval_every == 0
+        eval_losses: list[torch.Tensor] = []
+        for batch in held_out if evaluated else []:  # outside the step's clock
+            eval_losses += executor.evaluate(shares(_graph_values(plan, *batch)))
         if holds_loss:
-            loss = torch.stack(losses).to(torch.float64).mean().reshape(1)  # one host read per step, below
-            if data_parallel is not None:
-                dist.all_reduce(loss, group=data_parallel)
-            loss = loss.item() / mesh.dp
-            if here.dp == 0:
+            loss = mean_loss(losses)
+            eval_loss = mean_loss(eval_losses) if evaluated else None
+            if reporter is not None:
                 step_s = elapsed.item()
-                print(f"step {step} loss {loss:.6f} step_s {step_s:.4f}", flush=True)
-                if args.metrics:
-                    line = {"step": step, "loss": loss, "step_s": step_s, "peak_memory_bytes": peaks}
-                    with open(args.metrics, "a") as metrics:
-                        metrics.write(json.dumps(line) + "\n")
+                line = {"step": step, "loss": loss, "step_s": step_s, "peak_memory_bytes": peaks, "lr": lr}
+                line |= {"grad_norm": norm} if norm is not None else {}
+                line |= {"eval_loss": eval_loss} if eval_loss is not None else {}
+                reporter.step(line, Throughput.of(plan, tokens=tokens_in(inputs), step_s=step_s))
         if clock is not None:
             name = Path(plan.provenance.model_file).name
             title = f"measured: {name}, {schedule_spec.kind}, pp={mesh.pp}, step {step}"
@@ -247,6 +294,8 @@ def _loop(
         done = step + 1
         if args.checkpoint_dir and (done == args.steps or (args.checkpoint_every and done % args.checkpoint_every == 0)):
             checkpointing.save(done)
+    if reporter is not None:
+        reporter.close()
     if args.save_weights and here.dp == 0:
         args.save_weights.mkdir(parents=True, exist_ok=True)
         for s, stage in stages.items():
@@ -254,41 +303,9 @@ def _loop(
             save_file(state, str(args.save_weights / weights_file_name(s, here.tp, mesh.tp)))
 
 
-def _tied_groups(plan: Plan, mesh: Mesh, rank: int) -> list[tuple[str, dist.ProcessGroup]]:
-    """One group per tied parameter and (dp, tp) slice: the pipeline ranks that hold a copy.
-    Every rank creates every group, in the same order, as torch.distributed requires."""
-    mine = []
-    for name, holders in sorted(plan.tied_parameters.items()):
-        pipeline_ranks = sorted({plan.stages[s].rank for s in holders})
-        for dp in range(mesh.dp):
-            for tp in range(mesh.tp):
-                ranks = [mesh.rank(dp=dp, pp=p, tp=tp) for p in pipeline_ranks]
-                group = dist.new_group(ranks)
-                if rank in ranks:
-                    mine.append((name, group))
-    return mine
-
-
-def _average_gradients(parameters: list[torch.nn.Parameter], group: dist.ProcessGroup, size: int) -> None:
-    """Mean of the gradients over the data-parallel group, in buckets of about 25 MB."""
-    bucket: list[torch.Tensor] = []
-    filled = 0
-    grads = [p.grad for p in parameters if p.grad is not None]
-    for i, grad in enumerate(grads):
-        bucket.append(grad)
-        filled += grad.numel() * grad.element_size()
-        if filled >= _BUCKET_BYTES or i == len(grads) - 1:
-            flat = torch.cat([g.reshape(-1) for g in bucket])
-            dist.all_reduce(flat, group=group)
-            flat /= size
-            offset = 0
-            for g in bucket:
-                g.copy_(flat[offset : offset + g.numel()].view_as(g))
-                offset += g.numel()
-            bucket, filled = [], 0
-
-
-_BUCKET_BYTES = 25 * 1024 * 1024
+def _graph_values(plan: Plan, inputs: tuple, target: Any) -> tuple:
+    """A batch as the graph's inputs: the model's inputs, then the target when there is a loss_fn."""
+    return (*inputs, target) if len(plan.graph_inputs) > len(inputs) else tuple(inputs)
 
 
 def _peak_memory_per_rank(device: torch.device) -> list[int]:
@@ -296,15 +313,3 @@ def _peak_memory_per_rank(device: torch.device) -> list[int]:
     gathered = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, device_tensor([peak_memory_bytes(device)], device, torch.int64))
     return torch.cat(gathered).tolist()
-
-
-def _sum_tied_gradients(stages: dict[int, StageRuntime], name: str, group: dist.ProcessGroup) -> None:
-    """Every copy of a parameter held by several stages gets the sum of all copies' gradients."""
-    copies = [p for stage in stages.values() for n, p in stage.module.named_parameters() if n == name]
-    total = torch.zeros_like(copies[0])
-    for copy in copies:
-        if copy.grad is not None:
-            total += copy.grad
-    dist.all_reduce(total, group=group)
-    for copy in copies:
-        copy.grad = total.clone()

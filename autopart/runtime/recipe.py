@@ -1,0 +1,134 @@
+"""How the parameters move each step, beyond the optimizer's kind: the learning-rate schedule,
+weight decay by parameter, and gradient clipping's factor.
+
+``train.py``, the single-process reference (`autopart.runtime.reference`) and ``autopart verify``
+all read one `Recipe`, so that the distributed programs and the original model are updated by the
+same arithmetic: a schedule is a function of the step alone, a parameter's decay a function of its
+name and shape alone, and the clipping factor a function of the global gradient norm alone.
+
+Weight decay, the rule: a parameter is decayed when it has two or more dimensions and is not an
+embedding table (a weight of an ``nn.Embedding`` or ``nn.EmbeddingBag``, under every name it has,
+so a language-model head tied to the token embedding is not decayed either). Biases and the weights
+of norms are 1-D, so none of them is decayed: what most LLM recipes do (nanoGPT, torchtitan, the
+Llama and GPT-3 papers). The embedding names are found at compile time from the model's modules
+and kept in ``plan.embedding_parameters``: a stage module no longer holds ``nn.Embedding``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+
+from autopart.errors import ConfigError
+
+__all__ = ["LR_SCHEDULES", "Recipe", "add_recipe_arguments", "embedding_parameters", "parameter_groups", "clip_factor"]
+
+LR_SCHEDULES = ("constant", "cosine", "linear")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Recipe:
+    """The train.py flags that decide an update beyond ``--optimizer`` and ``--lr``."""
+
+    lr_schedule: str = "constant"
+    """``constant``, ``cosine`` or ``linear``: how the rate falls from ``--lr`` to ``min_lr`` after warmup."""
+    warmup_steps: int = 0
+    """Steps over which the rate rises linearly, ``lr * (s + 1) / (warmup + 1)`` at step s (nanoGPT's ramp)."""
+    min_lr: float = 0.0
+    """The rate that cosine and linear decay reach at the last step."""
+    clip_grad_norm: float | None = None
+    """Scale every gradient by ``min(1, X / (norm + 1e-6))``, the norm over the whole model (as
+    ``torch.nn.utils.clip_grad_norm_``); None: no clipping."""
+    weight_decay: float | None = None
+    """Decoupled decay of the decayed parameters (module docstring); None: the optimizer's default
+    (AdamW 0.01, SGD 0). The others are never decayed."""
+
+    def __post_init__(self) -> None:
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ConfigError(f"unknown --lr-schedule {self.lr_schedule!r}; use one of {', '.join(LR_SCHEDULES)}")
+        if self.warmup_steps < 0:
+            raise ConfigError(f"--warmup-steps must be at least 0, got {self.warmup_steps}")
+        if self.min_lr < 0:
+            raise ConfigError(f"--min-lr must be at least 0, got {self.min_lr:g}")
+        if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
+            raise ConfigError(f"--clip-grad-norm must be a positive norm, got {self.clip_grad_norm:g}")
+        if self.weight_decay is not None and self.weight_decay < 0:
+            raise ConfigError(f"--weight-decay must be at least 0, got {self.weight_decay:g}")
+
+    @staticmethod
+    def from_args(args: argparse.Namespace) -> Recipe:
+        """The recipe of the flags of `add_recipe_arguments`; raises ConfigError for values out of range."""
+        return Recipe(lr_schedule=args.lr_schedule, warmup_steps=args.warmup_steps, min_lr=args.min_lr,
+                      clip_grad_norm=args.clip_grad_norm, weight_decay=args.weight_decay)
+
+    def train_args(self) -> list[str]:
+        """The train.py flags that give this recipe (for ``autopart verify`` and tests)."""
+        args = ["--lr-schedule", self.lr_schedule, "--warmup-steps", str(self.warmup_steps)]
+        args += ["--min-lr", repr(self.min_lr)]
+        if self.clip_grad_norm is not None:
+            args += ["--clip-grad-norm", repr(self.clip_grad_norm)]
+        if self.weight_decay is not None:
+            args += ["--weight-decay", repr(self.weight_decay)]
+        return args
+
+    def lr_factor(self, lr: float, steps: int) -> Callable[[int], float]:
+        """The multiplier of ``lr`` at each step (0-based), for ``torch.optim.lr_scheduler.LambdaLR``."""
+        floor = self.min_lr / lr if lr > 0 else 0.0
+        warmup, kind = self.warmup_steps, self.lr_schedule
+
+        def factor(step: int) -> float:
+            if step < warmup:
+                return (step + 1) / (warmup + 1)
+            if kind == "constant":
+                return 1.0
+            progress = min(1.0, (step - warmup) / max(1, steps - 1 - warmup))
+            falling = 0.5 * (1.0 + math.cos(math.pi * progress)) if kind == "cosine" else 1.0 - progress
+            return floor + (1.0 - floor) * falling
+
+        return factor
+
+    def scheduler(self, optimizer: torch.optim.Optimizer, lr: float, steps: int, *, done: int = 0):
+        """The LambdaLR of this schedule over ``steps``, advanced past the ``done`` steps of a resumed run."""
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, self.lr_factor(lr, steps))
+        for _ in range(done):
+            scheduler.step()
+        return scheduler
+
+
+def add_recipe_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of a `Recipe`, shared by train.py and ``autopart verify``."""
+    parser.add_argument("--lr-schedule", choices=LR_SCHEDULES, default="constant",
+                        help="after warmup, keep --lr or decay it to --min-lr by the last step (default constant)")
+    parser.add_argument("--warmup-steps", type=int, default=0, help="steps of linear warmup to --lr (default 0)")
+    parser.add_argument("--min-lr", type=float, default=0.0, help="the rate cosine and linear reach (default 0)")
+    parser.add_argument("--clip-grad-norm", type=float, help="clip the whole model's gradient norm to X")
+    parser.add_argument("--weight-decay", type=float,
+                        help="decay of the weights of 2+ dims that are no embedding (default: the optimizer's)")
+
+
+def embedding_parameters(model: torch.nn.Module) -> tuple[str, ...]:
+    """Every name (tied aliases included) of the weights of the model's embedding modules; works on
+    the meta device."""
+    tables = {id(m.weight) for m in model.modules() if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag))}
+    return tuple(n for n, p in model.named_parameters(remove_duplicate=False) if id(p) in tables)
+
+
+def parameter_groups(
+    named: Iterable[tuple[str, torch.nn.Parameter]], *, weight_decay: float | None, embeddings: Iterable[str]
+) -> list[dict]:
+    """The optimizer's parameter groups: decayed parameters, then the others at decay 0 (module docstring)."""
+    tables = set(embeddings)
+    decayed, kept = [], []
+    for name, parameter in named:
+        (decayed if parameter.ndim >= 2 and name not in tables else kept).append(parameter)
+    first = {"params": decayed} if weight_decay is None else {"params": decayed, "weight_decay": weight_decay}
+    return [group for group in (first, {"params": kept, "weight_decay": 0.0}) if group["params"]]
+
+
+def clip_factor(total_norm: float, max_norm: float) -> float:
+    """What ``torch.nn.utils.clip_grad_norm_`` multiplies every gradient by."""
+    return min(1.0, max_norm / (total_norm + 1e-6))

@@ -1,0 +1,62 @@
+"""A training loop of your own, written against torch.distributed.pipelining, running an autopart plan.
+
+    autopart compile examples/gpt.py -o out --pp 2 --microbatches 4 --schedule 1f1b
+    torchrun --nproc-per-node 2 examples/pipelining_loop.py out --steps 10
+
+Every rank builds its stages of the plan (`autopart.pipelining.build_stages`), takes the
+plan's torch schedule class, and steps it on the batches that ``out/train.py`` would draw, with
+the same optimizer: the losses it prints are ``train.py``'s. Replace the loop's body with your
+own (another optimizer, your data, logging): the stages and the schedule are torch's own objects.
+This file is a script, not a model file: it defines no ``build_model``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from autopart.pipelining import build_stages
+from autopart.runtime.device import backend, compute_device
+from autopart.runtime.recipe import parameter_groups
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=Path, help="an output directory of autopart compile")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--weight-decay", type=float, default=0.01, help="as train.py --weight-decay (default 0.01)")
+    parser.add_argument("--seed", type=int, default=0, help="of the training batches, as train.py --seed")
+    args = parser.parse_args()
+
+    device = compute_device()
+    dist.init_process_group(backend(device))
+    try:
+        pipeline = build_stages(args.out, device=device)
+        schedule = pipeline.schedule()
+        # train.py's AdamW on a CPU (one tensor at a time), decaying what train.py decays
+        groups = parameter_groups(pipeline.named_parameters(), weight_decay=args.weight_decay,
+                                  embeddings=pipeline.plan.embedding_parameters)
+        optimizer = torch.optim.AdamW(groups, lr=args.lr, foreach=False)
+        for step, (inputs, target) in enumerate(itertools.islice(pipeline.batches(args.seed), args.steps)):
+            losses: list[torch.Tensor] = []
+            schedule.step(**pipeline.step_inputs(inputs, target), losses=losses, return_outputs=False)
+            pipeline.reduce_gradients()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if pipeline.is_last:
+                loss = torch.stack(losses).double().mean().reshape(1)
+                if pipeline.groups.dp is not None:
+                    dist.all_reduce(loss, group=pipeline.groups.dp)
+                if pipeline.coordinates.dp == 0 and pipeline.coordinates.tp == 0:
+                    print(f"step {step} loss {loss.item() / pipeline.plan.mesh['dp']:.6f}", flush=True)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

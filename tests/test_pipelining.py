@@ -1,0 +1,65 @@
+"""`autopart.pipelining`: a plan's stages as torch.distributed.pipelining objects, driven by
+torch's own schedules from a loop of one's own (``examples/pipelining_loop.py`` under torchrun),
+train as the generated ``train.py`` does: the same losses, step by step."""
+
+import re
+import subprocess
+import sys
+
+import pytest
+from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+from autopart.compiler import CompileOptions, compile_to_directory
+from autopart.local_run import free_port
+from autopart.pipelining import TORCH_SCHEDULES
+from autopart.schedule import SCHEDULE_KINDS
+from tests.distributed import FREE_LINKS, REPO, environment, read_metrics, run_ranks
+
+STEPS = 3
+
+
+def test_every_schedule_kind_has_a_torch_class():
+    assert set(TORCH_SCHEDULES) == set(SCHEDULE_KINDS)
+    assert TORCH_SCHEDULES["gpipe"] is ScheduleGPipe and TORCH_SCHEDULES["1f1b"] is Schedule1F1B
+    assert TORCH_SCHEDULES["interleaved"] is ScheduleInterleaved1F1B
+
+
+def _example_losses(out, nproc: int) -> list[float]:
+    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1",
+               f"--master-port={free_port()}", str(REPO / "examples" / "pipelining_loop.py"), str(out),
+               "--steps", str(STEPS), "--lr", "1e-3", "--weight-decay", "0.1"]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=environment())
+    assert result.returncode == 0, result.stderr[-6000:]
+    return [float(x) for x in re.findall(r"^step \d+ loss (\S+)$", result.stdout, re.MULTILINE)]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    "schedule, chunks, dp, tp",
+    [("1f1b", 1, 1, 1), ("interleaved", 2, 1, 1), ("zb-h1", 1, 1, 1), ("1f1b", 1, 2, 1), ("1f1b", 1, 1, 2)],
+)
+def test_the_example_loop_trains_as_train_py(tmp_path, schedule, chunks, dp, tp):
+    out = tmp_path / "out"
+    plan, _ = compile_to_directory(
+        CompileOptions(model=REPO / "examples" / "gpt.py", pp=2, dp=dp, tp=tp, microbatches=4, global_batch_size=8 * dp,
+                       schedule=schedule, chunks=chunks, optimizer="adamw", device=str(FREE_LINKS)),
+        out,
+    )  # fmt: skip
+    assert plan.tied_parameters, "gpt's tied head: the example sums its gradient over the stages"
+    if tp > 1:
+        assert any(stage.parameter_placements for stage in plan.stages), "weights split: collectives inside the stages"
+    metrics = tmp_path / "metrics.jsonl"
+    run_ranks(out, plan.world_size, "--steps", str(STEPS), "--lr", "1e-3", "--optimizer", "adamw",
+              "--weight-decay", "0.1", "--metrics", str(metrics))  # fmt: skip
+    expected = [m["loss"] for m in read_metrics(metrics)]
+    assert _example_losses(out, plan.world_size) == pytest.approx(expected, abs=2e-6)  # printed to 6 decimals
+
+
+def test_build_stages_needs_a_process_group(tmp_path):
+    from autopart.errors import ConfigError
+    from autopart.pipelining import build_stages
+
+    out = tmp_path / "out"
+    compile_to_directory(CompileOptions(model=REPO / "examples" / "gpt.py", pp=2, microbatches=2, micro_batch_size=2), out)
+    with pytest.raises(ConfigError, match="call torch.distributed.init_process_group first"):
+        build_stages(out)

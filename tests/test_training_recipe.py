@@ -1,0 +1,262 @@
+"""train.py's learning-rate schedules, weight decay by parameter, gradient clipping and held-out
+evaluation: the rules in one process, then the programs under pp x dp and pp x tp against the
+single-process reference (torch's LambdaLR and clip_grad_norm_ on the original model)."""
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from autopart.compiler import CompileOptions, compile_to_directory
+from autopart.errors import ConfigError
+from autopart.runtime.recipe import Recipe, clip_factor, embedding_parameters, parameter_groups
+from autopart.runtime.reference import train_reference
+from autopart.runtime.shards import load_stage_weights
+from tests.distributed import (
+    FREE_LINKS, REPO, assert_same_training, compile_and_train, read_metrics, run_cli, run_ranks,
+)
+
+RECIPE = Recipe(lr_schedule="cosine", warmup_steps=1, min_lr=1e-4, clip_grad_norm=0.05, weight_decay=0.1)
+STEPS = 4
+
+
+@pytest.mark.parametrize(
+    "schedule, factors",
+    [
+        ("constant", [1 / 3, 2 / 3, 1, 1, 1]),
+        ("linear", [1 / 3, 2 / 3, 1, 0.55, 0.1]),  # to min_lr / lr = 0.1 at the last step
+        ("cosine", [1 / 3, 2 / 3, 1, 0.1 + 0.9 * 0.5, 0.1]),
+    ],
+)
+def test_lr_factor_warms_up_then_falls_to_min_lr_at_the_last_step(schedule, factors):
+    factor = Recipe(lr_schedule=schedule, warmup_steps=2, min_lr=0.1).lr_factor(1.0, 5)
+    assert [factor(s) for s in range(5)] == pytest.approx(factors)
+
+
+def test_cosine_factor_is_half_a_cosine():
+    factor = Recipe(lr_schedule="cosine").lr_factor(2.0, 9)
+    assert [factor(s) for s in range(9)] == pytest.approx([0.5 * (1 + math.cos(math.pi * s / 8)) for s in range(9)])
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"lr_schedule": "step"}, "unknown --lr-schedule 'step'"),
+        ({"warmup_steps": -1}, "--warmup-steps must be at least 0"),
+        ({"clip_grad_norm": 0.0}, "--clip-grad-norm must be a positive norm"),
+        ({"weight_decay": -0.1}, "--weight-decay must be at least 0"),
+        ({"min_lr": -1.0}, "--min-lr must be at least 0"),
+    ],
+)
+def test_a_recipe_out_of_range_is_a_config_error(options, message):
+    with pytest.raises(ConfigError, match=message):
+        Recipe(**options)
+
+
+def test_decay_skips_biases_norms_and_every_name_of_a_tied_embedding():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpt_example", REPO / "examples" / "gpt.py")
+    gpt = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpt)
+    with torch.device("meta"):
+        model = gpt.build_model()
+    tables = embedding_parameters(model)
+    assert {"wte.weight", "wpe.weight"} <= set(tables)
+    assert "lm_head.weight" in tables, "tied to wte: the same tensor, not decayed either"
+    decayed, kept = parameter_groups(model.named_parameters(), weight_decay=0.1, embeddings=tables)
+    assert decayed["weight_decay"] == 0.1 and kept["weight_decay"] == 0.0
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert all(p.ndim == 2 for p in decayed["params"])
+    assert not {names[id(p)] for p in decayed["params"]} & set(tables)
+    assert any(names[id(p)].endswith(".bias") for p in kept["params"])
+    assert any(p.ndim == 1 and not names[id(p)].endswith(".bias") for p in kept["params"]), "norm weights"
+
+
+def test_clip_factor_is_torchs():
+    grads = [torch.randn(3, 4) * 5, torch.randn(7)]
+    params = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
+    for p, g in zip(params, grads):
+        p.grad = g.clone()
+    norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
+    total = math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads))
+    assert total == pytest.approx(float(norm), rel=1e-6)
+    torch.testing.assert_close(params[0].grad, grads[0] * clip_factor(total, 1.0))
+    assert clip_factor(0.5, 1.0) == 1.0
+
+
+def _train(tmp_path: Path, *, pp: int, tp: int, dp: int, zero: bool = False, eval_every: int = 0):
+    out = tmp_path / "out"
+    microbatches = 2 * pp
+    plan, _ = compile_to_directory(
+        CompileOptions(model=REPO / "examples" / "gpt.py", pp=pp, tp=tp, dp=dp, zero=zero, microbatches=microbatches,
+                       global_batch_size=microbatches * dp, optimizer="adamw", device=str(FREE_LINKS)),
+        out,
+    )  # fmt: skip
+    metrics = tmp_path / "metrics.jsonl"
+    evaluation = ["--eval-every", str(eval_every), "--eval-batches", "2"] if eval_every else []
+    run_ranks(out, pp * tp * dp, "--steps", str(STEPS), "--lr", "1e-3", "--optimizer", "adamw", *RECIPE.train_args(),
+              *evaluation, "--metrics", str(metrics), "--save-weights", str(tmp_path / "final"), timeout=400)
+    return plan, out, read_metrics(metrics), load_stage_weights(plan, tmp_path / "final")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("pp, tp, dp, zero", [(2, 1, 2, False), (2, 2, 1, False), (1, 1, 2, True)])
+def test_cosine_warmup_clipping_and_decay_train_like_one_process(tmp_path, pp, tp, dp, zero):
+    """Losses, learning rates, held-out losses and final weights equal the reference's under pp x dp,
+    pp x tp, and ZeRO-1 (where the schedule's rate must reach each replica's sharded optimizer)."""
+    plan, out, metrics, finals = _train(tmp_path, pp=pp, tp=tp, dp=dp, zero=zero, eval_every=2)
+    if pp > 1:
+        assert plan.tied_parameters, "gpt's tied head: a parameter held by two stages, its norm counted once"
+    if tp > 1:
+        assert any(stage.parameter_placements for stage in plan.stages), "some weight is sharded"
+    reference = train_reference(out, steps=STEPS, lr=1e-3, optimizer="adamw", recipe=RECIPE, eval_every=2,
+                                eval_batch_count=2)
+    losses = torch.tensor([m["loss"] for m in metrics], dtype=torch.float64)
+    torch.testing.assert_close(losses, torch.tensor(reference.losses, dtype=torch.float64), rtol=1e-5, atol=1e-6)
+    assert all(m["grad_norm"] > RECIPE.clip_grad_norm for m in metrics), "the clipping bites at every step"
+    lrs = [m["lr"] for m in metrics]
+    factor = RECIPE.lr_factor(1e-3, STEPS)
+    assert lrs == pytest.approx([1e-3 * factor(s) for s in range(STEPS)])
+    evaluated = {m["step"]: m["eval_loss"] for m in metrics if "eval_loss" in m}
+    assert set(evaluated) == {1, 3} == set(reference.eval_losses)
+    for step, loss in evaluated.items():
+        assert loss == pytest.approx(reference.eval_losses[step], rel=1e-5, abs=1e-6)
+    # Adam divides by sqrt(v): an element whose gradient is at float-noise level moves by a noisy
+    # fraction of one step, so parameters agree to 1% of a step (lr * 1e-2), as in test_pipeline_equivalence
+    for weights in finals.values():
+        for name, value in weights.items():
+            torch.testing.assert_close(value, reference.parameters[name], rtol=1e-5, atol=1e-5, msg=name)
+    assert all(m["tokens_per_s"] > 0 and m["tflops_per_device"] > 0 and 0 < m["mfu"] for m in metrics)
+
+
+def test_the_plan_holds_the_models_flops_and_the_devices_peak():
+    import autopart
+
+    plan = autopart.compile(REPO / "examples" / "gpt.py", microbatches=2, micro_batch_size=2, device="h100-sxm",
+                            dtype="bf16")  # fmt: skip
+    assert plan.predicted.peak_flops == 989e12
+    parameters = sum(stage.parameter_bytes for stage in plan.stages) / 4
+    tokens = plan.schedule.global_batch_size * 32  # gpt's block_size
+    # 6 N T: the matrix products' forward and backward (attention's and the embeddings' aside)
+    assert 0.5 < plan.predicted.model_flops_per_step / (6 * parameters * tokens) < 3
+
+
+def test_tensorboard_without_the_package_is_one_line(tmp_path, monkeypatch):
+    import importlib.util
+
+    from autopart.runtime.progress import check_tensorboard
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ConfigError, match="--tensorboard needs the tensorboard package"):
+        check_tensorboard(tmp_path)
+
+
+def test_verify_takes_the_recipe_flags():
+    result = run_cli("verify", "--help")
+    assert "--clip-grad-norm" in result.stdout and "--lr-schedule" in result.stdout
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("schedule, chunks", [("zb-h1", 1), ("interleaved", 2)])
+def test_evaluation_runs_the_forwards_of_any_schedule(tmp_path, schedule, chunks):
+    """The held-out loss, forward only through split-backward and interleaved schedules, is the
+    reference's; SGD with the recipe: parameters to fp32 tolerance."""
+    run = compile_and_train(tmp_path, "gpt", pp=2, microbatches=4, schedule=schedule, chunks=chunks, steps=2,
+                            train_args=("--eval-every", "1", "--eval-batches", "2", *RECIPE.train_args()))
+    reference = train_reference(run.out, steps=2, lr=0.1, optimizer="sgd", recipe=RECIPE, eval_every=1,
+                                eval_batch_count=2)
+    assert [m["eval_loss"] for m in run.metrics] == pytest.approx([reference.eval_losses[s] for s in range(2)],
+                                                                  rel=1e-5, abs=1e-6)  # fmt: skip
+    assert_same_training(run, optimizer="sgd", lr=0.1, recipe=RECIPE)
+
+
+@pytest.mark.multiprocess
+def test_a_resumed_run_continues_the_schedule(tmp_path):
+    """Stopped after step 2 and resumed with the same --steps, the rate goes on where it was:
+    bit-identical to one run."""
+    out = tmp_path / "out"
+    compile_to_directory(CompileOptions(model=REPO / "examples" / "gpt.py", pp=2, microbatches=2, micro_batch_size=2,
+                                        optimizer="adamw"), out)  # fmt: skip
+    folders = {name: tmp_path / name for name in ("whole", "parts")}
+
+    def train(folder: Path, steps: int, *extra: str) -> None:
+        folder.mkdir(exist_ok=True)
+        run_ranks(out, 2, "--steps", str(steps), "--optimizer", "adamw", "--lr", "0.01", *RECIPE.train_args(),
+                  "--metrics", str(folder / "metrics.jsonl"), "--checkpoint-dir", str(folder / "ckpt"), *extra)
+
+    train(folders["whole"], 4)
+    train(folders["parts"], 2)
+    (folders["parts"] / "metrics.jsonl").unlink()
+    train(folders["parts"], 4, "--resume")
+    resumed, whole = read_metrics(folders["parts"] / "metrics.jsonl"), read_metrics(folders["whole"] / "metrics.jsonl")
+    assert [(m["step"], m["lr"], m["loss"]) for m in resumed] == [(m["step"], m["lr"], m["loss"]) for m in whole[2:]]
+
+
+@pytest.mark.multiprocess
+def test_verify_applies_the_recipe(tmp_path):
+    out = tmp_path / "out"
+    compile_to_directory(CompileOptions(model=REPO / "examples" / "gpt.py", pp=2, microbatches=2,
+                                        micro_batch_size=2), out)  # fmt: skip
+    result = run_cli("verify", str(out), "--steps", "3", *RECIPE.train_args())
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "match the original model" in " ".join(result.stdout.split())
+
+
+def test_eval_batches_come_from_the_model_file_when_it_has_them(tmp_path):
+    from autopart.capture import load_model_file
+    from autopart.runtime.data import eval_batches, global_batches
+
+    model = tmp_path / "model.py"
+    model.write_text(
+        "import torch\n"
+        "def build_model():\n    return torch.nn.Linear(3, 1)\n"
+        "def example_batch(b):\n    return (torch.zeros(b, 3),), torch.zeros(b, 1)\n"
+        "def loss_fn(out, target):\n    return ((out - target) ** 2).mean()\n"
+        "def eval_batches(b, seed):\n    for i in range(2):\n"
+        "        yield (torch.full((b, 3), float(i + seed)),), torch.zeros(b, 1)\n"
+    )  # fmt: skip
+    spec = load_model_file(model, build=False)
+    batches = eval_batches(spec, 4, 10, 2)
+    assert [float(inputs[0][0, 0]) for inputs, _ in batches] == [10.0, 11.0]
+    with pytest.raises(ConfigError, match="gave 2 batches but --eval-batches is 3"):
+        eval_batches(spec, 4, 10, 3)
+    spec = load_model_file(REPO / "examples" / "gpt.py", build=False)
+    held_out, training = eval_batches(spec, 2, 0, 1)[0], next(global_batches(spec, 2, 0))
+    assert not torch.equal(held_out[0][0], training[0][0]), "synthetic held-out batches are not the training ones"
+
+
+def test_tensorboard_gets_every_scalar(tmp_path, monkeypatch):
+    import sys
+    import types
+
+    from autopart.runtime.progress import StepReporter, Throughput
+
+    written: list[tuple[str, float, int]] = []
+
+    class Writer:
+        def __init__(self, folder):
+            assert folder == str(tmp_path)
+
+        def add_scalar(self, tag, value, step):
+            written.append((tag, value, step))
+
+        def close(self):
+            written.append(("closed", 0, 0))
+
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", types.SimpleNamespace(SummaryWriter=Writer))
+    reporter = StepReporter(steps=2, first_step=0, metrics=tmp_path / "m.jsonl", tensorboard=tmp_path)
+    reporter.step({"step": 0, "loss": 2.0, "step_s": 0.5, "lr": 1e-3, "eval_loss": 2.5},
+                  Throughput(tokens_per_s=10.0, tflops_per_device=1.0, mfu=0.25))  # fmt: skip
+    reporter.close()
+    tags = {tag: value for tag, value, _ in written}
+    assert tags["train/loss"] == 2.0 and tags["eval/loss"] == 2.5 and tags["train/mfu"] == 0.25 and "closed" in tags
+    assert read_metrics(tmp_path / "m.jsonl")[0]["tokens_per_s"] == 10.0
+
+
+def test_tokens_are_the_token_ids_else_the_samples():
+    from autopart.runtime.progress import tokens_in
+
+    assert tokens_in((torch.zeros(4, 32, dtype=torch.long),)) == 128
+    assert tokens_in((torch.zeros(4, 3),)) == 4
