@@ -247,7 +247,8 @@ def _message_times(messages: dict[tuple[int, int, int, str], tuple[float, float]
         if start >= send[1] + ARRIVED_S:
             receives.append(end - start)
         elif start <= send[0]:
-            waited.append(end - send[1])
+            # not below 0: a sender descheduled after its data left records its end after the receive's
+            waited.append(max(0.0, end - send[1]))
     if not (sends and receives and waited):
         return None, None, None, None
     send_s, recv_s, waited_s = statistics.median(sends), statistics.median(receives), statistics.median(waited)

@@ -137,6 +137,9 @@ def test_messages_are_paired_on_the_hosts_clock():
     # gloo completes a receive that waited as its send ends, sooner than one whose data came first
     quick = {**messages, (5, 0, 0, "1RECV_F0"): (0.999, 1.0 + 0.25 * ms)}
     assert _message_times(quick) == pytest.approx((0.2 * ms, 0.3 * ms, 0.0, 0.05 * ms))
+    # a sender descheduled after its data left ends after the receive: that delivery took no time, not less
+    early = {**messages, (5, 0, 0, "1RECV_F0"): (0.999, 1.0 + 0.1 * ms)}
+    assert _message_times(early) == pytest.approx((0.2 * ms, 0.3 * ms, 0.0, 0.0))
 
 
 def test_each_stage_has_its_own_factor_and_the_others_the_pipelines(compiled, tmp_path):
