@@ -121,7 +121,7 @@ def _stage_times(out: Path, plan: Plan, seconds: float = 1.5) -> list[float]:
 class _SpeedProbe:
     """The model's whole graph, forward and backward, on one thread: timed right before the
     compile (which profiles the same graph) and right after the run, it says how far this
-    machine's speed moved between the profile and the measurement (see the README)."""
+    machine's speed moved between the profile and the measurement (see docs/cost_accuracy.md)."""
 
     def __init__(self, model: Path) -> None:
         spec = load_model_file(model)
