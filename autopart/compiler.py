@@ -232,9 +232,12 @@ def _sharded(front: _Front, options: CompileOptions) -> _Front:
 
 
 def _annotated(options: CompileOptions, micro_batch_size: int, *, separate_biases: bool,
-               spec: ModelSpec | None = None, roofline: CostModel | None = None) -> _Front:
+               spec: ModelSpec | None = None, roofline: CostModel | None = None,
+               measured: dict[str, tuple] | None = None) -> _Front:
     """Capture, cost and cut into blocks; ``separate_biases`` for graphs whose ops will be split.
-    ``spec`` and ``roofline``: the model and device cost model of an earlier call, to reuse."""
+    ``spec`` and ``roofline``: the model and device cost model of an earlier call, to reuse;
+    ``measured``: ops' kernels and times by cost key (``annotate``), shared by calls that cost
+    alike (without a cost database, which may gain entries between calls)."""
     roofline = roofline or get_cost_model(options.device)  # a bad device spec fails before the slow passes
     if spec is None:
         spec = load_model_file(options.model)
@@ -252,7 +255,8 @@ def _annotated(options: CompileOptions, micro_batch_size: int, *, separate_biase
             if timed:
                 database.save()
     cost_model = roofline if database is None else ProfiledCostModel(roofline=roofline, database=database)
-    op_graph = annotate(graph, spec, cost_model, micro_batch_size=micro_batch_size, dtype=options.dtype)
+    op_graph = annotate(graph, spec, cost_model, micro_batch_size=micro_batch_size, dtype=options.dtype,
+                        measured=measured if database is None else None)
     chain = build_blocks(op_graph)
     return _Front(spec=spec, op_graph=op_graph, chain=chain, cost_model=cost_model, timed=timed)
 
