@@ -342,6 +342,7 @@ class _SavedBytes(fx.Interpreter):
         self.saved: dict[str, int] = {}
         self.kept: dict[str, int] = {}
         self.kept_seen: set[int] = set()
+        self.values: dict[str, Any] = {}  # each node's output: annotate reads its shapes from this run
 
     def fetch_attr(self, target: str) -> Any:
         return self.state.attr(target)
@@ -362,7 +363,8 @@ class _SavedBytes(fx.Interpreter):
 
     def run_node(self, node: fx.Node) -> Any:
         self.current = node.name
-        return super().run_node(node)
+        value = self.values[node.name] = super().run_node(node)
+        return value
 
     def measure(self, *args: Any) -> tuple[dict[str, int], dict[str, int]]:
         """Bytes saved for backward, and bytes that selective recompute keeps, per node."""
@@ -400,10 +402,11 @@ def annotate(
     fake = is_meta(module)
     with FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext():
         state = _State(module, fake, dtype, cost_model.device.kind)
-        saved, kept = _SavedBytes(module, state).measure(*graph_args(graph, inputs, target))
+        run = _SavedBytes(module, state)
+        saved, kept = run.measure(*graph_args(graph, inputs, target))
         nodes, kernels, leaves = _annotate_nodes(
             graph, state, (saved, kept), cost_model, graph_args(graph, inputs, target),
-            {} if measured is None else measured,
+            {} if measured is None else measured, run.values,
         )
     return OpGraph(
         graph=graph,
@@ -431,6 +434,7 @@ def _annotate_nodes(
     cost_model: CostModel,
     feed_values: tuple,
     measured_by_key: dict[str, tuple],
+    ran: dict[str, Any],
 ):
     saved, kept = measured
     values: dict[str, Any] = {}
@@ -465,9 +469,7 @@ def _annotate_nodes(
         args, kwargs = pytree.tree_map(
             lambda a: values[a.name] if isinstance(a, fx.Node) else a, (node.args, node.kwargs)
         )
-        with torch.no_grad(), state.precision():
-            value = _run_one(node, args, kwargs, state)
-        values[node.name] = value
+        value = values[node.name] = ran[node.name]  # as the run that measured saved bytes made it
         key = cost_key(node, args, kwargs, state.parameter_ids, state.dtype)
         # the key holds all that the kernels depend on (op, shapes, dtypes, roles): a repeated
         # layer's nodes are measured once, the rest take the first's kernels (a leaf module's
