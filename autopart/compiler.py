@@ -233,18 +233,20 @@ def _sharded(front: _Front, options: CompileOptions) -> _Front:
 
 def _annotated(options: CompileOptions, micro_batch_size: int, *, separate_biases: bool,
                spec: ModelSpec | None = None, roofline: CostModel | None = None,
-               measured: dict[str, tuple] | None = None) -> _Front:
+               measured: dict[str, tuple] | None = None, graph: Graph | None = None) -> _Front:
     """Capture, cost and cut into blocks; ``separate_biases`` for graphs whose ops will be split.
     ``spec`` and ``roofline``: the model and device cost model of an earlier call, to reuse;
     ``measured``: ops' kernels and times by cost key (``annotate``), shared by calls that cost
-    alike (without a cost database, which may gain entries between calls)."""
+    alike (without a cost database, which may gain entries between calls); ``graph``: an earlier
+    fx capture of the same model at any micro-batch size (fx graphs hold no batch size)."""
     roofline = roofline or get_cost_model(options.device)  # a bad device spec fails before the slow passes
     if spec is None:
         spec = load_model_file(options.model)
         if is_meta(spec.module):  # each rank will make its own weights: every module needs an initialiser
             check_initialisers(spec.module, spec.init_weights, spec.path.name)
-    graph = _capture(spec, 2 if separate_biases else 1, batch_size=micro_batch_size, method=options.capture,
-                     leaves=options.leaf)
+    if graph is None or graph.method != "fx":
+        graph = _capture(spec, 2 if separate_biases else 1, batch_size=micro_batch_size, method=options.capture,
+                         leaves=options.leaf)
     database, timed = None, 0
     if options.costs is not None:
         database = CostDatabase.load(options.costs)
