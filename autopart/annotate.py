@@ -143,6 +143,8 @@ class OpGraph:
 
     def leaf_parameters(self, node: str) -> tuple[str, ...]:
         """The parameters that a leaf module's node reads; () for any other node."""
+        if node not in self.leaf_tensors:  # most nodes: no need to list the module's parameters
+            return ()
         state = dict(self.graph.module.named_parameters(remove_duplicate=False))
         return tuple(name for name in self.leaf_tensors.get(node, {}) if name in state)
 
@@ -340,6 +342,7 @@ class _SavedBytes(fx.Interpreter):
         self.saved: dict[str, int] = {}
         self.kept: dict[str, int] = {}
         self.kept_seen: set[int] = set()
+        self.values: dict[str, Any] = {}  # each node's output: annotate reads its shapes from this run
 
     def fetch_attr(self, target: str) -> Any:
         return self.state.attr(target)
@@ -360,7 +363,8 @@ class _SavedBytes(fx.Interpreter):
 
     def run_node(self, node: fx.Node) -> Any:
         self.current = node.name
-        return super().run_node(node)
+        value = self.values[node.name] = super().run_node(node)
+        return value
 
     def measure(self, *args: Any) -> tuple[dict[str, int], dict[str, int]]:
         """Bytes saved for backward, and bytes that selective recompute keeps, per node."""
@@ -382,12 +386,15 @@ def _batch_derived(node: fx.Node, derived: dict[str, bool], parameter_names: set
 
 
 def annotate(
-    graph: Graph, spec: ModelSpec, cost_model: CostModel, *, micro_batch_size: int, dtype: str = "fp32"
+    graph: Graph, spec: ModelSpec, cost_model: CostModel, *, micro_batch_size: int, dtype: str = "fp32",
+    measured: dict[str, tuple] | None = None,
 ) -> OpGraph:
     """Shapes, kernels, times and saved bytes of every node at ``micro_batch_size``, in ``dtype``.
 
     A model built on the meta device runs on fake tensors: shapes, kernels and saved bytes come
-    out the same, and nothing is allocated.
+    out the same, and nothing is allocated. ``measured``: the kernels and times of ops by cost
+    key, from earlier calls with the same cost model, used and added to (ops that several
+    captures share, such as one model's at two tensor-parallel degrees, are measured once).
     """
     assert dtype in DTYPES, dtype
     module = graph.module
@@ -395,9 +402,11 @@ def annotate(
     fake = is_meta(module)
     with FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext():
         state = _State(module, fake, dtype, cost_model.device.kind)
-        saved, kept = _SavedBytes(module, state).measure(*graph_args(graph, inputs, target))
+        run = _SavedBytes(module, state)
+        saved, kept = run.measure(*graph_args(graph, inputs, target))
         nodes, kernels, leaves = _annotate_nodes(
-            graph, state, (saved, kept), cost_model, graph_args(graph, inputs, target)
+            graph, state, (saved, kept), cost_model, graph_args(graph, inputs, target),
+            {} if measured is None else measured, run.values,
         )
     return OpGraph(
         graph=graph,
@@ -424,6 +433,8 @@ def _annotate_nodes(
     measured: tuple[dict[str, int], dict[str, int]],
     cost_model: CostModel,
     feed_values: tuple,
+    measured_by_key: dict[str, tuple],
+    ran: dict[str, Any],
 ):
     saved, kept = measured
     values: dict[str, Any] = {}
@@ -458,13 +469,18 @@ def _annotate_nodes(
         args, kwargs = pytree.tree_map(
             lambda a: values[a.name] if isinstance(a, fx.Node) else a, (node.args, node.kwargs)
         )
-        with torch.no_grad(), state.precision():
-            value = _run_one(node, args, kwargs, state)
-        values[node.name] = value
-        forward, backward_input, backward_weight = _measure_kernels(node, args, kwargs, state)
-        kernels[node.name] = (tuple(forward), tuple(backward_input) + tuple(backward_weight))
+        value = values[node.name] = ran[node.name]  # as the run that measured saved bytes made it
         key = cost_key(node, args, kwargs, state.parameter_ids, state.dtype)
-        times = cost_model.op_times(key, forward, backward_input, backward_weight)
+        # the key holds all that the kernels depend on (op, shapes, dtypes, roles): a repeated
+        # layer's nodes are measured once, the rest take the first's kernels (a leaf module's
+        # key names the module, so it is never shared)
+        if key not in measured_by_key:
+            forward, backward_input, backward_weight = _measure_kernels(node, args, kwargs, state)
+            measured_by_key[key] = (forward, backward_input, backward_weight,
+                                    cost_model.op_times(key, forward, backward_input, backward_weight),
+                                    _recompute_share(forward, cost_model))
+        forward, backward_input, backward_weight, times, share = measured_by_key[key]
+        kernels[node.name] = (tuple(forward), tuple(backward_input) + tuple(backward_weight))
         parameter_bytes = 0
         if node.op == "call_module":
             own = {f"{node.target}.{k}": v for k, v in state.leaf_state(str(node.target)).items()}
@@ -480,7 +496,7 @@ def _annotate_nodes(
             backward_weight_s=times.backward_weight_s,
             saved_bytes=saved.get(node.name, 0),
             selective_saved_bytes=kept.get(node.name, 0),
-            selective_recompute_s=times.forward_s * _recompute_share(forward, cost_model),
+            selective_recompute_s=times.forward_s * share,
             parameter_bytes=parameter_bytes,
             **common,
         )

@@ -237,16 +237,21 @@ def _note_unsplit(options: CompileOptions, front: _Front) -> None:
 
 
 def _annotated(options: CompileOptions, micro_batch_size: int, *, separate_biases: bool,
-               spec: ModelSpec | None = None, roofline: CostModel | None = None) -> _Front:
+               spec: ModelSpec | None = None, roofline: CostModel | None = None,
+               measured: dict[str, tuple] | None = None, graph: Graph | None = None) -> _Front:
     """Capture, cost and cut into blocks; ``separate_biases`` for graphs whose ops will be split.
-    ``spec`` and ``roofline``: the model and device cost model of an earlier call, to reuse."""
+    ``spec`` and ``roofline``: the model and device cost model of an earlier call, to reuse;
+    ``measured``: ops' kernels and times by cost key (``annotate``), shared by calls that cost
+    alike (without a cost database, which may gain entries between calls); ``graph``: an earlier
+    fx capture of the same model at any micro-batch size (fx graphs hold no batch size)."""
     roofline = roofline or get_cost_model(options.device)  # a bad device spec fails before the slow passes
     if spec is None:
         spec = load_model_file(options.model)
         if is_meta(spec.module):  # each rank will make its own weights: every module needs an initialiser
             check_initialisers(spec.module, spec.init_weights, spec.path.name)
-    graph = _capture(spec, 2 if separate_biases else 1, batch_size=micro_batch_size, method=options.capture,
-                     leaves=options.leaf)
+    if graph is None or graph.method != "fx":
+        graph = _capture(spec, 2 if separate_biases else 1, batch_size=micro_batch_size, method=options.capture,
+                         leaves=options.leaf)
     database, timed = None, 0
     if options.costs is not None:
         database = CostDatabase.load(options.costs)
@@ -257,7 +262,8 @@ def _annotated(options: CompileOptions, micro_batch_size: int, *, separate_biase
             if timed:
                 database.save()
     cost_model = roofline if database is None else ProfiledCostModel(roofline=roofline, database=database)
-    op_graph = annotate(graph, spec, cost_model, micro_batch_size=micro_batch_size, dtype=options.dtype)
+    op_graph = annotate(graph, spec, cost_model, micro_batch_size=micro_batch_size, dtype=options.dtype,
+                        measured=measured if database is None else None)
     chain = build_blocks(op_graph)
     return _Front(spec=spec, op_graph=op_graph, chain=chain, cost_model=cost_model, timed=timed)
 

@@ -11,6 +11,13 @@
 4. The best one's cuts are given to CP-SAT as a start when the chain is small enough to prove
    them optimal (CP-SAT improves them if it can), and its bound and gap go into the plan.
 5. When nothing fits, one line says the memory per device, or the world size, that would.
+
+A model with a long run of identical layers (``autopart.shallow``) is searched through a copy
+that keeps two of them: ``shallow_table`` captures that copy at each micro-batch size and lays
+its chain out to full depth (``autopart.solver.repeat``), so that a capture costs two layers, not
+eighty. Its finalists are ranked by the schedule simulator on those costs
+(``autopart.solver.simulated``), and the full model is captured once, for the first of them
+that fits as a plan; that plan (step 3's, exactly) is the one emitted.
 """
 
 from __future__ import annotations
@@ -31,16 +38,22 @@ from autopart.compiler import (
     state_bytes,
 )
 from autopart.annotate import DTYPES
+from autopart.capture import Graph, ModelSpec, is_meta, load_model_file
 from autopart.errors import ConfigError, InfeasibleError
 from autopart.plan import Plan
+from autopart.runtime.materialise import check_initialisers
+from autopart.shallow import KEPT_LAYERS, repeated_layers, shallow_module
 from autopart.search import Cluster, Layout, Scored, SearchResult, SearchSpace, fits, score_layout, search
+from autopart.solver.baselines import block_layers
 from autopart.solver.bottleneck import RECOMPUTE_MODES, ChainCosts
 from autopart.solver.pipeline import evaluate, solve_cuts
+from autopart.solver.repeat import RepeatedTable, repeat_last
+from autopart.solver.simulated import simulated_step_s
 from autopart.solver.sharding import REPLICATE
 from cost_models import get_cost_model
 from cost_models.memory import communicator_bytes
 
-__all__ = ["FrontTable", "plan_by_search", "search_space", "cluster_of"]
+__all__ = ["FrontTable", "plan_by_search", "search_space", "cluster_of", "shallow_table"]
 
 CP_SAT_LIMIT = 2_000
 """CP-SAT refines the chosen cuts when blocks x stages is at most this (its model's size)."""
@@ -51,14 +64,25 @@ Progress = Callable[[str, int, int], None]  # (what, done, total)
 class FrontTable:
     """The search's ``CostTable`` over real captures of the model, each made once."""
 
-    def __init__(self, options: CompileOptions, progress: Progress | None = None):
+    def __init__(self, options: CompileOptions, progress: Progress | None = None, spec: ModelSpec | None = None):
         self.options = options
         self.progress = progress
         self._annotated: dict[tuple[int, bool, str], _Front] = {}
         self._fronts: dict[tuple[int, int, str], _Front] = {}
         self._costs: dict[tuple[int, int, str], ChainCosts] = {}
-        self._spec = None
+        self._spec = spec
         self._roofline = None
+        self._measured: dict[str, tuple] = {}  # ops' kernels and times by cost key, for every capture
+        self._graphs: dict[bool, Graph] = {}  # the capture, by whether biases are ops of their own
+
+    def model_spec(self) -> ModelSpec:
+        """The model file, loaded (and its initialisers checked) once."""
+        if self._spec is None:
+            spec = load_model_file(self.options.model)
+            if is_meta(spec.module):  # each rank will make its own weights: every module needs an initialiser
+                check_initialisers(spec.module, spec.init_weights, spec.path.name)
+            self._spec = spec
+        return self._spec
 
     def front(self, *, micro_batch_size: int, tp: int, dtype: str) -> _Front:
         key = (micro_batch_size, tp, dtype)
@@ -69,8 +93,9 @@ class FrontTable:
                 if self.progress is not None:
                     self.progress(f"capturing at micro-batch size {micro_batch_size}", len(self._annotated), 0)
                 front = _annotated(self._options(tp=tp, dtype=dtype), micro_batch_size, separate_biases=separate,
-                                   spec=self._spec, roofline=self._roofline)
-                self._spec = front.spec
+                                   spec=self.model_spec(), roofline=self._roofline, measured=self._measured,
+                                   graph=self._graphs.get(separate))
+                self._graphs[separate] = front.op_graph.graph  # captured once, annotated at each size
                 self._roofline = getattr(front.cost_model, "roofline", front.cost_model)
                 self._annotated[base_key] = front
             self._fronts[key] = _sharded(self._annotated[base_key], self._options(tp=tp, dtype=dtype))
@@ -183,10 +208,45 @@ class Searched:
     plans: tuple[Plan, ...]  # the finalists' plans, best first
 
 
+def shallow_table(full: FrontTable) -> RepeatedTable | None:
+    """The search's costs from a copy of the model with two of its repeated layers
+    (``autopart.shallow``), laid out to full depth; None when the model has no long run of
+    layers alike."""
+    spec = full.model_spec()
+    layers = repeated_layers(spec.module)
+    if layers is None:
+        return None
+    shallow = FrontTable(full.options, full.progress, spec=replace(spec, module=shallow_module(spec.module, layers)))
+
+    def layers_of(micro_batch_size: int, tp: int, dtype: str) -> list[str | None]:
+        return block_layers(shallow.front(micro_batch_size=micro_batch_size, tp=tp, dtype=dtype).chain)
+
+    return RepeatedTable(inner=shallow, layers_of=layers_of, pattern=repeat_last(KEPT_LAYERS, layers.count))
+
+
 def plan_by_search(options: CompileOptions, *, progress: Progress | None = None, finalists: int = 5) -> Searched:
-    table = FrontTable(options, progress)
+    full = FrontTable(options, progress)
     space = search_space(options)
     cluster = cluster_of(options)
+    shallow = shallow_table(full)
+    if shallow is not None:
+        searched = _shallow_search(options, space, cluster, full, shallow, progress=progress, finalists=finalists)
+        if searched is not None:
+            return searched
+    return _full_search(options, space, cluster, full, progress=progress, finalists=finalists)
+
+
+def _visited(progress: Progress | None) -> Callable[[int, int], None]:
+    def visited(done: int, total: int) -> None:
+        if progress is not None:
+            progress("scoring layouts", done, total)
+
+    return visited
+
+
+def _full_search(options: CompileOptions, space: SearchSpace, cluster: Cluster, table: FrontTable, *,
+                 progress: Progress | None, finalists: int) -> Searched:
+    """Every finalist predicted exactly, as a plan of the full model."""
     plans: dict[Layout, Plan] = {}
 
     def exact(scored: Scored) -> float:
@@ -195,19 +255,44 @@ def plan_by_search(options: CompileOptions, *, progress: Progress | None = None,
         # by a recomputing stage, each stage's own share of its rank): a finalist over the limit goes
         return plan.predicted.step_s if max(plan.predicted.memory_bytes) <= cluster.memory_bytes else math.inf
 
-    def visited(done: int, total: int) -> None:
-        if progress is not None:
-            progress("scoring layouts", done, total)
-
-    result = search(space, table, cluster, finalists=finalists, score=exact, progress=visited)
+    result = search(space, table, cluster, finalists=finalists, score=exact, progress=_visited(progress))
     result = replace(result, ranked=tuple(s for s in result.ranked if s.step_s < math.inf))
     if not result.ranked:
         raise InfeasibleError(_does_not_fit(options, space, table, cluster))
     best = result.best
     plan, front = _refined(options, table, best, plans[best.layout], time_limit_s=options.time_limit_s)
     ordered = (plan, *(plans[s.layout] for s in result.ranked[1:]))
-    plan = replace(plan, provenance=replace(plan.provenance, search=_summary(result, ordered)))
+    rows = [(s, p.predicted.step_s, max(p.predicted.memory_bytes)) for s, p in zip(result.ranked, ordered)]
+    plan = replace(plan, provenance=replace(plan.provenance, search=_summary(result, rows)))
     return Searched(plan=plan, front=front, result=result, plans=ordered)
+
+
+def _shallow_search(options: CompileOptions, space: SearchSpace, cluster: Cluster, full: FrontTable,
+                    shallow: RepeatedTable, *, progress: Progress | None, finalists: int) -> Searched | None:
+    """The search over the shallow copy's costs, its finalists ranked by the schedule simulator
+    on those costs; the full model is captured once, for the first finalist that fits as a plan.
+    None when the full model's chain is not the shallow one's laid out (its layers are alike as
+    modules but not as graphs): the caller then searches the full model."""
+    result = search(space, shallow, cluster, finalists=finalists, progress=_visited(progress),
+                    score=lambda scored: simulated_step_s(scored, shallow, cluster))
+    if not result.ranked:
+        raise InfeasibleError(_does_not_fit(options, space, shallow, cluster))
+    for chosen in result.ranked:
+        layout = chosen.layout
+        front = full.front(micro_batch_size=layout.micro_batch_size, tp=layout.tp, dtype=layout.dtype)
+        repeated = shallow.chain_costs(micro_batch_size=layout.micro_batch_size, tp=layout.tp, dtype=layout.dtype)
+        if len(front.chain.blocks) != len(repeated):
+            return None
+        scored_plan = _plan_of(options, full, chosen, ("search", 0.0, 0.0))
+        if max(scored_plan.predicted.memory_bytes) <= cluster.memory_bytes:
+            break
+    else:
+        return None
+    plan, front = _refined(options, full, chosen, scored_plan, time_limit_s=options.time_limit_s)
+    rows = [(chosen, plan.predicted.step_s, max(plan.predicted.memory_bytes))]
+    rows += [(s, s.step_s, s.peak_memory_bytes) for s in result.ranked if s is not chosen]
+    plan = replace(plan, provenance=replace(plan.provenance, search=_summary(result, rows)))
+    return Searched(plan=plan, front=front, result=result, plans=(plan,))
 
 
 def concrete_options(options: CompileOptions, layout: Layout, recompute: tuple[str, ...]) -> CompileOptions:
@@ -266,16 +351,16 @@ def _latency_bound(problem) -> float:
     return total + (problem.microbatches - 1) * slowest
 
 
-def _summary(result: SearchResult, plans: tuple[Plan, ...]) -> dict:
+def _summary(result: SearchResult, rows: list[tuple[Scored, float, int]]) -> dict:
+    """The search in the plan's provenance; ``rows``: per finalist, best first, its step and peak memory."""
     return {
         "layouts": result.layouts,
         "scored": result.scored,
         "fitting": result.fitting,
         "seconds": round(result.seconds, 3),
         "ranked": [
-            {"layout": s.layout.describe(), "recompute": list(s.recompute), "step_s": plan.predicted.step_s,
-             "memory_bytes": max(plan.predicted.memory_bytes)}
-            for s, plan in zip(result.ranked, plans)
+            {"layout": s.layout.describe(), "recompute": list(s.recompute), "step_s": step_s, "memory_bytes": memory}
+            for s, step_s, memory in rows
         ],
     }
 

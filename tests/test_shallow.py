@@ -1,0 +1,76 @@
+"""The shallow copy the search costs a deep model with (autopart/shallow.py)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from autopart.shallow import SHALLOW_FROM_LAYERS, repeated_layers, shallow_module
+
+
+class _Layer(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, x):
+        return x + self.fc(x)
+
+
+class _Model(nn.Module):
+    def __init__(self, widths: list[int]):
+        super().__init__()
+        self.body = nn.Module()
+        self.body.layers = nn.ModuleList(_Layer(w) for w in widths)
+        self.short = nn.ModuleList(_Layer(4) for _ in range(2))
+
+    def forward(self, x):
+        for layer in self.body.layers:
+            x = layer(x)
+        return x
+
+
+def test_the_longest_list_of_layers_alike_is_found_and_cut_to_two_leaving_the_model_whole() -> None:
+    with torch.device("meta"):
+        model = _Model([4] * 10)
+    found = repeated_layers(model)
+    assert found is not None and (found.path, found.count) == ("body.layers", 10)
+    shallow = shallow_module(model, found)
+    assert len(shallow.body.layers) == 2 and len(model.body.layers) == 10
+    assert shallow.body.layers[1].fc.weight is model.body.layers[1].fc.weight  # shared, not copied
+    assert shallow.short is model.short
+
+
+def test_layers_that_differ_or_are_few_are_captured_whole() -> None:
+    with torch.device("meta"):
+        assert repeated_layers(_Model([4] * 9 + [8])) is None  # one layer of another width
+        assert repeated_layers(_Model([4] * (SHALLOW_FROM_LAYERS - 1))) is None
+
+
+MODEL_FILE = """
+import sys
+sys.path.insert(0, {models!r})
+from shallow import gpt3
+MODEL = gpt3(n_embd=64, n_head=4, layers=8, seq_len=16, vocab_size=128)
+build_model, init_weights, example_batch, loss_fn = MODEL.build_model, MODEL.init_weights, MODEL.example_batch, MODEL.loss_fn
+"""
+
+
+def test_the_search_through_the_shallow_copy_chooses_the_full_models_plan(tmp_path, monkeypatch) -> None:
+    from pathlib import Path
+
+    from autopart import planner
+    from autopart.compiler import CompileOptions
+
+    model = tmp_path / "deep.py"
+    model.write_text(MODEL_FILE.format(models=str(Path(__file__).resolve().parent.parent / "benchmarks" / "models")))
+    options = CompileOptions(model=model, world_size=4, global_batch_size=8, device="h100-sxm")
+    searched = planner.plan_by_search(options)
+    assert len(searched.plans) == 1  # through the shallow copy: only the chosen finalist is made a plan
+    shallow = searched.plan
+    monkeypatch.setattr(planner, "repeated_layers", lambda module: None)  # the full model at every size
+    full = planner.plan_by_search(options).plan
+    assert len(shallow.provenance.search["ranked"]) == len(full.provenance.search["ranked"])
+    assert shallow.mesh == full.mesh and shallow.schedule == full.schedule
+    assert [s.blocks for s in shallow.stages] == [s.blocks for s in full.stages]
+    assert shallow.predicted.step_s == full.predicted.step_s
