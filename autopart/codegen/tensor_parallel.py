@@ -21,7 +21,7 @@ from torch import fx
 from autopart.annotate import OpGraph, TensorMeta
 from autopart.codegen.stages import StageGraph
 from autopart.runtime import collectives
-from autopart.solver.sharding import REPLICATE, Placement, Strategy, argument, is_aten, local_shape, op_name
+from autopart.solver.sharding import REPLICATE, Placement, Strategy, argument, constant_of, is_aten, local_shape, op_name
 from autopart.solver.tensor import conversion
 
 __all__ = ["shard_stage_graph"]
@@ -78,7 +78,7 @@ def shard_stage_graph(
             for arg, required in zip(node.all_input_nodes, strategy.inputs):
                 if required is None:
                     continue
-                copy = required == REPLICATE and strategy.output != REPLICATE and (arg.name in op_graph.nodes and op_graph.nodes[arg.name].needs_grad)
+                copy = strategy.copies(required, arg.name in op_graph.nodes and op_graph.nodes[arg.name].needs_grad)
                 if placement.get(arg.name, REPLICATE) != required or copy:
                     swap[arg] = convert(arg, required, copy, node)
             if swap:
@@ -103,7 +103,7 @@ def _replace_op(node: fx.Node, kind: str) -> None:
         ids, weight = (node.args[1], node.args[0]) if aten else node.args[:2]
         node.target, node.args, node.kwargs = _KINDS[kind], (ids, weight), {}
     elif kind == "vocab_parallel_cross_entropy":
-        ignore = argument(node, 4, "ignore_index", -100) if aten else node.kwargs.get("ignore_index", -100)
+        ignore = argument(node, 4, "ignore_index", -100)  # fifth in F.cross_entropy and in ATen's
         node.target, node.args, node.kwargs = _KINDS[kind], node.args[:2], {"ignore_index": ignore}
     node.op = "call_function"
 
@@ -127,8 +127,8 @@ def _fold_numbers(node: fx.Node, op_graph: OpGraph, placement: dict[str, Placeme
             return
     if name == "split" and (node.op == "call_method" or is_aten(node)):
         source = placement.get(node.args[0].name, REPLICATE)
-        size = _number(node.args[1], op_graph)
-        dim = _number(argument(node, 2, "dim", 0), op_graph)
+        size = constant_of(op_graph, node.args[1])
+        dim = constant_of(op_graph, argument(node, 2, "dim", 0))
         rank = len(_source_meta(node.args[0], op_graph).shape)
         if source.kind == "S" and source.dim == dim % rank and isinstance(size, int):
             size //= tp
@@ -142,10 +142,6 @@ def _source_meta(value: fx.Node, op_graph: OpGraph) -> TensorMeta:
     while value.name not in op_graph.nodes:
         value = value.args[0]
     return op_graph.nodes[value.name].output
-
-
-def _number(value: object, op_graph: OpGraph) -> object:
-    return op_graph.nodes[value.name].constant if isinstance(value, fx.Node) else value
 
 
 def _constant_or_node(arg: fx.Node, op_graph: OpGraph):

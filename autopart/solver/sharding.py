@@ -43,6 +43,11 @@ class Strategy:
     divided: bool  # the op's work is split t ways
     kind: str = ""  # "" (the op itself, on local tensors) or a runtime function that replaces it
 
+    def copies(self, required: Placement, needs_grad: bool) -> bool:
+        """Whether an input it takes replicated gets a partial gradient (Megatron's ``f``: an
+        all-reduce of that gradient), as every input a split op reads whole does."""
+        return required == REPLICATE and self.output != REPLICATE and needs_grad
+
     def __str__(self) -> str:
         text = f"{self.output}<-{','.join(str(p) if p else '-' for p in self.inputs)}"
         return f"{text}|{self.kind}" if self.kind else text

@@ -165,7 +165,7 @@ class _BlockModel:
                 required = strategy.inputs[j]
                 if required is None:
                     continue
-                copy = required == REPLICATE and strategy.output != REPLICATE and self.chain.op_graph.nodes[arg.name].needs_grad
+                copy = strategy.copies(required, self.chain.op_graph.nodes[arg.name].needs_grad)
                 self.needs.setdefault((arg.name, required, copy), []).append(self.choice[node.name][i])
 
     def _leaves(self, node: fx.Node) -> None:
