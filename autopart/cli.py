@@ -34,8 +34,9 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--tp", type=int, help="tensor-parallel degree, innermost (default 1, or searched)")
     c.add_argument("--dp", type=int, help="data-parallel degree (default 1, or searched)")
     c.add_argument("--gpus-per-node", type=int, default=8, help="devices per node; larger groups cross nodes (default 8)")
-    c.add_argument("--zero", action="store_true", default=None,
-                   help="shard optimizer state over data-parallel ranks (ZeRO-1; default off, or searched)")
+    c.add_argument("--zero", type=int, nargs="?", const=1, default=None, choices=(0, 1, 2, 3),
+                   help="shard over data-parallel ranks: 1 optimizer state (--zero alone), 2 and gradients, "
+                        "3 and parameters (FSDP); default 0, or searched")
     batch = c.add_mutually_exclusive_group()
     batch.add_argument("--microbatches", type=int, help="microbatches per step")
     batch.add_argument("--micro-batch-size", type=int, help="samples per microbatch")

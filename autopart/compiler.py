@@ -63,8 +63,9 @@ class CompileOptions:
     """Tensor-parallel degree: ranks that split each op of a stage (innermost, inside a node); 1 unless searched."""
     dp: int | None = None
     """Data-parallel degree: copies of the whole pipeline, each on its share of the batch; 1 unless searched."""
-    zero: bool | None = None
-    """Shard the optimizer state over the data-parallel group (ZeRO-1); off unless searched."""
+    zero: int | None = None
+    """What to shard over the data-parallel group: 1 the optimizer state (ZeRO-1), 2 the gradients
+    too, 3 the parameters too (2 and 3 through FSDP); 0 (or False) nothing; True means 1; 0 unless searched."""
     gpus_per_node: int = 8
     """Devices per node: collectives of groups larger than this cross nodes."""
     microbatches: int | None = None
@@ -114,8 +115,15 @@ class CompileOptions:
             for name, default in _DEFAULTS.items():
                 if getattr(self, name) is None:
                     object.__setattr__(self, name, default)
+        if isinstance(self.zero, bool):
+            object.__setattr__(self, "zero", int(self.zero))
+        if self.zero not in (None, 0, 1, 2, 3):
+            raise ConfigError(f"--zero must be 1, 2 or 3 (what is sharded over data-parallel ranks), got {self.zero}")
         if self.zero and self.dp == 1:
-            raise ConfigError("--zero shards the optimizer state over data-parallel ranks; it needs --dp 2 or more")
+            raise ConfigError(f"--zero {self.zero} shards over data-parallel ranks; it needs --dp 2 or more")
+        if self.zero in (2, 3) and self.schedule == "zb-h1":
+            raise ConfigError(f"--zero {self.zero} does not run with a zero-bubble schedule (its split backward "
+                              "bypasses FSDP's gradient hooks); use --schedule 1f1b or interleaved, or --zero 1")
         if self.schedule is not None and self.schedule not in SCHEDULE_KINDS:
             raise ConfigError(f"unknown schedule {self.schedule!r}; use one of {', '.join(SCHEDULE_KINDS)}")
         if self.optimizer not in OPTIMIZERS:
@@ -192,7 +200,7 @@ class CompileOptions:
         return total, m, b
 
 
-_DEFAULTS = {"pp": 1, "tp": 1, "dp": 1, "zero": False, "schedule": "1f1b", "chunks": 1, "recompute": "none",
+_DEFAULTS = {"pp": 1, "tp": 1, "dp": 1, "zero": 0, "schedule": "1f1b", "chunks": 1, "recompute": "none",
              "dtype": "fp32"}
 """What the options not given are when nothing is searched."""
 

@@ -95,7 +95,10 @@ class Plan:
     schedule: ScheduleSpec
     predicted: Predicted
     provenance: Provenance
-    zero: bool = False  # optimizer state sharded over the data-parallel group (ZeRO-1)
+    zero: int = 0
+    """What is sharded over the data-parallel group: 0 nothing, 1 the optimizer state (ZeRO-1),
+    2 the gradients too (FSDP, parameters gathered once a step), 3 the parameters too (FSDP,
+    each layer gathered for its forward and again for its backward, every microbatch)."""
     graph_inputs: tuple[str, ...] = ()  # the model's inputs in call order, then "target" when there is a loss_fn
     optimizer: str = "adamw"
     tied_parameters: dict[str, tuple[int, ...]] = field(default_factory=dict)  # parameter -> stages holding it
@@ -187,7 +190,7 @@ class Plan:
                 leaves=tuple(str(n) for n in provenance.data.get("leaves", [])),
                 search=provenance.sub("search").data if "search" in provenance.data else {},
             ),
-            zero=reader.bool("zero"),
+            zero=reader.zero_level("zero"),
             graph_inputs=tuple(str(n) for n in reader.list("graph_inputs")),
             optimizer=reader.str("optimizer"),
             tied_parameters={
@@ -259,10 +262,13 @@ class _Reader:
     def float(self, key: str) -> float:
         return float(self._get(key, (int, float), "a number"))
 
-    def bool(self, key: str) -> bool:
+    def zero_level(self, key: str) -> int:
+        """0 to 3; plans written when only ZeRO-1 existed say true or false."""
         value = self.data.get(key)
-        if not isinstance(value, bool):
-            raise PlanError(f"{self.where}.{key} must be true or false, got {json.dumps(value)[:60]}")
+        if isinstance(value, bool):
+            return int(value)
+        if not isinstance(value, int) or not 0 <= value <= 3:
+            raise PlanError(f"{self.where}.{key} must be 0, 1, 2 or 3 (the ZeRO level), got {json.dumps(value)[:60]}")
         return value
 
     def str(self, key: str) -> str:

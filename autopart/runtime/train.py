@@ -51,6 +51,7 @@ from autopart.runtime.device import StepTimer, backend, compute_device, peak_mem
 from autopart.runtime.device import tensor as device_tensor
 from autopart.runtime.executor import ActionRecord, Executor, StageRuntime, StepFailure
 from autopart.runtime.forward import StageForward
+from autopart.runtime.fully_sharded import FSDP_LEVELS, check_level, end_of_step, full_state, shard_stage
 from autopart.runtime.launch import check_launch, init_process_group, inject_failure
 from autopart.runtime.measure import StepClock, write_measured_trace
 from autopart.runtime.gradients import average_gradients, clip_gradients, sum_tied_gradients, tied_groups
@@ -192,6 +193,12 @@ def _loop(
             prev_rank=peer(s - 1) if s > 0 else None,
             next_rank=peer(s + 1) if s < stage_count - 1 else None,
         )
+    refused = check_level(plan.zero, dp=mesh.dp, split_backward=split_backward)
+    if refused:
+        raise ConfigError(refused)
+    fully_sharded = plan.zero in FSDP_LEVELS
+    for stage in stages.values() if fully_sharded else ():
+        shard_stage(stage.module, device_mesh["dp"], plan.zero)
     tied = tied_groups(plan, mesh, rank)
     executor = Executor(
         rank=here.pp,
@@ -206,7 +213,7 @@ def _loop(
     recipe = Recipe.from_args(args)
     named = [item for module in modules.values() for item in module.named_parameters()]
     groups = parameter_groups(named, weight_decay=recipe.weight_decay, embeddings=plan.embedding_parameters)
-    optimizer = make_optimizer(args.optimizer, groups, args.lr, zero_group=data_parallel if plan.zero else None)
+    optimizer = make_optimizer(args.optimizer, groups, args.lr, zero_group=data_parallel if plan.zero == 1 else None)
     spec = load_model_file(source_file, build=False)
     data = global_batches(spec, schedule_spec.global_batch_size, args.seed)
     holds_loss = stage_count - 1 in stages and here.tp == 0
@@ -246,10 +253,12 @@ def _loop(
         timer = StepTimer(device)
         losses = executor.step(shares(values), record=record, timer=timer)
         tail_start, tail_cpu = timer.mark(), time.thread_time()
+        if fully_sharded:  # FSDP's last reduce-scatters land in the gradients' shards as the whole parameters go
+            end_of_step(list(modules.values()))
         for name, group in tied:
             sum_tied_gradients(modules, name, group)
         tied_end = timer.mark()
-        if data_parallel is not None:
+        if data_parallel is not None and not fully_sharded:  # FSDP reduced them in the backward
             average_gradients(parameters, data_parallel, mesh.dp)
         norm = clip_gradients(modules, plan, here, recipe.clip_grad_norm) if recipe.clip_grad_norm else None
         optimizer_start = timer.mark()
@@ -268,6 +277,8 @@ def _loop(
         eval_losses: list[torch.Tensor] = []
         for batch in held_out if evaluated else []:  # outside the step's clock
             eval_losses += executor.evaluate(shares(_graph_values(plan, *batch)))
+        if evaluated and fully_sharded:
+            end_of_step(list(modules.values()))
         if holds_loss:
             loss = mean_loss(losses)
             eval_loss = mean_loss(eval_losses) if evaluated else None
@@ -296,11 +307,13 @@ def _loop(
             checkpointing.save(done)
     if reporter is not None:
         reporter.close()
-    if args.save_weights and here.dp == 0:
-        args.save_weights.mkdir(parents=True, exist_ok=True)
-        for s, stage in stages.items():
-            state = {k: v.detach().cpu().contiguous() for k, v in stage.module.state_dict().items()}
-            save_file(state, str(args.save_weights / weights_file_name(s, here.tp, mesh.tp)))
+    if args.save_weights:
+        states = {s: full_state(stage.module) for s, stage in stages.items()}  # every replica gathers
+        if here.dp == 0:
+            args.save_weights.mkdir(parents=True, exist_ok=True)
+            for s, state in states.items():
+                state = {k: v.detach().cpu().contiguous() for k, v in state.items()}
+                save_file(state, str(args.save_weights / weights_file_name(s, here.tp, mesh.tp)))
 
 
 def _graph_values(plan: Plan, inputs: tuple, target: Any) -> tuple:
