@@ -23,6 +23,7 @@ from autopart.blocks import BlockChain, build_blocks
 from autopart.capture import Graph, ModelSpec, capture, is_meta, load_model_file
 from autopart.codegen.emit import check_output_directory, emit_directory
 from autopart.codegen.stages import stage_boundaries
+from autopart.data_parallel_cost import DataParallelComm, data_parallel_comm, state_bytes
 from autopart.errors import ConfigError, PlanError, ScheduleError
 from autopart.plan import Plan, Predicted, Provenance, ScheduleSpec, StagePlan, first_difference, load_plan
 from autopart.predict import simulate_pipeline
@@ -370,16 +371,6 @@ def _state_bytes(options: CompileOptions, parameter_bytes: int) -> int:
     return state_bytes(parameter_bytes, optimizer=options.optimizer, dp=options.dp, zero=options.zero)
 
 
-def state_bytes(parameter_bytes: int, *, optimizer: str, dp: int, zero: bool) -> int:
-    """Weights, gradients and optimizer state of ``parameter_bytes`` of parameters on one rank;
-    with ZeRO-1 the optimizer state is shared out over the ``dp`` data-parallel ranks."""
-    full = model_state_bytes(parameter_bytes, optimizer=optimizer)
-    if not zero:
-        return full
-    weights_and_grads = 2 * parameter_bytes
-    return weights_and_grads + (full - weights_and_grads) // dp
-
-
 def _plan_from_cuts(
     options: CompileOptions,
     front: _Front,
@@ -442,22 +433,24 @@ def _plan_from_cuts(
         for st in stages[:-1]
     )
     total, microbatches, micro_batch_size = batch
+    comm = _data_parallel(options, front, stages)
+    timed = _with_collectives(stages, comm)
     timeline = simulate_pipeline(
         kind=options.schedule,
         ranks=options.pp,
         microbatches=microbatches,
         chunks=options.chunks,
-        forward_s=tuple(s.forward_s for s in stages),
-        backward_s=tuple(s.backward_s for s in stages),
+        forward_s=tuple(s.forward_s for s in timed),
+        backward_s=tuple(s.backward_s for s in timed),
         weight_s=tuple(s.backward_weight_s for s in stages),
         transfer_s=transfer,
     )
     in_place = _in_place(options, front, micro_batch_size)
     tails = _rank_tails(options, front, stages, holders, in_place)
     factor = _compute_factor(options, front, stages, in_place)
-    step_s = _step_time(options, front, stages, transfer, tails, microbatches, factor, in_place)
+    step_s = _step_time(options, front, timed, transfer, tails, microbatches, factor, in_place)
     status, bound, gap = solver
-    gradient_sync = _data_parallel_seconds(options, front, stages)
+    gradient_sync = _data_parallel_seconds(stages, comm)
     return Plan(
         mesh={"pp": options.pp, "tp": options.tp, "dp": options.dp},
         stages=tuple(stages),
@@ -547,20 +540,27 @@ def _with_transients(options: CompileOptions, memory: tuple[int, ...], recompute
     return tuple(peaks)
 
 
-def _data_parallel_seconds(options: CompileOptions, front: _Front, stages: list[StagePlan]) -> float:
-    """The gradient all-reduce over the data-parallel group after the pipeline drains (not
-    overlapped); with ZeRO-1, also the broadcast of each rank's updated shard to the others (an
-    all-gather's traffic). The group spans nodes once the whole mesh does (dp is outermost)."""
-    if options.dp == 1:
-        return 0.0
+def _data_parallel(options: CompileOptions, front: _Front, stages: list[StagePlan]) -> list[DataParallelComm]:
+    """Per stage, the seconds its data-parallel collectives add (`autopart.data_parallel_cost`).
+    The group spans nodes once the whole mesh does (dp is outermost)."""
     across = options.pp * options.tp * options.dp > options.gpus_per_node
+    overlapped = front.cost_model.device.kind != "cpu"
+    return [data_parallel_comm(options.zero, stage.parameter_bytes / options.tp, dp=options.dp, across_nodes=across,
+                               cost_model=front.cost_model, overlapped=overlapped, hidden_behind_s=stage.forward_s)
+            for stage in stages]
+
+
+def _with_collectives(stages: list[StagePlan], comm: list[DataParallelComm]) -> list[StagePlan]:
+    """The stages as the step runs them: each forward and backward with its gathers and reductions."""
+    return [replace(st, forward_s=st.forward_s + c.forward_s, backward_s=st.backward_s + c.backward_s)
+            for st, c in zip(stages, comm)]
+
+
+def _data_parallel_seconds(stages: list[StagePlan], comm: list[DataParallelComm]) -> float:
+    """The busiest rank's collectives after the pipeline drains (not overlapped)."""
     per_rank: dict[int, float] = {}
-    for stage in stages:
-        share = stage.parameter_bytes / options.tp
-        seconds = front.cost_model.collective_time("all_reduce", share, options.dp, across_nodes=across)
-        if options.zero:
-            seconds += front.cost_model.collective_time("all_gather", share, options.dp, across_nodes=across)
-        per_rank[stage.rank] = per_rank.get(stage.rank, 0.0) + seconds
+    for stage, c in zip(stages, comm):
+        per_rank[stage.rank] = per_rank.get(stage.rank, 0.0) + c.tail_s
     return max(per_rank.values())
 
 
@@ -582,7 +582,7 @@ def _rank_tails(options: CompileOptions, front: _Front, stages: list[StagePlan],
             tied = in_place.tied_s
         measured = in_place.optimizer_time([st.blocks for st in stages if st.rank == rank]) if in_place else None
         optimizer = cost_model.optimizer_time(options.optimizer, [(metas[p].shape, metas[p].dtype) for p in held])
-        if options.zero:  # each data-parallel rank steps its shard of the state
+        if options.zero and options.dp > 1:  # each data-parallel rank steps its shard of the state
             optimizer /= options.dp
         if measured is not None:
             optimizer = measured
