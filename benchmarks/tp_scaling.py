@@ -23,8 +23,8 @@ sys.path.insert(0, str(REPO))
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from autopart.compiler import CompileOptions, _front  # noqa: E402
-from autopart.solver.baselines import block_layers  # noqa: E402
+from autopart.driver import CompileOptions, _front  # noqa: E402
+from autopart.solve.baselines import block_layers  # noqa: E402
 
 MODEL = REPO / "benchmarks" / "models" / "gpt3_layer.py"
 

@@ -48,8 +48,8 @@ from pathlib import Path
 
 import torch
 
-from autopart.errors import ConfigError
-from autopart.local_run import free_port
+from autopart.ir.errors import ConfigError
+from autopart.tools.local_run import free_port
 from cost_models.calibration import cache_dir
 
 __all__ = ["CommProfile", "profile_comm", "load_comm_profile", "SIZES", "WAKE_IDLES"]
@@ -154,7 +154,7 @@ def _p2p_cpu(rank: int, buffer: torch.Tensor) -> tuple[float, float]:
     that here (0.06 ms to send, 0.1 ms to receive)."""
     import torch.distributed as dist
 
-    from autopart.profile_in_situ import trimmed_mean
+    from autopart.profiling.in_situ import trimmed_mean
 
     layer = _TinyLayer(torch.device("cpu"))
     received = torch.empty_like(buffer)
@@ -324,7 +324,7 @@ def _pipeline_compute(rank: int, rounds: int = 30, steps: int = 8, nbytes: int =
     than the effect between rounds (a ratio of whole-run means gave 1.0 to 1.27 in a row)."""
     import torch.distributed as dist
 
-    from autopart.profile_in_situ import trimmed_mean
+    from autopart.profiling.in_situ import trimmed_mean
 
     layer = _TinyLayer(torch.device("cpu"))
     message, inbox = torch.zeros(nbytes // 4), torch.zeros(nbytes // 4)

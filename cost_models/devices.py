@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from autopart.errors import DeviceSpecError
+from autopart.ir.errors import DeviceSpecError
 from cost_models.memory import FRAMEWORK_OVERHEAD_BYTES
 
 try:

@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
-import autopart.compiler
-import autopart.profile_pipeline
-from autopart.cli import main as cli_main
-from autopart.compiler import CompileOptions, compile_to_directory
-from autopart.plan import load_plan
-from autopart.profile_pipeline import _action_seconds, _message_times, measure, pipeline_key
+import autopart.driver
+import autopart.profiling.pipeline
+from autopart.tools.cli import main as cli_main
+from autopart.driver import CompileOptions, compile_to_directory
+from autopart.ir.plan import load_plan
+from autopart.profiling.pipeline import _action_seconds, _message_times, measure, pipeline_key
 from autopart.schedule import Action, add_communication, build_schedule
 from cost_models import CostDatabase
 from cost_models.database import PipelineMeasurement, RuntimeOverheads, plan_shape
@@ -187,7 +187,7 @@ def test_the_steps_variation_is_each_action_delivery_and_tail_against_its_median
             else:
                 assert value == pytest.approx(3.0 if (number, name) == (5, "1F2") else 1.0), (number, name)
     # more steps than it keeps: evenly spaced, the first and the last
-    monkeypatch.setattr(autopart.profile_pipeline, "VARIATION_STEPS", 2)
+    monkeypatch.setattr(autopart.profiling.pipeline, "VARIATION_STEPS", 2)
     kept = measure(plan, folder, OVERHEADS, cores=2).measured.step_variation
     assert kept == (steps[0], steps[2])
     # ranks that outnumber the cores: the step model shares the cores itself, no replay
@@ -347,7 +347,7 @@ def test_profile_pipeline_runs_the_plan_once_and_compiles_with_what_it_measured(
                                                  [s.blocks for s in profiled.stages])
     assert profiled.predicted.profiled_step_s == (stored.step_s if ran_this_plan else None)
     # a second compile finds it and runs nothing
-    monkeypatch.setattr(autopart.compiler, "profile_pipeline", lambda *a, **k: pytest.fail("profiled again"))
+    monkeypatch.setattr(autopart.driver, "profile_pipeline", lambda *a, **k: pytest.fail("profiled again"))
     again = compile_to_directory(options, tmp_path / "again")[0]
     assert again.predicted.step_s == profiled.predicted.step_s
 

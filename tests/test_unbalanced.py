@@ -2,10 +2,10 @@
 
 from pathlib import Path
 
-from autopart.compiler import CompileOptions, _front, _problem
-from autopart.predict import simulate_pipeline
-from autopart.solver.baselines import block_layers, uniform_layer_cuts
-from autopart.solver.pipeline import evaluate, solve_cuts, stage_ranges
+from autopart.driver import CompileOptions, _front, _problem
+from autopart.predict.timeline import simulate_pipeline
+from autopart.solve.baselines import block_layers, uniform_layer_cuts
+from autopart.solve.pipeline import evaluate, solve_cuts, stage_ranges
 
 MODEL = Path(__file__).parent / "models" / "big_head.py"
 

@@ -5,8 +5,8 @@ import math
 from dataclasses import replace
 from pathlib import Path
 
-import autopart.compiler
-from autopart.compiler import CompileOptions, _front, _plan_from_cuts, _problem, compile_to_directory
+import autopart.driver
+from autopart.driver import CompileOptions, _front, _plan_from_cuts, _problem, compile_to_directory
 
 TINY_GPT = Path(__file__).parent / "models" / "tiny_gpt.py"
 
@@ -21,7 +21,7 @@ def test_an_embedding_only_stage_keeps_its_weight_gradient_within_its_backward(t
     front = _front(options, batch[2])
     moved = _plan_from_cuts(options, front, _problem(options, front, batch[1]), (0,), batch, ("pinned", 0.0, 0.0))
     moved.save(tmp_path / "pinned.json")
-    original = autopart.compiler._block_times
+    original = autopart.driver._block_times
 
     def all_weight_gradients(front):  # block 0's backward all weight gradients, summed a rounding above
         times = original(front)
@@ -29,7 +29,7 @@ def test_an_embedding_only_stage_keeps_its_weight_gradient_within_its_backward(t
         times[0] = (forward, backward, math.nextafter((forward + backward) - forward, math.inf))
         return times
 
-    monkeypatch.setattr(autopart.compiler, "_block_times", all_weight_gradients)
+    monkeypatch.setattr(autopart.driver, "_block_times", all_weight_gradients)
     pinned, _ = compile_to_directory(replace(options, plan=tmp_path / "pinned.json"), tmp_path / "pinned")
     first = pinned.stages[0]
     assert first.blocks == (0, 0)

@@ -19,9 +19,9 @@ import torch
 from torch import fx
 from torch.fx.graph import _custom_builtins
 
-from autopart.annotate import OpGraph, TensorMeta
+from autopart.passes.annotate import OpGraph, TensorMeta
 from autopart.codegen.names import plain_text
-from autopart.errors import PlanError
+from autopart.ir.errors import PlanError
 
 __all__ = ["StageGraph", "stage_graphs", "stage_boundaries", "stage_source"]
 

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autopart.errors import CheckpointError, ConfigError
+from autopart.ir.errors import CheckpointError, ConfigError
 from autopart.runtime.launch import file_sha256, plan_digest
 
 if TYPE_CHECKING:

@@ -17,8 +17,8 @@ from pathlib import Path
 import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
 
-from autopart.errors import ConfigError
-from autopart.plan import Plan
+from autopart.ir.errors import ConfigError
+from autopart.ir.plan import Plan
 from autopart.runtime.mesh import Mesh
 from autopart.runtime.stage import checked_stage_source, weights_file_name
 

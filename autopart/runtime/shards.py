@@ -7,9 +7,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from autopart.plan import Plan
+from autopart.ir.plan import Plan
 from autopart.runtime.stage import weights_file_name
-from autopart.placement import REPLICATE, Placement
+from autopart.ir.placement import REPLICATE, Placement
 
 __all__ = ["shard_weight", "unshard_weight", "load_stage_weights"]
 

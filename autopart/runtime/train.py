@@ -42,9 +42,9 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
-from autopart.capture import load_model_file
-from autopart.errors import AutopartError, ConfigError, OneLineParser
-from autopart.plan import Plan, load_plan
+from autopart.passes.capture import load_model_file
+from autopart.ir.errors import AutopartError, ConfigError, OneLineParser
+from autopart.ir.plan import Plan, load_plan
 from autopart.runtime.data import eval_batches, global_batches, model_file, split_microbatches
 from autopart.runtime.checkpoint import CheckpointContext, restarted
 from autopart.runtime.device import StepTimer, backend, compute_device, peak_memory_bytes

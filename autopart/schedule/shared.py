@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from autopart.schedule.actions import RECEIVE_KINDS, Kind, Schedule
+from autopart.ir.actions import RECEIVE_KINDS, Kind, Schedule
 from autopart.schedule.simulate import StageCosts, input_ready_at
 
 __all__ = ["step_time"]
