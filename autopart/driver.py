@@ -18,9 +18,11 @@ from pathlib import Path
 import torch
 
 import autopart
-from autopart.passes.annotate import DTYPES, OpGraph, annotate
+from autopart.ir.tensors import DTYPES
+from autopart.passes.annotate import OpGraph, annotate
 from autopart.passes.blocks import BlockChain, build_blocks
-from autopart.passes.capture import Graph, ModelSpec, capture, is_meta, load_model_file
+from autopart.ir.model_file import ModelSpec, is_meta, load_model_file
+from autopart.passes.capture import Graph, capture
 from autopart.codegen.emit import check_output_directory, emit_directory
 from autopart.codegen.stages import stage_boundaries
 from autopart.ir.errors import ConfigError, PlanError, ScheduleError

@@ -169,7 +169,7 @@ class AutopartPipeline:
 
 def pipeline_worker(out_dir: Path, steps: int, metrics: Path, seed: int, lr: float, *, paired: bool) -> None:
     """Under torchrun: torch's runtime alone, or (paired) torch's and autopart's, alternated step by step."""
-    from autopart.passes.capture import load_model_file
+    from autopart.ir.model_file import load_model_file
     from autopart.ir.plan import load_plan
     from autopart.runtime.data import global_batches
 
@@ -203,7 +203,7 @@ def pipeline_worker(out_dir: Path, steps: int, metrics: Path, seed: int, lr: flo
 
 def single_worker(out_dir: Path, steps: int, metrics: Path, seed: int, lr: float) -> None:
     """The reference: the original model, eager, in one process, on the same batches."""
-    from autopart.passes.capture import eager_loss, load_model_file
+    from autopart.ir.model_file import eager_loss, load_model_file
     from autopart.ir.plan import load_plan
     from autopart.runtime.data import global_batches
     from autopart.runtime.optim import make_optimizer

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import autopart
-from autopart.passes.capture import eager_loss, load_model_file
+from autopart.ir.model_file import eager_loss, load_model_file
 from autopart.ir.errors import PlanError
 from autopart.ir.plan import Plan, load_plan
 from autopart.runtime.reference import initial_weights

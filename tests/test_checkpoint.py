@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from autopart.passes.capture import eager_loss, load_model_file
+from autopart.ir.model_file import eager_loss, load_model_file
 from autopart.driver import CompileOptions, compile_to_directory
 from autopart.tools.consolidate import consolidated_state
 from autopart.runtime import train

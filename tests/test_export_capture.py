@@ -5,7 +5,8 @@ import logging
 
 import pytest
 
-from autopart.passes.capture import capture, load_model_file
+from autopart.ir.model_file import load_model_file
+from autopart.passes.capture import capture
 from autopart.ir.errors import CaptureError
 from tests.distributed import REPO
 from tests.distributed import assert_same_training, compile_and_train

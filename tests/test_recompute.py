@@ -20,11 +20,12 @@ from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_conte
 
 import autopart
 from autopart.tools import cli
-from autopart.passes.capture import load_model_file
+from autopart.ir.model_file import load_model_file
 from autopart.driver import CompileOptions, compile_to_directory
 from autopart.ir.errors import ConfigError, PlanError
 from autopart.ir.plan import Plan, load_plan
-from autopart.passes.recompute import keeps_output, recompute_cost, stage_input_bytes, transient_microbatches
+from autopart.ir.recompute import keeps_output
+from autopart.passes.recompute import recompute_cost, stage_input_bytes, transient_microbatches
 from autopart.runtime.backward import backward_full, backward_input, backward_weight
 from autopart.runtime.forward import StageForward, selective_policy
 from autopart.runtime.stage import load_stage
@@ -351,7 +352,7 @@ def test_bad_cli_values_are_one_line_exit_2(tmp_path, capsys, args, message):
 
 def test_a_stage_sends_only_what_the_plan_says():
     """The next stage sizes its receive buffers by the plan: other dtypes must stop F, not garble the message."""
-    from autopart.passes.annotate import TensorMeta
+    from autopart.ir.tensors import TensorMeta
     from autopart.runtime.executor import _check_outputs
 
     promised = [TensorMeta(shape=(2, 32), dtype="float32")]

@@ -205,7 +205,7 @@ def test_verify_applies_the_recipe(tmp_path):
 
 
 def test_eval_batches_come_from_the_model_file_when_it_has_them(tmp_path):
-    from autopart.passes.capture import load_model_file
+    from autopart.ir.model_file import load_model_file
     from autopart.runtime.data import eval_batches, global_batches
 
     model = tmp_path / "model.py"

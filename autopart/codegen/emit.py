@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import save_file
 
 from autopart.passes.annotate import OpGraph
-from autopart.passes.capture import ModelSpec, is_meta
+from autopart.ir.model_file import ModelSpec, is_meta
 from autopart.codegen.names import plain_text
 from autopart.codegen.output_dir import check_output_directory, remove_output, write_marker
 from autopart.codegen.report import write_report

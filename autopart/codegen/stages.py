@@ -19,7 +19,8 @@ import torch
 from torch import fx
 from torch.fx.graph import _custom_builtins
 
-from autopart.passes.annotate import OpGraph, TensorMeta
+from autopart.ir.tensors import TensorMeta
+from autopart.passes.annotate import OpGraph
 from autopart.codegen.names import plain_text
 from autopart.ir.errors import PlanError
 

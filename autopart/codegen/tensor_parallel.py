@@ -18,7 +18,8 @@ from dataclasses import replace
 
 from torch import fx
 
-from autopart.passes.annotate import OpGraph, TensorMeta
+from autopart.ir.tensors import TensorMeta
+from autopart.passes.annotate import OpGraph
 from autopart.codegen.stages import StageGraph
 from autopart.runtime import collectives
 from autopart.solve.sharding import REPLICATE, Placement, Strategy, argument, constant_of, is_aten, local_shape, op_name

@@ -13,9 +13,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from autopart.passes.annotate import DTYPES, TensorMeta
+from autopart.ir.tensors import DTYPES, TensorMeta
 from autopart.ir.errors import PlanError
-from autopart.passes.recompute import RECOMPUTE_MODES
+from autopart.ir.recompute import RECOMPUTE_MODES
 
 __all__ = ["PLAN_VERSION", "StagePlan", "ScheduleSpec", "Predicted", "Provenance", "Plan", "load_plan", "first_difference"]
 

@@ -24,7 +24,6 @@ whose op lists differ from CPU's (CUDA runs ``pow``, ``rsqrt``, softmax and the 
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,24 +34,14 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from autopart.ir.tensors import DTYPES, TensorMeta, autocast_dtype, precision, tensor_meta
 from autopart.passes.autocast_lists import cuda_autocast
-from autopart.passes.capture import Graph, ModelSpec, graph_args, is_meta
-from autopart.passes.recompute import keeps_output
+from autopart.ir.model_file import ModelSpec, is_meta
+from autopart.passes.capture import Graph, graph_args
+from autopart.ir.recompute import keeps_output
 from cost_models import CostModel, Kernel, KernelRecorder
 
-__all__ = [
-    "DTYPES", "TensorMeta", "NodeCost", "OpGraph", "annotate", "autocast_dtype", "cost_key", "precision", "target_precision",
-    "tensor_meta", "op_key", "leaves_for_grad",
-]
-
-DTYPES = ("fp32", "bf16")
-"""Training precisions: fp32, or bf16 autocast over fp32 weights (``Plan.dtype``)."""
-
-
-def autocast_dtype(dtype: str) -> torch.dtype | None:
-    """The dtype that ``torch.autocast`` runs the forward in, or None for plain fp32."""
-    return {"fp32": None, "bf16": torch.bfloat16}[dtype]
-
+__all__ = ["NodeCost", "OpGraph", "annotate", "cost_key", "target_precision", "op_key", "leaves_for_grad"]
 
 def target_precision(dtype: str, device_kind: str) -> contextlib.AbstractContextManager:
     """The autocast a device of ``device_kind`` runs the forward in, applied on this machine's
@@ -61,37 +50,6 @@ def target_precision(dtype: str, device_kind: str) -> contextlib.AbstractContext
     if lower is not None and device_kind in ("cuda", "rocm"):  # ROCm's torch autocasts as "cuda"
         return cuda_autocast(lower)
     return precision(dtype)
-
-
-def precision(dtype: str, device_type: str = "cpu") -> contextlib.AbstractContextManager:
-    """The context a forward runs in at ``dtype``: autocast for bf16, nothing for fp32."""
-    lower = autocast_dtype(dtype)
-    return torch.autocast(device_type, dtype=lower) if lower is not None else contextlib.nullcontext()
-
-
-@dataclass(frozen=True, kw_only=True)
-class TensorMeta:
-    shape: tuple[int, ...]
-    dtype: str  # "float32", "int64", ...
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
-
-    def to_json(self) -> dict[str, Any]:
-        return {"shape": list(self.shape), "dtype": self.dtype}
-
-    @staticmethod
-    def from_json(data: dict[str, Any]) -> TensorMeta:
-        return TensorMeta(shape=tuple(int(s) for s in data["shape"]), dtype=str(data["dtype"]))
-
-
-def tensor_meta(tensor: torch.Tensor) -> TensorMeta:
-    return TensorMeta(shape=tuple(tensor.shape), dtype=str(tensor.dtype).removeprefix("torch."))
 
 
 @dataclass(frozen=True, kw_only=True)

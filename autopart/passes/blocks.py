@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 from torch import fx
 
-from autopart.passes.annotate import NodeCost, OpGraph, TensorMeta
+from autopart.ir.tensors import TensorMeta
+from autopart.passes.annotate import NodeCost, OpGraph
 
 __all__ = ["Block", "Boundary", "BlockChain", "build_blocks", "NARROW_FACTOR"]
 

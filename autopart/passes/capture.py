@@ -19,13 +19,9 @@ traced without running it; its graph is checked by running the model on meta ten
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import importlib.util
 import inspect
 import logging
-import sys
-import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,32 +30,15 @@ import torch
 from torch import fx, nn
 
 from autopart.ir.errors import CaptureError, ConfigError, ModelFileError
+from autopart.ir.model_file import ModelSpec, describe_error, eager_loss, file_line, is_meta
 from autopart.passes.export import export_training_graph
 
-__all__ = ["ModelSpec", "Graph", "load_model_file", "capture", "is_meta", "TARGET"]
+__all__ = ["Graph", "capture", "graph_args", "leaf_classes", "TARGET"]
 
 log = logging.getLogger("autopart")
 
 TARGET = "target"
 """Name of the graph placeholder that carries the loss target."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class ModelSpec:
-    """What a user's ``model.py`` provides, checked against the contract."""
-
-    path: Path
-    source_sha256: str
-    module: nn.Module | None  # None when loaded for its data functions only
-    example_batch: Callable[[int], tuple[tuple[Any, ...], Any]]
-    loss_fn: Callable[[Any, Any], torch.Tensor] | None
-    batches: Callable[[int, int], Iterator[tuple[tuple[Any, ...], Any]]] | None
-    eval_batches: Callable[[int, int], Iterator[tuple[tuple[Any, ...], Any]]] | None = None  # held-out data
-    init_weights: Callable[[nn.Module], None] | None = None  # for models built on the meta device
-
-    def example(self, batch_size: int) -> tuple[tuple[torch.Tensor, ...], Any]:
-        """The example batch at ``batch_size``, checked to be ``(tuple of tensors, target)``."""
-        return check_batch(self.path, "example_batch", self.example_batch(batch_size), batch_size)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -71,125 +50,6 @@ class Graph:
     input_names: tuple[str, ...]  # placeholders, in call order; the last is TARGET when there is a loss
     has_target: bool
     constants: tuple[str, ...] = ()  # get_attr targets that are not the model's tensors (made in forward)
-
-
-def _file_line(exc: BaseException, path: Path) -> str | None:
-    """``model.py:LINE`` of the innermost traceback frame that lies in the user's file."""
-    where = None
-    for frame in traceback.extract_tb(exc.__traceback__):
-        if Path(frame.filename).resolve() == path.resolve():
-            where = f"{path.name}:{frame.lineno}"
-    return where
-
-
-def _describe(exc: BaseException, path: Path) -> str:
-    message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-    where = _file_line(exc, path)
-    text = f"{type(exc).__name__}: {message}" if message else type(exc).__name__
-    return f"{text} ({where})" if where else text
-
-
-def load_model_file(path: str | Path, *, build: bool = True) -> ModelSpec:
-    """Import ``path`` and return its ``ModelSpec``; every breach of the contract is a ModelFileError.
-
-    ``build=False`` skips ``build_model()``: the runtime needs only the data functions.
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise ModelFileError(
-            f"model file '{path}' does not exist; pass the path of a Python file that defines "
-            "build_model() and example_batch()"
-        )
-    if path.suffix != ".py":
-        raise ModelFileError(f"model file '{path}' is not a .py file; pass a Python model file")
-    source = path.read_bytes()
-    name = f"_autopart_model_{hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:12]}"
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    folder = str(path.resolve().parent)
-    sys.path.insert(0, folder)
-    try:
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    except Exception as exc:  # the user's code may raise anything
-        sys.modules.pop(name, None)
-        raise ModelFileError(f"importing {path.name} failed: {_describe(exc, path)}; fix the model file") from None
-    finally:
-        sys.path.remove(folder)
-
-    build_model = _contract_function(module, path, "build_model", required=True)
-    example_batch = _contract_function(module, path, "example_batch", required=True)
-    loss_fn = _contract_function(module, path, "loss_fn", required=False)
-    batches = _contract_function(module, path, "batches", required=False)
-    eval_batches = _contract_function(module, path, "eval_batches", required=False)
-    init_weights = _contract_function(module, path, "init_weights", required=False)
-    model = None
-    try:
-        if build:
-            model = build_model()
-    except Exception as exc:
-        raise ModelFileError(f"build_model() in {path.name} raised {_describe(exc, path)}") from None
-    if build and not isinstance(model, nn.Module):
-        raise ModelFileError(
-            f"build_model() in {path.name} returned {type(model).__name__}, not a torch.nn.Module; "
-            "return the model instance"
-        )
-    return ModelSpec(
-        path=path,
-        source_sha256=hashlib.sha256(source).hexdigest(),
-        module=model,
-        example_batch=example_batch,
-        loss_fn=loss_fn,
-        batches=batches,
-        eval_batches=eval_batches,
-        init_weights=init_weights,
-    )
-
-
-def _contract_function(module: Any, path: Path, name: str, *, required: bool) -> Callable | None:
-    fn = getattr(module, name, None)
-    if fn is None:
-        if required:
-            signature = {
-                "build_model": "def build_model() -> nn.Module",
-                "example_batch": "def example_batch(batch_size: int) -> (inputs: tuple, target)",
-            }[name]
-            raise ModelFileError(
-                f"{path.name} does not define {name}(); add `{signature}` (see the model-file contract in the README)"
-            )
-        return None
-    if not callable(fn):
-        raise ModelFileError(f"{name} in {path.name} is a {type(fn).__name__}, not a function; define it with def")
-    return fn
-
-
-def check_batch(path: Path, producer: str, batch: Any, batch_size: int) -> tuple[tuple[torch.Tensor, ...], Any]:
-    """Check one ``(inputs, target)`` pair from the model file and return it normalised."""
-    if not (isinstance(batch, tuple | list) and len(batch) == 2):
-        raise ModelFileError(
-            f"{producer}() in {path.name} returned {type(batch).__name__}; it must return (inputs: tuple, target)"
-        )
-    inputs, target = batch
-    if isinstance(inputs, torch.Tensor):
-        inputs = (inputs,)
-    if not isinstance(inputs, tuple | list) or not inputs:
-        raise ModelFileError(f"{producer}() in {path.name} must return a non-empty tuple of input tensors first")
-    for i, tensor in enumerate([*inputs, target]):
-        if tensor is None and i == len(inputs):
-            continue
-        what = f"input {i}" if i < len(inputs) else "the target"
-        if not isinstance(tensor, torch.Tensor):
-            raise ModelFileError(
-                f"{producer}() in {path.name}: {what} is a {type(tensor).__name__}, not a tensor; "
-                "inputs and target must be tensors whose first dimension is the batch"
-            )
-        if tensor.dim() == 0 or tensor.shape[0] != batch_size:
-            raise ModelFileError(
-                f"{producer}({batch_size}) in {path.name}: {what} has shape {tuple(tensor.shape)}, "
-                f"whose first dimension is not the batch size {batch_size}"
-            )
-    return tuple(inputs), target
 
 
 class _ThroughTracer(fx.Tracer):
@@ -240,11 +100,6 @@ def _trace_fx(spec: ModelSpec, inputs: tuple[torch.Tensor, ...], leaves: frozens
     return fx.GraphModule(model, graph, class_name="TrainingGraph")
 
 
-def is_meta(module: nn.Module) -> bool:
-    """Whether the model was built on the meta device: shapes without storage."""
-    return any(t.is_meta for t in (*module.parameters(), *module.buffers()))
-
-
 def leaf_classes(module: nn.Module, names: tuple[str, ...]) -> frozenset[type]:
     """The module classes that ``--leaf`` names, found among the model's modules."""
     classes = {type(m).__name__: type(m) for m in module.modules()}
@@ -268,7 +123,7 @@ def _reason(exc: BaseException, path: Path) -> str:
         reason = "control flow on tensor values"
     elif "control flow" in reason or "TraceError" in type(exc).__name__:
         reason = "Python control flow on a traced shape or tensor"
-    where = _file_line(exc, path)
+    where = file_line(exc, path)
     return f"{reason} at {where}" if where else reason
 
 
@@ -338,12 +193,6 @@ def _on_model_device(spec: ModelSpec, inputs: tuple[torch.Tensor, ...]) -> tuple
     return tuple(x.to("meta") for x in inputs) if is_meta(spec.module) else inputs
 
 
-def eager_loss(spec: ModelSpec, inputs: tuple[torch.Tensor, ...], target: Any) -> torch.Tensor:
-    """The loss of the original model, run eagerly: the reference that every graph must match."""
-    output = spec.module(*inputs)
-    return output if spec.loss_fn is None else spec.loss_fn(output, target)
-
-
 def graph_args(graph: Graph, inputs: tuple[torch.Tensor, ...], target: Any) -> tuple[Any, ...]:
     return (*inputs, target) if graph.has_target else tuple(inputs)
 
@@ -357,7 +206,7 @@ def _eager_reference(spec: ModelSpec, inputs: tuple[torch.Tensor, ...], target: 
             expected = eager_loss(spec, *args)
         except Exception as exc:
             raise ModelFileError(
-                f"the model rejects its own example batch: {_describe(exc, spec.path)}; "
+                f"the model rejects its own example batch: {describe_error(exc, spec.path)}; "
                 "make example_batch() match the model's forward"
             ) from None
     if not isinstance(expected, torch.Tensor) or expected.numel() != 1:

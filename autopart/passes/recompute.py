@@ -27,41 +27,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from autopart.ir.errors import ConfigError
+from autopart.ir.recompute import RECOMPUTE_MODES
 
 if TYPE_CHECKING:
     from autopart.passes.blocks import Block, BlockChain
     from autopart.schedule import Schedule
 
-__all__ = [
-    "RECOMPUTE_MODES",
-    "KEPT_OPS",
-    "keeps_output",
-    "RecomputeCost",
-    "recompute_cost",
-    "stage_input_bytes",
-    "transient_microbatches",
-    "stage_modes",
-]
-
-RECOMPUTE_MODES = ("none", "selective", "full")
-
-KEPT_OPS = frozenset({
-    # matrix products, as aten sees them below F.linear and torch.matmul
-    "mm", "addmm", "bmm", "baddbmm", "addbmm", "_addmm_activation", "linear", "_scaled_mm", "_int_mm",
-    # fused attention kernels (the math fallback decomposes into bmm, kept above, and softmax)
-    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
-    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
-    "_scaled_dot_product_fused_attention_overrideable", "_flash_attention_forward", "_efficient_attention_forward",
-})
-"""aten ops (overload packets) whose outputs selective recompute keeps."""
-
-
-def keeps_output(op: Any) -> bool:
-    """Whether selective recompute keeps the output of ``op``: an aten overload
-    (``torch.ops.aten.mm.default``) or its name (``"aten.mm.default"``, as `Kernel.op` has it)."""
-    namespace, _, rest = str(op).partition(".")
-    return namespace == "aten" and rest.partition(".")[0] in KEPT_OPS
-
+__all__ = ["RecomputeCost", "recompute_cost", "stage_input_bytes", "transient_microbatches", "stage_modes", "check_mode"]
 
 @dataclass(frozen=True, kw_only=True)
 class RecomputeCost:

@@ -40,8 +40,10 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from torch import fx
 
-from autopart.passes.annotate import DTYPES, _run_one, cost_key, leaves_for_grad, precision, target_precision
-from autopart.passes.capture import Graph, ModelSpec, graph_args
+from autopart.ir.tensors import DTYPES, precision
+from autopart.passes.annotate import _run_one, cost_key, leaves_for_grad, target_precision
+from autopart.ir.model_file import ModelSpec
+from autopart.passes.capture import Graph, graph_args
 from autopart.ir.errors import ConfigError
 from autopart.profiling.in_situ import NodeTimes, measure_resume, optimizer_in_situ, time_in_situ
 from autopart.runtime.optim import make_optimizer

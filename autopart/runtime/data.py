@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from autopart.passes.capture import ModelSpec, check_batch
+from autopart.ir.model_file import ModelSpec, check_batch
 from autopart.ir.errors import ConfigError
 from autopart.ir.plan import Plan
 

@@ -36,8 +36,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from autopart.passes.annotate import precision
-from autopart.passes.recompute import keeps_output
+from autopart.ir.tensors import precision
+from autopart.ir.recompute import keeps_output
 
 __all__ = ["StageForward", "Rebuild", "selective_policy"]
 

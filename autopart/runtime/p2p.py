@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from autopart.passes.annotate import TensorMeta
+from autopart.ir.tensors import TensorMeta
 from autopart.ir.errors import ScheduleError
 from autopart.schedule import Kind, Schedule, stage_rank
 

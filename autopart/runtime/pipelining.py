@@ -48,7 +48,7 @@ from torch.distributed.pipelining import (
     ScheduleInterleavedZeroBubble,
 )
 
-from autopart.passes.capture import load_model_file
+from autopart.ir.model_file import load_model_file
 from autopart.ir.errors import ConfigError
 from autopart.ir.plan import Plan, load_plan
 from autopart.runtime import collectives

@@ -76,7 +76,7 @@ def declare_tensors(
 def _meta_spec(model_file: Path):
     """The model file, its model built on the meta device: the source of --leaf modules and of the
     initialisers of a meta model (which must come from the same import as the model's classes)."""
-    from autopart.passes.capture import load_model_file
+    from autopart.ir.model_file import load_model_file
 
     with torch.device("meta"):
         spec = load_model_file(model_file)

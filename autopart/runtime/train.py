@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
-from autopart.passes.capture import load_model_file
+from autopart.ir.model_file import load_model_file
 from autopart.ir.errors import AutopartError, ConfigError, OneLineParser
 from autopart.ir.plan import Plan, load_plan
 from autopart.runtime.data import eval_batches, global_batches, model_file, split_microbatches

@@ -25,7 +25,7 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from autopart.passes.recompute import RECOMPUTE_MODES
+from autopart.ir.recompute import RECOMPUTE_MODES
 
 __all__ = ["RECOMPUTE_MODES", "ChainCosts", "StageCut", "cut_stages", "lower_bound_s", "stage_figures"]
 

@@ -37,8 +37,9 @@ from autopart.driver import (
     _sharded,
     state_bytes,
 )
-from autopart.passes.annotate import DTYPES
-from autopart.passes.capture import Graph, ModelSpec, is_meta, load_model_file
+from autopart.ir.tensors import DTYPES
+from autopart.ir.model_file import ModelSpec, is_meta, load_model_file
+from autopart.passes.capture import Graph
 from autopart.ir.errors import ConfigError, InfeasibleError
 from autopart.ir.plan import Plan
 from autopart.runtime.materialise import check_initialisers

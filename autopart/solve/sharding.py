@@ -26,7 +26,8 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from autopart.passes.annotate import OpGraph, TensorMeta
+from autopart.ir.tensors import TensorMeta
+from autopart.passes.annotate import OpGraph
 from autopart.ir.placement import PARTIAL, REPLICATE, Placement, shard
 
 __all__ = [

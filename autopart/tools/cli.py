@@ -131,7 +131,8 @@ def _consolidate(args: argparse.Namespace, console: Console) -> None:
 
 
 def _profile(args: argparse.Namespace, console: Console) -> None:
-    from autopart.passes.capture import capture, load_model_file
+    from autopart.ir.model_file import load_model_file
+    from autopart.passes.capture import capture
     from autopart.ir.errors import ConfigError
     from autopart.profiling.profile import profile_costs
     from autopart.runtime.optim import OPTIMIZERS
