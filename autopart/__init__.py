@@ -18,7 +18,7 @@ __all__ = ["compile", "emit", "CompileOptions", "Plan", "load_plan", "AutopartEr
 _LAZY = {
     "compile": "autopart.driver",
     "emit": "autopart.driver",
-    "CompileOptions": "autopart.driver",
+    "CompileOptions": "autopart.options",
     "Plan": "autopart.ir.plan",
     "load_plan": "autopart.ir.plan",
 }

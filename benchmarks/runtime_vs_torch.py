@@ -246,7 +246,8 @@ def compile_plan(model: Path, out: Path, *, pp: int, microbatches: int, micro_ba
 
 def pinned_variant(plan, out: Path, *, schedule: str | None = None, cuts: tuple[int, ...] | None = None):
     """Emit ``plan`` again with another schedule and/or other cuts (a pinned, hand-edited plan)."""
-    from autopart.driver import CompileOptions, _front, compile_to_directory
+    from autopart.driver import CompileOptions, compile_to_directory
+    from autopart.passes.front import build_front
     from autopart.ir.plan import load_plan
     from autopart.solve.pipeline import stage_ranges
 
@@ -257,7 +258,7 @@ def pinned_variant(plan, out: Path, *, schedule: str | None = None, cuts: tuple[
     if schedule is not None:
         data["schedule"]["kind"] = schedule
     if cuts is not None:
-        front = _front(CompileOptions(model=Path(plan.provenance.model_file)), plan.schedule.micro_batch_size)
+        front = build_front(CompileOptions(model=Path(plan.provenance.model_file)), plan.schedule.micro_batch_size)
         blocks = front.chain.blocks
         for stage, blocks_range in zip(data["stages"], stage_ranges(cuts, len(blocks)), strict=True):
             stage["nodes"] = [n for k in blocks_range for n in blocks[k].nodes]
@@ -269,10 +270,11 @@ def pinned_variant(plan, out: Path, *, schedule: str | None = None, cuts: tuple[
 
 
 def equal_layer_cuts(plan) -> tuple[int, ...]:
-    from autopart.driver import CompileOptions, _front
+    from autopart.driver import CompileOptions
+    from autopart.passes.front import build_front
     from autopart.solve.baselines import uniform_layer_cuts
 
-    front = _front(CompileOptions(model=Path(plan.provenance.model_file)), plan.schedule.micro_batch_size)
+    front = build_front(CompileOptions(model=Path(plan.provenance.model_file)), plan.schedule.micro_batch_size)
     return uniform_layer_cuts(front.chain, plan.mesh["pp"])
 
 

@@ -6,7 +6,7 @@ import pytest
 
 from autopart.ir.errors import ConfigError
 from cost_models import model_state_bytes
-from autopart.driver import state_bytes
+from autopart.predict.memory import state_bytes
 from cost_models.memory import FRAMEWORK_OVERHEAD_BYTES, NCCL_BUFFER_BYTES, NCCL_CHANNELS, communicator_bytes
 
 PARAMETERS = 1_000_003  # Ψ

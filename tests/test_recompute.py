@@ -168,11 +168,11 @@ _COMPILED: dict[str, tuple] = {}
 def _compiled(tmp_path_factory, dtype: str, schedule: str = "1f1b"):
     """The gpt example at pp=2 in ``dtype`` (without recompute): its plan, output directory and block chain."""
     if dtype not in _COMPILED:
-        from autopart.driver import _compile
+        from autopart.driver import compile_plan
         from autopart.codegen.emit import emit_directory
 
         options = CompileOptions(model=GPT, pp=2, microbatches=4, micro_batch_size=2, schedule=schedule, dtype=dtype)
-        plan, front = _compile(options)
+        plan, front = compile_plan(options)
         out = emit_directory(plan, front.op_graph, front.spec, tmp_path_factory.mktemp(f"gpt-{dtype}") / "out")
         _COMPILED[dtype] = (plan, out, front.chain)
     return _COMPILED[dtype]
@@ -209,7 +209,7 @@ def _pinned(plan: Plan, modes: tuple[str, ...], tmp_path: Path) -> Plan:
 
 
 def test_plan_figures_follow_the_recompute_mode(tmp_path_factory, tmp_path):
-    from autopart.driver import _in_flight
+    from autopart.predict.in_flight import in_flight as _in_flight
 
     plan, _, chain = _compiled(tmp_path_factory, "fp32")
     plans = {modes: _pinned(plan, modes, tmp_path) for modes in (("full", "selective"), ("selective", "full"))}
@@ -353,9 +353,9 @@ def test_bad_cli_values_are_one_line_exit_2(tmp_path, capsys, args, message):
 def test_a_stage_sends_only_what_the_plan_says():
     """The next stage sizes its receive buffers by the plan: other dtypes must stop F, not garble the message."""
     from autopart.ir.tensors import TensorMeta
-    from autopart.runtime.executor import _check_outputs
+    from autopart.runtime.executor import check_outputs
 
     promised = [TensorMeta(shape=(2, 32), dtype="float32")]
-    _check_outputs((torch.zeros(2, 32),), promised)
+    check_outputs((torch.zeros(2, 32),), promised)
     with pytest.raises(RuntimeError, match=r"output 0 of the stage is .*bfloat16.* but the plan sends .*float32"):
-        _check_outputs((torch.zeros(2, 32, dtype=torch.bfloat16),), promised)
+        check_outputs((torch.zeros(2, 32, dtype=torch.bfloat16),), promised)

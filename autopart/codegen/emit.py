@@ -24,7 +24,7 @@ from autopart.codegen.stages import describe_tensors, stage_graphs, stage_source
 from autopart.ir.plan import Plan
 from autopart.runtime.launch import PLAN_HASH_KEY, file_sha256, plan_digest
 from autopart.runtime.shards import shard_weight
-from autopart.runtime.stage import weights_file_name
+from autopart.runtime.shards import weights_file_name
 from autopart.solve.sharding import REPLICATE, Placement, Strategy
 from autopart.solve.sharding_rules import strategies
 

@@ -151,7 +151,7 @@ class _State:
         return torch.func.functional_call(module, state or self.leaf_state(target), args, kwargs)
 
 
-def _run_one(node: fx.Node, args: tuple, kwargs: dict, state: _State | None = None) -> Any:
+def run_one(node: fx.Node, args: tuple, kwargs: dict, state: _State | None = None) -> Any:
     """Run one node on concrete arguments (``state`` holds the weights of ``--leaf`` modules)."""
     if node.op == "call_function":
         return node.target(*args, **kwargs)
@@ -253,10 +253,10 @@ def _measure_kernels(
                 }
                 out = state.call_leaf(str(node.target), args, kwargs, own)
             else:
-                out = _run_one(node, args, kwargs, state)
+                out = run_one(node, args, kwargs, state)
         except RuntimeError:  # an in-place op on a leaf: count it without autograd
             with torch.no_grad():
-                out = _run_one(node, args, kwargs, state)
+                out = run_one(node, args, kwargs, state)
     outputs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
     grads = [torch.ones_like(t) for t in outputs]
     input_kernels: list[Kernel] = []

@@ -100,24 +100,7 @@ def _convert(program: ExportedProgram, model: nn.Module, input_names: list[str])
             "caches); torch.export captures that as an extra output, which autopart cannot train; "
             "remove the in-place update (e.g. BatchNorm(track_running_stats=False))"
         )
-    named: dict[str, Any] = dict(model.named_parameters(remove_duplicate=False))
-    named.update(model.named_buffers(remove_duplicate=False))
-    attributes: dict[str, Any] = {}  # get_attr target -> tensor, the new module's state
-    lifted: dict[str, str] = {}  # placeholder name -> get_attr target
-    users: list[str] = []
-    for spec in signature.input_specs:
-        name = spec.arg.name
-        if spec.kind is InputKind.USER_INPUT:
-            users.append(name)
-            continue
-        target = _strip(spec.target)
-        if spec.kind in (InputKind.PARAMETER, InputKind.BUFFER):
-            attributes[target] = named[target]
-        else:  # a tensor constant made in forward, e.g. torch.tensor(...) in a module
-            attributes[target] = program.constants[spec.target]
-        lifted[name] = target
-    if len(users) != len(input_names):
-        raise CaptureError(f"torch.export gave {len(users)} inputs where {len(input_names)} were expected; report this model")
+    attributes, lifted, users = _lifted_inputs(program, model, input_names)
 
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
@@ -172,3 +155,29 @@ def _convert(program: ExportedProgram, model: nn.Module, input_names: list[str])
     graph.eliminate_dead_code()
     graph.lint()
     return fx.GraphModule(attributes, graph, class_name="TrainingGraph")
+
+def _lifted_inputs(program: ExportedProgram, model: nn.Module, input_names: list[str]
+                   ) -> tuple[dict[str, Any], dict[str, str], list[str]]:
+    """What torch.export lifted into inputs, put back as module state: the new module's tensors
+    by get_attr target, each lifted placeholder's target, and the user inputs' placeholders."""
+    signature = program.graph_signature
+    named: dict[str, Any] = dict(model.named_parameters(remove_duplicate=False))
+    named.update(model.named_buffers(remove_duplicate=False))
+    attributes: dict[str, Any] = {}  # get_attr target -> tensor, the new module's state
+    lifted: dict[str, str] = {}  # placeholder name -> get_attr target
+    users: list[str] = []
+    for spec in signature.input_specs:
+        name = spec.arg.name
+        if spec.kind is InputKind.USER_INPUT:
+            users.append(name)
+            continue
+        target = _strip(spec.target)
+        if spec.kind in (InputKind.PARAMETER, InputKind.BUFFER):
+            attributes[target] = named[target]
+        else:  # a tensor constant made in forward, e.g. torch.tensor(...) in a module
+            attributes[target] = program.constants[spec.target]
+        lifted[name] = target
+    if len(users) != len(input_names):
+        raise CaptureError(f"torch.export gave {len(users)} inputs where {len(input_names)} were expected; report this model")
+    return attributes, lifted, users
+

@@ -3,17 +3,17 @@
 A stage computes more slowly inside a running pipeline than alone in one process, where
 ``autopart profile`` times its ops: the other ranks compute beside it and share the caches and
 the memory bus, the messages' threads run mid-compute, a rank that waited wakes on a cold core,
-and with more ranks than cores each one refills what another evicted. On this 2-core machine a
-stage's forward and backward took 8-19% more CPU time in a 2-rank pipeline than alone and up to
-75% more with 4 ranks; ``profile-comm``'s tiny layer shows 2-5%.
+and with more ranks than cores each one refills what another evicted. The slowdown grows with
+the ranks per core and with the size of the stage, so ``profile-comm``'s tiny layer understates
+it for a real model (``docs/cost_accuracy.md`` has the figures).
 
 `profile_pipeline` runs the compiled programs here for a few steps (``train.py
 --action-times``), takes the time of every forward, backward and weight-gradient action of
 every rank over the steps after the warm-up (wall time, or CPU time where the ranks outnumber
 the cores: the step model shares the cores itself), less the runtime's fixed cost per action, and
 divides it by what the plan counted for the same actions, per stage and for all stages: the
-pipeline compute factors of this model on this mesh (a stage's own differs from the others' by
-up to 25% here: the stage that holds the loss ran slower than profiled, the first on par).
+pipeline compute factors of this model on this mesh (per stage, since stages differ: the one
+that holds the loss, say, runs slower against its profile than the first).
 ``autopart compile --profile-pipeline`` stores them in the cost database under `pipeline_key`
 and compiles again; the step model then multiplies each forward and backward by its stage's
 factor and, because that time already holds the waking and the refilling, adds neither.
@@ -21,22 +21,21 @@ The wall-clock part of sharing cores and waiting for messages stay the step mode
 
 It also measures the sum of tied gradients (GPT's embedding and head) at the end of each step:
 the holders wait for each other there, so the one that comes last pays the all-reduce with the
-others just woken, which took 2-4 ms here against the 0.6-0.8 ms ``profile-comm`` measures
-between two busy processes. Its wall time on that rank (median over the steps) replaces the
-all-reduces' model in the tails of the plans of this pipeline; and so does each rank's optimizer
-step, which ran 1.2-1.5x its profile here (after the waits and the all-reduce, its state is
-colder still than right after a backward, where ``autopart profile`` times it). Its messages,
+others just woken, which takes longer than ``profile-comm`` measures between two busy
+processes. Its wall time on that rank (median over the steps) replaces the all-reduces' model
+in the tails of the plans of this pipeline; and so does each rank's optimizer step, which runs
+slower than its profile (after the waits and the all-reduce, its state is colder still than
+right after a backward, where ``autopart profile`` times it). Its messages,
 paired on the host's clock, give the step model a send's time, a receive's once its data is
 there and the rest of a waited one's delivery, in place of ``profile-comm``'s.
 
 And it keeps how single steps moved from the median one (`PipelineMeasurement.step_variation`):
 each action's time against its median, how late each message came, each rank's tail. A step
 waits for its slowest rank and its latest message, and a busy machine's slow moments catch the
-ranks at different times, so the median step is longer than the step of the median actions
-(by 8-10% at 2 ranks here); the step model replays the steps kept and takes their median. Not
-where the ranks outnumber the cores: there a step moves mostly with which rank had a core when,
-which the step model's sharing of the cores already holds (replaying it too predicted 22-40%
-long at 4 ranks).
+ranks at different times, so the median step is longer than the step of the median actions;
+the step model replays the steps kept and takes their median. Not where the ranks outnumber the
+cores: there a step moves mostly with which rank had a core when, which the step model's
+sharing of the cores already holds (replaying it as well would count that twice).
 
 It keeps the median step the run itself took too (`PipelineMeasurement.step_s`), of the plan it
 ran: where the compile that follows keeps that plan, ``plan.json`` holds it beside the prediction
@@ -90,9 +89,9 @@ class PipelineProfile:
     steps: int
 
 
-def _action_seconds(plan: Plan, action: Action, overheads: RuntimeOverheads) -> tuple[float, float]:
+def action_seconds(plan: Plan, action: Action, overheads: RuntimeOverheads) -> tuple[float, float]:
     """(compute the plan counts, the runtime's fixed cost) of one compute action, as
-    `autopart.driver._step_time` costs it before its factor."""
+    `autopart.predict.step_time.predicted_step_s` costs it before its factor."""
     stage = plan.stages[action.stage]
     forward, backward, weight = overheads.action_costs(recompute=stage.recompute != "none",
                                                        split=plan.schedule.kind == "zb-h1")
@@ -145,7 +144,7 @@ def measure(plan: Plan, action_times: Path, overheads: RuntimeOverheads, *, core
                 if not action.is_compute:  # on the host's clock, to pair each receive with its send
                     messages[step, where.dp, where.tp, name] = (origin + action_start, origin + action_end)
                     continue
-                compute, fixed = _action_seconds(plan, action, overheads)
+                compute, fixed = action_seconds(plan, action, overheads)
                 measured[action.stage, step] = measured.get((action.stage, step), 0.0) + took - fixed
                 predicted[action.stage, step] = predicted.get((action.stage, step), 0.0) + compute
     if not measured or min(predicted.values()) <= 0:
@@ -171,7 +170,7 @@ def measure(plan: Plan, action_times: Path, overheads: RuntimeOverheads, *, core
     # where the ranks outnumber the cores, a step moves mostly with which rank had a core when,
     # and the step model shares the cores itself: replaying the steps would count that twice
     step_variation = () if shared else _step_variation(steps, took_by_step, _deliveries(messages), tails)
-    send_s, recv_s, transfer_s, waited_s = _message_times(messages)
+    send_s, recv_s, transfer_s, waited_s = message_times(messages)
     return PipelineProfile(
         key=pipeline_key(plan.provenance.model_sha256, plan.mesh, plan.schedule.micro_batch_size, plan.optimizer),
         measured=PipelineMeasurement(compute_factor=compute_s / predicted_s, stage_factors=stage_factors,
@@ -227,11 +226,11 @@ def _send_of(receive: str) -> str:
 
 
 ARRIVED_S = 5e-4
-"""A receive that starts this long after its send ended finds the data there (one way takes
-0.1-0.4 ms here): its time is the receive's own."""
+"""A receive that starts this long after its send ended finds the data there (a small message
+crosses between processes of one host well within it): its time is the receive's own."""
 
 
-def _message_times(messages: dict[tuple[int, int, int, str], tuple[float, float]]) -> tuple[float | None, ...]:
+def message_times(messages: dict[tuple[int, int, int, str], tuple[float, float]]) -> tuple[float | None, ...]:
     """(send, receive, transfer, waited) seconds as the step model takes them (`StageCosts`), from
     the pipeline's sends and receives on the host's clock: a send's time; a receive's when its data
     was there; what a receive that waited took from the end of its send, less a receive's time

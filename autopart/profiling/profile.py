@@ -41,7 +41,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from torch import fx
 
 from autopart.ir.tensors import DTYPES, precision
-from autopart.passes.annotate import _run_one, cost_key, leaves_for_grad, target_precision
+from autopart.passes.annotate import run_one, cost_key, leaves_for_grad, target_precision
 from autopart.ir.model_file import ModelSpec
 from autopart.passes.capture import Graph, graph_args
 from autopart.ir.errors import ConfigError
@@ -111,7 +111,7 @@ class _Timer(fx.Interpreter):
 
     def _forward(self, node: fx.Node, args: tuple, kwargs: dict) -> Any:
         with self._precision():
-            return _run_one(node, args, kwargs)
+            return run_one(node, args, kwargs)
 
 
 def _compile_keys(module: fx.GraphModule, values: list[Any], dtype: str, device_kind: str) -> dict[str, str]:
@@ -134,7 +134,7 @@ def _compile_keys(module: fx.GraphModule, values: list[Any], dtype: str, device_
     return keys
 
 
-def _time_optimizer(database: CostDatabase, device_name: str, device: torch.device, optimizer: str,
+def time_optimizer(database: CostDatabase, device_name: str, device: torch.device, optimizer: str,
                     parameters: list[torch.Tensor], in_step: Callable[[Callable], float] | None = None) -> None:
     """Once, the fixed cost of a ``step()``; per parameter shape, what one parameter adds to it.
 
@@ -170,7 +170,7 @@ def _time_optimizer(database: CostDatabase, device_name: str, device: torch.devi
         database.put(device_name, key, OpTimes(forward_s=scale * seconds))
 
 
-def _put_in_situ(database: CostDatabase, device_name: str, timer: _Timer, in_situ: dict[str, NodeTimes]) -> None:
+def put_in_situ(database: CostDatabase, device_name: str, timer: _Timer, in_situ: dict[str, NodeTimes]) -> None:
     """Per key, the mean over its nodes of their in-place times; the backward split into its
     halves as the op split it when timed alone."""
     for key, alone in timer.timed.items():
@@ -214,7 +214,7 @@ def profile_costs(graph: Graph, spec: ModelSpec, database: CostDatabase, *, devi
             timer.run(*values)
         if timer.timed and where.type == "cpu":
             in_situ = time_in_situ(module, values, forward_context=partial(precision, dtype, where.type))
-            _put_in_situ(database, device_name, timer, in_situ)
+            put_in_situ(database, device_name, timer, in_situ)
         else:
             for key, times in timer.timed.items():
                 database.put(device_name, key, times)
@@ -223,7 +223,7 @@ def profile_costs(graph: Graph, spec: ModelSpec, database: CostDatabase, *, devi
             database.overheads[device_name] = replace(database.overheads[device_name], resume_forward_s=forward,
                                                       resume_backward_s=backward)
         in_step = partial(optimizer_in_situ, module, values) if where.type == "cpu" else None
-        _time_optimizer(database, device_name, where, optimizer, list(dict.fromkeys(module.parameters())), in_step)
+        time_optimizer(database, device_name, where, optimizer, list(dict.fromkeys(module.parameters())), in_step)
     finally:
         torch.set_num_threads(previous_threads)
     return database.timed - before

@@ -20,7 +20,8 @@ from safetensors import SafetensorError, safe_open
 from autopart.ir.errors import ConfigError
 from autopart.ir.plan import Plan
 from autopart.runtime.mesh import Mesh
-from autopart.runtime.stage import checked_stage_source, weights_file_name
+from autopart.runtime.shards import weights_file_name
+from autopart.runtime.stage import checked_stage_source
 
 __all__ = ["PLAN_HASH_KEY", "file_sha256", "plan_digest", "check_launch", "inject_failure", "init_process_group"]
 

@@ -27,14 +27,8 @@ __all__ = [
     "stage_names",
     "check_checkpoint",
     "read_checkpoint",
-    "weights_file_name",
     "checked_stage_source",
 ]
-
-
-def weights_file_name(stage: int, tp_rank: int, tp: int) -> str:
-    """``stage_<k>.safetensors``, or ``stage_<k>.tp<r>.safetensors`` for each tensor-parallel rank."""
-    return f"stage_{stage}.safetensors" if tp == 1 else f"stage_{stage}.tp{tp_rank}.safetensors"
 
 
 def _owner(root: nn.Module, qualified: str) -> tuple[nn.Module, str]:
@@ -198,7 +192,7 @@ def load_stage(
     alone. Whole tensors are sliced for this tensor-parallel rank by their ``placements``.
     """
     from autopart.ir.placement import REPLICATE, Placement
-    from autopart.runtime.shards import shard_weight
+    from autopart.runtime.shards import shard_weight, weights_file_name
 
     stage = _stage_source(out_dir, index).STAGE()
     tensors = stage_tensors(stage)

@@ -236,58 +236,9 @@ def cut_stages(
             transient=transient[s] if transient else 1,
         )  # fmt: skip
 
-    sums = _sums(costs)
-
-    def fits(s: int, first: int, last: int, bound: float) -> str | None:
-        transfer_in = transfer_s[first - 1] if s > 0 else 0.0
-        transfer_out = transfer_s[last] if s < stages - 1 else 0.0
-        for mode in modes[s]:
-            time_s, _, memory_bytes = sums.stage(first, last, mode, in_flight[s], transfer_in, transfer_out,
-                                                 transient[s] if transient else 1)
-            if memory_bytes <= budget[s] and time_s <= bound:
-                return mode
-        return None
-
-    compute = costs.prefix("compute_s")
-    cheapest_out = min(transfer_s, default=0.0)
-
-    def greedy(bound: float) -> list[tuple[int, str]] | None:
-        """Per stage (last block, mode), each stage as long as ``bound`` allows; None if none fits."""
-        result = []
-        first = 0
-        for s in range(stages):
-            latest = blocks - (stages - s)  # every later stage needs a block
-            if s == stages - 1:
-                mode = fits(s, first, blocks - 1, bound)
-                if mode is None:
-                    return None
-                result.append((blocks - 1, mode))
-                break
-            # No mode is faster than no recompute, so the compute alone caps the stage's end; at
-            # that cap it usually fits, and otherwise bisection finds the last block it can end on
-            # (longer stages only cost more).
-            inbound = transfer_s[first - 1] if s > 0 else 0.0
-            cap = bisect.bisect_right(compute, bound * (1 + 1e-9) + compute[first] - inbound - cheapest_out) - 2
-            lo, hi = first, max(first, min(latest, cap))
-            mode = fits(s, first, hi, bound)
-            if mode is not None:
-                lo = hi
-            else:
-                mode = fits(s, first, first, bound)
-                if mode is None:
-                    return None
-                hi -= 1
-            while lo < hi:
-                mid = (lo + hi + 1) // 2
-                found = fits(s, first, mid, bound)
-                if found is not None:
-                    lo, mode = mid, found
-                else:
-                    hi = mid - 1
-            result.append((lo, mode))
-            first = lo + 1
-        return result
-
+    greedy = _Greedy(costs=costs, stages=stages, modes=modes, budget=budget, in_flight=in_flight,
+                     transfer_s=transfer_s, transient=transient)
+    compute = greedy.compute
     worst_case = compute[-1] + sum(costs.forward_s) + 2 * sum(transfer_s) + 1e-9
     loose = greedy(worst_case)
     if loose is None or fit_only:
@@ -303,6 +254,75 @@ def cut_stages(
     chosen = greedy(hi)
     assert chosen is not None
     return replace(_finish(costs, chosen, stage, stage_rank, ranks, overhead_bytes, modes), bound_s=lo)
+
+
+class _Greedy:
+    """Per stage (last block, mode), each stage as long as a bound on its time allows, or None
+    if some stage fits under the bound in no mode: the test that `cut_stages` bisects on."""
+
+    def __init__(self, *, costs: ChainCosts, stages: int, modes: tuple[tuple[str, ...], ...], budget: list[int],
+                 in_flight: tuple[int, ...], transfer_s: tuple[float, ...], transient: tuple[int, ...] | None):
+        self.costs, self.stages, self.modes, self.budget = costs, stages, modes, budget
+        self.in_flight, self.transfer_s, self.transient = in_flight, transfer_s, transient
+        self.blocks = len(costs)
+        self.sums = _sums(costs)
+        self.compute = costs.prefix("compute_s")
+        self.cheapest_out = min(transfer_s, default=0.0)
+
+    def fits(self, s: int, first: int, last: int, bound: float) -> str | None:
+        """The first mode in which blocks ``first..last`` fit as stage ``s`` under ``bound``, if any."""
+        transfer_in = self.transfer_s[first - 1] if s > 0 else 0.0
+        transfer_out = self.transfer_s[last] if s < self.stages - 1 else 0.0
+        for mode in self.modes[s]:
+            time_s, _, memory_bytes = self.sums.stage(first, last, mode, self.in_flight[s], transfer_in, transfer_out,
+                                                      self.transient[s] if self.transient else 1)
+            if memory_bytes <= self.budget[s] and time_s <= bound:
+                return mode
+        return None
+
+    def last_block(self, s: int, first: int, bound: float) -> tuple[int, str] | None:
+        """The last block stage ``s`` (not the last stage) can end on from ``first``, and its mode."""
+        latest = self.blocks - (self.stages - s)  # every later stage needs a block
+        # No mode is faster than no recompute, so the compute alone caps the stage's end; at
+        # that cap it usually fits, and otherwise bisection finds the last block it can end on
+        # (longer stages only cost more).
+        inbound = self.transfer_s[first - 1] if s > 0 else 0.0
+        compute = self.compute
+        cap = bisect.bisect_right(compute, bound * (1 + 1e-9) + compute[first] - inbound - self.cheapest_out) - 2
+        lo, hi = first, max(first, min(latest, cap))
+        mode = self.fits(s, first, hi, bound)
+        if mode is not None:
+            lo = hi
+        else:
+            mode = self.fits(s, first, first, bound)
+            if mode is None:
+                return None
+            hi -= 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            found = self.fits(s, first, mid, bound)
+            if found is not None:
+                lo, mode = mid, found
+            else:
+                hi = mid - 1
+        return lo, mode
+
+    def __call__(self, bound: float) -> list[tuple[int, str]] | None:
+        result = []
+        first = 0
+        for s in range(self.stages):
+            if s == self.stages - 1:
+                mode = self.fits(s, first, self.blocks - 1, bound)
+                if mode is None:
+                    return None
+                result.append((self.blocks - 1, mode))
+                break
+            found = self.last_block(s, first, bound)
+            if found is None:
+                return None
+            result.append(found)
+            first = found[0] + 1
+        return result
 
 
 def _finish(costs, chosen, stage, stage_rank, ranks, overhead_bytes, modes) -> StageCut:

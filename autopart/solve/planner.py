@@ -6,7 +6,7 @@
    and tensor-parallel degree it asks about, capturing and annotating the model once per
    micro-batch size (the graph's shapes depend on it) and sharding per degree.
 2. ``autopart.solve.search.search`` scores the layouts and keeps the finalists.
-3. Each finalist becomes a Plan through the compiler's own ``_plan_from_cuts``, so its
+3. Each finalist becomes a Plan through the compiler's own ``plan_from_cuts``, so its
    predicted step is the one that a pinned plan with the same choices gets; they are ranked by it.
 4. The best one's cuts are given to CP-SAT as a start when the chain is small enough to prove
    them optimal (CP-SAT improves them if it can), and its bound and gap go into the plan.
@@ -26,17 +26,10 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from autopart.driver import (
-    CompileOptions,
-    _annotated,
-    _block_times,
-    _Front,
-    _parameter_placements,
-    _plan_from_cuts,
-    _problem,
-    _sharded,
-    state_bytes,
-)
+from autopart.options import CompileOptions
+from autopart.passes.front import Front, annotated, block_seconds, parameter_placements, sharded
+from autopart.predict.memory import state_bytes
+from autopart.solve.assemble import pipeline_problem, plan_from_cuts
 from autopart.ir.tensors import DTYPES
 from autopart.ir.model_file import ModelSpec, is_meta, load_model_file
 from autopart.passes.capture import Graph
@@ -68,8 +61,8 @@ class FrontTable:
     def __init__(self, options: CompileOptions, progress: Progress | None = None, spec: ModelSpec | None = None):
         self.options = options
         self.progress = progress
-        self._annotated: dict[tuple[int, bool, str], _Front] = {}
-        self._fronts: dict[tuple[int, int, str], _Front] = {}
+        self.annotated: dict[tuple[int, bool, str], Front] = {}
+        self._fronts: dict[tuple[int, int, str], Front] = {}
         self._costs: dict[tuple[int, int, str], ChainCosts] = {}
         self._spec = spec
         self._roofline = None
@@ -85,21 +78,21 @@ class FrontTable:
             self._spec = spec
         return self._spec
 
-    def front(self, *, micro_batch_size: int, tp: int, dtype: str) -> _Front:
+    def front(self, *, micro_batch_size: int, tp: int, dtype: str) -> Front:
         key = (micro_batch_size, tp, dtype)
         if key not in self._fronts:
             separate = tp > 1
             base_key = (micro_batch_size, separate, dtype)
-            if base_key not in self._annotated:
+            if base_key not in self.annotated:
                 if self.progress is not None:
-                    self.progress(f"capturing at micro-batch size {micro_batch_size}", len(self._annotated), 0)
-                front = _annotated(self._options(tp=tp, dtype=dtype), micro_batch_size, separate_biases=separate,
+                    self.progress(f"capturing at micro-batch size {micro_batch_size}", len(self.annotated), 0)
+                front = annotated(self._options(tp=tp, dtype=dtype), micro_batch_size, separate_biases=separate,
                                    spec=self.model_spec(), roofline=self._roofline, measured=self._measured,
                                    graph=self._graphs.get(separate))
                 self._graphs[separate] = front.op_graph.graph  # captured once, annotated at each size
                 self._roofline = getattr(front.cost_model, "roofline", front.cost_model)
-                self._annotated[base_key] = front
-            self._fronts[key] = _sharded(self._annotated[base_key], self._options(tp=tp, dtype=dtype))
+                self.annotated[base_key] = front
+            self._fronts[key] = sharded(self.annotated[base_key], self._options(tp=tp, dtype=dtype))
         return self._fronts[key]
 
     def _options(self, *, tp: int, dtype: str) -> CompileOptions:
@@ -116,10 +109,10 @@ class FrontTable:
         return state_bytes(parameter_bytes, optimizer=self.options.optimizer, dp=dp, zero=zero)
 
 
-def chain_costs(front: _Front, tp: int) -> ChainCosts:
+def chain_costs(front: Front, tp: int) -> ChainCosts:
     """What the cutter reads, per block, from an annotated (and sharded) front."""
     chain = front.chain
-    times = _block_times(front)
+    times = block_seconds(front)
     if front.shardings is not None:
         saved = [s.saved_bytes for s in front.shardings]
     else:
@@ -130,7 +123,7 @@ def chain_costs(front: _Front, tp: int) -> ChainCosts:
         time_scale = times[k][0] / block.forward_s if block.forward_s else 1.0
         selective_saved.append(round(block.selective_saved_bytes * scale))
         selective_s.append(block.selective_recompute_s * time_scale)
-    placements = _parameter_placements(front)
+    placements = parameter_placements(front)
     local = {
         name: nbytes // (tp if placements.get(name, REPLICATE).kind == "S" else 1)
         for name, nbytes in chain.parameter_bytes.items()
@@ -204,7 +197,7 @@ def cluster_of(options: CompileOptions) -> Cluster:
 @dataclass(frozen=True, kw_only=True)
 class Searched:
     plan: Plan
-    front: _Front
+    front: Front
     result: SearchResult
     plans: tuple[Plan, ...]  # the finalists' plans, best first
 
@@ -312,12 +305,12 @@ def _plan_of(options: CompileOptions, table: FrontTable, scored: Scored, solver:
     concrete = concrete_options(options, layout, scored.recompute)
     front = table.front(micro_batch_size=layout.micro_batch_size, tp=layout.tp, dtype=layout.dtype)
     batch = concrete.batch_shape()
-    problem = _problem(concrete, front, batch[1])
-    return _plan_from_cuts(concrete, front, problem, cuts or scored.cut.cuts, batch, solver)
+    problem = pipeline_problem(concrete, front, batch[1])
+    return plan_from_cuts(concrete, front, problem, cuts or scored.cut.cuts, batch, solver)
 
 
 def _refined(options: CompileOptions, table: FrontTable, best: Scored, scored_plan: Plan, *,
-             time_limit_s: float) -> tuple[Plan, _Front]:
+             time_limit_s: float) -> tuple[Plan, Front]:
     """The best layout's plan. Where the chain is small enough, CP-SAT minimises the pipeline
     latency from its cuts; its cuts are taken when the simulated step agrees they are faster,
     and its bound says how far from optimal the chosen cuts' latency can be."""
@@ -325,16 +318,16 @@ def _refined(options: CompileOptions, table: FrontTable, best: Scored, scored_pl
     concrete = concrete_options(options, layout, best.recompute)
     front = table.front(micro_batch_size=layout.micro_batch_size, tp=layout.tp, dtype=layout.dtype)
     batch = concrete.batch_shape()
-    problem = _problem(concrete, front, batch[1])
+    problem = pipeline_problem(concrete, front, batch[1])
     cuts = best.cut.cuts
     if layout.stages == 1:
-        return _plan_from_cuts(concrete, front, problem, cuts, batch, ("trivial", 0.0, 0.0)), front
+        return plan_from_cuts(concrete, front, problem, cuts, batch, ("trivial", 0.0, 0.0)), front
     bound = _latency_bound(problem)
     if all(mode == "none" for mode in best.recompute) and len(front.chain.blocks) * layout.stages <= CP_SAT_LIMIT:
         solution = solve_cuts(problem, time_limit_s=time_limit_s, hint=cuts)
         bound = solution.bound_s
         if solution.evaluation.cuts != cuts:
-            proposed = _plan_from_cuts(concrete, front, problem, solution.evaluation.cuts, batch, ("", 0.0, 0.0))
+            proposed = plan_from_cuts(concrete, front, problem, solution.evaluation.cuts, batch, ("", 0.0, 0.0))
             if proposed.predicted.step_s < scored_plan.predicted.step_s:
                 cuts = solution.evaluation.cuts
         objective = evaluate(problem, cuts).objective_s
@@ -342,7 +335,7 @@ def _refined(options: CompileOptions, table: FrontTable, best: Scored, scored_pl
     else:
         objective, status = evaluate(problem, cuts).objective_s, "bisection"
     gap = max(0.0, (objective - bound) / objective) if objective else 0.0
-    return _plan_from_cuts(concrete, front, problem, cuts, batch, (status, min(bound, objective), gap)), front
+    return plan_from_cuts(concrete, front, problem, cuts, batch, (status, min(bound, objective), gap)), front
 
 
 def _latency_bound(problem) -> float:

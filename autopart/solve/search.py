@@ -33,7 +33,8 @@ from typing import Protocol
 
 from autopart.ir.errors import ConfigError
 from autopart.schedule import stage_rank
-from autopart.schedule.peaks import peak_in_flight, transient_in_flight
+from autopart.predict.in_flight import in_flight
+from autopart.predict.in_flight import transient as transient_count
 from autopart.solve.bottleneck import RECOMPUTE_MODES, ChainCosts, StageCut, cut_stages, lower_bound_s
 from autopart.solve.refine import CutJudge, refine_cuts
 
@@ -47,7 +48,6 @@ __all__ = [
     "search",
     "fits",
     "score_layout",
-    "in_flight",
     "estimate_step_s",
     "tail_s",
     "parameter_bytes_per_rank",
@@ -224,27 +224,6 @@ class SearchResult:
         return self.ranked[0]
 
 
-def in_flight(kind: str, pp: int, microbatches: int, chunks: int) -> tuple[int, ...]:
-    """Per virtual stage, microbatches whose activations it holds at its peak, from the schedule."""
-    return _in_flight_cached(kind, pp, microbatches, chunks)[0]
-
-
-def _transient(kind: str, pp: int, microbatches: int, chunks: int) -> tuple[int, ...]:
-    """Per virtual stage, microbatches whose recomputed activations live at once."""
-    return _in_flight_cached(kind, pp, microbatches, chunks)[1]
-
-
-_IN_FLIGHT: dict[tuple, tuple[int, ...]] = {}
-
-
-def _in_flight_cached(kind: str, pp: int, microbatches: int, chunks: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    key = (kind, pp, microbatches, chunks)
-    if key not in _IN_FLIGHT:  # in closed form: simulating a 64-rank pipeline takes seconds
-        _IN_FLIGHT[key] = (peak_in_flight(kind, ranks=pp, microbatches=microbatches, chunks=chunks),
-                           transient_in_flight(kind, ranks=pp, microbatches=microbatches, chunks=chunks))
-    return _IN_FLIGHT[key]
-
-
 def estimate_step_s(layout: Layout, cut: StageCut, cluster: Cluster, rank_parameter_bytes: list[int],
                     across_nodes: bool) -> float:
     """The step in closed form: the schedule's pipeline latency, then the gradient all-reduce
@@ -402,7 +381,7 @@ def score_layout(layout: Layout, table: CostTable, cluster: Cluster, space: Sear
     pipeline_across = layout.pipeline_crosses_nodes(cluster.gpus_per_node)
     transfer = tuple(cluster.p2p_s(b, pipeline_across) for b in costs.boundary_bytes)
     flight = in_flight(layout.schedule, layout.pp, layout.microbatches, layout.chunks)
-    transient = _transient(layout.schedule, layout.pp, layout.microbatches, layout.chunks)
+    transient = transient_count(layout.schedule, layout.pp, layout.microbatches, layout.chunks)
     if recompute is not None:
         modes = recompute
     elif space.recompute_per_stage:
