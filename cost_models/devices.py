@@ -52,7 +52,7 @@ class DeviceSpec:
     matmul_efficiency: tuple[tuple[float, float], ...]
     """Achievable fraction of peak for a matmul of F FLOPs, as (log10 F, fraction) points,
     interpolated linearly in log10 F and held flat beyond the ends: small GEMMs cannot fill
-    the machine, large ones reach 70–80% of a GPU's datasheet peak."""
+    the machine, and even large ones stay below the datasheet peak (REFERENCE.md has published rates)."""
     memory_bandwidth: float
     """Bytes/s, datasheet (or, for the CPU, measured)."""
     memory_efficiency: float

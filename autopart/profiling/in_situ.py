@@ -3,9 +3,9 @@
 An op timed alone in a loop (`cost_models.profiler.time_op`) runs with its code, its weights
 and its inputs hot in the caches, and writes its output into the block the allocator has just
 freed. In a training step it finds none of that: between two runs of a layer norm come a
-hundred other ops. On this project's CPU the ops of the examples took 1.5 to 2.2 times longer in
-the whole graph than alone, the parameter reads of the generated code (``getattr(self.h,
-"0").ln_1.weight``, a few microseconds each) are no op at all, and the backward pays for every
+hundred other ops. On a CPU an op takes markedly longer in the whole graph than alone, the
+parameter reads of the generated code (``getattr(self.h, "0").ln_1.weight``) are no op at
+all, and the backward pays for every
 autograd node the engine schedules and for every parameter gradient it accumulates, which no
 op's own backward contains. So on the CPU the profiler runs the whole graph, as a stage's
 ``forward`` and ``torch.autograd.backward`` run it, and times each node in place:
@@ -18,9 +18,9 @@ op's own backward contains. So on the CPU the profiler runs the whole graph, as 
   accumulation belongs to the node that reads it, and so does the forward's read of the
   parameter: a stage pays both exactly when it holds that node.
 
-The ticks and hooks cost a few microseconds each, and some of a run falls to no node (the
-engine's scheduling between nodes, the calls' own start): on the examples the nodes got 75 to
-92% of a run without ticks and hooks. So the graph is also run plain, alternately with the
+The ticks and hooks cost time of their own, and some of a run falls to no node (the engine's
+scheduling between nodes, the calls' own start), so the nodes' times do not add up to a plain
+run. So the graph is also run plain, alternately with the
 instrumented run, and each direction's node times are scaled so that they add up to the plain
 forward or backward: a stage is charged its share of the whole.
 
@@ -48,13 +48,11 @@ __all__ = ["NodeTimes", "time_in_situ", "measure_resume", "optimizer_in_situ", "
 REPEATS = 10
 """Runs of the whole graph timed at least (after two warm-up runs)."""
 MIN_SECONDS = 5.0
-"""Seconds the timed runs span at least. On this project's virtual machine a core's speed flips
-between two states up to 1.7x apart every one to ten seconds (other tenants of the host), and
-a step of many milliseconds on two ranks sees their mean: back-to-back runs of a tenth of a
-second caught one state, and three profiles of one model in a row predicted its step at 25, 31
-and 36 ms against a measured 42 to 44. So the runs span seconds (a state can still outlast them),
-and each node keeps its trimmed mean (the middle 80% of its samples): a median would pick one
-of the two states."""
+"""Seconds the timed runs span at least. On a shared virtual machine a core's speed can flip
+between states for seconds at a time (other tenants of the host), and a training step sees
+their mean, while back-to-back runs of a fraction of a second catch one state. So the runs span
+seconds (a state can still outlast them), and each node keeps its trimmed mean (`trimmed_mean`):
+a median would pick one of the states."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -166,7 +164,8 @@ def _left_as_it_was(module: nn.Module) -> Iterator[None]:
 
 
 def trimmed_mean(samples: list[float]) -> float:
-    """The mean of the middle 80%: the speed states in their proportions, without the outliers."""
+    """The mean of the middle of the samples (a tenth cut from each end): the speed states in
+    their proportions, without the outliers."""
     ordered = sorted(samples)
     cut = len(ordered) // 10
     kept = ordered[cut:len(ordered) - cut]
@@ -259,8 +258,7 @@ def optimizer_in_situ(module: fx.GraphModule, args: Sequence[Any], make_step: Ca
     ``repeats`` steps spanning ``min_seconds``. ``make_step(parameters)`` gives the step.
 
     A step timed alone in a loop finds its parameters, gradients and state in the caches; after
-    a training step's backward it does not, and on this project's CPU it took 1.3 to 1.8 times
-    longer there."""
+    a training step's backward it does not, and takes markedly longer there."""
     parameters = list(dict.fromkeys(module.parameters()))
     copies = [p.detach().clone().requires_grad_(True) for p in parameters]
     for copy in copies:
@@ -284,11 +282,11 @@ def measure_resume(module: fx.GraphModule, args: Sequence[Any], *, repeats: int 
 
     When more ranks than cores share a CPU, a rank's forward or backward starts after another
     rank has run on its core and filled the caches, the branch predictors and the TLB with its
-    own state, and pays for refilling them: on this project's 2-core machine 0.1 to 0.6 ms per
-    action, about the same for a whole graph as for a quarter of it. It is measured by forking a
+    own state, and pays for refilling them, per action, and about as much for a whole graph as
+    for a part of it. It is measured by forking a
     copy of this process that runs the graph in a loop on the same core (both pinned to it),
     and timing the graph's forward and backward (CPU time of this thread) with the copy stopped
-    throughout, and again right after the copy ran for 2 ms.
+    throughout, and again right after the copy ran for a moment (a few milliseconds).
     """
     import os
     import signal

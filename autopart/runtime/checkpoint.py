@@ -110,7 +110,7 @@ def read_metadata_file(path: Path) -> Metadata:
 
 def _dcp():
     """torch.distributed.checkpoint, imported when a checkpoint is first saved or read: importing
-    it (DTensor and the symbolic-shape machinery with it) took 1.3 s of every rank's start."""
+    it (DTensor and the symbolic-shape machinery with it) costs every rank a noticeable share of its start."""
     import torch.distributed.checkpoint as dcp
 
     return dcp
