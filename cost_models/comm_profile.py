@@ -424,7 +424,7 @@ def profile_comm(*, ranks: int = 2, backend: str | None = None) -> tuple[CommPro
     """Measure with ``ranks`` processes, cache the result, return it and where it went."""
     import torch.multiprocessing as mp
 
-    from cost_models.devices import local_device_name
+    from cost_models.device_names import local_device_name
 
     if ranks < 2:
         raise ConfigError(f"--ranks must be at least 2 to measure communication, got {ranks}")
