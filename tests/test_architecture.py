@@ -152,3 +152,11 @@ def test_no_private_name_is_imported_across_modules():
 def test_the_private_import_checker_sees_one():
     assert private_imports(ast.parse("from autopart.driver import _compile")) == ["autopart.driver._compile"]
     assert private_imports(ast.parse("from torch.utils import _pytree")) == []
+
+
+def test_python_dash_m_autopart_is_the_command_line():
+    """``python -m autopart`` runs the same parser as the ``autopart`` script (``autopart.tools.cli:main``)."""
+    result = subprocess.run([sys.executable, "-m", "autopart", "--help"], capture_output=True, text=True, cwd=REPO,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "compile" in result.stdout and "verify" in result.stdout
