@@ -9,10 +9,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from autopart.capture import eager_loss, load_model_file
-from autopart.compiler import CompileOptions, compile_to_directory
-from autopart.errors import ConfigError
-from autopart.plan import Plan
+from autopart.driver import compile_to_directory
+from autopart.ir.errors import ConfigError
+from autopart.ir.model_file import eager_loss, load_model_file
+from autopart.ir.plan import Plan
+from autopart.options import CompileOptions
 from autopart.runtime.data import global_batches
 from tests.distributed import REPO, assert_same_training, compile_and_train, read_metrics, run_cli, run_ranks
 from tests.distributed import stage_weights
