@@ -33,6 +33,7 @@ from autopart.profile import profile_costs
 from autopart.profile_pipeline import pipeline_key, profile_pipeline
 from autopart.recompute import recompute_cost, stage_input_bytes, stage_modes, transient_microbatches
 from autopart.rewrite import separate_biases
+from autopart.scatter_gather import message_seconds, parts
 from autopart.schedule import RECEIVE_KINDS, SCHEDULE_KINDS, Action, StageCosts, add_communication, build_schedule, stage_rank
 from autopart.schedule.shared import step_time
 from autopart.solver.pipeline import PipelineProblem, evaluate, solve_cuts, stage_ranges
@@ -308,6 +309,12 @@ def _recompute_blocks(front: _Front, modes: list[str]) -> tuple[tuple[float, ...
     return tuple(times), tuple(held)
 
 
+def _message_s(options: CompileOptions, cost_model: CostModel, tensors) -> float:
+    """One boundary's messages, split over the tensor-parallel group (`autopart.scatter_gather`)."""
+    return message_seconds(cost_model, [meta for _, meta in tensors], tp=options.tp,
+                           across_nodes=options.pipeline_crosses_nodes, tp_across_nodes=options.tp > options.gpus_per_node)
+
+
 def _in_flight(kind: str, ranks: int, microbatches: int, chunks: int) -> tuple[int, ...]:
     """Microbatches whose activations each stage holds at its peak, from the schedule itself."""
     stages = ranks * chunks
@@ -338,10 +345,7 @@ def _problem(options: CompileOptions, front: _Front, microbatches: int) -> Pipel
     return PipelineProblem(
         block_time_s=times,
         block_activation_bytes=saved,
-        boundary_transfer_s=tuple(
-            cost_model.p2p_time(boundary.nbytes, across_nodes=options.pipeline_crosses_nodes)
-            for boundary in chain.boundaries
-        ),
+        boundary_transfer_s=tuple(_message_s(options, cost_model, b.tensors) for b in chain.boundaries),
         parameter_state_bytes={
             name: _state_bytes(options, nbytes // (options.tp if placements.get(name, REPLICATE).kind == "S" else 1))
             for name, nbytes in chain.parameter_bytes.items()
@@ -427,12 +431,7 @@ def _plan_from_cuts(
                 recompute=recompute[s].mode,
             )
         )
-    transfer = tuple(
-        front.cost_model.p2p_time(
-            sum(m.nbytes for _, m in st.outputs), across_nodes=options.pipeline_crosses_nodes
-        )
-        for st in stages[:-1]
-    )
+    transfer = tuple(_message_s(options, front.cost_model, st.outputs) for st in stages[:-1])
     total, microbatches, micro_batch_size = batch
     timeline = simulate_pipeline(
         kind=options.schedule,
@@ -624,7 +623,8 @@ def _step_time(options: CompileOptions, front: _Front, stages: list[StagePlan], 
     fixed = [overheads.action_costs(recompute=s.recompute != "none", split=options.schedule == "zb-h1")
              for s in stages]
     # per boundary, the rank time of its messages (one per tensor) on each side; the rest is latency
-    sides = [[front.cost_model.p2p_rank_time(m.nbytes, across_nodes=options.pipeline_crosses_nodes)
+    sides = [[front.cost_model.p2p_rank_time(m.nbytes // parts(m.numel, options.tp),
+                                             across_nodes=options.pipeline_crosses_nodes)
               for _, m in st.outputs] for st in stages[:-1]]
     send = tuple(sum(s for s, _ in boundary) for boundary in sides)
     receive = tuple(sum(r for _, r in boundary) for boundary in sides)

@@ -59,7 +59,7 @@ from autopart.runtime.progress import StepReporter, Throughput, check_tensorboar
 from autopart.runtime.recipe import Recipe, add_recipe_arguments, parameter_groups
 from autopart.runtime import collectives
 from autopart.runtime.mesh import Mesh, group_of
-from autopart.runtime.p2p import check_message_order
+from autopart.runtime.p2p import Scatter, check_message_order
 from autopart.runtime.stage import check_checkpoint, load_stage, stage_names, weights_file_name
 from autopart.schedule import Kind, add_communication, build_schedule, stage_rank
 
@@ -200,6 +200,7 @@ def _loop(
         schedule=schedule,
         microbatches=schedule_spec.microbatches,
         device=device,
+        scatter=Scatter(group_of(device_mesh, "tp"), here.tp, mesh.tp) if mesh.tp > 1 else None,
     )
     modules = {s: stage.module for s, stage in stages.items()}
     parameters = [p for module in modules.values() for p in module.parameters()]
