@@ -209,7 +209,12 @@ def solve_cuts(problem: PipelineProblem, *, time_limit_s: float = 30.0, hint: tu
     for rank in range(problem.ranks):
         m.add(cut_model.rank_memory(rank) <= problem.memory_limit_bytes)
     m.minimize(sum(times) + (problem.microbatches - 1) * slowest)
+    from autopart.solver import fitting  # it evaluates cuts with this module's evaluate
+
     start = evaluate(problem, hint if hint is not None else _balanced_cuts(problem))
+    if max(start.rank_memory_bytes) > problem.memory_limit_bytes:  # start CP-SAT from cuts that fit, if any do
+        fitting_start = fitting.fitting_cuts(problem)
+        start = evaluate(problem, fitting_start) if fitting_start is not None else start
     cut_model.hint(start.cuts)
     solver, status = _solve(m, time_limit_s)
     if status == cp_model.INFEASIBLE:
@@ -219,9 +224,7 @@ def solve_cuts(problem: PipelineProblem, *, time_limit_s: float = 30.0, hint: tu
     start_fits = max(start.rank_memory_bytes) <= problem.memory_limit_bytes
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         if not start_fits:
-            raise InfeasibleError(
-                f"the cut solver found no plan within --time-limit {time_limit_s:g} s; raise --time-limit"
-            )
+            raise InfeasibleError(fitting.no_fit_message(problem, time_limit_s, upper_bytes=max(start.rank_memory_bytes)))
         evaluation = start
     else:
         evaluation = evaluate(problem, cut_model.cuts(solver))
