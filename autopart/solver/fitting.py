@@ -29,6 +29,8 @@ from autopart.solver.pipeline import PipelineProblem, evaluate
 __all__ = ["fitting_cuts", "least_memory_bytes", "memory_lower_bound", "no_fit_message", "spread_cuts"]
 
 _BISECTIONS = 40
+_GROWTH = 1.25  # the bound on the slowest stage's time, raised by this factor per step
+_STEPS = 200  # at most: the steps stop once the bound passes the whole chain's time
 
 
 def least_memory_bytes(problem: PipelineProblem, *, upper_bytes: int) -> int:
@@ -36,9 +38,10 @@ def least_memory_bytes(problem: PipelineProblem, *, upper_bytes: int) -> int:
     (the memory of cuts known to exist): what the fullest device needs at the least, as far as
     this can tell."""
     low, high = 0, upper_bytes
+    cheapest = _cheapest(problem)
     while high - low > max(1 << 20, high // 1000):
         middle = (low + high) // 2
-        if _cut_from_the_end(problem, math.inf, memory_bytes=middle) is None:
+        if _cut_from_the_end(problem, math.inf, memory_bytes=middle, cheapest=cheapest) is None:
             low = middle
         else:
             high = middle
@@ -50,16 +53,26 @@ def fitting_cuts(problem: PipelineProblem) -> tuple[int, ...] | None:
     stage lengths that spread memory evenly; None where neither fits."""
     spread = spread_cuts(problem)
     fits = max(evaluate(problem, spread).rank_memory_bytes) <= problem.memory_limit_bytes
-    best = _cut_from_the_end(problem, math.inf, memory_bytes=problem.memory_limit_bytes)
+    low, best = max(problem.block_time_s), None
+    # memory does not shrink as the bound on time grows (the last stages take more of their ranks'
+    # room), so the bound is raised step by step from the least, and bisected below the first that fits
+    cheapest = _cheapest(problem)
+    whole = sum(problem.block_time_s) + sum(problem.boundary_transfer_s)
+    for step in range(_STEPS):
+        bound = low * _GROWTH**step
+        bound = bound if bound < whole else math.inf
+        best = _cut_from_the_end(problem, bound, memory_bytes=problem.memory_limit_bytes, cheapest=cheapest)
+        if best is not None or bound == math.inf:
+            break
+        low = bound
     if best is None:
         return spread if fits else None
-    low = max(problem.block_time_s)
     high = max(evaluate(problem, best).stage_time_s)
     for _ in range(_BISECTIONS):
         if high - low <= 1e-6 * high:
             break
         middle = (low + high) / 2
-        cuts = _cut_from_the_end(problem, middle, memory_bytes=problem.memory_limit_bytes)
+        cuts = _cut_from_the_end(problem, middle, memory_bytes=problem.memory_limit_bytes, cheapest=cheapest)
         if cuts is None:
             low = middle
         else:
@@ -100,21 +113,28 @@ def _block_bytes(problem: PipelineProblem, k: int, in_flight: int, held: set[str
     return new + in_flight * problem.block_activation_bytes[k]
 
 
-def _cut_from_the_end(problem: PipelineProblem, limit_s: float, *, memory_bytes: int) -> tuple[int, ...] | None:
+def _cheapest(problem: PipelineProblem) -> dict[int, int]:
+    """Per number of microbatches in flight, the least memory a stage of one block needs."""
+    blocks = range(len(problem.block_time_s))
+    return {f: min(_block_bytes(problem, k, f, set()) for k in blocks) for f in set(problem.in_flight)}
+
+
+def _cut_from_the_end(
+    problem: PipelineProblem, limit_s: float, *, memory_bytes: int, cheapest: dict[int, int]
+) -> tuple[int, ...] | None:
     """Stages from the last backwards, each as long as ``limit_s`` and ``memory_bytes`` on its rank
     allow, one block at least; None where the cuts end up over either bound."""
     blocks, stages = len(problem.block_time_s), problem.stages
     used = [problem.overhead_bytes] * problem.ranks
     reserve = [0] * problem.ranks  # a block each, at the least, for the rank's stages still to be cut
     for s in range(stages - 1):
-        cheapest = min(_block_bytes(problem, k, problem.in_flight[s], set()) for k in range(blocks))
-        reserve[problem.rank_of(s)] += cheapest
+        reserve[problem.rank_of(s)] += cheapest[problem.in_flight[s]]
     starts: list[int] = []
     k = blocks - 1
     for s in range(stages - 1, -1, -1):
         rank = problem.rank_of(s)
         if s < stages - 1:
-            reserve[rank] -= min(_block_bytes(problem, j, problem.in_flight[s], set()) for j in range(blocks))
+            reserve[rank] -= cheapest[problem.in_flight[s]]
         held: set[str] = set()
         time = problem.boundary_transfer_s[k] if s < stages - 1 else 0.0
         first = True
