@@ -10,10 +10,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from autopart.annotate import TensorMeta
-from autopart.local_run import free_port
+from autopart.ir.tensors import TensorMeta
+from autopart.tools.local_run import free_port
 from autopart.runtime.p2p import Scatter, recv_tensors, send_tensors
-from autopart.scatter_gather import message_seconds, parts
+from autopart.ir.scatter_gather import parts
+from autopart.predict.messages import message_seconds
 from cost_models import get_cost_model
 
 

@@ -7,9 +7,9 @@ import random
 
 import pytest
 
-from autopart.errors import InfeasibleError
-from autopart.solver.fitting import fitting_cuts, memory_lower_bound, no_fit_message, spread_cuts
-from autopart.solver.pipeline import PipelineProblem, evaluate, solve_cuts
+from autopart.ir.errors import InfeasibleError
+from autopart.solve.fitting import fitting_cuts, memory_lower_bound, no_fit_message, spread_cuts
+from autopart.solve.pipeline import PipelineProblem, evaluate, solve_cuts
 
 
 def _interleaved(blocks: int, *, ranks: int, chunks: int, limit: int, seed: int = 0) -> PipelineProblem:

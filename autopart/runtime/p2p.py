@@ -9,7 +9,7 @@ hang.) Sends are asynchronous and waited for at the end of the step; receives ar
 before the action that consumes them.
 
 With tensor parallelism, a message is split over the tensor-parallel group
-(`autopart.scatter_gather`): each rank sends its 1/t of the tensor and the receivers all-gather
+(`autopart.ir.scatter_gather`): each rank sends its 1/t of the tensor and the receivers all-gather
 the parts. Every rank of a group runs the same action list, so the all-gathers of a receive
 meet in the same order on all of them, between the stage's own collectives.
 """
@@ -21,9 +21,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from autopart.annotate import TensorMeta
-from autopart.errors import ScheduleError
-from autopart.scatter_gather import parts
+from autopart.ir.tensors import TensorMeta
+from autopart.ir.errors import ScheduleError
+from autopart.ir.scatter_gather import parts
 from autopart.schedule import Kind, Schedule, stage_rank
 
 __all__ = ["Scatter", "send_tensors", "recv_tensors", "check_message_order"]
