@@ -13,6 +13,7 @@ from dataclasses import replace
 
 from autopart.ir.actions import RECEIVE_KINDS, Action
 from autopart.ir.plan import StagePlan
+from autopart.ir.scatter_gather import parts
 from autopart.options import CompileOptions
 from autopart.predict.data_parallel import DataParallelComm, data_parallel_comm
 from autopart.passes.front import Front
@@ -116,7 +117,8 @@ def predicted_step_s(options: CompileOptions, front: Front, stages: list[StagePl
     fixed = [overheads.action_costs(recompute=s.recompute != "none", split=options.schedule == "zb-h1")
              for s in stages]
     # per boundary, the rank time of its messages (one per tensor) on each side; the rest is latency
-    sides = [[front.cost_model.p2p_rank_time(m.nbytes, across_nodes=options.pipeline_crosses_nodes)
+    sides = [[front.cost_model.p2p_rank_time(m.nbytes // parts(m.numel, options.tp),
+                                             across_nodes=options.pipeline_crosses_nodes)
               for _, m in st.outputs] for st in stages[:-1]]
     send = tuple(sum(s for s, _ in boundary) for boundary in sides)
     receive = tuple(sum(r for _, r in boundary) for boundary in sides)

@@ -23,7 +23,7 @@ from autopart.ir.tensors import TensorMeta
 from autopart.runtime.backward import PendingWeights, backward_full, backward_input, backward_weight
 from autopart.runtime.device import Mark, StepTimer
 from autopart.runtime.forward import Rebuild, StageForward
-from autopart.runtime.p2p import recv_tensors, send_tensors
+from autopart.runtime.p2p import Scatter, recv_tensors, send_tensors
 from autopart.schedule import Action, Kind, Schedule, format_grid
 
 __all__ = ["ActionRecord", "StageRuntime", "Executor", "StepFailure"]
@@ -74,8 +74,11 @@ class Executor:
         schedule: Schedule,
         microbatches: int,
         device: torch.device,
+        scatter: Scatter | None = None,
     ):
+        """``scatter``: this rank's tensor-parallel group, over which messages are split (none: sent whole)."""
         self.rank = rank
+        self.scatter = scatter
         self.stages = stages
         self.last_stage = last_stage
         self.schedule = schedule
@@ -161,20 +164,20 @@ class Executor:
         m = action.microbatch
         kind = action.kind
         if kind is Kind.RECV_F:
-            stage.received[m] = recv_tensors(stage.inputs, stage.prev_rank, self.device)
+            stage.received[m] = recv_tensors(stage.inputs, stage.prev_rank, self.device, self.scatter)
         elif kind is Kind.F:
             self._forward(stage, m, microbatches, losses)
         elif kind is Kind.SEND_F:
-            pending.extend(send_tensors(list(stage.outputs[m]), stage.next_rank))
+            pending.extend(send_tensors(list(stage.outputs[m]), stage.next_rank, self.scatter))
         elif kind is Kind.RECV_B:
             metas = [_meta(t) for t in stage.outputs[m] if t.is_floating_point()]
-            stage.output_grads[m] = recv_tensors(metas, stage.next_rank, self.device)
+            stage.output_grads[m] = recv_tensors(metas, stage.next_rank, self.device, self.scatter)
         elif kind in (Kind.B, Kind.I):
             self._backward(stage, m, split=kind is Kind.I)
         elif kind is Kind.W:
             backward_weight(stage.held_for_weights.pop(m))
         elif kind is Kind.SEND_B:
-            pending.extend(send_tensors(stage.input_grads.pop(m), stage.prev_rank))
+            pending.extend(send_tensors(stage.input_grads.pop(m), stage.prev_rank, self.scatter))
         else:
             raise AssertionError(f"unknown action kind {kind}")
 

@@ -7,18 +7,35 @@ matters once a rank holds several stages (interleaved) and one channel carries a
 gradients of different stages. (gloo's ``batch_isend_irecv`` is no real batch and is known to
 hang.) Sends are asynchronous and waited for at the end of the step; receives are waited for
 before the action that consumes them.
+
+With tensor parallelism, a message is split over the tensor-parallel group
+(`autopart.ir.scatter_gather`): each rank sends its 1/t of the tensor and the receivers all-gather
+the parts. Every rank of a group runs the same action list, so the all-gathers of a receive
+meet in the same order on all of them, between the stage's own collectives.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from autopart.ir.tensors import TensorMeta
 from autopart.ir.errors import ScheduleError
+from autopart.ir.scatter_gather import parts
 from autopart.schedule import Kind, Schedule, stage_rank
 
-__all__ = ["send_tensors", "recv_tensors", "check_message_order"]
+__all__ = ["Scatter", "send_tensors", "recv_tensors", "check_message_order"]
+
+
+@dataclass(frozen=True)
+class Scatter:
+    """This rank's place in its tensor-parallel group, over which its messages are split."""
+
+    group: dist.ProcessGroup
+    rank: int
+    size: int
 
 _Message = tuple[str, int, int]  # ("F" or "B", the boundary's lower stage, microbatch)
 
@@ -58,13 +75,32 @@ def _describe(messages: list[_Message], index: int) -> str:
     return f"the {'activation' if direction == 'F' else 'gradient'} {arrow} of microbatch {microbatch}"
 
 
-def send_tensors(tensors: list[torch.Tensor], peer: int) -> list[dist.Work]:
-    return [dist.isend(t.detach().contiguous(), peer) for t in tensors]
+def send_tensors(tensors: list[torch.Tensor], peer: int, scatter: Scatter | None = None) -> list[dist.Work]:
+    return [dist.isend(_part(t.detach(), scatter), peer) for t in tensors]
 
 
-def recv_tensors(metas: list[TensorMeta], peer: int, device: torch.device) -> list[torch.Tensor]:
-    buffers = [torch.empty(m.shape, dtype=getattr(torch, m.dtype), device=device) for m in metas]
+def recv_tensors(
+    metas: list[TensorMeta], peer: int, device: torch.device, scatter: Scatter | None = None
+) -> list[torch.Tensor]:
+    split = [parts(m.numel, scatter.size) if scatter else 1 for m in metas]
+    buffers = [torch.empty(m.numel // n, dtype=getattr(torch, m.dtype), device=device) for m, n in zip(metas, split)]
     works = [dist.irecv(buffer, peer) for buffer in buffers]
     for work in works:
         work.wait()
-    return buffers
+    return [_gathered(b, m, n, scatter) for b, m, n in zip(buffers, metas, split)]
+
+
+def _part(tensor: torch.Tensor, scatter: Scatter | None) -> torch.Tensor:
+    """The share of ``tensor`` this rank sends: its 1/t where the tensor splits, else all of it."""
+    flat = tensor.contiguous().reshape(-1)
+    if scatter is None or parts(flat.numel(), scatter.size) == 1:
+        return tensor.contiguous()
+    return flat.chunk(scatter.size)[scatter.rank].contiguous()
+
+
+def _gathered(buffer: torch.Tensor, meta: TensorMeta, split: int, scatter: Scatter | None) -> torch.Tensor:
+    if split == 1:
+        return buffer.view(meta.shape)
+    pieces = [torch.empty_like(buffer) for _ in range(split)]
+    dist.all_gather(pieces, buffer, group=scatter.group)
+    return torch.cat(pieces).view(meta.shape)

@@ -42,6 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
+from torch.distributed.device_mesh import DeviceMesh
 
 from autopart.ir.model_file import load_model_file
 from autopart.ir.errors import AutopartError, ConfigError, OneLineParser
@@ -61,7 +62,7 @@ from autopart.runtime.progress import StepReporter, Throughput, check_tensorboar
 from autopart.runtime.recipe import Recipe, add_recipe_arguments, parameter_groups
 from autopart.runtime import collectives
 from autopart.runtime.mesh import Coordinates, Mesh, group_of
-from autopart.runtime.p2p import check_message_order
+from autopart.runtime.p2p import Scatter, check_message_order
 from autopart.runtime.shards import weights_file_name
 from autopart.runtime.stage import check_checkpoint, load_stage, stage_names
 from autopart.schedule import Kind, add_communication, build_schedule, stage_rank
@@ -166,7 +167,7 @@ def _loop(
     data_parallel = group_of(device_mesh, "dp")
     schedule_spec = plan.schedule
     stage_count = len(plan.stages)
-    stages, executor = _executor(out_dir, plan, args, rank, device)
+    stages, executor = _executor(out_dir, plan, args, rank, device, device_mesh)
     fully_sharded = _fully_shard(stages, plan, executor, device_mesh)
     tied = tied_groups(plan, mesh, rank)
     modules = {s: stage.module for s, stage in stages.items()}
@@ -285,9 +286,10 @@ def _fully_shard(stages: dict[int, StageRuntime], plan: Plan, executor: Executor
     return True
 
 
-def _executor(out_dir: Path, plan: Plan, args: argparse.Namespace, rank: int, device: torch.device
-              ) -> tuple[dict[int, StageRuntime], Executor]:
-    """This rank's stages and the executor that runs its action list of the plan's schedule."""
+def _executor(out_dir: Path, plan: Plan, args: argparse.Namespace, rank: int, device: torch.device,
+              device_mesh: DeviceMesh) -> tuple[dict[int, StageRuntime], Executor]:
+    """This rank's stages and the executor that runs its action list of the plan's schedule, its
+    messages split over its tensor-parallel group (`autopart.ir.scatter_gather`)."""
     mesh = Mesh.of(plan)
     here = mesh.coordinates(rank)
     schedule_spec = plan.schedule
@@ -308,6 +310,7 @@ def _executor(out_dir: Path, plan: Plan, args: argparse.Namespace, rank: int, de
         schedule=schedule,
         microbatches=schedule_spec.microbatches,
         device=device,
+        scatter=Scatter(group_of(device_mesh, "tp"), here.tp, mesh.tp) if mesh.tp > 1 else None,
     )
     return stages, executor
 

@@ -20,6 +20,7 @@ from autopart.passes.front import Front, block_seconds, parameter_placements, re
 from autopart.passes.recompute import recompute_cost, stage_input_bytes, stage_modes, transient_microbatches
 from autopart.predict.in_flight import in_flight
 from autopart.predict.memory import state_bytes
+from autopart.predict.messages import boundary_seconds
 from autopart.predict.step_time import (
     compute_factor, data_parallel, data_parallel_seconds, measured_in_place, predicted_step_s, profiled_step, rank_tails,
     with_collectives,
@@ -48,10 +49,7 @@ def pipeline_problem(options: CompileOptions, front: Front, microbatches: int) -
     return PipelineProblem(
         block_time_s=times,
         block_activation_bytes=saved,
-        boundary_transfer_s=tuple(
-            cost_model.p2p_time(boundary.nbytes, across_nodes=options.pipeline_crosses_nodes)
-            for boundary in chain.boundaries
-        ),
+        boundary_transfer_s=tuple(boundary_seconds(options, cost_model, b.tensors) for b in chain.boundaries),
         parameter_state_bytes={
             name: _state_bytes(options, nbytes // (options.tp if placements.get(name, REPLICATE).kind == "S" else 1))
             for name, nbytes in chain.parameter_bytes.items()
@@ -79,12 +77,7 @@ def plan_from_cuts(
     problem, recompute = _with_recompute(options, front, problem, ranges)
     evaluation = evaluate(problem, cuts)
     stages, holders = _stage_plans(front, problem, ranges, recompute)
-    transfer = tuple(
-        front.cost_model.p2p_time(
-            sum(m.nbytes for _, m in st.outputs), across_nodes=options.pipeline_crosses_nodes
-        )
-        for st in stages[:-1]
-    )
+    transfer = tuple(boundary_seconds(options, front.cost_model, st.outputs) for st in stages[:-1])
     total, microbatches, micro_batch_size = batch
     comm = data_parallel(options, front, stages)
     timed = with_collectives(stages, comm)

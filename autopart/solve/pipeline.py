@@ -11,100 +11,20 @@ such as tied embeddings, is held and paid for by both), the activations saved fo
 the microbatches that the schedule keeps in flight on that stage, and a fixed overhead per rank.
 
 ``solve_cuts(problem, time_limit_s=...)`` returns the cuts; ``evaluate(problem, cuts)`` computes
-the same figures in plain Python, used to re-check every solution and by the tests' exhaustive
+the same figures in plain Python (`autopart.solve.cut_problem`), used to re-check every solution and by the tests' exhaustive
 enumeration.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+from autopart.ir.errors import InfeasibleError
+from autopart.solve import fitting
 from autopart.solve._cp_sat import cp_model
+from autopart.solve.cut_problem import CutEvaluation, CutSolution, PipelineProblem, evaluate, stage_ranges
 
-from autopart.ir.errors import ConfigError, InfeasibleError
-
-__all__ = ["PipelineProblem", "CutEvaluation", "CutSolution", "evaluate", "solve_cuts"]
+__all__ = ["PipelineProblem", "CutEvaluation", "CutSolution", "evaluate", "solve_cuts", "stage_ranges"]
 
 _NS = 1e9  # CP-SAT works on integers: times in nanoseconds
-
-
-@dataclass(frozen=True, kw_only=True)
-class PipelineProblem:
-    """A chain of blocks to cut into stages. Times in seconds, memory in bytes."""
-
-    block_time_s: tuple[float, ...]  # forward + backward of one microbatch
-    block_activation_bytes: tuple[int, ...]  # saved for backward, one microbatch
-    boundary_transfer_s: tuple[float, ...]  # one way, one microbatch; len = blocks - 1
-    parameter_state_bytes: dict[str, int]  # parameter -> bytes of weights, gradients, optimizer state
-    block_parameters: tuple[tuple[str, ...], ...]  # per block, the parameters it reads
-    stages: int
-    microbatches: int
-    in_flight: tuple[int, ...]  # per stage: microbatches whose activations are held at once
-    memory_limit_bytes: int
-    overhead_bytes: int = 0  # per rank
-    stage_rank: tuple[int, ...] = ()  # rank that holds each stage; empty: stage s on rank s
-
-    @property
-    def ranks(self) -> int:
-        return max(self.rank_of(s) for s in range(self.stages)) + 1
-
-    def rank_of(self, stage: int) -> int:
-        return self.stage_rank[stage] if self.stage_rank else stage
-
-    def __post_init__(self) -> None:
-        blocks = len(self.block_time_s)
-        if self.stages > blocks:
-            raise ConfigError(
-                f"the model has {blocks} places where a pipeline stage can start but {self.stages} stages were asked "
-                f"for; use --pp {blocks} or fewer"
-            )
-        assert len(self.boundary_transfer_s) == blocks - 1
-        assert len(self.in_flight) == self.stages
-        assert len(self.block_parameters) == blocks == len(self.block_activation_bytes)
-
-
-@dataclass(frozen=True, kw_only=True)
-class CutEvaluation:
-    cuts: tuple[int, ...]  # stage s ends after block cuts[s]; len = stages - 1
-    stage_time_s: tuple[float, ...]
-    rank_memory_bytes: tuple[int, ...]
-    objective_s: float
-
-
-@dataclass(frozen=True, kw_only=True)
-class CutSolution:
-    evaluation: CutEvaluation
-    status: str  # "optimal" or "feasible"
-    bound_s: float
-    gap: float
-
-
-def stage_ranges(cuts: tuple[int, ...], blocks: int) -> list[range]:
-    starts = [0, *(c + 1 for c in cuts)]
-    ends = [*(c + 1 for c in cuts), blocks]
-    return [range(a, b) for a, b in zip(starts, ends)]
-
-
-def evaluate(problem: PipelineProblem, cuts: tuple[int, ...]) -> CutEvaluation:
-    blocks = len(problem.block_time_s)
-    times: list[float] = []
-    memory = [problem.overhead_bytes] * problem.ranks
-    for s, members in enumerate(stage_ranges(cuts, blocks)):
-        time = sum(problem.block_time_s[k] for k in members)
-        if s > 0:
-            time += problem.boundary_transfer_s[cuts[s - 1]]
-        if s < problem.stages - 1:
-            time += problem.boundary_transfer_s[cuts[s]]
-        held = {p for k in members for p in problem.block_parameters[k]}
-        activations = sum(problem.block_activation_bytes[k] for k in members)
-        memory[problem.rank_of(s)] += (
-            sum(problem.parameter_state_bytes[p] for p in held) + problem.in_flight[s] * activations
-        )
-        times.append(time)
-    objective = sum(times) + (problem.microbatches - 1) * max(times)
-    return CutEvaluation(
-        cuts=tuple(cuts), stage_time_s=tuple(times), rank_memory_bytes=tuple(memory), objective_s=objective
-    )
 
 
 class _CutModel:
@@ -210,6 +130,9 @@ def solve_cuts(problem: PipelineProblem, *, time_limit_s: float = 30.0, hint: tu
         m.add(cut_model.rank_memory(rank) <= problem.memory_limit_bytes)
     m.minimize(sum(times) + (problem.microbatches - 1) * slowest)
     start = evaluate(problem, hint if hint is not None else _balanced_cuts(problem))
+    if max(start.rank_memory_bytes) > problem.memory_limit_bytes:  # start CP-SAT from cuts that fit, if any do
+        fitting_start = fitting.fitting_cuts(problem)
+        start = evaluate(problem, fitting_start) if fitting_start is not None else start
     cut_model.hint(start.cuts)
     solver, status = _solve(m, time_limit_s)
     if status == cp_model.INFEASIBLE:
@@ -219,9 +142,7 @@ def solve_cuts(problem: PipelineProblem, *, time_limit_s: float = 30.0, hint: tu
     start_fits = max(start.rank_memory_bytes) <= problem.memory_limit_bytes
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         if not start_fits:
-            raise InfeasibleError(
-                f"the cut solver found no plan within --time-limit {time_limit_s:g} s; raise --time-limit"
-            )
+            raise InfeasibleError(fitting.no_fit_message(problem, time_limit_s, upper_bytes=max(start.rank_memory_bytes)))
         evaluation = start
     else:
         evaluation = evaluate(problem, cut_model.cuts(solver))

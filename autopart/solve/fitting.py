@@ -1,0 +1,210 @@
+"""Cuts that fit in memory, found without CP-SAT, for the problems where CP-SAT finds none in time.
+
+On long chains cut into many stages (an interleaved 96-layer model: 196 blocks, 48 stages, each
+rank holding six) the balanced starting cuts may break the memory limit while CP-SAT, within
+its time limit, finds neither a plan nor a proof that none exists. Then this gives one where it
+can, and the least memory it reached where it cannot.
+
+The cut is made from the last stage backwards. A stage's memory is its blocks' parameter state
+plus their activations times the microbatches it keeps in flight, and every schedule keeps the
+fewest in flight on the last stages (1F1B's stage i keeps p - i); so the stages where a block
+costs least memory are filled first, each taking blocks while its time stays within a bound
+``T`` and its rank's memory within the limit (less what the rank's stages still to be cut need
+at the least: a block each). Bisection on ``T`` then gives the fitting cuts with the shortest
+slowest stage that this finds. It is a heuristic: where it finds nothing, a plan may still exist.
+
+`memory_lower_bound` says when none can: a linear relaxation of the cut (blocks split freely
+between stages, in any order, each stage a block's worth at the least, each parameter paid
+once) whose smallest fullest-rank memory no real cut can beat. Above the limit, the model does
+not fit in this layout, whatever the time limit.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+
+from autopart.solve.cut_problem import PipelineProblem, evaluate
+
+__all__ = ["fitting_cuts", "least_memory_bytes", "memory_lower_bound", "no_fit_message", "spread_cuts"]
+
+_BISECTIONS = 40
+_GROWTH = 1.25  # the bound on the slowest stage's time, raised by this factor per step
+_STEPS = 200  # at most: the steps stop once the bound passes the whole chain's time
+
+
+def least_memory_bytes(problem: PipelineProblem, *, upper_bytes: int) -> int:
+    """The smallest memory limit under which this finds cuts, by bisection up to ``upper_bytes``
+    (the memory of cuts known to exist): what the fullest device needs at the least, as far as
+    this can tell."""
+    low, high = 0, upper_bytes
+    cheapest = _cheapest(problem)
+    while high - low > max(1 << 20, high // 1000):
+        middle = (low + high) // 2
+        if _cut_from_the_end(problem, math.inf, memory_bytes=middle, cheapest=cheapest) is None:
+            low = middle
+        else:
+            high = middle
+    return high
+
+
+def fitting_cuts(problem: PipelineProblem) -> tuple[int, ...] | None:
+    """Cuts within the memory limit whose slowest stage is as short as bisection finds, or the
+    stage lengths that spread memory evenly; None where neither fits."""
+    spread = spread_cuts(problem)
+    fits = max(evaluate(problem, spread).rank_memory_bytes) <= problem.memory_limit_bytes
+    low, best = max(problem.block_time_s), None
+    # memory does not shrink as the bound on time grows (the last stages take more of their ranks'
+    # room), so the bound is raised step by step from the least, and bisected below the first that fits
+    cheapest = _cheapest(problem)
+    whole = sum(problem.block_time_s) + sum(problem.boundary_transfer_s)
+    for step in range(_STEPS):
+        bound = low * _GROWTH**step
+        bound = bound if bound < whole else math.inf
+        best = _cut_from_the_end(problem, bound, memory_bytes=problem.memory_limit_bytes, cheapest=cheapest)
+        if best is not None or bound == math.inf:
+            break
+        low = bound
+    if best is None:
+        return spread if fits else None
+    high = max(evaluate(problem, best).stage_time_s)
+    for _ in range(_BISECTIONS):
+        if high - low <= 1e-6 * high:
+            break
+        middle = (low + high) / 2
+        cuts = _cut_from_the_end(problem, middle, memory_bytes=problem.memory_limit_bytes, cheapest=cheapest)
+        if cuts is None:
+            low = middle
+        else:
+            best, high = cuts, middle
+    if fits and max(evaluate(problem, spread).stage_time_s) < high:
+        return spread
+    return best
+
+
+def spread_cuts(problem: PipelineProblem) -> tuple[int, ...]:
+    """Stage lengths that make the ranks' memory as even as a linear program over the blocks'
+    average costs can (stages that keep many microbatches in flight get few blocks), rounded to
+    whole blocks."""
+    linear = importlib.import_module("ortools.linear_solver.pywraplp")
+    solver = linear.Solver.CreateSolver("GLOP")
+    blocks, stages = len(problem.block_time_s), problem.stages
+    scale = float(1 << 30)
+    state = sum(problem.parameter_state_bytes.values()) / blocks / scale
+    activation = sum(problem.block_activation_bytes) / blocks / scale
+    length = [solver.NumVar(1.0, blocks, f"stage{s}_blocks") for s in range(stages)]
+    peak = solver.NumVar(0.0, solver.infinity(), "peak")
+    solver.Add(sum(length) == blocks)
+    for rank in range(problem.ranks):
+        mine = [s for s in range(stages) if problem.rank_of(s) == rank]
+        solver.Add(sum(length[s] * (state + problem.in_flight[s] * activation) for s in mine) <= peak)
+    solver.Minimize(peak)
+    assert solver.Solve() == linear.Solver.OPTIMAL
+    cuts, total = [], 0.0
+    for s in range(stages - 1):
+        total += length[s].solution_value()
+        cuts.append(min(max(round(total) - 1, cuts[-1] + 1 if cuts else 0), blocks - stages + s))
+    return tuple(cuts)
+
+
+def _block_bytes(problem: PipelineProblem, k: int, in_flight: int, held: set[str]) -> int:
+    """What block ``k`` adds to a stage that holds the parameters ``held`` and keeps ``in_flight`` microbatches."""
+    new = sum(problem.parameter_state_bytes[p] for p in set(problem.block_parameters[k]) - held)
+    return new + in_flight * problem.block_activation_bytes[k]
+
+
+def _cheapest(problem: PipelineProblem) -> dict[int, int]:
+    """Per number of microbatches in flight, the least memory a stage of one block needs."""
+    blocks = range(len(problem.block_time_s))
+    return {f: min(_block_bytes(problem, k, f, set()) for k in blocks) for f in set(problem.in_flight)}
+
+
+def _cut_from_the_end(
+    problem: PipelineProblem, limit_s: float, *, memory_bytes: int, cheapest: dict[int, int]
+) -> tuple[int, ...] | None:
+    """Stages from the last backwards, each as long as ``limit_s`` and ``memory_bytes`` on its rank
+    allow, one block at least; None where the cuts end up over either bound."""
+    blocks, stages = len(problem.block_time_s), problem.stages
+    used = [problem.overhead_bytes] * problem.ranks
+    reserve = [0] * problem.ranks  # a block each, at the least, for the rank's stages still to be cut
+    for s in range(stages - 1):
+        reserve[problem.rank_of(s)] += cheapest[problem.in_flight[s]]
+    starts: list[int] = []
+    k = blocks - 1
+    for s in range(stages - 1, -1, -1):
+        rank = problem.rank_of(s)
+        if s < stages - 1:
+            reserve[rank] -= cheapest[problem.in_flight[s]]
+        held: set[str] = set()
+        time = problem.boundary_transfer_s[k] if s < stages - 1 else 0.0
+        first = True
+        while k >= s:  # leave a block for each stage before this one
+            extra = _block_bytes(problem, k, problem.in_flight[s], held)
+            lower = problem.boundary_transfer_s[k - 1] if k > 0 and s > 0 else 0.0
+            over_time = time + problem.block_time_s[k] + lower > limit_s
+            over_memory = used[rank] + extra + reserve[rank] > memory_bytes
+            if not first and s > 0 and (over_time or over_memory):
+                break
+            used[rank] += extra
+            held |= set(problem.block_parameters[k])
+            time += problem.block_time_s[k]
+            first = False
+            k -= 1
+        starts.append(k + 1)
+    cuts = tuple(start - 1 for start in reversed(starts[:-1]))
+    evaluation = evaluate(problem, cuts)
+    if max(evaluation.rank_memory_bytes) > memory_bytes or max(evaluation.stage_time_s) > limit_s:
+        return None
+    return cuts
+
+
+def memory_lower_bound(problem: PipelineProblem) -> int:
+    """Bytes that the fullest rank holds at the least, whatever the cuts (see the module's docstring)."""
+    linear = importlib.import_module("ortools.linear_solver.pywraplp")  # with OR-Tools, at first use
+    solver = linear.Solver.CreateSolver("GLOP")
+    blocks, stages = len(problem.block_time_s), problem.stages
+    owner: dict[str, int] = {}  # each parameter paid once, by the first block that reads it
+    for k in range(blocks):
+        for name in problem.block_parameters[k]:
+            owner.setdefault(name, k)
+    state = [0] * blocks
+    for name, k in owner.items():
+        state[k] += problem.parameter_state_bytes[name]
+    scale = float(1 << 30)  # GiB: keeps the coefficients near one
+    share = [[solver.NumVar(0.0, 1.0, f"block{k}_on_stage{s}") for s in range(stages)] for k in range(blocks)]
+    peak = solver.NumVar(0.0, solver.infinity(), "peak")
+    for k in range(blocks):
+        solver.Add(sum(share[k]) == 1)
+    for s in range(stages):
+        solver.Add(sum(share[k][s] for k in range(blocks)) >= 1)
+    for rank in range(problem.ranks):
+        held = sum(
+            share[k][s] * ((state[k] + problem.in_flight[s] * problem.block_activation_bytes[k]) / scale)
+            for s in range(stages) if problem.rank_of(s) == rank for k in range(blocks)
+        )  # fmt: skip
+        solver.Add(held + problem.overhead_bytes / scale <= peak)
+    solver.Minimize(peak)
+    status = solver.Solve()
+    assert status == linear.Solver.OPTIMAL, status
+    return math.floor(peak.solution_value() * scale * (1 - 1e-9))
+
+
+def no_fit_message(problem: PipelineProblem, time_limit_s: float, *, upper_bytes: int) -> str:
+    """One line for cuts that CP-SAT did not find in time and that this did not find within memory:
+    the least memory found, and the bound below which no cut can go."""
+    gib = 1 << 30
+    found = min(least_memory_bytes(problem, upper_bytes=upper_bytes),
+                max(evaluate(problem, spread_cuts(problem)).rank_memory_bytes))  # fmt: skip
+    bound = memory_lower_bound(problem)
+    limit = problem.memory_limit_bytes / gib
+    if bound > problem.memory_limit_bytes:
+        verdict = f"no cut fits: every one needs at least {bound / gib:.1f} GiB on some device"
+    else:
+        verdict = (f"no cut could be proven not to fit (none needs less than {bound / gib:.1f} GiB), but CP-SAT found none"
+                   f" within --time-limit {time_limit_s:g} s")  # fmt: skip
+    return (
+        f"no pipeline cuts found within {limit:.1f} GiB per device ({problem.stages} stages, "
+        f"{problem.microbatches} microbatches): the cuts that need least memory found need {found / gib:.1f} GiB on "
+        f"the fullest device; {verdict}; recompute activations (--recompute selective or full), use more "
+        "stages (--pp), or raise --memory or --time-limit"
+    )

@@ -1,0 +1,84 @@
+"""Pipeline messages split over the tensor-parallel group: the rule, its cost, and real gloo ranks
+that send only their share and receive the whole tensor."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from autopart.ir.tensors import TensorMeta
+from autopart.tools.local_run import free_port
+from autopart.runtime.p2p import Scatter, recv_tensors, send_tensors
+from autopart.ir.scatter_gather import parts
+from autopart.predict.messages import message_seconds
+from cost_models import get_cost_model
+
+
+@pytest.mark.parametrize("numel, tp, expected", [(12, 1, 1), (12, 2, 2), (12, 4, 4), (10, 4, 1), (1, 2, 1), (0, 2, 1)])
+def test_a_tensor_splits_where_the_degree_divides_it(numel, tp, expected):
+    assert parts(numel, tp) == expected
+
+
+def test_a_split_message_costs_its_share_across_nodes_and_a_gather_inside_one():
+    cost_model = get_cost_model("a100-80gb")
+    meta = TensorMeta(shape=(1, 2048, 12288), dtype="bfloat16")
+    whole = cost_model.p2p_time(meta.nbytes, across_nodes=True)
+    assert message_seconds(cost_model, [meta], tp=1, across_nodes=True, tp_across_nodes=False) == whole
+    split = message_seconds(cost_model, [meta], tp=8, across_nodes=True, tp_across_nodes=False)
+    share = cost_model.p2p_time(meta.nbytes // 8, across_nodes=True)
+    gather = cost_model.collective_time("all_gather", meta.nbytes, 8, across_nodes=False)
+    assert split == pytest.approx(share + gather)
+    assert split < whole / 2  # the NVLink gather is far cheaper than the InfiniBand bytes it saves
+    odd = TensorMeta(shape=(3, 5), dtype="float32")  # 15 elements: travels whole
+    assert message_seconds(cost_model, [odd], tp=8, across_nodes=True, tp_across_nodes=False) == (
+        cost_model.p2p_time(odd.nbytes, across_nodes=True)
+    )
+
+
+METAS = [TensorMeta(shape=(2, 3, 4), dtype="float32"), TensorMeta(shape=(5,), dtype="float32")]  # 24 split, 5 whole
+
+
+def _expected() -> list[torch.Tensor]:
+    return [torch.arange(24, dtype=torch.float32).view(2, 3, 4), torch.arange(5, dtype=torch.float32) - 7]
+
+
+def _rank(rank: int, port: int) -> None:
+    """Ranks 0 and 1 are one stage's tensor-parallel group, 2 and 3 the next stage's."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=4)
+    try:
+        groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        tp_rank = rank % 2
+        scatter = Scatter(groups[rank // 2], tp_rank, 2)
+        if rank < 2:
+            tensors = _expected()
+            # spoil the half of the split tensor that the other rank sends: it must not travel from here
+            flat = tensors[0].view(-1)
+            flat[(1 - tp_rank) * 12 : (2 - tp_rank) * 12] = float("nan")
+            for work in send_tensors(tensors, rank + 2, scatter):
+                work.wait()
+        else:
+            received = recv_tensors(METAS, rank - 2, torch.device("cpu"), scatter)
+            if not all(torch.equal(a, b) for a, b in zip(received, _expected())):
+                os._exit(1)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.multiprocess
+def test_each_rank_sends_its_share_and_every_receiver_gets_the_whole_tensor():
+    context = multiprocessing.get_context("fork")  # the ranks share this process's imports
+    port = free_port()
+    processes = [context.Process(target=_rank, args=(rank, port)) for rank in range(4)]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join(timeout=120)
+    for process in processes:
+        if process.is_alive():
+            process.kill()
+    assert [p.exitcode for p in processes] == [0, 0, 0, 0]  # a receiver exits 1 on a wrong tensor

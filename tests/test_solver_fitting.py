@@ -1,0 +1,75 @@
+"""Cuts within memory where the balanced start breaks it, and a bound below which no cut goes."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from autopart.ir.errors import InfeasibleError
+from autopart.solve.fitting import fitting_cuts, memory_lower_bound, no_fit_message, spread_cuts
+from autopart.solve.pipeline import PipelineProblem, evaluate, solve_cuts
+
+
+def _interleaved(blocks: int, *, ranks: int, chunks: int, limit: int, seed: int = 0) -> PipelineProblem:
+    """A chain of alike layers on ``ranks`` ranks of ``chunks`` stages each, the first stages keeping
+    many microbatches in flight and the last few (as interleaved 1F1B does)."""
+    rng = random.Random(seed)
+    stages = ranks * chunks
+    return PipelineProblem(
+        block_time_s=tuple(rng.uniform(0.9e-3, 1.1e-3) for _ in range(blocks)),
+        block_activation_bytes=tuple(rng.randint(90, 110) * 1000 for _ in range(blocks)),
+        boundary_transfer_s=(1e-4,) * (blocks - 1),
+        parameter_state_bytes={f"p{k}": 50_000 for k in range(blocks)},
+        block_parameters=tuple((f"p{k}",) for k in range(blocks)),
+        stages=stages,
+        microbatches=16,
+        in_flight=tuple(max(1, 2 * ranks - s) if s < stages // 2 else max(1, stages - s) for s in range(stages)),
+        memory_limit_bytes=limit,
+        stage_rank=tuple(s % ranks for s in range(stages)),
+    )
+
+
+def _least_memory(problem: PipelineProblem) -> int:
+    blocks = len(problem.block_time_s)
+    return min(
+        max(evaluate(problem, cuts).rank_memory_bytes)
+        for cuts in itertools.combinations(range(blocks - 1), problem.stages - 1)
+    )
+
+
+def test_cuts_that_fit_are_found_where_the_balanced_ones_do_not():
+    roomy = _interleaved(24, ranks=2, chunks=3, limit=1 << 40)
+    need = _least_memory(roomy)
+    problem = _interleaved(24, ranks=2, chunks=3, limit=round(need * 1.05))
+    balanced = evaluate(problem, tuple(range(3, 23, 4))[:5])
+    assert max(balanced.rank_memory_bytes) > problem.memory_limit_bytes  # the even split does not fit
+    cuts = fitting_cuts(problem)
+    assert cuts is not None
+    assert max(evaluate(problem, cuts).rank_memory_bytes) <= problem.memory_limit_bytes
+    solution = solve_cuts(problem, time_limit_s=5)
+    assert max(solution.evaluation.rank_memory_bytes) <= problem.memory_limit_bytes
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_no_cut_needs_less_than_the_bound(seed):
+    problem = _interleaved(12, ranks=2, chunks=2, limit=1 << 40, seed=seed)
+    assert memory_lower_bound(problem) <= _least_memory(problem)
+
+
+def test_spread_cuts_are_cuts():
+    problem = _interleaved(40, ranks=4, chunks=3, limit=1 << 40)
+    cuts = spread_cuts(problem)
+    assert len(cuts) == problem.stages - 1
+    assert all(a < b for a, b in zip(cuts, cuts[1:])) and 0 <= cuts[0] and cuts[-1] < 39
+
+
+def test_a_model_that_cannot_fit_says_so_in_one_line():
+    roomy = _interleaved(12, ranks=2, chunks=2, limit=1 << 40)
+    problem = _interleaved(12, ranks=2, chunks=2, limit=memory_lower_bound(roomy) // 2)
+    assert fitting_cuts(problem) is None
+    message = no_fit_message(problem, 1.0, upper_bytes=1 << 40)
+    assert "\n" not in message and "no cut fits" in message and "--recompute" in message
+    with pytest.raises(InfeasibleError):
+        solve_cuts(problem, time_limit_s=2)
