@@ -28,6 +28,9 @@ _RESERVED = {"F", "torch", "tp", "math", "self", "layer", "Path", "x"}
 """Names the generated code binds itself: a value named so by fx is renamed."""
 
 
+_SAME_SHAPE = {"all_reduce", "copy_to_tp"}
+
+
 class _Writer:
     """The forward and the layer methods of one stage graph."""
 
@@ -75,6 +78,9 @@ class _Writer:
         return Memory(sizes=sizes, roots=roots, threshold=max(threshold, 1))
 
     def _comment(self, name: str) -> str:
+        node = self.nodes[name]
+        if name not in self.shapes and op_name(node) in _SAME_SHAPE and node.args[0].name in self.shapes:
+            return shape_comment(*self.shapes[node.args[0].name])  # a collective that keeps its input's shape
         return shape_comment(*self.shapes[name]) if name in self.shapes else ""
 
     def _step(self, node: fx.Node, path: str | None) -> Step:
