@@ -190,6 +190,15 @@ def stage_body(stage: StageGraph, op_graph: OpGraph, units: list[Unit],
     return sorted(writer.expressions.imports), body
 
 
+def _import_block(imports: list[str], runtime: str, *, leaves: bool) -> str:
+    """The standard library, then torch, then autopart, as isort would order them."""
+    standard = ["from pathlib import Path"] if leaves else []
+    standard += [line for line in imports if line == "import math"]
+    third = ["import torch", *(line for line in imports if line.startswith("import torch."))]
+    own = [line for line in imports if line not in standard and line not in third] + [runtime]
+    return "\n\n".join("\n".join(sorted(group)) for group in (standard, third, sorted(own)) if group) + "\n"
+
+
 def stage_source(
     stage: StageGraph,
     *,
@@ -240,10 +249,10 @@ LEAVES = {{
         if stage.leaves
         else ""
     )
+    runtime = f"from autopart.runtime.stage import {'declare_leaves, ' if stage.leaves else ''}declare_tensors"
+    import_lines = _import_block(imports, runtime, leaves=bool(stage.leaves))
     return f'''{header}
-{"".join(line + chr(10) for line in imports)}{"from pathlib import Path" + chr(10) + chr(10) if stage.leaves else ""}import torch
-
-from autopart.runtime.stage import {"declare_leaves, " if stage.leaves else ""}declare_tensors
+{import_lines}
 
 # name in the original model -> (shape, dtype); values from weights/, train.py --weights CKPT, or
 # (a model built on the meta device) the model's initialisers, run on this rank
