@@ -12,10 +12,11 @@ Train with:
 
     torchrun --nproc-per-node 2 OUT/train.py --steps 10
 """
-import torch.nn.functional as F
 import torch
+import torch.nn.functional as F
 
 from autopart.runtime.stage import declare_tensors
+
 
 # name in the original model -> (shape, dtype); values from weights/, train.py --weights CKPT, or
 # (a model built on the meta device) the model's initialisers, run on this rank
