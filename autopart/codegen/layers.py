@@ -40,24 +40,22 @@ class Unit:
 def repeated_units(chain: BlockChain) -> list[list[tuple[str, ...]]]:
     """Per repeating group, the node names of each of its instances, in chain order."""
     signatures = [block.signature for block in chain.blocks]
-    groups: list[list[tuple[str, ...]]] = []
+    runs: list[tuple[int, int, int]] = []
     segments = [(0, len(signatures))]
     while segments:
         lo, hi = segments.pop()
         run = _best_run(signatures, lo, hi, chain)
-        if run is None:
-            continue
-        start, period, count = run
-        groups.append([
+        if run is not None:
+            runs.append(run)
+            start, period, count = run
+            segments += [(lo, start), (start + period * count, hi)]
+    return [
+        [
             tuple(n for block in chain.blocks[start + k * period : start + (k + 1) * period] for n in block.nodes)
             for k in range(count)
-        ])  # fmt: skip
-        segments += [(lo, start), (start + period * count, hi)]
-    return sorted(groups, key=lambda instances: chain.op_graph.fx_nodes().index(_first(chain, instances[0][0])))
-
-
-def _first(chain: BlockChain, name: str) -> fx.Node:
-    return next(n for n in chain.op_graph.fx_nodes() if n.name == name)
+        ]
+        for start, period, count in sorted(runs)
+    ]
 
 
 def _best_run(signatures: list[str], lo: int, hi: int, chain: BlockChain) -> tuple[int, int, int] | None:
@@ -74,7 +72,8 @@ def _best_run(signatures: list[str], lo: int, hi: int, chain: BlockChain) -> tup
             ):
                 count += 1
             if count >= 2:
-                depth = _prefix(_parameters(chain, start, period)).count(".") + 1 if _parameters(chain, start, period) else 0
+                parameters = _parameters(chain, start, period)
+                depth = _prefix(parameters).count(".") + 1 if parameters else 0
                 key = (period * count, depth, -period, -start)
                 if best_key is None or key > best_key:
                     best, best_key = (start, period, count), key
