@@ -14,7 +14,6 @@ import builtins
 import inspect
 import keyword
 import math
-import operator
 import types
 from dataclasses import dataclass
 from typing import Any, Callable
