@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from autopart.compiler import CompileOptions, compile_to_directory
+from autopart.driver import CompileOptions, compile_to_directory
 from tests.distributed import REPO
 
 GOLDEN = Path(__file__).parent / "golden"

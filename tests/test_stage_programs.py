@@ -11,9 +11,10 @@ import torch.nn.functional as F
 from torch import fx
 
 import autopart
-from autopart.annotate import annotate
-from autopart.blocks import build_blocks
-from autopart.capture import capture, eager_loss, load_model_file
+from autopart.passes.annotate import annotate
+from autopart.passes.blocks import build_blocks
+from autopart.ir.model_file import eager_loss, load_model_file
+from autopart.passes.capture import capture
 from autopart.codegen.program import Expressions, Memory, Step, attribute_path, function_lines
 from autopart.runtime.reference import initial_weights
 from autopart.runtime.stage import load_stage

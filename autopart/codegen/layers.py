@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 from torch import fx, nn
 
-from autopart.annotate import OpGraph
-from autopart.blocks import BlockChain
+from autopart.passes.annotate import OpGraph
+from autopart.passes.blocks import BlockChain
 
 __all__ = ["Unit", "repeated_units", "stage_units", "relative_target"]
 

@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
-from autopart.errors import PlanError
-from autopart.solver.sharding import op_name
+from autopart.ir.errors import PlanError
+from autopart.solve.sharding import op_name
 
 __all__ = ["Step", "Memory", "Expressions", "attribute_path", "function_lines", "shape_comment", "large", "LARGE_OPS", "VIEW_OPS"]
 

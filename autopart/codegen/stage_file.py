@@ -13,13 +13,13 @@ import math
 import torch
 from torch import fx
 
-from autopart.annotate import OpGraph
+from autopart.passes.annotate import OpGraph
 from autopart.codegen.layers import Unit, relative_target
 from autopart.codegen.names import plain_text
 from autopart.codegen.program import (
     VIEW_OPS, Expressions, Memory, Step, attribute_path, function_lines, large, shape_comment,
 )
-from autopart.solver.sharding import op_name
+from autopart.solve.sharding import op_name
 from autopart.codegen.stages import StageGraph
 
 __all__ = ["stage_source", "stage_body"]

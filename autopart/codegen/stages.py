@@ -13,9 +13,10 @@ from dataclasses import dataclass
 
 from torch import fx
 
-from autopart.annotate import OpGraph, TensorMeta
+from autopart.ir.tensors import TensorMeta
+from autopart.passes.annotate import OpGraph
 from autopart.codegen.names import plain_text
-from autopart.errors import PlanError
+from autopart.ir.errors import PlanError
 
 __all__ = ["StageGraph", "stage_graphs", "stage_boundaries", "describe_tensors"]
 
