@@ -51,7 +51,8 @@ def test_emitted_stages_run_one_after_the_other_as_the_model(plan, tmp_path):
     them and chained in this process, give the original model's loss and gradients on a batch."""
     out = autopart.emit(plan, tmp_path / "out")
     source = (out / "stages" / "stage_1.py").read_text()
-    assert "torchrun --nproc-per-node 2" in source and "# h.3.mlp.c_fc" in source  # readable: module paths
+    assert "torchrun --nproc-per-node 2" in source and "# h.2.mlp.c_fc" in source  # readable: module paths
+    assert "x = self.block(x, self.h[3])" in source and "def block(self, x, layer):" in source  # h.3 as a call
     stages = [load_stage(out, s.index, torch.device("cpu")) for s in plan.stages]
     spec = load_model_file(GPT)
     spec.module.load_state_dict(initial_weights(out), strict=False)

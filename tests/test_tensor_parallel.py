@@ -79,11 +79,12 @@ def test_megatron_layout_is_chosen_for_a_gpt_block(tmp_path):
         assert placements[f"h.{layer}.mlp.c_proj.weight"] == "S(1)"  # row-parallel
     out = autopart.emit(plan, tmp_path / "out")
     source = (out / "stages" / "stage_0.py").read_text()
-    for layer in range(2):
-        section = source.split(f"# h.{layer}.ln_1")[1].split(f"# h.{layer + 1}.ln_1")[0].split("# ln_f")[0]
-        assert len(re.findall(r"= tp\.all_reduce\(", section)) == 2, section  # forward: after each row-parallel linear
-        assert len(re.findall(r"= tp\.copy_to_tp\(", section)) == 2  # backward: before each column-parallel linear
-        assert len(re.findall(r"\.view\(2, 128, 6, 64\)", section)) == 3  # q, k, v with 12 / 2 = 6 local heads
+    assert "x = self.block(x, self.h[0])" in source and "x = self.block(x, self.h[1])" in source  # one layer's code
+    section = source.split("    def block(self, x, layer):")[1].split("\nSTAGE")[0]
+    assert len(re.findall(r"= tp\.all_reduce\(", section)) == 2, section  # forward: after each row-parallel linear
+    assert len(re.findall(r"= tp\.copy_to_tp\(", section)) == 2  # backward: before each column-parallel linear
+    assert len(re.findall(r"\.view\(2, 128, 6, 64\)", section)) == 3  # q, k, v with 12 / 2 = 6 local heads
+    assert "[2, 128, 1536] float32" in section  # the shape comments: the local MLP width, 4 * 768 / 2
 
 
 @pytest.mark.multiprocess

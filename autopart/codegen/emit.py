@@ -20,12 +20,15 @@ from autopart.codegen.names import plain_text
 from autopart.codegen.output_dir import check_output_directory, remove_output, write_marker
 from autopart.codegen.report import write_report
 from autopart.codegen.tensor_parallel import shard_stage_graph
-from autopart.codegen.stages import describe_tensors, stage_graphs, stage_source
+from autopart.codegen.layers import repeated_units, stage_units
+from autopart.codegen.stage_file import stage_source
+from autopart.codegen.stages import describe_tensors, stage_graphs
 from autopart.ir.plan import Plan
 from autopart.runtime.launch import PLAN_HASH_KEY, file_sha256, plan_digest
 from autopart.runtime.shards import shard_weight
 from autopart.runtime.shards import weights_file_name
-from autopart.solve.sharding import REPLICATE, Placement, Strategy
+from autopart.passes.blocks import build_blocks
+from autopart.solve.sharding import REPLICATE, Placement, Strategy, local_shape
 from autopart.solve.sharding_rules import strategies
 
 __all__ = ["emit_directory", "check_output_directory"]
@@ -74,17 +77,19 @@ def _write(plan: Plan, op_graph: OpGraph, spec: ModelSpec, out: Path, *, final: 
     def local(name: str, placements: dict[str, Placement], rank: int) -> torch.Tensor:
         return shard_weight(tensors[name].detach(), placements.get(name, REPLICATE), tp, rank)
 
+    layers = repeated_units(build_blocks(op_graph))
     held: list[tuple[int, dict[str, Placement], list[str]]] = []  # per stage: what its weights files hold
     for stage_plan, stage in zip(plan.stages, graphs):
         placements = {name: Placement.parse(p) for name, p in stage_plan.parameter_placements.items()}
+        chosen = _stage_strategies(stage, stage_plan, op_graph) if tp > 1 else {}
+        shapes = _local_shapes(stage, chosen, op_graph, tp)  # before sharding: the graph is rewritten in place
         if tp > 1:
-            stage = shard_stage_graph(
-                stage, strategies=_stage_strategies(stage, stage_plan, op_graph), parameters=placements,
-                op_graph=op_graph, tp=tp,
-            )  # fmt: skip
+            stage = shard_stage_graph(stage, strategies=chosen, parameters=placements, op_graph=op_graph, tp=tp)
         header = _stage_docstring(plan, stage_plan.index, stage, op_graph, command)
         declared = {name: local(name, placements, 0) for name in tensors}
-        source = stage_source(stage, stages=len(plan.stages), op_graph=op_graph, metas=declared, header=header)
+        units = stage_units(stage.graph, stage_plan.nodes, layers, op_graph, spec.module)
+        source = stage_source(stage, stages=len(plan.stages), op_graph=op_graph, metas=declared, header=header,
+                              units=units, shapes=shapes)  # fmt: skip
         (out / "stages" / f"stage_{stage.index}.py").write_text(source)
         names = [*stage.parameters, *stage.buffers, *(n for leaf in stage.leaves for n in leaf_names[leaf])]
         held.append((stage.index, placements, [*stage.constants, *(names if materialised else ())]))
@@ -109,6 +114,19 @@ def _stage_strategies(stage, stage_plan, op_graph: OpGraph) -> dict[str, Strateg
         if node.op in ("call_function", "call_method") and node.name not in chosen and cost is not None:
             chosen[node.name] = strategies(node, op_graph, 1)[0]
     return chosen
+
+
+def _local_shapes(stage, strategies: dict[str, Strategy], op_graph: OpGraph, tp: int) -> dict[str, tuple]:
+    """Per tensor of the stage, the (shape, dtype) one rank holds: the local one under tensor parallelism."""
+    shapes = {}
+    for node in stage.graph.nodes:
+        cost = op_graph.nodes.get(node.name)
+        if cost is None or cost.output is None or node.op in ("get_attr", "output"):
+            continue
+        strategy = strategies.get(node.name)
+        placement = strategy.output if strategy is not None else REPLICATE
+        shapes[node.name] = (local_shape(cost.output.shape, placement, tp), cost.output.dtype)
+    return shapes
 
 
 def _stage_docstring(plan: Plan, index: int, stage, op_graph: OpGraph, command: str) -> str:

@@ -1,30 +1,24 @@
-"""Split the training graph by a plan's stages and write one readable nn.Module per stage.
+"""Split the training graph by a plan's stages: one fx graph per stage.
 
 ``stage_graphs(graph, plan)`` builds, for every stage, an fx graph whose inputs are the tensors
 it receives followed by the graph inputs it reads from the batch, and whose output is the
 tuple of tensors it sends on (the loss, on the last stage). Nodes that depend only on the batch
 and on buffers are recomputed on every stage that needs them, parameters are held by every
-stage that reads them. ``stage_source(...)`` turns one such graph into Python source.
+stage that reads them. ``autopart.codegen.stage_file`` writes one such graph as Python source.
 """
 
 from __future__ import annotations
 
-import builtins
-import re
-import types
 from dataclasses import dataclass
-from typing import Any
 
-import torch
 from torch import fx
-from torch.fx.graph import _custom_builtins
 
 from autopart.ir.tensors import TensorMeta
 from autopart.passes.annotate import OpGraph
 from autopart.codegen.names import plain_text
 from autopart.ir.errors import PlanError
 
-__all__ = ["StageGraph", "stage_graphs", "stage_boundaries", "stage_source"]
+__all__ = ["StageGraph", "stage_graphs", "stage_boundaries", "describe_tensors"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -140,151 +134,6 @@ def stage_graphs(op_graph: OpGraph, stage_nodes: list[tuple[str, ...]]) -> list[
             )
         )
     return result
-
-
-_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-
-
-def _dotted(name: str) -> bool:
-    return all(_IDENTIFIER.match(part) for part in name.split("."))
-
-
-def _import_line(name: str, value: Any) -> str:
-    """An import that binds ``name`` to ``value`` in the generated file."""
-
-    if name in _custom_builtins:
-        return _custom_builtins[name].import_str
-    if isinstance(value, types.ModuleType):
-        if not _dotted(value.__name__):
-            raise PlanError(f"generated code would import module {value.__name__!r}, which is no module path")
-        return f"import {value.__name__} as {name}" if value.__name__ != name else f"import {name}"
-    module = getattr(value, "__module__", None)
-    qualname = getattr(value, "__qualname__", None)
-    if getattr(builtins, name, None) is value:
-        return ""
-    if not module or not qualname or not _dotted(module) or not _dotted(qualname):
-        raise PlanError(f"generated code would need {value!r}, which cannot be imported by name; report this model")
-    top, _, rest = qualname.partition(".")
-    if not rest:
-        return f"from {module} import {top} as {name}" if top != name else f"from {module} import {top}"
-    return f"import {module}\n{name} = {module}.{qualname}"
-
-
-def stage_source(
-    stage: StageGraph,
-    *,
-    stages: int,
-    op_graph: OpGraph,
-    metas: dict[str, torch.Tensor],
-    header: str,
-) -> str:
-    """Python source of one stage: a module docstring, the tensor declarations, the forward code."""
-    forward, imports = _forward_code(stage, op_graph)
-    class_name = f"Stage{stage.index}"
-
-    def declarations(names: tuple[str, ...]) -> str:
-        return _declarations(names, metas)
-
-    declare_leaves = (
-        "\n        declare_leaves(self, LEAVES, Path(__file__).resolve().parents[1] / \"model.py\")" if stage.leaves else ""
-    )
-
-    def signature(names: tuple[str, ...]) -> str:
-        return ", ".join(repr(n) for n in names) + ("," if len(names) == 1 else "")
-
-    body = "\n".join("    " + line if line else "" for line in forward.splitlines())
-    constant_block = (
-        f"""# tensors that the model makes in forward, captured as constants; loaded from weights/
-CONSTANTS = {{
-{declarations(stage.constants)}}}
-"""
-        if stage.constants
-        else ""
-    )
-    root = op_graph.graph.module
-    leaves = "".join(f"    {t!r}: {type(root.get_submodule(t)).__name__!r},\n" for t in stage.leaves)
-    leaf_block = (
-        f"""
-# module path -> its class in model.py: kept whole (--leaf); built by model.py's build_model()
-# on the meta device, then given this stage's weights like every other tensor
-LEAVES = {{
-{leaves}}}
-"""
-        if stage.leaves
-        else ""
-    )
-    return f'''{header}
-{"".join(line + chr(10) for line in imports)}{"from pathlib import Path" + chr(10) + chr(10) if stage.leaves else ""}import torch
-
-from autopart.runtime.stage import {"declare_leaves, " if stage.leaves else ""}declare_tensors
-
-# name in the original model -> (shape, dtype); values from weights/, train.py --weights CKPT, or
-# (a model built on the meta device) the model's initialisers, run on this rank
-PARAMETERS = {{
-{declarations(stage.parameters)}}}
-BUFFERS = {{
-{declarations(stage.buffers)}}}
-{constant_block}{leaf_block}
-
-class {class_name}(torch.nn.Module):
-    """Stage {stage.index} of {stages}."""
-
-    inputs = ({signature(stage.inputs)})  # received from stage {stage.index - 1}
-    batch_inputs = ({signature(stage.batch_inputs)})  # read from the batch
-    outputs = ({signature(stage.outputs)})  # {"the loss" if stage.index == stages - 1 else f"sent to stage {stage.index + 1}"}
-
-    def __init__(self):
-        super().__init__()
-        declare_tensors(self, PARAMETERS, BUFFERS{", CONSTANTS" if stage.constants else ""}){declare_leaves}
-
-{body}
-
-
-STAGE = {class_name}
-'''
-
-
-def _forward_code(stage: StageGraph, op_graph: OpGraph) -> tuple[str, list[str]]:
-    """The stage's forward as fx writes it, with collectives read as ``tp.<name>`` and each op's
-    module path in a comment; and the import lines it needs besides torch's."""
-    code = stage.graph.python_code(root_module="self")
-    src = code.src
-    used = set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", src))
-    imports = set()
-    for name, value in code.globals.items():
-        if name not in used:
-            continue
-        if getattr(value, "__module__", None) == "autopart.runtime.collectives":  # read as tp.all_reduce(x)
-            src = re.sub(rf"\b{name}\(", f"tp.{value.__name__}(", src)
-            imports.add("from autopart.runtime import collectives as tp")
-        elif line := _import_line(name, value):
-            imports.add(line)
-    return _comment_module_paths(src.strip("\n"), op_graph), sorted(imports - {"import torch"})
-
-
-def _declarations(names: tuple[str, ...], metas: dict[str, torch.Tensor]) -> str:
-    """One ``name: (shape, dtype),`` line per tensor, as the stage's tables declare them."""
-    lines = []
-    for target in names:
-        tensor = metas[target]
-        dtype = str(tensor.dtype).removeprefix("torch.")
-        lines.append(f"    {target!r}: ({tuple(tensor.shape)!r}, torch.{dtype}),")
-    return "".join(line + "\n" for line in lines)
-
-
-def _comment_module_paths(source: str, op_graph: OpGraph) -> str:
-    """Put a ``# <module path>`` line wherever the code moves into another module of the model."""
-    lines, current = [], None
-    assignment = re.compile(r"^\s+([A-Za-z_][A-Za-z0-9_]*) = ")
-    for line in source.splitlines():
-        match = assignment.match(line)
-        if match and match.group(1) in op_graph.nodes:
-            path = op_graph.nodes[match.group(1)].module_path
-            if path and path != current:
-                lines.append(f"    # {plain_text(path)}")
-            current = path or current
-        lines.append(line)
-    return "\n".join(lines)
 
 
 def describe_tensors(names: tuple[str, ...], op_graph: OpGraph) -> str:

@@ -28,7 +28,19 @@ __all__ = [
     "check_checkpoint",
     "read_checkpoint",
     "checked_stage_source",
+    "Container",
 ]
+
+
+class Container(nn.Module):
+    """A module that only holds others, as the model's path to a tensor: ``layers`` of ``layers.0.attention``.
+
+    It indexes its numbered children (``self.layers[0]``), so the generated code reads as the
+    model's own ``nn.ModuleList`` would; its state dict is its children's, under the same names.
+    """
+
+    def __getitem__(self, index: int) -> nn.Module:
+        return self._modules[str(index)]
 
 
 def _owner(root: nn.Module, qualified: str) -> tuple[nn.Module, str]:
@@ -38,7 +50,7 @@ def _owner(root: nn.Module, qualified: str) -> tuple[nn.Module, str]:
     for part in path:
         child = module._modules.get(part)
         if child is None:
-            child = nn.Module()
+            child = Container()
             module.add_module(part, child)
         module = child
     return module, leaf
