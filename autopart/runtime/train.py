@@ -53,7 +53,8 @@ from autopart.runtime.executor import ActionRecord, Executor, StageRuntime, Step
 from autopart.runtime.forward import StageForward
 from autopart.runtime.launch import check_launch, init_process_group, inject_failure
 from autopart.runtime.measure import StepClock, write_measured_trace
-from autopart.runtime.gradients import average_gradients, clip_gradients, sum_tied_gradients, tied_groups
+from autopart.runtime.gradients import clip_gradients, sum_tied_gradients, tied_groups
+from autopart.runtime.reducer import GradientReducer
 from autopart.runtime.optim import OPTIMIZERS, make_optimizer
 from autopart.runtime.progress import StepReporter, Throughput, check_tensorboard, tokens_in
 from autopart.runtime.recipe import Recipe, add_recipe_arguments, parameter_groups
@@ -95,17 +96,22 @@ def parse_args(argv: list[str] | None, plan: Plan) -> argparse.Namespace:
 
 
 def _write_action_times(folder: Path, rank: int, step: int, origin: float, record: list[ActionRecord],
-                        tail: tuple[float, float, float, float, float]) -> None:
+                        tail: tuple[float, float, float, float, float],
+                        reduction: tuple[float, list[float]]) -> None:
     """One line of ``--action-times``: seconds from the step's start (``origin``, in
     ``time.perf_counter`` seconds, one clock for every process of a host), and CPU seconds. The
     tail: its start, end and CPU time, when the sums of tied gradients ended within it and when
-    the optimizer step began (it runs to the end)."""
+    the optimizer step began (it runs to the end). ``reduced``: when the data-parallel
+    all-reduce had ended (`autopart.runtime.reducer`; the tail's start without one), and
+    ``buckets``: when each of its buckets was launched, during the actions."""
     folder.mkdir(parents=True, exist_ok=True)
     line = {
         "step": step,
         "origin": origin,
         "actions": [[str(r.action), r.start - origin, r.end - origin, r.cpu_s] for r in record],
         "tail": [tail[0] - origin, tail[1] - origin, tail[2], tail[3] - origin, tail[4] - origin],
+        "reduced": reduction[0] - origin,
+        "buckets": [launched - origin for launched in reduction[1]],
     }
     with open(folder / f"rank_{rank}.jsonl", "a") as file:
         file.write(json.dumps(line) + "\n")
@@ -193,6 +199,13 @@ def _loop(
             next_rank=peer(s + 1) if s < stage_count - 1 else None,
         )
     tied = tied_groups(plan, mesh, rank)
+    reducer = None
+    if data_parallel is not None:
+        reducer = GradientReducer(
+            modules={s: stage.module for s, stage in stages.items()},
+            orders={s: plan.stages[s].parameters for s in stages},
+            actions=schedule[here.pp], group=data_parallel, size=mesh.dp,
+        )  # fmt: skip
     executor = Executor(
         rank=here.pp,
         stages=stages,
@@ -200,9 +213,9 @@ def _loop(
         schedule=schedule,
         microbatches=schedule_spec.microbatches,
         device=device,
+        reducer=reducer,
     )
     modules = {s: stage.module for s, stage in stages.items()}
-    parameters = [p for module in modules.values() for p in module.parameters()]
     recipe = Recipe.from_args(args)
     named = [item for module in modules.values() for item in module.named_parameters()]
     groups = parameter_groups(named, weight_decay=recipe.weight_decay, embeddings=plan.embedding_parameters)
@@ -246,11 +259,13 @@ def _loop(
         timer = StepTimer(device)
         losses = executor.step(shares(values), record=record, timer=timer)
         tail_start, tail_cpu = timer.mark(), time.thread_time()
+        launched = list(reducer.launched_at) if reducer is not None else []
+        if reducer is not None:  # the mean over the replicas first: a tied copy's sum is of means
+            reducer.wait()
+        reduced = timer.mark()
         for name, group in tied:
             sum_tied_gradients(modules, name, group)
         tied_end = timer.mark()
-        if data_parallel is not None:
-            average_gradients(parameters, data_parallel, mesh.dp)
         norm = clip_gradients(modules, plan, here, recipe.clip_grad_norm) if recipe.clip_grad_norm else None
         optimizer_start = timer.mark()
         lr = optimizer.param_groups[0]["lr"]
@@ -260,7 +275,8 @@ def _loop(
         end, tail_cpu = timer.stop(), time.thread_time() - tail_cpu
         if args.action_times:  # after the step's clock stopped
             marks = (timer.seconds(tail_start), end, tail_cpu, timer.seconds(tied_end), timer.seconds(optimizer_start))
-            _write_action_times(args.action_times, rank, step, timer.start, record, marks)
+            reduction = (timer.seconds(reduced), launched)
+            _write_action_times(args.action_times, rank, step, timer.start, record, marks, reduction)
         elapsed = device_tensor([end - timer.start], device)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         peaks = _peak_memory_per_rank(device) if args.metrics else []
