@@ -26,6 +26,7 @@ from autopart.codegen.stages import stage_boundaries
 from autopart.errors import ConfigError, PlanError, ScheduleError
 from autopart.plan import Plan, Predicted, Provenance, ScheduleSpec, StagePlan, first_difference, load_plan
 from autopart.predict import simulate_pipeline
+from autopart.predict_dp import overlapped_step_time, plan_reductions
 from autopart.runtime.materialise import check_initialisers
 from autopart.runtime.optim import OPTIMIZERS
 from autopart.runtime.recipe import embedding_parameters
@@ -34,7 +35,6 @@ from autopart.profile_pipeline import pipeline_key, profile_pipeline
 from autopart.recompute import recompute_cost, stage_input_bytes, stage_modes, transient_microbatches
 from autopart.rewrite import separate_biases
 from autopart.schedule import RECEIVE_KINDS, SCHEDULE_KINDS, Action, StageCosts, add_communication, build_schedule, stage_rank
-from autopart.schedule.shared import step_time
 from autopart.solver.pipeline import PipelineProblem, evaluate, solve_cuts, stage_ranges
 from autopart.solver.sharding import REPLICATE, Placement
 from autopart.solver.tensor import BlockSharding, shard_chain
@@ -447,7 +447,7 @@ def _plan_from_cuts(
     in_place = _in_place(options, front, micro_batch_size)
     tails = _rank_tails(options, front, stages, holders, in_place)
     factor = _compute_factor(options, front, stages, in_place)
-    step_s = _step_time(options, front, stages, transfer, tails, microbatches, factor, in_place)
+    step_s, reduction = _step_time(options, front, stages, transfer, tails, microbatches, factor, in_place)
     status, bound, gap = solver
     gradient_sync = _data_parallel_seconds(options, front, stages)
     return Plan(
@@ -469,6 +469,7 @@ def _plan_from_cuts(
             transfer_s=transfer,
             pipeline_s=timeline.step_s,
             rank_tail_s=tuple(tails[r] for r in range(options.pp)),
+            reduction_tail_s=tuple(reduction.get(r, 0.0) for r in range(options.pp)) if options.dp > 1 else (),
             compute_factor=factor[0],
             compute_factor_from=factor[1],
             profiled_step_s=_profiled_step(options, stages, microbatches, in_place),
@@ -540,18 +541,16 @@ def _with_transients(options: CompileOptions, memory: tuple[int, ...], recompute
 
 
 def _data_parallel_seconds(options: CompileOptions, front: _Front, stages: list[StagePlan]) -> float:
-    """The gradient all-reduce over the data-parallel group after the pipeline drains (not
-    overlapped); with ZeRO-1, also the broadcast of each rank's updated shard to the others (an
-    all-gather's traffic). The group spans nodes once the whole mesh does (dp is outermost)."""
-    if options.dp == 1:
+    """With ZeRO-1, the broadcast of each rank's updated shard to the others after the optimizer
+    step (an all-gather's traffic; the gradients' all-reduce overlaps the backward: predict_dp).
+    The group spans nodes once the whole mesh does (dp is outermost)."""
+    if options.dp == 1 or not options.zero:
         return 0.0
     across = options.pp * options.tp * options.dp > options.gpus_per_node
     per_rank: dict[int, float] = {}
     for stage in stages:
         share = stage.parameter_bytes / options.tp
-        seconds = front.cost_model.collective_time("all_reduce", share, options.dp, across_nodes=across)
-        if options.zero:
-            seconds += front.cost_model.collective_time("all_gather", share, options.dp, across_nodes=across)
+        seconds = front.cost_model.collective_time("all_gather", share, options.dp, across_nodes=across)
         per_rank[stage.rank] = per_rank.get(stage.rank, 0.0) + seconds
     return max(per_rank.values())
 
@@ -611,8 +610,8 @@ def _compute_factor(options: CompileOptions, front: _Front, stages: list[StagePl
 
 def _step_time(options: CompileOptions, front: _Front, stages: list[StagePlan], transfer: tuple[float, ...],
                tails: dict[int, float], microbatches: int, factor: tuple[tuple[float, ...], str],
-               in_place: PipelineMeasurement | None) -> float:
-    """The step as the runtime times it: the pipeline with the fixed cost of each action, each
+               in_place: PipelineMeasurement | None) -> tuple[float, dict[int, float]]:
+    """The step as the runtime times it, and per rank what its data-parallel reductions added: the pipeline with the fixed cost of each action, each
     forward and backward of stage s ``factor[0][s]`` times its profiled time, its messages as
     this pipeline measured them where it was run (``in_place``), on ranks that share the device's
     cores when it has them, then each rank's tail. Where this pipeline was run, the median of its
@@ -654,19 +653,24 @@ def _step_time(options: CompileOptions, front: _Front, stages: list[StagePlan], 
         recv_waited_s=waited,
     )
 
-    def step(costs: StageCosts, tails: dict[int, float]) -> float:
-        return step_time(schedule, costs, ranks=options.pp, cores=cores, background=device.background_load,
-                         tail_s=tails, resume_s=resume, busy_delay_s=front.cost_model.p2p_busy_delay(),
-                         wake_s=None if in_place is not None else front.cost_model.wake_time)
+    reductions = plan_reductions(schedule, stages, front.chain, [b for _, b, _ in _block_times(front)], tp=options.tp,
+                                 dp=options.dp, cost_model=front.cost_model,
+                                 across_nodes=options.pp * options.tp * options.dp > options.gpus_per_node)
+
+    def step(costs: StageCosts, tails: dict[int, float]) -> tuple[float, dict[int, float]]:
+        return overlapped_step_time(schedule, costs, reductions, ranks=options.pp, cores=cores,
+                                    background=device.background_load, tail_s=tails, resume_s=resume,
+                                    busy_delay_s=front.cost_model.p2p_busy_delay(),
+                                    wake_s=None if in_place is not None else front.cost_model.wake_time)
 
     if in_place is None or not in_place.step_variation:
         return step(costs, tails)
     actions = [action for on_rank in schedule.values() for action in on_rank]
     return statistics.median(
         step(replace(costs, actions=_replayed(costs, actions, moved)),
-             {rank: seconds * moved.get(tail_key(rank), 1.0) for rank, seconds in tails.items()})
+             {rank: seconds * moved.get(tail_key(rank), 1.0) for rank, seconds in tails.items()})[0]
         for moved in in_place.step_variation
-    )
+    ), step(costs, tails)[1]
 
 
 def _replayed(costs: StageCosts, actions: list[Action], moved: dict[str, float]) -> dict[Action, float]:
