@@ -469,7 +469,7 @@ def _plan_from_cuts(
             transfer_s=transfer,
             pipeline_s=timeline.step_s,
             rank_tail_s=tuple(tails[r] for r in range(options.pp)),
-            reduction_tail_s=tuple(reduction.get(r, 0.0) for r in range(options.pp)) if options.dp > 1 else (),
+            reduction_s=tuple(reduction.get(r, (0.0, 0.0)) for r in range(options.pp)) if options.dp > 1 else (),
             compute_factor=factor[0],
             compute_factor_from=factor[1],
             profiled_step_s=_profiled_step(options, stages, microbatches, in_place),
@@ -610,7 +610,7 @@ def _compute_factor(options: CompileOptions, front: _Front, stages: list[StagePl
 
 def _step_time(options: CompileOptions, front: _Front, stages: list[StagePlan], transfer: tuple[float, ...],
                tails: dict[int, float], microbatches: int, factor: tuple[tuple[float, ...], str],
-               in_place: PipelineMeasurement | None) -> tuple[float, dict[int, float]]:
+               in_place: PipelineMeasurement | None) -> tuple[float, dict[int, tuple[float, float]]]:
     """The step as the runtime times it, and per rank what its data-parallel reductions added: the pipeline with the fixed cost of each action, each
     forward and backward of stage s ``factor[0][s]`` times its profiled time, its messages as
     this pipeline measured them where it was run (``in_place``), on ranks that share the device's
@@ -657,7 +657,7 @@ def _step_time(options: CompileOptions, front: _Front, stages: list[StagePlan], 
                                  dp=options.dp, cost_model=front.cost_model,
                                  across_nodes=options.pp * options.tp * options.dp > options.gpus_per_node)
 
-    def step(costs: StageCosts, tails: dict[int, float]) -> tuple[float, dict[int, float]]:
+    def step(costs: StageCosts, tails: dict[int, float]) -> tuple[float, dict[int, tuple[float, float]]]:
         return overlapped_step_time(schedule, costs, reductions, ranks=options.pp, cores=cores,
                                     background=device.background_load, tail_s=tails, resume_s=resume,
                                     busy_delay_s=front.cost_model.p2p_busy_delay(),

@@ -155,10 +155,10 @@ def reduction_delay(ready: Sequence[float], reductions: Sequence[Reduction], com
 
 def overlapped_step_time(schedule: Schedule, costs: StageCosts, reductions: Mapping[int, Sequence[Reduction]], *,
                          ranks: int, tail_s: Mapping[int, float] | None = None, cores: int = 0,
-                         background: float = 0.0, **sharing) -> tuple[float, dict[int, float]]:
-    """`step_time` with each rank's reductions before its tail; and per rank, the seconds they
-    added (the compute's delay and the wait past its last action). ``sharing``: `step_time`'s
-    other arguments."""
+                         background: float = 0.0, **sharing) -> tuple[float, dict[int, tuple[float, float]]]:
+    """`step_time` with each rank's reductions before its tail; and per rank what they added:
+    the delay of its compute (`reduction_delay`) and the wait past its last action. ``sharing``:
+    `step_time`'s other arguments."""
     tail_s = dict(tail_s or {})
     if not any(reductions.values()):
         return step_time(schedule, costs, ranks=ranks, cores=cores, background=background, tail_s=tail_s,
@@ -174,8 +174,9 @@ def overlapped_step_time(schedule: Schedule, costs: StageCosts, reductions: Mapp
         for reduction in mine:
             start, end = spans.get((rank, reduction.trigger), (0.0, 0.0))
             ready.append(start + (end - start) * reduction.fraction)
-        delay, wait = reduction_delay(ready, mine, max(ends, default=0.0), cores=cores, busy=ranks + background)
-        added[rank] = delay + wait
+        # the step's own threads share the cores; a collective's measured time already holds what
+        # the rest of the machine took from it while it was measured
+        added[rank] = reduction_delay(ready, mine, max(ends, default=0.0), cores=cores, busy=ranks)
     step = step_time(schedule, costs, ranks=ranks, cores=cores, background=background,
-                     tail_s={r: tail_s.get(r, 0.0) + added.get(r, 0.0) for r in schedule}, **sharing)
+                     tail_s={r: tail_s.get(r, 0.0) + sum(added.get(r, ())) for r in schedule}, **sharing)
     return step, added
