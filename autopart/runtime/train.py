@@ -11,10 +11,12 @@ Each rank builds its stage from ``stages/stage_<k>.py`` and ``weights/stage_<k>.
 (or, with ``--weights CKPT``, the stage's tensors of a whole-model safetensors checkpoint; or,
 for a model built on the meta device, the model's initialisers run for the stage's tensors),
 draws the same global batches as every other rank, runs its action list of the plan's schedule
-(each forward in the plan's precision and with its stage's recompute, `autopart.runtime.forward`),
-sums the gradients of parameters that several stages hold (tied embeddings), and steps its
-optimizer, with the `autopart.runtime.recipe` of the flags (learning-rate schedule, weight
-decay by parameter, clipping of the whole model's gradient norm, `autopart.runtime.gradients`).
+(each forward in the plan's precision and with its stage's recompute, `autopart.runtime.forward`;
+the data-parallel all-reduce of each bucket of gradients launched as soon as they are final,
+`autopart.runtime.reducer`), waits for that all-reduce, sums the gradients of parameters that
+several stages hold (tied embeddings), and steps its optimizer, with the `autopart.runtime.recipe`
+of the flags (learning-rate schedule, weight decay by parameter, clipping of the whole model's
+gradient norm, `autopart.runtime.gradients`).
 Every ``--eval-every`` K steps it runs the pipeline's forwards alone on ``--eval-batches`` held-out
 batches (`autopart.runtime.data.eval_batches`). Rank 0 reports each step's loss, tokens/s,
 TFLOP/s per device and MFU (`autopart.runtime.progress`). NCCL when CUDA is present, gloo
