@@ -611,10 +611,11 @@ def _compute_factor(options: CompileOptions, front: _Front, stages: list[StagePl
 def _step_time(options: CompileOptions, front: _Front, stages: list[StagePlan], transfer: tuple[float, ...],
                tails: dict[int, float], microbatches: int, factor: tuple[tuple[float, ...], str],
                in_place: PipelineMeasurement | None) -> tuple[float, dict[int, tuple[float, float]]]:
-    """The step as the runtime times it, and per rank what its data-parallel reductions added: the pipeline with the fixed cost of each action, each
-    forward and backward of stage s ``factor[0][s]`` times its profiled time, its messages as
-    this pipeline measured them where it was run (``in_place``), on ranks that share the device's
-    cores when it has them, then each rank's tail. Where this pipeline was run, the median of its
+    """The step as the runtime times it, and per rank what its data-parallel reductions added
+    (`autopart.predict_dp`): the pipeline with the fixed cost of each action, each forward and
+    backward of stage s ``factor[0][s]`` times its profiled time, its messages as this pipeline
+    measured them where it was run (``in_place``), on ranks that share the device's cores when it
+    has them, then each rank's data-parallel wait and its tail. Where this pipeline was run, the median of its
     steps replayed: each step measured there with its actions, deliveries and tails as they
     moved from their medians in that step. A step waits for its slowest rank and its latest
     message, and a busy machine's slow moments catch the ranks at different times, so the step
