@@ -1,5 +1,5 @@
 """The data-parallel all-reduce overlapped with the backward, on this CPU: the step model's tail
-(`autopart.predict_dp`) against the runtime's, as ``train.py --action-times`` measures it.
+(`autopart.predict.reduction`) against the runtime's, as ``train.py --action-times`` measures it.
 
     python benchmarks/dp_overlap.py [--steps 12] [--warmup 3] [--rows dp2,pp2xdp2,pp2xdp2-zb]
 
@@ -31,8 +31,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from autopart.compiler import CompileOptions, compile_to_directory  # noqa: E402
-from autopart.local_run import run_locally  # noqa: E402
+from autopart.driver import CompileOptions, compile_to_directory  # noqa: E402
+from autopart.tools.local_run import run_locally  # noqa: E402
 from autopart.runtime.mesh import Mesh  # noqa: E402
 from autopart.schedule import Action, Kind  # noqa: E402
 

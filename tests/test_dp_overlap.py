@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from autopart.runtime.reducer import BUCKET_BYTES, FIRST_BUCKET_BYTES, final_gradient_positions, plan_buckets
+from autopart.ir.buckets import BUCKET_BYTES, FIRST_BUCKET_BYTES, final_gradient_positions, plan_buckets
 from autopart.schedule import Action, add_communication, build_schedule
 from tests.distributed import FREE_LINKS, REPO, assert_same_training, compile_and_train
 

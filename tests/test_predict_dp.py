@@ -1,4 +1,4 @@
-"""The step model of the data-parallel all-reduce overlapped with the backward (`autopart.predict_dp`),
+"""The step model of the data-parallel all-reduce overlapped with the backward (`autopart.predict.reduction`),
 on synthetic timelines: a bucket whose gradients are final early is hidden behind the compute,
 one final at the end is paid in full, and on shared cores what it hides it takes from the compute."""
 
@@ -6,8 +6,8 @@ import runpy
 
 import pytest
 
-from autopart.predict_dp import Reduction, StageGradients, overlapped_step_time, rank_reductions, reduction_delay
-from autopart.runtime.reducer import plan_buckets
+from autopart.predict.reduction import Reduction, StageGradients, overlapped_step_time, rank_reductions, reduction_delay
+from autopart.ir.buckets import plan_buckets
 from autopart.schedule import Action, Kind, StageCosts, add_communication, build_schedule
 from autopart.schedule.shared import step_time
 from tests.distributed import REPO

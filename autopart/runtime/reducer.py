@@ -18,67 +18,24 @@ same collectives in the same order whatever order autograd runs in; `GradientRed
 waits for them all before the optimizer step and divides by the replicas (the mean loss over
 the global batch, as each replica's loss is already the mean over its microbatches).
 
-`plan_buckets` and `final_gradient_positions` are the rule the step model counts
-(`autopart.predict_dp`): one definition of which bytes go when.
+`plan_buckets` and `final_gradient_positions` (`autopart.ir.buckets`) are the rule the step
+model counts too (`autopart.predict.reduction`): one definition of which bytes go when.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from autopart.schedule import Action, Kind
+from autopart.ir.actions import Action, Kind
+from autopart.ir.buckets import BUCKET_BYTES, FIRST_BUCKET_BYTES, Bucket, final_gradient_positions, plan_buckets
 
 __all__ = ["BUCKET_BYTES", "FIRST_BUCKET_BYTES", "Bucket", "plan_buckets", "final_gradient_positions",
            "GradientReducer"]
-
-FIRST_BUCKET_BYTES = 1 << 20
-BUCKET_BYTES = 25 << 20
-
-
-@dataclass(frozen=True, kw_only=True)
-class Bucket:
-    """Gradients reduced in one all-reduce: parameters of one stage, in the order they become final."""
-
-    stage: int
-    names: tuple[str, ...]
-    nbytes: int
-
-
-def final_gradient_positions(actions: Sequence[Action]) -> dict[int, int]:
-    """Per stage, the position in a rank's action list of its last action that adds to the
-    weight gradients (B, or W where the backward is split)."""
-    final: dict[int, int] = {}
-    for position, action in enumerate(actions):
-        if action.kind in (Kind.B, Kind.W):
-            final[action.stage] = position
-    return final
-
-
-def plan_buckets(stages: Sequence[tuple[int, Sequence[tuple[str, int]]]]) -> list[Bucket]:
-    """The buckets of a rank. ``stages``: (stage, its parameters as (name, bytes) in forward
-    order), in the order the stages' gradients become final."""
-    buckets: list[Bucket] = []
-    cap = FIRST_BUCKET_BYTES
-    for stage, parameters in stages:
-        names: list[str] = []
-        filled = 0
-        for name, nbytes in reversed(parameters):
-            names.append(name)
-            filled += nbytes
-            if filled >= cap:
-                buckets.append(Bucket(stage=stage, names=tuple(names), nbytes=filled))
-                names, filled, cap = [], 0, BUCKET_BYTES
-        if names:  # a bucket never spans two stages: their gradients become final at different times
-            buckets.append(Bucket(stage=stage, names=tuple(names), nbytes=filled))
-            cap = BUCKET_BYTES
-    return buckets
-
 
 class GradientReducer:
     """Launches each bucket's all-reduce over ``group`` as soon as its gradients are final.

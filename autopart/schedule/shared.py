@@ -10,8 +10,7 @@ and a message that arrives while every core is busy is received ``busy_delay_s``
 its rank gets a core again (measured by ``autopart profile-comm``). A receive that waited for
 its data takes ``recv_waited_s`` once it is there, not ``recv_s``, where each rank keeps a core;
 where they outnumber the cores the woken rank must get one back first, which ``recv_s`` holds
-better (the 4-rank rows of ``benchmarks/cost_accuracy.py`` on 2 cores: 8-14% short in their own
-runs with the waited figure, 1-7% long with ``recv_s``). When they do not outnumber
+better (``benchmarks/cost_accuracy.py`` compares the two). When they do not outnumber
 the cores, or when they do but fewer are busy for a while (a pipeline's fill and drain), a rank
 that waited leaves its core idle, and its next work runs slower while the core warms up again:
 ``wake_s``, extra seconds by idle time (measured by ``autopart profile-comm``).
@@ -25,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from autopart.schedule.actions import RECEIVE_KINDS, Action, Kind, Schedule
+from autopart.ir.actions import RECEIVE_KINDS, Action, Kind, Schedule
 from autopart.schedule.simulate import StageCosts, input_ready_at
 
 __all__ = ["step_time"]
@@ -41,9 +40,9 @@ def step_time(schedule: Schedule, costs: StageCosts, *, ranks: int, cores: int =
     busy processes share the ``cores`` too; when they and the ranks outnumber the cores, every
     compute action pays ``resume_s`` (forward, backward and its halves) on top of its own time;
     a rank's first work after it sat idle for ``t`` seconds, when it finds a core free (so that
-    core sat idle too), pays ``wake_s(t)`` instead if that is more. With ``events``, append to it
-    every compute action as (rank, action, start, end)."""
-    tail_s = tail_s or {}
+    core sat idle too), pays ``wake_s(t)`` instead if that is more. ``events`` gets every compute
+    action as (rank, action, start, end)."""
+    tail_s, events = tail_s or {}, [] if events is None else events
     shared = 0 < cores < ranks + background
     idle_since = dict.fromkeys(schedule, 0.0)  # when each rank last finished work
     finished: dict = {}
@@ -87,8 +86,7 @@ def step_time(schedule: Schedule, costs: StageCosts, *, ranks: int, cores: int =
                     done.add(rank)
                 elif action.is_compute:
                     finished[(action.stage, action.kind, action.microbatch)] = now
-                    if events is not None:
-                        events.append((rank, action, now, now))
+                    events.append((rank, action, now, now))
                 started = True
         if not remaining:
             if not wakes:
@@ -111,7 +109,6 @@ def step_time(schedule: Schedule, costs: StageCosts, *, ranks: int, cores: int =
                     done.add(rank)
                 elif action.is_compute:
                     finished[(action.stage, action.kind, action.microbatch)] = now
-                    if events is not None:
-                        events.append((rank, action, began[rank], now))
+                    events.append((rank, action, began[rank], now))
     assert len(done) == len(schedule), "the schedule deadlocks; validate it first"
     return now
