@@ -63,6 +63,8 @@ class Predicted:
     transfer_s: tuple[float, ...]  # one way, one microbatch, per boundary between stages
     pipeline_s: float = 0.0  # the schedule alone (the trace's span); step_s adds the runtime's costs
     rank_tail_s: tuple[float, ...] = ()  # per rank, after the pipeline: tied gradients, optimizer step
+    reduction_s: tuple[tuple[float, float], ...] = ()  # per rank, what the data-parallel all-reduce adds:
+    # (the compute's delay by its work on shared cores, the wait past the rank's last action)
     compute_factor: tuple[float, ...] = ()  # per stage: inside the pipeline each forward and backward takes this many
     # times its profiled time (stage_time_s and the stages' times are the profiled ones); () for 1
     compute_factor_from: str = "none"  # "pipeline" (measured in it: --profile-pipeline), "device" or "none"
@@ -171,6 +173,7 @@ class Plan:
                 transfer_s=tuple(float(v) for v in predicted.list("transfer_s")),
                 pipeline_s=predicted.float("pipeline_s") if "pipeline_s" in predicted.data else 0.0,
                 rank_tail_s=tuple(float(v) for v in predicted.data.get("rank_tail_s", ())),
+                reduction_s=tuple((float(d), float(w)) for d, w in predicted.data.get("reduction_s", ())),
                 compute_factor=tuple(float(v) for v in predicted.data.get("compute_factor", ())),
                 compute_factor_from=str(predicted.data.get("compute_factor_from", "none")),
                 profiled_step_s=None if predicted.data.get("profiled_step_s") is None
@@ -182,9 +185,7 @@ class Plan:
             provenance=Provenance(
                 **{k: provenance.str(k) for k in ("model_file", "model_sha256", "capture", "cost_model")},
                 solver_status=provenance.str("solver_status"),
-                objective_s=provenance.float("objective_s"),
-                bound_s=provenance.float("bound_s"),
-                gap=provenance.float("gap"),
+                **{k: provenance.float(k) for k in ("objective_s", "bound_s", "gap")},
                 autopart_version=provenance.str("autopart_version"),
                 torch_version=provenance.str("torch_version"),
                 leaves=tuple(str(n) for n in provenance.data.get("leaves", [])),

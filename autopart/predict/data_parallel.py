@@ -1,7 +1,8 @@
 """Where a rank's data-parallel collectives fall in the step, per ZeRO level (``Plan.zero``).
 
-Level 0 all-reduces the gradients once the pipeline drained; level 1 (ZeroRedundancyOptimizer)
-then gathers the updated shards. Level 2 (FSDP) gathers the parameters at the step's first
+Levels 0 and 1 all-reduce the gradients in buckets as they become final, beside the backward
+(`autopart.predict.reduction` models that); level 1 (ZeroRedundancyOptimizer) then gathers the
+updated shards after the optimizer step, which nothing overlaps. Level 2 (FSDP) gathers the parameters at the step's first
 forward and reduce-scatters the gradients after every microbatch's backward; level 3 gathers
 before every forward and every backward too. A gather must end before the unit computes, so it
 adds to the action; a reduce-scatter is left running: on a GPU it overlaps the next action (its
@@ -40,8 +41,8 @@ def data_parallel_comm(zero: int, parameter_bytes: float, *, dp: int, across_nod
     def time(kind: str) -> float:
         return cost_model.collective_time(kind, parameter_bytes, dp, across_nodes=across_nodes)
 
-    if zero in (0, 1):  # the gradient all-reduce once the pipeline drained; ZeRO-1 then shares the updated shards
-        return DataParallelComm(tail_s=time("all_reduce") + (time("all_gather") if zero == 1 else 0.0))
+    if zero in (0, 1):  # the all-reduce overlaps the backward (`autopart.predict.reduction`); ZeRO-1's
+        return DataParallelComm(tail_s=time("all_gather") if zero == 1 else 0.0)  # update is shared after the step
     reduce = max(0.0, time("reduce_scatter") - hidden_behind_s) if overlapped else time("reduce_scatter")
     last = time("reduce_scatter") if overlapped else 0.0  # the step waits for the last one
     if zero == 2:

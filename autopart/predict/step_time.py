@@ -15,11 +15,11 @@ from autopart.ir.actions import RECEIVE_KINDS, Action
 from autopart.ir.plan import StagePlan
 from autopart.ir.scatter_gather import parts
 from autopart.options import CompileOptions
+from autopart.passes.front import Front, block_seconds
 from autopart.predict.data_parallel import DataParallelComm, data_parallel_comm
-from autopart.passes.front import Front
+from autopart.predict.reduction import overlapped_step_time, plan_reductions
 from autopart.profiling.pipeline import pipeline_key
 from autopart.schedule import StageCosts, add_communication, build_schedule
-from autopart.schedule.shared import step_time
 from cost_models.database import PipelineMeasurement, plan_shape, tail_key
 
 __all__ = ["compute_factor", "data_parallel", "data_parallel_seconds", "with_collectives", "measured_in_place", "predicted_step_s", "profiled_step", "rank_tails"]
@@ -104,11 +104,12 @@ def compute_factor(options: CompileOptions, front: Front, stages: list[StagePlan
 
 def predicted_step_s(options: CompileOptions, front: Front, stages: list[StagePlan], transfer: tuple[float, ...],
                tails: dict[int, float], microbatches: int, factor: tuple[tuple[float, ...], str],
-               in_place: PipelineMeasurement | None) -> float:
-    """The step as the runtime times it: the pipeline with the fixed cost of each action, each
-    forward and backward of stage s ``factor[0][s]`` times its profiled time, its messages as
-    this pipeline measured them where it was run (``in_place``), on ranks that share the device's
-    cores when it has them, then each rank's tail. Where this pipeline was run, the median of its
+               in_place: PipelineMeasurement | None) -> tuple[float, dict[int, tuple[float, float]]]:
+    """The step as the runtime times it, and per rank what its data-parallel reductions added
+    (`autopart.predict.reduction`): the pipeline with the fixed cost of each action, each forward
+    and backward of stage s ``factor[0][s]`` times its profiled time, its messages as this
+    pipeline measured them where it was run (``in_place``), on ranks that share the device's
+    cores when it has them, then each rank's data-parallel wait and its tail. Where this pipeline was run, the median of its
     steps replayed: each step measured there with its actions, deliveries and tails as they
     moved from their medians in that step. A step waits for its slowest rank and its latest
     message, and a busy machine's slow moments catch the ranks at different times, so the step
@@ -148,19 +149,25 @@ def predicted_step_s(options: CompileOptions, front: Front, stages: list[StagePl
         recv_waited_s=waited,
     )
 
-    def step(costs: StageCosts, tails: dict[int, float]) -> float:
-        return step_time(schedule, costs, ranks=options.pp, cores=cores, background=device.background_load,
-                         tail_s=tails, resume_s=resume, busy_delay_s=front.cost_model.p2p_busy_delay(),
-                         wake_s=None if in_place is not None else front.cost_model.wake_time)
+    replicas = options.dp if options.zero not in (2, 3) else 1  # FSDP reduces in its own backward hooks
+    reductions = plan_reductions(schedule, stages, front.chain, [b for _, b, _ in block_seconds(front)], tp=options.tp,
+                                 dp=replicas, cost_model=front.cost_model,
+                                 across_nodes=options.pp * options.tp * options.dp > options.gpus_per_node)
+
+    def step(costs: StageCosts, tails: dict[int, float]) -> tuple[float, dict[int, tuple[float, float]]]:
+        return overlapped_step_time(schedule, costs, reductions, ranks=options.pp, cores=cores,
+                                    background=device.background_load, tail_s=tails, resume_s=resume,
+                                    busy_delay_s=front.cost_model.p2p_busy_delay(),
+                                    wake_s=None if in_place is not None else front.cost_model.wake_time)
 
     if in_place is None or not in_place.step_variation:
         return step(costs, tails)
     actions = [action for on_rank in schedule.values() for action in on_rank]
     return statistics.median(
         step(replace(costs, actions=_replayed(costs, actions, moved)),
-             {rank: seconds * moved.get(tail_key(rank), 1.0) for rank, seconds in tails.items()})
+             {rank: seconds * moved.get(tail_key(rank), 1.0) for rank, seconds in tails.items()})[0]
         for moved in in_place.step_variation
-    )
+    ), step(costs, tails)[1]
 
 
 def _replayed(costs: StageCosts, actions: list[Action], moved: dict[str, float]) -> dict[Action, float]:

@@ -132,6 +132,7 @@ def measure(plan: Plan, action_times: Path, overheads: RuntimeOverheads, *, core
                 continue
             where, origin = mesh.coordinates(rank), record["origin"]
             start, end, _cpu, tied_end, optimizer_start = record["tail"]
+            start = record.get("reduced", start)  # the data-parallel wait is the step model's own (autopart.predict.reduction)
             if where.pp in holders and origin + start >= tied.get(step, (-math.inf, 0.0))[0]:
                 tied[step] = (origin + start, tied_end - start)
             optimizer[step, rank] = end - optimizer_start

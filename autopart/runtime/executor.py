@@ -24,6 +24,8 @@ from autopart.runtime.backward import PendingWeights, backward_full, backward_in
 from autopart.runtime.device import Mark, StepTimer
 from autopart.runtime.forward import Rebuild, StageForward
 from autopart.runtime.p2p import Scatter, recv_tensors, send_tensors
+from autopart.runtime.p2p import recv_tensors, send_tensors
+from autopart.runtime.reducer import GradientReducer
 from autopart.schedule import Action, Kind, Schedule, format_grid
 
 __all__ = ["ActionRecord", "StageRuntime", "Executor", "StepFailure"]
@@ -75,10 +77,12 @@ class Executor:
         microbatches: int,
         device: torch.device,
         scatter: Scatter | None = None,
+        reducer: GradientReducer | None = None,
     ):
         """``scatter``: this rank's tensor-parallel group, over which messages are split (none: sent whole)."""
         self.rank = rank
         self.scatter = scatter
+        self.reducer = reducer  # the data-parallel all-reduce, launched as the gradients become final
         self.stages = stages
         self.last_stage = last_stage
         self.schedule = schedule
@@ -110,9 +114,13 @@ class Executor:
             try:
                 start = timer.mark() if record is not None else 0.0
                 cpu = time.thread_time() if record is not None else 0.0
+                if self.reducer is not None:
+                    self.reducer.before(position, action)
                 self._run(action, microbatches, losses, pending)
                 if record is not None:
                     marks.append((action, start, timer.mark(), time.thread_time() - cpu))
+                if self.reducer is not None:  # outside the action's time: launching what it finished
+                    self.reducer.after(position, action)
             except Exception as exc:
                 raise self._failure(position, action, exc) from exc
         for work in pending:

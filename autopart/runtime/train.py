@@ -11,10 +11,12 @@ Each rank builds its stage from ``stages/stage_<k>.py`` and ``weights/stage_<k>.
 (or, with ``--weights CKPT``, the stage's tensors of a whole-model safetensors checkpoint; or,
 for a model built on the meta device, the model's initialisers run for the stage's tensors),
 draws the same global batches as every other rank, runs its action list of the plan's schedule
-(each forward in the plan's precision and with its stage's recompute, `autopart.runtime.forward`),
-sums the gradients of parameters that several stages hold (tied embeddings), and steps its
-optimizer, with the `autopart.runtime.recipe` of the flags (learning-rate schedule, weight
-decay by parameter, clipping of the whole model's gradient norm, `autopart.runtime.gradients`).
+(each forward in the plan's precision and with its stage's recompute, `autopart.runtime.forward`;
+the data-parallel all-reduce of each bucket of gradients launched as soon as they are final,
+`autopart.runtime.reducer`), waits for that all-reduce, sums the gradients of parameters that
+several stages hold (tied embeddings), and steps its optimizer, with the `autopart.runtime.recipe`
+of the flags (learning-rate schedule, weight decay by parameter, clipping of the whole model's
+gradient norm, `autopart.runtime.gradients`).
 Every ``--eval-every`` K steps it runs the pipeline's forwards alone on ``--eval-batches`` held-out
 batches (`autopart.runtime.data.eval_batches`). Rank 0 reports each step's loss, tokens/s,
 TFLOP/s per device and MFU (`autopart.runtime.progress`). NCCL when CUDA is present, gloo
@@ -56,7 +58,8 @@ from autopart.runtime.forward import StageForward
 from autopart.runtime.fully_sharded import FSDP_LEVELS, check_level, end_of_step, full_state, shard_stage
 from autopart.runtime.launch import check_launch, init_process_group, inject_failure
 from autopart.runtime.measure import StepClock, write_measured_trace
-from autopart.runtime.gradients import average_gradients, clip_gradients, sum_tied_gradients, tied_groups
+from autopart.runtime.gradients import clip_gradients, sum_tied_gradients, tied_groups
+from autopart.runtime.reducer import GradientReducer
 from autopart.runtime.optim import OPTIMIZERS, make_optimizer
 from autopart.runtime.progress import StepReporter, Throughput, check_tensorboard, tokens_in
 from autopart.runtime.recipe import Recipe, add_recipe_arguments, parameter_groups
@@ -99,17 +102,22 @@ def parse_args(argv: list[str] | None, plan: Plan) -> argparse.Namespace:
 
 
 def _write_action_times(folder: Path, rank: int, step: int, origin: float, record: list[ActionRecord],
-                        tail: tuple[float, float, float, float, float]) -> None:
+                        tail: tuple[float, float, float, float, float],
+                        reduction: tuple[float, list[float]]) -> None:
     """One line of ``--action-times``: seconds from the step's start (``origin``, in
     ``time.perf_counter`` seconds, one clock for every process of a host), and CPU seconds. The
     tail: its start, end and CPU time, when the sums of tied gradients ended within it and when
-    the optimizer step began (it runs to the end)."""
+    the optimizer step began (it runs to the end). ``reduced``: when the data-parallel
+    all-reduce had ended (`autopart.runtime.reducer`; the tail's start without one), and
+    ``buckets``: when each of its buckets was launched, during the actions."""
     folder.mkdir(parents=True, exist_ok=True)
     line = {
         "step": step,
         "origin": origin,
         "actions": [[str(r.action), r.start - origin, r.end - origin, r.cpu_s] for r in record],
         "tail": [tail[0] - origin, tail[1] - origin, tail[2], tail[3] - origin, tail[4] - origin],
+        "reduced": reduction[0] - origin,
+        "buckets": [launched - origin for launched in reduction[1]],
     }
     with open(folder / f"rank_{rank}.jsonl", "a") as file:
         file.write(json.dumps(line) + "\n")
@@ -167,11 +175,10 @@ def _loop(
     data_parallel = group_of(device_mesh, "dp")
     schedule_spec = plan.schedule
     stage_count = len(plan.stages)
-    stages, executor = _executor(out_dir, plan, args, rank, device, device_mesh)
+    stages, executor = _executor(out_dir, plan, args, rank, device, device_mesh, data_parallel)
     fully_sharded = _fully_shard(stages, plan, executor, device_mesh)
     tied = tied_groups(plan, mesh, rank)
     modules = {s: stage.module for s, stage in stages.items()}
-    parameters = [p for module in modules.values() for p in module.parameters()]
     recipe = Recipe.from_args(args)
     optimizer = _optimizer(modules, plan, args, recipe, data_parallel)
     spec = load_model_file(source_file, build=False)
@@ -201,10 +208,10 @@ def _loop(
         timer = StepTimer(device)
         losses = executor.step(split(values), record=record, timer=timer)
         tail_start, tail_cpu = timer.mark(), time.thread_time()
+        launched = _reduce(executor.reducer)  # the mean over the replicas first: a tied copy's sum is of means
+        reduced = timer.mark()
         _sum_tied(modules, tied, fully_sharded)
         tied_end = timer.mark()
-        if data_parallel is not None and not fully_sharded:  # FSDP reduced them in the backward
-            average_gradients(parameters, data_parallel, mesh.dp)
         norm = clip_gradients(modules, plan, here, recipe.clip_grad_norm) if recipe.clip_grad_norm else None
         optimizer_start = timer.mark()
         lr = optimizer.param_groups[0]["lr"]
@@ -214,7 +221,8 @@ def _loop(
         end, tail_cpu = timer.stop(), time.thread_time() - tail_cpu
         if args.action_times:  # after the step's clock stopped
             marks = (timer.seconds(tail_start), end, tail_cpu, timer.seconds(tied_end), timer.seconds(optimizer_start))
-            _write_action_times(args.action_times, rank, step, timer.start, record, marks)
+            _write_action_times(args.action_times, rank, step, timer.start, record, marks,
+                                (timer.seconds(reduced), launched))
         elapsed = device_tensor([end - timer.start], device)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         peaks = _peak_memory_per_rank(device) if args.metrics else []
@@ -235,6 +243,16 @@ def _loop(
         reporter.close()
     if args.save_weights:
         _save_weights(args.save_weights, stages, here, mesh.tp)
+
+
+def _reduce(reducer: GradientReducer | None) -> list[float]:
+    """Wait for the step's data-parallel all-reduce, if there are replicas; when each bucket was launched."""
+    if reducer is None:
+        return []
+    launched = list(reducer.launched_at)
+    reducer.wait()
+    return launched
+
 
 def _optimizer(modules: dict[int, torch.nn.Module], plan: Plan, args: argparse.Namespace, recipe: Recipe,
                data_parallel: Any) -> torch.optim.Optimizer:
@@ -287,9 +305,11 @@ def _fully_shard(stages: dict[int, StageRuntime], plan: Plan, executor: Executor
 
 
 def _executor(out_dir: Path, plan: Plan, args: argparse.Namespace, rank: int, device: torch.device,
-              device_mesh: DeviceMesh) -> tuple[dict[int, StageRuntime], Executor]:
-    """This rank's stages and the executor that runs its action list of the plan's schedule, its
-    messages split over its tensor-parallel group (`autopart.ir.scatter_gather`)."""
+              device_mesh: DeviceMesh, data_parallel: Any = None) -> tuple[dict[int, StageRuntime], Executor]:
+    """This rank's stages and the executor that runs its action list of the plan's schedule: its
+    messages split over its tensor-parallel group (`autopart.ir.scatter_gather`), and with
+    replicas the data-parallel all-reduce of each bucket launched as its gradients become final
+    (`autopart.runtime.reducer`), unless FSDP reduces them (ZeRO-2/3)."""
     mesh = Mesh.of(plan)
     here = mesh.coordinates(rank)
     schedule_spec = plan.schedule
@@ -303,6 +323,13 @@ def _executor(out_dir: Path, plan: Plan, args: argparse.Namespace, rank: int, de
     check_message_order(schedule, ranks=mesh.pp)
     split_backward = any(action.kind is Kind.I for action in schedule[here.pp])
     stages = _stages_here(out_dir, plan, args, rank, device, split_backward=split_backward)
+    reducer = None
+    if data_parallel is not None and plan.zero not in FSDP_LEVELS:
+        reducer = GradientReducer(
+            modules={s: stage.module for s, stage in stages.items()},
+            orders={s: plan.stages[s].parameters for s in stages},
+            actions=schedule[here.pp], group=data_parallel, size=mesh.dp,
+        )  # fmt: skip
     executor = Executor(
         rank=here.pp,
         stages=stages,
@@ -311,6 +338,7 @@ def _executor(out_dir: Path, plan: Plan, args: argparse.Namespace, rank: int, de
         microbatches=schedule_spec.microbatches,
         device=device,
         scatter=Scatter(group_of(device_mesh, "tp"), here.tp, mesh.tp) if mesh.tp > 1 else None,
+        reducer=reducer,
     )
     return stages, executor
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from autopart.ir.actions import RECEIVE_KINDS, Kind, Schedule
+from autopart.ir.actions import RECEIVE_KINDS, Action, Kind, Schedule
 from autopart.schedule.simulate import StageCosts, input_ready_at
 
 __all__ = ["step_time"]
@@ -34,19 +34,22 @@ _EPSILON = 1e-12
 
 def step_time(schedule: Schedule, costs: StageCosts, *, ranks: int, cores: int = 0, background: float = 0.0,
               tail_s: dict[int, float] | None = None, resume_s: tuple[float, float] = (0.0, 0.0),
-              busy_delay_s: float = 0.0, wake_s: Callable[[float], float] | None = None) -> float:
+              busy_delay_s: float = 0.0, wake_s: Callable[[float], float] | None = None,
+              events: list[tuple[int, Action, float, float]] | None = None) -> float:
     """Seconds from the first action to the end of the last rank's tail; ``background`` other
     busy processes share the ``cores`` too; when they and the ranks outnumber the cores, every
     compute action pays ``resume_s`` (forward, backward and its halves) on top of its own time;
     a rank's first work after it sat idle for ``t`` seconds, when it finds a core free (so that
-    core sat idle too), pays ``wake_s(t)`` instead if that is more."""
-    tail_s = tail_s or {}
+    core sat idle too), pays ``wake_s(t)`` instead if that is more. ``events`` gets every compute
+    action as (rank, action, start, end)."""
+    tail_s, events = tail_s or {}, [] if events is None else events
     shared = 0 < cores < ranks + background
     idle_since = dict.fromkeys(schedule, 0.0)  # when each rank last finished work
     finished: dict = {}
     cursor = {rank: 0 for rank in schedule}
     remaining: dict[int, float] = {}  # rank -> work left of what it runs now
     running: dict[int, object] = {}  # rank -> the action it runs, or None for its tail
+    began: dict[int, float] = {}  # rank -> when what it runs now started
     done: set[int] = set()
     now = 0.0
     while len(done) < len(schedule):
@@ -78,11 +81,12 @@ def step_time(schedule: Schedule, costs: StageCosts, *, ranks: int, cores: int =
                     core_idle = cores <= 0 or len(remaining) + background < cores
                     if wake_s and core_idle and now > idle_since[rank] + _EPSILON:
                         extra = max(extra, wake_s(now - idle_since[rank]))
-                    remaining[rank], running[rank] = work + extra, action
+                    remaining[rank], running[rank], began[rank] = work + extra, action, now
                 elif action is None:
                     done.add(rank)
                 elif action.is_compute:
                     finished[(action.stage, action.kind, action.microbatch)] = now
+                    events.append((rank, action, now, now))
                 started = True
         if not remaining:
             if not wakes:
@@ -105,5 +109,6 @@ def step_time(schedule: Schedule, costs: StageCosts, *, ranks: int, cores: int =
                     done.add(rank)
                 elif action.is_compute:
                     finished[(action.stage, action.kind, action.microbatch)] = now
+                    events.append((rank, action, began[rank], now))
     assert len(done) == len(schedule), "the schedule deadlocks; validate it first"
     return now

@@ -94,7 +94,7 @@ def plan_from_cuts(
     in_place = measured_in_place(options, front, micro_batch_size)
     tails = rank_tails(options, front, stages, holders, in_place)
     factor = compute_factor(options, front, stages, in_place)
-    step_s = predicted_step_s(options, front, timed, transfer, tails, microbatches, factor, in_place)
+    step_s, reduction = predicted_step_s(options, front, timed, transfer, tails, microbatches, factor, in_place)
     gradient_sync = data_parallel_seconds(stages, comm)
     return Plan(
         mesh={"pp": options.pp, "tp": options.tp, "dp": options.dp},
@@ -115,6 +115,7 @@ def plan_from_cuts(
             transfer_s=transfer,
             pipeline_s=timeline.step_s,
             rank_tail_s=tuple(tails[r] for r in range(options.pp)),
+            reduction_s=tuple(reduction.get(r, (0.0, 0.0)) for r in range(options.pp)) if options.dp > 1 else (),
             compute_factor=factor[0],
             compute_factor_from=factor[1],
             profiled_step_s=profiled_step(options, stages, microbatches, in_place),

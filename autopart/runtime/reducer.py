@@ -1,0 +1,117 @@
+"""The data-parallel gradient all-reduce, overlapped with the backward as DDP overlaps it.
+
+A parameter's gradient is final on this rank once its stage's last weight-gradient action of
+the step has run: the last B of the stage in the rank's action list, or, in a zero-bubble
+schedule, its last W (I computes input gradients only). Its replicas' gradients can be summed
+from then on, while the rank goes on with the actions after it; only what is still running
+when the action list ends adds to the step.
+
+The gradients are reduced in buckets, the same on every replica: per stage in the order their
+gradients become final, each stage's parameters from its last to its first (the backward's
+order), cut where a bucket reaches `FIRST_BUCKET_BYTES` (the first; small, so that the
+reduction starts early) or `BUCKET_BYTES`, DDP's defaults. Inside a stage's last B, a hook on
+each parameter's gradient accumulation marks it final as soon as autograd has written it, so a
+bucket of the last layers is on the wire while the first layers' gradients are computed; W
+writes its gradients by hand, and its stage's parameters are final when it returns. Buckets
+are launched strictly in their order (``async_op=True``), so that every replica issues the
+same collectives in the same order whatever order autograd runs in; `GradientReducer.wait`
+waits for them all before the optimizer step and divides by the replicas (the mean loss over
+the global batch, as each replica's loss is already the mean over its microbatches).
+
+`plan_buckets` and `final_gradient_positions` (`autopart.ir.buckets`) are the rule the step
+model counts too (`autopart.predict.reduction`): one definition of which bytes go when.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from autopart.ir.actions import Action, Kind
+from autopart.ir.buckets import BUCKET_BYTES, FIRST_BUCKET_BYTES, Bucket, final_gradient_positions, plan_buckets
+
+__all__ = ["BUCKET_BYTES", "FIRST_BUCKET_BYTES", "Bucket", "plan_buckets", "final_gradient_positions",
+           "GradientReducer"]
+
+class GradientReducer:
+    """Launches each bucket's all-reduce over ``group`` as soon as its gradients are final.
+
+    The executor calls `before` and `after` around every action of the rank's list; `wait`
+    ends the step's reduction. ``orders``: per stage, the plan's order of its parameter names
+    (forward order); parameters the plan does not name come after them, in the module's order.
+    """
+
+    def __init__(self, *, modules: dict[int, nn.Module], orders: dict[int, Sequence[str]],
+                 actions: Sequence[Action], group: dist.ProcessGroup | None, size: int) -> None:
+        self.group, self.size = group, size
+        self.final_at = {p: s for s, p in final_gradient_positions(actions).items() if s in modules}
+        missing = sorted(set(modules) - set(self.final_at.values()))
+        assert not missing, f"stages {missing} have no backward in this rank's action list"
+        self.parameters: dict[tuple[int, str], nn.Parameter] = {}
+        stages = []
+        for position in sorted(self.final_at):
+            stage = self.final_at[position]
+            held = {n: p for n, p in modules[stage].named_parameters() if p.requires_grad}
+            names = [n for n in orders.get(stage, ()) if n in held] + [n for n in held if n not in orders.get(stage, ())]
+            stages.append((stage, [(n, held[n].numel() * held[n].element_size()) for n in names]))
+            self.parameters.update({(stage, n): held[n] for n in names})
+        self.buckets = plan_buckets(stages)
+        self.bucket_of = {(b.stage, n): i for i, b in enumerate(self.buckets) for n in b.names}
+        for key, parameter in self.parameters.items():
+            parameter.register_post_accumulate_grad_hook(lambda _, key=key: self._hooked(key))
+        self.armed: int | None = None
+        self._reset()
+
+    def _reset(self) -> None:
+        self.waiting = [set(b.names) for b in self.buckets]
+        self.in_flight: list[tuple[list[torch.Tensor], torch.Tensor, dist.Work | None]] = []
+        self.launched_at: list[float] = []  # time.perf_counter of each bucket's launch, this step
+
+    def before(self, position: int, action: Action) -> None:
+        """Arm the hooks for the stage whose last B this is: its gradients are final as written."""
+        if action.kind is Kind.B and self.final_at.get(position) == action.stage:
+            self.armed = action.stage
+
+    def after(self, position: int, action: Action) -> None:
+        """After a stage's last weight-gradient action every one of its gradients is final."""
+        self.armed = None
+        stage = self.final_at.get(position)
+        if stage is not None:
+            for key in [k for k in self.parameters if k[0] == stage]:
+                self._ready(key)
+
+    def _hooked(self, key: tuple[int, str]) -> None:
+        if self.armed == key[0]:
+            self._ready(key)
+
+    def _ready(self, key: tuple[int, str]) -> None:
+        self.waiting[self.bucket_of[key]].discard(key[1])
+        while len(self.in_flight) < len(self.buckets) and not self.waiting[len(self.in_flight)]:
+            self._launch(self.buckets[len(self.in_flight)])
+
+    def _launch(self, bucket: Bucket) -> None:
+        self.launched_at.append(time.perf_counter())
+        grads = [g for g in (self.parameters[bucket.stage, n].grad for n in bucket.names) if g is not None]
+        if not grads:  # no gradient reached these parameters on any replica (the same graph everywhere)
+            self.in_flight.append(([], torch.empty(0), None))
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        self.in_flight.append((grads, flat, dist.all_reduce(flat, group=self.group, async_op=True)))
+
+    def wait(self) -> None:
+        """Wait for every bucket's all-reduce and write the mean back into the gradients."""
+        assert len(self.in_flight) == len(self.buckets), "a stage's last backward did not run"
+        for grads, flat, work in self.in_flight:
+            if work is None:
+                continue
+            work.wait()
+            flat /= self.size
+            offset = 0
+            for grad in grads:
+                grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
+                offset += grad.numel()
+        self._reset()

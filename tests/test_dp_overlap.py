@@ -1,0 +1,62 @@
+"""The data-parallel all-reduce overlapped with the backward (`autopart.runtime.reducer`): the
+same training as one process under dp 2 and pp 2 x dp 2 (1F1B and ZB-H1, tied embedding and
+head), and buckets launched while the backward still runs, in the order the rule says."""
+
+import json
+
+import pytest
+
+from autopart.ir.buckets import BUCKET_BYTES, FIRST_BUCKET_BYTES, final_gradient_positions, plan_buckets
+from autopart.schedule import Action, add_communication, build_schedule
+from tests.distributed import FREE_LINKS, REPO, assert_same_training, compile_and_train
+
+
+def test_buckets_follow_the_backward_and_never_span_stages():
+    megabyte = 1 << 20
+    # stage 3 becomes final first: its last parameter opens the first (1 MiB) bucket
+    buckets = plan_buckets([(3, [("a", megabyte // 2), ("b", megabyte // 2), ("c", megabyte)]),
+                            (1, [("d", 30 * megabyte), ("e", 10 * megabyte), ("f", 20 * megabyte)])])
+    assert [(b.stage, b.names) for b in buckets] == [(3, ("c",)), (3, ("b", "a")), (1, ("f", "e")), (1, ("d",))]
+    assert buckets[0].nbytes == FIRST_BUCKET_BYTES and buckets[2].nbytes >= BUCKET_BYTES
+
+
+@pytest.mark.parametrize("kind, chunks, final", [("1f1b", 1, {0: "0B3"}), ("zb-h1", 1, {0: "0W3"}),
+                                                  ("interleaved", 2, {0: "0B3", 2: "2B3"})])
+def test_a_stage_is_final_after_its_last_weight_gradient_action(kind, chunks, final):
+    actions = add_communication(build_schedule(kind, ranks=2, microbatches=4, chunks=chunks), ranks=2)[0]
+    positions = final_gradient_positions(actions)
+    assert {s: str(actions[p]) for s, p in positions.items()} == final
+
+
+def _bucket_launches(folder) -> list[tuple[list[float], float]]:
+    """Per rank and step: when each bucket was launched, and when the rank's last compute action ended."""
+    found = []
+    for file in sorted(folder.glob("rank_*.jsonl")):
+        for line in file.read_text().splitlines():
+            record = json.loads(line)
+            last = max(end for name, _, end, _ in record["actions"] if Action.parse(name).is_compute)
+            found.append((record["buckets"], last))
+    return found
+
+
+@pytest.mark.multiprocess
+def test_data_parallel_reduces_while_the_backward_runs(tmp_path):
+    run = compile_and_train(tmp_path, REPO / "tests" / "models" / "wide_gpt.py", pp=1, microbatches=2,
+                            schedule="1f1b", dp=2, global_batch_size=8, device=str(FREE_LINKS),
+                            train_args=("--action-times", str(tmp_path / "times")))
+    assert_same_training(run, optimizer="sgd", lr=0.1)
+    launches = _bucket_launches(tmp_path / "times")
+    assert len(launches) == 2 * run.steps
+    for launched, last_compute_end in launches:
+        assert len(launched) >= 2 and launched == sorted(launched)
+        assert launched[0] < last_compute_end, "the first bucket waits for no more than its own layers"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_pipeline_and_data_parallel_train_like_one_process(tmp_path, schedule):
+    run = compile_and_train(tmp_path, "gpt", pp=2, microbatches=4, schedule=schedule, dp=2, global_batch_size=16,
+                            device=str(FREE_LINKS), train_args=("--action-times", str(tmp_path / "times")))
+    assert run.plan.tied_parameters == {"wte.weight": (0, 1)}
+    assert_same_training(run, optimizer="sgd", lr=0.1)
+    assert all(len(launched) == 1 for launched, _ in _bucket_launches(tmp_path / "times"))  # 0.9 MB a stage
