@@ -33,7 +33,8 @@ from autopart.profile import profile_costs
 from autopart.profile_pipeline import pipeline_key, profile_pipeline
 from autopart.recompute import recompute_cost, stage_input_bytes, stage_modes, transient_microbatches
 from autopart.rewrite import separate_biases
-from autopart.schedule import RECEIVE_KINDS, SCHEDULE_KINDS, Action, StageCosts, add_communication, build_schedule, stage_rank
+from autopart.schedule import (RECEIVE_KINDS, SCHEDULE_KINDS, Action, StageCosts, action_lists, add_communication, build_schedule,
+                               keep_actions, stage_placement)
 from autopart.schedule.shared import step_time
 from autopart.solver.pipeline import PipelineProblem, evaluate, solve_cuts, stage_ranges
 from autopart.solver.sharding import REPLICATE, Placement
@@ -74,7 +75,7 @@ class CompileOptions:
     global_batch_size: int | None = None
     """Samples per training step; by default microbatches x micro-batch size, or 8."""
     schedule: str | None = None
-    """Pipeline schedule: gpipe, 1f1b, interleaved or zb-h1; 1f1b unless searched."""
+    """Pipeline schedule: gpipe, 1f1b, interleaved, zb-h1 or zbv; 1f1b unless searched."""
     chunks: int | None = None
     """Model chunks per rank (interleaved schedule); 1 unless searched."""
     device: str = "cpu"
@@ -110,6 +111,8 @@ class CompileOptions:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+        if self.schedule == "zbv" and self.chunks is None:  # its V is two chunks per rank
+            object.__setattr__(self, "chunks", 2)
         if self.world_size is None:  # nothing is searched: what is not given takes its default
             for name, default in _DEFAULTS.items():
                 if getattr(self, name) is None:
@@ -120,8 +123,10 @@ class CompileOptions:
             raise ConfigError(f"unknown schedule {self.schedule!r}; use one of {', '.join(SCHEDULE_KINDS)}")
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError(f"unknown optimizer {self.optimizer!r}; use one of {', '.join(OPTIMIZERS)}")
-        if self.chunks is not None and (self.chunks < 1 or (self.chunks > 1 and self.schedule not in (None, "interleaved"))):
+        if self.chunks is not None and (self.chunks < 1 or (self.chunks > 1 and self.schedule not in (None, "interleaved", "zbv"))):
             raise ConfigError(f"--chunks {self.chunks} needs --schedule interleaved (other schedules use 1 chunk)")
+        if self.schedule == "zbv" and self.chunks != 2:
+            raise ConfigError(f"--schedule zbv runs exactly 2 model chunks per rank in a V; drop --chunks {self.chunks}")
         for name in ("microbatches", "micro_batch_size", "global_batch_size"):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -353,7 +358,7 @@ def _problem(options: CompileOptions, front: _Front, microbatches: int) -> Pipel
         memory_limit_bytes=memory,
         overhead_bytes=device.framework_overhead_bytes
         + communicator_bytes(device.kind, pp=options.pp, tp=options.tp, dp=options.dp),
-        stage_rank=tuple(stage_rank(s, options.pp) for s in range(stages)),
+        stage_rank=stage_placement(options.schedule, ranks=options.pp, chunks=options.chunks),
     )
 
 
@@ -459,6 +464,7 @@ def _plan_from_cuts(
             micro_batch_size=micro_batch_size,
             global_batch_size=total,
             chunks=options.chunks,
+            actions=action_lists(build_schedule(options.schedule, ranks=options.pp, microbatches=microbatches, chunks=options.chunks)),
         ),
         predicted=Predicted(
             step_s=step_s + gradient_sync,
@@ -534,7 +540,7 @@ def _with_transients(options: CompileOptions, memory: tuple[int, ...], recompute
     at_once = transient_microbatches(schedule, len(recompute))
     peaks = list(memory)
     for rank in range(options.pp):
-        here = [s for s in range(len(recompute)) if stage_rank(s, options.pp) == rank]
+        here = [s for s, home in enumerate(stage_placement(options.schedule, ranks=options.pp, chunks=options.chunks)) if home == rank]
         peaks[rank] += max((recompute[s].transient_bytes // options.tp * at_once[s] for s in here), default=0)
     return tuple(peaks)
 
@@ -621,7 +627,7 @@ def _step_time(options: CompileOptions, front: _Front, stages: list[StagePlan], 
     message, and a busy machine's slow moments catch the ranks at different times, so the step
     of the median action times is shorter than the median step (by 8-10% here at 2 ranks)."""
     overheads = front.cost_model.runtime_overheads
-    fixed = [overheads.action_costs(recompute=s.recompute != "none", split=options.schedule == "zb-h1")
+    fixed = [overheads.action_costs(recompute=s.recompute != "none", split=options.schedule in ("zb-h1", "zbv"))
              for s in stages]
     # per boundary, the rank time of its messages (one per tensor) on each side; the rest is latency
     sides = [[front.cost_model.p2p_rank_time(m.nbytes, across_nodes=options.pipeline_crosses_nodes)
@@ -636,7 +642,7 @@ def _step_time(options: CompileOptions, front: _Front, stages: list[StagePlan], 
             waited = (min(in_place.recv_s, in_place.waited_s),) * len(sides)
     schedule = add_communication(
         build_schedule(options.schedule, ranks=options.pp, microbatches=microbatches,
-                       chunks=options.chunks), ranks=options.pp)
+                       chunks=options.chunks), ranks=options.pp, placement=[s.rank for s in stages])
     device = front.cost_model.device
     # the other tensor- and data-parallel ranks of the machine run the same work beside this pipeline
     cores = device.cores / (options.tp * options.dp)
@@ -656,6 +662,7 @@ def _step_time(options: CompileOptions, front: _Front, stages: list[StagePlan], 
 
     def step(costs: StageCosts, tails: dict[int, float]) -> float:
         return step_time(schedule, costs, ranks=options.pp, cores=cores, background=device.background_load,
+                         placement=[s.rank for s in stages],
                          tail_s=tails, resume_s=resume, busy_delay_s=front.cost_model.p2p_busy_delay(),
                          wake_s=None if in_place is not None else front.cost_model.wake_time)
 
@@ -744,7 +751,7 @@ def _pinned(options: CompileOptions, pinned: Plan) -> tuple[Plan, _Front]:
         front = _front(options, batch[2])
         problem = _problem(options, front, batch[1])
         cuts = _pinned_cuts(pinned, options, front)
-        plan = _plan_from_cuts(options, front, problem, cuts, batch, ("pinned", 0.0, 0.0))
+        plan = keep_actions(_plan_from_cuts(options, front, problem, cuts, batch, ("pinned", 0.0, 0.0)), pinned)
     except (ConfigError, ScheduleError) as exc:
         raise PlanError(f"{options.plan} does not fit together: {exc}") from None
     difference = first_difference(pinned, plan)

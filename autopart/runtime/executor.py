@@ -74,7 +74,11 @@ class Executor:
         schedule: Schedule,
         microbatches: int,
         device: torch.device,
+        gradient_group: Any = None,
     ):
+        """``gradient_group``: the process group the gradients travel on, apart from the
+        activations (`autopart.runtime.p2p`); None sends both on the default group."""
+        self.gradient_group = gradient_group
         self.rank = rank
         self.stages = stages
         self.last_stage = last_stage
@@ -168,13 +172,13 @@ class Executor:
             pending.extend(send_tensors(list(stage.outputs[m]), stage.next_rank))
         elif kind is Kind.RECV_B:
             metas = [_meta(t) for t in stage.outputs[m] if t.is_floating_point()]
-            stage.output_grads[m] = recv_tensors(metas, stage.next_rank, self.device)
+            stage.output_grads[m] = recv_tensors(metas, stage.next_rank, self.device, self.gradient_group)
         elif kind in (Kind.B, Kind.I):
             self._backward(stage, m, split=kind is Kind.I)
         elif kind is Kind.W:
             backward_weight(stage.held_for_weights.pop(m))
         elif kind is Kind.SEND_B:
-            pending.extend(send_tensors(stage.input_grads.pop(m), stage.prev_rank))
+            pending.extend(send_tensors(stage.input_grads.pop(m), stage.prev_rank, self.gradient_group))
         else:
             raise AssertionError(f"unknown action kind {kind}")
 

@@ -59,9 +59,8 @@ from autopart.runtime.progress import StepReporter, Throughput, check_tensorboar
 from autopart.runtime.recipe import Recipe, add_recipe_arguments, parameter_groups
 from autopart.runtime import collectives
 from autopart.runtime.mesh import Mesh, group_of
-from autopart.runtime.p2p import check_message_order
 from autopart.runtime.stage import check_checkpoint, load_stage, stage_names, weights_file_name
-from autopart.schedule import Kind, add_communication, build_schedule, stage_rank
+from autopart.schedule import Kind, Schedule, plan_actions
 
 __all__ = ["main", "parse_args"]
 
@@ -140,6 +139,10 @@ def _train(out_dir: Path, argv: list[str] | None) -> None:
     if not args.timeout > 0:
         raise ConfigError(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
     source_file = model_file(out_dir, plan)
+    schedule = plan_actions(plan)  # a bad hand edit stops every rank here, before any waits for a peer
+    if not plan.schedule.actions and rank == 0:
+        print(f"autopart: note: plan.json stores no schedule.actions (written by an earlier autopart); running "
+              f"the {plan.schedule.kind} order generated from its kind, as it ran then", file=sys.stderr)
     if args.weights is not None:  # refuse a checkpoint that lacks this rank's tensors before any peer waits
         pipeline_rank = Mesh.of(plan).coordinates(rank).pp
         for stage_plan in plan.stages:
@@ -148,13 +151,14 @@ def _train(out_dir: Path, argv: list[str] | None) -> None:
     device = compute_device()
     init_process_group(backend(device), args.timeout)
     try:
-        _loop(out_dir, plan, args, rank, device, source_file)
+        _loop(out_dir, plan, schedule, args, rank, device, source_file)
     finally:
         dist.destroy_process_group()
 
 
 def _loop(
-    out_dir: Path, plan: Plan, args: argparse.Namespace, rank: int, device: torch.device, source_file: Path
+    out_dir: Path, plan: Plan, schedule: Schedule, args: argparse.Namespace, rank: int, device: torch.device,
+    source_file: Path,
 ) -> None:
     mesh = Mesh.of(plan)
     here = mesh.coordinates(rank)
@@ -163,20 +167,15 @@ def _loop(
     data_parallel = group_of(device_mesh, "dp")
     schedule_spec = plan.schedule
     stage_count = len(plan.stages)
-    schedule = add_communication(
-        build_schedule(
-            schedule_spec.kind, ranks=mesh.pp, microbatches=schedule_spec.microbatches, chunks=schedule_spec.chunks
-        ),
-        ranks=mesh.pp,
-    )
-    check_message_order(schedule, ranks=mesh.pp)
+    # gradients travel apart from activations (autopart.runtime.p2p); every rank makes the group
+    gradient_group = dist.new_group() if mesh.pp > 1 else None
     split_backward = any(action.kind is Kind.I for action in schedule[here.pp])
     stages: dict[int, StageRuntime] = {}
     for stage_plan in plan.stages:
         if stage_plan.rank != here.pp:
             continue
         s = stage_plan.index
-        peer = lambda stage: mesh.pipeline_peers(rank, stage_rank(stage, mesh.pp))  # noqa: E731
+        peer = lambda stage: mesh.pipeline_peers(rank, plan.stages[stage].rank)  # noqa: E731
         module = load_stage(
             out_dir, s, device, tp_rank=here.tp, tp=mesh.tp, weights=args.weights, placements=stage_plan.parameter_placements
         )  # fmt: skip
@@ -200,6 +199,7 @@ def _loop(
         schedule=schedule,
         microbatches=schedule_spec.microbatches,
         device=device,
+        gradient_group=gradient_group,
     )
     modules = {s: stage.module for s, stage in stages.items()}
     parameters = [p for module in modules.values() for p in module.parameters()]
