@@ -41,6 +41,7 @@ from autopart.annotate import DTYPES
 from autopart.capture import Graph, ModelSpec, is_meta, load_model_file
 from autopart.errors import ConfigError, InfeasibleError
 from autopart.plan import Plan
+from autopart.schedule import SCHEDULE_KINDS
 from autopart.runtime.materialise import check_initialisers
 from autopart.shallow import KEPT_LAYERS, repeated_layers, shallow_module
 from autopart.search import Cluster, Layout, Scored, SearchResult, SearchSpace, fits, score_layout, search
@@ -171,7 +172,7 @@ def search_space(options: CompileOptions) -> SearchSpace:
         dp=pin(options.dp),
         micro_batch_size=pin(options.micro_batch_size),
         microbatches=pin(options.microbatches),
-        schedule=pin(options.schedule) or ("gpipe", "1f1b", "interleaved", "zb-h1"),
+        schedule=pin(options.schedule) or SCHEDULE_KINDS,
         chunks=pin(options.chunks),
         zero=pin(options.zero) or (False, True),
         dtype=DTYPES if options.dtype == "auto" else (options.dtype or "fp32",),
