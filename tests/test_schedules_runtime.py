@@ -145,3 +145,17 @@ def test_explain_errors_are_one_line_exit_2(tmp_path_factory, tmp_path, capsys, 
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("autopart: error: ")
     assert re.search(message, err[0]), err[0]
+
+
+def test_explain_and_the_timeline_show_the_v(tmp_path_factory):
+    run = trained(tmp_path_factory, "gpt", 2, "zbv")
+    result = run_cli("explain", str(run.out), "--trace", str(run.trace), timeout=120)
+    assert result.returncode == 0, result.stderr
+    rows = [[c.strip() for c in re.split("[│|]", line)[1:-1]] for line in result.stdout.splitlines()]
+    ranks = {int(row[0]): int(row[1]) for row in rows if len(row) >= 2 and row[0].isdigit() and row[1].isdigit()}
+    assert ranks == {0: 0, 1: 1, 2: 1, 3: 0}  # the V: the loss's stage back on rank 0
+    assert "zbv" in result.stdout
+    document = json.loads((run.out / "trace.json").read_text())
+    names = {e["name"] for e in document["traceEvents"] if e["ph"] == "X"}
+    assert {"3W0", "0I0", "2F0"} <= names  # both chunks of each rank, their backwards split
+    assert (run.out / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
