@@ -4,7 +4,7 @@ sends them must be refused before it runs."""
 
 import pytest
 
-from autopart.errors import ScheduleError
+from autopart.ir.errors import ScheduleError
 from autopart.schedule import Action, add_communication, build_schedule, check_message_order, stage_placement
 
 

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from autopart import cli
-from autopart.errors import ScheduleError
-from autopart.plan import load_plan
-from autopart.predict import plan_schedule
+from autopart.tools import cli
+from autopart.ir.errors import ScheduleError
+from autopart.ir.plan import load_plan
+from autopart.predict.timeline import plan_schedule
 from autopart.runtime import train
 from autopart.schedule import action_lists, add_communication, build_schedule, read_chrome_trace, read_schedule_csv
 from tests.distributed import REPO, Trained, assert_same_training, read_metrics, run_ranks, stage_weights
@@ -86,7 +86,7 @@ def test_a_plan_without_lists_runs_its_kind(compiled):
     # Plans written before the lists were stored ran their kind's order: they keep running it.
     data = json.loads((compiled / "plan.json").read_text())
     del data["schedule"]["actions"]
-    from autopart.plan import Plan
+    from autopart.ir.plan import Plan
 
     old = Plan.from_json(data)
     assert old.schedule.actions == ()

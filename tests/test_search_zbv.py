@@ -5,9 +5,9 @@ import random
 
 import pytest
 
-from autopart.predict import simulate_pipeline
-from autopart.search import SearchSpace
-from autopart.solver.vshape import zbv_fits, zbv_pipeline_s
+from autopart.predict.timeline import simulate_pipeline
+from autopart.solve.search import SearchSpace
+from autopart.solve.vshape import zbv_fits, zbv_pipeline_s
 
 
 def test_zbv_is_a_candidate_where_its_v_fits():

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from autopart.annotate import TensorMeta
+from autopart.ir.tensors import TensorMeta
 
 __all__ = ["send_tensors", "recv_tensors"]
 

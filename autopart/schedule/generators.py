@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autopart.errors import ConfigError
-from autopart.schedule.actions import Action, Kind, Schedule, stage_rank, v_stage_rank
+from autopart.ir.errors import ConfigError
+from autopart.ir.actions import Action, Kind, Schedule, stage_rank, v_stage_rank
 from autopart.schedule.vshape import check_zbv, zbv_schedule
 
 __all__ = ["SCHEDULE_KINDS", "build_schedule", "stage_placement"]

@@ -13,10 +13,10 @@ memory.
 
 from __future__ import annotations
 
-from autopart.errors import ScheduleError
+from autopart.ir.errors import ScheduleError
 from collections.abc import Sequence
 
-from autopart.schedule.actions import Action, Kind, Schedule, rank_of
+from autopart.ir.actions import Action, Kind, Schedule, rank_of
 
 __all__ = ["add_communication"]
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from autopart.errors import ScheduleError
-from autopart.schedule.actions import Action, Schedule
+from autopart.ir.errors import ScheduleError
+from autopart.ir.actions import Action, Schedule
 from autopart.schedule.generators import build_schedule
 from autopart.schedule.lowering import add_communication
 from autopart.schedule.validate import validate

@@ -13,10 +13,10 @@ ranks with blocking receives and asynchronous sends that finds any deadlock.
 
 from __future__ import annotations
 
-from autopart.errors import ScheduleError
+from autopart.ir.errors import ScheduleError
 from collections.abc import Sequence
 
-from autopart.schedule.actions import RECEIVE_KINDS, Action, Kind, Schedule, rank_of
+from autopart.ir.actions import RECEIVE_KINDS, Action, Kind, Schedule, rank_of
 
 __all__ = ["validate", "format_grid", "check_message_order"]
 

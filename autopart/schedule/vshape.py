@@ -15,8 +15,8 @@ without the idle slots torch pads with (a rank's receives wait for its inputs an
 
 from __future__ import annotations
 
-from autopart.errors import ConfigError
-from autopart.schedule.actions import Action, Kind, Schedule
+from autopart.ir.errors import ConfigError
+from autopart.ir.actions import Action, Kind, Schedule
 
 __all__ = ["zbv_schedule", "check_zbv"]
 

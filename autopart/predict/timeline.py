@@ -1,0 +1,55 @@
+"""Predicted figures of a plan, from the same schedule lists that the runtime executes."""
+
+from __future__ import annotations
+
+from autopart.ir.plan import Plan
+from autopart.schedule import (
+    Schedule,
+    StageCosts,
+    Timeline,
+    add_communication,
+    build_schedule,
+    plan_actions,
+    simulate,
+    stage_placement,
+    validate,
+)
+
+__all__ = ["simulate_pipeline", "plan_schedule", "plan_timeline"]
+
+
+def simulate_pipeline(
+    *,
+    kind: str,
+    ranks: int,
+    microbatches: int,
+    chunks: int,
+    forward_s: tuple[float, ...],
+    backward_s: tuple[float, ...],
+    weight_s: tuple[float, ...],
+    transfer_s: tuple[float, ...],
+) -> Timeline:
+    placement = stage_placement(kind, ranks=ranks, chunks=chunks)
+    compute = build_schedule(kind, ranks=ranks, microbatches=microbatches, chunks=chunks)
+    schedule = add_communication(compute, ranks=ranks, placement=placement)
+    validate(schedule, ranks=ranks, stages=len(forward_s), microbatches=microbatches, placement=placement)
+    costs = StageCosts(forward_s=forward_s, backward_s=backward_s, weight_s=weight_s, transfer_s=transfer_s)
+    return simulate(schedule, costs, ranks=ranks, placement=placement)
+
+
+def plan_schedule(plan: Plan, *, lowered: bool = True) -> Schedule:
+    """The plan's stored action lists, validated (`autopart.schedule.plan_actions`)."""
+    return plan_actions(plan, lowered=lowered)
+
+
+def plan_timeline(plan: Plan) -> Timeline:
+    """The plan's own action lists (hand-edited ones included) run against its stage times."""
+    stages = plan.stages
+    costs = StageCosts(
+        forward_s=tuple(s.forward_s for s in stages),
+        backward_s=tuple(s.backward_s for s in stages),
+        weight_s=tuple(s.backward_weight_s for s in stages),
+        transfer_s=plan.predicted.transfer_s,
+    )
+    placement = tuple(s.rank for s in stages)
+    return simulate(plan_schedule(plan), costs, ranks=plan.mesh["pp"], placement=placement)
