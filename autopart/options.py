@@ -47,7 +47,7 @@ class CompileOptions:
     global_batch_size: int | None = None
     """Samples per training step; by default microbatches x micro-batch size, or 8."""
     schedule: str | None = None
-    """Pipeline schedule: gpipe, 1f1b, interleaved or zb-h1; 1f1b unless searched."""
+    """Pipeline schedule: gpipe, 1f1b, interleaved, zb-h1 or zbv; 1f1b unless searched."""
     chunks: int | None = None
     """Model chunks per rank (interleaved schedule); 1 unless searched."""
     device: str = "cpu"
@@ -83,6 +83,8 @@ class CompileOptions:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+        if self.schedule == "zbv" and self.chunks is None:  # its V is two chunks per rank
+            object.__setattr__(self, "chunks", 2)
         if self.world_size is None:  # nothing is searched: what is not given takes its default
             for name, default in _DEFAULTS.items():
                 if getattr(self, name) is None:
@@ -100,8 +102,10 @@ class CompileOptions:
             raise ConfigError(f"unknown schedule {self.schedule!r}; use one of {', '.join(SCHEDULE_KINDS)}")
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError(f"unknown optimizer {self.optimizer!r}; use one of {', '.join(OPTIMIZERS)}")
-        if self.chunks is not None and (self.chunks < 1 or (self.chunks > 1 and self.schedule not in (None, "interleaved"))):
+        if self.chunks is not None and (self.chunks < 1 or (self.chunks > 1 and self.schedule not in (None, "interleaved", "zbv"))):
             raise ConfigError(f"--chunks {self.chunks} needs --schedule interleaved (other schedules use 1 chunk)")
+        if self.schedule == "zbv" and self.chunks != 2:
+            raise ConfigError(f"--schedule zbv runs exactly 2 model chunks per rank in a V; drop --chunks {self.chunks}")
         for name in ("microbatches", "micro_batch_size", "global_batch_size"):
             value = getattr(self, name)
             if value is not None and value < 1:

@@ -36,7 +36,7 @@ def _example_losses(out, nproc: int) -> list[float]:
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
     "schedule, chunks, dp, tp",
-    [("1f1b", 1, 1, 1), ("interleaved", 2, 1, 1), ("zb-h1", 1, 1, 1), ("1f1b", 1, 2, 1), ("1f1b", 1, 1, 2)],
+    [("1f1b", 1, 1, 1), ("interleaved", 2, 1, 1), ("zb-h1", 1, 1, 1), ("zbv", 2, 1, 1), ("1f1b", 1, 2, 1), ("1f1b", 1, 1, 2)],
 )
 def test_the_example_loop_trains_as_train_py(tmp_path, schedule, chunks, dp, tp):
     out = tmp_path / "out"

@@ -11,6 +11,7 @@ from autopart.schedule import (
     Kind,
     add_communication,
     build_schedule,
+    stage_placement,
     stage_rank,
 )
 
@@ -80,16 +81,17 @@ def test_generated_order_matches_golden(
 @pytest.mark.parametrize("kind", SCHEDULE_KINDS)
 @pytest.mark.parametrize("ranks", [1, 3, 4])
 def test_every_rank_runs_its_own_stages_once(kind: str, ranks: int) -> None:
-    chunks = 3 if kind == "interleaved" else 1
+    chunks = {"interleaved": 3, "zbv": 2}.get(kind, 1)
     microbatches = 2 * ranks
     schedule = build_schedule(kind, ranks=ranks, microbatches=microbatches, chunks=chunks)
     assert sorted(schedule) == list(range(ranks))
-    backward = {Kind.I, Kind.W} if kind == "zb-h1" else {Kind.B}
+    backward = {Kind.I, Kind.W} if kind in ("zb-h1", "zbv") else {Kind.B}
+    placement = stage_placement(kind, ranks=ranks, chunks=chunks)
     for rank, actions in schedule.items():
         assert all(a.is_compute for a in actions)
-        assert all(stage_rank(a.stage, ranks) == rank for a in actions)
+        assert all(placement[a.stage] == rank for a in actions)
         counts = Counter((a.stage, a.kind) for a in actions)
-        stages = range(rank, ranks * chunks, ranks)
+        stages = [s for s, home in enumerate(placement) if home == rank]
         expected = {(s, k): microbatches for s in stages for k in {Kind.F} | backward}
         assert counts == expected
 
@@ -110,6 +112,8 @@ def test_every_rank_runs_its_own_stages_once(kind: str, ranks: int) -> None:
         ),
         ("interleaved", 4, 8, 1, r"at least 2 model chunks per rank \(got 1\); use --chunks 2"),
         ("gpipe", 2, 4, 2, r"gpipe runs one model chunk per rank \(got 2\); use --chunks 1"),
+        ("zbv", 2, 4, 3, r"zbv runs exactly 2 model chunks per rank in a V \(got 3\); use --chunks 2"),
+        ("zbv", 4, 6, 2, r"zbv needs at least 2 x pp - 1 = 7 microbatches .* use --microbatches 8"),
         ("zb-h1", 2, 4, 3, r"zb-h1 runs one model chunk per rank \(got 3\)"),
     ],
 )
@@ -172,3 +176,15 @@ def test_lowering_rejects_lowered_or_misplaced_input() -> None:
         add_communication(_parse({0: "0F0 0SEND_F0"}), ranks=2)
     with pytest.raises(ScheduleError, match="belongs on rank 1"):
         add_communication(_parse({0: "0F0 1F0"}), ranks=2)
+
+
+def test_zbv_places_its_stages_in_a_v() -> None:
+    # Down the ranks and back up: the first stage and the loss on rank 0, the turn on the last rank.
+    assert stage_placement("zbv", ranks=4, chunks=2) == (0, 1, 2, 3, 3, 2, 1, 0)
+    assert stage_placement("interleaved", ranks=4, chunks=2) == (0, 1, 2, 3, 0, 1, 2, 3)
+    lowered = add_communication(build_schedule("zbv", ranks=2, microbatches=4, chunks=2), ranks=2,
+                                placement=stage_placement("zbv", ranks=2, chunks=2))
+    # stages 1 and 2 share rank 1: the turn hands its tensors over in memory, without a message
+    assert not any(a.kind in (Kind.SEND_F, Kind.RECV_F) and a.stage in (1, 2) and a.peer_stage in (1, 2)
+                   for actions in lowered.values() for a in actions)
+    assert Action.parse("0SEND_F0") in lowered[0] and Action.parse("3SEND_B0") in lowered[0]

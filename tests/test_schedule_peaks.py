@@ -17,6 +17,8 @@ def simulated(kind: str, ranks: int, microbatches: int, chunks: int) -> tuple[in
 
 CASES = [
     (kind, p, m, 1) for kind in ("gpipe", "1f1b", "zb-h1") for p in (1, 3, 5) for m in sorted({1, p, 2 * p + 1})
+] + [
+    ("zbv", p, m, 2) for p in (1, 2, 3, 5) for m in sorted({2 * p - 1, 2 * p, 3 * p + 1})
 ] + [("interleaved", p, m, v) for p in (2, 3, 4) for v in (2, 3) for m in (p, 3 * p)] + [("interleaved", 4, 8, 4)]
 
 

@@ -17,7 +17,7 @@ from autopart.schedule import (  # noqa: E402
     Kind,
     add_communication,
     build_schedule,
-    stage_rank,
+    stage_placement,
     write_schedule_csv,
 )
 
@@ -59,7 +59,7 @@ def _torch_loader(ranks: int, stages: int, microbatches: int) -> types.SimpleNam
 @pytest.mark.parametrize("kind", SCHEDULE_KINDS)
 def test_torch_loads_our_csv(kind: str, tmp_path: Path) -> None:
     ranks, microbatches = 3, 6
-    chunks = 2 if kind == "interleaved" else 1
+    chunks = 2 if kind in ("interleaved", "zbv") else 1
     schedule = build_schedule(kind, ranks=ranks, microbatches=microbatches, chunks=chunks)
     path = tmp_path / "schedule.csv"
     write_schedule_csv(schedule, path)
@@ -68,9 +68,8 @@ def test_torch_loads_our_csv(kind: str, tmp_path: Path) -> None:
     assert {r: [str(a) for a in acts] for r, acts in loader.pipeline_order.items()} == {
         r: [str(a) for a in acts] for r, acts in schedule.items()
     }
-    assert loader.stage_index_to_group_rank == {
-        s: stage_rank(s, ranks) for s in range(ranks * chunks)
-    }
+    placement = stage_placement(kind, ranks=ranks, chunks=chunks)
+    assert loader.stage_index_to_group_rank == dict(enumerate(placement))
 
 
 def _torch_order(cls, *, ranks: int, microbatches: int, chunks: int) -> dict[int, list[str]]:
@@ -109,17 +108,30 @@ def test_zb_h1_is_torch_zero_bubble_with_one_chunk(ranks: int, microbatches: int
     assert {r: [str(a) for a in acts] for r, acts in ours.items()} == theirs
 
 
+@pytest.mark.parametrize(("ranks", "microbatches"), [(1, 1), (2, 3), (2, 4), (3, 7), (4, 8), (4, 12)])
+def test_zbv_is_torch_zbv_zero_bubble(ranks: int, microbatches: int) -> None:
+    ours = build_schedule("zbv", ranks=ranks, microbatches=microbatches, chunks=2)
+    generator = types.SimpleNamespace(pp_group_size=ranks, _n_microbatches=microbatches, num_stages=2 * ranks)
+    theirs = {
+        rank: [str(a) for a in schedules.ScheduleZBVZeroBubble._calculate_single_rank_operations(generator, rank)
+               if a is not None]
+        for rank in range(ranks)
+    }
+    assert {r: [str(a) for a in acts] for r, acts in ours.items()} == theirs
+
+
 @pytest.mark.parametrize("kind", SCHEDULE_KINDS)
 def test_torch_simulator_runs_our_lowered_schedules(kind: str) -> None:
     ranks, microbatches = 4, 8
-    chunks = 2 if kind == "interleaved" else 1
+    chunks = 2 if kind in ("interleaved", "zbv") else 1
+    placement = stage_placement(kind, ranks=ranks, chunks=chunks)
     lowered = add_communication(
-        build_schedule(kind, ranks=ranks, microbatches=microbatches, chunks=chunks), ranks=ranks
+        build_schedule(kind, ranks=ranks, microbatches=microbatches, chunks=chunks), ranks=ranks, placement=placement
     )
     theirs = {r: [schedules._Action.from_str(str(a)) for a in acts] for r, acts in lowered.items()}
     # Raises when some rank cannot progress (a receive whose send never comes first).
     simulated = schedules._simulate_comms_compute(
-        theirs, lambda s: stage_rank(s, ranks), ranks * chunks
+        theirs, lambda s: placement[s], ranks * chunks
     )
     assert sum(a is not None for acts in simulated.values() for a in acts) == sum(
         map(len, lowered.values())

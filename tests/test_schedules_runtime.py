@@ -1,4 +1,4 @@
-"""The runtime runs interleaved 1F1B and ZB-H1 as it runs GPipe and 1F1B: the same losses and
+"""The runtime runs interleaved 1F1B, ZB-H1 and ZB-V as it runs GPipe and 1F1B: the same losses and
 final parameters as one process (test_pipeline_equivalence.py covers gpipe and 1f1b), and a
 measured step (``train.py --trace``) that runs every rank's actions in the simulated order.
 
@@ -24,8 +24,9 @@ CASES = [
     (example, pp, schedule)
     for example in ("gpt", "llama")
     for pp in (2, 4)
-    for schedule in ("interleaved", "zb-h1")
+    for schedule in ("interleaved", "zb-h1", "zbv")
 ]
+_CHUNKS = {"interleaved": 2, "zbv": 2}
 _RUNS: dict[tuple[str, int, str], Trained] = {}
 
 
@@ -35,7 +36,7 @@ def trained(tmp_path_factory, example: str, pp: int, schedule: str) -> Trained:
     if key not in _RUNS:
         _RUNS[key] = compile_and_train(
             tmp_path_factory.mktemp(f"{example}-{pp}-{schedule}"), example, pp=pp, microbatches=2 * pp,
-            schedule=schedule, chunks=2 if schedule == "interleaved" else 1, steps=2, micro_batch_size=1, trace=True,
+            schedule=schedule, chunks=_CHUNKS.get(schedule, 1), steps=2, micro_batch_size=1, trace=True,
         )  # fmt: skip
     return _RUNS[key]
 
@@ -48,8 +49,11 @@ def _ids(case):
 def test_schedule_trains_like_one_process(tmp_path_factory, case):
     example, pp, schedule = case
     run = trained(tmp_path_factory, *case)
-    chunks = 2 if schedule == "interleaved" else 1
-    assert [s.rank for s in run.plan.stages] == [s % pp for s in range(pp * chunks)]
+    chunks = _CHUNKS.get(schedule, 1)
+    if schedule == "zbv":  # down the ranks and back up: the loss is on rank 0 with the first stage
+        assert [s.rank for s in run.plan.stages] == [*range(pp), *reversed(range(pp))]
+    else:
+        assert [s.rank for s in run.plan.stages] == [s % pp for s in range(pp * chunks)]
     if example == "gpt":  # the tied embedding sits on the first and the last stage, on two ranks
         assert run.plan.tied_parameters == {"wte.weight": (0, pp * chunks - 1)}
     assert_same_training(run, optimizer="sgd", lr=0.1)
@@ -63,7 +67,7 @@ def test_measured_step_runs_in_the_simulated_order(tmp_path_factory, case):
     measured_order = {r: [str(e.action) for e in events] for r, events in measured.per_rank().items()}
     simulated_order = {r: [str(e.action) for e in events] for r, events in simulated.per_rank().items()}
     assert measured_order == simulated_order
-    if case[2] == "zb-h1":
+    if case[2] in ("zb-h1", "zbv"):
         assert any(e.action.kind is Kind.W for e in measured.events)
     for events in measured.per_rank().values():  # one action at a time on a rank, all of positive length
         assert all(e.end > e.start for e in events)
@@ -141,3 +145,17 @@ def test_explain_errors_are_one_line_exit_2(tmp_path_factory, tmp_path, capsys, 
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("autopart: error: ")
     assert re.search(message, err[0]), err[0]
+
+
+def test_explain_and_the_timeline_show_the_v(tmp_path_factory):
+    run = trained(tmp_path_factory, "gpt", 2, "zbv")
+    result = run_cli("explain", str(run.out), "--trace", str(run.trace), timeout=120)
+    assert result.returncode == 0, result.stderr
+    rows = [[c.strip() for c in re.split("[│|]", line)[1:-1]] for line in result.stdout.splitlines()]
+    ranks = {int(row[0]): int(row[1]) for row in rows if len(row) >= 2 and row[0].isdigit() and row[1].isdigit()}
+    assert ranks == {0: 0, 1: 1, 2: 1, 3: 0}  # the V: the loss's stage back on rank 0
+    assert "zbv" in result.stdout
+    document = json.loads((run.out / "trace.json").read_text())
+    names = {e["name"] for e in document["traceEvents"] if e["ph"] == "X"}
+    assert {"3W0", "0I0", "2F0"} <= names  # both chunks of each rank, their backwards split
+    assert (run.out / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

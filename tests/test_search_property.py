@@ -15,7 +15,7 @@ from autopart.ir.errors import ConfigError
 from autopart.solve.planner import plan_by_search
 from autopart.predict.timeline import simulate_pipeline
 from autopart.passes.recompute import transient_microbatches
-from autopart.schedule import add_communication, build_schedule, stage_rank, validate
+from autopart.schedule import add_communication, build_schedule, stage_placement, validate
 from autopart.solve.search import SearchSpace, score_layout, search
 from autopart.solve.bottleneck import stage_figures
 from cost_models import get_cost_model
@@ -73,6 +73,7 @@ def test_every_plan_the_search_returns_is_valid(seed, layers, world_size, gpus_p
         schedule = build_schedule(layout.schedule, ranks=layout.pp, microbatches=layout.microbatches,
                                   chunks=layout.chunks)
         transient = transient_microbatches(schedule, layout.stages)
+        placement = stage_placement(layout.schedule, ranks=layout.pp, chunks=layout.chunks)
         transfer = tuple(devices.p2p_s(b, layout.pp * layout.tp > gpus_per_node) for b in costs.boundary_bytes)
         memory_per_rank = [devices.overhead_bytes] * layout.pp
         for s, (a, b) in enumerate(zip(firsts, lasts)):
@@ -80,13 +81,13 @@ def test_every_plan_the_search_returns_is_valid(seed, layers, world_size, gpus_p
                                     transfer_in_s=transfer[a - 1] if s else 0.0,
                                     transfer_out_s=transfer[b] if s < layout.stages - 1 else 0.0,
                                     transient=transient[s])
-            memory_per_rank[stage_rank(s, layout.pp)] += figures.memory_bytes
+            memory_per_rank[placement[s]] += figures.memory_bytes
             assert figures.time_s == pytest.approx(cut.stage_time_s[s])
         assert tuple(memory_per_rank) == cut.rank_memory_bytes
         assert max(memory_per_rank) <= devices.memory_bytes
         # the schedule's action lists validate
-        validate(add_communication(schedule, ranks=layout.pp), ranks=layout.pp, stages=layout.stages,
-                 microbatches=layout.microbatches)
+        validate(add_communication(schedule, ranks=layout.pp, placement=placement), ranks=layout.pp,
+                 stages=layout.stages, microbatches=layout.microbatches, placement=placement)
         # its step is what the same choices get when given (the baselines' way in)
         again = score_layout(layout, table, devices, space, cuts=cut.cuts,
                              recompute=tuple((m,) for m in cut.recompute))
@@ -110,9 +111,10 @@ def test_a_searched_compile_emits_a_valid_plan(world_size: int, global_batch_siz
     compute_nodes = [n for block in searched.front.chain.blocks for n in block.nodes]
     in_stages = [n for stage in plan.stages for n in stage.nodes]
     assert sorted(in_stages) == sorted(compute_nodes) and len(set(in_stages)) == len(in_stages)
-    assert [stage.rank for stage in plan.stages] == [stage_rank(s, mesh["pp"]) for s in range(len(plan.stages))]
+    placement = stage_placement(plan.schedule.kind, ranks=mesh["pp"], chunks=plan.schedule.chunks)
+    assert tuple(stage.rank for stage in plan.stages) == placement
     assert max(plan.predicted.memory_bytes) <= get_cost_model("h100-sxm").device.memory_bytes
     schedule = build_schedule(plan.schedule.kind, ranks=mesh["pp"], microbatches=plan.schedule.microbatches,
                               chunks=plan.schedule.chunks)
-    validate(add_communication(schedule, ranks=mesh["pp"]), ranks=mesh["pp"], stages=len(plan.stages),
-             microbatches=plan.schedule.microbatches)
+    validate(add_communication(schedule, ranks=mesh["pp"], placement=placement), ranks=mesh["pp"],
+             stages=len(plan.stages), microbatches=plan.schedule.microbatches, placement=placement)

@@ -11,11 +11,15 @@ from __future__ import annotations
 
 import enum
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from autopart.ir.errors import ScheduleError
 
-__all__ = ["Kind", "Action", "Schedule", "stage_rank", "COMPUTE_KINDS", "COMM_KINDS", "RECEIVE_KINDS"]
+__all__ = [
+    "Kind", "Action", "Schedule", "stage_rank", "v_stage_rank", "rank_of", "COMPUTE_KINDS", "COMM_KINDS",
+    "RECEIVE_KINDS",
+]
 
 
 class Kind(enum.Enum):
@@ -137,3 +141,26 @@ def stage_rank(stage: int, ranks: int) -> int:
     if stage < 0:
         raise ScheduleError(f"stages count from 0, got stage={stage}")
     return stage % ranks
+
+
+def v_stage_rank(stage: int, ranks: int) -> int:
+    """The rank that holds ``stage`` of a V-shape schedule (ZB-V): two chunks per rank, rank r
+    holding stages r and 2·ranks−1−r. The model goes down the ranks and comes back up, so the
+    first stage and the last (the loss) sit on rank 0, and the turn at rank ranks−1 hands its
+    tensors over in memory (torch's ``generate_stage_to_rank_mapping(style="v")``)."""
+    if ranks < 1:
+        raise ScheduleError(f"a pipeline needs at least one rank, got ranks={ranks}")
+    if not 0 <= stage < 2 * ranks:
+        raise ScheduleError(f"a V over {ranks} ranks has stages 0 to {2 * ranks - 1}, got stage={stage}")
+    return stage if stage < ranks else 2 * ranks - 1 - stage
+
+
+def rank_of(stage: int, ranks: int, placement: Sequence[int] | None = None) -> int:
+    """The rank of ``stage``: ``placement[stage]`` where the schedule places its stages itself
+    (`v_stage_rank` for zbv; a plan's stage ranks), the loop of `stage_rank` without one."""
+    if placement is None:
+        return stage_rank(stage, ranks)
+    if not 0 <= stage < len(placement):
+        raise ScheduleError(f"stage {stage} is not placed: the placement has stages 0 to {len(placement) - 1}")
+    return placement[stage]
+

@@ -46,11 +46,16 @@ class StagePlan:
 
 @dataclass(frozen=True, kw_only=True)
 class ScheduleSpec:
-    kind: str  # gpipe | 1f1b | interleaved | zb-h1
+    kind: str  # gpipe | 1f1b | interleaved | zb-h1 | zbv
     microbatches: int
     micro_batch_size: int
     global_batch_size: int
     chunks: int = 1
+    actions: tuple[tuple[str, ...], ...] = ()
+    """Per pipeline rank, its compute actions in the order it runs them, in torch's action strings
+    ("0F0", "1I3", "1W3"): what the runtime executes, validated when a plan is loaded to run
+    (`autopart.schedule.stored`); the sends and receives are added from them. Empty in a plan
+    written before the lists were stored: the runtime then runs the kind's generated order."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -157,13 +162,7 @@ class Plan:
             version=version,
             mesh={k: mesh.int(k) for k in ("pp", "tp", "dp")},
             stages=stages,
-            schedule=ScheduleSpec(
-                kind=schedule.str("kind"),
-                microbatches=schedule.int("microbatches"),
-                micro_batch_size=schedule.int("micro_batch_size"),
-                global_batch_size=schedule.int("global_batch_size"),
-                chunks=schedule.int("chunks"),
-            ),
+            schedule=_read_schedule(schedule),
             predicted=Predicted(
                 step_s=predicted.float("step_s"),
                 bubble=predicted.float("bubble"),
@@ -224,6 +223,29 @@ def _read_stage(data: Any, index: int) -> StagePlan:
         parameter_placements={str(k): str(v) for k, v in reader.sub("parameter_placements").data.items()},
         recompute=reader.choice("recompute", RECOMPUTE_MODES, default="none"),
     )
+
+
+def _read_schedule(schedule: _Reader) -> ScheduleSpec:
+    return ScheduleSpec(
+        kind=schedule.str("kind"),
+        microbatches=schedule.int("microbatches"),
+        micro_batch_size=schedule.int("micro_batch_size"),
+        global_batch_size=schedule.int("global_batch_size"),
+        chunks=schedule.int("chunks"),
+        actions=_read_actions(schedule),
+    )
+
+
+def _read_actions(schedule: _Reader) -> tuple[tuple[str, ...], ...]:
+    """The per-rank action strings as written; what they mean is checked where they are run."""
+    if "actions" not in schedule.data:
+        return ()
+    lists = schedule.list("actions")
+    for rank, actions in enumerate(lists):
+        if not (isinstance(actions, list) and all(isinstance(a, str) for a in actions)):
+            raise PlanError(f"plan.schedule.actions[{rank}] must be a list of action strings such as \"0F1\", "
+                            f"got {json.dumps(actions)[:60]}")
+    return tuple(tuple(actions) for actions in lists)
 
 
 def _read_tensor(data: Any) -> tuple[str, TensorMeta]:

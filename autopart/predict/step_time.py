@@ -115,7 +115,7 @@ def predicted_step_s(options: CompileOptions, front: Front, stages: list[StagePl
     message, and a busy machine's slow moments catch the ranks at different times, so the step
     of the median action times is shorter than the median step."""
     overheads = front.cost_model.runtime_overheads
-    fixed = [overheads.action_costs(recompute=s.recompute != "none", split=options.schedule == "zb-h1")
+    fixed = [overheads.action_costs(recompute=s.recompute != "none", split=options.schedule in ("zb-h1", "zbv"))
              for s in stages]
     # per boundary, the rank time of its messages (one per tensor) on each side; the rest is latency
     sides = [[front.cost_model.p2p_rank_time(m.nbytes // parts(m.numel, options.tp),
@@ -131,7 +131,7 @@ def predicted_step_s(options: CompileOptions, front: Front, stages: list[StagePl
             waited = (min(in_place.recv_s, in_place.waited_s),) * len(sides)
     schedule = add_communication(
         build_schedule(options.schedule, ranks=options.pp, microbatches=microbatches,
-                       chunks=options.chunks), ranks=options.pp)
+                       chunks=options.chunks), ranks=options.pp, placement=[s.rank for s in stages])
     device = front.cost_model.device
     # the other tensor- and data-parallel ranks of the machine run the same work beside this pipeline
     cores = device.cores / (options.tp * options.dp)
@@ -157,6 +157,7 @@ def predicted_step_s(options: CompileOptions, front: Front, stages: list[StagePl
     def step(costs: StageCosts, tails: dict[int, float]) -> tuple[float, dict[int, tuple[float, float]]]:
         return overlapped_step_time(schedule, costs, reductions, ranks=options.pp, cores=cores,
                                     background=device.background_load, tail_s=tails, resume_s=resume,
+                                    placement=[s.rank for s in stages],
                                     busy_delay_s=front.cost_model.p2p_busy_delay(),
                                     wake_s=None if in_place is not None else front.cost_model.wake_time)
 

@@ -3,7 +3,17 @@
 from __future__ import annotations
 
 from autopart.ir.plan import Plan
-from autopart.schedule import Schedule, StageCosts, Timeline, add_communication, build_schedule, simulate, validate
+from autopart.schedule import (
+    Schedule,
+    StageCosts,
+    Timeline,
+    add_communication,
+    build_schedule,
+    plan_actions,
+    simulate,
+    stage_placement,
+    validate,
+)
 
 __all__ = ["simulate_pipeline", "plan_schedule", "plan_timeline"]
 
@@ -19,27 +29,27 @@ def simulate_pipeline(
     weight_s: tuple[float, ...],
     transfer_s: tuple[float, ...],
 ) -> Timeline:
-    schedule = add_communication(build_schedule(kind, ranks=ranks, microbatches=microbatches, chunks=chunks), ranks=ranks)
-    validate(schedule, ranks=ranks, stages=len(forward_s), microbatches=microbatches)
+    placement = stage_placement(kind, ranks=ranks, chunks=chunks)
+    compute = build_schedule(kind, ranks=ranks, microbatches=microbatches, chunks=chunks)
+    schedule = add_communication(compute, ranks=ranks, placement=placement)
+    validate(schedule, ranks=ranks, stages=len(forward_s), microbatches=microbatches, placement=placement)
     costs = StageCosts(forward_s=forward_s, backward_s=backward_s, weight_s=weight_s, transfer_s=transfer_s)
-    return simulate(schedule, costs, ranks=ranks)
+    return simulate(schedule, costs, ranks=ranks, placement=placement)
 
 
 def plan_schedule(plan: Plan, *, lowered: bool = True) -> Schedule:
-    spec = plan.schedule
-    schedule = build_schedule(spec.kind, ranks=plan.mesh["pp"], microbatches=spec.microbatches, chunks=spec.chunks)
-    return add_communication(schedule, ranks=plan.mesh["pp"]) if lowered else schedule
+    """The plan's stored action lists, validated (`autopart.schedule.plan_actions`)."""
+    return plan_actions(plan, lowered=lowered)
 
 
 def plan_timeline(plan: Plan) -> Timeline:
+    """The plan's own action lists (hand-edited ones included) run against its stage times."""
     stages = plan.stages
-    return simulate_pipeline(
-        kind=plan.schedule.kind,
-        ranks=plan.mesh["pp"],
-        microbatches=plan.schedule.microbatches,
-        chunks=plan.schedule.chunks,
+    costs = StageCosts(
         forward_s=tuple(s.forward_s for s in stages),
         backward_s=tuple(s.backward_s for s in stages),
         weight_s=tuple(s.backward_weight_s for s in stages),
         transfer_s=plan.predicted.transfer_s,
     )
+    placement = tuple(s.rank for s in stages)
+    return simulate(plan_schedule(plan), costs, ranks=plan.mesh["pp"], placement=placement)

@@ -94,7 +94,7 @@ def action_seconds(plan: Plan, action: Action, overheads: RuntimeOverheads) -> t
     `autopart.predict.step_time.predicted_step_s` costs it before its factor."""
     stage = plan.stages[action.stage]
     forward, backward, weight = overheads.action_costs(recompute=stage.recompute != "none",
-                                                       split=plan.schedule.kind == "zb-h1")
+                                                       split=plan.schedule.kind in ("zb-h1", "zbv"))
     if action.kind is Kind.F:
         return stage.forward_s, forward
     if action.kind is Kind.W:

@@ -24,7 +24,6 @@ from autopart.runtime.backward import PendingWeights, backward_full, backward_in
 from autopart.runtime.device import Mark, StepTimer
 from autopart.runtime.forward import Rebuild, StageForward
 from autopart.runtime.p2p import Scatter, recv_tensors, send_tensors
-from autopart.runtime.p2p import recv_tensors, send_tensors
 from autopart.runtime.reducer import GradientReducer
 from autopart.schedule import Action, Kind, Schedule, format_grid
 
@@ -78,8 +77,12 @@ class Executor:
         device: torch.device,
         scatter: Scatter | None = None,
         reducer: GradientReducer | None = None,
+        gradient_group: Any = None,
     ):
-        """``scatter``: this rank's tensor-parallel group, over which messages are split (none: sent whole)."""
+        """``scatter``: this rank's tensor-parallel group, over which messages are split (none: sent
+        whole); ``gradient_group``: the process group the gradients travel on, apart from the
+        activations (`autopart.runtime.p2p`); None sends both on the default group."""
+        self.gradient_group = gradient_group
         self.rank = rank
         self.scatter = scatter
         self.reducer = reducer  # the data-parallel all-reduce, launched as the gradients become final
@@ -179,13 +182,13 @@ class Executor:
             pending.extend(send_tensors(list(stage.outputs[m]), stage.next_rank, self.scatter))
         elif kind is Kind.RECV_B:
             metas = [_meta(t) for t in stage.outputs[m] if t.is_floating_point()]
-            stage.output_grads[m] = recv_tensors(metas, stage.next_rank, self.device, self.scatter)
+            stage.output_grads[m] = recv_tensors(metas, stage.next_rank, self.device, self.scatter, self.gradient_group)
         elif kind in (Kind.B, Kind.I):
             self._backward(stage, m, split=kind is Kind.I)
         elif kind is Kind.W:
             backward_weight(stage.held_for_weights.pop(m))
         elif kind is Kind.SEND_B:
-            pending.extend(send_tensors(stage.input_grads.pop(m), stage.prev_rank, self.scatter))
+            pending.extend(send_tensors(stage.input_grads.pop(m), stage.prev_rank, self.scatter, self.gradient_group))
         else:
             raise AssertionError(f"unknown action kind {kind}")
 

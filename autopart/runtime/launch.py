@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import json
 import os
 import sys
 import time
@@ -38,8 +39,19 @@ def file_sha256(path: Path) -> str:
 
 
 def plan_digest(plan_path: Path) -> str:
-    """The sha256 of ``plan.json`` as written: weights and checkpoints carry it to name their compile."""
-    return file_sha256(plan_path)
+    """The sha256 of ``plan.json`` as written, but for its schedule's action lists: weights and
+    checkpoints carry it to name their compile, and a hand-edited order of the actions (which the
+    runtime runs as given) trains the same parameters, so it must not orphan them. A plan without
+    the lists hashes as its file did."""
+    try:
+        data = json.loads(plan_path.read_text())
+    except (OSError, ValueError):
+        return file_sha256(plan_path)
+    schedule = data.get("schedule") if isinstance(data, dict) else None
+    if not isinstance(schedule, dict) or "actions" not in schedule:
+        return file_sha256(plan_path)
+    del schedule["actions"]
+    return hashlib.sha256((json.dumps(data, indent=2) + "\n").encode()).hexdigest()
 
 
 def check_launch(out_dir: Path, plan: Plan, *, rank: int, world_size: int) -> None:

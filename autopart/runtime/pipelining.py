@@ -27,7 +27,9 @@ rank), each wrapped so that torch can drive it:
 
 The plan's schedule maps to torch's class: gpipe -> ``ScheduleGPipe``, 1f1b -> ``Schedule1F1B``,
 interleaved -> ``ScheduleInterleaved1F1B``, zb-h1 -> ``ScheduleInterleavedZeroBubble`` (with one
-stage per rank it is ZB-H1, the order autopart's own ``zb-h1`` generator gives).
+stage per rank it is ZB-H1, the order autopart's own ``zb-h1`` generator gives), zbv ->
+``ScheduleZBVZeroBubble`` (the order of autopart's ``zbv``). Torch's class runs its own order:
+hand edits of ``plan.schedule.actions`` reach ``train.py``, not this loop.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from torch.distributed.pipelining import (
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
     ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
 )
 
 from autopart.ir.model_file import load_model_file
@@ -66,8 +69,9 @@ TORCH_SCHEDULES: dict[str, type] = {
     "1f1b": Schedule1F1B,
     "interleaved": ScheduleInterleaved1F1B,
     "zb-h1": ScheduleInterleavedZeroBubble,
+    "zbv": ScheduleZBVZeroBubble,  # it places the two chunks of each rank in a V itself, as the plan does
 }
-_MULTI_STAGE = (ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble)  # they take a list of stages
+_MULTI_STAGE = (ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)  # they take a list of stages
 
 
 def loss_is_the_output(output: torch.Tensor, target: Any) -> torch.Tensor:

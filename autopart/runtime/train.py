@@ -65,10 +65,10 @@ from autopart.runtime.progress import StepReporter, Throughput, check_tensorboar
 from autopart.runtime.recipe import Recipe, add_recipe_arguments, parameter_groups
 from autopart.runtime import collectives
 from autopart.runtime.mesh import Coordinates, Mesh, group_of
-from autopart.runtime.p2p import Scatter, check_message_order
+from autopart.runtime.p2p import Scatter
 from autopart.runtime.shards import weights_file_name
 from autopart.runtime.stage import check_checkpoint, load_stage, stage_names
-from autopart.schedule import Kind, add_communication, build_schedule, stage_rank
+from autopart.schedule import Kind, Schedule, plan_actions
 
 __all__ = ["main", "parse_args"]
 
@@ -152,6 +152,10 @@ def _train(out_dir: Path, argv: list[str] | None) -> None:
     if not args.timeout > 0:
         raise ConfigError(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
     source_file = model_file(out_dir, plan)
+    schedule = plan_actions(plan)  # a bad hand edit stops every rank here, before any waits for a peer
+    if not plan.schedule.actions and rank == 0:
+        print(f"autopart: note: plan.json stores no schedule.actions (written by an earlier autopart); running "
+              f"the {plan.schedule.kind} order generated from its kind, as it ran then", file=sys.stderr)
     if args.weights is not None:  # refuse a checkpoint that lacks this rank's tensors before any peer waits
         pipeline_rank = Mesh.of(plan).coordinates(rank).pp
         for stage_plan in plan.stages:
@@ -160,14 +164,13 @@ def _train(out_dir: Path, argv: list[str] | None) -> None:
     device = compute_device()
     init_process_group(backend(device), args.timeout)
     try:
-        _loop(out_dir, plan, args, rank, device, source_file)
+        _loop(out_dir, plan, schedule, args, rank, device, source_file)
     finally:
         dist.destroy_process_group()
 
 
-def _loop(
-    out_dir: Path, plan: Plan, args: argparse.Namespace, rank: int, device: torch.device, source_file: Path
-) -> None:
+def _loop(out_dir: Path, plan: Plan, schedule: Schedule, args: argparse.Namespace, rank: int, device: torch.device,
+          source_file: Path) -> None:
     mesh = Mesh.of(plan)
     here = mesh.coordinates(rank)
     device_mesh = mesh.device_mesh(device.type)
@@ -175,7 +178,7 @@ def _loop(
     data_parallel = group_of(device_mesh, "dp")
     schedule_spec = plan.schedule
     stage_count = len(plan.stages)
-    stages, executor = _executor(out_dir, plan, args, rank, device, device_mesh, data_parallel)
+    stages, executor = _executor(out_dir, plan, schedule, args, rank, device, device_mesh, data_parallel)
     fully_sharded = _fully_shard(stages, plan, executor, device_mesh)
     tied = tied_groups(plan, mesh, rank)
     modules = {s: stage.module for s, stage in stages.items()}
@@ -304,8 +307,9 @@ def _fully_shard(stages: dict[int, StageRuntime], plan: Plan, executor: Executor
     return True
 
 
-def _executor(out_dir: Path, plan: Plan, args: argparse.Namespace, rank: int, device: torch.device,
-              device_mesh: DeviceMesh, data_parallel: Any = None) -> tuple[dict[int, StageRuntime], Executor]:
+def _executor(out_dir: Path, plan: Plan, schedule: Schedule, args: argparse.Namespace, rank: int,
+              device: torch.device, device_mesh: DeviceMesh, data_parallel: Any = None
+              ) -> tuple[dict[int, StageRuntime], Executor]:
     """This rank's stages and the executor that runs its action list of the plan's schedule: its
     messages split over its tensor-parallel group (`autopart.ir.scatter_gather`), and with
     replicas the data-parallel all-reduce of each bucket launched as its gradients become final
@@ -314,13 +318,8 @@ def _executor(out_dir: Path, plan: Plan, args: argparse.Namespace, rank: int, de
     here = mesh.coordinates(rank)
     schedule_spec = plan.schedule
     stage_count = len(plan.stages)
-    schedule = add_communication(
-        build_schedule(
-            schedule_spec.kind, ranks=mesh.pp, microbatches=schedule_spec.microbatches, chunks=schedule_spec.chunks
-        ),
-        ranks=mesh.pp,
-    )
-    check_message_order(schedule, ranks=mesh.pp)
+    # gradients travel apart from activations (autopart.runtime.p2p); every rank makes the group
+    gradient_group = dist.new_group() if mesh.pp > 1 else None
     split_backward = any(action.kind is Kind.I for action in schedule[here.pp])
     stages = _stages_here(out_dir, plan, args, rank, device, split_backward=split_backward)
     reducer = None
@@ -339,6 +338,7 @@ def _executor(out_dir: Path, plan: Plan, args: argparse.Namespace, rank: int, de
         device=device,
         scatter=Scatter(group_of(device_mesh, "tp"), here.tp, mesh.tp) if mesh.tp > 1 else None,
         reducer=reducer,
+        gradient_group=gradient_group,
     )
     return stages, executor
 
@@ -354,7 +354,7 @@ def _stages_here(out_dir: Path, plan: Plan, args: argparse.Namespace, rank: int,
         if stage_plan.rank != here.pp:
             continue
         s = stage_plan.index
-        peer = lambda stage: mesh.pipeline_peers(rank, stage_rank(stage, mesh.pp))  # noqa: E731
+        peer = lambda stage: mesh.pipeline_peers(rank, plan.stages[stage].rank)  # noqa: E731
         module = load_stage(
             out_dir, s, device, tp_rank=here.tp, tp=mesh.tp, weights=args.weights, placements=stage_plan.parameter_placements
         )  # fmt: skip

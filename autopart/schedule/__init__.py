@@ -7,8 +7,8 @@ per-rank action lists that the runtime executes, plus a simulated `Timeline`. In
 -> `write_chrome_trace` / `write_gantt_png` / `write_schedule_csv`.
 """
 
-from autopart.ir.actions import COMM_KINDS, COMPUTE_KINDS, RECEIVE_KINDS, Action, Kind, Schedule, stage_rank
-from autopart.schedule.generators import SCHEDULE_KINDS, build_schedule
+from autopart.ir.actions import COMM_KINDS, COMPUTE_KINDS, RECEIVE_KINDS, Action, Kind, Schedule, rank_of, stage_rank, v_stage_rank
+from autopart.schedule.generators import SCHEDULE_KINDS, build_schedule, stage_placement
 from autopart.schedule.lowering import add_communication
 from autopart.schedule.simulate import Event, StageCosts, Timeline, simulate
 from autopart.schedule.trace import (
@@ -19,13 +19,17 @@ from autopart.schedule.trace import (
     write_gantt_png,
     write_schedule_csv,
 )
-from autopart.schedule.validate import format_grid, validate
+from autopart.schedule.stored import action_lists, keep_actions, plan_actions
+from autopart.schedule.validate import check_message_order, format_grid, validate
 
 __all__ = [
     "Kind",
     "Action",
     "Schedule",
     "stage_rank",
+    "v_stage_rank",
+    "rank_of",
+    "stage_placement",
     "COMPUTE_KINDS",
     "COMM_KINDS",
     "RECEIVE_KINDS",
@@ -33,6 +37,10 @@ __all__ = [
     "build_schedule",
     "add_communication",
     "validate",
+    "check_message_order",
+    "action_lists",
+    "plan_actions",
+    "keep_actions",
     "format_grid",
     "StageCosts",
     "Event",

@@ -16,11 +16,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autopart.ir.errors import ConfigError
-from autopart.ir.actions import Action, Kind, Schedule
+from autopart.ir.actions import Action, Kind, Schedule, stage_rank, v_stage_rank
+from autopart.schedule.vshape import check_zbv, zbv_schedule
 
-__all__ = ["SCHEDULE_KINDS", "build_schedule"]
+__all__ = ["SCHEDULE_KINDS", "build_schedule", "stage_placement"]
 
-SCHEDULE_KINDS: tuple[str, ...] = ("gpipe", "1f1b", "interleaved", "zb-h1")
+SCHEDULE_KINDS: tuple[str, ...] = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv")
 """The names accepted by `build_schedule` (and by ``--schedule``)."""
 
 _Work = tuple[int, int]  # (stage, microbatch)
@@ -45,16 +46,24 @@ class _RankPlan:
 def build_schedule(kind: str, *, ranks: int, microbatches: int, chunks: int = 1) -> Schedule:
     """The compute actions of every rank for schedule ``kind``.
 
-    Stages are numbered 0 .. ranks·chunks−1 and placed by `stage_rank` (stage s on rank
-    s % ranks). Raises ConfigError when the numbers do not fit the schedule.
+    Stages are numbered 0 .. ranks·chunks−1 and placed by `stage_placement` (stage s on rank
+    s % ranks, but in a V for zbv). Raises ConfigError when the numbers do not fit the schedule.
     """
     _check_config(kind, ranks=ranks, microbatches=microbatches, chunks=chunks)
+    if kind == "zbv":
+        return zbv_schedule(ranks=ranks, microbatches=microbatches)
     return {
         rank: _rank_actions(
             _rank_plan(kind, rank, ranks=ranks, microbatches=microbatches, chunks=chunks)
         )
         for rank in range(ranks)
     }
+
+
+def stage_placement(kind: str, *, ranks: int, chunks: int = 1) -> tuple[int, ...]:
+    """The rank of every stage under schedule ``kind``: the V for zbv, the loop otherwise."""
+    place = v_stage_rank if kind == "zbv" else stage_rank
+    return tuple(place(stage, ranks) for stage in range(ranks * chunks))
 
 
 def _rank_plan(kind: str, rank: int, *, ranks: int, microbatches: int, chunks: int) -> _RankPlan:
@@ -82,7 +91,9 @@ def _check_config(kind: str, *, ranks: int, microbatches: int, chunks: int) -> N
             f"a pipeline needs at least one microbatch (got {microbatches}); "
             f"use --microbatches {ranks}"
         )
-    if kind == "interleaved":
+    if kind == "zbv":
+        check_zbv(ranks=ranks, microbatches=microbatches, chunks=chunks)
+    elif kind == "interleaved":
         if chunks < 2:
             raise ConfigError(
                 f"interleaved needs at least 2 model chunks per rank (got {chunks}); "

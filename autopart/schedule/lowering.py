@@ -14,17 +14,20 @@ memory.
 from __future__ import annotations
 
 from autopart.ir.errors import ScheduleError
-from autopart.ir.actions import Action, Kind, Schedule, stage_rank
+from collections.abc import Sequence
+
+from autopart.ir.actions import Action, Kind, Schedule, rank_of
 
 __all__ = ["add_communication"]
 
 
-def add_communication(schedule: Schedule, *, ranks: int) -> Schedule:
+def add_communication(schedule: Schedule, *, ranks: int, placement: Sequence[int] | None = None) -> Schedule:
     """A copy of ``schedule`` with SEND_F/RECV_F/SEND_B/RECV_B wherever a tensor changes rank.
 
     The number of stages is read off the schedule (the highest stage that appears, plus one).
     Raises ScheduleError when the input already holds communication, or when an action sits on
-    a rank that `stage_rank` does not place its stage on (its peers would be wrong).
+    a rank that ``placement`` (stage -> rank; `stage_rank`'s loop without one) does not place its
+    stage on (its peers would be wrong).
     """
     computes = [action for actions in schedule.values() for action in actions]
     if not computes:
@@ -39,37 +42,37 @@ def add_communication(schedule: Schedule, *, ranks: int) -> Schedule:
                     f"rank {rank}, step {step}: {action} is already a communication action; "
                     "add_communication takes a compute-only schedule"
                 )
-            if stage_rank(action.stage, ranks) != rank:
+            home = rank_of(action.stage, ranks, placement)
+            if home != rank:
                 raise ScheduleError(
-                    f"rank {rank}, step {step}: {action} belongs on rank "
-                    f"{stage_rank(action.stage, ranks)} (stage {action.stage} with {ranks} ranks)"
+                    f"rank {rank}, step {step}: {action} belongs on rank {home} (stage {action.stage} with {ranks} ranks)"
                 )
-            out.extend(_receives(action, ranks=ranks, last_stage=last_stage))
+            out.extend(_receives(action, ranks=ranks, last_stage=last_stage, placement=placement))
             out.append(action)
-            out.extend(_sends(action, ranks=ranks, last_stage=last_stage))
+            out.extend(_sends(action, ranks=ranks, last_stage=last_stage, placement=placement))
         lowered[rank] = out
     return lowered
 
 
-def _crosses(stage: int, neighbour: int, ranks: int) -> bool:
-    return stage_rank(stage, ranks) != stage_rank(neighbour, ranks)
+def _crosses(stage: int, neighbour: int, ranks: int, placement: Sequence[int] | None) -> bool:
+    return rank_of(stage, ranks, placement) != rank_of(neighbour, ranks, placement)
 
 
-def _receives(action: Action, *, ranks: int, last_stage: int) -> list[Action]:
+def _receives(action: Action, *, ranks: int, last_stage: int, placement: Sequence[int] | None) -> list[Action]:
     """The receive that must complete before ``action`` can run, if its input is remote."""
     stage, mb = action.stage, action.microbatch
-    if action.kind is Kind.F and stage > 0 and _crosses(stage, stage - 1, ranks):
+    if action.kind is Kind.F and stage > 0 and _crosses(stage, stage - 1, ranks, placement):
         return [Action(stage, Kind.RECV_F, mb)]
-    if action.kind in (Kind.B, Kind.I) and stage < last_stage and _crosses(stage, stage + 1, ranks):
+    if action.kind in (Kind.B, Kind.I) and stage < last_stage and _crosses(stage, stage + 1, ranks, placement):
         return [Action(stage, Kind.RECV_B, mb)]
     return []
 
 
-def _sends(action: Action, *, ranks: int, last_stage: int) -> list[Action]:
+def _sends(action: Action, *, ranks: int, last_stage: int, placement: Sequence[int] | None) -> list[Action]:
     """The send of ``action``'s output, if the stage that consumes it is remote."""
     stage, mb = action.stage, action.microbatch
-    if action.kind is Kind.F and stage < last_stage and _crosses(stage, stage + 1, ranks):
+    if action.kind is Kind.F and stage < last_stage and _crosses(stage, stage + 1, ranks, placement):
         return [Action(stage, Kind.SEND_F, mb)]
-    if action.kind in (Kind.B, Kind.I) and stage > 0 and _crosses(stage, stage - 1, ranks):
+    if action.kind in (Kind.B, Kind.I) and stage > 0 and _crosses(stage, stage - 1, ranks, placement):
         return [Action(stage, Kind.SEND_B, mb)]
     return []

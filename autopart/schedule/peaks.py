@@ -22,6 +22,8 @@ def peak_in_flight(kind: str, *, ranks: int, microbatches: int, chunks: int = 1)
         return (m,) * p
     if kind in ("1f1b", "zb-h1"):  # p - 1 - r warm-up forwards, then one in, one out
         return tuple(min(p - r, m) for r in range(p))
+    if kind == "zbv":  # stage s of the V (down then up) is as far from the loss as stage p - 1 - s of 1F1B over 2p
+        return tuple(min(2 * p - s, m) for s in range(2 * p))
     if kind != "interleaved":
         raise ValueError(f"unknown schedule {kind!r}")
     v = chunks
@@ -52,4 +54,6 @@ def transient_in_flight(kind: str, *, ranks: int, microbatches: int, chunks: int
     from a microbatch's I to its W, which rank r holds back r backwards (``generators._zb_h1``)."""
     if kind == "zb-h1":
         return tuple(min(r + 1, microbatches) for r in range(ranks))
+    if kind == "zbv":  # chunk 0 on rank r holds r weight halves back in the cool-down, chunk 1 on it p - 1 - r
+        return tuple(min(s + 1, microbatches) if s < ranks else max(1, 2 * ranks - 1 - s) for s in range(2 * ranks))
     return (1,) * (ranks * chunks)

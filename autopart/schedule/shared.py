@@ -22,7 +22,7 @@ equals `simulate`'s step plus the longest tail on the last rank to finish.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from autopart.ir.actions import RECEIVE_KINDS, Action, Kind, Schedule
 from autopart.schedule.simulate import StageCosts, input_ready_at
@@ -35,13 +35,14 @@ _EPSILON = 1e-12
 def step_time(schedule: Schedule, costs: StageCosts, *, ranks: int, cores: int = 0, background: float = 0.0,
               tail_s: dict[int, float] | None = None, resume_s: tuple[float, float] = (0.0, 0.0),
               busy_delay_s: float = 0.0, wake_s: Callable[[float], float] | None = None,
-              events: list[tuple[int, Action, float, float]] | None = None) -> float:
+              events: list[tuple[int, Action, float, float]] | None = None,
+              placement: Sequence[int] | None = None) -> float:
     """Seconds from the first action to the end of the last rank's tail; ``background`` other
     busy processes share the ``cores`` too; when they and the ranks outnumber the cores, every
     compute action pays ``resume_s`` (forward, backward and its halves) on top of its own time;
     a rank's first work after it sat idle for ``t`` seconds, when it finds a core free (so that
     core sat idle too), pays ``wake_s(t)`` instead if that is more. ``events`` gets every compute
-    action as (rank, action, start, end)."""
+    action as (rank, action, start, end); ``placement``: every stage's rank, as `simulate`."""
     tail_s, events = tail_s or {}, [] if events is None else events
     shared = 0 < cores < ranks + background
     idle_since = dict.fromkeys(schedule, 0.0)  # when each rank last finished work
@@ -50,8 +51,7 @@ def step_time(schedule: Schedule, costs: StageCosts, *, ranks: int, cores: int =
     remaining: dict[int, float] = {}  # rank -> work left of what it runs now
     running: dict[int, object] = {}  # rank -> the action it runs, or None for its tail
     began: dict[int, float] = {}  # rank -> when what it runs now started
-    done: set[int] = set()
-    now = 0.0
+    done, now = set[int](), 0.0
     while len(done) < len(schedule):
         wakes: list[float] = []
         started = True
@@ -64,7 +64,7 @@ def step_time(schedule: Schedule, costs: StageCosts, *, ranks: int, cores: int =
                     work, action = tail_s.get(rank, 0.0), None
                 else:
                     action = actions[cursor[rank]]
-                    ready = input_ready_at(action, finished, costs, ranks=ranks)
+                    ready = input_ready_at(action, finished, costs, ranks=ranks, placement=placement)
                     if ready is not None and action.kind in RECEIVE_KINDS and ready > 0 \
                             and 0 < cores <= len(remaining) + background:
                         ready += busy_delay_s

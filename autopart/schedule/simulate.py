@@ -11,11 +11,11 @@ event, and the plan's bubble and in-flight figures come from the schedule actual
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from autopart.ir.errors import ConfigError, ScheduleError
-from autopart.ir.actions import Action, Kind, Schedule, stage_rank
+from autopart.ir.actions import Action, Kind, Schedule, rank_of
 from autopart.schedule.validate import format_grid
 
 __all__ = ["StageCosts", "Event", "Timeline", "simulate", "input_ready_at"]
@@ -205,12 +205,13 @@ def _peak_in_flight(actions_in_order: list[Action]) -> tuple[int, ...]:
     return tuple(peak)
 
 
-def simulate(schedule: Schedule, costs: StageCosts, *, ranks: int) -> Timeline:
+def simulate(schedule: Schedule, costs: StageCosts, *, ranks: int, placement: Sequence[int] | None = None) -> Timeline:
     """Run ``schedule`` against ``costs`` and return when each compute action starts and ends.
 
     Accepts a compute-only or a lowered schedule. Raises ScheduleError when an action names a
     stage that ``costs`` does not have or sits on the wrong rank, and on a deadlock (some rank
-    waits for an input that is never produced before it).
+    waits for an input that is never produced before it). ``placement`` is every stage's rank (a
+    V for zbv), the loop of `stage_rank` without it.
     """
     stages = costs.stages
     for rank, actions in schedule.items():
@@ -220,10 +221,10 @@ def simulate(schedule: Schedule, costs: StageCosts, *, ranks: int) -> Timeline:
                     f"rank {rank}, step {step}: {action} names stage {action.stage} but the "
                     f"costs have {stages} stages"
                 )
-            if stage_rank(action.stage, ranks) != rank:
+            home = rank_of(action.stage, ranks, placement)
+            if home != rank:
                 raise ScheduleError(
-                    f"rank {rank}, step {step}: {action} is on the wrong rank: stage "
-                    f"{action.stage} lives on rank {stage_rank(action.stage, ranks)}"
+                    f"rank {rank}, step {step}: {action} is on the wrong rank: stage {action.stage} lives on rank {home}"
                 )
 
     finished: dict[tuple[int, Kind, int], float] = {}  # (stage, kind, mb) -> end time
@@ -232,7 +233,7 @@ def simulate(schedule: Schedule, costs: StageCosts, *, ranks: int) -> Timeline:
     events: list[Event] = []
 
     def ready_at(action: Action) -> float | None:
-        return input_ready_at(action, finished, costs, ranks=ranks)
+        return input_ready_at(action, finished, costs, ranks=ranks, placement=placement)
 
     progress = True
     while progress:
@@ -265,7 +266,7 @@ def simulate(schedule: Schedule, costs: StageCosts, *, ranks: int) -> Timeline:
 
 
 def input_ready_at(action: Action, finished: dict[tuple[int, Kind, int], float], costs: StageCosts, *,
-                   ranks: int) -> float | None:
+                   ranks: int, placement: Sequence[int] | None = None) -> float | None:
     """When the inputs of ``action`` are on its rank, given the end times of the compute actions
     ``finished`` so far ((stage, kind, microbatch) -> end); None while one is not produced."""
     stages = costs.stages
@@ -287,7 +288,7 @@ def input_ready_at(action: Action, finished: dict[tuple[int, Kind, int], float],
     if kind in (Kind.F, Kind.RECV_F):
         if stage == 0:
             return 0.0
-        crosses = stage_rank(stage - 1, ranks) != stage_rank(stage, ranks)
+        crosses = rank_of(stage - 1, ranks, placement) != rank_of(stage, ranks, placement)
         return arrival(finished.get((stage - 1, Kind.F, mb)), stage - 1, crosses)
     if kind in (Kind.B, Kind.I, Kind.RECV_B):
         own_forward = 0.0 if kind is Kind.RECV_B else finished.get((stage, Kind.F, mb))
@@ -295,7 +296,7 @@ def input_ready_at(action: Action, finished: dict[tuple[int, Kind, int], float],
             return None
         if stage == stages - 1:
             return own_forward
-        crosses = stage_rank(stage + 1, ranks) != stage_rank(stage, ranks)
+        crosses = rank_of(stage + 1, ranks, placement) != rank_of(stage, ranks, placement)
         gradient = arrival(backward_end(stage + 1, mb), stage, crosses)
         return None if gradient is None else max(own_forward, gradient)
     if kind is Kind.W:

@@ -14,9 +14,11 @@ ranks with blocking receives and asynchronous sends that finds any deadlock.
 from __future__ import annotations
 
 from autopart.ir.errors import ScheduleError
-from autopart.ir.actions import RECEIVE_KINDS, Action, Kind, Schedule, stage_rank
+from collections.abc import Sequence
 
-__all__ = ["validate", "format_grid"]
+from autopart.ir.actions import RECEIVE_KINDS, Action, Kind, Schedule, rank_of
+
+__all__ = ["validate", "format_grid", "check_message_order"]
 
 _Key = tuple[int, Kind, int]  # (stage, kind, microbatch): what an action does, wherever it runs
 _Where = tuple[int, int]  # (rank, step): where it runs
@@ -57,24 +59,31 @@ def format_grid(schedule: Schedule, mark: tuple[int, int] | None = None) -> str:
     return "\n".join(lines) + "\n"
 
 
-def validate(schedule: Schedule, *, ranks: int, stages: int, microbatches: int) -> None:
+def validate(
+    schedule: Schedule, *, ranks: int, stages: int, microbatches: int, placement: Sequence[int] | None = None
+) -> None:
     """Raise ScheduleError unless ``schedule`` runs every forward and backward once, in an
     order that respects the data dependencies, without a deadlock.
 
     The schedule may be compute-only or lowered by `add_communication`; it counts as lowered
     as soon as it holds one send or receive, and then every tensor that changes rank must go
-    through a matching SEND/RECV pair.
+    through a matching SEND/RECV pair, received in the order it was sent (the runtime's messages
+    between two ranks carry no tag). ``placement`` is the rank of every stage (a V for zbv); the
+    loop of `stage_rank` without it.
     """
-    where = _place_actions(schedule, ranks=ranks, stages=stages, microbatches=microbatches)
+    where = _place_actions(schedule, ranks=ranks, stages=stages, microbatches=microbatches, placement=placement)
     _check_counts(schedule, where, stages=stages, microbatches=microbatches)
     lowered = any(not a.is_compute for actions in schedule.values() for a in actions)
     _check_order(schedule, where, ranks=ranks, stages=stages, lowered=lowered)
     _check_deadlock(schedule, where, ranks=ranks, stages=stages, lowered=lowered)
+    if lowered:
+        check_message_order(schedule, ranks=ranks, placement=placement)
 
 
 def _fail(message: str, schedule: Schedule, mark: _Where | None = None) -> ScheduleError:
     error = ScheduleError(message)
     error.grid = format_grid(schedule, mark)  # type: ignore[attr-defined]
+    error.at = mark  # type: ignore[attr-defined]  # (rank, step), for a caller that numbers steps otherwise
     return error
 
 
@@ -83,7 +92,7 @@ def _key(action: Action) -> _Key:
 
 
 def _place_actions(
-    schedule: Schedule, *, ranks: int, stages: int, microbatches: int
+    schedule: Schedule, *, ranks: int, stages: int, microbatches: int, placement: Sequence[int] | None
 ) -> dict[_Key, _Where]:
     """Where each action runs; fails on a foreign rank, index out of range or a repeat."""
     where: dict[_Key, _Where] = {}
@@ -108,7 +117,7 @@ def _place_actions(
                     schedule,
                     (rank, step),
                 )
-            home = stage_rank(action.stage, ranks)
+            home = rank_of(action.stage, ranks, placement)
             if home != rank:
                 raise _fail(
                     f"{at} is on the wrong rank: stage {action.stage} lives on rank {home}",
@@ -116,7 +125,7 @@ def _place_actions(
                     (rank, step),
                 )
             if not action.is_compute:
-                _check_peer(action, schedule, (rank, step), ranks=ranks, stages=stages)
+                _check_peer(action, schedule, (rank, step), ranks=ranks, stages=stages, placement=placement)
             if _key(action) in where:
                 first_rank, first_step = where[_key(action)]
                 raise _fail(
@@ -128,12 +137,14 @@ def _place_actions(
     return where
 
 
-def _check_peer(action: Action, schedule: Schedule, at: _Where, *, ranks: int, stages: int) -> None:
+def _check_peer(
+    action: Action, schedule: Schedule, at: _Where, *, ranks: int, stages: int, placement: Sequence[int] | None
+) -> None:
     peer = action.peer_stage
     prefix = f"rank {at[0]}, step {at[1]}: {action}"
     if not 0 <= peer < stages:
         raise _fail(f"{prefix} talks to stage {peer}, which does not exist", schedule, at)
-    if stage_rank(peer, ranks) == at[0]:
+    if rank_of(peer, ranks, placement) == at[0]:
         raise _fail(
             f"{prefix} talks to stage {peer} on the same rank; remove it, the runtime hands "
             "that tensor over locally",
@@ -300,3 +311,38 @@ def _check_deadlock(
             f"{needed[0]}{needed[1].value}{needed[2]} on rank {needed_rank}"
         )
     raise _fail("deadlock: " + "; ".join(waits), schedule, (stuck[0], cursor[stuck[0]]))
+
+
+
+def check_message_order(schedule: Schedule, *, ranks: int, placement: Sequence[int] | None = None) -> None:
+    """Raise ScheduleError unless, between two ranks and in each direction, the receiver takes
+    the messages in the order the sender sends them.
+
+    The runtime posts a pipeline's activations and its gradients on two channels (two process
+    groups), and on each a receive takes whatever message comes next: one out of order would
+    fill its buffers with another microbatch's tensors (or hang on a shape that differs).
+    """
+    sent: dict[tuple[int, int, bool], list[Action]] = {}
+    for rank in sorted(schedule):
+        for action in schedule[rank]:
+            if action.kind in (Kind.SEND_F, Kind.SEND_B):
+                channel = (rank, rank_of(action.peer_stage, ranks, placement), action.kind is Kind.SEND_F)
+                sent.setdefault(channel, []).append(action)
+    taken: dict[tuple[int, int, bool], int] = {}
+    for rank in sorted(schedule):
+        for step, action in enumerate(schedule[rank]):
+            if action.kind not in RECEIVE_KINDS:
+                continue
+            channel = (rank_of(action.peer_stage, ranks, placement), rank, action.kind is Kind.RECV_F)
+            position = taken.get(channel, 0)
+            taken[channel] = position + 1
+            sends = sent.get(channel, [])
+            expected = sends[position] if position < len(sends) else None
+            if expected != action.partner:
+                what = "activation" if channel[2] else "gradient"
+                raise _fail(
+                    f"rank {rank}, step {step}: {action} receives out of order: {what} message {position} from "
+                    f"rank {channel[0]} is {expected or 'never sent'}; exchange the messages in the same order on both ranks",
+                    schedule,
+                    (rank, step),
+                )

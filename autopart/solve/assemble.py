@@ -27,7 +27,7 @@ from autopart.predict.step_time import (
 )
 from autopart.predict.timeline import simulate_pipeline
 from autopart.runtime.recipe import embedding_parameters
-from autopart.schedule import build_schedule, stage_rank
+from autopart.schedule import action_lists, build_schedule, stage_placement
 from autopart.solve.pipeline import PipelineProblem, evaluate, stage_ranges
 from cost_models.devices import DeviceSpec
 from cost_models.memory import communicator_bytes
@@ -61,7 +61,7 @@ def pipeline_problem(options: CompileOptions, front: Front, microbatches: int) -
         memory_limit_bytes=memory,
         overhead_bytes=device.framework_overhead_bytes
         + communicator_bytes(device.kind, pp=options.pp, tp=options.tp, dp=options.dp),
-        stage_rank=tuple(stage_rank(s, options.pp) for s in range(stages)),
+        stage_rank=stage_placement(options.schedule, ranks=options.pp, chunks=options.chunks),
     )
 
 
@@ -105,6 +105,7 @@ def plan_from_cuts(
             micro_batch_size=micro_batch_size,
             global_batch_size=total,
             chunks=options.chunks,
+            actions=action_lists(build_schedule(options.schedule, ranks=options.pp, microbatches=microbatches, chunks=options.chunks)),
         ),
         predicted=Predicted(
             step_s=step_s + gradient_sync,
@@ -237,7 +238,7 @@ def _with_transients(options: CompileOptions, memory: tuple[int, ...], recompute
     at_once = transient_microbatches(schedule, len(recompute))
     peaks = list(memory)
     for rank in range(options.pp):
-        here = [s for s in range(len(recompute)) if stage_rank(s, options.pp) == rank]
+        here = [s for s, home in enumerate(stage_placement(options.schedule, ranks=options.pp, chunks=options.chunks)) if home == rank]
         peaks[rank] += max((recompute[s].transient_bytes // options.tp * at_once[s] for s in here), default=0)
     return tuple(peaks)
 

@@ -13,6 +13,7 @@ from autopart.ir.errors import ConfigError, PlanError, ScheduleError
 from autopart.ir.plan import Plan, first_difference
 from autopart.options import CompileOptions
 from autopart.passes.front import Front, build_front
+from autopart.schedule import keep_actions
 from autopart.solve.assemble import pipeline_problem, plan_from_cuts
 
 __all__ = ["rebuild_pinned"]
@@ -43,7 +44,7 @@ def rebuild_pinned(options: CompileOptions, pinned: Plan) -> tuple[Plan, Front]:
         front = build_front(options, batch[2])
         problem = pipeline_problem(options, front, batch[1])
         cuts = _pinned_cuts(pinned, options, front)
-        plan = plan_from_cuts(options, front, problem, cuts, batch, ("pinned", 0.0, 0.0))
+        plan = keep_actions(plan_from_cuts(options, front, problem, cuts, batch, ("pinned", 0.0, 0.0)), pinned)
     except (ConfigError, ScheduleError) as exc:
         raise PlanError(f"{options.plan} does not fit together: {exc}") from None
     difference = first_difference(pinned, plan)

@@ -35,6 +35,7 @@ from autopart.ir.model_file import ModelSpec, is_meta, load_model_file
 from autopart.passes.capture import Graph
 from autopart.ir.errors import ConfigError, InfeasibleError
 from autopart.ir.plan import Plan
+from autopart.schedule import SCHEDULE_KINDS
 from autopart.runtime.materialise import check_initialisers
 from autopart.passes.shallow import KEPT_LAYERS, repeated_layers, shallow_module
 from autopart.solve.search import Cluster, Layout, Scored, SearchResult, SearchSpace, fits, score_layout, search
@@ -165,7 +166,7 @@ def search_space(options: CompileOptions) -> SearchSpace:
         dp=pin(options.dp),
         micro_batch_size=pin(options.micro_batch_size),
         microbatches=pin(options.microbatches),
-        schedule=pin(options.schedule) or ("gpipe", "1f1b", "interleaved", "zb-h1"),
+        schedule=pin(options.schedule) or SCHEDULE_KINDS,
         chunks=pin(options.chunks),
         zero=pin(options.zero) or (False, True),
         dtype=DTYPES if options.dtype == "auto" else (options.dtype or "fp32",),

@@ -32,7 +32,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from autopart.ir.errors import ConfigError
-from autopart.schedule import stage_rank
+from autopart.schedule import SCHEDULE_KINDS, stage_placement
+from autopart.solve.vshape import zbv_fits, zbv_pipeline_s
 from autopart.predict.in_flight import in_flight
 from autopart.predict.in_flight import transient as transient_count
 from autopart.solve.bottleneck import RECOMPUTE_MODES, ChainCosts, StageCut, cut_stages, lower_bound_s
@@ -106,7 +107,7 @@ class SearchSpace:
     dp: tuple[int, ...] | None = None
     micro_batch_size: tuple[int, ...] | None = None
     microbatches: tuple[int, ...] | None = None
-    schedule: tuple[str, ...] = ("gpipe", "1f1b", "interleaved", "zb-h1")
+    schedule: tuple[str, ...] = SCHEDULE_KINDS
     chunks: tuple[int, ...] | None = None
     zero: tuple[bool, ...] = (False, True)
     dtype: tuple[str, ...] = ("fp32",)
@@ -160,6 +161,9 @@ class SearchSpace:
                 for v in self.chunks or INTERLEAVED_CHUNKS:
                     if m % pp == 0 and pp * v <= blocks and v > 1:
                         found.append((kind, v))
+            elif kind == "zbv":
+                if zbv_fits(pp, m, blocks, self.chunks):
+                    found.append((kind, 2))
             elif not self.chunks or self.chunks == (1,):
                 found.append((kind, 1))
         return found
@@ -231,6 +235,8 @@ def estimate_step_s(layout: Layout, cut: StageCut, cluster: Cluster, rank_parame
     times, m, p = cut.stage_time_s, layout.microbatches, layout.pp
     if layout.schedule == "interleaved":
         pipeline = _interleaved_pipeline_s(times, p, m, layout.chunks)
+    elif layout.schedule == "zbv":
+        pipeline = zbv_pipeline_s(times, cut.stage_weight_s, p, m)
     else:
         pipeline = sum(times) + (m - 1) * max(times)
         if layout.schedule == "zb-h1":  # W fills the cool-down bubble: (p-1)(F+I-W), not (p-1)(F+I+W)
@@ -343,7 +349,9 @@ def _lower_bound(table: CostTable, layout: Layout, cluster: Cluster) -> float:
     m, p = layout.microbatches, layout.pp
     total = costs.prefix("compute_s")[-1]
     slowest = lower_bound_s(costs, p)  # per stage; and per rank, for interleaved
-    if layout.schedule == "interleaved":  # some virtual stage holds the largest block
+    if layout.schedule == "zbv":  # its estimate is at least the busiest rank's m microbatches
+        pipeline = m * slowest
+    elif layout.schedule == "interleaved":  # some virtual stage holds the largest block
         largest = max(f + b for f, b in zip(costs.forward_s, costs.backward_s))
         pipeline = m * slowest + (p - 1) * max(total / (p * layout.chunks), largest)
     else:
@@ -377,7 +385,7 @@ def score_layout(layout: Layout, table: CostTable, cluster: Cluster, space: Sear
     stages = layout.stages
     buffers = cluster.communicator_bytes(layout.pp, layout.tp, layout.dp)
     cluster = dataclasses.replace(cluster, overhead_bytes=cluster.overhead_bytes + buffers)  # this mesh's
-    ranks = tuple(stage_rank(s, layout.pp) for s in range(stages))
+    ranks = stage_placement(layout.schedule, ranks=layout.pp, chunks=layout.chunks)
     pipeline_across = layout.pipeline_crosses_nodes(cluster.gpus_per_node)
     transfer = tuple(cluster.p2p_s(b, pipeline_across) for b in costs.boundary_bytes)
     flight = in_flight(layout.schedule, layout.pp, layout.microbatches, layout.chunks)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import functools
 
-from autopart.schedule import Schedule, StageCosts, build_schedule, simulate, stage_rank
+from autopart.schedule import Schedule, StageCosts, build_schedule, simulate, stage_placement
 from autopart.solve.search import Cluster, CostTable, Scored, parameter_bytes_per_rank, tail_s
 from autopart.solve.bottleneck import ChainCosts
 
@@ -37,7 +37,7 @@ def simulated_step_s(scored: Scored, table: CostTable, cluster: Cluster) -> floa
     layout, cut = scored.layout, scored.cut
     costs = simulated_stage_costs(scored, table, cluster)
     pipeline = pipeline_s(layout.schedule, layout.pp, layout.microbatches, layout.chunks, costs)
-    ranks = tuple(stage_rank(s, layout.pp) for s in range(layout.stages))
+    ranks = stage_placement(layout.schedule, ranks=layout.pp, chunks=layout.chunks)
     rank_bytes = parameter_bytes_per_rank(table, layout, cut, ranks)
     return pipeline + tail_s(layout, cluster, rank_bytes, layout.data_parallel_crosses_nodes(cluster.gpus_per_node))
 
@@ -80,7 +80,8 @@ def pipeline_s(kind: str, pp: int, microbatches: int, chunks: int, costs: StageC
 
     The schedule is the compute-only one: ``add_communication`` puts each receive right before
     its consumer and sends and receives take no rank time here, so lowering changes no time."""
-    return simulate(_schedule(kind, pp, microbatches, chunks), costs, ranks=pp).step_s
+    placement = stage_placement(kind, ranks=pp, chunks=chunks)
+    return simulate(_schedule(kind, pp, microbatches, chunks), costs, ranks=pp, placement=placement).step_s
 
 
 @functools.lru_cache(maxsize=64)

@@ -1,0 +1,93 @@
+"""The schedule a plan stores: per rank, its compute actions as torch's action strings.
+
+The plan holds the lists (``plan.schedule.actions``) and the runtime runs exactly them, so a
+hand-edited list changes what runs; `plan_actions` reads them back and validates them before any
+process starts (every forward and backward once on the rank that owns the stage, dependencies
+in order, no deadlock, messages in order), with an error that names the rank and the position
+in the list. The sends and receives are not stored: `add_communication` derives them from the
+compute order, and storing them would only give a hand edit more ways to disagree with itself.
+
+A plan written before the lists were stored runs its kind's generated order: that is exactly
+what such a plan ran when it was written, so its checkpoints and results stay valid; the caller
+says so in a note.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from autopart.ir.errors import ScheduleError
+from autopart.ir.actions import Action, Schedule
+from autopart.schedule.generators import build_schedule
+from autopart.schedule.lowering import add_communication
+from autopart.schedule.validate import validate
+
+__all__ = ["action_lists", "plan_actions", "keep_actions"]
+
+
+def action_lists(schedule: Schedule) -> tuple[tuple[str, ...], ...]:
+    """A compute-only schedule as the plan stores it: one tuple of action strings per rank."""
+    return tuple(tuple(str(action) for action in schedule[rank]) for rank in range(len(schedule)))
+
+
+def plan_actions(plan: Any, *, lowered: bool = True) -> Schedule:
+    """The schedule ``plan`` runs: its stored lists, validated (lowered: with the sends and
+    receives added). Raises ScheduleError, one line naming the rank and position, for a bad list."""
+    spec, ranks = plan.schedule, plan.mesh["pp"]
+    placement = tuple(stage.rank for stage in plan.stages)
+    if not spec.actions:
+        compute = build_schedule(spec.kind, ranks=ranks, microbatches=spec.microbatches, chunks=spec.chunks)
+    else:
+        compute = _parse(spec.actions, ranks)
+    shape = {"ranks": ranks, "stages": len(plan.stages), "microbatches": spec.microbatches, "placement": placement}
+    _checked(compute, shape)
+    with_messages = add_communication(compute, ranks=ranks, placement=placement)
+    _checked(with_messages, shape)  # the messages in order on every channel
+    return with_messages if lowered else compute
+
+
+def _checked(schedule: Schedule, shape: dict[str, Any]) -> None:
+    """`validate`, its error naming the position in the stored list (a receive: of the action it feeds)."""
+    try:
+        validate(schedule, **shape)
+    except ScheduleError as exc:
+        message = str(exc)
+        if getattr(exc, "at", None) is not None:
+            rank, step = exc.at  # type: ignore[attr-defined]
+            position = sum(1 for action in schedule[rank][:step] if action.is_compute)
+            message = message.replace(f"rank {rank}, step {step}:", f"rank {rank}, position {position}:", 1)
+        raise ScheduleError(f"plan.schedule.actions: {message}") from None
+
+
+def keep_actions(rebuilt: Any, pinned: Any) -> Any:
+    """``rebuilt`` (a plan rebuilt from ``pinned``'s cuts and options, for ``--plan``) with the
+    pinned plan's action lists, validated: a hand-edited order survives a recompile."""
+    if not pinned.schedule.actions:
+        return rebuilt
+    plan = replace(rebuilt, schedule=replace(rebuilt.schedule, actions=pinned.schedule.actions))
+    plan_actions(plan)
+    return plan
+
+
+def _parse(lists: tuple[tuple[str, ...], ...], ranks: int) -> Schedule:
+    if len(lists) != ranks:
+        raise ScheduleError(
+            f"plan.schedule.actions has {len(lists)} lists but the pipeline has {ranks} ranks; give one list per rank"
+        )
+    schedule: Schedule = {}
+    for rank, texts in enumerate(lists):
+        actions = []
+        for position, text in enumerate(texts):
+            try:
+                action = Action.parse(text)
+            except ScheduleError as exc:
+                raise ScheduleError(f"plan.schedule.actions: rank {rank}, position {position}: {exc}") from None
+            if not action.is_compute:
+                raise ScheduleError(
+                    f"plan.schedule.actions: rank {rank}, position {position}: {action} is a message; the lists hold "
+                    "F, B, I and W only (the sends and receives are added from them)"
+                )
+            actions.append(action)
+        schedule[rank] = actions
+    return schedule

@@ -1,0 +1,123 @@
+"""The plan holds each rank's action list, and what runs is exactly that list.
+
+The lists are written into plan.json and schedule.csv by the compile; `train.py` validates them
+before any rank waits for a peer (a bad hand edit is one line naming the rank and the position,
+exit code 2), and a valid hand edit changes the order the ranks run (read back from the measured
+``--trace``) without changing the losses or the weights.
+"""
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from autopart.tools import cli
+from autopart.ir.errors import ScheduleError
+from autopart.ir.plan import load_plan
+from autopart.predict.timeline import plan_schedule
+from autopart.runtime import train
+from autopart.schedule import action_lists, add_communication, build_schedule, read_chrome_trace, read_schedule_csv
+from tests.distributed import REPO, Trained, assert_same_training, read_metrics, run_ranks, stage_weights
+from tests.test_bad_inputs import refused
+
+PP, MICROBATCHES = 2, 4
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory) -> Path:
+    """1F1B over two ranks, four microbatches of one sample: small, and with room to reorder."""
+    out = tmp_path_factory.mktemp("actions") / "out"
+    cli.main(["compile", str(REPO / "examples" / "gpt.py"), "-o", str(out), "--pp", str(PP), "--microbatches",
+              str(MICROBATCHES), "--global-batch-size", str(MICROBATCHES), "--schedule", "1f1b"])
+    return out
+
+
+def _edited(compiled: Path, folder: Path, edit) -> Path:
+    """A copy of the output directory whose plan.json's action lists ``edit`` changed in place."""
+    out = shutil.copytree(compiled, folder / "out")
+    data = json.loads((out / "plan.json").read_text())
+    edit(data["schedule"]["actions"])
+    (out / "plan.json").write_text(json.dumps(data, indent=2))
+    return out
+
+
+def test_the_plan_and_schedule_csv_hold_the_same_lists(compiled):
+    plan = load_plan(compiled / "plan.json")
+    generated = build_schedule("1f1b", ranks=PP, microbatches=MICROBATCHES)
+    assert plan.schedule.actions == action_lists(generated)
+    assert read_schedule_csv(compiled / "schedule.csv") == generated
+    assert plan_schedule(plan) == add_communication(generated, ranks=PP)
+
+
+def _swap(actions, rank, a, b):
+    i, j = actions[rank].index(a), actions[rank].index(b)
+    actions[rank][i], actions[rank][j] = actions[rank][j], actions[rank][i]
+
+
+BAD_EDITS = {  # name -> (the edit of the lists, the pattern of the one line)
+    "on_the_wrong_rank": (lambda a: a[0].insert(0, a[1].pop(0)),
+                          r"rank 0, position 0: 1F0 is on the wrong rank: stage 1 lives on rank 1"),
+    "missing_backward": (lambda a: a[1].remove("1B3"), r"stage 1, microbatch 3 never runs its backward"),
+    "backward_first": (lambda a: _swap(a, 1, "1F0", "1B0"), r"rank 1, position 0: 1B0 runs before 1F0"),
+    "malformed": (lambda a: a[1].__setitem__(2, "1X1"), r"rank 1, position 2: malformed action '1X1'"),
+    "a_message": (lambda a: a[0].insert(1, "0SEND_F0"), r"rank 0, position 1: 0SEND_F0 is a message"),
+    "one_list": (lambda a: a.pop(), r"has 1 lists but the pipeline has 2 ranks"),
+    # rank 1 sends microbatch 1's gradient first; rank 0 would take it as microbatch 0's
+    "receives_out_of_order": (lambda a: _swap(a, 1, "1F0", "1F1") or _swap(a, 1, "1B0", "1B1"),
+                              r"rank 0, position 2: 0RECV_B0 receives out of order: gradient message 0 from "
+                              r"rank 1 is 1SEND_B1"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_EDITS))
+def test_a_bad_edit_is_one_line_before_any_peer(tmp_path, capsys, monkeypatch, compiled, case):
+    edit, pattern = BAD_EDITS[case]
+    out = _edited(compiled, tmp_path, edit)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", str(PP))
+    line = refused(capsys, lambda: train.main(out, []), out)
+    assert line.startswith("autopart: error: plan.schedule.actions"), line
+    assert re.search(pattern, line), line
+
+
+def test_a_plan_without_lists_runs_its_kind(compiled):
+    # Plans written before the lists were stored ran their kind's order: they keep running it.
+    data = json.loads((compiled / "plan.json").read_text())
+    del data["schedule"]["actions"]
+    from autopart.ir.plan import Plan
+
+    old = Plan.from_json(data)
+    assert old.schedule.actions == ()
+    assert plan_schedule(old) == plan_schedule(load_plan(compiled / "plan.json"))
+
+
+def test_compile_with_an_edited_plan_keeps_its_lists(tmp_path, capsys, compiled):
+    gpipe = action_lists(build_schedule("gpipe", ranks=PP, microbatches=MICROBATCHES))
+    edited = _edited(compiled, tmp_path, lambda a: a.__setitem__(slice(None), [list(r) for r in gpipe]))
+    again = tmp_path / "again"
+    cli.main(["compile", str(REPO / "examples" / "gpt.py"), "-o", str(again), "--plan", str(edited / "plan.json")])
+    assert load_plan(again / "plan.json").schedule.actions == gpipe
+    assert read_schedule_csv(again / "schedule.csv") == build_schedule("gpipe", ranks=PP, microbatches=MICROBATCHES)
+    broken = _edited(compiled, tmp_path / "b", lambda a: a[1].remove("1B3"))
+    line = refused(capsys, lambda: cli.main(["compile", str(REPO / "examples" / "gpt.py"), "-o",
+                                             str(tmp_path / "c"), "--plan", str(broken / "plan.json")]))
+    assert "plan.schedule.actions: stage 1, microbatch 3 never runs its backward" in line, line
+
+
+@pytest.mark.multiprocess
+def test_a_hand_edited_order_is_what_runs(tmp_path, compiled):
+    # GPipe's order under the 1F1B plan: every forward first on both ranks.
+    gpipe = build_schedule("gpipe", ranks=PP, microbatches=MICROBATCHES)
+    out = _edited(compiled, tmp_path, lambda a: a.__setitem__(slice(None), [list(r) for r in action_lists(gpipe)]))
+    assert action_lists(gpipe) != load_plan(compiled / "plan.json").schedule.actions
+    trace, metrics = tmp_path / "measured.json", tmp_path / "metrics.jsonl"
+    result = run_ranks(out, PP, "--steps", "2", "--lr", "0.1", "--optimizer", "sgd", "--metrics", str(metrics),
+                       "--save-weights", str(tmp_path / "final"), "--trace", str(trace), timeout=180)
+    assert result.returncode == 0, result.stderr
+    measured = read_chrome_trace(trace)
+    assert {r: [e.action for e in events] for r, events in measured.per_rank().items()} == gpipe
+    run = Trained(plan=load_plan(out / "plan.json"), out=out, metrics=read_metrics(metrics),
+                  finals=stage_weights(tmp_path / "final"), steps=2, trace=trace)
+    assert_same_training(run, optimizer="sgd", lr=0.1)
