@@ -36,6 +36,9 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--gpus-per-node", type=int, default=8, help="devices per node; larger groups cross nodes (default 8)")
     c.add_argument("--zero", action="store_true", default=None,
                    help="shard optimizer state over data-parallel ranks (ZeRO-1; default off, or searched)")
+    c.add_argument("--sp", action=argparse.BooleanOptionalAction, default=None,
+                   help="sequence parallelism with --tp: norms and residuals split over the sequence, reduce-scatter"
+                        " and all-gather for TP's all-reduces (default on, or searched); --no-sp turns it off")
     batch = c.add_mutually_exclusive_group()
     batch.add_argument("--microbatches", type=int, help="microbatches per step")
     batch.add_argument("--micro-batch-size", type=int, help="samples per microbatch")
@@ -183,6 +186,7 @@ def _compile(args: argparse.Namespace, console: Console) -> None:
         tp=args.tp,
         dp=args.dp,
         zero=args.zero,
+        sp=args.sp,
         gpus_per_node=args.gpus_per_node,
         microbatches=args.microbatches,
         micro_batch_size=args.micro_batch_size,

@@ -65,6 +65,8 @@ class CompileOptions:
     """Data-parallel degree: copies of the whole pipeline, each on its share of the batch; 1 unless searched."""
     zero: bool | None = None
     """Shard the optimizer state over the data-parallel group (ZeRO-1); off unless searched."""
+    sp: bool | None = None
+    """Sequence parallelism with TP (``autopart.solver.sequence``); on unless searched, a no-op at tp 1."""
     gpus_per_node: int = 8
     """Devices per node: collectives of groups larger than this cross nodes."""
     microbatches: int | None = None
@@ -192,7 +194,7 @@ class CompileOptions:
         return total, m, b
 
 
-_DEFAULTS = {"pp": 1, "tp": 1, "dp": 1, "zero": False, "schedule": "1f1b", "chunks": 1, "recompute": "none",
+_DEFAULTS = {"pp": 1, "tp": 1, "dp": 1, "zero": False, "sp": True, "schedule": "1f1b", "chunks": 1, "recompute": "none",
              "dtype": "fp32"}
 """What the options not given are when nothing is searched."""
 
@@ -224,7 +226,8 @@ def _sharded(front: _Front, options: CompileOptions) -> _Front:
     if options.tp == 1:
         return replace(front, shardings=None)
     across = options.tp > options.gpus_per_node
-    shardings = tuple(shard_chain(front.chain, tp=options.tp, cost_model=front.cost_model, across_nodes=across))
+    shardings = tuple(shard_chain(front.chain, tp=options.tp, cost_model=front.cost_model, across_nodes=across,
+                                  sequence_parallel=bool(options.sp)))
     return replace(front, shardings=shardings)
 
 
@@ -490,6 +493,7 @@ def _plan_from_cuts(
             torch_version=torch.__version__,
         ),
         zero=options.zero,
+        sp=bool(options.sp) and options.tp > 1,
         graph_inputs=graph_inputs,
         optimizer=options.optimizer,
         tied_parameters={p: tuple(s) for p, s in holders.items() if len(s) > 1},
@@ -735,6 +739,7 @@ def _pinned(options: CompileOptions, pinned: Plan) -> tuple[Plan, _Front]:
             global_batch_size=pinned.schedule.global_batch_size,
             optimizer=pinned.optimizer,
             zero=pinned.zero,
+            sp=pinned.sp,
             recompute=tuple(stage.recompute for stage in pinned.stages),
             dtype=pinned.dtype,
             capture=pinned.provenance.capture if pinned.provenance.capture in ("fx", "export") else None,

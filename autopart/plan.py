@@ -96,6 +96,7 @@ class Plan:
     predicted: Predicted
     provenance: Provenance
     zero: bool = False  # optimizer state sharded over the data-parallel group (ZeRO-1)
+    sp: bool = False  # sequence parallelism: TP's residual stream split over the sequence (autopart.solver.sequence)
     graph_inputs: tuple[str, ...] = ()  # the model's inputs in call order, then "target" when there is a loss_fn
     optimizer: str = "adamw"
     tied_parameters: dict[str, tuple[int, ...]] = field(default_factory=dict)  # parameter -> stages holding it
@@ -188,6 +189,7 @@ class Plan:
                 search=provenance.sub("search").data if "search" in provenance.data else {},
             ),
             zero=reader.bool("zero"),
+            sp=reader.bool("sp") if "sp" in reader.data else False,  # plans written before it had none
             graph_inputs=tuple(str(n) for n in reader.list("graph_inputs")),
             optimizer=reader.str("optimizer"),
             tied_parameters={
@@ -285,7 +287,7 @@ class _Reader:
 
 
 _DECIDED = {
-    "": ("mesh", "zero", "graph_inputs", "optimizer", "tied_parameters", "dtype"),
+    "": ("mesh", "zero", "sp", "graph_inputs", "optimizer", "tied_parameters", "dtype"),
     "schedule": ("kind", "microbatches", "micro_batch_size", "global_batch_size", "chunks"),
     "provenance": ("capture", "leaves"),
 }
