@@ -100,8 +100,27 @@ def shard_stage_graph(
                 node.args, lambda a: convert(a, REPLICATE, False, node) if placement.get(a.name, REPLICATE) != REPLICATE else a
             )
     graph.eliminate_dead_code()
+    _fuse_gathered_linears(graph)
     graph.lint()
     return replace(stage, graph=graph)
+
+
+def _fuse_gathered_linears(graph: fx.Graph) -> None:
+    """A linear that alone reads a ``gather_from_sequence`` becomes ``tp.gathered_linear`` of the
+    slice, which gathers again in backward instead of keeping the whole input (Megatron-SP)."""
+    for gather in list(graph.nodes):
+        if gather.target is not collectives.gather_from_sequence or len(gather.users) != 1:
+            continue
+        linear = next(iter(gather.users))
+        if op_name(linear) != "linear" or is_aten(linear) or not linear.args or linear.args[0] is not gather:
+            continue
+        weight = linear.args[1] if len(linear.args) > 1 else linear.kwargs.get("weight")
+        if gather in (weight, argument(linear, 2, "bias")):
+            continue
+        shard, dim = gather.args
+        linear.target, linear.op = collectives.gathered_linear, "call_function"
+        linear.args, linear.kwargs = (shard, weight, argument(linear, 2, "bias"), dim), {}
+        graph.erase_node(gather)
 
 
 def _replace_op(node: fx.Node, kind: str) -> None:

@@ -36,6 +36,7 @@ __all__ = [
     "scatter",
     "reduce_scatter",
     "gather_from_sequence",
+    "gathered_linear",
     "vocab_parallel_embedding",
     "vocab_parallel_cross_entropy",
 ]
@@ -152,6 +153,30 @@ class _GatherFromSequence(torch.autograd.Function):
         return _reduce_slice(grad, ctx.dim), None
 
 
+class _GatheredLinear(torch.autograd.Function):
+    """``F.linear(gather_from_sequence(x, dim), weight, bias)`` that keeps only the local slice of
+    x for backward and gathers it again there, as Megatron-SP's linear does: the gathered input,
+    t times the slice, is never held between forward and backward."""
+
+    @staticmethod
+    def forward(ctx, shard: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dim: int) -> torch.Tensor:
+        ctx.dim, ctx.has_bias = dim, bias is not None
+        whole = _gather(shard, dim, 1)
+        ctx.save_for_backward(shard, weight)
+        return F.linear(whole, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        shard, weight = ctx.saved_tensors
+        whole = _gather(shard, ctx.dim, 1).to(grad.dtype)
+        grad_whole = grad @ weight.to(grad.dtype)
+        grad_shard = _reduce_slice(grad_whole, ctx.dim).to(shard.dtype)
+        flat_grad = grad.reshape(-1, grad.shape[-1])
+        grad_weight = (flat_grad.t() @ whole.reshape(-1, whole.shape[-1])).to(weight.dtype)
+        grad_bias = flat_grad.sum(0) if ctx.has_bias else None
+        return grad_shard, grad_weight, grad_bias, None
+
+
 def all_reduce(tensor: torch.Tensor) -> torch.Tensor:
     return _AllReduce.apply(tensor)
 
@@ -174,6 +199,10 @@ def reduce_scatter(tensor: torch.Tensor, dim: int) -> torch.Tensor:
 
 def gather_from_sequence(tensor: torch.Tensor, dim: int) -> torch.Tensor:
     return _GatherFromSequence.apply(tensor, dim)
+
+
+def gathered_linear(shard: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, dim: int = 1) -> torch.Tensor:
+    return _GatheredLinear.apply(shard, weight, bias, dim)
 
 
 def vocab_parallel_embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

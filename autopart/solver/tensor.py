@@ -37,8 +37,8 @@ from autopart.solver._cp_sat import cp_model
 from torch import fx
 
 from autopart.blocks import Block, BlockChain
-from autopart.solver.sequence import boundary_placement
-from autopart.solver.sharding import REPLICATE, Placement, Strategy, is_tuple_of_tensors
+from autopart.solver.sequence import SEQUENCE_DIM, boundary_placement
+from autopart.solver.sharding import REPLICATE, Placement, Strategy, is_tuple_of_tensors, op_name, shard
 from autopart.solver.sharding_rules import strategies
 from cost_models import CostModel
 
@@ -163,6 +163,27 @@ class _BlockModel:
             for n in self.members for i, strategy in enumerate(self.options[n.name]) if saved[n.name].saved_bytes
         ]  # fmt: skip
 
+    def _local_saved_bytes(self, node: fx.Node, strategy: Strategy, chosen: dict[str, Strategy]) -> int:
+        """What the op saves for backward on one rank: a t-th where it is split, except the inputs
+        it reads whole (a column-parallel linear keeps its whole input), unless that input is
+        gathered from a sequence split by a linear that alone reads it (``gathered_linear``
+        keeps the slice)."""
+        costs = self.chain.op_graph.nodes
+        saved = costs[node.name].saved_bytes
+        if not strategy.divided:
+            return saved
+        whole = 0
+        for arg, required in zip(node.all_input_nodes, strategy.inputs):
+            cost = costs.get(arg.name)
+            if required != REPLICATE or cost is None or cost.output is None or not cost.needs_grad or cost.is_parameter:
+                continue
+            source = chosen[arg.name].output if arg.name in chosen else self._boundary(arg.name)
+            regathered = op_name(node) == "linear" and len(arg.users) == 1 and node.args[0] is arg
+            if not (regathered and source == shard(SEQUENCE_DIM)):
+                whole += cost.output.nbytes
+        whole = min(whole, saved)
+        return whole + (saved - whole) // self.t
+
     def _tensorish(self, node: fx.Node) -> bool:
         return self.chain.op_graph.nodes[node.name].output is not None or is_tuple_of_tensors(node, self.chain.op_graph)
 
@@ -248,14 +269,24 @@ class _BlockModel:
         solver.parameters.num_workers = 2
         status = solver.solve(self.model)
         assert status in (cp_model.OPTIMAL, cp_model.FEASIBLE), "the replicated strategy is always feasible"
+        result = self._result(solver)
         levels = [self.objective, self.memory] + ([self._activations()] if self.sequence_parallel else [])
         levels.append(self.communication)
         for objective, then in zip(levels, levels[1:]):
             best = round(solver.objective_value)  # of ``objective``: bound it, and go on to ``then``
             self.model.add(sum(objective) <= best + round(best * TIME_TOLERANCE))
             self.model.minimize(sum(then))
+            self.model.clear_hints()  # start from the layout found: it satisfies the new bound
+            for bools in (*self.choice.values(), *(placed.values() for placed in self.placed.values())):
+                for var in bools:
+                    self.model.add_hint(var, solver.value(var))
             status = solver.solve(self.model)
-            assert status in (cp_model.OPTIMAL, cp_model.FEASIBLE), "the layout found before is a solution"
+            if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+                break  # out of time on a tie-break (a loaded machine): the layout found before stands
+            result = self._result(solver)
+        return result
+
+    def _result(self, solver: cp_model.CpSolver) -> BlockSharding:
         chosen = {
             n.name: self.options[n.name][next(i for i, b in enumerate(self.choice[n.name]) if solver.value(b))]
             for n in self.members
@@ -269,7 +300,7 @@ class _BlockModel:
         compute = sum(
             self.divided_seconds(n) if s.divided else costs[n].forward_s + costs[n].backward_s for n, s in chosen.items()
         )
-        saved = sum(costs[n].saved_bytes // (self.t if s.divided else 1) for n, s in chosen.items())
+        saved = sum(self._local_saved_bytes(self.fx_nodes[n], s, chosen) for n, s in chosen.items())
         saved += sum(costs[n].saved_bytes for n in self.block.nodes if n not in chosen)
         total = sum(solver.value(term) for term in self.objective) / _NS
         return BlockSharding(
