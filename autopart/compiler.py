@@ -37,7 +37,7 @@ from autopart.schedule import RECEIVE_KINDS, SCHEDULE_KINDS, Action, StageCosts,
 from autopart.schedule.shared import step_time
 from autopart.solver.pipeline import PipelineProblem, evaluate, solve_cuts, stage_ranges
 from autopart.solver.sharding import REPLICATE, Placement
-from autopart.solver.tensor import BlockSharding, shard_chain
+from autopart.solver.tensor import BlockSharding, listed_strategies, shard_chain
 from cost_models import CostDatabase, CostModel, ProfiledCostModel, get_cost_model, model_state_bytes
 from cost_models.memory import communicator_bytes
 from cost_models.database import PipelineMeasurement, plan_shape, tail_key
@@ -401,12 +401,8 @@ def _plan_from_cuts(
             holders.setdefault(p, []).append(s)
         needed = _batch_inputs(front.op_graph, stage_nodes[s], graph_inputs)
         times = [block_times[k] for k in r]
-        strategies = {
-            n: str(strategy)
-            for k in r
-            for n, strategy in (front.shardings[k].strategies.items() if front.shardings else ())
-            if strategy.output != REPLICATE or strategy.kind
-        }
+        strategies = {n: text for k in r for n, text in
+                      (listed_strategies(front.shardings[k], front.op_graph) if front.shardings else {}).items()}
         placements = _parameter_placements(front)
         backward = sum(problem.block_time_s[k] for k in r) - sum(f for f, _, _ in times)  # recompute included
         stages.append(

@@ -42,7 +42,7 @@ from autopart.solver.sharding import REPLICATE, Placement, Strategy, is_tuple_of
 from autopart.solver.sharding_rules import strategies
 from cost_models import CostModel
 
-__all__ = ["BlockSharding", "conversion", "shard_chain"]
+__all__ = ["BlockSharding", "conversion", "gathers_for_split_op", "listed_strategies", "shard_chain"]
 
 _NS = 1e9
 TIME_TOLERANCE = 0.05
@@ -386,3 +386,15 @@ def _candidates(
         solution = _solve_block(chain, k, t, cost_model, {}, across_nodes, sequence_parallel)
         found |= {placement for p, placement in solution.parameters.items() if p == parameter}
     return sorted(found)
+
+
+def listed_strategies(sharding: BlockSharding, op_graph) -> dict[str, str]:
+    """The strategies a plan lists: those other than the replicated one that emitting assumes for an
+    op it does not find (all tensor inputs replicated). A replicated op that leaves an input as it
+    is (``b.type_as(y)`` reads only y's dtype, and y may be partial) is listed too."""
+    fx_nodes = {n.name: n for n in op_graph.fx_nodes()}
+    return {
+        name: str(strategy)
+        for name, strategy in sharding.strategies.items()
+        if strategy.output != REPLICATE or strategy.kind or strategy != strategies(fx_nodes[name], op_graph, 1)[0]
+    }
