@@ -10,8 +10,9 @@ import torch
 
 import autopart
 from autopart.compiler import CompileOptions, compile_to_directory
+from autopart.plan import load_plan
 from autopart.verify import verify
-from tests.distributed import FREE_LINKS, REPO, environment, free_port
+from tests.distributed import FREE_LINKS, REPO, environment, free_port, run_cli
 from tests.test_tensor_parallel import train_3d
 
 MEGATRON_LAYERS = '''
@@ -71,7 +72,11 @@ def test_sequence_parallelism_is_on_by_default_with_tp_and_recorded_in_the_plan(
     model = REPO / "examples" / "gpt.py"
     assert autopart.compile(model, tp=2, microbatches=2, device=str(FREE_LINKS)).sp
     assert not autopart.compile(model, tp=1, microbatches=2, device=str(FREE_LINKS)).sp
-    assert not autopart.compile(model, tp=2, sp=False, microbatches=2, device=str(FREE_LINKS)).sp
+    for flag, expected in (("--no-sp", False), ("--sp", True)):  # the command line pins it either way
+        out = tmp_path / flag
+        result = run_cli("compile", str(model), "-o", str(out), "--tp", "2", flag, "--device", str(FREE_LINKS))
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert load_plan(out / "plan.json").sp is expected
 
 
 # The examples have no dropout, so the distributed runs draw no random numbers and must equal
