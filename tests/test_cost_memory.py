@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from autopart.errors import ConfigError
+from autopart.ir.errors import ConfigError
 from cost_models import model_state_bytes
-from autopart.compiler import state_bytes
+from autopart.predict.memory import state_bytes
 from cost_models.memory import FRAMEWORK_OVERHEAD_BYTES, NCCL_BUFFER_BYTES, NCCL_CHANNELS, communicator_bytes
 
 PARAMETERS = 1_000_003  # Ψ
@@ -74,7 +74,7 @@ def test_nccl_buffers_per_peer_and_channel(kind: str, pp: int, tp: int, dp: int,
 
 
 def test_a_gpu_plan_predicts_the_nccl_buffers_on_every_rank(monkeypatch: pytest.MonkeyPatch) -> None:
-    from autopart.compiler import compile
+    from autopart.driver import compile
     from cost_models import memory
     from tests.distributed import REPO
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import autopart
-from autopart.compiler import CompileOptions, compile_to_directory
-from autopart.plan import load_plan
-from autopart.verify import verify
+from autopart.driver import CompileOptions, compile_to_directory
+from autopart.ir.plan import load_plan
+from autopart.tools.verify import verify
 from tests.distributed import FREE_LINKS, REPO, environment, free_port, run_cli
 from tests.test_tensor_parallel import train_3d
 

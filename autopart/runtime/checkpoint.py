@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autopart.errors import CheckpointError, ConfigError
+from autopart.ir.errors import CheckpointError, ConfigError
 from autopart.runtime.launch import file_sha256, plan_digest
 
 if TYPE_CHECKING:
@@ -110,7 +110,7 @@ def read_metadata_file(path: Path) -> Metadata:
 
 def _dcp():
     """torch.distributed.checkpoint, imported when a checkpoint is first saved or read: importing
-    it (DTensor and the symbolic-shape machinery with it) took 1.3 s of every rank's start."""
+    it (DTensor and the symbolic-shape machinery with it) costs every rank a noticeable share of its start."""
     import torch.distributed.checkpoint as dcp
 
     return dcp

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autopart.plan import Plan
+from autopart.ir.plan import Plan
 from autopart.runtime.mesh import Coordinates, Mesh
 from autopart.runtime.recipe import clip_factor
 

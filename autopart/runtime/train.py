@@ -31,6 +31,7 @@ latest good checkpoint there.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -42,9 +43,9 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
-from autopart.capture import load_model_file
-from autopart.errors import AutopartError, ConfigError, OneLineParser
-from autopart.plan import Plan, load_plan
+from autopart.ir.model_file import load_model_file
+from autopart.ir.errors import AutopartError, ConfigError, OneLineParser
+from autopart.ir.plan import Plan, load_plan
 from autopart.runtime.data import eval_batches, global_batches, model_file, split_microbatches
 from autopart.runtime.checkpoint import CheckpointContext, restarted
 from autopart.runtime.device import StepTimer, backend, compute_device, peak_memory_bytes
@@ -60,7 +61,8 @@ from autopart.runtime.recipe import Recipe, add_recipe_arguments, parameter_grou
 from autopart.runtime import collectives
 from autopart.runtime.mesh import Mesh, group_of
 from autopart.runtime.p2p import check_message_order
-from autopart.runtime.stage import check_checkpoint, load_stage, stage_names, weights_file_name
+from autopart.runtime.shards import weights_file_name
+from autopart.runtime.stage import check_checkpoint, load_stage, stage_names
 from autopart.schedule import Kind, add_communication, build_schedule, stage_rank
 
 __all__ = ["main", "parse_args"]
@@ -163,50 +165,12 @@ def _loop(
     data_parallel = group_of(device_mesh, "dp")
     schedule_spec = plan.schedule
     stage_count = len(plan.stages)
-    schedule = add_communication(
-        build_schedule(
-            schedule_spec.kind, ranks=mesh.pp, microbatches=schedule_spec.microbatches, chunks=schedule_spec.chunks
-        ),
-        ranks=mesh.pp,
-    )
-    check_message_order(schedule, ranks=mesh.pp)
-    split_backward = any(action.kind is Kind.I for action in schedule[here.pp])
-    stages: dict[int, StageRuntime] = {}
-    for stage_plan in plan.stages:
-        if stage_plan.rank != here.pp:
-            continue
-        s = stage_plan.index
-        peer = lambda stage: mesh.pipeline_peers(rank, stage_rank(stage, mesh.pp))  # noqa: E731
-        module = load_stage(
-            out_dir, s, device, tp_rank=here.tp, tp=mesh.tp, weights=args.weights, placements=stage_plan.parameter_placements
-        )  # fmt: skip
-        stages[s] = StageRuntime(
-            index=s,
-            module=module,
-            forward=StageForward(
-                module, recompute=stage_plan.recompute, dtype=plan.dtype, device=device, split_backward=split_backward
-            ),
-            inputs=[meta for _, meta in stage_plan.inputs],
-            output_metas=[meta for _, meta in stage_plan.outputs],
-            batch_inputs=[plan.graph_inputs.index(name) for name in stage_plan.batch_inputs],
-            prev_rank=peer(s - 1) if s > 0 else None,
-            next_rank=peer(s + 1) if s < stage_count - 1 else None,
-        )
+    stages, executor = _executor(out_dir, plan, args, rank, device)
     tied = tied_groups(plan, mesh, rank)
-    executor = Executor(
-        rank=here.pp,
-        stages=stages,
-        last_stage=stage_count - 1,
-        schedule=schedule,
-        microbatches=schedule_spec.microbatches,
-        device=device,
-    )
     modules = {s: stage.module for s, stage in stages.items()}
     parameters = [p for module in modules.values() for p in module.parameters()]
     recipe = Recipe.from_args(args)
-    named = [item for module in modules.values() for item in module.named_parameters()]
-    groups = parameter_groups(named, weight_decay=recipe.weight_decay, embeddings=plan.embedding_parameters)
-    optimizer = make_optimizer(args.optimizer, groups, args.lr, zero_group=data_parallel if plan.zero else None)
+    optimizer = _optimizer(modules, plan, args, recipe, data_parallel)
     spec = load_model_file(source_file, build=False)
     data = global_batches(spec, schedule_spec.global_batch_size, args.seed)
     holds_loss = stage_count - 1 in stages and here.tp == 0
@@ -219,24 +183,12 @@ def _loop(
     for _ in range(first_step):
         next(data)  # the data position: the batches of the steps already done
     scheduler = recipe.scheduler(optimizer, args.lr, args.steps, done=first_step)
-    batch_size = schedule_spec.global_batch_size
-    held_out = eval_batches(spec, batch_size, args.seed, args.eval_batches) if args.eval_every else []
+    held_out = eval_batches(spec, schedule_spec.global_batch_size, args.seed, args.eval_batches) if args.eval_every else []
     reporter = None
     if holds_loss and here.dp == 0:
-        reporter = StepReporter(steps=args.steps, first_step=first_step, metrics=args.metrics,
-                                tensorboard=args.tensorboard)  # fmt: skip
+        reporter = StepReporter(steps=args.steps, first_step=first_step, metrics=args.metrics, tensorboard=args.tensorboard)
 
-    def mean_loss(losses: list[torch.Tensor]) -> float:
-        """The mean over the global batch, of the microbatch losses held here (pipeline's last stage, tp 0)."""
-        loss = torch.stack(losses).to(torch.float64).mean().reshape(1)  # one host read per step, below
-        if data_parallel is not None:
-            dist.all_reduce(loss, group=data_parallel)
-        return loss.item() / mesh.dp
-
-    def shares(values: tuple) -> list[tuple]:
-        share = split_microbatches(values, mesh.dp)[here.dp]  # this replica's share of the global batch
-        return split_microbatches(share, schedule_spec.microbatches)
-
+    split = functools.partial(_shares, dp=mesh.dp, dp_rank=here.dp, microbatches=schedule_spec.microbatches)
     for step in range(first_step, args.steps):
         inject_failure(rank, step)
         inputs, target = next(data)
@@ -244,7 +196,7 @@ def _loop(
         clock = StepClock(device) if args.trace and step == args.steps - 1 else None
         record = clock.record if clock else [] if args.action_times else None
         timer = StepTimer(device)
-        losses = executor.step(shares(values), record=record, timer=timer)
+        losses = executor.step(split(values), record=record, timer=timer)
         tail_start, tail_cpu = timer.mark(), time.thread_time()
         for name, group in tied:
             sum_tied_gradients(modules, name, group)
@@ -267,40 +219,133 @@ def _loop(
         evaluated = args.eval_every and (step + 1) % args.eval_every == 0
         eval_losses: list[torch.Tensor] = []
         for batch in held_out if evaluated else []:  # outside the step's clock
-            eval_losses += executor.evaluate(shares(_graph_values(plan, *batch)))
+            eval_losses += executor.evaluate(split(_graph_values(plan, *batch)))
         if holds_loss:
-            loss = mean_loss(losses)
-            eval_loss = mean_loss(eval_losses) if evaluated else None
+            loss = _mean_loss(losses, data_parallel, mesh.dp)
+            eval_loss = _mean_loss(eval_losses, data_parallel, mesh.dp) if evaluated else None
             if reporter is not None:
-                step_s = elapsed.item()
-                line = {"step": step, "loss": loss, "step_s": step_s, "peak_memory_bytes": peaks, "lr": lr}
-                line |= {"grad_norm": norm} if norm is not None else {}
-                line |= {"eval_loss": eval_loss} if eval_loss is not None else {}
-                reporter.step(line, Throughput.of(plan, tokens=tokens_in(inputs), step_s=step_s))
+                line = {"step": step, "loss": loss, "step_s": elapsed.item(), "peak_memory_bytes": peaks, "lr": lr}
+                _report(reporter, plan, inputs, line, norm, eval_loss)
         if clock is not None:
-            name = Path(plan.provenance.model_file).name
-            title = f"measured: {name}, {schedule_spec.kind}, pp={mesh.pp}, step {step}"
-
-            def drawn(r: int) -> int | None:
-                where = mesh.coordinates(r)
-                return where.pp if where.dp == 0 and where.tp == 0 else None
-
-            timeline = write_measured_trace(
-                clock, rank=rank, ranks=mesh.pp, path=args.trace, title=title, pipeline_rank=drawn
-            )
-            if timeline is not None:
-                print(f"wrote {args.trace}: step {step} measured {timeline.step_s * 1e3:.3f} ms, "
-                      f"bubble {timeline.bubble:.1%}", flush=True)
+            _write_trace(clock, plan, args, rank, step)
         done = step + 1
         if args.checkpoint_dir and (done == args.steps or (args.checkpoint_every and done % args.checkpoint_every == 0)):
             checkpointing.save(done)
     if reporter is not None:
         reporter.close()
     if args.save_weights and here.dp == 0:
-        args.save_weights.mkdir(parents=True, exist_ok=True)
-        for s, stage in stages.items():
-            state = {k: v.detach().cpu().contiguous() for k, v in stage.module.state_dict().items()}
-            save_file(state, str(args.save_weights / weights_file_name(s, here.tp, mesh.tp)))
+        _save_weights(args.save_weights, stages, here.tp, mesh.tp)
+
+def _optimizer(modules: dict[int, torch.nn.Module], plan: Plan, args: argparse.Namespace, recipe: Recipe,
+               data_parallel: Any) -> torch.optim.Optimizer:
+    """The optimizer over this rank's parameters, in the recipe's groups, sharded over dp with ZeRO-1."""
+    named = [item for module in modules.values() for item in module.named_parameters()]
+    groups = parameter_groups(named, weight_decay=recipe.weight_decay, embeddings=plan.embedding_parameters)
+    return make_optimizer(args.optimizer, groups, args.lr, zero_group=data_parallel if plan.zero else None)
+
+
+def _report(reporter: StepReporter, plan: Plan, inputs: tuple, line: dict, norm: float | None,
+            eval_loss: float | None) -> None:
+    """One step's line, with the gradient norm and the held-out loss where there are ones."""
+    line |= {"grad_norm": norm} if norm is not None else {}
+    line |= {"eval_loss": eval_loss} if eval_loss is not None else {}
+    reporter.step(line, Throughput.of(plan, tokens=tokens_in(inputs), step_s=line["step_s"]))
+
+
+def _executor(out_dir: Path, plan: Plan, args: argparse.Namespace, rank: int, device: torch.device
+              ) -> tuple[dict[int, StageRuntime], Executor]:
+    """This rank's stages and the executor that runs its action list of the plan's schedule."""
+    mesh = Mesh.of(plan)
+    here = mesh.coordinates(rank)
+    schedule_spec = plan.schedule
+    stage_count = len(plan.stages)
+    schedule = add_communication(
+        build_schedule(
+            schedule_spec.kind, ranks=mesh.pp, microbatches=schedule_spec.microbatches, chunks=schedule_spec.chunks
+        ),
+        ranks=mesh.pp,
+    )
+    check_message_order(schedule, ranks=mesh.pp)
+    split_backward = any(action.kind is Kind.I for action in schedule[here.pp])
+    stages = _stages_here(out_dir, plan, args, rank, device, split_backward=split_backward)
+    executor = Executor(
+        rank=here.pp,
+        stages=stages,
+        last_stage=stage_count - 1,
+        schedule=schedule,
+        microbatches=schedule_spec.microbatches,
+        device=device,
+    )
+    return stages, executor
+
+
+def _stages_here(out_dir: Path, plan: Plan, args: argparse.Namespace, rank: int, device: torch.device, *,
+                 split_backward: bool) -> dict[int, StageRuntime]:
+    """The stages this rank runs, loaded with their weights and wired to their pipeline peers."""
+    mesh = Mesh.of(plan)
+    here = mesh.coordinates(rank)
+    stage_count = len(plan.stages)
+    stages: dict[int, StageRuntime] = {}
+    for stage_plan in plan.stages:
+        if stage_plan.rank != here.pp:
+            continue
+        s = stage_plan.index
+        peer = lambda stage: mesh.pipeline_peers(rank, stage_rank(stage, mesh.pp))  # noqa: E731
+        module = load_stage(
+            out_dir, s, device, tp_rank=here.tp, tp=mesh.tp, weights=args.weights, placements=stage_plan.parameter_placements
+        )  # fmt: skip
+        stages[s] = StageRuntime(
+            index=s,
+            module=module,
+            forward=StageForward(
+                module, recompute=stage_plan.recompute, dtype=plan.dtype, device=device, split_backward=split_backward
+            ),
+            inputs=[meta for _, meta in stage_plan.inputs],
+            output_metas=[meta for _, meta in stage_plan.outputs],
+            batch_inputs=[plan.graph_inputs.index(name) for name in stage_plan.batch_inputs],
+            prev_rank=peer(s - 1) if s > 0 else None,
+            next_rank=peer(s + 1) if s < stage_count - 1 else None,
+        )
+    return stages
+
+
+def _mean_loss(losses: list[torch.Tensor], data_parallel: Any, dp: int) -> float:
+    """The mean over the global batch, of the microbatch losses held here (pipeline's last stage, tp 0)."""
+    loss = torch.stack(losses).to(torch.float64).mean().reshape(1)  # one host read per step, below
+    if data_parallel is not None:
+        dist.all_reduce(loss, group=data_parallel)
+    return loss.item() / dp
+
+
+def _shares(values: tuple, dp: int, dp_rank: int, microbatches: int) -> list[tuple]:
+    share = split_microbatches(values, dp)[dp_rank]  # this replica's share of the global batch
+    return split_microbatches(share, microbatches)
+
+
+def _write_trace(clock: StepClock, plan: Plan, args: argparse.Namespace, rank: int, step: int) -> None:
+    """The measured timeline of ``step`` as a Chrome trace, drawn for the first pipeline's ranks."""
+    mesh = Mesh.of(plan)
+    name = Path(plan.provenance.model_file).name
+    title = f"measured: {name}, {plan.schedule.kind}, pp={mesh.pp}, step {step}"
+
+    def drawn(r: int) -> int | None:
+        where = mesh.coordinates(r)
+        return where.pp if where.dp == 0 and where.tp == 0 else None
+
+    timeline = write_measured_trace(
+        clock, rank=rank, ranks=mesh.pp, path=args.trace, title=title, pipeline_rank=drawn
+    )
+    if timeline is not None:
+        print(f"wrote {args.trace}: step {step} measured {timeline.step_s * 1e3:.3f} ms, "
+              f"bubble {timeline.bubble:.1%}", flush=True)
+
+
+def _save_weights(folder: Path, stages: dict[int, StageRuntime], tp_rank: int, tp: int) -> None:
+    """Each stage's trained weights, in the files the output directory's weights/ uses."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for s, stage in stages.items():
+        state = {k: v.detach().cpu().contiguous() for k, v in stage.module.state_dict().items()}
+        save_file(state, str(folder / weights_file_name(s, tp_rank, tp)))
 
 
 def _graph_values(plan: Plan, inputs: tuple, target: Any) -> tuple:
