@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["RECOMPUTE_MODES", "KEPT_OPS", "keeps_output"]
+__all__ = ["RECOMPUTE_MODES", "KEPT_OPS", "dropout_mask_bytes", "keeps_output"]
 
 
 RECOMPUTE_MODES = ("none", "selective", "full")
