@@ -38,6 +38,8 @@ class CompileOptions:
     zero: int | None = None
     """What to shard over the data-parallel group: 1 the optimizer state (ZeRO-1), 2 the gradients
     too, 3 the parameters too (2 and 3 through FSDP); 0 (or False) nothing; True means 1; 0 unless searched."""
+    sp: bool | None = None
+    """Sequence parallelism with TP (``autopart.solve.sequence``); on unless searched, a no-op at tp 1."""
     gpus_per_node: int = 8
     """Devices per node: collectives of groups larger than this cross nodes."""
     microbatches: int | None = None
@@ -176,7 +178,7 @@ class CompileOptions:
         return total, m, b
 
 
-_DEFAULTS = {"pp": 1, "tp": 1, "dp": 1, "zero": 0, "schedule": "1f1b", "chunks": 1, "recompute": "none",
+_DEFAULTS = {"pp": 1, "tp": 1, "dp": 1, "zero": 0, "sp": True, "schedule": "1f1b", "chunks": 1, "recompute": "none",
              "dtype": "fp32"}
 """What the options not given are when nothing is searched."""
 

@@ -67,10 +67,10 @@ build_model, example_batch, loss_fn = gpt.build_model, gpt.example_batch, gpt.lo
 '''
 
 
-def test_megatron_layout_is_chosen_for_a_gpt_block(tmp_path):
+def test_megatron_layout_is_chosen_for_a_gpt_block(tmp_path):  # without sequence parallelism: its all-reduces
     model = tmp_path / "gpt_block.py"
     model.write_text(GPT_BLOCK.format(examples=str(REPO / "examples")))
-    plan = autopart.compile(model, tp=2, microbatches=1, micro_batch_size=2, device="h100-sxm")
+    plan = autopart.compile(model, tp=2, sp=False, microbatches=1, micro_batch_size=2, device="h100-sxm")
     placements = plan.stages[0].parameter_placements
     for layer in range(2):
         assert placements[f"h.{layer}.attn.c_attn.weight"] == "S(0,3)"  # column-parallel fused QKV: q, k, v slices

@@ -59,7 +59,9 @@ def placements(plan) -> dict[str, str]:
 def test_megatron_layout_in_bf16_as_in_fp32(tmp_path, family, tp):
     # wide enough that matmuls, not kernel launches, decide: on the meta device, nothing is allocated
     model = model_file(tmp_path, family, vocab=32768, seq=1024, width=2048, heads=16, kv_heads=8, layers=1, meta=True)
-    plans = {dtype: autopart.compile(model, tp=tp, micro_batch_size=1, device="h100-sxm", dtype=dtype)
+    # without sequence parallelism: with it, whether a norm's or a bias's few weights are split and
+    # gathered again is a near tie (see tests/test_sequence_parallel.py for its layout)
+    plans = {dtype: autopart.compile(model, tp=tp, sp=False, micro_batch_size=1, device="h100-sxm", dtype=dtype)
              for dtype in ("fp32", "bf16")}  # fmt: skip
     assert plans["fp32"].provenance.capture == CAPTURE.get(family, "fx")
     fp32, bf16 = placements(plans["fp32"]), placements(plans["bf16"])

@@ -5,8 +5,10 @@ graph of ``autopart.codegen.stages`` and the solver's choices and returns the gr
 rank runs:
 
 - where a tensor's placement differs from what its consumer needs, the conversion is inserted
-  (``tp.all_reduce``, ``tp.all_gather``, ``tp.scatter``); a replicated tensor that needs a
-  gradient and feeds a split op goes through ``tp.copy_to_tp`` (all-reduce of its gradient);
+  (``tp.all_reduce``, ``tp.all_gather``, ``tp.scatter``, and with sequence parallelism
+  ``tp.reduce_scatter``); a replicated tensor that needs a gradient and feeds a split op goes
+  through ``tp.copy_to_tp`` (all-reduce of its gradient), or, gathered from a sequence split,
+  through ``tp.gather_from_sequence`` (its gradient reduce-scattered);
 - vocabulary-parallel embedding and cross-entropy become their ``tp.`` functions;
 - the shapes in views, reshapes and splits become the local ones (the code shows local head
   counts), and other numbers computed from activation sizes become the constants they are.
@@ -23,7 +25,7 @@ from autopart.passes.annotate import OpGraph
 from autopart.codegen.stages import StageGraph
 from autopart.runtime import collectives
 from autopart.solve.sharding import REPLICATE, Placement, Strategy, argument, constant_of, is_aten, local_shape, op_name
-from autopart.solve.tensor import conversion
+from autopart.solve.tensor import conversion, gathers_for_split_op
 
 __all__ = ["shard_stage_graph"]
 
@@ -55,11 +57,16 @@ def shard_stage_graph(
         if key in converted:
             return converted[key]
         current = placement.get(arg.name, REPLICATE)
-        step = conversion(current, required)
+        step = conversion(current, required, sequence_parallel=True)  # the plan chose; any legal step is emitted
         assert step is not None, f"{arg.name}: {current} cannot become {required}"
         value = arg
         with graph.inserting_before(before):
-            if current.kind == "P":
+            if gathers_for_split_op(current, required, copy):
+                value = graph.call_function(collectives.gather_from_sequence, (value, current.dim))
+                copy = False  # its backward already sums the partial gradients
+            elif current.kind == "P" and required.kind == "S":
+                value = graph.call_function(collectives.reduce_scatter, (value, required.dim))
+            elif current.kind == "P":
                 value = graph.call_function(collectives.all_reduce, (value,))
             elif current.kind == "S" and required == REPLICATE:
                 value = graph.call_function(collectives.all_gather, (value, current.dim, current.groups))
@@ -94,8 +101,27 @@ def shard_stage_graph(
                 node.args, lambda a: convert(a, REPLICATE, False, node) if placement.get(a.name, REPLICATE) != REPLICATE else a
             )
     graph.eliminate_dead_code()
+    _fuse_gathered_linears(graph)
     graph.lint()
     return replace(stage, graph=graph)
+
+
+def _fuse_gathered_linears(graph: fx.Graph) -> None:
+    """A linear that alone reads a ``gather_from_sequence`` becomes ``tp.gathered_linear`` of the
+    slice, which gathers again in backward instead of keeping the whole input (Megatron-SP)."""
+    for gather in list(graph.nodes):
+        if gather.target is not collectives.gather_from_sequence or len(gather.users) != 1:
+            continue
+        linear = next(iter(gather.users))
+        if op_name(linear) != "linear" or is_aten(linear) or not linear.args or linear.args[0] is not gather:
+            continue
+        weight = linear.args[1] if len(linear.args) > 1 else linear.kwargs.get("weight")
+        if gather in (weight, argument(linear, 2, "bias")):
+            continue
+        shard, dim = gather.args
+        linear.target, linear.op = collectives.gathered_linear, "call_function"
+        linear.args, linear.kwargs = (shard, weight, argument(linear, 2, "bias"), dim), {}
+        graph.erase_node(gather)
 
 
 def _replace_op(node: fx.Node, kind: str) -> None:

@@ -104,8 +104,9 @@ class Plan:
     provenance: Provenance
     zero: int = 0
     """What is sharded over the data-parallel group: 0 nothing, 1 the optimizer state (ZeRO-1),
-    2 the gradients too (FSDP, parameters gathered once a step), 3 the parameters too (FSDP,
-    each layer gathered for its forward and again for its backward, every microbatch)."""
+    2 the gradients too (FSDP, a stage's parameters gathered once a step), 3 the parameters too
+    (FSDP, a stage's parameters gathered for each forward and again for each backward)."""
+    sp: bool = False  # sequence parallelism: TP's residual stream split over the sequence (autopart.solve.sequence)
     graph_inputs: tuple[str, ...] = ()  # the model's inputs in call order, then "target" when there is a loss_fn
     optimizer: str = "adamw"
     tied_parameters: dict[str, tuple[int, ...]] = field(default_factory=dict)  # parameter -> stages holding it
@@ -147,17 +148,7 @@ class Plan:
         if len(stages) != mesh.data["pp"] * schedule.data["chunks"]:
             raise PlanError(f"plan.stages lists {len(stages)} stages but plan.mesh.pp x plan.schedule.chunks is "
                             f"{mesh.data['pp']} x {schedule.data['chunks']}; fix the field or recompile without --plan")
-        for position, stage in enumerate(stages):
-            where = f"plan.stages[{position}]"
-            if stage.index != position:
-                raise PlanError(f"{where}.index is {stage.index} but the stage is number {position} in the list; "
-                                "stages are listed in order")
-            if not 0 <= stage.rank < mesh.data["pp"]:
-                raise PlanError(f"{where}.rank is {stage.rank} but plan.mesh.pp is {mesh.data['pp']}: pipeline ranks "
-                                f"run from 0 to {mesh.data['pp'] - 1}; fix the field or recompile without --plan")
-            if len(stage.blocks) != 2 or not 0 <= stage.blocks[0] <= stage.blocks[1]:
-                raise PlanError(f"{where}.blocks must be [first, last] with 0 <= first <= last, got "
-                                f"{list(stage.blocks)}")
+        _check_stages(stages, mesh.data["pp"])
         return Plan(
             version=version,
             mesh={k: mesh.int(k) for k in ("pp", "tp", "dp")},
@@ -191,6 +182,7 @@ class Plan:
                 search=provenance.sub("search").data if "search" in provenance.data else {},
             ),
             zero=reader.zero_level("zero"),
+            sp=reader.bool("sp") if "sp" in reader.data else False,  # plans written before it had none
             graph_inputs=tuple(str(n) for n in reader.list("graph_inputs")),
             optimizer=reader.str("optimizer"),
             tied_parameters={
@@ -201,6 +193,21 @@ class Plan:
             stage_sha256={str(k): str(v) for k, v in reader.sub("stage_sha256").data.items()}
             if "stage_sha256" in reader.data else {},
         )
+
+
+def _check_stages(stages: tuple[StagePlan, ...], pp: int) -> None:
+    """Each stage numbered by its place in the list, on a pipeline rank below ``pp``, over blocks [first, last]."""
+    for position, stage in enumerate(stages):
+        where = f"plan.stages[{position}]"
+        if stage.index != position:
+            raise PlanError(f"{where}.index is {stage.index} but the stage is number {position} in the list; "
+                            "stages are listed in order")
+        if not 0 <= stage.rank < pp:
+            raise PlanError(f"{where}.rank is {stage.rank} but plan.mesh.pp is {pp}: pipeline ranks "
+                            f"run from 0 to {pp - 1}; fix the field or recompile without --plan")
+        if len(stage.blocks) != 2 or not 0 <= stage.blocks[0] <= stage.blocks[1]:
+            raise PlanError(f"{where}.blocks must be [first, last] with 0 <= first <= last, got "
+                            f"{list(stage.blocks)}")
 
 
 def _read_stage(data: Any, index: int) -> StagePlan:
@@ -285,6 +292,12 @@ class _Reader:
     def float(self, key: str) -> float:
         return float(self._get(key, (int, float), "a number"))
 
+    def bool(self, key: str) -> bool:
+        value = self.data.get(key)
+        if not isinstance(value, bool):
+            raise PlanError(f"{self.where}.{key} must be true or false, got {json.dumps(value)[:60]}")
+        return value
+
     def zero_level(self, key: str) -> int:
         """0 to 3; plans written when only ZeRO-1 existed say true or false."""
         value = self.data.get(key)
@@ -314,7 +327,7 @@ class _Reader:
 
 
 _DECIDED = {
-    "": ("mesh", "zero", "graph_inputs", "optimizer", "tied_parameters", "dtype"),
+    "": ("mesh", "zero", "sp", "graph_inputs", "optimizer", "tied_parameters", "dtype"),
     "schedule": ("kind", "microbatches", "micro_batch_size", "global_batch_size", "chunks"),
     "provenance": ("capture", "leaves"),
 }

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["RECOMPUTE_MODES", "KEPT_OPS", "keeps_output"]
+__all__ = ["RECOMPUTE_MODES", "KEPT_OPS", "dropout_mask_bytes", "keeps_output"]
 
 
 RECOMPUTE_MODES = ("none", "selective", "full")
@@ -30,3 +30,13 @@ def keeps_output(op: Any) -> bool:
     (``torch.ops.aten.mm.default``) or its name (``"aten.mm.default"``, as `Kernel.op` has it)."""
     namespace, _, rest = str(op).partition(".")
     return namespace == "aten" and rest.partition(".")[0] in KEPT_OPS
+
+
+def dropout_mask_bytes(target: Any, saved: Any, device_kind: str) -> int | None:
+    """Bytes that a dropout's saved mask takes on ``device_kind``, where that differs from the
+    tensor the measuring run saved (None otherwise). The CPU kernels (and fake tensors, which run
+    them) keep the mask in the input's dtype; CUDA's and ROCm's fused kernel keeps a bool mask,
+    one byte an element, which is what Korthikanti et al. count (the 5as/h term's third)."""
+    if device_kind not in ("cuda", "rocm") or "dropout" not in getattr(target, "__name__", str(target)):
+        return None
+    return saved.numel() if saved.is_floating_point() else None

@@ -38,7 +38,7 @@ from autopart.ir.tensors import DTYPES, TensorMeta, autocast_dtype, precision, t
 from autopart.passes.autocast_lists import cuda_autocast
 from autopart.ir.model_file import ModelSpec, is_meta
 from autopart.passes.capture import Graph, graph_args
-from autopart.ir.recompute import keeps_output
+from autopart.ir.recompute import dropout_mask_bytes, keeps_output
 from cost_models import CostModel, Kernel, KernelRecorder
 
 __all__ = ["NodeCost", "OpGraph", "annotate", "cost_key", "target_precision", "op_key", "leaves_for_grad"]
@@ -294,7 +294,7 @@ class _SavedBytes(fx.Interpreter):
     def __init__(self, module: fx.GraphModule, state: _State):
         super().__init__(module)
         self.state = state
-        self.current = ""
+        self.current, self.current_target = "", None
         # storages are told apart by their StorageImpl, which fake and meta tensors have too
         self.seen = {t.untyped_storage()._cdata for t in state.tensors.values()}
         self.saved: dict[str, int] = {}
@@ -308,19 +308,19 @@ class _SavedBytes(fx.Interpreter):
     def call_module(self, target: Any, args: tuple, kwargs: dict) -> Any:
         return self.state.call_leaf(str(target), args, kwargs)
 
-    def charge(self, into: dict[str, int], tensor: torch.Tensor, seen: set[int]) -> None:
+    def charge(self, into: dict[str, int], tensor: torch.Tensor, seen: set[int], nbytes: int | None = None) -> None:
         storage = tensor.untyped_storage()
         key = storage._cdata
         if key not in seen:
             seen.add(key)
-            into[self.current] = into.get(self.current, 0) + storage.nbytes()
+            into[self.current] = into.get(self.current, 0) + (storage.nbytes() if nbytes is None else nbytes)
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        self.charge(self.saved, tensor, self.seen)
+        self.charge(self.saved, tensor, self.seen, dropout_mask_bytes(self.current_target, tensor, self.state.device_kind))
         return tensor
 
     def run_node(self, node: fx.Node) -> Any:
-        self.current = node.name
+        self.current, self.current_target = node.name, node.target
         value = self.values[node.name] = super().run_node(node)
         return value
 

@@ -55,7 +55,8 @@ def sharded(front: Front, options: CompileOptions) -> Front:
     if options.tp == 1:
         return replace(front, shardings=None)
     across = options.tp > options.gpus_per_node
-    shardings = tuple(shard_chain(front.chain, tp=options.tp, cost_model=front.cost_model, across_nodes=across))
+    shardings = tuple(shard_chain(front.chain, tp=options.tp, cost_model=front.cost_model, across_nodes=across,
+                                  sequence_parallel=bool(options.sp)))
     return replace(front, shardings=shardings)
 
 

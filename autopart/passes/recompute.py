@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 
 __all__ = ["RecomputeCost", "recompute_cost", "stage_input_bytes", "transient_microbatches", "stage_modes", "check_mode"]
 
+
 @dataclass(frozen=True, kw_only=True)
 class RecomputeCost:
     """One stage in one recompute mode, per microbatch (bytes on one rank, before tensor parallelism)."""

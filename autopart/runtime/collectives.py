@@ -10,6 +10,14 @@ conversion's adjoint:
 | ``copy_to_tp``  | identity (R used by a split op) | sum the partial gradients |
 | ``all_gather``  | S(d) -> R                   | keep the local slice   |
 | ``scatter``     | R -> S(d): keep the local slice | all-gather         |
+| ``reduce_scatter`` | P -> S(d): sum, keep the local slice | all-gather    |
+| ``gather_from_sequence`` | S(d) -> R for a split op | reduce-scatter |
+
+The last two are Megatron's sequence parallelism (Korthikanti et al.): the all-reduce after a
+row-parallel linear becomes a reduce-scatter into the sequence-split region, and the input of a
+column-parallel linear is gathered from it; ``gather_from_sequence``'s gradient arrives partial
+(each rank's split op saw the whole input), so its backward sums as it scatters, where
+``all_gather`` followed by ``copy_to_tp`` would all-reduce the whole gradient and then slice it.
 
 ``S(d, g)`` tensors hold a slice of each of g groups: gathering puts every group back together.
 """
@@ -26,6 +34,9 @@ __all__ = [
     "copy_to_tp",
     "all_gather",
     "scatter",
+    "reduce_scatter",
+    "gather_from_sequence",
+    "gathered_linear",
     "vocab_parallel_embedding",
     "vocab_parallel_cross_entropy",
 ]
@@ -65,6 +76,17 @@ def _gather(tensor: torch.Tensor, dim: int, groups: int) -> torch.Tensor:
     dist.all_gather(pieces, tensor.contiguous(), group=_GROUP)
     per_rank = [piece.chunk(groups, dim) for piece in pieces]  # rank -> its slice of each group
     return torch.cat([per_rank[r][g] for g in range(groups) for r in range(t)], dim)
+
+
+def _reduce_slice(tensor: torch.Tensor, dim: int) -> torch.Tensor:
+    """The local slice along ``dim`` of the sum over the group."""
+    t = _size()
+    if t == 1:
+        return tensor.contiguous().clone()
+    moved = tensor.movedim(dim, 0).contiguous()  # reduce_scatter_tensor splits along dim 0
+    out = torch.empty((moved.shape[0] // t, *moved.shape[1:]), dtype=moved.dtype, device=moved.device)
+    dist.reduce_scatter_tensor(out, moved, group=_GROUP)
+    return out.movedim(0, dim).contiguous()
 
 
 class _AllReduce(torch.autograd.Function):
@@ -109,6 +131,52 @@ class _Scatter(torch.autograd.Function):
         return _gather(grad, ctx.dim, ctx.groups), None, None
 
 
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, dim: int) -> torch.Tensor:
+        ctx.dim = dim
+        return _reduce_slice(tensor, dim)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _gather(grad, ctx.dim, 1), None
+
+
+class _GatherFromSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, dim: int) -> torch.Tensor:
+        ctx.dim = dim
+        return _gather(tensor, dim, 1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _reduce_slice(grad, ctx.dim), None
+
+
+class _GatheredLinear(torch.autograd.Function):
+    """``F.linear(gather_from_sequence(x, dim), weight, bias)`` that keeps only the local slice of
+    x for backward and gathers it again there, as Megatron-SP's linear does: the gathered input,
+    t times the slice, is never held between forward and backward."""
+
+    @staticmethod
+    def forward(ctx, shard: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dim: int) -> torch.Tensor:
+        ctx.dim, ctx.has_bias = dim, bias is not None
+        whole = _gather(shard, dim, 1)
+        ctx.save_for_backward(shard, weight)
+        return F.linear(whole, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        shard, weight = ctx.saved_tensors
+        whole = _gather(shard, ctx.dim, 1).to(grad.dtype)
+        grad_whole = grad @ weight.to(grad.dtype)
+        grad_shard = _reduce_slice(grad_whole, ctx.dim).to(shard.dtype)
+        flat_grad = grad.reshape(-1, grad.shape[-1])
+        grad_weight = (flat_grad.t() @ whole.reshape(-1, whole.shape[-1])).to(weight.dtype)
+        grad_bias = flat_grad.sum(0) if ctx.has_bias else None
+        return grad_shard, grad_weight, grad_bias, None
+
+
 def all_reduce(tensor: torch.Tensor) -> torch.Tensor:
     return _AllReduce.apply(tensor)
 
@@ -123,6 +191,18 @@ def all_gather(tensor: torch.Tensor, dim: int, groups: int = 1) -> torch.Tensor:
 
 def scatter(tensor: torch.Tensor, dim: int, groups: int = 1) -> torch.Tensor:
     return _Scatter.apply(tensor, dim, groups)
+
+
+def reduce_scatter(tensor: torch.Tensor, dim: int) -> torch.Tensor:
+    return _ReduceScatter.apply(tensor, dim)
+
+
+def gather_from_sequence(tensor: torch.Tensor, dim: int) -> torch.Tensor:
+    return _GatherFromSequence.apply(tensor, dim)
+
+
+def gathered_linear(shard: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, dim: int = 1) -> torch.Tensor:
+    return _GatheredLinear.apply(shard, weight, bias, dim)
 
 
 def vocab_parallel_embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

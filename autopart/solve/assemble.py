@@ -29,6 +29,7 @@ from autopart.predict.timeline import simulate_pipeline
 from autopart.runtime.recipe import embedding_parameters
 from autopart.schedule import action_lists, build_schedule, stage_placement
 from autopart.solve.pipeline import PipelineProblem, evaluate, stage_ranges
+from autopart.solve.tensor import listed_strategies
 from cost_models.devices import DeviceSpec
 from cost_models.memory import communicator_bytes
 
@@ -126,6 +127,7 @@ def plan_from_cuts(
         ),
         provenance=_provenance(options, front, evaluation.objective_s, solver),
         zero=options.zero,
+        sp=bool(options.sp) and options.tp > 1,
         graph_inputs=front.op_graph.graph.input_names,
         optimizer=options.optimizer,
         tied_parameters={p: tuple(s) for p, s in holders.items() if len(s) > 1},
@@ -170,12 +172,8 @@ def _stage_plans(front: Front, problem: PipelineProblem, ranges: list[range], re
             holders.setdefault(p, []).append(s)
         needed = _batch_inputs(front.op_graph, stage_nodes[s], graph_inputs)
         times = [block_times[k] for k in r]
-        strategies = {
-            n: str(strategy)
-            for k in r
-            for n, strategy in (front.shardings[k].strategies.items() if front.shardings else ())
-            if strategy.output != REPLICATE or strategy.kind
-        }
+        strategies = {n: text for k in r for n, text in
+                      (listed_strategies(front.shardings[k], front.op_graph) if front.shardings else {}).items()}
         placements = parameter_placements(front)
         backward = sum(problem.block_time_s[k] for k in r) - sum(f for f, _, _ in times)  # recompute included
         stages.append(

@@ -35,6 +35,7 @@ def rebuild_pinned(options: CompileOptions, pinned: Plan) -> tuple[Plan, Front]:
             global_batch_size=pinned.schedule.global_batch_size,
             optimizer=pinned.optimizer,
             zero=pinned.zero,
+            sp=pinned.sp,
             recompute=tuple(stage.recompute for stage in pinned.stages),
             dtype=pinned.dtype,
             capture=pinned.provenance.capture if pinned.provenance.capture in ("fx", "export") else None,

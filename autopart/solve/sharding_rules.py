@@ -362,3 +362,15 @@ _RULES: dict[str, Callable[[fx.Node, OpGraph, int, list[fx.Node]], list[Strategy
     "repeat_interleave": _repeat_interleave,
     "cat": _cat,
 }
+
+
+def _matmul(node: fx.Node, op_graph: OpGraph, t: int, inputs: list[fx.Node]) -> list[Strategy]:
+    """``a @ b`` of (..., n, k) and (..., k, m): follow both along the leading (batch, head) dims;
+    attention written out (scores, then the values) splits over the heads as SDPA does."""
+    out = meta_of(op_graph, node)
+    if out is None or len(inputs) != 2 or any(meta_of(op_graph, a) is None for a in inputs):
+        return []
+    return follow(node, op_graph, t, inputs, out_dims=list(range(len(out.shape) - 2)))
+
+
+_RULES["matmul"] = _matmul

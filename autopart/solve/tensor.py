@@ -7,11 +7,14 @@ compute (divided by t where the op is split) plus the collectives that the choic
 - R -> S(d): a local slice forward, an all-gather of the gradient backward;
 - S(d) -> R: an all-gather forward;
 - P -> R: an all-reduce forward;
+- P -> S(d): a reduce-scatter forward, an all-gather backward (with sequence parallelism only);
+- S(d) -> R read by a split op: an all-gather forward, a reduce-scatter of its partial gradient
+  backward (Megatron-SP's ``g``);
 - a replicated tensor that needs a gradient, consumed by a split op, gets a partial gradient:
   one all-reduce backward (Megatron's ``f``);
 - any other change of placement is not allowed.
 
-Time first, then weights, then collectives: among the layouts within ``TIME_TOLERANCE`` of the
+Time first, then weights, (with sequence parallelism, then activations,) then collectives: among the layouts within ``TIME_TOLERANCE`` of the
 fastest, those within it of the fewest parameter bytes per rank, and of those the one whose
 collectives take least time (the collectives' figures, their overlap and contention, are the less
 certain part of the estimate; among layouts this close, Megatron's has the fewest). Where
@@ -19,8 +22,9 @@ kernels are launch-bound (small widths, a 16-bit matmul rate) splitting an op sa
 time, and a time-only objective would flip between the replicated and the Megatron layout on
 rounding while the replicated one holds t times the weights on every rank.
 
-What crosses a block boundary is replicated (a block's partial or sharded output is reduced or
-gathered as it leaves, at that collective's cost), so blocks are solved independently, and identical
+What crosses a block boundary is replicated, or with sequence parallelism split over the sequence
+(``autopart.solve.sequence``; a block's partial or sharded output is converted as it leaves, at
+that collective's cost), so blocks are solved independently, and identical
 blocks (the repeated layers) are solved once. A parameter read by two blocks (tied embeddings)
 gets one placement: each candidate is tried with both blocks pinned, and the cheapest kept.
 """
@@ -33,11 +37,12 @@ from autopart.solve._cp_sat import cp_model
 from torch import fx
 
 from autopart.passes.blocks import Block, BlockChain
-from autopart.solve.sharding import REPLICATE, Placement, Strategy, is_tuple_of_tensors
+from autopart.solve.sequence import SEQUENCE_DIM, boundary_placement
+from autopart.solve.sharding import REPLICATE, Placement, Strategy, is_tuple_of_tensors, op_name, shard
 from autopart.solve.sharding_rules import strategies
 from cost_models import CostModel
 
-__all__ = ["BlockSharding", "conversion", "shard_chain"]
+__all__ = ["BlockSharding", "conversion", "gathers_for_split_op", "listed_strategies", "shard_chain"]
 
 _NS = 1e9
 TIME_TOLERANCE = 0.05
@@ -53,14 +58,19 @@ class BlockSharding:
     compute_s: float  # forward + backward of one microbatch on one rank
     communication_s: float
     saved_bytes: int  # saved for backward on one rank
+    sequence_parallel: bool = False  # boundaries split over the sequence (``autopart.solve.sequence``)
 
     @property
     def time_s(self) -> float:
         return self.compute_s + self.communication_s
 
 
-def conversion(source: Placement, target: Placement) -> tuple[str | None, str | None] | None:
-    """(forward collective, backward collective) to turn ``source`` into ``target``; None if not allowed."""
+def conversion(
+    source: Placement, target: Placement, *, sequence_parallel: bool = False
+) -> tuple[str | None, str | None] | None:
+    """(forward collective, backward collective) to turn ``source`` into ``target``; None if not
+    allowed. The reduce-scatter (P -> S) only with ``sequence_parallel``: without it the layouts
+    stay the ones the all-reduce gives, which cost the same."""
     if source == target:
         return None, None
     if source == REPLICATE and target.kind == "S":
@@ -69,14 +79,25 @@ def conversion(source: Placement, target: Placement) -> tuple[str | None, str | 
         return "all_gather", None
     if source.kind == "P" and target == REPLICATE:
         return "all_reduce", None
+    if sequence_parallel and source.kind == "P" and target.kind == "S" and target.groups == 1:
+        return "reduce_scatter", "all_gather"
     return None
+
+
+def gathers_for_split_op(source: Placement, target: Placement, copy: bool) -> bool:
+    """Whether an S(d) -> R conversion whose result a split op reads (``copy``) is one
+    all-gather whose backward reduce-scatters, instead of an all-gather and an all-reduce of the
+    gradient (``autopart.runtime.collectives.gather_from_sequence``)."""
+    return copy and source.kind == "S" and source.groups == 1 and target == REPLICATE
 
 
 class _BlockModel:
     def __init__(
-        self, chain: BlockChain, block: Block, t: int, cost_model: CostModel, pinned: dict[str, Placement], across_nodes: bool
+        self, chain: BlockChain, block: Block, t: int, cost_model: CostModel, pinned: dict[str, Placement], across_nodes: bool,
+        sequence_parallel: bool = False,
     ):
         self.chain, self.block, self.t, self.cost_model = chain, block, t, cost_model
+        self.sequence_parallel = sequence_parallel
         self.across_nodes = across_nodes
         op_graph = chain.op_graph
         fx_nodes = {n.name: n for n in op_graph.fx_nodes()}
@@ -132,6 +153,37 @@ class _BlockModel:
         self._convert()
         m.minimize(sum(self.objective))
 
+    def _activations(self) -> list:
+        """Bytes saved for backward per rank: sequence parallelism's gain is here, not in time
+        (its collectives cost what the all-reduces do), so with it this ranks the layouts after the
+        weights, before the collectives: the norms and residuals split over the sequence."""
+        saved = self.chain.op_graph.nodes
+        return [
+            saved[n.name].saved_bytes // (self.t if strategy.divided else 1) * self.choice[n.name][i]
+            for n in self.members for i, strategy in enumerate(self.options[n.name]) if saved[n.name].saved_bytes
+        ]  # fmt: skip
+
+    def _local_saved_bytes(self, node: fx.Node, strategy: Strategy, chosen: dict[str, Strategy]) -> int:
+        """What the op saves for backward on one rank: a t-th where it is split, except the inputs
+        it reads whole (a column-parallel linear keeps its whole input), unless that input is
+        gathered from a sequence split by a linear that alone reads it (``gathered_linear``
+        keeps the slice)."""
+        costs = self.chain.op_graph.nodes
+        saved = costs[node.name].saved_bytes
+        if not strategy.divided:
+            return saved
+        whole = 0
+        for arg, required in zip(node.all_input_nodes, strategy.inputs):
+            cost = costs.get(arg.name)
+            if required != REPLICATE or cost is None or cost.output is None or not cost.needs_grad or cost.is_parameter:
+                continue
+            source = chosen[arg.name].output if arg.name in chosen else self._boundary(arg.name)
+            regathered = op_name(node) == "linear" and len(arg.users) == 1 and node.args[0] is arg
+            if not (regathered and source == shard(SEQUENCE_DIM)):
+                whole += cost.output.nbytes
+        whole = min(whole, saved)
+        return whole + (saved - whole) // self.t
+
     def _tensorish(self, node: fx.Node) -> bool:
         return self.chain.op_graph.nodes[node.name].output is not None or is_tuple_of_tensors(node, self.chain.op_graph)
 
@@ -171,7 +223,10 @@ class _BlockModel:
     def _leaves(self, node: fx.Node) -> None:
         """``node`` is read past the block, which takes it replicated: a partial or sharded output
         pays its all-reduce or all-gather here (a vocabulary-parallel embedding's, say)."""
-        self.needs.setdefault((node.name, REPLICATE, False), []).append(1)
+        self.needs.setdefault((node.name, self._boundary(node.name), False), []).append(1)
+
+    def _boundary(self, name: str) -> Placement:
+        return boundary_placement(self.chain.op_graph, name, self.t, self.sequence_parallel)
 
     def _convert(self) -> None:
         """Each value is converted once for every consumer that needs it in one placement, as the
@@ -180,7 +235,7 @@ class _BlockModel:
         for (name, required, copy), users in self.needs.items():
             needed = m.new_bool_var(f"{name}_as_{required}{'_copied' if copy else ''}")
             m.add_max_equality(needed, users)
-            sources = self.placed.get(name, {REPLICATE: None})  # None: fixed replicated (a boundary, a buffer)
+            sources = self.placed.get(name, {self._boundary(name): None})  # None: fixed (a boundary, a buffer)
             whole_tuple = is_tuple_of_tensors(self.fx_nodes[name], self.chain.op_graph)  # split's tuple: its items convert
             for placement, placed in sources.items():
                 seconds = self._pair_seconds(placement, required, copy, name)
@@ -196,11 +251,14 @@ class _BlockModel:
                     self.communication.append(term)
 
     def _pair_seconds(self, source: Placement, required: Placement, copy: bool, name: str) -> float | None:
-        step = conversion(source, required)
+        step = conversion(source, required, sequence_parallel=self.sequence_parallel)
         if step is None:
             return None
         forward, backward = step
-        seconds = self._seconds(forward, name) + (self._seconds(backward, name) if self.chain.op_graph.nodes[name].needs_grad else 0.0)
+        needs_grad = self.chain.op_graph.nodes[name].needs_grad
+        if gathers_for_split_op(source, required, copy):
+            return self._seconds(forward, name) + (self._seconds("reduce_scatter", name) if needs_grad else 0.0)
+        seconds = self._seconds(forward, name) + (self._seconds(backward, name) if needs_grad else 0.0)
         if copy:  # Megatron's f: the gradient of a replicated input of a split op is partial
             seconds += self._seconds("all_reduce", name)
         return seconds
@@ -211,12 +269,24 @@ class _BlockModel:
         solver.parameters.num_workers = 2
         status = solver.solve(self.model)
         assert status in (cp_model.OPTIMAL, cp_model.FEASIBLE), "the replicated strategy is always feasible"
-        for objective, then in ((self.objective, self.memory), (self.memory, self.communication)):
+        result = self._result(solver)
+        levels = [self.objective, self.memory] + ([self._activations()] if self.sequence_parallel else [])
+        levels.append(self.communication)
+        for objective, then in zip(levels, levels[1:]):
             best = round(solver.objective_value)  # of ``objective``: bound it, and go on to ``then``
             self.model.add(sum(objective) <= best + round(best * TIME_TOLERANCE))
             self.model.minimize(sum(then))
+            self.model.clear_hints()  # start from the layout found: it satisfies the new bound
+            for bools in (*self.choice.values(), *(placed.values() for placed in self.placed.values())):
+                for var in bools:
+                    self.model.add_hint(var, solver.value(var))
             status = solver.solve(self.model)
-            assert status in (cp_model.OPTIMAL, cp_model.FEASIBLE), "the layout found before is a solution"
+            if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+                break  # out of time on a tie-break (a loaded machine): the layout found before stands
+            result = self._result(solver)
+        return result
+
+    def _result(self, solver: cp_model.CpSolver) -> BlockSharding:
         chosen = {
             n.name: self.options[n.name][next(i for i, b in enumerate(self.choice[n.name]) if solver.value(b))]
             for n in self.members
@@ -230,7 +300,7 @@ class _BlockModel:
         compute = sum(
             self.divided_seconds(n) if s.divided else costs[n].forward_s + costs[n].backward_s for n, s in chosen.items()
         )
-        saved = sum(costs[n].saved_bytes // (self.t if s.divided else 1) for n, s in chosen.items())
+        saved = sum(self._local_saved_bytes(self.fx_nodes[n], s, chosen) for n, s in chosen.items())
         saved += sum(costs[n].saved_bytes for n in self.block.nodes if n not in chosen)
         total = sum(solver.value(term) for term in self.objective) / _NS
         return BlockSharding(
@@ -239,33 +309,36 @@ class _BlockModel:
             compute_s=compute,
             communication_s=max(0.0, total - compute),
             saved_bytes=saved,
+            sequence_parallel=self.sequence_parallel,
         )
 
 
 def _solve_block(
-    chain: BlockChain, index: int, t: int, cost_model: CostModel, pinned: dict[str, Placement], across_nodes: bool
+    chain: BlockChain, index: int, t: int, cost_model: CostModel, pinned: dict[str, Placement], across_nodes: bool,
+    sequence_parallel: bool = False,
 ) -> BlockSharding:
-    return _BlockModel(chain, chain.blocks[index], t, cost_model, pinned, across_nodes).solve(time_limit_s=20.0)
+    model = _BlockModel(chain, chain.blocks[index], t, cost_model, pinned, across_nodes, sequence_parallel)
+    return model.solve(time_limit_s=20.0)
 
 
 def _translate(solution: BlockSharding, source: Block, target: Block) -> BlockSharding:
     """A solution of one block applied to an identical block (same signature), node by node."""
     rename = dict(zip(source.nodes, target.nodes))
     parameters = dict(zip(source.parameters, target.parameters))
-    return BlockSharding(
+    return replace(
+        solution,
         strategies={rename[n]: s for n, s in solution.strategies.items()},
         parameters={parameters[p]: placement for p, placement in solution.parameters.items()},
-        compute_s=solution.compute_s,
-        communication_s=solution.communication_s,
-        saved_bytes=solution.saved_bytes,
     )
 
 
 def shard_chain(
-    chain: BlockChain, *, tp: int, cost_model: CostModel, across_nodes: bool = False
+    chain: BlockChain, *, tp: int, cost_model: CostModel, across_nodes: bool = False, sequence_parallel: bool = False
 ) -> list[BlockSharding]:
     """The cheapest sharding of every block on ``tp`` ranks (their collectives cross nodes when
-    ``across_nodes``)."""
+    ``across_nodes``; the residual stream split over the sequence between blocks when
+    ``sequence_parallel``)."""
+    sp = sequence_parallel
     readers: dict[str, list[int]] = {}
     for k, block in enumerate(chain.blocks):
         for p in block.parameters:
@@ -274,8 +347,9 @@ def shard_chain(
     pinned: dict[str, Placement] = {}
     for parameter, blocks in shared.items():
         scored = {}  # candidate -> (seconds, parameter bytes per rank) of the blocks that read it
-        for candidate in _candidates(chain, parameter, blocks, tp, cost_model, across_nodes):
-            solutions = [_solve_block(chain, k, tp, cost_model, {**pinned, parameter: candidate}, across_nodes) for k in blocks]
+        for candidate in _candidates(chain, parameter, blocks, tp, cost_model, across_nodes, sp):
+            solutions = [_solve_block(chain, k, tp, cost_model, {**pinned, parameter: candidate}, across_nodes, sp)
+                         for k in blocks]
             scored[candidate] = (sum(s.time_s for s in solutions), sum(_rank_bytes(chain, s, tp) for s in solutions))
         pinned[parameter] = _time_then_weights(scored)
     solved: dict[str, tuple[Block, BlockSharding]] = {}
@@ -284,7 +358,7 @@ def shard_chain(
         own_pins = {p: pinned[p] for p in block.parameters if p in pinned}
         key = block.signature if not own_pins else f"{block.signature}:{k}"
         if key not in solved:
-            solved[key] = (block, _solve_block(chain, k, tp, cost_model, own_pins, across_nodes))
+            solved[key] = (block, _solve_block(chain, k, tp, cost_model, own_pins, across_nodes, sp))
         first, solution = solved[key]
         result.append(solution if first is block else _translate(solution, first, block))
     return result
@@ -304,10 +378,23 @@ def _time_then_weights(scored: dict[Placement, tuple[float, int]]) -> Placement:
 
 
 def _candidates(
-    chain: BlockChain, parameter: str, blocks: list[int], t: int, cost_model: CostModel, across_nodes: bool
+    chain: BlockChain, parameter: str, blocks: list[int], t: int, cost_model: CostModel, across_nodes: bool,
+    sequence_parallel: bool,
 ) -> list[Placement]:
     found = {REPLICATE}
     for k in blocks:
-        solution = _solve_block(chain, k, t, cost_model, {}, across_nodes)
+        solution = _solve_block(chain, k, t, cost_model, {}, across_nodes, sequence_parallel)
         found |= {placement for p, placement in solution.parameters.items() if p == parameter}
     return sorted(found)
+
+
+def listed_strategies(sharding: BlockSharding, op_graph) -> dict[str, str]:
+    """The strategies a plan lists: those other than the replicated one that emitting assumes for an
+    op it does not find (all tensor inputs replicated). A replicated op that leaves an input as it
+    is (``b.type_as(y)`` reads only y's dtype, and y may be partial) is listed too."""
+    fx_nodes = {n.name: n for n in op_graph.fx_nodes()}
+    return {
+        name: str(strategy)
+        for name, strategy in sharding.strategies.items()
+        if strategy.output != REPLICATE or strategy.kind or strategy != strategies(fx_nodes[name], op_graph, 1)[0]
+    }

@@ -37,6 +37,9 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--zero", type=int, nargs="?", const=1, default=None, choices=(0, 1, 2, 3),
                    help="shard over data-parallel ranks: 1 optimizer state (--zero alone), 2 and gradients, "
                         "3 and parameters (FSDP); default 0, or searched")
+    c.add_argument("--sp", action=argparse.BooleanOptionalAction, default=None,
+                   help="sequence parallelism with --tp: norms and residuals split over the sequence, reduce-scatter"
+                        " and all-gather for TP's all-reduces (default on, or searched); --no-sp turns it off")
     batch = c.add_mutually_exclusive_group()
     batch.add_argument("--microbatches", type=int, help="microbatches per step")
     batch.add_argument("--micro-batch-size", type=int, help="samples per microbatch")
@@ -185,6 +188,7 @@ def _compile(args: argparse.Namespace, console: Console) -> None:
         tp=args.tp,
         dp=args.dp,
         zero=args.zero,
+        sp=args.sp,
         gpus_per_node=args.gpus_per_node,
         microbatches=args.microbatches,
         micro_batch_size=args.micro_batch_size,

@@ -1,0 +1,117 @@
+"""Sequence parallelism (Megatron-SP): the layouts and collectives it gives, its activation bytes
+against Korthikanti et al.'s formulas, and the programs trained under gloo against one process."""
+
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import autopart
+from autopart.driver import CompileOptions, compile_to_directory
+from autopart.ir.plan import load_plan
+from autopart.tools.verify import verify
+from tests.distributed import FREE_LINKS, REPO, environment, free_port, run_cli
+from tests.test_tensor_parallel import train_3d
+
+MEGATRON_LAYERS = '''
+import sys
+sys.path.insert(0, {models!r})
+import megatron_layers as m
+m.LAYERS = {layers}
+from megatron_layers import build_model, init_weights, example_batch, loss_fn
+'''
+
+
+def layer_activation_bytes(tmp_path, *, tp: int, sp: bool) -> int:
+    """One layer's activation bytes as the memory model predicts them: a model of three layers
+    less the same model of two (everything else is the same in both)."""
+    totals = []
+    for layers in (2, 3):
+        model = tmp_path / f"layers_{layers}.py"
+        model.write_text(MEGATRON_LAYERS.format(models=str(REPO / "tests" / "models"), layers=layers))
+        plan = autopart.compile(model, tp=tp, sp=sp, microbatches=1, micro_batch_size=1, device="h100-sxm")
+        totals.append(sum(stage.activation_bytes for stage in plan.stages))
+    return totals[1] - totals[0]
+
+
+@pytest.mark.parametrize("tp, sp", [(1, False), (8, False), (8, True)])
+def test_activation_bytes_per_layer_follow_korthikanti(tmp_path, tp, sp):
+    s, b, h, a, t = 2048, 1, 4096, 32, tp  # 16-bit, as tests/models/megatron_layers.py builds it
+    formula = {  # REFERENCE.md, Korthikanti et al. Table 2
+        (1, False): s * b * h * (34 + 5 * a * s / h),
+        (8, False): s * b * h * (10 + 24 / t + 5 * a * s / (h * t)),
+        (8, True): s * b * h * (34 / t + 5 * a * s / (h * t)),
+    }[tp, sp]
+    assert layer_activation_bytes(tmp_path, tp=tp, sp=sp) == pytest.approx(formula, rel=0.05)
+
+
+def collectives(source: str) -> dict[str, int]:
+    return {name: len(re.findall(rf"= tp\.{name}\(", source))
+            for name in ("all_reduce", "reduce_scatter", "gather_from_sequence", "gathered_linear", "copy_to_tp")}  # fmt: skip
+
+
+@pytest.mark.parametrize("sp", [True, False])
+def test_sequence_parallel_turns_all_reduces_into_reduce_scatters(tmp_path, sp):
+    model = tmp_path / "layers.py"
+    model.write_text(MEGATRON_LAYERS.format(models=str(REPO / "tests" / "models"), layers=2))
+    plan = autopart.compile(model, tp=8, sp=sp, microbatches=1, micro_batch_size=1, device="h100-sxm")
+    assert plan.sp is sp
+    found = collectives((autopart.emit(plan, tmp_path / "out") / "stages" / "stage_0.py").read_text())
+    if sp:  # per layer: the two row-parallel linears reduce-scatter, the two column-parallel ones gather
+        assert found["all_reduce"] == 0, found
+        assert found["reduce_scatter"] == 2 * 2, found
+        assert found["gathered_linear"] == 2 * 2 + 1, found  # and the head's
+    else:
+        assert found["reduce_scatter"] == found["gathered_linear"] == found["gather_from_sequence"] == 0, found
+        assert found["all_reduce"] == 2 * 2, found
+
+
+def test_sequence_parallelism_is_on_by_default_with_tp_and_recorded_in_the_plan(tmp_path):
+    model = REPO / "examples" / "gpt.py"
+    assert autopart.compile(model, tp=2, microbatches=2, device=str(FREE_LINKS)).sp
+    assert not autopart.compile(model, tp=1, microbatches=2, device=str(FREE_LINKS)).sp
+    for flag, expected in (("--no-sp", False), ("--sp", True)):  # the command line pins it either way
+        out = tmp_path / flag
+        result = run_cli("compile", str(model), "-o", str(out), "--tp", "2", flag, "--device", str(FREE_LINKS))
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert load_plan(out / "plan.json").sp is expected
+
+
+# The examples have no dropout, so the distributed runs draw no random numbers and must equal
+# one process exactly; a dropout inside the sequence-split region would need a different RNG
+# stream per TP rank (Megatron forks it), which the runtime does not have.
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("example", ["gpt", "llama"])
+@pytest.mark.parametrize("pp", [1, 2])
+def test_sequence_parallel_trains_like_one_process_fp32(tmp_path, example, pp):
+    plan, out = train_3d(tmp_path, REPO / "examples" / f"{example}.py", pp=pp, tp=2, dp=1)
+    assert plan.sp
+    found = collectives("".join(p.read_text() for p in (out / "stages").glob("stage_*.py")))
+    assert found["reduce_scatter"], found  # into the sequence split; what comes out of it is the solver's choice
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_sequence_parallel_collectives_match_one_process(ranks):
+    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}", "--master-addr=127.0.0.1",
+               f"--master-port={free_port()}", str(REPO / "tests" / "sp_collectives_rank.py")]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120, env=environment())
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert result.stdout.count("ok") == ranks
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("example", ["gpt", "llama"])
+@pytest.mark.parametrize("pp", [1, 2])
+def test_sequence_parallel_trains_like_one_process_bf16(tmp_path, example, pp):
+    out = tmp_path / "out"
+    plan, _ = compile_to_directory(
+        CompileOptions(model=REPO / "examples" / f"{example}.py", pp=pp, tp=2, microbatches=2 * pp,
+                       global_batch_size=2 * pp, dtype="bf16", device=str(FREE_LINKS)),
+        out,
+    )  # fmt: skip
+    assert plan.sp and plan.dtype == "bf16"
+    result = verify(out, steps=2)
+    assert result.matches, result.failures
