@@ -25,15 +25,16 @@ from autopart.codegen.emit import check_output_directory, emit_directory
 from autopart.codegen.stages import stage_boundaries
 from autopart.errors import ConfigError, PlanError, ScheduleError
 from autopart.plan import Plan, Predicted, Provenance, ScheduleSpec, StagePlan, first_difference, load_plan
-from autopart.predict import simulate_pipeline
+from autopart.predict import lowered_schedule, simulate_pipeline
 from autopart.runtime.materialise import check_initialisers
 from autopart.runtime.optim import OPTIMIZERS
 from autopart.runtime.recipe import embedding_parameters
 from autopart.profile import profile_costs
 from autopart.profile_pipeline import pipeline_key, profile_pipeline
-from autopart.recompute import recompute_cost, stage_input_bytes, stage_modes, transient_microbatches
+from autopart.recompute import recompute_cost, stage_input_bytes, stage_modes
 from autopart.rewrite import separate_biases
-from autopart.schedule import RECEIVE_KINDS, SCHEDULE_KINDS, Action, StageCosts, add_communication, build_schedule, stage_rank
+from autopart.schedule import RECEIVE_KINDS, SCHEDULE_KINDS, Action, StageCosts, stage_rank
+from autopart.schedule.peaks import peak_in_flight, transient_in_flight
 from autopart.schedule.shared import step_time
 from autopart.solver.pipeline import PipelineProblem, evaluate, solve_cuts, stage_ranges
 from autopart.solver.sharding import REPLICATE, Placement
@@ -309,19 +310,8 @@ def _recompute_blocks(front: _Front, modes: list[str]) -> tuple[tuple[float, ...
 
 
 def _in_flight(kind: str, ranks: int, microbatches: int, chunks: int) -> tuple[int, ...]:
-    """Microbatches whose activations each stage holds at its peak, from the schedule itself."""
-    stages = ranks * chunks
-    timeline = simulate_pipeline(
-        kind=kind,
-        ranks=ranks,
-        microbatches=microbatches,
-        chunks=chunks,
-        forward_s=(1.0,) * stages,
-        backward_s=(2.0,) * stages,
-        weight_s=(1.0,) * stages,
-        transfer_s=(0.0,) * (stages - 1),
-    )
-    return timeline.peak_in_flight
+    """Microbatches whose activations each stage holds at its peak (the schedule's, in closed form)."""
+    return peak_in_flight(kind, ranks=ranks, microbatches=microbatches, chunks=chunks)
 
 
 def _problem(options: CompileOptions, front: _Front, microbatches: int) -> PipelineProblem:
@@ -530,8 +520,7 @@ def _with_recompute(options: CompileOptions, front: _Front, problem: PipelinePro
 
 def _with_transients(options: CompileOptions, memory: tuple[int, ...], recompute: list, microbatches: int):
     """Each rank's peak plus the recomputed activations of the backward(s) in progress on it."""
-    schedule = build_schedule(options.schedule, ranks=options.pp, microbatches=microbatches, chunks=options.chunks)
-    at_once = transient_microbatches(schedule, len(recompute))
+    at_once = transient_in_flight(options.schedule, ranks=options.pp, microbatches=microbatches, chunks=options.chunks)
     peaks = list(memory)
     for rank in range(options.pp):
         here = [s for s in range(len(recompute)) if stage_rank(s, options.pp) == rank]
@@ -634,9 +623,7 @@ def _step_time(options: CompileOptions, front: _Front, stages: list[StagePlan], 
         transfer = tuple(in_place.send_s + in_place.recv_s + in_place.transfer_s for _ in sides)
         if in_place.waited_s is not None:  # a receive that waits ends waited_s after its send
             waited = (min(in_place.recv_s, in_place.waited_s),) * len(sides)
-    schedule = add_communication(
-        build_schedule(options.schedule, ranks=options.pp, microbatches=microbatches,
-                       chunks=options.chunks), ranks=options.pp)
+    schedule = lowered_schedule(options.schedule, options.pp, microbatches, options.chunks)
     device = front.cost_model.device
     # the other tensor- and data-parallel ranks of the machine run the same work beside this pipeline
     cores = device.cores / (options.tp * options.dp)

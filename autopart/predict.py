@@ -2,10 +2,24 @@
 
 from __future__ import annotations
 
+import functools
+
 from autopart.plan import Plan
 from autopart.schedule import Schedule, StageCosts, Timeline, add_communication, build_schedule, simulate, validate
 
-__all__ = ["simulate_pipeline", "plan_schedule", "plan_timeline"]
+__all__ = ["simulate_pipeline", "lowered_schedule", "plan_schedule", "plan_timeline"]
+
+
+@functools.lru_cache(maxsize=16)
+def lowered_schedule(kind: str, ranks: int, microbatches: int, chunks: int) -> Schedule:
+    """The schedule with its sends and receives, validated; built once per shape, because a compile
+    simulates one pipeline several times (each candidate plan, its step, the report) and at a
+    thousand microbatches over hundreds of virtual stages building and validating it costs more
+    than simulating it. Shared between callers: read it, never change it."""
+    schedule = add_communication(build_schedule(kind, ranks=ranks, microbatches=microbatches, chunks=chunks),
+                                 ranks=ranks)
+    validate(schedule, ranks=ranks, stages=ranks * chunks, microbatches=microbatches)
+    return schedule
 
 
 def simulate_pipeline(
@@ -19,8 +33,11 @@ def simulate_pipeline(
     weight_s: tuple[float, ...],
     transfer_s: tuple[float, ...],
 ) -> Timeline:
-    schedule = add_communication(build_schedule(kind, ranks=ranks, microbatches=microbatches, chunks=chunks), ranks=ranks)
-    validate(schedule, ranks=ranks, stages=len(forward_s), microbatches=microbatches)
+    if len(forward_s) != ranks * chunks:  # the costs name stages the schedule lacks: say which
+        schedule = add_communication(build_schedule(kind, ranks=ranks, microbatches=microbatches, chunks=chunks),
+                                     ranks=ranks)
+        validate(schedule, ranks=ranks, stages=len(forward_s), microbatches=microbatches)
+    schedule = lowered_schedule(kind, ranks, microbatches, chunks)
     costs = StageCosts(forward_s=forward_s, backward_s=backward_s, weight_s=weight_s, transfer_s=transfer_s)
     return simulate(schedule, costs, ranks=ranks)
 
