@@ -33,11 +33,9 @@ def simulate_pipeline(
     weight_s: tuple[float, ...],
     transfer_s: tuple[float, ...],
 ) -> Timeline:
-    if len(forward_s) != ranks * chunks:  # the costs name stages the schedule lacks: say which
-        schedule = add_communication(build_schedule(kind, ranks=ranks, microbatches=microbatches, chunks=chunks),
-                                     ranks=ranks)
-        validate(schedule, ranks=ranks, stages=len(forward_s), microbatches=microbatches)
     schedule = lowered_schedule(kind, ranks, microbatches, chunks)
+    if len(forward_s) != ranks * chunks:  # costs of stages the schedule has not: the validator says which
+        validate(schedule, ranks=ranks, stages=len(forward_s), microbatches=microbatches)
     costs = StageCosts(forward_s=forward_s, backward_s=backward_s, weight_s=weight_s, transfer_s=transfer_s)
     return simulate(schedule, costs, ranks=ranks)
 
