@@ -57,11 +57,12 @@ import torch  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from autopart.capture import capture, graph_args, load_model_file  # noqa: E402
-from autopart.compiler import CompileOptions, compile_to_directory  # noqa: E402
-from autopart.local_run import free_port  # noqa: E402
-from autopart.plan import Plan  # noqa: E402
-from autopart.profile_in_situ import trimmed_mean  # noqa: E402
+from autopart.ir.model_file import load_model_file
+from autopart.passes.capture import capture, graph_args  # noqa: E402
+from autopart.driver import CompileOptions, compile_to_directory  # noqa: E402
+from autopart.tools.local_run import free_port  # noqa: E402
+from autopart.ir.plan import Plan  # noqa: E402
+from autopart.profiling.in_situ import trimmed_mean  # noqa: E402
 from autopart.runtime.stage import load_stage  # noqa: E402
 from cost_models import CostDatabase  # noqa: E402
 

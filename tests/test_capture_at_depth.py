@@ -8,8 +8,9 @@ import pytest
 import torch
 from torch import fx
 
-from autopart.capture import capture, load_model_file
-from autopart.errors import ModelFileError
+from autopart.ir.model_file import load_model_file
+from autopart.passes.capture import capture
+from autopart.ir.errors import ModelFileError
 from tests.distributed import REPO
 
 DEEP = '''

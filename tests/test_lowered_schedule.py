@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from autopart.errors import ScheduleError
-from autopart.predict import lowered_schedule, simulate_pipeline
+from autopart.ir.errors import ScheduleError
+from autopart.predict.timeline import lowered_schedule, simulate_pipeline
 from autopart.schedule import StageCosts, add_communication, build_schedule, simulate
 
 

@@ -1,11 +1,12 @@
 """Tensor-parallel sharding of a chain solves each (block, pins of its own weights) once, and
 gives what solving every block on its own with the chosen pins gives."""
 
-from autopart.annotate import annotate
-from autopart.blocks import build_blocks
-from autopart.capture import capture, load_model_file
-from autopart.rewrite import separate_biases
-from autopart.solver import tensor
+from autopart.passes.annotate import annotate
+from autopart.passes.blocks import build_blocks
+from autopart.ir.model_file import load_model_file
+from autopart.passes.capture import capture
+from autopart.passes.rewrite import separate_biases
+from autopart.solve import tensor
 from cost_models import get_cost_model
 from tests.distributed import REPO
 
