@@ -22,7 +22,7 @@ import contextlib
 import inspect
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +32,7 @@ from torch import fx, nn
 from autopart.ir.errors import CaptureError, ConfigError, ModelFileError
 from autopart.ir.model_file import ModelSpec, describe_error, eager_loss, file_line, is_meta
 from autopart.passes.export import export_training_graph
+from autopart.passes.shallow import repeated_layers, shallow_module
 
 __all__ = ["Graph", "capture", "graph_args", "leaf_classes", "TARGET"]
 
@@ -59,9 +60,39 @@ class _ThroughTracer(fx.Tracer):
     def __init__(self, leaves: frozenset[type] = frozenset()):
         super().__init__()
         self.leaves = leaves
+        self._names_of: tuple[nn.Module, dict[int, str], dict[int, str]] | None = None
 
     def is_leaf_module(self, module: nn.Module, qualified_name: str) -> bool:
         return type(module) in self.leaves
+
+    def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict[str, fx.Proxy]) -> Any:
+        """fx's own rule (a module's parameter, or buffer, read as an attribute becomes one
+        ``get_attr`` node, shared by every read), with the tensor's name found in a table made
+        once: fx scans all the module's parameters at every read, which grows with the square
+        of the layers (most of the capture of a 1,024-layer model)."""
+        if not isinstance(attr_val, torch.Tensor):
+            return attr_val
+        parameters, buffers = self._names()
+        name = parameters.get(id(attr_val)) if isinstance(attr_val, nn.Parameter) else None
+        if name is None and self.proxy_buffer_attributes:
+            name = buffers.get(id(attr_val))
+        if name is None:
+            return attr_val
+        if name not in parameter_proxy_cache:
+            parameter_proxy_cache[name] = self.create_proxy("get_attr", name, (), {})
+        return parameter_proxy_cache[name]
+
+    def _names(self) -> tuple[dict[int, str], dict[int, str]]:
+        """The root's parameters and buffers by identity, under their first names (as fx's scan finds them)."""
+        if self._names_of is None or self._names_of[0] is not self.root:
+            parameters: dict[int, str] = {}
+            buffers: dict[int, str] = {}
+            for name, tensor in self.root.named_parameters():
+                parameters.setdefault(id(tensor), name)
+            for name, tensor in self.root.named_buffers():
+                buffers.setdefault(id(tensor), name)
+            self._names_of = (self.root, parameters, buffers)
+        return self._names_of[1], self._names_of[2]
 
 
 def _concrete_defaults(forward: Callable, positional: int) -> dict[str, Any]:
@@ -198,12 +229,21 @@ def graph_args(graph: Graph, inputs: tuple[torch.Tensor, ...], target: Any) -> t
 
 
 def _eager_reference(spec: ModelSpec, inputs: tuple[torch.Tensor, ...], target: Any) -> torch.Tensor | None:
-    """The eager loss that the graph must match; on the meta device only checked to run (None)."""
+    """The eager loss that the graph must match; on the meta device only checked to run (None).
+
+    A meta model with a long run of layers alike is run with two of them (``autopart.passes.shallow``):
+    the layers past the second take what the second gives, of the same shapes, so the check
+    says the same, and running a thousand layers on the meta device takes minutes."""
     meta = is_meta(spec.module)
+    checked = spec
+    if meta:
+        layers = repeated_layers(spec.module)
+        if layers is not None:
+            checked = replace(spec, module=shallow_module(spec.module, layers))
     with torch.no_grad(), torch.device("meta") if meta else contextlib.nullcontext():
         try:
             args = _on_model_device(spec, inputs), target.to("meta") if meta and target is not None else target
-            expected = eager_loss(spec, *args)
+            expected = eager_loss(checked, *args)
         except Exception as exc:
             raise ModelFileError(
                 f"the model rejects its own example batch: {describe_error(exc, spec.path)}; "

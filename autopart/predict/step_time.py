@@ -19,7 +19,8 @@ from autopart.passes.front import Front, block_seconds
 from autopart.predict.data_parallel import DataParallelComm, data_parallel_comm
 from autopart.predict.reduction import overlapped_step_time, plan_reductions
 from autopart.profiling.pipeline import pipeline_key
-from autopart.schedule import StageCosts, add_communication, build_schedule
+from autopart.predict.timeline import lowered_schedule
+from autopart.schedule import StageCosts
 from cost_models.database import PipelineMeasurement, plan_shape, tail_key
 
 __all__ = ["compute_factor", "data_parallel", "data_parallel_seconds", "with_collectives", "measured_in_place", "predicted_step_s", "profiled_step", "rank_tails"]
@@ -129,9 +130,7 @@ def predicted_step_s(options: CompileOptions, front: Front, stages: list[StagePl
         transfer = tuple(in_place.send_s + in_place.recv_s + in_place.transfer_s for _ in sides)
         if in_place.waited_s is not None:  # a receive that waits ends waited_s after its send
             waited = (min(in_place.recv_s, in_place.waited_s),) * len(sides)
-    schedule = add_communication(
-        build_schedule(options.schedule, ranks=options.pp, microbatches=microbatches,
-                       chunks=options.chunks), ranks=options.pp, placement=[s.rank for s in stages])
+    schedule = lowered_schedule(options.schedule, options.pp, microbatches, options.chunks)
     device = front.cost_model.device
     # the other tensor- and data-parallel ranks of the machine run the same work beside this pipeline
     cores = device.cores / (options.tp * options.dp)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 from autopart.ir.plan import Plan
 from autopart.schedule import (
     Schedule,
@@ -15,7 +17,20 @@ from autopart.schedule import (
     validate,
 )
 
-__all__ = ["simulate_pipeline", "plan_schedule", "plan_timeline"]
+__all__ = ["simulate_pipeline", "lowered_schedule", "plan_schedule", "plan_timeline"]
+
+
+@functools.lru_cache(maxsize=16)
+def lowered_schedule(kind: str, ranks: int, microbatches: int, chunks: int) -> Schedule:
+    """The schedule with its sends and receives, validated; built once per shape, because a compile
+    simulates one pipeline several times (each candidate plan, its step, the report) and at a
+    thousand microbatches over hundreds of virtual stages building and validating it costs more
+    than simulating it. Shared between callers: read it, never change it."""
+    placement = stage_placement(kind, ranks=ranks, chunks=chunks)
+    schedule = add_communication(build_schedule(kind, ranks=ranks, microbatches=microbatches, chunks=chunks),
+                                 ranks=ranks, placement=placement)
+    validate(schedule, ranks=ranks, stages=ranks * chunks, microbatches=microbatches, placement=placement)
+    return schedule
 
 
 def simulate_pipeline(
@@ -30,9 +45,9 @@ def simulate_pipeline(
     transfer_s: tuple[float, ...],
 ) -> Timeline:
     placement = stage_placement(kind, ranks=ranks, chunks=chunks)
-    compute = build_schedule(kind, ranks=ranks, microbatches=microbatches, chunks=chunks)
-    schedule = add_communication(compute, ranks=ranks, placement=placement)
-    validate(schedule, ranks=ranks, stages=len(forward_s), microbatches=microbatches, placement=placement)
+    schedule = lowered_schedule(kind, ranks, microbatches, chunks)
+    if len(forward_s) != ranks * chunks:  # costs of stages the schedule has not: the validator says which
+        validate(schedule, ranks=ranks, stages=len(forward_s), microbatches=microbatches, placement=placement)
     costs = StageCosts(forward_s=forward_s, backward_s=backward_s, weight_s=weight_s, transfer_s=transfer_s)
     return simulate(schedule, costs, ranks=ranks, placement=placement)
 

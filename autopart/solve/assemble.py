@@ -17,8 +17,8 @@ from autopart.ir.plan import Plan, Predicted, Provenance, ScheduleSpec, StagePla
 from autopart.options import CompileOptions
 from autopart.passes.annotate import OpGraph
 from autopart.passes.front import Front, block_seconds, parameter_placements, recompute_blocks
-from autopart.passes.recompute import recompute_cost, stage_input_bytes, stage_modes, transient_microbatches
-from autopart.predict.in_flight import in_flight
+from autopart.passes.recompute import recompute_cost, stage_input_bytes, stage_modes
+from autopart.predict.in_flight import in_flight, transient
 from autopart.predict.memory import state_bytes
 from autopart.predict.messages import boundary_seconds
 from autopart.predict.step_time import (
@@ -232,8 +232,7 @@ def _with_recompute(options: CompileOptions, front: Front, problem: PipelineProb
 
 def _with_transients(options: CompileOptions, memory: tuple[int, ...], recompute: list, microbatches: int):
     """Each rank's peak plus the recomputed activations of the backward(s) in progress on it."""
-    schedule = build_schedule(options.schedule, ranks=options.pp, microbatches=microbatches, chunks=options.chunks)
-    at_once = transient_microbatches(schedule, len(recompute))
+    at_once = transient(options.schedule, options.pp, microbatches, options.chunks)
     peaks = list(memory)
     for rank in range(options.pp):
         here = [s for s, home in enumerate(stage_placement(options.schedule, ranks=options.pp, chunks=options.chunks)) if home == rank]

@@ -31,6 +31,7 @@ gets one placement: each candidate is tried with both blocks pinned, and the che
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from autopart.solve._cp_sat import cp_model
@@ -339,6 +340,16 @@ def shard_chain(
     ``across_nodes``; the residual stream split over the sequence between blocks when
     ``sequence_parallel``)."""
     sp = sequence_parallel
+    found: dict[tuple, BlockSharding] = {}
+
+    def solve(k: int, pins: dict[str, Placement]) -> BlockSharding:
+        """A block's solution depends on the pins of its own parameters alone: each is solved
+        once (the blocks that share a weight are solved per candidate, and again once it is chosen)."""
+        own = tuple(sorted((p, pins[p]) for p in chain.blocks[k].parameters if p in pins))
+        if (k, own) not in found:
+            found[k, own] = _solve_block(chain, k, tp, cost_model, dict(own), across_nodes, sp)
+        return found[k, own]
+
     readers: dict[str, list[int]] = {}
     for k, block in enumerate(chain.blocks):
         for p in block.parameters:
@@ -347,9 +358,8 @@ def shard_chain(
     pinned: dict[str, Placement] = {}
     for parameter, blocks in shared.items():
         scored = {}  # candidate -> (seconds, parameter bytes per rank) of the blocks that read it
-        for candidate in _candidates(chain, parameter, blocks, tp, cost_model, across_nodes, sp):
-            solutions = [_solve_block(chain, k, tp, cost_model, {**pinned, parameter: candidate}, across_nodes, sp)
-                         for k in blocks]
+        for candidate in _candidates(parameter, blocks, lambda k: solve(k, {})):
+            solutions = [solve(k, {**pinned, parameter: candidate}) for k in blocks]
             scored[candidate] = (sum(s.time_s for s in solutions), sum(_rank_bytes(chain, s, tp) for s in solutions))
         pinned[parameter] = _time_then_weights(scored)
     solved: dict[str, tuple[Block, BlockSharding]] = {}
@@ -358,7 +368,7 @@ def shard_chain(
         own_pins = {p: pinned[p] for p in block.parameters if p in pinned}
         key = block.signature if not own_pins else f"{block.signature}:{k}"
         if key not in solved:
-            solved[key] = (block, _solve_block(chain, k, tp, cost_model, own_pins, across_nodes, sp))
+            solved[key] = (block, solve(k, own_pins))
         first, solution = solved[key]
         result.append(solution if first is block else _translate(solution, first, block))
     return result
@@ -377,14 +387,12 @@ def _time_then_weights(scored: dict[Placement, tuple[float, int]]) -> Placement:
     return min((c for c, v in near.items() if v[1] <= lightest * (1 + TIME_TOLERANCE)), key=lambda c: (scored[c][0], c))
 
 
-def _candidates(
-    chain: BlockChain, parameter: str, blocks: list[int], t: int, cost_model: CostModel, across_nodes: bool,
-    sequence_parallel: bool,
-) -> list[Placement]:
+def _candidates(parameter: str, blocks: list[int], unpinned: Callable[[int], BlockSharding]) -> list[Placement]:
+    """A shared parameter's placements worth trying: replicated, and each that a block reading it
+    chooses on its own."""
     found = {REPLICATE}
     for k in blocks:
-        solution = _solve_block(chain, k, t, cost_model, {}, across_nodes, sequence_parallel)
-        found |= {placement for p, placement in solution.parameters.items() if p == parameter}
+        found |= {placement for p, placement in unpinned(k).parameters.items() if p == parameter}
     return sorted(found)
 
 
