@@ -29,6 +29,8 @@ from autopart.predict import simulate_pipeline
 from autopart.runtime.materialise import check_initialisers
 from autopart.runtime.optim import OPTIMIZERS
 from autopart.runtime.recipe import embedding_parameters
+from autopart.accuracy import with_basis
+from autopart.measure_defaults import local_kind, measure_defaults
 from autopart.profile import profile_costs
 from autopart.profile_pipeline import pipeline_key, profile_pipeline
 from autopart.recompute import recompute_cost, stage_input_bytes, stage_modes, transient_microbatches
@@ -41,7 +43,7 @@ from autopart.solver.tensor import BlockSharding, shard_chain
 from cost_models import CostDatabase, CostModel, ProfiledCostModel, get_cost_model, model_state_bytes
 from cost_models.memory import communicator_bytes
 from cost_models.database import PipelineMeasurement, plan_shape, tail_key
-from cost_models.devices import DeviceSpec, local_device_name
+from cost_models.devices import DeviceSpec
 
 __all__ = ["CompileOptions", "compile", "emit", "compile_to_directory"]
 
@@ -104,6 +106,9 @@ class CompileOptions:
     """Run the compiled programs here for a few steps, store how much longer their stages
     compute inside the running pipeline than alone in ``costs`` (`autopart.profile_pipeline`),
     and compile again with it. Once per model and mesh: a later compile finds it there."""
+    measure: bool = True
+    """Without ``costs``, on the machine at hand: measure its ops and messages first, once per
+    model and machine (`autopart.measure_defaults`); False keeps the device's roofline."""
 
     def __post_init__(self) -> None:
         for name in ("world_size", "pp", "tp", "dp", "gpus_per_node"):
@@ -138,7 +143,7 @@ class CompileOptions:
             raise ConfigError("--dtype auto lets the search choose the precision; add --world-size N to search")
         if self.profile_pipeline and self.costs is None:
             raise ConfigError("--profile-pipeline keeps what it measures in a cost database: add --costs COSTS.json")
-        if self.profile_pipeline and _local_kind(self.device) != "cpu":
+        if self.profile_pipeline and local_kind(self.device) != "cpu":
             raise ConfigError(f"--profile-pipeline runs the plan on this machine's CPU, so it profiles plans for "
                               f"--device cpu, not {self.device}")
         if self.recompute is not None:
@@ -255,7 +260,7 @@ def _annotated(options: CompileOptions, micro_batch_size: int, *, separate_biase
     database, timed = None, 0
     if options.costs is not None:
         database = CostDatabase.load(options.costs)
-        local = _local_kind(options.device)
+        local = local_kind(options.device)
         if local is not None:
             timed = profile_costs(graph, spec, database, device=local, micro_batch_size=micro_batch_size,
                                   optimizer=options.optimizer, dtype=options.dtype)
@@ -266,15 +271,6 @@ def _annotated(options: CompileOptions, micro_batch_size: int, *, separate_biase
                         measured=measured if database is None else None)
     chain = build_blocks(op_graph)
     return _Front(spec=spec, op_graph=op_graph, chain=chain, cost_model=cost_model, timed=timed)
-
-
-def _local_kind(device: str) -> str | None:
-    """``"cpu"`` or ``"cuda"`` when ``device`` is the machine at hand (so it can be timed), else None."""
-    if device == local_device_name("cpu"):
-        return "cpu"
-    if torch.cuda.is_available() and device == local_device_name("cuda"):
-        return "cuda"
-    return None
 
 
 def _parameter_placements(front: _Front) -> dict[str, Placement]:
@@ -785,8 +781,9 @@ def compile(model: str | Path, **options) -> Plan:  # noqa: A001 - the API's ver
 
     Keyword options are the fields of ``CompileOptions`` (``pp=2, microbatches=4, ...``).
     """
-    plan, _ = _compile(CompileOptions(model=Path(model), **options))
-    return plan
+    options, measured = measure_defaults(CompileOptions(model=Path(model), **options))
+    plan, _ = _compile(options)
+    return with_basis(plan, measured.basis)
 
 
 def emit(plan: Plan, out_dir: str | Path) -> Path:
@@ -805,13 +802,16 @@ def emit(plan: Plan, out_dir: str | Path) -> Path:
     return emit_directory(plan, op_graph, spec, out_dir)
 
 
-def compile_to_directory(options: CompileOptions, out_dir: Path, *, progress=None) -> tuple[Plan, Path]:
-    """What ``autopart compile`` does: compile, then emit, with one capture. ``progress(what,
-    done, total)`` hears how the search goes."""
+def compile_to_directory(options: CompileOptions, out_dir: Path, *, progress=None, console=None) -> tuple[Plan, Path]:
+    """What ``autopart compile`` does: measure what the defaults need, compile, then emit, with
+    one capture. ``progress(what, done, total)`` hears how the search goes; ``console`` shows
+    the measuring."""
     check_output_directory(out_dir)
+    options, measured = measure_defaults(options, console=console)
     plan, front = _compile(options, progress)
     if options.profile_pipeline:
         plan, front = _profiled_in_place(options, plan, front, progress)
+    plan = with_basis(plan, measured.basis)
     return plan, emit_directory(plan, front.op_graph, front.spec, out_dir)
 
 

@@ -70,6 +70,11 @@ class Predicted:
     background_load: float = 0.0  # other busy processes on the machine's cores at compile time, which step_s counts
     model_flops_per_step: float = 0.0  # forward and backward of the whole model over the global batch, no recompute
     peak_flops: float = 0.0  # one device's dense peak FLOP/s in the plan's precision (its spec): MFU's denominator
+    basis: str = ""  # what step_s rests on ("ops and messages measured on this machine", "h100-sxm roofline")
+    basis_key: str = ""  # that basis's key in autopart/accuracy.json ("cpu-measured", "spec-roofline")
+    error_median: float | None = None  # the band the benchmark of that basis measured: median |error| ...
+    error_worst: float | None = None  # ... and worst |error| (fractions); None where none was measured
+    error_benchmark: str = ""  # the benchmark that measured the band ("cost_accuracy", "published_runs")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -175,6 +180,11 @@ class Plan:
                 background_load=float(predicted.data.get("background_load", 0.0)),
                 model_flops_per_step=float(predicted.data.get("model_flops_per_step", 0.0)),
                 peak_flops=float(predicted.data.get("peak_flops", 0.0)),
+                basis=str(predicted.data.get("basis", "")),
+                basis_key=str(predicted.data.get("basis_key", "")),
+                error_median=_optional_float(predicted.data.get("error_median")),
+                error_worst=_optional_float(predicted.data.get("error_worst")),
+                error_benchmark=str(predicted.data.get("error_benchmark", "")),
             ),
             provenance=Provenance(
                 **{k: provenance.str(k) for k in ("model_file", "model_sha256", "capture", "cost_model")},
@@ -314,6 +324,10 @@ def first_difference(pinned: Plan, rebuilt: Plan) -> tuple[str, Any, Any] | None
             if a[key] != b[key]:
                 return f"plan.stages[{index}].{key}", a[key], b[key]
     return None
+
+
+def _optional_float(value: Any) -> float | None:
+    return None if value is None else float(value)
 
 
 def load_plan(path: str | Path) -> Plan:
