@@ -52,7 +52,7 @@ from autopart.errors import ConfigError
 from autopart.local_run import free_port
 from cost_models.calibration import cache_dir
 
-__all__ = ["CommProfile", "Effort", "FULL", "QUICK", "profile_comm", "load_comm_profile", "SIZES", "WAKE_IDLES"]
+__all__ = ["CommProfile", "Effort", "FULL", "QUICK", "cache_path", "profile_comm", "load_comm_profile", "SIZES", "WAKE_IDLES"]
 
 SIZES = (4, 4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 8 << 20)
 """Message sizes timed, in bytes: latency-bound to bandwidth-bound."""
@@ -112,7 +112,8 @@ class CommProfile:
         return "\n".join(lines)
 
 
-def _path(device: str, backend: str) -> Path:
+def cache_path(device: str, backend: str) -> Path:
+    """Where the profile of ``device`` over ``backend`` is cached, per host and torch version."""
     slug = re.sub(r"[^A-Za-z0-9._+-]", "_", f"{socket.gethostname()}-{device}-{backend}-torch{torch.__version__}")
     return cache_dir() / f"comm-{slug}.json"
 
@@ -121,7 +122,7 @@ def load_comm_profile(device: str) -> CommProfile | None:
     """The cached measurements for ``device`` on this host and torch, or None."""
     backend = "nccl" if device != "cpu" else "gloo"
     try:
-        data = json.loads(_path(device, backend).read_text())
+        data = json.loads(cache_path(device, backend).read_text())
         return CommProfile(**data)
     except (OSError, ValueError, TypeError):
         return None
@@ -468,7 +469,7 @@ def profile_comm(*, ranks: int = 2, backend: str | None = None, effort: Effort =
         data = json.loads(Path(out).read_text())
     profile = CommProfile(device=device, backend=backend, ranks=ranks, host=socket.gethostname(),
                           torch_version=torch.__version__, **data)
-    path = _path(device, backend)
+    path = cache_path(device, backend)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(asdict(profile), indent=1) + "\n")
     return profile, path
