@@ -22,7 +22,7 @@ from autopart.errors import ConfigError
 if TYPE_CHECKING:
     from autopart.plan import Plan
 
-__all__ = ["ACCURACY_FILE", "Band", "Basis", "band_key", "basis_for", "describe_prediction", "load_bands", "with_basis", "write_band"]
+__all__ = ["ACCURACY_FILE", "MEASURED", "PROFILED", "ROOFLINE", "Band", "Basis", "band_key", "basis_for", "describe_prediction", "load_bands", "with_basis", "write_band"]
 
 ACCURACY_FILE = Path(__file__).with_name("accuracy.json")
 """The bands the repository ships, one per basis key (see `basis_for`)."""
