@@ -13,12 +13,15 @@ measures what the step model needs:
    shapes and dtypes, so other micro-batch sizes and precisions add to the same file.
 
 A second compile of the same model finds both and measures nothing. ``--no-measure`` keeps the
-roofline, and a named device (``a100-80gb``) is never measured: it is not here.
+roofline, and so does the environment variable ``AUTOPART_NO_MEASURE=1`` (the test suite sets it:
+its compiles check plans, not this machine's speed, and must not each spend seconds measuring);
+a named device (``a100-80gb``) is never measured: it is not here.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 import socket
 from contextlib import nullcontext
@@ -38,7 +41,10 @@ from cost_models.devices import local_device_name
 if TYPE_CHECKING:
     from autopart.compiler import CompileOptions
 
-__all__ = ["Measured", "local_kind", "measure_defaults", "costs_cache_path"]
+__all__ = ["NO_MEASURE_ENV", "Measured", "local_kind", "measure_defaults", "costs_cache_path"]
+
+NO_MEASURE_ENV = "AUTOPART_NO_MEASURE"
+"""Set (to anything but empty), compiles measure nothing, as with ``--no-measure``."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -86,7 +92,7 @@ def measure_defaults(options: CompileOptions, *, console: Console | None = None)
     Measures only on the default path: a local device, no ``--costs``, measuring not turned off.
     ``console`` shows a progress bar while measuring."""
     kind = local_kind(options.device)
-    if kind is None or options.costs is not None or not options.measure:
+    if kind is None or options.costs is not None or not options.measure or os.environ.get(NO_MEASURE_ENV):
         messages = kind is not None and _messages_known(kind)
         basis = basis_for(device=options.device, local=kind, measured=False, costs=options.costs, messages=messages,
                           pipeline=options.profile_pipeline)

@@ -29,6 +29,7 @@ def fresh_cache(tmp_path, monkeypatch):
     """An empty cache directory, and a message profile that counts its runs instead of timing."""
     cache = tmp_path / "cache"
     monkeypatch.setenv("AUTOPART_CACHE_DIR", str(cache))
+    monkeypatch.delenv(measure_defaults.NO_MEASURE_ENV, raising=False)  # the suite's conftest turns it off
     calls = []
 
     def fake_profile_comm(*, ranks, backend, effort):
