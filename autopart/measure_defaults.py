@@ -21,6 +21,7 @@ a named device (``a100-80gb``) is never measured: it is not here.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import re
 import socket
@@ -33,7 +34,7 @@ import torch
 from rich.console import Console
 
 from autopart.accuracy import Basis, basis_for
-from cost_models.calibration import cache_dir
+from cost_models.calibration import background_load, cache_dir
 from cost_models.comm_profile import QUICK, load_comm_profile, profile_comm
 from cost_models.database import CostDatabase
 from cost_models.devices import local_device_name
@@ -42,6 +43,8 @@ if TYPE_CHECKING:
     from autopart.compiler import CompileOptions
 
 __all__ = ["NO_MEASURE_ENV", "Measured", "local_kind", "measure_defaults", "costs_cache_path"]
+
+log = logging.getLogger("autopart")
 
 NO_MEASURE_ENV = "AUTOPART_NO_MEASURE"
 """Set (to anything but empty), compiles measure nothing, as with ``--no-measure``."""
@@ -107,7 +110,20 @@ def measure_defaults(options: CompileOptions, *, console: Console | None = None)
     timed = 0 if options.searched or options.plan is not None else _profile_ops(options, kind, path, console)
     basis = basis_for(device=options.device, local=kind, measured=True, costs=None, messages=_messages_known(kind))
     measured = Measured(basis=basis, costs=path, ops_timed=timed, messages_measured=measure_messages)
+    if measure_messages or timed:
+        _note_busy(kind, path)
     return replace(options, costs=path), measured
+
+
+def _note_busy(kind: str, path: Path) -> None:
+    """What was just measured is cached for good: say so when other work shared the cores, as
+    a message's time and a rank's wake-up then include waiting for them."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    others = background_load(cores) if kind == "cpu" else 0.0
+    if others >= cores:
+        log.info(f"{others:g} other busy processes shared this machine's {cores} cores while its ops and messages "
+                 f"were measured, which slows what was measured; on a quiet machine, delete {path} and "
+                 "run 'autopart profile-comm' to measure again")
 
 
 def _profile_ops(options: CompileOptions, kind: str, path: Path, console: Console | None) -> int:
