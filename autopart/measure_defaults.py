@@ -95,7 +95,8 @@ def measure_defaults(options: CompileOptions, *, console: Console | None = None)
     Measures only on the default path: a local device, no ``--costs``, measuring not turned off.
     ``console`` shows a progress bar while measuring."""
     kind = local_kind(options.device)
-    if kind is None or options.costs is not None or not options.measure or os.environ.get(NO_MEASURE_ENV):
+    missing = not Path(options.model).is_file()  # the compile says so in its own words
+    if kind is None or options.costs is not None or not options.measure or os.environ.get(NO_MEASURE_ENV) or missing:
         messages = kind is not None and _messages_known(kind)
         basis = basis_for(device=options.device, local=kind, measured=False, costs=options.costs, messages=messages,
                           pipeline=options.profile_pipeline)

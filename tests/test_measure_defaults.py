@@ -121,3 +121,10 @@ def test_a_broken_accuracy_file_is_one_line(tmp_path) -> None:
     broken.write_text("{not json")
     with pytest.raises(autopart.AutopartError, match="rerun the benchmark"):
         load_bands(broken)
+
+
+def test_a_missing_model_file_is_still_one_line_on_the_measuring_path(fresh_cache, tmp_path, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["compile", str(tmp_path / "missing.py"), "-o", str(tmp_path / "out"), "--pp", "2"])
+    assert exit_.value.code == 2
+    assert "does not exist" in capsys.readouterr().err
