@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from autopart.errors import ConfigError
 
 if TYPE_CHECKING:
-    from autopart.plan import Plan
+    from autopart.plan import Plan, Predicted
 
 __all__ = ["ACCURACY_FILE", "MEASURED", "PROFILED", "ROOFLINE", "Band", "Basis", "band_key", "basis_for", "describe_prediction", "load_bands", "with_basis", "write_band"]
 
@@ -136,7 +136,7 @@ def with_basis(plan: Plan, basis: Basis) -> Plan:
     return replace(plan, predicted=predicted)
 
 
-def describe_prediction(predicted) -> str:
+def describe_prediction(predicted: Predicted) -> str:
     """The parenthesis after a recorded plan's predicted step: its basis and band as the plan
     records them ("" for a plan written before they were recorded)."""
     if not predicted.basis:
