@@ -383,7 +383,12 @@ def _pipeline_compute(rank: int, rounds: int = 30, steps: int = 8, nbytes: int =
 
 
 def _worker(rank: int, ranks: int, backend: str, port: int, out: str, effort: Effort = FULL) -> None:
+    import warnings
+
     import torch.distributed as dist
+
+    # torch renames the *_tensor collectives; the old names are the ones every supported torch has
+    warnings.filterwarnings("ignore", message=".*is deprecated.*", category=FutureWarning)
 
     import autopart.runtime.train  # noqa: F401 - the runtime's imports are part of its memory
 
