@@ -9,18 +9,18 @@ The compiler is imported on first use, so that the generated programs, which imp
 
 from typing import Any
 
-from autopart.errors import AutopartError
+from autopart.ir.errors import AutopartError
 
 __version__ = "0.1.0"
 
 __all__ = ["compile", "emit", "CompileOptions", "Plan", "load_plan", "AutopartError", "__version__"]
 
 _LAZY = {
-    "compile": "autopart.compiler",
-    "emit": "autopart.compiler",
-    "CompileOptions": "autopart.compiler",
-    "Plan": "autopart.plan",
-    "load_plan": "autopart.plan",
+    "compile": "autopart.driver",
+    "emit": "autopart.driver",
+    "CompileOptions": "autopart.options",
+    "Plan": "autopart.ir.plan",
+    "load_plan": "autopart.ir.plan",
 }
 
 

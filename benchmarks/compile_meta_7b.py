@@ -21,7 +21,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from autopart.cli import main, peak_memory_gib  # noqa: E402
+from autopart.tools.cli import main, peak_memory_gib  # noqa: E402
 
 
 def run(argv: list[str] | None = None) -> None:

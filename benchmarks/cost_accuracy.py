@@ -57,12 +57,13 @@ import torch  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from autopart.accuracy import MEASURED, PROFILED, Band, band_key, write_band  # noqa: E402
-from autopart.capture import capture, graph_args, load_model_file  # noqa: E402
-from autopart.compiler import CompileOptions, compile_to_directory  # noqa: E402
-from autopart.local_run import free_port  # noqa: E402
-from autopart.plan import Plan  # noqa: E402
-from autopart.profile_in_situ import trimmed_mean  # noqa: E402
+from autopart.predict.accuracy import MEASURED, PROFILED, Band, band_key, write_band  # noqa: E402
+from autopart.ir.model_file import load_model_file  # noqa: E402
+from autopart.passes.capture import capture, graph_args  # noqa: E402
+from autopart.driver import CompileOptions, compile_to_directory  # noqa: E402
+from autopart.tools.local_run import free_port  # noqa: E402
+from autopart.ir.plan import Plan  # noqa: E402
+from autopart.profiling.in_situ import trimmed_mean  # noqa: E402
 from autopart.runtime.stage import load_stage  # noqa: E402
 from cost_models import CostDatabase  # noqa: E402
 
@@ -211,7 +212,7 @@ def main() -> None:
     parser.add_argument("--default", action="store_true",
                         help="the default compile instead: no --costs, a fresh cache, the ops and messages it measures")
     parser.add_argument("--no-write", action="store_true",
-                        help="do not record the error band in autopart/accuracy.json (which compile prints)")
+                        help="do not record the error band in autopart/predict/accuracy.json (which compile prints)")
     args = parser.parse_args()
     if args.default:
         _default_path(args)
@@ -276,7 +277,7 @@ def main() -> None:
 
 
 def _write_band(args: argparse.Namespace, kind: str, errors: list[float]) -> None:
-    """Record the band of this run's rows where ``autopart compile`` reads it (see autopart/accuracy.py)."""
+    """Record the band of this run's rows where ``autopart compile`` reads it (see autopart/predict/accuracy.py)."""
     if errors and not args.no_write:
         command = " ".join(["python", "benchmarks/cost_accuracy.py", *sys.argv[1:]])
         band = Band.from_errors(errors, benchmark="cost_accuracy", command=command)

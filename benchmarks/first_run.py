@@ -36,8 +36,8 @@ sys.path.insert(0, str(REPO))
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from autopart.compiler import CompileOptions, compile_to_directory  # noqa: E402
-from autopart.local_run import free_port  # noqa: E402
+from autopart.driver import CompileOptions, compile_to_directory  # noqa: E402
+from autopart.tools.local_run import free_port  # noqa: E402
 
 WARMUP = 5
 """First steps left out of each launch's median."""

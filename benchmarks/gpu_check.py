@@ -47,10 +47,10 @@ if str(REPO) not in sys.path:
 
 import torch  # noqa: E402
 
-from autopart.local_run import run_locally  # noqa: E402
-from autopart.plan import load_plan  # noqa: E402
+from autopart.tools.local_run import run_locally  # noqa: E402
+from autopart.ir.plan import load_plan  # noqa: E402
 from autopart.runtime.reference import train_reference  # noqa: E402
-from autopart.verify import BF16_LOSS_TOLERANCE, LOSS_TOLERANCE  # noqa: E402
+from autopart.tools.verify import BF16_LOSS_TOLERANCE, LOSS_TOLERANCE  # noqa: E402
 
 MODEL = REPO / "examples" / "gpt.py"
 SPEC = {"cuda": "h200", "cpu": "cpu"}  # the device spec each kind of run is compiled for
@@ -76,7 +76,7 @@ class Row:
 
 def prepare(folder: Path, device: str, model: Path) -> None:
     """Compile the plans of ``--run`` into ``folder`` (this needs OR-Tools for the interleaved cut)."""
-    from autopart.compiler import CompileOptions, compile_to_directory
+    from autopart.driver import CompileOptions, compile_to_directory
 
     folder.mkdir(parents=True, exist_ok=True)
     for name, settings in PLANS.items():
@@ -159,7 +159,7 @@ def _outside_allocator_bytes(plan) -> int:
 
 def _cli(*args: str) -> None:
     """``autopart ARGS`` as a user runs it, in this process: its imports are paid once."""
-    from autopart.cli import main as autopart
+    from autopart.tools.cli import main as autopart
 
     printed = io.StringIO()
     try:

@@ -5,15 +5,15 @@ the same simulator on the same costs.
 
 The costs: each model is captured and annotated by the compiler's own front (``FrontTable``, the
 roofline cost model of the cluster's device, fp32 as captured: bf16 is not modelled yet), built
-on the meta device with two of its layers; ``autopart.solver.repeat`` then repeats the layers to
+on the meta device with two of its layers; ``autopart.solve.repeat`` then repeats the layers to
 the model's full depth (a copy costs what the captured layer costs, block for block). The small
 cases at the end use the captured chain as it is, so that exhaustive search can finish.
 
 The score, in two steps as the issue asks ("lower bounds prune the space; the simulator ranks
 the finalists"): every method first ranks its candidates by the closed-form estimate
-(``autopart.search.estimate_step_s`` through ``score_layout``: the schedule's pipeline latency,
+(``autopart.solve.search.estimate_step_s`` through ``score_layout``: the schedule's pipeline latency,
 the data-parallel gradient all-reduce and the optimizer step of the busiest rank); then its best
-few are simulated (``autopart.solver.simulated.simulated_step_s``: each stage's summed block
+few are simulated (``autopart.solve.simulated.simulated_step_s``: each stage's summed block
 costs on the schedule the compiler emits, action by action, then the same all-reduce and
 optimizer tail) and the best simulated is its step. For autopart the few are the search's
 finalists (``SearchResult.ranked``); for each baseline, its ``--top`` best by estimate
@@ -26,8 +26,8 @@ hides later stages behind the warm-up), so in the simulator's terms it is close 
 strictly, the best any plan could do. megatron / bound in the summary is then about the most any
 plan could gain over Megatron's grid under this cost model.
 
-The methods (``autopart.solver.baselines`` and ``autopart.solver.baseline_search``):
-- autopart: ``autopart.search.search`` over its whole space (pp x tp x dp, micro-batch size,
+The methods (``autopart.solve.baselines`` and ``autopart.solve.baseline_search``):
+- autopart: ``autopart.solve.search.search`` over its whole space (pp x tp x dp, micro-batch size,
   gpipe / 1f1b / interleaved / zb-h1, ZeRO-1, recompute per stage).
 - uniform, parameters: DeepSpeed's partition methods; pipedream: PipeDream's dynamic program
   (SOSP'19); megatron: equal layers per stage. Each on Megatron's grid: every (t, p, d) with t
@@ -56,13 +56,13 @@ sys.path.insert(0, str(REPO))
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from autopart.compiler import CompileOptions  # noqa: E402
-from autopart.planner import FrontTable, cluster_of, search_space  # noqa: E402
-from autopart.search import Scored, search  # noqa: E402
-from autopart.solver.baseline_search import PARTITIONERS, exhaustive_search, grid_search  # noqa: E402
-from autopart.solver.baselines import block_layers  # noqa: E402
-from autopart.solver.repeat import RepeatedTable, repeat_last  # noqa: E402
-from autopart.solver.simulated import simulated_step_s  # noqa: E402
+from autopart.driver import CompileOptions  # noqa: E402
+from autopart.solve.planner import FrontTable, cluster_of, search_space  # noqa: E402
+from autopart.solve.search import Scored, search  # noqa: E402
+from autopart.solve.baseline_search import PARTITIONERS, exhaustive_search, grid_search  # noqa: E402
+from autopart.solve.baselines import block_layers  # noqa: E402
+from autopart.solve.repeat import RepeatedTable, repeat_last  # noqa: E402
+from autopart.solve.simulated import simulated_step_s  # noqa: E402
 
 MODELS = REPO / "benchmarks" / "models"
 BASELINES = ("uniform", "parameters", "pipedream", "megatron", "exhaustive")

@@ -39,7 +39,7 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 import autopart  # noqa: E402
-from autopart.accuracy import ROOFLINE, Band, band_key, write_band  # noqa: E402
+from autopart.predict.accuracy import ROOFLINE, Band, band_key, write_band  # noqa: E402
 from cost_models import get_cost_model  # noqa: E402
 
 MODELS = REPO / "benchmarks" / "models"
@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", nargs="*", help="row names (default: all)")
     parser.add_argument("--search", action="store_true", help="also search each row's cluster and batch")
     parser.add_argument("--no-write", action="store_true",
-                        help="do not record the error band in autopart/accuracy.json (which compile prints)")
+                        help="do not record the error band in autopart/predict/accuracy.json (which compile prints)")
     args = parser.parse_args(argv)
     runs = [r for r in RUNS if not args.rows or r.name in args.rows]
     console = Console()

@@ -58,8 +58,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autopart.local_run import free_port
-from autopart.pipelining import loss_is_the_output
+from autopart.tools.local_run import free_port
+from autopart.runtime.pipelining import loss_is_the_output
 
 REPO = Path(__file__).resolve().parent.parent
 GPT = REPO / "examples" / "gpt.py"
@@ -169,8 +169,8 @@ class AutopartPipeline:
 
 def pipeline_worker(out_dir: Path, steps: int, metrics: Path, seed: int, lr: float, *, paired: bool) -> None:
     """Under torchrun: torch's runtime alone, or (paired) torch's and autopart's, alternated step by step."""
-    from autopart.capture import load_model_file
-    from autopart.plan import load_plan
+    from autopart.ir.model_file import load_model_file
+    from autopart.ir.plan import load_plan
     from autopart.runtime.data import global_batches
 
     plan = load_plan(out_dir / "plan.json")
@@ -203,8 +203,8 @@ def pipeline_worker(out_dir: Path, steps: int, metrics: Path, seed: int, lr: flo
 
 def single_worker(out_dir: Path, steps: int, metrics: Path, seed: int, lr: float) -> None:
     """The reference: the original model, eager, in one process, on the same batches."""
-    from autopart.capture import eager_loss, load_model_file
-    from autopart.plan import load_plan
+    from autopart.ir.model_file import eager_loss, load_model_file
+    from autopart.ir.plan import load_plan
     from autopart.runtime.data import global_batches
     from autopart.runtime.optim import make_optimizer
     from autopart.runtime.reference import initial_weights
@@ -233,8 +233,8 @@ def single_worker(out_dir: Path, steps: int, metrics: Path, seed: int, lr: float
 
 
 def compile_plan(model: Path, out: Path, *, pp: int, microbatches: int, micro_batch_size: int, schedule: str):
-    from autopart.compiler import CompileOptions, compile_to_directory
-    from autopart.plan import load_plan
+    from autopart.driver import CompileOptions, compile_to_directory
+    from autopart.ir.plan import load_plan
 
     if (out / "plan.json").exists():  # compiled by an earlier run with the same --work
         return load_plan(out / "plan.json")
@@ -246,9 +246,10 @@ def compile_plan(model: Path, out: Path, *, pp: int, microbatches: int, micro_ba
 
 def pinned_variant(plan, out: Path, *, schedule: str | None = None, cuts: tuple[int, ...] | None = None):
     """Emit ``plan`` again with another schedule and/or other cuts (a pinned, hand-edited plan)."""
-    from autopart.compiler import CompileOptions, _front, compile_to_directory
-    from autopart.plan import load_plan
-    from autopart.solver.pipeline import stage_ranges
+    from autopart.driver import CompileOptions, compile_to_directory
+    from autopart.passes.front import build_front
+    from autopart.ir.plan import load_plan
+    from autopart.solve.pipeline import stage_ranges
 
     if (out / "plan.json").exists():  # emitted by an earlier run with the same --work
         return load_plan(out / "plan.json")
@@ -257,7 +258,7 @@ def pinned_variant(plan, out: Path, *, schedule: str | None = None, cuts: tuple[
     if schedule is not None:
         data["schedule"]["kind"] = schedule
     if cuts is not None:
-        front = _front(CompileOptions(model=Path(plan.provenance.model_file)), plan.schedule.micro_batch_size)
+        front = build_front(CompileOptions(model=Path(plan.provenance.model_file)), plan.schedule.micro_batch_size)
         blocks = front.chain.blocks
         for stage, blocks_range in zip(data["stages"], stage_ranges(cuts, len(blocks)), strict=True):
             stage["nodes"] = [n for k in blocks_range for n in blocks[k].nodes]
@@ -269,10 +270,11 @@ def pinned_variant(plan, out: Path, *, schedule: str | None = None, cuts: tuple[
 
 
 def equal_layer_cuts(plan) -> tuple[int, ...]:
-    from autopart.compiler import CompileOptions, _front
-    from autopart.solver.baselines import uniform_layer_cuts
+    from autopart.driver import CompileOptions
+    from autopart.passes.front import build_front
+    from autopart.solve.baselines import uniform_layer_cuts
 
-    front = _front(CompileOptions(model=Path(plan.provenance.model_file)), plan.schedule.micro_batch_size)
+    front = build_front(CompileOptions(model=Path(plan.provenance.model_file)), plan.schedule.micro_batch_size)
     return uniform_layer_cuts(front.chain, plan.mesh["pp"])
 
 

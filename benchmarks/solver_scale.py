@@ -7,7 +7,7 @@ batch of 2,304; and GPT-3 175B's layer repeated to 1,024 layers (a 1.9T-paramete
 4,096 A100s with a global batch of 4,096. Both models are built whole on the meta device
 (benchmarks/models/gpt3_145b.py, gpt3_1024_layers.py).
 
-Each compile runs as a user runs it, in a fresh process (``python -m autopart.cli compile MODEL
+Each compile runs as a user runs it, in a fresh process (``python -m autopart.tools.cli compile MODEL
 -o OUT --world-size N ...``), and "compile s" is that process's wall time: imports, loading the
 model, the search with every capture it asks for, the full model's capture for the plan, and
 writing the output directory. "search s" is the search alone as the plan records it
@@ -72,7 +72,7 @@ def compile_once(case: Case) -> Run:
         out = Path(folder) / "out"
         env = {**os.environ, "PYTHONPATH": str(REPO)}
         start = time.perf_counter()
-        done = subprocess.run([sys.executable, "-m", "autopart.cli", *case.arguments(out)], env=env,
+        done = subprocess.run([sys.executable, "-m", "autopart.tools.cli", *case.arguments(out)], env=env,
                               capture_output=True, text=True)
         wall = time.perf_counter() - start
         if done.returncode != 0:

@@ -23,8 +23,9 @@ sys.path.insert(0, str(REPO))
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from autopart.compiler import CompileOptions, _front  # noqa: E402
-from autopart.solver.baselines import block_layers  # noqa: E402
+from autopart.driver import CompileOptions
+from autopart.passes.front import build_front  # noqa: E402
+from autopart.solve.baselines import block_layers  # noqa: E402
 
 MODEL = REPO / "benchmarks" / "models" / "gpt3_layer.py"
 
@@ -33,7 +34,7 @@ def layer_time(tp: int, gpus_per_node: int) -> tuple[float, float, float]:
     """(total, compute, communication) seconds of the transformer layer's blocks on one rank."""
     options = CompileOptions(model=MODEL, tp=tp, microbatches=1, micro_batch_size=1, device="h100-sxm",
                              gpus_per_node=gpus_per_node)  # fmt: skip
-    front = _front(options, 1)
+    front = build_front(options, 1)
     in_layer = [k for k, layer in enumerate(block_layers(front.chain)) if layer is not None]
     if front.shardings is None:
         compute = sum(front.chain.blocks[k].forward_s + front.chain.blocks[k].backward_s for k in in_layer)

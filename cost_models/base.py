@@ -86,7 +86,7 @@ class CostModel(Protocol):
 
     def pipeline_profile(self, pipeline: str) -> PipelineMeasurement | None:
         """What one pipeline measured as it ran (``autopart compile --profile-pipeline``;
-        ``pipeline`` is its `autopart.profile_pipeline.pipeline_key`): its compute factor, which
+        ``pipeline`` is its `autopart.profiling.pipeline.pipeline_key`): its compute factor, which
         holds the waking after waits and the sharing of cores too, and its tied gradients' sum.
         None where not measured."""
         ...

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from autopart.errors import DeviceSpecError
+from autopart.ir.errors import DeviceSpecError
 
 __all__ = ["CpuCalibration", "cache_dir", "calibrate_cpu", "calibrated_cpu_fields",
            "physical_memory_bytes", "background_load"]

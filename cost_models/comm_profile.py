@@ -7,23 +7,22 @@ repeats. Of a message's time it also measures the part that is the two processes
 which a rank cannot spend computing (``p2p_send_cpu``, ``p2p_recv_cpu``): the CPU time of the
 sender's ``isend`` and its ``wait`` and of the receiver's ``irecv().wait()`` on the calling
 thread, each with what gloo's communication threads spent per message, measured as a pipeline
-sends: between milliseconds of compute, the message already there when it is received (on this
-project's CPU 0.22 to 0.38 ms a side up to 256 KiB, as much as a small layer's forward; back to
-back, with gloo's code and state hot in the caches, a third of that). On a GPU the host's part
+sends: between milliseconds of compute, the message already there when it is received (on a CPU
+as much as a small layer's forward, and far more than back to back, with gloo's code and state
+hot in the caches). On a GPU the host's part
 is not the device's time: those curves stay out. Last, on a CPU, what a message takes longer
 when every core is busy (``p2p_busy_delay``: the mean one-way time with one spinning process
-per core, less the mean without): its receiver waits to be scheduled, on this machine up to a
-scheduler slice (~2 ms), which is what ranks that outnumber the cores pay on every message that
-finds the cores taken.
+per core, less the mean without): its receiver waits to be scheduled, up to a scheduler
+slice, which is what ranks that outnumber the cores pay on every message that finds the cores
+taken.
 And what waking costs (``wake``, extra seconds by idle seconds): a rank blocked on a message
-leaves its core idle, and on this project's virtual machine its next ten or so milliseconds of
-work then run slower (after 2 to 30 ms idle the first 12 steps of a tiny layer took 1 to 1.6 ms
-more than hot ones; the host hands an idle virtual core's physical core to other work, whose state
-the caches and predictors then hold). And how much slower compute runs inside a running
+leaves its core idle, and on a virtual machine its next work then runs slower for a while
+(the host hands an idle virtual core's physical core to other work, whose state the caches and
+predictors then hold). And how much slower compute runs inside a running
 pipeline than alone (``pipeline_compute``, one factor): both ranks compute a tiny layer at once
 while each one's message lands mid-compute on the other, against the same chunks run alone in
-turn (here 1.7 to 4.9% for the tiny layer; a real stage's forward and backward took 8 to 19%
-longer in the generated programs than alone a second later). It also reads each process's
+turn (a lower bound: a real stage's forward and backward slow down more than a tiny layer,
+which ``autopart compile --profile-pipeline`` measures per model). It also reads each process's
 resident memory after it has imported the runtime and joined the group and run one step of a
 tiny model: the memory every rank takes besides its model's own tensors.
 
@@ -48,8 +47,8 @@ from pathlib import Path
 
 import torch
 
-from autopart.errors import ConfigError
-from autopart.local_run import free_port
+from autopart.ir.errors import ConfigError
+from autopart.tools.local_run import free_port
 from cost_models.calibration import cache_dir
 
 __all__ = ["CommProfile", "Effort", "FULL", "QUICK", "cache_path", "profile_comm", "load_comm_profile", "SIZES", "WAKE_IDLES"]
@@ -64,8 +63,8 @@ _CPU_KINDS = ("p2p_send_cpu", "p2p_recv_cpu")
 _BETWEEN_MESSAGES_S = 0.002
 """Seconds of compute around each message whose CPU cost is measured (``_p2p_cpu``)."""
 _CPU_REPEATS = 40
-"""Messages timed per size for ``_p2p_cpu``: on this project's virtual machine one side's figure
-moved between 0.3 and 2.9 ms from one set of 15 to the next."""
+"""Messages timed per size for ``_p2p_cpu``: on a shared virtual machine one side's figure moves
+severalfold between small sets of messages, so the trimmed mean needs many."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -169,11 +168,11 @@ def _p2p_cpu(rank: int, buffer: torch.Tensor, repeats: int = _CPU_REPEATS) -> tu
     and state are out of the caches, and with the message already there when the receiver asks
     for it. Each side is the calling thread's time in ``isend`` and its ``wait`` or in
     ``irecv().wait()``, plus what the process's other threads (gloo's) spent meanwhile: the
-    trimmed mean over ``_CPU_REPEATS`` messages. Back to back, hot, a message took a third of
-    that here (0.06 ms to send, 0.1 ms to receive)."""
+    trimmed mean over ``_CPU_REPEATS`` messages. Back to back, hot, a message costs far less,
+    which is not what a pipeline's messages see."""
     import torch.distributed as dist
 
-    from autopart.profile_in_situ import trimmed_mean
+    from autopart.profiling.in_situ import trimmed_mean
 
     layer = _TinyLayer(torch.device("cpu"))
     received = torch.empty_like(buffer)
@@ -301,8 +300,8 @@ def _wake_curve(rank: int, rounds: int = 30) -> list[list[float]]:
     Rank 0 computes for the idle time and then sends; rank 1, blocked in the receive meanwhile,
     times 24 steps of a tiny layer once it has the message: what the first 12 take beyond as
     many of the last eight, hot again, is what waking cost (ranks past the first two only wait).
-    The slowness outlasts the first steps: counted over three against the next three, as before,
-    it came to 0.66-0.8 ms here; over 12 against the last eight, to 1.0-1.6 ms."""
+    The slowness outlasts the first few steps, so counting over only three against the next
+    three would miss part of it."""
     import torch.distributed as dist
 
     layer = _TinyLayer(torch.device("cpu"))
@@ -343,7 +342,7 @@ def _pipeline_compute(rank: int, rounds: int = 30, steps: int = 8, nbytes: int =
     than the effect between rounds (a ratio of whole-run means gave 1.0 to 1.27 in a row)."""
     import torch.distributed as dist
 
-    from autopart.profile_in_situ import trimmed_mean
+    from autopart.profiling.in_situ import trimmed_mean
 
     layer = _TinyLayer(torch.device("cpu"))
     message, inbox = torch.zeros(nbytes // 4), torch.zeros(nbytes // 4)
@@ -449,7 +448,7 @@ def profile_comm(*, ranks: int = 2, backend: str | None = None, effort: Effort =
     """Measure with ``ranks`` processes and ``effort`` samples, cache the result, return it and where it went."""
     import torch.multiprocessing as mp
 
-    from cost_models.devices import local_device_name
+    from cost_models.device_names import local_device_name
 
     if ranks < 2:
         raise ConfigError(f"--ranks must be at least 2 to measure communication, got {ranks}")

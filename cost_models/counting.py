@@ -20,7 +20,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from cost_models._formulas import METADATA_OPS, VIEW_OPS, fallback_rule, rule_for
+from cost_models.formulas import METADATA_OPS, VIEW_OPS, fallback_rule, rule_for
 from cost_models._ops import CATEGORIES, OpCall, Rule, io_bytes
 
 __all__ = ["Kernel", "KernelRecorder", "CATEGORIES"]
@@ -36,7 +36,7 @@ class Kernel:
     """One of `CATEGORIES`; the roofline charges "matmul" and "attention" at tensor-core rates."""
     flops: float
     """Floating-point operations, a multiply-add counting 2 (conventions in
-    `cost_models._matmul_formulas` and `cost_models._formulas`)."""
+    `cost_models._matmul_formulas` and `cost_models.formulas`)."""
     bytes: float
     """Bytes read plus bytes written; 0 for views and other metadata-only ops."""
     dtype: str

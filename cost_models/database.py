@@ -11,7 +11,7 @@ nothing. Besides ops, the database holds optimizer steps per parameter shape and
 costs of the runtime that no op carries (starting an autograd backward, calling a stage), and
 the pipeline compute factors that ``autopart compile --profile-pipeline`` measures: how much
 longer a model's stages compute inside their running pipeline than alone, keyed by the model
-and its mesh (`autopart.profile_pipeline.pipeline_key`).
+and its mesh (`autopart.profiling.pipeline.pipeline_key`).
 
 The file is plain JSON so that it can be read, diffed, merged and checked in::
 
@@ -34,13 +34,13 @@ from pathlib import Path
 
 import torch
 
-from autopart.errors import ConfigError
+from autopart.ir.errors import ConfigError
 
 __all__ = ["OpTimes", "RuntimeOverheads", "PipelineMeasurement", "VARIATION_STEPS", "CostDatabase", "blocks_key", "plan_shape", "entry_key",
            "tail_key"]
 
 _SCHEMA = 2
-"""2: ops timed in place on the CPU (``autopart.profile_in_situ``), optimizer steps less their fixed cost."""
+"""2: ops timed in place on the CPU (``autopart.profiling.in_situ``), optimizer steps less their fixed cost."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -17,8 +17,9 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from autopart.errors import DeviceSpecError
+from autopart.ir.errors import DeviceSpecError
 from cost_models.memory import FRAMEWORK_OVERHEAD_BYTES
+from cost_models.device_names import local_device_name, spec_name  # the names its specs are stored under
 
 try:
     import tomllib
@@ -52,7 +53,7 @@ class DeviceSpec:
     matmul_efficiency: tuple[tuple[float, float], ...]
     """Achievable fraction of peak for a matmul of F FLOPs, as (log10 F, fraction) points,
     interpolated linearly in log10 F and held flat beyond the ends: small GEMMs cannot fill
-    the machine, large ones reach 70–80% of a GPU's datasheet peak."""
+    the machine, and even large ones stay below the datasheet peak (REFERENCE.md has published rates)."""
     memory_bandwidth: float
     """Bytes/s, datasheet (or, for the CPU, measured)."""
     memory_efficiency: float
@@ -289,32 +290,3 @@ def _points(value: Any) -> tuple[tuple[float, float], ...]:
     return tuple((float(x), float(y)) for x, y in value)
 
 
-def spec_name(gpu_name: str, memory_bytes: int) -> str:
-    """The spec name of a GPU that torch calls ``gpu_name``; a part without a spec of its own
-    keeps that name (lower case, dashes), which `load_device` refuses with the known specs
-    listed. Variants are told apart, never folded into the nearest spec: an H100 PCIe has half
-    an SXM's memory bandwidth, and an NVL part another power limit, so the SXM's figures would
-    promise plans they cannot keep."""
-    name = gpu_name.upper()
-    if "NVL" not in name:
-        if "H200" in name:
-            return "h200"
-        if "H100" in name and "PCIE" in name:
-            return "h100-pcie"
-        if "H100" in name and ("SXM" in name or "HBM3" in name):  # the SXM5 part reports "H100 80GB HBM3"
-            return "h100-sxm"
-        if "MI300X" in name:
-            return "mi300x"
-        if "A100" in name:
-            return "a100-80gb" if memory_bytes > 50e9 else "a100-40gb"
-    return gpu_name.lower().replace(" ", "-")
-
-
-def local_device_name(kind: str) -> str:
-    """The spec name of the device at hand of ``kind`` (``"cpu"`` or ``"cuda"``), under which
-    measurements of it are stored (`spec_name`)."""
-    if kind != "cuda":
-        return "cpu"
-    import torch
-
-    return spec_name(torch.cuda.get_device_name(), torch.cuda.get_device_properties(0).total_memory)

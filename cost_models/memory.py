@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from types import MappingProxyType
 
-from autopart.errors import ConfigError
+from autopart.ir.errors import ConfigError
 
 __all__ = ["FRAMEWORK_OVERHEAD_BYTES", "OPTIMIZER_STATES", "model_state_bytes", "communicator_bytes"]
 

@@ -5,7 +5,7 @@ for); on the CPU by ``time.perf_counter``. The median rather than the minimum or
 machine shared with other work the minimum is a lucky sample and the mean is pulled by bursts
 of someone else's load; the median is what a run of many steps sees.
 
-Nothing here knows about models or graphs: ``autopart.profile`` walks the graph and asks these
+Nothing here knows about models or graphs: ``autopart.profiling.profile`` walks the graph and asks these
 functions to time one node at a time.
 """
 

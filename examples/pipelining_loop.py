@@ -3,7 +3,7 @@
     autopart compile examples/gpt.py -o out --pp 2 --microbatches 4 --schedule 1f1b
     torchrun --nproc-per-node 2 examples/pipelining_loop.py out --steps 10
 
-Every rank builds its stages of the plan (`autopart.pipelining.build_stages`), takes the
+Every rank builds its stages of the plan (`autopart.runtime.pipelining.build_stages`), takes the
 plan's torch schedule class, and steps it on the batches that ``out/train.py`` would draw, with
 the same optimizer: the losses it prints are ``train.py``'s. Replace the loop's body with your
 own (another optimizer, your data, logging): the stages and the schedule are torch's own objects.
@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from autopart.pipelining import build_stages
+from autopart.runtime.pipelining import build_stages
 from autopart.runtime.device import backend, compute_device
 from autopart.runtime.recipe import parameter_groups
 

@@ -4,6 +4,6 @@ tests/test_measure_defaults.py turns measuring back on for the tests of that pat
 
 import os
 
-from autopart.measure_defaults import NO_MEASURE_ENV
+from autopart.profiling.measure_defaults import NO_MEASURE_ENV
 
 os.environ[NO_MEASURE_ENV] = "1"

@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from autopart.compiler import CompileOptions, compile_to_directory
-from autopart.local_run import free_port
-from autopart.plan import Plan
+from autopart.driver import CompileOptions, compile_to_directory
+from autopart.tools.local_run import free_port
+from autopart.ir.plan import Plan
 from autopart.runtime.recipe import Recipe
 from autopart.runtime.reference import train_reference
 
@@ -129,7 +129,7 @@ def stage_weights(folder: Path) -> dict[int, dict[str, torch.Tensor]]:
 
 def run_cli(*args: str, timeout: float = 300, cwd: Path | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "autopart.cli", *args],
+        [sys.executable, "-m", "autopart.tools.cli", *args],
         capture_output=True, text=True, timeout=timeout, env=environment(), cwd=cwd or REPO,
     )  # fmt: skip
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from autopart.search import Cluster
-from autopart.solver.bottleneck import ChainCosts
+from autopart.solve.search import Cluster
+from autopart.solve.bottleneck import ChainCosts
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import autopart
-from autopart.capture import eager_loss, load_model_file
-from autopart.errors import PlanError
-from autopart.plan import Plan, load_plan
+from autopart.ir.model_file import eager_loss, load_model_file
+from autopart.ir.errors import PlanError
+from autopart.ir.plan import Plan, load_plan
 from autopart.runtime.reference import initial_weights
 from autopart.runtime.stage import load_stage
 

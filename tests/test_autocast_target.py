@@ -4,7 +4,7 @@ holds the dtypes that CUDA autocast gives there, from the op lists of the instal
 import torch
 
 import autopart
-from autopart.autocast_lists import cuda_autocast, cuda_policies
+from autopart.passes.autocast_lists import cuda_autocast, cuda_policies
 
 SOFTMAX_CHAIN = """
 import torch

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from autopart import cli
+from autopart.tools import cli
 from autopart.runtime import train
 from cost_models.devices import DEVICES_DIR
 from tests.distributed import REPO, run_cli

@@ -8,16 +8,16 @@ import random
 
 import pytest
 
-from autopart.errors import ConfigError
-from autopart.search import SearchSpace, score_layout, search
-from autopart.solver.baseline_search import (
+from autopart.ir.errors import ConfigError
+from autopart.solve.search import SearchSpace, score_layout, search
+from autopart.solve.baseline_search import (
     PARTITIONERS,
     exhaustive_count,
     exhaustive_search,
     grid_search,
     grid_space,
 )
-from autopart.solver.baselines import (
+from autopart.solve.baselines import (
     equal_layer_cuts,
     layer_units,
     parameter_balanced_cuts,
@@ -25,7 +25,7 @@ from autopart.solver.baselines import (
     stage_parameter_bytes,
     uniform_cuts,
 )
-from autopart.solver.bottleneck import stage_figures
+from autopart.solve.bottleneck import stage_figures
 from tests.synthetic_chains import SyntheticTable, cluster, random_table
 
 GPT_LAYERS = [None, None, *(f"h.{k // 2}" for k in range(16)), None, None]  # wte, wpe, 8 layers, ln_f, head

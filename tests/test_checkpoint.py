@@ -14,11 +14,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from autopart.capture import eager_loss, load_model_file
-from autopart.compiler import CompileOptions, compile_to_directory
-from autopart.consolidate import consolidated_state
+from autopart.ir.model_file import eager_loss, load_model_file
+from autopart.driver import CompileOptions, compile_to_directory
+from autopart.tools.consolidate import consolidated_state
 from autopart.runtime import train
-from autopart.errors import ConfigError
+from autopart.ir.errors import ConfigError
 from autopart.runtime.checkpoint import latest_checkpoint
 from autopart.runtime.stage import load_stage
 from autopart.runtime.data import global_batches

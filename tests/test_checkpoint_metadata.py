@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 from torch.distributed.checkpoint.metadata import Metadata
 
-from autopart import cli
-from autopart.errors import CheckpointError
+from autopart.tools import cli
+from autopart.ir.errors import CheckpointError
 from autopart.runtime.checkpoint import RECORD, read_metadata_file, remove_saved
 
 META = "torch.distributed.checkpoint.metadata"

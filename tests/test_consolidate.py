@@ -16,7 +16,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 
-from autopart import cli
+from autopart.tools import cli
 from autopart.runtime.checkpoint import RECORD
 from tests.distributed import REPO
 
@@ -58,7 +58,7 @@ def test_the_plan_s_model_file_is_used_while_its_hash_holds(checkpoint, tmp_path
     root, model, sentinel = checkpoint
     code, err = consolidate(capsys, root, tmp_path / "m.safetensors")
     assert code == 0, err
-    from autopart.capture import load_model_file
+    from autopart.ir.model_file import load_model_file
 
     module = load_model_file(model).module
     module.load_state_dict(load_file(str(tmp_path / "m.safetensors")), strict=True)

@@ -13,7 +13,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from cost_models import Kernel, KernelRecorder, _formulas
+from cost_models import Kernel, KernelRecorder, formulas
 
 
 def record(fn, *args) -> list[Kernel]:
@@ -150,7 +150,7 @@ def test_a_failing_formula_warns_once_and_falls_back(monkeypatch: pytest.MonkeyP
     def broken(call: object) -> float:
         raise KeyError("mat2")
 
-    monkeypatch.setitem(_formulas.RULES, "mm", _formulas.Rule(category="matmul", flops=broken))  # type: ignore[arg-type]
+    monkeypatch.setitem(formulas.RULES, "mm", formulas.Rule(category="matmul", flops=broken))  # type: ignore[arg-type]
     a = torch.randn(3, 4)
     with pytest.warns(UserWarning, match="cannot count aten.mm.default"):
         kernels = record(lambda: (torch.mm(a, a.t()), torch.mm(a, a.t())))

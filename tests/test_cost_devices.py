@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from autopart.errors import DeviceSpecError
+from autopart.ir.errors import DeviceSpecError
 from cost_models import DeviceSpec, get_cost_model, known_devices, load_device
 from cost_models import calibration
 from cost_models.counting import Kernel

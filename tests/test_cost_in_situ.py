@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import fx, nn
 
-from autopart.profile import _put_in_situ
-from autopart.profile_in_situ import measure_resume, optimizer_in_situ, time_in_situ
+from autopart.profiling.profile import put_in_situ
+from autopart.profiling.in_situ import measure_resume, optimizer_in_situ, time_in_situ
 from cost_models import CostDatabase, load_device
 from cost_models.database import OpTimes
 from cost_models.profiled import ProfiledCostModel, optimizer_call_key, optimizer_key
@@ -125,12 +125,12 @@ def test_in_situ_times_are_averaged_per_key_and_split_as_the_op_split_alone() ->
                  "op(c)": OpTimes(forward_s=7.0, backward_input_s=1.0)}
         nodes = {"op(a)": ["a1", "a2"], "op(b)": ["b"], "op(c)": ["c"]}
 
-    from autopart.profile_in_situ import NodeTimes
+    from autopart.profiling.in_situ import NodeTimes
 
     in_situ = {"a1": NodeTimes(forward_s=2.0, backward_s=4.0), "a2": NodeTimes(forward_s=4.0, backward_s=12.0),
                "b": NodeTimes(forward_s=6.0, backward_s=0.5)}
     database = CostDatabase()
-    _put_in_situ(database, "cpu", Timer(), in_situ)
+    put_in_situ(database, "cpu", Timer(), in_situ)
     assert database.get("cpu", "op(a)") == OpTimes(forward_s=3.0, backward_input_s=6.0, backward_weight_s=2.0)
     assert database.get("cpu", "op(b)") == OpTimes(forward_s=6.0, backward_input_s=0.5, backward_weight_s=0.0)
     assert database.get("cpu", "op(c)") == Timer.timed["op(c)"]  # not seen in place: timed alone
@@ -195,18 +195,18 @@ def test_optimizer_in_situ_times_a_step_after_the_graph_and_leaves_the_module_as
 
 
 def test_fresh_optimizer_figures_are_scaled_to_the_step_measured_in_place() -> None:
-    from autopart.profile import _time_optimizer
+    from autopart.profiling.profile import time_optimizer
 
     weights = [torch.zeros(16, 16), torch.zeros(16)]
     database = CostDatabase()
     model = ProfiledCostModel(roofline=RooflineCostModel(device=load_device("cpu")), database=database)
     shapes = [((16, 16), "float32"), ((16,), "float32")]
-    _time_optimizer(database, "cpu", torch.device("cpu"), "adamw", weights, in_step=lambda make: 0.01)
+    time_optimizer(database, "cpu", torch.device("cpu"), "adamw", weights, in_step=lambda make: 0.01)
     assert model.optimizer_time("adamw", shapes) == pytest.approx(0.01)  # the whole step as measured in place
     saved = dict(database.entries)
-    _time_optimizer(database, "cpu", torch.device("cpu"), "adamw", weights, in_step=lambda make: 1.0)
+    time_optimizer(database, "cpu", torch.device("cpu"), "adamw", weights, in_step=lambda make: 1.0)
     assert database.entries == saved  # nothing fresh, nothing timed or scaled
     # a new shape beside known ones: only the new figure moves, so that the total is the measured one
-    _time_optimizer(database, "cpu", torch.device("cpu"), "adamw", [*weights, torch.zeros(8)], in_step=lambda make: 0.02)
+    time_optimizer(database, "cpu", torch.device("cpu"), "adamw", [*weights, torch.zeros(8)], in_step=lambda make: 0.02)
     assert {k: v for k, v in database.entries.items() if k in saved} == saved
     assert model.optimizer_time("adamw", [*shapes, ((8,), "float32")]) == pytest.approx(0.02)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from autopart.errors import ConfigError
+from autopart.ir.errors import ConfigError
 from cost_models import model_state_bytes
-from autopart.compiler import state_bytes
+from autopart.predict.memory import state_bytes
 from cost_models.memory import FRAMEWORK_OVERHEAD_BYTES, NCCL_BUFFER_BYTES, NCCL_CHANNELS, communicator_bytes
 
 PARAMETERS = 1_000_003  # Ψ
@@ -44,6 +44,18 @@ def test_zero_1_shares_only_the_optimizer_state(optimizer: str, states: int, dp:
     assert mixed - 4 * PARAMETERS == 12 * PARAMETERS  # the part that ZeRO-1 shares out: 12Ψ
 
 
+@pytest.mark.parametrize("zero", [2, 3])
+@pytest.mark.parametrize("dp", [2, 8])
+def test_fsdp_levels_hold_whole_weights_and_gradients_at_the_peak_beside_every_shard(zero: int, dp: int) -> None:
+    """With a stage as the FSDP unit, the peak holds the gathered parameters and the gradients
+    autograd writes before their reduce-scatter (2P), and a d-th of parameters, gradients and
+    AdamW's state (16Ψ/d in fp32): so neither level is below ZeRO-1 on a rank's one stage."""
+    fp32 = 4 * PARAMETERS
+    assert state_bytes(fp32, optimizer="adamw", dp=dp, zero=zero) == 2 * fp32 + 4 * fp32 // dp
+    assert state_bytes(fp32, optimizer="adamw", dp=dp, zero=zero) > state_bytes(fp32, optimizer="adamw", dp=dp, zero=1)
+    assert state_bytes(fp32, optimizer="adamw", dp=1, zero=zero) == 4 * fp32  # one replica: nothing to shard
+
+
 def test_the_cpu_framework_overhead_covers_a_process_with_torch_imported() -> None:
     """The figure for a CPU process stands for Python with torch imported, measured here in a
     fresh process: it must cover that and not be wildly above it."""
@@ -74,7 +86,7 @@ def test_nccl_buffers_per_peer_and_channel(kind: str, pp: int, tp: int, dp: int,
 
 
 def test_a_gpu_plan_predicts_the_nccl_buffers_on_every_rank(monkeypatch: pytest.MonkeyPatch) -> None:
-    from autopart.compiler import compile
+    from autopart.driver import compile
     from cost_models import memory
     from tests.distributed import REPO
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from autopart.compiler import compile
+from autopart.driver import compile
 from cost_models import CostDatabase, ProfiledCostModel, known_devices
 from tests.distributed import REPO, run_cli
 
@@ -98,7 +98,7 @@ def test_profile_cli_errors_are_one_line(model_file: Path, tmp_path: Path, args:
 
 def test_the_solver_never_names_a_device() -> None:
     names = {*known_devices(), "cuda", "nvidia", "a100", "h100", "h200", "mi300"}
-    for source in (REPO / "autopart" / "solver").rglob("*.py"):
+    for source in (REPO / "autopart" / "solve").rglob("*.py"):
         text = source.read_text().lower()
         for name in names:
             assert name not in text, f"{source.name} names the device {name!r}: costs must come through the CostModel"

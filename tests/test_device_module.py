@@ -6,10 +6,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from autopart.compiler import CompileOptions, compile_to_directory
-from autopart.errors import ConfigError
-from autopart.local_run import runs_on_gpus
-from autopart.plan import load_plan
+from autopart.driver import CompileOptions, compile_to_directory
+from autopart.ir.errors import ConfigError
+from autopart.tools.local_run import runs_on_gpus
+from autopart.ir.plan import load_plan
 from autopart.runtime import device
 from tests.distributed import REPO
 
@@ -32,7 +32,7 @@ def test_the_device_module_picks_the_backend_and_refuses_a_rank_without_a_gpu(mo
 
 
 def test_verify_runs_a_gpu_plan_on_the_gpus_only_with_one_per_rank(monkeypatch, tmp_path):
-    from autopart.compiler import CompileOptions, compile_to_directory
+    from autopart.driver import CompileOptions, compile_to_directory
 
     plan, _ = compile_to_directory(CompileOptions(model=REPO / "examples" / "gpt.py", pp=2, microbatches=2,
                                                   device="h200"), tmp_path / "out")  # fmt: skip

@@ -3,7 +3,7 @@ zero-bubble, compiles to an output directory with a stage program per stage."""
 
 import pytest
 
-from autopart.compiler import CompileOptions, compile_to_directory
+from autopart.driver import CompileOptions, compile_to_directory
 from tests.distributed import REPO
 
 EXAMPLES = sorted(p for p in (REPO / "examples").glob("*.py") if "def build_model" in p.read_text())  # not scripts

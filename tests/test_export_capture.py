@@ -5,8 +5,9 @@ import logging
 
 import pytest
 
-from autopart.capture import capture, load_model_file
-from autopart.errors import CaptureError
+from autopart.ir.model_file import load_model_file
+from autopart.passes.capture import capture
+from autopart.ir.errors import CaptureError
 from tests.distributed import REPO
 from tests.distributed import assert_same_training, compile_and_train
 

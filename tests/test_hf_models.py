@@ -3,7 +3,7 @@ captured with torch.export and train through autopart like the original model.""
 
 import pytest
 
-from autopart.compiler import CompileOptions, compile_to_directory
+from autopart.driver import CompileOptions, compile_to_directory
 from tests.distributed import REPO
 from tests.distributed import assert_same_training, compile_and_train
 

@@ -3,7 +3,8 @@ runs it owns it, built from the model file, and training is unchanged."""
 
 import pytest
 
-from autopart.capture import capture, load_model_file
+from autopart.ir.model_file import load_model_file
+from autopart.passes.capture import capture
 from tests.distributed import REPO
 from tests.distributed import assert_same_training, compile_and_train
 

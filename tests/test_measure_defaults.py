@@ -14,11 +14,12 @@ import pytest
 import torch
 
 import autopart
-from autopart import accuracy, measure_defaults
-from autopart.accuracy import Band, basis_for, load_bands, write_band
-from autopart.cli import main
-from autopart.compiler import CompileOptions
-from autopart.plan import load_plan
+from autopart.predict import accuracy
+from autopart.profiling import measure_defaults
+from autopart.predict.accuracy import Band, basis_for, load_bands, write_band
+from autopart.tools.cli import main
+from autopart.driver import CompileOptions
+from autopart.ir.plan import load_plan
 from cost_models.comm_profile import CommProfile, cache_path, load_comm_profile
 
 MODEL = Path(__file__).parent / "models" / "three_layers.py"

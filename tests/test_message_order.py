@@ -3,7 +3,7 @@ takes them in another order than its sender sends them must be refused before it
 
 import pytest
 
-from autopart.errors import ScheduleError
+from autopart.ir.errors import ScheduleError
 from autopart.runtime.p2p import check_message_order
 from autopart.schedule import Action, add_communication, build_schedule
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from autopart.capture import load_model_file
-from autopart.compiler import CompileOptions, compile_to_directory
+from autopart.ir.model_file import load_model_file
+from autopart.driver import CompileOptions, compile_to_directory
 from autopart.runtime.materialise import materialise, meta_names
 from tests.distributed import REPO, assert_same_training, compile_and_train
 

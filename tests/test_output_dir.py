@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from autopart import cli
+from autopart.tools import cli
 from autopart.codegen.output_dir import MARKER, check_output_directory, remove_output, write_marker
-from autopart.errors import ConfigError
+from autopart.ir.errors import ConfigError
 from tests.distributed import REPO
 
 GPT = str(REPO / "examples" / "gpt.py")

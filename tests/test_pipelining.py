@@ -1,4 +1,4 @@
-"""`autopart.pipelining`: a plan's stages as torch.distributed.pipelining objects, driven by
+"""`autopart.runtime.pipelining`: a plan's stages as torch.distributed.pipelining objects, driven by
 torch's own schedules from a loop of one's own (``examples/pipelining_loop.py`` under torchrun),
 train as the generated ``train.py`` does: the same losses, step by step."""
 
@@ -9,9 +9,9 @@ import sys
 import pytest
 from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-from autopart.compiler import CompileOptions, compile_to_directory
-from autopart.local_run import free_port
-from autopart.pipelining import TORCH_SCHEDULES
+from autopart.driver import CompileOptions, compile_to_directory
+from autopart.tools.local_run import free_port
+from autopart.runtime.pipelining import TORCH_SCHEDULES
 from autopart.schedule import SCHEDULE_KINDS
 from tests.distributed import FREE_LINKS, REPO, environment, read_metrics, run_ranks
 
@@ -56,8 +56,8 @@ def test_the_example_loop_trains_as_train_py(tmp_path, schedule, chunks, dp, tp)
 
 
 def test_build_stages_needs_a_process_group(tmp_path):
-    from autopart.errors import ConfigError
-    from autopart.pipelining import build_stages
+    from autopart.ir.errors import ConfigError
+    from autopart.runtime.pipelining import build_stages
 
     out = tmp_path / "out"
     compile_to_directory(CompileOptions(model=REPO / "examples" / "gpt.py", pp=2, microbatches=2, micro_batch_size=2), out)

@@ -17,8 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
 
-from autopart import cli
-from autopart.plan import first_difference, load_plan
+from autopart.tools import cli
+from autopart.ir.plan import first_difference, load_plan
 from tests.distributed import REPO
 
 TINY_GPT = REPO / "tests" / "models" / "tiny_gpt.py"

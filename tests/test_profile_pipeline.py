@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
-import autopart.compiler
-import autopart.profile_pipeline
-from autopart.cli import main as cli_main
-from autopart.compiler import CompileOptions, compile_to_directory
-from autopart.plan import load_plan
-from autopart.profile_pipeline import _action_seconds, _message_times, measure, pipeline_key
+import autopart.driver
+import autopart.profiling.pipeline
+from autopart.tools.cli import main as cli_main
+from autopart.driver import CompileOptions, compile_to_directory
+from autopart.ir.plan import load_plan
+from autopart.profiling.pipeline import action_seconds, message_times, measure, pipeline_key
 from autopart.schedule import Action, add_communication, build_schedule
 from cost_models import CostDatabase
 from cost_models.database import PipelineMeasurement, RuntimeOverheads, plan_shape
@@ -85,7 +85,7 @@ def fake_times(folder: Path, plan, scale: float | tuple[float, ...], *, steps: i
             actions = []
             for name in names:
                 action = Action.parse(name)
-                compute, fixed = _action_seconds(plan, action, OVERHEADS) if action.is_compute else (0.0, 0.0)
+                compute, fixed = action_seconds(plan, action, OVERHEADS) if action.is_compute else (0.0, 0.0)
                 factor = scale[action.stage] if isinstance(scale, tuple) else scale
                 cpu = (factor * compute + fixed) * (10 if step < warmup else 1)
                 actions.append([name, 0.0, cpu, cpu / 2])  # half its wall time on the CPU
@@ -117,7 +117,7 @@ def test_the_factor_is_the_stages_compute_over_the_plans_after_the_warm_up(compi
 def test_with_more_ranks_than_cores_the_factor_counts_cpu_time(compiled, tmp_path):
     plan, _, _ = compiled
     profile = measure(plan, fake_times(tmp_path / "c", plan, 1.2), OVERHEADS, cores=1)
-    fixed = sum(_action_seconds(plan, Action.parse(n), OVERHEADS)[1]  # a step's, halved with the rest
+    fixed = sum(action_seconds(plan, Action.parse(n), OVERHEADS)[1]  # a step's, halved with the rest
                 for names in actions_of(plan).values() for n in names if Action.parse(n).is_compute)
     assert profile.measured.compute_factor == pytest.approx(0.6 - fixed / 2 / profile.predicted_s)
 
@@ -132,14 +132,14 @@ def test_messages_are_paired_on_the_hosts_clock():
         (5, 0, 0, "1SEND_B0"): (1.02, 1.02 + 0.2 * ms),
         (6, 0, 0, "0RECV_B0"): (1.021, 1.03),  # another step's send: no pair
     }
-    assert _message_times(messages) == pytest.approx((0.2 * ms, 0.3 * ms, 0.3 * ms, 0.6 * ms))
-    assert _message_times({k: v for k, v in messages.items() if k[3] != "1RECV_F1"}) == (None,) * 4
+    assert message_times(messages) == pytest.approx((0.2 * ms, 0.3 * ms, 0.3 * ms, 0.6 * ms))
+    assert message_times({k: v for k, v in messages.items() if k[3] != "1RECV_F1"}) == (None,) * 4
     # gloo completes a receive that waited as its send ends, sooner than one whose data came first
     quick = {**messages, (5, 0, 0, "1RECV_F0"): (0.999, 1.0 + 0.25 * ms)}
-    assert _message_times(quick) == pytest.approx((0.2 * ms, 0.3 * ms, 0.0, 0.05 * ms))
+    assert message_times(quick) == pytest.approx((0.2 * ms, 0.3 * ms, 0.0, 0.05 * ms))
     # a sender descheduled after its data left ends after the receive: that delivery took no time, not less
     early = {**messages, (5, 0, 0, "1RECV_F0"): (0.999, 1.0 + 0.1 * ms)}
-    assert _message_times(early) == pytest.approx((0.2 * ms, 0.3 * ms, 0.0, 0.0))
+    assert message_times(early) == pytest.approx((0.2 * ms, 0.3 * ms, 0.0, 0.0))
 
 
 def test_each_stage_has_its_own_factor_and_the_others_the_pipelines(compiled, tmp_path):
@@ -187,7 +187,7 @@ def test_the_steps_variation_is_each_action_delivery_and_tail_against_its_median
             else:
                 assert value == pytest.approx(3.0 if (number, name) == (5, "1F2") else 1.0), (number, name)
     # more steps than it keeps: evenly spaced, the first and the last
-    monkeypatch.setattr(autopart.profile_pipeline, "VARIATION_STEPS", 2)
+    monkeypatch.setattr(autopart.profiling.pipeline, "VARIATION_STEPS", 2)
     kept = measure(plan, folder, OVERHEADS, cores=2).measured.step_variation
     assert kept == (steps[0], steps[2])
     # ranks that outnumber the cores: the step model shares the cores itself, no replay
@@ -347,7 +347,7 @@ def test_profile_pipeline_runs_the_plan_once_and_compiles_with_what_it_measured(
                                                  [s.blocks for s in profiled.stages])
     assert profiled.predicted.profiled_step_s == (stored.step_s if ran_this_plan else None)
     # a second compile finds it and runs nothing
-    monkeypatch.setattr(autopart.compiler, "profile_pipeline", lambda *a, **k: pytest.fail("profiled again"))
+    monkeypatch.setattr(autopart.driver, "profile_pipeline", lambda *a, **k: pytest.fail("profiled again"))
     again = compile_to_directory(options, tmp_path / "again")[0]
     assert again.predicted.step_s == profiled.predicted.step_s
 
@@ -387,6 +387,6 @@ def test_where_the_ranks_share_the_cores_a_receive_that_waited_takes_its_own_tim
         with_factor(folder, plan, 2.0, messages=messages)
         return compile_to_directory(options, tmp_path / f"m{len(messages)}")[0].predicted.step_s
 
-    # the woken rank gets its core back first: the receive's own time stands (see _step_time)
+    # the woken rank gets its core back first: the receive's own time stands (see predicted_step_s)
     assert step_s(0.0, 0.005, 0.0, 0.001) == step_s(0.0, 0.005, 0.0)
     with_factor(folder, plan, None)

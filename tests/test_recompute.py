@@ -1,6 +1,6 @@
 """Activation recompute and bf16, in one process: the runtime's forward computes exactly what it
 computes without recompute, running the forward once more and the kept ops no more; the bytes it
-leaves for the backward are those `autopart.recompute` predicts; the plan carries the modes and
+leaves for the backward are those `autopart.passes.recompute` predicts; the plan carries the modes and
 the dtype, and its figures follow them."""
 
 import gc
@@ -19,12 +19,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 import autopart
-from autopart import cli
-from autopart.capture import load_model_file
-from autopart.compiler import CompileOptions, compile_to_directory
-from autopart.errors import ConfigError, PlanError
-from autopart.plan import Plan, load_plan
-from autopart.recompute import keeps_output, recompute_cost, stage_input_bytes, transient_microbatches
+from autopart.tools import cli
+from autopart.ir.model_file import load_model_file
+from autopart.driver import CompileOptions, compile_to_directory
+from autopart.ir.errors import ConfigError, PlanError
+from autopart.ir.plan import Plan, load_plan
+from autopart.ir.recompute import keeps_output
+from autopart.passes.recompute import recompute_cost, stage_input_bytes, transient_microbatches
 from autopart.runtime.backward import backward_full, backward_input, backward_weight
 from autopart.runtime.forward import StageForward, selective_policy
 from autopart.runtime.stage import load_stage
@@ -167,11 +168,11 @@ _COMPILED: dict[str, tuple] = {}
 def _compiled(tmp_path_factory, dtype: str, schedule: str = "1f1b"):
     """The gpt example at pp=2 in ``dtype`` (without recompute): its plan, output directory and block chain."""
     if dtype not in _COMPILED:
-        from autopart.compiler import _compile
+        from autopart.driver import compile_plan
         from autopart.codegen.emit import emit_directory
 
         options = CompileOptions(model=GPT, pp=2, microbatches=4, micro_batch_size=2, schedule=schedule, dtype=dtype)
-        plan, front = _compile(options)
+        plan, front = compile_plan(options)
         out = emit_directory(plan, front.op_graph, front.spec, tmp_path_factory.mktemp(f"gpt-{dtype}") / "out")
         _COMPILED[dtype] = (plan, out, front.chain)
     return _COMPILED[dtype]
@@ -208,7 +209,7 @@ def _pinned(plan: Plan, modes: tuple[str, ...], tmp_path: Path) -> Plan:
 
 
 def test_plan_figures_follow_the_recompute_mode(tmp_path_factory, tmp_path):
-    from autopart.compiler import _in_flight
+    from autopart.predict.in_flight import in_flight as _in_flight
 
     plan, _, chain = _compiled(tmp_path_factory, "fp32")
     plans = {modes: _pinned(plan, modes, tmp_path) for modes in (("full", "selective"), ("selective", "full"))}
@@ -351,10 +352,10 @@ def test_bad_cli_values_are_one_line_exit_2(tmp_path, capsys, args, message):
 
 def test_a_stage_sends_only_what_the_plan_says():
     """The next stage sizes its receive buffers by the plan: other dtypes must stop F, not garble the message."""
-    from autopart.annotate import TensorMeta
-    from autopart.runtime.executor import _check_outputs
+    from autopart.ir.tensors import TensorMeta
+    from autopart.runtime.executor import check_outputs
 
     promised = [TensorMeta(shape=(2, 32), dtype="float32")]
-    _check_outputs((torch.zeros(2, 32),), promised)
+    check_outputs((torch.zeros(2, 32),), promised)
     with pytest.raises(RuntimeError, match=r"output 0 of the stage is .*bfloat16.* but the plan sends .*float32"):
-        _check_outputs((torch.zeros(2, 32, dtype=torch.bfloat16),), promised)
+        check_outputs((torch.zeros(2, 32, dtype=torch.bfloat16),), promised)

@@ -4,7 +4,7 @@ from collections import Counter
 
 import pytest
 
-from autopart.errors import ConfigError, ScheduleError
+from autopart.ir.errors import ConfigError, ScheduleError
 from autopart.schedule import (
     SCHEDULE_KINDS,
     Action,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from autopart.predict import simulate_pipeline
+from autopart.predict.timeline import simulate_pipeline
 from autopart.schedule.peaks import peak_in_flight, transient_in_flight
 
 
@@ -33,7 +33,7 @@ def test_one_f_one_b_holds_fewer_than_gpipe() -> None:
 
 @pytest.mark.parametrize(("kind", "ranks", "microbatches", "chunks"), CASES)
 def test_closed_form_transients_match_the_action_lists(kind: str, ranks: int, microbatches: int, chunks: int) -> None:
-    from autopart.recompute import transient_microbatches
+    from autopart.passes.recompute import transient_microbatches
     from autopart.schedule import build_schedule
 
     schedule = build_schedule(kind, ranks=ranks, microbatches=microbatches, chunks=chunks)

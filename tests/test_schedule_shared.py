@@ -2,7 +2,7 @@
 
 import pytest
 
-from autopart.errors import ConfigError
+from autopart.ir.errors import ConfigError
 from autopart.schedule import StageCosts, add_communication, build_schedule, simulate
 from autopart.schedule.shared import step_time
 from cost_models import load_device

@@ -3,7 +3,7 @@ stage times and free transfers, and models transfers, blocking receives and dead
 
 import pytest
 
-from autopart.errors import ConfigError, ScheduleError
+from autopart.ir.errors import ConfigError, ScheduleError
 from autopart.schedule import (
     Action,
     Kind,

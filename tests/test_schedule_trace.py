@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from matplotlib.image import imread
 
-from autopart.errors import ScheduleError
+from autopart.ir.errors import ScheduleError
 from autopart.schedule import (
     Action,
     StageCosts,

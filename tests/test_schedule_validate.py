@@ -2,7 +2,7 @@
 
 import pytest
 
-from autopart.errors import ScheduleError
+from autopart.ir.errors import ScheduleError
 from autopart.schedule import (
     Action,
     Kind,

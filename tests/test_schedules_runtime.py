@@ -12,9 +12,9 @@ import re
 
 import pytest
 
-from autopart.cli import main as cli_main
-from autopart.explain import stage_figures
-from autopart.predict import plan_timeline
+from autopart.tools.cli import main as cli_main
+from autopart.tools.explain import stage_figures
+from autopart.predict.timeline import plan_timeline
 from autopart.schedule import Kind, read_chrome_trace
 from tests.distributed import Trained, assert_same_training, compile_and_train, run_cli
 

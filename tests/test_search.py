@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from autopart.compiler import CompileOptions, compile_to_directory
-from autopart.errors import ConfigError, InfeasibleError
-from autopart.planner import plan_by_search
+from autopart.driver import CompileOptions, compile_to_directory
+from autopart.ir.errors import ConfigError, InfeasibleError
+from autopart.solve.planner import plan_by_search
 from cost_models.memory import communicator_bytes
 
 REPO = Path(__file__).resolve().parent.parent
@@ -88,7 +88,7 @@ def _named_memory(message: str) -> float:
 
 
 def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", "from autopart.cli import main; main()", *args], cwd=cwd,
+    return subprocess.run([sys.executable, "-c", "from autopart.tools.cli import main; main()", *args], cwd=cwd,
                           capture_output=True, text=True, timeout=300, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin",
                                                                             "COLUMNS": "200"})
 

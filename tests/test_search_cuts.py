@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from autopart.solver.bottleneck import RECOMPUTE_MODES, ChainCosts, cut_stages, stage_figures
+from autopart.solve.bottleneck import RECOMPUTE_MODES, ChainCosts, cut_stages, stage_figures
 
 
 def random_chain(rng: random.Random, blocks: int, *, tied: bool) -> ChainCosts:

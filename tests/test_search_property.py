@@ -10,14 +10,14 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from autopart.compiler import CompileOptions
-from autopart.errors import ConfigError
-from autopart.planner import plan_by_search
-from autopart.predict import simulate_pipeline
-from autopart.recompute import transient_microbatches
+from autopart.driver import CompileOptions
+from autopart.ir.errors import ConfigError
+from autopart.solve.planner import plan_by_search
+from autopart.predict.timeline import simulate_pipeline
+from autopart.passes.recompute import transient_microbatches
 from autopart.schedule import add_communication, build_schedule, stage_rank, validate
-from autopart.search import SearchSpace, score_layout, search
-from autopart.solver.bottleneck import stage_figures
+from autopart.solve.search import SearchSpace, score_layout, search
+from autopart.solve.bottleneck import stage_figures
 from cost_models import get_cost_model
 from tests.synthetic_chains import cluster, random_table
 

@@ -1,4 +1,4 @@
-"""The simulated step of a scored layout (``autopart.solver.simulated``) against the closed form
+"""The simulated step of a scored layout (``autopart.solve.simulated``) against the closed form
 the search ranks by, and against the search's lower bound."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import random
 import pytest
 
 from autopart.schedule import StageCosts, add_communication, build_schedule, simulate
-from autopart.search import Cluster, Layout, SearchSpace, score_layout, search
-from autopart.solver.simulated import pipeline_s, simulated_stage_costs, simulated_step_s
+from autopart.solve.search import Cluster, Layout, SearchSpace, score_layout, search
+from autopart.solve.simulated import pipeline_s, simulated_stage_costs, simulated_step_s
 from tests.synthetic_chains import SyntheticTable, cluster, random_table
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from autopart.shallow import SHALLOW_FROM_LAYERS, repeated_layers, shallow_module
+from autopart.passes.shallow import SHALLOW_FROM_LAYERS, repeated_layers, shallow_module
 
 
 class _Layer(nn.Module):
@@ -59,8 +59,8 @@ build_model, init_weights, example_batch, loss_fn = MODEL.build_model, MODEL.ini
 def test_the_search_through_the_shallow_copy_chooses_the_full_models_plan(tmp_path, monkeypatch) -> None:
     from pathlib import Path
 
-    from autopart import planner
-    from autopart.compiler import CompileOptions
+    from autopart.solve import planner
+    from autopart.driver import CompileOptions
 
     model = tmp_path / "deep.py"
     model.write_text(MODEL_FILE.format(models=str(Path(__file__).resolve().parent.parent / "benchmarks" / "models")))

@@ -5,8 +5,8 @@ import random
 
 import pytest
 
-from autopart.errors import ConfigError, InfeasibleError
-from autopart.solver.pipeline import PipelineProblem, evaluate, solve_cuts
+from autopart.ir.errors import ConfigError, InfeasibleError
+from autopart.solve.pipeline import PipelineProblem, evaluate, solve_cuts
 
 
 def _problem(rng: random.Random, blocks: int, stages: int, microbatches: int, **overrides) -> PipelineProblem:

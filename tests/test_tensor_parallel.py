@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import autopart
-from autopart.compiler import CompileOptions, compile_to_directory
+from autopart.driver import CompileOptions, compile_to_directory
 from autopart.runtime.reference import train_reference
 from autopart.runtime.shards import load_stage_weights
 from tests.distributed import FREE_LINKS, REPO, environment, free_port, read_metrics, run_ranks

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 import autopart
-from autopart.compiler import CompileOptions, compile_to_directory
-from autopart.verify import verify
+from autopart.driver import CompileOptions, compile_to_directory
+from autopart.tools.verify import verify
 from tests.distributed import REPO
 from tests.test_tensor_parallel import train_3d
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from autopart.compiler import CompileOptions, compile_to_directory
-from autopart.errors import ConfigError
+from autopart.driver import CompileOptions, compile_to_directory
+from autopart.ir.errors import ConfigError
 from autopart.runtime.recipe import Recipe, clip_factor, embedding_parameters, parameter_groups
 from autopart.runtime.reference import train_reference
 from autopart.runtime.shards import load_stage_weights
@@ -205,7 +205,7 @@ def test_verify_applies_the_recipe(tmp_path):
 
 
 def test_eval_batches_come_from_the_model_file_when_it_has_them(tmp_path):
-    from autopart.capture import load_model_file
+    from autopart.ir.model_file import load_model_file
     from autopart.runtime.data import eval_batches, global_batches
 
     model = tmp_path / "model.py"

@@ -2,10 +2,12 @@
 
 from pathlib import Path
 
-from autopart.compiler import CompileOptions, _front, _problem
-from autopart.predict import simulate_pipeline
-from autopart.solver.baselines import block_layers, uniform_layer_cuts
-from autopart.solver.pipeline import evaluate, solve_cuts, stage_ranges
+from autopart.driver import CompileOptions
+from autopart.passes.front import build_front
+from autopart.solve.assemble import pipeline_problem
+from autopart.predict.timeline import simulate_pipeline
+from autopart.solve.baselines import block_layers, uniform_layer_cuts
+from autopart.solve.pipeline import evaluate, solve_cuts, stage_ranges
 
 MODEL = Path(__file__).parent / "models" / "big_head.py"
 
@@ -24,8 +26,8 @@ def _step_s(front, problem, cuts, options):
 
 def test_cuts_balance_time_not_layers():
     options = CompileOptions(model=MODEL, pp=4, microbatches=8, micro_batch_size=2)
-    front = _front(options, 2)
-    problem = _problem(options, front, 8)
+    front = build_front(options, 2)
+    problem = pipeline_problem(options, front, 8)
     layers = block_layers(front.chain)
     assert sum(1 for layer in dict.fromkeys(layers) if layer) == 8
 

@@ -9,8 +9,8 @@ import pytest
 
 import autopart
 from autopart.codegen.names import plain_text
-from autopart.compiler import CompileOptions, compile_to_directory
-from autopart.errors import CaptureError
+from autopart.driver import CompileOptions, compile_to_directory
+from autopart.ir.errors import CaptureError
 from tests.distributed import REPO, run_cli
 
 
@@ -56,7 +56,7 @@ def sign_again(out: Path) -> None:
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
-    from autopart.plan import load_plan
+    from autopart.ir.plan import load_plan
     from autopart.runtime.launch import PLAN_HASH_KEY, file_sha256, plan_digest
 
     plan = load_plan(out / "plan.json")

@@ -14,19 +14,19 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from autopart.annotate import OpGraph
-from autopart.capture import ModelSpec, is_meta
+from autopart.passes.annotate import OpGraph
+from autopart.ir.model_file import ModelSpec, is_meta
 from autopart.codegen.names import plain_text
 from autopart.codegen.output_dir import check_output_directory, remove_output, write_marker
 from autopart.codegen.report import write_report
 from autopart.codegen.tensor_parallel import shard_stage_graph
 from autopart.codegen.stages import describe_tensors, stage_graphs, stage_source
-from autopart.plan import Plan
+from autopart.ir.plan import Plan
 from autopart.runtime.launch import PLAN_HASH_KEY, file_sha256, plan_digest
 from autopart.runtime.shards import shard_weight
-from autopart.runtime.stage import weights_file_name
-from autopart.solver.sharding import REPLICATE, Placement, Strategy
-from autopart.solver.sharding_rules import strategies
+from autopart.runtime.shards import weights_file_name
+from autopart.solve.sharding import REPLICATE, Placement, Strategy
+from autopart.solve.sharding_rules import strategies
 
 __all__ = ["emit_directory", "check_output_directory"]
 

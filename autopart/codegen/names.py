@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from autopart.errors import CaptureError
+from autopart.ir.errors import CaptureError
 
 __all__ = ["plain_text", "check_model_names"]
 

@@ -14,7 +14,7 @@ import json
 import os
 from pathlib import Path
 
-from autopart.errors import ConfigError
+from autopart.ir.errors import ConfigError
 from autopart.runtime.launch import plan_digest
 
 __all__ = ["MARKER", "check_output_directory", "write_marker", "remove_output"]

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from autopart.accuracy import describe_prediction
-from autopart.plan import Plan
-from autopart.predict import plan_schedule, plan_timeline
+from autopart.ir.plan import Plan
+from autopart.predict.accuracy import describe_prediction
+from autopart.predict.timeline import plan_schedule, plan_timeline
 from autopart.schedule import write_chrome_trace, write_gantt_png, write_schedule_csv
 
 __all__ = ["write_report", "search_table", "stage_table"]

@@ -19,9 +19,10 @@ import torch
 from torch import fx
 from torch.fx.graph import _custom_builtins
 
-from autopart.annotate import OpGraph, TensorMeta
+from autopart.ir.tensors import TensorMeta
+from autopart.passes.annotate import OpGraph
 from autopart.codegen.names import plain_text
-from autopart.errors import PlanError
+from autopart.ir.errors import PlanError
 
 __all__ = ["StageGraph", "stage_graphs", "stage_boundaries", "stage_source"]
 
@@ -178,29 +179,11 @@ def stage_source(
     header: str,
 ) -> str:
     """Python source of one stage: a module docstring, the tensor declarations, the forward code."""
-    code = stage.graph.python_code(root_module="self")
-    src = code.src
-    used = set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", src))
-    imports = set()
-    for name, value in code.globals.items():
-        if name not in used:
-            continue
-        if getattr(value, "__module__", None) == "autopart.runtime.collectives":  # read as tp.all_reduce(x)
-            src = re.sub(rf"\b{name}\(", f"tp.{value.__name__}(", src)
-            imports.add("from autopart.runtime import collectives as tp")
-        elif line := _import_line(name, value):
-            imports.add(line)
-    imports = sorted(imports - {"import torch"})
-    forward = _comment_module_paths(src.strip("\n"), op_graph)
+    forward, imports = _forward_code(stage, op_graph)
     class_name = f"Stage{stage.index}"
 
     def declarations(names: tuple[str, ...]) -> str:
-        lines = []
-        for target in names:
-            tensor = metas[target]
-            dtype = str(tensor.dtype).removeprefix("torch.")
-            lines.append(f"    {target!r}: ({tuple(tensor.shape)!r}, torch.{dtype}),")
-        return "".join(line + "\n" for line in lines)
+        return _declarations(names, metas)
 
     declare_leaves = (
         "\n        declare_leaves(self, LEAVES, Path(__file__).resolve().parents[1] / \"model.py\")" if stage.leaves else ""
@@ -259,6 +242,34 @@ class {class_name}(torch.nn.Module):
 
 STAGE = {class_name}
 '''
+
+
+def _forward_code(stage: StageGraph, op_graph: OpGraph) -> tuple[str, list[str]]:
+    """The stage's forward as fx writes it, with collectives read as ``tp.<name>`` and each op's
+    module path in a comment; and the import lines it needs besides torch's."""
+    code = stage.graph.python_code(root_module="self")
+    src = code.src
+    used = set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", src))
+    imports = set()
+    for name, value in code.globals.items():
+        if name not in used:
+            continue
+        if getattr(value, "__module__", None) == "autopart.runtime.collectives":  # read as tp.all_reduce(x)
+            src = re.sub(rf"\b{name}\(", f"tp.{value.__name__}(", src)
+            imports.add("from autopart.runtime import collectives as tp")
+        elif line := _import_line(name, value):
+            imports.add(line)
+    return _comment_module_paths(src.strip("\n"), op_graph), sorted(imports - {"import torch"})
+
+
+def _declarations(names: tuple[str, ...], metas: dict[str, torch.Tensor]) -> str:
+    """One ``name: (shape, dtype),`` line per tensor, as the stage's tables declare them."""
+    lines = []
+    for target in names:
+        tensor = metas[target]
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        lines.append(f"    {target!r}: ({tuple(tensor.shape)!r}, torch.{dtype}),")
+    return "".join(line + "\n" for line in lines)
 
 
 def _comment_module_paths(source: str, op_graph: OpGraph) -> str:

@@ -18,11 +18,12 @@ from dataclasses import replace
 
 from torch import fx
 
-from autopart.annotate import OpGraph, TensorMeta
+from autopart.ir.tensors import TensorMeta
+from autopart.passes.annotate import OpGraph
 from autopart.codegen.stages import StageGraph
 from autopart.runtime import collectives
-from autopart.solver.sharding import REPLICATE, Placement, Strategy, argument, constant_of, is_aten, local_shape, op_name
-from autopart.solver.tensor import conversion
+from autopart.solve.sharding import REPLICATE, Placement, Strategy, argument, constant_of, is_aten, local_shape, op_name
+from autopart.solve.tensor import conversion
 
 __all__ = ["shard_stage_graph"]
 

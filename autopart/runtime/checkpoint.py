@@ -37,7 +37,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autopart.errors import CheckpointError, ConfigError
+from autopart.ir.errors import CheckpointError, ConfigError
+from autopart.runtime.fully_sharded import is_sharded
 from autopart.runtime.launch import file_sha256, plan_digest
 
 if TYPE_CHECKING:
@@ -110,7 +111,7 @@ def read_metadata_file(path: Path) -> Metadata:
 
 def _dcp():
     """torch.distributed.checkpoint, imported when a checkpoint is first saved or read: importing
-    it (DTensor and the symbolic-shape machinery with it) took 1.3 s of every rank's start."""
+    it (DTensor and the symbolic-shape machinery with it) costs every rank a noticeable share of its start."""
     import torch.distributed.checkpoint as dcp
 
     return dcp
@@ -147,13 +148,15 @@ def _inner(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     return getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer keeps its shard's optimizer here
 
 
-def _optimizer_prefix(stage: int, tp_rank: int, dp_rank: int, zero: bool) -> str:
-    return f"optim/{f'dp_{dp_rank}/' if zero else ''}stage_{stage}/tp_{tp_rank}/"
+def _optimizer_prefix(stage: int, tp_rank: int, dp_rank: int, zero: int) -> str:
+    """ZeRO-1's optimizer keeps each replica's part as plain tensors, so they are saved per
+    replica; under FSDP (2, 3) the state is sharded tensors that the checkpoint stores whole."""
+    return f"optim/{f'dp_{dp_rank}/' if zero == 1 else ''}stage_{stage}/tp_{tp_rank}/"
 
 
 def training_state(
     stages: dict[int, nn.Module], optimizer: torch.optim.Optimizer, *, rank: int, dp_rank: int, tp_rank: int,
-    zero: bool, step: int, seed: int,
+    zero: int, step: int, seed: int,
 ) -> dict[str, torch.Tensor]:  # fmt: skip
     """This rank's share of the checkpoint: tensors that alias the live model and optimizer state."""
     state: dict[str, torch.Tensor] = {}
@@ -302,9 +305,17 @@ def _state_device(optimizer: torch.optim.Optimizer, parameter: nn.Parameter, nam
     return parameter.device if group.get("fused") or group.get("capturable") else torch.device("cpu")
 
 
+def _empty_state(parameter: nn.Parameter, saved: tuple, where: torch.device) -> torch.Tensor:
+    """Where a saved optimizer state is read into: sharded like its parameter under FSDP, else whole."""
+    shape, dtype = saved
+    if is_sharded(parameter) and tuple(shape) == tuple(parameter.shape):
+        return torch.empty_like(parameter.detach(), dtype=dtype)
+    return torch.empty(shape, dtype=dtype, device=where)
+
+
 def restore_checkpoint(
     path: Path, stages: dict[int, nn.Module], optimizer: torch.optim.Optimizer, *, rank: int, dp_rank: int,
-    tp_rank: int, zero: bool, seed: int, optimizer_name: str,
+    tp_rank: int, zero: int, seed: int, optimizer_name: str,
 ) -> int:  # fmt: skip
     """Load model, optimizer state, RNG states into this rank; return the number of steps done."""
     record = read_record(path)
@@ -324,7 +335,7 @@ def restore_checkpoint(
                 if key.startswith(f"{prefix}{name}/") and "/" not in key.removeprefix(f"{prefix}{name}/"):
                     held[key] = (parameter, key.removeprefix(f"{prefix}{name}/"))
                     where = _state_device(optimizer, parameter, held[key][1])
-                    state[key] = torch.empty(shapes[key][0], dtype=shapes[key][1], device=where)
+                    state[key] = _empty_state(parameter, shapes[key], where)
     for key in [k for k in state if k.startswith("rng/") and k not in shapes]:
         del state[key]  # a generator the saving run did not have (CUDA)
     missing = [k for k in state if k not in shapes]
@@ -366,7 +377,7 @@ class CheckpointContext:
     rank: int
     dp_rank: int
     tp_rank: int
-    zero: bool
+    zero: int
     seed: int
 
     def save(self, steps_done: int) -> Path:

@@ -1,7 +1,7 @@
 """Autograd-aware tensor-parallel collectives, and the ops that run on vocabulary shards.
 
 The generated stage programs call these as ``tp.all_reduce(x)`` and so on. Each one is a
-conversion between placements (see ``autopart.solver.sharding``) whose backward is the
+conversion between placements (see ``autopart.solve.sharding``) whose backward is the
 conversion's adjoint:
 
 | function        | forward                     | backward               |

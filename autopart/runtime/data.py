@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-from autopart.capture import ModelSpec, check_batch
-from autopart.errors import ConfigError
-from autopart.plan import Plan
+from autopart.ir.model_file import ModelSpec, check_batch
+from autopart.ir.errors import ConfigError
+from autopart.ir.plan import Plan
 
 __all__ = ["eval_batches", "global_batches", "model_file", "split_microbatches", "synthetic_batches"]
 

@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from autopart.errors import ConfigError
+from autopart.ir.errors import ConfigError
 
 __all__ = ["compute_device", "backend", "tensor", "synchronize", "peak_memory_bytes", "Mark", "StepTimer"]
 

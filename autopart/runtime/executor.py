@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from autopart.annotate import TensorMeta
+from autopart.ir.tensors import TensorMeta
 from autopart.runtime.backward import PendingWeights, backward_full, backward_input, backward_weight
 from autopart.runtime.device import Mark, StepTimer
 from autopart.runtime.forward import Rebuild, StageForward
@@ -197,7 +197,7 @@ class Executor:
             losses.append(out.detach())
             out = out / self.microbatches
         elif stage.output_metas is not None:
-            _check_outputs(out, stage.output_metas)
+            check_outputs(out, stage.output_metas)
         stage.outputs[m] = out
         following = self.stages.get(stage.index + 1)
         if following is not None:  # the next stage is on this rank: hand the tensors over in memory
@@ -236,7 +236,7 @@ class Executor:
 _FORWARD_KINDS = (Kind.RECV_F, Kind.F, Kind.SEND_F)
 
 
-def _check_outputs(out: Any, metas: list[TensorMeta]) -> None:
+def check_outputs(out: Any, metas: list[TensorMeta]) -> None:
     """The tensors about to be sent are those the plan promised the next stage, which sizes its buffers by them."""
     produced = [_meta(t) for t in out]
     if produced != metas:

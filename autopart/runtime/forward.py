@@ -7,7 +7,7 @@ and so the all-reduces of tied and data-parallel gradients run in fp32. The tens
 next stage are whatever autocast made (the plan's stage outputs say which dtype), and the
 gradients sent back have the same dtypes.
 
-Recompute (``StagePlan.recompute``, see `autopart.recompute`). ``full`` runs the forward under
+Recompute (``StagePlan.recompute``, see `autopart.passes.recompute`). ``full`` runs the forward under
 ``torch.utils.checkpoint`` (non-reentrant): only the stage's arguments are kept, and the
 forward runs again in backward. ``selective`` does the same with
 ``create_selective_checkpoint_contexts(selective_policy)``: the outputs of matrix products and
@@ -36,14 +36,14 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from autopart.annotate import precision
-from autopart.recompute import keeps_output
+from autopart.ir.tensors import precision
+from autopart.ir.recompute import keeps_output
 
 __all__ = ["StageForward", "Rebuild", "selective_policy"]
 
 
 def selective_policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    """Keep the outputs of the compute-heavy ops (`autopart.recompute.keeps_output`), recompute the rest."""
+    """Keep the outputs of the compute-heavy ops (`autopart.passes.recompute.keeps_output`), recompute the rest."""
     return CheckpointPolicy.MUST_SAVE if keeps_output(func) else CheckpointPolicy.PREFER_RECOMPUTE
 
 

@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autopart.plan import Plan
+from autopart.ir.plan import Plan
+from autopart.runtime.fully_sharded import FSDP_LEVELS, local
 from autopart.runtime.mesh import Coordinates, Mesh
 from autopart.runtime.recipe import clip_factor
 
@@ -59,13 +60,15 @@ _BUCKET_BYTES = 25 * 1024 * 1024
 def sum_tied_gradients(stages: dict[int, nn.Module], name: str, group: dist.ProcessGroup) -> None:
     """Every copy of a parameter held by several stages gets the sum of all copies' gradients."""
     copies = [p for module in stages.values() for n, p in module.named_parameters() if n == name]
-    total = torch.zeros_like(copies[0])
+    total = torch.zeros_like(local(copies[0]))  # under FSDP every copy holds the same shard of it
     for copy in copies:
         if copy.grad is not None:
-            total += copy.grad
+            total += local(copy.grad)
     dist.all_reduce(total, group=group)
     for copy in copies:
-        copy.grad = total.clone()
+        if copy.grad is None:
+            copy.grad = torch.zeros_like(copy)
+        local(copy.grad).copy_(total)
 
 
 def clip_gradients(stages: dict[int, nn.Module], plan: Plan, here: Coordinates, max_norm: float) -> float:
@@ -73,14 +76,15 @@ def clip_gradients(stages: dict[int, nn.Module], plan: Plan, here: Coordinates, 
     ``torch.nn.utils.clip_grad_norm_`` on the single-process model; return the norm before.
 
     Each parameter's square sum is counted once over the world: by the data-parallel replica 0
-    alone (after averaging, every replica holds the same gradients); a tensor-parallel shard by
+    alone (after averaging, every replica holds the same gradients), or under ZeRO-2/3 by every
+    replica for the shard it holds; a tensor-parallel shard by
     each of its ranks (the shards partition it), a replicated parameter by tensor-parallel rank 0
     alone; a tied parameter by the first stage that holds it (after the sum, every copy holds the
     whole gradient). One all-reduce of one number, then every rank scales by the same factor.
     """
     device = next((p.device for module in stages.values() for p in module.parameters()), torch.device("cpu"))
     squares = torch.zeros(1, dtype=torch.float64, device=device)
-    if here.dp == 0:
+    if here.dp == 0 or plan.zero in FSDP_LEVELS:
         for s, module in stages.items():
             placements = plan.stages[s].parameter_placements
             for name, parameter in module.named_parameters():
@@ -88,7 +92,7 @@ def clip_gradients(stages: dict[int, nn.Module], plan: Plan, here: Coordinates, 
                 sharded = placements.get(name, "R").startswith("S")
                 if parameter.grad is None or (holders and holders[0] != s) or (here.tp != 0 and not sharded):
                     continue
-                squares += parameter.grad.detach().double().pow(2).sum()
+                squares += local(parameter.grad).detach().double().pow(2).sum()
     dist.all_reduce(squares)
     norm = float(squares.sqrt().item())
     factor = clip_factor(norm, max_norm)

@@ -17,10 +17,11 @@ from pathlib import Path
 import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
 
-from autopart.errors import ConfigError
-from autopart.plan import Plan
+from autopart.ir.errors import ConfigError
+from autopart.ir.plan import Plan
 from autopart.runtime.mesh import Mesh
-from autopart.runtime.stage import checked_stage_source, weights_file_name
+from autopart.runtime.shards import weights_file_name
+from autopart.runtime.stage import checked_stage_source
 
 __all__ = ["PLAN_HASH_KEY", "file_sha256", "plan_digest", "check_launch", "inject_failure", "init_process_group"]
 

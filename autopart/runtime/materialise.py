@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
-from autopart.errors import ConfigError
+from autopart.ir.errors import ConfigError
 
 __all__ = ["INIT_SEED", "materialise", "check_initialisers", "meta_names"]
 

@@ -6,7 +6,7 @@ from collections.abc import Iterable
 
 import torch
 
-from autopart.errors import ConfigError
+from autopart.ir.errors import ConfigError
 
 __all__ = ["OPTIMIZERS", "make_optimizer"]
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from autopart.annotate import TensorMeta
-from autopart.errors import ScheduleError
+from autopart.ir.tensors import TensorMeta
+from autopart.ir.errors import ScheduleError
 from autopart.schedule import Kind, Schedule, stage_rank
 
 __all__ = ["send_tensors", "recv_tensors", "check_message_order"]

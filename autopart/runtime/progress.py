@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from autopart.errors import ConfigError
-from autopart.plan import Plan
+from autopart.ir.errors import ConfigError
+from autopart.ir.plan import Plan
 
 __all__ = ["Throughput", "StepReporter", "check_tensorboard", "tokens_in"]
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from autopart.errors import ConfigError
+from autopart.ir.errors import ConfigError
 
 __all__ = ["LR_SCHEDULES", "Recipe", "add_recipe_arguments", "embedding_parameters", "parameter_groups", "clip_factor"]
 

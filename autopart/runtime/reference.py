@@ -17,9 +17,9 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from autopart.annotate import precision
-from autopart.capture import eager_loss, load_model_file
-from autopart.plan import load_plan
+from autopart.ir.tensors import precision
+from autopart.ir.model_file import eager_loss, load_model_file
+from autopart.ir.plan import load_plan
 from autopart.runtime.data import eval_batches, global_batches, model_file
 from autopart.runtime.materialise import materialise, meta_names
 from autopart.runtime.stage import stage_names

@@ -7,11 +7,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from autopart.plan import Plan
-from autopart.runtime.stage import weights_file_name
-from autopart.placement import REPLICATE, Placement
+from autopart.ir.plan import Plan
+from autopart.ir.placement import REPLICATE, Placement
 
-__all__ = ["shard_weight", "unshard_weight", "load_stage_weights"]
+__all__ = ["shard_weight", "unshard_weight", "load_stage_weights", "weights_file_name"]
 
 
 def shard_weight(tensor: torch.Tensor, placement: Placement, tp: int, rank: int) -> torch.Tensor:
@@ -46,3 +45,8 @@ def load_stage_weights(plan: Plan, folder: Path) -> dict[int, dict[str, torch.Te
             for name in pieces[0]
         }
     return stages
+
+
+def weights_file_name(stage: int, tp_rank: int, tp: int) -> str:
+    """``stage_<k>.safetensors``, or ``stage_<k>.tp<r>.safetensors`` for each tensor-parallel rank."""
+    return f"stage_{stage}.safetensors" if tp == 1 else f"stage_{stage}.tp{tp_rank}.safetensors"

@@ -15,10 +15,10 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from torch import nn
 
-from autopart.errors import ConfigError
+from autopart.ir.errors import ConfigError
 
 if TYPE_CHECKING:
-    from autopart.plan import Plan
+    from autopart.ir.plan import Plan
 
 __all__ = [
     "declare_tensors",
@@ -27,14 +27,8 @@ __all__ = [
     "stage_names",
     "check_checkpoint",
     "read_checkpoint",
-    "weights_file_name",
     "checked_stage_source",
 ]
-
-
-def weights_file_name(stage: int, tp_rank: int, tp: int) -> str:
-    """``stage_<k>.safetensors``, or ``stage_<k>.tp<r>.safetensors`` for each tensor-parallel rank."""
-    return f"stage_{stage}.safetensors" if tp == 1 else f"stage_{stage}.tp{tp_rank}.safetensors"
 
 
 def _owner(root: nn.Module, qualified: str) -> tuple[nn.Module, str]:
@@ -76,7 +70,7 @@ def declare_tensors(
 def _meta_spec(model_file: Path):
     """The model file, its model built on the meta device: the source of --leaf modules and of the
     initialisers of a meta model (which must come from the same import as the model's classes)."""
-    from autopart.capture import load_model_file
+    from autopart.ir.model_file import load_model_file
 
     with torch.device("meta"):
         spec = load_model_file(model_file)
@@ -169,7 +163,7 @@ def _stage_source(out_dir: Path, index: int):
     name = f"autopart_stage_{index}_{digest}"  # one per output directory: a process may read several
     if name in sys.modules:
         return sys.modules[name]
-    from autopart.plan import load_plan
+    from autopart.ir.plan import load_plan
 
     path = out_dir / "stages" / f"stage_{index}.py"
     code = compile(checked_stage_source(out_dir, load_plan(out_dir / "plan.json"), index), str(path), "exec")
@@ -197,8 +191,8 @@ def load_stage(
     built on the meta device, from the model's own initialisers run for this stage's tensors
     alone. Whole tensors are sliced for this tensor-parallel rank by their ``placements``.
     """
-    from autopart.placement import REPLICATE, Placement
-    from autopart.runtime.shards import shard_weight
+    from autopart.ir.placement import REPLICATE, Placement
+    from autopart.runtime.shards import shard_weight, weights_file_name
 
     stage = _stage_source(out_dir, index).STAGE()
     tensors = stage_tensors(stage)

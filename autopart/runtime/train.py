@@ -31,6 +31,7 @@ latest good checkpoint there.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -42,15 +43,16 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
-from autopart.capture import load_model_file
-from autopart.errors import AutopartError, ConfigError, OneLineParser
-from autopart.plan import Plan, load_plan
+from autopart.ir.model_file import load_model_file
+from autopart.ir.errors import AutopartError, ConfigError, OneLineParser
+from autopart.ir.plan import Plan, load_plan
 from autopart.runtime.data import eval_batches, global_batches, model_file, split_microbatches
 from autopart.runtime.checkpoint import CheckpointContext, restarted
 from autopart.runtime.device import StepTimer, backend, compute_device, peak_memory_bytes
 from autopart.runtime.device import tensor as device_tensor
 from autopart.runtime.executor import ActionRecord, Executor, StageRuntime, StepFailure
 from autopart.runtime.forward import StageForward
+from autopart.runtime.fully_sharded import FSDP_LEVELS, check_level, end_of_step, full_state, shard_stage
 from autopart.runtime.launch import check_launch, init_process_group, inject_failure
 from autopart.runtime.measure import StepClock, write_measured_trace
 from autopart.runtime.gradients import average_gradients, clip_gradients, sum_tied_gradients, tied_groups
@@ -58,9 +60,10 @@ from autopart.runtime.optim import OPTIMIZERS, make_optimizer
 from autopart.runtime.progress import StepReporter, Throughput, check_tensorboard, tokens_in
 from autopart.runtime.recipe import Recipe, add_recipe_arguments, parameter_groups
 from autopart.runtime import collectives
-from autopart.runtime.mesh import Mesh, group_of
+from autopart.runtime.mesh import Coordinates, Mesh, group_of
 from autopart.runtime.p2p import check_message_order
-from autopart.runtime.stage import check_checkpoint, load_stage, stage_names, weights_file_name
+from autopart.runtime.shards import weights_file_name
+from autopart.runtime.stage import check_checkpoint, load_stage, stage_names
 from autopart.schedule import Kind, add_communication, build_schedule, stage_rank
 
 __all__ = ["main", "parse_args"]
@@ -163,6 +166,132 @@ def _loop(
     data_parallel = group_of(device_mesh, "dp")
     schedule_spec = plan.schedule
     stage_count = len(plan.stages)
+    stages, executor = _executor(out_dir, plan, args, rank, device)
+    fully_sharded = _fully_shard(stages, plan, executor, device_mesh)
+    tied = tied_groups(plan, mesh, rank)
+    modules = {s: stage.module for s, stage in stages.items()}
+    parameters = [p for module in modules.values() for p in module.parameters()]
+    recipe = Recipe.from_args(args)
+    optimizer = _optimizer(modules, plan, args, recipe, data_parallel)
+    spec = load_model_file(source_file, build=False)
+    data = global_batches(spec, schedule_spec.global_batch_size, args.seed)
+    holds_loss = stage_count - 1 in stages and here.tp == 0
+    checkpointing = CheckpointContext(
+        root=args.checkpoint_dir, out_dir=out_dir, modules=modules,
+        optimizer=optimizer, optimizer_name=args.optimizer, rank=rank, dp_rank=here.dp, tp_rank=here.tp,
+        zero=plan.zero, seed=args.seed,
+    )  # fmt: skip
+    first_step = checkpointing.resume() if args.checkpoint_dir and (args.resume or restarted()) else 0
+    for _ in range(first_step):
+        next(data)  # the data position: the batches of the steps already done
+    scheduler = recipe.scheduler(optimizer, args.lr, args.steps, done=first_step)
+    held_out = eval_batches(spec, schedule_spec.global_batch_size, args.seed, args.eval_batches) if args.eval_every else []
+    reporter = None
+    if holds_loss and here.dp == 0:
+        reporter = StepReporter(steps=args.steps, first_step=first_step, metrics=args.metrics, tensorboard=args.tensorboard)
+
+    split = functools.partial(_shares, dp=mesh.dp, dp_rank=here.dp, microbatches=schedule_spec.microbatches)
+    for step in range(first_step, args.steps):
+        inject_failure(rank, step)
+        inputs, target = next(data)
+        values = _graph_values(plan, inputs, target)
+        clock = StepClock(device) if args.trace and step == args.steps - 1 else None
+        record = clock.record if clock else [] if args.action_times else None
+        timer = StepTimer(device)
+        losses = executor.step(split(values), record=record, timer=timer)
+        tail_start, tail_cpu = timer.mark(), time.thread_time()
+        _sum_tied(modules, tied, fully_sharded)
+        tied_end = timer.mark()
+        if data_parallel is not None and not fully_sharded:  # FSDP reduced them in the backward
+            average_gradients(parameters, data_parallel, mesh.dp)
+        norm = clip_gradients(modules, plan, here, recipe.clip_grad_norm) if recipe.clip_grad_norm else None
+        optimizer_start = timer.mark()
+        lr = optimizer.param_groups[0]["lr"]
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
+        end, tail_cpu = timer.stop(), time.thread_time() - tail_cpu
+        if args.action_times:  # after the step's clock stopped
+            marks = (timer.seconds(tail_start), end, tail_cpu, timer.seconds(tied_end), timer.seconds(optimizer_start))
+            _write_action_times(args.action_times, rank, step, timer.start, record, marks)
+        elapsed = device_tensor([end - timer.start], device)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        peaks = _peak_memory_per_rank(device) if args.metrics else []
+        evaluated = args.eval_every and (step + 1) % args.eval_every == 0
+        eval_losses = _evaluate(executor, held_out, split, plan, modules, fully_sharded) if evaluated else []
+        if holds_loss:
+            loss = _mean_loss(losses, data_parallel, mesh.dp)
+            eval_loss = _mean_loss(eval_losses, data_parallel, mesh.dp) if evaluated else None
+            if reporter is not None:
+                line = {"step": step, "loss": loss, "step_s": elapsed.item(), "peak_memory_bytes": peaks, "lr": lr}
+                _report(reporter, plan, inputs, line, norm, eval_loss)
+        if clock is not None:
+            _write_trace(clock, plan, args, rank, step)
+        done = step + 1
+        if args.checkpoint_dir and (done == args.steps or (args.checkpoint_every and done % args.checkpoint_every == 0)):
+            checkpointing.save(done)
+    if reporter is not None:
+        reporter.close()
+    if args.save_weights:
+        _save_weights(args.save_weights, stages, here, mesh.tp)
+
+def _optimizer(modules: dict[int, torch.nn.Module], plan: Plan, args: argparse.Namespace, recipe: Recipe,
+               data_parallel: Any) -> torch.optim.Optimizer:
+    """The optimizer over this rank's parameters, in the recipe's groups, sharded over dp with ZeRO-1."""
+    named = [item for module in modules.values() for item in module.named_parameters()]
+    groups = parameter_groups(named, weight_decay=recipe.weight_decay, embeddings=plan.embedding_parameters)
+    return make_optimizer(args.optimizer, groups, args.lr, zero_group=data_parallel if plan.zero == 1 else None)
+
+
+def _report(reporter: StepReporter, plan: Plan, inputs: tuple, line: dict, norm: float | None,
+            eval_loss: float | None) -> None:
+    """One step's line, with the gradient norm and the held-out loss where there are ones."""
+    line |= {"grad_norm": norm} if norm is not None else {}
+    line |= {"eval_loss": eval_loss} if eval_loss is not None else {}
+    reporter.step(line, Throughput.of(plan, tokens=tokens_in(inputs), step_s=line["step_s"]))
+
+
+def _sum_tied(modules: dict[int, torch.nn.Module], tied: list, fully_sharded: bool) -> None:
+    """Every copy of a tied parameter gets the sum of their gradients; under ZeRO-2/3 once FSDP's
+    last reduce-scatters have landed in the gradients' shards, as the whole parameters go."""
+    if fully_sharded:
+        end_of_step(list(modules.values()))
+    for name, group in tied:
+        sum_tied_gradients(modules, name, group)
+
+
+def _evaluate(executor: Executor, held_out: list, split: Any, plan: Plan, modules: dict[int, torch.nn.Module],
+              fully_sharded: bool) -> list[torch.Tensor]:
+    """The held-out batches' losses held here, outside the step's clock; under ZeRO-2 the
+    forwards gathered the parameters, which are let go again."""
+    losses: list[torch.Tensor] = []
+    for batch in held_out:
+        losses += executor.evaluate(split(_graph_values(plan, *batch)))
+    if fully_sharded:
+        end_of_step(list(modules.values()))
+    return losses
+
+
+def _fully_shard(stages: dict[int, StageRuntime], plan: Plan, executor: Executor, device_mesh: Any) -> bool:
+    """Shard this rank's stages over the data-parallel group under ZeRO-2/3; whether it did."""
+    split_backward = any(action.kind is Kind.I for action in executor.actions)
+    refused = check_level(plan.zero, dp=plan.mesh["dp"], split_backward=split_backward)
+    if refused:
+        raise ConfigError(refused)
+    if plan.zero not in FSDP_LEVELS:
+        return False
+    for stage in stages.values():
+        shard_stage(stage.module, device_mesh["dp"], plan.zero)
+    return True
+
+
+def _executor(out_dir: Path, plan: Plan, args: argparse.Namespace, rank: int, device: torch.device
+              ) -> tuple[dict[int, StageRuntime], Executor]:
+    """This rank's stages and the executor that runs its action list of the plan's schedule."""
+    mesh = Mesh.of(plan)
+    here = mesh.coordinates(rank)
+    schedule_spec = plan.schedule
+    stage_count = len(plan.stages)
     schedule = add_communication(
         build_schedule(
             schedule_spec.kind, ranks=mesh.pp, microbatches=schedule_spec.microbatches, chunks=schedule_spec.chunks
@@ -171,6 +300,24 @@ def _loop(
     )
     check_message_order(schedule, ranks=mesh.pp)
     split_backward = any(action.kind is Kind.I for action in schedule[here.pp])
+    stages = _stages_here(out_dir, plan, args, rank, device, split_backward=split_backward)
+    executor = Executor(
+        rank=here.pp,
+        stages=stages,
+        last_stage=stage_count - 1,
+        schedule=schedule,
+        microbatches=schedule_spec.microbatches,
+        device=device,
+    )
+    return stages, executor
+
+
+def _stages_here(out_dir: Path, plan: Plan, args: argparse.Namespace, rank: int, device: torch.device, *,
+                 split_backward: bool) -> dict[int, StageRuntime]:
+    """The stages this rank runs, loaded with their weights and wired to their pipeline peers."""
+    mesh = Mesh.of(plan)
+    here = mesh.coordinates(rank)
+    stage_count = len(plan.stages)
     stages: dict[int, StageRuntime] = {}
     for stage_plan in plan.stages:
         if stage_plan.rank != here.pp:
@@ -192,115 +339,50 @@ def _loop(
             prev_rank=peer(s - 1) if s > 0 else None,
             next_rank=peer(s + 1) if s < stage_count - 1 else None,
         )
-    tied = tied_groups(plan, mesh, rank)
-    executor = Executor(
-        rank=here.pp,
-        stages=stages,
-        last_stage=stage_count - 1,
-        schedule=schedule,
-        microbatches=schedule_spec.microbatches,
-        device=device,
+    return stages
+
+
+def _mean_loss(losses: list[torch.Tensor], data_parallel: Any, dp: int) -> float:
+    """The mean over the global batch, of the microbatch losses held here (pipeline's last stage, tp 0)."""
+    loss = torch.stack(losses).to(torch.float64).mean().reshape(1)  # one host read per step, below
+    if data_parallel is not None:
+        dist.all_reduce(loss, group=data_parallel)
+    return loss.item() / dp
+
+
+def _shares(values: tuple, dp: int, dp_rank: int, microbatches: int) -> list[tuple]:
+    share = split_microbatches(values, dp)[dp_rank]  # this replica's share of the global batch
+    return split_microbatches(share, microbatches)
+
+
+def _write_trace(clock: StepClock, plan: Plan, args: argparse.Namespace, rank: int, step: int) -> None:
+    """The measured timeline of ``step`` as a Chrome trace, drawn for the first pipeline's ranks."""
+    mesh = Mesh.of(plan)
+    name = Path(plan.provenance.model_file).name
+    title = f"measured: {name}, {plan.schedule.kind}, pp={mesh.pp}, step {step}"
+
+    def drawn(r: int) -> int | None:
+        where = mesh.coordinates(r)
+        return where.pp if where.dp == 0 and where.tp == 0 else None
+
+    timeline = write_measured_trace(
+        clock, rank=rank, ranks=mesh.pp, path=args.trace, title=title, pipeline_rank=drawn
     )
-    modules = {s: stage.module for s, stage in stages.items()}
-    parameters = [p for module in modules.values() for p in module.parameters()]
-    recipe = Recipe.from_args(args)
-    named = [item for module in modules.values() for item in module.named_parameters()]
-    groups = parameter_groups(named, weight_decay=recipe.weight_decay, embeddings=plan.embedding_parameters)
-    optimizer = make_optimizer(args.optimizer, groups, args.lr, zero_group=data_parallel if plan.zero else None)
-    spec = load_model_file(source_file, build=False)
-    data = global_batches(spec, schedule_spec.global_batch_size, args.seed)
-    holds_loss = stage_count - 1 in stages and here.tp == 0
-    checkpointing = CheckpointContext(
-        root=args.checkpoint_dir, out_dir=out_dir, modules=modules,
-        optimizer=optimizer, optimizer_name=args.optimizer, rank=rank, dp_rank=here.dp, tp_rank=here.tp,
-        zero=plan.zero, seed=args.seed,
-    )  # fmt: skip
-    first_step = checkpointing.resume() if args.checkpoint_dir and (args.resume or restarted()) else 0
-    for _ in range(first_step):
-        next(data)  # the data position: the batches of the steps already done
-    scheduler = recipe.scheduler(optimizer, args.lr, args.steps, done=first_step)
-    batch_size = schedule_spec.global_batch_size
-    held_out = eval_batches(spec, batch_size, args.seed, args.eval_batches) if args.eval_every else []
-    reporter = None
-    if holds_loss and here.dp == 0:
-        reporter = StepReporter(steps=args.steps, first_step=first_step, metrics=args.metrics,
-                                tensorboard=args.tensorboard)  # fmt: skip
+    if timeline is not None:
+        print(f"wrote {args.trace}: step {step} measured {timeline.step_s * 1e3:.3f} ms, "
+              f"bubble {timeline.bubble:.1%}", flush=True)
 
-    def mean_loss(losses: list[torch.Tensor]) -> float:
-        """The mean over the global batch, of the microbatch losses held here (pipeline's last stage, tp 0)."""
-        loss = torch.stack(losses).to(torch.float64).mean().reshape(1)  # one host read per step, below
-        if data_parallel is not None:
-            dist.all_reduce(loss, group=data_parallel)
-        return loss.item() / mesh.dp
 
-    def shares(values: tuple) -> list[tuple]:
-        share = split_microbatches(values, mesh.dp)[here.dp]  # this replica's share of the global batch
-        return split_microbatches(share, schedule_spec.microbatches)
-
-    for step in range(first_step, args.steps):
-        inject_failure(rank, step)
-        inputs, target = next(data)
-        values = _graph_values(plan, inputs, target)
-        clock = StepClock(device) if args.trace and step == args.steps - 1 else None
-        record = clock.record if clock else [] if args.action_times else None
-        timer = StepTimer(device)
-        losses = executor.step(shares(values), record=record, timer=timer)
-        tail_start, tail_cpu = timer.mark(), time.thread_time()
-        for name, group in tied:
-            sum_tied_gradients(modules, name, group)
-        tied_end = timer.mark()
-        if data_parallel is not None:
-            average_gradients(parameters, data_parallel, mesh.dp)
-        norm = clip_gradients(modules, plan, here, recipe.clip_grad_norm) if recipe.clip_grad_norm else None
-        optimizer_start = timer.mark()
-        lr = optimizer.param_groups[0]["lr"]
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        scheduler.step()
-        end, tail_cpu = timer.stop(), time.thread_time() - tail_cpu
-        if args.action_times:  # after the step's clock stopped
-            marks = (timer.seconds(tail_start), end, tail_cpu, timer.seconds(tied_end), timer.seconds(optimizer_start))
-            _write_action_times(args.action_times, rank, step, timer.start, record, marks)
-        elapsed = device_tensor([end - timer.start], device)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        peaks = _peak_memory_per_rank(device) if args.metrics else []
-        evaluated = args.eval_every and (step + 1) % args.eval_every == 0
-        eval_losses: list[torch.Tensor] = []
-        for batch in held_out if evaluated else []:  # outside the step's clock
-            eval_losses += executor.evaluate(shares(_graph_values(plan, *batch)))
-        if holds_loss:
-            loss = mean_loss(losses)
-            eval_loss = mean_loss(eval_losses) if evaluated else None
-            if reporter is not None:
-                step_s = elapsed.item()
-                line = {"step": step, "loss": loss, "step_s": step_s, "peak_memory_bytes": peaks, "lr": lr}
-                line |= {"grad_norm": norm} if norm is not None else {}
-                line |= {"eval_loss": eval_loss} if eval_loss is not None else {}
-                reporter.step(line, Throughput.of(plan, tokens=tokens_in(inputs), step_s=step_s))
-        if clock is not None:
-            name = Path(plan.provenance.model_file).name
-            title = f"measured: {name}, {schedule_spec.kind}, pp={mesh.pp}, step {step}"
-
-            def drawn(r: int) -> int | None:
-                where = mesh.coordinates(r)
-                return where.pp if where.dp == 0 and where.tp == 0 else None
-
-            timeline = write_measured_trace(
-                clock, rank=rank, ranks=mesh.pp, path=args.trace, title=title, pipeline_rank=drawn
-            )
-            if timeline is not None:
-                print(f"wrote {args.trace}: step {step} measured {timeline.step_s * 1e3:.3f} ms, "
-                      f"bubble {timeline.bubble:.1%}", flush=True)
-        done = step + 1
-        if args.checkpoint_dir and (done == args.steps or (args.checkpoint_every and done % args.checkpoint_every == 0)):
-            checkpointing.save(done)
-    if reporter is not None:
-        reporter.close()
-    if args.save_weights and here.dp == 0:
-        args.save_weights.mkdir(parents=True, exist_ok=True)
-        for s, stage in stages.items():
-            state = {k: v.detach().cpu().contiguous() for k, v in stage.module.state_dict().items()}
-            save_file(state, str(args.save_weights / weights_file_name(s, here.tp, mesh.tp)))
+def _save_weights(folder: Path, stages: dict[int, StageRuntime], here: Coordinates, tp: int) -> None:
+    """Each stage's trained weights, in the files the output directory's weights/ uses, written
+    by the first data-parallel replica; every replica gathers them whole first (ZeRO-2/3)."""
+    states = {s: full_state(stage.module) for s, stage in stages.items()}
+    if here.dp != 0:
+        return
+    folder.mkdir(parents=True, exist_ok=True)
+    for s, state in states.items():
+        state = {k: v.detach().cpu().contiguous() for k, v in state.items()}
+        save_file(state, str(folder / weights_file_name(s, here.tp, tp)))
 
 
 def _graph_values(plan: Plan, inputs: tuple, target: Any) -> tuple:

@@ -7,7 +7,7 @@ per-rank action lists that the runtime executes, plus a simulated `Timeline`. In
 -> `write_chrome_trace` / `write_gantt_png` / `write_schedule_csv`.
 """
 
-from autopart.schedule.actions import COMM_KINDS, COMPUTE_KINDS, RECEIVE_KINDS, Action, Kind, Schedule, stage_rank
+from autopart.ir.actions import COMM_KINDS, COMPUTE_KINDS, RECEIVE_KINDS, Action, Kind, Schedule, stage_rank
 from autopart.schedule.generators import SCHEDULE_KINDS, build_schedule
 from autopart.schedule.lowering import add_communication
 from autopart.schedule.simulate import Event, StageCosts, Timeline, simulate

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autopart.errors import ConfigError
-from autopart.schedule.actions import Action, Kind, Schedule
+from autopart.ir.errors import ConfigError
+from autopart.ir.actions import Action, Kind, Schedule
 
 __all__ = ["SCHEDULE_KINDS", "build_schedule"]
 

@@ -13,8 +13,8 @@ memory.
 
 from __future__ import annotations
 
-from autopart.errors import ScheduleError
-from autopart.schedule.actions import Action, Kind, Schedule, stage_rank
+from autopart.ir.errors import ScheduleError
+from autopart.ir.actions import Action, Kind, Schedule, stage_rank
 
 __all__ = ["add_communication"]
 

@@ -48,7 +48,7 @@ def _units(n: np.ndarray, chunk: int, p: int, v: int) -> np.ndarray:
 
 def transient_in_flight(kind: str, *, ranks: int, microbatches: int, chunks: int = 1) -> tuple[int, ...]:
     """Per stage, the most microbatches whose recomputed activations live at once
-    (``autopart.recompute.transient_microbatches``): one, where a backward is whole; in zb-h1,
+    (``autopart.passes.recompute.transient_microbatches``): one, where a backward is whole; in zb-h1,
     from a microbatch's I to its W, which rank r holds back r backwards (``generators._zb_h1``)."""
     if kind == "zb-h1":
         return tuple(min(r + 1, microbatches) for r in range(ranks))

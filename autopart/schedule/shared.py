@@ -10,8 +10,7 @@ and a message that arrives while every core is busy is received ``busy_delay_s``
 its rank gets a core again (measured by ``autopart profile-comm``). A receive that waited for
 its data takes ``recv_waited_s`` once it is there, not ``recv_s``, where each rank keeps a core;
 where they outnumber the cores the woken rank must get one back first, which ``recv_s`` holds
-better (the 4-rank rows of ``benchmarks/cost_accuracy.py`` on 2 cores: 8-14% short in their own
-runs with the waited figure, 1-7% long with ``recv_s``). When they do not outnumber
+better (``benchmarks/cost_accuracy.py`` compares the two). When they do not outnumber
 the cores, or when they do but fewer are busy for a while (a pipeline's fill and drain), a rank
 that waited leaves its core idle, and its next work runs slower while the core warms up again:
 ``wake_s``, extra seconds by idle time (measured by ``autopart profile-comm``).
@@ -25,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from autopart.schedule.actions import RECEIVE_KINDS, Kind, Schedule
+from autopart.ir.actions import RECEIVE_KINDS, Kind, Schedule
 from autopart.schedule.simulate import StageCosts, input_ready_at
 
 __all__ = ["step_time"]

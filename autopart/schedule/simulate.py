@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from autopart.errors import ConfigError, ScheduleError
-from autopart.schedule.actions import Action, Kind, Schedule, stage_rank
+from autopart.ir.errors import ConfigError, ScheduleError
+from autopart.ir.actions import Action, Kind, Schedule, stage_rank
 from autopart.schedule.validate import format_grid
 
 __all__ = ["StageCosts", "Event", "Timeline", "simulate", "input_ready_at"]
@@ -48,7 +48,7 @@ class StageCosts:
     sooner than one whose data came first); empty: ``recv_s``."""
     actions: Mapping[Action, float] = field(default_factory=dict, hash=False)
     """Rank time of single actions in place of their stage's figure above: one step of a
-    pipeline that was run, replayed (`autopart.compiler`'s step model)."""
+    pipeline that was run, replayed (`autopart.driver`'s step model)."""
 
     def __post_init__(self) -> None:
         stages = len(self.forward_s)

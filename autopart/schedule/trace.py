@@ -16,8 +16,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from autopart.errors import ScheduleError
-from autopart.schedule.actions import Action, Kind, Schedule
+from autopart.ir.errors import ScheduleError
+from autopart.ir.actions import Action, Kind, Schedule
 from autopart.schedule.simulate import Event, Timeline
 
 __all__ = [

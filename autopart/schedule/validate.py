@@ -13,8 +13,8 @@ ranks with blocking receives and asynchronous sends that finds any deadlock.
 
 from __future__ import annotations
 
-from autopart.errors import ScheduleError
-from autopart.schedule.actions import RECEIVE_KINDS, Action, Kind, Schedule, stage_rank
+from autopart.ir.errors import ScheduleError
+from autopart.ir.actions import RECEIVE_KINDS, Action, Kind, Schedule, stage_rank
 
 __all__ = ["validate", "format_grid"]
 

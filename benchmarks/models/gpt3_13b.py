@@ -1,7 +1,7 @@
 """GPT-3 13B (Brown et al. 2020, Table 2.1): 40 layers, h = 5140 (5120 here, a multiple of the 40 heads), s = 2048.
 
 Built on the meta device with two of its layers (``LAYERS`` in all): benchmarks/plan_quality.py
-repeats them to full depth (``autopart.solver.repeat``)."""
+repeats them to full depth (``autopart.solve.repeat``)."""
 
 import sys
 from pathlib import Path

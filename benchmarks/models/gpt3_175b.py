@@ -1,7 +1,7 @@
 """GPT-3 175B (Brown et al. 2020, Table 2.1): 96 layers, h = 12288, 96 heads, s = 2048.
 
 Built on the meta device with two of its layers (``LAYERS`` in all): benchmarks/plan_quality.py
-repeats them to full depth (``autopart.solver.repeat``)."""
+repeats them to full depth (``autopart.solve.repeat``)."""
 
 import sys
 from pathlib import Path

@@ -2,7 +2,7 @@
 SwiGLU width 14336, a 128,256-token vocabulary (untied embedding and head), s = 8192.
 
 Built on the meta device with two of its layers (``LAYERS`` in all): benchmarks/plan_quality.py
-repeats them to full depth (``autopart.solver.repeat``)."""
+repeats them to full depth (``autopart.solve.repeat``)."""
 
 import sys
 from pathlib import Path

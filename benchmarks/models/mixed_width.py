@@ -4,7 +4,7 @@ widen the rest (DeepSeek-V2/V3 keep their first layers dense and make the rest M
 The file has one layer of each kind; plan_quality repeats the first 8 times and the second 24.
 
 Built on the meta device with two of its layers (``LAYERS`` in all): benchmarks/plan_quality.py
-repeats them to full depth (``autopart.solver.repeat``)."""
+repeats them to full depth (``autopart.solve.repeat``)."""
 
 import sys
 from pathlib import Path

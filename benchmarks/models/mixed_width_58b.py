@@ -4,7 +4,7 @@ layers dense and widen the rest. Large enough that its weights and optimizer sta
 on a node without a pipeline, so the cuts decide the step.
 
 Built on the meta device with one layer of each kind: benchmarks/plan_quality.py repeats the
-first 8 times and the second 40 (``autopart.solver.repeat``)."""
+first 8 times and the second 40 (``autopart.solve.repeat``)."""
 
 import sys
 from pathlib import Path

@@ -1,5 +1,5 @@
 """Model files for the planner benchmarks: large models built on the meta device with only a few
-of their layers, whose chains ``autopart.solver.repeat`` repeats to the models' full depth
+of their layers, whose chains ``autopart.solve.repeat`` repeats to the models' full depth
 (capturing and annotating 96 layers takes minutes on a small machine; two take seconds).
 
 Each ``ModelFile`` gives the model-file contract's functions for one configuration, without the

@@ -1,0 +1,5 @@
+"""``python -m autopart``: the same command line as the ``autopart`` script."""
+
+from autopart.tools.cli import main
+
+main()

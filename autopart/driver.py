@@ -1,0 +1,111 @@
+"""The driver: the passes in order, from a model file to a Plan and an output directory.
+
+    load -> capture -> annotate -> blocks -> shard -> solve -> assemble (predict) -> Plan -> emit
+
+``compile(...)`` and ``emit(...)`` are the Python API; the command line builds the same
+``CompileOptions`` and calls the same functions. Each step is one call into the package that
+owns it: ``passes.front`` (load, capture, annotate, blocks, shard), ``solve`` (cuts, search,
+plan assembly), ``codegen`` (the output directory).
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+from autopart.codegen.emit import check_output_directory, emit_directory
+from autopart.ir.errors import PlanError
+from autopart.ir.model_file import load_model_file
+from autopart.ir.plan import Plan, load_plan
+from autopart.options import CompileOptions
+from autopart.predict.accuracy import with_basis
+from autopart.passes.annotate import annotate
+from autopart.passes.front import Front, build_front, capture_for, note_unsplit
+from autopart.profiling.measure_defaults import measure_defaults
+from autopart.profiling.pipeline import profile_pipeline
+from autopart.solve.assemble import pipeline_problem, plan_from_cuts
+from autopart.solve.pinned import rebuild_pinned
+from autopart.solve.pipeline import solve_cuts
+from autopart.solve.planner import plan_by_search
+from cost_models import get_cost_model
+
+__all__ = ["CompileOptions", "compile", "compile_plan", "compile_to_directory", "emit"]
+
+
+def compile_plan(options: CompileOptions, progress=None) -> tuple[Plan, Front]:
+    """The Plan of ``options`` and the front it was costed on (kept, so emitting needs no second capture)."""
+    if options.searched:
+        searched = plan_by_search(options, progress=progress)
+        return searched.plan, searched.front
+    if options.plan is not None:  # the plan decides everything it records
+        return rebuild_pinned(options, load_plan(options.plan))
+    batch = options.batch_shape()
+    front = build_front(options, batch[2])
+    note_unsplit(options, front)
+    problem = pipeline_problem(options, front, batch[1])
+    solution = solve_cuts(problem, time_limit_s=options.time_limit_s)
+    status = solution.status if problem.stages > 1 else "trivial"
+    plan = plan_from_cuts(
+        options, front, problem, solution.evaluation.cuts, batch, (status, solution.bound_s, solution.gap)
+    )
+    return plan, front
+
+
+def compile(model: str | Path, **options) -> Plan:  # noqa: A001 - the API's verb
+    """Compile ``model`` (a model file) into a Plan; ``emit(plan, out_dir)`` writes its programs.
+
+    Keyword options are the fields of ``CompileOptions`` (``pp=2, microbatches=4, ...``).
+    """
+    options, measured = measure_defaults(CompileOptions(model=Path(model), **options))
+    plan, _ = compile_plan(options)
+    return with_basis(plan, measured.basis)
+
+
+def emit(plan: Plan, out_dir: str | Path) -> Path:
+    """Write the output directory of ``plan``; the model file is captured again from the plan's provenance."""
+    out_dir = Path(out_dir)
+    check_output_directory(out_dir)
+    spec = load_model_file(plan.provenance.model_file)
+    if spec.source_sha256 != plan.provenance.model_sha256:
+        raise PlanError(f"{spec.path} changed since this plan was compiled; compile it again")
+    graph = capture_for(
+        spec, plan.mesh["tp"], batch_size=plan.schedule.micro_batch_size, method=plan.provenance.capture,
+        leaves=plan.provenance.leaves,
+    )  # fmt: skip
+    cost_model = get_cost_model("cpu")
+    op_graph = annotate(graph, spec, cost_model, micro_batch_size=plan.schedule.micro_batch_size, dtype=plan.dtype)
+    return emit_directory(plan, op_graph, spec, out_dir)
+
+
+def compile_to_directory(options: CompileOptions, out_dir: Path, *, progress=None, console=None) -> tuple[Plan, Path]:
+    """What ``autopart compile`` does: measure what the defaults need, compile, then emit, with
+    one capture. ``progress(what, done, total)`` hears how the search goes; ``console`` shows
+    the measuring."""
+    check_output_directory(out_dir)
+    options, measured = measure_defaults(options, console=console)
+    plan, front = compile_plan(options, progress)
+    if options.profile_pipeline:
+        plan, front = _profiled_in_place(options, plan, front, progress)
+    plan = with_basis(plan, measured.basis)
+    return plan, emit_directory(plan, front.op_graph, front.spec, out_dir)
+
+
+PROFILE_PIPELINE_ROUNDS = 3
+
+
+def _profiled_in_place(options: CompileOptions, plan: Plan, front: Front, progress) -> tuple[Plan, Front]:
+    """``plan`` once its pipeline's compute factor is measured (`autopart.profiling.pipeline`): run,
+    store, compile again, until the plan compiled is one whose pipeline was run (the factor can
+    move the search to another mesh), at most `PROFILE_PIPELINE_ROUNDS` runs."""
+    for _ in range(PROFILE_PIPELINE_ROUNDS):
+        if plan.predicted.compute_factor_from == "pipeline":
+            break
+        database = front.cost_model.database
+        with tempfile.TemporaryDirectory(prefix="autopart-profile-pipeline-") as folder:
+            out = emit_directory(plan, front.op_graph, front.spec, Path(folder) / "out")
+            profiled = profile_pipeline(out, plan, front.cost_model.runtime_overheads,
+                                        cores=front.cost_model.device.cores)
+        database.put_pipeline(front.cost_model.device.name, profiled.key, profiled.measured)
+        database.save()
+        plan, front = compile_plan(options, progress)
+    return plan, front

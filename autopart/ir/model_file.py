@@ -1,0 +1,171 @@
+"""The model-file contract: import a user's ``model.py`` and check what it defines.
+
+Both the compiler and every rank of a generated program load the model file, so the loader
+lives here, below the passes and the runtime alike.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import sys
+import traceback
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from autopart.ir.errors import ModelFileError
+
+__all__ = ["ModelSpec", "load_model_file", "check_batch", "describe_error", "file_line", "eager_loss", "is_meta"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSpec:
+    """What a user's ``model.py`` provides, checked against the contract."""
+
+    path: Path
+    source_sha256: str
+    module: nn.Module | None  # None when loaded for its data functions only
+    example_batch: Callable[[int], tuple[tuple[Any, ...], Any]]
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None
+    batches: Callable[[int, int], Iterator[tuple[tuple[Any, ...], Any]]] | None
+    eval_batches: Callable[[int, int], Iterator[tuple[tuple[Any, ...], Any]]] | None = None  # held-out data
+    init_weights: Callable[[nn.Module], None] | None = None  # for models built on the meta device
+
+    def example(self, batch_size: int) -> tuple[tuple[torch.Tensor, ...], Any]:
+        """The example batch at ``batch_size``, checked to be ``(tuple of tensors, target)``."""
+        return check_batch(self.path, "example_batch", self.example_batch(batch_size), batch_size)
+
+
+def file_line(exc: BaseException, path: Path) -> str | None:
+    """``model.py:LINE`` of the innermost traceback frame that lies in the user's file."""
+    where = None
+    for frame in traceback.extract_tb(exc.__traceback__):
+        if Path(frame.filename).resolve() == path.resolve():
+            where = f"{path.name}:{frame.lineno}"
+    return where
+
+
+def describe_error(exc: BaseException, path: Path) -> str:
+    message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    where = file_line(exc, path)
+    text = f"{type(exc).__name__}: {message}" if message else type(exc).__name__
+    return f"{text} ({where})" if where else text
+
+
+def load_model_file(path: str | Path, *, build: bool = True) -> ModelSpec:
+    """Import ``path`` and return its ``ModelSpec``; every breach of the contract is a ModelFileError.
+
+    ``build=False`` skips ``build_model()``: the runtime needs only the data functions.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ModelFileError(
+            f"model file '{path}' does not exist; pass the path of a Python file that defines "
+            "build_model() and example_batch()"
+        )
+    if path.suffix != ".py":
+        raise ModelFileError(f"model file '{path}' is not a .py file; pass a Python model file")
+    source = path.read_bytes()
+    name = f"_autopart_model_{hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:12]}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    folder = str(path.resolve().parent)
+    sys.path.insert(0, folder)
+    try:
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    except Exception as exc:  # the user's code may raise anything
+        sys.modules.pop(name, None)
+        raise ModelFileError(f"importing {path.name} failed: {describe_error(exc, path)}; fix the model file") from None
+    finally:
+        sys.path.remove(folder)
+
+    build_model = _contract_function(module, path, "build_model", required=True)
+    example_batch = _contract_function(module, path, "example_batch", required=True)
+    loss_fn = _contract_function(module, path, "loss_fn", required=False)
+    batches = _contract_function(module, path, "batches", required=False)
+    eval_batches = _contract_function(module, path, "eval_batches", required=False)
+    init_weights = _contract_function(module, path, "init_weights", required=False)
+    model = None
+    try:
+        if build:
+            model = build_model()
+    except Exception as exc:
+        raise ModelFileError(f"build_model() in {path.name} raised {describe_error(exc, path)}") from None
+    if build and not isinstance(model, nn.Module):
+        raise ModelFileError(
+            f"build_model() in {path.name} returned {type(model).__name__}, not a torch.nn.Module; "
+            "return the model instance"
+        )
+    return ModelSpec(
+        path=path,
+        source_sha256=hashlib.sha256(source).hexdigest(),
+        module=model,
+        example_batch=example_batch,
+        loss_fn=loss_fn,
+        batches=batches,
+        eval_batches=eval_batches,
+        init_weights=init_weights,
+    )
+
+
+def _contract_function(module: Any, path: Path, name: str, *, required: bool) -> Callable | None:
+    fn = getattr(module, name, None)
+    if fn is None:
+        if required:
+            signature = {
+                "build_model": "def build_model() -> nn.Module",
+                "example_batch": "def example_batch(batch_size: int) -> (inputs: tuple, target)",
+            }[name]
+            raise ModelFileError(
+                f"{path.name} does not define {name}(); add `{signature}` (see the model-file contract in the README)"
+            )
+        return None
+    if not callable(fn):
+        raise ModelFileError(f"{name} in {path.name} is a {type(fn).__name__}, not a function; define it with def")
+    return fn
+
+
+def check_batch(path: Path, producer: str, batch: Any, batch_size: int) -> tuple[tuple[torch.Tensor, ...], Any]:
+    """Check one ``(inputs, target)`` pair from the model file and return it normalised."""
+    if not (isinstance(batch, tuple | list) and len(batch) == 2):
+        raise ModelFileError(
+            f"{producer}() in {path.name} returned {type(batch).__name__}; it must return (inputs: tuple, target)"
+        )
+    inputs, target = batch
+    if isinstance(inputs, torch.Tensor):
+        inputs = (inputs,)
+    if not isinstance(inputs, tuple | list) or not inputs:
+        raise ModelFileError(f"{producer}() in {path.name} must return a non-empty tuple of input tensors first")
+    for i, tensor in enumerate([*inputs, target]):
+        if tensor is None and i == len(inputs):
+            continue
+        what = f"input {i}" if i < len(inputs) else "the target"
+        if not isinstance(tensor, torch.Tensor):
+            raise ModelFileError(
+                f"{producer}() in {path.name}: {what} is a {type(tensor).__name__}, not a tensor; "
+                "inputs and target must be tensors whose first dimension is the batch"
+            )
+        if tensor.dim() == 0 or tensor.shape[0] != batch_size:
+            raise ModelFileError(
+                f"{producer}({batch_size}) in {path.name}: {what} has shape {tuple(tensor.shape)}, "
+                f"whose first dimension is not the batch size {batch_size}"
+            )
+    return tuple(inputs), target
+
+
+def is_meta(module: nn.Module) -> bool:
+    """Whether the model was built on the meta device: shapes without storage."""
+    return any(t.is_meta for t in (*module.parameters(), *module.buffers()))
+
+
+def eager_loss(spec: ModelSpec, inputs: tuple[torch.Tensor, ...], target: Any) -> torch.Tensor:
+    """The loss of the original model, run eagerly: the reference that every graph must match."""
+    output = spec.module(*inputs)
+    return output if spec.loss_fn is None else spec.loss_fn(output, target)

@@ -1,0 +1,351 @@
+"""The Plan: the single source of truth between the solver, the emitter and the runtime.
+
+A plan is plain data, saved as versioned JSON (``plan.json``). A plan written or edited by hand
+is the same type: ``autopart compile --plan plan.json`` skips the solver and emits it.
+Nothing here is unpickled: ``Plan.from_json`` checks every field and raises ``PlanError`` with
+the path of the field that is wrong.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from autopart.ir.tensors import DTYPES, TensorMeta
+from autopart.ir.errors import PlanError
+from autopart.ir.recompute import RECOMPUTE_MODES
+
+__all__ = ["PLAN_VERSION", "StagePlan", "ScheduleSpec", "Predicted", "Provenance", "Plan", "load_plan", "first_difference"]
+
+PLAN_VERSION = 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class StagePlan:
+    """One pipeline stage: the compute nodes it runs and what it exchanges with its neighbours."""
+
+    index: int
+    rank: int  # pipeline rank that runs it
+    blocks: tuple[int, int]  # first and last block, inclusive
+    nodes: tuple[str, ...]  # compute nodes, in graph order
+    inputs: tuple[tuple[str, TensorMeta], ...]  # received from the previous stage, one microbatch
+    outputs: tuple[tuple[str, TensorMeta], ...]  # sent to the next stage (empty on the last stage)
+    batch_inputs: tuple[str, ...]  # graph inputs this stage reads from the batch
+    parameters: tuple[str, ...]
+    forward_s: float
+    backward_s: float
+    backward_weight_s: float
+    parameter_bytes: int  # the whole stage, before tensor-parallel sharding
+    activation_bytes: int  # saved for backward, one microbatch, one rank
+    strategies: dict[str, str] = field(default_factory=dict)  # node -> tensor-parallel strategy, when not replicated
+    parameter_placements: dict[str, str] = field(default_factory=dict)  # parameter -> placement, when sharded
+    recompute: str = "none"  # none | selective | full (autopart.passes.recompute); backward_s includes its recompute
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScheduleSpec:
+    kind: str  # gpipe | 1f1b | interleaved | zb-h1
+    microbatches: int
+    micro_batch_size: int
+    global_batch_size: int
+    chunks: int = 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class Predicted:
+    step_s: float
+    bubble: float
+    memory_bytes: tuple[int, ...]  # per pipeline rank
+    p2p_bytes_per_step: int
+    stage_time_s: tuple[float, ...]  # forward + backward + transfers of one microbatch, per stage
+    transfer_s: tuple[float, ...]  # one way, one microbatch, per boundary between stages
+    pipeline_s: float = 0.0  # the schedule alone (the trace's span); step_s adds the runtime's costs
+    rank_tail_s: tuple[float, ...] = ()  # per rank, after the pipeline: tied gradients, optimizer step
+    compute_factor: tuple[float, ...] = ()  # per stage: inside the pipeline each forward and backward takes this many
+    # times its profiled time (stage_time_s and the stages' times are the profiled ones); () for 1
+    compute_factor_from: str = "none"  # "pipeline" (measured in it: --profile-pipeline), "device" or "none"
+    profiled_step_s: float | None = None  # the median step this very plan took when --profile-pipeline ran it
+    background_load: float = 0.0  # other busy processes on the machine's cores at compile time, which step_s counts
+    model_flops_per_step: float = 0.0  # forward and backward of the whole model over the global batch, no recompute
+    peak_flops: float = 0.0  # one device's dense peak FLOP/s in the plan's precision (its spec): MFU's denominator
+    basis: str = ""  # what step_s rests on ("ops and messages measured on this machine", "h100-sxm roofline")
+    basis_key: str = ""  # that basis's key in autopart/predict/accuracy.json ("cpu-measured", "spec-roofline")
+    error_median: float | None = None  # the band the benchmark of that basis measured: median |error| ...
+    error_worst: float | None = None  # ... and worst |error| (fractions); None where none was measured
+    error_benchmark: str = ""  # the benchmark that measured the band ("cost_accuracy", "published_runs")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Provenance:
+    model_file: str
+    model_sha256: str
+    capture: str
+    cost_model: str
+    solver_status: str  # optimal | feasible | pinned (from --plan) | trivial (one stage)
+    objective_s: float
+    bound_s: float
+    gap: float
+    autopart_version: str
+    torch_version: str
+    leaves: tuple[str, ...] = ()  # module classes kept whole by tracing (--leaf)
+    search: dict[str, Any] = field(default_factory=dict)  # what the search visited, and its finalists
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    mesh: dict[str, int]  # {"pp": P, "tp": 1, "dp": 1}
+    stages: tuple[StagePlan, ...]
+    schedule: ScheduleSpec
+    predicted: Predicted
+    provenance: Provenance
+    zero: int = 0
+    """What is sharded over the data-parallel group: 0 nothing, 1 the optimizer state (ZeRO-1),
+    2 the gradients too (FSDP, parameters gathered once a step), 3 the parameters too (FSDP,
+    each layer gathered for its forward and again for its backward, every microbatch)."""
+    graph_inputs: tuple[str, ...] = ()  # the model's inputs in call order, then "target" when there is a loss_fn
+    optimizer: str = "adamw"
+    tied_parameters: dict[str, tuple[int, ...]] = field(default_factory=dict)  # parameter -> stages holding it
+    dtype: str = "fp32"  # fp32, or bf16: forwards under torch.autocast(bfloat16), weights and gradients fp32
+    embedding_parameters: tuple[str, ...] = ()  # weights of embedding modules, every alias: never weight-decayed
+    version: int = PLAN_VERSION
+    stage_sha256: dict[str, str] = field(default_factory=dict, compare=False)
+    """The sha256 of every stage file the compile wrote ("stages/stage_0.py": ...), which each rank
+    checks before it runs one; set at emit, so two plans that decide the same compare equal."""
+
+    @property
+    def world_size(self) -> int:
+        return self.mesh["pp"] * self.mesh["tp"] * self.mesh["dp"]
+
+    def to_json(self) -> dict[str, Any]:
+        """The plan as plain JSON values (lists, dicts, numbers, strings)."""
+        return json.loads(json.dumps(asdict(self)))
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_json(), indent=2) + "\n")
+
+    @staticmethod
+    def from_json(data: Any) -> Plan:
+        reader = _Reader(data, "plan")
+        version = reader.int("version")
+        if version != PLAN_VERSION:
+            raise PlanError(f"plan version {version} is not supported (this autopart reads version {PLAN_VERSION})")
+        mesh = reader.sub("mesh")
+        schedule = reader.sub("schedule")
+        predicted = reader.sub("predicted")
+        provenance = reader.sub("provenance")
+        stages = tuple(_read_stage(s, i) for i, s in enumerate(reader.list("stages")))
+        if not stages:
+            raise PlanError("plan.stages is empty; a plan needs at least one stage")
+        for key in ("pp", "tp", "dp"):
+            mesh.positive(key)
+        for key in ("microbatches", "micro_batch_size", "global_batch_size", "chunks"):
+            schedule.positive(key)
+        if len(stages) != mesh.data["pp"] * schedule.data["chunks"]:
+            raise PlanError(f"plan.stages lists {len(stages)} stages but plan.mesh.pp x plan.schedule.chunks is "
+                            f"{mesh.data['pp']} x {schedule.data['chunks']}; fix the field or recompile without --plan")
+        for position, stage in enumerate(stages):
+            where = f"plan.stages[{position}]"
+            if stage.index != position:
+                raise PlanError(f"{where}.index is {stage.index} but the stage is number {position} in the list; "
+                                "stages are listed in order")
+            if not 0 <= stage.rank < mesh.data["pp"]:
+                raise PlanError(f"{where}.rank is {stage.rank} but plan.mesh.pp is {mesh.data['pp']}: pipeline ranks "
+                                f"run from 0 to {mesh.data['pp'] - 1}; fix the field or recompile without --plan")
+            if len(stage.blocks) != 2 or not 0 <= stage.blocks[0] <= stage.blocks[1]:
+                raise PlanError(f"{where}.blocks must be [first, last] with 0 <= first <= last, got "
+                                f"{list(stage.blocks)}")
+        return Plan(
+            version=version,
+            mesh={k: mesh.int(k) for k in ("pp", "tp", "dp")},
+            stages=stages,
+            schedule=ScheduleSpec(
+                kind=schedule.str("kind"),
+                microbatches=schedule.int("microbatches"),
+                micro_batch_size=schedule.int("micro_batch_size"),
+                global_batch_size=schedule.int("global_batch_size"),
+                chunks=schedule.int("chunks"),
+            ),
+            predicted=_read_predicted(predicted),
+            provenance=Provenance(
+                **{k: provenance.str(k) for k in ("model_file", "model_sha256", "capture", "cost_model")},
+                solver_status=provenance.str("solver_status"),
+                objective_s=provenance.float("objective_s"),
+                bound_s=provenance.float("bound_s"),
+                gap=provenance.float("gap"),
+                autopart_version=provenance.str("autopart_version"),
+                torch_version=provenance.str("torch_version"),
+                leaves=tuple(str(n) for n in provenance.data.get("leaves", [])),
+                search=provenance.sub("search").data if "search" in provenance.data else {},
+            ),
+            zero=reader.zero_level("zero"),
+            graph_inputs=tuple(str(n) for n in reader.list("graph_inputs")),
+            optimizer=reader.str("optimizer"),
+            tied_parameters={
+                str(k): tuple(int(s) for s in v) for k, v in reader.sub("tied_parameters").data.items()
+            },
+            dtype=reader.choice("dtype", DTYPES, default="fp32"),
+            embedding_parameters=tuple(str(n) for n in reader.data.get("embedding_parameters", [])),
+            stage_sha256={str(k): str(v) for k, v in reader.sub("stage_sha256").data.items()}
+            if "stage_sha256" in reader.data else {},
+        )
+
+
+def _read_predicted(predicted: _Reader) -> Predicted:
+    return Predicted(
+        step_s=predicted.float("step_s"),
+        bubble=predicted.float("bubble"),
+        memory_bytes=tuple(int(v) for v in predicted.list("memory_bytes")),
+        p2p_bytes_per_step=predicted.int("p2p_bytes_per_step"),
+        stage_time_s=tuple(float(v) for v in predicted.list("stage_time_s")),
+        transfer_s=tuple(float(v) for v in predicted.list("transfer_s")),
+        pipeline_s=predicted.float("pipeline_s") if "pipeline_s" in predicted.data else 0.0,
+        rank_tail_s=tuple(float(v) for v in predicted.data.get("rank_tail_s", ())),
+        compute_factor=tuple(float(v) for v in predicted.data.get("compute_factor", ())),
+        compute_factor_from=str(predicted.data.get("compute_factor_from", "none")),
+        profiled_step_s=None if predicted.data.get("profiled_step_s") is None
+        else float(predicted.data["profiled_step_s"]),
+        background_load=float(predicted.data.get("background_load", 0.0)),
+        model_flops_per_step=float(predicted.data.get("model_flops_per_step", 0.0)),
+        peak_flops=float(predicted.data.get("peak_flops", 0.0)),
+        basis=str(predicted.data.get("basis", "")),
+        basis_key=str(predicted.data.get("basis_key", "")),
+        error_median=_optional_float(predicted.data.get("error_median")),
+        error_worst=_optional_float(predicted.data.get("error_worst")),
+        error_benchmark=str(predicted.data.get("error_benchmark", "")),
+    )
+
+
+def _read_stage(data: Any, index: int) -> StagePlan:
+    reader = _Reader(data, f"plan.stages[{index}]")
+    return StagePlan(
+        index=reader.int("index"),
+        rank=reader.int("rank"),
+        blocks=tuple(int(b) for b in reader.list("blocks")),  # type: ignore[arg-type]
+        nodes=tuple(str(n) for n in reader.list("nodes")),
+        inputs=tuple(_read_tensor(t) for t in reader.list("inputs")),
+        outputs=tuple(_read_tensor(t) for t in reader.list("outputs")),
+        batch_inputs=tuple(str(n) for n in reader.list("batch_inputs")),
+        parameters=tuple(str(n) for n in reader.list("parameters")),
+        forward_s=reader.float("forward_s"),
+        backward_s=reader.float("backward_s"),
+        backward_weight_s=reader.float("backward_weight_s"),
+        parameter_bytes=reader.int("parameter_bytes"),
+        activation_bytes=reader.int("activation_bytes"),
+        strategies={str(k): str(v) for k, v in reader.sub("strategies").data.items()},
+        parameter_placements={str(k): str(v) for k, v in reader.sub("parameter_placements").data.items()},
+        recompute=reader.choice("recompute", RECOMPUTE_MODES, default="none"),
+    )
+
+
+def _read_tensor(data: Any) -> tuple[str, TensorMeta]:
+    if not (isinstance(data, list) and len(data) == 2 and isinstance(data[0], str) and isinstance(data[1], dict)):
+        raise PlanError(f"a stage tensor must be [name, {{shape, dtype}}], got {json.dumps(data)[:80]}")
+    try:
+        return data[0], TensorMeta.from_json(data[1])
+    except (KeyError, TypeError, ValueError):
+        raise PlanError(f"stage tensor {data[0]!r} has a malformed shape or dtype") from None
+
+
+class _Reader:
+    """Typed access to one JSON object, with errors that name the field."""
+
+    def __init__(self, data: Any, where: str):
+        if not isinstance(data, dict):
+            raise PlanError(f"{where} must be a JSON object, got {type(data).__name__}")
+        self.data, self.where = data, where
+
+    def _get(self, key: str, kinds: tuple[type, ...], what: str) -> Any:
+        if key not in self.data:
+            raise PlanError(f"{self.where}.{key} is missing; the plan is incomplete (recompile, or add the field)")
+        value = self.data[key]
+        if isinstance(value, bool) or not isinstance(value, kinds):
+            raise PlanError(f"{self.where}.{key} must be {what}, got {json.dumps(value)[:60]}")
+        return value
+
+    def int(self, key: str) -> int:
+        return self._get(key, (int,), "an integer")
+
+    def positive(self, key: str) -> int:
+        value = self.int(key)
+        if value < 1:
+            raise PlanError(f"{self.where}.{key} must be at least 1, got {value}")
+        return value
+
+    def float(self, key: str) -> float:
+        return float(self._get(key, (int, float), "a number"))
+
+    def zero_level(self, key: str) -> int:
+        """0 to 3; plans written when only ZeRO-1 existed say true or false."""
+        value = self.data.get(key)
+        if isinstance(value, bool):
+            return int(value)
+        if not isinstance(value, int) or not 0 <= value <= 3:
+            raise PlanError(f"{self.where}.{key} must be 0, 1, 2 or 3 (the ZeRO level), got {json.dumps(value)[:60]}")
+        return value
+
+    def str(self, key: str) -> str:
+        return self._get(key, (str,), "a string")
+
+    def choice(self, key: str, allowed: tuple[str, ...], *, default: str) -> str:
+        """One of ``allowed``; ``default`` when the field is absent (plans written before it existed)."""
+        if key not in self.data:
+            return default
+        value = self.data[key]
+        if value not in allowed:
+            raise PlanError(f"{self.where}.{key} must be one of {', '.join(allowed)}, got {json.dumps(value)[:60]}")
+        return value
+
+    def list(self, key: str) -> list[Any]:
+        return self._get(key, (list,), "a list")
+
+    def sub(self, key: str) -> _Reader:
+        return _Reader(self._get(key, (dict,), "an object"), f"{self.where}.{key}")
+
+
+_DECIDED = {
+    "": ("mesh", "zero", "graph_inputs", "optimizer", "tied_parameters", "dtype"),
+    "schedule": ("kind", "microbatches", "micro_batch_size", "global_batch_size", "chunks"),
+    "provenance": ("capture", "leaves"),
+}
+_DECIDED_PER_STAGE = ("index", "rank", "blocks", "nodes", "inputs", "outputs", "batch_inputs", "parameters",
+                      "strategies", "parameter_placements", "recompute", "parameter_bytes")
+
+
+def first_difference(pinned: Plan, rebuilt: Plan) -> tuple[str, Any, Any] | None:
+    """The first field that decides the programs where a pinned plan and the plan rebuilt from it
+    for the model differ: its path, the pinned value, the model's. None when they agree.
+
+    A plan given with ``--plan`` is rebuilt from its cuts and options (the figures are predicted
+    again); a decided field that the rebuilt plan does not share would otherwise be dropped
+    without a word (a stage's ``rank`` edited to 5 on a 2-stage plan).
+    """
+    mine, theirs = pinned.to_json(), rebuilt.to_json()
+    for part, keys in _DECIDED.items():
+        for key in keys:
+            a, b = (mine[part][key], theirs[part][key]) if part else (mine[key], theirs[key])
+            if a != b:
+                return (f"plan.{part}.{key}" if part else f"plan.{key}"), a, b
+    if len(mine["stages"]) != len(theirs["stages"]):
+        return "plan.stages", len(mine["stages"]), len(theirs["stages"])
+    for index, (a, b) in enumerate(zip(mine["stages"], theirs["stages"])):
+        for key in _DECIDED_PER_STAGE:
+            if a[key] != b[key]:
+                return f"plan.stages[{index}].{key}", a[key], b[key]
+    return None
+
+
+def _optional_float(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+def load_plan(path: str | Path) -> Plan:
+    path = Path(path)
+    if not path.is_file():
+        raise PlanError(f"plan file '{path}' does not exist")
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise PlanError(f"{path} is not valid JSON ({exc}); fix it or recompile to write a new plan") from None
+    return Plan.from_json(data)

@@ -1,0 +1,189 @@
+"""What a compile is asked to do: one options value, shared by the command line and the Python API.
+
+Validated on construction, so that every bad combination fails in one line before any pass runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from autopart.ir.errors import ConfigError
+from autopart.ir.tensors import DTYPES
+from autopart.passes.recompute import stage_modes
+from autopart.runtime.optim import OPTIMIZERS
+from autopart.schedule import SCHEDULE_KINDS
+from cost_models.devices import local_device_name
+
+__all__ = ["CompileOptions", "local_kind"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class CompileOptions:
+    """Everything ``autopart compile`` takes; shared by the command line and the Python API."""
+
+    model: Path
+    """The model file (see the model-file contract)."""
+    world_size: int | None = None
+    """Devices to plan for. With it, every option left as None below is searched (see
+    ``autopart.solve.search``); without it, they take their defaults (one device, 1F1B, ...)."""
+    pp: int | None = None
+    """Pipeline stages (one rank each); 1 unless searched."""
+    tp: int | None = None
+    """Tensor-parallel degree: ranks that split each op of a stage (innermost, inside a node); 1 unless searched."""
+    dp: int | None = None
+    """Data-parallel degree: copies of the whole pipeline, each on its share of the batch; 1 unless searched."""
+    zero: int | None = None
+    """What to shard over the data-parallel group: 1 the optimizer state (ZeRO-1), 2 the gradients
+    too, 3 the parameters too (2 and 3 through FSDP); 0 (or False) nothing; True means 1; 0 unless searched."""
+    gpus_per_node: int = 8
+    """Devices per node: collectives of groups larger than this cross nodes."""
+    microbatches: int | None = None
+    """Microbatches per step; by default twice the stages, or global batch / micro-batch size."""
+    micro_batch_size: int | None = None
+    """Samples per microbatch; the other way to fix the microbatch count."""
+    global_batch_size: int | None = None
+    """Samples per training step; by default microbatches x micro-batch size, or 8."""
+    schedule: str | None = None
+    """Pipeline schedule: gpipe, 1f1b, interleaved or zb-h1; 1f1b unless searched."""
+    chunks: int | None = None
+    """Model chunks per rank (interleaved schedule); 1 unless searched."""
+    device: str = "cpu"
+    """Device spec that costs and memory are predicted for (``cpu`` is calibrated on the machine at hand)."""
+    memory_gib: float | None = None
+    """Memory per device in GiB; by default the device spec's."""
+    optimizer: str = "adamw"
+    """Optimizer whose state the memory model counts, and the runtime's default."""
+    plan: Path | None = None
+    """A plan.json to emit as it is, skipping the solver."""
+    time_limit_s: float = 30.0
+    """Time limit of each CP-SAT solve."""
+    costs: Path | None = None
+    """A cost database (``autopart profile``): measured op times replace the roofline's where
+    known. When the device is the one at hand, ops it lacks are timed and added to it."""
+    capture: str | None = None
+    """How to capture the model: "fx" or "export"; by default fx, and export when fx fails."""
+    leaf: tuple[str, ...] = ()
+    """Module classes kept whole by tracing (``call_module`` nodes); each stage builds its own."""
+    recompute: str | tuple[str, ...] | None = None
+    """Activation recompute: "none", "selective" or "full" for every stage, or one per stage
+    (``autopart.passes.recompute``); none unless searched (then chosen per stage)."""
+    dtype: str | None = None
+    """Precision: "fp32", or "bf16" (forwards under torch.autocast, fp32 weights and gradients);
+    "auto" lets the search choose; fp32 unless searched."""
+    profile_pipeline: bool = False
+    """Run the compiled programs here for a few steps, store how much longer their stages
+    compute inside the running pipeline than alone in ``costs`` (`autopart.profiling.pipeline`),
+    and compile again with it. Once per model and mesh: a later compile finds it there."""
+    measure: bool = True
+    """Without ``costs``, on the machine at hand: measure its ops and messages first, once per
+    model and machine (`autopart.profiling.measure_defaults`); False keeps the device's roofline."""
+
+    def __post_init__(self) -> None:
+        for name in ("world_size", "pp", "tp", "dp", "gpus_per_node"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+        if self.world_size is None:  # nothing is searched: what is not given takes its default
+            for name, default in _DEFAULTS.items():
+                if getattr(self, name) is None:
+                    object.__setattr__(self, name, default)
+        if isinstance(self.zero, bool):
+            object.__setattr__(self, "zero", int(self.zero))
+        if self.zero not in (None, 0, 1, 2, 3):
+            raise ConfigError(f"--zero must be 1, 2 or 3 (what is sharded over data-parallel ranks), got {self.zero}")
+        if self.zero and self.dp == 1:
+            raise ConfigError(f"--zero {self.zero} shards over data-parallel ranks; it needs --dp 2 or more")
+        if self.zero in (2, 3) and self.schedule == "zb-h1":
+            raise ConfigError(f"--zero {self.zero} does not run with a zero-bubble schedule (its split backward "
+                              "bypasses FSDP's gradient hooks); use --schedule 1f1b or interleaved, or --zero 1")
+        if self.schedule is not None and self.schedule not in SCHEDULE_KINDS:
+            raise ConfigError(f"unknown schedule {self.schedule!r}; use one of {', '.join(SCHEDULE_KINDS)}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ConfigError(f"unknown optimizer {self.optimizer!r}; use one of {', '.join(OPTIMIZERS)}")
+        if self.chunks is not None and (self.chunks < 1 or (self.chunks > 1 and self.schedule not in (None, "interleaved"))):
+            raise ConfigError(f"--chunks {self.chunks} needs --schedule interleaved (other schedules use 1 chunk)")
+        for name in ("microbatches", "micro_batch_size", "global_batch_size"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+        if self.capture not in (None, "fx", "export"):
+            raise ConfigError(f"unknown capture method {self.capture!r}; use --capture fx or --capture export")
+        if self.leaf and self.capture == "export":
+            raise ConfigError("--leaf keeps modules opaque to torch.fx, which torch.export cannot do; drop --capture export")
+        if self.memory_gib is not None and self.memory_gib <= 0:
+            raise ConfigError(f"--memory must be positive, got {self.memory_gib}")
+        if self.dtype not in (None, *DTYPES, "auto"):
+            raise ConfigError(f"unknown --dtype {self.dtype!r}; use one of {', '.join(DTYPES)} or auto")
+        if self.dtype == "auto" and self.world_size is None:
+            raise ConfigError("--dtype auto lets the search choose the precision; add --world-size N to search")
+        if self.profile_pipeline and self.costs is None:
+            raise ConfigError("--profile-pipeline keeps what it measures in a cost database: add --costs COSTS.json")
+        if self.profile_pipeline and local_kind(self.device) != "cpu":
+            raise ConfigError(f"--profile-pipeline runs the plan on this machine's CPU, so it profiles plans for "
+                              f"--device cpu, not {self.device}")
+        if self.recompute is not None:
+            if self.pp is not None and self.chunks is not None:
+                stage_modes(self.recompute, self.pp * self.chunks)
+            elif not isinstance(self.recompute, str):
+                raise ConfigError("--recompute with one mode per stage needs the stages pinned: add --pp (and --chunks)")
+            else:
+                stage_modes(self.recompute, 1)
+
+    @property
+    def searched(self) -> bool:
+        """Some choice is left to the search (``world_size`` given, the plan not pinned)."""
+        return self.world_size is not None and self.plan is None
+
+    @property
+    def pipeline_crosses_nodes(self) -> bool:
+        """The ranks of one pipeline (and so its transfers and gradient reductions) span several nodes."""
+        return self.pp * self.tp > self.gpus_per_node
+
+    def batch_shape(self) -> tuple[int, int, int]:
+        """(global batch, microbatches, micro-batch size), filled in and checked. With data
+        parallelism every replica runs the microbatches on its share of the global batch."""
+        m, b, total = self.microbatches, self.micro_batch_size, self.global_batch_size
+        if total is None:
+            total = m * b * self.dp if m is not None and b is not None else 8
+        if total % self.dp:
+            raise ConfigError(
+                f"the global batch ({total}) does not split into {self.dp} equal data-parallel shares; "
+                f"use a global batch that is a multiple of {self.dp}"
+            )
+        share = total // self.dp  # what one pipeline replica runs per step
+        if m is None and b is None:
+            m = max(d for d in range(1, 2 * self.pp + 1) if share % d == 0)
+        if m is None:
+            m = share // b if share % b == 0 else 0
+        if b is None:
+            b = share // m if share % m == 0 else 0
+        if m * b != share:
+            share_text = f"{total}, {share} per data-parallel replica" if self.dp > 1 else f"{total}"
+            raise ConfigError(
+                f"the global batch ({share_text}) is not a whole number of microbatches; choose --global-batch-size,"
+                " --microbatches and --micro-batch-size so that microbatches x micro-batch size x data-parallel"
+                " degree = global batch"
+            )
+        if self.schedule == "interleaved" and m % self.pp:
+            raise ConfigError(
+                f"interleaved needs microbatches ({m}) to be a multiple of the pipeline degree ({self.pp}); "
+                f"use --microbatches {self.pp * -(-m // self.pp)}"
+            )
+        return total, m, b
+
+
+_DEFAULTS = {"pp": 1, "tp": 1, "dp": 1, "zero": 0, "schedule": "1f1b", "chunks": 1, "recompute": "none",
+             "dtype": "fp32"}
+"""What the options not given are when nothing is searched."""
+
+
+def local_kind(device: str) -> str | None:
+    """``"cpu"`` or ``"cuda"`` when ``device`` is the machine at hand (so it can be timed), else None."""
+    if device == local_device_name("cpu"):
+        return "cpu"
+    if torch.cuda.is_available() and device == local_device_name("cuda"):
+        return "cuda"
+    return None

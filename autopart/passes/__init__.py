@@ -1,0 +1,1 @@
+"""The compiler's front: model file -> fx graph -> annotated ops -> block chain."""

@@ -1,0 +1,485 @@
+"""Annotate every node of the training graph with its shapes and its costs.
+
+``annotate(graph, spec, cost_model, micro_batch_size=b) -> OpGraph`` runs the graph once on the
+example batch at the microbatch size and records, per node:
+
+- the shapes and dtypes of what it produces;
+- the kernels it runs in forward and in backward (split into the input-gradient and the
+  weight-gradient halves, which zero-bubble schedules run apart), their FLOPs, and their times
+  from the cost model;
+- the bytes that autograd saves for backward, measured with saved-tensor hooks on a run of the
+  whole graph (a storage saved by two nodes counts once), and the bytes of the outputs that
+  selective recompute keeps (`autopart.passes.recompute.keeps_output`), measured on the same run;
+- whether it reads a parameter, and whether it depends only on the batch and on buffers
+  ("batch-derived": position ids, masks, reshaped targets), which later passes recompute on
+  every stage that needs them instead of sending them through the pipeline.
+
+With ``dtype="bf16"`` every forward runs under ``torch.autocast(bfloat16)``, as the runtime runs
+it: output dtypes, kernels (so the roofline's 16-bit rate), saved bytes (16-bit activations,
+and the 16-bit copies of the weights that matrix products save) all follow. The autocast is the
+target device's: CPU's for ``cpu``, CUDA's casts (``autopart.passes.autocast_lists``) for a GPU spec,
+whose op lists differ from CPU's (CUDA runs ``pow``, ``rsqrt``, softmax and the losses in fp32).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from autopart.ir.tensors import DTYPES, TensorMeta, autocast_dtype, precision, tensor_meta
+from autopart.passes.autocast_lists import cuda_autocast
+from autopart.ir.model_file import ModelSpec, is_meta
+from autopart.passes.capture import Graph, graph_args
+from autopart.ir.recompute import keeps_output
+from cost_models import CostModel, Kernel, KernelRecorder
+
+__all__ = ["NodeCost", "OpGraph", "annotate", "cost_key", "target_precision", "op_key", "leaves_for_grad"]
+
+def target_precision(dtype: str, device_kind: str) -> contextlib.AbstractContextManager:
+    """The autocast a device of ``device_kind`` runs the forward in, applied on this machine's
+    tensors: CPU's own, or CUDA's casts (``autopart.passes.autocast_lists``) whatever machine compiles."""
+    lower = autocast_dtype(dtype)
+    if lower is not None and device_kind in ("cuda", "rocm"):  # ROCm's torch autocasts as "cuda"
+        return cuda_autocast(lower)
+    return precision(dtype)
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodeCost:
+    """What one fx node produces and what it costs, at the annotated microbatch size."""
+
+    name: str
+    op: str  # fx op: placeholder, get_attr, call_function, call_method, output
+    output: TensorMeta | None  # None when the node produces something other than one tensor
+    forward_flops: float = 0.0
+    backward_flops: float = 0.0
+    forward_s: float = 0.0
+    backward_input_s: float = 0.0  # gradients of the node's inputs
+    backward_weight_s: float = 0.0  # gradients of the parameters the node reads
+    saved_bytes: int = 0
+    selective_saved_bytes: int = 0  # outputs of its ops that selective recompute keeps (matmuls, attention)
+    selective_recompute_s: float = 0.0  # forward seconds of its other ops, which selective recompute runs again
+    parameter_bytes: int = 0  # for a get_attr of a parameter
+    is_parameter: bool = False
+    is_buffer: bool = False
+    batch_derived: bool = False
+    module_path: str = ""
+    constant: Any = None  # the value, for a node that computes a Python number or a shape
+
+
+    @property
+    def backward_s(self) -> float:
+        return self.backward_input_s + self.backward_weight_s
+
+    @property
+    def needs_grad(self) -> bool:
+        """A parameter, or a floating activation (not an input, a buffer or a batch-derived value)."""
+        if self.is_parameter:
+            return True
+        free = self.op in ("placeholder", "get_attr") or self.batch_derived
+        return not free and self.output is not None and self.output.dtype.startswith(("float", "bfloat"))
+
+
+@dataclass(frozen=True, kw_only=True)
+class OpGraph:
+    graph: Graph
+    nodes: dict[str, NodeCost]  # in the graph's topological order
+    micro_batch_size: int
+    cost_model: str
+    dtype: str = "fp32"  # the precision it was annotated in (DTYPES)
+    kernels: dict[str, tuple[tuple[Kernel, ...], tuple[Kernel, ...]]] = field(default_factory=dict, repr=False)
+    leaf_tensors: dict[str, dict[str, TensorMeta]] = field(default_factory=dict)
+    """Per call_module node (a ``--leaf`` module): its parameters and buffers, by full name."""
+
+    def leaf_parameters(self, node: str) -> tuple[str, ...]:
+        """The parameters that a leaf module's node reads; () for any other node."""
+        if node not in self.leaf_tensors:  # most nodes: no need to list the module's parameters
+            return ()
+        state = dict(self.graph.module.named_parameters(remove_duplicate=False))
+        return tuple(name for name in self.leaf_tensors.get(node, {}) if name in state)
+
+    def fx_nodes(self) -> list[fx.Node]:
+        return list(self.graph.module.graph.nodes)
+
+
+def _module_path(node: fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return ""
+    return next(reversed(stack.values()))[0]
+
+
+class _State:
+    """The graph's parameters and buffers by name: the real tensors, or for a model built on the
+    meta device, fake tensors of the same shapes that allocate nothing."""
+
+    def __init__(self, module: fx.GraphModule, fake: bool, dtype: str = "fp32", device_kind: str = "cpu"):
+        self.dtype = dtype
+        self.device_kind = device_kind
+        self.parameters = dict(module.named_parameters(remove_duplicate=False))
+        self.tensors: dict[str, torch.Tensor] = {**self.parameters, **dict(module.named_buffers(remove_duplicate=False))}
+        self.root = module
+        if fake:
+            made: dict[int, torch.Tensor] = {}  # tied tensors stay one tensor
+            for name, t in self.tensors.items():
+                if id(t) not in made:
+                    made[id(t)] = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
+                    made[id(t)].requires_grad_(t.requires_grad)  # what autograd saves depends on it
+                self.tensors[name] = made[id(t)]
+        self.parameter_ids = {id(self.tensors[name]) for name in self.parameters}
+
+    def precision(self) -> contextlib.AbstractContextManager:
+        return target_precision(self.dtype, self.device_kind)
+
+    def attr(self, target: str) -> Any:
+        return self.tensors[target] if target in self.tensors else _fetch_attr(self.root, target)
+
+    def leaf_state(self, target: str) -> dict[str, torch.Tensor]:
+        prefix = f"{target}."
+        return {name.removeprefix(prefix): t for name, t in self.tensors.items() if name.startswith(prefix)}
+
+    def call_leaf(self, target: str, args: tuple, kwargs: dict, state: dict[str, torch.Tensor] | None = None) -> Any:
+        module = self.root.get_submodule(target)
+        return torch.func.functional_call(module, state or self.leaf_state(target), args, kwargs)
+
+
+def run_one(node: fx.Node, args: tuple, kwargs: dict, state: _State | None = None) -> Any:
+    """Run one node on concrete arguments (``state`` holds the weights of ``--leaf`` modules)."""
+    if node.op == "call_function":
+        return node.target(*args, **kwargs)
+    if node.op == "call_method":
+        self_obj, *rest = args
+        return getattr(self_obj, node.target)(*rest, **kwargs)
+    if node.op == "call_module":
+        assert state is not None, "a leaf module runs with the weights of its state"
+        return state.call_leaf(str(node.target), args, kwargs)
+    raise AssertionError(f"unexpected node {node.op}")
+
+
+def _target_name(node: fx.Node) -> str:
+    if node.op == "call_method":
+        return f"Tensor.{node.target}"
+    target = node.target
+    module = getattr(target, "__module__", None) or ""
+    name = getattr(target, "__qualname__", None) or getattr(target, "__name__", None) or str(target)
+    return f"{module}.{name}".removeprefix("torch._C._nn.").removeprefix("_operator.")
+
+
+def op_key(node: fx.Node, args: tuple, kwargs: dict, parameters: set[int]) -> str:
+    """What an op's cost depends on: the function, and per argument its shape, dtype and role.
+
+    Tensors print as ``float32[2,32,64]`` with ``:w`` for a parameter (weight gradient),
+    ``:g`` for another floating tensor (input gradient) and ``:nc`` when not contiguous;
+    other arguments by value. Names are left out, so repeated layers give the same keys.
+    """
+
+    def describe(value: Any) -> str:
+        if isinstance(value, torch.Tensor):
+            text = f"{str(value.dtype).removeprefix('torch.')}[{','.join(map(str, value.shape))}]"
+            if id(value) in parameters:
+                text += ":w"
+            elif value.is_floating_point():
+                text += ":g"
+            return text if value.is_contiguous() else text + ":nc"
+        if isinstance(value, (list, tuple)):
+            inner = ",".join(describe(v) for v in value)
+            return f"[{inner}]" if isinstance(value, list) else f"({inner})"
+        if isinstance(value, dict):
+            return "{" + ",".join(f"{k}={describe(v)}" for k, v in value.items()) + "}"
+        return repr(value)
+
+    parts = [describe(a) for a in args] + [f"{k}={describe(v)}" for k, v in kwargs.items()]
+    return f"{_target_name(node)}({', '.join(parts)})"
+
+
+def cost_key(node: fx.Node, args: tuple, kwargs: dict, parameters: set[int], dtype: str) -> str:
+    """The cost database's key of an op run in precision ``dtype``: its `op_key`, and under bf16
+    the autocast it ran in (its arguments may be fp32 while it runs in 16 bits: not the op that
+    an fp32 run timed). `autopart.profiling.profile` stores under this key, annotate looks it up."""
+    key = op_key(node, args, kwargs, parameters)
+    return key if dtype == "fp32" else f"{key} autocast={dtype}"
+
+
+def leaves_for_grad(args: tuple, kwargs: dict, parameters: set[int], *, clone: bool = False
+                    ) -> tuple[tuple, dict, list[torch.Tensor], list[torch.Tensor]]:
+    """The arguments as fresh autograd leaves: (args, kwargs, input leaves, weight leaves).
+
+    ``clone=True`` copies every tensor first, so that timing an in-place op many times never
+    changes the values that later nodes read.
+    """
+    inputs: list[torch.Tensor] = []
+    weights: list[torch.Tensor] = []
+
+    def ready(value: Any) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value
+        copy = value.detach().clone() if clone else value
+        return _grad_ready(copy, {id(copy)} if id(value) in parameters else set(), inputs, weights)
+
+    args, kwargs = pytree.tree_map(ready, (args, kwargs))
+    return args, kwargs, inputs, weights
+
+
+def _grad_ready(value: Any, parameters: set[int], into: list[torch.Tensor], weights: list[torch.Tensor]) -> Any:
+    if not isinstance(value, torch.Tensor):
+        return value
+    leaf = value.detach()
+    if leaf.is_floating_point():
+        leaf.requires_grad_(True)
+        (weights if id(value) in parameters else into).append(leaf)
+    return leaf
+
+
+def _measure_kernels(
+    node: fx.Node, args: tuple, kwargs: dict, state: _State
+) -> tuple[list[Kernel], list[Kernel], list[Kernel]]:
+    """Kernels of the node's forward, of its input gradients and of its weight gradients."""
+    parameters = state.parameter_ids
+    args, kwargs, inputs, weights = leaves_for_grad(args, kwargs, parameters)
+    with KernelRecorder() as forward, state.precision():  # backward runs outside autocast, as in training
+        try:
+            if node.op == "call_module":  # a leaf module: its own weights are the node's weights
+                own = {
+                    k: _grad_ready(v, parameters, inputs, weights) if id(v) in parameters else v
+                    for k, v in state.leaf_state(str(node.target)).items()
+                }
+                out = state.call_leaf(str(node.target), args, kwargs, own)
+            else:
+                out = run_one(node, args, kwargs, state)
+        except RuntimeError:  # an in-place op on a leaf: count it without autograd
+            with torch.no_grad():
+                out = run_one(node, args, kwargs, state)
+    outputs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+    grads = [torch.ones_like(t) for t in outputs]
+    input_kernels: list[Kernel] = []
+    weight_kernels: list[Kernel] = []
+    for wrt, sink in ((inputs, input_kernels), (weights, weight_kernels)):
+        if outputs and wrt:
+            with KernelRecorder() as backward:
+                torch.autograd.grad(outputs, wrt, grads, retain_graph=True, allow_unused=True)
+            sink.extend(backward.kernels)
+    return forward.kernels, input_kernels, weight_kernels
+
+
+class _KeptOutputs(TorchDispatchMode):
+    """Charges the outputs of the ops that selective recompute keeps to the node that runs them."""
+
+    def __init__(self, owner: _SavedBytes):
+        super().__init__()
+        self.owner = owner
+        self.held: list[torch.Tensor] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if keeps_output(func):
+            for tensor in pytree.tree_leaves(out):
+                if isinstance(tensor, torch.Tensor):
+                    self.owner.charge(self.owner.kept, tensor, self.owner.kept_seen)
+                    self.held.append(tensor)  # as the checkpoint holds it: its storage's address stays its own
+        return out
+
+
+class _SavedBytes(fx.Interpreter):
+    """Runs the whole graph once, charging each tensor saved for backward to the node that saved it,
+    and each output that selective recompute would keep to the node that made it."""
+
+    def __init__(self, module: fx.GraphModule, state: _State):
+        super().__init__(module)
+        self.state = state
+        self.current = ""
+        # storages are told apart by their StorageImpl, which fake and meta tensors have too
+        self.seen = {t.untyped_storage()._cdata for t in state.tensors.values()}
+        self.saved: dict[str, int] = {}
+        self.kept: dict[str, int] = {}
+        self.kept_seen: set[int] = set()
+        self.values: dict[str, Any] = {}  # each node's output: annotate reads its shapes from this run
+
+    def fetch_attr(self, target: str) -> Any:
+        return self.state.attr(target)
+
+    def call_module(self, target: Any, args: tuple, kwargs: dict) -> Any:
+        return self.state.call_leaf(str(target), args, kwargs)
+
+    def charge(self, into: dict[str, int], tensor: torch.Tensor, seen: set[int]) -> None:
+        storage = tensor.untyped_storage()
+        key = storage._cdata
+        if key not in seen:
+            seen.add(key)
+            into[self.current] = into.get(self.current, 0) + storage.nbytes()
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.charge(self.saved, tensor, self.seen)
+        return tensor
+
+    def run_node(self, node: fx.Node) -> Any:
+        self.current = node.name
+        value = self.values[node.name] = super().run_node(node)
+        return value
+
+    def measure(self, *args: Any) -> tuple[dict[str, int], dict[str, int]]:
+        """Bytes saved for backward, and bytes that selective recompute keeps, per node."""
+        with torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t), self.state.precision():
+            with _KeptOutputs(self):
+                self.run(*args)
+        return self.saved, self.kept
+
+
+def _batch_derived(node: fx.Node, derived: dict[str, bool], parameter_names: set[str]) -> bool:
+    if node.op == "placeholder":
+        return True
+    if node.op == "get_attr":
+        return node.target not in parameter_names
+    if node.op in ("output", "call_module"):  # a leaf module holds weights
+        return False
+    inputs = node.all_input_nodes
+    return all(derived[n.name] for n in inputs)
+
+
+def annotate(
+    graph: Graph, spec: ModelSpec, cost_model: CostModel, *, micro_batch_size: int, dtype: str = "fp32",
+    measured: dict[str, tuple] | None = None,
+) -> OpGraph:
+    """Shapes, kernels, times and saved bytes of every node at ``micro_batch_size``, in ``dtype``.
+
+    A model built on the meta device runs on fake tensors: shapes, kernels and saved bytes come
+    out the same, and nothing is allocated. ``measured``: the kernels and times of ops by cost
+    key, from earlier calls with the same cost model, used and added to (ops that several
+    captures share, such as one model's at two tensor-parallel degrees, are measured once).
+    """
+    assert dtype in DTYPES, dtype
+    module = graph.module
+    inputs, target = spec.example(micro_batch_size)
+    fake = is_meta(module)
+    with FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext():
+        state = _State(module, fake, dtype, cost_model.device.kind)
+        run = _SavedBytes(module, state)
+        saved, kept = run.measure(*graph_args(graph, inputs, target))
+        nodes, kernels, leaves = _annotate_nodes(
+            graph, state, (saved, kept), cost_model, graph_args(graph, inputs, target),
+            {} if measured is None else measured, run.values,
+        )
+    return OpGraph(
+        graph=graph,
+        nodes=nodes,
+        micro_batch_size=micro_batch_size,
+        cost_model=cost_model.name,
+        dtype=dtype,
+        kernels=kernels,
+        leaf_tensors=leaves,
+    )
+
+
+def _recompute_share(forward: list[Kernel], cost_model: CostModel) -> float:
+    """The share of a node's forward time in the ops that selective recompute runs again."""
+    total = cost_model.kernels_time(forward)
+    if total <= 0:
+        return 1.0
+    return max(0.0, 1.0 - cost_model.kernels_time(k for k in forward if keeps_output(k.op)) / total)
+
+
+def _annotate_nodes(
+    graph: Graph,
+    state: _State,
+    measured: tuple[dict[str, int], dict[str, int]],
+    cost_model: CostModel,
+    feed_values: tuple,
+    measured_by_key: dict[str, tuple],
+    ran: dict[str, Any],
+):
+    saved, kept = measured
+    values: dict[str, Any] = {}
+    derived: dict[str, bool] = {}
+    nodes: dict[str, NodeCost] = {}
+    kernels: dict[str, tuple[tuple[Kernel, ...], tuple[Kernel, ...]]] = {}
+    leaves: dict[str, dict[str, TensorMeta]] = {}
+    feed = iter(feed_values)
+    for node in graph.module.graph.nodes:
+        derived[node.name] = _batch_derived(node, derived, set(state.parameters))
+        common = dict(name=node.name, op=node.op, module_path=_module_path(node), batch_derived=derived[node.name])
+        if node.op == "placeholder":
+            value = next(feed)
+            values[node.name] = value
+            nodes[node.name] = NodeCost(output=_meta(value), **common)
+            continue
+        if node.op == "get_attr":
+            value = state.attr(str(node.target))
+            values[node.name] = value
+            is_parameter = node.target in state.parameters
+            nodes[node.name] = NodeCost(
+                output=_meta(value),
+                is_parameter=is_parameter,
+                is_buffer=not is_parameter and isinstance(value, torch.Tensor),
+                parameter_bytes=value.numel() * value.element_size() if is_parameter else 0,
+                **common,
+            )
+            continue
+        if node.op == "output":
+            nodes[node.name] = NodeCost(output=None, **common)
+            continue
+        args, kwargs = pytree.tree_map(
+            lambda a: values[a.name] if isinstance(a, fx.Node) else a, (node.args, node.kwargs)
+        )
+        value = values[node.name] = ran[node.name]  # as the run that measured saved bytes made it
+        key = cost_key(node, args, kwargs, state.parameter_ids, state.dtype)
+        # the key holds all that the kernels depend on (op, shapes, dtypes, roles): a repeated
+        # layer's nodes are measured once, the rest take the first's kernels (a leaf module's
+        # key names the module, so it is never shared)
+        if key not in measured_by_key:
+            forward, backward_input, backward_weight = _measure_kernels(node, args, kwargs, state)
+            measured_by_key[key] = (forward, backward_input, backward_weight,
+                                    cost_model.op_times(key, forward, backward_input, backward_weight),
+                                    _recompute_share(forward, cost_model))
+        forward, backward_input, backward_weight, times, share = measured_by_key[key]
+        kernels[node.name] = (tuple(forward), tuple(backward_input) + tuple(backward_weight))
+        parameter_bytes = 0
+        if node.op == "call_module":
+            own = {f"{node.target}.{k}": v for k, v in state.leaf_state(str(node.target)).items()}
+            leaves[node.name] = {k: tensor_meta(v) for k, v in own.items()}
+            parameter_bytes = sum(v.numel() * v.element_size() for k, v in own.items() if k in state.parameters)
+        nodes[node.name] = NodeCost(
+            output=_meta(value),
+            constant=_constant(value),
+            forward_flops=_flops(forward),
+            backward_flops=_flops(backward_input) + _flops(backward_weight),
+            forward_s=times.forward_s,
+            backward_input_s=times.backward_input_s,
+            backward_weight_s=times.backward_weight_s,
+            saved_bytes=saved.get(node.name, 0),
+            selective_saved_bytes=kept.get(node.name, 0),
+            selective_recompute_s=times.forward_s * share,
+            parameter_bytes=parameter_bytes,
+            **common,
+        )
+    return nodes, kernels, leaves
+
+
+def _constant(value: Any) -> Any:
+    if isinstance(value, (bool, int, float)):
+        return value
+    if isinstance(value, (tuple, list, torch.Size)) and all(isinstance(v, int) for v in value):
+        return tuple(value)
+    return None
+
+
+def _flops(kernels: Iterable[Kernel]) -> float:
+    return float(sum(k.flops for k in kernels))
+
+
+def _meta(value: Any) -> TensorMeta | None:
+    return tensor_meta(value) if isinstance(value, torch.Tensor) else None
+
+
+def _fetch_attr(module: torch.nn.Module, target: str) -> Any:
+    value: Any = module
+    for part in target.split("."):
+        value = getattr(value, part)
+    return value
+

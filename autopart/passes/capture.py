@@ -1,0 +1,231 @@
+"""Load a model file and capture the model and its loss as one torch.fx graph.
+
+Two passes live here, because both speak the model-file contract:
+
+- ``load_model_file(path) -> ModelSpec`` imports ``model.py`` and checks the contract
+  (``build_model``, ``example_batch``, optional ``loss_fn`` and ``batches``);
+- ``capture(spec) -> Graph`` traces model and loss together into one ``GraphModule`` whose
+  placeholders are the model's inputs followed by ``target`` and whose output is the loss.
+
+Tracing goes *through* every module, so each op is a plain function call with explicit weights
+(``F.linear(x, self.h.0.attn.c_attn.weight, ...)``); that is what lets later passes move any op
+to any stage and shard any weight. Parameters keep their original qualified names. Modules of
+the classes named by ``--leaf`` stay whole (``call_module`` nodes). When fx symbolic tracing
+fails (Python control flow on shapes, asserts on sizes), ``torch.export`` captures the model
+instead (``autopart/export.py``), into the same form. A model built on the meta device is
+traced without running it; its graph is checked by running the model on meta tensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from autopart.ir.errors import CaptureError, ConfigError, ModelFileError
+from autopart.ir.model_file import ModelSpec, describe_error, eager_loss, file_line, is_meta
+from autopart.passes.export import export_training_graph
+
+__all__ = ["Graph", "capture", "graph_args", "leaf_classes", "TARGET"]
+
+log = logging.getLogger("autopart")
+
+TARGET = "target"
+"""Name of the graph placeholder that carries the loss target."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Graph:
+    """The training graph: model and loss, one fx graph, parameters under their own names."""
+
+    module: fx.GraphModule
+    method: str  # "fx" or "export"
+    input_names: tuple[str, ...]  # placeholders, in call order; the last is TARGET when there is a loss
+    has_target: bool
+    constants: tuple[str, ...] = ()  # get_attr targets that are not the model's tensors (made in forward)
+
+
+class _ThroughTracer(fx.Tracer):
+    """Traces through every module but those of the ``leaves`` classes, so that each op is a
+    function of explicit weights."""
+
+    def __init__(self, leaves: frozenset[type] = frozenset()):
+        super().__init__()
+        self.leaves = leaves
+
+    def is_leaf_module(self, module: nn.Module, qualified_name: str) -> bool:
+        return type(module) in self.leaves
+
+
+def _concrete_defaults(forward: Callable, positional: int) -> dict[str, Any]:
+    """Arguments past the example's inputs are fixed at their defaults while tracing."""
+    parameters = list(inspect.signature(forward).parameters.values())
+    return {
+        p.name: p.default
+        for p in parameters[positional:]
+        if p.default is not inspect.Parameter.empty and p.kind is not p.VAR_KEYWORD
+    }
+
+
+def _trace_fx(spec: ModelSpec, inputs: tuple[torch.Tensor, ...], leaves: frozenset[type]) -> fx.GraphModule:
+    model = spec.module
+    tracer = _ThroughTracer(leaves)
+    graph = tracer.trace(model, concrete_args=_concrete_defaults(model.forward, len(inputs)) or None)
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(inputs):
+        raise CaptureError(
+            f"the model's forward takes {len(placeholders)} inputs but example_batch() gives {len(inputs)}; "
+            "make them agree"
+        )
+    if spec.loss_fn is not None:
+        output = next(n for n in graph.nodes if n.op == "output")
+        model_output = output.args[0]
+        graph.erase_node(output)
+        with graph.inserting_after(placeholders[-1]):
+            target = graph.placeholder(TARGET)
+        loss_graph = _ThroughTracer().trace(spec.loss_fn)
+        loss_inputs = [n for n in loss_graph.nodes if n.op == "placeholder"]
+        if len(loss_inputs) != 2:
+            raise CaptureError(f"loss_fn in {spec.path.name} must take exactly (output, target)")
+        loss = graph.graph_copy(loss_graph, {loss_inputs[0]: model_output, loss_inputs[1]: target})
+        graph.output(loss)
+    graph.lint()
+    return fx.GraphModule(model, graph, class_name="TrainingGraph")
+
+
+def leaf_classes(module: nn.Module, names: tuple[str, ...]) -> frozenset[type]:
+    """The module classes that ``--leaf`` names, found among the model's modules."""
+    classes = {type(m).__name__: type(m) for m in module.modules()}
+    classes.update({f"{type(m).__module__}.{type(m).__qualname__}": type(m) for m in module.modules()})
+    found = set()
+    for name in names:
+        if name not in classes:
+            known = ", ".join(sorted({type(m).__name__ for m in module.modules()})[:8])
+            raise ConfigError(f"--leaf {name}: the model has no module of that class; its classes include {known}")
+        if classes[name] is type(module):
+            raise ConfigError(f"--leaf {name} names the model's own class; name a submodule's class")
+        found.add(classes[name])
+    return frozenset(found)
+
+
+def _reason(exc: BaseException, path: Path) -> str:
+    """One line on why a tracer failed, with the user's file and line when the traceback has them."""
+    text = str(exc).strip()
+    reason = text.splitlines()[0] if text else type(exc).__name__
+    if "data-dependent" in text or "DataDependent" in type(exc).__name__:
+        reason = "control flow on tensor values"
+    elif "control flow" in reason or "TraceError" in type(exc).__name__:
+        reason = "Python control flow on a traced shape or tensor"
+    where = file_line(exc, path)
+    return f"{reason} at {where}" if where else reason
+
+
+def capture(
+    spec: ModelSpec, *, batch_size: int = 2, method: str | None = None, leaves: tuple[str, ...] = ()
+) -> Graph:
+    """Trace model and loss into one graph and check that it computes the eager loss.
+
+    ``method`` None tries torch.fx first and falls back to torch.export when fx fails, with a
+    notice on the ``autopart`` logger; "fx" or "export" forces one. The graph is captured at
+    ``batch_size`` samples, the microbatch size: an exported graph's shapes are fixed.
+    """
+    if method not in (None, "fx", "export"):
+        raise ConfigError(f"unknown capture method {method!r}; use fx or export")
+    inputs, target = spec.example(batch_size)
+    from autopart.codegen.names import check_model_names
+
+    check_model_names(spec.module, spec.path.name)
+    expected = _eager_reference(spec, inputs, target)
+    leaf_types = leaf_classes(spec.module, leaves)
+    if leaves and method == "export":
+        raise ConfigError("--leaf keeps modules opaque to torch.fx, which torch.export cannot do; drop --capture export")
+    has_target = spec.loss_fn is not None
+    fx_failure = None
+    if method in (None, "fx"):
+        try:
+            graph = _graph(_trace_fx(spec, inputs, leaf_types), "fx", has_target, spec.module)
+            _check_same_loss(spec, graph, inputs, target, expected)
+            return graph
+        except Exception as exc:
+            fx_failure = _reason(exc, spec.path)
+            if method == "fx" or leaves:
+                raise CaptureError(
+                    f"torch.fx could not trace {spec.path.name}: {fx_failure}; rewrite that code without Python "
+                    f"control flow on tensors{'' if leaves else ', or use --capture export'}"
+                ) from None
+    try:
+        on_device = _on_model_device(spec, (*inputs, target) if isinstance(target, torch.Tensor) else inputs)
+        module = export_training_graph(spec.module, spec.loss_fn, on_device[: len(inputs)],
+                                       on_device[len(inputs)] if len(on_device) > len(inputs) else target,
+                                       target_name=TARGET)
+    except CaptureError:
+        raise
+    except Exception as exc:
+        tried = f"torch.fx ({fx_failure}) nor torch.export" if fx_failure else "torch.export"
+        raise CaptureError(
+            f"neither {tried} could capture {spec.path.name}: {_reason(exc, spec.path)}; "
+            "rewrite that code without Python control flow on tensor values"
+        ) from None
+    graph = _graph(module, "export", has_target, spec.module)
+    _check_same_loss(spec, graph, inputs, target, expected)
+    if fx_failure:
+        log.info(f"torch.fx could not trace {spec.path.name} ({fx_failure}); captured it with torch.export")
+    return graph
+
+
+def _graph(module: fx.GraphModule, method: str, has_target: bool, model: nn.Module) -> Graph:
+    names = tuple(n.name for n in module.graph.nodes if n.op == "placeholder")
+    own = {n for n, _ in (*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False))}
+    constants = tuple(
+        dict.fromkeys(str(n.target) for n in module.graph.nodes if n.op == "get_attr" and str(n.target) not in own)
+    )
+    return Graph(module=module, method=method, input_names=names, has_target=has_target, constants=constants)
+
+
+def _on_model_device(spec: ModelSpec, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    return tuple(x.to("meta") for x in inputs) if is_meta(spec.module) else inputs
+
+
+def graph_args(graph: Graph, inputs: tuple[torch.Tensor, ...], target: Any) -> tuple[Any, ...]:
+    return (*inputs, target) if graph.has_target else tuple(inputs)
+
+
+def _eager_reference(spec: ModelSpec, inputs: tuple[torch.Tensor, ...], target: Any) -> torch.Tensor | None:
+    """The eager loss that the graph must match; on the meta device only checked to run (None)."""
+    meta = is_meta(spec.module)
+    with torch.no_grad(), torch.device("meta") if meta else contextlib.nullcontext():
+        try:
+            args = _on_model_device(spec, inputs), target.to("meta") if meta and target is not None else target
+            expected = eager_loss(spec, *args)
+        except Exception as exc:
+            raise ModelFileError(
+                f"the model rejects its own example batch: {describe_error(exc, spec.path)}; "
+                "make example_batch() match the model's forward"
+            ) from None
+    if not isinstance(expected, torch.Tensor) or expected.numel() != 1:
+        raise ModelFileError(
+            f"the loss of {spec.path.name} is not a scalar tensor; define loss_fn(output, target) "
+            "that returns the mean loss, or make the model return it"
+        )
+    return None if meta else expected
+
+
+def _check_same_loss(
+    spec: ModelSpec, graph: Graph, inputs: tuple[torch.Tensor, ...], target: Any, expected: torch.Tensor | None
+) -> None:
+    if expected is None:  # a meta model: nothing to compare, annotate runs the graph on fake tensors
+        return
+    with torch.no_grad():
+        got = graph.module(*graph_args(graph, inputs, target))
+    if not torch.allclose(got, expected, rtol=1e-5, atol=1e-6):
+        raise CaptureError(
+            f"the captured graph computes loss {got.item():.6g} but the model computes {expected.item():.6g}; "
+            "the model has behaviour that tracing cannot see (randomness, global state); report this model"
+        )

@@ -1,0 +1,130 @@
+"""The front of the compiler as one value: load, capture, annotate, cut into blocks, shard.
+
+`Front` keeps what these passes give, so that the plan search can cost many layouts from one
+capture and emitting needs no second one.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field, replace
+
+from autopart.ir.model_file import ModelSpec, is_meta, load_model_file
+from autopart.ir.placement import Placement
+from autopart.options import CompileOptions, local_kind
+from autopart.passes.annotate import OpGraph, annotate
+from autopart.passes.blocks import BlockChain, build_blocks
+from autopart.passes.capture import Graph, capture
+from autopart.passes.recompute import recompute_cost
+from autopart.passes.rewrite import separate_biases
+from autopart.profiling.profile import profile_costs
+from autopart.runtime.materialise import check_initialisers
+from autopart.solve.tensor import BlockSharding, shard_chain
+from cost_models import CostDatabase, CostModel, ProfiledCostModel, get_cost_model
+
+__all__ = ["Front", "annotated", "block_seconds", "build_front", "capture_for", "note_unsplit", "parameter_placements",
+           "recompute_blocks", "sharded"]
+
+log = logging.getLogger("autopart")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Front:
+    """What the front passes give: kept so that emitting needs no second capture."""
+
+    spec: ModelSpec
+    op_graph: OpGraph
+    chain: BlockChain
+    cost_model: CostModel = field(repr=False)
+    shardings: tuple[BlockSharding, ...] | None = None  # per block, when tp > 1
+    timed: int = 0  # ops timed for the cost database during this compile
+
+
+def capture_for(spec: ModelSpec, tp: int, **how) -> Graph:
+    """The training graph, with biases as ops of their own when ops will be split (see rewrite.py)."""
+    graph = capture(spec, **how)
+    return separate_biases(graph) if tp > 1 else graph
+
+
+def build_front(options: CompileOptions, micro_batch_size: int) -> Front:
+    return sharded(annotated(options, micro_batch_size, separate_biases=options.tp > 1), options)
+
+
+def sharded(front: Front, options: CompileOptions) -> Front:
+    """``front`` with every block's tensor-parallel strategy chosen for ``options.tp``."""
+    if options.tp == 1:
+        return replace(front, shardings=None)
+    across = options.tp > options.gpus_per_node
+    shardings = tuple(shard_chain(front.chain, tp=options.tp, cost_model=front.cost_model, across_nodes=across))
+    return replace(front, shardings=shardings)
+
+
+def note_unsplit(options: CompileOptions, front: Front) -> None:
+    """A --tp that divides no weight runs the whole model on every rank of its group: say so."""
+    if front.shardings and not any(p.kind == "S" for sharding in front.shardings for p in sharding.parameters.values()):
+        log.info(f"--tp {options.tp} splits no weight of {front.spec.path.name}: none divides {options.tp} ways, or"
+                 f" splitting would be slower than running it whole; each of the {options.tp} ranks holds and computes"
+                 " the whole model (lower --tp, or use --pp or --dp)")
+
+
+def annotated(options: CompileOptions, micro_batch_size: int, *, separate_biases: bool,
+               spec: ModelSpec | None = None, roofline: CostModel | None = None,
+               measured: dict[str, tuple] | None = None, graph: Graph | None = None) -> Front:
+    """Capture, cost and cut into blocks; ``separate_biases`` for graphs whose ops will be split.
+    ``spec`` and ``roofline``: the model and device cost model of an earlier call, to reuse;
+    ``measured``: ops' kernels and times by cost key (``annotate``), shared by calls that cost
+    alike (without a cost database, which may gain entries between calls); ``graph``: an earlier
+    fx capture of the same model at any micro-batch size (fx graphs hold no batch size)."""
+    roofline = roofline or get_cost_model(options.device)  # a bad device spec fails before the slow passes
+    if spec is None:
+        spec = load_model_file(options.model)
+        if is_meta(spec.module):  # each rank will make its own weights: every module needs an initialiser
+            check_initialisers(spec.module, spec.init_weights, spec.path.name)
+    if graph is None or graph.method != "fx":
+        graph = capture_for(spec, 2 if separate_biases else 1, batch_size=micro_batch_size, method=options.capture,
+                         leaves=options.leaf)
+    database, timed = None, 0
+    if options.costs is not None:
+        database = CostDatabase.load(options.costs)
+        local = local_kind(options.device)
+        if local is not None:
+            timed = profile_costs(graph, spec, database, device=local, micro_batch_size=micro_batch_size,
+                                  optimizer=options.optimizer, dtype=options.dtype)
+            if timed:
+                database.save()
+    cost_model = roofline if database is None else ProfiledCostModel(roofline=roofline, database=database)
+    op_graph = annotate(graph, spec, cost_model, micro_batch_size=micro_batch_size, dtype=options.dtype,
+                        measured=measured if database is None else None)
+    chain = build_blocks(op_graph)
+    return Front(spec=spec, op_graph=op_graph, chain=chain, cost_model=cost_model, timed=timed)
+
+
+def parameter_placements(front: Front) -> dict[str, Placement]:
+    placements: dict[str, Placement] = {}
+    for sharding in front.shardings or ():
+        placements.update(sharding.parameters)
+    return placements
+
+
+def block_seconds(front: Front) -> list[tuple[float, float, float]]:
+    """Per block: forward, backward and weight-gradient seconds on one rank, after sharding."""
+    times = []
+    for k, block in enumerate(front.chain.blocks):
+        scale = 1.0
+        if front.shardings is not None and block.forward_s + block.backward_s > 0:
+            scale = front.shardings[k].time_s / (block.forward_s + block.backward_s)
+        times.append((block.forward_s * scale, block.backward_s * scale, block.backward_weight_s * scale))
+    return times
+
+
+def recompute_blocks(front: Front, modes: list[str]) -> tuple[tuple[float, ...], tuple[int, ...]]:
+    """Per block, in the recompute mode of its stage: forward and backward seconds (the recompute
+    included), and the bytes it holds per microbatch in flight (a stage's inputs not included)."""
+    times, held = [], []
+    for k, (block, (forward, backward, _)) in enumerate(zip(front.chain.blocks, block_seconds(front))):
+        cost = recompute_cost([block], modes[k], input_bytes=0)
+        scale = forward / block.forward_s if block.forward_s > 0 else 1.0  # the tensor-parallel share
+        shard = front.shardings[k].saved_bytes / block.saved_bytes if front.shardings and block.saved_bytes else 1.0
+        times.append(forward + backward + cost.extra_backward_s * scale)
+        held.append(round(cost.saved_bytes * shard))
+    return tuple(times), tuple(held)

@@ -1,0 +1,1 @@
+"""Figures predicted for a plan: its step time, its memory, its schedule's timeline."""

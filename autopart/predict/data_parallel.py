@@ -1,0 +1,49 @@
+"""Where a rank's data-parallel collectives fall in the step, per ZeRO level (``Plan.zero``).
+
+Level 0 all-reduces the gradients once the pipeline drained; level 1 (ZeroRedundancyOptimizer)
+then gathers the updated shards. Level 2 (FSDP) gathers the parameters at the step's first
+forward and reduce-scatters the gradients after every microbatch's backward; level 3 gathers
+before every forward and every backward too. A gather must end before the unit computes, so it
+adds to the action; a reduce-scatter is left running: on a GPU it overlaps the next action (its
+own stream) as far as that action lasts and the step waits for its last one; on a CPU it runs
+on the cores that compute and adds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cost_models.base import CostModel
+
+__all__ = ["DataParallelComm", "data_parallel_comm"]
+
+
+@dataclass(frozen=True)
+class DataParallelComm:
+    """Seconds a stage's data-parallel collectives add: to each of its forwards, to each of its
+    backwards, and once to the step's tail (after the pipeline)."""
+
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+    tail_s: float = 0.0
+
+
+def data_parallel_comm(zero: int, parameter_bytes: float, *, dp: int, across_nodes: bool, cost_model: CostModel,
+                       overlapped: bool, hidden_behind_s: float = 0.0) -> DataParallelComm:
+    """The collectives of one stage holding ``parameter_bytes`` (this rank's, after tensor
+    parallelism). ``overlapped``: a reduce-scatter runs beside the next action (a GPU's
+    streams), which takes at least ``hidden_behind_s`` (the stage's forward: what follows a
+    backward in a pipeline's steady state); what it runs past that adds to the backward."""
+    if dp == 1:
+        return DataParallelComm()
+
+    def time(kind: str) -> float:
+        return cost_model.collective_time(kind, parameter_bytes, dp, across_nodes=across_nodes)
+
+    if zero in (0, 1):  # the gradient all-reduce once the pipeline drained; ZeRO-1 then shares the updated shards
+        return DataParallelComm(tail_s=time("all_reduce") + (time("all_gather") if zero == 1 else 0.0))
+    reduce = max(0.0, time("reduce_scatter") - hidden_behind_s) if overlapped else time("reduce_scatter")
+    last = time("reduce_scatter") if overlapped else 0.0  # the step waits for the last one
+    if zero == 2:
+        return DataParallelComm(backward_s=reduce, tail_s=time("all_gather") + last)
+    return DataParallelComm(forward_s=time("all_gather"), backward_s=time("all_gather") + reduce, tail_s=last)

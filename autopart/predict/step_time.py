@@ -1,0 +1,174 @@
+"""The one step-time model: a plan's step as the runtime times it.
+
+The pipeline's actions with their fixed costs and the compute factor of the ranks running
+side by side, its messages, then each rank's tail (tied-gradient sums, the optimizer step) and
+the data-parallel gradient exchange; with the figures this very pipeline measured where
+``--profile-pipeline`` ran it.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import replace
+
+from autopart.ir.actions import RECEIVE_KINDS, Action
+from autopart.ir.plan import StagePlan
+from autopart.options import CompileOptions
+from autopart.predict.data_parallel import DataParallelComm, data_parallel_comm
+from autopart.passes.front import Front
+from autopart.profiling.pipeline import pipeline_key
+from autopart.schedule import StageCosts, add_communication, build_schedule
+from autopart.schedule.shared import step_time
+from cost_models.database import PipelineMeasurement, plan_shape, tail_key
+
+__all__ = ["compute_factor", "data_parallel", "data_parallel_seconds", "with_collectives", "measured_in_place", "predicted_step_s", "profiled_step", "rank_tails"]
+
+
+def data_parallel(options: CompileOptions, front: Front, stages: list[StagePlan]) -> list[DataParallelComm]:
+    """Per stage, the seconds its data-parallel collectives add (`autopart.predict.data_parallel`).
+    The group spans nodes once the whole mesh does (dp is outermost)."""
+    across = options.pp * options.tp * options.dp > options.gpus_per_node
+    overlapped = front.cost_model.device.kind != "cpu"
+    return [data_parallel_comm(options.zero, stage.parameter_bytes / options.tp, dp=options.dp, across_nodes=across,
+                               cost_model=front.cost_model, overlapped=overlapped, hidden_behind_s=stage.forward_s)
+            for stage in stages]
+
+
+def with_collectives(stages: list[StagePlan], comm: list[DataParallelComm]) -> list[StagePlan]:
+    """The stages as the step runs them: each forward and backward with its gathers and reductions."""
+    return [replace(st, forward_s=st.forward_s + c.forward_s, backward_s=st.backward_s + c.backward_s)
+            for st, c in zip(stages, comm)]
+
+
+def data_parallel_seconds(stages: list[StagePlan], comm: list[DataParallelComm]) -> float:
+    """The busiest rank's collectives after the pipeline drains (not overlapped)."""
+    per_rank: dict[int, float] = {}
+    for stage, c in zip(stages, comm):
+        per_rank[stage.rank] = per_rank.get(stage.rank, 0.0) + c.tail_s
+    return max(per_rank.values())
+
+
+def rank_tails(options: CompileOptions, front: Front, stages: list[StagePlan], holders: dict[str, list[int]],
+                in_place: PipelineMeasurement | None) -> dict[int, float]:
+    """Per rank, what the step does after the pipeline: sum tied gradients, step the optimizer;
+    each as this pipeline measured it where it was run (``in_place``), else modelled."""
+    cost_model = front.cost_model
+    metas = {str(n.target): front.op_graph.nodes[n.name].output
+             for n in front.op_graph.fx_nodes() if front.op_graph.nodes[n.name].is_parameter}
+    for leaf in front.op_graph.leaf_tensors.values():  # the weights of --leaf modules
+        metas.update(leaf)
+    tails = {}
+    for rank in range(options.pp):
+        held = dict.fromkeys(p for st in stages if st.rank == rank for p in st.parameters)
+        tied = sum(cost_model.collective_time("all_reduce", metas[p].nbytes, len({stages[s].rank for s in holders[p]}))
+                   for p in held if len(holders[p]) > 1)
+        if tied and in_place is not None and in_place.tied_s is not None:
+            tied = in_place.tied_s
+        measured = in_place.optimizer_time([st.blocks for st in stages if st.rank == rank]) if in_place else None
+        optimizer = cost_model.optimizer_time(options.optimizer, [(metas[p].shape, metas[p].dtype) for p in held])
+        if options.zero and options.dp > 1:  # each data-parallel rank steps its shard of the state
+            optimizer /= options.dp
+        if measured is not None:
+            optimizer = measured
+        tails[rank] = tied + optimizer
+    return tails
+
+
+def measured_in_place(options: CompileOptions, front: Front, micro_batch_size: int) -> PipelineMeasurement | None:
+    """What this very pipeline measured as it ran (``--profile-pipeline``), if it was."""
+    mesh = {"pp": options.pp, "tp": options.tp, "dp": options.dp}
+    key = pipeline_key(front.spec.source_sha256, mesh, micro_batch_size, options.optimizer)
+    return front.cost_model.pipeline_profile(key)
+
+
+def profiled_step(options: CompileOptions, stages: list[StagePlan], microbatches: int,
+                   in_place: PipelineMeasurement | None) -> float | None:
+    """The median step this very plan took when ``--profile-pipeline`` ran it, if it did."""
+    if in_place is None or in_place.step_of != plan_shape(options.schedule, microbatches, [s.blocks for s in stages]):
+        return None
+    return in_place.step_s
+
+
+def compute_factor(options: CompileOptions, front: Front, stages: list[StagePlan],
+                    in_place: PipelineMeasurement | None) -> tuple[tuple[float, ...], str]:
+    """Per stage, how many times its profiled time each forward and backward takes inside this
+    pipeline, and where the figures are from: "pipeline" where this very pipeline was run and
+    measured (``--profile-pipeline``), "device" for the device's own (``profile-comm`` on a CPU), "none"."""
+    if in_place is not None:
+        return tuple(in_place.stage_factor(stage.blocks) for stage in stages), "pipeline"
+    # a rank computes beside the others and their messages
+    device = front.cost_model.pipeline_compute_factor() if options.pp > 1 else 1.0
+    return (device,) * len(stages), "device" if device != 1.0 else "none"
+
+
+def predicted_step_s(options: CompileOptions, front: Front, stages: list[StagePlan], transfer: tuple[float, ...],
+               tails: dict[int, float], microbatches: int, factor: tuple[tuple[float, ...], str],
+               in_place: PipelineMeasurement | None) -> float:
+    """The step as the runtime times it: the pipeline with the fixed cost of each action, each
+    forward and backward of stage s ``factor[0][s]`` times its profiled time, its messages as
+    this pipeline measured them where it was run (``in_place``), on ranks that share the device's
+    cores when it has them, then each rank's tail. Where this pipeline was run, the median of its
+    steps replayed: each step measured there with its actions, deliveries and tails as they
+    moved from their medians in that step. A step waits for its slowest rank and its latest
+    message, and a busy machine's slow moments catch the ranks at different times, so the step
+    of the median action times is shorter than the median step."""
+    overheads = front.cost_model.runtime_overheads
+    fixed = [overheads.action_costs(recompute=s.recompute != "none", split=options.schedule == "zb-h1")
+             for s in stages]
+    # per boundary, the rank time of its messages (one per tensor) on each side; the rest is latency
+    sides = [[front.cost_model.p2p_rank_time(m.nbytes, across_nodes=options.pipeline_crosses_nodes)
+              for _, m in st.outputs] for st in stages[:-1]]
+    send = tuple(sum(s for s, _ in boundary) for boundary in sides)
+    receive = tuple(sum(r for _, r in boundary) for boundary in sides)
+    waited: tuple[float, ...] = ()
+    if in_place is not None and in_place.transfer_s is not None:  # one message per boundary, as measured
+        send, receive = (in_place.send_s,) * len(sides), (in_place.recv_s,) * len(sides)
+        transfer = tuple(in_place.send_s + in_place.recv_s + in_place.transfer_s for _ in sides)
+        if in_place.waited_s is not None:  # a receive that waits ends waited_s after its send
+            waited = (min(in_place.recv_s, in_place.waited_s),) * len(sides)
+    schedule = add_communication(
+        build_schedule(options.schedule, ranks=options.pp, microbatches=microbatches,
+                       chunks=options.chunks), ranks=options.pp)
+    device = front.cost_model.device
+    # the other tensor- and data-parallel ranks of the machine run the same work beside this pipeline
+    cores = device.cores / (options.tp * options.dp)
+    # measured in place, the factor holds what waking and refilling a shared core cost the compute
+    resume = (0.0, 0.0) if in_place is not None else (overheads.resume_forward_s, overheads.resume_backward_s)
+
+    slower = factor[0]
+    costs = StageCosts(
+        forward_s=tuple(f * s.forward_s + x[0] for f, s, x in zip(slower, stages, fixed)),
+        backward_s=tuple(f * s.backward_s + x[1] for f, s, x in zip(slower, stages, fixed)),
+        weight_s=tuple(f * s.backward_weight_s + x[2] for f, s, x in zip(slower, stages, fixed)),
+        transfer_s=tuple(max(0.0, t - s - r) for t, s, r in zip(transfer, send, receive)),
+        send_s=send,
+        recv_s=receive,
+        recv_waited_s=waited,
+    )
+
+    def step(costs: StageCosts, tails: dict[int, float]) -> float:
+        return step_time(schedule, costs, ranks=options.pp, cores=cores, background=device.background_load,
+                         tail_s=tails, resume_s=resume, busy_delay_s=front.cost_model.p2p_busy_delay(),
+                         wake_s=None if in_place is not None else front.cost_model.wake_time)
+
+    if in_place is None or not in_place.step_variation:
+        return step(costs, tails)
+    actions = [action for on_rank in schedule.values() for action in on_rank]
+    return statistics.median(
+        step(replace(costs, actions=_replayed(costs, actions, moved)),
+             {rank: seconds * moved.get(tail_key(rank), 1.0) for rank, seconds in tails.items()})
+        for moved in in_place.step_variation
+    )
+
+
+def _replayed(costs: StageCosts, actions: list[Action], moved: dict[str, float]) -> dict[Action, float]:
+    """The actions' times in one measured step (`PipelineMeasurement.step_variation`): each
+    compute action and send its time times its multiple, each receive its time plus the
+    lateness of its delivery."""
+    times = {}
+    for action in actions:
+        change = moved.get(str(action))
+        if change is not None:
+            receive = action.kind in RECEIVE_KINDS
+            times[action] = max(0.0, costs.duration(action) + change) if receive else costs.duration(action) * change
+    return times

@@ -1,0 +1,229 @@
+"""The profile pass: time every op of the training graph on the device at hand.
+
+``profile_costs(graph, spec, database, ...) -> int`` runs the graph once on the example batch
+at a microbatch size and, for every node whose key (`autopart.passes.annotate.op_key`: op, shapes,
+dtypes, roles) the database lacks for this device and torch version, times its forward and its
+two backward halves (`cost_models.profiler.time_op`). Repeated layers produce the same keys, so
+they are timed once; a second run over the same model times nothing. It also times one
+optimizer step per parameter shape (scaled, on the CPU, to a whole step measured right after
+the graph's backward, `autopart.profiling.in_situ.optimizer_in_situ`) and, once per device, the
+fixed costs of the runtime.
+
+On the CPU ops are timed with one thread: that is what every rank runs with under torchrun
+(which sets ``OMP_NUM_THREADS=1`` when it starts several processes), and where they run: the
+whole graph's forward and backward (`autopart.profiling.in_situ`), because an op timed alone in a
+loop is much faster than the same op in a step. Timed alone, each op still gives the split of
+its backward into the input- and the weight-gradient halves, which zero-bubble schedules run
+apart and which the whole backward does not separate. On a GPU ops are timed alone, with CUDA
+events.
+
+With ``dtype="bf16"`` every forward runs under ``torch.autocast`` of the device (CUDA's on a GPU,
+the CPU's on the CPU), as the generated programs run it; backward runs outside autocast, as
+there. Each op is stored under the key that a compile looks it up by (`autopart.passes.annotate.cost_key`),
+which names its arguments' dtypes as annotate sees them: annotate runs the graph on the CPU under
+the target's autocast as ``autopart.passes.annotate.target_precision`` applies it (CUDA's casts for a GPU).
+The keys therefore come from one run of the graph on the CPU under that same precision
+(`_compile_keys`), whatever device the ops are timed on.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import replace
+from functools import partial
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+from torch import fx
+
+from autopart.ir.tensors import DTYPES, precision
+from autopart.passes.annotate import run_one, cost_key, leaves_for_grad, target_precision
+from autopart.ir.model_file import ModelSpec
+from autopart.passes.capture import Graph, graph_args
+from autopart.ir.errors import ConfigError
+from autopart.profiling.in_situ import NodeTimes, measure_resume, optimizer_in_situ, time_in_situ
+from autopart.runtime.optim import make_optimizer
+from cost_models.database import CostDatabase, OpTimes
+from cost_models.devices import local_device_name
+from cost_models.profiled import optimizer_call_key, optimizer_key
+from cost_models.profiler import fixed_and_per_item, measure_overheads, time_op
+
+__all__ = ["profile_costs", "torch_device"]
+
+
+def torch_device(kind: str) -> torch.device:
+    """The device that ``--device cpu|cuda`` names, checked to be present."""
+    if kind == "cpu":
+        return torch.device("cpu")
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError("--device cuda but no CUDA device is visible here; profile on a GPU machine or use --device cpu")
+        return torch.device("cuda", torch.cuda.current_device())
+    raise ConfigError(f"can only profile on cpu or cuda, got --device {kind!r}")
+
+
+class _Timer(fx.Interpreter):
+    """Runs the graph without autograd and times alone each op the database lacks, with autograd.
+
+    ``timed`` holds those times by key and ``nodes`` the nodes of each such key: the repeated
+    layers give one key several nodes, timed once."""
+
+    def __init__(self, module: fx.GraphModule, database: CostDatabase, device: torch.device, device_name: str,
+                 progress: Progress | None, dtype: str, keys: dict[str, str]):
+        super().__init__(module)
+        self.database, self.device, self.device_name, self.dtype = database, device, device_name, dtype
+        self.keys = keys
+        self.parameters = {id(p) for p in module.parameters()}
+        self.overheads = database.overheads[device_name]
+        self.progress = progress
+        self.timed: dict[str, OpTimes] = {}
+        self.nodes: dict[str, list[str]] = {}
+        self.task = progress.add_task("profiling", total=sum(n.op.startswith("call") for n in module.graph.nodes)) if progress else None
+
+    def _precision(self):
+        return precision(self.dtype, self.device.type)
+
+    def run_node(self, node: fx.Node) -> Any:
+        with self._precision():
+            value = super().run_node(node)
+        if node.op not in ("call_function", "call_method"):
+            return value
+        args, kwargs = self.fetch_args_kwargs_from_env(node)
+        key = self.keys[node.name]
+        if self.database.get(self.device_name, key) is None:
+            self.nodes.setdefault(key, []).append(node.name)
+        if self.database.get(self.device_name, key) is None and key not in self.timed:
+            if self.progress is not None:
+                self.progress.update(self.task, description=f"timing {key[:70]}")
+            fresh_args, fresh_kwargs, inputs, weights = leaves_for_grad(args, kwargs, self.parameters, clone=True)
+            with torch.enable_grad():
+                times = time_op(lambda: self._forward(node, fresh_args, fresh_kwargs), inputs=inputs,
+                                weights=weights, device=self.device, overheads=self.overheads)
+            self.timed[key] = times
+        if self.progress is not None:
+            self.progress.advance(self.task)
+        return value
+
+
+    def _forward(self, node: fx.Node, args: tuple, kwargs: dict) -> Any:
+        with self._precision():
+            return run_one(node, args, kwargs)
+
+
+def _compile_keys(module: fx.GraphModule, values: list[Any], dtype: str, device_kind: str) -> dict[str, str]:
+    """Per op node, the key a compile in ``dtype`` for a ``device_kind`` device looks it up by: the
+    graph run on the CPU under that device's autocast, as annotate runs it (see the module's docstring)."""
+    parameters = {id(p) for p in module.parameters()}
+    keys: dict[str, str] = {}
+
+    class Keys(fx.Interpreter):
+        def run_node(self, node: fx.Node) -> Any:
+            with target_precision(dtype, device_kind):
+                value = super().run_node(node)
+            if node.op in ("call_function", "call_method"):
+                args, kwargs = self.fetch_args_kwargs_from_env(node)
+                keys[node.name] = cost_key(node, args, kwargs, parameters, dtype)
+            return value
+
+    with torch.no_grad():
+        Keys(module).run(*values)
+    return keys
+
+
+def time_optimizer(database: CostDatabase, device_name: str, device: torch.device, optimizer: str,
+                    parameters: list[torch.Tensor], in_step: Callable[[Callable], float] | None = None) -> None:
+    """Once, the fixed cost of a ``step()``; per parameter shape, what one parameter adds to it.
+
+    Both from steps over several parameters: a step over one parameter pays the fixed cost as
+    well, and a rank steps all its parameters in one call. The fixed cost is the intercept over
+    1 to 8 tiny parameters; a shape's share the slope over 1 to 3 parameters of that shape.
+    With ``in_step`` (the CPU's `optimizer_in_situ`, given a maker of the step), the figures
+    timed now are scaled so that the model's whole step costs what it measured in a training
+    step, where caches no longer hold what a step alone in a loop found there.
+    """
+    def step_over(count: int, shape: tuple[int, ...] = (4,), dtype: torch.dtype = torch.float32) -> Any:
+        weights = [torch.zeros(shape, dtype=dtype, device=device, requires_grad=True) for _ in range(count)]
+        for weight in weights:
+            weight.grad = torch.full_like(weight, 1e-3)
+        return make_optimizer(optimizer, weights, 1e-3).step
+
+    call_key = optimizer_call_key(optimizer)
+    fresh: dict[str, float] = {}
+    if database.get(device_name, call_key) is None:
+        fresh[call_key], _ = fixed_and_per_item(step_over, device=device)
+    keys = [optimizer_key(optimizer, tuple(p.shape), str(p.dtype).removeprefix("torch.")) for p in parameters]
+    for parameter, key in zip(parameters, keys):
+        if database.get(device_name, key) is None and key not in fresh:
+            _, fresh[key] = fixed_and_per_item(lambda n: step_over(n, tuple(parameter.shape), parameter.dtype),
+                                               device=device, counts=(1, 2, 3))
+    scale = 1.0
+    if fresh and in_step is not None:
+        known = sum(database.get(device_name, k).forward_s for k in [call_key, *keys] if k not in fresh)
+        timed = fresh.get(call_key, 0.0) + sum(fresh[k] for k in keys if k in fresh)
+        measured = in_step(lambda weights: make_optimizer(optimizer, weights, 1e-3).step)
+        scale = max(0.5, (measured - known) / timed) if timed > 0 else 1.0
+    for key, seconds in fresh.items():
+        database.put(device_name, key, OpTimes(forward_s=scale * seconds))
+
+
+def put_in_situ(database: CostDatabase, device_name: str, timer: _Timer, in_situ: dict[str, NodeTimes]) -> None:
+    """Per key, the mean over its nodes of their in-place times; the backward split into its
+    halves as the op split it when timed alone."""
+    for key, alone in timer.timed.items():
+        nodes = [in_situ[n] for n in timer.nodes[key] if n in in_situ]
+        if not nodes:
+            database.put(device_name, key, alone)
+            continue
+        forward = sum(n.forward_s for n in nodes) / len(nodes)
+        backward = sum(n.backward_s for n in nodes) / len(nodes)
+        weight_share = alone.backward_weight_s / alone.backward_s if alone.backward_s > 0 else 0.0
+        database.put(device_name, key, OpTimes(forward_s=forward, backward_input_s=backward * (1 - weight_share),
+                                               backward_weight_s=backward * weight_share))
+
+
+def profile_costs(graph: Graph, spec: ModelSpec, database: CostDatabase, *, device: str = "cpu",
+                  micro_batch_size: int, optimizer: str = "adamw", threads: int = 1,
+                  console: Console | None = None, dtype: str = "fp32") -> int:
+    """Time what ``database`` lacks for this model at ``micro_batch_size`` in precision ``dtype``;
+    return how many were timed."""
+    if dtype not in DTYPES:
+        raise ConfigError(f"unknown --dtype {dtype!r}; profile one of {', '.join(DTYPES)}")
+    where = torch_device(device)
+    device_name = local_device_name(device)
+    before = database.timed
+    previous_threads = torch.get_num_threads()
+    if where.type == "cpu":
+        torch.set_num_threads(threads)
+    try:
+        fresh_overheads = device_name not in database.overheads
+        if fresh_overheads:
+            database.overheads[device_name] = measure_overheads(where)
+        module = graph.module if where.type == "cpu" else copy.deepcopy(graph.module).to(where)
+        inputs, target = spec.example(micro_batch_size)
+        on_cpu = graph_args(graph, inputs, target)
+        keys = _compile_keys(graph.module, on_cpu, dtype, where.type)
+        values = [v.to(where) if isinstance(v, torch.Tensor) else v for v in on_cpu]
+        progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                            console=console, transient=True) if console is not None else None
+        timer = _Timer(module, database, where, device_name, progress, dtype, keys)
+        with progress or nullcontext(), torch.no_grad():
+            timer.run(*values)
+        if timer.timed and where.type == "cpu":
+            in_situ = time_in_situ(module, values, forward_context=partial(precision, dtype, where.type))
+            put_in_situ(database, device_name, timer, in_situ)
+        else:
+            for key, times in timer.timed.items():
+                database.put(device_name, key, times)
+        if fresh_overheads and where.type == "cpu":
+            forward, backward = measure_resume(module, values)
+            database.overheads[device_name] = replace(database.overheads[device_name], resume_forward_s=forward,
+                                                      resume_backward_s=backward)
+        in_step = partial(optimizer_in_situ, module, values) if where.type == "cpu" else None
+        time_optimizer(database, device_name, where, optimizer, list(dict.fromkeys(module.parameters())), in_step)
+    finally:
+        torch.set_num_threads(previous_threads)
+    return database.timed - before

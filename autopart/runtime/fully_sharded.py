@@ -1,0 +1,95 @@
+"""ZeRO-2 and ZeRO-3: a stage's gradients, and at level 3 its parameters, sharded over the
+data-parallel group with torch's FSDP2 (``fully_shard``).
+
+The FSDP unit is the whole stage: FSDP gathers a unit's parameters in a pre-forward hook of
+its module, and a generated stage runs its layers' operations inline in its own forward (one
+traced graph), so the hooks of a layer's module would never fire; the stage's do. A stage
+program that calls its layers as modules could shard each layer on its own (``called_layers``).
+
+A pipeline calls a stage's forward and backward once per microbatch, interleaved with other
+microbatches, so what FSDP does between them is the choice that matters (torch's own pipeline
+stage makes the same one; pytorch/pytorch#164756 is what goes wrong when the timing is left to
+FSDP's defaults):
+
+- level 2: parameters are gathered at the stage's first forward of the step and stay whole
+  until the step's end (no reshard after forward or backward), so each is gathered once a step;
+  gradients are reduce-scattered after every microbatch's backward, so only their shards
+  accumulate. ``end_of_step`` reshards before the optimizer steps the shards: a parameter left
+  whole would be the value from before the step at the next forward.
+- level 3: every layer resharded after its forward and after its backward: gathered twice per
+  microbatch, and never more than a layer or two whole.
+
+FSDP averages the reduced gradients over the group, as ``average_gradients`` does for level 0
+and 1, so the step's loss stays the mean over the global batch. Zero-bubble schedules split a
+backward into I and W with ``torch.autograd.grad``, which FSDP's post-backward hooks do not
+follow; the plan refuses that combination (``check_level``).
+
+FSDP and DTensor are imported on first use: every rank imports this module, and importing them
+costs each rank's start about a second where no stage is sharded.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["FSDP_LEVELS", "called_layers", "check_level", "end_of_step", "full_state", "is_sharded", "local", "shard_stage"]
+
+FSDP_LEVELS = (2, 3)
+
+
+def check_level(level: int, *, dp: int, split_backward: bool) -> str | None:
+    """Why ``level`` cannot run with this mesh and schedule, or None when it can."""
+    if level in FSDP_LEVELS and dp < 2:
+        return f"--zero {level} shards over data-parallel ranks; it needs --dp 2 or more"
+    if level in FSDP_LEVELS and split_backward:
+        return (f"--zero {level} does not run with a zero-bubble schedule (its split backward bypasses FSDP's "
+                "gradient hooks); use --schedule 1f1b or interleaved, or --zero 1")
+    return None
+
+
+def called_layers(module: nn.Module) -> list[nn.Module]:
+    """The layers the stage program calls as modules (``CALLED_LAYERS``: their names), which can
+    be FSDP units of their own: gathered one at a time rather than the whole stage at once."""
+    return [module.get_submodule(name) for name in getattr(module, "CALLED_LAYERS", ())]
+
+
+def shard_stage(module: nn.Module, mesh: DeviceMesh, level: int) -> None:
+    """Make ``module`` (a stage, its weights loaded) fully sharded over the 1-D data-parallel ``mesh``."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    per_microbatch = level == 3
+    for layer in called_layers(module):
+        fully_shard(layer, mesh=mesh, reshard_after_forward=per_microbatch)
+    fully_shard(module, mesh=mesh, reshard_after_forward=per_microbatch)
+    assert isinstance(module, FSDPModule)
+    module.set_reshard_after_backward(per_microbatch)
+
+
+def end_of_step(modules: list[nn.Module]) -> None:
+    """Free the whole parameters that level 2 kept over the step, before the optimizer steps their shards."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in modules:
+        for unit in module.modules():
+            if isinstance(unit, FSDPModule):
+                unit.reshard()
+
+
+def is_sharded(tensor: torch.Tensor) -> bool:
+    """A DTensor; none can exist before torch.distributed.tensor was imported (by ``shard_stage``)."""
+    loaded = sys.modules.get("torch.distributed.tensor")
+    return loaded is not None and isinstance(tensor, loaded.DTensor)
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a (possibly sharded) tensor: what collectives and norms work on."""
+    return tensor.to_local() if is_sharded(tensor) else tensor
+
+
+def full_state(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The stage's state dict with whole tensors. Gathers: every rank of the group must call it."""
+    return {k: v.full_tensor() if is_sharded(v) else v for k, v in module.state_dict().items()}

@@ -1,0 +1,197 @@
+"""An autopart plan from your own training loop, in ``torch.distributed.pipelining``'s terms.
+
+    import torch.distributed as dist
+    from autopart.runtime.pipelining import build_stages
+
+    dist.init_process_group("gloo")                  # under torchrun, as for any torch pipeline
+    pipeline = build_stages("out")                   # this rank's stages, with their weights
+    schedule = pipeline.schedule()                   # ScheduleGPipe, Schedule1F1B, ... as the plan says
+    optimizer = torch.optim.AdamW(pipeline.parameters())
+    for inputs, target in pipeline.batches(seed=0):
+        losses = []
+        schedule.step(**pipeline.step_inputs(inputs, target), losses=losses)
+        pipeline.reduce_gradients()                  # tied copies summed, data-parallel replicas averaged
+        optimizer.step(); optimizer.zero_grad()
+
+(``examples/pipelining_loop.py`` is this loop, whole.) The stages are autopart's generated
+modules (``OUT/stages/stage_<k>.py``, weights from ``OUT/weights`` sliced for this tensor-parallel
+rank), each wrapped so that torch can drive it:
+
+- the batch values a stage reads (token ids on the first stage, the target on the last) travel
+  as keyword arguments ``batch_<name>``, which torch splits into microbatches and hands to
+  every stage; a stage takes its own and ignores the rest, so nothing extra is sent;
+- autopart's last stage computes the loss itself, so the schedule's ``loss_fn`` returns the
+  stage's output; torch scales the gradients by 1/M after the backward, where autopart's runtime
+  scales each loss by 1/M before it: the same gradients;
+- each forward runs in the plan's precision and with its stage's recompute, as in ``train.py``.
+
+The plan's schedule maps to torch's class: gpipe -> ``ScheduleGPipe``, 1f1b -> ``Schedule1F1B``,
+interleaved -> ``ScheduleInterleaved1F1B``, zb-h1 -> ``ScheduleInterleavedZeroBubble`` (with one
+stage per rank it is ZB-H1, the order autopart's own ``zb-h1`` generator gives).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+)
+
+from autopart.ir.model_file import load_model_file
+from autopart.ir.errors import ConfigError
+from autopart.ir.plan import Plan, load_plan
+from autopart.runtime import collectives
+from autopart.runtime.data import global_batches, model_file, split_microbatches
+from autopart.runtime.device import compute_device
+from autopart.runtime.forward import StageForward
+from autopart.runtime.gradients import average_gradients, sum_tied_gradients, tied_groups
+from autopart.runtime.mesh import Coordinates, Mesh, group_of
+from autopart.runtime.stage import load_stage
+
+__all__ = ["TORCH_SCHEDULES", "ProcessGroups", "Pipeline", "build_stages", "loss_is_the_output"]
+
+TORCH_SCHEDULES: dict[str, type] = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved": ScheduleInterleaved1F1B,
+    "zb-h1": ScheduleInterleavedZeroBubble,
+}
+_MULTI_STAGE = (ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble)  # they take a list of stages
+
+
+def loss_is_the_output(output: torch.Tensor, target: Any) -> torch.Tensor:
+    """The schedule's ``loss_fn``: autopart's last stage has computed the loss already."""
+    return output
+
+
+class BatchByKeyword(nn.Module):
+    """An autopart stage under torch's API: batch values arrive as ``batch_<name>`` keywords."""
+
+    def __init__(self, forward: StageForward, module: nn.Module, batch_inputs: tuple[str, ...]):
+        super().__init__()
+        self.stage = module
+        self.run = forward
+        self.batch_inputs = batch_inputs
+
+    def forward(self, *received: torch.Tensor, **batch: Any) -> Any:
+        out, _ = self.run(*received, *(batch[f"batch_{name}"] for name in self.batch_inputs))
+        return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProcessGroups:
+    """The mesh's groups of this rank (``autopart.runtime.mesh``: rank = (dp * pp + pp_index) * tp + tp_index)."""
+
+    pp: dist.ProcessGroup  # the pipeline: PipelineStage's group
+    tp: dist.ProcessGroup | None  # tensor parallelism, inside the stage modules' collectives; None at tp 1
+    dp: dist.ProcessGroup | None  # data-parallel replicas; None at dp 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class Pipeline:
+    """This rank's share of a compiled plan."""
+
+    plan: Plan
+    out_dir: Path
+    coordinates: Coordinates
+    modules: dict[int, nn.Module]  # autopart's stage modules by stage index: their state dicts are the model's slices
+    stages: list[PipelineStage]  # in stage order
+    schedule_class: type
+    groups: ProcessGroups
+    tied: list[tuple[str, dist.ProcessGroup]]  # parameters several stages hold, and the group that sums them
+
+    @property
+    def is_last(self) -> bool:
+        """Whether this rank holds the last stage, whose schedule reports the losses."""
+        return any(stage.is_last for stage in self.stages)
+
+    def parameters(self) -> list[nn.Parameter]:
+        return [p for module in self.modules.values() for p in module.parameters()]
+
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """Under their names in the original model (a tied parameter once per stage that holds it)."""
+        return [item for module in self.modules.values() for item in module.named_parameters()]
+
+    def schedule(self, **options: Any):
+        """The plan's torch schedule over this rank's stages; ``options``: more of its keywords."""
+        stages = self.stages if self.schedule_class in _MULTI_STAGE else self.stages[0]
+        return self.schedule_class(stages, n_microbatches=self.plan.schedule.microbatches,
+                                   loss_fn=loss_is_the_output, **options)  # fmt: skip
+
+    def batches(self, seed: int = 0) -> Iterator[tuple[tuple[Any, ...], Any]]:
+        """The global batches that ``train.py --seed SEED`` draws, the same on every rank."""
+        spec = load_model_file(model_file(self.out_dir, self.plan), build=False)
+        return global_batches(spec, self.plan.schedule.global_batch_size, seed)
+
+    def step_inputs(self, inputs: tuple[Any, ...], target: Any) -> dict[str, Any]:
+        """The keywords of ``schedule.step`` for a global batch: this replica's share of the batch
+        values its stages read, as ``batch_<name>``, and on the last stage ``target``."""
+        values = (*inputs, target) if len(self.plan.graph_inputs) > len(inputs) else tuple(inputs)
+        share = split_microbatches(values, self.plan.mesh["dp"])[self.coordinates.dp]
+        by_name = dict(zip(self.plan.graph_inputs, share, strict=True))
+        read = {name for s in self.modules for name in self.plan.stages[s].batch_inputs}
+        keywords = {f"batch_{name}": by_name[name] for name in self.plan.graph_inputs if name in read}
+        if self.is_last:  # torch splits it for loss_fn, which returns the loss the stage computed
+            keywords["target"] = next(v for v in share if isinstance(v, torch.Tensor))
+        return keywords
+
+    def reduce_gradients(self) -> None:
+        """After ``schedule.step``: every copy of a tied parameter gets the sum of their gradients,
+        then data-parallel replicas average theirs (``train.py``'s order)."""
+        for name, group in self.tied:
+            sum_tied_gradients(self.modules, name, group)
+        if self.groups.dp is not None:
+            average_gradients(self.parameters(), self.groups.dp, self.plan.mesh["dp"])
+
+
+def build_stages(out_dir: str | Path, *, device: torch.device | None = None, weights: Path | None = None) -> Pipeline:
+    """This rank's stages of the compile in ``out_dir`` as ``PipelineStage`` objects.
+
+    Call it on every rank after ``dist.init_process_group``, with the plan's world size: it makes
+    the mesh's process groups, which every rank must create together. ``weights``: a safetensors
+    file of the whole model to start from (``train.py --weights``), else the compile's weights.
+    """
+    out_dir = Path(out_dir).resolve()
+    plan = load_plan(out_dir / "plan.json")
+    if not dist.is_initialized():
+        raise ConfigError("build_stages needs a process group: call torch.distributed.init_process_group first "
+                          "(run the script under torchrun)")  # fmt: skip
+    if dist.get_world_size() != plan.world_size:
+        raise ConfigError(f"the plan needs {plan.world_size} processes but {dist.get_world_size()} were started; "
+                          f"run torchrun --nproc-per-node {plan.world_size}")  # fmt: skip
+    device = device or compute_device()
+    mesh = Mesh.of(plan)
+    rank = dist.get_rank()
+    here = mesh.coordinates(rank)
+    device_mesh = mesh.device_mesh(device.type)
+    groups = ProcessGroups(
+        pp=device_mesh.get_group("pp"), tp=group_of(device_mesh, "tp"), dp=group_of(device_mesh, "dp")
+    )
+    collectives.set_group(groups.tp)
+    modules: dict[int, nn.Module] = {}
+    stages: list[PipelineStage] = []
+    for stage_plan in plan.stages:
+        if stage_plan.rank != here.pp:
+            continue
+        module = load_stage(out_dir, stage_plan.index, device, tp_rank=here.tp, tp=mesh.tp, weights=weights,
+                            placements=stage_plan.parameter_placements)  # fmt: skip
+        # torch splits a zero-bubble backward itself, with autograd: the stage's forward is a plain one
+        forward = StageForward(module, recompute=stage_plan.recompute, dtype=plan.dtype, device=device,
+                               split_backward=False)  # fmt: skip
+        modules[stage_plan.index] = module
+        wrapped = BatchByKeyword(forward, module, stage_plan.batch_inputs)
+        stages.append(PipelineStage(wrapped, stage_plan.index, len(plan.stages), device, group=groups.pp))
+    return Pipeline(plan=plan, out_dir=out_dir, coordinates=here, modules=modules, stages=stages,
+                    schedule_class=TORCH_SCHEDULES[plan.schedule.kind], groups=groups,
+                    tied=tied_groups(plan, mesh, rank))  # fmt: skip

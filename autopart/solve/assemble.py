@@ -1,0 +1,270 @@
+"""Plan assembly: the pipeline problem of a front, and the Plan of the cuts a solver chose.
+
+Both the single-layout compile and the plan search build their problems and plans here, so a
+plan means the same whichever of them made it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+import autopart
+from autopart.codegen.stages import stage_boundaries
+from autopart.ir.placement import REPLICATE
+from autopart.ir.plan import Plan, Predicted, Provenance, ScheduleSpec, StagePlan
+from autopart.options import CompileOptions
+from autopart.passes.annotate import OpGraph
+from autopart.passes.front import Front, block_seconds, parameter_placements, recompute_blocks
+from autopart.passes.recompute import recompute_cost, stage_input_bytes, stage_modes, transient_microbatches
+from autopart.predict.in_flight import in_flight
+from autopart.predict.memory import state_bytes
+from autopart.predict.step_time import (
+    compute_factor, data_parallel, data_parallel_seconds, measured_in_place, predicted_step_s, profiled_step, rank_tails,
+    with_collectives,
+)
+from autopart.predict.timeline import simulate_pipeline
+from autopart.runtime.recipe import embedding_parameters
+from autopart.schedule import build_schedule, stage_rank
+from autopart.solve.pipeline import PipelineProblem, evaluate, stage_ranges
+from cost_models.devices import DeviceSpec
+from cost_models.memory import communicator_bytes
+
+__all__ = ["pipeline_problem", "plan_from_cuts"]
+
+
+def pipeline_problem(options: CompileOptions, front: Front, microbatches: int) -> PipelineProblem:
+    chain, cost_model = front.chain, front.cost_model
+    stages = options.pp * options.chunks
+    device = cost_model.device
+    memory = round(options.memory_gib * (1 << 30)) if options.memory_gib is not None else device.memory_bytes
+    placements = parameter_placements(front)
+    # The cuts are not known yet: with one recompute mode for every stage the blocks carry its
+    # figures (a stage's inputs, which recompute keeps, are left out); with modes that differ per
+    # stage they carry no recompute's. plan_from_cuts computes the chosen stages' figures exactly.
+    modes = set(stage_modes(options.recompute, stages))
+    times, saved = recompute_blocks(front, [modes.pop() if len(modes) == 1 else "none"] * len(chain.blocks))
+    return PipelineProblem(
+        block_time_s=times,
+        block_activation_bytes=saved,
+        boundary_transfer_s=tuple(
+            cost_model.p2p_time(boundary.nbytes, across_nodes=options.pipeline_crosses_nodes)
+            for boundary in chain.boundaries
+        ),
+        parameter_state_bytes={
+            name: _state_bytes(options, nbytes // (options.tp if placements.get(name, REPLICATE).kind == "S" else 1))
+            for name, nbytes in chain.parameter_bytes.items()
+        },
+        block_parameters=tuple(b.parameters for b in chain.blocks),
+        stages=stages,
+        microbatches=microbatches,
+        in_flight=in_flight(options.schedule, options.pp, microbatches, options.chunks),
+        memory_limit_bytes=memory,
+        overhead_bytes=device.framework_overhead_bytes
+        + communicator_bytes(device.kind, pp=options.pp, tp=options.tp, dp=options.dp),
+        stage_rank=tuple(stage_rank(s, options.pp) for s in range(stages)),
+    )
+
+
+def plan_from_cuts(
+    options: CompileOptions,
+    front: Front,
+    problem: PipelineProblem,
+    cuts: tuple[int, ...],
+    batch: tuple[int, int, int],
+    solver: tuple[str, float, float],
+) -> Plan:
+    ranges = stage_ranges(cuts, len(front.chain.blocks))
+    problem, recompute = _with_recompute(options, front, problem, ranges)
+    evaluation = evaluate(problem, cuts)
+    stages, holders = _stage_plans(front, problem, ranges, recompute)
+    transfer = tuple(
+        front.cost_model.p2p_time(
+            sum(m.nbytes for _, m in st.outputs), across_nodes=options.pipeline_crosses_nodes
+        )
+        for st in stages[:-1]
+    )
+    total, microbatches, micro_batch_size = batch
+    comm = data_parallel(options, front, stages)
+    timed = with_collectives(stages, comm)
+    timeline = simulate_pipeline(
+        kind=options.schedule,
+        ranks=options.pp,
+        microbatches=microbatches,
+        chunks=options.chunks,
+        forward_s=tuple(s.forward_s for s in timed),
+        backward_s=tuple(s.backward_s for s in timed),
+        weight_s=tuple(s.backward_weight_s for s in stages),
+        transfer_s=transfer,
+    )
+    in_place = measured_in_place(options, front, micro_batch_size)
+    tails = rank_tails(options, front, stages, holders, in_place)
+    factor = compute_factor(options, front, stages, in_place)
+    step_s = predicted_step_s(options, front, timed, transfer, tails, microbatches, factor, in_place)
+    gradient_sync = data_parallel_seconds(stages, comm)
+    return Plan(
+        mesh={"pp": options.pp, "tp": options.tp, "dp": options.dp},
+        stages=tuple(stages),
+        schedule=ScheduleSpec(
+            kind=options.schedule,
+            microbatches=microbatches,
+            micro_batch_size=micro_batch_size,
+            global_batch_size=total,
+            chunks=options.chunks,
+        ),
+        predicted=Predicted(
+            step_s=step_s + gradient_sync,
+            bubble=timeline.bubble,
+            memory_bytes=_with_transients(options, evaluation.rank_memory_bytes, recompute, microbatches),
+            p2p_bytes_per_step=2 * microbatches * sum(sum(m.nbytes for _, m in st.outputs) for st in stages),
+            stage_time_s=evaluation.stage_time_s,
+            transfer_s=transfer,
+            pipeline_s=timeline.step_s,
+            rank_tail_s=tuple(tails[r] for r in range(options.pp)),
+            compute_factor=factor[0],
+            compute_factor_from=factor[1],
+            profiled_step_s=profiled_step(options, stages, microbatches, in_place),
+            background_load=front.cost_model.device.background_load,
+            model_flops_per_step=_model_flops(front.op_graph, total),
+            peak_flops=_peak_flops(front.cost_model.device, options.dtype),
+        ),
+        provenance=_provenance(options, front, evaluation.objective_s, solver),
+        zero=options.zero,
+        graph_inputs=front.op_graph.graph.input_names,
+        optimizer=options.optimizer,
+        tied_parameters={p: tuple(s) for p, s in holders.items() if len(s) > 1},
+        dtype=options.dtype,
+        embedding_parameters=embedding_parameters(front.spec.module) if front.spec.module is not None else (),
+    )
+
+
+def _provenance(options: CompileOptions, front: Front, objective_s: float, solver: tuple[str, float, float]) -> Provenance:
+    """Where the plan came from: the model, the capture, the cost model, and the solver's status, bound and gap."""
+    return Provenance(
+        model_file=str(front.spec.path.resolve()),
+        model_sha256=front.spec.source_sha256,
+        capture=front.op_graph.graph.method,
+        leaves=options.leaf,
+        cost_model=front.cost_model.name,
+        solver_status=solver[0],
+        objective_s=objective_s,
+        bound_s=solver[1],
+        gap=solver[2],
+        autopart_version=autopart.__version__,
+        torch_version=torch.__version__,
+    )
+
+
+def _stage_plans(front: Front, problem: PipelineProblem, ranges: list[range], recompute: list
+                 ) -> tuple[list[StagePlan], dict[str, list[int]]]:
+    """Per stage its StagePlan, with the problem's figures (recompute included); and per
+    parameter the stages that hold it (more than one: a tied weight)."""
+    chain = front.chain
+    stage_nodes = [tuple(n for k in r for n in chain.blocks[k].nodes) for r in ranges]
+    sends = stage_boundaries(front.op_graph, stage_nodes)
+    metas = {name: cost.output for name, cost in front.op_graph.nodes.items()}
+    graph_inputs = front.op_graph.graph.input_names
+    holders: dict[str, list[int]] = {}
+    block_times = block_seconds(front)
+    stages = []
+    for s, r in enumerate(ranges):
+        blocks = [chain.blocks[k] for k in r]
+        parameters = tuple(dict.fromkeys(p for b in blocks for p in b.parameters))
+        for p in parameters:
+            holders.setdefault(p, []).append(s)
+        needed = _batch_inputs(front.op_graph, stage_nodes[s], graph_inputs)
+        times = [block_times[k] for k in r]
+        strategies = {
+            n: str(strategy)
+            for k in r
+            for n, strategy in (front.shardings[k].strategies.items() if front.shardings else ())
+            if strategy.output != REPLICATE or strategy.kind
+        }
+        placements = parameter_placements(front)
+        backward = sum(problem.block_time_s[k] for k in r) - sum(f for f, _, _ in times)  # recompute included
+        stages.append(
+            StagePlan(
+                index=s,
+                rank=problem.rank_of(s),
+                blocks=(r.start, r.stop - 1),
+                nodes=stage_nodes[s],
+                inputs=tuple((n, metas[n]) for n in (sends[s - 1] if s > 0 else ())),
+                outputs=tuple((n, metas[n]) for n in (sends[s] if s < len(sends) else ())),
+                batch_inputs=needed,
+                parameters=parameters,
+                forward_s=sum(f for f, _, _ in times),
+                backward_s=backward,
+                # a stage whose backward is all weight gradients (the embedding alone): equal, not a rounding apart
+                backward_weight_s=min(backward, sum(w for _, _, w in times)),
+                parameter_bytes=sum(chain.parameter_bytes[p] for p in parameters),
+                activation_bytes=sum(problem.block_activation_bytes[k] for k in r),
+                strategies=strategies,
+                parameter_placements={p: str(placements[p]) for p in parameters if placements.get(p, REPLICATE) != REPLICATE},
+                recompute=recompute[s].mode,
+            )
+        )
+    return stages, holders
+
+
+def _model_flops(op_graph: OpGraph, global_batch_size: int) -> float:
+    """The model's FLOPs of one step (forward and backward, without recompute's), from the ops'
+    FLOPs at the annotated microbatch size: what MFU counts as useful work."""
+    per_sample = sum(n.forward_flops + n.backward_flops for n in op_graph.nodes.values()) / op_graph.micro_batch_size
+    return per_sample * global_batch_size
+
+
+def _peak_flops(device: DeviceSpec, dtype: str) -> float:
+    """The device's dense peak for the plan's matrix products: bf16, or fp32 (TF32 where the spec runs fp32 so)."""
+    if dtype == "bf16":
+        return device.peak_flops["bfloat16"]
+    return device.peak_flops["tf32" if device.fp32_matmul_uses_tf32 else "float32"]
+
+
+def _with_recompute(options: CompileOptions, front: Front, problem: PipelineProblem, ranges: list[range]):
+    """The problem with every block in its stage's recompute mode and each recomputing stage's inputs
+    held, so that evaluating the cuts gives the chosen stages' exact figures; and per stage its
+    `RecomputeCost`."""
+    modes = stage_modes(options.recompute, len(ranges))
+    times, held = recompute_blocks(front, [modes[s] for s, r in enumerate(ranges) for _ in r])
+    held = list(held)
+    costs = []
+    for s, r in enumerate(ranges):
+        inputs = stage_input_bytes(front.chain, r.start, r.stop - 1)
+        costs.append(recompute_cost([front.chain.blocks[k] for k in r], modes[s], input_bytes=inputs))
+        if modes[s] != "none":  # checkpoint keeps the stage's arguments (whole on every tensor-parallel rank)
+            held[r.start] += inputs
+    return replace(problem, block_time_s=times, block_activation_bytes=tuple(held)), costs
+
+
+def _with_transients(options: CompileOptions, memory: tuple[int, ...], recompute: list, microbatches: int):
+    """Each rank's peak plus the recomputed activations of the backward(s) in progress on it."""
+    schedule = build_schedule(options.schedule, ranks=options.pp, microbatches=microbatches, chunks=options.chunks)
+    at_once = transient_microbatches(schedule, len(recompute))
+    peaks = list(memory)
+    for rank in range(options.pp):
+        here = [s for s in range(len(recompute)) if stage_rank(s, options.pp) == rank]
+        peaks[rank] += max((recompute[s].transient_bytes // options.tp * at_once[s] for s in here), default=0)
+    return tuple(peaks)
+
+
+def _batch_inputs(op_graph: OpGraph, nodes: tuple[str, ...], graph_inputs: tuple[str, ...]) -> tuple[str, ...]:
+    """The graph inputs that a stage's nodes reach through batch-derived nodes alone."""
+    fx_nodes = {n.name: n for n in op_graph.fx_nodes()}
+    found: set[str] = set()
+    seen: set[str] = set()
+    stack = [a for n in nodes for a in fx_nodes[n].all_input_nodes]
+    while stack:
+        node = stack.pop()
+        if node.name in seen or not (op_graph.nodes[node.name].batch_derived and node.op != "get_attr"):
+            continue
+        seen.add(node.name)
+        if node.op == "placeholder":
+            found.add(node.name)
+        stack.extend(node.all_input_nodes)
+    return tuple(n for n in graph_inputs if n in found)
+
+
+def _state_bytes(options: CompileOptions, parameter_bytes: int) -> int:
+    """Weights, gradients and optimizer state of one rank's share of a parameter."""
+    return state_bytes(parameter_bytes, optimizer=options.optimizer, dp=options.dp, zero=options.zero)

@@ -1,0 +1,350 @@
+"""Cut a chain of blocks into pipeline stages fast: bisection on the slowest stage's time.
+
+The whole-plan search (``autopart/search.py``) scores thousands of layouts (mesh shape,
+micro-batch size, schedule, ...), and each needs its cuts. CP-SAT takes seconds per solve on
+long chains; this takes milliseconds. For a bound ``T`` on every stage's time, cutting greedily
+from the first block (each stage as long as it can be while its time is within ``T`` and its
+rank's memory within the limit) finds a plan whenever any plan meets ``T``: a stage's time and
+memory only grow as it takes more blocks, so a stage that ends later never leaves the next one
+worse off. Bisection on ``T`` then gives the smallest slowest stage. Where the transfers at the
+stages' ends are equal (a Transformer's residual stream) that is also the smallest
+``sum T_s + (m - 1) max T_s``, the pipeline latency that ``autopart.solve.pipeline`` minimises
+with CP-SAT, which the search still runs on its finalists.
+
+Recompute is chosen per stage inside the cut: a stage takes the lightest recompute mode
+("none", then "selective", then "full") that keeps its rank within memory, and pays its time.
+
+``ChainCosts`` holds what this needs, per block; it is built from the annotated chain by
+``autopart.solve.search`` and knows nothing of devices.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+from autopart.ir.recompute import RECOMPUTE_MODES
+
+__all__ = ["RECOMPUTE_MODES", "ChainCosts", "StageCut", "cut_stages", "lower_bound_s", "stage_figures"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ChainCosts:
+    """One microbatch through each block on one rank, after tensor-parallel sharding."""
+
+    forward_s: tuple[float, ...]
+    backward_s: tuple[float, ...]  # input and weight gradients together
+    weight_s: tuple[float, ...]  # the weight-gradient part of backward_s
+    saved_bytes: tuple[int, ...]  # kept for backward without recompute
+    selective_saved_bytes: tuple[int, ...]  # kept under selective recompute
+    selective_recompute_s: tuple[float, ...]  # forward work selective recompute repeats in backward
+    boundary_bytes: tuple[int, ...]  # what crosses after block k (len = blocks - 1)
+    input_bytes: int  # the batch inputs (token ids, targets) a stage may read, per microbatch
+    parameter_bytes: dict[str, int]  # per parameter, its share on one rank of the tensor-parallel group
+    parameter_state_bytes: dict[str, int]  # the same with gradients and optimizer state
+    block_parameters: tuple[tuple[str, ...], ...]
+    _prefix: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def __len__(self) -> int:
+        return len(self.forward_s)
+
+    def prefix(self, name: str) -> list[float]:
+        """Running sums of a per-block figure: ``prefix(x)[j] = sum(x[:j])``."""
+        if name not in self._prefix:
+            if name == "owned_parameter_bytes":
+                values = self._owned_parameter_bytes()
+            elif name == "owned_weight_bytes":  # the parameters alone, one tensor-parallel rank's share
+                values = [sum(size * count for size, count in sizes) for sizes in self._owned_sizes()]
+            elif name == "full_recompute_s":
+                values = self.forward_s
+            elif name == "compute_s":
+                values = [f + b for f, b in zip(self.forward_s, self.backward_s)]
+            else:
+                values = getattr(self, name)
+            self._prefix[name] = [0, *itertools.accumulate(values)]
+        return self._prefix[name]
+
+    def _owned_parameter_bytes(self) -> list[int]:
+        """Each parameter counted at the first block that reads it."""
+        owned = [0] * len(self)
+        seen: set[str] = set()
+        for k, names in enumerate(self.block_parameters):
+            for p in names:
+                if p not in seen:
+                    seen.add(p)
+                    owned[k] += self.parameter_state_bytes[p]
+        return owned
+
+    def _owned_sizes(self) -> list[tuple[tuple[int, int], ...]]:
+        """Per block, (parameter bytes, how many) of the parameters first read there."""
+        if "owned_sizes" not in self._prefix:
+            found, seen = [], set()
+            for names in self.block_parameters:
+                counts: dict[int, int] = {}
+                for p in names:
+                    if p not in seen:
+                        seen.add(p)
+                        counts[self.parameter_bytes[p]] = counts.get(self.parameter_bytes[p], 0) + 1
+                found.append(tuple(counts.items()))
+            self._prefix["owned_sizes"] = found
+        return self._prefix["owned_sizes"]
+
+    def with_state(self, state_bytes: Callable[[int], int]) -> ChainCosts:
+        """These costs with ``parameter_state_bytes[p] = state_bytes(parameter_bytes[p])``. Fast
+        for chains of thousands of parameters: one call per distinct size, and the running sums
+        that depend only on which block reads what are carried over."""
+        state = {size: state_bytes(size) for size in set(self.parameter_bytes.values())}
+        owned = [sum(state[size] * count for size, count in sizes) for sizes in self._owned_sizes()]
+        carried = {name: self._prefix[name] for name in ("owned_sizes", "shared") if name in self._prefix}
+        carried["owned_parameter_bytes"] = [0, *itertools.accumulate(owned)]
+        return replace(self, parameter_state_bytes={p: state[b] for p, b in self.parameter_bytes.items()},
+                       _prefix=carried)
+
+    @property
+    def shared_parameters(self) -> dict[str, tuple[int, ...]]:
+        """Parameters read by more than one block (tied embeddings), with the blocks that read them."""
+        if "shared" not in self._prefix:
+            readers: dict[str, list[int]] = {}
+            for k, names in enumerate(self.block_parameters):
+                for p in names:
+                    readers.setdefault(p, []).append(k)
+            self._prefix["shared"] = {p: tuple(ks) for p, ks in readers.items() if len(ks) > 1}
+        return self._prefix["shared"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageCut:
+    cuts: tuple[int, ...]  # stage s ends after block cuts[s]
+    recompute: tuple[str, ...]  # per stage
+    stage_time_s: tuple[float, ...]  # forward + backward (+ recompute) + transfers, one microbatch
+    stage_weight_s: tuple[float, ...]
+    stage_memory_bytes: tuple[int, ...]
+    rank_memory_bytes: tuple[int, ...]
+    bound_s: float = 0.0  # from cut_stages, one stage per rank: no cuts have a smaller slowest stage
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Stage:
+    time_s: float
+    weight_s: float
+    memory_bytes: int
+
+
+def stage_figures(
+    costs: ChainCosts, first: int, last: int, *, mode: str, in_flight: int, transfer_in_s: float, transfer_out_s: float,
+    transient: int = 1,
+) -> _Stage:
+    """Time and memory of the stage of blocks ``first..last`` under a recompute mode: the figures
+    of ``autopart.passes.recompute.recompute_cost``. Recompute keeps the stage's arguments (what it
+    receives, and the batch inputs, counted whole) per microbatch in flight, and the activations
+    it rebuilds live while ``transient`` microbatches' backwards run."""
+    time_s, weight_s, memory_bytes = _sums(costs).stage(first, last, mode, in_flight, transfer_in_s, transfer_out_s,
+                                                        transient)
+    return _Stage(time_s=time_s, weight_s=weight_s, memory_bytes=memory_bytes)
+
+
+class _Sums:
+    """A chain's running sums, held in one place: the search evaluates millions of stages."""
+
+    __slots__ = ("compute", "selective_s", "full_s", "saved", "selective_saved", "owned", "weight", "received",
+                 "shared")
+
+    def __init__(self, costs: ChainCosts):
+        p = costs.prefix
+        self.compute, self.weight, self.owned = p("compute_s"), p("weight_s"), p("owned_parameter_bytes")
+        self.selective_s, self.full_s = p("selective_recompute_s"), p("full_recompute_s")
+        self.saved, self.selective_saved = p("saved_bytes"), p("selective_saved_bytes")
+        # what a stage from block ``first`` keeps per microbatch to recompute from: [first]
+        self.received = tuple(b + costs.input_bytes for b in (0, *costs.boundary_bytes))
+        self.shared = tuple((readers, costs.parameter_state_bytes[name])
+                            for name, readers in costs.shared_parameters.items())
+
+    def stage(self, first: int, last: int, mode: str, in_flight: int, transfer_in_s: float,
+              transfer_out_s: float, transient: int = 1) -> tuple[float, float, int]:
+        """(time, weight-gradient time, memory) of blocks ``first..last``: see ``stage_figures``."""
+        end = last + 1
+        compute = self.compute[end] - self.compute[first]
+        saved_none = self.saved[end] - self.saved[first]
+        if mode == "none":
+            extra, held = 0.0, in_flight * saved_none
+        elif mode == "selective":
+            extra = self.selective_s[end] - self.selective_s[first]
+            selective = self.selective_saved[end] - self.selective_saved[first]
+            held = in_flight * (self.received[first] + selective) + transient * max(0, saved_none - selective)
+        elif mode == "full":
+            extra = self.full_s[end] - self.full_s[first]
+            held = in_flight * self.received[first] + transient * saved_none
+        else:
+            raise ValueError(f"unknown recompute mode {mode!r}")
+        parameters = self.owned[end] - self.owned[first]
+        for readers, nbytes in self.shared:  # a weight first read before the stage, read again in it
+            if readers[0] < first:
+                k = bisect.bisect_left(readers, first)
+                if k < len(readers) and readers[k] <= last:
+                    parameters += nbytes
+        return (compute + extra + transfer_in_s + transfer_out_s, self.weight[end] - self.weight[first],
+                parameters + held)
+
+
+def _sums(costs: ChainCosts) -> _Sums:
+    found = costs._prefix.get("sums")
+    if found is None:
+        found = costs._prefix["sums"] = _Sums(costs)
+    return found
+
+
+def cut_stages(
+    costs: ChainCosts,
+    *,
+    stages: int,
+    in_flight: tuple[int, ...],
+    stage_rank: tuple[int, ...],
+    transfer_s: tuple[float, ...],
+    memory_limit_bytes: int,
+    overhead_bytes: int,
+    modes: tuple[tuple[str, ...], ...] | None = None,
+    transient: tuple[int, ...] | None = None,
+    precision: float = 1e-4,
+    fit_only: bool = False,
+) -> StageCut | None:
+    """The cuts with the smallest slowest stage that fit in memory, or None if nothing fits.
+    With ``fit_only``, any cuts that fit (the question is whether some do).
+
+    ``transfer_s[k]``: one-way seconds of what crosses after block k. ``modes``: per stage, the
+    recompute modes allowed (all three by default). A rank holding several stages (interleaved)
+    gives each an equal share of its memory while cutting; the result's memory is exact.
+    ``transient``: per stage, the microbatches whose recomputed activations live at once (1 each
+    by default; more where a zero-bubble W waits).
+    """
+    blocks = len(costs)
+    if stages > blocks:
+        return None
+    modes = modes or (RECOMPUTE_MODES,) * stages
+    ranks = max(stage_rank) + 1
+    per_rank = [stage_rank.count(r) for r in range(ranks)]
+    budget = [(memory_limit_bytes - overhead_bytes) // per_rank[stage_rank[s]] for s in range(stages)]
+    if min(budget) <= 0:
+        return None
+
+    def stage(s: int, first: int, last: int, mode: str) -> _Stage:
+        return stage_figures(
+            costs, first, last, mode=mode, in_flight=in_flight[s],
+            transfer_in_s=transfer_s[first - 1] if s > 0 else 0.0,
+            transfer_out_s=transfer_s[last] if s < stages - 1 else 0.0,
+            transient=transient[s] if transient else 1,
+        )  # fmt: skip
+
+    greedy = _Greedy(costs=costs, stages=stages, modes=modes, budget=budget, in_flight=in_flight,
+                     transfer_s=transfer_s, transient=transient)
+    compute = greedy.compute
+    worst_case = compute[-1] + sum(costs.forward_s) + 2 * sum(transfer_s) + 1e-9
+    loose = greedy(worst_case)
+    if loose is None or fit_only:
+        return loose and _finish(costs, loose, stage, stage_rank, ranks, overhead_bytes, modes)
+    largest_block = max(f + b for f, b in zip(costs.forward_s, costs.backward_s))
+    lo, hi = max(largest_block, compute[-1] / stages) * (1 - 1e-9), worst_case
+    while hi - lo > precision * hi:
+        mid = (lo + hi) / 2
+        if greedy(mid) is not None:
+            hi = mid
+        else:
+            lo = mid
+    chosen = greedy(hi)
+    assert chosen is not None
+    return replace(_finish(costs, chosen, stage, stage_rank, ranks, overhead_bytes, modes), bound_s=lo)
+
+
+class _Greedy:
+    """Per stage (last block, mode), each stage as long as a bound on its time allows, or None
+    if some stage fits under the bound in no mode: the test that `cut_stages` bisects on."""
+
+    def __init__(self, *, costs: ChainCosts, stages: int, modes: tuple[tuple[str, ...], ...], budget: list[int],
+                 in_flight: tuple[int, ...], transfer_s: tuple[float, ...], transient: tuple[int, ...] | None):
+        self.costs, self.stages, self.modes, self.budget = costs, stages, modes, budget
+        self.in_flight, self.transfer_s, self.transient = in_flight, transfer_s, transient
+        self.blocks = len(costs)
+        self.sums = _sums(costs)
+        self.compute = costs.prefix("compute_s")
+        self.cheapest_out = min(transfer_s, default=0.0)
+
+    def fits(self, s: int, first: int, last: int, bound: float) -> str | None:
+        """The first mode in which blocks ``first..last`` fit as stage ``s`` under ``bound``, if any."""
+        transfer_in = self.transfer_s[first - 1] if s > 0 else 0.0
+        transfer_out = self.transfer_s[last] if s < self.stages - 1 else 0.0
+        for mode in self.modes[s]:
+            time_s, _, memory_bytes = self.sums.stage(first, last, mode, self.in_flight[s], transfer_in, transfer_out,
+                                                      self.transient[s] if self.transient else 1)
+            if memory_bytes <= self.budget[s] and time_s <= bound:
+                return mode
+        return None
+
+    def last_block(self, s: int, first: int, bound: float) -> tuple[int, str] | None:
+        """The last block stage ``s`` (not the last stage) can end on from ``first``, and its mode."""
+        latest = self.blocks - (self.stages - s)  # every later stage needs a block
+        # No mode is faster than no recompute, so the compute alone caps the stage's end; at
+        # that cap it usually fits, and otherwise bisection finds the last block it can end on
+        # (longer stages only cost more).
+        inbound = self.transfer_s[first - 1] if s > 0 else 0.0
+        compute = self.compute
+        cap = bisect.bisect_right(compute, bound * (1 + 1e-9) + compute[first] - inbound - self.cheapest_out) - 2
+        lo, hi = first, max(first, min(latest, cap))
+        mode = self.fits(s, first, hi, bound)
+        if mode is not None:
+            lo = hi
+        else:
+            mode = self.fits(s, first, first, bound)
+            if mode is None:
+                return None
+            hi -= 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            found = self.fits(s, first, mid, bound)
+            if found is not None:
+                lo, mode = mid, found
+            else:
+                hi = mid - 1
+        return lo, mode
+
+    def __call__(self, bound: float) -> list[tuple[int, str]] | None:
+        result = []
+        first = 0
+        for s in range(self.stages):
+            if s == self.stages - 1:
+                mode = self.fits(s, first, self.blocks - 1, bound)
+                if mode is None:
+                    return None
+                result.append((self.blocks - 1, mode))
+                break
+            found = self.last_block(s, first, bound)
+            if found is None:
+                return None
+            result.append(found)
+            first = found[0] + 1
+        return result
+
+
+def _finish(costs, chosen, stage, stage_rank, ranks, overhead_bytes, modes) -> StageCut:
+    """The figures of the chosen cuts, each stage with the lightest recompute that fits its rank."""
+    cuts = tuple(last for last, _ in chosen[:-1])
+    firsts = [0, *(c + 1 for c in cuts)]
+    figures = [stage(s, firsts[s], last, mode) for s, (last, mode) in enumerate(chosen)]
+    rank_memory = [overhead_bytes] * ranks
+    for s, f in enumerate(figures):
+        rank_memory[stage_rank[s]] += f.memory_bytes
+    return StageCut(
+        cuts=cuts,
+        recompute=tuple(mode for _, mode in chosen),
+        stage_time_s=tuple(f.time_s for f in figures),
+        stage_weight_s=tuple(f.weight_s for f in figures),
+        stage_memory_bytes=tuple(f.memory_bytes for f in figures),
+        rank_memory_bytes=tuple(rank_memory),
+    )
+
+
+def lower_bound_s(costs: ChainCosts, stages: int) -> float:
+    """No cut makes the slowest stage faster than this."""
+    compute = costs.prefix("compute_s")[-1]
+    return max(compute / stages, max((f + b for f, b in zip(costs.forward_s, costs.backward_s)), default=0.0))
+

@@ -1,0 +1,295 @@
+"""Choose the pipeline cuts with OR-Tools CP-SAT.
+
+The problem is a chain of blocks to be cut into ``stages`` contiguous stages. A stage's time per
+microbatch is its blocks' forward and backward time plus the transfers at its two ends (the
+activation it sends forward, the gradient it sends back). The objective is Alpa's pipeline
+latency, ``sum_s T_s + (microbatches - 1) * max_s T_s``, which the bubble makes the right one:
+the slowest stage is paid once per microbatch, the others once per step.
+
+Memory per rank (a rank may hold several stages): the model state of every parameter it reads (a parameter read by two stages,
+such as tied embeddings, is held and paid for by both), the activations saved for backward times
+the microbatches that the schedule keeps in flight on that stage, and a fixed overhead per rank.
+
+``solve_cuts(problem, time_limit_s=...)`` returns the cuts; ``evaluate(problem, cuts)`` computes
+the same figures in plain Python, used to re-check every solution and by the tests' exhaustive
+enumeration.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autopart.solve._cp_sat import cp_model
+
+from autopart.ir.errors import ConfigError, InfeasibleError
+
+__all__ = ["PipelineProblem", "CutEvaluation", "CutSolution", "evaluate", "solve_cuts"]
+
+_NS = 1e9  # CP-SAT works on integers: times in nanoseconds
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineProblem:
+    """A chain of blocks to cut into stages. Times in seconds, memory in bytes."""
+
+    block_time_s: tuple[float, ...]  # forward + backward of one microbatch
+    block_activation_bytes: tuple[int, ...]  # saved for backward, one microbatch
+    boundary_transfer_s: tuple[float, ...]  # one way, one microbatch; len = blocks - 1
+    parameter_state_bytes: dict[str, int]  # parameter -> bytes of weights, gradients, optimizer state
+    block_parameters: tuple[tuple[str, ...], ...]  # per block, the parameters it reads
+    stages: int
+    microbatches: int
+    in_flight: tuple[int, ...]  # per stage: microbatches whose activations are held at once
+    memory_limit_bytes: int
+    overhead_bytes: int = 0  # per rank
+    stage_rank: tuple[int, ...] = ()  # rank that holds each stage; empty: stage s on rank s
+
+    @property
+    def ranks(self) -> int:
+        return max(self.rank_of(s) for s in range(self.stages)) + 1
+
+    def rank_of(self, stage: int) -> int:
+        return self.stage_rank[stage] if self.stage_rank else stage
+
+    def __post_init__(self) -> None:
+        blocks = len(self.block_time_s)
+        if self.stages > blocks:
+            raise ConfigError(
+                f"the model has {blocks} places where a pipeline stage can start but {self.stages} stages were asked "
+                f"for; use --pp {blocks} or fewer"
+            )
+        assert len(self.boundary_transfer_s) == blocks - 1
+        assert len(self.in_flight) == self.stages
+        assert len(self.block_parameters) == blocks == len(self.block_activation_bytes)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CutEvaluation:
+    cuts: tuple[int, ...]  # stage s ends after block cuts[s]; len = stages - 1
+    stage_time_s: tuple[float, ...]
+    rank_memory_bytes: tuple[int, ...]
+    objective_s: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class CutSolution:
+    evaluation: CutEvaluation
+    status: str  # "optimal" or "feasible"
+    bound_s: float
+    gap: float
+
+
+def stage_ranges(cuts: tuple[int, ...], blocks: int) -> list[range]:
+    starts = [0, *(c + 1 for c in cuts)]
+    ends = [*(c + 1 for c in cuts), blocks]
+    return [range(a, b) for a, b in zip(starts, ends)]
+
+
+def evaluate(problem: PipelineProblem, cuts: tuple[int, ...]) -> CutEvaluation:
+    blocks = len(problem.block_time_s)
+    times: list[float] = []
+    memory = [problem.overhead_bytes] * problem.ranks
+    for s, members in enumerate(stage_ranges(cuts, blocks)):
+        time = sum(problem.block_time_s[k] for k in members)
+        if s > 0:
+            time += problem.boundary_transfer_s[cuts[s - 1]]
+        if s < problem.stages - 1:
+            time += problem.boundary_transfer_s[cuts[s]]
+        held = {p for k in members for p in problem.block_parameters[k]}
+        activations = sum(problem.block_activation_bytes[k] for k in members)
+        memory[problem.rank_of(s)] += (
+            sum(problem.parameter_state_bytes[p] for p in held) + problem.in_flight[s] * activations
+        )
+        times.append(time)
+    objective = sum(times) + (problem.microbatches - 1) * max(times)
+    return CutEvaluation(
+        cuts=tuple(cuts), stage_time_s=tuple(times), rank_memory_bytes=tuple(memory), objective_s=objective
+    )
+
+
+class _CutModel:
+    """The CP-SAT model. ``x[k][s]``: block k is on stage s; ``end[k][s]``: stage s ends after block k."""
+
+    def __init__(self, problem: PipelineProblem):
+        self.problem = problem
+        self.model = cp_model.CpModel()
+        blocks, stages = len(problem.block_time_s), problem.stages
+        m = self.model
+        self.x = [[m.new_bool_var(f"block{k}_on_stage{s}") for s in range(stages)] for k in range(blocks)]
+        for k in range(blocks):
+            m.add_exactly_one(self.x[k])
+        m.add(self.x[0][0] == 1)
+        m.add(self.x[blocks - 1][stages - 1] == 1)
+        self.stage_of = [m.new_int_var(0, stages - 1, f"stage_of_block{k}") for k in range(blocks)]
+        for k in range(blocks):
+            m.add(self.stage_of[k] == sum(s * self.x[k][s] for s in range(stages)))
+        for k in range(blocks - 1):
+            m.add(self.stage_of[k + 1] - self.stage_of[k] >= 0)
+            m.add(self.stage_of[k + 1] - self.stage_of[k] <= 1)
+        self.end = [[m.new_bool_var(f"stage{s}_ends_after_block{k}") for s in range(stages - 1)] for k in range(blocks - 1)]
+        for k in range(blocks - 1):
+            for s in range(stages - 1):
+                e, here, there = self.end[k][s], self.x[k][s], self.x[k + 1][s + 1]
+                m.add_implication(e, here)
+                m.add_implication(e, there)
+                m.add_bool_or([e, here.Not(), there.Not()])
+        for s in range(stages - 1):
+            m.add_exactly_one(self.end[k][s] for k in range(blocks - 1))
+
+    def stage_time(self, s: int) -> cp_model.LinearExpr:
+        p, blocks = self.problem, len(self.problem.block_time_s)
+        compute = sum(round(p.block_time_s[k] * _NS) * self.x[k][s] for k in range(blocks))
+        transfer = 0
+        for k in range(blocks - 1):
+            cost = round(p.boundary_transfer_s[k] * _NS)
+            if s < p.stages - 1:
+                transfer += cost * self.end[k][s]
+            if s > 0:
+                transfer += cost * self.end[k][s - 1]
+        return compute + transfer
+
+    def stage_memory(self, s: int) -> cp_model.LinearExpr:
+        p, m = self.problem, self.model
+        blocks = len(p.block_time_s)
+        holds = []
+        for name, nbytes in p.parameter_state_bytes.items():
+            readers = [k for k in range(blocks) if name in p.block_parameters[k]]
+            if not readers:
+                continue
+            held = m.new_bool_var(f"stage{s}_holds_{name}")
+            m.add_max_equality(held, [self.x[k][s] for k in readers])
+            holds.append(nbytes * held)
+        activations = sum(p.block_activation_bytes[k] * self.x[k][s] for k in range(blocks))
+        return sum(holds) + p.in_flight[s] * activations
+
+    def rank_memory(self, rank: int) -> cp_model.LinearExpr:
+        p = self.problem
+        return sum(self.stage_memory(s) for s in range(p.stages) if p.rank_of(s) == rank) + p.overhead_bytes
+
+    def hint(self, cuts: tuple[int, ...]) -> None:
+        """Start the search from ``cuts``: on long chains (a 7B model has hundreds of blocks) CP-SAT
+        can otherwise spend its whole time limit before it finds any plan."""
+        blocks = len(self.problem.block_time_s)
+        for s, members in enumerate(stage_ranges(cuts, blocks)):
+            for k in range(blocks):
+                self.model.add_hint(self.x[k][s], k in members)
+        for k in range(blocks - 1):
+            for s in range(self.problem.stages - 1):
+                self.model.add_hint(self.end[k][s], cuts[s] == k)
+
+    def cuts(self, solver: cp_model.CpSolver) -> tuple[int, ...]:
+        blocks = len(self.problem.block_time_s)
+        return tuple(
+            next(k for k in range(blocks - 1) if solver.value(self.end[k][s])) for s in range(self.problem.stages - 1)
+        )
+
+
+def _solve(model: cp_model.CpModel, time_limit_s: float) -> tuple[cp_model.CpSolver, int]:
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = time_limit_s
+    solver.parameters.num_workers = 2
+    status = solver.solve(model)
+    return solver, status
+
+
+def solve_cuts(problem: PipelineProblem, *, time_limit_s: float = 30.0, hint: tuple[int, ...] | None = None) -> CutSolution:
+    """The cuts that minimise the pipeline latency within the memory limit; the search starts
+    from ``hint`` (by default, cuts that balance the stages' compute)."""
+    if problem.stages == 1:
+        evaluation = evaluate(problem, ())
+        _check_memory(problem, evaluation)
+        return CutSolution(evaluation=evaluation, status="optimal", bound_s=evaluation.objective_s, gap=0.0)
+    cut_model = _CutModel(problem)
+    m = cut_model.model
+    horizon = round(sum(problem.block_time_s) * _NS + 2 * sum(problem.boundary_transfer_s) * _NS) + 1
+    slowest = m.new_int_var(0, horizon, "slowest_stage_time")
+    times = [cut_model.stage_time(s) for s in range(problem.stages)]
+    for time in times:
+        m.add(slowest >= time)
+    for rank in range(problem.ranks):
+        m.add(cut_model.rank_memory(rank) <= problem.memory_limit_bytes)
+    m.minimize(sum(times) + (problem.microbatches - 1) * slowest)
+    start = evaluate(problem, hint if hint is not None else _balanced_cuts(problem))
+    cut_model.hint(start.cuts)
+    solver, status = _solve(m, time_limit_s)
+    if status == cp_model.INFEASIBLE:
+        raise InfeasibleError(_infeasible_message(problem, time_limit_s))
+    # On long chains CP-SAT may stop with no plan or a poor one, hint or not: the starting
+    # cuts, when they fit in memory, are then the answer, and CP-SAT's bound still says how good.
+    start_fits = max(start.rank_memory_bytes) <= problem.memory_limit_bytes
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        if not start_fits:
+            raise InfeasibleError(
+                f"the cut solver found no plan within --time-limit {time_limit_s:g} s; raise --time-limit"
+            )
+        evaluation = start
+    else:
+        evaluation = evaluate(problem, cut_model.cuts(solver))
+        # The solution is re-checked in plain Python: the CP-SAT model and evaluate() must agree up to
+        # the rounding of each block's time to whole nanoseconds.
+        rounding = (len(problem.block_time_s) + 2 * problem.stages) * problem.microbatches
+        assert abs(evaluation.objective_s * _NS - solver.objective_value) <= rounding, (evaluation, solver.objective_value)
+        if start_fits and start.objective_s < evaluation.objective_s:
+            evaluation = start
+    _check_memory(problem, evaluation)
+    bound = min(max(0.0, solver.best_objective_bound / _NS), evaluation.objective_s)
+    objective = evaluation.objective_s
+    return CutSolution(
+        evaluation=evaluation,
+        status="optimal" if status == cp_model.OPTIMAL else "feasible",
+        bound_s=bound,
+        gap=0.0 if objective == 0 else max(0.0, (objective - bound) / objective),
+    )
+
+
+def _balanced_cuts(problem: PipelineProblem) -> tuple[int, ...]:
+    """Cuts that give each stage about an equal share of the compute time, one block at least."""
+    blocks, stages = len(problem.block_time_s), problem.stages
+    total = sum(problem.block_time_s) or 1.0
+    cuts: list[int] = []
+    elapsed = 0.0
+    for k in range(blocks - 1):
+        elapsed += problem.block_time_s[k]
+        room = blocks - 1 - k  # blocks left after k: each later stage needs one
+        due = len(cuts) < stages - 1 and (elapsed >= total * (len(cuts) + 1) / stages or room <= stages - 1 - len(cuts))
+        if due and (not cuts or k > cuts[-1]):
+            cuts.append(k)
+    return tuple(cuts)
+
+
+def _check_memory(problem: PipelineProblem, evaluation: CutEvaluation) -> None:
+    worst = max(evaluation.rank_memory_bytes)
+    if worst > problem.memory_limit_bytes:
+        if problem.stages == 1:
+            raise InfeasibleError(_infeasible_message(problem, 10.0))
+        raise AssertionError("the solver returned cuts that break the memory limit")
+
+
+def _smallest_peak_memory(problem: PipelineProblem, time_limit_s: float) -> int:
+    if problem.stages == 1:
+        return evaluate(problem, ()).rank_memory_bytes[0]
+    cut_model = _CutModel(problem)
+    m = cut_model.model
+    everything = (
+        sum(problem.parameter_state_bytes.values())
+        + max(problem.in_flight) * sum(problem.block_activation_bytes)
+        + problem.overhead_bytes * problem.ranks
+    )
+    peak = m.new_int_var(0, everything, "peak_memory")
+    for rank in range(problem.ranks):
+        m.add(peak >= cut_model.rank_memory(rank))
+    m.minimize(peak)
+    solver, status = _solve(m, time_limit_s)
+    assert status in (cp_model.OPTIMAL, cp_model.FEASIBLE)
+    return round(solver.objective_value)
+
+
+def _infeasible_message(problem: PipelineProblem, time_limit_s: float) -> str:
+    need = _smallest_peak_memory(problem, time_limit_s)
+    gib = 1 << 30
+    return (
+        f"the model does not fit: with {problem.stages} pipeline stages and {problem.microbatches} microbatches "
+        f"the fullest device needs {need / gib:.2f} GiB but the memory limit is "
+        f"{problem.memory_limit_bytes / gib:.2f} GiB; raise --memory to at least {need / gib:.2f} "
+        "or use more stages (--pp)"
+    )

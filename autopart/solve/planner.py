@@ -1,0 +1,427 @@
+"""The compiler's side of the search: costs from real captures, finalists predicted like any plan.
+
+``plan_by_search(options)`` is what ``autopart compile --world-size N`` runs:
+
+1. ``FrontTable`` gives ``autopart.solve.search`` the chain's costs for each micro-batch size, dtype
+   and tensor-parallel degree it asks about, capturing and annotating the model once per
+   micro-batch size (the graph's shapes depend on it) and sharding per degree.
+2. ``autopart.solve.search.search`` scores the layouts and keeps the finalists.
+3. Each finalist becomes a Plan through the compiler's own ``plan_from_cuts``, so its
+   predicted step is the one that a pinned plan with the same choices gets; they are ranked by it.
+4. The best one's cuts are given to CP-SAT as a start when the chain is small enough to prove
+   them optimal (CP-SAT improves them if it can), and its bound and gap go into the plan.
+5. When nothing fits, one line says the memory per device, or the world size, that would.
+
+A model with a long run of identical layers (``autopart.passes.shallow``) is searched through a copy
+that keeps two of them: ``shallow_table`` captures that copy at each micro-batch size and lays
+its chain out to full depth (``autopart.solve.repeat``), so that a capture costs two layers, not
+eighty. Its finalists are ranked by the schedule simulator on those costs
+(``autopart.solve.simulated``), and the full model is captured once, for the first of them
+that fits as a plan; that plan (step 3's, exactly) is the one emitted.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from autopart.options import CompileOptions
+from autopart.passes.front import Front, annotated, block_seconds, parameter_placements, sharded
+from autopart.predict.memory import state_bytes
+from autopart.solve.assemble import pipeline_problem, plan_from_cuts
+from autopart.ir.tensors import DTYPES
+from autopart.ir.model_file import ModelSpec, is_meta, load_model_file
+from autopart.passes.capture import Graph
+from autopart.ir.errors import ConfigError, InfeasibleError
+from autopart.ir.plan import Plan
+from autopart.runtime.materialise import check_initialisers
+from autopart.passes.shallow import KEPT_LAYERS, repeated_layers, shallow_module
+from autopart.solve.search import Cluster, Layout, Scored, SearchResult, SearchSpace, fits, score_layout, search
+from autopart.solve.baselines import block_layers
+from autopart.solve.bottleneck import RECOMPUTE_MODES, ChainCosts
+from autopart.solve.pipeline import evaluate, solve_cuts
+from autopart.solve.repeat import RepeatedTable, repeat_last
+from autopart.solve.simulated import simulated_step_s
+from autopart.solve.sharding import REPLICATE
+from cost_models import get_cost_model
+from cost_models.memory import communicator_bytes
+
+__all__ = ["FrontTable", "plan_by_search", "search_space", "cluster_of", "shallow_table"]
+
+CP_SAT_LIMIT = 2_000
+"""CP-SAT refines the chosen cuts when blocks x stages is at most this (its model's size)."""
+
+Progress = Callable[[str, int, int], None]  # (what, done, total)
+
+
+class FrontTable:
+    """The search's ``CostTable`` over real captures of the model, each made once."""
+
+    def __init__(self, options: CompileOptions, progress: Progress | None = None, spec: ModelSpec | None = None):
+        self.options = options
+        self.progress = progress
+        self.annotated: dict[tuple[int, bool, str], Front] = {}
+        self._fronts: dict[tuple[int, int, str], Front] = {}
+        self._costs: dict[tuple[int, int, str], ChainCosts] = {}
+        self._spec = spec
+        self._roofline = None
+        self._measured: dict[str, tuple] = {}  # ops' kernels and times by cost key, for every capture
+        self._graphs: dict[bool, Graph] = {}  # the capture, by whether biases are ops of their own
+
+    def model_spec(self) -> ModelSpec:
+        """The model file, loaded (and its initialisers checked) once."""
+        if self._spec is None:
+            spec = load_model_file(self.options.model)
+            if is_meta(spec.module):  # each rank will make its own weights: every module needs an initialiser
+                check_initialisers(spec.module, spec.init_weights, spec.path.name)
+            self._spec = spec
+        return self._spec
+
+    def front(self, *, micro_batch_size: int, tp: int, dtype: str) -> Front:
+        key = (micro_batch_size, tp, dtype)
+        if key not in self._fronts:
+            separate = tp > 1
+            base_key = (micro_batch_size, separate, dtype)
+            if base_key not in self.annotated:
+                if self.progress is not None:
+                    self.progress(f"capturing at micro-batch size {micro_batch_size}", len(self.annotated), 0)
+                front = annotated(self._options(tp=tp, dtype=dtype), micro_batch_size, separate_biases=separate,
+                                   spec=self.model_spec(), roofline=self._roofline, measured=self._measured,
+                                   graph=self._graphs.get(separate))
+                self._graphs[separate] = front.op_graph.graph  # captured once, annotated at each size
+                self._roofline = getattr(front.cost_model, "roofline", front.cost_model)
+                self.annotated[base_key] = front
+            self._fronts[key] = sharded(self.annotated[base_key], self._options(tp=tp, dtype=dtype))
+        return self._fronts[key]
+
+    def _options(self, *, tp: int, dtype: str) -> CompileOptions:
+        return replace(self.options, world_size=None, tp=tp, pp=1, dp=1, zero=False, schedule="1f1b", chunks=1,
+                       recompute="none", dtype=dtype)
+
+    def chain_costs(self, *, micro_batch_size: int, tp: int, dtype: str) -> ChainCosts:
+        key = (micro_batch_size, tp, dtype)
+        if key not in self._costs:
+            self._costs[key] = chain_costs(self.front(micro_batch_size=micro_batch_size, tp=tp, dtype=dtype), tp)
+        return self._costs[key]
+
+    def state_bytes(self, parameter_bytes: int, *, dp: int, zero: bool) -> int:
+        return state_bytes(parameter_bytes, optimizer=self.options.optimizer, dp=dp, zero=zero)
+
+
+def chain_costs(front: Front, tp: int) -> ChainCosts:
+    """What the cutter reads, per block, from an annotated (and sharded) front."""
+    chain = front.chain
+    times = block_seconds(front)
+    if front.shardings is not None:
+        saved = [s.saved_bytes for s in front.shardings]
+    else:
+        saved = [b.saved_bytes for b in chain.blocks]
+    selective_saved, selective_s = [], []
+    for k, block in enumerate(chain.blocks):  # the tensor-parallel share, as the compiler takes it
+        scale = saved[k] / block.saved_bytes if block.saved_bytes else 1.0
+        time_scale = times[k][0] / block.forward_s if block.forward_s else 1.0
+        selective_saved.append(round(block.selective_saved_bytes * scale))
+        selective_s.append(block.selective_recompute_s * time_scale)
+    placements = parameter_placements(front)
+    local = {
+        name: nbytes // (tp if placements.get(name, REPLICATE).kind == "S" else 1)
+        for name, nbytes in chain.parameter_bytes.items()
+    }
+    op_graph = front.op_graph
+    inputs = sum(op_graph.nodes[n].output.nbytes for n in op_graph.graph.input_names
+                 if n in op_graph.nodes and op_graph.nodes[n].output is not None)
+    return ChainCosts(
+        forward_s=tuple(f for f, _, _ in times),
+        backward_s=tuple(b for _, b, _ in times),
+        weight_s=tuple(w for _, _, w in times),
+        saved_bytes=tuple(saved),
+        selective_saved_bytes=tuple(selective_saved),
+        selective_recompute_s=tuple(selective_s),
+        boundary_bytes=tuple(b.nbytes for b in chain.boundaries),
+        input_bytes=inputs,
+        parameter_bytes=local,
+        parameter_state_bytes=local,  # replaced per layout by the search (dp, ZeRO)
+        block_parameters=tuple(b.parameters for b in chain.blocks),
+    )
+
+
+def search_space(options: CompileOptions) -> SearchSpace:
+    """The options as a search space: each option given is a pin."""
+    if options.global_batch_size is None:
+        raise ConfigError("the search needs the global batch: add --global-batch-size B (samples per step)")
+    if options.microbatches is not None and options.micro_batch_size is not None:
+        raise ConfigError("give --microbatches or --micro-batch-size, not both: the global batch fixes the other")
+
+    def pin(value):
+        return None if value is None else (value,)
+
+    return SearchSpace(
+        world_size=options.world_size,
+        global_batch_size=options.global_batch_size,
+        gpus_per_node=options.gpus_per_node,
+        pp=pin(options.pp),
+        tp=pin(options.tp),
+        dp=pin(options.dp),
+        micro_batch_size=pin(options.micro_batch_size),
+        microbatches=pin(options.microbatches),
+        schedule=pin(options.schedule) or ("gpipe", "1f1b", "interleaved", "zb-h1"),
+        chunks=pin(options.chunks),
+        zero=pin(options.zero) or (False, True),
+        dtype=DTYPES if options.dtype == "auto" else (options.dtype or "fp32",),
+        recompute=(options.recompute,) if isinstance(options.recompute, str) else RECOMPUTE_MODES,
+        recompute_per_stage=options.recompute if isinstance(options.recompute, tuple) else None,
+    )
+
+
+def cluster_of(options: CompileOptions) -> Cluster:
+    cost_model = get_cost_model(options.device)
+    device = cost_model.device
+    memory = round(options.memory_gib * (1 << 30)) if options.memory_gib is not None else device.memory_bytes
+    sample = 1 << 22  # elements: an optimizer step is bandwidth-bound, its time per byte settles by here
+    per_byte = cost_model.optimizer_time(options.optimizer, [((sample,), "torch.float32")]) / (4 * sample)
+    return Cluster(
+        memory_bytes=memory,
+        overhead_bytes=device.framework_overhead_bytes,
+        gpus_per_node=options.gpus_per_node,
+        p2p_s=lambda nbytes, across: cost_model.p2p_time(nbytes, across_nodes=across),
+        all_reduce_s=lambda nbytes, group, across: cost_model.collective_time("all_reduce", nbytes, group,
+                                                                              across_nodes=across),
+        all_gather_s=lambda nbytes, group, across: cost_model.collective_time("all_gather", nbytes, group,
+                                                                              across_nodes=across),
+        optimizer_s_per_byte=per_byte,
+        communicator_bytes=lambda pp, tp, dp: communicator_bytes(device.kind, pp=pp, tp=tp, dp=dp),
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Searched:
+    plan: Plan
+    front: Front
+    result: SearchResult
+    plans: tuple[Plan, ...]  # the finalists' plans, best first
+
+
+def shallow_table(full: FrontTable) -> RepeatedTable | None:
+    """The search's costs from a copy of the model with two of its repeated layers
+    (``autopart.passes.shallow``), laid out to full depth; None when the model has no long run of
+    layers alike."""
+    spec = full.model_spec()
+    layers = repeated_layers(spec.module)
+    if layers is None:
+        return None
+    shallow = FrontTable(full.options, full.progress, spec=replace(spec, module=shallow_module(spec.module, layers)))
+
+    def layers_of(micro_batch_size: int, tp: int, dtype: str) -> list[str | None]:
+        return block_layers(shallow.front(micro_batch_size=micro_batch_size, tp=tp, dtype=dtype).chain)
+
+    return RepeatedTable(inner=shallow, layers_of=layers_of, pattern=repeat_last(KEPT_LAYERS, layers.count))
+
+
+def plan_by_search(options: CompileOptions, *, progress: Progress | None = None, finalists: int = 5) -> Searched:
+    full = FrontTable(options, progress)
+    space = search_space(options)
+    cluster = cluster_of(options)
+    shallow = shallow_table(full)
+    if shallow is not None:
+        searched = _shallow_search(options, space, cluster, full, shallow, progress=progress, finalists=finalists)
+        if searched is not None:
+            return searched
+    return _full_search(options, space, cluster, full, progress=progress, finalists=finalists)
+
+
+def _visited(progress: Progress | None) -> Callable[[int, int], None]:
+    def visited(done: int, total: int) -> None:
+        if progress is not None:
+            progress("scoring layouts", done, total)
+
+    return visited
+
+
+def _full_search(options: CompileOptions, space: SearchSpace, cluster: Cluster, table: FrontTable, *,
+                 progress: Progress | None, finalists: int) -> Searched:
+    """Every finalist predicted exactly, as a plan of the full model."""
+    plans: dict[Layout, Plan] = {}
+
+    def exact(scored: Scored) -> float:
+        plan = plans[scored.layout] = _plan_of(options, table, scored, ("search", 0.0, 0.0))
+        # the cutter's memory is the compiler's up to what it simplifies (every batch input held
+        # by a recomputing stage, each stage's own share of its rank): a finalist over the limit goes
+        return plan.predicted.step_s if max(plan.predicted.memory_bytes) <= cluster.memory_bytes else math.inf
+
+    result = search(space, table, cluster, finalists=finalists, score=exact, progress=_visited(progress))
+    result = replace(result, ranked=tuple(s for s in result.ranked if s.step_s < math.inf))
+    if not result.ranked:
+        raise InfeasibleError(_does_not_fit(options, space, table, cluster))
+    best = result.best
+    plan, front = _refined(options, table, best, plans[best.layout], time_limit_s=options.time_limit_s)
+    ordered = (plan, *(plans[s.layout] for s in result.ranked[1:]))
+    rows = [(s, p.predicted.step_s, max(p.predicted.memory_bytes)) for s, p in zip(result.ranked, ordered)]
+    plan = replace(plan, provenance=replace(plan.provenance, search=_summary(result, rows)))
+    return Searched(plan=plan, front=front, result=result, plans=ordered)
+
+
+def _shallow_search(options: CompileOptions, space: SearchSpace, cluster: Cluster, full: FrontTable,
+                    shallow: RepeatedTable, *, progress: Progress | None, finalists: int) -> Searched | None:
+    """The search over the shallow copy's costs, its finalists ranked by the schedule simulator
+    on those costs; the full model is captured once, for the first finalist that fits as a plan.
+    None when the full model's chain is not the shallow one's laid out (its layers are alike as
+    modules but not as graphs): the caller then searches the full model."""
+    result = search(space, shallow, cluster, finalists=finalists, progress=_visited(progress),
+                    score=lambda scored: simulated_step_s(scored, shallow, cluster))
+    if not result.ranked:
+        raise InfeasibleError(_does_not_fit(options, space, shallow, cluster))
+    for chosen in result.ranked:
+        layout = chosen.layout
+        front = full.front(micro_batch_size=layout.micro_batch_size, tp=layout.tp, dtype=layout.dtype)
+        repeated = shallow.chain_costs(micro_batch_size=layout.micro_batch_size, tp=layout.tp, dtype=layout.dtype)
+        if len(front.chain.blocks) != len(repeated):
+            return None
+        scored_plan = _plan_of(options, full, chosen, ("search", 0.0, 0.0))
+        if max(scored_plan.predicted.memory_bytes) <= cluster.memory_bytes:
+            break
+    else:
+        return None
+    plan, front = _refined(options, full, chosen, scored_plan, time_limit_s=options.time_limit_s)
+    rows = [(chosen, plan.predicted.step_s, max(plan.predicted.memory_bytes))]
+    rows += [(s, s.step_s, s.peak_memory_bytes) for s in result.ranked if s is not chosen]
+    plan = replace(plan, provenance=replace(plan.provenance, search=_summary(result, rows)))
+    return Searched(plan=plan, front=front, result=result, plans=(plan,))
+
+
+def concrete_options(options: CompileOptions, layout: Layout, recompute: tuple[str, ...]) -> CompileOptions:
+    """The options that pin every choice of ``layout`` and its stages' ``recompute``."""
+    return replace(
+        options, world_size=None, pp=layout.pp, tp=layout.tp, dp=layout.dp, zero=layout.zero,
+        schedule=layout.schedule, chunks=layout.chunks, microbatches=layout.microbatches,
+        micro_batch_size=None, global_batch_size=layout.microbatches * layout.micro_batch_size * layout.dp,
+        recompute=recompute, dtype=layout.dtype,
+    )  # fmt: skip
+
+
+def _plan_of(options: CompileOptions, table: FrontTable, scored: Scored, solver: tuple[str, float, float],
+             cuts: tuple[int, ...] | None = None) -> Plan:
+    layout = scored.layout
+    concrete = concrete_options(options, layout, scored.recompute)
+    front = table.front(micro_batch_size=layout.micro_batch_size, tp=layout.tp, dtype=layout.dtype)
+    batch = concrete.batch_shape()
+    problem = pipeline_problem(concrete, front, batch[1])
+    return plan_from_cuts(concrete, front, problem, cuts or scored.cut.cuts, batch, solver)
+
+
+def _refined(options: CompileOptions, table: FrontTable, best: Scored, scored_plan: Plan, *,
+             time_limit_s: float) -> tuple[Plan, Front]:
+    """The best layout's plan. Where the chain is small enough, CP-SAT minimises the pipeline
+    latency from its cuts; its cuts are taken when the simulated step agrees they are faster,
+    and its bound says how far from optimal the chosen cuts' latency can be."""
+    layout = best.layout
+    concrete = concrete_options(options, layout, best.recompute)
+    front = table.front(micro_batch_size=layout.micro_batch_size, tp=layout.tp, dtype=layout.dtype)
+    batch = concrete.batch_shape()
+    problem = pipeline_problem(concrete, front, batch[1])
+    cuts = best.cut.cuts
+    if layout.stages == 1:
+        return plan_from_cuts(concrete, front, problem, cuts, batch, ("trivial", 0.0, 0.0)), front
+    bound = _latency_bound(problem)
+    if all(mode == "none" for mode in best.recompute) and len(front.chain.blocks) * layout.stages <= CP_SAT_LIMIT:
+        solution = solve_cuts(problem, time_limit_s=time_limit_s, hint=cuts)
+        bound = solution.bound_s
+        if solution.evaluation.cuts != cuts:
+            proposed = plan_from_cuts(concrete, front, problem, solution.evaluation.cuts, batch, ("", 0.0, 0.0))
+            if proposed.predicted.step_s < scored_plan.predicted.step_s:
+                cuts = solution.evaluation.cuts
+        objective = evaluate(problem, cuts).objective_s
+        status = solution.status if objective <= solution.evaluation.objective_s * (1 + 1e-9) else "feasible"
+    else:
+        objective, status = evaluate(problem, cuts).objective_s, "bisection"
+    gap = max(0.0, (objective - bound) / objective) if objective else 0.0
+    return plan_from_cuts(concrete, front, problem, cuts, batch, (status, min(bound, objective), gap)), front
+
+
+def _latency_bound(problem) -> float:
+    """No cuts have a lower pipeline latency: all the compute once, the largest share m - 1 more times."""
+    total = sum(problem.block_time_s)
+    slowest = max(total / problem.stages, max(problem.block_time_s))
+    return total + (problem.microbatches - 1) * slowest
+
+
+def _summary(result: SearchResult, rows: list[tuple[Scored, float, int]]) -> dict:
+    """The search in the plan's provenance; ``rows``: per finalist, best first, its step and peak memory."""
+    return {
+        "layouts": result.layouts,
+        "scored": result.scored,
+        "fitting": result.fitting,
+        "seconds": round(result.seconds, 3),
+        "ranked": [
+            {"layout": s.layout.describe(), "recompute": list(s.recompute), "step_s": step_s, "memory_bytes": memory}
+            for s, step_s, memory in rows
+        ],
+    }
+
+
+def _does_not_fit(options: CompileOptions, space: SearchSpace, table: FrontTable, cluster: Cluster) -> str:
+    """One line: the smallest memory per device that some layout of this world size fits in, and
+    the smallest world size (up to 64 times this one) that fits in this memory."""
+    roomy = replace(cluster, memory_bytes=1 << 62)
+    smallest = space.smallest_micro_batch_size()
+    blocks = len(table.chain_costs(micro_batch_size=smallest, tp=1, dtype=space.dtype[0]))
+    # a first figure from likely-lean layouts (the smallest microbatch, ZeRO where allowed, the model
+    # split the most ways), one layout each; then the bisection over the whole space from it
+    lean = [layout for layout in space.layouts(blocks) if layout.micro_batch_size == smallest
+            and (layout.zero or layout.dp == 1 or True not in space.zero)]
+    lean.sort(key=lambda layout: -layout.pp * layout.tp)
+    needed = None
+    for layout in lean[:8]:
+        if score_layout(layout, table, roomy, space, fit_only=True) is not None:
+            low = _smallest_memory(layout, table, cluster, space)
+            needed = low if needed is None else min(needed, low)
+    if needed is not None:  # other layouts (a larger microbatch, fewer stages) may fit in less
+        needed = _smallest_fitting_memory(space, table, cluster, fits_at=needed)
+    larger = None
+    for factor in (2, 4, 8, 16, 32, 64):
+        bigger = replace(space, world_size=space.world_size * factor)
+        if fits(bigger, table, cluster):
+            larger = bigger.world_size
+            break
+    fixes = []
+    if needed is not None:
+        fixes.append(f"--memory {_gib_up(needed)} (GiB per device) or more")
+    if larger is not None:
+        fixes.append(f"--world-size {larger}")
+    need = f"needs {_gib_up(needed)} GiB per device" if needed is not None else "does not fit at any memory"
+    return (
+        f"the model does not fit on {space.world_size} devices of {cluster.memory_bytes / (1 << 30):.3g} GiB: "
+        f"its leanest layout {need}; use {' or '.join(fixes) or 'a smaller model or batch'}"
+    )
+
+
+def _gib_up(nbytes: int) -> str:
+    """GiB to four significant figures, rounded up: a limit that fits."""
+    value = nbytes / (1 << 30)
+    scale = 10 ** (3 - math.floor(math.log10(value))) if value > 0 else 1
+    return f"{math.ceil(value * scale) / scale:g}"
+
+
+def _smallest_fitting_memory(space: SearchSpace, table: FrontTable, cluster: Cluster, *, fits_at: int) -> int:
+    """Bisection on the memory limit over every layout of the space: the least that some layout
+    fits in (to 64 KiB), given ``fits_at``, a limit that one fits in. Fitting only grows with memory."""
+    lo, hi = cluster.overhead_bytes, fits_at
+    while hi - lo > 1 << 16:
+        mid = (lo + hi) // 2
+        if fits(space, table, replace(cluster, memory_bytes=mid)):
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+def _smallest_memory(layout: Layout, table: FrontTable, cluster: Cluster, space: SearchSpace) -> int:
+    """Bisection on the memory limit: the least that ``layout`` fits in with full recompute."""
+    lo, hi = cluster.overhead_bytes, 1 << 50
+    while hi - lo > max(1 << 20, hi >> 10):  # to 0.1%
+        mid = (lo + hi) // 2
+        if score_layout(layout, table, replace(cluster, memory_bytes=mid), space, fit_only=True) is not None:
+            hi = mid
+        else:
+            lo = mid
+    return hi

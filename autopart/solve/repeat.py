@@ -1,0 +1,147 @@
+"""A deep model's chain costs from a shallow capture: repeat its identical layers to full depth.
+
+Capturing and annotating a 96-layer model takes minutes on a small machine, and its layers are
+copies of one another: ``repeat_layers`` takes the chain of the same model built with a few
+layers and lays out copies of them by a pattern (``repeat_last``: the last captured layer to full
+depth; or, for a model with two kinds of layers, eight of the first and 24 of the second).
+Blocks before and after the layers (the embedding, the head) are kept as they are; the copies'
+parameters are renamed (``h.1.mlp.c_fc.weight`` -> ``h.57.mlp.c_fc.weight``) so that each layer
+holds its own.
+
+``RepeatedTable`` is a ``CostTable`` that does this to every chain another table gives.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from autopart.solve.bottleneck import ChainCosts
+
+__all__ = ["repeat_layers", "repeat_last", "RepeatedTable"]
+
+_INDEX = re.compile(r"^(.*)\.(\d+)$")
+
+
+def repeat_last(captured: int, depth: int) -> tuple[int, ...]:
+    """The pattern that keeps the captured layers and repeats the last one to ``depth`` layers."""
+    if not 1 <= captured <= depth:
+        raise ValueError(f"cannot make {depth} layers from {captured} captured")
+    return (*range(captured - 1), *(captured - 1,) * (depth - captured + 1))
+
+
+def repeat_layers(costs: ChainCosts, layers: Sequence[str | None],
+                  pattern: Sequence[int]) -> tuple[ChainCosts, list[str | None]]:
+    """The chain whose layer ``i`` is a copy of captured layer ``pattern[i]``, with the blocks
+    before and after the layers as captured; and the new chain's layer per block.
+
+    A copy costs what the captured layer costs, block for block; what crosses into it is what
+    crossed into the captured one; its parameters are renamed to its place (``h.57.attn...``)."""
+    order = list(dict.fromkeys(layer for layer in layers if layer is not None))
+    if not order:
+        raise ValueError("the chain has no repeated layers")
+    if any(not 0 <= c < len(order) for c in pattern) or not pattern:
+        raise ValueError(f"the pattern names layers 0..{len(order) - 1} of the capture, at least one")
+    blocks_of = {layer: [k for k, x in enumerate(layers) if x == layer] for layer in order}
+    spans = [(blocks_of[x][0], blocks_of[x][-1]) for x in order]
+    if any(b - a + 1 != len(blocks_of[x]) for (a, b), x in zip(spans, order)) or any(
+        spans[i][1] + 1 != spans[i + 1][0] for i in range(len(spans) - 1)
+    ):
+        raise ValueError("the captured layers are not contiguous runs of blocks next to one another")
+    head_first, tail_first = spans[0][0], spans[-1][1] + 1
+    prefix = _split(order[0])[0]
+
+    source: list[int] = list(range(head_first))  # per new block, the captured block it copies
+    new_layers: list[str | None] = list(layers[:head_first])
+    renames: list[dict[str, str]] = [{} for _ in range(head_first)]
+    boundaries: list[int] = list(costs.boundary_bytes[:max(head_first - 1, 0)])
+    for i, c in enumerate(pattern):
+        first, last = spans[c]
+        mapping = {order[c]: f"{prefix}.{i}"}
+        if source:
+            boundaries.append(costs.boundary_bytes[first - 1] if first > 0 else costs.input_bytes)
+        for k in range(first, last + 1):
+            source.append(k)
+            new_layers.append(mapping[order[c]])
+            renames.append({p: _renamed(p, mapping) for p in costs.block_parameters[k]})
+            if k < last:
+                boundaries.append(costs.boundary_bytes[k])
+    for k in range(tail_first, len(costs)):
+        boundaries.append(costs.boundary_bytes[k - 1])
+        source.append(k)
+        new_layers.append(layers[k])
+        renames.append({})
+    assert len(boundaries) == len(source) - 1
+
+    block_parameters = tuple(
+        tuple(rename.get(p, p) for p in costs.block_parameters[k]) for k, rename in zip(source, renames)
+    )
+    names = {p for ps in block_parameters for p in ps}
+    parameter_bytes, parameter_state_bytes = {}, {}
+    for k, rename in zip(source, renames):
+        for p in costs.block_parameters[k]:
+            new = rename.get(p, p)
+            parameter_bytes[new] = costs.parameter_bytes[p]
+            parameter_state_bytes[new] = costs.parameter_state_bytes[p]
+    assert names == set(parameter_bytes)
+
+    def pick(values):
+        return tuple(values[k] for k in source)
+
+    repeated = ChainCosts(
+        forward_s=pick(costs.forward_s),
+        backward_s=pick(costs.backward_s),
+        weight_s=pick(costs.weight_s),
+        saved_bytes=pick(costs.saved_bytes),
+        selective_saved_bytes=pick(costs.selective_saved_bytes),
+        selective_recompute_s=pick(costs.selective_recompute_s),
+        boundary_bytes=tuple(boundaries),
+        input_bytes=costs.input_bytes,
+        parameter_bytes=parameter_bytes,
+        parameter_state_bytes=parameter_state_bytes,
+        block_parameters=block_parameters,
+    )
+    return repeated, new_layers
+
+
+def _split(layer: str) -> tuple[str, int]:
+    match = _INDEX.match(layer)
+    if match is None:
+        raise ValueError(f"layer {layer!r} does not end in an index")
+    return match.group(1), int(match.group(2))
+
+
+def _renamed(parameter: str, mapping: dict[str, str]) -> str:
+    for old, new in mapping.items():
+        if parameter.startswith(old + "."):
+            return new + parameter[len(old):]
+    return parameter  # a weight shared with blocks outside the layer keeps its name
+
+
+@dataclass
+class RepeatedTable:
+    """A ``CostTable`` whose chains are ``inner``'s with their layers laid out by ``pattern``.
+
+    ``layers_of(micro_batch_size, tp, dtype)`` gives the inner chain's layer per block."""
+
+    inner: object  # a CostTable
+    layers_of: object  # Callable[[int, int, str], Sequence[str | None]]
+    pattern: tuple[int, ...]
+    _cache: dict = field(default_factory=dict, repr=False)
+
+    def _repeated(self, micro_batch_size: int, tp: int, dtype: str) -> tuple[ChainCosts, list[str | None]]:
+        key = (micro_batch_size, tp, dtype)
+        if key not in self._cache:
+            costs = self.inner.chain_costs(micro_batch_size=micro_batch_size, tp=tp, dtype=dtype)
+            self._cache[key] = repeat_layers(costs, self.layers_of(micro_batch_size, tp, dtype), self.pattern)
+        return self._cache[key]
+
+    def chain_costs(self, *, micro_batch_size: int, tp: int, dtype: str) -> ChainCosts:
+        return self._repeated(micro_batch_size, tp, dtype)[0]
+
+    def block_layers(self, *, micro_batch_size: int, tp: int, dtype: str) -> list[str | None]:
+        return self._repeated(micro_batch_size, tp, dtype)[1]
+
+    def state_bytes(self, parameter_bytes: int, *, dp: int, zero: bool) -> int:
+        return self.inner.state_bytes(parameter_bytes, dp=dp, zero=zero)

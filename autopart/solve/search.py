@@ -1,0 +1,488 @@
+"""The whole plan by search: mesh shape, microbatches, schedule, recompute, ZeRO and dtype.
+
+    layouts(space) -> score each (cuts by bisection, refined by a closed-form step) -> simulate the finalists
+
+Every way to run the model on ``world_size`` devices is a ``Layout``: the degrees
+``pp * tp * dp = world_size`` (tensor parallelism inside a node unless pinned across), the
+micro-batch size (a divisor of each replica's share of the global batch), the schedule (gpipe,
+1f1b, interleaved with 2 or 4 chunks, zb-h1), ZeRO-1 and the dtype. For each, the cutter
+(``autopart.solve.bottleneck``) places the stages so that the slowest is as fast as it can be;
+the step is estimated in closed form (the pipeline latency of the schedule, the data-parallel
+gradient all-reduce, the optimizer step), and ``autopart.solve.refine`` moves the cuts while
+that estimate falls, each rank taking the recompute modes that make it fastest within its
+memory. Layouts are visited in the order of a lower bound on their estimate (every stage its
+share of the compute, the busiest rank its share of the parameters), and the visit stops once
+that bound passes the ``finalists``-th best estimate found: the rest cannot make the table. The finalists
+are then simulated action by action (``score``: a callback, so that the compiler predicts them
+exactly as it predicts any plan) and ranked.
+
+Costs come from a ``CostTable``: per (micro-batch size, tp, dtype) the chain's ``ChainCosts``.
+The compiler builds them from annotated captures (one per micro-batch size and dtype); the
+benchmarks may build them any way they like. Nothing here names a device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Protocol
+
+from autopart.ir.errors import ConfigError
+from autopart.schedule import stage_rank
+from autopart.predict.in_flight import in_flight
+from autopart.predict.in_flight import transient as transient_count
+from autopart.solve.bottleneck import RECOMPUTE_MODES, ChainCosts, StageCut, cut_stages, lower_bound_s
+from autopart.solve.refine import CutJudge, refine_cuts
+
+__all__ = [
+    "Layout",
+    "SearchSpace",
+    "Cluster",
+    "CostTable",
+    "Scored",
+    "SearchResult",
+    "search",
+    "fits",
+    "score_layout",
+    "estimate_step_s",
+    "tail_s",
+    "parameter_bytes_per_rank",
+]
+
+INTERLEAVED_CHUNKS = (2, 4)
+MAX_MICRO_BATCH_SIZE = 16
+"""Micro-batch sizes searched by default: the divisors of a replica's batch up to this."""
+
+
+@dataclass(frozen=True, kw_only=True, order=True)
+class Layout:
+    """One way to run the model; the cuts and the recompute per stage come with its score."""
+
+    pp: int
+    tp: int
+    dp: int
+    micro_batch_size: int
+    microbatches: int
+    schedule: str
+    chunks: int = 1
+    zero: bool = False
+    dtype: str = "fp32"
+
+    @property
+    def stages(self) -> int:
+        return self.pp * self.chunks
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.tp * self.dp
+
+    def data_parallel_crosses_nodes(self, gpus_per_node: int) -> bool:
+        """Data parallelism is outermost: its groups span nodes once the mesh does."""
+        return self.world_size > gpus_per_node
+
+    def pipeline_crosses_nodes(self, gpus_per_node: int) -> bool:
+        """A pipeline (pp x tp ranks, tensor parallelism innermost) spans nodes once it has more ranks than a node."""
+        return self.pp * self.tp > gpus_per_node
+
+    def describe(self) -> str:
+        schedule = f"{self.schedule} v={self.chunks}" if self.chunks > 1 else self.schedule
+        extras = "".join([" zero" if self.zero else "", f" {self.dtype}" if self.dtype != "fp32" else ""])
+        return f"pp{self.pp} tp{self.tp} dp{self.dp} {self.microbatches}x{self.micro_batch_size} {schedule}{extras}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class SearchSpace:
+    """What the search may choose; a pinned option is a tuple of one value."""
+
+    world_size: int
+    global_batch_size: int
+    gpus_per_node: int = 8
+    pp: tuple[int, ...] | None = None
+    tp: tuple[int, ...] | None = None
+    dp: tuple[int, ...] | None = None
+    micro_batch_size: tuple[int, ...] | None = None
+    microbatches: tuple[int, ...] | None = None
+    schedule: tuple[str, ...] = ("gpipe", "1f1b", "interleaved", "zb-h1")
+    chunks: tuple[int, ...] | None = None
+    zero: tuple[bool, ...] = (False, True)
+    dtype: tuple[str, ...] = ("fp32",)
+    recompute: tuple[str, ...] = RECOMPUTE_MODES  # modes any stage may take
+    recompute_per_stage: tuple[str, ...] | None = None  # a pin of one mode per stage
+    tp_across_nodes: bool = False
+
+    def layouts(self, blocks: int) -> Iterator[Layout]:
+        """Every layout of the space that a chain of ``blocks`` blocks can take."""
+        n, batch = self.world_size, self.global_batch_size
+        for tp in self.tp or _divisors(n):
+            if tp > self.gpus_per_node and not (self.tp_across_nodes or self.tp):
+                continue
+            for pp in self.pp or _divisors(n // tp):
+                if n % (tp * pp) or pp > blocks:
+                    continue
+                dp = n // (tp * pp)
+                if self.dp and dp not in self.dp:
+                    continue
+                if self.recompute_per_stage and len(self.recompute_per_stage) % pp:
+                    continue
+                if batch % dp:
+                    continue
+                share = batch // dp
+                for mbs in self._micro_batch_sizes(share):
+                    m = share // mbs
+                    for schedule, chunks in self._schedules(pp, m, blocks):
+                        for zero in self.zero if dp > 1 else (False,):
+                            for dtype in self.dtype:
+                                yield Layout(pp=pp, tp=tp, dp=dp, micro_batch_size=mbs, microbatches=m,
+                                             schedule=schedule, chunks=chunks, zero=zero, dtype=dtype)
+
+    def smallest_micro_batch_size(self) -> int:
+        """The smallest micro-batch size of any layout (1 when there is none): the leanest, and
+        a size to capture the chain at when any will do (its blocks do not depend on it)."""
+        return min((layout.micro_batch_size for layout in self.layouts(1 << 30)), default=1)
+
+    def _micro_batch_sizes(self, share: int) -> list[int]:
+        if self.microbatches:
+            return [share // m for m in self.microbatches if share % m == 0]
+        if self.micro_batch_size:
+            return [b for b in self.micro_batch_size if share % b == 0]
+        return [b for b in _divisors(share) if b <= MAX_MICRO_BATCH_SIZE]
+
+    def _schedules(self, pp: int, m: int, blocks: int) -> list[tuple[str, int]]:
+        if pp == 1:  # one stage: every schedule runs forward then backward
+            return [(self.schedule[0] if len(self.schedule) == 1 else "1f1b", 1)]
+        found = []
+        for kind in self.schedule:
+            if kind == "interleaved":
+                for v in self.chunks or INTERLEAVED_CHUNKS:
+                    if m % pp == 0 and pp * v <= blocks and v > 1:
+                        found.append((kind, v))
+            elif not self.chunks or self.chunks == (1,):
+                found.append((kind, 1))
+        return found
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Cluster:
+    """The devices and how long things take on them (through the cost model's callbacks)."""
+
+    memory_bytes: int
+    overhead_bytes: int  # per rank, before the model
+    gpus_per_node: int
+    p2p_s: Callable[[float, bool], float]  # (bytes, across nodes) -> seconds
+    all_reduce_s: Callable[[float, int, bool], float]  # (bytes, group, across nodes) -> seconds
+    all_gather_s: Callable[[float, int, bool], float]
+    optimizer_s_per_byte: float  # seconds of the optimizer step per byte of parameters
+    communicator_bytes: Callable[[int, int, int], int] = lambda pp, tp, dp: 0  # (pp, tp, dp) -> per rank, besides
+    # overhead_bytes: the collective library's buffers (`cost_models.memory.communicator_bytes`)
+
+
+class CostTable(Protocol):
+    def chain_costs(self, *, micro_batch_size: int, tp: int, dtype: str) -> ChainCosts:
+        """The chain's costs per microbatch on one rank of a tensor-parallel group of ``tp``."""
+        ...
+
+    def state_bytes(self, parameter_bytes: int, *, dp: int, zero: bool) -> int:
+        """Weights, gradients and optimizer state of a parameter share of ``parameter_bytes``."""
+        ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class Scored:
+    layout: Layout
+    cut: StageCut
+    estimate_s: float  # closed form, used to rank all layouts
+    step_s: float = math.nan  # simulated (finalists only)
+
+    @property
+    def recompute(self) -> tuple[str, ...]:
+        return self.cut.recompute
+
+    @property
+    def peak_memory_bytes(self) -> int:
+        return max(self.cut.rank_memory_bytes)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SearchResult:
+    ranked: tuple[Scored, ...]  # finalists, best first, by simulated step
+    layouts: int  # layouts in the space
+    scored: int  # layouts cut and estimated
+    fitting: int  # of those, the ones that fit in memory
+    seconds: float
+    bound_s: float  # no layout's estimate is below this
+
+    @property
+    def best(self) -> Scored:
+        return self.ranked[0]
+
+
+def estimate_step_s(layout: Layout, cut: StageCut, cluster: Cluster, rank_parameter_bytes: list[int],
+                    across_nodes: bool) -> float:
+    """The step in closed form: the schedule's pipeline latency, then the gradient all-reduce
+    over the data-parallel group and the optimizer step of the busiest rank."""
+    times, m, p = cut.stage_time_s, layout.microbatches, layout.pp
+    if layout.schedule == "interleaved":
+        pipeline = _interleaved_pipeline_s(times, p, m, layout.chunks)
+    else:
+        pipeline = sum(times) + (m - 1) * max(times)
+        if layout.schedule == "zb-h1":  # W fills the cool-down bubble: (p-1)(F+I-W), not (p-1)(F+I+W)
+            pipeline -= 2 * (p - 1) * min(cut.stage_weight_s)
+    return pipeline + tail_s(layout, cluster, rank_parameter_bytes, across_nodes)
+
+
+def _interleaved_pipeline_s(times: tuple[float, ...], p: int, m: int, v: int) -> float:
+    """Interleaved 1F1B's pipeline (``autopart.schedule.generators``, Megatron's order) with
+    virtual stages of any sizes. In the steady phase every rank alternates one forward and one
+    backward; over group j of p such slots each rank runs forwards of chunk (j - 1) mod v and
+    backwards of chunk v - 1 - j mod v. The ranks pass activations and gradients every slot, so a
+    slot lasts as long as the slowest rank's pair, except that neighbours' warm-ups differ by two
+    forwards: a rank may run one slot of each group at its own pace. A round of v groups takes p
+    microbatches through every chunk, so m / p rounds; the fill and drain are p - 1 of the
+    largest virtual stage. With equal stages (t each, R = v t a rank) this is Megatron's
+    m R + (p - 1) R / v, which the simulator gives exactly; the busiest rank's m R alone (the
+    closed form before this one) let unequal chunks look free, and the simulator ran the cuts
+    refined by it up to 1.4x slower. Measured on random chains cut by the search: at most 1.11x
+    optimistic, 0.93x (v = 2) and 0.96x (v = 4) at the median. The estimate knows each stage's
+    forward plus backward only: forward a third of it.
+    Never below m max R + (p - 1) max R / v (``_lower_bound`` relies on it): each rank's pairs
+    over a round are its own chunks' forwards and backwards once each."""
+    own = 1 / p  # of each group's slots, those a rank runs at its own pace
+    pairs = [[times[(j - 1) % v * p + r] / 3 + 2 * times[(v - 1 - j) * p + r] / 3 for r in range(p)]
+             for j in range(v)]
+    slowest = sum(max(group) for group in pairs)
+    rounds = max(sum(group[r] for group in pairs) for r in range(p))  # the busiest rank's R
+    return m * ((1 - own) * slowest + own * rounds) + (p - 1) * max(times)
+
+
+def tail_s(layout: Layout, cluster: Cluster, rank_parameter_bytes: list[int], across_nodes: bool) -> float:
+    """What the step does after the pipeline drains, on its busiest rank: the gradient
+    all-reduce over the data-parallel group and the optimizer step (with ZeRO-1, a shard of the
+    step and the all-gather of the updated shards)."""
+    tail = 0.0
+    for nbytes in rank_parameter_bytes:
+        sync = cluster.all_reduce_s(nbytes, layout.dp, across_nodes) if layout.dp > 1 else 0.0
+        step = cluster.optimizer_s_per_byte * nbytes
+        if layout.zero:  # a shard of the step each, then the updated shards to everyone
+            step = step / layout.dp + cluster.all_gather_s(nbytes, layout.dp, across_nodes)
+        tail = max(tail, sync + step)
+    return tail
+
+
+def search(
+    space: SearchSpace,
+    table: CostTable,
+    cluster: Cluster,
+    *,
+    finalists: int = 5,
+    score: Callable[[Scored], float] | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> SearchResult:
+    """The ``finalists`` best layouts that fit, ranked by ``score`` (default: the estimate)."""
+    start = time.perf_counter()
+    blocks = len(table.chain_costs(micro_batch_size=space.smallest_micro_batch_size(), tp=1, dtype=space.dtype[0]))
+    layouts = list(space.layouts(blocks))
+    if not layouts:
+        raise ConfigError(_no_layout_message(space))
+    cluster = _memoised(cluster)
+    bounded = sorted(((_lower_bound(table, layout, cluster), layout) for layout in layouts), key=lambda x: (x[0], x[1]))
+    best: list[Scored] = []  # the finalists so far, by estimate
+    scored = fitting = 0
+    for visited, (bound, layout) in enumerate(bounded):
+        if progress is not None:
+            progress(visited, len(bounded))
+        if len(best) >= finalists and bound >= best[-1].estimate_s:
+            break
+        scored += 1
+        result = score_layout(layout, table, cluster, space,
+                              refine_below=best[-1].estimate_s if len(best) >= finalists else math.inf)
+        if result is None:
+            continue
+        fitting += 1
+        best.append(result)
+        best.sort(key=lambda s: (s.estimate_s, s.layout))
+        del best[finalists:]
+    if progress is not None:
+        progress(len(bounded), len(bounded))
+    if not best:
+        return SearchResult(ranked=(), layouts=len(layouts), scored=scored, fitting=0,
+                            seconds=time.perf_counter() - start, bound_s=math.inf)
+    if score is not None:
+        best = [dataclasses.replace(s, step_s=score(s)) for s in best]
+    else:
+        best = [dataclasses.replace(s, step_s=s.estimate_s) for s in best]
+    best.sort(key=lambda s: (s.step_s, s.layout))
+    return SearchResult(ranked=tuple(best), layouts=len(layouts), scored=scored, fitting=fitting,
+                        seconds=time.perf_counter() - start, bound_s=bounded[0][0])
+
+
+def _memoised(cluster: Cluster) -> Cluster:
+    """The same cluster, each time it has computed remembered: the search asks the same ones often."""
+    return dataclasses.replace(
+        cluster,
+        p2p_s=functools.lru_cache(maxsize=None)(cluster.p2p_s),
+        all_reduce_s=functools.lru_cache(maxsize=None)(cluster.all_reduce_s),
+        all_gather_s=functools.lru_cache(maxsize=None)(cluster.all_gather_s),
+    )
+
+
+def _lower_bound(table: CostTable, layout: Layout, cluster: Cluster) -> float:
+    """No cut or recompute makes this layout's estimate shorter: ``estimate_step_s`` with every
+    stage at least its share of the compute (and the largest block), the stages' times summing to
+    at least the whole compute, interleaved's largest virtual stage at least the largest block,
+    zb-h1's smallest weight-gradient stage at most its share, and the busiest rank holding at
+    least its share of the parameters."""
+    costs = table.chain_costs(micro_batch_size=layout.micro_batch_size, tp=layout.tp, dtype=layout.dtype)
+    m, p = layout.microbatches, layout.pp
+    total = costs.prefix("compute_s")[-1]
+    slowest = lower_bound_s(costs, p)  # per stage; and per rank, for interleaved
+    if layout.schedule == "interleaved":  # some virtual stage holds the largest block
+        largest = max(f + b for f, b in zip(costs.forward_s, costs.backward_s))
+        pipeline = m * slowest + (p - 1) * max(total / (p * layout.chunks), largest)
+    else:
+        pipeline = total + (m - 1) * slowest
+        if layout.schedule == "zb-h1":
+            pipeline -= 2 * (p - 1) * sum(costs.weight_s) / p
+    share = sum(costs.parameter_bytes.values()) // p
+    tail = tail_s(layout, cluster, [share], layout.data_parallel_crosses_nodes(cluster.gpus_per_node))
+    return (pipeline + tail) * (1 - 1e-12)  # below the estimate's own rounding
+
+
+def fits(space: SearchSpace, table: CostTable, cluster: Cluster) -> bool:
+    """Whether any layout of ``space`` fits in the cluster's memory (its speed aside): the
+    cutter's quick answer first, then, where it finds no cuts, the refinement the search itself
+    runs (which finds cuts the greedy cutter misses when interleaved stages share a rank)."""
+    blocks = len(table.chain_costs(micro_batch_size=space.smallest_micro_batch_size(), tp=1, dtype=space.dtype[0]))
+    return any(score_layout(layout, table, cluster, space, fit_only=True) is not None
+               or score_layout(layout, table, cluster, space) is not None
+               for layout in space.layouts(blocks))
+
+
+def score_layout(layout: Layout, table: CostTable, cluster: Cluster, space: SearchSpace,
+                 recompute: tuple[tuple[str, ...], ...] | None = None,
+                 cuts: tuple[int, ...] | None = None, fit_only: bool = False,
+                 refine_below: float = math.inf) -> Scored | None:
+    """Cut ``layout`` (or take its ``cuts``) and estimate its step; None when it cannot fit.
+    ``fit_only``: any cuts that fit, not the fastest. Otherwise the cuts are refined by the step
+    itself (``autopart.solve.refine``) unless the layout's slowest stage alone keeps its step at
+    or above ``refine_below`` (the search's last finalist)."""
+    costs = _with_state(table, layout)
+    stages = layout.stages
+    buffers = cluster.communicator_bytes(layout.pp, layout.tp, layout.dp)
+    cluster = dataclasses.replace(cluster, overhead_bytes=cluster.overhead_bytes + buffers)  # this mesh's
+    ranks = tuple(stage_rank(s, layout.pp) for s in range(stages))
+    pipeline_across = layout.pipeline_crosses_nodes(cluster.gpus_per_node)
+    transfer = tuple(cluster.p2p_s(b, pipeline_across) for b in costs.boundary_bytes)
+    flight = in_flight(layout.schedule, layout.pp, layout.microbatches, layout.chunks)
+    transient = transient_count(layout.schedule, layout.pp, layout.microbatches, layout.chunks)
+    if recompute is not None:
+        modes = recompute
+    elif space.recompute_per_stage:
+        modes = tuple((mode,) for mode in space.recompute_per_stage)
+    else:
+        modes = (space.recompute,) * stages
+    if len(modes) != stages:
+        return None
+    across = layout.data_parallel_crosses_nodes(cluster.gpus_per_node)
+    if cuts is not None:
+        cut = _fixed_cut(costs, cuts, modes, flight, transient, ranks, transfer, cluster)
+    else:
+        cut = cut_stages(costs, stages=stages, in_flight=flight, stage_rank=ranks, transfer_s=transfer,
+                         memory_limit_bytes=cluster.memory_bytes, overhead_bytes=cluster.overhead_bytes,
+                         modes=modes, transient=transient, fit_only=fit_only)
+        if not fit_only:
+            return _refined(layout, table, cluster, costs, cut, modes, flight, transient, ranks, transfer, across,
+                            refine_below)
+    if cut is None:
+        return None
+    rank_bytes = parameter_bytes_per_rank(table, layout, cut, ranks)
+    estimate = estimate_step_s(layout, cut, cluster, rank_bytes, across)
+    return Scored(layout=layout, cut=cut, estimate_s=estimate)
+
+
+def _refined(layout, table, cluster, costs, cut, modes, flight, transient, ranks, transfer, across,
+             refine_below) -> Scored | None:
+    """The bisection's cut, refined by the step itself where that may bring it into the finalists."""
+    judge = CutJudge(costs, in_flight=flight, transient=transient, stage_rank=ranks, transfer_s=transfer,
+                     memory_limit_bytes=cluster.memory_bytes, overhead_bytes=cluster.overhead_bytes, modes=modes,
+                     objective=lambda c, rank_bytes: estimate_step_s(layout, c, cluster, rank_bytes, across))
+    judged = judge.judge(cut.cuts) if cut is not None else None
+    if judged is not None and layout.chunks == 1 and _refine_bound(table, layout, cluster, cut) >= refine_below:
+        pass  # no cuts of this layout can make the finalists: its slowest stage alone keeps it out
+    elif judged is not None and layout.chunks > 1 and judged[0] >= refine_below:
+        pass  # interleaved and out of the finalists as cut: not refined (no bound says it could not get in)
+    else:
+        judged = refine_cuts(judge, cut)
+    if judged is None:
+        return None
+    return Scored(layout=layout, cut=judged[1], estimate_s=judged[0])
+
+
+def _refine_bound(table: CostTable, layout: Layout, cluster: Cluster, cut: StageCut) -> float:
+    """``_lower_bound`` with the bisection's smallest slowest stage in place of the compute's share."""
+    costs = table.chain_costs(micro_batch_size=layout.micro_batch_size, tp=layout.tp, dtype=layout.dtype)
+    share = lower_bound_s(costs, layout.pp)
+    return _lower_bound(table, layout, cluster) + (layout.microbatches - 1) * max(0.0, cut.bound_s - share)
+
+
+def _fixed_cut(costs, cuts, modes, flight, transient, ranks, transfer, cluster) -> StageCut | None:
+    """Given cuts: each stage takes the lightest allowed recompute that fits its rank."""
+    from autopart.solve.bottleneck import stage_figures
+
+    stages = len(cuts) + 1
+    firsts = [0, *(c + 1 for c in cuts)]
+    lasts = [*cuts, len(costs) - 1]
+    per_rank = [ranks.count(r) for r in range(max(ranks) + 1)]
+    chosen, figures = [], []
+    for s in range(stages):
+        budget = (cluster.memory_bytes - cluster.overhead_bytes) // per_rank[ranks[s]]
+        for mode in modes[s]:
+            f = stage_figures(costs, firsts[s], lasts[s], mode=mode, in_flight=flight[s],
+                              transfer_in_s=transfer[firsts[s] - 1] if s > 0 else 0.0,
+                              transfer_out_s=transfer[lasts[s]] if s < stages - 1 else 0.0, transient=transient[s])
+            if f.memory_bytes <= budget or mode == modes[s][-1]:
+                break
+        chosen.append(mode)
+        figures.append(f)
+    memory = [cluster.overhead_bytes] * len(per_rank)
+    for s, f in enumerate(figures):
+        memory[ranks[s]] += f.memory_bytes
+    if max(memory) > cluster.memory_bytes:
+        return None
+    return StageCut(cuts=tuple(cuts), recompute=tuple(chosen), stage_time_s=tuple(f.time_s for f in figures),
+                    stage_weight_s=tuple(f.weight_s for f in figures),
+                    stage_memory_bytes=tuple(f.memory_bytes for f in figures), rank_memory_bytes=tuple(memory))
+
+
+def _with_state(table: CostTable, layout: Layout) -> ChainCosts:
+    costs = table.chain_costs(micro_batch_size=layout.micro_batch_size, tp=layout.tp, dtype=layout.dtype)
+    costs.shared_parameters  # noqa: B018 - computed once on the table's costs, carried to each layout's
+    return costs.with_state(lambda nbytes: table.state_bytes(nbytes, dp=layout.dp, zero=layout.zero))
+
+
+def parameter_bytes_per_rank(table: CostTable, layout: Layout, cut: StageCut, ranks: tuple[int, ...]) -> list[int]:
+    """Per rank, the bytes of the parameters its stages read (a tied weight once per rank)."""
+    costs = table.chain_costs(micro_batch_size=layout.micro_batch_size, tp=layout.tp, dtype=layout.dtype)
+    firsts = [0, *(c + 1 for c in cut.cuts)]
+    lasts = [*cut.cuts, len(costs) - 1]
+    held: list[set[str]] = [set() for _ in range(layout.pp)]
+    for s, (a, b) in enumerate(zip(firsts, lasts)):
+        for k in range(a, b + 1):
+            held[ranks[s]].update(costs.block_parameters[k])
+    return [sum(costs.parameter_bytes[p] for p in names) for names in held]
+
+
+def _no_layout_message(space: SearchSpace) -> str:
+    return (
+        f"no layout of {space.world_size} devices fits the pins and a global batch of {space.global_batch_size}: "
+        "pp x tp x dp must equal --world-size, dp must divide the global batch, and interleaved needs "
+        "microbatches divisible by pp; relax a pin or change --global-batch-size"
+    )
+

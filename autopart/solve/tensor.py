@@ -1,0 +1,313 @@
+"""Choose the tensor-parallel strategy of every op of a block with CP-SAT.
+
+``shard_chain(chain, tp=t, cost_model=...)`` gives one ``BlockSharding`` per block: a strategy
+per op (``autopart.solve.sharding``) and a placement per parameter, minimising the block's
+compute (divided by t where the op is split) plus the collectives that the choices imply:
+
+- R -> S(d): a local slice forward, an all-gather of the gradient backward;
+- S(d) -> R: an all-gather forward;
+- P -> R: an all-reduce forward;
+- a replicated tensor that needs a gradient, consumed by a split op, gets a partial gradient:
+  one all-reduce backward (Megatron's ``f``);
+- any other change of placement is not allowed.
+
+Time first, then weights, then collectives: among the layouts within ``TIME_TOLERANCE`` of the
+fastest, those within it of the fewest parameter bytes per rank, and of those the one whose
+collectives take least time (the collectives' figures, their overlap and contention, are the less
+certain part of the estimate; among layouts this close, Megatron's has the fewest). Where
+kernels are launch-bound (small widths, a 16-bit matmul rate) splitting an op saves almost no
+time, and a time-only objective would flip between the replicated and the Megatron layout on
+rounding while the replicated one holds t times the weights on every rank.
+
+What crosses a block boundary is replicated (a block's partial or sharded output is reduced or
+gathered as it leaves, at that collective's cost), so blocks are solved independently, and identical
+blocks (the repeated layers) are solved once. A parameter read by two blocks (tied embeddings)
+gets one placement: each candidate is tried with both blocks pinned, and the cheapest kept.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from autopart.solve._cp_sat import cp_model
+from torch import fx
+
+from autopart.passes.blocks import Block, BlockChain
+from autopart.solve.sharding import REPLICATE, Placement, Strategy, is_tuple_of_tensors
+from autopart.solve.sharding_rules import strategies
+from cost_models import CostModel
+
+__all__ = ["BlockSharding", "conversion", "shard_chain"]
+
+_NS = 1e9
+TIME_TOLERANCE = 0.05
+"""How far (a fraction) from the fastest a layout may be and still win on memory, and from the
+fewest bytes and still count as that small: within what the roofline can resolve (its launch
+overheads are estimates, and its error against published runs is larger than this)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class BlockSharding:
+    strategies: dict[str, Strategy]  # tensor-producing compute node -> its strategy
+    parameters: dict[str, Placement]  # parameter target -> placement
+    compute_s: float  # forward + backward of one microbatch on one rank
+    communication_s: float
+    saved_bytes: int  # saved for backward on one rank
+
+    @property
+    def time_s(self) -> float:
+        return self.compute_s + self.communication_s
+
+
+def conversion(source: Placement, target: Placement) -> tuple[str | None, str | None] | None:
+    """(forward collective, backward collective) to turn ``source`` into ``target``; None if not allowed."""
+    if source == target:
+        return None, None
+    if source == REPLICATE and target.kind == "S":
+        return None, "all_gather"
+    if source.kind == "S" and target == REPLICATE:
+        return "all_gather", None
+    if source.kind == "P" and target == REPLICATE:
+        return "all_reduce", None
+    return None
+
+
+class _BlockModel:
+    def __init__(
+        self, chain: BlockChain, block: Block, t: int, cost_model: CostModel, pinned: dict[str, Placement], across_nodes: bool
+    ):
+        self.chain, self.block, self.t, self.cost_model = chain, block, t, cost_model
+        self.across_nodes = across_nodes
+        op_graph = chain.op_graph
+        fx_nodes = {n.name: n for n in op_graph.fx_nodes()}
+        self.members = [fx_nodes[n] for n in block.nodes if self._tensorish(fx_nodes[n])]
+        self.options = {n.name: strategies(n, op_graph, t) for n in self.members}
+        self.model = cp_model.CpModel()
+        m = self.model
+        self.choice = {
+            n.name: [m.new_bool_var(f"{n.name}_strategy{i}") for i in range(len(self.options[n.name]))]
+            for n in self.members
+        }
+        for bools in self.choice.values():
+            m.add_exactly_one(bools)
+        # placements of what the members read: members (from their strategy), parameters (free choice)
+        self.placed: dict[str, dict[Placement, cp_model.IntVar]] = {}
+        for n in self.members:
+            by_output: dict[Placement, list] = {}
+            for i, s in enumerate(self.options[n.name]):
+                by_output.setdefault(s.output, []).append(self.choice[n.name][i])
+            self.placed[n.name] = {}
+            for placement, bools in by_output.items():
+                var = m.new_bool_var(f"{n.name}_is_{placement}")
+                m.add(var == sum(bools))
+                self.placed[n.name][placement] = var
+        self.parameters = [p for p in dict.fromkeys(self._parameter_inputs())]
+        for name in self.parameters:
+            wanted = {REPLICATE}
+            for n in self.members:
+                j = n.all_input_nodes.index(fx_nodes[name]) if fx_nodes[name] in n.all_input_nodes else None
+                if j is not None:
+                    wanted |= {s.inputs[j] for s in self.options[n.name] if s.inputs[j] is not None}
+            wanted = {p for p in wanted if p.kind != "P"}  # a parameter is replicated or sharded, never partial
+            target = str(fx_nodes[name].target)
+            if target in pinned:
+                wanted = {pinned[target]}
+            bools = {p: m.new_bool_var(f"{name}_is_{p}") for p in sorted(wanted)}
+            m.add_exactly_one(bools.values())
+            self.placed[name] = bools
+        self.objective = []  # seconds: compute and collectives
+        self.communication = []  # seconds: the collectives alone
+        self.needs: dict[tuple[str, Placement, bool], list] = {}  # (value, placement, copied) -> who needs it
+        self.fx_nodes = fx_nodes
+        self.memory = [  # parameter bytes per rank: what tensor parallelism is there to divide
+            op_graph.nodes[name].parameter_bytes // (t if p.kind == "S" else 1) * placed
+            for name in self.parameters for p, placed in self.placed[name].items()
+        ]  # fmt: skip
+        for n in self.members:
+            self._edges(n)
+        in_block = set(block.nodes)  # a size read inside the block folds to a number: it does not leave
+        for n in self.members:  # what leaves the block leaves replicated: reduced or gathered on its way out
+            if any(u.name not in in_block for u in n.users):
+                self._leaves(n)
+        self._convert()
+        m.minimize(sum(self.objective))
+
+    def _tensorish(self, node: fx.Node) -> bool:
+        return self.chain.op_graph.nodes[node.name].output is not None or is_tuple_of_tensors(node, self.chain.op_graph)
+
+    def divided_seconds(self, name: str) -> float:
+        """Forward and backward of the node's kernels, each on a t-th of the data: the FLOPs and bytes
+        shrink, the per-kernel overhead does not."""
+        forward, backward = self.chain.op_graph.kernels.get(name, ((), ()))
+        shrunk = [replace(k, flops=k.flops / self.t, bytes=k.bytes / self.t) for k in (*forward, *backward)]
+        return self.cost_model.kernels_time(shrunk)
+
+    def _parameter_inputs(self):
+        for n in self.members:
+            for arg in n.all_input_nodes:
+                if self.chain.op_graph.nodes[arg.name].is_parameter:
+                    yield arg.name
+
+    def _seconds(self, kind: str | None, name: str) -> float:
+        if kind is None:
+            return 0.0
+        meta = self.chain.op_graph.nodes[name].output
+        return self.cost_model.collective_time(kind, meta.nbytes if meta else 0, self.t, across_nodes=self.across_nodes)
+
+    def _edges(self, node: fx.Node) -> None:
+        """The op's own time per strategy, and what each strategy needs of each input."""
+        cost = self.chain.op_graph.nodes[node.name]
+        for i, strategy in enumerate(self.options[node.name]):
+            seconds = self.divided_seconds(node.name) if strategy.divided else cost.forward_s + cost.backward_s
+            self.objective.append(round(seconds * _NS) * self.choice[node.name][i])
+        for j, arg in enumerate(node.all_input_nodes):
+            for i, strategy in enumerate(self.options[node.name]):
+                required = strategy.inputs[j]
+                if required is None:
+                    continue
+                copy = strategy.copies(required, self.chain.op_graph.nodes[arg.name].needs_grad)
+                self.needs.setdefault((arg.name, required, copy), []).append(self.choice[node.name][i])
+
+    def _leaves(self, node: fx.Node) -> None:
+        """``node`` is read past the block, which takes it replicated: a partial or sharded output
+        pays its all-reduce or all-gather here (a vocabulary-parallel embedding's, say)."""
+        self.needs.setdefault((node.name, REPLICATE, False), []).append(1)
+
+    def _convert(self) -> None:
+        """Each value is converted once for every consumer that needs it in one placement, as the
+        generated code does (three projections that read one replicated input share its ``f``)."""
+        m = self.model
+        for (name, required, copy), users in self.needs.items():
+            needed = m.new_bool_var(f"{name}_as_{required}{'_copied' if copy else ''}")
+            m.add_max_equality(needed, users)
+            sources = self.placed.get(name, {REPLICATE: None})  # None: fixed replicated (a boundary, a buffer)
+            whole_tuple = is_tuple_of_tensors(self.fx_nodes[name], self.chain.op_graph)  # split's tuple: its items convert
+            for placement, placed in sources.items():
+                seconds = self._pair_seconds(placement, required, copy, name)
+                if seconds is None or whole_tuple and placement != required:
+                    m.add_bool_or([needed.Not()] + ([placed.Not()] if placed is not None else []))
+                elif seconds:
+                    both = needed
+                    if placed is not None:
+                        both = m.new_bool_var(f"{name}_{placement}_to_{required}{'_copied' if copy else ''}")
+                        m.add(both >= needed + placed - 1)
+                    term = round(seconds * _NS) * both
+                    self.objective.append(term)
+                    self.communication.append(term)
+
+    def _pair_seconds(self, source: Placement, required: Placement, copy: bool, name: str) -> float | None:
+        step = conversion(source, required)
+        if step is None:
+            return None
+        forward, backward = step
+        seconds = self._seconds(forward, name) + (self._seconds(backward, name) if self.chain.op_graph.nodes[name].needs_grad else 0.0)
+        if copy:  # Megatron's f: the gradient of a replicated input of a split op is partial
+            seconds += self._seconds("all_reduce", name)
+        return seconds
+
+    def solve(self, time_limit_s: float) -> BlockSharding:
+        solver = cp_model.CpSolver()
+        solver.parameters.max_time_in_seconds = time_limit_s
+        solver.parameters.num_workers = 2
+        status = solver.solve(self.model)
+        assert status in (cp_model.OPTIMAL, cp_model.FEASIBLE), "the replicated strategy is always feasible"
+        for objective, then in ((self.objective, self.memory), (self.memory, self.communication)):
+            best = round(solver.objective_value)  # of ``objective``: bound it, and go on to ``then``
+            self.model.add(sum(objective) <= best + round(best * TIME_TOLERANCE))
+            self.model.minimize(sum(then))
+            status = solver.solve(self.model)
+            assert status in (cp_model.OPTIMAL, cp_model.FEASIBLE), "the layout found before is a solution"
+        chosen = {
+            n.name: self.options[n.name][next(i for i, b in enumerate(self.choice[n.name]) if solver.value(b))]
+            for n in self.members
+        }
+        fx_nodes = {n.name: n for n in self.chain.op_graph.fx_nodes()}
+        parameters = {
+            str(fx_nodes[name].target): next(p for p, b in self.placed[name].items() if solver.value(b))
+            for name in self.parameters
+        }
+        costs = self.chain.op_graph.nodes
+        compute = sum(
+            self.divided_seconds(n) if s.divided else costs[n].forward_s + costs[n].backward_s for n, s in chosen.items()
+        )
+        saved = sum(costs[n].saved_bytes // (self.t if s.divided else 1) for n, s in chosen.items())
+        saved += sum(costs[n].saved_bytes for n in self.block.nodes if n not in chosen)
+        total = sum(solver.value(term) for term in self.objective) / _NS
+        return BlockSharding(
+            strategies=chosen,
+            parameters=parameters,
+            compute_s=compute,
+            communication_s=max(0.0, total - compute),
+            saved_bytes=saved,
+        )
+
+
+def _solve_block(
+    chain: BlockChain, index: int, t: int, cost_model: CostModel, pinned: dict[str, Placement], across_nodes: bool
+) -> BlockSharding:
+    return _BlockModel(chain, chain.blocks[index], t, cost_model, pinned, across_nodes).solve(time_limit_s=20.0)
+
+
+def _translate(solution: BlockSharding, source: Block, target: Block) -> BlockSharding:
+    """A solution of one block applied to an identical block (same signature), node by node."""
+    rename = dict(zip(source.nodes, target.nodes))
+    parameters = dict(zip(source.parameters, target.parameters))
+    return BlockSharding(
+        strategies={rename[n]: s for n, s in solution.strategies.items()},
+        parameters={parameters[p]: placement for p, placement in solution.parameters.items()},
+        compute_s=solution.compute_s,
+        communication_s=solution.communication_s,
+        saved_bytes=solution.saved_bytes,
+    )
+
+
+def shard_chain(
+    chain: BlockChain, *, tp: int, cost_model: CostModel, across_nodes: bool = False
+) -> list[BlockSharding]:
+    """The cheapest sharding of every block on ``tp`` ranks (their collectives cross nodes when
+    ``across_nodes``)."""
+    readers: dict[str, list[int]] = {}
+    for k, block in enumerate(chain.blocks):
+        for p in block.parameters:
+            readers.setdefault(p, []).append(k)
+    shared = {p: ks for p, ks in readers.items() if len(ks) > 1}
+    pinned: dict[str, Placement] = {}
+    for parameter, blocks in shared.items():
+        scored = {}  # candidate -> (seconds, parameter bytes per rank) of the blocks that read it
+        for candidate in _candidates(chain, parameter, blocks, tp, cost_model, across_nodes):
+            solutions = [_solve_block(chain, k, tp, cost_model, {**pinned, parameter: candidate}, across_nodes) for k in blocks]
+            scored[candidate] = (sum(s.time_s for s in solutions), sum(_rank_bytes(chain, s, tp) for s in solutions))
+        pinned[parameter] = _time_then_weights(scored)
+    solved: dict[str, tuple[Block, BlockSharding]] = {}
+    result = []
+    for k, block in enumerate(chain.blocks):
+        own_pins = {p: pinned[p] for p in block.parameters if p in pinned}
+        key = block.signature if not own_pins else f"{block.signature}:{k}"
+        if key not in solved:
+            solved[key] = (block, _solve_block(chain, k, tp, cost_model, own_pins, across_nodes))
+        first, solution = solved[key]
+        result.append(solution if first is block else _translate(solution, first, block))
+    return result
+
+
+def _rank_bytes(chain: BlockChain, solution: BlockSharding, t: int) -> int:
+    return sum(chain.parameter_bytes[p] // (t if placement.kind == "S" else 1) for p, placement in solution.parameters.items())
+
+
+def _time_then_weights(scored: dict[Placement, tuple[float, int]]) -> Placement:
+    """The blocks' own rule across blocks: within ``TIME_TOLERANCE`` of the fastest, the fewest
+    parameter bytes (within it too), and of those the fastest."""
+    fastest = min(seconds for seconds, _ in scored.values())
+    near = {c: v for c, v in scored.items() if v[0] <= fastest * (1 + TIME_TOLERANCE)}
+    lightest = min(weights for _, weights in near.values())
+    return min((c for c, v in near.items() if v[1] <= lightest * (1 + TIME_TOLERANCE)), key=lambda c: (scored[c][0], c))
+
+
+def _candidates(
+    chain: BlockChain, parameter: str, blocks: list[int], t: int, cost_model: CostModel, across_nodes: bool
+) -> list[Placement]:
+    found = {REPLICATE}
+    for k in blocks:
+        solution = _solve_block(chain, k, t, cost_model, {}, across_nodes)
+        found |= {placement for p, placement in solution.parameters.items() if p == parameter}
+    return sorted(found)

@@ -1,0 +1,107 @@
+"""Merge a training checkpoint into the original model's state dict, as one safetensors file.
+
+Every stage's tensors carry their names in the original model, so consolidation is: read the
+``model/`` keys of the checkpoint, put each tensor-parallel slice back together, keep one copy of
+a parameter that several stages hold (a tied embedding), and fill in every name under which the
+original model exposes it (``wte.weight`` and ``lm_head.weight``), so that
+``build_model().load_state_dict(load_file(path))`` accepts the file with strict checking.
+
+The model is built from the user's model file: the one given, or by default the one the plan
+names, checked against the plan's hash. The copy of ``model.py`` inside a checkpoint folder is
+never imported: a checkpoint is data, and whoever hands one over must not be able to run code.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from autopart.ir.model_file import load_model_file
+from autopart.ir.errors import ConfigError
+from autopart.ir.placement import REPLICATE, Placement
+from autopart.ir.plan import Plan, load_plan
+from autopart.runtime.checkpoint import checkpoint_keys, latest_checkpoint, load_tensors, read_record
+from autopart.runtime.shards import unshard_weight
+
+__all__ = ["Consolidated", "consolidate", "consolidated_state"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Consolidated:
+    checkpoint: Path  # the step directory that was read
+    step: int  # steps done when it was saved
+    tensors: int
+    skipped: tuple[str, ...]  # newer checkpoints passed over as damaged
+
+
+def _model_file(plan: Plan, model: Path | None) -> Path:
+    """The model file to build the model from: ``model``, else the plan's own while its hash holds."""
+    if model is not None:
+        if not Path(model).is_file():
+            raise ConfigError(f"model file '{model}' does not exist; pass the model file that was compiled with --model")
+        return Path(model)
+    named = Path(plan.provenance.model_file)
+    if not named.is_file():
+        raise ConfigError(f"the plan's model file '{named}' does not exist here; pass it with --model MODEL.py")
+    if hashlib.sha256(named.read_bytes()).hexdigest() != plan.provenance.model_sha256:
+        raise ConfigError(f"'{named}' changed since the checkpoint's compile (its sha256 differs from the plan's); "
+                          "pass the model file that was compiled with --model MODEL.py")
+    return named
+
+
+def consolidated_state(checkpoint: Path, model: Path | None = None) -> tuple[dict[str, torch.Tensor], Consolidated]:
+    """The original model's state dict from the latest good checkpoint under ``checkpoint``, built
+    from ``model`` (default: the model file the plan names, when its hash still matches)."""
+    checkpoint = Path(checkpoint)
+    if not checkpoint.is_dir():
+        raise ConfigError(f"checkpoint directory '{checkpoint}' does not exist; pass the --checkpoint-dir of a run")
+    path, skipped = latest_checkpoint(checkpoint)
+    if path is None:
+        raise ConfigError(f"'{checkpoint}' holds no complete checkpoint; pass the --checkpoint-dir of a run")
+    keys = [k for k in checkpoint_keys(path) if k.startswith("model/")]  # the metadata is checked first
+    plan = load_plan(path / "plan.json")
+    module = load_model_file(_model_file(plan, model)).module
+    tensors = load_tensors(path, keys, distributed=False)
+    tp = plan.mesh["tp"]
+    whole: dict[str, torch.Tensor] = {}
+    for stage in plan.stages:
+        placements = {name: Placement.parse(p) for name, p in stage.parameter_placements.items()}
+        prefix = f"model/stage_{stage.index}/tp_0/"
+        for name in (k.removeprefix(prefix) for k in keys if k.startswith(prefix)):
+            if name not in whole:  # a tied parameter: every holder has the same values
+                pieces = [tensors[f"model/stage_{stage.index}/tp_{r}/{name}"] for r in range(tp)]
+                whole[name] = unshard_weight(pieces, placements.get(name, REPLICATE))
+    assert module is not None
+    aliases: dict[int, list[str]] = {}
+    for name, value in module.state_dict(keep_vars=True).items():
+        aliases.setdefault(id(value), []).append(name)
+    state: dict[str, torch.Tensor] = {}
+    for names in aliases.values():
+        found = next((whole[n] for n in names if n in whole), None)
+        if found is None:
+            raise ConfigError(
+                f"the checkpoint holds no values for {names[0]!r} of the model (no stage reads it); "
+                "consolidate from a checkpoint of this model's compile"
+            )
+        for name in names:
+            state[name] = found.detach().clone().contiguous()
+    summary = Consolidated(checkpoint=path, step=int(read_record(path)["step"]), tensors=len(state), skipped=tuple(skipped))
+    return state, summary
+
+
+def consolidate(checkpoint: Path, output: Path, model: Path | None = None) -> Consolidated:
+    """Write the consolidated state dict to ``output`` (safetensors), replacing it atomically."""
+    output = Path(output)
+    if output.is_dir():
+        raise ConfigError(f"output path '{output}' is a directory; give a file path such as model.safetensors")
+    state, summary = consolidated_state(checkpoint, model)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    partial = output.with_name(f".{output.name}.partial-{os.getpid()}")
+    save_file(state, str(partial), metadata={"autopart_checkpoint": str(summary.checkpoint), "step": str(summary.step)})
+    partial.replace(output)
+    return summary

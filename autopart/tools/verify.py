@@ -1,0 +1,122 @@
+"""``autopart verify OUT``: run the generated programs beside the original model and compare.
+
+The programs run under torchrun on this machine, on its GPUs with NCCL when the plan was
+compiled for a GPU and each rank can have one (`autopart.tools.local_run.runs_on_gpus`), else with
+gloo on the CPU; the original model trains in this process on the same device, on the same
+batches from the same initial weights (``autopart.runtime.reference``). Any user can so check any compile: the losses of
+every step and every final parameter must agree to float tolerance.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from autopart.ir.errors import ConfigError
+from autopart.tools.local_run import run_locally, runs_on_gpus
+from autopart.ir.plan import load_plan
+from autopart.runtime.recipe import Recipe
+from autopart.runtime.reference import initial_weights, train_reference
+from autopart.runtime.shards import load_stage_weights
+
+__all__ = ["Verification", "verify", "LOSS_TOLERANCE", "PARAMETER_TOLERANCE"]
+
+LOSS_TOLERANCE = (1e-5, 1e-5)  # (atol, rtol): fp32 sums in another order
+PARAMETER_TOLERANCE = (1e-5, 1e-4)
+BF16_LOSS_TOLERANCE = (1e-5, 1.6e-2)  # torch.testing's bf16 rtol: about four roundings of 2**-8
+BF16_SHARE_OF_STEP = 2e-2
+"""A bf16 plan rounds at other places than one bf16 process (each microbatch's weight gradient
+before the fp32 sum, matrix products of another batch size): its parameters may differ by this
+share of how far training moved them."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Verification:
+    steps: int
+    losses: list[float]  # the distributed run's
+    reference_losses: list[float]
+    loss_difference: float  # largest absolute difference over the steps
+    loss_step: int
+    parameter_difference: float  # largest absolute difference over every element of every parameter
+    parameter: str  # where it is
+    failures: list[str]  # beyond tolerance: the steps and parameters, worst first
+    loss_tolerance: str  # the tolerances applied, as the verdict prints them: a bf16 plan's are looser
+    parameter_tolerance: str
+
+    @property
+    def matches(self) -> bool:
+        return not self.failures
+
+
+def _run_distributed(
+    out_dir: Path, work: Path, *, steps: int, lr: float, optimizer: str, timeout_s: float, gpus: bool, recipe: Recipe
+) -> None:
+    plan = load_plan(out_dir / "plan.json")
+    train_args = ["--steps", str(steps), "--lr", str(lr), "--optimizer", optimizer, *recipe.train_args(),
+                  "--metrics", str(work / "metrics.jsonl"), "--save-weights", str(work / "final")]
+    run_locally(out_dir, plan.world_size, train_args, timeout_s=timeout_s, cwd=work, gpus=gpus)
+
+
+def verify(out_dir: str | Path, *, steps: int = 3, lr: float = 0.1, optimizer: str = "sgd",
+           timeout_s: float = 600.0, recipe: Recipe | None = None) -> Verification:  # fmt: skip
+    """``recipe``: the learning-rate schedule, weight decay and clipping that both runs apply."""
+    recipe = recipe or Recipe()
+    out_dir = Path(out_dir).resolve()
+    if not (out_dir / "plan.json").is_file():
+        raise ConfigError(f"'{out_dir}' is not an autopart output directory (no plan.json); pass the -o of a compile")
+    if steps < 1:
+        raise ConfigError(f"--steps must be at least 1, got {steps}")
+    plan = load_plan(out_dir / "plan.json")
+    gpus = runs_on_gpus(plan)
+    with tempfile.TemporaryDirectory(prefix="autopart-verify-") as folder:
+        work = Path(folder)
+        _run_distributed(out_dir, work, steps=steps, lr=lr, optimizer=optimizer, timeout_s=timeout_s, gpus=gpus,
+                         recipe=recipe)
+        records = [json.loads(line) for line in (work / "metrics.jsonl").read_text().splitlines()]
+        finals = load_stage_weights(plan, work / "final")
+    reference = train_reference(out_dir, steps=steps, lr=lr, optimizer=optimizer, device="cuda" if gpus else "cpu",
+                                recipe=recipe)
+    bf16 = plan.dtype == "bf16"
+    initial = initial_weights(out_dir) if bf16 else {}
+    losses = [r["loss"] for r in sorted(records, key=lambda r: r["step"])]
+    failures: list[tuple[float, str]] = []
+    loss_atol, loss_rtol = BF16_LOSS_TOLERANCE if bf16 else LOSS_TOLERANCE
+    atol, rtol = PARAMETER_TOLERANCE
+    loss_tolerance = f"{loss_atol:g} + {loss_rtol:g}*|loss|{', bf16' if bf16 else ''}"
+    parameter_tolerance = (f"{BF16_SHARE_OF_STEP:g}*|its change in training| + 1e-07, bf16" if bf16
+                           else f"{atol:g} + {rtol:g}*|value|")
+    loss_gaps = [abs(a - b) for a, b in zip(losses, reference.losses)]
+    for step, (gap, expected) in enumerate(zip(loss_gaps, reference.losses)):
+        if gap > loss_atol + loss_rtol * abs(expected):
+            failures.append((gap, f"the loss of step {step} differs by {gap:.3g} ({losses[step]:.6f} vs {expected:.6f}; "
+                                  f"tolerance {loss_tolerance})"))
+    if len(losses) != steps:
+        failures.append((float("inf"), f"the distributed run reported {len(losses)} losses for {steps} steps"))
+    worst, worst_name = 0.0, ""
+    for stage, weights in finals.items():
+        for name, value in weights.items():
+            if name not in reference.parameters:
+                continue  # a constant of the graph, not a tensor of the model
+            expected = reference.parameters[name]
+            gap_tensor = (value.double() - expected.double()).abs()
+            gap = float(gap_tensor.max()) if gap_tensor.numel() else 0.0
+            if gap > worst:
+                worst, worst_name = gap, name
+            if bf16 and name in initial:
+                moved = float((expected.double() - initial[name].double()).abs().max()) if expected.numel() else 0.0
+                allowed = BF16_SHARE_OF_STEP * moved + 1e-7
+            else:
+                allowed = atol + rtol * expected.double().abs()
+            if bool((gap_tensor > allowed).any()):
+                failures.append((gap, f"parameter {name} (stage {stage}) differs by up to {gap:.3g} "
+                                      f"(tolerance {parameter_tolerance})"))
+    failures.sort(key=lambda f: -f[0])
+    loss_step = max(range(len(loss_gaps)), key=loss_gaps.__getitem__) if loss_gaps else 0
+    return Verification(
+        steps=steps, losses=losses, reference_losses=reference.losses,
+        loss_difference=max(loss_gaps, default=0.0), loss_step=loss_step,
+        parameter_difference=worst, parameter=worst_name, failures=[text for _, text in failures],
+        loss_tolerance=loss_tolerance, parameter_tolerance=parameter_tolerance,
+    )  # fmt: skip

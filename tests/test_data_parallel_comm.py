@@ -1,0 +1,49 @@
+"""Where the data-parallel collectives of each ZeRO level fall in the step
+(`autopart.predict.data_parallel`): gathers before the computation they feed, reduce-scatters
+overlapped on a GPU but not on a CPU, and the once-a-step collectives in the tail."""
+
+import pytest
+
+from autopart.predict.data_parallel import data_parallel_comm
+
+
+class LinearCollectives:
+    """Seconds = bytes / 1e9 per collective, whatever its kind; an all-reduce is twice that."""
+
+    def collective_time(self, kind: str, nbytes: float, group_size: int, *, across_nodes: bool = False) -> float:
+        return nbytes / 1e9 * (2 if kind == "all_reduce" else 1)
+
+
+def comm(zero: int, *, overlapped: bool, dp: int = 4, hidden_behind_s: float = 2.0):
+    return data_parallel_comm(zero, 1e9, dp=dp, across_nodes=False, cost_model=LinearCollectives(),
+                              overlapped=overlapped, hidden_behind_s=hidden_behind_s)
+
+
+@pytest.mark.parametrize("overlapped", [False, True])
+def test_replicated_levels_reduce_once_after_the_pipeline(overlapped):
+    assert comm(0, overlapped=overlapped) == pytest.approx(type(comm(0, overlapped=False))(0.0, 0.0, 2.0))
+    assert comm(1, overlapped=overlapped).tail_s == pytest.approx(3.0)  # and the updated shards gathered
+    assert comm(1, overlapped=overlapped).forward_s == comm(1, overlapped=overlapped).backward_s == 0.0
+
+
+def test_zero_2_gathers_once_a_step_and_reduces_after_every_backward():
+    on_cpu, on_gpu = comm(2, overlapped=False), comm(2, overlapped=True)
+    assert (on_cpu.forward_s, on_cpu.backward_s, on_cpu.tail_s) == pytest.approx((0.0, 1.0, 1.0))
+    assert (on_gpu.forward_s, on_gpu.backward_s, on_gpu.tail_s) == pytest.approx((0.0, 0.0, 2.0))  # the last waited for
+
+
+def test_zero_3_gathers_before_every_forward_and_backward():
+    on_cpu, on_gpu = comm(3, overlapped=False), comm(3, overlapped=True)
+    assert (on_cpu.forward_s, on_cpu.backward_s, on_cpu.tail_s) == pytest.approx((1.0, 2.0, 0.0))
+    assert (on_gpu.forward_s, on_gpu.backward_s, on_gpu.tail_s) == pytest.approx((1.0, 1.0, 1.0))
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_one_replica_communicates_nothing(zero):
+    assert comm(zero, overlapped=False, dp=1) == type(comm(zero, overlapped=False, dp=1))()
+
+
+def test_a_reduce_scatter_longer_than_the_next_action_shows_its_excess():
+    assert comm(2, overlapped=True, hidden_behind_s=0.25).backward_s == pytest.approx(0.75)
+    assert comm(3, overlapped=True, hidden_behind_s=0.25).backward_s == pytest.approx(1.75)
+    assert comm(2, overlapped=False, hidden_behind_s=5.0).backward_s == pytest.approx(1.0)  # a CPU hides nothing
