@@ -18,8 +18,10 @@ from autopart.ir.errors import PlanError
 from autopart.ir.model_file import load_model_file
 from autopart.ir.plan import Plan, load_plan
 from autopart.options import CompileOptions
+from autopart.predict.accuracy import with_basis
 from autopart.passes.annotate import annotate
 from autopart.passes.front import Front, build_front, capture_for, note_unsplit
+from autopart.profiling.measure_defaults import measure_defaults
 from autopart.profiling.pipeline import profile_pipeline
 from autopart.solve.assemble import pipeline_problem, plan_from_cuts
 from autopart.solve.pinned import rebuild_pinned
@@ -54,8 +56,9 @@ def compile(model: str | Path, **options) -> Plan:  # noqa: A001 - the API's ver
 
     Keyword options are the fields of ``CompileOptions`` (``pp=2, microbatches=4, ...``).
     """
-    plan, _ = compile_plan(CompileOptions(model=Path(model), **options))
-    return plan
+    options, measured = measure_defaults(CompileOptions(model=Path(model), **options))
+    plan, _ = compile_plan(options)
+    return with_basis(plan, measured.basis)
 
 
 def emit(plan: Plan, out_dir: str | Path) -> Path:
@@ -74,13 +77,16 @@ def emit(plan: Plan, out_dir: str | Path) -> Path:
     return emit_directory(plan, op_graph, spec, out_dir)
 
 
-def compile_to_directory(options: CompileOptions, out_dir: Path, *, progress=None) -> tuple[Plan, Path]:
-    """What ``autopart compile`` does: compile, then emit, with one capture. ``progress(what,
-    done, total)`` hears how the search goes."""
+def compile_to_directory(options: CompileOptions, out_dir: Path, *, progress=None, console=None) -> tuple[Plan, Path]:
+    """What ``autopart compile`` does: measure what the defaults need, compile, then emit, with
+    one capture. ``progress(what, done, total)`` hears how the search goes; ``console`` shows
+    the measuring."""
     check_output_directory(out_dir)
+    options, measured = measure_defaults(options, console=console)
     plan, front = compile_plan(options, progress)
     if options.profile_pipeline:
         plan, front = _profiled_in_place(options, plan, front, progress)
+    plan = with_basis(plan, measured.basis)
     return plan, emit_directory(plan, front.op_graph, front.spec, out_dir)
 
 

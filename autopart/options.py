@@ -79,6 +79,9 @@ class CompileOptions:
     """Run the compiled programs here for a few steps, store how much longer their stages
     compute inside the running pipeline than alone in ``costs`` (`autopart.profiling.pipeline`),
     and compile again with it. Once per model and mesh: a later compile finds it there."""
+    measure: bool = True
+    """Without ``costs``, on the machine at hand: measure its ops and messages first, once per
+    model and machine (`autopart.profiling.measure_defaults`); False keeps the device's roofline."""
 
     def __post_init__(self) -> None:
         for name in ("world_size", "pp", "tp", "dp", "gpus_per_node"):

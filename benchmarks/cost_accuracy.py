@@ -57,7 +57,8 @@ import torch  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from autopart.ir.model_file import load_model_file
+from autopart.predict.accuracy import MEASURED, PROFILED, Band, band_key, write_band  # noqa: E402
+from autopart.ir.model_file import load_model_file  # noqa: E402
 from autopart.passes.capture import capture, graph_args  # noqa: E402
 from autopart.driver import CompileOptions, compile_to_directory  # noqa: E402
 from autopart.tools.local_run import free_port  # noqa: E402
@@ -208,7 +209,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1,
                         help="profile and run each row this many times; the table shows the median error's")
     parser.add_argument("--rows", default="gpt-s:2,gpt-s:4,gpt-m:2,gpt-m:4,llama-s:2,llama-s:4,llama-m:2,llama-m:4")
+    parser.add_argument("--default", action="store_true",
+                        help="the default compile instead: no --costs, a fresh cache, the ops and messages it measures")
+    parser.add_argument("--no-write", action="store_true",
+                        help="do not record the error band in autopart/predict/accuracy.json (which compile prints)")
     args = parser.parse_args()
+    if args.default:
+        _default_path(args)
+        return
     torch.set_num_threads(1)
     if args.shield:
         _shield(os.getpid())
@@ -222,6 +230,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="cost_accuracy_") as folder:
         folder = Path(folder)
         costs = args.costs or folder / "costs.json"
+        row_errors: list[float] = []  # per row, its median repeat's
         for row in args.rows.split(","):
             name, ranks = row.split(":")
             ranks = int(ranks)
@@ -240,6 +249,7 @@ def main() -> None:
                 steps = max(args.steps, args.warmup + math.ceil(args.seconds / plan.predicted.step_s))
                 runs.append((plan, out, *_run(out, ranks, steps, args.warmup, shield=args.shield)))
             errors = [(p.predicted.step_s - step) / step for p, _, step, _ in runs]
+            row_errors.append(sorted(errors)[len(errors) // 2])
             # against the profile's own run, where the compile kept the plan it ran: the model without the machine's drift
             in_run = [(p.predicted.step_s - p.predicted.profiled_step_s) / p.predicted.profiled_step_s
                       for p, *_ in runs if p.predicted.profiled_step_s is not None]
@@ -263,6 +273,49 @@ def main() -> None:
                           f"from the ops alone; pipeline {plan.predicted.pipeline_s * 1e3:.1f}, tails "
                           f"{' '.join(f'{t * 1e3:.1f}' for t in plan.predicted.rank_tail_s)}), {step * 1e3:.1f} ms measured")
     console.print(table)
+    _write_band(args, PROFILED, row_errors)
+
+
+def _write_band(args: argparse.Namespace, kind: str, errors: list[float]) -> None:
+    """Record the band of this run's rows where ``autopart compile`` reads it (see autopart/predict/accuracy.py)."""
+    if errors and not args.no_write:
+        command = " ".join(["python", "benchmarks/cost_accuracy.py", *sys.argv[1:]])
+        band = Band.from_errors(errors, benchmark="cost_accuracy", command=command)
+        print(f"wrote the band ({band.median:.1%} median, {band.worst:.1%} worst) to "
+              f"{write_band(band_key(kind, 'cpu'), band)}")
+
+
+def _default_path(args: argparse.Namespace) -> None:
+    """Each row compiled as a new user compiles it (no flags past the layout), into a fresh cache
+    (this run's temporary one: the first row measures the messages, every row its ops), then run
+    ``--repeats`` times right after; the band is over every run."""
+    console = Console(highlight=False)
+    table = Table(title="cost_accuracy --default: the default compile's step against the run, fresh cache")
+    for header in ("model", "ranks", "compile s", "step ms pred", "step ms meas (each run)", "errors", "load"):
+        table.add_column(header, justify="right")
+    errors: list[float] = []
+    with tempfile.TemporaryDirectory(prefix="cost_accuracy_default_") as folder:
+        folder = Path(folder)
+        os.environ["AUTOPART_CACHE_DIR"] = str(folder / "cache")
+        for row in args.rows.split(","):
+            name, ranks = row.split(":")
+            ranks = int(ranks)
+            options = CompileOptions(model=_model_file(folder, name), pp=ranks, microbatches=2 * ranks,
+                                     micro_batch_size=2, time_limit_s=10)
+            start = time.perf_counter()
+            plan, out = compile_to_directory(options, folder / f"{name}-{ranks}")
+            compile_s = time.perf_counter() - start
+            steps = max(args.steps, args.warmup + math.ceil(args.seconds / plan.predicted.step_s))
+            measured = [_run(out, ranks, steps, args.warmup, shield=args.shield)[0] for _ in range(args.repeats)]
+            row_errors = [(plan.predicted.step_s - m) / m for m in measured]
+            errors += row_errors
+            table.add_row(name, str(ranks), f"{compile_s:.1f}", f"{plan.predicted.step_s * 1e3:.1f}",
+                          " ".join(f"{m * 1e3:.1f}" for m in measured), " ".join(f"{e:+.1%}" for e in row_errors),
+                          f"{os.getloadavg()[0]:.1f}")
+            console.print(f"{row}: predicted {plan.predicted.step_s * 1e3:.1f} ms, measured "
+                          f"{' '.join(f'{m * 1e3:.1f}' for m in measured)} ms")
+    console.print(table)
+    _write_band(args, MEASURED, errors)
 
 
 if __name__ == "__main__":

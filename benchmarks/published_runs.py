@@ -39,6 +39,7 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 import autopart  # noqa: E402
+from autopart.predict.accuracy import ROOFLINE, Band, band_key, write_band  # noqa: E402
 from cost_models import get_cost_model  # noqa: E402
 
 MODELS = REPO / "benchmarks" / "models"
@@ -151,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", nargs="*", help="row names (default: all)")
     parser.add_argument("--search", action="store_true", help="also search each row's cluster and batch")
+    parser.add_argument("--no-write", action="store_true",
+                        help="do not record the error band in autopart/predict/accuracy.json (which compile prints)")
     args = parser.parse_args(argv)
     runs = [r for r in RUNS if not args.rows or r.name in args.rows]
     console = Console()
@@ -184,6 +187,10 @@ def main(argv: list[str] | None = None) -> int:
     absolute = [abs(e) for e in errors]
     console.print(f"median |error| {100 * statistics.median(absolute):.1f}%, worst {100 * max(absolute):.1f}% "
                   f"over {len(errors)} rows")  # fmt: skip
+    if errors and not args.no_write:
+        band = Band.from_errors(errors, benchmark="published_runs",
+                                command=" ".join(["python", "benchmarks/published_runs.py", *(argv or sys.argv[1:])]))
+        console.print(f"wrote the band of the GPU specs' roofline to {write_band(band_key(ROOFLINE, None), band)}")
     for name, why in NOT_EXPRESSIBLE:
         console.print(f"not expressible yet: {name}: {why}")
     for run in runs:

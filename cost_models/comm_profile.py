@@ -51,7 +51,7 @@ from autopart.ir.errors import ConfigError
 from autopart.tools.local_run import free_port
 from cost_models.calibration import cache_dir
 
-__all__ = ["CommProfile", "profile_comm", "load_comm_profile", "SIZES", "WAKE_IDLES"]
+__all__ = ["CommProfile", "Effort", "FULL", "QUICK", "cache_path", "profile_comm", "load_comm_profile", "SIZES", "WAKE_IDLES"]
 
 SIZES = (4, 4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 8 << 20)
 """Message sizes timed, in bytes: latency-bound to bandwidth-bound."""
@@ -65,6 +65,24 @@ _BETWEEN_MESSAGES_S = 0.002
 _CPU_REPEATS = 40
 """Messages timed per size for ``_p2p_cpu``: on a shared virtual machine one side's figure moves
 severalfold between small sets of messages, so the trimmed mean needs many."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Effort:
+    """How many samples each measurement takes: ``autopart profile-comm`` takes `FULL`; the
+    default compile, which measures only when the cache lacks a profile, takes `QUICK` so that a
+    first compile stays within seconds (its medians rest on fewer samples, and a later
+    ``profile-comm`` replaces them)."""
+
+    repeats: int = _REPEATS
+    cpu_repeats: int = _CPU_REPEATS
+    round_trips: int = 200
+    wake_rounds: int = 30
+    compute_rounds: int = 30
+
+
+FULL = Effort()
+QUICK = Effort(repeats=5, cpu_repeats=12, round_trips=60, wake_rounds=8, compute_rounds=8)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -93,7 +111,8 @@ class CommProfile:
         return "\n".join(lines)
 
 
-def _path(device: str, backend: str) -> Path:
+def cache_path(device: str, backend: str) -> Path:
+    """Where the profile of ``device`` over ``backend`` is cached, per host and torch version."""
     slug = re.sub(r"[^A-Za-z0-9._+-]", "_", f"{socket.gethostname()}-{device}-{backend}-torch{torch.__version__}")
     return cache_dir() / f"comm-{slug}.json"
 
@@ -102,7 +121,7 @@ def load_comm_profile(device: str) -> CommProfile | None:
     """The cached measurements for ``device`` on this host and torch, or None."""
     backend = "nccl" if device != "cpu" else "gloo"
     try:
-        data = json.loads(_path(device, backend).read_text())
+        data = json.loads(cache_path(device, backend).read_text())
         return CommProfile(**data)
     except (OSError, ValueError, TypeError):
         return None
@@ -113,11 +132,11 @@ def _rss_bytes() -> int:
         return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _time(call, device: torch.device) -> float:
+def _time(call, device: torch.device, repeats: int = _REPEATS) -> float:
     import torch.distributed as dist
 
     samples = []
-    for i in range(_REPEATS + 2):
+    for i in range(repeats + 2):
         dist.barrier()
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -143,7 +162,7 @@ def _helper_threads_cpu() -> float:
     return total / 1e9
 
 
-def _p2p_cpu(rank: int, buffer: torch.Tensor) -> tuple[float, float]:
+def _p2p_cpu(rank: int, buffer: torch.Tensor, repeats: int = _CPU_REPEATS) -> tuple[float, float]:
     """(send, receive) CPU seconds of one message, rank 0 sending and rank 1 receiving, as a
     pipeline sends them: between milliseconds of compute (a tiny layer), so that gloo's code
     and state are out of the caches, and with the message already there when the receiver asks
@@ -160,7 +179,7 @@ def _p2p_cpu(rank: int, buffer: torch.Tensor) -> tuple[float, float]:
     done = torch.zeros(1)
     sides: list[float] = []  # per message: the calling thread's CPU and gloo's threads' CPU meanwhile
     dist.barrier()
-    for i in range(_CPU_REPEATS + 2):
+    for i in range(repeats + 2):
         layer.run_for(_BETWEEN_MESSAGES_S)
         helpers = _helper_threads_cpu()
         if rank == 0:
@@ -362,8 +381,13 @@ def _pipeline_compute(rank: int, rounds: int = 30, steps: int = 8, nbytes: int =
     return max(1.0, (ratio + other) / 2) if rank == 0 else ratio
 
 
-def _worker(rank: int, ranks: int, backend: str, port: int, out: str) -> None:
+def _worker(rank: int, ranks: int, backend: str, port: int, out: str, effort: Effort = FULL) -> None:
+    import warnings
+
     import torch.distributed as dist
+
+    # torch renames the *_tensor collectives; the old names are the ones every supported torch has
+    warnings.filterwarnings("ignore", message=".*is deprecated.*", category=FutureWarning)
 
     import autopart.runtime.train  # noqa: F401 - the runtime's imports are part of its memory
 
@@ -386,28 +410,28 @@ def _worker(rank: int, ranks: int, backend: str, port: int, out: str) -> None:
                 dist.irecv(buffer, 0).wait()
                 dist.isend(buffer, 0).wait()
 
-        curves["p2p"].append([nbytes, _time(ping_pong, device) / 2])
+        curves["p2p"].append([nbytes, _time(ping_pong, device, effort.repeats) / 2])
         if backend == "gloo" and rank < 2:
-            send, receive = _p2p_cpu(rank, buffer)
+            send, receive = _p2p_cpu(rank, buffer, effort.cpu_repeats)
             curves["p2p_send_cpu"].append([nbytes, send])
             curves["p2p_recv_cpu"].append([nbytes, receive])
         elif backend == "gloo":
             dist.barrier()  # ranks past the pair only join the pair's barrier
-        curves["all_reduce"].append([nbytes, _time(lambda: dist.all_reduce(buffer), device)])
+        curves["all_reduce"].append([nbytes, _time(lambda: dist.all_reduce(buffer), device, effort.repeats)])
         part = torch.zeros(max(1, nbytes // 4 // ranks), device=device)
         whole = torch.zeros(part.numel() * ranks, device=device)
-        curves["all_gather"].append([nbytes, _time(lambda: dist.all_gather_into_tensor(whole, part), device)])
+        curves["all_gather"].append([nbytes, _time(lambda: dist.all_gather_into_tensor(whole, part), device, effort.repeats)])
         try:
-            curves["reduce_scatter"].append([nbytes, _time(lambda: dist.reduce_scatter_tensor(part, whole), device)])
+            curves["reduce_scatter"].append([nbytes, _time(lambda: dist.reduce_scatter_tensor(part, whole), device, effort.repeats)])
         except (RuntimeError, NotImplementedError, ValueError):
             pass  # a backend without reduce_scatter: the cost model keeps its formula for it
     if backend == "gloo":
-        delay = _busy_delay(rank)
+        delay = _busy_delay(rank, effort.round_trips)
         if rank == 0:
             curves["p2p_busy_delay"] = [[1, delay]]
-        wake = [_wake_curve(rank)]
+        wake = [_wake_curve(rank, effort.wake_rounds)]
         dist.broadcast_object_list(wake, src=1)
-        factor = _pipeline_compute(rank)
+        factor = _pipeline_compute(rank, effort.compute_rounds)
         if rank == 0:
             curves["wake"] = sorted(wake[0])
             curves["pipeline_compute"] = [[1, factor]]
@@ -420,8 +444,8 @@ def _worker(rank: int, ranks: int, backend: str, port: int, out: str) -> None:
                                          "process_bytes": process_bytes}))
 
 
-def profile_comm(*, ranks: int = 2, backend: str | None = None) -> tuple[CommProfile, Path]:
-    """Measure with ``ranks`` processes, cache the result, return it and where it went."""
+def profile_comm(*, ranks: int = 2, backend: str | None = None, effort: Effort = FULL) -> tuple[CommProfile, Path]:
+    """Measure with ``ranks`` processes and ``effort`` samples, cache the result, return it and where it went."""
     import torch.multiprocessing as mp
 
     from cost_models.device_names import local_device_name
@@ -440,7 +464,7 @@ def profile_comm(*, ranks: int = 2, backend: str | None = None) -> tuple[CommPro
         previous = os.environ.get("OMP_NUM_THREADS")
         os.environ["OMP_NUM_THREADS"] = "1"  # as torchrun starts every rank
         try:
-            mp.start_processes(_worker, args=(ranks, backend, port, out), nprocs=ranks, join=True, start_method="spawn")
+            mp.start_processes(_worker, args=(ranks, backend, port, out, effort), nprocs=ranks, join=True, start_method="spawn")
         finally:
             if previous is None:
                 os.environ.pop("OMP_NUM_THREADS", None)
@@ -449,7 +473,7 @@ def profile_comm(*, ranks: int = 2, backend: str | None = None) -> tuple[CommPro
         data = json.loads(Path(out).read_text())
     profile = CommProfile(device=device, backend=backend, ranks=ranks, host=socket.gethostname(),
                           torch_version=torch.__version__, **data)
-    path = _path(device, backend)
+    path = cache_path(device, backend)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(asdict(profile), indent=1) + "\n")
     return profile, path

@@ -32,13 +32,16 @@ VOLATILE = ("torch_version", "autopart_version", "bound_s", "gap")
 def normalised_plan(out: Path) -> str:
     """plan.json without what differs between two compiles of the same plan: paths, versions, the
     solver's bound (an optimal plan's objective is fixed; the bound it proved varies), the stage
-    files' hashes (their docstrings name the output directory)."""
+    files' hashes (their docstrings name the output directory), and the error band of its basis
+    (the last accuracy benchmark's, `autopart/predict/accuracy.json`)."""
     plan = json.loads((out / "plan.json").read_text())
     provenance = plan["provenance"]
     provenance["model_file"] = Path(provenance["model_file"]).relative_to(REPO).as_posix()
     for key in VOLATILE:
         provenance[key] = "<volatile>"
     plan["stage_sha256"] = {name: "<sha256>" for name in plan["stage_sha256"]}
+    for key in ("error_median", "error_worst", "error_benchmark"):
+        plan["predicted"][key] = "<benchmarked>"
     return json.dumps(plan, indent=2) + "\n"
 
 

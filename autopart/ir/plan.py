@@ -77,6 +77,11 @@ class Predicted:
     background_load: float = 0.0  # other busy processes on the machine's cores at compile time, which step_s counts
     model_flops_per_step: float = 0.0  # forward and backward of the whole model over the global batch, no recompute
     peak_flops: float = 0.0  # one device's dense peak FLOP/s in the plan's precision (its spec): MFU's denominator
+    basis: str = ""  # what step_s rests on ("ops and messages measured on this machine", "h100-sxm roofline")
+    basis_key: str = ""  # that basis's key in autopart/predict/accuracy.json ("cpu-measured", "spec-roofline")
+    error_median: float | None = None  # the band the benchmark of that basis measured: median |error| ...
+    error_worst: float | None = None  # ... and worst |error| (fractions); None where none was measured
+    error_benchmark: str = ""  # the benchmark that measured the band ("cost_accuracy", "published_runs")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -154,24 +159,7 @@ class Plan:
             mesh={k: mesh.int(k) for k in ("pp", "tp", "dp")},
             stages=stages,
             schedule=_read_schedule(schedule),
-            predicted=Predicted(
-                step_s=predicted.float("step_s"),
-                bubble=predicted.float("bubble"),
-                memory_bytes=tuple(int(v) for v in predicted.list("memory_bytes")),
-                p2p_bytes_per_step=predicted.int("p2p_bytes_per_step"),
-                stage_time_s=tuple(float(v) for v in predicted.list("stage_time_s")),
-                transfer_s=tuple(float(v) for v in predicted.list("transfer_s")),
-                pipeline_s=predicted.float("pipeline_s") if "pipeline_s" in predicted.data else 0.0,
-                rank_tail_s=tuple(float(v) for v in predicted.data.get("rank_tail_s", ())),
-                reduction_s=tuple((float(d), float(w)) for d, w in predicted.data.get("reduction_s", ())),
-                compute_factor=tuple(float(v) for v in predicted.data.get("compute_factor", ())),
-                compute_factor_from=str(predicted.data.get("compute_factor_from", "none")),
-                profiled_step_s=None if predicted.data.get("profiled_step_s") is None
-                else float(predicted.data["profiled_step_s"]),
-                background_load=float(predicted.data.get("background_load", 0.0)),
-                model_flops_per_step=float(predicted.data.get("model_flops_per_step", 0.0)),
-                peak_flops=float(predicted.data.get("peak_flops", 0.0)),
-            ),
+            predicted=_read_predicted(predicted),
             provenance=Provenance(
                 **{k: provenance.str(k) for k in ("model_file", "model_sha256", "capture", "cost_model")},
                 solver_status=provenance.str("solver_status"),
@@ -208,6 +196,32 @@ def _check_stages(stages: tuple[StagePlan, ...], pp: int) -> None:
         if len(stage.blocks) != 2 or not 0 <= stage.blocks[0] <= stage.blocks[1]:
             raise PlanError(f"{where}.blocks must be [first, last] with 0 <= first <= last, got "
                             f"{list(stage.blocks)}")
+
+
+def _read_predicted(predicted: _Reader) -> Predicted:
+    return Predicted(
+        step_s=predicted.float("step_s"),
+        bubble=predicted.float("bubble"),
+        memory_bytes=tuple(int(v) for v in predicted.list("memory_bytes")),
+        p2p_bytes_per_step=predicted.int("p2p_bytes_per_step"),
+        stage_time_s=tuple(float(v) for v in predicted.list("stage_time_s")),
+        transfer_s=tuple(float(v) for v in predicted.list("transfer_s")),
+        pipeline_s=predicted.float("pipeline_s") if "pipeline_s" in predicted.data else 0.0,
+        rank_tail_s=tuple(float(v) for v in predicted.data.get("rank_tail_s", ())),
+        reduction_s=tuple((float(d), float(w)) for d, w in predicted.data.get("reduction_s", ())),
+        compute_factor=tuple(float(v) for v in predicted.data.get("compute_factor", ())),
+        compute_factor_from=str(predicted.data.get("compute_factor_from", "none")),
+        profiled_step_s=None if predicted.data.get("profiled_step_s") is None
+        else float(predicted.data["profiled_step_s"]),
+        background_load=float(predicted.data.get("background_load", 0.0)),
+        model_flops_per_step=float(predicted.data.get("model_flops_per_step", 0.0)),
+        peak_flops=float(predicted.data.get("peak_flops", 0.0)),
+        basis=str(predicted.data.get("basis", "")),
+        basis_key=str(predicted.data.get("basis_key", "")),
+        error_median=_optional_float(predicted.data.get("error_median")),
+        error_worst=_optional_float(predicted.data.get("error_worst")),
+        error_benchmark=str(predicted.data.get("error_benchmark", "")),
+    )
 
 
 def _read_stage(data: Any, index: int) -> StagePlan:
@@ -356,6 +370,10 @@ def first_difference(pinned: Plan, rebuilt: Plan) -> tuple[str, Any, Any] | None
             if a[key] != b[key]:
                 return f"plan.stages[{index}].{key}", a[key], b[key]
     return None
+
+
+def _optional_float(value: Any) -> float | None:
+    return None if value is None else float(value)
 
 
 def load_plan(path: str | Path) -> Plan:

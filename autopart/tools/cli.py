@@ -15,6 +15,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from autopart.predict.accuracy import describe_prediction
 from autopart.ir.errors import AutopartError, OneLineParser
 from autopart.tools.local_run import LocalRunError
 from autopart.runtime.recipe import Recipe, add_recipe_arguments
@@ -66,6 +67,9 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--profile-pipeline", action="store_true",
                    help="run the plan here for a few steps, store how much slower its stages compute inside the "
                         "pipeline in --costs, and compile again with it (once per model and mesh)")
+    c.add_argument("--no-measure", action="store_true",
+                   help="predict from the device's roofline: do not measure this machine's ops and messages "
+                        "(by default measured once per model and machine, then cached)")
     p = commands.add_parser("profile", help="time every op of a model on this machine into a cost database")
     p.add_argument("model", type=Path, help="the model file")
     p.add_argument("-o", "--out", type=Path, required=True, help="cost database (JSON); added to when it exists")
@@ -206,19 +210,20 @@ def _compile(args: argparse.Namespace, console: Console) -> None:
         recompute=_recompute_modes(args.recompute) if args.recompute is not None else None,
         dtype=args.dtype,
         profile_pipeline=args.profile_pipeline,
+        measure=not args.no_measure,
     )
     known = _entries(args.costs)
     if options.searched:
         with _SearchProgress(console) as progress:
-            plan, out = compile_to_directory(options, args.out, progress=progress)
+            plan, out = compile_to_directory(options, args.out, progress=progress, console=console)
         _print_table(console, search_table(plan), _search_title(plan))
     else:
-        plan, out = compile_to_directory(options, args.out)
+        plan, out = compile_to_directory(options, args.out, console=console)
     title = f"{args.model.name}: {plan.schedule.kind}, {plan.schedule.microbatches} microbatches"
     _print_table(console, stage_table(plan), title)
     console.print(
-        f"predicted step {plan.predicted.step_s * 1e3:.3f} ms, bubble {plan.predicted.bubble:.1%}, "
-        f"solver {plan.provenance.solver_status}, capture {plan.provenance.capture}"
+        f"predicted step {plan.predicted.step_s * 1e3:.3f} ms{describe_prediction(plan.predicted)}, "
+        f"bubble {plan.predicted.bubble:.1%}, solver {plan.provenance.solver_status}, capture {plan.provenance.capture}"
     )
     if args.costs is not None:
         console.print(f"costs from {args.costs}: {_entries(args.costs) - known} ops timed, {known} known")
@@ -290,8 +295,8 @@ def _explain(args: argparse.Namespace, console: Console) -> None:
     _print_table(console, stage_table(plan), title)
     predicted = plan.predicted
     console.print(
-        f"predicted step {predicted.step_s * 1e3:.3f} ms, bubble {predicted.bubble:.1%}, "
-        f"cost model {plan.provenance.cost_model}"
+        f"predicted step {predicted.step_s * 1e3:.3f} ms{describe_prediction(predicted)}, "
+        f"bubble {predicted.bubble:.1%}, cost model {plan.provenance.cost_model}"
     )
     if comparison is None:
         console.print(

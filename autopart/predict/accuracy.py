@@ -1,0 +1,147 @@
+"""What a predicted step rests on, and how far a benchmark found such predictions off.
+
+Every predicted step autopart prints carries its basis (what was measured, what was taken from a
+device spec) and the error band of that basis: the median and worst |predicted - measured| /
+measured over the rows of the benchmark that checks it. The bands live in ``accuracy.json``
+beside this module, which the benchmarks write (``benchmarks/cost_accuracy.py`` for this
+machine's measured costs, ``benchmarks/published_runs.py`` for the GPU specs' roofline), with
+the command and the date: the figure a user is told to trust is the one a benchmark last
+measured, never a number typed into the code.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from autopart.ir.errors import ConfigError
+
+if TYPE_CHECKING:
+    from autopart.ir.plan import Plan, Predicted
+
+__all__ = ["ACCURACY_FILE", "MEASURED", "PROFILED", "ROOFLINE", "Band", "Basis", "band_key", "basis_for", "describe_prediction", "load_bands", "with_basis", "write_band"]
+
+ACCURACY_FILE = Path(__file__).with_name("accuracy.json")
+"""The bands the repository ships, one per basis key (see `basis_for`)."""
+
+MEASURED = "measured"
+"""Ops timed in place and messages measured on the machine at hand: the default compile."""
+PROFILED = "profiled"
+"""Ops from a cost database (``--costs``), and, with ``--profile-pipeline``, the pipeline run first."""
+ROOFLINE = "roofline"
+"""A device spec's roofline and link figures: nothing measured."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Band:
+    """How far predictions of one basis were off in the benchmark that wrote it."""
+
+    median: float
+    """Median |predicted - measured| / measured over the benchmark's rows."""
+    worst: float
+    """Largest |predicted - measured| / measured over the benchmark's rows."""
+    rows: int
+    benchmark: str
+    """The benchmark's short name, as the printed line names it (``cost_accuracy``)."""
+    command: str
+    date: str
+
+    @classmethod
+    def from_errors(cls, errors: list[float], *, benchmark: str, command: str) -> Band:
+        """The band of signed relative errors ``errors`` (at least one)."""
+        absolute = sorted(abs(e) for e in errors)
+        middle = len(absolute) // 2
+        median = absolute[middle] if len(absolute) % 2 else (absolute[middle - 1] + absolute[middle]) / 2
+        return cls(median=median, worst=absolute[-1], rows=len(absolute), benchmark=benchmark, command=command,
+                   date=datetime.date.today().isoformat())
+
+
+@dataclass(frozen=True, kw_only=True)
+class Basis:
+    """What a prediction rests on (``what``) and the band measured for that basis, if any."""
+
+    key: str
+    what: str
+    band: Band | None = None
+
+    def describe(self) -> str:
+        """The parenthesis printed after a predicted step."""
+        if self.band is None:
+            return f"({self.what}; no benchmark has measured the error of this basis yet)"
+        return (f"({self.what}; {self.band.benchmark}: median {self.band.median:.0%}, "
+                f"worst {self.band.worst:.0%})")
+
+
+def load_bands(path: Path | None = None) -> dict[str, Band]:
+    """The bands in ``path`` (default: the shipped file) by basis key; {} when there is none."""
+    path = path or ACCURACY_FILE
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"{path}: cannot be read as JSON ({error}); rerun the benchmark that writes it") from None
+    try:
+        return {key: Band(**value) for key, value in data.items()}
+    except TypeError as error:
+        raise ConfigError(f"{path}: not a table of bands ({error}); rerun the benchmark that writes it") from None
+
+
+def write_band(key: str, band: Band, path: Path | None = None) -> Path:
+    """Record ``band`` under ``key`` in ``path`` (default: the shipped file), keeping the other keys."""
+    path = path or ACCURACY_FILE
+    data = {name: asdict(value) for name, value in load_bands(path).items()}
+    data[key] = asdict(band)
+    path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+    return path
+
+
+def band_key(kind: str, local: str | None) -> str:
+    """The key of a basis ``kind`` on a device that is the machine at hand (``local``: "cpu",
+    "cuda") or a named spec (None): bands are measured per kind of machine."""
+    return f"{local or 'spec'}-{kind}"
+
+
+def basis_for(*, device: str, local: str | None, measured: bool, costs: Path | None, messages: bool,
+              pipeline: bool = False, bands: dict[str, Band] | None = None) -> Basis:
+    """The basis of a compile for ``device``: ``measured`` when the default path measured its ops
+    here, ``costs`` the cost database given instead, ``messages`` whether this machine's message
+    figures were measured, ``pipeline`` whether ``--profile-pipeline`` ran the plan first."""
+    bands = load_bands() if bands is None else bands
+    on = "this pipeline, " if pipeline else ""
+    if measured:
+        kind, what = MEASURED, "ops and messages measured on this machine" if messages else \
+            "ops measured on this machine, messages from the device spec"
+    elif costs is not None:
+        kind = PROFILED
+        what = f"ops from {costs.name}, {on}messages " + ("measured on this machine" if messages else "from the spec")
+    elif local is not None:
+        kind, what = ROOFLINE, f"{device} roofline: nothing measured (--no-measure)"
+    else:
+        kind, what = ROOFLINE, f"{device} roofline"
+    key = band_key(kind, local)
+    return Basis(key=key, what=what, band=bands.get(key))
+
+
+def with_basis(plan: Plan, basis: Basis) -> Plan:
+    """``plan`` with its prediction's basis and band recorded (``plan.predicted``)."""
+    band = basis.band
+    predicted = replace(plan.predicted, basis=basis.what, basis_key=basis.key,
+                        error_median=None if band is None else band.median,
+                        error_worst=None if band is None else band.worst,
+                        error_benchmark="" if band is None else band.benchmark)
+    return replace(plan, predicted=predicted)
+
+
+def describe_prediction(predicted: Predicted) -> str:
+    """The parenthesis after a recorded plan's predicted step: its basis and band as the plan
+    records them ("" for a plan written before they were recorded)."""
+    if not predicted.basis:
+        return ""
+    band = None if predicted.error_median is None else Band(
+        median=predicted.error_median, worst=predicted.error_worst, rows=0, benchmark=predicted.error_benchmark,
+        command="", date="")
+    return " " + Basis(key=predicted.basis_key, what=predicted.basis, band=band).describe()

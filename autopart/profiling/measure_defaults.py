@@ -1,0 +1,133 @@
+"""What the default compile measures on the machine at hand, once, before it predicts anything.
+
+A step predicted from the device's roofline and default message figures is several times too
+short on a CPU: ops timed alone run hot in the caches, and a gloo message costs both ranks CPU
+time that no formula knows (docs/cost_accuracy.md). So when the compile's device is this
+machine (``--device cpu``, or a GPU here) and the user gave no cost database, the compile
+measures what the step model needs:
+
+1. the message figures (``cost_models.comm_profile``, its `QUICK` effort) when the cache has
+   none for this host, backend and torch; ``autopart profile-comm`` measures them at full effort;
+2. every op of the training graph in place (`autopart.profiling.profile.profile_costs`) into a cost
+   database cached per machine and model hash (``$AUTOPART_CACHE_DIR/costs/``); its keys name
+   shapes and dtypes, so other micro-batch sizes and precisions add to the same file.
+
+A second compile of the same model finds both and measures nothing. ``--no-measure`` keeps the
+roofline, and so does the environment variable ``AUTOPART_NO_MEASURE=1`` (the test suite sets it:
+its compiles check plans, not this machine's speed, and must not each spend seconds measuring);
+a named device (``a100-80gb``) is never measured: it is not here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+import socket
+from contextlib import nullcontext
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+from rich.console import Console
+
+from autopart.options import CompileOptions, local_kind
+from autopart.predict.accuracy import Basis, basis_for
+from cost_models.calibration import background_load, cache_dir
+from cost_models.comm_profile import QUICK, load_comm_profile, profile_comm
+from cost_models.database import CostDatabase
+from cost_models.devices import local_device_name
+
+__all__ = ["NO_MEASURE_ENV", "Measured", "measure_defaults", "costs_cache_path"]
+
+log = logging.getLogger("autopart")
+
+NO_MEASURE_ENV = "AUTOPART_NO_MEASURE"
+"""Set (to anything but empty), compiles measure nothing, as with ``--no-measure``."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Measured:
+    """What `measure_defaults` found or measured, for the compile's report."""
+
+    basis: Basis
+    costs: Path | None = None
+    """The cost database the compile reads (the cached one on the default path)."""
+    ops_timed: int = 0
+    """Ops timed now; 0 when the cache had them all."""
+    messages_measured: bool = False
+    """Whether the message figures were measured now (the cache had none)."""
+
+
+def costs_cache_path(model: Path, kind: str) -> Path:
+    """The cached cost database of the model file ``model`` on this machine's ``kind`` device:
+    per host, torch version and the model file's hash (an edited model is measured afresh)."""
+    digest = hashlib.sha256(Path(model).read_bytes()).hexdigest()[:16]
+    host = re.sub(r"[^A-Za-z0-9._+-]", "_", f"{socket.gethostname()}-{local_device_name(kind)}-torch{torch.__version__}")
+    return cache_dir() / "costs" / f"{host}-{Path(model).stem}-{digest}.json"
+
+
+def _messages_known(kind: str) -> bool:
+    return load_comm_profile(local_device_name(kind)) is not None
+
+
+def _can_measure_messages(kind: str) -> bool:
+    """Messages need two processes: on a GPU, two devices (one rank each, as NCCL runs them)."""
+    return kind == "cpu" or torch.cuda.device_count() >= 2
+
+
+def measure_defaults(options: CompileOptions, *, console: Console | None = None) -> tuple[CompileOptions, Measured]:
+    """``options`` reading this machine's measured costs, with what was measured to get them.
+
+    Measures only on the default path: a local device, no ``--costs``, measuring not turned off.
+    ``console`` shows a progress bar while measuring."""
+    kind = local_kind(options.device)
+    missing = not Path(options.model).is_file()  # the compile says so in its own words
+    if kind is None or options.costs is not None or not options.measure or os.environ.get(NO_MEASURE_ENV) or missing:
+        messages = kind is not None and _messages_known(kind)
+        basis = basis_for(device=options.device, local=kind, measured=False, costs=options.costs, messages=messages,
+                          pipeline=options.profile_pipeline)
+        return options, Measured(basis=basis, costs=options.costs)
+    path = costs_cache_path(options.model, kind)
+    measure_messages = not _messages_known(kind) and _can_measure_messages(kind)
+    status = console.status("measuring messages between two processes on this machine (once)") \
+        if console is not None and measure_messages else nullcontext()
+    with status:
+        if measure_messages:
+            profile_comm(ranks=2, backend="gloo" if kind == "cpu" else "nccl", effort=QUICK)
+    timed = 0 if options.searched or options.plan is not None else _profile_ops(options, kind, path, console)
+    basis = basis_for(device=options.device, local=kind, measured=True, costs=None, messages=_messages_known(kind))
+    measured = Measured(basis=basis, costs=path, ops_timed=timed, messages_measured=measure_messages)
+    if measure_messages or timed:
+        _note_busy(kind, path)
+    return replace(options, costs=path), measured
+
+
+def _note_busy(kind: str, path: Path) -> None:
+    """What was just measured is cached for good: say so when other work shared the cores, as
+    a message's time and a rank's wake-up then include waiting for them."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    others = background_load(cores) if kind == "cpu" else 0.0
+    if others >= cores:
+        log.info(f"{others:g} other busy processes shared this machine's {cores} cores while its ops and messages "
+                 f"were measured, which slows what was measured; on a quiet machine, delete {path} and "
+                 "run 'autopart profile-comm' to measure again")
+
+
+def _profile_ops(options: CompileOptions, kind: str, path: Path, console: Console | None) -> int:
+    """Time in place the ops ``path`` lacks at the compile's micro-batch size and precision, with
+    a progress bar; the ops of a search's other micro-batch sizes are timed as it reaches them."""
+    from autopart.ir.model_file import load_model_file
+    from autopart.passes.capture import capture
+    from autopart.profiling.profile import profile_costs
+
+    micro_batch_size = options.batch_shape()[2]
+    spec = load_model_file(options.model)
+    graph = capture(spec, batch_size=micro_batch_size, method=options.capture, leaves=options.leaf)
+    database = CostDatabase.load(path)
+    timed = profile_costs(graph, spec, database, device=kind, micro_batch_size=micro_batch_size,
+                          optimizer=options.optimizer, dtype=options.dtype, console=console)
+    if timed or not path.exists():
+        database.save()
+    return timed

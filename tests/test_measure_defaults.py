@@ -1,0 +1,131 @@
+"""The default compile measures this machine once per model, a named device never, and every
+predicted step carries its basis and the band that the shipped accuracy file records.
+
+The message profile is replaced by a counter that writes a small profile where the real one
+caches it (the real one takes seconds of two processes: tests/test_cost_comm_profile.py runs it);
+the op profile is the real one, into a fresh cache directory.
+"""
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+import torch
+
+import autopart
+from autopart.predict import accuracy
+from autopart.profiling import measure_defaults
+from autopart.predict.accuracy import Band, basis_for, load_bands, write_band
+from autopart.tools.cli import main
+from autopart.driver import CompileOptions
+from autopart.ir.plan import load_plan
+from cost_models.comm_profile import CommProfile, cache_path, load_comm_profile
+
+MODEL = Path(__file__).parent / "models" / "three_layers.py"
+
+
+@pytest.fixture
+def fresh_cache(tmp_path, monkeypatch):
+    """An empty cache directory, and a message profile that counts its runs instead of timing."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("AUTOPART_CACHE_DIR", str(cache))
+    monkeypatch.delenv(measure_defaults.NO_MEASURE_ENV, raising=False)  # the suite's conftest turns it off
+    calls = []
+
+    def fake_profile_comm(*, ranks, backend, effort):
+        calls.append(effort)
+        profile = CommProfile(device="cpu", backend=backend, ranks=ranks, host="test", torch_version=torch.__version__,
+                              curves={"p2p": [[4, 1e-4], [1 << 20, 1e-3]]}, process_bytes=300 << 20)
+        path = cache_path("cpu", backend)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(asdict(profile)))
+        return profile, path
+
+    monkeypatch.setattr(measure_defaults, "profile_comm", fake_profile_comm)
+    return cache, calls
+
+
+def _bands_file(path: Path, median: float, worst: float) -> Path:
+    band = Band(median=median, worst=worst, rows=6, benchmark="cost_accuracy", command="python x.py", date="2026-12-01")
+    write_band("cpu-measured", band, path)
+    write_band("spec-roofline", Band(**{**asdict(band), "benchmark": "published_runs"}), path)
+    return path
+
+
+def test_the_default_compile_measures_once_and_a_second_reads_the_cache(fresh_cache) -> None:
+    cache, calls = fresh_cache
+    options = CompileOptions(model=MODEL, pp=2, microbatches=2)
+    measured_options, first = measure_defaults.measure_defaults(options)
+    database = measured_options.costs
+    assert database.parent == cache / "costs" and database.exists()
+    assert first.ops_timed > 0 and first.messages_measured and len(calls) == 1
+    assert calls[0] == measure_defaults.QUICK and load_comm_profile("cpu") is not None
+    written = database.stat().st_mtime_ns, database.read_bytes()
+
+    _, second = measure_defaults.measure_defaults(options)
+    assert second.ops_timed == 0 and not second.messages_measured and len(calls) == 1
+    assert (database.stat().st_mtime_ns, database.read_bytes()) == written
+    assert second.basis.what == "ops and messages measured on this machine"
+
+    plan = autopart.compile(MODEL, pp=2, microbatches=2)  # reads the same cache: nothing timed
+    assert plan.predicted.basis == "ops and messages measured on this machine" and len(calls) == 1
+    assert database.read_bytes() == written[1]
+
+
+def test_a_named_device_and_no_measure_measure_nothing(fresh_cache, monkeypatch) -> None:
+    cache, calls = fresh_cache
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("measured on a path that must not measure")
+
+    monkeypatch.setattr(measure_defaults, "_profile_ops", refuse)
+    plan = autopart.compile(MODEL, pp=2, microbatches=2, device="a100-80gb")
+    assert plan.predicted.basis == "a100-80gb roofline" and plan.predicted.basis_key == "spec-roofline"
+    plan = autopart.compile(MODEL, pp=2, microbatches=2, measure=False)
+    assert "nothing measured (--no-measure)" in plan.predicted.basis
+    assert not calls and not (cache / "costs").exists()
+
+
+def test_the_printed_step_carries_the_band_of_the_shipped_file(fresh_cache, tmp_path, monkeypatch, capsys) -> None:
+    bands = _bands_file(tmp_path / "accuracy.json", 0.06, 0.12)
+    monkeypatch.setattr(accuracy, "ACCURACY_FILE", bands)
+    out = tmp_path / "out"
+    main(["compile", str(MODEL), "-o", str(out), "--pp", "2", "--microbatches", "2", "--device", "h100-sxm"])
+    printed = " ".join(capsys.readouterr().out.split())
+    assert "(h100-sxm roofline; published_runs: median 6%, worst 12%)" in printed
+    plan = load_plan(out / "plan.json")
+    assert (plan.predicted.error_median, plan.predicted.error_worst) == (0.06, 0.12)
+    assert "published_runs: median 6%, worst 12%" in (out / "report.md").read_text()
+    main(["explain", str(out)])
+    assert "median 6%, worst 12%" in " ".join(capsys.readouterr().out.split())
+
+    _bands_file(bands, 0.09, 0.31)  # the benchmark ran again: the next compile says so
+    main(["compile", str(MODEL), "-o", str(out), "--pp", "2", "--microbatches", "2", "--device", "h100-sxm"])
+    assert "median 9%, worst 31%" in " ".join(capsys.readouterr().out.split())
+
+
+def test_a_basis_no_benchmark_measured_says_so_and_old_plans_load(tmp_path) -> None:
+    basis = basis_for(device="cpu", local="cpu", measured=True, costs=None, messages=False, bands={})
+    assert basis.describe() == ("(ops measured on this machine, messages from the device spec; "
+                                "no benchmark has measured the error of this basis yet)")
+    plan = autopart.compile(MODEL, pp=2, microbatches=2, device="a100-80gb")
+    data = plan.to_json()
+    for name in ("basis", "basis_key", "error_median", "error_worst", "error_benchmark"):
+        data["predicted"].pop(name)  # a plan written before the basis was recorded
+    (tmp_path / "plan.json").write_text(json.dumps(data))
+    assert load_plan(tmp_path / "plan.json").predicted.basis == ""
+
+
+def test_a_broken_accuracy_file_is_one_line(tmp_path) -> None:
+    broken = tmp_path / "accuracy.json"
+    broken.write_text("{not json")
+    with pytest.raises(autopart.AutopartError, match="rerun the benchmark"):
+        load_bands(broken)
+
+
+def test_a_missing_model_file_is_still_one_line_on_the_measuring_path(fresh_cache, tmp_path, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["compile", str(tmp_path / "missing.py"), "-o", str(tmp_path / "out"), "--pp", "2"])
+    assert exit_.value.code == 2
+    assert "does not exist" in capsys.readouterr().err
