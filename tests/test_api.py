@@ -12,6 +12,7 @@ from autopart.ir.errors import PlanError
 from autopart.ir.plan import Plan, load_plan
 from autopart.runtime.reference import initial_weights
 from autopart.runtime.stage import load_stage
+from tests.stage_chain import chained_loss
 
 REPO = Path(__file__).resolve().parent.parent
 GPT = REPO / "examples" / "gpt.py"
@@ -57,16 +58,11 @@ def test_emitted_stages_run_one_after_the_other_as_the_model(plan, tmp_path):
     spec = load_model_file(GPT)
     spec.module.load_state_dict(initial_weights(out), strict=False)
     inputs, target = spec.example(plan.schedule.micro_batch_size)
-    values = dict(zip(plan.graph_inputs, (*inputs, target)))
-    for stage, module in zip(plan.stages, stages):
-        received = [values[name] for name, _ in stage.inputs] + [values[name] for name in stage.batch_inputs]
-        produced = module(*received)
-        names = [name for name, _ in stage.outputs] or ["loss"]
-        values.update(zip(names, produced if isinstance(produced, tuple) else (produced,)))
-    values["loss"].backward()
+    loss = chained_loss(stages, plan, inputs, target)
+    loss.backward()
     expected = eager_loss(spec, inputs, target)
     expected.backward()
-    torch.testing.assert_close(values["loss"], expected)
+    torch.testing.assert_close(loss, expected)
     gradients: dict[str, torch.Tensor] = {}
     for module in stages:  # a tied weight is held by both stages: its gradient is the sum of theirs
         for name, parameter in module.named_parameters():

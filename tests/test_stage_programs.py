@@ -20,6 +20,7 @@ from autopart.runtime.reference import initial_weights
 from autopart.runtime.stage import load_stage
 from cost_models import get_cost_model
 from tests.distributed import REPO
+from tests.stage_chain import chained_loss
 
 
 def test_attribute_paths_index_numbered_children_and_fall_back_to_getattr():
@@ -137,14 +138,7 @@ def loss_fn(output, target):
 
 def run_stages(out: Path, plan, inputs: tuple, target) -> torch.Tensor:
     """The emitted stages loaded as a rank loads them and chained in this process: the loss."""
-    stages = [load_stage(out, s.index, torch.device("cpu")) for s in plan.stages]
-    values = dict(zip(plan.graph_inputs, (*inputs, target)))
-    for stage, module in zip(plan.stages, stages):
-        received = [values[name] for name, _ in stage.inputs] + [values[name] for name in stage.batch_inputs]
-        produced = module(*received)
-        names = [name for name, _ in stage.outputs] or ["loss"]
-        values.update(zip(names, produced if isinstance(produced, tuple) else (produced,)))
-    return values["loss"]
+    return chained_loss([load_stage(out, s.index, torch.device("cpu")) for s in plan.stages], plan, inputs, target)
 
 
 def test_layers_that_differ_in_what_they_read_are_written_inline_and_compute_the_model(tmp_path):
