@@ -57,8 +57,9 @@ class _Writer:
         return self.names[node.name]
 
     def _indexable(self, path: str) -> bool:
-        """Containers that the stage made (``autopart.runtime.stage``) index by number; a --leaf's own need not."""
-        return not any(path == leaf or path.startswith(leaf + ".") for leaf in self.leaves)
+        """Containers that the stage made (``autopart.runtime.stage``) index by number; the stage
+        module itself (path "") and a --leaf's own modules need not."""
+        return bool(path) and not any(path == leaf or path.startswith(leaf + ".") for leaf in self.leaves)
 
     def _attribute(self, node: fx.Node) -> str:
         target = str(node.target)

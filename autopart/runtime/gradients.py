@@ -8,6 +8,8 @@ is the norm taken, of gradients that equal the single-process model's.
 
 from __future__ import annotations
 
+import datetime
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -20,16 +22,18 @@ from autopart.runtime.recipe import clip_factor
 __all__ = ["tied_groups", "sum_tied_gradients", "average_gradients", "clip_gradients"]
 
 
-def tied_groups(plan: Plan, mesh: Mesh, rank: int) -> list[tuple[str, dist.ProcessGroup]]:
+def tied_groups(plan: Plan, mesh: Mesh, rank: int, timeout: datetime.timedelta | None = None
+                ) -> list[tuple[str, dist.ProcessGroup]]:
     """One group per tied parameter and (dp, tp) slice: the pipeline ranks that hold a copy.
-    Every rank creates every group, in the same order, as torch.distributed requires."""
+    Every rank creates every group, in the same order, as torch.distributed requires.
+    ``timeout``: the job's (a group made without one waits torch's default half hour)."""
     mine = []
     for name, holders in sorted(plan.tied_parameters.items()):
         pipeline_ranks = sorted({plan.stages[s].rank for s in holders})
         for dp in range(mesh.dp):
             for tp in range(mesh.tp):
                 ranks = [mesh.rank(dp=dp, pp=p, tp=tp) for p in pipeline_ranks]
-                group = dist.new_group(ranks)
+                group = dist.new_group(ranks, timeout=timeout)
                 if rank in ranks:
                     mine.append((name, group))
     return mine

@@ -33,6 +33,7 @@ latest good checkpoint there.
 from __future__ import annotations
 
 import argparse
+import datetime
 import functools
 import json
 import os
@@ -180,7 +181,7 @@ def _loop(out_dir: Path, plan: Plan, schedule: Schedule, args: argparse.Namespac
     stage_count = len(plan.stages)
     stages, executor = _executor(out_dir, plan, schedule, args, rank, device, device_mesh, data_parallel)
     fully_sharded = _fully_shard(stages, plan, executor, device_mesh)
-    tied = tied_groups(plan, mesh, rank)
+    tied = tied_groups(plan, mesh, rank, datetime.timedelta(seconds=args.timeout))
     modules = {s: stage.module for s, stage in stages.items()}
     recipe = Recipe.from_args(args)
     optimizer = _optimizer(modules, plan, args, recipe, data_parallel)
@@ -319,7 +320,7 @@ def _executor(out_dir: Path, plan: Plan, schedule: Schedule, args: argparse.Name
     schedule_spec = plan.schedule
     stage_count = len(plan.stages)
     # gradients travel apart from activations (autopart.runtime.p2p); every rank makes the group
-    gradient_group = dist.new_group() if mesh.pp > 1 else None
+    gradient_group = dist.new_group(timeout=datetime.timedelta(seconds=args.timeout)) if mesh.pp > 1 else None
     split_backward = any(action.kind is Kind.I for action in schedule[here.pp])
     stages = _stages_here(out_dir, plan, args, rank, device, split_backward=split_backward)
     reducer = None
