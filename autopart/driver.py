@@ -10,7 +10,6 @@ plan assembly), ``codegen`` (the output directory).
 
 from __future__ import annotations
 
-import tempfile
 from pathlib import Path
 
 from autopart.codegen.emit import check_output_directory, emit_directory
@@ -22,7 +21,7 @@ from autopart.predict.accuracy import with_basis
 from autopart.passes.annotate import annotate
 from autopart.passes.front import Front, build_front, capture_for, note_unsplit
 from autopart.profiling.measure_defaults import measure_defaults
-from autopart.profiling.pipeline import profile_pipeline
+from autopart.profiling.pipeline import profiled_in_place
 from autopart.solve.assemble import pipeline_problem, plan_from_cuts
 from autopart.solve.pinned import rebuild_pinned
 from autopart.solve.pipeline import solve_cuts
@@ -85,27 +84,6 @@ def compile_to_directory(options: CompileOptions, out_dir: Path, *, progress=Non
     options, measured = measure_defaults(options, console=console)
     plan, front = compile_plan(options, progress)
     if options.profile_pipeline:
-        plan, front = _profiled_in_place(options, plan, front, progress)
+        plan, front = profiled_in_place(plan, front, lambda: compile_plan(options, progress))
     plan = with_basis(plan, measured.basis)
     return plan, emit_directory(plan, front.op_graph, front.spec, out_dir)
-
-
-PROFILE_PIPELINE_ROUNDS = 3
-
-
-def _profiled_in_place(options: CompileOptions, plan: Plan, front: Front, progress) -> tuple[Plan, Front]:
-    """``plan`` once its pipeline's compute factor is measured (`autopart.profiling.pipeline`): run,
-    store, compile again, until the plan compiled is one whose pipeline was run (the factor can
-    move the search to another mesh), at most `PROFILE_PIPELINE_ROUNDS` runs."""
-    for _ in range(PROFILE_PIPELINE_ROUNDS):
-        if plan.predicted.compute_factor_from == "pipeline":
-            break
-        database = front.cost_model.database
-        with tempfile.TemporaryDirectory(prefix="autopart-profile-pipeline-") as folder:
-            out = emit_directory(plan, front.op_graph, front.spec, Path(folder) / "out")
-            profiled = profile_pipeline(out, plan, front.cost_model.runtime_overheads,
-                                        cores=front.cost_model.device.cores)
-        database.put_pipeline(front.cost_model.device.name, profiled.key, profiled.measured)
-        database.save()
-        plan, front = compile_plan(options, progress)
-    return plan, front

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 
-import autopart.driver
 import autopart.profiling.pipeline
 from autopart.tools.cli import main as cli_main
 from autopart.driver import CompileOptions, compile_to_directory
@@ -347,7 +346,7 @@ def test_profile_pipeline_runs_the_plan_once_and_compiles_with_what_it_measured(
                                                  [s.blocks for s in profiled.stages])
     assert profiled.predicted.profiled_step_s == (stored.step_s if ran_this_plan else None)
     # a second compile finds it and runs nothing
-    monkeypatch.setattr(autopart.driver, "profile_pipeline", lambda *a, **k: pytest.fail("profiled again"))
+    monkeypatch.setattr(autopart.profiling.pipeline, "profile_pipeline", lambda *a, **k: pytest.fail("profiled again"))
     again = compile_to_directory(options, tmp_path / "again")[0]
     assert again.predicted.step_s == profiled.predicted.step_s
 

@@ -50,9 +50,12 @@ import json
 import math
 import statistics
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from autopart.codegen.emit import emit_directory
+from autopart.passes.front import Front
 from autopart.tools.local_run import run_locally
 from autopart.ir.plan import Plan
 from autopart.runtime.mesh import Mesh
@@ -66,7 +69,7 @@ from cost_models.database import (
     tail_key,
 )
 
-__all__ = ["PipelineProfile", "pipeline_key", "profile_pipeline", "measure"]
+__all__ = ["PipelineProfile", "pipeline_key", "profile_pipeline", "profiled_in_place", "measure"]
 
 WARMUP_STEPS = 4  # left out: the first steps allocate, and fill the caches and the allocator
 MEASURED_STEPS = 8  # at least; and at least
@@ -267,3 +270,25 @@ def profile_pipeline(out_dir: Path, plan: Plan, overheads: RuntimeOverheads, *, 
                     ["--steps", str(WARMUP_STEPS + measured_steps), "--action-times", str(work / "actions")],
                     timeout_s=timeout_s, cwd=work)
         return measure(plan, work / "actions", overheads, cores=cores)
+
+
+PROFILE_PIPELINE_ROUNDS = 3
+
+
+def profiled_in_place(plan: Plan, front: Front, recompile: Callable[[], tuple[Plan, Front]]) -> tuple[Plan, Front]:
+    """``plan`` once its pipeline's compute factor is measured: run, store, compile again
+    (``recompile()`` gives the next plan and its front), until the plan compiled is one whose
+    pipeline was run (the factor can move the search to another mesh), at most
+    `PROFILE_PIPELINE_ROUNDS` runs."""
+    for _ in range(PROFILE_PIPELINE_ROUNDS):
+        if plan.predicted.compute_factor_from == "pipeline":
+            break
+        database = front.cost_model.database
+        with tempfile.TemporaryDirectory(prefix="autopart-profile-pipeline-") as folder:
+            out = emit_directory(plan, front.op_graph, front.spec, Path(folder) / "out")
+            profiled = profile_pipeline(out, plan, front.cost_model.runtime_overheads,
+                                        cores=front.cost_model.device.cores)
+        database.put_pipeline(front.cost_model.device.name, profiled.key, profiled.measured)
+        database.save()
+        plan, front = recompile()
+    return plan, front
