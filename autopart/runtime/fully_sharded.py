@@ -3,8 +3,7 @@ data-parallel group with torch's FSDP2 (``fully_shard``).
 
 The FSDP unit is the whole stage: FSDP gathers a unit's parameters in a pre-forward hook of
 its module, and a generated stage runs its layers' operations inline in its own forward (one
-traced graph), so the hooks of a layer's module would never fire; the stage's do. A stage
-program that calls its layers as modules could shard each layer on its own (``called_layers``).
+traced graph), so the hooks of a layer's module would never fire; the stage's do.
 
 A pipeline calls a stage's forward and backward once per microbatch, interleaved with other
 microbatches, so what FSDP does between them is the choice that matters (torch's own pipeline
@@ -16,8 +15,8 @@ FSDP's defaults):
   gradients are reduce-scattered after every microbatch's backward, so only their shards
   accumulate. ``end_of_step`` reshards before the optimizer steps the shards: a parameter left
   whole would be the value from before the step at the next forward.
-- level 3: every layer resharded after its forward and after its backward: gathered twice per
-  microbatch, and never more than a layer or two whole.
+- level 3: the stage resharded after its forward and after its backward: gathered twice per
+  microbatch, and whole only while it computes.
 
 FSDP averages the reduced gradients over the group, as ``average_gradients`` does for level 0
 and 1, so the step's loss stays the mean over the global batch. Zero-bubble schedules split a
@@ -36,7 +35,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["FSDP_LEVELS", "called_layers", "check_level", "end_of_step", "full_state", "is_sharded", "local", "shard_stage"]
+__all__ = ["FSDP_LEVELS", "check_level", "end_of_step", "full_state", "is_sharded", "local", "shard_stage"]
 
 FSDP_LEVELS = (2, 3)
 
@@ -51,19 +50,11 @@ def check_level(level: int, *, dp: int, split_backward: bool) -> str | None:
     return None
 
 
-def called_layers(module: nn.Module) -> list[nn.Module]:
-    """The layers the stage program calls as modules (``CALLED_LAYERS``: their names), which can
-    be FSDP units of their own: gathered one at a time rather than the whole stage at once."""
-    return [module.get_submodule(name) for name in getattr(module, "CALLED_LAYERS", ())]
-
-
 def shard_stage(module: nn.Module, mesh: DeviceMesh, level: int) -> None:
     """Make ``module`` (a stage, its weights loaded) fully sharded over the 1-D data-parallel ``mesh``."""
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
     per_microbatch = level == 3
-    for layer in called_layers(module):
-        fully_shard(layer, mesh=mesh, reshard_after_forward=per_microbatch)
     fully_shard(module, mesh=mesh, reshard_after_forward=per_microbatch)
     assert isinstance(module, FSDPModule)
     module.set_reshard_after_backward(per_microbatch)
