@@ -14,7 +14,8 @@ from autopart.ir.errors import ConfigError
 from autopart.ir.tensors import DTYPES
 from autopart.passes.recompute import stage_modes
 from autopart.runtime.optim import OPTIMIZERS
-from autopart.schedule import SCHEDULE_KINDS
+from autopart.runtime.fully_sharded import check_level
+from autopart.schedule import SCHEDULE_KINDS, SPLIT_BACKWARD_KINDS
 from cost_models.devices import local_device_name
 
 __all__ = ["CompileOptions", "local_kind"]
@@ -100,9 +101,9 @@ class CompileOptions:
             raise ConfigError(f"--zero must be 1, 2 or 3 (what is sharded over data-parallel ranks), got {self.zero}")
         if self.zero and self.dp == 1:
             raise ConfigError(f"--zero {self.zero} shards over data-parallel ranks; it needs --dp 2 or more")
-        if self.zero in (2, 3) and self.schedule == "zb-h1":
-            raise ConfigError(f"--zero {self.zero} does not run with a zero-bubble schedule (its split backward "
-                              "bypasses FSDP's gradient hooks); use --schedule 1f1b or interleaved, or --zero 1")
+        refused = check_level(self.zero or 0, dp=self.dp or 2, split_backward=self.schedule in SPLIT_BACKWARD_KINDS)
+        if refused:  # what the runtime refuses of a plan, refused before compiling one
+            raise ConfigError(refused)
         if self.schedule is not None and self.schedule not in SCHEDULE_KINDS:
             raise ConfigError(f"unknown schedule {self.schedule!r}; use one of {', '.join(SCHEDULE_KINDS)}")
         if self.optimizer not in OPTIMIZERS:

@@ -79,6 +79,7 @@ def test_zero3_checkpoint_resumes_bit_identical_and_consolidates(tmp_path):
 @pytest.mark.parametrize(("options", "message"), [
     ({"zero": 3}, r"--zero 3 shards over data-parallel ranks; it needs --dp 2 or more"),
     ({"zero": 2, "dp": 2, "schedule": "zb-h1"}, r"--zero 2 does not run with a zero-bubble schedule"),
+    ({"zero": 3, "dp": 2, "schedule": "zbv"}, r"--zero 3 does not run with a zero-bubble schedule"),
     ({"zero": 4, "dp": 2}, r"--zero must be 1, 2 or 3"),
 ])  # fmt: skip
 def test_combinations_that_cannot_run_are_refused(options, message):

@@ -20,7 +20,7 @@ from autopart.predict.data_parallel import DataParallelComm, data_parallel_comm
 from autopart.predict.reduction import overlapped_step_time, plan_reductions
 from autopart.profiling.pipeline import pipeline_key
 from autopart.predict.timeline import lowered_schedule
-from autopart.schedule import StageCosts
+from autopart.schedule import SPLIT_BACKWARD_KINDS, StageCosts
 from cost_models.database import PipelineMeasurement, plan_shape, tail_key
 
 __all__ = ["compute_factor", "data_parallel", "data_parallel_seconds", "with_collectives", "measured_in_place", "predicted_step_s", "profiled_step", "rank_tails"]
@@ -116,7 +116,7 @@ def predicted_step_s(options: CompileOptions, front: Front, stages: list[StagePl
     message, and a busy machine's slow moments catch the ranks at different times, so the step
     of the median action times is shorter than the median step."""
     overheads = front.cost_model.runtime_overheads
-    fixed = [overheads.action_costs(recompute=s.recompute != "none", split=options.schedule in ("zb-h1", "zbv"))
+    fixed = [overheads.action_costs(recompute=s.recompute != "none", split=options.schedule in SPLIT_BACKWARD_KINDS)
              for s in stages]
     # per boundary, the rank time of its messages (one per tensor) on each side; the rest is latency
     sides = [[front.cost_model.p2p_rank_time(m.nbytes // parts(m.numel, options.tp),

@@ -59,7 +59,7 @@ from autopart.passes.front import Front
 from autopart.tools.local_run import run_locally
 from autopart.ir.plan import Plan
 from autopart.runtime.mesh import Mesh
-from autopart.schedule import RECEIVE_KINDS, Action, Kind
+from autopart.schedule import RECEIVE_KINDS, SPLIT_BACKWARD_KINDS, Action, Kind
 from cost_models.database import (
     VARIATION_STEPS,
     PipelineMeasurement,
@@ -97,7 +97,7 @@ def action_seconds(plan: Plan, action: Action, overheads: RuntimeOverheads) -> t
     `autopart.predict.step_time.predicted_step_s` costs it before its factor."""
     stage = plan.stages[action.stage]
     forward, backward, weight = overheads.action_costs(recompute=stage.recompute != "none",
-                                                       split=plan.schedule.kind in ("zb-h1", "zbv"))
+                                                       split=plan.schedule.kind in SPLIT_BACKWARD_KINDS)
     if action.kind is Kind.F:
         return stage.forward_s, forward
     if action.kind is Kind.W:

@@ -8,7 +8,7 @@ per-rank action lists that the runtime executes, plus a simulated `Timeline`. In
 """
 
 from autopart.ir.actions import COMM_KINDS, COMPUTE_KINDS, RECEIVE_KINDS, Action, Kind, Schedule, rank_of, stage_rank, v_stage_rank
-from autopart.schedule.generators import SCHEDULE_KINDS, build_schedule, stage_placement
+from autopart.schedule.generators import SCHEDULE_KINDS, SPLIT_BACKWARD_KINDS, build_schedule, stage_placement
 from autopart.schedule.lowering import add_communication
 from autopart.schedule.simulate import Event, StageCosts, Timeline, simulate
 from autopart.schedule.trace import (
@@ -34,6 +34,7 @@ __all__ = [
     "COMM_KINDS",
     "RECEIVE_KINDS",
     "SCHEDULE_KINDS",
+    "SPLIT_BACKWARD_KINDS",
     "build_schedule",
     "add_communication",
     "validate",

@@ -19,10 +19,13 @@ from autopart.ir.errors import ConfigError
 from autopart.ir.actions import Action, Kind, Schedule, stage_rank, v_stage_rank
 from autopart.schedule.vshape import check_zbv, zbv_schedule
 
-__all__ = ["SCHEDULE_KINDS", "build_schedule", "stage_placement"]
+__all__ = ["SCHEDULE_KINDS", "SPLIT_BACKWARD_KINDS", "build_schedule", "stage_placement"]
 
 SCHEDULE_KINDS: tuple[str, ...] = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv")
 """The names accepted by `build_schedule` (and by ``--schedule``)."""
+
+SPLIT_BACKWARD_KINDS: tuple[str, ...] = ("zb-h1", "zbv")
+"""The zero-bubble schedules, whose backward is split into I (input gradients) and W (weights)."""
 
 _Work = tuple[int, int]  # (stage, microbatch)
 
