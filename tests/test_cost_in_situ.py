@@ -210,3 +210,19 @@ def test_fresh_optimizer_figures_are_scaled_to_the_step_measured_in_place() -> N
     time_optimizer(database, "cpu", torch.device("cpu"), "adamw", [*weights, torch.zeros(8)], in_step=lambda make: 0.02)
     assert {k: v for k, v in database.entries.items() if k in saved} == saved
     assert model.optimizer_time("adamw", [*shapes, ((8,), "float32")]) == pytest.approx(0.02)
+
+
+def test_a_fresh_shape_timed_at_zero_still_takes_the_measured_shortfall(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A slope below the clock's resolution comes out 0; the step measured in place still holds
+    that shape's time, so the fresh figures share what the known ones leave over."""
+    from autopart.profiling import profile
+
+    monkeypatch.setattr(profile, "fixed_and_per_item", lambda *args, **kwargs: (0.0, 0.0))
+    database = CostDatabase()
+    model = ProfiledCostModel(roofline=RooflineCostModel(device=load_device("cpu")), database=database)
+    weights, shapes = [torch.zeros(16, 16), torch.zeros(16)], [((16, 16), "float32"), ((16,), "float32")]
+    profile.time_optimizer(database, "cpu", torch.device("cpu"), "adamw", weights, in_step=lambda make: 0.01)
+    assert model.optimizer_time("adamw", shapes) == pytest.approx(0.01)
+    profile.time_optimizer(database, "cpu", torch.device("cpu"), "adamw", [*weights, torch.zeros(8)],
+                           in_step=lambda make: 0.02)
+    assert model.optimizer_time("adamw", [*shapes, ((8,), "float32")]) == pytest.approx(0.02)

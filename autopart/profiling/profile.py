@@ -160,14 +160,25 @@ def time_optimizer(database: CostDatabase, device_name: str, device: torch.devic
         if database.get(device_name, key) is None and key not in fresh:
             _, fresh[key] = fixed_and_per_item(lambda n: step_over(n, tuple(parameter.shape), parameter.dtype),
                                                device=device, counts=(1, 2, 3))
-    scale = 1.0
     if fresh and in_step is not None:
         known = sum(database.get(device_name, k).forward_s for k in [call_key, *keys] if k not in fresh)
-        timed = fresh.get(call_key, 0.0) + sum(fresh[k] for k in keys if k in fresh)
         measured = in_step(lambda weights: make_optimizer(optimizer, weights, 1e-3).step)
-        scale = max(0.5, (measured - known) / timed) if timed > 0 else 1.0
+        fresh = _scaled_to(fresh, [k for k in [call_key, *keys] if k in fresh], measured - known)
     for key, seconds in fresh.items():
-        database.put(device_name, key, OpTimes(forward_s=scale * seconds))
+        database.put(device_name, key, OpTimes(forward_s=seconds))
+
+
+def _scaled_to(fresh: dict[str, float], uses: list[str], missing_s: float) -> dict[str, float]:
+    """``fresh`` scaled so that its ``uses`` (a key once per parameter) sum to ``missing_s``, what
+    the step measured in place holds beyond the figures already known. A slope timed alone can
+    come out 0 on a tiny shape (noise below the clock); then the missing time is shared evenly,
+    so that a new shape never leaves the step short of what was measured."""
+    timed = sum(fresh[k] for k in uses)
+    if timed > 0:
+        scale = max(0.5, missing_s / timed)  # never below half what was timed alone
+        return {key: scale * seconds for key, seconds in fresh.items()}
+    share = max(0.0, missing_s) / len(uses)
+    return {key: share for key in fresh}
 
 
 def put_in_situ(database: CostDatabase, device_name: str, timer: _Timer, in_situ: dict[str, NodeTimes]) -> None:
