@@ -80,6 +80,10 @@ class CompileOptions:
     """Run the compiled programs here for a few steps, store how much longer their stages
     compute inside the running pipeline than alone in ``costs`` (`autopart.profiling.pipeline`),
     and compile again with it. Once per model and mesh: a later compile finds it there."""
+    stage_layers: tuple[int, ...] | None = None
+    """Pin the pipeline cuts: the number of repeated layers on each stage (pp x chunks of them,
+    in model order), the embedding with the first and the head with the last
+    (``autopart.solve.stage_layers``); by default the cut solver chooses them."""
     measure: bool = True
     """Without ``costs``, on the machine at hand: measure its ops and messages first, once per
     model and machine (`autopart.profiling.measure_defaults`); False keeps the device's roofline."""
@@ -131,6 +135,8 @@ class CompileOptions:
         if self.profile_pipeline and local_kind(self.device) != "cpu":
             raise ConfigError(f"--profile-pipeline runs the plan on this machine's CPU, so it profiles plans for "
                               f"--device cpu, not {self.device}")
+        if self.stage_layers is not None:
+            self._check_stage_layers()
         if self.recompute is not None:
             if self.pp is not None and self.chunks is not None:
                 stage_modes(self.recompute, self.pp * self.chunks)
@@ -138,6 +144,21 @@ class CompileOptions:
                 raise ConfigError("--recompute with one mode per stage needs the stages pinned: add --pp (and --chunks)")
             else:
                 stage_modes(self.recompute, 1)
+
+    def _check_stage_layers(self) -> None:
+        if self.plan is not None:
+            raise ConfigError("--stage-layers pins the cuts that --plan already records; drop one of them")
+        if self.world_size is not None:
+            raise ConfigError("--stage-layers pins the cuts of a layout given in full; drop --world-size and give "
+                              "--pp (and --tp, --dp, --chunks)")
+        counts, stages = tuple(self.stage_layers), self.pp * self.chunks
+        if len(counts) != stages:
+            raise ConfigError(f"--stage-layers lists {len(counts)} stages but --pp x --chunks is {stages}; "
+                              "give one layer count per stage, in model order")
+        for s, count in enumerate(counts):
+            if count < 1:
+                raise ConfigError(f"--stage-layers gives stage {s} {count} layers; every stage needs at least one")
+        object.__setattr__(self, "stage_layers", counts)
 
     @property
     def searched(self) -> bool:
