@@ -8,7 +8,7 @@ import pytest
 from autopart.driver import compile as compile_model
 from autopart.ir.errors import ConfigError
 from autopart.ir.plan import load_plan
-from autopart.solve.stage_layers import layer_count_cuts
+from autopart.solve.stage_layers import layer_count_cuts, megatron_counts
 from autopart.tools import cli
 from tests.distributed import REPO, assert_same_training, compile_and_train
 from tests.test_bad_inputs import call_cli
@@ -40,6 +40,25 @@ def test_cuts_fall_after_the_last_block_of_each_stage_s_layers(counts, cuts):
 def test_counts_that_do_not_match_the_model_are_refused(layers, counts, pattern):
     with pytest.raises(ConfigError, match=pattern):
         layer_count_cuts(layers, counts)
+
+
+@pytest.mark.parametrize(
+    "layers, stages, first, last, counts",
+    [
+        (70, 12, 5, 5, (5,) + (6,) * 10 + (5,)),  # BLOOM's split in Megatron's form
+        (8, 3, 2, None, (2, 3, 3)),
+        (8, 3, None, 4, (2, 2, 4)),
+        (4, 2, 1, 3, (1, 3)),
+    ],
+)
+def test_megatron_form_splits_the_rest_equally(layers, stages, first, last, counts):
+    assert megatron_counts(layers, stages, first=first, last=last) == counts
+
+
+@pytest.mark.parametrize("first, last", [(4, 5), (1, 2)])
+def test_megatron_form_refuses_a_rest_that_does_not_divide(first, last):
+    with pytest.raises(ConfigError, match=r"leave \d+ of the model's 70 layers for 10 other stage\(s\)"):
+        megatron_counts(70, 12, first=first, last=last)
 
 
 def _layers_per_stage(plan) -> list[list[str]]:
@@ -80,6 +99,8 @@ def test_pinned_layers_differ_from_the_solver_s_cuts():
     "extra, pattern",
     [
         (["--stage-layers", "1,2"], r"--stage-layers sums to 3 layers but the model has 4 \(h\.0 to h\.3\)"),
+        (["--last-stage-layers", "3", "--first-stage-layers", "2"],
+         r"leave -1 of the model's 4 layers for 0 other stage\(s\)"),
         (["--stage-layers", "1,3", "--memory", "0.0001"],
          r"the --stage-layers split needs \d+\.\d+ GiB on pipeline rank \d, more than the 0\.00 GiB limit"),
     ],
@@ -97,6 +118,13 @@ def test_uneven_split_trains_like_one_process(tmp_path):
     assert [len(s) for s in _layers_per_stage(run.plan)] == [3, 1]
     assert run.plan.tied_parameters == {"wte.weight": (0, 1)}
     assert_same_training(run, optimizer="sgd", lr=0.1)
+
+
+def test_cli_takes_megatron_s_form(tmp_path):
+    out = tmp_path / "out"
+    cli.main(["compile", str(GPT), "-o", str(out), "--pp", "3", "--microbatches", "4", "--first-stage-layers", "2",
+              "--no-measure"])  # fmt: skip
+    assert [len(s) for s in _layers_per_stage(load_plan(out / "plan.json"))] == [2, 1, 1]
 
 
 def test_cli_passes_the_counts_through(tmp_path):

@@ -16,7 +16,7 @@ from autopart.passes.blocks import BlockChain
 from autopart.solve.baselines import Layers, block_layers
 from autopart.solve.cut_problem import PipelineProblem
 
-__all__ = ["check_fits", "layer_count_cuts", "stage_layer_cuts"]
+__all__ = ["check_fits", "layer_count_cuts", "megatron_counts", "stage_layer_cuts"]
 
 
 def layer_count_cuts(layers: Layers, counts: Sequence[int]) -> tuple[int, ...]:
@@ -38,9 +38,33 @@ def layer_count_cuts(layers: Layers, counts: Sequence[int]) -> tuple[int, ...]:
     return tuple(cuts)
 
 
-def stage_layer_cuts(chain: BlockChain, counts: Sequence[int]) -> tuple[int, ...]:
-    """``layer_count_cuts`` of a captured chain."""
-    return layer_count_cuts(block_layers(chain), counts)
+def megatron_counts(layers: int, stages: int, *, first: int | None, last: int | None) -> tuple[int, ...]:
+    """Megatron-LM's split: ``first`` layers on the first stage and ``last`` on the last (either
+    may be None), the other stages an equal share of the rest, which must divide evenly."""
+    middle = stages - (first is not None) - (last is not None)
+    rest = layers - (first or 0) - (last or 0)
+    if rest < middle or (middle and rest % middle) or (not middle and rest):
+        raise ConfigError(
+            f"--first-stage-layers/--last-stage-layers leave {rest} of the model's {layers} layers for {middle} "
+            f"other stage(s), which must each take an equal share of at least one; change the counts or use "
+            "--stage-layers"
+        )
+    share = rest // middle if middle else 0
+    counts = [share] * stages
+    if first is not None:
+        counts[0] = first
+    if last is not None:
+        counts[-1] = last
+    return tuple(counts)
+
+
+def stage_layer_cuts(chain: BlockChain, counts: Sequence[int] | None, *, stages: int, first: int | None = None,
+                     last: int | None = None) -> tuple[int, ...]:
+    """``layer_count_cuts`` of a captured chain, from every stage's count or from Megatron's form."""
+    layers = block_layers(chain)
+    if counts is None:
+        counts = megatron_counts(len({layer for layer in layers if layer is not None}), stages, first=first, last=last)
+    return layer_count_cuts(layers, counts)
 
 
 def check_fits(plan: Plan, problem: PipelineProblem) -> Plan:

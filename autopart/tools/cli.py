@@ -66,6 +66,11 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--stage-layers", metavar="N,N,...",
                    help="pin the pipeline cuts: repeated layers per stage (pp x chunks counts, in model order; the "
                         "embedding goes with the first stage, the head with the last), e.g. 5,6,6,5")
+    c.add_argument("--first-stage-layers", type=int, metavar="N",
+                   help="Megatron's form of the pin (--decoder-first-pipeline-num-layers): N layers on the first "
+                        "stage, the other stages an equal share of the rest")
+    c.add_argument("--last-stage-layers", type=int, metavar="N",
+                   help="N layers on the last stage (--decoder-last-pipeline-num-layers)")
     c.add_argument("--dtype", help="fp32, bf16 (autocast forwards over fp32 weights) or auto (searched; default fp32)")
     c.add_argument("--profile-pipeline", action="store_true",
                    help="run the plan here for a few steps, store how much slower its stages compute inside the "
@@ -213,6 +218,8 @@ def _compile(args: argparse.Namespace, console: Console) -> None:
         recompute=_recompute_modes(args.recompute) if args.recompute is not None else None,
         dtype=args.dtype,
         stage_layers=_layer_counts(args.stage_layers) if args.stage_layers is not None else None,
+        first_stage_layers=args.first_stage_layers,
+        last_stage_layers=args.last_stage_layers,
         profile_pipeline=args.profile_pipeline,
         measure=not args.no_measure,
     )
