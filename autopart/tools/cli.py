@@ -23,6 +23,18 @@ from autopart.runtime.recipe import Recipe, add_recipe_arguments
 __all__ = ["main"]
 
 
+def _add_layer_pins(c: argparse.ArgumentParser) -> None:
+    """The pipeline cuts pinned by layer counts, in autopart's form and in Megatron's."""
+    c.add_argument("--stage-layers", metavar="N,N,...",
+                   help="pin the pipeline cuts: repeated layers per stage (pp x chunks counts, in model order; the "
+                        "embedding goes with the first stage, the head with the last), e.g. 5,6,6,5")
+    c.add_argument("--first-stage-layers", type=int, metavar="N",
+                   help="Megatron's form of the pin (--decoder-first-pipeline-num-layers): N layers on the first "
+                        "stage, the other stages an equal share of the rest")
+    c.add_argument("--last-stage-layers", type=int, metavar="N",
+                   help="N layers on the last stage (--decoder-last-pipeline-num-layers)")
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="autopart", description="A compiler for distributed training.")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
@@ -63,14 +75,7 @@ def _parser() -> argparse.ArgumentParser:
         "--recompute", metavar="MODE",
         help="activation recompute: none, selective or full for every stage, or one per stage as A,B,... (default none, or searched)",
     )  # fmt: skip
-    c.add_argument("--stage-layers", metavar="N,N,...",
-                   help="pin the pipeline cuts: repeated layers per stage (pp x chunks counts, in model order; the "
-                        "embedding goes with the first stage, the head with the last), e.g. 5,6,6,5")
-    c.add_argument("--first-stage-layers", type=int, metavar="N",
-                   help="Megatron's form of the pin (--decoder-first-pipeline-num-layers): N layers on the first "
-                        "stage, the other stages an equal share of the rest")
-    c.add_argument("--last-stage-layers", type=int, metavar="N",
-                   help="N layers on the last stage (--decoder-last-pipeline-num-layers)")
+    _add_layer_pins(c)
     c.add_argument("--dtype", help="fp32, bf16 (autocast forwards over fp32 weights) or auto (searched; default fp32)")
     c.add_argument("--profile-pipeline", action="store_true",
                    help="run the plan here for a few steps, store how much slower its stages compute inside the "
