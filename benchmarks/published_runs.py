@@ -4,7 +4,9 @@
 
 Each row is a public bf16 run on NVIDIA GPUs that autopart can express: the published layout is
 pinned (TP, PP, DP, ZeRO-1 as the distributed optimizer, schedule and chunks, micro-batch,
-recompute), the model is built on the meta device at full depth, and ``autopart.compile`` gives
+recompute, sequence parallelism or not, the framework's stage split as ``stage_layers``), the
+model is built on the meta device at full depth with the attention its software ran (written out
+with Megatron's dropouts before FlashAttention, fused after), and ``autopart.compile`` gives
 the predicted step (roofline of the named device, bf16 under CUDA autocast) and the MFU it
 implies (model FLOPs 72·B·L·s·h²·(1 + s/(6h) + V/(12·h·L)), Narayanan et al.'s count, against
 the datasheet peak). Error is predicted over published, less one.
