@@ -4,7 +4,9 @@
 
 Each row is a public bf16 run on NVIDIA GPUs that autopart can express: the published layout is
 pinned (TP, PP, DP, ZeRO-1 as the distributed optimizer, schedule and chunks, micro-batch,
-recompute), the model is built on the meta device at full depth, and ``autopart.compile`` gives
+recompute, sequence parallelism or not, the framework's stage split as ``stage_layers``), the
+model is built on the meta device at full depth with the attention its software ran (written out
+with Megatron's dropouts before FlashAttention, fused after), and ``autopart.compile`` gives
 the predicted step (roofline of the named device, bf16 under CUDA autocast) and the MFU it
 implies (model FLOPs 72·B·L·s·h²·(1 + s/(6h) + V/(12·h·L)), Narayanan et al.'s count, against
 the datasheet peak). Error is predicted over published, less one.
@@ -52,6 +54,8 @@ class Model:
     heads: int
     vocab: int
     seq: int = 2048
+    attention: str = "fused"  # "explicit": scores, softmax and dropout written out (Megatron before FlashAttention)
+    dropout: float = 0.0  # Megatron's attention and hidden dropout, with explicit attention
 
     def flops(self, batch: int) -> float:
         """Model FLOPs of one step (forward and backward, no recompute): Narayanan et al.'s count."""
@@ -59,11 +63,11 @@ class Model:
         return 72 * batch * L * s * h * h * (1 + s / (6 * h) + V / (12 * h * L))
 
     def file(self, folder: Path) -> Path:
-        path = folder / f"gpt_{self.layers}x{self.hidden}_{self.heads}h_v{self.vocab}.py"
+        path = folder / f"gpt_{self.layers}x{self.hidden}_{self.heads}h_v{self.vocab}_{self.attention}{self.dropout:g}.py"
         path.write_text(
             f"import sys\nsys.path.insert(0, {str(MODELS)!r})\nfrom shallow import gpt3\n"
             f"MODEL = gpt3(n_embd={self.hidden}, n_head={self.heads}, layers={self.layers}, seq_len={self.seq}, "
-            f"vocab_size={self.vocab})\n"
+            f"vocab_size={self.vocab}, attention={self.attention!r}, dropout={self.dropout})\n"
             "build_model, init_weights, example_batch, loss_fn = MODEL.build_model, MODEL.init_weights, "
             "MODEL.example_batch, MODEL.loss_fn\n"
         )
@@ -85,6 +89,8 @@ class Run:
     schedule: str
     chunks: int
     published_s: float
+    stage_layers: tuple[int, ...] | None = None  # the framework's split, pinned (None: autopart's cuts)
+    sp: bool = True  # sequence parallelism with TP
     assumed: str = ""  # what the source does not state and the row assumes
 
     @property
@@ -92,22 +98,28 @@ class Run:
         return self.tp * self.pp * self.dp
 
 
-BLOOM = Model(layers=70, hidden=14336, heads=112, vocab=250880)
-MT_NLG = Model(layers=105, hidden=20480, heads=128, vocab=51200)
+# 2021-22 runs on Megatron-DeepSpeed: attention written out with the fused scale-mask-softmax, and
+# Megatron's dropouts (0.1 attention, 0.1 hidden) on
+BLOOM = Model(layers=70, hidden=14336, heads=112, vocab=250880, attention="explicit", dropout=0.1)
+MT_NLG = Model(layers=105, hidden=20480, heads=128, vocab=51200, attention="explicit", dropout=0.1)
 MEGASCALE_175B = Model(layers=96, hidden=12288, heads=128, vocab=64000)
 GPT3_175B = Model(layers=96, hidden=12288, heads=96, vocab=51200)
 
 _MEGASCALE = dict(source="MegaScale Table 2 (Megatron-LM)", model=MEGASCALE_175B, device="a100-80gb", tp=8, pp=8,
                   micro_batch_size=1, recompute="selective", schedule="interleaved", chunks=6,
-                  assumed="micro-batch 1, selective recompute, 80 GB")  # fmt: skip
+                  stage_layers=(2,) * 48,  # Megatron-LM's interleaved split: 96 layers, 2 per model chunk
+                  assumed="micro-batch 1, selective recompute, 80 GB, FlashAttention, no dropout, sequence parallelism")  # fmt: skip
 _MT_NLG = dict(source="MT-NLG (Smith et al. 2022) §2.4", model=MT_NLG, device="a100-80gb", tp=8, pp=35,
                micro_batch_size=1, global_batch_size=1920, recompute="full", schedule="1f1b", chunks=1,
-               assumed="micro-batch 1")  # fmt: skip
+               stage_layers=(3,) * 35,  # Megatron-DeepSpeed's GPTModelPipe, partition_method 'type:transformer'
+               sp=False,  # 2021: before Megatron's sequence parallelism
+               assumed="micro-batch 1, Megatron's default dropouts (0.1)")  # fmt: skip
 
 RUNS = (
     Run(name="bloom-176b", source="BLOOM tr11 README", model=BLOOM, device="a100-80gb", tp=4, pp=12, dp=8,
         micro_batch_size=2, global_batch_size=2048, recompute="full", schedule="1f1b", chunks=1, published_s=104.70,
-        assumed="learned positions for ALiBi"),
+        stage_layers=(5,) + (6,) * 10 + (5,),  # --pp-partition-method 'type:transformer|embedding', as the README shows
+        sp=False, assumed="learned positions for ALiBi, no embedding LayerNorm"),
     Run(name="mt-nlg-530b-2240", dp=8, published_s=60.1, **_MT_NLG),
     Run(name="mt-nlg-530b-2800", dp=10, published_s=50.2, **_MT_NLG),
     Run(name="mt-nlg-530b-3360", dp=12, published_s=44.4, **_MT_NLG),
@@ -134,13 +146,25 @@ def predict(run: Run, folder: Path, *, search: bool) -> dict:
                   global_batch_size=run.global_batch_size)  # fmt: skip
     start = time.perf_counter()
     plan = autopart.compile(model, tp=run.tp, pp=run.pp, dp=run.dp, zero=True, micro_batch_size=run.micro_batch_size,
-                            recompute=run.recompute, schedule=run.schedule, chunks=run.chunks, **common)  # fmt: skip
+                            recompute=run.recompute, schedule=run.schedule, chunks=run.chunks, sp=run.sp,
+                            stage_layers=run.stage_layers, **common)  # fmt: skip
     row = {"plan": plan, "compile_s": time.perf_counter() - start}
     if search:
         start = time.perf_counter()
         row["searched"] = autopart.compile(model, world_size=run.gpus, **common)
         row["search_s"] = time.perf_counter() - start
     return row
+
+
+def describe_split(counts: tuple[int, ...]) -> str:
+    """``5,6x10,5``: layers per stage, runs of equal counts folded."""
+    runs: list[list[int]] = []
+    for count in counts:
+        if runs and runs[-1][0] == count:
+            runs[-1][1] += 1
+        else:
+            runs.append([count, 1])
+    return ",".join(f"{count}x{times}" if times > 1 else str(count) for count, times in runs)
 
 
 def mfu(run: Run, step_s: float) -> float:
@@ -174,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
             step = row["plan"].predicted.step_s
             errors.append(step / run.published_s - 1)
             layout = (f"t{run.tp} p{run.pp} d{run.dp} {run.schedule}{f' v{run.chunks}' if run.chunks > 1 else ''} "
-                      f"b{run.micro_batch_size} {run.recompute}")  # fmt: skip
+                      f"b{run.micro_batch_size} {run.recompute}{'' if run.sp else ' no-sp'} {run.model.attention}"
+                      f"{f' {describe_split(run.stage_layers)}' if run.stage_layers else ''}")  # fmt: skip
             extra = ()
             if args.search:
                 found = row["searched"]
