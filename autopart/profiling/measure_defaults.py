@@ -34,7 +34,8 @@ from rich.console import Console
 
 from autopart.options import CompileOptions, local_kind
 from autopart.predict.accuracy import Basis, basis_for
-from cost_models.calibration import background_load, cache_dir
+from autopart.profiling.co_run import host_processes
+from cost_models.calibration import background_load, cache_dir, usable_cores
 from cost_models.comm_profile import QUICK, load_comm_profile, profile_comm
 from cost_models.database import CostDatabase
 from cost_models.devices import local_device_name
@@ -97,7 +98,9 @@ def measure_defaults(options: CompileOptions, *, console: Console | None = None)
         if measure_messages:
             profile_comm(ranks=2, backend="gloo" if kind == "cpu" else "nccl", effort=QUICK)
     timed = 0 if options.searched or options.plan is not None else _profile_ops(options, kind, path, console)
-    basis = basis_for(device=options.device, local=kind, measured=True, costs=None, messages=_messages_known(kind))
+    processes = host_processes(options.ranks_per_host, usable_cores()) if kind == "cpu" else 1
+    basis = basis_for(device=options.device, local=kind, measured=True, costs=None, messages=_messages_known(kind),
+                      co_run=processes)
     measured = Measured(basis=basis, costs=path, ops_timed=timed, messages_measured=measure_messages)
     if measure_messages or timed:
         _note_busy(kind, path)
@@ -107,7 +110,7 @@ def measure_defaults(options: CompileOptions, *, console: Console | None = None)
 def _note_busy(kind: str, path: Path) -> None:
     """What was just measured is cached for good: say so when other work shared the cores, as
     a message's time and a rank's wake-up then include waiting for them."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = usable_cores()
     others = background_load(cores) if kind == "cpu" else 0.0
     if others >= cores:
         log.info(f"{others:g} other busy processes shared this machine's {cores} cores while its ops and messages "
@@ -127,7 +130,8 @@ def _profile_ops(options: CompileOptions, kind: str, path: Path, console: Consol
     graph = capture(spec, batch_size=micro_batch_size, method=options.capture, leaves=options.leaf)
     database = CostDatabase.load(path)
     timed = profile_costs(graph, spec, database, device=kind, micro_batch_size=micro_batch_size,
-                          optimizer=options.optimizer, dtype=options.dtype, console=console)
+                          optimizer=options.optimizer, dtype=options.dtype, console=console,
+                          processes=host_processes(options.ranks_per_host, usable_cores()) if kind == "cpu" else 1)
     if timed or not path.exists():
         database.save()
     return timed
