@@ -96,7 +96,10 @@ def measure_co_run(module: fx.GraphModule, args: Sequence[Any], *, processes: in
                    forward_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
                    rounds: int = ROUNDS, min_seconds: float = MIN_SECONDS) -> CoRunMeasurement:
     """The graph's forward and backward beside ``processes - 1`` copies of itself against alone
-    (wall time; the median over at least ``rounds`` rounds spanning ``min_seconds``). Leaves
+    (the median over at least ``rounds`` rounds spanning ``min_seconds``), in CPU time: the
+    step model shares the cores among the ranks and the machine's other busy processes itself,
+    so what is measured here is how much slower a rank computes while it has a core (shared
+    caches and memory bus, a virtual core's sibling busy), not how long it waits for one. Leaves
     ``module``'s parameters without gradients and its buffers and the random state as they were.
     With one process, or where this system cannot fork, nothing is run: a factor of 1."""
     if processes <= 1 or not hasattr(os, "fork"):
@@ -127,9 +130,9 @@ def measure_co_run(module: fx.GraphModule, args: Sequence[Any], *, processes: in
             seconds: list[float] = []
             began = time.perf_counter()
             while len(seconds) < RUNS or time.perf_counter() - began < PHASE_S:
-                start = time.perf_counter()
+                start = time.thread_time()
                 _run(module, args, forward_context)
-                seconds.append(time.perf_counter() - start)
+                seconds.append(time.thread_time() - start)
         finally:
             if together:
                 signal_all(signal.SIGSTOP)
