@@ -4,6 +4,7 @@ keeps it per micro-batch size, precision and processes, and a plan reads the ent
 host's ranks (a plan spread over hosts: only the ranks of one)."""
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +14,9 @@ import autopart
 from autopart.driver import CompileOptions
 from autopart.ir.model_file import load_model_file
 from autopart.passes.capture import capture
+from autopart.predict.accuracy import basis_for
 from autopart.profiling.co_run import co_run_key, host_processes, measure_co_run
+from autopart.profiling.measure_defaults import NO_MEASURE_ENV, co_run_processes
 from autopart.profiling.profile import profile_costs
 from cost_models.calibration import usable_cores
 from cost_models.database import CoRunMeasurement, CostDatabase
@@ -111,3 +114,25 @@ def test_the_database_keeps_the_co_runs(tmp_path) -> None:
     again = CostDatabase.load(tmp_path / "costs.json")
     assert again.co_run("cpu", co_run_key(2, "bf16", 2)) == entry
     assert again.co_run("cpu", co_run_key(2, "fp32", 2)) is None
+
+
+def test_the_basis_says_the_ops_were_timed_among_the_hosts_ranks() -> None:
+    at_once = "(timed 2 at once, as the plan's ranks on this host compute)"
+    measured = basis_for(device="cpu", local="cpu", measured=True, costs=None, messages=True, co_run=2, bands={})
+    assert measured.what == f"ops {at_once} and messages measured on this machine"
+    given = basis_for(device="cpu", local="cpu", measured=False, costs=Path("c.json"), messages=True, co_run=2, bands={})
+    assert given.what == f"ops from c.json {at_once}, messages measured on this machine"
+    alone = basis_for(device="cpu", local="cpu", measured=True, costs=None, messages=True, co_run=1, bands={})
+    assert alone.what == "ops and messages measured on this machine"
+    pipeline = basis_for(device="cpu", local="cpu", measured=False, costs=Path("c.json"), messages=True, co_run=2,
+                         pipeline=True, bands={})
+    assert "at once" not in pipeline.what  # the pipeline's own run holds it
+
+
+def test_measuring_off_times_among_no_others(monkeypatch) -> None:
+    options = CompileOptions(model=MODEL, pp=2)
+    assert co_run_processes(options, "cpu", 2) == 1  # the suite's conftest turns measuring off
+    monkeypatch.delenv(NO_MEASURE_ENV)
+    assert co_run_processes(options, "cpu", 2) == 2
+    assert co_run_processes(options, "cuda", 2) == 1 and co_run_processes(options, None, 2) == 1
+    assert co_run_processes(CompileOptions(model=MODEL, pp=2, measure=False), "cpu", 2) == 1

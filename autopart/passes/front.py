@@ -7,7 +7,6 @@ capture and emitting needs no second one.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass, field, replace
 
 from autopart.ir.model_file import ModelSpec, is_meta, load_model_file
@@ -18,8 +17,7 @@ from autopart.passes.blocks import BlockChain, build_blocks
 from autopart.passes.capture import Graph, capture
 from autopart.passes.recompute import recompute_cost
 from autopart.passes.rewrite import separate_biases
-from autopart.profiling.co_run import host_processes
-from autopart.profiling.measure_defaults import NO_MEASURE_ENV
+from autopart.profiling.measure_defaults import co_run_processes
 from autopart.profiling.profile import profile_costs
 from autopart.runtime.materialise import check_initialisers
 from autopart.solve.tensor import BlockSharding, shard_chain
@@ -92,11 +90,9 @@ def annotated(options: CompileOptions, micro_batch_size: int, *, separate_biases
         database = CostDatabase.load(options.costs)
         local = local_kind(options.device)
         if local is not None:
-            # the model timed beside the host's other ranks, unless measuring is off (the test suite)
-            measuring = local == "cpu" and options.measure and not os.environ.get(NO_MEASURE_ENV)
-            processes = host_processes(options.ranks_per_host, roofline.device.cores) if measuring else 1
             timed = profile_costs(graph, spec, database, device=local, micro_batch_size=micro_batch_size,
-                                  optimizer=options.optimizer, dtype=options.dtype, processes=processes)
+                                  optimizer=options.optimizer, dtype=options.dtype,
+                                  processes=co_run_processes(options, local, roofline.device.cores))
             if timed:
                 database.save()
     cost_model = roofline if database is None else ProfiledCostModel(roofline=roofline, database=database)

@@ -114,13 +114,13 @@ def basis_for(*, device: str, local: str | None, measured: bool, costs: Path | N
     at once, `autopart.profiling.co_run`; 1: alone)."""
     bands = load_bands() if bands is None else bands
     on = "this pipeline, " if pipeline else ""
+    beside = f" (timed {co_run} at once, as the plan's ranks on this host compute)" if co_run > 1 and not pipeline else ""
     if measured:
-        beside = f" (timed {co_run} at once, as the plan's ranks on this host compute)" if co_run > 1 else ""
         kind, what = MEASURED, f"ops{beside} and messages measured on this machine" if messages else \
             f"ops{beside} measured on this machine, messages from the device spec"
     elif costs is not None:
         kind = PROFILED
-        what = f"ops from {costs.name}, {on}messages " + ("measured on this machine" if messages else "from the spec")
+        what = f"ops from {costs.name}{beside}, {on}messages " + ("measured on this machine" if messages else "from the spec")
     elif local is not None:
         kind, what = ROOFLINE, f"{device} roofline: nothing measured (--no-measure)"
     else:

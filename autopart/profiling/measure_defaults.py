@@ -40,7 +40,7 @@ from cost_models.comm_profile import QUICK, load_comm_profile, profile_comm
 from cost_models.database import CostDatabase
 from cost_models.devices import local_device_name
 
-__all__ = ["NO_MEASURE_ENV", "Measured", "measure_defaults", "costs_cache_path"]
+__all__ = ["NO_MEASURE_ENV", "Measured", "co_run_processes", "measure_defaults", "costs_cache_path"]
 
 log = logging.getLogger("autopart")
 
@@ -69,6 +69,14 @@ def costs_cache_path(model: Path, kind: str) -> Path:
     return cache_dir() / "costs" / f"{host}-{Path(model).stem}-{digest}.json"
 
 
+def co_run_processes(options: CompileOptions, kind: str | None, cores: int) -> int:
+    """The processes a compile times its model's compute among (`autopart.profiling.co_run`):
+    the plan's ranks on one host that compute at once, on this machine's CPU while measuring is
+    on; 1 (alone, nothing to measure) otherwise."""
+    measuring = kind == "cpu" and options.measure and not os.environ.get(NO_MEASURE_ENV)
+    return host_processes(options.ranks_per_host, cores) if measuring else 1
+
+
 def _messages_known(kind: str) -> bool:
     return load_comm_profile(local_device_name(kind)) is not None
 
@@ -88,7 +96,7 @@ def measure_defaults(options: CompileOptions, *, console: Console | None = None)
     if kind is None or options.costs is not None or not options.measure or os.environ.get(NO_MEASURE_ENV) or missing:
         messages = kind is not None and _messages_known(kind)
         basis = basis_for(device=options.device, local=kind, measured=False, costs=options.costs, messages=messages,
-                          pipeline=options.profile_pipeline)
+                          pipeline=options.profile_pipeline, co_run=co_run_processes(options, kind, usable_cores()))
         return options, Measured(basis=basis, costs=options.costs)
     path = costs_cache_path(options.model, kind)
     measure_messages = not _messages_known(kind) and _can_measure_messages(kind)
@@ -98,9 +106,8 @@ def measure_defaults(options: CompileOptions, *, console: Console | None = None)
         if measure_messages:
             profile_comm(ranks=2, backend="gloo" if kind == "cpu" else "nccl", effort=QUICK)
     timed = 0 if options.searched or options.plan is not None else _profile_ops(options, kind, path, console)
-    processes = host_processes(options.ranks_per_host, usable_cores()) if kind == "cpu" else 1
     basis = basis_for(device=options.device, local=kind, measured=True, costs=None, messages=_messages_known(kind),
-                      co_run=processes)
+                      co_run=co_run_processes(options, kind, usable_cores()))
     measured = Measured(basis=basis, costs=path, ops_timed=timed, messages_measured=measure_messages)
     if measure_messages or timed:
         _note_busy(kind, path)
@@ -131,7 +138,7 @@ def _profile_ops(options: CompileOptions, kind: str, path: Path, console: Consol
     database = CostDatabase.load(path)
     timed = profile_costs(graph, spec, database, device=kind, micro_batch_size=micro_batch_size,
                           optimizer=options.optimizer, dtype=options.dtype, console=console,
-                          processes=host_processes(options.ranks_per_host, usable_cores()) if kind == "cpu" else 1)
+                          processes=co_run_processes(options, kind, usable_cores()))
     if timed or not path.exists():
         database.save()
     return timed
