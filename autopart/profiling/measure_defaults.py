@@ -10,7 +10,11 @@ measures what the step model needs:
    none for this host, backend and torch; ``autopart profile-comm`` measures them at full effort;
 2. every op of the training graph in place (`autopart.profiling.profile.profile_costs`) into a cost
    database cached per machine and model hash (``$AUTOPART_CACHE_DIR/costs/``); its keys name
-   shapes and dtypes, so other micro-batch sizes and precisions add to the same file.
+   shapes and dtypes, so other micro-batch sizes and precisions add to the same file;
+3. how much slower the model computes beside as many copies of itself as the plan's ranks on one
+   host compute at once (`autopart.profiling.co_run`), into the same database, per micro-batch
+   size, precision and number of processes: the ranks compute at once and share the caches and
+   the memory bus, where the in-place profile ran alone.
 
 A second compile of the same model finds both and measures nothing. ``--no-measure`` keeps the
 roofline, and so does the environment variable ``AUTOPART_NO_MEASURE=1`` (the test suite sets it:

@@ -7,7 +7,8 @@ two backward halves (`cost_models.profiler.time_op`). Repeated layers produce th
 they are timed once; a second run over the same model times nothing. It also times one
 optimizer step per parameter shape (scaled, on the CPU, to a whole step measured right after
 the graph's backward, `autopart.profiling.in_situ.optimizer_in_situ`) and, once per device, the
-fixed costs of the runtime.
+fixed costs of the runtime; and, given the processes that the plan's ranks on one host run at
+once, how much slower the graph computes beside as many copies of itself (`autopart.profiling.co_run`).
 
 On the CPU ops are timed with one thread: that is what every rank runs with under torchrun
 (which sets ``OMP_NUM_THREADS=1`` when it starts several processes), and where they run: the
