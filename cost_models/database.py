@@ -21,10 +21,10 @@ The file is plain JSON so that it can be read, diffed, merged and checked in::
      "pipelines": {KEY: {"compute_factor": .., "stage_factors": {"FIRST-LAST": ..}, "tied_s": ..,
                          "optimizer_s": {"FIRST-LAST[,FIRST-LAST...]": ..},
                          "send_s": .., "recv_s": .., "transfer_s": ..}},
-     "co_runs": {KEY: {"processes": .., "factor": .., "rounds": ..}}}
+     "co_runs": {KEY: {"processes": .., "factor": .., "rounds": .., "micro_batch_size": ..}}}
 
 and how much slower the model computes with the other ranks of its host computing beside it
-(`autopart.profiling.co_run`), keyed by micro-batch size, precision and processes.
+(`autopart.profiling.co_run`), keyed by precision and processes.
 """
 
 from __future__ import annotations
@@ -141,6 +141,8 @@ class CoRunMeasurement:
     processes: int
     factor: float
     rounds: int = 0
+    micro_batch_size: int = 0
+    """The micro-batch size it was measured at (0: not recorded)."""
 
 
 def plan_shape(schedule: str, microbatches: int, blocks: Sequence[tuple[int, int]]) -> str:
@@ -199,7 +201,8 @@ class CostDatabase:
                 step_of=str(v.get("step_of", "")),
             ) for k, v in data.get("pipelines", {}).items()}
             co_runs = {str(k): CoRunMeasurement(processes=int(v["processes"]), factor=float(v["factor"]),
-                                                rounds=int(v.get("rounds", 0)))
+                                                rounds=int(v.get("rounds", 0)),
+                                                micro_batch_size=int(v.get("micro_batch_size", 0)))
                        for k, v in data.get("co_runs", {}).items()}
         except ConfigError:
             raise

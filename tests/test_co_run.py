@@ -1,7 +1,7 @@
 """The model timed beside copies of itself, as many as the plan's ranks on one host compute at
 once: the measurement runs real concurrent processes and says how many ran, the cost database
-keeps it per micro-batch size, precision and processes, and a plan reads the entry of its own
-host's ranks (a plan spread over hosts: only the ranks of one)."""
+keeps it per precision and processes, and a plan reads the entry of its own host's ranks (a plan
+spread over hosts: only the ranks of one)."""
 
 import os
 from pathlib import Path
@@ -76,8 +76,8 @@ def _database_with_co_runs(tmp_path) -> CostDatabase:
     database = CostDatabase.load(tmp_path / "costs.json")
     profile_costs(capture(spec, batch_size=2), spec, database, micro_batch_size=2)
     for processes in (2, 3, 4):
-        database.put_co_run(local_device_name("cpu"), co_run_key(2, "fp32", processes),
-                            CoRunMeasurement(processes=processes, factor=1 + processes / 10, rounds=8))
+        database.put_co_run(local_device_name("cpu"), co_run_key("fp32", processes),
+                            CoRunMeasurement(processes=processes, factor=1 + processes / 10, rounds=8, micro_batch_size=2))
     database.save()
     return CostDatabase.load(database.path)  # through the file, as a later compile reads it
 
@@ -98,22 +98,22 @@ def test_a_plan_reads_the_entry_measured_with_its_hosts_ranks(tmp_path) -> None:
     assert one_per_host.predicted.compute_factor_from != "co-run"  # alone on its host: the 2-process entry is not its
 
 
-def test_an_entry_of_another_size_or_precision_is_not_read(tmp_path) -> None:
+def test_an_entry_of_another_precision_is_not_read(tmp_path) -> None:
     costs = _database_with_co_runs(tmp_path).path
     if usable_cores() < 2:
         pytest.skip("one core: two ranks never compute at once")
-    plan = autopart.compile(MODEL, pp=2, microbatches=1, micro_batch_size=4, costs=costs)  # no entry at size 4
-    assert plan.predicted.compute_factor_from != "co-run"
+    plan = autopart.compile(MODEL, pp=2, microbatches=1, micro_batch_size=2, dtype="bf16", costs=costs)
+    assert plan.predicted.compute_factor_from != "co-run"  # only fp32 was measured
 
 
 def test_the_database_keeps_the_co_runs(tmp_path) -> None:
     database = CostDatabase(path=tmp_path / "costs.json")
-    entry = CoRunMeasurement(processes=2, factor=1.23, rounds=9)
-    database.put_co_run("cpu", co_run_key(2, "bf16", 2), entry)
+    entry = CoRunMeasurement(processes=2, factor=1.23, rounds=9, micro_batch_size=4)
+    database.put_co_run("cpu", co_run_key("bf16", 2), entry)
     database.save()
     again = CostDatabase.load(tmp_path / "costs.json")
-    assert again.co_run("cpu", co_run_key(2, "bf16", 2)) == entry
-    assert again.co_run("cpu", co_run_key(2, "fp32", 2)) is None
+    assert again.co_run("cpu", co_run_key("bf16", 2)) == entry
+    assert again.co_run("cpu", co_run_key("fp32", 2)) is None and again.co_run("cpu", co_run_key("bf16", 3)) is None
 
 
 def test_the_basis_says_the_ops_were_timed_among_the_hosts_ranks() -> None:

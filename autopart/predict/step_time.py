@@ -93,7 +93,7 @@ def profiled_step(options: CompileOptions, stages: list[StagePlan], microbatches
 
 
 def compute_factor(options: CompileOptions, front: Front, stages: list[StagePlan],
-                    in_place: PipelineMeasurement | None, micro_batch_size: int) -> tuple[tuple[float, ...], str]:
+                    in_place: PipelineMeasurement | None) -> tuple[tuple[float, ...], str]:
     """Per stage, how many times its profiled time each forward and backward takes inside this
     pipeline, and where the figures are from: "pipeline" where this very pipeline was run and
     measured (``--profile-pipeline``); "co-run" where the model was timed beside as many copies
@@ -103,7 +103,7 @@ def compute_factor(options: CompileOptions, front: Front, stages: list[StagePlan
     if in_place is not None:
         return tuple(in_place.stage_factor(stage.blocks) for stage in stages), "pipeline"
     processes = host_processes(options.ranks_per_host, front.cost_model.device.cores)
-    co_run = front.cost_model.co_run(co_run_key(micro_batch_size, options.dtype, processes)) if processes > 1 else None
+    co_run = front.cost_model.co_run(co_run_key(options.dtype, processes)) if processes > 1 else None
     if co_run is not None:
         return (co_run.factor,) * len(stages), "co-run"
     # a rank computes beside the others and their messages

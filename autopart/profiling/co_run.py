@@ -59,9 +59,11 @@ WARM_UP_S = 10.0
 """Seconds the co-runners get at most for their first two runs, before any is timed."""
 
 
-def co_run_key(micro_batch_size: int, dtype: str, processes: int) -> str:
-    """The cost database's key of a model's co-run slowdown (the database is per model already)."""
-    return f"co_run(micro_batch={micro_batch_size}, dtype={dtype}, processes={processes})"
+def co_run_key(dtype: str, processes: int) -> str:
+    """The cost database's key of a model's co-run slowdown (the database is per model and
+    machine already): one per precision and number of processes, measured at the first
+    micro-batch size a compile reaches, so that a search over sizes measures it once."""
+    return f"co_run(dtype={dtype}, processes={processes})"
 
 
 def host_processes(ranks_on_host: int, cores: int) -> int:

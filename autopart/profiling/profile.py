@@ -237,14 +237,14 @@ def profile_costs(graph: Graph, spec: ModelSpec, database: CostDatabase, *, devi
             forward, backward = measure_resume(module, values)
             database.overheads[device_name] = replace(database.overheads[device_name], resume_forward_s=forward,
                                                       resume_backward_s=backward)
-        co_run = co_run_key(micro_batch_size, dtype, processes)
+        co_run = co_run_key(dtype, processes)
         if where.type == "cpu" and processes > 1 and database.co_run(device_name, co_run) is None:
             status = console.status(f"timing the model beside {processes - 1} copies of itself (the host's other "
                                     "ranks)") if console is not None else nullcontext()
             with status:
                 measured = measure_co_run(module, values, processes=processes,
                                           forward_context=partial(precision, dtype, where.type))
-            database.put_co_run(device_name, co_run, measured)
+            database.put_co_run(device_name, co_run, replace(measured, micro_batch_size=micro_batch_size))
         in_step = partial(optimizer_in_situ, module, values) if where.type == "cpu" else None
         time_optimizer(database, device_name, where, optimizer, list(dict.fromkeys(module.parameters())), in_step)
     finally:

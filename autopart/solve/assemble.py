@@ -94,7 +94,7 @@ def plan_from_cuts(
     )
     in_place = measured_in_place(options, front, micro_batch_size)
     tails = rank_tails(options, front, stages, holders, in_place)
-    factor = compute_factor(options, front, stages, in_place, micro_batch_size)
+    factor = compute_factor(options, front, stages, in_place)
     step_s, reduction = predicted_step_s(options, front, timed, transfer, tails, microbatches, factor, in_place)
     gradient_sync = data_parallel_seconds(stages, comm)
     return Plan(
