@@ -16,8 +16,8 @@ most one per core (where the ranks outnumber the cores, the step model shares th
 itself, and at any moment only one rank per core computes).
 
 Each co-runner counts its runs in shared memory, so the measurement knows how many processes
-really computed together (`CoRunMeasurement.processes`), not how many were asked for: a co-runner that
-never got to run would leave the factor that of fewer.
+really computed together (`CoRunMeasurement.processes`), not how many were asked for: a
+co-runner that never got to run would leave the factor that of fewer.
 
 Every rank runs the whole model here, where in a pipeline each runs its stage: the same kind
 of work at the model's sizes, with a larger footprint than a stage's; the factor is what the
@@ -55,6 +55,7 @@ PHASE_S = 0.05
 MIN_SECONDS = 2.0
 """Seconds the rounds span at least (more rounds for a small model)."""
 MAX_ROUNDS = 40
+"""Rounds at most, however short the model's runs."""
 WARM_UP_S = 10.0
 """Seconds the co-runners get at most for their first two runs, before any is timed."""
 
