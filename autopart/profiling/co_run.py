@@ -56,6 +56,12 @@ MIN_SECONDS = 2.0
 """Seconds the rounds span at least (more rounds for a small model)."""
 MAX_ROUNDS = 40
 """Rounds at most, however short the model's runs."""
+MAX_SECONDS = 8.0
+"""Seconds after which the rounds stop once `MIN_ROUNDS` are done (a large model's runs are
+long: the compile's measuring stays within seconds) ..."""
+MIN_ROUNDS = 3
+PHASE_MAX_S = 0.5
+"""... and after which a phase stops once it has two runs."""
 WARM_UP_S = 10.0
 """Seconds the co-runners get at most for their first two runs, before any is timed."""
 
@@ -132,7 +138,8 @@ def measure_co_run(module: fx.GraphModule, args: Sequence[Any], *, processes: in
             _run(module, args, forward_context)  # left out: the co-runners take their cores back
             seconds: list[float] = []
             began = time.perf_counter()
-            while len(seconds) < RUNS or time.perf_counter() - began < PHASE_S:
+            while (len(seconds) < RUNS or time.perf_counter() - began < PHASE_S) and \
+                    not (len(seconds) >= 2 and time.perf_counter() - began > PHASE_MAX_S):
                 start = time.thread_time()
                 _run(module, args, forward_context)
                 seconds.append(time.thread_time() - start)
@@ -152,7 +159,8 @@ def measure_co_run(module: fx.GraphModule, args: Sequence[Any], *, processes: in
         signal_all(signal.SIGSTOP)
         with left_as_it_was(module), torch.enable_grad():
             started, done = time.perf_counter(), 0
-            while done < MAX_ROUNDS and (done < rounds or time.perf_counter() - started < min_seconds):
+            while done < MAX_ROUNDS and (done < rounds or time.perf_counter() - started < min_seconds) and \
+                    not (done >= MIN_ROUNDS and time.perf_counter() - started > MAX_SECONDS):
                 # which phase comes first alternates: a phase that follows the other inherits its caches
                 first, second = phase(done % 2 == 1), phase(done % 2 == 0)
                 (alone, _), (beside, ran) = (second, first) if done % 2 else (first, second)
