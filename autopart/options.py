@@ -188,6 +188,12 @@ class CompileOptions:
         return self.world_size is not None and self.plan is None
 
     @property
+    def ranks_per_host(self) -> int:
+        """Ranks that run on one host (node) at once: all of them up to ``gpus_per_node``."""
+        world = self.world_size if self.world_size is not None else self.pp * self.tp * self.dp
+        return min(world, self.gpus_per_node)
+
+    @property
     def pipeline_crosses_nodes(self) -> bool:
         """The ranks of one pipeline (and so its transfers and gradient reductions) span several nodes."""
         return self.pp * self.tp > self.gpus_per_node

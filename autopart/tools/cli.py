@@ -244,7 +244,8 @@ def _compile(args: argparse.Namespace, console: Console) -> None:
     if args.costs is not None:
         console.print(f"costs from {args.costs}: {_entries(args.costs) - known} ops timed, {known} known")
     if plan.predicted.compute_factor_from != "none":
-        where = {"pipeline": "measured in this pipeline", "device": "the device's, from profile-comm"}
+        where = {"pipeline": "measured in this pipeline", "device": "the device's, from profile-comm",
+                 "co-run": "the model measured beside the host's other ranks"}
         factors = " ".join(f"x{f:.3f}" for f in plan.predicted.compute_factor)
         from_ = where[plan.predicted.compute_factor_from]
         console.print(f"compute inside the pipeline, per stage: {factors} ({from_})")
