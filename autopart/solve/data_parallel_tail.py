@@ -11,7 +11,7 @@ the step model places them (``autopart.predict.data_parallel``, ``autopart.predi
 
 The figures are the step model's on the search's own stage times (a stage's forward a third of
 its forward and backward, as ``autopart.solve.search`` takes it elsewhere); a bucket's grain is
-not modelled (the last bucket's all-reduce may stick out past a backward that hides the rest).
+taken as the first block's parameters (what the backward makes final last, as the embedding).
 Functions of plain values: the layout and cluster are read by attribute only.
 """
 
@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from autopart.runtime.fully_sharded import FSDP_LEVELS
 from autopart.schedule import SPLIT_BACKWARD_KINDS, stage_placement
 
-__all__ = ["fully_sharded_levels", "tail_s", "hidden_s", "fully_sharded_extra_s", "stage_times"]
+__all__ = ["fully_sharded_levels", "tail_s", "hidden_s", "last_bucket_bytes", "fully_sharded_extra_s", "stage_times"]
 
 FORWARD_SHARE = 1 / 3
 """Of a stage's forward and backward, the forward's part (a backward is about twice a forward)."""
@@ -43,11 +43,12 @@ def _reduce_scatter_s(cluster, nbytes: float, group: int, across: bool) -> float
 
 
 def tail_s(layout, cluster, rank_parameter_bytes: Sequence[int], across_nodes: bool,
-           hidden: Sequence[float] | None = None) -> float:
+           hidden: Sequence[float] | None = None, last_bytes: Sequence[int] | None = None) -> float:
     """What the step does after the pipeline drains, on its busiest rank: the part of the
     data-parallel collectives that nothing hides, and the optimizer step (a shard of it under
     ZeRO). ``hidden``: per rank, the backward its all-reduce runs beside (``hidden_s``); None
-    hides nothing."""
+    hides nothing. ``last_bytes``: per rank, the parameter bytes whose gradients are final only
+    as its last backward ends (``last_bucket_bytes``): their all-reduce hides behind nothing."""
     tail = 0.0
     dp, level = layout.dp, int(layout.zero)
     for rank, nbytes in enumerate(rank_parameter_bytes):
@@ -57,8 +58,10 @@ def tail_s(layout, cluster, rank_parameter_bytes: Sequence[int], across_nodes: b
             continue
         gather = cluster.all_gather_s(nbytes, dp, across_nodes)
         if level in (0, 1):
-            behind = hidden[rank] if hidden is not None and cluster.reduction_overlaps else 0.0
-            sync = max(0.0, cluster.all_reduce_s(nbytes, dp, across_nodes) - behind)
+            sync = cluster.all_reduce_s(nbytes, dp, across_nodes)
+            if hidden is not None and cluster.reduction_overlaps:
+                last = cluster.all_reduce_s(last_bytes[rank], dp, across_nodes) if last_bytes is not None else 0.0
+                sync = max(last, sync - hidden[rank])
             rank_tail = sync + (step / dp + gather if level == 1 else step)
         else:  # FSDP: the step waits for the last reduce-scatter where it runs beside the compute
             last = _reduce_scatter_s(cluster, nbytes, dp, across_nodes) if cluster.reduction_overlaps else 0.0
@@ -78,6 +81,20 @@ def hidden_s(layout, times: Sequence[float]) -> list[float]:
     found = [0.0] * layout.pp
     for time, rank in zip(times, _placement(layout.schedule, layout.pp, layout.chunks)):
         found[rank] += (1 - FORWARD_SHARE) * time
+    return found
+
+
+def last_bucket_bytes(layout, costs, cuts: Sequence[int]) -> list[int]:
+    """Per rank, the bytes of the parameters of the first block of its first stage (``costs``: a
+    ``ChainCosts``; stage s ends after block ``cuts[s]``): the backward reaches them last, so the
+    bucket that holds them is reduced after the rank's last backward."""
+    found = [0] * layout.pp
+    seen: set[int] = set()
+    firsts = (0, *(c + 1 for c in cuts))
+    for stage, rank in enumerate(_placement(layout.schedule, layout.pp, layout.chunks)):
+        if rank not in seen:
+            seen.add(rank)
+            found[rank] = sum(costs.parameter_bytes[p] for p in costs.block_parameters[firsts[stage]])
     return found
 
 

@@ -33,7 +33,8 @@ from typing import Protocol
 from autopart.ir.errors import ConfigError
 from autopart.runtime.fully_sharded import FSDP_LEVELS
 from autopart.schedule import SCHEDULE_KINDS, stage_placement
-from autopart.solve.data_parallel_tail import FORWARD_SHARE, fully_sharded_levels, hidden_s, stage_times, tail_s
+from autopart.solve.data_parallel_tail import (FORWARD_SHARE, fully_sharded_levels, hidden_s, last_bucket_bytes,
+                                               stage_times, tail_s)
 from autopart.solve.vshape import zbv_fits, zbv_pipeline_s
 from autopart.predict.in_flight import in_flight
 from autopart.predict.in_flight import transient as transient_count
@@ -235,10 +236,9 @@ class SearchResult:
 
 
 def estimate_step_s(layout: Layout, cut: StageCut, cluster: Cluster, rank_parameter_bytes: list[int],
-                    across_nodes: bool) -> float:
-    """The step in closed form: the schedule's pipeline latency (under ZeRO-2/3 each stage with
-    FSDP's collectives), then what the data-parallel collectives run past it
-    (``autopart.solve.data_parallel_tail``) and the optimizer step of the busiest rank."""
+                    across_nodes: bool, last_bytes: list[int] | None = None) -> float:
+    """The step in closed form: the schedule's pipeline latency (stages with FSDP's collectives), then
+    what the data-parallel collectives run past it and the busiest rank's optimizer step (``data_parallel_tail``)."""
     m, p = layout.microbatches, layout.pp
     times = stage_times(layout, cluster, cut.stage_time_s, rank_parameter_bytes, across_nodes)
     if layout.schedule == "interleaved":
@@ -249,7 +249,7 @@ def estimate_step_s(layout: Layout, cut: StageCut, cluster: Cluster, rank_parame
         pipeline = sum(times) + (m - 1) * max(times)
         if layout.schedule == "zb-h1":  # W fills the cool-down bubble: (p-1)(F+I-W), not (p-1)(F+I+W)
             pipeline -= 2 * (p - 1) * min(cut.stage_weight_s)
-    return pipeline + tail_s(layout, cluster, rank_parameter_bytes, across_nodes, hidden_s(layout, times))
+    return pipeline + tail_s(layout, cluster, rank_parameter_bytes, across_nodes, hidden_s(layout, times), last_bytes)
 
 
 def _interleaved_pipeline_s(times: tuple[float, ...], p: int, m: int, v: int) -> float:
@@ -414,7 +414,7 @@ def score_layout(layout: Layout, table: CostTable, cluster: Cluster, space: Sear
     if cut is None:
         return None
     rank_bytes = parameter_bytes_per_rank(table, layout, cut, ranks)
-    estimate = estimate_step_s(layout, cut, cluster, rank_bytes, across)
+    estimate = estimate_step_s(layout, cut, cluster, rank_bytes, across, last_bucket_bytes(layout, costs, cut.cuts))
     return Scored(layout=layout, cut=cut, estimate_s=estimate)
 
 
@@ -423,7 +423,8 @@ def _refined(layout, table, cluster, costs, cut, modes, flight, transient, ranks
     """The bisection's cut, refined by the step itself where that may bring it into the finalists."""
     judge = CutJudge(costs, in_flight=flight, transient=transient, stage_rank=ranks, transfer_s=transfer,
                      memory_limit_bytes=cluster.memory_bytes, overhead_bytes=cluster.overhead_bytes, modes=modes,
-                     objective=lambda c, rank_bytes: estimate_step_s(layout, c, cluster, rank_bytes, across))
+                     objective=lambda c, rank_bytes: estimate_step_s(layout, c, cluster, rank_bytes, across,
+                                                                     last_bucket_bytes(layout, costs, c.cuts)))
     judged = judge.judge(cut.cuts) if cut is not None else None
     if judged is not None and layout.chunks == 1 and _refine_bound(table, layout, cluster, cut) >= refine_below:
         pass  # no cuts of this layout can make the finalists: its slowest stage alone keeps it out

@@ -29,7 +29,7 @@ from autopart.schedule import Schedule, StageCosts, build_schedule, simulate, st
 from autopart.solve.search import Cluster, CostTable, Scored, parameter_bytes_per_rank, tail_s
 from autopart.solve.baselines import stage_parameter_bytes
 from autopart.solve.bottleneck import ChainCosts
-from autopart.solve.data_parallel_tail import fully_sharded_extra_s
+from autopart.solve.data_parallel_tail import fully_sharded_extra_s, last_bucket_bytes
 
 __all__ = ["simulated_step_s", "simulated_stage_costs", "pipeline_s"]
 
@@ -45,8 +45,9 @@ def simulated_step_s(scored: Scored, table: CostTable, cluster: Cluster) -> floa
     behind = [0.0] * layout.pp  # per rank, its last microbatch's backward: what its all-reduce runs beside
     for rank, backward in zip(ranks, costs.backward_s):
         behind[rank] += backward
+    chain = table.chain_costs(micro_batch_size=layout.micro_batch_size, tp=layout.tp, dtype=layout.dtype)
     return pipeline + tail_s(layout, cluster, rank_bytes, layout.data_parallel_crosses_nodes(cluster.gpus_per_node),
-                             behind)
+                             behind, last_bucket_bytes(layout, chain, cut.cuts))
 
 
 def simulated_stage_costs(scored: Scored, table: CostTable, cluster: Cluster) -> StageCosts:
