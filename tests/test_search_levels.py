@@ -126,3 +126,26 @@ def test_the_search_takes_sequence_parallelism_where_activations_fit_only_with_i
     assert plan.sp and plan.mesh["tp"] == 2 and max(plan.predicted.memory_bytes) <= memory
     with pytest.raises(InfeasibleError):
         autopart.compile(model, sp=False, **searched)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_with_the_overlap_the_bounds_still_prune_nothing_better(seed) -> None:
+    """The visit stops when a layout's lower bound passes the finalists: with the all-reduce
+    hidden behind the backward the bound must still be below every estimate, so the search's
+    best is the best of scoring every layout."""
+    rng = random.Random(seed)
+    table = random_table(rng, layers=rng.randint(1, 3))
+    costs = table.chain_costs(micro_batch_size=1, tp=1, dtype="fp32")
+    devices = dataclasses.replace(
+        cluster(memory_bytes=int(rng.uniform(0.3, 2.0) * 4 * sum(costs.parameter_bytes.values())) + 4_000,
+                gpus_per_node=rng.choice([1, 2, 4]), bandwidth=rng.choice([5.0, 50.0, 1000.0])),
+        reduction_overlaps=True)
+    space = SearchSpace(world_size=rng.choice([2, 4, 8]), global_batch_size=rng.choice([4, 8]),
+                        gpus_per_node=devices.gpus_per_node)
+    scored = [score_layout(layout, table, devices, space) for layout in space.layouts(len(costs))]
+    every = min((s.estimate_s for s in scored if s is not None), default=None)
+    result = search(space, table, devices, finalists=1)
+    if every is None:
+        assert result.ranked == ()
+    else:
+        assert result.best.estimate_s <= every * (1 + 1e-9)
