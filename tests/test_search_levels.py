@@ -13,7 +13,7 @@ import autopart
 from autopart.ir.errors import InfeasibleError
 from autopart.predict.memory import state_bytes
 from autopart.schedule import SPLIT_BACKWARD_KINDS
-from autopart.solve.data_parallel_tail import tail_s
+from autopart.solve.data_parallel_tail import fsdp_may_pay, tail_s
 from autopart.solve.search import Layout, SearchSpace, score_layout, search
 from tests.synthetic_chains import SyntheticTable, cluster, random_table
 
@@ -149,3 +149,20 @@ def test_with_the_overlap_the_bounds_still_prune_nothing_better(seed) -> None:
         assert result.ranked == ()
     else:
         assert result.best.estimate_s <= every * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("bandwidth, pays", [(1.0, True), (1e6, False)])
+def test_zero_2_is_tried_only_where_zero_1s_all_reduce_sticks_out(bandwidth, pays) -> None:
+    """ZeRO-2 adds at least a reduce-scatter to the tail where ZeRO-1's all-reduce hides behind
+    the backward: the search scores it only where the all-reduce runs past by more than that."""
+    table = SyntheticTable(forward_s=(0.1, 1.0, 1.0, 0.5), saved_bytes=(1, 1, 1, 1), parameter_bytes=(400,) * 4,
+                           boundary_bytes=1)
+    devices = dataclasses.replace(cluster(memory_bytes=1 << 30, gpus_per_node=8, bandwidth=bandwidth, latency_s=0.0),
+                                  reduction_overlaps=True)
+    space = SearchSpace(world_size=4, global_batch_size=4, gpus_per_node=8, pp=(1,), tp=(1,), micro_batch_size=(1,),
+                        zero=(1, 2))
+    zero_1 = score_layout(layout(zero=1), table, devices, space)
+    assert fsdp_may_pay(zero_1, table, devices) is pays
+    result = search(space, table, devices)
+    assert result.scored == (2 if pays else 1)
+    assert {s.layout.zero for s in result.ranked} == ({1, 2} if pays else {1})

@@ -23,7 +23,8 @@ from collections.abc import Sequence
 from autopart.runtime.fully_sharded import FSDP_LEVELS
 from autopart.schedule import SPLIT_BACKWARD_KINDS, stage_placement
 
-__all__ = ["fully_sharded_levels", "tail_s", "hidden_s", "last_bucket_bytes", "fully_sharded_extra_s", "stage_times"]
+__all__ = ["fully_sharded_levels", "tail_s", "hidden_s", "last_bucket_bytes", "fully_sharded_extra_s", "stage_times",
+           "most_hidden_s", "fsdp_may_pay"]
 
 FORWARD_SHARE = 1 / 3
 """Of a stage's forward and backward, the forward's part (a backward is about twice a forward)."""
@@ -125,3 +126,37 @@ def stage_times(layout, cluster, times: Sequence[float], rank_parameter_bytes: S
                                                   dp=layout.dp, across_nodes=across_nodes)
         found.append(time + forward + backward)
     return tuple(found)
+
+
+def most_hidden_s(layout, costs, cluster) -> float:
+    """More than any rank's ``hidden_s`` under any cuts (for the search's lower bound): no rank's
+    last backward is longer than the whole chain's, fully recomputed, with a transfer at each end
+    of each of its stages."""
+    largest_transfer = cluster.p2p_s(max(costs.boundary_bytes, default=0),
+                                     layout.pipeline_crosses_nodes(cluster.gpus_per_node))
+    return (1 - FORWARD_SHARE) * (costs.prefix("compute_s")[-1] + costs.prefix("forward_s")[-1]
+                                  + 2 * layout.chunks * largest_transfer)
+
+
+def fsdp_may_pay(scored, table, cluster) -> bool:
+    """Whether ZeRO-2 might beat ZeRO-1's ``scored`` layout: only where on some rank the
+    all-reduce sticks out past the backward by more than a reduce-scatter of its gradients. On
+    the same cuts ZeRO-2 adds at least that reduce-scatter to the tail (its last one, or one per
+    microbatch where nothing hides them) and never less to a stage, and no cuts fit at ZeRO-2
+    that do not fit at ZeRO-1 (``autopart.predict.memory``); other cuts are not compared."""
+    layout, cut = scored.layout, scored.cut
+    costs = table.chain_costs(micro_batch_size=layout.micro_batch_size, tp=layout.tp, dtype=layout.dtype)
+    held: list[set[str]] = [set() for _ in range(layout.pp)]
+    firsts, ends = (0, *(c + 1 for c in cut.cuts)), (*(c + 1 for c in cut.cuts), len(costs))
+    for stage, rank in enumerate(_placement(layout.schedule, layout.pp, layout.chunks)):
+        held[rank].update(p for k in range(firsts[stage], ends[stage]) for p in costs.block_parameters[k])
+    rank_bytes = [sum(costs.parameter_bytes[p] for p in names) for names in held]
+    across = layout.world_size > cluster.gpus_per_node
+    hidden = hidden_s(layout, cut.stage_time_s) if cluster.reduction_overlaps else [0.0] * layout.pp
+    last = last_bucket_bytes(layout, costs, cut.cuts)
+    for rank, nbytes in enumerate(rank_bytes):
+        exposed = max(cluster.all_reduce_s(last[rank], layout.dp, across),
+                      cluster.all_reduce_s(nbytes, layout.dp, across) - hidden[rank])
+        if exposed > _reduce_scatter_s(cluster, nbytes, layout.dp, across):
+            return True
+    return False

@@ -33,8 +33,8 @@ from typing import Protocol
 from autopart.ir.errors import ConfigError
 from autopart.runtime.fully_sharded import FSDP_LEVELS
 from autopart.schedule import SCHEDULE_KINDS, stage_placement
-from autopart.solve.data_parallel_tail import (FORWARD_SHARE, fully_sharded_levels, hidden_s, last_bucket_bytes,
-                                               stage_times, tail_s)
+from autopart.solve.data_parallel_tail import (fsdp_may_pay, fully_sharded_levels, hidden_s, last_bucket_bytes,
+                                               most_hidden_s, stage_times, tail_s)
 from autopart.solve.vshape import zbv_fits, zbv_pipeline_s
 from autopart.predict.in_flight import in_flight
 from autopart.predict.in_flight import transient as transient_count
@@ -295,19 +295,20 @@ def search(
     bounded = sorted(((_lower_bound(table, layout, cluster), layout) for layout in layouts), key=lambda x: (x[0], x[1]))
     best: list[Scored] = []  # the finalists so far, by estimate
     scored = fitting = 0
-    unfit: set[Layout] = set()
+    settled: set[Layout] = set()  # ZeRO-1 layouts whose FSDP twins cannot do better
     for visited, (bound, layout) in enumerate(bounded):
         if progress is not None:
             progress(visited, len(bounded))
         if len(best) >= finalists and bound >= best[-1].estimate_s:
             break
-        if layout.zero in FSDP_LEVELS and dataclasses.replace(layout, zero=1) in unfit:
-            continue  # FSDP's peak holds at least ZeRO-1's (``autopart.predict.memory``)
+        if layout.zero in FSDP_LEVELS and dataclasses.replace(layout, zero=1) in settled:
+            continue  # its ZeRO-1 twin does not fit, or hides its all-reduce: ``fsdp_may_pay``
         scored += 1
         result = score_layout(layout, table, cluster, space,
                               refine_below=best[-1].estimate_s if len(best) >= finalists else math.inf)
+        if result is None or (layout.zero == 1 and not fsdp_may_pay(result, table, cluster)):
+            settled.add(layout)
         if result is None:
-            unfit.add(layout)
             continue
         fitting += 1
         best.append(result)
@@ -357,12 +358,8 @@ def _lower_bound(table: CostTable, layout: Layout, cluster: Cluster) -> float:
         if layout.schedule == "zb-h1":
             pipeline -= 2 * (p - 1) * sum(costs.weight_s) / p
     share = sum(costs.parameter_bytes.values()) // p
-    # no rank's last backward is longer than the whole chain's, fully recomputed, with a
-    # transfer at each end of each of its stages: what the all-reduce can hide behind at most
-    largest_transfer = cluster.p2p_s(max(costs.boundary_bytes, default=0),
-                                     layout.pipeline_crosses_nodes(cluster.gpus_per_node))
-    behind = (1 - FORWARD_SHARE) * (total + costs.prefix("forward_s")[-1] + 2 * layout.chunks * largest_transfer)
-    tail = tail_s(layout, cluster, [share], layout.data_parallel_crosses_nodes(cluster.gpus_per_node), [behind])
+    tail = tail_s(layout, cluster, [share], layout.data_parallel_crosses_nodes(cluster.gpus_per_node),
+                  [most_hidden_s(layout, costs, cluster)])
     return (pipeline + tail) * (1 - 1e-12)  # below the estimate's own rounding
 
 
