@@ -81,6 +81,7 @@ class Case:
     global_batch_size: int
     gpus_per_node: int = 8
     pattern: tuple[int, ...] | None = None  # captured layer per layer of the full model; None: as captured
+    dtype: str | None = None  # None: fp32
     tags: tuple[str, ...] = field(default=())
 
 
@@ -120,13 +121,14 @@ CASES = (
 
 DIMENSION_CASES = (
     Case(name="Llama 3 70B, s 8k", model="llama3_70b_s8192", device="h100-sxm", world_size=256,
-         global_batch_size=512, pattern=repeat_last(2, 80)),
+         global_batch_size=512, pattern=repeat_last(2, 80), dtype="bf16"),
     Case(name="Llama 3 70B, s 32k", model="llama3_70b_s32768", device="h100-sxm", world_size=512,
-         global_batch_size=128, pattern=repeat_last(2, 80)),
+         global_batch_size=128, pattern=repeat_last(2, 80), dtype="bf16"),
     Case(name="Llama 3 405B, s 8k", model="llama3_405b_s8192", device="h100-sxm", world_size=2048,
-         global_batch_size=2048, pattern=repeat_last(2, 126)),
+         global_batch_size=2048, pattern=repeat_last(2, 126), dtype="bf16"),
 )
-"""Llama 3 shapes (grouped-query attention) on H100s, 4M and 16M tokens a step: where sequence
+"""Llama 3 shapes (grouped-query attention) on H100s in bf16 (autocast, fp32 weights and
+gradients), 4M and 16M tokens a step: where sequence
 parallelism, ZeRO's levels, ZB-V and the overlapped reduction may matter (``--dimensions``)."""
 
 VARIANTS = {
@@ -187,7 +189,8 @@ class Outcome:
 
 def _case_options(case: Case) -> CompileOptions:
     return CompileOptions(model=MODELS / f"{case.model}.py", world_size=case.world_size, device=case.device,
-                          global_batch_size=case.global_batch_size, gpus_per_node=case.gpus_per_node)
+                          global_batch_size=case.global_batch_size, gpus_per_node=case.gpus_per_node,
+                          dtype=case.dtype)
 
 
 def _case_table(case: Case, options: CompileOptions):

@@ -33,8 +33,8 @@ from typing import Protocol
 from autopart.ir.errors import ConfigError
 from autopart.runtime.fully_sharded import FSDP_LEVELS
 from autopart.schedule import SCHEDULE_KINDS, stage_placement
-from autopart.solve.data_parallel_tail import (fsdp_may_pay, fully_sharded_levels, hidden_s, last_bucket_bytes,
-                                               most_hidden_s, stage_times, tail_s)
+from autopart.solve.data_parallel_tail import (FORWARD_SHARE, fsdp_may_pay, fully_sharded_levels, hidden_s,
+                                               last_bucket_bytes, most_hidden_s, stage_times, tail_s)
 from autopart.solve.vshape import zbv_fits, zbv_pipeline_s
 from autopart.predict.in_flight import in_flight
 from autopart.predict.in_flight import transient as transient_count
@@ -358,8 +358,10 @@ def _lower_bound(table: CostTable, layout: Layout, cluster: Cluster) -> float:
         if layout.schedule == "zb-h1":
             pipeline -= 2 * (p - 1) * sum(costs.weight_s) / p
     share = sum(costs.parameter_bytes.values()) // p
-    tail = tail_s(layout, cluster, [share], layout.data_parallel_crosses_nodes(cluster.gpus_per_node),
-                  [most_hidden_s(layout, costs, cluster)])
+    # a rank's all-reduce hides behind its last backward, at most 2/3 of its stages' time: a longer
+    # one adds more to the pipeline above (m - 1 >= 1 times, or m rounds) than it hides
+    behind = (1 - FORWARD_SHARE) * slowest if m > 1 or layout.chunks > 1 else most_hidden_s(layout, costs, cluster)
+    tail = tail_s(layout, cluster, [share], layout.data_parallel_crosses_nodes(cluster.gpus_per_node), [behind])
     return (pipeline + tail) * (1 - 1e-12)  # below the estimate's own rounding
 
 
