@@ -303,10 +303,11 @@ def concrete_options(options: CompileOptions, layout: Layout, recompute: tuple[s
 
 def sequence_parallel(options: CompileOptions) -> bool:
     """Whether the search's plans use sequence parallelism (where TP > 1): as pinned, else on.
-    Searching it would only repeat every TP layout: it moves the bytes TP alone moves (a
-    reduce-scatter and an all-gather for each all-reduce) and holds the norms' and residuals'
-    activations t times smaller (Korthikanti et al., MLSys'23), so on is never the worse choice;
-    where a value's sequence does not split t ways it stays whole (``autopart.solve.sequence``)."""
+    It is not searched both ways (that would repeat every TP layout): it moves the bytes TP alone
+    moves (a reduce-scatter and an all-gather for each all-reduce, so twice the collectives'
+    latencies) and holds the norms' and residuals' activations t times smaller (Korthikanti et
+    al., MLSys'23); where a value's sequence does not split t ways it stays whole
+    (``autopart.solve.sequence``). ``benchmarks/plan_quality.py --dimensions`` searches both."""
     return True if options.sp is None else bool(options.sp)
 
 
