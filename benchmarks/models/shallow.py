@@ -9,6 +9,7 @@ models can be loaded in one process.
 
 from __future__ import annotations
 
+import importlib
 import math
 import sys
 from dataclasses import dataclass
@@ -22,6 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
 import gpt  # noqa: E402
 import llama_7b  # noqa: E402
+
+llama_example = importlib.import_module("llama")  # examples/llama.py: grouped-query attention
 
 
 class WideMLP(nn.Module):
@@ -76,7 +79,8 @@ class ExplicitAttention(nn.Module):
 
 @dataclass(frozen=True, kw_only=True)
 class ModelFile:
-    """``kind`` "gpt" (examples/gpt.py's GPT-2/3 with tied embeddings) or "llama" (examples/llama_7b.py);
+    """``kind`` "gpt" (examples/gpt.py's GPT-2/3 with tied embeddings), "llama" (examples/llama_7b.py)
+    or "llama-gqa" (examples/llama.py: grouped-query attention, as Llama 3);
     ``mlp_widths``: per captured GPT layer, its MLP width (default 4 h); ``attention`` of a GPT:
     "fused" (``scaled_dot_product_attention``, as FlashAttention runs it) or "explicit"
     (``ExplicitAttention``); ``dropout``: Megatron's attention and hidden dropout of a GPT."""
@@ -105,6 +109,8 @@ class ModelFile:
         with torch.device("meta"):
             if self.kind == "llama":
                 return llama_7b.Llama(self.config)
+            if self.kind == "llama-gqa":
+                return llama_example.Llama(self.config)
             model = gpt.GPT(self.config)
             n_embd = self.config.n_embd
             widths = self.mlp_widths or (4 * n_embd,) * len(model.h)
@@ -133,7 +139,7 @@ class ModelFile:
         elif isinstance(module, nn.LayerNorm):
             nn.init.ones_(module.weight)
             nn.init.zeros_(module.bias)
-        elif isinstance(module, llama_7b.RMSNorm):
+        elif isinstance(module, (llama_7b.RMSNorm, llama_example.RMSNorm)):
             nn.init.ones_(module.weight)
 
 
@@ -148,3 +154,11 @@ def llama(*, dim: int, n_head: int, ffn_dim: int, vocab_size: int, seq_len: int,
     config = llama_7b.LlamaConfig(vocab_size=vocab_size, seq_len=seq_len, n_layer=layers, n_head=n_head, dim=dim,
                                   ffn_dim=ffn_dim)
     return ModelFile(kind="llama", config=config)
+
+
+def llama3(*, dim: int, n_head: int, n_kv_head: int, ffn_dim: int, seq_len: int, vocab_size: int = 128256,
+           layers: int = 2) -> ModelFile:
+    """Llama 3 (Grattafiori et al. 2024, Table 3): grouped-query attention, untied embeddings."""
+    config = llama_example.LlamaConfig(vocab_size=vocab_size, seq_len=seq_len, n_layer=layers, n_head=n_head,
+                                       n_kv_head=n_kv_head, dim=dim, ffn_dim=ffn_dim, rope_theta=500000.0)
+    return ModelFile(kind="llama-gqa", config=config)
