@@ -37,6 +37,7 @@ from autopart.solve.vshape import zbv_fits, zbv_pipeline_s
 from autopart.predict.in_flight import in_flight
 from autopart.predict.in_flight import transient as transient_count
 from autopart.solve.bottleneck import RECOMPUTE_MODES, ChainCosts, StageCut, cut_stages, lower_bound_s
+from autopart.solve.layout_bounds import early_bound, lazy_order
 from autopart.solve.refine import CutJudge, refine_cuts
 
 __all__ = [
@@ -298,14 +299,16 @@ def search(
     if not layouts:
         raise ConfigError(_no_layout_message(space))
     cluster = _memoised(cluster)
-    bounded = sorted(((_lower_bound(table, layout, cluster), layout) for layout in layouts), key=lambda x: (x[0], x[1]))
     best: list[Scored] = []  # the finalists so far, by estimate
+    bounded = lazy_order(layouts, exact=lambda layout: _lower_bound(table, layout, cluster),
+                         early=early_bound(table, cluster, _lower_bound),
+                         cutoff=lambda: best[-1].estimate_s if len(best) >= finalists else None)
     scored = fitting = 0
+    smallest_bound = math.inf
     for visited, (bound, layout) in enumerate(bounded):
+        smallest_bound = min(smallest_bound, bound)
         if progress is not None:
-            progress(visited, len(bounded))
-        if len(best) >= finalists and bound >= best[-1].estimate_s:
-            break
+            progress(visited, len(layouts))
         scored += 1
         result = score_layout(layout, table, cluster, space,
                               refine_below=best[-1].estimate_s if len(best) >= finalists else math.inf)
@@ -316,7 +319,7 @@ def search(
         best.sort(key=lambda s: (s.estimate_s, s.layout))
         del best[finalists:]
     if progress is not None:
-        progress(len(bounded), len(bounded))
+        progress(len(layouts), len(layouts))
     if not best:
         return SearchResult(ranked=(), layouts=len(layouts), scored=scored, fitting=0,
                             seconds=time.perf_counter() - start, bound_s=math.inf)
@@ -326,7 +329,7 @@ def search(
         best = [dataclasses.replace(s, step_s=s.estimate_s) for s in best]
     best.sort(key=lambda s: (s.step_s, s.layout))
     return SearchResult(ranked=tuple(best), layouts=len(layouts), scored=scored, fitting=fitting,
-                        seconds=time.perf_counter() - start, bound_s=bounded[0][0])
+                        seconds=time.perf_counter() - start, bound_s=smallest_bound)
 
 
 def _memoised(cluster: Cluster) -> Cluster:
