@@ -12,9 +12,10 @@ gradient all-reduce, the optimizer step), and ``autopart.solve.refine`` moves th
 that estimate falls, each rank taking the recompute modes that make it fastest within its
 memory. Layouts are visited in the order of a lower bound on their estimate (every stage its
 share of the compute, the busiest rank its share of the parameters), and the visit stops once
-that bound passes the ``finalists``-th best estimate found: the rest cannot make the table. The finalists
-are then simulated action by action (``score``: a callback, so that the compiler predicts them
-exactly as it predicts any plan) and ranked.
+that bound passes the ``finalists``-th best estimate found: the rest cannot make the table (a
+bound is asked once a floor that needs no sharding lets it matter: ``autopart.solve.layout_bounds``).
+The finalists are then simulated action by action (``score``: a callback, so that the compiler
+predicts them exactly as it predicts any plan) and ranked.
 
 Costs come from a ``CostTable``: per (micro-batch size, tp, dtype) the chain's ``ChainCosts``.
 The compiler builds them from annotated captures (one per micro-batch size and dtype); the
