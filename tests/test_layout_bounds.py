@@ -182,3 +182,14 @@ def test_no_sharding_of_a_real_chain_beats_its_floor(tp):
     low = table.optimistic_costs(micro_batch_size=2, tp=tp, dtype="fp32")
     assert all(a <= b * (1 + 1e-12) for a, b in zip(low.prefix("compute_s"), exact.prefix("compute_s")))
     assert all(low.parameter_bytes[p] <= exact.parameter_bytes[p] for p in exact.parameter_bytes)
+
+
+def test_state_kept_under_a_key_is_the_state_computed_anew():
+    costs = random_table(random.Random(5), layers=3, tied=True).chain_costs(micro_batch_size=2, tp=2, dtype="fp32")
+    first = costs.with_state(lambda nbytes: 3 * nbytes, key=(4, False))
+    assert costs.with_state(lambda nbytes: 3 * nbytes, key=(4, False)) is first  # kept: layouts share it
+    fresh = costs.with_state(lambda nbytes: 3 * nbytes)
+    assert first.parameter_state_bytes == fresh.parameter_state_bytes
+    assert first.prefix("owned_parameter_bytes") == fresh.prefix("owned_parameter_bytes")
+    other = costs.with_state(lambda nbytes: nbytes, key=(4, True))
+    assert other.parameter_state_bytes == {p: b for p, b in costs.parameter_bytes.items()}

@@ -476,7 +476,7 @@ def _fixed_cut(costs, cuts, modes, flight, transient, ranks, transfer, cluster) 
 def _with_state(table: CostTable, layout: Layout) -> ChainCosts:
     costs = table.chain_costs(micro_batch_size=layout.micro_batch_size, tp=layout.tp, dtype=layout.dtype)
     costs.shared_parameters  # noqa: B018 - computed once on the table's costs, carried to each layout's
-    return costs.with_state(lambda nbytes: table.state_bytes(nbytes, dp=layout.dp, zero=layout.zero))
+    return costs.with_state(functools.partial(table.state_bytes, dp=layout.dp, zero=layout.zero), key=(layout.dp, layout.zero))
 
 
 def parameter_bytes_per_rank(table: CostTable, layout: Layout, cut: StageCut, ranks: tuple[int, ...]) -> list[int]:
