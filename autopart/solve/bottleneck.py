@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field, replace
 
 from autopart.ir.recompute import RECOMPUTE_MODES
@@ -91,10 +91,17 @@ class ChainCosts:
             self._prefix["owned_sizes"] = found
         return self._prefix["owned_sizes"]
 
-    def with_state(self, state_bytes: Callable[[int], int]) -> ChainCosts:
+    def with_state(self, state_bytes: Callable[[int], int], *, key: Hashable | None = None) -> ChainCosts:
         """These costs with ``parameter_state_bytes[p] = state_bytes(parameter_bytes[p])``. Fast
         for chains of thousands of parameters: one call per distinct size, and the running sums
-        that depend only on which block reads what are carried over."""
+        that depend only on which block reads what are carried over. ``key`` names ``state_bytes``
+        (the same key, the same function): the result is kept under it and given again, with the
+        running sums it gathers, to every layout that shares these costs and that state."""
+        if key is not None:
+            kept = self._prefix.setdefault("with_state", {})
+            if key not in kept:
+                kept[key] = self.with_state(state_bytes)
+            return kept[key]
         state = {size: state_bytes(size) for size in set(self.parameter_bytes.values())}
         owned = [sum(state[size] * count for size, count in sizes) for sizes in self._owned_sizes()]
         carried = {name: self._prefix[name] for name in ("owned_sizes", "shared") if name in self._prefix}

@@ -44,7 +44,9 @@ from autopart.solve.bottleneck import RECOMPUTE_MODES, ChainCosts
 from autopart.solve.pipeline import evaluate, solve_cuts
 from autopart.solve.repeat import RepeatedTable, repeat_last
 from autopart.solve.simulated import simulated_step_s
+from autopart.solve.layout_bounds import optimistic_costs
 from autopart.solve.sharding import REPLICATE
+from autopart.solve.tensor import fastest_compute_s
 from cost_models import get_cost_model
 from cost_models.memory import communicator_bytes
 
@@ -65,6 +67,7 @@ class FrontTable:
         self.annotated: dict[tuple[int, bool, str], Front] = {}
         self._fronts: dict[tuple[int, int, str], Front] = {}
         self._costs: dict[tuple[int, int, str], ChainCosts] = {}
+        self._optimistic: dict[tuple[int, int, str], ChainCosts] = {}
         self._spec = spec
         self._roofline = None
         self._measured: dict[str, tuple] = {}  # ops' kernels and times by cost key, for every capture
@@ -82,19 +85,36 @@ class FrontTable:
     def front(self, *, micro_batch_size: int, tp: int, dtype: str) -> Front:
         key = (micro_batch_size, tp, dtype)
         if key not in self._fronts:
-            separate = tp > 1
-            base_key = (micro_batch_size, separate, dtype)
-            if base_key not in self.annotated:
-                if self.progress is not None:
-                    self.progress(f"capturing at micro-batch size {micro_batch_size}", len(self.annotated), 0)
-                front = annotated(self._options(tp=tp, dtype=dtype), micro_batch_size, separate_biases=separate,
-                                   spec=self.model_spec(), roofline=self._roofline, measured=self._measured,
-                                   graph=self._graphs.get(separate))
-                self._graphs[separate] = front.op_graph.graph  # captured once, annotated at each size
-                self._roofline = getattr(front.cost_model, "roofline", front.cost_model)
-                self.annotated[base_key] = front
-            self._fronts[key] = sharded(self.annotated[base_key], self._options(tp=tp, dtype=dtype))
+            base = self.annotated_front(micro_batch_size=micro_batch_size, tp=tp, dtype=dtype)
+            self._fronts[key] = sharded(base, self._options(tp=tp, dtype=dtype))
         return self._fronts[key]
+
+    def annotated_front(self, *, micro_batch_size: int, tp: int, dtype: str) -> Front:
+        """The capture annotated at this size, not yet sharded: one per size, dtype and bias form."""
+        separate = tp > 1
+        base_key = (micro_batch_size, separate, dtype)
+        if base_key not in self.annotated:
+            if self.progress is not None:
+                self.progress(f"capturing at micro-batch size {micro_batch_size}", len(self.annotated), 0)
+            front = annotated(self._options(tp=tp, dtype=dtype), micro_batch_size, separate_biases=separate,
+                              spec=self.model_spec(), roofline=self._roofline, measured=self._measured,
+                              graph=self._graphs.get(separate))
+            self._graphs[separate] = front.op_graph.graph  # captured once, annotated at each size
+            self._roofline = getattr(front.cost_model, "roofline", front.cost_model)
+            self.annotated[base_key] = front
+        return self.annotated[base_key]
+
+    def optimistic_costs(self, *, micro_batch_size: int, tp: int, dtype: str) -> ChainCosts:
+        """Costs that no sharding on ``tp`` ranks beats, block by block and parameter by parameter
+        (``autopart.solve.layout_bounds``), from the annotated capture without solving a sharding."""
+        if tp == 1:
+            return self.chain_costs(micro_batch_size=micro_batch_size, tp=1, dtype=dtype)
+        key = (micro_batch_size, tp, dtype)
+        if key not in self._optimistic:
+            front = self.annotated_front(micro_batch_size=micro_batch_size, tp=tp, dtype=dtype)
+            floors = fastest_compute_s(front.chain, t=tp, cost_model=front.cost_model)
+            self._optimistic[key] = optimistic_costs(chain_costs(front, 1), floors, tp)
+        return self._optimistic[key]
 
     def _options(self, *, tp: int, dtype: str) -> CompileOptions:
         return replace(self.options, world_size=None, tp=tp, pp=1, dp=1, zero=0, schedule="1f1b", chunks=1,
@@ -215,7 +235,7 @@ def shallow_table(full: FrontTable) -> RepeatedTable | None:
     shallow = FrontTable(full.options, full.progress, spec=replace(spec, module=shallow_module(spec.module, layers)))
 
     def layers_of(micro_batch_size: int, tp: int, dtype: str) -> list[str | None]:
-        return block_layers(shallow.front(micro_batch_size=micro_batch_size, tp=tp, dtype=dtype).chain)
+        return block_layers(shallow.annotated_front(micro_batch_size=micro_batch_size, tp=tp, dtype=dtype).chain)
 
     return RepeatedTable(inner=shallow, layers_of=layers_of, pattern=repeat_last(KEPT_LAYERS, layers.count))
 

@@ -3,19 +3,18 @@
     layouts(space) -> score each (cuts by bisection, refined by a closed-form step) -> simulate the finalists
 
 Every way to run the model on ``world_size`` devices is a ``Layout``: ``pp * tp * dp =
-world_size`` (tensor parallelism inside a node unless pinned across), the micro-batch size (a
-divisor of each replica's share of the global batch), the schedule (gpipe, 1f1b, interleaved
-with 2 or 4 chunks, zb-h1, zbv), the ZeRO level (0 to 2; 3 when pinned; FSDP's never with a
-split backward: ``autopart.solve.data_parallel_tail``) and the dtype. Sequence parallelism is
-the cost table's (on with TP unless pinned off: it holds less and moves what TP alone moves).
-For each, the cutter (``autopart.solve.bottleneck``) places the stages so that the slowest is as
-fast as it can be; the step is estimated in closed form (the schedule's pipeline latency, what
-the data-parallel collectives add, the optimizer step), and ``autopart.solve.refine`` moves the
-cuts while that estimate falls, each rank taking the recompute modes that make it fastest
-within its memory. Layouts are visited in the order of a lower bound on their estimate, and the
-visit stops once that bound passes the ``finalists``-th best estimate found. The finalists are
-then simulated action by action (``score``: a callback, so that the compiler predicts them
-exactly as it predicts any plan) and ranked.
+world_size`` (TP inside a node unless pinned across), the micro-batch size (a divisor of each
+replica's share of the global batch), the schedule (gpipe, 1f1b, interleaved with 2 or 4 chunks,
+zb-h1, zbv), the ZeRO level (0 to 2; 3 when pinned; FSDP's never with a split backward:
+``autopart.solve.data_parallel_tail``) and the dtype; sequence parallelism is the cost table's
+(on with TP unless pinned off: it holds less and moves what TP alone moves). For each, the
+cutter (``autopart.solve.bottleneck``) makes the slowest stage as fast as it can be; the step is
+estimated in closed form (pipeline latency, the data-parallel collectives, the optimizer step),
+and ``autopart.solve.refine`` moves the cuts while that estimate falls, each rank taking the
+recompute modes that make it fastest within its memory. Layouts are visited in the order of a
+lower bound on their estimate (asked only once a floor that needs no sharding lets it matter:
+``autopart.solve.layout_bounds``) until it passes the ``finalists``-th best estimate. The
+finalists are simulated action by action (``score``: the compiler's own prediction) and ranked.
 
 Costs come from a ``CostTable``: per (micro-batch size, tp, dtype) the chain's ``ChainCosts``.
 Nothing here names a device."""
@@ -36,9 +35,9 @@ from autopart.schedule import SCHEDULE_KINDS, stage_placement
 from autopart.solve.data_parallel_tail import (FORWARD_SHARE, fsdp_may_pay, fully_sharded_levels, hidden_s,
                                                last_bucket_bytes, most_hidden_s, stage_times, tail_s)
 from autopart.solve.vshape import zbv_fits, zbv_pipeline_s
-from autopart.predict.in_flight import in_flight
-from autopart.predict.in_flight import transient as transient_count
+from autopart.predict.in_flight import in_flight, transient as transient_count
 from autopart.solve.bottleneck import RECOMPUTE_MODES, ChainCosts, StageCut, cut_stages, lower_bound_s
+from autopart.solve.layout_bounds import early_bound, lazy_order
 from autopart.solve.refine import CutJudge, refine_cuts
 
 __all__ = [
@@ -292,15 +291,17 @@ def search(
     if not layouts:
         raise ConfigError(_no_layout_message(space))
     cluster = _memoised(cluster)
-    bounded = sorted(((_lower_bound(table, layout, cluster), layout) for layout in layouts), key=lambda x: (x[0], x[1]))
     best: list[Scored] = []  # the finalists so far, by estimate
+    bounded = lazy_order(layouts, exact=lambda layout: _lower_bound(table, layout, cluster),
+                         early=early_bound(table, cluster, _lower_bound),
+                         cutoff=lambda: best[-1].estimate_s if len(best) >= finalists else None)
     scored = fitting = 0
     settled: set[Layout] = set()  # ZeRO-1 layouts whose FSDP twins cannot do better
+    smallest_bound = math.inf
     for visited, (bound, layout) in enumerate(bounded):
+        smallest_bound = min(smallest_bound, bound)
         if progress is not None:
-            progress(visited, len(bounded))
-        if len(best) >= finalists and bound >= best[-1].estimate_s:
-            break
+            progress(visited, len(layouts))
         if layout.zero in FSDP_LEVELS and dataclasses.replace(layout, zero=1) in settled:
             continue  # its ZeRO-1 twin does not fit, or hides its all-reduce: ``fsdp_may_pay``
         scored += 1
@@ -315,7 +316,7 @@ def search(
         best.sort(key=lambda s: (s.estimate_s, s.layout))
         del best[finalists:]
     if progress is not None:
-        progress(len(bounded), len(bounded))
+        progress(len(layouts), len(layouts))
     if not best:
         return SearchResult(ranked=(), layouts=len(layouts), scored=scored, fitting=0,
                             seconds=time.perf_counter() - start, bound_s=math.inf)
@@ -325,7 +326,7 @@ def search(
         best = [dataclasses.replace(s, step_s=s.estimate_s) for s in best]
     best.sort(key=lambda s: (s.step_s, s.layout))
     return SearchResult(ranked=tuple(best), layouts=len(layouts), scored=scored, fitting=fitting,
-                        seconds=time.perf_counter() - start, bound_s=bounded[0][0])
+                        seconds=time.perf_counter() - start, bound_s=smallest_bound)
 
 
 def _memoised(cluster: Cluster) -> Cluster:
@@ -475,7 +476,7 @@ def _fixed_cut(costs, cuts, modes, flight, transient, ranks, transfer, cluster) 
 def _with_state(table: CostTable, layout: Layout) -> ChainCosts:
     costs = table.chain_costs(micro_batch_size=layout.micro_batch_size, tp=layout.tp, dtype=layout.dtype)
     costs.shared_parameters  # noqa: B018 - computed once on the table's costs, carried to each layout's
-    return costs.with_state(lambda nbytes: table.state_bytes(nbytes, dp=layout.dp, zero=layout.zero))
+    return costs.with_state(functools.partial(table.state_bytes, dp=layout.dp, zero=layout.zero), key=(layout.dp, layout.zero))
 
 
 def parameter_bytes_per_rank(table: CostTable, layout: Layout, cut: StageCut, ranks: tuple[int, ...]) -> list[int]:

@@ -43,7 +43,8 @@ from autopart.solve.sharding import REPLICATE, Placement, Strategy, is_tuple_of_
 from autopart.solve.sharding_rules import strategies
 from cost_models import CostModel
 
-__all__ = ["BlockSharding", "conversion", "gathers_for_split_op", "listed_strategies", "shard_chain"]
+__all__ = ["BlockSharding", "conversion", "divided_seconds", "fastest_compute_s", "gathers_for_split_op", "listed_strategies",
+           "shard_chain"]
 
 _NS = 1e9
 TIME_TOLERANCE = 0.05
@@ -189,11 +190,7 @@ class _BlockModel:
         return self.chain.op_graph.nodes[node.name].output is not None or is_tuple_of_tensors(node, self.chain.op_graph)
 
     def divided_seconds(self, name: str) -> float:
-        """Forward and backward of the node's kernels, each on a t-th of the data: the FLOPs and bytes
-        shrink, the per-kernel overhead does not."""
-        forward, backward = self.chain.op_graph.kernels.get(name, ((), ()))
-        shrunk = [replace(k, flops=k.flops / self.t, bytes=k.bytes / self.t) for k in (*forward, *backward)]
-        return self.cost_model.kernels_time(shrunk)
+        return divided_seconds(self.chain.op_graph, name, self.t, self.cost_model)
 
     def _parameter_inputs(self):
         for n in self.members:
@@ -312,6 +309,34 @@ class _BlockModel:
             saved_bytes=saved,
             sequence_parallel=self.sequence_parallel,
         )
+
+
+def divided_seconds(op_graph, name: str, t: int, cost_model: CostModel) -> float:
+    """Forward and backward of the node's kernels, each on a t-th of the data: the FLOPs and bytes
+    shrink, the per-kernel overhead does not."""
+    forward, backward = op_graph.kernels.get(name, ((), ()))
+    shrunk = [replace(k, flops=k.flops / t, bytes=k.bytes / t) for k in (*forward, *backward)]
+    return cost_model.kernels_time(shrunk)
+
+
+def fastest_compute_s(chain: BlockChain, *, t: int, cost_model: CostModel) -> list[float]:
+    """Per block, a floor under the time of any sharding of it on ``t`` ranks, without solving
+    one: the ops a sharding computes (those that make tensors), each at the faster of its whole
+    time and its kernels on a t-th of the data, and no collectives. A solved block's ``time_s`` is
+    its chosen ops' times, each one of these two, plus collectives, so it is never below this
+    (``autopart.solve.layout_bounds`` orders layouts by it before their blocks are solved)."""
+    op_graph = chain.op_graph
+    fx_nodes = {n.name: n for n in op_graph.fx_nodes()}
+    floors = []
+    for block in chain.blocks:
+        total = 0.0
+        for name in block.nodes:
+            cost = op_graph.nodes[name]
+            if cost.output is None and not is_tuple_of_tensors(fx_nodes[name], op_graph):
+                continue  # not a member of the block's sharding model: its time is not in time_s
+            total += min(cost.forward_s + cost.backward_s, divided_seconds(op_graph, name, t, cost_model))
+        floors.append(total)
+    return floors
 
 
 def _solve_block(

@@ -1,0 +1,195 @@
+"""The search's lazy order (``autopart.solve.layout_bounds``): layouts come out in the order of
+their exact bound, costed only when an early bound lets them be needed; the early bound never
+exceeds the exact one; and the search finds the same result with it as without it."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+from pathlib import Path
+
+import pytest
+
+from autopart.options import CompileOptions
+from autopart.solve import search as search_module
+from autopart.solve.bottleneck import ChainCosts
+from autopart.solve.layout_bounds import early_bound, lazy_order, optimistic_costs
+from autopart.solve.planner import FrontTable
+from autopart.solve.search import SearchSpace, search
+from autopart.solve.tensor import fastest_compute_s, shard_chain
+from tests.synthetic_chains import SyntheticTable, cluster, random_table
+
+TINY_GPT = Path(__file__).parent / "models" / "tiny_gpt.py"
+
+
+def reference_order(items, exact, cutoff):
+    """What the search did before: every exact bound first, sorted, then a walk to the cutoff."""
+    for bound, item in sorted((exact(item), item) for item in items):
+        limit = cutoff()
+        if limit is not None and bound >= limit:
+            return
+        yield bound, item
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_the_lazy_order_is_the_sorted_order_and_stops_where_it_did(seed):
+    rng = random.Random(seed)
+    items = list(range(rng.randrange(1, 60)))
+    exact = {i: float(rng.randrange(0, 12)) for i in items}  # ties on purpose
+    early = {i: exact[i] - rng.choice([0.0, 0.0, rng.uniform(0, 5), math.inf]) for i in items}
+    stop_after = rng.randrange(1, len(items) + 2)
+
+    def walk(order):
+        seen = []
+        cutoff_now = [None]
+        for bound, item in order(lambda: cutoff_now[0]):
+            seen.append((bound, item))
+            if len(seen) == stop_after:  # as the search does once it has its finalists: a cutoff appears
+                cutoff_now[0] = bound + rng.choice([0.0, 1.0, 2.5])
+        return seen
+
+    rng_state = rng.getstate()
+    expected = walk(lambda cutoff: reference_order(items, exact.__getitem__, cutoff))
+    rng.setstate(rng_state)
+    asked = []
+
+    def costed(i):
+        asked.append(i)
+        return exact[i]
+
+    got = walk(lambda cutoff: lazy_order(items, exact=costed, early=early.__getitem__, cutoff=cutoff))
+    assert got == expected
+    if len(expected) < len(items) and expected:  # stopped early: what was left need not all be costed
+        assert set(asked) >= {i for _, i in expected}
+
+
+def test_the_lazy_order_costs_only_what_may_come_out():
+    items = list(range(10))
+    asked = []
+    order = lazy_order(items, exact=lambda i: asked.append(i) or float(i), early=lambda i: float(i) - 0.5,
+                       cutoff=lambda: 3.0)
+    assert [item for _, item in order] == [0, 1, 2]
+    assert sorted(asked) == [0, 1, 2, 3]  # 3's early bound was below the cutoff; 4's was not
+
+
+def test_an_early_bound_above_the_exact_one_is_caught():
+    with pytest.raises(AssertionError, match="early bound"):
+        list(lazy_order([1], exact=lambda i: 1.0, early=lambda i: 1.5, cutoff=lambda: None))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SlowedTable:
+    """A table whose true costs are its optimistic ones slowed block by block (the collectives
+    that a sharding adds) and whose parameters are held whole or split: the shape of the real one."""
+
+    base: SyntheticTable
+    seed: int
+    embedding_all_weight: bool  # the first block's backward all weight gradient, as an embedding's
+
+    def optimistic_costs(self, *, micro_batch_size: int, tp: int, dtype: str) -> ChainCosts:
+        costs = self.base.chain_costs(micro_batch_size=micro_batch_size, tp=tp, dtype=dtype)
+        if self.embedding_all_weight:
+            weight = (costs.backward_s[0], *costs.weight_s[1:])
+            costs = dataclasses.replace(costs, weight_s=weight, _prefix={})
+        return costs
+
+    def chain_costs(self, *, micro_batch_size: int, tp: int, dtype: str) -> ChainCosts:
+        costs = self.optimistic_costs(micro_batch_size=micro_batch_size, tp=tp, dtype=dtype)
+        if tp == 1:
+            return costs
+        rng = random.Random(hash((self.seed, micro_batch_size, tp)))
+        slow = [rng.choice([1.0, rng.uniform(1.0, 1.6)]) for _ in range(len(costs))]
+        if rng.random() < 0.5:  # only the first block slowed, and much: where weight gradients are all
+            slow = [rng.uniform(1.0, 30.0), *(1.0,) * (len(costs) - 1)]  # of a block, its time lowers zb-h1's bound
+        whole = {p: b * (tp if rng.random() < 0.3 else 1) for p, b in costs.parameter_bytes.items()}
+        return dataclasses.replace(
+            costs, forward_s=tuple(f * s for f, s in zip(costs.forward_s, slow)),
+            backward_s=tuple(b * s for b, s in zip(costs.backward_s, slow)),
+            weight_s=tuple(w * s for w, s in zip(costs.weight_s, slow)),
+            parameter_bytes=whole, parameter_state_bytes=dict(whole), _prefix={})
+
+    def state_bytes(self, parameter_bytes: int, *, dp: int, zero: bool) -> int:
+        return self.base.state_bytes(parameter_bytes, dp=dp, zero=zero)
+
+
+class Exact:
+    """The same table without ``optimistic_costs``: every layout costed before the walk."""
+
+    def __init__(self, table):
+        self.chain_costs, self.state_bytes = table.chain_costs, table.state_bytes
+
+
+@pytest.mark.parametrize("seed", range(25))
+def test_the_early_bound_never_exceeds_the_exact_one(seed):
+    rng = random.Random(seed)
+    table = SlowedTable(base=random_table(rng, layers=rng.randrange(1, 5)), seed=seed,
+                        embedding_all_weight=rng.random() < 0.6)
+    devices = search_module._memoised(cluster(memory_bytes=1 << 40, gpus_per_node=rng.choice([2, 4, 8])))
+    space = SearchSpace(world_size=rng.choice([4, 8, 12, 16]), global_batch_size=rng.choice([8, 16, 24, 48]),
+                        gpus_per_node=devices.gpus_per_node)
+    early = early_bound(table, devices, search_module._lower_bound)
+    layouts = list(space.layouts(len(table.chain_costs(micro_batch_size=1, tp=1, dtype="fp32"))))
+    assert layouts
+    finite = 0
+    for layout in layouts:
+        exact = search_module._lower_bound(table, layout, devices)
+        bound = early(layout)
+        assert bound <= exact, layout
+        finite += bound > -math.inf
+    assert finite  # the bound is not vacuous
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_search_finds_the_same_with_the_early_bound_as_without(seed):
+    rng = random.Random(seed)
+    table = SlowedTable(base=random_table(rng, layers=rng.randrange(1, 5)), seed=seed,
+                        embedding_all_weight=rng.random() < 0.5)
+    base = table.chain_costs(micro_batch_size=1, tp=1, dtype="fp32")
+    whole = 4 * sum(base.parameter_bytes.values()) + 16 * sum(base.saved_bytes)
+    devices = cluster(memory_bytes=int(whole * rng.uniform(0.1, 1.2)), gpus_per_node=rng.choice([2, 4, 8]))
+    space = SearchSpace(world_size=rng.choice([4, 8, 16]), global_batch_size=rng.choice([8, 16, 32]),
+                        gpus_per_node=devices.gpus_per_node)
+    lazy = search(space, table, devices)
+    eager = search(space, Exact(table), devices)
+    assert lazy.ranked == eager.ranked
+    assert (lazy.layouts, lazy.scored, lazy.fitting, lazy.bound_s) == (eager.layouts, eager.scored, eager.fitting,
+                                                                        eager.bound_s)
+
+
+def test_optimistic_costs_scale_blocks_to_their_floors():
+    costs = random_table(random.Random(3), layers=2, tied=False).chain_costs(micro_batch_size=2, tp=1, dtype="fp32")
+    floors = [(f + b) / 4 for f, b in zip(costs.forward_s, costs.backward_s)]
+    low = optimistic_costs(costs, floors, 4)
+    assert [f + b for f, b in zip(low.forward_s, low.backward_s)] == pytest.approx(floors)
+    assert [w / (f + b) for f, b, w in zip(low.forward_s, low.backward_s, low.weight_s)] == pytest.approx(
+        [w / (f + b) for f, b, w in zip(costs.forward_s, costs.backward_s, costs.weight_s)])
+    assert low.parameter_bytes == {p: b // 4 for p, b in costs.parameter_bytes.items()}
+    with pytest.raises(ValueError, match="floors"):
+        optimistic_costs(costs, floors[1:], 4)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_no_sharding_of_a_real_chain_beats_its_floor(tp):
+    options = CompileOptions(model=TINY_GPT, tp=tp, global_batch_size=8, world_size=tp)
+    table = FrontTable(options)
+    front = table.annotated_front(micro_batch_size=2, tp=tp, dtype="fp32")
+    floors = fastest_compute_s(front.chain, t=tp, cost_model=front.cost_model)
+    solved = shard_chain(front.chain, tp=tp, cost_model=front.cost_model)
+    assert all(floor <= s.time_s * (1 + 1e-12) for floor, s in zip(floors, solved))
+    assert sum(floors) < sum(b.forward_s + b.backward_s for b in front.chain.blocks)  # it does divide
+    exact = table.chain_costs(micro_batch_size=2, tp=tp, dtype="fp32")
+    low = table.optimistic_costs(micro_batch_size=2, tp=tp, dtype="fp32")
+    assert all(a <= b * (1 + 1e-12) for a, b in zip(low.prefix("compute_s"), exact.prefix("compute_s")))
+    assert all(low.parameter_bytes[p] <= exact.parameter_bytes[p] for p in exact.parameter_bytes)
+
+
+def test_state_kept_under_a_key_is_the_state_computed_anew():
+    costs = random_table(random.Random(5), layers=3, tied=True).chain_costs(micro_batch_size=2, tp=2, dtype="fp32")
+    first = costs.with_state(lambda nbytes: 3 * nbytes, key=(4, False))
+    assert costs.with_state(lambda nbytes: 3 * nbytes, key=(4, False)) is first  # kept: layouts share it
+    fresh = costs.with_state(lambda nbytes: 3 * nbytes)
+    assert first.parameter_state_bytes == fresh.parameter_state_bytes
+    assert first.prefix("owned_parameter_bytes") == fresh.prefix("owned_parameter_bytes")
+    other = costs.with_state(lambda nbytes: nbytes, key=(4, True))
+    assert other.parameter_state_bytes == {p: b for p, b in costs.parameter_bytes.items()}
