@@ -143,9 +143,6 @@ class RepeatedTable:
     def block_layers(self, *, micro_batch_size: int, tp: int, dtype: str) -> list[str | None]:
         return self._repeated(micro_batch_size, tp, dtype)[1]
 
-<<<<<<< HEAD
-    def state_bytes(self, parameter_bytes: int, *, dp: int, zero: int) -> int:
-=======
     def optimistic_costs(self, *, micro_batch_size: int, tp: int, dtype: str) -> ChainCosts:
         """``inner``'s optimistic costs (``autopart.solve.layout_bounds``) laid out by the pattern; its
         exact costs where it has none."""
@@ -156,6 +153,5 @@ class RepeatedTable:
             self._cache[key] = repeat_layers(costs, self.layers_of(micro_batch_size, tp, dtype), self.pattern)
         return self._cache[key][0]
 
-    def state_bytes(self, parameter_bytes: int, *, dp: int, zero: bool) -> int:
->>>>>>> issue-23search
+    def state_bytes(self, parameter_bytes: int, *, dp: int, zero: int) -> int:
         return self.inner.state_bytes(parameter_bytes, dp=dp, zero=zero)
