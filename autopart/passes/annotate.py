@@ -14,9 +14,13 @@ example batch at the microbatch size and records, per node:
   ("batch-derived": position ids, masks, reshaped targets), which later passes recompute on
   every stage that needs them instead of sending them through the pipeline.
 
-With ``dtype="bf16"`` every forward runs under ``torch.autocast(bfloat16)``, as the runtime runs
-it: output dtypes, kernels (so the roofline's 16-bit rate), saved bytes (16-bit activations,
-and the 16-bit copies of the weights that matrix products save) all follow. The autocast is the
+With ``dtype`` a bf16 precision every forward runs under ``torch.autocast(bfloat16)``, as the
+runtime runs it: output dtypes, kernels (so the roofline's 16-bit rate), saved bytes (16-bit
+activations) all follow. Under ``bf16-autocast`` the weights are fp32, so each forward has
+autocast's casts of them and matrix products save 16-bit copies of them per microbatch; under
+``bf16`` the nodes read bf16 working copies, as the runtime's stages do (`autopart.runtime.forward`):
+no cast in the forward, nothing saved for a weight but the copy every microbatch shares, and in
+backward each weight gradient is cast back to the fp32 master's dtype. The autocast is the
 target device's: CPU's for ``cpu``, CUDA's casts (``autopart.passes.autocast_lists``) for a GPU spec,
 whose op lists differ from CPU's (CUDA runs ``pow``, ``rsqrt``, softmax and the losses in fp32).
 """
@@ -34,7 +38,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from autopart.ir.tensors import DTYPES, TensorMeta, autocast_dtype, precision, tensor_meta
+from autopart.ir.tensors import DTYPES, TensorMeta, autocast_dtype, precision, tensor_meta, working_dtype
 from autopart.passes.autocast_lists import cuda_autocast
 from autopart.ir.model_file import ModelSpec, is_meta
 from autopart.passes.capture import Graph, graph_args
@@ -134,10 +138,28 @@ class _State:
                     made[id(t)] = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
                     made[id(t)].requires_grad_(t.requires_grad)  # what autograd saves depends on it
                 self.tensors[name] = made[id(t)]
+        self.master = None  # the master weights' dtype where forwards use working copies of another
+        lower = working_dtype(dtype)
+        if lower is not None:  # bf16: forward and backward see the working copies, as the runtime's do
+            self.master = torch.float32
+            cast: dict[int, torch.Tensor] = {}
+            for name in self.parameters:
+                t = self.tensors[name]
+                if t.is_floating_point() and id(t) not in cast:
+                    cast[id(t)] = t.detach().to(lower).requires_grad_(t.requires_grad)
+                self.tensors[name] = cast.get(id(t), t)
         self.parameter_ids = {id(self.tensors[name]) for name in self.parameters}
 
     def precision(self) -> contextlib.AbstractContextManager:
         return target_precision(self.dtype, self.device_kind)
+
+    def held(self, value: torch.Tensor) -> TensorMeta:
+        """A parameter as the rank holds it: under ``bf16`` the fp32 master that its working copy
+        is cast from (what the stage declares, the optimizer steps and gradients sum in)."""
+        meta = tensor_meta(value)
+        if self.master is not None and value.is_floating_point():
+            return TensorMeta(shape=meta.shape, dtype=str(self.master).removeprefix("torch."))
+        return meta
 
     def attr(self, target: str) -> Any:
         return self.tensors[target] if target in self.tensors else _fetch_attr(self.root, target)
@@ -205,15 +227,18 @@ def cost_key(node: fx.Node, args: tuple, kwargs: dict, parameters: set[int], dty
     the autocast it ran in (its arguments may be fp32 while it runs in 16 bits: not the op that
     an fp32 run timed). `autopart.profiling.profile` stores under this key, annotate looks it up."""
     key = op_key(node, args, kwargs, parameters)
-    return key if dtype == "fp32" else f"{key} autocast={dtype}"
+    return key if dtype == "fp32" else f"{key} autocast=bf16"  # which bf16: the weights' dtypes in the key say
 
 
-def leaves_for_grad(args: tuple, kwargs: dict, parameters: set[int], *, clone: bool = False
-                    ) -> tuple[tuple, dict, list[torch.Tensor], list[torch.Tensor]]:
+def leaves_for_grad(args: tuple, kwargs: dict, parameters: set[int], *, clone: bool = False,
+                    master: torch.dtype | None = None) -> tuple[tuple, dict, list[torch.Tensor], list[torch.Tensor]]:
     """The arguments as fresh autograd leaves: (args, kwargs, input leaves, weight leaves).
 
     ``clone=True`` copies every tensor first, so that timing an in-place op many times never
-    changes the values that later nodes read.
+    changes the values that later nodes read. ``master``: the dtype of the master weights that
+    working copies are cast from (``bf16``); the weight leaves are then in it and the op gets
+    their casts, made here, so that the forward has no cast and the weight gradient is cast back
+    into the master's dtype, as the runtime's one cast per step does in every microbatch's backward.
     """
     inputs: list[torch.Tensor] = []
     weights: list[torch.Tensor] = []
@@ -222,20 +247,28 @@ def leaves_for_grad(args: tuple, kwargs: dict, parameters: set[int], *, clone: b
         if not isinstance(value, torch.Tensor):
             return value
         copy = value.detach().clone() if clone else value
-        return _grad_ready(copy, {id(copy)} if id(value) in parameters else set(), inputs, weights)
+        return _grad_ready(copy, {id(copy)} if id(value) in parameters else set(), inputs, weights, master)
 
     args, kwargs = pytree.tree_map(ready, (args, kwargs))
     return args, kwargs, inputs, weights
 
 
-def _grad_ready(value: Any, parameters: set[int], into: list[torch.Tensor], weights: list[torch.Tensor]) -> Any:
+def _grad_ready(value: Any, parameters: set[int], into: list[torch.Tensor], weights: list[torch.Tensor],
+                master: torch.dtype | None = None) -> Any:
     if not isinstance(value, torch.Tensor):
         return value
     leaf = value.detach()
-    if leaf.is_floating_point():
-        leaf.requires_grad_(True)
-        (weights if id(value) in parameters else into).append(leaf)
-    return leaf
+    if not leaf.is_floating_point():
+        return leaf
+    if id(value) not in parameters:
+        into.append(leaf.requires_grad_(True))
+        return leaf
+    if master is None or leaf.dtype == master:
+        weights.append(leaf.requires_grad_(True))
+        return leaf
+    held = leaf.to(master).requires_grad_(True)
+    weights.append(held)
+    return held.to(leaf.dtype)
 
 
 def _measure_kernels(
@@ -243,12 +276,12 @@ def _measure_kernels(
 ) -> tuple[list[Kernel], list[Kernel], list[Kernel]]:
     """Kernels of the node's forward, of its input gradients and of its weight gradients."""
     parameters = state.parameter_ids
-    args, kwargs, inputs, weights = leaves_for_grad(args, kwargs, parameters)
+    args, kwargs, inputs, weights = leaves_for_grad(args, kwargs, parameters, master=state.master)
     with KernelRecorder() as forward, state.precision():  # backward runs outside autocast, as in training
         try:
             if node.op == "call_module":  # a leaf module: its own weights are the node's weights
                 own = {
-                    k: _grad_ready(v, parameters, inputs, weights) if id(v) in parameters else v
+                    k: _grad_ready(v, parameters, inputs, weights, state.master) if id(v) in parameters else v
                     for k, v in state.leaf_state(str(node.target)).items()
                 }
                 out = state.call_leaf(str(node.target), args, kwargs, own)
@@ -413,11 +446,12 @@ def _annotate_nodes(
             value = state.attr(str(node.target))
             values[node.name] = value
             is_parameter = node.target in state.parameters
+            output = state.held(value) if is_parameter else _meta(value)
             nodes[node.name] = NodeCost(
-                output=_meta(value),
+                output=output,
                 is_parameter=is_parameter,
                 is_buffer=not is_parameter and isinstance(value, torch.Tensor),
-                parameter_bytes=value.numel() * value.element_size() if is_parameter else 0,
+                parameter_bytes=output.nbytes if is_parameter else 0,
                 **common,
             )
             continue
@@ -442,8 +476,8 @@ def _annotate_nodes(
         parameter_bytes = 0
         if node.op == "call_module":
             own = {f"{node.target}.{k}": v for k, v in state.leaf_state(str(node.target)).items()}
-            leaves[node.name] = {k: tensor_meta(v) for k, v in own.items()}
-            parameter_bytes = sum(v.numel() * v.element_size() for k, v in own.items() if k in state.parameters)
+            leaves[node.name] = {k: state.held(v) if k in state.parameters else tensor_meta(v) for k, v in own.items()}
+            parameter_bytes = sum(leaves[node.name][k].nbytes for k in own if k in state.parameters)
         nodes[node.name] = NodeCost(
             output=_meta(value),
             constant=_constant(value),

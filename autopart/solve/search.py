@@ -193,7 +193,7 @@ class CostTable(Protocol):
         """The chain's costs per microbatch on one rank of a tensor-parallel group of ``tp``."""
         ...
 
-    def state_bytes(self, parameter_bytes: int, *, dp: int, zero: bool) -> int:
+    def state_bytes(self, parameter_bytes: int, *, dp: int, zero: bool, dtype: str = "fp32") -> int:
         """Weights, gradients and optimizer state of a parameter share of ``parameter_bytes``."""
         ...
 
@@ -472,7 +472,7 @@ def _fixed_cut(costs, cuts, modes, flight, transient, ranks, transfer, cluster) 
 def _with_state(table: CostTable, layout: Layout) -> ChainCosts:
     costs = table.chain_costs(micro_batch_size=layout.micro_batch_size, tp=layout.tp, dtype=layout.dtype)
     costs.shared_parameters  # noqa: B018 - computed once on the table's costs, carried to each layout's
-    return costs.with_state(lambda nbytes: table.state_bytes(nbytes, dp=layout.dp, zero=layout.zero))
+    return costs.with_state(lambda nbytes: table.state_bytes(nbytes, dp=layout.dp, zero=layout.zero, dtype=layout.dtype))
 
 
 def parameter_bytes_per_rank(table: CostTable, layout: Layout, cut: StageCut, ranks: tuple[int, ...]) -> list[int]:

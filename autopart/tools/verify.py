@@ -78,7 +78,7 @@ def verify(out_dir: str | Path, *, steps: int = 3, lr: float = 0.1, optimizer: s
         finals = load_stage_weights(plan, work / "final")
     reference = train_reference(out_dir, steps=steps, lr=lr, optimizer=optimizer, device="cuda" if gpus else "cpu",
                                 recipe=recipe)
-    bf16 = plan.dtype == "bf16"
+    bf16 = plan.dtype.startswith("bf16")
     initial = initial_weights(out_dir) if bf16 else {}
     losses = [r["loss"] for r in sorted(records, key=lambda r: r["step"])]
     failures: list[tuple[float, str]] = []
