@@ -153,10 +153,12 @@ def held_for_backward(forward: StageForward, args: list) -> tuple[int, object]:
         return tensor
 
     created = Created()
+    forward.begin_step()  # bf16: the step's working weights, cast before any microbatch's forward
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), created:
         out, _ = forward(*args)
     gc.collect(0)  # the youngest generation: what a forward leaves in reference cycles
-    own = {t.untyped_storage()._cdata for t in [*forward.module.parameters(), *forward.module.buffers()]}
+    weights = [*forward.module.parameters(), *forward.module.buffers(), *forward.working.values()]
+    own = {t.untyped_storage()._cdata for t in weights}
     own |= {t.untyped_storage()._cdata for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)}
     alive = {key: nbytes for ref, key, nbytes in created.storages if not ref.expired()}
     return sum(nbytes for key, nbytes in (packed | alive).items() if key not in own), out
@@ -178,7 +180,7 @@ def _compiled(tmp_path_factory, dtype: str, schedule: str = "1f1b"):
     return _COMPILED[dtype]
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "bf16-autocast"])
 def test_bytes_held_for_backward_are_the_predicted_ones(tmp_path_factory, dtype):
     plan, out, chain = _compiled(tmp_path_factory, dtype)
     inputs, target = load_model_file(GPT).example(2)
@@ -292,7 +294,7 @@ def test_plan_round_trip_and_old_plans(tmp_path_factory, tmp_path):
 @pytest.mark.parametrize(
     "edit, message",
     [
-        (lambda d: d.update(dtype="fp16"), r"plan\.dtype must be one of fp32, bf16, got \"fp16\""),
+        (lambda d: d.update(dtype="fp16"), r"plan\.dtype must be one of fp32, bf16, bf16-autocast, got \"fp16\""),
         (lambda d: d["stages"][1].update(recompute="some"), r"plan\.stages\[1\]\.recompute must be one of none, selective, full"),
         (lambda d: d["stages"][0].update(recompute=None), r"plan\.stages\[0\]\.recompute must be one of"),
     ],
@@ -323,7 +325,7 @@ def test_a_pinned_plan_keeps_its_recompute_and_dtype(tmp_path_factory, tmp_path)
         (dict(recompute="partial"), r"unknown --recompute mode 'partial'; use one of none, selective, full"),
         (dict(recompute=("full",)), r"--recompute lists 1 modes for 2 stages; .* --recompute full,full"),
         (dict(recompute=("full", "half")), r"unknown --recompute mode 'half'"),
-        (dict(dtype="fp16"), r"unknown --dtype 'fp16'; use one of fp32, bf16"),
+        (dict(dtype="fp16"), r"unknown --dtype 'fp16'; use one of fp32, bf16, bf16-autocast"),
     ],
 )
 def test_bad_options_are_config_errors(options, message):
@@ -336,7 +338,7 @@ def test_bad_options_are_config_errors(options, message):
     [
         (["--recompute", "sometimes"], r"unknown --recompute mode 'sometimes'; use one of none, selective, full"),
         (["--recompute", "full,none,full"], r"--recompute lists 3 modes for 2 stages"),
-        (["--dtype", "float16"], r"unknown --dtype 'float16'; use one of fp32, bf16"),
+        (["--dtype", "float16"], r"unknown --dtype 'float16'; use one of fp32, bf16, bf16-autocast"),
     ],
     ids=["mode", "count", "dtype"],
 )

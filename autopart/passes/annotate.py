@@ -40,12 +40,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from autopart.ir.tensors import DTYPES, TensorMeta, autocast_dtype, precision, tensor_meta, working_dtype
 from autopart.passes.autocast_lists import cuda_autocast
+from autopart.passes.grad_leaves import grad_ready, leaves_for_grad
+from autopart.ir.errors import ConfigError
 from autopart.ir.model_file import ModelSpec, is_meta
 from autopart.passes.capture import Graph, graph_args
 from autopart.ir.recompute import dropout_mask_bytes, keeps_output
 from cost_models import CostModel, Kernel, KernelRecorder
 
-__all__ = ["NodeCost", "OpGraph", "annotate", "cost_key", "target_precision", "op_key", "leaves_for_grad"]
+__all__ = ["NodeCost", "OpGraph", "annotate", "cost_key", "target_precision", "op_key"]
 
 def target_precision(dtype: str, device_kind: str) -> contextlib.AbstractContextManager:
     """The autocast a device of ``device_kind`` runs the forward in, applied on this machine's
@@ -230,47 +232,6 @@ def cost_key(node: fx.Node, args: tuple, kwargs: dict, parameters: set[int], dty
     return key if dtype == "fp32" else f"{key} autocast=bf16"  # which bf16: the weights' dtypes in the key say
 
 
-def leaves_for_grad(args: tuple, kwargs: dict, parameters: set[int], *, clone: bool = False,
-                    master: torch.dtype | None = None) -> tuple[tuple, dict, list[torch.Tensor], list[torch.Tensor]]:
-    """The arguments as fresh autograd leaves: (args, kwargs, input leaves, weight leaves).
-
-    ``clone=True`` copies every tensor first, so that timing an in-place op many times never
-    changes the values that later nodes read. ``master``: the dtype of the master weights that
-    working copies are cast from (``bf16``); the weight leaves are then in it and the op gets
-    their casts, made here, so that the forward has no cast and the weight gradient is cast back
-    into the master's dtype, as the runtime's one cast per step does in every microbatch's backward.
-    """
-    inputs: list[torch.Tensor] = []
-    weights: list[torch.Tensor] = []
-
-    def ready(value: Any) -> Any:
-        if not isinstance(value, torch.Tensor):
-            return value
-        copy = value.detach().clone() if clone else value
-        return _grad_ready(copy, {id(copy)} if id(value) in parameters else set(), inputs, weights, master)
-
-    args, kwargs = pytree.tree_map(ready, (args, kwargs))
-    return args, kwargs, inputs, weights
-
-
-def _grad_ready(value: Any, parameters: set[int], into: list[torch.Tensor], weights: list[torch.Tensor],
-                master: torch.dtype | None = None) -> Any:
-    if not isinstance(value, torch.Tensor):
-        return value
-    leaf = value.detach()
-    if not leaf.is_floating_point():
-        return leaf
-    if id(value) not in parameters:
-        into.append(leaf.requires_grad_(True))
-        return leaf
-    if master is None or leaf.dtype == master:
-        weights.append(leaf.requires_grad_(True))
-        return leaf
-    held = leaf.to(master).requires_grad_(True)
-    weights.append(held)
-    return held.to(leaf.dtype)
-
-
 def _measure_kernels(
     node: fx.Node, args: tuple, kwargs: dict, state: _State
 ) -> tuple[list[Kernel], list[Kernel], list[Kernel]]:
@@ -281,7 +242,7 @@ def _measure_kernels(
         try:
             if node.op == "call_module":  # a leaf module: its own weights are the node's weights
                 own = {
-                    k: _grad_ready(v, parameters, inputs, weights, state.master) if id(v) in parameters else v
+                    k: grad_ready(v, parameters, inputs, weights, state.master) if id(v) in parameters else v
                     for k, v in state.leaf_state(str(node.target)).items()
                 }
                 out = state.call_leaf(str(node.target), args, kwargs, own)
@@ -394,7 +355,14 @@ def annotate(
     with FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext():
         state = _State(module, fake, dtype, cost_model.device.kind)
         run = _SavedBytes(module, state)
-        saved, kept = run.measure(*graph_args(graph, inputs, target))
+        try:
+            saved, kept = run.measure(*graph_args(graph, inputs, target))
+        except RuntimeError as exc:
+            if "mixed dtype (CPU)" not in str(exc):
+                raise
+            raise ConfigError(f"on the CPU, autocast runs norms in their input's dtype and this model meets a bf16 "
+                              f"working weight with fp32 values at '{run.current}'; compile with "
+                              "--dtype bf16-autocast (fp32 weights) for the CPU") from None
         nodes, kernels, leaves = _annotate_nodes(
             graph, state, (saved, kept), cost_model, graph_args(graph, inputs, target),
             {} if measured is None else measured, run.values,

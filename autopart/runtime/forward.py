@@ -91,7 +91,7 @@ class StageForward:
         self.dtype = dtype
         self.device = device
         self.split_backward = split_backward
-        self.working: dict[str, torch.Tensor] = {}
+        self.working: dict[str, torch.Tensor] | None = None  # this step's working weights, by name (begin_step)
 
     def begin_step(self) -> None:
         """Cast this step's working copies of the weights from the masters (``bf16``), once; the
@@ -101,6 +101,8 @@ class StageForward:
         self.working = working_copies(self.module, lower) if lower is not None and not sharded else {}
 
     def _call(self, *args: Any) -> Any:
+        if self.working is None:  # a caller that runs no steps (one forward, a profile): the weights as they are
+            self.begin_step()
         with precision(self.dtype, self.device.type):
             if self.working:
                 return torch.func.functional_call(self.module, self.working, args)
