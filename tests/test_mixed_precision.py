@@ -5,8 +5,6 @@ gradients land; under real processes with gloo: pipelines (and pipeline x tensor
 train like one process in the same precision, and checkpoints, resume and ``consolidate`` keep
 the fp32 master weights; and what the models predict of it."""
 
-import textwrap
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,6 +20,7 @@ from autopart.runtime.forward import StageForward
 from autopart.runtime.reference import train_reference
 from autopart.tools.verify import verify
 from tests.distributed import FREE_LINKS, REPO, read_metrics, run_cli, run_ranks, stage_weights
+from tests.test_recompute import wide_gpt
 
 PSI = 1_000_000  # parameters
 
@@ -141,25 +140,7 @@ def test_bf16_is_priced_without_weight_casts_in_forward(tmp_path):
     """A wide GPT on the meta device, priced for an H100: ``bf16``'s forwards read bf16 weights
     (no cast of any weight, no per-microbatch 16-bit weight copy saved for backward) while its
     model state holds one bf16 copy more; ``bf16-autocast`` casts every weight in every forward."""
-    model = tmp_path / "gpt_wide.py"
-    model.write_text(textwrap.dedent(f"""
-        import sys
-        import torch
-        sys.path.insert(0, {str(REPO / "examples")!r})
-        import gpt
-
-        CONFIG = gpt.GPTConfig(vocab_size=2048, block_size=256, n_layer=2, n_head=16, n_embd=2048)
-
-        def build_model():
-            with torch.device("meta"):
-                return gpt.GPT(CONFIG)
-
-        def example_batch(batch_size):
-            tokens = torch.zeros(batch_size, CONFIG.block_size + 1, dtype=torch.long)
-            return (tokens[:, :-1],), tokens[:, 1:]
-
-        loss_fn = gpt.loss_fn
-    """))
+    model = wide_gpt(tmp_path, block_size=256, n_embd=2048)
     plans = {dtype: autopart.compile(model, micro_batch_size=1, microbatches=1, device="h100-sxm", dtype=dtype)
              for dtype in ("bf16", "bf16-autocast")}  # fmt: skip
     mixed, autocast = plans["bf16"].stages[0], plans["bf16-autocast"].stages[0]

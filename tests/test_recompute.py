@@ -245,16 +245,16 @@ def test_recomputed_activations_live_from_i_to_w():
     assert all(w >= 1 for w in waits) and max(waits) > 1
 
 
-def test_bf16_runs_faster_on_tensor_cores_and_halves_activations(tmp_path):
-    """A GPT layer at sequence 1024 and width 1024 on the meta device, priced for an H100."""
-    model = tmp_path / "gpt_wide.py"
+def wide_gpt(folder: Path, *, block_size: int, n_embd: int) -> Path:
+    """A model file: the gpt example of two layers at that sequence and width, on the meta device."""
+    model = folder / "gpt_wide.py"
     model.write_text(textwrap.dedent(f"""
         import sys
         import torch
         sys.path.insert(0, {str(REPO / "examples")!r})
         import gpt
 
-        CONFIG = gpt.GPTConfig(vocab_size=2048, block_size=1024, n_layer=2, n_head=16, n_embd=1024)
+        CONFIG = gpt.GPTConfig(vocab_size=2048, block_size={block_size}, n_layer=2, n_head=16, n_embd={n_embd})
 
         def build_model():
             with torch.device("meta"):
@@ -266,6 +266,12 @@ def test_bf16_runs_faster_on_tensor_cores_and_halves_activations(tmp_path):
 
         loss_fn = gpt.loss_fn
     """))
+    return model
+
+
+def test_bf16_runs_faster_on_tensor_cores_and_halves_activations(tmp_path):
+    """A GPT layer at sequence 1024 and width 1024 on the meta device, priced for an H100."""
+    model = wide_gpt(tmp_path, block_size=1024, n_embd=1024)
     plans = {dtype: autopart.compile(model, micro_batch_size=16, microbatches=1, device="h100-sxm", dtype=dtype)
              for dtype in ("fp32", "bf16")}  # fmt: skip
     fp32, bf16 = plans["fp32"].stages[0], plans["bf16"].stages[0]
