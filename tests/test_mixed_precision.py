@@ -19,7 +19,7 @@ from autopart.predict.memory import state_bytes
 from autopart.runtime.forward import StageForward
 from autopart.runtime.reference import train_reference
 from autopart.tools.verify import verify
-from tests.distributed import FREE_LINKS, REPO, read_metrics, run_cli, run_ranks, stage_weights
+from tests.distributed import FREE_LINKS, REPO, compile_and_train, read_metrics, run_cli, run_ranks, stage_weights
 from tests.test_recompute import wide_gpt
 
 PSI = 1_000_000  # parameters
@@ -104,6 +104,24 @@ def test_bf16_pipeline_trains_like_one_bf16_process(tmp_path, tp):
     same = train_reference(out, steps=1, lr=0.1, optimizer="sgd").losses[0]
     other = train_reference(out, steps=1, lr=0.1, optimizer="sgd", dtype="bf16-autocast").losses[0]
     assert abs(result.losses[0] - same) < 1e-5 < abs(same - other)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("zero", [1, 2])
+def test_bf16_with_zero_trains_as_without(tmp_path, zero):
+    """ZeRO-1 steps fp32 master shards and broadcasts them before the next step's cast; ZeRO-2 lets
+    FSDP2 gather bf16 weights and reduce-scatter fp32 gradients (MixedPrecisionPolicy). Against the
+    same mesh without ZeRO (the same microbatches, so the same bf16 roundings), to fp32 noise."""
+    runs = {z: compile_and_train(tmp_path / f"zero{z}", "gpt", pp=2, dp=2, zero=z, microbatches=2,
+                                 micro_batch_size=1, schedule="1f1b", dtype="bf16", steps=2)
+            for z in (0, zero)}  # fmt: skip
+    assert runs[zero].plan.zero == zero and runs[zero].plan.dtype == "bf16"
+    losses = {z: [m["loss"] for m in run.metrics] for z, run in runs.items()}
+    torch.testing.assert_close(losses[zero], losses[0], rtol=1e-6, atol=1e-6)
+    for stage, weights in runs[0].finals.items():
+        for name, value in weights.items():
+            assert runs[zero].finals[stage][name].dtype == torch.float32, name
+            torch.testing.assert_close(runs[zero].finals[stage][name], value, rtol=1e-5, atol=1e-6, msg=name)
 
 
 @pytest.mark.multiprocess

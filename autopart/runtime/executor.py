@@ -268,7 +268,8 @@ def check_outputs(out: Any, metas: list[TensorMeta]) -> None:
         promised = metas[wrong] if wrong < len(metas) else "nothing"
         raise RuntimeError(
             f"output {wrong} of the stage is {got}, but the plan sends {promised} and the next stage receives that; "
-            "autocast on this device gives other dtypes than at compile time (CPU autocast): compile with --dtype fp32"
+            "autocast on this device gives other dtypes than at compile time (CPU autocast), or the plan was compiled "
+            "before --dtype bf16 meant bf16 working weights: recompile (--dtype fp32 where autocast differs)"
         )
 
 
