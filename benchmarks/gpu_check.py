@@ -80,6 +80,8 @@ def prepare(folder: Path, device: str, model: Path) -> None:
 
     folder.mkdir(parents=True, exist_ok=True)
     for name, settings in PLANS.items():
+        if device == "cpu" and settings["dtype"] == "bf16":  # CPU autocast runs norms in their input's dtype:
+            settings = settings | {"dtype": "bf16-autocast"}  # fp32 inputs cannot meet bf16 norm weights there
         options = CompileOptions(
             model=model, pp=1, tp=1, dp=1, device=SPEC[device], micro_batch_size=MICRO_BATCH_SIZE,
             optimizer=OPTIMIZER, **settings,
