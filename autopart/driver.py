@@ -26,6 +26,7 @@ from autopart.solve.assemble import pipeline_problem, plan_from_cuts
 from autopart.solve.pinned import rebuild_pinned
 from autopart.solve.pipeline import solve_cuts
 from autopart.solve.planner import plan_by_search
+from autopart.solve.stage_layers import check_fits, stage_layer_cuts
 from cost_models import get_cost_model
 
 __all__ = ["CompileOptions", "compile", "compile_plan", "compile_to_directory", "emit"]
@@ -42,6 +43,10 @@ def compile_plan(options: CompileOptions, progress=None) -> tuple[Plan, Front]:
     front = build_front(options, batch[2])
     note_unsplit(options, front)
     problem = pipeline_problem(options, front, batch[1])
+    if options.pins_layers:  # the cuts are the user's: predicted as they are, memory checked
+        cuts = stage_layer_cuts(front.chain, options.stage_layers, stages=problem.stages,
+                                first=options.first_stage_layers, last=options.last_stage_layers)  # fmt: skip
+        return check_fits(plan_from_cuts(options, front, problem, cuts, batch, ("pinned", 0.0, 0.0)), problem), front
     solution = solve_cuts(problem, time_limit_s=options.time_limit_s)
     status = solution.status if problem.stages > 1 else "trivial"
     plan = plan_from_cuts(

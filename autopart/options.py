@@ -82,6 +82,15 @@ class CompileOptions:
     """Run the compiled programs here for a few steps, store how much longer their stages
     compute inside the running pipeline than alone in ``costs`` (`autopart.profiling.pipeline`),
     and compile again with it. Once per model and mesh: a later compile finds it there."""
+    stage_layers: tuple[int, ...] | None = None
+    """Pin the pipeline cuts: the number of repeated layers on each stage (pp x chunks of them,
+    in model order), the embedding with the first and the head with the last
+    (``autopart.solve.stage_layers``); by default the cut solver chooses them."""
+    first_stage_layers: int | None = None
+    """Megatron-LM's form of the pin (``--decoder-first-pipeline-num-layers``): the first stage's
+    layer count, the others split the rest equally; with ``last_stage_layers`` or alone."""
+    last_stage_layers: int | None = None
+    """The last stage's layer count (``--decoder-last-pipeline-num-layers``)."""
     measure: bool = True
     """Without ``costs``, on the machine at hand: measure its ops and messages first, once per
     model and machine (`autopart.profiling.measure_defaults`); False keeps the device's roofline."""
@@ -133,6 +142,8 @@ class CompileOptions:
         if self.profile_pipeline and local_kind(self.device) != "cpu":
             raise ConfigError(f"--profile-pipeline runs the plan on this machine's CPU, so it profiles plans for "
                               f"--device cpu, not {self.device}")
+        if self.pins_layers:
+            self._check_stage_layers()
         if self.recompute is not None:
             if self.pp is not None and self.chunks is not None:
                 stage_modes(self.recompute, self.pp * self.chunks)
@@ -142,9 +153,47 @@ class CompileOptions:
                 stage_modes(self.recompute, 1)
 
     @property
+    def pins_layers(self) -> bool:
+        """The cuts are pinned by layer counts (``--stage-layers`` or Megatron's first/last form)."""
+        return self.stage_layers is not None or self.first_stage_layers is not None or self.last_stage_layers is not None
+
+    def _check_stage_layers(self) -> None:
+        flag = "--stage-layers" if self.stage_layers is not None else "--first-stage-layers/--last-stage-layers"
+        if self.plan is not None:
+            raise ConfigError(f"{flag} pins the cuts that --plan already records; drop one of them")
+        if self.world_size is not None:
+            raise ConfigError(f"{flag} pins the cuts of a layout given in full; drop --world-size and give "
+                              "--pp (and --tp, --dp, --chunks)")
+        stages = self.pp * self.chunks
+        if self.stage_layers is None:
+            given = [n for n in (self.first_stage_layers, self.last_stage_layers) if n is not None]
+            if stages < 2:
+                raise ConfigError(f"{flag} sets the first or last pipeline stage apart, and there is one stage; "
+                                  "add --pp 2 or more")
+            if min(given) < 1:
+                raise ConfigError(f"{flag} gives a stage {min(given)} layers; every stage needs at least one")
+            return
+        if self.first_stage_layers is not None or self.last_stage_layers is not None:
+            raise ConfigError("--stage-layers gives every stage's count; drop --first-stage-layers/--last-stage-layers")
+        counts = tuple(self.stage_layers)
+        if len(counts) != stages:
+            raise ConfigError(f"--stage-layers lists {len(counts)} stages but --pp x --chunks is {stages}; "
+                              "give one layer count per stage, in model order")
+        for s, count in enumerate(counts):
+            if count < 1:
+                raise ConfigError(f"--stage-layers gives stage {s} {count} layers; every stage needs at least one")
+        object.__setattr__(self, "stage_layers", counts)
+
+    @property
     def searched(self) -> bool:
         """Some choice is left to the search (``world_size`` given, the plan not pinned)."""
         return self.world_size is not None and self.plan is None
+
+    @property
+    def ranks_per_host(self) -> int:
+        """Ranks that run on one host (node) at once: all of them up to ``gpus_per_node``."""
+        world = self.world_size if self.world_size is not None else self.pp * self.tp * self.dp
+        return min(world, self.gpus_per_node)
 
     @property
     def pipeline_crosses_nodes(self) -> bool:

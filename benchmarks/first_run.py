@@ -1,9 +1,10 @@
 """What a new user sees first: the default compile's predicted step against the run, and the searched plan against its rivals.
 
-    python benchmarks/first_run.py [--launches 3] [--steps 60] [--parts accuracy,search] [--searches gpt:2,llama:2,...]
+    python benchmarks/first_run.py [--launches 3] [--steps 60] [--parts accuracy,search] [--searches gpt:2,llama:2,...] [--cache DIR]
 
 Everything runs in a fresh cache (a temporary ``AUTOPART_CACHE_DIR``), as on a fresh clone, with
-the default flags past the layout:
+the default flags past the layout (``--cache DIR`` keeps the cache in DIR instead, and reuses what
+it holds: two versions' predictions compared on the same measured messages and ops):
 
 - accuracy: the README's quickstart (``examples/gpt.py --pp 2 --microbatches 4``) and
   ``examples/llama.py`` at ``--pp 2`` and ``--pp 4``: the predicted step against the median
@@ -89,7 +90,8 @@ def accuracy(args: argparse.Namespace, folder: Path, console: Console) -> Table:
                       _cell(measured), f"{error:+.1%}",
                       "yes" if abs(error) <= 0.25 else "no", _load())
         console.print(f"{name}: compiled in {seconds:.1f} s, predicted {plan.predicted.step_s * 1e3:.1f} ms, "
-                      f"measured {_cell(measured)} ms; basis {plan.predicted.basis}")
+                      f"measured {_cell(measured)} ms; compute x{max(plan.predicted.compute_factor, default=1.0):.3f} "
+                      f"({plan.predicted.compute_factor_from}); basis {plan.predicted.basis}")
     return table
 
 
@@ -144,11 +146,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parts", default="accuracy,search", help="accuracy, search or both (default both)")
     parser.add_argument("--searches", default="gpt:2,llama:2,gpt:4,llama:4", help="example:world-size, comma-separated")
     parser.add_argument("--global-batch-size", type=int, default=16, help="of every search (default 16)")
+    parser.add_argument("--cache", type=Path, help="keep the cache in this folder and reuse what it holds (default: a fresh one)")
     args = parser.parse_args(argv)
     console = Console(highlight=False, width=200)
     with tempfile.TemporaryDirectory(prefix="first_run_") as folder:
         folder = Path(folder)
-        os.environ["AUTOPART_CACHE_DIR"] = str(folder / "cache")  # a fresh cache: what a first compile measures
+        # a fresh cache: what a first compile measures
+        os.environ["AUTOPART_CACHE_DIR"] = str(args.cache or folder / "cache")
         console.print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load {_load()}, "
                       f"{os.cpu_count()} cores: python benchmarks/first_run.py {' '.join(argv or sys.argv[1:])}")
         parts = args.parts.split(",")

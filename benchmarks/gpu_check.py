@@ -72,6 +72,7 @@ class Row:
     figure: str
     target: str
     passed: bool | None  # None: printed, not judged (on the CPU)
+    detail: str = ""  # why a check could not run, whole: printed below the table
 
 
 def prepare(folder: Path, device: str, model: Path) -> None:
@@ -224,7 +225,8 @@ def _checked(what: str, check: Callable[[], list[Row]]) -> list[Row]:
         return check()
     except (Exception, SystemExit) as exc:  # noqa: BLE001 - reported in the table, and it fails the run
         reason = " ".join(str(exc).split())[-300:]
-        return [Row(check=what, figure=f"{type(exc).__name__}: {reason}", target="runs", passed=False)]
+        return [Row(check=what, figure=f"{type(exc).__name__}: {reason}", target="runs", passed=False,
+                    detail=str(exc))]
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -252,6 +254,9 @@ def run(folder: Path, steps: int) -> int:
     for row in rows:
         status = {True: "ok", False: "FAIL", None: "-"}[row.passed]
         print(f"{status:4}  {row.check:{width}}  {row.figure}  [{row.target}]")
+    for row in rows:
+        if row.detail:  # the rank's own last words (a C++ abort, a CUDA error) come before torchrun's summary
+            print(f"\n--- {row.check} ---\n{row.detail}")
     failed = sum(row.passed is False for row in rows)
     print(f"{failed} failed of {sum(row.passed is not None for row in rows)} judged checks")
     return 1 if failed else 0

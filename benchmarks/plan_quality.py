@@ -2,6 +2,7 @@
 the same simulator on the same costs.
 
     python benchmarks/plan_quality.py [--cases NAME ...] [--exhaustive-limit N]
+    python benchmarks/plan_quality.py --dimensions [--cases NAME ...]   # issue 24's dimensions, one at a time
 
 The costs: each model is captured and annotated by the compiler's own front (``FrontTable``, the
 roofline cost model of the cluster's device, fp32 as captured: bf16 is not modelled yet), built
@@ -28,10 +29,12 @@ plan could gain over Megatron's grid under this cost model.
 
 The methods (``autopart.solve.baselines`` and ``autopart.solve.baseline_search``):
 - autopart: ``autopart.solve.search.search`` over its whole space (pp x tp x dp, micro-batch size,
-  gpipe / 1f1b / interleaved / zb-h1, ZeRO-1, recompute per stage).
+  gpipe / 1f1b / interleaved / zb-h1 / zbv, ZeRO levels 0-2, recompute per stage; sequence
+  parallelism with TP).
 - uniform, parameters: DeepSpeed's partition methods; pipedream: PipeDream's dynamic program
   (SOSP'19); megatron: equal layers per stage. Each on Megatron's grid: every (t, p, d) with t
-  inside a node, every micro-batch size, 1F1B, no ZeRO, one recompute setting for all stages.
+  inside a node, every micro-batch size, 1F1B, with or without the distributed optimizer
+  (ZeRO-1), sequence parallelism with TP as autopart has it, one recompute setting for all stages.
 - exhaustive: every layout of autopart's space x every cut set x every recompute mode per
   stage, where that is at most ``--exhaustive-limit`` candidates ("-" where it is more).
 
@@ -63,6 +66,7 @@ from autopart.solve.baseline_search import PARTITIONERS, exhaustive_search, grid
 from autopart.solve.baselines import block_layers  # noqa: E402
 from autopart.solve.repeat import RepeatedTable, repeat_last  # noqa: E402
 from autopart.solve.simulated import simulated_step_s  # noqa: E402
+from autopart.schedule import SCHEDULE_KINDS  # noqa: E402
 
 MODELS = REPO / "benchmarks" / "models"
 BASELINES = ("uniform", "parameters", "pipedream", "megatron", "exhaustive")
@@ -77,6 +81,7 @@ class Case:
     global_batch_size: int
     gpus_per_node: int = 8
     pattern: tuple[int, ...] | None = None  # captured layer per layer of the full model; None: as captured
+    dtype: str | None = None  # None: fp32
     tags: tuple[str, ...] = field(default=())
 
 
@@ -114,6 +119,61 @@ CASES = (
 )
 
 
+DIMENSION_CASES = (
+    Case(name="Llama 3 70B, s 8k", model="llama3_70b_s8192", device="h100-sxm", world_size=256,
+         global_batch_size=512, pattern=repeat_last(2, 80), dtype="bf16"),
+    Case(name="Llama 3 70B, s 32k", model="llama3_70b_s32768", device="h100-sxm", world_size=512,
+         global_batch_size=128, pattern=repeat_last(2, 80), dtype="bf16"),
+    Case(name="Llama 3 405B, s 8k", model="llama3_405b_s8192", device="h100-sxm", world_size=2048,
+         global_batch_size=2048, pattern=repeat_last(2, 126), dtype="bf16"),
+)
+"""Llama 3 shapes (grouped-query attention) on H100s in bf16 (autocast, fp32 weights and
+gradients), 4M and 16M tokens a step: where sequence
+parallelism, ZeRO's levels, ZB-V and the overlapped reduction may matter (``--dimensions``)."""
+
+VARIANTS = {
+    "searched": {},
+    "no SP": {"options": {"sp": False}},
+    "ZeRO 1 fixed": {"space": {"zero": (1,)}},
+    "no zbv": {"space": {"schedule": tuple(k for k in SCHEDULE_KINDS if k != "zbv")}},
+    "all-reduce not overlapped": {"cluster": {"reduction_overlaps": False}},
+}
+"""Each of issue 24's dimensions taken away from the search in turn (ZeRO: only level 1 where
+there are replicas, as before it; the overlap: the whole all-reduce after the pipeline)."""
+
+
+def dimension_effects(case: Case) -> list[tuple[str, Scored | None, float]]:
+    """Per variant: the best of the search's finalists by simulation, and the search's seconds."""
+    found = []
+    tables = {}
+    for name, changes in VARIANTS.items():
+        options = dataclasses.replace(_case_options(case), **changes.get("options", {}))
+        if options.sp not in tables:  # one capture per sequence-parallel setting
+            tables[options.sp] = _case_table(case, options)[0]
+        table = tables[options.sp]
+        space = dataclasses.replace(search_space(options), **changes.get("space", {}))
+        cluster = dataclasses.replace(cluster_of(options), **changes.get("cluster", {}))
+        start = time.perf_counter()
+        result = search(space, table, cluster)
+        found.append((name, _best_simulated(result.ranked, table, cluster), time.perf_counter() - start))
+    return found
+
+
+def dimensions_table(case: Case, rows: list[tuple[str, Scored | None, float]]) -> Table:
+    table = Table(title=f"{case.name} on {case.world_size} x {case.device}, batch {case.global_batch_size}: "
+                        "the searched plan with each dimension taken away (simulated step, the search's peak memory)")
+    for column in ("variant", "step s", "vs searched", "peak GiB", "layout (recompute)", "search s"):
+        table.add_column(column, justify="left" if column in ("variant", "layout (recompute)") else "right")
+    base = _step(rows[0][1], simulated=True)
+    for name, scored, seconds in rows:
+        if scored is None:
+            table.add_row(name, "no fit", "-", "-", "-", f"{seconds:.1f}")
+            continue
+        table.add_row(name, f"{scored.step_s:.3f}", f"{scored.step_s / base:.3f}x",
+                      f"{scored.peak_memory_bytes / (1 << 30):.1f}", _describe(scored), f"{seconds:.1f}")
+    return table
+
+
 @dataclass(frozen=True, kw_only=True)
 class Outcome:
     case: Case
@@ -127,9 +187,15 @@ class Outcome:
     simulate_s: float  # simulating every method's few
 
 
-def run_case(case: Case, *, exhaustive_limit: int, top: int) -> Outcome:
-    options = CompileOptions(model=MODELS / f"{case.model}.py", world_size=case.world_size, device=case.device,
-                             global_batch_size=case.global_batch_size, gpus_per_node=case.gpus_per_node)
+def _case_options(case: Case) -> CompileOptions:
+    return CompileOptions(model=MODELS / f"{case.model}.py", world_size=case.world_size, device=case.device,
+                          global_batch_size=case.global_batch_size, gpus_per_node=case.gpus_per_node,
+                          dtype=case.dtype)
+
+
+def _case_table(case: Case, options: CompileOptions):
+    """The case's cost table (its shallow capture repeated to full depth where it has a pattern)
+    and its layer per block."""
     front = FrontTable(options)
 
     def layers_of(micro_batch_size: int, tp: int, dtype: str):
@@ -138,6 +204,12 @@ def run_case(case: Case, *, exhaustive_limit: int, top: int) -> Outcome:
     table = front if case.pattern is None else RepeatedTable(inner=front, layers_of=layers_of, pattern=case.pattern)
     table_layers = layers_of if case.pattern is None else (
         lambda b, t, d: table.block_layers(micro_batch_size=b, tp=t, dtype=d))
+    return table, table_layers
+
+
+def run_case(case: Case, *, exhaustive_limit: int, top: int) -> Outcome:
+    options = _case_options(case)
+    table, table_layers = _case_table(case, options)
     space = search_space(options)
     cluster = cluster_of(options)
     start = time.perf_counter()
@@ -185,8 +257,15 @@ def main(argv: list[str] | None = None) -> None:
                         help="most candidates exhaustive search scores (default 200,000)")
     parser.add_argument("--top", type=int, default=5,
                         help="each baseline's best candidates by estimate that are simulated (default 5)")
+    parser.add_argument("--dimensions", action="store_true",
+                        help="instead: the Llama 3 cases, searched with each of issue 24's dimensions taken away")
     args = parser.parse_args(argv)
     console = Console(width=200)
+    if args.dimensions:
+        for case in DIMENSION_CASES:
+            if not args.cases or any(w.lower() in case.name.lower() for w in args.cases):
+                console.print(dimensions_table(case, dimension_effects(case)))
+        return
     cases = [c for c in CASES if not args.cases or any(w.lower() in c.name.lower() for w in args.cases)]
     outcomes = []
     for case in cases:

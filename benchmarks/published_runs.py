@@ -4,7 +4,9 @@
 
 Each row is a public bf16 run on NVIDIA GPUs that autopart can express: the published layout is
 pinned (TP, PP, DP, ZeRO-1 as the distributed optimizer, schedule and chunks, micro-batch,
-recompute), the model is built on the meta device at full depth, and ``autopart.compile`` gives
+recompute, sequence parallelism or not, the framework's stage split as ``stage_layers``), the
+model is built on the meta device at full depth with the attention its software ran (written out
+with Megatron's dropouts before FlashAttention, fused after), and ``autopart.compile`` gives
 the predicted step (roofline of the named device, bf16 under CUDA autocast) and the MFU it
 implies (model FLOPs 72·B·L·s·h²·(1 + s/(6h) + V/(12·h·L)), Narayanan et al.'s count, against
 the datasheet peak). Error is predicted over published, less one.
@@ -18,6 +20,10 @@ Sources (the research notes behind each row are in docs/published_runs.md):
   60.1 / 50.2 / 44.4 s on 2240 / 2800 / 3360 A100-80GB.
 - Jiang et al. 2024, "MegaScale" (arXiv 2402.15627), Table 2, the Megatron-LM baseline rows of
   the 175B model: iteration time at batch 768 and 6144.
+- NVIDIA dgxc-benchmarking, ``nemo_megatron/README_175b.md``, the table "NeMo Megatron BF16
+  (TP=4,PP=8, MBS=1, VP=12, SEQ=2048)": 8.309 / 8.408 / 8.42 / 8.453 / 8.49 s per step on 128 /
+  256 / 512 / 1024 / 2048 H100s at global batch 256 / 512 / 1024 / 2048 / 4096; the recipe's
+  ``gpt3_175b_hydra.yaml``: sequence parallelism on, no activation recompute, distributed_fused_adam.
 Held out on purpose, as an independent check: Table 1 of Narayanan et al. (SC21) and Tables 4-5 of
 Korthikanti et al. (MLSys'23); no row here comes from them or from tables that copy them.
 """
@@ -52,6 +58,8 @@ class Model:
     heads: int
     vocab: int
     seq: int = 2048
+    attention: str = "fused"  # "explicit": scores, softmax and dropout written out (Megatron before FlashAttention)
+    dropout: float = 0.0  # Megatron's attention and hidden dropout, with explicit attention
 
     def flops(self, batch: int) -> float:
         """Model FLOPs of one step (forward and backward, no recompute): Narayanan et al.'s count."""
@@ -59,11 +67,11 @@ class Model:
         return 72 * batch * L * s * h * h * (1 + s / (6 * h) + V / (12 * h * L))
 
     def file(self, folder: Path) -> Path:
-        path = folder / f"gpt_{self.layers}x{self.hidden}_{self.heads}h_v{self.vocab}.py"
+        path = folder / f"gpt_{self.layers}x{self.hidden}_{self.heads}h_v{self.vocab}_{self.attention}{self.dropout:g}.py"
         path.write_text(
             f"import sys\nsys.path.insert(0, {str(MODELS)!r})\nfrom shallow import gpt3\n"
             f"MODEL = gpt3(n_embd={self.hidden}, n_head={self.heads}, layers={self.layers}, seq_len={self.seq}, "
-            f"vocab_size={self.vocab})\n"
+            f"vocab_size={self.vocab}, attention={self.attention!r}, dropout={self.dropout})\n"
             "build_model, init_weights, example_batch, loss_fn = MODEL.build_model, MODEL.init_weights, "
             "MODEL.example_batch, MODEL.loss_fn\n"
         )
@@ -85,6 +93,8 @@ class Run:
     schedule: str
     chunks: int
     published_s: float
+    stage_layers: tuple[int, ...] | None = None  # the framework's split, pinned (None: autopart's cuts)
+    sp: bool = True  # sequence parallelism with TP
     assumed: str = ""  # what the source does not state and the row assumes
 
     @property
@@ -92,22 +102,34 @@ class Run:
         return self.tp * self.pp * self.dp
 
 
-BLOOM = Model(layers=70, hidden=14336, heads=112, vocab=250880)
-MT_NLG = Model(layers=105, hidden=20480, heads=128, vocab=51200)
+# 2021-22 runs on Megatron-DeepSpeed: attention written out with the fused scale-mask-softmax, and
+# Megatron's dropouts (0.1 attention, 0.1 hidden) on
+BLOOM = Model(layers=70, hidden=14336, heads=112, vocab=250880, attention="explicit", dropout=0.1)
+MT_NLG = Model(layers=105, hidden=20480, heads=128, vocab=51200, attention="explicit", dropout=0.1)
 MEGASCALE_175B = Model(layers=96, hidden=12288, heads=128, vocab=64000)
 GPT3_175B = Model(layers=96, hidden=12288, heads=96, vocab=51200)
 
 _MEGASCALE = dict(source="MegaScale Table 2 (Megatron-LM)", model=MEGASCALE_175B, device="a100-80gb", tp=8, pp=8,
                   micro_batch_size=1, recompute="selective", schedule="interleaved", chunks=6,
-                  assumed="micro-batch 1, selective recompute, 80 GB")  # fmt: skip
+                  stage_layers=(2,) * 48,  # Megatron-LM's interleaved split: 96 layers, 2 per model chunk
+                  assumed="micro-batch 1, selective recompute, 80 GB, FlashAttention, no dropout, sequence parallelism")  # fmt: skip
 _MT_NLG = dict(source="MT-NLG (Smith et al. 2022) §2.4", model=MT_NLG, device="a100-80gb", tp=8, pp=35,
                micro_batch_size=1, global_batch_size=1920, recompute="full", schedule="1f1b", chunks=1,
-               assumed="micro-batch 1")  # fmt: skip
+               stage_layers=(3,) * 35,  # Megatron-DeepSpeed's GPTModelPipe, partition_method 'type:transformer'
+               sp=False,  # 2021: before Megatron's sequence parallelism
+               assumed="micro-batch 1, Megatron's default dropouts (0.1)")  # fmt: skip
+
+_DGXC_175B = dict(source="NVIDIA dgxc-benchmarking nemo_megatron/README_175b.md (BF16)", model=GPT3_175B,
+                  device="h100-sxm", tp=4, pp=8, micro_batch_size=1, recompute="none", schedule="interleaved",
+                  chunks=12, assumed="no recompute and sequence parallelism as the recipe's gpt3_175b_hydra.yaml "
+                  "sets them; its distributed_fused_adam as ZeRO-1; FP8 off (DTYPE=bf16); vocabulary 51,200 as "
+                  "the README's FLOP count; its TP communication overlap (ub_tp_comm_overlap) not modelled")  # fmt: skip
 
 RUNS = (
     Run(name="bloom-176b", source="BLOOM tr11 README", model=BLOOM, device="a100-80gb", tp=4, pp=12, dp=8,
         micro_batch_size=2, global_batch_size=2048, recompute="full", schedule="1f1b", chunks=1, published_s=104.70,
-        assumed="learned positions for ALiBi"),
+        stage_layers=(5,) + (6,) * 10 + (5,),  # --pp-partition-method 'type:transformer|embedding', as the README shows
+        sp=False, assumed="learned positions for ALiBi, no embedding LayerNorm"),
     Run(name="mt-nlg-530b-2240", dp=8, published_s=60.1, **_MT_NLG),
     Run(name="mt-nlg-530b-2800", dp=10, published_s=50.2, **_MT_NLG),
     Run(name="mt-nlg-530b-3360", dp=12, published_s=44.4, **_MT_NLG),
@@ -115,13 +137,23 @@ RUNS = (
     Run(name="megascale-175b-1024", dp=16, global_batch_size=768, published_s=11.9, **_MEGASCALE),
     Run(name="megascale-175b-3072", dp=48, global_batch_size=6144, published_s=29.02, **_MEGASCALE),
     Run(name="megascale-175b-12288", dp=192, global_batch_size=6144, published_s=8.57, **_MEGASCALE),
+    Run(name="dgxc-gpt3-175b-128", dp=4, global_batch_size=256, published_s=8.309, **_DGXC_175B),
+    Run(name="dgxc-gpt3-175b-256", dp=8, global_batch_size=512, published_s=8.408, **_DGXC_175B),
+    Run(name="dgxc-gpt3-175b-512", dp=16, global_batch_size=1024, published_s=8.42, **_DGXC_175B),
+    Run(name="dgxc-gpt3-175b-1024", dp=32, global_batch_size=2048, published_s=8.453, **_DGXC_175B),
+    Run(name="dgxc-gpt3-175b-2048", dp=64, global_batch_size=4096, published_s=8.49, **_DGXC_175B),
 )
 
 NOT_EXPRESSIBLE = (
-    ("NVIDIA dgxc GPT-3 175B, Nemotron-4 15B and 340B on H100 (BF16)",
-     "sequence parallelism, which these layouts need to fit (GPT-3 175B at t4 p8 v12 without it: 170 GiB)"),
-    ("Llama 3 405B, Llama 3 paper Table 4", "FSDP (ZeRO-3) over the data-parallel group; 8k-128k context parallelism"),
-    ("torchtitan docs/performance.md (Llama 3 8B-405B)", "FSDP2 on every run; float8 on some"),
+    ("NVIDIA dgxc Nemotron-4 15B and 340B on H100 (BF16)",
+     "grouped-query attention and squared-ReLU MLPs not among the benchmark's model shapes; the GPT-3 175B rows "
+     "of the same recipes are in the table"),
+    ("Llama 3 405B, Llama 3 paper Table 4",
+     "no step time published (TFLOPs per GPU under a FLOP count the paper does not state); FSDP with a unit per "
+     "layer, where autopart's unit is the stage; 128k rows need context parallelism"),
+    ("torchtitan docs/performance.md (Llama 3 8B-405B)",
+     "FSDP2 with a unit per transformer block (autopart's unit is the stage: a one-stage FSDP run gathers the "
+     "whole model at once); 96 GB H100s at 500 W, not a device spec here; float8 on some"),
     ("NVIDIA dgxc Llama 3.1 8B / 70B / 405B", "context parallelism (CP 2) in every layout"),
     ("NeMo performance summary, H100 dense rows", "FP8"),
     ("Models of 1B-15B", "every public figure found uses FSDP, context parallelism or FP8"),
@@ -134,13 +166,25 @@ def predict(run: Run, folder: Path, *, search: bool) -> dict:
                   global_batch_size=run.global_batch_size)  # fmt: skip
     start = time.perf_counter()
     plan = autopart.compile(model, tp=run.tp, pp=run.pp, dp=run.dp, zero=True, micro_batch_size=run.micro_batch_size,
-                            recompute=run.recompute, schedule=run.schedule, chunks=run.chunks, **common)  # fmt: skip
+                            recompute=run.recompute, schedule=run.schedule, chunks=run.chunks, sp=run.sp,
+                            stage_layers=run.stage_layers, **common)  # fmt: skip
     row = {"plan": plan, "compile_s": time.perf_counter() - start}
     if search:
         start = time.perf_counter()
         row["searched"] = autopart.compile(model, world_size=run.gpus, **common)
         row["search_s"] = time.perf_counter() - start
     return row
+
+
+def describe_split(counts: tuple[int, ...]) -> str:
+    """``5,6x10,5``: layers per stage, runs of equal counts folded."""
+    runs: list[list[int]] = []
+    for count in counts:
+        if runs and runs[-1][0] == count:
+            runs[-1][1] += 1
+        else:
+            runs.append([count, 1])
+    return ",".join(f"{count}x{times}" if times > 1 else str(count) for count, times in runs)
 
 
 def mfu(run: Run, step_s: float) -> float:
@@ -174,7 +218,8 @@ def main(argv: list[str] | None = None) -> int:
             step = row["plan"].predicted.step_s
             errors.append(step / run.published_s - 1)
             layout = (f"t{run.tp} p{run.pp} d{run.dp} {run.schedule}{f' v{run.chunks}' if run.chunks > 1 else ''} "
-                      f"b{run.micro_batch_size} {run.recompute}")  # fmt: skip
+                      f"b{run.micro_batch_size} {run.recompute}{'' if run.sp else ' no-sp'} {run.model.attention}"
+                      f"{f' {describe_split(run.stage_layers)}' if run.stage_layers else ''}")  # fmt: skip
             extra = ()
             if args.search:
                 found = row["searched"]
@@ -185,8 +230,9 @@ def main(argv: list[str] | None = None) -> int:
                           f"{100 * mfu(run, step):.1f}%", *extra, run.source)  # fmt: skip
     console.print(table)
     absolute = [abs(e) for e in errors]
-    console.print(f"median |error| {100 * statistics.median(absolute):.1f}%, worst {100 * max(absolute):.1f}% "
-                  f"over {len(errors)} rows")  # fmt: skip
+    if absolute:  # none where no row compiled
+        console.print(f"median |error| {100 * statistics.median(absolute):.1f}%, worst {100 * max(absolute):.1f}% "
+                      f"over {len(errors)} rows")  # fmt: skip
     if errors and not args.no_write:
         band = Band.from_errors(errors, benchmark="published_runs",
                                 command=" ".join(["python", "benchmarks/published_runs.py", *(argv or sys.argv[1:])]))

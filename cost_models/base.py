@@ -11,7 +11,7 @@ from collections.abc import Iterable, Sequence
 from typing import Protocol, runtime_checkable
 
 from cost_models.counting import Kernel
-from cost_models.database import OpTimes, PipelineMeasurement, RuntimeOverheads
+from cost_models.database import CoRunMeasurement, OpTimes, PipelineMeasurement, RuntimeOverheads
 from cost_models.devices import DeviceSpec
 
 __all__ = ["CostModel"]
@@ -89,6 +89,11 @@ class CostModel(Protocol):
         ``pipeline`` is its `autopart.profiling.pipeline.pipeline_key`): its compute factor, which
         holds the waking after waits and the sharing of cores too, and its tied gradients' sum.
         None where not measured."""
+        ...
+
+    def co_run(self, key: str) -> CoRunMeasurement | None:
+        """How much slower the model computed with the host's other ranks computing beside it
+        (``key``: `autopart.profiling.co_run.co_run_key`). None where not measured."""
         ...
 
     def collective_time(self, kind: str, nbytes: float, group_size: int, *,

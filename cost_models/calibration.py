@@ -29,7 +29,7 @@ import torch
 
 from autopart.ir.errors import DeviceSpecError
 
-__all__ = ["CpuCalibration", "cache_dir", "calibrate_cpu", "calibrated_cpu_fields",
+__all__ = ["CpuCalibration", "cache_dir", "usable_cores", "calibrate_cpu", "calibrated_cpu_fields",
            "physical_memory_bytes", "background_load"]
 
 _SCHEMA = 1
@@ -59,6 +59,11 @@ class CpuCalibration:
     kernel_overhead_s: float
     """Time of one tiny eager op: dispatch, allocation, launch of the loop."""
     seconds_spent: float
+
+
+def usable_cores() -> int:
+    """The cores this process (and the ranks it starts) may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def cache_dir() -> Path:

@@ -49,7 +49,7 @@ import torch
 
 from autopart.ir.errors import ConfigError
 from autopart.tools.local_run import free_port
-from cost_models.calibration import cache_dir
+from cost_models.calibration import cache_dir, usable_cores
 
 __all__ = ["CommProfile", "Effort", "FULL", "QUICK", "cache_path", "profile_comm", "load_comm_profile", "SIZES", "WAKE_IDLES"]
 
@@ -240,7 +240,7 @@ def _busy_delay(rank: int, round_trips: int = 200) -> float:
     idle = mean_one_way()
     spinners = []
     if rank == 0:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        cores = usable_cores()
         spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(cores)]
         time.sleep(0.3)  # until they spin
     try:

@@ -20,7 +20,11 @@ The file is plain JSON so that it can be read, diffed, merged and checked in::
                             "resume_backward_s": ..}},
      "pipelines": {KEY: {"compute_factor": .., "stage_factors": {"FIRST-LAST": ..}, "tied_s": ..,
                          "optimizer_s": {"FIRST-LAST[,FIRST-LAST...]": ..},
-                         "send_s": .., "recv_s": .., "transfer_s": ..}}}
+                         "send_s": .., "recv_s": .., "transfer_s": ..}},
+     "co_runs": {KEY: {"processes": .., "factor": .., "rounds": .., "micro_batch_size": ..}}}
+
+and how much slower the model computes with the other ranks of its host computing beside it
+(`autopart.profiling.co_run`), keyed by precision and processes.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ import torch
 
 from autopart.ir.errors import ConfigError
 
-__all__ = ["OpTimes", "RuntimeOverheads", "PipelineMeasurement", "VARIATION_STEPS", "CostDatabase", "blocks_key", "plan_shape", "entry_key",
+__all__ = ["OpTimes", "RuntimeOverheads", "PipelineMeasurement", "CoRunMeasurement", "VARIATION_STEPS", "CostDatabase", "blocks_key", "plan_shape", "entry_key",
            "tail_key"]
 
 _SCHEMA = 2
@@ -129,6 +133,18 @@ class PipelineMeasurement:
         return self.optimizer_s.get(blocks_key(blocks))
 
 
+@dataclass(frozen=True, kw_only=True)
+class CoRunMeasurement:
+    """A model's forward and backward took ``factor`` times its time alone with ``processes``
+    processes (itself included) computing at once on this host (`autopart.profiling.co_run`)."""
+
+    processes: int
+    factor: float
+    rounds: int = 0
+    micro_batch_size: int = 0
+    """The micro-batch size it was measured at (0: not recorded)."""
+
+
 def plan_shape(schedule: str, microbatches: int, blocks: Sequence[tuple[int, int]]) -> str:
     """``"1f1b x8: 0-6,7-12"``: a plan's schedule, microbatches and stages, as `PipelineMeasurement.step_of` names them."""
     return f"{schedule} x{microbatches}: {blocks_key(blocks)}"
@@ -156,6 +172,7 @@ class CostDatabase:
     entries: dict[str, OpTimes] = field(default_factory=dict)
     overheads: dict[str, RuntimeOverheads] = field(default_factory=dict)
     pipelines: dict[str, PipelineMeasurement] = field(default_factory=dict)
+    co_runs: dict[str, CoRunMeasurement] = field(default_factory=dict)
     timed: int = 0
 
     @staticmethod
@@ -183,12 +200,16 @@ class CostDatabase:
                 step_variation=tuple({str(b): float(m) for b, m in step.items()} for step in v.get("step_variation", ())),
                 step_of=str(v.get("step_of", "")),
             ) for k, v in data.get("pipelines", {}).items()}
+            co_runs = {str(k): CoRunMeasurement(processes=int(v["processes"]), factor=float(v["factor"]),
+                                                rounds=int(v.get("rounds", 0)),
+                                                micro_batch_size=int(v.get("micro_batch_size", 0)))
+                       for k, v in data.get("co_runs", {}).items()}
         except ConfigError:
             raise
         except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
             raise ConfigError(f"cost database {path} is not a valid cost database ({exc}); "
                               "delete it or write a new one with 'autopart profile'") from None
-        return CostDatabase(path=path, entries=entries, overheads=overheads, pipelines=pipelines)
+        return CostDatabase(path=path, entries=entries, overheads=overheads, pipelines=pipelines, co_runs=co_runs)
 
     def get(self, device: str, op_key: str) -> OpTimes | None:
         return self.entries.get(entry_key(device, op_key))
@@ -203,6 +224,13 @@ class CostDatabase:
     def put_pipeline(self, device: str, key: str, measured: PipelineMeasurement) -> None:
         self.pipelines[entry_key(device, key)] = measured
 
+    def co_run(self, device: str, key: str) -> CoRunMeasurement | None:
+        return self.co_runs.get(entry_key(device, key))
+
+    def put_co_run(self, device: str, key: str, measured: CoRunMeasurement) -> None:
+        self.co_runs[entry_key(device, key)] = measured
+        self.timed += 1
+
     def devices(self) -> set[str]:
         return {key.split("|", 1)[0] for key in self.entries}
 
@@ -212,6 +240,7 @@ class CostDatabase:
             "entries": {k: asdict(v) for k, v in sorted(self.entries.items())},
             "overheads": {k: asdict(v) for k, v in sorted(self.overheads.items())},
             "pipelines": {k: asdict(v) for k, v in sorted(self.pipelines.items())},
+            "co_runs": {k: asdict(v) for k, v in sorted(self.co_runs.items())},
         }
 
     def save(self, path: str | Path | None = None) -> Path:

@@ -255,12 +255,10 @@ def _from_table(data: dict[str, Any], *, default_name: str) -> DeviceSpec:
         if stated:
             raise _FieldError(stated[0], "is measured when calibrate = true; remove it, "
                                          "or set calibrate = false and state every figure")
-        from cost_models.calibration import calibrated_cpu_fields
+        from cost_models.calibration import background_load, calibrated_cpu_fields, usable_cores
 
         data.update(calibrated_cpu_fields())
-        data["cores"] = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        from cost_models.calibration import background_load
-
+        data["cores"] = usable_cores()
         data["background_load"] = background_load(data["cores"])
     from cost_models.comm_profile import load_comm_profile
 

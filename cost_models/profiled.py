@@ -13,7 +13,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from cost_models.counting import Kernel
-from cost_models.database import CostDatabase, OpTimes, PipelineMeasurement, RuntimeOverheads
+from cost_models.database import CoRunMeasurement, CostDatabase, OpTimes, PipelineMeasurement, RuntimeOverheads
 from cost_models.devices import DeviceSpec
 from cost_models.roofline import RooflineCostModel
 
@@ -87,6 +87,9 @@ class ProfiledCostModel:
 
     def pipeline_profile(self, pipeline: str) -> PipelineMeasurement | None:
         return self.database.pipeline(self.device.name, pipeline)
+
+    def co_run(self, key: str) -> CoRunMeasurement | None:
+        return self.database.co_run(self.device.name, key)
 
     def collective_time(self, kind: str, nbytes: float, group_size: int, *, across_nodes: bool = False) -> float:
         return self.roofline.collective_time(kind, nbytes, group_size, across_nodes=across_nodes)

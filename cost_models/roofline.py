@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from cost_models import comm
 from cost_models.counting import Kernel
-from cost_models.database import OpTimes, PipelineMeasurement, RuntimeOverheads
+from cost_models.database import CoRunMeasurement, OpTimes, PipelineMeasurement, RuntimeOverheads
 from cost_models.devices import DeviceSpec
 
 __all__ = ["RooflineCostModel"]
@@ -146,6 +146,9 @@ class RooflineCostModel:
 
     def pipeline_profile(self, pipeline: str) -> PipelineMeasurement | None:
         return None  # a spec holds no model's measurements: the cost database does
+
+    def co_run(self, key: str) -> CoRunMeasurement | None:
+        return None  # measured per model: the cost database holds it
 
     def collective_time(self, kind: str, nbytes: float, group_size: int, *,
                         across_nodes: bool = False) -> float:

@@ -36,7 +36,8 @@ def test_cuda_lists_come_from_the_installed_torch():
     policies = cuda_policies()
     assert len(policies) > 80  # the header's four lists, not a short hand copy
     assert {policies[op] for op in ("linear", "mm", "bmm", "addmm", "matmul", "scaled_dot_product_attention")} == {"lower"}
-    assert {policies[op] for op in ("softmax", "log_softmax", "layer_norm", "pow", "rsqrt", "sum", "nll_loss")} == {"fp32"}
+    assert {policies[op] for op in ("layer_norm", "pow", "rsqrt", "nll_loss")} == {"fp32"}
+    assert {policies[op] for op in ("softmax", "log_softmax", "sum", "cumsum")} == {"fp32_set_opt_dtype"}
     assert "gelu" not in policies and "add" not in policies  # run in whatever dtype their inputs have
 
 
@@ -50,6 +51,17 @@ def test_cuda_casts_differ_from_cpu_ones_where_torch_says_so():
         cpu = (y.dtype, torch.softmax(y, -1).dtype, y.pow(2).dtype, torch.nn.functional.gelu(y).dtype)
     assert cuda == (torch.bfloat16, torch.float32, torch.float32, torch.bfloat16)
     assert cpu == (torch.bfloat16, torch.bfloat16, torch.bfloat16, torch.bfloat16)
+
+
+def test_an_explicit_output_dtype_is_kept_as_cuda_autocast_keeps_it():
+    """softmax and sum run in fp32 under CUDA autocast unless the call names its dtype: then
+    torch leaves it alone (its fp32_set_opt_dtype policy)."""
+    y = torch.randn(4, 8).bfloat16()
+    with cuda_autocast(torch.bfloat16):
+        named = (torch.softmax(y, -1, dtype=torch.bfloat16).dtype, y.sum(dtype=torch.bfloat16).dtype)
+        unnamed = (torch.softmax(y, -1).dtype, y.sum().dtype, torch.nn.functional.softmax(y, dim=-1, dtype=None).dtype)
+    assert named == (torch.bfloat16, torch.bfloat16)
+    assert unnamed == (torch.float32,) * 3
 
 
 def test_a_plan_for_a_gpu_sends_what_cuda_autocast_gives(tmp_path):

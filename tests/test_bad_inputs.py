@@ -135,6 +135,18 @@ OPTION_CASES = {
         r"the model does not fit: .* the fullest device needs 0\.\d+ GiB but the memory limit is 0\.00 GiB; raise --memory",
     ),
     "bad_flag_value": (["--pp", "two"], r"argument --pp: invalid int value: 'two'"),
+    "stage_layers_count": (["--stage-layers", "1,1,1"], r"--stage-layers lists 3 stages but --pp x --chunks is 2"),
+    "stage_layers_empty_stage": (["--stage-layers", "2,0"], r"--stage-layers gives stage 1 0 layers; every stage needs"),
+    "stage_layers_not_numbers": (["--stage-layers", "2,x"], r"--stage-layers takes whole numbers separated by commas"),
+    "stage_layers_with_search": (["--stage-layers", "1,1", "--world-size", "2", "--global-batch-size", "8"],
+                                 r"--stage-layers pins the cuts of a layout given in full; drop --world-size"),
+    "first_stage_layers_with_stage_layers": (["--stage-layers", "1,1", "--first-stage-layers", "1"],
+                                             r"--stage-layers gives every stage's count; drop --first-stage-layers"),
+    "last_stage_layers_one_stage": (["--pp", "1", "--last-stage-layers", "1"],
+                                    r"sets the first or last pipeline stage apart, and there is one stage; add --pp 2"),
+    "first_stage_layers_zero": (["--first-stage-layers", "0"], r"gives a stage 0 layers; every stage needs at least one"),
+    "stage_layers_with_plan": (["--stage-layers", "1,1", "--plan", "plan.json"],
+                               r"--stage-layers pins the cuts that --plan already records; drop one of them"),
     "profile_pipeline_without_costs": (
         ["--profile-pipeline"], r"--profile-pipeline keeps what it measures in a cost database: add --costs COSTS.json"
     ),

@@ -145,6 +145,16 @@ def test_dead_or_stuck_peer_ends_the_job_with_the_failing_action(compiled, tmp_p
     assert seconds < 90, f"took {seconds:.0f} s"
 
 
+@pytest.mark.multiprocess
+def test_a_rank_killed_by_a_signal_says_where_it_was(compiled):
+    """An abort inside a C++ library leaves no Python traceback of its own; the rank's stack is
+    what tells a user (and a CI log) where it died."""
+    result, _ = launch(compiled, "--steps", "3", "--timeout", "8", env={"AUTOPART_FAIL_AT": "1:1:abort"})
+    assert result.returncode != 0
+    assert "Fatal Python error: Aborted" in result.stderr
+    assert 'in inject_failure' in result.stderr and 'in _loop' in result.stderr
+
+
 def launch_here(out: Path, monkeypatch, capsys, *, rank: int = 0, world_size: int = 2) -> str:
     """train.py's launch checks, in this process: they all run before any collective."""
     monkeypatch.setenv("RANK", str(rank))

@@ -20,7 +20,11 @@ from autopart.predict.accuracy import Band, basis_for, load_bands, write_band
 from autopart.tools.cli import main
 from autopart.driver import CompileOptions
 from autopart.ir.plan import load_plan
+from autopart.profiling.co_run import co_run_key, host_processes
+from cost_models.calibration import usable_cores
 from cost_models.comm_profile import CommProfile, cache_path, load_comm_profile
+from cost_models.database import CostDatabase
+from cost_models.devices import local_device_name
 
 MODEL = Path(__file__).parent / "models" / "three_layers.py"
 
@@ -66,10 +70,17 @@ def test_the_default_compile_measures_once_and_a_second_reads_the_cache(fresh_ca
     _, second = measure_defaults.measure_defaults(options)
     assert second.ops_timed == 0 and not second.messages_measured and len(calls) == 1
     assert (database.stat().st_mtime_ns, database.read_bytes()) == written
-    assert second.basis.what == "ops and messages measured on this machine"
+    processes = host_processes(2, usable_cores())  # the plan's two ranks on this host, one per core at most
+    at_once = f" (timed {processes} at once, as the plan's ranks on this host compute)" if processes > 1 else ""
+    assert second.basis.what == f"ops{at_once} and messages measured on this machine"
+    # the model was timed beside a real copy of itself, and the cache says how many ran at once
+    co_run = CostDatabase.load(database).co_run(local_device_name("cpu"), co_run_key("fp32", processes))
+    assert processes == 1 or (co_run is not None and co_run.processes == processes and co_run.rounds > 0
+                              and co_run.micro_batch_size == options.batch_shape()[2])
 
     plan = autopart.compile(MODEL, pp=2, microbatches=2)  # reads the same cache: nothing timed
-    assert plan.predicted.basis == "ops and messages measured on this machine" and len(calls) == 1
+    assert plan.predicted.basis == f"ops{at_once} and messages measured on this machine" and len(calls) == 1
+    assert plan.predicted.compute_factor_from == ("co-run" if processes > 1 else plan.predicted.compute_factor_from)
     assert database.read_bytes() == written[1]
 
 

@@ -72,7 +72,8 @@ class Predicted:
     # (the compute's delay by its work on shared cores, the wait past the rank's last action)
     compute_factor: tuple[float, ...] = ()  # per stage: inside the pipeline each forward and backward takes this many
     # times its profiled time (stage_time_s and the stages' times are the profiled ones); () for 1
-    compute_factor_from: str = "none"  # "pipeline" (measured in it: --profile-pipeline), "device" or "none"
+    compute_factor_from: str = "none"  # "pipeline" (measured in it: --profile-pipeline), "co-run" (the model
+    # timed beside the host's other ranks), "device" or "none"
     profiled_step_s: float | None = None  # the median step this very plan took when --profile-pipeline ran it
     background_load: float = 0.0  # other busy processes on the machine's cores at compile time, which step_s counts
     model_flops_per_step: float = 0.0  # forward and backward of the whole model over the global batch, no recompute

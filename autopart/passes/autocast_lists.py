@@ -36,7 +36,7 @@ _COMPOSITES = {"cross_entropy": "fp32", "cross_entropy_loss": "fp32"}
 _LISTS = {
     "AT_FORALL_LOWER_PRECISION_FP": "lower",
     "AT_FORALL_FP32": "fp32",
-    "AT_FORALL_FP32_SET_OPT_DTYPE": "fp32",
+    "AT_FORALL_FP32_SET_OPT_DTYPE": "fp32_set_opt_dtype",
     "AT_FORALL_PROMOTE": "promote",
 }
 
@@ -81,6 +81,10 @@ class cuda_autocast(TorchFunctionMode):  # noqa: N801 - used as a context manage
         kwargs = kwargs or {}
         name = func.overloadpacket.__name__ if isinstance(func, torch._ops.OpOverload) else getattr(func, "__name__", "")
         policy = self.policies.get(name.lstrip("_"))
+        if policy == "fp32_set_opt_dtype":
+            # torch's policy for these (softmax, sum, ...): a call that names its output dtype is
+            # left alone; any other runs in fp32
+            policy = None if kwargs.get("dtype") is not None else "fp32"
         if policy is not None:
             tensors = [t for t in pytree.tree_leaves((args, kwargs)) if _floating(t)]
             if tensors:

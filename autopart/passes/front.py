@@ -17,6 +17,7 @@ from autopart.passes.blocks import BlockChain, build_blocks
 from autopart.passes.capture import Graph, capture
 from autopart.passes.recompute import recompute_cost
 from autopart.passes.rewrite import separate_biases
+from autopart.profiling.measure_defaults import co_run_processes
 from autopart.profiling.profile import profile_costs
 from autopart.runtime.materialise import check_initialisers
 from autopart.solve.tensor import BlockSharding, shard_chain
@@ -90,7 +91,8 @@ def annotated(options: CompileOptions, micro_batch_size: int, *, separate_biases
         local = local_kind(options.device)
         if local is not None:
             timed = profile_costs(graph, spec, database, device=local, micro_batch_size=micro_batch_size,
-                                  optimizer=options.optimizer, dtype=options.dtype)
+                                  optimizer=options.optimizer, dtype=options.dtype,
+                                  processes=co_run_processes(options, local, roofline.device.cores))
             if timed:
                 database.save()
     cost_model = roofline if database is None else ProfiledCostModel(roofline=roofline, database=database)

@@ -106,18 +106,21 @@ def band_key(kind: str, local: str | None) -> str:
 
 
 def basis_for(*, device: str, local: str | None, measured: bool, costs: Path | None, messages: bool,
-              pipeline: bool = False, bands: dict[str, Band] | None = None) -> Basis:
+              pipeline: bool = False, co_run: int = 1, bands: dict[str, Band] | None = None) -> Basis:
     """The basis of a compile for ``device``: ``measured`` when the default path measured its ops
     here, ``costs`` the cost database given instead, ``messages`` whether this machine's message
-    figures were measured, ``pipeline`` whether ``--profile-pipeline`` ran the plan first."""
+    figures were measured, ``pipeline`` whether ``--profile-pipeline`` ran the plan first,
+    ``co_run`` the processes the model's compute was timed among (the host's ranks that compute
+    at once, `autopart.profiling.co_run`; 1: alone)."""
     bands = load_bands() if bands is None else bands
     on = "this pipeline, " if pipeline else ""
+    beside = f" (timed {co_run} at once, as the plan's ranks on this host compute)" if co_run > 1 and not pipeline else ""
     if measured:
-        kind, what = MEASURED, "ops and messages measured on this machine" if messages else \
-            "ops measured on this machine, messages from the device spec"
+        kind, what = MEASURED, f"ops{beside} and messages measured on this machine" if messages else \
+            f"ops{beside} measured on this machine, messages from the device spec"
     elif costs is not None:
         kind = PROFILED
-        what = f"ops from {costs.name}, {on}messages " + ("measured on this machine" if messages else "from the spec")
+        what = f"ops from {costs.name}{beside}, {on}messages " + ("measured on this machine" if messages else "from the spec")
     elif local is not None:
         kind, what = ROOFLINE, f"{device} roofline: nothing measured (--no-measure)"
     else:

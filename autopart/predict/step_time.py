@@ -18,6 +18,7 @@ from autopart.options import CompileOptions
 from autopart.passes.front import Front, block_seconds
 from autopart.predict.data_parallel import DataParallelComm, data_parallel_comm
 from autopart.predict.reduction import overlapped_step_time, plan_reductions
+from autopart.profiling.co_run import co_run_key, host_processes
 from autopart.profiling.pipeline import pipeline_key
 from autopart.predict.timeline import lowered_schedule
 from autopart.schedule import SPLIT_BACKWARD_KINDS, StageCosts
@@ -95,9 +96,16 @@ def compute_factor(options: CompileOptions, front: Front, stages: list[StagePlan
                     in_place: PipelineMeasurement | None) -> tuple[tuple[float, ...], str]:
     """Per stage, how many times its profiled time each forward and backward takes inside this
     pipeline, and where the figures are from: "pipeline" where this very pipeline was run and
-    measured (``--profile-pipeline``), "device" for the device's own (``profile-comm`` on a CPU), "none"."""
+    measured (``--profile-pipeline``); "co-run" where the model was timed beside as many copies
+    of itself as the host's ranks compute at once (`autopart.profiling.co_run`: the ranks of one
+    host, at most one per core; a plan spread over hosts shares only its host's cores); "device"
+    for the device's own (``profile-comm``'s tiny layer on a CPU); "none"."""
     if in_place is not None:
         return tuple(in_place.stage_factor(stage.blocks) for stage in stages), "pipeline"
+    processes = host_processes(options.ranks_per_host, front.cost_model.device.cores)
+    co_run = front.cost_model.co_run(co_run_key(options.dtype, processes)) if processes > 1 else None
+    if co_run is not None:
+        return (co_run.factor,) * len(stages), "co-run"
     # a rank computes beside the others and their messages
     device = front.cost_model.pipeline_compute_factor() if options.pp > 1 else 1.0
     return (device,) * len(stages), "device" if device != 1.0 else "none"

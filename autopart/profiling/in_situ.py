@@ -43,7 +43,7 @@ import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
-__all__ = ["NodeTimes", "time_in_situ", "measure_resume", "optimizer_in_situ", "trimmed_mean"]
+__all__ = ["NodeTimes", "left_as_it_was", "time_in_situ", "measure_resume", "optimizer_in_situ", "trimmed_mean"]
 
 REPEATS = 10
 """Runs of the whole graph timed at least (after two warm-up runs)."""
@@ -147,7 +147,7 @@ def _owners(nodes: list[torch.autograd.graph.Node], ticks: _Ticks) -> dict[Any, 
 
 
 @contextlib.contextmanager
-def _left_as_it_was(module: nn.Module) -> Iterator[None]:
+def left_as_it_was(module: nn.Module) -> Iterator[None]:
     """Runs of ``module`` inside leave its parameters without gradients and its buffers and the
     random state as they were before."""
     buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
@@ -194,7 +194,7 @@ def time_in_situ(module: fx.GraphModule, args: Sequence[Any], *, repeats: int = 
     collecting = gc.isenabled()
     gc.disable()
     try:
-        with _left_as_it_was(module), torch.enable_grad():
+        with left_as_it_was(module), torch.enable_grad():
             run, started = 0, time.perf_counter()
             while run < repeats + 2 or time.perf_counter() - started < min_seconds:
                 run += 1
@@ -266,7 +266,7 @@ def optimizer_in_situ(module: fx.GraphModule, args: Sequence[Any], make_step: Ca
     step = make_step(copies)
     step()  # the optimizer's state
     samples: list[float] = []
-    with _left_as_it_was(module), torch.enable_grad():
+    with left_as_it_was(module), torch.enable_grad():
         started = time.perf_counter()
         while len(samples) < repeats or time.perf_counter() - started < min_seconds:
             _backward(module(*args))

@@ -10,7 +10,11 @@ measures what the step model needs:
    none for this host, backend and torch; ``autopart profile-comm`` measures them at full effort;
 2. every op of the training graph in place (`autopart.profiling.profile.profile_costs`) into a cost
    database cached per machine and model hash (``$AUTOPART_CACHE_DIR/costs/``); its keys name
-   shapes and dtypes, so other micro-batch sizes and precisions add to the same file.
+   shapes and dtypes, so other micro-batch sizes and precisions add to the same file;
+3. how much slower the model computes beside as many copies of itself as the plan's ranks on one
+   host compute at once (`autopart.profiling.co_run`), into the same database, per micro-batch
+   size, precision and number of processes: the ranks compute at once and share the caches and
+   the memory bus, where the in-place profile ran alone.
 
 A second compile of the same model finds both and measures nothing. ``--no-measure`` keeps the
 roofline, and so does the environment variable ``AUTOPART_NO_MEASURE=1`` (the test suite sets it:
@@ -34,12 +38,13 @@ from rich.console import Console
 
 from autopart.options import CompileOptions, local_kind
 from autopart.predict.accuracy import Basis, basis_for
-from cost_models.calibration import background_load, cache_dir
+from autopart.profiling.co_run import host_processes
+from cost_models.calibration import background_load, cache_dir, usable_cores
 from cost_models.comm_profile import QUICK, load_comm_profile, profile_comm
 from cost_models.database import CostDatabase
 from cost_models.devices import local_device_name
 
-__all__ = ["NO_MEASURE_ENV", "Measured", "measure_defaults", "costs_cache_path"]
+__all__ = ["NO_MEASURE_ENV", "Measured", "co_run_processes", "measure_defaults", "costs_cache_path"]
 
 log = logging.getLogger("autopart")
 
@@ -68,6 +73,14 @@ def costs_cache_path(model: Path, kind: str) -> Path:
     return cache_dir() / "costs" / f"{host}-{Path(model).stem}-{digest}.json"
 
 
+def co_run_processes(options: CompileOptions, kind: str | None, cores: int) -> int:
+    """The processes a compile times its model's compute among (`autopart.profiling.co_run`):
+    the plan's ranks on one host that compute at once, on this machine's CPU while measuring is
+    on; 1 (alone, nothing to measure) otherwise."""
+    measuring = kind == "cpu" and options.measure and not os.environ.get(NO_MEASURE_ENV)
+    return host_processes(options.ranks_per_host, cores) if measuring else 1
+
+
 def _messages_known(kind: str) -> bool:
     return load_comm_profile(local_device_name(kind)) is not None
 
@@ -87,7 +100,7 @@ def measure_defaults(options: CompileOptions, *, console: Console | None = None)
     if kind is None or options.costs is not None or not options.measure or os.environ.get(NO_MEASURE_ENV) or missing:
         messages = kind is not None and _messages_known(kind)
         basis = basis_for(device=options.device, local=kind, measured=False, costs=options.costs, messages=messages,
-                          pipeline=options.profile_pipeline)
+                          pipeline=options.profile_pipeline, co_run=co_run_processes(options, kind, usable_cores()))
         return options, Measured(basis=basis, costs=options.costs)
     path = costs_cache_path(options.model, kind)
     measure_messages = not _messages_known(kind) and _can_measure_messages(kind)
@@ -97,7 +110,8 @@ def measure_defaults(options: CompileOptions, *, console: Console | None = None)
         if measure_messages:
             profile_comm(ranks=2, backend="gloo" if kind == "cpu" else "nccl", effort=QUICK)
     timed = 0 if options.searched or options.plan is not None else _profile_ops(options, kind, path, console)
-    basis = basis_for(device=options.device, local=kind, measured=True, costs=None, messages=_messages_known(kind))
+    basis = basis_for(device=options.device, local=kind, measured=True, costs=None, messages=_messages_known(kind),
+                      co_run=co_run_processes(options, kind, usable_cores()))
     measured = Measured(basis=basis, costs=path, ops_timed=timed, messages_measured=measure_messages)
     if measure_messages or timed:
         _note_busy(kind, path)
@@ -107,7 +121,7 @@ def measure_defaults(options: CompileOptions, *, console: Console | None = None)
 def _note_busy(kind: str, path: Path) -> None:
     """What was just measured is cached for good: say so when other work shared the cores, as
     a message's time and a rank's wake-up then include waiting for them."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = usable_cores()
     others = background_load(cores) if kind == "cpu" else 0.0
     if others >= cores:
         log.info(f"{others:g} other busy processes shared this machine's {cores} cores while its ops and messages "
@@ -127,7 +141,8 @@ def _profile_ops(options: CompileOptions, kind: str, path: Path, console: Consol
     graph = capture(spec, batch_size=micro_batch_size, method=options.capture, leaves=options.leaf)
     database = CostDatabase.load(path)
     timed = profile_costs(graph, spec, database, device=kind, micro_batch_size=micro_batch_size,
-                          optimizer=options.optimizer, dtype=options.dtype, console=console)
+                          optimizer=options.optimizer, dtype=options.dtype, console=console,
+                          processes=co_run_processes(options, kind, usable_cores()))
     if timed or not path.exists():
         database.save()
     return timed

@@ -7,7 +7,8 @@ two backward halves (`cost_models.profiler.time_op`). Repeated layers produce th
 they are timed once; a second run over the same model times nothing. It also times one
 optimizer step per parameter shape (scaled, on the CPU, to a whole step measured right after
 the graph's backward, `autopart.profiling.in_situ.optimizer_in_situ`) and, once per device, the
-fixed costs of the runtime.
+fixed costs of the runtime; and, given the processes that the plan's ranks on one host run at
+once, how much slower the graph computes beside as many copies of itself (`autopart.profiling.co_run`).
 
 On the CPU ops are timed with one thread: that is what every rank runs with under torchrun
 (which sets ``OMP_NUM_THREADS=1`` when it starts several processes), and where they run: the
@@ -47,6 +48,7 @@ from autopart.passes.grad_leaves import leaves_for_grad
 from autopart.ir.model_file import ModelSpec
 from autopart.passes.capture import Graph, graph_args
 from autopart.ir.errors import ConfigError
+from autopart.profiling.co_run import co_run_key, measure_co_run
 from autopart.profiling.in_situ import NodeTimes, measure_resume, optimizer_in_situ, time_in_situ
 from autopart.runtime.optim import make_optimizer
 from cost_models.database import CostDatabase, OpTimes
@@ -215,9 +217,11 @@ def put_in_situ(database: CostDatabase, device_name: str, timer: _Timer, in_situ
 
 def profile_costs(graph: Graph, spec: ModelSpec, database: CostDatabase, *, device: str = "cpu",
                   micro_batch_size: int, optimizer: str = "adamw", threads: int = 1,
-                  console: Console | None = None, dtype: str = "fp32") -> int:
+                  console: Console | None = None, dtype: str = "fp32", processes: int = 1) -> int:
     """Time what ``database`` lacks for this model at ``micro_batch_size`` in precision ``dtype``;
-    return how many were timed."""
+    return how many were timed. On the CPU with ``processes`` > 1 (the ranks of the host that
+    compute at once, `autopart.profiling.co_run.host_processes`), also how much slower the
+    graph computes beside as many copies of itself, when the database lacks it."""
     if dtype not in DTYPES:
         raise ConfigError(f"unknown --dtype {dtype!r}; profile one of {', '.join(DTYPES)}")
     where = torch_device(device)
@@ -251,6 +255,14 @@ def profile_costs(graph: Graph, spec: ModelSpec, database: CostDatabase, *, devi
             forward, backward = measure_resume(module, values)
             database.overheads[device_name] = replace(database.overheads[device_name], resume_forward_s=forward,
                                                       resume_backward_s=backward)
+        co_run = co_run_key(dtype, processes)
+        if where.type == "cpu" and processes > 1 and database.co_run(device_name, co_run) is None:
+            status = console.status(f"timing the model beside {processes - 1} copies of itself (the host's other "
+                                    "ranks)") if console is not None else nullcontext()
+            with status:
+                measured = measure_co_run(module, values, processes=processes,
+                                          forward_context=partial(precision, dtype, where.type))
+            database.put_co_run(device_name, co_run, replace(measured, micro_batch_size=micro_batch_size))
         in_step = partial(optimizer_in_situ, module, values) if where.type == "cpu" else None
         time_optimizer(database, device_name, where, optimizer, list(dict.fromkeys(module.parameters())), in_step)
     finally:

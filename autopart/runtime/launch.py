@@ -94,7 +94,8 @@ def check_launch(out_dir: Path, plan: Plan, *, rank: int, world_size: int) -> No
 
 def inject_failure(rank: int, step: int) -> None:
     """Test hook: ``AUTOPART_FAIL_AT=RANK:STEP`` ends that rank at the start of that step, and
-    ``RANK:STEP:hang`` makes it stop answering instead; only in torchrun's first attempt."""
+    ``RANK:STEP:hang`` makes it stop answering instead, ``RANK:STEP:abort`` kills it with SIGABRT
+    (as a collective library's failed check does); only in torchrun's first attempt."""
     spec = os.environ.get("AUTOPART_FAIL_AT")
     if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
         return
@@ -104,6 +105,8 @@ def inject_failure(rank: int, step: int) -> None:
     if len(parts) > 2 and parts[2] == "hang":
         print(f"autopart: AUTOPART_FAIL_AT: rank {rank} stops answering at step {step}", file=sys.stderr, flush=True)
         time.sleep(3600)
+    if len(parts) > 2 and parts[2] == "abort":
+        os.abort()
     print(f"autopart: AUTOPART_FAIL_AT: rank {rank} dies at step {step}", file=sys.stderr, flush=True)
     os._exit(17)
 

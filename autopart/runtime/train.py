@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import faulthandler
 import functools
 import json
 import os
@@ -127,6 +128,7 @@ def _write_action_times(folder: Path, rank: int, step: int, origin: float, recor
 
 def main(out_dir: str | Path, argv: list[str] | None = None) -> None:
     out_dir = Path(out_dir).resolve()
+    faulthandler.enable()  # a rank killed by a signal (an abort in a collective library) prints where it was
     try:
         _train(out_dir, argv)
     except AutopartError as exc:

@@ -2,8 +2,11 @@
 autopart scores its own (``autopart.solve.search.score_layout``, the closed-form step estimate).
 
 - ``grid_search``: Megatron-LM's recipe (Narayanan et al., SC21, §5): every valid (t, p, d)
-  with tensor parallelism inside a node, every micro-batch size, the 1F1B schedule, no ZeRO, one
-  recompute setting for the whole model (none, selective or full), and a partitioner for the
+  with tensor parallelism inside a node, every micro-batch size, the 1F1B schedule, with or
+  without the distributed optimizer (``--use-distributed-optimizer``: ZeRO-1), sequence
+  parallelism as the cost table has it (``--sequence-parallel``; the compiler's tables have it on
+  with TP, as its search does), one recompute setting for the whole model (none, selective or
+  full), and a partitioner for the
   cuts: ``equal_layer_cuts`` for Megatron itself; the other partitioners of
   ``autopart.solve.baselines`` on the same grid give "the best layout with that partitioner".
 - ``exhaustive_search``: every layout of the search space, every cut set, every recompute mode
@@ -75,8 +78,9 @@ class BaselineResult:
 
 
 def grid_space(space: SearchSpace) -> SearchSpace:
-    """Megatron's grid inside ``space``: 1F1B, no interleaving, no ZeRO, the same pins otherwise."""
-    return dataclasses.replace(space, schedule=("1f1b",), chunks=None, zero=(False,))
+    """Megatron's grid inside ``space``: 1F1B, no interleaving, the distributed optimizer or not
+    (Megatron has ZeRO-1 and nothing beyond it), the same pins otherwise."""
+    return dataclasses.replace(space, schedule=("1f1b",), chunks=None, zero=tuple(z for z in space.zero if z in (0, 1)))
 
 
 def grid_search(name: str, space: SearchSpace, table: CostTable, cluster: Cluster, partition: Partitioner,

@@ -48,7 +48,7 @@ from autopart.solve.sharding import REPLICATE
 from cost_models import get_cost_model
 from cost_models.memory import communicator_bytes
 
-__all__ = ["FrontTable", "plan_by_search", "search_space", "cluster_of", "shallow_table"]
+__all__ = ["FrontTable", "plan_by_search", "search_space", "cluster_of", "shallow_table", "sequence_parallel"]
 
 CP_SAT_LIMIT = 2_000
 """CP-SAT refines the chosen cuts when blocks x stages is at most this (its model's size)."""
@@ -97,8 +97,8 @@ class FrontTable:
         return self._fronts[key]
 
     def _options(self, *, tp: int, dtype: str) -> CompileOptions:
-        return replace(self.options, world_size=None, tp=tp, pp=1, dp=1, zero=False, schedule="1f1b", chunks=1,
-                       recompute="none", dtype=dtype)
+        return replace(self.options, world_size=None, tp=tp, pp=1, dp=1, zero=0, schedule="1f1b", chunks=1,
+                       recompute="none", dtype=dtype, sp=sequence_parallel(self.options))
 
     def chain_costs(self, *, micro_batch_size: int, tp: int, dtype: str) -> ChainCosts:
         key = (micro_batch_size, tp, dtype)
@@ -106,7 +106,7 @@ class FrontTable:
             self._costs[key] = chain_costs(self.front(micro_batch_size=micro_batch_size, tp=tp, dtype=dtype), tp)
         return self._costs[key]
 
-    def state_bytes(self, parameter_bytes: int, *, dp: int, zero: bool, dtype: str = "fp32") -> int:
+    def state_bytes(self, parameter_bytes: int, *, dp: int, zero: int, dtype: str = "fp32") -> int:
         return state_bytes(parameter_bytes, optimizer=self.options.optimizer, dp=dp, zero=zero, dtype=dtype)
 
 
@@ -168,7 +168,7 @@ def search_space(options: CompileOptions) -> SearchSpace:
         microbatches=pin(options.microbatches),
         schedule=pin(options.schedule) or SCHEDULE_KINDS,
         chunks=pin(options.chunks),
-        zero=pin(options.zero) or (False, True),
+        zero=pin(options.zero) or (0, 1, 2),  # ZeRO-3 when pinned (``autopart.solve.data_parallel_tail``)
         dtype=SEARCHED_DTYPES if options.dtype == "auto" else (options.dtype or "fp32",),
         recompute=(options.recompute,) if isinstance(options.recompute, str) else RECOMPUTE_MODES,
         recompute_per_stage=options.recompute if isinstance(options.recompute, tuple) else None,
@@ -191,6 +191,7 @@ def cluster_of(options: CompileOptions) -> Cluster:
         all_gather_s=lambda nbytes, group, across: cost_model.collective_time("all_gather", nbytes, group,
                                                                               across_nodes=across),
         optimizer_s_per_byte=per_byte,
+        reduction_overlaps=device.kind != "cpu",  # as ``autopart.predict.step_time`` overlaps them
         communicator_bytes=lambda pp, tp, dp: communicator_bytes(device.kind, pp=pp, tp=tp, dp=dp),
     )
 
@@ -296,8 +297,18 @@ def concrete_options(options: CompileOptions, layout: Layout, recompute: tuple[s
         options, world_size=None, pp=layout.pp, tp=layout.tp, dp=layout.dp, zero=layout.zero,
         schedule=layout.schedule, chunks=layout.chunks, microbatches=layout.microbatches,
         micro_batch_size=None, global_batch_size=layout.microbatches * layout.micro_batch_size * layout.dp,
-        recompute=recompute, dtype=layout.dtype,
+        recompute=recompute, dtype=layout.dtype, sp=sequence_parallel(options),
     )  # fmt: skip
+
+
+def sequence_parallel(options: CompileOptions) -> bool:
+    """Whether the search's plans use sequence parallelism (where TP > 1): as pinned, else on.
+    It is not searched both ways (that would repeat every TP layout): it moves the bytes TP alone
+    moves (a reduce-scatter and an all-gather for each all-reduce, so twice the collectives'
+    latencies) and holds the norms' and residuals' activations t times smaller (Korthikanti et
+    al., MLSys'23); where a value's sequence does not split t ways it stays whole
+    (``autopart.solve.sequence``). ``benchmarks/plan_quality.py --dimensions`` searches both."""
+    return True if options.sp is None else bool(options.sp)
 
 
 def _plan_of(options: CompileOptions, table: FrontTable, scored: Scored, solver: tuple[str, float, float],
@@ -369,7 +380,7 @@ def _does_not_fit(options: CompileOptions, space: SearchSpace, table: FrontTable
     # a first figure from likely-lean layouts (the smallest microbatch, ZeRO where allowed, the model
     # split the most ways), one layout each; then the bisection over the whole space from it
     lean = [layout for layout in space.layouts(blocks) if layout.micro_batch_size == smallest
-            and (layout.zero or layout.dp == 1 or True not in space.zero)]
+            and (layout.zero or layout.dp == 1 or 1 not in space.zero)]
     lean.sort(key=lambda layout: -layout.pp * layout.tp)
     needed = None
     for layout in lean[:8]:

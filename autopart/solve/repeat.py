@@ -143,5 +143,5 @@ class RepeatedTable:
     def block_layers(self, *, micro_batch_size: int, tp: int, dtype: str) -> list[str | None]:
         return self._repeated(micro_batch_size, tp, dtype)[1]
 
-    def state_bytes(self, parameter_bytes: int, *, dp: int, zero: bool, dtype: str = "fp32") -> int:
+    def state_bytes(self, parameter_bytes: int, *, dp: int, zero: int, dtype: str = "fp32") -> int:
         return self.inner.state_bytes(parameter_bytes, dp=dp, zero=zero, dtype=dtype)

@@ -1,25 +1,24 @@
-"""The whole plan by search: mesh shape, microbatches, schedule, recompute, ZeRO and dtype.
+"""The whole plan by search: mesh shape, microbatches, schedule, recompute, ZeRO level and dtype.
 
     layouts(space) -> score each (cuts by bisection, refined by a closed-form step) -> simulate the finalists
 
-Every way to run the model on ``world_size`` devices is a ``Layout``: the degrees
-``pp * tp * dp = world_size`` (tensor parallelism inside a node unless pinned across), the
-micro-batch size (a divisor of each replica's share of the global batch), the schedule (gpipe,
-1f1b, interleaved with 2 or 4 chunks, zb-h1), ZeRO-1 and the dtype. For each, the cutter
-(``autopart.solve.bottleneck``) places the stages so that the slowest is as fast as it can be;
-the step is estimated in closed form (the pipeline latency of the schedule, the data-parallel
-gradient all-reduce, the optimizer step), and ``autopart.solve.refine`` moves the cuts while
-that estimate falls, each rank taking the recompute modes that make it fastest within its
-memory. Layouts are visited in the order of a lower bound on their estimate (every stage its
-share of the compute, the busiest rank its share of the parameters), and the visit stops once
-that bound passes the ``finalists``-th best estimate found: the rest cannot make the table. The finalists
-are then simulated action by action (``score``: a callback, so that the compiler predicts them
+Every way to run the model on ``world_size`` devices is a ``Layout``: ``pp * tp * dp =
+world_size`` (tensor parallelism inside a node unless pinned across), the micro-batch size (a
+divisor of each replica's share of the global batch), the schedule (gpipe, 1f1b, interleaved
+with 2 or 4 chunks, zb-h1, zbv), the ZeRO level (0 to 2; 3 when pinned; FSDP's never with a
+split backward: ``autopart.solve.data_parallel_tail``) and the dtype. Sequence parallelism is
+the cost table's (on with TP unless pinned off: it holds less and moves what TP alone moves).
+For each, the cutter (``autopart.solve.bottleneck``) places the stages so that the slowest is as
+fast as it can be; the step is estimated in closed form (the schedule's pipeline latency, what
+the data-parallel collectives add, the optimizer step), and ``autopart.solve.refine`` moves the
+cuts while that estimate falls, each rank taking the recompute modes that make it fastest
+within its memory. Layouts are visited in the order of a lower bound on their estimate, and the
+visit stops once that bound passes the ``finalists``-th best estimate found. The finalists are
+then simulated action by action (``score``: a callback, so that the compiler predicts them
 exactly as it predicts any plan) and ranked.
 
 Costs come from a ``CostTable``: per (micro-batch size, tp, dtype) the chain's ``ChainCosts``.
-The compiler builds them from annotated captures (one per micro-batch size and dtype); the
-benchmarks may build them any way they like. Nothing here names a device.
-"""
+Nothing here names a device."""
 
 from __future__ import annotations
 
@@ -32,7 +31,10 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from autopart.ir.errors import ConfigError
+from autopart.runtime.fully_sharded import FSDP_LEVELS
 from autopart.schedule import SCHEDULE_KINDS, stage_placement
+from autopart.solve.data_parallel_tail import (FORWARD_SHARE, fsdp_may_pay, fully_sharded_levels, hidden_s,
+                                               last_bucket_bytes, most_hidden_s, stage_times, tail_s)
 from autopart.solve.vshape import zbv_fits, zbv_pipeline_s
 from autopart.predict.in_flight import in_flight
 from autopart.predict.in_flight import transient as transient_count
@@ -70,7 +72,7 @@ class Layout:
     microbatches: int
     schedule: str
     chunks: int = 1
-    zero: bool = False
+    zero: int = 0  # ZeRO level (``autopart.predict.memory``); True reads as 1
     dtype: str = "fp32"
 
     @property
@@ -91,7 +93,8 @@ class Layout:
 
     def describe(self) -> str:
         schedule = f"{self.schedule} v={self.chunks}" if self.chunks > 1 else self.schedule
-        extras = "".join([" zero" if self.zero else "", f" {self.dtype}" if self.dtype != "fp32" else ""])
+        level = {0: "", 1: " zero"}.get(int(self.zero), f" zero{int(self.zero)}")
+        extras = "".join([level, f" {self.dtype}" if self.dtype != "fp32" else ""])
         return f"pp{self.pp} tp{self.tp} dp{self.dp} {self.microbatches}x{self.micro_batch_size} {schedule}{extras}"
 
 
@@ -109,7 +112,7 @@ class SearchSpace:
     microbatches: tuple[int, ...] | None = None
     schedule: tuple[str, ...] = SCHEDULE_KINDS
     chunks: tuple[int, ...] | None = None
-    zero: tuple[bool, ...] = (False, True)
+    zero: tuple[int, ...] = (0, 1, 2)  # ZeRO-3 only when pinned: see ``fully_sharded_levels``
     dtype: tuple[str, ...] = ("fp32",)
     recompute: tuple[str, ...] = RECOMPUTE_MODES  # modes any stage may take
     recompute_per_stage: tuple[str, ...] | None = None  # a pin of one mode per stage
@@ -135,7 +138,7 @@ class SearchSpace:
                 for mbs in self._micro_batch_sizes(share):
                     m = share // mbs
                     for schedule, chunks in self._schedules(pp, m, blocks):
-                        for zero in self.zero if dp > 1 else (False,):
+                        for zero in fully_sharded_levels(self.zero, schedule) if dp > 1 else (0,):
                             for dtype in self.dtype:
                                 yield Layout(pp=pp, tp=tp, dp=dp, micro_batch_size=mbs, microbatches=m,
                                              schedule=schedule, chunks=chunks, zero=zero, dtype=dtype)
@@ -184,6 +187,10 @@ class Cluster:
     all_reduce_s: Callable[[float, int, bool], float]  # (bytes, group, across nodes) -> seconds
     all_gather_s: Callable[[float, int, bool], float]
     optimizer_s_per_byte: float  # seconds of the optimizer step per byte of parameters
+    reduction_overlaps: bool = False
+    """The data-parallel collectives run beside the compute without slowing it (a GPU's streams):
+    the all-reduce hides behind the backward (``autopart.predict.reduction``), a reduce-scatter
+    behind the next forward (``autopart.predict.data_parallel``). False: they add to the step."""
     communicator_bytes: Callable[[int, int, int], int] = lambda pp, tp, dp: 0  # (pp, tp, dp) -> per rank, besides
     # overhead_bytes: the collective library's buffers (`cost_models.memory.communicator_bytes`)
 
@@ -193,7 +200,7 @@ class CostTable(Protocol):
         """The chain's costs per microbatch on one rank of a tensor-parallel group of ``tp``."""
         ...
 
-    def state_bytes(self, parameter_bytes: int, *, dp: int, zero: bool, dtype: str = "fp32") -> int:
+    def state_bytes(self, parameter_bytes: int, *, dp: int, zero: int, dtype: str = "fp32") -> int:
         """Weights, gradients and optimizer state of a parameter share of ``parameter_bytes``."""
         ...
 
@@ -229,10 +236,11 @@ class SearchResult:
 
 
 def estimate_step_s(layout: Layout, cut: StageCut, cluster: Cluster, rank_parameter_bytes: list[int],
-                    across_nodes: bool) -> float:
-    """The step in closed form: the schedule's pipeline latency, then the gradient all-reduce
-    over the data-parallel group and the optimizer step of the busiest rank."""
-    times, m, p = cut.stage_time_s, layout.microbatches, layout.pp
+                    across_nodes: bool, last_bytes: list[int] | None = None) -> float:
+    """The step in closed form: the schedule's pipeline latency (stages with FSDP's collectives), then
+    what the data-parallel collectives run past it and the busiest rank's optimizer step (``data_parallel_tail``)."""
+    m, p = layout.microbatches, layout.pp
+    times = stage_times(layout, cluster, cut.stage_time_s, rank_parameter_bytes, across_nodes)
     if layout.schedule == "interleaved":
         pipeline = _interleaved_pipeline_s(times, p, m, layout.chunks)
     elif layout.schedule == "zbv":
@@ -241,7 +249,7 @@ def estimate_step_s(layout: Layout, cut: StageCut, cluster: Cluster, rank_parame
         pipeline = sum(times) + (m - 1) * max(times)
         if layout.schedule == "zb-h1":  # W fills the cool-down bubble: (p-1)(F+I-W), not (p-1)(F+I+W)
             pipeline -= 2 * (p - 1) * min(cut.stage_weight_s)
-    return pipeline + tail_s(layout, cluster, rank_parameter_bytes, across_nodes)
+    return pipeline + tail_s(layout, cluster, rank_parameter_bytes, across_nodes, hidden_s(layout, times), last_bytes)
 
 
 def _interleaved_pipeline_s(times: tuple[float, ...], p: int, m: int, v: int) -> float:
@@ -268,20 +276,6 @@ def _interleaved_pipeline_s(times: tuple[float, ...], p: int, m: int, v: int) ->
     return m * ((1 - own) * slowest + own * rounds) + (p - 1) * max(times)
 
 
-def tail_s(layout: Layout, cluster: Cluster, rank_parameter_bytes: list[int], across_nodes: bool) -> float:
-    """What the step does after the pipeline drains, on its busiest rank: the gradient
-    all-reduce over the data-parallel group and the optimizer step (with ZeRO-1, a shard of the
-    step and the all-gather of the updated shards)."""
-    tail = 0.0
-    for nbytes in rank_parameter_bytes:
-        sync = cluster.all_reduce_s(nbytes, layout.dp, across_nodes) if layout.dp > 1 else 0.0
-        step = cluster.optimizer_s_per_byte * nbytes
-        if layout.zero:  # a shard of the step each, then the updated shards to everyone
-            step = step / layout.dp + cluster.all_gather_s(nbytes, layout.dp, across_nodes)
-        tail = max(tail, sync + step)
-    return tail
-
-
 def search(
     space: SearchSpace,
     table: CostTable,
@@ -301,14 +295,19 @@ def search(
     bounded = sorted(((_lower_bound(table, layout, cluster), layout) for layout in layouts), key=lambda x: (x[0], x[1]))
     best: list[Scored] = []  # the finalists so far, by estimate
     scored = fitting = 0
+    settled: set[Layout] = set()  # ZeRO-1 layouts whose FSDP twins cannot do better
     for visited, (bound, layout) in enumerate(bounded):
         if progress is not None:
             progress(visited, len(bounded))
         if len(best) >= finalists and bound >= best[-1].estimate_s:
             break
+        if layout.zero in FSDP_LEVELS and dataclasses.replace(layout, zero=1) in settled:
+            continue  # its ZeRO-1 twin does not fit, or hides its all-reduce: ``fsdp_may_pay``
         scored += 1
         result = score_layout(layout, table, cluster, space,
                               refine_below=best[-1].estimate_s if len(best) >= finalists else math.inf)
+        if result is None or (layout.zero == 1 and not fsdp_may_pay(result, table, cluster)):
+            settled.add(layout)
         if result is None:
             continue
         fitting += 1
@@ -359,7 +358,10 @@ def _lower_bound(table: CostTable, layout: Layout, cluster: Cluster) -> float:
         if layout.schedule == "zb-h1":
             pipeline -= 2 * (p - 1) * sum(costs.weight_s) / p
     share = sum(costs.parameter_bytes.values()) // p
-    tail = tail_s(layout, cluster, [share], layout.data_parallel_crosses_nodes(cluster.gpus_per_node))
+    # a rank's all-reduce hides behind its last backward, at most 2/3 of its stages' time: a longer
+    # one adds more to the pipeline above (m - 1 >= 1 times, or m rounds) than it hides
+    behind = (1 - FORWARD_SHARE) * slowest if m > 1 or layout.chunks > 1 else most_hidden_s(layout, costs, cluster)
+    tail = tail_s(layout, cluster, [share], layout.data_parallel_crosses_nodes(cluster.gpus_per_node), [behind])
     return (pipeline + tail) * (1 - 1e-12)  # below the estimate's own rounding
 
 
@@ -411,7 +413,7 @@ def score_layout(layout: Layout, table: CostTable, cluster: Cluster, space: Sear
     if cut is None:
         return None
     rank_bytes = parameter_bytes_per_rank(table, layout, cut, ranks)
-    estimate = estimate_step_s(layout, cut, cluster, rank_bytes, across)
+    estimate = estimate_step_s(layout, cut, cluster, rank_bytes, across, last_bucket_bytes(layout, costs, cut.cuts))
     return Scored(layout=layout, cut=cut, estimate_s=estimate)
 
 
@@ -420,7 +422,8 @@ def _refined(layout, table, cluster, costs, cut, modes, flight, transient, ranks
     """The bisection's cut, refined by the step itself where that may bring it into the finalists."""
     judge = CutJudge(costs, in_flight=flight, transient=transient, stage_rank=ranks, transfer_s=transfer,
                      memory_limit_bytes=cluster.memory_bytes, overhead_bytes=cluster.overhead_bytes, modes=modes,
-                     objective=lambda c, rank_bytes: estimate_step_s(layout, c, cluster, rank_bytes, across))
+                     objective=lambda c, rank_bytes: estimate_step_s(layout, c, cluster, rank_bytes, across,
+                                                                     last_bucket_bytes(layout, costs, c.cuts)))
     judged = judge.judge(cut.cuts) if cut is not None else None
     if judged is not None and layout.chunks == 1 and _refine_bound(table, layout, cluster, cut) >= refine_below:
         pass  # no cuts of this layout can make the finalists: its slowest stage alone keeps it out

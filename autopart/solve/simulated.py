@@ -4,7 +4,8 @@ The search estimates thousands of layouts in closed form (``autopart.solve.searc
 ``sum T_s + (m - 1) max T_s`` and the like, each stage's time counting its transfers). Here a
 scored layout is run action by action on its own schedule (``autopart.schedule.build_schedule``,
 the generator the compiler emits, virtual stages for interleaved) with the block-level chain
-costs of its stages, and the same data-parallel tail is added after the pipeline drains:
+costs of its stages (under ZeRO-2/3 with FSDP's collectives), and the same data-parallel tail
+is added after the pipeline drains (``autopart.solve.data_parallel_tail``):
 
 - forward: the stage's blocks' ``forward_s``;
 - backward: their ``backward_s`` plus the forward work the stage's recompute mode repeats (the
@@ -26,7 +27,9 @@ import functools
 
 from autopart.schedule import Schedule, StageCosts, build_schedule, simulate, stage_placement
 from autopart.solve.search import Cluster, CostTable, Scored, parameter_bytes_per_rank, tail_s
+from autopart.solve.baselines import stage_parameter_bytes
 from autopart.solve.bottleneck import ChainCosts
+from autopart.solve.data_parallel_tail import fully_sharded_extra_s, last_bucket_bytes
 
 __all__ = ["simulated_step_s", "simulated_stage_costs", "pipeline_s"]
 
@@ -39,7 +42,12 @@ def simulated_step_s(scored: Scored, table: CostTable, cluster: Cluster) -> floa
     pipeline = pipeline_s(layout.schedule, layout.pp, layout.microbatches, layout.chunks, costs)
     ranks = stage_placement(layout.schedule, ranks=layout.pp, chunks=layout.chunks)
     rank_bytes = parameter_bytes_per_rank(table, layout, cut, ranks)
-    return pipeline + tail_s(layout, cluster, rank_bytes, layout.data_parallel_crosses_nodes(cluster.gpus_per_node))
+    behind = [0.0] * layout.pp  # per rank, its last microbatch's backward: what its all-reduce runs beside
+    for rank, backward in zip(ranks, costs.backward_s):
+        behind[rank] += backward
+    chain = table.chain_costs(micro_batch_size=layout.micro_batch_size, tp=layout.tp, dtype=layout.dtype)
+    return pipeline + tail_s(layout, cluster, rank_bytes, layout.data_parallel_crosses_nodes(cluster.gpus_per_node),
+                             behind, last_bucket_bytes(layout, chain, cut.cuts))
 
 
 def simulated_stage_costs(scored: Scored, table: CostTable, cluster: Cluster) -> StageCosts:
@@ -51,9 +59,13 @@ def simulated_stage_costs(scored: Scored, table: CostTable, cluster: Cluster) ->
     ends = [*(c + 1 for c in cut.cuts), len(costs)]
     forward, backward, weight = costs.prefix("forward_s"), costs.prefix("backward_s"), costs.prefix("weight_s")
     forward_s, backward_s, weight_s = [], [], []
+    data_parallel_across = layout.data_parallel_crosses_nodes(cluster.gpus_per_node)
     for first, end, mode in zip(firsts, ends, cut.recompute, strict=True):
-        forward_s.append(forward[end] - forward[first])
-        backward_s.append(backward[end] - backward[first] + _recompute_s(costs, mode, first, end))
+        stage_forward = forward[end] - forward[first]
+        gather, reduce = fully_sharded_extra_s(int(layout.zero), cluster, stage_parameter_bytes(costs, first, end - 1),
+                                               stage_forward, dp=layout.dp, across_nodes=data_parallel_across)
+        forward_s.append(stage_forward + gather)
+        backward_s.append(backward[end] - backward[first] + _recompute_s(costs, mode, first, end) + reduce)
         weight_s.append(weight[end] - weight[first])
     across = layout.pipeline_crosses_nodes(cluster.gpus_per_node)
     transfer_s = tuple(cluster.p2p_s(costs.boundary_bytes[c], across) for c in cut.cuts)

@@ -16,11 +16,23 @@ from rich.console import Console
 from rich.table import Table
 
 from autopart.predict.accuracy import describe_prediction
-from autopart.ir.errors import AutopartError, OneLineParser
+from autopart.ir.errors import AutopartError, ConfigError, OneLineParser
 from autopart.tools.local_run import LocalRunError
 from autopart.runtime.recipe import Recipe, add_recipe_arguments
 
 __all__ = ["main"]
+
+
+def _add_layer_pins(c: argparse.ArgumentParser) -> None:
+    """The pipeline cuts pinned by layer counts, in autopart's form and in Megatron's."""
+    c.add_argument("--stage-layers", metavar="N,N,...",
+                   help="pin the pipeline cuts: repeated layers per stage (pp x chunks counts, in model order; the "
+                        "embedding goes with the first stage, the head with the last), e.g. 5,6,6,5")
+    c.add_argument("--first-stage-layers", type=int, metavar="N",
+                   help="Megatron's form of the pin (--decoder-first-pipeline-num-layers): N layers on the first "
+                        "stage, the other stages an equal share of the rest")
+    c.add_argument("--last-stage-layers", type=int, metavar="N",
+                   help="N layers on the last stage (--decoder-last-pipeline-num-layers)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -63,6 +75,7 @@ def _parser() -> argparse.ArgumentParser:
         "--recompute", metavar="MODE",
         help="activation recompute: none, selective or full for every stage, or one per stage as A,B,... (default none, or searched)",
     )  # fmt: skip
+    _add_layer_pins(c)
     c.add_argument("--dtype", help="fp32; bf16: bf16 working weights cast once per step from fp32 master weights, "
                                         "gradients accumulated in fp32 (Megatron-LM's mixed precision); bf16-autocast: "
                                         "fp32 weights cast by autocast in every forward; or auto (searched; default fp32)")
@@ -211,6 +224,9 @@ def _compile(args: argparse.Namespace, console: Console) -> None:
         leaf=tuple(args.leaf),
         recompute=_recompute_modes(args.recompute) if args.recompute is not None else None,
         dtype=args.dtype,
+        stage_layers=_layer_counts(args.stage_layers) if args.stage_layers is not None else None,
+        first_stage_layers=args.first_stage_layers,
+        last_stage_layers=args.last_stage_layers,
         profile_pipeline=args.profile_pipeline,
         measure=not args.no_measure,
     )
@@ -230,7 +246,8 @@ def _compile(args: argparse.Namespace, console: Console) -> None:
     if args.costs is not None:
         console.print(f"costs from {args.costs}: {_entries(args.costs) - known} ops timed, {known} known")
     if plan.predicted.compute_factor_from != "none":
-        where = {"pipeline": "measured in this pipeline", "device": "the device's, from profile-comm"}
+        where = {"pipeline": "measured in this pipeline", "device": "the device's, from profile-comm",
+                 "co-run": "the model measured beside the host's other ranks"}
         factors = " ".join(f"x{f:.3f}" for f in plan.predicted.compute_factor)
         from_ = where[plan.predicted.compute_factor_from]
         console.print(f"compute inside the pipeline, per stage: {factors} ({from_})")
@@ -277,6 +294,14 @@ def _recompute_modes(text: str) -> str | tuple[str, ...]:
     """``--recompute full`` for every stage, or ``--recompute full,none`` for each stage in turn."""
     modes = [mode.strip() for mode in text.split(",")]
     return modes[0] if len(modes) == 1 else tuple(modes)
+
+
+def _layer_counts(text: str) -> tuple[int, ...]:
+    """``--stage-layers 5,6,6,5``: whole numbers, one per stage."""
+    try:
+        return tuple(int(count) for count in text.split(","))
+    except ValueError:
+        raise ConfigError(f"--stage-layers takes whole numbers separated by commas (e.g. 5,6,6,5), got {text!r}") from None
 
 
 def _entries(path: Path | None) -> int:

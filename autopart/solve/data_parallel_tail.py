@@ -1,0 +1,162 @@
+"""The search's closed form of a layout's data-parallel collectives, per ZeRO level, placed where
+the step model places them (``autopart.predict.data_parallel``, ``autopart.predict.reduction``).
+
+- Levels 0 and 1 all-reduce the gradients in buckets as the last backward makes them final: on a
+  device whose collectives run beside the compute (``Cluster.reduction_overlaps``), only what the
+  all-reduce runs past the rank's last microbatch's backward adds to the step. Level 1 then steps
+  a shard of the optimizer state and all-gathers the updated shards.
+- Level 2 (FSDP) reduce-scatters every microbatch's gradients beside the next action (hidden
+  behind a forward's length) and gathers the parameters once a step; level 3 gathers them before
+  every forward and every backward, which adds to those actions.
+
+The figures are the step model's on the search's own stage times (a stage's forward a third of
+its forward and backward, as ``autopart.solve.search`` takes it elsewhere); a bucket's grain is
+taken as the first block's parameters (what the backward makes final last, as the embedding).
+Functions of plain values: the layout and cluster are read by attribute only.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+from autopart.runtime.fully_sharded import FSDP_LEVELS
+from autopart.schedule import SPLIT_BACKWARD_KINDS, stage_placement
+
+__all__ = ["fully_sharded_levels", "tail_s", "hidden_s", "last_bucket_bytes", "fully_sharded_extra_s", "stage_times",
+           "most_hidden_s", "fsdp_may_pay"]
+
+FORWARD_SHARE = 1 / 3
+"""Of a stage's forward and backward, the forward's part (a backward is about twice a forward)."""
+
+
+def fully_sharded_levels(levels: tuple[int, ...], schedule: str) -> tuple[int, ...]:
+    """The ZeRO levels of ``levels`` that ``schedule`` runs with: FSDP's (2 and 3) never with a
+    split backward (``autopart.runtime.fully_sharded.check_level``)."""
+    if schedule in SPLIT_BACKWARD_KINDS:
+        return tuple(level for level in levels if level not in FSDP_LEVELS)
+    return levels
+
+
+def _reduce_scatter_s(cluster, nbytes: float, group: int, across: bool) -> float:
+    """A reduce-scatter moves what an all-gather moves (nccl-tests' bus factor (n - 1)/n both)."""
+    return cluster.all_gather_s(nbytes, group, across)
+
+
+def tail_s(layout, cluster, rank_parameter_bytes: Sequence[int], across_nodes: bool,
+           hidden: Sequence[float] | None = None, last_bytes: Sequence[int] | None = None) -> float:
+    """What the step does after the pipeline drains, on its busiest rank: the part of the
+    data-parallel collectives that nothing hides, and the optimizer step (a shard of it under
+    ZeRO). ``hidden``: per rank, the backward its all-reduce runs beside (``hidden_s``); None
+    hides nothing. ``last_bytes``: per rank, the parameter bytes whose gradients are final only
+    as its last backward ends (``last_bucket_bytes``): their all-reduce hides behind nothing."""
+    tail = 0.0
+    dp, level = layout.dp, int(layout.zero)
+    for rank, nbytes in enumerate(rank_parameter_bytes):
+        step = cluster.optimizer_s_per_byte * nbytes
+        if dp == 1:
+            tail = max(tail, step)
+            continue
+        gather = cluster.all_gather_s(nbytes, dp, across_nodes)
+        if level in (0, 1):
+            sync = cluster.all_reduce_s(nbytes, dp, across_nodes)
+            if hidden is not None and cluster.reduction_overlaps:
+                last = cluster.all_reduce_s(last_bytes[rank], dp, across_nodes) if last_bytes is not None else 0.0
+                sync = max(last, sync - hidden[rank])
+            rank_tail = sync + (step / dp + gather if level == 1 else step)
+        else:  # FSDP: the step waits for the last reduce-scatter where it runs beside the compute
+            last = _reduce_scatter_s(cluster, nbytes, dp, across_nodes) if cluster.reduction_overlaps else 0.0
+            rank_tail = step / dp + last + (gather if level == 2 else 0.0)
+        tail = max(tail, rank_tail)
+    return tail
+
+
+@functools.lru_cache(maxsize=1024)
+def _placement(schedule: str, pp: int, chunks: int) -> tuple[int, ...]:
+    return stage_placement(schedule, ranks=pp, chunks=chunks)
+
+
+def hidden_s(layout, times: Sequence[float]) -> list[float]:
+    """Per rank, the backward of its last microbatch through its stages (``times``: per stage, a
+    microbatch's forward and backward): what its gradient all-reduce runs beside."""
+    found = [0.0] * layout.pp
+    for time, rank in zip(times, _placement(layout.schedule, layout.pp, layout.chunks)):
+        found[rank] += (1 - FORWARD_SHARE) * time
+    return found
+
+
+def last_bucket_bytes(layout, costs, cuts: Sequence[int]) -> list[int]:
+    """Per rank, the bytes of the parameters of the first block of its first stage (``costs``: a
+    ``ChainCosts``; stage s ends after block ``cuts[s]``): the backward reaches them last, so the
+    bucket that holds them is reduced after the rank's last backward."""
+    found = [0] * layout.pp
+    seen: set[int] = set()
+    firsts = (0, *(c + 1 for c in cuts))
+    for stage, rank in enumerate(_placement(layout.schedule, layout.pp, layout.chunks)):
+        if rank not in seen:
+            seen.add(rank)
+            found[rank] = sum(costs.parameter_bytes[p] for p in costs.block_parameters[firsts[stage]])
+    return found
+
+
+def fully_sharded_extra_s(level: int, cluster, stage_bytes: float, forward_s: float, *, dp: int,
+                          across_nodes: bool) -> tuple[float, float]:
+    """What FSDP adds to each forward and each backward of a stage holding ``stage_bytes``
+    (``autopart.predict.data_parallel.data_parallel_comm``'s levels 2 and 3)."""
+    if level not in FSDP_LEVELS or dp == 1:
+        return 0.0, 0.0
+    scatter = _reduce_scatter_s(cluster, stage_bytes, dp, across_nodes)
+    reduce = max(0.0, scatter - forward_s) if cluster.reduction_overlaps else scatter
+    if level == 2:
+        return 0.0, reduce
+    gather = cluster.all_gather_s(stage_bytes, dp, across_nodes)
+    return gather, gather + reduce
+
+
+def stage_times(layout, cluster, times: Sequence[float], rank_parameter_bytes: Sequence[int],
+                across_nodes: bool) -> tuple[float, ...]:
+    """``times`` (per stage, a microbatch's forward and backward) with FSDP's gathers and
+    unhidden reduce-scatters added; each stage holds its rank's parameters over its chunks."""
+    if int(layout.zero) not in FSDP_LEVELS or layout.dp == 1:
+        return tuple(times)
+    found = []
+    for time, rank in zip(times, _placement(layout.schedule, layout.pp, layout.chunks)):
+        share = rank_parameter_bytes[rank] / layout.chunks
+        forward, backward = fully_sharded_extra_s(int(layout.zero), cluster, share, FORWARD_SHARE * time,
+                                                  dp=layout.dp, across_nodes=across_nodes)
+        found.append(time + forward + backward)
+    return tuple(found)
+
+
+def most_hidden_s(layout, costs, cluster) -> float:
+    """More than any rank's ``hidden_s`` under any cuts (for the search's lower bound): no rank's
+    last backward is longer than the whole chain's, fully recomputed, with a transfer at each end
+    of each of its stages."""
+    largest_transfer = cluster.p2p_s(max(costs.boundary_bytes, default=0),
+                                     layout.pipeline_crosses_nodes(cluster.gpus_per_node))
+    return (1 - FORWARD_SHARE) * (costs.prefix("compute_s")[-1] + costs.prefix("forward_s")[-1]
+                                  + 2 * layout.chunks * largest_transfer)
+
+
+def fsdp_may_pay(scored, table, cluster) -> bool:
+    """Whether ZeRO-2 might beat ZeRO-1's ``scored`` layout: only where on some rank the
+    all-reduce sticks out past the backward by more than a reduce-scatter of its gradients. On
+    the same cuts ZeRO-2 adds at least that reduce-scatter to the tail (its last one, or one per
+    microbatch where nothing hides them) and never less to a stage, and no cuts fit at ZeRO-2
+    that do not fit at ZeRO-1 (``autopart.predict.memory``); other cuts are not compared."""
+    layout, cut = scored.layout, scored.cut
+    costs = table.chain_costs(micro_batch_size=layout.micro_batch_size, tp=layout.tp, dtype=layout.dtype)
+    held: list[set[str]] = [set() for _ in range(layout.pp)]
+    firsts, ends = (0, *(c + 1 for c in cut.cuts)), (*(c + 1 for c in cut.cuts), len(costs))
+    for stage, rank in enumerate(_placement(layout.schedule, layout.pp, layout.chunks)):
+        held[rank].update(p for k in range(firsts[stage], ends[stage]) for p in costs.block_parameters[k])
+    rank_bytes = [sum(costs.parameter_bytes[p] for p in names) for names in held]
+    across = layout.world_size > cluster.gpus_per_node
+    hidden = hidden_s(layout, cut.stage_time_s) if cluster.reduction_overlaps else [0.0] * layout.pp
+    last = last_bucket_bytes(layout, costs, cut.cuts)
+    for rank, nbytes in enumerate(rank_bytes):
+        exposed = max(cluster.all_reduce_s(last[rank], layout.dp, across),
+                      cluster.all_reduce_s(nbytes, layout.dp, across) - hidden[rank])
+        if exposed > _reduce_scatter_s(cluster, nbytes, layout.dp, across):
+            return True
+    return False

@@ -1,0 +1,81 @@
+"""Pipeline cuts pinned by the number of repeated layers on each stage (``--stage-layers``).
+
+What a user of Megatron-LM (``--decoder-first-pipeline-num-layers``) or DeepSpeed
+(``partition_method``) sets by hand: stage s holds the next ``counts[s]`` repeated layers, the
+blocks before the first layer (the embedding) go with the first stage and those after the last
+(the final norm, the head, the loss) with the last, as both frameworks place them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from autopart.ir.errors import ConfigError, InfeasibleError
+from autopart.ir.plan import Plan
+from autopart.passes.blocks import BlockChain
+from autopart.solve.baselines import Layers, block_layers
+from autopart.solve.cut_problem import PipelineProblem
+
+__all__ = ["check_fits", "layer_count_cuts", "megatron_counts", "stage_layer_cuts"]
+
+
+def layer_count_cuts(layers: Layers, counts: Sequence[int]) -> tuple[int, ...]:
+    """Cuts after the last block of layer ``counts[0] + ... + counts[s] - 1`` for each stage s but the last."""
+    order = list(dict.fromkeys(layer for layer in layers if layer is not None))
+    if not order:
+        raise ConfigError("--stage-layers counts repeated layers (a ModuleList of blocks), and this model has none; "
+                          "drop --stage-layers")
+    if sum(counts) != len(order):
+        raise ConfigError(
+            f"--stage-layers sums to {sum(counts)} layers but the model has {len(order)} ({order[0]} to {order[-1]}); "
+            f"give counts that sum to {len(order)}"
+        )
+    last_block = {layer: k for k, layer in enumerate(layers) if layer is not None}
+    cuts, taken = [], 0
+    for count in counts[:-1]:
+        taken += count
+        cuts.append(last_block[order[taken - 1]])
+    return tuple(cuts)
+
+
+def megatron_counts(layers: int, stages: int, *, first: int | None, last: int | None) -> tuple[int, ...]:
+    """Megatron-LM's split: ``first`` layers on the first stage and ``last`` on the last (either
+    may be None), the other stages an equal share of the rest, which must divide evenly."""
+    middle = stages - (first is not None) - (last is not None)
+    rest = layers - (first or 0) - (last or 0)
+    if rest < middle or (middle and rest % middle) or (not middle and rest):
+        raise ConfigError(
+            f"--first-stage-layers/--last-stage-layers leave {rest} of the model's {layers} layers for {middle} "
+            f"other stage(s), which must each take an equal share of at least one; change the counts or use "
+            "--stage-layers"
+        )
+    share = rest // middle if middle else 0
+    counts = [share] * stages
+    if first is not None:
+        counts[0] = first
+    if last is not None:
+        counts[-1] = last
+    return tuple(counts)
+
+
+def stage_layer_cuts(chain: BlockChain, counts: Sequence[int] | None, *, stages: int, first: int | None = None,
+                     last: int | None = None) -> tuple[int, ...]:
+    """``layer_count_cuts`` of a captured chain, from every stage's count or from Megatron's form."""
+    layers = block_layers(chain)
+    if counts is None:
+        counts = megatron_counts(len({layer for layer in layers if layer is not None}), stages, first=first, last=last)
+    return layer_count_cuts(layers, counts)
+
+
+def check_fits(plan: Plan, problem: PipelineProblem) -> Plan:
+    """``plan`` of pinned cuts, refused in one line when a rank's predicted memory breaks the limit."""
+    memory = plan.predicted.memory_bytes
+    rank = max(range(len(memory)), key=memory.__getitem__)
+    if memory[rank] > problem.memory_limit_bytes:
+        gib = 1 << 30
+        raise InfeasibleError(
+            f"the --stage-layers split needs {memory[rank] / gib:.2f} GiB on pipeline rank {rank}, more than the "
+            f"{problem.memory_limit_bytes / gib:.2f} GiB limit; move layers off that rank's stages, recompute more, "
+            "or drop --stage-layers to let the solver cut"
+        )
+    return plan
