@@ -74,7 +74,10 @@ def _train_once(module: Counted, mode: str, *, split: bool, dtype: str):
     """F then B (or I then W) of one microbatch; the random state moves on between them, as in a pipeline."""
     module.zero_grad(set_to_none=True)
     module.calls = 0
-    x = torch.randn(2, 32, 64, generator=torch.Generator().manual_seed(0)).requires_grad_(True)
+    x = torch.randn(2, 32, 64, generator=torch.Generator().manual_seed(0))
+    # bf16 (working weights) stages receive a bf16 residual stream; CPU autocast runs a norm in its
+    # input's dtype, so an fp32 input could not meet the bf16 norm weights there
+    x = (x.to(torch.bfloat16) if dtype == "bf16" else x).requires_grad_(True)
     grad = torch.randn(2, 32, 64, generator=torch.Generator().manual_seed(1))
     forward = StageForward(module, recompute=mode, dtype=dtype, device=CPU, split_backward=split)
     torch.manual_seed(5)
@@ -92,7 +95,7 @@ def _train_once(module: Counted, mode: str, *, split: bool, dtype: str):
     return out.detach(), found[0], grads, module.calls, kept.count
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "bf16-autocast"])
 @pytest.mark.parametrize("split", [False, True], ids=["B", "I+W"])
 @pytest.mark.parametrize("mode", ["selective", "full"])
 def test_recompute_computes_exactly_what_keeping_computes(mode, split, dtype):
