@@ -74,8 +74,10 @@ class CompileOptions:
     """Activation recompute: "none", "selective" or "full" for every stage, or one per stage
     (``autopart.passes.recompute``); none unless searched (then chosen per stage)."""
     dtype: str | None = None
-    """Precision: "fp32", or "bf16" (forwards under torch.autocast, fp32 weights and gradients);
-    "auto" lets the search choose; fp32 unless searched."""
+    """Precision (`autopart.ir.tensors.DTYPES`): "fp32"; "bf16", mixed precision as Megatron-LM
+    runs it (bf16 working weights cast once per step, fp32 master weights, optimizer state and
+    gradient accumulation); "bf16-autocast" (fp32 weights cast by torch.autocast in every
+    forward); "auto" lets the search choose between fp32 and bf16; fp32 unless searched."""
     profile_pipeline: bool = False
     """Run the compiled programs here for a few steps, store how much longer their stages
     compute inside the running pipeline than alone in ``costs`` (`autopart.profiling.pipeline`),

@@ -52,9 +52,10 @@ class SyntheticTable:
             block_parameters=names,
         )
 
-    def state_bytes(self, parameter_bytes: int, *, dp: int, zero: int) -> int:
+    def state_bytes(self, parameter_bytes: int, *, dp: int, zero: int, dtype: str = "fp32") -> int:
         """fp32 Adam: weights, gradients and two moments; ZeRO-1 shards the moments, ZeRO-2/3
-        everything beside a whole copy of weights and gradients (``autopart.predict.memory``)."""
+        everything beside a whole copy of weights and gradients (``autopart.predict.memory``).
+        The synthetic layouts are fp32: ``dtype`` is taken as the real tables take it, and unused."""
         if zero in (2, 3):
             return 2 * parameter_bytes + 4 * parameter_bytes // dp
         return 2 * parameter_bytes + (2 * parameter_bytes // dp if zero else 2 * parameter_bytes)

@@ -74,7 +74,10 @@ def _train_once(module: Counted, mode: str, *, split: bool, dtype: str):
     """F then B (or I then W) of one microbatch; the random state moves on between them, as in a pipeline."""
     module.zero_grad(set_to_none=True)
     module.calls = 0
-    x = torch.randn(2, 32, 64, generator=torch.Generator().manual_seed(0)).requires_grad_(True)
+    x = torch.randn(2, 32, 64, generator=torch.Generator().manual_seed(0))
+    # bf16 (working weights) stages receive a bf16 residual stream; CPU autocast runs a norm in its
+    # input's dtype, so an fp32 input could not meet the bf16 norm weights there
+    x = (x.to(torch.bfloat16) if dtype == "bf16" else x).requires_grad_(True)
     grad = torch.randn(2, 32, 64, generator=torch.Generator().manual_seed(1))
     forward = StageForward(module, recompute=mode, dtype=dtype, device=CPU, split_backward=split)
     torch.manual_seed(5)
@@ -92,7 +95,7 @@ def _train_once(module: Counted, mode: str, *, split: bool, dtype: str):
     return out.detach(), found[0], grads, module.calls, kept.count
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "bf16-autocast"])
 @pytest.mark.parametrize("split", [False, True], ids=["B", "I+W"])
 @pytest.mark.parametrize("mode", ["selective", "full"])
 def test_recompute_computes_exactly_what_keeping_computes(mode, split, dtype):
@@ -153,10 +156,12 @@ def held_for_backward(forward: StageForward, args: list) -> tuple[int, object]:
         return tensor
 
     created = Created()
+    forward.begin_step()  # bf16: the step's working weights, cast before any microbatch's forward
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), created:
         out, _ = forward(*args)
     gc.collect(0)  # the youngest generation: what a forward leaves in reference cycles
-    own = {t.untyped_storage()._cdata for t in [*forward.module.parameters(), *forward.module.buffers()]}
+    weights = [*forward.module.parameters(), *forward.module.buffers(), *forward.working.values()]
+    own = {t.untyped_storage()._cdata for t in weights}
     own |= {t.untyped_storage()._cdata for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)}
     alive = {key: nbytes for ref, key, nbytes in created.storages if not ref.expired()}
     return sum(nbytes for key, nbytes in (packed | alive).items() if key not in own), out
@@ -178,7 +183,7 @@ def _compiled(tmp_path_factory, dtype: str, schedule: str = "1f1b"):
     return _COMPILED[dtype]
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "bf16-autocast"])
 def test_bytes_held_for_backward_are_the_predicted_ones(tmp_path_factory, dtype):
     plan, out, chain = _compiled(tmp_path_factory, dtype)
     inputs, target = load_model_file(GPT).example(2)
@@ -243,16 +248,16 @@ def test_recomputed_activations_live_from_i_to_w():
     assert all(w >= 1 for w in waits) and max(waits) > 1
 
 
-def test_bf16_runs_faster_on_tensor_cores_and_halves_activations(tmp_path):
-    """A GPT layer at sequence 1024 and width 1024 on the meta device, priced for an H100."""
-    model = tmp_path / "gpt_wide.py"
+def wide_gpt(folder: Path, *, block_size: int, n_embd: int) -> Path:
+    """A model file: the gpt example of two layers at that sequence and width, on the meta device."""
+    model = folder / "gpt_wide.py"
     model.write_text(textwrap.dedent(f"""
         import sys
         import torch
         sys.path.insert(0, {str(REPO / "examples")!r})
         import gpt
 
-        CONFIG = gpt.GPTConfig(vocab_size=2048, block_size=1024, n_layer=2, n_head=16, n_embd=1024)
+        CONFIG = gpt.GPTConfig(vocab_size=2048, block_size={block_size}, n_layer=2, n_head=16, n_embd={n_embd})
 
         def build_model():
             with torch.device("meta"):
@@ -264,6 +269,12 @@ def test_bf16_runs_faster_on_tensor_cores_and_halves_activations(tmp_path):
 
         loss_fn = gpt.loss_fn
     """))
+    return model
+
+
+def test_bf16_runs_faster_on_tensor_cores_and_halves_activations(tmp_path):
+    """A GPT layer at sequence 1024 and width 1024 on the meta device, priced for an H100."""
+    model = wide_gpt(tmp_path, block_size=1024, n_embd=1024)
     plans = {dtype: autopart.compile(model, micro_batch_size=16, microbatches=1, device="h100-sxm", dtype=dtype)
              for dtype in ("fp32", "bf16")}  # fmt: skip
     fp32, bf16 = plans["fp32"].stages[0], plans["bf16"].stages[0]
@@ -292,7 +303,7 @@ def test_plan_round_trip_and_old_plans(tmp_path_factory, tmp_path):
 @pytest.mark.parametrize(
     "edit, message",
     [
-        (lambda d: d.update(dtype="fp16"), r"plan\.dtype must be one of fp32, bf16, got \"fp16\""),
+        (lambda d: d.update(dtype="fp16"), r"plan\.dtype must be one of fp32, bf16, bf16-autocast, got \"fp16\""),
         (lambda d: d["stages"][1].update(recompute="some"), r"plan\.stages\[1\]\.recompute must be one of none, selective, full"),
         (lambda d: d["stages"][0].update(recompute=None), r"plan\.stages\[0\]\.recompute must be one of"),
     ],
@@ -323,7 +334,7 @@ def test_a_pinned_plan_keeps_its_recompute_and_dtype(tmp_path_factory, tmp_path)
         (dict(recompute="partial"), r"unknown --recompute mode 'partial'; use one of none, selective, full"),
         (dict(recompute=("full",)), r"--recompute lists 1 modes for 2 stages; .* --recompute full,full"),
         (dict(recompute=("full", "half")), r"unknown --recompute mode 'half'"),
-        (dict(dtype="fp16"), r"unknown --dtype 'fp16'; use one of fp32, bf16"),
+        (dict(dtype="fp16"), r"unknown --dtype 'fp16'; use one of fp32, bf16, bf16-autocast"),
     ],
 )
 def test_bad_options_are_config_errors(options, message):
@@ -336,7 +347,7 @@ def test_bad_options_are_config_errors(options, message):
     [
         (["--recompute", "sometimes"], r"unknown --recompute mode 'sometimes'; use one of none, selective, full"),
         (["--recompute", "full,none,full"], r"--recompute lists 3 modes for 2 stages"),
-        (["--dtype", "float16"], r"unknown --dtype 'float16'; use one of fp32, bf16"),
+        (["--dtype", "float16"], r"unknown --dtype 'float16'; use one of fp32, bf16, bf16-autocast"),
     ],
     ids=["mode", "count", "dtype"],
 )

@@ -24,6 +24,7 @@ from autopart.codegen.layers import repeated_units, stage_units
 from autopart.codegen.stage_file import stage_source
 from autopart.codegen.stages import describe_tensors, stage_graphs
 from autopart.ir.plan import Plan
+from autopart.ir.tensors import PRECISION_TEXT
 from autopart.runtime.launch import PLAN_HASH_KEY, file_sha256, plan_digest
 from autopart.runtime.shards import shard_weight
 from autopart.runtime.shards import weights_file_name
@@ -159,7 +160,7 @@ _RECOMPUTE = {
 
 def _how_it_runs(dtype: str, recompute: str) -> str:
     """One line of the stage docstring: the precision and recompute that autopart.runtime.forward applies."""
-    precision = "Runs under torch.autocast(bfloat16) over fp32 weights" if dtype == "bf16" else "Runs in fp32"
+    precision = f"Runs under {PRECISION_TEXT[dtype]}" if dtype != "fp32" else "Runs in fp32"
     return f"{precision}; {_RECOMPUTE[recompute]} (autopart/runtime/forward.py)."
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from autopart.ir.plan import Plan
+from autopart.ir.tensors import PRECISION_TEXT
 from autopart.predict.accuracy import describe_prediction
 from autopart.predict.timeline import plan_schedule, plan_timeline
 from autopart.schedule import write_chrome_trace, write_gantt_png, write_schedule_csv
@@ -64,7 +65,7 @@ def write_report(plan: Plan, out: Path) -> None:
 
 Mesh: pp={plan.mesh['pp']}, tp={plan.mesh['tp']}, dp={plan.mesh['dp']} ({plan.world_size} processes).
 Schedule: {plan.schedule.kind}, {plan.schedule.microbatches} microbatches of {plan.schedule.micro_batch_size} (global batch {plan.schedule.global_batch_size}).
-Precision: {plan.dtype}{" (autocast over fp32 weights and gradients)" if plan.dtype == "bf16" else ""}. Activation recompute per stage: {", ".join(st.recompute for st in plan.stages)}.
+Precision: {plan.dtype}{"" if plan.dtype == "fp32" else f" ({PRECISION_TEXT[plan.dtype]})"}. Activation recompute per stage: {", ".join(st.recompute for st in plan.stages)}.
 
 Predicted step time {predicted.step_s * 1e3:.3f} ms{describe_prediction(predicted)}, bubble {predicted.bubble:.1%}, {predicted.p2p_bytes_per_step / 1e6:.3f} MB sent between stages per step.
 Cost model: {plan.provenance.cost_model}. Solver: {plan.provenance.solver_status} (objective {plan.provenance.objective_s * 1e3:.3f} ms, bound {plan.provenance.bound_s * 1e3:.3f} ms, gap {plan.provenance.gap:.2%}).

@@ -165,7 +165,9 @@ def is_meta(module: nn.Module) -> bool:
     return any(t.is_meta for t in (*module.parameters(), *module.buffers()))
 
 
-def eager_loss(spec: ModelSpec, inputs: tuple[torch.Tensor, ...], target: Any) -> torch.Tensor:
-    """The loss of the original model, run eagerly: the reference that every graph must match."""
-    output = spec.module(*inputs)
+def eager_loss(spec: ModelSpec, inputs: tuple[torch.Tensor, ...], target: Any,
+               weights: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+    """The loss of the original model, run eagerly: the reference that every graph must match.
+    ``weights``: tensors to run it with in place of its parameters, by name (working copies)."""
+    output = torch.func.functional_call(spec.module, weights, inputs) if weights else spec.module(*inputs)
     return output if spec.loss_fn is None else spec.loss_fn(output, target)

@@ -116,7 +116,7 @@ class Plan:
     graph_inputs: tuple[str, ...] = ()  # the model's inputs in call order, then "target" when there is a loss_fn
     optimizer: str = "adamw"
     tied_parameters: dict[str, tuple[int, ...]] = field(default_factory=dict)  # parameter -> stages holding it
-    dtype: str = "fp32"  # fp32, or bf16: forwards under torch.autocast(bfloat16), weights and gradients fp32
+    dtype: str = "fp32"  # autopart.ir.tensors.DTYPES: fp32, bf16 (bf16 working weights, fp32 masters), bf16-autocast
     embedding_parameters: tuple[str, ...] = ()  # weights of embedding modules, every alias: never weight-decayed
     version: int = PLAN_VERSION
     stage_sha256: dict[str, str] = field(default_factory=dict, compare=False)

@@ -14,9 +14,13 @@ example batch at the microbatch size and records, per node:
   ("batch-derived": position ids, masks, reshaped targets), which later passes recompute on
   every stage that needs them instead of sending them through the pipeline.
 
-With ``dtype="bf16"`` every forward runs under ``torch.autocast(bfloat16)``, as the runtime runs
-it: output dtypes, kernels (so the roofline's 16-bit rate), saved bytes (16-bit activations,
-and the 16-bit copies of the weights that matrix products save) all follow. The autocast is the
+With ``dtype`` a bf16 precision every forward runs under ``torch.autocast(bfloat16)``, as the
+runtime runs it: output dtypes, kernels (so the roofline's 16-bit rate), saved bytes (16-bit
+activations) all follow. Under ``bf16-autocast`` the weights are fp32, so each forward has
+autocast's casts of them and matrix products save 16-bit copies of them per microbatch; under
+``bf16`` the nodes read bf16 working copies, as the runtime's stages do (`autopart.runtime.forward`):
+no cast in the forward, nothing saved for a weight but the copy every microbatch shares, and in
+backward each weight gradient is cast back to the fp32 master's dtype. The autocast is the
 target device's: CPU's for ``cpu``, CUDA's casts (``autopart.passes.autocast_lists``) for a GPU spec,
 whose op lists differ from CPU's (CUDA runs ``pow``, ``rsqrt``, softmax and the losses in fp32).
 """
@@ -34,14 +38,16 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from autopart.ir.tensors import DTYPES, TensorMeta, autocast_dtype, precision, tensor_meta
+from autopart.ir.tensors import DTYPES, TensorMeta, autocast_dtype, precision, tensor_meta, working_dtype
 from autopart.passes.autocast_lists import cuda_autocast
+from autopart.passes.grad_leaves import grad_ready, leaves_for_grad
+from autopart.ir.errors import ConfigError
 from autopart.ir.model_file import ModelSpec, is_meta
 from autopart.passes.capture import Graph, graph_args
 from autopart.ir.recompute import dropout_mask_bytes, keeps_output
 from cost_models import CostModel, Kernel, KernelRecorder
 
-__all__ = ["NodeCost", "OpGraph", "annotate", "cost_key", "target_precision", "op_key", "leaves_for_grad"]
+__all__ = ["NodeCost", "OpGraph", "annotate", "cost_key", "target_precision", "op_key"]
 
 def target_precision(dtype: str, device_kind: str) -> contextlib.AbstractContextManager:
     """The autocast a device of ``device_kind`` runs the forward in, applied on this machine's
@@ -134,10 +140,28 @@ class _State:
                     made[id(t)] = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
                     made[id(t)].requires_grad_(t.requires_grad)  # what autograd saves depends on it
                 self.tensors[name] = made[id(t)]
+        self.master = None  # the master weights' dtype where forwards use working copies of another
+        lower = working_dtype(dtype)
+        if lower is not None:  # bf16: forward and backward see the working copies, as the runtime's do
+            self.master = torch.float32
+            cast: dict[int, torch.Tensor] = {}
+            for name in self.parameters:
+                t = self.tensors[name]
+                if t.is_floating_point() and id(t) not in cast:
+                    cast[id(t)] = t.detach().to(lower).requires_grad_(t.requires_grad)
+                self.tensors[name] = cast.get(id(t), t)
         self.parameter_ids = {id(self.tensors[name]) for name in self.parameters}
 
     def precision(self) -> contextlib.AbstractContextManager:
         return target_precision(self.dtype, self.device_kind)
+
+    def held(self, value: torch.Tensor) -> TensorMeta:
+        """A parameter as the rank holds it: under ``bf16`` the fp32 master that its working copy
+        is cast from (what the stage declares, the optimizer steps and gradients sum in)."""
+        meta = tensor_meta(value)
+        if self.master is not None and value.is_floating_point():
+            return TensorMeta(shape=meta.shape, dtype=str(self.master).removeprefix("torch."))
+        return meta
 
     def attr(self, target: str) -> Any:
         return self.tensors[target] if target in self.tensors else _fetch_attr(self.root, target)
@@ -205,37 +229,7 @@ def cost_key(node: fx.Node, args: tuple, kwargs: dict, parameters: set[int], dty
     the autocast it ran in (its arguments may be fp32 while it runs in 16 bits: not the op that
     an fp32 run timed). `autopart.profiling.profile` stores under this key, annotate looks it up."""
     key = op_key(node, args, kwargs, parameters)
-    return key if dtype == "fp32" else f"{key} autocast={dtype}"
-
-
-def leaves_for_grad(args: tuple, kwargs: dict, parameters: set[int], *, clone: bool = False
-                    ) -> tuple[tuple, dict, list[torch.Tensor], list[torch.Tensor]]:
-    """The arguments as fresh autograd leaves: (args, kwargs, input leaves, weight leaves).
-
-    ``clone=True`` copies every tensor first, so that timing an in-place op many times never
-    changes the values that later nodes read.
-    """
-    inputs: list[torch.Tensor] = []
-    weights: list[torch.Tensor] = []
-
-    def ready(value: Any) -> Any:
-        if not isinstance(value, torch.Tensor):
-            return value
-        copy = value.detach().clone() if clone else value
-        return _grad_ready(copy, {id(copy)} if id(value) in parameters else set(), inputs, weights)
-
-    args, kwargs = pytree.tree_map(ready, (args, kwargs))
-    return args, kwargs, inputs, weights
-
-
-def _grad_ready(value: Any, parameters: set[int], into: list[torch.Tensor], weights: list[torch.Tensor]) -> Any:
-    if not isinstance(value, torch.Tensor):
-        return value
-    leaf = value.detach()
-    if leaf.is_floating_point():
-        leaf.requires_grad_(True)
-        (weights if id(value) in parameters else into).append(leaf)
-    return leaf
+    return key if dtype == "fp32" else f"{key} autocast=bf16"  # which bf16: the weights' dtypes in the key say
 
 
 def _measure_kernels(
@@ -243,12 +237,12 @@ def _measure_kernels(
 ) -> tuple[list[Kernel], list[Kernel], list[Kernel]]:
     """Kernels of the node's forward, of its input gradients and of its weight gradients."""
     parameters = state.parameter_ids
-    args, kwargs, inputs, weights = leaves_for_grad(args, kwargs, parameters)
+    args, kwargs, inputs, weights = leaves_for_grad(args, kwargs, parameters, master=state.master)
     with KernelRecorder() as forward, state.precision():  # backward runs outside autocast, as in training
         try:
             if node.op == "call_module":  # a leaf module: its own weights are the node's weights
                 own = {
-                    k: _grad_ready(v, parameters, inputs, weights) if id(v) in parameters else v
+                    k: grad_ready(v, parameters, inputs, weights, state.master) if id(v) in parameters else v
                     for k, v in state.leaf_state(str(node.target)).items()
                 }
                 out = state.call_leaf(str(node.target), args, kwargs, own)
@@ -361,7 +355,14 @@ def annotate(
     with FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext():
         state = _State(module, fake, dtype, cost_model.device.kind)
         run = _SavedBytes(module, state)
-        saved, kept = run.measure(*graph_args(graph, inputs, target))
+        try:
+            saved, kept = run.measure(*graph_args(graph, inputs, target))
+        except RuntimeError as exc:
+            if "mixed dtype (CPU)" not in str(exc):
+                raise
+            raise ConfigError(f"on the CPU, autocast runs norms in their input's dtype and this model meets a bf16 "
+                              f"working weight with fp32 values at '{run.current}'; compile with "
+                              "--dtype bf16-autocast (fp32 weights) for the CPU") from None
         nodes, kernels, leaves = _annotate_nodes(
             graph, state, (saved, kept), cost_model, graph_args(graph, inputs, target),
             {} if measured is None else measured, run.values,
@@ -413,11 +414,12 @@ def _annotate_nodes(
             value = state.attr(str(node.target))
             values[node.name] = value
             is_parameter = node.target in state.parameters
+            output = state.held(value) if is_parameter else _meta(value)
             nodes[node.name] = NodeCost(
-                output=_meta(value),
+                output=output,
                 is_parameter=is_parameter,
                 is_buffer=not is_parameter and isinstance(value, torch.Tensor),
-                parameter_bytes=value.numel() * value.element_size() if is_parameter else 0,
+                parameter_bytes=output.nbytes if is_parameter else 0,
                 **common,
             )
             continue
@@ -442,8 +444,8 @@ def _annotate_nodes(
         parameter_bytes = 0
         if node.op == "call_module":
             own = {f"{node.target}.{k}": v for k, v in state.leaf_state(str(node.target)).items()}
-            leaves[node.name] = {k: tensor_meta(v) for k, v in own.items()}
-            parameter_bytes = sum(v.numel() * v.element_size() for k, v in own.items() if k in state.parameters)
+            leaves[node.name] = {k: state.held(v) if k in state.parameters else tensor_meta(v) for k, v in own.items()}
+            parameter_bytes = sum(leaves[node.name][k].nbytes for k in own if k in state.parameters)
         nodes[node.name] = NodeCost(
             output=_meta(value),
             constant=_constant(value),

@@ -18,9 +18,10 @@ its backward into the input- and the weight-gradient halves, which zero-bubble s
 apart and which the whole backward does not separate. On a GPU ops are timed alone, with CUDA
 events.
 
-With ``dtype="bf16"`` every forward runs under ``torch.autocast`` of the device (CUDA's on a GPU,
+With a bf16 ``dtype`` every forward runs under ``torch.autocast`` of the device (CUDA's on a GPU,
 the CPU's on the CPU), as the generated programs run it; backward runs outside autocast, as
-there. Each op is stored under the key that a compile looks it up by (`autopart.passes.annotate.cost_key`),
+there. Under ``bf16`` the ops read bf16 working copies of the weights and each weight gradient
+is cast back to fp32, as the stages run them (`_working`). Each op is stored under the key that a compile looks it up by (`autopart.passes.annotate.cost_key`),
 which names its arguments' dtypes as annotate sees them: annotate runs the graph on the CPU under
 the target's autocast as ``autopart.passes.annotate.target_precision`` applies it (CUDA's casts for a GPU).
 The keys therefore come from one run of the graph on the CPU under that same precision
@@ -41,8 +42,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from torch import fx
 
-from autopart.ir.tensors import DTYPES, precision
-from autopart.passes.annotate import run_one, cost_key, leaves_for_grad, target_precision
+from autopart.ir.tensors import DTYPES, precision, working_dtype
+from autopart.passes.annotate import run_one, cost_key, target_precision
+from autopart.passes.grad_leaves import leaves_for_grad
 from autopart.ir.model_file import ModelSpec
 from autopart.passes.capture import Graph, graph_args
 from autopart.ir.errors import ConfigError
@@ -80,6 +82,7 @@ class _Timer(fx.Interpreter):
         self.database, self.device, self.device_name, self.dtype = database, device, device_name, dtype
         self.keys = keys
         self.parameters = {id(p) for p in module.parameters()}
+        self.master = torch.float32 if working_dtype(dtype) is not None else None  # bf16: weights cast from fp32
         self.overheads = database.overheads[device_name]
         self.progress = progress
         self.timed: dict[str, OpTimes] = {}
@@ -101,7 +104,8 @@ class _Timer(fx.Interpreter):
         if self.database.get(self.device_name, key) is None and key not in self.timed:
             if self.progress is not None:
                 self.progress.update(self.task, description=f"timing {key[:70]}")
-            fresh_args, fresh_kwargs, inputs, weights = leaves_for_grad(args, kwargs, self.parameters, clone=True)
+            fresh_args, fresh_kwargs, inputs, weights = leaves_for_grad(args, kwargs, self.parameters, clone=True,
+                                                                         master=self.master)
             with torch.enable_grad():
                 times = time_op(lambda: self._forward(node, fresh_args, fresh_kwargs), inputs=inputs,
                                 weights=weights, device=self.device, overheads=self.overheads)
@@ -114,6 +118,19 @@ class _Timer(fx.Interpreter):
     def _forward(self, node: fx.Node, args: tuple, kwargs: dict) -> Any:
         with self._precision():
             return run_one(node, args, kwargs)
+
+
+def _working(module: fx.GraphModule, dtype: str) -> fx.GraphModule:
+    """The module as ``dtype``'s ops read it: under ``bf16`` a copy whose weights are the bf16
+    working copies that the stages and annotate use (the optimizer steps the fp32 ones)."""
+    lower = working_dtype(dtype)
+    if lower is None:
+        return module
+    copied = copy.deepcopy(module)
+    for parameter in copied.parameters():
+        if parameter.is_floating_point():
+            parameter.data = parameter.data.to(lower)
+    return copied
 
 
 def _compile_keys(module: fx.GraphModule, values: list[Any], dtype: str, device_kind: str) -> dict[str, str]:
@@ -220,15 +237,16 @@ def profile_costs(graph: Graph, spec: ModelSpec, database: CostDatabase, *, devi
         module = graph.module if where.type == "cpu" else copy.deepcopy(graph.module).to(where)
         inputs, target = spec.example(micro_batch_size)
         on_cpu = graph_args(graph, inputs, target)
-        keys = _compile_keys(graph.module, on_cpu, dtype, where.type)
+        keys = _compile_keys(_working(graph.module, dtype), on_cpu, dtype, where.type)
         values = [v.to(where) if isinstance(v, torch.Tensor) else v for v in on_cpu]
         progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                             console=console, transient=True) if console is not None else None
-        timer = _Timer(module, database, where, device_name, progress, dtype, keys)
+        timed = _working(module, dtype)
+        timer = _Timer(timed, database, where, device_name, progress, dtype, keys)
         with progress or nullcontext(), torch.no_grad():
             timer.run(*values)
         if timer.timed and where.type == "cpu":
-            in_situ = time_in_situ(module, values, forward_context=partial(precision, dtype, where.type))
+            in_situ = time_in_situ(timed, values, forward_context=partial(precision, dtype, where.type))
             put_in_situ(database, device_name, timer, in_situ)
         else:
             for key, times in timer.timed.items():

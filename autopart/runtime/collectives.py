@@ -217,10 +217,14 @@ def vocab_parallel_embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.T
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Megatron's cross-entropy over logits sharded along the vocabulary: the max, the sum of
-    exponentials and the target's logit are all-reduced, never the logits themselves."""
+    exponentials and the target's logit are all-reduced, never the logits themselves. It computes
+    in fp32 whatever the logits' dtype, as autocast runs ``cross_entropy`` (on its fp32 list) and
+    Megatron-LM its loss (``output.float()``); the logits' gradient goes back in their dtype."""
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, target: torch.Tensor, ignore_index: int) -> torch.Tensor:
+        ctx.logits_dtype = logits.dtype
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
         rows = logits.shape[-1]
         start = _rank() * rows
         logits_max = _reduce(logits.detach().max(dim=-1).values, dist.ReduceOp.MAX)
@@ -245,7 +249,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         rows = torch.arange(grad_logits.shape[0], device=grad_logits.device)
         grad_logits[rows, local_target] -= inside.to(grad_logits.dtype)
         grad_logits *= (valid.to(grad_logits.dtype) * grad / ctx.count).unsqueeze(-1)
-        return grad_logits, None, None
+        return grad_logits.to(ctx.logits_dtype), None, None
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:

@@ -113,6 +113,7 @@ class Executor:
         if record is not None and timer is None:
             timer = StepTimer(self.device)
         marks: list[tuple[Action, Mark, Mark, float]] = []
+        self._begin_step()
         for position, action in enumerate(self.actions):
             try:
                 start = timer.mark() if record is not None else 0.0
@@ -146,6 +147,7 @@ class Executor:
         losses: list[torch.Tensor] = []
         pending: list[Any] = []
         with torch.no_grad():
+            self._begin_step()
             for position, action in enumerate(self.actions):
                 if action.kind not in _FORWARD_KINDS:
                     continue
@@ -160,6 +162,13 @@ class Executor:
             stage.outputs.clear()
             stage.rebuilds.clear()
         return losses
+
+    def _begin_step(self) -> None:
+        """The weights' working copies of this step (`StageForward.begin_step`): the optimizer has
+        stepped, or a checkpoint was loaded, since the last ones were cast."""
+        for stage in self.stages.values():
+            if stage.forward is not None:
+                stage.forward.begin_step()
 
     def _failure(self, position: int, action: Action, exc: Exception) -> StepFailure:
         grid = format_grid(self.schedule, mark=(self.rank, position))
@@ -259,7 +268,8 @@ def check_outputs(out: Any, metas: list[TensorMeta]) -> None:
         promised = metas[wrong] if wrong < len(metas) else "nothing"
         raise RuntimeError(
             f"output {wrong} of the stage is {got}, but the plan sends {promised} and the next stage receives that; "
-            "autocast on this device gives other dtypes than at compile time (CPU autocast): compile with --dtype fp32"
+            "autocast on this device gives other dtypes than at compile time (CPU autocast), or the plan was compiled "
+            "before --dtype bf16 meant bf16 working weights: recompile (--dtype fp32 where autocast differs)"
         )
 
 

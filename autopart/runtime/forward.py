@@ -1,11 +1,24 @@
 """How a stage runs its forward: in the plan's precision, with the plan's activation recompute.
 
-Precision (``Plan.dtype``). With ``bf16`` the forward runs under
-``torch.autocast(device type, torch.bfloat16)``: the parameters stay fp32 (the master weights
-that the optimizer updates), autocast casts them per forward, their gradients come out fp32,
-and so the all-reduces of tied and data-parallel gradients run in fp32. The tensors sent to the
-next stage are whatever autocast made (the plan's stage outputs say which dtype), and the
-gradients sent back have the same dtypes.
+Precision (``Plan.dtype``, `autopart.ir.tensors.DTYPES`). Both bf16 precisions run the forward
+under ``torch.autocast(device type, torch.bfloat16)``, so the ops on autocast's fp32 list
+(softmax, norms, losses) run in fp32 as ever. The module's parameters are always the fp32
+master weights that the optimizer updates, checkpoints save and ``consolidate`` gathers.
+
+- ``bf16-autocast``: the forward reads the fp32 parameters and autocast casts them to bf16 in
+  every forward and every recompute.
+- ``bf16``: `begin_step` makes one bf16 working copy of each parameter per step, after the
+  optimizer's step (Megatron-LM's ``params.bf16`` and FSDP2's ``MixedPrecisionPolicy(param_dtype)``);
+  the forward calls the module on those copies (``torch.func.functional_call``) and autocast finds
+  nothing left to cast. The copy is made with autograd recording, once: every microbatch's bf16
+  weight gradient flows back through that one cast into the fp32 parameter's ``.grad``, so
+  gradients are accumulated over microbatches in fp32 (Megatron's ``main_grad``) and tied and
+  data-parallel sums run on fp32 gradients (its ``accumulate_allreduce_grads_in_fp32``). A cast
+  saves no tensor for backward, so the one cast serves every microbatch's backward. Under ZeRO-2/3
+  FSDP holds the parameters and casts them itself (`autopart.runtime.fully_sharded`).
+
+The tensors sent to the next stage are whatever the forward made (the plan's stage outputs say
+which dtype), and the gradients sent back have the same dtypes.
 
 Recompute (``StagePlan.recompute``, see `autopart.passes.recompute`). ``full`` runs the forward under
 ``torch.utils.checkpoint`` (non-reentrant): only the stage's arguments are kept, and the
@@ -36,15 +49,28 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from autopart.ir.tensors import precision
+from autopart.ir.tensors import precision, working_dtype
+from autopart.runtime.fully_sharded import is_sharded
 from autopart.ir.recompute import keeps_output
 
-__all__ = ["StageForward", "Rebuild", "selective_policy"]
+__all__ = ["StageForward", "Rebuild", "selective_policy", "working_copies"]
 
 
 def selective_policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
     """Keep the outputs of the compute-heavy ops (`autopart.passes.recompute.keeps_output`), recompute the rest."""
     return CheckpointPolicy.MUST_SAVE if keeps_output(func) else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def working_copies(module: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Every floating parameter of ``module`` cast to ``dtype``, by every name it has (a tied
+    parameter's names share one copy), differentiable back to the parameter while grad is on."""
+    made: dict[int, torch.Tensor] = {}
+    copies = {}
+    for name, parameter in module.named_parameters(remove_duplicate=False):
+        if id(parameter) not in made:
+            made[id(parameter)] = parameter.to(dtype) if parameter.is_floating_point() else parameter
+        copies[name] = made[id(parameter)]
+    return copies
 
 
 @dataclass(kw_only=True)
@@ -65,9 +91,21 @@ class StageForward:
         self.dtype = dtype
         self.device = device
         self.split_backward = split_backward
+        self.working: dict[str, torch.Tensor] | None = None  # this step's working weights, by name (begin_step)
+
+    def begin_step(self) -> None:
+        """Cast this step's working copies of the weights from the masters (``bf16``), once; the
+        optimizer has stepped since the last ones. Without autograd (evaluation) they carry no graph."""
+        lower = working_dtype(self.dtype)
+        sharded = any(is_sharded(p) for p in self.module.parameters())  # FSDP casts what it gathers
+        self.working = working_copies(self.module, lower) if lower is not None and not sharded else {}
 
     def _call(self, *args: Any) -> Any:
+        if self.working is None:  # a caller that runs no steps (one forward, a profile): the weights as they are
+            self.begin_step()
         with precision(self.dtype, self.device.type):
+            if self.working:
+                return torch.func.functional_call(self.module, self.working, args)
             return self.module(*args)
 
     def __call__(self, *args: Any) -> tuple[Any, Rebuild | None]:

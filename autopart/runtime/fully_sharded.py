@@ -50,12 +50,17 @@ def check_level(level: int, *, dp: int, split_backward: bool) -> str | None:
     return None
 
 
-def shard_stage(module: nn.Module, mesh: DeviceMesh, level: int) -> None:
-    """Make ``module`` (a stage, its weights loaded) fully sharded over the 1-D data-parallel ``mesh``."""
-    from torch.distributed.fsdp import FSDPModule, fully_shard
+def shard_stage(module: nn.Module, mesh: DeviceMesh, level: int, param_dtype: torch.dtype | None = None) -> None:
+    """Make ``module`` (a stage, its weights loaded) fully sharded over the 1-D data-parallel ``mesh``.
+
+    ``param_dtype`` (``bf16``'s working weights): FSDP casts the fp32 shards to it before it
+    gathers them, and reduce-scatters the gradients in fp32 into fp32 shards, where the optimizer
+    steps the fp32 master shards: the precision `autopart.runtime.forward` keeps without FSDP."""
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     per_microbatch = level == 3
-    fully_shard(module, mesh=mesh, reshard_after_forward=per_microbatch)
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
+    fully_shard(module, mesh=mesh, reshard_after_forward=per_microbatch, mp_policy=policy)
     assert isinstance(module, FSDPModule)
     module.set_reshard_after_backward(per_microbatch)
 

@@ -114,6 +114,7 @@ class Pipeline:
     schedule_class: type
     groups: ProcessGroups
     tied: list[tuple[str, dist.ProcessGroup]]  # parameters several stages hold, and the group that sums them
+    forwards: list[StageForward]  # how each stage's forward runs (its precision's working weights)
 
     @property
     def is_last(self) -> bool:
@@ -140,7 +141,11 @@ class Pipeline:
 
     def step_inputs(self, inputs: tuple[Any, ...], target: Any) -> dict[str, Any]:
         """The keywords of ``schedule.step`` for a global batch: this replica's share of the batch
-        values its stages read, as ``batch_<name>``, and on the last stage ``target``."""
+        values its stages read, as ``batch_<name>``, and on the last stage ``target``. Call it once
+        per step, after the optimizer's step: in ``bf16`` it casts the step's working copies of the
+        weights (`autopart.runtime.forward`)."""
+        for forward in self.forwards:
+            forward.begin_step()
         values = (*inputs, target) if len(self.plan.graph_inputs) > len(inputs) else tuple(inputs)
         share = split_microbatches(values, self.plan.mesh["dp"])[self.coordinates.dp]
         by_name = dict(zip(self.plan.graph_inputs, share, strict=True))
@@ -185,6 +190,7 @@ def build_stages(out_dir: str | Path, *, device: torch.device | None = None, wei
     collectives.set_group(groups.tp)
     modules: dict[int, nn.Module] = {}
     stages: list[PipelineStage] = []
+    forwards: list[StageForward] = []
     for stage_plan in plan.stages:
         if stage_plan.rank != here.pp:
             continue
@@ -194,8 +200,9 @@ def build_stages(out_dir: str | Path, *, device: torch.device | None = None, wei
         forward = StageForward(module, recompute=stage_plan.recompute, dtype=plan.dtype, device=device,
                                split_backward=False)  # fmt: skip
         modules[stage_plan.index] = module
+        forwards.append(forward)
         wrapped = BatchByKeyword(forward, module, stage_plan.batch_inputs)
         stages.append(PipelineStage(wrapped, stage_plan.index, len(plan.stages), device, group=groups.pp))
     return Pipeline(plan=plan, out_dir=out_dir, coordinates=here, modules=modules, stages=stages,
                     schedule_class=TORCH_SCHEDULES[plan.schedule.kind], groups=groups,
-                    tied=tied_groups(plan, mesh, rank))  # fmt: skip
+                    tied=tied_groups(plan, mesh, rank), forwards=forwards)  # fmt: skip

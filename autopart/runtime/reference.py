@@ -2,7 +2,9 @@
 
 The generated programs must match it: the same per-step losses and the same final parameters,
 to float tolerance. Tests and ``autopart verify`` compare against it. A bf16 plan's reference runs
-each forward under ``torch.autocast(bfloat16)`` too, over fp32 weights, as the stages do; recompute
+each forward under ``torch.autocast(bfloat16)`` too, over the weights its precision uses, as the
+stages do (``bf16``: working copies cast once per step, gradients accumulated into the fp32
+weights; ``bf16-autocast``: the fp32 weights); recompute
 changes nothing that it computes, so the reference has none. It applies train.py's `Recipe`
 with torch's own means (``LambdaLR``, ``clip_grad_norm_`` over the model's parameters, each once),
 which the distributed programs must equal.
@@ -17,12 +19,13 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from autopart.ir.tensors import precision
+from autopart.ir.tensors import precision, working_dtype
 from autopart.ir.model_file import eager_loss, load_model_file
 from autopart.ir.plan import load_plan
 from autopart.runtime.data import eval_batches, global_batches, model_file
 from autopart.runtime.materialise import materialise, meta_names
 from autopart.runtime.stage import stage_names
+from autopart.runtime.forward import working_copies
 from autopart.runtime.optim import make_optimizer
 from autopart.runtime.recipe import Recipe, parameter_groups
 from autopart.runtime.shards import load_stage_weights
@@ -79,11 +82,16 @@ def train_reference(
     data = global_batches(spec, batch_size, seed)
     held_out = eval_batches(spec, batch_size, seed, eval_batch_count) if eval_every else []
 
+    dtype = dtype or plan.dtype
+    lower = working_dtype(dtype)
+
     def loss_of(inputs: tuple, target: Any) -> torch.Tensor:
         inputs = tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in inputs)
         target = target.to(device) if isinstance(target, torch.Tensor) else target
-        with precision(dtype or plan.dtype, torch.device(device).type):
-            return eager_loss(spec, inputs, target)
+        # bf16: the step's working copies, cast after the last optimizer step, as the stages cast theirs
+        weights = working_copies(model, lower) if lower is not None else None
+        with precision(dtype, torch.device(device).type):
+            return eager_loss(spec, inputs, target, weights)
 
     losses, evaluations = [], {}
     for step in range(steps):

@@ -51,6 +51,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from autopart.ir.model_file import load_model_file
 from autopart.ir.errors import AutopartError, ConfigError, OneLineParser
 from autopart.ir.plan import Plan, load_plan
+from autopart.ir.tensors import working_dtype
 from autopart.runtime.data import eval_batches, global_batches, model_file, split_microbatches
 from autopart.runtime.checkpoint import CheckpointContext, restarted
 from autopart.runtime.device import StepTimer, backend, compute_device, peak_memory_bytes
@@ -306,7 +307,7 @@ def _fully_shard(stages: dict[int, StageRuntime], plan: Plan, executor: Executor
     if plan.zero not in FSDP_LEVELS:
         return False
     for stage in stages.values():
-        shard_stage(stage.module, device_mesh["dp"], plan.zero)
+        shard_stage(stage.module, device_mesh["dp"], plan.zero, working_dtype(plan.dtype))
     return True
 
 

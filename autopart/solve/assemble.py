@@ -209,7 +209,7 @@ def _model_flops(op_graph: OpGraph, global_batch_size: int) -> float:
 
 def _peak_flops(device: DeviceSpec, dtype: str) -> float:
     """The device's dense peak for the plan's matrix products: bf16, or fp32 (TF32 where the spec runs fp32 so)."""
-    if dtype == "bf16":
+    if dtype.startswith("bf16"):
         return device.peak_flops["bfloat16"]
     return device.peak_flops["tf32" if device.fp32_matmul_uses_tf32 else "float32"]
 
@@ -259,4 +259,5 @@ def _batch_inputs(op_graph: OpGraph, nodes: tuple[str, ...], graph_inputs: tuple
 
 def _state_bytes(options: CompileOptions, parameter_bytes: int) -> int:
     """Weights, gradients and optimizer state of one rank's share of a parameter."""
-    return state_bytes(parameter_bytes, optimizer=options.optimizer, dp=options.dp, zero=options.zero)
+    return state_bytes(parameter_bytes, optimizer=options.optimizer, dp=options.dp, zero=options.zero,
+                       dtype=options.dtype or "fp32")

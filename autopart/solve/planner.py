@@ -30,7 +30,7 @@ from autopart.options import CompileOptions
 from autopart.passes.front import Front, annotated, block_seconds, parameter_placements, sharded
 from autopart.predict.memory import state_bytes
 from autopart.solve.assemble import pipeline_problem, plan_from_cuts
-from autopart.ir.tensors import DTYPES
+from autopart.ir.tensors import SEARCHED_DTYPES
 from autopart.ir.model_file import ModelSpec, is_meta, load_model_file
 from autopart.passes.capture import Graph
 from autopart.ir.errors import ConfigError, InfeasibleError
@@ -126,8 +126,8 @@ class FrontTable:
             self._costs[key] = chain_costs(self.front(micro_batch_size=micro_batch_size, tp=tp, dtype=dtype), tp)
         return self._costs[key]
 
-    def state_bytes(self, parameter_bytes: int, *, dp: int, zero: int) -> int:
-        return state_bytes(parameter_bytes, optimizer=self.options.optimizer, dp=dp, zero=zero)
+    def state_bytes(self, parameter_bytes: int, *, dp: int, zero: int, dtype: str = "fp32") -> int:
+        return state_bytes(parameter_bytes, optimizer=self.options.optimizer, dp=dp, zero=zero, dtype=dtype)
 
 
 def chain_costs(front: Front, tp: int) -> ChainCosts:
@@ -189,7 +189,7 @@ def search_space(options: CompileOptions) -> SearchSpace:
         schedule=pin(options.schedule) or SCHEDULE_KINDS,
         chunks=pin(options.chunks),
         zero=pin(options.zero) or (0, 1, 2),  # ZeRO-3 when pinned (``autopart.solve.data_parallel_tail``)
-        dtype=DTYPES if options.dtype == "auto" else (options.dtype or "fp32",),
+        dtype=SEARCHED_DTYPES if options.dtype == "auto" else (options.dtype or "fp32",),
         recompute=(options.recompute,) if isinstance(options.recompute, str) else RECOMPUTE_MODES,
         recompute_per_stage=options.recompute if isinstance(options.recompute, tuple) else None,
     )

@@ -153,5 +153,5 @@ class RepeatedTable:
             self._cache[key] = repeat_layers(costs, self.layers_of(micro_batch_size, tp, dtype), self.pattern)
         return self._cache[key][0]
 
-    def state_bytes(self, parameter_bytes: int, *, dp: int, zero: int) -> int:
-        return self.inner.state_bytes(parameter_bytes, dp=dp, zero=zero)
+    def state_bytes(self, parameter_bytes: int, *, dp: int, zero: int, dtype: str = "fp32") -> int:
+        return self.inner.state_bytes(parameter_bytes, dp=dp, zero=zero, dtype=dtype)

@@ -197,11 +197,9 @@ class Cluster:
 class CostTable(Protocol):
     def chain_costs(self, *, micro_batch_size: int, tp: int, dtype: str) -> ChainCosts:
         """The chain's costs per microbatch on one rank of a tensor-parallel group of ``tp``."""
-        ...
 
-    def state_bytes(self, parameter_bytes: int, *, dp: int, zero: int) -> int:
+    def state_bytes(self, parameter_bytes: int, *, dp: int, zero: int, dtype: str = "fp32") -> int:
         """Weights, gradients and optimizer state of a parameter share of ``parameter_bytes``."""
-        ...
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -476,7 +474,8 @@ def _fixed_cut(costs, cuts, modes, flight, transient, ranks, transfer, cluster) 
 def _with_state(table: CostTable, layout: Layout) -> ChainCosts:
     costs = table.chain_costs(micro_batch_size=layout.micro_batch_size, tp=layout.tp, dtype=layout.dtype)
     costs.shared_parameters  # noqa: B018 - computed once on the table's costs, carried to each layout's
-    return costs.with_state(functools.partial(table.state_bytes, dp=layout.dp, zero=layout.zero), key=(layout.dp, layout.zero))
+    state = functools.partial(table.state_bytes, dp=layout.dp, zero=layout.zero, dtype=layout.dtype)
+    return costs.with_state(state, key=(layout.dp, layout.zero, layout.dtype))
 
 
 def parameter_bytes_per_rank(table: CostTable, layout: Layout, cut: StageCut, ranks: tuple[int, ...]) -> list[int]:

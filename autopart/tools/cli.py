@@ -76,7 +76,9 @@ def _parser() -> argparse.ArgumentParser:
         help="activation recompute: none, selective or full for every stage, or one per stage as A,B,... (default none, or searched)",
     )  # fmt: skip
     _add_layer_pins(c)
-    c.add_argument("--dtype", help="fp32, bf16 (autocast forwards over fp32 weights) or auto (searched; default fp32)")
+    c.add_argument("--dtype", help="fp32; bf16: bf16 working weights cast once per step from fp32 master weights, "
+                                        "gradients accumulated in fp32 (Megatron-LM's mixed precision); bf16-autocast: "
+                                        "fp32 weights cast by autocast in every forward; or auto (searched; default fp32)")
     c.add_argument("--profile-pipeline", action="store_true",
                    help="run the plan here for a few steps, store how much slower its stages compute inside the "
                         "pipeline in --costs, and compile again with it (once per model and mesh)")
