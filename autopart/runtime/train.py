@@ -128,7 +128,10 @@ def _write_action_times(folder: Path, rank: int, step: int, origin: float, recor
 
 def main(out_dir: str | Path, argv: list[str] | None = None) -> None:
     out_dir = Path(out_dir).resolve()
-    faulthandler.enable()  # a rank killed by a signal (an abort in a collective library) prints where it was
+    try:  # a rank killed by a signal (an abort in a collective library) prints where it was
+        faulthandler.enable()
+    except ValueError:  # stderr is no file here (a caller captured it): there is nowhere to print
+        pass
     try:
         _train(out_dir, argv)
     except AutopartError as exc:
