@@ -97,6 +97,12 @@ class DeviceSpec:
         _validate(self)
 
     @property
+    def collectives_overlap_compute(self) -> bool:
+        """Whether a collective runs beside the compute (a GPU's copy engines and the collective
+        library's own kernels) rather than on the cores that compute (gloo's threads on a CPU)."""
+        return self.kind != "cpu"
+
+    @property
     def framework_overhead_bytes(self) -> int:
         """Memory taken before the model's first byte: runtime context, library workspaces."""
         return self.process_overhead_bytes or FRAMEWORK_OVERHEAD_BYTES[self.kind]

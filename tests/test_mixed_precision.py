@@ -171,9 +171,12 @@ def test_bf16_is_priced_without_weight_casts_in_forward(tmp_path):
     assert memory["bf16"] - memory["bf16-autocast"] < weights / 2  # + P/2 working weights, - saved copies
 
 
-def test_bf16_on_the_cpu_refuses_fp32_values_into_a_bf16_norm_weight_in_one_line(tmp_path):
+@pytest.mark.parametrize("costs", [False, True], ids=["roofline", "profiled"])
+def test_bf16_on_the_cpu_refuses_fp32_values_into_a_bf16_norm_weight_in_one_line(tmp_path, costs):
+    """The same line whether annotate or the profiler (which runs the graph first) meets it."""
+    profiled = ("--costs", str(tmp_path / "costs.json")) if costs else ()
     result = run_cli("compile", str(REPO / "tests" / "models" / "three_layers.py"), "-o", str(tmp_path / "out"),
-                     "--dtype", "bf16", "--no-measure")  # fmt: skip
+                     "--dtype", "bf16", "--no-measure", *profiled)  # fmt: skip
     assert result.returncode == 2
     assert "at 'layer_norm'; compile with --dtype bf16-autocast" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1

@@ -47,7 +47,7 @@ from autopart.passes.capture import Graph, graph_args
 from autopart.ir.recompute import dropout_mask_bytes, keeps_output
 from cost_models import CostModel, Kernel, KernelRecorder
 
-__all__ = ["NodeCost", "OpGraph", "annotate", "cost_key", "target_precision", "op_key"]
+__all__ = ["mixed_dtype_error", "NodeCost", "OpGraph", "annotate", "cost_key", "target_precision", "op_key"]
 
 def target_precision(dtype: str, device_kind: str) -> contextlib.AbstractContextManager:
     """The autocast a device of ``device_kind`` runs the forward in, applied on this machine's
@@ -173,6 +173,16 @@ class _State:
     def call_leaf(self, target: str, args: tuple, kwargs: dict, state: dict[str, torch.Tensor] | None = None) -> Any:
         module = self.root.get_submodule(target)
         return torch.func.functional_call(module, state or self.leaf_state(target), args, kwargs)
+
+
+def mixed_dtype_error(exc: RuntimeError, op: str) -> Exception:
+    """``exc`` as the one line a user can act on when it is CPU autocast's refusal to mix a bf16
+    working weight with fp32 values (it runs norms in their input's dtype, CUDA's in fp32);
+    ``exc`` itself otherwise."""
+    if "mixed dtype (CPU)" not in str(exc):
+        return exc
+    return ConfigError(f"on the CPU, autocast runs norms in their input's dtype and this model meets a bf16 working "
+                       f"weight with fp32 values at '{op}'; compile with --dtype bf16-autocast (fp32 weights) for the CPU")
 
 
 def run_one(node: fx.Node, args: tuple, kwargs: dict, state: _State | None = None) -> Any:
@@ -358,11 +368,7 @@ def annotate(
         try:
             saved, kept = run.measure(*graph_args(graph, inputs, target))
         except RuntimeError as exc:
-            if "mixed dtype (CPU)" not in str(exc):
-                raise
-            raise ConfigError(f"on the CPU, autocast runs norms in their input's dtype and this model meets a bf16 "
-                              f"working weight with fp32 values at '{run.current}'; compile with "
-                              "--dtype bf16-autocast (fp32 weights) for the CPU") from None
+            raise mixed_dtype_error(exc, run.current) from None
         nodes, kernels, leaves = _annotate_nodes(
             graph, state, (saved, kept), cost_model, graph_args(graph, inputs, target),
             {} if measured is None else measured, run.values,

@@ -31,7 +31,7 @@ def data_parallel(options: CompileOptions, front: Front, stages: list[StagePlan]
     """Per stage, the seconds its data-parallel collectives add (`autopart.predict.data_parallel`).
     The group spans nodes once the whole mesh does (dp is outermost)."""
     across = options.pp * options.tp * options.dp > options.gpus_per_node
-    overlapped = front.cost_model.device.kind != "cpu"
+    overlapped = front.cost_model.device.collectives_overlap_compute
     return [data_parallel_comm(options.zero, stage.parameter_bytes / options.tp, dp=options.dp, across_nodes=across,
                                cost_model=front.cost_model, overlapped=overlapped, hidden_behind_s=stage.forward_s)
             for stage in stages]

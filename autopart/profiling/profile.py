@@ -43,7 +43,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from torch import fx
 
 from autopart.ir.tensors import DTYPES, precision, working_dtype
-from autopart.passes.annotate import run_one, cost_key, target_precision
+from autopart.passes.annotate import cost_key, mixed_dtype_error, run_one, target_precision
 from autopart.passes.grad_leaves import leaves_for_grad
 from autopart.ir.model_file import ModelSpec
 from autopart.passes.capture import Graph, graph_args
@@ -140,7 +140,10 @@ def _compile_keys(module: fx.GraphModule, values: list[Any], dtype: str, device_
     keys: dict[str, str] = {}
 
     class Keys(fx.Interpreter):
+        current = ""  # the node running, named in an error
+
         def run_node(self, node: fx.Node) -> Any:
+            self.current = node.name
             with target_precision(dtype, device_kind):
                 value = super().run_node(node)
             if node.op in ("call_function", "call_method"):
@@ -148,8 +151,12 @@ def _compile_keys(module: fx.GraphModule, values: list[Any], dtype: str, device_
                 keys[node.name] = cost_key(node, args, kwargs, parameters, dtype)
             return value
 
+    runner = Keys(module)
     with torch.no_grad():
-        Keys(module).run(*values)
+        try:
+            runner.run(*values)
+        except RuntimeError as exc:
+            raise mixed_dtype_error(exc, runner.current) from None
     return keys
 
 

@@ -211,7 +211,7 @@ def cluster_of(options: CompileOptions) -> Cluster:
         all_gather_s=lambda nbytes, group, across: cost_model.collective_time("all_gather", nbytes, group,
                                                                               across_nodes=across),
         optimizer_s_per_byte=per_byte,
-        reduction_overlaps=device.kind != "cpu",  # as ``autopart.predict.step_time`` overlaps them
+        reduction_overlaps=device.collectives_overlap_compute,  # as ``autopart.predict.step_time`` overlaps them
         communicator_bytes=lambda pp, tp, dp: communicator_bytes(device.kind, pp=pp, tp=tp, dp=dp),
     )
 
