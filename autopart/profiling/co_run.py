@@ -87,8 +87,12 @@ def _run(module: fx.GraphModule, args: Sequence[Any], forward_context: Callable)
 
 def _co_runner(module: fx.GraphModule, args: Sequence[Any], forward_context: Callable, counts: mmap.mmap,
                slot: int) -> None:
-    """A forked co-runner: the graph's forward and backward until killed, counting its runs."""
+    """A forked co-runner: the graph's forward and backward until killed, counting its runs.
+
+    One thread, as a rank under torchrun: and a forked child must not enter an OpenMP parallel
+    region, whose pool threads the fork left behind in the parent (it would wait for them forever)."""
     try:
+        torch.set_num_threads(1)
         with torch.enable_grad():
             runs = 0
             while True:
