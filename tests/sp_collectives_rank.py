@@ -40,3 +40,6 @@ torch.testing.assert_close(partial.grad, torch.cat([torch.ones_like(scattered) *
 gathered = tp.gather_from_sequence(shard.detach().clone().requires_grad_(), 1)
 torch.testing.assert_close(gathered, x.detach())
 print("ok", rank)
+# gloo's worker threads must be joined before the interpreter exits: a rank that leaves with its
+# process group alive can abort at exit ("terminate called without an active exception")
+dist.destroy_process_group()
