@@ -105,7 +105,7 @@ def test_sequence_parallel_collectives_match_one_process(ranks):
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}", "--master-addr=127.0.0.1",
                f"--master-port={free_port()}", str(REPO / "tests" / "sp_collectives_rank.py")]  # fmt: skip
     result = subprocess.run(command, capture_output=True, text=True, timeout=120, env=environment())
-    assert result.returncode == 0, result.stderr[-4000:]
+    assert result.returncode == 0, result.stdout + result.stderr[-4000:]  # which ranks got through, then how one died
     assert result.stdout.count("ok") == ranks
 
 
