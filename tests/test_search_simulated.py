@@ -145,3 +145,42 @@ def test_interleaved_estimate_keeps_up_with_the_simulator_on_the_cuts_it_chooses
     scored = score_layout(layout, table, devices, space)
     assert scored is not None
     assert simulated_step_s(scored, table, devices) <= 1.12 * scored.estimate_s
+
+
+def overlapping(latency_s: float = 0.0) -> Cluster:
+    """No point-to-point time; all-reduces slow enough (1 byte/s over 2 replicas: a block's 500
+    bytes take 500 s) to be what the step waits for, run beside the compute."""
+    return dataclasses.replace(cluster(memory_bytes=10**12, gpus_per_node=8, bandwidth=1.0, latency_s=latency_s),
+                               p2p_s=lambda nbytes, across: 0.0, reduction_overlaps=True)
+
+
+def test_one_stage_reduces_beside_its_last_backward_and_its_first_block_after_it() -> None:
+    table, devices = equal_table(4), overlapping()
+    layout = Layout(pp=1, tp=1, dp=2, micro_batch_size=1, microbatches=2, schedule="1f1b")
+    scored = score_layout(layout, table, devices, SearchSpace(world_size=2, global_batch_size=4),
+                          recompute=(("none",),), cuts=())
+    costs = simulated_stage_costs(scored, table, devices)
+    end = pipeline_s("1f1b", 1, 2, 1, costs)
+    last_backward_starts = end - costs.backward_s[0]
+    # blocks 1-3's 1500 bytes from the start of the last backward, block 0's 500 after its end
+    done = max(last_backward_starts + 1500.0, end) + 500.0
+    assert simulated_step_s(scored, table, devices) == pytest.approx(done + devices.optimizer_s_per_byte * 2000)
+
+
+@pytest.mark.parametrize("chunks", [2, 4])
+def test_interleaved_chunks_reduce_beside_the_cool_down_of_their_rank(chunks: int) -> None:
+    # a rank's deepest chunk finishes its backward first; its all-reduce runs beside the rest of
+    # the cool-down, which the closed form (the last microbatch's backward only) does not count
+    table, devices = equal_table(16), overlapping()
+    layout = Layout(pp=2, tp=1, dp=2, micro_batch_size=1, microbatches=4, schedule="interleaved", chunks=chunks)
+    space = SearchSpace(world_size=4, global_batch_size=8)
+    cuts = tuple(16 // (2 * chunks) * (s + 1) - 1 for s in range(2 * chunks - 1))
+    scored = score_layout(layout, table, devices, space, recompute=(("none",),) * (2 * chunks), cuts=cuts)
+    costs = simulated_stage_costs(scored, table, devices)
+    pipeline = pipeline_s("interleaved", 2, 4, chunks, costs)
+    update = devices.optimizer_s_per_byte * 4000
+    simulated = simulated_step_s(scored, table, devices)
+    assert pipeline + update < simulated < scored.estimate_s
+    # each rank reduces 8 blocks' 4000 bytes: at most all of it after the pipeline, at least what
+    # its last-finishing stage holds beyond its own last backward
+    assert simulated <= pipeline + 4000.0 + update

@@ -4,8 +4,8 @@
 
 Every way to run the model on ``world_size`` devices is a ``Layout``: ``pp * tp * dp =
 world_size`` (TP inside a node unless pinned across), the micro-batch size (a divisor of each
-replica's share of the global batch), the schedule (gpipe, 1f1b, interleaved with 2 or 4 chunks,
-zb-h1, zbv), the ZeRO level (0 to 2; 3 when pinned; FSDP's never with a split backward:
+replica's share of the global batch), the schedule (gpipe, 1f1b, interleaved with 2, 3, 4 or
+6 chunks per rank, zb-h1, zbv), the ZeRO level (0 to 2; 3 when pinned; FSDP's never with a split backward:
 ``autopart.solve.data_parallel_tail``) and the dtype; sequence parallelism is the cost table's
 (on with TP unless pinned off: it holds less and moves what TP alone moves). For each, the
 cutter (``autopart.solve.bottleneck``) makes the slowest stage as fast as it can be; the step is
@@ -55,7 +55,7 @@ __all__ = [
     "parameter_bytes_per_rank",
 ]
 
-INTERLEAVED_CHUNKS = (2, 4)
+INTERLEAVED_CHUNKS = (2, 3, 4, 6)  # per rank; more (8, 12) slow the search ninefold: pin --chunks
 MAX_MICRO_BATCH_SIZE = 16
 """Micro-batch sizes searched by default: the divisors of a replica's batch up to this."""
 

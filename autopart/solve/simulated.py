@@ -4,8 +4,10 @@ The search estimates thousands of layouts in closed form (``autopart.solve.searc
 ``sum T_s + (m - 1) max T_s`` and the like, each stage's time counting its transfers). Here a
 scored layout is run action by action on its own schedule (``autopart.schedule.build_schedule``,
 the generator the compiler emits, virtual stages for interleaved) with the block-level chain
-costs of its stages (under ZeRO-2/3 with FSDP's collectives), and the same data-parallel tail
-is added after the pipeline drains (``autopart.solve.data_parallel_tail``):
+costs of its stages (under ZeRO-2/3 with FSDP's collectives). The data-parallel all-reduces
+run beside each rank's remaining actions where the device overlaps them (ZeRO 0 and 1), as the
+step model runs them; otherwise the closed form's tail (``autopart.solve.data_parallel_tail``)
+is added after the pipeline drains:
 
 - forward: the stage's blocks' ``forward_s``;
 - backward: their ``backward_s`` plus the forward work the stage's recompute mode repeats (the
@@ -25,7 +27,8 @@ from __future__ import annotations
 
 import functools
 
-from autopart.schedule import Schedule, StageCosts, build_schedule, simulate, stage_placement
+from autopart.ir.actions import Kind
+from autopart.schedule import Schedule, StageCosts, Timeline, build_schedule, simulate, stage_placement
 from autopart.solve.search import Cluster, CostTable, Scored, parameter_bytes_per_rank, tail_s
 from autopart.solve.baselines import stage_parameter_bytes
 from autopart.solve.bottleneck import ChainCosts
@@ -36,18 +39,57 @@ __all__ = ["simulated_step_s", "simulated_stage_costs", "pipeline_s"]
 
 def simulated_step_s(scored: Scored, table: CostTable, cluster: Cluster) -> float:
     """The step of ``scored`` (its layout, cuts and recompute per stage) by simulation: the
-    schedule's pipeline, then the gradient all-reduce and optimizer step of the busiest rank."""
+    schedule's pipeline, then the gradient all-reduce and optimizer step of the busiest rank.
+    Where the collectives overlap the compute (ZeRO 0 or 1), each rank's reductions run beside
+    its own remaining actions as the simulated timeline has them (`_overlapped_step_s`)."""
     layout, cut = scored.layout, scored.cut
     costs = simulated_stage_costs(scored, table, cluster)
-    pipeline = pipeline_s(layout.schedule, layout.pp, layout.microbatches, layout.chunks, costs)
+    chain = table.chain_costs(micro_batch_size=layout.micro_batch_size, tp=layout.tp, dtype=layout.dtype)
     ranks = stage_placement(layout.schedule, ranks=layout.pp, chunks=layout.chunks)
     rank_bytes = parameter_bytes_per_rank(table, layout, cut, ranks)
+    across = layout.data_parallel_crosses_nodes(cluster.gpus_per_node)
+    if layout.dp > 1 and int(layout.zero) in (0, 1) and cluster.reduction_overlaps:
+        return _overlapped_step_s(layout, cluster, chain, cut.cuts, costs, rank_bytes, across)
+    pipeline = pipeline_s(layout.schedule, layout.pp, layout.microbatches, layout.chunks, costs)
     behind = [0.0] * layout.pp  # per rank, its last microbatch's backward: what its all-reduce runs beside
     for rank, backward in zip(ranks, costs.backward_s):
         behind[rank] += backward
-    chain = table.chain_costs(micro_batch_size=layout.micro_batch_size, tp=layout.tp, dtype=layout.dtype)
-    return pipeline + tail_s(layout, cluster, rank_bytes, layout.data_parallel_crosses_nodes(cluster.gpus_per_node),
-                             behind, last_bucket_bytes(layout, chain, cut.cuts))
+    return pipeline + tail_s(layout, cluster, rank_bytes, across, behind, last_bucket_bytes(layout, chain, cut.cuts))
+
+
+def _overlapped_step_s(layout, cluster: Cluster, chain: ChainCosts, cuts: tuple[int, ...], costs: StageCosts,
+                       rank_bytes: list[int], across: bool) -> float:
+    """The step with each rank's gradient all-reduces queued on its communicator as the runtime
+    launches them (`autopart.predict.reduction`, at stage grain): a stage's parameters but its
+    first block's are ready from the start of its last backward (B, or W where the backward is
+    split; the backward reaches the later blocks first), its first block's at that action's end.
+    Under interleaving a rank's chunks finish at different times of the cool-down, so the
+    reductions of the first to finish run beside the others' backwards."""
+    timeline = _timeline(layout.schedule, layout.pp, layout.microbatches, layout.chunks, costs)
+    ends = [0.0] * layout.pp
+    final: dict[int, tuple[float, float]] = {}  # stage -> its last weight-gradient action's (start, end)
+    for event in timeline.events:
+        ends[event.rank] = max(ends[event.rank], event.end)
+        if event.action.kind in (Kind.B, Kind.W) and event.end >= final.get(event.action.stage, (0.0, -1.0))[1]:
+            final[event.action.stage] = (event.start, event.end)
+    firsts, lasts = (0, *(c + 1 for c in cuts)), (*cuts, len(chain) - 1)
+    queued: list[list[tuple[float, int]]] = [[] for _ in range(layout.pp)]  # per rank, (ready at, bytes)
+    for stage, rank in enumerate(stage_placement(layout.schedule, ranks=layout.pp, chunks=layout.chunks)):
+        start, end = final.get(stage, (0.0, 0.0))
+        whole = stage_parameter_bytes(chain, firsts[stage], lasts[stage])
+        first = stage_parameter_bytes(chain, firsts[stage], firsts[stage])
+        queued[rank] += [(start, whole - first), (end, first)]
+    step = 0.0
+    for rank, items in enumerate(queued):
+        done = 0.0
+        for ready, nbytes in sorted(items):
+            if nbytes:
+                done = max(done, ready) + cluster.all_reduce_s(nbytes, layout.dp, across)
+        update = cluster.optimizer_s_per_byte * rank_bytes[rank]
+        if int(layout.zero) == 1:
+            update = update / layout.dp + cluster.all_gather_s(rank_bytes[rank], layout.dp, across)
+        step = max(step, max(ends[rank], done) + update)
+    return step
 
 
 def simulated_stage_costs(scored: Scored, table: CostTable, cluster: Cluster) -> StageCosts:
@@ -86,14 +128,18 @@ def _recompute_s(costs: ChainCosts, mode: str, first: int, end: int) -> float:
     return prefix[end] - prefix[first]
 
 
-@functools.lru_cache(maxsize=4096)
 def pipeline_s(kind: str, pp: int, microbatches: int, chunks: int, costs: StageCosts) -> float:
     """The simulated pipeline of one step: first forward's start to last backward's end.
 
     The schedule is the compute-only one: ``add_communication`` puts each receive right before
     its consumer and sends and receives take no rank time here, so lowering changes no time."""
+    return _timeline(kind, pp, microbatches, chunks, costs).step_s
+
+
+@functools.lru_cache(maxsize=4096)
+def _timeline(kind: str, pp: int, microbatches: int, chunks: int, costs: StageCosts) -> Timeline:
     placement = stage_placement(kind, ranks=pp, chunks=chunks)
-    return simulate(_schedule(kind, pp, microbatches, chunks), costs, ranks=pp, placement=placement).step_s
+    return simulate(_schedule(kind, pp, microbatches, chunks), costs, ranks=pp, placement=placement)
 
 
 @functools.lru_cache(maxsize=64)
