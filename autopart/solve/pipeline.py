@@ -55,6 +55,20 @@ class _CutModel:
                 m.add_bool_or([e, here.Not(), there.Not()])
         for s in range(stages - 1):
             m.add_exactly_one(self.end[k][s] for k in range(blocks - 1))
+        # a parameter one block reads is held by that block's stage: its bytes are the block's own
+        # (no variable per stage and parameter: 1,024 layers on 256 stages would need millions)
+        readers: dict[str, list[int]] = {}
+        for k, names in enumerate(problem.block_parameters):
+            for name in dict.fromkeys(names):
+                readers.setdefault(name, []).append(k)
+        self.own_bytes = [0] * blocks
+        self.shared: list[tuple[str, int, list[int]]] = []
+        for name, nbytes in problem.parameter_state_bytes.items():
+            read = readers.get(name, [])
+            if len(read) == 1:
+                self.own_bytes[read[0]] += nbytes
+            elif read:
+                self.shared.append((name, nbytes, read))
 
     def stage_time(self, s: int) -> cp_model.LinearExpr:
         p, blocks = self.problem, len(self.problem.block_time_s)
@@ -70,17 +84,13 @@ class _CutModel:
 
     def stage_memory(self, s: int) -> cp_model.LinearExpr:
         p, m = self.problem, self.model
-        blocks = len(p.block_time_s)
         holds = []
-        for name, nbytes in p.parameter_state_bytes.items():
-            readers = [k for k in range(blocks) if name in p.block_parameters[k]]
-            if not readers:
-                continue
+        for name, nbytes, readers in self.shared:  # held once however many of its readers the stage has
             held = m.new_bool_var(f"stage{s}_holds_{name}")
             m.add_max_equality(held, [self.x[k][s] for k in readers])
             holds.append(nbytes * held)
-        activations = sum(p.block_activation_bytes[k] * self.x[k][s] for k in range(blocks))
-        return sum(holds) + p.in_flight[s] * activations
+        per_block = (own + p.in_flight[s] * saved for own, saved in zip(self.own_bytes, p.block_activation_bytes))
+        return sum(holds) + sum(nbytes * self.x[k][s] for k, nbytes in enumerate(per_block) if nbytes)
 
     def rank_memory(self, rank: int) -> cp_model.LinearExpr:
         p = self.problem
