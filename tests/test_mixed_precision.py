@@ -82,7 +82,8 @@ def test_memory_holds_a_bf16_working_copy_beside_fp32_masters():
     fp32 = 4 * PSI  # the plan's parameter bytes are the fp32 masters'
     assert state_bytes(fp32, optimizer="adamw", dp=1, zero=0, dtype="bf16") == 18 * PSI  # 2 + 4 + 4 + 8
     assert state_bytes(fp32, optimizer="adamw", dp=1, zero=0, dtype="bf16-autocast") == 16 * PSI
-    assert state_bytes(fp32, optimizer="adamw", dp=4, zero=1, dtype="bf16") == 10 * PSI + 8 * PSI // 4
+    # ZeRO-1 shards the fp32 masters too, the weights whole in bf16 (tests/test_distributed_optimizer.py)
+    assert state_bytes(fp32, optimizer="adamw", dp=4, zero=1, dtype="bf16") == 6 * PSI + 12 * PSI // 4
     assert state_bytes(fp32, optimizer="sgd", dp=1, zero=0, dtype="bf16") == 10 * PSI
 
 
