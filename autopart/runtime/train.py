@@ -273,7 +273,8 @@ def _optimizer(modules: dict[int, torch.nn.Module], plan: Plan, args: argparse.N
     named = [item for module in modules.values() for item in module.named_parameters()]
     groups = parameter_groups(named, weight_decay=recipe.weight_decay, embeddings=plan.embedding_parameters)
     zero_group = data_parallel if plan.zero == 1 else None
-    return make_optimizer(args.optimizer, groups, args.lr, zero_group=zero_group, shard_masters=plan.dtype == "bf16")
+    return make_optimizer(args.optimizer, groups, args.lr, zero_group=zero_group,
+                          shard_masters=working_dtype(plan.dtype) is not None)
 
 
 def _report(reporter: StepReporter, plan: Plan, inputs: tuple, line: dict, norm: float | None,
