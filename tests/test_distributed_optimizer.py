@@ -25,7 +25,7 @@ from autopart.runtime.forward import working_copies
 from autopart.runtime.sharded_masters import ShardedMasters, holds_master, partition
 from autopart.tools.local_run import free_port
 from autopart.tools.verify import verify
-from tests.distributed import REPO, compile_and_train, read_metrics, run_cli, run_ranks, stage_weights
+from tests.distributed import REPO, compile_and_train, read_metrics, run_cli, stage_weights, train_whole_and_resumed
 
 PSI = 1_000_000  # parameters
 DP = 2
@@ -156,15 +156,7 @@ def test_bf16_zero1_resumes_bit_identically_and_consolidates_to_the_fp32_masters
     out = tmp_path / "out"
     compile_to_directory(CompileOptions(model=REPO / "examples" / "gpt.py", pp=1, dp=DP, zero=1, microbatches=2,
                                         micro_batch_size=1, schedule="1f1b", dtype="bf16", optimizer="adamw"), out)
-    runs = {}
-    for name, steps in (("whole", ["4"]), ("parts", ["2", "4"])):
-        folder = tmp_path / name
-        folder.mkdir()
-        for count in steps:
-            run_ranks(out, DP, "--steps", count, "--lr", "0.01", "--optimizer", "adamw", "--metrics",
-                      str(folder / "metrics.jsonl"), "--save-weights", str(folder / "final"), "--checkpoint-dir",
-                      str(folder / "ckpt"), *(["--resume"] if count == "4" and name == "parts" else []))  # fmt: skip
-        runs[name] = folder
+    runs = train_whole_and_resumed(out, DP, tmp_path)
     whole, parts = (stage_weights(runs[n] / "final") for n in ("whole", "parts"))
     assert [m["loss"] for m in read_metrics(runs["whole"] / "metrics.jsonl")] == \
         [m["loss"] for m in read_metrics(runs["parts"] / "metrics.jsonl")]
