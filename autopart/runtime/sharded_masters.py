@@ -35,6 +35,7 @@ import torch.distributed as dist
 __all__ = ["ShardedMasters", "holds_master", "working_weight", "partition"]
 
 _WEIGHT = "autopart_bf16_weight"  # the attribute of a parameter that holds its bf16 weight
+_RELEASED = "autopart_released"  # the attribute that marks a parameter whose fp32 master is elsewhere
 
 
 def working_weight(parameter: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -48,7 +49,7 @@ def working_weight(parameter: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def holds_master(parameter: torch.Tensor) -> bool:
     """False for a parameter whose fp32 master another data-parallel replica holds."""
-    return not getattr(parameter, "autopart_released", False)
+    return not getattr(parameter, _RELEASED, False)
 
 
 class _Working(torch.autograd.Function):
@@ -95,7 +96,7 @@ class ShardedMasters(torch.optim.Optimizer):
         for p in tensors:
             if id(p) not in mine:  # another replica steps it: its fp32 master goes
                 p.data = torch.full((), float("nan"), dtype=p.dtype, device=p.device).expand(p.shape)
-                p.autopart_released = True
+                setattr(p, _RELEASED, True)
 
     @staticmethod
     def _hold_weights(params: list[torch.Tensor], working: torch.dtype) -> torch.Tensor:
@@ -139,5 +140,5 @@ class ShardedMasters(torch.optim.Optimizer):
             for p in params:
                 if r != self.rank:
                     p.data = torch.empty(p.shape, dtype=p.dtype, device=p.device)
-                    p.autopart_released = False
+                    setattr(p, _RELEASED, False)
                 dist.broadcast(p.data, src=dist.get_global_rank(self.group, r), group=self.group)
