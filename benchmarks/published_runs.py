@@ -122,8 +122,7 @@ _MT_NLG = dict(source="MT-NLG (Smith et al. 2022) §2.4", model=MT_NLG, device="
 
 _DGXC_175B = dict(source="NVIDIA dgxc-benchmarking nemo_megatron/README_175b.md (BF16)", model=GPT3_175B,
                   device="h100-sxm", tp=4, pp=8, micro_batch_size=1, recompute="none", schedule="interleaved",
-                  chunks=12, lacks="the distributed optimizer's sharded fp32 master weights (autopart's ZeRO-1 "
-                  "keeps them whole on every rank, 4 bytes a parameter more; issue #24)",
+                  chunks=12,
                   assumed="no recompute and sequence parallelism as the recipe's gpt3_175b_hydra.yaml sets them; "
                   "its distributed_fused_adam as ZeRO-1; FP8 off (DTYPE=bf16); vocabulary 51,200 as the README's FLOP "
                   "count; its TP communication overlap (ub_tp_comm_overlap) not modelled")  # fmt: skip

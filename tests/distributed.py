@@ -119,6 +119,21 @@ def _live_zygote() -> _Zygote:
     return _Zygote()
 
 
+def train_whole_and_resumed(out: Path, nproc: int, tmp_path: Path) -> dict[str, Path]:
+    """Train ``out`` 4 steps of AdamW in one launch ("whole") and in two, 2 then 2 resumed from
+    the checkpoint ("parts"); each folder holds metrics.jsonl, final/ and ckpt/."""
+    runs = {}
+    for name, steps in (("whole", ["4"]), ("parts", ["2", "4"])):
+        folder = tmp_path / name
+        folder.mkdir()
+        for count in steps:
+            run_ranks(out, nproc, "--steps", count, "--lr", "0.01", "--optimizer", "adamw", "--metrics",
+                      str(folder / "metrics.jsonl"), "--save-weights", str(folder / "final"), "--checkpoint-dir",
+                      str(folder / "ckpt"), *(["--resume"] if count == "4" and name == "parts" else []))  # fmt: skip
+        runs[name] = folder
+    return runs
+
+
 def read_metrics(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 

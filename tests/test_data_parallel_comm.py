@@ -48,3 +48,14 @@ def test_a_reduce_scatter_longer_than_the_next_action_shows_its_excess():
     assert comm(2, overlapped=True, hidden_behind_s=0.25).backward_s == pytest.approx(0.75)
     assert comm(3, overlapped=True, hidden_behind_s=0.25).backward_s == pytest.approx(1.75)
     assert comm(2, overlapped=False, hidden_behind_s=5.0).backward_s == pytest.approx(1.0)  # a CPU hides nothing
+
+
+@pytest.mark.parametrize("dtype, gathered", [("fp32", 1.0), ("bf16-autocast", 1.0), ("bf16", 0.5)])
+def test_zero_1_gathers_the_weights_in_the_dtype_the_replicas_hold(dtype, gathered):
+    """Under ``bf16`` the distributed optimizer's owners broadcast bf16 weights
+    (`autopart.runtime.sharded_masters`): half the bytes of fp32 weights."""
+    run = data_parallel_comm(1, 1e9, dp=4, across_nodes=False, cost_model=LinearCollectives(), overlapped=True,
+                             dtype=dtype)
+    assert run.tail_s == pytest.approx(gathered)
+    assert data_parallel_comm(2, 1e9, dp=4, across_nodes=False, cost_model=LinearCollectives(), overlapped=False,
+                              dtype=dtype) == comm(2, overlapped=False)  # FSDP's levels are costed as before

@@ -59,6 +59,8 @@ def test_the_all_reduce_adds_only_what_runs_past_the_last_backward_where_collect
     assert tail_s(layout(), overlapping, [nbytes], False) == pytest.approx(reduce + step)  # nothing to hide behind
     # ZeRO-1: a quarter of the step, then the updated shards gathered (6 s), which nothing hides
     assert tail_s(layout(zero=1), overlapping, [nbytes], False, [20.0]) == pytest.approx(step / 4 + 6.0)
+    # bf16 ZeRO-1: the distributed optimizer gathers bf16 weights, half the bytes (3 s)
+    assert tail_s(layout(zero=1, dtype="bf16"), overlapping, [nbytes], False, [20.0]) == pytest.approx(step / 4 + 3.0)
     # ZeRO-2: the step waits for the last reduce-scatter (6 s) and gathers once (6 s)
     assert tail_s(layout(zero=2), overlapping, [nbytes], False, [20.0]) == pytest.approx(step / 4 + 12.0)
 

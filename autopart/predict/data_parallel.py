@@ -1,8 +1,10 @@
 """Where a rank's data-parallel collectives fall in the step, per ZeRO level (``Plan.zero``).
 
 Levels 0 and 1 all-reduce the gradients in buckets as they become final, beside the backward
-(`autopart.predict.reduction` models that); level 1 (ZeroRedundancyOptimizer) then gathers the
-updated shards after the optimizer step, which nothing overlaps. Level 2 (FSDP) gathers the parameters at the step's first
+(`autopart.predict.reduction` models that); level 1 then gathers the updated shards after the
+optimizer step, which nothing overlaps: fp32 weights (ZeroRedundancyOptimizer), or under ``bf16``
+the bf16 weights that each owner of fp32 masters broadcasts (`autopart.runtime.sharded_masters`),
+half the bytes (`gathered_bytes`). Level 2 (FSDP) gathers the parameters at the step's first
 forward and reduce-scatters the gradients after every microbatch's backward; level 3 gathers
 before every forward and every backward too. A gather must end before the unit computes, so it
 adds to the action; a reduce-scatter is left running: on a GPU it overlaps the next action (its
@@ -14,9 +16,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from autopart.ir.tensors import working_dtype
 from cost_models.base import CostModel
 
-__all__ = ["DataParallelComm", "data_parallel_comm"]
+__all__ = ["DataParallelComm", "data_parallel_comm", "gathered_bytes"]
+
+
+def gathered_bytes(parameter_bytes: float, dtype: str) -> float:
+    """The bytes ZeRO-1's post-step gather moves for ``parameter_bytes`` of fp32 parameters: the
+    weights in the dtype every replica holds them in (bf16 beside sharded masters under ``bf16``)."""
+    return parameter_bytes / 2 if working_dtype(dtype) is not None else parameter_bytes
 
 
 @dataclass(frozen=True)
@@ -30,11 +39,12 @@ class DataParallelComm:
 
 
 def data_parallel_comm(zero: int, parameter_bytes: float, *, dp: int, across_nodes: bool, cost_model: CostModel,
-                       overlapped: bool, hidden_behind_s: float = 0.0) -> DataParallelComm:
+                       overlapped: bool, hidden_behind_s: float = 0.0, dtype: str = "fp32") -> DataParallelComm:
     """The collectives of one stage holding ``parameter_bytes`` (this rank's, after tensor
     parallelism). ``overlapped``: a reduce-scatter runs beside the next action (a GPU's
     streams), which takes at least ``hidden_behind_s`` (the stage's forward: what follows a
-    backward in a pipeline's steady state); what it runs past that adds to the backward."""
+    backward in a pipeline's steady state); what it runs past that adds to the backward.
+    ``dtype``: the plan's precision, what ZeRO-1's post-step gather moves."""
     if dp == 1:
         return DataParallelComm()
 
@@ -42,7 +52,9 @@ def data_parallel_comm(zero: int, parameter_bytes: float, *, dp: int, across_nod
         return cost_model.collective_time(kind, parameter_bytes, dp, across_nodes=across_nodes)
 
     if zero in (0, 1):  # the all-reduce overlaps the backward (`autopart.predict.reduction`); ZeRO-1's
-        return DataParallelComm(tail_s=time("all_gather") if zero == 1 else 0.0)  # update is shared after the step
+        gather = cost_model.collective_time("all_gather", gathered_bytes(parameter_bytes, dtype), dp,
+                                            across_nodes=across_nodes)  # update is shared after the step
+        return DataParallelComm(tail_s=gather if zero == 1 else 0.0)
     reduce = max(0.0, time("reduce_scatter") - hidden_behind_s) if overlapped else time("reduce_scatter")
     last = time("reduce_scatter") if overlapped else 0.0  # the step waits for the last one
     if zero == 2:

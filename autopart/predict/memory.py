@@ -14,7 +14,9 @@ Precision (``Plan.dtype``). ``P`` is always the fp32 parameters' bytes: fp32 and
 activations (annotate charges them to the matrix products that save them). ``bf16`` holds, beside
 the same fp32 master weights, fp32 gradients and optimizer state, one bf16 working copy of every
 weight (P/2, `autopart.runtime.forward`): Megatron-LM's 18 bytes per parameter with AdamW
-(2 + 4 + 4 + 8). Under ZeRO-2/3 FSDP holds the fp32 shards and gathers bf16 whole weights (P/2);
+(2 + 4 + 4 + 8). Under ZeRO-1 the fp32 masters are sharded with the optimizer state and the
+weights held whole in bf16 only (`autopart.runtime.sharded_masters`, Megatron-LM's distributed
+optimizer): P/2 + P + (P + S)/dp, 6 + 12/dp bytes per parameter with AdamW. Under ZeRO-2/3 FSDP holds the fp32 shards and gathers bf16 whole weights (P/2);
 their bf16 whole gradients and the fp32 copy that FSDP reduce-scatters take P/2 + P at its peak,
 so the whole copies weigh 2P as at fp32.
 """
@@ -35,6 +37,8 @@ def state_bytes(parameter_bytes: int, *, optimizer: str, dp: int, zero: int, dty
     working = parameter_bytes // 2 if working_dtype(dtype) is not None else 0  # bf16 copies beside fp32 masters
     if not zero or dp == 1:
         return full + working
+    if zero == 1 and working:  # bf16 weights and fp32 gradients whole, the fp32 masters sharded with the state
+        return working + parameter_bytes + (full - parameter_bytes) // dp
     if zero == 1:
-        return weights_and_grads + working + (full - weights_and_grads) // dp
+        return weights_and_grads + (full - weights_and_grads) // dp
     return weights_and_grads + full // dp  # whole while computing, and the shards of everything

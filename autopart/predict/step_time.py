@@ -33,7 +33,8 @@ def data_parallel(options: CompileOptions, front: Front, stages: list[StagePlan]
     across = options.pp * options.tp * options.dp > options.gpus_per_node
     overlapped = front.cost_model.device.collectives_overlap_compute
     return [data_parallel_comm(options.zero, stage.parameter_bytes / options.tp, dp=options.dp, across_nodes=across,
-                               cost_model=front.cost_model, overlapped=overlapped, hidden_behind_s=stage.forward_s)
+                               cost_model=front.cost_model, overlapped=overlapped, hidden_behind_s=stage.forward_s,
+                               dtype=options.dtype)
             for stage in stages]
 
 

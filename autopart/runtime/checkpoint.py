@@ -3,7 +3,8 @@
 A checkpoint is a torch.distributed.checkpoint (DCP) directory ``DIR/step_<n>`` holding only
 tensors, under keys that say whose they are:
 
-    model/stage_<k>/tp_<r>/<name>               a stage's parameters and buffers (original names)
+    model/stage_<k>/tp_<r>/<name>               a stage's parameters and buffers (original names;
+                                                under bf16 ZeRO-1 each master from the replica that holds it)
     optim/[dp_<d>/]stage_<k>/tp_<r>/<name>/<s>  optimizer state (per data-parallel rank with ZeRO-1)
     rng/rank_<i>/<generator>                    random number generator states
     progress/step, progress/seed                where the data stream stands
@@ -40,6 +41,7 @@ from torch import nn
 from autopart.ir.errors import CheckpointError, ConfigError
 from autopart.runtime.fully_sharded import is_sharded
 from autopart.runtime.launch import file_sha256, plan_digest
+from autopart.runtime.sharded_masters import ShardedMasters, holds_master
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata
@@ -162,8 +164,10 @@ def training_state(
     state: dict[str, torch.Tensor] = {}
     names: dict[int, str] = {}
     for s, module in stages.items():
+        elsewhere = {n for n, p in module.named_parameters(remove_duplicate=False) if not holds_master(p)}
         for name, value in module.state_dict().items():
-            state[f"model/stage_{s}/tp_{tp_rank}/{name}"] = value
+            if name not in elsewhere:  # a master that another replica holds (bf16 ZeRO-1) is saved by it
+                state[f"model/stage_{s}/tp_{tp_rank}/{name}"] = value
         for name, parameter in module.named_parameters():
             names[id(parameter)] = _optimizer_prefix(s, tp_rank, dp_rank, zero) + name
     for parameter, values in _inner(optimizer).state.items():
@@ -345,6 +349,8 @@ def restore_checkpoint(
     inner = _inner(optimizer)
     for key, (parameter, name) in held.items():  # read where they live: nothing to move one by one
         inner.state[parameter][name] = state[key]
+    if isinstance(optimizer, ShardedMasters):  # the bf16 weights of the masters just read
+        optimizer.gather_weights()
     if f"rng/rank_{rank}/torch" in state:
         torch.set_rng_state(state[f"rng/rank_{rank}/torch"])
     if f"rng/rank_{rank}/cuda" in state:

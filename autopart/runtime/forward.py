@@ -3,7 +3,8 @@
 Precision (``Plan.dtype``, `autopart.ir.tensors.DTYPES`). Both bf16 precisions run the forward
 under ``torch.autocast(device type, torch.bfloat16)``, so the ops on autocast's fp32 list
 (softmax, norms, losses) run in fp32 as ever. The module's parameters are always the fp32
-master weights that the optimizer updates, checkpoints save and ``consolidate`` gathers.
+master weights that the optimizer updates, checkpoints save and ``consolidate`` gathers (under
+``bf16`` with ZeRO-1, only the replica's share of them holds fp32 data; see below).
 
 - ``bf16-autocast``: the forward reads the fp32 parameters and autocast casts them to bf16 in
   every forward and every recompute.
@@ -14,8 +15,11 @@ master weights that the optimizer updates, checkpoints save and ``consolidate`` 
   weight gradient flows back through that one cast into the fp32 parameter's ``.grad``, so
   gradients are accumulated over microbatches in fp32 (Megatron's ``main_grad``) and tied and
   data-parallel sums run on fp32 gradients (its ``accumulate_allreduce_grads_in_fp32``). A cast
-  saves no tensor for backward, so the one cast serves every microbatch's backward. Under ZeRO-2/3
-  FSDP holds the parameters and casts them itself (`autopart.runtime.fully_sharded`).
+  saves no tensor for backward, so the one cast serves every microbatch's backward. Under ZeRO-1
+  the fp32 masters are sharded over the data-parallel replicas and every replica holds the
+  weights in bf16 (Megatron-LM's distributed optimizer, `autopart.runtime.sharded_masters`): the
+  working copy is that bf16 weight, whose backward accumulates into the fp32 ``.grad`` alike.
+  Under ZeRO-2/3 FSDP holds the parameters and casts them itself (`autopart.runtime.fully_sharded`).
 
 The tensors sent to the next stage are whatever the forward made (the plan's stage outputs say
 which dtype), and the gradients sent back have the same dtypes.
@@ -51,6 +55,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from autopart.ir.tensors import precision, working_dtype
 from autopart.runtime.fully_sharded import is_sharded
+from autopart.runtime.sharded_masters import working_weight
 from autopart.ir.recompute import keeps_output
 
 __all__ = ["StageForward", "Rebuild", "selective_policy", "working_copies"]
@@ -63,12 +68,13 @@ def selective_policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Checkpoi
 
 def working_copies(module: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Every floating parameter of ``module`` cast to ``dtype``, by every name it has (a tied
-    parameter's names share one copy), differentiable back to the parameter while grad is on."""
+    parameter's names share one copy), differentiable back to the parameter while grad is on
+    (under ZeRO-1 the bf16 weight it holds, `autopart.runtime.sharded_masters`)."""
     made: dict[int, torch.Tensor] = {}
     copies = {}
     for name, parameter in module.named_parameters(remove_duplicate=False):
         if id(parameter) not in made:
-            made[id(parameter)] = parameter.to(dtype) if parameter.is_floating_point() else parameter
+            made[id(parameter)] = working_weight(parameter, dtype)
         copies[name] = made[id(parameter)]
     return copies
 

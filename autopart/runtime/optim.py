@@ -7,6 +7,7 @@ from collections.abc import Iterable
 import torch
 
 from autopart.ir.errors import ConfigError
+from autopart.runtime.sharded_masters import ShardedMasters
 
 __all__ = ["OPTIMIZERS", "make_optimizer"]
 
@@ -19,8 +20,11 @@ def make_optimizer(
     lr: float,
     *,
     zero_group: torch.distributed.ProcessGroup | None = None,
+    shard_masters: bool = False,
 ) -> torch.optim.Optimizer:
-    """SGD or AdamW; with ``zero_group``, its state sharded over that group (ZeRO-1).
+    """SGD or AdamW; with ``zero_group``, its state sharded over that group (ZeRO-1), and with
+    ``shard_masters`` (``--dtype bf16``) the fp32 master weights too, the weights held in bf16
+    (`autopart.runtime.sharded_masters`).
 
     On the CPU, one tensor at a time (``foreach=False``): the same per-tensor arithmetic on every
     rank and in the reference, whichever parameters each holds. On a GPU, fused AdamW and
@@ -38,6 +42,8 @@ def make_optimizer(
         kind, options = torch.optim.SGD, {"lr": lr, "foreach": cuda}
     else:
         kind, options = torch.optim.AdamW, {"lr": lr, "fused": True} if cuda else {"lr": lr, "foreach": False}
+    if zero_group is not None and shard_masters:
+        return ShardedMasters(params, kind, options, zero_group)
     if zero_group is not None:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 

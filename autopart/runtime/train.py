@@ -64,6 +64,7 @@ from autopart.runtime.measure import StepClock, write_measured_trace
 from autopart.runtime.gradients import clip_gradients, sum_tied_gradients, tied_groups
 from autopart.runtime.reducer import GradientReducer
 from autopart.runtime.optim import OPTIMIZERS, make_optimizer
+from autopart.runtime.sharded_masters import ShardedMasters
 from autopart.runtime.progress import StepReporter, Throughput, check_tensorboard, tokens_in
 from autopart.runtime.recipe import Recipe, add_recipe_arguments, parameter_groups
 from autopart.runtime import collectives
@@ -252,6 +253,8 @@ def _loop(out_dir: Path, plan: Plan, schedule: Schedule, args: argparse.Namespac
     if reporter is not None:
         reporter.close()
     if args.save_weights:
+        if isinstance(optimizer, ShardedMasters):  # the final weights are the fp32 masters, whole
+            optimizer.gather_masters()
         _save_weights(args.save_weights, stages, here, mesh.tp)
 
 
@@ -269,7 +272,9 @@ def _optimizer(modules: dict[int, torch.nn.Module], plan: Plan, args: argparse.N
     """The optimizer over this rank's parameters, in the recipe's groups, sharded over dp with ZeRO-1."""
     named = [item for module in modules.values() for item in module.named_parameters()]
     groups = parameter_groups(named, weight_decay=recipe.weight_decay, embeddings=plan.embedding_parameters)
-    return make_optimizer(args.optimizer, groups, args.lr, zero_group=data_parallel if plan.zero == 1 else None)
+    zero_group = data_parallel if plan.zero == 1 else None
+    return make_optimizer(args.optimizer, groups, args.lr, zero_group=zero_group,
+                          shard_masters=working_dtype(plan.dtype) is not None)
 
 
 def _report(reporter: StepReporter, plan: Plan, inputs: tuple, line: dict, norm: float | None,

@@ -4,7 +4,8 @@ the step model places them (``autopart.predict.data_parallel``, ``autopart.predi
 - Levels 0 and 1 all-reduce the gradients in buckets as the last backward makes them final: on a
   device whose collectives run beside the compute (``Cluster.reduction_overlaps``), only what the
   all-reduce runs past the rank's last microbatch's backward adds to the step. Level 1 then steps
-  a shard of the optimizer state and all-gathers the updated shards.
+  a shard of the optimizer state and all-gathers the updated shards (bf16 weights under ``bf16``,
+  ``autopart.predict.data_parallel.gathered_bytes``).
 - Level 2 (FSDP) reduce-scatters every microbatch's gradients beside the next action (hidden
   behind a forward's length) and gathers the parameters once a step; level 3 gathers them before
   every forward and every backward, which adds to those actions.
@@ -20,6 +21,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 
+from autopart.predict.data_parallel import gathered_bytes
 from autopart.runtime.fully_sharded import FSDP_LEVELS
 from autopart.schedule import SPLIT_BACKWARD_KINDS, stage_placement
 
@@ -59,6 +61,7 @@ def tail_s(layout, cluster, rank_parameter_bytes: Sequence[int], across_nodes: b
             continue
         gather = cluster.all_gather_s(nbytes, dp, across_nodes)
         if level in (0, 1):
+            gather = cluster.all_gather_s(gathered_bytes(nbytes, layout.dtype), dp, across_nodes)
             sync = cluster.all_reduce_s(nbytes, dp, across_nodes)
             if hidden is not None and cluster.reduction_overlaps:
                 last = cluster.all_reduce_s(last_bytes[rank], dp, across_nodes) if last_bytes is not None else 0.0
