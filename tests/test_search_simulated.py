@@ -184,3 +184,16 @@ def test_interleaved_chunks_reduce_beside_the_cool_down_of_their_rank(chunks: in
     # each rank reduces 8 blocks' 4000 bytes: at most all of it after the pipeline, at least what
     # its last-finishing stage holds beyond its own last backward
     assert simulated <= pipeline + 4000.0 + update
+
+
+def test_zero_1_in_bf16_gathers_the_bf16_weights_after_the_step() -> None:
+    # the distributed optimizer's owners broadcast bf16 weights: half the bytes of fp32's gather
+    table, devices = equal_table(4), overlapping()
+    space = SearchSpace(world_size=2, global_batch_size=4)
+    steps = {}
+    for dtype in ("fp32", "bf16"):
+        layout = Layout(pp=1, tp=1, dp=2, micro_batch_size=1, microbatches=2, schedule="1f1b", zero=1, dtype=dtype)
+        scored = score_layout(layout, table, devices, space, recompute=(("none",),), cuts=())
+        steps[dtype] = simulated_step_s(scored, table, devices)
+    gather = devices.all_gather_s
+    assert steps["fp32"] - steps["bf16"] == pytest.approx(gather(2000, 2, False) - gather(1000, 2, False))

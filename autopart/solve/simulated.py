@@ -28,6 +28,7 @@ from __future__ import annotations
 import functools
 
 from autopart.ir.actions import Kind
+from autopart.predict.data_parallel import gathered_bytes
 from autopart.schedule import Schedule, StageCosts, Timeline, build_schedule, simulate, stage_placement
 from autopart.solve.search import Cluster, CostTable, Scored, parameter_bytes_per_rank, tail_s
 from autopart.solve.baselines import stage_parameter_bytes
@@ -87,7 +88,8 @@ def _overlapped_step_s(layout, cluster: Cluster, chain: ChainCosts, cuts: tuple[
                 done = max(done, ready) + cluster.all_reduce_s(nbytes, layout.dp, across)
         update = cluster.optimizer_s_per_byte * rank_bytes[rank]
         if int(layout.zero) == 1:
-            update = update / layout.dp + cluster.all_gather_s(rank_bytes[rank], layout.dp, across)
+            update = update / layout.dp + cluster.all_gather_s(gathered_bytes(rank_bytes[rank], layout.dtype),
+                                                               layout.dp, across)
         step = max(step, max(ends[rank], done) + update)
     return step
 
