@@ -106,7 +106,9 @@ def _replica(rank: int, port: int, folder: Path) -> None:
 
 @pytest.mark.multiprocess
 def test_replicas_hold_their_share_of_the_masters_and_step_like_one_optimizer(tmp_path):
-    context = multiprocessing.get_context("fork")
+    # spawned, not forked: a fork of the suite's long-lived process, which has run torch's thread
+    # pools and gloo, can hang in the child (it did, once in a clean CI run)
+    context = multiprocessing.get_context("spawn")
     port = free_port()
     processes = [context.Process(target=_replica, args=(rank, port, tmp_path)) for rank in range(DP)]
     for process in processes:
