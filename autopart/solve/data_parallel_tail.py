@@ -25,7 +25,7 @@ from autopart.predict.data_parallel import gathered_bytes
 from autopart.runtime.fully_sharded import FSDP_LEVELS
 from autopart.schedule import SPLIT_BACKWARD_KINDS, stage_placement
 
-__all__ = ["fully_sharded_levels", "tail_s", "hidden_s", "last_bucket_bytes", "fully_sharded_extra_s", "stage_times",
+__all__ = ["fully_sharded_levels", "tail_s", "update_s", "hidden_s", "last_bucket_bytes", "fully_sharded_extra_s", "stage_times",
            "most_hidden_s", "fsdp_may_pay"]
 
 FORWARD_SHARE = 1 / 3
@@ -55,23 +55,28 @@ def tail_s(layout, cluster, rank_parameter_bytes: Sequence[int], across_nodes: b
     tail = 0.0
     dp, level = layout.dp, int(layout.zero)
     for rank, nbytes in enumerate(rank_parameter_bytes):
-        step = cluster.optimizer_s_per_byte * nbytes
-        if dp == 1:
-            tail = max(tail, step)
-            continue
-        gather = cluster.all_gather_s(nbytes, dp, across_nodes)
-        if level in (0, 1):
-            gather = cluster.all_gather_s(gathered_bytes(nbytes, layout.dtype), dp, across_nodes)
-            sync = cluster.all_reduce_s(nbytes, dp, across_nodes)
-            if hidden is not None and cluster.reduction_overlaps:
+        if dp == 1 or level in (0, 1):
+            sync = cluster.all_reduce_s(nbytes, dp, across_nodes) if dp > 1 else 0.0
+            if dp > 1 and hidden is not None and cluster.reduction_overlaps:
                 last = cluster.all_reduce_s(last_bytes[rank], dp, across_nodes) if last_bytes is not None else 0.0
                 sync = max(last, sync - hidden[rank])
-            rank_tail = sync + (step / dp + gather if level == 1 else step)
+            rank_tail = sync + update_s(layout, cluster, nbytes, across_nodes)
         else:  # FSDP: the step waits for the last reduce-scatter where it runs beside the compute
             last = _reduce_scatter_s(cluster, nbytes, dp, across_nodes) if cluster.reduction_overlaps else 0.0
-            rank_tail = step / dp + last + (gather if level == 2 else 0.0)
+            gather = cluster.all_gather_s(nbytes, dp, across_nodes) if level == 2 else 0.0
+            rank_tail = cluster.optimizer_s_per_byte * nbytes / dp + last + gather
         tail = max(tail, rank_tail)
     return tail
+
+
+def update_s(layout, cluster, nbytes: int, across_nodes: bool) -> float:
+    """After its gradients are reduced, a rank's optimizer step over ``nbytes`` of parameters:
+    whole, or under ZeRO-1 (with replicas) a 1/dp shard of it and then the gather of the updated
+    weights (bf16 under ``bf16``: ``autopart.predict.data_parallel.gathered_bytes``)."""
+    step = cluster.optimizer_s_per_byte * nbytes
+    if layout.dp == 1 or int(layout.zero) != 1:
+        return step
+    return step / layout.dp + cluster.all_gather_s(gathered_bytes(nbytes, layout.dtype), layout.dp, across_nodes)
 
 
 @functools.lru_cache(maxsize=1024)

@@ -28,12 +28,11 @@ from __future__ import annotations
 import functools
 
 from autopart.ir.actions import Kind
-from autopart.predict.data_parallel import gathered_bytes
 from autopart.schedule import Schedule, StageCosts, Timeline, build_schedule, simulate, stage_placement
 from autopart.solve.search import Cluster, CostTable, Scored, parameter_bytes_per_rank, tail_s
 from autopart.solve.baselines import stage_parameter_bytes
 from autopart.solve.bottleneck import ChainCosts
-from autopart.solve.data_parallel_tail import fully_sharded_extra_s, last_bucket_bytes
+from autopart.solve.data_parallel_tail import fully_sharded_extra_s, last_bucket_bytes, update_s
 
 __all__ = ["simulated_step_s", "simulated_stage_costs", "pipeline_s"]
 
@@ -86,11 +85,7 @@ def _overlapped_step_s(layout, cluster: Cluster, chain: ChainCosts, cuts: tuple[
         for ready, nbytes in sorted(items):
             if nbytes:
                 done = max(done, ready) + cluster.all_reduce_s(nbytes, layout.dp, across)
-        update = cluster.optimizer_s_per_byte * rank_bytes[rank]
-        if int(layout.zero) == 1:
-            update = update / layout.dp + cluster.all_gather_s(gathered_bytes(rank_bytes[rank], layout.dtype),
-                                                               layout.dp, across)
-        step = max(step, max(ends[rank], done) + update)
+        step = max(step, max(ends[rank], done) + update_s(layout, cluster, rank_bytes[rank], across))
     return step
 
 
