@@ -16,7 +16,8 @@ the same fp32 master weights, fp32 gradients and optimizer state, one bf16 worki
 weight (P/2, `autopart.runtime.forward`): Megatron-LM's 18 bytes per parameter with AdamW
 (2 + 4 + 4 + 8). Under ZeRO-1 the fp32 masters are sharded with the optimizer state and the
 weights held whole in bf16 only (`autopart.runtime.sharded_masters`, Megatron-LM's distributed
-optimizer): P/2 + P + (P + S)/dp, 6 + 12/dp bytes per parameter with AdamW. Under ZeRO-2/3 FSDP holds the fp32 shards and gathers bf16 whole weights (P/2);
+optimizer): P/2 + P + (P + S)/dp, 6 + 12/dp bytes per parameter with AdamW. Under ZeRO-2/3
+FSDP holds the fp32 shards and gathers bf16 whole weights (P/2);
 their bf16 whole gradients and the fp32 copy that FSDP reduce-scatters take P/2 + P at its peak,
 so the whole copies weigh 2P as at fp32.
 """

@@ -25,8 +25,8 @@ from autopart.predict.data_parallel import gathered_bytes
 from autopart.runtime.fully_sharded import FSDP_LEVELS
 from autopart.schedule import SPLIT_BACKWARD_KINDS, stage_placement
 
-__all__ = ["fully_sharded_levels", "tail_s", "update_s", "hidden_s", "last_bucket_bytes", "fully_sharded_extra_s", "stage_times",
-           "most_hidden_s", "fsdp_may_pay"]
+__all__ = ["fully_sharded_levels", "tail_s", "update_s", "hidden_s", "last_bucket_bytes", "fully_sharded_extra_s",
+           "stage_times", "most_hidden_s", "fsdp_may_pay"]
 
 FORWARD_SHARE = 1 / 3
 """Of a stage's forward and backward, the forward's part (a backward is about twice a forward)."""
