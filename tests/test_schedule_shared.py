@@ -1,9 +1,12 @@
 """Step time when ranks share cores: processor sharing over the same action lists."""
 
+import random
+
 import pytest
 
 from autopart.ir.errors import ConfigError
-from autopart.schedule import StageCosts, add_communication, build_schedule, simulate
+from autopart.schedule import (SCHEDULE_KINDS, SPLIT_BACKWARD_KINDS, StageCosts, add_communication, build_schedule,
+                               simulate, stage_placement)
 from autopart.schedule.shared import step_time
 from cost_models import load_device
 
@@ -26,6 +29,36 @@ def test_processor_sharing_bounds(kind: str, ranks: int) -> None:
         assert shared == pytest.approx(alone)
     else:
         assert max(alone, work / 2) <= shared + 1e-9 and shared < work
+
+
+@pytest.mark.parametrize("kind", sorted(SCHEDULE_KINDS))
+def test_a_device_per_rank_runs_as_the_event_loop_with_more_cores_than_ranks(kind: str) -> None:
+    """``cores=0`` runs each rank's list ahead (linear in the actions); with more cores than work
+    the event loop applies the same rules: the same step, and every action at the same time."""
+    rng = random.Random(kind)
+    for ranks, microbatches in ((1, 3), (2, 5), (4, 8)):
+        chunks = 2 if kind in ("interleaved", "zbv") else 1
+        if kind == "interleaved" and microbatches % ranks:
+            continue
+        placement = stage_placement(kind, ranks=ranks, chunks=chunks)
+        schedule = add_communication(build_schedule(kind, ranks=ranks, microbatches=microbatches, chunks=chunks),
+                                     ranks=ranks, placement=placement)
+        stages, edges = len(placement), len(placement) - 1
+        forward = tuple(rng.uniform(0.5, 2.0) for _ in range(stages))
+        costs = StageCosts(forward_s=forward, backward_s=tuple(2 * f for f in forward),
+                           weight_s=tuple(0.8 * f for f in forward), transfer_s=tuple(rng.uniform(0, 0.3) for _ in range(edges)),
+                           send_s=(0.02,) * edges, recv_s=(0.04,) * edges, recv_waited_s=(0.01,) * edges)  # fmt: skip
+        tails = {rank: rng.uniform(0.0, 1.0) for rank in range(ranks)}
+        timed: list[list] = [[], []]
+        steps = [step_time(schedule, costs, ranks=ranks, cores=cores, tail_s=tails, placement=placement,
+                           wake_s=lambda idle: 0.05 * min(idle, 1.0), events=events)
+                 for cores, events in ((0, timed[0]), (10**6, timed[1]))]  # fmt: skip
+        assert steps[0] == pytest.approx(steps[1], rel=1e-12)
+        dedicated, event_loop = (sorted(events, key=lambda e: (e[0], str(e[1]))) for events in timed)
+        assert [e[:2] for e in dedicated] == [e[:2] for e in event_loop] and len(dedicated) == 2 * stages * microbatches \
+            + (stages * microbatches if kind in SPLIT_BACKWARD_KINDS else 0)
+        for a, b in zip(dedicated, event_loop):
+            assert a[2:] == pytest.approx(b[2:], rel=1e-12, abs=1e-12)
 
 
 def test_measured_comm_curves_interpolate_and_extend(tmp_path) -> None:

@@ -169,16 +169,18 @@ def overlapped_step_time(schedule: Schedule, costs: StageCosts, reductions: Mapp
     step_time(schedule, costs, ranks=ranks, cores=cores, background=background, tail_s=tail_s, events=events,
               **sharing)
     spans = {(rank, action): (start, end) for rank, action, start, end in events}
+    last_end: dict[int, float] = {}
+    for (rank, _), (_, end) in spans.items():
+        last_end[rank] = max(end, last_end.get(rank, end))
     added = {}
     for rank, mine in reductions.items():
-        ends = [end for (r, _), (_, end) in spans.items() if r == rank]
         ready = []
         for reduction in mine:
             start, end = spans.get((rank, reduction.trigger), (0.0, 0.0))
             ready.append(start + (end - start) * reduction.fraction)
         # the step's own threads share the cores; a collective's measured time already holds what
         # the rest of the machine took from it while it was measured
-        added[rank] = reduction_delay(ready, mine, max(ends, default=0.0), cores=cores, busy=ranks)
+        added[rank] = reduction_delay(ready, mine, last_end.get(rank, 0.0), cores=cores, busy=ranks)
     step = step_time(schedule, costs, ranks=ranks, cores=cores, background=background,
                      tail_s={r: tail_s.get(r, 0.0) + sum(added.get(r, ())) for r in schedule}, **sharing)
     return step, added

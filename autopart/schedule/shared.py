@@ -44,6 +44,9 @@ def step_time(schedule: Schedule, costs: StageCosts, *, ranks: int, cores: int =
     core sat idle too), pays ``wake_s(t)`` instead if that is more. ``events`` gets every compute
     action as (rank, action, start, end); ``placement``: every stage's rank, as `simulate`."""
     tail_s, events = tail_s or {}, [] if events is None else events
+    if cores <= 0:
+        return _dedicated(schedule, costs, ranks=ranks, tail_s=tail_s, wake_s=wake_s, events=events,
+                          placement=placement)
     shared = 0 < cores < ranks + background
     idle_since = dict.fromkeys(schedule, 0.0)  # when each rank last finished work
     finished: dict = {}
@@ -52,19 +55,20 @@ def step_time(schedule: Schedule, costs: StageCosts, *, ranks: int, cores: int =
     running: dict[int, object] = {}  # rank -> the action it runs, or None for its tail
     began: dict[int, float] = {}  # rank -> when what it runs now started
     done, now = set[int](), 0.0
+    # only the ranks that run nothing are looked at when things may start (the others cannot)
+    order, idle = {rank: position for position, rank in enumerate(schedule)}, set(schedule)
+    inputs = _InputTimes(finished, costs, ranks=ranks, placement=placement)
     while len(done) < len(schedule):
-        wakes: list[float] = []
-        started = True
+        wakes, started = [], True
         while started:  # start everything that can start now; zero-length actions end at once
             started = False
-            for rank, actions in schedule.items():
-                if rank in remaining or rank in done:
-                    continue
+            for rank in sorted(idle, key=order.__getitem__):
+                actions = schedule[rank]
                 if cursor[rank] == len(actions):
                     work, action = tail_s.get(rank, 0.0), None
                 else:
                     action = actions[cursor[rank]]
-                    ready = input_ready_at(action, finished, costs, ranks=ranks, placement=placement)
+                    ready = inputs.ready_at(rank, cursor[rank], action)
                     if ready is not None and action.kind in RECEIVE_KINDS and ready > 0 \
                             and 0 < cores <= len(remaining) + background:
                         ready += busy_delay_s
@@ -82,8 +86,10 @@ def step_time(schedule: Schedule, costs: StageCosts, *, ranks: int, cores: int =
                     if wake_s and core_idle and now > idle_since[rank] + _EPSILON:
                         extra = max(extra, wake_s(now - idle_since[rank]))
                     remaining[rank], running[rank], began[rank] = work + extra, action, now
+                    idle.discard(rank)
                 elif action is None:
                     done.add(rank)
+                    idle.discard(rank)
                 elif action.is_compute:
                     finished[(action.stage, action.kind, action.microbatch)] = now
                     events.append((rank, action, now, now))
@@ -94,21 +100,89 @@ def step_time(schedule: Schedule, costs: StageCosts, *, ranks: int, cores: int =
             now = min(wakes)
             continue
         rate = 1.0 if cores <= 0 else min(1.0, cores / (len(remaining) + background))
-        step = min(remaining.values()) / rate
-        later = [w for w in wakes if w > now]
-        if later:
-            step = min(step, min(later) - now)
+        step = min([min(remaining.values()) / rate] + [w - now for w in wakes if w > now])
         now += step
-        for rank in list(remaining):
-            remaining[rank] -= step * rate
-            if remaining[rank] <= _EPSILON:
-                action = running.pop(rank)
-                del remaining[rank]
-                idle_since[rank] = now
-                if action is None:
-                    done.add(rank)
-                elif action.is_compute:
-                    finished[(action.stage, action.kind, action.microbatch)] = now
-                    events.append((rank, action, began[rank], now))
+        for rank in _progressed(remaining, step * rate):
+            action = running.pop(rank)
+            idle_since[rank] = now
+            (done if action is None else idle).add(rank)
+            if action is not None and action.is_compute:
+                finished[(action.stage, action.kind, action.microbatch)] = now
+                events.append((rank, action, began[rank], now))
     assert len(done) == len(schedule), "the schedule deadlocks; validate it first"
     return now
+
+
+def _progressed(remaining: dict[int, float], work: float) -> list[int]:
+    """Take ``work`` off what every running rank has left; the ranks done, no longer in ``remaining``."""
+    ended = []
+    for rank in list(remaining):
+        remaining[rank] -= work
+        if remaining[rank] <= _EPSILON:
+            del remaining[rank]
+            ended.append(rank)
+    return ended
+
+
+class _InputTimes:
+    """`input_ready_at` of each rank's next action, asked again only when it can have changed:
+    a known time is fixed (finished entries are never rewritten), and an unknown one can become
+    known only when some action finishes. At a thousand microbatches over a hundred ranks,
+    asking every waiting rank at every event was most of a compile's time."""
+
+    def __init__(self, finished: dict, costs: StageCosts, *, ranks: int, placement: Sequence[int] | None) -> None:
+        self.finished, self.costs, self.ranks, self.placement = finished, costs, ranks, placement
+        self.asked: dict[int, tuple[int, int, float | None]] = {}  # rank -> (its cursor, len(finished), time)
+
+    def ready_at(self, rank: int, cursor: int, action: Action) -> float | None:
+        known = self.asked.get(rank)
+        if known is not None and known[0] == cursor and (known[2] is not None or known[1] == len(self.finished)):
+            return known[2]
+        ready = input_ready_at(action, self.finished, self.costs, ranks=self.ranks, placement=self.placement)
+        self.asked[rank] = (cursor, len(self.finished), ready)
+        return ready
+
+
+def _dedicated(schedule: Schedule, costs: StageCosts, *, ranks: int, tail_s: dict[int, float],
+               wake_s: Callable[[float], float] | None, events: list[tuple[int, Action, float, float]],
+               placement: Sequence[int] | None) -> float:
+    """`step_time` where every rank has a device of its own: nothing is shared, so a rank's
+    action starts when the rank is free and the action's inputs are there, and each rank's list
+    can be run ahead as far as its inputs are known, pass after pass (as `simulate` does),
+    instead of event by event over every rank: the same times (to rounding) in time linear in
+    the actions, which a thousand microbatches over a hundred ranks need."""
+    free = dict.fromkeys(schedule, 0.0)  # when the rank can start its next action
+    idle_since = dict.fromkeys(schedule, 0.0)  # when its last action of positive length ended
+    cursor = dict.fromkeys(schedule, 0)
+    finished: dict = {}
+    ends: list[float] = []
+    progress = True
+    while progress:
+        progress = False
+        for rank, actions in schedule.items():
+            while cursor[rank] < len(actions):
+                action = actions[cursor[rank]]
+                ready = input_ready_at(action, finished, costs, ranks=ranks, placement=placement)
+                if ready is None:
+                    break
+                start = max(free[rank], ready)
+                waited = action.kind in RECEIVE_KINDS and ready > idle_since[rank] + _EPSILON
+                work = costs.waited_duration(action) if waited else costs.duration(action)
+                end = start
+                if work > 0:
+                    woke = wake_s(start - idle_since[rank]) if wake_s and start > idle_since[rank] + _EPSILON else 0.0
+                    end = start + work + max(0.0, woke)
+                    idle_since[rank] = end
+                free[rank] = end
+                if action.is_compute:
+                    finished[(action.stage, action.kind, action.microbatch)] = end
+                    events.append((rank, action, start, end))
+                cursor[rank] += 1
+                progress = True
+    assert all(cursor[rank] == len(actions) for rank, actions in schedule.items()), \
+        "the schedule deadlocks; validate it first"
+    for rank in schedule:
+        tail = tail_s.get(rank, 0.0)
+        woke = wake_s(free[rank] - idle_since[rank]) if wake_s and free[rank] > idle_since[rank] + _EPSILON else 0.0
+        ends.append(free[rank] + (tail + max(0.0, woke) if tail > 0 else 0.0))
+    return max(ends, default=0.0)
