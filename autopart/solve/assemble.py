@@ -164,6 +164,8 @@ def _stage_plans(front: Front, problem: PipelineProblem, ranges: list[range], re
     graph_inputs = front.op_graph.graph.input_names
     holders: dict[str, list[int]] = {}
     block_times = block_seconds(front)
+    placements = parameter_placements(front)
+    fx_nodes = {n.name: n for n in front.op_graph.fx_nodes()}
     stages = []
     for s, r in enumerate(ranges):
         blocks = [chain.blocks[k] for k in r]
@@ -173,8 +175,7 @@ def _stage_plans(front: Front, problem: PipelineProblem, ranges: list[range], re
         needed = _batch_inputs(front.op_graph, stage_nodes[s], graph_inputs)
         times = [block_times[k] for k in r]
         strategies = {n: text for k in r for n, text in
-                      (listed_strategies(front.shardings[k], front.op_graph) if front.shardings else {}).items()}
-        placements = parameter_placements(front)
+                      (listed_strategies(front.shardings[k], front.op_graph, fx_nodes) if front.shardings else {}).items()}
         backward = sum(problem.block_time_s[k] for k in r) - sum(f for f, _, _ in times)  # recompute included
         stages.append(
             StagePlan(

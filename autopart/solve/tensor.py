@@ -421,11 +421,11 @@ def _candidates(parameter: str, blocks: list[int], unpinned: Callable[[int], Blo
     return sorted(found)
 
 
-def listed_strategies(sharding: BlockSharding, op_graph) -> dict[str, str]:
+def listed_strategies(sharding: BlockSharding, op_graph, fx_nodes: dict[str, fx.Node]) -> dict[str, str]:
     """The strategies a plan lists: those other than the replicated one that emitting assumes for an
     op it does not find (all tensor inputs replicated). A replicated op that leaves an input as it
-    is (``b.type_as(y)`` reads only y's dtype, and y may be partial) is listed too."""
-    fx_nodes = {n.name: n for n in op_graph.fx_nodes()}
+    is (``b.type_as(y)`` reads only y's dtype, and y may be partial) is listed too. ``fx_nodes``:
+    the graph's nodes by name, made once by the caller (a plan lists every block's)."""
     return {
         name: str(strategy)
         for name, strategy in sharding.strategies.items()
