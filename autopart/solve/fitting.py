@@ -96,8 +96,9 @@ def spread_cuts(problem: PipelineProblem) -> tuple[int, ...]:
     peak = solver.NumVar(0.0, solver.infinity(), "peak")
     solver.Add(sum(length) == blocks)
     for rank in range(problem.ranks):
-        mine = [s for s in range(stages) if problem.rank_of(s) == rank]
-        solver.Add(sum(length[s] * (state + problem.in_flight[s] * activation) for s in mine) <= peak)
+        mine = problem.rank_stages(rank)
+        for held in problem.moments(rank):
+            solver.Add(sum(length[s] * (state + count * activation) for s, count in zip(mine, held)) <= peak)
     solver.Minimize(peak)
     assert solver.Solve() == linear.Solver.OPTIMAL
     cuts, total = [], 0.0
@@ -178,11 +179,12 @@ def memory_lower_bound(problem: PipelineProblem) -> int:
     for s in range(stages):
         solver.Add(sum(share[k][s] for k in range(blocks)) >= 1)
     for rank in range(problem.ranks):
-        held = sum(
-            share[k][s] * ((state[k] + problem.in_flight[s] * problem.block_activation_bytes[k]) / scale)
-            for s in range(stages) if problem.rank_of(s) == rank for k in range(blocks)
-        )  # fmt: skip
-        solver.Add(held + problem.overhead_bytes / scale <= peak)
+        for moment in problem.moments(rank):
+            held = sum(
+                share[k][s] * ((state[k] + count * problem.block_activation_bytes[k]) / scale)
+                for s, count in zip(problem.rank_stages(rank), moment) for k in range(blocks)
+            )  # fmt: skip
+            solver.Add(held + problem.overhead_bytes / scale <= peak)
     solver.Minimize(peak)
     status = solver.Solve()
     assert status == linear.Solver.OPTIMAL, status
