@@ -48,9 +48,9 @@ def rank_peaks(kind: str, *, ranks: int, microbatches: int, chunks: int = 1) -> 
     A rank holding several stages (interleaved chunks, zbv's V) does not reach every stage's own
     peak at once: interleaved 1F1B's first rank holds ``(v - 1)·p + 2(p - 1) + 1`` chunk-microbatches
     at its fullest (Narayanan et al.'s ``p·(1 + (p - 1)/(p·v))`` microbatches of its ``v`` chunks),
-    where the stages' own peaks add up to nearly twice ``v·p/2 + ...``. Which moment is the fullest
+    while each of its chunks, at its own moment, holds up to ``2p``. Which moment is the fullest
     depends on what each stage holds per microbatch, so every moment that no other moment
-    exceeds on every stage is given; the rank's peak is the largest of their sums."""
+    equals or exceeds on every stage is given; the rank's peak is the largest of their sums."""
     m, v = microbatches, chunks
     if kind == "interleaved":
         return tuple(_pareto(_interleaved_held(r, ranks, m, v)) for r in range(ranks))
