@@ -24,9 +24,10 @@ from __future__ import annotations
 import importlib
 import math
 
+from autopart.solve.bottleneck import ChainCosts, cut_stages
 from autopart.solve.cut_problem import PipelineProblem, evaluate
 
-__all__ = ["fitting_cuts", "least_memory_bytes", "memory_lower_bound", "no_fit_message", "spread_cuts"]
+__all__ = ["cutter_cuts", "fitting_cuts", "least_memory_bytes", "memory_lower_bound", "no_fit_message", "spread_cuts"]
 
 _BISECTIONS = 40
 _GROWTH = 1.25  # the bound on the slowest stage's time, raised by this factor per step
@@ -80,6 +81,27 @@ def fitting_cuts(problem: PipelineProblem) -> tuple[int, ...] | None:
     if fits and max(evaluate(problem, spread).stage_time_s) < high:
         return spread
     return best
+
+
+def cutter_cuts(problem: PipelineProblem) -> tuple[int, ...] | None:
+    """The search's cuts (`autopart.solve.bottleneck.cut_stages`: bisection on the slowest stage,
+    each stage cut greedily from the first) for this problem, where they fit; None where they do not."""
+    blocks = len(problem.block_time_s)
+    zeros = (0,) * blocks
+    # the problem's activations are already those of its stages' recompute: the cutter keeps mode "none"
+    costs = ChainCosts(
+        forward_s=problem.block_time_s, backward_s=(0.0,) * blocks, weight_s=(0.0,) * blocks,
+        saved_bytes=problem.block_activation_bytes, selective_saved_bytes=zeros, selective_recompute_s=(0.0,) * blocks,
+        boundary_bytes=zeros[1:], input_bytes=0, parameter_bytes=dict(problem.parameter_state_bytes),
+        parameter_state_bytes=dict(problem.parameter_state_bytes), block_parameters=problem.block_parameters,
+    )  # fmt: skip
+    cut = cut_stages(costs, stages=problem.stages, in_flight=problem.in_flight,
+                     stage_rank=tuple(problem.rank_of(s) for s in range(problem.stages)),
+                     transfer_s=problem.boundary_transfer_s, memory_limit_bytes=problem.memory_limit_bytes,
+                     overhead_bytes=problem.overhead_bytes, modes=(("none",),) * problem.stages)  # fmt: skip
+    if cut is None or max(evaluate(problem, cut.cuts).rank_memory_bytes) > problem.memory_limit_bytes:
+        return None
+    return cut.cuts
 
 
 def spread_cuts(problem: PipelineProblem) -> tuple[int, ...]:

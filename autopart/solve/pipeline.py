@@ -159,10 +159,7 @@ def solve_cuts(problem: PipelineProblem, *, time_limit_s: float = 30.0, hint: tu
         for memory in cut_model.rank_memory(rank):
             m.add(memory <= problem.memory_limit_bytes)
     m.minimize(sum(times) + (problem.microbatches - 1) * slowest)
-    start = evaluate(problem, hint if hint is not None else _balanced_cuts(problem))
-    if max(start.rank_memory_bytes) > problem.memory_limit_bytes:  # start CP-SAT from cuts that fit, if any do
-        fitting_start = fitting.fitting_cuts(problem)
-        start = evaluate(problem, fitting_start) if fitting_start is not None else start
+    start = _start(problem, hint)
     cut_model.hint(start.cuts)
     solver, status = _solve(m, time_limit_s)
     if status == cp_model.INFEASIBLE:
@@ -194,6 +191,25 @@ def solve_cuts(problem: PipelineProblem, *, time_limit_s: float = 30.0, hint: tu
         bound_s=bound,
         gap=0.0 if objective == 0 else max(0.0, (objective - bound) / objective),
     )
+
+
+def _start(problem: PipelineProblem, hint: tuple[int, ...] | None) -> CutEvaluation:
+    """Where CP-SAT starts, and what it must beat: of ``hint`` (by default, cuts that balance the
+    stages' compute), the search's cutter's cuts and, where neither fits, cuts that fit found
+    without CP-SAT, the fastest that fit (the first where none does). A time-limited solve then
+    never ends on cuts worse than those."""
+    given = evaluate(problem, hint if hint is not None else _balanced_cuts(problem))
+    found = [given]
+    cutter = fitting.cutter_cuts(problem)
+    if cutter is not None:
+        found.append(evaluate(problem, cutter))
+    limit = problem.memory_limit_bytes
+    if all(max(e.rank_memory_bytes) > limit for e in found):
+        fitting_start = fitting.fitting_cuts(problem)
+        if fitting_start is not None:
+            found.append(evaluate(problem, fitting_start))
+    fit = [e for e in found if max(e.rank_memory_bytes) <= limit]
+    return min(fit, key=lambda e: e.objective_s) if fit else given
 
 
 def _balanced_cuts(problem: PipelineProblem) -> tuple[int, ...]:
