@@ -98,7 +98,8 @@ def cutter_cuts(problem: PipelineProblem) -> tuple[int, ...] | None:
     cut = cut_stages(costs, stages=problem.stages, in_flight=problem.in_flight,
                      stage_rank=tuple(problem.rank_of(s) for s in range(problem.stages)),
                      transfer_s=problem.boundary_transfer_s, memory_limit_bytes=problem.memory_limit_bytes,
-                     overhead_bytes=problem.overhead_bytes, modes=(("none",),) * problem.stages)  # fmt: skip
+                     overhead_bytes=problem.overhead_bytes, modes=(("none",),) * problem.stages,
+                     rank_in_flight=tuple(problem.moments(r) for r in range(problem.ranks)))  # fmt: skip
     if cut is None or max(evaluate(problem, cut.cuts).rank_memory_bytes) > problem.memory_limit_bytes:
         return None
     return cut.cuts
