@@ -408,10 +408,11 @@ def _finish(costs, chosen, stage, stage_rank, ranks, overhead_bytes, modes, mome
     cuts = tuple(last for last, _ in chosen[:-1])
     firsts = [0, *(c + 1 for c in cuts)]
     figures = [stage(s, firsts[s], last, mode) for s, (last, mode) in enumerate(chosen)]
-    rank_memory = [overhead_bytes] * ranks
-    for r in range(ranks):
-        mine = [f for s, f in enumerate(figures) if stage_rank[s] == r]
-        rank_memory[r] += rank_bytes([f.parts for f in mine], moments[r]) if moments else sum(f.memory_bytes for f in mine)
+    mine: list[list[_Stage]] = [[] for _ in range(ranks)]
+    for s, f in enumerate(figures):
+        mine[stage_rank[s]].append(f)
+    rank_memory = [overhead_bytes + (rank_bytes([f.parts for f in held], moments[r]) if moments
+                                     else sum(f.memory_bytes for f in held)) for r, held in enumerate(mine)]
     return StageCut(
         cuts=cuts,
         recompute=tuple(mode for _, mode in chosen),
