@@ -1,12 +1,14 @@
 """One count of the microbatches in flight: the closed form the compiler and the search both use
-(`autopart.predict.in_flight`) against the schedule simulated, as the compiler once counted it."""
+(`autopart.predict.in_flight`) against the schedule simulated, as the compiler once counted it,
+and what a rank of several stages holds at once against its action lists."""
 
 import pytest
 
-from autopart.predict.in_flight import in_flight, transient
+from autopart.predict.in_flight import in_flight, rank_in_flight, transient
 from autopart.predict.timeline import simulate_pipeline
+from autopart.ir.actions import Kind
 from autopart.passes.recompute import transient_microbatches
-from autopart.schedule import build_schedule
+from autopart.schedule import build_schedule, stage_placement
 
 
 def _simulated(kind: str, ranks: int, microbatches: int, chunks: int) -> tuple[int, ...]:
@@ -33,3 +35,48 @@ def test_closed_form_is_the_simulated_count(kind, ranks, microbatches, chunks):
 def test_transient_is_the_schedules_count(kind, ranks, microbatches, chunks):
     schedule = build_schedule(kind, ranks=ranks, microbatches=microbatches, chunks=chunks)
     assert transient(kind, ranks, microbatches, chunks) == transient_microbatches(schedule, ranks * chunks)
+
+
+def _walked_moments(kind: str, ranks: int, microbatches: int, chunks: int) -> dict[int, list[tuple[int, ...]]]:
+    """Per rank, what its stages hold after each forward, read off the action lists it executes in order."""
+    placement = stage_placement(kind, ranks=ranks, chunks=chunks)
+    found = {}
+    for rank, actions in build_schedule(kind, ranks=ranks, microbatches=microbatches, chunks=chunks).items():
+        mine = [s for s, home in enumerate(placement) if home == rank]
+        live, found[rank] = dict.fromkeys(mine, 0), []
+        for action in actions:
+            if action.kind is Kind.F:
+                live[action.stage] += 1
+                found[rank].append(tuple(live[s] for s in mine))
+            elif action.kind in (Kind.B, Kind.I):
+                live[action.stage] -= 1
+    return found
+
+
+RANK_CASES = [(kind, 3, 5, 1) for kind in ("gpipe", "1f1b", "zb-h1")]
+RANK_CASES += [("zbv", ranks, m, 2) for ranks, m in ((2, 4), (3, 7), (4, 12))]
+RANK_CASES += [("interleaved", ranks, m, chunks) for ranks in (2, 4) for chunks in (2, 3) for m in (ranks, 3 * ranks)]
+
+
+@pytest.mark.parametrize(("kind", "ranks", "microbatches", "chunks"), RANK_CASES)
+def test_rank_moments_cover_what_the_action_lists_hold(kind, ranks, microbatches, chunks):
+    """Every moment of a rank's action list is within one of its moments, the fullest is one of
+    them, and each stage's own peak is the most it holds at any of them."""
+    moments = rank_in_flight(kind, ranks, microbatches, chunks)
+    peaks = in_flight(kind, ranks, microbatches, chunks)
+    placement = stage_placement(kind, ranks=ranks, chunks=chunks)
+    for rank, walked in _walked_moments(kind, ranks, microbatches, chunks).items():
+        assert all(any(all(h >= w for h, w in zip(held, row)) for held in moments[rank]) for row in walked)
+        assert max(map(sum, moments[rank])) == max(map(sum, walked))
+        mine = [s for s, home in enumerate(placement) if home == rank]
+        assert [max(column) for column in zip(*moments[rank])] == [peaks[s] for s in mine]
+
+
+def test_the_first_interleaved_rank_holds_narayanans_count_not_its_chunks_peaks_summed():
+    """Narayanan et al. (SC21 §2.2.2): with interleaving the first stage holds p microbatches of
+    its layers times 1 + (p - 1)/(p·v), here p·v + p - 1 chunk-microbatches; each chunk reaches
+    its own peak (up to 2p) at another moment, and those add up to far more."""
+    p, v, m = 8, 12, 64
+    first = rank_in_flight("interleaved", p, m, v)[0]
+    assert max(map(sum, first)) == p * v + p - 1 == round(p * v * (1 + (p - 1) / (p * v)))
+    assert sum(in_flight("interleaved", p, m, v)[c * p] for c in range(v)) == 144

@@ -171,3 +171,27 @@ def test_with_state_is_the_state_of_every_parameter() -> None:
     slow = ChainCosts(**{f.name: getattr(held, f.name) for f in dataclasses.fields(held) if f.name != "_prefix"})
     assert held.prefix("owned_parameter_bytes") == slow.prefix("owned_parameter_bytes")
     assert held.shared_parameters == slow.shared_parameters == {"emb": (0, 8)}
+
+
+def test_interleaved_stages_share_their_ranks_memory_as_the_ranks_moments_hold_it() -> None:
+    """Interleaved 1F1B, 2 ranks of 2 chunks, 4 microbatches: rank 0's chunks hold (3, 2) or (4, 1)
+    microbatches at once, never their peaks (4, 2). Eight alike blocks, two per stage, fit a rank
+    at 1,160 bytes; an equal share of 1,200 per chunk (600) takes one block on the first chunk
+    and leaves the last with four. Sharing the rank as its moments hold it finds the even split."""
+    from autopart.predict.in_flight import in_flight, rank_in_flight
+
+    blocks = 8
+    costs = ChainCosts(
+        forward_s=(1.0,) * blocks, backward_s=(2.0,) * blocks, weight_s=(1.0,) * blocks, saved_bytes=(100,) * blocks,
+        selective_saved_bytes=(0,) * blocks, selective_recompute_s=(0.0,) * blocks, boundary_bytes=(0,) * (blocks - 1),
+        input_bytes=0, parameter_bytes={f"w{k}": 10 for k in range(blocks)},
+        parameter_state_bytes={f"w{k}": 40 for k in range(blocks)}, block_parameters=tuple((f"w{k}",) for k in range(blocks)),
+    )  # fmt: skip
+    common = dict(stages=4, in_flight=in_flight("interleaved", 2, 4, 2), stage_rank=(0, 1, 0, 1),
+                  transfer_s=(0.0,) * (blocks - 1), memory_limit_bytes=1200, overhead_bytes=0,
+                  modes=(("none",),) * 4)  # fmt: skip
+    shared = cut_stages(costs, **common, rank_in_flight=rank_in_flight("interleaved", 2, 4, 2))
+    assert shared.cuts == (1, 3, 5)
+    assert shared.rank_memory_bytes == (4 * 40 + (3 + 2) * 200, 4 * 40 + 3 * 200)  # 200 bytes a microbatch a stage
+    equal = cut_stages(costs, **common)
+    assert max(equal.stage_time_s) >= 2 * max(shared.stage_time_s) == 2 * 6.0

@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from autopart.driver import CompileOptions
+from autopart.ir.actions import Kind
 from autopart.ir.errors import ConfigError
 from autopart.solve.planner import plan_by_search
 from autopart.predict.timeline import simulate_pipeline
@@ -22,6 +23,20 @@ from cost_models import get_cost_model
 from tests.synthetic_chains import cluster, random_table
 
 TINY_GPT = Path(__file__).parent / "models" / "tiny_gpt.py"
+
+
+def rank_activation_peak(actions: list, parts: list[tuple[int, int, int]]) -> int:
+    """The most activation bytes a rank holds at once as it runs its action list in order (a
+    forward takes a microbatch in, its backward or input-gradient half lets it go)."""
+    live: dict[int, int] = {}
+    peak = 0
+    for action in actions:
+        if action.kind is Kind.F:
+            live[action.stage] = live.get(action.stage, 0) + 1
+            peak = max(peak, sum(count * parts[s][1] for s, count in live.items()))
+        elif action.kind in (Kind.B, Kind.I):
+            live[action.stage] -= 1
+    return peak
 
 
 def simulated_in_flight(kind: str, ranks: int, microbatches: int, chunks: int) -> tuple[int, ...]:
@@ -75,14 +90,17 @@ def test_every_plan_the_search_returns_is_valid(seed, layers, world_size, gpus_p
         transient = transient_microbatches(schedule, layout.stages)
         placement = stage_placement(layout.schedule, ranks=layout.pp, chunks=layout.chunks)
         transfer = tuple(devices.p2p_s(b, layout.pp * layout.tp > gpus_per_node) for b in costs.boundary_bytes)
-        memory_per_rank = [devices.overhead_bytes] * layout.pp
+        parts = []  # per stage: parameter bytes, bytes per microbatch in flight, bytes held once
         for s, (a, b) in enumerate(zip(firsts, lasts)):
             figures = stage_figures(held, a, b, mode=cut.recompute[s], in_flight=flight[s],
                                     transfer_in_s=transfer[a - 1] if s else 0.0,
                                     transfer_out_s=transfer[b] if s < layout.stages - 1 else 0.0,
                                     transient=transient[s])
-            memory_per_rank[placement[s]] += figures.memory_bytes
+            parts.append(figures.parts)
             assert figures.time_s == pytest.approx(cut.stage_time_s[s])
+        memory_per_rank = [devices.overhead_bytes + rank_activation_peak(actions, parts)
+                           + sum(parts[s][0] + parts[s][2] for s in range(layout.stages) if placement[s] == rank)
+                           for rank, actions in sorted(schedule.items())]  # fmt: skip
         assert tuple(memory_per_rank) == cut.rank_memory_bytes
         assert max(memory_per_rank) <= devices.memory_bytes
         # the schedule's action lists validate

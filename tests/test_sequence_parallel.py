@@ -20,17 +20,19 @@ import sys
 sys.path.insert(0, {models!r})
 import megatron_layers as m
 m.LAYERS = {layers}
+m.SIZE_OF_NORMED = {size_of_normed}
 from megatron_layers import build_model, init_weights, example_batch, loss_fn
 '''
 
 
-def layer_activation_bytes(tmp_path, *, tp: int, sp: bool) -> int:
+def layer_activation_bytes(tmp_path, *, tp: int, sp: bool, size_of_normed: bool = False) -> int:
     """One layer's activation bytes as the memory model predicts them: a model of three layers
     less the same model of two (everything else is the same in both)."""
     totals = []
     for layers in (2, 3):
         model = tmp_path / f"layers_{layers}.py"
-        model.write_text(MEGATRON_LAYERS.format(models=str(REPO / "tests" / "models"), layers=layers))
+        model.write_text(MEGATRON_LAYERS.format(models=str(REPO / "tests" / "models"), layers=layers,
+                                                size_of_normed=size_of_normed))
         plan = autopart.compile(model, tp=tp, sp=sp, microbatches=1, micro_batch_size=1, device="h100-sxm")
         totals.append(sum(stage.activation_bytes for stage in plan.stages))
     return totals[1] - totals[0]
@@ -45,6 +47,22 @@ def test_activation_bytes_per_layer_follow_korthikanti(tmp_path, tp, sp):
         (8, True): s * b * h * (34 / t + 5 * a * s / (h * t)),
     }[tp, sp]
     assert layer_activation_bytes(tmp_path, tp=tp, sp=sp) == pytest.approx(formula, rel=0.05)
+
+
+def test_a_size_read_off_the_normed_input_keeps_the_regathered_slice(tmp_path):
+    """nanoGPT's attention reads ``B, T, C = x.size()`` of its normed input. The generated code
+    writes that size as a constant, so the QKV linear still gathers its input again in backward
+    and keeps a t-th of it (Megatron-SP): the layer holds what it holds without the size read."""
+    model = tmp_path / "sized.py"
+    model.write_text(MEGATRON_LAYERS.format(models=str(REPO / "tests" / "models"), layers=2, size_of_normed=True))
+    plan = autopart.compile(model, tp=8, sp=True, microbatches=1, micro_batch_size=1, device="h100-sxm")
+    found = collectives((autopart.emit(plan, tmp_path / "out") / "stages" / "stage_0.py").read_text())
+    assert found["gathered_linear"] == 2 * 2 + 1, found
+    assert found["gather_from_sequence"] == 0, found
+    for folder in ("sized", "plain"):
+        (tmp_path / folder).mkdir()
+    sized = layer_activation_bytes(tmp_path / "sized", tp=8, sp=True, size_of_normed=True)
+    assert sized == layer_activation_bytes(tmp_path / "plain", tp=8, sp=True)
 
 
 def collectives(source: str) -> dict[str, int]:
@@ -62,7 +80,7 @@ def collectives(source: str) -> dict[str, int]:
 @pytest.mark.parametrize("sp", [True, False])
 def test_sequence_parallel_turns_all_reduces_into_reduce_scatters(tmp_path, sp):
     model = tmp_path / "layers.py"
-    model.write_text(MEGATRON_LAYERS.format(models=str(REPO / "tests" / "models"), layers=2))
+    model.write_text(MEGATRON_LAYERS.format(models=str(REPO / "tests" / "models"), layers=2, size_of_normed=False))
     plan = autopart.compile(model, tp=8, sp=sp, microbatches=1, micro_batch_size=1, device="h100-sxm")
     assert plan.sp is sp
     found = collectives((autopart.emit(plan, tmp_path / "out") / "stages" / "stage_0.py").read_text())

@@ -106,3 +106,25 @@ def test_infeasible_names_the_memory_that_would_fit():
 def test_more_stages_than_blocks_is_a_config_error():
     with pytest.raises(ConfigError, match="--pp 3 or fewer"):
         _problem(random.Random(0), 3, 4, 4)
+
+
+def test_a_rank_of_two_interleaved_stages_is_bounded_at_its_moments_not_at_their_peaks_summed():
+    """Interleaved 1F1B on 2 ranks, 2 chunks, 4 microbatches: rank 0 holds stage 0 at its peak (4)
+    while stage 2 holds 1, and stage 2 at its peak (2) while stage 0 holds 3; never 4 + 2. The
+    runtime executes that order, so 5 microbatches' activations are what the rank must fit."""
+    from autopart.predict.in_flight import in_flight, rank_in_flight
+
+    ranks, chunks, microbatches = 2, 2, 4
+    fields = dict(
+        block_time_s=(1e-3,) * 4, block_activation_bytes=(1000,) * 4, boundary_transfer_s=(0.0,) * 3,
+        parameter_state_bytes={f"p{k}": 100 for k in range(4)}, block_parameters=tuple((f"p{k}",) for k in range(4)),
+        stages=4, microbatches=microbatches, in_flight=in_flight("interleaved", ranks, microbatches, chunks),
+        stage_rank=(0, 1, 0, 1), memory_limit_bytes=5500,
+    )  # fmt: skip
+    held = PipelineProblem(**fields, rank_in_flight=rank_in_flight("interleaved", ranks, microbatches, chunks))
+    assert evaluate(held, (0, 1, 2)).rank_memory_bytes == (200 + 5 * 1000, 200 + 3 * 1000)
+    assert solve_cuts(held, time_limit_s=10).evaluation.cuts == (0, 1, 2)
+    summed = PipelineProblem(**fields)  # every stage at its own peak at once: 6 microbatches on rank 0
+    assert evaluate(summed, (0, 1, 2)).rank_memory_bytes[0] == 200 + 6 * 1000
+    with pytest.raises(InfeasibleError):
+        solve_cuts(summed, time_limit_s=10)

@@ -73,3 +73,22 @@ def test_a_model_that_cannot_fit_says_so_in_one_line():
     assert "\n" not in message and "no cut fits" in message and "--recompute" in message
     with pytest.raises(InfeasibleError):
         solve_cuts(problem, time_limit_s=2)
+
+
+def test_a_time_limited_solve_ends_no_worse_than_the_searchs_cutter():
+    """Balanced cuts break the limit and the cuts fitted from the last stage back are slow; the
+    search's cutter (bisection on the slowest stage) fits and is faster. With no time to improve
+    on its start, CP-SAT ends on the cutter's cuts, not on the slow ones."""
+    from dataclasses import replace
+
+    from autopart.solve.fitting import cutter_cuts
+
+    base = _interleaved(37, ranks=2, chunks=3, limit=1 << 40, seed=53)
+    balanced = (5, 12, 18, 24, 30)  # each stage about a sixth of the compute, as solve_cuts starts by default
+    problem = replace(base, memory_limit_bytes=int(0.95 * max(evaluate(base, balanced).rank_memory_bytes)))
+    cutter = evaluate(problem, cutter_cuts(problem))
+    assert max(cutter.rank_memory_bytes) <= problem.memory_limit_bytes
+    assert evaluate(problem, fitting_cuts(problem)).objective_s > 1.5 * cutter.objective_s
+    solution = solve_cuts(problem, time_limit_s=0.01)
+    assert solution.evaluation.objective_s <= cutter.objective_s
+    assert solve_cuts(problem, time_limit_s=20).evaluation.objective_s <= solution.evaluation.objective_s

@@ -24,7 +24,9 @@ from autopart.ir.tensors import TensorMeta
 from autopart.passes.annotate import OpGraph
 from autopart.codegen.stages import StageGraph
 from autopart.runtime import collectives
-from autopart.solve.sharding import REPLICATE, Placement, Strategy, argument, constant_of, is_aten, local_shape, op_name
+from autopart.solve.sharding import (
+    REPLICATE, Placement, Strategy, argument, constant_of, folded_number, is_aten, local_shape, op_name,
+)
 from autopart.solve.tensor import conversion, gathers_for_split_op
 
 __all__ = ["shard_stage_graph"]
@@ -172,7 +174,4 @@ def _source_meta(value: fx.Node, op_graph: OpGraph) -> TensorMeta:
 
 
 def _constant_or_node(arg: fx.Node, op_graph: OpGraph):
-    cost = op_graph.nodes.get(arg.name)
-    if cost is None or cost.constant is None or cost.batch_derived or cost.op in ("placeholder", "get_attr"):
-        return arg
-    return cost.constant
+    return op_graph.nodes[arg.name].constant if folded_number(op_graph, arg) else arg

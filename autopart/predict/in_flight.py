@@ -1,5 +1,6 @@
 """One count of the microbatches in flight: per stage, how many microbatches' activations it
-holds at its peak, and how many recomputed activations live at once.
+holds at its peak, how many recomputed activations live at once, and per rank that holds several
+stages, what they hold together at the moments that may be the rank's peak.
 
 The closed forms of `autopart.schedule.peaks` give what simulating the schedule gives
 (``tests/test_in_flight.py`` holds them to it) without building action lists, which for
@@ -10,9 +11,9 @@ from __future__ import annotations
 
 import functools
 
-from autopart.schedule.peaks import peak_in_flight, transient_in_flight
+from autopart.schedule.peaks import peak_in_flight, rank_peaks, transient_in_flight
 
-__all__ = ["in_flight", "transient"]
+__all__ = ["in_flight", "rank_in_flight", "transient"]
 
 
 @functools.lru_cache(maxsize=4096)
@@ -25,3 +26,10 @@ def in_flight(kind: str, pp: int, microbatches: int, chunks: int) -> tuple[int, 
 def transient(kind: str, pp: int, microbatches: int, chunks: int) -> tuple[int, ...]:
     """Per virtual stage, microbatches whose recomputed activations live at once."""
     return transient_in_flight(kind, ranks=pp, microbatches=microbatches, chunks=chunks)
+
+
+@functools.lru_cache(maxsize=1024)
+def rank_in_flight(kind: str, pp: int, microbatches: int, chunks: int) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    """Per rank, per moment that may be its peak, per stage it holds (in stage order): the
+    microbatches whose activations are live together (`autopart.schedule.peaks.rank_peaks`)."""
+    return rank_peaks(kind, ranks=pp, microbatches=microbatches, chunks=chunks)

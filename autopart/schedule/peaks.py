@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["peak_in_flight", "transient_in_flight"]
+__all__ = ["peak_in_flight", "rank_peaks", "transient_in_flight"]
 
 
 def peak_in_flight(kind: str, *, ranks: int, microbatches: int, chunks: int = 1) -> tuple[int, ...]:
@@ -39,6 +39,68 @@ def peak_in_flight(kind: str, *, ranks: int, microbatches: int, chunks: int = 1)
             peak = int(held.max()) if total else 0
             peaks[c * p + r] = max(peak, int(_units(np.array([warmup]), c, p, v)[0]))
     return tuple(peaks)
+
+
+def rank_peaks(kind: str, *, ranks: int, microbatches: int, chunks: int = 1) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    """Per rank, the moments that may be its activation peak: at each, per stage it holds (in
+    stage order), the microbatches whose activations are live together.
+
+    A rank holding several stages (interleaved chunks, zbv's V) does not reach every stage's own
+    peak at once: interleaved 1F1B's first rank holds ``(v - 1)·p + 2(p - 1) + 1`` chunk-microbatches
+    at its fullest (Narayanan et al.'s ``p·(1 + (p - 1)/(p·v))`` microbatches of its ``v`` chunks),
+    while each of its chunks, at its own moment, holds up to ``2p``. Which moment is the fullest
+    depends on what each stage holds per microbatch, so every moment that no other moment
+    equals or exceeds on every stage is given; the rank's peak is the largest of their sums."""
+    m, v = microbatches, chunks
+    if kind == "interleaved":
+        return tuple(_pareto(_interleaved_held(r, ranks, m, v)) for r in range(ranks))
+    if kind == "zbv":
+        return _walked(kind, ranks, m)
+    return tuple(((count,),) for count in peak_in_flight(kind, ranks=ranks, microbatches=m, chunks=chunks))
+
+
+def _interleaved_held(r: int, p: int, m: int, v: int) -> np.ndarray:
+    """Rank ``r``'s chunks' live microbatches after each of its forwards (rows; a column per chunk)."""
+    total = m * v
+    steps = np.arange(total)
+    warmup = min((v - 1) * p + 2 * (p - 1 - r), total)
+    forwards = np.minimum(warmup + steps + 1, total)
+    after = np.stack([_units(forwards, c, p, v) - _units(steps, v - 1 - c, p, v) for c in range(v)], axis=1)
+    start = np.array([[int(_units(np.array([warmup]), c, p, v)[0]) for c in range(v)]])
+    return np.concatenate([start, after])
+
+
+def _walked(kind: str, ranks: int, microbatches: int) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    """The moments of ``_pareto`` read off the action lists themselves (a forward takes a
+    microbatch in, its backward or input-gradient half lets it go), for schedules with no closed form."""
+    from autopart.ir.actions import Kind
+    from autopart.schedule.generators import build_schedule, stage_placement
+
+    placement = stage_placement(kind, ranks=ranks, chunks=2)
+    found = []
+    for rank, actions in sorted(build_schedule(kind, ranks=ranks, microbatches=microbatches, chunks=2).items()):
+        mine = [s for s, owner in enumerate(placement) if owner == rank]
+        live, rows = [0] * len(mine), []
+        for action in actions:
+            if action.kind is Kind.F:
+                live[mine.index(action.stage)] += 1
+                rows.append(list(live))
+            elif action.kind in (Kind.B, Kind.I):
+                live[mine.index(action.stage)] -= 1
+        found.append(_pareto(np.array(rows or [live])))
+    return tuple(found)
+
+
+def _pareto(held: np.ndarray) -> tuple[tuple[int, ...], ...]:
+    """The rows of ``held`` that no other row equals or exceeds everywhere, fullest first."""
+    rows = np.array(sorted(set(map(tuple, held.tolist())), key=lambda row: (-sum(row), row)), dtype=np.int64)
+    kept = []
+    for start in range(0, len(rows), 256):  # rows x rows x stages booleans, a block of rows at a time
+        block = rows[start:start + 256]
+        covers = (rows[None, :, :] >= block[:, None, :]).all(axis=2)  # covers[i, j]: row j >= row i everywhere
+        covers[np.arange(len(block)), np.arange(start, start + len(block))] = False
+        kept.extend(block[~covers.any(axis=1)])
+    return tuple(tuple(int(x) for x in row) for row in kept)
 
 
 def _units(n: np.ndarray, chunk: int, p: int, v: int) -> np.ndarray:

@@ -18,7 +18,7 @@ from autopart.options import CompileOptions
 from autopart.passes.annotate import OpGraph
 from autopart.passes.front import Front, block_seconds, parameter_placements, recompute_blocks
 from autopart.passes.recompute import recompute_cost, stage_input_bytes, stage_modes
-from autopart.predict.in_flight import in_flight, transient
+from autopart.predict.in_flight import in_flight, rank_in_flight, transient
 from autopart.predict.memory import state_bytes
 from autopart.predict.messages import boundary_seconds
 from autopart.predict.step_time import (
@@ -59,6 +59,7 @@ def pipeline_problem(options: CompileOptions, front: Front, microbatches: int) -
         stages=stages,
         microbatches=microbatches,
         in_flight=in_flight(options.schedule, options.pp, microbatches, options.chunks),
+        rank_in_flight=rank_in_flight(options.schedule, options.pp, microbatches, options.chunks),
         memory_limit_bytes=memory,
         overhead_bytes=device.framework_overhead_bytes
         + communicator_bytes(device.kind, pp=options.pp, tp=options.tp, dp=options.dp),

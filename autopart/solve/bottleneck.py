@@ -26,8 +26,9 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field, replace
 
 from autopart.ir.recompute import RECOMPUTE_MODES
+from autopart.solve.rank_room import RankRoom, rank_bytes
 
-__all__ = ["RECOMPUTE_MODES", "ChainCosts", "StageCut", "cut_stages", "lower_bound_s", "stage_figures"]
+__all__ = ["RECOMPUTE_MODES", "ChainCosts", "StageCut", "cut_stages", "fixed_cut", "lower_bound_s", "stage_figures"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -137,6 +138,7 @@ class _Stage:
     time_s: float
     weight_s: float
     memory_bytes: int
+    parts: tuple[int, int, int] = (0, 0, 0)  # parameter bytes, bytes per microbatch in flight, bytes held once
 
 
 def stage_figures(
@@ -147,9 +149,9 @@ def stage_figures(
     of ``autopart.passes.recompute.recompute_cost``. Recompute keeps the stage's arguments (what it
     receives, and the batch inputs, counted whole) per microbatch in flight, and the activations
     it rebuilds live while ``transient`` microbatches' backwards run."""
-    time_s, weight_s, memory_bytes = _sums(costs).stage(first, last, mode, in_flight, transfer_in_s, transfer_out_s,
-                                                        transient)
-    return _Stage(time_s=time_s, weight_s=weight_s, memory_bytes=memory_bytes)
+    compute_s, weight_s, parameters, per_microbatch, once = _sums(costs).parts(first, last, mode, transient)
+    return _Stage(time_s=compute_s + transfer_in_s + transfer_out_s, weight_s=weight_s,
+                  memory_bytes=parameters + in_flight * per_microbatch + once, parts=(parameters, per_microbatch, once))
 
 
 class _Sums:
@@ -171,18 +173,24 @@ class _Sums:
     def stage(self, first: int, last: int, mode: str, in_flight: int, transfer_in_s: float,
               transfer_out_s: float, transient: int = 1) -> tuple[float, float, int]:
         """(time, weight-gradient time, memory) of blocks ``first..last``: see ``stage_figures``."""
+        compute, weight, parameters, per_microbatch, once = self.parts(first, last, mode, transient)
+        return compute + transfer_in_s + transfer_out_s, weight, parameters + in_flight * per_microbatch + once
+
+    def parts(self, first: int, last: int, mode: str, transient: int = 1) -> tuple[float, float, int, int, int]:
+        """(compute and recompute seconds, weight-gradient seconds, parameter bytes, bytes per
+        microbatch in flight, bytes held once) of blocks ``first..last`` under ``mode``."""
         end = last + 1
         compute = self.compute[end] - self.compute[first]
         saved_none = self.saved[end] - self.saved[first]
         if mode == "none":
-            extra, held = 0.0, in_flight * saved_none
+            extra, per_microbatch, once = 0.0, saved_none, 0
         elif mode == "selective":
             extra = self.selective_s[end] - self.selective_s[first]
             selective = self.selective_saved[end] - self.selective_saved[first]
-            held = in_flight * (self.received[first] + selective) + transient * max(0, saved_none - selective)
+            per_microbatch, once = self.received[first] + selective, transient * max(0, saved_none - selective)
         elif mode == "full":
             extra = self.full_s[end] - self.full_s[first]
-            held = in_flight * self.received[first] + transient * saved_none
+            per_microbatch, once = self.received[first], transient * saved_none
         else:
             raise ValueError(f"unknown recompute mode {mode!r}")
         parameters = self.owned[end] - self.owned[first]
@@ -191,8 +199,7 @@ class _Sums:
                 k = bisect.bisect_left(readers, first)
                 if k < len(readers) and readers[k] <= last:
                     parameters += nbytes
-        return (compute + extra + transfer_in_s + transfer_out_s, self.weight[end] - self.weight[first],
-                parameters + held)
+        return compute + extra, self.weight[end] - self.weight[first], parameters, per_microbatch, once
 
 
 def _sums(costs: ChainCosts) -> _Sums:
@@ -215,15 +222,23 @@ def cut_stages(
     transient: tuple[int, ...] | None = None,
     precision: float = 1e-4,
     fit_only: bool = False,
+    rank_in_flight: tuple[tuple[tuple[int, ...], ...], ...] | None = None,
 ) -> StageCut | None:
     """The cuts with the smallest slowest stage that fit in memory, or None if nothing fits.
     With ``fit_only``, any cuts that fit (the question is whether some do).
 
     ``transfer_s[k]``: one-way seconds of what crosses after block k. ``modes``: per stage, the
-    recompute modes allowed (all three by default). A rank holding several stages (interleaved)
-    gives each an equal share of its memory while cutting; the result's memory is exact.
-    ``transient``: per stage, the microbatches whose recomputed activations live at once (1 each
-    by default; more where a zero-bubble W waits).
+    recompute modes allowed (all three by default). ``transient``: per stage, the microbatches
+    whose recomputed activations live at once (1 each by default; more where a zero-bubble W waits).
+
+    A rank holding several stages (interleaved) is cut two ways, and the better kept: each stage
+    an equal share of the rank's memory, with every stage at its own peak at once; and, with
+    ``rank_in_flight`` (per rank, the moments that may be its peak, `autopart.solve.rank_room`),
+    each stage taking what its rank has left, held at those moments, less what the rank's later
+    stages need at the least. An equal share is pessimistic under interleaving: a rank's first
+    chunk holds the most microbatches (and the embedding), its last the fewest, and the rank's
+    fullest moment holds fewer than its chunks' peaks summed. The result's memory is the rank's
+    peak at its fullest moment where ``rank_in_flight`` is given.
     """
     blocks = len(costs)
     if stages > blocks:
@@ -243,15 +258,45 @@ def cut_stages(
             transient=transient[s] if transient else 1,
         )  # fmt: skip
 
-    greedy = _Greedy(costs=costs, stages=stages, modes=modes, budget=budget, in_flight=in_flight,
-                     transfer_s=transfer_s, transient=transient)
+    greedies = [_Greedy(costs=costs, stages=stages, modes=modes, budget=budget, in_flight=in_flight,
+                        transfer_s=transfer_s, transient=transient)]
+    if rank_in_flight is not None and max(per_rank) > 1:
+        room = RankRoom(stage_rank=stage_rank, moments=rank_in_flight, room_bytes=memory_limit_bytes - overhead_bytes,
+                        reserve_bytes=_least_parameter_bytes(costs))
+        greedies.append(_Greedy(costs=costs, stages=stages, modes=modes, budget=budget, in_flight=in_flight,
+                                transfer_s=transfer_s, transient=transient, room=room))
+    best: tuple[float, float, list] | None = None
+    for greedy in greedies:
+        found = _bisected(greedy, costs, stages, transfer_s, precision, fit_only)
+        if found is not None and (best is None or found[0] < best[0]):
+            best = found
+        if best is not None and fit_only:
+            break
+    if best is None:
+        return None
+    return replace(_finish(costs, best[2], stage, stage_rank, ranks, overhead_bytes, modes, rank_in_flight),
+                   bound_s=best[1])
+
+
+def _bisected(greedy: _Greedy, costs: ChainCosts, stages: int, transfer_s: tuple[float, ...], precision: float,
+              fit_only: bool) -> tuple[float, float, list] | None:
+    """(slowest stage's bound, the bound below which nothing was found, the chosen stages) by
+    bisection on the bound; with ``fit_only``, the first stages found, under the loosest bound."""
     compute = greedy.compute
     worst_case = compute[-1] + sum(costs.forward_s) + 2 * sum(transfer_s) + 1e-9
-    loose = greedy(worst_case)
-    if loose is None or fit_only:
-        return loose and _finish(costs, loose, stage, stage_rank, ranks, overhead_bytes, modes)
     largest_block = max(f + b for f, b in zip(costs.forward_s, costs.backward_s))
     lo, hi = max(largest_block, compute[-1] / stages) * (1 - 1e-9), worst_case
+    if greedy.room is not None:
+        # Stages that take what their rank has left may leave its later stages too little under a
+        # loose bound, where each stage is as long as memory allows: the bound is raised from the
+        # least, step by step, to the first under which the stages fit
+        bound = lo
+        while bound < worst_case and greedy(bound) is None:
+            lo, bound = bound, bound * _GROWTH
+        hi = min(bound, worst_case)
+    loose = greedy(hi)
+    if loose is None or fit_only:
+        return loose and (hi, 0.0, loose)
     while hi - lo > precision * hi:
         mid = (lo + hi) / 2
         if greedy(mid) is not None:
@@ -260,7 +305,16 @@ def cut_stages(
             lo = mid
     chosen = greedy(hi)
     assert chosen is not None
-    return replace(_finish(costs, chosen, stage, stage_rank, ranks, overhead_bytes, modes), bound_s=lo)
+    return hi, lo, chosen
+
+
+_GROWTH = 1.25  # the bound on the slowest stage, raised by this factor per step where stages share a rank
+
+
+def _least_parameter_bytes(costs: ChainCosts) -> int:
+    """The fewest parameter bytes a stage of one block holds: what a stage still to come needs at the least."""
+    owned = costs.prefix("owned_parameter_bytes")
+    return min(owned[k + 1] - owned[k] for k in range(len(costs)))
 
 
 class _Greedy:
@@ -268,8 +322,9 @@ class _Greedy:
     if some stage fits under the bound in no mode: the test that `cut_stages` bisects on."""
 
     def __init__(self, *, costs: ChainCosts, stages: int, modes: tuple[tuple[str, ...], ...], budget: list[int],
-                 in_flight: tuple[int, ...], transfer_s: tuple[float, ...], transient: tuple[int, ...] | None):
-        self.costs, self.stages, self.modes, self.budget = costs, stages, modes, budget
+                 in_flight: tuple[int, ...], transfer_s: tuple[float, ...], transient: tuple[int, ...] | None,
+                 room: RankRoom | None = None):
+        self.costs, self.stages, self.modes, self.budget, self.room = costs, stages, modes, budget, room
         self.in_flight, self.transfer_s, self.transient = in_flight, transfer_s, transient
         self.blocks = len(costs)
         self.sums = _sums(costs)
@@ -281,11 +336,23 @@ class _Greedy:
         transfer_in = self.transfer_s[first - 1] if s > 0 else 0.0
         transfer_out = self.transfer_s[last] if s < self.stages - 1 else 0.0
         for mode in self.modes[s]:
-            time_s, _, memory_bytes = self.sums.stage(first, last, mode, self.in_flight[s], transfer_in, transfer_out,
-                                                      self.transient[s] if self.transient else 1)
-            if memory_bytes <= self.budget[s] and time_s <= bound:
+            compute_s, _, parameters, per_microbatch, once = self.sums.parts(first, last, mode, self._transient(s))
+            if compute_s + transfer_in + transfer_out > bound:
+                continue
+            if self.room is not None:
+                if self.room.fits(s, parameters, per_microbatch, once):
+                    return mode
+            elif parameters + self.in_flight[s] * per_microbatch + once <= self.budget[s]:
                 return mode
         return None
+
+    def _transient(self, s: int) -> int:
+        return self.transient[s] if self.transient else 1
+
+    def _take(self, s: int, first: int, last: int, mode: str) -> None:
+        """Stage ``s`` is cut: its rank's room shrinks by what it holds."""
+        if self.room is not None:
+            self.room.take(s, *self.sums.parts(first, last, mode, self._transient(s))[2:])
 
     def last_block(self, s: int, first: int, bound: float) -> tuple[int, str] | None:
         """The last block stage ``s`` (not the last stage) can end on from ``first``, and its mode."""
@@ -317,6 +384,8 @@ class _Greedy:
     def __call__(self, bound: float) -> list[tuple[int, str]] | None:
         result = []
         first = 0
+        if self.room is not None:
+            self.room.reset()
         for s in range(self.stages):
             if s == self.stages - 1:
                 mode = self.fits(s, first, self.blocks - 1, bound)
@@ -328,18 +397,22 @@ class _Greedy:
             if found is None:
                 return None
             result.append(found)
+            self._take(s, first, *found)
             first = found[0] + 1
         return result
 
 
-def _finish(costs, chosen, stage, stage_rank, ranks, overhead_bytes, modes) -> StageCut:
-    """The figures of the chosen cuts, each stage with the lightest recompute that fits its rank."""
+def _finish(costs, chosen, stage, stage_rank, ranks, overhead_bytes, modes, moments=None) -> StageCut:
+    """The figures of the chosen cuts, each stage with the lightest recompute that fits its rank;
+    each rank's memory at its fullest moment where ``moments`` are given, else its stages' peaks summed."""
     cuts = tuple(last for last, _ in chosen[:-1])
     firsts = [0, *(c + 1 for c in cuts)]
     figures = [stage(s, firsts[s], last, mode) for s, (last, mode) in enumerate(chosen)]
-    rank_memory = [overhead_bytes] * ranks
+    mine: list[list[_Stage]] = [[] for _ in range(ranks)]
     for s, f in enumerate(figures):
-        rank_memory[stage_rank[s]] += f.memory_bytes
+        mine[stage_rank[s]].append(f)
+    rank_memory = [overhead_bytes + (rank_bytes([f.parts for f in held], moments[r]) if moments
+                                     else sum(f.memory_bytes for f in held)) for r, held in enumerate(mine)]
     return StageCut(
         cuts=cuts,
         recompute=tuple(mode for _, mode in chosen),
@@ -348,6 +421,34 @@ def _finish(costs, chosen, stage, stage_rank, ranks, overhead_bytes, modes) -> S
         stage_memory_bytes=tuple(f.memory_bytes for f in figures),
         rank_memory_bytes=tuple(rank_memory),
     )
+
+
+def fixed_cut(costs: ChainCosts, cuts: tuple[int, ...], *, modes: tuple[tuple[str, ...], ...],
+              in_flight: tuple[int, ...], transient: tuple[int, ...], stage_rank: tuple[int, ...],
+              transfer_s: tuple[float, ...], memory_limit_bytes: int, overhead_bytes: int,
+              rank_in_flight: tuple[tuple[tuple[int, ...], ...], ...] | None = None) -> StageCut | None:
+    """Given cuts: each stage takes the lightest allowed recompute that fits an equal share of its
+    rank; None where a rank's memory (as `_finish` counts it) breaks the limit."""
+    stages = len(cuts) + 1
+    lasts = [*cuts, len(costs) - 1]
+    firsts = [0, *(c + 1 for c in cuts)]
+    ranks = max(stage_rank) + 1
+    per_rank = [stage_rank.count(r) for r in range(ranks)]
+
+    def stage(s: int, first: int, last: int, mode: str) -> _Stage:
+        return stage_figures(costs, first, last, mode=mode, in_flight=in_flight[s],
+                             transfer_in_s=transfer_s[first - 1] if s > 0 else 0.0,
+                             transfer_out_s=transfer_s[last] if s < stages - 1 else 0.0, transient=transient[s])
+
+    chosen = []
+    for s in range(stages):
+        budget = (memory_limit_bytes - overhead_bytes) // per_rank[stage_rank[s]]
+        for mode in modes[s]:
+            if stage(s, firsts[s], lasts[s], mode).memory_bytes <= budget or mode == modes[s][-1]:
+                break
+        chosen.append((lasts[s], mode))
+    cut = _finish(costs, chosen, stage, stage_rank, ranks, overhead_bytes, modes, rank_in_flight)
+    return cut if max(cut.rank_memory_bytes) <= memory_limit_bytes else None
 
 
 def lower_bound_s(costs: ChainCosts, stages: int) -> float:

@@ -9,6 +9,7 @@ exhaustive enumeration all check cuts with the same figures.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from autopart.ir.errors import ConfigError
@@ -31,6 +32,10 @@ class PipelineProblem:
     memory_limit_bytes: int
     overhead_bytes: int = 0  # per rank
     stage_rank: tuple[int, ...] = ()  # rank that holds each stage; empty: stage s on rank s
+    # Per rank, the moments that may be its peak: at each, per stage of the rank (in stage order),
+    # the microbatches held (`autopart.predict.in_flight.rank_in_flight`). Empty: every stage at its
+    # own peak at once, which is exact where a rank holds one stage and an upper bound elsewhere.
+    rank_in_flight: tuple[tuple[tuple[int, ...], ...], ...] = ()
 
     @property
     def ranks(self) -> int:
@@ -38,6 +43,22 @@ class PipelineProblem:
 
     def rank_of(self, stage: int) -> int:
         return self.stage_rank[stage] if self.stage_rank else stage
+
+    def rank_stages(self, rank: int) -> list[int]:
+        return self._stages_by_rank[rank]
+
+    @functools.cached_property
+    def _stages_by_rank(self) -> list[list[int]]:
+        found: list[list[int]] = [[] for _ in range(self.ranks)]
+        for s in range(self.stages):
+            found[self.rank_of(s)].append(s)
+        return found
+
+    def moments(self, rank: int) -> tuple[tuple[int, ...], ...]:
+        """The rank's moments that may be its peak: per stage of the rank, the microbatches held."""
+        if self.rank_in_flight:
+            return self.rank_in_flight[rank]
+        return (tuple(self.in_flight[s] for s in self.rank_stages(rank)),)
 
     def __post_init__(self) -> None:
         blocks = len(self.block_time_s)
@@ -49,6 +70,10 @@ class PipelineProblem:
         assert len(self.boundary_transfer_s) == blocks - 1
         assert len(self.in_flight) == self.stages
         assert len(self.block_parameters) == blocks == len(self.block_activation_bytes)
+        if self.rank_in_flight:  # each stage's own peak is the most it holds at any of its rank's moments
+            for rank, moments in enumerate(self.rank_in_flight):
+                assert all(len(held) == len(self.rank_stages(rank)) for held in moments)
+                assert [max(column) for column in zip(*moments)] == [self.in_flight[s] for s in self.rank_stages(rank)]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -77,6 +102,7 @@ def evaluate(problem: PipelineProblem, cuts: tuple[int, ...]) -> CutEvaluation:
     blocks = len(problem.block_time_s)
     times: list[float] = []
     memory = [problem.overhead_bytes] * problem.ranks
+    activations = []  # per stage, one microbatch's
     for s, members in enumerate(stage_ranges(cuts, blocks)):
         time = sum(problem.block_time_s[k] for k in members)
         if s > 0:
@@ -84,11 +110,12 @@ def evaluate(problem: PipelineProblem, cuts: tuple[int, ...]) -> CutEvaluation:
         if s < problem.stages - 1:
             time += problem.boundary_transfer_s[cuts[s]]
         held = {p for k in members for p in problem.block_parameters[k]}
-        activations = sum(problem.block_activation_bytes[k] for k in members)
-        memory[problem.rank_of(s)] += (
-            sum(problem.parameter_state_bytes[p] for p in held) + problem.in_flight[s] * activations
-        )
+        activations.append(sum(problem.block_activation_bytes[k] for k in members))
+        memory[problem.rank_of(s)] += sum(problem.parameter_state_bytes[p] for p in held)
         times.append(time)
+    for rank in range(problem.ranks):
+        mine = [activations[s] for s in problem.rank_stages(rank)]
+        memory[rank] += max(sum(count * nbytes for count, nbytes in zip(held, mine)) for held in problem.moments(rank))
     objective = sum(times) + (problem.microbatches - 1) * max(times)
     return CutEvaluation(
         cuts=tuple(cuts), stage_time_s=tuple(times), rank_memory_bytes=tuple(memory), objective_s=objective

@@ -24,9 +24,10 @@ from __future__ import annotations
 import importlib
 import math
 
+from autopart.solve.bottleneck import ChainCosts, cut_stages
 from autopart.solve.cut_problem import PipelineProblem, evaluate
 
-__all__ = ["fitting_cuts", "least_memory_bytes", "memory_lower_bound", "no_fit_message", "spread_cuts"]
+__all__ = ["cutter_cuts", "fitting_cuts", "least_memory_bytes", "memory_lower_bound", "no_fit_message", "spread_cuts"]
 
 _BISECTIONS = 40
 _GROWTH = 1.25  # the bound on the slowest stage's time, raised by this factor per step
@@ -82,6 +83,28 @@ def fitting_cuts(problem: PipelineProblem) -> tuple[int, ...] | None:
     return best
 
 
+def cutter_cuts(problem: PipelineProblem) -> tuple[int, ...] | None:
+    """The search's cuts (`autopart.solve.bottleneck.cut_stages`: bisection on the slowest stage,
+    each stage cut greedily from the first) for this problem, where they fit; None where they do not."""
+    blocks = len(problem.block_time_s)
+    zeros = (0,) * blocks
+    # the problem's activations are already those of its stages' recompute: the cutter keeps mode "none"
+    costs = ChainCosts(
+        forward_s=problem.block_time_s, backward_s=(0.0,) * blocks, weight_s=(0.0,) * blocks,
+        saved_bytes=problem.block_activation_bytes, selective_saved_bytes=zeros, selective_recompute_s=(0.0,) * blocks,
+        boundary_bytes=zeros[1:], input_bytes=0, parameter_bytes=dict(problem.parameter_state_bytes),
+        parameter_state_bytes=dict(problem.parameter_state_bytes), block_parameters=problem.block_parameters,
+    )  # fmt: skip
+    cut = cut_stages(costs, stages=problem.stages, in_flight=problem.in_flight,
+                     stage_rank=tuple(problem.rank_of(s) for s in range(problem.stages)),
+                     transfer_s=problem.boundary_transfer_s, memory_limit_bytes=problem.memory_limit_bytes,
+                     overhead_bytes=problem.overhead_bytes, modes=(("none",),) * problem.stages,
+                     rank_in_flight=tuple(problem.moments(r) for r in range(problem.ranks)))  # fmt: skip
+    if cut is None or max(evaluate(problem, cut.cuts).rank_memory_bytes) > problem.memory_limit_bytes:
+        return None
+    return cut.cuts
+
+
 def spread_cuts(problem: PipelineProblem) -> tuple[int, ...]:
     """Stage lengths that make the ranks' memory as even as a linear program over the blocks'
     average costs can (stages that keep many microbatches in flight get few blocks), rounded to
@@ -96,8 +119,9 @@ def spread_cuts(problem: PipelineProblem) -> tuple[int, ...]:
     peak = solver.NumVar(0.0, solver.infinity(), "peak")
     solver.Add(sum(length) == blocks)
     for rank in range(problem.ranks):
-        mine = [s for s in range(stages) if problem.rank_of(s) == rank]
-        solver.Add(sum(length[s] * (state + problem.in_flight[s] * activation) for s in mine) <= peak)
+        mine = problem.rank_stages(rank)
+        for held in problem.moments(rank):
+            solver.Add(sum(length[s] * (state + count * activation) for s, count in zip(mine, held)) <= peak)
     solver.Minimize(peak)
     assert solver.Solve() == linear.Solver.OPTIMAL
     cuts, total = [], 0.0
@@ -178,11 +202,12 @@ def memory_lower_bound(problem: PipelineProblem) -> int:
     for s in range(stages):
         solver.Add(sum(share[k][s] for k in range(blocks)) >= 1)
     for rank in range(problem.ranks):
-        held = sum(
-            share[k][s] * ((state[k] + problem.in_flight[s] * problem.block_activation_bytes[k]) / scale)
-            for s in range(stages) if problem.rank_of(s) == rank for k in range(blocks)
-        )  # fmt: skip
-        solver.Add(held + problem.overhead_bytes / scale <= peak)
+        for moment in problem.moments(rank):
+            held = sum(
+                share[k][s] * ((state[k] + count * problem.block_activation_bytes[k]) / scale)
+                for s, count in zip(problem.rank_stages(rank), moment) for k in range(blocks)
+            )  # fmt: skip
+            solver.Add(held + problem.overhead_bytes / scale <= peak)
     solver.Minimize(peak)
     status = solver.Solve()
     assert status == linear.Solver.OPTIMAL, status

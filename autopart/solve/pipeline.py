@@ -9,6 +9,8 @@ the slowest stage is paid once per microbatch, the others once per step.
 Memory per rank (a rank may hold several stages): the model state of every parameter it reads (a parameter read by two stages,
 such as tied embeddings, is held and paid for by both), the activations saved for backward times
 the microbatches that the schedule keeps in flight on that stage, and a fixed overhead per rank.
+A rank that holds several stages has them at their own peaks at different moments: its
+activations are bounded at each moment that may be its peak (``PipelineProblem.rank_in_flight``).
 
 ``solve_cuts(problem, time_limit_s=...)`` returns the cuts; ``evaluate(problem, cuts)`` computes
 the same figures in plain Python (`autopart.solve.cut_problem`), used to re-check every solution and by the tests' exhaustive
@@ -82,19 +84,36 @@ class _CutModel:
                 transfer += cost * self.end[k][s - 1]
         return compute + transfer
 
-    def stage_memory(self, s: int) -> cp_model.LinearExpr:
-        p, m = self.problem, self.model
+    def stage_state(self, s: int) -> cp_model.LinearExpr:
+        """Bytes of the parameters' weights, gradients and optimizer state that stage ``s`` holds."""
+        m = self.model
         holds = []
         for name, nbytes, readers in self.shared:  # held once however many of its readers the stage has
             held = m.new_bool_var(f"stage{s}_holds_{name}")
             m.add_max_equality(held, [self.x[k][s] for k in readers])
             holds.append(nbytes * held)
-        per_block = (own + p.in_flight[s] * saved for own, saved in zip(self.own_bytes, p.block_activation_bytes))
-        return sum(holds) + sum(nbytes * self.x[k][s] for k, nbytes in enumerate(per_block) if nbytes)
+        return sum(holds) + sum(nbytes * self.x[k][s] for k, nbytes in enumerate(self.own_bytes) if nbytes)
 
-    def rank_memory(self, rank: int) -> cp_model.LinearExpr:
-        p = self.problem
-        return sum(self.stage_memory(s) for s in range(p.stages) if p.rank_of(s) == rank) + p.overhead_bytes
+    def stage_activations(self, s: int) -> cp_model.LinearExpr:
+        """Bytes that stage ``s`` saves for backward per microbatch."""
+        return sum(nbytes * self.x[k][s] for k, nbytes in enumerate(self.problem.block_activation_bytes) if nbytes)
+
+    def rank_memory(self, rank: int) -> list[cp_model.LinearExpr]:
+        """The rank's bytes at each moment that may be its peak (one where the rank holds one stage)."""
+        p, m = self.problem, self.model
+        stages = p.rank_stages(rank)
+        moments = p.moments(rank)
+        state = sum(self.stage_state(s) for s in stages) + p.overhead_bytes
+        if len(moments) == 1:
+            return [state + sum(count * self.stage_activations(s) for count, s in zip(moments[0], stages))]
+        # several moments: each stage's bytes per microbatch once, as a variable the moments share
+        bound = sum(p.block_activation_bytes)
+        per_stage = []
+        for s in stages:
+            nbytes = m.new_int_var(0, bound, f"stage{s}_activation_bytes")
+            m.add(nbytes == self.stage_activations(s))
+            per_stage.append(nbytes)
+        return [state + sum(count * nbytes for count, nbytes in zip(held, per_stage)) for held in moments]
 
     def hint(self, cuts: tuple[int, ...]) -> None:
         """Start the search from ``cuts``: on long chains (a 7B model has hundreds of blocks) CP-SAT
@@ -137,12 +156,10 @@ def solve_cuts(problem: PipelineProblem, *, time_limit_s: float = 30.0, hint: tu
     for time in times:
         m.add(slowest >= time)
     for rank in range(problem.ranks):
-        m.add(cut_model.rank_memory(rank) <= problem.memory_limit_bytes)
+        for memory in cut_model.rank_memory(rank):
+            m.add(memory <= problem.memory_limit_bytes)
     m.minimize(sum(times) + (problem.microbatches - 1) * slowest)
-    start = evaluate(problem, hint if hint is not None else _balanced_cuts(problem))
-    if max(start.rank_memory_bytes) > problem.memory_limit_bytes:  # start CP-SAT from cuts that fit, if any do
-        fitting_start = fitting.fitting_cuts(problem)
-        start = evaluate(problem, fitting_start) if fitting_start is not None else start
+    start = _start(problem, hint)
     cut_model.hint(start.cuts)
     solver, status = _solve(m, time_limit_s)
     if status == cp_model.INFEASIBLE:
@@ -174,6 +191,25 @@ def solve_cuts(problem: PipelineProblem, *, time_limit_s: float = 30.0, hint: tu
         bound_s=bound,
         gap=0.0 if objective == 0 else max(0.0, (objective - bound) / objective),
     )
+
+
+def _start(problem: PipelineProblem, hint: tuple[int, ...] | None) -> CutEvaluation:
+    """Where CP-SAT starts, and what it must beat: of ``hint`` (by default, cuts that balance the
+    stages' compute), the search's cutter's cuts and, where neither fits, cuts that fit found
+    without CP-SAT, the fastest that fit (the first where none does). A time-limited solve then
+    never ends on cuts worse than those."""
+    given = evaluate(problem, hint if hint is not None else _balanced_cuts(problem))
+    found = [given]
+    cutter = fitting.cutter_cuts(problem)
+    if cutter is not None:
+        found.append(evaluate(problem, cutter))
+    limit = problem.memory_limit_bytes
+    if all(max(e.rank_memory_bytes) > limit for e in found):
+        fitting_start = fitting.fitting_cuts(problem)
+        if fitting_start is not None:
+            found.append(evaluate(problem, fitting_start))
+    fit = [e for e in found if max(e.rank_memory_bytes) <= limit]
+    return min(fit, key=lambda e: e.objective_s) if fit else given
 
 
 def _balanced_cuts(problem: PipelineProblem) -> tuple[int, ...]:
@@ -211,7 +247,8 @@ def _smallest_peak_memory(problem: PipelineProblem, time_limit_s: float) -> int:
     )
     peak = m.new_int_var(0, everything, "peak_memory")
     for rank in range(problem.ranks):
-        m.add(peak >= cut_model.rank_memory(rank))
+        for memory in cut_model.rank_memory(rank):
+            m.add(peak >= memory)
     m.minimize(peak)
     solver, status = _solve(m, time_limit_s)
     assert status in (cp_model.OPTIMAL, cp_model.FEASIBLE)

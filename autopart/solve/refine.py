@@ -26,6 +26,7 @@ import math
 from collections.abc import Callable
 
 from autopart.solve.bottleneck import ChainCosts, StageCut, stage_figures
+from autopart.solve.rank_room import rank_bytes
 
 __all__ = ["ENUMERATE_LIMIT", "RADIUS", "SHIFT_SPAN", "FAR_STAGES", "CutJudge", "refine_cuts"]
 
@@ -48,8 +49,10 @@ class CutJudge:
 
     def __init__(self, costs: ChainCosts, *, in_flight: tuple[int, ...], stage_rank: tuple[int, ...],
                  transfer_s: tuple[float, ...], memory_limit_bytes: int, overhead_bytes: int,
-                 modes: tuple[tuple[str, ...], ...], objective: Objective, transient: tuple[int, ...] | None = None):
+                 modes: tuple[tuple[str, ...], ...], objective: Objective, transient: tuple[int, ...] | None = None,
+                 rank_in_flight: tuple[tuple[tuple[int, ...], ...], ...] | None = None):
         self.costs = costs
+        self.moments = rank_in_flight  # a rank of several stages is held at its fullest moment (`rank_room`)
         self.stages = len(stage_rank)
         self.in_flight, self.stage_rank, self.transfer_s = in_flight, stage_rank, transfer_s
         self.transient = transient or (1,) * self.stages
@@ -64,8 +67,9 @@ class CutJudge:
         self._owned = costs.prefix("owned_weight_bytes")
         self.judged = 0
 
-    def _options(self, s: int, first: int, last: int) -> list[tuple[str, float, float, int]]:
-        """Per allowed mode of stage s on blocks first..last: (mode, time, weight time, memory)."""
+    def _options(self, s: int, first: int, last: int) -> list[tuple[str, float, float, int, tuple[int, int, int]]]:
+        """Per allowed mode of stage s on blocks first..last: (mode, time, weight time, memory, and
+        memory's parts: `bottleneck.stage_figures`)."""
         key = (s, first, last)
         if key not in self._stage:
             options = []
@@ -74,7 +78,7 @@ class CutJudge:
                                   transfer_in_s=self.transfer_s[first - 1] if s > 0 else 0.0,
                                   transfer_out_s=self.transfer_s[last] if s < self.stages - 1 else 0.0,
                                   transient=self.transient[s])
-                options.append((mode, f.time_s, f.weight_s, f.memory_bytes))
+                options.append((mode, f.time_s, f.weight_s, f.memory_bytes, f.parts))
             self._stage[key] = options
         return self._stage[key]
 
@@ -95,6 +99,8 @@ class CutJudge:
                     for option in combo:
                         memory += option[3]
                         time_s += option[1]
+                    if self.moments is not None:
+                        memory = rank_bytes([option[4] for option in combo], self.moments[r])
                     if memory <= self.budget and (best is None or time_s < best[0]):
                         best = (time_s, combo, memory)
             if best is None:

@@ -35,8 +35,8 @@ from autopart.schedule import SCHEDULE_KINDS, stage_placement
 from autopart.solve.data_parallel_tail import (FORWARD_SHARE, fsdp_may_pay, fully_sharded_levels, hidden_s,
                                                last_bucket_bytes, most_hidden_s, stage_times, tail_s)
 from autopart.solve.vshape import zbv_fits, zbv_pipeline_s
-from autopart.predict.in_flight import in_flight, transient as transient_count
-from autopart.solve.bottleneck import RECOMPUTE_MODES, ChainCosts, StageCut, cut_stages, lower_bound_s
+from autopart.predict.in_flight import in_flight, rank_in_flight, transient as transient_count
+from autopart.solve.bottleneck import RECOMPUTE_MODES, ChainCosts, StageCut, cut_stages, fixed_cut, lower_bound_s
 from autopart.solve.layout_bounds import early_bound, lazy_order
 from autopart.solve.refine import CutJudge, refine_cuts
 
@@ -390,6 +390,7 @@ def score_layout(layout: Layout, table: CostTable, cluster: Cluster, space: Sear
     pipeline_across = layout.pipeline_crosses_nodes(cluster.gpus_per_node)
     transfer = tuple(cluster.p2p_s(b, pipeline_across) for b in costs.boundary_bytes)
     flight = in_flight(layout.schedule, layout.pp, layout.microbatches, layout.chunks)
+    moments = rank_in_flight(layout.schedule, layout.pp, layout.microbatches, layout.chunks)
     transient = transient_count(layout.schedule, layout.pp, layout.microbatches, layout.chunks)
     if recompute is not None:
         modes = recompute
@@ -401,11 +402,13 @@ def score_layout(layout: Layout, table: CostTable, cluster: Cluster, space: Sear
         return None
     across = layout.data_parallel_crosses_nodes(cluster.gpus_per_node)
     if cuts is not None:
-        cut = _fixed_cut(costs, cuts, modes, flight, transient, ranks, transfer, cluster)
+        cut = fixed_cut(costs, cuts, modes=modes, in_flight=flight, transient=transient, stage_rank=ranks,
+                        transfer_s=transfer, memory_limit_bytes=cluster.memory_bytes,
+                        overhead_bytes=cluster.overhead_bytes, rank_in_flight=moments)
     else:
         cut = cut_stages(costs, stages=stages, in_flight=flight, stage_rank=ranks, transfer_s=transfer,
                          memory_limit_bytes=cluster.memory_bytes, overhead_bytes=cluster.overhead_bytes,
-                         modes=modes, transient=transient, fit_only=fit_only)
+                         modes=modes, transient=transient, fit_only=fit_only, rank_in_flight=moments)
         if not fit_only:
             return _refined(layout, table, cluster, costs, cut, modes, flight, transient, ranks, transfer, across,
                             refine_below)
@@ -420,6 +423,7 @@ def _refined(layout, table, cluster, costs, cut, modes, flight, transient, ranks
              refine_below) -> Scored | None:
     """The bisection's cut, refined by the step itself where that may bring it into the finalists."""
     judge = CutJudge(costs, in_flight=flight, transient=transient, stage_rank=ranks, transfer_s=transfer,
+                     rank_in_flight=rank_in_flight(layout.schedule, layout.pp, layout.microbatches, layout.chunks),
                      memory_limit_bytes=cluster.memory_bytes, overhead_bytes=cluster.overhead_bytes, modes=modes,
                      objective=lambda c, rank_bytes: estimate_step_s(layout, c, cluster, rank_bytes, across,
                                                                      last_bucket_bytes(layout, costs, c.cuts)))
@@ -440,35 +444,6 @@ def _refine_bound(table: CostTable, layout: Layout, cluster: Cluster, cut: Stage
     costs = table.chain_costs(micro_batch_size=layout.micro_batch_size, tp=layout.tp, dtype=layout.dtype)
     share = lower_bound_s(costs, layout.pp)
     return _lower_bound(table, layout, cluster) + (layout.microbatches - 1) * max(0.0, cut.bound_s - share)
-
-
-def _fixed_cut(costs, cuts, modes, flight, transient, ranks, transfer, cluster) -> StageCut | None:
-    """Given cuts: each stage takes the lightest allowed recompute that fits its rank."""
-    from autopart.solve.bottleneck import stage_figures
-
-    stages = len(cuts) + 1
-    firsts = [0, *(c + 1 for c in cuts)]
-    lasts = [*cuts, len(costs) - 1]
-    per_rank = [ranks.count(r) for r in range(max(ranks) + 1)]
-    chosen, figures = [], []
-    for s in range(stages):
-        budget = (cluster.memory_bytes - cluster.overhead_bytes) // per_rank[ranks[s]]
-        for mode in modes[s]:
-            f = stage_figures(costs, firsts[s], lasts[s], mode=mode, in_flight=flight[s],
-                              transfer_in_s=transfer[firsts[s] - 1] if s > 0 else 0.0,
-                              transfer_out_s=transfer[lasts[s]] if s < stages - 1 else 0.0, transient=transient[s])
-            if f.memory_bytes <= budget or mode == modes[s][-1]:
-                break
-        chosen.append(mode)
-        figures.append(f)
-    memory = [cluster.overhead_bytes] * len(per_rank)
-    for s, f in enumerate(figures):
-        memory[ranks[s]] += f.memory_bytes
-    if max(memory) > cluster.memory_bytes:
-        return None
-    return StageCut(cuts=tuple(cuts), recompute=tuple(chosen), stage_time_s=tuple(f.time_s for f in figures),
-                    stage_weight_s=tuple(f.weight_s for f in figures),
-                    stage_memory_bytes=tuple(f.memory_bytes for f in figures), rank_memory_bytes=tuple(memory))
 
 
 def _with_state(table: CostTable, layout: Layout) -> ChainCosts:

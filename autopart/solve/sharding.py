@@ -32,7 +32,7 @@ from autopart.ir.placement import PARTIAL, REPLICATE, Placement, shard
 
 __all__ = [
     "Placement", "Strategy", "REPLICATE", "PARTIAL", "op_name", "is_aten", "argument", "local_shape",
-    "is_tuple_of_tensors", "meta_of", "constant_of", "divisible", "follow", "output_groups", "shard",
+    "is_tuple_of_tensors", "meta_of", "constant_of", "folded_number", "divisible", "follow", "output_groups", "shard",
     "UNARY_ELEMENTWISE", "BINARY_ELEMENTWISE",
 ]  # fmt: skip
 
@@ -108,6 +108,14 @@ BINARY_ELEMENTWISE = {"add", "sub", "mul", "truediv", "iadd", "isub", "imul", "m
 def constant_of(op_graph: OpGraph, value: object) -> object:
     """A node that computed a number (a size, a head count) stands for that number."""
     return op_graph.nodes[value.name].constant if isinstance(value, fx.Node) else value
+
+
+def folded_number(op_graph: OpGraph, node: fx.Node) -> bool:
+    """Whether the generated code writes ``node`` (a size, a head count: a number known at
+    compile time) as a constant: its users then no longer read it, and it is dropped as dead,
+    with the tensor it measured no longer among its inputs."""
+    cost = op_graph.nodes.get(node.name)
+    return not (cost is None or cost.constant is None or cost.batch_derived or cost.op in ("placeholder", "get_attr"))
 
 
 def meta_of(op_graph: OpGraph, node: fx.Node) -> TensorMeta | None:

@@ -39,7 +39,7 @@ from torch import fx
 
 from autopart.passes.blocks import Block, BlockChain
 from autopart.solve.sequence import SEQUENCE_DIM, boundary_placement
-from autopart.solve.sharding import REPLICATE, Placement, Strategy, is_tuple_of_tensors, op_name, shard
+from autopart.solve.sharding import REPLICATE, Placement, Strategy, folded_number, is_tuple_of_tensors, op_name, shard
 from autopart.solve.sharding_rules import strategies
 from cost_models import CostModel
 
@@ -169,7 +169,8 @@ class _BlockModel:
         """What the op saves for backward on one rank: a t-th where it is split, except the inputs
         it reads whole (a column-parallel linear keeps its whole input), unless that input is
         gathered from a sequence split by a linear that alone reads it (``gathered_linear``
-        keeps the slice)."""
+        keeps the slice; users that only read its size do not count, the generated code writes
+        the size as a constant)."""
         costs = self.chain.op_graph.nodes
         saved = costs[node.name].saved_bytes
         if not strategy.divided:
@@ -180,7 +181,8 @@ class _BlockModel:
             if required != REPLICATE or cost is None or cost.output is None or not cost.needs_grad or cost.is_parameter:
                 continue
             source = chosen[arg.name].output if arg.name in chosen else self._boundary(arg.name)
-            regathered = op_name(node) == "linear" and len(arg.users) == 1 and node.args[0] is arg
+            readers = [user for user in arg.users if not folded_number(self.chain.op_graph, user)]
+            regathered = op_name(node) == "linear" and readers == [node] and node.args[0] is arg
             if not (regathered and source == shard(SEQUENCE_DIM)):
                 whole += cost.output.nbytes
         whole = min(whole, saved)

@@ -15,6 +15,7 @@ from torch import nn
 from torch.nn import functional as F
 
 VOCAB, SEQUENCE, HIDDEN, HEADS, LAYERS, DROPOUT = 8192, 2048, 4096, 32, 2, 0.1
+SIZE_OF_NORMED = False  # read the shape off the normed input, as nanoGPT's attention does (``x.size()``)
 
 
 class Layer(nn.Module):
@@ -28,8 +29,9 @@ class Layer(nn.Module):
         self.out = nn.Linear(4 * HIDDEN, HIDDEN)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.shape
-        q, k, v = self.qkv(self.ln_1(x)).split(C, dim=2)
+        normed = self.ln_1(x)
+        B, T, C = normed.size() if SIZE_OF_NORMED else x.shape
+        q, k, v = self.qkv(normed).split(C, dim=2)
         q = q.view(B, T, HEADS, C // HEADS).transpose(1, 2)  # (B, a, T, hs)
         k = k.view(B, T, HEADS, C // HEADS).transpose(1, 2)
         v = v.view(B, T, HEADS, C // HEADS).transpose(1, 2)

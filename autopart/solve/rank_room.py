@@ -1,0 +1,55 @@
+"""A rank's memory when it holds several stages (interleaved chunks, zbv's V), for the search's
+cutters (`autopart.solve.bottleneck`, `autopart.solve.refine`).
+
+Its stages do not hold their own peaks at once: at each moment that may be the rank's peak
+(`autopart.predict.in_flight.rank_in_flight`) each stage holds some microbatches, and the rank
+holds its stages' parameters, what they keep once (recomputed activations) and, per moment, the
+sum over its stages of microbatches times bytes per microbatch; its peak is the largest moment.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+__all__ = ["RankRoom", "rank_bytes"]
+
+Moments = tuple[tuple[int, ...], ...]  # per moment, per stage of the rank (in stage order), microbatches held
+
+
+def rank_bytes(parts: Sequence[tuple[int, int, int]], moments: Moments) -> int:
+    """The peak of a rank whose stages (in stage order) hold ``(parameter bytes, bytes per
+    microbatch in flight, bytes held once)`` each."""
+    fixed = sum(parameters + once for parameters, _, once in parts)
+    return fixed + max(sum(count * per for count, (_, per, _) in zip(held, parts)) for held in moments)
+
+
+class RankRoom:
+    """The ranks' memory as a cutter fills stages one after another, first to last: a stage fits
+    where its rank, with it, stays within ``room_bytes`` less ``reserve_bytes`` for each of the
+    rank's stages still to come (what one of them holds at the least)."""
+
+    def __init__(self, *, stage_rank: tuple[int, ...], moments: Sequence[Moments], room_bytes: int, reserve_bytes: int):
+        ranks = max(stage_rank) + 1
+        mine = [[s for s, r in enumerate(stage_rank) if r == rank] for rank in range(ranks)]
+        self.stage_rank = stage_rank
+        self.index = [mine[r].index(s) for s, r in enumerate(stage_rank)]
+        self.later = [len(mine[r]) - 1 - self.index[s] for s, r in enumerate(stage_rank)]
+        self.moments = [np.array(moments[r], dtype=np.int64).reshape(-1, len(mine[r])) for r in range(ranks)]
+        self.room, self.reserve = room_bytes, reserve_bytes
+        self.reset()
+
+    def reset(self) -> None:
+        self.fixed = [0] * len(self.moments)
+        self.held = [np.zeros(len(m), dtype=np.int64) for m in self.moments]  # per moment, bytes so far
+
+    def fits(self, s: int, parameters: int, per_microbatch: int, once: int) -> bool:
+        r = self.stage_rank[s]
+        peak = int((self.held[r] + self.moments[r][:, self.index[s]] * per_microbatch).max())
+        return self.fixed[r] + parameters + once + peak + self.later[s] * self.reserve <= self.room
+
+    def take(self, s: int, parameters: int, per_microbatch: int, once: int) -> None:
+        r = self.stage_rank[s]
+        self.fixed[r] += parameters + once
+        self.held[r] = self.held[r] + self.moments[r][:, self.index[s]] * per_microbatch
