@@ -18,7 +18,8 @@ from autopart.ir.errors import ScheduleError
 from autopart.ir.plan import load_plan
 from autopart.predict.timeline import plan_schedule
 from autopart.runtime import train
-from autopart.schedule import action_lists, add_communication, build_schedule, read_chrome_trace, read_schedule_csv
+from autopart.schedule import (action_lists, add_communication, build_schedule, generated, read_chrome_trace,
+                               read_schedule_csv)
 from tests.distributed import REPO, Trained, assert_same_training, read_metrics, run_ranks, stage_weights
 from tests.test_bad_inputs import refused
 
@@ -49,6 +50,17 @@ def test_the_plan_and_schedule_csv_hold_the_same_lists(compiled):
     assert plan.schedule.actions == action_lists(generated)
     assert read_schedule_csv(compiled / "schedule.csv") == generated
     assert plan_schedule(plan) == add_communication(generated, ranks=PP)
+
+
+def test_an_unedited_plan_shares_its_kinds_schedule_validated_once(tmp_path, compiled):
+    # a compile reads its plan's schedule several times; an unedited one is built and checked once
+    plan = load_plan(compiled / "plan.json")
+    assert plan_schedule(plan) is plan_schedule(load_plan(compiled / "plan.json"))
+    assert plan_schedule(plan, lowered=False) is generated("1f1b", PP, MICROBATCHES, 1).compute
+    gpipe = action_lists(build_schedule("gpipe", ranks=PP, microbatches=MICROBATCHES))
+    edited = load_plan(_edited(compiled, tmp_path, lambda a: a.__setitem__(slice(None), [list(r) for r in gpipe]))
+                       / "plan.json")
+    assert plan_schedule(edited, lowered=False) == build_schedule("gpipe", ranks=PP, microbatches=MICROBATCHES)
 
 
 def _swap(actions, rank, a, b):

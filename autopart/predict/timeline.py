@@ -2,35 +2,18 @@
 
 from __future__ import annotations
 
-import functools
-
 from autopart.ir.plan import Plan
-from autopart.schedule import (
-    Schedule,
-    StageCosts,
-    Timeline,
-    add_communication,
-    build_schedule,
-    plan_actions,
-    simulate,
-    stage_placement,
-    validate,
-)
+from autopart.schedule import Schedule, StageCosts, Timeline, generated, plan_actions, simulate, stage_placement, validate
 
 __all__ = ["simulate_pipeline", "lowered_schedule", "plan_schedule", "plan_timeline"]
 
 
-@functools.lru_cache(maxsize=16)
 def lowered_schedule(kind: str, ranks: int, microbatches: int, chunks: int) -> Schedule:
     """The schedule with its sends and receives, validated; built once per shape, because a compile
     simulates one pipeline several times (each candidate plan, its step, the report) and at a
     thousand microbatches over hundreds of virtual stages building and validating it costs more
     than simulating it. Shared between callers: read it, never change it."""
-    placement = stage_placement(kind, ranks=ranks, chunks=chunks)
-    schedule = add_communication(build_schedule(kind, ranks=ranks, microbatches=microbatches, chunks=chunks),
-                                 ranks=ranks, placement=placement)
-    validate(schedule, ranks=ranks, stages=ranks * chunks, microbatches=microbatches, placement=placement)
-    return schedule
+    return generated(kind, ranks, microbatches, chunks).lowered
 
 
 def simulate_pipeline(

@@ -148,16 +148,30 @@ def _dedicated(schedule: Schedule, costs: StageCosts, *, ranks: int, tail_s: dic
                placement: Sequence[int] | None) -> float:
     """`step_time` where every rank has a device of its own: nothing is shared, so a rank's
     action starts when the rank is free and the action's inputs are there, and each rank's list
-    can be run ahead as far as its inputs are known, pass after pass (as `simulate` does),
-    instead of event by event over every rank: the same times (to rounding) in time linear in
-    the actions, which a thousand microbatches over a hundred ranks need."""
+    can run ahead as far as its inputs are known (as `simulate` does) instead of event by event
+    over every rank: the same times (to rounding) in time about linear in the actions, which a
+    thousand microbatches over a hundred ranks need."""
     free = dict.fromkeys(schedule, 0.0)  # when the rank can start its next action
     idle_since = dict.fromkeys(schedule, 0.0)  # when its last action of positive length ended
-    cursor = dict.fromkeys(schedule, 0)
-    finished: dict = {}
-    ends: list[float] = []
+
+    def woke(rank: int, start: float) -> float:
+        return max(0.0, wake_s(start - idle_since[rank])) if wake_s and start > idle_since[rank] + _EPSILON else 0.0
+
+    def run(rank: int, action: Action, ready: float) -> float:
+        start = max(free[rank], ready)
+        waited = action.kind in RECEIVE_KINDS and ready > idle_since[rank] + _EPSILON
+        work = costs.waited_duration(action) if waited else costs.duration(action)
+        end = start
+        if work > 0:
+            end = idle_since[rank] = start + work + woke(rank, start)
+        free[rank] = end
+        if action.is_compute:
+            events.append((rank, action, start, end))
+        return end
+
+    cursor, finished = dict.fromkeys(schedule, 0), {}
     progress = True
-    while progress:
+    while progress:  # sweep the ranks, each as far as its inputs are known, until none moves
         progress = False
         for rank, actions in schedule.items():
             while cursor[rank] < len(actions):
@@ -165,24 +179,13 @@ def _dedicated(schedule: Schedule, costs: StageCosts, *, ranks: int, tail_s: dic
                 ready = input_ready_at(action, finished, costs, ranks=ranks, placement=placement)
                 if ready is None:
                     break
-                start = max(free[rank], ready)
-                waited = action.kind in RECEIVE_KINDS and ready > idle_since[rank] + _EPSILON
-                work = costs.waited_duration(action) if waited else costs.duration(action)
-                end = start
-                if work > 0:
-                    woke = wake_s(start - idle_since[rank]) if wake_s and start > idle_since[rank] + _EPSILON else 0.0
-                    end = start + work + max(0.0, woke)
-                    idle_since[rank] = end
-                free[rank] = end
+                end = run(rank, action, ready)
                 if action.is_compute:
                     finished[(action.stage, action.kind, action.microbatch)] = end
-                    events.append((rank, action, start, end))
                 cursor[rank] += 1
                 progress = True
     assert all(cursor[rank] == len(actions) for rank, actions in schedule.items()), \
         "the schedule deadlocks; validate it first"
-    for rank in schedule:
-        tail = tail_s.get(rank, 0.0)
-        woke = wake_s(free[rank] - idle_since[rank]) if wake_s and free[rank] > idle_since[rank] + _EPSILON else 0.0
-        ends.append(free[rank] + (tail + max(0.0, woke) if tail > 0 else 0.0))
-    return max(ends, default=0.0)
+    tails = (tail_s.get(rank, 0.0) for rank in schedule)
+    return max((free[rank] + (tail + woke(rank, free[rank]) if tail > 0 else 0.0) for rank, tail in zip(schedule, tails)),
+               default=0.0)

@@ -10,20 +10,26 @@ compute order, and storing them would only give a hand edit more ways to disagre
 A plan written before the lists were stored runs its kind's generated order: that is exactly
 what such a plan ran when it was written, so its checkpoints and results stay valid; the caller
 says so in a note.
+
+Lists equal to their kind's generated order (every plan autopart writes, until someone edits
+it) are built, lowered and validated once per shape in a process (`generated`): a compile reads
+its plan's schedule several times (its step, its timeline, its schedule.csv), and at a thousand
+microbatches over a hundred ranks each validation takes seconds.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
+import functools
+from dataclasses import dataclass, replace
 from typing import Any
 
 from autopart.ir.errors import ScheduleError
 from autopart.ir.actions import Action, Schedule
-from autopart.schedule.generators import build_schedule
+from autopart.schedule.generators import build_schedule, stage_placement
 from autopart.schedule.lowering import add_communication
 from autopart.schedule.validate import validate
 
-__all__ = ["action_lists", "plan_actions", "keep_actions"]
+__all__ = ["Generated", "action_lists", "generated", "plan_actions", "keep_actions"]
 
 
 def action_lists(schedule: Schedule) -> tuple[tuple[str, ...], ...]:
@@ -31,11 +37,36 @@ def action_lists(schedule: Schedule) -> tuple[tuple[str, ...], ...]:
     return tuple(tuple(str(action) for action in schedule[rank]) for rank in range(len(schedule)))
 
 
+@dataclass(frozen=True)
+class Generated:
+    """A kind's schedule for one shape, validated; shared between callers: read it, never change it."""
+
+    lists: tuple[tuple[str, ...], ...]  # as a plan stores it
+    compute: Schedule
+    lowered: Schedule  # with the sends and receives
+    placement: tuple[int, ...]
+
+
+@functools.lru_cache(maxsize=16)
+def generated(kind: str, ranks: int, microbatches: int, chunks: int) -> Generated:
+    """``kind``'s schedule for this shape, built, lowered and validated once in a process."""
+    placement = stage_placement(kind, ranks=ranks, chunks=chunks)
+    compute = build_schedule(kind, ranks=ranks, microbatches=microbatches, chunks=chunks)
+    lowered = add_communication(compute, ranks=ranks, placement=placement)
+    shape = {"ranks": ranks, "stages": len(placement), "microbatches": microbatches, "placement": placement}
+    _checked(lowered, shape)  # the compute order's dependencies with the messages' order
+    return Generated(lists=action_lists(compute), compute=compute, lowered=lowered, placement=placement)
+
+
 def plan_actions(plan: Any, *, lowered: bool = True) -> Schedule:
     """The schedule ``plan`` runs: its stored lists, validated (lowered: with the sends and
-    receives added). Raises ScheduleError, one line naming the rank and position, for a bad list."""
+    receives added). Raises ScheduleError, one line naming the rank and position, for a bad list.
+    Read it, never change it: an unedited plan's is shared (`generated`)."""
     spec, ranks = plan.schedule, plan.mesh["pp"]
     placement = tuple(stage.rank for stage in plan.stages)
+    kinds = generated(spec.kind, ranks, spec.microbatches, spec.chunks)
+    if placement == kinds.placement and (not spec.actions or tuple(map(tuple, spec.actions)) == kinds.lists):
+        return kinds.lowered if lowered else kinds.compute
     if not spec.actions:
         compute = build_schedule(spec.kind, ranks=ranks, microbatches=spec.microbatches, chunks=spec.chunks)
     else:
