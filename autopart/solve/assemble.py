@@ -27,13 +27,13 @@ from autopart.predict.step_time import (
 )
 from autopart.predict.timeline import simulate_pipeline
 from autopart.runtime.recipe import embedding_parameters
-from autopart.schedule import action_lists, build_schedule, stage_placement
+from autopart.schedule import generated, stage_placement
 from autopart.solve.pipeline import PipelineProblem, evaluate, stage_ranges
 from autopart.solve.tensor import listed_strategies
 from cost_models.devices import DeviceSpec
 from cost_models.memory import communicator_bytes
 
-__all__ = ["pipeline_problem", "plan_from_cuts"]
+__all__ = ["pipeline_problem", "plan_from_cuts", "with_solver"]
 
 
 def pipeline_problem(options: CompileOptions, front: Front, microbatches: int) -> PipelineProblem:
@@ -107,7 +107,7 @@ def plan_from_cuts(
             micro_batch_size=micro_batch_size,
             global_batch_size=total,
             chunks=options.chunks,
-            actions=action_lists(build_schedule(options.schedule, ranks=options.pp, microbatches=microbatches, chunks=options.chunks)),
+            actions=generated(options.schedule, options.pp, microbatches, options.chunks).lists,
         ),
         predicted=Predicted(
             step_s=step_s + gradient_sync,
@@ -135,6 +135,11 @@ def plan_from_cuts(
         dtype=options.dtype,
         embedding_parameters=embedding_parameters(front.spec.module) if front.spec.module is not None else (),
     )
+
+
+def with_solver(plan: Plan, solver: tuple[str, float, float]) -> Plan:
+    """``plan`` (made by `plan_from_cuts`) as that call with another ``solver`` would have made it."""
+    return replace(plan, provenance=replace(plan.provenance, solver_status=solver[0], bound_s=solver[1], gap=solver[2]))
 
 
 def _provenance(options: CompileOptions, front: Front, objective_s: float, solver: tuple[str, float, float]) -> Provenance:

@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 from autopart.options import CompileOptions
 from autopart.passes.front import Front, annotated, block_seconds, parameter_placements, sharded
 from autopart.predict.memory import state_bytes
-from autopart.solve.assemble import pipeline_problem, plan_from_cuts
+from autopart.solve.assemble import pipeline_problem, plan_from_cuts, with_solver
 from autopart.ir.tensors import SEARCHED_DTYPES
 from autopart.ir.model_file import ModelSpec, is_meta, load_model_file
 from autopart.passes.capture import Graph
@@ -352,22 +352,24 @@ def _refined(options: CompileOptions, table: FrontTable, best: Scored, scored_pl
     batch = concrete.batch_shape()
     problem = pipeline_problem(concrete, front, batch[1])
     cuts = best.cut.cuts
+    if tuple(stage.blocks[0] - 1 for stage in scored_plan.stages[1:]) != cuts:  # not best's as `_plan_of` made it
+        scored_plan = plan_from_cuts(concrete, front, problem, cuts, batch, ("search", 0.0, 0.0))
     if layout.stages == 1:
-        return plan_from_cuts(concrete, front, problem, cuts, batch, ("trivial", 0.0, 0.0)), front
-    bound = _latency_bound(problem)
+        return with_solver(scored_plan, ("trivial", 0.0, 0.0)), front
+    bound, chosen = _latency_bound(problem), scored_plan
     if all(mode == "none" for mode in best.recompute) and len(front.chain.blocks) * layout.stages <= CP_SAT_LIMIT:
         solution = solve_cuts(problem, time_limit_s=time_limit_s, hint=cuts)
         bound = solution.bound_s
         if solution.evaluation.cuts != cuts:
             proposed = plan_from_cuts(concrete, front, problem, solution.evaluation.cuts, batch, ("", 0.0, 0.0))
             if proposed.predicted.step_s < scored_plan.predicted.step_s:
-                cuts = solution.evaluation.cuts
+                cuts, chosen = solution.evaluation.cuts, proposed
         objective = evaluate(problem, cuts).objective_s
         status = solution.status if objective <= solution.evaluation.objective_s * (1 + 1e-9) else "feasible"
     else:
         objective, status = evaluate(problem, cuts).objective_s, "bisection"
     gap = max(0.0, (objective - bound) / objective) if objective else 0.0
-    return plan_from_cuts(concrete, front, problem, cuts, batch, (status, min(bound, objective), gap)), front
+    return with_solver(chosen, (status, min(bound, objective), gap)), front
 
 
 def _latency_bound(problem) -> float:
