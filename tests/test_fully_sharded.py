@@ -1,7 +1,8 @@
 """ZeRO-2 and ZeRO-3 (FSDP) train the model that one process trains: the same losses and final
 weights with AdamW, over data parallelism alone and with a pipeline, with a tied embedding
-across stages; a checkpoint saved sharded resumes bit for bit and consolidates into the
-model's own state dict; and what cannot run together is refused in one line."""
+across stages, in bf16 as ZeRO-1 does, and with recompute; at ZeRO-3 each layer is an FSDP unit
+of its own, whole only while it computes; a checkpoint saved sharded resumes bit for bit and
+consolidates into the model's own state dict; and what cannot run together is refused in one line."""
 
 from pathlib import Path
 
@@ -35,10 +36,38 @@ def test_fully_sharded_trains_like_one_process(tmp_path, zero, pp, schedule, chu
 
 
 @pytest.mark.multiprocess
+def test_zero3_per_layer_units_train_llama_with_recompute_like_one_process(tmp_path):
+    """Llama's layers read the rope tables of the root unit, and full recompute runs every layer's
+    method again in backward, where FSDP gathers the layer once more."""
+    run = compile_and_train(tmp_path, "llama", pp=1, microbatches=2, schedule="1f1b", optimizer="adamw", lr=LR,
+                            dp=2, zero=3, recompute="full")  # fmt: skip
+    assert "layer_methods = {" in (run.out / "stages" / "stage_0.py").read_text()
+    # one weight of layers.0 moves 1.5e-5 off the reference, exactly as much as with the stage as
+    # one unit and without recompute: a near-zero gradient summed over replicas in another order
+    assert_same_training(run, optimizer="adamw", lr=LR, param_atol=3e-5)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("pp", [1, 2], ids=["dp2", "pp2xdp2"])
+def test_bf16_zero3_trains_as_bf16_zero1(tmp_path, pp):
+    """FSDP gathers bf16 layers from fp32 shards and reduce-scatters fp32 gradients: the precision
+    of ZeRO-1's distributed optimizer, so the same losses and fp32 weights up to reduction order."""
+    runs = {zero: compile_and_train(tmp_path / f"zero{zero}", "gpt", pp=pp, dp=2, zero=zero, microbatches=2,
+                                    schedule="1f1b", dtype="bf16", optimizer="adamw", lr=LR)
+            for zero in (1, 3)}  # fmt: skip
+    losses = {zero: torch.tensor([m["loss"] for m in run.metrics]) for zero, run in runs.items()}
+    torch.testing.assert_close(losses[3], losses[1], rtol=1e-3, atol=1e-3)
+    for stage, weights in runs[1].finals.items():
+        for name, value in weights.items():
+            torch.testing.assert_close(runs[3].finals[stage][name], value, rtol=0, atol=2e-5, msg=name)
+
+
+@pytest.mark.multiprocess
 def test_zero3_checkpoint_resumes_bit_identical_and_consolidates(tmp_path):
     out = tmp_path / "out"
     compile_to_directory(CompileOptions(model=REPO / "examples" / "gpt.py", pp=2, dp=2, zero=3, microbatches=2,
                                         micro_batch_size=2, schedule="1f1b", optimizer="adamw"), out)  # fmt: skip
+    assert "layer_methods = {" in (out / "stages" / "stage_0.py").read_text(), "per-layer FSDP units are checkpointed"
 
     def train(folder: Path, steps: int, *extra: str) -> None:
         folder.mkdir(exist_ok=True)
@@ -105,3 +134,104 @@ def test_cli_zero_alone_is_zero_1_and_a_level_is_taken(tmp_path):
         assert Plan.from_json(__import__("json").loads((out / "plan.json").read_text())).zero == level
     result = run_cli("compile", "examples/gpt.py", "-o", str(tmp_path / "bad"), "--dp", "2", "--zero", "5")
     assert result.returncode == 2 and "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def _layer_units(rank: int, port: int, out: Path, folder: Path) -> None:
+    """One data-parallel rank of stage 0 at ZeRO-3: its FSDP units, and at each layer's call
+    which layers are whole and how many parameter bytes are (recorded from inside the body)."""
+    import json
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule
+
+    from autopart.runtime.fully_sharded import is_sharded, shard_stage
+    from autopart.runtime.stage import load_stage
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        stage = load_stage(out, 0, torch.device("cpu"))
+        ((method, paths),) = type(stage).layer_methods.items()
+        body, calls = getattr(stage, method), []
+
+        def spy(*args, **kwargs):  # the body as the generated forward runs it, seen from inside
+            whole = [p for p in stage.parameters() if not is_sharded(p)]
+            calls.append({"whole_layers": [path for path in paths
+                                           if not any(is_sharded(p) for p in stage.get_submodule(path).parameters())],
+                          "whole_bytes": sum(p.numel() * p.element_size() for p in whole)})
+            return body(*args, **kwargs)
+
+        setattr(stage, method, spy)
+        shard_stage(stage, init_device_mesh("cpu", (2,)), 3)
+        tokens = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(rank))
+        (out_,) = stage(tokens)
+        out_.float().pow(2).mean().backward()
+        units = sorted(name for name, module in stage.named_modules() if isinstance(module, FSDPModule))
+        layer_bytes = {path: sum(p.numel() * 4 for p in stage.get_submodule(path).parameters()) for path in paths}
+        total = sum(p.numel() * 4 for p in stage.parameters())
+        graded = all(is_sharded(p.grad) for p in stage.parameters())
+        (folder / f"rank{rank}.json").write_text(json.dumps({
+            "units": units, "paths": list(paths), "calls": calls, "layer_bytes": layer_bytes, "total": total,
+            "graded": graded}))  # fmt: skip
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.multiprocess
+def test_zero3_makes_each_layer_a_unit_gathered_only_while_it_computes(tmp_path):
+    import json
+    import multiprocessing
+
+    from autopart.tools.local_run import free_port
+
+    out = tmp_path / "out"
+    compile_to_directory(CompileOptions(model=REPO / "examples" / "gpt.py", pp=2, dp=2, zero=3, microbatches=2,
+                                        micro_batch_size=2, schedule="1f1b", optimizer="adamw"), out)  # fmt: skip
+    context, port = multiprocessing.get_context("spawn"), free_port()  # spawned: see test_distributed_optimizer
+    processes = [context.Process(target=_layer_units, args=(rank, port, out, tmp_path)) for rank in range(2)]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join(timeout=120)
+        if process.is_alive():
+            process.kill()
+    assert [p.exitcode for p in processes] == [0, 0]
+    for rank in range(2):
+        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        paths = result["paths"]
+        assert len(paths) >= 2 and result["units"] == sorted(["", *paths]), "the stage the root, each layer a unit"
+        assert [call["whole_layers"] for call in result["calls"]] == [[path] for path in paths]
+        layers = sum(result["layer_bytes"].values())
+        root = result["total"] - layers  # the embeddings: whole over the stage's forward
+        for call, path in zip(result["calls"], paths):
+            assert call["whole_bytes"] == root + result["layer_bytes"][path] < result["total"]
+        assert result["graded"], "every gradient reduce-scattered into its shard"
+
+
+def test_a_layer_whose_tensors_the_forward_also_reads_stays_in_the_root_unit():
+    """FSDP would hold ``layers.0.w`` sharded where the forward reads it outside the layer's method."""
+    import torch.nn.functional as F
+    from torch import fx, nn
+
+    from autopart.codegen.layers import Unit, layer_methods
+
+    class Layer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(2, 2))
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList([Layer(), Layer()])
+
+        def forward(self, x):
+            x = F.linear(x, self.layers[0].w)
+            x = F.linear(x, self.layers[1].w)
+            return x + self.layers[0].w.sum()
+
+    graph = fx.symbolic_trace(Model()).graph
+    units = [Unit(method="layer", prefix="layers.0", nodes=("linear",), inputs=("x",), output="linear"),
+             Unit(method="layer", prefix="layers.1", nodes=("linear_1",), inputs=("linear",), output="linear_1")]
+    assert layer_methods(graph, units) == {"layer": ("layers.1",)}
+    assert layer_methods(graph, units[1:]) == {"layer": ("layers.1",)}

@@ -8,6 +8,11 @@ can share one method: the same ops wired the same way, reading parameters at the
 under each layer's own module (``layers.0.attention.wq.weight`` and ``layers.1.attention.wq.weight``
 are ``attention.wq.weight`` of ``layers.0`` and of ``layers.1``), with one output. An instance
 that does not match is written out inline, so a match is never assumed.
+
+``layer_methods(graph, units)`` names the instances whose module's tensors nothing outside their
+method reads: those the runtime may make FSDP units of their own under ZeRO-3
+(`autopart.runtime.fully_sharded`), since FSDP gathers such a module's parameters only around
+the method's calls.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from torch import fx, nn
 from autopart.passes.annotate import OpGraph
 from autopart.passes.blocks import BlockChain
 
-__all__ = ["Unit", "repeated_units", "stage_units", "relative_target"]
+__all__ = ["Unit", "repeated_units", "stage_units", "relative_target", "layer_methods"]
 
 _LONGEST_PERIOD = 32
 """More blocks than this in one layer is not a repeated layer worth finding (and bounds the search)."""
@@ -210,3 +215,22 @@ def _method_name(prefix: str, model: nn.Module | None, taken: set[str]) -> str:
     while name in taken or name == top:
         name += "_"
     return name
+
+
+def layer_methods(graph: fx.Graph, units: list[Unit]) -> dict[str, tuple[str, ...]]:
+    """Per layer method, the module paths of the instances whose tensors only that method reads
+    (a tensor under ``layers.0`` that the forward also read inline would be sharded there)."""
+    found: dict[str, tuple[str, ...]] = {}
+    for unit in units:
+        members = set(unit.nodes)
+        under = [n for n in graph.nodes
+                 if n.op in ("get_attr", "call_module") and relative_target(str(n.target), unit.prefix) is not None]
+        if not any(_read_outside(n, members) for n in under):
+            found[unit.method] = (*found.get(unit.method, ()), unit.prefix)
+    return found
+
+
+def _read_outside(node: fx.Node, members: set[str]) -> bool:
+    if node.op == "call_module":  # a --leaf module of the layer, called by whoever holds the node
+        return node.name not in members
+    return any(user.name not in members for user in node.users)
