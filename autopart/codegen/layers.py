@@ -25,7 +25,7 @@ from torch import fx, nn
 from autopart.passes.annotate import OpGraph
 from autopart.passes.blocks import BlockChain
 
-__all__ = ["Unit", "repeated_units", "stage_units", "relative_target", "layer_methods"]
+__all__ = ["Unit", "repeated_units", "stage_units", "relative_target", "layer_methods", "layer_parameters"]
 
 _LONGEST_PERIOD = 32
 """More blocks than this in one layer is not a repeated layer worth finding (and bounds the search)."""
@@ -44,6 +44,26 @@ class Unit:
 
 def repeated_units(chain: BlockChain) -> list[list[tuple[str, ...]]]:
     """Per repeating group, the node names of each of its instances, in chain order."""
+    return [
+        [tuple(n for block in chain.blocks[first:end] for n in block.nodes) for first, end in instances]
+        for instances in _instances(chain)
+    ]
+
+
+def layer_parameters(chain: BlockChain) -> list[frozenset[str]]:
+    """Per instance of a repeated layer, the parameters that no block outside it reads: what a
+    stage holding it whole makes one FSDP unit at ZeRO-3 (``layer_methods``)."""
+    found = []
+    for instances in _instances(chain):
+        for first, end in instances:
+            inside = {p for block in chain.blocks[first:end] for p in block.parameters}
+            outside = {p for k, block in enumerate(chain.blocks) if not first <= k < end for p in block.parameters}
+            found.append(frozenset(inside - outside))
+    return found
+
+
+def _instances(chain: BlockChain) -> list[list[tuple[int, int]]]:
+    """Per repeating group, the (first, end) blocks of each of its instances, in chain order."""
     signatures = [block.signature for block in chain.blocks]
     runs: list[tuple[int, int, int]] = []
     segments = [(0, len(signatures))]
@@ -54,13 +74,7 @@ def repeated_units(chain: BlockChain) -> list[list[tuple[str, ...]]]:
             runs.append(run)
             start, period, count = run
             segments += [(lo, start), (start + period * count, hi)]
-    return [
-        [
-            tuple(n for block in chain.blocks[start + k * period : start + (k + 1) * period] for n in block.nodes)
-            for k in range(count)
-        ]
-        for start, period, count in sorted(runs)
-    ]
+    return [[(start + k * period, start + (k + 1) * period) for k in range(count)] for start, period, count in sorted(runs)]
 
 
 def _best_run(signatures: list[str], lo: int, hi: int, chain: BlockChain) -> tuple[int, int, int] | None:
