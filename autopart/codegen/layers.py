@@ -17,6 +17,7 @@ the method's calls.
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 
@@ -53,23 +54,32 @@ def repeated_units(chain: BlockChain) -> list[list[tuple[str, ...]]]:
 def layer_parameters(chain: BlockChain) -> list[frozenset[str]]:
     """Per instance of a repeated layer, the parameters that no block outside it reads: what a
     stage holding it whole makes one FSDP unit at ZeRO-3 (``layer_methods``)."""
+    readers: dict[str, list[int]] = {}
+    for k, block in enumerate(chain.blocks):
+        for p in block.parameters:
+            readers.setdefault(p, []).append(k)
     found = []
     for instances in _instances(chain):
         for first, end in instances:
             inside = {p for block in chain.blocks[first:end] for p in block.parameters}
-            outside = {p for k, block in enumerate(chain.blocks) if not first <= k < end for p in block.parameters}
-            found.append(frozenset(inside - outside))
+            found.append(frozenset(p for p in inside if all(first <= k < end for k in readers[p])))
     return found
 
 
 def _instances(chain: BlockChain) -> list[list[tuple[int, int]]]:
     """Per repeating group, the (first, end) blocks of each of its instances, in chain order."""
-    signatures = [block.signature for block in chain.blocks]
+    return _runs(tuple(block.signature for block in chain.blocks), tuple(tuple(b.parameters) for b in chain.blocks))
+
+
+@functools.lru_cache(maxsize=16)
+def _runs(signatures: tuple[str, ...], parameters: tuple[tuple[str, ...], ...]) -> list[list[tuple[int, int]]]:
+    """``_instances`` of a chain by its blocks' signatures and parameters: kept, since the search
+    asks for the chains of every micro-batch size and tensor-parallel degree, which share them."""
     runs: list[tuple[int, int, int]] = []
     segments = [(0, len(signatures))]
     while segments:
         lo, hi = segments.pop()
-        run = _best_run(signatures, lo, hi, chain)
+        run = _best_run(signatures, lo, hi, parameters)
         if run is not None:
             runs.append(run)
             start, period, count = run
@@ -77,7 +87,8 @@ def _instances(chain: BlockChain) -> list[list[tuple[int, int]]]:
     return [[(start + k * period, start + (k + 1) * period) for k in range(count)] for start, period, count in sorted(runs)]
 
 
-def _best_run(signatures: list[str], lo: int, hi: int, chain: BlockChain) -> tuple[int, int, int] | None:
+def _best_run(signatures: tuple[str, ...], lo: int, hi: int,
+              parameters: tuple[tuple[str, ...], ...]) -> tuple[int, int, int] | None:
     """(start, period, count) of the run that covers most blocks of ``signatures[lo:hi]``; ties go to
     the run whose instances sit deepest in the module tree (whole layers, not a layer's second half
     and the next one's first), then to the shorter period."""
@@ -91,17 +102,13 @@ def _best_run(signatures: list[str], lo: int, hi: int, chain: BlockChain) -> tup
             ):
                 count += 1
             if count >= 2:
-                parameters = _parameters(chain, start, period)
-                depth = _prefix(parameters).count(".") + 1 if parameters else 0
+                read = [p for names in parameters[start : start + period] for p in names]
+                depth = _prefix(read).count(".") + 1 if read else 0
                 key = (period * count, depth, -period, -start)
                 if best_key is None or key > best_key:
                     best, best_key = (start, period, count), key
             start += 1
     return best
-
-
-def _parameters(chain: BlockChain, start: int, period: int) -> list[str]:
-    return [p for block in chain.blocks[start : start + period] for p in block.parameters]
 
 
 def _prefix(targets: list[str]) -> str:
