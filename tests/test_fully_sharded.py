@@ -136,9 +136,25 @@ def test_cli_zero_alone_is_zero_1_and_a_level_is_taken(tmp_path):
     assert result.returncode == 2 and "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
 
 
+class _Seen(torch.autograd.Function):
+    """The identity, whose backward calls ``seen()``: at a layer's input, as the layer's backward
+    ends (before FSDP's post-backward, whose hook sits on the input from before the body)."""
+
+    @staticmethod
+    def forward(ctx, x, seen):
+        ctx.seen = seen
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.seen()
+        return grad, None
+
+
 def _layer_units(rank: int, port: int, out: Path, folder: Path) -> None:
-    """One data-parallel rank of stage 0 at ZeRO-3: its FSDP units, and at each layer's call
-    which layers are whole and how many parameter bytes are (recorded from inside the body)."""
+    """One data-parallel rank of stage 0 at ZeRO-3: its FSDP units; at each layer's call which
+    layers are whole and how many parameter bytes are (recorded from inside the body); and as
+    each layer's backward ends, which layers are whole and which FSDP has gathered ahead."""
     import json
 
     import torch.distributed as dist
@@ -154,12 +170,20 @@ def _layer_units(rank: int, port: int, out: Path, folder: Path) -> None:
         ((method, paths),) = type(stage).layer_methods.items()
         body, calls = getattr(stage, method), []
 
-        def spy(*args, **kwargs):  # the body as the generated forward runs it, seen from inside
+        def whole_layers() -> list[str]:
+            return [path for path in paths if not any(is_sharded(p) for p in stage.get_submodule(path).parameters())]
+
+        def prefetched() -> list[str]:  # gathered ahead, not yet swapped in: FSDP's own record of it
+            return [path for path in paths
+                    if stage.get_submodule(path)._get_fsdp_state()._fsdp_param_group._all_gather_result is not None]
+
+        backward: list[list[str]] = []
+
+        def spy(x, *args, **kwargs):  # the body as the generated forward runs it, seen from inside
             whole = [p for p in stage.parameters() if not is_sharded(p)]
-            calls.append({"whole_layers": [path for path in paths
-                                           if not any(is_sharded(p) for p in stage.get_submodule(path).parameters())],
+            calls.append({"whole_layers": whole_layers(),
                           "whole_bytes": sum(p.numel() * p.element_size() for p in whole)})
-            return body(*args, **kwargs)
+            return body(_Seen.apply(x, lambda: backward.append([whole_layers(), prefetched()])), *args, **kwargs)
 
         setattr(stage, method, spy)
         shard_stage(stage, init_device_mesh("cpu", (2,)), 3)
@@ -172,7 +196,7 @@ def _layer_units(rank: int, port: int, out: Path, folder: Path) -> None:
         graded = all(is_sharded(p.grad) for p in stage.parameters())
         (folder / f"rank{rank}.json").write_text(json.dumps({
             "units": units, "paths": list(paths), "calls": calls, "layer_bytes": layer_bytes, "total": total,
-            "graded": graded}))  # fmt: skip
+            "graded": graded, "backward": backward}))  # fmt: skip
     finally:
         dist.destroy_process_group()
 
@@ -195,6 +219,9 @@ def test_zero3_makes_each_layer_a_unit_gathered_only_while_it_computes(tmp_path)
         for call, path in zip(result["calls"], paths):
             assert call["whole_bytes"] == root + result["layer_bytes"][path] < result["total"]
         assert result["graded"], "every gradient reduce-scattered into its shard"
+        # as a layer's backward ends it is whole and FSDP has gathered the one before it: the two
+        # layers in flight of the memory model (``autopart.predict.memory.LAYERS_IN_FLIGHT``)
+        assert result["backward"] == [[[path], paths[k - 1 : k]] for k, path in reversed(list(enumerate(paths)))]
 
 
 def test_a_layer_whose_tensors_the_forward_also_reads_stays_in_the_root_unit():
