@@ -29,7 +29,7 @@ plan could gain over Megatron's grid under this cost model.
 
 The methods (``autopart.solve.baselines`` and ``autopart.solve.baseline_search``):
 - autopart: ``autopart.solve.search.search`` over its whole space (pp x tp x dp, micro-batch size,
-  gpipe / 1f1b / interleaved / zb-h1 / zbv, ZeRO levels 0-2, recompute per stage; sequence
+  gpipe / 1f1b / interleaved / zb-h1 / zbv, ZeRO levels 0-3, recompute per stage; sequence
   parallelism with TP).
 - uniform, parameters: DeepSpeed's partition methods; pipedream: PipeDream's dynamic program
   (SOSP'19); megatron: equal layers per stage. Each on Megatron's grid: every (t, p, d) with t

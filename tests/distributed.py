@@ -134,6 +134,24 @@ def train_whole_and_resumed(out: Path, nproc: int, tmp_path: Path) -> dict[str, 
     return runs
 
 
+def spawn_ranks(target, world_size: int, *args, timeout: float = 120) -> list[int | None]:
+    """Run ``target(rank, port, *args)`` in ``world_size`` spawned processes (a gloo group's ranks
+    on a free loopback port); their exit codes. Spawned, not forked: a fork of the suite's
+    long-lived process, which has run torch's thread pools and gloo, can hang in the child (it
+    did, once in a clean CI run)."""
+    import multiprocessing
+
+    context, port = multiprocessing.get_context("spawn"), free_port()
+    processes = [context.Process(target=target, args=(rank, port, *args)) for rank in range(world_size)]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join(timeout=timeout)
+        if process.is_alive():
+            process.kill()
+    return [process.exitcode for process in processes]
+
+
 def read_metrics(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 

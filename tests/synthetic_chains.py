@@ -20,6 +20,7 @@ class SyntheticTable:
     boundary_bytes: int  # per sample, after every block
     tied: bool = False  # the head reads the embedding's weight
     tp_overhead: float = 0.1  # each split op costs this fraction more per tp > 1
+    layered: bool = False  # the layers' parameters are their own (FSDP units at ZeRO-3, ``autopart.predict.memory``)
 
     @property
     def layers(self) -> list[str | None]:
@@ -38,6 +39,10 @@ class SyntheticTable:
         saved = tuple(s * micro_batch_size // tp for s in self.saved_bytes)
         names = self.block_parameters()
         parameter_bytes = {n[0]: max(1, self.parameter_bytes[k] // tp) for k, n in enumerate(names) if n[0] == f"w{k}"}
+        layers: dict[str, list[str]] = {}
+        for layer, block in zip(self.layers, names):
+            if layer is not None and self.layered:
+                layers.setdefault(layer, []).extend(block)
         return ChainCosts(
             forward_s=forward,
             backward_s=tuple(2 * f for f in forward),
@@ -50,12 +55,17 @@ class SyntheticTable:
             parameter_bytes=parameter_bytes,
             parameter_state_bytes=dict(parameter_bytes),
             block_parameters=names,
+            layer_parameters=frozenset(p for ps in layers.values() for p in ps),
+            layer_bytes=max((sum(parameter_bytes[p] for p in ps) for ps in layers.values()), default=0),
         )
 
-    def state_bytes(self, parameter_bytes: int, *, dp: int, zero: int, dtype: str = "fp32") -> int:
+    def state_bytes(self, parameter_bytes: int, *, dp: int, zero: int, dtype: str = "fp32", layered: bool = False) -> int:
         """fp32 Adam: weights, gradients and two moments; ZeRO-1 shards the moments, ZeRO-2/3
-        everything beside a whole copy of weights and gradients (``autopart.predict.memory``).
-        The synthetic layouts are fp32: ``dtype`` is taken as the real tables take it, and unused."""
+        everything beside a whole copy of weights and gradients, which a layer's own unit at
+        ZeRO-3 holds only in flight (``autopart.predict.memory``). The synthetic layouts are fp32:
+        ``dtype`` is taken as the real tables take it, and unused."""
+        if zero == 3 and layered:
+            return 4 * parameter_bytes // dp
         if zero in (2, 3):
             return 2 * parameter_bytes + 4 * parameter_bytes // dp
         return 2 * parameter_bytes + (2 * parameter_bytes // dp if zero else 2 * parameter_bytes)

@@ -47,9 +47,10 @@ def test_zero_1_shares_only_the_optimizer_state(optimizer: str, states: int, dp:
 @pytest.mark.parametrize("zero", [2, 3])
 @pytest.mark.parametrize("dp", [2, 8])
 def test_fsdp_levels_hold_whole_weights_and_gradients_at_the_peak_beside_every_shard(zero: int, dp: int) -> None:
-    """With a stage as the FSDP unit, the peak holds the gathered parameters and the gradients
-    autograd writes before their reduce-scatter (2P), and a d-th of parameters, gradients and
-    AdamW's state (16Ψ/d in fp32): so neither level is below ZeRO-1 on a rank's one stage."""
+    """With a stage (level 2) or its root (level 3: outside the repeated layers) as the FSDP unit,
+    the peak holds the gathered parameters and the gradients autograd writes before their
+    reduce-scatter (2P), and a d-th of parameters, gradients and AdamW's state (16Ψ/d in fp32):
+    neither is below ZeRO-1 (a layer's own unit is, `tests/test_memory_zero3.py`)."""
     fp32 = 4 * PARAMETERS
     assert state_bytes(fp32, optimizer="adamw", dp=dp, zero=zero) == 2 * fp32 + 4 * fp32 // dp
     assert state_bytes(fp32, optimizer="adamw", dp=dp, zero=zero) > state_bytes(fp32, optimizer="adamw", dp=dp, zero=1)

@@ -8,7 +8,6 @@ fp32 masters; and the memory model counts what they hold."""
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 from pathlib import Path
 
@@ -23,9 +22,9 @@ from autopart.predict.memory import state_bytes
 from autopart.runtime.checkpoint import checkpoint_keys
 from autopart.runtime.forward import working_copies
 from autopart.runtime.sharded_masters import ShardedMasters, holds_master, partition
-from autopart.tools.local_run import free_port
 from autopart.tools.verify import verify
-from tests.distributed import REPO, compile_and_train, read_metrics, run_cli, stage_weights, train_whole_and_resumed
+from tests.distributed import (REPO, compile_and_train, read_metrics, run_cli, spawn_ranks, stage_weights,
+                               train_whole_and_resumed)
 
 PSI = 1_000_000  # parameters
 DP = 2
@@ -106,18 +105,7 @@ def _replica(rank: int, port: int, folder: Path) -> None:
 
 @pytest.mark.multiprocess
 def test_replicas_hold_their_share_of_the_masters_and_step_like_one_optimizer(tmp_path):
-    # spawned, not forked: a fork of the suite's long-lived process, which has run torch's thread
-    # pools and gloo, can hang in the child (it did, once in a clean CI run)
-    context = multiprocessing.get_context("spawn")
-    port = free_port()
-    processes = [context.Process(target=_replica, args=(rank, port, tmp_path)) for rank in range(DP)]
-    for process in processes:
-        process.start()
-    for process in processes:
-        process.join(timeout=120)
-        if process.is_alive():
-            process.kill()
-    assert [p.exitcode for p in processes] == [0] * DP
+    assert spawn_ranks(_replica, DP, tmp_path) == [0] * DP
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(DP)]
     whole = results[0]["whole"]
     assert sum(sum(r["held"]) for r in results) == whole  # every master on exactly one replica

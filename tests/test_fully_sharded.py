@@ -1,7 +1,8 @@
 """ZeRO-2 and ZeRO-3 (FSDP) train the model that one process trains: the same losses and final
 weights with AdamW, over data parallelism alone and with a pipeline, with a tied embedding
-across stages; a checkpoint saved sharded resumes bit for bit and consolidates into the
-model's own state dict; and what cannot run together is refused in one line."""
+across stages, in bf16 as ZeRO-1 does, and with recompute; at ZeRO-3 each layer is an FSDP unit
+of its own, whole only while it computes; a checkpoint saved sharded resumes bit for bit and
+consolidates into the model's own state dict; and what cannot run together is refused in one line."""
 
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from autopart.ir.plan import Plan
 from autopart.options import CompileOptions
 from autopart.runtime.data import global_batches
 from tests.distributed import REPO, assert_same_training, compile_and_train, read_metrics, run_cli, run_ranks
-from tests.distributed import stage_weights
+from tests.distributed import spawn_ranks, stage_weights
 
 LR = 1e-3  # AdamW's step is about lr whatever the gradient: a larger one turns reduction-order noise into 1e-5 moves
 
@@ -35,10 +36,38 @@ def test_fully_sharded_trains_like_one_process(tmp_path, zero, pp, schedule, chu
 
 
 @pytest.mark.multiprocess
+def test_zero3_per_layer_units_train_llama_with_recompute_like_one_process(tmp_path):
+    """Llama's layers read the rope tables of the root unit, and full recompute runs every layer's
+    method again in backward, where FSDP gathers the layer once more."""
+    run = compile_and_train(tmp_path, "llama", pp=1, microbatches=2, schedule="1f1b", optimizer="adamw", lr=LR,
+                            dp=2, zero=3, recompute="full")  # fmt: skip
+    assert "layer_methods = {" in (run.out / "stages" / "stage_0.py").read_text()
+    # one weight of layers.0 moves 1.5e-5 off the reference, exactly as much as with the stage as
+    # one unit and without recompute: a near-zero gradient summed over replicas in another order
+    assert_same_training(run, optimizer="adamw", lr=LR, param_atol=3e-5)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("pp", [1, 2], ids=["dp2", "pp2xdp2"])
+def test_bf16_zero3_trains_as_bf16_zero1(tmp_path, pp):
+    """FSDP gathers bf16 layers from fp32 shards and reduce-scatters fp32 gradients: the precision
+    of ZeRO-1's distributed optimizer, so the same losses and fp32 weights up to reduction order."""
+    runs = {zero: compile_and_train(tmp_path / f"zero{zero}", "gpt", pp=pp, dp=2, zero=zero, microbatches=2,
+                                    schedule="1f1b", dtype="bf16", optimizer="adamw", lr=LR)
+            for zero in (1, 3)}  # fmt: skip
+    losses = {zero: torch.tensor([m["loss"] for m in run.metrics]) for zero, run in runs.items()}
+    torch.testing.assert_close(losses[3], losses[1], rtol=1e-3, atol=1e-3)
+    for stage, weights in runs[1].finals.items():
+        for name, value in weights.items():
+            torch.testing.assert_close(runs[3].finals[stage][name], value, rtol=0, atol=2e-5, msg=name)
+
+
+@pytest.mark.multiprocess
 def test_zero3_checkpoint_resumes_bit_identical_and_consolidates(tmp_path):
     out = tmp_path / "out"
     compile_to_directory(CompileOptions(model=REPO / "examples" / "gpt.py", pp=2, dp=2, zero=3, microbatches=2,
                                         micro_batch_size=2, schedule="1f1b", optimizer="adamw"), out)  # fmt: skip
+    assert "layer_methods = {" in (out / "stages" / "stage_0.py").read_text(), "per-layer FSDP units are checkpointed"
 
     def train(folder: Path, steps: int, *extra: str) -> None:
         folder.mkdir(exist_ok=True)
@@ -105,3 +134,120 @@ def test_cli_zero_alone_is_zero_1_and_a_level_is_taken(tmp_path):
         assert Plan.from_json(__import__("json").loads((out / "plan.json").read_text())).zero == level
     result = run_cli("compile", "examples/gpt.py", "-o", str(tmp_path / "bad"), "--dp", "2", "--zero", "5")
     assert result.returncode == 2 and "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+class _Seen(torch.autograd.Function):
+    """The identity, whose backward calls ``seen()``: at a layer's input, as the layer's backward
+    ends (before FSDP's post-backward, whose hook sits on the input from before the body)."""
+
+    @staticmethod
+    def forward(ctx, x, seen):
+        ctx.seen = seen
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.seen()
+        return grad, None
+
+
+def _layer_units(rank: int, port: int, out: Path, folder: Path) -> None:
+    """One data-parallel rank of stage 0 at ZeRO-3: its FSDP units; at each layer's call which
+    layers are whole and how many parameter bytes are (recorded from inside the body); and as
+    each layer's backward ends, which layers are whole and which FSDP has gathered ahead."""
+    import json
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule
+
+    from autopart.runtime.fully_sharded import is_sharded, shard_stage
+    from autopart.runtime.stage import load_stage
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        stage = load_stage(out, 0, torch.device("cpu"))
+        ((method, paths),) = type(stage).layer_methods.items()
+        body, calls = getattr(stage, method), []
+
+        def whole_layers() -> list[str]:
+            return [path for path in paths if not any(is_sharded(p) for p in stage.get_submodule(path).parameters())]
+
+        def prefetched() -> list[str]:  # gathered ahead, not yet swapped in: FSDP's own record of it
+            return [path for path in paths
+                    if stage.get_submodule(path)._get_fsdp_state()._fsdp_param_group._all_gather_result is not None]
+
+        backward: list[list[str]] = []
+
+        def spy(x, *args, **kwargs):  # the body as the generated forward runs it, seen from inside
+            whole = [p for p in stage.parameters() if not is_sharded(p)]
+            calls.append({"whole_layers": whole_layers(),
+                          "whole_bytes": sum(p.numel() * p.element_size() for p in whole)})
+            return body(_Seen.apply(x, lambda: backward.append([whole_layers(), prefetched()])), *args, **kwargs)
+
+        setattr(stage, method, spy)
+        shard_stage(stage, init_device_mesh("cpu", (2,)), 3)
+        tokens = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(rank))
+        (out_,) = stage(tokens)
+        out_.float().pow(2).mean().backward()
+        units = sorted(name for name, module in stage.named_modules() if isinstance(module, FSDPModule))
+        layer_bytes = {path: sum(p.numel() * 4 for p in stage.get_submodule(path).parameters()) for path in paths}
+        total = sum(p.numel() * 4 for p in stage.parameters())
+        graded = all(is_sharded(p.grad) for p in stage.parameters())
+        (folder / f"rank{rank}.json").write_text(json.dumps({
+            "units": units, "paths": list(paths), "calls": calls, "layer_bytes": layer_bytes, "total": total,
+            "graded": graded, "backward": backward}))  # fmt: skip
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.multiprocess
+def test_zero3_makes_each_layer_a_unit_gathered_only_while_it_computes(tmp_path):
+    import json
+
+    out = tmp_path / "out"
+    compile_to_directory(CompileOptions(model=REPO / "examples" / "gpt.py", pp=2, dp=2, zero=3, microbatches=2,
+                                        micro_batch_size=2, schedule="1f1b", optimizer="adamw"), out)  # fmt: skip
+    assert spawn_ranks(_layer_units, 2, out, tmp_path) == [0, 0]
+    for rank in range(2):
+        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        paths = result["paths"]
+        assert len(paths) >= 2 and result["units"] == sorted(["", *paths]), "the stage the root, each layer a unit"
+        assert [call["whole_layers"] for call in result["calls"]] == [[path] for path in paths]
+        layers = sum(result["layer_bytes"].values())
+        root = result["total"] - layers  # the embeddings: whole over the stage's forward
+        for call, path in zip(result["calls"], paths):
+            assert call["whole_bytes"] == root + result["layer_bytes"][path] < result["total"]
+        assert result["graded"], "every gradient reduce-scattered into its shard"
+        # as a layer's backward ends it is whole and FSDP has gathered the one before it: the two
+        # layers in flight of the memory model (``autopart.predict.memory.LAYERS_IN_FLIGHT``)
+        assert result["backward"] == [[[path], paths[k - 1 : k]] for k, path in reversed(list(enumerate(paths)))]
+
+
+def test_a_layer_whose_tensors_the_forward_also_reads_stays_in_the_root_unit():
+    """FSDP would hold ``layers.0.w`` sharded where the forward reads it outside the layer's method."""
+    import torch.nn.functional as F
+    from torch import fx, nn
+
+    from autopart.codegen.layers import Unit, layer_methods
+
+    class Layer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(2, 2))
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList([Layer(), Layer()])
+
+        def forward(self, x):
+            x = F.linear(x, self.layers[0].w)
+            x = F.linear(x, self.layers[1].w)
+            return x + self.layers[0].w.sum()
+
+    graph = fx.symbolic_trace(Model()).graph
+    units = [Unit(method="layer", prefix="layers.0", nodes=("linear",), inputs=("x",), output="linear"),
+             Unit(method="layer", prefix="layers.1", nodes=("linear_1",), inputs=("linear",), output="linear_1")]
+    assert layer_methods(graph, units) == {"layer": ("layers.1",)}
+    assert layer_methods(graph, units[1:]) == {"layer": ("layers.1",)}

@@ -109,8 +109,8 @@ class SlowedTable:
             weight_s=tuple(w * s for w, s in zip(costs.weight_s, slow)),
             parameter_bytes=whole, parameter_state_bytes=dict(whole), _prefix={})
 
-    def state_bytes(self, parameter_bytes: int, *, dp: int, zero: int, dtype: str = "fp32") -> int:
-        return self.base.state_bytes(parameter_bytes, dp=dp, zero=zero, dtype=dtype)
+    def state_bytes(self, parameter_bytes: int, *, dp: int, zero: int, dtype: str = "fp32", layered: bool = False) -> int:
+        return self.base.state_bytes(parameter_bytes, dp=dp, zero=zero, dtype=dtype, layered=layered)
 
 
 class Exact:

@@ -20,26 +20,47 @@ from tests.synthetic_chains import SyntheticTable, cluster, random_table
 REPO = Path(__file__).resolve().parent.parent
 
 
-def test_fsdp_levels_never_meet_a_split_backward_and_level_3_only_when_asked() -> None:
+def test_fsdp_levels_never_meet_a_split_backward() -> None:
     default = list(SearchSpace(world_size=8, global_batch_size=16, gpus_per_node=8).layouts(12))
-    assert {layout.zero for layout in default if layout.dp > 1} == {0, 1, 2}
+    assert {layout.zero for layout in default if layout.dp > 1} == {0, 1, 2, 3}
     assert all(layout.zero == 0 for layout in default if layout.dp == 1)
-    asked = list(SearchSpace(world_size=8, global_batch_size=16, gpus_per_node=8, zero=(0, 1, 2, 3)).layouts(12))
-    assert {layout.zero for layout in asked if layout.dp > 1} == {0, 1, 2, 3}
-    assert any(layout.schedule in SPLIT_BACKWARD_KINDS for layout in asked)
-    for layout in asked:  # the runtime refuses FSDP with a split backward (`check_level`)
+    assert any(layout.schedule in SPLIT_BACKWARD_KINDS for layout in default)
+    for layout in default:  # the runtime refuses FSDP with a split backward (`check_level`)
         assert not (layout.zero in (2, 3) and layout.schedule in SPLIT_BACKWARD_KINDS), layout
+    pinned = list(SearchSpace(world_size=8, global_batch_size=16, gpus_per_node=8, zero=(0, 1)).layouts(12))
+    assert {layout.zero for layout in pinned} == {0, 1}
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
-def test_fsdp_peaks_hold_at_least_zero_1s_so_the_search_skips_them_where_it_does_not_fit(optimizer) -> None:
-    """What the search's pruning rests on: at every size and group, levels 2 and 3 hold at their
-    peak at least what level 1 holds (``autopart.predict.memory``: the stage is the FSDP unit)."""
+def test_zero_2_peaks_hold_at_least_zero_1s_so_the_search_skips_them_where_it_does_not_fit(optimizer) -> None:
+    """What the search's pruning rests on: at every size and group, level 2 holds at its peak at
+    least what level 1 holds (``autopart.predict.memory``: the stage is its FSDP unit), and so does
+    level 3 outside the repeated layers; a layer's own unit holds its shards alone, less."""
     for nbytes in (4, 1000, 12_345_678, 7 << 30):
         for dp in (2, 3, 8, 64):
             one = state_bytes(nbytes, optimizer=optimizer, dp=dp, zero=1)
             assert state_bytes(nbytes, optimizer=optimizer, dp=dp, zero=2) >= one
             assert state_bytes(nbytes, optimizer=optimizer, dp=dp, zero=3) >= one
+            assert state_bytes(nbytes, optimizer=optimizer, dp=dp, zero=2, layered=True) >= one
+            if nbytes >= 1000:
+                assert state_bytes(nbytes, optimizer=optimizer, dp=dp, zero=3, layered=True) < one
+
+
+def test_the_search_takes_zero_3_where_only_its_per_layer_units_fit() -> None:
+    """An embedding, four layers of two 1,000-byte blocks, a head, over dp = 4 with fp32 AdamW:
+    ZeRO-1 holds 2 x 10,000 + 20,000/4 = 25,000 bytes; ZeRO-3 the embedding's and head's whole
+    weights and gradients and all shards (2 x 2,000 + 40,000/4 = 14,000) and two 2,000-byte layers
+    in flight, weights and gradients (8,000): 22,000."""
+    table = SyntheticTable(forward_s=(0.1, *(1.0,) * 8, 0.5), saved_bytes=(1,) * 10, parameter_bytes=(1000,) * 10,
+                           boundary_bytes=1, layered=True)
+    devices = cluster(memory_bytes=23_500, gpus_per_node=8)  # 470 bytes of overhead
+    space = SearchSpace(world_size=4, global_batch_size=4, gpus_per_node=8, pp=(1,), tp=(1,))
+    best = search(space, table, devices).best
+    assert best.layout.dp == 4 and best.layout.zero == 3
+    assert best.cut.stage_memory_bytes == (14_000 + 10,)  # and one microbatch's activations, 1 byte a block
+    assert best.cut.rank_memory_bytes == (14_010 + 8_000 + 470,)  # the layers in flight are the rank's
+    assert search(dataclasses.replace(space, zero=(0, 1, 2)), table, devices).ranked == ()
+    assert search(space, dataclasses.replace(table, layered=False), devices).ranked == (), "one unit: 2P whole"
 
 
 def layout(**changes) -> Layout:

@@ -8,10 +8,16 @@ can share one method: the same ops wired the same way, reading parameters at the
 under each layer's own module (``layers.0.attention.wq.weight`` and ``layers.1.attention.wq.weight``
 are ``attention.wq.weight`` of ``layers.0`` and of ``layers.1``), with one output. An instance
 that does not match is written out inline, so a match is never assumed.
+
+``layer_methods(graph, units)`` names the instances whose module's tensors nothing outside their
+method reads: those the runtime may make FSDP units of their own under ZeRO-3
+(`autopart.runtime.fully_sharded`), since FSDP gathers such a module's parameters only around
+the method's calls.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 
@@ -20,7 +26,7 @@ from torch import fx, nn
 from autopart.passes.annotate import OpGraph
 from autopart.passes.blocks import BlockChain
 
-__all__ = ["Unit", "repeated_units", "stage_units", "relative_target"]
+__all__ = ["Unit", "repeated_units", "stage_units", "relative_target", "layer_methods", "layer_parameters"]
 
 _LONGEST_PERIOD = 32
 """More blocks than this in one layer is not a repeated layer worth finding (and bounds the search)."""
@@ -39,26 +45,50 @@ class Unit:
 
 def repeated_units(chain: BlockChain) -> list[list[tuple[str, ...]]]:
     """Per repeating group, the node names of each of its instances, in chain order."""
-    signatures = [block.signature for block in chain.blocks]
+    return [
+        [tuple(n for block in chain.blocks[first:end] for n in block.nodes) for first, end in instances]
+        for instances in _instances(chain)
+    ]
+
+
+def layer_parameters(chain: BlockChain) -> list[frozenset[str]]:
+    """Per instance of a repeated layer, the parameters that no block outside it reads: what a
+    stage holding it whole makes one FSDP unit at ZeRO-3 (``layer_methods``)."""
+    readers: dict[str, list[int]] = {}
+    for k, block in enumerate(chain.blocks):
+        for p in block.parameters:
+            readers.setdefault(p, []).append(k)
+    found = []
+    for instances in _instances(chain):
+        for first, end in instances:
+            inside = {p for block in chain.blocks[first:end] for p in block.parameters}
+            found.append(frozenset(p for p in inside if all(first <= k < end for k in readers[p])))
+    return found
+
+
+def _instances(chain: BlockChain) -> list[list[tuple[int, int]]]:
+    """Per repeating group, the (first, end) blocks of each of its instances, in chain order."""
+    return _runs(tuple(block.signature for block in chain.blocks), tuple(tuple(b.parameters) for b in chain.blocks))
+
+
+@functools.lru_cache(maxsize=16)
+def _runs(signatures: tuple[str, ...], parameters: tuple[tuple[str, ...], ...]) -> list[list[tuple[int, int]]]:
+    """``_instances`` of a chain by its blocks' signatures and parameters: kept, since the search
+    asks for the chains of every micro-batch size and tensor-parallel degree, which share them."""
     runs: list[tuple[int, int, int]] = []
     segments = [(0, len(signatures))]
     while segments:
         lo, hi = segments.pop()
-        run = _best_run(signatures, lo, hi, chain)
+        run = _best_run(signatures, lo, hi, parameters)
         if run is not None:
             runs.append(run)
             start, period, count = run
             segments += [(lo, start), (start + period * count, hi)]
-    return [
-        [
-            tuple(n for block in chain.blocks[start + k * period : start + (k + 1) * period] for n in block.nodes)
-            for k in range(count)
-        ]
-        for start, period, count in sorted(runs)
-    ]
+    return [[(start + k * period, start + (k + 1) * period) for k in range(count)] for start, period, count in sorted(runs)]
 
 
-def _best_run(signatures: list[str], lo: int, hi: int, chain: BlockChain) -> tuple[int, int, int] | None:
+def _best_run(signatures: tuple[str, ...], lo: int, hi: int,
+              parameters: tuple[tuple[str, ...], ...]) -> tuple[int, int, int] | None:
     """(start, period, count) of the run that covers most blocks of ``signatures[lo:hi]``; ties go to
     the run whose instances sit deepest in the module tree (whole layers, not a layer's second half
     and the next one's first), then to the shorter period."""
@@ -72,17 +102,13 @@ def _best_run(signatures: list[str], lo: int, hi: int, chain: BlockChain) -> tup
             ):
                 count += 1
             if count >= 2:
-                parameters = _parameters(chain, start, period)
-                depth = _prefix(parameters).count(".") + 1 if parameters else 0
+                read = [p for names in parameters[start : start + period] for p in names]
+                depth = _prefix(read).count(".") + 1 if read else 0
                 key = (period * count, depth, -period, -start)
                 if best_key is None or key > best_key:
                     best, best_key = (start, period, count), key
             start += 1
     return best
-
-
-def _parameters(chain: BlockChain, start: int, period: int) -> list[str]:
-    return [p for block in chain.blocks[start : start + period] for p in block.parameters]
 
 
 def _prefix(targets: list[str]) -> str:
@@ -210,3 +236,22 @@ def _method_name(prefix: str, model: nn.Module | None, taken: set[str]) -> str:
     while name in taken or name == top:
         name += "_"
     return name
+
+
+def layer_methods(graph: fx.Graph, units: list[Unit]) -> dict[str, tuple[str, ...]]:
+    """Per layer method, the module paths of the instances whose tensors only that method reads
+    (a tensor under ``layers.0`` that the forward also read inline would be sharded there)."""
+    found: dict[str, tuple[str, ...]] = {}
+    for unit in units:
+        members = set(unit.nodes)
+        under = [n for n in graph.nodes
+                 if n.op in ("get_attr", "call_module") and relative_target(str(n.target), unit.prefix) is not None]
+        if not any(_read_outside(n, members) for n in under):
+            found[unit.method] = (*found.get(unit.method, ()), unit.prefix)
+    return found
+
+
+def _read_outside(node: fx.Node, members: set[str]) -> bool:
+    if node.op == "call_module":  # a --leaf module of the layer, called by whoever holds the node
+        return node.name not in members
+    return any(user.name not in members for user in node.users)

@@ -14,7 +14,7 @@ import torch
 from torch import fx
 
 from autopart.passes.annotate import OpGraph
-from autopart.codegen.layers import Unit, relative_target
+from autopart.codegen.layers import Unit, layer_methods, relative_target
 from autopart.codegen.names import plain_text
 from autopart.codegen.program import (
     VIEW_OPS, Expressions, Memory, Step, attribute_path, function_lines, large, shape_comment,
@@ -200,6 +200,15 @@ def _import_block(imports: list[str], runtime: str, *, leaves: bool) -> str:
     return "\n\n".join("\n".join(sorted(group)) for group in (standard, third, sorted(own)) if group) + "\n"
 
 
+def _layer_methods_line(stage: StageGraph, units: list[Unit]) -> str:
+    """The class attribute that names the layers each method computes (``autopart.runtime.fully_sharded``)."""
+    methods = layer_methods(stage.graph, units)
+    if not methods:
+        return ""
+    return ("\n    # the layers each method computes, given as ``layer``: each its own FSDP unit under ZeRO-3\n"
+            f"    layer_methods = {methods!r}")
+
+
 def stage_source(
     stage: StageGraph,
     *,
@@ -250,6 +259,7 @@ LEAVES = {{
         if stage.leaves
         else ""
     )
+    layers = _layer_methods_line(stage, units)
     runtime = f"from autopart.runtime.stage import {'declare_leaves, ' if stage.leaves else ''}declare_tensors"
     import_lines = _import_block(imports, runtime, leaves=bool(stage.leaves))
     return f'''{header}
@@ -268,7 +278,7 @@ class {class_name}(torch.nn.Module):
 
     inputs = ({signature(stage.inputs)})  # received from stage {stage.index - 1}
     batch_inputs = ({signature(stage.batch_inputs)})  # read from the batch
-    outputs = ({signature(stage.outputs)})  # {"the loss" if stage.index == stages - 1 else f"sent to stage {stage.index + 1}"}
+    outputs = ({signature(stage.outputs)})  # {"the loss" if stage.index == stages - 1 else f"sent to stage {stage.index + 1}"}{layers}
 
     def __init__(self):
         super().__init__()

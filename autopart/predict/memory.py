@@ -1,13 +1,26 @@
 """The one memory model of a rank's model state: weights, gradients and optimizer state, per
 ZeRO level (``Plan.zero``).
 
-Levels 2 and 3 run through FSDP2 with each stage one FSDP unit (``autopart.runtime.fully_sharded``
-says why): the unit's parameters are whole while it computes (all step at level 2, during each
-forward and backward at level 3) and autograd writes its whole gradients before FSDP
-reduce-scatters them, so the peak holds a whole copy of both beside the shards of parameters,
-gradients and optimizer state: 2P + (2P + S)/dp for P parameter bytes and S optimizer-state
-bytes. ZeRO-1 holds 2P + S/dp, so on one rank's one stage neither level is smaller at its peak;
-level 3 frees the parameters between a chunk's computations.
+Levels 2 and 3 run through FSDP2 (``autopart.runtime.fully_sharded``). Autograd writes a
+unit's whole gradients before FSDP reduce-scatters them, so while a unit computes it holds a
+whole copy of its parameters and of their gradients beside the shards of parameters, gradients
+and optimizer state.
+
+- Level 2: each stage is one unit, whole over the whole step: 2P + (2P + S)/dp for P parameter
+  bytes and S optimizer-state bytes. ZeRO-1 holds 2P + S/dp, so on one rank's one stage level 2
+  is never smaller at its peak.
+- Level 3: each repeated layer that a stage holds whole is a unit of its own (``layered``
+  parameters: ``autopart.codegen.layers.layer_parameters``), the rest of the stage (embedding,
+  head, norms) the root unit. The root's parameters are whole while the stage computes, 2P + (2P
+  + S)/dp of them as at level 2; a layer's are whole only while it computes: (2P + S)/dp each,
+  and per rank ``layers_in_flight_bytes``, the whole weights and gradients of two layers: FSDP
+  gathers the next layer in backward (its backward prefetch) while the current one's gradients
+  are being made, and in forward an accelerator runs ahead into the next layer's gather while
+  the current one computes. A rank computes one stage at a time, so two layers per rank, not per
+  stage. A layer that a cut splits runs inline in its stages' roots, where it is whole; it is
+  taken as layered all the same (the cut solver's memory is a sum over parameters, and which
+  layer a cut splits is not known to it): such a stage is under-counted by its part of the split
+  layer's whole weights and gradients.
 
 Precision (``Plan.dtype``). ``P`` is always the fp32 parameters' bytes: fp32 and
 ``bf16-autocast`` hold fp32 weights and fp32 gradients, and autocast's per-forward copies are
@@ -27,12 +40,17 @@ from __future__ import annotations
 from autopart.ir.tensors import working_dtype
 from cost_models import model_state_bytes
 
-__all__ = ["state_bytes"]
+__all__ = ["state_bytes", "layers_in_flight_bytes", "LAYERS_IN_FLIGHT"]
+
+LAYERS_IN_FLIGHT = 2
+"""Layer units whose parameters and gradients a ZeRO-3 rank holds whole at once (the module's docstring)."""
 
 
-def state_bytes(parameter_bytes: int, *, optimizer: str, dp: int, zero: int, dtype: str = "fp32") -> int:
+def state_bytes(parameter_bytes: int, *, optimizer: str, dp: int, zero: int, dtype: str = "fp32",
+                layered: bool = False) -> int:
     """Peak bytes of weights, gradients and optimizer state for ``parameter_bytes`` of fp32
-    parameters on one rank, in precision ``dtype``."""
+    parameters on one rank, in precision ``dtype``; ``layered``: they belong to a repeated layer,
+    its own FSDP unit at level 3, whose whole copies ``layers_in_flight_bytes`` counts."""
     full = model_state_bytes(parameter_bytes, optimizer=optimizer)
     weights_and_grads = 2 * parameter_bytes
     working = parameter_bytes // 2 if working_dtype(dtype) is not None else 0  # bf16 copies beside fp32 masters
@@ -42,4 +60,15 @@ def state_bytes(parameter_bytes: int, *, optimizer: str, dp: int, zero: int, dty
         return working + parameter_bytes + (full - parameter_bytes) // dp
     if zero == 1:
         return weights_and_grads + (full - weights_and_grads) // dp
+    if zero == 3 and layered:
+        return full // dp
     return weights_and_grads + full // dp  # whole while computing, and the shards of everything
+
+
+def layers_in_flight_bytes(layer_bytes: int, *, dp: int, zero: int) -> int:
+    """Per rank, the whole weights and gradients of the layer units in flight at level 3, for the
+    largest layer's ``layer_bytes`` of fp32 parameters (2 bytes each way under ``bf16``: its bf16
+    weights and gradients and the fp32 copy that FSDP reduce-scatters weigh what fp32's do)."""
+    if zero != 3 or dp == 1:
+        return 0
+    return LAYERS_IN_FLIGHT * 2 * layer_bytes

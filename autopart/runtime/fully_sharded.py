@@ -1,9 +1,17 @@
 """ZeRO-2 and ZeRO-3: a stage's gradients, and at level 3 its parameters, sharded over the
 data-parallel group with torch's FSDP2 (``fully_shard``).
 
-The FSDP unit is the whole stage: FSDP gathers a unit's parameters in a pre-forward hook of
-its module, and a generated stage runs its layers' operations inline in its own forward (one
-traced graph), so the hooks of a layer's module would never fire; the stage's do.
+FSDP gathers a unit's parameters in a pre-forward hook of its module, and a generated stage
+runs a repeated layer through a stage method with the layer's module as an argument
+(``self.transformer_block(x, self.layers[0])``, `autopart.codegen.layers`): the layer module's
+own forward never runs. So at level 3 each layer that the stage class lists in
+``layer_methods`` is made an FSDP unit of its own, and given a method that runs the stage's
+body on it, which ``register_fsdp_forward_method`` wraps in the unit's pre- and post-forward
+hooks (the gather, the reshard, and the backward hooks FSDP installs from them); the stage's
+method is routed through the layer's. The stage itself is the root unit: the embedding, the
+head, the norms and whatever layer is written inline. A layer's parameters are then whole only
+while it computes (and while FSDP prefetches it, the next one in backward), not the stage's.
+Level 2 keeps the stage one unit: it holds every parameter whole over the step anyway.
 
 A pipeline calls a stage's forward and backward once per microbatch, interleaved with other
 microbatches, so what FSDP does between them is the choice that matters (torch's own pipeline
@@ -15,7 +23,7 @@ FSDP's defaults):
   gradients are reduce-scattered after every microbatch's backward, so only their shards
   accumulate. ``end_of_step`` reshards before the optimizer steps the shards: a parameter left
   whole would be the value from before the step at the next forward.
-- level 3: the stage resharded after its forward and after its backward: gathered twice per
+- level 3: every unit resharded after its forward and after its backward: gathered twice per
   microbatch, and whole only while it computes.
 
 FSDP averages the reduced gradients over the group, as ``average_gradients`` does for level 0
@@ -29,6 +37,7 @@ costs each rank's start about a second where no stage is sharded.
 
 from __future__ import annotations
 
+import functools
 import sys
 
 import torch
@@ -60,9 +69,39 @@ def shard_stage(module: nn.Module, mesh: DeviceMesh, level: int, param_dtype: to
 
     per_microbatch = level == 3
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
-    fully_shard(module, mesh=mesh, reshard_after_forward=per_microbatch, mp_policy=policy)
+    shard = functools.partial(fully_shard, mesh=mesh, reshard_after_forward=per_microbatch, mp_policy=policy)
+    if per_microbatch:
+        for method, paths in getattr(type(module), "layer_methods", {}).items():
+            _shard_layers(module, method, paths, shard)
+    shard(module)  # the root last: FSDP leaves out the parameters that a unit below it holds
     assert isinstance(module, FSDPModule)
-    module.set_reshard_after_backward(per_microbatch)
+    module.set_reshard_after_backward(per_microbatch)  # every unit of the stage
+
+
+LAYER_FORWARD = "autopart_layer_forward"
+"""The method of a layer unit that FSDP wraps in its hooks: the stage's body, run on that layer."""
+
+
+def _shard_layers(module: nn.Module, method: str, paths: tuple[str, ...], shard) -> None:
+    """Make each layer at ``paths`` an FSDP unit whose ``LAYER_FORWARD`` runs the stage's ``method``
+    on it, and route the stage's ``method`` (called as ``method(*inputs, layer)``) to it."""
+    from torch.distributed.fsdp import register_fsdp_forward_method
+
+    body = getattr(module, method)
+    for path in paths:
+        layer = module.get_submodule(path)
+        shard(layer)
+        setattr(layer, LAYER_FORWARD, functools.partial(body, layer=layer))
+        register_fsdp_forward_method(layer, LAYER_FORWARD)
+    setattr(module, method, functools.partial(_routed, body))
+
+
+def _routed(body, *arguments):
+    """A stage's layer method under per-layer units: the call goes through the layer's hooked
+    method; a layer that codegen left in the root unit (its tensors read elsewhere too) runs as ever."""
+    *inputs, layer = arguments
+    hooked = getattr(layer, LAYER_FORWARD, None)
+    return hooked(*inputs) if hooked is not None else body(*inputs, layer)
 
 
 def end_of_step(modules: list[nn.Module]) -> None:

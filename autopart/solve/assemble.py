@@ -11,6 +11,7 @@ from dataclasses import replace
 import torch
 
 import autopart
+from autopart.codegen.layers import layer_parameters
 from autopart.codegen.stages import stage_boundaries
 from autopart.ir.placement import REPLICATE
 from autopart.ir.plan import Plan, Predicted, Provenance, ScheduleSpec, StagePlan
@@ -19,7 +20,7 @@ from autopart.passes.annotate import OpGraph
 from autopart.passes.front import Front, block_seconds, parameter_placements, recompute_blocks
 from autopart.passes.recompute import recompute_cost, stage_input_bytes, stage_modes
 from autopart.predict.in_flight import in_flight, rank_in_flight, transient
-from autopart.predict.memory import state_bytes
+from autopart.predict.memory import layers_in_flight_bytes, state_bytes
 from autopart.predict.messages import boundary_seconds
 from autopart.predict.step_time import (
     compute_factor, data_parallel, data_parallel_seconds, measured_in_place, predicted_step_s, profiled_step, rank_tails,
@@ -33,7 +34,7 @@ from autopart.solve.tensor import listed_strategies
 from cost_models.devices import DeviceSpec
 from cost_models.memory import communicator_bytes
 
-__all__ = ["pipeline_problem", "plan_from_cuts", "with_solver"]
+__all__ = ["pipeline_problem", "plan_from_cuts", "layered_parameters", "with_solver"]
 
 
 def pipeline_problem(options: CompileOptions, front: Front, microbatches: int) -> PipelineProblem:
@@ -47,14 +48,14 @@ def pipeline_problem(options: CompileOptions, front: Front, microbatches: int) -
     # stage they carry no recompute's. plan_from_cuts computes the chosen stages' figures exactly.
     modes = set(stage_modes(options.recompute, stages))
     times, saved = recompute_blocks(front, [modes.pop() if len(modes) == 1 else "none"] * len(chain.blocks))
+    local = {name: nbytes // (options.tp if placements.get(name, REPLICATE).kind == "S" else 1)
+             for name, nbytes in chain.parameter_bytes.items()}
+    layered, layer_bytes = layered_parameters(chain, local)
     return PipelineProblem(
         block_time_s=times,
         block_activation_bytes=saved,
         boundary_transfer_s=tuple(boundary_seconds(options, cost_model, b.tensors) for b in chain.boundaries),
-        parameter_state_bytes={
-            name: _state_bytes(options, nbytes // (options.tp if placements.get(name, REPLICATE).kind == "S" else 1))
-            for name, nbytes in chain.parameter_bytes.items()
-        },
+        parameter_state_bytes={name: _state_bytes(options, nbytes, layered=name in layered) for name, nbytes in local.items()},
         block_parameters=tuple(b.parameters for b in chain.blocks),
         stages=stages,
         microbatches=microbatches,
@@ -62,7 +63,8 @@ def pipeline_problem(options: CompileOptions, front: Front, microbatches: int) -
         rank_in_flight=rank_in_flight(options.schedule, options.pp, microbatches, options.chunks),
         memory_limit_bytes=memory,
         overhead_bytes=device.framework_overhead_bytes
-        + communicator_bytes(device.kind, pp=options.pp, tp=options.tp, dp=options.dp),
+        + communicator_bytes(device.kind, pp=options.pp, tp=options.tp, dp=options.dp)
+        + layers_in_flight_bytes(layer_bytes, dp=options.dp, zero=int(options.zero)),
         stage_rank=stage_placement(options.schedule, ranks=options.pp, chunks=options.chunks),
     )
 
@@ -264,7 +266,15 @@ def _batch_inputs(op_graph: OpGraph, nodes: tuple[str, ...], graph_inputs: tuple
     return tuple(n for n in graph_inputs if n in found)
 
 
-def _state_bytes(options: CompileOptions, parameter_bytes: int) -> int:
+def _state_bytes(options: CompileOptions, parameter_bytes: int, *, layered: bool) -> int:
     """Weights, gradients and optimizer state of one rank's share of a parameter."""
     return state_bytes(parameter_bytes, optimizer=options.optimizer, dp=options.dp, zero=options.zero,
-                       dtype=options.dtype or "fp32")
+                       dtype=options.dtype or "fp32", layered=layered)
+
+
+def layered_parameters(chain, local: dict[str, int]) -> tuple[frozenset[str], int]:
+    """The parameters of the chain's repeated layers (each layer its own FSDP unit at ZeRO-3,
+    `autopart.predict.memory`), and the largest layer's bytes of ``local`` (a parameter's share
+    on one tensor-parallel rank)."""
+    instances = layer_parameters(chain)
+    return frozenset().union(*instances), max((sum(local[p] for p in ps) for ps in instances), default=0)

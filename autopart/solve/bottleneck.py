@@ -46,6 +46,8 @@ class ChainCosts:
     parameter_bytes: dict[str, int]  # per parameter, its share on one rank of the tensor-parallel group
     parameter_state_bytes: dict[str, int]  # the same with gradients and optimizer state
     block_parameters: tuple[tuple[str, ...], ...]
+    layer_parameters: frozenset[str] = frozenset()  # a repeated layer's own: its own FSDP unit at ZeRO-3
+    layer_bytes: int = 0  # the largest repeated layer's ``parameter_bytes`` (``autopart.predict.memory``)
     _prefix: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __len__(self) -> int:
@@ -57,7 +59,7 @@ class ChainCosts:
             if name == "owned_parameter_bytes":
                 values = self._owned_parameter_bytes()
             elif name == "owned_weight_bytes":  # the parameters alone, one tensor-parallel rank's share
-                values = [sum(size * count for size, count in sizes) for sizes in self._owned_sizes()]
+                values = [sum(size * count for (size, _), count in sizes) for sizes in self._owned_sizes()]
             elif name == "full_recompute_s":
                 values = self.forward_s
             elif name == "compute_s":
@@ -78,22 +80,24 @@ class ChainCosts:
                     owned[k] += self.parameter_state_bytes[p]
         return owned
 
-    def _owned_sizes(self) -> list[tuple[tuple[int, int], ...]]:
-        """Per block, (parameter bytes, how many) of the parameters first read there."""
+    def _owned_sizes(self) -> list[tuple[tuple[tuple[int, bool], int], ...]]:
+        """Per block, ((parameter bytes, layered), how many) of the parameters first read there."""
         if "owned_sizes" not in self._prefix:
             found, seen = [], set()
             for names in self.block_parameters:
-                counts: dict[int, int] = {}
+                counts: dict[tuple[int, bool], int] = {}
                 for p in names:
                     if p not in seen:
                         seen.add(p)
-                        counts[self.parameter_bytes[p]] = counts.get(self.parameter_bytes[p], 0) + 1
+                        kind = (self.parameter_bytes[p], p in self.layer_parameters)
+                        counts[kind] = counts.get(kind, 0) + 1
                 found.append(tuple(counts.items()))
             self._prefix["owned_sizes"] = found
         return self._prefix["owned_sizes"]
 
-    def with_state(self, state_bytes: Callable[[int], int], *, key: Hashable | None = None) -> ChainCosts:
-        """These costs with ``parameter_state_bytes[p] = state_bytes(parameter_bytes[p])``. Fast
+    def with_state(self, state_bytes: Callable[..., int], *, key: Hashable | None = None) -> ChainCosts:
+        """These costs with ``parameter_state_bytes[p] = state_bytes(parameter_bytes[p], layered=p in
+        layer_parameters)``. Fast
         for chains of thousands of parameters: one call per distinct size, and the running sums
         that depend only on which block reads what are carried over. ``key`` names ``state_bytes``
         (the same key, the same function): the result is kept under it and given again, with the
@@ -103,11 +107,14 @@ class ChainCosts:
             if key not in kept:
                 kept[key] = self.with_state(state_bytes)
             return kept[key]
-        state = {size: state_bytes(size) for size in set(self.parameter_bytes.values())}
-        owned = [sum(state[size] * count for size, count in sizes) for sizes in self._owned_sizes()]
+        kinds = {(b, p in self.layer_parameters) for p, b in self.parameter_bytes.items()}
+        state = {(size, layered): state_bytes(size, layered=True) if layered else state_bytes(size)
+                 for size, layered in kinds}
+        owned = [sum(state[kind] * count for kind, count in sizes) for sizes in self._owned_sizes()]
         carried = {name: self._prefix[name] for name in ("owned_sizes", "shared") if name in self._prefix}
         carried["owned_parameter_bytes"] = [0, *itertools.accumulate(owned)]
-        return replace(self, parameter_state_bytes={p: state[b] for p, b in self.parameter_bytes.items()},
+        layered = self.layer_parameters
+        return replace(self, parameter_state_bytes={p: state[b, p in layered] for p, b in self.parameter_bytes.items()},
                        _prefix=carried)
 
     @property

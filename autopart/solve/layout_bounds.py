@@ -92,8 +92,9 @@ def early_bound(table, cluster, lower_bound: Callable) -> Callable:
         def chain_costs(self, *, micro_batch_size: int, tp: int, dtype: str) -> ChainCosts:
             return optimistic(micro_batch_size=micro_batch_size, tp=tp, dtype=dtype)
 
-        def state_bytes(self, parameter_bytes: int, *, dp: int, zero: int, dtype: str = "fp32") -> int:
-            return table.state_bytes(parameter_bytes, dp=dp, zero=zero, dtype=dtype)
+        def state_bytes(self, parameter_bytes: int, *, dp: int, zero: int, dtype: str = "fp32",
+                        layered: bool = False) -> int:
+            return table.state_bytes(parameter_bytes, dp=dp, zero=zero, dtype=dtype, layered=layered)
 
     def early(layout) -> float:
         if layout.schedule != "zb-h1":

@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 from autopart.options import CompileOptions
 from autopart.passes.front import Front, annotated, block_seconds, parameter_placements, sharded
 from autopart.predict.memory import state_bytes
-from autopart.solve.assemble import pipeline_problem, plan_from_cuts, with_solver
+from autopart.solve.assemble import layered_parameters, pipeline_problem, plan_from_cuts, with_solver
 from autopart.ir.tensors import SEARCHED_DTYPES
 from autopart.ir.model_file import ModelSpec, is_meta, load_model_file
 from autopart.passes.capture import Graph
@@ -126,8 +126,9 @@ class FrontTable:
             self._costs[key] = chain_costs(self.front(micro_batch_size=micro_batch_size, tp=tp, dtype=dtype), tp)
         return self._costs[key]
 
-    def state_bytes(self, parameter_bytes: int, *, dp: int, zero: int, dtype: str = "fp32") -> int:
-        return state_bytes(parameter_bytes, optimizer=self.options.optimizer, dp=dp, zero=zero, dtype=dtype)
+    def state_bytes(self, parameter_bytes: int, *, dp: int, zero: int, dtype: str = "fp32", layered: bool = False) -> int:
+        return state_bytes(parameter_bytes, optimizer=self.options.optimizer, dp=dp, zero=zero, dtype=dtype,
+                           layered=layered)
 
 
 def chain_costs(front: Front, tp: int) -> ChainCosts:
@@ -149,6 +150,7 @@ def chain_costs(front: Front, tp: int) -> ChainCosts:
         name: nbytes // (tp if placements.get(name, REPLICATE).kind == "S" else 1)
         for name, nbytes in chain.parameter_bytes.items()
     }
+    layered, layer_bytes = layered_parameters(chain, local)
     op_graph = front.op_graph
     inputs = sum(op_graph.nodes[n].output.nbytes for n in op_graph.graph.input_names
                  if n in op_graph.nodes and op_graph.nodes[n].output is not None)
@@ -164,6 +166,8 @@ def chain_costs(front: Front, tp: int) -> ChainCosts:
         parameter_bytes=local,
         parameter_state_bytes=local,  # replaced per layout by the search (dp, ZeRO)
         block_parameters=tuple(b.parameters for b in chain.blocks),
+        layer_parameters=layered,
+        layer_bytes=layer_bytes,
     )
 
 
@@ -188,7 +192,7 @@ def search_space(options: CompileOptions) -> SearchSpace:
         microbatches=pin(options.microbatches),
         schedule=pin(options.schedule) or SCHEDULE_KINDS,
         chunks=pin(options.chunks),
-        zero=pin(options.zero) or (0, 1, 2),  # ZeRO-3 when pinned (``autopart.solve.data_parallel_tail``)
+        zero=pin(options.zero) or (0, 1, 2, 3),
         dtype=SEARCHED_DTYPES if options.dtype == "auto" else (options.dtype or "fp32",),
         recompute=(options.recompute,) if isinstance(options.recompute, str) else RECOMPUTE_MODES,
         recompute_per_stage=options.recompute if isinstance(options.recompute, tuple) else None,

@@ -86,6 +86,9 @@ def repeat_layers(costs: ChainCosts, layers: Sequence[str | None],
             parameter_state_bytes[new] = costs.parameter_state_bytes[p]
     assert names == set(parameter_bytes)
 
+    layered = frozenset(rename.get(p, p) for k, rename in zip(source, renames) for p in costs.block_parameters[k]
+                        if p in costs.layer_parameters)
+
     def pick(values):
         return tuple(values[k] for k in source)
 
@@ -101,6 +104,8 @@ def repeat_layers(costs: ChainCosts, layers: Sequence[str | None],
         parameter_bytes=parameter_bytes,
         parameter_state_bytes=parameter_state_bytes,
         block_parameters=block_parameters,
+        layer_parameters=layered,
+        layer_bytes=costs.layer_bytes,  # every layer a copy of a captured one
     )
     return repeated, new_layers
 
@@ -153,5 +158,5 @@ class RepeatedTable:
             self._cache[key] = repeat_layers(costs, self.layers_of(micro_batch_size, tp, dtype), self.pattern)
         return self._cache[key][0]
 
-    def state_bytes(self, parameter_bytes: int, *, dp: int, zero: int, dtype: str = "fp32") -> int:
-        return self.inner.state_bytes(parameter_bytes, dp=dp, zero=zero, dtype=dtype)
+    def state_bytes(self, parameter_bytes: int, *, dp: int, zero: int, dtype: str = "fp32", layered: bool = False) -> int:
+        return self.inner.state_bytes(parameter_bytes, dp=dp, zero=zero, dtype=dtype, layered=layered)

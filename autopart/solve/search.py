@@ -30,12 +30,12 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from autopart.ir.errors import ConfigError
-from autopart.runtime.fully_sharded import FSDP_LEVELS
 from autopart.schedule import SCHEDULE_KINDS, stage_placement
 from autopart.solve.data_parallel_tail import (FORWARD_SHARE, fsdp_may_pay, fully_sharded_levels, hidden_s,
                                                last_bucket_bytes, most_hidden_s, stage_times, tail_s)
 from autopart.solve.vshape import zbv_fits, zbv_pipeline_s
 from autopart.predict.in_flight import in_flight, rank_in_flight, transient as transient_count
+from autopart.predict.memory import layers_in_flight_bytes
 from autopart.solve.bottleneck import RECOMPUTE_MODES, ChainCosts, StageCut, cut_stages, fixed_cut, lower_bound_s
 from autopart.solve.layout_bounds import early_bound, lazy_order
 from autopart.solve.refine import CutJudge, refine_cuts
@@ -111,7 +111,7 @@ class SearchSpace:
     microbatches: tuple[int, ...] | None = None
     schedule: tuple[str, ...] = SCHEDULE_KINDS
     chunks: tuple[int, ...] | None = None
-    zero: tuple[int, ...] = (0, 1, 2)  # ZeRO-3 only when pinned: see ``fully_sharded_levels``
+    zero: tuple[int, ...] = (0, 1, 2, 3)
     dtype: tuple[str, ...] = ("fp32",)
     recompute: tuple[str, ...] = RECOMPUTE_MODES  # modes any stage may take
     recompute_per_stage: tuple[str, ...] | None = None  # a pin of one mode per stage
@@ -198,8 +198,8 @@ class CostTable(Protocol):
     def chain_costs(self, *, micro_batch_size: int, tp: int, dtype: str) -> ChainCosts:
         """The chain's costs per microbatch on one rank of a tensor-parallel group of ``tp``."""
 
-    def state_bytes(self, parameter_bytes: int, *, dp: int, zero: int, dtype: str = "fp32") -> int:
-        """Weights, gradients and optimizer state of a parameter share of ``parameter_bytes``."""
+    def state_bytes(self, parameter_bytes: int, *, dp: int, zero: int, dtype: str = "fp32", layered: bool = False) -> int:
+        """Weights, gradients and optimizer state of a share of ``parameter_bytes`` (of a repeated ``layered``)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -294,14 +294,14 @@ def search(
                          early=early_bound(table, cluster, _lower_bound),
                          cutoff=lambda: best[-1].estimate_s if len(best) >= finalists else None)
     scored = fitting = 0
-    settled: set[Layout] = set()  # ZeRO-1 layouts whose FSDP twins cannot do better
+    settled: set[Layout] = set()  # ZeRO-1 layouts whose ZeRO-2 twins cannot do better
     smallest_bound = math.inf
     for visited, (bound, layout) in enumerate(bounded):
         smallest_bound = min(smallest_bound, bound)
         if progress is not None:
             progress(visited, len(layouts))
-        if layout.zero in FSDP_LEVELS and dataclasses.replace(layout, zero=1) in settled:
-            continue  # its ZeRO-1 twin does not fit, or hides its all-reduce: ``fsdp_may_pay``
+        if layout.zero == 2 and dataclasses.replace(layout, zero=1) in settled:
+            continue  # its ZeRO-1 twin does not fit, or hides its all-reduce (``fsdp_may_pay``); ZeRO-3 may fit
         scored += 1
         result = score_layout(layout, table, cluster, space,
                               refine_below=best[-1].estimate_s if len(best) >= finalists else math.inf)
@@ -385,6 +385,7 @@ def score_layout(layout: Layout, table: CostTable, cluster: Cluster, space: Sear
     costs = _with_state(table, layout)
     stages = layout.stages
     buffers = cluster.communicator_bytes(layout.pp, layout.tp, layout.dp)
+    buffers += layers_in_flight_bytes(costs.layer_bytes, dp=layout.dp, zero=int(layout.zero))
     cluster = dataclasses.replace(cluster, overhead_bytes=cluster.overhead_bytes + buffers)  # this mesh's
     ranks = stage_placement(layout.schedule, ranks=layout.pp, chunks=layout.chunks)
     pipeline_across = layout.pipeline_crosses_nodes(cluster.gpus_per_node)

@@ -53,6 +53,8 @@ class Stage0(torch.nn.Module):
     inputs = ()  # received from stage -1
     batch_inputs = ('tokens',)  # read from the batch
     outputs = ('add_11',)  # sent to stage 1
+    # the layers each method computes, given as ``layer``: each its own FSDP unit under ZeRO-3
+    layer_methods = {'transformer_block': ('layers.0', 'layers.1')}
 
     def __init__(self):
         super().__init__()

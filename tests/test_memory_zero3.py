@@ -1,0 +1,58 @@
+"""The memory model of ZeRO-3 with per-layer FSDP units (``autopart.predict.memory``): a repeated
+layer's parameters are held as shards, and each rank holds two layers whole in flight; the
+layers the model counts so are the units the runtime makes; and the cut solver, the search and
+the plan's prediction take them from the one function."""
+
+from dataclasses import replace
+
+import pytest
+
+from autopart.driver import CompileOptions, compile_to_directory
+from autopart.passes.front import build_front
+from autopart.predict.memory import LAYERS_IN_FLIGHT, layers_in_flight_bytes, state_bytes
+from autopart.runtime.stage import stage_names
+from autopart.solve.assemble import layered_parameters, pipeline_problem
+from autopart.solve.pipeline import evaluate
+from tests.distributed import REPO
+
+PSI = 1_000_000
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_a_layer_s_own_unit_holds_its_shards_and_two_layers_are_whole_in_flight(dtype):
+    fp32 = 4 * PSI
+    for dp in (2, 8):
+        assert state_bytes(fp32, optimizer="adamw", dp=dp, zero=3, layered=True, dtype=dtype) == 4 * fp32 // dp
+        assert state_bytes(fp32, optimizer="adamw", dp=dp, zero=3, dtype=dtype) == 2 * fp32 + 4 * fp32 // dp  # root
+        assert state_bytes(fp32, optimizer="adamw", dp=dp, zero=2, layered=True, dtype=dtype) == 2 * fp32 + 4 * fp32 // dp
+        # the whole weights and gradients of the layer computing and of the one FSDP gathers next
+        assert layers_in_flight_bytes(fp32, dp=dp, zero=3) == LAYERS_IN_FLIGHT * 2 * fp32 == 4 * fp32
+        assert layers_in_flight_bytes(fp32, dp=dp, zero=2) == layers_in_flight_bytes(fp32, dp=dp, zero=1) == 0
+    assert layers_in_flight_bytes(fp32, dp=1, zero=3) == 0  # one replica: nothing sharded, nothing gathered
+
+
+def test_the_model_s_layers_are_the_units_the_runtime_makes_and_the_cut_solver_counts_them(tmp_path):
+    options = CompileOptions(model=REPO / "examples" / "gpt.py", pp=2, dp=2, zero=3, microbatches=2,
+                             micro_batch_size=2, schedule="1f1b", optimizer="adamw")  # fmt: skip
+    front = build_front(options, 2)
+    local = dict(front.chain.parameter_bytes)
+    layered, layer_bytes = layered_parameters(front.chain, local)
+    layers = {name.split(".")[1] for name in layered}
+    assert all(name.startswith("h.") for name in layered) and layers == {"0", "1", "2", "3"}
+    assert layer_bytes == max(sum(b for p, b in local.items() if p.startswith(f"h.{k}.")) for k in layers)
+    plan, _ = compile_to_directory(options, tmp_path / "out")
+    def layer(name: str) -> str:
+        return ".".join(name.split(".")[:2])
+
+    for stage in plan.stages:  # every layer a stage holds whole is an FSDP unit of its own at run time
+        source = (tmp_path / "out" / "stages" / f"stage_{stage.index}.py").read_text()
+        held = set(stage_names(tmp_path / "out", stage.index))
+        units = {name for name in held if f"'{layer(name)}'" in source.split("layer_methods = ")[1]}
+        whole = {name for name in held & layered if all(p in held for p in layered if layer(p) == layer(name))}
+        assert units == whole and units  # a layer split by a cut runs inline: counted layered all the same
+    zero3, zero1 = pipeline_problem(options, front, 2), pipeline_problem(replace(options, zero=1), front, 2)
+    assert zero3.overhead_bytes - zero1.overhead_bytes == 4 * layer_bytes
+    for name, nbytes in local.items():
+        assert zero3.parameter_state_bytes[name] == (4 * nbytes // 2 if name in layered else 2 * nbytes + 4 * nbytes // 2)
+    cuts = tuple(plan.stages[0].blocks[-1:])  # what the plan predicts is the cut solver's figure
+    assert plan.predicted.memory_bytes == evaluate(zero3, cuts).rank_memory_bytes
