@@ -51,11 +51,15 @@ def test_a_reduce_scatter_longer_than_the_next_action_shows_its_excess():
 
 
 @pytest.mark.parametrize("dtype, gathered", [("fp32", 1.0), ("bf16-autocast", 1.0), ("bf16", 0.5)])
-def test_zero_1_gathers_the_weights_in_the_dtype_the_replicas_hold(dtype, gathered):
+def test_the_gathers_move_the_weights_in_the_dtype_the_replicas_compute_with(dtype, gathered):
     """Under ``bf16`` the distributed optimizer's owners broadcast bf16 weights
-    (`autopart.runtime.sharded_masters`): half the bytes of fp32 weights."""
-    run = data_parallel_comm(1, 1e9, dp=4, across_nodes=False, cost_model=LinearCollectives(), overlapped=True,
-                             dtype=dtype)
-    assert run.tail_s == pytest.approx(gathered)
-    assert data_parallel_comm(2, 1e9, dp=4, across_nodes=False, cost_model=LinearCollectives(), overlapped=False,
-                              dtype=dtype) == comm(2, overlapped=False)  # FSDP's levels are costed as before
+    (`autopart.runtime.sharded_masters`), and FSDP casts its fp32 shards to bf16 before it
+    gathers them (`autopart.runtime.fully_sharded`): half the bytes of fp32 weights. The
+    gradients are reduced in fp32 at every level."""
+    def run(zero: int):
+        return data_parallel_comm(zero, 1e9, dp=4, across_nodes=False, cost_model=LinearCollectives(), overlapped=False,
+                                  dtype=dtype)  # fmt: skip
+
+    assert run(1).tail_s == pytest.approx(gathered)
+    assert (run(2).backward_s, run(2).tail_s) == pytest.approx((1.0, gathered))
+    assert (run(3).forward_s, run(3).backward_s) == pytest.approx((gathered, gathered + 1.0))

@@ -186,14 +186,17 @@ def test_interleaved_chunks_reduce_beside_the_cool_down_of_their_rank(chunks: in
     assert simulated <= pipeline + 4000.0 + update
 
 
-def test_zero_1_in_bf16_gathers_the_bf16_weights_after_the_step() -> None:
-    # the distributed optimizer's owners broadcast bf16 weights: half the bytes of fp32's gather
+@pytest.mark.parametrize("zero, gathers", [(1, 1), (3, 2 * 2)])
+def test_the_gathers_in_bf16_move_bf16_weights(zero: int, gathers: int) -> None:
+    # the distributed optimizer's owners broadcast bf16 weights after the step (ZeRO-1); FSDP
+    # casts its fp32 shards to bf16 before it gathers them before every forward and backward
+    # (ZeRO-3: two microbatches): half the bytes of fp32's gathers
     table, devices = equal_table(4), overlapping()
     space = SearchSpace(world_size=2, global_batch_size=4)
     steps = {}
     for dtype in ("fp32", "bf16"):
-        layout = Layout(pp=1, tp=1, dp=2, micro_batch_size=1, microbatches=2, schedule="1f1b", zero=1, dtype=dtype)
+        layout = Layout(pp=1, tp=1, dp=2, micro_batch_size=1, microbatches=2, schedule="1f1b", zero=zero, dtype=dtype)
         scored = score_layout(layout, table, devices, space, recompute=(("none",),), cuts=())
         steps[dtype] = simulated_step_s(scored, table, devices)
     gather = devices.all_gather_s
-    assert steps["fp32"] - steps["bf16"] == pytest.approx(gather(2000, 2, False) - gather(1000, 2, False))
+    assert steps["fp32"] - steps["bf16"] == pytest.approx(gathers * (gather(2000, 2, False) - gather(1000, 2, False)))

@@ -23,8 +23,11 @@ __all__ = ["DataParallelComm", "data_parallel_comm", "gathered_bytes"]
 
 
 def gathered_bytes(parameter_bytes: float, dtype: str) -> float:
-    """The bytes ZeRO-1's post-step gather moves for ``parameter_bytes`` of fp32 parameters: the
-    weights in the dtype every replica holds them in (bf16 beside sharded masters under ``bf16``)."""
+    """The bytes a gather of the weights moves for ``parameter_bytes`` of fp32 parameters: the
+    weights in the dtype the replicas compute with. Under ``bf16`` ZeRO-1's post-step gather
+    moves the bf16 weights held beside the sharded masters, and FSDP (levels 2 and 3) casts its
+    fp32 shards to bf16 before it gathers them (``MixedPrecisionPolicy(param_dtype=bfloat16)``,
+    `autopart.runtime.fully_sharded`); gradients are reduced in fp32 either way."""
     return parameter_bytes / 2 if working_dtype(dtype) is not None else parameter_bytes
 
 
@@ -44,17 +47,16 @@ def data_parallel_comm(zero: int, parameter_bytes: float, *, dp: int, across_nod
     parallelism). ``overlapped``: a reduce-scatter runs beside the next action (a GPU's
     streams), which takes at least ``hidden_behind_s`` (the stage's forward: what follows a
     backward in a pipeline's steady state); what it runs past that adds to the backward.
-    ``dtype``: the plan's precision, what ZeRO-1's post-step gather moves."""
+    ``dtype``: the plan's precision, what the gathers move (`gathered_bytes`)."""
     if dp == 1:
         return DataParallelComm()
 
     def time(kind: str) -> float:
-        return cost_model.collective_time(kind, parameter_bytes, dp, across_nodes=across_nodes)
+        nbytes = gathered_bytes(parameter_bytes, dtype) if kind == "all_gather" else parameter_bytes
+        return cost_model.collective_time(kind, nbytes, dp, across_nodes=across_nodes)
 
     if zero in (0, 1):  # the all-reduce overlaps the backward (`autopart.predict.reduction`); ZeRO-1's
-        gather = cost_model.collective_time("all_gather", gathered_bytes(parameter_bytes, dtype), dp,
-                                            across_nodes=across_nodes)  # update is shared after the step
-        return DataParallelComm(tail_s=gather if zero == 1 else 0.0)
+        return DataParallelComm(tail_s=time("all_gather") if zero == 1 else 0.0)  # update is shared after the step
     reduce = max(0.0, time("reduce_scatter") - hidden_behind_s) if overlapped else time("reduce_scatter")
     last = time("reduce_scatter") if overlapped else 0.0  # the step waits for the last one
     if zero == 2:

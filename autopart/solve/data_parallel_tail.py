@@ -63,7 +63,7 @@ def tail_s(layout, cluster, rank_parameter_bytes: Sequence[int], across_nodes: b
             rank_tail = sync + update_s(layout, cluster, nbytes, across_nodes)
         else:  # FSDP: the step waits for the last reduce-scatter where it runs beside the compute
             last = _reduce_scatter_s(cluster, nbytes, dp, across_nodes) if cluster.reduction_overlaps else 0.0
-            gather = cluster.all_gather_s(nbytes, dp, across_nodes) if level == 2 else 0.0
+            gather = cluster.all_gather_s(gathered_bytes(nbytes, layout.dtype), dp, across_nodes) if level == 2 else 0.0
             rank_tail = cluster.optimizer_s_per_byte * nbytes / dp + last + gather
         tail = max(tail, rank_tail)
     return tail
@@ -108,16 +108,17 @@ def last_bucket_bytes(layout, costs, cuts: Sequence[int]) -> list[int]:
 
 
 def fully_sharded_extra_s(level: int, cluster, stage_bytes: float, forward_s: float, *, dp: int,
-                          across_nodes: bool) -> tuple[float, float]:
-    """What FSDP adds to each forward and each backward of a stage holding ``stage_bytes``
-    (``autopart.predict.data_parallel.data_parallel_comm``'s levels 2 and 3)."""
+                          across_nodes: bool, dtype: str) -> tuple[float, float]:
+    """What FSDP adds to each forward and each backward of a stage holding ``stage_bytes`` of
+    fp32 parameters in precision ``dtype`` (``autopart.predict.data_parallel.data_parallel_comm``'s
+    levels 2 and 3)."""
     if level not in FSDP_LEVELS or dp == 1:
         return 0.0, 0.0
     scatter = _reduce_scatter_s(cluster, stage_bytes, dp, across_nodes)
     reduce = max(0.0, scatter - forward_s) if cluster.reduction_overlaps else scatter
     if level == 2:
         return 0.0, reduce
-    gather = cluster.all_gather_s(stage_bytes, dp, across_nodes)
+    gather = cluster.all_gather_s(gathered_bytes(stage_bytes, dtype), dp, across_nodes)
     return gather, gather + reduce
 
 
@@ -131,7 +132,7 @@ def stage_times(layout, cluster, times: Sequence[float], rank_parameter_bytes: S
     for time, rank in zip(times, _placement(layout.schedule, layout.pp, layout.chunks)):
         share = rank_parameter_bytes[rank] / layout.chunks
         forward, backward = fully_sharded_extra_s(int(layout.zero), cluster, share, FORWARD_SHARE * time,
-                                                  dp=layout.dp, across_nodes=across_nodes)
+                                                  dp=layout.dp, across_nodes=across_nodes, dtype=layout.dtype)
         found.append(time + forward + backward)
     return tuple(found)
 

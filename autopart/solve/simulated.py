@@ -102,7 +102,8 @@ def simulated_stage_costs(scored: Scored, table: CostTable, cluster: Cluster) ->
     for first, end, mode in zip(firsts, ends, cut.recompute, strict=True):
         stage_forward = forward[end] - forward[first]
         gather, reduce = fully_sharded_extra_s(int(layout.zero), cluster, stage_parameter_bytes(costs, first, end - 1),
-                                               stage_forward, dp=layout.dp, across_nodes=data_parallel_across)
+                                               stage_forward, dp=layout.dp, across_nodes=data_parallel_across,
+                                               dtype=layout.dtype)
         forward_s.append(stage_forward + gather)
         backward_s.append(backward[end] - backward[first] + _recompute_s(costs, mode, first, end) + reduce)
         weight_s.append(weight[end] - weight[first])
