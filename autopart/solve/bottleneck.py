@@ -265,20 +265,20 @@ def cut_stages(
             transient=transient[s] if transient else 1,
         )  # fmt: skip
 
-    greedies = [_Greedy(costs=costs, stages=stages, modes=modes, budget=budget, in_flight=in_flight,
-                        transfer_s=transfer_s, transient=transient)]
-    if rank_in_flight is not None and max(per_rank) > 1:
+    equal_share = _Greedy(costs=costs, stages=stages, modes=modes, budget=budget, in_flight=in_flight,
+                          transfer_s=transfer_s, transient=transient)
+    best = _bisected(equal_share, costs, stages, transfer_s, precision, fit_only)
+    # the rank's room differs from the equal share in memory only: where no stage was refused
+    # a mode for memory, it finds the same cuts, and the search asks for thousands of layouts
+    if rank_in_flight is not None and max(per_rank) > 1 and equal_share.refused_for_memory \
+            and not (best is not None and fit_only):
         room = RankRoom(stage_rank=stage_rank, moments=rank_in_flight, room_bytes=memory_limit_bytes - overhead_bytes,
                         reserve_bytes=_least_parameter_bytes(costs))
-        greedies.append(_Greedy(costs=costs, stages=stages, modes=modes, budget=budget, in_flight=in_flight,
-                                transfer_s=transfer_s, transient=transient, room=room))
-    best: tuple[float, float, list] | None = None
-    for greedy in greedies:
-        found = _bisected(greedy, costs, stages, transfer_s, precision, fit_only)
+        found = _bisected(_Greedy(costs=costs, stages=stages, modes=modes, budget=budget, in_flight=in_flight,
+                                  transfer_s=transfer_s, transient=transient, room=room),
+                          costs, stages, transfer_s, precision, fit_only)  # fmt: skip
         if found is not None and (best is None or found[0] < best[0]):
             best = found
-        if best is not None and fit_only:
-            break
     if best is None:
         return None
     return replace(_finish(costs, best[2], stage, stage_rank, ranks, overhead_bytes, modes, rank_in_flight),
@@ -337,6 +337,7 @@ class _Greedy:
         self.sums = _sums(costs)
         self.compute = costs.prefix("compute_s")
         self.cheapest_out = min(transfer_s, default=0.0)
+        self.refused_for_memory = False  # some stage met its time bound in a mode but not its memory
 
     def fits(self, s: int, first: int, last: int, bound: float) -> str | None:
         """The first mode in which blocks ``first..last`` fit as stage ``s`` under ``bound``, if any."""
@@ -351,6 +352,8 @@ class _Greedy:
                     return mode
             elif parameters + self.in_flight[s] * per_microbatch + once <= self.budget[s]:
                 return mode
+            else:
+                self.refused_for_memory = True
         return None
 
     def _transient(self, s: int) -> int:

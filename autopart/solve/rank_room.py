@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["RankRoom", "rank_bytes"]
+__all__ = ["RankRoom", "fastest_fitting", "rank_bytes"]
 
 Moments = tuple[tuple[int, ...], ...]  # per moment, per stage of the rank (in stage order), microbatches held
 
@@ -23,6 +23,36 @@ def rank_bytes(parts: Sequence[tuple[int, int, int]], moments: Moments) -> int:
     microbatch in flight, bytes held once)`` each."""
     fixed = sum(parameters + once for parameters, _, once in parts)
     return fixed + max(sum(count * per for count, (_, per, _) in zip(held, parts)) for held in moments)
+
+
+def fastest_fitting(options: Sequence[Sequence[tuple]], moments: Moments | None, budget: int
+                    ) -> tuple[float, tuple, int] | None:
+    """Among every choice of one option per stage of a rank (``options[i]``: stage i's, each
+    ``(mode, time, weight time, memory, parts)`` as `autopart.solve.refine` lists them), the
+    first in `itertools.product`'s order of least summed time whose rank memory (the summed
+    memories, or at ``moments`` `rank_bytes` of the parts) is within ``budget``: (time, the
+    choice, its memory); None when none fits. All choices at once in arrays: an interleaved
+    rank of six chunks in three recompute modes has 729, and the cutter asks for thousands of
+    ranks."""
+    times = np.zeros(())
+    memory = np.zeros((), dtype=np.int64)
+    held = np.zeros((1,) if moments is None else (len(moments),), dtype=np.int64)  # per moment, bytes in flight
+    counts = None if moments is None else np.array(moments, dtype=np.int64).reshape(len(moments), -1)
+    for i, stage in enumerate(options):
+        times = times[..., None] + np.array([option[1] for option in stage])
+        if counts is None:
+            memory = memory[..., None] + np.array([option[3] for option in stage], dtype=np.int64)
+        else:
+            memory = memory[..., None] + np.array([option[4][0] + option[4][2] for option in stage], dtype=np.int64)
+            per = np.array([option[4][1] for option in stage], dtype=np.int64)
+            held = held[..., None, :] + per[:, None] * counts[:, i]
+    total = memory if counts is None else memory + held.max(axis=-1)
+    fits = total <= budget
+    if not fits.any():
+        return None
+    best = int(np.argmin(np.where(fits, times, np.inf)))  # the first of the least, as a scan in product order
+    index = np.unravel_index(best, times.shape)
+    return float(times[index]), tuple(stage[k] for stage, k in zip(options, index)), int(total[index])
 
 
 class RankRoom:

@@ -26,7 +26,7 @@ import math
 from collections.abc import Callable
 
 from autopart.solve.bottleneck import ChainCosts, StageCut, stage_figures
-from autopart.solve.rank_room import rank_bytes
+from autopart.solve.rank_room import fastest_fitting
 
 __all__ = ["ENUMERATE_LIMIT", "RADIUS", "SHIFT_SPAN", "FAR_STAGES", "CutJudge", "refine_cuts"]
 
@@ -94,15 +94,7 @@ class CutJudge:
                     if option[3] <= self.budget and (best is None or option[1] < best[0]):
                         best = (option[1], (option,), option[3])
             else:
-                for combo in itertools.product(*per_stage):
-                    memory = time_s = 0
-                    for option in combo:
-                        memory += option[3]
-                        time_s += option[1]
-                    if self.moments is not None:
-                        memory = rank_bytes([option[4] for option in combo], self.moments[r])
-                    if memory <= self.budget and (best is None or time_s < best[0]):
-                        best = (time_s, combo, memory)
+                best = fastest_fitting(per_stage, None if self.moments is None else self.moments[r], self.budget)
             if best is None:
                 self._rank[key] = None
             else:
