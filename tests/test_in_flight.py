@@ -54,7 +54,7 @@ def _walked_moments(kind: str, ranks: int, microbatches: int, chunks: int) -> di
 
 
 RANK_CASES = [(kind, 3, 5, 1) for kind in ("gpipe", "1f1b", "zb-h1")]
-RANK_CASES += [("zbv", ranks, m, 2) for ranks, m in ((2, 4), (3, 7), (4, 12))]
+RANK_CASES += [("zbv", ranks, m, 2) for ranks, m in ((2, 4), (3, 7), (4, 12), (5, 31), (8, 40))]  # past 2p: one round shows all
 RANK_CASES += [("interleaved", ranks, m, chunks) for ranks in (2, 4) for chunks in (2, 3) for m in (ranks, 3 * ranks)]
 
 

@@ -54,8 +54,8 @@ def rank_peaks(kind: str, *, ranks: int, microbatches: int, chunks: int = 1) -> 
     m, v = microbatches, chunks
     if kind == "interleaved":
         return tuple(_pareto(_interleaved_held(r, ranks, m, v)) for r in range(ranks))
-    if kind == "zbv":
-        return _walked(kind, ranks, m)
+    if kind == "zbv":  # past its warm-up ZB-V repeats one round of states, so 2p microbatches show them all
+        return _walked(kind, ranks, min(m, 2 * ranks))
     return tuple(((count,),) for count in peak_in_flight(kind, ranks=ranks, microbatches=m, chunks=chunks))
 
 
