@@ -151,11 +151,11 @@ NOT_EXPRESSIBLE = (
      "grouped-query attention and squared-ReLU MLPs not among the benchmark's model shapes; the GPT-3 175B rows "
      "of the same recipes are in the table"),
     ("Llama 3 405B, Llama 3 paper Table 4",
-     "no step time published (TFLOPs per GPU under a FLOP count the paper does not state); FSDP with a unit per "
-     "layer, where autopart's unit is the stage; 128k rows need context parallelism"),
+     "no step time published (TFLOPs per GPU under a FLOP count the paper does not state); 128k rows need "
+     "context parallelism"),
     ("torchtitan docs/performance.md (Llama 3 8B-405B)",
-     "FSDP2 with a unit per transformer block (autopart's unit is the stage: a one-stage FSDP run gathers the "
-     "whole model at once); 96 GB H100s at 500 W, not a device spec here; float8 on some"),
+     "96 GB H100s at 500 W, not a device spec here; float8 on some; FSDP2's prefetch of the next block beside "
+     "the compute, which autopart's step model does not overlap"),
     ("NVIDIA dgxc Llama 3.1 8B / 70B / 405B", "context parallelism (CP 2) in every layout"),
     ("NeMo performance summary, H100 dense rows", "FP8"),
     ("Models of 1B-15B", "every public figure found uses FSDP, context parallelism or FP8"),
