@@ -268,9 +268,10 @@ def cut_stages(
     equal_share = _Greedy(costs=costs, stages=stages, modes=modes, budget=budget, in_flight=in_flight,
                           transfer_s=transfer_s, transient=transient)
     best = _bisected(equal_share, costs, stages, transfer_s, precision, fit_only)
-    # the rank's room differs from the equal share in memory only: where no stage was refused
-    # a mode for memory, it finds the same cuts, and the search asks for thousands of layouts
-    if rank_in_flight is not None and max(per_rank) > 1 and equal_share.refused_for_memory \
+    # the rank's room differs from the equal share in memory only: it can cut faster only under a
+    # bound where the equal share found nothing because memory refused some stage (else no cuts
+    # meet that bound at all), and the search asks for thousands of layouts
+    if rank_in_flight is not None and max(per_rank) > 1 and equal_share.failed_for_memory \
             and not (best is not None and fit_only):
         room = RankRoom(stage_rank=stage_rank, moments=rank_in_flight, room_bytes=memory_limit_bytes - overhead_bytes,
                         reserve_bytes=_least_parameter_bytes(costs))
@@ -337,7 +338,8 @@ class _Greedy:
         self.sums = _sums(costs)
         self.compute = costs.prefix("compute_s")
         self.cheapest_out = min(transfer_s, default=0.0)
-        self.refused_for_memory = False  # some stage met its time bound in a mode but not its memory
+        self.refusals = 0  # times a stage met its time bound in a mode but not its memory
+        self.failed_for_memory = False  # some bound under which no cuts were found saw a refusal
 
     def fits(self, s: int, first: int, last: int, bound: float) -> str | None:
         """The first mode in which blocks ``first..last`` fit as stage ``s`` under ``bound``, if any."""
@@ -353,7 +355,7 @@ class _Greedy:
             elif parameters + self.in_flight[s] * per_microbatch + once <= self.budget[s]:
                 return mode
             else:
-                self.refused_for_memory = True
+                self.refusals += 1
         return None
 
     def _transient(self, s: int) -> int:
@@ -392,6 +394,12 @@ class _Greedy:
         return lo, mode
 
     def __call__(self, bound: float) -> list[tuple[int, str]] | None:
+        refusals = self.refusals
+        found = self._cut(bound)
+        self.failed_for_memory |= found is None and self.refusals > refusals
+        return found
+
+    def _cut(self, bound: float) -> list[tuple[int, str]] | None:
         result = []
         first = 0
         if self.room is not None:
