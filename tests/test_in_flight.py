@@ -80,3 +80,16 @@ def test_the_first_interleaved_rank_holds_narayanans_count_not_its_chunks_peaks_
     first = rank_in_flight("interleaved", p, m, v)[0]
     assert max(map(sum, first)) == p * v + p - 1 == round(p * v * (1 + (p - 1) / (p * v)))
     assert sum(in_flight("interleaved", p, m, v)[c * p] for c in range(v)) == 144
+
+
+def test_a_long_zbv_pipeline_bounds_each_rank_by_its_chunks_own_peaks():
+    """Past ``ZBV_WALKED_RANKS`` the action lists are not walked: every moment of a rank is within
+    the one moment given, its two chunks' peaks at once."""
+    from autopart.schedule.peaks import ZBV_WALKED_RANKS
+
+    ranks = ZBV_WALKED_RANKS + 1
+    moments = rank_in_flight("zbv", ranks, 2 * ranks, 2)
+    walked = _walked_moments("zbv", ranks, 2 * ranks, 2)
+    for rank in (0, ranks // 2, ranks - 1):
+        (bound,) = moments[rank]
+        assert all(all(b >= w for b, w in zip(bound, row)) for row in walked[rank])

@@ -41,6 +41,11 @@ def peak_in_flight(kind: str, *, ranks: int, microbatches: int, chunks: int = 1)
     return tuple(peaks)
 
 
+ZBV_WALKED_RANKS = 64
+"""ZB-V's moments are read off its action lists, about 4p² actions in all: over more ranks than
+this, a rank is bounded by its two chunks' own peaks at once (safe; no closed form yet)."""
+
+
 def rank_peaks(kind: str, *, ranks: int, microbatches: int, chunks: int = 1) -> tuple[tuple[tuple[int, ...], ...], ...]:
     """Per rank, the moments that may be its activation peak: at each, per stage it holds (in
     stage order), the microbatches whose activations are live together.
@@ -54,6 +59,9 @@ def rank_peaks(kind: str, *, ranks: int, microbatches: int, chunks: int = 1) -> 
     m, v = microbatches, chunks
     if kind == "interleaved":
         return tuple(_pareto(_interleaved_held(r, ranks, m, v)) for r in range(ranks))
+    if kind == "zbv" and ranks > ZBV_WALKED_RANKS:  # each chunk at its own peak: more than the rank holds
+        peaks = peak_in_flight(kind, ranks=ranks, microbatches=m, chunks=2)
+        return tuple(((peaks[r], peaks[2 * ranks - 1 - r]),) for r in range(ranks))
     if kind == "zbv":  # past its warm-up ZB-V repeats one round of states, so 2p microbatches show them all
         return _walked(kind, ranks, min(m, 2 * ranks))
     return tuple(((count,),) for count in peak_in_flight(kind, ranks=ranks, microbatches=m, chunks=chunks))
