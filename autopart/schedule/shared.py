@@ -47,7 +47,7 @@ def step_time(schedule: Schedule, costs: StageCosts, *, ranks: int, cores: int =
     if cores <= 0:
         return _dedicated(schedule, costs, ranks=ranks, tail_s=tail_s, wake_s=wake_s, events=events,
                           placement=placement)
-    shared = 0 < cores < ranks + background
+    shared = cores < ranks + background  # from here on cores > 0: `_dedicated` took the rest
     idle_since = dict.fromkeys(schedule, 0.0)  # when each rank last finished work
     finished: dict = {}
     cursor = {rank: 0 for rank in schedule}
@@ -70,7 +70,7 @@ def step_time(schedule: Schedule, costs: StageCosts, *, ranks: int, cores: int =
                     action = actions[cursor[rank]]
                     ready = inputs.ready_at(rank, cursor[rank], action)
                     if ready is not None and action.kind in RECEIVE_KINDS and ready > 0 \
-                            and 0 < cores <= len(remaining) + background:
+                            and cores <= len(remaining) + background:
                         ready += busy_delay_s
                     if ready is None or ready > now + _EPSILON:
                         if ready is not None:
@@ -82,7 +82,7 @@ def step_time(schedule: Schedule, costs: StageCosts, *, ranks: int, cores: int =
                 if work > 0:
                     # another rank had this core meanwhile, or it sat idle; the dearer of the two
                     extra = resume_s[action.kind is not Kind.F] if shared and action and action.is_compute else 0.0
-                    core_idle = cores <= 0 or len(remaining) + background < cores
+                    core_idle = len(remaining) + background < cores
                     if wake_s and core_idle and now > idle_since[rank] + _EPSILON:
                         extra = max(extra, wake_s(now - idle_since[rank]))
                     remaining[rank], running[rank], began[rank] = work + extra, action, now
@@ -99,7 +99,7 @@ def step_time(schedule: Schedule, costs: StageCosts, *, ranks: int, cores: int =
                 break
             now = min(wakes)
             continue
-        rate = 1.0 if cores <= 0 else min(1.0, cores / (len(remaining) + background))
+        rate = min(1.0, cores / (len(remaining) + background))
         step = min([min(remaining.values()) / rate] + [w - now for w in wakes if w > now])
         now += step
         for rank in _progressed(remaining, step * rate):
