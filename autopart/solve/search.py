@@ -5,7 +5,7 @@
 Every way to run the model on ``world_size`` devices is a ``Layout``: ``pp * tp * dp =
 world_size`` (TP inside a node unless pinned across), the micro-batch size (a divisor of each
 replica's share of the global batch), the schedule (gpipe, 1f1b, interleaved with 2, 3, 4 or
-6 chunks per rank, zb-h1, zbv), the ZeRO level (0 to 2; 3 when pinned; FSDP's never with a split backward:
+6 chunks per rank, zb-h1, zbv), the ZeRO level (0 to 3; FSDP's never with a split backward:
 ``autopart.solve.data_parallel_tail``) and the dtype; sequence parallelism is the cost table's
 (on with TP unless pinned off: it holds less and moves what TP alone moves). For each, the
 cutter (``autopart.solve.bottleneck``) makes the slowest stage as fast as it can be; the step is
