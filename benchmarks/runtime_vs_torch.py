@@ -197,6 +197,7 @@ def pipeline_worker(out_dir: Path, steps: int, metrics: Path, seed: int, lr: flo
                     row = {"step": step, "runtime": name, "loss": sum(losses) / len(losses), "step_s": elapsed.item()}
                     with open(metrics, "a") as file:
                         file.write(json.dumps(row) + "\n")
+        dist.barrier()  # leave together: gloo can abort a rank whose peer closed first
     finally:
         dist.destroy_process_group()
 

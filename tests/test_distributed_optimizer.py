@@ -99,6 +99,7 @@ def _replica(rank: int, port: int, folder: Path) -> None:
         result = {"whole": whole, "masters": masters, "moments": moments, "held": [p.numel() * 4 for p in held],
                   "losses": losses, "expected": expected, "same_masters": same}  # fmt: skip
         (folder / f"rank{rank}.json").write_text(json.dumps(result))
+        dist.barrier()  # leave together: gloo can abort a rank whose peer closed first
     finally:
         dist.destroy_process_group()
 

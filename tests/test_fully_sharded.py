@@ -197,6 +197,7 @@ def _layer_units(rank: int, port: int, out: Path, folder: Path) -> None:
         (folder / f"rank{rank}.json").write_text(json.dumps({
             "units": units, "paths": list(paths), "calls": calls, "layer_bytes": layer_bytes, "total": total,
             "graded": graded, "backward": backward}))  # fmt: skip
+        dist.barrier()  # leave together: gloo can abort a rank whose peer closed first
     finally:
         dist.destroy_process_group()
 

@@ -173,6 +173,9 @@ def _train(out_dir: Path, argv: list[str] | None) -> None:
     init_process_group(backend(device), args.timeout)
     try:
         _loop(out_dir, plan, schedule, args, rank, device, source_file)
+        # every rank leaves together: a gloo rank whose peer closed its sockets first can abort
+        # (SIGABRT) in its own teardown. Not on an error, where a peer may never come.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
