@@ -26,7 +26,7 @@ from torch import fx, nn
 from autopart.passes.annotate import OpGraph
 from autopart.passes.blocks import BlockChain
 
-__all__ = ["Unit", "repeated_units", "stage_units", "relative_target", "layer_methods", "layer_parameters"]
+__all__ = ["Unit", "repeated_units", "stage_units", "relative_target", "layer_methods", "layer_parameters", "layer_instances"]
 
 _LONGEST_PERIOD = 32
 """More blocks than this in one layer is not a repeated layer worth finding (and bounds the search)."""
@@ -54,6 +54,11 @@ def repeated_units(chain: BlockChain) -> list[list[tuple[str, ...]]]:
 def layer_parameters(chain: BlockChain) -> list[frozenset[str]]:
     """Per instance of a repeated layer, the parameters that no block outside it reads: what a
     stage holding it whole makes one FSDP unit at ZeRO-3 (``layer_methods``)."""
+    return [own for _, _, own in layer_instances(chain)]
+
+
+def layer_instances(chain: BlockChain) -> list[tuple[int, int, frozenset[str]]]:
+    """Per instance of a repeated layer, its blocks (first, end) and ``layer_parameters``' set."""
     readers: dict[str, list[int]] = {}
     for k, block in enumerate(chain.blocks):
         for p in block.parameters:
@@ -62,7 +67,7 @@ def layer_parameters(chain: BlockChain) -> list[frozenset[str]]:
     for instances in _instances(chain):
         for first, end in instances:
             inside = {p for block in chain.blocks[first:end] for p in block.parameters}
-            found.append(frozenset(p for p in inside if all(first <= k < end for k in readers[p])))
+            found.append((first, end, frozenset(p for p in inside if all(first <= k < end for k in readers[p]))))
     return found
 
 

@@ -5,18 +5,21 @@ Levels 0 and 1 all-reduce the gradients in buckets as they become final, beside 
 optimizer step, which nothing overlaps: fp32 weights (ZeroRedundancyOptimizer), or under ``bf16``
 the bf16 weights that each owner of fp32 masters broadcasts (`autopart.runtime.sharded_masters`),
 half the bytes (`gathered_bytes`). Level 2 (FSDP) gathers the parameters at the step's first
-forward and reduce-scatters the gradients after every microbatch's backward; level 3 gathers
-before every forward and every backward too. A gather must end before the unit computes, so it
-adds to the action; a reduce-scatter is left running: on a GPU it overlaps the next action (its
-own stream) as far as that action lasts and the step waits for its last one; on a CPU it runs
-on the cores that compute and adds.
+forward and reduce-scatters the gradients after every microbatch's backward: the gather must
+end before the stage computes, so it adds; a reduce-scatter is left running: on a GPU it
+overlaps the next action (its own stream) as far as that action lasts and the step waits for
+its last one; on a CPU it runs on the cores that compute and adds. Level 3 gathers before
+every forward and every backward too, a layer at a time beside the compute of the one before
+(`autopart.predict.fully_sharded`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from autopart.ir.tensors import working_dtype
+from autopart.predict.fully_sharded import Piece, fully_sharded_cost
 from cost_models.base import CostModel
 
 __all__ = ["DataParallelComm", "data_parallel_comm", "gathered_bytes"]
@@ -42,12 +45,15 @@ class DataParallelComm:
 
 
 def data_parallel_comm(zero: int, parameter_bytes: float, *, dp: int, across_nodes: bool, cost_model: CostModel,
-                       overlapped: bool, hidden_behind_s: float = 0.0, dtype: str = "fp32") -> DataParallelComm:
+                       overlapped: bool, hidden_behind_s: float = 0.0, dtype: str = "fp32",
+                       pieces: Sequence[Piece] = ()) -> DataParallelComm:
     """The collectives of one stage holding ``parameter_bytes`` (this rank's, after tensor
-    parallelism). ``overlapped``: a reduce-scatter runs beside the next action (a GPU's
-    streams), which takes at least ``hidden_behind_s`` (the stage's forward: what follows a
-    backward in a pipeline's steady state); what it runs past that adds to the backward.
-    ``dtype``: the plan's precision, what the gathers move (`gathered_bytes`)."""
+    parallelism). ``overlapped``: collectives run beside the compute (a GPU's streams); a
+    reduce-scatter still running as a backward ends runs beside the next action, which takes at
+    least ``hidden_behind_s`` (the stage's forward: what follows a backward in a pipeline's
+    steady state), and what it runs past that adds to the backward. ``dtype``: the plan's
+    precision, what the gathers move (`gathered_bytes`). ``pieces``: the stage's compute with
+    its layer units, in forward order (level 3; none: the stage is one unit)."""
     if dp == 1:
         return DataParallelComm()
 
@@ -61,4 +67,12 @@ def data_parallel_comm(zero: int, parameter_bytes: float, *, dp: int, across_nod
     last = time("reduce_scatter") if overlapped else 0.0  # the step waits for the last one
     if zero == 2:
         return DataParallelComm(backward_s=reduce, tail_s=time("all_gather") + last)
-    return DataParallelComm(forward_s=time("all_gather"), backward_s=time("all_gather") + reduce, tail_s=last)
+    layered = fully_sharded_cost(
+        pieces or (Piece(hidden_behind_s, 2 * hidden_behind_s),), parameter_bytes - sum(p.unit_bytes for p in pieces),
+        gather_s=lambda nbytes: cost_model.collective_time("all_gather", gathered_bytes(nbytes, dtype), dp,
+                                                           across_nodes=across_nodes),
+        reduce_s=lambda nbytes: cost_model.collective_time("reduce_scatter", nbytes, dp, across_nodes=across_nodes),
+        overlapped=overlapped)
+    return DataParallelComm(forward_s=layered.forward_s,
+                            backward_s=layered.backward_s + max(0.0, layered.pending_s - hidden_behind_s),
+                            tail_s=layered.pending_s)

@@ -11,12 +11,14 @@ from __future__ import annotations
 import statistics
 from dataclasses import replace
 
+from autopart.codegen.layers import layer_instances
 from autopart.ir.actions import RECEIVE_KINDS, Action
 from autopart.ir.plan import StagePlan
 from autopart.ir.scatter_gather import parts
 from autopart.options import CompileOptions
 from autopart.passes.front import Front, block_seconds
 from autopart.predict.data_parallel import DataParallelComm, data_parallel_comm
+from autopart.predict.fully_sharded import Piece
 from autopart.predict.reduction import overlapped_step_time, plan_reductions
 from autopart.profiling.co_run import co_run_key, host_processes
 from autopart.profiling.pipeline import pipeline_key
@@ -24,7 +26,7 @@ from autopart.predict.timeline import lowered_schedule
 from autopart.schedule import SPLIT_BACKWARD_KINDS, StageCosts
 from cost_models.database import PipelineMeasurement, plan_shape, tail_key
 
-__all__ = ["compute_factor", "data_parallel", "data_parallel_seconds", "with_collectives", "measured_in_place", "predicted_step_s", "profiled_step", "rank_tails"]
+__all__ = ["compute_factor", "data_parallel", "data_parallel_seconds", "fully_sharded_pieces", "with_collectives", "measured_in_place", "predicted_step_s", "profiled_step", "rank_tails"]
 
 
 def data_parallel(options: CompileOptions, front: Front, stages: list[StagePlan]) -> list[DataParallelComm]:
@@ -32,10 +34,34 @@ def data_parallel(options: CompileOptions, front: Front, stages: list[StagePlan]
     The group spans nodes once the whole mesh does (dp is outermost)."""
     across = options.pp * options.tp * options.dp > options.gpus_per_node
     overlapped = front.cost_model.device.collectives_overlap_compute
+    layered = options.zero == 3 and options.dp > 1
     return [data_parallel_comm(options.zero, stage.parameter_bytes / options.tp, dp=options.dp, across_nodes=across,
                                cost_model=front.cost_model, overlapped=overlapped, hidden_behind_s=stage.forward_s,
-                               dtype=options.dtype)
+                               dtype=options.dtype, pieces=fully_sharded_pieces(front, stage, options.tp) if layered else ())
             for stage in stages]
+
+
+def fully_sharded_pieces(front: Front, stage: StagePlan, tp: int) -> tuple[Piece, ...]:
+    """``stage``'s compute in forward order for ZeRO-3 (`autopart.predict.fully_sharded`): each
+    repeated layer it holds whole one unit, as the runtime makes it (`autopart.codegen.layers`),
+    each other block the root unit's; the blocks' seconds scaled to the stage's own."""
+    first, last = stage.blocks
+    times = block_seconds(front)
+    units = {}
+    for begin, end, own in layer_instances(front.chain):
+        if first <= begin and end - 1 <= last:
+            units[begin] = (end, sum(front.chain.parameter_bytes[p] for p in own) / tp)
+    forward = sum(times[k][0] for k in range(first, last + 1))
+    backward = sum(times[k][1] for k in range(first, last + 1))
+    forward_scale = stage.forward_s / forward if forward > 0 else 0.0
+    backward_scale = stage.backward_s / backward if backward > 0 else 0.0
+    pieces, k = [], first
+    while k <= last:
+        end, unit_bytes = units.get(k, (k + 1, 0.0))
+        pieces.append(Piece(forward_s=sum(times[j][0] for j in range(k, end)) * forward_scale,
+                            backward_s=sum(times[j][1] for j in range(k, end)) * backward_scale, unit_bytes=unit_bytes))
+        k = end
+    return tuple(pieces)
 
 
 def with_collectives(stages: list[StagePlan], comm: list[DataParallelComm]) -> list[StagePlan]:

@@ -60,6 +60,8 @@ class ChainCosts:
                 values = self._owned_parameter_bytes()
             elif name == "owned_weight_bytes":  # the parameters alone, one tensor-parallel rank's share
                 values = [sum(size * count for (size, _), count in sizes) for sizes in self._owned_sizes()]
+            elif name == "owned_layer_bytes":  # of those, the repeated layers' own (their ZeRO-3 units)
+                values = [sum(size * count for (size, layered), count in sizes if layered) for sizes in self._owned_sizes()]
             elif name == "full_recompute_s":
                 values = self.forward_s
             elif name == "compute_s":

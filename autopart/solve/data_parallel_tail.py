@@ -8,7 +8,8 @@ the step model places them (``autopart.predict.data_parallel``, ``autopart.predi
   ``autopart.predict.data_parallel.gathered_bytes``).
 - Level 2 (FSDP) reduce-scatters every microbatch's gradients beside the next action (hidden
   behind a forward's length) and gathers the parameters once a step; level 3 gathers them before
-  every forward and every backward, which adds to those actions.
+  every forward and every backward, a layer at a time beside the compute where collectives
+  overlap it (``autopart.predict.fully_sharded``), which adds what they do not hide.
 
 The figures are the step model's on the search's own stage times (a stage's forward a third of
 its forward and backward, as ``autopart.solve.search`` takes it elsewhere); a bucket's grain is
@@ -22,11 +23,12 @@ import functools
 from collections.abc import Sequence
 
 from autopart.predict.data_parallel import gathered_bytes
+from autopart.predict.fully_sharded import Piece, fully_sharded_cost
 from autopart.runtime.fully_sharded import FSDP_LEVELS
 from autopart.schedule import SPLIT_BACKWARD_KINDS, stage_placement
 
 __all__ = ["fully_sharded_levels", "tail_s", "update_s", "hidden_s", "last_bucket_bytes", "fully_sharded_extra_s",
-           "stage_times", "most_hidden_s", "fsdp_may_pay"]
+           "stage_layers", "stage_times", "most_hidden_s", "fsdp_may_pay"]
 
 FORWARD_SHARE = 1 / 3
 """Of a stage's forward and backward, the forward's part (a backward is about twice a forward)."""
@@ -108,31 +110,55 @@ def last_bucket_bytes(layout, costs, cuts: Sequence[int]) -> list[int]:
 
 
 def fully_sharded_extra_s(level: int, cluster, stage_bytes: float, forward_s: float, *, dp: int,
-                          across_nodes: bool, dtype: str) -> tuple[float, float]:
+                          across_nodes: bool, dtype: str, backward_s: float | None = None,
+                          layers: tuple[int, int] = (0, 0)) -> tuple[float, float]:
     """What FSDP adds to each forward and each backward of a stage holding ``stage_bytes`` of
     fp32 parameters in precision ``dtype`` (``autopart.predict.data_parallel.data_parallel_comm``'s
-    levels 2 and 3)."""
+    levels 2 and 3). ``layers`` (level 3): the bytes and the number of its repeated layers
+    (``stage_layers``), each its own unit, of equal size and compute, whose collectives run beside
+    the compute (``autopart.predict.fully_sharded``); ``backward_s`` defaults to twice the forward."""
     if level not in FSDP_LEVELS or dp == 1:
         return 0.0, 0.0
-    scatter = _reduce_scatter_s(cluster, stage_bytes, dp, across_nodes)
-    reduce = max(0.0, scatter - forward_s) if cluster.reduction_overlaps else scatter
+    overlapped = cluster.reduction_overlaps
     if level == 2:
-        return 0.0, reduce
-    gather = cluster.all_gather_s(gathered_bytes(stage_bytes, dtype), dp, across_nodes)
-    return gather, gather + reduce
+        scatter = _reduce_scatter_s(cluster, stage_bytes, dp, across_nodes)
+        return 0.0, max(0.0, scatter - forward_s) if overlapped else scatter
+    backward_s = 2 * forward_s if backward_s is None else backward_s
+    layered_bytes, count = layers
+    pieces = ((Piece(forward_s / count, backward_s / count, layered_bytes / count),) * count if count
+              else (Piece(forward_s, backward_s),))
+    cost = fully_sharded_cost(pieces, max(0.0, stage_bytes - (layered_bytes if count else 0)),
+                              gather_s=lambda n: cluster.all_gather_s(gathered_bytes(n, dtype), dp, across_nodes),
+                              reduce_s=lambda n: _reduce_scatter_s(cluster, n, dp, across_nodes), overlapped=overlapped)
+    return cost.forward_s, cost.backward_s + max(0.0, cost.pending_s - forward_s)
+
+
+def stage_layers(costs, cuts: Sequence[int]) -> tuple[tuple[int, int], ...]:
+    """Per stage of ``cuts`` (``costs``: a ``ChainCosts``), the bytes of the repeated layers' own
+    parameters it holds and how many layers (of ``costs.layer_bytes`` each) they make: the
+    stage's ZeRO-3 layer units, taken as equal."""
+    prefix = costs.prefix("owned_layer_bytes")
+    found = []
+    for first, end in zip((0, *(c + 1 for c in cuts)), (*(c + 1 for c in cuts), len(costs))):
+        nbytes = prefix[end] - prefix[first]
+        found.append((nbytes, round(nbytes / costs.layer_bytes) if costs.layer_bytes else 0))
+    return tuple(found)
 
 
 def stage_times(layout, cluster, times: Sequence[float], rank_parameter_bytes: Sequence[int],
-                across_nodes: bool) -> tuple[float, ...]:
+                across_nodes: bool, layers: Sequence[tuple[int, int]] | None = None) -> tuple[float, ...]:
     """``times`` (per stage, a microbatch's forward and backward) with FSDP's gathers and
-    unhidden reduce-scatters added; each stage holds its rank's parameters over its chunks."""
+    unhidden reduce-scatters added; each stage holds its rank's parameters over its chunks, and
+    at level 3 its ``layers`` (``stage_layers``; None: the stage is one unit)."""
     if int(layout.zero) not in FSDP_LEVELS or layout.dp == 1:
         return tuple(times)
     found = []
-    for time, rank in zip(times, _placement(layout.schedule, layout.pp, layout.chunks)):
+    for stage, (time, rank) in enumerate(zip(times, _placement(layout.schedule, layout.pp, layout.chunks))):
         share = rank_parameter_bytes[rank] / layout.chunks
         forward, backward = fully_sharded_extra_s(int(layout.zero), cluster, share, FORWARD_SHARE * time,
-                                                  dp=layout.dp, across_nodes=across_nodes, dtype=layout.dtype)
+                                                  dp=layout.dp, across_nodes=across_nodes, dtype=layout.dtype,
+                                                  backward_s=(1 - FORWARD_SHARE) * time,
+                                                  layers=layers[stage] if layers is not None else (0, 0))
         found.append(time + forward + backward)
     return tuple(found)
 

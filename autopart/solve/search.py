@@ -32,7 +32,8 @@ from typing import Protocol
 from autopart.ir.errors import ConfigError
 from autopart.schedule import SCHEDULE_KINDS, stage_placement
 from autopart.solve.data_parallel_tail import (FORWARD_SHARE, fsdp_may_pay, fully_sharded_levels, hidden_s,
-                                               last_bucket_bytes, most_hidden_s, stage_times, tail_s)
+                                               last_bucket_bytes, most_hidden_s, stage_layers, stage_times,
+                                               tail_s)
 from autopart.solve.vshape import zbv_fits, zbv_pipeline_s
 from autopart.predict.in_flight import in_flight, rank_in_flight, transient as transient_count
 from autopart.predict.memory import layers_in_flight_bytes
@@ -233,11 +234,13 @@ class SearchResult:
 
 
 def estimate_step_s(layout: Layout, cut: StageCut, cluster: Cluster, rank_parameter_bytes: list[int],
-                    across_nodes: bool, last_bytes: list[int] | None = None) -> float:
+                    across_nodes: bool, last_bytes: list[int] | None = None, costs: ChainCosts | None = None) -> float:
     """The step in closed form: the schedule's pipeline latency (stages with FSDP's collectives), then
-    what the data-parallel collectives run past it and the busiest rank's optimizer step (``data_parallel_tail``)."""
+    what the data-parallel collectives run past it and the busiest rank's optimizer step (``data_parallel_tail``).
+    ``costs``: the chain's, whose repeated layers are ZeRO-3's units (without them, each stage is one)."""
     m, p = layout.microbatches, layout.pp
-    times = stage_times(layout, cluster, cut.stage_time_s, rank_parameter_bytes, across_nodes)
+    layers = stage_layers(costs, cut.cuts) if costs is not None and int(layout.zero) == 3 and layout.dp > 1 else None
+    times = stage_times(layout, cluster, cut.stage_time_s, rank_parameter_bytes, across_nodes, layers)
     if layout.schedule == "interleaved":
         pipeline = _interleaved_pipeline_s(times, p, m, layout.chunks)
     elif layout.schedule == "zbv":
@@ -416,7 +419,8 @@ def score_layout(layout: Layout, table: CostTable, cluster: Cluster, space: Sear
     if cut is None:
         return None
     rank_bytes = parameter_bytes_per_rank(table, layout, cut, ranks)
-    estimate = estimate_step_s(layout, cut, cluster, rank_bytes, across, last_bucket_bytes(layout, costs, cut.cuts))
+    estimate = estimate_step_s(layout, cut, cluster, rank_bytes, across, last_bucket_bytes(layout, costs, cut.cuts),
+                               costs)
     return Scored(layout=layout, cut=cut, estimate_s=estimate)
 
 
@@ -427,7 +431,7 @@ def _refined(layout, table, cluster, costs, cut, modes, flight, transient, ranks
                      rank_in_flight=rank_in_flight(layout.schedule, layout.pp, layout.microbatches, layout.chunks),
                      memory_limit_bytes=cluster.memory_bytes, overhead_bytes=cluster.overhead_bytes, modes=modes,
                      objective=lambda c, rank_bytes: estimate_step_s(layout, c, cluster, rank_bytes, across,
-                                                                     last_bucket_bytes(layout, costs, c.cuts)))
+                                                                     last_bucket_bytes(layout, costs, c.cuts), costs))
     judged = judge.judge(cut.cuts) if cut is not None else None
     if judged is not None and layout.chunks == 1 and _refine_bound(table, layout, cluster, cut) >= refine_below:
         pass  # no cuts of this layout can make the finalists: its slowest stage alone keeps it out

@@ -32,7 +32,7 @@ from autopart.schedule import Schedule, StageCosts, Timeline, build_schedule, si
 from autopart.solve.search import Cluster, CostTable, Scored, parameter_bytes_per_rank, tail_s
 from autopart.solve.baselines import stage_parameter_bytes
 from autopart.solve.bottleneck import ChainCosts
-from autopart.solve.data_parallel_tail import fully_sharded_extra_s, last_bucket_bytes, update_s
+from autopart.solve.data_parallel_tail import fully_sharded_extra_s, last_bucket_bytes, stage_layers, update_s
 
 __all__ = ["simulated_step_s", "simulated_stage_costs", "pipeline_s"]
 
@@ -99,13 +99,14 @@ def simulated_stage_costs(scored: Scored, table: CostTable, cluster: Cluster) ->
     forward, backward, weight = costs.prefix("forward_s"), costs.prefix("backward_s"), costs.prefix("weight_s")
     forward_s, backward_s, weight_s = [], [], []
     data_parallel_across = layout.data_parallel_crosses_nodes(cluster.gpus_per_node)
-    for first, end, mode in zip(firsts, ends, cut.recompute, strict=True):
+    for first, end, mode, layers in zip(firsts, ends, cut.recompute, stage_layers(costs, cut.cuts), strict=True):
         stage_forward = forward[end] - forward[first]
+        stage_backward = backward[end] - backward[first] + _recompute_s(costs, mode, first, end)
         gather, reduce = fully_sharded_extra_s(int(layout.zero), cluster, stage_parameter_bytes(costs, first, end - 1),
                                                stage_forward, dp=layout.dp, across_nodes=data_parallel_across,
-                                               dtype=layout.dtype)
+                                               dtype=layout.dtype, backward_s=stage_backward, layers=layers)
         forward_s.append(stage_forward + gather)
-        backward_s.append(backward[end] - backward[first] + _recompute_s(costs, mode, first, end) + reduce)
+        backward_s.append(stage_backward + reduce)
         weight_s.append(weight[end] - weight[first])
     across = layout.pipeline_crosses_nodes(cluster.gpus_per_node)
     transfer_s = tuple(cluster.p2p_s(costs.boundary_bytes[c], across) for c in cut.cuts)

@@ -1,0 +1,122 @@
+"""What a ZeRO-3 stage's gathers and reduce-scatters add to its forward and backward, as FSDP2
+overlaps them with the compute.
+
+At level 3 each repeated layer a stage holds whole is a FSDP unit of its own and the stage
+module is the root unit holding the rest (`autopart.runtime.fully_sharded`). FSDP2 gathers a
+unit's weights just before it computes and frees them after; the collectives run on streams of
+their own. In the forward the next unit's all-gather is issued as soon as the current unit's
+kernels are queued, so it runs beside that unit's compute; in the backward FSDP2 prefetches the
+next unit's all-gather explicitly, one unit ahead, and reduce-scatters each unit's gradients
+once its backward ends, beside the next unit's backward. The data-parallel group's collectives
+share its links, so they are taken one after another, in the order FSDP issues them: a unit's
+prefetch at the start of the compute before it, its reduce-scatter at the end of its own.
+
+What the compute then waits for is what this module counts: the first unit's gather, and a
+layer's transfers wherever they outlast the compute they run beside. The reduce-scatters still
+running when the backward ends are returned apart (``pending_s``): they run beside the stage's
+next action, and the step waits for the last of them. Where the collectives do not run beside
+the compute (gloo on a CPU computes and communicates on the same cores) each one adds whole.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+__all__ = ["FullyShardedCost", "Piece", "fully_sharded_cost"]
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A stretch of a stage's compute in forward order: one layer unit (``unit_bytes``, this
+    rank's fp32 parameter bytes of the layer) or, with ``unit_bytes`` 0, compute of the root
+    unit (embedding, norms, head), whose weights are gathered once at the action's start."""
+
+    forward_s: float
+    backward_s: float
+    unit_bytes: float = 0.0
+
+
+@dataclass(frozen=True)
+class FullyShardedCost:
+    forward_s: float  # what one forward waits for its gathers
+    backward_s: float  # what one backward waits for its gathers and (not overlapped) reduce-scatters
+    pending_s: float  # reduce-scatters still running as the backward ends
+
+
+@dataclass(frozen=True)
+class _Segment:
+    compute_s: float
+    gather_s: float = 0.0  # gathered before it computes
+    reduce_s: float = 0.0  # reduce-scattered after it computes
+
+
+def fully_sharded_cost(pieces: Sequence[Piece], root_bytes: float, *, gather_s: Callable[[float], float],
+                       reduce_s: Callable[[float], float], overlapped: bool) -> FullyShardedCost:
+    """The gathers and reduce-scatters of a level-3 stage whose compute is ``pieces``, its root
+    unit holding ``root_bytes``; ``gather_s`` and ``reduce_s`` give a collective's seconds for a
+    unit's fp32 parameter bytes (the gather moves them in the compute dtype)."""
+    gather = [gather_s(p.unit_bytes) if p.unit_bytes else 0.0 for p in pieces]
+    reduce = [reduce_s(p.unit_bytes) if p.unit_bytes else 0.0 for p in pieces]
+    root_gather, root_reduce = (gather_s(root_bytes), reduce_s(root_bytes)) if root_bytes else (0.0, 0.0)
+    if not overlapped:
+        gathers = root_gather + sum(gather)
+        return FullyShardedCost(forward_s=gathers, backward_s=gathers + root_reduce + sum(reduce), pending_s=0.0)
+    forward = [_Segment(0.0, root_gather)]
+    forward += [_Segment(p.forward_s, g) for p, g in zip(pieces, gather)]
+    backward = [_Segment(0.0, root_gather)]
+    backward += [_Segment(p.backward_s, g, r) for p, g, r in zip(reversed(pieces), reversed(gather), reversed(reduce))]
+    backward.append(_Segment(0.0, 0.0, root_reduce))
+    forward_end, _ = _timeline(forward)
+    backward_end, channel_end = _timeline(backward)
+    return FullyShardedCost(forward_s=forward_end - sum(p.forward_s for p in pieces),
+                            backward_s=backward_end - sum(p.backward_s for p in pieces),
+                            pending_s=channel_end - backward_end)
+
+
+def _timeline(segments: Sequence[_Segment]) -> tuple[float, float]:
+    """When the compute of ``segments`` ends and when the collectives' channel does, with each
+    segment's gather issued at the start of the segment before it (the first at time 0) and its
+    reduce-scatter at its end.
+
+    A run of equal segments (a stage's identical layers) reaches a steady state in which every
+    segment shifts the whole state (compute end, channel end, next gather's end) by the same
+    seconds; the state is then advanced over the run at once. That is exact, not an
+    approximation: the update is built of max and +, so shifting its input shifts its output."""
+    first = segments[0].gather_s if segments else 0.0
+    compute, channel, ready = 0.0, first, first  # the first gather is issued at once
+    runs = [(segment, len(list(group))) for segment, group in itertools.groupby(segments)]
+    for i, (segment, count) in enumerate(runs):
+        following = runs[i + 1][0] if i + 1 < len(runs) else None
+        done = 0
+        while done < count:
+            state = (compute, channel, ready)
+            compute, channel, ready = _step(state, segment, segment if done + 1 < count else following)
+            done += 1
+            shift = compute - state[0]
+            if done + 1 < count and _same(channel - state[1], shift) and _same(ready - state[2], shift):
+                skipped = count - 1 - done  # all but the run's last, whose successor differs
+                compute, channel, ready = compute + skipped * shift, channel + skipped * shift, ready + skipped * shift
+                done += skipped
+    return compute, max(channel, compute)
+
+
+def _step(state: tuple[float, float, float], segment: _Segment, following: _Segment | None) -> tuple[float, float, float]:
+    compute, channel, ready = state
+    start = max(compute, ready)
+    channel = max(channel, start)  # an idle channel waits for the compute's next issue
+    if following is not None and following.gather_s:
+        channel += following.gather_s  # the prefetch of the next segment's unit
+        ready = channel
+    else:
+        ready = start
+    compute = start + segment.compute_s
+    if segment.reduce_s:
+        channel = max(channel, compute) + segment.reduce_s
+    return compute, channel, ready
+
+
+def _same(a: float, b: float) -> bool:
+    return math.isclose(a, b, rel_tol=1e-12, abs_tol=1e-15)
