@@ -2,6 +2,8 @@
 (`autopart.predict.in_flight`) against the schedule simulated, as the compiler once counted it,
 and what a rank of several stages holds at once against its action lists."""
 
+import random
+
 import pytest
 
 from autopart.predict.in_flight import in_flight, rank_in_flight, transient
@@ -60,16 +62,43 @@ RANK_CASES += [("interleaved", ranks, m, chunks) for ranks in (2, 4) for chunks 
 
 @pytest.mark.parametrize(("kind", "ranks", "microbatches", "chunks"), RANK_CASES)
 def test_rank_moments_cover_what_the_action_lists_hold(kind, ranks, microbatches, chunks):
-    """Every moment of a rank's action list is within one of its moments, the fullest is one of
-    them, and each stage's own peak is the most it holds at any of them."""
+    """However many bytes a microbatch weighs on each stage, no moment of a rank's action list
+    holds more than the most of its moments, the fullest is one of them, and each stage's own
+    peak is the most it holds at any of them."""
     moments = rank_in_flight(kind, ranks, microbatches, chunks)
     peaks = in_flight(kind, ranks, microbatches, chunks)
     placement = stage_placement(kind, ranks=ranks, chunks=chunks)
     for rank, walked in _walked_moments(kind, ranks, microbatches, chunks).items():
-        assert all(any(all(h >= w for h, w in zip(held, row)) for held in moments[rank]) for row in walked)
+        assert_holds_the_most(moments[rank], walked)
         assert max(map(sum, moments[rank])) == max(map(sum, walked))
         mine = [s for s, home in enumerate(placement) if home == rank]
         assert [max(column) for column in zip(*moments[rank])] == [peaks[s] for s in mine]
+
+
+def assert_holds_the_most(moments, walked) -> None:
+    """For each stage alone, all alike and many random weightings of the stages (bytes per
+    microbatch), the most that ``moments`` weigh is the most that any ``walked`` moment does,
+    and every one of ``moments`` is a moment ``walked``."""
+    width = len(walked[0])
+    rng = random.Random(len(walked))
+    weights = [[float(i == j) for j in range(width)] for i in range(width)] + [[1.0] * width]
+    weights += [[rng.choice([0.0, rng.random(), rng.random() * 1e3]) for _ in range(width)] for _ in range(200)]
+    for weight in weights:
+        def most(rows):
+            return max(sum(w * h for w, h in zip(weight, row)) for row in rows)
+        assert most(moments) == pytest.approx(most(walked), rel=1e-12)
+    assert set(moments) <= set(walked)
+
+
+@pytest.mark.parametrize(("ranks", "chunks", "rounds"), [(2, 2, 9), (3, 3, 6), (4, 2, 5), (5, 4, 8), (8, 3, 4), (8, 6, 7)])
+def test_long_interleaved_pipelines_hold_no_more_than_their_moments(ranks, chunks, rounds):
+    """The moments come from 3p microbatches however many run (``INTERLEAVED_SHOWN``), and only
+    where a rank's counts turn: still no moment of its action lists holds more."""
+    microbatches = rounds * ranks
+    moments = rank_in_flight("interleaved", ranks, microbatches, chunks)
+    for rank, walked in _walked_moments("interleaved", ranks, microbatches, chunks).items():
+        assert_holds_the_most(moments[rank], walked)
+        assert len(moments[rank]) <= 2 * chunks  # a few turns, not the p or more moments they stand for
 
 
 def test_the_first_interleaved_rank_holds_narayanans_count_not_its_chunks_peaks_summed():

@@ -41,6 +41,15 @@ def peak_in_flight(kind: str, *, ranks: int, microbatches: int, chunks: int = 1)
     return tuple(peaks)
 
 
+INTERLEAVED_SHOWN = 3
+"""Microbatches, in multiples of p, after which interleaved 1F1B's moments on a rank are all shown.
+After its warm-up a rank's chunks hold counts that repeat every round (p microbatches through
+each of its v chunks: ``_units`` grows by p a round). From 3p microbatches on a whole round runs
+between the warm-up and the last forward, and the drain after it lets microbatches go in the same
+order for any m that is a multiple of p (as interleaved's must be), so more microbatches show no
+new moment; ``tests/test_in_flight.py`` holds the shortcut to the full count. The search asks
+for thousands of microbatches, whose moments would take the full count seconds a layout."""
+
 ZBV_WALKED_RANKS = 64
 """ZB-V's moments are read off its action lists, about 4p² actions in all: over more ranks than
 this, a rank is bounded by its two chunks' own peaks at once (safe; no closed form yet)."""
@@ -54,11 +63,11 @@ def rank_peaks(kind: str, *, ranks: int, microbatches: int, chunks: int = 1) -> 
     peak at once: interleaved 1F1B's first rank holds ``(v - 1)·p + 2(p - 1) + 1`` chunk-microbatches
     at its fullest (Narayanan et al.'s ``p·(1 + (p - 1)/(p·v))`` microbatches of its ``v`` chunks),
     while each of its chunks, at its own moment, holds up to ``2p``. Which moment is the fullest
-    depends on what each stage holds per microbatch, so every moment that no other moment
-    equals or exceeds on every stage is given; the rank's peak is the largest of their sums."""
+    depends on what each stage holds per microbatch, so every moment that may hold the most
+    bytes for some sizes is given (``_pareto``); the rank's peak is the largest of their sums."""
     m, v = microbatches, chunks
-    if kind == "interleaved":
-        return tuple(_pareto(_interleaved_held(r, ranks, m, v)) for r in range(ranks))
+    if kind == "interleaved":  # its states repeat every round: 3p microbatches show them all
+        return _pareto(_interleaved_held(ranks, min(m, INTERLEAVED_SHOWN * ranks), v))
     if kind == "zbv" and ranks > ZBV_WALKED_RANKS:  # each chunk at its own peak: more than the rank holds
         peaks = peak_in_flight(kind, ranks=ranks, microbatches=m, chunks=2)
         return tuple(((peaks[r], peaks[2 * ranks - 1 - r]),) for r in range(ranks))
@@ -67,15 +76,16 @@ def rank_peaks(kind: str, *, ranks: int, microbatches: int, chunks: int = 1) -> 
     return tuple(((count,),) for count in peak_in_flight(kind, ranks=ranks, microbatches=m, chunks=chunks))
 
 
-def _interleaved_held(r: int, p: int, m: int, v: int) -> np.ndarray:
-    """Rank ``r``'s chunks' live microbatches after each of its forwards (rows; a column per chunk)."""
+def _interleaved_held(p: int, m: int, v: int) -> np.ndarray:
+    """Per rank, its chunks' live microbatches before its first steady forward and after each
+    forward from then on (ranks x moments x chunks)."""
     total = m * v
     steps = np.arange(total)
-    warmup = min((v - 1) * p + 2 * (p - 1 - r), total)
+    warmup = np.minimum((v - 1) * p + 2 * (p - 1 - np.arange(p)), total)[:, None]  # per rank
     forwards = np.minimum(warmup + steps + 1, total)
-    after = np.stack([_units(forwards, c, p, v) - _units(steps, v - 1 - c, p, v) for c in range(v)], axis=1)
-    start = np.array([[int(_units(np.array([warmup]), c, p, v)[0]) for c in range(v)]])
-    return np.concatenate([start, after])
+    after = np.stack([_units(forwards, c, p, v) - _units(steps, v - 1 - c, p, v) for c in range(v)], axis=2)
+    start = np.stack([_units(warmup, c, p, v) for c in range(v)], axis=2)
+    return np.concatenate([start, after], axis=1)
 
 
 def _walked(kind: str, ranks: int, microbatches: int) -> tuple[tuple[tuple[int, ...], ...], ...]:
@@ -95,20 +105,36 @@ def _walked(kind: str, ranks: int, microbatches: int) -> tuple[tuple[tuple[int, 
                 rows.append(list(live))
             elif action.kind in (Kind.B, Kind.I):
                 live[mine.index(action.stage)] -= 1
-        found.append(_pareto(np.array(rows or [live])))
+        found.extend(_pareto(np.array([rows or [live]])))
     return tuple(found)
 
 
-def _pareto(held: np.ndarray) -> tuple[tuple[int, ...], ...]:
-    """The rows of ``held`` that no other row equals or exceeds everywhere, fullest first."""
-    rows = np.array(sorted(set(map(tuple, held.tolist())), key=lambda row: (-sum(row), row)), dtype=np.int64)
+def _pareto(held: np.ndarray) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    """Per rank of ``held`` (ranks x moments x stages, the moments in the order the rank reaches
+    them), the moments that may be its peak, fullest first.
+
+    Between two moments where its counts turn, a rank's counts move by the same step each time
+    (one chunk's forwards against another's backwards, for up to p moments): every moment inside
+    such a run is a weighted mean of the run's two ends, so it never holds more bytes than both
+    (the bytes are a sum of counts times per-microbatch sizes). Of the moments at the turns,
+    those that another equals or exceeds on every stage are dropped too."""
+    steps = np.diff(held, axis=1)
+    turns = np.ones(held.shape[:2], dtype=bool)
+    turns[:, 1:-1] = (steps[:, 1:] != steps[:, :-1]).any(axis=2)
+    return tuple(_uncovered(rows[keep]) for rows, keep in zip(held, turns))
+
+
+def _uncovered(rows: np.ndarray) -> tuple[tuple[int, ...], ...]:
+    """The rows that no other row equals or exceeds everywhere, fullest first: the fullest row
+    left is one (a row at least as large everywhere would be fuller); it and the rows it covers
+    are taken away until none is left."""
+    rows = np.unique(rows, axis=0)
+    rows = rows[np.lexsort((*rows.T[::-1], -rows.sum(axis=1)))]  # fullest first, then by row
     kept = []
-    for start in range(0, len(rows), 256):  # rows x rows x stages booleans, a block of rows at a time
-        block = rows[start:start + 256]
-        covers = (rows[None, :, :] >= block[:, None, :]).all(axis=2)  # covers[i, j]: row j >= row i everywhere
-        covers[np.arange(len(block)), np.arange(start, start + len(block))] = False
-        kept.extend(block[~covers.any(axis=1)])
-    return tuple(tuple(int(x) for x in row) for row in kept)
+    while len(rows):
+        kept.append(tuple(int(x) for x in rows[0]))
+        rows = rows[~(rows <= rows[0]).all(axis=1)]
+    return tuple(kept)
 
 
 def _units(n: np.ndarray, chunk: int, p: int, v: int) -> np.ndarray:
