@@ -5,6 +5,7 @@ compute hold the stage up; on a CPU every collective adds. The plan's step model
 closed form and its simulator all take that from the one function."""
 
 import random
+from dataclasses import replace
 import pytest
 
 from autopart.driver import CompileOptions, compile_plan
@@ -85,15 +86,17 @@ def test_the_steady_state_shortcut_gives_the_walk_one_unit_at_a_time(seed):
     """Runs of equal layers are advanced at once once they shift the state evenly; mixed runs,
     root pieces between them and every balance of compute against transfers included."""
     rng = random.Random(seed)
-    pieces = []
+    pieces, counted = [], []
     for _ in range(rng.randint(1, 5)):
-        piece = Piece(forward_s=rng.uniform(0, 3), backward_s=rng.uniform(0, 6),
-                      unit_bytes=rng.choice([0.0, rng.uniform(0.1, 4)]))
-        pieces += [piece] * rng.randint(1, 30)
+        piece, count = Piece(forward_s=rng.uniform(0, 3), backward_s=rng.uniform(0, 6),
+                             unit_bytes=rng.choice([0.0, rng.uniform(0.1, 4)])), rng.randint(1, 30)
+        pieces += [piece] * count
+        counted.append(replace(piece, count=count))
     root, gather, reduce = rng.choice([0.0, rng.uniform(0, 5)]), rng.uniform(0.1, 2), rng.uniform(0.1, 2)
-    found = cost(pieces, root, gather=gather, reduce=reduce)
-    assert (found.forward_s, found.backward_s, found.pending_s) == pytest.approx(brute_force(pieces, root, gather, reduce),
-                                                                               rel=1e-9, abs=1e-9)
+    walked = brute_force(pieces, root, gather, reduce)
+    for given in (pieces, counted):
+        found = cost(given, root, gather=gather, reduce=reduce)
+        assert (found.forward_s, found.backward_s, found.pending_s) == pytest.approx(walked, rel=1e-9, abs=1e-9)
 
 
 def test_the_step_model_charges_a_stage_its_unhidden_transfers_and_the_search_the_same():
@@ -111,11 +114,15 @@ def test_the_step_model_charges_a_stage_its_unhidden_transfers_and_the_search_th
 
     layers, layer_bytes, forward = 4, 1e9, 0.8
     pieces = (Piece(forward_s=forward / layers, backward_s=2 * forward / layers, unit_bytes=layer_bytes / layers),) * layers
+    counted = Piece(forward_s=forward / layers, backward_s=2 * forward / layers, unit_bytes=layer_bytes / layers,
+                    count=layers)
     plan = data_parallel_comm(3, 1.5e9, dp=8, across_nodes=True, cost_model=Model(), overlapped=True,
                               hidden_behind_s=forward, pieces=pieces)
     search = fully_sharded_extra_s(3, Cluster(), 1.5e9, forward, dp=8, across_nodes=True, dtype="fp32",
                                    layers=(int(layer_bytes), layers))
     assert (plan.forward_s, plan.backward_s) == pytest.approx(search)
+    assert data_parallel_comm(3, 1.5e9, dp=8, across_nodes=True, cost_model=Model(), overlapped=True,
+                              hidden_behind_s=forward, pieces=(counted,)) == plan  # four equal layers, as one piece
     whole = data_parallel_comm(3, 1.5e9, dp=8, across_nodes=True, cost_model=Model(), overlapped=True,
                                hidden_behind_s=forward)
     # the root's gather and the first layer's; of each later layer's 0.25 s gather, the 0.2 s forward hides all but 0.05

@@ -68,7 +68,7 @@ def data_parallel_comm(zero: int, parameter_bytes: float, *, dp: int, across_nod
     if zero == 2:
         return DataParallelComm(backward_s=reduce, tail_s=time("all_gather") + last)
     layered = fully_sharded_cost(
-        pieces or (Piece(hidden_behind_s, 2 * hidden_behind_s),), parameter_bytes - sum(p.unit_bytes for p in pieces),
+        pieces or (Piece(hidden_behind_s, 2 * hidden_behind_s),), parameter_bytes - sum(p.count * p.unit_bytes for p in pieces),
         gather_s=lambda nbytes: cost_model.collective_time("all_gather", gathered_bytes(nbytes, dtype), dp,
                                                            across_nodes=across_nodes),
         reduce_s=lambda nbytes: cost_model.collective_time("reduce_scatter", nbytes, dp, across_nodes=across_nodes),

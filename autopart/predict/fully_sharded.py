@@ -30,13 +30,15 @@ __all__ = ["FullyShardedCost", "Piece", "fully_sharded_cost"]
 
 @dataclass(frozen=True)
 class Piece:
-    """A stretch of a stage's compute in forward order: one layer unit (``unit_bytes``, this
-    rank's fp32 parameter bytes of the layer) or, with ``unit_bytes`` 0, compute of the root
-    unit (embedding, norms, head), whose weights are gathered once at the action's start."""
+    """A stretch of a stage's compute in forward order: ``count`` equal layer units (each of
+    ``unit_bytes``, this rank's fp32 parameter bytes of the layer, and of the seconds given) or,
+    with ``unit_bytes`` 0, compute of the root unit (embedding, norms, head), whose weights are
+    gathered once at the action's start."""
 
     forward_s: float
     backward_s: float
     unit_bytes: float = 0.0
+    count: int = 1
 
 
 @dataclass(frozen=True)
@@ -62,32 +64,39 @@ def fully_sharded_cost(pieces: Sequence[Piece], root_bytes: float, *, gather_s: 
     reduce = [reduce_s(p.unit_bytes) if p.unit_bytes else 0.0 for p in pieces]
     root_gather, root_reduce = (gather_s(root_bytes), reduce_s(root_bytes)) if root_bytes else (0.0, 0.0)
     if not overlapped:
-        gathers = root_gather + sum(gather)
-        return FullyShardedCost(forward_s=gathers, backward_s=gathers + root_reduce + sum(reduce), pending_s=0.0)
-    forward = [_Segment(0.0, root_gather)]
-    forward += [_Segment(p.forward_s, g) for p, g in zip(pieces, gather)]
-    backward = [_Segment(0.0, root_gather)]
-    backward += [_Segment(p.backward_s, g, r) for p, g, r in zip(reversed(pieces), reversed(gather), reversed(reduce))]
-    backward.append(_Segment(0.0, 0.0, root_reduce))
+        gathers = root_gather + sum(p.count * g for p, g in zip(pieces, gather))
+        reduces = root_reduce + sum(p.count * r for p, r in zip(pieces, reduce))
+        return FullyShardedCost(forward_s=gathers, backward_s=gathers + reduces, pending_s=0.0)
+    forward = [(_Segment(0.0, root_gather), 1)]
+    forward += [(_Segment(p.forward_s, g), p.count) for p, g in zip(pieces, gather)]
+    backward = [(_Segment(0.0, root_gather), 1)]
+    backward += [(_Segment(p.backward_s, g, r), p.count)
+                 for p, g, r in zip(reversed(pieces), reversed(gather), reversed(reduce))]
+    backward.append((_Segment(0.0, 0.0, root_reduce), 1))
     forward_end, _ = _timeline(forward)
     backward_end, channel_end = _timeline(backward)
-    return FullyShardedCost(forward_s=forward_end - sum(p.forward_s for p in pieces),
-                            backward_s=backward_end - sum(p.backward_s for p in pieces),
+    return FullyShardedCost(forward_s=forward_end - sum(p.count * p.forward_s for p in pieces),
+                            backward_s=backward_end - sum(p.count * p.backward_s for p in pieces),
                             pending_s=channel_end - backward_end)
 
 
-def _timeline(segments: Sequence[_Segment]) -> tuple[float, float]:
-    """When the compute of ``segments`` ends and when the collectives' channel does, with each
-    segment's gather issued at the start of the segment before it (the first at time 0) and its
-    reduce-scatter at its end.
+def _timeline(segments: Sequence[tuple[_Segment, int]]) -> tuple[float, float]:
+    """When the compute of ``segments`` (each repeated its count of times) ends and when the
+    collectives' channel does, with each segment's gather issued at the start of the segment
+    before it (the first at time 0) and its reduce-scatter at its end.
 
     A run of equal segments (a stage's identical layers) reaches a steady state in which every
     segment shifts the whole state (compute end, channel end, next gather's end) by the same
     seconds; the state is then advanced over the run at once. That is exact, not an
     approximation: the update is built of max and +, so shifting its input shifts its output."""
-    first = segments[0].gather_s if segments else 0.0
+    runs: list[tuple[_Segment, int]] = []
+    for segment, count in segments:  # equal neighbours make one run
+        if runs and runs[-1][0] == segment:
+            runs[-1] = (segment, runs[-1][1] + count)
+        elif count:
+            runs.append((segment, count))
+    first = runs[0][0].gather_s if runs else 0.0
     compute, channel, ready = 0.0, first, first  # the first gather is issued at once
-    runs = [(segment, len(list(group))) for segment, group in itertools.groupby(segments)]
     for i, (segment, count) in enumerate(runs):
         following = runs[i + 1][0] if i + 1 < len(runs) else None
         done = 0

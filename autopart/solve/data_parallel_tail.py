@@ -125,8 +125,8 @@ def fully_sharded_extra_s(level: int, cluster, stage_bytes: float, forward_s: fl
         return 0.0, max(0.0, scatter - forward_s) if overlapped else scatter
     backward_s = 2 * forward_s if backward_s is None else backward_s
     layered_bytes, count = layers
-    pieces = ((Piece(forward_s / count, backward_s / count, layered_bytes / count),) * count if count
-              else (Piece(forward_s, backward_s),))
+    pieces = (Piece(forward_s / count, backward_s / count, layered_bytes / count, count) if count
+              else Piece(forward_s, backward_s),)
     cost = fully_sharded_cost(pieces, max(0.0, stage_bytes - (layered_bytes if count else 0)),
                               gather_s=lambda n: cluster.all_gather_s(gathered_bytes(n, dtype), dp, across_nodes),
                               reduce_s=lambda n: _reduce_scatter_s(cluster, n, dp, across_nodes), overlapped=overlapped)
