@@ -136,8 +136,7 @@ def test_a_plan_s_stage_pieces_are_its_blocks_with_each_whole_layer_one_unit():
                              micro_batch_size=2, schedule="1f1b", optimizer="adamw")  # fmt: skip
     plan, front = compile_plan(options)
     parameter_bytes = front.chain.parameter_bytes
-    for stage in plan.stages:
-        pieces = fully_sharded_pieces(front, stage, options.tp)
+    for stage, pieces in zip(plan.stages, fully_sharded_pieces(front, plan.stages, options.tp)):
         units = [p for p in pieces if p.unit_bytes]
         held = set(stage.parameters)
         layers = sorted(k for k in {name.split(".")[1] for name in held if name.startswith("h.")}

@@ -99,20 +99,20 @@ def _best_run(signatures: tuple[str, ...], lo: int, hi: int,
     and the next one's first), then to the shorter period."""
     best, best_key = None, None
     for period in range(1, min(_LONGEST_PERIOD, (hi - lo) // 2) + 1):
-        start = lo
-        while start + 2 * period <= hi:
-            count = 1
-            while start + (count + 1) * period <= hi and all(
-                signatures[start + count * period + i] == signatures[start + i] for i in range(period)
-            ):
-                count += 1
-            if count >= 2:
-                read = [p for names in parameters[start : start + period] for p in names]
-                depth = _prefix(read).count(".") + 1 if read else 0
-                key = (period * count, depth, -period, -start)
-                if best_key is None or key > best_key:
-                    best, best_key = (start, period, count), key
-            start += 1
+        # same[i - lo]: how many blocks from i on each equal the block a period after it, so a run
+        # from i repeats 1 + same // period times: one pass per period, not one per start
+        same = [0] * (hi - lo + 1)
+        for i in range(hi - period - 1, lo - 1, -1):
+            same[i - lo] = same[i - lo + 1] + 1 if signatures[i] == signatures[i + period] else 0
+        for start in range(lo, hi - 2 * period + 1):
+            count = min(1 + same[start - lo] // period, (hi - start) // period)
+            if count < 2 or (best_key is not None and period * count < best_key[0]):
+                continue
+            read = [p for names in parameters[start : start + period] for p in names]
+            depth = _prefix(read).count(".") + 1 if read else 0
+            key = (period * count, depth, -period, -start)
+            if best_key is None or key > best_key:
+                best, best_key = (start, period, count), key
     return best
 
 

@@ -34,21 +34,25 @@ def data_parallel(options: CompileOptions, front: Front, stages: list[StagePlan]
     The group spans nodes once the whole mesh does (dp is outermost)."""
     across = options.pp * options.tp * options.dp > options.gpus_per_node
     overlapped = front.cost_model.device.collectives_overlap_compute
-    layered = options.zero == 3 and options.dp > 1
+    pieces = fully_sharded_pieces(front, stages, options.tp) if options.zero == 3 and options.dp > 1 else None
     return [data_parallel_comm(options.zero, stage.parameter_bytes / options.tp, dp=options.dp, across_nodes=across,
                                cost_model=front.cost_model, overlapped=overlapped, hidden_behind_s=stage.forward_s,
-                               dtype=options.dtype, pieces=fully_sharded_pieces(front, stage, options.tp) if layered else ())
-            for stage in stages]
+                               dtype=options.dtype, pieces=pieces[i] if pieces else ())
+            for i, stage in enumerate(stages)]
 
 
-def fully_sharded_pieces(front: Front, stage: StagePlan, tp: int) -> tuple[Piece, ...]:
-    """``stage``'s compute in forward order for ZeRO-3 (`autopart.predict.fully_sharded`): each
-    repeated layer it holds whole one unit, as the runtime makes it (`autopart.codegen.layers`),
+def fully_sharded_pieces(front: Front, stages: list[StagePlan], tp: int) -> list[tuple[Piece, ...]]:
+    """Per stage, its compute in forward order for ZeRO-3 (`autopart.predict.fully_sharded`):
+    each repeated layer it holds whole one unit, as the runtime makes it (`autopart.codegen.layers`),
     each other block the root unit's; the blocks' seconds scaled to the stage's own."""
+    instances, times = layer_instances(front.chain), block_seconds(front)
+    return [_stage_pieces(front, stage, tp, instances, times) for stage in stages]
+
+
+def _stage_pieces(front: Front, stage: StagePlan, tp: int, instances, times) -> tuple[Piece, ...]:
     first, last = stage.blocks
-    times = block_seconds(front)
     units = {}
-    for begin, end, own in layer_instances(front.chain):
+    for begin, end, own in instances:
         if first <= begin and end - 1 <= last:
             units[begin] = (end, sum(front.chain.parameter_bytes[p] for p in own) / tp)
     forward = sum(times[k][0] for k in range(first, last + 1))

@@ -66,20 +66,23 @@ class RankRoom:
         self.stage_rank = stage_rank
         self.index = [mine[r].index(s) for s, r in enumerate(stage_rank)]
         self.later = [len(mine[r]) - 1 - self.index[s] for s, r in enumerate(stage_rank)]
-        self.moments = [np.array(moments[r], dtype=np.int64).reshape(-1, len(mine[r])) for r in range(ranks)]
+        # per stage, the microbatches it holds at each of its rank's moments: plain lists, as a
+        # rank has a few moments (`autopart.schedule.peaks`) and the cutter asks millions of times
+        self.counts = [[held[self.index[s]] for held in moments[r]] for s, r in enumerate(stage_rank)]
+        self.sizes = [len(moments[r]) for r in range(ranks)]
         self.room, self.reserve = room_bytes, reserve_bytes
         self.reset()
 
     def reset(self) -> None:
-        self.fixed = [0] * len(self.moments)
-        self.held = [np.zeros(len(m), dtype=np.int64) for m in self.moments]  # per moment, bytes so far
+        self.fixed = [0] * len(self.sizes)
+        self.held = [[0] * size for size in self.sizes]  # per rank, per moment, bytes in flight so far
 
     def fits(self, s: int, parameters: int, per_microbatch: int, once: int) -> bool:
         r = self.stage_rank[s]
-        peak = int((self.held[r] + self.moments[r][:, self.index[s]] * per_microbatch).max())
+        peak = max(held + count * per_microbatch for held, count in zip(self.held[r], self.counts[s]))
         return self.fixed[r] + parameters + once + peak + self.later[s] * self.reserve <= self.room
 
     def take(self, s: int, parameters: int, per_microbatch: int, once: int) -> None:
         r = self.stage_rank[s]
         self.fixed[r] += parameters + once
-        self.held[r] = self.held[r] + self.moments[r][:, self.index[s]] * per_microbatch
+        self.held[r] = [held + count * per_microbatch for held, count in zip(self.held[r], self.counts[s])]
