@@ -135,11 +135,13 @@ VARIANTS = {
     "searched": {},
     "no SP": {"options": {"sp": False}},
     "ZeRO 1 fixed": {"space": {"zero": (1,)}},
+    "ZeRO 3 fixed": {"space": {"zero": (3,)}},
     "no zbv": {"space": {"schedule": tuple(k for k in SCHEDULE_KINDS if k != "zbv")}},
     "all-reduce not overlapped": {"cluster": {"reduction_overlaps": False}},
 }
 """Each of issue 24's dimensions taken away from the search in turn (ZeRO: only level 1 where
-there are replicas, as before it; the overlap: the whole all-reduce after the pipeline)."""
+there are replicas, as before it, or only level 3, to show what it costs where it is not chosen;
+the overlap: the whole all-reduce after the pipeline)."""
 
 
 def dimension_effects(case: Case) -> list[tuple[str, Scored | None, float]]:

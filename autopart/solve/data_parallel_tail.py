@@ -123,13 +123,22 @@ def fully_sharded_extra_s(level: int, cluster, stage_bytes: float, forward_s: fl
     if level == 2:
         scatter = _reduce_scatter_s(cluster, stage_bytes, dp, across_nodes)
         return 0.0, max(0.0, scatter - forward_s) if overlapped else scatter
-    backward_s = 2 * forward_s if backward_s is None else backward_s
+    return _layered_extra_s(cluster, stage_bytes, forward_s, 2 * forward_s if backward_s is None else backward_s,
+                            layers, dp, across_nodes, dtype)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _layered_extra_s(cluster, stage_bytes: float, forward_s: float, backward_s: float, layers: tuple[int, int],
+                     dp: int, across_nodes: bool, dtype: str) -> tuple[float, float]:
+    """``fully_sharded_extra_s`` at level 3, kept: refining a layout's cuts asks for the same
+    stages again and again."""
     layered_bytes, count = layers
     pieces = (Piece(forward_s / count, backward_s / count, layered_bytes / count, count) if count
               else Piece(forward_s, backward_s),)
     cost = fully_sharded_cost(pieces, max(0.0, stage_bytes - (layered_bytes if count else 0)),
                               gather_s=lambda n: cluster.all_gather_s(gathered_bytes(n, dtype), dp, across_nodes),
-                              reduce_s=lambda n: _reduce_scatter_s(cluster, n, dp, across_nodes), overlapped=overlapped)
+                              reduce_s=lambda n: _reduce_scatter_s(cluster, n, dp, across_nodes),
+                              overlapped=cluster.reduction_overlaps)
     return cost.forward_s, cost.backward_s + max(0.0, cost.pending_s - forward_s)
 
 
