@@ -11,7 +11,7 @@ from dataclasses import replace
 import torch
 
 import autopart
-from autopart.codegen.layers import layer_parameters
+from autopart.codegen.layers import layer_instances, layer_parameters
 from autopart.codegen.stages import stage_boundaries
 from autopart.ir.placement import REPLICATE
 from autopart.ir.plan import Plan, Predicted, Provenance, ScheduleSpec, StagePlan
@@ -42,14 +42,12 @@ def pipeline_problem(options: CompileOptions, front: Front, microbatches: int) -
     stages = options.pp * options.chunks
     device = cost_model.device
     memory = round(options.memory_gib * (1 << 30)) if options.memory_gib is not None else device.memory_bytes
-    placements = parameter_placements(front)
     # The cuts are not known yet: with one recompute mode for every stage the blocks carry its
     # figures (a stage's inputs, which recompute keeps, are left out); with modes that differ per
     # stage they carry no recompute's. plan_from_cuts computes the chosen stages' figures exactly.
     modes = set(stage_modes(options.recompute, stages))
     times, saved = recompute_blocks(front, [modes.pop() if len(modes) == 1 else "none"] * len(chain.blocks))
-    local = {name: nbytes // (options.tp if placements.get(name, REPLICATE).kind == "S" else 1)
-             for name, nbytes in chain.parameter_bytes.items()}
+    local = _local_bytes(options, front)
     layered, layer_bytes = layered_parameters(chain, local)
     return PipelineProblem(
         block_time_s=times,
@@ -80,6 +78,8 @@ def plan_from_cuts(
     ranges = stage_ranges(cuts, len(front.chain.blocks))
     problem, recompute = _with_recompute(options, front, problem, ranges)
     evaluation = evaluate(problem, cuts)
+    split = _split_layer_bytes(options, front, problem, ranges)
+    memory = tuple(held + more for held, more in zip(evaluation.rank_memory_bytes, split))
     stages, holders = _stage_plans(front, problem, ranges, recompute)
     transfer = tuple(boundary_seconds(options, front.cost_model, st.outputs) for st in stages[:-1])
     total, microbatches, micro_batch_size = batch
@@ -114,7 +114,7 @@ def plan_from_cuts(
         predicted=Predicted(
             step_s=step_s + gradient_sync,
             bubble=timeline.bubble,
-            memory_bytes=_with_transients(options, evaluation.rank_memory_bytes, recompute, microbatches),
+            memory_bytes=_with_transients(options, memory, recompute, microbatches),
             p2p_bytes_per_step=2 * microbatches * sum(sum(m.nbytes for _, m in st.outputs) for st in stages),
             stage_time_s=evaluation.stage_time_s,
             transfer_s=transfer,
@@ -270,6 +270,30 @@ def _state_bytes(options: CompileOptions, parameter_bytes: int, *, layered: bool
     """Weights, gradients and optimizer state of one rank's share of a parameter."""
     return state_bytes(parameter_bytes, optimizer=options.optimizer, dp=options.dp, zero=options.zero,
                        dtype=options.dtype or "fp32", layered=layered)
+
+
+def _split_layer_bytes(options: CompileOptions, front: Front, problem: PipelineProblem, ranges: list[range]) -> list[int]:
+    """Per rank, what counting a repeated layer's parameters as its own FSDP unit's shards leaves
+    out at ZeRO-3 where a cut splits the layer: the stages write its halves inline, so they run in
+    each stage's root unit (`autopart.codegen.layers`) and cost what the root's parameters cost.
+    The cutters do not see this (their costs are per parameter, not per cut); the plan's figure does."""
+    extra = [0] * problem.ranks
+    if int(options.zero) != 3 or options.dp == 1:
+        return extra
+    whole = {name: _state_bytes(options, nbytes, layered=False) for name, nbytes in _local_bytes(options, front).items()}
+    for first, end, own in layer_instances(front.chain):
+        for s, members in enumerate(ranges):
+            if first < members.stop and end > members.start and not (members.start <= first and end <= members.stop):
+                held = {p for k in members for p in front.chain.blocks[k].parameters} & own
+                extra[problem.rank_of(s)] += sum(whole[p] - problem.parameter_state_bytes[p] for p in held)
+    return extra
+
+
+def _local_bytes(options: CompileOptions, front: Front) -> dict[str, int]:
+    """Per parameter, its bytes on one rank of the tensor-parallel group."""
+    placements = parameter_placements(front)
+    return {name: nbytes // (options.tp if placements.get(name, REPLICATE).kind == "S" else 1)
+            for name, nbytes in front.chain.parameter_bytes.items()}
 
 
 def layered_parameters(chain, local: dict[str, int]) -> tuple[frozenset[str], int]:
