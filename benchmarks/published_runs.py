@@ -154,8 +154,8 @@ NOT_EXPRESSIBLE = (
      "no step time published (TFLOPs per GPU under a FLOP count the paper does not state); 128k rows need "
      "context parallelism"),
     ("torchtitan docs/performance.md (Llama 3 8B-405B)",
-     "96 GB H100s at 500 W, not a device spec here; float8 on some; FSDP2's prefetch of the next block beside "
-     "the compute, which autopart's step model does not overlap"),
+     "96 GB H100s at 500 W, not a device spec here; float8 on some (its FSDP2, a unit per block with the next "
+     "block's gather beside the compute, autopart now runs and models)"),
     ("NVIDIA dgxc Llama 3.1 8B / 70B / 405B", "context parallelism (CP 2) in every layout"),
     ("NeMo performance summary, H100 dense rows", "FP8"),
     ("Models of 1B-15B", "every public figure found uses FSDP, context parallelism or FP8"),
