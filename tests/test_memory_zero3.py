@@ -62,3 +62,42 @@ def test_the_model_s_layers_are_the_units_the_runtime_makes_and_the_cut_solver_c
     assert split  # gpt.py's cut falls inside a layer
     more = [sum(2 * local[p] for p in split & set(stage.parameters)) for stage in plan.stages]  # whole weights and grads
     assert plan.predicted.memory_bytes == tuple(m + x for m, x in zip(evaluate(zero3, cuts).rank_memory_bytes, more))
+
+
+def test_the_search_s_cutter_costs_a_layer_its_cut_splits_as_root_parameters():
+    """At ZeRO-3 the search's stage figures (``stage_figures``, as its cutters and its memory
+    figure take them) cost the part of a layer that a cut splits as the plan does: root
+    parameters, whole weights and gradients beside their shards, not a layer unit's shards."""
+    from autopart.solve.bottleneck import ChainCosts, stage_figures
+
+    names = (("wte",), ("h.0.a",), ("h.0.b",), ("h.1.a",), ("h.1.b",), ("head",))
+    nbytes = {"wte": 4 * PSI, "head": 4 * PSI} | {f"h.{k}.{x}": PSI for k in range(2) for x in "ab"}
+    n = len(names)
+    costs = ChainCosts(forward_s=(1.0,) * n, backward_s=(2.0,) * n, weight_s=(1.0,) * n, saved_bytes=(0,) * n,
+                       selective_saved_bytes=(0,) * n, selective_recompute_s=(0.0,) * n, boundary_bytes=(8,) * (n - 1),
+                       input_bytes=8, parameter_bytes=nbytes, parameter_state_bytes=nbytes, block_parameters=names,
+                       layer_parameters=frozenset(p for p in nbytes if p.startswith("h.")), layer_bytes=2 * PSI,
+                       layer_spans=((1, 3), (3, 5)))
+    dp = 4
+
+    def state(size, layered=False):
+        return state_bytes(size, optimizer="adamw", dp=dp, zero=3, layered=layered)
+
+    def parameters(costs, first, last):
+        return stage_figures(costs, first, last, mode="none", in_flight=1, transfer_in_s=0.0,
+                             transfer_out_s=0.0).parts[0]
+
+    zero3 = costs.with_state(state)
+    shard, whole = state(PSI, layered=True), state(PSI)
+    assert whole > shard
+    found = [parameters(zero3, first, last) for first, last in ((0, 2), (1, 4), (2, 3), (3, 5), (2, 2))]
+    assert found == [state(4 * PSI) + 2 * shard,  # layer 0 whole in the stage: its unit
+                     4 * shard,  # both layers whole
+                     2 * whole,  # the second half of layer 0, the first of layer 1: each in the root
+                     2 * shard + state(4 * PSI),
+                     whole]
+    def zero1(size, layered=False):
+        return state_bytes(size, optimizer="adamw", dp=dp, zero=1, layered=layered)
+
+    # below ZeRO-3 a layer costs the same wherever it is cut
+    assert parameters(costs.with_state(zero1), 2, 3) == 2 * zero1(PSI)

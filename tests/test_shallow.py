@@ -74,3 +74,22 @@ def test_the_search_through_the_shallow_copy_chooses_the_full_models_plan(tmp_pa
     assert shallow.mesh == full.mesh and shallow.schedule == full.schedule
     assert [s.blocks for s in shallow.stages] == [s.blocks for s in full.stages]
     assert shallow.predicted.step_s == full.predicted.step_s
+
+
+def test_the_shallow_copy_s_layers_lie_where_the_full_model_s_do(tmp_path) -> None:
+    """The repeated layers' blocks (what ZeRO-3 costs a cut inside a layer by) in the chain the
+    search builds from two captured layers are the full model's."""
+    from pathlib import Path
+
+    from autopart.driver import CompileOptions
+    from autopart.solve import planner
+
+    model = tmp_path / "deep.py"
+    model.write_text(MODEL_FILE.format(models=str(Path(__file__).resolve().parent.parent / "benchmarks" / "models")))
+    options = CompileOptions(model=model, world_size=4, global_batch_size=8, device="h100-sxm")
+    full = planner.FrontTable(options)
+    shallow = planner.shallow_table(full)
+    assert shallow is not None
+    repeated = shallow.chain_costs(micro_batch_size=1, tp=1, dtype="fp32")
+    captured = full.chain_costs(micro_batch_size=1, tp=1, dtype="fp32")
+    assert repeated.layer_spans == captured.layer_spans and len(captured.layer_spans) > 2

@@ -48,6 +48,7 @@ class ChainCosts:
     block_parameters: tuple[tuple[str, ...], ...]
     layer_parameters: frozenset[str] = frozenset()  # a repeated layer's own: its own FSDP unit at ZeRO-3
     layer_bytes: int = 0  # the largest repeated layer's ``parameter_bytes`` (``autopart.predict.memory``)
+    layer_spans: tuple[tuple[int, int], ...] = ()  # each repeated layer's blocks (first, end), in chain order
     _prefix: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __len__(self) -> int:
@@ -110,11 +111,16 @@ class ChainCosts:
                 kept[key] = self.with_state(state_bytes)
             return kept[key]
         kinds = {(b, p in self.layer_parameters) for p, b in self.parameter_bytes.items()}
+        kinds |= {(size, False) for size, layered in kinds if layered}  # what a layer split by a cut costs
         state = {(size, layered): state_bytes(size, layered=True) if layered else state_bytes(size)
                  for size, layered in kinds}
         owned = [sum(state[kind] * count for kind, count in sizes) for sizes in self._owned_sizes()]
         carried = {name: self._prefix[name] for name in ("owned_sizes", "shared") if name in self._prefix}
         carried["owned_parameter_bytes"] = [0, *itertools.accumulate(owned)]
+        split = [sum((state[size, False] - state[size, True]) * count for (size, layered), count in sizes if layered)
+                 for sizes in self._owned_sizes()]
+        if any(split):  # a layer's own FSDP unit (ZeRO-3) holds less than its stage's root unit
+            carried["split_layer_bytes"] = [0, *itertools.accumulate(split)]
         layered = self.layer_parameters
         return replace(self, parameter_state_bytes={p: state[b, p in layered] for p, b in self.parameter_bytes.items()},
                        _prefix=carried)
@@ -167,7 +173,7 @@ class _Sums:
     """A chain's running sums, held in one place: the search evaluates millions of stages."""
 
     __slots__ = ("compute", "selective_s", "full_s", "saved", "selective_saved", "owned", "weight", "received",
-                 "shared")
+                 "shared", "split", "span")
 
     def __init__(self, costs: ChainCosts):
         p = costs.prefix
@@ -178,6 +184,15 @@ class _Sums:
         self.received = tuple(b + costs.input_bytes for b in (0, *costs.boundary_bytes))
         self.shared = tuple((readers, costs.parameter_state_bytes[name])
                             for name, readers in costs.shared_parameters.items())
+        # A repeated layer that a cut splits is written inline in both stages and runs in their
+        # root units (`autopart.codegen.layers`): its parameters cost what a root's do, not a
+        # layer unit's shards. Per block, the layer it is in (first, end); ``split``: running sums
+        # of what that costs more, where it does (ZeRO-3's ``with_state``).
+        self.split = costs._prefix.get("split_layer_bytes")
+        span = [(k, k + 1) for k in range(len(costs))]
+        for first, end in costs.layer_spans:
+            span[first:end] = [(first, end)] * (end - first)
+        self.span = tuple(span)
 
     def stage(self, first: int, last: int, mode: str, in_flight: int, transfer_in_s: float,
               transfer_out_s: float, transient: int = 1) -> tuple[float, float, int]:
@@ -203,6 +218,13 @@ class _Sums:
         else:
             raise ValueError(f"unknown recompute mode {mode!r}")
         parameters = self.owned[end] - self.owned[first]
+        if self.split is not None:
+            begin, stop = self.span[first]
+            if begin < first:  # a layer begun in the stage before
+                parameters += self.split[min(stop, end)] - self.split[first]
+            begin, stop = self.span[last]
+            if stop > end and begin >= first:  # a layer the next stage ends
+                parameters += self.split[end] - self.split[begin]
         for readers, nbytes in self.shared:  # a weight first read before the stage, read again in it
             if readers[0] < first:
                 k = bisect.bisect_left(readers, first)

@@ -26,6 +26,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+from autopart.codegen.layers import layer_instances
 from autopart.options import CompileOptions
 from autopart.passes.front import Front, annotated, block_seconds, parameter_placements, sharded
 from autopart.predict.memory import state_bytes
@@ -168,6 +169,7 @@ def chain_costs(front: Front, tp: int) -> ChainCosts:
         block_parameters=tuple(b.parameters for b in chain.blocks),
         layer_parameters=layered,
         layer_bytes=layer_bytes,
+        layer_spans=tuple((first, end) for first, end, _ in layer_instances(chain)),
     )
 
 

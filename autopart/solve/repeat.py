@@ -106,8 +106,20 @@ def repeat_layers(costs: ChainCosts, layers: Sequence[str | None],
         block_parameters=block_parameters,
         layer_parameters=layered,
         layer_bytes=costs.layer_bytes,  # every layer a copy of a captured one
+        layer_spans=_copied_spans(costs.layer_spans, spans, pattern, head_first),
     )
     return repeated, new_layers
+
+
+def _copied_spans(layer_spans, spans, pattern, head_first: int) -> tuple[tuple[int, int], ...]:
+    """The repeated layers' blocks (first, end) in the new chain: each copy's, where the captured
+    layer ``pattern[i]`` (blocks ``spans[c]``, first and last) held them."""
+    found, base = [], head_first
+    for c in pattern:
+        first, last = spans[c]
+        found += [(base + a - first, base + e - first) for a, e in layer_spans if first <= a and e <= last + 1]
+        base += last - first + 1
+    return tuple(found)
 
 
 def _split(layer: str) -> tuple[str, int]:
