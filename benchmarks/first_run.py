@@ -45,7 +45,8 @@ WARMUP = 5
 ACCURACY = (("quickstart gpt pp2 m4", "gpt.py", dict(pp=2, microbatches=4)),
             ("llama pp2", "llama.py", dict(pp=2)),
             ("llama pp4", "llama.py", dict(pp=4)))
-LAYOUT = re.compile(r"pp(\d+) tp(\d+) dp(\d+) (\d+)x(\d+) (\S+)(?: v=(\d+))?( zero)?(?: (bf16))?$")
+LAYOUT = re.compile(r"pp(\d+) tp(\d+) dp(\d+) (\d+)x(\d+) (\S+)(?: v=(\d+))?(?: zero(\d?))?(?: (bf16))?$")
+"""A layout as ``Layout.describe`` writes it; ZeRO-1 is ``zero``, levels 2 and 3 ``zero2`` and ``zero3``."""
 
 
 def launch(out: Path, ranks: int, steps: int) -> float:
@@ -102,7 +103,8 @@ def pinned(description: str, recompute: list[str], model: Path) -> CompileOption
         raise ValueError(f"cannot read the layout {description!r}")
     pp, tp, dp, microbatches, size, schedule, chunks, zero, dtype = found.groups()
     return CompileOptions(model=model, pp=int(pp), tp=int(tp), dp=int(dp), microbatches=int(microbatches),
-                          micro_batch_size=int(size), schedule=schedule, chunks=int(chunks or 1), zero=bool(zero),
+                          micro_batch_size=int(size), schedule=schedule, chunks=int(chunks or 1),
+                          zero=0 if zero is None else int(zero or 1),
                           dtype=dtype or "fp32", recompute=tuple(recompute))
 
 
