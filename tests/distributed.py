@@ -134,6 +134,26 @@ def train_whole_and_resumed(out: Path, nproc: int, tmp_path: Path) -> dict[str, 
     return runs
 
 
+def _leave_after(target, rank: int, port: int, *args) -> None:
+    """One spawned rank: ``target``, then out through ``os._exit``. A rank that has met its peers at
+    a barrier and destroyed its group can still abort in the interpreter's teardown ("terminate
+    called without an active exception", no Python frame left: torch's C++ teardown of gloo), which
+    is not what these tests check; faulthandler prints the stack of an abort before that point."""
+    import faulthandler
+    import traceback
+
+    faulthandler.enable()
+    code = 0
+    try:
+        target(rank, port, *args)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def spawn_ranks(target, world_size: int, *args, timeout: float = 120) -> list[int | None]:
     """Run ``target(rank, port, *args)`` in ``world_size`` spawned processes (a gloo group's ranks
     on a free loopback port); their exit codes. Spawned, not forked: a fork of the suite's
@@ -142,7 +162,7 @@ def spawn_ranks(target, world_size: int, *args, timeout: float = 120) -> list[in
     import multiprocessing
 
     context, port = multiprocessing.get_context("spawn"), free_port()
-    processes = [context.Process(target=target, args=(rank, port, *args)) for rank in range(world_size)]
+    processes = [context.Process(target=_leave_after, args=(target, rank, port, *args)) for rank in range(world_size)]
     for process in processes:
         process.start()
     for process in processes:

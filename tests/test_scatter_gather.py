@@ -3,7 +3,6 @@ that send only their share and receive the whole tensor."""
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 
 import pytest
@@ -11,11 +10,11 @@ import torch
 import torch.distributed as dist
 
 from autopart.ir.tensors import TensorMeta
-from autopart.tools.local_run import free_port
 from autopart.runtime.p2p import Scatter, recv_tensors, send_tensors
 from autopart.ir.scatter_gather import parts
 from autopart.predict.messages import message_seconds
 from cost_models import get_cost_model
+from tests.distributed import spawn_ranks
 
 
 @pytest.mark.parametrize("numel, tp, expected", [(12, 1, 1), (12, 2, 2), (12, 4, 4), (10, 4, 1), (1, 2, 1), (0, 2, 1)])
@@ -72,14 +71,4 @@ def _rank(rank: int, port: int) -> None:
 
 @pytest.mark.multiprocess
 def test_each_rank_sends_its_share_and_every_receiver_gets_the_whole_tensor():
-    context = multiprocessing.get_context("fork")  # the ranks share this process's imports
-    port = free_port()
-    processes = [context.Process(target=_rank, args=(rank, port)) for rank in range(4)]
-    for process in processes:
-        process.start()
-    for process in processes:
-        process.join(timeout=120)
-    for process in processes:
-        if process.is_alive():
-            process.kill()
-    assert [p.exitcode for p in processes] == [0, 0, 0, 0]  # a receiver exits 1 on a wrong tensor
+    assert spawn_ranks(_rank, 4) == [0, 0, 0, 0]  # a receiver exits 1 on a wrong tensor
