@@ -102,10 +102,12 @@ def test_bf16_pipeline_trains_like_one_bf16_process(tmp_path, tp):
     assert [meta.dtype for _, meta in plan.stages[1].inputs] == ["bfloat16"]
     result = verify(out, steps=2)
     assert result.matches, result.failures
-    # the first step's loss is the same precision's, to float noise, and not autocast-over-fp32's
-    same = train_reference(out, steps=1, lr=0.1, optimizer="sgd").losses[0]
-    other = train_reference(out, steps=1, lr=0.1, optimizer="sgd", dtype="bf16-autocast").losses[0]
-    assert abs(result.losses[0] - same) < 1e-5 < abs(same - other)
+    if tp == 1:  # the first step's loss is the same precision's, to float noise, and not autocast-over-fp32's
+        # (at tp 2 the split matmuls' bf16 rounding moves the loss about as far as the two precisions lie
+        # apart on this small model: 1.8e-5 against 2.4e-5 on one CPU, so only verify's tolerance holds there)
+        same = train_reference(out, steps=1, lr=0.1, optimizer="sgd").losses[0]
+        other = train_reference(out, steps=1, lr=0.1, optimizer="sgd", dtype="bf16-autocast").losses[0]
+        assert abs(result.losses[0] - same) < 5e-6 and abs(same - other) > 1e-5
 
 
 @pytest.mark.multiprocess
