@@ -5,6 +5,7 @@ that every equivalence test shares."""
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import json
 import os
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file
 
 from autopart.driver import CompileOptions, compile_to_directory
@@ -132,6 +134,19 @@ def train_whole_and_resumed(out: Path, nproc: int, tmp_path: Path) -> dict[str, 
                       str(folder / "ckpt"), *(["--resume"] if count == "4" and name == "parts" else []))  # fmt: skip
         runs[name] = folder
     return runs
+
+
+@contextlib.contextmanager
+def gloo_group(rank: int, port: int, world_size: int):
+    """A spawned rank's gloo group on loopback (`spawn_ranks`). Its ranks meet at a barrier before
+    they destroy it: gloo can abort a rank whose peer closed first."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        yield
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
 
 
 def _leave_after(target, rank: int, port: int, *args) -> None:

@@ -8,7 +8,6 @@ fp32 masters; and the memory model counts what they hold."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -23,8 +22,8 @@ from autopart.runtime.checkpoint import checkpoint_keys
 from autopart.runtime.forward import working_copies
 from autopart.runtime.sharded_masters import ShardedMasters, holds_master, partition
 from autopart.tools.verify import verify
-from tests.distributed import (REPO, compile_and_train, read_metrics, run_cli, spawn_ranks, stage_weights,
-                               train_whole_and_resumed)
+from tests.distributed import (REPO, compile_and_train, gloo_group, read_metrics, run_cli, spawn_ranks,
+                               stage_weights, train_whole_and_resumed)
 
 PSI = 1_000_000  # parameters
 DP = 2
@@ -74,9 +73,7 @@ def _loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
 
 
 def _replica(rank: int, port: int, folder: Path) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=DP)
-    try:
+    with gloo_group(rank, port, DP):
         model, reference = _model(), _model()
         whole = sum(p.numel() * 4 for p in model.parameters())
         options = {"lr": 0.01, "foreach": False}
@@ -99,9 +96,6 @@ def _replica(rank: int, port: int, folder: Path) -> None:
         result = {"whole": whole, "masters": masters, "moments": moments, "held": [p.numel() * 4 for p in held],
                   "losses": losses, "expected": expected, "same_masters": same}  # fmt: skip
         (folder / f"rank{rank}.json").write_text(json.dumps(result))
-        dist.barrier()  # leave together: gloo can abort a rank whose peer closed first
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.multiprocess

@@ -17,7 +17,7 @@ from autopart.ir.plan import Plan
 from autopart.options import CompileOptions
 from autopart.runtime.data import global_batches
 from tests.distributed import REPO, assert_same_training, compile_and_train, read_metrics, run_cli, run_ranks
-from tests.distributed import spawn_ranks, stage_weights
+from tests.distributed import gloo_group, spawn_ranks, stage_weights
 
 LR = 1e-3  # AdamW's step is about lr whatever the gradient: a larger one turns reduction-order noise into 1e-5 moves
 
@@ -164,8 +164,7 @@ def _layer_units(rank: int, port: int, out: Path, folder: Path) -> None:
     from autopart.runtime.fully_sharded import is_sharded, shard_stage
     from autopart.runtime.stage import load_stage
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    try:
+    with gloo_group(rank, port, 2):
         stage = load_stage(out, 0, torch.device("cpu"))
         ((method, paths),) = type(stage).layer_methods.items()
         body, calls = getattr(stage, method), []
@@ -197,9 +196,6 @@ def _layer_units(rank: int, port: int, out: Path, folder: Path) -> None:
         (folder / f"rank{rank}.json").write_text(json.dumps({
             "units": units, "paths": list(paths), "calls": calls, "layer_bytes": layer_bytes, "total": total,
             "graded": graded, "backward": backward}))  # fmt: skip
-        dist.barrier()  # leave together: gloo can abort a rank whose peer closed first
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.multiprocess

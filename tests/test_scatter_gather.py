@@ -14,7 +14,7 @@ from autopart.runtime.p2p import Scatter, recv_tensors, send_tensors
 from autopart.ir.scatter_gather import parts
 from autopart.predict.messages import message_seconds
 from cost_models import get_cost_model
-from tests.distributed import spawn_ranks
+from tests.distributed import gloo_group, spawn_ranks
 
 
 @pytest.mark.parametrize("numel, tp, expected", [(12, 1, 1), (12, 2, 2), (12, 4, 4), (10, 4, 1), (1, 2, 1), (0, 2, 1)])
@@ -47,9 +47,7 @@ def _expected() -> list[torch.Tensor]:
 
 def _rank(rank: int, port: int) -> None:
     """Ranks 0 and 1 are one stage's tensor-parallel group, 2 and 3 the next stage's."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=4)
-    try:
+    with gloo_group(rank, port, 4):
         groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
         tp_rank = rank % 2
         scatter = Scatter(groups[rank // 2], tp_rank, 2)
@@ -64,9 +62,6 @@ def _rank(rank: int, port: int) -> None:
             received = recv_tensors(METAS, rank - 2, torch.device("cpu"), scatter)
             if not all(torch.equal(a, b) for a, b in zip(received, _expected())):
                 os._exit(1)
-        dist.barrier()  # leave together: gloo can abort a rank whose peer closed first
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.multiprocess

@@ -7,7 +7,6 @@ step like one unsharded optimizer, bit for bit."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -16,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from autopart.runtime.optim import make_optimizer
-from tests.distributed import spawn_ranks
+from tests.distributed import gloo_group, spawn_ranks
 
 DP = 2
 
@@ -27,9 +26,7 @@ def _model() -> nn.Module:
 
 
 def _replica(rank: int, port: int, folder: Path) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=DP)
-    try:
+    with gloo_group(rank, port, DP):
         model, reference = _model(), _model()
         optimizer = make_optimizer("adamw", model.parameters(), 0.01, zero_group=dist.group.WORLD)
         plain = make_optimizer("adamw", reference.parameters(), 0.01)
@@ -55,9 +52,6 @@ def _replica(rank: int, port: int, folder: Path) -> None:
         same = all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters()))
         result = {"broadcasts": per_step, "parameters": len(list(model.parameters())), "same": same}
         (folder / f"rank{rank}.json").write_text(json.dumps(result))
-        dist.barrier()  # leave together: gloo can abort a rank whose peer closed first
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.multiprocess
