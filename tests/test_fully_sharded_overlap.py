@@ -64,6 +64,9 @@ def test_a_layer_s_gather_hides_behind_the_layer_before_where_the_compute_is_lon
     # behind a 6 s backward; the last layer's reduce-scatter and the root's are left running as it ends
     assert found.backward_s == pytest.approx(1.0 + 2.0)
     assert found.pending_s == pytest.approx(2.0 + 1.0)
+    # what stays running goes beside the next action: past a 1 s one, 2 s of it hold that action up
+    assert found.backward_beside(1.0) == pytest.approx(3.0 + 2.0)
+    assert found.backward_beside(30.0) == pytest.approx(3.0)
 
 
 def test_where_a_layer_s_transfers_outlast_its_compute_each_adds_its_excess():

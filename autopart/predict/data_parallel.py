@@ -63,9 +63,9 @@ def data_parallel_comm(zero: int, parameter_bytes: float, *, dp: int, across_nod
 
     if zero in (0, 1):  # the all-reduce overlaps the backward (`autopart.predict.reduction`); ZeRO-1's
         return DataParallelComm(tail_s=time("all_gather") if zero == 1 else 0.0)  # update is shared after the step
-    reduce = max(0.0, time("reduce_scatter") - hidden_behind_s) if overlapped else time("reduce_scatter")
-    last = time("reduce_scatter") if overlapped else 0.0  # the step waits for the last one
     if zero == 2:
+        reduce = max(0.0, time("reduce_scatter") - hidden_behind_s) if overlapped else time("reduce_scatter")
+        last = time("reduce_scatter") if overlapped else 0.0  # the step waits for the last one
         return DataParallelComm(backward_s=reduce, tail_s=time("all_gather") + last)
     layered = fully_sharded_cost(
         pieces or (Piece(hidden_behind_s, 2 * hidden_behind_s),), parameter_bytes - sum(p.count * p.unit_bytes for p in pieces),
@@ -73,6 +73,5 @@ def data_parallel_comm(zero: int, parameter_bytes: float, *, dp: int, across_nod
                                                            across_nodes=across_nodes),
         reduce_s=lambda nbytes: cost_model.collective_time("reduce_scatter", nbytes, dp, across_nodes=across_nodes),
         overlapped=overlapped)
-    return DataParallelComm(forward_s=layered.forward_s,
-                            backward_s=layered.backward_s + max(0.0, layered.pending_s - hidden_behind_s),
+    return DataParallelComm(forward_s=layered.forward_s, backward_s=layered.backward_beside(hidden_behind_s),
                             tail_s=layered.pending_s)

@@ -47,6 +47,12 @@ class FullyShardedCost:
     backward_s: float  # what one backward waits for its gathers and (not overlapped) reduce-scatters
     pending_s: float  # reduce-scatters still running as the backward ends
 
+    def backward_beside(self, next_action_s: float) -> float:
+        """What one backward adds once its pending reduce-scatters run beside the stage's next
+        action, of ``next_action_s`` (in a pipeline's steady state a forward follows a backward):
+        what they run past that action, the action waits for."""
+        return self.backward_s + max(0.0, self.pending_s - next_action_s)
+
 
 @dataclass(frozen=True)
 class _Segment:

@@ -64,10 +64,10 @@ def rank_peaks(kind: str, *, ranks: int, microbatches: int, chunks: int = 1) -> 
     at its fullest (Narayanan et al.'s ``p·(1 + (p - 1)/(p·v))`` microbatches of its ``v`` chunks),
     while each of its chunks, at its own moment, holds up to ``2p``. Which moment is the fullest
     depends on what each stage holds per microbatch, so every moment that may hold the most
-    bytes for some sizes is given (``_pareto``); the rank's peak is the largest of their sums."""
+    bytes for some sizes is given (``_peak_candidates``); the rank's peak is the largest of their sums."""
     m, v = microbatches, chunks
     if kind == "interleaved":  # its states repeat every round: 3p microbatches show them all
-        return _pareto(_interleaved_held(ranks, min(m, INTERLEAVED_SHOWN * ranks), v))
+        return _peak_candidates(_interleaved_held(ranks, min(m, INTERLEAVED_SHOWN * ranks), v))
     if kind == "zbv" and ranks > ZBV_WALKED_RANKS:  # each chunk at its own peak: more than the rank holds
         peaks = peak_in_flight(kind, ranks=ranks, microbatches=m, chunks=2)
         return tuple(((peaks[r], peaks[2 * ranks - 1 - r]),) for r in range(ranks))
@@ -89,7 +89,7 @@ def _interleaved_held(p: int, m: int, v: int) -> np.ndarray:
 
 
 def _walked(kind: str, ranks: int, microbatches: int) -> tuple[tuple[tuple[int, ...], ...], ...]:
-    """The moments of ``_pareto`` read off the action lists themselves (a forward takes a
+    """The moments of ``_peak_candidates`` read off the action lists themselves (a forward takes a
     microbatch in, its backward or input-gradient half lets it go), for schedules with no closed form."""
     from autopart.ir.actions import Kind
     from autopart.schedule.generators import build_schedule, stage_placement
@@ -105,11 +105,11 @@ def _walked(kind: str, ranks: int, microbatches: int) -> tuple[tuple[tuple[int, 
                 rows.append(list(live))
             elif action.kind in (Kind.B, Kind.I):
                 live[mine.index(action.stage)] -= 1
-        found.extend(_pareto(np.array([rows or [live]])))
+        found.extend(_peak_candidates(np.array([rows or [live]])))
     return tuple(found)
 
 
-def _pareto(held: np.ndarray) -> tuple[tuple[tuple[int, ...], ...], ...]:
+def _peak_candidates(held: np.ndarray) -> tuple[tuple[tuple[int, ...], ...], ...]:
     """Per rank of ``held`` (ranks x moments x stages, the moments in the order the rank reaches
     them), the moments that may be its peak, fullest first.
 

@@ -139,7 +139,7 @@ def _layered_extra_s(cluster, stage_bytes: float, forward_s: float, backward_s: 
                               gather_s=lambda n: cluster.all_gather_s(gathered_bytes(n, dtype), dp, across_nodes),
                               reduce_s=lambda n: _reduce_scatter_s(cluster, n, dp, across_nodes),
                               overlapped=cluster.reduction_overlaps)
-    return cost.forward_s, cost.backward_s + max(0.0, cost.pending_s - forward_s)
+    return cost.forward_s, cost.backward_beside(forward_s)
 
 
 def stage_layers(costs, cuts: Sequence[int]) -> tuple[tuple[int, int], ...]:
