@@ -6,7 +6,7 @@ import random
 from dataclasses import dataclass
 
 from autopart.solve.search import Cluster
-from autopart.solve.bottleneck import ChainCosts
+from autopart.solve.chain_costs import ChainCosts
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -25,7 +25,7 @@ from autopart.solve.baselines import (
     stage_parameter_bytes,
     uniform_cuts,
 )
-from autopart.solve.bottleneck import stage_figures
+from autopart.solve.chain_costs import stage_figures
 from tests.synthetic_chains import SyntheticTable, cluster, random_table
 
 GPT_LAYERS = [None, None, *(f"h.{k // 2}" for k in range(16)), None, None]  # wte, wpe, 8 layers, ln_f, head

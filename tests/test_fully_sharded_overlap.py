@@ -12,7 +12,7 @@ from autopart.driver import CompileOptions, compile_plan
 from autopart.predict.data_parallel import data_parallel_comm
 from autopart.predict.fully_sharded import FullyShardedCost, Piece, fully_sharded_cost
 from autopart.predict.step_time import fully_sharded_pieces
-from autopart.solve.bottleneck import ChainCosts
+from autopart.solve.chain_costs import ChainCosts
 from autopart.solve.data_parallel_tail import fully_sharded_extra_s, stage_layers
 from tests.distributed import REPO
 

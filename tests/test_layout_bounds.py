@@ -13,7 +13,7 @@ import pytest
 
 from autopart.options import CompileOptions
 from autopart.solve import search as search_module
-from autopart.solve.bottleneck import ChainCosts
+from autopart.solve.chain_costs import ChainCosts
 from autopart.solve.layout_bounds import early_bound, lazy_order, optimistic_costs
 from autopart.solve.planner import FrontTable
 from autopart.solve.search import SearchSpace, search

@@ -8,7 +8,9 @@ import random
 
 import pytest
 
-from autopart.solve.bottleneck import RECOMPUTE_MODES, ChainCosts, cut_stages, stage_figures
+from autopart.ir.recompute import RECOMPUTE_MODES
+from autopart.solve.bottleneck import cut_stages
+from autopart.solve.chain_costs import ChainCosts, stage_figures
 
 
 def random_chain(rng: random.Random, blocks: int, *, tied: bool) -> ChainCosts:

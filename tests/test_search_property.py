@@ -18,7 +18,7 @@ from autopart.predict.timeline import simulate_pipeline
 from autopart.passes.recompute import transient_microbatches
 from autopart.schedule import add_communication, build_schedule, stage_placement, validate
 from autopart.solve.search import SearchSpace, score_layout, search
-from autopart.solve.bottleneck import stage_figures
+from autopart.solve.chain_costs import stage_figures
 from cost_models import get_cost_model
 from tests.synthetic_chains import cluster, random_table
 

@@ -34,7 +34,7 @@ from autopart.solve.baselines import (
     pipedream_cuts,
     uniform_cuts,
 )
-from autopart.solve.bottleneck import ChainCosts
+from autopart.solve.chain_costs import ChainCosts
 
 __all__ = [
     "BaselineResult",

@@ -30,7 +30,7 @@ import numpy as np
 
 from autopart.passes.blocks import BlockChain
 from autopart.ir.errors import ConfigError
-from autopart.solve.bottleneck import ChainCosts
+from autopart.solve.chain_costs import ChainCosts
 
 __all__ = [
     "block_layers",

@@ -24,7 +24,8 @@ from __future__ import annotations
 import importlib
 import math
 
-from autopart.solve.bottleneck import ChainCosts, cut_stages
+from autopart.solve.bottleneck import cut_stages
+from autopart.solve.chain_costs import ChainCosts
 from autopart.solve.cut_problem import PipelineProblem, evaluate
 
 __all__ = ["cutter_cuts", "fitting_cuts", "least_memory_bytes", "memory_lower_bound", "no_fit_message", "spread_cuts"]

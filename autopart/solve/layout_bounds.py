@@ -26,7 +26,7 @@ import math
 from collections.abc import Callable, Iterable, Iterator
 from typing import TypeVar
 
-from autopart.solve.bottleneck import ChainCosts, lower_bound_s
+from autopart.solve.chain_costs import ChainCosts, lower_bound_s
 
 __all__ = ["early_bound", "lazy_order", "no_early_bound", "optimistic_costs"]
 

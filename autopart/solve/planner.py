@@ -41,7 +41,8 @@ from autopart.runtime.materialise import check_initialisers
 from autopart.passes.shallow import KEPT_LAYERS, repeated_layers, shallow_module
 from autopart.solve.search import Cluster, Layout, Scored, SearchResult, SearchSpace, fits, score_layout, search
 from autopart.solve.baselines import block_layers
-from autopart.solve.bottleneck import RECOMPUTE_MODES, ChainCosts
+from autopart.ir.recompute import RECOMPUTE_MODES
+from autopart.solve.chain_costs import ChainCosts
 from autopart.solve.pipeline import evaluate, solve_cuts
 from autopart.solve.repeat import RepeatedTable, repeat_last
 from autopart.solve.simulated import simulated_step_s

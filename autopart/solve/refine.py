@@ -25,7 +25,8 @@ import itertools
 import math
 from collections.abc import Callable
 
-from autopart.solve.bottleneck import ChainCosts, StageCut, stage_figures
+from autopart.solve.bottleneck import StageCut
+from autopart.solve.chain_costs import ChainCosts, stage_figures
 from autopart.solve.rank_room import fastest_fitting
 
 __all__ = ["ENUMERATE_LIMIT", "RADIUS", "SHIFT_SPAN", "FAR_STAGES", "CutJudge", "refine_cuts"]

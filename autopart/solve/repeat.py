@@ -17,7 +17,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from autopart.solve.bottleneck import ChainCosts
+from autopart.solve.chain_costs import ChainCosts
 
 __all__ = ["repeat_layers", "repeat_last", "RepeatedTable"]
 

@@ -37,7 +37,9 @@ from autopart.solve.data_parallel_tail import (FORWARD_SHARE, fsdp_may_pay, full
 from autopart.solve.vshape import zbv_fits, zbv_pipeline_s
 from autopart.predict.in_flight import in_flight, rank_in_flight, transient as transient_count
 from autopart.predict.memory import layers_in_flight_bytes
-from autopart.solve.bottleneck import RECOMPUTE_MODES, ChainCosts, StageCut, cut_stages, fixed_cut, lower_bound_s
+from autopart.ir.recompute import RECOMPUTE_MODES
+from autopart.solve.bottleneck import StageCut, cut_stages, fixed_cut
+from autopart.solve.chain_costs import ChainCosts, lower_bound_s
 from autopart.solve.layout_bounds import early_bound, lazy_order
 from autopart.solve.refine import CutJudge, refine_cuts
 

@@ -31,7 +31,7 @@ from autopart.ir.actions import Kind
 from autopart.schedule import Schedule, StageCosts, Timeline, build_schedule, simulate, stage_placement
 from autopart.solve.search import Cluster, CostTable, Scored, parameter_bytes_per_rank, tail_s
 from autopart.solve.baselines import stage_parameter_bytes
-from autopart.solve.bottleneck import ChainCosts
+from autopart.solve.chain_costs import ChainCosts
 from autopart.solve.data_parallel_tail import fully_sharded_extra_s, last_bucket_bytes, stage_layers, update_s
 
 __all__ = ["simulated_step_s", "simulated_stage_costs", "pipeline_s"]

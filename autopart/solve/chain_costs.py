@@ -1,0 +1,219 @@
+"""What the pipeline cutters know of a chain of blocks: per block, one microbatch's times, the
+bytes it keeps and sends, and the parameters it reads (``ChainCosts``), with running sums over
+them so that any stage's figures (``stage_figures``) cost a few subtractions: the search asks
+for millions. Built from the annotated chain by ``autopart.solve.planner`` (and from a table of
+stages by ``autopart.solve.fitting``); it knows nothing of devices."""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field, replace
+
+__all__ = ["ChainCosts", "StageFigures", "chain_sums", "lower_bound_s", "stage_figures"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ChainCosts:
+    """One microbatch through each block on one rank, after tensor-parallel sharding."""
+
+    forward_s: tuple[float, ...]
+    backward_s: tuple[float, ...]  # input and weight gradients together
+    weight_s: tuple[float, ...]  # the weight-gradient part of backward_s
+    saved_bytes: tuple[int, ...]  # kept for backward without recompute
+    selective_saved_bytes: tuple[int, ...]  # kept under selective recompute
+    selective_recompute_s: tuple[float, ...]  # forward work selective recompute repeats in backward
+    boundary_bytes: tuple[int, ...]  # what crosses after block k (len = blocks - 1)
+    input_bytes: int  # the batch inputs (token ids, targets) a stage may read, per microbatch
+    parameter_bytes: dict[str, int]  # per parameter, its share on one rank of the tensor-parallel group
+    parameter_state_bytes: dict[str, int]  # the same with gradients and optimizer state
+    block_parameters: tuple[tuple[str, ...], ...]
+    layer_parameters: frozenset[str] = frozenset()  # a repeated layer's own: its own FSDP unit at ZeRO-3
+    layer_bytes: int = 0  # the largest repeated layer's ``parameter_bytes`` (``autopart.predict.memory``)
+    layer_spans: tuple[tuple[int, int], ...] = ()  # each repeated layer's blocks (first, end), in chain order
+    _prefix: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def __len__(self) -> int:
+        return len(self.forward_s)
+
+    def prefix(self, name: str) -> list[float]:
+        """Running sums of a per-block figure: ``prefix(x)[j] = sum(x[:j])``."""
+        if name not in self._prefix:
+            if name == "owned_parameter_bytes":
+                values = self._owned_parameter_bytes()
+            elif name == "owned_weight_bytes":  # the parameters alone, one tensor-parallel rank's share
+                values = [sum(size * count for (size, _), count in sizes) for sizes in self._owned_sizes()]
+            elif name == "owned_layer_bytes":  # of those, the repeated layers' own (their ZeRO-3 units)
+                values = [sum(size * count for (size, layered), count in sizes if layered) for sizes in self._owned_sizes()]
+            elif name == "full_recompute_s":
+                values = self.forward_s
+            elif name == "compute_s":
+                values = [f + b for f, b in zip(self.forward_s, self.backward_s)]
+            else:
+                values = getattr(self, name)
+            self._prefix[name] = [0, *itertools.accumulate(values)]
+        return self._prefix[name]
+
+    def _owned_parameter_bytes(self) -> list[int]:
+        """Each parameter counted at the first block that reads it."""
+        owned = [0] * len(self)
+        seen: set[str] = set()
+        for k, names in enumerate(self.block_parameters):
+            for p in names:
+                if p not in seen:
+                    seen.add(p)
+                    owned[k] += self.parameter_state_bytes[p]
+        return owned
+
+    def _owned_sizes(self) -> list[tuple[tuple[tuple[int, bool], int], ...]]:
+        """Per block, ((parameter bytes, layered), how many) of the parameters first read there."""
+        if "owned_sizes" not in self._prefix:
+            found, seen = [], set()
+            for names in self.block_parameters:
+                counts: dict[tuple[int, bool], int] = {}
+                for p in names:
+                    if p not in seen:
+                        seen.add(p)
+                        kind = (self.parameter_bytes[p], p in self.layer_parameters)
+                        counts[kind] = counts.get(kind, 0) + 1
+                found.append(tuple(counts.items()))
+            self._prefix["owned_sizes"] = found
+        return self._prefix["owned_sizes"]
+
+    def with_state(self, state_bytes: Callable[..., int], *, key: Hashable | None = None) -> ChainCosts:
+        """These costs with ``parameter_state_bytes[p] = state_bytes(parameter_bytes[p], layered=p in
+        layer_parameters)``. Fast
+        for chains of thousands of parameters: one call per distinct size, and the running sums
+        that depend only on which block reads what are carried over. ``key`` names ``state_bytes``
+        (the same key, the same function): the result is kept under it and given again, with the
+        running sums it gathers, to every layout that shares these costs and that state."""
+        if key is not None:
+            kept = self._prefix.setdefault("with_state", {})
+            if key not in kept:
+                kept[key] = self.with_state(state_bytes)
+            return kept[key]
+        kinds = {(b, p in self.layer_parameters) for p, b in self.parameter_bytes.items()}
+        kinds |= {(size, False) for size, layered in kinds if layered}  # what a layer split by a cut costs
+        state = {(size, layered): state_bytes(size, layered=True) if layered else state_bytes(size)
+                 for size, layered in kinds}
+        owned = [sum(state[kind] * count for kind, count in sizes) for sizes in self._owned_sizes()]
+        carried = {name: self._prefix[name] for name in ("owned_sizes", "shared") if name in self._prefix}
+        carried["owned_parameter_bytes"] = [0, *itertools.accumulate(owned)]
+        split = [sum((state[size, False] - state[size, True]) * count for (size, layered), count in sizes if layered)
+                 for sizes in self._owned_sizes()]
+        if any(split):  # a layer's own FSDP unit (ZeRO-3) holds less than its stage's root unit
+            carried["split_layer_bytes"] = [0, *itertools.accumulate(split)]
+        layered = self.layer_parameters
+        return replace(self, parameter_state_bytes={p: state[b, p in layered] for p, b in self.parameter_bytes.items()},
+                       _prefix=carried)
+
+    @property
+    def shared_parameters(self) -> dict[str, tuple[int, ...]]:
+        """Parameters read by more than one block (tied embeddings), with the blocks that read them."""
+        if "shared" not in self._prefix:
+            readers: dict[str, list[int]] = {}
+            for k, names in enumerate(self.block_parameters):
+                for p in names:
+                    readers.setdefault(p, []).append(k)
+            self._prefix["shared"] = {p: tuple(ks) for p, ks in readers.items() if len(ks) > 1}
+        return self._prefix["shared"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageFigures:
+    time_s: float
+    weight_s: float
+    memory_bytes: int
+    parts: tuple[int, int, int] = (0, 0, 0)  # parameter bytes, bytes per microbatch in flight, bytes held once
+
+
+def stage_figures(
+    costs: ChainCosts, first: int, last: int, *, mode: str, in_flight: int, transfer_in_s: float, transfer_out_s: float,
+    transient: int = 1,
+) -> StageFigures:
+    """Time and memory of the stage of blocks ``first..last`` under a recompute mode: the figures
+    of ``autopart.passes.recompute.recompute_cost``. Recompute keeps the stage's arguments (what it
+    receives, and the batch inputs, counted whole) per microbatch in flight, and the activations
+    it rebuilds live while ``transient`` microbatches' backwards run."""
+    compute_s, weight_s, parameters, per_microbatch, once = chain_sums(costs).parts(first, last, mode, transient)
+    return StageFigures(time_s=compute_s + transfer_in_s + transfer_out_s, weight_s=weight_s,
+                  memory_bytes=parameters + in_flight * per_microbatch + once, parts=(parameters, per_microbatch, once))
+
+
+class _Sums:
+    """A chain's running sums, held in one place: the search evaluates millions of stages."""
+
+    __slots__ = ("compute", "selective_s", "full_s", "saved", "selective_saved", "owned", "weight", "received",
+                 "shared", "split", "span")
+
+    def __init__(self, costs: ChainCosts):
+        p = costs.prefix
+        self.compute, self.weight, self.owned = p("compute_s"), p("weight_s"), p("owned_parameter_bytes")
+        self.selective_s, self.full_s = p("selective_recompute_s"), p("full_recompute_s")
+        self.saved, self.selective_saved = p("saved_bytes"), p("selective_saved_bytes")
+        # what a stage from block ``first`` keeps per microbatch to recompute from: [first]
+        self.received = tuple(b + costs.input_bytes for b in (0, *costs.boundary_bytes))
+        self.shared = tuple((readers, costs.parameter_state_bytes[name])
+                            for name, readers in costs.shared_parameters.items())
+        # A repeated layer that a cut splits is written inline in both stages and runs in their
+        # root units (`autopart.codegen.layers`): its parameters cost what a root's do, not a
+        # layer unit's shards. Per block, the layer it is in (first, end); ``split``: running sums
+        # of what that costs more, where it does (ZeRO-3's ``with_state``).
+        self.split = costs._prefix.get("split_layer_bytes")
+        span = [(k, k + 1) for k in range(len(costs))]
+        for first, end in costs.layer_spans:
+            span[first:end] = [(first, end)] * (end - first)
+        self.span = tuple(span)
+
+    def stage(self, first: int, last: int, mode: str, in_flight: int, transfer_in_s: float,
+              transfer_out_s: float, transient: int = 1) -> tuple[float, float, int]:
+        """(time, weight-gradient time, memory) of blocks ``first..last``: see ``stage_figures``."""
+        compute, weight, parameters, per_microbatch, once = self.parts(first, last, mode, transient)
+        return compute + transfer_in_s + transfer_out_s, weight, parameters + in_flight * per_microbatch + once
+
+    def parts(self, first: int, last: int, mode: str, transient: int = 1) -> tuple[float, float, int, int, int]:
+        """(compute and recompute seconds, weight-gradient seconds, parameter bytes, bytes per
+        microbatch in flight, bytes held once) of blocks ``first..last`` under ``mode``."""
+        end = last + 1
+        compute = self.compute[end] - self.compute[first]
+        saved_none = self.saved[end] - self.saved[first]
+        if mode == "none":
+            extra, per_microbatch, once = 0.0, saved_none, 0
+        elif mode == "selective":
+            extra = self.selective_s[end] - self.selective_s[first]
+            selective = self.selective_saved[end] - self.selective_saved[first]
+            per_microbatch, once = self.received[first] + selective, transient * max(0, saved_none - selective)
+        elif mode == "full":
+            extra = self.full_s[end] - self.full_s[first]
+            per_microbatch, once = self.received[first], transient * saved_none
+        else:
+            raise ValueError(f"unknown recompute mode {mode!r}")
+        parameters = self.owned[end] - self.owned[first]
+        if self.split is not None:
+            begin, stop = self.span[first]
+            if begin < first:  # a layer begun in the stage before
+                parameters += self.split[min(stop, end)] - self.split[first]
+            begin, stop = self.span[last]
+            if stop > end and begin >= first:  # a layer the next stage ends
+                parameters += self.split[end] - self.split[begin]
+        for readers, nbytes in self.shared:  # a weight first read before the stage, read again in it
+            if readers[0] < first:
+                k = bisect.bisect_left(readers, first)
+                if k < len(readers) and readers[k] <= last:
+                    parameters += nbytes
+        return compute + extra, self.weight[end] - self.weight[first], parameters, per_microbatch, once
+
+
+def chain_sums(costs: ChainCosts) -> _Sums:
+    """The running sums of ``costs``, made once and kept with them."""
+    found = costs._prefix.get("sums")
+    if found is None:
+        found = costs._prefix["sums"] = _Sums(costs)
+    return found
+
+
+def lower_bound_s(costs: ChainCosts, stages: int) -> float:
+    """No cut makes the slowest stage faster than this."""
+    compute = costs.prefix("compute_s")[-1]
+    return max(compute / stages, max((f + b for f, b in zip(costs.forward_s, costs.backward_s)), default=0.0))
