@@ -248,3 +248,14 @@ def test_a_layer_whose_tensors_the_forward_also_reads_stays_in_the_root_unit():
              Unit(method="layer", prefix="layers.1", nodes=("linear_1",), inputs=("linear",), output="linear_1")]
     assert layer_methods(graph, units) == {"layer": ("layers.1",)}
     assert layer_methods(graph, units[1:]) == {"layer": ("layers.1",)}
+
+
+def test_fsdp_ranks_update_their_dtensors_with_foreach_ops_and_others_per_tensor():
+    """A per-tensor update of DTensors dispatches every elementwise op in Python (about a GPT
+    example's forward and backward on a CPU); a foreach one dispatches each op once."""
+    from autopart.runtime.optim import make_optimizer
+
+    params = [torch.nn.Parameter(torch.zeros(3))]
+    for name in ("adamw", "sgd"):
+        assert make_optimizer(name, params, 0.1, fully_sharded=True).defaults["foreach"] is True
+        assert make_optimizer(name, params, 0.1).defaults["foreach"] is False  # the reference's arithmetic

@@ -21,13 +21,15 @@ def make_optimizer(
     *,
     zero_group: torch.distributed.ProcessGroup | None = None,
     shard_masters: bool = False,
+    fully_sharded: bool = False,
 ) -> torch.optim.Optimizer:
     """SGD or AdamW; with ``zero_group``, its state sharded over that group (ZeRO-1), and with
     ``shard_masters`` (``--dtype bf16``) the fp32 master weights too, the weights held in bf16
-    (`autopart.runtime.sharded_masters`).
+    (`autopart.runtime.sharded_masters`). ``fully_sharded``: the parameters are FSDP's DTensors
+    (ZeRO-2 and 3).
 
-    On the CPU, one tensor at a time (``foreach=False``): the same per-tensor arithmetic on every
-    rank and in the reference, whichever parameters each holds. On a GPU, fused AdamW and
+    On the CPU, one tensor at a time (``foreach=False``, but for FSDP's parameters): the same
+    per-tensor arithmetic on every rank and in the reference, whichever parameters each holds. On a GPU, fused AdamW and
     foreach SGD: a per-tensor loop there launches kernels for every parameter and holds the host
     back; the reference on a GPU makes the same choice, and fused kernels compute each element
     alike however the tensors are grouped. ``parameters`` may be parameter groups
@@ -38,10 +40,16 @@ def make_optimizer(
         raise ConfigError(f"unknown optimizer {name!r}; use one of {', '.join(OPTIMIZERS)}")
     tensors = [p for group in params for p in group["params"]] if params and isinstance(params[0], dict) else params
     cuda = bool(tensors) and tensors[0].is_cuda
+    # A per-tensor update of FSDP's DTensors sends each elementwise op through DTensor's dispatch
+    # in Python, which on a CPU cost about as much as the GPT example's whole forward and backward;
+    # a foreach update dispatches each op once for all of them. Those ranks already differ from
+    # the reference by float rounding (their gradients are reduce-scattered), and their
+    # equivalence tests compare within tolerance.
+    grouped = cuda or fully_sharded
     if name == "sgd":
-        kind, options = torch.optim.SGD, {"lr": lr, "foreach": cuda}
+        kind, options = torch.optim.SGD, {"lr": lr, "foreach": grouped}
     else:
-        kind, options = torch.optim.AdamW, {"lr": lr, "fused": True} if cuda else {"lr": lr, "foreach": False}
+        kind, options = torch.optim.AdamW, {"lr": lr, "fused": True} if cuda else {"lr": lr, "foreach": grouped}
     if zero_group is not None and shard_masters:
         return ShardedMasters(params, kind, options, zero_group)
     if zero_group is not None:

@@ -277,7 +277,7 @@ def _optimizer(modules: dict[int, torch.nn.Module], plan: Plan, args: argparse.N
     groups = parameter_groups(named, weight_decay=recipe.weight_decay, embeddings=plan.embedding_parameters)
     zero_group = data_parallel if plan.zero == 1 else None
     return make_optimizer(args.optimizer, groups, args.lr, zero_group=zero_group,
-                          shard_masters=working_dtype(plan.dtype) is not None)
+                          shard_masters=working_dtype(plan.dtype) is not None, fully_sharded=plan.zero in FSDP_LEVELS)
 
 
 def _report(reporter: StepReporter, plan: Plan, inputs: tuple, line: dict, norm: float | None,
