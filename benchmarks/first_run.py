@@ -129,7 +129,8 @@ def search(args: argparse.Namespace, folder: Path, console: Console) -> Table:
             compiled, out = compile_to_directory(options, folder / f"{name}{world}-{i}")
             measured = launches(out, compiled.world_size, args.steps, args.launches)
             layout = f"pp{compiled.mesh['pp']} tp{compiled.mesh['tp']} dp{compiled.mesh['dp']} " \
-                     f"{compiled.schedule.microbatches}x{compiled.schedule.micro_batch_size} {compiled.schedule.kind}"
+                     f"{compiled.schedule.microbatches}x{compiled.schedule.micro_batch_size} {compiled.schedule.kind}" \
+                     + (f" ZeRO-{compiled.zero}" if compiled.mesh["dp"] > 1 else "")
             rows.append((what, layout, compiled.predicted.step_s, measured))
             console.print(f"{label} {what} {layout}: predicted {compiled.predicted.step_s * 1e3:.1f} ms, "
                           f"measured {_cell(measured)} ms")
