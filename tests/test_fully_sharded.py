@@ -251,8 +251,8 @@ def test_a_layer_whose_tensors_the_forward_also_reads_stays_in_the_root_unit():
 
 
 def test_fsdp_ranks_update_their_dtensors_with_foreach_ops_and_others_per_tensor():
-    """A per-tensor update of DTensors dispatches every elementwise op in Python (about a GPT
-    example's forward and backward on a CPU); a foreach one dispatches each op once."""
+    """A per-tensor update of DTensors dispatches every elementwise op in Python (a third of the
+    GPT example's ZeRO-2 step on a CPU); a foreach one dispatches each op once."""
     from autopart.runtime.optim import make_optimizer
 
     params = [torch.nn.Parameter(torch.zeros(3))]

@@ -29,11 +29,11 @@ def make_optimizer(
     (ZeRO-2 and 3).
 
     On the CPU, one tensor at a time (``foreach=False``, but for FSDP's parameters): the same
-    per-tensor arithmetic on every rank and in the reference, whichever parameters each holds. On a GPU, fused AdamW and
-    foreach SGD: a per-tensor loop there launches kernels for every parameter and holds the host
-    back; the reference on a GPU makes the same choice, and fused kernels compute each element
-    alike however the tensors are grouped. ``parameters`` may be parameter groups
-    (`autopart.runtime.recipe.parameter_groups`: weight decay per parameter).
+    per-tensor arithmetic on every rank and in the reference, whichever parameters each holds. On
+    a GPU, fused AdamW and foreach SGD: a per-tensor loop there launches kernels for every
+    parameter and holds the host back; the reference on a GPU makes the same choice, and fused
+    kernels compute each element alike however the tensors are grouped. ``parameters`` may be
+    parameter groups (`autopart.runtime.recipe.parameter_groups`: weight decay per parameter).
     """
     params = list(parameters)
     if name not in OPTIMIZERS:
@@ -41,10 +41,10 @@ def make_optimizer(
     tensors = [p for group in params for p in group["params"]] if params and isinstance(params[0], dict) else params
     cuda = bool(tensors) and tensors[0].is_cuda
     # A per-tensor update of FSDP's DTensors sends each elementwise op through DTensor's dispatch
-    # in Python, which on a CPU cost about as much as the GPT example's whole forward and backward;
-    # a foreach update dispatches each op once for all of them. Those ranks already differ from
-    # the reference by float rounding (their gradients are reduce-scattered), and their
-    # equivalence tests compare within tolerance.
+    # in Python, which on a CPU took a third of the GPT example's ZeRO-2 step; a foreach update
+    # dispatches each op once for all of them. Those ranks already differ from the reference by
+    # float rounding (their gradients are reduce-scattered); their equivalence tests compare
+    # within tolerance.
     grouped = cuda or fully_sharded
     if name == "sgd":
         kind, options = torch.optim.SGD, {"lr": lr, "foreach": grouped}
