@@ -20,7 +20,7 @@ GPT = REPO / "examples" / "gpt.py"
 
 @pytest.fixture(scope="module")
 def plan() -> Plan:
-    return autopart.compile(GPT, pp=2, microbatches=4, micro_batch_size=2, schedule="gpipe")
+    return autopart.compile(GPT, pp=2, microbatches=4, micro_batch_size=2, schedule="gpipe", measure=False)  # cuts: 0-5, 6-11
 
 
 def test_compile_returns_a_plan_that_emits(plan, tmp_path):
@@ -52,7 +52,7 @@ def test_emitted_stages_run_one_after_the_other_as_the_model(plan, tmp_path):
     them and chained in this process, give the original model's loss and gradients on a batch."""
     out = autopart.emit(plan, tmp_path / "out")
     source = (out / "stages" / "stage_1.py").read_text()
-    assert "torchrun --nproc-per-node 2" in source and "# h.2.mlp.c_fc" in source  # readable: module paths
+    assert "torchrun --nproc-per-node 2" in source and "layer.mlp.c_fc.weight" in source  # readable: module paths
     assert "x = self.block(x, self.h[3])" in source and "def block(self, x, layer):" in source  # h.3 as a call
     stages = [load_stage(out, s.index, torch.device("cpu")) for s in plan.stages]
     spec = load_model_file(GPT)

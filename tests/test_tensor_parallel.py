@@ -18,7 +18,8 @@ from tests.distributed import FREE_LINKS, REPO, environment, free_port, read_met
 STEPS = 2
 
 
-def train_3d(tmp_path: Path, example: Path, *, pp: int, tp: int, dp: int, zero: bool = False, optimizer="sgd", lr=0.1):
+def train_3d(tmp_path: Path, example: Path, *, pp: int, tp: int, dp: int, zero: bool = False, optimizer="sgd", lr=0.1,
+             atol: float = 1e-6):
     out = tmp_path / "out"
     microbatches = 2 * pp
     plan, _ = compile_to_directory(
@@ -35,7 +36,7 @@ def train_3d(tmp_path: Path, example: Path, *, pp: int, tp: int, dp: int, zero: 
     finals = load_stage_weights(plan, tmp_path / "final")
     for weights in finals.values():
         for name, value in weights.items():
-            torch.testing.assert_close(value, reference.parameters[name], rtol=1e-5, atol=1e-6, msg=name)
+            torch.testing.assert_close(value, reference.parameters[name], rtol=1e-5, atol=atol, msg=name)
     for name, holders in plan.tied_parameters.items():
         assert all(torch.equal(finals[s][name], finals[holders[0]][name]) for s in holders)
     return plan, out
@@ -55,7 +56,10 @@ def test_3d_parallel_trains_like_one_process(tmp_path, example, pp, tp, dp):
 
 @pytest.mark.multiprocess
 def test_zero1_with_adamw_trains_like_one_process(tmp_path):
-    train_3d(tmp_path, REPO / "examples" / "gpt.py", pp=1, tp=1, dp=2, zero=True, optimizer="adamw", lr=1e-3)
+    # The key third of each c_attn bias has no gradient but rounding (softmax ignores a shift of
+    # every key's score), and AdamW scales that noise up to steps of its own size: two of its
+    # entries ended 1.4e-6 from one process's on one CPU, the rest within 1e-6.
+    train_3d(tmp_path, REPO / "examples" / "gpt.py", pp=1, tp=1, dp=2, zero=True, optimizer="adamw", lr=1e-3, atol=5e-6)
 
 
 GPT_BLOCK = '''
@@ -124,4 +128,4 @@ def test_two_nodes_with_tensor_parallelism_inside_each(tmp_path):
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference.losses), rtol=1e-5, atol=1e-6)
     for weights in load_stage_weights(plan, tmp_path / "final").values():
         for name, value in weights.items():
-            torch.testing.assert_close(value, reference.parameters[name], rtol=1e-5, atol=1e-6, msg=name)
+            torch.testing.assert_close(value, reference.parameters[name], rtol=1e-5, atol=atol, msg=name)
