@@ -31,7 +31,8 @@ def test_a_layer_s_own_unit_holds_its_shards_and_two_layers_are_whole_in_flight(
     assert layers_in_flight_bytes(fp32, dp=1, zero=3) == 0  # one replica: nothing sharded, nothing gathered
 
 
-def test_the_model_s_layers_are_the_units_the_runtime_makes_and_the_cut_solver_counts_them(tmp_path):
+def test_the_model_s_layers_are_the_units_the_runtime_makes_and_the_cut_solver_counts_them(tmp_path, monkeypatch):
+    monkeypatch.setenv("AUTOPART_CACHE_DIR", str(tmp_path / "cache"))  # what earlier tests cached moves the cuts
     # three stages, from the CPU's roofline rather than its measured ops: cuts that do not move
     # with the machine, the first inside a layer
     options = CompileOptions(model=REPO / "examples" / "gpt.py", pp=3, dp=2, zero=3, microbatches=3,
