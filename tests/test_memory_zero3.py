@@ -57,14 +57,16 @@ def test_the_model_s_layers_are_the_units_the_runtime_makes_and_the_cut_solver_c
     assert zero3.overhead_bytes - zero1.overhead_bytes == 4 * layer_bytes
     for name, nbytes in local.items():
         assert zero3.parameter_state_bytes[name] == (4 * nbytes // 2 if name in layered else 2 * nbytes + 4 * nbytes // 2)
-    # what the plan predicts is the cut solver's figure, and a layer the cut splits (it runs in each
-    # stage's root unit, whole over the stage's compute) costed as the root's parameters are
+    # what the plan predicts is the cut solver's own figure, in which a layer the cut splits (it runs
+    # in each stage's root unit, whole over the stage's compute) costs what the root's parameters cost
     cuts = tuple(stage.blocks[-1] for stage in plan.stages[:-1])
     split = {name for stage in plan.stages for name in set(stage.parameters) & layered
              if not all(p in stage.parameters for p in layered if layer(p) == layer(name))}
     assert split  # a cut falls inside a layer
     more = [sum(2 * local[p] for p in split & set(stage.parameters)) for stage in plan.stages]  # whole weights and grads
-    assert plan.predicted.memory_bytes == tuple(m + x for m, x in zip(evaluate(zero3, cuts).rank_memory_bytes, more))
+    assert plan.predicted.memory_bytes == evaluate(zero3, cuts).rank_memory_bytes
+    unsplit = evaluate(replace(zero3, split_layers=()), cuts).rank_memory_bytes
+    assert plan.predicted.memory_bytes == tuple(m + x for m, x in zip(unsplit, more))
 
 
 def test_the_search_s_cutter_costs_a_layer_its_cut_splits_as_root_parameters():

@@ -2,6 +2,7 @@
 
 import itertools
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -66,6 +67,31 @@ def test_cuts_are_optimal_under_a_binding_memory_limit(seed):
     solution = solve_cuts(problem, time_limit_s=20)
     assert max(solution.evaluation.rank_memory_bytes) <= limit
     assert solution.evaluation.objective_s == pytest.approx(expected, rel=1e-6)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_a_layer_that_a_cut_splits_costs_its_stages_more_and_the_cuts_are_still_optimal(seed):
+    """ZeRO-3's repeated layers (``split_layers``): a cut inside one makes each stage that reads
+    its parameters pay more; CP-SAT's model counts it as ``evaluate`` does, memory limit binding."""
+    rng = random.Random(200 + seed)
+    blocks, stages = 8, 3
+    layers = ((1, 3, ((rng.randint(10, 60) * 1000, (1,)), (rng.randint(10, 60) * 1000, (2,)))),
+              (3, 6, ((rng.randint(10, 60) * 1000, (3, 5)),)))  # fmt: skip
+    free = _problem(rng, blocks, stages, 4, split_layers=layers)
+    assert evaluate(free, (0, 6)).rank_memory_bytes == evaluate(replace(free, split_layers=()), (0, 6)).rank_memory_bytes
+    inside = evaluate(free, (1, 4)).rank_memory_bytes  # splits both: stage 0 reads block 1, stage 1 blocks 2-4
+    outside = evaluate(replace(free, split_layers=()), (1, 4)).rank_memory_bytes
+    assert inside[0] - outside[0] == layers[0][2][0][0]
+    assert inside[1] - outside[1] == layers[0][2][1][0] + layers[1][2][0][0]
+    assert inside[2] - outside[2] == layers[1][2][0][0]  # block 5 reads the parameters block 3 read
+    # a limit under which the split layers' bytes change the best cuts (no cut splits a layer, or another does)
+    limits = sorted({max(evaluate(free, c).rank_memory_bytes) for c in itertools.combinations(range(blocks - 1), 2)})
+    problem = next(p for p in (replace(free, memory_limit_bytes=limit) for limit in limits)
+                   if _exhaustive(p) != _exhaustive(replace(p, split_layers=())))
+    limit = problem.memory_limit_bytes
+    solution = solve_cuts(problem, time_limit_s=20)
+    assert max(solution.evaluation.rank_memory_bytes) <= limit
+    assert solution.evaluation.objective_s == pytest.approx(_exhaustive(problem), rel=1e-6)
 
 
 def test_a_parameter_read_by_two_stages_is_held_by_both():

@@ -64,7 +64,30 @@ def pipeline_problem(options: CompileOptions, front: Front, microbatches: int) -
         + communicator_bytes(device.kind, pp=options.pp, tp=options.tp, dp=options.dp)
         + layers_in_flight_bytes(layer_bytes, dp=options.dp, zero=int(options.zero)),
         stage_rank=stage_placement(options.schedule, ranks=options.pp, chunks=options.chunks),
+        split_layers=_split_layers(options, chain, local, layered),
     )
+
+
+def _split_layers(options: CompileOptions, chain, local: dict[str, int], layered: frozenset[str]) -> tuple:
+    """``PipelineProblem.split_layers``: at ZeRO-3, per repeated layer, what its parameters cost
+    more where a cut splits it (they run in each stage's root unit, `autopart.codegen.layers`),
+    summed over the parameters that the same blocks read."""
+    if int(options.zero) != 3 or options.dp == 1:
+        return ()
+    found = []
+    for first, end, own in layer_instances(chain):
+        readers: dict[str, list[int]] = {}
+        for k in range(first, end):
+            for name in dict.fromkeys(chain.blocks[k].parameters):
+                if name in own and name in layered:
+                    readers.setdefault(name, []).append(k)
+        extra: dict[tuple[int, ...], int] = {}
+        for name, blocks in readers.items():
+            more = _state_bytes(options, local[name], layered=False) - _state_bytes(options, local[name], layered=True)
+            extra[tuple(blocks)] = extra.get(tuple(blocks), 0) + more
+        if end - first > 1 and any(extra.values()):
+            found.append((first, end, tuple((nbytes, blocks) for blocks, nbytes in extra.items() if nbytes)))
+    return tuple(found)
 
 
 def plan_from_cuts(
@@ -78,8 +101,7 @@ def plan_from_cuts(
     ranges = stage_ranges(cuts, len(front.chain.blocks))
     problem, recompute = _with_recompute(options, front, problem, ranges)
     evaluation = evaluate(problem, cuts)
-    split = _split_layer_bytes(options, front, problem, ranges)
-    memory = tuple(held + more for held, more in zip(evaluation.rank_memory_bytes, split))
+    memory = evaluation.rank_memory_bytes
     stages, holders = _stage_plans(front, problem, ranges, recompute)
     transfer = tuple(boundary_seconds(options, front.cost_model, st.outputs) for st in stages[:-1])
     total, microbatches, micro_batch_size = batch
@@ -270,23 +292,6 @@ def _state_bytes(options: CompileOptions, parameter_bytes: int, *, layered: bool
     """Weights, gradients and optimizer state of one rank's share of a parameter."""
     return state_bytes(parameter_bytes, optimizer=options.optimizer, dp=options.dp, zero=options.zero,
                        dtype=options.dtype or "fp32", layered=layered)
-
-
-def _split_layer_bytes(options: CompileOptions, front: Front, problem: PipelineProblem, ranges: list[range]) -> list[int]:
-    """Per rank, what counting a repeated layer's parameters as its own FSDP unit's shards leaves
-    out at ZeRO-3 where a cut splits the layer: the stages write its halves inline, so they run in
-    each stage's root unit (`autopart.codegen.layers`) and cost what the root's parameters cost.
-    The cutters do not see this (their costs are per parameter, not per cut); the plan's figure does."""
-    extra = [0] * problem.ranks
-    if int(options.zero) != 3 or options.dp == 1:
-        return extra
-    whole = {name: _state_bytes(options, nbytes, layered=False) for name, nbytes in _local_bytes(options, front).items()}
-    for first, end, own in layer_instances(front.chain):
-        for s, members in enumerate(ranges):
-            if first < members.stop and end > members.start and not (members.start <= first and end <= members.stop):
-                held = {p for k in members for p in front.chain.blocks[k].parameters} & own
-                extra[problem.rank_of(s)] += sum(whole[p] - problem.parameter_state_bytes[p] for p in held)
-    return extra
 
 
 def _local_bytes(options: CompileOptions, front: Front) -> dict[str, int]:

@@ -36,6 +36,11 @@ class PipelineProblem:
     # the microbatches held (`autopart.predict.in_flight.rank_in_flight`). Empty: every stage at its
     # own peak at once, which is exact where a rank holds one stage and an upper bound elsewhere.
     rank_in_flight: tuple[tuple[tuple[int, ...], ...], ...] = ()
+    # Per repeated layer whose parameters are its own FSDP unit (ZeRO-3): (first block, end block,
+    # per parameter of the layer (bytes, the blocks that read it)). A cut inside the layer writes
+    # its halves inline in the two stages, whose root units then hold those parameters: each
+    # stage that reads one pays its bytes more (whole weights and gradients beside the shards).
+    split_layers: tuple[tuple[int, int, tuple[tuple[int, tuple[int, ...]], ...]], ...] = ()
 
     @property
     def ranks(self) -> int:
@@ -103,7 +108,8 @@ def evaluate(problem: PipelineProblem, cuts: tuple[int, ...]) -> CutEvaluation:
     times: list[float] = []
     memory = [problem.overhead_bytes] * problem.ranks
     activations = []  # per stage, one microbatch's
-    for s, members in enumerate(stage_ranges(cuts, blocks)):
+    ranges = stage_ranges(cuts, blocks)
+    for s, members in enumerate(ranges):
         time = sum(problem.block_time_s[k] for k in members)
         if s > 0:
             time += problem.boundary_transfer_s[cuts[s - 1]]
@@ -113,6 +119,11 @@ def evaluate(problem: PipelineProblem, cuts: tuple[int, ...]) -> CutEvaluation:
         activations.append(sum(problem.block_activation_bytes[k] for k in members))
         memory[problem.rank_of(s)] += sum(problem.parameter_state_bytes[p] for p in held)
         times.append(time)
+    for first, end, extra in problem.split_layers:
+        if any(first <= c < end - 1 for c in cuts):
+            for s, members in enumerate(ranges):
+                memory[problem.rank_of(s)] += sum(nbytes for nbytes, readers in extra
+                                                  if any(k in members for k in readers))
     for rank in range(problem.ranks):
         mine = [activations[s] for s in problem.rank_stages(rank)]
         memory[rank] += max(sum(count * nbytes for count, nbytes in zip(held, mine)) for held in problem.moments(rank))

@@ -11,6 +11,9 @@ such as tied embeddings, is held and paid for by both), the activations saved fo
 the microbatches that the schedule keeps in flight on that stage, and a fixed overhead per rank.
 A rank that holds several stages has them at their own peaks at different moments: its
 activations are bounded at each moment that may be its peak (``PipelineProblem.rank_in_flight``).
+At ZeRO-3 a cut inside a repeated layer makes the stages that read its parameters hold them in
+their root units, whole beside the shards (``PipelineProblem.split_layers``): the model pays it
+where a cut falls inside, so a tight memory limit moves cuts between layers.
 
 ``solve_cuts(problem, time_limit_s=...)`` returns the cuts; ``evaluate(problem, cuts)`` computes
 the same figures in plain Python (`autopart.solve.cut_problem`), used to re-check every solution and by the tests' exhaustive
@@ -71,6 +74,17 @@ class _CutModel:
                 self.own_bytes[read[0]] += nbytes
             elif read:
                 self.shared.append((name, nbytes, read))
+        self.split = [self._split(first, end) for first, end, _ in problem.split_layers]
+
+    def _split(self, first: int, end: int) -> cp_model.IntVar:
+        """Whether a cut falls inside the layer of blocks ``first..end - 1``."""
+        split = self.model.new_bool_var(f"cut_inside_blocks_{first}_to_{end - 1}")
+        inside = [self.stage_of[k + 1] - self.stage_of[k] for k in range(first, end - 1)]
+        if inside:
+            self.model.add_max_equality(split, inside)
+        else:  # a layer of one block: no cut splits it
+            self.model.add(split == 0)
+        return split
 
     def stage_time(self, s: int) -> cp_model.LinearExpr:
         p, blocks = self.problem, len(self.problem.block_time_s)
@@ -92,6 +106,12 @@ class _CutModel:
             held = m.new_bool_var(f"stage{s}_holds_{name}")
             m.add_max_equality(held, [self.x[k][s] for k in readers])
             holds.append(nbytes * held)
+        for split, (first, end, extra) in zip(self.split, self.problem.split_layers):
+            for n, (nbytes, readers) in enumerate(extra):  # paid where the stage reads them and a cut splits the layer
+                paid = m.new_bool_var(f"stage{s}_holds_split_layer_{first}_part{n}")
+                for k in readers:
+                    m.add(paid >= self.x[k][s] + split - 1)
+                holds.append(nbytes * paid)
         return sum(holds) + sum(nbytes * self.x[k][s] for k, nbytes in enumerate(self.own_bytes) if nbytes)
 
     def stage_activations(self, s: int) -> cp_model.LinearExpr:
