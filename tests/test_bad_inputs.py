@@ -132,7 +132,7 @@ OPTION_CASES = {
     "unknown_schedule": (["--schedule", "zigzag"], r"unknown schedule 'zigzag'; use one of gpipe"),
     "out_of_memory": (
         ["--memory", "0.0001"],
-        r"the model does not fit: .* the fullest device needs 0\.\d+ GiB but the memory limit is 0\.00 GiB; raise --memory",
+        r"the model does not fit: .* the fullest device needs 0\.\d+ GiB but the memory limit is 0\.0001 GiB; raise --memory to at least 0\.\d+ or",
     ),
     "bad_flag_value": (["--pp", "two"], r"argument --pp: invalid int value: 'two'"),
     "stage_layers_count": (["--stage-layers", "1,1,1"], r"--stage-layers lists 3 stages but --pp x --chunks is 2"),

@@ -6,6 +6,7 @@ without a traceback. ``assert`` is kept for autopart's own invariants.
 """
 
 import argparse
+import math
 import sys
 
 __all__ = [
@@ -19,6 +20,7 @@ __all__ = [
     "ScheduleError",
     "DeviceSpecError",
     "CheckpointError",
+    "gib_up",
 ]
 
 
@@ -65,3 +67,11 @@ class OneLineParser(argparse.ArgumentParser):
     def error(self, message: str) -> None:
         print(f"autopart: error: {message}; see '{self.prog} --help'", file=sys.stderr)
         raise SystemExit(2)
+
+
+def gib_up(nbytes: int) -> str:
+    """GiB to four significant figures, rounded up: a memory limit that a message may tell the
+    user to pass, and that fits (two decimals would print 0.80 needed beside a 0.80 limit)."""
+    value = nbytes / (1 << 30)
+    scale = 10 ** (3 - math.floor(math.log10(value))) if value > 0 else 1
+    return f"{math.ceil(value * scale) / scale:g}"

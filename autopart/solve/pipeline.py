@@ -22,7 +22,7 @@ enumeration.
 
 from __future__ import annotations
 
-from autopart.ir.errors import InfeasibleError
+from autopart.ir.errors import InfeasibleError, gib_up
 from autopart.solve import fitting
 from autopart.solve._cp_sat import cp_model
 from autopart.solve.cut_problem import CutEvaluation, CutSolution, PipelineProblem, evaluate, stage_ranges
@@ -264,6 +264,7 @@ def _smallest_peak_memory(problem: PipelineProblem, time_limit_s: float) -> int:
         sum(problem.parameter_state_bytes.values())
         + max(problem.in_flight) * sum(problem.block_activation_bytes)
         + problem.overhead_bytes * problem.ranks
+        + sum(nbytes * len(readers) for _, _, extra in problem.split_layers for nbytes, readers in extra)
     )
     peak = m.new_int_var(0, everything, "peak_memory")
     for rank in range(problem.ranks):
@@ -276,11 +277,10 @@ def _smallest_peak_memory(problem: PipelineProblem, time_limit_s: float) -> int:
 
 
 def _infeasible_message(problem: PipelineProblem, time_limit_s: float) -> str:
-    need = _smallest_peak_memory(problem, time_limit_s)
-    gib = 1 << 30
+    need = gib_up(_smallest_peak_memory(problem, time_limit_s))
     return (
         f"the model does not fit: with {problem.stages} pipeline stages and {problem.microbatches} microbatches "
-        f"the fullest device needs {need / gib:.2f} GiB but the memory limit is "
-        f"{problem.memory_limit_bytes / gib:.2f} GiB; raise --memory to at least {need / gib:.2f} "
+        f"the fullest device needs {need} GiB but the memory limit is "
+        f"{problem.memory_limit_bytes / (1 << 30):.4g} GiB; raise --memory to at least {need} "
         "or use more stages (--pp)"
     )

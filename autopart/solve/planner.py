@@ -34,7 +34,7 @@ from autopart.solve.assemble import layered_parameters, pipeline_problem, plan_f
 from autopart.ir.tensors import SEARCHED_DTYPES
 from autopart.ir.model_file import ModelSpec, is_meta, load_model_file
 from autopart.passes.capture import Graph
-from autopart.ir.errors import ConfigError, InfeasibleError
+from autopart.ir.errors import ConfigError, InfeasibleError, gib_up
 from autopart.ir.plan import Plan
 from autopart.schedule import SCHEDULE_KINDS
 from autopart.runtime.materialise import check_initialisers
@@ -426,21 +426,14 @@ def _does_not_fit(options: CompileOptions, space: SearchSpace, table: FrontTable
             break
     fixes = []
     if needed is not None:
-        fixes.append(f"--memory {_gib_up(needed)} (GiB per device) or more")
+        fixes.append(f"--memory {gib_up(needed)} (GiB per device) or more")
     if larger is not None:
         fixes.append(f"--world-size {larger}")
-    need = f"needs {_gib_up(needed)} GiB per device" if needed is not None else "does not fit at any memory"
+    need = f"needs {gib_up(needed)} GiB per device" if needed is not None else "does not fit at any memory"
     return (
         f"the model does not fit on {space.world_size} devices of {cluster.memory_bytes / (1 << 30):.3g} GiB: "
         f"its leanest layout {need}; use {' or '.join(fixes) or 'a smaller model or batch'}"
     )
-
-
-def _gib_up(nbytes: int) -> str:
-    """GiB to four significant figures, rounded up: a limit that fits."""
-    value = nbytes / (1 << 30)
-    scale = 10 ** (3 - math.floor(math.log10(value))) if value > 0 else 1
-    return f"{math.ceil(value * scale) / scale:g}"
 
 
 def _smallest_fitting_memory(space: SearchSpace, table: FrontTable, cluster: Cluster, *, fits_at: int) -> int:
