@@ -136,6 +136,14 @@ def train_whole_and_resumed(out: Path, nproc: int, tmp_path: Path) -> dict[str, 
     return runs
 
 
+def replica_model() -> torch.nn.Module:
+    """A small model (two widths, a norm, an activation) that every replica builds alike: the
+    distributed optimizers' tests step it beside a plain optimizer's copy."""
+    torch.manual_seed(0)
+    nn = torch.nn
+    return nn.Sequential(nn.Linear(8, 32), nn.LayerNorm(32), nn.GELU(), nn.Linear(32, 16), nn.Linear(16, 4))
+
+
 @contextlib.contextmanager
 def gloo_group(rank: int, port: int, world_size: int):
     """A spawned rank's gloo group on loopback (`spawn_ranks`). Its ranks meet at a barrier before

@@ -22,7 +22,7 @@ from autopart.runtime.checkpoint import checkpoint_keys
 from autopart.runtime.forward import working_copies
 from autopart.runtime.sharded_masters import ShardedMasters, holds_master, partition
 from autopart.tools.verify import verify
-from tests.distributed import (REPO, compile_and_train, gloo_group, read_metrics, run_cli, spawn_ranks,
+from tests.distributed import (REPO, compile_and_train, gloo_group, replica_model, read_metrics, run_cli, spawn_ranks,
                                stage_weights, train_whole_and_resumed)
 
 PSI = 1_000_000  # parameters
@@ -48,11 +48,6 @@ def test_whole_parameters_go_largest_first_to_the_least_loaded_replica():
     assert partition([7], 2) == [0]
 
 
-def _model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 32), nn.LayerNorm(32), nn.GELU(), nn.Linear(32, 16), nn.Linear(16, 4))
-
-
 def _groups(model: nn.Module) -> list[dict]:
     """Two weight decays, as `autopart.runtime.recipe.parameter_groups` makes them."""
     params = list(model.parameters())
@@ -74,7 +69,7 @@ def _loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
 
 def _replica(rank: int, port: int, folder: Path) -> None:
     with gloo_group(rank, port, DP):
-        model, reference = _model(), _model()
+        model, reference = replica_model(), replica_model()
         whole = sum(p.numel() * 4 for p in model.parameters())
         options = {"lr": 0.01, "foreach": False}
         optimizer = ShardedMasters(_groups(model), torch.optim.AdamW, options, dist.group.WORLD)

@@ -12,22 +12,16 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from autopart.runtime.optim import make_optimizer
-from tests.distributed import gloo_group, spawn_ranks
+from tests.distributed import gloo_group, replica_model, spawn_ranks
 
 DP = 2
 
 
-def _model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 32), nn.LayerNorm(32), nn.GELU(), nn.Linear(32, 16), nn.Linear(16, 4))
-
-
 def _replica(rank: int, port: int, folder: Path) -> None:
     with gloo_group(rank, port, DP):
-        model, reference = _model(), _model()
+        model, reference = replica_model(), replica_model()
         optimizer = make_optimizer("adamw", model.parameters(), 0.01, zero_group=dist.group.WORLD)
         plain = make_optimizer("adamw", reference.parameters(), 0.01)
         broadcast, calls = dist.broadcast, []
