@@ -150,6 +150,22 @@ def _inner(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     return getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer keeps its shard's optimizer here
 
 
+def _saved_optimizer_state(shapes: dict) -> dict[tuple[int, int, str], dict[int | None, dict[str, str]]]:
+    """The checkpoint's optimizer state keys (``_optimizer_prefix`` + parameter + state name) by
+    (stage, tensor-parallel rank, parameter), then by the data-parallel replica that saved them
+    (None where every replica saves the whole state), then by state name (``exp_avg``)."""
+    found: dict = {}
+    for key in shapes:
+        parts = key.split("/")
+        if parts[0] != "optim" or len(parts) not in (5, 6):
+            continue
+        replica = int(parts[1].removeprefix("dp_")) if len(parts) == 6 else None
+        stage, tp, name, state_name = parts[-4:]
+        where = (int(stage.removeprefix("stage_")), int(tp.removeprefix("tp_")), name)
+        found.setdefault(where, {}).setdefault(replica, {})[state_name] = key
+    return found
+
+
 def _optimizer_prefix(stage: int, tp_rank: int, dp_rank: int, zero: int) -> str:
     """ZeRO-1's optimizer keeps each replica's part as plain tensors, so they are saved per
     replica; under FSDP (2, 3) the state is sharded tensors that the checkpoint stores whole."""
@@ -331,15 +347,20 @@ def restore_checkpoint(
     state = training_state(stages, optimizer, rank=rank, dp_rank=dp_rank, tp_rank=tp_rank, zero=zero, step=0, seed=0)
     state = {k: v for k, v in state.items() if not k.startswith("optim/")}
     shapes = checkpoint_keys(path)
+    saved = _saved_optimizer_state(shapes)
+    owned = {id(p) for group in _inner(optimizer).param_groups for p in group["params"]}
     held: dict[str, tuple[nn.Parameter, str]] = {}
     for s, module in stages.items():
-        prefix = _optimizer_prefix(s, tp_rank, dp_rank, zero)
         for name, parameter in module.named_parameters():
-            for key in shapes:
-                if key.startswith(f"{prefix}{name}/") and "/" not in key.removeprefix(f"{prefix}{name}/"):
-                    held[key] = (parameter, key.removeprefix(f"{prefix}{name}/"))
-                    where = _state_device(optimizer, parameter, held[key][1])
-                    state[key] = _empty_state(parameter, shapes[key], where)
+            by_replica = saved.get((s, tp_rank, name), {})
+            if zero == 1 and id(parameter) not in owned:
+                continue  # another replica steps it, and reads its state
+            # ZeRO-1: the state where this replica saved it, else where another did (a partition
+            # that differs from the saving run's: another torch's ZeroRedundancyOptimizer, say)
+            found = by_replica.get(dp_rank if zero == 1 else None) or next(iter(by_replica.values()), {})
+            for state_name, key in found.items():
+                held[key] = (parameter, state_name)
+                state[key] = _empty_state(parameter, shapes[key], _state_device(optimizer, parameter, state_name))
     for key in [k for k in state if k.startswith("rng/") and k not in shapes]:
         del state[key]  # a generator the saving run did not have (CUDA)
     missing = [k for k in state if k not in shapes]
