@@ -4,6 +4,7 @@ One gpt compile (pp=2) and one uninterrupted 6-step run are shared by every test
 the interrupted runs must reproduce that run bit for bit on the CPU.
 """
 
+import os
 import shutil
 import subprocess
 import sys
@@ -101,6 +102,24 @@ def test_adamw_stop_after_step_3_and_resume_is_bit_identical(compiled, tmp_path)
 
 
 @pytest.mark.multiprocess
+def test_a_rank_that_trained_to_the_end_runs_its_exit_handlers_and_exits_zero(compiled, tmp_path):
+    """The generated program leaves past the interpreter's teardown (`autopart.runtime.train.leave`),
+    but as a normal exit would: an exit handler registered at start-up runs on every rank."""
+    hooks, marks = tmp_path / "hooks", tmp_path / "marks"
+    hooks.mkdir()
+    marks.mkdir()
+    (hooks / "sitecustomize.py").write_text(
+        "import atexit, os, pathlib\n"
+        "if 'RANK' in os.environ and 'AUTOPART_TEST_MARKS' in os.environ:\n"
+        "    mark = pathlib.Path(os.environ['AUTOPART_TEST_MARKS']) / os.environ['RANK']\n"
+        "    atexit.register(mark.write_text, 'ran')\n"
+    )
+    env = {"PYTHONPATH": os.pathsep.join([str(hooks), environment()["PYTHONPATH"]]), "AUTOPART_TEST_MARKS": str(marks)}
+    result, _ = launch(compiled, "--steps", "1", env=env)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert sorted(mark.name for mark in marks.iterdir()) == ["0", "1"]
+
+
 def test_consolidated_weights_give_the_last_steps_loss(uninterrupted, tmp_path):
     output = tmp_path / "model.safetensors"
     result = run_cli("consolidate", str(uninterrupted / "ckpt" / "step_00000005"), "-o", str(output))

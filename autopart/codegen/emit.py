@@ -185,8 +185,9 @@ Options: --steps N --lr LR --optimizer sgd|adamw --seed S --metrics FILE --trace
 import sys
 from pathlib import Path
 
-from autopart.runtime.train import main
+from autopart.runtime.train import leave, main
 
 if __name__ == "__main__":
     main(Path(__file__).resolve().parent, sys.argv[1:])
+    leave()  # exit handlers run, the interpreter's teardown (where gloo can abort a finished run) does not
 '''

@@ -33,15 +33,17 @@ latest good checkpoint there.
 from __future__ import annotations
 
 import argparse
+import atexit
 import datetime
 import faulthandler
 import functools
 import json
 import os
 import sys
+import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -74,7 +76,7 @@ from autopart.runtime.shards import weights_file_name
 from autopart.runtime.stage import check_checkpoint, load_stage, stage_names
 from autopart.schedule import Kind, Schedule, plan_actions
 
-__all__ = ["main", "parse_args"]
+__all__ = ["main", "leave", "parse_args"]
 
 
 def parse_args(argv: list[str] | None, plan: Plan) -> argparse.Namespace:
@@ -141,6 +143,22 @@ def main(out_dir: str | Path, argv: list[str] | None = None) -> None:
     except StepFailure as exc:
         print(f"autopart: error on rank {os.environ.get('RANK', '0')}: {exc}", file=sys.stderr, flush=True)
         os._exit(1)  # a dead peer can leave the process group unable to shut down cleanly
+
+
+def leave() -> NoReturn:
+    """End a rank that trained to the end as Python's own exit would, short of the interpreter's
+    teardown. There, after every process group is destroyed, torch's C++ gloo teardown can abort
+    ("terminate called without an active exception", SIGABRT), rarely and more often under load,
+    and torchrun then reports a job that finished as failed. What a normal exit does first is done
+    here: the non-daemon threads joined, the exit handlers run (the model file's too), the streams
+    flushed."""
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _train(out_dir: Path, argv: list[str] | None) -> None:
