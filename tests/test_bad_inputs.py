@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from autopart.ir.errors import gib_beside
 from autopart.tools import cli
 from autopart.runtime import train
 from cost_models.devices import DEVICES_DIR
@@ -421,3 +422,11 @@ def test_no_traceback_reaches_the_terminal(tmp_path, argv, pattern):
     assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
     assert re.search(pattern, lines[0]), lines[0]
     assert_nothing_written(tmp_path, tmp_path / "out")
+
+
+def test_a_need_just_above_the_limit_prints_above_it():
+    """The out-of-memory messages print the need rounded up, to as many figures as tell it from the limit."""
+    gib = 1 << 30
+    assert gib_beside(862951728, round(0.803 * gib)) == ("0.8037", "0.803")
+    assert gib_beside(round(79.6481 * gib), round(79.6472 * gib)) == ("79.6481", "79.6472")
+    assert gib_beside(335000000, round(0.0001 * gib)) == ("0.312", "0.0001")

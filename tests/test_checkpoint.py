@@ -120,6 +120,7 @@ def test_a_rank_that_trained_to_the_end_runs_its_exit_handlers_and_exits_zero(co
     assert sorted(mark.name for mark in marks.iterdir()) == ["0", "1"]
 
 
+@pytest.mark.multiprocess
 def test_consolidated_weights_give_the_last_steps_loss(uninterrupted, tmp_path):
     output = tmp_path / "model.safetensors"
     result = run_cli("consolidate", str(uninterrupted / "ckpt" / "step_00000005"), "-o", str(output))

@@ -21,6 +21,7 @@ __all__ = [
     "DeviceSpecError",
     "CheckpointError",
     "gib_up",
+    "gib_beside",
 ]
 
 
@@ -69,9 +70,19 @@ class OneLineParser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
-def gib_up(nbytes: int) -> str:
-    """GiB to four significant figures, rounded up: a memory limit that a message may tell the
-    user to pass, and that fits (two decimals would print 0.80 needed beside a 0.80 limit)."""
+def gib_up(nbytes: int, figures: int = 4) -> str:
+    """GiB to ``figures`` significant figures, rounded up: a memory limit that a message may tell
+    the user to pass, and that fits."""
     value = nbytes / (1 << 30)
-    scale = 10 ** (3 - math.floor(math.log10(value))) if value > 0 else 1
+    scale = 10 ** (figures - 1 - math.floor(math.log10(value))) if value > 0 else 1
     return f"{math.ceil(value * scale) / scale:g}"
+
+
+def gib_beside(need_bytes: int, limit_bytes: int) -> tuple[str, str]:
+    """A need above a limit, both in GiB, to as many figures as it takes to tell them apart (two
+    decimals printed "needs 0.80 GiB but the limit is 0.80 GiB; raise --memory to at least 0.80")."""
+    for figures in (4, 6, 9):
+        need, limit = gib_up(need_bytes, figures), f"{limit_bytes / (1 << 30):.{figures}g}"
+        if float(need) > float(limit):
+            break
+    return need, limit

@@ -150,11 +150,9 @@ def leave() -> NoReturn:
     teardown. There, after every process group is destroyed, torch's C++ gloo teardown can abort
     ("terminate called without an active exception", SIGABRT), rarely and more often under load,
     and torchrun then reports a job that finished as failed. What a normal exit does first is done
-    here: the non-daemon threads joined, the exit handlers run (the model file's too), the streams
-    flushed."""
-    for thread in threading.enumerate():
-        if thread is not threading.main_thread() and not thread.daemon:
-            thread.join()
+    here, in its order: threading's own exit hooks (which stop idle executor workers) and the
+    non-daemon threads joined, the exit handlers run (the model file's too), the streams flushed."""
+    threading._shutdown()
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()

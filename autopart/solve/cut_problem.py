@@ -37,9 +37,10 @@ class PipelineProblem:
     # own peak at once, which is exact where a rank holds one stage and an upper bound elsewhere.
     rank_in_flight: tuple[tuple[tuple[int, ...], ...], ...] = ()
     # Per repeated layer whose parameters are its own FSDP unit (ZeRO-3): (first block, end block,
-    # per parameter of the layer (bytes, the blocks that read it)). A cut inside the layer writes
-    # its halves inline in the two stages, whose root units then hold those parameters: each
-    # stage that reads one pays its bytes more (whole weights and gradients beside the shards).
+    # (bytes, the blocks that read them) per set of its parameters that the same blocks read). A
+    # cut inside the layer writes its halves inline in the two stages, whose root units then hold
+    # those parameters: each stage that reads one pays its bytes more (whole weights and gradients
+    # beside the shards).
     split_layers: tuple[tuple[int, int, tuple[tuple[int, tuple[int, ...]], ...]], ...] = ()
 
     @property

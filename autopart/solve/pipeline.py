@@ -22,7 +22,7 @@ enumeration.
 
 from __future__ import annotations
 
-from autopart.ir.errors import InfeasibleError, gib_up
+from autopart.ir.errors import InfeasibleError, gib_beside
 from autopart.solve import fitting
 from autopart.solve._cp_sat import cp_model
 from autopart.solve.cut_problem import CutEvaluation, CutSolution, PipelineProblem, evaluate, stage_ranges
@@ -277,10 +277,9 @@ def _smallest_peak_memory(problem: PipelineProblem, time_limit_s: float) -> int:
 
 
 def _infeasible_message(problem: PipelineProblem, time_limit_s: float) -> str:
-    need = gib_up(_smallest_peak_memory(problem, time_limit_s))
+    need, limit = gib_beside(_smallest_peak_memory(problem, time_limit_s), problem.memory_limit_bytes)
     return (
         f"the model does not fit: with {problem.stages} pipeline stages and {problem.microbatches} microbatches "
-        f"the fullest device needs {need} GiB but the memory limit is "
-        f"{problem.memory_limit_bytes / (1 << 30):.4g} GiB; raise --memory to at least {need} "
+        f"the fullest device needs {need} GiB but the memory limit is {limit} GiB; raise --memory to at least {need} "
         "or use more stages (--pp)"
     )
