@@ -129,6 +129,20 @@ def test_the_basis_says_the_ops_were_timed_among_the_hosts_ranks() -> None:
     assert "at once" not in pipeline.what  # the pipeline's own run holds it
 
 
+def test_the_basis_says_when_the_host_s_ranks_outnumber_its_cores() -> None:
+    """Four ranks on two cores take turns there, which neither the timing nor the step counts."""
+    crowded = basis_for(device="cpu", local="cpu", measured=True, costs=None, messages=True, co_run=2, ranks_on_host=4,
+                        bands={})
+    assert crowded.what == ("ops (timed 2 at once, one per core; the plan's 4 ranks on this host share its 2 cores, "
+                            "which the step does not count: expect a slower run) and messages measured on this machine")
+    one_core = basis_for(device="cpu", local="cpu", measured=True, costs=None, messages=True, co_run=1, ranks_on_host=2,
+                         bands={})
+    assert "the plan's 2 ranks on this host share its 1 core," in one_core.what
+    fitting = basis_for(device="cpu", local="cpu", measured=True, costs=None, messages=True, co_run=2, ranks_on_host=2,
+                        bands={})
+    assert fitting.what == "ops (timed 2 at once, as the plan's ranks on this host compute) and messages measured on this machine"
+
+
 def test_measuring_off_times_among_no_others(monkeypatch) -> None:
     options = CompileOptions(model=MODEL, pp=2)
     assert co_run_processes(options, "cpu", 2) == 1  # the suite's conftest turns measuring off

@@ -71,7 +71,9 @@ def test_the_default_compile_measures_once_and_a_second_reads_the_cache(fresh_ca
     assert second.ops_timed == 0 and not second.messages_measured and len(calls) == 1
     assert (database.stat().st_mtime_ns, database.read_bytes()) == written
     processes = host_processes(2, usable_cores())  # the plan's two ranks on this host, one per core at most
-    at_once = f" (timed {processes} at once, as the plan's ranks on this host compute)" if processes > 1 else ""
+    at_once = " (timed 2 at once, as the plan's ranks on this host compute)" if processes == 2 else (
+        " (timed 1 at once, one per core; the plan's 2 ranks on this host share its 1 core, which the step does not "
+        "count: expect a slower run)")  # a machine of one core
     assert second.basis.what == f"ops{at_once} and messages measured on this machine"
     # the model was timed beside a real copy of itself, and the cache says how many ran at once
     co_run = CostDatabase.load(database).co_run(local_device_name("cpu"), co_run_key("fp32", processes))

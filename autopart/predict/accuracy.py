@@ -106,15 +106,17 @@ def band_key(kind: str, local: str | None) -> str:
 
 
 def basis_for(*, device: str, local: str | None, measured: bool, costs: Path | None, messages: bool,
-              pipeline: bool = False, co_run: int = 1, bands: dict[str, Band] | None = None) -> Basis:
+              pipeline: bool = False, co_run: int = 1, ranks_on_host: int = 1,
+              bands: dict[str, Band] | None = None) -> Basis:
     """The basis of a compile for ``device``: ``measured`` when the default path measured its ops
     here, ``costs`` the cost database given instead, ``messages`` whether this machine's message
     figures were measured, ``pipeline`` whether ``--profile-pipeline`` ran the plan first,
     ``co_run`` the processes the model's compute was timed among (the host's ranks that compute
-    at once, `autopart.profiling.co_run`; 1: alone)."""
+    at once, one per core at most: `autopart.profiling.co_run`; 1: alone), ``ranks_on_host`` the
+    plan's ranks on this host (more than ``co_run`` where they outnumber its cores)."""
     bands = load_bands() if bands is None else bands
     on = "this pipeline, " if pipeline else ""
-    beside = f" (timed {co_run} at once, as the plan's ranks on this host compute)" if co_run > 1 and not pipeline else ""
+    beside = "" if pipeline else _timed_among(co_run, ranks_on_host)
     if measured:
         kind, what = MEASURED, f"ops{beside} and messages measured on this machine" if messages else \
             f"ops{beside} measured on this machine, messages from the device spec"
@@ -127,6 +129,17 @@ def basis_for(*, device: str, local: str | None, measured: bool, costs: Path | N
         kind, what = ROOFLINE, f"{device} roofline"
     key = band_key(kind, local)
     return Basis(key=key, what=what, band=bands.get(key))
+
+
+def _timed_among(co_run: int, ranks_on_host: int) -> str:
+    """How the ops were timed beside the host's other ranks. Ranks that outnumber the cores take
+    turns on them, which neither the timing (one process per core) nor the step model counts, so
+    the run is slower than the figure, by how much docs/first_run.md measures."""
+    if ranks_on_host > co_run:
+        cores = f"{co_run} core{'s' if co_run > 1 else ''}"
+        return (f" (timed {co_run} at once, one per core; the plan's {ranks_on_host} ranks on this host share its "
+                f"{cores}, which the step does not count: expect a slower run)")
+    return f" (timed {co_run} at once, as the plan's ranks on this host compute)" if co_run > 1 else ""
 
 
 def with_basis(plan: Plan, basis: Basis) -> Plan:

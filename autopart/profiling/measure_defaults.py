@@ -77,8 +77,16 @@ def co_run_processes(options: CompileOptions, kind: str | None, cores: int) -> i
     """The processes a compile times its model's compute among (`autopart.profiling.co_run`):
     the plan's ranks on one host that compute at once, on this machine's CPU while measuring is
     on; 1 (alone, nothing to measure) otherwise."""
-    measuring = kind == "cpu" and options.measure and not os.environ.get(NO_MEASURE_ENV)
-    return host_processes(options.ranks_per_host, cores) if measuring else 1
+    return host_processes(options.ranks_per_host, cores) if _measuring_cpu(options, kind) else 1
+
+
+def _host_ranks(options: CompileOptions, kind: str | None) -> int:
+    """The plan's ranks on this machine, where its compute is timed here (1 otherwise)."""
+    return options.ranks_per_host if _measuring_cpu(options, kind) else 1
+
+
+def _measuring_cpu(options: CompileOptions, kind: str | None) -> bool:
+    return kind == "cpu" and options.measure and not os.environ.get(NO_MEASURE_ENV)
 
 
 def _messages_known(kind: str) -> bool:
@@ -100,7 +108,8 @@ def measure_defaults(options: CompileOptions, *, console: Console | None = None)
     if kind is None or options.costs is not None or not options.measure or os.environ.get(NO_MEASURE_ENV) or missing:
         messages = kind is not None and _messages_known(kind)
         basis = basis_for(device=options.device, local=kind, measured=False, costs=options.costs, messages=messages,
-                          pipeline=options.profile_pipeline, co_run=co_run_processes(options, kind, usable_cores()))
+                          pipeline=options.profile_pipeline, co_run=co_run_processes(options, kind, usable_cores()),
+                          ranks_on_host=_host_ranks(options, kind))
         return options, Measured(basis=basis, costs=options.costs)
     path = costs_cache_path(options.model, kind)
     measure_messages = not _messages_known(kind) and _can_measure_messages(kind)
@@ -111,7 +120,7 @@ def measure_defaults(options: CompileOptions, *, console: Console | None = None)
             profile_comm(ranks=2, backend="gloo" if kind == "cpu" else "nccl", effort=QUICK)
     timed = 0 if options.searched or options.plan is not None else _profile_ops(options, kind, path, console)
     basis = basis_for(device=options.device, local=kind, measured=True, costs=None, messages=_messages_known(kind),
-                      co_run=co_run_processes(options, kind, usable_cores()))
+                      co_run=co_run_processes(options, kind, usable_cores()), ranks_on_host=_host_ranks(options, kind))
     measured = Measured(basis=basis, costs=path, ops_timed=timed, messages_measured=measure_messages)
     if measure_messages or timed:
         _note_busy(kind, path)
