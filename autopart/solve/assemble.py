@@ -49,11 +49,12 @@ def pipeline_problem(options: CompileOptions, front: Front, microbatches: int) -
     times, saved = recompute_blocks(front, [modes.pop() if len(modes) == 1 else "none"] * len(chain.blocks))
     local = _local_bytes(options, front)
     layered, layer_bytes = layered_parameters(chain, local)
+    state = {name: _state_bytes(options, nbytes, layered=name in layered) for name, nbytes in local.items()}
     return PipelineProblem(
         block_time_s=times,
         block_activation_bytes=saved,
         boundary_transfer_s=tuple(boundary_seconds(options, cost_model, b.tensors) for b in chain.boundaries),
-        parameter_state_bytes={name: _state_bytes(options, nbytes, layered=name in layered) for name, nbytes in local.items()},
+        parameter_state_bytes=state,
         block_parameters=tuple(b.parameters for b in chain.blocks),
         stages=stages,
         microbatches=microbatches,
@@ -64,14 +65,15 @@ def pipeline_problem(options: CompileOptions, front: Front, microbatches: int) -
         + communicator_bytes(device.kind, pp=options.pp, tp=options.tp, dp=options.dp)
         + layers_in_flight_bytes(layer_bytes, dp=options.dp, zero=int(options.zero)),
         stage_rank=stage_placement(options.schedule, ranks=options.pp, chunks=options.chunks),
-        split_layers=_split_layers(options, chain, local, layered),
+        split_layers=_split_layers(options, chain, local, state),
     )
 
 
-def _split_layers(options: CompileOptions, chain, local: dict[str, int], layered: frozenset[str]) -> tuple:
+def _split_layers(options: CompileOptions, chain, local: dict[str, int], state: dict[str, int]) -> tuple:
     """``PipelineProblem.split_layers``: at ZeRO-3, per repeated layer, what its parameters cost
-    more where a cut splits it (they run in each stage's root unit, `autopart.codegen.layers`),
-    summed over the parameters that the same blocks read."""
+    more where a cut splits it (they run in each stage's root unit, `autopart.codegen.layers`,
+    rather than the layer's own, whose ``state`` they hold), summed over the parameters that the
+    same blocks read."""
     if int(options.zero) != 3 or options.dp == 1:
         return ()
     found = []
@@ -79,11 +81,11 @@ def _split_layers(options: CompileOptions, chain, local: dict[str, int], layered
         readers: dict[str, list[int]] = {}
         for k in range(first, end):
             for name in dict.fromkeys(chain.blocks[k].parameters):
-                if name in own and name in layered:
+                if name in own:
                     readers.setdefault(name, []).append(k)
         extra: dict[tuple[int, ...], int] = {}
         for name, blocks in readers.items():
-            more = _state_bytes(options, local[name], layered=False) - _state_bytes(options, local[name], layered=True)
+            more = _state_bytes(options, local[name], layered=False) - state[name]
             extra[tuple(blocks)] = extra.get(tuple(blocks), 0) + more
         if end - first > 1 and any(extra.values()):
             found.append((first, end, tuple((nbytes, blocks) for blocks, nbytes in extra.items() if nbytes)))
