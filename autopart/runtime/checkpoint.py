@@ -352,9 +352,9 @@ def restore_checkpoint(
     held: dict[str, tuple[nn.Parameter, str]] = {}
     for s, module in stages.items():
         for name, parameter in module.named_parameters():
-            by_replica = saved.get((s, tp_rank, name), {})
             if zero == 1 and id(parameter) not in owned:
                 continue  # another replica steps it, and reads its state
+            by_replica = saved.get((s, tp_rank, name), {})
             # ZeRO-1: the state where this replica saved it, else where another did (a partition
             # that differs from the saving run's: another torch's ZeroRedundancyOptimizer, say)
             found = by_replica.get(dp_rank if zero == 1 else None) or next(iter(by_replica.values()), {})
