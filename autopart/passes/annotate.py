@@ -408,8 +408,9 @@ def _annotate_nodes(
     kernels: dict[str, tuple[tuple[Kernel, ...], tuple[Kernel, ...]]] = {}
     leaves: dict[str, dict[str, TensorMeta]] = {}
     feed = iter(feed_values)
+    parameter_names = set(state.parameters)
     for node in graph.module.graph.nodes:
-        derived[node.name] = _batch_derived(node, derived, set(state.parameters))
+        derived[node.name] = _batch_derived(node, derived, parameter_names)
         common = dict(name=node.name, op=node.op, module_path=_module_path(node), batch_derived=derived[node.name])
         if node.op == "placeholder":
             value = next(feed)
