@@ -47,7 +47,8 @@ from autopart.passes.capture import Graph, graph_args
 from autopart.ir.recompute import dropout_mask_bytes, keeps_output
 from cost_models import CostModel, Kernel, KernelRecorder
 
-__all__ = ["mixed_dtype_error", "NodeCost", "OpGraph", "annotate", "cost_key", "target_precision", "op_key"]
+__all__ = ["mixed_dtype_error", "NodeCost", "OpGraph", "annotate", "cost_key", "target_precision", "op_key",
+           "recompute_share"]
 
 def target_precision(dtype: str, device_kind: str) -> contextlib.AbstractContextManager:
     """The autocast a device of ``device_kind`` runs the forward in, applied on this machine's
@@ -101,7 +102,8 @@ class OpGraph:
     micro_batch_size: int
     cost_model: str
     dtype: str = "fp32"  # the precision it was annotated in (DTYPES)
-    kernels: dict[str, tuple[tuple[Kernel, ...], tuple[Kernel, ...]]] = field(default_factory=dict, repr=False)
+    kernels: dict[str, tuple[tuple[Kernel, ...], ...]] = field(default_factory=dict, repr=False)
+    """Per op node, its kernels: forward, input gradients, weight gradients."""
     leaf_tensors: dict[str, dict[str, TensorMeta]] = field(default_factory=dict)
     """Per call_module node (a ``--leaf`` module): its parameters and buffers, by full name."""
 
@@ -384,7 +386,7 @@ def annotate(
     )
 
 
-def _recompute_share(forward: list[Kernel], cost_model: CostModel) -> float:
+def recompute_share(forward: list[Kernel], cost_model: CostModel) -> float:
     """The share of a node's forward time in the ops that selective recompute runs again."""
     total = cost_model.kernels_time(forward)
     if total <= 0:
@@ -405,7 +407,7 @@ def _annotate_nodes(
     values: dict[str, Any] = {}
     derived: dict[str, bool] = {}
     nodes: dict[str, NodeCost] = {}
-    kernels: dict[str, tuple[tuple[Kernel, ...], tuple[Kernel, ...]]] = {}
+    kernels: dict[str, tuple[tuple[Kernel, ...], ...]] = {}
     leaves: dict[str, dict[str, TensorMeta]] = {}
     feed = iter(feed_values)
     parameter_names = set(state.parameters)
@@ -445,9 +447,9 @@ def _annotate_nodes(
             forward, backward_input, backward_weight = _measure_kernels(node, args, kwargs, state)
             measured_by_key[key] = (forward, backward_input, backward_weight,
                                     cost_model.op_times(key, forward, backward_input, backward_weight),
-                                    _recompute_share(forward, cost_model))
+                                    recompute_share(forward, cost_model))
         forward, backward_input, backward_weight, times, share = measured_by_key[key]
-        kernels[node.name] = (tuple(forward), tuple(backward_input) + tuple(backward_weight))
+        kernels[node.name] = (tuple(forward), tuple(backward_input), tuple(backward_weight))
         parameter_bytes = 0
         if node.op == "call_module":
             own = {f"{node.target}.{k}": v for k, v in state.leaf_state(str(node.target)).items()}

@@ -34,6 +34,7 @@ from autopart.solve.assemble import layered_parameters, pipeline_problem, plan_f
 from autopart.ir.tensors import SEARCHED_DTYPES
 from autopart.ir.model_file import ModelSpec, is_meta, load_model_file
 from autopart.passes.capture import Graph
+from autopart.passes.scale import SizeLines
 from autopart.ir.errors import ConfigError, InfeasibleError, gib_up
 from autopart.ir.plan import Plan
 from autopart.schedule import SCHEDULE_KINDS
@@ -74,6 +75,7 @@ class FrontTable:
         self._roofline = None
         self._measured: dict[str, tuple] = {}  # ops' kernels and times by cost key, for every capture
         self._graphs: dict[bool, Graph] = {}  # the capture, by whether biases are ops of their own
+        self._lines = SizeLines()  # annotations at most sizes read off a line through two
 
     def model_spec(self) -> ModelSpec:
         """The model file, loaded (and its initialisers checked) once."""
@@ -98,9 +100,15 @@ class FrontTable:
         if base_key not in self.annotated:
             if self.progress is not None:
                 self.progress(f"capturing at micro-batch size {micro_batch_size}", len(self.annotated), 0)
-            front = annotated(self._options(tp=tp, dtype=dtype), micro_batch_size, separate_biases=separate,
-                              spec=self.model_spec(), roofline=self._roofline, measured=self._measured,
-                              graph=self._graphs.get(separate))
+
+            def real() -> Front:
+                return annotated(self._options(tp=tp, dtype=dtype), micro_batch_size, separate_biases=separate,
+                                 spec=self.model_spec(), roofline=self._roofline, measured=self._measured,
+                                 graph=self._graphs.get(separate))
+
+            # a roofline costs a kernel from its FLOPs and bytes, which a line through two sizes
+            # gives (``autopart.passes.scale``); measured ops are keyed by their shapes
+            front = real() if self.options.costs is not None else self._lines.front(micro_batch_size, base_key[1:], real)
             self._graphs[separate] = front.op_graph.graph  # captured once, annotated at each size
             self._roofline = getattr(front.cost_model, "roofline", front.cost_model)
             self.annotated[base_key] = front

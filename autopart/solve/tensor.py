@@ -318,8 +318,7 @@ class _BlockModel:
 def divided_seconds(op_graph, name: str, t: int, cost_model: CostModel) -> float:
     """Forward and backward of the node's kernels, each on a t-th of the data: the FLOPs and bytes
     shrink, the per-kernel overhead does not."""
-    forward, backward = op_graph.kernels.get(name, ((), ()))
-    shrunk = [replace(k, flops=k.flops / t, bytes=k.bytes / t) for k in (*forward, *backward)]
+    shrunk = [replace(k, flops=k.flops / t, bytes=k.bytes / t) for ks in op_graph.kernels.get(name, ()) for k in ks]
     return cost_model.kernels_time(shrunk)
 
 

@@ -1,0 +1,96 @@
+"""Annotations at many micro-batch sizes read off the line through two real ones
+(autopart/passes/scale.py): equal to real annotations where every figure is affine in the size,
+and never trusted where one is not."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from autopart.options import CompileOptions
+from autopart.passes.scale import affine_op_graph, lines_agree
+from autopart.solve import planner
+from autopart.solve.planner import FrontTable
+from tests.distributed import REPO
+
+
+def _table(model: Path, device: str, dtype: str) -> FrontTable:
+    return FrontTable(CompileOptions(model=model, device=device, dtype=dtype, costs=None))
+
+
+def _count_real_annotations(monkeypatch) -> list[int]:
+    """The micro-batch sizes the planner's tables annotate for real from now on, in order."""
+    calls: list[int] = []
+    real = planner.annotated
+
+    def counted(options, size, **how):
+        calls.append(size)
+        return real(options, size, **how)
+
+    monkeypatch.setattr(planner, "annotated", counted)
+    return calls
+
+
+@pytest.mark.parametrize("model, dtype, tp", [("examples/gpt.py", "bf16", 2), ("examples/llama.py", "fp32", 1),
+                                              ("examples/gpt.py", "bf16-autocast", 1)])
+def test_a_transformer_s_annotation_lies_on_the_line_through_two_sizes(model, dtype, tp) -> None:
+    table = _table(REPO / model, "h100-sxm", dtype)
+    real = {b: table.annotated_front(micro_batch_size=b, tp=tp, dtype=dtype) for b in (2, 3)}
+    fresh = _table(REPO / model, "h100-sxm", dtype)  # no lines: every size annotated for real
+    fresh._lines.front = lambda size, form, annotate: annotate()
+    for size in (4, 8):
+        line = affine_op_graph(real[2].op_graph, real[3].op_graph, size, real[2].cost_model)
+        truth = fresh.annotated_front(micro_batch_size=size, tp=tp, dtype=dtype).op_graph
+        assert line is not None and lines_agree(line, truth)
+
+
+def test_the_table_annotates_three_sizes_and_reads_the_rest_off_the_checked_line(monkeypatch) -> None:
+    table = _table(REPO / "examples" / "gpt.py", "h100-sxm", "bf16")
+    calls = _count_real_annotations(monkeypatch)
+    fronts = {b: table.annotated_front(micro_batch_size=b, tp=2, dtype="bf16") for b in (1, 2, 4, 8, 3, 16)}
+    assert calls == [1, 2, 4, 8]  # 1 is its own (its reshapes are views), 2 and 4 the line, 8 its check
+    fresh = _table(REPO / "examples" / "gpt.py", "h100-sxm", "bf16")
+    fresh._lines.front = lambda size, form, annotate: annotate()
+    for b in (3, 16):
+        truth = fresh.annotated_front(micro_batch_size=b, tp=2, dtype="bf16")
+        assert lines_agree(fronts[b].op_graph, truth.op_graph)
+        assert [k.forward_s for k in fronts[b].chain.blocks] == pytest.approx([k.forward_s for k in truth.chain.blocks],
+                                                                              rel=1e-12)
+
+
+_SIMILARITY = """
+    import torch
+    from torch import nn
+
+    class Model(nn.Module):  # a contrastive head: a batch x batch matrix, quadratic in the batch
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(8, 8)
+
+        def forward(self, x):
+            z = self.proj(x)
+            return z @ z.t()
+
+    def build_model():
+        return Model()
+
+    def example_batch(batch_size):
+        return (torch.ones(batch_size, 8),), torch.arange(batch_size)
+
+    def loss_fn(scores, targets):
+        return nn.functional.cross_entropy(scores, targets)
+"""
+
+
+def test_a_figure_off_the_line_is_caught_and_every_size_annotated_for_real(tmp_path, monkeypatch) -> None:
+    model = tmp_path / "similarity.py"
+    model.write_text(textwrap.dedent(_SIMILARITY))
+    table = _table(model, "h100-sxm", "fp32")
+    calls = _count_real_annotations(monkeypatch)
+    for b in (2, 3, 4, 8):
+        table.annotated_front(micro_batch_size=b, tp=1, dtype="fp32")
+    assert calls == [2, 3, 4, 8]  # the check at 4 failed: 8 is annotated too
+    scores = table.annotated_front(micro_batch_size=8, tp=1, dtype="fp32").op_graph.nodes
+    assert any(cost.output is not None and cost.output.shape == (8, 8) for cost in scores.values())
