@@ -185,12 +185,7 @@ def test_interleaved_stages_share_their_ranks_memory_as_the_ranks_moments_hold_i
     from autopart.predict.in_flight import in_flight, rank_in_flight
 
     blocks = 8
-    costs = ChainCosts(
-        forward_s=(1.0,) * blocks, backward_s=(2.0,) * blocks, weight_s=(1.0,) * blocks, saved_bytes=(100,) * blocks,
-        selective_saved_bytes=(0,) * blocks, selective_recompute_s=(0.0,) * blocks, boundary_bytes=(0,) * (blocks - 1),
-        input_bytes=0, parameter_bytes={f"w{k}": 10 for k in range(blocks)},
-        parameter_state_bytes={f"w{k}": 40 for k in range(blocks)}, block_parameters=tuple((f"w{k}",) for k in range(blocks)),
-    )  # fmt: skip
+    costs = _alike_blocks(blocks, saved_bytes=100)
     common = dict(stages=4, in_flight=in_flight("interleaved", 2, 4, 2), stage_rank=(0, 1, 0, 1),
                   transfer_s=(0.0,) * (blocks - 1), memory_limit_bytes=1200, overhead_bytes=0,
                   modes=(("none",),) * 4)  # fmt: skip
@@ -199,3 +194,32 @@ def test_interleaved_stages_share_their_ranks_memory_as_the_ranks_moments_hold_i
     assert shared.rank_memory_bytes == (4 * 40 + (3 + 2) * 200, 4 * 40 + 3 * 200)  # 200 bytes a microbatch a stage
     equal = cut_stages(costs, **common)
     assert max(equal.stage_time_s) >= 2 * max(shared.stage_time_s) == 2 * 6.0
+
+
+def test_ranks_that_cannot_hold_the_parameters_together_are_refused_before_any_cut(monkeypatch) -> None:
+    """Eight blocks of 40 bytes of state each (320 in all) on 2 ranks of 2 interleaved chunks: no
+    cut fits ranks of 159 bytes, and the cutter says so without a greedy pass, which at a
+    thousand stages would walk every bound up to the chain's whole time; at 160 it cuts."""
+    from autopart.predict.in_flight import in_flight, rank_in_flight
+    from autopart.solve import bottleneck
+
+    blocks = 8
+    costs = _alike_blocks(blocks, saved_bytes=0)
+    passes = []
+    greedy = bottleneck._Greedy.__call__
+    monkeypatch.setattr(bottleneck._Greedy, "__call__", lambda self, bound: passes.append(bound) or greedy(self, bound))
+    common = dict(stages=4, in_flight=in_flight("interleaved", 2, 4, 2), stage_rank=(0, 1, 0, 1),
+                  transfer_s=(0.0,) * (blocks - 1), overhead_bytes=0, rank_in_flight=rank_in_flight("interleaved", 2, 4, 2))
+    assert cut_stages(costs, memory_limit_bytes=159, **common) is None and passes == []
+    fitted = cut_stages(costs, memory_limit_bytes=160, **common)
+    assert fitted is not None and fitted.rank_memory_bytes == (160, 160) and passes
+
+
+def _alike_blocks(blocks: int, *, saved_bytes: int) -> ChainCosts:
+    """A chain of blocks alike: 1 s forward, 2 s backward, 40 bytes of state each."""
+    return ChainCosts(
+        forward_s=(1.0,) * blocks, backward_s=(2.0,) * blocks, weight_s=(1.0,) * blocks,
+        saved_bytes=(saved_bytes,) * blocks, selective_saved_bytes=(0,) * blocks, selective_recompute_s=(0.0,) * blocks,
+        boundary_bytes=(0,) * (blocks - 1), input_bytes=0, parameter_bytes={f"w{k}": 10 for k in range(blocks)},
+        parameter_state_bytes={f"w{k}": 40 for k in range(blocks)}, block_parameters=tuple((f"w{k}",) for k in range(blocks)),
+    )  # fmt: skip

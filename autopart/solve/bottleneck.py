@@ -77,9 +77,10 @@ def cut_stages(
     modes = modes or (RECOMPUTE_MODES,) * stages
     ranks = max(stage_rank) + 1
     per_rank = [stage_rank.count(r) for r in range(ranks)]
-    budget = [(memory_limit_bytes - overhead_bytes) // per_rank[stage_rank[s]] for s in range(stages)]
-    if min(budget) <= 0:
-        return None
+    room_bytes = memory_limit_bytes - overhead_bytes  # per rank
+    budget = [room_bytes // per_rank[stage_rank[s]] for s in range(stages)]
+    if min(budget) <= 0 or costs.prefix("owned_parameter_bytes")[-1] > ranks * room_bytes:
+        return None  # the ranks together cannot hold the parameters, however the chain is cut
 
     def stage(s: int, first: int, last: int, mode: str) -> StageFigures:
         return stage_figures(
@@ -97,7 +98,7 @@ def cut_stages(
     # meet that bound at all), and the search asks for thousands of layouts
     if rank_in_flight is not None and max(per_rank) > 1 and equal_share.failed_for_memory \
             and not (best is not None and fit_only):
-        room = RankRoom(stage_rank=stage_rank, moments=rank_in_flight, room_bytes=memory_limit_bytes - overhead_bytes,
+        room = RankRoom(stage_rank=stage_rank, moments=rank_in_flight, room_bytes=room_bytes,
                         reserve_bytes=_least_parameter_bytes(costs))
         found = _bisected(_Greedy(costs=costs, stages=stages, modes=modes, budget=budget, in_flight=in_flight,
                                   transfer_s=transfer_s, transient=transient, room=room),
