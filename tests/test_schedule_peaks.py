@@ -41,3 +41,19 @@ def test_closed_form_transients_match_the_action_lists(kind: str, ranks: int, mi
     schedule = build_schedule(kind, ranks=ranks, microbatches=microbatches, chunks=chunks)
     assert transient_in_flight(kind, ranks=ranks, microbatches=microbatches, chunks=chunks) == transient_microbatches(
         schedule, ranks * chunks)
+
+
+@pytest.mark.parametrize("kind, chunks, shown", [("zbv", 2, 2), ("interleaved", 3, 3)])
+def test_microbatch_counts_that_show_the_same_moments_are_walked_once(kind: str, chunks: int, shown: int) -> None:
+    """ZB-V shows all its moments by 2p microbatches and interleaved by 3p; the search asks for
+    hundreds of counts beyond, and each walks the same action lists (seconds at p = 48)."""
+    from autopart.schedule import peaks
+
+    p = 4
+    first = peaks.rank_peaks(kind, ranks=p, microbatches=shown * p, chunks=chunks)
+    walked = peaks._walked if kind == "zbv" else peaks._interleaved_candidates
+    before = walked.cache_info()
+    for m in (shown * p + p, 10 * p, 25 * p):
+        assert peaks.rank_peaks(kind, ranks=p, microbatches=m, chunks=chunks) == first
+    after = walked.cache_info()
+    assert after.misses == before.misses and after.hits == before.hits + 3

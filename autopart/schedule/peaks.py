@@ -10,6 +10,8 @@ simulated timelines.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 __all__ = ["peak_in_flight", "rank_peaks", "transient_in_flight"]
@@ -67,13 +69,18 @@ def rank_peaks(kind: str, *, ranks: int, microbatches: int, chunks: int = 1) -> 
     bytes for some sizes is given (``_peak_candidates``); the rank's peak is the largest of their sums."""
     m, v = microbatches, chunks
     if kind == "interleaved":  # its states repeat every round: 3p microbatches show them all
-        return _peak_candidates(_interleaved_held(ranks, min(m, INTERLEAVED_SHOWN * ranks), v))
+        return _interleaved_candidates(ranks, min(m, INTERLEAVED_SHOWN * ranks), v)
     if kind == "zbv" and ranks > ZBV_WALKED_RANKS:  # each chunk at its own peak: more than the rank holds
         peaks = peak_in_flight(kind, ranks=ranks, microbatches=m, chunks=2)
         return tuple(((peaks[r], peaks[2 * ranks - 1 - r]),) for r in range(ranks))
     if kind == "zbv":  # past its warm-up ZB-V repeats one round of states, so 2p microbatches show them all
         return _walked(kind, ranks, min(m, 2 * ranks))
     return tuple(((count,),) for count in peak_in_flight(kind, ranks=ranks, microbatches=m, chunks=chunks))
+
+
+@functools.lru_cache(maxsize=256)  # the search asks for many microbatch counts that show the same moments
+def _interleaved_candidates(p: int, m: int, v: int) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    return _peak_candidates(_interleaved_held(p, m, v))
 
 
 def _interleaved_held(p: int, m: int, v: int) -> np.ndarray:
@@ -88,6 +95,7 @@ def _interleaved_held(p: int, m: int, v: int) -> np.ndarray:
     return np.concatenate([start, after], axis=1)
 
 
+@functools.lru_cache(maxsize=256)
 def _walked(kind: str, ranks: int, microbatches: int) -> tuple[tuple[tuple[int, ...], ...], ...]:
     """The moments of ``_peak_candidates`` read off the action lists themselves (a forward takes a
     microbatch in, its backward or input-gradient half lets it go), for schedules with no closed form."""
