@@ -87,7 +87,7 @@ def _write(plan: Plan, op_graph: OpGraph, spec: ModelSpec, out: Path, *, final: 
         if tp > 1:
             stage = shard_stage_graph(stage, strategies=chosen, parameters=placements, op_graph=op_graph, tp=tp)
         header = _stage_docstring(plan, stage_plan.index, stage, op_graph, command)
-        declared = {name: local(name, placements, 0) for name in tensors}
+        declared = {name: local(name, placements, 0) for name in (*stage.parameters, *stage.buffers, *stage.constants)}
         units = stage_units(stage.graph, stage_plan.nodes, layers, op_graph, spec.module)
         source = stage_source(stage, stages=len(plan.stages), op_graph=op_graph, metas=declared, header=header,
                               units=units, shapes=shapes)  # fmt: skip

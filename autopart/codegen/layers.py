@@ -143,10 +143,11 @@ def stage_units(
     by_name = {n.name: n for n in nodes}
     units: list[Unit] = []
     taken: set[str] = set()
+    mine = set(stage_nodes)
     for instances in groups:
         held = [
             tuple(n for n in names if n in by_name)  # less the dead ops that the stage graph dropped
-            for names in instances if set(names) <= set(stage_nodes)
+            for names in instances if mine.issuperset(names)
         ]  # fmt: skip
         found = [u for names in held if (u := _instance(names, by_name, position, op_graph)) is not None]
         if not found:
