@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 
 from autopart.ir.recompute import RECOMPUTE_MODES
 from autopart.solve.chain_costs import ChainCosts, StageFigures, chain_sums, stage_figures
-from autopart.solve.rank_room import RankRoom, rank_bytes
+from autopart.solve.rank_room import RankRoom, rank_bytes, stages_by_rank
 
 __all__ = ["StageCut", "cut_stages", "fixed_cut"]
 
@@ -76,7 +76,7 @@ def cut_stages(
         return None
     modes = modes or (RECOMPUTE_MODES,) * stages
     ranks = max(stage_rank) + 1
-    per_rank = [stage_rank.count(r) for r in range(ranks)]
+    per_rank = [len(stages) for stages in stages_by_rank(stage_rank)]
     room_bytes = memory_limit_bytes - overhead_bytes  # per rank
     budget = [room_bytes // per_rank[stage_rank[s]] for s in range(stages)]
     if min(budget) <= 0 or costs.prefix("owned_parameter_bytes")[-1] > ranks * room_bytes:
@@ -293,7 +293,7 @@ def fixed_cut(costs: ChainCosts, cuts: tuple[int, ...], *, modes: tuple[tuple[st
     lasts = [*cuts, len(costs) - 1]
     firsts = [0, *(c + 1 for c in cuts)]
     ranks = max(stage_rank) + 1
-    per_rank = [stage_rank.count(r) for r in range(ranks)]
+    per_rank = [len(stages) for stages in stages_by_rank(stage_rank)]
 
     def stage(s: int, first: int, last: int, mode: str) -> StageFigures:
         return stage_figures(costs, first, last, mode=mode, in_flight=in_flight[s],

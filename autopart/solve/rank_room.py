@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["RankRoom", "fastest_fitting", "rank_bytes"]
+__all__ = ["RankRoom", "fastest_fitting", "rank_bytes", "stages_by_rank"]
 
 Moments = tuple[tuple[int, ...], ...]  # per moment, per stage of the rank (in stage order), microbatches held
 
@@ -55,16 +55,27 @@ def fastest_fitting(options: Sequence[Sequence[tuple]], moments: Moments | None,
     return float(times[index]), tuple(stage[k] for stage, k in zip(options, index)), int(total[index])
 
 
+def stages_by_rank(stage_rank: Sequence[int]) -> list[list[int]]:
+    """Per rank, the stages it holds, in stage order."""
+    mine: list[list[int]] = [[] for _ in range(max(stage_rank) + 1)]
+    for s, r in enumerate(stage_rank):
+        mine[r].append(s)
+    return mine
+
+
 class RankRoom:
     """The ranks' memory as a cutter fills stages one after another, first to last: a stage fits
     where its rank, with it, stays within ``room_bytes`` less ``reserve_bytes`` for each of the
     rank's stages still to come (what one of them holds at the least)."""
 
     def __init__(self, *, stage_rank: tuple[int, ...], moments: Sequence[Moments], room_bytes: int, reserve_bytes: int):
-        ranks = max(stage_rank) + 1
-        mine = [[s for s, r in enumerate(stage_rank) if r == rank] for rank in range(ranks)]
+        mine = stages_by_rank(stage_rank)
+        ranks = len(mine)
         self.stage_rank = stage_rank
-        self.index = [mine[r].index(s) for s, r in enumerate(stage_rank)]
+        self.index = [0] * len(stage_rank)  # each stage's place among its rank's
+        for stages in mine:
+            for i, s in enumerate(stages):
+                self.index[s] = i
         self.later = [len(mine[r]) - 1 - self.index[s] for s, r in enumerate(stage_rank)]
         # per stage, the microbatches it holds at each of its rank's moments: plain lists, as a
         # rank has a few moments (`autopart.schedule.peaks`) and the cutter asks millions of times

@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 from autopart.solve.bottleneck import StageCut
 from autopart.solve.chain_costs import ChainCosts, stage_figures
-from autopart.solve.rank_room import fastest_fitting
+from autopart.solve.rank_room import fastest_fitting, stages_by_rank
 
 __all__ = ["ENUMERATE_LIMIT", "RADIUS", "SHIFT_SPAN", "FAR_STAGES", "CutJudge", "refine_cuts"]
 
@@ -58,7 +58,7 @@ class CutJudge:
         self.in_flight, self.stage_rank, self.transfer_s = in_flight, stage_rank, transfer_s
         self.transient = transient or (1,) * self.stages
         self.ranks = max(stage_rank) + 1
-        self.rank_stages = [tuple(s for s in range(self.stages) if stage_rank[s] == r) for r in range(self.ranks)]
+        self.rank_stages = [tuple(stages) for stages in stages_by_rank(stage_rank)]
         self.budget = memory_limit_bytes - overhead_bytes
         self.overhead_bytes = overhead_bytes
         self.modes = modes
