@@ -223,3 +223,58 @@ def _alike_blocks(blocks: int, *, saved_bytes: int) -> ChainCosts:
         boundary_bytes=(0,) * (blocks - 1), input_bytes=0, parameter_bytes={f"w{k}": 10 for k in range(blocks)},
         parameter_state_bytes={f"w{k}": 40 for k in range(blocks)}, block_parameters=tuple((f"w{k}",) for k in range(blocks)),
     )  # fmt: skip
+
+
+def test_a_rank_whose_first_stage_fits_no_block_under_any_bound_is_refused_after_one_pass(monkeypatch) -> None:
+    """Eight blocks alike (40 bytes of state, 100 saved a microbatch, no recompute allowed) on 2
+    ranks of 2 interleaved chunks at 300 bytes a rank: the parameters fit the ranks together,
+    but no chunk holds one block with the microbatches it keeps in flight. The ranks' room is
+    walked from the least bound upwards; its first pass is refused for memory alone, so every
+    larger bound fails alike and the walk stops there, with the answer it would have reached."""
+    from autopart.predict.in_flight import in_flight, rank_in_flight
+    from autopart.solve import bottleneck
+
+    blocks = 8
+    costs = _alike_blocks(blocks, saved_bytes=100)
+    common = dict(stages=4, in_flight=in_flight("interleaved", 2, 4, 2), stage_rank=(0, 1, 0, 1),
+                  transfer_s=(0.0,) * (blocks - 1), overhead_bytes=0, memory_limit_bytes=300, modes=(("none",),) * 4,
+                  rank_in_flight=rank_in_flight("interleaved", 2, 4, 2))  # fmt: skip
+    passes = []
+    greedy = bottleneck._Greedy.__call__
+    monkeypatch.setattr(bottleneck._Greedy, "__call__", lambda self, bound: passes.append(bound) or greedy(self, bound))
+    assert cut_stages(costs, **common) is None
+    assert len(passes) == 2  # the equal share's loosest bound, the ranks' room's least
+    passes.clear()
+    init = bottleneck._Greedy.__init__
+
+    def never_monotone(self, **how):
+        init(self, **how)
+        self.monotone = False
+
+    monkeypatch.setattr(bottleneck._Greedy, "__init__", never_monotone)
+    assert cut_stages(costs, **common) is None and len(passes) > 5  # walked up to the chain's whole time
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_stopping_the_walk_where_no_larger_bound_helps_never_changes_the_cuts(seed: int, monkeypatch) -> None:
+    """Random chains on ranks of two interleaved chunks, at memory limits from hopeless to roomy:
+    the cutter gives what it gives with the walk up the bounds never stopped early."""
+    from autopart.predict.in_flight import in_flight, rank_in_flight
+    from autopart.solve import bottleneck
+
+    rng = random.Random(seed)
+    blocks, p, m = rng.randrange(6, 14), 2, rng.choice((2, 4, 6))
+    costs = random_chain(rng, blocks, tied=rng.random() < 0.5)
+    common = dict(stages=2 * p, in_flight=in_flight("interleaved", p, m, 2), stage_rank=(0, 1, 0, 1),
+                  transfer_s=tuple(rng.uniform(0, 2) for _ in range(blocks - 1)), overhead_bytes=10,
+                  rank_in_flight=rank_in_flight("interleaved", p, m, 2))  # fmt: skip
+    limits = [rng.randrange(100, 3000) for _ in range(6)]
+    stopped = [cut_stages(costs, memory_limit_bytes=limit, **common) for limit in limits]
+    init = bottleneck._Greedy.__init__
+
+    def never_monotone(self, **how):
+        init(self, **how)
+        self.monotone = False
+
+    monkeypatch.setattr(bottleneck._Greedy, "__init__", never_monotone)
+    assert stopped == [cut_stages(costs, memory_limit_bytes=limit, **common) for limit in limits]

@@ -124,8 +124,12 @@ def _bisected(greedy: _Greedy, costs: ChainCosts, stages: int, transfer_s: tuple
         # loose bound, where each stage is as long as memory allows: the bound is raised from the
         # least, step by step, to the first under which the stages fit
         bound = lo
+        greedy.watching = True
         while bound < worst_case and greedy(bound) is None:
+            if not greedy.bound_matters:
+                return None  # the pass would fail alike under every larger bound
             lo, bound = bound, bound * _GROWTH
+        greedy.watching = False
         hi = min(bound, worst_case)
     loose = greedy(hi)
     if loose is None or fit_only:
@@ -172,6 +176,16 @@ class _Greedy:
         self.cheapest_out = min(transfer_s, default=0.0)
         self.refusals = 0  # times a stage met its time bound in a mode but not its memory
         self.failed_for_memory = False  # some bound under which no cuts were found saw a refusal
+        # Whether a stage's memory only grows with its end, in every mode (no layer that a cut
+        # splits costing more, no block keeping more under selective recompute than it saves):
+        # then a stage refused for memory is refused however long the bound lets it be
+        saved, kept = costs.saved_bytes, costs.selective_saved_bytes
+        self.monotone = self.sums.split is None and all(k <= b for k, b in zip(kept, saved))
+        # With ``watching`` (and a monotone chain), each pass notes whether a larger bound could
+        # make it go otherwise: a stage that a bound on its time cut short where its memory
+        # allowed more. Where none did, every larger bound makes the same stages, or fails alike
+        self.watching = False
+        self.bound_matters = True
 
     def fits(self, s: int, first: int, last: int, bound: float) -> str | None:
         """The first mode in which blocks ``first..last`` fit as stage ``s`` under ``bound``, if any."""
@@ -180,15 +194,19 @@ class _Greedy:
         for mode in self.modes[s]:
             compute_s, _, parameters, per_microbatch, once = self.sums.parts(first, last, mode, self._transient(s))
             if compute_s + transfer_in + transfer_out > bound:
+                if not self.bound_matters and self._held_fits(s, parameters, per_microbatch, once):
+                    self.bound_matters = True
                 continue
-            if self.room is not None:
-                if self.room.fits(s, parameters, per_microbatch, once):
-                    return mode
-            elif parameters + self.in_flight[s] * per_microbatch + once <= self.budget[s]:
+            if self._held_fits(s, parameters, per_microbatch, once):
                 return mode
-            else:
+            if self.room is None:
                 self.refusals += 1
         return None
+
+    def _held_fits(self, s: int, parameters: int, per_microbatch: int, once: int) -> bool:
+        if self.room is not None:
+            return self.room.fits(s, parameters, per_microbatch, once)
+        return parameters + self.in_flight[s] * per_microbatch + once <= self.budget[s]
 
     def slowest_s(self, chosen: list[tuple[int, str]]) -> float:
         """The slowest stage's time (with its transfers) of stages the greedy pass found."""
@@ -218,6 +236,10 @@ class _Greedy:
         compute = self.compute
         cap = bisect.bisect_right(compute, bound * (1 + 1e-9) + compute[first] - inbound - self.cheapest_out) - 2
         lo, hi = first, max(first, min(latest, cap))
+        if cap < latest and not self.bound_matters:  # where the stage ends at the cap, a larger bound moves it
+            capped = hi
+        else:
+            capped = None
         mode = self.fits(s, first, hi, bound)
         if mode is not None:
             lo = hi
@@ -233,6 +255,8 @@ class _Greedy:
                 lo, mode = mid, found
             else:
                 hi = mid - 1
+        if lo == capped:
+            self.bound_matters = True
         return lo, mode
 
     def __call__(self, bound: float) -> list[tuple[int, str]] | None:
@@ -242,6 +266,7 @@ class _Greedy:
         return found
 
     def _cut(self, bound: float) -> list[tuple[int, str]] | None:
+        self.bound_matters = not (self.watching and self.monotone)
         result = []
         first = 0
         if self.room is not None:
