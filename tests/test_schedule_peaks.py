@@ -46,7 +46,7 @@ def test_closed_form_transients_match_the_action_lists(kind: str, ranks: int, mi
 @pytest.mark.parametrize("kind, chunks, shown", [("zbv", 2, 2), ("interleaved", 3, 3)])
 def test_microbatch_counts_that_show_the_same_moments_are_walked_once(kind: str, chunks: int, shown: int) -> None:
     """ZB-V shows all its moments by 2p microbatches and interleaved by 3p; the search asks for
-    hundreds of counts beyond, and each walks the same action lists (seconds at p = 48)."""
+    hundreds of counts beyond, and each would walk the same action lists again."""
     from autopart.schedule import peaks
 
     p = 4

@@ -207,7 +207,8 @@ def test_ranks_that_cannot_hold_the_parameters_together_are_refused_before_any_c
     costs = _alike_blocks(blocks, saved_bytes=0)
     passes = []
     greedy = bottleneck._Greedy.__call__
-    monkeypatch.setattr(bottleneck._Greedy, "__call__", lambda self, bound: passes.append(bound) or greedy(self, bound))
+    monkeypatch.setattr(bottleneck._Greedy, "__call__",
+                        lambda self, bound, **how: passes.append(bound) or greedy(self, bound, **how))
     common = dict(stages=4, in_flight=in_flight("interleaved", 2, 4, 2), stage_rank=(0, 1, 0, 1),
                   transfer_s=(0.0,) * (blocks - 1), overhead_bytes=0, rank_in_flight=rank_in_flight("interleaved", 2, 4, 2))
     assert cut_stages(costs, memory_limit_bytes=159, **common) is None and passes == []
@@ -241,7 +242,8 @@ def test_a_rank_whose_first_stage_fits_no_block_under_any_bound_is_refused_after
                   rank_in_flight=rank_in_flight("interleaved", 2, 4, 2))  # fmt: skip
     passes = []
     greedy = bottleneck._Greedy.__call__
-    monkeypatch.setattr(bottleneck._Greedy, "__call__", lambda self, bound: passes.append(bound) or greedy(self, bound))
+    monkeypatch.setattr(bottleneck._Greedy, "__call__",
+                        lambda self, bound, **how: passes.append(bound) or greedy(self, bound, **how))
     assert cut_stages(costs, **common) is None
     assert len(passes) == 2  # the equal share's loosest bound, the ranks' room's least
     passes.clear()
@@ -266,7 +268,7 @@ def test_stopping_the_walk_where_no_larger_bound_helps_never_changes_the_cuts(se
     blocks, p, m = rng.randrange(6, 14), 2, rng.choice((2, 4, 6))
     costs = random_chain(rng, blocks, tied=rng.random() < 0.5)
     common = dict(stages=2 * p, in_flight=in_flight("interleaved", p, m, 2), stage_rank=(0, 1, 0, 1),
-                  transfer_s=tuple(rng.uniform(0, 2) for _ in range(blocks - 1)), overhead_bytes=10,
+                  transfer_s=tuple(rng.uniform(0, rng.choice((2, 40))) for _ in range(blocks - 1)), overhead_bytes=10,
                   rank_in_flight=rank_in_flight("interleaved", p, m, 2))  # fmt: skip
     limits = [rng.randrange(100, 3000) for _ in range(6)]
     stopped = [cut_stages(costs, memory_limit_bytes=limit, **common) for limit in limits]

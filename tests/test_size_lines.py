@@ -92,5 +92,14 @@ def test_a_figure_off_the_line_is_caught_and_every_size_annotated_for_real(tmp_p
     for b in (2, 3, 4, 8):
         table.annotated_front(micro_batch_size=b, tp=1, dtype="fp32")
     assert calls == [2, 3, 4, 8]  # the check at 4 failed: 8 is annotated too
-    scores = table.annotated_front(micro_batch_size=8, tp=1, dtype="fp32").op_graph.nodes
-    assert any(cost.output is not None and cost.output.shape == (8, 8) for cost in scores.values())
+    fronts = table._lines._real[(False, "fp32")]
+    line = affine_op_graph(fronts[2].op_graph, fronts[3].op_graph, 8, fronts[2].cost_model)
+    assert line is not None and not lines_agree(line, fronts[8].op_graph)  # the line would have been wrong
+
+
+def test_the_line_is_read_at_most_twice_as_far_as_it_was_checked(monkeypatch) -> None:
+    table = _table(REPO / "examples" / "llama.py", "h100-sxm", "fp32")
+    calls = _count_real_annotations(monkeypatch)
+    for b in (2, 3, 4, 8, 16, 12, 6):
+        table.annotated_front(micro_batch_size=b, tp=1, dtype="fp32")
+    assert calls == [2, 3, 4, 16]  # 4 checks the line; 8 is read; 16, beyond 2 x 4, is checked; 12 and 6 read

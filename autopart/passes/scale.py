@@ -10,17 +10,20 @@ them on the line through two real annotations and re-costs each kernel with the 
 annotation itself does: the roofline's time is a function of the kernel's FLOPs and bytes.
 
 A figure off that line (a B x B similarity matrix, a size clamped by ``min``, an op whose kernels
-change with the shape) is not caught at the two sizes the line runs through, so the caller
-checks the line once against a third real annotation (`lines_agree`) before trusting it, and
-annotates for real wherever the check failed. Only a cost model that costs kernels from their
-FLOPs and bytes alone can be read this way: a database of measured ops keys them by shape.
+change with the shape) is not caught at the two sizes the line runs through, so ``SizeLines``
+checks the line against a real annotation (`lines_agree`) before trusting it, and again at each
+size beyond twice the largest it was checked at; a figure that leaves the line only between two
+checked sizes, or within twice the last, would go unseen. Where a check fails, every size is
+annotated for real. Only a cost model that costs kernels from their FLOPs and bytes alone can be
+read this way: a database of measured ops keys them by shape.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import fields, replace
 from fractions import Fraction
+from typing import Any
 
 from autopart.ir.tensors import TensorMeta
 from autopart.passes.annotate import NodeCost, OpGraph, recompute_share
@@ -30,39 +33,53 @@ from cost_models import CostModel, Kernel
 
 __all__ = ["SizeLines", "affine_op_graph", "lines_agree"]
 
-
-class SizeLines:
-    """Annotated fronts at many micro-batch sizes from a few real ones, per form (bias form and
-    dtype): the line runs through the two smallest real sizes of at least 2 (at size 1 some
-    reshapes are views that copy at any larger size) and is trusted once the next real one lies
-    on it; a form whose check fails is annotated for real at every size."""
-
-    def __init__(self) -> None:
-        self._real: dict[Hashable, dict[int, Front]] = {}
-        self._trusted: dict[Hashable, bool] = {}
-
-    def front(self, size: int, form: Hashable, annotate: Callable[[], Front]) -> Front:
-        """The front at ``size``: read off the form's line where it is trusted, else ``annotate()``."""
-        real = self._real.setdefault(form, {})
-        bases = sorted(s for s in real if s >= 2)[:2]
-        on_line = size >= 2 and len(bases) == 2
-        if on_line and self._trusted.get(form):
-            base = real[bases[0]]
-            line = affine_op_graph(base.op_graph, real[bases[1]].op_graph, size, base.cost_model)
-            if line is not None:
-                return replace(base, op_graph=line, chain=build_blocks(line), timed=0)
-        front = real[size] = annotate()
-        if on_line and form not in self._trusted:
-            line = affine_op_graph(real[bases[0]].op_graph, real[bases[1]].op_graph, size, front.cost_model)
-            self._trusted[form] = line is not None and lines_agree(line, front.op_graph)
-        return front
-
 _TIMES = {"forward_s", "backward_input_s", "backward_weight_s", "selective_recompute_s"}  # re-costed
 _FLOPS = {"forward_flops", "backward_flops"}  # summed from the kernels, as annotation sums them
 
 
 class _OffLine(Exception):
     """Two annotations that differ in something no line passes through (an op, a dtype, a rank)."""
+
+
+class SizeLines:
+    """Annotated fronts at many micro-batch sizes from a few real ones, per form (bias form and
+    dtype). The line runs through the first two real sizes of at least 2 (at size 1 some reshapes
+    are views that copy at any larger size), is trusted once the next real size lies on it, and is
+    read at most twice as far out as the largest size it was checked at: a size beyond is
+    annotated for real and checked against it, so that a figure that leaves the line at some size
+    (a clamp, a padding) is caught within a factor of two of it. A form whose check fails is
+    annotated for real at every size from then on."""
+
+    def __init__(self) -> None:
+        self._real: dict[Hashable, dict[int, Front]] = {}
+        self._lines: dict[Hashable, tuple[int, int, int] | None] = {}  # base sizes and the largest checked; None: failed
+
+    def front(self, size: int, form: Hashable, annotate: Callable[[], Front]) -> Front:
+        """The front at ``size``: read off the form's line where it is trusted, else ``annotate()``."""
+        real = self._real.setdefault(form, {})
+        line = self._lines.get(form)
+        if line is not None and size <= 2 * line[2]:
+            read = self._read(real, line, size)
+            if read is not None:
+                return read
+        front = real[size] = annotate()
+        if size < 2 or form in self._lines and (line is None or size <= 2 * line[2]):
+            return front  # size 1, a failed line, or a size the line could not give (a figure not whole)
+        if line is None:
+            bases = sorted(s for s in real if s >= 2 and s != size)[:2]
+            line = (*bases, size) if len(bases) == 2 else None
+            if line is None:
+                return front  # not yet two sizes to draw the line through
+        checked = self._read(real, line, size)
+        self._lines[form] = (line[0], line[1], max(size, line[2])) \
+            if checked is not None and lines_agree(checked.op_graph, front.op_graph) else None
+        return front
+
+    @staticmethod
+    def _read(real: dict[int, Front], line: tuple[int, int, int], size: int) -> Front | None:
+        first, second = real[line[0]], real[line[1]]
+        graph = affine_op_graph(first.op_graph, second.op_graph, size, first.cost_model)
+        return None if graph is None else replace(first, op_graph=graph, chain=build_blocks(graph), timed=0)
 
 
 def affine_op_graph(first: OpGraph, second: OpGraph, size: int, cost_model: CostModel) -> OpGraph | None:
@@ -94,7 +111,9 @@ def lines_agree(line: OpGraph, real: OpGraph, *, rel: float = 1e-9) -> bool:
             or line.kernels.keys() != real.kernels.keys():
         return False
     for name, kernels in line.kernels.items():
-        for ours, theirs in _pairs(kernels, real.kernels[name], check=False):
+        if len(kernels) != len(real.kernels[name]):
+            return False
+        for ours, theirs in zip(kernels, real.kernels[name]):
             if len(ours) != len(theirs) or not all(_kernels_agree(x, y, rel) for x, y in zip(ours, theirs)):
                 return False
     for name, ours in line.nodes.items():
@@ -143,7 +162,7 @@ class _Line:
             raise _OffLine
         return TensorMeta(shape=tuple(self.integer(p, q) for p, q in zip(x.shape, y.shape)), dtype=x.dtype)
 
-    def constant(self, x, y):
+    def constant(self, x: Any, y: Any) -> Any:
         if type(x) is not type(y):
             raise _OffLine
         if isinstance(x, int) and not isinstance(x, bool):
@@ -157,15 +176,15 @@ class _Line:
         return x
 
 
-def _pairs(x, y, check: bool = True):
+def _pairs(x: tuple, y: tuple | None) -> Iterator[tuple]:
+    """``x`` and ``y`` side by side, which must be as long."""
     if y is None or len(x) != len(y):
-        if check:
-            raise _OffLine
-        return ()
+        raise _OffLine
     return zip(x, y)
 
 
-def _node(x: NodeCost, y: NodeCost, line: _Line, kernels, cost_model: CostModel) -> NodeCost:
+def _node(x: NodeCost, y: NodeCost, line: _Line, kernels: tuple[tuple[Kernel, ...], ...] | None,
+          cost_model: CostModel) -> NodeCost:
     """One node's annotation on the line, its times re-costed from its kernels."""
     changes = {}
     for field in fields(NodeCost):

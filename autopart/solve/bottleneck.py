@@ -76,7 +76,7 @@ def cut_stages(
         return None
     modes = modes or (RECOMPUTE_MODES,) * stages
     ranks = max(stage_rank) + 1
-    per_rank = [len(stages) for stages in stages_by_rank(stage_rank)]
+    per_rank = [len(held) for held in stages_by_rank(stage_rank)]
     room_bytes = memory_limit_bytes - overhead_bytes  # per rank
     budget = [room_bytes // per_rank[stage_rank[s]] for s in range(stages)]
     if min(budget) <= 0 or costs.prefix("owned_parameter_bytes")[-1] > ranks * room_bytes:
@@ -124,12 +124,10 @@ def _bisected(greedy: _Greedy, costs: ChainCosts, stages: int, transfer_s: tuple
         # loose bound, where each stage is as long as memory allows: the bound is raised from the
         # least, step by step, to the first under which the stages fit
         bound = lo
-        greedy.watching = True
-        while bound < worst_case and greedy(bound) is None:
+        while bound < worst_case and greedy(bound, watch=True) is None:
             if not greedy.bound_matters:
                 return None  # the pass would fail alike under every larger bound
             lo, bound = bound, bound * _GROWTH
-        greedy.watching = False
         hi = min(bound, worst_case)
     loose = greedy(hi)
     if loose is None or fit_only:
@@ -176,15 +174,17 @@ class _Greedy:
         self.cheapest_out = min(transfer_s, default=0.0)
         self.refusals = 0  # times a stage met its time bound in a mode but not its memory
         self.failed_for_memory = False  # some bound under which no cuts were found saw a refusal
-        # Whether a stage's memory only grows with its end, in every mode (no layer that a cut
-        # splits costing more, no block keeping more under selective recompute than it saves):
-        # then a stage refused for memory is refused however long the bound lets it be
+        # Whether a stage's time and memory only grow with its end, in every mode: no transfer
+        # after a block that exceeds the next block's compute plus the transfer after it, no layer
+        # that a cut splits costing more, no block keeping more under selective recompute than it
+        # saves. Then a stage refused at an end is refused at every later one
         saved, kept = costs.saved_bytes, costs.selective_saved_bytes
-        self.monotone = self.sums.split is None and all(k <= b for k, b in zip(kept, saved))
-        # With ``watching`` (and a monotone chain), each pass notes whether a larger bound could
-        # make it go otherwise: a stage that a bound on its time cut short where its memory
-        # allowed more. Where none did, every larger bound makes the same stages, or fails alike
-        self.watching = False
+        steps = [f + b for f, b in zip(costs.forward_s, costs.backward_s)]
+        self.monotone = self.sums.split is None and all(k <= b for k, b in zip(kept, saved)) \
+            and all(transfer_s[k] <= transfer_s[k + 1] + steps[k + 1] for k in range(len(transfer_s) - 1))
+        # A pass watched (on a monotone chain) notes whether a larger bound could make it go
+        # otherwise: a stage that the bound on its time cut short where its memory allowed more.
+        # Where none did, every larger bound makes the same stages, or fails alike
         self.bound_matters = True
 
     def fits(self, s: int, first: int, last: int, bound: float) -> str | None:
@@ -259,14 +259,14 @@ class _Greedy:
             self.bound_matters = True
         return lo, mode
 
-    def __call__(self, bound: float) -> list[tuple[int, str]] | None:
+    def __call__(self, bound: float, watch: bool = False) -> list[tuple[int, str]] | None:
         refusals = self.refusals
-        found = self._cut(bound)
+        found = self._cut(bound, watch)
         self.failed_for_memory |= found is None and self.refusals > refusals
         return found
 
-    def _cut(self, bound: float) -> list[tuple[int, str]] | None:
-        self.bound_matters = not (self.watching and self.monotone)
+    def _cut(self, bound: float, watch: bool = False) -> list[tuple[int, str]] | None:
+        self.bound_matters = not (watch and self.monotone)
         result = []
         first = 0
         if self.room is not None:
@@ -318,7 +318,7 @@ def fixed_cut(costs: ChainCosts, cuts: tuple[int, ...], *, modes: tuple[tuple[st
     lasts = [*cuts, len(costs) - 1]
     firsts = [0, *(c + 1 for c in cuts)]
     ranks = max(stage_rank) + 1
-    per_rank = [len(stages) for stages in stages_by_rank(stage_rank)]
+    per_rank = [len(held) for held in stages_by_rank(stage_rank)]
 
     def stage(s: int, first: int, last: int, mode: str) -> StageFigures:
         return stage_figures(costs, first, last, mode=mode, in_flight=in_flight[s],
