@@ -20,7 +20,6 @@ the compute (gloo on a CPU computes and communicates on the same cores) each one
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
