@@ -98,8 +98,11 @@ def test_a_figure_off_the_line_is_caught_and_every_size_annotated_for_real(tmp_p
 
 
 def test_the_line_is_read_at_most_twice_as_far_as_it_was_checked(monkeypatch) -> None:
-    table = _table(REPO / "examples" / "llama.py", "h100-sxm", "fp32")
+    shown: list[str] = []
+    table = FrontTable(CompileOptions(model=REPO / "examples" / "llama.py", device="h100-sxm", dtype="fp32", costs=None),
+                       progress=lambda what, done, total: shown.append(what))
     calls = _count_real_annotations(monkeypatch)
     for b in (2, 3, 4, 8, 16, 12, 6):
         table.annotated_front(micro_batch_size=b, tp=1, dtype="fp32")
     assert calls == [2, 3, 4, 16]  # 4 checks the line; 8 is read; 16, beyond 2 x 4, is checked; 12 and 6 read
+    assert shown == [f"capturing at micro-batch size {b}" for b in calls]  # a size read off the line is not captured

@@ -98,10 +98,9 @@ class FrontTable:
         separate = tp > 1
         base_key = (micro_batch_size, separate, dtype)
         if base_key not in self.annotated:
-            if self.progress is not None:
-                self.progress(f"capturing at micro-batch size {micro_batch_size}", len(self.annotated), 0)
-
             def real() -> Front:
+                if self.progress is not None:
+                    self.progress(f"capturing at micro-batch size {micro_batch_size}", len(self.annotated), 0)
                 return annotated(self._options(tp=tp, dtype=dtype), micro_batch_size, separate_biases=separate,
                                  spec=self.model_spec(), roofline=self._roofline, measured=self._measured,
                                  graph=self._graphs.get(separate))
