@@ -247,13 +247,7 @@ def test_a_rank_whose_first_stage_fits_no_block_under_any_bound_is_refused_after
     assert cut_stages(costs, **common) is None
     assert len(passes) == 2  # the equal share's loosest bound, the ranks' room's least
     passes.clear()
-    init = bottleneck._Greedy.__init__
-
-    def never_monotone(self, **how):
-        init(self, **how)
-        self.monotone = False
-
-    monkeypatch.setattr(bottleneck._Greedy, "__init__", never_monotone)
+    monkeypatch.setattr(bottleneck._Greedy, "monotone", False)  # the walk never stops early
     assert cut_stages(costs, **common) is None and len(passes) > 5  # walked up to the chain's whole time
 
 
@@ -272,11 +266,5 @@ def test_stopping_the_walk_where_no_larger_bound_helps_never_changes_the_cuts(se
                   rank_in_flight=rank_in_flight("interleaved", p, m, 2))  # fmt: skip
     limits = [rng.randrange(100, 3000) for _ in range(6)]
     stopped = [cut_stages(costs, memory_limit_bytes=limit, **common) for limit in limits]
-    init = bottleneck._Greedy.__init__
-
-    def never_monotone(self, **how):
-        init(self, **how)
-        self.monotone = False
-
-    monkeypatch.setattr(bottleneck._Greedy, "__init__", never_monotone)
+    monkeypatch.setattr(bottleneck._Greedy, "monotone", False)  # the walk never stops early
     assert stopped == [cut_stages(costs, memory_limit_bytes=limit, **common) for limit in limits]

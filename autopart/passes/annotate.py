@@ -45,10 +45,10 @@ from autopart.ir.errors import ConfigError
 from autopart.ir.model_file import ModelSpec, is_meta
 from autopart.passes.capture import Graph, graph_args
 from autopart.ir.recompute import dropout_mask_bytes, keeps_output
-from cost_models import CostModel, Kernel, KernelRecorder
+from cost_models import CostModel, Kernel, KernelRecorder, OpTimes
 
 __all__ = ["mixed_dtype_error", "NodeCost", "OpGraph", "annotate", "cost_key", "target_precision", "op_key",
-           "recompute_share"]
+           "kernel_figures", "recompute_share"]
 
 def target_precision(dtype: str, device_kind: str) -> contextlib.AbstractContextManager:
     """The autocast a device of ``device_kind`` runs the forward in, applied on this machine's
@@ -458,15 +458,10 @@ def _annotate_nodes(
         nodes[node.name] = NodeCost(
             output=_meta(value),
             constant=_constant(value),
-            forward_flops=_flops(forward),
-            backward_flops=_flops(backward_input) + _flops(backward_weight),
-            forward_s=times.forward_s,
-            backward_input_s=times.backward_input_s,
-            backward_weight_s=times.backward_weight_s,
             saved_bytes=saved.get(node.name, 0),
             selective_saved_bytes=kept.get(node.name, 0),
-            selective_recompute_s=times.forward_s * share,
             parameter_bytes=parameter_bytes,
+            **kernel_figures(kernels[node.name], times, share),
             **common,
         )
     return nodes, kernels, leaves
@@ -478,6 +473,20 @@ def _constant(value: Any) -> Any:
     if isinstance(value, (tuple, list, torch.Size)) and all(isinstance(v, int) for v in value):
         return tuple(value)
     return None
+
+
+def kernel_figures(kernels: tuple[tuple[Kernel, ...], ...], times: OpTimes, share: float) -> dict[str, float]:
+    """A node's FLOPs and seconds from its kernels (forward, input gradients, weight gradients),
+    their ``times`` and the share of its forward that selective recompute runs again."""
+    forward, backward_input, backward_weight = kernels
+    return dict(
+        forward_flops=_flops(forward),
+        backward_flops=_flops(backward_input) + _flops(backward_weight),
+        forward_s=times.forward_s,
+        backward_input_s=times.backward_input_s,
+        backward_weight_s=times.backward_weight_s,
+        selective_recompute_s=times.forward_s * share,
+    )
 
 
 def _flops(kernels: Iterable[Kernel]) -> float:

@@ -26,7 +26,7 @@ from fractions import Fraction
 from typing import Any
 
 from autopart.ir.tensors import TensorMeta
-from autopart.passes.annotate import NodeCost, OpGraph, recompute_share
+from autopart.passes.annotate import NodeCost, OpGraph, kernel_figures, recompute_share
 from autopart.passes.blocks import build_blocks
 from autopart.passes.front import Front
 from cost_models import CostModel, Kernel
@@ -34,7 +34,7 @@ from cost_models import CostModel, Kernel
 __all__ = ["SizeLines", "affine_op_graph", "lines_agree"]
 
 _TIMES = {"forward_s", "backward_input_s", "backward_weight_s", "selective_recompute_s"}  # re-costed
-_FLOPS = {"forward_flops", "backward_flops"}  # summed from the kernels, as annotation sums them
+_FLOPS = {"forward_flops", "backward_flops"}  # summed from the kernels (``kernel_figures``)
 
 
 class _OffLine(Exception):
@@ -63,13 +63,15 @@ class SizeLines:
             if read is not None:
                 return read
         front = real[size] = annotate()
-        if size < 2 or form in self._lines and (line is None or size <= 2 * line[2]):
-            return front  # size 1, a failed line, or a size the line could not give (a figure not whole)
-        if line is None:
+        if size < 2:
+            return front
+        if form not in self._lines:  # not yet checked: the line through the first two sizes, checked here
             bases = sorted(s for s in real if s >= 2 and s != size)[:2]
-            line = (*bases, size) if len(bases) == 2 else None
-            if line is None:
-                return front  # not yet two sizes to draw the line through
+            if len(bases) < 2:
+                return front
+            line = (*bases, size)
+        elif line is None or size <= 2 * line[2]:
+            return front  # a failed line, or a size the line could not give (a figure not whole)
         checked = self._read(real, line, size)
         self._lines[form] = (line[0], line[1], max(size, line[2])) \
             if checked is not None and lines_agree(checked.op_graph, front.op_graph) else None
@@ -132,7 +134,7 @@ class _Line:
     """Values at sizes ``a`` and ``b`` carried to ``size``."""
 
     def __init__(self, a: int, b: int, size: int):
-        self.a, self.step = a, Fraction(size - a, b - a)
+        self.step = Fraction(size - a, b - a)
 
     def integer(self, x: int, y: int, *, signed: bool = False) -> int:
         value = x + (y - x) * self.step
@@ -203,17 +205,8 @@ def _node(x: NodeCost, y: NodeCost, line: _Line, kernels: tuple[tuple[Kernel, ..
         if any(getattr(x, f) != getattr(y, f) for f in (*_TIMES, *_FLOPS)):
             raise _OffLine
         return replace(x, **changes)
-    forward, backward_input, backward_weight = kernels
-    times = cost_model.op_times("", forward, backward_input, backward_weight)
-    return replace(
-        x, **changes,
-        forward_flops=float(sum(k.flops for k in forward)),
-        backward_flops=float(sum(k.flops for k in backward_input)) + float(sum(k.flops for k in backward_weight)),
-        forward_s=times.forward_s,
-        backward_input_s=times.backward_input_s,
-        backward_weight_s=times.backward_weight_s,
-        selective_recompute_s=times.forward_s * recompute_share(forward, cost_model),
-    )
+    times = cost_model.op_times("", *kernels)
+    return replace(x, **changes, **kernel_figures(kernels, times, recompute_share(kernels[0], cost_model)))
 
 
 def _kernels_agree(x: Kernel, y: Kernel, rel: float) -> bool:

@@ -20,6 +20,7 @@ What this needs of the chain, per block, is ``ChainCosts`` (``autopart.solve.cha
 from __future__ import annotations
 
 import bisect
+import functools
 from dataclasses import dataclass, replace
 
 from autopart.ir.recompute import RECOMPUTE_MODES
@@ -174,18 +175,22 @@ class _Greedy:
         self.cheapest_out = min(transfer_s, default=0.0)
         self.refusals = 0  # times a stage met its time bound in a mode but not its memory
         self.failed_for_memory = False  # some bound under which no cuts were found saw a refusal
-        # Whether a stage's time and memory only grow with its end, in every mode: no transfer
-        # after a block that exceeds the next block's compute plus the transfer after it, no layer
-        # that a cut splits costing more, no block keeping more under selective recompute than it
-        # saves. Then a stage refused at an end is refused at every later one
-        saved, kept = costs.saved_bytes, costs.selective_saved_bytes
-        steps = [f + b for f, b in zip(costs.forward_s, costs.backward_s)]
-        self.monotone = self.sums.split is None and all(k <= b for k, b in zip(kept, saved)) \
-            and all(transfer_s[k] <= transfer_s[k + 1] + steps[k + 1] for k in range(len(transfer_s) - 1))
-        # A pass watched (on a monotone chain) notes whether a larger bound could make it go
+        # A pass watched (on a ``monotone`` chain) notes whether a larger bound could make it go
         # otherwise: a stage that the bound on its time cut short where its memory allowed more.
         # Where none did, every larger bound makes the same stages, or fails alike
         self.bound_matters = True
+
+    @functools.cached_property
+    def monotone(self) -> bool:
+        """Whether a stage's time and memory only grow with its end, in every mode: no transfer
+        after a block that exceeds the next block's compute plus the transfer after it, no layer
+        that a cut splits costing more, no block keeping more under selective recompute than it
+        saves. Then a stage refused at an end is refused at every later one. Asked by watched
+        passes only, so that the search's other passes do not pay for it."""
+        costs, transfer = self.costs, self.transfer_s
+        steps = [f + b for f, b in zip(costs.forward_s, costs.backward_s)]
+        return self.sums.split is None and all(k <= b for k, b in zip(costs.selective_saved_bytes, costs.saved_bytes)) \
+            and all(transfer[k] <= transfer[k + 1] + steps[k + 1] for k in range(len(transfer) - 1))
 
     def fits(self, s: int, first: int, last: int, bound: float) -> str | None:
         """The first mode in which blocks ``first..last`` fit as stage ``s`` under ``bound``, if any."""
@@ -236,10 +241,7 @@ class _Greedy:
         compute = self.compute
         cap = bisect.bisect_right(compute, bound * (1 + 1e-9) + compute[first] - inbound - self.cheapest_out) - 2
         lo, hi = first, max(first, min(latest, cap))
-        if cap < latest and not self.bound_matters:  # where the stage ends at the cap, a larger bound moves it
-            capped = hi
-        else:
-            capped = None
+        capped = hi if cap < latest and not self.bound_matters else None  # a stage ending there a larger bound moves
         mode = self.fits(s, first, hi, bound)
         if mode is not None:
             lo = hi
