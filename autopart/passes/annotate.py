@@ -28,7 +28,6 @@ whose op lists differ from CPU's (CUDA runs ``pow``, ``rsqrt``, softmax and the 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,15 +39,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from autopart.ir.tensors import DTYPES, TensorMeta, autocast_dtype, precision, tensor_meta, working_dtype
 from autopart.passes.autocast_lists import cuda_autocast
+from autopart.passes.kernel_figures import kernel_figures, recompute_share
 from autopart.passes.grad_leaves import grad_ready, leaves_for_grad
 from autopart.ir.errors import ConfigError
 from autopart.ir.model_file import ModelSpec, is_meta
 from autopart.passes.capture import Graph, graph_args
 from autopart.ir.recompute import dropout_mask_bytes, keeps_output
-from cost_models import CostModel, Kernel, KernelRecorder, OpTimes
+from cost_models import CostModel, Kernel, KernelRecorder
 
-__all__ = ["mixed_dtype_error", "NodeCost", "OpGraph", "annotate", "cost_key", "target_precision", "op_key",
-           "kernel_figures", "recompute_share"]
+__all__ = ["mixed_dtype_error", "NodeCost", "OpGraph", "annotate", "cost_key", "target_precision", "op_key"]
 
 def target_precision(dtype: str, device_kind: str) -> contextlib.AbstractContextManager:
     """The autocast a device of ``device_kind`` runs the forward in, applied on this machine's
@@ -386,14 +385,6 @@ def annotate(
     )
 
 
-def recompute_share(forward: list[Kernel], cost_model: CostModel) -> float:
-    """The share of a node's forward time in the ops that selective recompute runs again."""
-    total = cost_model.kernels_time(forward)
-    if total <= 0:
-        return 1.0
-    return max(0.0, 1.0 - cost_model.kernels_time(k for k in forward if keeps_output(k.op)) / total)
-
-
 def _annotate_nodes(
     graph: Graph,
     state: _State,
@@ -473,24 +464,6 @@ def _constant(value: Any) -> Any:
     if isinstance(value, (tuple, list, torch.Size)) and all(isinstance(v, int) for v in value):
         return tuple(value)
     return None
-
-
-def kernel_figures(kernels: tuple[tuple[Kernel, ...], ...], times: OpTimes, share: float) -> dict[str, float]:
-    """A node's FLOPs and seconds from its kernels (forward, input gradients, weight gradients),
-    their ``times`` and the share of its forward that selective recompute runs again."""
-    forward, backward_input, backward_weight = kernels
-    return dict(
-        forward_flops=_flops(forward),
-        backward_flops=_flops(backward_input) + _flops(backward_weight),
-        forward_s=times.forward_s,
-        backward_input_s=times.backward_input_s,
-        backward_weight_s=times.backward_weight_s,
-        selective_recompute_s=times.forward_s * share,
-    )
-
-
-def _flops(kernels: Iterable[Kernel]) -> float:
-    return float(sum(k.flops for k in kernels))
 
 
 def _meta(value: Any) -> TensorMeta | None:

@@ -26,7 +26,8 @@ from fractions import Fraction
 from typing import Any
 
 from autopart.ir.tensors import TensorMeta
-from autopart.passes.annotate import NodeCost, OpGraph, kernel_figures, recompute_share
+from autopart.passes.annotate import NodeCost, OpGraph
+from autopart.passes.kernel_figures import kernel_figures, recompute_share
 from autopart.passes.blocks import build_blocks
 from autopart.passes.front import Front
 from cost_models import CostModel, Kernel
