@@ -128,7 +128,7 @@ def test_the_early_bound_never_exceeds_the_exact_one(seed):
     devices = search_module._memoised(cluster(memory_bytes=1 << 40, gpus_per_node=rng.choice([2, 4, 8])))
     space = SearchSpace(world_size=rng.choice([4, 8, 12, 16]), global_batch_size=rng.choice([8, 16, 24, 48]),
                         gpus_per_node=devices.gpus_per_node)
-    early = early_bound(table, devices, search_module._lower_bound)
+    early = early_bound(table, devices, search_module._lower_bound, search_module.stage_floor)
     layouts = list(space.layouts(len(table.chain_costs(micro_batch_size=1, tp=1, dtype="fp32"))))
     assert layouts
     finite = 0
@@ -193,3 +193,50 @@ def test_state_kept_under_a_key_is_the_state_computed_anew():
     assert first.prefix("owned_parameter_bytes") == fresh.prefix("owned_parameter_bytes")
     other = costs.with_state(lambda nbytes: nbytes, key=(4, True))
     assert other.parameter_state_bytes == {p: b for p, b in costs.parameter_bytes.items()}
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_the_exact_bound_is_below_the_estimate_of_every_cut_set(seed):
+    """The walk stops at the first layout whose bound passes the finalists, so no cut set of a
+    layout may be estimated faster than its bound: here with links slow enough that transfers
+    rival the blocks, both ways of hiding the all-reduce, and layers that are FSDP units."""
+    rng = random.Random(seed)
+    base = random_table(rng, layers=rng.randrange(1, 5))
+    table = dataclasses.replace(base, layered=rng.random() < 0.5, boundary_bytes=rng.choice([1, 40, 400]))
+    devices = dataclasses.replace(cluster(memory_bytes=1 << 40, gpus_per_node=rng.choice([1, 2, 4]),
+                                          bandwidth=rng.choice([20.0, 1000.0]), across=rng.choice([10.0, 100.0])),
+                                  reduction_overlaps=rng.random() < 0.5)
+    space = SearchSpace(world_size=rng.choice([2, 4, 6, 8]), global_batch_size=rng.choice([4, 8, 12]),
+                        gpus_per_node=devices.gpus_per_node)
+    blocks = len(table.chain_costs(micro_batch_size=1, tp=1, dtype="fp32"))
+    checked = 0
+    for layout in space.layouts(blocks):
+        bound = search_module._lower_bound(table, layout, devices)
+        cut_sets = {tuple(sorted(rng.sample(range(blocks - 1), layout.stages - 1))) for _ in range(6)}
+        for cuts in cut_sets:
+            scored = search_module.score_layout(layout, table, devices, space, cuts=cuts)
+            if scored is not None:
+                assert bound <= scored.estimate_s, (layout, cuts)
+                checked += 1
+        searched = search_module.score_layout(layout, table, devices, space)
+        if searched is not None:
+            assert bound <= search_module._refine_bound(table, layout, devices, searched.cut) <= searched.estimate_s
+    assert checked
+
+
+def test_the_stage_floor_counts_the_transfers_and_the_fewest_blocks_a_stage_holds():
+    """Five blocks of a second on two stages: some stage holds three (3 s, with one transfer);
+    four on two with transfers of half a second: 4 s of compute and two transfers over two
+    stages. Both are the best cuts' slowest stage exactly."""
+    from autopart.solve.chain_costs import stage_floor_s
+
+    def chain(blocks):
+        return ChainCosts(forward_s=(1 / 3,) * blocks, backward_s=(2 / 3,) * blocks, weight_s=(1 / 3,) * blocks,
+                          saved_bytes=(0,) * blocks, selective_saved_bytes=(0,) * blocks,
+                          selective_recompute_s=(0.0,) * blocks, boundary_bytes=(1,) * (blocks - 1), input_bytes=0,
+                          parameter_bytes={}, parameter_state_bytes={}, block_parameters=((),) * blocks)
+
+    assert stage_floor_s(chain(5), 2) == pytest.approx(3.0)
+    assert stage_floor_s(chain(4), 2, 0.5) == pytest.approx(2.5)
+    assert stage_floor_s(chain(6), 3, 0.25) == pytest.approx(7 / 3)  # a floor: the best cuts' middle stage takes 2.5 s
+    assert stage_floor_s(chain(4), 1, 0.5) == pytest.approx(4.0)  # one stage sends nothing

@@ -11,7 +11,7 @@ import itertools
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field, replace
 
-__all__ = ["ChainCosts", "StageFigures", "chain_sums", "lower_bound_s", "stage_figures"]
+__all__ = ["ChainCosts", "StageFigures", "chain_sums", "stage_figures", "stage_floor_s"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -213,7 +213,20 @@ def chain_sums(costs: ChainCosts) -> _Sums:
     return found
 
 
-def lower_bound_s(costs: ChainCosts, stages: int) -> float:
-    """No cut makes the slowest stage faster than this."""
-    compute = costs.prefix("compute_s")[-1]
-    return max(compute / stages, max((f + b for f, b in zip(costs.forward_s, costs.backward_s)), default=0.0))
+def stage_floor_s(costs: ChainCosts, stages: int, transfer_s: float = 0.0) -> float:
+    """No cuts of ``costs`` into ``stages`` stages make the slowest stage faster than this, where
+    no transfer between stages takes less than ``transfer_s`` (one way). Each cut adds a transfer
+    to the stage before it and one to the stage after, so the stages' times sum to at least the
+    compute and 2 (stages - 1) transfers; some stage holds the largest block, and some stage
+    holds at least ceil(blocks / stages) blocks (pigeonhole), so at least the cheapest run of that
+    many; each of those, with a transfer at one end at least."""
+    blocks = len(costs)
+    compute = costs.prefix("compute_s")
+    if stages <= 1 or blocks == 0:
+        return compute[-1]
+    fewest = -(-blocks // stages)
+    runs = costs._prefix.setdefault("cheapest_run", {})
+    if fewest not in runs:
+        runs[fewest] = min(compute[k + fewest] - compute[k] for k in range(blocks - fewest + 1))
+    largest = max(f + b for f, b in zip(costs.forward_s, costs.backward_s))
+    return max((compute[-1] + 2 * (stages - 1) * transfer_s) / stages, max(largest, runs[fewest]) + transfer_s)

@@ -26,7 +26,7 @@ import math
 from collections.abc import Callable, Iterable, Iterator
 from typing import TypeVar
 
-from autopart.solve.chain_costs import ChainCosts, lower_bound_s
+from autopart.solve.chain_costs import ChainCosts
 
 __all__ = ["early_bound", "lazy_order", "no_early_bound", "optimistic_costs"]
 
@@ -76,12 +76,13 @@ def optimistic_costs(costs: ChainCosts, floors: list[float], tp: int) -> ChainCo
     )
 
 
-def early_bound(table, cluster, lower_bound: Callable) -> Callable:
+def early_bound(table, cluster, lower_bound: Callable, stage_floor: Callable) -> Callable:
     """A floor under the search's bound ``lower_bound(table, layout, cluster)`` that needs no
     tensor-parallel sharding: the same bound on the table's ``optimistic_costs`` (every block at
     most as slow, every parameter share at most as large), with the tail's data-parallel
     collectives taken as free (they take no less than nothing). Every layout of a table without
-    ``optimistic_costs`` is costed at once. zb-h1's bound is ``_zero_bubble_floor``'s."""
+    ``optimistic_costs`` is costed at once. zb-h1's bound is ``_zero_bubble_floor``'s, on the floor
+    ``stage_floor(costs, layout, cluster)`` that ``lower_bound`` puts under each stage."""
     optimistic = getattr(table, "optimistic_costs", None)
     if optimistic is None:
         return no_early_bound
@@ -101,16 +102,18 @@ def early_bound(table, cluster, lower_bound: Callable) -> Callable:
             return lower_bound(Optimistic(), layout, free) * (1 - 1e-9)  # under the exact bound's rounding
         costs = optimistic(micro_batch_size=layout.micro_batch_size, tp=layout.tp, dtype=layout.dtype)
         plain = lower_bound(Optimistic(), dataclasses.replace(layout, schedule="1f1b"), free)
-        return _zero_bubble_floor(costs, layout.pp, layout.microbatches, plain) * (1 - 1e-9)
+        slowest = stage_floor(costs, layout, free)
+        return _zero_bubble_floor(costs, layout.pp, layout.microbatches, plain, slowest) * (1 - 1e-9)
 
     return early
 
 
-def _zero_bubble_floor(costs: ChainCosts, p: int, m: int, plain: float) -> float:
-    """zb-h1's bound, ``total + (m - 1) S - 2 (p - 1) / p W + tail`` (S the slowest stage's floor,
-    ``max(total / p, largest block)``; W the weight-gradient time), at its least over every chain
-    whose blocks are at least as slow as ``costs``' with the same share of weight gradients each.
-    ``plain``: 1f1b's bound of ``costs``, ``total + (m - 1) S + tail``.
+def _zero_bubble_floor(costs: ChainCosts, p: int, m: int, plain: float, slowest: float) -> float:
+    """zb-h1's bound, ``total + X + (m - 1) S - 2 (p - 1) / p W + tail`` (X the transfers, S the
+    slowest stage's floor ``slowest``, never below any block's time and never above a slower
+    chain's; W the weight-gradient time), at its least over every chain whose blocks are at least
+    as slow as ``costs``' with the same share of weight gradients each. ``plain``: 1f1b's bound of
+    ``costs``, ``total + X + (m - 1) S + tail``.
 
     Per block k of time t and weight share r, the bound holds ``c t`` with ``c = 1 - 2 (p - 1) r / p``.
     Blocks with ``c >= 0`` only add as they slow; one with ``c < 0`` (an embedding, whose backward
@@ -132,7 +135,7 @@ def _zero_bubble_floor(costs: ChainCosts, p: int, m: int, plain: float) -> float
     if m - 1 < lost:
         return -math.inf
     total = costs.prefix("compute_s")[-1]
-    return plain - total + kept - lost * lower_bound_s(costs, p)
+    return plain - total + kept - lost * slowest
 
 
 def no_early_bound(_item: object) -> float:

@@ -39,7 +39,7 @@ from autopart.predict.in_flight import in_flight, rank_in_flight, transient as t
 from autopart.predict.memory import layers_in_flight_bytes
 from autopart.ir.recompute import RECOMPUTE_MODES
 from autopart.solve.bottleneck import StageCut, cut_stages, fixed_cut
-from autopart.solve.chain_costs import ChainCosts, lower_bound_s
+from autopart.solve.chain_costs import ChainCosts, stage_floor_s
 from autopart.solve.layout_bounds import early_bound, lazy_order
 from autopart.solve.refine import CutJudge, refine_cuts
 
@@ -296,7 +296,7 @@ def search(
     cluster = _memoised(cluster)
     best: list[Scored] = []  # the finalists so far, by estimate
     bounded = lazy_order(layouts, exact=lambda layout: _lower_bound(table, layout, cluster),
-                         early=early_bound(table, cluster, _lower_bound),
+                         early=early_bound(table, cluster, _lower_bound, stage_floor),
                          cutoff=lambda: best[-1].estimate_s if len(best) >= finalists else None)
     scored = fitting = 0
     settled: set[Layout] = set()  # ZeRO-1 layouts whose ZeRO-2 twins cannot do better
@@ -342,31 +342,45 @@ def _memoised(cluster: Cluster) -> Cluster:
     )
 
 
-def _lower_bound(table: CostTable, layout: Layout, cluster: Cluster) -> float:
+def _lower_bound(table: CostTable, layout: Layout, cluster: Cluster, slowest_s: float = 0.0) -> float:
     """No cut or recompute makes this layout's estimate shorter: ``estimate_step_s`` with every
-    stage at least its share of the compute (and the largest block), the stages' times summing to
-    at least the whole compute, interleaved's largest virtual stage at least the largest block,
-    zb-h1's smallest weight-gradient stage at most its share, and the busiest rank holding at
-    least its share of the parameters."""
+    stage at least ``stage_floor_s`` (or ``slowest_s``, where more) and every rank at least its
+    share of the stages' least summed time, the stages' times summing to at least the compute and
+    a transfer each way at every cut, zb-h1's smallest weight-gradient stage at most its share,
+    and the busiest rank holding at least its share of the parameters."""
     costs = table.chain_costs(micro_batch_size=layout.micro_batch_size, tp=layout.tp, dtype=layout.dtype)
     m, p = layout.microbatches, layout.pp
-    total = costs.prefix("compute_s")[-1]
-    slowest = lower_bound_s(costs, p)  # per stage; and per rank, for interleaved
+    transfer = cheapest_transfer_s(costs, layout, cluster)
+    summed = costs.prefix("compute_s")[-1] + 2 * (layout.stages - 1) * transfer  # every stage's time, summed
+    stage = max(stage_floor_s(costs, layout.stages, transfer), slowest_s)
+    rank = max(summed / p, stage)  # its stages' time: an interleaved or V-shape rank holds several
     if layout.schedule == "zbv":  # its estimate is at least the busiest rank's m microbatches
-        pipeline = m * slowest
-    elif layout.schedule == "interleaved":  # some virtual stage holds the largest block
-        largest = max(f + b for f, b in zip(costs.forward_s, costs.backward_s))
-        pipeline = m * slowest + (p - 1) * max(total / (p * layout.chunks), largest)
+        pipeline = m * rank
+    elif layout.schedule == "interleaved":  # and the fill and drain, of the largest virtual stage
+        pipeline = m * rank + (p - 1) * stage
     else:
-        pipeline = total + (m - 1) * slowest
+        pipeline = summed + (m - 1) * stage
         if layout.schedule == "zb-h1":
             pipeline -= 2 * (p - 1) * sum(costs.weight_s) / p
     share = sum(costs.parameter_bytes.values()) // p
     # a rank's all-reduce hides behind its last backward, at most 2/3 of its stages' time: a longer
     # one adds more to the pipeline above (m - 1 >= 1 times, or m rounds) than it hides
-    behind = (1 - FORWARD_SHARE) * slowest if m > 1 or layout.chunks > 1 else most_hidden_s(layout, costs, cluster)
+    behind = (1 - FORWARD_SHARE) * rank if m > 1 or layout.chunks > 1 else most_hidden_s(layout, costs, cluster)
     tail = tail_s(layout, cluster, [share], layout.data_parallel_crosses_nodes(cluster.gpus_per_node), [behind])
     return (pipeline + tail) * (1 - 1e-12)  # below the estimate's own rounding
+
+
+def cheapest_transfer_s(costs: ChainCosts, layout: Layout, cluster: Cluster) -> float:
+    """The least one transfer between two of ``layout``'s stages takes (0 with one stage)."""
+    if layout.stages == 1 or not costs.boundary_bytes:
+        return 0.0
+    across = layout.pipeline_crosses_nodes(cluster.gpus_per_node)
+    return min(cluster.p2p_s(nbytes, across) for nbytes in set(costs.boundary_bytes))
+
+
+def stage_floor(costs: ChainCosts, layout: Layout, cluster: Cluster) -> float:
+    """``stage_floor_s`` of ``costs`` cut into ``layout``'s stages on ``cluster``'s links."""
+    return stage_floor_s(costs, layout.stages, cheapest_transfer_s(costs, layout, cluster))
 
 
 def fits(space: SearchSpace, table: CostTable, cluster: Cluster) -> bool:
@@ -447,10 +461,8 @@ def _refined(layout, table, cluster, costs, cut, modes, flight, transient, ranks
 
 
 def _refine_bound(table: CostTable, layout: Layout, cluster: Cluster, cut: StageCut) -> float:
-    """``_lower_bound`` with the bisection's smallest slowest stage in place of the compute's share."""
-    costs = table.chain_costs(micro_batch_size=layout.micro_batch_size, tp=layout.tp, dtype=layout.dtype)
-    share = lower_bound_s(costs, layout.pp)
-    return _lower_bound(table, layout, cluster) + (layout.microbatches - 1) * max(0.0, cut.bound_s - share)
+    """``_lower_bound`` with the bisection's smallest slowest stage for a floor, where it is more."""
+    return _lower_bound(table, layout, cluster, slowest_s=cut.bound_s)
 
 
 def _with_state(table: CostTable, layout: Layout) -> ChainCosts:
