@@ -72,6 +72,7 @@ def optimistic_costs(costs: ChainCosts, floors: list[float], tp: int) -> ChainCo
         weight_s=tuple(w * s for w, s in zip(costs.weight_s, scales)),
         parameter_bytes=share,
         parameter_state_bytes=dict(share),
+        layer_bytes=0,  # no more than any sharding's largest layer (ZeRO-3 holds some in flight)
         _prefix={},
     )
 
@@ -79,16 +80,14 @@ def optimistic_costs(costs: ChainCosts, floors: list[float], tp: int) -> ChainCo
 def early_bound(table, cluster, lower_bound: Callable, stage_floor: Callable) -> Callable:
     """A floor under the search's bound ``lower_bound(table, layout, cluster)`` that needs no
     tensor-parallel sharding: the same bound on the table's ``optimistic_costs`` (every block at
-    most as slow, every parameter share at most as large), with the tail's data-parallel
-    collectives taken as free (they take no less than nothing). Every layout of a table without
+    most as slow, every parameter share at most as large), with every gradient all-reduce that
+    may hide behind the backward taken as hidden (the exact bound hides at most the part its
+    stages' floors allow, and with smaller stages less). Every layout of a table without
     ``optimistic_costs`` is costed at once. zb-h1's bound is ``_zero_bubble_floor``'s, on the floor
     ``stage_floor(costs, layout, cluster)`` that ``lower_bound`` puts under each stage."""
     optimistic = getattr(table, "optimistic_costs", None)
     if optimistic is None:
         return no_early_bound
-    free = dataclasses.replace(cluster, all_reduce_s=lambda nbytes, group, across: 0.0,
-                               all_gather_s=lambda nbytes, group, across: 0.0)
-
     class Optimistic:  # the table's optimistic costs in the place of its costs
         def chain_costs(self, *, micro_batch_size: int, tp: int, dtype: str) -> ChainCosts:
             return optimistic(micro_batch_size=micro_batch_size, tp=tp, dtype=dtype)
@@ -99,10 +98,10 @@ def early_bound(table, cluster, lower_bound: Callable, stage_floor: Callable) ->
 
     def early(layout) -> float:
         if layout.schedule != "zb-h1":
-            return lower_bound(Optimistic(), layout, free) * (1 - 1e-9)  # under the exact bound's rounding
+            return lower_bound(Optimistic(), layout, cluster, hides_all=True) * (1 - 1e-9)  # under the exact bound's rounding
         costs = optimistic(micro_batch_size=layout.micro_batch_size, tp=layout.tp, dtype=layout.dtype)
-        plain = lower_bound(Optimistic(), dataclasses.replace(layout, schedule="1f1b"), free)
-        slowest = stage_floor(costs, layout, free)
+        plain = lower_bound(Optimistic(), dataclasses.replace(layout, schedule="1f1b"), cluster, hides_all=True)
+        slowest = stage_floor(costs, layout, cluster)
         return _zero_bubble_floor(costs, layout.pp, layout.microbatches, plain, slowest) * (1 - 1e-9)
 
     return early

@@ -342,13 +342,16 @@ def _memoised(cluster: Cluster) -> Cluster:
     )
 
 
-def _lower_bound(table: CostTable, layout: Layout, cluster: Cluster, slowest_s: float = 0.0) -> float:
+def _lower_bound(table: CostTable, layout: Layout, cluster: Cluster, slowest_s: float = 0.0,
+                 hides_all: bool = False) -> float:
     """No cut or recompute makes this layout's estimate shorter: ``estimate_step_s`` with every
     stage at least ``stage_floor_s`` (or ``slowest_s``, where more) and every rank at least its
     share of the stages' least summed time, the stages' times summing to at least the compute and
     a transfer each way at every cut, zb-h1's smallest weight-gradient stage at most its share,
     and the busiest rank holding at least its share of the parameters."""
     costs = table.chain_costs(micro_batch_size=layout.micro_batch_size, tp=layout.tp, dtype=layout.dtype)
+    if not _holds_parameters(table, layout, cluster):
+        return math.inf  # no cuts fit: ``cut_stages`` refuses it as this does
     m, p = layout.microbatches, layout.pp
     transfer = cheapest_transfer_s(costs, layout, cluster)
     summed = costs.prefix("compute_s")[-1] + 2 * (layout.stages - 1) * transfer  # every stage's time, summed
@@ -365,9 +368,29 @@ def _lower_bound(table: CostTable, layout: Layout, cluster: Cluster, slowest_s: 
     share = sum(costs.parameter_bytes.values()) // p
     # a rank's all-reduce hides behind its last backward, at most 2/3 of its stages' time: a longer
     # one adds more to the pipeline above (m - 1 >= 1 times, or m rounds) than it hides
-    behind = (1 - FORWARD_SHARE) * rank if m > 1 or layout.chunks > 1 else most_hidden_s(layout, costs, cluster)
+    if hides_all:
+        behind = math.inf
+    elif m > 1 or layout.chunks > 1:
+        behind = (1 - FORWARD_SHARE) * rank
+    else:
+        behind = most_hidden_s(layout, costs, cluster)
     tail = tail_s(layout, cluster, [share], layout.data_parallel_crosses_nodes(cluster.gpus_per_node), [behind])
     return (pipeline + tail) * (1 - 1e-12)  # below the estimate's own rounding
+
+
+def _overhead_bytes(layout: Layout, costs: ChainCosts, cluster: Cluster) -> int:
+    """Per rank, what ``layout``'s mesh holds besides its stages: the framework's, the collective
+    library's buffers, and at ZeRO-3 the gathered layers in flight."""
+    return (cluster.overhead_bytes + cluster.communicator_bytes(layout.pp, layout.tp, layout.dp)
+            + layers_in_flight_bytes(costs.layer_bytes, dp=layout.dp, zero=int(layout.zero)))
+
+
+def _holds_parameters(table: CostTable, layout: Layout, cluster: Cluster) -> bool:
+    """Whether ``layout``'s ranks together have room for the state of every parameter (each
+    rank holds the state of the parameters its stages read): ``cut_stages``'s first test."""
+    costs = _with_state(table, layout)
+    room = cluster.memory_bytes - _overhead_bytes(layout, costs, cluster)
+    return room > 0 and costs.prefix("owned_parameter_bytes")[-1] <= layout.pp * room
 
 
 def cheapest_transfer_s(costs: ChainCosts, layout: Layout, cluster: Cluster) -> float:
@@ -403,9 +426,7 @@ def score_layout(layout: Layout, table: CostTable, cluster: Cluster, space: Sear
     or above ``refine_below`` (the search's last finalist)."""
     costs = _with_state(table, layout)
     stages = layout.stages
-    buffers = cluster.communicator_bytes(layout.pp, layout.tp, layout.dp)
-    buffers += layers_in_flight_bytes(costs.layer_bytes, dp=layout.dp, zero=int(layout.zero))
-    cluster = dataclasses.replace(cluster, overhead_bytes=cluster.overhead_bytes + buffers)  # this mesh's
+    cluster = dataclasses.replace(cluster, overhead_bytes=_overhead_bytes(layout, costs, cluster))  # this mesh's
     ranks = stage_placement(layout.schedule, ranks=layout.pp, chunks=layout.chunks)
     pipeline_across = layout.pipeline_crosses_nodes(cluster.gpus_per_node)
     transfer = tuple(cluster.p2p_s(b, pipeline_across) for b in costs.boundary_bytes)
