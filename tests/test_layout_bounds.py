@@ -5,6 +5,7 @@ exceeds the exact one; and the search finds the same result with it as without i
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import random
 from pathlib import Path
@@ -240,3 +241,14 @@ def test_the_stage_floor_counts_the_transfers_and_the_fewest_blocks_a_stage_hold
     assert stage_floor_s(chain(4), 2, 0.5) == pytest.approx(2.5)
     assert stage_floor_s(chain(6), 3, 0.25) == pytest.approx(7 / 3)  # a floor: the best cuts' middle stage takes 2.5 s
     assert stage_floor_s(chain(4), 1, 0.5) == pytest.approx(4.0)  # one stage sends nothing
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_state_total_is_what_the_costs_with_that_state_sum_to(seed):
+    """The bound's parameter test reads the chain's whole state without building the costs with it."""
+    rng = random.Random(seed)
+    table = dataclasses.replace(random_table(rng, layers=rng.randrange(1, 5), tied=seed % 2 == 0), layered=seed < 3)
+    costs = table.chain_costs(micro_batch_size=2, tp=rng.choice([1, 2]), dtype="fp32")
+    for dp, zero in [(1, 0), (4, 1), (4, 2), (8, 3)]:
+        state = functools.partial(table.state_bytes, dp=dp, zero=zero)
+        assert costs.state_bytes_total(state) == costs.with_state(state).prefix("owned_parameter_bytes")[-1]

@@ -81,6 +81,18 @@ class ChainCosts:
             self._prefix["owned_sizes"] = found
         return self._prefix["owned_sizes"]
 
+    def state_bytes_total(self, state_bytes: Callable[..., int]) -> int:
+        """``with_state(state_bytes)``'s parameter state summed over the chain, each parameter
+        once (``prefix("owned_parameter_bytes")[-1]``), without building those costs."""
+        if "owned_kinds" not in self._prefix:
+            kinds: dict[tuple[int, bool], int] = {}
+            for sizes in self._owned_sizes():
+                for kind, count in sizes:
+                    kinds[kind] = kinds.get(kind, 0) + count
+            self._prefix["owned_kinds"] = kinds
+        return sum((state_bytes(size, layered=True) if layered else state_bytes(size)) * count
+                   for (size, layered), count in self._prefix["owned_kinds"].items())
+
     def with_state(self, state_bytes: Callable[..., int], *, key: Hashable | None = None) -> ChainCosts:
         """These costs with ``parameter_state_bytes[p] = state_bytes(parameter_bytes[p], layered=p in
         layer_parameters)``. Fast

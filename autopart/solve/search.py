@@ -388,9 +388,10 @@ def _overhead_bytes(layout: Layout, costs: ChainCosts, cluster: Cluster) -> int:
 def _holds_parameters(table: CostTable, layout: Layout, cluster: Cluster) -> bool:
     """Whether ``layout``'s ranks together have room for the state of every parameter (each
     rank holds the state of the parameters its stages read): ``cut_stages``'s first test."""
-    costs = _with_state(table, layout)
+    costs = table.chain_costs(micro_batch_size=layout.micro_batch_size, tp=layout.tp, dtype=layout.dtype)
     room = cluster.memory_bytes - _overhead_bytes(layout, costs, cluster)
-    return room > 0 and costs.prefix("owned_parameter_bytes")[-1] <= layout.pp * room
+    state = functools.partial(table.state_bytes, dp=layout.dp, zero=layout.zero, dtype=layout.dtype)
+    return room > 0 and costs.state_bytes_total(state) <= layout.pp * room
 
 
 def cheapest_transfer_s(costs: ChainCosts, layout: Layout, cluster: Cluster) -> float:

@@ -31,7 +31,9 @@ gets one placement: each candidate is tried with both blocks pinned, and the che
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 from autopart.solve._cp_sat import cp_model
@@ -47,6 +49,8 @@ __all__ = ["BlockSharding", "conversion", "divided_seconds", "fastest_compute_s"
            "shard_chain"]
 
 _NS = 1e9
+_SOLVERS = min(8, os.cpu_count() or 1)
+"""Block models solved at once: CP-SAT solves on one worker each (``_BlockModel.solve``)."""
 TIME_TOLERANCE = 0.05
 """How far (a fraction) from the fastest a layout may be and still win on memory, and from the
 fewest bytes and still count as that small: within what the roofline can resolve (its launch
@@ -366,40 +370,54 @@ def shard_chain(
 ) -> list[BlockSharding]:
     """The cheapest sharding of every block on ``tp`` ranks (their collectives cross nodes when
     ``across_nodes``; the residual stream split over the sequence between blocks when
-    ``sequence_parallel``)."""
+    ``sequence_parallel``). The blocks' models are solved side by side, one per core: CP-SAT
+    lets go of the interpreter while it solves, and each solve is deterministic on its own."""
     sp = sequence_parallel
-    found: dict[tuple, BlockSharding] = {}
-
-    def solve(k: int, pins: dict[str, Placement]) -> BlockSharding:
-        """A block's solution depends on the pins of its own parameters alone: each is solved
-        once (the blocks that share a weight are solved per candidate, and again once it is chosen)."""
-        own = tuple(sorted((p, pins[p]) for p in chain.blocks[k].parameters if p in pins))
-        if (k, own) not in found:
-            found[k, own] = _solve_block(chain, k, tp, cost_model, dict(own), across_nodes, sp)
-        return found[k, own]
-
     readers: dict[str, list[int]] = {}
     for k, block in enumerate(chain.blocks):
         for p in block.parameters:
             readers.setdefault(p, []).append(k)
     shared = {p: ks for p, ks in readers.items() if len(ks) > 1}
-    pinned: dict[str, Placement] = {}
-    for parameter, blocks in shared.items():
-        scored = {}  # candidate -> (seconds, parameter bytes per rank) of the blocks that read it
-        for candidate in _candidates(parameter, blocks, lambda k: solve(k, {})):
-            solutions = [solve(k, {**pinned, parameter: candidate}) for k in blocks]
-            scored[candidate] = (sum(s.time_s for s in solutions), sum(_rank_bytes(chain, s, tp) for s in solutions))
-        pinned[parameter] = _time_then_weights(scored)
-    solved: dict[str, tuple[Block, BlockSharding]] = {}
-    result = []
-    for k, block in enumerate(chain.blocks):
-        own_pins = {p: pinned[p] for p in block.parameters if p in pinned}
-        key = block.signature if not own_pins else f"{block.signature}:{k}"
-        if key not in solved:
-            solved[key] = (block, solve(k, own_pins))
-        first, solution = solved[key]
-        result.append(solution if first is block else _translate(solution, first, block))
-    return result
+    with ThreadPoolExecutor(max_workers=_SOLVERS) as pool:
+        found: dict[tuple, Future] = {}
+
+        def start(k: int, pins: dict[str, Placement]) -> Future:
+            """A block's solution depends on the pins of its own parameters alone: each is solved
+            once (the blocks that share a weight are solved per candidate, and again once it is chosen)."""
+            own = tuple(sorted((p, pins[p]) for p in chain.blocks[k].parameters if p in pins))
+            if (k, own) not in found:
+                found[k, own] = pool.submit(_solve_block, chain, k, tp, cost_model, dict(own), across_nodes, sp)
+            return found[k, own]
+
+        def solve(k: int, pins: dict[str, Placement]) -> BlockSharding:
+            return start(k, pins).result()
+
+        first_of: dict[str, int] = {}  # per signature, the block solved for all blocks alike
+        for k, block in enumerate(chain.blocks):
+            first_of.setdefault(block.signature, k)
+            if first_of[block.signature] == k or not shared.keys().isdisjoint(block.parameters):
+                start(k, {})  # every block's own solution is wanted: the last loop's, or a candidate's
+        pinned: dict[str, Placement] = {}
+        for parameter, blocks in shared.items():
+            candidates = _candidates(parameter, blocks, lambda k: solve(k, {}))
+            for candidate in candidates:
+                for k in blocks:
+                    start(k, {**pinned, parameter: candidate})
+            scored = {}  # candidate -> (seconds, parameter bytes per rank) of the blocks that read it
+            for candidate in candidates:
+                solutions = [solve(k, {**pinned, parameter: candidate}) for k in blocks]
+                scored[candidate] = (sum(s.time_s for s in solutions), sum(_rank_bytes(chain, s, tp) for s in solutions))
+            pinned[parameter] = _time_then_weights(scored)
+        solved: dict[str, tuple[Block, BlockSharding]] = {}
+        result = []
+        for k, block in enumerate(chain.blocks):
+            own_pins = {p: pinned[p] for p in block.parameters if p in pinned}
+            key = block.signature if not own_pins else f"{block.signature}:{k}"
+            if key not in solved:
+                solved[key] = (block, solve(k, own_pins))
+            first, solution = solved[key]
+            result.append(solution if first is block else _translate(solution, first, block))
+        return result
 
 
 def _rank_bytes(chain: BlockChain, solution: BlockSharding, t: int) -> int:
