@@ -15,7 +15,7 @@ import pytest
 from autopart.options import CompileOptions
 from autopart.solve import search as search_module
 from autopart.solve.chain_costs import ChainCosts
-from autopart.solve.layout_bounds import early_bound, lazy_order, optimistic_costs
+from autopart.solve.layout_bounds import early_bound, layout_bound, lazy_order, optimistic_costs
 from autopart.solve.planner import FrontTable
 from autopart.solve.search import SearchSpace, search
 from autopart.solve.tensor import fastest_compute_s, shard_chain
@@ -129,12 +129,12 @@ def test_the_early_bound_never_exceeds_the_exact_one(seed):
     devices = search_module._memoised(cluster(memory_bytes=1 << 40, gpus_per_node=rng.choice([2, 4, 8])))
     space = SearchSpace(world_size=rng.choice([4, 8, 12, 16]), global_batch_size=rng.choice([8, 16, 24, 48]),
                         gpus_per_node=devices.gpus_per_node)
-    early = early_bound(table, devices, search_module._lower_bound, search_module.stage_floor)
+    early = early_bound(table, devices)
     layouts = list(space.layouts(len(table.chain_costs(micro_batch_size=1, tp=1, dtype="fp32"))))
     assert layouts
     finite = 0
     for layout in layouts:
-        exact = search_module._lower_bound(table, layout, devices)
+        exact = layout_bound(table, layout, devices)
         bound = early(layout)
         assert bound <= exact, layout
         finite += bound > -math.inf
@@ -204,7 +204,10 @@ def test_the_exact_bound_is_below_the_estimate_of_every_cut_set(seed):
     rng = random.Random(seed)
     base = random_table(rng, layers=rng.randrange(1, 5))
     table = dataclasses.replace(base, layered=rng.random() < 0.5, boundary_bytes=rng.choice([1, 40, 400]))
-    devices = dataclasses.replace(cluster(memory_bytes=1 << 40, gpus_per_node=rng.choice([1, 2, 4]),
+    costs = table.chain_costs(micro_batch_size=1, tp=1, dtype="fp32")
+    whole = 4 * sum(costs.parameter_bytes.values()) + 8 * sum(costs.saved_bytes)  # memory from scarce to ample:
+    memory = int(whole * rng.choice([0.05, 0.2, 0.5, 1e6]))  # an infinite bound must mean that no cuts fit
+    devices = dataclasses.replace(cluster(memory_bytes=memory, gpus_per_node=rng.choice([1, 2, 4]),
                                           bandwidth=rng.choice([20.0, 1000.0]), across=rng.choice([10.0, 100.0])),
                                   reduction_overlaps=rng.random() < 0.5)
     space = SearchSpace(world_size=rng.choice([2, 4, 6, 8]), global_batch_size=rng.choice([4, 8, 12]),
@@ -212,7 +215,7 @@ def test_the_exact_bound_is_below_the_estimate_of_every_cut_set(seed):
     blocks = len(table.chain_costs(micro_batch_size=1, tp=1, dtype="fp32"))
     checked = 0
     for layout in space.layouts(blocks):
-        bound = search_module._lower_bound(table, layout, devices)
+        bound = layout_bound(table, layout, devices)
         cut_sets = {tuple(sorted(rng.sample(range(blocks - 1), layout.stages - 1))) for _ in range(6)}
         for cuts in cut_sets:
             scored = search_module.score_layout(layout, table, devices, space, cuts=cuts)
@@ -222,7 +225,23 @@ def test_the_exact_bound_is_below_the_estimate_of_every_cut_set(seed):
         searched = search_module.score_layout(layout, table, devices, space)
         if searched is not None:
             assert bound <= search_module._refine_bound(table, layout, devices, searched.cut) <= searched.estimate_s
-    assert checked
+    assert checked or memory < whole
+
+
+def test_a_layout_whose_ranks_cannot_hold_the_microbatches_in_flight_is_bounded_at_infinity():
+    """Sixteen microbatches through four 1F1B stages: the second stage holds three in flight,
+    each at least its input (a 4,000-byte boundary) under any recompute, which leaves no room
+    under 12,000 bytes whatever the cuts; the parameters alone would fit."""
+    table = SyntheticTable(forward_s=(0.1,) + (1.0,) * 8 + (0.5,), saved_bytes=(10_000,) * 10, parameter_bytes=(10,) * 10,
+                           boundary_bytes=4_000)
+    space = SearchSpace(world_size=4, global_batch_size=16, gpus_per_node=4, pp=(4,), micro_batch_size=(1,),
+                        schedule=("1f1b",))
+    (layout,) = space.layouts(10)
+    for memory, fits in [(11_000, False), (60_000, True)]:
+        devices = dataclasses.replace(cluster(memory_bytes=memory, gpus_per_node=4), overhead_bytes=0)
+        bound = layout_bound(table, layout, devices)
+        assert math.isinf(bound) is not fits
+        assert (search_module.score_layout(layout, table, devices, space) is not None) is fits
 
 
 def test_the_stage_floor_counts_the_transfers_and_the_fewest_blocks_a_stage_holds():

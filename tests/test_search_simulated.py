@@ -54,7 +54,7 @@ def test_the_simulated_step_is_never_below_the_search_lower_bound(seed: int) -> 
     assert result.ranked
     for scored in result.ranked:
         assert simulated_step_s(scored, table, devices) >= result.bound_s
-    # Not each layout's own bound (``_lower_bound``): that bounds the closed form, which the
+    # Not each layout's own bound (``layout_bound``): that bounds the closed form, which the
     # simulator beats on unequal stages (below); over 150 seeds of this test a finalist's
     # simulated step fell to 0.981x its layout's bound (1f1b) and 0.987x (interleaved, 2 chunks).
 

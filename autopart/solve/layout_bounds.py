@@ -20,15 +20,22 @@ a ``tp``-th of its bytes (a sharded one holds exactly that, a replicated one mor
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import functools
 import heapq
 import math
 from collections.abc import Callable, Iterable, Iterator
 from typing import TypeVar
 
-from autopart.solve.chain_costs import ChainCosts
+from autopart.predict.in_flight import in_flight, rank_in_flight
+from autopart.predict.memory import layers_in_flight_bytes
+from autopart.schedule import stage_placement
+from autopart.solve.chain_costs import ChainCosts, stage_floor_s
+from autopart.solve.data_parallel_tail import FORWARD_SHARE, most_hidden_s, tail_s
 
-__all__ = ["early_bound", "lazy_order", "no_early_bound", "optimistic_costs"]
+__all__ = ["early_bound", "layout_bound", "lazy_order", "may_fit", "mesh_overhead_bytes", "no_early_bound",
+           "optimistic_costs", "stage_floor", "with_layout_state"]
 
 Item = TypeVar("Item")
 
@@ -70,6 +77,8 @@ def optimistic_costs(costs: ChainCosts, floors: list[float], tp: int) -> ChainCo
         forward_s=tuple(f * s for f, s in zip(costs.forward_s, scales)),
         backward_s=tuple(b * s for b, s in zip(costs.backward_s, scales)),
         weight_s=tuple(w * s for w, s in zip(costs.weight_s, scales)),
+        saved_bytes=(0,) * len(costs),  # a sharded block may keep a little under a tp-th of its bytes
+        selective_saved_bytes=(0,) * len(costs),
         parameter_bytes=share,
         parameter_state_bytes=dict(share),
         layer_bytes=0,  # no more than any sharding's largest layer (ZeRO-3 holds some in flight)
@@ -77,14 +86,14 @@ def optimistic_costs(costs: ChainCosts, floors: list[float], tp: int) -> ChainCo
     )
 
 
-def early_bound(table, cluster, lower_bound: Callable, stage_floor: Callable) -> Callable:
-    """A floor under the search's bound ``lower_bound(table, layout, cluster)`` that needs no
+def early_bound(table, cluster) -> Callable:
+    """A floor under the search's bound ``layout_bound(table, layout, cluster)`` that needs no
     tensor-parallel sharding: the same bound on the table's ``optimistic_costs`` (every block at
     most as slow, every parameter share at most as large), with every gradient all-reduce that
     may hide behind the backward taken as hidden (the exact bound hides at most the part its
     stages' floors allow, and with smaller stages less). Every layout of a table without
     ``optimistic_costs`` is costed at once. zb-h1's bound is ``_zero_bubble_floor``'s, on the floor
-    ``stage_floor(costs, layout, cluster)`` that ``lower_bound`` puts under each stage."""
+    ``stage_floor(costs, layout, cluster)`` that ``layout_bound`` puts under each stage."""
     optimistic = getattr(table, "optimistic_costs", None)
     if optimistic is None:
         return no_early_bound
@@ -98,9 +107,9 @@ def early_bound(table, cluster, lower_bound: Callable, stage_floor: Callable) ->
 
     def early(layout) -> float:
         if layout.schedule != "zb-h1":
-            return lower_bound(Optimistic(), layout, cluster, hides_all=True) * (1 - 1e-9)  # under the exact bound's rounding
+            return layout_bound(Optimistic(), layout, cluster, hides_all=True) * (1 - 1e-9)  # under the exact bound's rounding
         costs = optimistic(micro_batch_size=layout.micro_batch_size, tp=layout.tp, dtype=layout.dtype)
-        plain = lower_bound(Optimistic(), dataclasses.replace(layout, schedule="1f1b"), cluster, hides_all=True)
+        plain = layout_bound(Optimistic(), dataclasses.replace(layout, schedule="1f1b"), cluster, hides_all=True)
         slowest = stage_floor(costs, layout, cluster)
         return _zero_bubble_floor(costs, layout.pp, layout.microbatches, plain, slowest) * (1 - 1e-9)
 
@@ -140,3 +149,118 @@ def _zero_bubble_floor(costs: ChainCosts, p: int, m: int, plain: float, slowest:
 def no_early_bound(_item: object) -> float:
     """The early bound of a table that has no cheaper costs: every item is costed at once."""
     return -math.inf
+
+
+def layout_bound(table, layout, cluster, *, slowest_s: float = 0.0, hides_all: bool = False) -> float:
+    """No cut or recompute makes ``layout``'s estimate (``autopart.solve.search.estimate_step_s``)
+    shorter: every stage at least ``stage_floor`` (or ``slowest_s``, where more) and every rank at
+    least its share of the stages' least summed time, the stages' times summing to at least the
+    compute and a transfer each way at every cut, zb-h1's smallest weight-gradient stage at most
+    its share, and the busiest rank holding at least its share of the parameters; infinite where
+    no cuts fit (``may_fit``). ``hides_all``: every all-reduce that may hide behind the backward
+    taken as hidden."""
+    costs = table.chain_costs(micro_batch_size=layout.micro_batch_size, tp=layout.tp, dtype=layout.dtype)
+    if not may_fit(table, layout, cluster):
+        return math.inf
+    m, p = layout.microbatches, layout.pp
+    transfer = cheapest_transfer_s(costs, layout, cluster)
+    summed = costs.prefix("compute_s")[-1] + 2 * (layout.stages - 1) * transfer  # every stage's time, summed
+    stage = max(stage_floor_s(costs, layout.stages, transfer), slowest_s)
+    rank = max(summed / p, stage)  # its stages' time: an interleaved or V-shape rank holds several
+    if layout.schedule == "zbv":  # its estimate is at least the busiest rank's m microbatches
+        pipeline = m * rank
+    elif layout.schedule == "interleaved":  # and the fill and drain, of the largest virtual stage
+        pipeline = m * rank + (p - 1) * stage
+    else:
+        pipeline = summed + (m - 1) * stage
+        if layout.schedule == "zb-h1":
+            pipeline -= 2 * (p - 1) * sum(costs.weight_s) / p
+    share = sum(costs.parameter_bytes.values()) // p
+    # a rank's all-reduce hides behind its last backward, at most 2/3 of its stages' time: a longer
+    # one adds more to the pipeline above (m - 1 >= 1 times, or m rounds) than it hides
+    if hides_all:
+        behind = math.inf
+    elif m > 1 or layout.chunks > 1:
+        behind = (1 - FORWARD_SHARE) * rank
+    else:
+        behind = most_hidden_s(layout, costs, cluster)
+    tail = tail_s(layout, cluster, [share], layout.data_parallel_crosses_nodes(cluster.gpus_per_node), [behind])
+    return (pipeline + tail) * (1 - 1e-12)  # below the estimate's own rounding
+
+
+def cheapest_transfer_s(costs: ChainCosts, layout, cluster) -> float:
+    """The least one transfer between two of ``layout``'s stages takes (0 with one stage)."""
+    if layout.stages == 1 or not costs.boundary_bytes:
+        return 0.0
+    across = layout.pipeline_crosses_nodes(cluster.gpus_per_node)
+    return min(cluster.p2p_s(nbytes, across) for nbytes in set(costs.boundary_bytes))
+
+
+def stage_floor(costs: ChainCosts, layout, cluster) -> float:
+    """``stage_floor_s`` of ``costs`` cut into ``layout``'s stages on ``cluster``'s links."""
+    return stage_floor_s(costs, layout.stages, cheapest_transfer_s(costs, layout, cluster))
+
+
+def with_layout_state(table, layout) -> ChainCosts:
+    """``layout``'s chain costs with each parameter's state at its data-parallel degree and ZeRO level."""
+    costs = table.chain_costs(micro_batch_size=layout.micro_batch_size, tp=layout.tp, dtype=layout.dtype)
+    costs.shared_parameters  # noqa: B018 - computed once on the table's costs, carried to each layout's
+    state = functools.partial(table.state_bytes, dp=layout.dp, zero=layout.zero, dtype=layout.dtype)
+    return costs.with_state(state, key=(layout.dp, layout.zero, layout.dtype))
+
+
+def mesh_overhead_bytes(layout, costs: ChainCosts, cluster) -> int:
+    """Per rank, what ``layout``'s mesh holds besides its stages: the framework's, the collective
+    library's buffers, and at ZeRO-3 the gathered layers in flight."""
+    return (cluster.overhead_bytes + cluster.communicator_bytes(layout.pp, layout.tp, layout.dp)
+            + layers_in_flight_bytes(costs.layer_bytes, dp=layout.dp, zero=int(layout.zero)))
+
+
+def may_fit(table, layout, cluster) -> bool:
+    """False where no cuts of ``layout`` fit in memory, by what every rank holds at the least,
+    whatever the cuts and recompute: the state of the parameters its stages read (together, each
+    parameter once: ``autopart.solve.bottleneck.cut_stages``'s first test) and per microbatch in
+    flight, per stage, the least it keeps of one (``_least_kept``), at the rank's fullest moment."""
+    costs = table.chain_costs(micro_batch_size=layout.micro_batch_size, tp=layout.tp, dtype=layout.dtype)
+    room = cluster.memory_bytes - mesh_overhead_bytes(layout, costs, cluster)
+    state = functools.partial(table.state_bytes, dp=layout.dp, zero=layout.zero, dtype=layout.dtype)
+    parameters = costs.state_bytes_total(state)
+    if room <= 0 or parameters > layout.pp * room:
+        return False
+    kept = _least_kept(costs, layout.stages)
+    held = []
+    key = (layout.schedule, layout.pp, layout.microbatches, layout.chunks)
+    placement = stage_placement(layout.schedule, ranks=layout.pp, chunks=layout.chunks)
+    if layout.chunks == 1:
+        held = [count * kept[s] for s, count in enumerate(in_flight(*key))]
+    else:
+        stages = [[] for _ in range(layout.pp)]
+        for s, rank in enumerate(placement):
+            stages[rank].append(s)
+        held = [max(sum(count * kept[s] for count, s in zip(moment, mine)) for moment in moments)
+                for mine, moments in zip(stages, rank_in_flight(*key))]
+    return max(held) <= room and sum(held) + parameters <= layout.pp * room
+
+
+def _least_kept(costs: ChainCosts, stages: int) -> list[int]:
+    """Per stage of ``stages``, the fewest bytes it keeps per microbatch in flight under any cuts
+    and recompute: stage s holds blocks s to blocks - stages + s at most (every stage holds one),
+    and keeps what one of them saves, without recompute, or what it receives (its input, the
+    batch inputs), with it."""
+    found = costs._prefix.setdefault("least_kept", {})
+    if stages not in found:
+        saved, blocks = costs.saved_bytes, len(costs)
+        width = blocks - stages + 1
+        window: collections.deque[int] = collections.deque()  # indices of a running minimum of saved
+        least = []
+        for k in range(blocks):
+            while window and saved[window[-1]] >= saved[k]:
+                window.pop()
+            window.append(k)
+            if window[0] <= k - width:
+                window.popleft()
+            if k >= width - 1:
+                least.append(saved[window[0]])
+        received = costs.input_bytes + min(costs.boundary_bytes, default=0)
+        found[stages] = [min(least[s], costs.input_bytes if s == 0 else received) for s in range(stages)]
+    return found[stages]

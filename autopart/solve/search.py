@@ -31,16 +31,15 @@ from typing import Protocol
 
 from autopart.ir.errors import ConfigError
 from autopart.schedule import SCHEDULE_KINDS, stage_placement
-from autopart.solve.data_parallel_tail import (FORWARD_SHARE, fsdp_may_pay, fully_sharded_levels, hidden_s,
-                                               last_bucket_bytes, most_hidden_s, stage_layers, stage_times,
+from autopart.solve.data_parallel_tail import (fsdp_may_pay, fully_sharded_levels, hidden_s,
+                                               last_bucket_bytes, stage_layers, stage_times,
                                                tail_s)
 from autopart.solve.vshape import zbv_fits, zbv_pipeline_s
 from autopart.predict.in_flight import in_flight, rank_in_flight, transient as transient_count
-from autopart.predict.memory import layers_in_flight_bytes
 from autopart.ir.recompute import RECOMPUTE_MODES
 from autopart.solve.bottleneck import StageCut, cut_stages, fixed_cut
-from autopart.solve.chain_costs import ChainCosts, stage_floor_s
-from autopart.solve.layout_bounds import early_bound, lazy_order
+from autopart.solve.chain_costs import ChainCosts
+from autopart.solve.layout_bounds import early_bound, layout_bound, lazy_order, mesh_overhead_bytes, with_layout_state
 from autopart.solve.refine import CutJudge, refine_cuts
 
 __all__ = [
@@ -268,7 +267,7 @@ def _interleaved_pipeline_s(times: tuple[float, ...], p: int, m: int, v: int) ->
     refined by it up to 1.4x slower. Measured on random chains cut by the search: at most 1.11x
     optimistic, 0.93x (v = 2) and 0.96x (v = 4) at the median. The estimate knows each stage's
     forward plus backward only: forward a third of it.
-    Never below m max R + (p - 1) max R / v (``_lower_bound`` relies on it): each rank's pairs
+    Never below m max R + (p - 1) max R / v (``layout_bound`` relies on it): each rank's pairs
     over a round are its own chunks' forwards and backwards once each."""
     own = 1 / p  # of each group's slots, those a rank runs at its own pace
     pairs = [[times[(j - 1) % v * p + r] / 3 + 2 * times[(v - 1 - j) * p + r] / 3 for r in range(p)]
@@ -295,8 +294,8 @@ def search(
         raise ConfigError(_no_layout_message(space))
     cluster = _memoised(cluster)
     best: list[Scored] = []  # the finalists so far, by estimate
-    bounded = lazy_order(layouts, exact=lambda layout: _lower_bound(table, layout, cluster),
-                         early=early_bound(table, cluster, _lower_bound, stage_floor),
+    bounded = lazy_order(layouts, exact=lambda layout: layout_bound(table, layout, cluster),
+                         early=early_bound(table, cluster),
                          cutoff=lambda: best[-1].estimate_s if len(best) >= finalists else None)
     scored = fitting = 0
     settled: set[Layout] = set()  # ZeRO-1 layouts whose ZeRO-2 twins cannot do better
@@ -342,71 +341,6 @@ def _memoised(cluster: Cluster) -> Cluster:
     )
 
 
-def _lower_bound(table: CostTable, layout: Layout, cluster: Cluster, slowest_s: float = 0.0,
-                 hides_all: bool = False) -> float:
-    """No cut or recompute makes this layout's estimate shorter: ``estimate_step_s`` with every
-    stage at least ``stage_floor_s`` (or ``slowest_s``, where more) and every rank at least its
-    share of the stages' least summed time, the stages' times summing to at least the compute and
-    a transfer each way at every cut, zb-h1's smallest weight-gradient stage at most its share,
-    and the busiest rank holding at least its share of the parameters."""
-    costs = table.chain_costs(micro_batch_size=layout.micro_batch_size, tp=layout.tp, dtype=layout.dtype)
-    if not _holds_parameters(table, layout, cluster):
-        return math.inf  # no cuts fit: ``cut_stages`` refuses it as this does
-    m, p = layout.microbatches, layout.pp
-    transfer = cheapest_transfer_s(costs, layout, cluster)
-    summed = costs.prefix("compute_s")[-1] + 2 * (layout.stages - 1) * transfer  # every stage's time, summed
-    stage = max(stage_floor_s(costs, layout.stages, transfer), slowest_s)
-    rank = max(summed / p, stage)  # its stages' time: an interleaved or V-shape rank holds several
-    if layout.schedule == "zbv":  # its estimate is at least the busiest rank's m microbatches
-        pipeline = m * rank
-    elif layout.schedule == "interleaved":  # and the fill and drain, of the largest virtual stage
-        pipeline = m * rank + (p - 1) * stage
-    else:
-        pipeline = summed + (m - 1) * stage
-        if layout.schedule == "zb-h1":
-            pipeline -= 2 * (p - 1) * sum(costs.weight_s) / p
-    share = sum(costs.parameter_bytes.values()) // p
-    # a rank's all-reduce hides behind its last backward, at most 2/3 of its stages' time: a longer
-    # one adds more to the pipeline above (m - 1 >= 1 times, or m rounds) than it hides
-    if hides_all:
-        behind = math.inf
-    elif m > 1 or layout.chunks > 1:
-        behind = (1 - FORWARD_SHARE) * rank
-    else:
-        behind = most_hidden_s(layout, costs, cluster)
-    tail = tail_s(layout, cluster, [share], layout.data_parallel_crosses_nodes(cluster.gpus_per_node), [behind])
-    return (pipeline + tail) * (1 - 1e-12)  # below the estimate's own rounding
-
-
-def _overhead_bytes(layout: Layout, costs: ChainCosts, cluster: Cluster) -> int:
-    """Per rank, what ``layout``'s mesh holds besides its stages: the framework's, the collective
-    library's buffers, and at ZeRO-3 the gathered layers in flight."""
-    return (cluster.overhead_bytes + cluster.communicator_bytes(layout.pp, layout.tp, layout.dp)
-            + layers_in_flight_bytes(costs.layer_bytes, dp=layout.dp, zero=int(layout.zero)))
-
-
-def _holds_parameters(table: CostTable, layout: Layout, cluster: Cluster) -> bool:
-    """Whether ``layout``'s ranks together have room for the state of every parameter (each
-    rank holds the state of the parameters its stages read): ``cut_stages``'s first test."""
-    costs = table.chain_costs(micro_batch_size=layout.micro_batch_size, tp=layout.tp, dtype=layout.dtype)
-    room = cluster.memory_bytes - _overhead_bytes(layout, costs, cluster)
-    state = functools.partial(table.state_bytes, dp=layout.dp, zero=layout.zero, dtype=layout.dtype)
-    return room > 0 and costs.state_bytes_total(state) <= layout.pp * room
-
-
-def cheapest_transfer_s(costs: ChainCosts, layout: Layout, cluster: Cluster) -> float:
-    """The least one transfer between two of ``layout``'s stages takes (0 with one stage)."""
-    if layout.stages == 1 or not costs.boundary_bytes:
-        return 0.0
-    across = layout.pipeline_crosses_nodes(cluster.gpus_per_node)
-    return min(cluster.p2p_s(nbytes, across) for nbytes in set(costs.boundary_bytes))
-
-
-def stage_floor(costs: ChainCosts, layout: Layout, cluster: Cluster) -> float:
-    """``stage_floor_s`` of ``costs`` cut into ``layout``'s stages on ``cluster``'s links."""
-    return stage_floor_s(costs, layout.stages, cheapest_transfer_s(costs, layout, cluster))
-
-
 def fits(space: SearchSpace, table: CostTable, cluster: Cluster) -> bool:
     """Whether any layout of ``space`` fits in the cluster's memory (its speed aside): the
     cutter's quick answer first, then, where it finds no cuts, the refinement the search itself
@@ -425,9 +359,9 @@ def score_layout(layout: Layout, table: CostTable, cluster: Cluster, space: Sear
     ``fit_only``: any cuts that fit, not the fastest. Otherwise the cuts are refined by the step
     itself (``autopart.solve.refine``) unless the layout's slowest stage alone keeps its step at
     or above ``refine_below`` (the search's last finalist)."""
-    costs = _with_state(table, layout)
+    costs = with_layout_state(table, layout)
     stages = layout.stages
-    cluster = dataclasses.replace(cluster, overhead_bytes=_overhead_bytes(layout, costs, cluster))  # this mesh's
+    cluster = dataclasses.replace(cluster, overhead_bytes=mesh_overhead_bytes(layout, costs, cluster))  # this mesh's
     ranks = stage_placement(layout.schedule, ranks=layout.pp, chunks=layout.chunks)
     pipeline_across = layout.pipeline_crosses_nodes(cluster.gpus_per_node)
     transfer = tuple(cluster.p2p_s(b, pipeline_across) for b in costs.boundary_bytes)
@@ -483,15 +417,8 @@ def _refined(layout, table, cluster, costs, cut, modes, flight, transient, ranks
 
 
 def _refine_bound(table: CostTable, layout: Layout, cluster: Cluster, cut: StageCut) -> float:
-    """``_lower_bound`` with the bisection's smallest slowest stage for a floor, where it is more."""
-    return _lower_bound(table, layout, cluster, slowest_s=cut.bound_s)
-
-
-def _with_state(table: CostTable, layout: Layout) -> ChainCosts:
-    costs = table.chain_costs(micro_batch_size=layout.micro_batch_size, tp=layout.tp, dtype=layout.dtype)
-    costs.shared_parameters  # noqa: B018 - computed once on the table's costs, carried to each layout's
-    state = functools.partial(table.state_bytes, dp=layout.dp, zero=layout.zero, dtype=layout.dtype)
-    return costs.with_state(state, key=(layout.dp, layout.zero, layout.dtype))
+    """``layout_bound`` with the bisection's smallest slowest stage for a floor, where it is more."""
+    return layout_bound(table, layout, cluster, slowest_s=cut.bound_s)
 
 
 def parameter_bytes_per_rank(table: CostTable, layout: Layout, cut: StageCut, ranks: tuple[int, ...]) -> list[int]:
