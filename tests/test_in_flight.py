@@ -122,3 +122,20 @@ def test_a_long_zbv_pipeline_bounds_each_rank_by_its_chunks_own_peaks():
     for rank in (0, ranks // 2, ranks - 1):
         (bound,) = moments[rank]
         assert all(all(b >= w for b, w in zip(bound, row)) for row in walked[rank])
+
+
+@pytest.mark.parametrize("kind, chunks", [("interleaved", 2), ("interleaved", 3), ("interleaved", 6), ("zbv", 2)])
+@pytest.mark.parametrize("ranks", [2, 3, 5, 8, 40])
+def test_every_stage_is_at_its_own_peak_at_one_of_its_ranks_moments(kind, chunks, ranks):
+    """The search refuses a layout whose ranks cannot hold each stage's own peak
+    (``autopart.solve.layout_bounds.may_fit``); the cutters hold a rank at its moments, so one
+    of them must hold each of its stages at that stage's peak."""
+    placement = stage_placement(kind, ranks=ranks, chunks=chunks)
+    fewest = ranks if kind == "interleaved" else 2 * ranks  # zbv fills its V from 2p - 1
+    for microbatches in (fewest, 3 * ranks, 7 * ranks, 32 * ranks):
+        peaks = in_flight(kind, ranks, microbatches, chunks)
+        moments = rank_in_flight(kind, ranks, microbatches, chunks)
+        mine = [[s for s, r in enumerate(placement) if r == rank] for rank in range(ranks)]
+        for rank, stages in enumerate(mine):
+            for i, s in enumerate(stages):
+                assert max(moment[i] for moment in moments[rank]) >= peaks[s], (microbatches, rank, s)

@@ -220,7 +220,9 @@ def may_fit(table, layout, cluster) -> bool:
     """False where no cuts of ``layout`` fit in memory, by what every rank holds at the least,
     whatever the cuts and recompute: the state of the parameters its stages read (together, each
     parameter once: ``autopart.solve.bottleneck.cut_stages``'s first test) and per microbatch in
-    flight, per stage, the least it keeps of one (``_least_kept``), at the rank's fullest moment."""
+    flight, per stage, the least it keeps of one (``_least_kept``), at the rank's fullest moment
+    (``autopart.predict.in_flight``). The moments of a rank of several stages take long to list
+    for long pipelines: they are asked only where each stage at its own peak leaves room."""
     costs = table.chain_costs(micro_batch_size=layout.micro_batch_size, tp=layout.tp, dtype=layout.dtype)
     room = cluster.memory_bytes - mesh_overhead_bytes(layout, costs, cluster)
     state = functools.partial(table.state_bytes, dp=layout.dp, zero=layout.zero, dtype=layout.dtype)
@@ -228,17 +230,17 @@ def may_fit(table, layout, cluster) -> bool:
     if room <= 0 or parameters > layout.pp * room:
         return False
     kept = _least_kept(costs, layout.stages)
-    held = []
     key = (layout.schedule, layout.pp, layout.microbatches, layout.chunks)
     placement = stage_placement(layout.schedule, ranks=layout.pp, chunks=layout.chunks)
-    if layout.chunks == 1:
-        held = [count * kept[s] for s, count in enumerate(in_flight(*key))]
-    else:
-        stages = [[] for _ in range(layout.pp)]
+    held = [0] * layout.pp  # first each stage at its own peak, which one of its rank's moments holds
+    for s, (rank, count) in enumerate(zip(placement, in_flight(*key))):
+        held[rank] = max(held[rank], count * kept[s])
+    if layout.chunks > 1 and max(held) <= room and sum(held) + parameters <= layout.pp * room:
+        mine: list[list[int]] = [[] for _ in range(layout.pp)]  # then the stages together, at each moment
         for s, rank in enumerate(placement):
-            stages[rank].append(s)
-        held = [max(sum(count * kept[s] for count, s in zip(moment, mine)) for moment in moments)
-                for mine, moments in zip(stages, rank_in_flight(*key))]
+            mine[rank].append(s)
+        held = [max(sum(count * kept[s] for count, s in zip(moment, stages)) for moment in moments)
+                for stages, moments in zip(mine, rank_in_flight(*key))]
     return max(held) <= room and sum(held) + parameters <= layout.pp * room
 
 
