@@ -131,7 +131,7 @@ def test_every_stage_is_at_its_own_peak_at_one_of_its_ranks_moments(kind, chunks
     (``autopart.solve.layout_bounds.may_fit``); the cutters hold a rank at its moments, so one
     of them must hold each of its stages at that stage's peak."""
     placement = stage_placement(kind, ranks=ranks, chunks=chunks)
-    fewest = ranks if kind == "interleaved" else 2 * ranks  # zbv fills its V from 2p - 1
+    fewest = ranks if kind == "interleaved" else 2 * ranks - 1  # zbv fills its V from 2p - 1
     for microbatches in (fewest, 3 * ranks, 7 * ranks, 32 * ranks):
         peaks = in_flight(kind, ranks, microbatches, chunks)
         moments = rank_in_flight(kind, ranks, microbatches, chunks)

@@ -15,7 +15,12 @@ exact bound is below the cutoff is missed.
 
 ``optimistic_costs`` makes the chain costs an early bound reads: each block's time at the floor
 that ``autopart.solve.tensor.fastest_compute_s`` puts under any sharding of it, each parameter at
-a ``tp``-th of its bytes (a sharded one holds exactly that, a replicated one more).
+a ``tp``-th of its bytes (a sharded one holds exactly that, a replicated one more), and no saved
+activations or layers in flight (a sharded block keeps about a ``tp``-th of its bytes, at times a
+little less), so that its memory test (``may_fit``) refuses no layout that the exact one keeps.
+
+The bounds take a collective to take no less time on more bytes (the roofline's formula; measured
+curves are clamped so: ``cost_models.comm_profile``).
 """
 
 from __future__ import annotations
@@ -151,16 +156,17 @@ def no_early_bound(_item: object) -> float:
     return -math.inf
 
 
-def layout_bound(table, layout, cluster, *, slowest_s: float = 0.0, hides_all: bool = False) -> float:
+def layout_bound(table, layout, cluster, *, slowest_s: float = 0.0, hides_all: bool = False,
+                 memory: bool = True) -> float:
     """No cut or recompute makes ``layout``'s estimate (``autopart.solve.search.estimate_step_s``)
     shorter: every stage at least ``stage_floor`` (or ``slowest_s``, where more) and every rank at
     least its share of the stages' least summed time, the stages' times summing to at least the
     compute and a transfer each way at every cut, zb-h1's smallest weight-gradient stage at most
     its share, and the busiest rank holding at least its share of the parameters; infinite where
-    no cuts fit (``may_fit``). ``hides_all``: every all-reduce that may hide behind the backward
-    taken as hidden."""
+    no cuts fit (``may_fit``; not asked with ``memory`` False, where the caller holds cuts that
+    fit). ``hides_all``: every all-reduce that may hide behind the backward taken as hidden."""
     costs = table.chain_costs(micro_batch_size=layout.micro_batch_size, tp=layout.tp, dtype=layout.dtype)
-    if not may_fit(table, layout, cluster):
+    if memory and not may_fit(table, layout, cluster):
         return math.inf
     m, p = layout.microbatches, layout.pp
     transfer = cheapest_transfer_s(costs, layout, cluster)
@@ -224,6 +230,8 @@ def may_fit(table, layout, cluster) -> bool:
     (``autopart.predict.in_flight``). The moments of a rank of several stages take long to list
     for long pipelines: they are asked only where each stage at its own peak leaves room."""
     costs = table.chain_costs(micro_batch_size=layout.micro_batch_size, tp=layout.tp, dtype=layout.dtype)
+    if layout.stages > len(costs):
+        return False  # a stage without a block: ``cut_stages`` refuses it
     room = cluster.memory_bytes - mesh_overhead_bytes(layout, costs, cluster)
     state = functools.partial(table.state_bytes, dp=layout.dp, zero=layout.zero, dtype=layout.dtype)
     parameters = costs.state_bytes_total(state)

@@ -267,8 +267,8 @@ def _interleaved_pipeline_s(times: tuple[float, ...], p: int, m: int, v: int) ->
     refined by it up to 1.4x slower. Measured on random chains cut by the search: at most 1.11x
     optimistic, 0.93x (v = 2) and 0.96x (v = 4) at the median. The estimate knows each stage's
     forward plus backward only: forward a third of it.
-    Never below m max R + (p - 1) max R / v (``layout_bound`` relies on it): each rank's pairs
-    over a round are its own chunks' forwards and backwards once each."""
+    Never below m max R + (p - 1) max t (``layout_bound`` relies on it): each rank's pairs over
+    a round are its own chunks' forwards and backwards once each."""
     own = 1 / p  # of each group's slots, those a rank runs at its own pace
     pairs = [[times[(j - 1) % v * p + r] / 3 + 2 * times[(v - 1 - j) * p + r] / 3 for r in range(p)]
              for j in range(v)]
@@ -417,8 +417,9 @@ def _refined(layout, table, cluster, costs, cut, modes, flight, transient, ranks
 
 
 def _refine_bound(table: CostTable, layout: Layout, cluster: Cluster, cut: StageCut) -> float:
-    """``layout_bound`` with the bisection's smallest slowest stage for a floor, where it is more."""
-    return layout_bound(table, layout, cluster, slowest_s=cut.bound_s)
+    """``layout_bound`` with the bisection's smallest slowest stage for a floor, where it is more
+    (the cut in hand fits; ``cluster`` may carry the mesh's overhead already)."""
+    return layout_bound(table, layout, cluster, slowest_s=cut.bound_s, memory=False)
 
 
 def parameter_bytes_per_rank(table: CostTable, layout: Layout, cut: StageCut, ranks: tuple[int, ...]) -> list[int]:

@@ -49,7 +49,7 @@ __all__ = ["BlockSharding", "conversion", "divided_seconds", "fastest_compute_s"
            "shard_chain"]
 
 _NS = 1e9
-_SOLVERS = min(8, os.cpu_count() or 1)
+_SOLVERS = min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
 """Block models solved at once: CP-SAT solves on one worker each (``_BlockModel.solve``)."""
 TIME_TOLERANCE = 0.05
 """How far (a fraction) from the fastest a layout may be and still win on memory, and from the
@@ -273,6 +273,7 @@ class _BlockModel:
         # One worker: a block's model is small enough that a second worker's start costs more than
         # it finds (1.65x slower with two), and one worker breaks ties the same way every run.
         solver.parameters.num_workers = 1
+        solver.parameters.catch_sigint_signal = False  # solves run side by side: Ctrl-C is Python's to handle
         status = solver.solve(self.model)
         assert status in (cp_model.OPTIMAL, cp_model.FEASIBLE), "the replicated strategy is always feasible"
         result = self._result(solver)
