@@ -31,7 +31,6 @@ gets one placement: each candidate is tried with both blocks pinned, and the che
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -44,12 +43,13 @@ from autopart.solve.sequence import SEQUENCE_DIM, boundary_placement
 from autopart.solve.sharding import REPLICATE, Placement, Strategy, folded_number, is_tuple_of_tensors, op_name, shard
 from autopart.solve.sharding_rules import strategies
 from cost_models import CostModel
+from cost_models.calibration import usable_cores
 
 __all__ = ["BlockSharding", "conversion", "divided_seconds", "fastest_compute_s", "gathers_for_split_op", "listed_strategies",
            "shard_chain"]
 
 _NS = 1e9
-_SOLVERS = min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+_SOLVERS = min(8, usable_cores())
 """Block models solved at once: CP-SAT solves on one worker each (``_BlockModel.solve``)."""
 TIME_TOLERANCE = 0.05
 """How far (a fraction) from the fastest a layout may be and still win on memory, and from the
