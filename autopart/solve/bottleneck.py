@@ -118,8 +118,7 @@ def _bisected(greedy: _Greedy, costs: ChainCosts, stages: int, transfer_s: tuple
     bisection on the bound; with ``fit_only``, the first stages found, under the loosest bound."""
     compute = greedy.compute
     worst_case = compute[-1] + sum(costs.forward_s) + 2 * sum(transfer_s) + 1e-9
-    largest_block = max(f + b for f, b in zip(costs.forward_s, costs.backward_s))
-    lo, hi = max(largest_block, compute[-1] / stages) * (1 - 1e-9), worst_case
+    lo, hi = max(costs.largest_block_s(), compute[-1] / stages) * (1 - 1e-9), worst_case
     if greedy.room is not None:
         # Stages that take what their rank has left may leave its later stages too little under a
         # loose bound, where each stage is as long as memory allows: the bound is raised from the

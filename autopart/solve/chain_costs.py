@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field, replace
 
 __all__ = ["ChainCosts", "StageFigures", "chain_sums", "stage_figures", "stage_floor_s"]
@@ -55,6 +55,12 @@ class ChainCosts:
             self._prefix[name] = [0, *itertools.accumulate(values)]
         return self._prefix[name]
 
+    def largest_block_s(self) -> float:
+        """The slowest block's forward and backward."""
+        if "largest_block" not in self._prefix:
+            self._prefix["largest_block"] = max(f + b for f, b in zip(self.forward_s, self.backward_s))
+        return self._prefix["largest_block"]
+
     def _owned_parameter_bytes(self) -> list[int]:
         """Each parameter counted at the first block that reads it."""
         owned = [0] * len(self)
@@ -90,8 +96,8 @@ class ChainCosts:
                 for kind, count in sizes:
                     kinds[kind] = kinds.get(kind, 0) + count
             self._prefix["owned_kinds"] = kinds
-        return sum((state_bytes(size, layered=True) if layered else state_bytes(size)) * count
-                   for (size, layered), count in self._prefix["owned_kinds"].items())
+        kinds = self._prefix["owned_kinds"]
+        return sum(state * kinds[kind] for kind, state in _state_by_kind(state_bytes, kinds).items())
 
     def with_state(self, state_bytes: Callable[..., int], *, key: Hashable | None = None) -> ChainCosts:
         """These costs with ``parameter_state_bytes[p] = state_bytes(parameter_bytes[p], layered=p in
@@ -107,8 +113,7 @@ class ChainCosts:
             return kept[key]
         kinds = {(b, p in self.layer_parameters) for p, b in self.parameter_bytes.items()}
         kinds |= {(size, False) for size, layered in kinds if layered}  # what a layer split by a cut costs
-        state = {(size, layered): state_bytes(size, layered=True) if layered else state_bytes(size)
-                 for size, layered in kinds}
+        state = _state_by_kind(state_bytes, kinds)
         owned = [sum(state[kind] * count for kind, count in sizes) for sizes in self._owned_sizes()]
         carried = {name: self._prefix[name] for name in ("owned_sizes", "shared") if name in self._prefix}
         carried["owned_parameter_bytes"] = [0, *itertools.accumulate(owned)]
@@ -130,6 +135,11 @@ class ChainCosts:
                     readers.setdefault(p, []).append(k)
             self._prefix["shared"] = {p: tuple(ks) for p, ks in readers.items() if len(ks) > 1}
         return self._prefix["shared"]
+
+
+def _state_by_kind(state_bytes: Callable[..., int], kinds: Iterable[tuple[int, bool]]) -> dict[tuple[int, bool], int]:
+    """Per (parameter bytes, a repeated layer's own), the state ``state_bytes`` gives it."""
+    return {(size, layered): state_bytes(size, layered=True) if layered else state_bytes(size) for size, layered in kinds}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -240,5 +250,5 @@ def stage_floor_s(costs: ChainCosts, stages: int, transfer_s: float = 0.0) -> fl
     runs = costs._prefix.setdefault("cheapest_run", {})
     if fewest not in runs:
         runs[fewest] = min(compute[k + fewest] - compute[k] for k in range(blocks - fewest + 1))
-    largest = max(f + b for f, b in zip(costs.forward_s, costs.backward_s))
-    return max((compute[-1] + 2 * (stages - 1) * transfer_s) / stages, max(largest, runs[fewest]) + transfer_s)
+    return max((compute[-1] + 2 * (stages - 1) * transfer_s) / stages,
+               max(costs.largest_block_s(), runs[fewest]) + transfer_s)

@@ -37,6 +37,7 @@ from autopart.predict.in_flight import in_flight, rank_in_flight
 from autopart.predict.memory import layers_in_flight_bytes
 from autopart.schedule import stage_placement
 from autopart.solve.chain_costs import ChainCosts, stage_floor_s
+from autopart.solve.rank_room import stages_by_rank
 from autopart.solve.data_parallel_tail import FORWARD_SHARE, most_hidden_s, tail_s
 
 __all__ = ["early_bound", "layout_bound", "lazy_order", "may_fit", "mesh_overhead_bytes", "no_early_bound",
@@ -211,8 +212,12 @@ def with_layout_state(table, layout) -> ChainCosts:
     """``layout``'s chain costs with each parameter's state at its data-parallel degree and ZeRO level."""
     costs = table.chain_costs(micro_batch_size=layout.micro_batch_size, tp=layout.tp, dtype=layout.dtype)
     costs.shared_parameters  # noqa: B018 - computed once on the table's costs, carried to each layout's
-    state = functools.partial(table.state_bytes, dp=layout.dp, zero=layout.zero, dtype=layout.dtype)
-    return costs.with_state(state, key=(layout.dp, layout.zero, layout.dtype))
+    return costs.with_state(_layout_state(table, layout), key=(layout.dp, layout.zero, layout.dtype))
+
+
+def _layout_state(table, layout) -> Callable[..., int]:
+    """The state bytes of a parameter's bytes at ``layout``'s data-parallel degree, ZeRO level and dtype."""
+    return functools.partial(table.state_bytes, dp=layout.dp, zero=layout.zero, dtype=layout.dtype)
 
 
 def mesh_overhead_bytes(layout, costs: ChainCosts, cluster) -> int:
@@ -233,23 +238,22 @@ def may_fit(table, layout, cluster) -> bool:
     if layout.stages > len(costs):
         return False  # a stage without a block: ``cut_stages`` refuses it
     room = cluster.memory_bytes - mesh_overhead_bytes(layout, costs, cluster)
-    state = functools.partial(table.state_bytes, dp=layout.dp, zero=layout.zero, dtype=layout.dtype)
-    parameters = costs.state_bytes_total(state)
+    parameters = costs.state_bytes_total(_layout_state(table, layout))
     if room <= 0 or parameters > layout.pp * room:
         return False
     kept = _least_kept(costs, layout.stages)
+
+    def fits(held: list[int]) -> bool:  # per rank, the bytes its stages keep in flight at the least
+        return max(held) <= room and sum(held) + parameters <= layout.pp * room
+
     key = (layout.schedule, layout.pp, layout.microbatches, layout.chunks)
-    placement = stage_placement(layout.schedule, ranks=layout.pp, chunks=layout.chunks)
-    held = [0] * layout.pp  # first each stage at its own peak, which one of its rank's moments holds
-    for s, (rank, count) in enumerate(zip(placement, in_flight(*key))):
-        held[rank] = max(held[rank], count * kept[s])
-    if layout.chunks > 1 and max(held) <= room and sum(held) + parameters <= layout.pp * room:
-        mine: list[list[int]] = [[] for _ in range(layout.pp)]  # then the stages together, at each moment
-        for s, rank in enumerate(placement):
-            mine[rank].append(s)
-        held = [max(sum(count * kept[s] for count, s in zip(moment, stages)) for moment in moments)
-                for stages, moments in zip(mine, rank_in_flight(*key))]
-    return max(held) <= room and sum(held) + parameters <= layout.pp * room
+    mine = stages_by_rank(stage_placement(layout.schedule, ranks=layout.pp, chunks=layout.chunks))
+    peaks = in_flight(*key)  # each stage at its own peak first, which one of its rank's moments holds
+    alone = [max(peaks[s] * kept[s] for s in stages) for stages in mine]
+    if layout.chunks == 1 or not fits(alone):
+        return fits(alone)
+    return fits([max(sum(count * kept[s] for count, s in zip(moment, stages)) for moment in moments)
+                 for stages, moments in zip(mine, rank_in_flight(*key))])  # then its stages together, at each moment
 
 
 def _least_kept(costs: ChainCosts, stages: int) -> list[int]:
