@@ -11,8 +11,8 @@ import pytest
 
 from autopart.options import CompileOptions
 from autopart.passes.scale import affine_op_graph, lines_agree
-from autopart.solve import planner
-from autopart.solve.planner import FrontTable
+from autopart.solve import front_table
+from autopart.solve.front_table import FrontTable
 from tests.distributed import REPO
 
 
@@ -23,13 +23,13 @@ def _table(model: Path, device: str, dtype: str) -> FrontTable:
 def _count_real_annotations(monkeypatch) -> list[int]:
     """The micro-batch sizes the planner's tables annotate for real from now on, in order."""
     calls: list[int] = []
-    real = planner.annotated
+    real = front_table.annotated
 
     def counted(options, size, **how):
         calls.append(size)
         return real(options, size, **how)
 
-    monkeypatch.setattr(planner, "annotated", counted)
+    monkeypatch.setattr(front_table, "annotated", counted)
     return calls
 
 
@@ -39,7 +39,7 @@ def test_a_transformer_s_annotation_lies_on_the_line_through_two_sizes(model, dt
     table = _table(REPO / model, "h100-sxm", dtype)
     real = {b: table.annotated_front(micro_batch_size=b, tp=tp, dtype=dtype) for b in (2, 3)}
     fresh = _table(REPO / model, "h100-sxm", dtype)  # no lines: every size annotated for real
-    fresh._lines.front = lambda size, form, annotate: annotate()
+    fresh._lines.front = lambda size, form, annotate: annotate(size)
     for size in (4, 8):
         line = affine_op_graph(real[2].op_graph, real[3].op_graph, size, real[2].cost_model)
         truth = fresh.annotated_front(micro_batch_size=size, tp=tp, dtype=dtype).op_graph
@@ -52,7 +52,7 @@ def test_the_table_annotates_three_sizes_and_reads_the_rest_off_the_checked_line
     fronts = {b: table.annotated_front(micro_batch_size=b, tp=2, dtype="bf16") for b in (1, 2, 4, 8, 3, 16)}
     assert calls == [1, 2, 4, 8]  # 1 is its own (its reshapes are views), 2 and 4 the line, 8 its check
     fresh = _table(REPO / "examples" / "gpt.py", "h100-sxm", "bf16")
-    fresh._lines.front = lambda size, form, annotate: annotate()
+    fresh._lines.front = lambda size, form, annotate: annotate(size)
     for b in (3, 16):
         truth = fresh.annotated_front(micro_batch_size=b, tp=2, dtype="bf16")
         assert lines_agree(fronts[b].op_graph, truth.op_graph)
@@ -106,3 +106,16 @@ def test_the_line_is_read_at_most_twice_as_far_as_it_was_checked(monkeypatch) ->
         table.annotated_front(micro_batch_size=b, tp=1, dtype="fp32")
     assert calls == [2, 3, 4, 16]  # 4 checks the line; 8 is read; 16, beyond 2 x 4, is checked; 12 and 6 read
     assert shown == [f"capturing at micro-batch size {b}" for b in calls]  # a size read off the line is not captured
+
+
+def test_told_the_largest_size_the_line_is_checked_there_once_for_every_size(monkeypatch) -> None:
+    table = FrontTable(CompileOptions(model=REPO / "examples" / "llama.py", device="h100-sxm", dtype="fp32", costs=None),
+                       largest_size=16)
+    calls = _count_real_annotations(monkeypatch)
+    fronts = {b: table.annotated_front(micro_batch_size=b, tp=1, dtype="fp32") for b in (1, 2, 3, 4, 8, 12, 16)}
+    assert calls == [1, 2, 3, 16]  # 4 asks for the line's check: made at 16, it covers 8 and 12 too
+    assert fronts[16] is table._lines._real[(False, "fp32")][16]  # a size annotated for real is given as it is
+    fresh = _table(REPO / "examples" / "llama.py", "h100-sxm", "fp32")
+    fresh._lines.front = lambda size, form, annotate: annotate(size)
+    for b in (4, 12):
+        assert lines_agree(fronts[b].op_graph, fresh.annotated_front(micro_batch_size=b, tp=1, dtype="fp32").op_graph)

@@ -49,21 +49,32 @@ class SizeLines:
     read at most twice as far out as the largest size it was checked at: a size beyond is
     annotated for real and checked against it, so that a figure that leaves the line at some size
     (a clamp, a padding) is caught within a factor of two of it. A form whose check fails is
-    annotated for real at every size from then on."""
+    annotated for real at every size from then on.
 
-    def __init__(self) -> None:
+    ``largest``: the largest size the caller will ask for, where known (the search's space). The
+    line is then first checked there, so that one check covers every size asked: checked at the
+    next size asked instead, a larger one would need a check of its own."""
+
+    def __init__(self, largest: int | None = None) -> None:
+        self.largest = largest
         self._real: dict[Hashable, dict[int, Front]] = {}
         self._lines: dict[Hashable, tuple[int, int, int] | None] = {}  # base sizes and the largest checked; None: failed
 
-    def front(self, size: int, form: Hashable, annotate: Callable[[], Front]) -> Front:
-        """The front at ``size``: read off the form's line where it is trusted, else ``annotate()``."""
+    def front(self, size: int, form: Hashable, annotate: Callable[[int], Front]) -> Front:
+        """The front at ``size``: real where it was annotated, read off the form's line where that
+        is trusted, else ``annotate(size)``."""
         real = self._real.setdefault(form, {})
+        if size in real:
+            return real[size]
+        if form not in self._lines and self.largest is not None and 2 <= size < self.largest \
+                and len([s for s in real if s >= 2]) >= 2:
+            self.front(self.largest, form, annotate)  # the line's check, where the caller reaches farthest
         line = self._lines.get(form)
         if line is not None and size <= 2 * line[2]:
             read = self._read(real, line, size)
             if read is not None:
                 return read
-        front = real[size] = annotate()
+        front = real[size] = annotate(size)
         if size < 2:
             return front
         if form not in self._lines:  # not yet checked: the line through the first two sizes, checked here

@@ -87,9 +87,15 @@ class ChainCosts:
             self._prefix["owned_sizes"] = found
         return self._prefix["owned_sizes"]
 
-    def state_bytes_total(self, state_bytes: Callable[..., int]) -> int:
+    def state_bytes_total(self, state_bytes: Callable[..., int], *, key: Hashable | None = None) -> int:
         """``with_state(state_bytes)``'s parameter state summed over the chain, each parameter
-        once (``prefix("owned_parameter_bytes")[-1]``), without building those costs."""
+        once (``prefix("owned_parameter_bytes")[-1]``), without building those costs. ``key``
+        names ``state_bytes`` as ``with_state``'s does: the total is kept under it."""
+        if key is not None:
+            kept = self._prefix.setdefault("state_totals", {})
+            if key not in kept:
+                kept[key] = self.state_bytes_total(state_bytes)
+            return kept[key]
         if "owned_kinds" not in self._prefix:
             kinds: dict[tuple[int, bool], int] = {}
             for sizes in self._owned_sizes():

@@ -72,7 +72,7 @@ def optimistic_costs(costs: ChainCosts, floors: list[float], tp: int) -> ChainCo
     """``costs`` (the chain unsharded, as on one rank) with each block's time scaled down to its
     ``floors`` entry and each parameter at ``bytes // tp``: no sharding on ``tp`` ranks has a block
     faster or a parameter share smaller. Forward, backward and weight-gradient time scale together,
-    as the sharded chain's do (``autopart.solve.planner.chain_costs``), so the fraction of a block's
+    as the sharded chain's do (``autopart.solve.front_table.chain_costs``), so the fraction of a block's
     time that is weight gradient is the same in both."""
     if len(floors) != len(costs):
         raise ValueError(f"{len(floors)} floors for a chain of {len(costs)} blocks")
@@ -212,7 +212,12 @@ def with_layout_state(table, layout) -> ChainCosts:
     """``layout``'s chain costs with each parameter's state at its data-parallel degree and ZeRO level."""
     costs = table.chain_costs(micro_batch_size=layout.micro_batch_size, tp=layout.tp, dtype=layout.dtype)
     costs.shared_parameters  # noqa: B018 - computed once on the table's costs, carried to each layout's
-    return costs.with_state(_layout_state(table, layout), key=(layout.dp, layout.zero, layout.dtype))
+    return costs.with_state(_layout_state(table, layout), key=_state_key(layout))
+
+
+def _state_key(layout) -> tuple:
+    """What ``_layout_state`` depends on besides the table: it names that function to the costs' caches."""
+    return layout.dp, layout.zero, layout.dtype
 
 
 def _layout_state(table, layout) -> Callable[..., int]:
@@ -238,7 +243,7 @@ def may_fit(table, layout, cluster) -> bool:
     if layout.stages > len(costs):
         return False  # a stage without a block: ``cut_stages`` refuses it
     room = cluster.memory_bytes - mesh_overhead_bytes(layout, costs, cluster)
-    parameters = costs.state_bytes_total(_layout_state(table, layout))
+    parameters = costs.state_bytes_total(_layout_state(table, layout), key=_state_key(layout))
     if room <= 0 or parameters > layout.pp * room:
         return False
     kept = _least_kept(costs, layout.stages)
@@ -247,13 +252,19 @@ def may_fit(table, layout, cluster) -> bool:
         return max(held) <= room and sum(held) + parameters <= layout.pp * room
 
     key = (layout.schedule, layout.pp, layout.microbatches, layout.chunks)
-    mine = stages_by_rank(stage_placement(layout.schedule, ranks=layout.pp, chunks=layout.chunks))
+    mine = _stages_by_rank(layout.schedule, layout.pp, layout.chunks)
     peaks = in_flight(*key)  # each stage at its own peak first, which one of its rank's moments holds
     alone = [max(peaks[s] * kept[s] for s in stages) for stages in mine]
     if layout.chunks == 1 or not fits(alone):
         return fits(alone)
     return fits([max(sum(count * kept[s] for count, s in zip(moment, stages)) for moment in moments)
                  for stages, moments in zip(mine, rank_in_flight(*key))])  # then its stages together, at each moment
+
+
+@functools.lru_cache(maxsize=1024)
+def _stages_by_rank(schedule: str, pp: int, chunks: int) -> list[list[int]]:
+    """Per rank, the stages the schedule places there (the search asks per layout: kept)."""
+    return stages_by_rank(stage_placement(schedule, ranks=pp, chunks=chunks))
 
 
 def _least_kept(costs: ChainCosts, stages: int) -> list[int]:

@@ -1,0 +1,164 @@
+"""The search's costs from real captures of the model: ``FrontTable``, a ``CostTable``
+(``autopart.solve.search``) that captures and annotates the model once per micro-batch size (the
+graph's shapes depend on it; most sizes are read off a line through two: ``autopart.passes.scale``)
+and shards it per tensor-parallel degree (``autopart.solve.tensor``), each made once, when the
+search first asks. Its optimistic costs (``autopart.solve.layout_bounds``) need no sharding."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+
+from autopart.codegen.layers import layer_instances
+from autopart.ir.model_file import ModelSpec, is_meta, load_model_file
+from autopart.options import CompileOptions
+from autopart.passes.capture import Graph
+from autopart.passes.front import Front, annotated, block_seconds, parameter_placements, sharded
+from autopart.passes.scale import SizeLines
+from autopart.predict.memory import state_bytes
+from autopart.runtime.materialise import check_initialisers
+from autopart.solve.assemble import layered_parameters
+from autopart.solve.chain_costs import ChainCosts
+from autopart.solve.layout_bounds import optimistic_costs
+from autopart.solve.sharding import REPLICATE
+from autopart.solve.tensor import fastest_compute_s
+
+__all__ = ["FrontTable", "Progress", "chain_costs", "sequence_parallel"]
+
+Progress = Callable[[str, int, int], None]  # (what, done, total)
+
+
+class FrontTable:
+    """The search's ``CostTable`` over real captures of the model, each made once."""
+
+    def __init__(self, options: CompileOptions, progress: Progress | None = None, spec: ModelSpec | None = None,
+                 largest_size: int | None = None):
+        """``largest_size``: the largest micro-batch size the caller will ask costs at, where known."""
+        self.options = options
+        self.largest_size = largest_size
+        self.progress = progress
+        self.annotated: dict[tuple[int, bool, str], Front] = {}
+        self._fronts: dict[tuple[int, int, str], Front] = {}
+        self._costs: dict[tuple[int, int, str], ChainCosts] = {}
+        self._optimistic: dict[tuple[int, int, str], ChainCosts] = {}
+        self._spec = spec
+        self._roofline = None
+        self._measured: dict[str, tuple] = {}  # ops' kernels and times by cost key, for every capture
+        self._graphs: dict[bool, Graph] = {}  # the capture, by whether biases are ops of their own
+        self._lines = SizeLines(largest_size)  # annotations at most sizes read off a line through two
+
+    def model_spec(self) -> ModelSpec:
+        """The model file, loaded (and its initialisers checked) once."""
+        if self._spec is None:
+            spec = load_model_file(self.options.model)
+            if is_meta(spec.module):  # each rank will make its own weights: every module needs an initialiser
+                check_initialisers(spec.module, spec.init_weights, spec.path.name)
+            self._spec = spec
+        return self._spec
+
+    def front(self, *, micro_batch_size: int, tp: int, dtype: str) -> Front:
+        key = (micro_batch_size, tp, dtype)
+        if key not in self._fronts:
+            base = self.annotated_front(micro_batch_size=micro_batch_size, tp=tp, dtype=dtype)
+            self._fronts[key] = sharded(base, self._options(tp=tp, dtype=dtype))
+        return self._fronts[key]
+
+    def annotated_front(self, *, micro_batch_size: int, tp: int, dtype: str) -> Front:
+        """The capture annotated at this size, not yet sharded: one per size, dtype and bias form."""
+        separate = tp > 1
+        base_key = (micro_batch_size, separate, dtype)
+        if base_key not in self.annotated:
+            def real(size: int) -> Front:
+                if self.progress is not None:
+                    self.progress(f"capturing at micro-batch size {size}", len(self.annotated), 0)
+                front = annotated(self._options(tp=tp, dtype=dtype), size, separate_biases=separate,
+                                  spec=self.model_spec(), roofline=self._roofline, measured=self._measured,
+                                  graph=self._graphs.get(separate))
+                self._graphs[separate] = front.op_graph.graph  # captured once, annotated at each size
+                self._roofline = getattr(front.cost_model, "roofline", front.cost_model)
+                return front
+
+            # a roofline costs a kernel from its FLOPs and bytes, which a line through two sizes
+            # gives (``autopart.passes.scale``); measured ops are keyed by their shapes
+            self.annotated[base_key] = (real(micro_batch_size) if self.options.costs is not None
+                                        else self._lines.front(micro_batch_size, base_key[1:], real))
+        return self.annotated[base_key]
+
+    def optimistic_costs(self, *, micro_batch_size: int, tp: int, dtype: str) -> ChainCosts:
+        """Costs that no sharding on ``tp`` ranks beats, block by block and parameter by parameter
+        (``autopart.solve.layout_bounds``), from the annotated capture without solving a sharding."""
+        if tp == 1:
+            return self.chain_costs(micro_batch_size=micro_batch_size, tp=1, dtype=dtype)
+        key = (micro_batch_size, tp, dtype)
+        if key not in self._optimistic:
+            front = self.annotated_front(micro_batch_size=micro_batch_size, tp=tp, dtype=dtype)
+            floors = fastest_compute_s(front.chain, t=tp, cost_model=front.cost_model)
+            self._optimistic[key] = optimistic_costs(chain_costs(front, 1), floors, tp)
+        return self._optimistic[key]
+
+    def _options(self, *, tp: int, dtype: str) -> CompileOptions:
+        return replace(self.options, world_size=None, tp=tp, pp=1, dp=1, zero=0, schedule="1f1b", chunks=1,
+                       recompute="none", dtype=dtype, sp=sequence_parallel(self.options))
+
+    def chain_costs(self, *, micro_batch_size: int, tp: int, dtype: str) -> ChainCosts:
+        key = (micro_batch_size, tp, dtype)
+        if key not in self._costs:
+            self._costs[key] = chain_costs(self.front(micro_batch_size=micro_batch_size, tp=tp, dtype=dtype), tp)
+        return self._costs[key]
+
+    def state_bytes(self, parameter_bytes: int, *, dp: int, zero: int, dtype: str = "fp32", layered: bool = False) -> int:
+        return state_bytes(parameter_bytes, optimizer=self.options.optimizer, dp=dp, zero=zero, dtype=dtype,
+                           layered=layered)
+
+
+def chain_costs(front: Front, tp: int) -> ChainCosts:
+    """What the cutter reads, per block, from an annotated (and sharded) front."""
+    chain = front.chain
+    times = block_seconds(front)
+    if front.shardings is not None:
+        saved = [s.saved_bytes for s in front.shardings]
+    else:
+        saved = [b.saved_bytes for b in chain.blocks]
+    selective_saved, selective_s = [], []
+    for k, block in enumerate(chain.blocks):  # the tensor-parallel share, as the compiler takes it
+        scale = saved[k] / block.saved_bytes if block.saved_bytes else 1.0
+        time_scale = times[k][0] / block.forward_s if block.forward_s else 1.0
+        selective_saved.append(round(block.selective_saved_bytes * scale))
+        selective_s.append(block.selective_recompute_s * time_scale)
+    placements = parameter_placements(front)
+    local = {
+        name: nbytes // (tp if placements.get(name, REPLICATE).kind == "S" else 1)
+        for name, nbytes in chain.parameter_bytes.items()
+    }
+    layered, layer_bytes = layered_parameters(chain, local)
+    op_graph = front.op_graph
+    inputs = sum(op_graph.nodes[n].output.nbytes for n in op_graph.graph.input_names
+                 if n in op_graph.nodes and op_graph.nodes[n].output is not None)
+    return ChainCosts(
+        forward_s=tuple(f for f, _, _ in times),
+        backward_s=tuple(b for _, b, _ in times),
+        weight_s=tuple(w for _, _, w in times),
+        saved_bytes=tuple(saved),
+        selective_saved_bytes=tuple(selective_saved),
+        selective_recompute_s=tuple(selective_s),
+        boundary_bytes=tuple(b.nbytes for b in chain.boundaries),
+        input_bytes=inputs,
+        parameter_bytes=local,
+        parameter_state_bytes=local,  # replaced per layout by the search (dp, ZeRO)
+        block_parameters=tuple(b.parameters for b in chain.blocks),
+        layer_parameters=layered,
+        layer_bytes=layer_bytes,
+        layer_spans=tuple((first, end) for first, end, _ in layer_instances(chain)),
+    )
+
+
+
+
+def sequence_parallel(options: CompileOptions) -> bool:
+    """Whether the search's plans use sequence parallelism (where TP > 1): as pinned, else on.
+    It is not searched both ways (that would repeat every TP layout): it moves the bytes TP alone
+    moves (a reduce-scatter and an all-gather for each all-reduce, so twice the collectives'
+    latencies) and holds the norms' and residuals' activations t times smaller (Korthikanti et
+    al., MLSys'23); where a value's sequence does not split t ways it stays whole
+    (``autopart.solve.sequence``). ``benchmarks/plan_quality.py --dimensions`` searches both."""
+    return True if options.sp is None else bool(options.sp)
