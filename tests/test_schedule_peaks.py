@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from autopart.predict.timeline import simulate_pipeline
+from autopart.schedule import peaks
 from autopart.schedule.peaks import peak_in_flight, transient_in_flight
 
 
@@ -57,3 +58,12 @@ def test_microbatch_counts_that_show_the_same_moments_are_walked_once(kind: str,
         assert peaks.rank_peaks(kind, ranks=p, microbatches=m, chunks=chunks) == first
     after = walked.cache_info()
     assert after.misses == before.misses and after.hits == before.hits + 3
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("chunks", [2, 3, 4])
+def test_interleaved_peaks_read_off_the_rank_moments_equal_the_step_count(ranks: int, chunks: int) -> None:
+    for rounds in range(1, 9):  # past the 3p microbatches whose moments stand for any more
+        microbatches = rounds * ranks
+        assert peak_in_flight("interleaved", ranks=ranks, microbatches=microbatches, chunks=chunks) \
+            == peaks._interleaved_counted(ranks, microbatches, chunks)

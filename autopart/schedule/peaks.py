@@ -28,7 +28,14 @@ def peak_in_flight(kind: str, *, ranks: int, microbatches: int, chunks: int = 1)
         return tuple(min(2 * p - s, m) for s in range(2 * p))
     if kind != "interleaved":
         raise ValueError(f"unknown schedule {kind!r}")
-    v = chunks
+    if m % p == 0:  # each chunk's peak is at one of its rank's moments, which 3p microbatches show
+        moments = _interleaved_candidates(p, min(m, INTERLEAVED_SHOWN * p), chunks)
+        return tuple(max(held[c] for held in moments[r]) for c in range(chunks) for r in range(p))
+    return _interleaved_counted(p, m, chunks)
+
+
+def _interleaved_counted(p: int, m: int, v: int) -> tuple[int, ...]:
+    """``peak_in_flight`` of interleaved 1F1B, counted step by step."""
     total = m * v
     peaks = [0] * (p * v)
     steps = np.arange(total)
