@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import operator
 from dataclasses import replace
 
@@ -25,8 +24,11 @@ def separate_biases(graph: Graph) -> Graph:
     A row-parallel linear produces partial sums; its bias must be added once, after they are
     reduced. With the bias as an op of its own, the sharding solver can place the reduction
     between the two (Megatron's layout) instead of having to replicate the whole linear.
+
+    The capture is rewritten in place: each caller hands over a capture of its own, and copying
+    the module of a model of a hundred layers takes longer than the rewrite.
     """
-    module = fx.GraphModule(graph.module, copy.deepcopy(graph.module.graph), class_name="TrainingGraph")
+    module = graph.module
     for node in list(module.graph.nodes):
         if node.op != "call_function":
             continue
