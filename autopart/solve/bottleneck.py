@@ -196,9 +196,12 @@ class _Greedy:
         transfer_in = self.transfer_s[first - 1] if s > 0 else 0.0
         transfer_out = self.transfer_s[last] if s < self.stages - 1 else 0.0
         for mode in self.modes[s]:
-            compute_s, _, parameters, per_microbatch, once = self.sums.parts(first, last, mode, self._transient(s))
-            if compute_s + transfer_in + transfer_out > bound:
-                if not self.bound_matters and self._held_fits(s, parameters, per_microbatch, once):
+            too_slow = self.sums.seconds(first, last, mode) + transfer_in + transfer_out > bound
+            if too_slow and self.bound_matters:
+                continue  # the memory would tell nothing more
+            _, _, parameters, per_microbatch, once = self.sums.parts(first, last, mode, self._transient(s))
+            if too_slow:
+                if self._held_fits(s, parameters, per_microbatch, once):
                     self.bound_matters = True
                 continue
             if self._held_fits(s, parameters, per_microbatch, once):

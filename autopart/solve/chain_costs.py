@@ -200,6 +200,18 @@ class _Sums:
         compute, weight, parameters, per_microbatch, once = self.parts(first, last, mode, transient)
         return compute + transfer_in_s + transfer_out_s, weight, parameters + in_flight * per_microbatch + once
 
+    def seconds(self, first: int, last: int, mode: str) -> float:
+        """``parts``' first figure alone: compute and recompute seconds of blocks ``first..last``."""
+        end = last + 1
+        compute = self.compute[end] - self.compute[first]
+        if mode == "none":
+            return compute
+        if mode == "selective":
+            return compute + (self.selective_s[end] - self.selective_s[first])
+        if mode == "full":
+            return compute + (self.full_s[end] - self.full_s[first])
+        raise ValueError(f"unknown recompute mode {mode!r}")
+
     def parts(self, first: int, last: int, mode: str, transient: int = 1) -> tuple[float, float, int, int, int]:
         """(compute and recompute seconds, weight-gradient seconds, parameter bytes, bytes per
         microbatch in flight, bytes held once) of blocks ``first..last`` under ``mode``."""

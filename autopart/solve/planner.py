@@ -2,9 +2,10 @@
 
 ``plan_by_search(options)`` is what ``autopart compile --world-size N`` runs:
 
-1. ``FrontTable`` gives ``autopart.solve.search`` the chain's costs for each micro-batch size, dtype
-   and tensor-parallel degree it asks about, capturing and annotating the model once per
-   micro-batch size (the graph's shapes depend on it) and sharding per degree.
+1. ``FrontTable`` (``autopart.solve.front_table``) gives ``autopart.solve.search`` the chain's
+   costs for each micro-batch size, dtype and tensor-parallel degree it asks about, capturing and
+   annotating the model once per micro-batch size (the graph's shapes depend on it) and sharding
+   per degree.
 2. ``autopart.solve.search.search`` scores the layouts and keeps the finalists.
 3. Each finalist becomes a Plan through the compiler's own ``plan_from_cuts``, so its
    predicted step is the one that a pinned plan with the same choices gets; they are ranked by it.
