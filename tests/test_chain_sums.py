@@ -1,5 +1,6 @@
-"""The running sums the cutter reads (autopart/solve/chain_costs.py ``chain_sums``): a stage's
-seconds alone, asked before its memory, are the seconds its full figures give."""
+"""The running sums the cutter reads (autopart/solve/chain_costs.py ``chain_sums``): each of a
+stage's figures, asked apart (seconds before memory, the parameters once for every mode), is the
+figure summed block by block."""
 
 from __future__ import annotations
 
@@ -8,19 +9,42 @@ import random
 import pytest
 
 from autopart.ir.recompute import RECOMPUTE_MODES
-from autopart.solve.chain_costs import chain_sums
+from autopart.solve.chain_costs import ChainCosts, chain_sums
 from tests.synthetic_chains import random_table
 
 
-@pytest.mark.parametrize("seed", range(5))
-def test_a_stage_s_seconds_alone_are_those_of_its_parts(seed: int) -> None:
+def _summed(costs: ChainCosts, first: int, last: int, mode: str, transient: int) -> tuple:
+    """The stage's figures by plain sums over its blocks (no layer split: the tables have none)."""
+    blocks = range(first, last + 1)
+    compute = sum(costs.forward_s[k] + costs.backward_s[k] for k in blocks)
+    saved = sum(costs.saved_bytes[k] for k in blocks)
+    received = costs.input_bytes + (costs.boundary_bytes[first - 1] if first else 0)
+    if mode == "none":
+        seconds, held = compute, (saved, 0)
+    elif mode == "selective":
+        selective = sum(costs.selective_saved_bytes[k] for k in blocks)
+        seconds = compute + sum(costs.selective_recompute_s[k] for k in blocks)
+        held = (received + selective, transient * max(0, saved - selective))
+    else:
+        seconds, held = compute + sum(costs.forward_s[k] for k in blocks), (received, transient * saved)
+    mine = {p for k in blocks for p in costs.block_parameters[k]}
+    parameters = sum(costs.parameter_state_bytes[p] for p in mine)  # a weight read before is held here again
+    return seconds, parameters, held
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_stage_s_figures_asked_apart_are_its_blocks_summed(seed: int) -> None:
     rng = random.Random(seed)
-    costs = random_table(rng, layers=rng.randint(1, 6)).chain_costs(micro_batch_size=rng.randint(1, 4), tp=1,
-                                                                    dtype="fp32")
+    costs = random_table(rng, layers=rng.randint(1, 6), tied=seed % 2 == 0).chain_costs(
+        micro_batch_size=rng.randint(1, 4), tp=1, dtype="fp32")
     sums = chain_sums(costs)
     for first in range(len(costs)):
         for last in range(first, len(costs)):
             for mode in RECOMPUTE_MODES:
-                assert sums.seconds(first, last, mode) == sums.parts(first, last, mode, transient=2)[0]
+                seconds, parameters, held = _summed(costs, first, last, mode, transient=3)
+                assert sums.seconds(first, last, mode) == pytest.approx(seconds, rel=1e-12)
+                assert sums.seconds(first, last, mode) == sums.parts(first, last, mode, transient=3)[0]
+                assert sums.parameters(first, last) == parameters
+                assert sums.held(first, last, mode, transient=3) == held
     with pytest.raises(ValueError, match="unknown recompute mode"):
         sums.seconds(0, 0, "some")

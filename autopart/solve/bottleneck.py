@@ -195,11 +195,14 @@ class _Greedy:
         """The first mode in which blocks ``first..last`` fit as stage ``s`` under ``bound``, if any."""
         transfer_in = self.transfer_s[first - 1] if s > 0 else 0.0
         transfer_out = self.transfer_s[last] if s < self.stages - 1 else 0.0
+        parameters = None  # the same in every mode: asked once, where the memory is asked
         for mode in self.modes[s]:
             too_slow = self.sums.seconds(first, last, mode) + transfer_in + transfer_out > bound
             if too_slow and self.bound_matters:
                 continue  # the memory would tell nothing more
-            _, _, parameters, per_microbatch, once = self.sums.parts(first, last, mode, self._transient(s))
+            if parameters is None:
+                parameters = self.sums.parameters(first, last)
+            per_microbatch, once = self.sums.held(first, last, mode, self._transient(s))
             if too_slow:
                 if self._held_fits(s, parameters, per_microbatch, once):
                     self.bound_matters = True

@@ -216,19 +216,27 @@ class _Sums:
         """(compute and recompute seconds, weight-gradient seconds, parameter bytes, bytes per
         microbatch in flight, bytes held once) of blocks ``first..last`` under ``mode``."""
         end = last + 1
-        compute = self.compute[end] - self.compute[first]
+        return (self.seconds(first, last, mode), self.weight[end] - self.weight[first], self.parameters(first, last),
+                *self.held(first, last, mode, transient))
+
+    def held(self, first: int, last: int, mode: str, transient: int = 1) -> tuple[int, int]:
+        """``parts``' activations alone: (bytes per microbatch in flight, bytes held once)."""
+        end = last + 1
         saved_none = self.saved[end] - self.saved[first]
         if mode == "none":
-            extra, per_microbatch, once = 0.0, saved_none, 0
-        elif mode == "selective":
-            extra = self.selective_s[end] - self.selective_s[first]
+            return saved_none, 0
+        if mode == "selective":
             selective = self.selective_saved[end] - self.selective_saved[first]
-            per_microbatch, once = self.received[first] + selective, transient * max(0, saved_none - selective)
-        elif mode == "full":
-            extra = self.full_s[end] - self.full_s[first]
-            per_microbatch, once = self.received[first], transient * saved_none
-        else:
-            raise ValueError(f"unknown recompute mode {mode!r}")
+            return self.received[first] + selective, transient * max(0, saved_none - selective)
+        if mode == "full":
+            return self.received[first], transient * saved_none
+        raise ValueError(f"unknown recompute mode {mode!r}")
+
+    def parameters(self, first: int, last: int) -> int:
+        """``parts``' parameter bytes alone (in any mode): the state of the parameters first read
+        in blocks ``first..last``, a layer a cut splits at what its root units hold, and a weight
+        read before the stage and again in it."""
+        end = last + 1
         parameters = self.owned[end] - self.owned[first]
         if self.split is not None:
             begin, stop = self.span[first]
@@ -242,7 +250,7 @@ class _Sums:
                 k = bisect.bisect_left(readers, first)
                 if k < len(readers) and readers[k] <= last:
                     parameters += nbytes
-        return compute + extra, self.weight[end] - self.weight[first], parameters, per_microbatch, once
+        return parameters
 
 
 def chain_sums(costs: ChainCosts) -> _Sums:
