@@ -91,4 +91,4 @@ def compile_to_directory(options: CompileOptions, out_dir: Path, *, progress=Non
     if options.profile_pipeline:
         plan, front = profiled_in_place(plan, front, lambda: compile_plan(options, progress))
     plan = with_basis(plan, measured.basis)
-    return plan, emit_directory(plan, front.op_graph, front.spec, out_dir)
+    return plan, emit_directory(plan, front.op_graph, front.spec, out_dir, chain=front.chain)

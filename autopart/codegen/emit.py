@@ -28,14 +28,16 @@ from autopart.ir.tensors import PRECISION_TEXT
 from autopart.runtime.launch import PLAN_HASH_KEY, file_sha256, plan_digest
 from autopart.runtime.shards import shard_weight
 from autopart.runtime.shards import weights_file_name
-from autopart.passes.blocks import build_blocks
+from autopart.passes.blocks import BlockChain, build_blocks
 from autopart.solve.sharding import REPLICATE, Placement, Strategy, local_shape
 from autopart.solve.sharding_rules import strategies
 
 __all__ = ["emit_directory", "check_output_directory"]
 
 
-def emit_directory(plan: Plan, op_graph: OpGraph, spec: ModelSpec, out_dir: Path) -> Path:
+def emit_directory(plan: Plan, op_graph: OpGraph, spec: ModelSpec, out_dir: Path, chain: BlockChain | None = None) -> Path:
+    """Write ``plan``'s output directory, whole or not at all. ``chain``: ``op_graph``'s blocks,
+    where the caller has them (cutting a model of a thousand layers again takes seconds)."""
     out_dir = Path(out_dir)
     check_output_directory(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -43,7 +45,7 @@ def emit_directory(plan: Plan, op_graph: OpGraph, spec: ModelSpec, out_dir: Path
     # whole on a failure removes nothing that autopart did not write
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=out_dir.parent))
     try:
-        _write(plan, op_graph, spec, staging, final=out_dir)
+        _write(plan, op_graph, spec, staging, final=out_dir, chain=chain or build_blocks(op_graph))
         write_marker(staging)
         remove_output(out_dir)
         staging.rename(out_dir)
@@ -53,7 +55,7 @@ def emit_directory(plan: Plan, op_graph: OpGraph, spec: ModelSpec, out_dir: Path
     return out_dir
 
 
-def _write(plan: Plan, op_graph: OpGraph, spec: ModelSpec, out: Path, *, final: Path) -> None:
+def _write(plan: Plan, op_graph: OpGraph, spec: ModelSpec, out: Path, *, final: Path, chain: BlockChain) -> None:
     (out / "stages").mkdir(parents=True)
     (out / "weights").mkdir()
     module = op_graph.graph.module
@@ -78,7 +80,7 @@ def _write(plan: Plan, op_graph: OpGraph, spec: ModelSpec, out: Path, *, final: 
     def local(name: str, placements: dict[str, Placement], rank: int) -> torch.Tensor:
         return shard_weight(tensors[name].detach(), placements.get(name, REPLICATE), tp, rank)
 
-    layers = repeated_units(build_blocks(op_graph))
+    layers = repeated_units(chain)
     held: list[tuple[int, dict[str, Placement], list[str]]] = []  # per stage: what its weights files hold
     for stage_plan, stage in zip(plan.stages, graphs):
         placements = {name: Placement.parse(p) for name, p in stage_plan.parameter_placements.items()}
