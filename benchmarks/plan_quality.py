@@ -21,7 +21,8 @@ finalists (``SearchResult.ranked``); for each baseline, its ``--top`` best by es
 (``BaselineResult.top``). The estimates are printed too, in a second table.
 
 "bound" is the search's lower bound (``SearchResult.bound_s``: the smallest closed-form bound
-over every layout of the space, memory ignored) over autopart's simulated step. It bounds the
+over every layout of the space, infinite where a layout cannot fit:
+``autopart.solve.layout_bounds.may_fit``) over autopart's simulated step. It bounds the
 closed form; the simulator can beat a layout's closed-form bound where stages are unequal (1F1B
 hides later stages behind the warm-up), so in the simulator's terms it is close to, not
 strictly, the best any plan could do. megatron / bound in the summary is then about the most any
