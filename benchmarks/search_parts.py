@@ -19,11 +19,11 @@ import time
 from pathlib import Path
 
 from autopart.options import CompileOptions
-from autopart.solve import planner, search
+from autopart.solve import front_table, planner, search
 from autopart.solve.simulated import simulated_step_s
 
-PARTS = ((search, "cut_stages", "cutter"), (search, "refine_cuts", "refining cuts"), (planner, "annotated", "annotation"),
-         (planner, "sharded", "sharding"), (planner, "simulated_step_s", "simulating finalists"))
+PARTS = ((search, "cut_stages", "cutter"), (search, "refine_cuts", "refining cuts"), (front_table, "annotated", "annotation"),
+         (front_table, "sharded", "sharding"), (planner, "simulated_step_s", "simulating finalists"))
 
 
 def timed(spent: collections.Counter, calls: collections.Counter) -> None:

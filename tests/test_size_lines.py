@@ -119,3 +119,14 @@ def test_told_the_largest_size_the_line_is_checked_there_once_for_every_size(mon
     fresh._lines.front = lambda size, form, annotate: annotate(size)
     for b in (4, 12):
         assert lines_agree(fronts[b].op_graph, fresh.annotated_front(micro_batch_size=b, tp=1, dtype="fp32").op_graph)
+
+
+def test_told_the_largest_size_a_line_that_fails_there_is_not_used(tmp_path, monkeypatch) -> None:
+    model = tmp_path / "similarity.py"
+    model.write_text(textwrap.dedent(_SIMILARITY))
+    table = FrontTable(CompileOptions(model=model, device="h100-sxm", dtype="fp32", costs=None), largest_size=8)
+    calls = _count_real_annotations(monkeypatch)
+    for b in (2, 3, 4, 6, 8):
+        table.annotated_front(micro_batch_size=b, tp=1, dtype="fp32")
+    assert calls == [2, 3, 8, 4, 6]  # the check at 8 failed: 4 and 6 annotated for real, 8 given as made
+    assert table._lines._lines[(False, "fp32")] is None

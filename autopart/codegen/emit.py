@@ -45,7 +45,7 @@ def emit_directory(plan: Plan, op_graph: OpGraph, spec: ModelSpec, out_dir: Path
     # whole on a failure removes nothing that autopart did not write
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=out_dir.parent))
     try:
-        _write(plan, op_graph, spec, staging, final=out_dir, chain=chain or build_blocks(op_graph))
+        _write(plan, op_graph, spec, staging, final=out_dir, chain=build_blocks(op_graph) if chain is None else chain)
         write_marker(staging)
         remove_output(out_dir)
         staging.rename(out_dir)

@@ -53,7 +53,9 @@ class SizeLines:
 
     ``largest``: the largest size the caller will ask for, where known (the search's space). The
     line is then first checked there, so that one check covers every size asked: checked at the
-    next size asked instead, a larger one would need a check of its own."""
+    next size asked instead, a larger one would need a check of its own. A figure that leaves the
+    line between the bases and ``largest`` and comes back by ``largest`` then goes unseen (a
+    clamp or a padding that leaves it stays off it)."""
 
     def __init__(self, largest: int | None = None) -> None:
         self.largest = largest

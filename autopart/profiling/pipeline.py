@@ -285,7 +285,7 @@ def profiled_in_place(plan: Plan, front: Front, recompile: Callable[[], tuple[Pl
             break
         database = front.cost_model.database
         with tempfile.TemporaryDirectory(prefix="autopart-profile-pipeline-") as folder:
-            out = emit_directory(plan, front.op_graph, front.spec, Path(folder) / "out")
+            out = emit_directory(plan, front.op_graph, front.spec, Path(folder) / "out", chain=front.chain)
             profiled = profile_pipeline(out, plan, front.cost_model.runtime_overheads,
                                         cores=front.cost_model.device.cores)
         database.put_pipeline(front.cost_model.device.name, profiled.key, profiled.measured)

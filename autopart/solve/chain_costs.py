@@ -1,7 +1,7 @@
 """What the pipeline cutters know of a chain of blocks: per block, one microbatch's times, the
 bytes it keeps and sends, and the parameters it reads (``ChainCosts``), with running sums over
 them so that any stage's figures (``stage_figures``) cost a few subtractions: the search asks
-for millions. Built from the annotated chain by ``autopart.solve.planner`` (and from a table of
+for millions. Built from the annotated chain by ``autopart.solve.front_table`` (and from a table of
 stages by ``autopart.solve.fitting``); it knows nothing of devices."""
 
 from __future__ import annotations

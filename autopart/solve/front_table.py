@@ -152,8 +152,6 @@ def chain_costs(front: Front, tp: int) -> ChainCosts:
     )
 
 
-
-
 def sequence_parallel(options: CompileOptions) -> bool:
     """Whether the search's plans use sequence parallelism (where TP > 1): as pinned, else on.
     It is not searched both ways (that would repeat every TP layout): it moves the bytes TP alone
