@@ -38,6 +38,7 @@ from autopart.schedule import SCHEDULE_KINDS
 from autopart.solve.assemble import pipeline_problem, plan_from_cuts, with_solver
 from autopart.solve.baselines import block_layers
 from autopart.solve.front_table import FrontTable, Progress, sequence_parallel
+from autopart.solve.layout_bounds import may_fit
 from autopart.solve.pipeline import evaluate, solve_cuts
 from autopart.solve.repeat import RepeatedTable, repeat_last
 from autopart.solve.search import Cluster, Layout, Scored, SearchResult, SearchSpace, fits, score_layout, search
@@ -323,7 +324,8 @@ def _smallest_memory(layout: Layout, table: FrontTable, cluster: Cluster, space:
     lo, hi = cluster.overhead_bytes, 1 << 50
     while hi - lo > max(1 << 20, hi >> 10):  # to 0.1%
         mid = (lo + hi) // 2
-        if score_layout(layout, table, replace(cluster, memory_bytes=mid), space, fit_only=True) is not None:
+        limited = replace(cluster, memory_bytes=mid)
+        if may_fit(table, layout, limited) and score_layout(layout, table, limited, space, fit_only=True) is not None:
             hi = mid
         else:
             lo = mid

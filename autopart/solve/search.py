@@ -39,7 +39,8 @@ from autopart.predict.in_flight import in_flight, rank_in_flight, transient as t
 from autopart.ir.recompute import RECOMPUTE_MODES
 from autopart.solve.bottleneck import StageCut, cut_stages, fixed_cut
 from autopart.solve.chain_costs import ChainCosts
-from autopart.solve.layout_bounds import early_bound, layout_bound, lazy_order, mesh_overhead_bytes, with_layout_state
+from autopart.solve.layout_bounds import (early_bound, layout_bound, lazy_order, may_fit, mesh_overhead_bytes,
+                                         with_layout_state)
 from autopart.solve.refine import CutJudge, refine_cuts
 
 __all__ = [
@@ -344,10 +345,12 @@ def _memoised(cluster: Cluster) -> Cluster:
 def fits(space: SearchSpace, table: CostTable, cluster: Cluster) -> bool:
     """Whether any layout of ``space`` fits in the cluster's memory (its speed aside): the
     cutter's quick answer first, then, where it finds no cuts, the refinement the search itself
-    runs (which finds cuts the greedy cutter misses when interleaved stages share a rank)."""
+    runs (which finds cuts the greedy cutter misses when interleaved stages share a rank). A
+    layout that ``may_fit`` refuses has no cuts that fit, and is not cut."""
     blocks = len(table.chain_costs(micro_batch_size=space.smallest_micro_batch_size(), tp=1, dtype=space.dtype[0]))
-    return any(score_layout(layout, table, cluster, space, fit_only=True) is not None
-               or score_layout(layout, table, cluster, space) is not None
+    return any(may_fit(table, layout, cluster)
+               and (score_layout(layout, table, cluster, space, fit_only=True) is not None
+                    or score_layout(layout, table, cluster, space) is not None)
                for layout in space.layouts(blocks))
 
 
