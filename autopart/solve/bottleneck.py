@@ -224,7 +224,7 @@ class _Greedy:
         for s, (last, mode) in enumerate(chosen):
             transfer_in = self.transfer_s[first - 1] if s > 0 else 0.0
             transfer_out = self.transfer_s[last] if s < self.stages - 1 else 0.0
-            compute_s = self.sums.parts(first, last, mode, self._transient(s))[0]
+            compute_s = self.sums.seconds(first, last, mode)
             slowest, first = max(slowest, compute_s + transfer_in + transfer_out), last + 1
         return slowest
 
@@ -234,7 +234,7 @@ class _Greedy:
     def _take(self, s: int, first: int, last: int, mode: str) -> None:
         """Stage ``s`` is cut: its rank's room shrinks by what it holds."""
         if self.room is not None:
-            self.room.take(s, *self.sums.parts(first, last, mode, self._transient(s))[2:])
+            self.room.take(s, self.sums.parameters(first, last), *self.sums.held(first, last, mode, self._transient(s)))
 
     def last_block(self, s: int, first: int, bound: float) -> tuple[int, str] | None:
         """The last block stage ``s`` (not the last stage) can end on from ``first``, and its mode."""

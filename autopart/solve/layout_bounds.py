@@ -262,9 +262,9 @@ def may_fit(table, layout, cluster) -> bool:
 
 
 @functools.lru_cache(maxsize=1024)
-def _stages_by_rank(schedule: str, pp: int, chunks: int) -> list[list[int]]:
-    """Per rank, the stages the schedule places there (the search asks per layout: kept)."""
-    return stages_by_rank(stage_placement(schedule, ranks=pp, chunks=chunks))
+def _stages_by_rank(schedule: str, pp: int, chunks: int) -> tuple[tuple[int, ...], ...]:
+    """Per rank, the stages the schedule places there (the search asks per layout: kept, so not lists)."""
+    return tuple(map(tuple, stages_by_rank(stage_placement(schedule, ranks=pp, chunks=chunks))))
 
 
 def _least_kept(costs: ChainCosts, stages: int) -> list[int]:
