@@ -112,17 +112,41 @@ def measure_overheads(device: torch.device) -> RuntimeOverheads:
     one = x * 2
     two = (x * 2) * 2
     seed = torch.ones_like(one)
-    samples = dict(repeats=200, budget_s=0.2)
-    t_one = measure(lambda: torch.autograd.grad(one, x, seed, retain_graph=True), device=device, **samples)
-    t_two = measure(lambda: torch.autograd.grad(two, x, seed, retain_graph=True), device=device, **samples)
     module = _Identity()
 
     def plain(v: torch.Tensor) -> torch.Tensor:
         return v
 
-    t_module = measure(lambda: module(x), device=device, **samples)
-    t_plain = measure(lambda: plain(x), device=device, **samples)
-    return RuntimeOverheads(autograd_call_s=max(0.0, 2 * t_one - t_two), module_call_s=max(0.0, t_module - t_plain))
+    start = _difference(lambda: torch.autograd.grad(one, x, seed, retain_graph=True),
+                        lambda: torch.autograd.grad(two, x, seed, retain_graph=True), scale=2, device=device)
+    call = _difference(lambda: module(x), lambda: plain(x), device=device)
+    return RuntimeOverheads(autograd_call_s=start, module_call_s=call)
+
+
+def _difference(first: Callable[[], Any], second: Callable[[], Any], *, device: torch.device, scale: int = 1,
+                repeats: int = 200, budget_s: float = 0.2) -> float:
+    """``scale``·t(first) − t(second), at least 0. On the CPU each sample times the two calls
+    back to back and the median is taken over the samples' differences: a machine whose speed
+    moves with other work moves both halves of a sample alike, where two medians taken one after
+    the other can differ by more than the few microseconds sought."""
+    if device.type == "cuda":  # device time, which the host's load does not stretch
+        samples = dict(repeats=repeats, budget_s=budget_s)
+        return max(0.0, scale * measure(first, device=device, **samples) - measure(second, device=device, **samples))
+    for _ in range(WARMUP):
+        first()
+        second()
+    differences: list[float] = []
+    deadline = time.perf_counter() + budget_s
+    while len(differences) < repeats and (len(differences) < 5 or time.perf_counter() < deadline):
+        flipped = len(differences) % 2  # each call first in half the samples: neither gains from the other's warmth
+        start = time.perf_counter()
+        (second if flipped else first)()
+        middle = time.perf_counter()
+        (first if flipped else second)()
+        end = time.perf_counter()
+        t_first, t_second = (end - middle, middle - start) if flipped else (middle - start, end - middle)
+        differences.append(scale * t_first - t_second)
+    return max(0.0, statistics.median(differences))
 
 
 def fixed_and_per_item(make_call: Callable[[int], Callable[[], Any]], *, device: torch.device,

@@ -226,3 +226,20 @@ def test_a_fresh_shape_timed_at_zero_still_takes_the_measured_shortfall(monkeypa
     profile.time_optimizer(database, "cpu", torch.device("cpu"), "adamw", [*weights, torch.zeros(8)],
                            in_step=lambda make: 0.02)
     assert model.optimizer_time("adamw", [*shapes, ((8,), "float32")]) == pytest.approx(0.02)
+
+
+def test_an_overhead_found_by_difference_holds_while_the_machine_slows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two calls of 5 and 7 units (``2·5 − 7 = 3``) on a clock that runs four times slower after
+    a while: the medians of two runs timed one after the other would give 2·5 − 28 < 0."""
+    from cost_models import profiler
+
+    clock = {"now": 0.0, "calls": 0}
+
+    def advance(units: float) -> None:
+        clock["calls"] += 1
+        clock["now"] += units * (4 if clock["calls"] > 300 else 1) * 1e-6
+
+    monkeypatch.setattr(profiler.time, "perf_counter", lambda: clock["now"])
+    found = profiler._difference(lambda: advance(5), lambda: advance(7), scale=2, device=torch.device("cpu"),
+                                 repeats=200, budget_s=1.0)
+    assert found == pytest.approx(3e-6)
