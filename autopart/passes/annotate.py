@@ -47,7 +47,7 @@ from autopart.passes.capture import Graph, graph_args
 from autopart.ir.recompute import dropout_mask_bytes, keeps_output
 from cost_models import CostModel, Kernel, KernelRecorder
 
-__all__ = ["mixed_dtype_error", "NodeCost", "OpGraph", "annotate", "cost_key", "target_precision", "op_key"]
+__all__ = ["mixed_dtype_error", "module_path", "NodeCost", "OpGraph", "annotate", "cost_key", "target_precision", "op_key"]
 
 def target_precision(dtype: str, device_kind: str) -> contextlib.AbstractContextManager:
     """The autocast a device of ``device_kind`` runs the forward in, applied on this machine's
@@ -117,7 +117,8 @@ class OpGraph:
         return list(self.graph.module.graph.nodes)
 
 
-def _module_path(node: fx.Node) -> str:
+def module_path(node: fx.Node) -> str:
+    """The module the node was traced in (``h.3.attn``); "" for the model's own forward."""
     stack = node.meta.get("nn_module_stack")
     if not stack:
         return ""
@@ -404,7 +405,7 @@ def _annotate_nodes(
     parameter_names = set(state.parameters)
     for node in graph.module.graph.nodes:
         derived[node.name] = _batch_derived(node, derived, parameter_names)
-        common = dict(name=node.name, op=node.op, module_path=_module_path(node), batch_derived=derived[node.name])
+        common = dict(name=node.name, op=node.op, module_path=module_path(node), batch_derived=derived[node.name])
         if node.op == "placeholder":
             value = next(feed)
             values[node.name] = value

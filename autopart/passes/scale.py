@@ -62,6 +62,10 @@ class SizeLines:
         self._real: dict[Hashable, dict[int, Front]] = {}
         self._lines: dict[Hashable, tuple[int, int, int] | None] = {}  # base sizes and the largest checked; None: failed
 
+    def real(self, size: int, form: Hashable) -> Front | None:
+        """The front annotated for real at ``size``, where one was."""
+        return self._real.get(form, {}).get(size)
+
     def front(self, size: int, form: Hashable, annotate: Callable[[int], Front]) -> Front:
         """The front at ``size``: real where it was annotated, read off the form's line where that
         is trusted, else ``annotate(size)``."""

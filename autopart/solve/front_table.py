@@ -13,7 +13,9 @@ from autopart.codegen.layers import layer_instances
 from autopart.ir.model_file import ModelSpec, is_meta, load_model_file
 from autopart.options import CompileOptions
 from autopart.passes.capture import Graph
-from autopart.passes.front import Front, annotated, block_seconds, parameter_placements, sharded
+from autopart.passes.blocks import build_blocks
+from autopart.passes.front import Front, annotated, block_seconds, capture_for, parameter_placements, sharded
+from autopart.passes.repeat_annotation import laid_out
 from autopart.passes.scale import SizeLines
 from autopart.predict.memory import state_bytes
 from autopart.runtime.materialise import check_initialisers
@@ -46,6 +48,13 @@ class FrontTable:
         self._measured: dict[str, tuple] = {}  # ops' kernels and times by cost key, for every capture
         self._graphs: dict[bool, Graph] = {}  # the capture, by whether biases are ops of their own
         self._lines = SizeLines(largest_size)  # annotations at most sizes read off a line through two
+        self._exact: dict[tuple[int, bool, str], Front] = {}  # real annotations the lines did not make
+        self._copy: tuple[FrontTable, str] | None = None  # a shallow copy's table and its layers' path
+
+    def lay_out_from(self, shallow: FrontTable, layers_path: str) -> None:
+        """Read each annotation off ``shallow``'s (this model with fewer of the layers at
+        ``layers_path``) where the captures are alike (``autopart.passes.repeat_annotation``)."""
+        self._copy = (shallow, layers_path)
 
     def model_spec(self) -> ModelSpec:
         """The model file, loaded (and its initialisers checked) once."""
@@ -65,24 +74,60 @@ class FrontTable:
 
     def annotated_front(self, *, micro_batch_size: int, tp: int, dtype: str) -> Front:
         """The capture annotated at this size, not yet sharded: one per size, dtype and bias form."""
-        separate = tp > 1
-        base_key = (micro_batch_size, separate, dtype)
+        base_key = (micro_batch_size, tp > 1, dtype)
         if base_key not in self.annotated:
             def real(size: int) -> Front:
-                if self.progress is not None:
-                    self.progress(f"capturing at micro-batch size {size}", len(self.annotated), 0)
-                front = annotated(self._options(tp=tp, dtype=dtype), size, separate_biases=separate,
-                                  spec=self.model_spec(), roofline=self._roofline, measured=self._measured,
-                                  graph=self._graphs.get(separate))
-                self._graphs[separate] = front.op_graph.graph  # captured once, annotated at each size
-                self._roofline = getattr(front.cost_model, "roofline", front.cost_model)
-                return front
+                return self._annotate(size, tp=tp, dtype=dtype)
 
             # a roofline costs a kernel from its FLOPs and bytes, which a line through two sizes
             # gives (``autopart.passes.scale``); measured ops are keyed by their shapes
             self.annotated[base_key] = (real(micro_batch_size) if self.options.costs is not None
                                         else self._lines.front(micro_batch_size, base_key[1:], real))
         return self.annotated[base_key]
+
+    def exact_front(self, *, micro_batch_size: int, tp: int, dtype: str) -> Front:
+        """``annotated_front`` as annotated at this very size, never read off a line."""
+        form = (tp > 1, dtype)
+        found = self._lines.real(micro_batch_size, form) if self.options.costs is None else \
+            self.annotated.get((micro_batch_size, *form))
+        if found is None:
+            key = (micro_batch_size, *form)
+            if key not in self._exact:
+                self._exact[key] = self._annotate(micro_batch_size, tp=tp, dtype=dtype)
+            found = self._exact[key]
+        return found
+
+    def _annotate(self, size: int, *, tp: int, dtype: str) -> Front:
+        """A real annotation at ``size``: read off the shallow copy's where that is alike, else made."""
+        separate = tp > 1
+        if self.progress is not None:
+            self.progress(f"capturing at micro-batch size {size}", len(self.annotated), 0)
+        options = self._options(tp=tp, dtype=dtype)
+        if self._copy is not None and self.options.costs is None:
+            front = self._laid_out(options, size)
+            if front is not None:
+                return front
+        front = annotated(options, size, separate_biases=separate, spec=self.model_spec(), roofline=self._roofline,
+                          measured=self._measured, graph=self._graphs.get(separate))
+        self._graphs[separate] = front.op_graph.graph  # captured once, annotated at each size
+        self._roofline = getattr(front.cost_model, "roofline", front.cost_model)
+        return front
+
+    def _laid_out(self, options: CompileOptions, size: int) -> Front | None:
+        shallow, layers_path = self._copy
+        copy = shallow.exact_front(micro_batch_size=size, tp=options.tp, dtype=options.dtype)
+        if copy.op_graph.graph.method != "fx":  # an exported graph holds its batch size and names its weights apart
+            return None
+        separate = options.tp > 1
+        if separate not in self._graphs:
+            self._graphs[separate] = capture_for(self.model_spec(), options.tp, batch_size=size,
+                                                 method=options.capture, leaves=options.leaf)
+        op_graph = laid_out(self._graphs[separate], copy.op_graph, layers_path)
+        if op_graph is None:
+            return None
+        self._roofline = getattr(copy.cost_model, "roofline", copy.cost_model)
+        return Front(spec=self.model_spec(), op_graph=op_graph, chain=build_blocks(op_graph),
+                     cost_model=copy.cost_model)
 
     def optimistic_costs(self, *, micro_batch_size: int, tp: int, dtype: str) -> ChainCosts:
         """Costs that no sharding on ``tp`` ranks beats, block by block and parameter by parameter

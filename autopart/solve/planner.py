@@ -119,6 +119,7 @@ def shallow_table(full: FrontTable) -> RepeatedTable | None:
         return None
     shallow = FrontTable(full.options, full.progress, spec=replace(spec, module=shallow_module(spec.module, layers)),
                          largest_size=full.largest_size)
+    full.lay_out_from(shallow, layers.path)
 
     def layers_of(micro_batch_size: int, tp: int, dtype: str) -> list[str | None]:
         return block_layers(shallow.annotated_front(micro_batch_size=micro_batch_size, tp=tp, dtype=dtype).chain)
