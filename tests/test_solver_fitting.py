@@ -92,3 +92,21 @@ def test_a_time_limited_solve_ends_no_worse_than_the_searchs_cutter():
     solution = solve_cuts(problem, time_limit_s=0.01)
     assert solution.evaluation.objective_s <= cutter.objective_s
     assert solve_cuts(problem, time_limit_s=20).evaluation.objective_s <= solution.evaluation.objective_s
+
+
+def test_the_search_s_cutter_pays_for_a_layer_it_splits():
+    """At ZeRO-3 a cut inside a layer makes its halves hold their parameters whole: the cutter
+    counts that, and so starts CP-SAT from cuts that fit rather than none (the balanced cut,
+    after block 3, splits the layer of blocks 3 to 5 and no longer fits)."""
+    from autopart.solve.fitting import cutter_cuts
+
+    problem = PipelineProblem(
+        block_time_s=(1.0, 1.0, 1.0, 1.0, 1.0, 3.0), block_activation_bytes=(1,) * 6, boundary_transfer_s=(0.0,) * 5,
+        parameter_state_bytes={f"p{k}": 10 for k in range(6)}, block_parameters=tuple((f"p{k}",) for k in range(6)),
+        stages=2, microbatches=1, in_flight=(1, 1), memory_limit_bytes=100,
+        split_layers=((3, 6, ((100, (3,)), (100, (4,)), (100, (5,)))),),
+    )  # fmt: skip
+    assert max(evaluate(problem, (3,)).rank_memory_bytes) > 100  # the fastest cut, split
+    assert cutter_cuts(problem) == (2,)
+    assert evaluate(problem, (2,)).objective_s == min(
+        evaluate(problem, (c,)).objective_s for c in range(5) if max(evaluate(problem, (c,)).rank_memory_bytes) <= 100)

@@ -17,10 +17,9 @@ and optimizer state.
   gathers the next layer in backward (its backward prefetch) while the current one's gradients
   are being made, and in forward an accelerator runs ahead into the next layer's gather while
   the current one computes. A rank computes one stage at a time, so two layers per rank, not per
-  stage. A layer that a cut splits runs inline in its stages' roots, where it is whole; it is
-  taken as layered all the same (the cut solver's memory is a sum over parameters, and which
-  layer a cut splits is not known to it): such a stage is under-counted by its part of the split
-  layer's whole weights and gradients.
+  stage. A layer that a cut splits runs inline in its stages' roots, where it is whole: the cut
+  solver and the search's cutter charge those stages the difference
+  (``PipelineProblem.split_layers``, ``autopart.solve.chain_costs``).
 
 Precision (``Plan.dtype``). ``P`` is always the fp32 parameters' bytes: fp32 and
 ``bf16-autocast`` hold fp32 weights and fp32 gradients, and autocast's per-forward copies are

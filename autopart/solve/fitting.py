@@ -22,6 +22,7 @@ not fit in this layout, whatever the time limit.
 from __future__ import annotations
 
 import importlib
+import itertools
 import math
 
 from autopart.solve.bottleneck import cut_stages
@@ -89,12 +90,20 @@ def cutter_cuts(problem: PipelineProblem) -> tuple[int, ...] | None:
     each stage cut greedily from the first) for this problem, where they fit; None where they do not."""
     blocks = len(problem.block_time_s)
     zeros = (0,) * blocks
+    # A layer a cut splits costs its stages what its parameters' root units hold more (ZeRO-3):
+    # per block, that of the parameters first read there, as `autopart.solve.chain_costs` sums it.
+    split = [0] * blocks
+    for _, _, extra in problem.split_layers:
+        for nbytes, readers in extra:
+            split[readers[0]] += nbytes
     # the problem's activations are already those of its stages' recompute: the cutter keeps mode "none"
     costs = ChainCosts(
         forward_s=problem.block_time_s, backward_s=(0.0,) * blocks, weight_s=(0.0,) * blocks,
         saved_bytes=problem.block_activation_bytes, selective_saved_bytes=zeros, selective_recompute_s=(0.0,) * blocks,
         boundary_bytes=zeros[1:], input_bytes=0, parameter_bytes=dict(problem.parameter_state_bytes),
         parameter_state_bytes=dict(problem.parameter_state_bytes), block_parameters=problem.block_parameters,
+        layer_spans=tuple((first, end) for first, end, _ in problem.split_layers),
+        _prefix={"split_layer_bytes": [0, *itertools.accumulate(split)]} if any(split) else {},
     )  # fmt: skip
     cut = cut_stages(costs, stages=problem.stages, in_flight=problem.in_flight,
                      stage_rank=tuple(problem.rank_of(s) for s in range(problem.stages)),
