@@ -17,8 +17,9 @@ def shard_weight(tensor: torch.Tensor, placement: Placement, tp: int, rank: int)
     """The slice of a parameter or buffer that TP rank ``rank`` holds (each group's r-th block)."""
     if placement.kind != "S":
         return tensor
-    groups = tensor.chunk(placement.groups, placement.dim)
-    return torch.cat([g.chunk(tp, placement.dim)[rank] for g in groups], placement.dim).contiguous()
+    pieces = [g.chunk(tp, placement.dim)[rank] for g in tensor.chunk(placement.groups, placement.dim)]
+    # one group: a slice, no copy (a meta model's thousand-layer emit computes every shard's shape)
+    return (pieces[0] if len(pieces) == 1 else torch.cat(pieces, placement.dim)).contiguous()
 
 
 def unshard_weight(pieces: list[torch.Tensor], placement: Placement) -> torch.Tensor:
