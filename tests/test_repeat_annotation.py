@@ -66,9 +66,9 @@ def loss_fn(logits, targets):
 '''
 
 
-def _both(path, *, tp: int, dtype: str, size: int = 2):
+def _both(path, *, tp: int, dtype: str, size: int = 2, leaf: tuple[str, ...] = ()):
     """The full model's real annotation, and the one laid out from its two-layer copy's."""
-    options = CompileOptions(model=path, device="h100-sxm", tp=tp, dtype=dtype)
+    options = CompileOptions(model=path, device="h100-sxm", tp=tp, dtype=dtype, leaf=leaf)
     spec = load_model_file(path)
     layers = repeated_layers(spec.module)
     assert layers is not None and layers.count == 9
@@ -82,9 +82,12 @@ def _both(path, *, tp: int, dtype: str, size: int = 2):
 @pytest.mark.parametrize("family", ["gpt", "llama", "plain_gpt"])
 def test_the_laid_out_annotation_is_the_real_one_node_by_node(tmp_path, family) -> None:
     path = model_file(tmp_path, family, layers=9, width=32, heads=4, kv_heads=2)  # llama: grouped-query
-    for tp, dtype in ((1, "fp32"), (2, "bf16")):
-        real, laid = _both(path, tp=tp, dtype=dtype)
-        assert laid is not None, (family, tp, dtype)
+    forms = [(1, "fp32", ()), (2, "bf16", ())]
+    if family == "gpt":
+        forms.append((1, "fp32", ("MLP",)))  # a module kept whole (--leaf): its weights named by their layer too
+    for tp, dtype, leaf in forms:
+        real, laid = _both(path, tp=tp, dtype=dtype, leaf=leaf)
+        assert laid is not None, (family, tp, dtype, leaf)
         assert list(laid.nodes) == list(real.nodes)
         assert [n for n in real.nodes if laid.nodes[n] != real.nodes[n]] == []
         assert laid.kernels == real.kernels and laid.leaf_tensors == real.leaf_tensors
