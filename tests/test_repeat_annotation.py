@@ -12,7 +12,7 @@ from autopart.ir.model_file import load_model_file
 from autopart.options import CompileOptions
 from autopart.passes import front as front_passes
 from autopart.passes.front import annotated, capture_for
-from autopart.passes.repeat_annotation import laid_out
+from autopart.passes.repeat_annotation import LAID_OUT_FROM, laid_out
 from autopart.passes.shallow import repeated_layers, shallow_module
 from autopart.solve import planner
 from tests.test_tp_families import model_file
@@ -67,14 +67,14 @@ def loss_fn(logits, targets):
 
 
 def _both(path, *, tp: int, dtype: str, size: int = 2, leaf: tuple[str, ...] = ()):
-    """The full model's real annotation, and the one laid out from its two-layer copy's."""
+    """The full model's real annotation, and the one laid out from its shallow copy's."""
     options = CompileOptions(model=path, device="h100-sxm", tp=tp, dtype=dtype, leaf=leaf)
     spec = load_model_file(path)
     layers = repeated_layers(spec.module)
     assert layers is not None and layers.count == 9
     real = annotated(options, size, separate_biases=tp > 1, spec=spec).op_graph
     copy = annotated(options, size, separate_biases=tp > 1,
-                     spec=replace(spec, module=shallow_module(spec.module, layers))).op_graph
+                     spec=replace(spec, module=shallow_module(spec.module, layers, LAID_OUT_FROM))).op_graph
     graph = capture_for(spec, tp, batch_size=size, method=options.capture, leaves=options.leaf)
     return real, laid_out(graph, copy, layers.path)
 
@@ -97,8 +97,13 @@ def test_the_laid_out_annotation_is_the_real_one_node_by_node(tmp_path, family) 
 
 @pytest.mark.parametrize("body, feed, alike", [
     ("y = y * 2 if self.index == 5 else y", "outputs[0]", False),  # one layer's graph differs from the others'
-    ("y = y + first", "outputs[max(len(outputs) - 2, 0)]", False),  # two layers back: the copy cannot hold that
+    ("y = y + first", "outputs[max(len(outputs) - 3, 0)]", False),  # three layers back: the copy cannot hold that
+    ("y = y + first", "outputs[max(len(outputs) - 2, 0)]", True),  # two back: the copy's last reads its first
+    # the first layer saves its output, the others not: the second layer is charged nothing for its
+    # input, every later one is (the copy's last two layers disagree)
+    ("y = torch.tanh(y) if self.index == 0 else y * 2.0", "outputs[0]", False),
     ("y = y + first", "outputs[0]", True),  # every layer reads the embedding's output
+    ("y = y * first", "outputs[0]", True),  # and saves it: charged to the first layer alone
     ("y = y + 0 * x", "outputs[0]", True),
 ])  # fmt: skip
 def test_layers_whose_graphs_differ_are_annotated_for_real(tmp_path, body, feed, alike) -> None:

@@ -1,20 +1,23 @@
-"""A deep model's annotation read off its shallow copy's, node by node.
+"""A deep model's annotation read off a shallow copy's, node by node.
 
 Annotating a capture runs the whole graph once on fake tensors to find what each node saves for
 backward (``autopart.passes.annotate``): minutes of Python for a model of a thousand layers, all
-but two of which repeat what the shallow copy (``autopart.passes.shallow``) already ran. The
-full model's graph is the copy's with its last layer repeated: ``laid_out`` pairs each node of
-the full capture with the node of the copy in the same place (the embedding's nodes with the
-copy's, layer 0's with its layer 0, every later layer's with its last layer, the head's with
-its head) and gives each the copy's figures.
+but a few of which repeat one another. ``laid_out`` takes the annotation of a copy of the model
+with its first ``LAID_OUT_FROM`` layers (``autopart.passes.shallow``) and pairs each node of the
+full capture with the copy's node in the same place (the embedding's with the copy's, layer i's
+with the copy's layer i, every later layer's with the copy's last, the head's with its head),
+giving each its partner's figures.
 
-Nothing is taken on trust: each pair must be the same op on the same target (a layer's weights
+Nothing is taken on trust. Each pair must be the same op on the same target (a layer's weights
 by their place in it), read the same constants, and read nodes in the same places relative to
-its own (the layer before, the same layer, the embedding). A node that reads two layers back, a
-graph whose layers are not contiguous runs of nodes, or a count that differs, and the caller
-annotates the full graph for real. Under these checks a paired node sees the same shapes and the
-same storages as its partner, so its kernels and saved bytes are its partner's: the first layer
-is the only one fed by the embedding and the copy keeps it apart for that reason.
+its own (the layer before, the same layer, the embedding). And the copy's last layer must be
+annotated as the layer before it, node for node: a tensor is charged to the first node that
+saves it, so what a layer is charged for its inputs depends on what the layers before it saved
+(the first layer is fed by the embedding, the rotary tables are charged to the first layer that
+reads them). Two later layers alike say that the layers have settled: each further layer sees
+its inputs as they did. Anything else (a layer whose graph differs, a node that reads two layers
+back, layers that are not contiguous runs of nodes) and the caller annotates the full graph for
+real.
 """
 
 from __future__ import annotations
@@ -26,12 +29,14 @@ from typing import Any
 
 import torch
 from torch import fx
-from torch.utils import _pytree as pytree
 
 from autopart.passes.annotate import NodeCost, OpGraph, module_path
 from autopart.passes.capture import Graph
 
-__all__ = ["laid_out"]
+__all__ = ["laid_out", "LAID_OUT_FROM"]
+
+LAID_OUT_FROM = 3
+"""Layers of the copy ``laid_out`` reads: the first (fed by the embedding), then two that must agree."""
 
 _Place = tuple[str, int]  # ("pre", 0), ("layer", i) or ("post", 0)
 
@@ -58,6 +63,8 @@ def laid_out(graph: Graph, shallow: OpGraph, layers_path: str) -> OpGraph | None
     copy_at = {where: node for node, where in zip(copy_nodes, copy)}
     full_index = {node: where for node, where in zip(full_nodes, full)}
     copy_index = {node: where for node, where in zip(copy_nodes, copy)}
+    if not _settled(shallow, copy_nodes, copy_index, copy_layers):
+        return None
     nodes: dict[str, NodeCost] = {}
     kernels, leaves = {}, {}
     for node, (place, offset) in zip(full_nodes, full):
@@ -105,9 +112,8 @@ def _alike(node: fx.Node, partner: fx.Node, place: _Place, partner_place: _Place
             return False
     elif node.target != partner.target:
         return False
-    mine, my_spec = pytree.tree_flatten((node.args, node.kwargs))
-    theirs, their_spec = pytree.tree_flatten((partner.args, partner.kwargs))
-    if my_spec != their_spec:
+    mine, theirs = [], []
+    if _shape(node.args, mine) != _shape(partner.args, theirs) or _shape(node.kwargs, mine) != _shape(partner.kwargs, theirs):
         return False
     for a, b in zip(mine, theirs):
         if isinstance(a, fx.Node) or isinstance(b, fx.Node):
@@ -118,6 +124,38 @@ def _alike(node: fx.Node, partner: fx.Node, place: _Place, partner_place: _Place
         elif not _same_constant(a, b):
             return False
     return True
+
+
+def _settled(shallow: OpGraph, nodes: list[fx.Node], index: dict, layers: int) -> bool:
+    """Whether the copy's last layer is annotated as the layer before it, node for node (names and
+    module paths aside): the figures every later layer of the full model will take."""
+    if layers < LAID_OUT_FROM:
+        return False
+    last = [n for n in nodes if index[n][0] == ("layer", layers - 1)]
+    before = [n for n in nodes if index[n][0] == ("layer", layers - 2)]
+    if len(last) != len(before):
+        return False
+    for a, b in zip(before, last):
+        if replace(shallow.nodes[a.name], name="", module_path="") != replace(shallow.nodes[b.name], name="", module_path=""):
+            return False
+        if shallow.kernels.get(a.name) != shallow.kernels.get(b.name):
+            return False
+        if [*shallow.leaf_tensors.get(a.name, {}).values()] != [*shallow.leaf_tensors.get(b.name, {}).values()]:
+            return False
+    return True
+
+
+def _shape(value: Any, leaves: list) -> Any:
+    """The nesting of an argument (tuples, lists, dicts and slices, whose bounds may be nodes),
+    its leaves appended to ``leaves`` in order."""
+    if isinstance(value, (tuple, list)):
+        return type(value).__name__, tuple(_shape(v, leaves) for v in value)
+    if isinstance(value, dict):
+        return "dict", tuple((k, _shape(v, leaves)) for k, v in value.items())
+    if isinstance(value, slice):
+        return "slice", _shape(value.start, leaves), _shape(value.stop, leaves), _shape(value.step, leaves)
+    leaves.append(value)
+    return "leaf"
 
 
 def _relative(where: tuple[_Place, int], reader: _Place, layers: int) -> tuple[Any, ...]:

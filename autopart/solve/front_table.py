@@ -1,8 +1,10 @@
 """The search's costs from real captures of the model: ``FrontTable``, a ``CostTable``
-(``autopart.solve.search``) that captures and annotates the model once per micro-batch size (the
-graph's shapes depend on it; most sizes are read off a line through two: ``autopart.passes.scale``)
-and shards it per tensor-parallel degree (``autopart.solve.tensor``), each made once, when the
-search first asks. Its optimistic costs (``autopart.solve.layout_bounds``) need no sharding."""
+(``autopart.solve.search``) that captures the model once and annotates it per micro-batch size
+(the graph's shapes depend on it; most sizes are read off a line through two:
+``autopart.passes.scale``; a deep model's annotation off a shallow copy's:
+``autopart.passes.repeat_annotation``) and shards it per tensor-parallel degree
+(``autopart.solve.tensor``), each made once, when the search first asks. Its optimistic costs
+(``autopart.solve.layout_bounds``) need no sharding."""
 
 from __future__ import annotations
 
@@ -50,10 +52,12 @@ class FrontTable:
         self._lines = SizeLines(largest_size)  # annotations at most sizes read off a line through two
         self._exact: dict[tuple[int, bool, str], Front] = {}  # real annotations the lines did not make
         self._copy: tuple[FrontTable, str] | None = None  # a shallow copy's table and its layers' path
+        self._not_alike: set[tuple[bool, str]] = set()  # forms whose capture the copy's did not lay out
 
     def lay_out_from(self, shallow: FrontTable, layers_path: str) -> None:
-        """Read each annotation off ``shallow``'s (this model with fewer of the layers at
-        ``layers_path``) where the captures are alike (``autopart.passes.repeat_annotation``)."""
+        """Read each annotation off ``shallow``'s (this model with the first ``LAID_OUT_FROM`` of
+        the layers at ``layers_path``) where the captures are alike
+        (``autopart.passes.repeat_annotation``)."""
         self._copy = (shallow, layers_path)
 
     def model_spec(self) -> ModelSpec:
@@ -77,7 +81,8 @@ class FrontTable:
         base_key = (micro_batch_size, tp > 1, dtype)
         if base_key not in self.annotated:
             def real(size: int) -> Front:
-                return self._annotate(size, tp=tp, dtype=dtype)
+                made = self._exact.get((size, tp > 1, dtype))
+                return made if made is not None else self._annotate(size, tp=tp, dtype=dtype)
 
             # a roofline costs a kernel from its FLOPs and bytes, which a line through two sizes
             # gives (``autopart.passes.scale``); measured ops are keyed by their shapes
@@ -87,11 +92,9 @@ class FrontTable:
 
     def exact_front(self, *, micro_batch_size: int, tp: int, dtype: str) -> Front:
         """``annotated_front`` as annotated at this very size, never read off a line."""
-        form = (tp > 1, dtype)
-        found = self._lines.real(micro_batch_size, form) if self.options.costs is None else \
-            self.annotated.get((micro_batch_size, *form))
+        key = (micro_batch_size, tp > 1, dtype)
+        found = self._lines.real(micro_batch_size, key[1:])
         if found is None:
-            key = (micro_batch_size, *form)
             if key not in self._exact:
                 self._exact[key] = self._annotate(micro_batch_size, tp=tp, dtype=dtype)
             found = self._exact[key]
@@ -114,16 +117,20 @@ class FrontTable:
         return front
 
     def _laid_out(self, options: CompileOptions, size: int) -> Front | None:
+        separate = options.tp > 1
+        if (separate, options.dtype) in self._not_alike:
+            return None
         shallow, layers_path = self._copy
         copy = shallow.exact_front(micro_batch_size=size, tp=options.tp, dtype=options.dtype)
         if copy.op_graph.graph.method != "fx":  # an exported graph holds its batch size and names its weights apart
+            self._not_alike.add((separate, options.dtype))
             return None
-        separate = options.tp > 1
         if separate not in self._graphs:
             self._graphs[separate] = capture_for(self.model_spec(), options.tp, batch_size=size,
                                                  method=options.capture, leaves=options.leaf)
         op_graph = laid_out(self._graphs[separate], copy.op_graph, layers_path)
-        if op_graph is None:
+        if op_graph is None:  # the same at every size: the graphs hold no batch size
+            self._not_alike.add((separate, options.dtype))
             return None
         self._roofline = getattr(copy.cost_model, "roofline", copy.cost_model)
         return Front(spec=self.model_spec(), op_graph=op_graph, chain=build_blocks(op_graph),

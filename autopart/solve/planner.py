@@ -33,6 +33,7 @@ from autopart.ir.recompute import RECOMPUTE_MODES
 from autopart.ir.tensors import SEARCHED_DTYPES
 from autopart.options import CompileOptions
 from autopart.passes.front import Front
+from autopart.passes.repeat_annotation import LAID_OUT_FROM
 from autopart.passes.shallow import KEPT_LAYERS, repeated_layers, shallow_module
 from autopart.schedule import SCHEDULE_KINDS
 from autopart.solve.assemble import pipeline_problem, plan_from_cuts, with_solver
@@ -119,7 +120,8 @@ def shallow_table(full: FrontTable) -> RepeatedTable | None:
         return None
     shallow = FrontTable(full.options, full.progress, spec=replace(spec, module=shallow_module(spec.module, layers)),
                          largest_size=full.largest_size)
-    full.lay_out_from(shallow, layers.path)
+    laid_out_from = replace(spec, module=shallow_module(spec.module, layers, LAID_OUT_FROM))
+    full.lay_out_from(FrontTable(full.options, full.progress, spec=laid_out_from), layers.path)
 
     def layers_of(micro_batch_size: int, tp: int, dtype: str) -> list[str | None]:
         return block_layers(shallow.annotated_front(micro_batch_size=micro_batch_size, tp=tp, dtype=dtype).chain)
