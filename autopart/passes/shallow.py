@@ -8,7 +8,8 @@ the longest ``nn.ModuleList`` of layers alike (the same modules, the same parame
 weight with the original (nothing is copied or allocated). Its chain, laid out to full depth by
 ``autopart.solve.repeat``, costs what the full model's chain costs, block for block; the
 planner still captures the full model once, for the plan it emits, and checks there that the
-chains agree.
+chains agree. That capture's annotation is read off a copy of three layers where the graphs
+are alike (``autopart.passes.repeat_annotation``).
 """
 
 from __future__ import annotations
