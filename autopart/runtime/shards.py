@@ -14,11 +14,12 @@ __all__ = ["shard_weight", "unshard_weight", "load_stage_weights", "weights_file
 
 
 def shard_weight(tensor: torch.Tensor, placement: Placement, tp: int, rank: int) -> torch.Tensor:
-    """The slice of a parameter or buffer that TP rank ``rank`` holds (each group's r-th block)."""
+    """The slice of a parameter or buffer that TP rank ``rank`` holds (each group's r-th block);
+    it may share storage with ``tensor`` (every caller copies it into a tensor of its own)."""
     if placement.kind != "S":
         return tensor
     pieces = [g.chunk(tp, placement.dim)[rank] for g in tensor.chunk(placement.groups, placement.dim)]
-    # one group: a slice, no copy (a meta model's thousand-layer emit computes every shard's shape)
+    # one group: the slice itself (a meta model's thousand-layer emit computes every shard's shape)
     return (pieces[0] if len(pieces) == 1 else torch.cat(pieces, placement.dim)).contiguous()
 
 
