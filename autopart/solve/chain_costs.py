@@ -32,6 +32,9 @@ class ChainCosts:
     layer_parameters: frozenset[str] = frozenset()  # a repeated layer's own: its own FSDP unit at ZeRO-3
     layer_bytes: int = 0  # the largest repeated layer's ``parameter_bytes`` (``autopart.predict.memory``)
     layer_spans: tuple[tuple[int, int], ...] = ()  # each repeated layer's blocks (first, end), in chain order
+    # per block, what the parameters first read there cost more where a cut splits their layer
+    # (ZeRO-3: they run in the stages' root units, not the layer's own); () where nothing does
+    split_layer_bytes: tuple[int, ...] = ()
     _prefix: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __len__(self) -> int:
@@ -125,10 +128,9 @@ class ChainCosts:
         carried["owned_parameter_bytes"] = [0, *itertools.accumulate(owned)]
         split = [sum((state[size, False] - state[size, True]) * count for (size, layered), count in sizes if layered)
                  for sizes in self._owned_sizes()]
-        if any(split):  # a layer's own FSDP unit (ZeRO-3) holds less than its stage's root unit
-            carried["split_layer_bytes"] = [0, *itertools.accumulate(split)]
         layered = self.layer_parameters
         return replace(self, parameter_state_bytes={p: state[b, p in layered] for p, b in self.parameter_bytes.items()},
+                       split_layer_bytes=tuple(split) if any(split) else (),  # a layer unit holds less than a root
                        _prefix=carried)
 
     @property
@@ -188,7 +190,7 @@ class _Sums:
         # root units (`autopart.codegen.layers`): its parameters cost what a root's do, not a
         # layer unit's shards. Per block, the layer it is in (first, end); ``split``: running sums
         # of what that costs more, where it does (ZeRO-3's ``with_state``).
-        self.split = costs._prefix.get("split_layer_bytes")
+        self.split = costs.prefix("split_layer_bytes") if costs.split_layer_bytes else None
         span = [(k, k + 1) for k in range(len(costs))]
         for first, end in costs.layer_spans:
             span[first:end] = [(first, end)] * (end - first)

@@ -81,8 +81,7 @@ class FrontTable:
         base_key = (micro_batch_size, tp > 1, dtype)
         if base_key not in self.annotated:
             def real(size: int) -> Front:
-                made = self._exact.get((size, tp > 1, dtype))
-                return made if made is not None else self._annotate(size, tp=tp, dtype=dtype)
+                return self._annotate(size, tp=tp, dtype=dtype)
 
             # a roofline costs a kernel from its FLOPs and bytes, which a line through two sizes
             # gives (``autopart.passes.scale``); measured ops are keyed by their shapes
