@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from autopart.predict.timeline import simulate_pipeline
@@ -67,3 +68,25 @@ def test_interleaved_peaks_read_off_the_rank_moments_equal_the_step_count(ranks:
         microbatches = rounds * ranks
         assert peak_in_flight("interleaved", ranks=ranks, microbatches=microbatches, chunks=chunks) \
             == peaks._interleaved_counted(ranks, microbatches, chunks)
+
+
+def _every_moment_candidates(p: int, m: int, v: int) -> tuple:
+    """``_peak_candidates`` of interleaved 1F1B over every moment of every rank: the start, then
+    after each of its ``m·v`` steady forwards."""
+    total = m * v
+    steps = np.arange(total)
+    warmup = np.minimum((v - 1) * p + 2 * (p - 1 - np.arange(p)), total)[:, None]
+    forwards = np.minimum(warmup + steps + 1, total)
+    after = np.stack([peaks._units(forwards, c, p, v) - peaks._units(steps, v - 1 - c, p, v) for c in range(v)], axis=2)
+    start = np.stack([peaks._units(warmup, c, p, v) for c in range(v)], axis=2)
+    return peaks._peak_candidates(np.concatenate([start, after], axis=1))
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3, 4, 7, 12])
+@pytest.mark.parametrize("chunks", [2, 3, 4, 6])
+def test_interleaved_moments_read_at_their_turning_steps_are_those_of_every_step(ranks: int, chunks: int) -> None:
+    """Reading a rank's counts only where a chunk's round begins or ends finds the same peak
+    candidates as reading them after every step, for every microbatch count up to 3p and past it."""
+    for microbatches in sorted({*range(1, 3 * ranks + 2), 4 * ranks}):
+        assert peaks._interleaved_candidates.__wrapped__(ranks, microbatches, chunks) \
+            == _every_moment_candidates(ranks, microbatches, chunks), microbatches

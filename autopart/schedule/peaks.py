@@ -87,19 +87,40 @@ def rank_peaks(kind: str, *, ranks: int, microbatches: int, chunks: int = 1) -> 
 
 @functools.lru_cache(maxsize=256)  # the search asks for many microbatch counts that show the same moments
 def _interleaved_candidates(p: int, m: int, v: int) -> tuple[tuple[tuple[int, ...], ...], ...]:
-    return _peak_candidates(_interleaved_held(p, m, v))
-
-
-def _interleaved_held(p: int, m: int, v: int) -> np.ndarray:
-    """Per rank, its chunks' live microbatches before its first steady forward and after each
-    forward from then on (ranks x moments x chunks)."""
+    """``_peak_candidates`` of interleaved 1F1B's moments, read at the steps where they may turn
+    only: a chunk's count moves by the same step from one moment to the next until a forward or
+    a backward crosses from one chunk's round into another's, so on each rank at most a few
+    steps per round of ``p`` can turn (``_turning_steps``), not the ``m·v`` it takes. Over
+    hundreds of ranks this is what keeps the search's interleaved layouts cheap."""
     total = m * v
-    steps = np.arange(total)
     warmup = np.minimum((v - 1) * p + 2 * (p - 1 - np.arange(p)), total)[:, None]  # per rank
+    start = _interleaved_after(warmup, None, p, v, total)  # before the rank's first steady forward
+    steps = _turning_steps(warmup, p, total)
+    here = _interleaved_after(warmup, steps, p, v, total)
+    before = np.where((steps == 0)[..., None], start, _interleaved_after(warmup, np.maximum(steps - 1, 0), p, v, total))
+    after = _interleaved_after(warmup, np.minimum(steps + 1, total - 1), p, v, total)
+    turns = ((after - here) != (here - before)).any(axis=2) | (steps == total - 1)
+    return tuple(_uncovered(np.concatenate([first, rows[keep]])) for first, rows, keep in zip(start, here, turns))
+
+
+def _turning_steps(warmup: np.ndarray, p: int, total: int) -> np.ndarray:
+    """Per rank, the steady steps ``j`` at which its counts may turn: where its forwards
+    (``warmup + j + 1`` of them) or its backwards (``j``) reach a multiple of ``p`` (a chunk's
+    round begins or ends), where its forwards run out, and the first and last step."""
+    rounds = np.arange(total // p + 2) * p
+    ranks = len(warmup)
+    steps = np.concatenate([np.broadcast_to(rounds, (ranks, len(rounds))), rounds - warmup - 1, total - warmup - 1,
+                            np.zeros((ranks, 1), dtype=int), np.full((ranks, 1), total - 1)], axis=1)
+    return np.clip(steps, 0, max(total - 1, 0))
+
+
+def _interleaved_after(warmup: np.ndarray, steps: np.ndarray | None, p: int, v: int, total: int) -> np.ndarray:
+    """Per rank and step, its chunks' live microbatches after the step's forward (its backwards
+    ``0 .. j - 1`` done); ``steps`` None: before the first steady forward (ranks x steps x chunks)."""
+    if steps is None:
+        return np.stack([_units(warmup, c, p, v) for c in range(v)], axis=2)
     forwards = np.minimum(warmup + steps + 1, total)
-    after = np.stack([_units(forwards, c, p, v) - _units(steps, v - 1 - c, p, v) for c in range(v)], axis=2)
-    start = np.stack([_units(warmup, c, p, v) for c in range(v)], axis=2)
-    return np.concatenate([start, after], axis=1)
+    return np.stack([_units(forwards, c, p, v) - _units(steps, v - 1 - c, p, v) for c in range(v)], axis=2)
 
 
 @functools.lru_cache(maxsize=256)
