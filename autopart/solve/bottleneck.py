@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+import math
 from dataclasses import dataclass, replace
 
 from autopart.ir.recompute import RECOMPUTE_MODES
@@ -145,8 +146,8 @@ def _bisected(greedy: _Greedy, costs: ChainCosts, stages: int, transfer_s: tuple
             hi = mid
             if found is not chosen:
                 chosen, slowest = found, greedy.slowest_s(found)
-        else:
-            lo = mid
+        else:  # every bound below the pass's next turn fails as it did
+            lo = max(mid, greedy.next_turn * (1 - 1e-9))
     return hi, lo, chosen
 
 
@@ -178,6 +179,10 @@ class _Greedy:
         # otherwise: a stage that the bound on its time cut short where its memory allowed more.
         # Where none did, every larger bound makes the same stages, or fails alike
         self.bound_matters = True
+        # The least bound above the last pass's under which one of its comparisons of a time with
+        # the bound would go the other way: under any bound below it that pass goes exactly as it
+        # did, so where it failed the bisection need not try them
+        self.next_turn = math.inf
 
     @functools.cached_property
     def monotone(self) -> bool:
@@ -197,7 +202,10 @@ class _Greedy:
         transfer_out = self.transfer_s[last] if s < self.stages - 1 else 0.0
         parameters = None  # the same in every mode: asked once, where the memory is asked
         for mode in self.modes[s]:
-            too_slow = self.sums.seconds(first, last, mode) + transfer_in + transfer_out > bound
+            seconds = self.sums.seconds(first, last, mode) + transfer_in + transfer_out
+            too_slow = seconds > bound
+            if too_slow:
+                self.next_turn = min(self.next_turn, seconds)
             if too_slow and self.bound_matters:
                 continue  # the memory would tell nothing more
             if parameters is None:
@@ -245,6 +253,9 @@ class _Greedy:
         inbound = self.transfer_s[first - 1] if s > 0 else 0.0
         compute = self.compute
         cap = bisect.bisect_right(compute, bound * (1 + 1e-9) + compute[first] - inbound - self.cheapest_out) - 2
+        if cap < latest:  # the cap moves once the bound lets the stage's compute reach the next block
+            reach = compute[cap + 2] - compute[first] + inbound + self.cheapest_out
+            self.next_turn = min(self.next_turn, reach / (1 + 1e-9))
         lo, hi = first, max(first, min(latest, cap))
         capped = hi if cap < latest and not self.bound_matters else None  # a stage ending there a larger bound moves
         mode = self.fits(s, first, hi, bound)
@@ -274,6 +285,7 @@ class _Greedy:
 
     def _cut(self, bound: float, watch: bool = False) -> list[tuple[int, str]] | None:
         self.bound_matters = not (watch and self.monotone)
+        self.next_turn = math.inf
         result = []
         first = 0
         if self.room is not None:
