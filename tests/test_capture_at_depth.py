@@ -66,3 +66,22 @@ def test_a_deep_meta_model_that_rejects_its_batch_still_says_so(tmp_path) -> Non
     spec = deep_model(tmp_path, index="[..., None]")  # (B, T, 1) token ids: the model takes (B, T)
     with pytest.raises(ModelFileError, match="rejects its own example batch"):
         capture(spec, batch_size=2)
+
+
+def test_a_capture_rewritten_in_place_runs_its_rewritten_graph() -> None:
+    """The captured module writes its Python code when first run, not when made or rewritten
+    (the compiler only reads the graph): a rewrite made after the capture (biases as ops of their
+    own, for tensor parallelism) is what runs, and computes the model's loss."""
+    from autopart.ir.model_file import eager_loss
+    from autopart.passes.capture import graph_args
+    from autopart.passes.rewrite import separate_biases
+
+    spec = load_model_file(REPO / "examples" / "gpt.py")
+    graph = capture(spec, batch_size=2)
+    rewritten = separate_biases(graph)
+    added = [n for n in rewritten.module.graph.nodes if n.op == "call_method" and n.target == "type_as"]
+    assert added and "type_as" in rewritten.module.code  # the code read is the rewritten graph's
+    inputs, target = spec.example(2)
+    with torch.no_grad():
+        got = rewritten.module(*graph_args(rewritten, inputs, target))
+    assert torch.allclose(got, eager_loss(spec, inputs, target), rtol=1e-5, atol=1e-6)

@@ -34,6 +34,14 @@ from autopart.ir.model_file import ModelSpec, describe_error, eager_loss, file_l
 from autopart.passes.export import export_training_graph
 from autopart.passes.shallow import repeated_layers, shallow_module
 
+# A GraphModule that writes its Python code when it is first run or read, not when it is made or
+# rewritten: the compiler reads the graph, and writing the code of a model of a thousand layers costs seconds.
+# Private to torch.fx (in it since 2.3), hence the fallback.
+try:
+    from torch.fx._lazy_graph_module import _LazyGraphModule as _GraphModule
+except ImportError:  # pragma: no cover
+    _GraphModule = fx.GraphModule
+
 __all__ = ["Graph", "capture", "graph_args", "leaf_classes", "TARGET"]
 
 log = logging.getLogger("autopart")
@@ -128,7 +136,7 @@ def _trace_fx(spec: ModelSpec, inputs: tuple[torch.Tensor, ...], leaves: frozens
         loss = graph.graph_copy(loss_graph, {loss_inputs[0]: model_output, loss_inputs[1]: target})
         graph.output(loss)
     graph.lint()
-    return fx.GraphModule(model, graph, class_name="TrainingGraph")
+    return _GraphModule(model, graph, class_name="TrainingGraph")
 
 
 def leaf_classes(module: nn.Module, names: tuple[str, ...]) -> frozenset[type]:

@@ -104,7 +104,8 @@ def cut_stages(
                         reserve_bytes=_least_parameter_bytes(costs))
         found = _bisected(_Greedy(costs=costs, stages=stages, modes=modes, budget=budget, in_flight=in_flight,
                                   transfer_s=transfer_s, transient=transient, room=room),
-                          costs, stages, transfer_s, precision, fit_only)  # fmt: skip
+                          costs, stages, transfer_s, precision, fit_only,
+                          useless_from=best[0] if best is not None else math.inf)  # fmt: skip
         if found is not None and (best is None or found[0] < best[0]):
             best = found
     if best is None:
@@ -114,9 +115,11 @@ def cut_stages(
 
 
 def _bisected(greedy: _Greedy, costs: ChainCosts, stages: int, transfer_s: tuple[float, ...], precision: float,
-              fit_only: bool) -> tuple[float, float, list] | None:
+              fit_only: bool, useless_from: float = math.inf) -> tuple[float, float, list] | None:
     """(slowest stage's bound, the bound below which nothing was found, the chosen stages) by
-    bisection on the bound; with ``fit_only``, the first stages found, under the loosest bound."""
+    bisection on the bound; with ``fit_only``, the first stages found, under the loosest bound.
+    ``useless_from``: a bound from which on stages are of no use to the caller (other cuts are
+    as fast): a walk up the bounds that fails there gives up."""
     compute = greedy.compute
     worst_case = compute[-1] + sum(costs.forward_s) + 2 * sum(transfer_s) + 1e-9
     lo, hi = max(costs.largest_block_s(), compute[-1] / stages) * (1 - 1e-9), worst_case
@@ -128,6 +131,8 @@ def _bisected(greedy: _Greedy, costs: ChainCosts, stages: int, transfer_s: tuple
         while bound < worst_case and greedy(bound, watch=True) is None:
             if not greedy.bound_matters:
                 return None  # the pass would fail alike under every larger bound
+            if bound >= useless_from:
+                return None  # what it finds from here on has a slowest stage no faster
             lo, bound = bound, bound * _GROWTH
         hi = min(bound, worst_case)
     loose = greedy(hi)
