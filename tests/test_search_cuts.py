@@ -290,3 +290,29 @@ def test_a_failed_pass_lets_the_bisection_skip_the_bounds_that_would_fail_alike(
     assert max(cut.stage_time_s) == best
     assert cut.bound_s == pytest.approx(best, rel=1e-8)
     assert len(passes) <= 12
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_ranks_room_walk_gives_up_only_where_it_could_not_beat_the_equal_share(seed: int, monkeypatch) -> None:
+    """Random chains on ranks of two interleaved chunks: giving up the walk up the ranks' room
+    bounds once they reach the equal share's slowest stage changes no answer, and saves passes."""
+    from autopart.predict.in_flight import in_flight, rank_in_flight
+    from autopart.solve import bottleneck
+
+    rng = random.Random(seed)
+    blocks, p, m = rng.randrange(6, 14), 2, rng.choice((2, 4, 6))
+    costs = random_chain(rng, blocks, tied=rng.random() < 0.5)
+    common = dict(stages=2 * p, in_flight=in_flight("interleaved", p, m, 2), stage_rank=(0, 1, 0, 1),
+                  transfer_s=tuple(rng.uniform(0, rng.choice((2, 40))) for _ in range(blocks - 1)), overhead_bytes=10,
+                  rank_in_flight=rank_in_flight("interleaved", p, m, 2))  # fmt: skip
+    limits = [rng.randrange(100, 3000) for _ in range(6)]
+    passes = []
+    greedy = bottleneck._Greedy.__call__
+    monkeypatch.setattr(bottleneck._Greedy, "__call__",
+                        lambda self, bound, **how: passes.append(bound) or greedy(self, bound, **how))
+    given_up = [cut_stages(costs, memory_limit_bytes=limit, **common) for limit in limits]
+    fewer = len(passes)
+    bisected = bottleneck._bisected
+    monkeypatch.setattr(bottleneck, "_bisected", lambda *args, useless_from=None: bisected(*args))
+    assert given_up == [cut_stages(costs, memory_limit_bytes=limit, **common) for limit in limits]
+    assert fewer <= len(passes) - fewer
