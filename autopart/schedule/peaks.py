@@ -163,13 +163,14 @@ def _peak_candidates(held: np.ndarray) -> tuple[tuple[tuple[int, ...], ...], ...
 def _uncovered(rows: np.ndarray) -> tuple[tuple[int, ...], ...]:
     """The rows that no other row equals or exceeds everywhere, fullest first: the fullest row
     left is one (a row at least as large everywhere would be fuller); it and the rows it covers
-    are taken away until none is left."""
-    rows = np.unique(rows, axis=0)
-    rows = rows[np.lexsort((*rows.T[::-1], -rows.sum(axis=1)))]  # fullest first, then by row
+    are taken away until none is left. In plain Python: a rank has a few dozen rows, where
+    numpy's per-call cost would be most of the time, and the search asks for hundreds of ranks."""
+    left = sorted(set(map(tuple, rows.tolist())), key=lambda row: (-sum(row), row))  # fullest first, then by row
     kept = []
-    while len(rows):
-        kept.append(tuple(int(x) for x in rows[0]))
-        rows = rows[~(rows <= rows[0]).all(axis=1)]
+    while left:
+        top = left[0]
+        kept.append(top)
+        left = [row for row in left if not all(count <= most for count, most in zip(row, top))]
     return tuple(kept)
 
 
