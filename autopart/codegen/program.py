@@ -224,6 +224,9 @@ def function_lines(signature: str, steps: list[Step], *, parameters: set[str], m
     for name in defined:
         members.setdefault(memory.roots.get(name, name), []).append(name)
     last_large = max((i for i, step in enumerate(steps) if step.large), default=-1)
+    ending: dict[int, list[str]] = {}  # per step, the storages whose last use it is
+    for root, end in group_end.items():
+        ending.setdefault(end, []).append(root)
     current_path = None
     for i, step in enumerate(steps):
         if step.path is not None and step.path != current_path:
@@ -236,7 +239,7 @@ def function_lines(signature: str, steps: list[Step], *, parameters: set[str], m
         bound = variable(step.defines) if step.defines else None
         dead = [
             variable(name)
-            for root, end in group_end.items() if end == i and root in defined and root not in parameters
+            for root in ending.get(i, ()) if root in defined and root not in parameters
             and memory.sizes.get(root, 0) >= memory.threshold
             for name in members[root] if defined[name] <= i and variable(name) != bound
         ]  # fmt: skip
