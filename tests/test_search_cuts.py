@@ -227,6 +227,15 @@ def _alike_blocks(blocks: int, *, saved_bytes: int) -> ChainCosts:
     )  # fmt: skip
 
 
+def _never_stop_the_walk(monkeypatch) -> None:
+    """The walk up the ranks' room bounds never stops early: their chains are taken as not
+    monotone (the equal share's, as they are, so that its bisection goes as it did)."""
+    from autopart.solve import bottleneck
+
+    monotone = bottleneck._Greedy.monotone.func
+    monkeypatch.setattr(bottleneck._Greedy, "monotone", property(lambda self: self.room is None and monotone(self)))
+
+
 def test_a_rank_whose_first_stage_fits_no_block_under_any_bound_is_refused_after_one_pass(monkeypatch) -> None:
     """Eight blocks alike (40 bytes of state, 100 saved a microbatch, no recompute allowed) on 2
     ranks of 2 interleaved chunks at 300 bytes a rank: the parameters fit the ranks together,
@@ -248,7 +257,7 @@ def test_a_rank_whose_first_stage_fits_no_block_under_any_bound_is_refused_after
     assert cut_stages(costs, **common) is None
     assert len(passes) == 2  # the equal share's loosest bound, the ranks' room's least
     passes.clear()
-    monkeypatch.setattr(bottleneck._Greedy, "monotone", False)  # the walk never stops early
+    _never_stop_the_walk(monkeypatch)
     assert cut_stages(costs, **common) is None and len(passes) > 5  # walked up to the chain's whole time
 
 
@@ -257,7 +266,6 @@ def test_stopping_the_walk_where_no_larger_bound_helps_never_changes_the_cuts(se
     """Random chains on ranks of two interleaved chunks, at memory limits from hopeless to roomy:
     the cutter gives what it gives with the walk up the bounds never stopped early."""
     from autopart.predict.in_flight import in_flight, rank_in_flight
-    from autopart.solve import bottleneck
 
     rng = random.Random(seed)
     blocks, p, m = rng.randrange(6, 14), 2, rng.choice((2, 4, 6))
@@ -267,7 +275,7 @@ def test_stopping_the_walk_where_no_larger_bound_helps_never_changes_the_cuts(se
                   rank_in_flight=rank_in_flight("interleaved", p, m, 2))  # fmt: skip
     limits = [rng.randrange(100, 3000) for _ in range(6)]
     stopped = [cut_stages(costs, memory_limit_bytes=limit, **common) for limit in limits]
-    monkeypatch.setattr(bottleneck._Greedy, "monotone", False)  # the walk never stops early
+    _never_stop_the_walk(monkeypatch)
     assert stopped == [cut_stages(costs, memory_limit_bytes=limit, **common) for limit in limits]
 
 
@@ -316,3 +324,19 @@ def test_the_ranks_room_walk_gives_up_only_where_it_could_not_beat_the_equal_sha
     monkeypatch.setattr(bottleneck, "_bisected", lambda *args, useless_from=None: bisected(*args))
     assert given_up == [cut_stages(costs, memory_limit_bytes=limit, **common) for limit in limits]
     assert fewer <= len(passes) - fewer
+
+
+@pytest.mark.parametrize("seed", range(300))
+def test_the_bound_reported_is_never_above_the_cuts_found(seed: int) -> None:
+    """Transfers that differ per boundary: a pass may fail under a bound between two that
+    succeed. The bound the cutter reports (the bisection's floor) still stays at or under the
+    slowest stage of the cuts it returns."""
+    rng = random.Random(seed)
+    blocks = rng.randrange(6, 30)
+    costs = random_chain(rng, blocks, tied=rng.random() < 0.5)
+    stages = rng.randint(2, min(6, blocks))
+    transfer = tuple(rng.uniform(0, rng.choice((0.01, 2, 40))) for _ in range(blocks - 1))
+    for limit in [rng.randrange(100, 4000) for _ in range(3)] + [10**9]:
+        cut = cut_stages(costs, stages=stages, in_flight=tuple(stages - s for s in range(stages)),
+                         stage_rank=tuple(range(stages)), transfer_s=transfer, memory_limit_bytes=limit, overhead_bytes=10)
+        assert cut is None or cut.bound_s <= max(cut.stage_time_s)

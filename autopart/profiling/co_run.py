@@ -117,6 +117,7 @@ def measure_co_run(module: fx.GraphModule, args: Sequence[Any], *, processes: in
     With one process, or where this system cannot fork, nothing is run: a factor of 1."""
     if processes <= 1 or not hasattr(os, "fork"):
         return CoRunMeasurement(processes=1, factor=1.0)
+    module.code  # a lazily written module (autopart.passes.capture) writes its code once, not in each fork
     counts = mmap.mmap(-1, 8 * (processes - 1))
     children = []
     for slot in range(processes - 1):

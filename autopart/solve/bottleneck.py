@@ -144,6 +144,9 @@ def _bisected(greedy: _Greedy, costs: ChainCosts, stages: int, transfer_s: tuple
     # very stages; where they do not (transfers that differ per boundary, a rank's room) the
     # stages kept meet the bound all the same.
     chosen, slowest = loose, greedy.slowest_s(loose)
+    # A failed pass fails alike under every bound below its next turn, so the bisection goes
+    # there (not past ``hi``: where passes are not monotone in the bound, one may fail above a
+    # bound under which another succeeded). Where they are, this is the smallest slowest stage.
     while hi - lo > precision * hi:
         mid = (lo + hi) / 2
         found = chosen if slowest <= mid else greedy(mid)
@@ -151,9 +154,11 @@ def _bisected(greedy: _Greedy, costs: ChainCosts, stages: int, transfer_s: tuple
             hi = mid
             if found is not chosen:
                 chosen, slowest = found, greedy.slowest_s(found)
-        else:  # every bound below the pass's next turn fails as it did
-            lo = max(mid, greedy.next_turn * (1 - 1e-9))
-    return hi, lo, chosen
+        else:
+            lo = max(mid, min(greedy.next_turn * (1 - 1e-9), hi))
+    # where passes are not monotone in the bound, a failed one says nothing of larger bounds, so
+    # the floor reported is never above the slowest stage of the stages found
+    return hi, min(lo, slowest), chosen
 
 
 _GROWTH = 1.25  # the bound on the slowest stage, raised by this factor per step where stages share a rank
