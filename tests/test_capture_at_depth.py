@@ -85,3 +85,50 @@ def test_a_capture_rewritten_in_place_runs_its_rewritten_graph() -> None:
     with torch.no_grad():
         got = rewritten.module(*graph_args(rewritten, inputs, target))
     assert torch.allclose(got, eager_loss(spec, inputs, target), rtol=1e-5, atol=1e-6)
+
+
+SPLIT = '''
+import torch
+from torch import nn
+
+
+class M(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 6)
+
+    def forward(self, x):
+        y = self.lin(x)
+{body}
+
+
+def build_model():
+    return M()
+
+
+def example_batch(batch_size):
+    return (torch.randn(batch_size, 4),), torch.zeros(batch_size)
+
+
+def loss_fn(out, target):
+    return ((out - target) ** 2).mean()
+'''
+
+
+@pytest.mark.parametrize(("body", "method"), [
+    ("        a, b, c = y.split(2, dim=1)\n        return a.sum(1) * b.sum(1) - c.sum(1)", "fx"),  # unpacked: traced
+    ("        return sum(part.sum(1) for part in y.split(2, dim=1))", "export"),  # iterated: fx refuses
+])
+def test_a_traced_value_unpacks_where_the_line_unpacks_it_and_is_refused_elsewhere(tmp_path, body, method) -> None:
+    """fx's tracer iterates a traced value only where the calling line unpacks it (it reads how
+    many values from the line's bytecode, here from a table made once per function); elsewhere
+    it refuses, naming the line, and the default capture falls back to torch.export."""
+    from autopart.ir.errors import CaptureError
+
+    path = tmp_path / "split.py"
+    path.write_text(SPLIT.format(body=body))
+    spec = load_model_file(path)
+    assert capture(spec).method == method
+    if method == "export":
+        with pytest.raises(CaptureError, match=r"split\.py:13"):
+            capture(spec, method="fx")

@@ -18,9 +18,14 @@ traced without running it; its graph is checked by running the model on meta ten
 
 from __future__ import annotations
 
+import bisect
 import contextlib
+import dis
+import functools
 import inspect
 import logging
+import sys
+import types
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -61,6 +66,33 @@ class Graph:
     constants: tuple[str, ...] = ()  # get_attr targets that are not the model's tensors (made in forward)
 
 
+class _Proxy(fx.Proxy):
+    """fx's Proxy, whose iteration (``q, k, v = qkv.split(...)``) finds how many values the calling
+    line unpacks in a table of its function's bytecode made once: fx's own disassembles the whole
+    calling function at every iteration, once per layer of a deep model."""
+
+    def __iter__(self):
+        caller = sys._getframe(1)
+        count = _unpacked(caller.f_code, caller.f_lasti)
+        return self.tracer.iter(self) if count is None else (self[i] for i in range(count))
+
+
+def _unpacked(code: types.CodeType, offset: int) -> int | None:
+    """How many values the instruction at (or first after) ``offset`` of ``code`` unpacks; None
+    where it is no unpacking (fx then refuses to iterate, as it would)."""
+    offsets, counts = _unpackings(code)
+    k = bisect.bisect_left(offsets, offset)
+    return counts.get(offsets[k]) if k < len(offsets) else None
+
+
+@functools.lru_cache(maxsize=1024)
+def _unpackings(code: types.CodeType) -> tuple[list[int], dict[int, int]]:
+    """Every instruction's offset in ``code``, and the values each ``UNPACK_SEQUENCE`` unpacks."""
+    instructions = list(dis.get_instructions(code))
+    return ([i.offset for i in instructions],
+            {i.offset: i.argval for i in instructions if i.opname == "UNPACK_SEQUENCE"})
+
+
 class _ThroughTracer(fx.Tracer):
     """Traces through every module but those of the ``leaves`` classes, so that each op is a
     function of explicit weights."""
@@ -72,6 +104,9 @@ class _ThroughTracer(fx.Tracer):
 
     def is_leaf_module(self, module: nn.Module, qualified_name: str) -> bool:
         return type(module) in self.leaves
+
+    def proxy(self, node: fx.Node) -> fx.Proxy:
+        return _Proxy(node, self)
 
     def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict[str, fx.Proxy]) -> Any:
         """fx's own rule (a module's parameter, or buffer, read as an attribute becomes one
