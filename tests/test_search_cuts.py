@@ -202,19 +202,40 @@ def test_ranks_that_cannot_hold_the_parameters_together_are_refused_before_any_c
     cut fits ranks of 159 bytes, and the cutter says so without a greedy pass, which at a
     thousand stages would walk every bound up to the chain's whole time; at 160 it cuts."""
     from autopart.predict.in_flight import in_flight, rank_in_flight
-    from autopart.solve import bottleneck
 
     blocks = 8
     costs = _alike_blocks(blocks, saved_bytes=0)
-    passes = []
-    greedy = bottleneck._Greedy.__call__
-    monkeypatch.setattr(bottleneck._Greedy, "__call__",
-                        lambda self, bound, **how: passes.append(bound) or greedy(self, bound, **how))
+    passes = _counted_passes(monkeypatch)
     common = dict(stages=4, in_flight=in_flight("interleaved", 2, 4, 2), stage_rank=(0, 1, 0, 1),
                   transfer_s=(0.0,) * (blocks - 1), overhead_bytes=0, rank_in_flight=rank_in_flight("interleaved", 2, 4, 2))
     assert cut_stages(costs, memory_limit_bytes=159, **common) is None and passes == []
     fitted = cut_stages(costs, memory_limit_bytes=160, **common)
     assert fitted is not None and fitted.rank_memory_bytes == (160, 160) and passes
+
+
+def _counted_passes(monkeypatch) -> list[float]:
+    """The bounds of the cutter's greedy passes, appended as they run."""
+    from autopart.solve import bottleneck
+
+    passes = []
+    greedy = bottleneck._Greedy.__call__
+    monkeypatch.setattr(bottleneck._Greedy, "__call__",
+                        lambda self, bound, **how: passes.append(bound) or greedy(self, bound, **how))
+    return passes
+
+
+def _interleaved_case(seed: int) -> tuple[ChainCosts, dict, list[int]]:
+    """A random chain on 2 ranks of two interleaved chunks, the cutter's arguments but the memory
+    limit, and six limits from hopeless to roomy."""
+    from autopart.predict.in_flight import in_flight, rank_in_flight
+
+    rng = random.Random(seed)
+    blocks, p, m = rng.randrange(6, 14), 2, rng.choice((2, 4, 6))
+    costs = random_chain(rng, blocks, tied=rng.random() < 0.5)
+    common = dict(stages=2 * p, in_flight=in_flight("interleaved", p, m, 2), stage_rank=(0, 1, 0, 1),
+                  transfer_s=tuple(rng.uniform(0, rng.choice((2, 40))) for _ in range(blocks - 1)), overhead_bytes=10,
+                  rank_in_flight=rank_in_flight("interleaved", p, m, 2))  # fmt: skip
+    return costs, common, [rng.randrange(100, 3000) for _ in range(6)]
 
 
 def _alike_blocks(blocks: int, *, saved_bytes: int) -> ChainCosts:
@@ -243,17 +264,13 @@ def test_a_rank_whose_first_stage_fits_no_block_under_any_bound_is_refused_after
     walked from the least bound upwards; its first pass is refused for memory alone, so every
     larger bound fails alike and the walk stops there, with the answer it would have reached."""
     from autopart.predict.in_flight import in_flight, rank_in_flight
-    from autopart.solve import bottleneck
 
     blocks = 8
     costs = _alike_blocks(blocks, saved_bytes=100)
     common = dict(stages=4, in_flight=in_flight("interleaved", 2, 4, 2), stage_rank=(0, 1, 0, 1),
                   transfer_s=(0.0,) * (blocks - 1), overhead_bytes=0, memory_limit_bytes=300, modes=(("none",),) * 4,
                   rank_in_flight=rank_in_flight("interleaved", 2, 4, 2))  # fmt: skip
-    passes = []
-    greedy = bottleneck._Greedy.__call__
-    monkeypatch.setattr(bottleneck._Greedy, "__call__",
-                        lambda self, bound, **how: passes.append(bound) or greedy(self, bound, **how))
+    passes = _counted_passes(monkeypatch)
     assert cut_stages(costs, **common) is None
     assert len(passes) == 2  # the equal share's loosest bound, the ranks' room's least
     passes.clear()
@@ -265,15 +282,7 @@ def test_a_rank_whose_first_stage_fits_no_block_under_any_bound_is_refused_after
 def test_stopping_the_walk_where_no_larger_bound_helps_never_changes_the_cuts(seed: int, monkeypatch) -> None:
     """Random chains on ranks of two interleaved chunks, at memory limits from hopeless to roomy:
     the cutter gives what it gives with the walk up the bounds never stopped early."""
-    from autopart.predict.in_flight import in_flight, rank_in_flight
-
-    rng = random.Random(seed)
-    blocks, p, m = rng.randrange(6, 14), 2, rng.choice((2, 4, 6))
-    costs = random_chain(rng, blocks, tied=rng.random() < 0.5)
-    common = dict(stages=2 * p, in_flight=in_flight("interleaved", p, m, 2), stage_rank=(0, 1, 0, 1),
-                  transfer_s=tuple(rng.uniform(0, rng.choice((2, 40))) for _ in range(blocks - 1)), overhead_bytes=10,
-                  rank_in_flight=rank_in_flight("interleaved", p, m, 2))  # fmt: skip
-    limits = [rng.randrange(100, 3000) for _ in range(6)]
+    costs, common, limits = _interleaved_case(seed)
     stopped = [cut_stages(costs, memory_limit_bytes=limit, **common) for limit in limits]
     _never_stop_the_walk(monkeypatch)
     assert stopped == [cut_stages(costs, memory_limit_bytes=limit, **common) for limit in limits]
@@ -285,12 +294,7 @@ def test_a_failed_pass_lets_the_bisection_skip_the_bounds_that_would_fail_alike(
     first that lets some stage take one more block, so the bisection jumps there. It lands on
     the best slowest stage itself (its bound is that stage's time, not within 1e-4 of it) in a
     dozen passes, where halving the bound's range down to 1e-4 took 13 to 17."""
-    from autopart.solve import bottleneck
-
-    passes = []
-    greedy = bottleneck._Greedy.__call__
-    monkeypatch.setattr(bottleneck._Greedy, "__call__",
-                        lambda self, bound, **how: passes.append(bound) or greedy(self, bound, **how))
+    passes = _counted_passes(monkeypatch)
     cut = cut_stages(_alike_blocks(blocks, saved_bytes=100), stages=stages, in_flight=(1,) * stages,
                      stage_rank=tuple(range(stages)), transfer_s=(0.0,) * (blocks - 1), overhead_bytes=0,
                      memory_limit_bytes=1 << 40)
@@ -304,20 +308,10 @@ def test_a_failed_pass_lets_the_bisection_skip_the_bounds_that_would_fail_alike(
 def test_the_ranks_room_walk_gives_up_only_where_it_could_not_beat_the_equal_share(seed: int, monkeypatch) -> None:
     """Random chains on ranks of two interleaved chunks: giving up the walk up the ranks' room
     bounds once they reach the equal share's slowest stage changes no answer, and saves passes."""
-    from autopart.predict.in_flight import in_flight, rank_in_flight
     from autopart.solve import bottleneck
 
-    rng = random.Random(seed)
-    blocks, p, m = rng.randrange(6, 14), 2, rng.choice((2, 4, 6))
-    costs = random_chain(rng, blocks, tied=rng.random() < 0.5)
-    common = dict(stages=2 * p, in_flight=in_flight("interleaved", p, m, 2), stage_rank=(0, 1, 0, 1),
-                  transfer_s=tuple(rng.uniform(0, rng.choice((2, 40))) for _ in range(blocks - 1)), overhead_bytes=10,
-                  rank_in_flight=rank_in_flight("interleaved", p, m, 2))  # fmt: skip
-    limits = [rng.randrange(100, 3000) for _ in range(6)]
-    passes = []
-    greedy = bottleneck._Greedy.__call__
-    monkeypatch.setattr(bottleneck._Greedy, "__call__",
-                        lambda self, bound, **how: passes.append(bound) or greedy(self, bound, **how))
+    costs, common, limits = _interleaved_case(seed)
+    passes = _counted_passes(monkeypatch)
     given_up = [cut_stages(costs, memory_limit_bytes=limit, **common) for limit in limits]
     fewer = len(passes)
     bisected = bottleneck._bisected
