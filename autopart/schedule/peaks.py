@@ -94,7 +94,7 @@ def _interleaved_candidates(p: int, m: int, v: int) -> tuple[tuple[tuple[int, ..
     hundreds of ranks this is what keeps the search's interleaved layouts cheap."""
     total = m * v
     warmup = np.minimum((v - 1) * p + 2 * (p - 1 - np.arange(p)), total)[:, None]  # per rank
-    start = _interleaved_after(warmup, None, p, v, total)  # before the rank's first steady forward
+    start = np.stack([_units(warmup, c, p, v) for c in range(v)], axis=2)  # before the rank's first steady forward
     steps = _turning_steps(warmup, p, total)
     here = _interleaved_after(warmup, steps, p, v, total)
     before = np.where((steps == 0)[..., None], start, _interleaved_after(warmup, np.maximum(steps - 1, 0), p, v, total))
@@ -114,11 +114,9 @@ def _turning_steps(warmup: np.ndarray, p: int, total: int) -> np.ndarray:
     return np.clip(steps, 0, max(total - 1, 0))
 
 
-def _interleaved_after(warmup: np.ndarray, steps: np.ndarray | None, p: int, v: int, total: int) -> np.ndarray:
+def _interleaved_after(warmup: np.ndarray, steps: np.ndarray, p: int, v: int, total: int) -> np.ndarray:
     """Per rank and step, its chunks' live microbatches after the step's forward (its backwards
-    ``0 .. j - 1`` done); ``steps`` None: before the first steady forward (ranks x steps x chunks)."""
-    if steps is None:
-        return np.stack([_units(warmup, c, p, v) for c in range(v)], axis=2)
+    ``0 .. j - 1`` done): ranks x steps x chunks."""
     forwards = np.minimum(warmup + steps + 1, total)
     return np.stack([_units(forwards, c, p, v) - _units(steps, v - 1 - c, p, v) for c in range(v)], axis=2)
 
