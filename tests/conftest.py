@@ -6,6 +6,11 @@ The suite keeps its own cache of calibrations and message figures, empty at the 
 roofline plan still uses the message figures a `profile-comm` left in the cache, so with the
 user's own cache a test's cuts would depend on what that user (or an earlier test run) had
 measured. A fresh directory per session also keeps the suite from writing into the user's home.
+
+Where a test does measure (a profile, the default compile's measuring, a plan run once), each
+measuring loop spans at most a fraction of a second (`autopart.profiling.span`): the tests check
+what is measured and where it goes, not how steady the figures are, and the full spans (5 s per
+graph in place, 2 s beside copies, 8 s of a plan's steps) add a minute to the suite.
 """
 
 import os
@@ -13,8 +18,10 @@ import shutil
 import tempfile
 
 from autopart.profiling.measure_defaults import NO_MEASURE_ENV
+from autopart.profiling.span import MEASURE_SECONDS_ENV
 
 os.environ[NO_MEASURE_ENV] = "1"
+os.environ[MEASURE_SECONDS_ENV] = "0.3"
 _CACHE = tempfile.mkdtemp(prefix="autopart-test-cache-")
 os.environ["AUTOPART_CACHE_DIR"] = _CACHE
 

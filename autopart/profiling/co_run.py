@@ -42,6 +42,7 @@ import torch
 from torch import fx
 
 from autopart.profiling.in_situ import left_as_it_was, trimmed_mean
+from autopart.profiling.span import span
 from cost_models.database import CoRunMeasurement
 
 __all__ = ["co_run_key", "host_processes", "measure_co_run", "ROUNDS", "MIN_SECONDS"]
@@ -107,9 +108,10 @@ def _co_runner(module: fx.GraphModule, args: Sequence[Any], forward_context: Cal
 
 def measure_co_run(module: fx.GraphModule, args: Sequence[Any], *, processes: int,
                    forward_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-                   rounds: int = ROUNDS, min_seconds: float = MIN_SECONDS) -> CoRunMeasurement:
+                   rounds: int = ROUNDS, min_seconds: float | None = None) -> CoRunMeasurement:
     """The graph's forward and backward beside ``processes - 1`` copies of itself against alone
-    (the median over at least ``rounds`` rounds spanning ``min_seconds``), in CPU time: the
+    (the median over at least ``rounds`` rounds spanning ``min_seconds``, by default `MIN_SECONDS`
+    capped by `autopart.profiling.span`), in CPU time: the
     step model shares the cores among the ranks and the machine's other busy processes itself,
     so what is measured here is how much slower a rank computes while it has a core (shared
     caches and memory bus, a virtual core's sibling busy), not how long it waits for one. Leaves
@@ -162,9 +164,10 @@ def measure_co_run(module: fx.GraphModule, args: Sequence[Any], *, processes: in
         while min(counted()) < 2 and time.perf_counter() < warm_until:
             time.sleep(0.01)
         signal_all(signal.SIGSTOP)
+        spanning = span(MIN_SECONDS) if min_seconds is None else min_seconds
         with left_as_it_was(module), torch.enable_grad():
             started, done = time.perf_counter(), 0
-            while done < MAX_ROUNDS and (done < rounds or time.perf_counter() - started < min_seconds) and \
+            while done < MAX_ROUNDS and (done < rounds or time.perf_counter() - started < spanning) and \
                     not (done >= MIN_ROUNDS and time.perf_counter() - started > MAX_SECONDS):
                 # which phase comes first alternates: a phase that follows the other inherits its caches
                 first, second = phase(done % 2 == 1), phase(done % 2 == 0)

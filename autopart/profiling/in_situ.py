@@ -43,6 +43,8 @@ import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
+from autopart.profiling.span import span
+
 __all__ = ["NodeTimes", "left_as_it_was", "time_in_situ", "measure_resume", "optimizer_in_situ", "trimmed_mean"]
 
 REPEATS = 10
@@ -53,6 +55,8 @@ between states for seconds at a time (other tenants of the host), and a training
 their mean, while back-to-back runs of a fraction of a second catch one state. So the runs span
 seconds (a state can still outlast them), and each node keeps its trimmed mean (`trimmed_mean`):
 a median would pick one of the states."""
+OPTIMIZER_SECONDS = 1.0
+"""Seconds the optimizer's timed steps span at least (one step takes a fraction of a forward)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -173,11 +177,12 @@ def trimmed_mean(samples: list[float]) -> float:
 
 
 def time_in_situ(module: fx.GraphModule, args: Sequence[Any], *, repeats: int = REPEATS,
-                 min_seconds: float = MIN_SECONDS,
+                 min_seconds: float | None = None,
                  forward_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
                  ) -> dict[str, NodeTimes]:
     """Forward and backward seconds of every node of ``module`` run whole on ``args``: the
-    trimmed mean over at least ``repeats`` runs spanning at least ``min_seconds``; every forward
+    trimmed mean over at least ``repeats`` runs spanning at least ``min_seconds`` (by default
+    `MIN_SECONDS`, capped by `autopart.profiling.span`); every forward
     in ``forward_context()`` (the training precision's autocast), every backward outside it.
 
     ``get_attr`` nodes get nothing: their reads (and, in backward, their gradient accumulation)
@@ -195,8 +200,9 @@ def time_in_situ(module: fx.GraphModule, args: Sequence[Any], *, repeats: int = 
     gc.disable()
     try:
         with left_as_it_was(module), torch.enable_grad():
+            spanning = span(MIN_SECONDS) if min_seconds is None else min_seconds
             run, started = 0, time.perf_counter()
-            while run < repeats + 2 or time.perf_counter() - started < min_seconds:
+            while run < repeats + 2 or time.perf_counter() - started < spanning:
                 run += 1
                 start = time.perf_counter()
                 with forward_context():
@@ -252,10 +258,11 @@ def time_in_situ(module: fx.GraphModule, args: Sequence[Any], *, repeats: int = 
 
 
 def optimizer_in_situ(module: fx.GraphModule, args: Sequence[Any], make_step: Callable[[list[torch.Tensor]], Callable[[], Any]],
-                      *, repeats: int = REPEATS, min_seconds: float = 1.0) -> float:
+                      *, repeats: int = REPEATS, min_seconds: float | None = None) -> float:
     """Seconds of one optimizer step over (copies of) ``module``'s parameters, each step right
     after a forward and backward of the graph, as in training: the trimmed mean over at least
-    ``repeats`` steps spanning ``min_seconds``. ``make_step(parameters)`` gives the step.
+    ``repeats`` steps spanning ``min_seconds`` (by default `OPTIMIZER_SECONDS`, capped by
+    `autopart.profiling.span`). ``make_step(parameters)`` gives the step.
 
     A step timed alone in a loop finds its parameters, gradients and state in the caches; after
     a training step's backward it does not, and takes markedly longer there."""
@@ -266,9 +273,10 @@ def optimizer_in_situ(module: fx.GraphModule, args: Sequence[Any], make_step: Ca
     step = make_step(copies)
     step()  # the optimizer's state
     samples: list[float] = []
+    spanning = span(OPTIMIZER_SECONDS) if min_seconds is None else min_seconds
     with left_as_it_was(module), torch.enable_grad():
         started = time.perf_counter()
-        while len(samples) < repeats or time.perf_counter() - started < min_seconds:
+        while len(samples) < repeats or time.perf_counter() - started < spanning:
             _backward(module(*args))
             start = time.perf_counter()
             step()

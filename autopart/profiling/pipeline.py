@@ -58,6 +58,7 @@ from autopart.codegen.emit import emit_directory
 from autopart.passes.front import Front
 from autopart.tools.local_run import run_locally
 from autopart.ir.plan import Plan
+from autopart.profiling.span import span
 from autopart.runtime.mesh import Mesh
 from autopart.schedule import RECEIVE_KINDS, SPLIT_BACKWARD_KINDS, Action, Kind
 from cost_models.database import (
@@ -261,8 +262,9 @@ def message_times(messages: dict[tuple[int, int, int, str], tuple[float, float]]
 def profile_pipeline(out_dir: Path, plan: Plan, overheads: RuntimeOverheads, *, cores: int,
                      timeout_s: float = 600.0) -> PipelineProfile:
     """Run the programs in ``out_dir`` on this host's CPU and measure them: `MEASURED_STEPS`
-    steps and `MEASURED_SECONDS` by the plan's predicted step (up to `MAX_STEPS`), after `WARMUP_STEPS`."""
-    by_time = math.ceil(MEASURED_SECONDS / max(plan.predicted.step_s, 1e-6))
+    steps and `MEASURED_SECONDS` (capped by `autopart.profiling.span`) by the plan's predicted step
+    (up to `MAX_STEPS`), after `WARMUP_STEPS`."""
+    by_time = math.ceil(span(MEASURED_SECONDS) / max(plan.predicted.step_s, 1e-6))
     measured_steps = max(MEASURED_STEPS, min(MAX_STEPS, by_time))
     with tempfile.TemporaryDirectory(prefix="autopart-pipeline-") as folder:
         work = Path(folder)
