@@ -18,7 +18,7 @@ from autopart.ir.errors import ScheduleError
 
 __all__ = [
     "Kind", "Action", "Schedule", "stage_rank", "v_stage_rank", "rank_of", "COMPUTE_KINDS", "COMM_KINDS",
-    "RECEIVE_KINDS",
+    "RECEIVE_KINDS", "PARTNER_KIND",
 ]
 
 
@@ -46,6 +46,10 @@ class Kind(enum.Enum):
     def is_compute(self) -> bool:
         """True for the kinds that occupy the rank (F, B, I, W)."""
         return self in COMPUTE_KINDS
+
+    # members are singletons and compare by identity, so identity's hash (in C) serves: Enum's own
+    # hashes the name in Python, and schedules key millions of (stage, kind, microbatch) tuples
+    __hash__ = object.__hash__
 
 
 COMPUTE_KINDS: frozenset[Kind] = frozenset({Kind.F, Kind.B, Kind.I, Kind.W})
@@ -96,7 +100,7 @@ class Action:
     def peer_stage(self) -> int:
         """The stage at the other end of a send or receive (-1 or past the last where a schedule
         is wrong)."""
-        if self.kind not in _PARTNER_KIND:
+        if self.kind not in PARTNER_KIND:
             raise ScheduleError(f"{self} is not a send or a receive; only messages have a peer")
         return self.stage + (1 if self.kind in (Kind.SEND_F, Kind.RECV_B) else -1)
 
@@ -104,7 +108,7 @@ class Action:
     def partner(self) -> Action:
         """The other end of a message: the receive that takes a send's tensors, or the send that
         a receive waits for (``0SEND_F3`` <-> ``1RECV_F3``, ``1SEND_B3`` <-> ``0RECV_B3``)."""
-        return Action(self.peer_stage, _PARTNER_KIND[self.kind], self.microbatch)
+        return Action(self.peer_stage, PARTNER_KIND[self.kind], self.microbatch)
 
     @staticmethod
     def parse(text: str) -> Action:
@@ -123,7 +127,7 @@ class Action:
         return Action(int(stage), Kind(kind), int(microbatch))
 
 
-_PARTNER_KIND = {Kind.SEND_F: Kind.RECV_F, Kind.RECV_F: Kind.SEND_F, Kind.SEND_B: Kind.RECV_B, Kind.RECV_B: Kind.SEND_B}
+PARTNER_KIND: dict[Kind, Kind] = {Kind.SEND_F: Kind.RECV_F, Kind.RECV_F: Kind.SEND_F, Kind.SEND_B: Kind.RECV_B, Kind.RECV_B: Kind.SEND_B}
 
 Schedule = dict[int, list[Action]]
 """Rank -> that rank's actions, in the order the rank runs them."""

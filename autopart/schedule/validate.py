@@ -16,7 +16,7 @@ from __future__ import annotations
 from autopart.ir.errors import ScheduleError
 from collections.abc import Sequence
 
-from autopart.ir.actions import RECEIVE_KINDS, Action, Kind, Schedule, rank_of
+from autopart.ir.actions import COMPUTE_KINDS, PARTNER_KIND, RECEIVE_KINDS, Action, Kind, Schedule, rank_of
 
 __all__ = ["validate", "format_grid", "check_message_order"]
 
@@ -102,55 +102,51 @@ def _place_actions(
                 f"the schedule has rank {rank} but the pipeline has {ranks} ranks", schedule
             )
         for step, action in enumerate(schedule[rank]):
-            at = f"rank {rank}, step {step}: {action}"
             if not isinstance(action, Action):
-                raise _fail(f"{at} is not an Action", schedule, (rank, step))
-            if action.stage >= stages:
-                raise _fail(
-                    f"{at} names stage {action.stage} but the pipeline has {stages} stages",
-                    schedule,
-                    (rank, step),
-                )
-            if action.microbatch >= microbatches:
-                raise _fail(
-                    f"{at} names microbatch {action.microbatch} but the step has {microbatches}",
-                    schedule,
-                    (rank, step),
-                )
-            home = rank_of(action.stage, ranks, placement)
-            if home != rank:
-                raise _fail(
-                    f"{at} is on the wrong rank: stage {action.stage} lives on rank {home}",
-                    schedule,
-                    (rank, step),
-                )
-            if not action.is_compute:
+                raise _fail(f"rank {rank}, step {step}: {action} is not an Action", schedule, (rank, step))
+            if action.stage >= stages or action.microbatch >= microbatches or \
+                    rank_of(action.stage, ranks, placement) != rank:
+                _misplaced(action, schedule, (rank, step), ranks=ranks, stages=stages,
+                           microbatches=microbatches, placement=placement)
+            if action.kind not in COMPUTE_KINDS:
                 _check_peer(action, schedule, (rank, step), ranks=ranks, stages=stages, placement=placement)
-            if _key(action) in where:
-                first_rank, first_step = where[_key(action)]
-                raise _fail(
-                    f"{at} is repeated (first at rank {first_rank}, step {first_step})",
-                    schedule,
-                    (rank, step),
-                )
-            where[_key(action)] = (rank, step)
+            key = (action.stage, action.kind, action.microbatch)
+            if key in where:
+                first_rank, first_step = where[key]
+                raise _fail(f"rank {rank}, step {step}: {action} is repeated (first at rank {first_rank}, "
+                            f"step {first_step})", schedule, (rank, step))
+            where[key] = (rank, step)
     return where
+
+
+def _misplaced(action: Action, schedule: Schedule, at: _Where, *, ranks: int, stages: int, microbatches: int,
+               placement: Sequence[int] | None) -> None:
+    """Raise the error of an action that `_place_actions` found out of range or on another rank
+    (worded here, not for every action: a schedule holds up to millions)."""
+    prefix = f"rank {at[0]}, step {at[1]}: {action}"
+    if action.stage >= stages:
+        raise _fail(f"{prefix} names stage {action.stage} but the pipeline has {stages} stages", schedule, at)
+    if action.microbatch >= microbatches:
+        raise _fail(f"{prefix} names microbatch {action.microbatch} but the step has {microbatches}", schedule, at)
+    home = rank_of(action.stage, ranks, placement)
+    raise _fail(f"{prefix} is on the wrong rank: stage {action.stage} lives on rank {home}", schedule, at)
 
 
 def _check_peer(
     action: Action, schedule: Schedule, at: _Where, *, ranks: int, stages: int, placement: Sequence[int] | None
 ) -> None:
     peer = action.peer_stage
+    if 0 <= peer < stages and rank_of(peer, ranks, placement) != at[0]:
+        return
     prefix = f"rank {at[0]}, step {at[1]}: {action}"
     if not 0 <= peer < stages:
         raise _fail(f"{prefix} talks to stage {peer}, which does not exist", schedule, at)
-    if rank_of(peer, ranks, placement) == at[0]:
-        raise _fail(
-            f"{prefix} talks to stage {peer} on the same rank; remove it, the runtime hands "
-            "that tensor over locally",
-            schedule,
-            at,
-        )
+    raise _fail(
+        f"{prefix} talks to stage {peer} on the same rank; remove it, the runtime hands "
+        "that tensor over locally",
+        schedule,
+        at,
+    )
 
 
 def _backward(where: dict[_Key, _Where], stage: int, mb: int) -> tuple[_Key, _Where] | None:
@@ -221,13 +217,12 @@ def _check_order(
     through a RECV placed before its consumer, and every send has its receive."""
     for rank in sorted(schedule):
         for step, action in enumerate(schedule[rank]):
-            at = f"rank {rank}, step {step}: {action}"
             for needed in _inputs(action, where, stages=stages):
                 needed_rank, needed_step = where[needed]
-                needed_name = f"{needed[0]}{needed[1].value}{needed[2]}"
                 if needed_rank == rank and needed_step > step:
                     raise _fail(
-                        f"{at} runs before {needed_name}, which it needs (step {needed_step})",
+                        f"rank {rank}, step {step}: {action} runs before {_name(needed)}, which it needs "
+                        f"(step {needed_step})",
                         schedule,
                         (rank, step),
                     )
@@ -236,19 +231,25 @@ def _check_order(
                     recv = (action.stage, recv_kind, action.microbatch)
                     if recv not in where or where[recv][1] > step:
                         raise _fail(
-                            f"{at} needs {needed_name} from rank {needed_rank} but no "
-                            f"{action.stage}{recv_kind.value}{action.microbatch} comes before it",
+                            f"rank {rank}, step {step}: {action} needs {_name(needed)} from rank {needed_rank} "
+                            f"but no {_name(recv)} comes before it",
                             schedule,
                             (rank, step),
                         )
-            if lowered and not action.is_compute:
+            if lowered and action.kind not in COMPUTE_KINDS:
                 _check_message(action, where, schedule, (rank, step))
 
 
+def _name(key: _Key) -> str:
+    return f"{key[0]}{key[1].value}{key[2]}"
+
+
 def _partner(action: Action) -> _Key:
-    """The send that a receive waits for, or the receive that takes a send's message."""
-    partner = action.partner  # its stage exists: _check_peer has seen every message
-    return (partner.stage, partner.kind, partner.microbatch)
+    """The send that a receive waits for, or the receive that takes a send's message (as
+    ``action.partner``, without making the Action: its stage exists, _check_peer has seen every message)."""
+    kind = action.kind
+    peer = action.stage + (1 if kind is Kind.SEND_F or kind is Kind.RECV_B else -1)
+    return (peer, PARTNER_KIND[kind], action.microbatch)
 
 
 def _check_message(
@@ -257,7 +258,7 @@ def _check_message(
     partner = _partner(action)
     if partner in where:
         return
-    partner_name = f"{partner[0]}{partner[1].value}{partner[2]}"
+    partner_name = _name(partner)
     if action.kind in RECEIVE_KINDS:
         problem = f"has no matching SEND ({partner_name} is missing)"
     else:
