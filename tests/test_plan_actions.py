@@ -63,6 +63,24 @@ def test_an_unedited_plan_shares_its_kinds_schedule_validated_once(tmp_path, com
     assert plan_schedule(edited, lowered=False) == build_schedule("gpipe", ranks=PP, microbatches=MICROBATCHES)
 
 
+def test_the_step_model_simulates_the_built_schedule_and_only_a_plan_s_lists_are_validated(monkeypatch):
+    # validating a thousand microbatches over a hundred ranks takes seconds: the search's
+    # candidates are simulated unvalidated (the simulator finds a deadlock itself), a plan's lists
+    # are validated before anything runs them, and both share one built schedule
+    from autopart.predict.timeline import lowered_schedule
+    from autopart.schedule import stored
+
+    checked = []
+    monkeypatch.setattr(stored, "_checked", lambda schedule, shape: checked.append(shape))
+    shape = ("zb-h1", 3, 7, 1)
+    stored.generated.cache_clear()
+    stored.built.cache_clear()
+    lowered = lowered_schedule(*shape)
+    assert checked == []
+    assert stored.generated(*shape).lowered is lowered and len(checked) == 1
+    assert lowered == add_communication(build_schedule("zb-h1", ranks=3, microbatches=7), ranks=3)
+
+
 def _swap(actions, rank, a, b):
     i, j = actions[rank].index(a), actions[rank].index(b)
     actions[rank][i], actions[rank][j] = actions[rank][j], actions[rank][i]

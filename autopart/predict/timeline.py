@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 from autopart.ir.plan import Plan
-from autopart.schedule import Schedule, StageCosts, Timeline, generated, plan_actions, simulate, stage_placement, validate
+from autopart.schedule import Schedule, StageCosts, Timeline, built, plan_actions, simulate, stage_placement, validate
 
 __all__ = ["simulate_pipeline", "lowered_schedule", "plan_schedule", "plan_timeline"]
 
 
 def lowered_schedule(kind: str, ranks: int, microbatches: int, chunks: int) -> Schedule:
-    """The schedule with its sends and receives, validated; built once per shape, because a compile
-    simulates one pipeline several times (each candidate plan, its step, the report) and at a
-    thousand microbatches over hundreds of virtual stages building and validating it costs more
-    than simulating it. Shared between callers: read it, never change it."""
-    return generated(kind, ranks, microbatches, chunks).lowered
+    """The schedule with its sends and receives, as its generator builds it; built once per shape,
+    because a compile simulates one pipeline several times (each candidate plan, its step, the
+    report) and at a thousand microbatches over hundreds of virtual stages building it costs
+    about what simulating it does. Not validated here (`autopart.schedule.built`: the simulator
+    finds a deadlock itself); a plan's stored lists are, before anything runs them. Shared
+    between callers: read it, never change it."""
+    return built(kind, ranks, microbatches, chunks)[1]
 
 
 def simulate_pipeline(

@@ -29,7 +29,7 @@ from autopart.schedule.generators import build_schedule, stage_placement
 from autopart.schedule.lowering import add_communication
 from autopart.schedule.validate import validate
 
-__all__ = ["Generated", "action_lists", "generated", "plan_actions", "keep_actions"]
+__all__ = ["Generated", "action_lists", "built", "generated", "plan_actions", "keep_actions"]
 
 
 def action_lists(schedule: Schedule) -> tuple[tuple[str, ...], ...]:
@@ -50,12 +50,21 @@ class Generated:
 @functools.lru_cache(maxsize=16)
 def generated(kind: str, ranks: int, microbatches: int, chunks: int) -> Generated:
     """``kind``'s schedule for this shape, built, lowered and validated once in a process."""
-    placement = stage_placement(kind, ranks=ranks, chunks=chunks)
-    compute = build_schedule(kind, ranks=ranks, microbatches=microbatches, chunks=chunks)
-    lowered = add_communication(compute, ranks=ranks, placement=placement)
+    compute, lowered, placement = built(kind, ranks, microbatches, chunks)
     shape = {"ranks": ranks, "stages": len(placement), "microbatches": microbatches, "placement": placement}
     _checked(lowered, shape)  # the compute order's dependencies with the messages' order
     return Generated(lists=action_lists(compute), compute=compute, lowered=lowered, placement=placement)
+
+
+@functools.lru_cache(maxsize=16)
+def built(kind: str, ranks: int, microbatches: int, chunks: int) -> tuple[Schedule, Schedule, tuple[int, ...]]:
+    """(compute, lowered, placement): ``kind``'s schedule for this shape as its generator builds it,
+    not validated, for the step model to simulate: the search times candidates whose schedules
+    nothing runs, and validating one of a thousand microbatches over a hundred ranks takes
+    seconds. A plan's own lists go through `generated` (`plan_actions`), validated. Shared: read it."""
+    placement = stage_placement(kind, ranks=ranks, chunks=chunks)
+    compute = build_schedule(kind, ranks=ranks, microbatches=microbatches, chunks=chunks)
+    return compute, add_communication(compute, ranks=ranks, placement=placement), placement
 
 
 def plan_actions(plan: Any, *, lowered: bool = True) -> Schedule:
