@@ -110,6 +110,39 @@ def test_gantt_png_is_a_real_picture(timeline, tmp_path: Path) -> None:
         assert (np.abs(pixels - rgb).max(axis=1) <= 2).sum() > 500, hex_colour
 
 
+def _rgb(hex_colour: str) -> np.ndarray:
+    return np.array([int(hex_colour[i : i + 2], 16) for i in (1, 3, 5)])
+
+
+def test_a_pipeline_with_more_actions_than_pixels_is_drawn_by_what_fills_each_column(tmp_path: Path) -> None:
+    # gpipe over 2 ranks, 1,200 microbatches: rank 0 forwards for the first third of the step, then
+    # idles until rank 1's first backward, then runs its backwards; rank 1 starts a forward late
+    costs = StageCosts.uniform(2, forward_s=1.0, backward_s=2.0)
+    timeline = simulate(build_schedule("gpipe", ranks=2, microbatches=1200), costs, ranks=2)
+    path = tmp_path / "timeline.png"
+    write_gantt_png(timeline, path)
+    height, width, _ = imread(path).shape
+    assert width >= 800 and height <= (1.2 + 0.5 * 32) * 100  # 2 ranks: the short picture
+
+    drawn = {}
+
+    class Axes:
+        def imshow(self, image, **kwargs):
+            drawn.update(image=image, **kwargs)
+
+    from autopart.schedule.trace import _draw_coverage
+
+    _draw_coverage(Axes(), timeline.per_rank(), 2, timeline.step_s)
+    image = (drawn["image"] * 255).round()
+    assert image.shape == (2, 1000, 3) and drawn["extent"] == (0, timeline.step_s, 1.5, -0.5)
+    forward, backward = _rgb("#0072B2"), _rgb("#009E73")
+    assert (image[0, 10] == forward).all() and (image[0, 900] == backward).all()
+    idle_column = int(1201.5 / timeline.step_s * 1000)  # rank 0 waits for rank 1's first backward
+    assert (image[0, idle_column] > forward).all() and (image[0, idle_column] < 255).any()
+    late = image[1, 0]  # a second of 3.6 idle, then forwards: the forward colour, faded
+    assert (late > forward).all() and (late < 255).all()
+
+
 def test_schedule_csv_round_trip(tmp_path: Path) -> None:
     schedule = build_schedule("1f1b", ranks=2, microbatches=2)
     path = tmp_path / "schedule.csv"

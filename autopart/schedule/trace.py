@@ -30,6 +30,8 @@ __all__ = [
 ]
 
 _US_PER_S = 1e6
+_COLUMNS = 1_000  # pixel columns of the drawn time axis, about (1,200 wide with the labels and legend)
+_MAX_ROWS_DRAWN_TALL = 32  # ranks drawn half an inch high each; more share the height, every k-th labelled
 
 # Colour-blind-safe (Okabe-Ito): forward blue, full backward green, I orange, W purple.
 _COLOURS = {Kind.F: "#0072B2", Kind.B: "#009E73", Kind.I: "#E69F00", Kind.W: "#CC79A7"}
@@ -71,12 +73,11 @@ def write_chrome_trace(timeline: Timeline, path: str | Path, *, title: str = "")
     events = chrome_trace_events(timeline)
     if title:
         events.insert(0, {"name": "process_name", "ph": "M", "pid": 0, "args": {"name": title}})
-    document = {
-        "traceEvents": events,
-        "displayTimeUnit": "ms",
-        "otherData": {"title": title, "step_s": timeline.step_s, "bubble": timeline.bubble},
-    }
-    Path(path).write_text(json.dumps(document, indent=1) + "\n")
+    other = {"title": title, "step_s": timeline.step_s, "bubble": timeline.bubble}
+    # one event per line, each written by json's C encoder: an indented document goes through its
+    # Python encoder, seconds for the hundreds of thousands of actions of a long pipeline
+    lines = ",\n".join(json.dumps(event) for event in events)
+    Path(path).write_text(f'{{"traceEvents": [\n{lines}\n],\n"displayTimeUnit": "ms",\n"otherData": {json.dumps(other)}}}\n')
 
 
 def read_chrome_trace(path: str | Path) -> Timeline:
@@ -141,25 +142,16 @@ def write_gantt_png(timeline: Timeline, path: str | Path, *, title: str = "") ->
 
     by_rank = timeline.per_rank()
     ranks = max(by_rank) + 1 if by_rank else 1
-    figure = Figure(figsize=(12, 1.2 + 0.5 * ranks), dpi=100)
+    figure = Figure(figsize=(12, 1.2 + 0.5 * min(ranks, _MAX_ROWS_DRAWN_TALL)), dpi=100)
     FigureCanvasAgg(figure)
     axes = figure.add_subplot()
     step = timeline.step_s or 1.0
-    # one collection per rank, kind and shade: a bar per action (thousands of them in a long
-    # pipeline) would make drawing the picture the slowest part of a compile
-    bars: dict[tuple[int, Kind, bool], list[tuple[float, float]]] = {}
-    for rank, events in by_rank.items():
-        for event in events:
-            width = event.end - event.start
-            light = (event.action.stage // ranks) % 2 == 1
-            bars.setdefault((rank, event.action.kind, light), []).append((event.start, width))
-            if width > step / 150:
-                axes.text(event.start + width / 2, rank, str(event.action.microbatch), ha="center", va="center",
-                          fontsize=7, color="white")
-    for (rank, kind, light), spans in bars.items():
-        axes.broken_barh(spans, (rank - 0.4, 0.8), facecolors=_COLOURS[kind], alpha=0.6 if light else 1.0,
-                         edgecolor="white", linewidth=0.5)
-    axes.set_yticks(range(ranks), [f"rank {rank}" for rank in range(ranks)])
+    if max((len(events) for events in by_rank.values()), default=0) > _COLUMNS:
+        _draw_coverage(axes, by_rank, ranks, step)
+    else:
+        _draw_bars(axes, by_rank, ranks, step)
+    labelled = range(0, ranks, max(1, ranks // _MAX_ROWS_DRAWN_TALL))
+    axes.set_yticks(labelled, [f"rank {rank}" for rank in labelled])
     axes.set_ylim(ranks - 0.5, -0.5)  # rank 0 on top, as in the papers' figures
     axes.set_xlim(0, step)
     axes.set_xlabel("seconds")
@@ -174,6 +166,49 @@ def write_gantt_png(timeline: Timeline, path: str | Path, *, title: str = "") ->
     axes.set_title(f"{title}: {heading}" if title else heading)
     figure.tight_layout()
     figure.savefig(path)
+
+
+def _draw_bars(axes: Any, by_rank: dict[int, list[Event]], ranks: int, step: float) -> None:
+    """A bar per action, one collection per rank, kind and shade (a patch per bar draws slowly)."""
+    bars: dict[tuple[int, Kind, bool], list[tuple[float, float]]] = {}
+    for rank, events in by_rank.items():
+        for event in events:
+            width = event.end - event.start
+            light = (event.action.stage // ranks) % 2 == 1
+            bars.setdefault((rank, event.action.kind, light), []).append((event.start, width))
+            if width > step / 150:
+                axes.text(event.start + width / 2, rank, str(event.action.microbatch), ha="center", va="center",
+                          fontsize=7, color="white")
+    for (rank, kind, light), spans in bars.items():
+        axes.broken_barh(spans, (rank - 0.4, 0.8), facecolors=_COLOURS[kind], alpha=0.6 if light else 1.0,
+                         edgecolor="white", linewidth=0.5)
+
+
+def _draw_coverage(axes: Any, by_rank: dict[int, list[Event]], ranks: int, step: float) -> None:
+    """More actions on a rank than the picture has pixel columns: each column of each rank's
+    row in the colour of the kind (and shade) that fills most of its time, faded to white by
+    the share of it that is idle, so the bubbles show as they are. Drawing hundreds of
+    thousands of sub-pixel bars took seconds and showed only their white edges."""
+    import numpy as np
+    from matplotlib.colors import to_rgb
+
+    shades = [(kind, light) for kind in _COLOURS for light in (False, True)]
+    index = {shade: i for i, shade in enumerate(shades)}
+    filled = np.zeros((ranks, _COLUMNS, len(shades)))
+    scale = _COLUMNS / step
+    for rank, events in by_rank.items():
+        row = filled[rank]
+        for event in events:
+            which = index[(event.action.kind, (event.action.stage // ranks) % 2 == 1)]
+            first, last = event.start * scale, min(event.end * scale, _COLUMNS)
+            column = min(int(first), _COLUMNS - 1)
+            while column < last > first:
+                row[column, which] += min(last, column + 1) - max(first, column)
+                column += 1
+    colours = np.array([[c + (1 - c) * 0.4 if light else c for c in to_rgb(_COLOURS[kind])] for kind, light in shades])
+    busy = np.clip(filled.sum(axis=2, keepdims=True), 0.0, 1.0)
+    image = 1.0 - busy * (1.0 - colours[filled.argmax(axis=2)])
+    axes.imshow(image, extent=(0, step, ranks - 0.5, -0.5), aspect="auto", interpolation="nearest")
 
 
 def write_schedule_csv(schedule: Schedule, path: str | Path) -> None:
