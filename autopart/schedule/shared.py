@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from autopart.ir.actions import RECEIVE_KINDS, Action, Kind, Schedule
-from autopart.schedule.simulate import StageCosts, input_ready_at
+from autopart.schedule.simulate import StageCosts, input_ready_at, stage_homes
 
 __all__ = ["step_time"]
 
@@ -131,14 +131,14 @@ class _InputTimes:
     asking every waiting rank at every event was most of a compile's time."""
 
     def __init__(self, finished: dict, costs: StageCosts, *, ranks: int, placement: Sequence[int] | None) -> None:
-        self.finished, self.costs, self.ranks, self.placement = finished, costs, ranks, placement
+        self.finished, self.costs, self.homes = finished, costs, stage_homes(costs.stages, ranks, placement)
         self.asked: dict[int, tuple[int, int, float | None]] = {}  # rank -> (its cursor, len(finished), time)
 
     def ready_at(self, rank: int, cursor: int, action: Action) -> float | None:
         known = self.asked.get(rank)
         if known is not None and known[0] == cursor and (known[2] is not None or known[1] == len(self.finished)):
             return known[2]
-        ready = input_ready_at(action, self.finished, self.costs, ranks=self.ranks, placement=self.placement)
+        ready = input_ready_at(action, self.finished, self.costs, self.homes)
         self.asked[rank] = (cursor, len(self.finished), ready)
         return ready
 
@@ -170,13 +170,14 @@ def _dedicated(schedule: Schedule, costs: StageCosts, *, ranks: int, tail_s: dic
         return end
 
     cursor, finished = dict.fromkeys(schedule, 0), {}
+    homes = stage_homes(costs.stages, ranks, placement)
     progress = True
     while progress:  # sweep the ranks, each as far as its inputs are known, until none moves
         progress = False
         for rank, actions in schedule.items():
             while cursor[rank] < len(actions):
                 action = actions[cursor[rank]]
-                ready = input_ready_at(action, finished, costs, ranks=ranks, placement=placement)
+                ready = input_ready_at(action, finished, costs, homes)
                 if ready is None:
                     break
                 end = run(rank, action, ready)

@@ -15,10 +15,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from autopart.ir.errors import ConfigError, ScheduleError
-from autopart.ir.actions import Action, Kind, Schedule, rank_of
+from autopart.ir.actions import COMPUTE_KINDS, Action, Kind, Schedule, rank_of
 from autopart.schedule.validate import format_grid
 
-__all__ = ["StageCosts", "Event", "Timeline", "simulate", "input_ready_at"]
+__all__ = ["StageCosts", "Event", "Timeline", "simulate", "input_ready_at", "stage_homes"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -177,9 +177,9 @@ class Timeline:
         if not events:
             return cls(events=(), step_s=0.0, bubble=0.0, peak_in_flight=())
         origin = min(e.start for e in events)
-        shifted = [
-            Event(rank=e.rank, action=e.action, start=e.start - origin, end=e.end - origin)
-            for e in sorted(events, key=lambda e: (e.start, e.end, e.rank))
+        ordered = sorted(events, key=lambda e: (e.start, e.end, e.rank))
+        shifted = ordered if origin == 0 else [
+            Event(rank=e.rank, action=e.action, start=e.start - origin, end=e.end - origin) for e in ordered
         ]
         step_s = max(e.end for e in shifted)
         busy = sum(e.end - e.start for e in shifted)
@@ -214,6 +214,7 @@ def simulate(schedule: Schedule, costs: StageCosts, *, ranks: int, placement: Se
     V for zbv), the loop of `stage_rank` without it.
     """
     stages = costs.stages
+    homes = stage_homes(stages, ranks, placement)
     for rank, actions in schedule.items():
         for step, action in enumerate(actions):
             if action.stage >= stages:
@@ -221,38 +222,34 @@ def simulate(schedule: Schedule, costs: StageCosts, *, ranks: int, placement: Se
                     f"rank {rank}, step {step}: {action} names stage {action.stage} but the "
                     f"costs have {stages} stages"
                 )
-            home = rank_of(action.stage, ranks, placement)
-            if home != rank:
-                raise ScheduleError(
-                    f"rank {rank}, step {step}: {action} is on the wrong rank: stage {action.stage} lives on rank {home}"
-                )
+            if homes[action.stage] != rank:
+                raise ScheduleError(f"rank {rank}, step {step}: {action} is on the wrong rank: stage "
+                                    f"{action.stage} lives on rank {homes[action.stage]}")
 
     finished: dict[tuple[int, Kind, int], float] = {}  # (stage, kind, mb) -> end time
     free_at = {rank: 0.0 for rank in schedule}
     cursor = {rank: 0 for rank in schedule}
     events: list[Event] = []
 
-    def ready_at(action: Action) -> float | None:
-        return input_ready_at(action, finished, costs, ranks=ranks, placement=placement)
-
+    duration = costs.duration
     progress = True
     while progress:
         progress = False
         for rank in sorted(schedule):
-            actions = schedule[rank]
-            while cursor[rank] < len(actions):
-                action = actions[cursor[rank]]
-                ready = ready_at(action)
+            actions, at, free = schedule[rank], cursor[rank], free_at[rank]
+            while at < len(actions):
+                action = actions[at]
+                ready = input_ready_at(action, finished, costs, homes)
                 if ready is None:
                     break
-                start = max(free_at[rank], ready)
-                end = start + costs.duration(action)
-                free_at[rank] = end
-                if action.is_compute:
-                    finished[(action.stage, action.kind, action.microbatch)] = end
-                    events.append(Event(rank=rank, action=action, start=start, end=end))
-                cursor[rank] += 1
-                progress = True
+                start = free if free > ready else ready
+                free = start + duration(action)
+                if action.kind in COMPUTE_KINDS:
+                    finished[(action.stage, action.kind, action.microbatch)] = free
+                    events.append(Event(rank=rank, action=action, start=start, end=free))
+                at += 1
+            if at > cursor[rank]:
+                cursor[rank], free_at[rank], progress = at, free, True
 
     stuck = [rank for rank in sorted(schedule) if cursor[rank] < len(schedule[rank])]
     if stuck:
@@ -265,31 +262,37 @@ def simulate(schedule: Schedule, costs: StageCosts, *, ranks: int, placement: Se
     return Timeline.from_events(events, ranks=ranks)
 
 
-def input_ready_at(action: Action, finished: dict[tuple[int, Kind, int], float], costs: StageCosts, *,
-                   ranks: int, placement: Sequence[int] | None = None) -> float | None:
+def stage_homes(stages: int, ranks: int, placement: Sequence[int] | None = None) -> tuple[int, ...]:
+    """Each stage's rank (`rank_of`), for `input_ready_at`."""
+    return tuple(rank_of(stage, ranks, placement) for stage in range(stages))
+
+
+def input_ready_at(action: Action, finished: dict[tuple[int, Kind, int], float], costs: StageCosts,
+                   homes: tuple[int, ...]) -> float | None:
     """When the inputs of ``action`` are on its rank, given the end times of the compute actions
-    ``finished`` so far ((stage, kind, microbatch) -> end); None while one is not produced.
-    (Written out flat: simulating a thousand microbatches over a hundred ranks calls it a million times.)"""
+    ``finished`` so far ((stage, kind, microbatch) -> end) and each stage's rank (`stage_homes`);
+    None while one is not produced. (Written out flat: simulating a thousand microbatches over a
+    hundred ranks calls it a million times.)"""
     stage, mb, kind = action.stage, action.microbatch, action.kind
     if kind is Kind.F or kind is Kind.RECV_F:
         if stage == 0:
             return 0.0
         produced = finished.get((stage - 1, Kind.F, mb))
-        if produced is None or rank_of(stage - 1, ranks, placement) == rank_of(stage, ranks, placement):
+        if produced is None or homes[stage - 1] == homes[stage]:
             return produced
         return produced + (costs.send_s[stage - 1] if costs.send_s else 0.0) + costs.transfer_s[stage - 1]
     if kind is Kind.B or kind is Kind.I or kind is Kind.RECV_B:
         own_forward = 0.0 if kind is Kind.RECV_B else finished.get((stage, Kind.F, mb))
         if own_forward is None:
             return None
-        if stage == costs.stages - 1:
+        if stage == len(homes) - 1:
             return own_forward
         gradient = finished.get((stage + 1, Kind.B, mb))
         if gradient is None:
             gradient = finished.get((stage + 1, Kind.I, mb))
             if gradient is None:
                 return None
-        if rank_of(stage + 1, ranks, placement) != rank_of(stage, ranks, placement):
+        if homes[stage + 1] != homes[stage]:
             gradient += (costs.send_s[stage] if costs.send_s else 0.0) + costs.transfer_s[stage]
         return max(own_forward, gradient)
     if kind is Kind.W:
