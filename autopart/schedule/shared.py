@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from autopart.ir.actions import RECEIVE_KINDS, Action, Kind, Schedule
+from autopart.ir.actions import COMPUTE_KINDS, RECEIVE_KINDS, Action, Kind, Schedule
 from autopart.schedule.simulate import StageCosts, input_ready_at, stage_homes
 
 __all__ = ["step_time"]
@@ -157,34 +157,33 @@ def _dedicated(schedule: Schedule, costs: StageCosts, *, ranks: int, tail_s: dic
     def woke(rank: int, start: float) -> float:
         return max(0.0, wake_s(start - idle_since[rank])) if wake_s and start > idle_since[rank] + _EPSILON else 0.0
 
-    def run(rank: int, action: Action, ready: float) -> float:
-        start = max(free[rank], ready)
-        waited = action.kind in RECEIVE_KINDS and ready > idle_since[rank] + _EPSILON
-        work = costs.waited_duration(action) if waited else costs.duration(action)
-        end = start
-        if work > 0:
-            end = idle_since[rank] = start + work + woke(rank, start)
-        free[rank] = end
-        if action.is_compute:
-            events.append((rank, action, start, end))
-        return end
-
     cursor, finished = dict.fromkeys(schedule, 0), {}
     homes = stage_homes(costs.stages, ranks, placement)
     progress = True
     while progress:  # sweep the ranks, each as far as its inputs are known, until none moves
         progress = False
         for rank, actions in schedule.items():
-            while cursor[rank] < len(actions):
-                action = actions[cursor[rank]]
+            at = cursor[rank]
+            while at < len(actions):
+                action = actions[at]
                 ready = input_ready_at(action, finished, costs, homes)
                 if ready is None:
                     break
-                end = run(rank, action, ready)
-                if action.is_compute:
+                start = max(free[rank], ready)
+                if action.kind in RECEIVE_KINDS and ready > idle_since[rank] + _EPSILON:
+                    work = costs.waited_duration(action)
+                else:
+                    work = costs.duration(action)
+                end = start
+                if work > 0:
+                    end = idle_since[rank] = start + work + woke(rank, start)
+                free[rank] = end
+                if action.kind in COMPUTE_KINDS:
+                    events.append((rank, action, start, end))
                     finished[(action.stage, action.kind, action.microbatch)] = end
-                cursor[rank] += 1
-                progress = True
+                at += 1
+            if at > cursor[rank]:
+                cursor[rank], progress = at, True
     assert all(cursor[rank] == len(actions) for rank, actions in schedule.items()), \
         "the schedule deadlocks; validate it first"
     tails = (tail_s.get(rank, 0.0) for rank in schedule)
