@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from autopart.ir.errors import ConfigError
+from autopart.ir.errors import ConfigError, ScheduleError
 from autopart.schedule import (SCHEDULE_KINDS, SPLIT_BACKWARD_KINDS, StageCosts, add_communication, build_schedule,
                                simulate, stage_placement)
 from autopart.schedule.shared import step_time
@@ -59,6 +59,27 @@ def test_a_device_per_rank_runs_as_the_event_loop_with_more_cores_than_ranks(kin
             + (stages * microbatches if kind in SPLIT_BACKWARD_KINDS else 0)
         for a, b in zip(dedicated, event_loop):
             assert a[2:] == pytest.approx(b[2:], rel=1e-12, abs=1e-12)
+
+
+@pytest.mark.parametrize("cores", [0, 1, 4])
+def test_a_schedule_that_cannot_finish_is_an_error_not_a_time(cores: int) -> None:
+    # the step model runs built schedules unvalidated: a deadlock must not come out as a step
+    schedule = build_schedule("1f1b", ranks=2, microbatches=2)
+    schedule[1] = [schedule[1][1], schedule[1][0], *schedule[1][2:]]  # 1B0 before 1F0
+    costs = StageCosts.uniform(2, forward_s=1.0, backward_s=2.0)
+    with pytest.raises(ScheduleError, match=r"the schedule deadlocks: ranks 0, 1 wait|the schedule deadlocks: ranks 1 wait"):
+        step_time(schedule, costs, ranks=2, cores=cores)
+
+
+def test_the_gradient_s_arrival_adds_the_send_then_the_transfer() -> None:
+    # the same rounding as the forward's arrival, (end + send) + transfer: a plan's figures do not
+    # move in their last digit between versions
+    schedule = build_schedule("gpipe", ranks=2, microbatches=1)
+    costs = StageCosts(forward_s=(0.0, 0.0), backward_s=(0.0, 0.15), weight_s=(0.0, 0.0), transfer_s=(0.3,),
+                       send_s=(0.2,))
+    activation_there = (0.0 + 0.2) + 0.3
+    gradient_there = ((activation_there + 0.15) + 0.2) + 0.3  # 1.1500000000000001, not 1.15
+    assert simulate(schedule, costs, ranks=2).step_s == gradient_there
 
 
 def test_measured_comm_curves_interpolate_and_extend(tmp_path) -> None:

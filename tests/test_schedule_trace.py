@@ -121,8 +121,7 @@ def test_a_pipeline_with_more_actions_than_pixels_is_drawn_by_what_fills_each_co
     timeline = simulate(build_schedule("gpipe", ranks=2, microbatches=1200), costs, ranks=2)
     path = tmp_path / "timeline.png"
     write_gantt_png(timeline, path)
-    height, width, _ = imread(path).shape
-    assert width >= 800 and height <= (1.2 + 0.5 * 32) * 100  # 2 ranks: the short picture
+    assert imread(path).shape[1] >= 800
 
     drawn = {}
 
@@ -141,6 +140,14 @@ def test_a_pipeline_with_more_actions_than_pixels_is_drawn_by_what_fills_each_co
     assert (image[0, idle_column] > forward).all() and (image[0, idle_column] < 255).any()
     late = image[1, 0]  # a second of 3.6 idle, then forwards: the forward colour, faded
     assert (late > forward).all() and (late < 255).all()
+
+
+def test_many_ranks_share_the_picture_s_height(tmp_path: Path) -> None:
+    costs = StageCosts.uniform(64, forward_s=1.0, backward_s=2.0)
+    timeline = simulate(build_schedule("gpipe", ranks=64, microbatches=2), costs, ranks=64)
+    path = tmp_path / "timeline.png"
+    write_gantt_png(timeline, path)
+    assert imread(path).shape[0] <= (1.2 + 0.5 * 32) * 100  # half an inch a rank would be 3,320 pixels
 
 
 def test_schedule_csv_round_trip(tmp_path: Path) -> None:

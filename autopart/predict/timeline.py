@@ -12,9 +12,10 @@ def lowered_schedule(kind: str, ranks: int, microbatches: int, chunks: int) -> S
     """The schedule with its sends and receives, as its generator builds it; built once per shape,
     because a compile simulates one pipeline several times (each candidate plan, its step, the
     report) and at a thousand microbatches over hundreds of virtual stages building it costs
-    about what simulating it does. Not validated here (`autopart.schedule.built`: the simulator
-    finds a deadlock itself); a plan's stored lists are, before anything runs them. Shared
-    between callers: read it, never change it."""
+    about what simulating it does. Not validated here (`autopart.schedule.built`: the simulators
+    raise on a deadlock, and a generator's other mistakes would show in its tests); a plan's
+    stored lists are validated before anything runs them. Shared between callers: read it, never
+    change it."""
     return built(kind, ranks, microbatches, chunks)[1]
 
 

@@ -5,7 +5,8 @@ the model computing at once, a plan's steps in ``--profile-pipeline``) runs for 
 a count of runs: this machine's speed moves within seconds, and a figure should be the mean
 over that. ``AUTOPART_MEASURE_SECONDS=S`` caps every such span at S seconds, for a quick first
 look (or a test suite that checks what is measured, not how well): the figures rest on fewer
-samples and move more between runs. The loops' counts of runs stay as they are.
+samples and move more between runs. The loops' counts of runs stay as they are, and so do the
+short bounds inside a loop (a co-run's phases of a fraction of a second, its warm-up).
 """
 
 from __future__ import annotations

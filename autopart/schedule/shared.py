@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from autopart.ir.errors import ScheduleError
 from autopart.ir.actions import COMPUTE_KINDS, RECEIVE_KINDS, Action, Kind, Schedule
 from autopart.schedule.simulate import StageCosts, input_ready_at, stage_homes
 
@@ -109,7 +110,8 @@ def step_time(schedule: Schedule, costs: StageCosts, *, ranks: int, cores: int =
             if action is not None and action.is_compute:
                 finished[(action.stage, action.kind, action.microbatch)] = now
                 events.append((rank, action, began[rank], now))
-    assert len(done) == len(schedule), "the schedule deadlocks; validate it first"
+    if len(done) != len(schedule):
+        raise _deadlock(schedule, sorted(set(schedule) - done))
     return now
 
 
@@ -141,6 +143,13 @@ class _InputTimes:
         ready = input_ready_at(action, self.finished, self.costs, self.homes)
         self.asked[rank] = (cursor, len(self.finished), ready)
         return ready
+
+
+def _deadlock(schedule: Schedule, stuck: list[int]) -> ScheduleError:
+    """The step model runs schedules that were built, not validated (`autopart.schedule.built`): a
+    schedule that cannot finish is an error here, never a time."""
+    return ScheduleError(f"the schedule deadlocks: ranks {', '.join(map(str, stuck))} wait for inputs that never "
+                         "arrive; validate it (autopart.schedule.validate) to see where")
 
 
 def _dedicated(schedule: Schedule, costs: StageCosts, *, ranks: int, tail_s: dict[int, float],
@@ -184,8 +193,9 @@ def _dedicated(schedule: Schedule, costs: StageCosts, *, ranks: int, tail_s: dic
                 at += 1
             if at > cursor[rank]:
                 cursor[rank], progress = at, True
-    assert all(cursor[rank] == len(actions) for rank, actions in schedule.items()), \
-        "the schedule deadlocks; validate it first"
+    stuck = [rank for rank, actions in schedule.items() if cursor[rank] < len(actions)]
+    if stuck:
+        raise _deadlock(schedule, stuck)
     tails = (tail_s.get(rank, 0.0) for rank in schedule)
     return max((free[rank] + (tail + woke(rank, free[rank]) if tail > 0 else 0.0) for rank, tail in zip(schedule, tails)),
                default=0.0)

@@ -293,7 +293,7 @@ def input_ready_at(action: Action, finished: dict[tuple[int, Kind, int], float],
             if gradient is None:
                 return None
         if homes[stage + 1] != homes[stage]:
-            gradient += (costs.send_s[stage] if costs.send_s else 0.0) + costs.transfer_s[stage]
+            gradient = gradient + (costs.send_s[stage] if costs.send_s else 0.0) + costs.transfer_s[stage]
         return max(own_forward, gradient)
     if kind is Kind.W:
         return finished.get((stage, Kind.I, mb))
