@@ -114,24 +114,25 @@ def _rgb(hex_colour: str) -> np.ndarray:
     return np.array([int(hex_colour[i : i + 2], 16) for i in (1, 3, 5)])
 
 
-def test_a_pipeline_with_more_actions_than_pixels_is_drawn_by_what_fills_each_column(tmp_path: Path) -> None:
+def test_a_pipeline_with_more_actions_than_pixels_is_drawn_by_what_fills_each_column(tmp_path: Path,
+                                                                                      monkeypatch) -> None:
     # gpipe over 2 ranks, 1,200 microbatches: rank 0 forwards for the first third of the step, then
     # idles until rank 1's first backward, then runs its backwards; rank 1 starts a forward late
+    from matplotlib.axes import Axes
+
     costs = StageCosts.uniform(2, forward_s=1.0, backward_s=2.0)
     timeline = simulate(build_schedule("gpipe", ranks=2, microbatches=1200), costs, ranks=2)
+    drawn = {}
+    real_imshow = Axes.imshow
+
+    def imshow(self, image, **kwargs):
+        drawn.update(image=image, **kwargs)
+        return real_imshow(self, image, **kwargs)
+
+    monkeypatch.setattr(Axes, "imshow", imshow)
     path = tmp_path / "timeline.png"
     write_gantt_png(timeline, path)
     assert imread(path).shape[1] >= 800
-
-    drawn = {}
-
-    class Axes:
-        def imshow(self, image, **kwargs):
-            drawn.update(image=image, **kwargs)
-
-    from autopart.schedule.trace import _draw_coverage
-
-    _draw_coverage(Axes(), timeline.per_rank(), 2, timeline.step_s)
     image = (drawn["image"] * 255).round()
     assert image.shape == (2, 1000, 3) and drawn["extent"] == (0, timeline.step_s, 1.5, -0.5)
     forward, backward = _rgb("#0072B2"), _rgb("#009E73")
