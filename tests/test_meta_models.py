@@ -6,6 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from autopart.ir.errors import ModelFileError
 from autopart.ir.model_file import load_model_file
 from autopart.driver import CompileOptions, compile_to_directory
 from autopart.runtime.materialise import materialise, meta_names
@@ -55,3 +56,61 @@ def test_meta_model_trains_from_a_checkpoint(tmp_path):
     )
     assert_same_training(run, optimizer="sgd", lr=0.1, weights=path)
     torch.testing.assert_close(run.finals[0]["blocks.0.up.weight"], checkpoint["blocks.0.up.weight"], atol=0.05, rtol=0)
+
+
+_INIT_MODEL = '''
+import torch
+from torch import nn
+
+DEVICE = "{device}"
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(8, 8)  # kaiming_uniform_ and uniform_ in its reset_parameters
+        self.embed = nn.Embedding(16, 8)  # normal_
+        {extra}
+
+
+def build_model():
+    torch.manual_seed(0)
+    with torch.device(DEVICE):
+        return Net()
+
+
+def example_batch(batch_size):
+    return (torch.zeros(batch_size, 8),), None
+'''
+
+
+def _init_model(tmp_path, device: str, extra: str = ""):
+    path = tmp_path / f"init_{device}.py"
+    path.write_text(_INIT_MODEL.format(device=device, extra=extra))
+    return path
+
+
+def test_building_on_meta_runs_no_random_fill_and_a_real_model_is_built_as_without_autopart(tmp_path, monkeypatch):
+    # on the meta device each fill runs torch's Python reference (seconds for a thousand layers) and fills nothing
+    fills = []
+    real_normal, real_uniform = torch.Tensor.normal_, torch.Tensor.uniform_
+    monkeypatch.setattr(torch.Tensor, "normal_", lambda t, *a, **k: fills.append("normal_") or real_normal(t, *a, **k))
+    monkeypatch.setattr(torch.Tensor, "uniform_", lambda t, *a, **k: fills.append("uniform_") or real_uniform(t, *a, **k))
+    meta = load_model_file(_init_model(tmp_path, "meta")).module
+    assert fills == [] and meta.up.weight.is_meta and meta.up.weight.shape == (8, 8)
+    real = load_model_file(_init_model(tmp_path, "cpu")).module
+    assert sorted(set(fills)) == ["normal_", "uniform_"]
+    torch.manual_seed(0)
+    from importlib import util
+
+    spec = util.spec_from_file_location("plain", _init_model(tmp_path, "cpu"))
+    plain = util.module_from_spec(spec)
+    spec.loader.exec_module(plain)
+    expected = plain.build_model().state_dict()
+    assert all(torch.equal(value, expected[name]) for name, value in real.state_dict().items())
+
+
+def test_an_initialiser_that_refuses_its_meta_tensor_still_refuses_it(tmp_path):
+    path = _init_model(tmp_path, "meta", "nn.init.kaiming_uniform_(nn.Parameter(torch.empty(8)))")
+    with pytest.raises(ModelFileError, match="Fan in and fan out can not be computed for tensor with fewer than 2 dimensions"):
+        load_model_file(path)

@@ -95,7 +95,8 @@ def load_model_file(path: str | Path, *, build: bool = True) -> ModelSpec:
     model = None
     try:
         if build:
-            model = build_model()
+            with _NoRandomFillsOnMeta():
+                model = build_model()
     except Exception as exc:
         raise ModelFileError(f"build_model() in {path.name} raised {describe_error(exc, path)}") from None
     if build and not isinstance(model, nn.Module):
@@ -113,6 +114,27 @@ def load_model_file(path: str | Path, *, build: bool = True) -> ModelSpec:
         eval_batches=eval_batches,
         init_weights=init_weights,
     )
+
+
+class _NoRandomFillsOnMeta(torch.overrides.TorchFunctionMode):
+    """Skips ``nn.init.normal_``, ``uniform_`` and ``kaiming_uniform_`` on meta tensors while a model
+    builds: they hold no values to fill, and on the meta device each fill runs torch's Python
+    reference of the op (a 1,024-layer model's ``nn.Linear`` initialisers took seconds of a
+    compile). A mode sees the ``nn.init`` function itself, not the tensor method it calls. Every
+    other op, every fill of a real tensor, and a ``kaiming_uniform_`` that would refuse its tensor
+    (fewer than two dimensions: its fans) run as they are."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _RANDOM_FILLS:
+            tensor = args[0] if args else kwargs.get("tensor")  # nn.init hands its tensor over by name
+            if isinstance(tensor, torch.Tensor) and tensor.is_meta and \
+                    (func is not nn.init.kaiming_uniform_ or tensor.dim() >= 2):
+                return tensor
+        return func(*args, **kwargs)
+
+
+_RANDOM_FILLS = frozenset({nn.init.normal_, nn.init.uniform_, nn.init.kaiming_uniform_})
 
 
 def _contract_function(module: Any, path: Path, name: str, *, required: bool) -> Callable | None:
