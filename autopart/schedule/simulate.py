@@ -267,6 +267,12 @@ def stage_homes(stages: int, ranks: int, placement: Sequence[int] | None = None)
     return tuple(rank_of(stage, ranks, placement) for stage in range(stages))
 
 
+def _arrived(sent_at: float, costs: StageCosts, boundary: int) -> float:
+    """When a tensor produced at ``sent_at`` is on the other side of ``boundary``: the send's rank
+    time, then the transfer, added in that order (one rounding for activations and gradients alike)."""
+    return sent_at + (costs.send_s[boundary] if costs.send_s else 0.0) + costs.transfer_s[boundary]
+
+
 def input_ready_at(action: Action, finished: dict[tuple[int, Kind, int], float], costs: StageCosts,
                    homes: tuple[int, ...]) -> float | None:
     """When the inputs of ``action`` are on its rank, given the end times of the compute actions
@@ -280,7 +286,7 @@ def input_ready_at(action: Action, finished: dict[tuple[int, Kind, int], float],
         produced = finished.get((stage - 1, Kind.F, mb))
         if produced is None or homes[stage - 1] == homes[stage]:
             return produced
-        return produced + (costs.send_s[stage - 1] if costs.send_s else 0.0) + costs.transfer_s[stage - 1]
+        return _arrived(produced, costs, stage - 1)
     if kind is Kind.B or kind is Kind.I or kind is Kind.RECV_B:
         own_forward = 0.0 if kind is Kind.RECV_B else finished.get((stage, Kind.F, mb))
         if own_forward is None:
@@ -293,7 +299,7 @@ def input_ready_at(action: Action, finished: dict[tuple[int, Kind, int], float],
             if gradient is None:
                 return None
         if homes[stage + 1] != homes[stage]:
-            gradient = gradient + (costs.send_s[stage] if costs.send_s else 0.0) + costs.transfer_s[stage]
+            gradient = _arrived(gradient, costs, stage)
         return max(own_forward, gradient)
     if kind is Kind.W:
         return finished.get((stage, Kind.I, mb))

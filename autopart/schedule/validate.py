@@ -247,9 +247,7 @@ def _name(key: _Key) -> str:
 def _partner(action: Action) -> _Key:
     """The send that a receive waits for, or the receive that takes a send's message (as
     ``action.partner``, without making the Action: its stage exists, _check_peer has seen every message)."""
-    kind = action.kind
-    peer = action.stage + (1 if kind is Kind.SEND_F or kind is Kind.RECV_B else -1)
-    return (peer, PARTNER_KIND[kind], action.microbatch)
+    return (action.peer_stage, PARTNER_KIND[action.kind], action.microbatch)
 
 
 def _check_message(
