@@ -31,6 +31,7 @@ __all__ = [
 
 _US_PER_S = 1e6
 _COLUMNS = 1_000  # pixel columns of the drawn time axis, about (1,200 wide with the labels and legend)
+_LIGHT_ALPHA = 0.6  # odd chunks' bars, so the rounds through a rank's chunks can be told apart
 _MAX_ROWS_DRAWN_TALL = 32  # ranks drawn half an inch high each; more share the height, every k-th labelled
 
 # Colour-blind-safe (Okabe-Ito): forward blue, full backward green, I orange, W purple.
@@ -168,19 +169,23 @@ def write_gantt_png(timeline: Timeline, path: str | Path, *, title: str = "") ->
     figure.savefig(path)
 
 
+def _lighter(event: Event, ranks: int) -> bool:
+    """Whether ``event`` is drawn in the lighter shade: an odd chunk of its rank (interleaved)."""
+    return (event.action.stage // ranks) % 2 == 1
+
+
 def _draw_bars(axes: Any, by_rank: dict[int, list[Event]], ranks: int, step: float) -> None:
     """A bar per action, one collection per rank, kind and shade (a patch per bar draws slowly)."""
     bars: dict[tuple[int, Kind, bool], list[tuple[float, float]]] = {}
     for rank, events in by_rank.items():
         for event in events:
             width = event.end - event.start
-            light = (event.action.stage // ranks) % 2 == 1
-            bars.setdefault((rank, event.action.kind, light), []).append((event.start, width))
+            bars.setdefault((rank, event.action.kind, _lighter(event, ranks)), []).append((event.start, width))
             if width > step / 150:
                 axes.text(event.start + width / 2, rank, str(event.action.microbatch), ha="center", va="center",
                           fontsize=7, color="white")
     for (rank, kind, light), spans in bars.items():
-        axes.broken_barh(spans, (rank - 0.4, 0.8), facecolors=_COLOURS[kind], alpha=0.6 if light else 1.0,
+        axes.broken_barh(spans, (rank - 0.4, 0.8), facecolors=_COLOURS[kind], alpha=_LIGHT_ALPHA if light else 1.0,
                          edgecolor="white", linewidth=0.5)
 
 
@@ -199,13 +204,14 @@ def _draw_coverage(axes: Any, by_rank: dict[int, list[Event]], ranks: int, step:
     for rank, events in by_rank.items():
         row = filled[rank]
         for event in events:
-            which = index[(event.action.kind, (event.action.stage // ranks) % 2 == 1)]
+            which = index[(event.action.kind, _lighter(event, ranks))]
             first, last = event.start * scale, min(event.end * scale, _COLUMNS)
             column = min(int(first), _COLUMNS - 1)
             while column < last > first:
                 row[column, which] += min(last, column + 1) - max(first, column)
                 column += 1
-    colours = np.array([[c + (1 - c) * 0.4 if light else c for c in to_rgb(_COLOURS[kind])] for kind, light in shades])
+    colours = np.array([[c + (1 - c) * (1 - _LIGHT_ALPHA) if light else c for c in to_rgb(_COLOURS[kind])]
+                        for kind, light in shades])  # the lighter shade as the bars' alpha on white
     busy = np.clip(filled.sum(axis=2, keepdims=True), 0.0, 1.0)
     image = 1.0 - busy * (1.0 - colours[filled.argmax(axis=2)])
     axes.imshow(image, extent=(0, step, ranks - 0.5, -0.5), aspect="auto", interpolation="nearest")
