@@ -1,13 +1,16 @@
-"""A pipeline's lowered schedule is built and validated once per shape, and simulating through it
-gives what a schedule built afresh gives."""
+"""A pipeline's lowered schedule is built once per shape, simulating the shared schedule gives
+what a schedule built afresh gives, and where messages take no rank time the compute order alone
+times as its lowering does."""
 
 from __future__ import annotations
+
+import random
 
 import pytest
 
 from autopart.ir.errors import ScheduleError
 from autopart.predict.timeline import lowered_schedule, simulate_pipeline
-from autopart.schedule import StageCosts, add_communication, build_schedule, simulate
+from autopart.schedule import StageCosts, add_communication, build_schedule, simulate, stage_placement
 
 
 @pytest.mark.parametrize(("kind", "ranks", "microbatches", "chunks"),
@@ -29,3 +32,28 @@ def test_costs_for_stages_the_schedule_lacks_are_refused() -> None:
     with pytest.raises(ScheduleError):
         simulate_pipeline(kind="1f1b", ranks=2, microbatches=2, chunks=1, forward_s=(1.0,) * 3, backward_s=(2.0,) * 3,
                           weight_s=(1.0,) * 3, transfer_s=(0.0,) * 2)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_compute_order_times_as_its_lowering_where_messages_take_no_rank_time(seed) -> None:
+    # simulate_pipeline, plan_timeline and the search's finalists run the compute order alone:
+    # lowering puts each receive right before its consumer and each send right after its producer
+    rng = random.Random(seed)
+    kind = rng.choice(["gpipe", "1f1b", "interleaved", "zb-h1", "zbv"])
+    ranks = rng.randint(1, 5)
+    chunks = {"interleaved": rng.randint(2, 3), "zbv": 2}.get(kind, 1)
+    microbatches = {"interleaved": ranks * rng.randint(1, 3), "zbv": rng.randint(2 * ranks - 1, 4 * ranks)}.get(
+        kind, rng.randint(1, 3 * ranks))
+    stages = ranks * chunks
+    placement = stage_placement(kind, ranks=ranks, chunks=chunks)
+    compute = build_schedule(kind, ranks=ranks, microbatches=microbatches, chunks=chunks)
+    backward = tuple(rng.uniform(0.5, 3.0) for _ in range(stages))
+    costs = StageCosts(forward_s=tuple(rng.uniform(0.2, 2.0) for _ in range(stages)), backward_s=backward,
+                       weight_s=tuple(b * rng.uniform(0.1, 0.6) for b in backward),
+                       transfer_s=tuple(rng.choice([0.0, rng.uniform(0.0, 1.5)]) for _ in range(stages - 1)))
+    alone = simulate(compute, costs, ranks=ranks, placement=placement)
+    lowered = simulate(add_communication(compute, ranks=ranks, placement=placement), costs, ranks=ranks,
+                       placement=placement)
+    assert alone.events == lowered.events
+    assert (alone.step_s, alone.bubble, alone.peak_in_flight) == (lowered.step_s, lowered.bubble,
+                                                                  lowered.peak_in_flight)

@@ -75,6 +75,7 @@ def test_the_step_model_simulates_the_built_schedule_and_only_a_plan_s_lists_are
     shape = ("zb-h1", 3, 7, 1)
     stored.generated.cache_clear()
     stored.built.cache_clear()
+    stored.built_lowered.cache_clear()
     lowered = lowered_schedule(*shape)
     assert checked == []
     assert stored.generated(*shape).lowered is lowered and len(checked) == 1

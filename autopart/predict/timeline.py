@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from autopart.ir.plan import Plan
-from autopart.schedule import Schedule, StageCosts, Timeline, built, plan_actions, simulate, stage_placement, validate
+from autopart.schedule import Schedule, StageCosts, Timeline, built, built_lowered, plan_actions, simulate, validate
 
 __all__ = ["simulate_pipeline", "lowered_schedule", "plan_schedule", "plan_timeline"]
 
@@ -16,7 +16,7 @@ def lowered_schedule(kind: str, ranks: int, microbatches: int, chunks: int) -> S
     raise on a deadlock, and a generator's other mistakes would show in its tests); a plan's
     stored lists are validated before anything runs them. Shared between callers: read it, never
     change it."""
-    return built(kind, ranks, microbatches, chunks)[1]
+    return built_lowered(kind, ranks, microbatches, chunks)
 
 
 def simulate_pipeline(
@@ -30,8 +30,9 @@ def simulate_pipeline(
     weight_s: tuple[float, ...],
     transfer_s: tuple[float, ...],
 ) -> Timeline:
-    placement = stage_placement(kind, ranks=ranks, chunks=chunks)
-    schedule = lowered_schedule(kind, ranks, microbatches, chunks)
+    """The pipeline's compute on its schedule: its messages take no rank time here, so the compute
+    order alone times as its lowering would (`autopart.schedule.simulate`)."""
+    schedule, placement = built(kind, ranks, microbatches, chunks)
     if len(forward_s) != ranks * chunks:  # costs of stages the schedule has not: the validator says which
         validate(schedule, ranks=ranks, stages=len(forward_s), microbatches=microbatches, placement=placement)
     costs = StageCosts(forward_s=forward_s, backward_s=backward_s, weight_s=weight_s, transfer_s=transfer_s)
@@ -44,7 +45,8 @@ def plan_schedule(plan: Plan, *, lowered: bool = True) -> Schedule:
 
 
 def plan_timeline(plan: Plan) -> Timeline:
-    """The plan's own action lists (hand-edited ones included) run against its stage times."""
+    """The plan's own action lists (hand-edited ones included) run against its stage times; its
+    compute order alone, as in `simulate_pipeline`."""
     stages = plan.stages
     costs = StageCosts(
         forward_s=tuple(s.forward_s for s in stages),
@@ -53,4 +55,4 @@ def plan_timeline(plan: Plan) -> Timeline:
         transfer_s=plan.predicted.transfer_s,
     )
     placement = tuple(s.rank for s in stages)
-    return simulate(plan_schedule(plan), costs, ranks=plan.mesh["pp"], placement=placement)
+    return simulate(plan_schedule(plan, lowered=False), costs, ranks=plan.mesh["pp"], placement=placement)

@@ -19,7 +19,7 @@ from autopart.schedule.trace import (
     write_gantt_png,
     write_schedule_csv,
 )
-from autopart.schedule.stored import action_lists, built, generated, keep_actions, plan_actions
+from autopart.schedule.stored import action_lists, built, built_lowered, generated, keep_actions, plan_actions
 from autopart.schedule.validate import check_message_order, format_grid, validate
 
 __all__ = [
@@ -42,6 +42,7 @@ __all__ = [
     "action_lists",
     "plan_actions",
     "built",
+    "built_lowered",
     "generated",
     "keep_actions",
     "format_grid",

@@ -208,7 +208,11 @@ def _peak_in_flight(actions_in_order: list[Action]) -> tuple[int, ...]:
 def simulate(schedule: Schedule, costs: StageCosts, *, ranks: int, placement: Sequence[int] | None = None) -> Timeline:
     """Run ``schedule`` against ``costs`` and return when each compute action starts and ends.
 
-    Accepts a compute-only or a lowered schedule. Raises ScheduleError when an action names a
+    Accepts a compute-only or a lowered schedule. Where messages take no rank time (``costs``
+    without ``send_s``, ``recv_s`` or per-action times) both give the same events: lowering puts
+    each receive right before the compute it feeds (`add_communication`), so it waits for exactly
+    the input that compute would, and each send right after its producer, where it takes no
+    time; the compute order alone is the cheaper to run. Raises ScheduleError when an action names a
     stage that ``costs`` does not have or sits on the wrong rank, and on a deadlock (some rank
     waits for an input that is never produced before it). ``placement`` is every stage's rank (a
     V for zbv), the loop of `stage_rank` without it.

@@ -29,7 +29,7 @@ from autopart.schedule.generators import build_schedule, stage_placement
 from autopart.schedule.lowering import add_communication
 from autopart.schedule.validate import validate
 
-__all__ = ["Generated", "action_lists", "built", "generated", "plan_actions", "keep_actions"]
+__all__ = ["Generated", "action_lists", "built", "built_lowered", "generated", "plan_actions", "keep_actions"]
 
 
 def action_lists(schedule: Schedule) -> tuple[tuple[str, ...], ...]:
@@ -50,21 +50,30 @@ class Generated:
 @functools.lru_cache(maxsize=16)
 def generated(kind: str, ranks: int, microbatches: int, chunks: int) -> Generated:
     """``kind``'s schedule for this shape, built, lowered and validated once in a process."""
-    compute, lowered, placement = built(kind, ranks, microbatches, chunks)
+    compute, placement = built(kind, ranks, microbatches, chunks)
+    lowered = built_lowered(kind, ranks, microbatches, chunks)
     shape = {"ranks": ranks, "stages": len(placement), "microbatches": microbatches, "placement": placement}
     _checked(lowered, shape)  # the compute order's dependencies with the messages' order
     return Generated(lists=action_lists(compute), compute=compute, lowered=lowered, placement=placement)
 
 
 @functools.lru_cache(maxsize=16)
-def built(kind: str, ranks: int, microbatches: int, chunks: int) -> tuple[Schedule, Schedule, tuple[int, ...]]:
-    """(compute, lowered, placement): ``kind``'s schedule for this shape as its generator builds it,
-    not validated, for the step model to simulate: the search times candidates whose schedules
+def built(kind: str, ranks: int, microbatches: int, chunks: int) -> tuple[Schedule, tuple[int, ...]]:
+    """(compute, placement): ``kind``'s schedule for this shape as its generator builds it, not
+    validated, for the step model to simulate: the search times candidates whose schedules
     nothing runs, and validating one of a thousand microbatches over a hundred ranks takes
     seconds. A plan's own lists go through `generated` (`plan_actions`), validated. Shared: read it."""
     placement = stage_placement(kind, ranks=ranks, chunks=chunks)
-    compute = build_schedule(kind, ranks=ranks, microbatches=microbatches, chunks=chunks)
-    return compute, add_communication(compute, ranks=ranks, placement=placement), placement
+    return build_schedule(kind, ranks=ranks, microbatches=microbatches, chunks=chunks), placement
+
+
+@functools.lru_cache(maxsize=16)
+def built_lowered(kind: str, ranks: int, microbatches: int, chunks: int) -> Schedule:
+    """`built`'s compute order with its sends and receives (`add_communication`), not validated;
+    lowered apart from `built` because most simulations need only the compute order (messages
+    that take no rank time change no time: `autopart.schedule.simulate`). Shared: read it."""
+    compute, placement = built(kind, ranks, microbatches, chunks)
+    return add_communication(compute, ranks=ranks, placement=placement)
 
 
 def plan_actions(plan: Any, *, lowered: bool = True) -> Schedule:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import functools
 
 from autopart.ir.actions import Kind
-from autopart.schedule import Schedule, StageCosts, Timeline, build_schedule, simulate, stage_placement
+from autopart.schedule import StageCosts, Timeline, built, simulate, stage_placement
 from autopart.solve.search import Cluster, CostTable, Scored, parameter_bytes_per_rank, tail_s
 from autopart.solve.baselines import stage_parameter_bytes
 from autopart.solve.chain_costs import ChainCosts
@@ -137,10 +137,5 @@ def pipeline_s(kind: str, pp: int, microbatches: int, chunks: int, costs: StageC
 
 @functools.lru_cache(maxsize=4096)
 def _timeline(kind: str, pp: int, microbatches: int, chunks: int, costs: StageCosts) -> Timeline:
-    placement = stage_placement(kind, ranks=pp, chunks=chunks)
-    return simulate(_schedule(kind, pp, microbatches, chunks), costs, ranks=pp, placement=placement)
-
-
-@functools.lru_cache(maxsize=64)
-def _schedule(kind: str, pp: int, microbatches: int, chunks: int) -> Schedule:
-    return build_schedule(kind, ranks=pp, microbatches=microbatches, chunks=chunks)
+    schedule, placement = built(kind, pp, microbatches, chunks)  # the plan's own, once chosen
+    return simulate(schedule, costs, ranks=pp, placement=placement)
