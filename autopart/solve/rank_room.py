@@ -90,7 +90,10 @@ class RankRoom:
 
     def fits(self, s: int, parameters: int, per_microbatch: int, once: int) -> bool:
         r = self.stage_rank[s]
-        peak = max(held + count * per_microbatch for held, count in zip(self.held[r], self.counts[s]))
+        peak = 0  # a plain loop: a generator under max() costs more than the few moments it reads
+        for held, count in zip(self.held[r], self.counts[s]):
+            if held + count * per_microbatch > peak:
+                peak = held + count * per_microbatch
         return self.fixed[r] + parameters + once + peak + self.later[s] * self.reserve <= self.room
 
     def take(self, s: int, parameters: int, per_microbatch: int, once: int) -> None:
