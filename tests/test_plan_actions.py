@@ -16,10 +16,10 @@ import pytest
 from autopart.tools import cli
 from autopart.ir.errors import ScheduleError
 from autopart.ir.plan import load_plan
-from autopart.predict.timeline import plan_schedule
+from autopart.predict.timeline import plan_schedule, plan_timeline
 from autopart.runtime import train
-from autopart.schedule import (action_lists, add_communication, build_schedule, generated, read_chrome_trace,
-                               read_schedule_csv)
+from autopart.schedule import (StageCosts, action_lists, add_communication, build_schedule, generated,
+                               read_chrome_trace, read_schedule_csv, simulate)
 from tests.distributed import REPO, Trained, assert_same_training, read_metrics, run_ranks, stage_weights
 from tests.test_bad_inputs import refused
 
@@ -63,6 +63,21 @@ def test_an_unedited_plan_shares_its_kinds_schedule_validated_once(tmp_path, com
     assert plan_schedule(edited, lowered=False) == build_schedule("gpipe", ranks=PP, microbatches=MICROBATCHES)
 
 
+def test_an_unedited_plan_is_simulated_once_and_an_edited_one_on_its_own_lists(tmp_path, compiled):
+    # the plan's figures and its report read one simulation of its kind's schedule (a million
+    # actions at scale); an edited plan's timeline is its own lists'
+    plan = load_plan(compiled / "plan.json")
+    assert plan_timeline(plan) is plan_timeline(load_plan(compiled / "plan.json"))
+    gpipe = build_schedule("gpipe", ranks=PP, microbatches=MICROBATCHES)
+    edited = load_plan(_edited(compiled, tmp_path, lambda a: a.__setitem__(slice(None), [list(r) for r in
+                                                                                   action_lists(gpipe)]))
+                       / "plan.json")
+    costs = StageCosts(forward_s=tuple(s.forward_s for s in edited.stages),
+                       backward_s=tuple(s.backward_s for s in edited.stages),
+                       weight_s=tuple(s.backward_weight_s for s in edited.stages), transfer_s=edited.predicted.transfer_s)
+    assert plan_timeline(edited).events == simulate(gpipe, costs, ranks=PP).events != plan_timeline(plan).events
+
+
 def test_the_step_model_simulates_the_built_schedule_and_only_a_plan_s_lists_are_validated(monkeypatch):
     # validating a thousand microbatches over a hundred ranks takes seconds: the search's
     # candidates are simulated unvalidated (the simulator finds a deadlock itself), a plan's lists
@@ -71,15 +86,52 @@ def test_the_step_model_simulates_the_built_schedule_and_only_a_plan_s_lists_are
     from autopart.schedule import stored
 
     checked = []
-    monkeypatch.setattr(stored, "_checked", lambda schedule, shape: checked.append(shape))
+    monkeypatch.setattr(stored, "_checked", lambda schedule, shape, **check: checked.append(shape))
     shape = ("zb-h1", 3, 7, 1)
     stored.generated.cache_clear()
     stored.built.cache_clear()
     stored.built_lowered.cache_clear()
     lowered = lowered_schedule(*shape)
     assert checked == []
-    assert stored.generated(*shape).lowered is lowered and len(checked) == 1
+    assert stored.generated(*shape).lowered is lowered and len(checked) == 2  # its compute order, its messages
     assert lowered == add_communication(build_schedule("zb-h1", ranks=3, microbatches=7), ranks=3)
+
+
+@pytest.fixture
+def faulty(monkeypatch):
+    """``faulty(compute=..., lowered=...)``: the schedule module, building its schedules with
+    ``compute`` and ``lowered`` changing what the generator and the lowering return (as a bug in
+    either would); its caches emptied before and after, so no test sees another's schedules."""
+    from autopart.schedule import stored
+
+    caches = (stored.generated, stored.built, stored.built_lowered)
+
+    def building(*, compute=lambda s: s, lowered=lambda s: s):
+        for cache in caches:
+            cache.cache_clear()
+        monkeypatch.setattr(stored, "build_schedule", lambda *a, **k: compute(build_schedule(*a, **k)))
+        monkeypatch.setattr(stored, "add_communication", lambda *a, **k: lowered(add_communication(*a, **k)))
+        return stored
+
+    yield building
+    for cache in caches:
+        cache.cache_clear()
+
+
+def _swapped(schedule, rank, first, second):
+    changed = {r: list(actions) for r, actions in schedule.items()}
+    i, j = (list(map(str, changed[rank])).index(name) for name in (first, second))
+    changed[rank][i], changed[rank][j] = changed[rank][j], changed[rank][i]
+    return changed
+
+
+def test_a_generated_schedule_is_validated_in_its_compute_order_and_its_messages(faulty):
+    # a generator's bug is caught where its schedule is first handed to a plan, as an edit would be
+    with pytest.raises(ScheduleError, match=r"rank 1, position 0: 1B0 runs before 1F0"):
+        faulty(compute=lambda s: _swapped(s, 1, "1F0", "1B0")).generated("1f1b", 2, 4, 1)
+    # and the lowering's: two receives of rank 0 taken out of the order rank 1 sends them
+    with pytest.raises(ScheduleError, match=r"rank 0, position 2: 0RECV_B1 receives out of order"):
+        faulty(lowered=lambda s: _swapped(s, 0, "0RECV_B0", "0RECV_B1")).generated("1f1b", 2, 4, 1)
 
 
 def _swap(actions, rank, a, b):

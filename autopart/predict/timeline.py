@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 from autopart.ir.plan import Plan
 from autopart.schedule import Schedule, StageCosts, Timeline, built, built_lowered, plan_actions, simulate, validate
 
@@ -32,10 +34,18 @@ def simulate_pipeline(
 ) -> Timeline:
     """The pipeline's compute on its schedule: its messages take no rank time here, so the compute
     order alone times as its lowering would (`autopart.schedule.simulate`)."""
-    schedule, placement = built(kind, ranks, microbatches, chunks)
     if len(forward_s) != ranks * chunks:  # costs of stages the schedule has not: the validator says which
+        schedule, placement = built(kind, ranks, microbatches, chunks)
         validate(schedule, ranks=ranks, stages=len(forward_s), microbatches=microbatches, placement=placement)
     costs = StageCosts(forward_s=forward_s, backward_s=backward_s, weight_s=weight_s, transfer_s=transfer_s)
+    return _simulated(kind, ranks, microbatches, chunks, costs)
+
+
+@functools.lru_cache(maxsize=2)
+def _simulated(kind: str, ranks: int, microbatches: int, chunks: int, costs: StageCosts) -> Timeline:
+    """A generated schedule's timeline: a compile asks for its plan's twice (the plan's figures,
+    the report), each a simulation of up to a million actions. Shared: read it."""
+    schedule, placement = built(kind, ranks, microbatches, chunks)
     return simulate(schedule, costs, ranks=ranks, placement=placement)
 
 
@@ -54,5 +64,8 @@ def plan_timeline(plan: Plan) -> Timeline:
         weight_s=tuple(s.backward_weight_s for s in stages),
         transfer_s=plan.predicted.transfer_s,
     )
-    placement = tuple(s.rank for s in stages)
-    return simulate(plan_schedule(plan, lowered=False), costs, ranks=plan.mesh["pp"], placement=placement)
+    placement, spec, ranks = tuple(s.rank for s in stages), plan.schedule, plan.mesh["pp"]
+    schedule = plan_schedule(plan, lowered=False)
+    if schedule is built(spec.kind, ranks, spec.microbatches, spec.chunks)[0]:  # its kind's, unedited
+        return _simulated(spec.kind, ranks, spec.microbatches, spec.chunks, costs)
+    return simulate(schedule, costs, ranks=ranks, placement=placement)

@@ -27,7 +27,7 @@ from autopart.ir.errors import ScheduleError
 from autopart.ir.actions import Action, Schedule
 from autopart.schedule.generators import build_schedule, stage_placement
 from autopart.schedule.lowering import add_communication
-from autopart.schedule.validate import validate
+from autopart.schedule.validate import check_message_order, validate
 
 __all__ = ["Generated", "action_lists", "built", "built_lowered", "generated", "plan_actions", "keep_actions"]
 
@@ -53,7 +53,11 @@ def generated(kind: str, ranks: int, microbatches: int, chunks: int) -> Generate
     compute, placement = built(kind, ranks, microbatches, chunks)
     lowered = built_lowered(kind, ranks, microbatches, chunks)
     shape = {"ranks": ranks, "stages": len(placement), "microbatches": microbatches, "placement": placement}
-    _checked(lowered, shape)  # the compute order's dependencies with the messages' order
+    _checked(compute, shape)  # every forward and backward once, in order, without a deadlock
+    # Lowering puts each receive right before the compute it feeds and each send right after its
+    # producer, pairing every message (`add_communication`): validated with its compute order, a
+    # lowered schedule has only its messages' order on each channel left to check
+    _checked(lowered, shape, messages_only=True)
     return Generated(lists=action_lists(compute), compute=compute, lowered=lowered, placement=placement)
 
 
@@ -96,10 +100,14 @@ def plan_actions(plan: Any, *, lowered: bool = True) -> Schedule:
     return with_messages if lowered else compute
 
 
-def _checked(schedule: Schedule, shape: dict[str, Any]) -> None:
-    """`validate`, its error naming the position in the stored list (a receive: of the action it feeds)."""
+def _checked(schedule: Schedule, shape: dict[str, Any], *, messages_only: bool = False) -> None:
+    """`validate` (or, ``messages_only``, `check_message_order`), its error naming the position in
+    the stored list (a receive: of the action it feeds)."""
     try:
-        validate(schedule, **shape)
+        if messages_only:
+            check_message_order(schedule, ranks=shape["ranks"], placement=shape["placement"])
+        else:
+            validate(schedule, **shape)
     except ScheduleError as exc:
         message = str(exc)
         if getattr(exc, "at", None) is not None:
