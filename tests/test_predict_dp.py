@@ -60,6 +60,37 @@ def test_the_step_pays_only_what_runs_past_each_ranks_last_action():
     assert step == pytest.approx(alone) and added == {0: pytest.approx((0.0, 0.0))}
 
 
+@pytest.mark.parametrize("seed", range(12))
+def test_with_a_device_per_rank_the_pipeline_runs_once_and_the_step_is_its_tails_after_it(monkeypatch, seed):
+    # a rank's tail (its reductions' wait, the optimizer) follows its last action and changes no
+    # one's pipeline: the step equals step_time's with the tails added, from one run
+    import random
+
+    from autopart.schedule import shared
+
+    rng = random.Random(seed)
+    ranks, microbatches = rng.randint(2, 4), rng.randint(2, 8)
+    schedule = add_communication(build_schedule(rng.choice(["1f1b", "zb-h1", "gpipe"]), ranks=ranks,
+                                                microbatches=microbatches), ranks=ranks)
+    costs = StageCosts(forward_s=tuple(rng.uniform(0.5, 1.5) for _ in range(ranks)),
+                       backward_s=tuple(rng.uniform(1.5, 3.0) for _ in range(ranks)), weight_s=(0.4,) * ranks,
+                       transfer_s=(0.1,) * (ranks - 1), send_s=(0.02,) * (ranks - 1), recv_s=(0.03,) * (ranks - 1),
+                       recv_waited_s=(0.01,) * (ranks - 1))
+    last = {rank: [a for a in schedule[rank] if a.kind in (Kind.B, Kind.W)][-1] for rank in schedule}
+    reductions = {rank: [Reduction(trigger=last[rank], fraction=rng.uniform(0.0, 1.0), seconds=rng.uniform(0.0, 3.0))]
+                  for rank in schedule}
+    tails = {rank: rng.choice([0.0, rng.uniform(0.0, 1.0)]) for rank in schedule}
+    wake = (lambda idle: idle / 10) if seed % 2 else None
+    asked, ready_at = [], shared.input_ready_at
+    monkeypatch.setattr(shared, "input_ready_at", lambda action, *rest: asked.append(action) or ready_at(action, *rest))
+    step, added = overlapped_step_time(schedule, costs, reductions, ranks=ranks, tail_s=tails, wake_s=wake)
+    assert asked.count(schedule[0][0]) == 1  # the first forward, always ready: the pipeline ran once
+    monkeypatch.undo()
+    expected = step_time(schedule, costs, ranks=ranks, wake_s=wake,
+                         tail_s={rank: tails[rank] + sum(added.get(rank, ())) for rank in schedule})
+    assert step == expected
+
+
 def test_buckets_are_final_as_the_backward_reaches_their_layers():
     actions = add_communication(build_schedule("1f1b", ranks=1, microbatches=2, chunks=1), ranks=1)[0]
     megabyte = 1 << 20

@@ -29,7 +29,7 @@ from autopart.ir.buckets import final_gradient_positions, plan_buckets
 from autopart.ir.plan import StagePlan
 from autopart.passes.blocks import BlockChain
 from autopart.schedule import StageCosts
-from autopart.schedule.shared import step_time
+from autopart.schedule.shared import dedicated_run, step_time
 from cost_models import CostModel
 
 __all__ = ["Reduction", "StageGradients", "rank_reductions", "plan_reductions", "reduction_delay",
@@ -166,8 +166,17 @@ def overlapped_step_time(schedule: Schedule, costs: StageCosts, reductions: Mapp
         return step_time(schedule, costs, ranks=ranks, cores=cores, background=background, tail_s=tail_s,
                          **sharing), {}
     events: list[tuple[int, Action, float, float]] = []
-    step_time(schedule, costs, ranks=ranks, cores=cores, background=background, tail_s=tail_s, events=events,
-              **sharing)
+    if cores <= 0:  # a device per rank: the tails follow the pipeline and change none of it, so it runs once
+        run = dedicated_run(schedule, costs, ranks=ranks, wake_s=sharing.get("wake_s"), events=events,
+                            placement=sharing.get("placement"))
+        step_with = run.step
+    else:
+        step_time(schedule, costs, ranks=ranks, cores=cores, background=background, tail_s=tail_s, events=events,
+                  **sharing)
+
+        def step_with(tails: Mapping[int, float]) -> float:
+            return step_time(schedule, costs, ranks=ranks, cores=cores, background=background, tail_s=dict(tails),
+                             **sharing)
     spans = {(rank, action): (start, end) for rank, action, start, end in events}
     last_end: dict[int, float] = {}
     for (rank, _), (_, end) in spans.items():
@@ -181,6 +190,4 @@ def overlapped_step_time(schedule: Schedule, costs: StageCosts, reductions: Mapp
         # the step's own threads share the cores; a collective's measured time already holds what
         # the rest of the machine took from it while it was measured
         added[rank] = reduction_delay(ready, mine, last_end.get(rank, 0.0), cores=cores, busy=ranks)
-    step = step_time(schedule, costs, ranks=ranks, cores=cores, background=background,
-                     tail_s={r: tail_s.get(r, 0.0) + sum(added.get(r, ())) for r in schedule}, **sharing)
-    return step, added
+    return step_with({r: tail_s.get(r, 0.0) + sum(added.get(r, ())) for r in schedule}), added

@@ -22,13 +22,14 @@ equals `simulate`'s step plus the longest tail on the last rank to finish.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 from autopart.ir.errors import ScheduleError
 from autopart.ir.actions import COMPUTE_KINDS, RECEIVE_KINDS, Action, Kind, Schedule
 from autopart.schedule.simulate import StageCosts, input_ready_at, stage_homes
 
-__all__ = ["step_time"]
+__all__ = ["DedicatedRun", "dedicated_run", "step_time"]
 
 _EPSILON = 1e-12
 
@@ -46,9 +47,9 @@ def step_time(schedule: Schedule, costs: StageCosts, *, ranks: int, cores: int =
     action as (rank, action, start, end); ``placement``: every stage's rank, as `simulate`."""
     tail_s, events = tail_s or {}, [] if events is None else events
     if cores <= 0:
-        return _dedicated(schedule, costs, ranks=ranks, tail_s=tail_s, wake_s=wake_s, events=events,
-                          placement=placement)
-    shared = cores < ranks + background  # from here on cores > 0: `_dedicated` took the rest
+        run = dedicated_run(schedule, costs, ranks=ranks, wake_s=wake_s, events=events, placement=placement)
+        return run.step(tail_s)
+    shared = cores < ranks + background  # from here on cores > 0: `dedicated_run` took the rest
     idle_since = dict.fromkeys(schedule, 0.0)  # when each rank last finished work
     finished: dict = {}
     cursor = {rank: 0 for rank in schedule}
@@ -152,20 +153,39 @@ def _deadlock(schedule: Schedule, stuck: list[int]) -> ScheduleError:
                          "arrive; validate it (autopart.schedule.validate) to see where")
 
 
-def _dedicated(schedule: Schedule, costs: StageCosts, *, ranks: int, tail_s: dict[int, float],
-               wake_s: Callable[[float], float] | None, events: list[tuple[int, Action, float, float]],
-               placement: Sequence[int] | None) -> float:
-    """`step_time` where every rank has a device of its own: nothing is shared, so a rank's
-    action starts when the rank is free and the action's inputs are there, and each rank's list
-    can run ahead as far as its inputs are known (as `simulate` does) instead of event by event
-    over every rank: the same times (to rounding) in time about linear in the actions, which a
-    thousand microbatches over a hundred ranks need."""
+@dataclass(frozen=True)
+class DedicatedRun:
+    """Where each rank stands after its last action when every rank has a device of its own
+    (`dedicated_run`): its tail comes after all of its actions and changes nothing of anyone's
+    pipeline, so steps with other tails (the data-parallel reductions' waits,
+    `autopart.predict.reduction`) need no second run."""
+
+    free: dict[int, float]  # per rank, when its last action ended
+    idle_since: dict[int, float]  # per rank, when its last action of positive length ended
+    wake_s: Callable[[float], float] | None
+
+    def step(self, tail_s: Mapping[int, float]) -> float:
+        """The step: each rank's ``tail_s`` after its last action (waking first if it sat idle)."""
+        tails = (tail_s.get(rank, 0.0) for rank in self.free)
+        return max((self.free[rank] + (tail + _woken(self.wake_s, self.idle_since[rank], self.free[rank])
+                                       if tail > 0 else 0.0)
+                    for rank, tail in zip(self.free, tails)), default=0.0)
+
+
+def _woken(wake_s: Callable[[float], float] | None, idle_since: float, start: float) -> float:
+    """What work starting at ``start`` pays for the rank's idle time since ``idle_since``."""
+    return max(0.0, wake_s(start - idle_since)) if wake_s and start > idle_since + _EPSILON else 0.0
+
+
+def dedicated_run(schedule: Schedule, costs: StageCosts, *, ranks: int, wake_s: Callable[[float], float] | None,
+                  events: list[tuple[int, Action, float, float]], placement: Sequence[int] | None) -> DedicatedRun:
+    """`step_time`'s pipeline where every rank has a device of its own: nothing is shared, so a
+    rank's action starts when the rank is free and the action's inputs are there, and each rank's
+    list can run ahead as far as its inputs are known (as `simulate` does) instead of event by
+    event over every rank: the same times (to rounding) in time about linear in the actions, which
+    a thousand microbatches over a hundred ranks need."""
     free = dict.fromkeys(schedule, 0.0)  # when the rank can start its next action
     idle_since = dict.fromkeys(schedule, 0.0)  # when its last action of positive length ended
-
-    def woke(rank: int, start: float) -> float:
-        return max(0.0, wake_s(start - idle_since[rank])) if wake_s and start > idle_since[rank] + _EPSILON else 0.0
-
     cursor, finished = dict.fromkeys(schedule, 0), {}
     homes = stage_homes(costs.stages, ranks, placement)
     progress = True
@@ -185,7 +205,7 @@ def _dedicated(schedule: Schedule, costs: StageCosts, *, ranks: int, tail_s: dic
                     work = costs.duration(action)
                 end = start
                 if work > 0:
-                    end = idle_since[rank] = start + work + woke(rank, start)
+                    end = idle_since[rank] = start + work + _woken(wake_s, idle_since[rank], start)
                 free[rank] = end
                 if action.kind in COMPUTE_KINDS:
                     events.append((rank, action, start, end))
@@ -196,6 +216,4 @@ def _dedicated(schedule: Schedule, costs: StageCosts, *, ranks: int, tail_s: dic
     stuck = [rank for rank, actions in schedule.items() if cursor[rank] < len(actions)]
     if stuck:
         raise _deadlock(schedule, stuck)
-    tails = (tail_s.get(rank, 0.0) for rank in schedule)
-    return max((free[rank] + (tail + woke(rank, free[rank]) if tail > 0 else 0.0) for rank, tail in zip(schedule, tails)),
-               default=0.0)
+    return DedicatedRun(free=free, idle_since=idle_since, wake_s=wake_s)
