@@ -5,7 +5,8 @@ from __future__ import annotations
 import functools
 
 from autopart.ir.plan import Plan
-from autopart.schedule import Schedule, StageCosts, Timeline, built, built_lowered, plan_actions, simulate, validate
+from autopart.schedule import (Schedule, StageCosts, Timeline, built, built_lowered, generated, plan_actions, simulate,
+                               validate)
 
 __all__ = ["simulate_pipeline", "lowered_schedule", "plan_schedule", "plan_timeline"]
 
@@ -66,6 +67,6 @@ def plan_timeline(plan: Plan) -> Timeline:
     )
     placement, spec, ranks = tuple(s.rank for s in stages), plan.schedule, plan.mesh["pp"]
     schedule = plan_schedule(plan, lowered=False)
-    if schedule is built(spec.kind, ranks, spec.microbatches, spec.chunks)[0]:  # its kind's, unedited
+    if schedule is generated(spec.kind, ranks, spec.microbatches, spec.chunks).compute:  # its kind's, unedited
         return _simulated(spec.kind, ranks, spec.microbatches, spec.chunks, costs)
     return simulate(schedule, costs, ranks=ranks, placement=placement)
