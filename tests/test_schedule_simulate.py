@@ -237,3 +237,18 @@ def test_simulate_rejects_misplaced_actions() -> None:
 def test_stage_costs_are_checked(fields: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         StageCosts(**fields)
+
+
+@pytest.mark.parametrize("messages", [False, True])
+def test_the_duration_table_is_each_action_s_duration(messages):
+    # the simulators read `durations` in place of `duration` wherever no single action has its own time
+    stages = 4
+    costs = StageCosts(forward_s=(1.0, 1.5, 2.0, 2.5), backward_s=(3.0, 3.1, 3.3, 3.7), weight_s=(0.9, 1.1, 1.3, 0.7),
+                       transfer_s=(0.1, 0.2, 0.3), **({"send_s": (0.01, 0.02, 0.03), "recv_s": (0.04, 0.05, 0.06)}
+                                                    if messages else {}))
+    actions = [Action(stage, kind, 0) for stage in range(stages) for kind in (Kind.F, Kind.B, Kind.I, Kind.W)]
+    actions += [Action(stage, kind, 0) for stage in range(stages - 1) for kind in (Kind.SEND_F, Kind.RECV_B)]
+    actions += [Action(stage, kind, 0) for stage in range(1, stages) for kind in (Kind.SEND_B, Kind.RECV_F)]
+    assert len({(a.kind, a.stage) for a in actions}) == 4 * stages + 4 * (stages - 1)
+    for action in actions:
+        assert costs.durations[action.kind][action.stage] == costs.duration(action), action

@@ -188,6 +188,7 @@ def dedicated_run(schedule: Schedule, costs: StageCosts, *, ranks: int, wake_s: 
     idle_since = dict.fromkeys(schedule, 0.0)  # when its last action of positive length ended
     cursor, finished = dict.fromkeys(schedule, 0), {}
     homes = stage_homes(costs.stages, ranks, placement)
+    durations = None if costs.actions else costs.durations
     progress = True
     while progress:  # sweep the ranks, each as far as its inputs are known, until none moves
         progress = False
@@ -202,7 +203,7 @@ def dedicated_run(schedule: Schedule, costs: StageCosts, *, ranks: int, wake_s: 
                 if action.kind in RECEIVE_KINDS and ready > idle_since[rank] + _EPSILON:
                     work = costs.waited_duration(action)
                 else:
-                    work = costs.duration(action)
+                    work = durations[action.kind][action.stage] if durations else costs.duration(action)
                 end = start
                 if work > 0:
                     end = idle_since[rank] = start + work + _woken(wake_s, idle_since[rank], start)
