@@ -1,5 +1,5 @@
 """``python -m autopart``: the same command line as the ``autopart`` script."""
 
-from autopart.tools.cli import main
+from autopart.tools.cli import run
 
-main()
+run()

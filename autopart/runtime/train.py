@@ -33,17 +33,15 @@ latest good checkpoint there.
 from __future__ import annotations
 
 import argparse
-import atexit
 import datetime
 import faulthandler
 import functools
 import json
 import os
 import sys
-import threading
 import time
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -66,6 +64,7 @@ from autopart.runtime.measure import StepClock, write_measured_trace
 from autopart.runtime.gradients import clip_gradients, sum_tied_gradients, tied_groups
 from autopart.runtime.reducer import GradientReducer
 from autopart.runtime.optim import OPTIMIZERS, make_optimizer
+from autopart.runtime.process_exit import leave
 from autopart.runtime.sharded_masters import ShardedMasters
 from autopart.runtime.progress import StepReporter, Throughput, check_tensorboard, tokens_in
 from autopart.runtime.recipe import Recipe, add_recipe_arguments, parameter_groups
@@ -143,20 +142,6 @@ def main(out_dir: str | Path, argv: list[str] | None = None) -> None:
     except StepFailure as exc:
         print(f"autopart: error on rank {os.environ.get('RANK', '0')}: {exc}", file=sys.stderr, flush=True)
         os._exit(1)  # a dead peer can leave the process group unable to shut down cleanly
-
-
-def leave() -> NoReturn:
-    """End a rank that trained to the end as Python's own exit would, short of the interpreter's
-    teardown. There, after every process group is destroyed, torch's C++ gloo teardown can abort
-    ("terminate called without an active exception", SIGABRT), rarely and more often under load,
-    and torchrun then reports a job that finished as failed. What a normal exit does first is done
-    here, in its order: threading's own exit hooks (which stop idle executor workers) and the
-    non-daemon threads joined, the exit handlers run (the model file's too), the streams flushed."""
-    threading._shutdown()
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 def _train(out_dir: Path, argv: list[str] | None) -> None:

@@ -1,0 +1,48 @@
+"""The ``autopart`` command ends, where its work ends well, short of the interpreter's teardown
+(`autopart.tools.cli.run`): after the exit handlers and with its streams flushed, its files
+whole; an error still ends in its one line and exit code 2."""
+
+import subprocess
+import sys
+
+from tests.distributed import REPO, environment
+
+SCRIPT = """
+import atexit, sys
+
+class Torn:
+    def __del__(self, open=open):  # builtins may be gone by then
+        open({torn!r}, "w").write("torn down")
+
+kept = Torn()  # freed only by the interpreter's teardown
+atexit.register(lambda: open({handled!r}, "w").write("handled"))
+print("unflushed", end="")
+sys.argv = ["autopart", *{argv!r}]
+from autopart.tools.cli import run
+run()
+"""
+
+
+def _run(tmp_path, *argv):
+    script = SCRIPT.format(torn=str(tmp_path / "torn"), handled=str(tmp_path / "handled"), argv=list(argv))
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          env=environment(), cwd=REPO)
+
+
+def test_a_command_that_ends_well_skips_the_teardown_after_its_exit_handlers(tmp_path):
+    out = tmp_path / "out"
+    done = _run(tmp_path, "compile", str(REPO / "examples" / "gpt.py"), "-o", str(out), "--pp", "1", "--device",
+                "h100-sxm")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("unflushed")  # the streams flushed
+    assert (tmp_path / "handled").read_text() == "handled"  # the exit handlers ran
+    assert not (tmp_path / "torn").exists()  # the interpreter's teardown did not
+    assert (out / "plan.json").read_text().rstrip().endswith("}") and (out / "train.py").is_file()
+
+
+def test_an_error_still_ends_in_its_line_and_code_2(tmp_path):
+    done = _run(tmp_path, "compile", str(tmp_path / "missing.py"), "-o", str(tmp_path / "out"))
+    assert done.returncode == 2
+    assert done.stderr.startswith("autopart: error:") and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert (tmp_path / "handled").read_text() == "handled"
+    assert (tmp_path / "torn").read_text() == "torn down"  # an ordinary exit, teardown and all
