@@ -178,10 +178,15 @@ class _Greedy:
                  in_flight: tuple[int, ...], transfer_s: tuple[float, ...], transient: tuple[int, ...] | None,
                  room: RankRoom | None = None):
         self.costs, self.stages, self.modes, self.budget, self.room = costs, stages, modes, budget, room
-        self.in_flight, self.transfer_s, self.transient = in_flight, transfer_s, transient
+        self.in_flight, self.transfer_s = in_flight, transfer_s
+        self.transients = tuple(transient) if transient else (1,) * stages
         self.blocks = len(costs)
         self.sums = chain_sums(costs)
         self.compute = costs.prefix("compute_s")
+        # per mode, the running sums of the forward work it repeats (``_Sums.seconds``, read here
+        # without a call: the search asks millions of stages)
+        self.repeated = {"none": None, "selective": self.sums.selective_s, "full": self.sums.full_s}
+        self.held_fits = room.fits if room is not None else self._within_budget  # a stage's memory test
         self.cheapest_out = min(transfer_s, default=0.0)
         self.refusals = 0  # times a stage met its time bound in a mode but not its memory
         self.failed_for_memory = False  # some bound under which no cuts were found saw a refusal
@@ -211,8 +216,13 @@ class _Greedy:
         transfer_in = self.transfer_s[first - 1] if s > 0 else 0.0
         transfer_out = self.transfer_s[last] if s < self.stages - 1 else 0.0
         parameters = None  # the same in every mode: asked once, where the memory is asked
+        compute, end = self.compute, last + 1
         for mode in self.modes[s]:
-            seconds = self.sums.seconds(first, last, mode) + transfer_in + transfer_out
+            repeated = self.repeated[mode]
+            seconds = compute[end] - compute[first]
+            if repeated is not None:
+                seconds = seconds + (repeated[end] - repeated[first])
+            seconds = seconds + transfer_in + transfer_out
             too_slow = seconds > bound
             if too_slow:
                 self.next_turn = min(self.next_turn, seconds)
@@ -220,20 +230,18 @@ class _Greedy:
                 continue  # the memory would tell nothing more
             if parameters is None:
                 parameters = self.sums.parameters(first, last)
-            per_microbatch, once = self.sums.held(first, last, mode, self._transient(s))
+            per_microbatch, once = self.sums.held(first, last, mode, self.transients[s])
             if too_slow:
-                if self._held_fits(s, parameters, per_microbatch, once):
+                if self.held_fits(s, parameters, per_microbatch, once):
                     self.bound_matters = True
                 continue
-            if self._held_fits(s, parameters, per_microbatch, once):
+            if self.held_fits(s, parameters, per_microbatch, once):
                 return mode
             if self.room is None:
                 self.refusals += 1
         return None
 
-    def _held_fits(self, s: int, parameters: int, per_microbatch: int, once: int) -> bool:
-        if self.room is not None:
-            return self.room.fits(s, parameters, per_microbatch, once)
+    def _within_budget(self, s: int, parameters: int, per_microbatch: int, once: int) -> bool:
         return parameters + self.in_flight[s] * per_microbatch + once <= self.budget[s]
 
     def slowest_s(self, chosen: list[tuple[int, str]]) -> float:
@@ -246,13 +254,10 @@ class _Greedy:
             slowest, first = max(slowest, compute_s + transfer_in + transfer_out), last + 1
         return slowest
 
-    def _transient(self, s: int) -> int:
-        return self.transient[s] if self.transient else 1
-
     def _take(self, s: int, first: int, last: int, mode: str) -> None:
         """Stage ``s`` is cut: its rank's room shrinks by what it holds."""
         if self.room is not None:
-            self.room.take(s, self.sums.parameters(first, last), *self.sums.held(first, last, mode, self._transient(s)))
+            self.room.take(s, self.sums.parameters(first, last), *self.sums.held(first, last, mode, self.transients[s]))
 
     def last_block(self, s: int, first: int, bound: float) -> tuple[int, str] | None:
         """The last block stage ``s`` (not the last stage) can end on from ``first``, and its mode."""
