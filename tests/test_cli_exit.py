@@ -46,3 +46,16 @@ def test_an_error_still_ends_in_its_line_and_code_2(tmp_path):
     assert done.stderr.startswith("autopart: error:") and len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert (tmp_path / "handled").read_text() == "handled"
     assert (tmp_path / "torn").read_text() == "torn down"  # an ordinary exit, teardown and all
+
+
+def test_a_reader_gone_ends_in_code_120_without_a_traceback(tmp_path):
+    # ``autopart explain ... | head``: the flush at the end finds the pipe closed, as Python's own exit would
+    script = ("import sys, time; from autopart.runtime.process_exit import leave; time.sleep(0.3); "
+              "sys.stdout.write('x' * 100); leave()")
+    buffered = {name: value for name, value in environment().items() if name != "PYTHONUNBUFFERED"}
+    process = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               env=buffered, cwd=REPO)
+    process.stdout.close()  # the reader leaves before the writer flushes
+    assert process.wait(timeout=60) == 120
+    assert process.stderr.read() == b""
+    process.stderr.close()

@@ -124,3 +124,12 @@ def test_one_rank_on_cores_with_a_reduction_that_takes_no_cpu_pays_it_after_the_
     """One pipeline rank (dp alone), cores to share, a reduction that takes no CPU: nothing else
     is busy once the compute ends, and the reduction still takes its own time."""
     assert reduction_delay([1.0], [_reduction(0.3, share=0.0)], 1.0, cores=2.0, busy=1.0) == pytest.approx((0.0, 0.3))
+
+
+@pytest.mark.parametrize("cores", [0, 2])
+def test_a_misspelt_argument_is_refused_with_a_device_per_rank_as_with_shared_cores(cores):
+    schedule = add_communication(build_schedule("1f1b", ranks=2, microbatches=2, chunks=1), ranks=2)
+    costs = StageCosts(forward_s=(1.0, 1.0), backward_s=(2.0, 2.0), weight_s=(1.0, 1.0), transfer_s=(0.0,))
+    reductions = {0: [Reduction(trigger=Action(stage=0, kind=Kind.B, microbatch=1), fraction=1.0, seconds=0.5)]}
+    with pytest.raises(TypeError, match="wake"):
+        overlapped_step_time(schedule, costs, reductions, ranks=2, cores=cores, wake=lambda idle: 0.0)

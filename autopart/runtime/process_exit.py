@@ -23,6 +23,10 @@ def leave() -> NoReturn:
     temporary folders), the streams flushed."""
     threading._shutdown()
     atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    code = 0
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except OSError:  # a reader gone (``autopart explain | head``): 120, as Python's own exit says it
+            code = 120
+    os._exit(code)
