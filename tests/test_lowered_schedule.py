@@ -9,8 +9,8 @@ import random
 import pytest
 
 from autopart.ir.errors import ScheduleError
-from autopart.predict.timeline import lowered_schedule, simulate_pipeline
-from autopart.schedule import StageCosts, add_communication, build_schedule, simulate, stage_placement
+from autopart.predict.timeline import simulate_pipeline
+from autopart.schedule import StageCosts, add_communication, build_schedule, built_lowered, simulate, stage_placement
 
 
 @pytest.mark.parametrize(("kind", "ranks", "microbatches", "chunks"),
@@ -25,7 +25,7 @@ def test_the_shared_schedule_simulates_as_a_fresh_one(kind, ranks, microbatches,
     first = simulate_pipeline(kind=kind, ranks=ranks, microbatches=microbatches, chunks=chunks, **costs)
     again = simulate_pipeline(kind=kind, ranks=ranks, microbatches=microbatches, chunks=chunks, **costs)
     assert first.events == fresh.events and again.events == fresh.events
-    assert lowered_schedule(kind, ranks, microbatches, chunks) is lowered_schedule(kind, ranks, microbatches, chunks)
+    assert built_lowered(kind, ranks, microbatches, chunks) is built_lowered(kind, ranks, microbatches, chunks)
 
 
 def test_costs_for_stages_the_schedule_lacks_are_refused() -> None:

@@ -82,7 +82,6 @@ def test_the_step_model_simulates_the_built_schedule_and_only_a_plan_s_lists_are
     # validating a thousand microbatches over a hundred ranks takes seconds: the search's
     # candidates are simulated unvalidated (the simulator finds a deadlock itself), a plan's lists
     # are validated before anything runs them, and both share one built schedule
-    from autopart.predict.timeline import lowered_schedule
     from autopart.schedule import stored
 
     checked = []
@@ -91,7 +90,7 @@ def test_the_step_model_simulates_the_built_schedule_and_only_a_plan_s_lists_are
     stored.generated.cache_clear()
     stored.built.cache_clear()
     stored.built_lowered.cache_clear()
-    lowered = lowered_schedule(*shape)
+    lowered = stored.built_lowered(*shape)
     assert checked == []
     assert stored.generated(*shape).lowered is lowered and len(checked) == 2  # its compute order, its messages
     assert lowered == add_communication(build_schedule("zb-h1", ranks=3, microbatches=7), ranks=3)

@@ -21,6 +21,7 @@ reductions run beside the compute and take nothing from it.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -167,9 +168,7 @@ def overlapped_step_time(schedule: Schedule, costs: StageCosts, reductions: Mapp
                          **sharing), {}
     events: list[tuple[int, Action, float, float]] = []
     if cores <= 0:  # a device per rank: the tails follow the pipeline and change none of it, so it runs once
-        unknown = set(sharing) - {"resume_s", "busy_delay_s", "wake_s", "placement"}  # step_time's others
-        if unknown:
-            raise TypeError(f"overlapped_step_time got unexpected keyword arguments {sorted(unknown)}")
+        inspect.signature(step_time).bind_partial(**sharing)  # its names checked as step_time would
         run = dedicated_run(schedule, costs, ranks=ranks, wake_s=sharing.get("wake_s"), events=events,
                             placement=sharing.get("placement"))
         step_with = run.step

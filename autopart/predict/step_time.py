@@ -22,8 +22,7 @@ from autopart.predict.fully_sharded import Piece
 from autopart.predict.reduction import overlapped_step_time, plan_reductions
 from autopart.profiling.co_run import co_run_key, host_processes
 from autopart.profiling.pipeline import pipeline_key
-from autopart.predict.timeline import lowered_schedule
-from autopart.schedule import SPLIT_BACKWARD_KINDS, StageCosts
+from autopart.schedule import SPLIT_BACKWARD_KINDS, StageCosts, built_lowered
 from cost_models.database import PipelineMeasurement, plan_shape, tail_key
 
 __all__ = ["compute_factor", "data_parallel", "data_parallel_seconds", "fully_sharded_pieces", "with_collectives", "measured_in_place", "predicted_step_s", "profiled_step", "rank_tails"]
@@ -169,7 +168,7 @@ def predicted_step_s(options: CompileOptions, front: Front, stages: list[StagePl
         transfer = tuple(in_place.send_s + in_place.recv_s + in_place.transfer_s for _ in sides)
         if in_place.waited_s is not None:  # a receive that waits ends waited_s after its send
             waited = (min(in_place.recv_s, in_place.waited_s),) * len(sides)
-    schedule = lowered_schedule(options.schedule, options.pp, microbatches, options.chunks)
+    schedule = built_lowered(options.schedule, options.pp, microbatches, options.chunks)
     device = front.cost_model.device
     # the other tensor- and data-parallel ranks of the machine run the same work beside this pipeline
     cores = device.cores / (options.tp * options.dp)

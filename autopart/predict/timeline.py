@@ -5,21 +5,9 @@ from __future__ import annotations
 import functools
 
 from autopart.ir.plan import Plan
-from autopart.schedule import (Schedule, StageCosts, Timeline, built, built_lowered, generated, plan_actions, simulate,
-                               validate)
+from autopart.schedule import Schedule, StageCosts, Timeline, built, generated, plan_actions, simulate, validate
 
-__all__ = ["simulate_pipeline", "lowered_schedule", "plan_schedule", "plan_timeline"]
-
-
-def lowered_schedule(kind: str, ranks: int, microbatches: int, chunks: int) -> Schedule:
-    """The schedule with its sends and receives, as its generator builds it; built once per shape,
-    because a compile simulates one pipeline several times (each candidate plan, its step, the
-    report) and at a thousand microbatches over hundreds of virtual stages building it costs
-    about what simulating it does. Not validated here (`autopart.schedule.built`: the simulators
-    raise on a deadlock, and a generator's other mistakes would show in its tests); a plan's
-    stored lists are validated before anything runs them. Shared between callers: read it, never
-    change it."""
-    return built_lowered(kind, ranks, microbatches, chunks)
+__all__ = ["simulate_pipeline", "plan_schedule", "plan_timeline"]
 
 
 def simulate_pipeline(

@@ -183,9 +183,6 @@ class _Greedy:
         self.blocks = len(costs)
         self.sums = chain_sums(costs)
         self.compute = costs.prefix("compute_s")
-        # per mode, the running sums of the forward work it repeats (``_Sums.seconds``, read here
-        # without a call: the search asks millions of stages)
-        self.repeated = {"none": None, "selective": self.sums.selective_s, "full": self.sums.full_s}
         self.held_fits = room.fits if room is not None else self._within_budget  # a stage's memory test
         self.cheapest_out = min(transfer_s, default=0.0)
         self.refusals = 0  # times a stage met its time bound in a mode but not its memory
@@ -218,7 +215,7 @@ class _Greedy:
         parameters = None  # the same in every mode: asked once, where the memory is asked
         compute, end = self.compute, last + 1
         for mode in self.modes[s]:
-            repeated = self.repeated[mode]
+            repeated = self.sums.repeated[mode]  # ``_Sums.seconds`` without the call: the search asks millions
             seconds = compute[end] - compute[first]
             if repeated is not None:
                 seconds = seconds + (repeated[end] - repeated[first])

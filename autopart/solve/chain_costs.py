@@ -174,13 +174,14 @@ def stage_figures(
 class _Sums:
     """A chain's running sums, held in one place: the search evaluates millions of stages."""
 
-    __slots__ = ("compute", "selective_s", "full_s", "saved", "selective_saved", "owned", "weight", "received",
+    __slots__ = ("compute", "repeated", "saved", "selective_saved", "owned", "weight", "received",
                  "shared", "split", "span")
 
     def __init__(self, costs: ChainCosts):
         p = costs.prefix
         self.compute, self.weight, self.owned = p("compute_s"), p("weight_s"), p("owned_parameter_bytes")
-        self.selective_s, self.full_s = p("selective_recompute_s"), p("full_recompute_s")
+        # per recompute mode, the running sums of the forward work its backward repeats
+        self.repeated = {"none": None, "selective": p("selective_recompute_s"), "full": p("full_recompute_s")}
         self.saved, self.selective_saved = p("saved_bytes"), p("selective_saved_bytes")
         # what a stage from block ``first`` keeps per microbatch to recompute from: [first]
         self.received = tuple(b + costs.input_bytes for b in (0, *costs.boundary_bytes))
@@ -204,15 +205,11 @@ class _Sums:
 
     def seconds(self, first: int, last: int, mode: str) -> float:
         """``parts``' first figure alone: compute and recompute seconds of blocks ``first..last``."""
-        end = last + 1
+        if mode not in self.repeated:
+            raise ValueError(f"unknown recompute mode {mode!r}")
+        end, repeated = last + 1, self.repeated[mode]
         compute = self.compute[end] - self.compute[first]
-        if mode == "none":
-            return compute
-        if mode == "selective":
-            return compute + (self.selective_s[end] - self.selective_s[first])
-        if mode == "full":
-            return compute + (self.full_s[end] - self.full_s[first])
-        raise ValueError(f"unknown recompute mode {mode!r}")
+        return compute if repeated is None else compute + (repeated[end] - repeated[first])
 
     def parts(self, first: int, last: int, mode: str, transient: int = 1) -> tuple[float, float, int, int, int]:
         """(compute and recompute seconds, weight-gradient seconds, parameter bytes, bytes per

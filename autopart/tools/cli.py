@@ -21,7 +21,7 @@ from autopart.tools.local_run import LocalRunError
 from autopart.runtime.process_exit import leave
 from autopart.runtime.recipe import Recipe, add_recipe_arguments
 
-__all__ = ["main"]
+__all__ = ["main", "run"]
 
 
 def _add_layer_pins(c: argparse.ArgumentParser) -> None:
