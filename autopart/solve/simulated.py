@@ -26,9 +26,10 @@ pipeline part is memoised per (schedule, stage costs).
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 from autopart.ir.actions import Kind
-from autopart.schedule import StageCosts, Timeline, built, simulate, stage_placement
+from autopart.schedule import StageCosts, built, simulated_events, stage_placement
 from autopart.solve.search import Cluster, CostTable, Scored, parameter_bytes_per_rank, tail_s
 from autopart.solve.baselines import stage_parameter_bytes
 from autopart.solve.chain_costs import ChainCosts
@@ -65,13 +66,8 @@ def _overlapped_step_s(layout, cluster: Cluster, chain: ChainCosts, cuts: tuple[
     split; the backward reaches the later blocks first), its first block's at that action's end.
     Under interleaving a rank's chunks finish at different times of the cool-down, so the
     reductions of the first to finish run beside the others' backwards."""
-    timeline = _timeline(layout.schedule, layout.pp, layout.microbatches, layout.chunks, costs)
-    ends = [0.0] * layout.pp
-    final: dict[int, tuple[float, float]] = {}  # stage -> its last weight-gradient action's (start, end)
-    for event in timeline.events:
-        ends[event.rank] = max(ends[event.rank], event.end)
-        if event.action.kind in (Kind.B, Kind.W) and event.end >= final.get(event.action.stage, (0.0, -1.0))[1]:
-            final[event.action.stage] = (event.start, event.end)
+    run = _run(layout.schedule, layout.pp, layout.microbatches, layout.chunks, costs)
+    ends, final = run.ends, run.final
     firsts, lasts = (0, *(c + 1 for c in cuts)), (*cuts, len(chain) - 1)
     queued: list[list[tuple[float, int]]] = [[] for _ in range(layout.pp)]  # per rank, (ready at, bytes)
     for stage, rank in enumerate(stage_placement(layout.schedule, ranks=layout.pp, chunks=layout.chunks)):
@@ -132,10 +128,31 @@ def pipeline_s(kind: str, pp: int, microbatches: int, chunks: int, costs: StageC
 
     The schedule is the compute-only one: ``add_communication`` puts each receive right before
     its consumer and sends and receives take no rank time here, so lowering changes no time."""
-    return _timeline(kind, pp, microbatches, chunks, costs).step_s
+    return _run(kind, pp, microbatches, chunks, costs).step_s
+
+
+@dataclass(frozen=True)
+class _Run:
+    """What the search reads of a simulated pipeline (its `Timeline` less the events)."""
+
+    step_s: float  # first start to last end
+    ends: tuple[float, ...]  # per rank, its last action's end
+    final: dict[int, tuple[float, float]]  # per stage, its last weight-gradient action's (start, end)
 
 
 @functools.lru_cache(maxsize=4096)
-def _timeline(kind: str, pp: int, microbatches: int, chunks: int, costs: StageCosts) -> Timeline:
+def _run(kind: str, pp: int, microbatches: int, chunks: int, costs: StageCosts) -> _Run:
     schedule, placement = built(kind, pp, microbatches, chunks)  # the plan's own, once chosen
-    return simulate(schedule, costs, ranks=pp, placement=placement)
+    events = simulated_events(schedule, costs, ranks=pp, placement=placement)
+    origin = min((start for _, _, start, _ in events), default=0.0)  # times from the first start, as a Timeline's
+    ends = [0.0] * pp
+    final: dict[int, tuple[float, float]] = {}
+    for rank, action, start, end in events:
+        start, end = start - origin, end - origin
+        if end > ends[rank]:
+            ends[rank] = end
+        if action.kind is Kind.B or action.kind is Kind.W:  # the last to end; of those, the last to start
+            previous = final.get(action.stage)
+            if previous is None or (end, start) >= (previous[1], previous[0]):
+                final[action.stage] = (start, end)
+    return _Run(step_s=max(ends), ends=tuple(ends), final=final)
