@@ -1,24 +1,28 @@
-"""The simulator's flat kernel (`simulated_events`, under `simulate`) times every action as the
-dict-keyed readiness of `input_ready_at` does, bit for bit, on generated and lowered schedules
-with random costs, messages that take rank time and single actions' own times; and the search's
-summary of a run (`autopart.solve.simulated`) reads the figures a `Timeline` has."""
+"""The flat kernel (`autopart.schedule.run_ahead`) under `simulate`, `simulated_events` and the
+step model's `dedicated_run` times every action as the dict-keyed readiness of `input_ready_at`
+does, bit for bit, on generated and lowered schedules with random costs, messages that take rank
+time, waited receives, a wake-up price and single actions' own times; and the search's summary
+of a run (`autopart.solve.simulated`) reads the figures a `Timeline` has."""
 
 import random
 
 import pytest
 
-from autopart.ir.actions import COMPUTE_KINDS
+from autopart.ir.actions import COMPUTE_KINDS, RECEIVE_KINDS
 from autopart.schedule import (Kind, StageCosts, add_communication, build_schedule, simulate, simulated_events,
                                stage_placement)
+from autopart.schedule.shared import dedicated_run
 from autopart.schedule.simulate import input_ready_at, stage_homes
 from autopart.solve import simulated
 
 
-def _reference(schedule, costs, ranks, placement):
+def _reference(schedule, costs, ranks, placement, wake_s=None, waited=False):
     """Each action when its rank is free and `input_ready_at` says its inputs are there, one
-    sweep over the ranks after another: the simulator as it was before its kernel."""
+    sweep over the ranks after another: the simulators as they were before the kernel. Events
+    in start order; per rank, when it was free and since when idle."""
     homes = stage_homes(costs.stages, ranks, placement)
-    finished, free, cursor, events = {}, dict.fromkeys(schedule, 0.0), dict.fromkeys(schedule, 0), []
+    finished, cursor, events = {}, dict.fromkeys(schedule, 0), []
+    free, idle = dict.fromkeys(schedule, 0.0), dict.fromkeys(schedule, 0.0)
     progress = True
     while progress:
         progress = False
@@ -29,13 +33,20 @@ def _reference(schedule, costs, ranks, placement):
                 if ready is None:
                     break
                 start = max(free[rank], ready)
-                free[rank] = start + costs.duration(action)
+                if waited and action.kind in RECEIVE_KINDS and ready > idle[rank] + 1e-12:
+                    work = costs.waited_duration(action)
+                else:
+                    work = costs.duration(action)
+                free[rank] = start
+                if work > 0:
+                    woken = max(0.0, wake_s(start - idle[rank])) if wake_s and start > idle[rank] + 1e-12 else 0.0
+                    free[rank] = idle[rank] = start + work + woken
                 if action.kind in COMPUTE_KINDS:
                     finished[(action.stage, action.kind, action.microbatch)] = free[rank]
                     events.append((rank, str(action), start, free[rank]))
                 cursor[rank] += 1
                 progress = True
-    return sorted(events, key=lambda e: (e[2], e[3], e[0]))
+    return sorted(events, key=lambda e: (e[2], e[3], e[0])), free, idle
 
 
 def _costs(rng: random.Random, stages: int, messages: bool, schedule) -> StageCosts:
@@ -48,7 +59,8 @@ def _costs(rng: random.Random, stages: int, messages: bool, schedule) -> StageCo
         forward_s=times(stages, 0.1), backward_s=backward,
         weight_s=tuple(b * rng.choice([0.0, rng.random()]) for b in backward),
         transfer_s=times(stages - 1),
-        **({"send_s": times(stages - 1), "recv_s": times(stages - 1)} if messages else {}),
+        **({"send_s": times(stages - 1), "recv_s": times(stages - 1), "recv_waited_s": times(stages - 1)}
+           if messages else {}),
         actions={a: rng.uniform(0.0, 2.0) for a in rng.sample(actions, 3)} if rng.random() < 0.3 else {},
     )
 
@@ -69,11 +81,21 @@ def test_the_kernel_times_every_action_as_input_ready_at_does(seed: int) -> None
         schedule = add_communication(schedule, ranks=ranks, placement=placement)
     costs = _costs(rng, ranks * chunks, messages, schedule)
 
-    expected = _reference(schedule, costs, ranks, placement)
+    def in_start_order(events):
+        return sorted(((r, str(a), s, e) for r, a, s, e in events), key=lambda e: (e[2], e[3], e[0]))
+
+    expected, _, _ = _reference(schedule, costs, ranks, placement)
     raw = simulated_events(schedule, costs, ranks=ranks, placement=placement)
-    assert sorted(((r, str(a), s, e) for r, a, s, e in raw), key=lambda e: (e[2], e[3], e[0])) == expected
+    assert in_start_order(raw) == expected
     timeline = simulate(schedule, costs, ranks=ranks, placement=placement)
     assert [(e.rank, str(e.action), e.start, e.end) for e in timeline.events] == expected  # starts at 0 here
+
+    # the step model's: waited receives take their own time, and work after an idle spell pays to wake
+    wake = rng.choice([None, lambda idle: 0.01 + 0.1 * idle, lambda idle: -0.5])
+    expected, free, idle = _reference(schedule, costs, ranks, placement, wake_s=wake, waited=True)
+    events = []
+    run = dedicated_run(schedule, costs, ranks=ranks, wake_s=wake, events=events, placement=placement)
+    assert (in_start_order(events), run.free, run.idle_since) == (expected, free, idle)
 
 
 @pytest.mark.parametrize(("kind", "pp", "microbatches", "chunks"),

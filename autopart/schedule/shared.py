@@ -26,13 +26,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from autopart.ir.errors import ScheduleError
-from autopart.ir.actions import COMPUTE_KINDS, RECEIVE_KINDS, Action, Kind, Schedule
+from autopart.ir.actions import RECEIVE_KINDS, Action, Kind, Schedule
+from autopart.schedule.run_ahead import EPSILON, run_ahead, woken_s
 from autopart.schedule.simulate import StageCosts, input_ready_at, stage_homes
 
 __all__ = ["DedicatedRun", "dedicated_run", "step_time"]
-
-_EPSILON = 1e-12
-
 
 def step_time(schedule: Schedule, costs: StageCosts, *, ranks: int, cores: int = 0, background: float = 0.0,
               tail_s: dict[int, float] | None = None, resume_s: tuple[float, float] = (0.0, 0.0),
@@ -74,18 +72,18 @@ def step_time(schedule: Schedule, costs: StageCosts, *, ranks: int, cores: int =
                     if ready is not None and action.kind in RECEIVE_KINDS and ready > 0 \
                             and cores <= len(remaining) + background:
                         ready += busy_delay_s
-                    if ready is None or ready > now + _EPSILON:
+                    if ready is None or ready > now + EPSILON:
                         if ready is not None:
                             wakes.append(ready)
                         continue
-                    waited = action.kind in RECEIVE_KINDS and not shared and ready > idle_since[rank] + _EPSILON
+                    waited = action.kind in RECEIVE_KINDS and not shared and ready > idle_since[rank] + EPSILON
                     work = costs.waited_duration(action) if waited else costs.duration(action)
                     cursor[rank] += 1
                 if work > 0:
                     # another rank had this core meanwhile, or it sat idle; the dearer of the two
                     extra = resume_s[action.kind is not Kind.F] if shared and action and action.is_compute else 0.0
                     core_idle = len(remaining) + background < cores
-                    if wake_s and core_idle and now > idle_since[rank] + _EPSILON:
+                    if wake_s and core_idle and now > idle_since[rank] + EPSILON:
                         extra = max(extra, wake_s(now - idle_since[rank]))
                     remaining[rank], running[rank], began[rank] = work + extra, action, now
                     idle.discard(rank)
@@ -121,7 +119,7 @@ def _progressed(remaining: dict[int, float], work: float) -> list[int]:
     ended = []
     for rank in list(remaining):
         remaining[rank] -= work
-        if remaining[rank] <= _EPSILON:
+        if remaining[rank] <= EPSILON:
             del remaining[rank]
             ended.append(rank)
     return ended
@@ -167,14 +165,9 @@ class DedicatedRun:
     def step(self, tail_s: Mapping[int, float]) -> float:
         """The step: each rank's ``tail_s`` after its last action (waking first if it sat idle)."""
         tails = (tail_s.get(rank, 0.0) for rank in self.free)
-        return max((self.free[rank] + (tail + _woken(self.wake_s, self.idle_since[rank], self.free[rank])
+        return max((self.free[rank] + (tail + woken_s(self.wake_s, self.idle_since[rank], self.free[rank])
                                        if tail > 0 else 0.0)
                     for rank, tail in zip(self.free, tails)), default=0.0)
-
-
-def _woken(wake_s: Callable[[float], float] | None, idle_since: float, start: float) -> float:
-    """What work starting at ``start`` pays for the rank's idle time since ``idle_since``."""
-    return max(0.0, wake_s(start - idle_since)) if wake_s and start > idle_since + _EPSILON else 0.0
 
 
 def dedicated_run(schedule: Schedule, costs: StageCosts, *, ranks: int, wake_s: Callable[[float], float] | None,
@@ -184,37 +177,9 @@ def dedicated_run(schedule: Schedule, costs: StageCosts, *, ranks: int, wake_s: 
     list can run ahead as far as its inputs are known (as `simulate` does) instead of event by
     event over every rank: the same times (to rounding) in time about linear in the actions, which
     a thousand microbatches over a hundred ranks need."""
-    free = dict.fromkeys(schedule, 0.0)  # when the rank can start its next action
-    idle_since = dict.fromkeys(schedule, 0.0)  # when its last action of positive length ended
-    cursor, finished = dict.fromkeys(schedule, 0), {}
-    homes = stage_homes(costs.stages, ranks, placement)
-    durations = None if costs.actions else costs.durations
-    progress = True
-    while progress:  # sweep the ranks, each as far as its inputs are known, until none moves
-        progress = False
-        for rank, actions in schedule.items():
-            at = cursor[rank]
-            while at < len(actions):
-                action = actions[at]
-                ready = input_ready_at(action, finished, costs, homes)
-                if ready is None:
-                    break
-                start = max(free[rank], ready)
-                if action.kind in RECEIVE_KINDS and ready > idle_since[rank] + _EPSILON:
-                    work = costs.waited_duration(action)
-                else:
-                    work = durations[action.kind][action.stage] if durations else costs.duration(action)
-                end = start
-                if work > 0:
-                    end = idle_since[rank] = start + work + _woken(wake_s, idle_since[rank], start)
-                free[rank] = end
-                if action.kind in COMPUTE_KINDS:
-                    events.append((rank, action, start, end))
-                    finished[(action.stage, action.kind, action.microbatch)] = end
-                at += 1
-            if at > cursor[rank]:
-                cursor[rank], progress = at, True
-    stuck = [rank for rank, actions in schedule.items() if cursor[rank] < len(actions)]
+    run = run_ahead(schedule, costs, stage_homes(costs.stages, ranks, placement), wake_s=wake_s, waited_receives=True)
+    stuck = run.stuck(schedule)
     if stuck:
         raise _deadlock(schedule, stuck)
-    return DedicatedRun(free=free, idle_since=idle_since, wake_s=wake_s)
+    events.extend(run.events)
+    return DedicatedRun(free=run.free, idle_since=run.idle_since, wake_s=wake_s)

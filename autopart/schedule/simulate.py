@@ -16,7 +16,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from autopart.ir.errors import ConfigError, ScheduleError
-from autopart.ir.actions import COMPUTE_KINDS, Action, Kind, Schedule, rank_of
+from autopart.ir.actions import Action, Kind, Schedule, rank_of
+from autopart.schedule.run_ahead import run_ahead
 from autopart.schedule.validate import format_grid
 
 __all__ = ["StageCosts", "Event", "Timeline", "simulate", "input_ready_at", "stage_homes"]
@@ -252,7 +253,7 @@ def simulate(schedule: Schedule, costs: StageCosts, *, ranks: int, placement: Se
                                     f"{action.stage} lives on rank {homes[action.stage]}")
 
     events = [Event(rank=rank, action=action, start=start, end=end)
-              for rank, action, start, end in _run(schedule, costs, homes)]
+              for rank, action, start, end in _ran(schedule, costs, homes)]
     return Timeline.from_events(events, ranks=ranks)
 
 
@@ -262,85 +263,20 @@ def simulated_events(schedule: Schedule, costs: StageCosts, *, ranks: int,
     settled, times not shifted: for callers that read a few figures of a long pipeline (the
     search's finalists), for whom a million `Event` objects and their sorting would be most of
     the work. Checks nothing of the schedule that `simulate` checks but deadlocks."""
-    return _run(schedule, costs, stage_homes(costs.stages, ranks, placement))
+    return _ran(schedule, costs, stage_homes(costs.stages, ranks, placement))
 
 
-def _run(schedule: Schedule, costs: StageCosts, homes: tuple[int, ...]) -> list[tuple[int, Action, float, float]]:
-    """Each rank runs ahead as far as its inputs are known, sweep after sweep, until none moves.
-    `input_ready_at` written out over a flat list of end times indexed by (stage, kind,
-    microbatch) instead of a dict of tuples: the same arithmetic, in a fraction of the time."""
-    stages = len(homes)
-    microbatches = 1 + max((action.microbatch for actions in schedule.values() for action in actions), default=0)
-    # (stage * 3 + slot) * microbatches + microbatch -> the end of that F (slot 0), B (1) or I (2); -1 until it ends
-    ended = [-1.0] * (stages * 3 * microbatches)
-    slots = {Kind.F: 0, Kind.B: 1, Kind.I: 2}
-    # per boundary after stage s, whether it crosses ranks, and what is added to a tensor's end on the way over
-    crosses = [homes[s] != homes[s + 1] for s in range(stages - 1)]
-    send, transfer = costs.send_s, costs.transfer_s
-    durations = None if costs.actions else costs.durations
-    duration = costs.duration
-    last = stages - 1
-    F, B, I, W, RECV_F, RECV_B = Kind.F, Kind.B, Kind.I, Kind.W, Kind.RECV_F, Kind.RECV_B
-    free_at = dict.fromkeys(schedule, 0.0)
-    cursor = dict.fromkeys(schedule, 0)
-    events: list[tuple[int, Action, float, float]] = []
-    progress = True
-    while progress:
-        progress = False
-        for rank in sorted(schedule):
-            actions, at, free = schedule[rank], cursor[rank], free_at[rank]
-            while at < len(actions):
-                action = actions[at]
-                kind, stage, mb = action.kind, action.stage, action.microbatch
-                if kind is F or kind is RECV_F:
-                    if stage == 0:
-                        ready = 0.0
-                    else:
-                        ready = ended[(stage - 1) * 3 * microbatches + mb]
-                        if ready < 0:
-                            break
-                        if crosses[stage - 1]:
-                            ready = (ready + send[stage - 1] if send else ready) + transfer[stage - 1]
-                elif kind is B or kind is I or kind is RECV_B:
-                    ready = 0.0 if kind is RECV_B else ended[stage * 3 * microbatches + mb]
-                    if ready < 0:
-                        break
-                    if stage != last:
-                        base = (stage + 1) * 3 * microbatches + mb
-                        gradient = ended[base + microbatches]  # its B, else its I
-                        if gradient < 0:
-                            gradient = ended[base + 2 * microbatches]
-                            if gradient < 0:
-                                break
-                        if crosses[stage]:
-                            gradient = (gradient + send[stage] if send else gradient) + transfer[stage]
-                        if gradient > ready:
-                            ready = gradient
-                elif kind is W:
-                    ready = ended[(stage * 3 + 2) * microbatches + mb]
-                    if ready < 0:
-                        break
-                else:
-                    ready = 0.0  # a send: its producer ran earlier on this rank
-                start = free if free > ready else ready
-                free = start + (durations[kind][stage] if durations else duration(action))
-                if kind in COMPUTE_KINDS:
-                    if kind is not W:
-                        ended[(stage * 3 + slots[kind]) * microbatches + mb] = free
-                    events.append((rank, action, start, free))
-                at += 1
-            if at > cursor[rank]:
-                cursor[rank], free_at[rank], progress = at, free, True
-
-    stuck = [rank for rank in sorted(schedule) if cursor[rank] < len(schedule[rank])]
+def _ran(schedule: Schedule, costs: StageCosts, homes: tuple[int, ...]) -> list[tuple[int, Action, float, float]]:
+    """`run_ahead`'s events, or the ScheduleError of a deadlock with the grid of where it stuck."""
+    run = run_ahead(schedule, costs, homes)
+    stuck = run.stuck(schedule)
     if stuck:
-        waits = "; ".join(
-            f"rank {rank} at step {cursor[rank]} ({schedule[rank][cursor[rank]]})" for rank in stuck
-        )
+        cursor = run.cursor
+        waits = "; ".join(f"rank {rank} at step {cursor[rank]} ({schedule[rank][cursor[rank]]})" for rank in stuck)
         error = ScheduleError(f"the schedule deadlocks: {waits} wait for inputs that never arrive")
         error.grid = format_grid(schedule, (stuck[0], cursor[stuck[0]]))  # type: ignore[attr-defined]
         raise error
-    return events
+    return run.events
 
 
 def stage_homes(stages: int, ranks: int, placement: Sequence[int] | None = None) -> tuple[int, ...]:
