@@ -64,6 +64,28 @@ def test_chrome_trace_round_trip(timeline, tmp_path: Path) -> None:
     assert [e.end for e in back.events] == pytest.approx([e.end for e in timeline.events])
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_the_trace_file_is_each_event_as_json_writes_it(tmp_path: Path, seed: int) -> None:
+    # complete events are formatted by hand for speed: byte for byte what json.dumps writes,
+    # odd floats (tiny, huge, exponents) and a title that json must escape included
+    import random
+
+    from autopart.schedule import Event, Timeline
+
+    rng = random.Random(seed)
+    schedule = build_schedule("1f1b", ranks=2, microbatches=3)
+    events = [Event(rank=rank, action=action, start=start, end=start + rng.choice([0.0, 1e-9, 3.3e-5, 12345.678]))
+              for rank, actions in schedule.items() for action, start in
+              zip(actions, sorted(rng.uniform(0, 10) ** rng.choice([1, 5, -1]) for _ in actions))]
+    timeline = Timeline.from_events(events, ranks=2)
+    title = 'a "model", \\ é }, {'
+    write_chrome_trace(timeline, tmp_path / "t.json", title=title)
+    expected = [{"name": "process_name", "ph": "M", "pid": 0, "args": {"name": title}}, *chrome_trace_events(timeline)]
+    text = (tmp_path / "t.json").read_text()
+    assert text.startswith('{"traceEvents": [\n' + ",\n".join(json.dumps(e) for e in expected) + "\n],")
+    assert json.loads(text)["traceEvents"] == expected
+
+
 def test_reads_a_measured_trace(tmp_path: Path) -> None:
     # The runtime's clock starts anywhere and it may record spans that are not schedule actions.
     t0 = 1.7e15
