@@ -273,3 +273,42 @@ def test_the_state_total_is_what_the_costs_with_that_state_sum_to(seed):
     for dp, zero in [(1, 0), (4, 1), (4, 2), (8, 3)]:
         state = functools.partial(table.state_bytes, dp=dp, zero=zero)
         assert costs.state_bytes_total(state) == costs.with_state(state).prefix("owned_parameter_bytes")[-1]
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_zero3_s_gathers_bound_every_cut_set_and_spare_the_search_its_slow_layouts(seed, monkeypatch):
+    """ZeRO-3 gathers a stage's layers for every microbatch's forward and backward: on slow data-
+    parallel links that is most of the step, and the bound that counts it (``gathers_floor_s``)
+    lets the search pass over layouts it can tell are slow. Never above an estimate; the search
+    finds the same plans with it as without it, cutting fewer layouts."""
+    from autopart.solve import layout_bounds
+    from autopart.solve.data_parallel_tail import gathers_floor_s
+
+    rng = random.Random(seed)
+    table = dataclasses.replace(random_table(rng, layers=rng.randrange(2, 7)), layered=True)
+    devices = dataclasses.replace(cluster(memory_bytes=1 << 40, gpus_per_node=rng.choice([1, 2]),
+                                          bandwidth=rng.choice([0.05, 1.0, 1000.0]), across=rng.choice([0.02, 10.0]),
+                                          latency_s=rng.choice([0.0, 1e-3])),
+                                  reduction_overlaps=rng.random() < 0.5)
+    space = SearchSpace(world_size=rng.choice([4, 8]), global_batch_size=rng.choice([8, 16, 32]),
+                        gpus_per_node=devices.gpus_per_node, zero=(1, 3))
+    blocks = len(table.chain_costs(micro_batch_size=1, tp=1, dtype="fp32"))
+    raised = []
+    for layout in space.layouts(blocks):
+        costs = table.chain_costs(micro_batch_size=layout.micro_batch_size, tp=layout.tp, dtype="fp32")
+        floor = gathers_floor_s(layout, costs, devices)
+        bound = layout_bound(table, layout, devices)
+        assert floor == 0 or (layout.zero == 3 and layout.dp > 1 and bound >= floor * (1 - 1e-12))
+        for cuts in {tuple(sorted(rng.sample(range(blocks - 1), layout.stages - 1))) for _ in range(8)}:
+            scored = search_module.score_layout(layout, table, devices, space, cuts=cuts)
+            if scored is not None:
+                assert bound <= scored.estimate_s, (layout, cuts)
+        with monkeypatch.context() as patch:
+            patch.setattr(layout_bounds, "gathers_floor_s", lambda *args: 0.0)
+            raised.append(layout_bound(table, layout, devices) < bound)
+    assert any(raised)
+    found = search(space, table, devices)
+    with monkeypatch.context() as patch:
+        patch.setattr(layout_bounds, "gathers_floor_s", lambda *args: 0.0)
+        unbounded = search(space, table, devices)
+    assert found.ranked == unbounded.ranked and found.scored <= unbounded.scored

@@ -28,7 +28,7 @@ from autopart.runtime.fully_sharded import FSDP_LEVELS
 from autopart.schedule import SPLIT_BACKWARD_KINDS, stage_placement
 
 __all__ = ["fully_sharded_levels", "tail_s", "update_s", "hidden_s", "last_bucket_bytes", "fully_sharded_extra_s",
-           "stage_layers", "stage_times", "most_hidden_s", "fsdp_may_pay"]
+           "stage_layers", "stage_times", "most_hidden_s", "fsdp_may_pay", "gathers_floor_s"]
 
 FORWARD_SHARE = 1 / 3
 """Of a stage's forward and backward, the forward's part (a backward is about twice a forward)."""
@@ -136,10 +136,56 @@ def _layered_extra_s(cluster, stage_bytes: float, forward_s: float, backward_s: 
     pieces = (Piece(forward_s / count, backward_s / count, layered_bytes / count, count) if count
               else Piece(forward_s, backward_s),)
     cost = fully_sharded_cost(pieces, max(0.0, stage_bytes - (layered_bytes if count else 0)),
-                              gather_s=lambda n: cluster.all_gather_s(gathered_bytes(n, dtype), dp, across_nodes),
+                              gather_s=lambda n: _gather_s(cluster, n, dp, across_nodes, dtype),
                               reduce_s=lambda n: _reduce_scatter_s(cluster, n, dp, across_nodes),
                               overlapped=cluster.reduction_overlaps)
     return cost.forward_s, cost.backward_beside(forward_s)
+
+
+def _gather_s(cluster, parameter_bytes: float, dp: int, across: bool, dtype: str) -> float:
+    """FSDP's all-gather of a unit of ``parameter_bytes`` fp32 parameters (moved in the compute dtype)."""
+    return cluster.all_gather_s(gathered_bytes(parameter_bytes, dtype), dp, across)
+
+
+def gathers_floor_s(layout, costs, cluster) -> float:
+    """Under ZeRO-3, a pipeline (``estimate_step_s``'s, of gpipe, 1f1b or interleaved) that no cuts
+    make shorter, counting only the layer units' gathers (``costs``: the layout's ``ChainCosts``).
+
+    A stage's forward and backward each wait for all of its units' gathers
+    (``autopart.predict.fully_sharded``: they take the data-parallel links one after another,
+    and each unit computes once its own is in), so the stage's time is at least twice their sum
+    ``G``. A stage of ``L`` layer bytes has ``k = round(L / l)`` units of ``L / k`` bytes each
+    (``stage_layers``, ``l`` the largest layer), each between half a layer and one and a half,
+    so ``G >= L * gamma``, ``gamma`` the least seconds per byte of a gather in that range; the
+    stages of no unit hold half a layer each at most. Summed, with the fullest stage's units
+    apart (at least the even share rounds to, each at least ``1 - 0.5 / k`` of a layer): 1f1b's
+    and gpipe's pipeline is at least its stages' sum ``(1 + (m - 1) / S)`` times, interleaved's
+    ``m / p`` times, and either at least ``m`` times the fullest stage's. A collective is taken
+    to take no less time on more bytes; nothing else of its curve."""
+    if int(layout.zero) != 3 or layout.dp == 1 or not costs.layer_bytes or layout.schedule not in _ONE_BACKWARD:
+        return 0.0
+    m, stages, layer = layout.microbatches, layout.stages, costs.layer_bytes
+    across = layout.data_parallel_crosses_nodes(cluster.gpus_per_node)
+    layered = costs.prefix("owned_layer_bytes")[-1]
+    units = round(-(-layered // stages) / layer)  # the fullest stage's bytes at least its ceiled share
+    unit = layer * (1 - 0.5 / units) * (1 - 1e-9) if units else 0.0  # under the estimate's own, for its rounding
+    fullest = units * _gather_s(cluster, unit, layout.dp, across, layout.dtype) if units else 0.0
+    summed = max(0.0, layered - stages * layer / 2) * _least_gather_per_byte(cluster, layer, layout.dp, across,
+                                                                              layout.dtype)
+    spread = m / layout.pp if layout.schedule == "interleaved" else 1 + (m - 1) / stages
+    return 2 * max(m * fullest, spread * summed) * (1 - 1e-9)  # under the estimate's own rounding
+
+
+@functools.lru_cache(maxsize=1024)
+def _least_gather_per_byte(cluster, layer: int, dp: int, across: bool, dtype: str, pieces: int = 64) -> float:
+    """No gather of a unit between half of ``layer`` and one and a half takes fewer seconds per
+    byte: over each of ``pieces`` spans of that range, the gather of its least bytes over its most."""
+    edges = [layer * (0.5 + k / pieces) for k in range(pieces + 1)]
+    edges[0], edges[-1] = edges[0] * (1 - 1e-9), edges[-1] * (1 + 1e-9)  # the estimate's units, rounded
+    return min(_gather_s(cluster, low, dp, across, dtype) / high for low, high in zip(edges, edges[1:]))
+
+
+_ONE_BACKWARD = ("gpipe", "1f1b", "interleaved")  # pipelines at least m times their slowest stage's F and B
 
 
 def stage_layers(costs, cuts: Sequence[int]) -> tuple[tuple[int, int], ...]:
