@@ -28,7 +28,7 @@ from autopart.runtime.fully_sharded import FSDP_LEVELS
 from autopart.schedule import SPLIT_BACKWARD_KINDS, stage_placement
 
 __all__ = ["fully_sharded_levels", "tail_s", "update_s", "hidden_s", "last_bucket_bytes", "fully_sharded_extra_s",
-           "stage_layers", "stage_times", "most_hidden_s", "fsdp_may_pay", "gathers_floor_s"]
+           "stage_layers", "stage_times", "most_hidden_s", "fsdp_may_pay", "fully_sharded_floor_s"]
 
 FORWARD_SHARE = 1 / 3
 """Of a stage's forward and backward, the forward's part (a backward is about twice a forward)."""
@@ -147,42 +147,78 @@ def _gather_s(cluster, parameter_bytes: float, dp: int, across: bool, dtype: str
     return cluster.all_gather_s(gathered_bytes(parameter_bytes, dtype), dp, across)
 
 
-def gathers_floor_s(layout, costs, cluster) -> float:
-    """Under ZeRO-3, a pipeline (``estimate_step_s``'s, of gpipe, 1f1b or interleaved) that no cuts
-    make shorter, counting only the layer units' gathers (``costs``: the layout's ``ChainCosts``).
+def fully_sharded_floor_s(layout, costs, cluster) -> float:
+    """Under FSDP (ZeRO-2 and 3), a pipeline (``estimate_step_s``'s, of gpipe, 1f1b or
+    interleaved: at least ``m`` times a rank's stages, and the first two at least their stages'
+    sum ``1 + (m - 1) / S`` times) that no cuts make shorter, counting only the collectives that
+    every microbatch waits for (``costs``: the layout's ``ChainCosts``). A collective is taken to
+    take no less time on more bytes; nothing else of its curve. 0 where this says nothing.
 
-    A stage's forward and backward each wait for all of its units' gathers
-    (``autopart.predict.fully_sharded``: they take the data-parallel links one after another,
-    and each unit computes once its own is in), so the stage's time is at least twice their sum
-    ``G``. A stage of ``L`` layer bytes has ``k = round(L / l)`` units of ``L / k`` bytes each
+    ZeRO-2 reduce-scatters each stage's gradients (its rank's parameters over its chunks) after
+    every backward, hidden behind a forward at most: each stage at least that long, and the
+    busiest rank holds at least an even share of the parameters.
+
+    ZeRO-3's stage waits in its forward for all of its layer units' gathers, and in its backward
+    for them again (``autopart.predict.fully_sharded``: they take the data-parallel links one after
+    another, each unit computes once its own is in, and each unit's reduce-scatter follows its
+    backward on the same links): with ``G`` the gathers' sum and ``R`` the reduce-scatters', its
+    forward and backward last at least ``stage_s(G, R)`` however long its compute (the last
+    reduce-scatters may run beside the next forward's compute, a third of it). That least is
+    convex in ``(G, R)`` and grows in proportion to them, so the stages' summed is at least that of
+    their sums. A stage of ``L`` layer bytes has ``k = round(L / l)`` units of ``L / k`` bytes each
     (``stage_layers``, ``l`` the largest layer), each between half a layer and one and a half,
-    so ``G >= L * gamma``, ``gamma`` the least seconds per byte of a gather in that range; the
-    stages of no unit hold half a layer each at most. Summed, with the fullest stage's units
-    apart (at least the even share rounds to, each at least ``1 - 0.5 / k`` of a layer): 1f1b's
-    and gpipe's pipeline is at least its stages' sum ``(1 + (m - 1) / S)`` times, interleaved's
-    ``m / p`` times, and either at least ``m`` times the fullest stage's. A collective is taken
-    to take no less time on more bytes; nothing else of its curve."""
-    if int(layout.zero) != 3 or layout.dp == 1 or not costs.layer_bytes or layout.schedule not in _ONE_BACKWARD:
+    so ``G`` and ``R`` are at least ``L`` times the least seconds per byte of a collective in that
+    range; the stages of no unit hold half a layer each at most. The fullest stage has at least
+    the units an even share rounds to, each at least ``1 - 0.5 / k`` of a layer."""
+    level = int(layout.zero)
+    if level not in FSDP_LEVELS or layout.dp == 1 or layout.schedule not in _ONE_BACKWARD:
+        return 0.0
+    across = layout.data_parallel_crosses_nodes(cluster.gpus_per_node)
+    if level == 2:
+        share = sum(costs.parameter_bytes.values()) // layout.pp / layout.chunks  # a stage's of the busiest rank
+        return layout.microbatches * layout.chunks * _reduce_scatter_s(cluster, share, layout.dp, across) * (1 - 1e-9)
+    if not costs.layer_bytes:
         return 0.0
     m, stages, layer = layout.microbatches, layout.stages, costs.layer_bytes
-    across = layout.data_parallel_crosses_nodes(cluster.gpus_per_node)
     layered = costs.prefix("owned_layer_bytes")[-1]
+
+    def stage_s(gathers: float, reduces: float) -> float:
+        """A stage's least forward and backward, whatever its compute ``t``: the forward ends after
+        its third of ``t`` and the gathers, the backward after its two thirds and the gathers, and
+        the links' work (``gathers + reduces``) after the forward's third; in ``t`` the sum of these
+        maxima is convex and piecewise linear, least at one of its breakpoints."""
+        def at(t: float) -> float:
+            return (max(FORWARD_SHARE * t, gathers)
+                    + max((1 - FORWARD_SHARE) * t, gathers, gathers + reduces - FORWARD_SHARE * t))
+        g, r = gathers, reduces
+        if not cluster.reduction_overlaps:  # each collective adds whole, and the compute on top
+            return 2 * g + r
+        return min(at(t) for t in (0.0, g / FORWARD_SHARE, g / (1 - FORWARD_SHARE), g + r, r / FORWARD_SHARE))
+
     units = round(-(-layered // stages) / layer)  # the fullest stage's bytes at least its ceiled share
-    unit = layer * (1 - 0.5 / units) * (1 - 1e-9) if units else 0.0  # under the estimate's own, for its rounding
-    fullest = units * _gather_s(cluster, unit, layout.dp, across, layout.dtype) if units else 0.0
-    summed = max(0.0, layered - stages * layer / 2) * _least_gather_per_byte(cluster, layer, layout.dp, across,
-                                                                              layout.dtype)
+    fullest = 0.0
+    if units:
+        unit = layer * (1 - 0.5 / units) * (1 - 1e-9)  # under the estimate's own, for its rounding
+        fullest = stage_s(units * _gather_s(cluster, unit, layout.dp, across, layout.dtype),
+                          units * _reduce_scatter_s(cluster, unit, layout.dp, across))
+    held = max(0.0, layered - stages * layer / 2)  # in stages of a unit or more
+    summed = stage_s(held * _least_per_byte(cluster, layer, layout.dp, across, layout.dtype, gather=True),
+                     held * _least_per_byte(cluster, layer, layout.dp, across, layout.dtype, gather=False))
     spread = m / layout.pp if layout.schedule == "interleaved" else 1 + (m - 1) / stages
-    return 2 * max(m * fullest, spread * summed) * (1 - 1e-9)  # under the estimate's own rounding
+    return max(m * fullest, spread * summed) * (1 - 1e-9)  # under the estimate's own rounding
 
 
 @functools.lru_cache(maxsize=1024)
-def _least_gather_per_byte(cluster, layer: int, dp: int, across: bool, dtype: str, pieces: int = 64) -> float:
-    """No gather of a unit between half of ``layer`` and one and a half takes fewer seconds per
-    byte: over each of ``pieces`` spans of that range, the gather of its least bytes over its most."""
+def _least_per_byte(cluster, layer: int, dp: int, across: bool, dtype: str, *, gather: bool, pieces: int = 64) -> float:
+    """No gather (or reduce-scatter) of a unit between half of ``layer`` and one and a half takes
+    fewer seconds per byte: over each of ``pieces`` spans of that range, its least bytes' over its most."""
     edges = [layer * (0.5 + k / pieces) for k in range(pieces + 1)]
     edges[0], edges[-1] = edges[0] * (1 - 1e-9), edges[-1] * (1 + 1e-9)  # the estimate's units, rounded
-    return min(_gather_s(cluster, low, dp, across, dtype) / high for low, high in zip(edges, edges[1:]))
+
+    def seconds(nbytes: float) -> float:
+        return _gather_s(cluster, nbytes, dp, across, dtype) if gather else _reduce_scatter_s(cluster, nbytes, dp, across)
+
+    return min(seconds(low) / high for low, high in zip(edges, edges[1:]))
 
 
 _ONE_BACKWARD = ("gpipe", "1f1b", "interleaved")  # pipelines at least m times their slowest stage's F and B

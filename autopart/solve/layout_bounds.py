@@ -38,7 +38,7 @@ from autopart.predict.memory import layers_in_flight_bytes
 from autopart.schedule import stage_placement
 from autopart.solve.chain_costs import ChainCosts, stage_floor_s
 from autopart.solve.rank_room import stages_by_rank
-from autopart.solve.data_parallel_tail import FORWARD_SHARE, gathers_floor_s, most_hidden_s, tail_s
+from autopart.solve.data_parallel_tail import FORWARD_SHARE, fully_sharded_floor_s, most_hidden_s, tail_s
 
 __all__ = ["early_bound", "layout_bound", "lazy_order", "may_fit", "mesh_overhead_bytes", "no_early_bound",
            "optimistic_costs", "stage_floor", "with_layout_state"]
@@ -163,8 +163,8 @@ def layout_bound(table, layout, cluster, *, slowest_s: float = 0.0, hides_all: b
     shorter: every stage at least ``stage_floor`` (or ``slowest_s``, where more) and every rank at
     least its share of the stages' least summed time, the stages' times summing to at least the
     compute and a transfer each way at every cut, zb-h1's smallest weight-gradient stage at most
-    its share, ZeRO-3's gathers (``gathers_floor_s``), and the busiest rank holding at least its
-    share of the parameters; infinite where no cuts fit (``may_fit``; not asked with ``memory`` False, where the caller holds cuts that
+    its share, FSDP's collectives (``fully_sharded_floor_s``), and the busiest rank holding at
+    least its share of the parameters; infinite where no cuts fit (``may_fit``; not asked with ``memory`` False, where the caller holds cuts that
     fit). ``hides_all``: every all-reduce that may hide behind the backward taken as hidden."""
     costs = table.chain_costs(micro_batch_size=layout.micro_batch_size, tp=layout.tp, dtype=layout.dtype)
     if memory and not may_fit(table, layout, cluster):
@@ -182,7 +182,7 @@ def layout_bound(table, layout, cluster, *, slowest_s: float = 0.0, hides_all: b
         pipeline = summed + (m - 1) * stage
         if layout.schedule == "zb-h1":
             pipeline -= 2 * (p - 1) * sum(costs.weight_s) / p
-    pipeline = max(pipeline, gathers_floor_s(layout, costs, cluster))  # ZeRO-3's gathers, per microbatch
+    pipeline = max(pipeline, fully_sharded_floor_s(layout, costs, cluster))  # FSDP's collectives, per microbatch
     share = sum(costs.parameter_bytes.values()) // p
     # a rank's all-reduce hides behind its last backward, at most 2/3 of its stages' time: a longer
     # one adds more to the pipeline above (m - 1 >= 1 times, or m rounds) than it hides
