@@ -25,7 +25,7 @@ from autopart.driver import CompileOptions, compile_to_directory
 from autopart.ir.errors import ConfigError, PlanError
 from autopart.ir.plan import Plan, load_plan
 from autopart.ir.recompute import keeps_output
-from autopart.passes.recompute import recompute_cost, stage_input_bytes, transient_microbatches
+from autopart.passes.recompute import batch_inputs, recompute_cost, stage_input_bytes, transient_microbatches
 from autopart.runtime.backward import backward_full, backward_input, backward_weight
 from autopart.runtime.forward import StageForward, selective_policy
 from autopart.runtime.stage import load_stage
@@ -201,6 +201,25 @@ def test_bytes_held_for_backward_are_the_predicted_ones(tmp_path_factory, dtype)
                 predicted = recompute_cost(blocks, mode, input_bytes=stage_input_bytes(chain, first, last))
                 assert measured == pytest.approx(predicted.saved_bytes, rel=0.15), (stage.index, mode, split)
         received = [t.detach() for t in result] if isinstance(result, tuple) else []
+
+
+def test_a_stage_reads_the_batch_inputs_its_nodes_reach_and_holds_their_bytes(tmp_path_factory):
+    # the plan's stages name the batch inputs they are given, and recompute holds their bytes: one walk for both
+    plan, _, chain = _compiled(tmp_path_factory, "fp32")
+    by_name = {n.name: n for n in chain.op_graph.fx_nodes()}
+    seen = set()
+    for stage in plan.stages:
+        first, last = stage.blocks
+        nodes = [n for b in chain.blocks[first : last + 1] for n in b.nodes]
+        read = batch_inputs(chain.op_graph, nodes)
+        assert read == batch_inputs(chain.op_graph, nodes, by_name=by_name) and read <= set(plan.graph_inputs)
+        assert tuple(stage.batch_inputs) == tuple(n for n in plan.graph_inputs if n in read)
+        held = sum(chain.op_graph.nodes[n].output.nbytes for n in read)
+        received = chain.boundaries[first - 1].nbytes if first else 0
+        assert stage_input_bytes(chain, first, last) == stage_input_bytes(chain, first, last, by_name=by_name) \
+            == received + held
+        seen |= read
+    assert seen == set(plan.graph_inputs)  # token ids to the first stage, targets to the last
 
 
 def _pinned(plan: Plan, modes: tuple[str, ...], tmp_path: Path) -> Plan:

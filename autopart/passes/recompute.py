@@ -22,7 +22,7 @@ The plan search calls it per candidate stage; `stage_input_bytes` gives its ``in
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -30,10 +30,14 @@ from autopart.ir.errors import ConfigError
 from autopart.ir.recompute import RECOMPUTE_MODES
 
 if TYPE_CHECKING:
+    from torch import fx
+
+    from autopart.passes.annotate import OpGraph
     from autopart.passes.blocks import Block, BlockChain
     from autopart.schedule import Schedule
 
-__all__ = ["RecomputeCost", "recompute_cost", "stage_input_bytes", "transient_microbatches", "stage_modes", "check_mode"]
+__all__ = ["RecomputeCost", "recompute_cost", "stage_input_bytes", "batch_inputs", "transient_microbatches", "stage_modes",
+           "check_mode"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -77,24 +81,34 @@ def recompute_cost(blocks: Sequence[Block], mode: str, *, input_bytes: int) -> R
     )
 
 
-def stage_input_bytes(chain: BlockChain, first: int, last: int) -> int:
+def stage_input_bytes(chain: BlockChain, first: int, last: int, *, by_name: dict[str, fx.Node] | None = None) -> int:
     """Bytes of one microbatch's arguments of the stage of blocks ``first..last``: the tensors that
-    cross the boundary into it, and the graph inputs (token ids, targets) that its nodes read."""
+    cross the boundary into it, and the graph inputs (token ids, targets) that its nodes read.
+    ``by_name``: the graph's nodes by name (`batch_inputs`)."""
     received = chain.boundaries[first - 1].nbytes if first > 0 else 0
     costs = chain.op_graph.nodes
-    fx_nodes = {n.name: n for n in chain.op_graph.fx_nodes()}
-    placeholders: set[str] = set()
+    read = batch_inputs(chain.op_graph, (n for b in chain.blocks[first : last + 1] for n in b.nodes), by_name=by_name)
+    return received + sum(costs[p].output.nbytes for p in read if costs[p].output is not None)
+
+
+def batch_inputs(op_graph: OpGraph, nodes: Iterable[str], *, by_name: dict[str, fx.Node] | None = None) -> set[str]:
+    """The graph inputs that ``nodes`` read through batch-derived nodes alone (a stage's token ids
+    and targets, not the weights). ``by_name``: the graph's nodes by name, made once where a caller
+    asks for every stage of a long chain (made here otherwise)."""
+    by_name = by_name if by_name is not None else {n.name: n for n in op_graph.fx_nodes()}
+    costs = op_graph.nodes
+    found: set[str] = set()
     seen: set[str] = set()
-    stack = [a for b in chain.blocks[first : last + 1] for n in b.nodes for a in fx_nodes[n].all_input_nodes]
+    stack = [a for n in nodes for a in by_name[n].all_input_nodes]
     while stack:
         node = stack.pop()
         if node.name in seen or not costs[node.name].batch_derived or node.op == "get_attr":
             continue
         seen.add(node.name)
         if node.op == "placeholder":
-            placeholders.add(node.name)
+            found.add(node.name)
         stack.extend(node.all_input_nodes)
-    return received + sum(costs[p].output.nbytes for p in placeholders if costs[p].output is not None)
+    return found
 
 
 def transient_microbatches(schedule: Schedule, stages: int) -> tuple[int, ...]:

@@ -18,7 +18,7 @@ from autopart.ir.plan import Plan, Predicted, Provenance, ScheduleSpec, StagePla
 from autopart.options import CompileOptions
 from autopart.passes.annotate import OpGraph
 from autopart.passes.front import Front, block_seconds, parameter_placements, recompute_blocks
-from autopart.passes.recompute import recompute_cost, stage_input_bytes, stage_modes
+from autopart.passes.recompute import batch_inputs, recompute_cost, stage_input_bytes, stage_modes
 from autopart.predict.in_flight import in_flight, rank_in_flight, transient
 from autopart.predict.memory import layers_in_flight_bytes, state_bytes
 from autopart.predict.messages import boundary_seconds
@@ -204,7 +204,8 @@ def _stage_plans(front: Front, problem: PipelineProblem, ranges: list[range], re
         parameters = tuple(dict.fromkeys(p for b in blocks for p in b.parameters))
         for p in parameters:
             holders.setdefault(p, []).append(s)
-        needed = _batch_inputs(front.op_graph, stage_nodes[s], graph_inputs)
+        read = batch_inputs(front.op_graph, stage_nodes[s], by_name=fx_nodes)
+        needed = tuple(n for n in graph_inputs if n in read)
         times = [block_times[k] for k in r]
         strategies = {n: text for k in r for n, text in
                       (listed_strategies(front.shardings[k], front.op_graph, fx_nodes) if front.shardings else {}).items()}
@@ -255,8 +256,9 @@ def _with_recompute(options: CompileOptions, front: Front, problem: PipelineProb
     times, held = recompute_blocks(front, [modes[s] for s, r in enumerate(ranges) for _ in r])
     held = list(held)
     costs = []
+    by_name = {n.name: n for n in front.op_graph.fx_nodes()}
     for s, r in enumerate(ranges):
-        inputs = stage_input_bytes(front.chain, r.start, r.stop - 1)
+        inputs = stage_input_bytes(front.chain, r.start, r.stop - 1, by_name=by_name)
         costs.append(recompute_cost([front.chain.blocks[k] for k in r], modes[s], input_bytes=inputs))
         if modes[s] != "none":  # checkpoint keeps the stage's arguments (whole on every tensor-parallel rank)
             held[r.start] += inputs
@@ -271,23 +273,6 @@ def _with_transients(options: CompileOptions, memory: tuple[int, ...], recompute
         here = [s for s, home in enumerate(stage_placement(options.schedule, ranks=options.pp, chunks=options.chunks)) if home == rank]
         peaks[rank] += max((recompute[s].transient_bytes // options.tp * at_once[s] for s in here), default=0)
     return tuple(peaks)
-
-
-def _batch_inputs(op_graph: OpGraph, nodes: tuple[str, ...], graph_inputs: tuple[str, ...]) -> tuple[str, ...]:
-    """The graph inputs that a stage's nodes reach through batch-derived nodes alone."""
-    fx_nodes = {n.name: n for n in op_graph.fx_nodes()}
-    found: set[str] = set()
-    seen: set[str] = set()
-    stack = [a for n in nodes for a in fx_nodes[n].all_input_nodes]
-    while stack:
-        node = stack.pop()
-        if node.name in seen or not (op_graph.nodes[node.name].batch_derived and node.op != "get_attr"):
-            continue
-        seen.add(node.name)
-        if node.op == "placeholder":
-            found.add(node.name)
-        stack.extend(node.all_input_nodes)
-    return tuple(n for n in graph_inputs if n in found)
 
 
 def _state_bytes(options: CompileOptions, parameter_bytes: int, *, layered: bool) -> int:
