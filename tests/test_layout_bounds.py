@@ -318,13 +318,15 @@ def test_fsdp_s_collectives_bound_every_cut_set_and_spare_the_search_its_slow_la
     assert found.ranked == unbounded.ranked and found.scored <= unbounded.scored
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
 @pytest.mark.parametrize(("zero", "overlaps"), [(2, False), (2, True), (3, False), (3, True)])
-def test_the_fsdp_bound_is_close_where_its_collectives_are_most_of_the_step(zero, overlaps):
+def test_the_fsdp_bound_is_close_where_its_collectives_are_most_of_the_step(zero, overlaps, schedule):
     """Even layers, many microbatches, the collectives as long as the compute that may hide them
     (overlapped ZeRO-3) or longer than any compute: the search's estimate is within a few percent
-    of ``fully_sharded_floor_s``, so a floor set too high shows; overlapped ZeRO-3 within a half,
-    as the floor takes a stage's gathers to hide wholly behind its compute and its reduce-scatters
-    not to hold back its later gathers (which they do, a unit at a time)."""
+    of ``fully_sharded_floor_s``, so a floor set too high shows; ZeRO-3 within what the floor sets
+    aside for how cuts round a stage's layers (half a layer a stage, four layers to a stage here)
+    and, overlapped, within a half more: the floor takes a stage's gathers to hide wholly behind
+    its compute and its reduce-scatters not to hold back its later gathers (they do, a unit at a time)."""
     from autopart.solve.data_parallel_tail import fully_sharded_floor_s
     from tests.synthetic_chains import SyntheticTable
 
@@ -335,11 +337,11 @@ def test_the_fsdp_bound_is_close_where_its_collectives_are_most_of_the_step(zero
     devices = dataclasses.replace(cluster(memory_bytes=1 << 40, gpus_per_node=1, bandwidth=1.0, across=1.0,
                                           latency_s=0.0), reduction_overlaps=overlaps)
     space = SearchSpace(world_size=4, global_batch_size=64, gpus_per_node=1, pp=(2,), tp=(1,), zero=(zero,),
-                        micro_batch_size=(1,), schedule=("1f1b",))
+                        micro_batch_size=(1,), schedule=(schedule,), chunks=(2,) if schedule == "interleaved" else None)
     (layout,) = [layout for layout in space.layouts(2 * layers + 2) if layout.zero == zero]
     costs = table.chain_costs(micro_batch_size=1, tp=1, dtype="fp32")
     floor = fully_sharded_floor_s(layout, costs, devices)
     bound = layout_bound(table, layout, devices)
     searched = search_module.score_layout(layout, table, devices, space)
-    within = 1.5 if zero == 3 and overlaps else 1.15
+    within = {(3, True): 1.65, (3, False): 1.25}.get((zero, overlaps), 1.15)  # ZeRO-3: half a layer a stage
     assert floor <= bound <= searched.estimate_s <= within * floor, searched.estimate_s / floor

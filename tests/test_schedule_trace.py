@@ -1,6 +1,8 @@
 """Timelines come out as Chrome traces, Gantt PNGs and torch-style CSVs, and read back."""
 
+import dataclasses
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -77,13 +79,16 @@ def test_the_trace_file_is_each_event_as_json_writes_it(tmp_path: Path, seed: in
     events = [Event(rank=rank, action=action, start=start, end=start + rng.choice([0.0, 1e-9, 3.3e-5, 12345.678]))
               for rank, actions in schedule.items() for action, start in
               zip(actions, sorted(rng.uniform(0, 10) ** rng.choice([1, 5, -1]) for _ in actions))]
+    if seed == 0:  # a time json writes as Infinity: written by json itself
+        events[-1] = dataclasses.replace(events[-1], end=math.inf)
     timeline = Timeline.from_events(events, ranks=2)
-    title = 'a "model", \\ é }, {'
+    title = 'a "model", \\ é }, {'  # the process's name: written by json
     write_chrome_trace(timeline, tmp_path / "t.json", title=title)
     expected = [{"name": "process_name", "ph": "M", "pid": 0, "args": {"name": title}}, *chrome_trace_events(timeline)]
     text = (tmp_path / "t.json").read_text()
     assert text.startswith('{"traceEvents": [\n' + ",\n".join(json.dumps(e) for e in expected) + "\n],")
-    assert json.loads(text)["traceEvents"] == expected
+    if seed:
+        assert json.loads(text)["traceEvents"] == expected
 
 
 def test_reads_a_measured_trace(tmp_path: Path) -> None:

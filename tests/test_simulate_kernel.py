@@ -80,6 +80,8 @@ def test_the_kernel_times_every_action_as_input_ready_at_does(seed: int) -> None
     if messages or rng.random() < 0.5:
         schedule = add_communication(schedule, ranks=ranks, placement=placement)
     costs = _costs(rng, ranks * chunks, messages, schedule)
+    if rng.random() < 0.5:  # the ranks in another order: the times do not depend on the order they are run in
+        schedule = dict(reversed(list(schedule.items())))
 
     def in_start_order(events):
         return sorted(((r, str(a), s, e) for r, a, s, e in events), key=lambda e: (e[2], e[3], e[0]))
@@ -98,21 +100,26 @@ def test_the_kernel_times_every_action_as_input_ready_at_does(seed: int) -> None
     assert (in_start_order(events), run.free, run.idle_since) == (expected, free, idle)
 
 
+@pytest.mark.parametrize("uniform", [False, True])
 @pytest.mark.parametrize(("kind", "pp", "microbatches", "chunks"),
                          [("1f1b", 4, 8, 1), ("zb-h1", 3, 5, 1), ("interleaved", 2, 4, 3), ("zbv", 2, 4, 2)])
-def test_the_search_reads_a_run_as_its_timeline_has_it(kind, pp, microbatches, chunks) -> None:
+def test_the_search_reads_a_run_as_its_timeline_has_it(kind, pp, microbatches, chunks, uniform) -> None:
+    # uniform: equal stages, weight gradients of no time (a W ends as it starts, with others at once)
     rng = random.Random(7)
     stages = pp * chunks
-    backward = tuple(rng.uniform(1.0, 3.0) for _ in range(stages))
-    costs = StageCosts(forward_s=tuple(rng.uniform(0.5, 1.5) for _ in range(stages)), backward_s=backward,
-                       weight_s=tuple(b / 3 for b in backward), transfer_s=tuple(rng.uniform(0, 0.2) for _ in range(stages - 1)))
+    if uniform:
+        costs = StageCosts.uniform(stages, forward_s=1.0, backward_s=2.0, weight_s=0.0)
+    else:
+        backward = tuple(rng.uniform(1.0, 3.0) for _ in range(stages))
+        costs = StageCosts(forward_s=tuple(rng.uniform(0.5, 1.5) for _ in range(stages)), backward_s=backward,
+                           weight_s=tuple(b / 3 for b in backward),
+                           transfer_s=tuple(rng.uniform(0, 0.2) for _ in range(stages - 1)))
     schedule = build_schedule(kind, ranks=pp, microbatches=microbatches, chunks=chunks)
     timeline = simulate(schedule, costs, ranks=pp, placement=stage_placement(kind, ranks=pp, chunks=chunks))
     ends = [max(e.end for e in timeline.events if e.rank == rank) for rank in range(pp)]
-    final = {}
-    for stage in range(stages):
-        last = max((e for e in timeline.events if e.action.stage == stage and e.action.kind in (Kind.B, Kind.W)),
-                   key=lambda e: (e.end, e.start))
-        final[stage] = (last.start, last.end)
+    final = {}  # the rule the search read before: the last in start order of those ending last
+    for e in timeline.events:
+        if e.action.kind in (Kind.B, Kind.W) and e.end >= final.get(e.action.stage, (0.0, -1.0))[1]:
+            final[e.action.stage] = (e.start, e.end)
     run = simulated._run(kind, pp, microbatches, chunks, costs)
     assert (run.step_s, run.ends, run.final) == (timeline.step_s, tuple(ends), final)

@@ -36,8 +36,8 @@ if TYPE_CHECKING:
     from autopart.passes.blocks import Block, BlockChain
     from autopart.schedule import Schedule
 
-__all__ = ["RecomputeCost", "recompute_cost", "stage_input_bytes", "batch_inputs", "transient_microbatches", "stage_modes",
-           "check_mode"]
+__all__ = ["RecomputeCost", "recompute_cost", "stage_input_bytes", "batch_inputs", "transient_microbatches",
+           "stage_modes", "check_mode"]
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -10,7 +10,8 @@ per-rank action lists that the runtime executes, plus a simulated `Timeline`. In
 from autopart.ir.actions import COMM_KINDS, COMPUTE_KINDS, RECEIVE_KINDS, Action, Kind, Schedule, rank_of, stage_rank, v_stage_rank
 from autopart.schedule.generators import SCHEDULE_KINDS, SPLIT_BACKWARD_KINDS, build_schedule, stage_placement
 from autopart.schedule.lowering import add_communication
-from autopart.schedule.simulate import Event, StageCosts, Timeline, simulate, simulated_events
+from autopart.schedule.simulate import Event, Timeline, simulate, simulated_events
+from autopart.schedule.stage_costs import StageCosts
 from autopart.schedule.trace import (
     chrome_trace_events,
     read_chrome_trace,

@@ -14,12 +14,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from autopart.ir.actions import COMPUTE_KINDS, Action, Kind, Schedule
-
-if TYPE_CHECKING:
-    from autopart.schedule.simulate import StageCosts
+from autopart.schedule.stage_costs import StageCosts
 
 __all__ = ["EPSILON", "RunAhead", "run_ahead", "woken_s"]
 

@@ -28,7 +28,8 @@ from dataclasses import dataclass
 from autopart.ir.errors import ScheduleError
 from autopart.ir.actions import RECEIVE_KINDS, Action, Kind, Schedule
 from autopart.schedule.run_ahead import EPSILON, run_ahead, woken_s
-from autopart.schedule.simulate import StageCosts, input_ready_at, stage_homes
+from autopart.schedule.simulate import input_ready_at, stage_homes
+from autopart.schedule.stage_costs import StageCosts
 
 __all__ = ["DedicatedRun", "dedicated_run", "step_time"]
 

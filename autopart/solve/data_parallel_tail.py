@@ -169,7 +169,9 @@ def fully_sharded_floor_s(layout, costs, cluster) -> float:
     (``stage_layers``, ``l`` the largest layer), each between half a layer and one and a half,
     so ``G`` and ``R`` are at least ``L`` times the least seconds per byte of a collective in that
     range; the stages of no unit hold half a layer each at most. The fullest stage has at least
-    the units an even share rounds to, each at least ``1 - 0.5 / k`` of a layer."""
+    the ``units`` an even share rounds to, each at least ``1 - 0.5 / units`` of a layer. The root
+    units' collectives (embeddings, norms, a layer a cut splits) are left out, and the estimate
+    is the one given the layout's ``costs`` (its layer units; ``estimate_step_s`` always is)."""
     level = int(layout.zero)
     if level not in FSDP_LEVELS or layout.dp == 1 or layout.schedule not in _ONE_BACKWARD:
         return 0.0
@@ -216,7 +218,9 @@ def _least_per_byte(cluster, layer: int, dp: int, across: bool, dtype: str, *, g
     edges[0], edges[-1] = edges[0] * (1 - 1e-9), edges[-1] * (1 + 1e-9)  # the estimate's units, rounded
 
     def seconds(nbytes: float) -> float:
-        return _gather_s(cluster, nbytes, dp, across, dtype) if gather else _reduce_scatter_s(cluster, nbytes, dp, across)
+        if gather:
+            return _gather_s(cluster, nbytes, dp, across, dtype)
+        return _reduce_scatter_s(cluster, nbytes, dp, across)
 
     return min(seconds(low) / high for low, high in zip(edges, edges[1:]))
 

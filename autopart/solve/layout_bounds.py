@@ -115,6 +115,7 @@ def early_bound(table, cluster) -> Callable:
         if layout.schedule != "zb-h1":
             return layout_bound(Optimistic(), layout, cluster, hides_all=True) * (1 - 1e-9)  # under the exact bound's rounding
         costs = optimistic(micro_batch_size=layout.micro_batch_size, tp=layout.tp, dtype=layout.dtype)
+        # (no FSDP floor in it: zb-h1 never runs FSDP, ``fully_sharded_levels``, so its exact bound has none)
         plain = layout_bound(Optimistic(), dataclasses.replace(layout, schedule="1f1b"), cluster, hides_all=True)
         slowest = stage_floor(costs, layout, cluster)
         return _zero_bubble_floor(costs, layout.pp, layout.microbatches, plain, slowest) * (1 - 1e-9)
@@ -164,8 +165,9 @@ def layout_bound(table, layout, cluster, *, slowest_s: float = 0.0, hides_all: b
     least its share of the stages' least summed time, the stages' times summing to at least the
     compute and a transfer each way at every cut, zb-h1's smallest weight-gradient stage at most
     its share, FSDP's collectives (``fully_sharded_floor_s``), and the busiest rank holding at
-    least its share of the parameters; infinite where no cuts fit (``may_fit``; not asked with ``memory`` False, where the caller holds cuts that
-    fit). ``hides_all``: every all-reduce that may hide behind the backward taken as hidden."""
+    least its share of the parameters; infinite where no cuts fit (``may_fit``; not asked with
+    ``memory`` False, where the caller holds cuts that fit). ``hides_all``: every all-reduce that
+    may hide behind the backward taken as hidden."""
     costs = table.chain_costs(micro_batch_size=layout.micro_batch_size, tp=layout.tp, dtype=layout.dtype)
     if memory and not may_fit(table, layout, cluster):
         return math.inf

@@ -236,12 +236,12 @@ class SearchResult:
 
 
 def estimate_step_s(layout: Layout, cut: StageCut, cluster: Cluster, rank_parameter_bytes: list[int],
-                    across_nodes: bool, last_bytes: list[int] | None = None, costs: ChainCosts | None = None) -> float:
+                    across_nodes: bool, last_bytes: list[int] | None, costs: ChainCosts) -> float:
     """The step in closed form: the schedule's pipeline latency (stages with FSDP's collectives), then
     what the data-parallel collectives run past it and the busiest rank's optimizer step (``data_parallel_tail``).
-    ``costs``: the chain's, whose repeated layers are ZeRO-3's units (without them, each stage is one)."""
+    ``costs``: the chain's, whose repeated layers are ZeRO-3's units (``layout_bound`` counts their gathers)."""
     m, p = layout.microbatches, layout.pp
-    layers = stage_layers(costs, cut.cuts) if costs is not None and int(layout.zero) == 3 and layout.dp > 1 else None
+    layers = stage_layers(costs, cut.cuts) if int(layout.zero) == 3 and layout.dp > 1 else None
     times = stage_times(layout, cluster, cut.stage_time_s, rank_parameter_bytes, across_nodes, layers)
     if layout.schedule == "interleaved":
         pipeline = _interleaved_pipeline_s(times, p, m, layout.chunks)
