@@ -41,6 +41,10 @@ class CompileOptions:
     too, 3 the parameters too (2 and 3 through FSDP); 0 (or False) nothing; True means 1; 0 unless searched."""
     sp: bool | None = None
     """Sequence parallelism with TP (``autopart.solve.sequence``); on unless searched, a no-op at tp 1."""
+    tp_overlap: bool = False
+    """Overlap the sequence-parallel collectives with the linears beside them, the sequence cut
+    into pieces (``autopart.runtime.overlapped``, Megatron-LM's ``--tp-comm-overlap``); needs
+    sequence parallelism and a schedule whose backward runs whole."""
     gpus_per_node: int = 8
     """Devices per node: collectives of groups larger than this cross nodes."""
     microbatches: int | None = None
@@ -115,6 +119,12 @@ class CompileOptions:
         refused = check_level(self.zero or 0, dp=self.dp or 2, split_backward=self.schedule in SPLIT_BACKWARD_KINDS)
         if refused:  # what the runtime refuses of a plan, refused before compiling one
             raise ConfigError(refused)
+        if self.tp_overlap and self.sp is False:
+            raise ConfigError("--tp-overlap overlaps the sequence-parallel collectives: it needs sequence parallelism"
+                              " (drop --no-sp)")
+        if self.tp_overlap and self.schedule in SPLIT_BACKWARD_KINDS:
+            raise ConfigError(f"--tp-overlap runs each overlapped linear's backward whole, which {self.schedule} splits"
+                              " in two; use --schedule 1f1b or interleaved, or drop --tp-overlap")
         if self.schedule is not None and self.schedule not in SCHEDULE_KINDS:
             raise ConfigError(f"unknown schedule {self.schedule!r}; use one of {', '.join(SCHEDULE_KINDS)}")
         if self.optimizer not in OPTIMIZERS:

@@ -95,6 +95,7 @@ class Run:
     published_s: float
     stage_layers: tuple[int, ...] | None = None  # the framework's split, pinned (None: autopart's cuts)
     sp: bool = True  # sequence parallelism with TP
+    tp_overlap: bool = False  # the TP collectives overlapped with their linears (--tp-overlap)
     assumed: str = ""  # what the source does not state and the row assumes
     lacks: str = ""  # what autopart's programs do not do that the published run did, where it matters
 
@@ -122,10 +123,10 @@ _MT_NLG = dict(source="MT-NLG (Smith et al. 2022) §2.4", model=MT_NLG, device="
 
 _DGXC_175B = dict(source="NVIDIA dgxc-benchmarking nemo_megatron/README_175b.md (BF16)", model=GPT3_175B,
                   device="h100-sxm", tp=4, pp=8, micro_batch_size=1, recompute="none", schedule="interleaved",
-                  chunks=12,
-                  assumed="no recompute and sequence parallelism as the recipe's gpt3_175b_hydra.yaml sets them; "
-                  "its distributed_fused_adam as ZeRO-1; FP8 off (DTYPE=bf16); vocabulary 51,200 as the README's FLOP "
-                  "count; its TP communication overlap (ub_tp_comm_overlap) not modelled")  # fmt: skip
+                  chunks=12, tp_overlap=True,
+                  assumed="no recompute, sequence parallelism and TP communication overlap (ub_tp_comm_overlap) as the "
+                  "recipe's gpt3_175b_hydra.yaml sets them, the overlap as --tp-overlap; its distributed_fused_adam as "
+                  "ZeRO-1; FP8 off (DTYPE=bf16); vocabulary 51,200 as the README's FLOP count")  # fmt: skip
 
 RUNS = (
     Run(name="bloom-176b", source="BLOOM tr11 README", model=BLOOM, device="a100-80gb", tp=4, pp=12, dp=8,
@@ -165,7 +166,7 @@ NOT_EXPRESSIBLE = (
 def predict(run: Run, folder: Path, *, search: bool) -> dict:
     model = run.model.file(folder)
     common = dict(device=run.device, dtype="bf16", gpus_per_node=8, optimizer="adamw",
-                  global_batch_size=run.global_batch_size)  # fmt: skip
+                  global_batch_size=run.global_batch_size, tp_overlap=run.tp_overlap)  # fmt: skip
     start = time.perf_counter()
     plan = autopart.compile(model, tp=run.tp, pp=run.pp, dp=run.dp, zero=True, micro_batch_size=run.micro_batch_size,
                             recompute=run.recompute, schedule=run.schedule, chunks=run.chunks, sp=run.sp,
@@ -221,7 +222,8 @@ def main(argv: list[str] | None = None) -> int:
             step = row["plan"].predicted.step_s
             errors.append(step / run.published_s - 1)
             layout = (f"t{run.tp} p{run.pp} d{run.dp} {run.schedule}{f' v{run.chunks}' if run.chunks > 1 else ''} "
-                      f"b{run.micro_batch_size} {run.recompute}{'' if run.sp else ' no-sp'} {run.model.attention}"
+                      f"b{run.micro_batch_size} {run.recompute}{'' if run.sp else ' no-sp'}{' overlap' if run.tp_overlap else ''} "
+                      f"{run.model.attention}"
                       f"{f' {describe_split(run.stage_layers)}' if run.stage_layers else ''}")  # fmt: skip
             extra = ()
             if args.search:

@@ -19,7 +19,7 @@ from autopart.ir.model_file import ModelSpec, is_meta
 from autopart.codegen.names import plain_text
 from autopart.codegen.output_dir import check_output_directory, remove_output, write_marker
 from autopart.codegen.report import write_report
-from autopart.codegen.tensor_parallel import shard_stage_graph
+from autopart.codegen.tensor_parallel import overlapped_shapes, shard_stage_graph
 from autopart.codegen.layers import repeated_units, stage_units
 from autopart.codegen.stage_file import stage_source
 from autopart.codegen.stages import describe_tensors, stage_graphs
@@ -87,7 +87,9 @@ def _write(plan: Plan, op_graph: OpGraph, spec: ModelSpec, out: Path, *, final: 
         chosen = _stage_strategies(stage, stage_plan, op_graph) if tp > 1 else {}
         shapes = _local_shapes(stage, chosen, op_graph, tp)  # before sharding: the graph is rewritten in place
         if tp > 1:
-            stage = shard_stage_graph(stage, strategies=chosen, parameters=placements, op_graph=op_graph, tp=tp)
+            stage = shard_stage_graph(stage, strategies=chosen, parameters=placements, op_graph=op_graph, tp=tp,
+                                      overlapped=stage_plan.overlapped)
+            shapes = overlapped_shapes(stage, shapes, tp)
         header = _stage_docstring(plan, stage_plan.index, stage, op_graph, command)
         declared = {name: local(name, placements, 0) for name in (*stage.parameters, *stage.buffers, *stage.constants)}
         units = stage_units(stage.graph, stage_plan.nodes, layers, op_graph, spec.module)

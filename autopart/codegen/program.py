@@ -107,9 +107,13 @@ class Expressions:
         """The name a reader knows the function by, importing what that name needs."""
         if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
             return f"torch.ops.{target}"
-        if getattr(target, "__module__", None) == "autopart.runtime.collectives":  # read as tp.all_reduce(x)
+        module = getattr(target, "__module__", None)
+        if module == "autopart.runtime.collectives":  # read as tp.all_reduce(x)
             self.imports.add("from autopart.runtime import collectives as tp")
             return f"tp.{target.__name__}"
+        if module == "autopart.runtime.overlapped":  # read as overlapped.gathered_linear(x, ...)
+            self.imports.add("from autopart.runtime import overlapped")
+            return f"overlapped.{target.__name__}"
         name = getattr(target, "__name__", None)
         if isinstance(name, str):
             if getattr(F, name, None) is target:

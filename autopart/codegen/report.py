@@ -54,6 +54,15 @@ def _markdown(rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
+def _tensor_parallel(plan: Plan) -> str:
+    if plan.mesh["tp"] == 1:
+        return ""
+    cut = sum(len(stage.overlapped) for stage in plan.stages)
+    overlap = (f"; {cut} linears run in pieces beside their collectives (--tp-overlap)" if cut else
+               "; --tp-overlap found no linear whose collectives pieces would hide" if plan.tp_overlap else "")
+    return f"\nTensor parallelism: {'with' if plan.sp else 'without'} sequence parallelism{overlap}."
+
+
 def write_report(plan: Plan, out: Path) -> None:
     timeline = plan_timeline(plan)
     title = f"{Path(plan.provenance.model_file).name}: {plan.schedule.kind}, pp={plan.mesh['pp']}, m={plan.schedule.microbatches}"
@@ -63,7 +72,7 @@ def write_report(plan: Plan, out: Path) -> None:
     predicted = plan.predicted
     text = f"""# autopart plan for {Path(plan.provenance.model_file).name}
 
-Mesh: pp={plan.mesh['pp']}, tp={plan.mesh['tp']}, dp={plan.mesh['dp']} ({plan.world_size} processes).
+Mesh: pp={plan.mesh['pp']}, tp={plan.mesh['tp']}, dp={plan.mesh['dp']} ({plan.world_size} processes).{_tensor_parallel(plan)}
 Schedule: {plan.schedule.kind}, {plan.schedule.microbatches} microbatches of {plan.schedule.micro_batch_size} (global batch {plan.schedule.global_batch_size}).
 Precision: {plan.dtype}{"" if plan.dtype == "fp32" else f" ({PRECISION_TEXT[plan.dtype]})"}. Activation recompute per stage: {", ".join(st.recompute for st in plan.stages)}.
 

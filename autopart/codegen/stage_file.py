@@ -24,7 +24,7 @@ from autopart.codegen.stages import StageGraph
 
 __all__ = ["stage_source", "stage_body"]
 
-_RESERVED = {"F", "torch", "tp", "math", "self", "layer", "Path", "x"}
+_RESERVED = {"F", "torch", "tp", "overlapped", "math", "self", "layer", "Path", "x"}
 """Names the generated code binds itself: a value named so by fx is renamed."""
 
 

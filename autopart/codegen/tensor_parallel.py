@@ -9,6 +9,9 @@ rank runs:
   ``tp.reduce_scatter``); a replicated tensor that needs a gradient and feeds a split op goes
   through ``tp.copy_to_tp`` (all-reduce of its gradient), or, gathered from a sequence split,
   through ``tp.gather_from_sequence`` (its gradient reduce-scattered);
+- with ``overlap`` (``--tp-overlap``), a gathered linear and a row-parallel linear whose output
+  is reduce-scattered run in pieces, each collective beside the products
+  (``autopart.runtime.overlapped``; which linears, ``autopart.solve.overlap``);
 - vocabulary-parallel embedding and cross-entropy become their ``tp.`` functions;
 - the shapes in views, reshapes and splits become the local ones (the code shows local head
   counts), and other numbers computed from activation sizes become the constants they are.
@@ -23,13 +26,15 @@ from torch import fx
 from autopart.ir.tensors import TensorMeta
 from autopart.passes.annotate import OpGraph
 from autopart.codegen.stages import StageGraph
+from autopart.ir.errors import PlanError
 from autopart.runtime import collectives
+from autopart.runtime import overlapped as overlapped_linears
 from autopart.solve.sharding import (
     REPLICATE, Placement, Strategy, argument, constant_of, folded_number, is_aten, local_shape, op_name,
 )
 from autopart.solve.tensor import conversion, gathers_for_split_op
 
-__all__ = ["shard_stage_graph"]
+__all__ = ["overlapped_shapes", "shard_stage_graph"]
 
 _KINDS = {
     "vocab_parallel_embedding": collectives.vocab_parallel_embedding,
@@ -44,6 +49,7 @@ def shard_stage_graph(
     parameters: dict[str, Placement],
     op_graph: OpGraph,
     tp: int,
+    overlapped: dict[str, int] | None = None,
 ) -> StageGraph:
     graph = stage.graph
     placement: dict[str, Placement] = {}
@@ -104,6 +110,8 @@ def shard_stage_graph(
             )
     graph.eliminate_dead_code()
     _fuse_gathered_linears(graph)
+    if overlapped:
+        _overlap_linears(graph, overlapped, op_graph, tp)
     graph.lint()
     return replace(stage, graph=graph)
 
@@ -124,6 +132,48 @@ def _fuse_gathered_linears(graph: fx.Graph) -> None:
         linear.target, linear.op = collectives.gathered_linear, "call_function"
         linear.args, linear.kwargs = (shard, weight, argument(linear, 2, "bias"), dim), {}
         graph.erase_node(gather)
+
+
+def _overlap_linears(graph: fx.Graph, overlapped: dict[str, int], op_graph: OpGraph, tp: int) -> None:
+    """The linears the plan cuts into pieces (``overlapped``: linear -> pieces) become their
+    overlapped forms: a gathered linear, or a row-parallel one (no bias) read only by a
+    reduce-scatter, which the linear's node absorbs (it keeps its name: the op the plan placed).
+    ``autopart.solve.overlap`` chose them and priced the same."""
+    for node in list(graph.nodes):
+        if node.target is collectives.gathered_linear and node.name in overlapped:
+            shard, weight, bias, dim = node.args
+            pieces = _pieces(overlapped, node.name, shard.name, dim, op_graph, tp)
+            node.target, node.args = overlapped_linears.gathered_linear, (shard, weight, bias, dim, pieces)
+        elif node.target is collectives.reduce_scatter and getattr(node.args[0], "name", None) in overlapped:
+            linear, dim = node.args
+            if op_name(linear) != "linear" or is_aten(linear) or len(linear.users) != 1 or argument(linear, 2, "bias") is not None:
+                raise PlanError(f"the plan overlaps {linear.name}, which is not a linear read only by its reduce-scatter")
+            pieces = _pieces(overlapped, linear.name, linear.name, dim, op_graph, tp)
+            x, weight = argument(linear, 0, "input"), argument(linear, 1, "weight")
+            linear.target, linear.op, linear.kwargs = overlapped_linears.linear_reduce_scatter, "call_function", {}
+            linear.args = (x, weight, dim, pieces)
+            node.replace_all_uses_with(linear)
+            graph.erase_node(node)
+
+
+def _pieces(overlapped: dict[str, int], linear: str, value: str, dim: int, op_graph: OpGraph, tp: int) -> int:
+    """The plan's pieces for ``linear``, which must cut each rank's slice of ``value`` evenly."""
+    pieces = overlapped[linear]
+    rows = op_graph.nodes[value].output.shape[dim] // tp
+    if rows % pieces:
+        raise PlanError(f"the plan cuts {linear} into {pieces} pieces, which do not divide a rank's {rows} rows")
+    return pieces
+
+
+def overlapped_shapes(stage: StageGraph, shapes: dict[str, tuple], tp: int) -> dict[str, tuple]:
+    """``shapes`` (per tensor, what one rank holds) with a linear fused with its reduce-scatter
+    holding its slice of the sequence, not the whole partial product."""
+    shapes = dict(shapes)
+    for node in stage.graph.nodes:
+        if node.target is overlapped_linears.linear_reduce_scatter and node.name in shapes:
+            (shape, dtype), dim = shapes[node.name], node.args[2]
+            shapes[node.name] = ((*shape[:dim], shape[dim] // tp, *shape[dim + 1:]), dtype)
+    return shapes
 
 
 def _replace_op(node: fx.Node, kind: str) -> None:

@@ -40,6 +40,7 @@ class StagePlan:
     parameter_bytes: int  # the whole stage, before tensor-parallel sharding
     activation_bytes: int  # saved for backward, one microbatch, one rank
     strategies: dict[str, str] = field(default_factory=dict)  # node -> tensor-parallel strategy, when not replicated
+    overlapped: dict[str, int] = field(default_factory=dict)  # linear -> the pieces it runs in (--tp-overlap)
     parameter_placements: dict[str, str] = field(default_factory=dict)  # parameter -> placement, when sharded
     recompute: str = "none"  # none | selective | full (autopart.passes.recompute); backward_s includes its recompute
 
@@ -113,6 +114,7 @@ class Plan:
     2 the gradients too (FSDP, a stage's parameters gathered once a step), 3 the parameters too
     (FSDP, a stage's parameters gathered for each forward and again for each backward)."""
     sp: bool = False  # sequence parallelism: TP's residual stream split over the sequence (autopart.solve.sequence)
+    tp_overlap: bool = False  # the sequence-parallel collectives overlapped with their linears (autopart.runtime.overlapped)
     graph_inputs: tuple[str, ...] = ()  # the model's inputs in call order, then "target" when there is a loss_fn
     optimizer: str = "adamw"
     tied_parameters: dict[str, tuple[int, ...]] = field(default_factory=dict)  # parameter -> stages holding it
@@ -172,6 +174,7 @@ class Plan:
             ),
             zero=reader.zero_level("zero"),
             sp=reader.bool("sp") if "sp" in reader.data else False,  # plans written before it had none
+            tp_overlap=reader.bool("tp_overlap") if "tp_overlap" in reader.data else False,
             graph_inputs=tuple(str(n) for n in reader.list("graph_inputs")),
             optimizer=reader.str("optimizer"),
             tied_parameters={
@@ -242,9 +245,18 @@ def _read_stage(data: Any, index: int) -> StagePlan:
         parameter_bytes=reader.int("parameter_bytes"),
         activation_bytes=reader.int("activation_bytes"),
         strategies={str(k): str(v) for k, v in reader.sub("strategies").data.items()},
+        overlapped=_read_pieces(reader.sub("overlapped")) if "overlapped" in reader.data else {},
         parameter_placements={str(k): str(v) for k, v in reader.sub("parameter_placements").data.items()},
         recompute=reader.choice("recompute", RECOMPUTE_MODES, default="none"),
     )
+
+
+def _read_pieces(overlapped: _Reader) -> dict[str, int]:
+    pieces = {str(name): overlapped.positive(name) for name in overlapped.data}
+    for name, count in pieces.items():
+        if count < 2:
+            raise PlanError(f"{overlapped.where}.{name} must be at least 2 (pieces of an overlapped linear), got {count}")
+    return pieces
 
 
 def _read_schedule(schedule: _Reader) -> ScheduleSpec:
@@ -342,12 +354,12 @@ class _Reader:
 
 
 _DECIDED = {
-    "": ("mesh", "zero", "sp", "graph_inputs", "optimizer", "tied_parameters", "dtype"),
+    "": ("mesh", "zero", "sp", "tp_overlap", "graph_inputs", "optimizer", "tied_parameters", "dtype"),
     "schedule": ("kind", "microbatches", "micro_batch_size", "global_batch_size", "chunks"),
     "provenance": ("capture", "leaves"),
 }
 _DECIDED_PER_STAGE = ("index", "rank", "blocks", "nodes", "inputs", "outputs", "batch_inputs", "parameters",
-                      "strategies", "parameter_placements", "recompute", "parameter_bytes")
+                      "strategies", "overlapped", "parameter_placements", "recompute", "parameter_bytes")
 
 
 def first_difference(pinned: Plan, rebuilt: Plan) -> tuple[str, Any, Any] | None:

@@ -57,7 +57,7 @@ def sharded(front: Front, options: CompileOptions) -> Front:
         return replace(front, shardings=None)
     across = options.tp > options.gpus_per_node
     shardings = tuple(shard_chain(front.chain, tp=options.tp, cost_model=front.cost_model, across_nodes=across,
-                                  sequence_parallel=bool(options.sp)))
+                                  sequence_parallel=bool(options.sp), overlap=options.tp_overlap))
     return replace(front, shardings=shardings)
 
 

@@ -30,6 +30,9 @@ from torch.nn import functional as F
 
 __all__ = [
     "set_group",
+    "group",
+    "group_size",
+    "group_rank",
     "all_reduce",
     "copy_to_tp",
     "all_gather",
@@ -50,28 +53,33 @@ def set_group(group: dist.ProcessGroup | None) -> None:
     _GROUP = group
 
 
-def _size() -> int:
+def group() -> dist.ProcessGroup | None:
+    """The tensor-parallel group (None: this rank alone)."""
+    return _GROUP
+
+
+def group_size() -> int:
     return dist.get_world_size(_GROUP) if _GROUP is not None else 1
 
 
-def _rank() -> int:
+def group_rank() -> int:
     return dist.get_rank(_GROUP) if _GROUP is not None else 0
 
 
 def _reduce(tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
     tensor = tensor.contiguous().clone()
-    if _size() > 1:
+    if group_size() > 1:
         dist.all_reduce(tensor, op=op, group=_GROUP)
     return tensor
 
 
 def _local_slice(tensor: torch.Tensor, dim: int, groups: int) -> torch.Tensor:
-    t, r = _size(), _rank()
+    t, r = group_size(), group_rank()
     return torch.cat([part.chunk(t, dim)[r] for part in tensor.chunk(groups, dim)], dim).contiguous()
 
 
 def _gather(tensor: torch.Tensor, dim: int, groups: int) -> torch.Tensor:
-    t = _size()
+    t = group_size()
     pieces = [torch.empty_like(tensor) for _ in range(t)]
     dist.all_gather(pieces, tensor.contiguous(), group=_GROUP)
     per_rank = [piece.chunk(groups, dim) for piece in pieces]  # rank -> its slice of each group
@@ -80,7 +88,7 @@ def _gather(tensor: torch.Tensor, dim: int, groups: int) -> torch.Tensor:
 
 def _reduce_slice(tensor: torch.Tensor, dim: int) -> torch.Tensor:
     """The local slice along ``dim`` of the sum over the group."""
-    t = _size()
+    t = group_size()
     if t == 1:
         return tensor.contiguous().clone()
     moved = tensor.movedim(dim, 0).contiguous()  # reduce_scatter_tensor splits along dim 0
@@ -209,7 +217,7 @@ def vocab_parallel_embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.T
     """Rows of a vocabulary-sharded embedding: each rank looks up the ids it holds, zeros elsewhere.
     The result is partial (P): summed over the group it is the full embedding."""
     rows = weight.shape[0]
-    start = _rank() * rows
+    start = group_rank() * rows
     outside = (ids < start) | (ids >= start + rows)
     local = torch.where(outside, torch.zeros_like(ids), ids - start)
     return F.embedding(local, weight) * (~outside).unsqueeze(-1).to(weight.dtype)
@@ -226,7 +234,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         ctx.logits_dtype = logits.dtype
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
         rows = logits.shape[-1]
-        start = _rank() * rows
+        start = group_rank() * rows
         logits_max = _reduce(logits.detach().max(dim=-1).values, dist.ReduceOp.MAX)
         shifted = logits - logits_max.unsqueeze(-1)
         exp = shifted.exp()

@@ -155,6 +155,7 @@ def plan_from_cuts(
         provenance=_provenance(options, front, evaluation.objective_s, solver),
         zero=options.zero,
         sp=bool(options.sp) and options.tp > 1,
+        tp_overlap=bool(options.tp_overlap and options.sp) and options.tp > 1,
         graph_inputs=front.op_graph.graph.input_names,
         optimizer=options.optimizer,
         tied_parameters={p: tuple(s) for p, s in holders.items() if len(s) > 1},
@@ -209,6 +210,7 @@ def _stage_plans(front: Front, problem: PipelineProblem, ranges: list[range], re
         times = [block_times[k] for k in r]
         strategies = {n: text for k in r for n, text in
                       (listed_strategies(front.shardings[k], front.op_graph, fx_nodes) if front.shardings else {}).items()}
+        overlapped = {n: pieces for k in r for n, pieces in (front.shardings[k].overlapped if front.shardings else {}).items()}
         backward = sum(problem.block_time_s[k] for k in r) - sum(f for f, _, _ in times)  # recompute included
         stages.append(
             StagePlan(
@@ -227,6 +229,7 @@ def _stage_plans(front: Front, problem: PipelineProblem, ranges: list[range], re
                 parameter_bytes=sum(chain.parameter_bytes[p] for p in parameters),
                 activation_bytes=sum(problem.block_activation_bytes[k] for k in r),
                 strategies=strategies,
+                overlapped=overlapped,
                 parameter_placements={p: str(placements[p]) for p in parameters if placements.get(p, REPLICATE) != REPLICATE},
                 recompute=recompute[s].mode,
             )

@@ -36,6 +36,7 @@ def rebuild_pinned(options: CompileOptions, pinned: Plan) -> tuple[Plan, Front]:
             optimizer=pinned.optimizer,
             zero=pinned.zero,
             sp=pinned.sp,
+            tp_overlap=pinned.tp_overlap,
             recompute=tuple(stage.recompute for stage in pinned.stages),
             dtype=pinned.dtype,
             capture=pinned.provenance.capture if pinned.provenance.capture in ("fx", "export") else None,

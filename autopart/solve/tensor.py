@@ -33,14 +33,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from autopart.solve._cp_sat import cp_model
 from torch import fx
 
 from autopart.passes.blocks import Block, BlockChain
+from autopart.solve.overlap import fused_seconds, gathered_input
 from autopart.solve.sequence import SEQUENCE_DIM, boundary_placement
-from autopart.solve.sharding import REPLICATE, Placement, Strategy, folded_number, is_tuple_of_tensors, op_name, shard
+from autopart.solve.sharding import REPLICATE, Placement, Strategy, is_tuple_of_tensors, shard
 from autopart.solve.sharding_rules import strategies
 from cost_models import CostModel
 from cost_models.calibration import usable_cores
@@ -65,6 +66,7 @@ class BlockSharding:
     communication_s: float
     saved_bytes: int  # saved for backward on one rank
     sequence_parallel: bool = False  # boundaries split over the sequence (``autopart.solve.sequence``)
+    overlapped: dict[str, int] = field(default_factory=dict)  # linear -> the pieces it runs in (``--tp-overlap``)
 
     @property
     def time_s(self) -> float:
@@ -100,10 +102,10 @@ def gathers_for_split_op(source: Placement, target: Placement, copy: bool) -> bo
 class _BlockModel:
     def __init__(
         self, chain: BlockChain, block: Block, t: int, cost_model: CostModel, pinned: dict[str, Placement], across_nodes: bool,
-        sequence_parallel: bool = False,
+        sequence_parallel: bool = False, overlap: bool = False,
     ):
         self.chain, self.block, self.t, self.cost_model = chain, block, t, cost_model
-        self.sequence_parallel = sequence_parallel
+        self.sequence_parallel, self.overlap = sequence_parallel, overlap
         self.across_nodes = across_nodes
         op_graph = chain.op_graph
         fx_nodes = {n.name: n for n in op_graph.fx_nodes()}
@@ -185,8 +187,7 @@ class _BlockModel:
             if required != REPLICATE or cost is None or cost.output is None or not cost.needs_grad or cost.is_parameter:
                 continue
             source = chosen[arg.name].output if arg.name in chosen else self._boundary(arg.name)
-            readers = [user for user in arg.users if not folded_number(self.chain.op_graph, user)]
-            regathered = op_name(node) == "linear" and readers == [node] and node.args[0] is arg
+            regathered = gathered_input(self.chain.op_graph, node) is arg
             if not (regathered and source == shard(SEQUENCE_DIM)):
                 whole += cost.output.nbytes
         whole = min(whole, saved)
@@ -204,11 +205,13 @@ class _BlockModel:
                 if self.chain.op_graph.nodes[arg.name].is_parameter:
                     yield arg.name
 
-    def _seconds(self, kind: str | None, name: str) -> float:
+    def _seconds(self, kind: str | None, name: str, share: float = 1.0) -> float:
+        """One collective of ``name``'s bytes (a ``share`` of them: one piece of an overlapped one)."""
         if kind is None:
             return 0.0
         meta = self.chain.op_graph.nodes[name].output
-        return self.cost_model.collective_time(kind, meta.nbytes if meta else 0, self.t, across_nodes=self.across_nodes)
+        nbytes = meta.nbytes * share if meta else 0
+        return self.cost_model.collective_time(kind, nbytes, self.t, across_nodes=self.across_nodes)
 
     def _edges(self, node: fx.Node) -> None:
         """The op's own time per strategy, and what each strategy needs of each input."""
@@ -310,15 +313,18 @@ class _BlockModel:
         saved = sum(self._local_saved_bytes(self.fx_nodes[n], s, chosen) for n, s in chosen.items())
         saved += sum(costs[n].saved_bytes for n in self.block.nodes if n not in chosen)
         total = sum(solver.value(term) for term in self.objective) / _NS
+        fused_s, overlapped = fused_seconds(
+            self.chain.op_graph, self.members, chosen, self._boundary, self._seconds, t=self.t, cost_model=self.cost_model,
+            overlap=self.overlap)  # fmt: skip
         return BlockSharding(
             strategies=chosen,
             parameters=parameters,
             compute_s=compute,
-            communication_s=max(0.0, total - compute),
+            communication_s=max(0.0, total - compute + fused_s),
+            overlapped=overlapped,
             saved_bytes=saved,
             sequence_parallel=self.sequence_parallel,
         )
-
 
 def divided_seconds(op_graph, name: str, t: int, cost_model: CostModel) -> float:
     """Forward and backward of the node's kernels, each on a t-th of the data: the FLOPs and bytes
@@ -349,9 +355,9 @@ def fastest_compute_s(chain: BlockChain, *, t: int, cost_model: CostModel) -> li
 
 def _solve_block(
     chain: BlockChain, index: int, t: int, cost_model: CostModel, pinned: dict[str, Placement], across_nodes: bool,
-    sequence_parallel: bool = False,
+    sequence_parallel: bool = False, overlap: bool = False,
 ) -> BlockSharding:
-    model = _BlockModel(chain, chain.blocks[index], t, cost_model, pinned, across_nodes, sequence_parallel)
+    model = _BlockModel(chain, chain.blocks[index], t, cost_model, pinned, across_nodes, sequence_parallel, overlap)
     return model.solve(time_limit_s=20.0)
 
 
@@ -362,16 +368,19 @@ def _translate(solution: BlockSharding, source: Block, target: Block) -> BlockSh
     return replace(
         solution,
         strategies={rename[n]: s for n, s in solution.strategies.items()},
+        overlapped={rename[n]: pieces for n, pieces in solution.overlapped.items()},
         parameters={parameters[p]: placement for p, placement in solution.parameters.items()},
     )
 
 
 def shard_chain(
-    chain: BlockChain, *, tp: int, cost_model: CostModel, across_nodes: bool = False, sequence_parallel: bool = False
+    chain: BlockChain, *, tp: int, cost_model: CostModel, across_nodes: bool = False, sequence_parallel: bool = False,
+    overlap: bool = False,
 ) -> list[BlockSharding]:
     """The cheapest sharding of every block on ``tp`` ranks (their collectives cross nodes when
     ``across_nodes``; the residual stream split over the sequence between blocks when
-    ``sequence_parallel``). The blocks' models are solved side by side, one per core: CP-SAT
+    ``sequence_parallel``; its linears' collectives overlapped with their products when
+    ``overlap``, ``autopart.solve.overlap``). The blocks' models are solved side by side, one per core: CP-SAT
     lets go of the interpreter while it solves, and each solve is deterministic on its own."""
     sp = sequence_parallel
     readers: dict[str, list[int]] = {}
@@ -387,7 +396,7 @@ def shard_chain(
             once (the blocks that share a weight are solved per candidate, and again once it is chosen)."""
             own = tuple(sorted((p, pins[p]) for p in chain.blocks[k].parameters if p in pins))
             if (k, own) not in found:
-                found[k, own] = pool.submit(_solve_block, chain, k, tp, cost_model, dict(own), across_nodes, sp)
+                found[k, own] = pool.submit(_solve_block, chain, k, tp, cost_model, dict(own), across_nodes, sp, overlap)
             return found[k, own]
 
         def solve(k: int, pins: dict[str, Placement]) -> BlockSharding:

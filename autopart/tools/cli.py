@@ -54,6 +54,9 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--sp", action=argparse.BooleanOptionalAction, default=None,
                    help="sequence parallelism with --tp: norms and residuals split over the sequence, reduce-scatter"
                         " and all-gather for TP's all-reduces (default on, or searched); --no-sp turns it off")
+    c.add_argument("--tp-overlap", action="store_true",
+                   help="overlap the sequence-parallel collectives with their linears, the sequence cut in pieces"
+                        " (Megatron-LM's --tp-comm-overlap); not with zero-bubble schedules")
     batch = c.add_mutually_exclusive_group()
     batch.add_argument("--microbatches", type=int, help="microbatches per step")
     batch.add_argument("--micro-batch-size", type=int, help="samples per microbatch")
@@ -209,6 +212,7 @@ def _compile(args: argparse.Namespace, console: Console) -> None:
         dp=args.dp,
         zero=args.zero,
         sp=args.sp,
+        tp_overlap=args.tp_overlap,
         gpus_per_node=args.gpus_per_node,
         microbatches=args.microbatches,
         micro_batch_size=args.micro_batch_size,

@@ -1,0 +1,57 @@
+"""One rank of tests/test_overlapped.py: the overlapped sequence-parallel linears give what the
+plain ones give (``tp.gathered_linear``; ``tp.reduce_scatter`` of a linear), forward and backward,
+in fp32 and under bf16 autocast, for every number of pieces the slice allows."""
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.nn import functional as F
+
+from autopart.runtime import collectives as tp
+from autopart.runtime import overlapped
+
+dist.init_process_group("gloo")
+rank, t = dist.get_rank(), dist.get_world_size()
+tp.set_group(dist.group.WORLD)
+rows = int(sys.argv[1])  # a rank's slice of the sequence
+
+
+def leaves(*tensors):
+    return [x.detach().clone().requires_grad_() for x in tensors]
+
+
+def run(fn, inputs, grad_out, autocast):
+    with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+        out = fn(*inputs)
+    out.backward(grad_out.to(out.dtype))
+    return out.detach(), [x.grad for x in inputs]
+
+
+for autocast in (False, True):
+    tolerance = dict(rtol=2e-2, atol=2e-2) if autocast else {}
+    for chunks in [k for k in range(1, t + 1) if rows % k == 0]:
+        torch.manual_seed(rank)  # each rank its own slice and weights: a wrong pairing shows
+        shard, weight, bias = torch.randn(2, rows, 6), torch.randn(10, 6), torch.randn(10)
+        grad_out = torch.randn(2, rows * t, 10)
+        plain = run(lambda x, w, b: tp.gathered_linear(x, w, b, 1), leaves(shard, weight, bias), grad_out, autocast)
+        piecewise = run(lambda x, w, b: overlapped.gathered_linear(x, w, b, 1, chunks), leaves(shard, weight, bias),
+                        grad_out, autocast)
+        torch.testing.assert_close(piecewise[0], plain[0], **tolerance)
+        for name, got, want in zip(("shard", "weight", "bias"), piecewise[1], plain[1]):
+            torch.testing.assert_close(got, want, **tolerance, msg=lambda m, name=name: f"gathered_linear {chunks} pieces, {name}: {m}")
+
+        whole, weight = torch.randn(2, rows * t, 6), torch.randn(10, 6)
+        grad_out = torch.randn(2, rows, 10)
+        plain = run(lambda x, w: tp.reduce_scatter(F.linear(x, w), 1), leaves(whole, weight), grad_out, autocast)
+        piecewise = run(lambda x, w: overlapped.linear_reduce_scatter(x, w, 1, chunks), leaves(whole, weight),
+                        grad_out, autocast)
+        torch.testing.assert_close(piecewise[0], plain[0], **tolerance)
+        for name, got, want in zip(("input", "weight"), piecewise[1], plain[1]):
+            torch.testing.assert_close(got, want, **tolerance, msg=lambda m, name=name: f"linear_reduce_scatter {chunks} pieces, {name}: {m}")
+        assert piecewise[0].dtype == plain[0].dtype
+print("ok", rank, flush=True)
+dist.barrier()
+dist.destroy_process_group()
+os._exit(0)  # as tests/sp_collectives_rank.py: the test is not of torch's C++ teardown

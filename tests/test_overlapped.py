@@ -1,0 +1,194 @@
+"""--tp-overlap: the sequence-parallel linears cut into pieces, each collective beside the products
+(``autopart.runtime.overlapped``), what the step model charges for them (``autopart.solve.overlap``),
+and the programs trained under gloo against one process."""
+
+import re
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+
+import autopart
+from autopart.driver import CompileOptions, compile_to_directory
+from autopart.ir.errors import ConfigError
+from autopart.ir.plan import load_plan
+from autopart.passes.front import build_front
+from autopart.schedule import SPLIT_BACKWARD_KINDS
+from autopart.solve.overlap import exposed_s, fused_linears, piece_counts
+from autopart.solve.planner import search_space
+from autopart.solve.sequence import boundary_placement
+from autopart.tools.verify import verify
+from cost_models import get_cost_model
+from tests.distributed import FREE_LINKS, REPO, environment, free_port, run_cli
+from tests.test_sequence_parallel import MEGATRON_LAYERS
+
+LLAMA = REPO / "examples" / "llama.py"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_overlapped_linears_equal_the_plain_ones(ranks):
+    """Every rank its own slice and weights, 1 to t pieces, fp32 and bf16 autocast: the outputs and
+    the gradients of the slice, the input and the weights are the plain functions'."""
+    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}", "--master-addr=127.0.0.1",
+               f"--master-port={free_port()}", str(REPO / "tests" / "overlapped_rank.py"), "12"]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=180, env=environment())
+    assert result.returncode == 0, result.stdout + result.stderr[-4000:]
+    assert result.stdout.count("ok") == ranks
+
+
+def test_pieces_priced_are_those_up_to_the_group_that_divide_the_slice():
+    assert piece_counts(512, 4) == [2, 4]
+    assert piece_counts(6, 4) == [2, 3]
+    assert piece_counts(7, 4) == []  # nothing divides: the plain linear's one collective
+    assert piece_counts(8, 1) == []
+
+
+def _proportional(forward: float, input_grad: float, weight_grad: float):
+    """Products whose time is proportional to the rows they multiply (no launch cost)."""
+    whole = {"forward": forward, "input": input_grad, "weight": weight_grad}
+    return lambda which, fraction: whole[which] * fraction
+
+
+@pytest.mark.parametrize("kind", ["gathered", "scattered"])
+def test_exposed_collectives_lie_between_none_and_all_of_them(kind):
+    products = _proportional(4e-3, 4e-3, 4e-3)
+    for pieces, t in ((2, 2), (4, 4), (3, 8)):
+        for gather, scatter in ((1e-5, 1e-5), (1e-3, 2e-3), (1e-1, 1e-1)):
+            ahead, behind = exposed_s(kind, pieces=pieces, t=t, products=products, gather_s=gather, scatter_s=scatter)
+            whole = pieces * ((2 * gather + scatter) if kind == "gathered" else (gather + scatter))
+            assert 0 <= ahead + behind <= whole + 1e-12
+    # products that take no time hide nothing; collectives that take none add nothing
+    ahead, behind = exposed_s(kind, pieces=4, t=4, products=_proportional(0, 0, 0), gather_s=1e-3, scatter_s=2e-3)
+    assert ahead + behind == pytest.approx(4 * ((2e-3 + 2e-3) if kind == "gathered" else 3e-3))
+    assert exposed_s(kind, pieces=4, t=4, products=products, gather_s=0.0, scatter_s=0.0) == pytest.approx((0.0, 0.0))
+
+
+def test_long_products_hide_all_but_what_no_product_can_run_beside():
+    """A gathered linear multiplies its own rows while the first piece is gathered: with products
+    far longer than the collectives nothing of its forward shows. A scattered one's last piece is
+    reduce-scattered after the last product: that piece stays."""
+    long = _proportional(1.0, 1.0, 1.0)
+    ahead, behind = exposed_s("gathered", pieces=4, t=4, products=long, gather_s=1e-3, scatter_s=1e-3)
+    assert ahead == pytest.approx(0.0, abs=1e-12)
+    assert behind == pytest.approx(0.0, abs=1e-12)  # the last reduce-scatter runs beside the weight gradient
+    ahead, behind = exposed_s("scattered", pieces=4, t=4, products=long, gather_s=1e-3, scatter_s=1e-3)
+    assert ahead == pytest.approx(1e-3)
+    assert behind == pytest.approx(0.0, abs=1e-12)
+
+
+def test_smaller_products_cost_their_launches():
+    """Cut in pieces, a product launches once per piece: that time is added too, so that where
+    launches outweigh what the pieces hide, the linear is not cut."""
+    launch = 1e-4
+
+    def products(which, fraction):
+        return launch + 1e-3 * fraction
+
+    ahead, _ = exposed_s("scattered", pieces=4, t=4, products=products, gather_s=0.0, scatter_s=0.0)
+    assert ahead == pytest.approx(3 * launch)
+
+
+def _layer_model(tmp_path, layers: int):
+    model = tmp_path / f"layers_{layers}.py"
+    model.write_text(MEGATRON_LAYERS.format(models=str(REPO / "tests" / "models"), layers=layers, size_of_normed=False))
+    return model
+
+
+def _communication_s(model, *, overlap: bool) -> float:
+    options = CompileOptions(model=model, tp=8, sp=True, microbatches=1, micro_batch_size=1, device="h100-sxm",
+                             tp_overlap=overlap)  # fmt: skip
+    return sum(sharding.communication_s for sharding in build_front(options, 1).shardings)
+
+
+def test_a_layer_pays_each_collective_its_code_runs_and_overlap_hides_most(tmp_path):
+    """Megatron-SP's layer runs two gathered linears (the gather in forward; in backward the
+    gradient's reduce-scatter and the slice gathered again) and two reduce-scattered ones (and the
+    gradient's gather): six all-gathers and four reduce-scatters of s·b·h. Beside them, small
+    ones: the gradients of the two norms' weights and biases and of the MLP's output bias are
+    all-reduced, the projection's bias is gathered (and its gradient reduce-scattered). Each is
+    priced as the cost model prices one, in the CP-SAT objective's nanoseconds. Overlapped, less
+    stays, and more than the small ones, which stay whole (at this width each piece's latency
+    costs about what its product hides: the gain is small)."""
+    per_layer = {}
+    for overlap in (False, True):
+        two, three = (_communication_s(_layer_model(tmp_path, n), overlap=overlap) for n in (2, 3))
+        per_layer[overlap] = three - two
+    cost_model = get_cost_model("h100-sxm")
+
+    def seconds(kind: str, nbytes: int) -> float:
+        return cost_model.collective_time(kind, nbytes, 8)
+
+    big, small = 2048 * 1 * 4096 * 2, 4096 * 2  # bf16 activations of one sequence; one bias
+    small_ones = 5 * seconds("all_reduce", small) + seconds("all_gather", small) + seconds("reduce_scatter", small)
+    expected = 6 * seconds("all_gather", big) + 4 * seconds("reduce_scatter", big) + small_ones
+    assert per_layer[False] == pytest.approx(expected, rel=1e-5)
+    assert small_ones < per_layer[True] < 0.95 * per_layer[False]
+
+
+def _count(source: str, name: str) -> int:
+    """Calls of ``overlapped.NAME`` a stage program runs: a layer written once as a method counts
+    once per call."""
+    found = 0
+    for method in re.split(r"\n    def ", source)[1:]:
+        method_name = method.split("(", 1)[0]
+        calls = 1 if method_name == "forward" else len(re.findall(rf"self\.{method_name}\(", source))
+        found += calls * len(re.findall(rf"= overlapped\.{name}\(", method))
+    return found
+
+
+def test_the_code_cuts_the_linears_the_plan_prices_in_the_pieces_it_priced(tmp_path):
+    options = CompileOptions(model=LLAMA, tp=2, microbatches=2, global_batch_size=2, device=str(FREE_LINKS),
+                             tp_overlap=True)  # fmt: skip
+    plan, out = compile_to_directory(options, tmp_path / "out")
+    assert plan.tp_overlap and load_plan(out / "plan.json") == plan
+    priced = {name: pieces for stage in plan.stages for name, pieces in stage.overlapped.items()}
+    assert priced and set(priced.values()) == {2}  # a rank's 8 rows of the sequence, 2 ranks
+    source = "".join(p.read_text() for p in sorted((out / "stages").glob("stage_*.py")))
+    cut = _count(source, "linear_reduce_scatter") + _count(source, "gathered_linear")
+    assert cut == len(priced)
+    assert re.findall(r"= overlapped\.\w+\(.*, 2\)", source)  # the pieces, as the plan has them
+    assert f"{len(priced)} linears run in pieces beside their collectives" in (out / "report.md").read_text()
+
+
+def _every_fused_linear_cut(plan, options):
+    """``plan`` with every linear the code can fuse cut in two: in bf16 at these sizes no cut
+    pays (each piece's collective latency outweighs what it hides), and the programs are to be
+    tested all the same."""
+    front = build_front(options, plan.schedule.micro_batch_size)
+    fx_nodes = {n.name: n for n in front.op_graph.fx_nodes()}
+    fused = set()
+    for block, sharding in zip(front.chain.blocks, front.shardings):
+        members = [fx_nodes[n] for n in block.nodes if n in sharding.strategies]
+        placement_of = lambda name: boundary_placement(front.op_graph, name, options.tp, True)  # noqa: E731
+        fused |= {f.linear for f in fused_linears(front.op_graph, members, sharding.strategies, placement_of)}
+    stages = tuple(replace(stage, overlapped={n: 2 for n in stage.nodes if n in fused}) for stage in plan.stages)
+    return replace(plan, stages=stages)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("pp, dtype", [(1, "fp32"), (2, "bf16")])
+def test_overlapped_programs_train_like_one_process(tmp_path, pp, dtype):
+    how = dict(pp=pp, tp=2, microbatches=2 * pp, global_batch_size=2 * pp, dtype=dtype, device=str(FREE_LINKS),
+               tp_overlap=True)  # fmt: skip
+    plan = autopart.compile(LLAMA, **how)
+    if dtype == "bf16":
+        plan = _every_fused_linear_cut(plan, CompileOptions(model=LLAMA, **how))
+    out = autopart.emit(plan, tmp_path / "out")
+    source = "".join(p.read_text() for p in (out / "stages").glob("stage_*.py"))
+    assert "overlapped.linear_reduce_scatter(" in source and "overlapped.gathered_linear(" in source
+    result = verify(out, steps=2)
+    assert result.matches, result.failures
+
+
+def test_overlap_needs_sequence_parallelism_and_a_whole_backward(tmp_path):
+    with pytest.raises(ConfigError, match="needs sequence parallelism"):
+        CompileOptions(model=LLAMA, tp=2, sp=False, tp_overlap=True)
+    with pytest.raises(ConfigError, match="zb-h1 splits"):
+        CompileOptions(model=LLAMA, tp=2, pp=2, schedule="zb-h1", tp_overlap=True)
+    result = run_cli("compile", str(LLAMA), "-o", str(tmp_path / "out"), "--tp", "2", "--no-sp", "--tp-overlap")
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert not (tmp_path / "out").exists()
+    space = search_space(CompileOptions(model=LLAMA, world_size=4, global_batch_size=8, tp_overlap=True))
+    assert space.schedule and not set(space.schedule) & set(SPLIT_BACKWARD_KINDS)
