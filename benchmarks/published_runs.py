@@ -4,7 +4,7 @@
 
 Each row is a public bf16 run on NVIDIA GPUs that autopart can express: the published layout is
 pinned (TP, PP, DP, ZeRO-1 as the distributed optimizer, schedule and chunks, micro-batch,
-recompute, sequence parallelism or not, the framework's stage split as ``stage_layers``), the
+recompute, sequence parallelism or not and its overlap, the framework's stage split as ``stage_layers``), the
 model is built on the meta device at full depth with the attention its software ran (written out
 with Megatron's dropouts before FlashAttention, fused after), and ``autopart.compile`` gives
 the predicted step (roofline of the named device, bf16 under CUDA autocast) and the MFU it
@@ -23,7 +23,8 @@ Sources (the research notes behind each row are in docs/published_runs.md):
 - NVIDIA dgxc-benchmarking, ``nemo_megatron/README_175b.md``, the table "NeMo Megatron BF16
   (TP=4,PP=8, MBS=1, VP=12, SEQ=2048)": 8.309 / 8.408 / 8.42 / 8.453 / 8.49 s per step on 128 /
   256 / 512 / 1024 / 2048 H100s at global batch 256 / 512 / 1024 / 2048 / 4096; the recipe's
-  ``gpt3_175b_hydra.yaml``: sequence parallelism on, no activation recompute, distributed_fused_adam.
+  ``gpt3_175b_hydra.yaml``: sequence parallelism on, no activation recompute, distributed_fused_adam,
+  ``ub_tp_comm_overlap`` (pinned as ``--tp-overlap``).
 Held out on purpose, as an independent check: Table 1 of Narayanan et al. (SC21) and Tables 4-5 of
 Korthikanti et al. (MLSys'23); no row here comes from them or from tables that copy them.
 """
