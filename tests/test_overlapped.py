@@ -11,7 +11,7 @@ import pytest
 
 import autopart
 from autopart.driver import CompileOptions, compile_to_directory
-from autopart.ir.errors import ConfigError
+from autopart.ir.errors import ConfigError, PlanError
 from autopart.ir.plan import load_plan
 from autopart.passes.front import build_front
 from autopart.schedule import SPLIT_BACKWARD_KINDS
@@ -76,6 +76,23 @@ def test_long_products_hide_all_but_what_no_product_can_run_beside():
     ahead, behind = exposed_s("scattered", pieces=4, t=4, products=long, gather_s=1e-3, scatter_s=1e-3)
     assert ahead == pytest.approx(1e-3)
     assert behind == pytest.approx(0.0, abs=1e-12)
+
+
+def test_the_streams_run_in_the_codes_order():
+    """One case per kind, worked by hand (t 2, 2 pieces, products of 1 s per whole, a piece's
+    collective 0.6 s). Gathered forward: the own rows' product (0.5 s) beside the first gather
+    (both gathers start at once: 0.6, 1.2), each half of the others' rows (0.25 s) after its gather:
+    ends at 1.45. Scattered forward: each piece's product (0.5 s), then its reduce-scatter, the
+    second after the first: ends at 1.7. Gathered backward: both gathers first (0.6, 1.2), then
+    each reduce-scatter after its input-gradient piece (0.5 s each: 1.8, 2.4), the weight gradient
+    (1 s) after the last gather (2.2): ends at 2.4. Scattered backward: the own rows' input
+    gradient (0.5 s) beside the first gather, each half of the others' after its gather (0.6,
+    1.2), the weight gradient after the last: 2.45."""
+    products = _proportional(1.0, 1.0, 1.0)
+    gathered = exposed_s("gathered", pieces=2, t=2, products=products, gather_s=0.6, scatter_s=0.6)
+    scattered = exposed_s("scattered", pieces=2, t=2, products=products, gather_s=0.6, scatter_s=0.6)
+    assert gathered == pytest.approx((1.45 - 1.0, 2.4 - 2.0))
+    assert scattered == pytest.approx((1.7 - 1.0, 2.45 - 2.0))
 
 
 def test_smaller_products_cost_their_launches():
@@ -152,9 +169,9 @@ def test_the_code_cuts_the_linears_the_plan_prices_in_the_pieces_it_priced(tmp_p
     assert f"{len(priced)} linears run in pieces beside their collectives" in (out / "report.md").read_text()
 
 
-def _every_fused_linear_cut(plan, options):
-    """``plan`` with every linear the code can fuse cut in two: in bf16 at these sizes no cut
-    pays (each piece's collective latency outweighs what it hides), and the programs are to be
+def _every_fused_linear_cut(plan, options, pieces: int = 2):
+    """``plan`` with every linear the code can fuse cut in ``pieces``: in bf16 at these sizes no
+    cut pays (each piece's collective latency outweighs what it hides), and the programs are to be
     tested all the same."""
     front = build_front(options, plan.schedule.micro_batch_size)
     fx_nodes = {n.name: n for n in front.op_graph.fx_nodes()}
@@ -163,7 +180,7 @@ def _every_fused_linear_cut(plan, options):
         members = [fx_nodes[n] for n in block.nodes if n in sharding.strategies]
         placement_of = lambda name: boundary_placement(front.op_graph, name, options.tp, True)  # noqa: E731
         fused |= {f.linear for f in fused_linears(front.op_graph, members, sharding.strategies, placement_of)}
-    stages = tuple(replace(stage, overlapped={n: 2 for n in stage.nodes if n in fused}) for stage in plan.stages)
+    stages = tuple(replace(stage, overlapped={n: pieces for n in stage.nodes if n in fused}) for stage in plan.stages)
     return replace(plan, stages=stages)
 
 
@@ -180,6 +197,35 @@ def test_overlapped_programs_train_like_one_process(tmp_path, pp, dtype):
     assert "overlapped.linear_reduce_scatter(" in source and "overlapped.gathered_linear(" in source
     result = verify(out, steps=2)
     assert result.matches, result.failures
+
+
+@pytest.mark.parametrize("pieces", [2, 4])
+def test_the_code_cuts_each_linear_in_the_plans_pieces(tmp_path, pieces):
+    how = dict(tp=4, microbatches=2, global_batch_size=2, device=str(FREE_LINKS), tp_overlap=True)
+    plan = _every_fused_linear_cut(autopart.compile(LLAMA, **how), CompileOptions(model=LLAMA, **how), pieces)
+    listed = sum(len(stage.overlapped) for stage in plan.stages)
+    source = "".join(p.read_text() for p in (autopart.emit(plan, tmp_path / "out") / "stages").glob("stage_*.py"))
+    calls = re.findall(r"= overlapped\.\w+\(.*, (\d+)\)", source)
+    assert listed and set(calls) == {str(pieces)}
+    assert _count(source, "linear_reduce_scatter") + _count(source, "gathered_linear") == listed
+
+
+def test_a_plan_that_cuts_what_the_code_cannot_is_refused(tmp_path):
+    how = dict(tp=2, pp=2, microbatches=4, global_batch_size=4, device=str(FREE_LINKS), tp_overlap=True)
+    plan = autopart.compile(LLAMA, **how)
+    wrong = {**plan.stages[0].overlapped, "no_such_linear": 2}
+    edited = replace(plan, stages=(replace(plan.stages[0], overlapped=wrong), *plan.stages[1:]))
+    with pytest.raises(PlanError, match="no_such_linear"):
+        autopart.emit(edited, tmp_path / "a")
+    cut = _every_fused_linear_cut(plan, CompileOptions(model=LLAMA, **how))
+    with pytest.raises(PlanError, match="zb-h1 would run twice"):
+        autopart.emit(replace(cut, schedule=replace(cut.schedule, kind="zb-h1")), tmp_path / "b")
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    edited.save(tmp_path / "plan.json")  # through --plan: the entry that differs, in one line
+    result = run_cli("compile", str(LLAMA), "-o", str(tmp_path / "c"), "--plan", str(tmp_path / "plan.json"),
+                     "--device", str(FREE_LINKS))
+    assert result.returncode == 2 and "overlapped.no_such_linear" in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
 
 
 def test_overlap_needs_sequence_parallelism_and_a_whole_backward(tmp_path):

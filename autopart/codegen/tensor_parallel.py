@@ -138,12 +138,15 @@ def _overlap_linears(graph: fx.Graph, overlapped: dict[str, int], op_graph: OpGr
     """The linears the plan cuts into pieces (``overlapped``: linear -> pieces) become their
     overlapped forms: a gathered linear, or a row-parallel one (no bias) read only by a
     reduce-scatter, which the linear's node absorbs (it keeps its name: the op the plan placed).
-    ``autopart.solve.overlap`` chose them and priced the same."""
+    ``autopart.solve.overlap`` chose them and priced the same; a name the plan gives that is not
+    such a linear of this stage is refused (a plan edited by hand)."""
+    cut = set()
     for node in list(graph.nodes):
         if node.target is collectives.gathered_linear and node.name in overlapped:
             shard, weight, bias, dim = node.args
             pieces = _pieces(overlapped, node.name, shard.name, dim, op_graph, tp)
             node.target, node.args = overlapped_linears.gathered_linear, (shard, weight, bias, dim, pieces)
+            cut.add(node.name)
         elif node.target is collectives.reduce_scatter and getattr(node.args[0], "name", None) in overlapped:
             linear, dim = node.args
             if op_name(linear) != "linear" or is_aten(linear) or len(linear.users) != 1 or argument(linear, 2, "bias") is not None:
@@ -154,6 +157,11 @@ def _overlap_linears(graph: fx.Graph, overlapped: dict[str, int], op_graph: OpGr
             linear.args = (x, weight, dim, pieces)
             node.replace_all_uses_with(linear)
             graph.erase_node(node)
+            cut.add(linear.name)
+    left = sorted(set(overlapped) - cut)
+    if left:
+        raise PlanError(f"the plan cuts {left[0]} into pieces, but this stage has no such gathered or reduce-scattered "
+                        "linear; recompile, or drop it from the stage's \"overlapped\"")
 
 
 def _pieces(overlapped: dict[str, int], linear: str, value: str, dim: int, op_graph: OpGraph, tp: int) -> int:

@@ -381,6 +381,9 @@ def first_difference(pinned: Plan, rebuilt: Plan) -> tuple[str, Any, Any] | None
     for index, (a, b) in enumerate(zip(mine["stages"], theirs["stages"])):
         for key in _DECIDED_PER_STAGE:
             if a[key] != b[key]:
+                if isinstance(a[key], dict) and isinstance(b[key], dict):  # name the entry: the whole may be long
+                    name = next(k for k in sorted({*a[key], *b[key]}) if a[key].get(k) != b[key].get(k))
+                    return f"plan.stages[{index}].{key}.{name}", a[key].get(name), b[key].get(name)
                 return f"plan.stages[{index}].{key}", a[key], b[key]
     return None
 

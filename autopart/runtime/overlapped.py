@@ -50,17 +50,11 @@ def _start_gather(piece: torch.Tensor) -> Callable[[], list[torch.Tensor]]:
 
 
 def _gathered_in_turn(pieces: tuple[torch.Tensor, ...]) -> Iterator[list[torch.Tensor]]:
-    """Each of ``pieces`` gathered, in turn. The first gather starts now; each next one before
-    the one before is handed over, so that it runs beside what the caller does with that one."""
-    started = [_start_gather(pieces[0])]
-
-    def turns() -> Iterator[list[torch.Tensor]]:
-        for j in range(len(pieces)):
-            if j + 1 < len(pieces):
-                started.append(_start_gather(pieces[j + 1]))
-            yield started[j]()
-
-    return turns()
+    """Each of ``pieces`` gathered, in turn. Every gather starts now: a collective started later
+    would wait (on NCCL's stream) for the products queued before it, where these need nothing
+    but their pieces; the caller's products of one piece run while the next ones arrive."""
+    started = [_start_gather(piece) for piece in pieces]
+    return (done() for done in started)
 
 
 def _start_reduce_scatter(part: torch.Tensor, dim: int) -> Callable[[], torch.Tensor]:
@@ -115,9 +109,9 @@ def _weight_gradient(grads: list[torch.Tensor], inputs: list[torch.Tensor]) -> t
 class _GatheredLinear(torch.autograd.Function):
     """``F.linear(gather_from_sequence(shard, dim), weight, bias)`` in pieces: this rank's own
     rows first, while the first piece is gathered, then the others' rows of each piece while the
-    next is. Only the slice is saved; backward gathers it again, each piece beside the input
-    gradient's products, and reduce-scatters the input's gradient piece by piece, the last ones
-    beside the weight's gradient."""
+    next is. Only the slice is saved; backward gathers it again beside the input gradient's
+    products, and reduce-scatters the input's gradient piece by piece, the last ones beside the
+    weight's gradient."""
 
     @staticmethod
     def forward(ctx, shard, weight, bias, dim: int, chunks: int):
@@ -133,13 +127,11 @@ class _GatheredLinear(torch.autograd.Function):
     def backward(ctx, grad):
         shard, weight = ctx.saved_tensors
         dim, chunks, w = ctx.dim, ctx.chunks, weight.to(grad.dtype)  # the product's dtype, as autocast cast it
-        pieces = shard.chunk(chunks, dim)
         grads = [_part(grad, dim, chunks, j) for j in range(chunks)]
-        gathering, scattering = [], []
-        for j in range(chunks):  # waited for after the loop: an input gradient's product needs none of them
-            gathering.append(_start_gather(pieces[j]))
-            if ctx.needs_input_grad[0]:
-                scattering.append(_start_reduce_scatter(grads[j] @ w, dim))
+        # the gathers first: only the weight gradient, last, reads them; each reduce-scatter
+        # follows its piece's input gradient, and only the caller reads them
+        gathering = [_start_gather(piece) for piece in shard.chunk(chunks, dim)]
+        scattering = [_start_reduce_scatter(g @ w, dim) for g in grads] if ctx.needs_input_grad[0] else []
         gathered = [torch.cat(done(), dim).to(grad.dtype) for done in gathering]
         grad_weight = _weight_gradient(grads, gathered).to(weight.dtype) if ctx.needs_input_grad[1] else None
         grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.has_bias else None
@@ -157,8 +149,13 @@ class _LinearReduceScatter(torch.autograd.Function):
     def forward(ctx, whole, weight, dim: int, chunks: int):
         dim = dim % whole.dim()
         ctx.dim, ctx.chunks = dim, chunks
-        scattering = [_start_reduce_scatter(F.linear(_part(whole, dim, chunks, j), weight), dim) for j in range(chunks)]
-        ctx.save_for_backward(whole, weight)
+        scattering = []
+        for j in range(chunks):
+            product = F.linear(_part(whole, dim, chunks, j), weight)
+            scattering.append(_start_reduce_scatter(product, dim))
+        # kept in the product's dtype, as autocast's linear keeps its cast copy of the input
+        ctx.save_for_backward(whole.to(product.dtype) if whole.is_floating_point() else whole, weight)
+        ctx.input_dtype = whole.dtype
         return torch.cat([done() for done in scattering], dim)
 
     @staticmethod
@@ -174,7 +171,7 @@ class _LinearReduceScatter(torch.autograd.Function):
                 others.append(_others(gathered, dim) @ w)
         inputs = [_part(whole, dim, chunks, j).to(grad.dtype) for j in range(chunks)]
         grad_weight = _weight_gradient(grads, inputs).to(weight.dtype) if ctx.needs_input_grad[1] else None
-        grad_whole = _whole_from(own, others, dim).to(whole.dtype) if own is not None else None
+        grad_whole = _whole_from(own, others, dim).to(ctx.input_dtype) if own is not None else None
         return grad_whole, grad_weight, None, None
 
 

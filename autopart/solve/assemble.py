@@ -186,6 +186,19 @@ def _provenance(options: CompileOptions, front: Front, objective_s: float, solve
     )
 
 
+def _overlapped(front: Front, blocks: range, received: set[str], sent: set[str], by_name: dict) -> dict[str, int]:
+    """The stage's linears cut into pieces (``autopart.solve.overlap``), but those the stage's
+    code cannot cut: one that reads what the stage receives (it arrives whole) or makes what it
+    sends (sent whole, not reduce-scattered). The blocks' times priced them cut: a block does not
+    know the cuts (a Transformer's cuts pass only the residual stream, which no linear reads)."""
+    kept = {}
+    for k in blocks:
+        for name, pieces in (front.shardings[k].overlapped if front.shardings else {}).items():
+            if name not in sent and received.isdisjoint(n.name for n in by_name[name].all_input_nodes):
+                kept[name] = pieces
+    return kept
+
+
 def _stage_plans(front: Front, problem: PipelineProblem, ranges: list[range], recompute: list
                  ) -> tuple[list[StagePlan], dict[str, list[int]]]:
     """Per stage its StagePlan, with the problem's figures (recompute included); and per
@@ -210,7 +223,8 @@ def _stage_plans(front: Front, problem: PipelineProblem, ranges: list[range], re
         times = [block_times[k] for k in r]
         strategies = {n: text for k in r for n, text in
                       (listed_strategies(front.shardings[k], front.op_graph, fx_nodes) if front.shardings else {}).items()}
-        overlapped = {n: pieces for k in r for n, pieces in (front.shardings[k].overlapped if front.shardings else {}).items()}
+        overlapped = _overlapped(front, r, set(sends[s - 1] if s > 0 else ()), set(sends[s] if s < len(sends) else ()),
+                                 fx_nodes)
         backward = sum(problem.block_time_s[k] for k in r) - sum(f for f, _, _ in times)  # recompute included
         stages.append(
             StagePlan(

@@ -64,9 +64,8 @@ def exposed_s(kind: str, *, pieces: int, t: int, products: Products, gather_s: f
     if kind == "gathered":
         ahead = _end_s([(products("forward", 1 / t), ())] + [(products("forward", rest), (j,)) for j in range(k)],
                        [(gather_s, None)] * k)
-        comms = [c for j in range(k) for c in [(gather_s, None)] + ([(scatter_s, j)] if input_gradient else [])]
-        gathers = tuple(i for i, (_, needs) in enumerate(comms) if needs is None)
-        behind = _end_s([(input_piece(1 / k), ()) for _ in range(k)] + [(weight, gathers)], comms)
+        comms = [(gather_s, None)] * k + ([(scatter_s, j) for j in range(k)] if input_gradient else [])
+        behind = _end_s([(input_piece(1 / k), ()) for _ in range(k)] + [(weight, tuple(range(k)))], comms)
     else:
         ahead = _end_s([(products("forward", 1 / k), ()) for _ in range(k)], [(scatter_s, j) for j in range(k)])
         computes = [(input_piece(1 / t), ())] + [(input_piece(rest), (j,)) for j in range(k)]
