@@ -139,3 +139,18 @@ def test_sequence_parallel_trains_like_one_process_bf16(tmp_path, example, pp):
     assert plan.sp and plan.dtype == "bf16"
     result = verify(out, steps=2)
     assert result.matches, result.failures
+
+
+@pytest.mark.multiprocess
+def test_sequence_parallel_trains_like_one_process_under_a_split_backward(tmp_path):
+    """zb-h1 runs each stage's backward as I then W; the gathered head linear computes its
+    input's gradient in I and its weight's in W (``autopart.runtime.backward.backward_phase``)."""
+    out = tmp_path / "out"
+    plan, _ = compile_to_directory(
+        CompileOptions(model=REPO / "examples" / "llama.py", pp=2, tp=2, microbatches=4, global_batch_size=4,
+                       schedule="zb-h1", device=str(FREE_LINKS)),
+        out,
+    )  # fmt: skip
+    assert plan.sp and "tp.gathered_linear(" in "".join(p.read_text() for p in (out / "stages").glob("*.py"))
+    result = verify(out, steps=2)
+    assert result.matches, result.failures

@@ -5,11 +5,13 @@ import importlib.util
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from autopart.runtime import collectives as tp
 from autopart.runtime.backward import backward_full, backward_input, backward_weight
-from tests.distributed import REPO
+from tests.distributed import REPO, free_port
 
 
 def _gpt():
@@ -146,3 +148,72 @@ def test_split_costs_what_one_backward_costs():
     weight_flops = flops(lambda: backward_weight(held["pending"]))
     assert input_flops + weight_flops == full
     assert 0.3 * full < weight_flops < 0.7 * full
+
+
+class Gathered(nn.Module):
+    """Two sequence-parallel column linears (``tp.gathered_linear``, one rank) over an input
+    scaled by a weight below them, as a stage's normed input is."""
+
+    def __init__(self):
+        super().__init__()
+        self.embedding = nn.Embedding(16, 8)
+        self.scale = nn.Parameter(torch.rand(8) + 0.5)
+        self.fc = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 16, bias=False)
+
+    def forward(self, x, ids):
+        h = self.embedding(ids) + (x * self.scale if x is not None else 0.0)
+        return tp.gathered_linear(torch.tanh(tp.gathered_linear(h, self.fc.weight, self.fc.bias, 1)), self.head.weight,
+                                  None, 1)  # fmt: skip
+
+
+@pytest.fixture
+def one_rank_group():
+    started = not dist.is_initialized()
+    if started:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    tp.set_group(dist.group.WORLD)
+    yield
+    tp.set_group(None)
+    if started:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("receives", [True, False])  # False: a first stage's (no frontier: W runs it whole)
+def test_a_gathered_linear_runs_each_collective_once_when_the_backward_is_split(one_rank_group, monkeypatch, receives):
+    """Autograd runs a frontier node in I and again in W; ``tp.gathered_linear`` computes the
+    input's gradient (its reduce-scatter) in I only and the weight's (its second gather) in W only,
+    so a zero-bubble schedule pays each collective once, and the gradients are one backward's."""
+    torch.manual_seed(0)
+    module = Gathered()
+    ids = torch.randint(0, 16, (2, 4))
+    received = torch.randn(2, 4, 8)
+    counted = {"_gather": 0, "_reduce_slice": 0}
+    for name in counted:
+        original = getattr(tp, name)
+
+        def counting(*args, original=original, name=name):
+            counted[name] += 1
+            return original(*args)
+
+        monkeypatch.setattr(tp, name, counting)
+    results = []
+    for split in (False, True):
+        module.zero_grad(set_to_none=True)
+        counted.update(_gather=0, _reduce_slice=0)
+        x = received.clone().requires_grad_() if receives else None
+        out = module(x, ids)
+        grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(7))
+        if split:
+            found, pending = backward_input([out], [grad], [x] if receives else [], list(module.parameters()))
+            backward_weight(pending)
+        else:
+            found = backward_full([out], [grad], [x] if receives else [])
+        assert counted == {"_gather": 4, "_reduce_slice": 2}, (split, counted)  # forward 2; backward each once
+        results.append(({n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}, found))
+    (full, full_input), (split, split_input) = results
+    assert set(split) == set(full) == {n for n, _ in module.named_parameters() if receives or n != "scale"}
+    for name, grad in full.items():
+        torch.testing.assert_close(split[name], grad, rtol=1e-6, atol=1e-7, msg=name)
+    for full_grad, split_grad in zip(full_input, split_input, strict=True):
+        torch.testing.assert_close(split_grad, full_grad, rtol=1e-6, atol=1e-7)

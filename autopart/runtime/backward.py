@@ -21,13 +21,36 @@ exactly, and W runs the whole backward restricted to the parameters.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 from torch.autograd.graph import GradientEdge, Node
 
-__all__ = ["PendingWeights", "backward_full", "backward_input", "backward_weight"]
+__all__ = ["PendingWeights", "backward_full", "backward_input", "backward_phase", "backward_weight"]
+
+_PHASE = "whole"
+
+
+def backward_phase() -> str:
+    """What the backward running now computes: ``"input"`` (I: the inputs' gradients only),
+    ``"weight"`` (W from the frontier nodes: the parameters' only) or ``"whole"``. Autograd runs a
+    frontier node in I and again in W and cannot tell it which gradients each run wants; a custom
+    node that computes both at once (``tp.gathered_linear``: a collective for each) reads this to
+    compute one set each time. A plain global, not a context variable: autograd runs a CUDA
+    graph's nodes on its device threads, while the caller waits."""
+    return _PHASE
+
+
+@contextmanager
+def _phase(name: str) -> Iterator[None]:
+    global _PHASE
+    before, _PHASE = _PHASE, name
+    try:
+        yield
+    finally:
+        _PHASE = before
 
 
 @dataclass(kw_only=True)
@@ -141,14 +164,16 @@ def backward_input(
     if not every_output_on_input_path or not all(group.frontier for group in groups):
         # An output that does not depend on any input (all of them, on the first stage) holds
         # weight gradients that no frontier node sees: keep the whole graph for W instead.
-        found = _grad(outputs, grads, inputs, retain_graph=True)
+        with _phase("input"):
+            found = _grad(outputs, grads, inputs, retain_graph=True)
         return found, PendingWeights(whole=(outputs, grads, reached))
     handles = []
     try:
         for group in groups:
             for node in group.frontier:
                 handles.append(node.register_prehook(_keeper(group.kept, node)))
-        found = _grad(outputs, grads, inputs, retain_graph=True)
+        with _phase("input"):
+            found = _grad(outputs, grads, inputs, retain_graph=True)
     finally:
         for handle in handles:
             handle.remove()
@@ -199,7 +224,8 @@ def backward_weight(pending: PendingWeights) -> None:
                     handles.append(node.register_prehook(lambda _, kept=kept: kept))
         try:
             targets = [GradientEdge(_node(p), 0) for p in group.parameters]  # type: ignore[arg-type]
-            found = torch.autograd.grad(starts, targets, seeds, retain_graph=True, allow_unused=True)
+            with _phase("weight"):  # a frontier node's input gradients were I's: below it, only other starts
+                found = torch.autograd.grad(starts, targets, seeds, retain_graph=True, allow_unused=True)
         finally:
             for handle in handles:
                 handle.remove()

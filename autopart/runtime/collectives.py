@@ -28,6 +28,8 @@ import torch
 import torch.distributed as dist
 from torch.nn import functional as F
 
+from autopart.runtime.backward import backward_phase
+
 __all__ = [
     "set_group",
     "group",
@@ -164,7 +166,9 @@ class _GatherFromSequence(torch.autograd.Function):
 class _GatheredLinear(torch.autograd.Function):
     """``F.linear(gather_from_sequence(x, dim), weight, bias)`` that keeps only the local slice of
     x for backward and gathers it again there, as Megatron-SP's linear does: the gathered input,
-    t times the slice, is never held between forward and backward."""
+    t times the slice, is never held between forward and backward. Under a split backward
+    (zero-bubble schedules) it computes the input's gradient in I and the weight's in W, each
+    with its own collective, where autograd would have it compute both in each."""
 
     @staticmethod
     def forward(ctx, shard: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dim: int) -> torch.Tensor:
@@ -176,12 +180,15 @@ class _GatheredLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         shard, weight = ctx.saved_tensors
-        whole = _gather(shard, ctx.dim, 1).to(grad.dtype)
-        grad_whole = grad @ weight.to(grad.dtype)
-        grad_shard = _reduce_slice(grad_whole, ctx.dim).to(shard.dtype)
-        flat_grad = grad.reshape(-1, grad.shape[-1])
-        grad_weight = (flat_grad.t() @ whole.reshape(-1, whole.shape[-1])).to(weight.dtype)
-        grad_bias = flat_grad.sum(0) if ctx.has_bias else None
+        phase = backward_phase()  # a zero-bubble schedule runs this in I and again in W: each its half
+        grad_shard = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[0] and phase != "weight":
+            grad_shard = _reduce_slice(grad @ weight.to(grad.dtype), ctx.dim).to(shard.dtype)
+        if phase != "input":
+            whole = _gather(shard, ctx.dim, 1).to(grad.dtype)
+            flat_grad = grad.reshape(-1, grad.shape[-1])
+            grad_weight = (flat_grad.t() @ whole.reshape(-1, whole.shape[-1])).to(weight.dtype)
+            grad_bias = flat_grad.sum(0) if ctx.has_bias else None
         return grad_shard, grad_weight, grad_bias, None
 
 
