@@ -44,7 +44,7 @@ class CompileOptions:
     tp_overlap: bool = False
     """Overlap the sequence-parallel collectives with the linears beside them, the sequence cut
     into pieces (``autopart.runtime.overlapped``, Megatron-LM's ``--tp-comm-overlap``); needs
-    sequence parallelism and a schedule whose backward runs whole."""
+    sequence parallelism."""
     gpus_per_node: int = 8
     """Devices per node: collectives of groups larger than this cross nodes."""
     microbatches: int | None = None
@@ -122,9 +122,6 @@ class CompileOptions:
         if self.tp_overlap and self.sp is False:
             raise ConfigError("--tp-overlap overlaps the sequence-parallel collectives: it needs sequence parallelism"
                               " (drop --no-sp)")
-        if self.tp_overlap and self.schedule in SPLIT_BACKWARD_KINDS:
-            raise ConfigError(f"--tp-overlap runs each overlapped linear's backward whole, which {self.schedule} splits"
-                              " in two; use --schedule 1f1b or interleaved, or drop --tp-overlap")
         if self.schedule is not None and self.schedule not in SCHEDULE_KINDS:
             raise ConfigError(f"unknown schedule {self.schedule!r}; use one of {', '.join(SCHEDULE_KINDS)}")
         if self.optimizer not in OPTIMIZERS:

@@ -1,6 +1,7 @@
 """One rank of tests/test_overlapped.py: the overlapped sequence-parallel linears give what the
 plain ones give (``tp.gathered_linear``; ``tp.reduce_scatter`` of a linear), forward and backward,
-in fp32 and under bf16 autocast, for every number of pieces the slice allows."""
+in fp32 and under bf16 autocast, for every number of pieces the slice allows, and with the
+backward split into I and W as a zero-bubble schedule runs it."""
 
 import os
 import sys
@@ -11,22 +12,42 @@ from torch.nn import functional as F
 
 from autopart.runtime import collectives as tp
 from autopart.runtime import overlapped
+from autopart.runtime.backward import backward_input, backward_weight
 
 dist.init_process_group("gloo")
 rank, t = dist.get_rank(), dist.get_world_size()
 tp.set_group(dist.group.WORLD)
 rows = int(sys.argv[1])  # a rank's slice of the sequence
+started = {"_start_gather": 0, "_start_reduce_scatter": 0}  # collectives, counted: a split backward starts no more
+for _name in started:
+    def _counting(*args, _original=getattr(overlapped, _name), _name=_name):
+        started[_name] += 1
+        return _original(*args)
+
+    setattr(overlapped, _name, _counting)
+
+
+def collectives_of(fn, *args):
+    before = dict(started)
+    result = fn(*args)
+    return result, {k: started[k] - before[k] for k in started}
 
 
 def leaves(*tensors):
     return [x.detach().clone().requires_grad_() for x in tensors]
 
 
-def run(fn, inputs, grad_out, autocast):
+def run(fn, inputs, grad_out, autocast, split=False):
+    """The output and the gradients of ``inputs`` (the first an activation, the rest weights)."""
     with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
         out = fn(*inputs)
-    out.backward(grad_out.to(out.dtype))
-    return out.detach(), [x.grad for x in inputs]
+    if not split:
+        out.backward(grad_out.to(out.dtype))
+        return out.detach(), [x.grad for x in inputs]
+    found, pending = backward_input([out], [grad_out.to(out.dtype)], inputs[:1], inputs[1:])
+    assert all(w.grad is None for w in inputs[1:]), "I left the weights alone"
+    backward_weight(pending)
+    return out.detach(), [found[0], *(w.grad for w in inputs[1:])]
 
 
 for autocast in (False, True):
@@ -36,21 +57,31 @@ for autocast in (False, True):
         shard, weight, bias = torch.randn(2, rows, 6), torch.randn(10, 6), torch.randn(10)
         grad_out = torch.randn(2, rows * t, 10)
         plain = run(lambda x, w, b: tp.gathered_linear(x, w, b, 1), leaves(shard, weight, bias), grad_out, autocast)
-        piecewise = run(lambda x, w, b: overlapped.gathered_linear(x, w, b, 1, chunks), leaves(shard, weight, bias),
-                        grad_out, autocast)
-        torch.testing.assert_close(piecewise[0], plain[0], **tolerance)
-        for name, got, want in zip(("shard", "weight", "bias"), piecewise[1], plain[1]):
-            torch.testing.assert_close(got, want, **tolerance, msg=lambda m, name=name: f"gathered_linear {chunks} pieces, {name}: {m}")
+        counts = []
+        for split in (False, True):
+            piecewise, count = collectives_of(run, lambda x, w, b: overlapped.gathered_linear(x, w, b, 1, chunks),
+                                              leaves(shard, weight, bias), grad_out, autocast, split)
+            counts.append(count)
+            torch.testing.assert_close(piecewise[0], plain[0], **tolerance)
+            for name, got, want in zip(("shard", "weight", "bias"), piecewise[1], plain[1]):
+                torch.testing.assert_close(got, want, **tolerance,
+                                           msg=lambda m, name=name: f"gathered_linear {chunks} pieces {split=}, {name}: {m}")
 
         whole, weight = torch.randn(2, rows * t, 6), torch.randn(10, 6)
         grad_out = torch.randn(2, rows, 10)
         plain = run(lambda x, w: tp.reduce_scatter(F.linear(x, w), 1), leaves(whole, weight), grad_out, autocast)
-        piecewise = run(lambda x, w: overlapped.linear_reduce_scatter(x, w, 1, chunks), leaves(whole, weight),
-                        grad_out, autocast)
-        torch.testing.assert_close(piecewise[0], plain[0], **tolerance)
-        for name, got, want in zip(("input", "weight"), piecewise[1], plain[1]):
-            torch.testing.assert_close(got, want, **tolerance, msg=lambda m, name=name: f"linear_reduce_scatter {chunks} pieces, {name}: {m}")
-        assert piecewise[0].dtype == plain[0].dtype
+        assert counts[0] == counts[1], counts
+        counts = []
+        for split in (False, True):
+            piecewise, count = collectives_of(run, lambda x, w: overlapped.linear_reduce_scatter(x, w, 1, chunks),
+                                              leaves(whole, weight), grad_out, autocast, split)
+            counts.append(count)
+            torch.testing.assert_close(piecewise[0], plain[0], **tolerance)
+            for name, got, want in zip(("input", "weight"), piecewise[1], plain[1]):
+                torch.testing.assert_close(got, want, **tolerance,
+                                           msg=lambda m, name=name: f"linear_reduce_scatter {chunks} pieces {split=}, {name}: {m}")
+            assert piecewise[0].dtype == plain[0].dtype
+        assert counts[0] == counts[1], counts
 print("ok", rank, flush=True)
 dist.barrier()
 dist.destroy_process_group()

@@ -23,13 +23,11 @@ from autopart.codegen.tensor_parallel import overlapped_shapes, shard_stage_grap
 from autopart.codegen.layers import repeated_units, stage_units
 from autopart.codegen.stage_file import stage_source
 from autopart.codegen.stages import describe_tensors, stage_graphs
-from autopart.ir.errors import PlanError
 from autopart.ir.plan import Plan
 from autopart.ir.tensors import PRECISION_TEXT
 from autopart.runtime.launch import PLAN_HASH_KEY, file_sha256, plan_digest
 from autopart.runtime.shards import shard_weight
 from autopart.runtime.shards import weights_file_name
-from autopart.schedule import SPLIT_BACKWARD_KINDS
 from autopart.passes.blocks import BlockChain, build_blocks
 from autopart.solve.sharding import REPLICATE, Placement, Strategy, local_shape
 from autopart.solve.sharding_rules import strategies
@@ -58,10 +56,6 @@ def emit_directory(plan: Plan, op_graph: OpGraph, spec: ModelSpec, out_dir: Path
 
 
 def _write(plan: Plan, op_graph: OpGraph, spec: ModelSpec, out: Path, *, final: Path, chain: BlockChain) -> None:
-    if plan.schedule.kind in SPLIT_BACKWARD_KINDS and any(stage.overlapped for stage in plan.stages):
-        raise PlanError(f"the plan overlaps linears with their collectives, whose backward {plan.schedule.kind} would"
-                        " run twice (it splits each backward in two); use 1f1b or interleaved, or recompile without"
-                        " --tp-overlap")
     (out / "stages").mkdir(parents=True)
     (out / "weights").mkdir()
     module = op_graph.graph.module

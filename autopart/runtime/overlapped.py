@@ -17,9 +17,9 @@ gathered product in sequence order, the scattered one each rank's contiguous sli
 runs the whole linear; the weight's gradient is one product over all pieces, after the last
 collective has started, so that it rounds as the plain linear's does.
 
-A zero-bubble schedule's split backward (``autopart.runtime.backward``) cannot split one of
-these nodes into its input and weight gradients: it computes both each time it runs, which is
-why the compile refuses ``--tp-overlap`` with them.
+Under a zero-bubble schedule's split backward (``autopart.runtime.backward``) each node computes
+its input's gradient in I and its weight's in W; the reduce-scattered linear keeps the output
+gradient it gathered in I for W, as autograd keeps a plain linear's incoming gradient.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.nn import functional as F
 
+from autopart.runtime.backward import backward_phase
 from autopart.runtime.collectives import group, group_rank, group_size
 
 __all__ = ["gathered_linear", "linear_reduce_scatter"]
@@ -98,6 +99,14 @@ def _whole_from(own: torch.Tensor, others: list[torch.Tensor], dim: int) -> torc
     return torch.cat(slices[:r] + [own] + slices[r:], dim)
 
 
+def _wanted(ctx) -> tuple[bool, bool]:
+    """Whether this backward computes the input's gradient and the weight's: a zero-bubble
+    schedule's I wants the first, its W the second (``autopart.runtime.backward.backward_phase``;
+    autograd would run the whole node in both)."""
+    phase = backward_phase()
+    return ctx.needs_input_grad[0] and phase != "weight", ctx.needs_input_grad[1] and phase != "input"
+
+
 def _weight_gradient(grads: list[torch.Tensor], inputs: list[torch.Tensor]) -> torch.Tensor:
     """grad^T @ input over every piece, as one product: the plain linear's rounding (a product
     per piece would round each to the activations' dtype before they are summed)."""
@@ -127,15 +136,19 @@ class _GatheredLinear(torch.autograd.Function):
     def backward(ctx, grad):
         shard, weight = ctx.saved_tensors
         dim, chunks, w = ctx.dim, ctx.chunks, weight.to(grad.dtype)  # the product's dtype, as autocast cast it
+        wants_input, wants_weight = _wanted(ctx)
         grads = [_part(grad, dim, chunks, j) for j in range(chunks)]
         # the gathers first: only the weight gradient, last, reads them; each reduce-scatter
         # follows its piece's input gradient, and only the caller reads them
-        gathering = [_start_gather(piece) for piece in shard.chunk(chunks, dim)]
-        scattering = [_start_reduce_scatter(g @ w, dim) for g in grads] if ctx.needs_input_grad[0] else []
-        gathered = [torch.cat(done(), dim).to(grad.dtype) for done in gathering]
-        grad_weight = _weight_gradient(grads, gathered).to(weight.dtype) if ctx.needs_input_grad[1] else None
-        grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.has_bias else None
-        grad_shard = torch.cat([done() for done in scattering], dim).to(shard.dtype) if scattering else None
+        gathering = [_start_gather(piece) for piece in shard.chunk(chunks, dim)] if wants_weight else []
+        scattering = [_start_reduce_scatter(g @ w, dim) for g in grads] if wants_input else []
+        grad_weight = grad_bias = grad_shard = None
+        if wants_weight:
+            gathered = [torch.cat(done(), dim).to(grad.dtype) for done in gathering]
+            grad_weight = _weight_gradient(grads, gathered).to(weight.dtype)
+            grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.has_bias else None
+        if wants_input:
+            grad_shard = torch.cat([done() for done in scattering], dim).to(shard.dtype)
         return grad_shard, grad_weight, grad_bias, None, None
 
 
@@ -162,15 +175,21 @@ class _LinearReduceScatter(torch.autograd.Function):
     def backward(ctx, grad):
         whole, weight = ctx.saved_tensors
         dim, chunks, w = ctx.dim, ctx.chunks, weight.to(grad.dtype)
-        turns = _gathered_in_turn(grad.chunk(chunks, dim))
-        own = grad @ w if ctx.needs_input_grad[0] else None
-        grads, others = [], []
-        for gathered in turns:
-            grads.append(torch.cat(gathered, dim))
-            if own is not None:
-                others.append(_others(gathered, dim) @ w)
-        inputs = [_part(whole, dim, chunks, j).to(grad.dtype) for j in range(chunks)]
-        grad_weight = _weight_gradient(grads, inputs).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        wants_input, wants_weight = _wanted(ctx)
+        grads, own, others = getattr(ctx, "gathered", None), None, []
+        if grads is None or wants_input:  # W reuses what I gathered, as a split plain linear keeps its gradient
+            turns = _gathered_in_turn(grad.chunk(chunks, dim))
+            own = grad @ w if wants_input else None
+            grads = []
+            for gathered in turns:
+                grads.append(torch.cat(gathered, dim))
+                if own is not None:
+                    others.append(_others(gathered, dim) @ w)
+        ctx.gathered = grads if backward_phase() == "input" else None
+        grad_weight = None
+        if wants_weight:
+            inputs = [_part(whole, dim, chunks, j).to(grad.dtype) for j in range(chunks)]
+            grad_weight = _weight_gradient(grads, inputs).to(weight.dtype)
         grad_whole = _whole_from(own, others, dim).to(ctx.input_dtype) if own is not None else None
         return grad_whole, grad_weight, None, None
 

@@ -134,8 +134,9 @@ def fused_linears(op_graph: OpGraph, members: list[fx.Node], chosen: dict[str, S
                   placement_of: Callable[[str], Placement]) -> Iterator[FusedLinear]:
     """The linears of one block that the generated code fuses with their collectives, given the
     block's strategies; ``placement_of(name)``: how a value outside them arrives (a boundary).
-    A row-parallel linear whose output is also a stage's output (sent on whole) is not fused by
-    the code, which this cannot see: the block does not know the cuts."""
+    A block does not know the pipeline's cuts: a linear that reads what its stage receives, or
+    makes what it sends, is priced here as fused and left whole by the code (the plan drops its
+    pieces, ``autopart.solve.assemble``); a Transformer's cuts pass only the residual stream."""
     for node in members:
         strategy = chosen.get(node.name)
         x = gathered_input(op_graph, node)

@@ -35,7 +35,7 @@ from autopart.options import CompileOptions
 from autopart.passes.front import Front
 from autopart.passes.repeat_annotation import LAID_OUT_FROM
 from autopart.passes.shallow import KEPT_LAYERS, repeated_layers, shallow_module
-from autopart.schedule import SCHEDULE_KINDS, SPLIT_BACKWARD_KINDS
+from autopart.schedule import SCHEDULE_KINDS
 from autopart.solve.assemble import pipeline_problem, plan_from_cuts, with_solver
 from autopart.solve.baselines import block_layers
 from autopart.solve.front_table import FrontTable, Progress, sequence_parallel
@@ -72,8 +72,7 @@ def search_space(options: CompileOptions) -> SearchSpace:
         dp=pin(options.dp),
         micro_batch_size=pin(options.micro_batch_size),
         microbatches=pin(options.microbatches),
-        schedule=pin(options.schedule) or tuple(k for k in SCHEDULE_KINDS
-                                                if not (options.tp_overlap and k in SPLIT_BACKWARD_KINDS)),
+        schedule=pin(options.schedule) or SCHEDULE_KINDS,
         chunks=pin(options.chunks),
         zero=pin(options.zero) or (0, 1, 2, 3),
         dtype=SEARCHED_DTYPES if options.dtype == "auto" else (options.dtype or "fp32",),

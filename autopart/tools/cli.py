@@ -56,7 +56,7 @@ def _parser() -> argparse.ArgumentParser:
                         " and all-gather for TP's all-reduces (default on, or searched); --no-sp turns it off")
     c.add_argument("--tp-overlap", action="store_true",
                    help="overlap the sequence-parallel collectives with their linears, the sequence cut in pieces"
-                        " (Megatron-LM's --tp-comm-overlap); not with zero-bubble schedules")
+                        " (Megatron-LM's --tp-comm-overlap)")
     batch = c.add_mutually_exclusive_group()
     batch.add_argument("--microbatches", type=int, help="microbatches per step")
     batch.add_argument("--micro-batch-size", type=int, help="samples per microbatch")
