@@ -76,6 +76,37 @@ def test_the_search_through_the_shallow_copy_chooses_the_full_models_plan(tmp_pa
     assert shallow.predicted.step_s == full.predicted.step_s
 
 
+def test_a_first_finalist_whose_full_plan_is_slower_than_the_next_estimate_gives_way(tmp_path, monkeypatch) -> None:
+    """The finalists are ranked by estimates on the shallow copy's costs; the full model's plan
+    of the first can be slower than the next one's estimate (here made so): the next is planned
+    too and the faster plan kept, and the search's rows say what each plan took."""
+    from dataclasses import replace
+    from pathlib import Path
+
+    from autopart.solve import planner
+    from autopart.driver import CompileOptions
+
+    model = tmp_path / "deep.py"
+    model.write_text(MODEL_FILE.format(models=str(Path(__file__).resolve().parent.parent / "benchmarks" / "models")))
+    options = CompileOptions(model=model, world_size=4, global_batch_size=8, device="h100-sxm")
+    real_plan_of, made = planner._plan_of, []
+
+    def first_slow(options, table, scored, solver, cuts=None):
+        plan = real_plan_of(options, table, scored, solver, cuts)
+        made.append(scored.layout)
+        if len(made) == 1:  # the first finalist's full plan: ten times its estimate
+            plan = replace(plan, predicted=replace(plan.predicted, step_s=10 * scored.step_s))
+        return plan
+
+    monkeypatch.setattr(planner, "_plan_of", first_slow)
+    searched = planner.plan_by_search(options)
+    ranked = searched.result.ranked
+    assert len(made) >= 2 and made[0] == ranked[0].layout
+    assert searched.plan.predicted.step_s < 5 * ranked[0].step_s  # not the first's slow plan
+    rows = searched.plan.provenance.search["ranked"]
+    assert rows[0]["step_s"] == searched.plan.predicted.step_s == min(row["step_s"] for row in rows)
+
+
 def test_the_shallow_copy_s_layers_lie_where_the_full_model_s_do(tmp_path) -> None:
     """The repeated layers' blocks (what ZeRO-3 costs a cut inside a layer by) in the chain the
     search builds from two captured layers are the full model's."""

@@ -176,27 +176,38 @@ def _full_search(options: CompileOptions, space: SearchSpace, cluster: Cluster, 
 def _shallow_search(options: CompileOptions, space: SearchSpace, cluster: Cluster, full: FrontTable,
                     shallow: RepeatedTable, *, progress: Progress | None, finalists: int) -> Searched | None:
     """The search over the shallow copy's costs, its finalists ranked by the schedule simulator
-    on those costs; the full model is captured once, for the first finalist that fits as a plan.
-    None when the full model's chain is not the shallow one's laid out (its layers are alike as
+    on those costs. The full model is planned for the first finalist, and for each next one
+    whose estimate is below the fastest full plan that fits so far (the estimate and the full
+    plan can differ by a few percent: a full plan's messages, its refined cuts); the fastest
+    is kept. None when the full model's chain is not the shallow one's laid out (its layers are alike as
     modules but not as graphs): the caller then searches the full model."""
     result = search(space, shallow, cluster, finalists=finalists, progress=_visited(progress),
                     score=lambda scored: simulated_step_s(scored, shallow, cluster))
     if not result.ranked:
         raise InfeasibleError(_does_not_fit(options, space, shallow, cluster))
-    for chosen in result.ranked:
-        layout = chosen.layout
+    planned: dict[int, Plan] = {}  # finalist's index -> its plan of the full model, where made
+    for index, candidate in enumerate(result.ranked):
+        fitting = [i for i, p in planned.items() if max(p.predicted.memory_bytes) <= cluster.memory_bytes]
+        if fitting and candidate.step_s >= min(planned[i].predicted.step_s for i in fitting):
+            break  # its estimate, and every later one's, is no faster than a plan already made
+        layout = candidate.layout
         front = full.front(micro_batch_size=layout.micro_batch_size, tp=layout.tp, dtype=layout.dtype)
         repeated = shallow.chain_costs(micro_batch_size=layout.micro_batch_size, tp=layout.tp, dtype=layout.dtype)
         if len(front.chain.blocks) != len(repeated):
             return None
-        scored_plan = _plan_of(options, full, chosen, ("search", 0.0, 0.0))
-        if max(scored_plan.predicted.memory_bytes) <= cluster.memory_bytes:
-            break
-    else:
+        planned[index] = _plan_of(options, full, candidate, ("search", 0.0, 0.0))
+    fitting = [i for i, p in planned.items() if max(p.predicted.memory_bytes) <= cluster.memory_bytes]
+    if not fitting:
         return None
-    plan, front = _refined(options, full, chosen, scored_plan, time_limit_s=options.time_limit_s)
+    # the finalists are ranked on the shallow copy's costs; where the full model's plan of the
+    # first is slower than the next one's estimate, that one is planned too, and the faster kept
+    best = min(fitting, key=lambda i: planned[i].predicted.step_s)
+    chosen = result.ranked[best]
+    plan, front = _refined(options, full, chosen, planned[best], time_limit_s=options.time_limit_s)
     rows = [(chosen, plan.predicted.step_s, max(plan.predicted.memory_bytes))]
-    rows += [(s, s.step_s, s.peak_memory_bytes) for s in result.ranked if s is not chosen]
+    rows += [(s, planned[i].predicted.step_s if i in planned else s.step_s,
+              max(planned[i].predicted.memory_bytes) if i in planned else s.peak_memory_bytes)
+             for i, s in enumerate(result.ranked) if s is not chosen]  # fmt: skip
     plan = replace(plan, provenance=replace(plan.provenance, search=_summary(result, rows)))
     return Searched(plan=plan, front=front, result=result, plans=(plan,))
 
