@@ -2,6 +2,8 @@
 
     load -> capture -> annotate -> blocks -> shard -> solve -> assemble (predict) -> Plan -> emit
 
+(a search on the machine at hand runs its finalists here and keeps the fastest before emitting).
+
 ``compile(...)`` and ``emit(...)`` are the Python API; the command line builds the same
 ``CompileOptions`` and calls the same functions. Each step is one call into the package that
 owns it: ``passes.front`` (load, capture, annotate, blocks, shard), ``solve`` (cuts, search,
@@ -22,6 +24,7 @@ from autopart.options import CompileOptions
 from autopart.predict.accuracy import with_basis
 from autopart.passes.annotate import annotate
 from autopart.passes.front import Front, build_front, capture_for, note_unsplit
+from autopart.profiling.finalists import Finalist, finalists_run_here, run_finalists
 from autopart.profiling.measure_defaults import measure_defaults
 from autopart.profiling.pipeline import profiled_in_place
 from autopart.solve.assemble import pipeline_problem, plan_from_cuts
@@ -60,6 +63,9 @@ def compile_plan(options: CompileOptions, progress=None) -> tuple[Plan, Front]:
     """The Plan of ``options`` and the front it was costed on (kept, so emitting needs no second capture)."""
     if options.searched:
         searched = plan_by_search(options, progress=progress)
+        if finalists_run_here(options):  # the step model picked the few; running them picks the one
+            finalists = [Finalist(plan, front) for plan, front in zip(searched.plans, searched.fronts)]
+            return run_finalists(finalists, progress=progress)
         return searched.plan, searched.front
     if options.plan is not None:  # the plan decides everything it records
         return rebuild_pinned(options, load_plan(options.plan))

@@ -98,6 +98,10 @@ class CompileOptions:
     measure: bool = True
     """Without ``costs``, on the machine at hand: measure its ops and messages first, once per
     model and machine (`autopart.profiling.measure_defaults`); False keeps the device's roofline."""
+    run_finalists: bool | None = None
+    """A search's finalists run here for a few seconds each and the fastest is kept
+    (`autopart.profiling.finalists`); by default where the device is this machine's, measuring is
+    on and every rank runs on this host; True insists (refused where they cannot run here)."""
 
     def __post_init__(self) -> None:
         for name in ("world_size", "pp", "tp", "dp", "gpus_per_node"):
@@ -149,6 +153,10 @@ class CompileOptions:
         if self.profile_pipeline and local_kind(self.device) != "cpu":
             raise ConfigError(f"--profile-pipeline runs the plan on this machine's CPU, so it profiles plans for "
                               f"--device cpu, not {self.device}")
+        if self.run_finalists and self.world_size is None:
+            raise ConfigError("--run-finalists runs a search's finalists: add --world-size N to search")
+        if self.run_finalists and self.plan is not None:
+            raise ConfigError("--run-finalists runs a search's finalists, and --plan pins the plan; drop one of them")
         if self.pins_layers:
             self._check_stage_layers()
         if self.recompute is not None:

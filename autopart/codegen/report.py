@@ -36,15 +36,19 @@ def stage_table(plan: Plan) -> list[list[str]]:
 
 
 def search_table(plan: Plan) -> list[list[str]]:
-    """Rows of the search's table: the chosen plan, then the runners-up, with their predictions."""
+    """Rows of the search's table: the chosen plan, then the runners-up, with their predictions
+    and, where the finalists ran here (`autopart.profiling.finalists`), their measured steps."""
     ranked = plan.provenance.search.get("ranked", [])
-    rows = [["#", "layout", "recompute", "step ms", "vs chosen", "peak memory GiB"]]
+    ran = any("measured_step_s" in entry for entry in ranked)
+    rows = [["#", "layout", "recompute", "step ms", "vs chosen", "peak memory GiB", *(["ran here ms"] if ran else [])]]
     best = ranked[0]["step_s"] if ranked else plan.predicted.step_s
     for i, entry in enumerate(ranked):
         modes = entry["recompute"]
         recompute = modes[0] if len(set(modes)) == 1 else ",".join(modes)
+        measured = entry.get("measured_step_s")
         rows.append([str(i + 1), entry["layout"], recompute, f"{entry['step_s'] * 1e3:.3f}",
-                     f"{entry['step_s'] / best:.3f}x", f"{entry['memory_bytes'] / _GIB:.2f}"])
+                     f"{entry['step_s'] / best:.3f}x", f"{entry['memory_bytes'] / _GIB:.2f}",
+                     *([f"{measured * 1e3:.3f}" if measured is not None else "-"] if ran else [])])
     return rows
 
 

@@ -148,8 +148,8 @@ class FrontTable:
         return self._optimistic[key]
 
     def _options(self, *, tp: int, dtype: str) -> CompileOptions:
-        return replace(self.options, world_size=None, tp=tp, pp=1, dp=1, zero=0, schedule="1f1b", chunks=1,
-                       recompute="none", dtype=dtype, sp=sequence_parallel(self.options))
+        return replace(self.options, world_size=None, run_finalists=None, tp=tp, pp=1, dp=1, zero=0, schedule="1f1b",
+                       chunks=1, recompute="none", dtype=dtype, sp=sequence_parallel(self.options))
 
     def chain_costs(self, *, micro_batch_size: int, tp: int, dtype: str) -> ChainCosts:
         key = (micro_batch_size, tp, dtype)

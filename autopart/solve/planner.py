@@ -107,7 +107,8 @@ class Searched:
     plan: Plan
     front: Front
     result: SearchResult
-    plans: tuple[Plan, ...]  # the finalists' plans, best first
+    plans: tuple[Plan, ...]  # the finalists' plans, best predicted first (the shallow search's: the chosen one)
+    fronts: tuple[Front, ...]  # each one's front, to emit it from
 
 
 def shallow_table(full: FrontTable) -> RepeatedTable | None:
@@ -170,7 +171,9 @@ def _full_search(options: CompileOptions, space: SearchSpace, cluster: Cluster, 
     ordered = (plan, *(plans[s.layout] for s in result.ranked[1:]))
     rows = [(s, p.predicted.step_s, max(p.predicted.memory_bytes)) for s, p in zip(result.ranked, ordered)]
     plan = replace(plan, provenance=replace(plan.provenance, search=_summary(result, rows)))
-    return Searched(plan=plan, front=front, result=result, plans=ordered)
+    fronts = (front, *(table.front(micro_batch_size=s.layout.micro_batch_size, tp=s.layout.tp, dtype=s.layout.dtype)
+                       for s in result.ranked[1:]))
+    return Searched(plan=plan, front=front, result=result, plans=(plan, *ordered[1:]), fronts=fronts)
 
 
 def _shallow_search(options: CompileOptions, space: SearchSpace, cluster: Cluster, full: FrontTable,
@@ -209,13 +212,13 @@ def _shallow_search(options: CompileOptions, space: SearchSpace, cluster: Cluste
               max(planned[i].predicted.memory_bytes) if i in planned else s.peak_memory_bytes)
              for i, s in enumerate(result.ranked) if s is not chosen]  # fmt: skip
     plan = replace(plan, provenance=replace(plan.provenance, search=_summary(result, rows)))
-    return Searched(plan=plan, front=front, result=result, plans=(plan,))
+    return Searched(plan=plan, front=front, result=result, plans=(plan,), fronts=(front,))
 
 
 def concrete_options(options: CompileOptions, layout: Layout, recompute: tuple[str, ...]) -> CompileOptions:
     """The options that pin every choice of ``layout`` and its stages' ``recompute``."""
     return replace(
-        options, world_size=None, pp=layout.pp, tp=layout.tp, dp=layout.dp, zero=layout.zero,
+        options, world_size=None, run_finalists=None, pp=layout.pp, tp=layout.tp, dp=layout.dp, zero=layout.zero,
         schedule=layout.schedule, chunks=layout.chunks, microbatches=layout.microbatches,
         micro_batch_size=None, global_batch_size=layout.microbatches * layout.micro_batch_size * layout.dp,
         recompute=recompute, dtype=layout.dtype, sp=sequence_parallel(options),

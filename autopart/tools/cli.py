@@ -36,6 +36,19 @@ def _add_layer_pins(c: argparse.ArgumentParser) -> None:
                    help="N layers on the last stage (--decoder-last-pipeline-num-layers)")
 
 
+def _add_measuring(c: argparse.ArgumentParser) -> None:
+    """What the compile measures on this machine, and what it runs here."""
+    c.add_argument("--profile-pipeline", action="store_true",
+                   help="run the plan here for a few steps, store how much slower its stages compute inside the "
+                        "pipeline in --costs, and compile again with it (once per model and mesh)")
+    c.add_argument("--no-measure", action="store_true",
+                   help="predict from the device's roofline: do not measure this machine's ops and messages "
+                        "(by default measured once per model and machine, then cached)")
+    c.add_argument("--run-finalists", action=argparse.BooleanOptionalAction, default=None,
+                   help="run the search's finalists here a few seconds each and keep the fastest (default: where "
+                        "the device is this machine's, measuring is on and every rank runs on it)")
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="autopart", description="A compiler for distributed training.")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
@@ -83,12 +96,7 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--dtype", help="fp32; bf16: bf16 working weights cast once per step from fp32 master weights, "
                                         "gradients accumulated in fp32 (Megatron-LM's mixed precision); bf16-autocast: "
                                         "fp32 weights cast by autocast in every forward; or auto (searched; default fp32)")
-    c.add_argument("--profile-pipeline", action="store_true",
-                   help="run the plan here for a few steps, store how much slower its stages compute inside the "
-                        "pipeline in --costs, and compile again with it (once per model and mesh)")
-    c.add_argument("--no-measure", action="store_true",
-                   help="predict from the device's roofline: do not measure this machine's ops and messages "
-                        "(by default measured once per model and machine, then cached)")
+    _add_measuring(c)
     p = commands.add_parser("profile", help="time every op of a model on this machine into a cost database")
     p.add_argument("model", type=Path, help="the model file")
     p.add_argument("-o", "--out", type=Path, required=True, help="cost database (JSON); added to when it exists")
@@ -234,6 +242,7 @@ def _compile(args: argparse.Namespace, console: Console) -> None:
         last_stage_layers=args.last_stage_layers,
         profile_pipeline=args.profile_pipeline,
         measure=not args.no_measure,
+        run_finalists=args.run_finalists,
     )
     known = _entries(args.costs)
     if options.searched:
@@ -258,7 +267,9 @@ def _compile(args: argparse.Namespace, console: Console) -> None:
         console.print(f"compute inside the pipeline, per stage: {factors} ({from_})")
     if plan.predicted.profiled_step_s is not None:
         measured = plan.predicted.profiled_step_s
-        console.print(f"this plan ran here at {measured * 1e3:.3f} ms a step (the median of its --profile-pipeline run; "
+        run = "the fastest of the finalists run here" if plan.provenance.search.get("chosen_by") == "run" \
+            else "the median of its --profile-pipeline run"
+        console.print(f"this plan ran here at {measured * 1e3:.3f} ms a step ({run}; "
                       f"predicted {(plan.predicted.step_s - measured) / measured:+.1%})")
     if plan.predicted.background_load > 0:
         console.print(f"{plan.predicted.background_load:g} other busy processes shared this machine's cores while it "
@@ -291,8 +302,10 @@ class _SearchProgress:
 
 def _search_title(plan) -> str:
     found = plan.provenance.search
+    chosen = (f"the fastest of the finalists run here ({found['run_seconds']:.1f} s) first"
+              if found.get("chosen_by") == "run" else "the chosen plan first")
     return (f"search: {found['layouts']} layouts, {found['scored']} scored, {found['fitting']} fit, "
-            f"{found['seconds']:.1f} s; the chosen plan first")
+            f"{found['seconds']:.1f} s; {chosen}")
 
 
 def _recompute_modes(text: str) -> str | tuple[str, ...]:
