@@ -10,9 +10,10 @@ it holds: two versions' predictions compared on the same measured messages and o
   ``examples/llama.py`` at ``--pp 2`` and ``--pp 4``: the predicted step against the median
   ``step_s`` of ``torchrun --nproc-per-node N OUT/train.py --steps S --metrics FILE`` (steps 5 to
   S), median of ``--launches`` launches, with their spread;
-- search: ``--world-size N --global-batch-size B`` of each example; the chosen plan, each of its
-  finalists (pinned as the search described it), pure data parallelism (``--dp N``) and a single
-  process, each launched ``--launches`` times: is the chosen plan within 10% of the fastest?
+- search: ``--world-size N --global-batch-size B`` of each example (which runs its finalists
+  here and keeps the fastest: ``autopart.profiling.finalists``); the chosen plan, each of the
+  other finalists (pinned as the search described it), pure data parallelism (``--dp N``) and a
+  single process, each launched ``--launches`` times: is the chosen plan within 10% of the fastest?
 
 The 1-minute load average is printed with every row: other work on the machine slows every
 measured figure and none of the predicted.
@@ -111,17 +112,23 @@ def pinned(description: str, recompute: list[str], model: Path) -> CompileOption
 def search(args: argparse.Namespace, folder: Path, console: Console) -> Table:
     table = Table(title=f"searched plan against its finalists, pure data parallel and one process (step ms: median of "
                         f"{args.launches} launches of {args.steps} steps; range in brackets)")
-    for header in ("search", "layout", "predicted ms", "measured ms", "vs fastest", "load"):
+    for header in ("search", "layout", "predicted ms", "ran in the search ms", "measured ms", "vs fastest", "load"):
         table.add_column(header, justify="right")
     for entry in args.searches.split(","):
         name, world = entry.split(":")
         world = int(world)
         model = REPO / "examples" / f"{name}.py"
         label = f"{name} --world-size {world} --global-batch-size {args.global_batch_size}"
+        start = time.perf_counter()
         plan, _ = compile_to_directory(CompileOptions(model=model, world_size=world,
                                                       global_batch_size=args.global_batch_size), folder / f"{name}{world}")
+        console.print(f"{label}: compiled in {time.perf_counter() - start:.1f} s (the search "
+                      f"{plan.provenance.search['seconds']:.1f} s, running its finalists "
+                      f"{plan.provenance.search.get('run_seconds', 0.0):.1f} s)")
+        ranked = plan.provenance.search["ranked"][:5]
+        ran = [r.get("measured_step_s") for r in ranked] + [None, None]
         rivals = [(f"#{i + 1}" + (" (chosen)" if i == 0 else ""), pinned(r["layout"], r["recompute"], model))
-                  for i, r in enumerate(plan.provenance.search["ranked"][:5])]
+                  for i, r in enumerate(ranked)]
         rivals += [(f"--dp {world}", CompileOptions(model=model, dp=world, global_batch_size=args.global_batch_size)),
                    ("one process", CompileOptions(model=model, global_batch_size=args.global_batch_size))]
         rows = []
@@ -131,12 +138,13 @@ def search(args: argparse.Namespace, folder: Path, console: Console) -> Table:
             layout = f"pp{compiled.mesh['pp']} tp{compiled.mesh['tp']} dp{compiled.mesh['dp']} " \
                      f"{compiled.schedule.microbatches}x{compiled.schedule.micro_batch_size} {compiled.schedule.kind}" \
                      + (f" ZeRO-{compiled.zero}" if compiled.mesh["dp"] > 1 else "")
-            rows.append((what, layout, compiled.predicted.step_s, measured))
+            rows.append((what, layout, compiled.predicted.step_s, ran[i], measured))
             console.print(f"{label} {what} {layout}: predicted {compiled.predicted.step_s * 1e3:.1f} ms, "
                           f"measured {_cell(measured)} ms")
         fastest = min(statistics.median(m) for *_, m in rows)
-        for what, layout, predicted, measured in rows:
-            table.add_row(f"{label} {what}", layout, f"{predicted * 1e3:.1f}", _cell(measured),
+        for what, layout, predicted, search_ran, measured in rows:
+            table.add_row(f"{label} {what}", layout, f"{predicted * 1e3:.1f}",
+                          "-" if search_ran is None else f"{search_ran * 1e3:.1f}", _cell(measured),
                           f"{statistics.median(measured) / fastest - 1:+.1%}", _load())
         table.add_section()
     return table

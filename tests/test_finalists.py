@@ -133,3 +133,15 @@ def test_a_search_runs_its_finalists_and_emits_the_fastest(tmp_path):
     assert written["zero"] == plan.zero and written["mesh"] == plan.mesh
     zero = {0: "", 1: " zero", 2: " zero2", 3: " zero3"}[plan.zero]
     assert ranked[0]["layout"] == f"pp1 tp1 dp2 2x2 1f1b{zero}"
+
+
+@pytest.mark.parametrize("cores, said", [(1, True), (2, False)])
+def test_a_plan_of_more_ranks_than_cores_says_they_take_turns(tmp_path, monkeypatch, capsys, cores, said):
+    import autopart.tools.cli
+
+    monkeypatch.setattr(autopart.tools.cli, "usable_cores", lambda: cores)
+    cli_main(["compile", str(TINY_GPT), "--pp", "2", "--microbatches", "2", "--time-limit", "5",
+              "-o", str(tmp_path / "out")])
+    printed = " ".join(capsys.readouterr().out.split())
+    line = "its 2 ranks take turns on this machine's 1 core (the predicted step counts it): here, fewer ranks may"
+    assert (line in printed) is said

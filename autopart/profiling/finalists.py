@@ -44,7 +44,7 @@ __all__ = ["CLOSE", "Finalist", "chosen_by_running", "finalist_step_s", "finalis
 
 WARMUP_STEPS = 3  # left out: the first steps allocate and fill the caches
 MEASURED_STEPS = 8  # at least; and at least
-MEASURED_SECONDS = 2.0  # by the plan's predicted step (capped by `autopart.profiling.span`)
+MEASURED_SECONDS = 1.0  # by the plan's predicted step (capped by `autopart.profiling.span`)
 MAX_STEPS = 200
 CLOSE = 0.15
 """Finalists whose first run came within this fraction of the fastest run again: a launch's

@@ -17,6 +17,7 @@ from rich.table import Table
 
 from autopart.predict.accuracy import describe_prediction
 from autopart.ir.errors import AutopartError, ConfigError, OneLineParser
+from cost_models.calibration import usable_cores
 from autopart.tools.local_run import LocalRunError
 from autopart.runtime.process_exit import leave
 from autopart.runtime.recipe import Recipe, add_recipe_arguments
@@ -271,6 +272,11 @@ def _compile(args: argparse.Namespace, console: Console) -> None:
             else "the median of its --profile-pipeline run"
         console.print(f"this plan ran here at {measured * 1e3:.3f} ms a step ({run}; "
                       f"predicted {(plan.predicted.step_s - measured) / measured:+.1%})")
+    cores = usable_cores()
+    if plan.provenance.cost_model.rpartition(":")[2] == "cpu" and plan.world_size > cores:
+        fewer = f" (--world-size {cores})" if plan.provenance.search else ""
+        console.print(f"its {plan.world_size} ranks take turns on this machine's {cores} core{'s' * (cores > 1)} (the predicted step "
+                      f"counts it): here, fewer ranks{fewer} may train faster")
     if plan.predicted.background_load > 0:
         console.print(f"{plan.predicted.background_load:g} other busy processes shared this machine's cores while it "
                       "compiled; the predicted step counts them (compile on a quiet machine for a quiet one's step)")
