@@ -24,7 +24,7 @@ from autopart.options import CompileOptions
 from autopart.predict.accuracy import with_basis
 from autopart.passes.annotate import annotate
 from autopart.passes.front import Front, build_front, capture_for, note_unsplit
-from autopart.profiling.finalists import Finalist, finalists_run_here, run_finalists
+from autopart.profiling.finalists import finalists_run_here, run_finalists
 from autopart.profiling.measure_defaults import measure_defaults
 from autopart.profiling.pipeline import profiled_in_place
 from autopart.solve.assemble import pipeline_problem, plan_from_cuts
@@ -62,10 +62,10 @@ _RARER_COLLECTIONS = (100_000, 50, 100)  # allocations per young collection, you
 def compile_plan(options: CompileOptions, progress=None) -> tuple[Plan, Front]:
     """The Plan of ``options`` and the front it was costed on (kept, so emitting needs no second capture)."""
     if options.searched:
-        searched = plan_by_search(options, progress=progress)
-        if finalists_run_here(options):  # the step model picked the few; running them picks the one
-            finalists = [Finalist(plan, front) for plan, front in zip(searched.plans, searched.fronts)]
-            return run_finalists(finalists, progress=progress)
+        run_here = finalists_run_here(options)  # refused, where asked and impossible, before the search
+        searched = plan_by_search(options, progress=progress, plan_every=run_here)
+        if run_here:  # the step model picked the few; running them picks the one
+            return run_finalists(searched.finalists, progress=progress)
         return searched.plan, searched.front
     if options.plan is not None:  # the plan decides everything it records
         return rebuild_pinned(options, load_plan(options.plan))
@@ -88,7 +88,9 @@ def compile_plan(options: CompileOptions, progress=None) -> tuple[Plan, Front]:
 def compile(model: str | Path, **options) -> Plan:  # noqa: A001 - the API's verb
     """Compile ``model`` (a model file) into a Plan; ``emit(plan, out_dir)`` writes its programs.
 
-    Keyword options are the fields of ``CompileOptions`` (``pp=2, microbatches=4, ...``).
+    Keyword options are the fields of ``CompileOptions`` (``pp=2, microbatches=4, ...``). A
+    search on the machine at hand runs its finalists here with torchrun, as the command line
+    does (``run_finalists=False`` keeps the predicted order).
     """
     with fewer_collections():
         options, measured = measure_defaults(CompileOptions(model=Path(model), **options))

@@ -61,7 +61,7 @@ def test_progress_hears_every_run():
     run, _ = runs_of({0: [0.02, 0.02], 1: [0.021, 0.021], 2: [0.09]})
     heard = []
     chosen_by_running(3, run, lambda done, total: heard.append((done, total)))
-    assert heard == [(1, 3), (2, 3), (3, 3), (4, 5), (5, 5)]
+    assert heard == [(0, 3), (1, 3), (2, 3), (3, 3), (4, 5), (5, 5)]
 
 
 def options(**changes) -> CompileOptions:
@@ -84,13 +84,17 @@ def test_not_where_the_ranks_cannot_run_here(monkeypatch):
     assert not finalists_run_here(options(device="a100-80gb"))
     assert not finalists_run_here(options(world_size=4, gpus_per_node=2))
     monkeypatch.setattr(finalists_module, "usable_cores", lambda: 1)
-    assert not finalists_run_here(options(world_size=8, global_batch_size=8))
-    assert finalists_run_here(options(world_size=4))
+    assert finalists_run_here(options(world_size=2))  # by default up to two ranks per core
+    assert not finalists_run_here(options(world_size=4))
+    assert finalists_run_here(options(world_size=4, run_finalists=True))  # asked, up to four
+    with pytest.raises(ConfigError, match="more than 4 ranks per core of its 1"):
+        finalists_run_here(options(world_size=8, run_finalists=True))
 
 
 @pytest.mark.parametrize("changes, named", [
     (dict(device="a100-80gb"), "--device a100-80gb is not this machine's"),
     (dict(world_size=4, gpus_per_node=2), "spans more than one node of 2"),
+    (dict(profile_pipeline=True, costs=Path("costs.json")), "give one of them"),
 ])
 def test_asked_where_they_cannot_run_is_refused_in_one_line(changes, named):
     with pytest.raises(ConfigError, match=named):
@@ -110,16 +114,107 @@ def test_the_command_line_refuses_it_with_exit_2(capsys):
     assert len(err) == 1 and "--run-finalists runs a search's finalists" in err[0]
 
 
+def test_the_command_line_refuses_before_it_searches(capsys, monkeypatch):
+    from autopart.solve import planner
+
+    monkeypatch.setattr(planner, "search_space", lambda options: pytest.fail("the search ran"))
+    with pytest.raises(SystemExit) as ended:
+        cli_main(["compile", str(TINY_GPT), "-o", "unused", "--world-size", "2", "--global-batch-size", "8",
+                  "--device", "a100-80gb", "--run-finalists"])
+    assert ended.value.code == 2
+    assert "--device a100-80gb is not this machine's" in capsys.readouterr().err
+
+
+def layout_of(plan) -> str:
+    """``plan``'s layout as the search's rows write it (`autopart.solve.search.Layout.describe`)."""
+    schedule = plan.schedule.kind + (f" v={plan.schedule.chunks}" if plan.schedule.chunks > 1 else "")
+    zero = {0: "", 1: " zero"}.get(plan.zero, f" zero{plan.zero}")
+    return (f"pp{plan.mesh['pp']} tp{plan.mesh['tp']} dp{plan.mesh['dp']} {plan.schedule.microbatches}x"
+            f"{plan.schedule.micro_batch_size} {schedule}{zero}" + (f" {plan.dtype}" if plan.dtype != "fp32" else ""))
+
+
+SEARCH = dict(run_finalists=True, pp=1, tp=1, schedule="1f1b", recompute="none", microbatches=2, dtype="fp32",
+              time_limit_s=5)
+"""A search at world size 2 pinned to data parallelism over the ZeRO levels: a few finalists, one front."""
+
+
+def test_the_finalist_that_ran_fastest_is_the_one_emitted(tmp_path, monkeypatch):
+    """Made so that the last finalist runs fastest: it is the plan, its row comes first, and the
+    directory written is its programs'."""
+    runs = []
+
+    def last_fastest(finalist):
+        runs.append(finalist.row)
+        return 0.010 if finalist.row == 3 else 0.020
+
+    monkeypatch.setattr(finalists_module, "finalist_step_s", last_fastest)
+    plan, out = compile_to_directory(options(**SEARCH), tmp_path / "out")
+    search = plan.provenance.search
+    assert sorted(set(runs)) == [0, 1, 2, 3] and search["chosen_by"] == "run"  # ZeRO 0 to 3
+    ranked = search["ranked"]
+    assert ranked[0]["layout"] == layout_of(plan) and ranked[0]["measured_step_s"] == 0.010
+    assert [row["measured_step_s"] for row in ranked[1:]] == [0.020] * 3
+    assert plan.provenance.solver_status == "trivial"  # one stage; not the first finalist's refined status
+    written = json.loads((out / "plan.json").read_text())
+    assert written["zero"] == plan.zero and written["provenance"]["search"]["ranked"][0] == ranked[0]
+    assert plan.zero != compile_to_directory(options(**dict(SEARCH, run_finalists=False)), tmp_path / "o2")[0].zero
+
+
+def test_a_finalist_that_fails_to_run_is_left_out_and_said(tmp_path, monkeypatch):
+    from autopart.tools.local_run import LocalRunError
+
+    def first_fails(finalist):
+        if finalist.row == 0:
+            raise LocalRunError("the distributed run failed (exit 1):\nautopart: error: out of memory")
+        return 0.010 + finalist.row * 1e-3
+
+    monkeypatch.setattr(finalists_module, "finalist_step_s", first_fails)
+    plan, _ = compile_to_directory(options(**SEARCH), tmp_path / "out")
+    ranked = plan.provenance.search["ranked"]
+    assert ranked[0]["measured_step_s"] == 0.011 and ranked[0]["layout"] == layout_of(plan)
+    failed = [row for row in ranked if "error" in row]
+    assert len(failed) == 1 and failed[0]["measured_step_s"] is None
+    assert failed[0]["error"] == "the distributed run failed (exit 1):"
+
+
+def test_where_no_finalist_runs_the_search_s_choice_stays(tmp_path, monkeypatch, caplog):
+    from autopart.tools.local_run import LocalRunError
+
+    def fails(finalist):
+        raise LocalRunError("the distributed run did not finish within 300 s")
+
+    monkeypatch.setattr(finalists_module, "finalist_step_s", fails)
+    plan, _ = compile_to_directory(options(**SEARCH), tmp_path / "out")
+    search = plan.provenance.search
+    unrun = compile_to_directory(options(**dict(SEARCH, run_finalists=False)), tmp_path / "o2")[0]
+    assert search["chosen_by"] == "search" and plan.zero == unrun.zero
+    assert all(row["measured_step_s"] is None for row in search["ranked"])
+    assert "none of the search's finalists ran here (the distributed run did not finish within 300 s)" in caplog.text
+
+
+def test_a_shallow_search_plans_every_finalist_to_run_them(tmp_path):
+    """A model of many layers alike is searched through a shallow copy, which plans only the
+    finalists that may win; to run them, every one is planned, each in its own row."""
+    from autopart.solve import planner
+    from tests.test_shallow import MODEL_FILE
+
+    model = tmp_path / "deep.py"
+    model.write_text(MODEL_FILE.format(models=str(Path(__file__).resolve().parent.parent / "benchmarks" / "models")))
+    searched = planner.plan_by_search(CompileOptions(model=model, world_size=4, global_batch_size=8,
+                                                     device="h100-sxm"), plan_every=True)
+    rows = searched.plan.provenance.search["ranked"]
+    assert len(searched.finalists) == len(rows) > 2
+    assert [f.row for f in searched.finalists] == list(range(len(rows)))
+    for finalist in searched.finalists:
+        assert rows[finalist.row]["layout"] == layout_of(finalist.plan)
+        assert rows[finalist.row]["step_s"] == finalist.plan.predicted.step_s
+    assert searched.finalists[0].plan is searched.plan
+
+
 @pytest.mark.multiprocess
 def test_a_search_runs_its_finalists_and_emits_the_fastest(tmp_path):
-    """A real search at world size 2 (pinned to data parallelism over ZeRO levels, so it has a few
-    finalists): each ran here, the plan kept is the one that ran fastest, and its directory is
-    that plan's."""
-    plan, out = compile_to_directory(
-        options(run_finalists=True, pp=1, tp=1, schedule="1f1b", recompute="none", microbatches=2,
-                dtype="fp32", time_limit_s=5),
-        tmp_path / "out",
-    )  # fmt: skip
+    """A real search at world size 2: each finalist ran here, and the plan kept is the one that ran fastest."""
+    plan, out = compile_to_directory(options(**SEARCH), tmp_path / "out")
     search = plan.provenance.search
     ranked = search["ranked"]
     assert search["chosen_by"] == "run" and search["run_seconds"] > 0
@@ -127,12 +222,10 @@ def test_a_search_runs_its_finalists_and_emits_the_fastest(tmp_path):
     steps = [row["measured_step_s"] for row in ranked]
     assert all(step > 0 for step in steps)
     assert all(row["launches"] in (1, 2) for row in ranked)
-    assert steps[0] == min(steps) == plan.predicted.profiled_step_s
+    assert steps[0] == min(steps) and ranked[0]["layout"] == layout_of(plan)
     written = json.loads((out / "plan.json").read_text())
-    assert written["predicted"]["profiled_step_s"] == plan.predicted.profiled_step_s
+    assert written["provenance"]["search"]["ranked"][0]["measured_step_s"] == steps[0]
     assert written["zero"] == plan.zero and written["mesh"] == plan.mesh
-    zero = {0: "", 1: " zero", 2: " zero2", 3: " zero3"}[plan.zero]
-    assert ranked[0]["layout"] == f"pp1 tp1 dp2 2x2 1f1b{zero}"
 
 
 @pytest.mark.parametrize("cores, said", [(1, True), (2, False)])

@@ -66,7 +66,7 @@ def test_the_search_through_the_shallow_copy_chooses_the_full_models_plan(tmp_pa
     model.write_text(MODEL_FILE.format(models=str(Path(__file__).resolve().parent.parent / "benchmarks" / "models")))
     options = CompileOptions(model=model, world_size=4, global_batch_size=8, device="h100-sxm")
     searched = planner.plan_by_search(options)
-    assert len(searched.plans) == 1  # through the shallow copy: only the chosen finalist is made a plan
+    assert searched.finalists[0].plan is searched.plan  # the finalists planned on the full model, the chosen first
     shallow = searched.plan
     monkeypatch.setattr(planner, "repeated_layers", lambda module: None)  # the full model at every size
     full = planner.plan_by_search(options).plan
@@ -91,8 +91,8 @@ def test_a_first_finalist_whose_full_plan_is_slower_than_the_next_estimate_gives
     options = CompileOptions(model=model, world_size=4, global_batch_size=8, device="h100-sxm")
     real_plan_of, made = planner._plan_of, []
 
-    def first_slow(options, table, scored, solver, cuts=None):
-        plan = real_plan_of(options, table, scored, solver, cuts)
+    def first_slow(options, table, scored):
+        plan = real_plan_of(options, table, scored)
         made.append(scored.layout)
         if len(made) == 1:  # the first finalist's full plan: ten times its estimate
             plan = replace(plan, predicted=replace(plan.predicted, step_s=10 * scored.step_s))

@@ -5,27 +5,29 @@ The step model ranks a search's layouts, and on the machine at hand it is right 
 ZeRO-1 and ZeRO-2, of one pipeline and two data-parallel copies, runs faster on a laptop's
 cores moves with costs no model here weighs exactly (FSDP's per-tensor dispatch on a CPU, four
 ranks taking turns on two cores). Where every rank of the search's plans runs on this host, a
-compile need not trust the ranking: it emits each finalist, runs it here for a few seconds
-(``train.py --metrics``, the runtime the user will launch) and keeps the fastest. This is what
-an autotuner does with its candidates; the step model still chooses which few to run.
+compile need not trust the ranking: it emits each finalist, runs it here for about a second of
+steps (``train.py --metrics``, the runtime the user will launch) and keeps the fastest. This is
+what an autotuner does with its candidates; the step model still chooses which few to run.
 
 Each finalist runs once; those within `CLOSE` of the fastest run again, the order reversed (a
 machine that slows or speeds up through the runs then favours neither end), and each is
-judged by the median of its launches' median steps. The plan kept records every finalist's
-measured step beside its prediction (``provenance.search.ranked[*].measured_step_s``) and its
-own as ``predicted.profiled_step_s``.
+judged by the median of its launches' median steps. A finalist whose launch fails is left out
+(its row says why), so a runner-up's failure does not fail the compile. The plan kept records
+every finalist's measured step beside its prediction
+(``provenance.search["ranked"][*]["measured_step_s"]``, its own row first, ``chosen_by: "run"``).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import statistics
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -37,70 +39,76 @@ from autopart.options import CompileOptions, local_kind
 from autopart.passes.front import Front
 from autopart.profiling.measure_defaults import NO_MEASURE_ENV
 from autopart.profiling.span import span
-from autopart.tools.local_run import run_locally, runs_on_gpus
+from autopart.solve.planner import Finalist
+from autopart.tools.local_run import LocalRunError, run_locally, runs_on_gpus
 from cost_models.calibration import usable_cores
 
-__all__ = ["CLOSE", "Finalist", "chosen_by_running", "finalist_step_s", "finalists_run_here", "run_finalists"]
+__all__ = ["CLOSE", "chosen_by_running", "finalist_step_s", "finalists_run_here", "run_finalists"]
+
+log = logging.getLogger("autopart")
 
 WARMUP_STEPS = 3  # left out: the first steps allocate and fill the caches
 MEASURED_STEPS = 8  # at least; and at least
 MEASURED_SECONDS = 1.0  # by the plan's predicted step (capped by `autopart.profiling.span`)
-MAX_STEPS = 200
+MAX_STEPS = 100  # whatever the prediction: one far too short must not make a launch of minutes
+TIMEOUT_S = 300.0  # a launch that takes longer is taken as failed
 CLOSE = 0.15
 """Finalists whose first run came within this fraction of the fastest run again: a launch's
 median step on a shared machine moves by about this much from one launch to the next."""
 
-
-RANKS_PER_CORE = 4
-"""At most this many ranks per core are run (on a CPU): more take minutes per finalist."""
+RANKS_PER_CORE = 2, 4
+"""Ranks per core (on a CPU) up to which the finalists run by default, and when asked: each
+launch starts every rank's interpreter and torch, which take turns on the cores."""
 
 
 def finalists_run_here(options: CompileOptions) -> bool:
     """Whether a compile with ``options`` runs its search's finalists here: ``--run-finalists``
-    asked it, or by default, where the device is this machine's, measuring is on and the ranks
-    can run on it; a refusal in one line where it was asked and they cannot."""
+    asked it, or by default, where the device is this machine's, measuring is on, the ranks can
+    run on it and ``--profile-pipeline`` (which runs the plan its own way) is not given; a
+    refusal in one line where it was asked and they cannot."""
     if not options.searched or options.run_finalists is False:
         return False
     asked = options.run_finalists is True
-    if not asked and (not options.measure or os.environ.get(NO_MEASURE_ENV)):
+    if asked and options.profile_pipeline:
+        raise ConfigError("--profile-pipeline runs the plan it compiles, and --run-finalists the search's "
+                          "finalists before it: give one of them")
+    if not asked and (not options.measure or os.environ.get(NO_MEASURE_ENV) or options.profile_pipeline):
         return False
-    why = _why_not_here(options)
+    why = _why_not_here(options, RANKS_PER_CORE[asked])
     if why is not None and asked:
         raise ConfigError(f"--run-finalists runs the plans on this machine, and {why}; drop --run-finalists")
     return why is None
 
 
-def _why_not_here(options: CompileOptions) -> str | None:
+def _why_not_here(options: CompileOptions, ranks_per_core: int) -> str | None:
     kind = local_kind(options.device)
     ranks = options.world_size
     if kind is None:
         return f"--device {options.device} is not this machine's"
     if ranks > options.gpus_per_node:
         return f"--world-size {ranks} spans more than one node of {options.gpus_per_node} (--gpus-per-node)"
-    if kind == "cpu" and ranks > RANKS_PER_CORE * usable_cores():
-        return f"--world-size {ranks} is more than {RANKS_PER_CORE} ranks per core of its {usable_cores()}"
+    if kind == "cpu" and ranks > ranks_per_core * usable_cores():
+        return f"--world-size {ranks} is more than {ranks_per_core} ranks per core of its {usable_cores()}"
     if kind != "cpu" and torch.cuda.device_count() < ranks:
-        return f"it has {torch.cuda.device_count()} GPUs for --world-size {ranks}"
+        return f"it has {torch.cuda.device_count()} GPU(s) for --world-size {ranks}"
     return None
 
 
-@dataclass(frozen=True)
-class Finalist:
-    plan: Plan
-    front: Front  # what its programs are emitted from
-
-
-def finalist_step_s(finalist: Finalist, *, timeout_s: float = 600.0) -> float:
-    """The median step of one launch of ``finalist``'s programs here, its first steps left out."""
+def finalist_step_s(finalist: Finalist, *, timeout_s: float = TIMEOUT_S) -> float:
+    """The median step of one launch of ``finalist``'s programs here, its first steps left out;
+    raises `LocalRunError` where the launch fails or outlasts ``timeout_s``."""
     plan = finalist.plan
     steps = max(MEASURED_STEPS, min(MAX_STEPS, math.ceil(span(MEASURED_SECONDS) / max(plan.predicted.step_s, 1e-6))))
+    gpus = runs_on_gpus(plan)
+    if gpus:  # this process's cached blocks on GPU 0 would be rank 0's memory less
+        torch.cuda.empty_cache()
     with tempfile.TemporaryDirectory(prefix="autopart-finalist-") as folder:
         work = Path(folder)
         out = emit_directory(plan, finalist.front.op_graph, finalist.front.spec, work / "out",
                              chain=finalist.front.chain)
         metrics = work / "metrics.jsonl"
         run_locally(out, plan.world_size, ["--steps", str(WARMUP_STEPS + steps), "--metrics", str(metrics)],
-                    timeout_s=timeout_s, cwd=work, gpus=runs_on_gpus(plan))
+                    timeout_s=timeout_s, cwd=work, gpus=gpus)
         records = [json.loads(line) for line in metrics.read_text().splitlines()]
     return statistics.median(record["step_s"] for record in records[WARMUP_STEPS:])
 
@@ -108,10 +116,13 @@ def finalist_step_s(finalist: Finalist, *, timeout_s: float = 600.0) -> float:
 def chosen_by_running(count: int, run: Callable[[int], float],
                       heard: Callable[[int, int], None] | None = None) -> tuple[int, dict[int, list[float]]]:
     """(the index of the fastest of ``count`` finalists, each one's measured steps): each run
-    once by ``run(index)``, those within `CLOSE` of the fastest once more in reverse order, and
-    judged by the median of their runs. ``heard(done, total)`` follows the runs."""
+    once by ``run(index)`` (infinite for one that could not run), those within `CLOSE` of the
+    fastest once more in reverse order, and judged by the median of their runs.
+    ``heard(done, total)`` follows the runs, from (0, count)."""
     measured: dict[int, list[float]] = {index: [] for index in range(count)}
     total = count
+    if heard is not None:
+        heard(0, total)
     for index in range(count):
         measured[index].append(run(index))
         if heard is not None:
@@ -128,28 +139,45 @@ def chosen_by_running(count: int, run: Callable[[int], float],
     return chosen, measured
 
 
-def run_finalists(finalists: list[Finalist], *, progress: Callable[[str, int, int], None] | None = None
-                  ) -> tuple[Plan, Front]:
-    """The fastest of ``finalists`` (the search's, best predicted first) as run here, its plan
-    recording every finalist's measured step. One finalist is returned as it is."""
-    first = finalists[0].plan
+def run_finalists(finalists: tuple[Finalist, ...], *, progress: Callable[[str, int, int], None] | None = None,
+                  run: Callable[[Finalist], float] | None = None) -> tuple[Plan, Front]:
+    """The fastest of ``finalists`` (the search's, its chosen one first) as run here (by
+    ``run``, `finalist_step_s` unless given), its plan's ``provenance.search`` recording each
+    finalist's measured step (``measured_step_s``, None with an ``error`` where its launch
+    failed) in its row, that plan's row first. One finalist is returned as it is; where none
+    ran, the search's choice, and a warning says why."""
+    first = finalists[0]
     if len(finalists) < 2:
-        return first, finalists[0].front
+        return first.plan, first.front
+    run = run or finalist_step_s
+    errors: dict[int, str] = {}
+
+    def step_of(index: int) -> float:
+        try:
+            return run(finalists[index])
+        except LocalRunError as error:
+            errors[index] = str(error).splitlines()[0]
+            return math.inf
 
     def heard(done: int, total: int) -> None:
         if progress is not None:
             progress("running the finalists here", done, total)
 
     start = time.perf_counter()
-    chosen, measured = chosen_by_running(len(finalists), lambda i: finalist_step_s(finalists[i]), heard)
-    steps = {i: statistics.median(seconds) for i, seconds in measured.items()}
-    search = first.provenance.search
-    # the search's rows, best predicted first, are the finalists in the same order; the chosen one goes first
-    rows = [dict(row, measured_step_s=steps[i], launches=len(measured[i])) for i, row in enumerate(search["ranked"])
-            if i < len(finalists)]
-    rows = [rows[chosen], *(row for i, row in enumerate(rows) if i != chosen)]
-    search = dict(search, ranked=rows, chosen_by="run", run_seconds=round(time.perf_counter() - start, 3))
+    chosen, measured = chosen_by_running(len(finalists), step_of, heard)
+    if len(errors) == len(finalists):
+        log.warning(f"none of the search's finalists ran here ({errors[0]}); the plan is the search's choice")
+        chosen = 0
+    search = first.plan.provenance.search
+    rows = [dict(row) for row in search["ranked"]]
+    for index, finalist in enumerate(finalists):
+        step = statistics.median(measured[index])
+        rows[finalist.row].update(measured_step_s=None if math.isinf(step) else step, launches=len(measured[index]))
+        if index in errors:
+            rows[finalist.row]["error"] = errors[index]
+    kept = finalists[chosen].row
+    rows = [rows[kept], *(row for i, row in enumerate(rows) if i != kept)]
+    search = dict(search, ranked=rows, chosen_by="run" if len(errors) < len(finalists) else "search",
+                  run_seconds=round(time.perf_counter() - start, 3))
     plan = finalists[chosen].plan
-    plan = replace(plan, predicted=replace(plan.predicted, profiled_step_s=steps[chosen]),
-                   provenance=replace(plan.provenance, search=search))
-    return plan, finalists[chosen].front
+    return replace(plan, provenance=replace(plan.provenance, search=search)), finalists[chosen].front

@@ -103,12 +103,21 @@ def cluster_of(options: CompileOptions) -> Cluster:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Finalist:
+    """A finalist planned on the full model, and fitting: its row of the plan's
+    ``provenance.search["ranked"]``, its plan, and the front its programs are emitted from."""
+
+    row: int
+    plan: Plan
+    front: Front
+
+
+@dataclass(frozen=True, kw_only=True)
 class Searched:
     plan: Plan
     front: Front
     result: SearchResult
-    plans: tuple[Plan, ...]  # the finalists' plans, best predicted first (the shallow search's: the chosen one)
-    fronts: tuple[Front, ...]  # each one's front, to emit it from
+    finalists: tuple[Finalist, ...]  # the chosen one first (row 0), then the others planned, as their rows go
 
 
 def shallow_table(full: FrontTable) -> RepeatedTable | None:
@@ -130,14 +139,18 @@ def shallow_table(full: FrontTable) -> RepeatedTable | None:
     return RepeatedTable(inner=shallow, layers_of=layers_of, pattern=repeat_last(KEPT_LAYERS, layers.count))
 
 
-def plan_by_search(options: CompileOptions, *, progress: Progress | None = None, finalists: int = 5) -> Searched:
+def plan_by_search(options: CompileOptions, *, progress: Progress | None = None, finalists: int = 5,
+                   plan_every: bool = False) -> Searched:
+    """The search's plan; ``plan_every``: every finalist is planned on the full model (they are
+    to be run), where a shallow search plans only those whose estimate may beat the plans made."""
     space = search_space(options)
     sizes = {layout.micro_batch_size for layout in space.layouts(1 << 30)}  # those it asks costs at
     full = FrontTable(options, progress, largest_size=max(sizes, default=None))
     cluster = cluster_of(options)
     shallow = shallow_table(full)
     if shallow is not None:
-        searched = _shallow_search(options, space, cluster, full, shallow, progress=progress, finalists=finalists)
+        searched = _shallow_search(options, space, cluster, full, shallow, progress=progress, finalists=finalists,
+                                   plan_every=plan_every)
         if searched is not None:
             return searched
     return _full_search(options, space, cluster, full, progress=progress, finalists=finalists)
@@ -157,7 +170,7 @@ def _full_search(options: CompileOptions, space: SearchSpace, cluster: Cluster, 
     plans: dict[Layout, Plan] = {}
 
     def exact(scored: Scored) -> float:
-        plan = plans[scored.layout] = _plan_of(options, table, scored, ("search", 0.0, 0.0))
+        plan = plans[scored.layout] = _plan_of(options, table, scored)
         # the cutter's memory is the compiler's up to what it simplifies (every batch input held
         # by a recomputing stage, each stage's own share of its rank): a finalist over the limit goes
         return plan.predicted.step_s if max(plan.predicted.memory_bytes) <= cluster.memory_bytes else math.inf
@@ -171,13 +184,14 @@ def _full_search(options: CompileOptions, space: SearchSpace, cluster: Cluster, 
     ordered = (plan, *(plans[s.layout] for s in result.ranked[1:]))
     rows = [(s, p.predicted.step_s, max(p.predicted.memory_bytes)) for s, p in zip(result.ranked, ordered)]
     plan = replace(plan, provenance=replace(plan.provenance, search=_summary(result, rows)))
-    fronts = (front, *(table.front(micro_batch_size=s.layout.micro_batch_size, tp=s.layout.tp, dtype=s.layout.dtype)
-                       for s in result.ranked[1:]))
-    return Searched(plan=plan, front=front, result=result, plans=(plan, *ordered[1:]), fronts=fronts)
+    others = [Finalist(row=row, plan=ordered[row], front=_front_of(table, s))
+              for row, s in enumerate(result.ranked) if row > 0]
+    return Searched(plan=plan, front=front, result=result, finalists=(Finalist(row=0, plan=plan, front=front), *others))
 
 
 def _shallow_search(options: CompileOptions, space: SearchSpace, cluster: Cluster, full: FrontTable,
-                    shallow: RepeatedTable, *, progress: Progress | None, finalists: int) -> Searched | None:
+                    shallow: RepeatedTable, *, progress: Progress | None, finalists: int,
+                    plan_every: bool) -> Searched | None:
     """The search over the shallow copy's costs, its finalists ranked by the schedule simulator
     on those costs. The full model is planned for the first finalist, and for each next one
     whose estimate is below the fastest full plan that fits so far (the estimate and the full
@@ -191,14 +205,14 @@ def _shallow_search(options: CompileOptions, space: SearchSpace, cluster: Cluste
     planned: dict[int, Plan] = {}  # finalist's index -> its plan of the full model, where made
     for index, candidate in enumerate(result.ranked):
         fitting = [i for i, p in planned.items() if max(p.predicted.memory_bytes) <= cluster.memory_bytes]
-        if fitting and candidate.step_s >= min(planned[i].predicted.step_s for i in fitting):
+        if not plan_every and fitting and candidate.step_s >= min(planned[i].predicted.step_s for i in fitting):
             break  # its estimate, and every later one's, is no faster than a plan already made
         layout = candidate.layout
         front = full.front(micro_batch_size=layout.micro_batch_size, tp=layout.tp, dtype=layout.dtype)
         repeated = shallow.chain_costs(micro_batch_size=layout.micro_batch_size, tp=layout.tp, dtype=layout.dtype)
         if len(front.chain.blocks) != len(repeated):
             return None
-        planned[index] = _plan_of(options, full, candidate, ("search", 0.0, 0.0))
+        planned[index] = _plan_of(options, full, candidate)
     fitting = [i for i, p in planned.items() if max(p.predicted.memory_bytes) <= cluster.memory_bytes]
     if not fitting:
         return None
@@ -207,12 +221,20 @@ def _shallow_search(options: CompileOptions, space: SearchSpace, cluster: Cluste
     best = min(fitting, key=lambda i: planned[i].predicted.step_s)
     chosen = result.ranked[best]
     plan, front = _refined(options, full, chosen, planned[best], time_limit_s=options.time_limit_s)
+    order = [best, *(i for i in range(len(result.ranked)) if i != best)]  # the rows' finalists, the chosen first
     rows = [(chosen, plan.predicted.step_s, max(plan.predicted.memory_bytes))]
-    rows += [(s, planned[i].predicted.step_s if i in planned else s.step_s,
-              max(planned[i].predicted.memory_bytes) if i in planned else s.peak_memory_bytes)
-             for i, s in enumerate(result.ranked) if s is not chosen]  # fmt: skip
+    rows += [(result.ranked[i], planned[i].predicted.step_s if i in planned else result.ranked[i].step_s,
+              max(planned[i].predicted.memory_bytes) if i in planned else result.ranked[i].peak_memory_bytes)
+             for i in order[1:]]  # fmt: skip
     plan = replace(plan, provenance=replace(plan.provenance, search=_summary(result, rows)))
-    return Searched(plan=plan, front=front, result=result, plans=(plan,), fronts=(front,))
+    others = [Finalist(row=row, plan=planned[i], front=_front_of(full, result.ranked[i]))
+              for row, i in enumerate(order) if row > 0 and i in fitting]
+    return Searched(plan=plan, front=front, result=result, finalists=(Finalist(row=0, plan=plan, front=front), *others))
+
+
+def _front_of(table: FrontTable, scored: Scored) -> Front:
+    layout = scored.layout
+    return table.front(micro_batch_size=layout.micro_batch_size, tp=layout.tp, dtype=layout.dtype)
 
 
 def concrete_options(options: CompileOptions, layout: Layout, recompute: tuple[str, ...]) -> CompileOptions:
@@ -225,14 +247,21 @@ def concrete_options(options: CompileOptions, layout: Layout, recompute: tuple[s
     )  # fmt: skip
 
 
-def _plan_of(options: CompileOptions, table: FrontTable, scored: Scored, solver: tuple[str, float, float],
-             cuts: tuple[int, ...] | None = None) -> Plan:
+def _plan_of(options: CompileOptions, table: FrontTable, scored: Scored) -> Plan:
+    """``scored``'s plan with its cuts as the search's cutter made them: its solver status says
+    so ("bisection"), with the latency bound and gap of those cuts ("trivial" for one stage)."""
     layout = scored.layout
     concrete = concrete_options(options, layout, scored.recompute)
     front = table.front(micro_batch_size=layout.micro_batch_size, tp=layout.tp, dtype=layout.dtype)
     batch = concrete.batch_shape()
     problem = pipeline_problem(concrete, front, batch[1])
-    return plan_from_cuts(concrete, front, problem, cuts or scored.cut.cuts, batch, solver)
+    cuts = scored.cut.cuts
+    if layout.stages == 1:
+        solver = ("trivial", 0.0, 0.0)
+    else:
+        objective, bound = evaluate(problem, cuts).objective_s, _latency_bound(problem)
+        solver = ("bisection", min(bound, objective), max(0.0, (objective - bound) / objective) if objective else 0.0)
+    return plan_from_cuts(concrete, front, problem, cuts, batch, solver)
 
 
 def _refined(options: CompileOptions, table: FrontTable, best: Scored, scored_plan: Plan, *,

@@ -17,10 +17,10 @@ from rich.table import Table
 
 from autopart.predict.accuracy import describe_prediction
 from autopart.ir.errors import AutopartError, ConfigError, OneLineParser
-from cost_models.calibration import usable_cores
 from autopart.tools.local_run import LocalRunError
 from autopart.runtime.process_exit import leave
 from autopart.runtime.recipe import Recipe, add_recipe_arguments
+from cost_models.calibration import usable_cores
 
 __all__ = ["main", "run"]
 
@@ -266,12 +266,13 @@ def _compile(args: argparse.Namespace, console: Console) -> None:
         factors = " ".join(f"x{f:.3f}" for f in plan.predicted.compute_factor)
         from_ = where[plan.predicted.compute_factor_from]
         console.print(f"compute inside the pipeline, per stage: {factors} ({from_})")
-    if plan.predicted.profiled_step_s is not None:
-        measured = plan.predicted.profiled_step_s
-        run = "the fastest of the finalists run here" if plan.provenance.search.get("chosen_by") == "run" \
-            else "the median of its --profile-pipeline run"
-        console.print(f"this plan ran here at {measured * 1e3:.3f} ms a step ({run}; "
-                      f"predicted {(plan.predicted.step_s - measured) / measured:+.1%})")
+    ran = plan.provenance.search.get("ranked", [{}])[0].get("measured_step_s") \
+        if plan.provenance.search.get("chosen_by") == "run" else None
+    for measured, how in ((plan.predicted.profiled_step_s, "the median of its --profile-pipeline run"),
+                          (ran, "the fastest of the search's finalists run here")):
+        if measured is not None:
+            console.print(f"this plan ran here at {measured * 1e3:.3f} ms a step ({how}; "
+                          f"predicted {(plan.predicted.step_s - measured) / measured:+.1%})")
     cores = usable_cores()
     if plan.provenance.cost_model.rpartition(":")[2] == "cpu" and plan.world_size > cores:
         fewer = f" (--world-size {cores})" if plan.provenance.search else ""
