@@ -160,7 +160,7 @@ def test_the_finalist_that_ran_fastest_is_the_one_emitted(tmp_path, monkeypatch)
     assert plan.zero != compile_to_directory(options(**dict(SEARCH, run_finalists=False)), tmp_path / "o2")[0].zero
 
 
-def test_a_finalist_that_fails_to_run_is_left_out_and_said(tmp_path, monkeypatch):
+def test_a_finalist_that_fails_to_run_is_left_out_and_said(tmp_path, monkeypatch, caplog):
     from autopart.tools.local_run import LocalRunError
 
     def first_fails(finalist):
@@ -175,6 +175,8 @@ def test_a_finalist_that_fails_to_run_is_left_out_and_said(tmp_path, monkeypatch
     failed = [row for row in ranked if "error" in row]
     assert len(failed) == 1 and failed[0]["measured_step_s"] is None
     assert failed[0]["error"] == "the distributed run failed (exit 1):"
+    assert f"the search's finalist {failed[0]['layout']} did not run here (the distributed run failed (exit 1):)" \
+        in caplog.text
 
 
 def test_where_no_finalist_runs_the_search_s_choice_stays(tmp_path, monkeypatch, caplog):

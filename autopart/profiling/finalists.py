@@ -175,6 +175,8 @@ def run_finalists(finalists: tuple[Finalist, ...], *, progress: Callable[[str, i
         rows[finalist.row].update(measured_step_s=None if math.isinf(step) else step, launches=len(measured[index]))
         if index in errors:
             rows[finalist.row]["error"] = errors[index]
+            log.warning(f"the search's finalist {rows[finalist.row]['layout']} did not run here "
+                        f"({errors[index]}); it is left out")
     kept = finalists[chosen].row
     rows = [rows[kept], *(row for i, row in enumerate(rows) if i != kept)]
     search = dict(search, ranked=rows, chosen_by="run" if len(errors) < len(finalists) else "search",
