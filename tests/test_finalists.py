@@ -57,6 +57,13 @@ def test_equal_runs_keep_the_better_predicted():
     assert chosen_by_running(2, run)[0] == 0
 
 
+def test_where_none_ran_none_runs_again_and_the_first_is_kept():
+    inf = float("inf")
+    run, called = runs_of({0: [inf], 1: [inf], 2: [inf]})
+    assert chosen_by_running(3, run)[0] == 0
+    assert called == [0, 1, 2]
+
+
 def test_progress_hears_every_run():
     run, _ = runs_of({0: [0.02, 0.02], 1: [0.021, 0.021], 2: [0.09]})
     heard = []

@@ -117,8 +117,8 @@ def chosen_by_running(count: int, run: Callable[[int], float],
                       heard: Callable[[int, int], None] | None = None) -> tuple[int, dict[int, list[float]]]:
     """(the index of the fastest of ``count`` finalists, each one's measured steps): each run
     once by ``run(index)`` (infinite for one that could not run), those within `CLOSE` of the
-    fastest once more in reverse order, and judged by the median of their runs.
-    ``heard(done, total)`` follows the runs, from (0, count)."""
+    fastest once more in reverse order, and judged by the median of their runs (ties, and where
+    none ran, to the lower index). ``heard(done, total)`` follows the runs, from (0, count)."""
     measured: dict[int, list[float]] = {index: [] for index in range(count)}
     total = count
     if heard is not None:
@@ -129,7 +129,7 @@ def chosen_by_running(count: int, run: Callable[[int], float],
             heard(index + 1, total)
     fastest = min(seconds[0] for seconds in measured.values())
     close = [index for index in range(count) if measured[index][0] <= fastest * (1 + CLOSE)]
-    if len(close) > 1:
+    if len(close) > 1 and not math.isinf(fastest):  # where none ran, none runs again
         total += len(close)
         for done, index in enumerate(reversed(close), start=count + 1):
             measured[index].append(run(index))
@@ -165,9 +165,8 @@ def run_finalists(finalists: tuple[Finalist, ...], *, progress: Callable[[str, i
 
     start = time.perf_counter()
     chosen, measured = chosen_by_running(len(finalists), step_of, heard)
-    if len(errors) == len(finalists):
+    if len(errors) == len(finalists):  # then `chosen` is the first, the search's choice
         log.warning(f"none of the search's finalists ran here ({errors[0]}); the plan is the search's choice")
-        chosen = 0
     search = first.plan.provenance.search
     rows = [dict(row) for row in search["ranked"]]
     for index, finalist in enumerate(finalists):

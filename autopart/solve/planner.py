@@ -208,7 +208,7 @@ def _shallow_search(options: CompileOptions, space: SearchSpace, cluster: Cluste
         if not plan_every and fitting and candidate.step_s >= min(planned[i].predicted.step_s for i in fitting):
             break  # its estimate, and every later one's, is no faster than a plan already made
         layout = candidate.layout
-        front = full.front(micro_batch_size=layout.micro_batch_size, tp=layout.tp, dtype=layout.dtype)
+        front = _front_of(full, candidate)
         repeated = shallow.chain_costs(micro_batch_size=layout.micro_batch_size, tp=layout.tp, dtype=layout.dtype)
         if len(front.chain.blocks) != len(repeated):
             return None
@@ -250,17 +250,13 @@ def concrete_options(options: CompileOptions, layout: Layout, recompute: tuple[s
 def _plan_of(options: CompileOptions, table: FrontTable, scored: Scored) -> Plan:
     """``scored``'s plan with its cuts as the search's cutter made them: its solver status says
     so ("bisection"), with the latency bound and gap of those cuts ("trivial" for one stage)."""
-    layout = scored.layout
-    concrete = concrete_options(options, layout, scored.recompute)
-    front = table.front(micro_batch_size=layout.micro_batch_size, tp=layout.tp, dtype=layout.dtype)
+    concrete = concrete_options(options, scored.layout, scored.recompute)
+    front = _front_of(table, scored)
     batch = concrete.batch_shape()
     problem = pipeline_problem(concrete, front, batch[1])
     cuts = scored.cut.cuts
-    if layout.stages == 1:
-        solver = ("trivial", 0.0, 0.0)
-    else:
-        objective, bound = evaluate(problem, cuts).objective_s, _latency_bound(problem)
-        solver = ("bisection", min(bound, objective), max(0.0, (objective - bound) / objective) if objective else 0.0)
+    solver = ("trivial", 0.0, 0.0) if scored.layout.stages == 1 else \
+        _solver_figures("bisection", evaluate(problem, cuts).objective_s, _latency_bound(problem))
     return plan_from_cuts(concrete, front, problem, cuts, batch, solver)
 
 
@@ -271,7 +267,7 @@ def _refined(options: CompileOptions, table: FrontTable, best: Scored, scored_pl
     and its bound says how far from optimal the chosen cuts' latency can be."""
     layout = best.layout
     concrete = concrete_options(options, layout, best.recompute)
-    front = table.front(micro_batch_size=layout.micro_batch_size, tp=layout.tp, dtype=layout.dtype)
+    front = _front_of(table, best)
     batch = concrete.batch_shape()
     problem = pipeline_problem(concrete, front, batch[1])
     cuts = best.cut.cuts
@@ -291,8 +287,14 @@ def _refined(options: CompileOptions, table: FrontTable, best: Scored, scored_pl
         status = solution.status if objective <= solution.evaluation.objective_s * (1 + 1e-9) else "feasible"
     else:
         objective, status = evaluate(problem, cuts).objective_s, "bisection"
+    return with_solver(chosen, _solver_figures(status, objective, bound)), front
+
+
+def _solver_figures(status: str, objective: float, bound: float) -> tuple[str, float, float]:
+    """(status, bound, gap) as a plan records them for cuts of pipeline latency ``objective``:
+    the bound no higher than that latency, the gap how far above the bound it may be."""
     gap = max(0.0, (objective - bound) / objective) if objective else 0.0
-    return with_solver(chosen, (status, min(bound, objective), gap)), front
+    return status, min(bound, objective), gap
 
 
 def _latency_bound(problem) -> float:

@@ -266,8 +266,8 @@ def _compile(args: argparse.Namespace, console: Console) -> None:
         factors = " ".join(f"x{f:.3f}" for f in plan.predicted.compute_factor)
         from_ = where[plan.predicted.compute_factor_from]
         console.print(f"compute inside the pipeline, per stage: {factors} ({from_})")
-    ran = plan.provenance.search.get("ranked", [{}])[0].get("measured_step_s") \
-        if plan.provenance.search.get("chosen_by") == "run" else None
+    search = plan.provenance.search
+    ran = search["ranked"][0].get("measured_step_s") if search.get("chosen_by") == "run" else None
     for measured, how in ((plan.predicted.profiled_step_s, "the median of its --profile-pipeline run"),
                           (ran, "the fastest of the search's finalists run here")):
         if measured is not None:
@@ -275,9 +275,9 @@ def _compile(args: argparse.Namespace, console: Console) -> None:
                           f"predicted {(plan.predicted.step_s - measured) / measured:+.1%})")
     cores = usable_cores()
     if plan.provenance.cost_model.rpartition(":")[2] == "cpu" and plan.world_size > cores:
-        fewer = f" (--world-size {cores})" if plan.provenance.search else ""
-        console.print(f"its {plan.world_size} ranks take turns on this machine's {cores} core{'s' * (cores > 1)} (the predicted step "
-                      f"counts it): here, fewer ranks{fewer} may train faster")
+        fewer = f" (--world-size {cores})" if search else ""
+        console.print(f"its {plan.world_size} ranks take turns on this machine's {cores} core{'s' * (cores > 1)} "
+                      f"(the predicted step counts it): here, fewer ranks{fewer} may train faster")
     if plan.predicted.background_load > 0:
         console.print(f"{plan.predicted.background_load:g} other busy processes shared this machine's cores while it "
                       "compiled; the predicted step counts them (compile on a quiet machine for a quiet one's step)")
