@@ -20,7 +20,7 @@ from autopart.codegen.emit import check_output_directory, emit_directory
 from autopart.ir.errors import PlanError
 from autopart.ir.model_file import load_model_file
 from autopart.ir.plan import Plan, load_plan
-from autopart.options import CompileOptions
+from autopart.options import CompileOptions, local_kind
 from autopart.predict.accuracy import with_basis
 from autopart.passes.annotate import annotate
 from autopart.passes.front import Front, build_front, capture_for, note_unsplit
@@ -65,7 +65,8 @@ def compile_plan(options: CompileOptions, progress=None) -> tuple[Plan, Front]:
         run_here = finalists_run_here(options)  # refused, where asked and impossible, before the search
         searched = plan_by_search(options, progress=progress, plan_every=run_here)
         if run_here:  # the step model picked the few; running them picks the one
-            return run_finalists(searched.finalists, progress=progress)
+            return run_finalists(searched.finalists, kind=local_kind(options.device),
+                                 fresh=options.run_finalists is True, progress=progress)
         return searched.plan, searched.front
     if options.plan is not None:  # the plan decides everything it records
         return rebuild_pinned(options, load_plan(options.plan))

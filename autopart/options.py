@@ -101,7 +101,9 @@ class CompileOptions:
     run_finalists: bool | None = None
     """A search's finalists run here for a few seconds each and the fastest is kept
     (`autopart.profiling.finalists`); by default where the device is this machine's, measuring is
-    on and every rank runs on this host; True insists (refused where they cannot run here)."""
+    on and every rank runs on this host, their steps read back from the cache where an earlier
+    compile ran the same plans; True insists, and runs them afresh (refused where they cannot run
+    here)."""
 
     def __post_init__(self) -> None:
         for name in ("world_size", "pp", "tp", "dp", "gpus_per_node"):

@@ -15,6 +15,10 @@ judged by the median of its launches' median steps. A finalist whose launch fail
 (its row says why), so a runner-up's failure does not fail the compile. The plan kept records
 every finalist's measured step beside its prediction
 (``provenance.search["ranked"][*]["measured_step_s"]``, its own row first, ``chosen_by: "run"``).
+
+What they measured is kept (`autopart.profiling.finalist_cache`), as the op profile is: a
+second compile whose finalists are the same plans reads their steps back and launches nothing;
+``--run-finalists`` runs them afresh.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from autopart.ir.errors import ConfigError
 from autopart.ir.plan import Plan
 from autopart.options import CompileOptions, local_kind
 from autopart.passes.front import Front
+from autopart.profiling import finalist_cache
 from autopart.profiling.measure_defaults import NO_MEASURE_ENV
 from autopart.profiling.span import span
 from autopart.solve.planner import Finalist
@@ -135,36 +140,39 @@ def chosen_by_running(count: int, run: Callable[[int], float],
             measured[index].append(run(index))
             if heard is not None:
                 heard(done, total)
-    chosen = min(range(count), key=lambda index: (statistics.median(measured[index]), index))
-    return chosen, measured
+    return _fastest(measured), measured
 
 
-def run_finalists(finalists: tuple[Finalist, ...], *, progress: Callable[[str, int, int], None] | None = None,
+def _fastest(measured: dict[int, list[float]]) -> int:
+    """The finalist of the smallest median of its launches (ties to the lower index)."""
+    return min(measured, key=lambda index: (statistics.median(measured[index]), index))
+
+
+def run_finalists(finalists: tuple[Finalist, ...], *, kind: str | None = None, fresh: bool = False,
+                  progress: Callable[[str, int, int], None] | None = None,
                   run: Callable[[Finalist], float] | None = None) -> tuple[Plan, Front]:
     """The fastest of ``finalists`` (the search's, its chosen one first) as run here (by
     ``run``, `finalist_step_s` unless given), its plan's ``provenance.search`` recording each
     finalist's measured step (``measured_step_s``, None with an ``error`` where its launch
-    failed) in its row, that plan's row first. One finalist is returned as it is; where none
-    ran, the search's choice, and a warning says why."""
+    failed) in its row, that plan's row first, and when they ran (``ran_at``). With ``kind``
+    (this machine's device, "cpu" or "cuda") what they measured is kept in the cache
+    (`autopart.profiling.finalist_cache`) and, unless ``fresh``, read from it where every
+    finalist is there (``from_cache``), none launched. One finalist is returned as it is; where
+    none ran, the search's choice, and a warning says why."""
     first = finalists[0]
     if len(finalists) < 2:
         return first.plan, first.front
-    run = run or finalist_step_s
-    errors: dict[int, str] = {}
-
-    def step_of(index: int) -> float:
-        try:
-            return run(finalists[index])
-        except LocalRunError as error:
-            errors[index] = str(error).splitlines()[0]
-            return math.inf
-
-    def heard(done: int, total: int) -> None:
-        if progress is not None:
-            progress("running the finalists here", done, total)
-
+    plans = [finalist.plan for finalist in finalists]
+    cached = None if kind is None or fresh else finalist_cache.read_records(plans, kind)
     start = time.perf_counter()
-    chosen, measured = chosen_by_running(len(finalists), step_of, heard)
+    if cached is not None:
+        measured = {index: steps for index, (steps, _) in enumerate(cached)}
+        chosen, errors, ran_at = _fastest(measured), {}, min(at for _, at in cached)
+    else:
+        chosen, measured, errors = _launched(finalists, run or finalist_step_s, progress)
+        ran_at = time.time()
+        if kind is not None:
+            finalist_cache.write_records([(plans[i], measured[i]) for i in measured if i not in errors], kind)
     if len(errors) == len(finalists):  # then `chosen` is the first, the search's choice
         log.warning(f"none of the search's finalists ran here ({errors[0]}); the plan is the search's choice")
     search = first.plan.provenance.search
@@ -179,6 +187,27 @@ def run_finalists(finalists: tuple[Finalist, ...], *, progress: Callable[[str, i
     kept = finalists[chosen].row
     rows = [rows[kept], *(row for i, row in enumerate(rows) if i != kept)]
     search = dict(search, ranked=rows, chosen_by="run" if len(errors) < len(finalists) else "search",
-                  run_seconds=round(time.perf_counter() - start, 3))
+                  run_seconds=round(time.perf_counter() - start, 3), ran_at=round(ran_at), from_cache=cached is not None)
     plan = finalists[chosen].plan
     return replace(plan, provenance=replace(plan.provenance, search=search)), finalists[chosen].front
+
+
+def _launched(finalists: tuple[Finalist, ...], run: Callable[[Finalist], float],
+              progress: Callable[[str, int, int], None] | None) -> tuple[int, dict[int, list[float]], dict[int, str]]:
+    """`chosen_by_running` over ``finalists`` launched by ``run``, and the first line of each
+    failed launch's error by index."""
+    errors: dict[int, str] = {}
+
+    def step_of(index: int) -> float:
+        try:
+            return run(finalists[index])
+        except LocalRunError as error:
+            errors[index] = str(error).splitlines()[0]
+            return math.inf
+
+    def heard(done: int, total: int) -> None:
+        if progress is not None:
+            progress("running the finalists here", done, total)
+
+    chosen, measured = chosen_by_running(len(finalists), step_of, heard)
+    return chosen, measured, errors

@@ -10,6 +10,7 @@ import argparse
 import logging
 import resource
 import sys
+import time
 from pathlib import Path
 
 from rich.console import Console
@@ -47,7 +48,8 @@ def _add_measuring(c: argparse.ArgumentParser) -> None:
                         "(by default measured once per model and machine, then cached)")
     c.add_argument("--run-finalists", action=argparse.BooleanOptionalAction, default=None,
                    help="run the search's finalists here a few seconds each and keep the fastest (default: where "
-                        "the device is this machine's, measuring is on and every rank runs on it)")
+                        "the device is this machine's, measuring is on and every rank runs on it, their steps "
+                        "kept per model and machine; given, they run afresh)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -268,8 +270,11 @@ def _compile(args: argparse.Namespace, console: Console) -> None:
         console.print(f"compute inside the pipeline, per stage: {factors} ({from_})")
     search = plan.provenance.search
     ran = search["ranked"][0].get("measured_step_s") if search.get("chosen_by") == "run" else None
+    finalists = "the fastest of the search's finalists run here"
+    if search.get("from_cache"):
+        finalists += f" at {_utc(search['ran_at'])}, read back; --run-finalists runs them again"
     for measured, how in ((plan.predicted.profiled_step_s, "the median of its --profile-pipeline run"),
-                          (ran, "the fastest of the search's finalists run here")):
+                          (ran, finalists)):
         if measured is not None:
             console.print(f"this plan ran here at {measured * 1e3:.3f} ms a step ({how}; "
                           f"predicted {(plan.predicted.step_s - measured) / measured:+.1%})")
@@ -309,10 +314,16 @@ class _SearchProgress:
 
 def _search_title(plan) -> str:
     found = plan.provenance.search
-    chosen = (f"the fastest of the finalists run here ({found['run_seconds']:.1f} s) first"
-              if found.get("chosen_by") == "run" else "the chosen plan first")
+    ran = (f"read back from their run at {_utc(found['ran_at'])}" if found.get("from_cache")
+           else f"{found.get('run_seconds', 0):.1f} s")
+    chosen = f"the fastest of the finalists run here ({ran}) first" if found.get("chosen_by") == "run" else \
+        "the chosen plan first"
     return (f"search: {found['layouts']} layouts, {found['scored']} scored, {found['fitting']} fit, "
             f"{found['seconds']:.1f} s; {chosen}")
+
+
+def _utc(seconds: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(seconds))
 
 
 def _recompute_modes(text: str) -> str | tuple[str, ...]:
