@@ -420,9 +420,11 @@ def _worker(rank: int, ranks: int, backend: str, port: int, out: str, effort: Ef
         curves["all_reduce"].append([nbytes, _time(lambda: dist.all_reduce(buffer), device, effort.repeats)])
         part = torch.zeros(max(1, nbytes // 4 // ranks), device=device)
         whole = torch.zeros(part.numel() * ranks, device=device)
-        curves["all_gather"].append([nbytes, _time(lambda: dist.all_gather_into_tensor(whole, part), device, effort.repeats)])
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # newer torch's names
+        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        curves["all_gather"].append([nbytes, _time(lambda: gather(whole, part), device, effort.repeats)])
         try:
-            curves["reduce_scatter"].append([nbytes, _time(lambda: dist.reduce_scatter_tensor(part, whole), device, effort.repeats)])
+            curves["reduce_scatter"].append([nbytes, _time(lambda: scatter(part, whole), device, effort.repeats)])
         except (RuntimeError, NotImplementedError, ValueError):
             pass  # a backend without reduce_scatter: the cost model keeps its formula for it
     if backend == "gloo":

@@ -34,6 +34,7 @@ __all__ = ["install", "CHECKED_CALLS"]
 CHECKED_CALLS = (
     "all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
     "reduce_scatter_tensor", "all_to_all_single", "gather", "scatter", "send", "recv", "isend", "irecv",
+    "all_gather_single", "reduce_scatter_single",  # newer torch's names (2.13), where the torch at hand has them
 )  # fmt: skip
 _FACTORIES = {
     "tensor", "as_tensor", "zeros", "ones", "empty", "full", "arange", "rand", "randn", "randint", "linspace",
@@ -114,7 +115,8 @@ def install(report: Path) -> None:
     """Wrap the torch.distributed calls that the runtime makes, and start marking host tensors."""
     counts: Counter = Counter()
     for name in CHECKED_CALLS:
-        setattr(dist, name, _checked(name, getattr(dist, name), counts))
+        if hasattr(dist, name):
+            setattr(dist, name, _checked(name, getattr(dist, name), counts))
     destroy = dist.destroy_process_group
 
     def destroy_and_report(*args, **kwargs):

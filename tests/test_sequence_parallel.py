@@ -154,3 +154,20 @@ def test_sequence_parallel_trains_like_one_process_under_a_split_backward(tmp_pa
     assert plan.sp and "tp.gathered_linear(" in "".join(p.read_text() for p in (out / "stages").glob("*.py"))
     result = verify(out, steps=2)
     assert result.matches, result.failures
+
+
+def test_the_reduce_scatter_goes_by_torch_s_current_name(monkeypatch):
+    """torch 2.13 renamed ``reduce_scatter_tensor`` ``reduce_scatter_single`` and warns at every
+    call of the old name: each rank of a sequence-parallel plan printed the warning. The runtime
+    calls the new name where it exists and the old one on the torch versions before it."""
+    import torch.distributed as dist
+
+    from autopart.runtime.collectives import reduce_scatter_into
+
+    called = []
+    monkeypatch.setattr(dist, "reduce_scatter_single", lambda out, whole, **kw: called.append("single"), raising=False)
+    monkeypatch.setattr(dist, "reduce_scatter_tensor", lambda out, whole, **kw: called.append("tensor"))
+    reduce_scatter_into(torch.zeros(1), torch.zeros(2), group=None)
+    monkeypatch.delattr(dist, "reduce_scatter_single")
+    reduce_scatter_into(torch.zeros(1), torch.zeros(2), group=None)
+    assert called == ["single", "tensor"]

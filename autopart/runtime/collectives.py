@@ -42,6 +42,7 @@ __all__ = [
     "reduce_scatter",
     "gather_from_sequence",
     "gathered_linear",
+    "reduce_scatter_into",
     "vocab_parallel_embedding",
     "vocab_parallel_cross_entropy",
 ]
@@ -80,6 +81,14 @@ def _local_slice(tensor: torch.Tensor, dim: int, groups: int) -> torch.Tensor:
     return torch.cat([part.chunk(t, dim)[r] for part in tensor.chunk(groups, dim)], dim).contiguous()
 
 
+def reduce_scatter_into(out: torch.Tensor, whole: torch.Tensor, **kwargs):
+    """torch's reduce-scatter of one tensor, under its newer name where the torch at hand has it
+    (``reduce_scatter_single``; the older ``reduce_scatter_tensor`` warns that it is deprecated),
+    looked up at each call as the test suite's device checker wraps them."""
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return scatter(out, whole, **kwargs)
+
+
 def _gather(tensor: torch.Tensor, dim: int, groups: int) -> torch.Tensor:
     t = group_size()
     pieces = [torch.empty_like(tensor) for _ in range(t)]
@@ -93,9 +102,9 @@ def _reduce_slice(tensor: torch.Tensor, dim: int) -> torch.Tensor:
     t = group_size()
     if t == 1:
         return tensor.contiguous().clone()
-    moved = tensor.movedim(dim, 0).contiguous()  # reduce_scatter_tensor splits along dim 0
+    moved = tensor.movedim(dim, 0).contiguous()  # a reduce-scatter splits along dim 0
     out = torch.empty((moved.shape[0] // t, *moved.shape[1:]), dtype=moved.dtype, device=moved.device)
-    dist.reduce_scatter_tensor(out, moved, group=_GROUP)
+    reduce_scatter_into(out, moved, group=_GROUP)
     return out.movedim(0, dim).contiguous()
 
 

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch.nn import functional as F
 
 from autopart.runtime.backward import backward_phase
-from autopart.runtime.collectives import group, group_rank, group_size
+from autopart.runtime.collectives import group, group_rank, group_size, reduce_scatter_into
 
 __all__ = ["gathered_linear", "linear_reduce_scatter"]
 
@@ -60,9 +60,9 @@ def _gathered_in_turn(pieces: tuple[torch.Tensor, ...]) -> Iterator[list[torch.T
 
 def _start_reduce_scatter(part: torch.Tensor, dim: int) -> Callable[[], torch.Tensor]:
     """This rank's 1/t of ``part`` along ``dim``, summed over the group, once the returned call waits."""
-    held = [part.movedim(dim, 0).contiguous()]  # reduce_scatter_tensor splits along dim 0; read until it ends
+    held = [part.movedim(dim, 0).contiguous()]  # a reduce-scatter splits along dim 0; read until it ends
     out = held[0].new_empty((held[0].shape[0] // group_size(), *held[0].shape[1:]))
-    work = dist.reduce_scatter_tensor(out, held[0], group=group(), async_op=True)
+    work = reduce_scatter_into(out, held[0], group=group(), async_op=True)
 
     def done() -> torch.Tensor:
         work.wait()
