@@ -3,6 +3,7 @@ second compile of the same plans launches nothing, ``--run-finalists`` runs them
 failed launch, another plan or an unreadable file measures again."""
 
 import json
+import time
 from dataclasses import replace
 
 import pytest
@@ -93,6 +94,28 @@ def test_a_failed_launch_is_not_kept_so_they_run_again(finalists):
     assert called and not plan.provenance.search["from_cache"]
 
 
+def test_a_plan_that_failed_last_runs_again_whatever_an_earlier_run_kept(finalists):
+    run, _ = steps_by_row({f.row: 0.010 for f in finalists})
+    run_finalists(finalists, kind="cpu", run=run)
+    second_fails, _ = steps_by_row({f.row: None if f.row == 1 else 0.010 for f in finalists})
+    run_finalists(finalists, kind="cpu", fresh=True, run=second_fails)
+    run, called = steps_by_row({f.row: 0.010 for f in finalists})
+    plan, _ = run_finalists(finalists, kind="cpu", run=run)
+    assert called and not plan.provenance.search["from_cache"]
+    assert all(row["measured_step_s"] == 0.010 and "error" not in row for row in plan.provenance.search["ranked"])
+
+
+def test_steps_of_different_runs_are_not_judged_together(finalists):
+    """Two compiles whose finalists overlap: the second's set is all in the cache, from two runs."""
+    run, called = steps_by_row({f.row: 0.010 for f in finalists})
+    run_finalists(finalists[:2], kind="cpu", run=run)
+    time.sleep(0.01)
+    run_finalists((finalists[0], *finalists[2:]), kind="cpu", run=run)  # the first carries the search's rows
+    called.clear()
+    plan, _ = run_finalists(finalists, kind="cpu", run=run)
+    assert sorted(set(called)) == [f.row for f in finalists] and not plan.provenance.search["from_cache"]
+
+
 def test_without_a_kind_nothing_is_kept(finalists, tmp_path):
     run, called = steps_by_row({f.row: 0.010 for f in finalists})
     run_finalists(finalists, run=run)
@@ -113,6 +136,40 @@ def test_an_unreadable_cache_is_measured_again_and_written_anew(finalists, text)
     assert len(json.loads(path.read_text())) == len(finalists)
 
 
+@pytest.mark.parametrize("record", [
+    {"steps_s": [0.010], "at": float("inf")}, {"steps_s": [0.010], "at": float("nan")}, {"steps_s": [0.010], "at": 1e300},
+    {"steps_s": [0.010], "at": True}, {"steps_s": [float("inf")], "at": 0}, {"steps_s": [], "at": 0},
+    {"steps_s": "0.01", "at": 0}, {"at": 0},
+])
+def test_a_record_not_well_formed_is_left_out(finalists, record):
+    run, called = steps_by_row({f.row: 0.010 for f in finalists})
+    run_finalists(finalists, kind="cpu", run=run)
+    path = finalist_cache.cache_path(finalists[0].plan, "cpu")
+    written = json.loads(path.read_text())
+    written[finalist_cache.finalist_key(finalists[0].plan, "cpu")] = record  # under a key that is read
+    path.write_text(json.dumps(written))
+    called.clear()
+    plan, _ = run_finalists(finalists, kind="cpu", run=run)
+    assert called and not plan.provenance.search["from_cache"]
+
+
+def test_a_file_nested_past_the_parser_s_depth_is_taken_as_empty(finalists):
+    path = finalist_cache.cache_path(finalists[0].plan, "cpu")
+    path.parent.mkdir(parents=True)
+    path.write_text("[" * 100_000)
+    run, called = steps_by_row({f.row: 0.010 for f in finalists})
+    run_finalists(finalists, kind="cpu", run=run)
+    assert called and len(json.loads(path.read_text())) == len(finalists)
+
+
+def test_a_cache_that_cannot_be_written_costs_the_compile_nothing(finalists, tmp_path, monkeypatch, caplog):
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("AUTOPART_CACHE_DIR", str(tmp_path / "a-file"))
+    run, called = steps_by_row({f.row: 0.010 + 0.001 * f.row for f in finalists})
+    plan, _ = run_finalists(finalists, kind="cpu", run=run)
+    assert plan.provenance.search["chosen_by"] == "run" and "could not keep the finalists' steps" in caplog.text
+
+
 def test_the_command_line_says_the_steps_were_read_back(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(driver, "finalists_run_here", lambda options: True)  # the suite measures nothing
     run, called = steps_by_row({row: 0.010 + 0.001 * row for row in range(8)})
@@ -129,3 +186,5 @@ def test_the_command_line_says_the_steps_were_read_back(tmp_path, monkeypatch, c
     assert "the fastest of the finalists run here (read back from their run at " in again
     assert "this plan ran here at 10.000 ms a step (the fastest of the search's finalists run here at " in again
     assert "read back; --run-finalists runs them again" in again
+    cli_main([*argv, "-o", str(tmp_path / "c"), "--run-finalists"])  # asked: afresh
+    assert called and "read back" not in capsys.readouterr().out

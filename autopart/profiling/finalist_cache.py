@@ -15,11 +15,18 @@ key of everything that decides what its launch runs:
   upgraded autopart measures afresh;
 - the machine: host, device, and the cores the ranks may run on.
 
-A compile reads the cache only where every finalist is in it (one launch's figures beside
-another's taken under another load would judge the machine, not the plans); ``--run-finalists``
-always runs them afresh and writes what it measured. Launches that failed are not kept: a
-failure may be passing (a port taken, a neighbour's memory). The file is JSON, read back only
-as numbers and strings; one that cannot be read is taken as empty and written anew.
+A compile reads the cache only where every finalist is in it from one and the same run (one
+run's figures beside another's, taken under another load, would judge the machine, not the
+plans); ``--run-finalists`` always runs them afresh and writes what it measured. A launch that
+failed is not kept, and takes out what an earlier run kept for its plan: a failure may be
+passing (a port taken, a neighbour's memory), and a plan that failed last must run again. The
+file is JSON, read back only as numbers; a record that is not well formed is left out, a file
+that cannot be read is taken as empty, and one that cannot be written costs the next compile
+a run of its finalists, not this one.
+
+Like the op profile's, the key knows the model file, not the files it imports: an edit to a
+module beside it that changes what the model computes is measured afresh only with
+``--run-finalists`` (or a changed model file).
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import logging
 import math
 import os
 import re
@@ -46,6 +54,8 @@ __all__ = ["Record", "cache_path", "finalist_key", "read_records", "write_record
 
 Record = tuple[list[float], float]
 """A finalist's launch medians (seconds per step) and when they were measured (Unix time)."""
+
+log = logging.getLogger("autopart")
 
 _PREDICTED_STAGE_FIELDS = ("forward_s", "backward_s", "backward_weight_s")
 _KEPT_PER_MODEL = 200  # records per model file and machine; the oldest go first
@@ -92,7 +102,7 @@ def _read(path: Path) -> dict[str, dict[str, Any]]:
     """The file's records that are well formed; none where it is missing or unreadable."""
     try:
         data = json.loads(path.read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # RecursionError: nested past the parser's depth
         return {}
     if not isinstance(data, dict):
         return {}
@@ -100,34 +110,59 @@ def _read(path: Path) -> dict[str, dict[str, Any]]:
 
 
 def _well_formed(record: Any) -> bool:
+    """Seconds that a step can take, and a time between the epoch and a day from now."""
     if not isinstance(record, dict):
         return False
     steps, at = record.get("steps_s"), record.get("at")
-    return (isinstance(steps, list) and len(steps) > 0 and isinstance(at, (int, float))
-            and all(isinstance(s, (int, float)) and math.isfinite(s) and s > 0 for s in steps))
+    return (isinstance(steps, list) and len(steps) > 0 and all(_number(s) and 0 < s < 1e6 for s in steps)
+            and _number(at) and 0 <= at <= time.time() + 86400)
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def read_records(plans: list[Plan], kind: str) -> list[Record] | None:
-    """Each of ``plans``' cached record, in order; None unless every one is in the cache."""
+    """Each of ``plans``' cached record, in order; None unless every one is in the cache from
+    one run (`write_records` gives a run's records one time)."""
     records = _read(cache_path(plans[0], kind))
     found = [records.get(finalist_key(plan, kind)) for plan in plans]
-    if any(record is None for record in found):
+    if any(record is None for record in found) or len({record["at"] for record in found}) > 1:
         return None
     return [([float(s) for s in record["steps_s"]], float(record["at"])) for record in found]
 
 
-def write_records(measured: list[tuple[Plan, list[float]]], kind: str) -> None:
-    """Keep each plan's launch medians (finite ones only) in the cache, now as their time."""
-    if not measured:
+def write_records(ran: list[tuple[Plan, list[float]]], failed: list[Plan], kind: str) -> None:
+    """Keep in the cache each plan of ``ran`` with its launch medians, now as their time, and
+    take out what it held for the plans that ``failed``. A cache that cannot be written is left
+    as it was (the next compile runs its finalists again)."""
+    plans = [plan for plan, _ in ran] + failed
+    if not plans:
         return
-    path = cache_path(measured[0][0], kind)
+    path = cache_path(plans[0], kind)
     records = _read(path)
     now = time.time()
-    for plan, steps in measured:
-        if steps and all(math.isfinite(s) for s in steps):
-            records[finalist_key(plan, kind)] = {"steps_s": steps, "at": now}
+    for plan, steps in ran:
+        records[finalist_key(plan, kind)] = {"steps_s": steps, "at": now}
+    for plan in failed:
+        records.pop(finalist_key(plan, kind), None)
     kept = dict(sorted(records.items(), key=lambda item: item[1]["at"])[-_KEPT_PER_MODEL:])
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as handle:
-        json.dump(kept, handle)
-    os.replace(handle.name, path)  # a reader sees the old file or the new, never half of one
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _write_whole(path, kept)
+    except OSError as error:
+        log.warning(f"could not keep the finalists' steps in {path} ({error}); a compile of the same plans runs "
+                    "them again")
+
+
+def _write_whole(path: Path, data: dict[str, Any]) -> None:
+    """``data`` as ``path``'s JSON: written beside it, then put in its place, so that a reader
+    sees the old file or the new, never half of one (and a failed write leaves no file behind)."""
+    handle = tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False)
+    try:
+        with handle:
+            json.dump(data, handle)
+        os.replace(handle.name, path)
+    except BaseException:
+        Path(handle.name).unlink(missing_ok=True)
+        raise

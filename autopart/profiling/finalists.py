@@ -172,7 +172,8 @@ def run_finalists(finalists: tuple[Finalist, ...], *, kind: str | None = None, f
         chosen, measured, errors = _launched(finalists, run or finalist_step_s, progress)
         ran_at = time.time()
         if kind is not None:
-            finalist_cache.write_records([(plans[i], measured[i]) for i in measured if i not in errors], kind)
+            finalist_cache.write_records([(plans[i], measured[i]) for i in measured if i not in errors],
+                                         [plans[i] for i in errors], kind)
     if len(errors) == len(finalists):  # then `chosen` is the first, the search's choice
         log.warning(f"none of the search's finalists ran here ({errors[0]}); the plan is the search's choice")
     search = first.plan.provenance.search
