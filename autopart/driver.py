@@ -83,7 +83,7 @@ def compile_plan(options: CompileOptions, progress=None) -> tuple[Plan, Front]:
     plan = plan_from_cuts(
         options, front, problem, solution.evaluation.cuts, batch, (status, solution.bound_s, solution.gap)
     )
-    return plan, front
+    return check_fits(plan, problem, pinned=False), front
 
 
 def compile(model: str | Path, **options) -> Plan:  # noqa: A001 - the API's verb

@@ -67,15 +67,21 @@ def stage_layer_cuts(chain: BlockChain, counts: Sequence[int] | None, *, stages:
     return layer_count_cuts(layers, counts)
 
 
-def check_fits(plan: Plan, problem: PipelineProblem) -> Plan:
-    """``plan`` of pinned cuts, refused in one line when a rank's predicted memory breaks the limit."""
+def check_fits(plan: Plan, problem: PipelineProblem, *, pinned: bool = True) -> Plan:
+    """``plan`` refused in one line when a rank's predicted memory breaks the limit: of pinned
+    cuts (``pinned``), or of the solver's, whose problem does not hold the activations a stage's
+    recompute rebuilds in backward (the plan's memory does: with ``full`` a whole stage's)."""
     memory = plan.predicted.memory_bytes
     rank = max(range(len(memory)), key=memory.__getitem__)
     if memory[rank] > problem.memory_limit_bytes:
         gib = 1 << 30
-        raise InfeasibleError(
-            f"the --stage-layers split needs {memory[rank] / gib:.2f} GiB on pipeline rank {rank}, more than the "
-            f"{problem.memory_limit_bytes / gib:.2f} GiB limit; move layers off that rank's stages, recompute more, "
-            "or drop --stage-layers to let the solver cut"
-        )
+        needs = f"needs {memory[rank] / gib:.2f} GiB on pipeline rank {rank}, more than the {problem.memory_limit_bytes / gib:.2f} GiB limit"
+        if pinned:
+            raise InfeasibleError(f"the --stage-layers split {needs}; move layers off that rank's stages, recompute "
+                                  "more, or drop --stage-layers to let the solver cut")
+        modes = sorted({stage.recompute for stage in plan.stages if stage.recompute != "none"})
+        rebuilt = (f", with the activations that --recompute {'/'.join(modes)} rebuilds in backward (a whole stage's "
+                   "at once)" if modes else "")
+        raise InfeasibleError(f"the plan {needs}{rebuilt}; use more stages (--pp), more tensor parallelism (--tp) "
+                              "or smaller microbatches (--micro-batch-size)")
     return plan
