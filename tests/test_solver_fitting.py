@@ -110,3 +110,41 @@ def test_the_search_s_cutter_pays_for_a_layer_it_splits():
     assert cutter_cuts(problem) == (2,)
     assert evaluate(problem, (2,)).objective_s == min(
         evaluate(problem, (c,)).objective_s for c in range(5) if max(evaluate(problem, (c,)).rank_memory_bytes) <= 100)
+
+
+def _rebuilding(limit: int, *, stage_rank: tuple[int, ...] = (), rebuilt: tuple[int, ...] = (100_000,) * 6
+                ) -> PipelineProblem:
+    """Six blocks alike in time whose recompute rebuilds ``rebuilt`` bytes each in backward; nothing else held."""
+    stages = len(stage_rank) if stage_rank else 2
+    return PipelineProblem(
+        block_time_s=(1e-3,) * 6, block_activation_bytes=(0,) * 6, boundary_transfer_s=(0.0,) * 5,
+        parameter_state_bytes={}, block_parameters=((),) * 6, stages=stages, microbatches=4,
+        in_flight=(1,) * stages, memory_limit_bytes=limit, stage_rank=stage_rank,
+        block_rebuilt_bytes=rebuilt, rebuilt_at_once=(1,) * stages,
+    )
+
+
+def test_the_solver_holds_what_a_stage_s_recompute_rebuilds():
+    """A first block that rebuilds 300 kB: the balanced cut (3 and 3 blocks) holds 320 kB in its
+    first stage's backward; under a 305 kB limit only the first block alone in its stage fits,
+    slower as it is, and under 250 kB nothing does."""
+    heavy_first = (300_000,) + (10_000,) * 5
+    assert evaluate(_rebuilding(10**9, rebuilt=heavy_first), (2,)).rank_memory_bytes == (320_000, 30_000)
+    assert solve_cuts(_rebuilding(10**9, rebuilt=heavy_first), time_limit_s=5).evaluation.cuts == (2,)
+    assert solve_cuts(_rebuilding(305_000, rebuilt=heavy_first), time_limit_s=5).evaluation.cuts == (0,)
+    with pytest.raises(InfeasibleError, match=r"needs 0\.0002794 GiB"):  # 300 kB
+        solve_cuts(_rebuilding(250_000, rebuilt=heavy_first), time_limit_s=5)
+
+
+def test_a_rank_of_several_stages_holds_the_largest_one_s_rebuilt_bytes():
+    """Two stages on one rank (interleaved): their backwards run one at a time."""
+    problem = _rebuilding(250_000, stage_rank=(0, 1, 0, 1))
+    memory = evaluate(problem, (0, 2, 4)).rank_memory_bytes  # stages of 1, 2, 2 and 1 blocks
+    assert memory == (200_000, 200_000)
+    solved = solve_cuts(problem, time_limit_s=5).evaluation
+    assert max(solved.rank_memory_bytes) <= 250_000 and max(len(r) for r in _ranges(solved.cuts)) <= 2
+
+
+def _ranges(cuts: tuple[int, ...]) -> list[range]:
+    starts = [0, *(c + 1 for c in cuts)]
+    return [range(a, b) for a, b in zip(starts, [*(c + 1 for c in cuts), 6])]

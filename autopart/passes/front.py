@@ -120,14 +120,16 @@ def block_seconds(front: Front) -> list[tuple[float, float, float]]:
     return times
 
 
-def recompute_blocks(front: Front, modes: list[str]) -> tuple[tuple[float, ...], tuple[int, ...]]:
+def recompute_blocks(front: Front, modes: list[str]) -> tuple[tuple[float, ...], tuple[int, ...], tuple[int, ...]]:
     """Per block, in the recompute mode of its stage: forward and backward seconds (the recompute
-    included), and the bytes it holds per microbatch in flight (a stage's inputs not included)."""
-    times, held = [], []
+    included), the bytes it holds per microbatch in flight (a stage's inputs not included), and
+    the bytes its recompute rebuilds, held while a microbatch's backward runs."""
+    times, held, rebuilt = [], [], []
     for k, (block, (forward, backward, _)) in enumerate(zip(front.chain.blocks, block_seconds(front))):
         cost = recompute_cost([block], modes[k], input_bytes=0)
         scale = forward / block.forward_s if block.forward_s > 0 else 1.0  # the tensor-parallel share
         shard = front.shardings[k].saved_bytes / block.saved_bytes if front.shardings and block.saved_bytes else 1.0
         times.append(forward + backward + cost.extra_backward_s * scale)
         held.append(round(cost.saved_bytes * shard))
-    return tuple(times), tuple(held)
+        rebuilt.append(round(cost.transient_bytes * shard))
+    return tuple(times), tuple(held), tuple(rebuilt)

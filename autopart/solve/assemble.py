@@ -46,13 +46,15 @@ def pipeline_problem(options: CompileOptions, front: Front, microbatches: int) -
     # figures (a stage's inputs, which recompute keeps, are left out); with modes that differ per
     # stage they carry no recompute's. plan_from_cuts computes the chosen stages' figures exactly.
     modes = set(stage_modes(options.recompute, stages))
-    times, saved = recompute_blocks(front, [modes.pop() if len(modes) == 1 else "none"] * len(chain.blocks))
+    times, saved, rebuilt = recompute_blocks(front, [modes.pop() if len(modes) == 1 else "none"] * len(chain.blocks))
     local = _local_bytes(options, front)
     layered, layer_bytes = layered_parameters(chain, local)
     state = {name: _state_bytes(options, nbytes, layered=name in layered) for name, nbytes in local.items()}
     return PipelineProblem(
         block_time_s=times,
         block_activation_bytes=saved,
+        block_rebuilt_bytes=rebuilt if any(rebuilt) else (),
+        rebuilt_at_once=transient(options.schedule, options.pp, microbatches, options.chunks) if any(rebuilt) else (),
         boundary_transfer_s=tuple(boundary_seconds(options, cost_model, b.tensors) for b in chain.boundaries),
         parameter_state_bytes=state,
         block_parameters=tuple(b.parameters for b in chain.blocks),
@@ -270,7 +272,7 @@ def _with_recompute(options: CompileOptions, front: Front, problem: PipelineProb
     held, so that evaluating the cuts gives the chosen stages' exact figures; and per stage its
     `RecomputeCost`."""
     modes = stage_modes(options.recompute, len(ranges))
-    times, held = recompute_blocks(front, [modes[s] for s, r in enumerate(ranges) for _ in r])
+    times, held, _ = recompute_blocks(front, [modes[s] for s, r in enumerate(ranges) for _ in r])
     held = list(held)
     costs = []
     by_name = {n.name: n for n in front.op_graph.fx_nodes()}
@@ -279,7 +281,9 @@ def _with_recompute(options: CompileOptions, front: Front, problem: PipelineProb
         costs.append(recompute_cost([front.chain.blocks[k] for k in r], modes[s], input_bytes=inputs))
         if modes[s] != "none":  # checkpoint keeps the stage's arguments (whole on every tensor-parallel rank)
             held[r.start] += inputs
-    return replace(problem, block_time_s=times, block_activation_bytes=tuple(held)), costs
+    # the rebuilt bytes are each stage's exact `RecomputeCost.transient_bytes`, added by `_with_transients`
+    return replace(problem, block_time_s=times, block_activation_bytes=tuple(held), block_rebuilt_bytes=(),
+                   rebuilt_at_once=()), costs
 
 
 def _with_transients(options: CompileOptions, memory: tuple[int, ...], recompute: list, microbatches: int):

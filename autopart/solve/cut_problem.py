@@ -42,6 +42,12 @@ class PipelineProblem:
     # those parameters: each stage that reads one pays its bytes more (whole weights and gradients
     # beside the shards).
     split_layers: tuple[tuple[int, int, tuple[tuple[int, tuple[int, ...]], ...]], ...] = ()
+    # Per block, the bytes its stage's recompute rebuilds in backward (full: every activation the
+    # block would have kept), and per stage, how many microbatches' rebuilt bytes live at once
+    # (`autopart.predict.in_flight.transient`); a rank holds the largest of its stages'. Empty:
+    # no recompute.
+    block_rebuilt_bytes: tuple[int, ...] = ()
+    rebuilt_at_once: tuple[int, ...] = ()
 
     @property
     def ranks(self) -> int:
@@ -76,6 +82,8 @@ class PipelineProblem:
         assert len(self.boundary_transfer_s) == blocks - 1
         assert len(self.in_flight) == self.stages
         assert len(self.block_parameters) == blocks == len(self.block_activation_bytes)
+        assert len(self.block_rebuilt_bytes) in (0, blocks) and len(self.rebuilt_at_once) == (
+            self.stages if self.block_rebuilt_bytes else 0)
         if self.rank_in_flight:  # each stage's own peak is the most it holds at any of its rank's moments
             for rank, moments in enumerate(self.rank_in_flight):
                 assert all(len(held) == len(self.rank_stages(rank)) for held in moments)
@@ -128,6 +136,9 @@ def evaluate(problem: PipelineProblem, cuts: tuple[int, ...]) -> CutEvaluation:
     for rank in range(problem.ranks):
         mine = [activations[s] for s in problem.rank_stages(rank)]
         memory[rank] += max(sum(count * nbytes for count, nbytes in zip(held, mine)) for held in problem.moments(rank))
+        if problem.block_rebuilt_bytes:
+            memory[rank] += max(problem.rebuilt_at_once[s] * sum(problem.block_rebuilt_bytes[k] for k in ranges[s])
+                                for s in problem.rank_stages(rank))
     objective = sum(times) + (problem.microbatches - 1) * max(times)
     return CutEvaluation(
         cuts=tuple(cuts), stage_time_s=tuple(times), rank_memory_bytes=tuple(memory), objective_s=objective

@@ -123,7 +123,7 @@ class _CutModel:
         p, m = self.problem, self.model
         stages = p.rank_stages(rank)
         moments = p.moments(rank)
-        state = sum(self.stage_state(s) for s in stages) + p.overhead_bytes
+        state = sum(self.stage_state(s) for s in stages) + p.overhead_bytes + self.rank_rebuilt(rank)
         if len(moments) == 1:
             return [state + sum(count * self.stage_activations(s) for count, s in zip(moments[0], stages))]
         # several moments: each stage's bytes per microbatch once, as a variable the moments share
@@ -134,6 +134,21 @@ class _CutModel:
             m.add(nbytes == self.stage_activations(s))
             per_stage.append(nbytes)
         return [state + sum(count * nbytes for count, nbytes in zip(held, per_stage)) for held in moments]
+
+    def rank_rebuilt(self, rank: int) -> cp_model.LinearExpr | int:
+        """The bytes that the recompute of one of the rank's stages rebuilds in backward: the
+        largest of its stages' (one stage's backward runs at a time)."""
+        p, m = self.problem, self.model
+        if not p.block_rebuilt_bytes:
+            return 0
+        per_stage = [p.rebuilt_at_once[s] * sum(nbytes * self.x[k][s] for k, nbytes in enumerate(p.block_rebuilt_bytes)
+                                                if nbytes) for s in p.rank_stages(rank)]
+        if len(per_stage) == 1:
+            return per_stage[0]
+        largest = m.new_int_var(0, max(p.rebuilt_at_once) * sum(p.block_rebuilt_bytes), f"rank{rank}_rebuilt_bytes")
+        for nbytes in per_stage:
+            m.add(largest >= nbytes)
+        return largest
 
     def hint(self, cuts: tuple[int, ...]) -> None:
         """Start the search from ``cuts``: on long chains (a 7B model has hundreds of blocks) CP-SAT
@@ -264,6 +279,7 @@ def _smallest_peak_memory(problem: PipelineProblem, time_limit_s: float) -> int:
         sum(problem.parameter_state_bytes.values())
         + max(problem.in_flight) * sum(problem.block_activation_bytes)
         + problem.overhead_bytes * problem.ranks
+        + max(problem.rebuilt_at_once, default=0) * sum(problem.block_rebuilt_bytes) * problem.ranks
         + sum(nbytes * len(readers) for _, _, extra in problem.split_layers for nbytes, readers in extra)
     )
     peak = m.new_int_var(0, everything, "peak_memory")
