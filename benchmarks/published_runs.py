@@ -25,6 +25,11 @@ Sources (the research notes behind each row are in docs/published_runs.md):
   256 / 512 / 1024 / 2048 H100s at global batch 256 / 512 / 1024 / 2048 / 4096; the recipe's
   ``gpt3_175b_hydra.yaml``: sequence parallelism on, no activation recompute, distributed_fused_adam,
   ``ub_tp_comm_overlap`` (pinned as ``--tp-overlap``).
+- MosaicML llm-foundry, ``scripts/train/benchmarking/README.md``, "H100 80GB BF16 (Large Scale,
+  >= 128 GPUs)": MPT 7B / 13B / 30B / 70B on 128 / 256 / 512 H100s, PyTorch FSDP FULL_SHARD (ZeRO-3
+  over every GPU), amp_bf16 with FSDP's DEFAULT mixed precision (bf16 gathers, fp32
+  reduce-scatters), activation checkpointing of every block on 13B-70B; the step is the table's
+  GlobalBatchSize (T) over its Throughput (T/s). The models: ``scripts/train/yamls/pretrain/mpt-*.yaml``.
 Held out on purpose, as an independent check: Table 1 of Narayanan et al. (SC21) and Tables 4-5 of
 Korthikanti et al. (MLSys'23); no row here comes from them or from tables that copy them.
 """
@@ -95,6 +100,7 @@ class Run:
     chunks: int
     published_s: float
     stage_layers: tuple[int, ...] | None = None  # the framework's split, pinned (None: autopart's cuts)
+    zero: int = 1  # 1: the distributed optimizer (ZeRO-1); 3: FSDP's FULL_SHARD, a unit per layer
     sp: bool = True  # sequence parallelism with TP
     tp_overlap: bool = False  # the TP collectives overlapped with their linears (--tp-overlap)
     assumed: str = ""  # what the source does not state and the row assumes
@@ -129,6 +135,35 @@ _DGXC_175B = dict(source="NVIDIA dgxc-benchmarking nemo_megatron/README_175b.md 
                   "recipe's gpt3_175b_hydra.yaml sets them, the overlap as --tp-overlap; its distributed_fused_adam as "
                   "ZeRO-1; FP8 off (DTYPE=bf16); vocabulary 51,200 as the README's FLOP count")  # fmt: skip
 
+# MPT (llm-foundry's mpt_causal_lm): GPT-style, learned positions, tied embeddings, FlashAttention
+# (triton or flash), no biases; vocabulary 50,368
+MPT_7B = Model(layers=32, hidden=4096, heads=32, vocab=50368)
+MPT_13B = Model(layers=40, hidden=5120, heads=40, vocab=50368)
+MPT_30B = Model(layers=48, hidden=7168, heads=56, vocab=50368)
+MPT_70B = Model(layers=80, hidden=8192, heads=64, vocab=50368)
+_MPT = dict(source="MosaicML llm-foundry benchmarking README (H100 80GB BF16, large scale)", device="h100-sxm", tp=1,
+            pp=1, schedule="1f1b", chunks=1, zero=3,
+            assumed="H100 SXM; biases on every linear and norm (MPT has none: a few elementwise ops); FSDP's "
+            "limit_all_gathers as one gather in flight ahead of the compute")  # fmt: skip
+
+
+def _mpt(name: str, model: Model, gpus: int, micro_batch_size: int, tokens: int, tokens_per_s: float,
+         recompute: str) -> Run:
+    """One row of llm-foundry's table: its step is GlobalBatchSize (T) over Throughput (T/s)."""
+    lacks = ("activation checkpointing per block (autopart's full recompute checkpoints a stage whole, whose "
+             "activations then live at once in its backward)") if recompute == "full" else ""
+    return Run(name=f"{name}-{gpus}", model=model, dp=gpus, micro_batch_size=micro_batch_size,
+               global_batch_size=tokens // model.seq, recompute=recompute, published_s=tokens / tokens_per_s,
+               lacks=lacks, **_MPT)
+
+
+_MPT_ROWS = (  # name, model, MicroBatchSize, recompute; per # GPUs: (GlobalBatchSize (T), Throughput (T/s))
+    ("mpt-7b", MPT_7B, 6, "none", {128: (1572864, 1340830), 256: (3145728, 2590548), 512: (6291456, 4951479)}),
+    ("mpt-13b", MPT_13B, 16, "full", {128: (4194304, 650264), 256: (8388608, 1277214), 512: (16777216, 2535811)}),
+    ("mpt-30b", MPT_30B, 8, "full", {128: (2097152, 281491), 256: (4194304, 550022), 512: (8388608, 1083366)}),
+    ("mpt-70b", MPT_70B, 8, "full", {128: (2097152, 135490), 256: (4194304, 265149), 512: (8388608, 515636)}),
+)
+
 RUNS = (
     Run(name="bloom-176b", source="BLOOM tr11 README", model=BLOOM, device="a100-80gb", tp=4, pp=12, dp=8,
         micro_batch_size=2, global_batch_size=2048, recompute="full", schedule="1f1b", chunks=1, published_s=104.70,
@@ -146,6 +181,9 @@ RUNS = (
     Run(name="dgxc-gpt3-175b-512", dp=16, global_batch_size=1024, published_s=8.42, **_DGXC_175B),
     Run(name="dgxc-gpt3-175b-1024", dp=32, global_batch_size=2048, published_s=8.453, **_DGXC_175B),
     Run(name="dgxc-gpt3-175b-2048", dp=64, global_batch_size=4096, published_s=8.49, **_DGXC_175B),
+    *(_mpt(name, model, gpus, micro_batch_size, tokens, tokens_per_s, recompute)
+      for name, model, micro_batch_size, recompute, by_gpus in _MPT_ROWS
+      for gpus, (tokens, tokens_per_s) in by_gpus.items()),
 )
 
 NOT_EXPRESSIBLE = (
@@ -160,7 +198,6 @@ NOT_EXPRESSIBLE = (
      "block's gather beside the compute, autopart now runs and models)"),
     ("NVIDIA dgxc Llama 3.1 8B / 70B / 405B", "context parallelism (CP 2) in every layout"),
     ("NeMo performance summary, H100 dense rows", "FP8"),
-    ("Models of 1B-15B", "every public figure found uses FSDP, context parallelism or FP8"),
 )
 
 
@@ -169,7 +206,7 @@ def predict(run: Run, folder: Path, *, search: bool) -> dict:
     common = dict(device=run.device, dtype="bf16", gpus_per_node=8, optimizer="adamw",
                   global_batch_size=run.global_batch_size, tp_overlap=run.tp_overlap)  # fmt: skip
     start = time.perf_counter()
-    plan = autopart.compile(model, tp=run.tp, pp=run.pp, dp=run.dp, zero=True, micro_batch_size=run.micro_batch_size,
+    plan = autopart.compile(model, tp=run.tp, pp=run.pp, dp=run.dp, zero=run.zero, micro_batch_size=run.micro_batch_size,
                             recompute=run.recompute, schedule=run.schedule, chunks=run.chunks, sp=run.sp,
                             stage_layers=run.stage_layers, **common)  # fmt: skip
     row = {"plan": plan, "compile_s": time.perf_counter() - start}
@@ -223,7 +260,8 @@ def main(argv: list[str] | None = None) -> int:
             step = row["plan"].predicted.step_s
             errors.append(step / run.published_s - 1)
             layout = (f"t{run.tp} p{run.pp} d{run.dp} {run.schedule}{f' v{run.chunks}' if run.chunks > 1 else ''} "
-                      f"b{run.micro_batch_size} {run.recompute}{'' if run.sp else ' no-sp'}{' overlap' if run.tp_overlap else ''} "
+                      f"b{run.micro_batch_size} {run.recompute}{'' if run.sp or run.tp == 1 else ' no-sp'}"
+                      f"{' overlap' if run.tp_overlap else ''}{f' zero{run.zero}' if run.zero != 1 else ''} "
                       f"{run.model.attention}"
                       f"{f' {describe_split(run.stage_layers)}' if run.stage_layers else ''}")  # fmt: skip
             extra = ()
