@@ -391,21 +391,55 @@ def test_a_stage_sends_only_what_the_plan_says():
         check_outputs((torch.zeros(2, 32, dtype=torch.bfloat16),), promised)
 
 
-@pytest.mark.parametrize("pp", [1, 2])
-def test_a_plan_whose_recompute_outgrows_the_memory_is_refused(tmp_path, capsys, pp):
-    """Full recompute rebuilds a whole stage's activations in backward. The solver holds them (its
-    blocks' figures), the plan's memory too, and the stage's inputs that checkpoint keeps besides:
-    a limit just below the plan's peak is refused in one line by the check of the plan, one well
-    below by the solver; just above, the plan is written."""
-    base = ["compile", str(GPT), "--pp", str(pp), "--microbatches", "2", "--recompute", "full"]
-    plan = compile_to_directory(CompileOptions(model=GPT, pp=pp, microbatches=2, recompute="full"), tmp_path / "a")[0]
+def _solver_peaks(options: CompileOptions, plan: Plan) -> tuple[int, int]:
+    """The cut solver's peak for ``plan``'s cuts, with and without what its recompute rebuilds."""
+    from dataclasses import replace
+
+    from autopart.driver import compile_plan
+    from autopart.solve.assemble import pipeline_problem
+    from autopart.solve.cut_problem import evaluate
+
+    front = compile_plan(options)[1]
+    problem = pipeline_problem(options, front, plan.schedule.microbatches)
+    cuts = tuple(stage.blocks[1] for stage in plan.stages[:-1])
+    bare = replace(problem, block_rebuilt_bytes=(), rebuilt_at_once=())
+    return max(evaluate(problem, cuts).rank_memory_bytes), max(evaluate(bare, cuts).rank_memory_bytes)
+
+
+def test_a_plan_whose_recompute_outgrows_the_memory_is_refused(tmp_path, capsys):
+    """Full recompute rebuilds a whole stage's activations in backward. The cut solver holds them,
+    and the plan's memory holds them and the stage inputs that checkpoint keeps besides. A limit
+    below the solver's figure (and above what it was without them) is refused by the solver, one
+    between it and the plan's peak by the check of the plan; just above the peak, it is written."""
+    options = CompileOptions(model=GPT, microbatches=2, recompute="full")
+    plan = compile_to_directory(options, tmp_path / "a")[0]
     peak = max(plan.predicted.memory_bytes)
-    for below, said in ((64, f"the plan needs {peak / 2**30:.2f} GiB on pipeline rank"), (peak // 3, "does not fit")):
+    solver, without = _solver_peaks(options, plan)
+    assert without + 64 < solver < peak - 64
+    base = ["compile", str(GPT), "--microbatches", "2", "--recompute", "full"]
+    for limit, said in ((peak - 64, f"the plan needs {peak / 2**30:.2f} GiB on pipeline rank"),
+                        (solver - 64, "the model does not fit")):
         with pytest.raises(SystemExit) as exit_info:
-            cli.main([*base, "-o", str(tmp_path / "b"), "--memory", f"{(peak - below) / 2**30:.9f}"])
+            cli.main([*base, "-o", str(tmp_path / "b"), "--memory", f"{limit / 2**30:.9f}"])
         assert exit_info.value.code == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and said in err[0], err
         assert not (tmp_path / "b").exists()
     cli.main([*base, "-o", str(tmp_path / "c"), "--memory", f"{(peak + 4096) / 2**30:.9f}"])  # room for it: written
     assert (tmp_path / "c" / "plan.json").exists()
+
+
+def test_a_written_plan_fits_whatever_the_limit(tmp_path):
+    """Two stages under full recompute: at limits about the unconstrained plan's peak the solver
+    moves the cut, or the compile is refused; no plan is written above its limit."""
+    options = CompileOptions(model=GPT, pp=2, microbatches=2, recompute="full")
+    plan = compile_to_directory(options, tmp_path / "a")[0]
+    peak = max(plan.predicted.memory_bytes)
+    solver, _ = _solver_peaks(options, plan)
+    for i, limit in enumerate((peak - 64, (peak + solver) // 2, solver - 64, solver * 9 // 10)):
+        try:
+            written, _ = compile_to_directory(CompileOptions(model=GPT, pp=2, microbatches=2, recompute="full",
+                                                             memory_gib=limit / 2**30), tmp_path / f"o{i}")
+        except autopart.AutopartError:
+            continue
+        assert max(written.predicted.memory_bytes) <= limit

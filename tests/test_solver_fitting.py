@@ -148,3 +148,24 @@ def test_a_rank_of_several_stages_holds_the_largest_one_s_rebuilt_bytes():
 def _ranges(cuts: tuple[int, ...]) -> list[range]:
     starts = [0, *(c + 1 for c in cuts)]
     return [range(a, b) for a, b in zip(starts, [*(c + 1 for c in cuts), 6])]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_heuristics_count_what_a_recompute_rebuilds(seed):
+    """Interleaved ranks whose blocks each rebuild about as much as they keep: the bound stays
+    below every cut's need (and above the bound that leaves them out), and the cuts found to fit
+    under a limit 5% above the least need do fit."""
+    from dataclasses import replace
+
+    rng = random.Random(seed)
+    plain = _interleaved(12, ranks=2, chunks=2, limit=1 << 40, seed=seed)
+    roomy = replace(plain, block_rebuilt_bytes=tuple(rng.randint(80, 120) * 1000 for _ in range(12)),
+                    rebuilt_at_once=(1,) * plain.stages)
+    need = _least_memory(roomy)
+    assert memory_lower_bound(plain) < memory_lower_bound(roomy) <= need
+    problem = replace(roomy, memory_limit_bytes=round(need * 1.05))
+    assert len(spread_cuts(problem)) == problem.stages - 1
+    found = fitting_cuts(problem)
+    assert found is None or max(evaluate(problem, found).rank_memory_bytes) <= problem.memory_limit_bytes
+    solved = solve_cuts(problem, time_limit_s=5).evaluation
+    assert max(solved.rank_memory_bytes) <= problem.memory_limit_bytes

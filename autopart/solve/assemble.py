@@ -140,7 +140,7 @@ def plan_from_cuts(
         predicted=Predicted(
             step_s=step_s + gradient_sync,
             bubble=timeline.bubble,
-            memory_bytes=_with_transients(options, memory, recompute, microbatches),
+            memory_bytes=memory,
             p2p_bytes_per_step=2 * microbatches * sum(sum(m.nbytes for _, m in st.outputs) for st in stages),
             stage_time_s=evaluation.stage_time_s,
             transfer_s=transfer,
@@ -268,11 +268,12 @@ def _peak_flops(device: DeviceSpec, dtype: str) -> float:
 
 
 def _with_recompute(options: CompileOptions, front: Front, problem: PipelineProblem, ranges: list[range]):
-    """The problem with every block in its stage's recompute mode and each recomputing stage's inputs
-    held, so that evaluating the cuts gives the chosen stages' exact figures; and per stage its
-    `RecomputeCost`."""
+    """The problem with every block in its stage's recompute mode, each recomputing stage's inputs
+    held and what its recompute rebuilds in backward (the share one tensor-parallel rank holds,
+    as the solver's problem counts it), so that evaluating the cuts gives the chosen stages' exact
+    figures; and per stage its `RecomputeCost`."""
     modes = stage_modes(options.recompute, len(ranges))
-    times, held, _ = recompute_blocks(front, [modes[s] for s, r in enumerate(ranges) for _ in r])
+    times, held, rebuilt = recompute_blocks(front, [modes[s] for s, r in enumerate(ranges) for _ in r])
     held = list(held)
     costs = []
     by_name = {n.name: n for n in front.op_graph.fx_nodes()}
@@ -281,19 +282,9 @@ def _with_recompute(options: CompileOptions, front: Front, problem: PipelineProb
         costs.append(recompute_cost([front.chain.blocks[k] for k in r], modes[s], input_bytes=inputs))
         if modes[s] != "none":  # checkpoint keeps the stage's arguments (whole on every tensor-parallel rank)
             held[r.start] += inputs
-    # the rebuilt bytes are each stage's exact `RecomputeCost.transient_bytes`, added by `_with_transients`
-    return replace(problem, block_time_s=times, block_activation_bytes=tuple(held), block_rebuilt_bytes=(),
-                   rebuilt_at_once=()), costs
-
-
-def _with_transients(options: CompileOptions, memory: tuple[int, ...], recompute: list, microbatches: int):
-    """Each rank's peak plus the recomputed activations of the backward(s) in progress on it."""
-    at_once = transient(options.schedule, options.pp, microbatches, options.chunks)
-    peaks = list(memory)
-    for rank in range(options.pp):
-        here = [s for s, home in enumerate(stage_placement(options.schedule, ranks=options.pp, chunks=options.chunks)) if home == rank]
-        peaks[rank] += max((recompute[s].transient_bytes // options.tp * at_once[s] for s in here), default=0)
-    return tuple(peaks)
+    at_once = transient(options.schedule, options.pp, problem.microbatches, options.chunks)
+    return replace(problem, block_time_s=times, block_activation_bytes=tuple(held),
+                   block_rebuilt_bytes=rebuilt if any(rebuilt) else (), rebuilt_at_once=at_once if any(rebuilt) else ()), costs
 
 
 def _state_bytes(options: CompileOptions, parameter_bytes: int, *, layered: bool) -> int:

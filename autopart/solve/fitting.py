@@ -95,10 +95,14 @@ def cutter_cuts(problem: PipelineProblem) -> tuple[int, ...] | None:
     for _, _, extra in problem.split_layers:
         for nbytes, readers in extra:
             split[readers[0]] += nbytes
-    # the problem's activations are already those of its stages' recompute: the cutter keeps mode "none"
+    # The problem's activations are already those of its stages' recompute: the cutter keeps mode
+    # "none", or, where a recompute rebuilds bytes in backward, "selective" with those bytes as what
+    # it does not keep (held while the microbatches of `rebuilt_at_once` run their backward).
+    rebuilt = problem.block_rebuilt_bytes
+    saved = tuple(a + r for a, r in zip(problem.block_activation_bytes, rebuilt)) if rebuilt else problem.block_activation_bytes
     costs = ChainCosts(
-        forward_s=problem.block_time_s, backward_s=(0.0,) * blocks, weight_s=(0.0,) * blocks,
-        saved_bytes=problem.block_activation_bytes, selective_saved_bytes=zeros, selective_recompute_s=(0.0,) * blocks,
+        forward_s=problem.block_time_s, backward_s=(0.0,) * blocks, weight_s=(0.0,) * blocks, saved_bytes=saved,
+        selective_saved_bytes=problem.block_activation_bytes if rebuilt else zeros, selective_recompute_s=(0.0,) * blocks,
         boundary_bytes=zeros[1:], input_bytes=0, parameter_bytes=dict(problem.parameter_state_bytes),
         parameter_state_bytes=dict(problem.parameter_state_bytes), block_parameters=problem.block_parameters,
         layer_spans=tuple((first, end) for first, end, _ in problem.split_layers),
@@ -107,7 +111,8 @@ def cutter_cuts(problem: PipelineProblem) -> tuple[int, ...] | None:
     cut = cut_stages(costs, stages=problem.stages, in_flight=problem.in_flight,
                      stage_rank=tuple(problem.rank_of(s) for s in range(problem.stages)),
                      transfer_s=problem.boundary_transfer_s, memory_limit_bytes=problem.memory_limit_bytes,
-                     overhead_bytes=problem.overhead_bytes, modes=(("none",),) * problem.stages,
+                     overhead_bytes=problem.overhead_bytes, modes=(("selective" if rebuilt else "none",),) * problem.stages,
+                     transient=problem.rebuilt_at_once or None,
                      rank_in_flight=tuple(problem.moments(r) for r in range(problem.ranks)))  # fmt: skip
     if cut is None or max(evaluate(problem, cut.cuts).rank_memory_bytes) > problem.memory_limit_bytes:
         return None
@@ -127,10 +132,13 @@ def spread_cuts(problem: PipelineProblem) -> tuple[int, ...]:
     length = [solver.NumVar(1.0, blocks, f"stage{s}_blocks") for s in range(stages)]
     peak = solver.NumVar(0.0, solver.infinity(), "peak")
     solver.Add(sum(length) == blocks)
+    rebuilt = sum(problem.block_rebuilt_bytes) / blocks / scale
     for rank in range(problem.ranks):
         mine = problem.rank_stages(rank)
         for held in problem.moments(rank):
-            solver.Add(sum(length[s] * (state + count * activation) for s, count in zip(mine, held)) <= peak)
+            kept = sum(length[s] * (state + count * activation) for s, count in zip(mine, held))
+            for s in mine if rebuilt else (None,):  # and the largest of its stages' rebuilt bytes
+                solver.Add(kept + (0.0 if s is None else length[s] * _rebuilt_at_once(problem, s) * rebuilt) <= peak)
     solver.Minimize(peak)
     assert solver.Solve() == linear.Solver.OPTIMAL
     cuts, total = [], 0.0
@@ -140,16 +148,24 @@ def spread_cuts(problem: PipelineProblem) -> tuple[int, ...]:
     return tuple(cuts)
 
 
-def _block_bytes(problem: PipelineProblem, k: int, in_flight: int, held: set[str]) -> int:
-    """What block ``k`` adds to a stage that holds the parameters ``held`` and keeps ``in_flight`` microbatches."""
+def _block_bytes(problem: PipelineProblem, k: int, in_flight: int, held: set[str], rebuilt_at_once: int = 0) -> int:
+    """What block ``k`` adds to a stage that holds the parameters ``held``, keeps ``in_flight``
+    microbatches and rebuilds ``rebuilt_at_once`` microbatches' recomputed activations in backward
+    (exact on a rank of one stage; on a rank of several, which holds the largest stage's, more)."""
     new = sum(problem.parameter_state_bytes[p] for p in set(problem.block_parameters[k]) - held)
-    return new + in_flight * problem.block_activation_bytes[k]
+    rebuilt = rebuilt_at_once * problem.block_rebuilt_bytes[k] if problem.block_rebuilt_bytes else 0
+    return new + in_flight * problem.block_activation_bytes[k] + rebuilt
 
 
-def _cheapest(problem: PipelineProblem) -> dict[int, int]:
-    """Per number of microbatches in flight, the least memory a stage of one block needs."""
+def _rebuilt_at_once(problem: PipelineProblem, s: int) -> int:
+    return problem.rebuilt_at_once[s] if problem.rebuilt_at_once else 0
+
+
+def _cheapest(problem: PipelineProblem) -> dict[tuple[int, int], int]:
+    """Per (microbatches in flight, rebuilt at once), the least memory a stage of one block needs."""
     blocks = range(len(problem.block_time_s))
-    return {f: min(_block_bytes(problem, k, f, set()) for k in blocks) for f in set(problem.in_flight)}
+    kinds = {(problem.in_flight[s], _rebuilt_at_once(problem, s)) for s in range(problem.stages)}
+    return {kind: min(_block_bytes(problem, k, kind[0], set(), kind[1]) for k in blocks) for kind in kinds}
 
 
 def _cut_from_the_end(
@@ -161,18 +177,18 @@ def _cut_from_the_end(
     used = [problem.overhead_bytes] * problem.ranks
     reserve = [0] * problem.ranks  # a block each, at the least, for the rank's stages still to be cut
     for s in range(stages - 1):
-        reserve[problem.rank_of(s)] += cheapest[problem.in_flight[s]]
+        reserve[problem.rank_of(s)] += cheapest[problem.in_flight[s], _rebuilt_at_once(problem, s)]
     starts: list[int] = []
     k = blocks - 1
     for s in range(stages - 1, -1, -1):
         rank = problem.rank_of(s)
         if s < stages - 1:
-            reserve[rank] -= cheapest[problem.in_flight[s]]
+            reserve[rank] -= cheapest[problem.in_flight[s], _rebuilt_at_once(problem, s)]
         held: set[str] = set()
         time = problem.boundary_transfer_s[k] if s < stages - 1 else 0.0
         first = True
         while k >= s:  # leave a block for each stage before this one
-            extra = _block_bytes(problem, k, problem.in_flight[s], held)
+            extra = _block_bytes(problem, k, problem.in_flight[s], held, _rebuilt_at_once(problem, s))
             lower = problem.boundary_transfer_s[k - 1] if k > 0 and s > 0 else 0.0
             over_time = time + problem.block_time_s[k] + lower > limit_s
             over_memory = used[rank] + extra + reserve[rank] > memory_bytes
@@ -210,13 +226,18 @@ def memory_lower_bound(problem: PipelineProblem) -> int:
         solver.Add(sum(share[k]) == 1)
     for s in range(stages):
         solver.Add(sum(share[k][s] for k in range(blocks)) >= 1)
+    rebuilt = problem.block_rebuilt_bytes or (0,) * blocks
     for rank in range(problem.ranks):
         for moment in problem.moments(rank):
             held = sum(
                 share[k][s] * ((state[k] + count * problem.block_activation_bytes[k]) / scale)
                 for s, count in zip(problem.rank_stages(rank), moment) for k in range(blocks)
             )  # fmt: skip
-            solver.Add(held + problem.overhead_bytes / scale <= peak)
+            # the rank holds the largest of its stages' rebuilt bytes: any one of them at least
+            for s in problem.rank_stages(rank) if problem.block_rebuilt_bytes else (None,):
+                again = 0.0 if s is None else sum(share[k][s] * (_rebuilt_at_once(problem, s) * rebuilt[k] / scale)
+                                                  for k in range(blocks))
+                solver.Add(held + again + problem.overhead_bytes / scale <= peak)
     solver.Minimize(peak)
     status = solver.Solve()
     assert status == linear.Solver.OPTIMAL, status
@@ -239,6 +260,8 @@ def no_fit_message(problem: PipelineProblem, time_limit_s: float, *, upper_bytes
     return (
         f"no pipeline cuts found within {limit:.1f} GiB per device ({problem.stages} stages, "
         f"{problem.microbatches} microbatches): the cuts that need least memory found need {found / gib:.1f} GiB on "
-        f"the fullest device; {verdict}; recompute activations (--recompute selective or full), use more "
-        "stages (--pp), or raise --memory or --time-limit"
+        f"the fullest device; {verdict}; "
+        + ("use more stages (--pp), more tensor parallelism (--tp) or smaller microbatches, " if problem.block_rebuilt_bytes
+           else "recompute activations (--recompute selective or full), use more stages (--pp), ")
+        + "or raise --memory or --time-limit"
     )

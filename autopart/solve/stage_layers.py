@@ -69,8 +69,9 @@ def stage_layer_cuts(chain: BlockChain, counts: Sequence[int] | None, *, stages:
 
 def check_fits(plan: Plan, problem: PipelineProblem, *, pinned: bool = True) -> Plan:
     """``plan`` refused in one line when a rank's predicted memory breaks the limit: of pinned
-    cuts (``pinned``), or of the solver's, whose problem does not hold the activations a stage's
-    recompute rebuilds in backward (the plan's memory does: with ``full`` a whole stage's)."""
+    cuts (``pinned``), or of the solver's, whose problem holds each block's figures but not the
+    inputs a recomputing stage keeps for its backward, nor, with a mode per stage, each stage's
+    own recompute (the plan's memory holds both)."""
     memory = plan.predicted.memory_bytes
     rank = max(range(len(memory)), key=memory.__getitem__)
     if memory[rank] > problem.memory_limit_bytes:
@@ -80,8 +81,8 @@ def check_fits(plan: Plan, problem: PipelineProblem, *, pinned: bool = True) -> 
             raise InfeasibleError(f"the --stage-layers split {needs}; move layers off that rank's stages, recompute "
                                   "more, or drop --stage-layers to let the solver cut")
         modes = sorted({stage.recompute for stage in plan.stages if stage.recompute != "none"})
-        rebuilt = (f", with the activations that --recompute {'/'.join(modes)} rebuilds in backward (a whole stage's "
-                   "at once)" if modes else "")
-        raise InfeasibleError(f"the plan {needs}{rebuilt}; use more stages (--pp), more tensor parallelism (--tp) "
+        kept = (f", with what --recompute {'/'.join(modes)} keeps and rebuilds for backward (its stages' inputs, and "
+                "in backward the activations it runs again)" if modes else "")
+        raise InfeasibleError(f"the plan {needs}{kept}; use more stages (--pp), more tensor parallelism (--tp) "
                               "or smaller microbatches (--micro-batch-size)")
     return plan
