@@ -86,6 +86,20 @@ def test_the_default_compile_measures_once_and_a_second_reads_the_cache(fresh_ca
     assert database.read_bytes() == written[1]
 
 
+def test_a_search_s_first_compile_sees_the_co_run_figure_it_measures(fresh_cache) -> None:
+    """The search captures each micro-batch size with options of one rank; the model's slowdown
+    beside the host's other ranks is measured for the search's ranks with the first capture's
+    ops, so the plan of the first compile reads it, as the second does (its step the same)."""
+    if host_processes(2, usable_cores()) < 2:
+        pytest.skip("one core: no co-run to measure")
+    options = dict(world_size=2, global_batch_size=8, pp=1, tp=1, schedule="1f1b", recompute="none",
+                   microbatches=2, dtype="fp32", run_finalists=False)
+    first = autopart.compile(MODEL, **options)
+    assert first.predicted.compute_factor_from == "co-run"
+    again = autopart.compile(MODEL, **options)
+    assert again.predicted.compute_factor_from == "co-run" and again.predicted.step_s == first.predicted.step_s
+
+
 def test_a_named_device_and_no_measure_measure_nothing(fresh_cache, monkeypatch) -> None:
     cache, calls = fresh_cache
 

@@ -71,12 +71,16 @@ def note_unsplit(options: CompileOptions, front: Front) -> None:
 
 def annotated(options: CompileOptions, micro_batch_size: int, *, separate_biases: bool,
                spec: ModelSpec | None = None, roofline: CostModel | None = None,
-               measured: dict[str, tuple] | None = None, graph: Graph | None = None) -> Front:
+               measured: dict[str, tuple] | None = None, graph: Graph | None = None,
+               ranks_from: CompileOptions | None = None) -> Front:
     """Capture, cost and cut into blocks; ``separate_biases`` for graphs whose ops will be split.
     ``spec`` and ``roofline``: the model and device cost model of an earlier call, to reuse;
     ``measured``: ops' kernels and times by cost key (``annotate``), shared by calls that cost
     alike (without a cost database, which may gain entries between calls); ``graph``: an earlier
-    fx capture of the same model at any micro-batch size (fx graphs hold no batch size)."""
+    fx capture of the same model at any micro-batch size (fx graphs hold no batch size);
+    ``ranks_from``: the options whose ranks on one host compute at once, where ``options`` are a
+    search's for one capture (which hold one rank): the model's co-run slowdown is measured for
+    them with its ops, so that every plan costed on this front sees it."""
     roofline = roofline or get_cost_model(options.device)  # a bad device spec fails before the slow passes
     if spec is None:
         spec = load_model_file(options.model)
@@ -92,7 +96,7 @@ def annotated(options: CompileOptions, micro_batch_size: int, *, separate_biases
         if local is not None:
             timed = profile_costs(graph, spec, database, device=local, micro_batch_size=micro_batch_size,
                                   optimizer=options.optimizer, dtype=options.dtype,
-                                  processes=co_run_processes(options, local, roofline.device.cores))
+                                  processes=co_run_processes(ranks_from or options, local, roofline.device.cores))
             if timed:
                 database.save()
     cost_model = roofline if database is None else ProfiledCostModel(roofline=roofline, database=database)

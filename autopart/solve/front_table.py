@@ -110,7 +110,7 @@ class FrontTable:
             if front is not None:
                 return front
         front = annotated(options, size, separate_biases=separate, spec=self.model_spec(), roofline=self._roofline,
-                          measured=self._measured, graph=self._graphs.get(separate))
+                          measured=self._measured, graph=self._graphs.get(separate), ranks_from=self.options)
         self._graphs[separate] = front.op_graph.graph  # captured once, annotated at each size
         self._roofline = getattr(front.cost_model, "roofline", front.cost_model)
         return front
