@@ -91,7 +91,8 @@ def compile(model: str | Path, **options) -> Plan:  # noqa: A001 - the API's ver
 
     Keyword options are the fields of ``CompileOptions`` (``pp=2, microbatches=4, ...``). A
     search on the machine at hand runs its finalists here with torchrun, as the command line
-    does (``run_finalists=False`` keeps the predicted order).
+    does, and keeps what they measured per model and machine (``run_finalists=False`` keeps the
+    predicted order; ``run_finalists=True`` runs them afresh).
     """
     with fewer_collections():
         options, measured = measure_defaults(CompileOptions(model=Path(model), **options))
