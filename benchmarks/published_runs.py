@@ -206,10 +206,14 @@ def predict(run: Run, folder: Path, *, search: bool) -> dict:
     common = dict(device=run.device, dtype="bf16", gpus_per_node=8, optimizer="adamw",
                   global_batch_size=run.global_batch_size, tp_overlap=run.tp_overlap)  # fmt: skip
     start = time.perf_counter()
-    plan = autopart.compile(model, tp=run.tp, pp=run.pp, dp=run.dp, zero=run.zero, micro_batch_size=run.micro_batch_size,
-                            recompute=run.recompute, schedule=run.schedule, chunks=run.chunks, sp=run.sp,
-                            stage_layers=run.stage_layers, **common)  # fmt: skip
-    row = {"plan": plan, "compile_s": time.perf_counter() - start}
+    try:
+        row = {"plan": autopart.compile(model, tp=run.tp, pp=run.pp, dp=run.dp, zero=run.zero,
+                                        micro_batch_size=run.micro_batch_size, recompute=run.recompute,
+                                        schedule=run.schedule, chunks=run.chunks, sp=run.sp,
+                                        stage_layers=run.stage_layers, **common)}  # fmt: skip
+    except autopart.AutopartError as error:  # the published layout does not compile: the search may still
+        row = {"error": f"{error}{f'; it lacks {run.lacks}' if run.lacks else ''}"}
+    row["compile_s"] = time.perf_counter() - start
     if search:
         start = time.perf_counter()
         row["searched"] = autopart.compile(model, world_size=run.gpus, **common)
@@ -249,11 +253,15 @@ def main(argv: list[str] | None = None) -> int:
     errors = []
     with tempfile.TemporaryDirectory() as folder:
         for run in runs:
-            try:
-                row = predict(run, Path(folder), search=args.search)
-            except autopart.AutopartError as error:
-                why = f"{error}{f'; it lacks {run.lacks}' if run.lacks else ''}"
-                table.add_row(run.name, str(run.gpus), "", f"{run.published_s:.2f}", "-", "-", "", "", why)
+            row = predict(run, Path(folder), search=args.search)
+            searched = ()
+            if args.search:
+                found = row["searched"]
+                searched = (f"{found.predicted.step_s:.2f}",
+                            f"t{found.mesh['tp']} p{found.mesh['pp']} d{found.mesh['dp']} {found.schedule.kind}")
+            if "error" in row:
+                table.add_row(run.name, str(run.gpus), "", f"{run.published_s:.2f}", "-", "-", "", "", *searched,
+                              row["error"])
                 continue
             console.print(f"{run.name}: predicted {row['plan'].predicted.step_s:.2f} s, published {run.published_s} s "
                           f"(compiled in {row['compile_s']:.0f} s)")  # fmt: skip
@@ -264,14 +272,9 @@ def main(argv: list[str] | None = None) -> int:
                       f"{' overlap' if run.tp_overlap else ''}{f' zero{run.zero}' if run.zero != 1 else ''} "
                       f"{run.model.attention}"
                       f"{f' {describe_split(run.stage_layers)}' if run.stage_layers else ''}")  # fmt: skip
-            extra = ()
-            if args.search:
-                found = row["searched"]
-                mesh = found.mesh
-                extra = (f"{found.predicted.step_s:.2f}", f"t{mesh['tp']} p{mesh['pp']} d{mesh['dp']} {found.schedule.kind}")
             table.add_row(run.name, str(run.gpus), layout, f"{run.published_s:.2f}", f"{step:.2f}",
                           f"{100 * errors[-1]:+.1f}%", f"{100 * mfu(run, run.published_s):.1f}%",
-                          f"{100 * mfu(run, step):.1f}%", *extra, run.source)  # fmt: skip
+                          f"{100 * mfu(run, step):.1f}%", *searched, run.source)  # fmt: skip
     console.print(table)
     absolute = [abs(e) for e in errors]
     if absolute:  # none where no row compiled
