@@ -132,6 +132,24 @@ def test_the_printed_step_carries_the_band_of_the_shipped_file(fresh_cache, tmp_
     assert "median 9%, worst 31%" in " ".join(capsys.readouterr().out.split())
 
 
+def test_a_zero3_plan_carries_the_band_of_the_zero3_rows(fresh_cache, tmp_path, monkeypatch, capsys) -> None:
+    """A plan that gathers its layers for every forward and backward is off by other amounts than
+    the rest: where the benchmark measured its rows apart, a ZeRO-3 plan prints their band."""
+    bands = _bands_file(tmp_path / "accuracy.json", 0.06, 0.12)
+    write_band("spec-roofline-zero3", Band(median=0.4, worst=0.6, rows=3, benchmark="published_runs, its ZeRO-3 rows",
+                                           command="python x.py", date="2026-12-04"), bands)
+    monkeypatch.setattr(accuracy, "ACCURACY_FILE", bands)
+    common = ["--pp", "1", "--microbatches", "2", "--device", "h100-sxm"]
+    main(["compile", str(MODEL), "-o", str(tmp_path / "z3"), "--dp", "2", "--zero", "3", *common])
+    main(["compile", str(MODEL), "-o", str(tmp_path / "z1"), "--dp", "2", "--zero", "1", *common])
+    printed = " ".join(capsys.readouterr().out.split())
+    assert printed.count("(h100-sxm roofline; published_runs, its ZeRO-3 rows: median 40%, worst 60%)") == 1
+    assert printed.count("(h100-sxm roofline; published_runs: median 6%, worst 12%)") == 1
+    zero3 = load_plan(tmp_path / "z3" / "plan.json").predicted
+    assert (zero3.basis_key, zero3.error_median, zero3.error_worst) == ("spec-roofline-zero3", 0.4, 0.6)
+    assert load_plan(tmp_path / "z1" / "plan.json").predicted.basis_key == "spec-roofline"
+
+
 def test_a_basis_no_benchmark_measured_says_so_and_old_plans_load(tmp_path) -> None:
     basis = basis_for(device="cpu", local="cpu", measured=True, costs=None, messages=False, bands={})
     assert basis.describe() == ("(ops measured on this machine, messages from the device spec; "

@@ -22,7 +22,7 @@ from autopart.ir.errors import ConfigError
 if TYPE_CHECKING:
     from autopart.ir.plan import Plan, Predicted
 
-__all__ = ["ACCURACY_FILE", "MEASURED", "PROFILED", "ROOFLINE", "Band", "Basis", "band_key", "basis_for", "describe_prediction", "load_bands", "with_basis", "write_band"]
+__all__ = ["ACCURACY_FILE", "FULLY_SHARDED", "MEASURED", "PROFILED", "ROOFLINE", "Band", "Basis", "band_key", "basis_for", "describe_prediction", "load_bands", "with_basis", "write_band"]
 
 ACCURACY_FILE = Path(__file__).with_name("accuracy.json")
 """The bands the repository ships, one per basis key (see `basis_for`)."""
@@ -33,6 +33,10 @@ PROFILED = "profiled"
 """Ops from a cost database (``--costs``), and, with ``--profile-pipeline``, the pipeline run first."""
 ROOFLINE = "roofline"
 """A device spec's roofline and link figures: nothing measured."""
+FULLY_SHARDED = "-zero3"
+"""Added to a basis key, the band of that basis over the benchmark's ZeRO-3 rows alone: a plan
+that gathers its layers' weights for every forward and backward is priced by other figures
+(the gathers beside the compute) and is off by other amounts than the rest."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,6 +70,8 @@ class Basis:
     key: str
     what: str
     band: Band | None = None
+    zero3_band: Band | None = None
+    """The band of this basis over ZeRO-3 plans alone, where a benchmark measured one (`FULLY_SHARDED`)."""
 
     def describe(self) -> str:
         """The parenthesis printed after a predicted step."""
@@ -128,7 +134,7 @@ def basis_for(*, device: str, local: str | None, measured: bool, costs: Path | N
     else:
         kind, what = ROOFLINE, f"{device} roofline"
     key = band_key(kind, local)
-    return Basis(key=key, what=what, band=bands.get(key))
+    return Basis(key=key, what=what, band=bands.get(key), zero3_band=bands.get(key + FULLY_SHARDED))
 
 
 def _timed_among(co_run: int, ranks_on_host: int) -> str:
@@ -143,9 +149,12 @@ def _timed_among(co_run: int, ranks_on_host: int) -> str:
 
 
 def with_basis(plan: Plan, basis: Basis) -> Plan:
-    """``plan`` with its prediction's basis and band recorded (``plan.predicted``)."""
-    band = basis.band
-    predicted = replace(plan.predicted, basis=basis.what, basis_key=basis.key,
+    """``plan`` with its prediction's basis and band recorded (``plan.predicted``): a ZeRO-3
+    plan's the band of the ZeRO-3 rows, where one was measured."""
+    key, band = basis.key, basis.band
+    if plan.zero == 3 and basis.zero3_band is not None:
+        key, band = key + FULLY_SHARDED, basis.zero3_band
+    predicted = replace(plan.predicted, basis=basis.what, basis_key=key,
                         error_median=None if band is None else band.median,
                         error_worst=None if band is None else band.worst,
                         error_benchmark="" if band is None else band.benchmark)
