@@ -70,11 +70,27 @@ def cache_dir() -> Path:
     return Path(os.environ.get("AUTOPART_CACHE_DIR") or Path.home() / ".cache" / "autopart")
 
 
-def _cache_path(host: str, threads: int) -> Path:
-    def slug(text: str) -> str:
-        return re.sub(r"[^A-Za-z0-9._+-]", "_", text)
+def cache_slug(text: str) -> str:
+    """``text`` (a host name, a torch version, a model's stem) as part of a cache file's name."""
+    return re.sub(r"[^A-Za-z0-9._+-]", "_", text)
 
-    return cache_dir() / f"cpu-{slug(host)}-torch{slug(torch.__version__)}-threads{threads}.json"
+
+def write_json(path: Path, data: Any, *, indent: int | None = None) -> None:
+    """``data`` as ``path``'s JSON, written beside it and then put in its place: processes
+    writing a cache at once never leave, nor read, half a file, and a failed write leaves none."""
+    handle = tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False)
+    try:
+        with handle:
+            json.dump(data, handle, indent=indent)
+            handle.write("\n")
+        os.replace(handle.name, path)
+    except BaseException:
+        Path(handle.name).unlink(missing_ok=True)
+        raise
+
+
+def _cache_path(host: str, threads: int) -> Path:
+    return cache_dir() / f"cpu-{cache_slug(host)}-torch{cache_slug(torch.__version__)}-threads{threads}.json"
 
 
 def calibrate_cpu(*, refresh: bool = False) -> CpuCalibration:
@@ -110,9 +126,7 @@ def _write_cache(path: Path, calibration: CpuCalibration) -> None:
     """Written atomically, so that processes calibrating at once never read half a file."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as tmp:
-            json.dump({"schema": _SCHEMA, **asdict(calibration)}, tmp, indent=2)
-        os.replace(tmp.name, path)
+        write_json(path, {"schema": _SCHEMA, **asdict(calibration)}, indent=2)
     except OSError:
         pass  # an unwritable cache costs a re-measurement next time, nothing more
 

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import socket
 import statistics
 import tempfile
@@ -49,7 +48,7 @@ import torch
 
 from autopart.ir.errors import ConfigError
 from autopart.tools.local_run import free_port
-from cost_models.calibration import cache_dir, usable_cores
+from cost_models.calibration import cache_dir, cache_slug, usable_cores
 
 __all__ = ["CommProfile", "Effort", "FULL", "QUICK", "cache_path", "profile_comm", "load_comm_profile", "SIZES", "WAKE_IDLES"]
 
@@ -113,8 +112,7 @@ class CommProfile:
 
 def cache_path(device: str, backend: str) -> Path:
     """Where the profile of ``device`` over ``backend`` is cached, per host and torch version."""
-    slug = re.sub(r"[^A-Za-z0-9._+-]", "_", f"{socket.gethostname()}-{device}-{backend}-torch{torch.__version__}")
-    return cache_dir() / f"comm-{slug}.json"
+    return cache_dir() / f"comm-{cache_slug(f'{socket.gethostname()}-{device}-{backend}-torch{torch.__version__}')}.json"
 
 
 def load_comm_profile(device: str) -> CommProfile | None:

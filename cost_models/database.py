@@ -30,8 +30,6 @@ and how much slower the model computes with the other ranks of its host computin
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -39,6 +37,7 @@ from pathlib import Path
 import torch
 
 from autopart.ir.errors import ConfigError
+from cost_models.calibration import write_json
 
 __all__ = ["OpTimes", "RuntimeOverheads", "PipelineMeasurement", "CoRunMeasurement", "VARIATION_STEPS", "CostDatabase", "blocks_key", "plan_shape", "entry_key",
            "tail_key"]
@@ -247,8 +246,5 @@ class CostDatabase:
         """Written atomically: two compiles sharing one database never leave half a file."""
         target = Path(path or self.path)
         target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile("w", dir=target.parent, delete=False, suffix=".tmp") as tmp:
-            json.dump(self.to_json(), tmp, indent=1)
-            tmp.write("\n")
-        os.replace(tmp.name, target)
+        write_json(target, self.to_json(), indent=1)
         return target

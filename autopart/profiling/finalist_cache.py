@@ -36,10 +36,7 @@ import hashlib
 import json
 import logging
 import math
-import os
-import re
 import socket
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -47,7 +44,7 @@ from typing import Any
 import torch
 
 from autopart.ir.plan import Plan
-from cost_models.calibration import cache_dir, usable_cores
+from cost_models.calibration import cache_dir, cache_slug, usable_cores, write_json
 from cost_models.devices import local_device_name
 
 __all__ = ["Record", "cache_path", "finalist_key", "read_records", "write_records"]
@@ -93,8 +90,8 @@ def finalist_key(plan: Plan, kind: str) -> str:
 
 def cache_path(plan: Plan, kind: str) -> Path:
     """This machine's cache of measured finalists of ``plan``'s model file."""
-    host = re.sub(r"[^A-Za-z0-9._+-]", "_", f"{socket.gethostname()}-{local_device_name(kind)}")
-    stem = re.sub(r"[^A-Za-z0-9._+-]", "_", Path(plan.provenance.model_file).stem)
+    host = cache_slug(f"{socket.gethostname()}-{local_device_name(kind)}")
+    stem = cache_slug(Path(plan.provenance.model_file).stem)
     return cache_dir() / "finalists" / f"{host}-{stem}-{plan.provenance.model_sha256[:16]}.json"
 
 
@@ -149,20 +146,8 @@ def write_records(ran: list[tuple[Plan, list[float]]], failed: list[Plan], kind:
     kept = dict(sorted(records.items(), key=lambda item: item[1]["at"])[-_KEPT_PER_MODEL:])
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        _write_whole(path, kept)
+        write_json(path, kept)
     except OSError as error:
         log.warning(f"could not keep the finalists' steps in {path} ({error}); a compile of the same plans runs "
                     "them again")
 
-
-def _write_whole(path: Path, data: dict[str, Any]) -> None:
-    """``data`` as ``path``'s JSON: written beside it, then put in its place, so that a reader
-    sees the old file or the new, never half of one (and a failed write leaves no file behind)."""
-    handle = tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False)
-    try:
-        with handle:
-            json.dump(data, handle)
-        os.replace(handle.name, path)
-    except BaseException:
-        Path(handle.name).unlink(missing_ok=True)
-        raise

@@ -27,7 +27,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import re
 import socket
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
@@ -39,7 +38,7 @@ from rich.console import Console
 from autopart.options import CompileOptions, local_kind
 from autopart.predict.accuracy import Basis, basis_for
 from autopart.profiling.co_run import host_processes
-from cost_models.calibration import background_load, cache_dir, usable_cores
+from cost_models.calibration import background_load, cache_dir, cache_slug, usable_cores
 from cost_models.comm_profile import QUICK, load_comm_profile, profile_comm
 from cost_models.database import CostDatabase
 from cost_models.devices import local_device_name
@@ -69,7 +68,7 @@ def costs_cache_path(model: Path, kind: str) -> Path:
     """The cached cost database of the model file ``model`` on this machine's ``kind`` device:
     per host, torch version and the model file's hash (an edited model is measured afresh)."""
     digest = hashlib.sha256(Path(model).read_bytes()).hexdigest()[:16]
-    host = re.sub(r"[^A-Za-z0-9._+-]", "_", f"{socket.gethostname()}-{local_device_name(kind)}-torch{torch.__version__}")
+    host = cache_slug(f"{socket.gethostname()}-{local_device_name(kind)}-torch{torch.__version__}")
     return cache_dir() / "costs" / f"{host}-{Path(model).stem}-{digest}.json"
 
 

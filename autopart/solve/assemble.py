@@ -53,8 +53,7 @@ def pipeline_problem(options: CompileOptions, front: Front, microbatches: int) -
     return PipelineProblem(
         block_time_s=times,
         block_activation_bytes=saved,
-        block_rebuilt_bytes=rebuilt if any(rebuilt) else (),
-        rebuilt_at_once=transient(options.schedule, options.pp, microbatches, options.chunks) if any(rebuilt) else (),
+        **_rebuilding(options, rebuilt, microbatches),
         boundary_transfer_s=tuple(boundary_seconds(options, cost_model, b.tensors) for b in chain.boundaries),
         parameter_state_bytes=state,
         block_parameters=tuple(b.parameters for b in chain.blocks),
@@ -282,9 +281,17 @@ def _with_recompute(options: CompileOptions, front: Front, problem: PipelineProb
         costs.append(recompute_cost([front.chain.blocks[k] for k in r], modes[s], input_bytes=inputs))
         if modes[s] != "none":  # checkpoint keeps the stage's arguments (whole on every tensor-parallel rank)
             held[r.start] += inputs
-    at_once = transient(options.schedule, options.pp, problem.microbatches, options.chunks)
     return replace(problem, block_time_s=times, block_activation_bytes=tuple(held),
-                   block_rebuilt_bytes=rebuilt if any(rebuilt) else (), rebuilt_at_once=at_once if any(rebuilt) else ()), costs
+                   **_rebuilding(options, rebuilt, problem.microbatches)), costs
+
+
+def _rebuilding(options: CompileOptions, rebuilt: tuple[int, ...], microbatches: int) -> dict[str, tuple[int, ...]]:
+    """``PipelineProblem``'s figures of what the stages' recompute rebuilds in backward: per block
+    ``rebuilt``, per stage the microbatches whose backwards run at once; none without recompute."""
+    if not any(rebuilt):
+        return {"block_rebuilt_bytes": (), "rebuilt_at_once": ()}
+    return {"block_rebuilt_bytes": rebuilt,
+            "rebuilt_at_once": transient(options.schedule, options.pp, microbatches, options.chunks)}
 
 
 def _state_bytes(options: CompileOptions, parameter_bytes: int, *, layered: bool) -> int:
