@@ -48,7 +48,7 @@ import torch
 
 from autopart.ir.errors import ConfigError
 from autopart.tools.local_run import free_port
-from cost_models.calibration import cache_dir, cache_slug, usable_cores
+from cost_models.calibration import cache_dir, cache_slug, usable_cores, write_json
 
 __all__ = ["CommProfile", "Effort", "FULL", "QUICK", "cache_path", "profile_comm", "load_comm_profile", "SIZES", "WAKE_IDLES"]
 
@@ -475,5 +475,5 @@ def profile_comm(*, ranks: int = 2, backend: str | None = None, effort: Effort =
                           torch_version=torch.__version__, **data)
     path = cache_path(device, backend)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(asdict(profile), indent=1) + "\n")
+    write_json(path, asdict(profile), indent=1)  # compiles on this host read it: never half a file
     return profile, path
