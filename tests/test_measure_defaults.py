@@ -12,13 +12,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 import autopart
 from autopart.predict import accuracy
 from autopart.profiling import measure_defaults
 from autopart.predict.accuracy import Band, basis_for, load_bands, write_band
 from autopart.tools.cli import main
-from autopart.driver import CompileOptions
+from autopart.driver import CompileOptions, compile_to_directory
 from autopart.ir.plan import load_plan
 from autopart.profiling.co_run import co_run_key, host_processes
 from cost_models.calibration import usable_cores
@@ -174,3 +175,17 @@ def test_a_missing_model_file_is_still_one_line_on_the_measuring_path(fresh_cach
         main(["compile", str(tmp_path / "missing.py"), "-o", str(tmp_path / "out"), "--pp", "2"])
     assert exit_.value.code == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+
+def test_a_model_built_on_the_meta_device_is_measured_with_weights_made_as_the_ranks_make_them(fresh_cache,
+                                                                                              tmp_path) -> None:
+    """The default compile times ops on real tensors: a model on the meta device is made on the CPU
+    from its own initialisers first (it crashed on its meta weights), and the capture the rest of
+    the compile reads stays on meta, so no weights are written."""
+    cache, _ = fresh_cache
+    options = CompileOptions(model=MODEL.parent / "meta_lm.py", pp=2, microbatches=2, micro_batch_size=2)
+    plan, _ = compile_to_directory(options, tmp_path / "out")
+    assert plan.provenance.cost_model.startswith("profiled"), plan.provenance.cost_model
+    assert plan.predicted.basis_key == "cpu-measured" and list((cache / "costs").glob("*.json"))
+    assert not any(load_file(str(p)) for p in (tmp_path / "out" / "weights").glob("*.safetensors"))

@@ -45,11 +45,12 @@ from torch import fx
 from autopart.ir.tensors import DTYPES, precision, working_dtype
 from autopart.passes.annotate import cost_key, mixed_dtype_error, run_one, target_precision
 from autopart.passes.grad_leaves import leaves_for_grad
-from autopart.ir.model_file import ModelSpec
+from autopart.ir.model_file import ModelSpec, is_meta
 from autopart.passes.capture import Graph, graph_args
 from autopart.ir.errors import ConfigError
 from autopart.profiling.co_run import co_run_key, measure_co_run
 from autopart.profiling.in_situ import NodeTimes, measure_resume, optimizer_in_situ, time_in_situ
+from autopart.runtime.materialise import check_initialisers, materialise, meta_names
 from autopart.runtime.optim import make_optimizer
 from cost_models.database import CostDatabase, OpTimes
 from cost_models.devices import local_device_name
@@ -131,6 +132,18 @@ def _working(module: fx.GraphModule, dtype: str) -> fx.GraphModule:
         if parameter.is_floating_point():
             parameter.data = parameter.data.to(lower)
     return copied
+
+
+def _materialised(module: fx.GraphModule, spec: ModelSpec) -> fx.GraphModule:
+    """The module with weights to time it by: a model built on the meta device is made on the CPU
+    with the model file's own initialisers (as each rank makes its stage's), a copy, so that the
+    captured graph the rest of the compile reads stays on the meta device."""
+    if not is_meta(module):
+        return module
+    made = copy.deepcopy(module)
+    check_initialisers(made, spec.init_weights, spec.path.name)
+    materialise(made, meta_names(made), init=spec.init_weights, device="cpu")
+    return made
 
 
 def _compile_keys(module: fx.GraphModule, values: list[Any], dtype: str, device_kind: str) -> dict[str, str]:
@@ -241,10 +254,11 @@ def profile_costs(graph: Graph, spec: ModelSpec, database: CostDatabase, *, devi
         fresh_overheads = device_name not in database.overheads
         if fresh_overheads:
             database.overheads[device_name] = measure_overheads(where)
-        module = graph.module if where.type == "cpu" else copy.deepcopy(graph.module).to(where)
+        on_host = _materialised(graph.module, spec)
+        module = on_host if where.type == "cpu" else copy.deepcopy(on_host).to(where)
         inputs, target = spec.example(micro_batch_size)
         on_cpu = graph_args(graph, inputs, target)
-        keys = _compile_keys(_working(graph.module, dtype), on_cpu, dtype, where.type)
+        keys = _compile_keys(_working(on_host, dtype), on_cpu, dtype, where.type)
         values = [v.to(where) if isinstance(v, torch.Tensor) else v for v in on_cpu]
         progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                             console=console, transient=True) if console is not None else None
