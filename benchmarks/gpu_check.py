@@ -8,7 +8,10 @@ for the h200 spec (``--device cuda``) or this CPU (``--device cpu``):
 
 - ``fp32``, ``bf16``: one stage on one rank, one microbatch, so that the program and a
   single-process run of the same batches compute the same products;
-- ``interleaved``: two stages on one rank (interleaved, two chunks), handed over in memory.
+- ``interleaved``: two stages on one rank (interleaved, two chunks), handed over in memory;
+- ``roofline``: a Llama-shaped model of about half a billion parameters (a few layers of width 64
+  on the CPU), built on the meta device so that nothing of it travels, compiled from the spec
+  alone, as a user who names a GPU (``--device h200``) compiles before any run.
 
 ``--run`` then needs torch and autopart alone (no OR-Tools: the one compile it makes has one
 stage and builds no CP-SAT model). Each row of its table is one check:
@@ -20,7 +23,10 @@ stage and builds no CP-SAT model). Each row of its table is one check:
    --costs``: the predicted step against the measured median step (target 15%), the predicted
    peak memory, less what lives outside PyTorch's allocator (the CUDA context and workspaces, NCCL's
    buffers), against ``torch.cuda.max_memory_allocated`` (target 10%);
-3. the spec's matmul efficiency at each of its points against bf16 GEMMs of that size (25%).
+3. the spec's matmul efficiency at each of its points against bf16 GEMMs of that size (25%);
+4. the ``roofline`` plan's predicted step, from the spec alone, against its measured median step
+   (20%, the bound published_runs holds the spec rooflines to), and its predicted peak memory
+   against the allocator's (10%).
 
 It exits 1 when a check fails. On the CPU (gloo) it runs the same code paths, so that the suite
 (``tests/test_gpu_check.py``) keeps it working; there the figures of rows 2 and 3 are printed
@@ -62,8 +68,19 @@ PLANS = {
 MICRO_BATCH_SIZE = 4
 PROFILED_MICROBATCHES = 4  # the plan whose step and memory are predicted from measured ops
 LR, OPTIMIZER = 0.1, "sgd"  # verify's: SGD moves every parameter by a known amount per step
-STEP_TARGET, MEMORY_TARGET, GEMM_TARGET = 0.15, 0.10, 0.25
-WARMUP_STEPS = 3  # steps left out of the measured median: allocator, kernels chosen, caches
+STEP_TARGET, MEMORY_TARGET, GEMM_TARGET, ROOFLINE_TARGET = 0.15, 0.10, 0.25, 0.20
+ROOFLINE_SOURCE = REPO / "examples" / "llama_7b.py"  # built on the meta device: each rank makes its weights
+ROOFLINE_CONFIG = {  # Llama-shaped, about 0.5B parameters: compute-bound on a GPU, seconds a run
+    "cuda": "LlamaConfig(vocab_size=32000, seq_len=2048, n_layer=8, n_head=16, dim=2048, ffn_dim=5632)",
+    "cpu": "LlamaConfig(vocab_size=256, seq_len=32, n_layer=2, n_head=4, dim=64, ffn_dim=172)",
+}
+ROOFLINE_PLAN = {"micro_batch_size": 2, "microbatches": 4, "schedule": "1f1b", "chunks": 1}
+GEMM_BATCH_S = 0.02  # seconds of back-to-back products per timed sample
+WARMUP_STEPS = 3
+# The cuBLAS workspaces are part of the framework's overhead that PyTorch takes through its own
+# caching allocator (one per cuBLAS handle and stream, 32 MiB each on Hopper as cuBLAS recommends):
+# the forward's thread and autograd's backward thread each have one, so max_memory_allocated holds two.
+CUBLAS_WORKSPACE_BYTES = 2 * 32 * 2**20  # steps left out of the measured median: allocator, kernels chosen, caches
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -88,15 +105,34 @@ def prepare(folder: Path, device: str, model: Path) -> None:
             optimizer=OPTIMIZER, **settings,
         )  # fmt: skip
         compile_to_directory(options, folder / name)
+    _prepare_roofline(folder, device)
     (folder / "check.json").write_text(json.dumps({"device": device}) + "\n")
-    print(f"prepared {', '.join(PLANS)} in {folder}; run: python benchmarks/gpu_check.py --run {folder}")
+    print(f"prepared {', '.join([*PLANS, 'roofline'])} in {folder}; run: python benchmarks/gpu_check.py --run {folder}")
 
 
-def _train(out: Path, steps: int, work: Path, *, gpus: bool, extra: tuple[str, ...] = ()) -> list[dict]:
-    """``torchrun`` the one-rank program for ``steps``; its metrics lines."""
+def _prepare_roofline(folder: Path, device: str) -> None:
+    """The ``roofline`` plan: examples/llama_7b.py at ``ROOFLINE_CONFIG``'s size, written whole into
+    the folder (the compiled copy must not import the repo's examples), compiled from the spec."""
+    from autopart.driver import CompileOptions, compile_to_directory
+
+    source = ROOFLINE_SOURCE.read_text()
+    default = "CONFIG = LlamaConfig()\n"
+    if default not in source:
+        raise SystemExit(f"{ROOFLINE_SOURCE} no longer sets {default.strip()!r}; update gpu_check's roofline model")
+    model = folder / "roofline_model.py"
+    model.write_text(source.replace(default, f"CONFIG = {ROOFLINE_CONFIG[device]}\n"))
+    dtype = "bf16" if device == "cuda" else "fp32"
+    options = CompileOptions(model=model, pp=1, tp=1, dp=1, device=SPEC[device], dtype=dtype, **ROOFLINE_PLAN)
+    compile_to_directory(options, folder / "roofline")
+
+
+def _train(out: Path, steps: int, work: Path, *, gpus: bool, verify_optimizer: bool = True) -> list[dict]:
+    """``torchrun`` the one-rank program for ``steps``; its metrics lines. With ``verify_optimizer``
+    it trains with verify's optimizer (the plans compiled for it); else with its plan's own."""
     metrics = work / f"{out.name}.jsonl"
     metrics.unlink(missing_ok=True)
-    args = ["--steps", str(steps), "--lr", str(LR), "--optimizer", OPTIMIZER, "--metrics", str(metrics), *extra]
+    optimizer = ["--lr", str(LR), "--optimizer", OPTIMIZER] if verify_optimizer else []
+    args = ["--steps", str(steps), *optimizer, "--metrics", str(metrics)]
     run_locally(out, 1, args, timeout_s=240, cwd=work, gpus=gpus)
     return [json.loads(line) for line in metrics.read_text().splitlines()]
 
@@ -130,21 +166,37 @@ def _profiled(folder: Path, model: Path, steps: int, work: Path, device: str) ->
     _cli("compile", str(model), "-o", str(out), "--device", local_device_name(device), "--costs", str(costs),
          "--pp", "1", "--tp", "1", "--dp", "1", "--microbatches", str(PROFILED_MICROBATCHES), "--dtype", dtype,
          "--global-batch-size", str(MICRO_BATCH_SIZE * PROFILED_MICROBATCHES), "--optimizer", OPTIMIZER)  # fmt: skip
+    return _against_run(out, steps, work, device, what=f"profiled {dtype} plan", step_target=STEP_TARGET)
+
+
+def _roofline(folder: Path, steps: int, work: Path, device: str) -> list[Row]:
+    """The plan compiled from the spec alone, run with the optimizer it was compiled for (AdamW,
+    what users train with): its predicted step and peak against the run's."""
+    plan = load_plan(folder / "roofline" / "plan.json")
+    what = f"{plan.dtype} {SPEC[device]} roofline plan ({plan.provenance.cost_model})"
+    return _against_run(folder / "roofline", steps, work, device, what=what, step_target=ROOFLINE_TARGET,
+                        verify_optimizer=False)
+
+
+def _against_run(out: Path, steps: int, work: Path, device: str, *, what: str, step_target: float,
+                 verify_optimizer: bool = True) -> list[Row]:
+    """The compiled plan in ``out`` run: its predicted step against the measured median step (past
+    the warm-up), its predicted peak against the run's; judged on a GPU only."""
     plan = load_plan(out / "plan.json")
-    metrics = _train(out, max(steps, WARMUP_STEPS + 3), work, gpus=device == "cuda")
+    metrics = _train(out, max(steps, WARMUP_STEPS + 3), work, gpus=device == "cuda", verify_optimizer=verify_optimizer)
     measured = statistics.median(m["step_s"] for m in metrics[WARMUP_STEPS:])
     peak = metrics[-1]["peak_memory_bytes"][0]
     predicted, predicted_peak = plan.predicted.step_s, plan.predicted.memory_bytes[0]
     judged = device == "cuda"
-    if judged:  # the allocator sees the model's tensors, not the CUDA context, workspaces and NCCL's buffers
+    if judged:  # the allocator sees the model's tensors and the cuBLAS workspaces, not the CUDA context or NCCL's buffers
         predicted_peak -= _outside_allocator_bytes(plan)
     step_error, memory_error = predicted / measured - 1, predicted_peak / peak - 1
-    what = "max_memory_allocated (less the CUDA context)" if judged else "resident memory (CPU)"
+    measured_by = "max_memory_allocated (less the CUDA context)" if judged else "resident memory (CPU)"
     return [
-        Row(check=f"profiled {dtype} plan: predicted step vs measured median",
+        Row(check=f"{what}: predicted step vs measured median",
             figure=f"{predicted * 1e3:.3f} vs {measured * 1e3:.3f} ms ({step_error:+.1%})",
-            target=f"within {STEP_TARGET:.0%}", passed=abs(step_error) <= STEP_TARGET if judged else None),
-        Row(check=f"profiled {dtype} plan: predicted peak memory vs {what}",
+            target=f"within {step_target:.0%}", passed=abs(step_error) <= step_target if judged else None),
+        Row(check=f"{what}: predicted peak memory vs {measured_by}",
             figure=f"{predicted_peak / 2**20:.1f} vs {peak / 2**20:.1f} MiB ({memory_error:+.1%})",
             target=f"within {MEMORY_TARGET:.0%}", passed=abs(memory_error) <= MEMORY_TARGET if judged else None),
     ]  # fmt: skip
@@ -152,12 +204,14 @@ def _profiled(folder: Path, model: Path, steps: int, work: Path, device: str) ->
 
 def _outside_allocator_bytes(plan) -> int:
     """What a GPU plan's predicted memory holds besides PyTorch's allocations: the framework's
-    overhead (CUDA context, library workspaces) and the collective library's buffers."""
+    overhead (the CUDA context and library state) less the cuBLAS workspaces, which PyTorch
+    allocates itself, and the collective library's buffers."""
     from cost_models.devices import load_device
     from cost_models.memory import communicator_bytes
 
     spec = load_device(plan.provenance.cost_model.rpartition(":")[2])
-    return spec.framework_overhead_bytes + communicator_bytes(spec.kind, **plan.mesh)
+    inside = CUBLAS_WORKSPACE_BYTES if spec.kind == "cuda" else 0
+    return spec.framework_overhead_bytes - inside + communicator_bytes(spec.kind, **plan.mesh)
 
 
 def _cli(*args: str) -> None:
@@ -174,23 +228,45 @@ def _cli(*args: str) -> None:
 
 
 def _gemm_seconds(n: int, device: torch.device, dtype: torch.dtype) -> float:
-    """Median seconds of an n x n x n matrix product, the device's own clock (CUDA events) on a GPU."""
+    """Median seconds of one n x n x n matrix product: on a GPU the kernel's own time, products
+    replayed back to back from a CUDA graph and timed with CUDA events, since the spec's efficiency
+    is the kernel's (the roofline adds ``kernel_overhead_s`` per launch apart); on the CPU a loop
+    timed by the host's clock. A sample lasts about ``GEMM_BATCH_S``: clocks that rise from idle
+    and the events' own cost stay out of one product's time."""
     a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
-    samples = []
+    cuda = device.type == "cuda"
+    began = time.perf_counter()
     for _ in range(3):
         torch.matmul(a, b)
-    for _ in range(10):
-        if device.type == "cuda":
+    if cuda:
+        torch.cuda.synchronize(device)
+    one = max((time.perf_counter() - began) / 3, 1e-6)
+    count = max(1, min(1000, round(GEMM_BATCH_S / one)))
+
+    def batch() -> None:
+        for _ in range(count):
+            torch.matmul(a, b)
+
+    if cuda:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            batch()
+        batch = graph.replay
+    samples = []
+    for timed in range(8):  # the first three warm the clocks and caches up
+        if cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            torch.matmul(a, b)
+            batch()
             end.record()
             end.synchronize()
-            samples.append(start.elapsed_time(end) / 1e3)
+            seconds = start.elapsed_time(end) / 1e3
         else:
             began = time.perf_counter()
-            torch.matmul(a, b)
-            samples.append(time.perf_counter() - began)
+            batch()
+            seconds = time.perf_counter() - began
+        if timed >= 3:
+            samples.append(seconds / count)
     return statistics.median(samples)
 
 
@@ -206,7 +282,7 @@ def _gemms(device: str) -> list[Row]:
     for log_flops, _ in spec.matmul_efficiency:
         if device == "cpu" and log_flops > 9.5:
             continue
-        n = round((10**log_flops / 2) ** (1 / 3))
+        n = max(64, round((10**log_flops / 2) ** (1 / 3) / 64) * 64)  # a model's widths: tensor cores need 8 | n
         flops = 2 * n**3
         measured = flops / _gemm_seconds(n, where, dtype) / spec.peak_flops[peak_name]
         expected = spec.matmul_efficiency_at(flops)
@@ -235,6 +311,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def run(folder: Path, steps: int) -> int:
     """Every check, its table; 1 when one failed."""
+    folder = folder.resolve()  # the runs start in a scratch folder
     check = json.loads((folder / "check.json").read_text())
     device = check["device"]
     if device == "cuda" and not torch.cuda.is_available():
@@ -247,6 +324,7 @@ def run(folder: Path, steps: int) -> int:
             rows.extend(_checked(name, lambda name=name: [_same_losses(folder, name, steps, work, device)]))
         model = folder / "fp32" / "model.py"  # the compiled copy
         rows.extend(_checked("profile, compile --costs", lambda: _profiled(folder, model, steps, work, device)))
+        rows.extend(_checked("roofline", lambda: _roofline(folder, steps, work, device)))
     rows.extend(_checked("matmul efficiency", lambda: _gemms(device)))
     where = torch.cuda.get_device_name() if device == "cuda" else "cpu (gloo)"
     print(f"gpu_check on {where}, torch {torch.__version__}, {time.perf_counter() - started:.0f} s")

@@ -20,10 +20,12 @@ def test_gpu_check_prepares_and_runs_on_the_cpu(tmp_path: Path, capsys: pytest.C
     model = MODEL
     prepared = tmp_path / "prepared"
     assert gpu_check.main(["--prepare", str(prepared), "--device", "cpu", "--model", str(model)]) == 0
-    assert sorted(p.name for p in prepared.iterdir()) == ["bf16", "check.json", "fp32", "interleaved"]
+    assert sorted(p.name for p in prepared.iterdir()) == ["bf16", "check.json", "fp32", "interleaved", "roofline",
+                                                              "roofline_model.py"]
     assert gpu_check.main(["--run", str(prepared), "--steps", "2"]) == 0
     table = capsys.readouterr().out
     for check in ("fp32: 2 steps", "bf16: 2 steps", "interleaved: 2 stages on 1 rank", "predicted step",
-                  "predicted peak memory", "matmul efficiency"):  # fmt: skip
+                  "predicted peak memory", "matmul efficiency",
+                  "cpu roofline plan (", "predicted step vs measured median"):  # fmt: skip
         assert check in table, table
     assert "0 failed of 3 judged checks" in table, table
