@@ -104,8 +104,9 @@ def test_sequence_parallelism_is_on_by_default_with_tp_and_recorded_in_the_plan(
 
 
 # The examples have no dropout, so the distributed runs draw no random numbers and must equal
-# one process exactly; a dropout inside the sequence-split region would need a different RNG
-# stream per TP rank (Megatron forks it), which the runtime does not have.
+# one process exactly. Every TP rank draws from one seed (tests/test_dropout.py): a dropout inside
+# the sequence-split region draws the same mask on each rank's slice, where Megatron forks a
+# stream per rank.
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("example", ["gpt", "llama"])
 @pytest.mark.parametrize("pp", [1, 2])

@@ -26,7 +26,7 @@ import inspect
 import logging
 import sys
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -286,7 +286,8 @@ def _eager_reference(spec: ModelSpec, inputs: tuple[torch.Tensor, ...], target: 
     with torch.no_grad(), torch.device("meta") if meta else contextlib.nullcontext():
         try:
             args = _on_model_device(spec, inputs), target.to("meta") if meta and target is not None else target
-            expected = eager_loss(checked, *args)
+            with _same_draws():
+                expected = eager_loss(checked, *args)
         except Exception as exc:
             raise ModelFileError(
                 f"the model rejects its own example batch: {describe_error(exc, spec.path)}; "
@@ -300,12 +301,21 @@ def _eager_reference(spec: ModelSpec, inputs: tuple[torch.Tensor, ...], target: 
     return None if meta else expected
 
 
+@contextlib.contextmanager
+def _same_draws() -> Iterator[None]:
+    """The eager run and the graph's from one seed: a model that draws random numbers (dropout in
+    training mode) draws the same ones in both, op for op, and the caller's generator is left as it was."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        yield
+
+
 def _check_same_loss(
     spec: ModelSpec, graph: Graph, inputs: tuple[torch.Tensor, ...], target: Any, expected: torch.Tensor | None
 ) -> None:
     if expected is None:  # a meta model: nothing to compare, annotate runs the graph on fake tensors
         return
-    with torch.no_grad():
+    with torch.no_grad(), _same_draws():
         got = graph.module(*graph_args(graph, inputs, target))
     if not torch.allclose(got, expected, rtol=1e-5, atol=1e-6):
         raise CaptureError(

@@ -22,7 +22,7 @@ from torch import nn
 from autopart.ir.tensors import TensorMeta
 from autopart.runtime.backward import PendingWeights, backward_full, backward_input, backward_weight
 from autopart.runtime.device import Mark, StepTimer
-from autopart.runtime.forward import Rebuild, StageForward
+from autopart.runtime.forward import Rebuild, StageForward, draw_seed
 from autopart.runtime.p2p import Scatter, recv_tensors, send_tensors
 from autopart.runtime.reducer import GradientReducer
 from autopart.schedule import Action, Kind, Schedule, format_grid
@@ -91,6 +91,7 @@ class Executor:
         self.schedule = schedule
         self.actions = schedule[rank]
         self.microbatches = microbatches
+        self.seed: int | None = None  # this step's, from `step`: what the forwards seed their draws from
         self.device = device
 
     def step(
@@ -99,6 +100,7 @@ class Executor:
         *,
         record: list[ActionRecord] | None = None,
         timer: StepTimer | None = None,
+        seed: int | None = None,
     ) -> list[torch.Tensor]:
         """Run the action list on the microbatches (graph inputs, split); return the losses held
         here, one 0-d tensor per microbatch on the device: the caller reads them once per step,
@@ -107,7 +109,10 @@ class Executor:
         With ``record``, append an `ActionRecord` for every action: its start and end in
         ``time.perf_counter`` seconds (``timer``'s marks: on a GPU CUDA events, so the times are
         the kernels' own, resolved after the step) and the CPU time of this thread in between.
+        With ``seed`` (train.py's, of this step and replica) every forward first seeds the
+        generators with it, its microbatch and its stage (`autopart.runtime.forward.draw_seed`).
         """
+        self.seed = seed
         losses: list[torch.Tensor] = []
         pending: list[Any] = []
         if record is not None and timer is None:
@@ -210,6 +215,8 @@ class Executor:
                 tensor.requires_grad_(True)
         batch = [microbatches[m][i] for i in stage.batch_inputs]
         batch = [b.to(self.device) if isinstance(b, torch.Tensor) else b for b in batch]
+        if self.seed is not None:
+            torch.manual_seed(draw_seed(self.seed, m, stage.index))  # every device's generator
         if stage.forward is None:
             out = stage.module(*inputs, *batch)
         else:

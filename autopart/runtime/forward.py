@@ -30,6 +30,11 @@ forward runs again in backward. ``selective`` does the same with
 ``create_selective_checkpoint_contexts(selective_policy)``: the outputs of matrix products and
 attention are kept in F and handed back, not recomputed, when the forward runs again.
 
+Random draws (dropout): the executor seeds the generators before each F with `draw_seed` of
+train.py's ``--seed``, the step, the replica, the microbatch and the stage, so F draws the same
+whatever the schedule's order, the process or a resume, and a recompute that replays F's state
+draws F's numbers again.
+
 With a whole backward (B, in GPipe, 1F1B, interleaved) autograd's backward through the
 checkpoint recomputes, once. Zero-bubble schedules split the backward into I and W
 (`autopart.runtime.backward`): two or more autograd calls, and non-reentrant checkpoint
@@ -46,6 +51,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import zlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,12 +64,21 @@ from autopart.runtime.fully_sharded import is_sharded
 from autopart.runtime.sharded_masters import working_weight
 from autopart.ir.recompute import keeps_output
 
-__all__ = ["StageForward", "Rebuild", "selective_policy", "working_copies"]
+__all__ = ["StageForward", "Rebuild", "selective_policy", "working_copies", "draw_seed"]
 
 
 def selective_policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
     """Keep the outputs of the compute-heavy ops (`autopart.passes.recompute.keeps_output`), recompute the rest."""
     return CheckpointPolicy.MUST_SAVE if keeps_output(func) else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def draw_seed(seed: int, *parts: int) -> int:
+    """The generator's seed for one forward: a function of train.py's ``--seed`` and where the forward
+    sits (step, replica, microbatch, stage), so that what a model draws (dropout) depends on
+    neither the schedule's order nor the process: a rerun and a resumed run draw the same, every
+    tensor-parallel rank of a stage draws alike (a replicated activation stays one tensor), and a
+    recomputing stage draws as one that keeps its activations."""
+    return zlib.crc32("/".join(map(str, (seed, *parts))).encode())
 
 
 def working_copies(module: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:

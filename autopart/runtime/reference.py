@@ -5,7 +5,9 @@ to float tolerance. Tests and ``autopart verify`` compare against it. A bf16 pla
 each forward under ``torch.autocast(bfloat16)`` too, over the weights its precision uses, as the
 stages do (``bf16``: working copies cast once per step, gradients accumulated into the fp32
 weights; ``bf16-autocast``: the fp32 weights); recompute
-changes nothing that it computes, so the reference has none. It applies train.py's `Recipe`
+changes nothing that it computes, so the reference has none. A model that draws random numbers
+(dropout) draws here what a plan of one stage and one microbatch draws (``draw_seed``); other
+plans draw per microbatch and stage, which no single forward over the whole batch repeats. It applies train.py's `Recipe`
 with torch's own means (``LambdaLR``, ``clip_grad_norm_`` over the model's parameters, each once),
 which the distributed programs must equal.
 """
@@ -25,7 +27,7 @@ from autopart.ir.plan import load_plan
 from autopart.runtime.data import eval_batches, global_batches, model_file
 from autopart.runtime.materialise import materialise, meta_names
 from autopart.runtime.stage import stage_names
-from autopart.runtime.forward import working_copies
+from autopart.runtime.forward import draw_seed, working_copies
 from autopart.runtime.optim import make_optimizer
 from autopart.runtime.recipe import Recipe, parameter_groups
 from autopart.runtime.shards import load_stage_weights
@@ -95,6 +97,9 @@ def train_reference(
 
     losses, evaluations = [], {}
     for step in range(steps):
+        # seeded as the programs seed replica 0's first microbatch on stage 0: a model that draws
+        # (dropout) draws the same here as a plan of one stage and one microbatch does
+        torch.manual_seed(draw_seed(draw_seed(seed, step, 0), 0, 0))
         loss = loss_of(*next(data))
         loss.backward()
         if recipe.clip_grad_norm is not None:

@@ -57,7 +57,7 @@ from autopart.runtime.checkpoint import CheckpointContext, restarted
 from autopart.runtime.device import StepTimer, backend, compute_device, peak_memory_bytes
 from autopart.runtime.device import tensor as device_tensor
 from autopart.runtime.executor import ActionRecord, Executor, StageRuntime, StepFailure
-from autopart.runtime.forward import StageForward
+from autopart.runtime.forward import StageForward, draw_seed
 from autopart.runtime.fully_sharded import FSDP_LEVELS, check_level, end_of_step, full_state, shard_stage
 from autopart.runtime.launch import check_launch, init_process_group, inject_failure
 from autopart.runtime.measure import StepClock, write_measured_trace
@@ -83,7 +83,8 @@ def parse_args(argv: list[str] | None, plan: Plan) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=10, help="training steps (default 10)")
     parser.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3)")
     parser.add_argument("--optimizer", choices=OPTIMIZERS, default=plan.optimizer)
-    parser.add_argument("--seed", type=int, default=0, help="seed of the training batches (default 0)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the training batches and of what the model "
+                        "draws (dropout), per step, replica, microbatch and stage (default 0)")
     parser.add_argument("--metrics", type=Path,
                         help="append one JSON line per step: step, loss, step_s, lr, peak_memory_bytes (per rank), "
                         "tokens_per_s, tflops_per_device, mfu, and grad_norm, eval_loss when asked for")
@@ -221,7 +222,7 @@ def _loop(out_dir: Path, plan: Plan, schedule: Schedule, args: argparse.Namespac
         clock = StepClock(device) if args.trace and step == args.steps - 1 else None
         record = clock.record if clock else [] if args.action_times else None
         timer = StepTimer(device)
-        losses = executor.step(split(values), record=record, timer=timer)
+        losses = executor.step(split(values), record=record, timer=timer, seed=draw_seed(args.seed, step, here.dp))
         tail_start, tail_cpu = timer.mark(), time.thread_time()
         launched = _reduce(executor.reducer)  # the mean over the replicas first: a tied copy's sum is of means
         reduced = timer.mark()

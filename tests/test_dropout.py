@@ -1,0 +1,65 @@
+"""A model that draws random numbers (dropout in training mode) compiles, and its programs draw
+from a seed of train.py's ``--seed`` and the forward's step, replica, microbatch and stage
+(`autopart.runtime.forward.draw_seed`): a rerun draws the same, a recomputing stage draws what one
+that keeps its activations draws, every tensor-parallel rank draws alike, and a plan of one stage
+and one microbatch draws what the single-process reference draws."""
+
+import torch
+import pytest
+
+from autopart.driver import CompileOptions, compile_to_directory
+from autopart.ir.model_file import load_model_file
+from autopart.passes.capture import capture
+from autopart.runtime.reference import train_reference
+from tests.distributed import REPO, assert_same_training, compile_and_train, read_metrics, run_ranks
+
+MODEL = REPO / "tests" / "models" / "dropout_gpt.py"
+
+
+def _losses(run) -> list[float]:
+    return [m["loss"] for m in run.metrics]
+
+
+def test_a_model_with_dropout_is_captured_and_the_callers_generator_is_left_as_it_was():
+    """The capture checks the graph's loss against the model's from one seed: with dropout the two
+    drew different masks and the compile refused the model."""
+    spec = load_model_file(MODEL)
+    torch.manual_seed(5)
+    before = torch.get_rng_state()
+    graph = capture(spec, batch_size=2)
+    assert graph.module is not None
+    assert torch.equal(torch.get_rng_state(), before)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("recompute", ["selective", "full"])
+def test_one_stage_with_a_split_backward_and_recompute_draws_what_one_process_draws(tmp_path, recompute):
+    run = compile_and_train(tmp_path, MODEL, pp=1, microbatches=1, schedule="zb-h1", recompute=recompute)
+    assert run.plan.stages[0].recompute == recompute
+    assert_same_training(run, optimizer="sgd", lr=0.1)
+
+
+@pytest.mark.multiprocess
+def test_tensor_parallel_ranks_draw_alike(tmp_path):
+    """The dropouts after the row-parallel products act on replicated activations: ranks that drew
+    apart would hold two different residual streams, and the losses would leave one process's."""
+    out, metrics = tmp_path / "out", tmp_path / "metrics.jsonl"
+    plan, _ = compile_to_directory(CompileOptions(model=MODEL, pp=1, tp=2, sp=False, microbatches=1,
+                                                  micro_batch_size=2, optimizer="sgd"), out)
+    assert plan.mesh["tp"] == 2
+    run_ranks(out, 2, "--steps", "3", "--lr", "0.1", "--optimizer", "sgd", "--metrics", str(metrics))
+    reference = train_reference(out, steps=3, lr=0.1, optimizer="sgd")
+    torch.testing.assert_close(torch.tensor([m["loss"] for m in read_metrics(metrics)]),
+                               torch.tensor(reference.losses), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.multiprocess
+def test_a_pipeline_draws_the_same_with_recompute_and_again_when_rerun(tmp_path):
+    """Fresh processes (torchrun's), each drawing from a generator in a state of its own making
+    without the seed; the suite's forking launcher would hand every run the same state."""
+    kept = compile_and_train(tmp_path / "kept", MODEL, pp=2, microbatches=2, schedule="1f1b", launcher="torchrun")
+    rebuilt = compile_and_train(tmp_path / "rebuilt", MODEL, pp=2, microbatches=2, schedule="1f1b", recompute="full",
+                                launcher="torchrun")
+    again = compile_and_train(tmp_path / "again", MODEL, pp=2, microbatches=2, schedule="1f1b", launcher="torchrun")
+    assert _losses(rebuilt) == pytest.approx(_losses(kept), rel=1e-6)
+    assert _losses(again) == _losses(kept)
