@@ -64,7 +64,15 @@ PLANS = {
     "fp32": {"microbatches": 1, "dtype": "fp32", "schedule": "1f1b", "chunks": 1},
     "bf16": {"microbatches": 1, "dtype": "bf16", "schedule": "1f1b", "chunks": 1},
     "interleaved": {"microbatches": 2, "dtype": "fp32", "schedule": "interleaved", "chunks": 2},
+    # dropout with a split backward, and recomputed: a plan of one stage and one microbatch draws
+    # what one process draws (`autopart.runtime.forward.draw_seed`), and a recompute must draw it again
+    "zb-dropout": {"model": "dropout", "microbatches": 1, "dtype": "fp32", "schedule": "zb-h1", "chunks": 1},
+    "zb-dropout-selective": {"model": "dropout", "microbatches": 1, "dtype": "fp32", "schedule": "zb-h1",
+                             "chunks": 1, "recompute": "selective"},
+    "zb-dropout-full": {"model": "dropout", "microbatches": 1, "dtype": "fp32", "schedule": "zb-h1", "chunks": 1,
+                        "recompute": "full"},
 }
+DROPOUT_MODEL = REPO / "tests" / "models" / "dropout_gpt.py"
 MICRO_BATCH_SIZE = 4
 PROFILED_MICROBATCHES = 4  # the plan whose step and memory are predicted from measured ops
 LR, OPTIMIZER = 0.1, "sgd"  # verify's: SGD moves every parameter by a known amount per step
@@ -98,10 +106,12 @@ def prepare(folder: Path, device: str, model: Path) -> None:
 
     folder.mkdir(parents=True, exist_ok=True)
     for name, settings in PLANS.items():
+        settings = dict(settings)
+        plan_model = DROPOUT_MODEL if settings.pop("model", None) == "dropout" else model
         if device == "cpu" and settings["dtype"] == "bf16":  # CPU autocast runs norms in their input's dtype:
             settings = settings | {"dtype": "bf16-autocast"}  # fp32 inputs cannot meet bf16 norm weights there
         options = CompileOptions(
-            model=model, pp=1, tp=1, dp=1, device=SPEC[device], micro_batch_size=MICRO_BATCH_SIZE,
+            model=plan_model, pp=1, tp=1, dp=1, device=SPEC[device], micro_batch_size=MICRO_BATCH_SIZE,
             optimizer=OPTIMIZER, **settings,
         )  # fmt: skip
         compile_to_directory(options, folder / name)
@@ -146,8 +156,9 @@ def _same_losses(folder: Path, name: str, steps: int, work: Path, device: str) -
     gaps = [abs(a - b) - rtol * abs(b) for a, b in zip(losses, reference)]
     worst = max(range(len(gaps)), key=gaps.__getitem__)
     stages = f"{len(plan.stages)} stages on 1 rank, " if len(plan.stages) > 1 else ""
+    recompute = f"{plan.stages[0].recompute} recompute, " if plan.stages[0].recompute != "none" else ""
     return Row(
-        check=f"{name}: {stages}{steps} steps, losses = one process",
+        check=f"{name}: {stages}{recompute}{steps} steps, losses = one process",
         figure=f"worst step {worst}: {losses[worst]:.6f} vs {reference[worst]:.6f}",
         target=f"|diff| <= {atol:g} + {rtol:g}|loss|",
         passed=len(losses) == steps and all(g <= atol for g in gaps),

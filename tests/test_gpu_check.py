@@ -20,12 +20,13 @@ def test_gpu_check_prepares_and_runs_on_the_cpu(tmp_path: Path, capsys: pytest.C
     model = MODEL
     prepared = tmp_path / "prepared"
     assert gpu_check.main(["--prepare", str(prepared), "--device", "cpu", "--model", str(model)]) == 0
-    assert sorted(p.name for p in prepared.iterdir()) == ["bf16", "check.json", "fp32", "interleaved", "roofline",
-                                                              "roofline_model.py"]
+    assert sorted(p.name for p in prepared.iterdir()) == sorted([*gpu_check.PLANS, "check.json", "roofline",
+                                                                 "roofline_model.py"])
     assert gpu_check.main(["--run", str(prepared), "--steps", "2"]) == 0
     table = capsys.readouterr().out
     for check in ("fp32: 2 steps", "bf16: 2 steps", "interleaved: 2 stages on 1 rank", "predicted step",
+                  "zb-dropout-full: full recompute, 2 steps, losses = one process",
                   "predicted peak memory", "matmul efficiency",
                   "cpu roofline plan (", "predicted step vs measured median"):  # fmt: skip
         assert check in table, table
-    assert "0 failed of 3 judged checks" in table, table
+    assert f"0 failed of {len(gpu_check.PLANS)} judged checks" in table, table
