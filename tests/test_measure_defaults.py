@@ -177,7 +177,6 @@ def test_a_missing_model_file_is_still_one_line_on_the_measuring_path(fresh_cach
     assert "does not exist" in capsys.readouterr().err
 
 
-
 def test_a_model_built_on_the_meta_device_is_measured_with_weights_made_as_the_ranks_make_them(fresh_cache,
                                                                                               tmp_path) -> None:
     """The default compile times ops on real tensors: a model on the meta device is made on the CPU

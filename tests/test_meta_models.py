@@ -2,12 +2,17 @@
 without its weights; its programs make each stage's weights on the rank that holds them, with the
 model's own initialisers, or read them by name from a safetensors checkpoint."""
 
+import copy
+
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from autopart.ir.errors import ModelFileError
-from autopart.ir.model_file import load_model_file
+from autopart.ir.errors import ConfigError, ModelFileError
+from autopart.ir.model_file import is_meta, load_model_file
+from autopart.passes.capture import capture
+from autopart.profiling import profile
+from autopart.profiling.profile import made_to_time
 from autopart.driver import CompileOptions, compile_to_directory
 from autopart.runtime.materialise import materialise, meta_names
 from tests.distributed import REPO, assert_same_training, compile_and_train
@@ -114,3 +119,21 @@ def test_an_initialiser_that_refuses_its_meta_tensor_still_refuses_it(tmp_path):
     path = _init_model(tmp_path, "meta", "nn.init.kaiming_uniform_(nn.Parameter(torch.empty(8)))")
     with pytest.raises(ModelFileError, match="Fan in and fan out can not be computed for tensor with fewer than 2 dimensions"):
         load_model_file(path)
+
+
+def test_a_meta_model_is_timed_on_the_weights_its_initialisers_make(monkeypatch):
+    """The captured graph's owners are plain modules that ``init_weights`` does not recognise: the
+    weights come from the model made as a rank makes it, not from uninitialised memory."""
+    spec = load_model_file(MODEL)
+    graph = capture(spec, batch_size=2)
+    made = made_to_time(graph.module, spec)
+    expected = materialise(copy.deepcopy(spec.module), meta_names(spec.module), init=spec.init_weights)
+    named = dict(made.named_parameters(remove_duplicate=False))
+    gate = next(name for name in named if name.endswith("gate.scale"))
+    assert named[gate].abs().max() > 0 and torch.equal(named[gate], expected[gate])
+    assert all(torch.equal(value, expected[name]) for name, value in named.items() if name in expected)
+    assert not is_meta(made) and is_meta(graph.module), "the graph the compile reads stays on meta"
+
+    monkeypatch.setattr(profile, "physical_memory_bytes", lambda: 1 << 10)
+    with pytest.raises(ConfigError, match="GiB of weights, more than this machine can make"):
+        made_to_time(graph.module, spec)

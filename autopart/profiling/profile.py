@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
-from torch import fx
+from torch import fx, nn
 
 from autopart.ir.tensors import DTYPES, precision, working_dtype
 from autopart.passes.annotate import cost_key, mixed_dtype_error, run_one, target_precision
@@ -52,12 +52,13 @@ from autopart.profiling.co_run import co_run_key, measure_co_run
 from autopart.profiling.in_situ import NodeTimes, measure_resume, optimizer_in_situ, time_in_situ
 from autopart.runtime.materialise import check_initialisers, materialise, meta_names
 from autopart.runtime.optim import make_optimizer
+from cost_models.calibration import physical_memory_bytes
 from cost_models.database import CostDatabase, OpTimes
 from cost_models.devices import local_device_name
 from cost_models.profiled import optimizer_call_key, optimizer_key
 from cost_models.profiler import fixed_and_per_item, measure_overheads, time_op
 
-__all__ = ["profile_costs", "torch_device"]
+__all__ = ["profile_costs", "torch_device", "made_to_time"]
 
 
 def torch_device(kind: str) -> torch.device:
@@ -134,16 +135,48 @@ def _working(module: fx.GraphModule, dtype: str) -> fx.GraphModule:
     return copied
 
 
-def _materialised(module: fx.GraphModule, spec: ModelSpec) -> fx.GraphModule:
-    """The module with weights to time it by: a model built on the meta device is made on the CPU
-    with the model file's own initialisers (as each rank makes its stage's), a copy, so that the
-    captured graph the rest of the compile reads stays on the meta device."""
+def made_to_time(module: fx.GraphModule, spec: ModelSpec) -> fx.GraphModule:
+    """The module with weights to time it by. A model built on the meta device is made on the CPU
+    as each rank makes its stage (the model file's initialisers, on a copy of the model itself: the
+    captured graph's owners are plain modules that no ``init_weights`` recognises), and its tensors
+    go into a copy of the graph by name; a tensor the model does not name (an export's) gets small
+    normal values, so that nothing is timed on uninitialised memory. The captured graph the rest
+    of the compile reads stays on meta."""
     if not is_meta(module):
         return module
-    made = copy.deepcopy(module)
+    made = copy.deepcopy(spec.module)
+    weights = _made_bytes(made)
+    if weights > physical_memory_bytes() // 2:
+        raise ConfigError(
+            f"{spec.path.name} holds {weights / 2**30:.1f} GiB of weights, more than this machine can make to "
+            "time its ops in place; compile for a named device (--device h100-sxm ...) or with --costs COSTS.json"
+        )
     check_initialisers(made, spec.init_weights, spec.path.name)
-    materialise(made, meta_names(made), init=spec.init_weights, device="cpu")
-    return made
+    source = materialise(made, meta_names(made), init=spec.init_weights, device="cpu")
+    graph = copy.deepcopy(module)
+    kept = {n: t.clone() for n, t in _named_tensors(graph).items() if not t.is_meta}  # made by the model itself
+    graph.to_empty(device="cpu")
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        for name, tensor in _named_tensors(graph).items():
+            made_here = kept.get(name, source.get(name))
+            if made_here is not None and made_here.shape == tensor.shape:
+                tensor.copy_(made_here)
+            elif tensor.is_floating_point():
+                tensor.normal_(0.0, 0.02)
+            else:
+                tensor.zero_()
+    return graph
+
+
+def _named_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
+    return dict(module.named_parameters(remove_duplicate=False)) | dict(module.named_buffers(remove_duplicate=False))
+
+
+def _made_bytes(module: nn.Module) -> int:
+    """Bytes of the module's parameters and buffers once made (shared ones once)."""
+    tensors = {id(t): t for t in (*module.parameters(), *module.buffers())}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 def _compile_keys(module: fx.GraphModule, values: list[Any], dtype: str, device_kind: str) -> dict[str, str]:
@@ -254,7 +287,7 @@ def profile_costs(graph: Graph, spec: ModelSpec, database: CostDatabase, *, devi
         fresh_overheads = device_name not in database.overheads
         if fresh_overheads:
             database.overheads[device_name] = measure_overheads(where)
-        on_host = _materialised(graph.module, spec)
+        on_host = made_to_time(graph.module, spec)
         module = on_host if where.type == "cpu" else copy.deepcopy(on_host).to(where)
         inputs, target = spec.example(micro_batch_size)
         on_cpu = graph_args(graph, inputs, target)
