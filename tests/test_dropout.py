@@ -11,7 +11,9 @@ from autopart.driver import CompileOptions, compile_to_directory
 from autopart.ir.model_file import load_model_file
 from autopart.passes.capture import capture
 from autopart.runtime.reference import train_reference
-from tests.distributed import REPO, assert_same_training, compile_and_train, read_metrics, run_ranks
+from autopart.tools.verify import verify
+from tests.distributed import (REPO, assert_same_training, compile_and_train, read_metrics, run_ranks,
+                               train_whole_and_resumed)
 
 MODEL = REPO / "tests" / "models" / "dropout_gpt.py"
 
@@ -63,3 +65,35 @@ def test_a_pipeline_draws_the_same_with_recompute_and_again_when_rerun(tmp_path)
     again = compile_and_train(tmp_path / "again", MODEL, pp=2, microbatches=2, schedule="1f1b", launcher="torchrun")
     assert _losses(rebuilt) == pytest.approx(_losses(kept), rel=1e-6)
     assert _losses(again) == _losses(kept)
+
+
+@pytest.mark.multiprocess
+def test_a_resumed_run_draws_what_the_whole_run_drew(tmp_path):
+    out = tmp_path / "out"
+    compile_to_directory(CompileOptions(model=MODEL, pp=2, microbatches=2, micro_batch_size=2, schedule="1f1b"), out)
+    runs = train_whole_and_resumed(out, 2, tmp_path)
+    whole, parts = (read_metrics(runs[name] / "metrics.jsonl") for name in ("whole", "parts"))
+    assert [m["step"] for m in parts] == [0, 1, 2, 3]
+    assert [m["loss"] for m in parts] == pytest.approx([m["loss"] for m in whole], rel=1e-6)
+
+
+@pytest.mark.multiprocess
+def test_verify_says_why_a_pipeline_with_dropout_leaves_one_process(tmp_path):
+    out = tmp_path / "out"
+    compile_to_directory(CompileOptions(model=MODEL, pp=2, microbatches=2, micro_batch_size=2, schedule="1f1b"), out)
+    result = verify(out, steps=2)
+    assert not result.matches
+    assert result.failures[0].startswith("the model draws random numbers (dropout)"), result.failures[:2]
+
+
+@pytest.mark.multiprocess
+def test_held_out_losses_are_computed_without_dropout(tmp_path):
+    """The graph has its dropouts' training flag baked in: evaluating it as captured would drop
+    units. At learning rate 0 the weights stay as made, so the pipeline's held-out losses (drawn
+    per stage and microbatch if drawn at all) must equal one process's without dropout."""
+    run = compile_and_train(tmp_path, MODEL, pp=2, microbatches=2, schedule="1f1b", lr=0.0,
+                            train_args=("--eval-every", "1", "--eval-batches", "2"))
+    reference = train_reference(run.out, steps=run.steps, lr=0.0, optimizer="sgd", eval_every=1, eval_batch_count=2)
+    evaluated = [m["eval_loss"] for m in run.metrics if "eval_loss" in m]
+    assert len(evaluated) == run.steps
+    assert evaluated == pytest.approx([reference.eval_losses[s] for s in range(run.steps)], rel=1e-5)

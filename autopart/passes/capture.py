@@ -305,7 +305,8 @@ def _eager_reference(spec: ModelSpec, inputs: tuple[torch.Tensor, ...], target: 
 def _same_draws() -> Iterator[None]:
     """The eager run and the graph's from one seed: a model that draws random numbers (dropout in
     training mode) draws the same ones in both, op for op, and the caller's generator is left as it was."""
-    with torch.random.fork_rng(devices=[]):
+    cuda = range(torch.cuda.device_count()) if torch.cuda.is_initialized() else []  # manual_seed seeds them too
+    with torch.random.fork_rng(devices=cuda):
         torch.manual_seed(0)
         yield
 
@@ -320,5 +321,6 @@ def _check_same_loss(
     if not torch.allclose(got, expected, rtol=1e-5, atol=1e-6):
         raise CaptureError(
             f"the captured graph computes loss {got.item():.6g} but the model computes {expected.item():.6g}; "
-            "the model has behaviour that tracing cannot see (randomness, global state); report this model"
+            "the model has behaviour that tracing cannot see (random numbers from outside torch's generator, "
+            "global state); report this model"
         )

@@ -22,7 +22,7 @@ from torch import nn
 from autopart.ir.tensors import TensorMeta
 from autopart.runtime.backward import PendingWeights, backward_full, backward_input, backward_weight
 from autopart.runtime.device import Mark, StepTimer
-from autopart.runtime.forward import Rebuild, StageForward, draw_seed
+from autopart.runtime.forward import NoDropout, Rebuild, StageForward, draw_seed
 from autopart.runtime.p2p import Scatter, recv_tensors, send_tensors
 from autopart.runtime.reducer import GradientReducer
 from autopart.schedule import Action, Kind, Schedule, format_grid
@@ -146,12 +146,14 @@ class Executor:
         return losses
 
     def evaluate(self, microbatches: list[tuple[Any, ...]]) -> list[torch.Tensor]:
-        """Forward only, without autograd: the step's F actions and their messages in the
-        schedule's order (a subsequence of a deadlock-free list whose forward messages keep their
-        order is deadlock-free too); return the losses held here, as `step` does."""
+        """Forward only, without autograd and without dropout (`NoDropout`): the step's F actions
+        and their messages in the schedule's order (a subsequence of a deadlock-free list whose
+        forward messages keep their order is deadlock-free too); return the losses held here, as
+        `step` does."""
         losses: list[torch.Tensor] = []
         pending: list[Any] = []
-        with torch.no_grad():
+        self.seed = None  # nothing is drawn: the dropouts pass their inputs through
+        with torch.no_grad(), NoDropout():
             self._begin_step()
             for position, action in enumerate(self.actions):
                 if action.kind not in _FORWARD_KINDS:

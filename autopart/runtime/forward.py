@@ -51,12 +51,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import zlib
+import hashlib
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
+from torch.nn import functional as F
+from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from autopart.ir.tensors import precision, working_dtype
@@ -64,7 +66,7 @@ from autopart.runtime.fully_sharded import is_sharded
 from autopart.runtime.sharded_masters import working_weight
 from autopart.ir.recompute import keeps_output
 
-__all__ = ["StageForward", "Rebuild", "selective_policy", "working_copies", "draw_seed"]
+__all__ = ["StageForward", "Rebuild", "selective_policy", "working_copies", "draw_seed", "NoDropout"]
 
 
 def selective_policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
@@ -78,7 +80,28 @@ def draw_seed(seed: int, *parts: int) -> int:
     neither the schedule's order nor the process: a rerun and a resumed run draw the same, every
     tensor-parallel rank of a stage draws alike (a replicated activation stays one tensor), and a
     recomputing stage draws as one that keeps its activations."""
-    return zlib.crc32("/".join(map(str, (seed, *parts))).encode())
+    digest = hashlib.blake2b("/".join(map(str, (seed, *parts))).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1  # 63 bits: no two forwards of a long run share one
+
+
+class NoDropout(TorchFunctionMode):
+    """Dropouts pass their input through: a captured graph has its dropouts' training flag baked
+    in, so evaluating it (held-out losses) would drop units; the reference evaluates alike."""
+
+    DROPOUTS = frozenset({F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout,
+                          F.feature_alpha_dropout, torch.dropout, torch.alpha_dropout, torch.feature_dropout,
+                          torch.feature_alpha_dropout})
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self.DROPOUTS:
+            return args[0] if args else kwargs["input"]
+        if func is F.scaled_dot_product_attention:
+            args, kwargs = args[:3], {**kwargs, **dict(zip(_SDPA_AFTER_VALUES, args[3:])), "dropout_p": 0.0}
+        return func(*args, **kwargs)
+
+
+_SDPA_AFTER_VALUES = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
 
 def working_copies(module: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:

@@ -4,12 +4,12 @@ The generated programs must match it: the same per-step losses and the same fina
 to float tolerance. Tests and ``autopart verify`` compare against it. A bf16 plan's reference runs
 each forward under ``torch.autocast(bfloat16)`` too, over the weights its precision uses, as the
 stages do (``bf16``: working copies cast once per step, gradients accumulated into the fp32
-weights; ``bf16-autocast``: the fp32 weights); recompute
-changes nothing that it computes, so the reference has none. A model that draws random numbers
-(dropout) draws here what a plan of one stage and one microbatch draws (``draw_seed``); other
-plans draw per microbatch and stage, which no single forward over the whole batch repeats. It applies train.py's `Recipe`
-with torch's own means (``LambdaLR``, ``clip_grad_norm_`` over the model's parameters, each once),
-which the distributed programs must equal.
+weights; ``bf16-autocast``: the fp32 weights); recompute changes nothing that it computes, so the
+reference has none. A model that draws random numbers (dropout) draws here what a plan of one
+stage and one microbatch draws (``draw_seed``); other plans draw per microbatch and stage, which
+no single forward over the whole batch repeats. It applies train.py's `Recipe` with torch's own
+means (``LambdaLR``, ``clip_grad_norm_`` over the model's parameters, each once), which the
+distributed programs must equal.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from autopart.ir.plan import load_plan
 from autopart.runtime.data import eval_batches, global_batches, model_file
 from autopart.runtime.materialise import materialise, meta_names
 from autopart.runtime.stage import stage_names
-from autopart.runtime.forward import draw_seed, working_copies
+from autopart.runtime.forward import NoDropout, draw_seed, working_copies
 from autopart.runtime.optim import make_optimizer
 from autopart.runtime.recipe import Recipe, parameter_groups
 from autopart.runtime.shards import load_stage_weights
@@ -99,8 +99,9 @@ def train_reference(
     for step in range(steps):
         # seeded as the programs seed replica 0's first microbatch on stage 0: a model that draws
         # (dropout) draws the same here as a plan of one stage and one microbatch does
+        batch = next(data)  # before seeding, as train.py draws it
         torch.manual_seed(draw_seed(draw_seed(seed, step, 0), 0, 0))
-        loss = loss_of(*next(data))
+        loss = loss_of(*batch)
         loss.backward()
         if recipe.clip_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.clip_grad_norm)
@@ -109,7 +110,7 @@ def train_reference(
         scheduler.step()
         losses.append(loss.item())
         if eval_every and (step + 1) % eval_every == 0:
-            with torch.no_grad():
+            with torch.no_grad(), NoDropout():  # as the programs evaluate
                 evaluations[step] = sum(loss_of(*batch).item() for batch in held_out) / len(held_out)
     final = {name: named[name].detach().cpu().clone() for name in held}
     return ReferenceRun(losses=losses, parameters=final, eval_losses=evaluations)

@@ -312,7 +312,7 @@ def _cross_entropy(node: fx.Node, op_graph: OpGraph, t: int, inputs: list[fx.Nod
 def _attention(node: fx.Node, op_graph: OpGraph, t: int, inputs: list[fx.Node]) -> list[Strategy]:
     """Split over the batch or the heads; a mask follows along the dims it does not broadcast."""
     if argument(node, 4, "dropout_p", 0.0):
-        return []  # each rank would draw its own dropout mask
+        return []  # every rank draws from one seed: its heads would get the pattern of every other rank's
     return follow(node, op_graph, t, inputs, out_dims=[0, 1])
 
 

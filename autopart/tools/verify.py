@@ -65,6 +65,13 @@ def _bf16_noise(out_dir: Path, parameters: dict[str, torch.Tensor], *, steps: in
     return {name: (value.double() - fp32.parameters[name].double()).abs() for name, value in parameters.items()}
 
 
+def _draws_apart_from_one_process(out_dir: Path, plan) -> bool:
+    """The stage programs call dropout, and the plan draws where the reference does not (see
+    `autopart.runtime.reference`): more than one stage, microbatch or replica."""
+    split = len(plan.stages) > 1 or plan.schedule.microbatches > 1 or plan.mesh["dp"] > 1
+    return split and any("dropout" in p.read_text() for p in (out_dir / "stages").glob("stage_*.py"))
+
+
 def _run_distributed(
     out_dir: Path, work: Path, *, steps: int, lr: float, optimizer: str, timeout_s: float, gpus: bool, recipe: Recipe
 ) -> None:
@@ -131,6 +138,10 @@ def verify(out_dir: str | Path, *, steps: int = 3, lr: float = 0.1, optimizer: s
                 failures.append((gap, f"parameter {name} (stage {stage}) differs by up to {gap:.3g} "
                                       f"(tolerance {parameter_tolerance})"))
     failures.sort(key=lambda f: -f[0])
+    if failures and _draws_apart_from_one_process(out_dir, plan):
+        failures.insert(0, (float("inf"), "the model draws random numbers (dropout): a plan of more than one stage, "
+                                          "microbatch or replica draws them per stage and microbatch, which one "
+                                          "process cannot repeat; verify it with dropout 0, or a plan of one of each"))
     loss_step = max(range(len(loss_gaps)), key=loss_gaps.__getitem__) if loss_gaps else 0
     return Verification(
         steps=steps, losses=losses, reference_losses=reference.losses,
