@@ -9,6 +9,8 @@ for the h200 spec (``--device cuda``) or this CPU (``--device cpu``):
 - ``fp32``, ``bf16``: one stage on one rank, one microbatch, so that the program and a
   single-process run of the same batches compute the same products;
 - ``interleaved``: two stages on one rank (interleaved, two chunks), handed over in memory;
+- ``zb-dropout``, ``-selective``, ``-full``: a model with dropout (tests/models/dropout_gpt.py)
+  under a split backward, without and with recompute, one microbatch: the draws of one process;
 - ``roofline``: a Llama-shaped model of about half a billion parameters (a few layers of width 64
   on the CPU), built on the meta device so that nothing of it travels, compiled from the spec
   alone, as a user who names a GPU (``--device h200``) compiles before any run.
@@ -21,15 +23,16 @@ stage and builds no CP-SAT model). Each row of its table is one check:
    `autopart verify`'s tolerance);
 2. ``autopart profile --device cuda`` (in the plans' precision), then ``autopart compile
    --costs``: the predicted step against the measured median step (target 15%), the predicted
-   peak memory, less what lives outside PyTorch's allocator (the CUDA context and workspaces, NCCL's
-   buffers), against ``torch.cuda.max_memory_allocated`` (target 10%);
-3. the spec's matmul efficiency at each of its points against bf16 GEMMs of that size (25%);
+   peak memory, less what lives outside PyTorch's allocator (the CUDA context, NCCL's buffers; the
+   cuBLAS workspaces are inside it), against ``torch.cuda.max_memory_allocated`` (target 10%);
+3. the spec's matmul efficiency at each of its points against the kernel time of bf16 GEMMs of
+   that size (25%);
 4. the ``roofline`` plan's predicted step, from the spec alone, against its measured median step
    (20%, the bound published_runs holds the spec rooflines to), and its predicted peak memory
    against the allocator's (10%).
 
 It exits 1 when a check fails. On the CPU (gloo) it runs the same code paths, so that the suite
-(``tests/test_gpu_check.py``) keeps it working; there the figures of rows 2 and 3 are printed
+(``tests/test_gpu_check.py``) keeps it working; there the figures of rows 2 to 4 are printed
 but not judged: a shared CPU's step times and resident memory are not what the GPU model predicts.
 """
 
@@ -83,12 +86,13 @@ ROOFLINE_CONFIG = {  # Llama-shaped, about 0.5B parameters: compute-bound on a G
     "cpu": "LlamaConfig(vocab_size=256, seq_len=32, n_layer=2, n_head=4, dim=64, ffn_dim=172)",
 }
 ROOFLINE_PLAN = {"micro_batch_size": 2, "microbatches": 4, "schedule": "1f1b", "chunks": 1}
-GEMM_BATCH_S = 0.02  # seconds of back-to-back products per timed sample
-WARMUP_STEPS = 3
+GEMM_BATCH_S = 0.02  # host seconds of back-to-back products that size a timed sample (see _gemm_seconds)
+WARMUP_STEPS = 3  # steps left out of the measured median: allocator, kernels chosen, caches
 # The cuBLAS workspaces are part of the framework's overhead that PyTorch takes through its own
 # caching allocator (one per cuBLAS handle and stream, 32 MiB each on Hopper as cuBLAS recommends):
 # the forward's thread and autograd's backward thread each have one, so max_memory_allocated holds two.
-CUBLAS_WORKSPACE_BYTES = 2 * 32 * 2**20  # steps left out of the measured median: allocator, kernels chosen, caches
+# Hopper's size: the check's CUDA plans are the h200 spec's (other GPUs take 4-8 MiB each).
+CUBLAS_WORKSPACE_BYTES = 2 * 32 * 2**20
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -242,8 +246,10 @@ def _gemm_seconds(n: int, device: torch.device, dtype: torch.dtype) -> float:
     """Median seconds of one n x n x n matrix product: on a GPU the kernel's own time, products
     replayed back to back from a CUDA graph and timed with CUDA events, since the spec's efficiency
     is the kernel's (the roofline adds ``kernel_overhead_s`` per launch apart); on the CPU a loop
-    timed by the host's clock. A sample lasts about ``GEMM_BATCH_S``: clocks that rise from idle
-    and the events' own cost stay out of one product's time."""
+    timed by the host's clock. A sample holds as many products as the host launches in about
+    ``GEMM_BATCH_S`` (at most 1000): the host's launch time is at least the kernel's, so a sample
+    is long beside the events' own cost and one graph launch; of eight samples the first three
+    warm the clocks and caches up."""
     a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
     cuda = device.type == "cuda"
     began = time.perf_counter()
