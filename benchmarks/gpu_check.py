@@ -68,7 +68,7 @@ PLANS = {
     "bf16": {"microbatches": 1, "dtype": "bf16", "schedule": "1f1b", "chunks": 1},
     "interleaved": {"microbatches": 2, "dtype": "fp32", "schedule": "interleaved", "chunks": 2},
     # dropout with a split backward, and recomputed: a plan of one stage and one microbatch draws
-    # what one process draws (`autopart.runtime.forward.draw_seed`), and a recompute must draw it again
+    # what one process draws (`autopart.runtime.draws.draw_seed`), and a recompute must draw it again
     "zb-dropout": {"model": "dropout", "microbatches": 1, "dtype": "fp32", "schedule": "zb-h1", "chunks": 1},
     "zb-dropout-selective": {"model": "dropout", "microbatches": 1, "dtype": "fp32", "schedule": "zb-h1",
                              "chunks": 1, "recompute": "selective"},

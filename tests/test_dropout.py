@@ -1,19 +1,25 @@
 """A model that draws random numbers (dropout in training mode) compiles, and its programs draw
 from a seed of train.py's ``--seed`` and the forward's step, replica, microbatch and stage
-(`autopart.runtime.forward.draw_seed`): a rerun draws the same, a recomputing stage draws what one
-that keeps its activations draws, every tensor-parallel rank draws alike, and a plan of one stage
-and one microbatch draws what the single-process reference draws."""
+(`autopart.runtime.draws.draw_seed`): a rerun draws the same, a recomputing stage draws what one
+that keeps its activations draws, every tensor-parallel rank draws alike but for a dropout of a
+split tensor (a stream per rank), and a plan of one stage and one microbatch draws what the
+single-process reference draws. Held-out losses are computed without dropout."""
 
-import torch
+from pathlib import Path
+
 import pytest
+import torch
+import torch.distributed as dist
 
 from autopart.driver import CompileOptions, compile_to_directory
 from autopart.ir.model_file import load_model_file
+from autopart.ir.plan import load_plan
 from autopart.passes.capture import capture
 from autopart.runtime.reference import train_reference
 from autopart.tools.verify import verify
-from tests.distributed import (REPO, assert_same_training, compile_and_train, read_metrics, run_ranks,
-                               train_whole_and_resumed)
+from autopart.runtime import collectives
+from tests.distributed import (REPO, assert_same_training, compile_and_train, gloo_group, read_metrics, run_ranks,
+                               spawn_ranks, train_whole_and_resumed)
 
 MODEL = REPO / "tests" / "models" / "dropout_gpt.py"
 
@@ -45,14 +51,10 @@ def test_one_stage_with_a_split_backward_and_recompute_draws_what_one_process_dr
 def test_tensor_parallel_ranks_draw_alike(tmp_path):
     """The dropouts after the row-parallel products act on replicated activations: ranks that drew
     apart would hold two different residual streams, and the losses would leave one process's."""
-    out, metrics = tmp_path / "out", tmp_path / "metrics.jsonl"
-    plan, _ = compile_to_directory(CompileOptions(model=MODEL, pp=1, tp=2, sp=False, microbatches=1,
-                                                  micro_batch_size=2, optimizer="sgd"), out)
-    assert plan.mesh["tp"] == 2
-    run_ranks(out, 2, "--steps", "3", "--lr", "0.1", "--optimizer", "sgd", "--metrics", str(metrics))
+    losses, out = _tensor_parallel_losses(tmp_path, sp=False, microbatches=1)
+    assert load_plan(out / "plan.json").mesh["tp"] == 2
     reference = train_reference(out, steps=3, lr=0.1, optimizer="sgd")
-    torch.testing.assert_close(torch.tensor([m["loss"] for m in read_metrics(metrics)]),
-                               torch.tensor(reference.losses), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference.losses), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.multiprocess
@@ -97,3 +99,40 @@ def test_held_out_losses_are_computed_without_dropout(tmp_path):
     evaluated = [m["eval_loss"] for m in run.metrics if "eval_loss" in m]
     assert len(evaluated) == run.steps
     assert evaluated == pytest.approx([reference.eval_losses[s] for s in range(run.steps)], rel=1e-5)
+
+
+def _draw_sharded(rank: int, port: int) -> None:
+    with gloo_group(rank, port, 2):
+        collectives.set_group(dist.group.WORLD)
+        torch.manual_seed(7)  # the forward's seed: the same on both ranks
+        kept = collectives.sharded_dropout(torch.ones(4096), 0.5) != 0
+        after = torch.rand(4)  # the forward's stream goes on alike on both ranks
+        masks, streams = [torch.zeros_like(kept) for _ in range(2)], [torch.zeros(4) for _ in range(2)]
+        dist.all_gather(masks, kept)
+        dist.all_gather(streams, after)
+        assert not torch.equal(masks[0], masks[1]), "each rank's slice has a mask of its own"
+        assert torch.equal(streams[0], streams[1])
+        torch.manual_seed(7)
+        assert torch.equal(collectives.sharded_dropout(torch.ones(4096), 0.5) != 0, kept), "a recompute draws it again"
+
+
+@pytest.mark.multiprocess
+def test_a_dropout_of_a_split_tensor_draws_a_mask_per_rank_and_the_forward_stream_goes_on_alike():
+    assert spawn_ranks(_draw_sharded, 2) == [0, 0]
+
+
+def _tensor_parallel_losses(folder, **options) -> tuple[list[float], Path]:
+    """Losses of 3 steps of a tp 2 plan of the model (`compile_and_train` reads whole stages' weights)."""
+    out, metrics = folder / "out", folder / "metrics.jsonl"
+    compile_to_directory(CompileOptions(model=MODEL, pp=1, tp=2, micro_batch_size=2, optimizer="sgd", **options), out)
+    run_ranks(out, 2, "--steps", "3", "--lr", "0.1", "--optimizer", "sgd", "--metrics", str(metrics))
+    return [m["loss"] for m in read_metrics(metrics)], out
+
+
+@pytest.mark.multiprocess
+def test_sequence_parallel_dropout_is_emitted_per_rank_and_replayed_by_recompute(tmp_path):
+    kept, out = _tensor_parallel_losses(tmp_path / "kept", microbatches=2)
+    assert load_plan(out / "plan.json").sp
+    assert "tp.sharded_dropout(" in (out / "stages" / "stage_0.py").read_text()
+    rebuilt, _ = _tensor_parallel_losses(tmp_path / "rebuilt", microbatches=2, recompute="full")
+    assert rebuilt == pytest.approx(kept, rel=1e-6)

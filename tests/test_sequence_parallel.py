@@ -104,9 +104,8 @@ def test_sequence_parallelism_is_on_by_default_with_tp_and_recorded_in_the_plan(
 
 
 # The examples have no dropout, so the distributed runs draw no random numbers and must equal
-# one process exactly. Every TP rank draws from one seed (tests/test_dropout.py): a dropout inside
-# the sequence-split region draws the same mask on each rank's slice, where Megatron forks a
-# stream per rank.
+# one process exactly. A dropout inside the sequence-split region draws each rank's slice from a
+# stream of its own, as Megatron's model-parallel generator does (tests/test_dropout.py).
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("example", ["gpt", "llama"])
 @pytest.mark.parametrize("pp", [1, 2])

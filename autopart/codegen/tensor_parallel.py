@@ -12,7 +12,8 @@ rank runs:
 - with ``overlap`` (``--tp-overlap``), a gathered linear and a row-parallel linear whose output
   is reduce-scattered run in pieces, each collective beside the products
   (``autopart.runtime.overlapped``; which linears, ``autopart.solve.overlap``);
-- vocabulary-parallel embedding and cross-entropy become their ``tp.`` functions;
+- vocabulary-parallel embedding and cross-entropy become their ``tp.`` functions, and a dropout
+  of a split tensor ``tp.sharded_dropout`` (each rank's slice drawn from a stream of its own);
 - the shapes in views, reshapes and splits become the local ones (the code shows local head
   counts), and other numbers computed from activation sizes become the constants they are.
 """
@@ -22,6 +23,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from torch import fx
+from torch.nn import functional as F
 
 from autopart.ir.tensors import TensorMeta
 from autopart.passes.annotate import OpGraph
@@ -102,6 +104,8 @@ def shard_stage_graph(
                 node.kwargs = fx.map_arg(node.kwargs, lambda a: swap.get(a, a))
             if strategy.kind:
                 _replace_op(node, strategy.kind)
+            elif node.target is F.dropout and strategy.output.kind == "S":
+                node.target = collectives.sharded_dropout  # each rank's slice its own mask
         _fold_numbers(node, op_graph, placement, tp)
     for node in graph.nodes:  # the outputs: sent on replicated, or the (replicated) loss
         if node.op == "output":

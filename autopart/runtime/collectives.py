@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch.nn import functional as F
 
 from autopart.runtime.backward import backward_phase
+from autopart.runtime.draws import draw_seed
 
 __all__ = [
     "set_group",
@@ -45,6 +46,7 @@ __all__ = [
     "reduce_scatter_into",
     "vocab_parallel_embedding",
     "vocab_parallel_cross_entropy",
+    "sharded_dropout",
 ]
 
 _GROUP: dist.ProcessGroup | None = None
@@ -279,3 +281,16 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
     """Mean cross-entropy of (N, V/t) logit shards against (N,) targets; replicated result."""
     return _VocabParallelCrossEntropy.apply(logits, target, ignore_index)
+
+
+def sharded_dropout(input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> torch.Tensor:
+    """``F.dropout`` of a tensor split over the tensor-parallel group (the sequence-parallel
+    region, a column-split hidden): each rank draws its slice's mask from a stream of its own, as
+    Megatron's model-parallel generator does, where the forward's one stream would repeat one
+    pattern on every slice. The stream's seed is drawn from the forward's CPU generator, the same
+    on every rank and replayed by a recompute; the forward's own streams go on as they were."""
+    base = int(torch.randint(0, 2**62, (), dtype=torch.int64))
+    devices = [input.device] if input.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(draw_seed(base, group_rank()))
+        return F.dropout(input, p, training, inplace)

@@ -22,7 +22,8 @@ from torch import nn
 from autopart.ir.tensors import TensorMeta
 from autopart.runtime.backward import PendingWeights, backward_full, backward_input, backward_weight
 from autopart.runtime.device import Mark, StepTimer
-from autopart.runtime.forward import NoDropout, Rebuild, StageForward, draw_seed
+from autopart.runtime.draws import draw_seed
+from autopart.runtime.forward import NoDropout, Rebuild, StageForward
 from autopart.runtime.p2p import Scatter, recv_tensors, send_tensors
 from autopart.runtime.reducer import GradientReducer
 from autopart.schedule import Action, Kind, Schedule, format_grid
@@ -110,7 +111,7 @@ class Executor:
         ``time.perf_counter`` seconds (``timer``'s marks: on a GPU CUDA events, so the times are
         the kernels' own, resolved after the step) and the CPU time of this thread in between.
         With ``seed`` (train.py's, of this step and replica) every forward first seeds the
-        generators with it, its microbatch and its stage (`autopart.runtime.forward.draw_seed`).
+        generators with it, its microbatch and its stage (`autopart.runtime.draws.draw_seed`).
         """
         self.seed = seed
         losses: list[torch.Tensor] = []

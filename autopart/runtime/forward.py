@@ -30,10 +30,10 @@ forward runs again in backward. ``selective`` does the same with
 ``create_selective_checkpoint_contexts(selective_policy)``: the outputs of matrix products and
 attention are kept in F and handed back, not recomputed, when the forward runs again.
 
-Random draws (dropout): the executor seeds the generators before each F with `draw_seed` of
-train.py's ``--seed``, the step, the replica, the microbatch and the stage, so F draws the same
-whatever the schedule's order, the process or a resume, and a recompute that replays F's state
-draws F's numbers again.
+Random draws (dropout): the executor seeds the generators before each F with
+`autopart.runtime.draws.draw_seed` of train.py's ``--seed``, the step, the replica, the
+microbatch and the stage, so F draws the same whatever the schedule's order, the process or a
+resume, and a recompute that replays F's state draws F's numbers again.
 
 With a whole backward (B, in GPipe, 1F1B, interleaved) autograd's backward through the
 checkpoint recomputes, once. Zero-bubble schedules split the backward into I and W
@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,22 +65,12 @@ from autopart.runtime.fully_sharded import is_sharded
 from autopart.runtime.sharded_masters import working_weight
 from autopart.ir.recompute import keeps_output
 
-__all__ = ["StageForward", "Rebuild", "selective_policy", "working_copies", "draw_seed", "NoDropout"]
+__all__ = ["StageForward", "Rebuild", "selective_policy", "working_copies", "NoDropout"]
 
 
 def selective_policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
     """Keep the outputs of the compute-heavy ops (`autopart.passes.recompute.keeps_output`), recompute the rest."""
     return CheckpointPolicy.MUST_SAVE if keeps_output(func) else CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def draw_seed(seed: int, *parts: int) -> int:
-    """The generator's seed for one forward: a function of train.py's ``--seed`` and where the forward
-    sits (step, replica, microbatch, stage), so that what a model draws (dropout) depends on
-    neither the schedule's order nor the process: a rerun and a resumed run draw the same, every
-    tensor-parallel rank of a stage draws alike (a replicated activation stays one tensor), and a
-    recomputing stage draws as one that keeps its activations."""
-    digest = hashlib.blake2b("/".join(map(str, (seed, *parts))).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1  # 63 bits: no two forwards of a long run share one
 
 
 class NoDropout(TorchFunctionMode):

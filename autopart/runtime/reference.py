@@ -27,7 +27,8 @@ from autopart.ir.plan import load_plan
 from autopart.runtime.data import eval_batches, global_batches, model_file
 from autopart.runtime.materialise import materialise, meta_names
 from autopart.runtime.stage import stage_names
-from autopart.runtime.forward import NoDropout, draw_seed, working_copies
+from autopart.runtime.draws import draw_seed
+from autopart.runtime.forward import NoDropout, working_copies
 from autopart.runtime.optim import make_optimizer
 from autopart.runtime.recipe import Recipe, parameter_groups
 from autopart.runtime.shards import load_stage_weights

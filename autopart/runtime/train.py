@@ -57,7 +57,8 @@ from autopart.runtime.checkpoint import CheckpointContext, restarted
 from autopart.runtime.device import StepTimer, backend, compute_device, peak_memory_bytes
 from autopart.runtime.device import tensor as device_tensor
 from autopart.runtime.executor import ActionRecord, Executor, StageRuntime, StepFailure
-from autopart.runtime.forward import StageForward, draw_seed
+from autopart.runtime.draws import draw_seed
+from autopart.runtime.forward import StageForward
 from autopart.runtime.fully_sharded import FSDP_LEVELS, check_level, end_of_step, full_state, shard_stage
 from autopart.runtime.launch import check_launch, init_process_group, inject_failure
 from autopart.runtime.measure import StepClock, write_measured_trace
