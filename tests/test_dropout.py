@@ -18,7 +18,7 @@ from autopart.passes.capture import capture
 from autopart.runtime.reference import train_reference
 from autopart.tools.verify import verify
 from autopart.runtime import collectives
-from tests.distributed import (REPO, assert_same_training, compile_and_train, gloo_group, read_metrics, run_ranks,
+from tests.distributed import (FREE_LINKS, REPO, assert_same_training, compile_and_train, gloo_group, read_metrics, run_ranks,
                                spawn_ranks, train_whole_and_resumed)
 
 MODEL = REPO / "tests" / "models" / "dropout_gpt.py"
@@ -121,10 +121,10 @@ def test_a_dropout_of_a_split_tensor_draws_a_mask_per_rank_and_the_forward_strea
     assert spawn_ranks(_draw_sharded, 2) == [0, 0]
 
 
-def _tensor_parallel_losses(folder, **options) -> tuple[list[float], Path]:
+def _tensor_parallel_losses(folder, *, model: Path = MODEL, **options) -> tuple[list[float], Path]:
     """Losses of 3 steps of a tp 2 plan of the model (`compile_and_train` reads whole stages' weights)."""
     out, metrics = folder / "out", folder / "metrics.jsonl"
-    compile_to_directory(CompileOptions(model=MODEL, pp=1, tp=2, micro_batch_size=2, optimizer="sgd", **options), out)
+    compile_to_directory(CompileOptions(model=model, pp=1, tp=2, micro_batch_size=2, optimizer="sgd", **options), out)
     run_ranks(out, 2, "--steps", "3", "--lr", "0.1", "--optimizer", "sgd", "--metrics", str(metrics))
     return [m["loss"] for m in read_metrics(metrics)], out
 
@@ -135,4 +135,18 @@ def test_sequence_parallel_dropout_is_emitted_per_rank_and_replayed_by_recompute
     assert load_plan(out / "plan.json").sp
     assert "tp.sharded_dropout(" in (out / "stages" / "stage_0.py").read_text()
     rebuilt, _ = _tensor_parallel_losses(tmp_path / "rebuilt", microbatches=2, recompute="full")
+    assert rebuilt == pytest.approx(kept, rel=1e-6)
+
+
+@pytest.mark.multiprocess
+def test_attention_with_dropout_splits_its_heads_each_rank_drawing_its_own(tmp_path):
+    """Attention with dropout on the probabilities was kept whole under tensor parallelism (one
+    seed would give every rank's heads the same masks); its heads now split, each rank drawing
+    from a stream of its own, and a recompute draws it again."""
+    model = tmp_path / "attention_dropout_gpt.py"
+    model.write_text(MODEL.read_text().replace("ATTENTION_DROPOUT = 0.0", "ATTENTION_DROPOUT = 0.1"))
+    split = {"model": model, "microbatches": 2, "device": str(FREE_LINKS)}  # every op that can split does
+    kept, out = _tensor_parallel_losses(tmp_path / "kept", **split)
+    assert "tp.sharded_attention(" in (out / "stages" / "stage_0.py").read_text()
+    rebuilt, _ = _tensor_parallel_losses(tmp_path / "rebuilt", **split, recompute="full")
     assert rebuilt == pytest.approx(kept, rel=1e-6)

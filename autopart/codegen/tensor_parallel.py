@@ -13,7 +13,8 @@ rank runs:
   is reduce-scattered run in pieces, each collective beside the products
   (``autopart.runtime.overlapped``; which linears, ``autopart.solve.overlap``);
 - vocabulary-parallel embedding and cross-entropy become their ``tp.`` functions, and a dropout
-  of a split tensor ``tp.sharded_dropout`` (each rank's slice drawn from a stream of its own);
+  of a split tensor ``tp.sharded_dropout`` (``tp.sharded_attention`` for attention's): each rank's
+  slice drawn from a stream of its own;
 - the shapes in views, reshapes and splits become the local ones (the code shows local head
   counts), and other numbers computed from activation sizes become the constants they are.
 """
@@ -38,6 +39,10 @@ from autopart.solve.tensor import conversion, gathers_for_split_op
 
 __all__ = ["overlapped_shapes", "shard_stage_graph"]
 
+_DRAWING = {  # an op that draws, and what a split tensor's rank calls instead
+    F.dropout: collectives.sharded_dropout,
+    F.scaled_dot_product_attention: collectives.sharded_attention,
+}
 _KINDS = {
     "vocab_parallel_embedding": collectives.vocab_parallel_embedding,
     "vocab_parallel_cross_entropy": collectives.vocab_parallel_cross_entropy,
@@ -104,8 +109,9 @@ def shard_stage_graph(
                 node.kwargs = fx.map_arg(node.kwargs, lambda a: swap.get(a, a))
             if strategy.kind:
                 _replace_op(node, strategy.kind)
-            elif node.target is F.dropout and strategy.output.kind == "S":
-                node.target = collectives.sharded_dropout  # each rank's slice its own mask
+            elif strategy.output.kind == "S" and node.target in _DRAWING:
+                if node.target is F.dropout or argument(node, 4, "dropout_p", 0.0):
+                    node.target = _DRAWING[node.target]  # each rank's slice its own mask
         _fold_numbers(node, op_graph, placement, tp)
     for node in graph.nodes:  # the outputs: sent on replicated, or the (replicated) loss
         if node.op == "output":

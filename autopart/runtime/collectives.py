@@ -24,6 +24,9 @@ column-parallel linear is gathered from it; ``gather_from_sequence``'s gradient 
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 import torch.distributed as dist
 from torch.nn import functional as F
@@ -47,6 +50,7 @@ __all__ = [
     "vocab_parallel_embedding",
     "vocab_parallel_cross_entropy",
     "sharded_dropout",
+    "sharded_attention",
 ]
 
 _GROUP: dist.ProcessGroup | None = None
@@ -287,10 +291,25 @@ def sharded_dropout(input: torch.Tensor, p: float = 0.5, training: bool = True, 
     """``F.dropout`` of a tensor split over the tensor-parallel group (the sequence-parallel
     region, a column-split hidden): each rank draws its slice's mask from a stream of its own, as
     Megatron's model-parallel generator does, where the forward's one stream would repeat one
-    pattern on every slice. The stream's seed is drawn from the forward's CPU generator, the same
-    on every rank and replayed by a recompute; the forward's own streams go on as they were."""
+    pattern on every slice (`_own_stream`)."""
+    with _own_stream(input):
+        return F.dropout(input, p, training, inplace)
+
+
+def sharded_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` with dropout on the probabilities, split over the heads
+    (or the batch): each rank's heads draw from a stream of their own (`_own_stream`)."""
+    with _own_stream(query):
+        return F.scaled_dot_product_attention(query, key, value, *args, **kwargs)
+
+
+@contextlib.contextmanager
+def _own_stream(tensor: torch.Tensor) -> Iterator[None]:
+    """This rank's stream for a split tensor's draws. Its seed is drawn from the forward's CPU
+    generator, the same on every rank and replayed by a recompute; the forward's own streams go
+    on as they were."""
     base = int(torch.randint(0, 2**62, (), dtype=torch.int64))
-    devices = [input.device] if input.device.type == "cuda" else []
+    devices = [tensor.device] if tensor.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(draw_seed(base, group_rank()))
-        return F.dropout(input, p, training, inplace)
+        yield

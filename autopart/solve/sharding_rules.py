@@ -310,9 +310,9 @@ def _cross_entropy(node: fx.Node, op_graph: OpGraph, t: int, inputs: list[fx.Nod
 
 
 def _attention(node: fx.Node, op_graph: OpGraph, t: int, inputs: list[fx.Node]) -> list[Strategy]:
-    """Split over the batch or the heads; a mask follows along the dims it does not broadcast."""
-    if argument(node, 4, "dropout_p", 0.0):
-        return []  # every rank draws from one seed: its heads would get the pattern of every other rank's
+    """Split over the batch or the heads; a mask follows along the dims it does not broadcast. With
+    dropout on the probabilities each rank draws its slice's from a stream of its own
+    (``tp.sharded_attention``, emitted by `autopart.codegen.tensor_parallel`)."""
     return follow(node, op_graph, t, inputs, out_dims=[0, 1])
 
 

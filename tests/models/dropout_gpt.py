@@ -8,6 +8,7 @@ from torch import nn
 from torch.nn import functional as F
 
 VOCAB, SEQUENCE, WIDTH, HEADS, LAYERS, DROPOUT = 512, 32, 64, 4, 4, 0.1
+ATTENTION_DROPOUT = 0.0  # on the probabilities, inside the fused attention (a test sets it in a copy)
 
 
 class Block(nn.Module):
@@ -19,8 +20,12 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape
-        q, k, v = self.qkv(self.ln_1(x)).view(b, t, 3, HEADS, c // HEADS).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, c)
+        q, k, v = self.qkv(self.ln_1(x)).split(c, dim=2)
+        q = q.view(b, t, HEADS, c // HEADS).transpose(1, 2)
+        k = k.view(b, t, HEADS, c // HEADS).transpose(1, 2)
+        v = v.view(b, t, HEADS, c // HEADS).transpose(1, 2)
+        p = ATTENTION_DROPOUT if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True).transpose(1, 2).reshape(b, t, c)
         x = x + F.dropout(self.proj(y), DROPOUT, self.training)
         return x + F.dropout(self.out(F.gelu(self.fc(self.ln_2(x)))), DROPOUT, self.training)
 
