@@ -120,8 +120,10 @@ class Rebuild:
 class StageForward:
     """Calls a stage module in the plan's precision, recomputing as the plan says."""
 
-    def __init__(self, module: nn.Module, *, recompute: str, dtype: str, device: torch.device, split_backward: bool):
+    def __init__(self, module: nn.Module, *, recompute: str, dtype: str, device: torch.device, split_backward: bool,
+                 dropout: bool = True):
         self.module = module
+        self.dropout = dropout  # False: every dropout passes its input, in F and in any recompute (`NoDropout`)
         self.recompute = recompute
         self.dtype = dtype
         self.device = device
@@ -138,7 +140,7 @@ class StageForward:
     def _call(self, *args: Any) -> Any:
         if self.working is None:  # a caller that runs no steps (one forward, a profile): the weights as they are
             self.begin_step()
-        with precision(self.dtype, self.device.type):
+        with precision(self.dtype, self.device.type), contextlib.nullcontext() if self.dropout else NoDropout():
             if self.working:
                 return torch.func.functional_call(self.module, self.working, args)
             return self.module(*args)

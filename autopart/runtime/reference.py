@@ -14,6 +14,7 @@ distributed programs must equal.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,13 +55,14 @@ def initial_weights(out_dir: Path) -> dict[str, torch.Tensor]:
 def train_reference(
     out_dir: str | Path, *, steps: int, lr: float, optimizer: str, seed: int = 0, weights: Path | None = None,
     dtype: str | None = None, device: str = "cpu", recipe: Recipe | None = None, eval_every: int = 0,
-    eval_batch_count: int = 1,
+    eval_batch_count: int = 1, dropout: bool = True,
 ) -> ReferenceRun:
     """``weights`` is the checkpoint the programs were started from (``train.py --weights``), if any;
     ``dtype`` the precision, by default the plan's; ``device`` where it trains (``"cuda"``: the
     current GPU, to compare with programs that ran on GPUs: autocast and kernels differ by device);
     ``recipe`` the schedule, decay and clipping of train.py's flags; ``eval_every`` and
-    ``eval_batch_count``: train.py's ``--eval-every`` and ``--eval-batches``."""
+    ``eval_batch_count``: train.py's ``--eval-every`` and ``--eval-batches``; ``dropout`` False:
+    train.py's ``--no-dropout``."""
     recipe = recipe or Recipe()
     out_dir = Path(out_dir)
     plan = load_plan(out_dir / "plan.json")
@@ -102,8 +104,9 @@ def train_reference(
         # (dropout) draws the same here as a plan of one stage and one microbatch does
         batch = next(data)  # before seeding, as train.py draws it
         torch.manual_seed(draw_seed(draw_seed(seed, step, 0), 0, 0))
-        loss = loss_of(*batch)
-        loss.backward()
+        with contextlib.nullcontext() if dropout else NoDropout():
+            loss = loss_of(*batch)
+            loss.backward()
         if recipe.clip_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.clip_grad_norm)
         opt.step()

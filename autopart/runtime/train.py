@@ -3,7 +3,7 @@
     torchrun --nproc-per-node P OUT/train.py [--steps N] [--lr LR] [--optimizer sgd|adamw]
         [--seed S] [--metrics FILE] [--trace FILE] [--action-times DIR] [--save-weights DIR] [--timeout S]
         [--weights CKPT.safetensors]
-        [--checkpoint-dir DIR] [--checkpoint-every K] [--resume]
+        [--checkpoint-dir DIR] [--checkpoint-every K] [--resume] [--no-dropout]
         [--lr-schedule constant|cosine|linear] [--warmup-steps N] [--min-lr X] [--clip-grad-norm X]
         [--weight-decay X] [--eval-every K] [--eval-batches N] [--tensorboard DIR]
 
@@ -86,6 +86,8 @@ def parse_args(argv: list[str] | None, plan: Plan) -> argparse.Namespace:
     parser.add_argument("--optimizer", choices=OPTIMIZERS, default=plan.optimizer)
     parser.add_argument("--seed", type=int, default=0, help="seed of the training batches and of what the model "
                         "draws (dropout), per step, replica, microbatch and stage (default 0)")
+    parser.add_argument("--no-dropout", action="store_true",
+                        help="every dropout passes its input through (autopart verify compares a model with dropout so)")
     parser.add_argument("--metrics", type=Path,
                         help="append one JSON line per step: step, loss, step_s, lr, peak_memory_bytes (per rank), "
                         "tokens_per_s, tflops_per_device, mfu, and grad_norm, eval_loss when asked for")
@@ -380,7 +382,8 @@ def _stages_here(out_dir: Path, plan: Plan, args: argparse.Namespace, rank: int,
             index=s,
             module=module,
             forward=StageForward(
-                module, recompute=stage_plan.recompute, dtype=plan.dtype, device=device, split_backward=split_backward
+                module, recompute=stage_plan.recompute, dtype=plan.dtype, device=device, split_backward=split_backward,
+                dropout=not args.no_dropout,
             ),
             inputs=[meta for _, meta in stage_plan.inputs],
             output_metas=[meta for _, meta in stage_plan.outputs],
