@@ -158,3 +158,17 @@ def test_attention_with_dropout_splits_its_heads_each_rank_drawing_its_own(tmp_p
     assert "tp.sharded_attention(" in (out / "stages" / "stage_0.py").read_text()
     rebuilt, _ = _tensor_parallel_losses(tmp_path / "rebuilt", **split, recompute="full")
     assert rebuilt == pytest.approx(kept, rel=1e-6)
+
+
+@pytest.mark.multiprocess
+def test_an_exported_graph_s_dropouts_are_the_functions_the_runtime_turns_off(tmp_path):
+    """torch.export writes aten ops, which pass beneath the runtime's NoDropout: the capture gives
+    an exported graph's dropouts and attention as the torch functions, so verify's dropout-off
+    comparison holds for it too."""
+    out = tmp_path / "out"
+    compile_to_directory(CompileOptions(model=MODEL, pp=2, microbatches=2, micro_batch_size=2, schedule="1f1b",
+                                        capture="export"), out)
+    source = "".join(p.read_text() for p in (out / "stages").glob("stage_*.py"))
+    assert "F.dropout(" in source and "aten.dropout" not in source
+    result = verify(out, steps=2)
+    assert result.without_dropout and result.matches, result.failures[:3]

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 from torch import fx, nn
+from torch.nn import functional as F
 
 from autopart.ir.errors import CaptureError, ConfigError, ModelFileError
 from autopart.ir.model_file import ModelSpec, describe_error, eager_loss, file_line, is_meta
@@ -247,7 +248,7 @@ def capture(
             f"neither {tried} could capture {spec.path.name}: {_reason(exc, spec.path)}; "
             "rewrite that code without Python control flow on tensor values"
         ) from None
-    graph = _graph(module, "export", has_target, spec.module)
+    graph = _graph(_drawing_as_functions(module), "export", has_target, spec.module)
     _check_same_loss(spec, graph, inputs, target, expected)
     if fx_failure:
         log.info(f"torch.fx could not trace {spec.path.name} ({fx_failure}); captured it with torch.export")
@@ -261,6 +262,23 @@ def _graph(module: fx.GraphModule, method: str, has_target: bool, model: nn.Modu
         dict.fromkeys(str(n.target) for n in module.graph.nodes if n.op == "get_attr" and str(n.target) not in own)
     )
     return Graph(module=module, method=method, input_names=names, has_target=has_target, constants=constants)
+
+
+_DRAWING_FUNCTIONS = {  # an exported graph's ops that draw, and the torch functions of the same signature
+    torch.ops.aten.dropout.default: F.dropout,
+    torch.ops.aten.scaled_dot_product_attention.default: F.scaled_dot_product_attention,
+}
+
+
+def _drawing_as_functions(module: fx.GraphModule) -> fx.GraphModule:
+    """An exported graph's dropouts and attention as the torch functions that fx graphs call: the
+    runtime turns dropout off (`autopart.runtime.forward.NoDropout`) and gives a split tensor's
+    draws a stream per rank (`autopart.codegen.tensor_parallel`) by those functions."""
+    for node in module.graph.nodes:
+        if node.op == "call_function" and node.target in _DRAWING_FUNCTIONS:
+            node.target = _DRAWING_FUNCTIONS[node.target]
+    module.recompile()
+    return module
 
 
 def _on_model_device(spec: ModelSpec, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:

@@ -76,8 +76,7 @@ def selective_policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Checkpoi
 class NoDropout(TorchFunctionMode):
     """Dropouts pass their input through: a captured graph has its dropouts' training flag baked
     in, so evaluating it (held-out losses) would drop units; the reference evaluates alike. It
-    sees the torch functions that torch.fx graphs call; the aten ops of a graph that torch.export
-    captured (``aten.dropout``) pass beneath it and still drop."""
+    sees torch functions, which the capture makes of an exported graph's aten dropouts too."""
 
     DROPOUTS = frozenset({F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout,
                           F.feature_alpha_dropout, torch.dropout, torch.alpha_dropout, torch.feature_dropout,
