@@ -67,7 +67,7 @@ PLANS = {
     "fp32": {"microbatches": 1, "dtype": "fp32", "schedule": "1f1b", "chunks": 1},
     "bf16": {"microbatches": 1, "dtype": "bf16", "schedule": "1f1b", "chunks": 1},
     "interleaved": {"microbatches": 2, "dtype": "fp32", "schedule": "interleaved", "chunks": 2},
-    # dropout with a split backward, and recomputed: a plan of one stage and one microbatch draws
+    # dropout with a split backward, and recomputed: a plan of one stage, microbatch and rank draws
     # what one process draws (`autopart.runtime.draws.draw_seed`), and a recompute must draw it again
     "zb-dropout": {"model": "dropout", "microbatches": 1, "dtype": "fp32", "schedule": "zb-h1", "chunks": 1},
     "zb-dropout-selective": {"model": "dropout", "microbatches": 1, "dtype": "fp32", "schedule": "zb-h1",

@@ -2,7 +2,7 @@
 from a seed of train.py's ``--seed`` and the forward's step, replica, microbatch and stage
 (`autopart.runtime.draws.draw_seed`): a rerun draws the same, a recomputing stage draws what one
 that keeps its activations draws, every tensor-parallel rank draws alike but for a dropout of a
-split tensor (a stream per rank), and a plan of one stage and one microbatch draws what the
+split tensor (a stream per rank), and a plan of one stage, microbatch and rank draws what the
 single-process reference draws. Held-out losses are computed without dropout."""
 
 from pathlib import Path
@@ -10,11 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from torch.nn import functional as F
 
 from autopart.driver import CompileOptions, compile_to_directory
 from autopart.ir.model_file import load_model_file
 from autopart.ir.plan import load_plan
 from autopart.passes.capture import capture
+from autopart.runtime.forward import NoDropout
 from autopart.runtime.reference import train_reference
 from autopart.tools.verify import verify
 from autopart.runtime import collectives
@@ -81,9 +83,10 @@ def test_a_resumed_run_draws_what_the_whole_run_drew(tmp_path):
 
 @pytest.mark.multiprocess
 def test_verify_compares_a_pipeline_of_a_model_with_dropout_with_dropout_off(tmp_path):
-    """A plan of two stages and two microbatches draws where one process cannot: verify trains both
-    with every dropout passing its input (train.py's --no-dropout), which leaves the rest to match;
-    a plan of one stage and one microbatch is compared with dropout on."""
+    """A plan of two stages and two microbatches, or of two tensor-parallel ranks, draws where one
+    process cannot: verify trains both with every dropout passing its input (train.py's
+    --no-dropout), which leaves the rest to match; a plan of one stage, one microbatch and one rank
+    is compared with dropout on."""
     out = tmp_path / "out"
     compile_to_directory(CompileOptions(model=MODEL, pp=2, microbatches=2, micro_batch_size=2, schedule="1f1b",
                                         recompute="full"), out)
@@ -94,6 +97,10 @@ def test_verify_compares_a_pipeline_of_a_model_with_dropout_with_dropout_off(tmp
     compile_to_directory(CompileOptions(model=MODEL, pp=1, microbatches=1, micro_batch_size=2), single)
     result = verify(single, steps=2)
     assert not result.without_dropout and result.matches, result.failures[:3]
+    split = tmp_path / "tp"  # one stage and one microbatch, but sequence-parallel slices draw each their own
+    compile_to_directory(CompileOptions(model=MODEL, pp=1, tp=2, microbatches=1, micro_batch_size=2), split)
+    result = verify(split, steps=2)
+    assert result.without_dropout and result.matches, result.failures[:3]
 
 
 @pytest.mark.multiprocess
@@ -163,12 +170,30 @@ def test_attention_with_dropout_splits_its_heads_each_rank_drawing_its_own(tmp_p
 @pytest.mark.multiprocess
 def test_an_exported_graph_s_dropouts_are_the_functions_the_runtime_turns_off(tmp_path):
     """torch.export writes aten ops, which pass beneath the runtime's NoDropout: the capture gives
-    an exported graph's dropouts and attention as the torch functions, so verify's dropout-off
-    comparison holds for it too."""
+    an exported graph's dropouts and attention as the torch functions (attention's dropout_p by
+    name), so verify's dropout-off comparison holds for it too."""
+    model = tmp_path / "attention_dropout_gpt.py"
+    model.write_text(MODEL.read_text().replace("ATTENTION_DROPOUT = 0.0", "ATTENTION_DROPOUT = 0.1"))
     out = tmp_path / "out"
-    compile_to_directory(CompileOptions(model=MODEL, pp=2, microbatches=2, micro_batch_size=2, schedule="1f1b",
+    compile_to_directory(CompileOptions(model=model, pp=2, microbatches=2, micro_batch_size=2, schedule="1f1b",
                                         capture="export"), out)
     source = "".join(p.read_text() for p in (out / "stages").glob("stage_*.py"))
-    assert "F.dropout(" in source and "aten.dropout" not in source
+    assert "F.dropout(" in source and "dropout_p=0.1" in source and "aten.dropout" not in source
+    assert "aten.scaled_dot_product_attention" not in source
     result = verify(out, steps=2)
     assert result.without_dropout and result.matches, result.failures[:3]
+
+
+def test_no_dropout_reaches_positional_and_composite_dropouts():
+    """What the capture leaves: attention's dropout_p by position, ``nn.MultiheadAttention``'s
+    dropout inside one composite function, in-place dropouts, and a tensor-parallel rank's own."""
+    torch.manual_seed(0)
+    q, x = torch.randn(2, 2, 8, 4), torch.randn(3, 8)
+    attention = torch.nn.MultiheadAttention(8, 2, dropout=0.9, batch_first=True)
+    with NoDropout():
+        assert torch.equal(F.scaled_dot_product_attention(q, q, q, None, 0.9, True),
+                           F.scaled_dot_product_attention(q, q, q, is_causal=True))
+        assert torch.equal(collectives.sharded_attention(q, q, q, dropout_p=0.9), F.scaled_dot_product_attention(q, q, q))
+        assert torch.equal(attention(x[None], x[None], x[None])[0], attention(x[None], x[None], x[None])[0])
+        assert torch.equal(torch.dropout_(x.clone(), 0.9, True), x)
+        assert torch.equal(collectives.sharded_dropout(x, 0.9), x)

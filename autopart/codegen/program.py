@@ -28,7 +28,7 @@ from autopart.solve.sharding import op_name
 __all__ = ["Step", "Memory", "Expressions", "attribute_path", "function_lines", "shape_comment", "large", "LARGE_OPS", "VIEW_OPS"]
 
 LARGE_OPS = frozenset({
-    "linear", "matmul", "mm", "bmm", "addmm", "baddbmm", "einsum", "scaled_dot_product_attention",
+    "linear", "matmul", "mm", "bmm", "addmm", "baddbmm", "einsum", "scaled_dot_product_attention", "sharded_attention",
     "conv1d", "conv2d", "conv3d", "embedding", "cross_entropy", "softmax", "log_softmax",
     "vocab_parallel_embedding", "vocab_parallel_cross_entropy",
 })  # fmt: skip

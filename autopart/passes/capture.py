@@ -266,6 +266,13 @@ def _graph(module: fx.GraphModule, method: str, has_target: bool, model: nn.Modu
 
 _DRAWING_FUNCTIONS = {  # an exported graph's ops that draw, and the torch functions of the same signature
     torch.ops.aten.dropout.default: F.dropout,
+    torch.ops.aten.dropout_.default: torch.dropout_,
+    torch.ops.aten.feature_dropout.default: torch.feature_dropout,
+    torch.ops.aten.feature_dropout_.default: torch.feature_dropout_,
+    torch.ops.aten.alpha_dropout.default: torch.alpha_dropout,
+    torch.ops.aten.alpha_dropout_.default: torch.alpha_dropout_,
+    torch.ops.aten.feature_alpha_dropout.default: torch.feature_alpha_dropout,
+    torch.ops.aten.feature_alpha_dropout_.default: torch.feature_alpha_dropout_,
     torch.ops.aten.scaled_dot_product_attention.default: F.scaled_dot_product_attention,
 }
 
@@ -274,10 +281,14 @@ def _drawing_as_functions(module: fx.GraphModule) -> fx.GraphModule:
     """An exported graph's dropouts and attention as the torch functions that fx graphs call: the
     runtime turns dropout off (`autopart.runtime.forward.NoDropout`) and gives a split tensor's
     draws a stream per rank (`autopart.codegen.tensor_parallel`) by those functions."""
-    for node in module.graph.nodes:
-        if node.op == "call_function" and node.target in _DRAWING_FUNCTIONS:
-            node.target = _DRAWING_FUNCTIONS[node.target]
-    module.recompile()
+    drawing = [n for n in module.graph.nodes if n.op == "call_function" and n.target in _DRAWING_FUNCTIONS]
+    for node in drawing:
+        node.target = _DRAWING_FUNCTIONS[node.target]
+        if node.target is F.scaled_dot_product_attention:  # by name past the values, as fx graphs have them
+            node.kwargs = {**dict(zip(("attn_mask", "dropout_p", "is_causal"), node.args[3:])), **node.kwargs}
+            node.args = node.args[:3]
+    if drawing:
+        module.recompile()
     return module
 
 

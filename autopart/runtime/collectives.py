@@ -308,7 +308,7 @@ def _own_stream(tensor: torch.Tensor) -> Iterator[None]:
     """This rank's stream for a split tensor's draws. Its seed is drawn from the forward's CPU
     generator, the same on every rank and replayed by a recompute; the forward's own streams go
     on as they were."""
-    base = int(torch.randint(0, 2**62, (), dtype=torch.int64))
+    base = int(torch.randint(0, 2**62, (), dtype=torch.int64, device="cpu"))
     devices = [tensor.device] if tensor.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(draw_seed(base, group_rank()))

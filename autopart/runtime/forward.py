@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,11 +77,14 @@ def selective_policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Checkpoi
 class NoDropout(TorchFunctionMode):
     """Dropouts pass their input through: a captured graph has its dropouts' training flag baked
     in, so evaluating it (held-out losses) would drop units; the reference evaluates alike. It
-    sees torch functions, which the capture makes of an exported graph's aten dropouts too."""
+    sees torch functions, which the capture makes of an exported graph's aten dropouts too, and
+    reaches inside the composite ones that draw (attention, ``nn.MultiheadAttention``'s forward)
+    by their ``dropout_p``."""
 
     DROPOUTS = frozenset({F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout,
-                          F.feature_alpha_dropout, torch.dropout, torch.alpha_dropout, torch.feature_dropout,
-                          torch.feature_alpha_dropout})
+                          F.feature_alpha_dropout, torch.dropout, torch.dropout_, torch.alpha_dropout,
+                          torch.alpha_dropout_, torch.feature_dropout, torch.feature_dropout_,
+                          torch.feature_alpha_dropout, torch.feature_alpha_dropout_})
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -88,10 +92,13 @@ class NoDropout(TorchFunctionMode):
             return args[0] if args else kwargs["input"]
         if func is F.scaled_dot_product_attention:
             args, kwargs = args[:3], {**kwargs, **dict(zip(_SDPA_AFTER_VALUES, args[3:])), "dropout_p": 0.0}
+        elif func is F.multi_head_attention_forward:  # its dropout runs inside it, where this mode is off
+            args, kwargs = args[:10], {**kwargs, **dict(zip(_MHA_FROM_DROPOUT, args[10:])), "dropout_p": 0.0}
         return func(*args, **kwargs)
 
 
 _SDPA_AFTER_VALUES = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+_MHA_FROM_DROPOUT = tuple(inspect.signature(F.multi_head_attention_forward).parameters)[10:]  # dropout_p first
 
 
 def working_copies(module: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:

@@ -6,10 +6,10 @@ each forward under ``torch.autocast(bfloat16)`` too, over the weights its precis
 stages do (``bf16``: working copies cast once per step, gradients accumulated into the fp32
 weights; ``bf16-autocast``: the fp32 weights); recompute changes nothing that it computes, so the
 reference has none. A model that draws random numbers (dropout) draws here what a plan of one
-stage and one microbatch draws (``draw_seed``); other plans draw per microbatch and stage, which
-no single forward over the whole batch repeats. It applies train.py's `Recipe` with torch's own
-means (``LambdaLR``, ``clip_grad_norm_`` over the model's parameters, each once), which the
-distributed programs must equal.
+stage, one microbatch and one rank draws (``draw_seed``); other plans draw per microbatch, stage
+and tensor-parallel slice, which no single forward over the whole batch repeats. It applies
+train.py's `Recipe` with torch's own means (``LambdaLR``, ``clip_grad_norm_`` over the model's
+parameters, each once), which the distributed programs must equal.
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ def train_reference(
     losses, evaluations = [], {}
     for step in range(steps):
         # seeded as the programs seed replica 0's first microbatch on stage 0: a model that draws
-        # (dropout) draws the same here as a plan of one stage and one microbatch does
+        # (dropout) draws the same here as a plan of one stage, one microbatch and one rank does
         batch = next(data)  # before seeding, as train.py draws it
         torch.manual_seed(draw_seed(draw_seed(seed, step, 0), 0, 0))
         with contextlib.nullcontext() if dropout else NoDropout():

@@ -144,7 +144,7 @@ def _verify(args: argparse.Namespace, console: Console) -> int:
         return 1
     if result.without_dropout:
         console.print("the model draws random numbers (dropout), which this plan draws per stage, microbatch and "
-                      "replica where one process draws once: both trained with dropout off", soft_wrap=True)
+                      "rank where one process draws them once: both trained with dropout off", soft_wrap=True)
     console.print(
         f"{result.steps} steps: largest loss difference {result.loss_difference:.3g} (step {result.loss_step}, "
         f"tolerance {result.loss_tolerance}); largest parameter difference {result.parameter_difference:.3g} "

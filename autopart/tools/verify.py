@@ -67,11 +67,12 @@ def _bf16_noise(out_dir: Path, parameters: dict[str, torch.Tensor], *, steps: in
 
 
 def _draws_apart_from_one_process(out_dir: Path, plan) -> bool:
-    """The stage programs call dropout, and the plan draws where the reference does not (see
-    `autopart.runtime.reference`): more than one stage, microbatch or replica. Then both train
-    with every dropout passing its input through (train.py's ``--no-dropout``), which leaves
-    everything else the programs compute to compare."""
-    split = len(plan.stages) > 1 or plan.schedule.microbatches > 1 or plan.mesh["dp"] > 1
+    """The stage programs call a dropout (or pass a ``dropout_p``), and the plan has several
+    stages, microbatches or ranks: it draws the masks per stage, microbatch and rank (a split
+    tensor's slices from streams of their own), where one process draws them once (see
+    `autopart.runtime.reference`). Then both train with every dropout passing its input (train.py's
+    ``--no-dropout``), which leaves everything else the programs compute to compare."""
+    split = len(plan.stages) > 1 or plan.schedule.microbatches > 1 or plan.world_size > 1
     return split and any("dropout" in p.read_text() for p in (out_dir / "stages").glob("stage_*.py"))
 
 
