@@ -52,6 +52,7 @@ from autopart.profiling.co_run import co_run_key, measure_co_run
 from autopart.profiling.in_situ import NodeTimes, measure_resume, optimizer_in_situ, time_in_situ
 from autopart.runtime.materialise import check_initialisers, materialise, meta_names
 from autopart.runtime.optim import make_optimizer
+from autopart.runtime.stage import stage_tensors
 from cost_models.calibration import physical_memory_bytes
 from cost_models.database import CostDatabase, OpTimes
 from cost_models.devices import local_device_name
@@ -154,11 +155,11 @@ def made_to_time(module: fx.GraphModule, spec: ModelSpec) -> fx.GraphModule:
     check_initialisers(made, spec.init_weights, spec.path.name)
     source = materialise(made, meta_names(made), init=spec.init_weights, device="cpu")
     graph = copy.deepcopy(module)
-    kept = {n: t.clone() for n, t in _named_tensors(graph).items() if not t.is_meta}  # made by the model itself
+    kept = {n: t.clone() for n, t in stage_tensors(graph).items() if not t.is_meta}  # made by the model itself
     graph.to_empty(device="cpu")
     with torch.no_grad(), torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        for name, tensor in _named_tensors(graph).items():
+        for name, tensor in stage_tensors(graph).items():
             made_here = kept.get(name, source.get(name))
             if made_here is not None and made_here.shape == tensor.shape:
                 tensor.copy_(made_here)
@@ -167,10 +168,6 @@ def made_to_time(module: fx.GraphModule, spec: ModelSpec) -> fx.GraphModule:
             else:
                 tensor.zero_()
     return graph
-
-
-def _named_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
-    return dict(module.named_parameters(remove_duplicate=False)) | dict(module.named_buffers(remove_duplicate=False))
 
 
 def _made_bytes(module: nn.Module) -> int:
