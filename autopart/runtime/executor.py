@@ -92,7 +92,6 @@ class Executor:
         self.schedule = schedule
         self.actions = schedule[rank]
         self.microbatches = microbatches
-        self.seed: int | None = None  # this step's, from `step`: what the forwards seed their draws from
         self.device = device
 
     def step(
@@ -113,7 +112,6 @@ class Executor:
         With ``seed`` (train.py's, of this step and replica) every forward first seeds the
         generators with it, its microbatch and its stage (`autopart.runtime.draws.draw_seed`).
         """
-        self.seed = seed
         losses: list[torch.Tensor] = []
         pending: list[Any] = []
         if record is not None and timer is None:
@@ -126,7 +124,7 @@ class Executor:
                 cpu = time.thread_time() if record is not None else 0.0
                 if self.reducer is not None:
                     self.reducer.before(position, action)
-                self._run(action, microbatches, losses, pending)
+                self._run(action, microbatches, losses, pending, seed)
                 if record is not None:
                     marks.append((action, start, timer.mark(), time.thread_time() - cpu))
                 if self.reducer is not None:  # outside the action's time: launching what it finished
@@ -153,14 +151,13 @@ class Executor:
         `step` does."""
         losses: list[torch.Tensor] = []
         pending: list[Any] = []
-        self.seed = None  # nothing is drawn: the dropouts pass their inputs through
         with torch.no_grad(), NoDropout():
             self._begin_step()
             for position, action in enumerate(self.actions):
                 if action.kind not in _FORWARD_KINDS:
                     continue
                 try:
-                    self._run(action, microbatches, losses, pending)
+                    self._run(action, microbatches, losses, pending, None)  # nothing is drawn
                 except Exception as exc:
                     raise self._failure(position, action, exc) from exc
         for work in pending:
@@ -186,7 +183,8 @@ class Executor:
         )
 
     def _run(
-        self, action: Action, microbatches: list[tuple[Any, ...]], losses: list[torch.Tensor], pending: list
+        self, action: Action, microbatches: list[tuple[Any, ...]], losses: list[torch.Tensor], pending: list,
+        seed: int | None,
     ) -> None:
         stage = self.stages[action.stage]
         m = action.microbatch
@@ -194,7 +192,7 @@ class Executor:
         if kind is Kind.RECV_F:
             stage.received[m] = recv_tensors(stage.inputs, stage.prev_rank, self.device, self.scatter)
         elif kind is Kind.F:
-            self._forward(stage, m, microbatches, losses)
+            self._forward(stage, m, microbatches, losses, seed)
         elif kind is Kind.SEND_F:
             pending.extend(send_tensors(list(stage.outputs[m]), stage.next_rank, self.scatter))
         elif kind is Kind.RECV_B:
@@ -210,7 +208,8 @@ class Executor:
             raise AssertionError(f"unknown action kind {kind}")
 
     def _forward(
-        self, stage: StageRuntime, m: int, microbatches: list[tuple[Any, ...]], losses: list[torch.Tensor]
+        self, stage: StageRuntime, m: int, microbatches: list[tuple[Any, ...]], losses: list[torch.Tensor],
+        seed: int | None,
     ) -> None:
         inputs = stage.received.get(m, [])
         for tensor in inputs:
@@ -218,8 +217,8 @@ class Executor:
                 tensor.requires_grad_(True)
         batch = [microbatches[m][i] for i in stage.batch_inputs]
         batch = [b.to(self.device) if isinstance(b, torch.Tensor) else b for b in batch]
-        if self.seed is not None:
-            torch.manual_seed(draw_seed(self.seed, m, stage.index))  # every device's generator
+        if seed is not None:
+            torch.manual_seed(draw_seed(seed, m, stage.index))  # every device's generator
         if stage.forward is None:
             out = stage.module(*inputs, *batch)
         else:
