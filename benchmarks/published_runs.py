@@ -104,7 +104,6 @@ class Run:
     sp: bool = True  # sequence parallelism with TP
     tp_overlap: bool = False  # the TP collectives overlapped with their linears (--tp-overlap)
     assumed: str = ""  # what the source does not state and the row assumes
-    lacks: str = ""  # what autopart's programs do not do that the published run did, where it matters
 
     @property
     def gpus(self) -> int:
@@ -150,11 +149,8 @@ _MPT = dict(source="MosaicML llm-foundry benchmarking README (H100 80GB BF16, la
 def _mpt(name: str, model: Model, gpus: int, micro_batch_size: int, tokens: int, tokens_per_s: float,
          recompute: str) -> Run:
     """One row of llm-foundry's table: its step is GlobalBatchSize (T) over Throughput (T/s)."""
-    lacks = ("activation checkpointing per block (autopart's full recompute checkpoints a stage whole, whose "
-             "activations then live at once in its backward)") if recompute == "full" else ""
     return Run(name=f"{name}-{gpus}", model=model, dp=gpus, micro_batch_size=micro_batch_size,
-               global_batch_size=tokens // model.seq, recompute=recompute, published_s=tokens / tokens_per_s,
-               lacks=lacks, **_MPT)
+               global_batch_size=tokens // model.seq, recompute=recompute, published_s=tokens / tokens_per_s, **_MPT)
 
 
 _MPT_ROWS = (  # name, model, MicroBatchSize, recompute; per # GPUs: (GlobalBatchSize (T), Throughput (T/s))
@@ -212,7 +208,7 @@ def predict(run: Run, folder: Path, *, search: bool) -> dict:
                                         schedule=run.schedule, chunks=run.chunks, sp=run.sp,
                                         stage_layers=run.stage_layers, **common)}  # fmt: skip
     except autopart.AutopartError as error:  # the published layout does not compile: the search may still
-        row = {"error": f"{error}{f'; it lacks {run.lacks}' if run.lacks else ''}"}
+        row = {"error": str(error)}
     row["compile_s"] = time.perf_counter() - start
     if search:
         start = time.perf_counter()

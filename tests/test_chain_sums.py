@@ -5,6 +5,7 @@ figure summed block by block."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -47,3 +48,47 @@ def test_a_stage_s_figures_asked_apart_are_its_blocks_summed(seed: int) -> None:
                 assert sums.held(first, last, mode, transient=3) == held
     with pytest.raises(ValueError, match="unknown recompute mode"):
         sums.seconds(0, 0, "some")
+
+
+def _layer_by_layer(costs: ChainCosts, first: int, last: int, transient: int) -> tuple:
+    """Full recompute's figures layer by layer, by plain sums: the layers the stage holds whole
+    keep what enters them and run again; the other blocks keep what they save; without a whole
+    layer, the stage checkpoints whole."""
+    whole = [(a, b) for a, b in costs.layer_spans if first <= a and b - 1 <= last]
+    if not whole:
+        return None
+    inside = {k for a, b in whole for k in range(a, b)}
+    blocks = range(first, last + 1)
+    seconds = sum(costs.forward_s[k] + costs.backward_s[k] for k in blocks) + sum(costs.forward_s[k] for k in inside)
+    held = sum(costs.saved_bytes[k] for k in blocks if k not in inside)
+    held += sum(costs.boundary_bytes[a - 1] if a else 0 for a, _ in whole)
+    largest = max(sum(costs.saved_bytes[a:b]) for a, b in costs.layer_spans)
+    return seconds, (held, transient * largest)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_full_recompute_layer_by_layer_is_its_blocks_summed(seed: int) -> None:
+    """Layers of two to four blocks, cut anywhere: a stage's figures under full recompute are the
+    plain sums of `_layer_by_layer`, and a stage that holds no layer whole keeps its input alone."""
+    rng = random.Random(seed)
+    costs = random_table(rng, layers=rng.randint(2, 6), tied=False).chain_costs(micro_batch_size=2, tp=1, dtype="fp32")
+    spans, k = [], rng.randint(0, 2)
+    while k + 2 <= len(costs) - 1:
+        width = rng.randint(2, 4)
+        if k + width <= len(costs):
+            spans.append((k, k + width))
+        k += width + rng.randint(0, 1)
+    costs = replace(costs, layer_spans=tuple(spans)).checkpointing_layers()
+    assert costs.layer_by_layer and spans
+    sums = chain_sums(costs)
+    stage_wide = 0
+    for first in range(len(costs)):
+        for last in range(first, len(costs)):
+            expected = _layer_by_layer(costs, first, last, transient=2)
+            if expected is None:  # no layer whole: the stage's own checkpoint
+                stage_wide += 1
+                expected = _summed(costs, first, last, "full", transient=2)[::2]
+            assert sums.seconds(first, last, "full") == pytest.approx(expected[0], rel=1e-12), (first, last)
+            assert sums.held(first, last, "full", transient=2) == expected[1], (first, last, spans)
+            assert sums.held(first, last, "none") == _summed(costs, first, last, "none", transient=2)[2]
+    assert stage_wide > 0

@@ -25,7 +25,10 @@ from autopart.driver import CompileOptions, compile_to_directory
 from autopart.ir.errors import ConfigError, PlanError
 from autopart.ir.plan import Plan, load_plan
 from autopart.ir.recompute import keeps_output
-from autopart.passes.recompute import batch_inputs, recompute_cost, stage_input_bytes, transient_microbatches
+from autopart.passes.recompute import (
+    batch_inputs, checkpointed_layers, recompute_cost, stage_input_bytes, transient_microbatches,
+)
+from autopart.codegen.layers import layer_instances
 from autopart.runtime.backward import backward_full, backward_input, backward_weight
 from autopart.runtime.forward import StageForward, selective_policy
 from autopart.runtime.stage import load_stage
@@ -183,11 +186,16 @@ def _compiled(tmp_path_factory, dtype: str, schedule: str = "1f1b"):
     return _COMPILED[dtype]
 
 
+def _batch(plan: Plan) -> dict[str, torch.Tensor]:
+    """The gpt example's batch of two, by the plan's graph input names."""
+    inputs, target = load_model_file(GPT).example(2)
+    return dict(zip(plan.graph_inputs, (*inputs, target)))
+
+
 @pytest.mark.parametrize("dtype", ["fp32", "bf16", "bf16-autocast"])
 def test_bytes_held_for_backward_are_the_predicted_ones(tmp_path_factory, dtype):
     plan, out, chain = _compiled(tmp_path_factory, dtype)
-    inputs, target = load_model_file(GPT).example(2)
-    batch = dict(zip(plan.graph_inputs, (*inputs, target)))
+    batch = _batch(plan)
     received: list[torch.Tensor] = []
     for stage in plan.stages:
         module = load_stage(out, stage.index, CPU)
@@ -198,9 +206,17 @@ def test_bytes_held_for_backward_are_the_predicted_ones(tmp_path_factory, dtype)
             for split in (False, True):
                 forward = StageForward(module, recompute=mode, dtype=dtype, device=CPU, split_backward=split)
                 measured, result = held_for_backward(forward, args)
-                predicted = recompute_cost(blocks, mode, input_bytes=stage_input_bytes(chain, first, last))
+                # a whole backward checkpoints each layer by itself, a split one the stage
+                layers = [] if split or mode != "full" else checkpointed_layers(chain, first, last, _spans(chain))
+                assert forward.layered == bool(layers)
+                predicted = recompute_cost(blocks, mode, input_bytes=stage_input_bytes(chain, first, last),
+                                           layers=layers)
                 assert measured == pytest.approx(predicted.saved_bytes, rel=0.15), (stage.index, mode, split)
         received = [t.detach() for t in result] if isinstance(result, tuple) else []
+
+
+def _spans(chain) -> list[tuple[int, int]]:
+    return [(first, end) for first, end, _ in layer_instances(chain)]
 
 
 def test_a_stage_reads_the_batch_inputs_its_nodes_reach_and_holds_their_bytes(tmp_path_factory):
@@ -243,7 +259,9 @@ def test_plan_figures_follow_the_recompute_mode(tmp_path_factory, tmp_path):
         assert tuple(s.recompute for s in other.stages) == modes
         for s, (stage, base) in enumerate(zip(other.stages, plan.stages)):
             first, last = stage.blocks
-            cost = recompute_cost(chain.blocks[first : last + 1], modes[s], input_bytes=stage_input_bytes(chain, first, last))
+            layers = checkpointed_layers(chain, first, last, _spans(chain)) if modes[s] == "full" else []
+            cost = recompute_cost(chain.blocks[first : last + 1], modes[s], input_bytes=stage_input_bytes(chain, first, last),
+                                  layers=layers)
             assert stage.activation_bytes == cost.saved_bytes
             assert stage.backward_s == pytest.approx(base.backward_s + cost.extra_backward_s)
             assert stage.forward_s == base.forward_s and stage.backward_weight_s == base.backward_weight_s
@@ -255,9 +273,44 @@ def test_plan_figures_follow_the_recompute_mode(tmp_path_factory, tmp_path):
         held = [by_mode[m].activation_bytes for m in ("none", "selective", "full")]
         backward = [by_mode[m].backward_s for m in ("none", "selective", "full")]
         assert held == sorted(held, reverse=True) and backward == sorted(backward)
-        assert by_mode["full"].backward_s == pytest.approx(plan.stages[s].backward_s + by_mode["full"].forward_s)
-        assert by_mode["full"].activation_bytes < plan.stages[s].activation_bytes / 20
+        # full runs its layers' forward again, not the embedding's or the head's: less than the stage's
+        again = by_mode["full"].backward_s - plan.stages[s].backward_s
+        assert 0 < again < by_mode["full"].forward_s
     assert all(p.predicted.pipeline_s > plan.predicted.pipeline_s for p in plans.values() if p is not plan)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "bf16-autocast"])
+def test_full_recompute_layer_by_layer_computes_what_keeping_computes(tmp_path_factory, dtype):
+    """Under a whole backward full recompute checkpoints each layer method's call by itself: the
+    same outputs and gradients as keeping everything, bit for bit (bf16: the layer's recompute
+    casts the working weights again), each layer run twice and the rest of the stage once."""
+    plan, out, _ = _compiled(tmp_path_factory, dtype)
+    batch = _batch(plan)
+    received: list[torch.Tensor] = []
+    for stage in plan.stages:
+        module = load_stage(out, stage.index, CPU)
+        (method, paths), = type(module).layer_methods.items()
+        calls = []
+        body = getattr(module, method)
+        setattr(module, method, lambda *a, **k: calls.append(1) or body(*a, **k))
+        found = {}
+        for mode in ("none", "full"):
+            module.zero_grad(set_to_none=True)
+            calls.clear()
+            args = [t.detach().requires_grad_(True) for t in received] + [batch[n] for n in stage.batch_inputs]
+            forward = StageForward(module, recompute=mode, dtype=dtype, device=CPU, split_backward=False)
+            assert forward.layered == (mode == "full")
+            result, _ = forward(*args)
+            outputs = [t for t in result if t.requires_grad] if isinstance(result, tuple) else [result]
+            backward_full(outputs, [torch.ones_like(t) for t in outputs], args[: len(received)])
+            found[mode] = ([t.detach() for t in outputs], [a.grad for a in args[: len(received)]],
+                           {n: p.grad for n, p in module.named_parameters()}, len(calls))
+        (out_none, in_none, grads_none, calls_none), (out_full, in_full, grads_full, calls_full) = found.values()
+        assert all(torch.equal(a, b) for a, b in zip(out_none, out_full))
+        assert all(torch.equal(a, b) for a, b in zip(in_none, in_full))
+        assert all(torch.equal(grads_none[n], grads_full[n]) for n in grads_none), stage.index
+        assert (calls_none, calls_full) == (len(paths), 2 * len(paths))
+        received = [t.detach() for t in result] if isinstance(result, tuple) else []
 
 
 def test_recomputed_activations_live_from_i_to_w():
@@ -407,16 +460,17 @@ def _solver_peaks(options: CompileOptions, plan: Plan) -> tuple[int, int]:
 
 
 def test_a_plan_whose_recompute_outgrows_the_memory_is_refused(tmp_path, capsys):
-    """Full recompute rebuilds a whole stage's activations in backward. The cut solver holds them,
-    and the plan's memory holds them and the stage inputs that checkpoint keeps besides. A limit
-    below the solver's figure (and above what it was without them) is refused by the solver, one
-    between it and the plan's peak by the check of the plan; just above the peak, it is written."""
-    options = CompileOptions(model=GPT, microbatches=2, recompute="full")
+    """Full recompute under a split backward rebuilds a whole stage's activations in backward.
+    The cut solver holds them, and the plan's memory holds them and the stage inputs that
+    checkpoint keeps besides. A limit below the solver's figure (and above what it was without
+    them) is refused by the solver, one between it and the plan's peak by the check of the plan;
+    just above the peak, it is written."""
+    options = CompileOptions(model=GPT, microbatches=2, recompute="full", schedule="zb-h1")
     plan = compile_to_directory(options, tmp_path / "a")[0]
     peak = max(plan.predicted.memory_bytes)
     solver, without = _solver_peaks(options, plan)
     assert without + 64 < solver < peak - 64
-    base = ["compile", str(GPT), "--microbatches", "2", "--recompute", "full"]
+    base = ["compile", str(GPT), "--microbatches", "2", "--recompute", "full", "--schedule", "zb-h1"]
     for limit, said in ((peak - 64, f"the plan needs {peak / 2**30:.2f} GiB on pipeline rank"),
                         (solver - 64, "the model does not fit")):
         with pytest.raises(SystemExit) as exit_info:

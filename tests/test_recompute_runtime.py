@@ -38,9 +38,13 @@ def test_recompute_trains_like_one_process(tmp_path, schedule, recompute):
 BF16_RTOL, BF16_LOSS_ATOL, BF16_SHARE_OF_STEP = 1.6e-2, 1e-5, 2e-2
 
 
-def test_bf16_trains_like_one_bf16_process(tmp_path):
+@pytest.mark.parametrize("recompute", [("none", "selective"), ("full", "full")], ids=["none-selective", "full"])
+def test_bf16_trains_like_one_bf16_process(tmp_path, recompute):
+    """With full recompute each stage checkpoints its layer methods one by one: each layer's
+    recompute casts the step's bf16 working weights again (one of them tied across the stages)."""
     run = compile_and_train(tmp_path, REPO / "tests" / "models" / "tanh_mlp.py", pp=2, microbatches=4,
-                            schedule="1f1b", dtype="bf16", recompute=("none", "selective"), steps=2)  # fmt: skip
+                            schedule="1f1b", dtype="bf16", recompute=recompute, steps=2)  # fmt: skip
+    assert all("layer_methods" in (run.out / "stages" / f"stage_{s}.py").read_text() for s in range(2))
     assert run.plan.dtype == "bf16"
     assert [meta.dtype for _, meta in run.plan.stages[1].inputs] == ["bfloat16"]  # bf16 crosses, both ways
     reference = train_reference(run.out, steps=run.steps, lr=0.1, optimizer="sgd")

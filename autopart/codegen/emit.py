@@ -158,7 +158,8 @@ Train with:
 _RECOMPUTE = {
     "none": "autograd keeps every activation for backward",
     "selective": "selective recompute: torch.utils.checkpoint keeps the outputs of matmuls and attention and runs the rest again in backward",
-    "full": "full recompute: torch.utils.checkpoint keeps the inputs and runs the forward again in backward",
+    "full": ("full recompute: torch.utils.checkpoint keeps the inputs of each layer method (of the stage, under a "
+             "zero-bubble schedule or without one) and runs it again in backward"),
 }
 
 

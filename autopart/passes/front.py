@@ -7,6 +7,7 @@ capture and emitting needs no second one.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from autopart.ir.model_file import ModelSpec, is_meta, load_model_file
@@ -23,8 +24,8 @@ from autopart.runtime.materialise import check_initialisers
 from autopart.solve.tensor import BlockSharding, shard_chain
 from cost_models import CostDatabase, CostModel, ProfiledCostModel, get_cost_model
 
-__all__ = ["Front", "annotated", "block_seconds", "build_front", "capture_for", "note_unsplit", "parameter_placements",
-           "recompute_blocks", "sharded"]
+__all__ = ["Front", "annotated", "block_seconds", "build_front", "capture_for", "layer_rebuilt_bytes", "note_unsplit",
+           "parameter_placements", "recompute_blocks", "sharded"]
 
 log = logging.getLogger("autopart")
 
@@ -124,16 +125,38 @@ def block_seconds(front: Front) -> list[tuple[float, float, float]]:
     return times
 
 
-def recompute_blocks(front: Front, modes: list[str]) -> tuple[tuple[float, ...], tuple[int, ...], tuple[int, ...]]:
+def recompute_blocks(front: Front, modes: list[str], layers: Sequence[tuple[int, int]] = ()
+                     ) -> tuple[tuple[float, ...], tuple[int, ...], tuple[int, ...]]:
     """Per block, in the recompute mode of its stage: forward and backward seconds (the recompute
     included), the bytes it holds per microbatch in flight (a stage's inputs not included), and
-    the bytes its recompute rebuilds, held while a microbatch's backward runs."""
+    the bytes its recompute rebuilds, held while a microbatch's backward runs.
+
+    ``layers``: the repeated layers (first, end blocks) that full recompute checkpoints one by
+    one (`autopart.passes.recompute.checkpointed_layers`): a layer's first block holds what enters
+    it, the others nothing; each layer rebuilds its activations apart from the stage's, which
+    `layer_rebuilt_bytes` gives. The caller gives their stages' other blocks ``none``."""
+    start = {begin: end for begin, end in layers}
+    inside = {k for begin, end in layers for k in range(begin, end)}
     times, held, rebuilt = [], [], []
     for k, (block, (forward, backward, _)) in enumerate(zip(front.chain.blocks, block_seconds(front))):
         cost = recompute_cost([block], modes[k], input_bytes=0)
         scale = forward / block.forward_s if block.forward_s > 0 else 1.0  # the tensor-parallel share
         shard = front.shardings[k].saved_bytes / block.saved_bytes if front.shardings and block.saved_bytes else 1.0
         times.append(forward + backward + cost.extra_backward_s * scale)
-        held.append(round(cost.saved_bytes * shard))
-        rebuilt.append(round(cost.transient_bytes * shard))
+        if k in inside:  # what enters the layer is whole on every tensor-parallel rank, as a stage's arguments
+            held.append(front.chain.boundaries[k - 1].nbytes if k in start and k > 0 else 0)
+            rebuilt.append(0)
+        else:
+            held.append(round(cost.saved_bytes * shard))
+            rebuilt.append(round(cost.transient_bytes * shard))
     return tuple(times), tuple(held), tuple(rebuilt)
+
+
+def layer_rebuilt_bytes(front: Front, layers: Sequence[tuple[int, int]]) -> int:
+    """The most that full recompute's backward rebuilds at once when it checkpoints ``layers``
+    one by one: the largest layer's activations (one tensor-parallel rank's share)."""
+    chain = front.chain
+    shard = [front.shardings[k].saved_bytes / b.saved_bytes if front.shardings and b.saved_bytes else 1.0
+             for k, b in enumerate(chain.blocks)]
+    return max((round(sum(chain.blocks[k].saved_bytes * shard[k] for k in range(begin, end))) for begin, end in layers),
+               default=0)

@@ -8,13 +8,17 @@ A stage runs in one of three modes (``StagePlan.recompute``):
   and recomputes everything else in backward. This is Megatron's selective recompute
   (Korthikanti et al., MLSys'23): the ops that are cheap to run again (norms, activations,
   softmax, dropout, casts) are the ones whose outputs take the memory.
-- ``full``: only the stage's inputs are kept; the whole forward runs again in backward.
+- ``full``: with a whole backward, each repeated layer that the stage holds whole keeps only its
+  inputs and runs again in backward, one layer at a time (Megatron-LM's full recompute of one
+  layer per checkpoint); the rest of the stage keeps what ``none`` keeps. Under a split backward
+  (zero-bubble), or in a stage without whole layers, only the stage's inputs are kept and its
+  whole forward runs again in backward (`autopart.runtime.forward` says why).
 
 `keeps_output` is the one definition of the selective policy: the runtime's checkpoint policy
 (`autopart.runtime.forward`) and the annotate pass, which measures per node the bytes of the
 outputs it keeps (``NodeCost.selective_saved_bytes``), both ask it about the same aten ops.
 
-`recompute_cost(blocks, mode, input_bytes=...)` gives the figures of one stage in one mode:
+`recompute_cost(blocks, mode, input_bytes=..., layers=...)` gives the figures of one stage in one mode:
 the bytes held per microbatch in flight, the forward seconds that the backward runs again, and
 the bytes that exist only while one microbatch's backward runs (the recomputed activations).
 The plan search calls it per candidate stage; `stage_input_bytes` gives its ``input_bytes``.
@@ -36,7 +40,7 @@ if TYPE_CHECKING:
     from autopart.passes.blocks import Block, BlockChain
     from autopart.schedule import Schedule
 
-__all__ = ["RecomputeCost", "recompute_cost", "stage_input_bytes", "batch_inputs", "transient_microbatches",
+__all__ = ["RecomputeCost", "recompute_cost", "checkpointed_layers", "stage_input_bytes", "batch_inputs", "transient_microbatches",
            "stage_modes", "check_mode"]
 
 
@@ -55,7 +59,8 @@ class RecomputeCost:
     zero-bubble schedule): added once to the stage's peak, not per microbatch in flight."""
 
 
-def recompute_cost(blocks: Sequence[Block], mode: str, *, input_bytes: int) -> RecomputeCost:
+def recompute_cost(blocks: Sequence[Block], mode: str, *, input_bytes: int,
+                   layers: Sequence[tuple[range, int]] = ()) -> RecomputeCost:
     """The figures of a stage made of ``blocks`` that receives ``input_bytes`` per microbatch.
 
     ``input_bytes`` is what ``torch.utils.checkpoint`` keeps of the stage's arguments: the
@@ -63,9 +68,23 @@ def recompute_cost(blocks: Sequence[Block], mode: str, *, input_bytes: int) -> R
     them and the outputs of the kept ops; its backward runs the other ops again and holds their
     outputs for a while. Full keeps the inputs alone; its backward runs the whole forward again
     and holds, for a while, everything that ``none`` would have kept.
+
+    ``layers`` (full recompute under a whole backward): the repeated layers checkpointed one by
+    one, each as the positions of its blocks in ``blocks`` and the bytes of its inputs
+    (`checkpointed_layers`). Each keeps its inputs, the blocks outside them what ``none`` keeps,
+    and the backward rebuilds one layer at a time: the largest layer's activations.
     """
     check_mode(mode, "recompute mode")
     kept = sum(b.saved_bytes for b in blocks)
+    if mode == "full" and layers:
+        inside = {k for span, _ in layers for k in span}
+        return RecomputeCost(
+            mode=mode,
+            saved_bytes=sum(b.saved_bytes for k, b in enumerate(blocks) if k not in inside)
+            + sum(nbytes for _, nbytes in layers),
+            extra_backward_s=sum(blocks[k].forward_s for k in inside),
+            transient_bytes=max(sum(blocks[k].saved_bytes for k in span) for span, _ in layers),
+        )
     if mode == "none":
         return RecomputeCost(mode=mode, saved_bytes=kept, extra_backward_s=0.0, transient_bytes=0)
     if mode == "selective":
@@ -79,6 +98,17 @@ def recompute_cost(blocks: Sequence[Block], mode: str, *, input_bytes: int) -> R
     return RecomputeCost(
         mode=mode, saved_bytes=input_bytes, extra_backward_s=sum(b.forward_s for b in blocks), transient_bytes=kept
     )
+
+
+def checkpointed_layers(chain: BlockChain, first: int, last: int,
+                        spans: Iterable[tuple[int, int]]) -> list[tuple[range, int]]:
+    """The repeated layers (``spans``: each one's blocks, first and end, in ``chain``) that the stage
+    of blocks ``first..last`` holds whole, as `recompute_cost`'s ``layers``: each one's blocks
+    counted from ``first``, and the bytes of what enters it (the boundary before it, or the
+    stage's received tensors where it begins the model). A layer a cut splits is written inline
+    in both stages (`autopart.codegen.layers`), so it is not checkpointed by itself."""
+    return [(range(begin - first, end - first), chain.boundaries[begin - 1].nbytes if begin > 0 else 0)
+            for begin, end in spans if first <= begin and end - 1 <= last]
 
 
 def stage_input_bytes(chain: BlockChain, first: int, last: int, *, by_name: dict[str, fx.Node] | None = None) -> int:

@@ -24,11 +24,20 @@ master weights that the optimizer updates, checkpoints save and ``consolidate`` 
 The tensors sent to the next stage are whatever the forward made (the plan's stage outputs say
 which dtype), and the gradients sent back have the same dtypes.
 
-Recompute (``StagePlan.recompute``, see `autopart.passes.recompute`). ``full`` runs the forward under
-``torch.utils.checkpoint`` (non-reentrant): only the stage's arguments are kept, and the
-forward runs again in backward. ``selective`` does the same with
-``create_selective_checkpoint_contexts(selective_policy)``: the outputs of matrix products and
-attention are kept in F and handed back, not recomputed, when the forward runs again.
+Recompute (``StagePlan.recompute``, see `autopart.passes.recompute`). ``full`` with a whole
+backward checkpoints each repeated layer by itself, as Megatron-LM's full recompute and
+llm-foundry's activation checkpointing do: each call of a stage method that ``layer_methods``
+lists runs under ``torch.utils.checkpoint`` (non-reentrant), which keeps the layer's inputs, and
+the backward runs the layers again one at a time, so it holds one layer's activations rather
+than the stage's. The rest of the stage (embedding, head, a layer written inline) keeps what
+autograd saves. A stage without layer methods, and any stage under a split backward (below),
+runs its whole forward under one checkpoint, which keeps the stage's arguments. A layer's
+recompute casts its working weights again (they are parameters of the stage only inside
+``functional_call``, which has returned by the time the backward runs); under ZeRO-3 the
+checkpoint runs inside the layer's FSDP unit, which gathers the weights for the recompute.
+``selective`` runs the forward under ``create_selective_checkpoint_contexts(selective_policy)``:
+the outputs of matrix products and attention are kept in F and handed back, not recomputed,
+when the forward runs again.
 
 Random draws (dropout): the executor seeds the generators before each F with
 `autopart.runtime.draws.draw_seed` of train.py's ``--seed``, the step, the replica, the
@@ -135,6 +144,18 @@ class StageForward:
         self.device = device
         self.split_backward = split_backward
         self.working: dict[str, torch.Tensor] | None = None  # this step's working weights, by name (begin_step)
+        layers = getattr(type(module), "layer_methods", {}) if recompute == "full" and not split_backward else {}
+        self.layered = bool(layers)  # each layer its own checkpoint; the stage's forward under none
+        self._caller = _MethodCall(module) if layers else None
+        self._layer_working: dict[int, dict[str, torch.Tensor]] = {}  # per layer module, its working copies
+        self._layer_paths = tuple(path for paths in layers.values() for path in paths)
+        for method in getattr(type(module), "layer_methods", {}):
+            if getattr(module.__dict__.get(method), "checkpoints_layers", False):  # an earlier StageForward's
+                del module.__dict__[method]
+            if layers:  # before FSDP routes the method through a layer's unit (its hooks outside)
+                wrapped = functools.partial(self._checkpointed_layer, getattr(module, method))
+                wrapped.checkpoints_layers = True
+                setattr(module, method, wrapped)
 
     def begin_step(self) -> None:
         """Cast this step's working copies of the weights from the masters (``bf16``), once; the
@@ -142,6 +163,7 @@ class StageForward:
         lower = working_dtype(self.dtype)
         sharded = any(is_sharded(p) for p in self.module.parameters())  # FSDP casts what it gathers
         self.working = working_copies(self.module, lower) if lower is not None and not sharded else {}
+        self._layer_working = self._per_layer(self.working) if self.layered and self.working else {}
 
     def _call(self, *args: Any) -> Any:
         if self.working is None:  # a caller that runs no steps (one forward, a profile): the weights as they are
@@ -153,7 +175,7 @@ class StageForward:
 
     def __call__(self, *args: Any) -> tuple[Any, Rebuild | None]:
         """F: the stage's outputs, and what a split backward rebuilds its graph from (else None)."""
-        if self.recompute == "none":
+        if self.recompute == "none" or self.layered:
             return self._call(*args), None
         if not self.split_backward:
             context_fn = (
@@ -179,6 +201,35 @@ class StageForward:
             with kept.kept_outputs:
                 return self._call(*kept.args)
 
+    def _checkpointed_layer(self, body: Any, *inputs: Any, **kwargs: Any) -> Any:
+        """A layer method's call (``body(*inputs, layer)``, the layer maybe by keyword, as FSDP's
+        unit passes it) under its own checkpoint."""
+        return checkpoint(self._layer, body, *inputs, use_reentrant=False, **kwargs)
+
+    def _layer(self, body: Any, *inputs: Any, **kwargs: Any) -> Any:
+        """One layer's forward, in F and again in its recompute: the checkpoint restores autocast
+        and the random state itself, not the working weights nor `NoDropout`, which this enters."""
+        layer = kwargs["layer"] if "layer" in kwargs else inputs[-1]
+        weights = self._layer_working.get(id(layer))
+        with precision(self.dtype, self.device.type), contextlib.nullcontext() if self.dropout else NoDropout():
+            if weights:
+                # tie_weights=False: a tied weight's every name is in ``weights``, and the default
+                # would walk the stage's every parameter on each layer's call to find them
+                return torch.func.functional_call(self._caller, weights, (body, *inputs), kwargs, tie_weights=False)
+            return body(*inputs, **kwargs)
+
+    def _per_layer(self, working: dict[str, torch.Tensor]) -> dict[int, dict[str, torch.Tensor]]:
+        """Per layer module (by id), the working copies its method may read, named as `_MethodCall`
+        sees them: the layer's own and the stage's outside every layer (not other layers', so
+        that each call swaps a layer's worth of tensors, not the stage's)."""
+        outside = {name: t for name, t in working.items()
+                   if not name.startswith(tuple(f"{p}." for p in self._layer_paths))}
+        found = {}
+        for path in self._layer_paths:
+            own = {name: t for name, t in working.items() if name.startswith(f"{path}.")}
+            found[id(self.module.get_submodule(path))] = {f"stage.{n}": t for n, t in (outside | own).items()}
+        return found
+
     def _rng_states(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         device_state = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
         return torch.get_rng_state(), device_state
@@ -186,3 +237,15 @@ class StageForward:
 
 def _no_contexts() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
     return contextlib.nullcontext(), contextlib.nullcontext()
+
+
+class _MethodCall(nn.Module):
+    """Calls a function with the stage as a child, so that ``torch.func.functional_call`` on it
+    swaps the stage's parameters (by ``stage.``-prefixed names) for a call of one of its methods."""
+
+    def __init__(self, stage: nn.Module):
+        super().__init__()
+        self.stage = stage
+
+    def forward(self, function: Any, *args: Any, **kwargs: Any) -> Any:
+        return function(*args, **kwargs)

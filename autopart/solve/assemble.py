@@ -17,8 +17,10 @@ from autopart.ir.placement import REPLICATE
 from autopart.ir.plan import Plan, Predicted, Provenance, ScheduleSpec, StagePlan
 from autopart.options import CompileOptions
 from autopart.passes.annotate import OpGraph
-from autopart.passes.front import Front, block_seconds, parameter_placements, recompute_blocks
-from autopart.passes.recompute import batch_inputs, recompute_cost, stage_input_bytes, stage_modes
+from autopart.passes.front import Front, block_seconds, layer_rebuilt_bytes, parameter_placements, recompute_blocks
+from autopart.passes.recompute import (
+    batch_inputs, checkpointed_layers, recompute_cost, stage_input_bytes, stage_modes,
+)
 from autopart.predict.in_flight import in_flight, rank_in_flight, transient
 from autopart.predict.memory import layers_in_flight_bytes, state_bytes
 from autopart.predict.messages import boundary_seconds
@@ -28,7 +30,7 @@ from autopart.predict.step_time import (
 )
 from autopart.predict.timeline import simulate_pipeline
 from autopart.runtime.recipe import embedding_parameters
-from autopart.schedule import generated, stage_placement
+from autopart.schedule import SPLIT_BACKWARD_KINDS, generated, stage_placement
 from autopart.solve.pipeline import PipelineProblem, evaluate, stage_ranges
 from autopart.solve.tensor import listed_strategies
 from cost_models.devices import DeviceSpec
@@ -46,7 +48,10 @@ def pipeline_problem(options: CompileOptions, front: Front, microbatches: int) -
     # figures (a stage's inputs, which recompute keeps, are left out); with modes that differ per
     # stage they carry no recompute's. plan_from_cuts computes the chosen stages' figures exactly.
     modes = set(stage_modes(options.recompute, stages))
-    times, saved, rebuilt = recompute_blocks(front, [modes.pop() if len(modes) == 1 else "none"] * len(chain.blocks))
+    mode = modes.pop() if len(modes) == 1 else "none"
+    layers = _checkpointed_layers(options, chain, [range(len(chain.blocks))] if mode == "full" else [])
+    times, saved, rebuilt = recompute_blocks(front, _block_modes(chain, [mode], [range(len(chain.blocks))], layers),
+                                             layers)
     local = _local_bytes(options, front)
     layered, layer_bytes = layered_parameters(chain, local)
     state = {name: _state_bytes(options, nbytes, layered=name in layered) for name, nbytes in local.items()}
@@ -62,9 +67,8 @@ def pipeline_problem(options: CompileOptions, front: Front, microbatches: int) -
         in_flight=in_flight(options.schedule, options.pp, microbatches, options.chunks),
         rank_in_flight=rank_in_flight(options.schedule, options.pp, microbatches, options.chunks),
         memory_limit_bytes=memory,
-        overhead_bytes=device.framework_overhead_bytes
-        + communicator_bytes(device.kind, pp=options.pp, tp=options.tp, dp=options.dp)
-        + layers_in_flight_bytes(layer_bytes, dp=options.dp, zero=int(options.zero)),
+        # full recompute layer by layer: one layer's rebuild on every rank, as its stages' cuts are not known
+        overhead_bytes=_overhead_bytes(options, device, layer_bytes) + layer_rebuilt_bytes(front, layers),
         stage_rank=stage_placement(options.schedule, ranks=options.pp, chunks=options.chunks),
         split_layers=_split_layers(options, chain, local, state),
     )
@@ -272,17 +276,52 @@ def _with_recompute(options: CompileOptions, front: Front, problem: PipelineProb
     as the solver's problem counts it), so that evaluating the cuts gives the chosen stages' exact
     figures; and per stage its `RecomputeCost`."""
     modes = stage_modes(options.recompute, len(ranges))
-    times, held, rebuilt = recompute_blocks(front, [modes[s] for s, r in enumerate(ranges) for _ in r])
-    held = list(held)
+    chain = front.chain
+    layers = _checkpointed_layers(options, chain, [r for s, r in enumerate(ranges) if modes[s] == "full"])
+    times, held, rebuilt = recompute_blocks(front, _block_modes(chain, modes, ranges, layers), layers)
+    held, rebuilt = list(held), list(rebuilt)
     costs = []
     by_name = {n.name: n for n in front.op_graph.fx_nodes()}
     for s, r in enumerate(ranges):
-        inputs = stage_input_bytes(front.chain, r.start, r.stop - 1, by_name=by_name)
-        costs.append(recompute_cost([front.chain.blocks[k] for k in r], modes[s], input_bytes=inputs))
-        if modes[s] != "none":  # checkpoint keeps the stage's arguments (whole on every tensor-parallel rank)
+        inputs = stage_input_bytes(chain, r.start, r.stop - 1, by_name=by_name)
+        own = checkpointed_layers(chain, r.start, r.stop - 1, layers) if modes[s] == "full" else []
+        costs.append(recompute_cost([chain.blocks[k] for k in r], modes[s], input_bytes=inputs, layers=own))
+        if own:  # one layer rebuilt at a time, the stage's largest: on one block, so the stage's sum is it
+            rebuilt[r.start] += layer_rebuilt_bytes(front, [(r.start + k.start, r.start + k.stop) for k, _ in own])
+        elif modes[s] != "none":  # checkpoint keeps the stage's arguments (whole on every tensor-parallel rank)
             held[r.start] += inputs
-    return replace(problem, block_time_s=times, block_activation_bytes=tuple(held),
-                   **_rebuilding(options, rebuilt, problem.microbatches)), costs
+    layer_bytes = layered_parameters(chain, _local_bytes(options, front))[1]
+    overhead = _overhead_bytes(options, front.cost_model.device, layer_bytes)  # the layers' rebuilds counted above
+    return replace(problem, block_time_s=times, block_activation_bytes=tuple(held), overhead_bytes=overhead,
+                   **_rebuilding(options, tuple(rebuilt), problem.microbatches)), costs
+
+
+def _checkpointed_layers(options: CompileOptions, chain, ranges: list[range]) -> list[tuple[int, int]]:
+    """The repeated layers (first, end blocks) that full recompute checkpoints one by one in the
+    stages of ``ranges`` (those whose mode is full): each layer a stage holds whole, under a
+    whole backward; none under a split one, whose stages rebuild whole (`autopart.runtime.forward`)."""
+    if options.schedule in SPLIT_BACKWARD_KINDS:
+        return []
+    return [(first, end) for first, end, _ in layer_instances(chain)
+            if any(r.start <= first and end <= r.stop for r in ranges)]
+
+
+def _block_modes(chain, modes, ranges: list[range], layers: list[tuple[int, int]]) -> list[str]:
+    """Per block, the mode it runs in: its stage's, but ``none`` outside the checkpointed layers of
+    a stage that checkpoints layer by layer."""
+    inside = {k for first, end in layers for k in range(first, end)}
+    found = []
+    for mode, r in zip(modes, ranges):
+        layered = mode == "full" and any(k in inside for k in r)
+        found += [("full" if k in inside else "none") if layered else mode for k in r]
+    return found
+
+
+def _overhead_bytes(options: CompileOptions, device: DeviceSpec, layer_bytes: int) -> int:
+    """Per rank, what the mesh holds besides its stages: the framework's, the collective library's
+    buffers, and at ZeRO-3 the gathered layers in flight."""
+    return (device.framework_overhead_bytes + communicator_bytes(device.kind, pp=options.pp, tp=options.tp, dp=options.dp)
+            + layers_in_flight_bytes(layer_bytes, dp=options.dp, zero=int(options.zero)))
 
 
 def _rebuilding(options: CompileOptions, rebuilt: tuple[int, ...], microbatches: int) -> dict[str, tuple[int, ...]]:

@@ -35,6 +35,9 @@ class ChainCosts:
     # per block, what the parameters first read there cost more where a cut splits their layer
     # (ZeRO-3: they run in the stages' root units, not the layer's own); () where nothing does
     split_layer_bytes: tuple[int, ...] = ()
+    # full recompute checkpoints each layer a stage holds whole by itself (a whole backward,
+    # `autopart.passes.recompute`); False: it checkpoints the stage (a split backward)
+    layer_by_layer: bool = False
     _prefix: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __len__(self) -> int:
@@ -108,6 +111,16 @@ class ChainCosts:
         kinds = self._prefix["owned_kinds"]
         return sum(state * kinds[kind] for kind, state in _state_by_kind(state_bytes, kinds).items())
 
+    def checkpointing_layers(self) -> ChainCosts:
+        """These costs with ``layer_by_layer`` set, made once and kept with them (the running sums
+        that do not depend on it carried over)."""
+        if self.layer_by_layer:
+            return self
+        if "layer_by_layer" not in self._prefix:
+            carried = {k: v for k, v in self._prefix.items() if k not in ("sums", "with_state", "layer_by_layer")}
+            self._prefix["layer_by_layer"] = replace(self, layer_by_layer=True, _prefix=carried)
+        return self._prefix["layer_by_layer"]
+
     def with_state(self, state_bytes: Callable[..., int], *, key: Hashable | None = None) -> ChainCosts:
         """These costs with ``parameter_state_bytes[p] = state_bytes(parameter_bytes[p], layered=p in
         layer_parameters)``. Fast
@@ -175,7 +188,7 @@ class _Sums:
     """A chain's running sums, held in one place: the search evaluates millions of stages."""
 
     __slots__ = ("compute", "repeated", "saved", "selective_saved", "owned", "weight", "received",
-                 "shared", "split", "span")
+                 "shared", "split", "span", "layers")
 
     def __init__(self, costs: ChainCosts):
         p = costs.prefix
@@ -196,6 +209,7 @@ class _Sums:
         for first, end in costs.layer_spans:
             span[first:end] = [(first, end)] * (end - first)
         self.span = tuple(span)
+        self.layers = _LayerSums(costs, self.span) if costs.layer_by_layer and costs.layer_spans else None
 
     def stage(self, first: int, last: int, mode: str, in_flight: int, transfer_in_s: float,
               transfer_out_s: float, transient: int = 1) -> tuple[float, float, int]:
@@ -209,6 +223,8 @@ class _Sums:
             raise ValueError(f"unknown recompute mode {mode!r}")
         end, repeated = last + 1, self.repeated[mode]
         compute = self.compute[end] - self.compute[first]
+        if mode == "full" and self.layers is not None and self.layers.whole(first, last):
+            return compute + self.layers.again(first, last)
         return compute if repeated is None else compute + (repeated[end] - repeated[first])
 
     def parts(self, first: int, last: int, mode: str, transient: int = 1) -> tuple[float, float, int, int, int]:
@@ -228,6 +244,8 @@ class _Sums:
             selective = self.selective_saved[end] - self.selective_saved[first]
             return self.received[first] + selective, transient * max(0, saved_none - selective)
         if mode == "full":
+            if self.layers is not None and self.layers.whole(first, last):
+                return self.layers.held(first, last), transient * self.layers.largest
             return self.received[first], transient * saved_none
         raise ValueError(f"unknown recompute mode {mode!r}")
 
@@ -250,6 +268,57 @@ class _Sums:
                 if k < len(readers) and readers[k] <= last:
                     parameters += nbytes
         return parameters
+
+
+class _LayerSums:
+    """Full recompute layer by layer: running sums of what a stage keeps and runs again. A layer
+    the stage holds whole keeps what enters it (its first block, the boundary before it) and runs
+    its forward again; a block outside the layers, or in a layer a cut splits (written inline,
+    `autopart.codegen.layers`), keeps what it saves without recompute. The backward rebuilds one
+    layer at a time: ``largest``, the most any layer saves."""
+
+    __slots__ = ("saved", "kept", "forward", "starts", "span", "largest")
+
+    def __init__(self, costs: ChainCosts, span: tuple[tuple[int, int], ...]):
+        inside = [span[k][1] - span[k][0] > 1 for k in range(len(costs))]
+        starts = [inside[k] and span[k][0] == k for k in range(len(costs))]
+        kept = [(costs.boundary_bytes[k - 1] if starts[k] and k > 0 else 0) if inside[k] else costs.saved_bytes[k]
+                for k in range(len(costs))]
+        self.saved = costs.prefix("saved_bytes")
+        self.kept = [0, *itertools.accumulate(kept)]
+        self.forward = [0, *itertools.accumulate(f if i else 0.0 for f, i in zip(costs.forward_s, inside))]
+        self.starts = [0, *itertools.accumulate(starts)]
+        self.span = span
+        self.largest = max(self.saved[end] - self.saved[first] for first, end in costs.layer_spans)
+
+    def _cut(self, first: int, last: int) -> list[tuple[int, int]]:
+        """The blocks of ``first..last`` in layers that the stage's edges split: written inline."""
+        end, cut = last + 1, []
+        begin, stop = self.span[first]
+        if begin < first:  # a layer begun in the stage before
+            cut.append((first, min(stop, end)))
+        begin, stop = self.span[last]
+        if stop > end and begin >= first:  # a layer the next stage ends
+            cut.append((begin, end))
+        return cut
+
+    def whole(self, first: int, last: int) -> int:
+        """How many layers the stage holds whole (none: the stage checkpoints whole)."""
+        begin, stop = self.span[last]
+        partial_at_end = stop > last + 1 and begin >= first and stop - begin > 1
+        return self.starts[last + 1] - self.starts[first] - partial_at_end
+
+    def held(self, first: int, last: int) -> int:
+        """Bytes per microbatch in flight."""
+        held = self.kept[last + 1] - self.kept[first]
+        for a, b in self._cut(first, last):
+            held += (self.saved[b] - self.saved[a]) - (self.kept[b] - self.kept[a])
+        return held
+
+    def again(self, first: int, last: int) -> float:
+        """Forward seconds the backward runs again: the whole layers'."""
+        again = self.forward[last + 1] - self.forward[first]
+        return again - sum(self.forward[b] - self.forward[a] for a, b in self._cut(first, last))
 
 
 def chain_sums(costs: ChainCosts) -> _Sums:

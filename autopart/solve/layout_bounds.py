@@ -35,7 +35,7 @@ from typing import TypeVar
 
 from autopart.predict.in_flight import in_flight, rank_in_flight
 from autopart.predict.memory import layers_in_flight_bytes
-from autopart.schedule import stage_placement
+from autopart.schedule import SPLIT_BACKWARD_KINDS, stage_placement
 from autopart.solve.chain_costs import ChainCosts, stage_floor_s
 from autopart.solve.rank_room import stages_by_rank
 from autopart.solve.data_parallel_tail import FORWARD_SHARE, fully_sharded_floor_s, most_hidden_s, tail_s
@@ -212,10 +212,12 @@ def stage_floor(costs: ChainCosts, layout, cluster) -> float:
 
 
 def with_layout_state(table, layout) -> ChainCosts:
-    """``layout``'s chain costs with each parameter's state at its data-parallel degree and ZeRO level."""
+    """``layout``'s chain costs with each parameter's state at its data-parallel degree and ZeRO
+    level, and full recompute layer by layer where its schedule's backward is whole."""
     costs = table.chain_costs(micro_batch_size=layout.micro_batch_size, tp=layout.tp, dtype=layout.dtype)
     costs.shared_parameters  # noqa: B018 - computed once on the table's costs, carried to each layout's
-    return costs.with_state(_layout_state(table, layout), key=_state_key(layout))
+    costs = costs.with_state(_layout_state(table, layout), key=_state_key(layout))
+    return costs if layout.schedule in SPLIT_BACKWARD_KINDS else costs.checkpointing_layers()
 
 
 def _state_key(layout) -> tuple:
@@ -273,8 +275,8 @@ def _stages_by_rank(schedule: str, pp: int, chunks: int) -> tuple[tuple[int, ...
 def _least_kept(costs: ChainCosts, stages: int) -> list[int]:
     """Per stage of ``stages``, the fewest bytes it keeps per microbatch in flight under any cuts
     and recompute: stage s holds blocks s to blocks - stages + s at most (every stage holds one),
-    and keeps what one of them saves, without recompute, or what it receives (its input, the
-    batch inputs), with it."""
+    and keeps what one of them saves, without recompute, or with it what crosses a boundary at
+    the least (a stage's input, a layer's under full recompute)."""
     found = costs._prefix.setdefault("least_kept", {})
     if stages not in found:
         saved, blocks = costs.saved_bytes, len(costs)
@@ -289,6 +291,6 @@ def _least_kept(costs: ChainCosts, stages: int) -> list[int]:
                 window.popleft()
             if k >= width - 1:
                 least.append(saved[window[0]])
-        received = costs.input_bytes + min(costs.boundary_bytes, default=0)
+        received = min(costs.boundary_bytes, default=0)  # at the least: full recompute's layer by layer keeps a boundary
         found[stages] = [min(least[s], costs.input_bytes if s == 0 else received) for s in range(stages)]
     return found[stages]

@@ -32,7 +32,7 @@ from autopart.ir.actions import Kind
 from autopart.schedule import StageCosts, built, simulated_events, stage_placement
 from autopart.solve.search import Cluster, CostTable, Scored, parameter_bytes_per_rank, tail_s
 from autopart.solve.baselines import stage_parameter_bytes
-from autopart.solve.chain_costs import ChainCosts
+from autopart.solve.chain_costs import ChainCosts, chain_sums
 from autopart.solve.data_parallel_tail import fully_sharded_extra_s, last_bucket_bytes, stage_layers, update_s
 
 __all__ = ["simulated_step_s", "simulated_stage_costs", "pipeline_s"]
@@ -112,15 +112,8 @@ def simulated_stage_costs(scored: Scored, table: CostTable, cluster: Cluster) ->
 
 def _recompute_s(costs: ChainCosts, mode: str, first: int, end: int) -> float:
     """Forward work that ``mode`` repeats in the backward of blocks ``first..end-1``."""
-    if mode == "none":
-        return 0.0
-    if mode == "selective":
-        prefix = costs.prefix("selective_recompute_s")
-    elif mode == "full":
-        prefix = costs.prefix("full_recompute_s")
-    else:
-        raise ValueError(f"unknown recompute mode {mode!r}")
-    return prefix[end] - prefix[first]
+    sums = chain_sums(costs)
+    return sums.seconds(first, end - 1, mode) - sums.seconds(first, end - 1, "none")
 
 
 def pipeline_s(kind: str, pp: int, microbatches: int, chunks: int, costs: StageCosts) -> float:
