@@ -148,6 +148,7 @@ class StageForward:
         self.layered = bool(layers)  # each layer its own checkpoint; the stage's forward under none
         self._caller = _MethodCall(module) if layers else None
         self._layer_working: dict[int, dict[str, torch.Tensor]] = {}  # per layer module, its working copies
+        self._stage_working: dict[str, torch.Tensor] = {}
         self._layer_paths = tuple(path for paths in layers.values() for path in paths)
         for method in getattr(type(module), "layer_methods", {}):
             if getattr(module.__dict__.get(method), "checkpoints_layers", False):  # an earlier StageForward's
@@ -164,6 +165,8 @@ class StageForward:
         sharded = any(is_sharded(p) for p in self.module.parameters())  # FSDP casts what it gathers
         self.working = working_copies(self.module, lower) if lower is not None and not sharded else {}
         self._layer_working = self._per_layer(self.working) if self.layered and self.working else {}
+        # a layer that `layer_methods` does not list (its tensors read outside the method too) runs the same method
+        self._stage_working = {f"stage.{n}": t for n, t in self.working.items()} if self._layer_working else {}
 
     def _call(self, *args: Any) -> Any:
         if self.working is None:  # a caller that runs no steps (one forward, a profile): the weights as they are
@@ -210,7 +213,7 @@ class StageForward:
         """One layer's forward, in F and again in its recompute: the checkpoint restores autocast
         and the random state itself, not the working weights nor `NoDropout`, which this enters."""
         layer = kwargs["layer"] if "layer" in kwargs else inputs[-1]
-        weights = self._layer_working.get(id(layer))
+        weights = self._layer_working.get(id(layer), self._stage_working)
         with precision(self.dtype, self.device.type), contextlib.nullcontext() if self.dropout else NoDropout():
             if weights:
                 # tie_weights=False: a tied weight's every name is in ``weights``, and the default
