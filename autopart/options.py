@@ -75,7 +75,7 @@ class CompileOptions:
     leaf: tuple[str, ...] = ()
     """Module classes kept whole by tracing (``call_module`` nodes); each stage builds its own."""
     recompute: str | tuple[str, ...] | None = None
-    """Activation recompute: "none", "selective" or "full" for every stage, or one per stage
+    """Activation recompute: "none", "selective", "full" or "stage" for every stage, or one per stage
     (``autopart.passes.recompute``); none unless searched (then chosen per stage)."""
     dtype: str | None = None
     """Precision (`autopart.ir.tensors.DTYPES`): "fp32"; "bf16", mixed precision as Megatron-LM

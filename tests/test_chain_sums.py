@@ -81,14 +81,17 @@ def test_full_recompute_layer_by_layer_is_its_blocks_summed(seed: int) -> None:
     costs = replace(costs, layer_spans=tuple(spans)).checkpointing_layers()
     assert costs.layer_by_layer and spans
     sums = chain_sums(costs)
-    stage_wide = 0
+    without_layer = 0
     for first in range(len(costs)):
         for last in range(first, len(costs)):
             expected = _layer_by_layer(costs, first, last, transient=2)
             if expected is None:  # no layer whole: the stage's own checkpoint
-                stage_wide += 1
+                without_layer += 1
                 expected = _summed(costs, first, last, "full", transient=2)[::2]
             assert sums.seconds(first, last, "full") == pytest.approx(expected[0], rel=1e-12), (first, last)
             assert sums.held(first, last, "full", transient=2) == expected[1], (first, last, spans)
             assert sums.held(first, last, "none") == _summed(costs, first, last, "none", transient=2)[2]
-    assert stage_wide > 0
+            stage_wide = _summed(costs, first, last, "stage", transient=2)  # whatever layers it holds
+            assert sums.held(first, last, "stage", transient=2) == stage_wide[2]
+            assert sums.seconds(first, last, "stage") == pytest.approx(stage_wide[0], rel=1e-12)
+    assert without_layer > 0

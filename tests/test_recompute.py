@@ -24,7 +24,7 @@ from autopart.ir.model_file import load_model_file
 from autopart.driver import CompileOptions, compile_to_directory
 from autopart.ir.errors import ConfigError, PlanError
 from autopart.ir.plan import Plan, load_plan
-from autopart.ir.recompute import keeps_output
+from autopart.ir.recompute import RECOMPUTE_MODES, keeps_output
 from autopart.passes.recompute import (
     batch_inputs, checkpointed_layers, recompute_cost, stage_input_bytes, transient_microbatches,
 )
@@ -201,7 +201,7 @@ def test_bytes_held_for_backward_are_the_predicted_ones(tmp_path_factory, dtype)
         module = load_stage(out, stage.index, CPU)
         first, last = stage.blocks
         blocks = chain.blocks[first : last + 1]
-        for mode in ("none", "selective", "full"):
+        for mode in RECOMPUTE_MODES:
             args = [t.detach().requires_grad_(True) for t in received] + [batch[n] for n in stage.batch_inputs]
             for split in (False, True):
                 forward = StageForward(module, recompute=mode, dtype=dtype, device=CPU, split_backward=split)
@@ -252,7 +252,8 @@ def test_plan_figures_follow_the_recompute_mode(tmp_path_factory, tmp_path):
     from autopart.predict.in_flight import in_flight as _in_flight
 
     plan, _, chain = _compiled(tmp_path_factory, "fp32")
-    plans = {modes: _pinned(plan, modes, tmp_path) for modes in (("full", "selective"), ("selective", "full"))}
+    plans = {modes: _pinned(plan, modes, tmp_path) for modes in (("full", "selective"), ("selective", "full"),
+                                                                  ("stage", "stage"))}
     plans[("none", "none")] = plan
     in_flight = _in_flight("1f1b", 2, 4, 1)  # microbatches each stage holds at its peak: (2, 1)
     for modes, other in plans.items():
@@ -276,6 +277,9 @@ def test_plan_figures_follow_the_recompute_mode(tmp_path_factory, tmp_path):
         # full runs its layers' forward again, not the embedding's or the head's: less than the stage's
         again = by_mode["full"].backward_s - plan.stages[s].backward_s
         assert 0 < again < by_mode["full"].forward_s
+        # the stage whole keeps its input alone and runs all of its forward again
+        assert by_mode["stage"].activation_bytes < by_mode["full"].activation_bytes
+        assert by_mode["stage"].backward_s == pytest.approx(plan.stages[s].backward_s + by_mode["stage"].forward_s)
     assert all(p.predicted.pipeline_s > plan.predicted.pipeline_s for p in plans.values() if p is not plan)
 
 

@@ -28,7 +28,7 @@ def equal_table(blocks: int) -> SyntheticTable:
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 @pytest.mark.parametrize("pp, microbatches, dp", [(1, 4, 2), (2, 4, 1), (4, 8, 2), (4, 3, 1), (8, 16, 4)])
-@pytest.mark.parametrize("mode", ["none", "selective", "full"])
+@pytest.mark.parametrize("mode", ["none", "selective", "full", "stage"])
 def test_equal_stages_simulate_to_the_closed_form(schedule, pp, microbatches, dp, mode) -> None:
     blocks = 16
     table = equal_table(blocks)

@@ -160,6 +160,7 @@ _RECOMPUTE = {
     "selective": "selective recompute: torch.utils.checkpoint keeps the outputs of matmuls and attention and runs the rest again in backward",
     "full": ("full recompute: torch.utils.checkpoint keeps the inputs of each layer method (of the stage, under a "
              "zero-bubble schedule or without one) and runs it again in backward"),
+    "stage": "stage recompute: torch.utils.checkpoint keeps the stage's inputs and runs its forward again in backward",
 }
 
 

@@ -11,7 +11,10 @@ from typing import Any
 __all__ = ["RECOMPUTE_MODES", "KEPT_OPS", "dropout_mask_bytes", "keeps_output"]
 
 
-RECOMPUTE_MODES = ("none", "selective", "full")
+RECOMPUTE_MODES = ("none", "selective", "full", "stage")
+"""From the least memory saved and time spent to the most, as the search tries them: ``full``
+checkpoints layer by layer, ``stage`` the stage whole (`autopart.passes.recompute`), which holds
+less where many microbatches are in flight on a stage of few layers, and runs no faster."""
 
 
 KEPT_OPS = frozenset({

@@ -1,6 +1,6 @@
 """Activation recompute: which tensors each mode keeps from forward to backward, and what it costs.
 
-A stage runs in one of three modes (``StagePlan.recompute``):
+A stage runs in one of four modes (``StagePlan.recompute``):
 
 - ``none``: autograd keeps every tensor that the backward reads (``NodeCost.saved_bytes``).
 - ``selective``: the stage's forward runs under ``torch.utils.checkpoint`` with a policy that
@@ -11,8 +11,12 @@ A stage runs in one of three modes (``StagePlan.recompute``):
 - ``full``: with a whole backward, each repeated layer that the stage holds whole keeps only its
   inputs and runs again in backward, one layer at a time (Megatron-LM's full recompute of one
   layer per checkpoint); the rest of the stage keeps what ``none`` keeps. Under a split backward
-  (zero-bubble), or in a stage without whole layers, only the stage's inputs are kept and its
-  whole forward runs again in backward (`autopart.runtime.forward` says why).
+  (zero-bubble), or in a stage without whole layers, it is ``stage``.
+- ``stage``: only the stage's inputs are kept and its whole forward runs again in backward,
+  which then holds every activation of the stage at once (`autopart.runtime.forward` says why a
+  split backward always does so). Per microbatch in flight it keeps one input where ``full``
+  keeps one per layer: the lighter of the two where a stage of few layers holds many
+  microbatches (an early stage of a deep pipeline), never the faster.
 
 `keeps_output` is the one definition of the selective policy: the runtime's checkpoint policy
 (`autopart.runtime.forward`) and the annotate pass, which measures per node the bytes of the
@@ -66,8 +70,8 @@ def recompute_cost(blocks: Sequence[Block], mode: str, *, input_bytes: int,
     ``input_bytes`` is what ``torch.utils.checkpoint`` keeps of the stage's arguments: the
     tensors it receives and the batch inputs it reads (`stage_input_bytes`). Selective keeps
     them and the outputs of the kept ops; its backward runs the other ops again and holds their
-    outputs for a while. Full keeps the inputs alone; its backward runs the whole forward again
-    and holds, for a while, everything that ``none`` would have kept.
+    outputs for a while. Stage (and full without ``layers``) keeps the inputs alone; its backward
+    runs the whole forward again and holds, for a while, everything that ``none`` would have kept.
 
     ``layers`` (full recompute under a whole backward): the repeated layers checkpointed one by
     one, each as the positions of its blocks in ``blocks`` and the bytes of its inputs

@@ -30,8 +30,9 @@ llm-foundry's activation checkpointing do: each call of a stage method that ``la
 lists runs under ``torch.utils.checkpoint`` (non-reentrant), which keeps the layer's inputs, and
 the backward runs the layers again one at a time, so it holds one layer's activations rather
 than the stage's. The rest of the stage (embedding, head, a layer written inline) keeps what
-autograd saves. A stage without layer methods, and any stage under a split backward (below),
-runs its whole forward under one checkpoint, which keeps the stage's arguments. A layer's
+autograd saves. ``stage``, and ``full`` in a stage without layer methods or under a split
+backward (below), runs the whole forward under one checkpoint, which keeps the stage's
+arguments. A layer's
 recompute casts its working weights again (they are parameters of the stage only inside
 ``functional_call``, which has returned by the time the backward runs); under ZeRO-3 the
 checkpoint runs inside the layer's FSDP unit, which gathers the weights for the recompute.

@@ -153,7 +153,7 @@ def pipedream_cuts(costs: ChainCosts, stages: int, *, transfer_s: Sequence[float
     compute = np.asarray(costs.prefix("compute_s"), dtype=float)
     if recompute == "selective":
         compute = compute + np.asarray(costs.prefix("selective_recompute_s"), dtype=float)
-    elif recompute == "full":
+    elif recompute in ("full", "stage"):
         compute = compute + np.asarray(costs.prefix("full_recompute_s"), dtype=float)
     # time[i, j]: blocks i..j as one stage (inf where j < i)
     time = compute[None, 1:] - compute[:-1, None]

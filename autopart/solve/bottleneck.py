@@ -12,7 +12,7 @@ stages' ends are equal (a Transformer's residual stream) that is also the smalle
 with CP-SAT, which the search still runs on its finalists.
 
 Recompute is chosen per stage inside the cut: a stage takes the lightest recompute mode
-("none", then "selective", then "full") that keeps its rank within memory, and pays its time.
+(``RECOMPUTE_MODES`` in order) that keeps its rank within memory, and pays its time.
 
 What this needs of the chain, per block, is ``ChainCosts`` (``autopart.solve.chain_costs``).
 """

@@ -194,7 +194,8 @@ class _Sums:
         p = costs.prefix
         self.compute, self.weight, self.owned = p("compute_s"), p("weight_s"), p("owned_parameter_bytes")
         # per recompute mode, the running sums of the forward work its backward repeats
-        self.repeated = {"none": None, "selective": p("selective_recompute_s"), "full": p("full_recompute_s")}
+        self.repeated = {"none": None, "selective": p("selective_recompute_s"), "full": p("full_recompute_s"),
+                         "stage": p("full_recompute_s")}
         self.saved, self.selective_saved = p("saved_bytes"), p("selective_saved_bytes")
         # what a stage from block ``first`` keeps per microbatch to recompute from: [first]
         self.received = tuple(b + costs.input_bytes for b in (0, *costs.boundary_bytes))
@@ -243,9 +244,9 @@ class _Sums:
         if mode == "selective":
             selective = self.selective_saved[end] - self.selective_saved[first]
             return self.received[first] + selective, transient * max(0, saved_none - selective)
-        if mode == "full":
-            if self.layers is not None and self.layers.whole(first, last):
-                return self.layers.held(first, last), transient * self.layers.largest
+        if mode == "full" and self.layers is not None and self.layers.whole(first, last):
+            return self.layers.held(first, last), transient * self.layers.largest
+        if mode in ("full", "stage"):
             return self.received[first], transient * saved_none
         raise ValueError(f"unknown recompute mode {mode!r}")
 

@@ -262,6 +262,6 @@ def no_fit_message(problem: PipelineProblem, time_limit_s: float, *, upper_bytes
         f"{problem.microbatches} microbatches): the cuts that need least memory found need {found / gib:.1f} GiB on "
         f"the fullest device; {verdict}; "
         + ("use more stages (--pp), more tensor parallelism (--tp) or smaller microbatches, " if problem.block_rebuilt_bytes
-           else "recompute activations (--recompute selective or full), use more stages (--pp), ")
+           else "recompute activations (--recompute selective, full or stage), use more stages (--pp), ")
         + "or raise --memory or --time-limit"
     )

@@ -25,6 +25,7 @@ import itertools
 import math
 from collections.abc import Callable
 
+from autopart.ir.recompute import RECOMPUTE_MODES
 from autopart.solve.bottleneck import StageCut
 from autopart.solve.chain_costs import ChainCosts, stage_figures
 from autopart.solve.rank_room import fastest_fitting, stages_by_rank
@@ -219,7 +220,7 @@ def _critical_stages(judge: CutJudge, judged: tuple) -> list[int]:
     critical = {max(range(len(times)), key=times.__getitem__), min(range(len(weights)), key=weights.__getitem__)}
     critical.update(judge.rank_stages[max(range(judge.ranks), key=rank_time.__getitem__)])
     critical.update(judge.rank_stages[max(range(judge.ranks), key=rank_bytes.__getitem__)])
-    lighter = {mode: k for k, mode in enumerate(("none", "selective", "full"))}
+    lighter = {mode: k for k, mode in enumerate(RECOMPUTE_MODES)}
     modes = [lighter.get(mode, 0) for mode in cut.recompute]
     critical.update(s for s in range(len(modes)) if any(  # recomputes, next to a stage that recomputes less
         0 <= n < len(modes) and modes[n] < modes[s] for n in (s - 1, s + 1)))

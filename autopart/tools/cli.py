@@ -93,7 +93,7 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--costs", type=Path, help="cost database from 'autopart profile' (ops it lacks are timed into it)")
     c.add_argument(
         "--recompute", metavar="MODE",
-        help="activation recompute: none, selective or full for every stage, or one per stage as A,B,... (default none, or searched)",
+        help="activation recompute: none, selective, full (layer by layer) or stage for every stage, or one per stage as A,B,... (default none, or searched)",
     )  # fmt: skip
     _add_layer_pins(c)
     c.add_argument("--dtype", help="fp32; bf16: bf16 working weights cast once per step from fp32 master weights, "
