@@ -102,6 +102,27 @@ def test_recompute_is_chosen_only_where_memory_needs_it() -> None:
         assert none_only.recompute == ("none", "none")
 
 
+def test_full_recompute_layer_by_layer_or_the_stage_whole_whichever_fits() -> None:
+    """Eight blocks: an embedding, three layers of two blocks, a head. One microbatch in flight:
+    full recompute (one layer rebuilt at a time) fits where the stage whole (every activation
+    rebuilt at once) does not. Eight in flight: each layer's input kept eight times outgrows what
+    the stage whole rebuilds once, and the stage whole is taken."""
+    base = dataclasses.replace(random_chain(random.Random(5), 8, tied=False),
+                               saved_bytes=(400, 60, 60, 60, 60, 60, 60, 400), layer_spans=((1, 3), (3, 5), (5, 7)))
+    costs = base.checkpointing_layers()
+    kwargs = dict(stages=1, stage_rank=(0,), transfer_s=(0.0,) * 7, overhead_bytes=0)
+    for in_flight, chosen in ((1, "full"), (8, "stage")):
+        memory = {mode: stage_figures(costs, 0, 7, mode=mode, in_flight=in_flight, transfer_in_s=0.0,
+                                      transfer_out_s=0.0).memory_bytes for mode in RECOMPUTE_MODES}
+        assert memory[chosen] == min(memory.values()), memory  # the premise: only the chosen mode fits
+        cut = cut_stages(costs, in_flight=(in_flight,), memory_limit_bytes=memory[chosen], **kwargs)
+        assert cut is not None and cut.recompute == (chosen,)
+        assert cut_stages(costs, in_flight=(in_flight,), memory_limit_bytes=memory[chosen] - 1, **kwargs) is None
+    # without the layers' spans (or under a split backward) full is the stage whole
+    assert stage_figures(base, 0, 7, mode="full", in_flight=1, transfer_in_s=0.0, transfer_out_s=0.0) == \
+        stage_figures(base, 0, 7, mode="stage", in_flight=1, transfer_in_s=0.0, transfer_out_s=0.0)
+
+
 def reference_cut_stages(costs, *, stages, in_flight, transfer, limit):
     """The cutter as it was before its speed-ups (bisection over every block for each stage's
     end, every figure from stage_figures), one stage per rank: the faster one must agree."""
