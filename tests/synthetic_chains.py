@@ -27,6 +27,13 @@ class SyntheticTable:
         inner = len(self.forward_s) - 2
         return [None, *(f"h.{k // 2}" for k in range(inner)), None]
 
+    def layer_spans(self) -> tuple[tuple[int, int], ...]:
+        """Each layer's blocks (first, end): two, or one where the blocks between the embedding
+        and the head are odd in number."""
+        names = self.layers
+        starts = [k for k, name in enumerate(names) if name is not None and (k == 0 or names[k - 1] != name)]
+        return tuple((k, next((j for j in range(k, len(names)) if names[j] != names[k]), len(names))) for k in starts)
+
     def block_parameters(self) -> tuple[tuple[str, ...], ...]:
         names = [(f"w{k}",) for k in range(len(self.forward_s))]
         if self.tied:
@@ -57,6 +64,7 @@ class SyntheticTable:
             block_parameters=names,
             layer_parameters=frozenset(p for ps in layers.values() for p in ps),
             layer_bytes=max((sum(parameter_bytes[p] for p in ps) for ps in layers.values()), default=0),
+            layer_spans=self.layer_spans(),  # what full recompute checkpoints one by one
         )
 
     def state_bytes(self, parameter_bytes: int, *, dp: int, zero: int, dtype: str = "fp32", layered: bool = False) -> int:

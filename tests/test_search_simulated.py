@@ -120,9 +120,11 @@ def test_stage_costs_sum_the_blocks_and_add_the_recompute_and_the_transfer() -> 
     devices = cluster(memory_bytes=10**9, gpus_per_node=1, across=10.0, latency_s=0.0)
     scored = score_layout(layout, table, devices, space, recompute=(("selective",), ("full",)), cuts=(1,))
     costs = simulated_stage_costs(scored, table, devices)
-    # synthetic backward = 2 forward, weight = forward, selective repeats a quarter of the forward
+    # synthetic backward = 2 forward, weight = forward, selective repeats a quarter of the forward;
+    # full repeats the one layer stage 1 holds whole (block 3; block 2 ends a layer the cut split, 4 is the head)
+    assert table.layer_spans() == ((1, 3), (3, 4))
     assert costs.forward_s == pytest.approx((1.1, 5.5))
-    assert costs.backward_s == pytest.approx((2.2 + 1.1 / 4, 11.0 + 5.5))
+    assert costs.backward_s == pytest.approx((2.2 + 1.1 / 4, 11.0 + 3.0))
     assert costs.weight_s == pytest.approx((1.1, 5.5))
     assert costs.transfer_s == pytest.approx((1.0,))  # 10 bytes over 10 bytes/s across nodes
 

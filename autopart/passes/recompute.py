@@ -108,8 +108,8 @@ def checkpointed_layers(chain: BlockChain, first: int, last: int,
                         spans: Iterable[tuple[int, int]]) -> list[tuple[range, int]]:
     """The repeated layers (``spans``: each one's blocks, first and end, in ``chain``) that the stage
     of blocks ``first..last`` holds whole, as `recompute_cost`'s ``layers``: each one's blocks
-    counted from ``first``, and the bytes of what enters it (the boundary before it, or the
-    stage's received tensors where it begins the model). A layer a cut splits is written inline
+    counted from ``first``, and the bytes of what enters it (the boundary before it; none for a
+    layer that begins the model, which reads the batch alone). A layer a cut splits is written inline
     in both stages (`autopart.codegen.layers`), so it is not checkpointed by itself."""
     return [(range(begin - first, end - first), chain.boundaries[begin - 1].nbytes if begin > 0 else 0)
             for begin, end in spans if first <= begin and end - 1 <= last]

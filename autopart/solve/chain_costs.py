@@ -281,7 +281,9 @@ class _LayerSums:
     __slots__ = ("saved", "kept", "forward", "starts", "span", "largest")
 
     def __init__(self, costs: ChainCosts, span: tuple[tuple[int, int], ...]):
-        inside = [span[k][1] - span[k][0] > 1 for k in range(len(costs))]
+        inside = [False] * len(costs)  # a layer may be one block, whose span is a plain block's
+        for first, end in costs.layer_spans:
+            inside[first:end] = [True] * (end - first)
         starts = [inside[k] and span[k][0] == k for k in range(len(costs))]
         kept = [(costs.boundary_bytes[k - 1] if starts[k] and k > 0 else 0) if inside[k] else costs.saved_bytes[k]
                 for k in range(len(costs))]
@@ -306,7 +308,7 @@ class _LayerSums:
     def whole(self, first: int, last: int) -> int:
         """How many layers the stage holds whole (none: the stage checkpoints whole)."""
         begin, stop = self.span[last]
-        partial_at_end = stop > last + 1 and begin >= first and stop - begin > 1
+        partial_at_end = stop > last + 1 and begin >= first  # a plain block's span ends with it
         return self.starts[last + 1] - self.starts[first] - partial_at_end
 
     def held(self, first: int, last: int) -> int:

@@ -29,7 +29,7 @@ import functools
 from dataclasses import dataclass
 
 from autopart.ir.actions import Kind
-from autopart.schedule import StageCosts, built, simulated_events, stage_placement
+from autopart.schedule import SPLIT_BACKWARD_KINDS, StageCosts, built, simulated_events, stage_placement
 from autopart.solve.search import Cluster, CostTable, Scored, parameter_bytes_per_rank, tail_s
 from autopart.solve.baselines import stage_parameter_bytes
 from autopart.solve.chain_costs import ChainCosts, chain_sums
@@ -90,6 +90,8 @@ def simulated_stage_costs(scored: Scored, table: CostTable, cluster: Cluster) ->
     the point-to-point time of what crosses it."""
     layout, cut = scored.layout, scored.cut
     costs = table.chain_costs(micro_batch_size=layout.micro_batch_size, tp=layout.tp, dtype=layout.dtype)
+    if layout.schedule not in SPLIT_BACKWARD_KINDS:  # full recompute layer by layer, as the search counted it
+        costs = costs.checkpointing_layers()
     firsts = [0, *(c + 1 for c in cut.cuts)]
     ends = [*(c + 1 for c in cut.cuts), len(costs)]
     forward, backward, weight = costs.prefix("forward_s"), costs.prefix("backward_s"), costs.prefix("weight_s")
