@@ -289,16 +289,19 @@ def test_full_recompute_layer_by_layer_computes_what_keeping_computes(tmp_path_f
     """Under a whole backward full recompute checkpoints each layer method's call by itself: the
     same outputs and gradients as keeping everything, bit for bit (bf16: the layer's recompute
     casts the working weights again), each layer run twice and the rest of the stage once. A
-    layer that ``layer_methods`` leaves out (``listed="first"``: its tensors read elsewhere too)
-    runs through the same checkpointed method, its working weights found among the stage's."""
+    stage file written before ``layer_calls`` names only its FSDP units' layers
+    (``layer_methods``; ``listed="first"``: the others' tensors read elsewhere too): a layer it
+    leaves out runs through the same checkpointed method, its working weights found among the stage's."""
     plan, out, _ = _compiled(tmp_path_factory, dtype)
     batch = _batch(plan)
     received: list[torch.Tensor] = []
     for stage in plan.stages:
         module = load_stage(out, stage.index, CPU)
-        (method, paths), = type(module).layer_methods.items()
-        if listed == "first":
-            monkeypatch.setattr(type(module), "layer_methods", {method: paths[:1]})  # the class is shared
+        (method, paths), = type(module).layer_calls.items()
+        assert type(module).layer_methods == {method: paths}  # the gpt example's layers read nothing of each other
+        if listed == "first":  # the class is shared by the tests
+            monkeypatch.delattr(type(module), "layer_calls")
+            monkeypatch.setattr(type(module), "layer_methods", {method: paths[:1]})
         calls = []
         body = getattr(module, method)
         setattr(module, method, lambda *a, **k: calls.append(1) or body(*a, **k))
@@ -320,6 +323,32 @@ def test_full_recompute_layer_by_layer_computes_what_keeping_computes(tmp_path_f
         assert all(torch.equal(grads_none[n], grads_full[n]) for n in grads_none), stage.index
         assert (calls_none, calls_full) == (len(paths), 2 * len(paths))
         received = [t.detach() for t in result] if isinstance(result, tuple) else []
+
+
+def test_a_layer_whose_tensors_are_read_elsewhere_is_checkpointed_by_itself_too(tmp_path):
+    """The last layer shares its weight with the head, so it is no FSDP unit of its own; full
+    recompute still checkpoints its call, and holds what the plan says."""
+    from autopart.driver import compile_plan
+    from autopart.codegen.emit import emit_directory
+
+    model = REPO / "tests" / "models" / "tied_residual_mlp.py"
+    options = CompileOptions(model=model, pp=2, microbatches=2, micro_batch_size=2, stage_layers=(5, 1),
+                             recompute="full")
+    plan, front = compile_plan(options)
+    out = emit_directory(plan, front.op_graph, front.spec, tmp_path / "out")
+    module = load_stage(out, 1, CPU)
+    assert type(module).layer_calls == {"layer_block": ("layers.5",)} and not hasattr(type(module), "layer_methods")
+    forward = StageForward(module, recompute="full", dtype="fp32", device=CPU, split_backward=False)
+    assert forward.layered
+    first, last = plan.stages[1].blocks
+    layers = checkpointed_layers(front.chain, first, last, _spans(front.chain))
+    assert len(layers) == 1
+    received = torch.randn(2, 16, 64, requires_grad=True)
+    measured, _ = held_for_backward(forward, [received, load_model_file(model).example(2)[1]])
+    predicted = recompute_cost(front.chain.blocks[first : last + 1], "full", layers=layers,
+                               input_bytes=stage_input_bytes(front.chain, first, last))
+    assert measured == pytest.approx(predicted.saved_bytes, rel=0.15)
+    assert plan.stages[1].activation_bytes == predicted.saved_bytes
 
 
 def test_recomputed_activations_live_from_i_to_w():

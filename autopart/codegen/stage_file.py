@@ -201,12 +201,21 @@ def _import_block(imports: list[str], runtime: str, *, leaves: bool) -> str:
 
 
 def _layer_methods_line(stage: StageGraph, units: list[Unit]) -> str:
-    """The class attribute that names the layers each method computes (``autopart.runtime.fully_sharded``)."""
+    """The class attributes that name the layers each method computes: every call
+    (``autopart.runtime.forward``'s per-layer recompute), and those whose tensors only the method
+    reads (``autopart.runtime.fully_sharded``)."""
+    calls: dict[str, tuple[str, ...]] = {}
+    for unit in units:
+        calls[unit.method] = (*calls.get(unit.method, ()), unit.prefix)
     methods = layer_methods(stage.graph, units)
-    if not methods:
-        return ""
-    return ("\n    # the layers each method computes, given as ``layer``: each its own FSDP unit under ZeRO-3\n"
-            f"    layer_methods = {methods!r}")
+    lines = []
+    if calls:
+        lines += ["    # the layers each method computes, given as ``layer``: full recompute checkpoints each call",
+                  f"    layer_calls = {calls!r}"]
+    if methods:
+        lines += ["    # of those, the layers whose tensors only their method reads: each its own FSDP unit under ZeRO-3",
+                  f"    layer_methods = {methods!r}"]
+    return "".join(f"\n{line}" for line in lines)
 
 
 def stage_source(

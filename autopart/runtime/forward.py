@@ -26,7 +26,7 @@ which dtype), and the gradients sent back have the same dtypes.
 
 Recompute (``StagePlan.recompute``, see `autopart.passes.recompute`). ``full`` with a whole
 backward checkpoints each repeated layer by itself, as Megatron-LM's full recompute and
-llm-foundry's activation checkpointing do: each call of a stage method that ``layer_methods``
+llm-foundry's activation checkpointing do: each call of a stage method that ``layer_calls``
 lists runs under ``torch.utils.checkpoint`` (non-reentrant), which keeps the layer's inputs, and
 the backward runs the layers again one at a time, so it holds one layer's activations rather
 than the stage's. The rest of the stage (embedding, head, a layer written inline) keeps what
@@ -145,13 +145,13 @@ class StageForward:
         self.device = device
         self.split_backward = split_backward
         self.working: dict[str, torch.Tensor] | None = None  # this step's working weights, by name (begin_step)
-        layers = getattr(type(module), "layer_methods", {}) if recompute == "full" and not split_backward else {}
+        layers = _layer_calls(module) if recompute == "full" and not split_backward else {}
         self.layered = bool(layers)  # each layer its own checkpoint; the stage's forward under none
         self._caller = _MethodCall(module) if layers else None
         self._layer_working: dict[int, dict[str, torch.Tensor]] = {}  # per layer module, its working copies
         self._stage_working: dict[str, torch.Tensor] = {}
         self._layer_paths = tuple(path for paths in layers.values() for path in paths)
-        for method in getattr(type(module), "layer_methods", {}):
+        for method in _layer_calls(module):
             if getattr(module.__dict__.get(method), "checkpoints_layers", False):  # an earlier StageForward's
                 del module.__dict__[method]
             if layers:  # before FSDP routes the method through a layer's unit (its hooks outside)
@@ -166,7 +166,7 @@ class StageForward:
         sharded = any(is_sharded(p) for p in self.module.parameters())  # FSDP casts what it gathers
         self.working = working_copies(self.module, lower) if lower is not None and not sharded else {}
         self._layer_working = self._per_layer(self.working) if self.layered and self.working else {}
-        # a layer that `layer_methods` does not list (its tensors read outside the method too) runs the same method
+        # a layer that `layer_calls` does not list (a stage written before it) runs the same method
         self._stage_working = {f"stage.{n}": t for n, t in self.working.items()} if self._layer_working else {}
 
     def _call(self, *args: Any) -> Any:
@@ -237,6 +237,13 @@ class StageForward:
     def _rng_states(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         device_state = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
         return torch.get_rng_state(), device_state
+
+
+def _layer_calls(module: nn.Module) -> dict[str, tuple[str, ...]]:
+    """Per layer method of a stage, the layers it is called for (``layer_calls``; a stage file
+    written before it names only its FSDP units' layers, ``layer_methods``)."""
+    stage = type(module)
+    return getattr(stage, "layer_calls", None) or getattr(stage, "layer_methods", {})
 
 
 def _no_contexts() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:

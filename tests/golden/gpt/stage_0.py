@@ -58,7 +58,9 @@ class Stage0(torch.nn.Module):
     inputs = ()  # received from stage -1
     batch_inputs = ('idx',)  # read from the batch
     outputs = ('add_4',)  # sent to stage 1
-    # the layers each method computes, given as ``layer``: each its own FSDP unit under ZeRO-3
+    # the layers each method computes, given as ``layer``: full recompute checkpoints each call
+    layer_calls = {'block': ('h.0', 'h.1')}
+    # of those, the layers whose tensors only their method reads: each its own FSDP unit under ZeRO-3
     layer_methods = {'block': ('h.0', 'h.1')}
 
     def __init__(self):

@@ -53,7 +53,9 @@ class Stage0(torch.nn.Module):
     inputs = ()  # received from stage -1
     batch_inputs = ('tokens',)  # read from the batch
     outputs = ('add_11',)  # sent to stage 1
-    # the layers each method computes, given as ``layer``: each its own FSDP unit under ZeRO-3
+    # the layers each method computes, given as ``layer``: full recompute checkpoints each call
+    layer_calls = {'transformer_block': ('layers.0', 'layers.1')}
+    # of those, the layers whose tensors only their method reads: each its own FSDP unit under ZeRO-3
     layer_methods = {'transformer_block': ('layers.0', 'layers.1')}
 
     def __init__(self):
