@@ -256,8 +256,9 @@ def _describe(scored) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", nargs="+", help="run only the cases whose names contain one of these")
-    parser.add_argument("--exhaustive-limit", type=int, default=200_000,
-                        help="most candidates exhaustive search scores (default 200,000)")
+    # four recompute modes per stage: the two-layer cases' every layout, cut set and modes
+    parser.add_argument("--exhaustive-limit", type=int, default=3_000_000,
+                        help="most candidates exhaustive search scores (default 3,000,000)")
     parser.add_argument("--top", type=int, default=5,
                         help="each baseline's best candidates by estimate that are simulated (default 5)")
     parser.add_argument("--dimensions", action="store_true",

@@ -16,7 +16,7 @@ from autopart.ir.errors import ConfigError
 from autopart.solve.planner import plan_by_search
 from autopart.predict.timeline import simulate_pipeline
 from autopart.passes.recompute import transient_microbatches
-from autopart.schedule import add_communication, build_schedule, stage_placement, validate
+from autopart.schedule import SPLIT_BACKWARD_KINDS, add_communication, build_schedule, stage_placement, validate
 from autopart.solve.search import SearchSpace, score_layout, search
 from autopart.solve.chain_costs import stage_figures
 from cost_models import get_cost_model
@@ -83,6 +83,8 @@ def test_every_plan_the_search_returns_is_valid(seed, layers, world_size, gpus_p
         state = {p: table.state_bytes(b, dp=layout.dp, zero=layout.zero) for p, b in costs.parameter_bytes.items()}
         held = costs.with_state(lambda nbytes: table.state_bytes(nbytes, dp=layout.dp, zero=layout.zero))
         assert held.parameter_state_bytes == state
+        if layout.schedule not in SPLIT_BACKWARD_KINDS:  # a whole backward: full recompute layer by layer
+            held = held.checkpointing_layers()
         flight = simulated_in_flight(layout.schedule, layout.pp, layout.microbatches, layout.chunks)
         # recomputed activations live from a microbatch's backward to its weight gradient (zb-h1's W waits)
         schedule = build_schedule(layout.schedule, ranks=layout.pp, microbatches=layout.microbatches,

@@ -25,7 +25,7 @@ from megatron_layers import build_model, init_weights, example_batch, loss_fn
 '''
 
 
-def layer_activation_bytes(tmp_path, *, tp: int, sp: bool, size_of_normed: bool = False) -> int:
+def layer_activation_bytes(tmp_path, *, tp: int, sp: bool, size_of_normed: bool = False, recompute: str = "none") -> int:
     """One layer's activation bytes as the memory model predicts them: a model of three layers
     less the same model of two (everything else is the same in both)."""
     totals = []
@@ -33,7 +33,8 @@ def layer_activation_bytes(tmp_path, *, tp: int, sp: bool, size_of_normed: bool 
         model = tmp_path / f"layers_{layers}.py"
         model.write_text(MEGATRON_LAYERS.format(models=str(REPO / "tests" / "models"), layers=layers,
                                                 size_of_normed=size_of_normed))
-        plan = autopart.compile(model, tp=tp, sp=sp, microbatches=1, micro_batch_size=1, device="h100-sxm")
+        plan = autopart.compile(model, tp=tp, sp=sp, microbatches=1, micro_batch_size=1, device="h100-sxm",
+                                recompute=recompute)
         totals.append(sum(stage.activation_bytes for stage in plan.stages))
     return totals[1] - totals[0]
 
@@ -47,6 +48,15 @@ def test_activation_bytes_per_layer_follow_korthikanti(tmp_path, tp, sp):
         (8, True): s * b * h * (34 / t + 5 * a * s / (h * t)),
     }[tp, sp]
     assert layer_activation_bytes(tmp_path, tp=tp, sp=sp) == pytest.approx(formula, rel=0.05)
+
+
+@pytest.mark.parametrize("tp, sp", [(1, False), (8, False), (8, True)])
+def test_full_recompute_keeps_each_layer_s_input_alone(tmp_path, tp, sp):
+    """Korthikanti et al.'s full recomputation: a layer keeps its 16-bit input, 2sbh, whole on
+    every tensor-parallel rank without sequence parallelism and a t-th of it with."""
+    s, b, h, t = 2048, 1, 4096, tp
+    expected = 2 * s * b * h / (t if sp else 1)
+    assert layer_activation_bytes(tmp_path, tp=tp, sp=sp, recompute="full") == pytest.approx(expected, rel=0.01)
 
 
 def test_a_size_read_off_the_normed_input_keeps_the_regathered_slice(tmp_path):

@@ -24,7 +24,8 @@ from autopart.runtime.materialise import check_initialisers
 from autopart.solve.tensor import BlockSharding, shard_chain
 from cost_models import CostDatabase, CostModel, ProfiledCostModel, get_cost_model
 
-__all__ = ["Front", "annotated", "block_seconds", "build_front", "capture_for", "layer_rebuilt_bytes", "note_unsplit",
+__all__ = ["Front", "annotated", "block_seconds", "build_front", "capture_for", "layer_input_bytes", "layer_rebuilt_bytes",
+           "note_unsplit",
            "parameter_placements", "recompute_blocks", "sharded"]
 
 log = logging.getLogger("autopart")
@@ -125,7 +126,17 @@ def block_seconds(front: Front) -> list[tuple[float, float, float]]:
     return times
 
 
-def recompute_blocks(front: Front, modes: list[str], layers: Sequence[tuple[int, int]] = ()
+def layer_input_bytes(front: Front, tp: int) -> tuple[int, ...]:
+    """Per block, what a layer that begins there keeps under full recompute on one rank: what
+    enters it, split over the tensor-parallel ranks where the block runs sequence-parallel (the
+    residual stream is then a slice of the sequence), whole otherwise; none at the first block."""
+    chain = front.chain
+    split = [tp > 1 and front.shardings is not None and front.shardings[k].sequence_parallel
+             for k in range(len(chain.blocks))]
+    return (0, *(chain.boundaries[k - 1].nbytes // (tp if split[k] else 1) for k in range(1, len(chain.blocks))))
+
+
+def recompute_blocks(front: Front, modes: list[str], layers: Sequence[tuple[int, int]] = (), *, tp: int = 1
                      ) -> tuple[tuple[float, ...], tuple[int, ...], tuple[int, ...]]:
     """Per block, in the recompute mode of its stage: forward and backward seconds (the recompute
     included), the bytes it holds per microbatch in flight (a stage's inputs not included), and
@@ -133,9 +144,11 @@ def recompute_blocks(front: Front, modes: list[str], layers: Sequence[tuple[int,
 
     ``layers``: the repeated layers (first, end blocks) that full recompute checkpoints one by
     one (`autopart.passes.recompute.checkpointed_layers`): a layer's first block holds what enters
-    it, the others nothing; each layer rebuilds its activations apart from the stage's, which
-    `layer_rebuilt_bytes` gives. The caller gives their stages' other blocks ``none``."""
+    it (`layer_input_bytes` at ``tp``), the others nothing; each layer rebuilds its activations
+    apart from the stage's, which `layer_rebuilt_bytes` gives. The caller gives their stages'
+    other blocks ``none``."""
     start = {begin: end for begin, end in layers}
+    entering = layer_input_bytes(front, tp) if layers else ()
     inside = {k for begin, end in layers for k in range(begin, end)}
     times, held, rebuilt = [], [], []
     for k, (block, (forward, backward, _)) in enumerate(zip(front.chain.blocks, block_seconds(front))):
@@ -143,8 +156,8 @@ def recompute_blocks(front: Front, modes: list[str], layers: Sequence[tuple[int,
         scale = forward / block.forward_s if block.forward_s > 0 else 1.0  # the tensor-parallel share
         shard = front.shardings[k].saved_bytes / block.saved_bytes if front.shardings and block.saved_bytes else 1.0
         times.append(forward + backward + cost.extra_backward_s * scale)
-        if k in inside:  # what enters the layer is whole on every tensor-parallel rank, as a stage's arguments
-            held.append(front.chain.boundaries[k - 1].nbytes if k in start and k > 0 else 0)
+        if k in inside:
+            held.append(entering[k] if k in start else 0)
             rebuilt.append(0)
         else:
             held.append(round(cost.saved_bytes * shard))

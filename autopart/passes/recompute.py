@@ -104,15 +104,18 @@ def recompute_cost(blocks: Sequence[Block], mode: str, *, input_bytes: int,
     )
 
 
-def checkpointed_layers(chain: BlockChain, first: int, last: int,
-                        spans: Iterable[tuple[int, int]]) -> list[tuple[range, int]]:
+def checkpointed_layers(chain: BlockChain, first: int, last: int, spans: Iterable[tuple[int, int]],
+                        entering: Sequence[int] | None = None) -> list[tuple[range, int]]:
     """The repeated layers (``spans``: each one's blocks, first and end, in ``chain``) that the stage
     of blocks ``first..last`` holds whole, as `recompute_cost`'s ``layers``: each one's blocks
     counted from ``first``, and the bytes of what enters it (the boundary before it; none for a
-    layer that begins the model, which reads the batch alone). A layer a cut splits is written inline
-    in both stages (`autopart.codegen.layers`), so it is not checkpointed by itself."""
-    return [(range(begin - first, end - first), chain.boundaries[begin - 1].nbytes if begin > 0 else 0)
-            for begin, end in spans if first <= begin and end - 1 <= last]
+    layer that begins the model, which reads the batch alone), or ``entering[begin]`` where given
+    (`autopart.passes.front.layer_input_bytes`: one tensor-parallel rank's share). A layer a cut
+    splits is written inline in both stages (`autopart.codegen.layers`), so it is not
+    checkpointed by itself."""
+    if entering is None:
+        entering = [0, *(b.nbytes for b in chain.boundaries)]
+    return [(range(begin - first, end - first), entering[begin]) for begin, end in spans if first <= begin and end - 1 <= last]
 
 
 def stage_input_bytes(chain: BlockChain, first: int, last: int, *, by_name: dict[str, fx.Node] | None = None) -> int:

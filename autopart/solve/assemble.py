@@ -17,7 +17,9 @@ from autopart.ir.placement import REPLICATE
 from autopart.ir.plan import Plan, Predicted, Provenance, ScheduleSpec, StagePlan
 from autopart.options import CompileOptions
 from autopart.passes.annotate import OpGraph
-from autopart.passes.front import Front, block_seconds, layer_rebuilt_bytes, parameter_placements, recompute_blocks
+from autopart.passes.front import (
+    Front, block_seconds, layer_input_bytes, layer_rebuilt_bytes, parameter_placements, recompute_blocks,
+)
 from autopart.passes.recompute import (
     batch_inputs, checkpointed_layers, recompute_cost, stage_input_bytes, stage_modes,
 )
@@ -51,7 +53,7 @@ def pipeline_problem(options: CompileOptions, front: Front, microbatches: int) -
     mode = modes.pop() if len(modes) == 1 else "none"
     layers = _checkpointed_layers(options, chain, [range(len(chain.blocks))] if mode == "full" else [])
     times, saved, rebuilt = recompute_blocks(front, _block_modes(chain, [mode], [range(len(chain.blocks))], layers),
-                                             layers)
+                                             layers, tp=options.tp)
     local = _local_bytes(options, front)
     layered, layer_bytes = layered_parameters(chain, local)
     state = {name: _state_bytes(options, nbytes, layered=name in layered) for name, nbytes in local.items()}
@@ -278,13 +280,14 @@ def _with_recompute(options: CompileOptions, front: Front, problem: PipelineProb
     modes = stage_modes(options.recompute, len(ranges))
     chain = front.chain
     layers = _checkpointed_layers(options, chain, [r for s, r in enumerate(ranges) if modes[s] == "full"])
-    times, held, rebuilt = recompute_blocks(front, _block_modes(chain, modes, ranges, layers), layers)
+    times, held, rebuilt = recompute_blocks(front, _block_modes(chain, modes, ranges, layers), layers, tp=options.tp)
     held, rebuilt = list(held), list(rebuilt)
     costs = []
     by_name = {n.name: n for n in front.op_graph.fx_nodes()}
     for s, r in enumerate(ranges):
         inputs = stage_input_bytes(chain, r.start, r.stop - 1, by_name=by_name)
-        own = checkpointed_layers(chain, r.start, r.stop - 1, layers) if modes[s] == "full" else []
+        own = checkpointed_layers(chain, r.start, r.stop - 1, layers, layer_input_bytes(front, options.tp)
+                                  ) if modes[s] == "full" else []
         costs.append(recompute_cost([chain.blocks[k] for k in r], modes[s], input_bytes=inputs, layers=own))
         if own:  # one layer rebuilt at a time, the stage's largest: on one block, so the stage's sum is it
             rebuilt[r.start] += layer_rebuilt_bytes(front, [(r.start + k.start, r.start + k.stop) for k, _ in own])

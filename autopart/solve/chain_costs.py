@@ -38,6 +38,9 @@ class ChainCosts:
     # full recompute checkpoints each layer a stage holds whole by itself (a whole backward,
     # `autopart.passes.recompute`); False: it checkpoints the stage (a split backward)
     layer_by_layer: bool = False
+    # per block, what a layer beginning there keeps under full recompute (one tensor-parallel
+    # rank's share: `autopart.passes.front.layer_input_bytes`); () where that is the boundary whole
+    layer_input_bytes: tuple[int, ...] = ()
     _prefix: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __len__(self) -> int:
@@ -285,8 +288,8 @@ class _LayerSums:
         for first, end in costs.layer_spans:
             inside[first:end] = [True] * (end - first)
         starts = [inside[k] and span[k][0] == k for k in range(len(costs))]
-        kept = [(costs.boundary_bytes[k - 1] if starts[k] and k > 0 else 0) if inside[k] else costs.saved_bytes[k]
-                for k in range(len(costs))]
+        entering = costs.layer_input_bytes or (0, *costs.boundary_bytes)
+        kept = [(entering[k] if starts[k] else 0) if inside[k] else costs.saved_bytes[k] for k in range(len(costs))]
         self.saved = costs.prefix("saved_bytes")
         self.kept = [0, *itertools.accumulate(kept)]
         self.forward = [0, *itertools.accumulate(f if i else 0.0 for f, i in zip(costs.forward_s, inside))]

@@ -16,7 +16,9 @@ from autopart.ir.model_file import ModelSpec, is_meta, load_model_file
 from autopart.options import CompileOptions
 from autopart.passes.capture import Graph
 from autopart.passes.blocks import build_blocks
-from autopart.passes.front import Front, annotated, block_seconds, capture_for, parameter_placements, sharded
+from autopart.passes.front import (
+    Front, annotated, block_seconds, capture_for, layer_input_bytes, parameter_placements, sharded,
+)
 from autopart.passes.repeat_annotation import laid_out
 from autopart.passes.scale import SizeLines
 from autopart.predict.memory import state_bytes
@@ -200,6 +202,7 @@ def chain_costs(front: Front, tp: int) -> ChainCosts:
         layer_parameters=layered,
         layer_bytes=layer_bytes,
         layer_spans=tuple((first, end) for first, end, _ in layer_instances(chain)),
+        layer_input_bytes=layer_input_bytes(front, tp),
     )
 
 
