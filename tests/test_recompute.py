@@ -337,13 +337,14 @@ def test_a_layer_whose_tensors_are_read_elsewhere_is_checkpointed_by_itself_too(
     plan, front = compile_plan(options)
     out = emit_directory(plan, front.op_graph, front.spec, tmp_path / "out")
     module = load_stage(out, 1, CPU)
-    assert type(module).layer_calls == {"layer_block": ("layers.5",)} and not hasattr(type(module), "layer_methods")
+    assert type(module).layer_calls == {"block": ("layers.5",)} and not hasattr(type(module), "layer_methods")
     forward = StageForward(module, recompute="full", dtype="fp32", device=CPU, split_backward=False)
     assert forward.layered
     first, last = plan.stages[1].blocks
     layers = checkpointed_layers(front.chain, first, last, _spans(front.chain))
     assert len(layers) == 1
-    received = torch.randn(2, 16, 64, requires_grad=True)
+    (_, meta), = plan.stages[1].inputs
+    received = torch.randn(*meta.shape, requires_grad=True)
     measured, _ = held_for_backward(forward, [received, load_model_file(model).example(2)[1]])
     predicted = recompute_cost(front.chain.blocks[first : last + 1], "full", layers=layers,
                                input_bytes=stage_input_bytes(front.chain, first, last))

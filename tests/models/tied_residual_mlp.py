@@ -1,33 +1,30 @@
-"""Residual MLP layers whose last layer's up-projection is also the head's weight: that layer's
-tensors are read outside its stage method, so it is not an FSDP unit of its own (``layer_methods``
-leaves it out), yet full recompute checkpoints its calls like the others' (``layer_calls``).
+"""Residual MLP layers (tests/models/assert_size.py's block) whose last layer's up-projection is
+also the head's weight: that layer's tensors are read outside its stage method, so it is not an
+FSDP unit of its own (``layer_methods`` leaves it out), yet full recompute checkpoints its calls
+like the others' (``layer_calls``).
 
     autopart compile tests/models/tied_residual_mlp.py -o out/tied --pp 2 --stage-layers 5,1 --recompute full
 """
+
+import sys
+from pathlib import Path
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-DIM, LAYERS = 64, 6
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from assert_size import DIM, Block  # noqa: E402
 
-class Layer(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.norm = nn.LayerNorm(DIM)
-        self.up = nn.Linear(DIM, 4 * DIM)
-        self.down = nn.Linear(4 * DIM, DIM)
-
-    def forward(self, x):
-        return x + self.down(F.gelu(self.up(self.norm(x))))
+LAYERS = 6
 
 
 class TiedResidualMLP(nn.Module):
     def __init__(self):
         super().__init__()
         self.inp = nn.Linear(DIM, DIM)
-        self.layers = nn.ModuleList(Layer() for _ in range(LAYERS))
+        self.layers = nn.ModuleList(Block() for _ in range(LAYERS))
         self.out = nn.Linear(DIM, 4 * DIM)
         self.out.weight = self.layers[-1].up.weight  # (4 DIM, DIM): read by the last layer and the head
 
