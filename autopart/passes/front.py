@@ -151,10 +151,11 @@ def recompute_blocks(front: Front, modes: list[str], layers: Sequence[tuple[int,
     entering = layer_input_bytes(front, tp) if layers else ()
     inside = {k for begin, end in layers for k in range(begin, end)}
     times, held, rebuilt = [], [], []
+    shares = _saved_shares(front)
     for k, (block, (forward, backward, _)) in enumerate(zip(front.chain.blocks, block_seconds(front))):
         cost = recompute_cost([block], modes[k], input_bytes=0)
         scale = forward / block.forward_s if block.forward_s > 0 else 1.0  # the tensor-parallel share
-        shard = front.shardings[k].saved_bytes / block.saved_bytes if front.shardings and block.saved_bytes else 1.0
+        shard = shares[k]
         times.append(forward + backward + cost.extra_backward_s * scale)
         if k in inside:
             held.append(entering[k] if k in start else 0)
@@ -168,8 +169,12 @@ def recompute_blocks(front: Front, modes: list[str], layers: Sequence[tuple[int,
 def layer_rebuilt_bytes(front: Front, layers: Sequence[tuple[int, int]]) -> int:
     """The most that full recompute's backward rebuilds at once when it checkpoints ``layers``
     one by one: the largest layer's activations (one tensor-parallel rank's share)."""
-    chain = front.chain
-    shard = [front.shardings[k].saved_bytes / b.saved_bytes if front.shardings and b.saved_bytes else 1.0
-             for k, b in enumerate(chain.blocks)]
-    return max((round(sum(chain.blocks[k].saved_bytes * shard[k] for k in range(begin, end))) for begin, end in layers),
+    chain, shares = front.chain, _saved_shares(front)
+    return max((round(sum(chain.blocks[k].saved_bytes * shares[k] for k in range(begin, end))) for begin, end in layers),
                default=0)
+
+
+def _saved_shares(front: Front) -> list[float]:
+    """Per block, the share of its saved bytes that one tensor-parallel rank holds."""
+    return [front.shardings[k].saved_bytes / b.saved_bytes if front.shardings and b.saved_bytes else 1.0
+            for k, b in enumerate(front.chain.blocks)]

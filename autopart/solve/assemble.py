@@ -284,10 +284,10 @@ def _with_recompute(options: CompileOptions, front: Front, problem: PipelineProb
     held, rebuilt = list(held), list(rebuilt)
     costs = []
     by_name = {n.name: n for n in front.op_graph.fx_nodes()}
+    entering = layer_input_bytes(front, options.tp)
     for s, r in enumerate(ranges):
         inputs = stage_input_bytes(chain, r.start, r.stop - 1, by_name=by_name)
-        own = checkpointed_layers(chain, r.start, r.stop - 1, layers, layer_input_bytes(front, options.tp)
-                                  ) if modes[s] == "full" else []
+        own = checkpointed_layers(chain, r.start, r.stop - 1, layers, entering) if modes[s] == "full" else []
         costs.append(recompute_cost([chain.blocks[k] for k in r], modes[s], input_bytes=inputs, layers=own))
         if own:  # one layer rebuilt at a time, the stage's largest: on one block, so the stage's sum is it
             rebuilt[r.start] += layer_rebuilt_bytes(front, [(r.start + k.start, r.start + k.stop) for k, _ in own])

@@ -291,6 +291,7 @@ def _least_kept(costs: ChainCosts, stages: int) -> list[int]:
                 window.popleft()
             if k >= width - 1:
                 least.append(saved[window[0]])
-        received = min(costs.boundary_bytes, default=0)  # at the least: full recompute's layer by layer keeps a boundary
+        # at the least, with recompute: a boundary, or a layer's share of one (full, sequence-parallel)
+        received = min((*costs.boundary_bytes, *costs.layer_input_bytes[1:]), default=0)
         found[stages] = [min(least[s], costs.input_bytes if s == 0 else received) for s in range(stages)]
     return found[stages]
