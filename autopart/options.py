@@ -16,6 +16,7 @@ from autopart.passes.recompute import stage_modes
 from autopart.runtime.optim import OPTIMIZERS
 from autopart.runtime.fully_sharded import check_level
 from autopart.schedule import SCHEDULE_KINDS, SPLIT_BACKWARD_KINDS
+from cost_models.comm import nodes_spanned
 from cost_models.devices import local_device_name
 
 __all__ = ["CompileOptions", "local_kind"]
@@ -211,6 +212,16 @@ class CompileOptions:
         """Ranks that run on one host (node) at once: all of them up to ``gpus_per_node``."""
         world = self.world_size if self.world_size is not None else self.pp * self.tp * self.dp
         return min(world, self.gpus_per_node)
+
+    @property
+    def data_parallel_nodes(self) -> int:
+        """Nodes one data-parallel group spans (replicas are outermost, a replica's ranks apart)."""
+        return nodes_spanned(self.dp, self.pp * self.tp, self.gpus_per_node)
+
+    @property
+    def tensor_parallel_nodes(self) -> int:
+        """Nodes one tensor-parallel group spans (its ranks are neighbours)."""
+        return nodes_spanned(self.tp, 1, self.gpus_per_node)
 
     @property
     def pipeline_crosses_nodes(self) -> bool:

@@ -96,7 +96,7 @@ class CostModel(Protocol):
         (``key``: `autopart.profiling.co_run.co_run_key`). None where not measured."""
         ...
 
-    def collective_time(self, kind: str, nbytes: float, group_size: int, *,
-                        across_nodes: bool = False) -> float:
-        """Seconds for one collective over ``group_size`` ranks; ``nbytes`` as in nccl-tests."""
+    def collective_time(self, kind: str, nbytes: float, group_size: int, *, nodes: int = 1) -> float:
+        """Seconds for one collective over ``group_size`` ranks on ``nodes`` nodes
+        (`cost_models.comm.nodes_spanned`); ``nbytes`` as in nccl-tests."""
         ...

@@ -18,11 +18,18 @@ with, for a group of n ranks (ring algorithms):
 ``nbytes`` is nccl-tests' "size": the buffer each rank holds for all_reduce, broadcast and
 reduce; the whole gathered output for all_gather; the whole input for reduce_scatter; the
 whole send buffer for all_to_all. A group of one rank moves nothing and costs nothing.
+
+A group that spans several nodes moves its bytes at the network's bus bandwidth (the slowest
+link of the ring), but NCCL's own tuning model (``src/graph/tuning.cc``) charges the network's
+latency only on the ring steps that cross a node boundary, ``nodes − 1`` of them (twice that
+for all_reduce); the other steps go over NVLink at its latency. A ring of 512 ranks on 64 nodes
+so pays 63 network latencies an all-gather, not 511.
 """
 
 from __future__ import annotations
 
-__all__ = ["COLLECTIVE_KINDS", "bus_factor", "ring_steps", "collective_time", "p2p_time"]
+__all__ = ["COLLECTIVE_KINDS", "bus_factor", "ring_steps", "node_steps", "nodes_spanned", "collective_time",
+           "p2p_time"]
 
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast",
                     "reduce")
@@ -52,15 +59,38 @@ def ring_steps(kind: str, group_size: int) -> int:
     return 2 * (group_size - 1) if kind == "all_reduce" else group_size - 1
 
 
+def node_steps(kind: str, group_size: int, nodes: int) -> int:
+    """Of the ring's steps, those that cross a node boundary (NCCL's ``nInterSteps``): the ring
+    enters each of ``nodes`` nodes once; an all-to-all sends to every rank off its own node."""
+    _check(kind, group_size)
+    if not 1 <= nodes <= group_size:
+        raise ValueError(f"a group of {group_size} ranks spans 1 to {group_size} nodes, got {nodes}")
+    if kind == "all_to_all":
+        return group_size - group_size // nodes
+    return 2 * (nodes - 1) if kind == "all_reduce" else nodes - 1
+
+
+def nodes_spanned(group_size: int, stride: int, gpus_per_node: int) -> int:
+    """Nodes that a group of ``group_size`` ranks ``stride`` apart spans, ranks filling nodes of
+    ``gpus_per_node`` in order (torchrun's placement): a tensor-parallel group has stride 1, a
+    data-parallel group the ranks of one replica."""
+    if min(group_size, stride, gpus_per_node) < 1:
+        raise ValueError(f"group size, stride and GPUs per node must be >= 1, got {group_size}, {stride}, {gpus_per_node}")
+    per_node = max(1, gpus_per_node // stride)
+    return -(-group_size // per_node)
+
+
 def collective_time(kind: str, nbytes: float, group_size: int, *, bus_bandwidth: float,
-                    step_latency_s: float) -> float:
-    """Seconds for one collective; see the module docstring for the formula."""
+                    step_latency_s: float, nodes: int = 1, node_step_latency_s: float = 0.0) -> float:
+    """Seconds for one collective; see the module docstring for the formula. Over several
+    ``nodes``, the steps that cross a node boundary pay ``node_step_latency_s`` instead."""
     _check(kind, group_size)
     if nbytes < 0:
         raise ValueError(f"nbytes must be >= 0, got {nbytes}")
     if group_size == 1:
         return 0.0
-    return (step_latency_s * ring_steps(kind, group_size)
+    crossing = node_steps(kind, group_size, nodes)
+    return (step_latency_s * (ring_steps(kind, group_size) - crossing) + node_step_latency_s * crossing
             + nbytes * bus_factor(kind, group_size) / bus_bandwidth)
 
 

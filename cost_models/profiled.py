@@ -91,5 +91,5 @@ class ProfiledCostModel:
     def co_run(self, key: str) -> CoRunMeasurement | None:
         return self.database.co_run(self.device.name, key)
 
-    def collective_time(self, kind: str, nbytes: float, group_size: int, *, across_nodes: bool = False) -> float:
-        return self.roofline.collective_time(kind, nbytes, group_size, across_nodes=across_nodes)
+    def collective_time(self, kind: str, nbytes: float, group_size: int, *, nodes: int = 1) -> float:
+        return self.roofline.collective_time(kind, nbytes, group_size, nodes=nodes)

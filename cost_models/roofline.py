@@ -150,12 +150,12 @@ class RooflineCostModel:
     def co_run(self, key: str) -> CoRunMeasurement | None:
         return None  # measured per model: the cost database holds it
 
-    def collective_time(self, kind: str, nbytes: float, group_size: int, *,
-                        across_nodes: bool = False) -> float:
-        if not across_nodes and group_size == self.device.comm_ranks and group_size > 1:
+    def collective_time(self, kind: str, nbytes: float, group_size: int, *, nodes: int = 1) -> float:
+        if nodes == 1 and group_size == self.device.comm_ranks and group_size > 1:
             measured = self.device.measured_comm_time(kind, nbytes)
             if measured is not None:
                 return measured
-        bandwidth, latency = self._link(across_nodes)
-        return comm.collective_time(kind, nbytes, group_size, bus_bandwidth=bandwidth,
-                                    step_latency_s=latency)
+        bandwidth, node_latency = self._link(nodes > 1)
+        return comm.collective_time(kind, nbytes, group_size, bus_bandwidth=bandwidth, nodes=nodes,
+                                    step_latency_s=self.device.intra_node_latency_s,
+                                    node_step_latency_s=node_latency)

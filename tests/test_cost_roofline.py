@@ -15,6 +15,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from cost_models import calibration
+from cost_models.comm import node_steps, nodes_spanned
 from cost_models import CostModel, Kernel, KernelRecorder, RooflineCostModel, get_cost_model, load_device
 
 
@@ -115,13 +116,45 @@ def test_collectives_follow_nccl_tests_bus_bandwidth() -> None:
         assert model.collective_time(kind, nbytes, n) == pytest.approx(
             (n - 1) * step + nbytes * (n - 1) / n / busbw)
     assert model.collective_time("broadcast", nbytes, n) == pytest.approx((n - 1) * step + nbytes / busbw)
-    across = model.collective_time("all_reduce", nbytes, n, across_nodes=True)
+    across = model.collective_time("all_reduce", nbytes, n, nodes=n)
     assert across == pytest.approx(2 * (n - 1) * spec.inter_node_latency_s
                                    + nbytes * 2 * (n - 1) / n / (spec.inter_node_bandwidth * spec.link_efficiency))
     for kind in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"):
         assert model.collective_time(kind, nbytes, 1) == 0.0
     with pytest.raises(ValueError, match="unknown collective 'allreduce'"):
         model.collective_time("allreduce", nbytes, n)
+
+
+def test_a_ring_over_nodes_pays_the_network_latency_only_where_it_crosses_a_node() -> None:
+    """NCCL's tuning model: a ring of 512 ranks on 64 nodes of 8 crosses a node boundary 63 times
+    an all-gather (126 an all-reduce); its other steps go over NVLink. The bytes move at the
+    network's bus bandwidth."""
+    spec = load_device("h100-sxm")
+    model = get_cost_model("h100-sxm")
+    nbytes, n, nodes = 4e8, 512, 64
+    network = spec.inter_node_bandwidth * spec.link_efficiency
+    gather = model.collective_time("all_gather", nbytes, n, nodes=nodes)
+    assert gather == pytest.approx(63 * spec.inter_node_latency_s + (511 - 63) * spec.intra_node_latency_s
+                                   + nbytes * (n - 1) / n / network)
+    reduce = model.collective_time("all_reduce", nbytes, n, nodes=nodes)
+    assert reduce == pytest.approx(126 * spec.inter_node_latency_s + (1022 - 126) * spec.intra_node_latency_s
+                                   + nbytes * 2 * (n - 1) / n / network)
+    # latency-bound: each further node adds one network latency in place of an NVLink one
+    small = [model.collective_time("all_gather", 1024, n, nodes=k) for k in (2, 4, 64, 512)]
+    assert small == sorted(small) and small[-1] - small[-2] == pytest.approx(
+        448 * (spec.inter_node_latency_s - spec.intra_node_latency_s))
+    with pytest.raises(ValueError, match="spans 1 to 8 nodes"):
+        model.collective_time("all_gather", nbytes, 8, nodes=9)
+
+
+def test_nodes_spanned_follows_torchruns_placement() -> None:
+    assert [nodes_spanned(8, 1, 8), nodes_spanned(16, 1, 8), nodes_spanned(4, 4, 8)] == [1, 2, 2]
+    assert nodes_spanned(128, 1, 8) == 16  # ZeRO-3 over every GPU of 16 nodes
+    assert nodes_spanned(16, 8, 8) == 16 and nodes_spanned(16, 16, 8) == 16  # one replica per node or more
+    assert nodes_spanned(6, 2, 8) == 2  # four replicas to a node
+    assert [node_steps("all_gather", 16, 2), node_steps("all_reduce", 16, 2), node_steps("all_to_all", 16, 2)] == [1, 2, 8]
+    with pytest.raises(ValueError, match=">= 1"):
+        nodes_spanned(4, 0, 8)
 
 
 def test_p2p_is_one_latency_plus_bytes_over_bandwidth() -> None:

@@ -10,12 +10,12 @@ from autopart.predict.data_parallel import data_parallel_comm
 class LinearCollectives:
     """Seconds = bytes / 1e9 per collective, whatever its kind; an all-reduce is twice that."""
 
-    def collective_time(self, kind: str, nbytes: float, group_size: int, *, across_nodes: bool = False) -> float:
+    def collective_time(self, kind: str, nbytes: float, group_size: int, *, nodes: int = 1) -> float:
         return nbytes / 1e9 * (2 if kind == "all_reduce" else 1)
 
 
 def comm(zero: int, *, overlapped: bool, dp: int = 4, hidden_behind_s: float = 2.0):
-    return data_parallel_comm(zero, 1e9, dp=dp, across_nodes=False, cost_model=LinearCollectives(),
+    return data_parallel_comm(zero, 1e9, dp=dp, nodes=1, cost_model=LinearCollectives(),
                               overlapped=overlapped, hidden_behind_s=hidden_behind_s)
 
 
@@ -57,7 +57,7 @@ def test_the_gathers_move_the_weights_in_the_dtype_the_replicas_compute_with(dty
     gathers them (`autopart.runtime.fully_sharded`): half the bytes of fp32 weights. The
     gradients are reduced in fp32 at every level."""
     def run(zero: int):
-        return data_parallel_comm(zero, 1e9, dp=4, across_nodes=False, cost_model=LinearCollectives(), overlapped=False,
+        return data_parallel_comm(zero, 1e9, dp=4, nodes=1, cost_model=LinearCollectives(), overlapped=False,
                                   dtype=dtype)  # fmt: skip
 
     assert run(1).tail_s == pytest.approx(gathered)

@@ -108,25 +108,25 @@ def test_the_step_model_charges_a_stage_its_unhidden_transfers_and_the_search_th
     class Cluster:
         reduction_overlaps = True
 
-        def all_gather_s(self, nbytes, group, across):
+        def all_gather_s(self, nbytes, group, nodes):
             return nbytes / 1e9
 
     class Model:
-        def collective_time(self, kind, nbytes, group, *, across_nodes=False):
+        def collective_time(self, kind, nbytes, group, *, nodes=1):
             return nbytes / 1e9
 
     layers, layer_bytes, forward = 4, 1e9, 0.8
     pieces = (Piece(forward_s=forward / layers, backward_s=2 * forward / layers, unit_bytes=layer_bytes / layers),) * layers
     counted = Piece(forward_s=forward / layers, backward_s=2 * forward / layers, unit_bytes=layer_bytes / layers,
                     count=layers)
-    plan = data_parallel_comm(3, 1.5e9, dp=8, across_nodes=True, cost_model=Model(), overlapped=True,
+    plan = data_parallel_comm(3, 1.5e9, dp=8, nodes=8, cost_model=Model(), overlapped=True,
                               hidden_behind_s=forward, pieces=pieces)
-    search = fully_sharded_extra_s(3, Cluster(), 1.5e9, forward, dp=8, across_nodes=True, dtype="fp32",
+    search = fully_sharded_extra_s(3, Cluster(), 1.5e9, forward, dp=8, nodes=8, dtype="fp32",
                                    layers=(int(layer_bytes), layers))
     assert (plan.forward_s, plan.backward_s) == pytest.approx(search)
-    assert data_parallel_comm(3, 1.5e9, dp=8, across_nodes=True, cost_model=Model(), overlapped=True,
+    assert data_parallel_comm(3, 1.5e9, dp=8, nodes=8, cost_model=Model(), overlapped=True,
                               hidden_behind_s=forward, pieces=(counted,)) == plan  # four equal layers, as one piece
-    whole = data_parallel_comm(3, 1.5e9, dp=8, across_nodes=True, cost_model=Model(), overlapped=True,
+    whole = data_parallel_comm(3, 1.5e9, dp=8, nodes=8, cost_model=Model(), overlapped=True,
                                hidden_behind_s=forward)
     # the root's gather and the first layer's; of each later layer's 0.25 s gather, the 0.2 s forward hides all but 0.05
     assert plan.forward_s == pytest.approx(0.5 + 0.25 + 3 * 0.05)

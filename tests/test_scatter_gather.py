@@ -26,14 +26,14 @@ def test_a_split_message_costs_its_share_across_nodes_and_a_gather_inside_one():
     cost_model = get_cost_model("a100-80gb")
     meta = TensorMeta(shape=(1, 2048, 12288), dtype="bfloat16")
     whole = cost_model.p2p_time(meta.nbytes, across_nodes=True)
-    assert message_seconds(cost_model, [meta], tp=1, across_nodes=True, tp_across_nodes=False) == whole
-    split = message_seconds(cost_model, [meta], tp=8, across_nodes=True, tp_across_nodes=False)
+    assert message_seconds(cost_model, [meta], tp=1, across_nodes=True, tp_nodes=1) == whole
+    split = message_seconds(cost_model, [meta], tp=8, across_nodes=True, tp_nodes=1)
     share = cost_model.p2p_time(meta.nbytes // 8, across_nodes=True)
-    gather = cost_model.collective_time("all_gather", meta.nbytes, 8, across_nodes=False)
+    gather = cost_model.collective_time("all_gather", meta.nbytes, 8)
     assert split == pytest.approx(share + gather)
     assert split < whole / 2  # the NVLink gather is far cheaper than the InfiniBand bytes it saves
     odd = TensorMeta(shape=(3, 5), dtype="float32")  # 15 elements: travels whole
-    assert message_seconds(cost_model, [odd], tp=8, across_nodes=True, tp_across_nodes=False) == (
+    assert message_seconds(cost_model, [odd], tp=8, across_nodes=True, tp_nodes=1) == (
         cost_model.p2p_time(odd.nbytes, across_nodes=True)
     )
 

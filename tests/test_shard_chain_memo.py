@@ -18,10 +18,10 @@ def test_each_block_and_pin_is_solved_once_with_the_same_result(monkeypatch):
     calls = []
     solve = tensor._solve_block
 
-    def counted(chain, index, t, cost_model, pinned, across_nodes, *more):
+    def counted(chain, index, t, cost_model, pinned, nodes, *more):
         own = tuple(sorted((p, pinned[p]) for p in chain.blocks[index].parameters if p in pinned))
         calls.append((index, own))
-        return solve(chain, index, t, cost_model, pinned, across_nodes, *more)
+        return solve(chain, index, t, cost_model, pinned, nodes, *more)
 
     monkeypatch.setattr(tensor, "_solve_block", counted)
     shardings = tensor.shard_chain(chain, tp=2, cost_model=cost_model)
@@ -30,7 +30,7 @@ def test_each_block_and_pin_is_solved_once_with_the_same_result(monkeypatch):
     assert len(tied) == 2
     chosen = shardings[tied[0]].parameters["wte.weight"]
     for k in tied:  # the memoised answer is the block's own with the chosen pin
-        alone = solve(chain, k, 2, cost_model, {"wte.weight": chosen}, False, False)
+        alone = solve(chain, k, 2, cost_model, {"wte.weight": chosen}, 1, False)
         assert shardings[k].strategies == alone.strategies and shardings[k].time_s == alone.time_s
 
 

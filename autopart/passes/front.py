@@ -57,8 +57,7 @@ def sharded(front: Front, options: CompileOptions) -> Front:
     """``front`` with every block's tensor-parallel strategy chosen for ``options.tp``."""
     if options.tp == 1:
         return replace(front, shardings=None)
-    across = options.tp > options.gpus_per_node
-    shardings = tuple(shard_chain(front.chain, tp=options.tp, cost_model=front.cost_model, across_nodes=across,
+    shardings = tuple(shard_chain(front.chain, tp=options.tp, cost_model=front.cost_model, nodes=options.tensor_parallel_nodes,
                                   sequence_parallel=bool(options.sp), overlap=options.tp_overlap))
     return replace(front, shardings=shardings)
 

@@ -44,11 +44,11 @@ class DataParallelComm:
     tail_s: float = 0.0
 
 
-def data_parallel_comm(zero: int, parameter_bytes: float, *, dp: int, across_nodes: bool, cost_model: CostModel,
+def data_parallel_comm(zero: int, parameter_bytes: float, *, dp: int, nodes: int, cost_model: CostModel,
                        overlapped: bool, hidden_behind_s: float = 0.0, dtype: str = "fp32",
                        pieces: Sequence[Piece] = ()) -> DataParallelComm:
     """The collectives of one stage holding ``parameter_bytes`` (this rank's, after tensor
-    parallelism). ``overlapped``: collectives run beside the compute (a GPU's streams); a
+    parallelism), over ``dp`` replicas on ``nodes`` nodes. ``overlapped``: collectives run beside the compute (a GPU's streams); a
     reduce-scatter still running as a backward ends runs beside the next action, which takes at
     least ``hidden_behind_s`` (the stage's forward: what follows a backward in a pipeline's
     steady state), and what it runs past that adds to the backward. ``dtype``: the plan's
@@ -59,7 +59,7 @@ def data_parallel_comm(zero: int, parameter_bytes: float, *, dp: int, across_nod
 
     def time(kind: str) -> float:
         nbytes = gathered_bytes(parameter_bytes, dtype) if kind == "all_gather" else parameter_bytes
-        return cost_model.collective_time(kind, nbytes, dp, across_nodes=across_nodes)
+        return cost_model.collective_time(kind, nbytes, dp, nodes=nodes)
 
     if zero in (0, 1):  # the all-reduce overlaps the backward (`autopart.predict.reduction`); ZeRO-1's
         return DataParallelComm(tail_s=time("all_gather") if zero == 1 else 0.0)  # update is shared after the step
@@ -69,9 +69,8 @@ def data_parallel_comm(zero: int, parameter_bytes: float, *, dp: int, across_nod
         return DataParallelComm(backward_s=reduce, tail_s=time("all_gather") + last)
     layered = fully_sharded_cost(
         pieces or (Piece(hidden_behind_s, 2 * hidden_behind_s),), parameter_bytes - sum(p.count * p.unit_bytes for p in pieces),
-        gather_s=lambda nbytes: cost_model.collective_time("all_gather", gathered_bytes(nbytes, dtype), dp,
-                                                           across_nodes=across_nodes),
-        reduce_s=lambda nbytes: cost_model.collective_time("reduce_scatter", nbytes, dp, across_nodes=across_nodes),
+        gather_s=lambda nbytes: cost_model.collective_time("all_gather", gathered_bytes(nbytes, dtype), dp, nodes=nodes),
+        reduce_s=lambda nbytes: cost_model.collective_time("reduce_scatter", nbytes, dp, nodes=nodes),
         overlapped=overlapped)
     return DataParallelComm(forward_s=layered.forward_s, backward_s=layered.backward_beside(hidden_behind_s),
                             tail_s=layered.pending_s)

@@ -14,11 +14,11 @@ __all__ = ["boundary_seconds", "message_seconds"]
 
 
 def message_seconds(
-    cost_model: CostModel, metas: Iterable[TensorMeta], *, tp: int, across_nodes: bool, tp_across_nodes: bool
+    cost_model: CostModel, metas: Iterable[TensorMeta], *, tp: int, across_nodes: bool, tp_nodes: int = 1
 ) -> float:
     """Seconds from the send of one boundary's tensors to their arrival whole on every receiving
     tensor-parallel rank: each rank's share over the pipeline link (all ranks send theirs at once,
-    on their own links), then the all-gather inside the tensor-parallel group."""
+    on their own links), then the all-gather inside the tensor-parallel group (on ``tp_nodes`` nodes)."""
     sent, gathered = 0, 0
     for meta in metas:
         split = parts(meta.numel, tp)
@@ -27,11 +27,11 @@ def message_seconds(
             gathered += meta.nbytes
     seconds = cost_model.p2p_time(sent, across_nodes=across_nodes)
     if gathered:
-        seconds += cost_model.collective_time("all_gather", gathered, tp, across_nodes=tp_across_nodes)
+        seconds += cost_model.collective_time("all_gather", gathered, tp, nodes=tp_nodes)
     return seconds
 
 
 def boundary_seconds(options: CompileOptions, cost_model: CostModel, tensors) -> float:
     """One boundary's messages (``(name, TensorMeta)`` pairs), split over the options' tensor-parallel group."""
     return message_seconds(cost_model, [meta for _, meta in tensors], tp=options.tp,
-                           across_nodes=options.pipeline_crosses_nodes, tp_across_nodes=options.tp > options.gpus_per_node)
+                           across_nodes=options.pipeline_crosses_nodes, tp_nodes=options.tensor_parallel_nodes)

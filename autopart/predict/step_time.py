@@ -29,13 +29,12 @@ __all__ = ["compute_factor", "data_parallel", "data_parallel_seconds", "fully_sh
 
 
 def data_parallel(options: CompileOptions, front: Front, stages: list[StagePlan]) -> list[DataParallelComm]:
-    """Per stage, the seconds its data-parallel collectives add (`autopart.predict.data_parallel`).
-    The group spans nodes once the whole mesh does (dp is outermost)."""
-    across = options.pp * options.tp * options.dp > options.gpus_per_node
+    """Per stage, the seconds its data-parallel collectives add (`autopart.predict.data_parallel`),
+    over the nodes a data-parallel group spans."""
     overlapped = front.cost_model.device.collectives_overlap_compute
     pieces = fully_sharded_pieces(front, stages, options.tp) if options.zero == 3 and options.dp > 1 else None
-    return [data_parallel_comm(options.zero, stage.parameter_bytes / options.tp, dp=options.dp, across_nodes=across,
-                               cost_model=front.cost_model, overlapped=overlapped, hidden_behind_s=stage.forward_s,
+    return [data_parallel_comm(options.zero, stage.parameter_bytes / options.tp, dp=options.dp,
+                               nodes=options.data_parallel_nodes, cost_model=front.cost_model, overlapped=overlapped, hidden_behind_s=stage.forward_s,
                                dtype=options.dtype, pieces=pieces[i] if pieces else ())
             for i, stage in enumerate(stages)]
 
@@ -189,7 +188,7 @@ def predicted_step_s(options: CompileOptions, front: Front, stages: list[StagePl
     replicas = options.dp if options.zero not in (2, 3) else 1  # FSDP reduces in its own backward hooks
     reductions = plan_reductions(schedule, stages, front.chain, [b for _, b, _ in block_seconds(front)], tp=options.tp,
                                  dp=replicas, cost_model=front.cost_model,
-                                 across_nodes=options.pp * options.tp * options.dp > options.gpus_per_node)
+                                 nodes=options.data_parallel_nodes)
 
     def step(costs: StageCosts, tails: dict[int, float]) -> tuple[float, dict[int, tuple[float, float]]]:
         return overlapped_step_time(schedule, costs, reductions, ranks=options.pp, cores=cores,

@@ -42,12 +42,12 @@ def fully_sharded_levels(levels: tuple[int, ...], schedule: str) -> tuple[int, .
     return levels
 
 
-def _reduce_scatter_s(cluster, nbytes: float, group: int, across: bool) -> float:
+def _reduce_scatter_s(cluster, nbytes: float, group: int, nodes: int) -> float:
     """A reduce-scatter moves what an all-gather moves (nccl-tests' bus factor (n - 1)/n both)."""
-    return cluster.all_gather_s(nbytes, group, across)
+    return cluster.all_gather_s(nbytes, group, nodes)
 
 
-def tail_s(layout, cluster, rank_parameter_bytes: Sequence[int], across_nodes: bool,
+def tail_s(layout, cluster, rank_parameter_bytes: Sequence[int], nodes: int,
            hidden: Sequence[float] | None = None, last_bytes: Sequence[int] | None = None) -> float:
     """What the step does after the pipeline drains, on its busiest rank: the part of the
     data-parallel collectives that nothing hides, and the optimizer step (a shard of it under
@@ -58,27 +58,27 @@ def tail_s(layout, cluster, rank_parameter_bytes: Sequence[int], across_nodes: b
     dp, level = layout.dp, int(layout.zero)
     for rank, nbytes in enumerate(rank_parameter_bytes):
         if dp == 1 or level in (0, 1):
-            sync = cluster.all_reduce_s(nbytes, dp, across_nodes) if dp > 1 else 0.0
+            sync = cluster.all_reduce_s(nbytes, dp, nodes) if dp > 1 else 0.0
             if dp > 1 and hidden is not None and cluster.reduction_overlaps:
-                last = cluster.all_reduce_s(last_bytes[rank], dp, across_nodes) if last_bytes is not None else 0.0
+                last = cluster.all_reduce_s(last_bytes[rank], dp, nodes) if last_bytes is not None else 0.0
                 sync = max(last, sync - hidden[rank])
-            rank_tail = sync + update_s(layout, cluster, nbytes, across_nodes)
+            rank_tail = sync + update_s(layout, cluster, nbytes, nodes)
         else:  # FSDP: the step waits for the last reduce-scatter where it runs beside the compute
-            last = _reduce_scatter_s(cluster, nbytes, dp, across_nodes) if cluster.reduction_overlaps else 0.0
-            gather = cluster.all_gather_s(gathered_bytes(nbytes, layout.dtype), dp, across_nodes) if level == 2 else 0.0
+            last = _reduce_scatter_s(cluster, nbytes, dp, nodes) if cluster.reduction_overlaps else 0.0
+            gather = cluster.all_gather_s(gathered_bytes(nbytes, layout.dtype), dp, nodes) if level == 2 else 0.0
             rank_tail = cluster.optimizer_s_per_byte * nbytes / dp + last + gather
         tail = max(tail, rank_tail)
     return tail
 
 
-def update_s(layout, cluster, nbytes: int, across_nodes: bool) -> float:
+def update_s(layout, cluster, nbytes: int, nodes: int) -> float:
     """After its gradients are reduced, a rank's optimizer step over ``nbytes`` of parameters:
     whole, or under ZeRO-1 (with replicas) a 1/dp shard of it and then the gather of the updated
     weights (bf16 under ``bf16``: ``autopart.predict.data_parallel.gathered_bytes``)."""
     step = cluster.optimizer_s_per_byte * nbytes
     if layout.dp == 1 or int(layout.zero) != 1:
         return step
-    return step / layout.dp + cluster.all_gather_s(gathered_bytes(nbytes, layout.dtype), layout.dp, across_nodes)
+    return step / layout.dp + cluster.all_gather_s(gathered_bytes(nbytes, layout.dtype), layout.dp, nodes)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -110,7 +110,7 @@ def last_bucket_bytes(layout, costs, cuts: Sequence[int]) -> list[int]:
 
 
 def fully_sharded_extra_s(level: int, cluster, stage_bytes: float, forward_s: float, *, dp: int,
-                          across_nodes: bool, dtype: str, backward_s: float | None = None,
+                          nodes: int, dtype: str, backward_s: float | None = None,
                           layers: tuple[int, int] = (0, 0)) -> tuple[float, float]:
     """What FSDP adds to each forward and each backward of a stage holding ``stage_bytes`` of
     fp32 parameters in precision ``dtype`` (``autopart.predict.data_parallel.data_parallel_comm``'s
@@ -121,30 +121,30 @@ def fully_sharded_extra_s(level: int, cluster, stage_bytes: float, forward_s: fl
         return 0.0, 0.0
     overlapped = cluster.reduction_overlaps
     if level == 2:
-        scatter = _reduce_scatter_s(cluster, stage_bytes, dp, across_nodes)
+        scatter = _reduce_scatter_s(cluster, stage_bytes, dp, nodes)
         return 0.0, max(0.0, scatter - forward_s) if overlapped else scatter
     return _layered_extra_s(cluster, stage_bytes, forward_s, 2 * forward_s if backward_s is None else backward_s,
-                            layers, dp, across_nodes, dtype)
+                            layers, dp, nodes, dtype)
 
 
 @functools.lru_cache(maxsize=1 << 16)
 def _layered_extra_s(cluster, stage_bytes: float, forward_s: float, backward_s: float, layers: tuple[int, int],
-                     dp: int, across_nodes: bool, dtype: str) -> tuple[float, float]:
+                     dp: int, nodes: int, dtype: str) -> tuple[float, float]:
     """``fully_sharded_extra_s`` at level 3, kept: refining a layout's cuts asks for the same
     stages again and again."""
     layered_bytes, count = layers
     pieces = (Piece(forward_s / count, backward_s / count, layered_bytes / count, count) if count
               else Piece(forward_s, backward_s),)
     cost = fully_sharded_cost(pieces, max(0.0, stage_bytes - (layered_bytes if count else 0)),
-                              gather_s=lambda n: _gather_s(cluster, n, dp, across_nodes, dtype),
-                              reduce_s=lambda n: _reduce_scatter_s(cluster, n, dp, across_nodes),
+                              gather_s=lambda n: _gather_s(cluster, n, dp, nodes, dtype),
+                              reduce_s=lambda n: _reduce_scatter_s(cluster, n, dp, nodes),
                               overlapped=cluster.reduction_overlaps)
     return cost.forward_s, cost.backward_beside(forward_s)
 
 
-def _gather_s(cluster, parameter_bytes: float, dp: int, across: bool, dtype: str) -> float:
+def _gather_s(cluster, parameter_bytes: float, dp: int, nodes: int, dtype: str) -> float:
     """FSDP's all-gather of a unit of ``parameter_bytes`` fp32 parameters (moved in the compute dtype)."""
-    return cluster.all_gather_s(gathered_bytes(parameter_bytes, dtype), dp, across)
+    return cluster.all_gather_s(gathered_bytes(parameter_bytes, dtype), dp, nodes)
 
 
 def fully_sharded_floor_s(layout, costs, cluster) -> float:
@@ -175,10 +175,10 @@ def fully_sharded_floor_s(layout, costs, cluster) -> float:
     level = int(layout.zero)
     if level not in FSDP_LEVELS or layout.dp == 1 or layout.schedule not in _ONE_BACKWARD:
         return 0.0
-    across = layout.data_parallel_crosses_nodes(cluster.gpus_per_node)
+    nodes = layout.data_parallel_nodes(cluster.gpus_per_node)
     if level == 2:
         share = sum(costs.parameter_bytes.values()) // layout.pp / layout.chunks  # a stage's of the busiest rank
-        return layout.microbatches * layout.chunks * _reduce_scatter_s(cluster, share, layout.dp, across) * (1 - 1e-9)
+        return layout.microbatches * layout.chunks * _reduce_scatter_s(cluster, share, layout.dp, nodes) * (1 - 1e-9)
     if not costs.layer_bytes:
         return 0.0
     m, stages, layer = layout.microbatches, layout.stages, costs.layer_bytes
@@ -201,17 +201,17 @@ def fully_sharded_floor_s(layout, costs, cluster) -> float:
     fullest = 0.0
     if units:
         unit = layer * (1 - 0.5 / units) * (1 - 1e-9)  # under the estimate's own, for its rounding
-        fullest = stage_s(units * _gather_s(cluster, unit, layout.dp, across, layout.dtype),
-                          units * _reduce_scatter_s(cluster, unit, layout.dp, across))
+        fullest = stage_s(units * _gather_s(cluster, unit, layout.dp, nodes, layout.dtype),
+                          units * _reduce_scatter_s(cluster, unit, layout.dp, nodes))
     held = max(0.0, layered - stages * layer / 2)  # in stages of a unit or more
-    summed = stage_s(held * _least_per_byte(cluster, layer, layout.dp, across, layout.dtype, gather=True),
-                     held * _least_per_byte(cluster, layer, layout.dp, across, layout.dtype, gather=False))
+    summed = stage_s(held * _least_per_byte(cluster, layer, layout.dp, nodes, layout.dtype, gather=True),
+                     held * _least_per_byte(cluster, layer, layout.dp, nodes, layout.dtype, gather=False))
     spread = m / layout.pp if layout.schedule == "interleaved" else 1 + (m - 1) / stages
     return max(m * fullest, spread * summed) * (1 - 1e-9)  # under the estimate's own rounding
 
 
 @functools.lru_cache(maxsize=1024)
-def _least_per_byte(cluster, layer: int, dp: int, across: bool, dtype: str, *, gather: bool, pieces: int = 64) -> float:
+def _least_per_byte(cluster, layer: int, dp: int, nodes: int, dtype: str, *, gather: bool, pieces: int = 64) -> float:
     """No gather (or reduce-scatter) of a unit between half of ``layer`` and one and a half takes
     fewer seconds per byte: over each of ``pieces`` spans of that range, its least bytes' over its most."""
     edges = [layer * (0.5 + k / pieces) for k in range(pieces + 1)]
@@ -219,8 +219,8 @@ def _least_per_byte(cluster, layer: int, dp: int, across: bool, dtype: str, *, g
 
     def seconds(nbytes: float) -> float:
         if gather:
-            return _gather_s(cluster, nbytes, dp, across, dtype)
-        return _reduce_scatter_s(cluster, nbytes, dp, across)
+            return _gather_s(cluster, nbytes, dp, nodes, dtype)
+        return _reduce_scatter_s(cluster, nbytes, dp, nodes)
 
     return min(seconds(low) / high for low, high in zip(edges, edges[1:]))
 
@@ -241,7 +241,7 @@ def stage_layers(costs, cuts: Sequence[int]) -> tuple[tuple[int, int], ...]:
 
 
 def stage_times(layout, cluster, times: Sequence[float], rank_parameter_bytes: Sequence[int],
-                across_nodes: bool, layers: Sequence[tuple[int, int]] | None = None) -> tuple[float, ...]:
+                nodes: int, layers: Sequence[tuple[int, int]] | None = None) -> tuple[float, ...]:
     """``times`` (per stage, a microbatch's forward and backward) with FSDP's gathers and
     unhidden reduce-scatters added; each stage holds its rank's parameters over its chunks, and
     at level 3 its ``layers`` (``stage_layers``; None: the stage is one unit)."""
@@ -251,7 +251,7 @@ def stage_times(layout, cluster, times: Sequence[float], rank_parameter_bytes: S
     for stage, (time, rank) in enumerate(zip(times, _placement(layout.schedule, layout.pp, layout.chunks))):
         share = rank_parameter_bytes[rank] / layout.chunks
         forward, backward = fully_sharded_extra_s(int(layout.zero), cluster, share, FORWARD_SHARE * time,
-                                                  dp=layout.dp, across_nodes=across_nodes, dtype=layout.dtype,
+                                                  dp=layout.dp, nodes=nodes, dtype=layout.dtype,
                                                   backward_s=(1 - FORWARD_SHARE) * time,
                                                   layers=layers[stage] if layers is not None else (0, 0))
         found.append(time + forward + backward)
@@ -281,12 +281,12 @@ def fsdp_may_pay(scored, table, cluster) -> bool:
     for stage, rank in enumerate(_placement(layout.schedule, layout.pp, layout.chunks)):
         held[rank].update(p for k in range(firsts[stage], ends[stage]) for p in costs.block_parameters[k])
     rank_bytes = [sum(costs.parameter_bytes[p] for p in names) for names in held]
-    across = layout.world_size > cluster.gpus_per_node
+    nodes = layout.data_parallel_nodes(cluster.gpus_per_node)
     hidden = hidden_s(layout, cut.stage_time_s) if cluster.reduction_overlaps else [0.0] * layout.pp
     last = last_bucket_bytes(layout, costs, cut.cuts)
     for rank, nbytes in enumerate(rank_bytes):
-        exposed = max(cluster.all_reduce_s(last[rank], layout.dp, across),
-                      cluster.all_reduce_s(nbytes, layout.dp, across) - hidden[rank])
-        if exposed > _reduce_scatter_s(cluster, nbytes, layout.dp, across):
+        exposed = max(cluster.all_reduce_s(last[rank], layout.dp, nodes),
+                      cluster.all_reduce_s(nbytes, layout.dp, nodes) - hidden[rank])
+        if exposed > _reduce_scatter_s(cluster, nbytes, layout.dp, nodes):
             return True
     return False

@@ -194,7 +194,7 @@ def layout_bound(table, layout, cluster, *, slowest_s: float = 0.0, hides_all: b
         behind = (1 - FORWARD_SHARE) * rank
     else:
         behind = most_hidden_s(layout, costs, cluster)
-    tail = tail_s(layout, cluster, [share], layout.data_parallel_crosses_nodes(cluster.gpus_per_node), [behind])
+    tail = tail_s(layout, cluster, [share], layout.data_parallel_nodes(cluster.gpus_per_node), [behind])
     return (pipeline + tail) * (1 - 1e-12)  # below the estimate's own rounding
 
 

@@ -92,10 +92,8 @@ def cluster_of(options: CompileOptions) -> Cluster:
         overhead_bytes=device.framework_overhead_bytes,
         gpus_per_node=options.gpus_per_node,
         p2p_s=lambda nbytes, across: cost_model.p2p_time(nbytes, across_nodes=across),
-        all_reduce_s=lambda nbytes, group, across: cost_model.collective_time("all_reduce", nbytes, group,
-                                                                              across_nodes=across),
-        all_gather_s=lambda nbytes, group, across: cost_model.collective_time("all_gather", nbytes, group,
-                                                                              across_nodes=across),
+        all_reduce_s=lambda nbytes, group, nodes: cost_model.collective_time("all_reduce", nbytes, group, nodes=nodes),
+        all_gather_s=lambda nbytes, group, nodes: cost_model.collective_time("all_gather", nbytes, group, nodes=nodes),
         optimizer_s_per_byte=per_byte,
         reduction_overlaps=device.collectives_overlap_compute,  # as ``autopart.predict.step_time`` overlaps them
         communicator_bytes=lambda pp, tp, dp: communicator_bytes(device.kind, pp=pp, tp=tp, dp=dp),

@@ -35,6 +35,7 @@ from autopart.solve.data_parallel_tail import (fsdp_may_pay, fully_sharded_level
                                                last_bucket_bytes, stage_layers, stage_times,
                                                tail_s)
 from autopart.solve.vshape import zbv_fits, zbv_pipeline_s
+from cost_models.comm import nodes_spanned
 from autopart.predict.in_flight import in_flight, rank_in_flight, transient as transient_count
 from autopart.ir.recompute import RECOMPUTE_MODES
 from autopart.solve.bottleneck import StageCut, cut_stages, fixed_cut
@@ -85,9 +86,9 @@ class Layout:
     def world_size(self) -> int:
         return self.pp * self.tp * self.dp
 
-    def data_parallel_crosses_nodes(self, gpus_per_node: int) -> bool:
-        """Data parallelism is outermost: its groups span nodes once the mesh does."""
-        return self.world_size > gpus_per_node
+    def data_parallel_nodes(self, gpus_per_node: int) -> int:
+        """Nodes a data-parallel group spans: data parallelism is outermost, a replica's ranks apart."""
+        return nodes_spanned(self.dp, self.pp * self.tp, gpus_per_node)
 
     def pipeline_crosses_nodes(self, gpus_per_node: int) -> bool:
         """A pipeline (pp x tp ranks, tensor parallelism innermost) spans nodes once it has more ranks than a node."""
@@ -186,8 +187,8 @@ class Cluster:
     overhead_bytes: int  # per rank, before the model
     gpus_per_node: int
     p2p_s: Callable[[float, bool], float]  # (bytes, across nodes) -> seconds
-    all_reduce_s: Callable[[float, int, bool], float]  # (bytes, group, across nodes) -> seconds
-    all_gather_s: Callable[[float, int, bool], float]
+    all_reduce_s: Callable[[float, int, int], float]  # (bytes, group, nodes it spans) -> seconds
+    all_gather_s: Callable[[float, int, int], float]
     optimizer_s_per_byte: float  # seconds of the optimizer step per byte of parameters
     reduction_overlaps: bool = False
     """The data-parallel collectives run beside the compute without slowing it (a GPU's streams):
@@ -236,13 +237,13 @@ class SearchResult:
 
 
 def estimate_step_s(layout: Layout, cut: StageCut, cluster: Cluster, rank_parameter_bytes: list[int],
-                    across_nodes: bool, last_bytes: list[int] | None, costs: ChainCosts) -> float:
+                    nodes: int, last_bytes: list[int] | None, costs: ChainCosts) -> float:
     """The step in closed form: the schedule's pipeline latency (stages with FSDP's collectives), then
     what the data-parallel collectives run past it and the busiest rank's optimizer step (``data_parallel_tail``).
     ``costs``: the chain's, whose repeated layers are ZeRO-3's units (``layout_bound`` counts their gathers)."""
     m, p = layout.microbatches, layout.pp
     layers = stage_layers(costs, cut.cuts) if int(layout.zero) == 3 and layout.dp > 1 else None
-    times = stage_times(layout, cluster, cut.stage_time_s, rank_parameter_bytes, across_nodes, layers)
+    times = stage_times(layout, cluster, cut.stage_time_s, rank_parameter_bytes, nodes, layers)
     if layout.schedule == "interleaved":
         pipeline = _interleaved_pipeline_s(times, p, m, layout.chunks)
     elif layout.schedule == "zbv":
@@ -251,7 +252,7 @@ def estimate_step_s(layout: Layout, cut: StageCut, cluster: Cluster, rank_parame
         pipeline = sum(times) + (m - 1) * max(times)
         if layout.schedule == "zb-h1":  # W fills the cool-down bubble: (p-1)(F+I-W), not (p-1)(F+I+W)
             pipeline -= 2 * (p - 1) * min(cut.stage_weight_s)
-    return pipeline + tail_s(layout, cluster, rank_parameter_bytes, across_nodes, hidden_s(layout, times), last_bytes)
+    return pipeline + tail_s(layout, cluster, rank_parameter_bytes, nodes, hidden_s(layout, times), last_bytes)
 
 
 def _interleaved_pipeline_s(times: tuple[float, ...], p: int, m: int, v: int) -> float:
@@ -379,7 +380,7 @@ def score_layout(layout: Layout, table: CostTable, cluster: Cluster, space: Sear
         modes = (space.recompute,) * stages
     if len(modes) != stages:
         return None
-    across = layout.data_parallel_crosses_nodes(cluster.gpus_per_node)
+    nodes = layout.data_parallel_nodes(cluster.gpus_per_node)
     if cuts is not None:
         cut = fixed_cut(costs, cuts, modes=modes, in_flight=flight, transient=transient, stage_rank=ranks,
                         transfer_s=transfer, memory_limit_bytes=cluster.memory_bytes,
@@ -389,23 +390,23 @@ def score_layout(layout: Layout, table: CostTable, cluster: Cluster, space: Sear
                          memory_limit_bytes=cluster.memory_bytes, overhead_bytes=cluster.overhead_bytes,
                          modes=modes, transient=transient, fit_only=fit_only, rank_in_flight=moments)
         if not fit_only:
-            return _refined(layout, table, cluster, costs, cut, modes, flight, transient, ranks, transfer, across,
+            return _refined(layout, table, cluster, costs, cut, modes, flight, transient, ranks, transfer, nodes,
                             refine_below)
     if cut is None:
         return None
     rank_bytes = parameter_bytes_per_rank(table, layout, cut, ranks)
-    estimate = estimate_step_s(layout, cut, cluster, rank_bytes, across, last_bucket_bytes(layout, costs, cut.cuts),
+    estimate = estimate_step_s(layout, cut, cluster, rank_bytes, nodes, last_bucket_bytes(layout, costs, cut.cuts),
                                costs)
     return Scored(layout=layout, cut=cut, estimate_s=estimate)
 
 
-def _refined(layout, table, cluster, costs, cut, modes, flight, transient, ranks, transfer, across,
+def _refined(layout, table, cluster, costs, cut, modes, flight, transient, ranks, transfer, nodes,
              refine_below) -> Scored | None:
     """The bisection's cut, refined by the step itself where that may bring it into the finalists."""
     judge = CutJudge(costs, in_flight=flight, transient=transient, stage_rank=ranks, transfer_s=transfer,
                      rank_in_flight=rank_in_flight(layout.schedule, layout.pp, layout.microbatches, layout.chunks),
                      memory_limit_bytes=cluster.memory_bytes, overhead_bytes=cluster.overhead_bytes, modes=modes,
-                     objective=lambda c, rank_bytes: estimate_step_s(layout, c, cluster, rank_bytes, across,
+                     objective=lambda c, rank_bytes: estimate_step_s(layout, c, cluster, rank_bytes, nodes,
                                                                      last_bucket_bytes(layout, costs, c.cuts), costs))
     judged = judge.judge(cut.cuts) if cut is not None else None
     if judged is not None and layout.chunks == 1 and _refine_bound(table, layout, cluster, cut) >= refine_below:

@@ -48,18 +48,18 @@ def simulated_step_s(scored: Scored, table: CostTable, cluster: Cluster) -> floa
     chain = table.chain_costs(micro_batch_size=layout.micro_batch_size, tp=layout.tp, dtype=layout.dtype)
     ranks = stage_placement(layout.schedule, ranks=layout.pp, chunks=layout.chunks)
     rank_bytes = parameter_bytes_per_rank(table, layout, cut, ranks)
-    across = layout.data_parallel_crosses_nodes(cluster.gpus_per_node)
+    nodes = layout.data_parallel_nodes(cluster.gpus_per_node)
     if layout.dp > 1 and int(layout.zero) in (0, 1) and cluster.reduction_overlaps:
-        return _overlapped_step_s(layout, cluster, chain, cut.cuts, costs, rank_bytes, across)
+        return _overlapped_step_s(layout, cluster, chain, cut.cuts, costs, rank_bytes, nodes)
     pipeline = pipeline_s(layout.schedule, layout.pp, layout.microbatches, layout.chunks, costs)
     behind = [0.0] * layout.pp  # per rank, its last microbatch's backward: what its all-reduce runs beside
     for rank, backward in zip(ranks, costs.backward_s):
         behind[rank] += backward
-    return pipeline + tail_s(layout, cluster, rank_bytes, across, behind, last_bucket_bytes(layout, chain, cut.cuts))
+    return pipeline + tail_s(layout, cluster, rank_bytes, nodes, behind, last_bucket_bytes(layout, chain, cut.cuts))
 
 
 def _overlapped_step_s(layout, cluster: Cluster, chain: ChainCosts, cuts: tuple[int, ...], costs: StageCosts,
-                       rank_bytes: list[int], across: bool) -> float:
+                       rank_bytes: list[int], nodes: int) -> float:
     """The step with each rank's gradient all-reduces queued on its communicator as the runtime
     launches them (`autopart.predict.reduction`, at stage grain): a stage's parameters but its
     first block's are ready from the start of its last backward (B, or W where the backward is
@@ -80,8 +80,8 @@ def _overlapped_step_s(layout, cluster: Cluster, chain: ChainCosts, cuts: tuple[
         done = 0.0
         for ready, nbytes in sorted(items):
             if nbytes:
-                done = max(done, ready) + cluster.all_reduce_s(nbytes, layout.dp, across)
-        step = max(step, max(ends[rank], done) + update_s(layout, cluster, rank_bytes[rank], across))
+                done = max(done, ready) + cluster.all_reduce_s(nbytes, layout.dp, nodes)
+        step = max(step, max(ends[rank], done) + update_s(layout, cluster, rank_bytes[rank], nodes))
     return step
 
 
@@ -96,12 +96,12 @@ def simulated_stage_costs(scored: Scored, table: CostTable, cluster: Cluster) ->
     ends = [*(c + 1 for c in cut.cuts), len(costs)]
     forward, backward, weight = costs.prefix("forward_s"), costs.prefix("backward_s"), costs.prefix("weight_s")
     forward_s, backward_s, weight_s = [], [], []
-    data_parallel_across = layout.data_parallel_crosses_nodes(cluster.gpus_per_node)
+    data_parallel_nodes = layout.data_parallel_nodes(cluster.gpus_per_node)
     for first, end, mode, layers in zip(firsts, ends, cut.recompute, stage_layers(costs, cut.cuts), strict=True):
         stage_forward = forward[end] - forward[first]
         stage_backward = backward[end] - backward[first] + _recompute_s(costs, mode, first, end)
         gather, reduce = fully_sharded_extra_s(int(layout.zero), cluster, stage_parameter_bytes(costs, first, end - 1),
-                                               stage_forward, dp=layout.dp, across_nodes=data_parallel_across,
+                                               stage_forward, dp=layout.dp, nodes=data_parallel_nodes,
                                                dtype=layout.dtype, backward_s=stage_backward, layers=layers)
         forward_s.append(stage_forward + gather)
         backward_s.append(stage_backward + reduce)

@@ -101,12 +101,12 @@ def gathers_for_split_op(source: Placement, target: Placement, copy: bool) -> bo
 
 class _BlockModel:
     def __init__(
-        self, chain: BlockChain, block: Block, t: int, cost_model: CostModel, pinned: dict[str, Placement], across_nodes: bool,
+        self, chain: BlockChain, block: Block, t: int, cost_model: CostModel, pinned: dict[str, Placement], nodes: int,
         sequence_parallel: bool = False, overlap: bool = False,
     ):
         self.chain, self.block, self.t, self.cost_model = chain, block, t, cost_model
         self.sequence_parallel, self.overlap = sequence_parallel, overlap
-        self.across_nodes = across_nodes
+        self.nodes = nodes
         op_graph = chain.op_graph
         fx_nodes = {n.name: n for n in op_graph.fx_nodes()}
         self.members = [fx_nodes[n] for n in block.nodes if self._tensorish(fx_nodes[n])]
@@ -211,7 +211,7 @@ class _BlockModel:
             return 0.0
         meta = self.chain.op_graph.nodes[name].output
         nbytes = meta.nbytes * share if meta else 0
-        return self.cost_model.collective_time(kind, nbytes, self.t, across_nodes=self.across_nodes)
+        return self.cost_model.collective_time(kind, nbytes, self.t, nodes=self.nodes)
 
     def _edges(self, node: fx.Node) -> None:
         """The op's own time per strategy, and what each strategy needs of each input."""
@@ -354,10 +354,10 @@ def fastest_compute_s(chain: BlockChain, *, t: int, cost_model: CostModel) -> li
 
 
 def _solve_block(
-    chain: BlockChain, index: int, t: int, cost_model: CostModel, pinned: dict[str, Placement], across_nodes: bool,
+    chain: BlockChain, index: int, t: int, cost_model: CostModel, pinned: dict[str, Placement], nodes: int,
     sequence_parallel: bool = False, overlap: bool = False,
 ) -> BlockSharding:
-    model = _BlockModel(chain, chain.blocks[index], t, cost_model, pinned, across_nodes, sequence_parallel, overlap)
+    model = _BlockModel(chain, chain.blocks[index], t, cost_model, pinned, nodes, sequence_parallel, overlap)
     return model.solve(time_limit_s=20.0)
 
 
@@ -374,11 +374,10 @@ def _translate(solution: BlockSharding, source: Block, target: Block) -> BlockSh
 
 
 def shard_chain(
-    chain: BlockChain, *, tp: int, cost_model: CostModel, across_nodes: bool = False, sequence_parallel: bool = False,
+    chain: BlockChain, *, tp: int, cost_model: CostModel, nodes: int = 1, sequence_parallel: bool = False,
     overlap: bool = False,
 ) -> list[BlockSharding]:
-    """The cheapest sharding of every block on ``tp`` ranks (their collectives cross nodes when
-    ``across_nodes``; the residual stream split over the sequence between blocks when
+    """The cheapest sharding of every block on ``tp`` ranks (spanning ``nodes`` nodes; the residual stream split over the sequence between blocks when
     ``sequence_parallel``; its linears' collectives overlapped with their products when
     ``overlap``, ``autopart.solve.overlap``). The blocks' models are solved side by side, one per core: CP-SAT
     lets go of the interpreter while it solves, and each solve is deterministic on its own."""
@@ -396,7 +395,7 @@ def shard_chain(
             once (the blocks that share a weight are solved per candidate, and again once it is chosen)."""
             own = tuple(sorted((p, pins[p]) for p in chain.blocks[k].parameters if p in pins))
             if (k, own) not in found:
-                found[k, own] = pool.submit(_solve_block, chain, k, tp, cost_model, dict(own), across_nodes, sp, overlap)
+                found[k, own] = pool.submit(_solve_block, chain, k, tp, cost_model, dict(own), nodes, sp, overlap)
             return found[k, own]
 
         def solve(k: int, pins: dict[str, Placement]) -> BlockSharding:
