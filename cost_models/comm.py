@@ -19,17 +19,20 @@ with, for a group of n ranks (ring algorithms):
 reduce; the whole gathered output for all_gather; the whole input for reduce_scatter; the
 whole send buffer for all_to_all. A group of one rank moves nothing and costs nothing.
 
-A group that spans several nodes moves its bytes at the network's bus bandwidth (the slowest
-link of the ring), but NCCL's own tuning model (``src/graph/tuning.cc``) charges the network's
-latency only on the ring steps that cross a node boundary, ``nodes − 1`` of them (twice that
-for all_reduce); the other steps go over NVLink at its latency. A ring of 512 ranks on 64 nodes
-so pays 63 network latencies an all-gather, not 511.
+A group that spans several nodes moves its bytes over the network, the slowest link of its
+rings. NCCL lays its rings (channels) through every NIC of the group's GPUs on a node, so a group
+with r members on each node crosses between nodes at r NICs' bandwidth (nccl-tests' bus bandwidth
+on nodes of 8 H100s, 8 NDR NICs, is 8 NICs' worth, not one's), up to NVLink's; an all-to-all sends
+each rank's bytes through its own NIC. NCCL's tuning model (``src/graph/tuning.cc``) charges the
+network's latency only on the ring steps that cross a node boundary, ``nodes − 1`` of them (twice
+that for all_reduce); the other steps go over NVLink at its latency. A ring of 512 ranks on 64
+nodes so pays 63 network latencies an all-gather, not 511.
 """
 
 from __future__ import annotations
 
-__all__ = ["COLLECTIVE_KINDS", "bus_factor", "ring_steps", "node_steps", "nodes_spanned", "collective_time",
-           "p2p_time"]
+__all__ = ["COLLECTIVE_KINDS", "bus_factor", "ring_steps", "node_steps", "node_members", "nodes_spanned",
+           "collective_time", "p2p_time"]
 
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast",
                     "reduce")
@@ -68,6 +71,13 @@ def node_steps(kind: str, group_size: int, nodes: int) -> int:
     if kind == "all_to_all":
         return group_size - group_size // nodes
     return 2 * (nodes - 1) if kind == "all_reduce" else nodes - 1
+
+
+def node_members(kind: str, group_size: int, nodes: int) -> int:
+    """The NICs a group's traffic between nodes spreads over, per node: its members there (one,
+    the rank's own, for an all-to-all, whose every rank sends its own bytes off its node)."""
+    _check(kind, group_size)
+    return 1 if kind == "all_to_all" else -(-group_size // nodes)
 
 
 def nodes_spanned(group_size: int, stride: int, gpus_per_node: int) -> int:

@@ -63,7 +63,8 @@ class DeviceSpec:
     intra_node_latency_s: float
     """Seconds per step of a ring collective (and per message) inside a node."""
     inter_node_bandwidth: float
-    """Bytes/s per device per direction over the scale-out network (its share of the NICs)."""
+    """Bytes/s per device per direction over the scale-out network (its share of the NICs); a
+    group with r members on a node crosses between nodes through r such shares (`cost_models.comm`)."""
     inter_node_latency_s: float
     """Seconds per ring step (and per message) across nodes."""
     link_efficiency: float

@@ -155,7 +155,10 @@ class RooflineCostModel:
             measured = self.device.measured_comm_time(kind, nbytes)
             if measured is not None:
                 return measured
-        bandwidth, node_latency = self._link(nodes > 1)
-        return comm.collective_time(kind, nbytes, group_size, bus_bandwidth=bandwidth, nodes=nodes,
-                                    step_latency_s=self.device.intra_node_latency_s,
-                                    node_step_latency_s=node_latency)
+        device = self.device
+        bandwidth = device.intra_node_bandwidth
+        if nodes > 1:
+            bandwidth = min(bandwidth, comm.node_members(kind, group_size, nodes) * device.inter_node_bandwidth)
+        return comm.collective_time(kind, nbytes, group_size, bus_bandwidth=bandwidth * device.link_efficiency,
+                                    nodes=nodes, step_latency_s=device.intra_node_latency_s,
+                                    node_step_latency_s=device.inter_node_latency_s)
