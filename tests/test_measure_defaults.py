@@ -7,7 +7,7 @@ the op profile is the real one, into a fresh cache directory.
 """
 
 import json
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
@@ -161,6 +161,23 @@ def test_a_basis_no_benchmark_measured_says_so_and_old_plans_load(tmp_path) -> N
         data["predicted"].pop(name)  # a plan written before the basis was recorded
     (tmp_path / "plan.json").write_text(json.dumps(data))
     assert load_plan(tmp_path / "plan.json").predicted.basis == ""
+
+
+def test_a_step_too_fast_to_be_true_says_so() -> None:
+    """A 16-bit step that implies more MFU than published dense runs reach carries a warning; one
+    below it, or an fp32 one, does not (the plan's own FLOPs, peak and world size give the MFU)."""
+    plan = autopart.compile(MODEL, pp=1, dp=2, microbatches=2, device="h100-sxm", dtype="bf16")
+    predicted = plan.predicted
+    assert predicted.model_flops_per_step > 0 and predicted.peak_flops == 989e12
+
+    def at(mfu: float, dtype: str = "bf16"):
+        step_s = predicted.model_flops_per_step / (mfu * plan.world_size * predicted.peak_flops)
+        return replace(plan, dtype=dtype, predicted=replace(predicted, step_s=step_s))
+
+    assert accuracy.implied_mfu(at(0.61)) == pytest.approx(0.61)
+    assert "it implies 61% MFU, above the ~55%" in accuracy.describe_prediction(at(0.61))
+    assert "MFU" not in accuracy.describe_prediction(at(0.5))
+    assert "MFU" not in accuracy.describe_prediction(at(0.61, "fp32"))
 
 
 def test_a_broken_accuracy_file_is_one_line(tmp_path) -> None:

@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING
 from autopart.ir.errors import ConfigError
 
 if TYPE_CHECKING:
-    from autopart.ir.plan import Plan, Predicted
+    from autopart.ir.plan import Plan
 
-__all__ = ["ACCURACY_FILE", "FULLY_SHARDED", "MEASURED", "PROFILED", "ROOFLINE", "Band", "Basis", "band_key", "basis_for", "describe_prediction", "load_bands", "with_basis", "write_band"]
+__all__ = ["ACCURACY_FILE", "FULLY_SHARDED", "MEASURED", "PROFILED", "ROOFLINE", "Band", "Basis", "band_key", "basis_for", "describe_prediction", "implied_mfu", "load_bands", "MFU_CEILING", "with_basis", "write_band"]
 
 ACCURACY_FILE = Path(__file__).with_name("accuracy.json")
 """The bands the repository ships, one per basis key (see `basis_for`)."""
@@ -161,12 +161,33 @@ def with_basis(plan: Plan, basis: Basis) -> Plan:
     return replace(plan, predicted=predicted)
 
 
-def describe_prediction(predicted: Predicted) -> str:
+MFU_CEILING = 0.55
+"""About the most model FLOPs utilisation that published dense 16-bit training runs reach
+(MegaScale's 175B on 256 GPUs 55.2%, NVIDIA's GPT-3 175B recipe on H100s 53.7%): a predicted
+step that implies more rests on kernel efficiencies the device does not reach for that model."""
+
+
+def implied_mfu(plan: Plan) -> float:
+    """The model FLOPs utilisation a plan's predicted step implies (0 where it records no FLOPs)."""
+    predicted = plan.predicted
+    if predicted.step_s <= 0 or predicted.peak_flops <= 0:
+        return 0.0
+    return predicted.model_flops_per_step / (predicted.step_s * plan.world_size * predicted.peak_flops)
+
+
+def describe_prediction(plan: Plan) -> str:
     """The parenthesis after a recorded plan's predicted step: its basis and band as the plan
-    records them ("" for a plan written before they were recorded)."""
+    records them ("" for a plan written before they were recorded), and in 16-bit precision a
+    warning where the step implies more than `MFU_CEILING`: such a step is too fast to be true."""
+    predicted = plan.predicted
     if not predicted.basis:
         return ""
     band = None if predicted.error_median is None else Band(
         median=predicted.error_median, worst=predicted.error_worst, rows=0, benchmark=predicted.error_benchmark,
         command="", date="")
-    return " " + Basis(key=predicted.basis_key, what=predicted.basis, band=band).describe()
+    text = " " + Basis(key=predicted.basis_key, what=predicted.basis, band=band).describe()
+    mfu = implied_mfu(plan)
+    if plan.dtype != "fp32" and mfu > MFU_CEILING:
+        text += (f"; it implies {mfu:.0%} MFU, above the ~{MFU_CEILING:.0%} that the best published dense 16-bit"
+                 " runs reach: the device's kernel efficiencies are optimistic for this model, expect a slower step")
+    return text

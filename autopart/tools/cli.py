@@ -260,7 +260,7 @@ def _compile(args: argparse.Namespace, console: Console) -> None:
     title = f"{args.model.name}: {plan.schedule.kind}, {plan.schedule.microbatches} microbatches"
     _print_table(console, stage_table(plan), title)
     console.print(
-        f"predicted step {plan.predicted.step_s * 1e3:.3f} ms{describe_prediction(plan.predicted)}, "
+        f"predicted step {plan.predicted.step_s * 1e3:.3f} ms{describe_prediction(plan)}, "
         f"bubble {plan.predicted.bubble:.1%}, solver {plan.provenance.solver_status}, capture {plan.provenance.capture}"
     )
     if args.costs is not None:
@@ -361,7 +361,7 @@ def _explain(args: argparse.Namespace, console: Console) -> None:
     _print_table(console, stage_table(plan), title)
     predicted = plan.predicted
     console.print(
-        f"predicted step {predicted.step_s * 1e3:.3f} ms{describe_prediction(predicted)}, "
+        f"predicted step {predicted.step_s * 1e3:.3f} ms{describe_prediction(plan)}, "
         f"bubble {predicted.bubble:.1%}, cost model {plan.provenance.cost_model}"
     )
     if comparison is None:
