@@ -58,6 +58,8 @@ class RooflineCostModel:
             return 0.0
         efficiency = (self.device.matmul_efficiency_at(kernel.flops)
                       if kernel.category in _MATRIX_CATEGORIES else 1.0)
+        if kernel.category == "attention":
+            efficiency = min(efficiency, self.device.attention_efficiency)
         return kernel.flops / (self.peak_flops(kernel) * efficiency)
 
     def memory_time(self, kernel: Kernel) -> float:
