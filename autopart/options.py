@@ -216,16 +216,17 @@ class CompileOptions:
     @property
     def data_parallel_nodes(self) -> int:
         """Nodes one data-parallel group spans (replicas are outermost, a replica's ranks apart)."""
-        return nodes_spanned(self.dp, self.pp * self.tp, self.gpus_per_node)
+        return nodes_spanned(self.dp, self.pp * self.tp, self.gpus_per_node, self.dp * self.pp * self.tp)
 
     @property
     def tensor_parallel_nodes(self) -> int:
         """Nodes one tensor-parallel group spans (its ranks are neighbours)."""
-        return nodes_spanned(self.tp, 1, self.gpus_per_node)
+        world = self.world_size if self.world_size is not None else self.pp * self.tp * self.dp
+        return nodes_spanned(self.tp, 1, self.gpus_per_node, world)
 
     @property
     def pipeline_crosses_nodes(self) -> bool:
-        """The ranks of one pipeline (and so its transfers and gradient reductions) span several nodes."""
+        """The ranks of one pipeline (and so the transfers between its stages) span several nodes."""
         return self.pp * self.tp > self.gpus_per_node
 
     def batch_shape(self) -> tuple[int, int, int]:

@@ -31,6 +31,8 @@ nodes so pays 63 network latencies an all-gather, not 511.
 
 from __future__ import annotations
 
+import functools
+
 __all__ = ["COLLECTIVE_KINDS", "bus_factor", "ring_steps", "node_steps", "node_members", "nodes_spanned",
            "collective_time", "p2p_time"]
 
@@ -63,8 +65,10 @@ def ring_steps(kind: str, group_size: int) -> int:
 
 
 def node_steps(kind: str, group_size: int, nodes: int) -> int:
-    """Of the ring's steps, those that cross a node boundary (NCCL's ``nInterSteps``): the ring
-    enters each of ``nodes`` nodes once; an all-to-all sends to every rank off its own node."""
+    """Of the ring's steps, those that cross a node boundary: the ring enters each of ``nodes``
+    nodes once (NCCL's ``nInterSteps`` for all_gather, reduce_scatter and all_reduce; NCCL charges
+    broadcast and reduce one more, which this leaves out); an all-to-all sends to every rank off
+    its own node."""
     _check(kind, group_size)
     if not 1 <= nodes <= group_size:
         raise ValueError(f"a group of {group_size} ranks spans 1 to {group_size} nodes, got {nodes}")
@@ -74,20 +78,30 @@ def node_steps(kind: str, group_size: int, nodes: int) -> int:
 
 
 def node_members(kind: str, group_size: int, nodes: int) -> int:
-    """The NICs a group's traffic between nodes spreads over, per node: its members there (one,
-    the rank's own, for an all-to-all, whose every rank sends its own bytes off its node)."""
+    """The NICs a group's traffic between nodes spreads over, per node: its members there, taken
+    as even (exact where the group fills its nodes alike, as on clusters of whole nodes), one for
+    an all-to-all, whose every rank sends its own bytes off its node."""
     _check(kind, group_size)
-    return 1 if kind == "all_to_all" else -(-group_size // nodes)
+    return 1 if kind == "all_to_all" else max(1, group_size // nodes)
 
 
-def nodes_spanned(group_size: int, stride: int, gpus_per_node: int) -> int:
-    """Nodes that a group of ``group_size`` ranks ``stride`` apart spans, ranks filling nodes of
-    ``gpus_per_node`` in order (torchrun's placement): a tensor-parallel group has stride 1, a
-    data-parallel group the ranks of one replica."""
+@functools.lru_cache(maxsize=None)
+def nodes_spanned(group_size: int, stride: int, gpus_per_node: int, world_size: int | None = None) -> int:
+    """The most nodes that one group of a mesh axis spans: its ``group_size`` ranks ``stride``
+    apart, the axis's groups starting at every rank whose index on the axis is 0 (in blocks of
+    ``group_size * stride`` ranks, ``stride`` groups interleaved in each, as many blocks as
+    ``world_size`` holds; None: as many as make a difference), ranks filling nodes of
+    ``gpus_per_node`` in order (torchrun's placement). A tensor-parallel group has stride 1, a
+    data-parallel group the ranks of one replica; a group whose size does not divide a node's
+    GPUs may straddle two nodes."""
     if min(group_size, stride, gpus_per_node) < 1:
         raise ValueError(f"group size, stride and GPUs per node must be >= 1, got {group_size}, {stride}, {gpus_per_node}")
-    per_node = max(1, gpus_per_node // stride)
-    return -(-group_size // per_node)
+    if stride >= gpus_per_node:
+        return group_size  # each member on a node of its own
+    block, g = group_size * stride, gpus_per_node
+    blocks = g if world_size is None else max(1, min(g, world_size // block))  # past g blocks the nodes repeat
+    starts = {(b * block + offset) % g for b in range(blocks) for offset in range(stride)}
+    return max(len({(start + k * stride) // g for k in range(group_size)}) for start in starts)
 
 
 def collective_time(kind: str, nbytes: float, group_size: int, *, bus_bandwidth: float,

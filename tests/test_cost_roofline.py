@@ -4,6 +4,7 @@ communication formulas."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from pathlib import Path
 
@@ -174,7 +175,17 @@ def test_nodes_spanned_follows_torchruns_placement() -> None:
     assert [nodes_spanned(8, 1, 8), nodes_spanned(16, 1, 8), nodes_spanned(4, 4, 8)] == [1, 2, 2]
     assert nodes_spanned(128, 1, 8) == 16  # ZeRO-3 over every GPU of 16 nodes
     assert nodes_spanned(16, 8, 8) == 16 and nodes_spanned(16, 16, 8) == 16  # one replica per node or more
-    assert nodes_spanned(6, 2, 8) == 2  # four replicas to a node
+    assert nodes_spanned(6, 1, 8) == 2  # the second group of six straddles two nodes
+    # every axis of every mesh of up to 48 ranks, against the nodes of its groups' ranks
+    for gpus in (4, 8):
+        for dp, pp, tp in itertools.product(range(1, 7), range(1, 5), range(1, 7)):
+            rank = lambda d, p, t: (d * pp + p) * tp + t  # autopart.runtime.mesh
+            groups = {"tp": [[rank(d, p, t) for t in range(tp)] for d in range(dp) for p in range(pp)],
+                      "dp": [[rank(d, p, t) for d in range(dp)] for p in range(pp) for t in range(tp)]}
+            spans = {axis: max(len({r // gpus for r in group}) for group in found) for axis, found in groups.items()}
+            world = dp * pp * tp
+            assert spans == {"tp": nodes_spanned(tp, 1, gpus, world), "dp": nodes_spanned(dp, pp * tp, gpus, world)}, \
+                (dp, pp, tp, gpus)
     assert [node_steps("all_gather", 16, 2), node_steps("all_reduce", 16, 2), node_steps("all_to_all", 16, 2)] == [1, 2, 8]
     with pytest.raises(ValueError, match=">= 1"):
         nodes_spanned(4, 0, 8)

@@ -35,7 +35,6 @@ from autopart.solve.data_parallel_tail import (fsdp_may_pay, fully_sharded_level
                                                last_bucket_bytes, stage_layers, stage_times,
                                                tail_s)
 from autopart.solve.vshape import zbv_fits, zbv_pipeline_s
-from cost_models.comm import nodes_spanned
 from autopart.predict.in_flight import in_flight, rank_in_flight, transient as transient_count
 from autopart.ir.recompute import RECOMPUTE_MODES
 from autopart.solve.bottleneck import StageCut, cut_stages, fixed_cut
@@ -43,6 +42,7 @@ from autopart.solve.chain_costs import ChainCosts
 from autopart.solve.layout_bounds import (early_bound, layout_bound, lazy_order, may_fit, mesh_overhead_bytes,
                                          with_layout_state)
 from autopart.solve.refine import CutJudge, refine_cuts
+from cost_models.comm import nodes_spanned
 
 __all__ = [
     "Layout",
@@ -88,7 +88,7 @@ class Layout:
 
     def data_parallel_nodes(self, gpus_per_node: int) -> int:
         """Nodes a data-parallel group spans: data parallelism is outermost, a replica's ranks apart."""
-        return nodes_spanned(self.dp, self.pp * self.tp, gpus_per_node)
+        return nodes_spanned(self.dp, self.pp * self.tp, gpus_per_node, self.world_size)
 
     def pipeline_crosses_nodes(self, gpus_per_node: int) -> bool:
         """A pipeline (pp x tp ranks, tensor parallelism innermost) spans nodes once it has more ranks than a node."""
