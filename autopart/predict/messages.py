@@ -14,7 +14,7 @@ __all__ = ["boundary_seconds", "message_seconds"]
 
 
 def message_seconds(
-    cost_model: CostModel, metas: Iterable[TensorMeta], *, tp: int, across_nodes: bool, tp_nodes: int = 1
+    cost_model: CostModel, metas: Iterable[TensorMeta], *, tp: int, across_nodes: bool, tp_nodes: int
 ) -> float:
     """Seconds from the send of one boundary's tensors to their arrival whole on every receiving
     tensor-parallel rank: each rank's share over the pipeline link (all ranks send theirs at once,

@@ -80,6 +80,13 @@ def data_parallel_seconds(stages: list[StagePlan], comm: list[DataParallelComm])
     return max(per_rank.values())
 
 
+def _tied_all_reduce_s(cost_model, options: CompileOptions, nbytes: int, ranks: set[int]) -> float:
+    """The sum of a tied weight's gradient over the pipeline ranks that hold it, on the nodes
+    those ranks' first replica sits on (pipeline rank r is global rank r * tp there)."""
+    nodes = len({rank * options.tp // options.gpus_per_node for rank in ranks})
+    return cost_model.collective_time("all_reduce", nbytes, len(ranks), nodes=nodes)
+
+
 def rank_tails(options: CompileOptions, front: Front, stages: list[StagePlan], holders: dict[str, list[int]],
                 in_place: PipelineMeasurement | None) -> dict[int, float]:
     """Per rank, what the step does after the pipeline: sum tied gradients, step the optimizer;
@@ -92,7 +99,7 @@ def rank_tails(options: CompileOptions, front: Front, stages: list[StagePlan], h
     tails = {}
     for rank in range(options.pp):
         held = dict.fromkeys(p for st in stages if st.rank == rank for p in st.parameters)
-        tied = sum(cost_model.collective_time("all_reduce", metas[p].nbytes, len({stages[s].rank for s in holders[p]}))
+        tied = sum(_tied_all_reduce_s(cost_model, options, metas[p].nbytes, {stages[s].rank for s in holders[p]})
                    for p in held if len(holders[p]) > 1)
         if tied and in_place is not None and in_place.tied_s is not None:
             tied = in_place.tied_s
