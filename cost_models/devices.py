@@ -61,12 +61,13 @@ class DeviceSpec:
     intra_node_bandwidth: float
     """Bytes/s per device per direction over the scale-up link (NVLink, Infinity Fabric)."""
     intra_node_latency_s: float
-    """Seconds per step of a ring collective (and per message) inside a node."""
+    """Seconds per step of a ring collective (and per message) inside a node, and per step of a
+    ring over several nodes that does not cross between them."""
     inter_node_bandwidth: float
     """Bytes/s per device per direction over the scale-out network (its share of the NICs); a
     group with r members on a node crosses between nodes through r such shares (`cost_models.comm`)."""
     inter_node_latency_s: float
-    """Seconds per ring step (and per message) across nodes."""
+    """Seconds per ring step that crosses between nodes (and per message across nodes)."""
     link_efficiency: float
     """Achievable fraction of link bandwidth as nccl-tests bus bandwidth."""
     kernel_overhead_s: float

@@ -4,7 +4,8 @@
            + kernel_overhead_s
 
 Matmuls and attention are charged at the matrix-unit peak of their dtype, scaled by the
-device's measured or estimated efficiency for a matmul of that size; every other kernel at the
+device's measured or estimated efficiency for a matmul of that size (attention at most at the
+device's ``attention_efficiency``, the fused kernel's own rate); every other kernel at the
 fp32 vector peak, which matters little since those kernels are bound by memory. Views cost
 nothing: they launch no kernel.
 """

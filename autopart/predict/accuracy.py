@@ -22,7 +22,8 @@ from autopart.ir.errors import ConfigError
 if TYPE_CHECKING:
     from autopart.ir.plan import Plan
 
-__all__ = ["ACCURACY_FILE", "FULLY_SHARDED", "MEASURED", "PROFILED", "ROOFLINE", "Band", "Basis", "band_key", "basis_for", "describe_prediction", "implied_mfu", "load_bands", "MFU_CEILING", "with_basis", "write_band"]
+__all__ = ["ACCURACY_FILE", "FULLY_SHARDED", "MEASURED", "MFU_CEILING", "PROFILED", "ROOFLINE", "Band", "Basis", "band_key",
+           "basis_for", "describe_prediction", "implied_mfu", "load_bands", "with_basis", "write_band"]
 
 ACCURACY_FILE = Path(__file__).with_name("accuracy.json")
 """The bands the repository ships, one per basis key (see `basis_for`)."""
@@ -163,8 +164,9 @@ def with_basis(plan: Plan, basis: Basis) -> Plan:
 
 MFU_CEILING = 0.55
 """About the most model FLOPs utilisation that published dense 16-bit training runs reach
-(MegaScale's 175B on 256 GPUs 55.2%, NVIDIA's GPT-3 175B recipe on H100s 53.7%): a predicted
-step that implies more rests on kernel efficiencies the device does not reach for that model."""
+(MegaScale's 175B on 256 GPUs, 55.2% by its own count, 53.0% by benchmarks/published_runs.py's;
+NVIDIA's GPT-3 175B recipe on H100s 53.7%): a predicted step that implies more rests on kernel
+efficiencies the device does not reach for that model."""
 
 
 def implied_mfu(plan: Plan) -> float:
@@ -177,8 +179,9 @@ def implied_mfu(plan: Plan) -> float:
 
 def describe_prediction(plan: Plan) -> str:
     """The parenthesis after a recorded plan's predicted step: its basis and band as the plan
-    records them ("" for a plan written before they were recorded), and in 16-bit precision a
-    warning where the step implies more than `MFU_CEILING`: such a step is too fast to be true."""
+    records them ("" for a plan written before they were recorded, which gets no warning either),
+    and in 16-bit precision a warning where the step implies more than `MFU_CEILING`: such a
+    step is too fast to be true."""
     predicted = plan.predicted
     if not predicted.basis:
         return ""
