@@ -72,10 +72,6 @@ class DeviceSpec:
     """Achievable fraction of link bandwidth as nccl-tests bus bandwidth."""
     kernel_overhead_s: float
     """Fixed cost of one kernel: launch and framework dispatch."""
-    attention_efficiency: float = 1.0
-    """The most of the peak that a fused attention kernel (the one PyTorch's
-    ``scaled_dot_product_attention`` runs on this device) reaches: a cap on `matmul_efficiency`
-    for attention, which is not one GEMM but two with a softmax between; 1: the curve alone."""
     fp32_matmul_uses_tf32: bool = False
     """Whether fp32 matmuls run on tensor cores as TF32 (``allow_tf32``); off by default, as in
     PyTorch, so fp32 matmuls are charged at the fp32 peak."""
@@ -185,7 +181,6 @@ def _check(spec: DeviceSpec) -> None:
             raise _FieldError(name, f"must be a number of seconds >= 0, got {value!r}")
     _fraction("memory_efficiency", spec.memory_efficiency)
     _fraction("link_efficiency", spec.link_efficiency)
-    _fraction("attention_efficiency", spec.attention_efficiency)
     if not isinstance(spec.fp32_matmul_uses_tf32, bool):
         raise _FieldError("fp32_matmul_uses_tf32",
                           f"must be true or false, got {spec.fp32_matmul_uses_tf32!r}")
@@ -280,8 +275,7 @@ def _from_table(data: dict[str, Any], *, default_name: str) -> DeviceSpec:
         data["comm_curves"] = measured.curves
         data["comm_ranks"] = measured.ranks
         data["process_overhead_bytes"] = measured.process_bytes
-    optional = {"fp32_matmul_uses_tf32", "attention_efficiency", "cores", "background_load", "process_overhead_bytes",
-                "comm_curves", "comm_ranks"}
+    optional = {"fp32_matmul_uses_tf32", "cores", "background_load", "process_overhead_bytes", "comm_curves", "comm_ranks"}
     missing = [f.name for f in fields(DeviceSpec) if f.name not in data and f.name not in optional]
     if missing:
         raise _FieldError(missing[0], "is missing")

@@ -72,8 +72,7 @@ def test_gpt3_layer_forward_on_h100_equals_the_hand_computation() -> None:
     assert sorted((k.flops, k.bytes) for k in heavy) == sorted(by_hand)
     expected = 0.0
     for flops, nbytes in by_hand:
-        attention = flops == 4 * b * s * s * h  # FlashAttention-2's rate caps the curve's (the spec's figure)
-        compute = flops / (peak * min(efficiency(spec, flops), spec.attention_efficiency if attention else 1.0))
+        compute = flops / (peak * efficiency(spec, flops))
         assert compute > nbytes / (spec.memory_bandwidth * spec.memory_efficiency)  # compute-bound
         expected += compute + spec.kernel_overhead_s
     model = RooflineCostModel(device=spec)
