@@ -228,6 +228,13 @@ def describe_split(counts: tuple[int, ...]) -> str:
     return ",".join(f"{count}x{times}" if times > 1 else str(count) for count, times in runs)
 
 
+def describe_plan(plan) -> str:
+    """A searched plan's layout in the table's words: ``t2 p8 d8 zbv b1 full zero1``."""
+    modes = sorted({stage.recompute for stage in plan.stages})
+    return (f"t{plan.mesh['tp']} p{plan.mesh['pp']} d{plan.mesh['dp']} {plan.schedule.kind} "
+            f"b{plan.schedule.micro_batch_size} {'/'.join(modes)} zero{int(plan.zero)}")
+
+
 def mfu(run: Run, step_s: float) -> float:
     peak = get_cost_model(run.device).device.peak_flops["bfloat16"]
     return run.model.flops(run.global_batch_size) / (step_s * run.gpus * peak)
@@ -254,8 +261,7 @@ def main(argv: list[str] | None = None) -> int:
             searched = ()
             if args.search:
                 found = row["searched"]
-                searched = (f"{found.predicted.step_s:.2f}",
-                            f"t{found.mesh['tp']} p{found.mesh['pp']} d{found.mesh['dp']} {found.schedule.kind}")
+                searched = (f"{found.predicted.step_s:.2f}", describe_plan(found))
             if "error" in row:
                 table.add_row(run.name, str(run.gpus), "", f"{run.published_s:.2f}", "-", "-", "", "", *searched,
                               row["error"])
