@@ -6,10 +6,12 @@ import runpy
 
 import pytest
 
+import autopart
 from autopart.predict.reduction import Reduction, StageGradients, overlapped_step_time, rank_reductions, reduction_delay
 from autopart.ir.buckets import plan_buckets
 from autopart.schedule import Action, Kind, StageCosts, add_communication, build_schedule
 from autopart.schedule.shared import step_time
+from cost_models import get_cost_model
 from tests.distributed import REPO
 
 LAST_B = Action(stage=0, kind=Kind.B, microbatch=3)
@@ -106,9 +108,6 @@ def test_buckets_are_final_as_the_backward_reaches_their_layers():
 
 
 def test_a_compiled_plan_hides_the_first_bucket_and_pays_the_last():
-    import autopart
-    from cost_models import get_cost_model
-
     model = REPO / "tests" / "models" / "wide_gpt.py"
     plan = autopart.compile(model, pp=1, dp=2, microbatches=2, global_batch_size=8, device="a100-80gb")
     cost_model = get_cost_model("a100-80gb")
@@ -133,3 +132,21 @@ def test_a_misspelt_argument_is_refused_with_a_device_per_rank_as_with_shared_co
     reductions = {0: [Reduction(trigger=Action(stage=0, kind=Kind.B, microbatch=1), fraction=1.0, seconds=0.5)]}
     with pytest.raises(TypeError, match="wake"):
         overlapped_step_time(schedule, costs, reductions, ranks=2, cores=cores, wake=lambda idle: 0.0)
+
+
+def test_a_tied_weights_all_reduce_is_priced_on_the_nodes_its_pipeline_ranks_sit_on() -> None:
+    """examples/gpt.py ties its embedding to its head: the two pipeline ranks that hold it sum its
+    gradient after the pipeline. On one node that is an NVLink all-reduce; with a node a rank, one
+    across the network; the tail grows by the difference and by nothing else."""
+    model = REPO / "examples" / "gpt.py"
+    common = dict(pp=2, microbatches=2, device="h100-sxm", dtype="bf16")
+    together = autopart.compile(model, gpus_per_node=8, **common).predicted.rank_tail_s
+    apart = autopart.compile(model, gpus_per_node=1, **common).predicted.rank_tail_s
+    namespace = runpy.run_path(str(model))
+    config = namespace["CONFIG"]
+    nbytes = 4 * config.vocab_size * config.n_embd  # the fp32 weight's gradient
+    cost_model = get_cost_model("h100-sxm")
+    extra = (cost_model.collective_time("all_reduce", nbytes, 2, nodes=2)
+             - cost_model.collective_time("all_reduce", nbytes, 2, nodes=1))
+    assert extra > 0
+    assert [a - t for a, t in zip(apart, together)] == pytest.approx([extra, extra], rel=1e-9)
