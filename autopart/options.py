@@ -208,10 +208,14 @@ class CompileOptions:
         return self.world_size is not None and self.plan is None
 
     @property
+    def ranks(self) -> int:
+        """All the ranks: the world size searched, else the mesh given."""
+        return self.world_size if self.world_size is not None else self.pp * self.tp * self.dp
+
+    @property
     def ranks_per_host(self) -> int:
         """Ranks that run on one host (node) at once: all of them up to ``gpus_per_node``."""
-        world = self.world_size if self.world_size is not None else self.pp * self.tp * self.dp
-        return min(world, self.gpus_per_node)
+        return min(self.ranks, self.gpus_per_node)
 
     @property
     def data_parallel_nodes(self) -> int:
@@ -221,8 +225,7 @@ class CompileOptions:
     @property
     def tensor_parallel_nodes(self) -> int:
         """Nodes one tensor-parallel group spans (its ranks are neighbours)."""
-        world = self.world_size if self.world_size is not None else self.pp * self.tp * self.dp
-        return nodes_spanned(self.tp, 1, self.gpus_per_node, world)
+        return nodes_spanned(self.tp, 1, self.gpus_per_node, self.ranks)
 
     @property
     def pipeline_crosses_nodes(self) -> bool:

@@ -25,8 +25,7 @@ from autopart.solve.tensor import BlockSharding, shard_chain
 from cost_models import CostDatabase, CostModel, ProfiledCostModel, get_cost_model
 
 __all__ = ["Front", "annotated", "block_seconds", "build_front", "capture_for", "layer_input_bytes", "layer_rebuilt_bytes",
-           "note_unsplit",
-           "parameter_placements", "recompute_blocks", "sharded"]
+           "note_unsplit", "parameter_placements", "recompute_blocks", "sharded"]
 
 log = logging.getLogger("autopart")
 
@@ -57,8 +56,9 @@ def sharded(front: Front, options: CompileOptions) -> Front:
     """``front`` with every block's tensor-parallel strategy chosen for ``options.tp``."""
     if options.tp == 1:
         return replace(front, shardings=None)
-    shardings = tuple(shard_chain(front.chain, tp=options.tp, cost_model=front.cost_model, nodes=options.tensor_parallel_nodes,
-                                  sequence_parallel=bool(options.sp), overlap=options.tp_overlap))
+    shardings = tuple(shard_chain(front.chain, tp=options.tp, cost_model=front.cost_model,
+                                  nodes=options.tensor_parallel_nodes, sequence_parallel=bool(options.sp),
+                                  overlap=options.tp_overlap))
     return replace(front, shardings=shardings)
 
 

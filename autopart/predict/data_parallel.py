@@ -48,10 +48,10 @@ def data_parallel_comm(zero: int, parameter_bytes: float, *, dp: int, nodes: int
                        overlapped: bool, hidden_behind_s: float = 0.0, dtype: str = "fp32",
                        pieces: Sequence[Piece] = ()) -> DataParallelComm:
     """The collectives of one stage holding ``parameter_bytes`` (this rank's, after tensor
-    parallelism), over ``dp`` replicas on ``nodes`` nodes. ``overlapped``: collectives run beside the compute (a GPU's streams); a
-    reduce-scatter still running as a backward ends runs beside the next action, which takes at
-    least ``hidden_behind_s`` (the stage's forward: what follows a backward in a pipeline's
-    steady state), and what it runs past that adds to the backward. ``dtype``: the plan's
+    parallelism), over ``dp`` replicas on ``nodes`` nodes. ``overlapped``: collectives run beside
+    the compute (a GPU's streams); a reduce-scatter still running as a backward ends runs beside
+    the next action, which takes at least ``hidden_behind_s`` (the stage's forward: what follows
+    a backward in a pipeline's steady state), and what it runs past that adds to the backward. ``dtype``: the plan's
     precision, what the gathers move (`gathered_bytes`). ``pieces``: the stage's compute with
     its layer units, in forward order (level 3; none: the stage is one unit)."""
     if dp == 1:

@@ -34,8 +34,8 @@ def data_parallel(options: CompileOptions, front: Front, stages: list[StagePlan]
     overlapped = front.cost_model.device.collectives_overlap_compute
     pieces = fully_sharded_pieces(front, stages, options.tp) if options.zero == 3 and options.dp > 1 else None
     return [data_parallel_comm(options.zero, stage.parameter_bytes / options.tp, dp=options.dp,
-                               nodes=options.data_parallel_nodes, cost_model=front.cost_model, overlapped=overlapped, hidden_behind_s=stage.forward_s,
-                               dtype=options.dtype, pieces=pieces[i] if pieces else ())
+                               nodes=options.data_parallel_nodes, cost_model=front.cost_model, overlapped=overlapped,
+                               hidden_behind_s=stage.forward_s, dtype=options.dtype, pieces=pieces[i] if pieces else ())
             for i, stage in enumerate(stages)]
 
 

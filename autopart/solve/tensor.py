@@ -377,9 +377,9 @@ def shard_chain(
     chain: BlockChain, *, tp: int, cost_model: CostModel, nodes: int = 1, sequence_parallel: bool = False,
     overlap: bool = False,
 ) -> list[BlockSharding]:
-    """The cheapest sharding of every block on ``tp`` ranks (spanning ``nodes`` nodes; the residual stream split over the sequence between blocks when
-    ``sequence_parallel``; its linears' collectives overlapped with their products when
-    ``overlap``, ``autopart.solve.overlap``). The blocks' models are solved side by side, one per core: CP-SAT
+    """The cheapest sharding of every block on ``tp`` ranks (spanning ``nodes`` nodes; the
+    residual stream split over the sequence between blocks when ``sequence_parallel``; its
+    linears' collectives overlapped with their products when ``overlap``, ``autopart.solve.overlap``). The blocks' models are solved side by side, one per core: CP-SAT
     lets go of the interpreter while it solves, and each solve is deterministic on its own."""
     sp = sequence_parallel
     readers: dict[str, list[int]] = {}
