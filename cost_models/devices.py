@@ -72,6 +72,12 @@ class DeviceSpec:
     """Achievable fraction of link bandwidth as nccl-tests bus bandwidth."""
     kernel_overhead_s: float
     """Fixed cost of one kernel: launch and framework dispatch."""
+    overlap_compute_slowdown: float = 0.0
+    """How much longer the compute takes while a collective runs beside it: the collective
+    library's kernels hold SMs and memory bandwidth (0.19: the compute's 18.9% average slowdown
+    measured on A100, H100, MI250 and MI210 training GPT and Llama models, arXiv 2507.03114).
+    Only where collectives overlap the compute (`collectives_overlap_compute`); on a CPU the
+    reductions' share of the cores is measured instead (`autopart.predict.reduction`)."""
     fp32_matmul_uses_tf32: bool = False
     """Whether fp32 matmuls run on tensor cores as TF32 (``allow_tf32``); off by default, as in
     PyTorch, so fp32 matmuls are charged at the fp32 peak."""
@@ -181,6 +187,9 @@ def _check(spec: DeviceSpec) -> None:
             raise _FieldError(name, f"must be a number of seconds >= 0, got {value!r}")
     _fraction("memory_efficiency", spec.memory_efficiency)
     _fraction("link_efficiency", spec.link_efficiency)
+    slowdown = spec.overlap_compute_slowdown
+    if isinstance(slowdown, bool) or not isinstance(slowdown, (int, float)) or not 0 <= slowdown < 1:
+        raise _FieldError("overlap_compute_slowdown", f"must be a fraction in [0, 1), got {slowdown!r}")
     if not isinstance(spec.fp32_matmul_uses_tf32, bool):
         raise _FieldError("fp32_matmul_uses_tf32",
                           f"must be true or false, got {spec.fp32_matmul_uses_tf32!r}")
@@ -275,7 +284,8 @@ def _from_table(data: dict[str, Any], *, default_name: str) -> DeviceSpec:
         data["comm_curves"] = measured.curves
         data["comm_ranks"] = measured.ranks
         data["process_overhead_bytes"] = measured.process_bytes
-    optional = {"fp32_matmul_uses_tf32", "cores", "background_load", "process_overhead_bytes", "comm_curves", "comm_ranks"}
+    optional = {"fp32_matmul_uses_tf32", "overlap_compute_slowdown", "cores", "background_load",
+                "process_overhead_bytes", "comm_curves", "comm_ranks"}
     missing = [f.name for f in fields(DeviceSpec) if f.name not in data and f.name not in optional]
     if missing:
         raise _FieldError(missing[0], "is missing")

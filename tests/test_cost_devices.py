@@ -113,6 +113,8 @@ def test_a_path_to_a_toml_file_is_a_device(tmp_path: Path) -> None:
     ("[11.0, 0.68]", "[8.5, 0.68]", "field 'matmul_efficiency' points must have increasing"),
     ("[12.0, 0.75]", "[12.0, 1.5]", r"field 'matmul_efficiency\[12\]' must be a fraction"),
     ('kind = "cuda"', 'kind = "tpu"', "field 'kind' must be one of cuda, rocm, cpu"),
+    ("overlap_compute_slowdown = 0.19", "overlap_compute_slowdown = 1.5",
+     r"field 'overlap_compute_slowdown' must be a fraction in \[0, 1\)"),
     ("memory_efficiency = 0.88", "memory_efficiency = [", "not valid TOML"),
 ])
 def test_a_malformed_file_is_named_with_its_field(tmp_path: Path, old: str, new: str, message: str) -> None:
@@ -123,6 +125,15 @@ def test_a_malformed_file_is_named_with_its_field(tmp_path: Path, old: str, new:
     with pytest.raises(DeviceSpecError, match=message) as error:
         load_device(str(path))
     assert str(path) in str(error.value) and "\n" not in str(error.value)
+
+
+def test_a_spec_without_a_compute_slowdown_beside_collectives_assumes_none(tmp_path: Path) -> None:
+    text = (DEVICES_DIR / "h100-sxm.toml").read_text()
+    path = tmp_path / "older.toml"
+    path.write_text("\n".join(line for line in text.splitlines() if not line.startswith("overlap_compute_slowdown")))
+    assert load_device(str(path)).overlap_compute_slowdown == 0.0
+    assert load_device("h100-sxm").overlap_compute_slowdown == pytest.approx(0.19)
+    assert load_device("cpu").overlap_compute_slowdown == 0.0  # its reductions' share of the cores is measured
 
 
 def test_missing_toml_path_is_a_device_spec_error(tmp_path: Path) -> None:

@@ -10,7 +10,7 @@ import pytest
 
 from autopart.driver import CompileOptions, compile_plan
 from autopart.predict.data_parallel import data_parallel_comm
-from autopart.predict.fully_sharded import FullyShardedCost, Piece, fully_sharded_cost
+from autopart.predict.fully_sharded import FullyShardedCost, Piece, fully_sharded_cost, slowed
 from autopart.predict.step_time import fully_sharded_pieces
 from autopart.solve.chain_costs import ChainCosts
 from autopart.solve.data_parallel_tail import fully_sharded_extra_s, stage_layers
@@ -21,15 +21,16 @@ def per_byte(seconds_per_byte: float):
     return lambda nbytes: nbytes * seconds_per_byte
 
 
-def cost(pieces, root_bytes=0.0, *, gather=1.0, reduce=1.0, overlapped=True) -> FullyShardedCost:
+def cost(pieces, root_bytes=0.0, *, gather=1.0, reduce=1.0, overlapped=True, slowdown=0.0) -> FullyShardedCost:
     return fully_sharded_cost(pieces, root_bytes, gather_s=per_byte(gather), reduce_s=per_byte(reduce),
-                              overlapped=overlapped)
+                              overlapped=overlapped, slowdown=slowdown)
 
 
-def brute_force(pieces, root_bytes, gather, reduce) -> tuple[float, float, float]:
+def brute_force(pieces, root_bytes, gather, reduce, slowdown=0.0) -> tuple[float, float, float]:
     """The same timeline walked one unit at a time, written from FSDP2's order of events: a
     unit's all-gather is issued as the unit before it starts computing, its reduce-scatter as its
-    own backward ends, all on one channel in the order issued."""
+    own backward ends, all on one channel in the order issued; while the channel is busy the
+    compute runs at 1 / (1 + slowdown) of its speed."""
     def walk(segments):  # (compute, gather before, reduce after)
         channel = ready = segments[0][1]
         compute = 0.0
@@ -41,7 +42,9 @@ def brute_force(pieces, root_bytes, gather, reduce) -> tuple[float, float, float
                 ready = channel
             else:
                 ready = start
-            compute = start + seconds
+            busy = channel - start  # the channel works from the unit's start until then
+            compute = start + (seconds * (1 + slowdown) if busy >= seconds * (1 + slowdown)
+                               else busy + (seconds - busy / (1 + slowdown)))
             if reduced:
                 channel = max(channel, compute) + reduced
         return compute, max(compute, channel)
@@ -84,6 +87,24 @@ def test_on_a_cpu_every_collective_adds_whole():
     assert (found.forward_s, found.backward_s, found.pending_s) == pytest.approx((1 + 8, 1 + 8 + 0.5 + 4, 0.0))
 
 
+def test_compute_beside_a_collective_runs_slower_while_it_runs():
+    assert slowed(1.0, 0.0, 0.25) == 1.0 and slowed(1.0, 0.5, 0.0) == 1.0
+    assert slowed(1.0, 0.5, 0.25) == pytest.approx(0.5 + (1.0 - 0.5 / 1.25))  # half a second at 80%, then alone
+    assert slowed(1.0, 5.0, 0.25) == pytest.approx(1.25)  # beside it throughout
+
+
+def test_a_layer_computing_beside_the_next_layer_s_gather_is_slowed_by_it():
+    two = [Piece(forward_s=0.2, backward_s=0.4, unit_bytes=0.1)] * 2  # gathers of 0.1 s
+    assert cost(two).forward_s == pytest.approx(0.1)  # the first gather
+    # and the first layer's first 0.1 s at 80%, beside the second layer's gather
+    assert cost(two, slowdown=0.25).forward_s == pytest.approx(0.1 + 0.1 * 0.25 / 1.25)
+    # reduce-scatters left running slow the next action as long as they run beside it
+    found = cost(two, slowdown=0.25)
+    assert found.pending_s > 0
+    assert found.backward_beside(10.0) == pytest.approx(found.backward_s + found.pending_s * 0.25 / 1.25)
+    assert found.backward_beside(0.0) == pytest.approx(found.backward_s + found.pending_s)
+
+
 @pytest.mark.parametrize("seed", range(40))
 def test_the_steady_state_shortcut_gives_the_walk_one_unit_at_a_time(seed):
     """Runs of equal layers are advanced at once once they shift the state evenly; mixed runs,
@@ -96,17 +117,20 @@ def test_the_steady_state_shortcut_gives_the_walk_one_unit_at_a_time(seed):
         pieces += [piece] * count
         counted.append(replace(piece, count=count))
     root, gather, reduce = rng.choice([0.0, rng.uniform(0, 5)]), rng.uniform(0.1, 2), rng.uniform(0.1, 2)
-    walked = brute_force(pieces, root, gather, reduce)
+    slowdown = rng.choice([0.0, rng.uniform(0, 0.5)])
+    walked = brute_force(pieces, root, gather, reduce, slowdown)
     for given in (pieces, counted):
-        found = cost(given, root, gather=gather, reduce=reduce)
+        found = cost(given, root, gather=gather, reduce=reduce, slowdown=slowdown)
         assert (found.forward_s, found.backward_s, found.pending_s) == pytest.approx(walked, rel=1e-9, abs=1e-9)
 
 
-def test_the_step_model_charges_a_stage_its_unhidden_transfers_and_the_search_the_same():
+@pytest.mark.parametrize("slowdown", [0.0, 0.19])
+def test_the_step_model_charges_a_stage_its_unhidden_transfers_and_the_search_the_same(slowdown):
     """``data_parallel_comm`` (the plan's) and ``fully_sharded_extra_s`` (the search's) on one
     stage of four equal layers: the same seconds, and less than the whole gathers on a GPU."""
     class Cluster:
         reduction_overlaps = True
+        overlap_slowdown = slowdown
 
         def all_gather_s(self, nbytes, group, nodes):
             return nbytes / 1e9
@@ -119,17 +143,18 @@ def test_the_step_model_charges_a_stage_its_unhidden_transfers_and_the_search_th
     pieces = (Piece(forward_s=forward / layers, backward_s=2 * forward / layers, unit_bytes=layer_bytes / layers),) * layers
     counted = Piece(forward_s=forward / layers, backward_s=2 * forward / layers, unit_bytes=layer_bytes / layers,
                     count=layers)
-    plan = data_parallel_comm(3, 1.5e9, dp=8, nodes=8, cost_model=Model(), overlapped=True,
+    plan = data_parallel_comm(3, 1.5e9, dp=8, nodes=8, cost_model=Model(), overlapped=True, slowdown=slowdown,
                               hidden_behind_s=forward, pieces=pieces)
     search = fully_sharded_extra_s(3, Cluster(), 1.5e9, forward, dp=8, nodes=8, dtype="fp32",
                                    layers=(int(layer_bytes), layers))
     assert (plan.forward_s, plan.backward_s) == pytest.approx(search)
-    assert data_parallel_comm(3, 1.5e9, dp=8, nodes=8, cost_model=Model(), overlapped=True,
+    assert data_parallel_comm(3, 1.5e9, dp=8, nodes=8, cost_model=Model(), overlapped=True, slowdown=slowdown,
                               hidden_behind_s=forward, pieces=(counted,)) == plan  # four equal layers, as one piece
-    whole = data_parallel_comm(3, 1.5e9, dp=8, nodes=8, cost_model=Model(), overlapped=True,
+    whole = data_parallel_comm(3, 1.5e9, dp=8, nodes=8, cost_model=Model(), overlapped=True, slowdown=slowdown,
                                hidden_behind_s=forward)
-    # the root's gather and the first layer's; of each later layer's 0.25 s gather, the 0.2 s forward hides all but 0.05
-    assert plan.forward_s == pytest.approx(0.5 + 0.25 + 3 * 0.05)
+    # the root's gather and the first layer's; of each later layer's 0.25 s gather, the 0.2 s forward
+    # beside it (0.2 (1 + slowdown) s at its slowed pace) hides all but the rest
+    assert plan.forward_s == pytest.approx(0.5 + 0.25 + 3 * (max(0.25, 0.2 * (1 + slowdown)) - 0.2))
     assert whole.forward_s == pytest.approx(1.5)
     assert plan.backward_s < whole.backward_s
 

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from autopart.ir.tensors import working_dtype
-from autopart.predict.fully_sharded import Piece, fully_sharded_cost
+from autopart.predict.fully_sharded import Piece, fully_sharded_cost, slowed
 from cost_models.base import CostModel
 
 __all__ = ["DataParallelComm", "data_parallel_comm", "gathered_bytes"]
@@ -45,15 +45,17 @@ class DataParallelComm:
 
 
 def data_parallel_comm(zero: int, parameter_bytes: float, *, dp: int, nodes: int, cost_model: CostModel,
-                       overlapped: bool, hidden_behind_s: float = 0.0, dtype: str = "fp32",
-                       pieces: Sequence[Piece] = ()) -> DataParallelComm:
+                       overlapped: bool, slowdown: float = 0.0, hidden_behind_s: float = 0.0,
+                       dtype: str = "fp32", pieces: Sequence[Piece] = ()) -> DataParallelComm:
     """The collectives of one stage holding ``parameter_bytes`` (this rank's, after tensor
     parallelism), over ``dp`` replicas on ``nodes`` nodes. ``overlapped``: collectives run beside
-    the compute (a GPU's streams); a reduce-scatter still running as a backward ends runs beside
+    the compute (a GPU's streams), slowing it by ``slowdown`` while they run (the device's
+    ``overlap_compute_slowdown``); a reduce-scatter still running as a backward ends runs beside
     the next action, which takes at least ``hidden_behind_s`` (the stage's forward: what follows
-    a backward in a pipeline's steady state), and what it runs past that adds to the backward. ``dtype``: the plan's
-    precision, what the gathers move (`gathered_bytes`). ``pieces``: the stage's compute with
-    its layer units, in forward order (level 3; none: the stage is one unit)."""
+    a backward in a pipeline's steady state), and what it runs past that action or slows it by
+    adds to the backward. ``dtype``: the plan's precision, what the gathers move
+    (`gathered_bytes`). ``pieces``: the stage's compute with its layer units, in forward order
+    (level 3; none: the stage is one unit)."""
     if dp == 1:
         return DataParallelComm()
 
@@ -63,14 +65,18 @@ def data_parallel_comm(zero: int, parameter_bytes: float, *, dp: int, nodes: int
 
     if zero in (0, 1):  # the all-reduce overlaps the backward (`autopart.predict.reduction`); ZeRO-1's
         return DataParallelComm(tail_s=time("all_gather") if zero == 1 else 0.0)  # update is shared after the step
+    slowdown = slowdown if overlapped else 0.0
     if zero == 2:
-        reduce = max(0.0, time("reduce_scatter") - hidden_behind_s) if overlapped else time("reduce_scatter")
-        last = time("reduce_scatter") if overlapped else 0.0  # the step waits for the last one
+        scatter = time("reduce_scatter")
+        # each runs beside the next action: what it runs past it, or what it slows it by
+        beside = slowed(hidden_behind_s, scatter, slowdown) - hidden_behind_s
+        reduce = max(0.0, scatter - hidden_behind_s, beside) if overlapped else scatter
+        last = scatter if overlapped else 0.0  # the step waits for the last one
         return DataParallelComm(backward_s=reduce, tail_s=time("all_gather") + last)
     layered = fully_sharded_cost(
         pieces or (Piece(hidden_behind_s, 2 * hidden_behind_s),), parameter_bytes - sum(p.count * p.unit_bytes for p in pieces),
         gather_s=lambda nbytes: cost_model.collective_time("all_gather", gathered_bytes(nbytes, dtype), dp, nodes=nodes),
         reduce_s=lambda nbytes: cost_model.collective_time("reduce_scatter", nbytes, dp, nodes=nodes),
-        overlapped=overlapped)
+        overlapped=overlapped, slowdown=slowdown)
     return DataParallelComm(forward_s=layered.forward_s, backward_s=layered.backward_beside(hidden_behind_s),
                             tail_s=layered.pending_s)

@@ -11,8 +11,9 @@ once its backward ends, beside the next unit's backward. The data-parallel group
 share its links, so they are taken one after another, in the order FSDP issues them: a unit's
 prefetch at the start of the compute before it, its reduce-scatter at the end of its own.
 
-What the compute then waits for is what this module counts: the first unit's gather, and a
-layer's transfers wherever they outlast the compute they run beside. The reduce-scatters still
+What the compute then waits for is what this module counts: the first unit's gather, a
+layer's transfers wherever they outlast the compute they run beside, and the compute's own
+slowdown while they run (the collectives' kernels hold SMs: `slowed`). The reduce-scatters still
 running when the backward ends are returned apart (``pending_s``): they run beside the stage's
 next action, and the step waits for the last of them. Where the collectives do not run beside
 the compute (gloo on a CPU computes and communicates on the same cores) each one adds whole.
@@ -24,7 +25,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-__all__ = ["FullyShardedCost", "Piece", "fully_sharded_cost"]
+__all__ = ["FullyShardedCost", "Piece", "fully_sharded_cost", "slowed"]
 
 
 @dataclass(frozen=True)
@@ -40,17 +41,29 @@ class Piece:
     count: int = 1
 
 
+def slowed(work_s: float, beside_s: float, slowdown: float) -> float:
+    """How long compute of ``work_s`` seconds (alone) takes when collectives run beside it for
+    its first ``beside_s`` seconds and slow it by ``slowdown`` meanwhile (the device's
+    ``overlap_compute_slowdown``): at 1 / (1 + slowdown) of its speed while they run."""
+    if slowdown <= 0 or beside_s <= 0:
+        return work_s
+    return work_s + min(beside_s, work_s * (1 + slowdown)) * slowdown / (1 + slowdown)
+
+
 @dataclass(frozen=True)
 class FullyShardedCost:
-    forward_s: float  # what one forward waits for its gathers
-    backward_s: float  # what one backward waits for its gathers and (not overlapped) reduce-scatters
+    forward_s: float  # what one forward waits for its gathers, and its slowdown beside them
+    backward_s: float  # the same of one backward, with its (not overlapped) reduce-scatters
     pending_s: float  # reduce-scatters still running as the backward ends
+    slowdown: float = 0.0  # the compute's, beside a collective
 
     def backward_beside(self, next_action_s: float) -> float:
         """What one backward adds once its pending reduce-scatters run beside the stage's next
         action, of ``next_action_s`` (in a pipeline's steady state a forward follows a backward):
-        what they run past that action, the action waits for."""
-        return self.backward_s + max(0.0, self.pending_s - next_action_s)
+        what they run past that action, the action waits for; what they slow it by, it takes
+        longer (the larger of the two)."""
+        beside = slowed(next_action_s, self.pending_s, self.slowdown) - next_action_s
+        return self.backward_s + max(0.0, self.pending_s - next_action_s, beside)
 
 
 @dataclass(frozen=True)
@@ -61,10 +74,12 @@ class _Segment:
 
 
 def fully_sharded_cost(pieces: Sequence[Piece], root_bytes: float, *, gather_s: Callable[[float], float],
-                       reduce_s: Callable[[float], float], overlapped: bool) -> FullyShardedCost:
+                       reduce_s: Callable[[float], float], overlapped: bool,
+                       slowdown: float = 0.0) -> FullyShardedCost:
     """The gathers and reduce-scatters of a level-3 stage whose compute is ``pieces``, its root
     unit holding ``root_bytes``; ``gather_s`` and ``reduce_s`` give a collective's seconds for a
-    unit's fp32 parameter bytes (the gather moves them in the compute dtype)."""
+    unit's fp32 parameter bytes (the gather moves them in the compute dtype). ``slowdown``: the
+    compute's while a collective runs beside it (`slowed`; ``overlapped`` only)."""
     gather = [gather_s(p.unit_bytes) if p.unit_bytes else 0.0 for p in pieces]
     reduce = [reduce_s(p.unit_bytes) if p.unit_bytes else 0.0 for p in pieces]
     root_gather, root_reduce = (gather_s(root_bytes), reduce_s(root_bytes)) if root_bytes else (0.0, 0.0)
@@ -78,22 +93,23 @@ def fully_sharded_cost(pieces: Sequence[Piece], root_bytes: float, *, gather_s: 
     backward += [(_Segment(p.backward_s, g, r), p.count)
                  for p, g, r in zip(reversed(pieces), reversed(gather), reversed(reduce))]
     backward.append((_Segment(0.0, 0.0, root_reduce), 1))
-    forward_end, _ = _timeline(forward)
-    backward_end, channel_end = _timeline(backward)
+    forward_end, _ = _timeline(forward, slowdown)
+    backward_end, channel_end = _timeline(backward, slowdown)
     return FullyShardedCost(forward_s=forward_end - sum(p.count * p.forward_s for p in pieces),
                             backward_s=backward_end - sum(p.count * p.backward_s for p in pieces),
-                            pending_s=channel_end - backward_end)
+                            pending_s=channel_end - backward_end, slowdown=slowdown)
 
 
-def _timeline(segments: Sequence[tuple[_Segment, int]]) -> tuple[float, float]:
+def _timeline(segments: Sequence[tuple[_Segment, int]], slowdown: float) -> tuple[float, float]:
     """When the compute of ``segments`` (each repeated its count of times) ends and when the
     collectives' channel does, with each segment's gather issued at the start of the segment
-    before it (the first at time 0) and its reduce-scatter at its end.
+    before it (the first at time 0) and its reduce-scatter at its end; a segment's compute is
+    slowed by ``slowdown`` while the channel is busy beside it.
 
     A run of equal segments (a stage's identical layers) reaches a steady state in which every
     segment shifts the whole state (compute end, channel end, next gather's end) by the same
     seconds; the state is then advanced over the run at once. That is exact, not an
-    approximation: the update is built of max and +, so shifting its input shifts its output."""
+    approximation: the update is built of max, min and +, so shifting its input shifts its output."""
     runs: list[tuple[_Segment, int]] = []
     for segment, count in segments:  # equal neighbours make one run
         if runs and runs[-1][0] == segment:
@@ -107,7 +123,8 @@ def _timeline(segments: Sequence[tuple[_Segment, int]]) -> tuple[float, float]:
         done = 0
         while done < count:
             state = (compute, channel, ready)
-            compute, channel, ready = _step(state, segment, segment if done + 1 < count else following)
+            compute, channel, ready = _step(state, segment, segment if done + 1 < count else following,
+                                             slowdown)
             done += 1
             shift = compute - state[0]
             if done + 1 < count and _same(channel - state[1], shift) and _same(ready - state[2], shift):
@@ -117,7 +134,8 @@ def _timeline(segments: Sequence[tuple[_Segment, int]]) -> tuple[float, float]:
     return compute, max(channel, compute)
 
 
-def _step(state: tuple[float, float, float], segment: _Segment, following: _Segment | None) -> tuple[float, float, float]:
+def _step(state: tuple[float, float, float], segment: _Segment, following: _Segment | None,
+          slowdown: float) -> tuple[float, float, float]:
     compute, channel, ready = state
     start = max(compute, ready)
     channel = max(channel, start)  # an idle channel waits for the compute's next issue
@@ -126,7 +144,7 @@ def _step(state: tuple[float, float, float], segment: _Segment, following: _Segm
         ready = channel
     else:
         ready = start
-    compute = start + segment.compute_s
+    compute = start + slowed(segment.compute_s, channel - start, slowdown)  # the links are busy until channel
     if segment.reduce_s:
         channel = max(channel, compute) + segment.reduce_s
     return compute, channel, ready

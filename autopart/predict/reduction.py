@@ -14,9 +14,10 @@ too: gloo's threads copy and add the bytes. Its share of a core is the part of a
 that its two processes spend on the CPU (``profile-comm``'s ``p2p_send_cpu`` and
 ``p2p_recv_cpu`` against ``p2p``), and while it runs beside the compute the two share the
 rank's cores (processor sharing, as `step_time` shares them between ranks): the compute takes
-longer by what the reduction took from it, and the reduction runs slower. Where nothing says
-what a message costs the cores (a GPU: NCCL's kernels and the NICs move the bytes), the
-reductions run beside the compute and take nothing from it.
+longer by what the reduction took from it, and the reduction runs slower. On a device of each
+rank's own (a GPU: NCCL's kernels and the NICs move the bytes) a reduction keeps its pace and
+the compute beside it runs slower by the device's ``overlap_compute_slowdown`` (NCCL's kernels
+hold SMs and memory bandwidth meanwhile).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from autopart.schedule.shared import dedicated_run, step_time
 from cost_models import CostModel
 
 __all__ = ["Reduction", "StageGradients", "rank_reductions", "plan_reductions", "reduction_delay",
-           "overlapped_step_time"]
+           "collectives_delay", "overlapped_step_time"]
 
 _EPSILON = 1e-12
 
@@ -118,18 +119,27 @@ def _rate(cores: float, busy: float) -> float:
 
 
 def reduction_delay(ready: Sequence[float], reductions: Sequence[Reduction], compute_end: float, *,
-                    cores: float = 0.0, busy: float = 1.0) -> tuple[float, float]:
+                    cores: float = 0.0, busy: float = 1.0, slowdown: float = 0.0) -> tuple[float, float]:
     """Of one rank: how much later its compute ends for the reductions' work on its cores, and how
     long after that the last reduction ends (0 when it ended first).
 
     ``ready``: when each reduction's gradients are final, in seconds of the rank's timeline
     without them (so is ``compute_end``, its last action's end); ``busy``: the threads that share
     ``cores`` with the rank's compute (itself included). The reductions run one at a time, in
-    order; while one runs beside the compute, it is ``cpu_share`` of one more thread."""
+    order; while one runs beside the compute, it is ``cpu_share`` of one more thread. On a device
+    of its own (``cores`` 0) the rank's compute runs ``slowdown`` slower while a reduction runs
+    beside it (the device's ``overlap_compute_slowdown``: the collective's kernels hold SMs)."""
+    return collectives_delay(ready, [(r.seconds, r.cpu_share) for r in reductions], compute_end,
+                             cores=cores, busy=busy, slowdown=slowdown)
+
+
+def collectives_delay(ready: Sequence[float], collectives: Sequence[tuple[float, float]], compute_end: float, *,
+                      cores: float = 0.0, busy: float = 1.0, slowdown: float = 0.0) -> tuple[float, float]:
+    """`reduction_delay` of collectives given as (seconds alone, share of them on the cores)."""
     now = progress = 0.0  # real time; how far the rank's own timeline has got
     compute_done = None if compute_end > 0 else 0.0
     alone = _rate(cores, busy)
-    for moment, reduction in zip(ready, reductions, strict=True):
+    for moment, (seconds, share) in zip(ready, collectives, strict=True):
         if progress < moment:  # nothing runs beside the compute until the gradients are final
             now, progress = now + moment - progress, moment
             if compute_done is None and progress >= compute_end - _EPSILON:
@@ -137,9 +147,12 @@ def reduction_delay(ready: Sequence[float], reductions: Sequence[Reduction], com
         left = 1.0  # of this reduction
         while left > _EPSILON:
             computing = compute_done is None
-            share = reduction.cpu_share
-            rate = _rate(cores, (busy if computing else busy - 1) + share)
-            duration = reduction.seconds * ((1 - share) + share / rate)  # this reduction at this rate
+            if cores > 0:
+                rate = _rate(cores, (busy if computing else busy - 1) + share)
+                duration = seconds * ((1 - share) + share / rate)  # this reduction at this rate
+            else:  # a device of its own: the compute slows beside it, the collective keeps its pace
+                rate = 1.0 / (1.0 + slowdown) if computing else 1.0
+                duration = seconds
             if duration <= 0:
                 break
             step = left * duration
@@ -158,10 +171,11 @@ def reduction_delay(ready: Sequence[float], reductions: Sequence[Reduction], com
 
 def overlapped_step_time(schedule: Schedule, costs: StageCosts, reductions: Mapping[int, Sequence[Reduction]], *,
                          ranks: int, tail_s: Mapping[int, float] | None = None, cores: int = 0,
-                         background: float = 0.0, **sharing) -> tuple[float, dict[int, tuple[float, float]]]:
+                         background: float = 0.0, slowdown: float = 0.0,
+                         **sharing) -> tuple[float, dict[int, tuple[float, float]]]:
     """`step_time` with each rank's reductions before its tail; and per rank what they added:
-    the delay of its compute (`reduction_delay`) and the wait past its last action. ``sharing``:
-    `step_time`'s other arguments."""
+    the delay of its compute (`reduction_delay`, ``slowdown`` its slowdown beside them on a device
+    of its own) and the wait past its last action. ``sharing``: `step_time`'s other arguments."""
     tail_s = dict(tail_s or {})
     if not any(reductions.values()):
         return step_time(schedule, costs, ranks=ranks, cores=cores, background=background, tail_s=tail_s,
@@ -191,5 +205,5 @@ def overlapped_step_time(schedule: Schedule, costs: StageCosts, reductions: Mapp
             ready.append(start + (end - start) * reduction.fraction)
         # the step's own threads share the cores; a collective's measured time already holds what
         # the rest of the machine took from it while it was measured
-        added[rank] = reduction_delay(ready, mine, last_end.get(rank, 0.0), cores=cores, busy=ranks)
+        added[rank] = reduction_delay(ready, mine, last_end.get(rank, 0.0), cores=cores, busy=ranks, slowdown=slowdown)
     return step_with({r: tail_s.get(r, 0.0) + sum(added.get(r, ())) for r in schedule}), added

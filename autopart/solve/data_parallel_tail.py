@@ -10,6 +10,8 @@ the step model places them (``autopart.predict.data_parallel``, ``autopart.predi
   behind a forward's length) and gathers the parameters once a step; level 3 gathers them before
   every forward and every backward, a layer at a time beside the compute where collectives
   overlap it (``autopart.predict.fully_sharded``), which adds what they do not hide.
+- Beside the compute, a collective slows it while it runs (``Cluster.overlap_slowdown``,
+  ``autopart.predict.fully_sharded.slowed``), as the step model counts it.
 
 The figures are the step model's on the search's own stage times (a stage's forward a third of
 its forward and backward, as ``autopart.solve.search`` takes it elsewhere); a bucket's grain is
@@ -23,7 +25,7 @@ import functools
 from collections.abc import Sequence
 
 from autopart.predict.data_parallel import gathered_bytes
-from autopart.predict.fully_sharded import Piece, fully_sharded_cost
+from autopart.predict.fully_sharded import Piece, fully_sharded_cost, slowed
 from autopart.runtime.fully_sharded import FSDP_LEVELS
 from autopart.schedule import SPLIT_BACKWARD_KINDS, stage_placement
 
@@ -61,7 +63,8 @@ def tail_s(layout, cluster, rank_parameter_bytes: Sequence[int], nodes: int,
             sync = cluster.all_reduce_s(nbytes, dp, nodes) if dp > 1 else 0.0
             if dp > 1 and hidden is not None and cluster.reduction_overlaps:
                 last = cluster.all_reduce_s(last_bytes[rank], dp, nodes) if last_bytes is not None else 0.0
-                sync = max(last, sync - hidden[rank])
+                beside = slowed(hidden[rank], sync, cluster.overlap_slowdown) - hidden[rank]  # the backward's slowdown
+                sync = max(last, sync - hidden[rank], beside)
             rank_tail = sync + update_s(layout, cluster, nbytes, nodes)
         else:  # FSDP: the step waits for the last reduce-scatter where it runs beside the compute
             last = _reduce_scatter_s(cluster, nbytes, dp, nodes) if cluster.reduction_overlaps else 0.0
@@ -121,8 +124,9 @@ def fully_sharded_extra_s(level: int, cluster, stage_bytes: float, forward_s: fl
         return 0.0, 0.0
     overlapped = cluster.reduction_overlaps
     if level == 2:
-        scatter = _reduce_scatter_s(cluster, stage_bytes, dp, nodes)
-        return 0.0, max(0.0, scatter - forward_s) if overlapped else scatter
+        scatter = _reduce_scatter_s(cluster, stage_bytes, dp, nodes)  # beside the next forward, as predicted
+        beside = slowed(forward_s, scatter, cluster.overlap_slowdown) - forward_s
+        return 0.0, max(0.0, scatter - forward_s, beside) if overlapped else scatter
     return _layered_extra_s(cluster, stage_bytes, forward_s, 2 * forward_s if backward_s is None else backward_s,
                             layers, dp, nodes, dtype)
 
@@ -138,7 +142,7 @@ def _layered_extra_s(cluster, stage_bytes: float, forward_s: float, backward_s: 
     cost = fully_sharded_cost(pieces, max(0.0, stage_bytes - (layered_bytes if count else 0)),
                               gather_s=lambda n: _gather_s(cluster, n, dp, nodes, dtype),
                               reduce_s=lambda n: _reduce_scatter_s(cluster, n, dp, nodes),
-                              overlapped=cluster.reduction_overlaps)
+                              overlapped=cluster.reduction_overlaps, slowdown=cluster.overlap_slowdown)
     return cost.forward_s, cost.backward_beside(forward_s)
 
 

@@ -191,9 +191,12 @@ class Cluster:
     all_gather_s: Callable[[float, int, int], float]
     optimizer_s_per_byte: float  # seconds of the optimizer step per byte of parameters
     reduction_overlaps: bool = False
-    """The data-parallel collectives run beside the compute without slowing it (a GPU's streams):
-    the all-reduce hides behind the backward (``autopart.predict.reduction``), a reduce-scatter
-    behind the next forward (``autopart.predict.data_parallel``). False: they add to the step."""
+    """The data-parallel collectives run beside the compute (a GPU's streams): the all-reduce
+    hides behind the backward (``autopart.predict.reduction``), a reduce-scatter behind the next
+    forward (``autopart.predict.data_parallel``). False: they add to the step."""
+    overlap_slowdown: float = 0.0
+    """How much longer the compute takes while they run beside it (the device's
+    ``overlap_compute_slowdown``; `autopart.predict.fully_sharded.slowed`)."""
     communicator_bytes: Callable[[int, int, int], int] = lambda pp, tp, dp: 0  # (pp, tp, dp) -> per rank, besides
     # overhead_bytes: the collective library's buffers (`cost_models.memory.communicator_bytes`)
 

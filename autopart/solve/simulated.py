@@ -34,6 +34,7 @@ from autopart.solve.search import Cluster, CostTable, Scored, parameter_bytes_pe
 from autopart.solve.baselines import stage_parameter_bytes
 from autopart.solve.chain_costs import ChainCosts, chain_sums
 from autopart.solve.data_parallel_tail import fully_sharded_extra_s, last_bucket_bytes, stage_layers, update_s
+from autopart.predict.reduction import collectives_delay
 
 __all__ = ["simulated_step_s", "simulated_stage_costs", "pipeline_s"]
 
@@ -77,11 +78,11 @@ def _overlapped_step_s(layout, cluster: Cluster, chain: ChainCosts, cuts: tuple[
         queued[rank] += [(start, whole - first), (end, first)]
     step = 0.0
     for rank, items in enumerate(queued):
-        done = 0.0
-        for ready, nbytes in sorted(items):
-            if nbytes:
-                done = max(done, ready) + cluster.all_reduce_s(nbytes, layout.dp, nodes)
-        step = max(step, max(ends[rank], done) + update_s(layout, cluster, rank_bytes[rank], nodes))
+        items = sorted((ready, nbytes) for ready, nbytes in items if nbytes)
+        delay, wait = collectives_delay([ready for ready, _ in items],
+                                        [(cluster.all_reduce_s(nbytes, layout.dp, nodes), 0.0) for _, nbytes in items],
+                                        ends[rank], slowdown=cluster.overlap_slowdown)
+        step = max(step, ends[rank] + delay + wait + update_s(layout, cluster, rank_bytes[rank], nodes))
     return step
 
 
