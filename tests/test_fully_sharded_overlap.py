@@ -124,7 +124,7 @@ def test_the_steady_state_shortcut_gives_the_walk_one_unit_at_a_time(seed):
         assert (found.forward_s, found.backward_s, found.pending_s) == pytest.approx(walked, rel=1e-9, abs=1e-9)
 
 
-@pytest.mark.parametrize("slowdown", [0.0, 0.19])
+@pytest.mark.parametrize("slowdown", [0.0, 0.19, 0.5])
 def test_the_step_model_charges_a_stage_its_unhidden_transfers_and_the_search_the_same(slowdown):
     """``data_parallel_comm`` (the plan's) and ``fully_sharded_extra_s`` (the search's) on one
     stage of four equal layers: the same seconds, and less than the whole gathers on a GPU."""
@@ -152,11 +152,38 @@ def test_the_step_model_charges_a_stage_its_unhidden_transfers_and_the_search_th
                               hidden_behind_s=forward, pieces=(counted,)) == plan  # four equal layers, as one piece
     whole = data_parallel_comm(3, 1.5e9, dp=8, nodes=8, cost_model=Model(), overlapped=True, slowdown=slowdown,
                                hidden_behind_s=forward)
-    # the root's gather and the first layer's; of each later layer's 0.25 s gather, the 0.2 s forward
-    # beside it (0.2 (1 + slowdown) s at its slowed pace) hides all but the rest
-    assert plan.forward_s == pytest.approx(0.5 + 0.25 + 3 * (max(0.25, 0.2 * (1 + slowdown)) - 0.2))
+    # the root's gather and the first layer's; each later layer's 0.25 s gather runs beside the 0.2 s
+    # forward before it, which goes at 1 / (1 + slowdown) of its speed meanwhile: the layer waits for
+    # the gather or for its slowed predecessor, whichever ends later
+    beside = 0.2 + min(0.25, 0.2 * (1 + slowdown)) * slowdown / (1 + slowdown)
+    assert plan.forward_s == pytest.approx(0.5 + 0.25 + 3 * (max(0.25, beside) - 0.2))
+    assert (beside > 0.25) == (slowdown == 0.5)  # the compute sets the pace at the largest slowdown
     assert whole.forward_s == pytest.approx(1.5)
     assert plan.backward_s < whole.backward_s
+
+
+@pytest.mark.parametrize("slowdown", [0.0, 0.5])
+def test_zero_2_s_reduce_scatter_slows_the_next_forward_in_the_plan_and_the_search_alike(slowdown):
+    class Cluster:
+        reduction_overlaps = True
+        overlap_slowdown = slowdown
+
+        def all_gather_s(self, nbytes, group, nodes):
+            return nbytes / 1e9
+
+    class Model:
+        def collective_time(self, kind, nbytes, group, *, nodes=1):
+            return nbytes / 1e9
+
+    for forward, scatter in ((1.0, 0.4), (0.2, 0.4)):  # the reduce-scatter hidden, or running past the forward
+        plan = data_parallel_comm(2, scatter * 1e9, dp=8, nodes=1, cost_model=Model(), overlapped=True,
+                                  slowdown=slowdown, hidden_behind_s=forward)
+        search = fully_sharded_extra_s(2, Cluster(), scatter * 1e9, forward, dp=8, nodes=1, dtype="fp32")
+        assert plan.backward_s == pytest.approx(search[1])
+        ran_past = scatter - forward
+        slowed_by = min(scatter, forward * (1 + slowdown)) * slowdown / (1 + slowdown)
+        assert plan.backward_s == pytest.approx(max(0.0, ran_past, slowed_by))
+    assert plan.backward_s > 0  # 0.4 s beside a 0.2 s forward: it runs past it
 
 
 def test_a_plan_s_stage_pieces_are_its_blocks_with_each_whole_layer_one_unit():

@@ -2,12 +2,16 @@
 on synthetic timelines: a bucket whose gradients are final early is hidden behind the compute,
 one final at the end is paid in full, and on shared cores what it hides it takes from the compute."""
 
+import math
+import random
 import runpy
 
 import pytest
 
 import autopart
-from autopart.predict.reduction import Reduction, StageGradients, overlapped_step_time, rank_reductions, reduction_delay
+from autopart.predict.reduction import (Reduction, StageGradients, collectives_delay, overlapped_step_time, rank_reductions,
+                                        reduction_delay)
+from autopart.solve.data_parallel_tail import exposed_all_reduce_s
 from autopart.ir.buckets import plan_buckets
 from autopart.schedule import Action, Kind, StageCosts, add_communication, build_schedule
 from autopart.schedule.shared import step_time
@@ -140,6 +144,20 @@ def test_on_a_device_of_its_own_the_compute_beside_a_reduction_runs_slower_and_t
     # ready as the compute ends: nothing beside it, nothing slowed
     assert reduction_delay([2.0], [_reduction(1.0)], 2.0, slowdown=0.25) == pytest.approx((0.0, 1.0))
     assert reduction_delay([0.0], [_reduction(1.0)], 2.0) == (0.0, 0.0)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_search_s_closed_form_of_an_exposed_all_reduce_is_the_step_model_s(seed):
+    """``exposed_all_reduce_s`` (the search's) against ``collectives_delay`` (the plan's) for one
+    rank: the early buckets ready as its last backward starts, the last bucket at its end."""
+    rng = random.Random(seed)
+    hidden, early, last = rng.uniform(0.1, 2), rng.uniform(0, 3), rng.uniform(0, 1)
+    slowdown = rng.choice([0.0, 0.19, rng.uniform(0, 0.9)])
+    delay, wait = collectives_delay([0.0, hidden], [(early, 0.0), (last, 0.0)], hidden, slowdown=slowdown)
+    assert exposed_all_reduce_s(early + last, last, hidden, slowdown) == pytest.approx(delay + wait)
+    # hidden without end (the layout bounds' most hidden): the least it adds, no NaN
+    assert exposed_all_reduce_s(early + last, last, math.inf, slowdown) == pytest.approx(
+        last + early * slowdown / (1 + slowdown))
 
 
 @pytest.mark.parametrize("cores", [0, 2])

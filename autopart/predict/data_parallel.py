@@ -7,8 +7,9 @@ the bf16 weights that each owner of fp32 masters broadcasts (`autopart.runtime.s
 half the bytes (`gathered_bytes`). Level 2 (FSDP) gathers the parameters at the step's first
 forward and reduce-scatters the gradients after every microbatch's backward: the gather must
 end before the stage computes, so it adds; a reduce-scatter is left running: on a GPU it
-overlaps the next action (its own stream) as far as that action lasts and the step waits for
-its last one; on a CPU it runs on the cores that compute and adds. Level 3 gathers before
+overlaps the next action (its own stream) as far as that action lasts, slowing it meanwhile
+(`autopart.predict.fully_sharded.slowing`), and the step waits for its last one; on a CPU it
+runs on the cores that compute and adds. Level 3 gathers before
 every forward and every backward too, a layer at a time beside the compute of the one before
 (`autopart.predict.fully_sharded`).
 """
@@ -19,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from autopart.ir.tensors import working_dtype
-from autopart.predict.fully_sharded import Piece, fully_sharded_cost, slowed
+from autopart.predict.fully_sharded import Piece, fully_sharded_cost, slowing
 from cost_models.base import CostModel
 
 __all__ = ["DataParallelComm", "data_parallel_comm", "gathered_bytes"]
@@ -69,7 +70,7 @@ def data_parallel_comm(zero: int, parameter_bytes: float, *, dp: int, nodes: int
     if zero == 2:
         scatter = time("reduce_scatter")
         # each runs beside the next action: what it runs past it, or what it slows it by
-        beside = slowed(hidden_behind_s, scatter, slowdown) - hidden_behind_s
+        beside = slowing(hidden_behind_s, scatter, slowdown)
         reduce = max(0.0, scatter - hidden_behind_s, beside) if overlapped else scatter
         last = scatter if overlapped else 0.0  # the step waits for the last one
         return DataParallelComm(backward_s=reduce, tail_s=time("all_gather") + last)

@@ -13,7 +13,7 @@ prefetch at the start of the compute before it, its reduce-scatter at the end of
 
 What the compute then waits for is what this module counts: the first unit's gather, a
 layer's transfers wherever they outlast the compute they run beside, and the compute's own
-slowdown while they run (the collectives' kernels hold SMs: `slowed`). The reduce-scatters still
+slowdown while they run (the collectives' kernels hold SMs: `slowing`). The reduce-scatters still
 running when the backward ends are returned apart (``pending_s``): they run beside the stage's
 next action, and the step waits for the last of them. Where the collectives do not run beside
 the compute (gloo on a CPU computes and communicates on the same cores) each one adds whole.
@@ -25,7 +25,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-__all__ = ["FullyShardedCost", "Piece", "fully_sharded_cost", "slowed"]
+__all__ = ["FullyShardedCost", "Piece", "fully_sharded_cost", "slowed", "slowing"]
 
 
 @dataclass(frozen=True)
@@ -41,13 +41,18 @@ class Piece:
     count: int = 1
 
 
-def slowed(work_s: float, beside_s: float, slowdown: float) -> float:
-    """How long compute of ``work_s`` seconds (alone) takes when collectives run beside it for
-    its first ``beside_s`` seconds and slow it by ``slowdown`` meanwhile (the device's
-    ``overlap_compute_slowdown``): at 1 / (1 + slowdown) of its speed while they run."""
+def slowing(work_s: float, beside_s: float, slowdown: float) -> float:
+    """How much longer compute of ``work_s`` seconds (alone) takes when collectives run beside it
+    for its first ``beside_s`` seconds and slow it by ``slowdown`` meanwhile (the device's
+    ``overlap_compute_slowdown``): it goes at 1 / (1 + slowdown) of its speed while they run."""
     if slowdown <= 0 or beside_s <= 0:
-        return work_s
-    return work_s + min(beside_s, work_s * (1 + slowdown)) * slowdown / (1 + slowdown)
+        return 0.0
+    return min(beside_s, work_s * (1 + slowdown)) * slowdown / (1 + slowdown)
+
+
+def slowed(work_s: float, beside_s: float, slowdown: float) -> float:
+    """How long that compute takes (`slowing`)."""
+    return work_s + slowing(work_s, beside_s, slowdown)
 
 
 @dataclass(frozen=True)
@@ -62,8 +67,8 @@ class FullyShardedCost:
         action, of ``next_action_s`` (in a pipeline's steady state a forward follows a backward):
         what they run past that action, the action waits for; what they slow it by, it takes
         longer (the larger of the two)."""
-        beside = slowed(next_action_s, self.pending_s, self.slowdown) - next_action_s
-        return self.backward_s + max(0.0, self.pending_s - next_action_s, beside)
+        return self.backward_s + max(0.0, self.pending_s - next_action_s,
+                                     slowing(next_action_s, self.pending_s, self.slowdown))
 
 
 @dataclass(frozen=True)

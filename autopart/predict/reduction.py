@@ -120,15 +120,21 @@ def _rate(cores: float, busy: float) -> float:
 
 def reduction_delay(ready: Sequence[float], reductions: Sequence[Reduction], compute_end: float, *,
                     cores: float = 0.0, busy: float = 1.0, slowdown: float = 0.0) -> tuple[float, float]:
-    """Of one rank: how much later its compute ends for the reductions' work on its cores, and how
-    long after that the last reduction ends (0 when it ended first).
+    """Of one rank: how much later its compute ends for the reductions beside it (their work on
+    its cores, or their slowdown of its device), and how long after that the last reduction ends
+    (0 when it ended first).
 
     ``ready``: when each reduction's gradients are final, in seconds of the rank's timeline
     without them (so is ``compute_end``, its last action's end); ``busy``: the threads that share
     ``cores`` with the rank's compute (itself included). The reductions run one at a time, in
     order; while one runs beside the compute, it is ``cpu_share`` of one more thread. On a device
     of its own (``cores`` 0) the rank's compute runs ``slowdown`` slower while a reduction runs
-    beside it (the device's ``overlap_compute_slowdown``: the collective's kernels hold SMs)."""
+    beside it (the device's ``overlap_compute_slowdown``: the collective's kernels hold SMs).
+
+    The rank's timeline from a reduction's start to ``compute_end`` is taken as compute
+    throughout, its waits too (a pipeline rank waits in the cool-down), and what it is delayed
+    by is added to its own step alone, not to the ranks it sends to: the first overcharges a
+    rank that waits beside a reduction, the second undercharges the ranks after a slowed one."""
     return collectives_delay(ready, [(r.seconds, r.cpu_share) for r in reductions], compute_end,
                              cores=cores, busy=busy, slowdown=slowdown)
 

@@ -3,7 +3,7 @@ the step model places them (``autopart.predict.data_parallel``, ``autopart.predi
 
 - Levels 0 and 1 all-reduce the gradients in buckets as the last backward makes them final: on a
   device whose collectives run beside the compute (``Cluster.reduction_overlaps``), only what the
-  all-reduce runs past the rank's last microbatch's backward adds to the step. Level 1 then steps
+  all-reduce runs past the rank's last microbatch's backward, or slows it by, adds to the step. Level 1 then steps
   a shard of the optimizer state and all-gathers the updated shards (bf16 weights under ``bf16``,
   ``autopart.predict.data_parallel.gathered_bytes``).
 - Level 2 (FSDP) reduce-scatters every microbatch's gradients beside the next action (hidden
@@ -11,7 +11,7 @@ the step model places them (``autopart.predict.data_parallel``, ``autopart.predi
   every forward and every backward, a layer at a time beside the compute where collectives
   overlap it (``autopart.predict.fully_sharded``), which adds what they do not hide.
 - Beside the compute, a collective slows it while it runs (``Cluster.overlap_slowdown``,
-  ``autopart.predict.fully_sharded.slowed``), as the step model counts it.
+  ``autopart.predict.fully_sharded.slowing``), as the step model counts it.
 
 The figures are the step model's on the search's own stage times (a stage's forward a third of
 its forward and backward, as ``autopart.solve.search`` takes it elsewhere); a bucket's grain is
@@ -25,12 +25,13 @@ import functools
 from collections.abc import Sequence
 
 from autopart.predict.data_parallel import gathered_bytes
-from autopart.predict.fully_sharded import Piece, fully_sharded_cost, slowed
+from autopart.predict.fully_sharded import Piece, fully_sharded_cost, slowing
 from autopart.runtime.fully_sharded import FSDP_LEVELS
 from autopart.schedule import SPLIT_BACKWARD_KINDS, stage_placement
 
-__all__ = ["fully_sharded_levels", "tail_s", "update_s", "hidden_s", "last_bucket_bytes", "fully_sharded_extra_s",
-           "stage_layers", "stage_times", "most_hidden_s", "fsdp_may_pay", "fully_sharded_floor_s"]
+__all__ = ["fully_sharded_levels", "tail_s", "update_s", "exposed_all_reduce_s", "hidden_s", "last_bucket_bytes",
+           "fully_sharded_extra_s", "stage_layers", "stage_times", "most_hidden_s", "fsdp_may_pay",
+           "fully_sharded_floor_s"]
 
 FORWARD_SHARE = 1 / 3
 """Of a stage's forward and backward, the forward's part (a backward is about twice a forward)."""
@@ -63,8 +64,7 @@ def tail_s(layout, cluster, rank_parameter_bytes: Sequence[int], nodes: int,
             sync = cluster.all_reduce_s(nbytes, dp, nodes) if dp > 1 else 0.0
             if dp > 1 and hidden is not None and cluster.reduction_overlaps:
                 last = cluster.all_reduce_s(last_bytes[rank], dp, nodes) if last_bytes is not None else 0.0
-                beside = slowed(hidden[rank], sync, cluster.overlap_slowdown) - hidden[rank]  # the backward's slowdown
-                sync = max(last, sync - hidden[rank], beside)
+                sync = exposed_all_reduce_s(sync, last, hidden[rank], cluster.overlap_slowdown)
             rank_tail = sync + update_s(layout, cluster, nbytes, nodes)
         else:  # FSDP: the step waits for the last reduce-scatter where it runs beside the compute
             last = _reduce_scatter_s(cluster, nbytes, dp, nodes) if cluster.reduction_overlaps else 0.0
@@ -72,6 +72,15 @@ def tail_s(layout, cluster, rank_parameter_bytes: Sequence[int], nodes: int,
             rank_tail = cluster.optimizer_s_per_byte * nbytes / dp + last + gather
         tail = max(tail, rank_tail)
     return tail
+
+
+def exposed_all_reduce_s(sync_s: float, last_s: float, hidden_s: float, slowdown: float) -> float:
+    """What a rank's all-reduce of ``sync_s`` seconds adds to its step when all of it but the last
+    bucket's ``last_s`` runs beside ``hidden_s`` seconds of its backward (which it slows by
+    ``slowdown`` meanwhile): that part adds what it runs past the backward or slows it by, and
+    the last bucket, final only as the backward ends, adds whole. ``hidden_s`` may be infinite."""
+    early = sync_s - last_s
+    return last_s + max(early - hidden_s, slowing(hidden_s, early, slowdown))
 
 
 def update_s(layout, cluster, nbytes: int, nodes: int) -> float:
@@ -125,7 +134,7 @@ def fully_sharded_extra_s(level: int, cluster, stage_bytes: float, forward_s: fl
     overlapped = cluster.reduction_overlaps
     if level == 2:
         scatter = _reduce_scatter_s(cluster, stage_bytes, dp, nodes)  # beside the next forward, as predicted
-        beside = slowed(forward_s, scatter, cluster.overlap_slowdown) - forward_s
+        beside = slowing(forward_s, scatter, cluster.overlap_slowdown)
         return 0.0, max(0.0, scatter - forward_s, beside) if overlapped else scatter
     return _layered_extra_s(cluster, stage_bytes, forward_s, 2 * forward_s if backward_s is None else backward_s,
                             layers, dp, nodes, dtype)
@@ -274,7 +283,8 @@ def most_hidden_s(layout, costs, cluster) -> float:
 
 def fsdp_may_pay(scored, table, cluster) -> bool:
     """Whether ZeRO-2 might beat ZeRO-1's ``scored`` layout: only where on some rank the
-    all-reduce sticks out past the backward by more than a reduce-scatter of its gradients. On
+    all-reduce adds more to the step (`exposed_all_reduce_s`) than a reduce-scatter of its
+    gradients. On
     the same cuts ZeRO-2 adds at least that reduce-scatter to the tail (its last one, or one per
     microbatch where nothing hides them) and never less to a stage, and no cuts fit at ZeRO-2
     that do not fit at ZeRO-1 (``autopart.predict.memory``); other cuts are not compared."""
@@ -289,8 +299,9 @@ def fsdp_may_pay(scored, table, cluster) -> bool:
     hidden = hidden_s(layout, cut.stage_time_s) if cluster.reduction_overlaps else [0.0] * layout.pp
     last = last_bucket_bytes(layout, costs, cut.cuts)
     for rank, nbytes in enumerate(rank_bytes):
-        exposed = max(cluster.all_reduce_s(last[rank], layout.dp, nodes),
-                      cluster.all_reduce_s(nbytes, layout.dp, nodes) - hidden[rank])
+        exposed = exposed_all_reduce_s(cluster.all_reduce_s(nbytes, layout.dp, nodes),
+                                       cluster.all_reduce_s(last[rank], layout.dp, nodes), hidden[rank],
+                                       cluster.overlap_slowdown)
         if exposed > _reduce_scatter_s(cluster, nbytes, layout.dp, nodes):
             return True
     return False

@@ -196,7 +196,7 @@ class Cluster:
     forward (``autopart.predict.data_parallel``). False: they add to the step."""
     overlap_slowdown: float = 0.0
     """How much longer the compute takes while they run beside it (the device's
-    ``overlap_compute_slowdown``; `autopart.predict.fully_sharded.slowed`)."""
+    ``overlap_compute_slowdown``; `autopart.predict.fully_sharded.slowing`)."""
     communicator_bytes: Callable[[int, int, int], int] = lambda pp, tp, dp: 0  # (pp, tp, dp) -> per rank, besides
     # overhead_bytes: the collective library's buffers (`cost_models.memory.communicator_bytes`)
 
