@@ -124,33 +124,39 @@ def test_the_steady_state_shortcut_gives_the_walk_one_unit_at_a_time(seed):
         assert (found.forward_s, found.backward_s, found.pending_s) == pytest.approx(walked, rel=1e-9, abs=1e-9)
 
 
+class LinearCluster:
+    """The search's view of a GPU cluster whose collectives take a second per GB."""
+    reduction_overlaps = True
+
+    def __init__(self, slowdown: float):
+        self.overlap_slowdown = slowdown
+
+    def all_gather_s(self, nbytes, group, nodes):
+        return nbytes / 1e9
+
+
+class LinearModel:
+    """The step model's cost model of the same links."""
+    def collective_time(self, kind, nbytes, group, *, nodes=1):
+        return nbytes / 1e9
+
+
 @pytest.mark.parametrize("slowdown", [0.0, 0.19, 0.5])
 def test_the_step_model_charges_a_stage_its_unhidden_transfers_and_the_search_the_same(slowdown):
     """``data_parallel_comm`` (the plan's) and ``fully_sharded_extra_s`` (the search's) on one
     stage of four equal layers: the same seconds, and less than the whole gathers on a GPU."""
-    class Cluster:
-        reduction_overlaps = True
-        overlap_slowdown = slowdown
-
-        def all_gather_s(self, nbytes, group, nodes):
-            return nbytes / 1e9
-
-    class Model:
-        def collective_time(self, kind, nbytes, group, *, nodes=1):
-            return nbytes / 1e9
-
     layers, layer_bytes, forward = 4, 1e9, 0.8
     pieces = (Piece(forward_s=forward / layers, backward_s=2 * forward / layers, unit_bytes=layer_bytes / layers),) * layers
     counted = Piece(forward_s=forward / layers, backward_s=2 * forward / layers, unit_bytes=layer_bytes / layers,
                     count=layers)
-    plan = data_parallel_comm(3, 1.5e9, dp=8, nodes=8, cost_model=Model(), overlapped=True, slowdown=slowdown,
+    plan = data_parallel_comm(3, 1.5e9, dp=8, nodes=8, cost_model=LinearModel(), overlapped=True, slowdown=slowdown,
                               hidden_behind_s=forward, pieces=pieces)
-    search = fully_sharded_extra_s(3, Cluster(), 1.5e9, forward, dp=8, nodes=8, dtype="fp32",
+    search = fully_sharded_extra_s(3, LinearCluster(slowdown), 1.5e9, forward, dp=8, nodes=8, dtype="fp32",
                                    layers=(int(layer_bytes), layers))
     assert (plan.forward_s, plan.backward_s) == pytest.approx(search)
-    assert data_parallel_comm(3, 1.5e9, dp=8, nodes=8, cost_model=Model(), overlapped=True, slowdown=slowdown,
+    assert data_parallel_comm(3, 1.5e9, dp=8, nodes=8, cost_model=LinearModel(), overlapped=True, slowdown=slowdown,
                               hidden_behind_s=forward, pieces=(counted,)) == plan  # four equal layers, as one piece
-    whole = data_parallel_comm(3, 1.5e9, dp=8, nodes=8, cost_model=Model(), overlapped=True, slowdown=slowdown,
+    whole = data_parallel_comm(3, 1.5e9, dp=8, nodes=8, cost_model=LinearModel(), overlapped=True, slowdown=slowdown,
                                hidden_behind_s=forward)
     # the root's gather and the first layer's; each later layer's 0.25 s gather runs beside the 0.2 s
     # forward before it, which goes at 1 / (1 + slowdown) of its speed meanwhile: the layer waits for
@@ -164,21 +170,10 @@ def test_the_step_model_charges_a_stage_its_unhidden_transfers_and_the_search_th
 
 @pytest.mark.parametrize("slowdown", [0.0, 0.5])
 def test_zero_2_s_reduce_scatter_slows_the_next_forward_in_the_plan_and_the_search_alike(slowdown):
-    class Cluster:
-        reduction_overlaps = True
-        overlap_slowdown = slowdown
-
-        def all_gather_s(self, nbytes, group, nodes):
-            return nbytes / 1e9
-
-    class Model:
-        def collective_time(self, kind, nbytes, group, *, nodes=1):
-            return nbytes / 1e9
-
     for forward, scatter in ((1.0, 0.4), (0.2, 0.4)):  # the reduce-scatter hidden, or running past the forward
-        plan = data_parallel_comm(2, scatter * 1e9, dp=8, nodes=1, cost_model=Model(), overlapped=True,
+        plan = data_parallel_comm(2, scatter * 1e9, dp=8, nodes=1, cost_model=LinearModel(), overlapped=True,
                                   slowdown=slowdown, hidden_behind_s=forward)
-        search = fully_sharded_extra_s(2, Cluster(), scatter * 1e9, forward, dp=8, nodes=1, dtype="fp32")
+        search = fully_sharded_extra_s(2, LinearCluster(slowdown), scatter * 1e9, forward, dp=8, nodes=1, dtype="fp32")
         assert plan.backward_s == pytest.approx(search[1])
         ran_past = scatter - forward
         slowed_by = min(scatter, forward * (1 + slowdown)) * slowdown / (1 + slowdown)
