@@ -9,8 +9,8 @@ import runpy
 import pytest
 
 import autopart
-from autopart.predict.reduction import (Reduction, StageGradients, collectives_delay, overlapped_step_time, rank_reductions,
-                                        reduction_delay)
+from autopart.predict.reduction import (Reduction, StageGradients, collectives_delay, overlapped_step_time,
+                                        rank_reductions, reduction_delay)
 from autopart.solve.data_parallel_tail import exposed_all_reduce_s
 from autopart.ir.buckets import plan_buckets
 from autopart.schedule import Action, Kind, StageCosts, add_communication, build_schedule

@@ -198,10 +198,12 @@ def predicted_step_s(options: CompileOptions, front: Front, stages: list[StagePl
                                  dp=replicas, cost_model=front.cost_model,
                                  nodes=options.data_parallel_nodes)
 
+    slowdown = device.overlap_compute_slowdown if device.collectives_overlap_compute else 0.0  # NCCL beside the compute
+
     def step(costs: StageCosts, tails: dict[int, float]) -> tuple[float, dict[int, tuple[float, float]]]:
         return overlapped_step_time(schedule, costs, reductions, ranks=options.pp, cores=cores,
                                     background=device.background_load, tail_s=tails, resume_s=resume,
-                                    slowdown=device.overlap_compute_slowdown if device.collectives_overlap_compute else 0.0,
+                                    slowdown=slowdown,
                                     placement=[s.rank for s in stages],
                                     busy_delay_s=front.cost_model.p2p_busy_delay(),
                                     wake_s=None if in_place is not None else front.cost_model.wake_time)
