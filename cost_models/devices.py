@@ -111,6 +111,13 @@ class DeviceSpec:
         return self.kind != "cpu"
 
     @property
+    def slowdown_beside_collectives(self) -> float:
+        """The compute's slowdown while a collective runs beside it: `overlap_compute_slowdown`
+        where collectives overlap the compute, else 0 (on a CPU a reduction takes a measured share
+        of the cores instead, which the step model counts apart)."""
+        return self.overlap_compute_slowdown if self.collectives_overlap_compute else 0.0
+
+    @property
     def framework_overhead_bytes(self) -> int:
         """Memory taken before the model's first byte: runtime context, library workspaces."""
         return self.process_overhead_bytes or FRAMEWORK_OVERHEAD_BYTES[self.kind]

@@ -134,6 +134,10 @@ def test_a_spec_without_a_compute_slowdown_beside_collectives_assumes_none(tmp_p
     assert load_device(str(path)).overlap_compute_slowdown == 0.0
     assert load_device("h100-sxm").overlap_compute_slowdown == pytest.approx(0.19)
     assert load_device("cpu").overlap_compute_slowdown == 0.0  # its reductions' share of the cores is measured
+    # what the step model and the search charge: the figure where collectives run beside the compute
+    assert load_device("h100-sxm").slowdown_beside_collectives == pytest.approx(0.19)
+    cpu = dataclasses.replace(load_device("a100-80gb"), kind="cpu")
+    assert cpu.overlap_compute_slowdown > 0 and cpu.slowdown_beside_collectives == 0.0
 
 
 def test_missing_toml_path_is_a_device_spec_error(tmp_path: Path) -> None:

@@ -66,7 +66,6 @@ def data_parallel_comm(zero: int, parameter_bytes: float, *, dp: int, nodes: int
 
     if zero in (0, 1):  # the all-reduce overlaps the backward (`autopart.predict.reduction`); ZeRO-1's
         return DataParallelComm(tail_s=time("all_gather") if zero == 1 else 0.0)  # update is shared after the step
-    slowdown = slowdown if overlapped else 0.0
     if zero == 2:
         scatter = time("reduce_scatter")
         # each runs beside the next action: what it runs past it, or what it slows it by

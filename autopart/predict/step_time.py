@@ -35,7 +35,7 @@ def data_parallel(options: CompileOptions, front: Front, stages: list[StagePlan]
     pieces = fully_sharded_pieces(front, stages, options.tp) if options.zero == 3 and options.dp > 1 else None
     return [data_parallel_comm(options.zero, stage.parameter_bytes / options.tp, dp=options.dp,
                                nodes=options.data_parallel_nodes, cost_model=front.cost_model,
-                               overlapped=device.collectives_overlap_compute, slowdown=device.overlap_compute_slowdown,
+                               overlapped=device.collectives_overlap_compute, slowdown=device.slowdown_beside_collectives,
                                hidden_behind_s=stage.forward_s, dtype=options.dtype, pieces=pieces[i] if pieces else ())
             for i, stage in enumerate(stages)]
 
@@ -198,13 +198,10 @@ def predicted_step_s(options: CompileOptions, front: Front, stages: list[StagePl
                                  dp=replicas, cost_model=front.cost_model,
                                  nodes=options.data_parallel_nodes)
 
-    slowdown = device.overlap_compute_slowdown if device.collectives_overlap_compute else 0.0  # NCCL beside the compute
-
     def step(costs: StageCosts, tails: dict[int, float]) -> tuple[float, dict[int, tuple[float, float]]]:
         return overlapped_step_time(schedule, costs, reductions, ranks=options.pp, cores=cores,
                                     background=device.background_load, tail_s=tails, resume_s=resume,
-                                    slowdown=slowdown,
-                                    placement=[s.rank for s in stages],
+                                    slowdown=device.slowdown_beside_collectives, placement=[s.rank for s in stages],
                                     busy_delay_s=front.cost_model.p2p_busy_delay(),
                                     wake_s=None if in_place is not None else front.cost_model.wake_time)
 

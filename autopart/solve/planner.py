@@ -96,7 +96,7 @@ def cluster_of(options: CompileOptions) -> Cluster:
         all_gather_s=lambda nbytes, group, nodes: cost_model.collective_time("all_gather", nbytes, group, nodes=nodes),
         optimizer_s_per_byte=per_byte,
         reduction_overlaps=device.collectives_overlap_compute,  # as ``autopart.predict.step_time`` overlaps them
-        overlap_slowdown=device.overlap_compute_slowdown if device.collectives_overlap_compute else 0.0,
+        overlap_slowdown=device.slowdown_beside_collectives,
         communicator_bytes=lambda pp, tp, dp: communicator_bytes(device.kind, pp=pp, tp=tp, dp=dp),
     )
 
