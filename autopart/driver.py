@@ -123,7 +123,7 @@ def compile_to_directory(options: CompileOptions, out_dir: Path, *, progress=Non
     the measuring."""
     check_output_directory(out_dir)
     with fewer_collections():
-        options, measured = measure_defaults(options, console=console)
+        options, measured = measure_defaults(options, console=console, progress=progress)
         plan, front = compile_plan(options, progress)
         if options.profile_pipeline:
             plan, front = profiled_in_place(plan, front, lambda: compile_plan(options, progress))

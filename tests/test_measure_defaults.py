@@ -6,6 +6,7 @@ caches it (the real one takes seconds of two processes: tests/test_cost_comm_pro
 the op profile is the real one, into a fresh cache directory.
 """
 
+import contextlib
 import json
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -99,6 +100,35 @@ def test_a_search_s_first_compile_sees_the_co_run_figure_it_measures(fresh_cache
     assert first.predicted.compute_factor_from == "co-run"
     again = autopart.compile(MODEL, **options)
     assert again.predicted.compute_factor_from == "co-run" and again.predicted.step_s == first.predicted.step_s
+
+
+class _Console:
+    """A console that counts the live displays opened on it."""
+
+    def __init__(self):
+        self.statuses = []
+
+    def status(self, what):
+        self.statuses.append(what)
+        return contextlib.nullcontext()
+
+
+def test_a_search_s_bar_hears_the_measuring_and_no_second_display_opens(fresh_cache) -> None:
+    """On a search the CLI's progress bar is live already; a status of the console's own beside
+    it would overwrite its lines, so the measuring is said on the bar. Without the bar, on the
+    console; measured once, neither hears of it again."""
+    _, calls = fresh_cache
+    options = CompileOptions(model=MODEL, world_size=2, global_batch_size=8)
+    console, heard = _Console(), []
+    measure_defaults.measure_defaults(options, console=console, progress=lambda *a: heard.append(a))
+    assert heard == [("measuring messages between two processes on this machine (once)", 0, 0)]
+    assert console.statuses == [] and len(calls) == 1
+
+    Path(cache_path("cpu", "gloo")).unlink()  # measured again: now with no bar
+    measure_defaults.measure_defaults(options, console=console)
+    assert console.statuses == ["measuring messages between two processes on this machine (once)"]
+    measure_defaults.measure_defaults(options, console=console, progress=lambda *a: heard.append(a))
+    assert len(heard) == 1 and len(console.statuses) == 1 and len(calls) == 2
 
 
 def test_a_named_device_and_no_measure_measure_nothing(fresh_cache, monkeypatch) -> None:

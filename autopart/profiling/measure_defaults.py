@@ -28,6 +28,7 @@ import hashlib
 import logging
 import os
 import socket
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -97,11 +98,14 @@ def _can_measure_messages(kind: str) -> bool:
     return kind == "cpu" or torch.cuda.device_count() >= 2
 
 
-def measure_defaults(options: CompileOptions, *, console: Console | None = None) -> tuple[CompileOptions, Measured]:
+def measure_defaults(options: CompileOptions, *, console: Console | None = None,
+                     progress: Callable[[str, int, int], None] | None = None) -> tuple[CompileOptions, Measured]:
     """``options`` reading this machine's measured costs, with what was measured to get them.
 
     Measures only on the default path: a local device, no ``--costs``, measuring not turned off.
-    ``console`` shows a progress bar while measuring."""
+    ``console`` shows a progress bar while measuring; ``progress(what, done, total)``, a search's
+    bar already on the screen, hears what is measured instead (two live displays on one
+    terminal overwrite each other's lines)."""
     kind = local_kind(options.device)
     missing = not Path(options.model).is_file()  # the compile says so in its own words
     if kind is None or options.costs is not None or not options.measure or os.environ.get(NO_MEASURE_ENV) or missing:
@@ -112,8 +116,12 @@ def measure_defaults(options: CompileOptions, *, console: Console | None = None)
         return options, Measured(basis=basis, costs=options.costs)
     path = costs_cache_path(options.model, kind)
     measure_messages = not _messages_known(kind) and _can_measure_messages(kind)
-    status = console.status("measuring messages between two processes on this machine (once)") \
-        if console is not None and measure_messages else nullcontext()
+    what = "measuring messages between two processes on this machine (once)"
+    status = nullcontext()
+    if measure_messages and progress is not None:
+        progress(what, 0, 0)
+    elif measure_messages and console is not None:
+        status = console.status(what)
     with status:
         if measure_messages:
             profile_comm(ranks=2, backend="gloo" if kind == "cpu" else "nccl", effort=QUICK)
