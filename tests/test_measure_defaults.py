@@ -150,8 +150,13 @@ def test_the_printed_step_carries_the_band_of_the_shipped_file(fresh_cache, tmp_
     monkeypatch.setattr(accuracy, "ACCURACY_FILE", bands)
     out = tmp_path / "out"
     main(["compile", str(MODEL), "-o", str(out), "--pp", "2", "--microbatches", "2", "--device", "h100-sxm"])
-    printed = " ".join(capsys.readouterr().out.split())
+    lines = capsys.readouterr().out.splitlines()
+    printed = " ".join(" ".join(lines).split())
     assert "(h100-sxm roofline; published_runs: median 6%, worst 12%)" in printed
+    # into a pipe, as here, a line stays whole (for grep) and the table's header is one row
+    step = next(line for line in lines if line.startswith("predicted step"))
+    assert len(step) > 80 and "capture fx" in step
+    assert any(all(header in line for header in ("stage", "params MB", "memory GiB", "stage ms")) for line in lines)
     plan = load_plan(out / "plan.json")
     assert (plan.predicted.error_median, plan.predicted.error_worst) == (0.06, 0.12)
     assert "published_runs: median 6%, worst 12%" in (out / "report.md").read_text()

@@ -205,13 +205,18 @@ def _profile_comm(args: argparse.Namespace, console: Console) -> None:
     console.print(f"wrote {path}; the '{result.device}' device spec now uses these figures")
 
 
+_UNWRAPPED = 400
+"""Columns a table may take where the output is not a terminal: more than any of ours needs,
+so none wraps a cell (a table takes its natural width, not the console's)."""
+
+
 def _print_table(console: Console, rows: list[list[str]], title: str) -> None:
     table = Table(title=title)
     for header in rows[0]:
         table.add_column(header, justify="right")
     for row in rows[1:]:
         table.add_row(*row)
-    console.print(table)
+    console.print(table, width=None if console.is_terminal else _UNWRAPPED)
 
 
 def _compile(args: argparse.Namespace, console: Console) -> None:
@@ -403,6 +408,9 @@ def main(argv: list[str] | None = None) -> None:
     args = _parser().parse_args(argv)
     _show_notes()
     console = Console(highlight=False)
+    # Into a file or a pipe (a CI log, ``| tee``) a line stays whole, for grep, and a table its
+    # natural width: rich would wrap both at 80 columns
+    console.soft_wrap = not console.is_terminal
     try:
         if args.command == "compile":
             _compile(args, console)
