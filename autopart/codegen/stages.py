@@ -80,6 +80,11 @@ def stage_graphs(op_graph: OpGraph, stage_nodes: list[tuple[str, ...]]) -> list[
     boundaries = stage_boundaries(op_graph, stage_nodes)
     output_node = next(n for n in source.nodes if n.op == "output")
     loss = output_node.args[0]
+    # each stage walks its own nodes in the source's order, not the whole graph: a thousand
+    # layers over a hundred stages made that walk quadratic
+    order = {n.name: i for i, n in enumerate(source.nodes)}
+    placeholders = [n.name for n in source.nodes if n.op == "placeholder"]
+    constants = set(op_graph.graph.constants)
     result = []
     for s, names in enumerate(stage_nodes):
         received = boundaries[s - 1] if s > 0 else ()
@@ -102,20 +107,19 @@ def stage_graphs(op_graph: OpGraph, stage_nodes: list[tuple[str, ...]]) -> list[
         for name in received:
             env[name] = graph.placeholder(name)
             env[name].meta = dict(fx_nodes[name].meta)
-        batch_inputs = tuple(n.name for n in source.nodes if n.op == "placeholder" and n.name in needed)
+        batch_inputs = tuple(name for name in placeholders if name in needed)
         for name in batch_inputs:
             env[name] = graph.placeholder(name)
         parameters, buffers, leaves = [], [], []
-        constants = set(op_graph.graph.constants)
-        for node in source.nodes:
-            if node.op == "placeholder" or node.name in received:
+        for name in sorted(needed | members, key=order.__getitem__):
+            node = fx_nodes[name]
+            if node.op == "placeholder" or name in received:
                 continue
-            if node.name in needed or node.name in members:
-                env[node.name] = graph.node_copy(node, lambda n: env[n.name])
-                if node.op == "get_attr":
-                    (parameters if op_graph.nodes[node.name].is_parameter else buffers).append(str(node.target))
-                if node.op == "call_module":
-                    leaves.append(str(node.target))
+            env[name] = graph.node_copy(node, lambda n: env[n.name])
+            if node.op == "get_attr":
+                (parameters if op_graph.nodes[name].is_parameter else buffers).append(str(node.target))
+            if node.op == "call_module":
+                leaves.append(str(node.target))
         graph.output(env[sends[0]] if s == len(stage_nodes) - 1 else tuple(env[n] for n in sends))
         # a graph without its module cannot ask a leaf module's call whether it is pure: it is
         graph.eliminate_dead_code(is_impure_node=lambda n: n.op != "call_module" and n.is_impure())
