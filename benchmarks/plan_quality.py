@@ -35,7 +35,8 @@ The methods (``autopart.solve.baselines`` and ``autopart.solve.baseline_search``
 - uniform, parameters: DeepSpeed's partition methods; pipedream: PipeDream's dynamic program
   (SOSP'19); megatron: equal layers per stage. Each on Megatron's grid: every (t, p, d) with t
   inside a node, every micro-batch size, 1F1B, with or without the distributed optimizer
-  (ZeRO-1), sequence parallelism with TP as autopart has it, one recompute setting for all stages.
+  (ZeRO-1) or Megatron-FSDP (ZeRO-2 and 3), sequence parallelism with TP as autopart has it, one
+  recompute setting for all stages.
 - exhaustive: every layout of autopart's space x every cut set x every recompute mode per
   stage, where that is at most ``--exhaustive-limit`` candidates ("-" where it is more).
 

@@ -120,13 +120,15 @@ def test_the_megatron_grid_is_equal_layers_1f1b_and_one_recompute_setting() -> N
     result = grid_search("megatron", space, table, devices, PARTITIONERS["megatron"], lambda b, t, d: layers)
     assert result.best is not None
     layout, cut = result.best.layout, result.best.cut
-    assert layout.schedule == "1f1b" and layout.zero in (0, 1) and layout.chunks == 1
+    assert layout.schedule == "1f1b" and layout.chunks == 1
     assert len(set(cut.recompute)) == 1
     assert cut.cuts == (equal_layer_cuts(layers, layout.pp) if layout.pp > 1 else ())
     # the best of every grid layout and recompute setting it tried
     grid = list(grid_space(space).layouts(len(layers)))
-    # Megatron's distributed optimizer (ZeRO-1) or not wherever there are replicas; nothing beyond it
-    assert {g.zero for g in grid if g.dp > 1} == {0, 1} and {g.zero for g in grid if g.dp == 1} == {0}
+    # wherever there are replicas, Megatron's distributed optimizer (ZeRO-1) or not, or Megatron-FSDP's
+    # ZeRO-2 and 3; the grid's only schedule is 1F1B
+    assert {g.zero for g in grid if g.dp > 1} == {0, 1, 2, 3} and {g.zero for g in grid if g.dp == 1} == {0}
+    assert {g.schedule for g in grid} == {"1f1b"} and {g.zero for g in grid if g.pp > 1 and g.dp > 1} == {0, 1, 2, 3}
     repeated = len({layer for layer in layers if layer is not None})
     # Megatron recomputes per layer (--recompute-method uniform) or a stage's layers at once (block, all of them)
     assert result.candidates == sum(len(RECOMPUTE_MODES) for g in grid if g.pp <= repeated)

@@ -3,7 +3,9 @@ autopart scores its own (``autopart.solve.search.score_layout``, the closed-form
 
 - ``grid_search``: Megatron-LM's recipe (Narayanan et al., SC21, §5): every valid (t, p, d)
   with tensor parallelism inside a node, every micro-batch size, the 1F1B schedule, with or
-  without the distributed optimizer (``--use-distributed-optimizer``: ZeRO-1), sequence
+  without the distributed optimizer (``--use-distributed-optimizer``: ZeRO-1) or Megatron-FSDP
+  (``--use-megatron-fsdp`` with ``--data-parallel-sharding-strategy optim_grads``: ZeRO-2, or
+  ``optim_grads_params``: ZeRO-3; Megatron-Core's guards do not keep it from pipelines), sequence
   parallelism as the cost table has it (``--sequence-parallel``; the compiler's tables have it on
   with TP, as its search does), one recompute setting for the whole model (none, selective or
   full), and a partitioner for the
@@ -78,9 +80,10 @@ class BaselineResult:
 
 
 def grid_space(space: SearchSpace) -> SearchSpace:
-    """Megatron's grid inside ``space``: 1F1B, no interleaving, the distributed optimizer or not
-    (Megatron has ZeRO-1 and nothing beyond it), the same pins otherwise."""
-    return dataclasses.replace(space, schedule=("1f1b",), chunks=None, zero=tuple(z for z in space.zero if z in (0, 1)))
+    """Megatron's grid inside ``space``: 1F1B, no interleaving, every ZeRO level of ``space``
+    (Megatron's distributed optimizer is ZeRO-1, Megatron-FSDP's sharding strategies ZeRO-2
+    and 3: a baseline gets every option its system has), the same pins otherwise."""
+    return dataclasses.replace(space, schedule=("1f1b",), chunks=None)
 
 
 def grid_search(name: str, space: SearchSpace, table: CostTable, cluster: Cluster, partition: Partitioner,
