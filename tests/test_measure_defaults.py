@@ -7,12 +7,14 @@ the op profile is the real one, into a fresh cache directory.
 """
 
 import contextlib
+import io
 import json
 from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
 import torch
+from rich.console import Console
 from safetensors.torch import load_file
 
 import autopart
@@ -62,11 +64,19 @@ def _bands_file(path: Path, median: float, worst: float) -> Path:
 def test_the_default_compile_measures_once_and_a_second_reads_the_cache(fresh_cache) -> None:
     cache, calls = fresh_cache
     options = CompileOptions(model=MODEL, pp=2, microbatches=2)
-    measured_options, first = measure_defaults.measure_defaults(options)
+    console = Console(file=io.StringIO())
+    statuses, status = [], console.status
+    console.status = lambda what, **kwargs: (statuses.append(what), status(what, **kwargs))[1]
+    measured_options, first = measure_defaults.measure_defaults(options, console=console)
     database = measured_options.costs
     assert database.parent == cache / "costs" and database.exists()
     assert first.ops_timed > 0 and first.messages_measured and len(calls) == 1
     assert calls[0] == measure_defaults.QUICK and load_comm_profile("cpu") is not None
+    # no stretch of the measuring goes unannounced: the messages, the ops in place, the ranks beside each other
+    beside = ["timing the model beside 1 copy of itself (the host's other ranks)"] \
+        if host_processes(2, usable_cores()) == 2 else []
+    assert statuses == ["measuring messages between two processes on this machine (once)",
+                        "timing every op in place, in the whole forward and backward (seconds)", *beside]
     written = database.stat().st_mtime_ns, database.read_bytes()
 
     _, second = measure_defaults.measure_defaults(options)

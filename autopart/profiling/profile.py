@@ -297,7 +297,10 @@ def profile_costs(graph: Graph, spec: ModelSpec, database: CostDatabase, *, devi
         with progress or nullcontext(), torch.no_grad():
             timer.run(*values)
         if timer.timed and where.type == "cpu":
-            in_situ = time_in_situ(timed, values, forward_context=partial(precision, dtype, where.type))
+            status = console.status("timing every op in place, in the whole forward and backward (seconds)") \
+                if console is not None else nullcontext()
+            with status:
+                in_situ = time_in_situ(timed, values, forward_context=partial(precision, dtype, where.type))
             put_in_situ(database, device_name, timer, in_situ)
         else:
             for key, times in timer.timed.items():
@@ -308,8 +311,9 @@ def profile_costs(graph: Graph, spec: ModelSpec, database: CostDatabase, *, devi
                                                       resume_backward_s=backward)
         co_run = co_run_key(dtype, processes)
         if where.type == "cpu" and processes > 1 and database.co_run(device_name, co_run) is None:
-            status = console.status(f"timing the model beside {processes - 1} copies of itself (the host's other "
-                                    "ranks)") if console is not None else nullcontext()
+            copies = "1 copy" if processes == 2 else f"{processes - 1} copies"
+            status = console.status(f"timing the model beside {copies} of itself (the host's other ranks)") \
+                if console is not None else nullcontext()
             with status:
                 measured = measure_co_run(module, values, processes=processes,
                                           forward_context=partial(precision, dtype, where.type))
