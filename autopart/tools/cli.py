@@ -206,8 +206,17 @@ def _profile_comm(args: argparse.Namespace, console: Console) -> None:
 
 
 _UNWRAPPED = 400
-"""Columns a table may take where the output is not a terminal: more than any of ours needs,
-so none wraps a cell (a table takes its natural width, not the console's)."""
+"""The console's columns where the output is not a terminal: more than any table of ours needs,
+so none wraps a cell (a table takes its natural width, up to the console's)."""
+
+
+def _console() -> Console:
+    """The commands' console. Into a file or a pipe (a CI log, ``| tee``) a line stays whole, for
+    grep, and a table its natural width: rich would wrap both at 80 columns."""
+    console = Console(highlight=False)
+    if not console.is_terminal:
+        console.soft_wrap, console.width = True, _UNWRAPPED
+    return console
 
 
 def _print_table(console: Console, rows: list[list[str]], title: str) -> None:
@@ -216,7 +225,7 @@ def _print_table(console: Console, rows: list[list[str]], title: str) -> None:
         table.add_column(header, justify="right")
     for row in rows[1:]:
         table.add_row(*row)
-    console.print(table, width=None if console.is_terminal else _UNWRAPPED)
+    console.print(table)
 
 
 def _compile(args: argparse.Namespace, console: Console) -> None:
@@ -407,10 +416,7 @@ def peak_memory_gib() -> float:
 def main(argv: list[str] | None = None) -> None:
     args = _parser().parse_args(argv)
     _show_notes()
-    console = Console(highlight=False)
-    # Into a file or a pipe (a CI log, ``| tee``) a line stays whole, for grep, and a table its
-    # natural width: rich would wrap both at 80 columns
-    console.soft_wrap = not console.is_terminal
+    console = _console()
     try:
         if args.command == "compile":
             _compile(args, console)
