@@ -285,7 +285,7 @@ BUFFERS = {{
 class {class_name}(torch.nn.Module):
     """Stage {stage.index} of {stages}."""
 
-    inputs = ({signature(stage.inputs)})  # received from stage {stage.index - 1}
+    inputs = ({signature(stage.inputs)})  # {"the first stage: none" if stage.index == 0 else f"received from stage {stage.index - 1}"}
     batch_inputs = ({signature(stage.batch_inputs)})  # read from the batch
     outputs = ({signature(stage.outputs)})  # {"the loss" if stage.index == stages - 1 else f"sent to stage {stage.index + 1}"}{layers}
 

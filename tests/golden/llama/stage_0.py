@@ -50,7 +50,7 @@ BUFFERS = {
 class Stage0(torch.nn.Module):
     """Stage 0 of 2."""
 
-    inputs = ()  # received from stage -1
+    inputs = ()  # the first stage: none
     batch_inputs = ('tokens',)  # read from the batch
     outputs = ('add_11',)  # sent to stage 1
     # the layers each method computes, given as ``layer``: full recompute checkpoints each call
