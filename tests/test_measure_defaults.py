@@ -101,7 +101,7 @@ def test_the_default_compile_measures_once_and_a_second_reads_the_cache(fresh_ca
 def test_a_search_s_first_compile_sees_the_co_run_figure_it_measures(fresh_cache) -> None:
     """The search captures each micro-batch size with options of one rank; the model's slowdown
     beside the host's other ranks is measured for the search's ranks with the first capture's
-    ops, so the plan of the first compile reads it, as the second does (its step the same)."""
+    ops, so the plan of the first compile reads it, as the second does (its compute the same)."""
     if host_processes(2, usable_cores()) < 2:
         pytest.skip("one core: no co-run to measure")
     options = dict(world_size=2, global_batch_size=8, pp=1, tp=1, schedule="1f1b", recompute="none",
@@ -109,7 +109,13 @@ def test_a_search_s_first_compile_sees_the_co_run_figure_it_measures(fresh_cache
     first = autopart.compile(MODEL, **options)
     assert first.predicted.compute_factor_from == "co-run"
     again = autopart.compile(MODEL, **options)
-    assert again.predicted.compute_factor_from == "co-run" and again.predicted.step_s == first.predicted.step_s
+    assert again.predicted.compute_factor_from == "co-run"
+    assert again.predicted.compute_factor == first.predicted.compute_factor
+    assert again.predicted.stage_time_s == first.predicted.stage_time_s
+    # the step also counts the other processes busy on the cores at each compile, which the suite
+    # does not control: equal where the two compiles saw the same load
+    if again.predicted.background_load == first.predicted.background_load:
+        assert again.predicted.step_s == first.predicted.step_s
 
 
 class _Console:
