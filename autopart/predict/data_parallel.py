@@ -8,7 +8,7 @@ half the bytes (`gathered_bytes`). Level 2 (FSDP) gathers the parameters at the 
 forward and reduce-scatters the gradients after every microbatch's backward: the gather must
 end before the stage computes, so it adds; a reduce-scatter is left running: on a GPU it
 overlaps the next action (its own stream) as far as that action lasts, slowing it meanwhile
-(`autopart.predict.fully_sharded.slowing`), and the step waits for its last one; on a CPU it
+(`autopart.predict.fully_sharded.added_beside`), and the step waits for its last one; on a CPU it
 runs on the cores that compute and adds. Level 3 gathers before
 every forward and every backward too, a layer at a time beside the compute of the one before
 (`autopart.predict.fully_sharded`).
@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from autopart.ir.tensors import working_dtype
-from autopart.predict.fully_sharded import Piece, fully_sharded_cost, slowing
+from autopart.predict.fully_sharded import Piece, added_beside, fully_sharded_cost
 from cost_models.base import CostModel
 
 __all__ = ["DataParallelComm", "data_parallel_comm", "gathered_bytes"]
@@ -67,10 +67,8 @@ def data_parallel_comm(zero: int, parameter_bytes: float, *, dp: int, nodes: int
     if zero in (0, 1):  # the all-reduce overlaps the backward (`autopart.predict.reduction`); ZeRO-1's
         return DataParallelComm(tail_s=time("all_gather") if zero == 1 else 0.0)  # update is shared after the step
     if zero == 2:
-        scatter = time("reduce_scatter")
-        # each runs beside the next action: what it runs past it, or what it slows it by
-        beside = slowing(hidden_behind_s, scatter, slowdown)
-        reduce = max(0.0, scatter - hidden_behind_s, beside) if overlapped else scatter
+        scatter = time("reduce_scatter")  # each runs beside the next action
+        reduce = added_beside(scatter, hidden_behind_s, slowdown) if overlapped else scatter
         last = scatter if overlapped else 0.0  # the step waits for the last one
         return DataParallelComm(backward_s=reduce, tail_s=time("all_gather") + last)
     layered = fully_sharded_cost(

@@ -25,7 +25,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-__all__ = ["FullyShardedCost", "Piece", "fully_sharded_cost", "slowed", "slowing"]
+__all__ = ["FullyShardedCost", "Piece", "added_beside", "fully_sharded_cost", "slowed", "slowing"]
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,13 @@ def slowed(work_s: float, beside_s: float, slowdown: float) -> float:
     return work_s + slowing(work_s, beside_s, slowdown)
 
 
+def added_beside(collective_s: float, action_s: float, slowdown: float) -> float:
+    """What collectives of ``collective_s`` seconds, issued as an action of ``action_s`` seconds
+    starts, add to it: what they run past it, which it waits for, or what they slow it by,
+    which it takes longer (the larger of the two). ``action_s`` may be infinite."""
+    return max(collective_s - action_s, slowing(action_s, collective_s, slowdown))
+
+
 @dataclass(frozen=True)
 class FullyShardedCost:
     forward_s: float  # what one forward waits for its gathers, and its slowdown beside them
@@ -65,10 +72,8 @@ class FullyShardedCost:
     def backward_beside(self, next_action_s: float) -> float:
         """What one backward adds once its pending reduce-scatters run beside the stage's next
         action, of ``next_action_s`` (in a pipeline's steady state a forward follows a backward):
-        what they run past that action, the action waits for; what they slow it by, it takes
-        longer (the larger of the two)."""
-        return self.backward_s + max(0.0, self.pending_s - next_action_s,
-                                     slowing(next_action_s, self.pending_s, self.slowdown))
+        `added_beside`."""
+        return self.backward_s + added_beside(self.pending_s, next_action_s, self.slowdown)
 
 
 @dataclass(frozen=True)

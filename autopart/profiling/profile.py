@@ -297,9 +297,7 @@ def profile_costs(graph: Graph, spec: ModelSpec, database: CostDatabase, *, devi
         with progress or nullcontext(), torch.no_grad():
             timer.run(*values)
         if timer.timed and where.type == "cpu":
-            status = console.status("timing every op in place, in the whole forward and backward (seconds)") \
-                if console is not None else nullcontext()
-            with status:
+            with _status(console, "timing every op in place, in the whole forward and backward (seconds)"):
                 in_situ = time_in_situ(timed, values, forward_context=partial(precision, dtype, where.type))
             put_in_situ(database, device_name, timer, in_situ)
         else:
@@ -312,9 +310,7 @@ def profile_costs(graph: Graph, spec: ModelSpec, database: CostDatabase, *, devi
         co_run = co_run_key(dtype, processes)
         if where.type == "cpu" and processes > 1 and database.co_run(device_name, co_run) is None:
             copies = "1 copy" if processes == 2 else f"{processes - 1} copies"
-            status = console.status(f"timing the model beside {copies} of itself (the host's other ranks)") \
-                if console is not None else nullcontext()
-            with status:
+            with _status(console, f"timing the model beside {copies} of itself (the host's other ranks)"):
                 measured = measure_co_run(module, values, processes=processes,
                                           forward_context=partial(precision, dtype, where.type))
             database.put_co_run(device_name, co_run, replace(measured, micro_batch_size=micro_batch_size))
@@ -323,3 +319,8 @@ def profile_costs(graph: Graph, spec: ModelSpec, database: CostDatabase, *, devi
     finally:
         torch.set_num_threads(previous_threads)
     return database.timed - before
+
+
+def _status(console: Console | None, what: str):
+    """A spinner saying ``what`` is being measured, on ``console`` where there is one."""
+    return console.status(what) if console is not None else nullcontext()

@@ -25,7 +25,7 @@ import functools
 from collections.abc import Sequence
 
 from autopart.predict.data_parallel import gathered_bytes
-from autopart.predict.fully_sharded import Piece, fully_sharded_cost, slowing
+from autopart.predict.fully_sharded import Piece, added_beside, fully_sharded_cost
 from autopart.runtime.fully_sharded import FSDP_LEVELS
 from autopart.schedule import SPLIT_BACKWARD_KINDS, stage_placement
 
@@ -79,8 +79,7 @@ def exposed_all_reduce_s(sync_s: float, last_s: float, hidden_s: float, slowdown
     bucket's ``last_s`` runs beside ``hidden_s`` seconds of its backward (which it slows by
     ``slowdown`` meanwhile): that part adds what it runs past the backward or slows it by, and
     the last bucket, final only as the backward ends, adds whole. ``hidden_s`` may be infinite."""
-    early = sync_s - last_s
-    return last_s + max(early - hidden_s, slowing(hidden_s, early, slowdown))
+    return last_s + added_beside(sync_s - last_s, hidden_s, slowdown)
 
 
 def update_s(layout, cluster, nbytes: int, nodes: int) -> float:
@@ -134,8 +133,7 @@ def fully_sharded_extra_s(level: int, cluster, stage_bytes: float, forward_s: fl
     overlapped = cluster.reduction_overlaps
     if level == 2:
         scatter = _reduce_scatter_s(cluster, stage_bytes, dp, nodes)  # beside the next forward, as predicted
-        beside = slowing(forward_s, scatter, cluster.overlap_slowdown)
-        return 0.0, max(0.0, scatter - forward_s, beside) if overlapped else scatter
+        return 0.0, added_beside(scatter, forward_s, cluster.overlap_slowdown) if overlapped else scatter
     return _layered_extra_s(cluster, stage_bytes, forward_s, 2 * forward_s if backward_s is None else backward_s,
                             layers, dp, nodes, dtype)
 
