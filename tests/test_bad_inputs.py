@@ -327,7 +327,7 @@ def _not_safetensors(folder: Path, out: Path) -> list[str]:
 TRAIN_CASES = {  # name -> (environment, arguments given (folder, OUT), pattern of the one line)
     "wrong_world_size": ({"WORLD_SIZE": "3"}, lambda f, o: [], r"the plan needs 2 processes but 3 were started"),
     "without_torchrun": ({"WORLD_SIZE": None, "RANK": None}, lambda f, o: [],
-                         r"the plan needs 2 processes but 1 were started; run torchrun --nproc-per-node 2"),
+                         r"the plan needs 2 processes but 1 was started; run torchrun --nproc-per-node 2"),
     "misspelt_flag": ({}, lambda f, o: ["--stpes", "3"], r"unrecognized arguments: --stpes 3; see 'train\.py --help'"),
     "zero_steps": ({}, lambda f, o: ["--steps", "0"], r"--steps must be at least 1, got 0"),
     "negative_checkpoint_every": ({}, lambda f, o: ["--checkpoint-dir", str(f / "c"), "--checkpoint-every", "-1"],
@@ -359,6 +359,18 @@ def test_stage_file_edited_after_the_compile(tmp_path, capsys, monkeypatch, comp
     monkeypatch.setenv("WORLD_SIZE", "2")
     line = refused(capsys, lambda: train.main(out, []), tmp_path)
     assert "stages/stage_0.py in" in line and "is not the file that autopart compile wrote" in line, line
+
+
+def test_plan_edited_after_the_compile(tmp_path, capsys, monkeypatch, compiled):
+    """The runtime reads the plan as the compile does, and its fix does not send a training run to --plan."""
+    import shutil
+
+    out = shutil.copytree(compiled, tmp_path / "out")
+    (out / "plan.json").write_text(_edited_plan(compiled, lambda d: d["stages"][1].update(rank=5)))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    line = refused(capsys, lambda: train.main(out, []), tmp_path)
+    assert re.search(r"plan\.stages\[1\]\.rank is 5 .*; fix the field or recompile the model$", line), line
 
 
 def _damaged(folder: Path) -> Path:

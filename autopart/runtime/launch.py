@@ -54,13 +54,16 @@ def plan_digest(plan_path: Path) -> str:
     return hashlib.sha256((json.dumps(data, indent=2) + "\n").encode()).hexdigest()
 
 
+def check_world_size(plan: Plan, world_size: int, command: str) -> None:
+    """That as many processes started as the plan has ranks; ``command`` is what to run instead."""
+    if world_size != plan.world_size:
+        started = "1 was" if world_size == 1 else f"{world_size} were"
+        raise ConfigError(f"the plan needs {plan.world_size} processes but {started} started; run {command}")
+
+
 def check_launch(out_dir: Path, plan: Plan, *, rank: int, world_size: int) -> None:
     """World size, this rank's stage files and weights, and that they come from this plan's compile."""
-    if world_size != plan.world_size:
-        raise ConfigError(
-            f"the plan needs {plan.world_size} processes but {world_size} were started; "
-            f"run torchrun --nproc-per-node {plan.world_size} {out_dir / 'train.py'}"
-        )
+    check_world_size(plan, world_size, f"torchrun --nproc-per-node {plan.world_size} {out_dir / 'train.py'}")
     mesh = Mesh.of(plan)
     here = mesh.coordinates(rank)
     digest = plan_digest(out_dir / "plan.json")

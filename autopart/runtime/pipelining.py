@@ -58,6 +58,7 @@ from autopart.runtime import collectives
 from autopart.runtime.data import global_batches, model_file, split_microbatches
 from autopart.runtime.device import compute_device
 from autopart.runtime.forward import StageForward
+from autopart.runtime.launch import check_world_size
 from autopart.runtime.gradients import average_gradients, sum_tied_gradients, tied_groups
 from autopart.runtime.mesh import Coordinates, Mesh, group_of
 from autopart.runtime.stage import load_stage
@@ -176,9 +177,7 @@ def build_stages(out_dir: str | Path, *, device: torch.device | None = None, wei
     if not dist.is_initialized():
         raise ConfigError("build_stages needs a process group: call torch.distributed.init_process_group first "
                           "(run the script under torchrun)")  # fmt: skip
-    if dist.get_world_size() != plan.world_size:
-        raise ConfigError(f"the plan needs {plan.world_size} processes but {dist.get_world_size()} were started; "
-                          f"run torchrun --nproc-per-node {plan.world_size}")  # fmt: skip
+    check_world_size(plan, dist.get_world_size(), f"torchrun --nproc-per-node {plan.world_size}")
     device = device or compute_device()
     mesh = Mesh.of(plan)
     rank = dist.get_rank()
