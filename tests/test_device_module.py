@@ -32,8 +32,6 @@ def test_the_device_module_picks_the_backend_and_refuses_a_rank_without_a_gpu(mo
 
 
 def test_verify_runs_a_gpu_plan_on_the_gpus_only_with_one_per_rank(monkeypatch, tmp_path):
-    from autopart.driver import CompileOptions, compile_to_directory
-
     plan, _ = compile_to_directory(CompileOptions(model=REPO / "examples" / "gpt.py", pp=2, microbatches=2,
                                                   device="h200"), tmp_path / "out")  # fmt: skip
     cpu_plan = replace(plan, provenance=replace(plan.provenance, cost_model="roofline:cpu"))

@@ -157,7 +157,6 @@ def _layer_units(rank: int, port: int, out: Path, folder: Path) -> None:
     each layer's backward ends, which layers are whole and which FSDP has gathered ahead."""
     import json
 
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule
 

@@ -12,7 +12,6 @@ from autopart.schedule import (
     add_communication,
     build_schedule,
     stage_placement,
-    stage_rank,
 )
 
 

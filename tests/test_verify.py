@@ -32,7 +32,7 @@ def test_verify_passes_on_the_examples(tmp_path, example, dtype):
     loss = "1e-05 + 0.016*|loss|, bf16" if dtype == "bf16" else "1e-05 + 1e-05*|loss|"
     parameters = ("0.02*|its change in training| + 1e-07 + 2*|bf16 process - fp32 process|, bf16" if dtype == "bf16"
                   else "1e-05 + 0.0001*|value|")
-    assert f"largest loss difference" in printed and f"tolerance {loss})" in printed
+    assert "largest loss difference" in printed and f"tolerance {loss})" in printed
     assert f"tolerance {parameters})" in printed
     assert f"match the original model (losses within {loss}; parameters within {parameters})" in printed
 
