@@ -78,11 +78,19 @@ def test_gpu_names_map_to_their_own_spec_or_none(gpu: str, memory: float, spec: 
 @pytest.mark.parametrize("name", ["a100-40gb", "a100-80gb", "h100-sxm", "h200"])
 def test_nvidia_efficiencies_are_in_the_published_ranges(name: str) -> None:
     spec = load_device(name)
-    assert 0.70 <= spec.matmul_efficiency_at(2 * 8192**3) <= 0.80  # large bf16 GEMM
+    # a large bf16 GEMM: sustained (Hopper's measured 0.69, power-bound) to a short burst's 0.80
+    assert 0.65 <= spec.matmul_efficiency_at(2 * 8192**3) <= 0.80
     assert spec.matmul_efficiency_at(2 * 256**3) < 0.15  # a small one cannot fill the GPU
     assert 0.85 <= spec.memory_efficiency <= 0.90
-    efficiencies = [spec.matmul_efficiency_at(10.0**x) for x in range(5, 14)]
+    # larger products fill more of the GPU, up to the sizes where power, not size, bounds them
+    efficiencies = [spec.matmul_efficiency_at(10.0**x) for x in range(5, 12)]
     assert efficiencies == sorted(efficiencies)
+
+
+def test_the_h100_sxm_multiplies_as_the_h200_measured() -> None:
+    """One GH100 die, clocks and power limit: the H100's curve is the H200's measured one until an H100 is measured."""
+    assert load_device("h100-sxm").matmul_efficiency == load_device("h200").matmul_efficiency
+    assert load_device("h100-sxm").peak_flops == load_device("h200").peak_flops
 
 
 def test_efficiency_is_piecewise_linear_in_log_flops_and_flat_beyond_the_ends() -> None:
@@ -110,8 +118,8 @@ def test_a_path_to_a_toml_file_is_a_device(tmp_path: Path) -> None:
     ("memory_bandwidth = 3.35e12", "memory_bandwith = 3.35e12", "field 'memory_bandwith' is not a device spec field"),
     ("kernel_overhead_s = 5e-6", "", "field 'kernel_overhead_s' is missing"),
     ("bfloat16 = 989e12", "", "field 'peak_flops' lacks bfloat16"),
-    ("[11.0, 0.68]", "[8.5, 0.68]", "field 'matmul_efficiency' points must have increasing"),
-    ("[12.0, 0.75]", "[12.0, 1.5]", r"field 'matmul_efficiency\[12\]' must be a fraction"),
+    ("[11.01, 0.71]", "[8.5, 0.71]", "field 'matmul_efficiency' points must have increasing"),
+    ("[12.0, 0.693]", "[12.0, 1.5]", r"field 'matmul_efficiency\[12\]' must be a fraction"),
     ('kind = "cuda"', 'kind = "tpu"', "field 'kind' must be one of cuda, rocm, cpu"),
     ("overlap_compute_slowdown = 0.19", "overlap_compute_slowdown = 1.5",
      r"field 'overlap_compute_slowdown' must be a fraction in \[0, 1\)"),

@@ -77,7 +77,7 @@ def test_gpt3_layer_forward_on_h100_equals_the_hand_computation() -> None:
         expected += compute + spec.kernel_overhead_s
     model = RooflineCostModel(device=spec)
     assert model.kernels_time(heavy) == pytest.approx(expected, rel=1e-12)
-    assert 0.010 < expected < 0.015  # ~8.1e12 FLOPs at ~740 TFLOP/s
+    assert 0.010 < expected < 0.015  # ~8.1e12 FLOPs at ~690-700 TFLOP/s
 
     # the rest of the layer (norms, GELU, residuals) is bound by memory and adds a few percent
     total = model.kernels_time(recorder.kernels)
@@ -88,10 +88,11 @@ def test_fp32_matmul_uses_the_fp32_peak_unless_the_spec_says_tf32() -> None:
     spec = load_device("h100-sxm")
     kernel = Kernel(op="aten.mm.default", category="matmul", flops=2e12, bytes=0.0, dtype="float32")
     fp32 = RooflineCostModel(device=spec).kernel_time(kernel)
-    assert fp32 == pytest.approx(2e12 / (67e12 * 0.75) + spec.kernel_overhead_s)
+    top = spec.matmul_efficiency[-1][1]  # 2e12 FLOPs lie past the curve's last point
+    assert fp32 == pytest.approx(2e12 / (67e12 * top) + spec.kernel_overhead_s)
     tf32_spec = dataclasses.replace(spec, fp32_matmul_uses_tf32=True)
     tf32 = RooflineCostModel(device=tf32_spec).kernel_time(kernel)
-    assert tf32 == pytest.approx(2e12 / (495e12 * 0.75) + spec.kernel_overhead_s)
+    assert tf32 == pytest.approx(2e12 / (495e12 * top) + spec.kernel_overhead_s)
 
 
 def test_memory_bound_kernels_and_views() -> None:
