@@ -370,7 +370,7 @@ def test_plan_edited_after_the_compile(tmp_path, capsys, monkeypatch, compiled):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
     line = refused(capsys, lambda: train.main(out, []), tmp_path)
-    assert re.search(r"plan\.stages\[1\]\.rank is 5 .*; fix the field or recompile the model$", line), line
+    assert re.search(r"plan\.stages\[1\]\.rank is 5 .*; fix the field or recompile with autopart compile$", line), line
 
 
 def _damaged(folder: Path) -> Path:

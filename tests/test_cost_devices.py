@@ -78,13 +78,15 @@ def test_gpu_names_map_to_their_own_spec_or_none(gpu: str, memory: float, spec: 
 @pytest.mark.parametrize("name", ["a100-40gb", "a100-80gb", "h100-sxm", "h200"])
 def test_nvidia_efficiencies_are_in_the_published_ranges(name: str) -> None:
     spec = load_device(name)
-    # a large bf16 GEMM: sustained (Hopper's measured 0.69, power-bound) to a short burst's 0.80
+    # a large bf16 GEMM: sustained (Hopper's measured 0.69) to a short burst's 0.80
     assert 0.65 <= spec.matmul_efficiency_at(2 * 8192**3) <= 0.80
     assert spec.matmul_efficiency_at(2 * 256**3) < 0.15  # a small one cannot fill the GPU
     assert 0.85 <= spec.memory_efficiency <= 0.90
-    # larger products fill more of the GPU, up to the sizes where power, not size, bounds them
-    efficiencies = [spec.matmul_efficiency_at(10.0**x) for x in range(5, 12)]
-    assert efficiencies == sorted(efficiencies)
+    # larger products fill more of the GPU; past 1e11 FLOPs Hopper's measured rate dips a little
+    # below its best (0.693 at 1e12 against 0.71 at 1e11)
+    efficiencies = [spec.matmul_efficiency_at(10.0**x) for x in range(5, 14)]
+    assert efficiencies[:7] == sorted(efficiencies[:7])
+    assert all(e >= max(efficiencies[: i + 1]) - 0.02 for i, e in enumerate(efficiencies))
 
 
 def test_the_h100_sxm_multiplies_as_the_h200_measured() -> None:

@@ -155,7 +155,7 @@ class Plan:
             schedule.positive(key)
         if len(stages) != mesh.data["pp"] * schedule.data["chunks"]:
             raise PlanError(f"plan.stages lists {len(stages)} stages but plan.mesh.pp x plan.schedule.chunks is "
-                            f"{mesh.data['pp']} x {schedule.data['chunks']}; fix the field or recompile the model")
+                            f"{mesh.data['pp']} x {schedule.data['chunks']}; fix the field or recompile with autopart compile")
         _check_stages(stages, mesh.data["pp"])
         return Plan(
             version=version,
@@ -196,7 +196,7 @@ def _check_stages(stages: tuple[StagePlan, ...], pp: int) -> None:
                             "stages are listed in order")
         if not 0 <= stage.rank < pp:
             raise PlanError(f"{where}.rank is {stage.rank} but plan.mesh.pp is {pp}: pipeline ranks "
-                            f"run from 0 to {pp - 1}; fix the field or recompile the model")
+                            f"run from 0 to {pp - 1}; fix the field or recompile with autopart compile")
         if len(stage.blocks) != 2 or not 0 <= stage.blocks[0] <= stage.blocks[1]:
             raise PlanError(f"{where}.blocks must be [first, last] with 0 <= first <= last, got "
                             f"{list(stage.blocks)}")

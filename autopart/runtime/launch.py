@@ -24,7 +24,8 @@ from autopart.runtime.mesh import Mesh
 from autopart.runtime.shards import weights_file_name
 from autopart.runtime.stage import checked_stage_source
 
-__all__ = ["PLAN_HASH_KEY", "file_sha256", "plan_digest", "check_launch", "inject_failure", "init_process_group"]
+__all__ = ["PLAN_HASH_KEY", "file_sha256", "plan_digest", "check_launch", "check_world_size", "inject_failure",
+           "init_process_group"]
 
 PLAN_HASH_KEY = "autopart_plan_sha256"  # safetensors metadata of every weights file: the plan it was written with
 

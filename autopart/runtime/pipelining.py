@@ -58,8 +58,8 @@ from autopart.runtime import collectives
 from autopart.runtime.data import global_batches, model_file, split_microbatches
 from autopart.runtime.device import compute_device
 from autopart.runtime.forward import StageForward
-from autopart.runtime.launch import check_world_size
 from autopart.runtime.gradients import average_gradients, sum_tied_gradients, tied_groups
+from autopart.runtime.launch import check_world_size
 from autopart.runtime.mesh import Coordinates, Mesh, group_of
 from autopart.runtime.stage import load_stage
 
