@@ -1,7 +1,8 @@
 """One rank of tests/test_overlapped.py: the overlapped sequence-parallel linears give what the
 plain ones give (``tp.gathered_linear``; ``tp.reduce_scatter`` of a linear), forward and backward,
 in fp32 and under bf16 autocast, for every number of pieces the slice allows, and with the
-backward split into I and W as a zero-bubble schedule runs it."""
+backward split into I and W as a zero-bubble schedule runs it. Under autocast a gathered linear
+gathers its fp32 input as the bf16 its product reads, never the fp32 (half the bytes)."""
 
 import os
 import sys
@@ -25,6 +26,25 @@ for _name in started:
         return _original(*args)
 
     setattr(overlapped, _name, _counting)
+
+
+gathered_dtypes = []  # of every all-gather's tensors
+
+
+def _recording(pieces, tensor, *args, _original=dist.all_gather, **kwargs):
+    gathered_dtypes.append(tensor.dtype)
+    return _original(pieces, tensor, *args, **kwargs)
+
+
+dist.all_gather = _recording
+
+
+def gathers_in(dtype, fn, *args):
+    """``fn(*args)``, checking that every tensor it all-gathers is of ``dtype``."""
+    gathered_dtypes.clear()
+    result = fn(*args)
+    assert gathered_dtypes and set(gathered_dtypes) == {dtype}, gathered_dtypes
+    return result
 
 
 def collectives_of(fn, *args):
@@ -56,11 +76,17 @@ for autocast in (False, True):
         torch.manual_seed(rank)  # each rank its own slice and weights: a wrong pairing shows
         shard, weight, bias = torch.randn(2, rows, 6), torch.randn(10, 6), torch.randn(10)
         grad_out = torch.randn(2, rows * t, 10)
-        plain = run(lambda x, w, b: tp.gathered_linear(x, w, b, 1), leaves(shard, weight, bias), grad_out, autocast)
+        moved = torch.bfloat16 if autocast else torch.float32  # what the products read
+        plain = gathers_in(moved, run, lambda x, w, b: tp.gathered_linear(x, w, b, 1), leaves(shard, weight, bias),
+                           grad_out, autocast)
+        unfused = run(lambda x, w, b: F.linear(tp.gather_from_sequence(x, 1), w, b), leaves(shard, weight, bias),
+                      grad_out, autocast)
+        torch.testing.assert_close(plain[0], unfused[0], rtol=0, atol=0)  # cast, then gathered: the same values
         counts = []
         for split in (False, True):
-            piecewise, count = collectives_of(run, lambda x, w, b: overlapped.gathered_linear(x, w, b, 1, chunks),
-                                              leaves(shard, weight, bias), grad_out, autocast, split)
+            piecewise, count = gathers_in(moved, collectives_of, run,
+                                          lambda x, w, b: overlapped.gathered_linear(x, w, b, 1, chunks),
+                                          leaves(shard, weight, bias), grad_out, autocast, split)
             counts.append(count)
             torch.testing.assert_close(piecewise[0], plain[0], **tolerance)
             for name, got, want in zip(("shard", "weight", "bias"), piecewise[1], plain[1]):

@@ -111,9 +111,9 @@ def _layer_model(tmp_path, layers: int):
     return model
 
 
-def _communication_s(model, *, overlap: bool) -> float:
+def _communication_s(model, *, overlap: bool, dtype: str = "fp32") -> float:
     options = CompileOptions(model=model, tp=8, sp=True, microbatches=1, micro_batch_size=1, device="h100-sxm",
-                             tp_overlap=overlap)  # fmt: skip
+                             tp_overlap=overlap, dtype=dtype)  # fmt: skip
     return sum(sharding.communication_s for sharding in build_front(options, 1).shardings)
 
 
@@ -140,6 +140,11 @@ def test_a_layer_pays_each_collective_its_code_runs_and_overlap_hides_most(tmp_p
     expected = 6 * seconds("all_gather", big) + 4 * seconds("reduce_scatter", big) + small_ones
     assert per_layer[False] == pytest.approx(expected, rel=1e-5)
     assert small_ones < per_layer[True] < 0.95 * per_layer[False]
+
+    # in bf16 the norms run in fp32 (autocast's list) and hand the gathered linears fp32 outputs,
+    # which they gather cast to the bf16 their products read: the same bytes move
+    two, three = (_communication_s(_layer_model(tmp_path, n), overlap=False, dtype="bf16") for n in (2, 3))
+    assert three - two == pytest.approx(expected, rel=1e-3)
 
 
 def _count(source: str, name: str) -> int:

@@ -46,6 +46,7 @@ __all__ = [
     "reduce_scatter",
     "gather_from_sequence",
     "gathered_linear",
+    "product_dtype",
     "reduce_scatter_into",
     "vocab_parallel_embedding",
     "vocab_parallel_cross_entropy",
@@ -69,6 +70,17 @@ def group() -> dist.ProcessGroup | None:
 
 def group_size() -> int:
     return dist.get_world_size(_GROUP) if _GROUP is not None else 1
+
+
+def product_dtype(tensor: torch.Tensor) -> torch.dtype:
+    """The dtype a matrix product of ``tensor`` runs in here: under the forward's autocast, its
+    lower precision for an fp32 tensor (autocast casts a product's fp32 inputs to it), else the
+    tensor's own. A gathered linear gathers its input cast to it: the same values, half the bytes
+    of gathering fp32 (a norm's output, on autocast's fp32 list) and casting after."""
+    device = tensor.device.type
+    if tensor.dtype == torch.float32 and torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return tensor.dtype
 
 
 def group_rank() -> int:
@@ -188,7 +200,7 @@ class _GatheredLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, shard: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dim: int) -> torch.Tensor:
         ctx.dim, ctx.has_bias = dim, bias is not None
-        whole = _gather(shard, dim, 1)
+        whole = _gather(shard.to(product_dtype(shard)), dim, 1)
         ctx.save_for_backward(shard, weight)
         return F.linear(whole, weight, bias)
 
@@ -200,7 +212,7 @@ class _GatheredLinear(torch.autograd.Function):
         if ctx.needs_input_grad[0] and phase != "weight":
             grad_shard = _reduce_slice(grad @ weight.to(grad.dtype), ctx.dim).to(shard.dtype)
         if phase != "input":
-            whole = _gather(shard, ctx.dim, 1).to(grad.dtype)
+            whole = _gather(shard.to(grad.dtype), ctx.dim, 1)  # in the product's dtype, as forward
             flat_grad = grad.reshape(-1, grad.shape[-1])
             grad_weight = (flat_grad.t() @ whole.reshape(-1, whole.shape[-1])).to(weight.dtype)
             grad_bias = flat_grad.sum(0) if ctx.has_bias else None

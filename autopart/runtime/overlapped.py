@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch.nn import functional as F
 
 from autopart.runtime.backward import backward_phase
-from autopart.runtime.collectives import group, group_rank, group_size, reduce_scatter_into
+from autopart.runtime.collectives import group, group_rank, group_size, product_dtype, reduce_scatter_into
 
 __all__ = ["gathered_linear", "linear_reduce_scatter"]
 
@@ -126,7 +126,7 @@ class _GatheredLinear(torch.autograd.Function):
     def forward(ctx, shard, weight, bias, dim: int, chunks: int):
         dim = dim % shard.dim()
         ctx.dim, ctx.chunks, ctx.has_bias = dim, chunks, bias is not None
-        turns = _gathered_in_turn(shard.chunk(chunks, dim))
+        turns = _gathered_in_turn(shard.to(product_dtype(shard)).chunk(chunks, dim))
         own = F.linear(shard, weight, bias)
         others = [F.linear(_others(gathered, dim), weight, bias) for gathered in turns]
         ctx.save_for_backward(shard, weight)
@@ -140,11 +140,11 @@ class _GatheredLinear(torch.autograd.Function):
         grads = [_part(grad, dim, chunks, j) for j in range(chunks)]
         # the gathers first: only the weight gradient, last, reads them; each reduce-scatter
         # follows its piece's input gradient, and only the caller reads them
-        gathering = [_start_gather(piece) for piece in shard.chunk(chunks, dim)] if wants_weight else []
+        gathering = [_start_gather(piece) for piece in shard.to(grad.dtype).chunk(chunks, dim)] if wants_weight else []
         scattering = [_start_reduce_scatter(g @ w, dim) for g in grads] if wants_input else []
         grad_weight = grad_bias = grad_shard = None
         if wants_weight:
-            gathered = [torch.cat(done(), dim).to(grad.dtype) for done in gathering]
+            gathered = [torch.cat(done(), dim) for done in gathering]
             grad_weight = _weight_gradient(grads, gathered).to(weight.dtype)
             grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.has_bias else None
         if wants_input:

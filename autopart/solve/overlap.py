@@ -28,6 +28,7 @@ from dataclasses import dataclass, replace
 
 from torch import fx
 
+from autopart.ir.tensors import autocast_dtype
 from autopart.passes.annotate import OpGraph
 from autopart.solve.sharding import REPLICATE, Placement, Strategy, argument, folded_number, is_aten, op_name
 from cost_models import CostModel
@@ -130,6 +131,17 @@ def gathered_input(op_graph: OpGraph, node: fx.Node) -> fx.Node | None:
     return x
 
 
+def product_share(op_graph: OpGraph, value: str) -> float:
+    """What of a gathered linear's input its collectives move: where the forward runs under
+    autocast and the input is fp32 (a norm's output, on autocast's fp32 list), the lower precision
+    its product reads, as ``autopart.runtime.collectives.gathered_linear`` casts it before
+    gathering it (and its gradient arrives in it); else all of its bytes."""
+    low, meta = autocast_dtype(op_graph.dtype), op_graph.nodes[value].output
+    if low is None or meta is None or meta.dtype != "float32":
+        return 1.0
+    return low.itemsize / 4
+
+
 def fused_linears(op_graph: OpGraph, members: list[fx.Node], chosen: dict[str, Strategy],
                   placement_of: Callable[[str], Placement]) -> Iterator[FusedLinear]:
     """The linears of one block that the generated code fuses with their collectives, given the
@@ -182,10 +194,14 @@ def fused_seconds(op_graph: OpGraph, members: list[fx.Node], chosen: dict[str, S
     change, cut = 0.0, {}
     for fused in fused_linears(op_graph, members, chosen, placement_of):
         gather, scatter = collective_s("all_gather", fused.value), collective_s("reduce_scatter", fused.value)
+        moved = 1.0
         if fused.kind == "gathered":  # the pair's terms: the gather, the gradient's reduce-scatter
             input_gradient = op_graph.nodes[fused.value].needs_grad
-            whole = 2 * gather + scatter * input_gradient
-            change += gather  # and in backward the gather again
+            moved = product_share(op_graph, fused.value)
+            priced = gather + scatter * input_gradient
+            gather, scatter = (collective_s(kind, fused.value, share=moved) for kind in ("all_gather", "reduce_scatter"))
+            whole = 2 * gather + scatter * input_gradient  # and in backward the gather again
+            change += whole - priced
         else:  # the pair's terms: the reduce-scatter, the gradient's gather
             input_gradient = op_graph.nodes[fused.input].needs_grad
             whole = scatter + gather * op_graph.nodes[fused.value].needs_grad
@@ -194,8 +210,8 @@ def fused_seconds(op_graph: OpGraph, members: list[fx.Node], chosen: dict[str, S
         products = linear_products(op_graph, fused.linear, t, cost_model)
         added = {
             k: sum(exposed_s(fused.kind, pieces=k, t=t, products=products, input_gradient=input_gradient,
-                             gather_s=collective_s("all_gather", fused.value, share=1 / k),
-                             scatter_s=collective_s("reduce_scatter", fused.value, share=1 / k)))
+                             gather_s=collective_s("all_gather", fused.value, share=moved / k),
+                             scatter_s=collective_s("reduce_scatter", fused.value, share=moved / k)))
             for k in piece_counts(op_graph.nodes[fused.value].output.shape[fused.dim] // t, t)
         }  # fmt: skip
         best = min(added, key=added.get, default=None)
