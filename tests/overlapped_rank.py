@@ -47,6 +47,20 @@ def gathers_in(dtype, fn, *args):
     return result
 
 
+def saved_slices(fn, shard, *rest):
+    """The dtypes of the tensors of the slice's shape that ``fn`` saves for backward under autocast."""
+    dtypes = []
+
+    def pack(tensor):
+        if tensor.shape == shard.shape:
+            dtypes.append(tensor.dtype)
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), torch.autocast("cpu", torch.bfloat16):
+        fn(shard, *rest)
+    return dtypes
+
+
 def collectives_of(fn, *args):
     before = dict(started)
     result = fn(*args)
@@ -92,6 +106,11 @@ for autocast in (False, True):
             for name, got, want in zip(("shard", "weight", "bias"), piecewise[1], plain[1]):
                 torch.testing.assert_close(got, want, **tolerance,
                                            msg=lambda m, name=name: f"gathered_linear {chunks} pieces {split=}, {name}: {m}")
+
+        # the slice kept for backward is the bf16 one the product read (the memory model's), not the fp32
+        for fused in (lambda x, w, b: tp.gathered_linear(x, w, b, 1),
+                      lambda x, w, b: overlapped.gathered_linear(x, w, b, 1, chunks)):
+            assert saved_slices(fused, *leaves(shard, weight, bias)) == [torch.bfloat16]
 
         whole, weight = torch.randn(2, rows * t, 6), torch.randn(10, 6)
         grad_out = torch.randn(2, rows, 10)

@@ -193,16 +193,18 @@ class _GatherFromSequence(torch.autograd.Function):
 class _GatheredLinear(torch.autograd.Function):
     """``F.linear(gather_from_sequence(x, dim), weight, bias)`` that keeps only the local slice of
     x for backward and gathers it again there, as Megatron-SP's linear does: the gathered input,
-    t times the slice, is never held between forward and backward. Under a split backward
+    t times the slice, is never held between forward and backward. The slice is gathered and kept
+    in the dtype the product reads (`product_dtype`), as autocast's linear keeps its cast copy of
+    its input: the same values as gathering it whole and casting after. Under a split backward
     (zero-bubble schedules) it computes the input's gradient in I and the weight's in W, each
     with its own collective, where autograd would have it compute both in each."""
 
     @staticmethod
     def forward(ctx, shard: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dim: int) -> torch.Tensor:
-        ctx.dim, ctx.has_bias = dim, bias is not None
-        whole = _gather(shard.to(product_dtype(shard)), dim, 1)
-        ctx.save_for_backward(shard, weight)
-        return F.linear(whole, weight, bias)
+        ctx.dim, ctx.has_bias, ctx.shard_dtype = dim, bias is not None, shard.dtype
+        low = shard.to(product_dtype(shard))
+        ctx.save_for_backward(low, weight)
+        return F.linear(_gather(low, dim, 1), weight, bias)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -210,9 +212,9 @@ class _GatheredLinear(torch.autograd.Function):
         phase = backward_phase()  # a zero-bubble schedule runs this in I and again in W: each its half
         grad_shard = grad_weight = grad_bias = None
         if ctx.needs_input_grad[0] and phase != "weight":
-            grad_shard = _reduce_slice(grad @ weight.to(grad.dtype), ctx.dim).to(shard.dtype)
+            grad_shard = _reduce_slice(grad @ weight.to(grad.dtype), ctx.dim).to(ctx.shard_dtype)
         if phase != "input":
-            whole = _gather(shard.to(grad.dtype), ctx.dim, 1)  # in the product's dtype, as forward
+            whole = _gather(shard.to(grad.dtype), ctx.dim, 1)  # the product's dtype: as kept
             flat_grad = grad.reshape(-1, grad.shape[-1])
             grad_weight = (flat_grad.t() @ whole.reshape(-1, whole.shape[-1])).to(weight.dtype)
             grad_bias = flat_grad.sum(0) if ctx.has_bias else None

@@ -125,11 +125,12 @@ class _GatheredLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, shard, weight, bias, dim: int, chunks: int):
         dim = dim % shard.dim()
-        ctx.dim, ctx.chunks, ctx.has_bias = dim, chunks, bias is not None
-        turns = _gathered_in_turn(shard.to(product_dtype(shard)).chunk(chunks, dim))
-        own = F.linear(shard, weight, bias)
+        ctx.dim, ctx.chunks, ctx.has_bias, ctx.shard_dtype = dim, chunks, bias is not None, shard.dtype
+        low = shard.to(product_dtype(shard))  # gathered and kept as the products read it
+        turns = _gathered_in_turn(low.chunk(chunks, dim))
+        own = F.linear(low, weight, bias)
         others = [F.linear(_others(gathered, dim), weight, bias) for gathered in turns]
-        ctx.save_for_backward(shard, weight)
+        ctx.save_for_backward(low, weight)
         return _whole_from(own, others, dim)
 
     @staticmethod
@@ -148,7 +149,7 @@ class _GatheredLinear(torch.autograd.Function):
             grad_weight = _weight_gradient(grads, gathered).to(weight.dtype)
             grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.has_bias else None
         if wants_input:
-            grad_shard = torch.cat([done() for done in scattering], dim).to(shard.dtype)
+            grad_shard = torch.cat([done() for done in scattering], dim).to(ctx.shard_dtype)
         return grad_shard, grad_weight, grad_bias, None, None
 
 
