@@ -34,7 +34,7 @@ sys.path.insert(0, str(REPO))
 from autopart.driver import CompileOptions, compile_to_directory  # noqa: E402
 from autopart.tools.local_run import run_locally  # noqa: E402
 from autopart.runtime.mesh import Mesh  # noqa: E402
-from autopart.schedule import Action, Kind  # noqa: E402
+from autopart.schedule import Action  # noqa: E402
 
 MODEL = REPO / "benchmarks" / "models" / "wide_gpt.py"
 ROWS = {"dp2": (1, "1f1b"), "pp2xdp2": (2, "1f1b"), "pp2xdp2-zb": (2, "zb-h1")}

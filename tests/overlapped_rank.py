@@ -2,7 +2,9 @@
 plain ones give (``tp.gathered_linear``; ``tp.reduce_scatter`` of a linear), forward and backward,
 in fp32 and under bf16 autocast, for every number of pieces the slice allows, and with the
 backward split into I and W as a zero-bubble schedule runs it. Under autocast a gathered linear
-gathers its fp32 input as the bf16 its product reads, never the fp32 (half the bytes)."""
+gathers its fp32 input as the bf16 its product reads, never the fp32 (half the bytes), and so does
+the gather that several products read (``tp.gather_for_products``), and without sequence
+parallelism the sum of their gradients (``tp.copy_for_products``)."""
 
 import os
 import sys
@@ -37,6 +39,24 @@ def _recording(pieces, tensor, *args, _original=dist.all_gather, **kwargs):
 
 
 dist.all_gather = _recording
+scattered_dtypes = []  # of every reduce-scatter's tensors, in tp's own collectives
+
+
+def _recording_scatter(out, whole, _original=tp.reduce_scatter_into, **kwargs):
+    scattered_dtypes.append(whole.dtype)
+    return _original(out, whole, **kwargs)
+
+
+tp.reduce_scatter_into = _recording_scatter
+reduced_dtypes = []  # of every all-reduce's tensors
+
+
+def _recording_reduce(tensor, *args, _original=dist.all_reduce, **kwargs):
+    reduced_dtypes.append(tensor.dtype)
+    return _original(tensor, *args, **kwargs)
+
+
+dist.all_reduce = _recording_reduce
 
 
 def gathers_in(dtype, fn, *args):
@@ -106,6 +126,36 @@ for autocast in (False, True):
             for name, got, want in zip(("shard", "weight", "bias"), piecewise[1], plain[1]):
                 torch.testing.assert_close(got, want, **tolerance,
                                            msg=lambda m, name=name: f"gathered_linear {chunks} pieces {split=}, {name}: {m}")
+
+        # several products reading one gather (q, k and v of a Llama layer's normed input): it
+        # moves, and its gradient is reduce-scattered, as the bf16 they read; they read the values
+        # the gather of the fp32 gives them, and its gradient comes back in fp32
+        def three_products(gather):
+            def fn(x, *weights):
+                whole = gather(x, 1)
+                return torch.cat([F.linear(whole, w) for w in weights], -1)
+            return fn
+
+        weights, grad_three = [torch.randn(10, 6) for _ in range(3)], torch.randn(2, rows * t, 30)
+        scattered_dtypes.clear()
+        moved_once = gathers_in(moved, run, three_products(tp.gather_for_products), leaves(shard, *weights), grad_three,
+                                autocast)
+        assert scattered_dtypes == [moved], scattered_dtypes
+        reference = run(three_products(tp.gather_from_sequence), leaves(shard, *weights), grad_three, autocast)
+        torch.testing.assert_close(moved_once[0], reference[0], rtol=0, atol=0)
+        for got, want in zip(moved_once[1], reference[1]):  # the gradient's partials summed in bf16:
+            assert got.dtype == want.dtype and (got - want).norm() <= 1e-2 * want.norm()  # to its precision
+
+        # without sequence parallelism the products read the whole input (``copy_to_tp``): its
+        # gradient, partial on each rank, is summed as the bf16 they send back
+        whole = torch.randn(2, rows * t, 6)
+        reduced_dtypes.clear()
+        copied = run(three_products(lambda x, dim: tp.copy_for_products(x)), leaves(whole, *weights), grad_three, autocast)
+        assert reduced_dtypes == [moved], reduced_dtypes
+        reference = run(three_products(lambda x, dim: tp.copy_to_tp(x)), leaves(whole, *weights), grad_three, autocast)
+        torch.testing.assert_close(copied[0], reference[0], rtol=0, atol=0)
+        for got, want in zip(copied[1], reference[1]):
+            assert got.dtype == want.dtype and (got - want).norm() <= 1e-2 * want.norm()
 
         # the slice kept for backward is the bf16 one the product read (the memory model's), not the fp32
         for fused in (lambda x, w, b: tp.gathered_linear(x, w, b, 1),

@@ -19,7 +19,7 @@ from autopart.solve.sequence import boundary_placement
 from autopart.tools.verify import verify
 from cost_models import get_cost_model
 from tests.distributed import FREE_LINKS, REPO, environment, free_port, run_cli
-from tests.test_sequence_parallel import MEGATRON_LAYERS
+from tests.test_sequence_parallel import megatron_layers
 
 LLAMA = REPO / "examples" / "llama.py"
 
@@ -105,10 +105,9 @@ def test_smaller_products_cost_their_launches():
     assert ahead == pytest.approx(3 * launch)
 
 
-def _layer_model(tmp_path, layers: int):
-    model = tmp_path / f"layers_{layers}.py"
-    model.write_text(MEGATRON_LAYERS.format(models=str(REPO / "tests" / "models"), layers=layers, size_of_normed=False))
-    return model
+def _layer_model(tmp_path, layers: int, split_qkv: bool = False):
+    return megatron_layers(tmp_path / f"layers_{layers}{'_split' if split_qkv else ''}.py", layers=layers,
+                           split_qkv=split_qkv)
 
 
 def _communication_s(model, *, overlap: bool, dtype: str = "fp32") -> float:
@@ -145,6 +144,25 @@ def test_a_layer_pays_each_collective_its_code_runs_and_overlap_hides_most(tmp_p
     # which they gather cast to the bf16 their products read: the same bytes move
     two, three = (_communication_s(_layer_model(tmp_path, n), overlap=False, dtype="bf16") for n in (2, 3))
     assert three - two == pytest.approx(expected, rel=1e-3)
+
+    # with q, k and v three linears (Llama's), the normed input is gathered once for the three and
+    # kept whole (``tp.gather_for_products``): one all-gather less, and still the bf16 they read
+    two, three = (_communication_s(_layer_model(tmp_path, n, split_qkv=True), overlap=False, dtype="bf16")
+                  for n in (2, 3))
+    assert three - two == pytest.approx(expected - seconds("all_gather", big), rel=1e-3)
+
+
+@pytest.mark.parametrize("split_qkv", [False, True])
+def test_without_sp_a_bf16_layer_sums_its_products_gradients_in_bf16(tmp_path, split_qkv):
+    """Without sequence parallelism a layer all-reduces the outputs of its two row-parallel
+    linears in forward, and in backward the gradients of the inputs of its column-parallel ones
+    (Megatron's g and f): four all-reduces of s·b·h, all bf16 as Megatron's. The norms' outputs are
+    fp32 under autocast, but only products read them, so their gradients come back in bf16."""
+    options = dict(tp=8, sp=False, microbatches=1, micro_batch_size=1, device="h100-sxm", dtype="bf16")
+    two, three = (sum(sharding.communication_s for sharding in build_front(
+        CompileOptions(model=_layer_model(tmp_path, n, split_qkv=split_qkv), **options), 1).shardings) for n in (2, 3))
+    all_reduce = get_cost_model("h100-sxm").collective_time("all_reduce", 2048 * 1 * 4096 * 2, 8)
+    assert three - two == pytest.approx(4 * all_reduce, rel=1e-4)
 
 
 def _count(source: str, name: str) -> int:

@@ -128,7 +128,7 @@ MEGATRON_LAYERS = '''
 import sys
 sys.path.insert(0, {models!r})
 import megatron_layers as m
-m.LAYERS = 2
+m.LAYERS, m.SIZE_OF_NORMED, m.SPLIT_QKV = 2, False, False
 from megatron_layers import build_model, init_weights, example_batch, loss_fn
 '''
 

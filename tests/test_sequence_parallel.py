@@ -21,8 +21,17 @@ sys.path.insert(0, {models!r})
 import megatron_layers as m
 m.LAYERS = {layers}
 m.SIZE_OF_NORMED = {size_of_normed}
+m.SPLIT_QKV = {split_qkv}
 from megatron_layers import build_model, init_weights, example_batch, loss_fn
 '''
+
+
+def megatron_layers(path, *, layers: int = 2, size_of_normed: bool = False, split_qkv: bool = False):
+    """A model file of tests/models/megatron_layers.py's layers at ``path`` (the module's settings
+    all set: the module is imported once per test process)."""
+    path.write_text(MEGATRON_LAYERS.format(models=str(REPO / "tests" / "models"), layers=layers,
+                                           size_of_normed=size_of_normed, split_qkv=split_qkv))
+    return path
 
 
 def layer_activation_bytes(tmp_path, *, tp: int, sp: bool, size_of_normed: bool = False, recompute: str = "none") -> int:
@@ -30,9 +39,7 @@ def layer_activation_bytes(tmp_path, *, tp: int, sp: bool, size_of_normed: bool 
     less the same model of two (everything else is the same in both)."""
     totals = []
     for layers in (2, 3):
-        model = tmp_path / f"layers_{layers}.py"
-        model.write_text(MEGATRON_LAYERS.format(models=str(REPO / "tests" / "models"), layers=layers,
-                                                size_of_normed=size_of_normed))
+        model = megatron_layers(tmp_path / f"layers_{layers}.py", layers=layers, size_of_normed=size_of_normed)
         plan = autopart.compile(model, tp=tp, sp=sp, microbatches=1, micro_batch_size=1, device="h100-sxm",
                                 recompute=recompute)
         totals.append(sum(stage.activation_bytes for stage in plan.stages))
@@ -63,8 +70,7 @@ def test_a_size_read_off_the_normed_input_keeps_the_regathered_slice(tmp_path):
     """nanoGPT's attention reads ``B, T, C = x.size()`` of its normed input. The generated code
     writes that size as a constant, so the QKV linear still gathers its input again in backward
     and keeps a t-th of it (Megatron-SP): the layer holds what it holds without the size read."""
-    model = tmp_path / "sized.py"
-    model.write_text(MEGATRON_LAYERS.format(models=str(REPO / "tests" / "models"), layers=2, size_of_normed=True))
+    model = megatron_layers(tmp_path / "sized.py", size_of_normed=True)
     plan = autopart.compile(model, tp=8, sp=True, microbatches=1, micro_batch_size=1, device="h100-sxm")
     found = collectives((autopart.emit(plan, tmp_path / "out") / "stages" / "stage_0.py").read_text())
     assert found["gathered_linear"] == 2 * 2 + 1, found  # each layer's QKV and MLP input, and the head's
@@ -76,7 +82,8 @@ def test_a_size_read_off_the_normed_input_keeps_the_regathered_slice(tmp_path):
 
 def collectives(source: str) -> dict[str, int]:
     """The collectives a stage program runs: a layer written once as a method counts once per call."""
-    names = ("all_reduce", "reduce_scatter", "gather_from_sequence", "gathered_linear", "copy_to_tp")
+    names = ("all_reduce", "reduce_scatter", "gather_from_sequence", "gather_for_products", "gathered_linear", "copy_to_tp",
+             "copy_for_products")
     found = dict.fromkeys(names, 0)
     for method in re.split(r"\n    def ", source)[1:]:
         name = method.split("(", 1)[0]
@@ -88,8 +95,7 @@ def collectives(source: str) -> dict[str, int]:
 
 @pytest.mark.parametrize("sp", [True, False])
 def test_sequence_parallel_turns_all_reduces_into_reduce_scatters(tmp_path, sp):
-    model = tmp_path / "layers.py"
-    model.write_text(MEGATRON_LAYERS.format(models=str(REPO / "tests" / "models"), layers=2, size_of_normed=False))
+    model = megatron_layers(tmp_path / "layers.py")
     plan = autopart.compile(model, tp=8, sp=sp, microbatches=1, micro_batch_size=1, device="h100-sxm")
     assert plan.sp is sp
     found = collectives((autopart.emit(plan, tmp_path / "out") / "stages" / "stage_0.py").read_text())
@@ -100,6 +106,26 @@ def test_sequence_parallel_turns_all_reduces_into_reduce_scatters(tmp_path, sp):
     else:
         assert found["reduce_scatter"] == found["gathered_linear"] == found["gather_from_sequence"] == 0, found
         assert found["all_reduce"] == 2 * 2, found
+
+
+def test_an_input_that_only_products_read_is_gathered_as_they_read_it(tmp_path):
+    """q, k and v as three linears (Llama's) share one gather of their normed input. Under bf16
+    autocast the norm's output is fp32 and the products read it as bf16, so it is gathered as
+    bf16 (``tp.gather_for_products``), as Megatron gathers; in fp32 it is gathered as it is.
+    Without SP, the gradient the products send back is summed in bf16 (``tp.copy_for_products``)."""
+    model = megatron_layers(tmp_path / "split.py", split_qkv=True)
+    for dtype, moved in (("bf16", 2), ("fp32", 0)):
+        plan = autopart.compile(model, tp=8, sp=True, microbatches=1, micro_batch_size=1, device="h100-sxm", dtype=dtype)
+        source = (autopart.emit(plan, tmp_path / dtype) / "stages" / "stage_0.py").read_text()
+        found = collectives(source)
+        assert found["gathered_linear"] == 2 + 1, found  # each layer's MLP input, and the head's
+        assert found["gather_for_products"] == moved, found  # each layer's q, k and v input
+        normed = re.findall(r"= tp\.(gather_for_products|gather_from_sequence)\(layer_norm", source)
+        assert normed == ["gather_for_products" if moved else "gather_from_sequence"] * 2, normed  # one per layer written
+        plan = autopart.compile(model, tp=8, sp=False, microbatches=1, micro_batch_size=1, device="h100-sxm", dtype=dtype)
+        found = collectives((autopart.emit(plan, tmp_path / f"{dtype}-no-sp") / "stages" / "stage_0.py").read_text())
+        # without SP: the gradient of q, k and v's input, the MLP's and the head's is summed as they send it
+        assert found["copy_for_products"] == (2 * 2 + 1 if moved else 0), found
 
 
 def test_sequence_parallelism_is_on_by_default_with_tp_and_recorded_in_the_plan(tmp_path):
@@ -140,13 +166,33 @@ def test_sequence_parallel_collectives_match_one_process(ranks):
 @pytest.mark.parametrize("example", ["gpt", "llama"])
 @pytest.mark.parametrize("pp", [1, 2])
 def test_sequence_parallel_trains_like_one_process_bf16(tmp_path, example, pp):
+    """Llama's plan is priced as on an H100, where gathering a norm's output for q, k and v as the
+    bf16 they read (``tp.gather_for_products``) is the layout the solver takes; with free links
+    any layout is as good."""
     out = tmp_path / "out"
     plan, _ = compile_to_directory(
         CompileOptions(model=REPO / "examples" / f"{example}.py", pp=pp, tp=2, microbatches=2 * pp,
-                       global_batch_size=2 * pp, dtype="bf16", device=str(FREE_LINKS)),
+                       global_batch_size=2 * pp, dtype="bf16", device="h100-sxm" if example == "llama" else str(FREE_LINKS)),
         out,
     )  # fmt: skip
     assert plan.sp and plan.dtype == "bf16"
+    if example == "llama":
+        assert "= tp.gather_for_products(" in "".join(p.read_text() for p in (out / "stages").glob("*.py"))
+    result = verify(out, steps=2)
+    assert result.matches, result.failures
+
+
+@pytest.mark.multiprocess
+def test_tensor_parallel_without_sp_trains_like_one_process_bf16(tmp_path):
+    """Without SP, the gradients that Llama's q, k and v (w1 and w3) send back into their shared
+    input are summed over the group in bf16 (``tp.copy_for_products``), as Megatron's f sums them."""
+    out = tmp_path / "out"
+    plan, _ = compile_to_directory(
+        CompileOptions(model=REPO / "examples" / "llama.py", tp=2, sp=False, microbatches=2, global_batch_size=2,
+                       dtype="bf16", device="h100-sxm"),
+        out,
+    )  # fmt: skip
+    assert not plan.sp and "= tp.copy_for_products(" in (out / "stages" / "stage_0.py").read_text()
     result = verify(out, steps=2)
     assert result.matches, result.failures
 

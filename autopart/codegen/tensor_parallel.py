@@ -8,7 +8,9 @@ rank runs:
   (``tp.all_reduce``, ``tp.all_gather``, ``tp.scatter``, and with sequence parallelism
   ``tp.reduce_scatter``); a replicated tensor that needs a gradient and feeds a split op goes
   through ``tp.copy_to_tp`` (all-reduce of its gradient), or, gathered from a sequence split,
-  through ``tp.gather_from_sequence`` (its gradient reduce-scattered);
+  through ``tp.gather_from_sequence`` (its gradient reduce-scattered); under autocast, where
+  only matrix products read it, each moves the dtype they read (``tp.copy_for_products``,
+  ``tp.gather_for_products``);
 - with ``overlap`` (``--tp-overlap``), a gathered linear and a row-parallel linear whose output
   is reduce-scattered run in pieces, each collective beside the products
   (``autopart.runtime.overlapped``; which linears, ``autopart.solve.overlap``);
@@ -26,7 +28,7 @@ from dataclasses import replace
 from torch import fx
 from torch.nn import functional as F
 
-from autopart.ir.tensors import TensorMeta
+from autopart.ir.tensors import TensorMeta, autocast_dtype
 from autopart.passes.annotate import OpGraph
 from autopart.codegen.stages import StageGraph
 from autopart.ir.errors import PlanError
@@ -35,6 +37,7 @@ from autopart.runtime import overlapped as overlapped_linears
 from autopart.solve.sharding import (
     REPLICATE, Placement, Strategy, argument, constant_of, folded_number, is_aten, local_shape, op_name,
 )
+from autopart.solve.overlap import products_only
 from autopart.solve.tensor import conversion, gathers_for_split_op
 
 __all__ = ["overlapped_shapes", "shard_stage_graph"]
@@ -120,6 +123,8 @@ def shard_stage_graph(
             )
     graph.eliminate_dead_code()
     _fuse_gathered_linears(graph)
+    if autocast_dtype(op_graph.dtype) is not None:
+        _move_for_products(graph)
     if overlapped:
         _overlap_linears(graph, overlapped, op_graph, tp)
     graph.lint()
@@ -142,6 +147,25 @@ def _fuse_gathered_linears(graph: fx.Graph) -> None:
         linear.target, linear.op = collectives.gathered_linear, "call_function"
         linear.args, linear.kwargs = (shard, weight, argument(linear, 2, "bias"), dim), {}
         graph.erase_node(gather)
+
+
+_FOR_PRODUCTS = {
+    collectives.gather_from_sequence: collectives.gather_for_products,
+    collectives.copy_to_tp: collectives.copy_for_products,
+}
+
+
+def _move_for_products(graph: fx.Graph) -> None:
+    """Under autocast, a ``gather_from_sequence`` or ``copy_to_tp`` of an activation that only
+    matrix products read (a Llama layer's normed input of q, k and v) becomes its ``_for_products``
+    form, which moves the dtype they read; the solver priced it so
+    (``autopart.solve.overlap.moved_share``). A parameter's gradient is summed as it is."""
+    for node in list(graph.nodes):
+        if node.target in _FOR_PRODUCTS and node.args[0].op != "get_attr" and products_only(node.users):
+            with graph.inserting_after(node):  # a new node, named for what it calls
+                moved = graph.call_function(_FOR_PRODUCTS[node.target], node.args)
+            node.replace_all_uses_with(moved)
+            graph.erase_node(node)
 
 
 def _overlap_linears(graph: fx.Graph, overlapped: dict[str, int], op_graph: OpGraph, tp: int) -> None:

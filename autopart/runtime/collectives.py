@@ -8,16 +8,21 @@ conversion's adjoint:
 |-----------------|-----------------------------|------------------------|
 | ``all_reduce``  | P -> R: sum the partials    | identity               |
 | ``copy_to_tp``  | identity (R used by a split op) | sum the partial gradients |
+| ``copy_for_products`` | the same, for matrix products alone | the same, in their dtype |
 | ``all_gather``  | S(d) -> R                   | keep the local slice   |
 | ``scatter``     | R -> S(d): keep the local slice | all-gather         |
 | ``reduce_scatter`` | P -> S(d): sum, keep the local slice | all-gather    |
 | ``gather_from_sequence`` | S(d) -> R for a split op | reduce-scatter |
+| ``gather_for_products`` | the same, for matrix products alone | reduce-scatter |
 
 The last two are Megatron's sequence parallelism (Korthikanti et al.): the all-reduce after a
 row-parallel linear becomes a reduce-scatter into the sequence-split region, and the input of a
 column-parallel linear is gathered from it; ``gather_from_sequence``'s gradient arrives partial
 (each rank's split op saw the whole input), so its backward sums as it scatters, where
 ``all_gather`` followed by ``copy_to_tp`` would all-reduce the whole gradient and then slice it.
+Where only matrix products read what is gathered (q, k and v of a Llama layer's norm), it moves
+in the dtype they read under autocast (``gather_for_products``), as Megatron gathers bf16; the
+same holds of the gradient ``copy_to_tp`` sums (``copy_for_products``).
 
 ``S(d, g)`` tensors hold a slice of each of g groups: gathering puts every group back together.
 """
@@ -41,10 +46,12 @@ __all__ = [
     "group_rank",
     "all_reduce",
     "copy_to_tp",
+    "copy_for_products",
     "all_gather",
     "scatter",
     "reduce_scatter",
     "gather_from_sequence",
+    "gather_for_products",
     "gathered_linear",
     "product_dtype",
     "reduce_scatter_into",
@@ -146,6 +153,22 @@ class _CopyToTP(torch.autograd.Function):
         return _reduce(grad)
 
 
+class _CopyForProducts(torch.autograd.Function):
+    """``copy_to_tp`` of an activation that only matrix products read (the codegen checks): they
+    read it in `product_dtype`, so its gradient comes from products of that dtype, and is summed
+    over the group in it, as Megatron's f sums its bf16 gradient (under bf16 autocast a norm's
+    output is fp32: summed as it is, twice the bytes)."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor) -> torch.Tensor:
+        ctx.moved = product_dtype(tensor)
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return _reduce(grad.to(ctx.moved)).to(grad.dtype)
+
+
 class _AllGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor: torch.Tensor, dim: int, groups: int) -> torch.Tensor:
@@ -190,6 +213,23 @@ class _GatherFromSequence(torch.autograd.Function):
         return _reduce_slice(grad, ctx.dim), None
 
 
+class _GatherForProducts(torch.autograd.Function):
+    """``gather_from_sequence`` of a value that only matrix products read (the codegen checks):
+    gathered in the dtype they read (`product_dtype`) and handed back in its own, which they cast
+    to theirs again, so each reads the values it would have read of the fp32 gather, and the
+    gradients of several readers still sum in fp32. The gradient is reduce-scattered in that
+    dtype too, as ``gathered_linear``'s is: under bf16 autocast the bytes Megatron-SP moves."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, dim: int) -> torch.Tensor:
+        ctx.dim, ctx.moved = dim, product_dtype(tensor)
+        return _gather(tensor.to(ctx.moved), dim, 1).to(tensor.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _reduce_slice(grad.to(ctx.moved), ctx.dim).to(grad.dtype), None
+
+
 class _GatheredLinear(torch.autograd.Function):
     """``F.linear(gather_from_sequence(x, dim), weight, bias)`` that keeps only the local slice of
     x for backward and gathers it again there, as Megatron-SP's linear does: the gathered input,
@@ -229,6 +269,10 @@ def copy_to_tp(tensor: torch.Tensor) -> torch.Tensor:
     return _CopyToTP.apply(tensor)
 
 
+def copy_for_products(tensor: torch.Tensor) -> torch.Tensor:
+    return _CopyForProducts.apply(tensor)
+
+
 def all_gather(tensor: torch.Tensor, dim: int, groups: int = 1) -> torch.Tensor:
     return _AllGather.apply(tensor, dim, groups)
 
@@ -243,6 +287,10 @@ def reduce_scatter(tensor: torch.Tensor, dim: int) -> torch.Tensor:
 
 def gather_from_sequence(tensor: torch.Tensor, dim: int) -> torch.Tensor:
     return _GatherFromSequence.apply(tensor, dim)
+
+
+def gather_for_products(tensor: torch.Tensor, dim: int) -> torch.Tensor:
+    return _GatherForProducts.apply(tensor, dim)
 
 
 def gathered_linear(shard: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, dim: int = 1) -> torch.Tensor:

@@ -34,7 +34,7 @@ from autopart.solve.sharding import REPLICATE, Placement, Strategy, argument, fo
 from cost_models import CostModel
 
 __all__ = ["FusedLinear", "Products", "exposed_s", "fused_linears", "fused_seconds", "gathered_input", "linear_products",
-           "piece_counts"]
+           "moved_share", "piece_counts", "products_only"]
 
 
 @dataclass(frozen=True)
@@ -131,13 +131,27 @@ def gathered_input(op_graph: OpGraph, node: fx.Node) -> fx.Node | None:
     return x
 
 
-def product_share(op_graph: OpGraph, value: str) -> float:
-    """What of a gathered linear's input its collectives move: where the forward runs under
-    autocast and the input is fp32 (a norm's output, on autocast's fp32 list), the lower precision
-    its product reads, as ``autopart.runtime.collectives.gathered_linear`` casts it before
-    gathering it (and its gradient arrives in it); else all of its bytes."""
-    low, meta = autocast_dtype(op_graph.dtype), op_graph.nodes[value].output
-    if low is None or meta is None or meta.dtype != "float32":
+_PRODUCTS = frozenset({"linear", "matmul", "mm", "bmm"})
+"""Matrix products: on autocast's lower-precision list on every backend, so that under it each
+casts every floating input it reads to the lower precision."""
+
+
+def products_only(readers) -> bool:
+    """Whether every one of ``readers`` is a matrix product (casts what it reads under autocast)."""
+    readers = list(readers)
+    return bool(readers) and all(op_name(reader) in _PRODUCTS for reader in readers)
+
+
+def moved_share(op_graph: OpGraph, value: str, *, products: bool) -> float:
+    """What of an activation's bytes moves where it is gathered from the sequence split for
+    ``products`` (whether only matrix products read what is gathered), or its gradient comes back
+    from them: where the forward runs under autocast, the value is fp32 (a norm's output, on
+    autocast's fp32 list) and only products read it, the lower precision they read, as the runtime
+    moves it (``gathered_linear``, ``gather_for_products``, ``copy_for_products`` in
+    ``autopart.runtime.collectives``); else all of its bytes."""
+    cost = op_graph.nodes[value]
+    low, meta = autocast_dtype(op_graph.dtype), cost.output
+    if low is None or meta is None or meta.dtype != "float32" or cost.is_parameter or not products:
         return 1.0
     return low.itemsize / 4
 
@@ -193,17 +207,16 @@ def fused_seconds(op_graph: OpGraph, members: list[fx.Node], chosen: dict[str, S
     collective of a value's bytes (a share of them)."""
     change, cut = 0.0, {}
     for fused in fused_linears(op_graph, members, chosen, placement_of):
-        gather, scatter = collective_s("all_gather", fused.value), collective_s("reduce_scatter", fused.value)
         moved = 1.0
-        if fused.kind == "gathered":  # the pair's terms: the gather, the gradient's reduce-scatter
+        if fused.kind == "gathered":  # the conversion priced the gather and the gradient's reduce-scatter
             input_gradient = op_graph.nodes[fused.value].needs_grad
-            moved = product_share(op_graph, fused.value)
-            priced = gather + scatter * input_gradient
+            moved = moved_share(op_graph, fused.value, products=True)
             gather, scatter = (collective_s(kind, fused.value, share=moved) for kind in ("all_gather", "reduce_scatter"))
             whole = 2 * gather + scatter * input_gradient  # and in backward the gather again
-            change += whole - priced
+            change += gather
         else:  # the pair's terms: the reduce-scatter, the gradient's gather
             input_gradient = op_graph.nodes[fused.input].needs_grad
+            gather, scatter = (collective_s(kind, fused.value) for kind in ("all_gather", "reduce_scatter"))
             whole = scatter + gather * op_graph.nodes[fused.value].needs_grad
         if not overlap:
             continue

@@ -39,7 +39,7 @@ from autopart.solve._cp_sat import cp_model
 from torch import fx
 
 from autopart.passes.blocks import Block, BlockChain
-from autopart.solve.overlap import fused_seconds, gathered_input
+from autopart.solve.overlap import fused_seconds, gathered_input, moved_share, products_only
 from autopart.solve.sequence import SEQUENCE_DIM, boundary_placement
 from autopart.solve.sharding import REPLICATE, Placement, Strategy, is_tuple_of_tensors, shard
 from autopart.solve.sharding_rules import strategies
@@ -147,6 +147,7 @@ class _BlockModel:
         self.objective = []  # seconds: compute and collectives
         self.communication = []  # seconds: the collectives alone
         self.needs: dict[tuple[str, Placement, bool], list] = {}  # (value, placement, copied) -> who needs it
+        self.readers: dict[tuple[str, Placement, bool], list[fx.Node]] = {}  # the same -> the ops that may read it
         self.fx_nodes = fx_nodes
         self.memory = [  # parameter bytes per rank: what tensor parallelism is there to divide
             op_graph.nodes[name].parameter_bytes // (t if p.kind == "S" else 1) * placed
@@ -226,6 +227,9 @@ class _BlockModel:
                     continue
                 copy = strategy.copies(required, self.chain.op_graph.nodes[arg.name].needs_grad)
                 self.needs.setdefault((arg.name, required, copy), []).append(self.choice[node.name][i])
+                readers = self.readers.setdefault((arg.name, required, copy), [])
+                if node not in readers:
+                    readers.append(node)
 
     def _leaves(self, node: fx.Node) -> None:
         """``node`` is read past the block, which takes it replicated: a partial or sharded output
@@ -244,8 +248,9 @@ class _BlockModel:
             m.add_max_equality(needed, users)
             sources = self.placed.get(name, {self._boundary(name): None})  # None: fixed (a boundary, a buffer)
             whole_tuple = is_tuple_of_tensors(self.fx_nodes[name], self.chain.op_graph)  # split's tuple: its items convert
+            products = products_only(self.readers.get((name, required, copy), ()))
             for placement, placed in sources.items():
-                seconds = self._pair_seconds(placement, required, copy, name)
+                seconds = self._pair_seconds(placement, required, copy, name, products)
                 if seconds is None or whole_tuple and placement != required:
                     m.add_bool_or([needed.Not()] + ([placed.Not()] if placed is not None else []))
                 elif seconds:
@@ -257,17 +262,21 @@ class _BlockModel:
                     self.objective.append(term)
                     self.communication.append(term)
 
-    def _pair_seconds(self, source: Placement, required: Placement, copy: bool, name: str) -> float | None:
+    def _pair_seconds(self, source: Placement, required: Placement, copy: bool, name: str, products: bool) -> float | None:
+        """One conversion's collectives; ``products``: only matrix products may read its result,
+        so a gather from the sequence split, and the gradient they send back, move the dtype they
+        read (``moved_share``)."""
         step = conversion(source, required, sequence_parallel=self.sequence_parallel)
         if step is None:
             return None
         forward, backward = step
         needs_grad = self.chain.op_graph.nodes[name].needs_grad
+        share = moved_share(self.chain.op_graph, name, products=products)
         if gathers_for_split_op(source, required, copy):
-            return self._seconds(forward, name) + (self._seconds("reduce_scatter", name) if needs_grad else 0.0)
+            return self._seconds(forward, name, share) + (self._seconds("reduce_scatter", name, share) if needs_grad else 0.0)
         seconds = self._seconds(forward, name) + (self._seconds(backward, name) if needs_grad else 0.0)
         if copy:  # Megatron's f: the gradient of a replicated input of a split op is partial
-            seconds += self._seconds("all_reduce", name)
+            seconds += self._seconds("all_reduce", name, share)
         return seconds
 
     def solve(self, time_limit_s: float) -> BlockSharding:

@@ -16,13 +16,17 @@ from torch.nn import functional as F
 
 VOCAB, SEQUENCE, HIDDEN, HEADS, LAYERS, DROPOUT = 8192, 2048, 4096, 32, 2, 0.1
 SIZE_OF_NORMED = False  # read the shape off the normed input, as nanoGPT's attention does (``x.size()``)
+SPLIT_QKV = False  # q, k and v as three linears of the normed input, as Llama writes them
 
 
 class Layer(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.ln_1 = nn.LayerNorm(HIDDEN)
-        self.qkv = nn.Linear(HIDDEN, 3 * HIDDEN)
+        if SPLIT_QKV:
+            self.q, self.k, self.v = (nn.Linear(HIDDEN, HIDDEN) for _ in range(3))
+        else:
+            self.qkv = nn.Linear(HIDDEN, 3 * HIDDEN)
         self.proj = nn.Linear(HIDDEN, HIDDEN)
         self.ln_2 = nn.LayerNorm(HIDDEN)
         self.fc = nn.Linear(HIDDEN, 4 * HIDDEN)
@@ -31,7 +35,7 @@ class Layer(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         normed = self.ln_1(x)
         B, T, C = normed.size() if SIZE_OF_NORMED else x.shape
-        q, k, v = self.qkv(normed).split(C, dim=2)
+        q, k, v = (self.q(normed), self.k(normed), self.v(normed)) if SPLIT_QKV else self.qkv(normed).split(C, dim=2)
         q = q.view(B, T, HEADS, C // HEADS).transpose(1, 2)  # (B, a, T, hs)
         k = k.view(B, T, HEADS, C // HEADS).transpose(1, 2)
         v = v.view(B, T, HEADS, C // HEADS).transpose(1, 2)
