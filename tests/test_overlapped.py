@@ -19,7 +19,7 @@ from autopart.solve.sequence import boundary_placement
 from autopart.tools.verify import verify
 from cost_models import get_cost_model
 from tests.distributed import FREE_LINKS, REPO, environment, free_port, run_cli
-from tests.test_sequence_parallel import megatron_layers
+from tests.test_sequence_parallel import collectives, megatron_layers
 
 LLAMA = REPO / "examples" / "llama.py"
 
@@ -190,19 +190,38 @@ def test_the_code_cuts_the_linears_the_plan_prices_in_the_pieces_it_priced(tmp_p
     assert f"{len(priced)} linears run in pieces beside their collectives" in (out / "report.md").read_text()
 
 
-def _every_fused_linear_cut(plan, options, pieces: int = 2):
-    """``plan`` with every linear the code can fuse cut in ``pieces``: in bf16 at these sizes no
-    cut pays (each piece's collective latency outweighs what it hides), and the programs are to be
-    tested all the same."""
+def _fused_by_the_solver(plan, options) -> set:
+    """The linears the sharding solver priced fused with their collectives (``FusedLinear``s)."""
     front = build_front(options, plan.schedule.micro_batch_size)
     fx_nodes = {n.name: n for n in front.op_graph.fx_nodes()}
     fused = set()
     for block, sharding in zip(front.chain.blocks, front.shardings):
         members = [fx_nodes[n] for n in block.nodes if n in sharding.strategies]
         placement_of = lambda name: boundary_placement(front.op_graph, name, options.tp, True)  # noqa: E731
-        fused |= {f.linear for f in fused_linears(front.op_graph, members, sharding.strategies, placement_of)}
+        fused |= set(fused_linears(front.op_graph, members, sharding.strategies, placement_of))
+    return fused
+
+
+def _every_fused_linear_cut(plan, options, pieces: int = 2):
+    """``plan`` with every linear the code can fuse cut in ``pieces``: in bf16 at these sizes no
+    cut pays (each piece's collective latency outweighs what it hides), and the programs are to be
+    tested all the same."""
+    fused = {f.linear for f in _fused_by_the_solver(plan, options)}
     stages = tuple(replace(stage, overlapped={n: pieces for n in stage.nodes if n in fused}) for stage in plan.stages)
     return replace(plan, stages=stages)
+
+
+def test_the_solver_prices_the_gathered_linears_the_code_fuses(tmp_path):
+    """A post-norm layer's norm output is read by the next linear, gathered, and by the residual
+    add, split over the sequence: the gather has one reader, so the code fuses it with the linear
+    (``tp.gathered_linear``: gathered again in backward, the slice kept), and the solver prices and
+    holds the same linears fused (it took any second reader to share the gather)."""
+    options = CompileOptions(model=REPO / "tests" / "models" / "post_norm.py", tp=2, microbatches=1, global_batch_size=1,
+                             device="h100-sxm", dtype="bf16")  # fmt: skip
+    plan, out = compile_to_directory(options, tmp_path / "out")
+    fused = {f.linear for f in _fused_by_the_solver(plan, options) if f.kind == "gathered"}
+    found = collectives("".join(p.read_text() for p in (out / "stages").glob("stage_*.py")))
+    assert len(fused) == found["gathered_linear"] == 2 * 2, (fused, found)  # each layer's QKV and MLP input
 
 
 @pytest.mark.multiprocess

@@ -74,10 +74,15 @@ def shard_stage_graph(
         key = (arg.name, required, copy)
         if key in converted:
             return converted[key]
-        current = placement.get(arg.name, REPLICATE)
+        current, value = placement.get(arg.name, REPLICATE), arg
+        if conversion(current, required, sequence_parallel=True) is None:
+            # a value that two blocks' layouts meet at, which no one collective turns from the one
+            # into the other (logits split over the sequence, a loss that wants the vocabulary
+            # split): the solver priced it through the block boundary, replicated there
+            # (``autopart.solve.sequence.boundary_placement``), and so it goes
+            value, current = convert(arg, REPLICATE, False, before), REPLICATE
         step = conversion(current, required, sequence_parallel=True)  # the plan chose; any legal step is emitted
         assert step is not None, f"{arg.name}: {current} cannot become {required}"
-        value = arg
         with graph.inserting_before(before):
             if gathers_for_split_op(current, required, copy):
                 value = graph.call_function(collectives.gather_from_sequence, (value, current.dim))

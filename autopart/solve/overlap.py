@@ -120,15 +120,30 @@ def _readers(op_graph: OpGraph, node: fx.Node) -> list[fx.Node]:
     return [user for user in node.users if not folded_number(op_graph, user)]
 
 
-def gathered_input(op_graph: OpGraph, node: fx.Node) -> fx.Node | None:
-    """The input of a linear that alone reads it, which the generated code gathers inside
-    ``gathered_linear`` when it comes split over the sequence; None for any other node."""
+def gathered_input(op_graph: OpGraph, node: fx.Node, chosen: dict[str, Strategy]) -> fx.Node | None:
+    """The input of a linear that no other reader takes as the linear does, whole with its
+    gradient summed, under ``chosen`` (the block's strategies): the generated code then gathers it
+    for the linear alone, inside ``gathered_linear``, when it comes split over the sequence (the
+    codegen's ``_fuse_gathered_linears``). A reader that takes it split (a post-norm layer's
+    residual add) does not share that gather; one past the block is taken to. None for any other
+    node."""
     if op_name(node) != "linear" or is_aten(node) or not node.args or not isinstance(node.args[0], fx.Node):
         return None
     x = node.args[0]
-    if x in (argument(node, 1, "weight"), argument(node, 2, "bias")) or _readers(op_graph, x) != [node]:
+    if x in (argument(node, 1, "weight"), argument(node, 2, "bias")):
+        return None
+    if any(reader is not node and _takes_whole_copied(op_graph, reader, x, chosen) for reader in _readers(op_graph, x)):
         return None
     return x
+
+
+def _takes_whole_copied(op_graph: OpGraph, reader: fx.Node, x: fx.Node, chosen: dict[str, Strategy]) -> bool:
+    """Whether ``reader`` reads ``x`` replicated with its gradient summed (so shares its gather)."""
+    strategy = chosen.get(reader.name)
+    if strategy is None:
+        return True  # past the block: its own block's layout is not known here
+    required = strategy.inputs[reader.all_input_nodes.index(x)]
+    return required == REPLICATE and strategy.copies(REPLICATE, op_graph.nodes[x.name].needs_grad)
 
 
 _PRODUCTS = frozenset({"linear", "matmul", "mm", "bmm"})
@@ -165,7 +180,7 @@ def fused_linears(op_graph: OpGraph, members: list[fx.Node], chosen: dict[str, S
     pieces, ``autopart.solve.assemble``); a Transformer's cuts pass only the residual stream."""
     for node in members:
         strategy = chosen.get(node.name)
-        x = gathered_input(op_graph, node)
+        x = gathered_input(op_graph, node, chosen)
         if strategy is not None and x is not None and strategy.inputs and strategy.inputs[0] == REPLICATE:
             source = chosen[x.name].output if x.name in chosen else placement_of(x.name)
             copy = strategy.copies(REPLICATE, op_graph.nodes[x.name].needs_grad)

@@ -175,9 +175,8 @@ class _BlockModel:
     def _local_saved_bytes(self, node: fx.Node, strategy: Strategy, chosen: dict[str, Strategy]) -> int:
         """What the op saves for backward on one rank: a t-th where it is split, except the inputs
         it reads whole (a column-parallel linear keeps its whole input), unless that input is
-        gathered from a sequence split by a linear that alone reads it (``gathered_linear``
-        keeps the slice; users that only read its size do not count, the generated code writes
-        the size as a constant)."""
+        gathered from a sequence split for that linear alone (``gathered_linear`` keeps the
+        slice; ``autopart.solve.overlap.gathered_input`` says when)."""
         costs = self.chain.op_graph.nodes
         saved = costs[node.name].saved_bytes
         if not strategy.divided:
@@ -188,7 +187,7 @@ class _BlockModel:
             if required != REPLICATE or cost is None or cost.output is None or not cost.needs_grad or cost.is_parameter:
                 continue
             source = chosen[arg.name].output if arg.name in chosen else self._boundary(arg.name)
-            regathered = gathered_input(self.chain.op_graph, node) is arg
+            regathered = gathered_input(self.chain.op_graph, node, chosen) is arg
             if not (regathered and source == shard(SEQUENCE_DIM)):
                 whole += cost.output.nbytes
         whole = min(whole, saved)
