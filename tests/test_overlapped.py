@@ -165,6 +165,34 @@ def test_without_sp_a_bf16_layer_sums_its_products_gradients_in_bf16(tmp_path, s
     assert three - two == pytest.approx(4 * all_reduce, rel=1e-4)
 
 
+def test_only_an_activation_that_only_products_read_moves_as_they_read_it():
+    """A weight, or a view of one (``w.t()``), keeps its gradient's sum in fp32 wherever it is
+    read; an activation moves as the products that read it, unless anything else reads it too."""
+    import types
+
+    import torch
+    from torch import fx, nn
+
+    from autopart.solve.overlap import moves_for_products, reads_the_batch
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(4, 4))
+
+        def forward(self, x):
+            normed = torch.nn.functional.layer_norm(x, (4,))
+            return torch.mm(normed, self.w.t()) + torch.relu(normed)
+
+    traced = fx.symbolic_trace(Model())
+    op_graph = types.SimpleNamespace(graph=types.SimpleNamespace(module=traced))
+    nodes = {n.name: n for n in traced.graph.nodes}
+    assert [n for n in nodes if reads_the_batch(op_graph, n)] == ["x", "layer_norm", "mm", "relu", "add", "output"]
+    assert not moves_for_products(op_graph, "t", [nodes["mm"]])  # a view of a weight
+    assert moves_for_products(op_graph, "layer_norm", [nodes["mm"]])
+    assert not moves_for_products(op_graph, "layer_norm", [nodes["mm"], nodes["relu"]])
+
+
 def _count(source: str, name: str) -> int:
     """Calls of ``overlapped.NAME`` a stage program runs: a layer written once as a method counts
     once per call."""

@@ -37,7 +37,7 @@ from autopart.runtime import overlapped as overlapped_linears
 from autopart.solve.sharding import (
     REPLICATE, Placement, Strategy, argument, constant_of, folded_number, is_aten, local_shape, op_name,
 )
-from autopart.solve.overlap import products_only
+from autopart.solve.overlap import moves_for_products
 from autopart.solve.tensor import conversion, gathers_for_split_op
 
 __all__ = ["overlapped_shapes", "shard_stage_graph"]
@@ -68,37 +68,7 @@ def shard_stage_graph(
             placement[node.name] = parameters.get(str(node.target), REPLICATE)
         elif node.name in strategies:
             placement[node.name] = strategies[node.name].output
-    converted: dict[tuple[str, Placement, bool], fx.Node] = {}
-
-    def convert(arg: fx.Node, required: Placement, copy: bool, before: fx.Node) -> fx.Node:
-        key = (arg.name, required, copy)
-        if key in converted:
-            return converted[key]
-        current, value = placement.get(arg.name, REPLICATE), arg
-        if conversion(current, required, sequence_parallel=True) is None:
-            # a value that two blocks' layouts meet at, which no one collective turns from the one
-            # into the other (logits split over the sequence, a loss that wants the vocabulary
-            # split): the solver priced it through the block boundary, replicated there
-            # (``autopart.solve.sequence.boundary_placement``), and so it goes
-            value, current = convert(arg, REPLICATE, False, before), REPLICATE
-        step = conversion(current, required, sequence_parallel=True)  # the plan chose; any legal step is emitted
-        assert step is not None, f"{arg.name}: {current} cannot become {required}"
-        with graph.inserting_before(before):
-            if gathers_for_split_op(current, required, copy):
-                value = graph.call_function(collectives.gather_from_sequence, (value, current.dim))
-                copy = False  # its backward already sums the partial gradients
-            elif current.kind == "P" and required.kind == "S":
-                value = graph.call_function(collectives.reduce_scatter, (value, required.dim))
-            elif current.kind == "P":
-                value = graph.call_function(collectives.all_reduce, (value,))
-            elif current.kind == "S" and required == REPLICATE:
-                value = graph.call_function(collectives.all_gather, (value, current.dim, current.groups))
-            elif current == REPLICATE and required.kind == "S":
-                value = graph.call_function(collectives.scatter, (value, required.dim, required.groups))
-            if copy:
-                value = graph.call_function(collectives.copy_to_tp, (value,))
-        converted[key] = value
-        return value
+    convert = _Conversions(graph, placement)
 
     for node in list(graph.nodes):
         if node.op in ("placeholder", "get_attr", "output"):
@@ -129,11 +99,54 @@ def shard_stage_graph(
     graph.eliminate_dead_code()
     _fuse_gathered_linears(graph)
     if autocast_dtype(op_graph.dtype) is not None:
-        _move_for_products(graph)
+        _move_for_products(graph, op_graph, convert.sources)
     if overlapped:
         _overlap_linears(graph, overlapped, op_graph, tp)
     graph.lint()
     return replace(stage, graph=graph)
+
+
+class _Conversions:
+    """Inserts the collectives that turn a value's placement into what a reader needs: one per
+    (value, placement, copied), shared by the readers that need it so, as the solver prices it."""
+
+    def __init__(self, graph: fx.Graph, placement: dict[str, Placement]):
+        self.graph, self.placement = graph, placement
+        self.converted: dict[tuple[str, Placement, bool], fx.Node] = {}
+        self.sources: dict[fx.Node, str] = {}  # a gather_from_sequence or copy_to_tp -> the value it moves
+
+    def __call__(self, arg: fx.Node, required: Placement, copy: bool, before: fx.Node) -> fx.Node:
+        key = (arg.name, required, copy)
+        if key in self.converted:
+            return self.converted[key]
+        current, value = self.placement.get(arg.name, REPLICATE), arg
+        if conversion(current, required, sequence_parallel=True) is None:
+            # a value that two blocks' layouts meet at, which no one collective turns from the one
+            # into the other (logits split over the sequence, a loss that wants the vocabulary
+            # split): the solver priced it through the block boundary, replicated there
+            # (``autopart.solve.sequence.boundary_placement``), and so it goes
+            value, current = self(arg, REPLICATE, False, before), REPLICATE
+        step = conversion(current, required, sequence_parallel=True)  # the plan chose; any legal step is emitted
+        assert step is not None, f"{arg.name}: {current} cannot become {required}"
+        call = self.graph.call_function
+        with self.graph.inserting_before(before):
+            if gathers_for_split_op(current, required, copy):
+                value = call(collectives.gather_from_sequence, (value, current.dim))
+                self.sources[value] = arg.name
+                copy = False  # its backward already sums the partial gradients
+            elif current.kind == "P" and required.kind == "S":
+                value = call(collectives.reduce_scatter, (value, required.dim))
+            elif current.kind == "P":
+                value = call(collectives.all_reduce, (value,))
+            elif current.kind == "S" and required == REPLICATE:
+                value = call(collectives.all_gather, (value, current.dim, current.groups))
+            elif current == REPLICATE and required.kind == "S":
+                value = call(collectives.scatter, (value, required.dim, required.groups))
+            if copy:
+                value = call(collectives.copy_to_tp, (value,))
+                self.sources[value] = arg.name
+        self.converted[key] = value
+        return value
 
 
 def _fuse_gathered_linears(graph: fx.Graph) -> None:
@@ -160,13 +173,13 @@ _FOR_PRODUCTS = {
 }
 
 
-def _move_for_products(graph: fx.Graph) -> None:
+def _move_for_products(graph: fx.Graph, op_graph: OpGraph, sources: dict[fx.Node, str]) -> None:
     """Under autocast, a ``gather_from_sequence`` or ``copy_to_tp`` of an activation that only
     matrix products read (a Llama layer's normed input of q, k and v) becomes its ``_for_products``
-    form, which moves the dtype they read; the solver priced it so
-    (``autopart.solve.overlap.moved_share``). A parameter's gradient is summed as it is."""
+    form, which moves the dtype they read, as the solver prices it
+    (``autopart.solve.overlap.moves_for_products``). A weight's gradient is summed as it is."""
     for node in list(graph.nodes):
-        if node.target in _FOR_PRODUCTS and node.args[0].op != "get_attr" and products_only(node.users):
+        if node.target in _FOR_PRODUCTS and moves_for_products(op_graph, sources[node], node.users):
             with graph.inserting_after(node):  # a new node, named for what it calls
                 moved = graph.call_function(_FOR_PRODUCTS[node.target], node.args)
             node.replace_all_uses_with(moved)

@@ -23,6 +23,7 @@ host's when its threads run them), the overlap is less than this counts.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
@@ -34,7 +35,7 @@ from autopart.solve.sharding import REPLICATE, Placement, Strategy, argument, fo
 from cost_models import CostModel
 
 __all__ = ["FusedLinear", "Products", "exposed_s", "fused_linears", "fused_seconds", "gathered_input", "linear_products",
-           "moved_share", "piece_counts", "products_only"]
+           "moved_share", "moves_for_products", "piece_counts", "products_only", "reads_the_batch"]
 
 
 @dataclass(frozen=True)
@@ -157,16 +158,38 @@ def products_only(readers) -> bool:
     return bool(readers) and all(op_name(reader) in _PRODUCTS for reader in readers)
 
 
+_READ_THE_BATCH: weakref.WeakKeyDictionary[fx.Graph, frozenset[str]] = weakref.WeakKeyDictionary()  # per traced graph
+
+
+def reads_the_batch(op_graph: OpGraph, value: str) -> bool:
+    """Whether ``value`` is computed from the batch (an activation), not from weights and buffers
+    alone (a weight, or a view of one such as ``w.t()``)."""
+    traced = op_graph.graph.module.graph
+    names = _READ_THE_BATCH.get(traced)
+    if names is None:
+        found: set[str] = set()
+        for node in traced.nodes:  # in topological order
+            if node.op == "placeholder" or any(arg.name in found for arg in node.all_input_nodes):
+                found.add(node.name)
+        names = _READ_THE_BATCH[traced] = frozenset(found)
+    return value in names
+
+
+def moves_for_products(op_graph: OpGraph, value: str, readers) -> bool:
+    """Whether the gather of ``value`` from the sequence split that ``readers`` read, and the sum
+    of the gradients they send back, move in the dtype the readers compute in: where ``value`` is
+    an activation that only matrix products read (``tp.gather_for_products``,
+    ``tp.copy_for_products``). A weight's gradient is summed as it is, in fp32."""
+    return reads_the_batch(op_graph, value) and products_only(readers)
+
+
 def moved_share(op_graph: OpGraph, value: str, *, products: bool) -> float:
-    """What of an activation's bytes moves where it is gathered from the sequence split for
-    ``products`` (whether only matrix products read what is gathered), or its gradient comes back
-    from them: where the forward runs under autocast, the value is fp32 (a norm's output, on
-    autocast's fp32 list) and only products read it, the lower precision they read, as the runtime
-    moves it (``gathered_linear``, ``gather_for_products``, ``copy_for_products`` in
-    ``autopart.runtime.collectives``); else all of its bytes."""
-    cost = op_graph.nodes[value]
-    low, meta = autocast_dtype(op_graph.dtype), cost.output
-    if low is None or meta is None or meta.dtype != "float32" or cost.is_parameter or not products:
+    """What of ``value``'s bytes a collective moves where ``products`` (it moves as matrix products
+    read it: ``gathered_linear`` always, otherwise ``moves_for_products``): under autocast, for an
+    fp32 value (a norm's output, on autocast's fp32 list), the lower precision the products read,
+    as the runtime casts it (``autopart.runtime.collectives.product_dtype``); else all of it."""
+    low, meta = autocast_dtype(op_graph.dtype), op_graph.nodes[value].output
+    if low is None or meta is None or meta.dtype != "float32" or not products:
         return 1.0
     return low.itemsize / 4
 
@@ -213,22 +236,26 @@ def _scattered_dim(op_graph: OpGraph, node: fx.Node, chosen: dict[str, Strategy]
 
 def fused_seconds(op_graph: OpGraph, members: list[fx.Node], chosen: dict[str, Strategy],
                   placement_of: Callable[[str], Placement], collective_s: Callable[..., float], *, t: int,
-                  cost_model: CostModel, overlap: bool) -> tuple[float, dict[str, int]]:
+                  cost_model: CostModel, overlap: bool, priced_share: Callable[[str], float]) -> tuple[float, dict[str, int]]:
     """What a block's fused linears change of its conversions' seconds, which price each
     conversion alone (``autopart.solve.tensor``): a gathered linear gathers its slice again in
     backward; with ``overlap``, each fused linear is cut into the pieces that add least to its
     products, or not cut where even two pieces' collectives (each with its own latency) cost more
     than they hide. Also the pieces, per linear cut. ``collective_s(kind, value, share=1.0)``: one
-    collective of a value's bytes (a share of them)."""
+    collective of a value's bytes (a share of them); ``priced_share(value)``: the share the
+    conversion of a gathered linear's input priced (``moved_share``)."""
     change, cut = 0.0, {}
     for fused in fused_linears(op_graph, members, chosen, placement_of):
         moved = 1.0
         if fused.kind == "gathered":  # the conversion priced the gather and the gradient's reduce-scatter
             input_gradient = op_graph.nodes[fused.value].needs_grad
-            moved = moved_share(op_graph, fused.value, products=True)
+            share = priced_share(fused.value)
+            priced = collective_s("all_gather", fused.value, share=share)
+            priced += collective_s("reduce_scatter", fused.value, share=share) * input_gradient
+            moved = moved_share(op_graph, fused.value, products=True)  # gathered_linear casts any fp32 slice
             gather, scatter = (collective_s(kind, fused.value, share=moved) for kind in ("all_gather", "reduce_scatter"))
             whole = 2 * gather + scatter * input_gradient  # and in backward the gather again
-            change += gather
+            change += whole - priced
         else:  # the pair's terms: the reduce-scatter, the gradient's gather
             input_gradient = op_graph.nodes[fused.input].needs_grad
             gather, scatter = (collective_s(kind, fused.value) for kind in ("all_gather", "reduce_scatter"))

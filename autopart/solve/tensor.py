@@ -39,7 +39,7 @@ from autopart.solve._cp_sat import cp_model
 from torch import fx
 
 from autopart.passes.blocks import Block, BlockChain
-from autopart.solve.overlap import fused_seconds, gathered_input, moved_share, products_only
+from autopart.solve.overlap import fused_seconds, gathered_input, moved_share, moves_for_products
 from autopart.solve.sequence import SEQUENCE_DIM, boundary_placement
 from autopart.solve.sharding import REPLICATE, Placement, Strategy, is_tuple_of_tensors, shard
 from autopart.solve.sharding_rules import strategies
@@ -247,9 +247,9 @@ class _BlockModel:
             m.add_max_equality(needed, users)
             sources = self.placed.get(name, {self._boundary(name): None})  # None: fixed (a boundary, a buffer)
             whole_tuple = is_tuple_of_tensors(self.fx_nodes[name], self.chain.op_graph)  # split's tuple: its items convert
-            products = products_only(self.readers.get((name, required, copy), ()))
+            share = self._share(name, required, copy)
             for placement, placed in sources.items():
-                seconds = self._pair_seconds(placement, required, copy, name, products)
+                seconds = self._pair_seconds(placement, required, copy, name, share)
                 if seconds is None or whole_tuple and placement != required:
                     m.add_bool_or([needed.Not()] + ([placed.Not()] if placed is not None else []))
                 elif seconds:
@@ -261,16 +261,21 @@ class _BlockModel:
                     self.objective.append(term)
                     self.communication.append(term)
 
-    def _pair_seconds(self, source: Placement, required: Placement, copy: bool, name: str, products: bool) -> float | None:
-        """One conversion's collectives; ``products``: only matrix products may read its result,
-        so a gather from the sequence split, and the gradient they send back, move the dtype they
-        read (``moved_share``)."""
+    def _share(self, name: str, required: Placement, copy: bool) -> float:
+        """What of ``name``'s bytes its gather from the sequence split for the readers that need it
+        as ``required`` (``copy``: their gradients summed), or that sum, moves: the products'
+        dtype where only products may read it (``autopart.solve.overlap.moves_for_products``)."""
+        readers = self.readers.get((name, required, copy), ())
+        return moved_share(self.chain.op_graph, name, products=moves_for_products(self.chain.op_graph, name, readers))
+
+    def _pair_seconds(self, source: Placement, required: Placement, copy: bool, name: str, share: float) -> float | None:
+        """One conversion's collectives; ``share``: of a gather from the sequence split and of a
+        summed gradient, the share of the bytes that moves (``_share``)."""
         step = conversion(source, required, sequence_parallel=self.sequence_parallel)
         if step is None:
             return None
         forward, backward = step
         needs_grad = self.chain.op_graph.nodes[name].needs_grad
-        share = moved_share(self.chain.op_graph, name, products=products)
         if gathers_for_split_op(source, required, copy):
             return self._seconds(forward, name, share) + (self._seconds("reduce_scatter", name, share) if needs_grad else 0.0)
         seconds = self._seconds(forward, name) + (self._seconds(backward, name) if needs_grad else 0.0)
@@ -323,7 +328,7 @@ class _BlockModel:
         total = sum(solver.value(term) for term in self.objective) / _NS
         fused_s, overlapped = fused_seconds(
             self.chain.op_graph, self.members, chosen, self._boundary, self._seconds, t=self.t, cost_model=self.cost_model,
-            overlap=self.overlap)  # fmt: skip
+            overlap=self.overlap, priced_share=lambda value: self._share(value, REPLICATE, True))  # fmt: skip
         return BlockSharding(
             strategies=chosen,
             parameters=parameters,
