@@ -34,14 +34,16 @@ def megatron_layers(path, *, layers: int = 2, size_of_normed: bool = False, spli
     return path
 
 
-def layer_activation_bytes(tmp_path, *, tp: int, sp: bool, size_of_normed: bool = False, recompute: str = "none") -> int:
+def layer_activation_bytes(tmp_path, *, tp: int, sp: bool, size_of_normed: bool = False, recompute: str = "none",
+                           split_qkv: bool = False, dtype: str = "fp32") -> int:
     """One layer's activation bytes as the memory model predicts them: a model of three layers
     less the same model of two (everything else is the same in both)."""
     totals = []
     for layers in (2, 3):
-        model = megatron_layers(tmp_path / f"layers_{layers}.py", layers=layers, size_of_normed=size_of_normed)
+        model = megatron_layers(tmp_path / f"layers_{layers}{'_split' if split_qkv else ''}.py", layers=layers,
+                                size_of_normed=size_of_normed, split_qkv=split_qkv)
         plan = autopart.compile(model, tp=tp, sp=sp, microbatches=1, micro_batch_size=1, device="h100-sxm",
-                                recompute=recompute)
+                                recompute=recompute, dtype=dtype)
         totals.append(sum(stage.activation_bytes for stage in plan.stages))
     return totals[1] - totals[0]
 
@@ -64,6 +66,16 @@ def test_full_recompute_keeps_each_layer_s_input_alone(tmp_path, tp, sp):
     s, b, h, t = 2048, 1, 4096, tp
     expected = 2 * s * b * h / (t if sp else 1)
     assert layer_activation_bytes(tmp_path, tp=tp, sp=sp, recompute="full") == pytest.approx(expected, rel=0.01)
+
+
+def test_a_linear_under_autocast_keeps_the_bf16_copy_of_its_whole_input(tmp_path):
+    """Under bf16 autocast a norm's output is fp32 and a column-parallel linear keeps its bf16
+    cast copy of it, whole on every rank without SP. q, k and v as three linears keep three copies
+    where one QKV linear keeps one (their weights' copies add up the same): two more bf16 copies
+    of s·b·h a layer, not two fp32 ones."""
+    s, b, h = 2048, 1, 4096
+    split, fused = (layer_activation_bytes(tmp_path, tp=8, sp=False, split_qkv=qkv, dtype="bf16") for qkv in (True, False))
+    assert split - fused == 2 * 2 * s * b * h
 
 
 def test_a_size_read_off_the_normed_input_keeps_the_regathered_slice(tmp_path):
