@@ -182,13 +182,18 @@ def test_only_an_activation_that_only_products_read_moves_as_they_read_it():
 
         def forward(self, x):
             normed = torch.nn.functional.layer_norm(x, (4,))
-            return torch.mm(normed, self.w.t()) + torch.relu(normed)
+            cast = self.w.type_as(x)[: x.size(1)]  # a weight cast as the batch, cut to its size: a weight
+            return torch.mm(normed, self.w.t()) + torch.relu(normed) + torch.mm(normed, cast)
 
     traced = fx.symbolic_trace(Model())
-    op_graph = types.SimpleNamespace(graph=types.SimpleNamespace(module=traced))
     nodes = {n.name: n for n in traced.graph.nodes}
-    assert [n for n in nodes if reads_the_batch(op_graph, n)] == ["x", "layer_norm", "mm", "relu", "add", "output"]
+    metadata = {"size": types.SimpleNamespace(output=None, constant=4)}  # what the annotation says of a size
+    op_graph = types.SimpleNamespace(graph=types.SimpleNamespace(module=traced),
+                                     nodes={n: metadata.get(n, types.SimpleNamespace(output=True)) for n in nodes})
+    read = [n for n in nodes if reads_the_batch(op_graph, n)]
+    assert read == ["x", "layer_norm", "size", "mm", "relu", "add", "mm_1", "add_1", "output"], read
     assert not moves_for_products(op_graph, "t", [nodes["mm"]])  # a view of a weight
+    assert not moves_for_products(op_graph, "getitem", [nodes["mm_1"]])
     assert moves_for_products(op_graph, "layer_norm", [nodes["mm"]])
     assert not moves_for_products(op_graph, "layer_norm", [nodes["mm"], nodes["relu"]])
 

@@ -71,8 +71,7 @@ def test_full_recompute_keeps_each_layer_s_input_alone(tmp_path, tp, sp):
 def test_a_linear_under_autocast_keeps_the_bf16_copy_of_its_whole_input(tmp_path):
     """Under bf16 autocast a norm's output is fp32 and a column-parallel linear keeps its bf16
     cast copy of it, whole on every rank without SP. q, k and v as three linears keep three copies
-    where one QKV linear keeps one (their weights' copies add up the same): two more bf16 copies
-    of s·b·h a layer, not two fp32 ones."""
+    where one QKV linear keeps one: two more bf16 copies of s·b·h a layer, not two fp32 ones."""
     s, b, h = 2048, 1, 4096
     split, fused = (layer_activation_bytes(tmp_path, tp=8, sp=False, split_qkv=qkv, dtype="bf16") for qkv in (True, False))
     assert split - fused == 2 * 2 * s * b * h

@@ -8,9 +8,9 @@ rank runs:
   (``tp.all_reduce``, ``tp.all_gather``, ``tp.scatter``, and with sequence parallelism
   ``tp.reduce_scatter``); a replicated tensor that needs a gradient and feeds a split op goes
   through ``tp.copy_to_tp`` (all-reduce of its gradient), or, gathered from a sequence split,
-  through ``tp.gather_from_sequence`` (its gradient reduce-scattered); under autocast, where
-  only matrix products read it, each moves the dtype they read (``tp.copy_for_products``,
-  ``tp.gather_for_products``);
+  through ``tp.gather_from_sequence`` (its gradient reduce-scattered); under autocast, of an
+  activation that only matrix products read, each moves the dtype they read
+  (``tp.copy_for_products``, ``tp.gather_for_products``);
 - with ``overlap`` (``--tp-overlap``), a gathered linear and a row-parallel linear whose output
   is reduce-scattered run in pieces, each collective beside the products
   (``autopart.runtime.overlapped``; which linears, ``autopart.solve.overlap``);
@@ -176,10 +176,12 @@ _FOR_PRODUCTS = {
 def _move_for_products(graph: fx.Graph, op_graph: OpGraph, sources: dict[fx.Node, str]) -> None:
     """Under autocast, a ``gather_from_sequence`` or ``copy_to_tp`` of an activation that only
     matrix products read (a Llama layer's normed input of q, k and v) becomes its ``_for_products``
-    form, which moves the dtype they read, as the solver prices it
-    (``autopart.solve.overlap.moves_for_products``). A weight's gradient is summed as it is."""
+    form, which moves the dtype they read, by the rule the solver prices it by
+    (``autopart.solve.overlap.moves_for_products``, which the solver asks of every reader that
+    may need the conversion). A weight's gradient is summed in its own dtype."""
     for node in list(graph.nodes):
-        if node.target in _FOR_PRODUCTS and moves_for_products(op_graph, sources[node], node.users):
+        source = sources.get(node)  # None: not inserted by this pass, left as it is
+        if node.target in _FOR_PRODUCTS and source is not None and moves_for_products(op_graph, source, node.users):
             with graph.inserting_after(node):  # a new node, named for what it calls
                 moved = graph.call_function(_FOR_PRODUCTS[node.target], node.args)
             node.replace_all_uses_with(moved)

@@ -31,7 +31,9 @@ from torch import fx
 
 from autopart.ir.tensors import autocast_dtype
 from autopart.passes.annotate import OpGraph
-from autopart.solve.sharding import REPLICATE, Placement, Strategy, argument, folded_number, is_aten, op_name
+from autopart.solve.sharding import (
+    REPLICATE, Placement, Strategy, argument, folded_number, is_aten, is_tuple_of_tensors, op_name,
+)
 from cost_models import CostModel
 
 __all__ = ["FusedLinear", "Products", "exposed_s", "fused_linears", "fused_seconds", "gathered_input", "linear_products",
@@ -162,24 +164,40 @@ _READ_THE_BATCH: weakref.WeakKeyDictionary[fx.Graph, frozenset[str]] = weakref.W
 
 
 def reads_the_batch(op_graph: OpGraph, value: str) -> bool:
-    """Whether ``value`` is computed from the batch (an activation), not from weights and buffers
-    alone (a weight, or a view of one such as ``w.t()``)."""
+    """Whether ``value``'s data is computed from the batch (an activation), not from weights and
+    buffers alone (a weight, or a view or cast of one: ``w.t()``, ``w.type_as(x)``,
+    ``w[:x.size(1)]``). Sizes, dtypes and devices read off the batch carry none of its data."""
     traced = op_graph.graph.module.graph
     names = _READ_THE_BATCH.get(traced)
     if names is None:
         found: set[str] = set()
         for node in traced.nodes:  # in topological order
-            if node.op == "placeholder" or any(arg.name in found for arg in node.all_input_nodes):
+            if node.op == "placeholder" or any(arg.name in found for arg in _data_inputs(op_graph, node)):
                 found.add(node.name)
         names = _READ_THE_BATCH[traced] = frozenset(found)
     return value in names
+
+
+_TAKES_ONLY_THE_DTYPE_OF_THE_REST = frozenset({"type_as", "to", "new_zeros", "new_ones", "new_empty", "new_full",
+                                               "new_tensor", "zeros_like", "ones_like", "empty_like", "full_like"})
+
+
+def _data_inputs(op_graph: OpGraph, node: fx.Node) -> list[fx.Node]:
+    """The inputs whose values ``node``'s output is computed from: tensors, not a size or dtype
+    read off one, nor the tensor whose dtype a cast (``w.type_as(x)``) or a new tensor takes."""
+    tensors = [arg for arg in node.all_input_nodes if arg.name not in op_graph.nodes
+               or op_graph.nodes[arg.name].output is not None or is_tuple_of_tensors(arg, op_graph)]
+    if op_name(node) in _TAKES_ONLY_THE_DTYPE_OF_THE_REST:
+        first = node.args[0] if node.args else None
+        return [arg for arg in tensors if arg is first and op_name(node) in ("type_as", "to")]
+    return tensors
 
 
 def moves_for_products(op_graph: OpGraph, value: str, readers) -> bool:
     """Whether the gather of ``value`` from the sequence split that ``readers`` read, and the sum
     of the gradients they send back, move in the dtype the readers compute in: where ``value`` is
     an activation that only matrix products read (``tp.gather_for_products``,
-    ``tp.copy_for_products``). A weight's gradient is summed as it is, in fp32."""
+    ``tp.copy_for_products``). A weight's gradient is summed in its own dtype."""
     return reads_the_batch(op_graph, value) and products_only(readers)
 
 
