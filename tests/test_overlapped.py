@@ -110,8 +110,8 @@ def _layer_model(tmp_path, layers: int, split_qkv: bool = False):
                            split_qkv=split_qkv)
 
 
-def _communication_s(model, *, overlap: bool, dtype: str = "fp32") -> float:
-    options = CompileOptions(model=model, tp=8, sp=True, microbatches=1, micro_batch_size=1, device="h100-sxm",
+def _communication_s(model, *, overlap: bool, dtype: str = "fp32", sp: bool = True) -> float:
+    options = CompileOptions(model=model, tp=8, sp=sp, microbatches=1, micro_batch_size=1, device="h100-sxm",
                              tp_overlap=overlap, dtype=dtype)  # fmt: skip
     return sum(sharding.communication_s for sharding in build_front(options, 1).shardings)
 
@@ -158,9 +158,8 @@ def test_without_sp_a_bf16_layer_sums_its_products_gradients_in_bf16(tmp_path, s
     linears in forward, and in backward the gradients of the inputs of its column-parallel ones
     (Megatron's g and f): four all-reduces of s·b·h, all bf16 as Megatron's. The norms' outputs are
     fp32 under autocast, but only products read them, so their gradients come back in bf16."""
-    options = dict(tp=8, sp=False, microbatches=1, micro_batch_size=1, device="h100-sxm", dtype="bf16")
-    two, three = (sum(sharding.communication_s for sharding in build_front(
-        CompileOptions(model=_layer_model(tmp_path, n, split_qkv=split_qkv), **options), 1).shardings) for n in (2, 3))
+    two, three = (_communication_s(_layer_model(tmp_path, n, split_qkv=split_qkv), overlap=False, dtype="bf16", sp=False)
+                  for n in (2, 3))
     all_reduce = get_cost_model("h100-sxm").collective_time("all_reduce", 2048 * 1 * 4096 * 2, 8)
     assert three - two == pytest.approx(4 * all_reduce, rel=1e-4)
 
@@ -198,15 +197,10 @@ def test_only_an_activation_that_only_products_read_moves_as_they_read_it():
     assert not moves_for_products(op_graph, "layer_norm", [nodes["mm"], nodes["relu"]])
 
 
-def _count(source: str, name: str) -> int:
-    """Calls of ``overlapped.NAME`` a stage program runs: a layer written once as a method counts
-    once per call."""
-    found = 0
-    for method in re.split(r"\n    def ", source)[1:]:
-        method_name = method.split("(", 1)[0]
-        calls = 1 if method_name == "forward" else len(re.findall(rf"self\.{method_name}\(", source))
-        found += calls * len(re.findall(rf"= overlapped\.{name}\(", method))
-    return found
+def _cut(source: str) -> int:
+    """The overlapped linears a stage program runs (``overlapped.NAME`` calls, each call of a layer
+    method counted)."""
+    return sum(collectives(source, ("linear_reduce_scatter", "gathered_linear"), module="overlapped").values())
 
 
 def test_the_code_cuts_the_linears_the_plan_prices_in_the_pieces_it_priced(tmp_path):
@@ -217,7 +211,7 @@ def test_the_code_cuts_the_linears_the_plan_prices_in_the_pieces_it_priced(tmp_p
     priced = {name: pieces for stage in plan.stages for name, pieces in stage.overlapped.items()}
     assert priced and set(priced.values()) == {2}  # a rank's 8 rows of the sequence, 2 ranks
     source = "".join(p.read_text() for p in sorted((out / "stages").glob("stage_*.py")))
-    cut = _count(source, "linear_reduce_scatter") + _count(source, "gathered_linear")
+    cut = _cut(source)
     assert cut == len(priced)
     assert re.findall(r"= overlapped\.\w+\(.*, 2\)", source)  # the pieces, as the plan has them
     assert f"{len(priced)} linears run in pieces beside their collectives" in (out / "report.md").read_text()
@@ -280,7 +274,7 @@ def test_the_code_cuts_each_linear_in_the_plans_pieces(tmp_path, pieces):
     source = "".join(p.read_text() for p in (autopart.emit(plan, tmp_path / "out") / "stages").glob("stage_*.py"))
     calls = re.findall(r"= overlapped\.\w+\(.*, (\d+)\)", source)
     assert listed and set(calls) == {str(pieces)}
-    assert _count(source, "linear_reduce_scatter") + _count(source, "gathered_linear") == listed
+    assert _cut(source) == listed
 
 
 def test_a_plan_that_cuts_what_the_code_cannot_is_refused(tmp_path):

@@ -91,16 +91,19 @@ def test_a_size_read_off_the_normed_input_keeps_the_regathered_slice(tmp_path):
     assert sized == layer_activation_bytes(tmp_path / "plain", tp=8, sp=True)
 
 
-def collectives(source: str) -> dict[str, int]:
-    """The collectives a stage program runs: a layer written once as a method counts once per call."""
-    names = ("all_reduce", "reduce_scatter", "gather_from_sequence", "gather_for_products", "gathered_linear", "copy_to_tp",
-             "copy_for_products")
+TP_COLLECTIVES = ("all_reduce", "reduce_scatter", "gather_from_sequence", "gather_for_products", "gathered_linear",
+                  "copy_to_tp", "copy_for_products")
+
+
+def collectives(source: str, names: tuple[str, ...] = TP_COLLECTIVES, module: str = "tp") -> dict[str, int]:
+    """The calls of ``module.NAME`` a stage program runs, per name: a layer written once as a
+    method counts once per call."""
     found = dict.fromkeys(names, 0)
     for method in re.split(r"\n    def ", source)[1:]:
         name = method.split("(", 1)[0]
         calls = 1 if name == "forward" else len(re.findall(rf"self\.{name}\(", source))
         for collective in names:
-            found[collective] += calls * len(re.findall(rf"= tp\.{collective}\(", method))
+            found[collective] += calls * len(re.findall(rf"= {module}\.{collective}\(", method))
     return found
 
 
