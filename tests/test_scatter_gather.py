@@ -1,5 +1,5 @@
 """Pipeline messages split over the tensor-parallel group: the rule, its cost, and real gloo ranks
-that send only their share and receive the whole tensor."""
+that send only their share and receive the whole tensor, or keep the slice of a sequence-parallel one."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from autopart.ir.tensors import TensorMeta
 from autopart.runtime.p2p import Scatter, recv_tensors, send_tensors
-from autopart.ir.scatter_gather import parts
+from autopart.ir.scatter_gather import gathered, held_bytes, held_shape, parts, sent_bytes
 from autopart.predict.messages import message_seconds
 from cost_models import get_cost_model
 from tests.distributed import gloo_group, spawn_ranks
@@ -38,11 +38,40 @@ def test_a_split_message_costs_its_share_across_nodes_and_a_gather_inside_one():
     )
 
 
-METAS = [TensorMeta(shape=(2, 3, 4), dtype="float32"), TensorMeta(shape=(5,), dtype="float32")]  # 24 split, 5 whole
+def test_a_sequence_parallel_slice_travels_as_it_is_held():
+    meta = TensorMeta(shape=(2, 8, 6), dtype="bfloat16", split_dim=1)
+    assert held_shape(meta, 4) == (2, 2, 6) and held_shape(meta, 1) == (2, 8, 6)
+    assert held_bytes(meta, 4) == sent_bytes(meta, 4) == meta.nbytes // 4 and not gathered(meta, 4)
+    whole = TensorMeta(shape=(2, 8, 6), dtype="bfloat16")
+    assert held_bytes(whole, 4) == whole.nbytes and sent_bytes(whole, 4) == whole.nbytes // 4 and gathered(whole, 4)
+    with pytest.raises(ValueError, match="cannot split 3 ways along dim 1"):
+        held_shape(meta, 3)
+    cost_model = get_cost_model("a100-80gb")
+    assert message_seconds(cost_model, [meta], tp=4, across_nodes=True, tp_nodes=1) == (
+        cost_model.p2p_time(meta.nbytes // 4, across_nodes=True)  # no gather: the receiver keeps the slice
+    )
+
+
+def test_a_split_dim_round_trips_through_json_and_older_plans_read_the_same():
+    meta = TensorMeta(shape=(2, 8, 6), dtype="float32", split_dim=1)
+    assert TensorMeta.from_json(meta.to_json()) == meta
+    assert TensorMeta(shape=(2,), dtype="float32").to_json() == {"shape": [2], "dtype": "float32"}
+
+
+METAS = [TensorMeta(shape=(2, 3, 4), dtype="float32"), TensorMeta(shape=(5,), dtype="float32"),  # 24 split, 5 whole
+         TensorMeta(shape=(2, 4, 3), dtype="float32", split_dim=1)]  # each rank's slice of the sequence
 
 
 def _expected() -> list[torch.Tensor]:
-    return [torch.arange(24, dtype=torch.float32).view(2, 3, 4), torch.arange(5, dtype=torch.float32) - 7]
+    return [torch.arange(24, dtype=torch.float32).view(2, 3, 4), torch.arange(5, dtype=torch.float32) - 7,
+            torch.arange(24, dtype=torch.float32).view(2, 4, 3) * 3]
+
+
+def _held(tp_rank: int) -> list[torch.Tensor]:
+    """What tensor-parallel rank ``tp_rank`` holds of ``_expected``: the whole of the replicated ones,
+    its half of the sequence of the split one."""
+    whole = _expected()
+    return [whole[0], whole[1], whole[2].chunk(2, dim=1)[tp_rank].contiguous()]
 
 
 def _rank(rank: int, port: int) -> None:
@@ -52,18 +81,20 @@ def _rank(rank: int, port: int) -> None:
         tp_rank = rank % 2
         scatter = Scatter(groups[rank // 2], tp_rank, 2)
         if rank < 2:
-            tensors = _expected()
+            tensors = _held(tp_rank)
             # spoil the half of the split tensor that the other rank sends: it must not travel from here
             flat = tensors[0].view(-1)
             flat[(1 - tp_rank) * 12 : (2 - tp_rank) * 12] = float("nan")
-            for work in send_tensors(tensors, rank + 2, scatter):
+            for work in send_tensors(tensors, rank + 2, scatter, metas=METAS):
                 work.wait()
         else:
             received = recv_tensors(METAS, rank - 2, torch.device("cpu"), scatter)
-            if not all(torch.equal(a, b) for a, b in zip(received, _expected())):
+            if [tuple(t.shape) for t in received] != [(2, 3, 4), (5,), (2, 2, 3)]:
+                os._exit(2)
+            if not all(torch.equal(a, b) for a, b in zip(received, _held(tp_rank))):
                 os._exit(1)
 
 
 @pytest.mark.multiprocess
-def test_each_rank_sends_its_share_and_every_receiver_gets_the_whole_tensor():
-    assert spawn_ranks(_rank, 4) == [0, 0, 0, 0]  # a receiver exits 1 on a wrong tensor
+def test_each_rank_sends_its_share_and_every_receiver_gets_the_whole_tensor_or_its_slice():
+    assert spawn_ranks(_rank, 4) == [0, 0, 0, 0]  # a receiver exits 1 on a wrong tensor, 2 on a wrong shape

@@ -140,10 +140,15 @@ def stage_graphs(op_graph: OpGraph, stage_nodes: list[tuple[str, ...]]) -> list[
     return result
 
 
-def describe_tensors(names: tuple[str, ...], op_graph: OpGraph) -> str:
+def describe_tensors(names: tuple[str, ...], op_graph: OpGraph, held: dict[str, TensorMeta] | None = None,
+                     tp: int = 1) -> str:
+    """``names`` with their shapes and dtypes; ``held``: the plan's record of those that the
+    tensor-parallel ranks hold split (a slice each along a dim), which the text says."""
     parts = []
     for name in names:
         meta: TensorMeta | None = op_graph.nodes[name].output
-        parts.append(plain_text(f"{name} {tuple(meta.shape) if meta else ''} {meta.dtype if meta else ''}".strip()))
+        dim = getattr((held or {}).get(name), "split_dim", None)
+        how = f", split {tp} ways along dim {dim} (one slice per rank)" if dim is not None else ""
+        parts.append(plain_text(f"{name} {tuple(meta.shape) if meta else ''} {meta.dtype if meta else ''}".strip() + how))
     return ", ".join(parts) or "nothing"
 

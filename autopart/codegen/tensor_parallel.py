@@ -6,10 +6,12 @@ rank runs:
 
 - where a tensor's placement differs from what its consumer needs, the conversion is inserted
   (``tp.all_reduce``, ``tp.all_gather``, ``tp.scatter``, and with sequence parallelism
-  ``tp.reduce_scatter``); a replicated tensor that needs a gradient and feeds a split op goes
-  through ``tp.copy_to_tp`` (all-reduce of its gradient), or, gathered from a sequence split,
-  through ``tp.gather_from_sequence`` (its gradient reduce-scattered); under autocast, of an
-  activation that only matrix products read, each moves the dtype they read
+  ``tp.reduce_scatter``; what the stage receives and sends is as the plan holds it across the
+  boundary, the residual stream's slice under sequence parallelism); a replicated tensor that
+  needs a gradient and feeds a split op goes through ``tp.copy_to_tp`` (all-reduce of its
+  gradient), or, gathered from a sequence split, through ``tp.gather_from_sequence`` (its gradient
+  reduce-scattered); under autocast, of an activation that only matrix products read, each moves
+  the dtype they read
   (``tp.copy_for_products``, ``tp.gather_for_products``);
 - with ``overlap`` (``--tp-overlap``), a gathered linear and a row-parallel linear whose output
   is reduce-scattered run in pieces, each collective beside the products
@@ -60,14 +62,20 @@ def shard_stage_graph(
     op_graph: OpGraph,
     tp: int,
     overlapped: dict[str, int] | None = None,
+    boundary: dict[str, Placement] | None = None,
 ) -> StageGraph:
+    """``boundary``: the values received or sent that the ranks hold split (the residual stream
+    under sequence parallelism, each rank's slice of the sequence), by name; the others cross whole."""
     graph = stage.graph
+    boundary = boundary or {}
     placement: dict[str, Placement] = {}
     for node in graph.nodes:
         if node.op == "get_attr":
             placement[node.name] = parameters.get(str(node.target), REPLICATE)
         elif node.name in strategies:
             placement[node.name] = strategies[node.name].output
+        elif node.op == "placeholder" and node.name in boundary:
+            placement[node.name] = boundary[node.name]
     convert = _Conversions(graph, placement)
 
     for node in list(graph.nodes):
@@ -91,11 +99,9 @@ def shard_stage_graph(
                 if node.target is F.dropout or argument(node, 4, "dropout_p", 0.0):
                     node.target = _DRAWING[node.target]  # each rank's slice its own mask
         _fold_numbers(node, op_graph, placement, tp)
-    for node in graph.nodes:  # the outputs: sent on replicated, or the (replicated) loss
+    for node in graph.nodes:  # the outputs: sent on as the plan holds them (whole, or a slice), or the (replicated) loss
         if node.op == "output":
-            node.args = fx.map_arg(
-                node.args, lambda a: convert(a, REPLICATE, False, node) if placement.get(a.name, REPLICATE) != REPLICATE else a
-            )
+            node.args = fx.map_arg(node.args, lambda a: _sent(a, boundary.get(a.name, REPLICATE), placement, convert, node))
     graph.eliminate_dead_code()
     _fuse_gathered_linears(graph)
     if autocast_dtype(op_graph.dtype) is not None:
@@ -104,6 +110,12 @@ def shard_stage_graph(
         _overlap_linears(graph, overlapped, op_graph, tp)
     graph.lint()
     return replace(stage, graph=graph)
+
+
+def _sent(value: fx.Node, held: Placement, placement: dict[str, Placement], convert, output: fx.Node) -> fx.Node:
+    """``value`` as the plan sends it on: converted to the placement it is ``held`` in across the
+    boundary (the residual stream's slice under SP, else whole), where it is not so already."""
+    return convert(value, held, False, output) if placement.get(value.name, REPLICATE) != held else value
 
 
 class _Conversions:

@@ -131,7 +131,11 @@ class Plan:
 
     def to_json(self) -> dict[str, Any]:
         """The plan as plain JSON values (lists, dicts, numbers, strings)."""
-        return json.loads(json.dumps(asdict(self)))
+        data = asdict(self)
+        for stage, plan in zip(data["stages"], self.stages):  # a tensor as TensorMeta writes it (no null split)
+            stage["inputs"], stage["outputs"] = ([[n, m.to_json()] for n, m in tensors]
+                                                 for tensors in (plan.inputs, plan.outputs))
+        return json.loads(json.dumps(data))
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_json(), indent=2) + "\n")
@@ -157,6 +161,7 @@ class Plan:
             raise PlanError(f"plan.stages lists {len(stages)} stages but plan.mesh.pp x plan.schedule.chunks is "
                             f"{mesh.data['pp']} x {schedule.data['chunks']}; fix the field or recompile with autopart compile")
         _check_stages(stages, mesh.data["pp"])
+        _check_boundaries(stages, mesh.data["tp"])
         return Plan(
             version=version,
             mesh={k: mesh.int(k) for k in ("pp", "tp", "dp")},
@@ -185,6 +190,19 @@ class Plan:
             stage_sha256={str(k): str(v) for k, v in reader.sub("stage_sha256").data.items()}
             if "stage_sha256" in reader.data else {},
         )
+
+
+def _check_boundaries(stages: tuple[StagePlan, ...], tp: int) -> None:
+    """What a stage sends is what the next receives, and a tensor held split divides ``tp`` ways:
+    a receiver sizes its buffers by its own list, so a mismatch would read the wrong bytes."""
+    for position, stage in enumerate(stages):
+        if position + 1 < len(stages) and stage.outputs != stages[position + 1].inputs:
+            raise PlanError(f"plan.stages[{position}].outputs differ from plan.stages[{position + 1}].inputs; "
+                            "each stage receives what the one before it sends: recompile")
+        for name, meta in (*stage.inputs, *stage.outputs):
+            if meta.split_dim is not None and meta.shape[meta.split_dim] % tp:
+                raise PlanError(f"plan.stages[{position}] holds {name!r} split {tp} ways along dim {meta.split_dim}, "
+                                f"which its shape {list(meta.shape)} does not divide; recompile")
 
 
 def _check_stages(stages: tuple[StagePlan, ...], pp: int) -> None:
@@ -286,9 +304,13 @@ def _read_tensor(data: Any) -> tuple[str, TensorMeta]:
     if not (isinstance(data, list) and len(data) == 2 and isinstance(data[0], str) and isinstance(data[1], dict)):
         raise PlanError(f"a stage tensor must be [name, {{shape, dtype}}], got {json.dumps(data)[:80]}")
     try:
-        return data[0], TensorMeta.from_json(data[1])
+        meta = TensorMeta.from_json(data[1])
     except (KeyError, TypeError, ValueError):
         raise PlanError(f"stage tensor {data[0]!r} has a malformed shape or dtype") from None
+    if meta.split_dim is not None and not 0 <= meta.split_dim < len(meta.shape):
+        raise PlanError(f"stage tensor {data[0]!r} is split along dim {meta.split_dim}, which its shape "
+                        f"{list(meta.shape)} lacks; recompile")
+    return data[0], meta
 
 
 class _Reader:
@@ -371,6 +393,10 @@ def first_difference(pinned: Plan, rebuilt: Plan) -> tuple[str, Any, Any] | None
     without a word (a stage's ``rank`` edited to 5 on a 2-stage plan).
     """
     mine, theirs = pinned.to_json(), rebuilt.to_json()
+    if not any("split_dim" in meta for stage in mine["stages"] for _, meta in (*stage["inputs"], *stage["outputs"])):
+        for stage in theirs["stages"]:  # a plan written before slices crossed stages: the rebuilt one decides them
+            for _, meta in (*stage["inputs"], *stage["outputs"]):
+                meta.pop("split_dim", None)
     for part, keys in _DECIDED.items():
         for key in keys:
             a, b = (mine[part][key], theirs[part][key]) if part else (mine[key], theirs[key])

@@ -59,6 +59,10 @@ def precision(dtype: str, device_type: str = "cpu") -> contextlib.AbstractContex
 class TensorMeta:
     shape: tuple[int, ...]
     dtype: str  # "float32", "int64", ...
+    split_dim: int | None = None
+    """Where set, each rank of the tensor-parallel group holds its 1/t of the tensor along this dim
+    (the shape is the whole tensor's): a sequence-parallel value that crosses a pipeline
+    boundary, sent and received as each rank's slice (`autopart.ir.scatter_gather`)."""
 
     @property
     def numel(self) -> int:
@@ -69,11 +73,14 @@ class TensorMeta:
         return self.numel * torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
 
     def to_json(self) -> dict[str, Any]:
-        return {"shape": list(self.shape), "dtype": self.dtype}
+        split = {} if self.split_dim is None else {"split_dim": self.split_dim}
+        return {"shape": list(self.shape), "dtype": self.dtype, **split}
 
     @staticmethod
     def from_json(data: dict[str, Any]) -> TensorMeta:
-        return TensorMeta(shape=tuple(int(s) for s in data["shape"]), dtype=str(data["dtype"]))
+        split = data.get("split_dim")
+        return TensorMeta(shape=tuple(int(s) for s in data["shape"]), dtype=str(data["dtype"]),
+                          split_dim=None if split is None else int(split))
 
 
 def tensor_meta(tensor: torch.Tensor) -> TensorMeta:

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field, replace
 
 from autopart.ir.model_file import ModelSpec, is_meta, load_model_file
 from autopart.ir.placement import Placement
+from autopart.ir.scatter_gather import held_bytes
+from autopart.ir.tensors import TensorMeta
 from autopart.options import CompileOptions, local_kind
 from autopart.passes.annotate import OpGraph, annotate
 from autopart.passes.blocks import BlockChain, build_blocks
@@ -21,10 +23,12 @@ from autopart.passes.rewrite import separate_biases
 from autopart.profiling.measure_defaults import co_run_processes
 from autopart.profiling.profile import profile_costs
 from autopart.runtime.materialise import check_initialisers
+from autopart.solve.sequence import boundary_placement
 from autopart.solve.tensor import BlockSharding, shard_chain
 from cost_models import CostDatabase, CostModel, ProfiledCostModel, get_cost_model
 
-__all__ = ["Front", "annotated", "block_seconds", "build_front", "capture_for", "layer_input_bytes", "layer_rebuilt_bytes",
+__all__ = ["Front", "annotated", "block_seconds", "boundary_held_bytes", "build_front", "capture_for", "held_tensors",
+           "layer_input_bytes", "layer_rebuilt_bytes",
            "note_unsplit", "parameter_placements", "recompute_blocks", "sharded"]
 
 log = logging.getLogger("autopart")
@@ -127,12 +131,26 @@ def block_seconds(front: Front) -> list[tuple[float, float, float]]:
 
 def layer_input_bytes(front: Front, tp: int) -> tuple[int, ...]:
     """Per block, what a layer that begins there keeps under full recompute on one rank: what
-    enters it, split over the tensor-parallel ranks where the block runs sequence-parallel (the
-    residual stream is then a slice of the sequence), whole otherwise; none at the first block."""
-    chain = front.chain
-    split = [tp > 1 and front.shardings is not None and front.shardings[k].sequence_parallel
-             for k in range(len(chain.blocks))]
-    return (0, *(chain.boundaries[k - 1].nbytes // (tp if split[k] else 1) for k in range(1, len(chain.blocks))))
+    enters it, as the rank holds it (`boundary_held_bytes`); none at the first block."""
+    return (0, *boundary_held_bytes(front, tp))
+
+
+def boundary_held_bytes(front: Front, tp: int) -> tuple[int, ...]:
+    """Per block boundary, the bytes of what crosses it that one rank holds (`held_tensors`)."""
+    return tuple(sum(held_bytes(meta, tp) for _, meta in held_tensors(front, b.tensors, k + 1, tp))
+                 for k, b in enumerate(front.chain.boundaries))
+
+
+def held_tensors(front: Front, tensors, receiver: int, tp: int) -> tuple[tuple[str, TensorMeta], ...]:
+    """``tensors`` ((name, meta) pairs) as they enter block ``receiver`` on each of ``tp`` ranks,
+    which send, receive and keep them so: where the blocks run sequence-parallel, the residual
+    stream is each rank's slice of the sequence (``TensorMeta.split_dim``), as the sharding solver
+    placed it between them (`autopart.solve.sequence.boundary_placement`); anything else whole."""
+    tensors = tuple(tensors)
+    if tp == 1 or front.shardings is None or not tensors or not front.shardings[receiver].sequence_parallel:
+        return tensors
+    placed = [(name, meta, boundary_placement(front.op_graph, name, tp, True)) for name, meta in tensors]
+    return tuple((name, replace(meta, split_dim=p.dim) if p.kind == "S" else meta) for name, meta, p in placed)
 
 
 def recompute_blocks(front: Front, modes: list[str], layers: Sequence[tuple[int, int]] = (), *, tp: int = 1

@@ -118,11 +118,13 @@ def checkpointed_layers(chain: BlockChain, first: int, last: int, spans: Iterabl
     return [(range(begin - first, end - first), entering[begin]) for begin, end in spans if first <= begin and end - 1 <= last]
 
 
-def stage_input_bytes(chain: BlockChain, first: int, last: int, *, by_name: dict[str, fx.Node] | None = None) -> int:
+def stage_input_bytes(chain: BlockChain, first: int, last: int, *, by_name: dict[str, fx.Node] | None = None,
+                      held: Sequence[int] | None = None) -> int:
     """Bytes of one microbatch's arguments of the stage of blocks ``first..last``: the tensors that
     cross the boundary into it, and the graph inputs (token ids, targets) that its nodes read.
-    ``by_name``: the graph's nodes by name (`batch_inputs`)."""
-    received = chain.boundaries[first - 1].nbytes if first > 0 else 0
+    ``by_name``: the graph's nodes by name (`batch_inputs`). ``held``: per boundary, the bytes one
+    rank holds of what crosses it (`autopart.passes.front.boundary_held_bytes`); all of it by default."""
+    received = (held[first - 1] if held is not None else chain.boundaries[first - 1].nbytes) if first > 0 else 0
     costs = chain.op_graph.nodes
     read = batch_inputs(chain.op_graph, (n for b in chain.blocks[first : last + 1] for n in b.nodes), by_name=by_name)
     return received + sum(costs[p].output.nbytes for p in read if costs[p].output is not None)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from autopart.ir.scatter_gather import parts
+from autopart.ir.scatter_gather import gathered, sent_bytes
 from autopart.ir.tensors import TensorMeta
 from autopart.options import CompileOptions
 from cost_models import CostModel
@@ -16,18 +16,16 @@ __all__ = ["boundary_seconds", "message_seconds"]
 def message_seconds(
     cost_model: CostModel, metas: Iterable[TensorMeta], *, tp: int, across_nodes: bool, tp_nodes: int
 ) -> float:
-    """Seconds from the send of one boundary's tensors to their arrival whole on every receiving
-    tensor-parallel rank: each rank's share over the pipeline link (all ranks send theirs at once,
-    on their own links), then the all-gather inside the tensor-parallel group (on ``tp_nodes`` nodes)."""
-    sent, gathered = 0, 0
-    for meta in metas:
-        split = parts(meta.numel, tp)
-        sent += meta.nbytes // split
-        if split > 1:
-            gathered += meta.nbytes
+    """Seconds from the send of one boundary's tensors to their arrival on every receiving
+    tensor-parallel rank, whole or as the slice it holds: each rank's share over the pipeline link
+    (all ranks send theirs at once, on their own links), then the all-gather inside the
+    tensor-parallel group (on ``tp_nodes`` nodes) of the replicated tensors sent in parts."""
+    metas = list(metas)
+    sent = sum(sent_bytes(meta, tp) for meta in metas)
+    whole = sum(meta.nbytes for meta in metas if gathered(meta, tp))
     seconds = cost_model.p2p_time(sent, across_nodes=across_nodes)
-    if gathered:
-        seconds += cost_model.collective_time("all_gather", gathered, tp, nodes=tp_nodes)
+    if whole:
+        seconds += cost_model.collective_time("all_gather", whole, tp, nodes=tp_nodes)
     return seconds
 
 

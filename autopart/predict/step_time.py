@@ -14,7 +14,7 @@ from dataclasses import replace
 from autopart.codegen.layers import layer_instances
 from autopart.ir.actions import RECEIVE_KINDS, Action
 from autopart.ir.plan import StagePlan
-from autopart.ir.scatter_gather import parts
+from autopart.ir.scatter_gather import sent_bytes
 from autopart.options import CompileOptions
 from autopart.passes.front import Front, block_seconds
 from autopart.predict.data_parallel import DataParallelComm, data_parallel_comm
@@ -164,7 +164,7 @@ def predicted_step_s(options: CompileOptions, front: Front, stages: list[StagePl
     fixed = [overheads.action_costs(recompute=s.recompute != "none", split=options.schedule in SPLIT_BACKWARD_KINDS)
              for s in stages]
     # per boundary, the rank time of its messages (one per tensor) on each side; the rest is latency
-    sides = [[front.cost_model.p2p_rank_time(m.nbytes // parts(m.numel, options.tp),
+    sides = [[front.cost_model.p2p_rank_time(sent_bytes(m, options.tp),
                                              across_nodes=options.pipeline_crosses_nodes)
               for _, m in st.outputs] for st in stages[:-1]]
     send = tuple(sum(s for s, _ in boundary) for boundary in sides)

@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from autopart.ir.scatter_gather import held_shape
 from autopart.ir.tensors import TensorMeta
 from autopart.runtime.backward import PendingWeights, backward_full, backward_input, backward_weight
 from autopart.runtime.device import Mark, StepTimer
@@ -194,16 +195,19 @@ class Executor:
         elif kind is Kind.F:
             self._forward(stage, m, microbatches, losses, seed)
         elif kind is Kind.SEND_F:
-            pending.extend(send_tensors(list(stage.outputs[m]), stage.next_rank, self.scatter))
+            pending.extend(send_tensors(list(stage.outputs[m]), stage.next_rank, self.scatter, metas=stage.output_metas))
         elif kind is Kind.RECV_B:
-            metas = [_meta(t) for t in stage.outputs[m] if t.is_floating_point()]
+            sent = stage.output_metas if stage.output_metas is not None else [_meta(t) for t in stage.outputs[m]]
+            metas = [meta for t, meta in zip(stage.outputs[m], sent) if t.is_floating_point()]
             stage.output_grads[m] = recv_tensors(metas, stage.next_rank, self.device, self.scatter, self.gradient_group)
         elif kind in (Kind.B, Kind.I):
             self._backward(stage, m, split=kind is Kind.I)
         elif kind is Kind.W:
             backward_weight(stage.held_for_weights.pop(m))
         elif kind is Kind.SEND_B:
-            pending.extend(send_tensors(stage.input_grads.pop(m), stage.prev_rank, self.scatter, self.gradient_group))
+            metas = [meta for meta in stage.inputs if getattr(torch, meta.dtype).is_floating_point]
+            pending.extend(send_tensors(stage.input_grads.pop(m), stage.prev_rank, self.scatter, self.gradient_group,
+                                         metas=metas))
         else:
             raise AssertionError(f"unknown action kind {kind}")
 
@@ -229,7 +233,7 @@ class Executor:
             losses.append(out.detach())
             out = out / self.microbatches
         elif stage.output_metas is not None:
-            check_outputs(out, stage.output_metas)
+            check_outputs(out, stage.output_metas, self.scatter.size if self.scatter else 1)
         stage.outputs[m] = out
         following = self.stages.get(stage.index + 1)
         if following is not None:  # the next stage is on this rank: hand the tensors over in memory
@@ -268,9 +272,11 @@ class Executor:
 _FORWARD_KINDS = (Kind.RECV_F, Kind.F, Kind.SEND_F)
 
 
-def check_outputs(out: Any, metas: list[TensorMeta]) -> None:
-    """The tensors about to be sent are those the plan promised the next stage, which sizes its buffers by them."""
+def check_outputs(out: Any, metas: list[TensorMeta], tp: int = 1) -> None:
+    """The tensors about to be sent are those the plan promised the next stage, which sizes its
+    buffers by them (a sequence-parallel one: each rank's slice)."""
     produced = [_meta(t) for t in out]
+    metas = [TensorMeta(shape=held_shape(m, tp), dtype=m.dtype) for m in metas]
     if produced != metas:
         wrong = next((i for i, (a, b) in enumerate(zip(produced, metas)) if a != b), min(len(produced), len(metas)))
         got = produced[wrong] if wrong < len(produced) else "nothing"

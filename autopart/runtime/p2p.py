@@ -10,19 +10,21 @@ batch and is known to hang.) Sends are asynchronous and waited for at the end of
 receives are waited for before the action that consumes them.
 
 With tensor parallelism, a message is split over the tensor-parallel group
-(`autopart.ir.scatter_gather`): each rank sends its 1/t of the tensor and the receivers all-gather
-the parts. Every rank of a group runs the same action list, so the all-gathers of a receive
-meet in the same order on all of them, between the stage's own collectives.
+(`autopart.ir.scatter_gather`): each rank sends its 1/t of a replicated tensor and the receivers
+all-gather the parts; a sequence-parallel tensor is each rank's slice already, sent and kept as
+it is. Every rank of a group runs the same action list, so the all-gathers of a receive meet in
+the same order on all of them, between the stage's own collectives.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from autopart.ir.scatter_gather import parts
+from autopart.ir.scatter_gather import gathered, held_shape, parts
 from autopart.ir.tensors import TensorMeta
 
 __all__ = ["Scatter", "send_tensors", "recv_tensors"]
@@ -38,34 +40,39 @@ class Scatter:
 
 
 def send_tensors(tensors: list[torch.Tensor], peer: int, scatter: Scatter | None = None,
-                 group: dist.ProcessGroup | None = None) -> list[dist.Work]:
-    """Post the sends; ``group`` (the gradient channel) spans every rank, so ``peer`` is a global rank there too."""
-    return [dist.isend(_part(t.detach(), scatter), peer, group=group) for t in tensors]
+                 group: dist.ProcessGroup | None = None, *, metas: list[TensorMeta] | None = None) -> list[dist.Work]:
+    """Post the sends of ``tensors``, which the plan describes as ``metas`` (None: all replicated);
+    ``group`` (the gradient channel) spans every rank, so ``peer`` is a global rank there too."""
+    metas = metas if metas is not None else [None] * len(tensors)
+    return [dist.isend(_part(t.detach(), m, scatter), peer, group=group) for t, m in zip(tensors, metas, strict=True)]
 
 
 def recv_tensors(
     metas: list[TensorMeta], peer: int, device: torch.device, scatter: Scatter | None = None,
     group: dist.ProcessGroup | None = None,
 ) -> list[torch.Tensor]:
-    split = [parts(m.numel, scatter.size) if scatter else 1 for m in metas]
-    buffers = [torch.empty(m.numel // n, dtype=getattr(torch, m.dtype), device=device) for m, n in zip(metas, split)]
+    tp = scatter.size if scatter else 1
+    shapes = [(held_shape(m, tp), parts(m.numel, tp) if gathered(m, tp) else 1) for m in metas]
+    buffers = [torch.empty(math.prod(shape) // n, dtype=getattr(torch, m.dtype), device=device)
+               for m, (shape, n) in zip(metas, shapes)]
     works = [dist.irecv(buffer, peer, group=group) for buffer in buffers]
     for work in works:
         work.wait()
-    return [_gathered(b, m, n, scatter) for b, m, n in zip(buffers, metas, split)]
+    return [_gathered(b, shape, n, scatter) for b, (shape, n) in zip(buffers, shapes)]
 
 
-def _part(tensor: torch.Tensor, scatter: Scatter | None) -> torch.Tensor:
-    """The share of ``tensor`` this rank sends: its 1/t where the tensor splits, else all of it."""
-    flat = tensor.contiguous().reshape(-1)
-    if scatter is None or parts(flat.numel(), scatter.size) == 1:
+def _part(tensor: torch.Tensor, meta: TensorMeta | None, scatter: Scatter | None) -> torch.Tensor:
+    """The share of ``tensor`` this rank sends: its 1/t where a replicated tensor splits, else all
+    of what it holds (a sequence-parallel slice is its share already)."""
+    held_whole = scatter is None or (meta is not None and not gathered(meta, scatter.size))
+    if held_whole or parts(tensor.numel(), scatter.size) == 1:
         return tensor.contiguous()
-    return flat.chunk(scatter.size)[scatter.rank].contiguous()
+    return tensor.contiguous().reshape(-1).chunk(scatter.size)[scatter.rank].contiguous()
 
 
-def _gathered(buffer: torch.Tensor, meta: TensorMeta, split: int, scatter: Scatter | None) -> torch.Tensor:
+def _gathered(buffer: torch.Tensor, shape: tuple[int, ...], split: int, scatter: Scatter | None) -> torch.Tensor:
     if split == 1:
-        return buffer.view(meta.shape)
+        return buffer.view(shape)
     pieces = [torch.empty_like(buffer) for _ in range(split)]
     dist.all_gather(pieces, buffer, group=scatter.group)
-    return torch.cat(pieces).view(meta.shape)
+    return torch.cat(pieces).view(shape)

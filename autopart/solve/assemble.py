@@ -18,7 +18,7 @@ from autopart.ir.plan import Plan, Predicted, Provenance, ScheduleSpec, StagePla
 from autopart.options import CompileOptions
 from autopart.passes.annotate import OpGraph
 from autopart.passes.front import (
-    Front, block_seconds, layer_input_bytes, layer_rebuilt_bytes, parameter_placements, recompute_blocks,
+    Front, block_seconds, held_tensors, layer_input_bytes, layer_rebuilt_bytes, parameter_placements, recompute_blocks,
 )
 from autopart.passes.recompute import (
     batch_inputs, checkpointed_layers, recompute_cost, stage_input_bytes, stage_modes,
@@ -61,7 +61,8 @@ def pipeline_problem(options: CompileOptions, front: Front, microbatches: int) -
         block_time_s=times,
         block_activation_bytes=saved,
         **_rebuilding(options, rebuilt, microbatches),
-        boundary_transfer_s=tuple(boundary_seconds(options, cost_model, b.tensors) for b in chain.boundaries),
+        boundary_transfer_s=tuple(boundary_seconds(options, cost_model, held_tensors(front, b.tensors, k + 1, options.tp))
+                                  for k, b in enumerate(chain.boundaries)),
         parameter_state_bytes=state,
         block_parameters=tuple(b.parameters for b in chain.blocks),
         stages=stages,
@@ -111,7 +112,7 @@ def plan_from_cuts(
     problem, recompute = _with_recompute(options, front, problem, ranges)
     evaluation = evaluate(problem, cuts)
     memory = evaluation.rank_memory_bytes
-    stages, holders = _stage_plans(front, problem, ranges, recompute)
+    stages, holders = _stage_plans(front, problem, ranges, recompute, options.tp)
     transfer = tuple(boundary_seconds(options, front.cost_model, st.outputs) for st in stages[:-1])
     total, microbatches, micro_batch_size = batch
     comm = data_parallel(options, front, stages)
@@ -195,9 +196,9 @@ def _provenance(options: CompileOptions, front: Front, objective_s: float, solve
 
 def _overlapped(front: Front, blocks: range, received: set[str], sent: set[str], by_name: dict) -> dict[str, int]:
     """The stage's linears cut into pieces (``autopart.solve.overlap``), but those the stage's
-    code cannot cut: one that reads what the stage receives (it arrives whole) or makes what it
-    sends (sent whole, not reduce-scattered). The blocks' times priced them cut: a block does not
-    know the cuts (a Transformer's cuts pass only the residual stream, which no linear reads)."""
+    code does not cut: one that reads what the stage receives or makes what it sends (the code
+    cuts a linear between the stage's own ops). The blocks' times priced them cut: a block does
+    not know the cuts (a Transformer's cuts pass only the residual stream, which no linear reads)."""
     kept = {}
     for k in blocks:
         for name, pieces in (front.shardings[k].overlapped if front.shardings else {}).items():
@@ -206,10 +207,11 @@ def _overlapped(front: Front, blocks: range, received: set[str], sent: set[str],
     return kept
 
 
-def _stage_plans(front: Front, problem: PipelineProblem, ranges: list[range], recompute: list
+def _stage_plans(front: Front, problem: PipelineProblem, ranges: list[range], recompute: list, tp: int
                  ) -> tuple[list[StagePlan], dict[str, list[int]]]:
     """Per stage its StagePlan, with the problem's figures (recompute included); and per
-    parameter the stages that hold it (more than one: a tied weight)."""
+    parameter the stages that hold it (more than one: a tied weight). What a stage receives and
+    sends is described as the ranks hold it (`autopart.passes.front.held_tensors`)."""
     chain = front.chain
     stage_nodes = [tuple(n for k in r for n in chain.blocks[k].nodes) for r in ranges]
     sends = stage_boundaries(front.op_graph, stage_nodes)
@@ -239,8 +241,8 @@ def _stage_plans(front: Front, problem: PipelineProblem, ranges: list[range], re
                 rank=problem.rank_of(s),
                 blocks=(r.start, r.stop - 1),
                 nodes=stage_nodes[s],
-                inputs=tuple((n, metas[n]) for n in (sends[s - 1] if s > 0 else ())),
-                outputs=tuple((n, metas[n]) for n in (sends[s] if s < len(sends) else ())),
+                inputs=held_tensors(front, ((n, metas[n]) for n in (sends[s - 1] if s > 0 else ())), r.start, tp),
+                outputs=held_tensors(front, ((n, metas[n]) for n in (sends[s] if s < len(sends) else ())), r.stop, tp),
                 batch_inputs=needed,
                 parameters=parameters,
                 forward_s=sum(f for f, _, _ in times),
@@ -286,12 +288,12 @@ def _with_recompute(options: CompileOptions, front: Front, problem: PipelineProb
     by_name = {n.name: n for n in front.op_graph.fx_nodes()}
     entering = layer_input_bytes(front, options.tp)
     for s, r in enumerate(ranges):
-        inputs = stage_input_bytes(chain, r.start, r.stop - 1, by_name=by_name)
+        inputs = stage_input_bytes(chain, r.start, r.stop - 1, by_name=by_name, held=entering[1:])
         own = checkpointed_layers(chain, r.start, r.stop - 1, layers, entering) if modes[s] == "full" else []
         costs.append(recompute_cost([chain.blocks[k] for k in r], modes[s], input_bytes=inputs, layers=own))
         if own:  # one layer rebuilt at a time, the stage's largest: on one block, so the stage's sum is it
             rebuilt[r.start] += layer_rebuilt_bytes(front, [(r.start + k.start, r.start + k.stop) for k, _ in own])
-        elif modes[s] != "none":  # checkpoint keeps the stage's arguments (whole on every tensor-parallel rank)
+        elif modes[s] != "none":  # checkpoint keeps the stage's arguments
             held[r.start] += inputs
     layer_bytes = layered_parameters(chain, _local_bytes(options, front))[1]
     overhead = _overhead_bytes(options, front.cost_model.device, layer_bytes)  # the layers' rebuilds counted above

@@ -24,7 +24,7 @@ class ChainCosts:
     saved_bytes: tuple[int, ...]  # kept for backward without recompute
     selective_saved_bytes: tuple[int, ...]  # kept under selective recompute
     selective_recompute_s: tuple[float, ...]  # forward work selective recompute repeats in backward
-    boundary_bytes: tuple[int, ...]  # what crosses after block k (len = blocks - 1)
+    boundary_bytes: tuple[int, ...]  # what crosses after block k, as one rank holds it (len = blocks - 1)
     input_bytes: int  # the batch inputs (token ids, targets) a stage may read, per microbatch
     parameter_bytes: dict[str, int]  # per parameter, its share on one rank of the tensor-parallel group
     parameter_state_bytes: dict[str, int]  # the same with gradients and optimizer state

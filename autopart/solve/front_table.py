@@ -17,7 +17,7 @@ from autopart.options import CompileOptions
 from autopart.passes.capture import Graph
 from autopart.passes.blocks import build_blocks
 from autopart.passes.front import (
-    Front, annotated, block_seconds, capture_for, layer_input_bytes, parameter_placements, sharded,
+    Front, annotated, block_seconds, boundary_held_bytes, capture_for, layer_input_bytes, parameter_placements, sharded,
 )
 from autopart.passes.repeat_annotation import laid_out
 from autopart.passes.scale import SizeLines
@@ -194,7 +194,7 @@ def chain_costs(front: Front, tp: int) -> ChainCosts:
         saved_bytes=tuple(saved),
         selective_saved_bytes=tuple(selective_saved),
         selective_recompute_s=tuple(selective_s),
-        boundary_bytes=tuple(b.nbytes for b in chain.boundaries),
+        boundary_bytes=boundary_held_bytes(front, tp),
         input_bytes=inputs,
         parameter_bytes=local,
         parameter_state_bytes=local,  # replaced per layout by the search (dp, ZeRO)

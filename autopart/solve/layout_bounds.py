@@ -70,10 +70,12 @@ def lazy_order(items: Iterable[Item], *, exact: Callable[[Item], float], early: 
 
 def optimistic_costs(costs: ChainCosts, floors: list[float], tp: int) -> ChainCosts:
     """``costs`` (the chain unsharded, as on one rank) with each block's time scaled down to its
-    ``floors`` entry and each parameter at ``bytes // tp``: no sharding on ``tp`` ranks has a block
-    faster or a parameter share smaller. Forward, backward and weight-gradient time scale together,
-    as the sharded chain's do (``autopart.solve.front_table.chain_costs``), so the fraction of a block's
-    time that is weight gradient is the same in both."""
+    ``floors`` entry and each parameter, and what crosses each block boundary, at ``bytes // tp``:
+    no sharding on ``tp`` ranks has a block faster or a share smaller (sequence parallelism holds
+    and sends the residual stream's 1/tp, `autopart.passes.front.held_tensors`). Forward,
+    backward and weight-gradient time scale together, as the sharded chain's do
+    (``autopart.solve.front_table.chain_costs``), so the fraction of a block's time that is weight
+    gradient is the same in both."""
     if len(floors) != len(costs):
         raise ValueError(f"{len(floors)} floors for a chain of {len(costs)} blocks")
     scales = [floor / (f + b) if f + b > 0 else 1.0 for floor, f, b in zip(floors, costs.forward_s, costs.backward_s)]
@@ -87,6 +89,8 @@ def optimistic_costs(costs: ChainCosts, floors: list[float], tp: int) -> ChainCo
         selective_saved_bytes=(0,) * len(costs),
         parameter_bytes=share,
         parameter_state_bytes=dict(share),
+        boundary_bytes=tuple(b // tp for b in costs.boundary_bytes),
+        layer_input_bytes=tuple(b // tp for b in costs.layer_input_bytes),
         layer_bytes=0,  # no more than any sharding's largest layer (ZeRO-3 holds some in flight)
         _prefix={},
     )
