@@ -187,7 +187,6 @@ def test_no_sharding_of_a_real_chain_beats_its_floor(tp):
     whole = table.chain_costs(micro_batch_size=2, tp=1, dtype="fp32").boundary_bytes
     assert any(e < w for e, w in zip(exact.boundary_bytes, whole))
     assert all(a <= b for a, b in zip(low.boundary_bytes, exact.boundary_bytes))
-    assert all(a <= b for a, b in zip(low.layer_input_bytes, exact.layer_input_bytes))
 
 
 def test_state_kept_under_a_key_is_the_state_computed_anew():

@@ -24,7 +24,9 @@ class ChainCosts:
     saved_bytes: tuple[int, ...]  # kept for backward without recompute
     selective_saved_bytes: tuple[int, ...]  # kept under selective recompute
     selective_recompute_s: tuple[float, ...]  # forward work selective recompute repeats in backward
-    boundary_bytes: tuple[int, ...]  # what crosses after block k, as one rank holds it (len = blocks - 1)
+    # what crosses after block k as one rank holds it (`autopart.passes.front.boundary_held_bytes`:
+    # the residual stream's slice under sequence parallelism); len = blocks - 1
+    boundary_bytes: tuple[int, ...]
     input_bytes: int  # the batch inputs (token ids, targets) a stage may read, per microbatch
     parameter_bytes: dict[str, int]  # per parameter, its share on one rank of the tensor-parallel group
     parameter_state_bytes: dict[str, int]  # the same with gradients and optimizer state
@@ -38,9 +40,6 @@ class ChainCosts:
     # full recompute checkpoints each layer a stage holds whole by itself (a whole backward,
     # `autopart.passes.recompute`); False: it checkpoints the stage (a split backward)
     layer_by_layer: bool = False
-    # per block, what a layer beginning there keeps under full recompute (one tensor-parallel
-    # rank's share: `autopart.passes.front.layer_input_bytes`); () where that is the boundary whole
-    layer_input_bytes: tuple[int, ...] = ()
     _prefix: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __len__(self) -> int:
@@ -288,7 +287,7 @@ class _LayerSums:
         for first, end in costs.layer_spans:
             inside[first:end] = [True] * (end - first)
         starts = [inside[k] and span[k][0] == k for k in range(len(costs))]
-        entering = costs.layer_input_bytes or (0, *costs.boundary_bytes)
+        entering = (0, *costs.boundary_bytes)  # what a layer keeps under full recompute: what enters it, as held
         kept = [(entering[k] if starts[k] else 0) if inside[k] else costs.saved_bytes[k] for k in range(len(costs))]
         self.saved = costs.prefix("saved_bytes")
         self.kept = [0, *itertools.accumulate(kept)]

@@ -17,7 +17,7 @@ from autopart.options import CompileOptions
 from autopart.passes.capture import Graph
 from autopart.passes.blocks import build_blocks
 from autopart.passes.front import (
-    Front, annotated, block_seconds, boundary_held_bytes, capture_for, layer_input_bytes, parameter_placements, sharded,
+    Front, annotated, block_seconds, boundary_held_bytes, capture_for, parameter_placements, sharded,
 )
 from autopart.passes.repeat_annotation import laid_out
 from autopart.passes.scale import SizeLines
@@ -202,7 +202,6 @@ def chain_costs(front: Front, tp: int) -> ChainCosts:
         layer_parameters=layered,
         layer_bytes=layer_bytes,
         layer_spans=tuple((first, end) for first, end, _ in layer_instances(chain)),
-        layer_input_bytes=layer_input_bytes(front, tp),
     )
 
 

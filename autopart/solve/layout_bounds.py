@@ -90,7 +90,6 @@ def optimistic_costs(costs: ChainCosts, floors: list[float], tp: int) -> ChainCo
         parameter_bytes=share,
         parameter_state_bytes=dict(share),
         boundary_bytes=tuple(b // tp for b in costs.boundary_bytes),
-        layer_input_bytes=tuple(b // tp for b in costs.layer_input_bytes),
         layer_bytes=0,  # no more than any sharding's largest layer (ZeRO-3 holds some in flight)
         _prefix={},
     )
@@ -295,7 +294,7 @@ def _least_kept(costs: ChainCosts, stages: int) -> list[int]:
                 window.popleft()
             if k >= width - 1:
                 least.append(saved[window[0]])
-        # at the least, with recompute: a boundary, or a layer's share of one (full, sequence-parallel)
-        received = min((*costs.boundary_bytes, *costs.layer_input_bytes[1:]), default=0)
+        # at the least, with recompute: what crosses a boundary, as a rank holds it
+        received = min(costs.boundary_bytes, default=0)
         found[stages] = [min(least[s], costs.input_bytes if s == 0 else received) for s in range(stages)]
     return found[stages]
