@@ -102,6 +102,30 @@ def test_adamw_stop_after_step_3_and_resume_is_bit_identical(compiled, tmp_path)
 
 
 @pytest.mark.multiprocess
+def test_a_stage_of_the_loss_alone_trains_like_one_process_and_resumes(tmp_path):
+    """A cut may leave a stage nothing but the loss (no parameter): its ranks' optimizer has one
+    empty group (torch refuses no group at all) and steps nothing, with ZeRO-1 over two replicas;
+    a checkpoint of it resumes to the same run."""
+    from autopart.tools.verify import verify
+
+    out = tmp_path / "out"
+    plan, _ = compile_to_directory(
+        CompileOptions(model=REPO / "tests" / "models" / "three_layers.py", pp=2, dp=2, zero=True, microbatches=2,
+                       global_batch_size=4),
+        out,
+    )  # fmt: skip
+    assert plan.stages[-1].parameters == () and plan.stages[0].parameters
+    result = verify(out, steps=2)
+    assert result.matches, result.failures
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    whole.mkdir(), parts.mkdir()
+    run_ranks(out, 4, "--steps", "3", *train_args(whole, "adamw"))
+    run_ranks(out, 4, "--steps", "2", *train_args(parts, "adamw"))
+    assert "resumed from" in run_ranks(out, 4, "--steps", "3", "--resume", *train_args(parts, "adamw")).stdout
+    assert_identical(parts, whole)
+
+
+@pytest.mark.multiprocess
 def test_a_rank_that_trained_to_the_end_runs_its_exit_handlers_and_exits_zero(compiled, tmp_path):
     """The generated program leaves past the interpreter's teardown (`autopart.runtime.train.leave`),
     but as a normal exit would: an exit handler registered at start-up runs on every rank."""

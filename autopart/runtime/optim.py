@@ -34,11 +34,15 @@ def make_optimizer(
     parameter and holds the host back; the reference on a GPU makes the same choice, and fused
     kernels compute each element alike however the tensors are grouped. ``parameters`` may be
     parameter groups (`autopart.runtime.recipe.parameter_groups`: weight decay per parameter).
+    None at all (a rank whose stages are the loss alone) gives an optimizer of one empty group:
+    its steps do nothing, and the learning-rate schedule and checkpoints treat it as any other.
     """
     params = list(parameters)
     if name not in OPTIMIZERS:
         raise ConfigError(f"unknown optimizer {name!r}; use one of {', '.join(OPTIMIZERS)}")
     tensors = [p for group in params for p in group["params"]] if params and isinstance(params[0], dict) else params
+    if not tensors:  # torch refuses an empty list, not an empty group; nothing to shard either
+        params, zero_group = [{"params": []}], None
     cuda = bool(tensors) and tensors[0].is_cuda
     # A per-tensor update of FSDP's DTensors sends each elementwise op through DTensor's dispatch
     # in Python, which on a CPU took a third of the GPT example's ZeRO-2 step; a foreach update
