@@ -2,7 +2,8 @@
 
     load -> capture -> annotate -> blocks -> shard -> solve -> assemble (predict) -> Plan -> emit
 
-(a search on the machine at hand runs its finalists here and keeps the fastest before emitting).
+(a search on the machine at hand runs its finalists here and keeps the fastest before emitting;
+a layout given in full for this CPU runs here once, and is compiled again with what it took).
 
 ``compile(...)`` and ``emit(...)`` are the Python API; the command line builds the same
 ``CompileOptions`` and calls the same functions. Each step is one call into the package that
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import logging
 from pathlib import Path
 
 from autopart.codegen.emit import check_output_directory, emit_directory
@@ -32,7 +34,10 @@ from autopart.solve.pinned import rebuild_pinned
 from autopart.solve.pipeline import solve_cuts
 from autopart.solve.planner import plan_by_search
 from autopart.solve.stage_layers import check_fits, stage_layer_cuts
+from autopart.tools.local_run import LocalRunError
 from cost_models import get_cost_model
+
+log = logging.getLogger("autopart")
 
 __all__ = ["CompileOptions", "compile", "compile_plan", "compile_to_directory", "emit"]
 
@@ -95,9 +100,8 @@ def compile(model: str | Path, **options) -> Plan:  # noqa: A001 - the API's ver
     predicted order; ``run_finalists=True`` runs them afresh).
     """
     with fewer_collections():
-        options, measured = measure_defaults(CompileOptions(model=Path(model), **options))
-        plan, _ = compile_plan(options)
-    return with_basis(plan, measured.basis)
+        plan, _ = measured_plan(CompileOptions(model=Path(model), **options))
+    return plan
 
 
 def emit(plan: Plan, out_dir: str | Path) -> Path:
@@ -123,9 +127,26 @@ def compile_to_directory(options: CompileOptions, out_dir: Path, *, progress=Non
     the measuring."""
     check_output_directory(out_dir)
     with fewer_collections():
-        options, measured = measure_defaults(options, console=console, progress=progress)
-        plan, front = compile_plan(options, progress)
-        if options.profile_pipeline:
-            plan, front = profiled_in_place(plan, front, lambda: compile_plan(options, progress))
-        plan = with_basis(plan, measured.basis)
+        plan, front = measured_plan(options, progress=progress, console=console)
         return plan, emit_directory(plan, front.op_graph, front.spec, out_dir, chain=front.chain)
+
+
+def measured_plan(options: CompileOptions, *, progress=None, console=None) -> tuple[Plan, Front]:
+    """Measure what the defaults need, compile, and where the plan is to run here first (asked
+    with ``--profile-pipeline``, or by default, `autopart.profiling.measure_defaults`), run it and
+    compile again; the plan carries what its prediction rests on. A run the user did not ask for
+    that fails leaves the prediction on the ops and messages, with a warning that says why."""
+    options, measured = measure_defaults(options, console=console, progress=progress)
+    plan, front = compile_plan(options, progress)
+    basis = measured.basis
+    if options.profile_pipeline:
+        try:
+            plan, front = profiled_in_place(plan, front, lambda: compile_plan(options, progress), console=console)
+        except LocalRunError as exc:
+            if measured.without_pipeline is None:  # asked for: the user hears it failed
+                raise
+            reason = str(exc).splitlines()[0]
+            log.warning(f"running the plan here to measure its pipeline failed ({reason}); the predicted step rests "
+                        "on its ops and messages alone")
+            basis = measured.without_pipeline
+    return with_basis(plan, basis), front

@@ -9,6 +9,7 @@ the op profile is the real one, into a fresh cache directory.
 import contextlib
 import io
 import json
+import logging
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -83,19 +84,31 @@ def test_the_default_compile_measures_once_and_a_second_reads_the_cache(fresh_ca
     assert second.ops_timed == 0 and not second.messages_measured and len(calls) == 1
     assert (database.stat().st_mtime_ns, database.read_bytes()) == written
     processes = host_processes(2, usable_cores())  # the plan's two ranks on this host, one per core at most
-    at_once = " (timed 2 at once, as the plan's ranks on this host compute)" if processes == 2 else (
-        " (timed 1 at once, one per core; the plan's 2 ranks on this host share its 1 core, which the step does not "
-        "count: expect a slower run)")  # a machine of one core
-    assert second.basis.what == f"ops{at_once} and messages measured on this machine"
+    at_once = _at_once()
+    # a layout given in full on this CPU: the compile runs its pipeline here too (below)
+    assert second.basis.what == "ops, this pipeline and messages measured on this machine"
+    assert second.without_pipeline.what == f"ops{at_once} and messages measured on this machine"
     # the model was timed beside a real copy of itself, and the cache says how many ran at once
     co_run = CostDatabase.load(database).co_run(local_device_name("cpu"), co_run_key("fp32", processes))
     assert processes == 1 or (co_run is not None and co_run.processes == processes and co_run.rounds > 0
                               and co_run.micro_batch_size == options.batch_shape()[2])
 
-    plan = autopart.compile(MODEL, pp=2, microbatches=2)  # reads the same cache: nothing timed
-    assert plan.predicted.basis == f"ops{at_once} and messages measured on this machine" and len(calls) == 1
-    assert plan.predicted.compute_factor_from == ("co-run" if processes > 1 else plan.predicted.compute_factor_from)
-    assert database.read_bytes() == written[1]
+    before = CostDatabase.load(database)
+    plan = autopart.compile(MODEL, pp=2, microbatches=2)  # the same cache: no op timed, the pipeline run once
+    assert plan.predicted.basis == "ops, this pipeline and messages measured on this machine" and len(calls) == 1
+    assert plan.predicted.compute_factor_from == "pipeline" and plan.predicted.profiled_step_s > 0
+    after, ran = CostDatabase.load(database), database.read_bytes()
+    assert after.entries == before.entries and len(after.pipelines) == len(before.pipelines) + 1
+    again = autopart.compile(MODEL, pp=2, microbatches=2)  # found in the cache: nothing runs
+    assert database.read_bytes() == ran and again.predicted.profiled_step_s == plan.predicted.profiled_step_s
+
+
+def _at_once() -> str:
+    """How the basis says two ranks' ops were timed on this machine."""
+    if host_processes(2, usable_cores()) == 2:
+        return " (timed 2 at once, as the plan's ranks on this host compute)"
+    return (" (timed 1 at once, one per core; the plan's 2 ranks on this host share its 1 core, which the step does "
+            "not count: expect a slower run)")  # a machine of one core
 
 
 def test_a_search_s_first_compile_sees_the_co_run_figure_it_measures(fresh_cache) -> None:
@@ -287,3 +300,38 @@ def test_a_model_built_on_the_meta_device_is_measured_with_weights_made_as_the_r
     assert plan.provenance.cost_model.startswith("profiled"), plan.provenance.cost_model
     assert plan.predicted.basis_key == "cpu-measured" and list((cache / "costs").glob("*.json"))
     assert not any(load_file(str(p)) for p in (tmp_path / "out" / "weights").glob("*.safetensors"))
+
+
+def test_a_compile_runs_the_pipeline_here_only_where_the_plan_s_ranks_can_run_here(fresh_cache) -> None:
+    """A layout given in full for this CPU, its ranks at most two per core; not a search (it runs
+    its finalists), not a named device, not a plan file."""
+    cores = usable_cores()
+
+    def runs(**given) -> bool:
+        options = CompileOptions(model=MODEL, microbatches=2, **given)
+        return measure_defaults.measure_defaults(options)[0].profile_pipeline
+
+    assert runs(pp=2, micro_batch_size=1)
+    assert runs(pp=2, dp=cores, micro_batch_size=1)  # two ranks per core
+    assert not runs(pp=2, dp=cores + 1, micro_batch_size=1)  # more
+    assert not runs(world_size=2, global_batch_size=8)
+    assert not runs(pp=2, micro_batch_size=1, device="a100-80gb")
+
+
+def test_a_pipeline_run_that_fails_by_default_warns_and_one_asked_for_refuses(fresh_cache, monkeypatch, caplog) -> None:
+    from autopart.profiling import pipeline
+    from autopart.tools.local_run import LocalRunError
+
+    def fail(*args, **kwargs):
+        raise LocalRunError("the distributed run failed (exit 1):\nrank 0: out of memory")
+
+    monkeypatch.setattr(pipeline, "run_locally", fail)
+    with caplog.at_level(logging.WARNING, logger="autopart"):
+        plan = autopart.compile(MODEL, pp=2, microbatches=2)
+    assert plan.predicted.basis == f"ops{_at_once()} and messages measured on this machine"
+    assert plan.predicted.compute_factor_from != "pipeline"
+    assert "running the plan here to measure its pipeline failed (the distributed run failed (exit 1):); the " \
+           "predicted step rests on its ops and messages alone" in caplog.text
+    costs = measure_defaults.costs_cache_path(MODEL, "cpu")
+    with pytest.raises(LocalRunError, match="out of memory"):
+        autopart.compile(MODEL, pp=2, microbatches=2, costs=costs, profile_pipeline=True)

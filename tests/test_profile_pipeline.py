@@ -220,7 +220,7 @@ def test_the_plan_holds_the_step_its_own_profile_run_took(compiled, tmp_path, ca
               "--costs", str(folder / "costs.json"), "--time-limit", "5", "-o", str(tmp_path / "cli")])
     printed = " ".join(capsys.readouterr().out.split())  # as the console wraps it
     error = (same.predicted.step_s - 0.042) / 0.042
-    assert f"this plan ran here at 42.000 ms a step (the median of its --profile-pipeline run; predicted {error:+.1%})" \
+    assert f"this plan ran here at 42.000 ms a step (the median step of the run that measured its pipeline; predicted {error:+.1%})" \
         in printed
     # a plan of other cuts, or another schedule, was not the one that ran
     other = plan_shape(plan.schedule.kind, plan.schedule.microbatches, [(0, 0), (1, plan.stages[1].blocks[1])])

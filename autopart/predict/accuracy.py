@@ -117,7 +117,8 @@ def basis_for(*, device: str, local: str | None, measured: bool, costs: Path | N
               bands: dict[str, Band] | None = None) -> Basis:
     """The basis of a compile for ``device``: ``measured`` when the default path measured its ops
     here, ``costs`` the cost database given instead, ``messages`` whether this machine's message
-    figures were measured, ``pipeline`` whether ``--profile-pipeline`` ran the plan first,
+    figures were measured, ``pipeline`` whether the plan ran here first (``--profile-pipeline``,
+    or the default compile of a layout given in full for this CPU),
     ``co_run`` the processes the model's compute was timed among (the host's ranks that compute
     at once, one per core at most: `autopart.profiling.co_run`; 1: alone), ``ranks_on_host`` the
     plan's ranks on this host (more than ``co_run`` where they outnumber its cores)."""
@@ -125,8 +126,9 @@ def basis_for(*, device: str, local: str | None, measured: bool, costs: Path | N
     on = "this pipeline, " if pipeline else ""
     beside = "" if pipeline else _timed_among(co_run, ranks_on_host)
     if measured:
-        kind, what = MEASURED, f"ops{beside} and messages measured on this machine" if messages else \
-            f"ops{beside} measured on this machine, messages from the device spec"
+        ops = "ops, this pipeline" if pipeline else f"ops{beside}"
+        kind, what = MEASURED, f"{ops} and messages measured on this machine" if messages else \
+            f"{ops} measured on this machine, messages from the device spec"
     elif costs is not None:
         kind = PROFILED
         what = f"ops from {costs.name}{beside}, {on}messages " + ("measured on this machine" if messages else "from the spec")

@@ -42,7 +42,7 @@ from autopart.ir.plan import Plan
 from autopart.options import CompileOptions, local_kind
 from autopart.passes.front import Front
 from autopart.profiling import finalist_cache
-from autopart.profiling.measure_defaults import NO_MEASURE_ENV
+from autopart.profiling.measure_defaults import NO_MEASURE_ENV, RANKS_PER_CORE
 from autopart.profiling.span import span
 from autopart.solve.planner import Finalist
 from autopart.tools.local_run import LocalRunError, run_locally, runs_on_gpus
@@ -61,9 +61,6 @@ CLOSE = 0.15
 """Finalists whose first run came within this fraction of the fastest run again: a launch's
 median step on a shared machine moves by about this much from one launch to the next."""
 
-RANKS_PER_CORE = 2, 4
-"""Ranks per core (on a CPU) up to which the finalists run by default, and when asked: each
-launch starts every rank's interpreter and torch, which take turns on the cores."""
 
 
 def finalists_run_here(options: CompileOptions) -> bool:

@@ -14,9 +14,17 @@ measures what the step model needs:
 3. how much slower the model computes beside as many copies of itself as the plan's ranks on one
    host compute at once (`autopart.profiling.co_run`), into the same database, per micro-batch
    size, precision and number of processes: the ranks compute at once and share the caches and
-   the memory bus, where the in-place profile ran alone.
+   the memory bus, where the in-place profile ran alone;
+4. on a CPU, for a layout given in full, the plan's pipeline itself: the compile runs the
+   programs it emits here for a few seconds and compiles again with what they took
+   (``--profile-pipeline``, `autopart.profiling.pipeline`), into the same database, per mesh,
+   micro-batch size and optimizer. A stage computes more slowly inside its pipeline than its ops
+   alone or beside copies of the model (waking after a message, the other ranks' messages
+   mid-compute, the tied gradients' and optimizer's tails), which none of the above sees
+   (docs/first_run.md). A search does not: it runs its finalists instead
+   (`autopart.profiling.finalists`).
 
-A second compile of the same model finds both and measures nothing. ``--no-measure`` keeps the
+A second compile of the same model finds them all and measures nothing. ``--no-measure`` keeps the
 roofline, and so does the environment variable ``AUTOPART_NO_MEASURE=1`` (the test suite sets it:
 its compiles check plans, not this machine's speed, and must not each spend seconds measuring);
 a named device (``a100-80gb``) is never measured: it is not here.
@@ -44,12 +52,17 @@ from cost_models.comm_profile import QUICK, load_comm_profile, profile_comm
 from cost_models.database import CostDatabase
 from cost_models.devices import local_device_name
 
-__all__ = ["NO_MEASURE_ENV", "Measured", "co_run_processes", "measure_defaults", "costs_cache_path"]
+__all__ = ["NO_MEASURE_ENV", "RANKS_PER_CORE", "Measured", "co_run_processes", "measure_defaults", "costs_cache_path"]
 
 log = logging.getLogger("autopart")
 
 NO_MEASURE_ENV = "AUTOPART_NO_MEASURE"
 """Set (to anything but empty), compiles measure nothing, as with ``--no-measure``."""
+
+RANKS_PER_CORE = 2, 4
+"""Ranks per core (on a CPU) up to which a compile runs plans here by default (a pinned plan's
+pipeline, a search's finalists), and when asked: each launch starts every rank's interpreter and
+torch, which take turns on the cores."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -63,6 +76,8 @@ class Measured:
     """Ops timed now; 0 when the cache had them all."""
     messages_measured: bool = False
     """Whether the message figures were measured now (the cache had none)."""
+    without_pipeline: Basis | None = None
+    """Where the compile runs the plan's pipeline by default (not asked), the basis if that run fails."""
 
 
 def costs_cache_path(model: Path, kind: str) -> Path:
@@ -126,12 +141,26 @@ def measure_defaults(options: CompileOptions, *, console: Console | None = None,
         if measure_messages:
             profile_comm(ranks=2, backend="gloo" if kind == "cpu" else "nccl", effort=QUICK)
     timed = 0 if options.searched or options.plan is not None else _profile_ops(options, kind, path, console)
-    basis = basis_for(device=options.device, local=kind, measured=True, costs=None, messages=_messages_known(kind),
-                      co_run=co_run_processes(options, kind, usable_cores()), ranks_on_host=_host_ranks(options, kind))
-    measured = Measured(basis=basis, costs=path, ops_timed=timed, messages_measured=measure_messages)
+    by_default = not options.profile_pipeline and _pipeline_here(options, kind)
+    pipeline = options.profile_pipeline or by_default
+    bases = [basis_for(device=options.device, local=kind, measured=True, costs=None, messages=_messages_known(kind),
+                       pipeline=on, co_run=co_run_processes(options, kind, usable_cores()),
+                       ranks_on_host=_host_ranks(options, kind))
+             for on in (pipeline, False)]
+    measured = Measured(basis=bases[0], costs=path, ops_timed=timed, messages_measured=measure_messages,
+                        without_pipeline=bases[1] if by_default else None)
     if measure_messages or timed:
         _note_busy(kind, path)
-    return replace(options, costs=path), measured
+    return replace(options, costs=path, profile_pipeline=pipeline), measured
+
+
+def _pipeline_here(options: CompileOptions, kind: str) -> bool:
+    """Whether the default compile runs the plan's pipeline here: a layout given in full (not a
+    search, not a plan file), on this machine's CPU, its ranks on one host and at most
+    `RANKS_PER_CORE` per core."""
+    if kind != "cpu" or options.searched or options.plan is not None:
+        return False
+    return options.ranks <= min(options.gpus_per_node, RANKS_PER_CORE[0] * usable_cores())
 
 
 def _note_busy(kind: str, path: Path) -> None:

@@ -51,8 +51,11 @@ import math
 import statistics
 import tempfile
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
+
+from rich.console import Console
 
 from autopart.codegen.emit import emit_directory
 from autopart.passes.front import Front
@@ -277,16 +280,19 @@ def profile_pipeline(out_dir: Path, plan: Plan, overheads: RuntimeOverheads, *, 
 PROFILE_PIPELINE_ROUNDS = 3
 
 
-def profiled_in_place(plan: Plan, front: Front, recompile: Callable[[], tuple[Plan, Front]]) -> tuple[Plan, Front]:
+def profiled_in_place(plan: Plan, front: Front, recompile: Callable[[], tuple[Plan, Front]], *,
+                      console: Console | None = None) -> tuple[Plan, Front]:
     """``plan`` once its pipeline's compute factor is measured: run, store, compile again
     (``recompile()`` gives the next plan and its front), until the plan compiled is one whose
     pipeline was run (the factor can move the search to another mesh), at most
-    `PROFILE_PIPELINE_ROUNDS` runs."""
+    `PROFILE_PIPELINE_ROUNDS` runs. ``console`` says what runs while it runs."""
     for _ in range(PROFILE_PIPELINE_ROUNDS):
         if plan.predicted.compute_factor_from == "pipeline":
             break
         database = front.cost_model.database
-        with tempfile.TemporaryDirectory(prefix="autopart-profile-pipeline-") as folder:
+        showing = console.status(f"running the plan here ({plan.world_size} processes, a few seconds) to measure its "
+                                 "pipeline, once") if console is not None else nullcontext()
+        with showing, tempfile.TemporaryDirectory(prefix="autopart-profile-pipeline-") as folder:
             out = emit_directory(plan, front.op_graph, front.spec, Path(folder) / "out", chain=front.chain)
             profiled = profile_pipeline(out, plan, front.cost_model.runtime_overheads,
                                         cores=front.cost_model.device.cores)

@@ -290,7 +290,7 @@ def _compile(args: argparse.Namespace, console: Console) -> None:
     finalists = "the fastest of the search's finalists run here"
     if search.get("from_cache"):
         finalists += f" at {_utc(search['ran_at'])}, read back; --run-finalists runs them again"
-    for measured, how in ((plan.predicted.profiled_step_s, "the median of its --profile-pipeline run"),
+    for measured, how in ((plan.predicted.profiled_step_s, "the median step of the run that measured its pipeline"),
                           (ran, finalists)):
         if measured is not None:
             console.print(f"this plan ran here at {measured * 1e3:.3f} ms a step ({how}; "
