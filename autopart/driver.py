@@ -28,7 +28,7 @@ from autopart.passes.annotate import annotate
 from autopart.passes.front import Front, build_front, capture_for, note_unsplit
 from autopart.profiling.finalists import finalists_run_here, run_finalists
 from autopart.profiling.measure_defaults import measure_defaults
-from autopart.profiling.pipeline import profiled_in_place
+from autopart.profiling.pipeline import affordable, profiled_in_place
 from autopart.solve.assemble import pipeline_problem, plan_from_cuts
 from autopart.solve.pinned import rebuild_pinned
 from autopart.solve.pipeline import solve_cuts
@@ -139,11 +139,16 @@ def measured_plan(options: CompileOptions, *, progress=None, console=None) -> tu
     options, measured = measure_defaults(options, console=console, progress=progress)
     plan, front = compile_plan(options, progress)
     basis = measured.basis
-    if options.profile_pipeline:
+    by_default = measured.without_pipeline is not None
+    if options.profile_pipeline and by_default and not affordable(plan):
+        log.info(f"the plan's steps are too long ({plan.predicted.step_s:.1f} s predicted) to run here by default; "
+                 "the predicted step rests on its ops and messages (--profile-pipeline with --costs runs it)")
+        basis = measured.without_pipeline
+    elif options.profile_pipeline:
         try:
             plan, front = profiled_in_place(plan, front, lambda: compile_plan(options, progress), console=console)
         except LocalRunError as exc:
-            if measured.without_pipeline is None:  # asked for: the user hears it failed
+            if not by_default:  # asked for: the user hears it failed
                 raise
             reason = str(exc).splitlines()[0]
             log.warning(f"running the plan here to measure its pipeline failed ({reason}); the predicted step rests "

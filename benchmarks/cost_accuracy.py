@@ -57,7 +57,7 @@ import torch  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from autopart.predict.accuracy import MEASURED, PROFILED, Band, band_key, write_band  # noqa: E402
+from autopart.predict.accuracy import PROFILED, Band, band_key, write_band  # noqa: E402
 from autopart.ir.model_file import load_model_file  # noqa: E402
 from autopart.passes.capture import capture, graph_args  # noqa: E402
 from autopart.driver import CompileOptions, compile_to_directory  # noqa: E402
@@ -273,16 +273,17 @@ def main() -> None:
                           f"from the ops alone; pipeline {plan.predicted.pipeline_s * 1e3:.1f}, tails "
                           f"{' '.join(f'{t * 1e3:.1f}' for t in plan.predicted.rank_tail_s)}), {step * 1e3:.1f} ms measured")
     console.print(table)
-    _write_band(args, PROFILED, row_errors)
+    _write_band(args, band_key(PROFILED, "cpu"), row_errors)
 
 
-def _write_band(args: argparse.Namespace, kind: str, errors: list[float]) -> None:
-    """Record the band of this run's rows where ``autopart compile`` reads it (see autopart/predict/accuracy.py)."""
+def _write_band(args: argparse.Namespace, key: str, errors: list[float]) -> None:
+    """Record the band of this run's rows under the basis ``key``, where ``autopart compile`` reads
+    it (see autopart/predict/accuracy.py)."""
     if errors and not args.no_write:
         command = " ".join(["python", "benchmarks/cost_accuracy.py", *sys.argv[1:]])
         band = Band.from_errors(errors, benchmark="cost_accuracy", command=command)
         print(f"wrote the band ({band.median:.1%} median, {band.worst:.1%} worst) to "
-              f"{write_band(band_key(kind, 'cpu'), band)}")
+              f"{write_band(key, band)}")
 
 
 def _default_path(args: argparse.Namespace) -> None:
@@ -294,6 +295,7 @@ def _default_path(args: argparse.Namespace) -> None:
     for header in ("model", "ranks", "compile s", "step ms pred", "step ms meas (each run)", "errors", "load"):
         table.add_column(header, justify="right")
     errors: list[float] = []
+    keys: set[str] = set()  # the bases the rows' predictions rest on: the band is theirs
     with tempfile.TemporaryDirectory(prefix="cost_accuracy_default_") as folder:
         folder = Path(folder)
         os.environ["AUTOPART_CACHE_DIR"] = str(folder / "cache")
@@ -305,6 +307,7 @@ def _default_path(args: argparse.Namespace) -> None:
             start = time.perf_counter()
             plan, out = compile_to_directory(options, folder / f"{name}-{ranks}")
             compile_s = time.perf_counter() - start
+            keys.add(plan.predicted.basis_key)
             steps = max(args.steps, args.warmup + math.ceil(args.seconds / plan.predicted.step_s))
             measured = [_run(out, ranks, steps, args.warmup, shield=args.shield)[0] for _ in range(args.repeats)]
             row_errors = [(plan.predicted.step_s - m) / m for m in measured]
@@ -315,7 +318,10 @@ def _default_path(args: argparse.Namespace) -> None:
             console.print(f"{row}: predicted {plan.predicted.step_s * 1e3:.1f} ms, measured "
                           f"{' '.join(f'{m * 1e3:.1f}' for m in measured)} ms")
     console.print(table)
-    _write_band(args, MEASURED, errors)
+    if len(keys) > 1:  # one band per basis: rows of two are not one band (a pipeline run failed, say)
+        raise SystemExit(f"the rows rest on different bases ({', '.join(sorted(keys))}); no band written")
+    if keys:
+        _write_band(args, keys.pop(), errors)
 
 
 if __name__ == "__main__":

@@ -62,6 +62,7 @@ def _bands_file(path: Path, median: float, worst: float) -> Path:
     return path
 
 
+@pytest.mark.multiprocess
 def test_the_default_compile_measures_once_and_a_second_reads_the_cache(fresh_cache) -> None:
     cache, calls = fresh_cache
     options = CompileOptions(model=MODEL, pp=2, microbatches=2)
@@ -96,6 +97,7 @@ def test_the_default_compile_measures_once_and_a_second_reads_the_cache(fresh_ca
     before = CostDatabase.load(database)
     plan = autopart.compile(MODEL, pp=2, microbatches=2)  # the same cache: no op timed, the pipeline run once
     assert plan.predicted.basis == "ops, this pipeline and messages measured on this machine" and len(calls) == 1
+    assert plan.predicted.basis_key == "cpu-measured-pipeline"  # its own band: cost_accuracy --default writes it
     assert plan.predicted.compute_factor_from == "pipeline" and plan.predicted.profiled_step_s > 0
     after, ran = CostDatabase.load(database), database.read_bytes()
     assert after.entries == before.entries and len(after.pipelines) == len(before.pipelines) + 1
@@ -289,6 +291,7 @@ def test_a_missing_model_file_is_still_one_line_on_the_measuring_path(fresh_cach
     assert "does not exist" in capsys.readouterr().err
 
 
+@pytest.mark.multiprocess
 def test_a_model_built_on_the_meta_device_is_measured_with_weights_made_as_the_ranks_make_them(fresh_cache,
                                                                                               tmp_path) -> None:
     """The default compile times ops on real tensors: a model on the meta device is made on the CPU
@@ -298,7 +301,7 @@ def test_a_model_built_on_the_meta_device_is_measured_with_weights_made_as_the_r
     options = CompileOptions(model=MODEL.parent / "meta_lm.py", pp=2, microbatches=2, micro_batch_size=2)
     plan, _ = compile_to_directory(options, tmp_path / "out")
     assert plan.provenance.cost_model.startswith("profiled"), plan.provenance.cost_model
-    assert plan.predicted.basis_key == "cpu-measured" and list((cache / "costs").glob("*.json"))
+    assert plan.predicted.basis_key == "cpu-measured-pipeline" and list((cache / "costs").glob("*.json"))
     assert not any(load_file(str(p)) for p in (tmp_path / "out" / "weights").glob("*.safetensors"))
 
 
@@ -312,8 +315,10 @@ def test_a_compile_runs_the_pipeline_here_only_where_the_plan_s_ranks_can_run_he
         return measure_defaults.measure_defaults(options)[0].profile_pipeline
 
     assert runs(pp=2, micro_batch_size=1)
-    assert runs(pp=2, dp=cores, micro_batch_size=1)  # two ranks per core
-    assert not runs(pp=2, dp=cores + 1, micro_batch_size=1)  # more
+    host = 2 * cores + 2  # the ranks on one host
+    assert runs(pp=2, dp=cores, micro_batch_size=1, gpus_per_node=host)  # two ranks per core
+    assert not runs(pp=2, dp=cores + 1, micro_batch_size=1, gpus_per_node=host)  # more
+    assert not runs(pp=2, dp=2, micro_batch_size=1, gpus_per_node=2)  # over two hosts
     assert not runs(world_size=2, global_batch_size=8)
     assert not runs(pp=2, micro_batch_size=1, device="a100-80gb")
 
@@ -335,3 +340,19 @@ def test_a_pipeline_run_that_fails_by_default_warns_and_one_asked_for_refuses(fr
     costs = measure_defaults.costs_cache_path(MODEL, "cpu")
     with pytest.raises(LocalRunError, match="out of memory"):
         autopart.compile(MODEL, pp=2, microbatches=2, costs=costs, profile_pipeline=True)
+
+
+def test_a_plan_too_slow_to_run_by_default_is_not_run(fresh_cache, monkeypatch, caplog) -> None:
+    """A large model's steps take minutes on a CPU: the default compile runs a pipeline only where
+    its shortest run is predicted within `DEFAULT_RUN_SECONDS`."""
+    from autopart.profiling import pipeline
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("ran a plan too slow to run by default")
+
+    monkeypatch.setattr(pipeline, "run_locally", refuse)
+    monkeypatch.setattr(pipeline, "DEFAULT_RUN_SECONDS", 1e-9)
+    with caplog.at_level(logging.INFO, logger="autopart"):
+        plan = autopart.compile(MODEL, pp=2, microbatches=2)
+    assert plan.predicted.basis == f"ops{_at_once()} and messages measured on this machine"
+    assert plan.predicted.basis_key == "cpu-measured" and "too long" in caplog.text and "to run here by default" in caplog.text

@@ -105,7 +105,7 @@ def test_the_factor_is_the_stages_compute_over_the_plans_after_the_warm_up(compi
     first, last = (stage.blocks for stage in plan.stages)
     assert profile.measured.optimizer_s == pytest.approx({f"{first[0]}-{first[1]}": 0.004,
                                                          f"{last[0]}-{last[1]}": 0.006})
-    assert profile.key == pipeline_key(plan.provenance.model_sha256, plan.mesh, 2, "adamw")
+    assert profile.key == pipeline_key(plan.provenance.model_sha256, plan.mesh, 2, "adamw", dtype=plan.dtype, zero=plan.zero)
     assert profile.predicted_s == pytest.approx(plan.schedule.microbatches * sum(
         s.forward_s + s.backward_s for s in plan.stages))
     (tmp_path / "a" / "rank_1.jsonl").unlink()
@@ -245,7 +245,8 @@ def with_factor(folder: Path, plan, factor: float | None, tied_s: float | None =
                 step_variation: tuple[dict[str, float], ...] = (), step_s: float | None = None, step_of: str = "",
                 **stage_factors) -> None:
     database = CostDatabase.load(folder / "costs.json")
-    key = pipeline_key(plan.provenance.model_sha256, plan.mesh, plan.schedule.micro_batch_size, plan.optimizer)
+    key = pipeline_key(plan.provenance.model_sha256, plan.mesh, plan.schedule.micro_batch_size, plan.optimizer,
+                       dtype=plan.dtype, zero=plan.zero)
     database.pipelines = {k: v for k, v in database.pipelines.items() if not k.endswith(key)}
     if factor is not None:
         database.put_pipeline("cpu", key, PipelineMeasurement(compute_factor=factor, tied_s=tied_s,
@@ -335,7 +336,7 @@ def test_profile_pipeline_runs_the_plan_once_and_compiles_with_what_it_measured(
     options = tiny_options(folder, profile_pipeline=True)
     profiled = compile_to_directory(options, tmp_path / "profiled")[0]
     database = CostDatabase.load(folder / "costs.json")
-    key = pipeline_key(plan.provenance.model_sha256, plan.mesh, 2, "adamw")
+    key = pipeline_key(plan.provenance.model_sha256, plan.mesh, 2, "adamw", dtype=plan.dtype, zero=plan.zero)
     stored = database.pipeline("cpu", key)
     assert stored is not None and 0.5 < stored.compute_factor < 20
     assert 0 < stored.tied_s < 1  # the tiny GPT ties its embedding and head, on ranks 0 and 1

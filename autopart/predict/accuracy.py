@@ -22,14 +22,18 @@ from autopart.ir.errors import ConfigError
 if TYPE_CHECKING:
     from autopart.ir.plan import Plan
 
-__all__ = ["ACCURACY_FILE", "FULLY_SHARDED", "MEASURED", "MFU_CEILING", "PROFILED", "ROOFLINE", "Band", "Basis", "band_key",
+__all__ = ["ACCURACY_FILE", "FULLY_SHARDED", "MEASURED", "MEASURED_PIPELINE", "MFU_CEILING", "PROFILED", "ROOFLINE", "Band", "Basis", "band_key",
            "basis_for", "describe_prediction", "implied_mfu", "load_bands", "with_basis", "write_band"]
 
 ACCURACY_FILE = Path(__file__).with_name("accuracy.json")
 """The bands the repository ships, one per basis key (see `basis_for`)."""
 
 MEASURED = "measured"
-"""Ops timed in place and messages measured on the machine at hand: the default compile."""
+"""Ops timed in place and messages measured on the machine at hand: the default compile where it
+does not run the plan (a search, more than two ranks per core, a pipeline run that failed)."""
+MEASURED_PIPELINE = "measured-pipeline"
+"""Ops, messages and the plan's own pipeline measured on the machine at hand: the default compile
+of a layout given in full on a CPU (`autopart.profiling.measure_defaults`)."""
 PROFILED = "profiled"
 """Ops from a cost database (``--costs``), and, with ``--profile-pipeline``, the pipeline run first."""
 ROOFLINE = "roofline"
@@ -127,7 +131,8 @@ def basis_for(*, device: str, local: str | None, measured: bool, costs: Path | N
     beside = "" if pipeline else _timed_among(co_run, ranks_on_host)
     if measured:
         ops = "ops, this pipeline" if pipeline else f"ops{beside}"
-        kind, what = MEASURED, f"{ops} and messages measured on this machine" if messages else \
+        kind = MEASURED_PIPELINE if pipeline else MEASURED
+        what = f"{ops} and messages measured on this machine" if messages else \
             f"{ops} measured on this machine, messages from the device spec"
     elif costs is not None:
         kind = PROFILED

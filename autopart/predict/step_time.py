@@ -117,7 +117,8 @@ def rank_tails(options: CompileOptions, front: Front, stages: list[StagePlan], h
 def measured_in_place(options: CompileOptions, front: Front, micro_batch_size: int) -> PipelineMeasurement | None:
     """What this very pipeline measured as it ran (``--profile-pipeline``), if it was."""
     mesh = {"pp": options.pp, "tp": options.tp, "dp": options.dp}
-    key = pipeline_key(front.spec.source_sha256, mesh, micro_batch_size, options.optimizer)
+    key = pipeline_key(front.spec.source_sha256, mesh, micro_batch_size, options.optimizer,
+                       dtype=options.dtype or "fp32", zero=options.zero or 0)
     return front.cost_model.pipeline_profile(key)
 
 

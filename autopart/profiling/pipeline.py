@@ -59,7 +59,7 @@ from rich.console import Console
 
 from autopart.codegen.emit import emit_directory
 from autopart.passes.front import Front
-from autopart.tools.local_run import run_locally
+from autopart.tools.local_run import LocalRunError, run_locally
 from autopart.ir.plan import Plan
 from autopart.profiling.span import span
 from autopart.runtime.mesh import Mesh
@@ -73,7 +73,7 @@ from cost_models.database import (
     tail_key,
 )
 
-__all__ = ["PipelineProfile", "pipeline_key", "profile_pipeline", "profiled_in_place", "measure"]
+__all__ = ["PipelineProfile", "affordable", "pipeline_key", "profile_pipeline", "profiled_in_place", "measure"]
 
 WARMUP_STEPS = 4  # left out: the first steps allocate, and fill the caches and the allocator
 MEASURED_STEPS = 8  # at least; and at least
@@ -81,10 +81,14 @@ MEASURED_SECONDS = 8.0  # by the plan's step: this machine's speed moves within 
 MAX_STEPS = 1000  # whatever the seconds: a plan of a millisecond a step has its fixed costs per step besides
 
 
-def pipeline_key(model_sha256: str, mesh: dict[str, int], micro_batch_size: int, optimizer: str) -> str:
-    """The cost database's key of one model's pipeline: its source, its mesh, microbatch size and optimizer."""
+def pipeline_key(model_sha256: str, mesh: dict[str, int], micro_batch_size: int, optimizer: str, *,
+                 dtype: str, zero: int) -> str:
+    """The cost database's key of one model's pipeline: its source, its mesh, microbatch size,
+    optimizer, precision and ZeRO level (each changes what a stage computes or its tail). The
+    schedule, microbatches and cuts are the measurement's ``step_of``; recompute the per-stage
+    factors' blocks do not see (a compile that changes it runs again: `profiled_in_place`)."""
     return (f"pipeline(model={model_sha256[:16]}, pp={mesh['pp']}, tp={mesh['tp']}, dp={mesh['dp']}, "
-            f"micro_batch={micro_batch_size}, optimizer={optimizer})")
+            f"micro_batch={micro_batch_size}, optimizer={optimizer}, dtype={dtype}, zero={int(zero)})")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -180,7 +184,8 @@ def measure(plan: Plan, action_times: Path, overheads: RuntimeOverheads, *, core
     step_variation = () if shared else _step_variation(steps, took_by_step, _deliveries(messages), tails)
     send_s, recv_s, transfer_s, waited_s = message_times(messages)
     return PipelineProfile(
-        key=pipeline_key(plan.provenance.model_sha256, plan.mesh, plan.schedule.micro_batch_size, plan.optimizer),
+        key=pipeline_key(plan.provenance.model_sha256, plan.mesh, plan.schedule.micro_batch_size, plan.optimizer,
+                         dtype=plan.dtype, zero=plan.zero),
         measured=PipelineMeasurement(compute_factor=compute_s / predicted_s, stage_factors=stage_factors,
                                      tied_s=tied_s, optimizer_s=optimizer_s, send_s=send_s, recv_s=recv_s,
                                      transfer_s=transfer_s, waited_s=waited_s, step_variation=step_variation,
@@ -274,10 +279,23 @@ def profile_pipeline(out_dir: Path, plan: Plan, overheads: RuntimeOverheads, *, 
         run_locally(out_dir, plan.world_size,
                     ["--steps", str(WARMUP_STEPS + measured_steps), "--action-times", str(work / "actions")],
                     timeout_s=timeout_s, cwd=work)
-        return measure(plan, work / "actions", overheads, cores=cores)
+        try:
+            return measure(plan, work / "actions", overheads, cores=cores)
+        except RuntimeError as exc:  # a run that ended well but left times that cannot be read
+            raise LocalRunError(f"the run's action times could not be read: {exc}") from None
 
 
 PROFILE_PIPELINE_ROUNDS = 3
+
+DEFAULT_RUN_SECONDS = 60.0
+"""The longest predicted run (warm-up and the least measured steps) the default compile makes to
+measure a pipeline it was not asked to: a large model's steps take minutes on a CPU."""
+
+
+def affordable(plan: Plan) -> bool:
+    """Whether the default compile runs ``plan``'s pipeline here: its shortest run (`WARMUP_STEPS`
+    and `MEASURED_STEPS` of its predicted step) within `DEFAULT_RUN_SECONDS`."""
+    return (WARMUP_STEPS + MEASURED_STEPS) * plan.predicted.step_s <= DEFAULT_RUN_SECONDS
 
 
 def profiled_in_place(plan: Plan, front: Front, recompile: Callable[[], tuple[Plan, Front]], *,

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from autopart.ir.plan import Plan
+from autopart.runtime.device import compute_device
 from autopart.runtime.fully_sharded import FSDP_LEVELS, local
 from autopart.runtime.mesh import Coordinates, Mesh
 from autopart.runtime.recipe import clip_factor
@@ -86,7 +87,7 @@ def clip_gradients(stages: dict[int, nn.Module], plan: Plan, here: Coordinates, 
     alone; a tied parameter by the first stage that holds it (after the sum, every copy holds the
     whole gradient). One all-reduce of one number, then every rank scales by the same factor.
     """
-    device = next((p.device for module in stages.values() for p in module.parameters()), torch.device("cpu"))
+    device = next((p.device for module in stages.values() for p in module.parameters()), compute_device())
     squares = torch.zeros(1, dtype=torch.float64, device=device)
     if here.dp == 0 or plan.zero in FSDP_LEVELS:
         for s, module in stages.items():
