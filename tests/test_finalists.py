@@ -195,8 +195,12 @@ def test_where_no_finalist_runs_the_search_s_choice_stays(tmp_path, monkeypatch,
     monkeypatch.setattr(finalists_module, "finalist_step_s", fails)
     plan, _ = compile_to_directory(options(**SEARCH), tmp_path / "out")
     search = plan.provenance.search
-    unrun = compile_to_directory(options(**dict(SEARCH, run_finalists=False)), tmp_path / "o2")[0]
-    assert search["chosen_by"] == "search" and plan.zero == unrun.zero
+    # the plan is the search's first row (not a second compile's: the step counts the machine's
+    # load at each compile, and near-ties between ZeRO levels move with it)
+    words = search["ranked"][0]["layout"].split()
+    zero = next((w for w in words if w.startswith("zero")), "")
+    assert words[:3] == [f"pp{plan.mesh['pp']}", f"tp{plan.mesh['tp']}", f"dp{plan.mesh['dp']}"]
+    assert search["chosen_by"] == "search" and plan.zero == {"zero": 1, "zero2": 2, "zero3": 3}.get(zero, 0)
     assert all(row["measured_step_s"] is None for row in search["ranked"])
     assert "none of the search's finalists ran here (the distributed run did not finish within 300 s)" in caplog.text
 
