@@ -140,7 +140,7 @@ def measured_plan(options: CompileOptions, *, progress=None, console=None) -> tu
     plan, front = compile_plan(options, progress)
     basis = measured.basis
     by_default = measured.without_pipeline is not None
-    if options.profile_pipeline and by_default and not affordable(plan):
+    if by_default and not affordable(plan):
         log.info(f"the plan's steps are too long ({plan.predicted.step_s:.1f} s predicted) to run here by default; "
                  "the predicted step rests on its ops and messages (--profile-pipeline with --costs runs it)")
         basis = measured.without_pipeline

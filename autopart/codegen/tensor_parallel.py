@@ -101,7 +101,7 @@ def shard_stage_graph(
         _fold_numbers(node, op_graph, placement, tp)
     for node in graph.nodes:  # the outputs: sent on as the plan holds them (whole, or a slice), or the (replicated) loss
         if node.op == "output":
-            node.args = fx.map_arg(node.args, lambda a: _sent(a, boundary.get(a.name, REPLICATE), placement, convert, node))
+            node.args = fx.map_arg(node.args, lambda a: convert(a, boundary.get(a.name, REPLICATE), False, node))
     graph.eliminate_dead_code()
     _fuse_gathered_linears(graph)
     if autocast_dtype(op_graph.dtype) is not None:
@@ -110,12 +110,6 @@ def shard_stage_graph(
         _overlap_linears(graph, overlapped, op_graph, tp)
     graph.lint()
     return replace(stage, graph=graph)
-
-
-def _sent(value: fx.Node, held: Placement, placement: dict[str, Placement], convert, output: fx.Node) -> fx.Node:
-    """``value`` as the plan sends it on: converted to the placement it is ``held`` in across the
-    boundary (the residual stream's slice under SP, else whole), where it is not so already."""
-    return convert(value, held, False, output) if placement.get(value.name, REPLICATE) != held else value
 
 
 class _Conversions:

@@ -132,9 +132,9 @@ class Plan:
     def to_json(self) -> dict[str, Any]:
         """The plan as plain JSON values (lists, dicts, numbers, strings)."""
         data = asdict(self)
-        for stage, plan in zip(data["stages"], self.stages):  # a tensor as TensorMeta writes it (no null split)
-            stage["inputs"], stage["outputs"] = ([[n, m.to_json()] for n, m in tensors]
-                                                 for tensors in (plan.inputs, plan.outputs))
+        for written, stage in zip(data["stages"], self.stages):  # a tensor as TensorMeta writes it (no null split)
+            written["inputs"], written["outputs"] = ([[n, m.to_json()] for n, m in tensors]
+                                                     for tensors in (stage.inputs, stage.outputs))
         return json.loads(json.dumps(data))
 
     def save(self, path: str | Path) -> None:

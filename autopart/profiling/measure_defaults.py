@@ -18,13 +18,14 @@ measures what the step model needs:
 4. on a CPU, for a layout given in full, the plan's pipeline itself: the compile runs the
    programs it emits here for a few seconds and compiles again with what they took
    (``--profile-pipeline``, `autopart.profiling.pipeline`), into the same database, per mesh,
-   micro-batch size and optimizer. A stage computes more slowly inside its pipeline than its ops
+   micro-batch size, optimizer, precision and ZeRO level. A stage computes more slowly inside its pipeline than its ops
    alone or beside copies of the model (waking after a message, the other ranks' messages
    mid-compute, the tied gradients' and optimizer's tails), which none of the above sees
    (docs/first_run.md). A search does not: it runs its finalists instead
    (`autopart.profiling.finalists`).
 
-A second compile of the same model finds them all and measures nothing. ``--no-measure`` keeps the
+A second compile of the same model finds them all and measures nothing (a pipeline is run
+again where the figures it gave moved the plan's cuts to ones not run yet). ``--no-measure`` keeps the
 roofline, and so does the environment variable ``AUTOPART_NO_MEASURE=1`` (the test suite sets it:
 its compiles check plans, not this machine's speed, and must not each spend seconds measuring);
 a named device (``a100-80gb``) is never measured: it is not here.
@@ -32,6 +33,7 @@ a named device (``a100-80gb``) is never measured: it is not here.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -143,12 +145,11 @@ def measure_defaults(options: CompileOptions, *, console: Console | None = None,
     timed = 0 if options.searched or options.plan is not None else _profile_ops(options, kind, path, console)
     by_default = not options.profile_pipeline and _pipeline_here(options, kind)
     pipeline = options.profile_pipeline or by_default
-    bases = [basis_for(device=options.device, local=kind, measured=True, costs=None, messages=_messages_known(kind),
-                       pipeline=on, co_run=co_run_processes(options, kind, usable_cores()),
-                       ranks_on_host=_host_ranks(options, kind))
-             for on in (pipeline, False)]
-    measured = Measured(basis=bases[0], costs=path, ops_timed=timed, messages_measured=measure_messages,
-                        without_pipeline=bases[1] if by_default else None)
+    basis = functools.partial(basis_for, device=options.device, local=kind, measured=True, costs=None,
+                              messages=_messages_known(kind), co_run=co_run_processes(options, kind, usable_cores()),
+                              ranks_on_host=_host_ranks(options, kind))
+    measured = Measured(basis=basis(pipeline=pipeline), costs=path, ops_timed=timed, messages_measured=measure_messages,
+                        without_pipeline=basis(pipeline=False) if by_default else None)
     if measure_messages or timed:
         _note_busy(kind, path)
     return replace(options, costs=path, profile_pipeline=pipeline), measured
