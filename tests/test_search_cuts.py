@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import random
 
 import pytest
@@ -339,6 +340,31 @@ def test_the_ranks_room_walk_gives_up_only_where_it_could_not_beat_the_equal_sha
     monkeypatch.setattr(bottleneck, "_bisected", lambda *args, useless_from=None: bisected(*args))
     assert given_up == [cut_stages(costs, memory_limit_bytes=limit, **common) for limit in limits]
     assert fewer <= len(passes) - fewer
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_walk_passes_the_bounds_under_which_a_failed_pass_would_fail_alike(seed: int, monkeypatch) -> None:
+    """Random chains on ranks of two interleaved chunks: the walk up the ranks' room bounds runs
+    no pass under a bound below the last failed one's next turn (its comparisons would all go
+    as they went), and gives what it gives where it runs them all."""
+    from autopart.solve import bottleneck
+
+    costs, common, limits = _interleaved_case(seed)
+    passes = _counted_passes(monkeypatch)
+    skipping = [cut_stages(costs, memory_limit_bytes=limit, **common) for limit in limits]
+    skipped = len(passes)
+    passes.clear()
+    counted = bottleneck._Greedy.__call__
+
+    def forgetting(self, bound, watch=False):  # a watched pass that fails says nothing of larger bounds
+        found = counted(self, bound, watch=watch)
+        if watch and found is None:
+            self.next_turn = -math.inf
+        return found
+
+    monkeypatch.setattr(bottleneck._Greedy, "__call__", forgetting)
+    assert skipping == [cut_stages(costs, memory_limit_bytes=limit, **common) for limit in limits]
+    assert skipped <= len(passes)
 
 
 @pytest.mark.parametrize("seed", range(300))

@@ -127,10 +127,15 @@ def _bisected(greedy: _Greedy, costs: ChainCosts, stages: int, transfer_s: tuple
         # Stages that take what their rank has left may leave its later stages too little under a
         # loose bound, where each stage is as long as memory allows: the bound is raised from the
         # least, step by step, to the first under which the stages fit
-        bound = lo
-        while bound < worst_case and greedy(bound, watch=True) is None:
-            if not greedy.bound_matters:
-                return None  # the pass would fail alike under every larger bound
+        # A failed pass fails alike under every bound below its next turn: the walk passes those
+        bound, alike_below = lo, -math.inf
+        while bound < worst_case:
+            if bound >= alike_below:
+                if greedy(bound, watch=True) is not None:
+                    break
+                if not greedy.bound_matters:
+                    return None  # the pass would fail alike under every larger bound
+                alike_below = greedy.next_turn * (1 - 1e-9)
             if bound >= useless_from:
                 return None  # what it finds from here on has a slowest stage no faster
             lo, bound = bound, bound * _GROWTH
@@ -183,7 +188,7 @@ class _Greedy:
         self.blocks = len(costs)
         self.sums = chain_sums(costs)
         self.compute = costs.prefix("compute_s")
-        self.held_fits = room.fits if room is not None else self._within_budget  # a stage's memory test
+        self.plain_parameters = self.sums.split is None and not self.sums.shared  # a stage's: its blocks' own
         self.cheapest_out = min(transfer_s, default=0.0)
         self.refusals = 0  # times a stage met its time bound in a mode but not its memory
         self.failed_for_memory = False  # some bound under which no cuts were found saw a refusal
@@ -210,36 +215,43 @@ class _Greedy:
 
     def fits(self, s: int, first: int, last: int, bound: float) -> str | None:
         """The first mode in which blocks ``first..last`` fit as stage ``s`` under ``bound``, if any."""
+        # (the search asks this millions of times: the sums are read inline, in the order of
+        # ``_Sums.seconds`` and ``stage_figures``, so that every figure is the same to the bit)
         transfer_in = self.transfer_s[first - 1] if s > 0 else 0.0
         transfer_out = self.transfer_s[last] if s < self.stages - 1 else 0.0
+        sums, end = self.sums, last + 1
         parameters = None  # the same in every mode: asked once, where the memory is asked
-        compute, end = self.compute, last + 1
+        computed = self.compute[end] - self.compute[first]
         for mode in self.modes[s]:
-            repeated = self.sums.repeated[mode]  # ``_Sums.seconds`` without the call: the search asks millions
-            seconds = compute[end] - compute[first]
-            if repeated is not None:
-                seconds = seconds + (repeated[end] - repeated[first])
+            repeated = sums.repeated[mode]
+            seconds = computed if repeated is None else computed + (repeated[end] - repeated[first])
             seconds = seconds + transfer_in + transfer_out
             too_slow = seconds > bound
             if too_slow:
-                self.next_turn = min(self.next_turn, seconds)
-            if too_slow and self.bound_matters:
-                continue  # the memory would tell nothing more
+                if seconds < self.next_turn:
+                    self.next_turn = seconds
+                if self.bound_matters:
+                    continue  # the memory would tell nothing more
             if parameters is None:
-                parameters = self.sums.parameters(first, last)
-            per_microbatch, once = self.sums.held(first, last, mode, self.transients[s])
+                parameters = sums.owned[end] - sums.owned[first] if self.plain_parameters \
+                    else sums.parameters(first, last)
+            if mode == "none":
+                per_microbatch, once = sums.saved[end] - sums.saved[first], 0
+            else:
+                per_microbatch, once = sums.held(first, last, mode, self.transients[s])
+            if self.room is None:
+                fitting = parameters + self.in_flight[s] * per_microbatch + once <= self.budget[s]
+            else:
+                fitting = self.room.fits(s, parameters, per_microbatch, once)
             if too_slow:
-                if self.held_fits(s, parameters, per_microbatch, once):
+                if fitting:
                     self.bound_matters = True
                 continue
-            if self.held_fits(s, parameters, per_microbatch, once):
+            if fitting:
                 return mode
             if self.room is None:
                 self.refusals += 1
         return None
-
-    def _within_budget(self, s: int, parameters: int, per_microbatch: int, once: int) -> bool:
-        return parameters + self.in_flight[s] * per_microbatch + once <= self.budget[s]
 
     def slowest_s(self, chosen: list[tuple[int, str]]) -> float:
         """The slowest stage's time (with its transfers) of stages the greedy pass found."""
