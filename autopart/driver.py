@@ -14,16 +14,17 @@ plan assembly), ``codegen`` (the output directory).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import logging
 from pathlib import Path
 
 from autopart.codegen.emit import check_output_directory, emit_directory
-from autopart.ir.errors import PlanError
+from autopart.ir.errors import ConfigError, InfeasibleError, PlanError
 from autopart.ir.model_file import load_model_file
 from autopart.ir.plan import Plan, load_plan
 from autopart.options import CompileOptions, local_kind
-from autopart.predict.accuracy import with_basis
+from autopart.predict.accuracy import Basis, with_basis
 from autopart.passes.annotate import annotate
 from autopart.passes.front import Front, build_front, capture_for, note_unsplit
 from autopart.profiling.finalists import finalists_run_here, run_finalists
@@ -36,6 +37,7 @@ from autopart.solve.planner import plan_by_search
 from autopart.solve.stage_layers import check_fits, stage_layer_cuts
 from autopart.tools.local_run import LocalRunError
 from cost_models import get_cost_model
+from cost_models.calibration import usable_cores
 
 log = logging.getLogger("autopart")
 
@@ -154,4 +156,30 @@ def measured_plan(options: CompileOptions, *, progress=None, console=None) -> tu
             log.warning(f"running the plan here to measure its pipeline failed ({reason}); the predicted step rests "
                         "on its ops and messages alone")
             basis = measured.without_pipeline
-    return with_basis(plan, basis), front
+    return with_basis(with_fewer_ranks(options, plan, basis), basis), front
+
+
+def with_fewer_ranks(options: CompileOptions, plan: Plan, basis: Basis, *, cores: int | None = None) -> Plan:
+    """Where a search's ranks outnumber this CPU's ``cores`` and its finalists ran here, ``plan``
+    with the best plan of one rank per core in its search's record (``fewer_ranks``) if, even at
+    its basis's worst error, that one is predicted faster than ``plan`` ran. Ranks that share
+    cores take turns on them, and a search of the world size asked cannot weigh that against
+    fewer ranks: only the user can change the world size (the command line says so)."""
+    cores = cores or usable_cores()
+    search = plan.provenance.search
+    ran_s = (search.get("ranked") or [{}])[0].get("measured_step_s")
+    if local_kind(options.device) != "cpu" or not options.world_size or options.world_size <= cores \
+            or not ran_s or basis.band is None:
+        return plan
+    try:
+        fewer = plan_by_search(dataclasses.replace(options, world_size=cores, run_finalists=False)).plan
+    except (ConfigError, InfeasibleError):
+        return plan  # pins that fewer ranks cannot keep, a batch they cannot split, a model they cannot hold
+    if fewer.predicted.step_s * (1 + basis.band.worst) >= ran_s:
+        return plan
+    mesh = fewer.mesh
+    record = {"world_size": cores, "layout": f"pp{mesh['pp']} tp{mesh['tp']} dp{mesh['dp']}",
+              "predicted_step_s": fewer.predicted.step_s, "error_worst": basis.band.worst,
+              "error_benchmark": basis.band.benchmark}
+    return dataclasses.replace(plan, provenance=dataclasses.replace(plan.provenance,
+                                                                    search=dict(search, fewer_ranks=record)))

@@ -295,16 +295,30 @@ def _compile(args: argparse.Namespace, console: Console) -> None:
         if measured is not None:
             console.print(f"this plan ran here at {measured * 1e3:.3f} ms a step ({how}; "
                           f"predicted {(plan.predicted.step_s - measured) / measured:+.1%})")
-    cores = usable_cores()
-    if plan.provenance.cost_model.rpartition(":")[2] == "cpu" and plan.world_size > cores:
-        fewer = f" (--world-size {cores})" if search else ""
-        console.print(f"its {plan.world_size} ranks take turns on this machine's {cores} core{'s' * (cores > 1)} "
-                      f"(the predicted step counts it): here, fewer ranks{fewer} may train faster")
+    _print_turns(console, plan, ran)
     if plan.predicted.background_load > 0:
         console.print(f"{plan.predicted.background_load:g} other busy processes shared this machine's cores while it "
                       "compiled; the predicted step counts them (compile on a quiet machine for a quiet one's step)")
     console.print(f"compile peak memory {peak_memory_gib():.2f} GiB")
     console.print(f"wrote {out}/; train with:\n  torchrun --nproc-per-node {plan.world_size} {out}/train.py --steps 10")
+
+
+def _print_turns(console: Console, plan, ran: float | None) -> None:
+    """Where a CPU plan's ranks outnumber the cores, that they take turns on them, and where the
+    search found one rank per core predicted faster than the plan ran, that plan."""
+    cores = usable_cores()
+    if plan.provenance.cost_model.rpartition(":")[2] != "cpu" or plan.world_size <= cores:
+        return
+    turns = f"its {plan.world_size} ranks take turns on this machine's {cores} core{'s' * (cores > 1)}"
+    fewer = plan.provenance.search.get("fewer_ranks")
+    if fewer and ran is not None:
+        console.print(f"{turns}: the best plan of {fewer['world_size']} ({fewer['layout']}) is predicted at "
+                      f"{fewer['predicted_step_s'] * 1e3:.1f} ms a step ({fewer['error_benchmark']}: worst "
+                      f"{fewer['error_worst']:.0%}), this one ran at {ran * 1e3:.1f} ms: "
+                      f"--world-size {fewer['world_size']} trains faster here")
+    else:
+        hint = f" (--world-size {cores})" if plan.provenance.search else ""
+        console.print(f"{turns} (the predicted step counts it): here, fewer ranks{hint} may train faster")
 
 
 class _SearchProgress:

@@ -1,0 +1,79 @@
+"""A search whose ranks outnumber this CPU's cores records, and the command line says, when one
+rank per core is predicted to train faster than its plan ran."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from autopart.driver import CompileOptions, compile_plan, with_fewer_ranks
+from autopart.ir.plan import load_plan
+from autopart.tools.cli import main as cli_main
+from autopart.predict.accuracy import Band, Basis
+
+TINY_GPT = Path(__file__).parent / "models" / "tiny_gpt.py"
+BAND = Band(median=0.1, worst=0.2, rows=8, benchmark="cost_accuracy", command="", date="")
+BASIS = Basis(key="cpu-measured", what="ops and messages measured on this machine", band=BAND)
+
+
+@pytest.fixture(scope="module")
+def searched():
+    """A search of world size 4 on a CPU, and the predicted step of world size 2's best plan."""
+    options = CompileOptions(model=TINY_GPT, world_size=4, global_batch_size=8, measure=False, run_finalists=False)
+    plan, _ = compile_plan(options)
+    fewer, _ = compile_plan(dataclasses.replace(options, world_size=2))
+    return options, plan, fewer.predicted.step_s
+
+
+def _ran(plan, step_s: float | None):
+    """``plan`` as if its finalists ran here, itself at ``step_s`` a step."""
+    rows = [dict(row) for row in plan.provenance.search["ranked"]]
+    rows[0]["measured_step_s"] = step_s
+    search = dict(plan.provenance.search, ranked=rows, chosen_by="run")
+    return dataclasses.replace(plan, provenance=dataclasses.replace(plan.provenance, search=search))
+
+
+def _fewer(options, plan, basis=BASIS, cores=2):
+    return with_fewer_ranks(options, plan, basis, cores=cores).provenance.search.get("fewer_ranks")
+
+
+def test_fewer_ranks_faster_even_at_the_worst_error_are_recorded_and_said(searched, tmp_path, monkeypatch,
+                                                                        capsys) -> None:
+    import autopart.driver
+    import autopart.tools.cli
+
+    options, plan, fewer_s = searched
+    ran_s = fewer_s * (1 + BAND.worst) * 1.01
+    recorded = with_fewer_ranks(options, _ran(plan, ran_s), BASIS, cores=2)
+    fewer = recorded.provenance.search["fewer_ranks"]
+    assert fewer["world_size"] == 2 and fewer["predicted_step_s"] == fewer_s and fewer["error_worst"] == BAND.worst
+    assert fewer["layout"].startswith("pp") and " dp" in fewer["layout"]
+    recorded.save(tmp_path / "plan.json")
+    assert load_plan(tmp_path / "plan.json").provenance.search["fewer_ranks"] == fewer
+    monkeypatch.setattr(autopart.tools.cli, "usable_cores", lambda: 2)
+    monkeypatch.setattr(autopart.driver, "compile_to_directory", lambda *args, **kwargs: (recorded, tmp_path))
+    cli_main(["compile", str(TINY_GPT), "--world-size", "4", "--global-batch-size", "8", "-o", str(tmp_path / "o")])
+    printed = " ".join(capsys.readouterr().out.split())
+    assert (f"its 4 ranks take turns on this machine's 2 cores: the best plan of 2 ({fewer['layout']}) is predicted "
+            f"at {fewer_s * 1e3:.1f} ms a step (cost_accuracy: worst 20%), this one ran at {ran_s * 1e3:.1f} ms: "
+            "--world-size 2 trains faster here") in printed
+    assert "may train faster" not in printed
+
+
+def test_no_record_within_the_band_one_rank_per_core_or_where_nothing_ran(searched) -> None:
+    options, plan, fewer_s = searched
+    slow = _ran(plan, fewer_s * (1 + BAND.worst) * 1.01)
+    assert _fewer(options, slow) is not None
+    assert _fewer(options, _ran(plan, fewer_s * (1 + BAND.worst) * 0.99)) is None
+    assert _fewer(options, slow, cores=4) is None  # a rank per core already
+    assert _fewer(options, _ran(plan, None)) is None  # the finalists did not run
+    assert _fewer(options, slow, basis=dataclasses.replace(BASIS, band=None)) is None  # no band to weigh it by
+    assert _fewer(dataclasses.replace(options, device="h100-sxm"), slow) is None  # not this machine
+
+
+def test_no_record_where_fewer_ranks_cannot_keep_the_pins(searched) -> None:
+    options, plan, _ = searched
+    pinned = dataclasses.replace(options, dp=4)  # world size 2 has no room for four replicas
+    assert _fewer(pinned, _ran(plan, 10.0)) is None
