@@ -17,10 +17,11 @@ import contextlib
 import dataclasses
 import gc
 import logging
+import time
 from pathlib import Path
 
 from autopart.codegen.emit import check_output_directory, emit_directory
-from autopart.ir.errors import ConfigError, InfeasibleError, PlanError
+from autopart.ir.errors import AutopartError, PlanError
 from autopart.ir.model_file import load_model_file
 from autopart.ir.plan import Plan, load_plan
 from autopart.options import CompileOptions, local_kind
@@ -156,30 +157,37 @@ def measured_plan(options: CompileOptions, *, progress=None, console=None) -> tu
             log.warning(f"running the plan here to measure its pipeline failed ({reason}); the predicted step rests "
                         "on its ops and messages alone")
             basis = measured.without_pipeline
-    return with_basis(with_fewer_ranks(options, plan, basis), basis), front
+    return with_basis(with_fewer_ranks(options, plan, basis, progress=progress), basis), front
 
 
-def with_fewer_ranks(options: CompileOptions, plan: Plan, basis: Basis, *, cores: int | None = None) -> Plan:
+def with_fewer_ranks(options: CompileOptions, plan: Plan, basis: Basis, *, cores: int | None = None,
+                     progress=None) -> Plan:
     """Where a search's ranks outnumber this CPU's ``cores`` and its finalists ran here, ``plan``
-    with the best plan of one rank per core in its search's record (``fewer_ranks``) if, even at
-    its basis's worst error, that one is predicted faster than ``plan`` ran. Ranks that share
+    with the best plan of one rank per core in its search's record (``fewer_ranks``: its layout,
+    predicted step and error band, ``faster`` where even at the band's worst, ``predicted / (1 -
+    worst)``, it beats the step ``plan`` ran; ``reason`` where there is none). Ranks that share
     cores take turns on them, and a search of the world size asked cannot weigh that against
-    fewer ranks: only the user can change the world size (the command line says so)."""
+    fewer ranks: only the user can change the world size (the command line says so). It
+    launches nothing; it may time ops at micro-batch sizes the first search did not cost."""
     cores = cores or usable_cores()
     search = plan.provenance.search
     ran_s = (search.get("ranked") or [{}])[0].get("measured_step_s")
     if local_kind(options.device) != "cpu" or not options.world_size or options.world_size <= cores \
             or not ran_s or basis.band is None:
         return plan
+    start = time.perf_counter()
     try:
-        fewer = plan_by_search(dataclasses.replace(options, world_size=cores, run_finalists=False)).plan
-    except (ConfigError, InfeasibleError):
-        return plan  # pins that fewer ranks cannot keep, a batch they cannot split, a model they cannot hold
-    if fewer.predicted.step_s * (1 + basis.band.worst) >= ran_s:
-        return plan
-    mesh = fewer.mesh
-    record = {"world_size": cores, "layout": f"pp{mesh['pp']} tp{mesh['tp']} dp{mesh['dp']}",
-              "predicted_step_s": fewer.predicted.step_s, "error_worst": basis.band.worst,
-              "error_benchmark": basis.band.benchmark}
+        fewer = plan_by_search(dataclasses.replace(options, world_size=cores, run_finalists=False),
+                               progress=progress).plan
+    except (AutopartError, RuntimeError, MemoryError) as exc:  # advice only: the plan stands as compiled
+        record = {"world_size": cores, "reason": str(exc).splitlines()[0] if str(exc) else type(exc).__name__}
+    else:
+        worst = with_basis(fewer, basis).predicted.error_worst  # a ZeRO-3 plan's own band, where there is one
+        mesh = fewer.mesh
+        record = {"world_size": cores, "layout": f"pp{mesh['pp']} tp{mesh['tp']} dp{mesh['dp']}",
+                  "predicted_step_s": fewer.predicted.step_s, "error_worst": worst,
+                  "error_benchmark": basis.band.benchmark,
+                  "faster": worst is not None and worst < 1 and fewer.predicted.step_s / (1 - worst) < ran_s}
+    record["seconds"] = round(time.perf_counter() - start, 3)
     return dataclasses.replace(plan, provenance=dataclasses.replace(plan.provenance,
                                                                     search=dict(search, fewer_ranks=record)))

@@ -215,8 +215,9 @@ class _Greedy:
 
     def fits(self, s: int, first: int, last: int, bound: float) -> str | None:
         """The first mode in which blocks ``first..last`` fit as stage ``s`` under ``bound``, if any."""
-        # (the search asks this millions of times: the sums are read inline, in the order of
-        # ``_Sums.seconds`` and ``stage_figures``, so that every figure is the same to the bit)
+        # (the search asks this millions of times: the running sums are read inline, the bytes
+        # as ``_Sums.parameters`` and ``_Sums.held`` add them; the seconds of "full" are the whole
+        # forward again, never less than what `_Sums.seconds` gives layer by layer)
         transfer_in = self.transfer_s[first - 1] if s > 0 else 0.0
         transfer_out = self.transfer_s[last] if s < self.stages - 1 else 0.0
         sums, end = self.sums, last + 1

@@ -304,21 +304,25 @@ def _compile(args: argparse.Namespace, console: Console) -> None:
 
 
 def _print_turns(console: Console, plan, ran: float | None) -> None:
-    """Where a CPU plan's ranks outnumber the cores, that they take turns on them, and where the
-    search found one rank per core predicted faster than the plan ran, that plan."""
+    """Where a CPU plan's ranks outnumber the cores, that they take turns on them, and what the
+    search found of one rank per core (`autopart.driver.with_fewer_ranks`)."""
     cores = usable_cores()
     if plan.provenance.cost_model.rpartition(":")[2] != "cpu" or plan.world_size <= cores:
         return
     turns = f"its {plan.world_size} ranks take turns on this machine's {cores} core{'s' * (cores > 1)}"
     fewer = plan.provenance.search.get("fewer_ranks")
-    if fewer and ran is not None:
-        console.print(f"{turns}: the best plan of {fewer['world_size']} ({fewer['layout']}) is predicted at "
-                      f"{fewer['predicted_step_s'] * 1e3:.1f} ms a step ({fewer['error_benchmark']}: worst "
-                      f"{fewer['error_worst']:.0%}), this one ran at {ran * 1e3:.1f} ms: "
-                      f"--world-size {fewer['world_size']} trains faster here")
-    else:
+    if not fewer or ran is None:
         hint = f" (--world-size {cores})" if plan.provenance.search else ""
         console.print(f"{turns} (the predicted step counts it): here, fewer ranks{hint} may train faster")
+    elif "reason" in fewer:
+        console.print(f"{turns} (the predicted step counts it); no plan of {fewer['world_size']} was found "
+                      f"({fewer['reason']})")
+    else:
+        best = (f"the best plan of {fewer['world_size']} ({fewer['layout']}) is predicted at "
+                f"{fewer['predicted_step_s'] * 1e3:.1f} ms a step ({fewer['error_benchmark']}: worst "
+                f"{fewer['error_worst']:.0%}), this one ran at {ran * 1e3:.1f} ms")
+        console.print(f"{turns}: {best}: --world-size {fewer['world_size']} trains faster here" if fewer["faster"]
+                      else f"{turns} (the predicted step counts it); {best}, not faster by more than that error")
 
 
 class _SearchProgress:
