@@ -9,6 +9,7 @@ import pytest
 from autopart.driver import CompileOptions, compile_to_directory
 from autopart.ir.errors import ConfigError
 from autopart.profiling import finalists as finalists_module
+from autopart.profiling import measure_defaults
 from autopart.profiling.finalists import CLOSE, chosen_by_running, finalists_run_here
 from autopart.profiling.measure_defaults import NO_MEASURE_ENV
 from autopart.tools.cli import main as cli_main
@@ -90,7 +91,7 @@ def test_not_where_the_ranks_cannot_run_here(monkeypatch):
     monkeypatch.delenv(NO_MEASURE_ENV, raising=False)
     assert not finalists_run_here(options(device="a100-80gb"))
     assert not finalists_run_here(options(world_size=4, gpus_per_node=2))
-    monkeypatch.setattr(finalists_module, "usable_cores", lambda: 1)
+    monkeypatch.setattr(measure_defaults, "usable_cores", lambda: 1)  # where the ranks' test reads it
     assert finalists_run_here(options(world_size=2))  # by default up to two ranks per core
     assert not finalists_run_here(options(world_size=4))
     assert finalists_run_here(options(world_size=4, run_finalists=True))  # asked, up to four

@@ -39,14 +39,13 @@ import torch
 from autopart.codegen.emit import emit_directory
 from autopart.ir.errors import ConfigError
 from autopart.ir.plan import Plan
-from autopart.options import CompileOptions, local_kind
+from autopart.options import CompileOptions
 from autopart.passes.front import Front
 from autopart.profiling import finalist_cache
-from autopart.profiling.measure_defaults import NO_MEASURE_ENV, RANKS_PER_CORE
+from autopart.profiling.measure_defaults import NO_MEASURE_ENV, RANKS_PER_CORE, why_not_here
 from autopart.profiling.span import span
 from autopart.solve.planner import Finalist
 from autopart.tools.local_run import LocalRunError, run_locally, runs_on_gpus
-from cost_models.calibration import usable_cores
 
 __all__ = ["CLOSE", "chosen_by_running", "finalist_step_s", "finalists_run_here", "run_finalists"]
 
@@ -76,24 +75,10 @@ def finalists_run_here(options: CompileOptions) -> bool:
                           "finalists before it: give one of them")
     if not asked and (not options.measure or os.environ.get(NO_MEASURE_ENV) or options.profile_pipeline):
         return False
-    why = _why_not_here(options, RANKS_PER_CORE[asked])
+    why = why_not_here(options, RANKS_PER_CORE[asked])
     if why is not None and asked:
         raise ConfigError(f"--run-finalists runs the plans on this machine, and {why}; drop --run-finalists")
     return why is None
-
-
-def _why_not_here(options: CompileOptions, ranks_per_core: int) -> str | None:
-    kind = local_kind(options.device)
-    ranks = options.world_size
-    if kind is None:
-        return f"--device {options.device} is not this machine's"
-    if ranks > options.gpus_per_node:
-        return f"--world-size {ranks} spans more than one node of {options.gpus_per_node} (--gpus-per-node)"
-    if kind == "cpu" and ranks > ranks_per_core * usable_cores():
-        return f"--world-size {ranks} is more than {ranks_per_core} ranks per core of its {usable_cores()}"
-    if kind != "cpu" and torch.cuda.device_count() < ranks:
-        return f"it has {torch.cuda.device_count()} GPU(s) for --world-size {ranks}"
-    return None
 
 
 def finalist_step_s(finalist: Finalist, *, timeout_s: float = TIMEOUT_S) -> float:

@@ -54,7 +54,8 @@ from cost_models.comm_profile import QUICK, load_comm_profile, profile_comm
 from cost_models.database import CostDatabase
 from cost_models.devices import local_device_name
 
-__all__ = ["NO_MEASURE_ENV", "RANKS_PER_CORE", "Measured", "co_run_processes", "measure_defaults", "costs_cache_path"]
+__all__ = ["NO_MEASURE_ENV", "RANKS_PER_CORE", "Measured", "co_run_processes", "measure_defaults", "costs_cache_path",
+           "why_not_here"]
 
 log = logging.getLogger("autopart")
 
@@ -161,7 +162,24 @@ def _pipeline_here(options: CompileOptions, kind: str) -> bool:
     `RANKS_PER_CORE` per core."""
     if kind != "cpu" or options.searched or options.plan is not None:
         return False
-    return options.ranks <= min(options.gpus_per_node, RANKS_PER_CORE[0] * usable_cores())
+    return why_not_here(options, RANKS_PER_CORE[0]) is None
+
+
+def why_not_here(options: CompileOptions, ranks_per_core: int) -> str | None:
+    """Why the plan's ranks cannot run on this machine (a named device, more than one node, more
+    than ``ranks_per_core`` per CPU core, fewer GPUs than ranks), or None where they can: the test
+    of a search's finalists (`autopart.profiling.finalists`) and of the default pipeline run."""
+    kind = local_kind(options.device)
+    ranks = options.ranks
+    if kind is None:
+        return f"--device {options.device} is not this machine's"
+    if ranks > options.gpus_per_node:
+        return f"--world-size {ranks} spans more than one node of {options.gpus_per_node} (--gpus-per-node)"
+    if kind == "cpu" and ranks > ranks_per_core * usable_cores():
+        return f"--world-size {ranks} is more than {ranks_per_core} ranks per core of its {usable_cores()}"
+    if kind != "cpu" and torch.cuda.device_count() < ranks:
+        return f"it has {torch.cuda.device_count()} GPU(s) for --world-size {ranks}"
+    return None
 
 
 def _note_busy(kind: str, path: Path) -> None:
