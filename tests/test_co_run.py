@@ -133,11 +133,11 @@ def test_the_basis_says_when_the_host_s_ranks_outnumber_its_cores() -> None:
     """Four ranks on two cores take turns there, which neither the timing nor the step counts."""
     crowded = basis_for(device="cpu", local="cpu", measured=True, costs=None, messages=True, co_run=2, ranks_on_host=4,
                         bands={})
-    assert crowded.what == ("ops (timed 2 at once, one per core; the plan's 4 ranks on this host share its 2 cores, "
-                            "which the step does not count: expect a slower run) and messages measured on this machine")
+    assert crowded.what == ("ops (timed 2 at once, one per core; the plan's 4 ranks on this host take turns on its 2 "
+                            "cores, as the step counts them) and messages measured on this machine")
     one_core = basis_for(device="cpu", local="cpu", measured=True, costs=None, messages=True, co_run=1, ranks_on_host=2,
                          bands={})
-    assert "the plan's 2 ranks on this host share its 1 core," in one_core.what
+    assert "the plan's 2 ranks on this host take turns on its 1 core," in one_core.what
     fitting = basis_for(device="cpu", local="cpu", measured=True, costs=None, messages=True, co_run=2, ranks_on_host=2,
                         bands={})
     assert fitting.what == "ops (timed 2 at once, as the plan's ranks on this host compute) and messages measured on this machine"

@@ -109,8 +109,8 @@ def _at_once() -> str:
     """How the basis says two ranks' ops were timed on this machine."""
     if host_processes(2, usable_cores()) == 2:
         return " (timed 2 at once, as the plan's ranks on this host compute)"
-    return (" (timed 1 at once, one per core; the plan's 2 ranks on this host share its 1 core, which the step does "
-            "not count: expect a slower run)")  # a machine of one core
+    return (" (timed 1 at once, one per core; the plan's 2 ranks on this host take turns on its 1 core, as the step "
+            "counts them)")  # a machine of one core
 
 
 def test_a_search_s_first_compile_sees_the_co_run_figure_it_measures(fresh_cache) -> None:

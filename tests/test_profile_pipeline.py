@@ -11,7 +11,7 @@ import autopart.profiling.pipeline
 from autopart.tools.cli import main as cli_main
 from autopart.driver import CompileOptions, compile_to_directory
 from autopart.ir.plan import load_plan
-from autopart.profiling.pipeline import action_seconds, message_times, measure, pipeline_key
+from autopart.profiling.pipeline import action_seconds, message_times, measure, pipeline_key, plan_pipeline_key
 from autopart.schedule import Action, add_communication, build_schedule
 from cost_models import CostDatabase
 from cost_models.database import PipelineMeasurement, RuntimeOverheads, plan_shape
@@ -105,7 +105,9 @@ def test_the_factor_is_the_stages_compute_over_the_plans_after_the_warm_up(compi
     first, last = (stage.blocks for stage in plan.stages)
     assert profile.measured.optimizer_s == pytest.approx({f"{first[0]}-{first[1]}": 0.004,
                                                          f"{last[0]}-{last[1]}": 0.006})
-    assert profile.key == pipeline_key(plan.provenance.model_sha256, plan.mesh, 2, "adamw", dtype=plan.dtype, zero=plan.zero)
+    assert profile.key == pipeline_key(plan.provenance.model_sha256, plan.mesh, 2, "adamw", dtype=plan.dtype,
+                                       zero=plan.zero, recompute=("none", "none"))
+    assert profile.key == plan_pipeline_key(plan)
     assert profile.predicted_s == pytest.approx(plan.schedule.microbatches * sum(
         s.forward_s + s.backward_s for s in plan.stages))
     (tmp_path / "a" / "rank_1.jsonl").unlink()
@@ -227,6 +229,13 @@ def test_the_plan_holds_the_step_its_own_profile_run_took(compiled, tmp_path, ca
     for step_of in (other, shape.replace("1f1b", "gpipe"), ""):
         with_factor(folder, plan, 1.0, step_s=0.042, step_of=step_of)
         assert compile_to_directory(options, tmp_path / "other")[0].predicted.profiled_step_s is None
+    # nor one that recomputes, with the same cuts: its backwards ran no forward again (its own
+    # pipeline is to run: the default compile runs it, `profiled_in_place`)
+    with_factor(folder, plan, 1.0, step_s=0.042, step_of=shape)
+    recomputing = compile_to_directory(tiny_options(folder, recompute="full"), tmp_path / "recomputing")[0]
+    assert [s.blocks for s in recomputing.stages] == [s.blocks for s in plan.stages]
+    assert recomputing.predicted.profiled_step_s is None
+    assert recomputing.predicted.compute_factor_from != "pipeline"
     with_factor(folder, plan, None)
 
 
@@ -245,8 +254,7 @@ def with_factor(folder: Path, plan, factor: float | None, tied_s: float | None =
                 step_variation: tuple[dict[str, float], ...] = (), step_s: float | None = None, step_of: str = "",
                 **stage_factors) -> None:
     database = CostDatabase.load(folder / "costs.json")
-    key = pipeline_key(plan.provenance.model_sha256, plan.mesh, plan.schedule.micro_batch_size, plan.optimizer,
-                       dtype=plan.dtype, zero=plan.zero)
+    key = plan_pipeline_key(plan)
     database.pipelines = {k: v for k, v in database.pipelines.items() if not k.endswith(key)}
     if factor is not None:
         database.put_pipeline("cpu", key, PipelineMeasurement(compute_factor=factor, tied_s=tied_s,
@@ -336,7 +344,7 @@ def test_profile_pipeline_runs_the_plan_once_and_compiles_with_what_it_measured(
     options = tiny_options(folder, profile_pipeline=True)
     profiled = compile_to_directory(options, tmp_path / "profiled")[0]
     database = CostDatabase.load(folder / "costs.json")
-    key = pipeline_key(plan.provenance.model_sha256, plan.mesh, 2, "adamw", dtype=plan.dtype, zero=plan.zero)
+    key = plan_pipeline_key(plan)
     stored = database.pipeline("cpu", key)
     assert stored is not None and 0.5 < stored.compute_factor < 20
     assert 0 < stored.tied_s < 1  # the tiny GPT ties its embedding and head, on ranks 0 and 1

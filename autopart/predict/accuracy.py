@@ -147,12 +147,13 @@ def basis_for(*, device: str, local: str | None, measured: bool, costs: Path | N
 
 def _timed_among(co_run: int, ranks_on_host: int) -> str:
     """How the ops were timed beside the host's other ranks. Ranks that outnumber the cores take
-    turns on them, which neither the timing (one process per core) nor the step model counts, so
-    the run is slower than the figure, by how much docs/first_run.md measures."""
+    turns on them: the timing runs one process per core, and the step model shares the cores out
+    (`autopart.schedule.shared`: each busy rank at cores / busy of its speed, with a cold cache's
+    price per turn), which docs/first_run.md checks against runs of four ranks on two cores."""
     if ranks_on_host > co_run:
         cores = f"{co_run} core{'s' if co_run > 1 else ''}"
-        return (f" (timed {co_run} at once, one per core; the plan's {ranks_on_host} ranks on this host share its "
-                f"{cores}, which the step does not count: expect a slower run)")
+        return (f" (timed {co_run} at once, one per core; the plan's {ranks_on_host} ranks on this host take turns "
+                f"on its {cores}, as the step counts them)")
     return f" (timed {co_run} at once, as the plan's ranks on this host compute)" if co_run > 1 else ""
 
 

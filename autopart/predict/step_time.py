@@ -114,11 +114,16 @@ def rank_tails(options: CompileOptions, front: Front, stages: list[StagePlan], h
     return tails
 
 
-def measured_in_place(options: CompileOptions, front: Front, micro_batch_size: int) -> PipelineMeasurement | None:
-    """What this very pipeline measured as it ran (``--profile-pipeline``), if it was."""
+def measured_in_place(options: CompileOptions, front: Front, micro_batch_size: int,
+                      stages: list[StagePlan]) -> PipelineMeasurement | None:
+    """What this very pipeline measured as it ran (``--profile-pipeline``), if it was: keyed as
+    `autopart.profiling.pipeline.plan_pipeline_key` keys the plan that ``stages`` make."""
     mesh = {"pp": options.pp, "tp": options.tp, "dp": options.dp}
+    split = options.tp > 1 and bool(options.sp)
     key = pipeline_key(front.spec.source_sha256, mesh, micro_batch_size, options.optimizer,
-                       dtype=options.dtype or "fp32", zero=options.zero or 0)
+                       dtype=options.dtype or "fp32", zero=options.zero or 0,
+                       recompute=tuple(stage.recompute for stage in stages), sp=split,
+                       tp_overlap=split and bool(options.tp_overlap))
     return front.cost_model.pipeline_profile(key)
 
 

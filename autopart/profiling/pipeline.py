@@ -73,7 +73,8 @@ from cost_models.database import (
     tail_key,
 )
 
-__all__ = ["PipelineProfile", "affordable", "pipeline_key", "profile_pipeline", "profiled_in_place", "measure"]
+__all__ = ["PipelineProfile", "affordable", "pipeline_key", "plan_pipeline_key", "profile_pipeline", "profiled_in_place",
+           "measure"]
 
 WARMUP_STEPS = 4  # left out: the first steps allocate, and fill the caches and the allocator
 MEASURED_STEPS = 8  # at least; and at least
@@ -82,13 +83,22 @@ MAX_STEPS = 1000  # whatever the seconds: a plan of a millisecond a step has its
 
 
 def pipeline_key(model_sha256: str, mesh: dict[str, int], micro_batch_size: int, optimizer: str, *,
-                 dtype: str, zero: int) -> str:
+                 dtype: str, zero: int, recompute: tuple[str, ...], sp: bool = False, tp_overlap: bool = False) -> str:
     """The cost database's key of one model's pipeline: its source, its mesh, microbatch size,
-    optimizer, precision and ZeRO level (each changes what a stage computes or its tail). The
-    schedule, microbatches and cuts are the measurement's ``step_of``; recompute the per-stage
-    factors' blocks do not see (a compile that changes it runs again: `profiled_in_place`)."""
+    optimizer, precision, ZeRO level, each stage's recompute and the tensor-parallel collectives'
+    form (each changes what a stage computes, what it sends or its tail: a plan that differs in
+    any of them was not run, and runs again, `profiled_in_place`). The schedule, microbatches and
+    cuts are the measurement's ``step_of``."""
     return (f"pipeline(model={model_sha256[:16]}, pp={mesh['pp']}, tp={mesh['tp']}, dp={mesh['dp']}, "
-            f"micro_batch={micro_batch_size}, optimizer={optimizer}, dtype={dtype}, zero={int(zero)})")
+            f"micro_batch={micro_batch_size}, optimizer={optimizer}, dtype={dtype}, zero={int(zero)}, "
+            f"recompute={'/'.join(recompute)}, sp={int(sp)}, tp_overlap={int(tp_overlap)})")
+
+
+def plan_pipeline_key(plan: Plan) -> str:
+    """`pipeline_key` of the pipeline ``plan`` runs."""
+    return pipeline_key(plan.provenance.model_sha256, plan.mesh, plan.schedule.micro_batch_size, plan.optimizer,
+                        dtype=plan.dtype, zero=plan.zero, recompute=tuple(stage.recompute for stage in plan.stages),
+                        sp=plan.sp, tp_overlap=plan.tp_overlap)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -184,8 +194,7 @@ def measure(plan: Plan, action_times: Path, overheads: RuntimeOverheads, *, core
     step_variation = () if shared else _step_variation(steps, took_by_step, _deliveries(messages), tails)
     send_s, recv_s, transfer_s, waited_s = message_times(messages)
     return PipelineProfile(
-        key=pipeline_key(plan.provenance.model_sha256, plan.mesh, plan.schedule.micro_batch_size, plan.optimizer,
-                         dtype=plan.dtype, zero=plan.zero),
+        key=plan_pipeline_key(plan),
         measured=PipelineMeasurement(compute_factor=compute_s / predicted_s, stage_factors=stage_factors,
                                      tied_s=tied_s, optimizer_s=optimizer_s, send_s=send_s, recv_s=recv_s,
                                      transfer_s=transfer_s, waited_s=waited_s, step_variation=step_variation,

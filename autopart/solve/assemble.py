@@ -127,7 +127,7 @@ def plan_from_cuts(
         weight_s=tuple(s.backward_weight_s for s in stages),
         transfer_s=transfer,
     )
-    in_place = measured_in_place(options, front, micro_batch_size)
+    in_place = measured_in_place(options, front, micro_batch_size, stages)
     tails = rank_tails(options, front, stages, holders, in_place)
     factor = compute_factor(options, front, stages, in_place)
     step_s, reduction = predicted_step_s(options, front, timed, transfer, tails, microbatches, factor, in_place)
