@@ -124,3 +124,25 @@ def test_the_shallow_copy_s_layers_lie_where_the_full_model_s_do(tmp_path) -> No
     repeated = shallow.chain_costs(micro_batch_size=1, tp=1, dtype="fp32")
     captured = full.chain_costs(micro_batch_size=1, tp=1, dtype="fp32")
     assert repeated.layer_spans == captured.layer_spans and len(captured.layer_spans) > 2
+
+
+def test_the_shallow_copy_s_boundaries_are_the_full_model_s_and_gathered_alike(tmp_path) -> None:
+    """What crosses each block boundary, as one rank holds it and as much of it as is all-gathered
+    on arrival (tensor parallelism without sequence parallelism: the replicated residual stream),
+    in the chain built from two captured layers is the full model's."""
+    from pathlib import Path
+
+    from autopart.driver import CompileOptions
+    from autopart.solve import planner
+
+    model = tmp_path / "deep.py"
+    model.write_text(MODEL_FILE.format(models=str(Path(__file__).resolve().parent.parent / "benchmarks" / "models")))
+    options = CompileOptions(model=model, world_size=4, global_batch_size=8, device="h100-sxm", sp=False)
+    full = planner.FrontTable(options)
+    shallow = planner.shallow_table(full)
+    assert shallow is not None
+    repeated = shallow.chain_costs(micro_batch_size=1, tp=2, dtype="fp32")
+    captured = full.chain_costs(micro_batch_size=1, tp=2, dtype="fp32")
+    assert repeated.boundary_bytes == captured.boundary_bytes
+    assert repeated.boundary_gathered_bytes == captured.boundary_gathered_bytes
+    assert sum(g > 0 for g in captured.boundary_gathered_bytes) >= len(captured.layer_spans)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 
 from autopart.ir.model_file import ModelSpec, is_meta, load_model_file
 from autopart.ir.placement import Placement
-from autopart.ir.scatter_gather import held_bytes
+from autopart.ir.scatter_gather import gathered, held_bytes
 from autopart.ir.tensors import TensorMeta
 from autopart.options import CompileOptions, local_kind
 from autopart.passes.annotate import OpGraph, annotate
@@ -27,8 +27,8 @@ from autopart.solve.sequence import boundary_placement
 from autopart.solve.tensor import BlockSharding, shard_chain
 from cost_models import CostDatabase, CostModel, ProfiledCostModel, get_cost_model
 
-__all__ = ["Front", "annotated", "block_seconds", "boundary_held_bytes", "build_front", "capture_for", "held_tensors",
-           "layer_input_bytes", "layer_rebuilt_bytes",
+__all__ = ["Front", "annotated", "block_seconds", "boundary_gathered_bytes", "boundary_held_bytes", "build_front",
+           "capture_for", "held_tensors", "layer_input_bytes", "layer_rebuilt_bytes",
            "note_unsplit", "parameter_placements", "recompute_blocks", "sharded"]
 
 log = logging.getLogger("autopart")
@@ -138,6 +138,13 @@ def layer_input_bytes(front: Front, tp: int) -> tuple[int, ...]:
 def boundary_held_bytes(front: Front, tp: int) -> tuple[int, ...]:
     """Per block boundary, the bytes of what crosses it that one rank holds (`held_tensors`)."""
     return tuple(sum(held_bytes(meta, tp) for _, meta in held_tensors(front, b.tensors, k + 1, tp))
+                 for k, b in enumerate(front.chain.boundaries))
+
+
+def boundary_gathered_bytes(front: Front, tp: int) -> tuple[int, ...]:
+    """Per block boundary, the bytes of the replicated tensors crossing it that travel in ``tp``
+    parts and are all-gathered on arrival (`autopart.ir.scatter_gather.gathered`)."""
+    return tuple(sum(meta.nbytes for _, meta in held_tensors(front, b.tensors, k + 1, tp) if gathered(meta, tp))
                  for k, b in enumerate(front.chain.boundaries))
 
 

@@ -37,6 +37,7 @@ from autopart.solve.baselines import (
     uniform_cuts,
 )
 from autopart.solve.chain_costs import ChainCosts
+from autopart.solve.transfers import boundary_transfer_s
 
 __all__ = [
     "BaselineResult",
@@ -97,8 +98,7 @@ def grid_search(name: str, space: SearchSpace, table: CostTable, cluster: Cluste
     candidates = 0
     for layout in grid.layouts(blocks):
         costs = table.chain_costs(micro_batch_size=layout.micro_batch_size, tp=layout.tp, dtype=layout.dtype)
-        across = layout.pipeline_crosses_nodes(cluster.gpus_per_node)
-        transfer = tuple(cluster.p2p_s(b, across) for b in costs.boundary_bytes)
+        transfer = boundary_transfer_s(costs, layout, cluster)
         layers = layers_of(layout.micro_batch_size, layout.tp, layout.dtype)
         for mode in space.recompute:
             try:

@@ -27,6 +27,9 @@ class ChainCosts:
     # what crosses after block k as one rank holds it (`autopart.passes.front.boundary_held_bytes`:
     # the residual stream's slice under sequence parallelism); len = blocks - 1
     boundary_bytes: tuple[int, ...]
+    # of those, per boundary, the replicated tensors that travel in tensor-parallel parts and are
+    # all-gathered on arrival (`autopart.ir.scatter_gather.gathered`); () where there are none
+    boundary_gathered_bytes: tuple[int, ...] = ()
     input_bytes: int  # the batch inputs (token ids, targets) a stage may read, per microbatch
     parameter_bytes: dict[str, int]  # per parameter, its share on one rank of the tensor-parallel group
     parameter_state_bytes: dict[str, int]  # the same with gradients and optimizer state

@@ -28,6 +28,7 @@ from autopart.predict.data_parallel import gathered_bytes
 from autopart.predict.fully_sharded import Piece, added_beside, fully_sharded_cost
 from autopart.runtime.fully_sharded import FSDP_LEVELS
 from autopart.schedule import SPLIT_BACKWARD_KINDS, stage_placement
+from autopart.solve.transfers import boundary_transfer_s
 
 __all__ = ["fully_sharded_levels", "tail_s", "update_s", "exposed_all_reduce_s", "hidden_s", "last_bucket_bytes",
            "fully_sharded_extra_s", "stage_layers", "stage_times", "most_hidden_s", "fsdp_may_pay",
@@ -273,8 +274,7 @@ def most_hidden_s(layout, costs, cluster) -> float:
     """More than any rank's ``hidden_s`` under any cuts (for the search's lower bound): no rank's
     last backward is longer than the whole chain's, fully recomputed, with a transfer at each end
     of each of its stages."""
-    largest_transfer = cluster.p2p_s(max(costs.boundary_bytes, default=0),
-                                     layout.pipeline_crosses_nodes(cluster.gpus_per_node))
+    largest_transfer = max(boundary_transfer_s(costs, layout, cluster), default=0.0)
     return (1 - FORWARD_SHARE) * (costs.prefix("compute_s")[-1] + costs.prefix("forward_s")[-1]
                                   + 2 * layout.chunks * largest_transfer)
 

@@ -39,6 +39,7 @@ from autopart.schedule import SPLIT_BACKWARD_KINDS, stage_placement
 from autopart.solve.chain_costs import ChainCosts, stage_floor_s
 from autopart.solve.rank_room import stages_by_rank
 from autopart.solve.data_parallel_tail import FORWARD_SHARE, fully_sharded_floor_s, most_hidden_s, tail_s
+from autopart.solve.transfers import boundary_transfer_s
 
 __all__ = ["early_bound", "layout_bound", "lazy_order", "may_fit", "mesh_overhead_bytes", "no_early_bound",
            "optimistic_costs", "stage_floor", "with_layout_state"]
@@ -89,7 +90,8 @@ def optimistic_costs(costs: ChainCosts, floors: list[float], tp: int) -> ChainCo
         selective_saved_bytes=(0,) * len(costs),
         parameter_bytes=share,
         parameter_state_bytes=dict(share),
-        boundary_bytes=tuple(b // tp for b in costs.boundary_bytes),
+        boundary_bytes=tuple(b // tp for b in costs.boundary_bytes),  # no less than any rank sends
+        boundary_gathered_bytes=(),  # nor any all-gather: none
         layer_bytes=0,  # no more than any sharding's largest layer (ZeRO-3 holds some in flight)
         _prefix={},
     )
@@ -205,8 +207,7 @@ def cheapest_transfer_s(costs: ChainCosts, layout, cluster) -> float:
     """The least one transfer between two of ``layout``'s stages takes (0 with one stage)."""
     if layout.stages == 1 or not costs.boundary_bytes:
         return 0.0
-    across = layout.pipeline_crosses_nodes(cluster.gpus_per_node)
-    return min(cluster.p2p_s(nbytes, across) for nbytes in set(costs.boundary_bytes))
+    return min(boundary_transfer_s(costs, layout, cluster))
 
 
 def stage_floor(costs: ChainCosts, layout, cluster) -> float:

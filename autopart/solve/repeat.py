@@ -55,24 +55,25 @@ def repeat_layers(costs: ChainCosts, layers: Sequence[str | None],
     source: list[int] = list(range(head_first))  # per new block, the captured block it copies
     new_layers: list[str | None] = list(layers[:head_first])
     renames: list[dict[str, str]] = [{} for _ in range(head_first)]
-    boundaries: list[int] = list(costs.boundary_bytes[:max(head_first - 1, 0)])
+    # per new boundary, the captured boundary it copies (-1: the batch inputs, which nothing gathers)
+    crossed: list[int] = list(range(max(head_first - 1, 0)))
     for i, c in enumerate(pattern):
         first, last = spans[c]
         mapping = {order[c]: f"{prefix}.{i}"}
         if source:
-            boundaries.append(costs.boundary_bytes[first - 1] if first > 0 else costs.input_bytes)
+            crossed.append(first - 1)
         for k in range(first, last + 1):
             source.append(k)
             new_layers.append(mapping[order[c]])
             renames.append({p: _renamed(p, mapping) for p in costs.block_parameters[k]})
             if k < last:
-                boundaries.append(costs.boundary_bytes[k])
+                crossed.append(k)
     for k in range(tail_first, len(costs)):
-        boundaries.append(costs.boundary_bytes[k - 1])
+        crossed.append(k - 1)
         source.append(k)
         new_layers.append(layers[k])
         renames.append({})
-    assert len(boundaries) == len(source) - 1
+    assert len(crossed) == len(source) - 1
 
     block_parameters = tuple(
         tuple(rename.get(p, p) for p in costs.block_parameters[k]) for k, rename in zip(source, renames)
@@ -99,7 +100,8 @@ def repeat_layers(costs: ChainCosts, layers: Sequence[str | None],
         saved_bytes=pick(costs.saved_bytes),
         selective_saved_bytes=pick(costs.selective_saved_bytes),
         selective_recompute_s=pick(costs.selective_recompute_s),
-        boundary_bytes=tuple(boundaries),
+        boundary_bytes=_crossing(costs.boundary_bytes, crossed, costs.input_bytes),
+        boundary_gathered_bytes=_crossing(costs.boundary_gathered_bytes, crossed, 0),
         input_bytes=costs.input_bytes,
         parameter_bytes=parameter_bytes,
         parameter_state_bytes=parameter_state_bytes,
@@ -109,6 +111,12 @@ def repeat_layers(costs: ChainCosts, layers: Sequence[str | None],
         layer_spans=_copied_spans(costs.layer_spans, spans, pattern, head_first),
     )
     return repeated, new_layers
+
+
+def _crossing(values: tuple[int, ...], crossed: list[int], batch: int) -> tuple[int, ...]:
+    """A per-boundary figure at the copies' boundaries, each its captured boundary's (``batch``
+    where the batch inputs cross: -1); () stays () (nothing of the kind anywhere)."""
+    return tuple(values[k] if k >= 0 else batch for k in crossed) if values else ()
 
 
 def _copied_spans(layer_spans, spans, pattern, head_first: int) -> tuple[tuple[int, int], ...]:

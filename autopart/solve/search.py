@@ -42,6 +42,7 @@ from autopart.solve.chain_costs import ChainCosts
 from autopart.solve.layout_bounds import (early_bound, layout_bound, lazy_order, may_fit, mesh_overhead_bytes,
                                          with_layout_state)
 from autopart.solve.refine import CutJudge, refine_cuts
+from autopart.solve.transfers import boundary_transfer_s
 from cost_models.comm import nodes_spanned
 
 __all__ = [
@@ -370,8 +371,7 @@ def score_layout(layout: Layout, table: CostTable, cluster: Cluster, space: Sear
     stages = layout.stages
     cluster = dataclasses.replace(cluster, overhead_bytes=mesh_overhead_bytes(layout, costs, cluster))  # this mesh's
     ranks = stage_placement(layout.schedule, ranks=layout.pp, chunks=layout.chunks)
-    pipeline_across = layout.pipeline_crosses_nodes(cluster.gpus_per_node)
-    transfer = tuple(cluster.p2p_s(b, pipeline_across) for b in costs.boundary_bytes)
+    transfer = boundary_transfer_s(costs, layout, cluster)
     flight = in_flight(layout.schedule, layout.pp, layout.microbatches, layout.chunks)
     moments = rank_in_flight(layout.schedule, layout.pp, layout.microbatches, layout.chunks)
     transient = transient_count(layout.schedule, layout.pp, layout.microbatches, layout.chunks)

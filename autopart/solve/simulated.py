@@ -34,6 +34,7 @@ from autopart.solve.search import Cluster, CostTable, Scored, parameter_bytes_pe
 from autopart.solve.baselines import stage_parameter_bytes
 from autopart.solve.chain_costs import ChainCosts, chain_sums
 from autopart.solve.data_parallel_tail import fully_sharded_extra_s, last_bucket_bytes, stage_layers, update_s
+from autopart.solve.transfers import boundary_transfer_s
 from autopart.predict.reduction import collectives_delay
 
 __all__ = ["simulated_step_s", "simulated_stage_costs", "pipeline_s"]
@@ -107,8 +108,8 @@ def simulated_stage_costs(scored: Scored, table: CostTable, cluster: Cluster) ->
         forward_s.append(stage_forward + gather)
         backward_s.append(stage_backward + reduce)
         weight_s.append(weight[end] - weight[first])
-    across = layout.pipeline_crosses_nodes(cluster.gpus_per_node)
-    transfer_s = tuple(cluster.p2p_s(costs.boundary_bytes[c], across) for c in cut.cuts)
+    transfers = boundary_transfer_s(costs, layout, cluster)
+    transfer_s = tuple(transfers[c] for c in cut.cuts)
     return StageCosts(forward_s=tuple(forward_s), backward_s=tuple(backward_s), weight_s=tuple(weight_s),
                       transfer_s=transfer_s)
 
