@@ -146,3 +146,15 @@ def test_the_shallow_copy_s_boundaries_are_the_full_model_s_and_gathered_alike(t
     assert repeated.boundary_bytes == captured.boundary_bytes
     assert repeated.boundary_gathered_bytes == captured.boundary_gathered_bytes
     assert sum(g > 0 for g in captured.boundary_gathered_bytes) >= len(captured.layer_spans)
+
+
+def test_a_chain_of_one_layer_repeated_has_the_batch_inputs_at_each_boundary() -> None:
+    from autopart.solve.chain_costs import ChainCosts
+    from autopart.solve.repeat import repeat_layers
+
+    one = ChainCosts(forward_s=(1.0,), backward_s=(2.0,), weight_s=(1.0,), saved_bytes=(8,), selective_saved_bytes=(4,),
+                     selective_recompute_s=(0.5,), boundary_bytes=(), input_bytes=64, parameter_bytes={"h.0.w": 16},
+                     parameter_state_bytes={"h.0.w": 48}, block_parameters=(("h.0.w",),), layer_spans=((0, 1),))
+    repeated, layers = repeat_layers(one, ["h.0"], (0, 0, 0))
+    assert layers == ["h.0", "h.1", "h.2"]
+    assert repeated.boundary_bytes == (64, 64) and repeated.boundary_gathered_bytes == (0, 0)

@@ -101,7 +101,7 @@ def repeat_layers(costs: ChainCosts, layers: Sequence[str | None],
         selective_saved_bytes=pick(costs.selective_saved_bytes),
         selective_recompute_s=pick(costs.selective_recompute_s),
         boundary_bytes=_crossing(costs.boundary_bytes, crossed, costs.input_bytes),
-        boundary_gathered_bytes=_crossing(costs.boundary_gathered_bytes, crossed, 0),
+        boundary_gathered_bytes=_crossing(costs.boundary_gathered_bytes or (0,) * len(costs.boundary_bytes), crossed, 0),
         input_bytes=costs.input_bytes,
         parameter_bytes=parameter_bytes,
         parameter_state_bytes=parameter_state_bytes,
@@ -115,8 +115,8 @@ def repeat_layers(costs: ChainCosts, layers: Sequence[str | None],
 
 def _crossing(values: tuple[int, ...], crossed: list[int], batch: int) -> tuple[int, ...]:
     """A per-boundary figure at the copies' boundaries, each its captured boundary's (``batch``
-    where the batch inputs cross: -1); () stays () (nothing of the kind anywhere)."""
-    return tuple(values[k] if k >= 0 else batch for k in crossed) if values else ()
+    where the batch inputs cross: -1; a chain of one block has no boundary but those)."""
+    return tuple(values[k] if k >= 0 else batch for k in crossed)
 
 
 def _copied_spans(layer_spans, spans, pattern, head_first: int) -> tuple[tuple[int, int], ...]:

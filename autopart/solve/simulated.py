@@ -13,8 +13,8 @@ is added after the pipeline drains:
 - backward: their ``backward_s`` plus the forward work the stage's recompute mode repeats (the
   extra that ``autopart.solve.bottleneck`` counts: ``selective_recompute_s`` for selective, the
   whole forward for full); weight: their ``weight_s`` (zb-h1's W);
-- transfer: per boundary, ``cluster.p2p_s`` of the bytes crossing it, as ``score_layout`` takes
-  it; here it is latency on the message, overlapped with other work, where the closed form adds
+- transfer: per boundary, `autopart.solve.transfers.boundary_transfer_s` (each tensor-parallel
+  rank's share over the link, then any all-gather), as ``score_layout`` takes it; here it is latency on the message, overlapped with other work, where the closed form adds
   it to both stages' time.
 
 Where the closed form is exact (gpipe and 1f1b with equal stages and no transfer) the two agree;
