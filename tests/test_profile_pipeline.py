@@ -11,7 +11,7 @@ import autopart.profiling.pipeline
 from autopart.tools.cli import main as cli_main
 from autopart.driver import CompileOptions, compile_to_directory
 from autopart.ir.plan import load_plan
-from autopart.profiling.pipeline import action_seconds, message_times, measure, pipeline_key, plan_pipeline_key
+from autopart.profiling.pipeline import action_seconds, message_times, measure, pipeline_key, plan_pipeline_key, run_steps
 from autopart.schedule import Action, add_communication, build_schedule
 from cost_models import CostDatabase
 from cost_models.database import PipelineMeasurement, RuntimeOverheads, plan_shape
@@ -400,3 +400,20 @@ def test_where_the_ranks_share_the_cores_a_receive_that_waited_takes_its_own_tim
     # the woken rank gets its core back first: the receive's own time stands (see predicted_step_s)
     assert step_s(0.0, 0.005, 0.0, 0.001) == step_s(0.0, 0.005, 0.0)
     with_factor(folder, plan, None)
+
+
+def test_the_run_spans_its_seconds_by_the_predicted_step_within_its_least_and_most_steps(compiled, monkeypatch):
+    """What the compile says it will run (its status line) is what it runs: 4 warm-up steps, then
+    8 s of predicted steps, at least 8 and at most 1,000; `AUTOPART_MEASURE_SECONDS` caps the 8 s."""
+    plan = compiled[0]
+
+    def at(step_s: float):
+        return replace(plan, predicted=replace(plan.predicted, step_s=step_s))
+
+    monkeypatch.delenv("AUTOPART_MEASURE_SECONDS", raising=False)
+    assert run_steps(at(0.02)) == 4 + 400
+    assert run_steps(at(0.0202)) == 4 + 397  # rounded up: at least the span
+    assert run_steps(at(1e-5)) == 4 + 1000
+    assert run_steps(at(5.0)) == 4 + 8
+    monkeypatch.setenv("AUTOPART_MEASURE_SECONDS", "0.5")
+    assert run_steps(at(0.02)) == 4 + 25

@@ -74,7 +74,7 @@ from cost_models.database import (
 )
 
 __all__ = ["PipelineProfile", "affordable", "pipeline_key", "plan_pipeline_key", "profile_pipeline", "profiled_in_place",
-           "measure"]
+           "measure", "run_steps"]
 
 WARMUP_STEPS = 4  # left out: the first steps allocate, and fill the caches and the allocator
 MEASURED_STEPS = 8  # at least; and at least
@@ -278,20 +278,22 @@ def message_times(messages: dict[tuple[int, int, int, str], tuple[float, float]]
 
 def profile_pipeline(out_dir: Path, plan: Plan, overheads: RuntimeOverheads, *, cores: int,
                      timeout_s: float = 600.0) -> PipelineProfile:
-    """Run the programs in ``out_dir`` on this host's CPU and measure them: `MEASURED_STEPS`
-    steps and `MEASURED_SECONDS` (capped by `autopart.profiling.span`) by the plan's predicted step
-    (up to `MAX_STEPS`), after `WARMUP_STEPS`."""
-    by_time = math.ceil(span(MEASURED_SECONDS) / max(plan.predicted.step_s, 1e-6))
-    measured_steps = max(MEASURED_STEPS, min(MAX_STEPS, by_time))
+    """Run the programs in ``out_dir`` on this host's CPU for `run_steps` steps and measure them."""
     with tempfile.TemporaryDirectory(prefix="autopart-pipeline-") as folder:
         work = Path(folder)
-        run_locally(out_dir, plan.world_size,
-                    ["--steps", str(WARMUP_STEPS + measured_steps), "--action-times", str(work / "actions")],
+        run_locally(out_dir, plan.world_size, ["--steps", str(run_steps(plan)), "--action-times", str(work / "actions")],
                     timeout_s=timeout_s, cwd=work)
         try:
             return measure(plan, work / "actions", overheads, cores=cores)
         except RuntimeError as exc:  # a run that ended well but left times that cannot be read
             raise LocalRunError(f"the run's action times could not be read: {exc}") from None
+
+
+def run_steps(plan: Plan) -> int:
+    """The steps `profile_pipeline` runs ``plan`` for: `WARMUP_STEPS`, then `MEASURED_STEPS` and
+    `MEASURED_SECONDS` (capped by `autopart.profiling.span`) by its predicted step, up to `MAX_STEPS`."""
+    by_time = math.ceil(span(MEASURED_SECONDS) / max(plan.predicted.step_s, 1e-6))
+    return WARMUP_STEPS + max(MEASURED_STEPS, min(MAX_STEPS, by_time))
 
 
 PROFILE_PIPELINE_ROUNDS = 3
@@ -317,8 +319,9 @@ def profiled_in_place(plan: Plan, front: Front, recompile: Callable[[], tuple[Pl
         if plan.predicted.compute_factor_from == "pipeline":
             break
         database = front.cost_model.database
-        showing = console.status(f"running the plan here ({plan.world_size} processes, a few seconds) to measure its "
-                                 "pipeline, once") if console is not None else nullcontext()
+        steps = run_steps(plan)
+        showing = console.status(f"running the plan here to measure its pipeline: {plan.world_size} processes, {steps} "
+                                 f"steps, ~{steps * plan.predicted.step_s:.0f} s") if console is not None else nullcontext()
         with showing, tempfile.TemporaryDirectory(prefix="autopart-profile-pipeline-") as folder:
             out = emit_directory(plan, front.op_graph, front.spec, Path(folder) / "out", chain=front.chain)
             profiled = profile_pipeline(out, plan, front.cost_model.runtime_overheads,
