@@ -229,15 +229,18 @@ def test_the_plan_holds_the_step_its_own_profile_run_took(compiled, tmp_path, ca
     for step_of in (other, shape.replace("1f1b", "gpipe"), ""):
         with_factor(folder, plan, 1.0, step_s=0.042, step_of=step_of)
         assert compile_to_directory(options, tmp_path / "other")[0].predicted.profiled_step_s is None
-    # nor one that recomputes, of the same shape: its backwards ran no forward again (its own
-    # pipeline is to run: the default compile runs it, `profiled_in_place`)
-    recompute = tiny_options(folder, recompute="full")
-    cuts = [s.blocks for s in compile_to_directory(recompute, tmp_path / "recomputing")[0].stages]
-    with_factor(folder, plan, 1.0, step_s=0.042, step_of=plan_shape(plan.schedule.kind, plan.schedule.microbatches, cuts))
-    recomputing = compile_to_directory(recompute, tmp_path / "recomputing")[0]
-    assert [s.blocks for s in recomputing.stages] == cuts  # the same costs, the same cuts
-    assert recomputing.predicted.profiled_step_s is None
-    assert recomputing.predicted.compute_factor_from != "pipeline"
+    # nor one that recomputes, or captured otherwise, of the same shape: its backwards ran no
+    # forward again, its stages are other programs (its own pipeline is to run: the default
+    # compile runs it, `profiled_in_place`)
+    for changed in (dict(recompute="full"), dict(capture="export")):
+        options = tiny_options(folder, **changed)
+        cuts = [s.blocks for s in compile_to_directory(options, tmp_path / "changed")[0].stages]
+        with_factor(folder, plan, 1.0, step_s=0.042,
+                    step_of=plan_shape(plan.schedule.kind, plan.schedule.microbatches, cuts))
+        other = compile_to_directory(options, tmp_path / "changed")[0]
+        assert [s.blocks for s in other.stages] == cuts  # the same costs, the same cuts
+        assert other.predicted.profiled_step_s is None, changed
+        assert other.predicted.compute_factor_from != "pipeline", changed
     with_factor(folder, plan, None)
 
 

@@ -123,7 +123,8 @@ def measured_in_place(options: CompileOptions, front: Front, micro_batch_size: i
     key = pipeline_key(front.spec.source_sha256, mesh, micro_batch_size, options.optimizer,
                        dtype=options.dtype or "fp32", zero=options.zero or 0,
                        recompute=tuple(stage.recompute for stage in stages), sp=split,
-                       tp_overlap=split and bool(options.tp_overlap))
+                       tp_overlap=split and bool(options.tp_overlap), capture=front.op_graph.graph.method,
+                       leaves=options.leaf)
     return front.cost_model.pipeline_profile(key)
 
 

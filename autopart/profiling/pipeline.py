@@ -83,22 +83,24 @@ MAX_STEPS = 1000  # whatever the seconds: a plan of a millisecond a step has its
 
 
 def pipeline_key(model_sha256: str, mesh: dict[str, int], micro_batch_size: int, optimizer: str, *,
-                 dtype: str, zero: int, recompute: tuple[str, ...], sp: bool = False, tp_overlap: bool = False) -> str:
-    """The cost database's key of one model's pipeline: its source, its mesh, microbatch size,
-    optimizer, precision, ZeRO level, each stage's recompute and the tensor-parallel collectives'
-    form (each changes what a stage computes, what it sends or its tail: a plan that differs in
-    any of them was not run, and runs again, `profiled_in_place`). The schedule, microbatches and
-    cuts are the measurement's ``step_of``."""
-    return (f"pipeline(model={model_sha256[:16]}, pp={mesh['pp']}, tp={mesh['tp']}, dp={mesh['dp']}, "
-            f"micro_batch={micro_batch_size}, optimizer={optimizer}, dtype={dtype}, zero={int(zero)}, "
-            f"recompute={'/'.join(recompute)}, sp={int(sp)}, tp_overlap={int(tp_overlap)})")
+                 dtype: str, zero: int, recompute: tuple[str, ...], sp: bool = False, tp_overlap: bool = False,
+                 capture: str = "fx", leaves: tuple[str, ...] = ()) -> str:
+    """The cost database's key of one model's pipeline: its source and how it was captured, its
+    mesh, microbatch size, optimizer, precision, ZeRO level, each stage's recompute and the
+    tensor-parallel collectives' form (each changes what a stage computes, what it sends or its
+    tail: a plan that differs in any of them was not run, and runs again, `profiled_in_place`).
+    The schedule, microbatches and cuts are the measurement's ``step_of``."""
+    return (f"pipeline(model={model_sha256[:16]}, capture={capture}, leaves={','.join(leaves)}, pp={mesh['pp']}, "
+            f"tp={mesh['tp']}, dp={mesh['dp']}, micro_batch={micro_batch_size}, optimizer={optimizer}, dtype={dtype}, "
+            f"zero={int(zero)}, recompute={'/'.join(recompute)}, sp={int(sp)}, tp_overlap={int(tp_overlap)})")
 
 
 def plan_pipeline_key(plan: Plan) -> str:
     """`pipeline_key` of the pipeline ``plan`` runs."""
     return pipeline_key(plan.provenance.model_sha256, plan.mesh, plan.schedule.micro_batch_size, plan.optimizer,
                         dtype=plan.dtype, zero=plan.zero, recompute=tuple(stage.recompute for stage in plan.stages),
-                        sp=plan.sp, tp_overlap=plan.tp_overlap)
+                        sp=plan.sp, tp_overlap=plan.tp_overlap, capture=plan.provenance.capture,
+                        leaves=plan.provenance.leaves)
 
 
 @dataclass(frozen=True, kw_only=True)
