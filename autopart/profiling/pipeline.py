@@ -321,9 +321,10 @@ def profiled_in_place(plan: Plan, front: Front, recompile: Callable[[], tuple[Pl
         if plan.predicted.compute_factor_from == "pipeline":
             break
         database = front.cost_model.database
-        steps = run_steps(plan)
-        showing = console.status(f"running the plan here to measure its pipeline: {plan.world_size} processes, {steps} "
-                                 f"steps, ~{steps * plan.predicted.step_s:.0f} s") if console is not None else nullcontext()
+        step_s = plan.predicted.step_s
+        each = f"{step_s * 1e3:.3g} ms" if step_s < 1 else f"{step_s:.3g} s"  # predicted: the run times them
+        showing = console.status(f"running the plan here to measure its pipeline: {plan.world_size} processes, "
+                                 f"{run_steps(plan)} steps of ~{each}") if console is not None else nullcontext()
         with showing, tempfile.TemporaryDirectory(prefix="autopart-profile-pipeline-") as folder:
             out = emit_directory(plan, front.op_graph, front.spec, Path(folder) / "out", chain=front.chain)
             profiled = profile_pipeline(out, plan, front.cost_model.runtime_overheads,
