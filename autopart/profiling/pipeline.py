@@ -323,8 +323,8 @@ def profiled_in_place(plan: Plan, front: Front, recompile: Callable[[], tuple[Pl
         database = front.cost_model.database
         step_s = plan.predicted.step_s
         each = f"{step_s * 1e3:.3g} ms" if step_s < 1 else f"{step_s:.3g} s"  # predicted: the run times them
-        showing = console.status(f"running the plan here to measure its pipeline: {plan.world_size} processes, "
-                                 f"{run_steps(plan)} steps of ~{each}") if console is not None else nullcontext()
+        showing = console.status(f"running the plan to time its pipeline ({plan.world_size} processes, "
+                                 f"{run_steps(plan)} steps of ~{each})") if console is not None else nullcontext()
         with showing, tempfile.TemporaryDirectory(prefix="autopart-profile-pipeline-") as folder:
             out = emit_directory(plan, front.op_graph, front.spec, Path(folder) / "out", chain=front.chain)
             profiled = profile_pipeline(out, plan, front.cost_model.runtime_overheads,
