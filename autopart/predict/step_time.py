@@ -114,17 +114,16 @@ def rank_tails(options: CompileOptions, front: Front, stages: list[StagePlan], h
     return tails
 
 
-def measured_in_place(options: CompileOptions, front: Front, micro_batch_size: int,
-                      stages: list[StagePlan]) -> PipelineMeasurement | None:
+def measured_in_place(options: CompileOptions, front: Front, micro_batch_size: int, stages: list[StagePlan], *,
+                      sp: bool, tp_overlap: bool) -> PipelineMeasurement | None:
     """What this very pipeline measured as it ran (``--profile-pipeline``), if it was: keyed as
-    `autopart.profiling.pipeline.plan_pipeline_key` keys the plan that ``stages`` make."""
+    `autopart.profiling.pipeline.plan_pipeline_key` keys the plan that ``stages`` make (``sp`` and
+    ``tp_overlap`` as that plan holds them)."""
     mesh = {"pp": options.pp, "tp": options.tp, "dp": options.dp}
-    split = options.tp > 1 and bool(options.sp)
     key = pipeline_key(front.spec.source_sha256, mesh, micro_batch_size, options.optimizer,
                        dtype=options.dtype or "fp32", zero=options.zero or 0,
-                       recompute=tuple(stage.recompute for stage in stages), sp=split,
-                       tp_overlap=split and bool(options.tp_overlap), capture=front.op_graph.graph.method,
-                       leaves=options.leaf)
+                       recompute=tuple(stage.recompute for stage in stages), sp=sp, tp_overlap=tp_overlap,
+                       capture=front.op_graph.graph.method, leaves=options.leaf)
     return front.cost_model.pipeline_profile(key)
 
 

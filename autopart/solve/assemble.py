@@ -127,7 +127,9 @@ def plan_from_cuts(
         weight_s=tuple(s.backward_weight_s for s in stages),
         transfer_s=transfer,
     )
-    in_place = measured_in_place(options, front, micro_batch_size, stages)
+    sp = bool(options.sp) and options.tp > 1
+    tp_overlap = sp and bool(options.tp_overlap)
+    in_place = measured_in_place(options, front, micro_batch_size, stages, sp=sp, tp_overlap=tp_overlap)
     tails = rank_tails(options, front, stages, holders, in_place)
     factor = compute_factor(options, front, stages, in_place)
     step_s, reduction = predicted_step_s(options, front, timed, transfer, tails, microbatches, factor, in_place)
@@ -162,8 +164,8 @@ def plan_from_cuts(
         ),
         provenance=_provenance(options, front, evaluation.objective_s, solver),
         zero=options.zero,
-        sp=bool(options.sp) and options.tp > 1,
-        tp_overlap=bool(options.tp_overlap and options.sp) and options.tp > 1,
+        sp=sp,
+        tp_overlap=tp_overlap,
         graph_inputs=front.op_graph.graph.input_names,
         optimizer=options.optimizer,
         tied_parameters={p: tuple(s) for p, s in holders.items() if len(s) > 1},

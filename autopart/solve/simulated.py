@@ -14,8 +14,9 @@ is added after the pipeline drains:
   extra that ``autopart.solve.bottleneck`` counts: ``selective_recompute_s`` for selective, the
   whole forward for full); weight: their ``weight_s`` (zb-h1's W);
 - transfer: per boundary, `autopart.solve.transfers.boundary_transfer_s` (each tensor-parallel
-  rank's share over the link, then any all-gather), as ``score_layout`` takes it; here it is latency on the message, overlapped with other work, where the closed form adds
-  it to both stages' time.
+  rank's share over the link, then any all-gather), as ``score_layout`` takes it; here it is
+  latency on the message, overlapped with other work, where the closed form adds it to both
+  stages' time.
 
 Where the closed form is exact (gpipe and 1f1b with equal stages and no transfer) the two agree;
 elsewhere the simulator is the better judge (unequal stages under interleaving, zb-h1's W filling
