@@ -15,6 +15,8 @@ recompute modes that make it fastest within its memory. Layouts are visited in t
 lower bound on their estimate (asked only once a floor that needs no sharding lets it matter:
 ``autopart.solve.layout_bounds``) until it passes the ``finalists``-th best estimate. The
 finalists are simulated action by action (``score``: the compiler's own prediction) and ranked.
+A large search cuts its layouts ahead of their turn in worker processes
+(``autopart.solve.scoring_pool``), with the same result as one process.
 
 Costs come from a ``CostTable``: per (micro-batch size, tp, dtype) the chain's ``ChainCosts``.
 Nothing here names a device."""
@@ -25,6 +27,8 @@ import dataclasses
 import functools
 import math
 import time
+import collections
+import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
@@ -42,23 +46,12 @@ from autopart.solve.chain_costs import ChainCosts
 from autopart.solve.layout_bounds import (early_bound, layout_bound, lazy_order, may_fit, mesh_overhead_bytes,
                                          with_layout_state)
 from autopart.solve.refine import CutJudge, refine_cuts
+from autopart.solve.scoring_pool import LayoutScoring, search_workers
 from autopart.solve.transfers import boundary_transfer_s
 from cost_models.comm import nodes_spanned
 
-__all__ = [
-    "Layout",
-    "SearchSpace",
-    "Cluster",
-    "CostTable",
-    "Scored",
-    "SearchResult",
-    "search",
-    "fits",
-    "score_layout",
-    "estimate_step_s",
-    "tail_s",
-    "parameter_bytes_per_rank",
-]
+__all__ = ["Layout", "SearchSpace", "Cluster", "CostTable", "Scored", "SearchResult", "Speculation", "search", "fits",
+           "score_layout", "speculate", "estimate_step_s", "tail_s", "parameter_bytes_per_rank"]
 
 INTERLEAVED_CHUNKS = (2, 3, 4, 6)  # per rank; more (8, 12) slow the search ninefold: pin --chunks
 MAX_MICRO_BATCH_SIZE = 16
@@ -227,6 +220,19 @@ class Scored:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Speculation:
+    """A layout scored under a last finalist ``refine_below`` that may be lower at its turn in the
+    search (``autopart.solve.scoring_pool``): its answer under that one and under any lower."""
+
+    plain: Scored | None  # the bisection's cuts, as they are
+    refine_from: float  # the cuts are refined under a last finalist above this (-inf: under any)
+    refined: Scored | None = None  # where they were
+
+    def under(self, refine_below: float) -> Scored | None:
+        return self.refined if refine_below > self.refine_from else self.plain
+
+
+@dataclass(frozen=True, kw_only=True)
 class SearchResult:
     ranked: tuple[Scored, ...]  # finalists, best first, by simulated step
     layouts: int  # layouts in the space
@@ -291,8 +297,11 @@ def search(
     finalists: int = 5,
     score: Callable[[Scored], float] | None = None,
     progress: Callable[[int, int], None] | None = None,
+    workers: int | None = None,
 ) -> SearchResult:
-    """The ``finalists`` best layouts that fit, ranked by ``score`` (default: the estimate)."""
+    """The ``finalists`` best layouts that fit, ranked by ``score`` (default: the estimate).
+    ``workers``: processes that score layouts ahead (``autopart.solve.scoring_pool``; by default
+    `search_workers`); the result is the same on any number."""
     start = time.perf_counter()
     blocks = len(table.chain_costs(micro_batch_size=space.smallest_micro_batch_size(), tp=1, dtype=space.dtype[0]))
     layouts = list(space.layouts(blocks))
@@ -300,38 +309,53 @@ def search(
         raise ConfigError(_no_layout_message(space))
     cluster = _memoised(cluster)
     best: list[Scored] = []  # the finalists so far, by estimate
-    bounded = lazy_order(layouts, exact=lambda layout: layout_bound(table, layout, cluster),
-                         early=early_bound(table, cluster),
-                         cutoff=lambda: best[-1].estimate_s if len(best) >= finalists else None)
+
+    def cutoff() -> float | None:
+        return best[-1].estimate_s if len(best) >= finalists else None
+
+    def last_finalist_s() -> float:
+        return best[-1].estimate_s if len(best) >= finalists else math.inf
+
+    bounded = iter(lazy_order(layouts, exact=lambda layout: layout_bound(table, layout, cluster),
+                              early=early_bound(table, cluster), cutoff=cutoff))
     scored = fitting = 0
     settled: set[Layout] = set()  # ZeRO-1 layouts whose ZeRO-2 twins cannot do better
     smallest_bound = math.inf
-    for visited, (bound, layout) in enumerate(bounded):
-        smallest_bound = min(smallest_bound, bound)
-        if progress is not None:
-            progress(visited, len(layouts))
-        if layout.zero == 2 and dataclasses.replace(layout, zero=1) in settled:
-            continue  # its ZeRO-1 twin does not fit, or hides its all-reduce (``fsdp_may_pay``); ZeRO-3 may fit
-        scored += 1
-        result = score_layout(layout, table, cluster, space,
-                              refine_below=best[-1].estimate_s if len(best) >= finalists else math.inf)
-        if result is None or (layout.zero == 1 and not fsdp_may_pay(result, table, cluster)):
-            settled.add(layout)
-        if result is None:
-            continue
-        fitting += 1
-        best.append(result)
-        best.sort(key=lambda s: (s.estimate_s, s.layout))
-        del best[finalists:]
+    sent: collections.deque = collections.deque()  # (bound, layout, handle): in turn, scored ahead or at it
+    scoring = LayoutScoring(lambda layout, below: speculate(layout, table, cluster, space, below),
+                            workers=search_workers(len(layouts)) if workers is None else workers,
+                            key=lambda layout: (layout.micro_batch_size, layout.tp, layout.dtype), finish=score)
+    with scoring:
+        for visited in itertools.count():
+            while len(sent) < scoring.ahead and (item := next(bounded, None)) is not None:
+                bound, layout = item  # a twin settled when it is sent stays settled at its turn
+                twin_settled = layout.zero == 2 and dataclasses.replace(layout, zero=1) in settled
+                sent.append((bound, layout, None if twin_settled else scoring.submit(layout, last_finalist_s())))
+            if not sent or (cutoff() is not None and sent[0][0] >= cutoff()):
+                break  # where one process's walk ends: the bound at its turn reaches the last finalist
+            bound, layout, handle = sent.popleft()
+            smallest_bound = min(smallest_bound, bound)
+            if progress is not None:
+                progress(visited, len(layouts))
+            if layout.zero == 2 and dataclasses.replace(layout, zero=1) in settled:
+                continue  # its ZeRO-1 twin does not fit, or hides its all-reduce (``fsdp_may_pay``); ZeRO-3 may fit
+            scored += 1
+            result = scoring.result(handle).under(last_finalist_s())
+            if result is None or (layout.zero == 1 and not fsdp_may_pay(result, table, cluster)):
+                settled.add(layout)
+            if result is None:
+                continue
+            fitting += 1
+            best.append(result)
+            best.sort(key=lambda s: (s.estimate_s, s.layout))
+            del best[finalists:]
+        steps = scoring.finished(best) if score is not None else [s.estimate_s for s in best]
     if progress is not None:
         progress(len(layouts), len(layouts))
     if not best:
         return SearchResult(ranked=(), layouts=len(layouts), scored=scored, fitting=0,
                             seconds=time.perf_counter() - start, bound_s=math.inf)
-    if score is not None:
-        best = [dataclasses.replace(s, step_s=score(s)) for s in best]
-    else:
-        best = [dataclasses.replace(s, step_s=s.estimate_s) for s in best]
+    best = [dataclasses.replace(s, step_s=step) for s, step in zip(best, steps)]
     best.sort(key=lambda s: (s.step_s, s.layout))
     return SearchResult(ranked=tuple(best), layouts=len(layouts), scored=scored, fitting=fitting,
                         seconds=time.perf_counter() - start, bound_s=smallest_bound)
@@ -367,6 +391,18 @@ def score_layout(layout: Layout, table: CostTable, cluster: Cluster, space: Sear
     ``fit_only``: any cuts that fit, not the fastest. Otherwise the cuts are refined by the step
     itself (``autopart.solve.refine``) unless the layout's slowest stage alone keeps its step at
     or above ``refine_below`` (the search's last finalist)."""
+    found = _score(layout, table, cluster, space, recompute, cuts, fit_only, refine_below)
+    return found.under(refine_below) if isinstance(found, Speculation) else found
+
+
+def speculate(layout: Layout, table: CostTable, cluster: Cluster, space: SearchSpace, refine_below: float,
+              recompute: tuple[tuple[str, ...], ...] | None = None) -> Speculation:
+    """`score_layout`'s answer (cut and refined) under ``refine_below`` and every smaller last finalist."""
+    return _score(layout, table, cluster, space, recompute, None, False, refine_below)
+
+
+def _score(layout, table, cluster, space, recompute, cuts, fit_only, refine_below) -> Scored | Speculation | None:
+    """`score_layout`: a `Speculation` where it cuts and may refine, else the answer itself."""
     costs = with_layout_state(table, layout)
     stages = layout.stages
     cluster = dataclasses.replace(cluster, overhead_bytes=mesh_overhead_bytes(layout, costs, cluster))  # this mesh's
@@ -382,7 +418,7 @@ def score_layout(layout: Layout, table: CostTable, cluster: Cluster, space: Sear
     else:
         modes = (space.recompute,) * stages
     if len(modes) != stages:
-        return None
+        return None if cuts is not None or fit_only else Speculation(plain=None, refine_from=math.inf)
     nodes = layout.data_parallel_nodes(cluster.gpus_per_node)
     if cuts is not None:
         cut = fixed_cut(costs, cuts, modes=modes, in_flight=flight, transient=transient, stage_rank=ranks,
@@ -393,8 +429,8 @@ def score_layout(layout: Layout, table: CostTable, cluster: Cluster, space: Sear
                          memory_limit_bytes=cluster.memory_bytes, overhead_bytes=cluster.overhead_bytes,
                          modes=modes, transient=transient, fit_only=fit_only, rank_in_flight=moments)
         if not fit_only:
-            return _refined(layout, table, cluster, costs, cut, modes, flight, transient, ranks, transfer, nodes,
-                            refine_below)
+            return _speculated(layout, table, cluster, costs, cut, modes, flight, transient, ranks, transfer, nodes,
+                               refine_below)
     if cut is None:
         return None
     rank_bytes = parameter_bytes_per_rank(table, layout, cut, ranks)
@@ -403,24 +439,27 @@ def score_layout(layout: Layout, table: CostTable, cluster: Cluster, space: Sear
     return Scored(layout=layout, cut=cut, estimate_s=estimate)
 
 
-def _refined(layout, table, cluster, costs, cut, modes, flight, transient, ranks, transfer, nodes,
-             refine_below) -> Scored | None:
-    """The bisection's cut, refined by the step itself where that may bring it into the finalists."""
+def _speculated(layout, table, cluster, costs, cut, modes, flight, transient, ranks, transfer, nodes,
+                refine_below) -> Speculation:
+    """The bisection's cut, and refined by the step itself where that may bring it into the finalists."""
     judge = CutJudge(costs, in_flight=flight, transient=transient, stage_rank=ranks, transfer_s=transfer,
                      rank_in_flight=rank_in_flight(layout.schedule, layout.pp, layout.microbatches, layout.chunks),
                      memory_limit_bytes=cluster.memory_bytes, overhead_bytes=cluster.overhead_bytes, modes=modes,
                      objective=lambda c, rank_bytes: estimate_step_s(layout, c, cluster, rank_bytes, nodes,
                                                                      last_bucket_bytes(layout, costs, c.cuts), costs))
     judged = judge.judge(cut.cuts) if cut is not None else None
-    if judged is not None and layout.chunks == 1 and _refine_bound(table, layout, cluster, cut) >= refine_below:
-        pass  # no cuts of this layout can make the finalists: its slowest stage alone keeps it out
-    elif judged is not None and layout.chunks > 1 and judged[0] >= refine_below:
-        pass  # interleaved and out of the finalists as cut: not refined (no bound says it could not get in)
-    else:
-        judged = refine_cuts(judge, cut)
     if judged is None:
-        return None
-    return Scored(layout=layout, cut=judged[1], estimate_s=judged[0])
+        refine_from = -math.inf  # refined whatever the finalists: it may find cuts that fit
+    elif layout.chunks == 1:  # under it, no cuts of this layout make the finalists: its slowest stage keeps it out
+        refine_from = _refine_bound(table, layout, cluster, cut)
+    else:  # interleaved and out of the finalists as cut: not refined (no bound says it could not get in)
+        refine_from = judged[0]
+    plain = None if judged is None else Scored(layout=layout, cut=judged[1], estimate_s=judged[0])
+    if refine_below <= refine_from:
+        return Speculation(plain=plain, refine_from=refine_from)
+    refined = refine_cuts(judge, cut)
+    return Speculation(plain=plain, refine_from=refine_from,
+                       refined=None if refined is None else Scored(layout=layout, cut=refined[1], estimate_s=refined[0]))
 
 
 def _refine_bound(table: CostTable, layout: Layout, cluster: Cluster, cut: StageCut) -> float:

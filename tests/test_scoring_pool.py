@@ -1,0 +1,114 @@
+"""The search's layouts scored ahead in worker processes (`autopart.solve.scoring_pool`): the
+same result as one process, layouts that need chain costs the workers lack go to new workers,
+and what goes wrong in a worker reaches the caller."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from autopart.ir.errors import ConfigError
+from autopart.solve import scoring_pool
+from autopart.solve.scoring_pool import LayoutScoring, search_workers
+from autopart.solve.search import SearchSpace, search
+from tests.synthetic_chains import cluster, random_table
+
+REPO = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the workers are forked (Linux)")
+
+
+def _fingerprint(result):
+    return ([(s.layout, s.cut, s.estimate_s, s.step_s) for s in result.ranked],
+            result.layouts, result.scored, result.fitting, result.bound_s)
+
+
+# Seeds whose searches catch what one process would do otherwise: a layout scored ahead that
+# its turn's last finalist would not have refined (with 2 workers), and one scored ahead whose
+# bound the last finalist has passed by its turn (with 8, sixteen layouts in flight)
+@pytest.mark.parametrize("seed, workers", [(0, 2), (23, 2), (25, 2), (10, 8), (22, 8)])
+def test_workers_find_what_one_process_finds(seed, workers):
+    """Every finalist, its cuts and figures, and the counts, on random chains and clusters whose
+    searches refine some layouts and not others (the last finalist moves as results come in),
+    with the finalists' own scoring on the workers too."""
+    rng = random.Random(seed)
+    table = random_table(rng, layers=rng.randint(6, 12))
+    base = table.chain_costs(micro_batch_size=1, tp=1, dtype="fp32")
+    whole = 4 * sum(base.parameter_bytes.values()) + 32 * sum(base.saved_bytes)
+    devices = cluster(memory_bytes=int(whole * rng.uniform(0.05, 0.5)), gpus_per_node=4)
+    space = SearchSpace(world_size=16, global_batch_size=32, gpus_per_node=4)
+
+    def score(scored):  # the finalists' scoring: a figure of their own, so that it shows where it ran
+        return scored.estimate_s * 1.01
+
+    alone = search(space, table, devices, workers=0, score=score)
+    forked = search(space, dataclasses.replace(table), devices, workers=workers, score=score)  # a copy: nothing cached
+    assert alone.ranked and _fingerprint(forked) == _fingerprint(alone)
+    assert alone.scored > 8  # enough to run ahead of the walk
+
+
+def test_layouts_are_scored_in_the_workers_in_turn_and_each_new_key_forks_new_workers():
+    built: dict[str, int] = {}  # what the parent has made before sending a layout that reads it
+
+    def score(layout, below):
+        return os.getpid(), built[layout[0]] + layout[1], below
+
+    with LayoutScoring(score, workers=2, key=lambda layout: layout[0]) as scoring:
+        built["a"] = 100
+        first = [scoring.submit(("a", k), 1.0) for k in range(6)]
+        built["b"] = 200  # made after the first workers were forked: they do not have it
+        second = [scoring.submit(("b", k), 0.5) for k in range(6)]
+        answers = [scoring.result(handle) for handle in first + second]
+        assert scoring.ahead == 4
+    assert [value for _, value, _ in answers] == [100 + k for k in range(6)] + [200 + k for k in range(6)]
+    assert [below for _, _, below in answers] == [1.0] * 6 + [0.5] * 6
+    assert os.getpid() not in {pid for pid, _, _ in answers}
+    assert {pid for pid, _, _ in answers[:6]}.isdisjoint(pid for pid, _, _ in answers[6:])
+
+
+def test_without_workers_each_layout_is_scored_at_once_in_this_process():
+    calls = []
+    scoring = LayoutScoring(lambda layout, below: calls.append(layout) or os.getpid(), workers=0, key=lambda _: 0)
+    handle = scoring.submit("x", 1.0)
+    assert calls == ["x"] and scoring.result(handle) == os.getpid() and scoring.ahead == 1
+
+
+def test_an_error_in_a_worker_reaches_the_caller():
+    def score(layout, below):
+        raise ValueError(f"no cuts for {layout}")
+
+    with LayoutScoring(score, workers=2, key=lambda _: 0) as scoring:
+        handle = scoring.submit("pp4", 1.0)
+        with pytest.raises(ValueError, match="no cuts for pp4"):
+            scoring.result(handle)
+
+
+def test_workers_by_default_and_by_the_environment(monkeypatch):
+    monkeypatch.delenv(scoring_pool.WORKERS_ENV, raising=False)
+    monkeypatch.setattr(scoring_pool, "usable_cores", lambda: 4)
+    assert search_workers(scoring_pool.PARALLEL_FROM - 1) == 0  # a small search stays in this process
+    assert search_workers(scoring_pool.PARALLEL_FROM) == 4
+    monkeypatch.setattr(scoring_pool, "usable_cores", lambda: 64)
+    assert search_workers(10_000) == scoring_pool.MOST_WORKERS
+    monkeypatch.setattr(scoring_pool, "usable_cores", lambda: 1)
+    assert search_workers(10_000) == 0
+    monkeypatch.setenv(scoring_pool.WORKERS_ENV, "3")
+    assert search_workers(10) == 3
+    monkeypatch.setenv(scoring_pool.WORKERS_ENV, "two")
+    with pytest.raises(ConfigError, match="AUTOPART_SEARCH_WORKERS='two' is not a number"):
+        search_workers(10)
+
+
+def test_a_bad_worker_count_is_a_one_line_error(tmp_path):
+    env = {**os.environ, scoring_pool.WORKERS_ENV: "-1", "AUTOPART_NO_MEASURE": "1"}
+    run = subprocess.run([sys.executable, "-m", "autopart", "compile", str(REPO / "examples" / "gpt.py"), "-o",
+                          str(tmp_path / "out"), "--world-size", "2", "--global-batch-size", "4", "--device",
+                          "h100-sxm"], capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 2, run.stderr
+    assert "AUTOPART_SEARCH_WORKERS='-1' is not a number of processes" in run.stderr
+    assert "Traceback" not in run.stderr and not (tmp_path / "out").exists()
