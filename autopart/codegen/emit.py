@@ -18,7 +18,7 @@ from autopart.passes.annotate import OpGraph
 from autopart.ir.model_file import ModelSpec, is_meta
 from autopart.codegen.names import plain_text
 from autopart.codegen.output_dir import check_output_directory, remove_output, write_marker
-from autopart.codegen.report import write_report
+from autopart.codegen.report import ReportWriter
 from autopart.codegen.tensor_parallel import overlapped_shapes, shard_stage_graph
 from autopart.codegen.layers import repeated_units, stage_units
 from autopart.codegen.stage_file import stage_source
@@ -59,6 +59,17 @@ def emit_directory(plan: Plan, op_graph: OpGraph, spec: ModelSpec, out_dir: Path
 def _write(plan: Plan, op_graph: OpGraph, spec: ModelSpec, out: Path, *, final: Path, chain: BlockChain) -> None:
     (out / "stages").mkdir(parents=True)
     (out / "weights").mkdir()
+    report = ReportWriter(plan, out)  # beside the rest: it reads nothing that the stage files' hashes add
+    try:
+        _write_programs(plan, op_graph, spec, out, final=final, chain=chain)
+        report.wait()
+    finally:
+        report.stop()
+
+
+def _write_programs(plan: Plan, op_graph: OpGraph, spec: ModelSpec, out: Path, *, final: Path,
+                    chain: BlockChain) -> None:
+    """Everything but the report: the stage programs, plan.json, the weights, model.py, train.py."""
     module = op_graph.graph.module
     tensors: dict[str, torch.Tensor] = {
         **dict(module.named_parameters(remove_duplicate=False)),
@@ -111,7 +122,6 @@ def _write(plan: Plan, op_graph: OpGraph, spec: ModelSpec, out: Path, *, final: 
             save_file(weights, str(out / "weights" / weights_file_name(index, rank, tp)), metadata=compile_id)
     shutil.copyfile(spec.path, out / "model.py")
     (out / "train.py").write_text(_entry_point(plan, command))
-    write_report(plan, out)
 
 
 def _stage_strategies(stage, stage_plan, op_graph: OpGraph) -> dict[str, Strategy]:

@@ -1,8 +1,15 @@
 """The human side of the output directory: report.md, the predicted timeline as a picture and a
-Chrome trace, and the per-rank action lists as CSV."""
+Chrome trace, and the per-rank action lists as CSV.
+
+A plan of a thousand microbatches over a hundred ranks has hundreds of thousands of actions to
+draw and trace, seconds of work that nothing else in the directory waits for: `ReportWriter`
+writes them in a forked process beside the rest (where the platform forks: Linux).
+"""
 
 from __future__ import annotations
 
+import multiprocessing
+import sys
 from pathlib import Path
 
 from autopart.ir.plan import Plan
@@ -11,7 +18,7 @@ from autopart.predict.accuracy import describe_prediction
 from autopart.predict.timeline import plan_schedule, plan_timeline
 from autopart.schedule import write_chrome_trace, write_gantt_png, write_schedule_csv
 
-__all__ = ["write_report", "search_table", "stage_table"]
+__all__ = ["ReportWriter", "write_report", "search_table", "stage_table"]
 
 _GIB = 1 << 30
 
@@ -94,3 +101,48 @@ Files: `plan.json` (the plan), `stages/` (one module per stage), `weights/`, `tr
 `timeline.png` and `trace.json` (the predicted schedule), `schedule.csv` (per-rank actions).
 """
     (out / "report.md").write_text(text)
+
+
+class ReportWriter:
+    """`write_report(plan, out)` begun in a forked process (here, where this process may not fork
+    or start children); `wait` raises what went wrong in it, and `stop` ends it (before the
+    folder it writes in is removed)."""
+
+    def __init__(self, plan: Plan, out: Path):
+        self._process = None
+        if not sys.platform.startswith("linux") or multiprocessing.current_process().daemon:
+            write_report(plan, out)
+            return
+        context = multiprocessing.get_context("fork")
+        self._reading, writing = context.Pipe(duplex=False)
+
+        def child() -> None:
+            try:
+                write_report(plan, out)
+                writing.send(None)
+            except BaseException as exc:  # its text, to the parent: the child's traceback goes nowhere
+                writing.send(f"{type(exc).__name__}: {exc}")
+
+        self._process = context.Process(target=child, daemon=True)
+        self._process.start()
+        writing.close()  # the child's end alone stays open: its death reads as the end of the pipe
+
+    def wait(self) -> None:
+        if self._process is None:
+            return
+        try:
+            error = self._reading.recv()
+        except EOFError:  # it died before it could say why (killed, out of memory)
+            error = None
+        self._process.join()
+        if error is None and self._process.exitcode != 0:
+            error = f"its process ended with code {self._process.exitcode}"
+        self._process = None
+        if error:
+            raise RuntimeError(f"writing the report (report.md, timeline.png, trace.json): {error}")
+
+    def stop(self) -> None:
+        if self._process is not None:
+            self._process.terminate()
+            self._process.join()
+            self._process = None

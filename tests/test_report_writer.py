@@ -1,0 +1,72 @@
+"""The report written in a forked process beside the rest of the output directory
+(`autopart.codegen.report.ReportWriter`): its files, its failures, and its end when the
+compile stops first."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from autopart.codegen import report
+from autopart.codegen.report import ReportWriter
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the report is forked on Linux")
+
+
+def test_it_writes_in_another_process_and_wait_returns_when_it_is_done(tmp_path, monkeypatch):
+    def write(plan, out: Path) -> None:
+        (out / "report.md").write_text(f"{plan} from {os.getpid()}")
+
+    monkeypatch.setattr(report, "write_report", write)
+    writer = ReportWriter("the plan", tmp_path)
+    writer.wait()
+    plan, pid = (tmp_path / "report.md").read_text().split(" from ")
+    assert plan == "the plan" and int(pid) != os.getpid()
+
+
+def test_its_error_reaches_the_compile(tmp_path, monkeypatch):
+    def write(plan, out: Path) -> None:
+        raise ValueError("no timeline for a plan of no stages")
+
+    monkeypatch.setattr(report, "write_report", write)
+    with pytest.raises(RuntimeError, match=r"writing the report .*ValueError: no timeline for a plan of no stages"):
+        ReportWriter("the plan", tmp_path).wait()
+
+
+def test_a_death_without_a_word_is_an_error_too(tmp_path, monkeypatch):
+    monkeypatch.setattr(report, "write_report", lambda plan, out: os._exit(3))
+    with pytest.raises(RuntimeError, match="its process ended with code 3"):
+        ReportWriter("the plan", tmp_path).wait()
+
+
+def test_stop_ends_it_before_its_folder_goes(tmp_path, monkeypatch):
+    def write(plan, out: Path) -> None:
+        time.sleep(60)
+        (out / "late.md").write_text("written after the folder was given up")
+
+    monkeypatch.setattr(report, "write_report", write)
+    writer = ReportWriter("the plan", tmp_path)
+    started = time.monotonic()
+    writer.stop()
+    assert time.monotonic() - started < 10 and not (tmp_path / "late.md").exists()
+    writer.wait()  # stopped: nothing left to wait for
+
+
+def test_a_report_that_fails_leaves_no_output_directory_and_nothing_beside_it(tmp_path, monkeypatch):
+    from autopart.tools import cli
+    from tests.distributed import REPO
+
+    def write(plan, out: Path) -> None:
+        (out / "report.md").write_text("half")
+        raise OSError("no space left on device")
+
+    monkeypatch.setattr(report, "write_report", write)
+    out = tmp_path / "out"
+    with pytest.raises(RuntimeError, match="OSError: no space left on device"):
+        cli.main(["compile", str(REPO / "examples" / "gpt.py"), "-o", str(out), "--pp", "2", "--microbatches", "2",
+                  "--time-limit", "5"])
+    assert list(tmp_path.iterdir()) == []
