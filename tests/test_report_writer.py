@@ -28,12 +28,20 @@ def test_it_writes_in_another_process_and_wait_returns_when_it_is_done(tmp_path,
     assert plan == "the plan" and int(pid) != os.getpid()
 
 
+def test_where_it_cannot_fork_it_writes_in_this_process(tmp_path, monkeypatch):
+    monkeypatch.setattr(report, "write_report", lambda plan, out: (out / "report.md").write_text(str(os.getpid())))
+    monkeypatch.setattr(sys, "platform", "darwin")
+    ReportWriter("the plan", tmp_path).wait()
+    assert (tmp_path / "report.md").read_text() == str(os.getpid())
+
+
 def test_its_error_reaches_the_compile(tmp_path, monkeypatch):
     def write(plan, out: Path) -> None:
         raise ValueError("no timeline for a plan of no stages")
 
     monkeypatch.setattr(report, "write_report", write)
-    with pytest.raises(RuntimeError, match=r"writing the report .*ValueError: no timeline for a plan of no stages"):
+    with pytest.raises(RuntimeError, match=r"(?s)writing the report .* failed:.*Traceback.*"
+                                           r"ValueError: no timeline for a plan of no stages"):
         ReportWriter("the plan", tmp_path).wait()
 
 

@@ -32,7 +32,8 @@ def _fingerprint(result):
 # its turn's last finalist would not have refined (with 2 workers), and one scored ahead whose
 # bound the last finalist has passed by its turn (with 8, sixteen layouts in flight)
 @pytest.mark.parametrize("seed, workers", [(0, 2), (23, 2), (25, 2), (10, 8), (22, 8)])
-def test_workers_find_what_one_process_finds(seed, workers):
+@pytest.mark.parametrize("score_on_workers", [False, True])
+def test_workers_find_what_one_process_finds(seed, workers, score_on_workers):
     """Every finalist, its cuts and figures, and the counts, on random chains and clusters whose
     searches refine some layouts and not others (the last finalist moves as results come in),
     with the finalists' own scoring on the workers too."""
@@ -47,7 +48,8 @@ def test_workers_find_what_one_process_finds(seed, workers):
         return scored.estimate_s * 1.01
 
     alone = search(space, table, devices, workers=0, score=score)
-    forked = search(space, dataclasses.replace(table), devices, workers=workers, score=score)  # a copy: nothing cached
+    forked = search(space, dataclasses.replace(table), devices, workers=workers, score=score,  # a copy: nothing cached
+                    score_on_workers=score_on_workers)
     assert alone.ranked and _fingerprint(forked) == _fingerprint(alone)
     assert alone.scored > 8  # enough to run ahead of the walk
 
@@ -63,7 +65,7 @@ def test_layouts_are_scored_in_the_workers_in_turn_and_each_new_key_forks_new_wo
         first = [scoring.submit(("a", k), 1.0) for k in range(6)]
         built["b"] = 200  # made after the first workers were forked: they do not have it
         second = [scoring.submit(("b", k), 0.5) for k in range(6)]
-        answers = [scoring.result(handle) for handle in first + second]
+        answers = [handle.result() for handle in first + second]
         assert scoring.ahead == 4
     assert [value for _, value, _ in answers] == [100 + k for k in range(6)] + [200 + k for k in range(6)]
     assert [below for _, _, below in answers] == [1.0] * 6 + [0.5] * 6
@@ -75,7 +77,7 @@ def test_without_workers_each_layout_is_scored_at_once_in_this_process():
     calls = []
     scoring = LayoutScoring(lambda layout, below: calls.append(layout) or os.getpid(), workers=0, key=lambda _: 0)
     handle = scoring.submit("x", 1.0)
-    assert calls == ["x"] and scoring.result(handle) == os.getpid() and scoring.ahead == 1
+    assert calls == ["x"] and handle.result() == os.getpid() and scoring.ahead == 1
 
 
 def test_an_error_in_a_worker_reaches_the_caller():
@@ -85,7 +87,7 @@ def test_an_error_in_a_worker_reaches_the_caller():
     with LayoutScoring(score, workers=2, key=lambda _: 0) as scoring:
         handle = scoring.submit("pp4", 1.0)
         with pytest.raises(ValueError, match="no cuts for pp4"):
-            scoring.result(handle)
+            handle.result()
 
 
 def test_workers_by_default_and_by_the_environment(monkeypatch):
@@ -112,3 +114,27 @@ def test_a_bad_worker_count_is_a_one_line_error(tmp_path):
     assert run.returncode == 2, run.stderr
     assert "AUTOPART_SEARCH_WORKERS='-1' is not a number of processes" in run.stderr
     assert "Traceback" not in run.stderr and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("model, twins_settle", [("gpt.py", False), ("gpt.py", True), ("llama.py", False)])
+def test_the_compiler_s_search_on_workers_plans_what_it_plans_in_one_process(model, twins_settle, monkeypatch):
+    """The planner's searches (finalists planned on the full model in this process, or simulated
+    on a shallow copy's costs on the workers), whole. examples/gpt.py at world size 8 sends a
+    ZeRO-2 layout while its ZeRO-1 twin is still being cut; with ``twins_settle`` every ZeRO-1
+    result settles its twin (``fsdp_may_pay`` says ZeRO-2 cannot pay), so that layout's turn
+    must skip it, as one process never sent it."""
+    from autopart.driver import CompileOptions
+    from autopart.solve import search as search_module
+    from autopart.solve.planner import plan_by_search
+
+    if twins_settle:
+        monkeypatch.setattr(search_module, "fsdp_may_pay", lambda *args: False)
+
+    options = CompileOptions(model=REPO / "examples" / model, world_size=8, global_batch_size=16, device="h100-sxm")
+    searched = {}
+    for workers in ("0", "2"):
+        monkeypatch.setenv(scoring_pool.WORKERS_ENV, workers)
+        plan = plan_by_search(options).plan
+        search_record = {k: v for k, v in plan.provenance.search.items() if k != "seconds"}
+        searched[workers] = (search_record, plan.predicted.step_s, [s.nodes for s in plan.stages])
+    assert searched["2"] == searched["0"]

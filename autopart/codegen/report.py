@@ -9,7 +9,10 @@ writes them in a forked process beside the rest (where the platform forks: Linux
 from __future__ import annotations
 
 import multiprocessing
+import os
+import signal
 import sys
+import traceback
 from pathlib import Path
 
 from autopart.ir.plan import Plan
@@ -117,11 +120,16 @@ class ReportWriter:
         self._reading, writing = context.Pipe(duplex=False)
 
         def child() -> None:
+            # a thread of the parent (the progress bar's) may have held stderr's lock as it forked:
+            # the child writes nowhere but its pipe, and ends without flushing what it inherited
+            sys.stdout = sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - the child's for its life
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's, which stops it
             try:
                 write_report(plan, out)
                 writing.send(None)
-            except BaseException as exc:  # its text, to the parent: the child's traceback goes nowhere
-                writing.send(f"{type(exc).__name__}: {exc}")
+            except BaseException:  # its traceback, to the parent, which raises it
+                writing.send(traceback.format_exc())
+            os._exit(0)
 
         self._process = context.Process(target=child, daemon=True)
         self._process.start()
@@ -135,14 +143,16 @@ class ReportWriter:
         except EOFError:  # it died before it could say why (killed, out of memory)
             error = None
         self._process.join()
+        self._reading.close()
         if error is None and self._process.exitcode != 0:
             error = f"its process ended with code {self._process.exitcode}"
         self._process = None
         if error:
-            raise RuntimeError(f"writing the report (report.md, timeline.png, trace.json): {error}")
+            raise RuntimeError(f"writing the report (report.md, timeline.png, trace.json) failed:\n{error}")
 
     def stop(self) -> None:
         if self._process is not None:
             self._process.terminate()
             self._process.join()
+            self._reading.close()
             self._process = None

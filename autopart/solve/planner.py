@@ -42,6 +42,7 @@ from autopart.solve.front_table import FrontTable, Progress, sequence_parallel
 from autopart.solve.layout_bounds import may_fit
 from autopart.solve.pipeline import evaluate, solve_cuts
 from autopart.solve.repeat import RepeatedTable, repeat_last
+from autopart.solve.scoring_pool import search_workers
 from autopart.solve.search import Cluster, Layout, Scored, SearchResult, SearchSpace, fits, score_layout, search
 from autopart.solve.simulated import simulated_step_s
 from cost_models import get_cost_model
@@ -143,6 +144,7 @@ def plan_by_search(options: CompileOptions, *, progress: Progress | None = None,
     """The search's plan; ``plan_every``: every finalist is planned on the full model (they are
     to be run), where a shallow search plans only those whose estimate may beat the plans made."""
     space = search_space(options)
+    search_workers(0)  # a $AUTOPART_SEARCH_WORKERS that is not a count is told before any capture
     sizes = {layout.micro_batch_size for layout in space.layouts(1 << 30)}  # those it asks costs at
     full = FrontTable(options, progress, largest_size=max(sizes, default=None))
     cluster = cluster_of(options)
@@ -198,7 +200,7 @@ def _shallow_search(options: CompileOptions, space: SearchSpace, cluster: Cluste
     is kept. None when the full model's chain is not the shallow one's laid out (its layers are alike as
     modules but not as graphs): the caller then searches the full model."""
     result = search(space, shallow, cluster, finalists=finalists, progress=_visited(progress),
-                    score=lambda scored: simulated_step_s(scored, shallow, cluster))
+                    score=lambda scored: simulated_step_s(scored, shallow, cluster), score_on_workers=True)
     if not result.ranked:
         raise InfeasibleError(_does_not_fit(options, space, shallow, cluster))
     planned: dict[int, Plan] = {}  # finalist's index -> its plan of the full model, where made

@@ -12,16 +12,20 @@ gives exactly the answers of one process, in the same order, on any number of wo
 The workers are forked, so they share the chain costs the search has built; the search asks a
 layout's costs (its bound) before it sends it, and a layout whose costs came after the workers
 were forked goes to new workers forked after them (costing a chain captures and solves, which a
-forked child must not do). Only where ``fork`` is the platform's (Linux) and more than one core is
-the process's; ``$AUTOPART_SEARCH_WORKERS`` sets how many (0: score in this process).
+forked child must not do). A forked child may inherit a lock that a thread of the parent held
+(the progress bar's, on stderr): the workers write to /dev/null, and ignore Ctrl-C, which the
+parent answers by stopping them. Only where ``fork`` is the platform's (Linux) and more than one
+core is the process's; ``$AUTOPART_SEARCH_WORKERS`` sets how many (0: score in this process).
 """
 
 from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 import sys
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterable
+from concurrent.futures import Future, ProcessPoolExecutor
 from typing import Any
 
 from autopart.ir.errors import ConfigError
@@ -36,74 +40,77 @@ two, less than forking and feeding the workers would save."""
 MOST_WORKERS = 8
 """Workers at most: the answers come in turn, so more mostly score layouts the walk never reaches."""
 
-_score: Callable[[Any, float], Any] | None = None  # the forked workers' scoring, set before each fork
-_finish: Callable[[Any], Any] | None = None
+Score = Callable[[Any, float], Any]  # (layout, last finalist's seconds) -> its answer
+Finish = Callable[[Any], Any]  # a finalist -> its figure
+
+_scoring: Score | None = None  # in a worker: its parent's scoring, set as it starts
+_finishing: Finish | None = None
 
 
 def search_workers(layouts: int) -> int:
     """Workers for a search of ``layouts`` layouts: ``$AUTOPART_SEARCH_WORKERS``, else one per
     usable core (at most `MOST_WORKERS`) from `PARALLEL_FROM` layouts on; 0 where fork is not the
-    platform's or one core is all there is."""
+    platform's, this process may not start children (a daemon), or one core is all there is.
+    Raises ConfigError for a value that is not a count (``autopart compile`` asks before it captures)."""
     text = os.environ.get(WORKERS_ENV, "").strip()
+    if text and not text.isdigit():
+        raise ConfigError(f"{WORKERS_ENV}={text!r} is not a number of processes; "
+                          "set it to 0 (score in this process), 2, 4, ..., or unset it")
+    if not sys.platform.startswith("linux") or multiprocessing.current_process().daemon:
+        return 0
     if text:
-        if not text.isdigit():
-            raise ConfigError(f"{WORKERS_ENV}={text!r} is not a number of processes; "
-                              "set it to 0 (score in this process), 2, 4, ..., or unset it")
-        return int(text) if sys.platform.startswith("linux") and not multiprocessing.current_process().daemon else 0
-    if not sys.platform.startswith("linux") or layouts < PARALLEL_FROM or multiprocessing.current_process().daemon:
-        return 0  # (a daemonic process, a worker of someone's pool, may not start processes of its own)
+        return int(text)
     cores = usable_cores()
-    return min(cores, MOST_WORKERS) if cores > 1 else 0
+    return min(cores, MOST_WORKERS) if cores > 1 and layouts >= PARALLEL_FROM else 0
 
 
 class LayoutScoring:
     """``score(layout, last_finalist_s)`` for the layouts sent, ``ahead`` of their turn on
     ``workers`` forked processes, or at their turn in this one (``workers`` 0: `submit` scores at
     once, so the caller sends each layout at its turn). ``key(layout)``: the chain costs it reads;
-    a key not seen when the workers were forked sends it to new workers."""
+    ``built``: the keys whose costs this process holds (read at each fork). A layout whose key was
+    not built when the workers were forked goes to new ones. ``finish``: what `finished` asks of
+    the finalists, on the workers where there are some (it must read only built costs too)."""
 
-    def __init__(self, score: Callable[[Any, float], Any], *, workers: int, key: Callable[[Any], Hashable],
-                 finish: Callable[[Any], Any] | None = None):
-        self.score, self.workers, self.key, self.finish = score, workers, key, finish
+    def __init__(self, score: Score, *, workers: int, key: Callable[[Any], Hashable], built: Iterable[Hashable] = (),
+                 finish: Finish | None = None):
+        self.score, self.workers, self.key, self.built, self.finish = score, workers, key, built, finish
         self.ahead = 2 * workers if workers else 1
-        self._pool: Any = None
+        self._pool: ProcessPoolExecutor | None = None
         self._known: set[Hashable] = set()
-        self._retired: list[Any] = []  # earlier workers, finishing what they were sent
+        self._retired: list[ProcessPoolExecutor] = []  # earlier workers, finishing what they were sent
 
-    def submit(self, layout: Any, last_finalist_s: float) -> Any:
-        """A handle for `result`: the layout scored under this last finalist, now or ahead."""
+    def submit(self, layout: Any, last_finalist_s: float) -> Future:
+        """A future of the layout scored under this last finalist: now (no workers) or ahead."""
         if not self.workers:
-            return _Done(self.score(layout, last_finalist_s))
+            done: Future = Future()
+            done.set_result(self.score(layout, last_finalist_s))
+            return done
         key = self.key(layout)
         if self._pool is None or key not in self._known:
             self._fork(key)
-        return self._pool.apply_async(_scored, (layout, last_finalist_s))
+        return self._pool.submit(_scored, layout, last_finalist_s)
 
-    def result(self, handle: Any) -> Any:
-        return handle.get()
-
-    def finished(self, scored: list) -> list:
-        """``finish`` of each of ``scored`` (layouts sent before), on the workers where there are some."""
+    def finished(self, finalists: list) -> list:
+        """``finish`` of each finalist (their layouts sent before), on the workers where there are some."""
         if self._pool is None:
-            return [self.finish(item) for item in scored]
-        return self._pool.map(_finished, scored, chunksize=1)
+            return [self.finish(item) for item in finalists]
+        return list(self._pool.map(_finished, finalists))
 
     def close(self) -> None:
-        """Stop every worker (what they score ahead is not needed)."""
+        """Stop every worker; what they were sent and have not begun is dropped."""
         for pool in (*self._retired, self._pool):
             if pool is not None:
-                pool.terminate()
-                pool.join()
+                pool.shutdown(wait=True, cancel_futures=True)
         self._pool, self._retired = None, []
 
     def _fork(self, key: Hashable) -> None:
-        global _score, _finish
         if self._pool is not None:
-            self._pool.close()  # its workers finish what they hold, and their answers stay readable
+            self._pool.shutdown(wait=False)  # its workers finish what they hold; their futures stay readable
             self._retired.append(self._pool)
-        self._known.add(key)
-        _score, _finish = self.score, self.finish
-        self._pool = multiprocessing.get_context("fork").Pool(self.workers)
+        self._known = {*self.built, key}
+        self._pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("fork"),
+                                         initializer=_start, initargs=(self.score, self.finish))
 
     def __enter__(self) -> LayoutScoring:
         return self
@@ -112,23 +119,19 @@ class LayoutScoring:
         self.close()
 
 
-class _Done:
-    """A handle whose layout was scored at once."""
-
-    def __init__(self, value: Any):
-        self.value = value
-
-    def get(self) -> Any:
-        return self.value
-
-
-def _finished(scored: Any) -> Any:
-    """In a worker: the finalists' scoring its parent set before forking it."""
-    assert _finish is not None, "a scoring worker started without its parent's scoring of finalists"
-    return _finish(scored)
+def _start(score: Score, finish: Finish | None) -> None:
+    """A worker's start: its parent's scoring (forked, not pickled), quiet streams, Ctrl-C left to the parent."""
+    global _scoring, _finishing
+    _scoring, _finishing = score, finish
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sys.stdout = sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - the worker's for its life
 
 
 def _scored(layout: Any, last_finalist_s: float) -> Any:
-    """In a worker: the scoring its parent set before forking it."""
-    assert _score is not None, "a scoring worker started without its parent's scoring"
-    return _score(layout, last_finalist_s)
+    assert _scoring is not None, "a scoring worker started without its parent's scoring"
+    return _scoring(layout, last_finalist_s)
+
+
+def _finished(finalist: Any) -> Any:
+    assert _finishing is not None, "a scoring worker started without its parent's scoring of finalists"
+    return _finishing(finalist)

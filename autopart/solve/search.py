@@ -38,6 +38,7 @@ from autopart.schedule import SCHEDULE_KINDS, stage_placement
 from autopart.solve.data_parallel_tail import (fsdp_may_pay, fully_sharded_levels, hidden_s,
                                                last_bucket_bytes, stage_layers, stage_times,
                                                tail_s)
+from autopart.solve.interleaved import interleaved_pipeline_s
 from autopart.solve.vshape import zbv_fits, zbv_pipeline_s
 from autopart.predict.in_flight import in_flight, rank_in_flight, transient as transient_count
 from autopart.ir.recompute import RECOMPUTE_MODES
@@ -255,7 +256,7 @@ def estimate_step_s(layout: Layout, cut: StageCut, cluster: Cluster, rank_parame
     layers = stage_layers(costs, cut.cuts) if int(layout.zero) == 3 and layout.dp > 1 else None
     times = stage_times(layout, cluster, cut.stage_time_s, rank_parameter_bytes, nodes, layers)
     if layout.schedule == "interleaved":
-        pipeline = _interleaved_pipeline_s(times, p, m, layout.chunks)
+        pipeline = interleaved_pipeline_s(times, p, m, layout.chunks)
     elif layout.schedule == "zbv":
         pipeline = zbv_pipeline_s(times, cut.stage_weight_s, p, m)
     else:
@@ -263,30 +264,6 @@ def estimate_step_s(layout: Layout, cut: StageCut, cluster: Cluster, rank_parame
         if layout.schedule == "zb-h1":  # W fills the cool-down bubble: (p-1)(F+I-W), not (p-1)(F+I+W)
             pipeline -= 2 * (p - 1) * min(cut.stage_weight_s)
     return pipeline + tail_s(layout, cluster, rank_parameter_bytes, nodes, hidden_s(layout, times), last_bytes)
-
-
-def _interleaved_pipeline_s(times: tuple[float, ...], p: int, m: int, v: int) -> float:
-    """Interleaved 1F1B's pipeline (``autopart.schedule.generators``, Megatron's order) with
-    virtual stages of any sizes. In the steady phase every rank alternates one forward and one
-    backward; over group j of p such slots each rank runs forwards of chunk (j - 1) mod v and
-    backwards of chunk v - 1 - j mod v. The ranks pass activations and gradients every slot, so a
-    slot lasts as long as the slowest rank's pair, except that neighbours' warm-ups differ by two
-    forwards: a rank may run one slot of each group at its own pace. A round of v groups takes p
-    microbatches through every chunk, so m / p rounds; the fill and drain are p - 1 of the
-    largest virtual stage. With equal stages (t each, R = v t a rank) this is Megatron's
-    m R + (p - 1) R / v, which the simulator gives exactly; the busiest rank's m R alone (the
-    closed form before this one) let unequal chunks look free, and the simulator ran the cuts
-    refined by it up to 1.4x slower. Measured on random chains cut by the search: at most 1.11x
-    optimistic, 0.93x (v = 2) and 0.96x (v = 4) at the median. The estimate knows each stage's
-    forward plus backward only: forward a third of it.
-    Never below m max R + (p - 1) max t (``layout_bound`` relies on it): each rank's pairs over
-    a round are its own chunks' forwards and backwards once each."""
-    own = 1 / p  # of each group's slots, those a rank runs at its own pace
-    pairs = [[times[(j - 1) % v * p + r] / 3 + 2 * times[(v - 1 - j) * p + r] / 3 for r in range(p)]
-             for j in range(v)]
-    slowest = sum(max(group) for group in pairs)
-    rounds = max(sum(group[r] for group in pairs) for r in range(p))  # the busiest rank's R
-    return m * ((1 - own) * slowest + own * rounds) + (p - 1) * max(times)
 
 
 def search(
@@ -298,10 +275,12 @@ def search(
     score: Callable[[Scored], float] | None = None,
     progress: Callable[[int, int], None] | None = None,
     workers: int | None = None,
+    score_on_workers: bool = False,
 ) -> SearchResult:
     """The ``finalists`` best layouts that fit, ranked by ``score`` (default: the estimate).
     ``workers``: processes that score layouts ahead (``autopart.solve.scoring_pool``; by default
-    `search_workers`); the result is the same on any number."""
+    `search_workers`); the result is the same on any number. ``score_on_workers``: ``score`` may
+    run there too, as it reads nothing but the table's costs of the finalist and changes nothing."""
     start = time.perf_counter()
     blocks = len(table.chain_costs(micro_batch_size=space.smallest_micro_batch_size(), tp=1, dtype=space.dtype[0]))
     layouts = list(space.layouts(blocks))
@@ -316,31 +295,36 @@ def search(
     def last_finalist_s() -> float:
         return best[-1].estimate_s if len(best) >= finalists else math.inf
 
-    bounded = iter(lazy_order(layouts, exact=lambda layout: layout_bound(table, layout, cluster),
-                              early=early_bound(table, cluster), cutoff=cutoff))
+    built: set[tuple] = set()  # the keys whose costs this process holds: a worker forked after them has them
+
+    def exact(layout: Layout) -> float:
+        built.add(_chain_key(layout))  # by the bound, which costs the chain before the layout is sent
+        return layout_bound(table, layout, cluster)
+
+    bounded = iter(lazy_order(layouts, exact=exact, early=early_bound(table, cluster), cutoff=cutoff))
     scored = fitting = 0
     settled: set[Layout] = set()  # ZeRO-1 layouts whose ZeRO-2 twins cannot do better
     smallest_bound = math.inf
     sent: collections.deque = collections.deque()  # (bound, layout, handle): in turn, scored ahead or at it
     scoring = LayoutScoring(lambda layout, below: speculate(layout, table, cluster, space, below),
                             workers=search_workers(len(layouts)) if workers is None else workers,
-                            key=lambda layout: (layout.micro_batch_size, layout.tp, layout.dtype), finish=score)
+                            key=_chain_key, built=built, finish=score if score_on_workers else None)
     with scoring:
         for visited in itertools.count():
             while len(sent) < scoring.ahead and (item := next(bounded, None)) is not None:
                 bound, layout = item  # a twin settled when it is sent stays settled at its turn
-                twin_settled = layout.zero == 2 and dataclasses.replace(layout, zero=1) in settled
-                sent.append((bound, layout, None if twin_settled else scoring.submit(layout, last_finalist_s())))
+                sent.append((bound, layout, None if _settled_twin(layout, settled) else
+                             scoring.submit(layout, last_finalist_s())))
             if not sent or (cutoff() is not None and sent[0][0] >= cutoff()):
                 break  # where one process's walk ends: the bound at its turn reaches the last finalist
             bound, layout, handle = sent.popleft()
             smallest_bound = min(smallest_bound, bound)
             if progress is not None:
                 progress(visited, len(layouts))
-            if layout.zero == 2 and dataclasses.replace(layout, zero=1) in settled:
-                continue  # its ZeRO-1 twin does not fit, or hides its all-reduce (``fsdp_may_pay``); ZeRO-3 may fit
+            if _settled_twin(layout, settled):
+                continue
             scored += 1
-            result = scoring.result(handle).under(last_finalist_s())
+            result = handle.result().under(last_finalist_s())
             if result is None or (layout.zero == 1 and not fsdp_may_pay(result, table, cluster)):
                 settled.add(layout)
             if result is None:
@@ -349,7 +333,7 @@ def search(
             best.append(result)
             best.sort(key=lambda s: (s.estimate_s, s.layout))
             del best[finalists:]
-        steps = scoring.finished(best) if score is not None else [s.estimate_s for s in best]
+        steps = _finalists_steps(scoring, best, sent, score, score_on_workers)
     if progress is not None:
         progress(len(layouts), len(layouts))
     if not best:
@@ -359,6 +343,29 @@ def search(
     best.sort(key=lambda s: (s.step_s, s.layout))
     return SearchResult(ranked=tuple(best), layouts=len(layouts), scored=scored, fitting=fitting,
                         seconds=time.perf_counter() - start, bound_s=smallest_bound)
+
+
+def _finalists_steps(scoring: LayoutScoring, best: list[Scored], sent: collections.deque,
+                     score: Callable[[Scored], float] | None, score_on_workers: bool) -> list[float]:
+    """The finalists' figures (``score``'s, else their estimates), once the layouts sent ahead of a
+    turn that never came are dropped (those not begun: the rest end unread)."""
+    for _, _, handle in sent:
+        if handle is not None:
+            handle.cancel()
+    if score is None:
+        return [s.estimate_s for s in best]
+    return scoring.finished(best) if score_on_workers else [score(s) for s in best]
+
+
+def _chain_key(layout: Layout) -> tuple:
+    """The chain costs a layout's scoring reads, as the table keeps them."""
+    return layout.micro_batch_size, layout.tp, layout.dtype
+
+
+def _settled_twin(layout: Layout, settled: set[Layout]) -> bool:
+    """A ZeRO-2 layout whose ZeRO-1 twin does not fit, or hides its all-reduce (``fsdp_may_pay``):
+    it cannot do better than its twin (ZeRO-3 may fit, and is not skipped)."""
+    return layout.zero == 2 and dataclasses.replace(layout, zero=1) in settled
 
 
 def _memoised(cluster: Cluster) -> Cluster:
@@ -391,17 +398,18 @@ def score_layout(layout: Layout, table: CostTable, cluster: Cluster, space: Sear
     ``fit_only``: any cuts that fit, not the fastest. Otherwise the cuts are refined by the step
     itself (``autopart.solve.refine``) unless the layout's slowest stage alone keeps its step at
     or above ``refine_below`` (the search's last finalist)."""
-    found = _score(layout, table, cluster, space, recompute, cuts, fit_only, refine_below)
+    found = _cut_and_estimate(layout, table, cluster, space, recompute, cuts, fit_only, refine_below)
     return found.under(refine_below) if isinstance(found, Speculation) else found
 
 
-def speculate(layout: Layout, table: CostTable, cluster: Cluster, space: SearchSpace, refine_below: float,
-              recompute: tuple[tuple[str, ...], ...] | None = None) -> Speculation:
+def speculate(layout: Layout, table: CostTable, cluster: Cluster, space: SearchSpace, refine_below: float) -> Speculation:
     """`score_layout`'s answer (cut and refined) under ``refine_below`` and every smaller last finalist."""
-    return _score(layout, table, cluster, space, recompute, None, False, refine_below)
+    return _cut_and_estimate(layout, table, cluster, space, None, None, False, refine_below)
 
 
-def _score(layout, table, cluster, space, recompute, cuts, fit_only, refine_below) -> Scored | Speculation | None:
+def _cut_and_estimate(layout: Layout, table: CostTable, cluster: Cluster, space: SearchSpace,
+                      recompute: tuple[tuple[str, ...], ...] | None, cuts: tuple[int, ...] | None, fit_only: bool,
+                      refine_below: float) -> Scored | Speculation | None:
     """`score_layout`: a `Speculation` where it cuts and may refine, else the answer itself."""
     costs = with_layout_state(table, layout)
     stages = layout.stages
