@@ -11,6 +11,10 @@ Where a test does measure (a profile, the default compile's measuring, a plan ru
 measuring loop spans at most a fraction of a second (`autopart.profiling.span`): the tests check
 what is measured and where it goes, not how steady the figures are, and the full spans (5 s per
 graph in place, 2 s beside copies, 8 s of a plan's steps) add a minute to the suite.
+
+Its searches cut their layouts in its own process (``AUTOPART_SEARCH_WORKERS=0``): a plan is
+the same on any number of workers, which tests/test_scoring_pool.py checks with workers of its
+own, and forking the suite's large process for each search of a few hundred layouts saves nothing.
 """
 
 import os
@@ -19,9 +23,11 @@ import tempfile
 
 from autopart.profiling.measure_defaults import NO_MEASURE_ENV
 from autopart.profiling.span import MEASURE_SECONDS_ENV
+from autopart.solve.scoring_pool import WORKERS_ENV
 
 os.environ[NO_MEASURE_ENV] = "1"
 os.environ[MEASURE_SECONDS_ENV] = "0.3"
+os.environ[WORKERS_ENV] = "0"
 _CACHE = tempfile.mkdtemp(prefix="autopart-test-cache-")
 os.environ["AUTOPART_CACHE_DIR"] = _CACHE
 

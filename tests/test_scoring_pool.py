@@ -31,8 +31,8 @@ def _fingerprint(result):
 # Seeds whose searches catch what one process would do otherwise: a layout scored ahead that
 # its turn's last finalist would not have refined (with 2 workers), and one scored ahead whose
 # bound the last finalist has passed by its turn (with 8, sixteen layouts in flight)
-@pytest.mark.parametrize("seed, workers", [(0, 2), (23, 2), (25, 2), (10, 8), (22, 8)])
-@pytest.mark.parametrize("score_on_workers", [False, True])
+@pytest.mark.parametrize("seed, workers, score_on_workers",
+                         [(0, 2, False), (23, 2, True), (25, 2, False), (10, 8, True), (22, 8, False)])
 def test_workers_find_what_one_process_finds(seed, workers, score_on_workers):
     """Every finalist, its cuts and figures, and the counts, on random chains and clusters whose
     searches refine some layouts and not others (the last finalist moves as results come in),
@@ -101,9 +101,10 @@ def test_workers_by_default_and_by_the_environment(monkeypatch):
     assert search_workers(10_000) == 0
     monkeypatch.setenv(scoring_pool.WORKERS_ENV, "3")
     assert search_workers(10) == 3
-    monkeypatch.setenv(scoring_pool.WORKERS_ENV, "two")
-    with pytest.raises(ConfigError, match="AUTOPART_SEARCH_WORKERS='two' is not a number"):
-        search_workers(10)
+    for text in ("two", "²"):  # (a digit to str.isdigit, not to int)
+        monkeypatch.setenv(scoring_pool.WORKERS_ENV, text)
+        with pytest.raises(ConfigError, match=f"AUTOPART_SEARCH_WORKERS='{text}' is not a number"):
+            search_workers(10)
 
 
 def test_a_bad_worker_count_is_a_one_line_error(tmp_path):

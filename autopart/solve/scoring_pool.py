@@ -20,6 +20,7 @@ core is the process's; ``$AUTOPART_SEARCH_WORKERS`` sets how many (0: score in t
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing
 import os
 import signal
@@ -43,6 +44,8 @@ MOST_WORKERS = 8
 Score = Callable[[Any, float], Any]  # (layout, last finalist's seconds) -> its answer
 Finish = Callable[[Any], Any]  # a finalist -> its figure
 
+_PR_SET_PDEATHSIG = 1  # prctl(2): the signal a process gets when its parent ends (Linux)
+
 _scoring: Score | None = None  # in a worker: its parent's scoring, set as it starts
 _finishing: Finish | None = None
 
@@ -53,7 +56,7 @@ def search_workers(layouts: int) -> int:
     platform's, this process may not start children (a daemon), or one core is all there is.
     Raises ConfigError for a value that is not a count (``autopart compile`` asks before it captures)."""
     text = os.environ.get(WORKERS_ENV, "").strip()
-    if text and not text.isdigit():
+    if text and not (text.isascii() and text.isdigit()):
         raise ConfigError(f"{WORKERS_ENV}={text!r} is not a number of processes; "
                           "set it to 0 (score in this process), 2, 4, ..., or unset it")
     if not sys.platform.startswith("linux") or multiprocessing.current_process().daemon:
@@ -79,6 +82,7 @@ class LayoutScoring:
         self._pool: ProcessPoolExecutor | None = None
         self._known: set[Hashable] = set()
         self._retired: list[ProcessPoolExecutor] = []  # earlier workers, finishing what they were sent
+        self._sent: list[Future] = []
 
     def submit(self, layout: Any, last_finalist_s: float) -> Future:
         """A future of the layout scored under this last finalist: now (no workers) or ahead."""
@@ -87,9 +91,20 @@ class LayoutScoring:
             done.set_result(self.score(layout, last_finalist_s))
             return done
         key = self.key(layout)
-        if self._pool is None or key not in self._known:
+        if self._pool is not None and key in self._known:
+            return self._track(self._pool.submit(_scored, layout, last_finalist_s))
+        # A new pool forks its workers at its first submit: with Ctrl-C held off until each has
+        # set itself to ignore it (a worker stopped half-started would hang this process's exit)
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
             self._fork(key)
-        return self._pool.submit(_scored, layout, last_finalist_s)
+            return self._track(self._pool.submit(_scored, layout, last_finalist_s))
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
+
+    def _track(self, future: Future) -> Future:
+        self._sent.append(future)
+        return future
 
     def finished(self, finalists: list) -> list:
         """``finish`` of each finalist (their layouts sent before), on the workers where there are some."""
@@ -98,11 +113,13 @@ class LayoutScoring:
         return list(self._pool.map(_finished, finalists))
 
     def close(self) -> None:
-        """Stop every worker; what they were sent and have not begun is dropped."""
-        for pool in (*self._retired, self._pool):
-            if pool is not None:
-                pool.shutdown(wait=True, cancel_futures=True)
-        self._pool, self._retired = None, []
+        """Drop what the workers were sent and have not begun, and end them once they finish the
+        rest (the current ones waited for; earlier ones end by themselves, or with this process)."""
+        for future in self._sent:
+            future.cancel()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+        self._pool, self._retired, self._sent = None, [], []
 
     def _fork(self, key: Hashable) -> None:
         if self._pool is not None:
@@ -110,7 +127,7 @@ class LayoutScoring:
             self._retired.append(self._pool)
         self._known = {*self.built, key}
         self._pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("fork"),
-                                         initializer=_start, initargs=(self.score, self.finish))
+                                         initializer=_start, initargs=(self.score, self.finish, os.getpid()))
 
     def __enter__(self) -> LayoutScoring:
         return self
@@ -119,12 +136,17 @@ class LayoutScoring:
         self.close()
 
 
-def _start(score: Score, finish: Finish | None) -> None:
-    """A worker's start: its parent's scoring (forked, not pickled), quiet streams, Ctrl-C left to the parent."""
+def _start(score: Score, finish: Finish | None, parent: int) -> None:
+    """A worker's start: its parent's scoring (forked, not pickled), quiet streams, Ctrl-C left to
+    the parent, and its end with the parent's, however that ends (SIGKILL included)."""
     global _scoring, _finishing
     _scoring, _finishing = score, finish
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # held by the parent while it forked
     sys.stdout = sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - the worker's for its life
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # the parent ended before the request was made
+        os._exit(1)
 
 
 def _scored(layout: Any, last_finalist_s: float) -> Any:
