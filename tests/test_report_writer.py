@@ -8,6 +8,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -33,6 +34,15 @@ def test_where_it_cannot_fork_it_writes_in_this_process(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "platform", "darwin")
     ReportWriter("the plan", tmp_path).wait()
     assert (tmp_path / "report.md").read_text() == str(os.getpid())
+
+
+def test_only_a_large_plan_s_report_is_forked():
+    def plan(stages: int, microbatches: int):
+        return SimpleNamespace(stages=[None] * stages, schedule=SimpleNamespace(microbatches=microbatches))
+
+    assert not report.report_forks(plan(2, 4))  # the quickstart's: drawn at once
+    assert report.report_forks(plan(128, 1024))  # 393k actions
+    assert report.report_forks(plan(8, -(-report.FORK_FROM_ACTIONS // 24)))
 
 
 def test_its_error_reaches_the_compile(tmp_path, monkeypatch):
@@ -64,7 +74,8 @@ def test_stop_ends_it_before_its_folder_goes(tmp_path, monkeypatch):
     writer.wait()  # stopped: nothing left to wait for
 
 
-def test_a_report_that_fails_leaves_no_output_directory_and_nothing_beside_it(tmp_path, monkeypatch):
+@pytest.mark.parametrize("forked", [False, True])
+def test_a_report_that_fails_leaves_no_output_directory_and_nothing_beside_it(forked, tmp_path, monkeypatch):
     from autopart.tools import cli
     from tests.distributed import REPO
 
@@ -73,8 +84,10 @@ def test_a_report_that_fails_leaves_no_output_directory_and_nothing_beside_it(tm
         raise OSError("no space left on device")
 
     monkeypatch.setattr(report, "write_report", write)
+    if forked:  # the quickstart's plan is small: its report is written in this process unless told
+        monkeypatch.setattr(report, "FORK_FROM_ACTIONS", 0)
     out = tmp_path / "out"
-    with pytest.raises(RuntimeError, match="OSError: no space left on device"):
+    with pytest.raises(RuntimeError if forked else OSError, match="no space left on device"):
         cli.main(["compile", str(REPO / "examples" / "gpt.py"), "-o", str(out), "--pp", "2", "--microbatches", "2",
                   "--time-limit", "5"])
     assert list(tmp_path.iterdir()) == []

@@ -21,7 +21,7 @@ from autopart.predict.accuracy import describe_prediction
 from autopart.predict.timeline import plan_schedule, plan_timeline
 from autopart.schedule import write_chrome_trace, write_gantt_png, write_schedule_csv
 
-__all__ = ["ReportWriter", "write_report", "search_table", "stage_table"]
+__all__ = ["ReportWriter", "report_forks", "write_report", "search_table", "stage_table"]
 
 _GIB = 1 << 30
 
@@ -106,14 +106,24 @@ Files: `plan.json` (the plan), `stages/` (one module per stage), `weights/`, `tr
     (out / "report.md").write_text(text)
 
 
-class ReportWriter:
-    """`write_report(plan, out)` begun in a forked process (here, where this process may not fork
-    or start children); `wait` raises what went wrong in it, and `stop` ends it (before the
-    folder it writes in is removed)."""
+FORK_FROM_ACTIONS = 20_000
+"""Compute actions in a plan's schedule from which its report is written by a forked process: a
+smaller one is drawn in a fraction of a second, less than forking a large compile costs."""
 
-    def __init__(self, plan: Plan, out: Path):
+
+def report_forks(plan: Plan) -> bool:
+    """Whether `ReportWriter` should write ``plan``'s report in a forked process (its size)."""
+    return plan.schedule.microbatches * len(plan.stages) * 3 >= FORK_FROM_ACTIONS
+
+
+class ReportWriter:
+    """`write_report(plan, out)` begun in a forked process (here with ``fork`` False, or where
+    this process may not fork or start children); `wait` raises what went wrong in it, and
+    `stop` ends it (before the folder it writes in is removed)."""
+
+    def __init__(self, plan: Plan, out: Path, *, fork: bool = True):
         self._process = None
-        if not sys.platform.startswith("linux") or multiprocessing.current_process().daemon:
+        if not fork or not sys.platform.startswith("linux") or multiprocessing.current_process().daemon:
             write_report(plan, out)
             return
         context = multiprocessing.get_context("fork")
