@@ -73,15 +73,16 @@ class LayoutScoring:
     once, so the caller sends each layout at its turn). ``key(layout)``: the chain costs it reads;
     ``built``: the keys whose costs this process holds (read at each fork). A layout whose key was
     not built when the workers were forked goes to new ones. ``finish``: what `finished` asks of
-    the finalists, on the workers where there are some (it must read only built costs too)."""
+    the finalists, in this process unless ``finish_on_workers`` (where it reads only built costs
+    and changes nothing) and there are workers."""
 
     def __init__(self, score: Score, *, workers: int, key: Callable[[Any], Hashable], built: Iterable[Hashable] = (),
-                 finish: Finish | None = None):
+                 finish: Finish | None = None, finish_on_workers: bool = False):
         self.score, self.workers, self.key, self.built, self.finish = score, workers, key, built, finish
+        self.finish_on_workers = finish_on_workers
         self.ahead = 2 * workers if workers else 1
         self._pool: ProcessPoolExecutor | None = None
         self._known: set[Hashable] = set()
-        self._retired: list[ProcessPoolExecutor] = []  # earlier workers, finishing what they were sent
         self._sent: list[Future] = []
 
     def submit(self, layout: Any, last_finalist_s: float) -> Future:
@@ -107,27 +108,32 @@ class LayoutScoring:
         return future
 
     def finished(self, finalists: list) -> list:
-        """``finish`` of each finalist (their layouts sent before), on the workers where there are some."""
-        if self._pool is None:
+        """``finish`` of each finalist (their layouts sent before), on the workers where it may run there."""
+        if self._pool is None or not self.finish_on_workers:
             return [self.finish(item) for item in finalists]
         return list(self._pool.map(_finished, finalists))
 
-    def close(self) -> None:
-        """Drop what the workers were sent and have not begun, and end them once they finish the
-        rest (the current ones waited for; earlier ones end by themselves, or with this process)."""
+    def drop_ahead(self) -> None:
+        """Drop what the workers were sent and have not begun (the walk ended before its turn)."""
         for future in self._sent:
             future.cancel()
+        self._sent = []
+
+    def close(self) -> None:
+        """`drop_ahead`, and end the workers once they finish the rest (the current ones waited
+        for; earlier ones end by themselves, or with this process)."""
+        self.drop_ahead()
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
-        self._pool, self._retired, self._sent = None, [], []
+        self._pool = None
 
     def _fork(self, key: Hashable) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False)  # its workers finish what they hold; their futures stay readable
-            self._retired.append(self._pool)
         self._known = {*self.built, key}
         self._pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("fork"),
-                                         initializer=_start, initargs=(self.score, self.finish, os.getpid()))
+                                         initializer=_start, initargs=(self.score, self.finish if self.finish_on_workers else None,
+                                                                        os.getpid()))
 
     def __enter__(self) -> LayoutScoring:
         return self

@@ -25,10 +25,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
-import time
 import collections
 import itertools
+import math
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
@@ -52,7 +52,7 @@ from autopart.solve.transfers import boundary_transfer_s
 from cost_models.comm import nodes_spanned
 
 __all__ = ["Layout", "SearchSpace", "Cluster", "CostTable", "Scored", "SearchResult", "Speculation", "search", "fits",
-           "score_layout", "speculate", "estimate_step_s", "tail_s", "parameter_bytes_per_rank"]
+           "score_layout", "estimate_step_s", "tail_s", "parameter_bytes_per_rank"]
 
 INTERLEAVED_CHUNKS = (2, 3, 4, 6)  # per rank; more (8, 12) slow the search ninefold: pin --chunks
 MAX_MICRO_BATCH_SIZE = 16
@@ -306,9 +306,9 @@ def search(
     settled: set[Layout] = set()  # ZeRO-1 layouts whose ZeRO-2 twins cannot do better
     smallest_bound = math.inf
     sent: collections.deque = collections.deque()  # (bound, layout, handle): in turn, scored ahead or at it
-    scoring = LayoutScoring(lambda layout, below: speculate(layout, table, cluster, space, below),
+    scoring = LayoutScoring(lambda layout, below: _speculate(layout, table, cluster, space, below),
                             workers=search_workers(len(layouts)) if workers is None else workers,
-                            key=_chain_key, built=built, finish=score if score_on_workers else None)
+                            key=_chain_key, built=built, finish=score, finish_on_workers=score_on_workers)
     with scoring:
         for visited in itertools.count():
             while len(sent) < scoring.ahead and (item := next(bounded, None)) is not None:
@@ -333,7 +333,8 @@ def search(
             best.append(result)
             best.sort(key=lambda s: (s.estimate_s, s.layout))
             del best[finalists:]
-        steps = _finalists_steps(scoring, best, sent, score, score_on_workers)
+        scoring.drop_ahead()  # sent ahead of a turn that never came
+        steps = [s.estimate_s for s in best] if score is None else scoring.finished(best)
     if progress is not None:
         progress(len(layouts), len(layouts))
     if not best:
@@ -343,18 +344,6 @@ def search(
     best.sort(key=lambda s: (s.step_s, s.layout))
     return SearchResult(ranked=tuple(best), layouts=len(layouts), scored=scored, fitting=fitting,
                         seconds=time.perf_counter() - start, bound_s=smallest_bound)
-
-
-def _finalists_steps(scoring: LayoutScoring, best: list[Scored], sent: collections.deque,
-                     score: Callable[[Scored], float] | None, score_on_workers: bool) -> list[float]:
-    """The finalists' figures (``score``'s, else their estimates), once the layouts sent ahead of a
-    turn that never came are dropped (those not begun: the rest end unread)."""
-    for _, _, handle in sent:
-        if handle is not None:
-            handle.cancel()
-    if score is None:
-        return [s.estimate_s for s in best]
-    return scoring.finished(best) if score_on_workers else [score(s) for s in best]
 
 
 def _chain_key(layout: Layout) -> tuple:
@@ -402,7 +391,7 @@ def score_layout(layout: Layout, table: CostTable, cluster: Cluster, space: Sear
     return found.under(refine_below) if isinstance(found, Speculation) else found
 
 
-def speculate(layout: Layout, table: CostTable, cluster: Cluster, space: SearchSpace, refine_below: float) -> Speculation:
+def _speculate(layout: Layout, table: CostTable, cluster: Cluster, space: SearchSpace, refine_below: float) -> Speculation:
     """`score_layout`'s answer (cut and refined) under ``refine_below`` and every smaller last finalist."""
     return _cut_and_estimate(layout, table, cluster, space, None, None, False, refine_below)
 
@@ -437,7 +426,7 @@ def _cut_and_estimate(layout: Layout, table: CostTable, cluster: Cluster, space:
                          memory_limit_bytes=cluster.memory_bytes, overhead_bytes=cluster.overhead_bytes,
                          modes=modes, transient=transient, fit_only=fit_only, rank_in_flight=moments)
         if not fit_only:
-            return _speculated(layout, table, cluster, costs, cut, modes, flight, transient, ranks, transfer, nodes,
+            return _with_refinement(layout, table, cluster, costs, cut, modes, flight, transient, ranks, transfer, nodes,
                                refine_below)
     if cut is None:
         return None
@@ -447,7 +436,7 @@ def _cut_and_estimate(layout: Layout, table: CostTable, cluster: Cluster, space:
     return Scored(layout=layout, cut=cut, estimate_s=estimate)
 
 
-def _speculated(layout, table, cluster, costs, cut, modes, flight, transient, ranks, transfer, nodes,
+def _with_refinement(layout, table, cluster, costs, cut, modes, flight, transient, ranks, transfer, nodes,
                 refine_below) -> Speculation:
     """The bisection's cut, and refined by the step itself where that may bring it into the finalists."""
     judge = CutJudge(costs, in_flight=flight, transient=transient, stage_rank=ranks, transfer_s=transfer,
