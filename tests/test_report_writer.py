@@ -1,5 +1,5 @@
-"""The report written in a forked process beside the rest of the output directory
-(`autopart.codegen.report.ReportWriter`): its files, its failures, and its end when the
+"""The report written in forked processes beside the rest of the output directory
+(`autopart.codegen.report.begin_report`): its files, its failures, and its end when the
 compile stops first."""
 
 from __future__ import annotations
@@ -13,27 +13,39 @@ from types import SimpleNamespace
 import pytest
 
 from autopart.codegen import report
-from autopart.codegen.report import ReportWriter
+from autopart.codegen.report import begin_report
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the report is forked on Linux")
 
 
-def test_it_writes_in_another_process_and_wait_returns_when_it_is_done(tmp_path, monkeypatch):
-    def write(plan, out: Path) -> None:
-        (out / "report.md").write_text(f"{plan} from {os.getpid()}")
-
-    monkeypatch.setattr(report, "write_report", write)
-    writer = ReportWriter("the plan", tmp_path)
-    writer.wait()
-    plan, pid = (tmp_path / "report.md").read_text().split(" from ")
-    assert plan == "the plan" and int(pid) != os.getpid()
+@pytest.fixture
+def parts(monkeypatch):
+    """The report's parts replaced by ``parts.set(...)`` (its timeline taken as simulated)."""
+    monkeypatch.setattr(report, "plan_timeline", lambda plan: None)
+    return SimpleNamespace(set=lambda *fakes: monkeypatch.setattr(report, "PARTS", fakes))
 
 
-def test_where_it_cannot_fork_it_writes_in_this_process(tmp_path, monkeypatch):
-    monkeypatch.setattr(report, "write_report", lambda plan, out: (out / "report.md").write_text(str(os.getpid())))
+def _writes(name: str):
+    def part(plan, out: Path) -> None:
+        (out / name).write_text(f"{plan} from {os.getpid()}")
+
+    return part
+
+
+def test_each_part_is_written_in_a_process_of_its_own_and_wait_returns_when_all_are_done(tmp_path, parts):
+    parts.set(_writes("timeline.png"), _writes("report.md"))
+    begin_report("the plan", tmp_path).wait()
+    written = {path.name: path.read_text().split(" from ") for path in tmp_path.iterdir()}
+    assert sorted(written) == ["report.md", "timeline.png"]
+    pids = {int(pid) for plan, pid in written.values()}
+    assert {plan for plan, pid in written.values()} == {"the plan"} and len(pids) == 2 and os.getpid() not in pids
+
+
+def test_where_it_cannot_fork_it_writes_in_this_process(tmp_path, parts, monkeypatch):
+    parts.set(_writes("timeline.png"), _writes("report.md"))
     monkeypatch.setattr(sys, "platform", "darwin")
-    ReportWriter("the plan", tmp_path).wait()
-    assert (tmp_path / "report.md").read_text() == str(os.getpid())
+    begin_report("the plan", tmp_path).wait()
+    assert {path.read_text() for path in tmp_path.iterdir()} == {f"the plan from {os.getpid()}"}
 
 
 def test_only_a_large_plan_s_report_is_forked():
@@ -45,32 +57,35 @@ def test_only_a_large_plan_s_report_is_forked():
     assert report.report_forks(plan(8, -(-report.FORK_FROM_ACTIONS // 24)))
 
 
-def test_its_error_reaches_the_compile(tmp_path, monkeypatch):
-    def write(plan, out: Path) -> None:
+def test_its_error_reaches_the_compile(tmp_path, parts):
+    def fails(plan, out: Path) -> None:
         raise ValueError("no timeline for a plan of no stages")
 
-    monkeypatch.setattr(report, "write_report", write)
+    parts.set(_writes("timeline.png"), fails)
     with pytest.raises(RuntimeError, match=r"(?s)writing the report .* failed:.*Traceback.*"
                                            r"ValueError: no timeline for a plan of no stages"):
-        ReportWriter("the plan", tmp_path).wait()
+        begin_report("the plan", tmp_path).wait()
 
 
-def test_a_death_without_a_word_is_an_error_too(tmp_path, monkeypatch):
-    monkeypatch.setattr(report, "write_report", lambda plan, out: os._exit(3))
+def test_a_death_without_a_word_is_an_error_too(tmp_path, parts):
+    parts.set(lambda plan, out: os._exit(3), _writes("report.md"))
     with pytest.raises(RuntimeError, match="its process ended with code 3"):
-        ReportWriter("the plan", tmp_path).wait()
+        begin_report("the plan", tmp_path).wait()
 
 
-def test_stop_ends_it_before_its_folder_goes(tmp_path, monkeypatch):
-    def write(plan, out: Path) -> None:
-        time.sleep(60)
-        (out / "late.md").write_text("written after the folder was given up")
+def test_stop_ends_every_part_before_its_folder_goes(tmp_path, parts):
+    def slow(name: str):
+        def part(plan, out: Path) -> None:
+            time.sleep(60)
+            (out / name).write_text("written after the folder was given up")
 
-    monkeypatch.setattr(report, "write_report", write)
-    writer = ReportWriter("the plan", tmp_path)
+        return part
+
+    parts.set(slow("timeline.png"), slow("report.md"))
+    writer = begin_report("the plan", tmp_path)
     started = time.monotonic()
     writer.stop()
-    assert time.monotonic() - started < 10 and not (tmp_path / "late.md").exists()
+    assert time.monotonic() - started < 10 and list(tmp_path.iterdir()) == []
     writer.wait()  # stopped: nothing left to wait for
 
 
@@ -83,7 +98,7 @@ def test_a_report_that_fails_leaves_no_output_directory_and_nothing_beside_it(fo
         (out / "report.md").write_text("half")
         raise OSError("no space left on device")
 
-    monkeypatch.setattr(report, "write_report", write)
+    monkeypatch.setattr(report, "PARTS", (report.PARTS[0], write))
     if forked:  # the quickstart's plan is small: its report is written in this process unless told
         monkeypatch.setattr(report, "FORK_FROM_ACTIONS", 0)
     out = tmp_path / "out"

@@ -18,7 +18,7 @@ from autopart.passes.annotate import OpGraph
 from autopart.ir.model_file import ModelSpec, is_meta
 from autopart.codegen.names import plain_text
 from autopart.codegen.output_dir import check_output_directory, remove_output, write_marker
-from autopart.codegen.report import ReportWriter, report_forks
+from autopart.codegen.report import begin_report, report_forks
 from autopart.codegen.tensor_parallel import overlapped_shapes, shard_stage_graph
 from autopart.codegen.layers import repeated_units, stage_units
 from autopart.codegen.stage_file import stage_source
@@ -60,7 +60,7 @@ def _write(plan: Plan, op_graph: OpGraph, spec: ModelSpec, out: Path, *, final: 
     (out / "stages").mkdir(parents=True)
     (out / "weights").mkdir()
     # beside the rest where it is large: it reads nothing that the stage files' hashes add
-    report = ReportWriter(plan, out, fork=report_forks(plan))
+    report = begin_report(plan, out, fork=report_forks(plan))
     try:
         _write_programs(plan, op_graph, spec, out, final=final, chain=chain)
         report.wait()

@@ -2,26 +2,23 @@
 Chrome trace, and the per-rank action lists as CSV.
 
 A plan of a thousand microbatches over a hundred ranks has hundreds of thousands of actions to
-draw and trace, seconds of work that nothing else in the directory waits for: `ReportWriter`
-writes them in a forked process beside the rest (where the platform forks: Linux).
+draw and trace, seconds of work that nothing else in the directory waits for: `begin_report`
+writes them in forked processes beside the rest (where the platform forks: Linux).
 """
 
 from __future__ import annotations
 
-import multiprocessing
-import os
-import signal
-import sys
-import traceback
+from collections.abc import Callable
 from pathlib import Path
 
+from autopart.ir.forked import Forked, may_fork
 from autopart.ir.plan import Plan
 from autopart.ir.tensors import PRECISION_TEXT
 from autopart.predict.accuracy import describe_prediction
 from autopart.predict.timeline import plan_schedule, plan_timeline
 from autopart.schedule import write_chrome_trace, write_gantt_png, write_schedule_csv
 
-__all__ = ["ReportWriter", "report_forks", "write_report", "search_table", "stage_table"]
+__all__ = ["PARTS", "ReportInProgress", "begin_report", "report_forks", "write_report", "search_table", "stage_table"]
 
 _GIB = 1 << 30
 
@@ -78,10 +75,21 @@ def _tensor_parallel(plan: Plan) -> str:
 
 
 def write_report(plan: Plan, out: Path) -> None:
-    timeline = plan_timeline(plan)
-    title = f"{Path(plan.provenance.model_file).name}: {plan.schedule.kind}, pp={plan.mesh['pp']}, m={plan.schedule.microbatches}"
-    write_gantt_png(timeline, out / "timeline.png", title=title)
-    write_chrome_trace(timeline, out / "trace.json", title=title)
+    """The whole report, in this process: each of `PARTS` in turn."""
+    for part in PARTS:
+        part(plan, out)
+
+
+def _title(plan: Plan) -> str:
+    return f"{Path(plan.provenance.model_file).name}: {plan.schedule.kind}, pp={plan.mesh['pp']}, m={plan.schedule.microbatches}"
+
+
+def _trace(plan: Plan, out: Path) -> None:
+    write_chrome_trace(plan_timeline(plan), out / "trace.json", title=_title(plan))
+
+
+def _picture_and_text(plan: Plan, out: Path) -> None:
+    write_gantt_png(plan_timeline(plan), out / "timeline.png", title=_title(plan))
     write_schedule_csv(plan_schedule(plan, lowered=False), out / "schedule.csv")
     predicted = plan.predicted
     text = f"""# autopart plan for {Path(plan.provenance.model_file).name}
@@ -112,57 +120,37 @@ smaller one is drawn in a fraction of a second, less than forking a large compil
 
 
 def report_forks(plan: Plan) -> bool:
-    """Whether `ReportWriter` should write ``plan``'s report in a forked process (its size)."""
+    """Whether `begin_report` should write ``plan``'s report in a forked process (its size)."""
     return plan.schedule.microbatches * len(plan.stages) * 3 >= FORK_FROM_ACTIONS
 
 
-class ReportWriter:
-    """`write_report(plan, out)` begun in a forked process (here with ``fork`` False, or where
-    this process may not fork or start children); `wait` raises what went wrong in it, and
-    `stop` ends it (before the folder it writes in is removed)."""
+PARTS: tuple[Callable[[Plan, Path], None], ...] = (_trace, _picture_and_text)
+"""The report's parts, each ``part(plan, out)``: the trace, and the picture with the action list
+and the text, of about equal work for a long pipeline."""
 
-    def __init__(self, plan: Plan, out: Path, *, fork: bool = True):
-        self._process = None
-        if not fork or not sys.platform.startswith("linux") or multiprocessing.current_process().daemon:
-            write_report(plan, out)
-            return
-        context = multiprocessing.get_context("fork")
-        self._reading, writing = context.Pipe(duplex=False)
 
-        def child() -> None:
-            # a thread of the parent (the progress bar's) may have held stderr's lock as it forked:
-            # the child writes nowhere but its pipe, and ends without flushing what it inherited
-            sys.stdout = sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - the child's for its life
-            signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's, which stops it
-            try:
-                write_report(plan, out)
-                writing.send(None)
-            except BaseException:  # its traceback, to the parent, which raises it
-                writing.send(traceback.format_exc())
-            os._exit(0)
+class ReportInProgress:
+    """The report's parts begun (`begin_report`): `wait` raises what went wrong in any, `stop`
+    ends them all (before the folder they write in is removed)."""
 
-        self._process = context.Process(target=child, daemon=True)
-        self._process.start()
-        writing.close()  # the child's end alone stays open: its death reads as the end of the pipe
+    def __init__(self, parts: list[Forked]):
+        self._parts = parts
 
     def wait(self) -> None:
-        if self._process is None:
-            return
-        try:
-            error = self._reading.recv()
-        except EOFError:  # it died before it could say why (killed, out of memory)
-            error = None
-        self._process.join()
-        self._reading.close()
-        if error is None and self._process.exitcode != 0:
-            error = f"its process ended with code {self._process.exitcode}"
-        self._process = None
-        if error:
-            raise RuntimeError(f"writing the report (report.md, timeline.png, trace.json) failed:\n{error}")
+        for part in self._parts:
+            part.wait()
 
     def stop(self) -> None:
-        if self._process is not None:
-            self._process.terminate()
-            self._process.join()
-            self._reading.close()
-            self._process = None
+        for part in self._parts:
+            part.stop()
+
+
+def begin_report(plan: Plan, out: Path, *, fork: bool = True) -> ReportInProgress:
+    """`write_report(plan, out)` begun, each of `PARTS` in a forked process of its own beside the
+    compile's (the stage programs it writes meanwhile take less time than either part of a long
+    pipeline's report); in this process, at once, with ``fork`` False or where it may not fork."""
+    what = "writing the report (report.md, timeline.png, trace.json)"
+    if not fork or not may_fork():
+        return ReportInProgress([Forked(lambda: write_report(plan, out), what=what, fork=False)])
+    plan_timeline(plan)  # simulated once, for both parts to fork with (the compile's prediction simulated it, mostly)
+    return ReportInProgress([Forked(lambda part=part: part(plan, out), what=what) for part in PARTS])

@@ -20,16 +20,15 @@ core is the process's; ``$AUTOPART_SEARCH_WORKERS`` sets how many (0: score in t
 
 from __future__ import annotations
 
-import ctypes
 import multiprocessing
 import os
 import signal
-import sys
 from collections.abc import Callable, Hashable, Iterable
 from concurrent.futures import Future, ProcessPoolExecutor
 from typing import Any
 
 from autopart.ir.errors import ConfigError
+from autopart.ir.forked import may_fork, quiet_child
 from cost_models.calibration import usable_cores
 
 __all__ = ["WORKERS_ENV", "LayoutScoring", "search_workers"]
@@ -44,8 +43,6 @@ MOST_WORKERS = 8
 Score = Callable[[Any, float], Any]  # (layout, last finalist's seconds) -> its answer
 Finish = Callable[[Any], Any]  # a finalist -> its figure
 
-_PR_SET_PDEATHSIG = 1  # prctl(2): the signal a process gets when its parent ends (Linux)
-
 _scoring: Score | None = None  # in a worker: its parent's scoring, set as it starts
 _finishing: Finish | None = None
 
@@ -59,7 +56,7 @@ def search_workers(layouts: int) -> int:
     if text and not (text.isascii() and text.isdigit()):
         raise ConfigError(f"{WORKERS_ENV}={text!r} is not a number of processes; "
                           "set it to 0 (score in this process), 2, 4, ..., or unset it")
-    if not sys.platform.startswith("linux") or multiprocessing.current_process().daemon:
+    if not may_fork():
         return 0
     if text:
         return int(text)
@@ -143,16 +140,12 @@ class LayoutScoring:
 
 
 def _start(score: Score, finish: Finish | None, parent: int) -> None:
-    """A worker's start: its parent's scoring (forked, not pickled), quiet streams, Ctrl-C left to
-    the parent, and its end with the parent's, however that ends (SIGKILL included)."""
+    """A worker's start: its parent's scoring (forked, not pickled), and the quiet of a forked
+    child (`autopart.ir.forked.quiet_child`: no output, Ctrl-C left to the parent, its end with
+    the parent's)."""
     global _scoring, _finishing
     _scoring, _finishing = score, finish
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # held by the parent while it forked
-    sys.stdout = sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - the worker's for its life
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent:  # the parent ended before the request was made
-        os._exit(1)
+    quiet_child(parent)
 
 
 def _scored(layout: Any, last_finalist_s: float) -> Any:
