@@ -31,6 +31,7 @@ from autopart.passes.front import Front, build_front, capture_for, note_unsplit
 from autopart.profiling.finalists import finalists_run_here, run_finalists
 from autopart.profiling.measure_defaults import measure_defaults
 from autopart.profiling.pipeline import affordable, profiled_in_place
+from autopart.schedule import validate_beside
 from autopart.solve.assemble import pipeline_problem, plan_from_cuts
 from autopart.solve.pinned import rebuild_pinned
 from autopart.solve.pipeline import solve_cuts
@@ -79,6 +80,7 @@ def compile_plan(options: CompileOptions, progress=None) -> tuple[Plan, Front]:
     if options.plan is not None:  # the plan decides everything it records
         return rebuild_pinned(options, load_plan(options.plan))
     batch = options.batch_shape()
+    validate_beside(options.schedule, options.pp, batch[1], options.chunks)  # while the model is captured
     front = build_front(options, batch[2])
     note_unsplit(options, front)
     problem = pipeline_problem(options, front, batch[1])

@@ -20,7 +20,9 @@ from autopart.schedule.trace import (
     write_gantt_png,
     write_schedule_csv,
 )
-from autopart.schedule.stored import action_lists, built, built_lowered, generated, keep_actions, plan_actions
+from autopart.schedule.stored import (
+    action_lists, built, built_lowered, generated, keep_actions, plan_actions, validate_beside,
+)
 from autopart.schedule.validate import check_message_order, format_grid, validate
 
 __all__ = [
@@ -42,6 +44,7 @@ __all__ = [
     "check_message_order",
     "action_lists",
     "plan_actions",
+    "validate_beside",
     "built",
     "built_lowered",
     "generated",

@@ -14,22 +14,27 @@ says so in a note.
 Lists equal to their kind's generated order (every plan autopart writes, until someone edits
 it) are built, lowered and validated once per shape in a process (`generated`): a compile reads
 its plan's schedule several times (its step, its timeline, its schedule.csv), and at a thousand
-microbatches over a hundred ranks each validation takes seconds.
+microbatches over a hundred ranks each validation takes seconds. A compile begins that
+validation in a forked process as soon as it knows its plan's shape (`validate_beside`), and
+`generated` waits for it where it would have validated: the plan's capture and prediction, on
+the other core, take as long.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass, replace
 from typing import Any
 
 from autopart.ir.errors import ScheduleError
+from autopart.ir.forked import Forked, may_fork
 from autopart.ir.actions import Action, Schedule
 from autopart.schedule.generators import build_schedule, stage_placement
 from autopart.schedule.lowering import add_communication
 from autopart.schedule.validate import check_message_order, validate
 
-__all__ = ["Generated", "action_lists", "built", "built_lowered", "generated", "plan_actions", "keep_actions"]
+__all__ = ["Generated", "action_lists", "built", "built_lowered", "generated", "plan_actions", "keep_actions", "validate_beside"]
 
 
 def action_lists(schedule: Schedule) -> tuple[tuple[str, ...], ...]:
@@ -49,16 +54,50 @@ class Generated:
 
 @functools.lru_cache(maxsize=16)
 def generated(kind: str, ranks: int, microbatches: int, chunks: int) -> Generated:
-    """``kind``'s schedule for this shape, built, lowered and validated once in a process."""
+    """``kind``'s schedule for this shape, built, lowered and validated once in a process (or
+    validated beside it, `validate_beside`, and waited for here)."""
     compute, placement = built(kind, ranks, microbatches, chunks)
     lowered = built_lowered(kind, ranks, microbatches, chunks)
+    shape = (kind, ranks, microbatches, chunks)
+    beside = _beside.pop(shape, None)
+    if beside is not None and beside.owner == os.getpid():  # not a forked copy's: its parent waits for it
+        beside.wait()
+    else:
+        _check_generated(*shape)
+    _validated.add(shape)
+    return Generated(lists=action_lists(compute), compute=compute, lowered=lowered, placement=placement)
+
+
+def _check_generated(kind: str, ranks: int, microbatches: int, chunks: int) -> None:
+    compute, placement = built(kind, ranks, microbatches, chunks)
     shape = {"ranks": ranks, "stages": len(placement), "microbatches": microbatches, "placement": placement}
     _checked(compute, shape)  # every forward and backward once, in order, without a deadlock
     # Lowering puts each receive right before the compute it feeds and each send right after its
     # producer, pairing every message (`add_communication`): validated with its compute order, a
     # lowered schedule has only its messages' order on each channel left to check
-    _checked(lowered, shape, messages_only=True)
-    return Generated(lists=action_lists(compute), compute=compute, lowered=lowered, placement=placement)
+    _checked(built_lowered(kind, ranks, microbatches, chunks), shape, messages_only=True)
+
+
+BESIDE_FROM_ACTIONS = 20_000
+"""Compute actions from which `validate_beside` forks: a smaller schedule validates in a fraction
+of a second, less than forking a large compile costs."""
+
+_beside: dict[tuple[str, int, int, int], Forked] = {}  # shape -> its validation, running beside
+_validated: set[tuple[str, int, int, int]] = set()  # shapes `generated` has validated in this process
+
+
+def validate_beside(kind: str, ranks: int, microbatches: int, chunks: int) -> None:
+    """Begin validating ``kind``'s schedule of this shape in a forked process, for `generated` to
+    wait for instead of validating it then: a compile calls this as soon as it knows its plan's
+    shape, and its prediction and capture go on meanwhile (a schedule of a million actions
+    takes seconds to validate). Nothing where the shape is small, validated already or being
+    validated, or where this process may not fork (`generated` validates it then)."""
+    shape = (kind, ranks, microbatches, chunks)
+    actions = 3 * microbatches * ranks * chunks  # forwards, backwards and weight gradients at most
+    if actions < BESIDE_FROM_ACTIONS or shape in _validated or shape in _beside or not may_fork():
+        return
+    _beside[shape] = Forked(functools.partial(_check_generated, *shape),
+                            what=f"validating the {kind} schedule of {ranks} ranks and {microbatches} microbatches")
 
 
 @functools.lru_cache(maxsize=16)

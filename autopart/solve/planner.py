@@ -35,7 +35,7 @@ from autopart.options import CompileOptions
 from autopart.passes.front import Front
 from autopart.passes.repeat_annotation import LAID_OUT_FROM
 from autopart.passes.shallow import KEPT_LAYERS, repeated_layers, shallow_module
-from autopart.schedule import SCHEDULE_KINDS
+from autopart.schedule import SCHEDULE_KINDS, validate_beside
 from autopart.solve.assemble import pipeline_problem, plan_from_cuts, with_solver
 from autopart.solve.baselines import block_layers
 from autopart.solve.front_table import FrontTable, Progress, sequence_parallel
@@ -209,6 +209,7 @@ def _shallow_search(options: CompileOptions, space: SearchSpace, cluster: Cluste
         if not plan_every and fitting and candidate.step_s >= min(planned[i].predicted.step_s for i in fitting):
             break  # its estimate, and every later one's, is no faster than a plan already made
         layout = candidate.layout
+        _validating(layout)
         front = _front_of(full, candidate)
         repeated = shallow.chain_costs(micro_batch_size=layout.micro_batch_size, tp=layout.tp, dtype=layout.dtype)
         if len(front.chain.blocks) != len(repeated):
@@ -238,6 +239,12 @@ def _front_of(table: FrontTable, scored: Scored) -> Front:
     return table.front(micro_batch_size=layout.micro_batch_size, tp=layout.tp, dtype=layout.dtype)
 
 
+def _validating(layout: Layout) -> None:
+    """The layout's schedule validated in a forked process beside the capture and prediction of
+    its plan, which then waits for it (`autopart.schedule.validate_beside`)."""
+    validate_beside(layout.schedule, layout.pp, layout.microbatches, layout.chunks)
+
+
 def concrete_options(options: CompileOptions, layout: Layout, recompute: tuple[str, ...]) -> CompileOptions:
     """The options that pin every choice of ``layout`` and its stages' ``recompute``."""
     return replace(
@@ -251,6 +258,7 @@ def concrete_options(options: CompileOptions, layout: Layout, recompute: tuple[s
 def _plan_of(options: CompileOptions, table: FrontTable, scored: Scored) -> Plan:
     """``scored``'s plan with its cuts as the search's cutter made them: its solver status says
     so ("bisection"), with the latency bound and gap of those cuts ("trivial" for one stage)."""
+    _validating(scored.layout)
     concrete = concrete_options(options, scored.layout, scored.recompute)
     front = _front_of(table, scored)
     batch = concrete.batch_shape()

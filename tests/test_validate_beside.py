@@ -1,0 +1,135 @@
+"""A large plan's schedule validated in a forked process while the compile goes on
+(`autopart.schedule.validate_beside`), and waited for where the schedule is first taken
+(`autopart.schedule.generated`); with `autopart.ir.forked.Forked`, on which it and the report rest."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from autopart.ir.errors import ScheduleError
+from autopart.ir.forked import Forked
+from autopart.schedule import stored
+from autopart.schedule.stored import generated, validate_beside
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the validation is forked on Linux")
+
+LARGE = ("1f1b", 16, 512, 1)  # 24,576 compute actions: over BESIDE_FROM_ACTIONS
+
+
+@pytest.fixture(autouse=True)
+def fresh_cache():
+    """Each test sees its shapes unvalidated, and leaves nothing begun for the next."""
+    generated.cache_clear()
+    stored._validated.clear()
+    stored._beside.clear()
+    yield
+    for pending in stored._beside.values():
+        pending.stop()
+    stored._beside.clear()
+    generated.cache_clear()
+    stored._validated.clear()
+
+
+def _record_pid(folder: Path):
+    real = stored._check_generated
+
+    def check(*shape) -> None:
+        (folder / f"checked-{os.getpid()}").write_text(repr(shape))
+        real(*shape)
+
+    return check
+
+
+def test_a_large_schedule_is_validated_in_another_process_and_taken_as_before(tmp_path, monkeypatch):
+    assert 3 * LARGE[1] * LARGE[2] >= stored.BESIDE_FROM_ACTIONS
+    monkeypatch.setattr(stored, "_check_generated", _record_pid(tmp_path))
+    validate_beside(*LARGE)
+    assert LARGE in stored._beside
+    beside = generated(*LARGE)
+    (record,) = tmp_path.iterdir()
+    assert int(record.name.removeprefix("checked-")) != os.getpid() and record.read_text() == repr(LARGE)
+    assert not stored._beside
+    generated.cache_clear()
+    validate_beside(*LARGE)  # validated already in this process: nothing begun
+    assert not stored._beside
+    stored._validated.clear()
+    here = generated(*LARGE)  # no validation beside: validated in this process
+    assert (tmp_path / f"checked-{os.getpid()}").exists()
+    assert here.lists == beside.lists and here.placement == beside.placement
+
+
+def test_a_small_schedule_is_validated_where_it_is_taken(tmp_path, monkeypatch):
+    monkeypatch.setattr(stored, "_check_generated", _record_pid(tmp_path))
+    validate_beside("1f1b", 2, 4, 1)
+    assert not stored._beside
+    generated("1f1b", 2, 4, 1)
+    assert [p.name for p in tmp_path.iterdir()] == [f"checked-{os.getpid()}"]
+
+
+def test_its_error_is_the_compile_s_one_line(monkeypatch):
+    def broken(*shape) -> None:
+        raise ScheduleError("plan.schedule.actions: rank 3, position 7: 3B7 runs before 3F7")
+
+    monkeypatch.setattr(stored, "_check_generated", broken)
+    validate_beside(*LARGE)
+    with pytest.raises(ScheduleError, match=r"^plan.schedule.actions: rank 3, position 7: 3B7 runs before 3F7$"):
+        generated(*LARGE)
+    monkeypatch.undo()
+    assert generated(*LARGE).lists  # not kept as validated: the next call validates it again, here
+
+
+def test_a_compile_with_a_bad_generated_schedule_fails_with_one_line_and_writes_nothing(tmp_path, monkeypatch, capsys):
+    """The fixed-layout path begins the validation before it captures; the error reaches the
+    command line as every input error does (exit 2, one line), and no output directory is left."""
+    from autopart.tools import cli
+    from tests.distributed import REPO
+
+    compiling = os.getpid()
+
+    def broken(*shape) -> None:
+        where = "beside" if os.getpid() != compiling else "in the compile's process"
+        raise ScheduleError(f"plan.schedule.actions: {shape} deadlocks (validated {where})")
+
+    monkeypatch.setattr(stored, "BESIDE_FROM_ACTIONS", 0)
+    monkeypatch.setattr(stored, "_check_generated", broken)
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["compile", str(REPO / "examples" / "gpt.py"), "-o", str(tmp_path / "out"), "--pp", "2",
+                  "--microbatches", "4", "--time-limit", "5"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "autopart: error: plan.schedule.actions: ('1f1b', 2, 4, 1) deadlocks (validated beside)"]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_search_validates_its_plan_s_schedule_beside(tmp_path, monkeypatch):
+    import autopart
+
+    from tests.distributed import REPO
+
+    monkeypatch.setattr(stored, "BESIDE_FROM_ACTIONS", 0)
+    monkeypatch.setattr(stored, "_check_generated", _record_pid(tmp_path))
+    plan = autopart.compile(REPO / "examples" / "gpt.py", world_size=8, device="a100-80gb", global_batch_size=64,
+                            dtype="bf16")
+    spec = plan.schedule
+    chosen = repr((spec.kind, plan.mesh["pp"], spec.microbatches, spec.chunks))
+    beside = [p for p in tmp_path.iterdir() if p.name != f"checked-{os.getpid()}"]
+    assert chosen in {p.read_text() for p in beside}
+
+
+def test_forked_raises_an_error_of_the_input_as_its_class_and_any_other_with_its_traceback():
+    def bad_input() -> None:
+        raise ScheduleError("rank 1 has no actions")
+
+    def bug() -> None:
+        raise KeyError("stage 9")
+
+    with pytest.raises(ScheduleError, match="^rank 1 has no actions$"):
+        Forked(bad_input, what="checking").wait()
+    with pytest.raises(RuntimeError, match=r"(?s)^checking failed:\n.*Traceback.*KeyError: 'stage 9'"):
+        Forked(bug, what="checking").wait()
+    with pytest.raises(ScheduleError, match="^rank 1 has no actions$"):  # where it may not fork: here, at once
+        Forked(bad_input, what="checking", fork=False)
