@@ -9,7 +9,7 @@ the path of the field that is wrong.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -131,7 +131,9 @@ class Plan:
 
     def to_json(self) -> dict[str, Any]:
         """The plan as plain JSON values (lists, dicts, numbers, strings)."""
-        data = asdict(self)
+        # the action lists (a million strings in a long pipeline) as they are: asdict would copy each
+        data = asdict(replace(self, schedule=replace(self.schedule, actions=())))
+        data["schedule"]["actions"] = [list(actions) for actions in self.schedule.actions]
         for written, stage in zip(data["stages"], self.stages):  # a tensor as TensorMeta writes it (no null split)
             written["inputs"], written["outputs"] = ([[n, m.to_json()] for n, m in tensors]
                                                      for tensors in (stage.inputs, stage.outputs))
