@@ -193,3 +193,27 @@ def test_schedule_csv_keeps_row_numbers_for_idle_ranks(tmp_path: Path) -> None:
     path = tmp_path / "schedule.csv"
     write_schedule_csv({0: [Action.parse("0F0")], 2: [Action.parse("2F0")]}, path)
     assert read_schedule_csv(path) == {0: [Action.parse("0F0")], 1: [], 2: [Action.parse("2F0")]}
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_each_column_holds_the_time_its_spans_cover(seed: int) -> None:
+    """`trace._coverage` (numpy, for a million spans) against the span-by-span sum it stands for:
+    spans inside a column, across several, ending on a column's edge or past the picture's."""
+    from autopart.schedule import trace
+
+    rng = np.random.default_rng(seed)
+    ranks, columns, shades = 3, 40, 4
+    spans = []
+    for _ in range(300):
+        first = rng.choice([rng.uniform(0, columns + 2), float(rng.integers(0, columns))])
+        length = rng.choice([0.0, rng.uniform(0, 0.5), rng.uniform(0, 8), float(rng.integers(1, 4))])
+        spans.append((rng.integers(ranks), rng.integers(shades), first, first + length))
+    expected = np.zeros((ranks, columns, shades))
+    for rank, shade, first, last in spans:
+        last = min(last, columns)
+        column = min(int(first), columns - 1)
+        while column < last > first:
+            expected[rank, column, shade] += min(last, column + 1) - max(first, column)
+            column += 1
+    got = trace._coverage(np.array(spans, dtype=float), (ranks, columns, shades))
+    assert np.allclose(got, expected, atol=1e-9) and expected.sum() > 100

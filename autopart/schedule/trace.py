@@ -48,50 +48,54 @@ _LABELS = {
 def chrome_trace_events(timeline: Timeline) -> list[dict[str, Any]]:
     """The Chrome-trace events of ``timeline``: a "thread_name" record per rank, then one
     complete ("X") event per action with ts and dur in microseconds, pid 0 and tid = rank."""
-    ranks = sorted({event.rank for event in timeline.events})
-    trace: list[dict[str, Any]] = [
-        {"name": "thread_name", "ph": "M", "pid": 0, "tid": rank, "args": {"name": f"rank {rank}"}}
-        for rank in ranks
-    ]
-    for event in sorted(timeline.events, key=lambda e: (e.rank, e.start)):
-        action = event.action
-        trace.append(
-            {
-                "name": str(action),
-                "cat": action.kind.value,
-                "ph": "X",
-                "pid": 0,
-                "tid": event.rank,
-                "ts": event.start * _US_PER_S,
-                "dur": (event.end - event.start) * _US_PER_S,
-                "args": {"stage": action.stage, "microbatch": action.microbatch},
-            }
-        )
-    return trace
+    return [*_thread_names(timeline),
+            *(_complete_event(event) for event in sorted(timeline.events, key=lambda e: (e.rank, e.start)))]
+
+
+def _complete_event(event: Event) -> dict[str, Any]:
+    action = event.action
+    return {
+        "name": str(action),
+        "cat": action.kind.value,
+        "ph": "X",
+        "pid": 0,
+        "tid": event.rank,
+        "ts": event.start * _US_PER_S,
+        "dur": (event.end - event.start) * _US_PER_S,
+        "args": {"stage": action.stage, "microbatch": action.microbatch},
+    }
 
 
 def write_chrome_trace(timeline: Timeline, path: str | Path, *, title: str = "") -> None:
-    """Write ``timeline`` as a Chrome trace JSON file (open it in Perfetto)."""
-    events = chrome_trace_events(timeline)
-    if title:
-        events.insert(0, {"name": "process_name", "ph": "M", "pid": 0, "args": {"name": title}})
+    """Write ``timeline`` as a Chrome trace JSON file (open it in Perfetto): `chrome_trace_events`,
+    one event per line (an indented document goes through json's Python encoder)."""
+    head = [{"name": "process_name", "ph": "M", "pid": 0, "args": {"name": title}}] if title else []
+    head += _thread_names(timeline)
     other = {"title": title, "step_s": timeline.step_s, "bubble": timeline.bubble}
-    # one event per line (an indented document goes through json's Python encoder); a complete
-    # event in the few characters json would write for it, at a fraction of json.dumps' time per
-    # call: a long pipeline has hundreds of thousands
-    lines = ",\n".join(_complete_event(event) if event["ph"] == "X" else json.dumps(event) for event in events)
+    lines = ",\n".join([*(json.dumps(event) for event in head), *_complete_events(timeline)])
     Path(path).write_text(f'{{"traceEvents": [\n{lines}\n],\n"displayTimeUnit": "ms",\n"otherData": {json.dumps(other)}}}\n')
 
 
-def _complete_event(event: dict[str, Any]) -> str:
-    """``json.dumps(event)`` of a complete event of `chrome_trace_events` (its name an action's,
-    its category a kind's: neither needs escaping; floats written as json writes them, repr)."""
-    ts, dur, args = event["ts"], event["dur"], event["args"]
-    if not (math.isfinite(ts) and math.isfinite(dur)):
-        return json.dumps(event)
-    return (f'{{"name": "{event["name"]}", "cat": "{event["cat"]}", "ph": "X", "pid": {event["pid"]}, '
-            f'"tid": {event["tid"]}, "ts": {ts!r}, "dur": {dur!r}, '
-            f'"args": {{"stage": {args["stage"]}, "microbatch": {args["microbatch"]}}}}}')
+def _thread_names(timeline: Timeline) -> list[dict[str, Any]]:
+    ranks = sorted({event.rank for event in timeline.events})
+    return [{"name": "thread_name", "ph": "M", "pid": 0, "tid": rank, "args": {"name": f"rank {rank}"}} for rank in ranks]
+
+
+def _complete_events(timeline: Timeline) -> list[str]:
+    """``json.dumps`` of each complete event of `chrome_trace_events`, written straight from the
+    timeline: a long pipeline has a million, and building each as a dict first took as long as
+    writing it (an action's name and a kind's value need no escaping; floats as json writes
+    them, repr)."""
+    lines = []
+    for event in sorted(timeline.events, key=lambda e: (e.rank, e.start)):
+        action, ts, dur = event.action, event.start * _US_PER_S, (event.end - event.start) * _US_PER_S
+        if not (math.isfinite(ts) and math.isfinite(dur)):
+            lines.append(json.dumps(_complete_event(event)))
+            continue
+        lines.append(f'{{"name": "{action}", "cat": "{action.kind.value}", "ph": "X", "pid": 0, '
+                     f'"tid": {event.rank}, "ts": {ts!r}, "dur": {dur!r}, '
+                     f'"args": {{"stage": {action.stage}, "microbatch": {action.microbatch}}}}}')
+    return lines
 
 
 def read_chrome_trace(path: str | Path) -> Timeline:
@@ -212,22 +216,42 @@ def _draw_coverage(axes: Any, by_rank: dict[int, list[Event]], ranks: int, step:
 
     shades = [(kind, light) for kind in _COLOURS for light in (False, True)]
     index = {shade: i for i, shade in enumerate(shades)}
-    filled = np.zeros((ranks, _COLUMNS, len(shades)))
     scale = _COLUMNS / step
-    for rank, events in by_rank.items():
-        row = filled[rank]
-        for event in events:
-            which = index[(event.action.kind, _lighter(event, ranks))]
-            first, last = event.start * scale, min(event.end * scale, _COLUMNS)
-            column = min(int(first), _COLUMNS - 1)
-            while column < last > first:
-                row[column, which] += min(last, column + 1) - max(first, column)
-                column += 1
+    spans = [(rank, index[(event.action.kind, _lighter(event, ranks))], event.start * scale, event.end * scale)
+             for rank, events in by_rank.items() for event in events]
+    filled = _coverage(np.array(spans, dtype=float).reshape(-1, 4), (ranks, _COLUMNS, len(shades)))
     colours = np.array([[c + (1 - c) * (1 - _LIGHT_ALPHA) if light else c for c in to_rgb(_COLOURS[kind])]
                         for kind, light in shades])  # the lighter shade as the bars' alpha on white
     busy = np.clip(filled.sum(axis=2, keepdims=True), 0.0, 1.0)
     image = 1.0 - busy * (1.0 - colours[filled.argmax(axis=2)])
     axes.imshow(image, extent=(0, step, ranks - 0.5, -0.5), aspect="auto", interpolation="nearest")
+
+
+def _coverage(spans: Any, shape: tuple[int, int, int]) -> Any:
+    """``filled[rank, column, shade]``: how much of each pixel column each shade's spans cover,
+    from rows ``(rank, shade, first, last)`` in columns (a span's first and last column in part,
+    those between whole), for a million spans at numpy's pace."""
+    import numpy as np
+
+    ranks, columns, shades = shape
+    rank, shade = spans[:, 0].astype(int), spans[:, 1].astype(int)
+    first, last = spans[:, 2], np.minimum(spans[:, 3], columns)
+    keep = last > first
+    rank, shade, first, last = rank[keep], shade[keep], first[keep], last[keep]
+    head = np.minimum(first.astype(int), columns - 1)  # the column the span starts in
+    tail = np.floor(last).astype(int)  # the column it ends in, ``columns`` where it ends at the edge
+    filled = np.zeros(shape)
+    alone = tail <= head  # begins and ends in one column
+    np.add.at(filled, (rank[alone], head[alone], shade[alone]), last[alone] - first[alone])
+    rank, shade, first, last, head, tail = (a[~alone] for a in (rank, shade, first, last, head, tail))
+    np.add.at(filled, (rank, head, shade), head + 1 - first)
+    ends_inside = tail < columns
+    np.add.at(filled, (rank[ends_inside], tail[ends_inside], shade[ends_inside]),
+              last[ends_inside] - tail[ends_inside])
+    whole = np.zeros((ranks, columns + 1, shades))  # +1 from the column after the head, -1 from the tail
+    np.add.at(whole, (rank, head + 1, shade), 1.0)
+    np.add.at(whole, (rank, tail, shade), -1.0)
+    return filled + np.cumsum(whole, axis=1)[:, :columns]
 
 
 def write_schedule_csv(schedule: Schedule, path: str | Path) -> None:
