@@ -31,7 +31,7 @@ from autopart.passes.front import Front, build_front, capture_for, note_unsplit
 from autopart.profiling.finalists import finalists_run_here, run_finalists
 from autopart.profiling.measure_defaults import measure_defaults
 from autopart.profiling.pipeline import affordable, profiled_in_place
-from autopart.schedule import validate_beside
+from autopart.schedule import validation_beside
 from autopart.solve.assemble import pipeline_problem, plan_from_cuts
 from autopart.solve.pinned import rebuild_pinned
 from autopart.solve.pipeline import solve_cuts
@@ -80,7 +80,14 @@ def compile_plan(options: CompileOptions, progress=None) -> tuple[Plan, Front]:
     if options.plan is not None:  # the plan decides everything it records
         return rebuild_pinned(options, load_plan(options.plan))
     batch = options.batch_shape()
-    validate_beside(options.schedule, options.pp, batch[1], options.chunks)  # while the model is captured
+    # its schedule validated beside the capture, unless the compile times this machine
+    with validation_beside(options.schedule, options.pp, batch[1], options.chunks,
+                           fork=local_kind(options.device) is None):
+        return _fixed_layout_plan(options, batch)
+
+
+def _fixed_layout_plan(options: CompileOptions, batch: tuple[int, int, int]) -> tuple[Plan, Front]:
+    """The plan of a layout given in full: its cuts the user's or CP-SAT's."""
     front = build_front(options, batch[2])
     note_unsplit(options, front)
     problem = pipeline_problem(options, front, batch[1])

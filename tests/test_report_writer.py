@@ -22,7 +22,8 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="th
 def parts(monkeypatch):
     """The report's parts replaced by ``parts.set(...)`` (its timeline taken as simulated)."""
     monkeypatch.setattr(report, "plan_timeline", lambda plan: None)
-    return SimpleNamespace(set=lambda *fakes: monkeypatch.setattr(report, "PARTS", fakes))
+    return SimpleNamespace(set=lambda *fakes: monkeypatch.setattr(
+        report, "PARTS", tuple((f"part {index}", fake) for index, fake in enumerate(fakes))))
 
 
 def _writes(name: str):
@@ -49,12 +50,16 @@ def test_where_it_cannot_fork_it_writes_in_this_process(tmp_path, parts, monkeyp
 
 
 def test_only_a_large_plan_s_report_is_forked():
-    def plan(stages: int, microbatches: int):
-        return SimpleNamespace(stages=[None] * stages, schedule=SimpleNamespace(microbatches=microbatches))
+    def plan(ranks: int, microbatches: int, kind: str = "1f1b", chunks: int = 1):
+        return SimpleNamespace(mesh={"pp": ranks}, schedule=SimpleNamespace(kind=kind, microbatches=microbatches,
+                                                                             chunks=chunks))
 
     assert not report.report_forks(plan(2, 4))  # the quickstart's: drawn at once
-    assert report.report_forks(plan(128, 1024))  # 393k actions
-    assert report.report_forks(plan(8, -(-report.FORK_FROM_ACTIONS // 24)))
+    assert report.report_forks(plan(128, 1024))  # 262k compute actions
+    least = report.FORK_FROM_ACTIONS // 16  # 8 ranks, 2 compute actions per stage and microbatch
+    assert report.report_forks(plan(8, least)) and not report.report_forks(plan(8, least - 1))
+    assert report.report_forks(plan(8, -(-least * 2 // 3), "zb-h1"))  # 3: W apart
+    assert report.report_forks(plan(4, least, "interleaved", chunks=2))
 
 
 def test_its_error_reaches_the_compile(tmp_path, parts):
@@ -62,14 +67,14 @@ def test_its_error_reaches_the_compile(tmp_path, parts):
         raise ValueError("no timeline for a plan of no stages")
 
     parts.set(_writes("timeline.png"), fails)
-    with pytest.raises(RuntimeError, match=r"(?s)writing the report .* failed:.*Traceback.*"
+    with pytest.raises(RuntimeError, match=r"(?s)^writing the report's part 1 failed:.*Traceback.*"
                                            r"ValueError: no timeline for a plan of no stages"):
         begin_report("the plan", tmp_path).wait()
 
 
 def test_a_death_without_a_word_is_an_error_too(tmp_path, parts):
     parts.set(lambda plan, out: os._exit(3), _writes("report.md"))
-    with pytest.raises(RuntimeError, match="its process ended with code 3"):
+    with pytest.raises(RuntimeError, match="^writing the report's part 0 failed: its process ended with code 3$"):
         begin_report("the plan", tmp_path).wait()
 
 
@@ -98,7 +103,7 @@ def test_a_report_that_fails_leaves_no_output_directory_and_nothing_beside_it(fo
         (out / "report.md").write_text("half")
         raise OSError("no space left on device")
 
-    monkeypatch.setattr(report, "PARTS", (report.PARTS[0], write))
+    monkeypatch.setattr(report, "PARTS", (report.PARTS[0], ("report.md", write)))
     if forked:  # the quickstart's plan is small: its report is written in this process unless told
         monkeypatch.setattr(report, "FORK_FROM_ACTIONS", 0)
     out = tmp_path / "out"

@@ -1,11 +1,12 @@
 """A large plan's schedule validated in a forked process while the compile goes on
-(`autopart.schedule.validate_beside`), and waited for where the schedule is first taken
+(`autopart.schedule.validation_beside`), and waited for where the schedule is first taken
 (`autopart.schedule.generated`); with `autopart.ir.forked.Forked`, on which it and the report rest."""
 
 from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -13,11 +14,11 @@ import pytest
 from autopart.ir.errors import ScheduleError
 from autopart.ir.forked import Forked
 from autopart.schedule import stored
-from autopart.schedule.stored import generated, validate_beside
+from autopart.schedule.stored import generated, validation_beside
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the validation is forked on Linux")
 
-LARGE = ("1f1b", 16, 512, 1)  # 24,576 compute actions: over BESIDE_FROM_ACTIONS
+LARGE = ("1f1b", 16, 640, 1)  # 20,480 compute actions (a forward and a backward each): BESIDE_FROM_ACTIONS
 
 
 @pytest.fixture(autouse=True)
@@ -45,29 +46,83 @@ def _record_pid(folder: Path):
 
 
 def test_a_large_schedule_is_validated_in_another_process_and_taken_as_before(tmp_path, monkeypatch):
-    assert 3 * LARGE[1] * LARGE[2] >= stored.BESIDE_FROM_ACTIONS
+    assert stored.compute_actions(*LARGE) == 20_480 >= stored.BESIDE_FROM_ACTIONS
     monkeypatch.setattr(stored, "_check_generated", _record_pid(tmp_path))
-    validate_beside(*LARGE)
-    assert LARGE in stored._beside
-    beside = generated(*LARGE)
+    with validation_beside(*LARGE):
+        assert LARGE in stored._beside
+        beside = generated(*LARGE)
+        assert not stored._beside
     (record,) = tmp_path.iterdir()
     assert int(record.name.removeprefix("checked-")) != os.getpid() and record.read_text() == repr(LARGE)
-    assert not stored._beside
     generated.cache_clear()
-    validate_beside(*LARGE)  # validated already in this process: nothing begun
-    assert not stored._beside
+    with validation_beside(*LARGE):  # validated already in this process: nothing begun
+        assert not stored._beside
     stored._validated.clear()
     here = generated(*LARGE)  # no validation beside: validated in this process
     assert (tmp_path / f"checked-{os.getpid()}").exists()
     assert here.lists == beside.lists and here.placement == beside.placement
 
 
-def test_a_small_schedule_is_validated_where_it_is_taken(tmp_path, monkeypatch):
+def test_a_small_schedule_or_a_compile_that_times_this_machine_validates_where_it_is_taken(tmp_path, monkeypatch):
     monkeypatch.setattr(stored, "_check_generated", _record_pid(tmp_path))
-    validate_beside("1f1b", 2, 4, 1)
-    assert not stored._beside
-    generated("1f1b", 2, 4, 1)
+    with validation_beside("1f1b", 2, 4, 1):
+        assert not stored._beside
+        generated("1f1b", 2, 4, 1)
+    with validation_beside(*LARGE, fork=False):  # a process beside it would be counted in what it measures
+        assert not stored._beside
+        generated(*LARGE)
     assert [p.name for p in tmp_path.iterdir()] == [f"checked-{os.getpid()}"]
+
+
+def test_what_the_block_did_not_take_is_stopped_as_it_ends(monkeypatch):
+    monkeypatch.setattr(stored, "_check_generated", lambda *shape: time.sleep(60))
+    started = time.monotonic()
+    with pytest.raises(ValueError, match="the capture failed"):
+        with validation_beside(*LARGE):
+            (running,) = stored._beside.values()
+            raise ValueError("the capture failed")
+    assert not stored._beside and time.monotonic() - started < 10
+    assert running._process is None  # stopped and joined: no process left behind
+
+
+def test_a_validation_process_that_dies_or_cannot_start_is_done_where_it_is_taken(tmp_path, monkeypatch):
+    compiling = os.getpid()
+
+    def dies_beside(*shape) -> None:
+        if os.getpid() != compiling:
+            os._exit(9)  # as the kernel's out-of-memory killer would end it
+        (tmp_path / "checked here").write_text("")
+
+    monkeypatch.setattr(stored, "_check_generated", dies_beside)
+    with validation_beside(*LARGE):
+        generated(*LARGE)
+    assert (tmp_path / "checked here").exists()
+
+    def no_room(*args, **kwargs):
+        raise OSError(12, "Cannot allocate memory")
+
+    generated.cache_clear()
+    stored._validated.clear()
+    (tmp_path / "checked here").unlink()
+    monkeypatch.setattr(stored, "Forked", no_room)
+    with validation_beside(*LARGE):
+        assert not stored._beside
+        generated(*LARGE)
+    assert (tmp_path / "checked here").exists()
+
+
+def test_a_forked_copy_validates_itself_and_leaves_its_parent_s_validation_alone(tmp_path, monkeypatch):
+    """A copy forked while a validation runs beside (the report's parts, a search's workers)
+    inherits the table of what runs beside; its parent's pipe is not its own to read."""
+    from autopart.ir.forked import Forked
+
+    monkeypatch.setattr(stored, "_check_generated", _record_pid(tmp_path))
+    with validation_beside(*LARGE):
+        (parent_s,) = stored._beside.values()
+        Forked(lambda: generated(*LARGE), what="a forked copy taking the schedule").wait()
+        assert stored._beside == {LARGE: parent_s}
+        generated(*LARGE)
+    assert len(list(tmp_path.iterdir())) == 2  # the copy's own validation and the one beside the parent
 
 
 def test_its_error_is_the_compile_s_one_line(monkeypatch):
@@ -75,16 +130,19 @@ def test_its_error_is_the_compile_s_one_line(monkeypatch):
         raise ScheduleError("plan.schedule.actions: rank 3, position 7: 3B7 runs before 3F7")
 
     monkeypatch.setattr(stored, "_check_generated", broken)
-    validate_beside(*LARGE)
-    with pytest.raises(ScheduleError, match=r"^plan.schedule.actions: rank 3, position 7: 3B7 runs before 3F7$"):
-        generated(*LARGE)
+    with validation_beside(*LARGE):
+        with pytest.raises(ScheduleError, match=r"^plan.schedule.actions: rank 3, position 7: 3B7 runs before 3F7$"):
+            generated(*LARGE)
     monkeypatch.undo()
     assert generated(*LARGE).lists  # not kept as validated: the next call validates it again, here
 
 
-def test_a_compile_with_a_bad_generated_schedule_fails_with_one_line_and_writes_nothing(tmp_path, monkeypatch, capsys):
-    """The fixed-layout path begins the validation before it captures; the error reaches the
-    command line as every input error does (exit 2, one line), and no output directory is left."""
+@pytest.mark.parametrize(("device", "where"), [("a100-80gb", "beside"), ("cpu", "in the compile's process")])
+def test_a_compile_with_a_bad_generated_schedule_fails_with_one_line_and_writes_nothing(device, where, tmp_path,
+                                                                                        monkeypatch, capsys):
+    """The fixed-layout path for a named GPU begins the validation before it captures (on this
+    CPU, whose ops it times, it validates in its own process); the error reaches the command
+    line as every input error does (exit 2, one line), and no output directory is left."""
     from autopart.tools import cli
     from tests.distributed import REPO
 
@@ -98,10 +156,10 @@ def test_a_compile_with_a_bad_generated_schedule_fails_with_one_line_and_writes_
     monkeypatch.setattr(stored, "_check_generated", broken)
     with pytest.raises(SystemExit) as exit_:
         cli.main(["compile", str(REPO / "examples" / "gpt.py"), "-o", str(tmp_path / "out"), "--pp", "2",
-                  "--microbatches", "4", "--time-limit", "5"])
+                  "--microbatches", "4", "--time-limit", "5", "--device", device])
     assert exit_.value.code == 2
     assert capsys.readouterr().err.strip().splitlines() == [
-        "autopart: error: plan.schedule.actions: ('1f1b', 2, 4, 1) deadlocks (validated beside)"]
+        f"autopart: error: plan.schedule.actions: ('1f1b', 2, 4, 1) deadlocks (validated {where})"]
     assert list(tmp_path.iterdir()) == []
 
 
@@ -117,7 +175,9 @@ def test_a_search_validates_its_plan_s_schedule_beside(tmp_path, monkeypatch):
     spec = plan.schedule
     chosen = repr((spec.kind, plan.mesh["pp"], spec.microbatches, spec.chunks))
     beside = [p for p in tmp_path.iterdir() if p.name != f"checked-{os.getpid()}"]
-    assert chosen in {p.read_text() for p in beside}
+    assert chosen in {p.read_text() for p in beside} and not stored._beside
+    here = tmp_path / f"checked-{os.getpid()}"
+    assert not here.exists() or here.read_text() != chosen  # the plan's own shape not validated twice
 
 
 def test_forked_raises_an_error_of_the_input_as_its_class_and_any_other_with_its_traceback():

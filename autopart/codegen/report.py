@@ -16,9 +16,9 @@ from autopart.ir.plan import Plan
 from autopart.ir.tensors import PRECISION_TEXT
 from autopart.predict.accuracy import describe_prediction
 from autopart.predict.timeline import plan_schedule, plan_timeline
-from autopart.schedule import write_chrome_trace, write_gantt_png, write_schedule_csv
+from autopart.schedule import compute_actions, write_chrome_trace, write_gantt_png, write_schedule_csv
 
-__all__ = ["PARTS", "ReportInProgress", "begin_report", "report_forks", "write_report", "search_table", "stage_table"]
+__all__ = ["begin_report", "report_forks", "write_report", "search_table", "stage_table"]
 
 _GIB = 1 << 30
 
@@ -76,7 +76,7 @@ def _tensor_parallel(plan: Plan) -> str:
 
 def write_report(plan: Plan, out: Path) -> None:
     """The whole report, in this process: each of `PARTS` in turn."""
-    for part in PARTS:
+    for _, part in PARTS:
         part(plan, out)
 
 
@@ -121,12 +121,16 @@ smaller one is drawn in a fraction of a second, less than forking a large compil
 
 def report_forks(plan: Plan) -> bool:
     """Whether `begin_report` should write ``plan``'s report in a forked process (its size)."""
-    return plan.schedule.microbatches * len(plan.stages) * 3 >= FORK_FROM_ACTIONS
+    return compute_actions(plan.schedule.kind, plan.mesh["pp"], plan.schedule.microbatches,
+                           plan.schedule.chunks) >= FORK_FROM_ACTIONS
 
 
-PARTS: tuple[Callable[[Plan, Path], None], ...] = (_trace, _picture_and_text)
-"""The report's parts, each ``part(plan, out)``: the trace, and the picture with the action list
-and the text, of about equal work for a long pipeline."""
+PARTS: tuple[tuple[str, Callable[[Plan, Path], None]], ...] = (
+    ("trace.json", _trace),
+    ("timeline.png, schedule.csv, report.md", _picture_and_text),
+)
+"""The report's parts, each ``(its files, part(plan, out))``, of about equal work for a long
+pipeline: the trace; the picture, the action list and the text."""
 
 
 class ReportInProgress:
@@ -148,9 +152,11 @@ class ReportInProgress:
 def begin_report(plan: Plan, out: Path, *, fork: bool = True) -> ReportInProgress:
     """`write_report(plan, out)` begun, each of `PARTS` in a forked process of its own beside the
     compile's (the stage programs it writes meanwhile take less time than either part of a long
-    pipeline's report); in this process, at once, with ``fork`` False or where it may not fork."""
-    what = "writing the report (report.md, timeline.png, trace.json)"
+    pipeline's report); in this process, at once, with ``fork`` False or where it may not fork.
+    Each part finds the plan's timeline in the cache it forked with where the compile simulated
+    it (a generated schedule), else simulates it."""
     if not fork or not may_fork():
-        return ReportInProgress([Forked(lambda: write_report(plan, out), what=what, fork=False)])
-    plan_timeline(plan)  # simulated once, for both parts to fork with (the compile's prediction simulated it, mostly)
-    return ReportInProgress([Forked(lambda part=part: part(plan, out), what=what) for part in PARTS])
+        return ReportInProgress([Forked(lambda: write_report(plan, out), fork=False,
+                                        what="writing the report (report.md, timeline.png, trace.json, schedule.csv)")])
+    return ReportInProgress([Forked(lambda part=part: part(plan, out), what=f"writing the report's {files}")
+                             for files, part in PARTS])

@@ -78,7 +78,8 @@ class Forked:
             writing.send_bytes(json.dumps(answer).encode())
             os._exit(0)  # nothing of the parent's to flush or tear down
 
-        # Ctrl-C held off while it forks: a child stopped half-started could hang this process's exit
+        # the child starts with Ctrl-C held off (it inherits this thread's mask) until it ignores it:
+        # a child stopped half-started could hang this process's exit
         held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         try:
             self._process = context.Process(target=child, daemon=True)
@@ -86,11 +87,6 @@ class Forked:
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, held)
         writing.close()  # the child's end alone stays open: its death reads as the end of the pipe
-
-    @property
-    def running(self) -> bool:
-        """Whether it was forked and not yet waited for or stopped."""
-        return self._process is not None
 
     def wait(self) -> None:
         """Once it has ended: nothing where it went well, else its error (see the class)."""

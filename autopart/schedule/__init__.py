@@ -21,7 +21,7 @@ from autopart.schedule.trace import (
     write_schedule_csv,
 )
 from autopart.schedule.stored import (
-    action_lists, built, built_lowered, generated, keep_actions, plan_actions, validate_beside,
+    action_lists, built, built_lowered, compute_actions, generated, keep_actions, plan_actions, validation_beside,
 )
 from autopart.schedule.validate import check_message_order, format_grid, validate
 
@@ -44,7 +44,8 @@ __all__ = [
     "check_message_order",
     "action_lists",
     "plan_actions",
-    "validate_beside",
+    "validation_beside",
+    "compute_actions",
     "built",
     "built_lowered",
     "generated",

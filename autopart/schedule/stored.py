@@ -15,26 +15,28 @@ Lists equal to their kind's generated order (every plan autopart writes, until s
 it) are built, lowered and validated once per shape in a process (`generated`): a compile reads
 its plan's schedule several times (its step, its timeline, its schedule.csv), and at a thousand
 microbatches over a hundred ranks each validation takes seconds. A compile begins that
-validation in a forked process as soon as it knows its plan's shape (`validate_beside`), and
+validation in a forked process as soon as it knows its plan's shape (`validation_beside`), and
 `generated` waits for it where it would have validated: the plan's capture and prediction, on
 the other core, take as long.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
 from autopart.ir.errors import ScheduleError
 from autopart.ir.forked import Forked, may_fork
 from autopart.ir.actions import Action, Schedule
-from autopart.schedule.generators import build_schedule, stage_placement
+from autopart.schedule.generators import SPLIT_BACKWARD_KINDS, build_schedule, stage_placement
 from autopart.schedule.lowering import add_communication
 from autopart.schedule.validate import check_message_order, validate
 
-__all__ = ["Generated", "action_lists", "built", "built_lowered", "generated", "plan_actions", "keep_actions", "validate_beside"]
+__all__ = ["Generated", "action_lists", "built", "built_lowered", "generated", "plan_actions", "keep_actions", "validation_beside", "compute_actions"]
 
 
 def action_lists(schedule: Schedule) -> tuple[tuple[str, ...], ...]:
@@ -55,17 +57,27 @@ class Generated:
 @functools.lru_cache(maxsize=16)
 def generated(kind: str, ranks: int, microbatches: int, chunks: int) -> Generated:
     """``kind``'s schedule for this shape, built, lowered and validated once in a process (or
-    validated beside it, `validate_beside`, and waited for here)."""
+    validated beside it, `validation_beside`, and waited for here)."""
     compute, placement = built(kind, ranks, microbatches, chunks)
     lowered = built_lowered(kind, ranks, microbatches, chunks)
     shape = (kind, ranks, microbatches, chunks)
-    beside = _beside.pop(shape, None)
-    if beside is not None and beside.owner == os.getpid():  # not a forked copy's: its parent waits for it
-        beside.wait()
-    else:
+    if not _validated_beside(_beside.pop(shape, None)):
         _check_generated(*shape)
     _validated.add(shape)
     return Generated(lists=action_lists(compute), compute=compute, lowered=lowered, placement=placement)
+
+
+def _validated_beside(beside: Forked | None) -> bool:
+    """Whether ``beside``, this process's validation, found the schedule valid (its ScheduleError
+    raised); False where there is none (a forked copy's is its parent's to wait for) or its
+    process failed (killed, out of memory): the caller validates it then."""
+    if beside is None or beside.owner != os.getpid():
+        return False
+    try:
+        beside.wait()
+    except RuntimeError:
+        return False
+    return True
 
 
 def _check_generated(kind: str, ranks: int, microbatches: int, chunks: int) -> None:
@@ -79,25 +91,46 @@ def _check_generated(kind: str, ranks: int, microbatches: int, chunks: int) -> N
 
 
 BESIDE_FROM_ACTIONS = 20_000
-"""Compute actions from which `validate_beside` forks: a smaller schedule validates in a fraction
-of a second, less than forking a large compile costs."""
+"""Compute actions from which `validation_beside` forks: a smaller schedule validates in a
+fraction of a second, less than forking a large compile costs."""
 
-_beside: dict[tuple[str, int, int, int], Forked] = {}  # shape -> its validation, running beside
-_validated: set[tuple[str, int, int, int]] = set()  # shapes `generated` has validated in this process
+# Per process: the validations running beside it (`generated` takes each, or the block that began
+# it stops it as it ends), and the shapes `generated` validated (nothing to begin for them again)
+_beside: dict[tuple[str, int, int, int], Forked] = {}
+_validated: set[tuple[str, int, int, int]] = set()
 
 
-def validate_beside(kind: str, ranks: int, microbatches: int, chunks: int) -> None:
-    """Begin validating ``kind``'s schedule of this shape in a forked process, for `generated` to
-    wait for instead of validating it then: a compile calls this as soon as it knows its plan's
-    shape, and its prediction and capture go on meanwhile (a schedule of a million actions
-    takes seconds to validate). Nothing where the shape is small, validated already or being
-    validated, or where this process may not fork (`generated` validates it then)."""
+def compute_actions(kind: str, ranks: int, microbatches: int, chunks: int) -> int:
+    """How many compute actions ``kind``'s schedule of this shape holds: a forward and a backward
+    per stage and microbatch, and a weight gradient apart where the kind splits the backward."""
+    return (3 if kind in SPLIT_BACKWARD_KINDS else 2) * ranks * chunks * microbatches
+
+
+@contextlib.contextmanager
+def validation_beside(kind: str, ranks: int, microbatches: int, chunks: int, *, fork: bool = True) -> Iterator[None]:
+    """Within the block, ``kind``'s schedule of this shape validated in a forked process, for
+    `generated` to wait for instead of validating it then: a compile opens the block as soon as
+    it knows its plan's shape, and captures and predicts meanwhile (a schedule of a million
+    actions takes seconds to validate). Nothing begun where the shape is small, validated or
+    being validated already, ``fork`` is False (a compile that times this machine: a busy
+    process beside it would be counted in what it measures) or the fork fails (`generated`
+    validates it then). What the block did not take is stopped as it ends."""
     shape = (kind, ranks, microbatches, chunks)
-    actions = 3 * microbatches * ranks * chunks  # forwards, backwards and weight gradients at most
-    if actions < BESIDE_FROM_ACTIONS or shape in _validated or shape in _beside or not may_fork():
-        return
-    _beside[shape] = Forked(functools.partial(_check_generated, *shape),
-                            what=f"validating the {kind} schedule of {ranks} ranks and {microbatches} microbatches")
+    begun = False
+    if fork and compute_actions(*shape) >= BESIDE_FROM_ACTIONS and shape not in _validated \
+            and shape not in _beside and may_fork():
+        try:
+            _beside[shape] = Forked(functools.partial(_check_generated, *shape),
+                                    what=f"validating the {kind} schedule of {ranks} ranks and {microbatches} microbatches")
+            begun = True
+        except OSError:  # no room to fork: validated where it is taken
+            pass
+    try:
+        yield
+    finally:
+        left = _beside.pop(shape, None) if begun else None
+        if left is not None:
+            left.stop()
 
 
 @functools.lru_cache(maxsize=16)

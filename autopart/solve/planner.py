@@ -23,6 +23,7 @@ that fits as a plan; that plan (step 3's, exactly) is the one emitted.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -31,11 +32,11 @@ from autopart.ir.errors import ConfigError, InfeasibleError, gib_up
 from autopart.ir.plan import Plan
 from autopart.ir.recompute import RECOMPUTE_MODES
 from autopart.ir.tensors import SEARCHED_DTYPES
-from autopart.options import CompileOptions
+from autopart.options import CompileOptions, local_kind
 from autopart.passes.front import Front
 from autopart.passes.repeat_annotation import LAID_OUT_FROM
 from autopart.passes.shallow import KEPT_LAYERS, repeated_layers, shallow_module
-from autopart.schedule import SCHEDULE_KINDS, validate_beside
+from autopart.schedule import SCHEDULE_KINDS, validation_beside
 from autopart.solve.assemble import pipeline_problem, plan_from_cuts, with_solver
 from autopart.solve.baselines import block_layers
 from autopart.solve.front_table import FrontTable, Progress, sequence_parallel
@@ -209,12 +210,12 @@ def _shallow_search(options: CompileOptions, space: SearchSpace, cluster: Cluste
         if not plan_every and fitting and candidate.step_s >= min(planned[i].predicted.step_s for i in fitting):
             break  # its estimate, and every later one's, is no faster than a plan already made
         layout = candidate.layout
-        _validating(layout)
-        front = _front_of(full, candidate)
-        repeated = shallow.chain_costs(micro_batch_size=layout.micro_batch_size, tp=layout.tp, dtype=layout.dtype)
-        if len(front.chain.blocks) != len(repeated):
-            return None
-        planned[index] = _plan_of(options, full, candidate)
+        with _validation_beside(options, layout):  # validated while the full model is captured
+            front = _front_of(full, candidate)
+            repeated = shallow.chain_costs(micro_batch_size=layout.micro_batch_size, tp=layout.tp, dtype=layout.dtype)
+            if len(front.chain.blocks) != len(repeated):
+                return None
+            planned[index] = _plan_of(options, full, candidate)
     fitting = [i for i, p in planned.items() if max(p.predicted.memory_bytes) <= cluster.memory_bytes]
     if not fitting:
         return None
@@ -239,10 +240,11 @@ def _front_of(table: FrontTable, scored: Scored) -> Front:
     return table.front(micro_batch_size=layout.micro_batch_size, tp=layout.tp, dtype=layout.dtype)
 
 
-def _validating(layout: Layout) -> None:
-    """The layout's schedule validated in a forked process beside the capture and prediction of
-    its plan, which then waits for it (`autopart.schedule.validate_beside`)."""
-    validate_beside(layout.schedule, layout.pp, layout.microbatches, layout.chunks)
+def _validation_beside(options: CompileOptions, layout: Layout) -> contextlib.AbstractContextManager:
+    """The layout's schedule validated in a forked process while its plan is captured and
+    predicted, unless the compile times this machine (`autopart.schedule.validation_beside`)."""
+    return validation_beside(layout.schedule, layout.pp, layout.microbatches, layout.chunks,
+                             fork=local_kind(options.device) is None)
 
 
 def concrete_options(options: CompileOptions, layout: Layout, recompute: tuple[str, ...]) -> CompileOptions:
@@ -258,15 +260,15 @@ def concrete_options(options: CompileOptions, layout: Layout, recompute: tuple[s
 def _plan_of(options: CompileOptions, table: FrontTable, scored: Scored) -> Plan:
     """``scored``'s plan with its cuts as the search's cutter made them: its solver status says
     so ("bisection"), with the latency bound and gap of those cuts ("trivial" for one stage)."""
-    _validating(scored.layout)
     concrete = concrete_options(options, scored.layout, scored.recompute)
-    front = _front_of(table, scored)
-    batch = concrete.batch_shape()
-    problem = pipeline_problem(concrete, front, batch[1])
-    cuts = scored.cut.cuts
-    solver = ("trivial", 0.0, 0.0) if scored.layout.stages == 1 else \
-        _solver_figures("bisection", evaluate(problem, cuts).objective_s, _latency_bound(problem))
-    return plan_from_cuts(concrete, front, problem, cuts, batch, solver)
+    with _validation_beside(options, scored.layout):
+        front = _front_of(table, scored)
+        batch = concrete.batch_shape()
+        problem = pipeline_problem(concrete, front, batch[1])
+        cuts = scored.cut.cuts
+        solver = ("trivial", 0.0, 0.0) if scored.layout.stages == 1 else \
+            _solver_figures("bisection", evaluate(problem, cuts).objective_s, _latency_bound(problem))
+        return plan_from_cuts(concrete, front, problem, cuts, batch, solver)
 
 
 def _refined(options: CompileOptions, table: FrontTable, best: Scored, scored_plan: Plan, *,
