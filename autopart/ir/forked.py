@@ -94,8 +94,11 @@ class Forked:
             return
         try:
             answer = json.loads(self._reading.recv_bytes())
-        except EOFError:  # it died before it could say why (killed, out of memory)
+        except (EOFError, OSError):  # it died before it could say why, or while it did (killed, out of memory)
             answer = {}
+        except BaseException:  # Ctrl-C while waiting: it ends with the wait
+            self.stop()
+            raise
         self._process.join()
         self._reading.close()
         code, self._process = self._process.exitcode, None
