@@ -14,6 +14,7 @@ import pytest
 
 from autopart.codegen import report
 from autopart.codegen.report import begin_report
+from autopart.schedule import stored
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the report is forked on Linux")
 
@@ -56,7 +57,7 @@ def test_only_a_large_plan_s_report_is_forked():
 
     assert not report.report_forks(plan(2, 4))  # the quickstart's: drawn at once
     assert report.report_forks(plan(128, 1024))  # 262k compute actions
-    least = report.FORK_FROM_ACTIONS // 16  # 8 ranks, 2 compute actions per stage and microbatch
+    least = stored.FORK_FROM_ACTIONS // 16  # 8 ranks, 2 compute actions per stage and microbatch
     assert report.report_forks(plan(8, least)) and not report.report_forks(plan(8, least - 1))
     assert report.report_forks(plan(8, -(-least * 2 // 3), "zb-h1"))  # 3: W apart
     assert report.report_forks(plan(4, least, "interleaved", chunks=2))
@@ -105,7 +106,7 @@ def test_a_report_that_fails_leaves_no_output_directory_and_nothing_beside_it(fo
 
     monkeypatch.setattr(report, "PARTS", (report.PARTS[0], ("report.md", write)))
     if forked:  # the quickstart's plan is small: its report is written in this process unless told
-        monkeypatch.setattr(report, "FORK_FROM_ACTIONS", 0)
+        monkeypatch.setattr(stored, "FORK_FROM_ACTIONS", 0)
     out = tmp_path / "out"
     with pytest.raises(RuntimeError if forked else OSError, match="no space left on device"):
         cli.main(["compile", str(REPO / "examples" / "gpt.py"), "-o", str(out), "--pp", "2", "--microbatches", "2",

@@ -18,7 +18,7 @@ from autopart.schedule.stored import generated, validation_beside
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the validation is forked on Linux")
 
-LARGE = ("1f1b", 16, 640, 1)  # 20,480 compute actions (a forward and a backward each): BESIDE_FROM_ACTIONS
+LARGE = ("1f1b", 16, 640, 1)  # 20,480 compute actions (a forward and a backward each): FORK_FROM_ACTIONS
 
 
 @pytest.fixture(autouse=True)
@@ -56,7 +56,7 @@ def _record_pid(folder: Path):
 
 
 def test_a_large_schedule_is_validated_in_another_process_and_taken_as_before(tmp_path, monkeypatch):
-    assert stored.compute_actions(*LARGE) == 20_480 >= stored.BESIDE_FROM_ACTIONS
+    assert stored.compute_actions(*LARGE) == 20_480 >= stored.FORK_FROM_ACTIONS
     monkeypatch.setattr(stored, "_check_generated", _record_pid(tmp_path))
     with validation_beside(*LARGE):
         assert LARGE in stored._beside
@@ -178,7 +178,7 @@ def test_a_compile_with_a_bad_generated_schedule_fails_with_one_line_and_writes_
         where = "beside" if os.getpid() != compiling else "in the compile's process"
         raise ScheduleError(f"plan.schedule.actions: {shape} deadlocks (validated {where})")
 
-    monkeypatch.setattr(stored, "BESIDE_FROM_ACTIONS", 0)
+    monkeypatch.setattr(stored, "FORK_FROM_ACTIONS", 0)
     monkeypatch.setattr(stored, "_check_generated", broken)
     _only_this_cpu_is_local(monkeypatch)
     with pytest.raises(SystemExit) as exit_:
@@ -195,7 +195,7 @@ def test_a_search_validates_its_plan_s_schedule_beside(tmp_path, monkeypatch):
 
     from tests.distributed import REPO
 
-    monkeypatch.setattr(stored, "BESIDE_FROM_ACTIONS", 0)
+    monkeypatch.setattr(stored, "FORK_FROM_ACTIONS", 0)
     monkeypatch.setattr(stored, "_check_generated", _record_pid(tmp_path))
     _only_this_cpu_is_local(monkeypatch)
     plan = autopart.compile(REPO / "examples" / "gpt.py", world_size=8, device="a100-80gb", global_batch_size=64,

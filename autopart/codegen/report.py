@@ -11,12 +11,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from autopart.ir.forked import Forked, may_fork
+from autopart.ir.forked import Forked
 from autopart.ir.plan import Plan
 from autopart.ir.tensors import PRECISION_TEXT
 from autopart.predict.accuracy import describe_prediction
 from autopart.predict.timeline import plan_schedule, plan_timeline
-from autopart.schedule import compute_actions, write_chrome_trace, write_gantt_png, write_schedule_csv
+from autopart.schedule import worth_forking, write_chrome_trace, write_gantt_png, write_schedule_csv
 
 __all__ = ["begin_report", "report_forks", "write_report", "search_table", "stage_table"]
 
@@ -114,15 +114,10 @@ Files: `plan.json` (the plan), `stages/` (one module per stage), `weights/`, `tr
     (out / "report.md").write_text(text)
 
 
-FORK_FROM_ACTIONS = 20_000
-"""Compute actions in a plan's schedule from which its report is written by a forked process: a
-smaller one is drawn in a fraction of a second, less than forking a large compile costs."""
-
-
 def report_forks(plan: Plan) -> bool:
-    """Whether `begin_report` should write ``plan``'s report in a forked process (its size)."""
-    return compute_actions(plan.schedule.kind, plan.mesh["pp"], plan.schedule.microbatches,
-                           plan.schedule.chunks) >= FORK_FROM_ACTIONS
+    """Whether `begin_report` should write ``plan``'s report in forked processes: its schedule's
+    size (``autopart.schedule.worth_forking``)."""
+    return worth_forking(plan.schedule.kind, plan.mesh["pp"], plan.schedule.microbatches, plan.schedule.chunks)
 
 
 PARTS: tuple[tuple[str, Callable[[Plan, Path], None]], ...] = (
@@ -152,11 +147,8 @@ class ReportInProgress:
 def begin_report(plan: Plan, out: Path, *, fork: bool = True) -> ReportInProgress:
     """`write_report(plan, out)` begun, each of `PARTS` in a forked process of its own beside the
     compile's (the stage programs it writes meanwhile take less time than either part of a long
-    pipeline's report); in this process, at once, with ``fork`` False or where it may not fork.
-    Each part finds the plan's timeline in the cache it forked with where the compile simulated
-    it (a generated schedule), else simulates it."""
-    if not fork or not may_fork():
-        return ReportInProgress([Forked(lambda: write_report(plan, out), fork=False,
-                                        what="writing the report (report.md, timeline.png, trace.json, schedule.csv)")])
-    return ReportInProgress([Forked(lambda part=part: part(plan, out), what=f"writing the report's {files}")
+    pipeline's report); in this process, at once and in turn, with ``fork`` False or where it may
+    not fork (`Forked`). Each part finds the plan's timeline in the cache it forked with where
+    the compile simulated it (a generated schedule), else simulates it."""
+    return ReportInProgress([Forked(lambda part=part: part(plan, out), what=f"writing the report's {files}", fork=fork)
                              for files, part in PARTS])

@@ -10,6 +10,7 @@ bottom of the package because those three folders all use it.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import multiprocessing
@@ -17,12 +18,12 @@ import os
 import signal
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from autopart.ir import errors
 from autopart.ir.errors import AutopartError
 
-__all__ = ["Forked", "may_fork", "quiet_child"]
+__all__ = ["Forked", "ctrl_c_held", "may_fork", "quiet_child"]
 
 _PR_SET_PDEATHSIG = 1  # prctl(2): the signal a process gets when its parent ends (Linux)
 
@@ -34,13 +35,25 @@ def may_fork() -> bool:
     return sys.platform.startswith("linux") and not multiprocessing.current_process().daemon
 
 
+@contextlib.contextmanager
+def ctrl_c_held() -> Iterator[None]:
+    """Ctrl-C held off in this thread while it forks children: each starts with it held (it
+    inherits the mask) until `quiet_child` has it ignored; a child stopped half-started could
+    hang this process's exit."""
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+
+
 def quiet_child(parent: int) -> None:
     """What a forked child does first. A thread of the parent (the progress bar's) may have held
     stderr's lock as it forked: the child writes to /dev/null. Ctrl-C is the parent's, which ends
     its children: the child ignores it. It ends with its parent however that ends (SIGKILL
     included), and at once where the parent ended before it got here."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # the parent holds it off while it forks
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # held as it was forked (`ctrl_c_held`)
     sys.stdout = sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - the child's for its life
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent:
@@ -78,14 +91,9 @@ class Forked:
             writing.send_bytes(json.dumps(answer).encode())
             os._exit(0)  # nothing of the parent's to flush or tear down
 
-        # the child starts with Ctrl-C held off (it inherits this thread's mask) until it ignores it:
-        # a child stopped half-started could hang this process's exit
-        held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-        try:
+        with ctrl_c_held():
             self._process = context.Process(target=child, daemon=True)
             self._process.start()
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, held)
         writing.close()  # the child's end alone stays open: its death reads as the end of the pipe
 
     def wait(self) -> None:

@@ -21,7 +21,7 @@ from autopart.schedule.trace import (
     write_schedule_csv,
 )
 from autopart.schedule.stored import (
-    action_lists, built, built_lowered, compute_actions, generated, keep_actions, plan_actions, validation_beside,
+    action_lists, built, built_lowered, generated, keep_actions, plan_actions, validation_beside, worth_forking,
 )
 from autopart.schedule.validate import check_message_order, format_grid, validate
 
@@ -45,7 +45,7 @@ __all__ = [
     "action_lists",
     "plan_actions",
     "validation_beside",
-    "compute_actions",
+    "worth_forking",
     "built",
     "built_lowered",
     "generated",

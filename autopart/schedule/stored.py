@@ -36,7 +36,8 @@ from autopart.schedule.generators import SPLIT_BACKWARD_KINDS, build_schedule, s
 from autopart.schedule.lowering import add_communication
 from autopart.schedule.validate import check_message_order, validate
 
-__all__ = ["Generated", "action_lists", "built", "built_lowered", "generated", "plan_actions", "keep_actions", "validation_beside", "compute_actions"]
+__all__ = ["Generated", "action_lists", "built", "built_lowered", "generated", "plan_actions", "keep_actions", "validation_beside", "compute_actions",
+           "worth_forking"]
 
 
 def action_lists(schedule: Schedule) -> tuple[tuple[str, ...], ...]:
@@ -90,8 +91,9 @@ def _check_generated(kind: str, ranks: int, microbatches: int, chunks: int) -> N
     _checked(built_lowered(kind, ranks, microbatches, chunks), shape, messages_only=True)
 
 
-BESIDE_FROM_ACTIONS = 20_000
-"""Compute actions from which `validation_beside` forks: a smaller schedule validates in a
+FORK_FROM_ACTIONS = 20_000
+"""Compute actions from which work over a schedule (its validation, `validation_beside`; its
+report, ``autopart.codegen.report``) is forked beside the compile: over a smaller one it takes a
 fraction of a second, less than forking a large compile costs."""
 
 # Per process: the validations running beside it (`generated` takes each, or the block that began
@@ -106,6 +108,11 @@ def compute_actions(kind: str, ranks: int, microbatches: int, chunks: int) -> in
     return (3 if kind in SPLIT_BACKWARD_KINDS else 2) * ranks * chunks * microbatches
 
 
+def worth_forking(kind: str, ranks: int, microbatches: int, chunks: int) -> bool:
+    """Whether work over ``kind``'s schedule of this shape pays for forking: `FORK_FROM_ACTIONS`."""
+    return compute_actions(kind, ranks, microbatches, chunks) >= FORK_FROM_ACTIONS
+
+
 @contextlib.contextmanager
 def validation_beside(kind: str, ranks: int, microbatches: int, chunks: int, *, fork: bool = True) -> Iterator[None]:
     """Within the block, ``kind``'s schedule of this shape validated in a forked process, for
@@ -117,7 +124,7 @@ def validation_beside(kind: str, ranks: int, microbatches: int, chunks: int, *, 
     validates it then). What the block did not take is stopped as it ends."""
     shape = (kind, ranks, microbatches, chunks)
     begun = False
-    if fork and compute_actions(*shape) >= BESIDE_FROM_ACTIONS and shape not in _validated \
+    if fork and worth_forking(*shape) and shape not in _validated \
             and shape not in _beside and may_fork():
         try:
             _beside[shape] = Forked(functools.partial(_check_generated, *shape),

@@ -22,13 +22,12 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import signal
 from collections.abc import Callable, Hashable, Iterable
 from concurrent.futures import Future, ProcessPoolExecutor
 from typing import Any
 
 from autopart.ir.errors import ConfigError
-from autopart.ir.forked import may_fork, quiet_child
+from autopart.ir.forked import ctrl_c_held, may_fork, quiet_child
 from cost_models.calibration import usable_cores
 
 __all__ = ["WORKERS_ENV", "LayoutScoring", "search_workers"]
@@ -91,14 +90,9 @@ class LayoutScoring:
         key = self.key(layout)
         if self._pool is not None and key in self._known:
             return self._track(self._pool.submit(_scored, layout, last_finalist_s))
-        # A new pool forks its workers at its first submit: with Ctrl-C held off until each has
-        # set itself to ignore it (a worker stopped half-started would hang this process's exit)
-        held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-        try:
+        with ctrl_c_held():  # a new pool forks its workers at its first submit
             self._fork(key)
             return self._track(self._pool.submit(_scored, layout, last_finalist_s))
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
     def _track(self, future: Future) -> Future:
         self._sent.append(future)

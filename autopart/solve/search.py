@@ -427,7 +427,7 @@ def _cut_and_estimate(layout: Layout, table: CostTable, cluster: Cluster, space:
                          modes=modes, transient=transient, fit_only=fit_only, rank_in_flight=moments)
         if not fit_only:
             return _with_refinement(layout, table, cluster, costs, cut, modes, flight, transient, ranks, transfer, nodes,
-                               refine_below)
+                                    refine_below)
     if cut is None:
         return None
     rank_bytes = parameter_bytes_per_rank(table, layout, cut, ranks)
@@ -437,7 +437,7 @@ def _cut_and_estimate(layout: Layout, table: CostTable, cluster: Cluster, space:
 
 
 def _with_refinement(layout, table, cluster, costs, cut, modes, flight, transient, ranks, transfer, nodes,
-                refine_below) -> Speculation:
+                     refine_below) -> Speculation:
     """The bisection's cut, and refined by the step itself where that may bring it into the finalists."""
     judge = CutJudge(costs, in_flight=flight, transient=transient, stage_rank=ranks, transfer_s=transfer,
                      rank_in_flight=rank_in_flight(layout.schedule, layout.pp, layout.microbatches, layout.chunks),
