@@ -7,6 +7,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import functools
+import io
 import json
 import os
 import subprocess
@@ -20,7 +21,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 from autopart.driver import CompileOptions, compile_to_directory
-from autopart.tools.local_run import free_port
+from autopart.tools.local_run import LocalRunError, free_port, run_failed, run_locally
 from autopart.ir.plan import Plan
 from autopart.runtime.recipe import Recipe
 from autopart.runtime.reference import train_reference
@@ -59,22 +60,57 @@ def run_ranks(
     agent (which imports it too). Tests of the launcher itself (restarts, the README's command)
     use ``torchrun``. ``env``: more variables for every rank. The completed process carries every
     rank's output, in rank order."""
-    port = free_port()
-    envs = [{"RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0", "ROLE_RANK": str(rank),
-             "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc), "ROLE_WORLD_SIZE": str(nproc),
-             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "TORCHELASTIC_RESTART_COUNT": "0", **(env or {})}
-            for rank in range(nproc)]  # fmt: skip
-    argv = [str(out / "train.py"), "--timeout", "120", *args]
-    with tempfile.TemporaryDirectory() as folder:
-        outputs = [[f"{folder}/{rank}.out", f"{folder}/{rank}.err"] for rank in range(nproc)]
-        answer = _zygote().launch({"argv": argv, "envs": envs, "outputs": outputs, "timeout": timeout})
-        stdout = "".join(Path(o).read_text() for o, _ in outputs)
-        stderr = "".join(f"[rank {r}] {text}" for r, (_, e) in enumerate(outputs) if (text := Path(e).read_text()))
+    return run_program([str(out / "train.py"), "--timeout", "120", *args], nproc, timeout=timeout, env=env)
+
+
+def run_program(argv: list[str], nproc: int, *, timeout: float = 240,
+                env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``nproc`` ranks of the program ``argv`` (a script and its arguments), forked as `run_ranks`
+    forks a ``train.py``'s."""
+    answer, stdout, stderrs = _forked_ranks(argv, nproc, timeout=timeout, env=env)
+    stderr = "".join(f"[rank {rank}] {text}" for rank, text in enumerate(stderrs) if text)
     if answer["timed_out"]:
         raise subprocess.TimeoutExpired(argv, timeout, output=stdout, stderr=stderr)
     if any(answer["codes"]):
         raise AssertionError(f"ranks failed (exit codes {answer['codes']}):\n{stdout[-3000:]}\n{stderr[-6000:]}")
     return subprocess.CompletedProcess(argv, 0, stdout=stdout, stderr=stderr)
+
+
+def run_locally_forked(out_dir: Path, ranks: int, train_args: list[str], *, timeout_s: float, cwd: Path,
+                       gpus: bool = False) -> None:
+    """`autopart.tools.local_run.run_locally` with the ranks forked by the rank zygote (see
+    `run_ranks`) instead of started under torchrun: the suite's in-process verifies, pipeline
+    profiles and finalist runs go through it (tests/conftest.py), the command line's through
+    torchrun. The same train.py arguments, environment and errors; a GPU run goes to torchrun."""
+    if gpus:
+        return run_locally(out_dir, ranks, train_args, timeout_s=timeout_s, cwd=cwd, gpus=gpus)
+    argv = [str(out_dir / "train.py"), *train_args, "--timeout", str(min(timeout_s, 300))]
+    base = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")  # as run_locally's torchrun has it
+    answer, _, stderrs = _forked_ranks(argv, ranks, timeout=timeout_s, base=base, cwd=cwd)
+    if answer["timed_out"]:
+        raise LocalRunError(f"the distributed run did not finish within {timeout_s:.0f} s")
+    if any(answer["codes"]):
+        raise run_failed(next(code for code in answer["codes"] if code), "".join(stderrs))
+    return None
+
+
+def _forked_ranks(argv: list[str], nproc: int, *, timeout: float, env: dict[str, str] | None = None,
+                  base: dict[str, str] | None = None, cwd: Path | None = None) -> tuple[dict, str, list[str]]:
+    """The zygote's answer for ``nproc`` ranks of ``argv``, their stdout joined in rank order, and
+    each rank's stderr. Each rank's environment: ``base``, then torchrun's variables, then ``env``."""
+    port = free_port()
+    envs = [{**(base or {}), "RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0", "ROLE_RANK": str(rank),
+             "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc), "ROLE_WORLD_SIZE": str(nproc),
+             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "TORCHELASTIC_RESTART_COUNT": "0", **(env or {})}
+            for rank in range(nproc)]  # fmt: skip
+    with tempfile.TemporaryDirectory() as folder:
+        outputs = [[f"{folder}/{rank}.out", f"{folder}/{rank}.err"] for rank in range(nproc)]
+        request = {"argv": argv, "envs": envs, "outputs": outputs, "timeout": timeout,
+                   "cwd": None if cwd is None else str(cwd)}
+        answer = _zygote().launch(request)
+        stdout = "".join(Path(o).read_text() for o, _ in outputs)
+        stderrs = [Path(e).read_text() for _, e in outputs]
+    return answer, stdout, stderrs
 
 
 class _Zygote:
@@ -208,6 +244,21 @@ def run_cli(*args: str, timeout: float = 300, cwd: Path | None = None) -> subpro
         [sys.executable, "-m", "autopart.tools.cli", *args],
         capture_output=True, text=True, timeout=timeout, env=environment(), cwd=cwd or REPO,
     )  # fmt: skip
+
+
+def run_cli_here(*args: str) -> subprocess.CompletedProcess:
+    """``autopart ARGS`` in this process, as `run_cli` returns it (the exit code, what it printed):
+    what the command does, its programs' ranks forked (tests/conftest.py), not the command's
+    own process start nor torchrun's."""
+    from autopart.tools.cli import main
+
+    stdout, stderr, code = io.StringIO(), io.StringIO(), 0
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        try:
+            main(list(args))
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+    return subprocess.CompletedProcess(["autopart", *args], code, stdout=stdout.getvalue(), stderr=stderr.getvalue())
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -9,8 +9,8 @@ real process with its own gloo rank, its environment set as torchrun sets its wo
 first on ``sys.path``). It runs no torch op before it forks, so no thread pool is inherited.
 
 Protocol, one JSON object per line: a request on stdin ``{"argv": [...], "envs": [{...}, ...],
-"outputs": [[stdout_path, stderr_path], ...], "timeout": seconds}`` starts one rank per entry
-of ``envs``; the answer on stdout is ``{"codes": [...], "timed_out": bool}`` once every rank has
+"outputs": [[stdout_path, stderr_path], ...], "timeout": seconds, "cwd": folder}`` starts one
+rank per entry of ``envs`` (in ``cwd``, where given); the answer on stdout is ``{"codes": [...], "timed_out": bool}`` once every rank has
 ended. When a rank fails the others are killed at once (torchrun does the same), so a failure
 never waits for the survivors' collective timeouts; at the timeout all are killed.
 """
@@ -32,11 +32,13 @@ import torch.distributed  # noqa: F401
 import autopart.runtime.train  # noqa: F401
 
 
-def _run_rank(argv: list[str], env: dict[str, str], stdout_path: str, stderr_path: str) -> None:
+def _run_rank(argv: list[str], env: dict[str, str], stdout_path: str, stderr_path: str, cwd: str | None) -> None:
     """In the forked child: become one rank and never return."""
     code = 1
     try:
         os.setpgid(0, 0)  # its own process group: killing the rank kills what it started too
+        if cwd is not None:
+            os.chdir(cwd)
         for fd, path in ((1, stdout_path), (2, stderr_path)):
             target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             os.dup2(target, fd)
@@ -71,7 +73,7 @@ def _launch(request: dict) -> dict:
     for rank, (env, (stdout_path, stderr_path)) in enumerate(zip(request["envs"], request["outputs"], strict=True)):
         pid = os.fork()
         if pid == 0:
-            _run_rank(request["argv"], env, stdout_path, stderr_path)
+            _run_rank(request["argv"], env, stdout_path, stderr_path, request.get("cwd"))
         try:
             os.setpgid(pid, pid)  # here too, so that the group exists whichever of the two runs first
         except OSError:

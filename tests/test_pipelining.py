@@ -1,19 +1,16 @@
 """`autopart.runtime.pipelining`: a plan's stages as torch.distributed.pipelining objects, driven by
-torch's own schedules from a loop of one's own (``examples/pipelining_loop.py`` under torchrun),
+torch's own schedules from a loop of one's own (``examples/pipelining_loop.py``, its ranks forked),
 train as the generated ``train.py`` does: the same losses, step by step."""
 
 import re
-import subprocess
-import sys
 
 import pytest
 from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from autopart.driver import CompileOptions, compile_to_directory
-from autopart.tools.local_run import free_port
 from autopart.runtime.pipelining import TORCH_SCHEDULES
 from autopart.schedule import SCHEDULE_KINDS
-from tests.distributed import FREE_LINKS, REPO, environment, read_metrics, run_ranks
+from tests.distributed import FREE_LINKS, REPO, read_metrics, run_program, run_ranks
 
 STEPS = 3
 
@@ -25,11 +22,10 @@ def test_every_schedule_kind_has_a_torch_class():
 
 
 def _example_losses(out, nproc: int) -> list[float]:
-    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1",
-               f"--master-port={free_port()}", str(REPO / "examples" / "pipelining_loop.py"), str(out),
-               "--steps", str(STEPS), "--lr", "1e-3", "--weight-decay", "0.1"]  # fmt: skip
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=environment())
-    assert result.returncode == 0, result.stderr[-6000:]
+    """The example's printed losses, its ranks forked as `run_ranks` forks train.py's (what it
+    computes does not depend on the launcher; the README's torchrun line is the user's)."""
+    result = run_program([str(REPO / "examples" / "pipelining_loop.py"), str(out), "--steps", str(STEPS), "--lr",
+                          "1e-3", "--weight-decay", "0.1"], nproc, timeout=300)
     return [float(x) for x in re.findall(r"^step \d+ loss (\S+)$", result.stdout, re.MULTILINE)]
 
 

@@ -14,7 +14,7 @@ from autopart.runtime.recipe import Recipe, clip_factor, embedding_parameters, p
 from autopart.runtime.reference import train_reference
 from autopart.runtime.shards import load_stage_weights
 from tests.distributed import (
-    FREE_LINKS, REPO, assert_same_training, compile_and_train, read_metrics, run_cli, run_ranks,
+    FREE_LINKS, REPO, assert_same_training, compile_and_train, read_metrics, run_cli, run_cli_here, run_ranks,
 )
 
 RECIPE = Recipe(lr_schedule="cosine", warmup_steps=1, min_lr=1e-4, clip_grad_norm=0.05, weight_decay=0.1)
@@ -199,7 +199,7 @@ def test_verify_applies_the_recipe(tmp_path):
     out = tmp_path / "out"
     compile_to_directory(CompileOptions(model=REPO / "examples" / "gpt.py", pp=2, microbatches=2,
                                         micro_batch_size=2), out)  # fmt: skip
-    result = run_cli("verify", str(out), "--steps", "3", *RECIPE.train_args())
+    result = run_cli_here("verify", str(out), "--steps", "3", *RECIPE.train_args())
     assert result.returncode == 0, result.stdout + result.stderr
     assert "match the original model" in " ".join(result.stdout.split())
 

@@ -11,7 +11,7 @@ import autopart
 from autopart.codegen.names import plain_text
 from autopart.driver import CompileOptions, compile_to_directory
 from autopart.ir.errors import CaptureError
-from tests.distributed import REPO, run_cli
+from tests.distributed import REPO, run_cli, run_cli_here
 
 
 def compiled(tmp_path: Path, example: str, dtype: str = "fp32") -> Path:
@@ -24,8 +24,10 @@ def compiled(tmp_path: Path, example: str, dtype: str = "fp32") -> Path:
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("example, dtype", [("gpt", "fp32"), ("llama", "bf16")])
 def test_verify_passes_on_the_examples(tmp_path, example, dtype):
-    """A bf16 plan is held to bf16 tolerances against one bf16 process (fp32's would fail it)."""
-    result = run_cli("verify", str(compiled(tmp_path, example, dtype)), "--steps", "2")
+    """A bf16 plan is held to bf16 tolerances against one bf16 process (fp32's would fail it).
+    The fp32 one runs the command as a user does (its own process, the ranks under torchrun)."""
+    command = run_cli if dtype == "fp32" else run_cli_here
+    result = command("verify", str(compiled(tmp_path, example, dtype)), "--steps", "2")
     assert result.returncode == 0, result.stdout + result.stderr
     printed = " ".join(result.stdout.split())
     # every verdict line shows the tolerance it applied: a bf16 plan's, not fp32's
@@ -46,7 +48,7 @@ def test_verify_names_the_parameter_of_a_corrupted_stage(tmp_path):
     assert gelu is not None
     stage.write_text(source.replace(gelu.group(0), f"torch.relu({gelu.group(1)})"))
     sign_again(out)  # as a compile would have: the ranks refuse a stage file that the plan does not know
-    result = run_cli("verify", str(out), "--steps", "2")
+    result = run_cli_here("verify", str(out), "--steps", "2")
     assert result.returncode == 1, result.stdout + result.stderr
     worst = re.search(r"largest parameter difference [0-9.e-]+ \(([^,]+),", result.stdout).group(1)
     assert re.search(rf"autopart: verify: parameter {re.escape(worst)} \(stage \d\) differs by up to", result.stderr)

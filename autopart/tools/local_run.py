@@ -17,7 +17,7 @@ import torch
 
 from autopart.ir.plan import Plan
 
-__all__ = ["LocalRunError", "free_port", "run_locally", "runs_on_gpus"]
+__all__ = ["LocalRunError", "free_port", "run_failed", "run_locally", "runs_on_gpus"]
 
 
 class LocalRunError(RuntimeError):
@@ -56,6 +56,12 @@ def run_locally(
     except subprocess.TimeoutExpired:
         raise LocalRunError(f"the distributed run did not finish within {timeout_s:.0f} s") from None
     if result.returncode != 0:
-        errors = [line for line in result.stderr.splitlines() if line.startswith("autopart:")]
-        tail = "\n".join(errors) if errors else result.stderr[-3000:]
-        raise LocalRunError(f"the distributed run failed (exit {result.returncode}):\n{tail}")
+        raise run_failed(result.returncode, result.stderr)
+
+
+def run_failed(code: int, stderr: str) -> LocalRunError:
+    """The error of a run whose launcher exited with ``code``: the ranks' own one-line errors
+    (``autopart: ...``) where they wrote any, else the end of what they wrote."""
+    errors = [line for line in stderr.splitlines() if line.startswith("autopart:")]
+    tail = "\n".join(errors) if errors else stderr[-3000:]
+    return LocalRunError(f"the distributed run failed (exit {code}):\n{tail}")
