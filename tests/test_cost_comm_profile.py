@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from cost_models.comm_profile import SIZES, WAKE_IDLES, load_comm_profile, profile_comm
+from cost_models.comm_profile import QUICK, SIZES, WAKE_IDLES, load_comm_profile, profile_comm
 
 
 def _copy_seconds(nbytes: int) -> float:
@@ -36,7 +36,7 @@ def _copy_seconds(nbytes: int) -> float:
 @pytest.mark.multiprocess
 def test_profile_comm_measures_every_curve_and_the_cpu_device_uses_them(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("AUTOPART_CACHE_DIR", str(tmp_path))
-    profile, path = profile_comm(ranks=2)
+    profile, path = profile_comm(ranks=2, effort=QUICK)  # every curve FULL measures, on fewer samples
     assert path.parent == tmp_path and load_comm_profile("cpu") == profile
     for kind in ("p2p", "all_reduce", "all_gather", "p2p_send_cpu", "p2p_recv_cpu"):
         assert [size for size, _ in profile.curves[kind]] == list(SIZES), kind

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -14,6 +12,7 @@ from autopart.driver import CompileOptions, compile_to_directory
 from autopart.ir.errors import ConfigError, InfeasibleError
 from autopart.solve.planner import plan_by_search
 from cost_models.memory import communicator_bytes
+from tests.distributed import run_cli_here
 
 REPO = Path(__file__).resolve().parent.parent
 GPT = REPO / "examples" / "gpt.py"
@@ -87,20 +86,14 @@ def _named_memory(message: str) -> float:
     return float(message.split("--memory ")[1].split()[0])
 
 
-def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", "from autopart.tools.cli import main; main()", *args], cwd=cwd,
-                          capture_output=True, text=True, timeout=300, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin",
-                                                                            "COLUMNS": "200"})
-
-
 def test_a_model_that_cannot_fit_names_the_memory_that_would(tmp_path: Path) -> None:
     # An H100 process takes 500 MiB before the model, and NCCL's buffers 128 MiB more on every
     # layout of two ranks (two connected peers): at 0.47 GiB nothing fits, at any layout.
     nccl_gib = communicator_bytes("cuda", pp=2, tp=1, dp=1) / 2**30
     assert all(communicator_bytes("cuda", pp=1, tp=t, dp=3 - t) / 2**30 == nccl_gib for t in (1, 2))
     out = tmp_path / "out"
-    result = _cli("compile", str(GPT), "-o", str(out), "--world-size", "2", "--global-batch-size", "4",
-                  "--device", "h100-sxm", "--memory", "0.47", cwd=tmp_path)
+    result = run_cli_here("compile", str(GPT), "-o", str(out), "--world-size", "2", "--global-batch-size", "4",
+                          "--device", "h100-sxm", "--memory", "0.47")
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("autopart: error: the model does not fit on 2 devices")
@@ -108,8 +101,8 @@ def test_a_model_that_cannot_fit_names_the_memory_that_would(tmp_path: Path) -> 
     assert 0.47 + nccl_gib < needed < 0.6 + nccl_gib
     assert not out.exists()
     # and the memory it names is enough
-    fits = _cli("compile", str(GPT), "-o", str(out), "--world-size", "2", "--global-batch-size", "4",
-                "--device", "h100-sxm", "--memory", str(needed), cwd=tmp_path)
+    fits = run_cli_here("compile", str(GPT), "-o", str(out), "--world-size", "2", "--global-batch-size", "4",
+                        "--device", "h100-sxm", "--memory", str(needed))
     assert fits.returncode == 0, fits.stderr
     plan = json.loads((out / "plan.json").read_text())
     assert max(plan["predicted"]["memory_bytes"]) <= needed * (1 << 30)
