@@ -15,21 +15,11 @@ graph in place, 2 s beside copies, 8 s of a plan's steps) add a minute to the su
 Its searches cut their layouts in its own process (``AUTOPART_SEARCH_WORKERS=0``): a plan is
 the same on any number of workers, which tests/test_scoring_pool.py checks with workers of its
 own, and forking the suite's large process for each search of a few hundred layouts saves nothing.
-
-The generated programs that a compile or ``verify`` runs here from inside the suite's process
-(`autopart.tools.local_run.run_locally`: a verify's two runs, a pipeline's profile, a search's
-finalists) start their ranks from the suite's rank zygote (`tests.distributed.run_locally_forked`)
-instead of torchrun, which imports torch again in its agent and in every rank: seconds per
-launch, dozens of launches. The launcher itself is tested where the command line runs in a
-process of its own (``autopart verify`` in tests/test_verify.py and tests/test_dropout.py), and
-there it is torchrun.
 """
 
 import os
 import shutil
 import tempfile
-
-import pytest
 
 from autopart.profiling.measure_defaults import NO_MEASURE_ENV
 from autopart.profiling.span import MEASURE_SECONDS_ENV
@@ -45,12 +35,3 @@ os.environ["AUTOPART_CACHE_DIR"] = _CACHE
 def pytest_sessionfinish(session, exitstatus):
     shutil.rmtree(_CACHE, ignore_errors=True)
 
-
-@pytest.fixture(autouse=True)
-def _local_runs_forked(monkeypatch):
-    from autopart.profiling import finalists, pipeline
-    from autopart.tools import verify
-    from tests.distributed import run_locally_forked
-
-    for module in (finalists, pipeline, verify):
-        monkeypatch.setattr(module, "run_locally", run_locally_forked)

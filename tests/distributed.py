@@ -4,7 +4,6 @@ that every equivalence test shares."""
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import functools
 import io
@@ -12,7 +11,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,7 +19,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 from autopart.driver import CompileOptions, compile_to_directory
-from autopart.tools.local_run import LocalRunError, free_port, run_failed, run_locally
+from autopart.tools.local_run import RankZygote, free_port, run_forked
 from autopart.ir.plan import Plan
 from autopart.runtime.recipe import Recipe
 from autopart.runtime.reference import train_reference
@@ -67,7 +65,8 @@ def run_program(argv: list[str], nproc: int, *, timeout: float = 240,
                 env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """``nproc`` ranks of the program ``argv`` (a script and its arguments), forked as `run_ranks`
     forks a ``train.py``'s."""
-    answer, stdout, stderrs = _forked_ranks(argv, nproc, timeout=timeout, env=env)
+    answer, stdouts, stderrs = run_forked(_ZYGOTE, argv, nproc, {}, timeout_s=timeout, extra=env)
+    stdout = "".join(stdouts)
     stderr = "".join(f"[rank {rank}] {text}" for rank, text in enumerate(stderrs) if text)
     if answer["timed_out"]:
         raise subprocess.TimeoutExpired(argv, timeout, output=stdout, stderr=stderr)
@@ -76,85 +75,8 @@ def run_program(argv: list[str], nproc: int, *, timeout: float = 240,
     return subprocess.CompletedProcess(argv, 0, stdout=stdout, stderr=stderr)
 
 
-def run_locally_forked(out_dir: Path, ranks: int, train_args: list[str], *, timeout_s: float, cwd: Path,
-                       gpus: bool = False) -> None:
-    """`autopart.tools.local_run.run_locally` with the ranks forked by the rank zygote (see
-    `run_ranks`) instead of started under torchrun: the suite's in-process verifies, pipeline
-    profiles and finalist runs go through it (tests/conftest.py), the command line's through
-    torchrun. The same train.py arguments, environment and errors; a GPU run goes to torchrun."""
-    if gpus:
-        return run_locally(out_dir, ranks, train_args, timeout_s=timeout_s, cwd=cwd, gpus=gpus)
-    argv = [str(out_dir / "train.py"), *train_args, "--timeout", str(min(timeout_s, 300))]
-    base = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")  # as run_locally's torchrun has it
-    answer, _, stderrs = _forked_ranks(argv, ranks, timeout=timeout_s, base=base, cwd=cwd)
-    if answer["timed_out"]:
-        raise LocalRunError(f"the distributed run did not finish within {timeout_s:.0f} s")
-    if any(answer["codes"]):
-        raise run_failed(next(code for code in answer["codes"] if code), "".join(stderrs))
-    return None
-
-
-def _forked_ranks(argv: list[str], nproc: int, *, timeout: float, env: dict[str, str] | None = None,
-                  base: dict[str, str] | None = None, cwd: Path | None = None) -> tuple[dict, str, list[str]]:
-    """The zygote's answer for ``nproc`` ranks of ``argv``, their stdout joined in rank order, and
-    each rank's stderr. Each rank's environment: ``base``, then torchrun's variables, then ``env``."""
-    port = free_port()
-    envs = [{**(base or {}), "RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0", "ROLE_RANK": str(rank),
-             "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc), "ROLE_WORLD_SIZE": str(nproc),
-             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "TORCHELASTIC_RESTART_COUNT": "0", **(env or {})}
-            for rank in range(nproc)]  # fmt: skip
-    with tempfile.TemporaryDirectory() as folder:
-        outputs = [[f"{folder}/{rank}.out", f"{folder}/{rank}.err"] for rank in range(nproc)]
-        request = {"argv": argv, "envs": envs, "outputs": outputs, "timeout": timeout,
-                   "cwd": None if cwd is None else str(cwd)}
-        answer = _zygote().launch(request)
-        stdout = "".join(Path(o).read_text() for o, _ in outputs)
-        stderrs = [Path(e).read_text() for _, e in outputs]
-    return answer, stdout, stderrs
-
-
-class _Zygote:
-    """The ``tests/rank_zygote.py`` process of this test session, started at first use and again
-    after any launch that did not end cleanly (it died, or its answer was not read)."""
-
-    def __init__(self):
-        self.process = subprocess.Popen(
-            [sys.executable, str(REPO / "tests" / "rank_zygote.py")], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            text=True, env=environment(),
-        )  # fmt: skip
-        atexit.register(self.close)
-
-    def launch(self, request: dict) -> dict:
-        try:
-            self.process.stdin.write(json.dumps(request) + "\n")
-            self.process.stdin.flush()
-            answer = self.process.stdout.readline()
-            if not answer:
-                raise AssertionError(f"the rank zygote ended (exit code {self.process.wait()}); see its stderr above")
-            return json.loads(answer)
-        except BaseException:  # a broken pipe, or interrupted mid-answer: the next launch starts a new one
-            self.process.kill()
-            _live_zygote.cache_clear()
-            raise
-
-    def close(self) -> None:
-        if self.process.poll() is None:
-            self.process.stdin.close()
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-
-
-def _zygote() -> _Zygote:
-    if _live_zygote.cache_info().currsize and _live_zygote().process.poll() is not None:
-        _live_zygote.cache_clear()  # it died between launches
-    return _live_zygote()
-
-
-@functools.cache
-def _live_zygote() -> _Zygote:
-    return _Zygote()
+_ZYGOTE = RankZygote([sys.executable, str(REPO / "tests" / "rank_zygote.py")], env=environment())
+"""The suite's: `autopart.runtime.rank_zygote` with the device check of tests/device_checker.py."""
 
 
 def train_whole_and_resumed(out: Path, nproc: int, tmp_path: Path) -> dict[str, Path]:
@@ -248,8 +170,7 @@ def run_cli(*args: str, timeout: float = 300, cwd: Path | None = None) -> subpro
 
 def run_cli_here(*args: str) -> subprocess.CompletedProcess:
     """``autopart ARGS`` in this process, as `run_cli` returns it (the exit code, what it printed):
-    what the command does, its programs' ranks forked (tests/conftest.py), not the command's
-    own process start nor torchrun's."""
+    what the command does, without a process of its own to start and import torch in."""
     from autopart.tools.cli import main
 
     stdout, stderr, code = io.StringIO(), io.StringIO(), 0

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed import REPO, run_locally_forked
+from tests.distributed import REPO
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 import gpu_check  # noqa: E402
@@ -16,10 +16,7 @@ pytestmark = pytest.mark.multiprocess
 MODEL = REPO / "tests" / "models" / "three_layers.py"
 
 
-def test_gpu_check_prepares_and_runs_on_the_cpu(tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    # its one-rank programs start from the suite's rank zygote, not torchrun (tests/conftest.py says why)
-    monkeypatch.setattr(gpu_check, "run_locally", run_locally_forked)
+def test_gpu_check_prepares_and_runs_on_the_cpu(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     model = MODEL
     prepared = tmp_path / "prepared"
     assert gpu_check.main(["--prepare", str(prepared), "--device", "cpu", "--model", str(model)]) == 0

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator
 from autopart.ir import errors
 from autopart.ir.errors import AutopartError
 
-__all__ = ["Forked", "ctrl_c_held", "may_fork", "quiet_child"]
+__all__ = ["Forked", "ctrl_c_held", "end_with_parent", "may_fork", "quiet_child"]
 
 _PR_SET_PDEATHSIG = 1  # prctl(2): the signal a process gets when its parent ends (Linux)
 
@@ -55,6 +55,12 @@ def quiet_child(parent: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # held as it was forked (`ctrl_c_held`)
     sys.stdout = sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - the child's for its life
+    end_with_parent(parent)
+
+
+def end_with_parent(parent: int) -> None:
+    """This process ends with its parent (``parent``, its pid) however that ends, SIGKILL
+    included, and at once where the parent ended before it got here (Linux)."""
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent:
         os._exit(1)

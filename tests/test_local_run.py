@@ -1,0 +1,127 @@
+"""`autopart.tools.local_run`: the runs a compile makes here start their ranks from one forked
+process on the CPU (torchrun on the GPUs): they train as torchrun's ranks do, fail and time out
+with the same errors, and leave nothing running behind them."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from autopart.driver import CompileOptions, compile_to_directory
+from autopart.tools import local_run
+from autopart.tools.local_run import LocalRunError, run_locally
+from tests.distributed import FREE_LINKS, REPO, environment
+
+pytestmark = pytest.mark.multiprocess
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("gpt") / "out"
+    compile_to_directory(CompileOptions(model=REPO / "examples" / "gpt.py", pp=2, microbatches=2, micro_batch_size=2,
+                                        device=str(FREE_LINKS)), out)  # fmt: skip
+    return out
+
+
+def _losses(out: Path, work: Path, forked: bool, *args: str) -> list[float]:
+    metrics = work / f"metrics-{forked}.jsonl"
+    run_locally(out, 2, ["--steps", "3", "--metrics", str(metrics), *args], timeout_s=120, cwd=work, forked=forked)
+    return [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
+
+
+def test_forked_ranks_train_as_torchrun_s_and_one_process_serves_every_run(compiled, tmp_path):
+    by_torchrun = _losses(compiled, tmp_path, False)
+    by_fork = _losses(compiled, tmp_path, True)
+    assert len(by_fork) == 3 and by_fork == by_torchrun  # the same programs, bit for bit
+    zygote = local_run._ZYGOTE.process
+    assert _losses(compiled, tmp_path, True, "--seed", "1") != by_fork  # the arguments reach the ranks
+    assert local_run._ZYGOTE.process is zygote and zygote.poll() is None
+
+
+@pytest.mark.parametrize("forked", [True, False])
+def test_a_failed_rank_is_one_error_naming_it_without_waiting_for_its_peer(compiled, tmp_path, monkeypatch, forked):
+    monkeypatch.setenv("AUTOPART_FAIL_AT", "1:1")  # rank 1 exits at step 1; rank 0 would wait 120 s for it
+    started = time.monotonic()
+    with pytest.raises(LocalRunError) as error:
+        _losses(compiled, tmp_path, forked)
+    assert str(error.value).startswith("the distributed run failed (exit ")  # torchrun's own code, or the rank's
+    assert "autopart: AUTOPART_FAIL_AT: rank 1 dies at step 1" in str(error.value)
+    assert time.monotonic() - started < 60
+
+
+def test_a_run_past_its_time_is_stopped_and_its_ranks_with_it(compiled, tmp_path):
+    with pytest.raises(LocalRunError, match="the distributed run did not finish within 4 s"):
+        run_locally(compiled, 2, ["--steps", "1000000"], timeout_s=4, cwd=tmp_path)
+    assert _ranks_of(local_run._ZYGOTE.process.pid) == []
+
+
+def test_the_ranks_end_with_the_compile_that_started_them(compiled, tmp_path):
+    """The compile killed mid-run (SIGKILL: nothing of it runs after): its zygote and the zygote's
+    ranks end too, rather than train on for nobody."""
+    metrics = tmp_path / "metrics.jsonl"
+    code = (f"from pathlib import Path; from autopart.tools.local_run import run_locally; "
+            f"run_locally(Path({str(compiled)!r}), 2, ['--steps', '1000000', '--metrics', {str(metrics)!r}], "
+            f"timeout_s=300, cwd=Path({str(tmp_path)!r}))")  # fmt: skip
+    compile_ = subprocess.Popen([sys.executable, "-c", code], env=environment())
+    try:
+        deadline = time.monotonic() + 120
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+            assert time.monotonic() < deadline and compile_.poll() is None, "the ranks never trained"
+            time.sleep(0.1)
+        zygotes = _zygotes_of(compile_.pid)
+        ranks = _ranks_of(zygotes[0]) if len(zygotes) == 1 else []
+        assert len(ranks) == 2
+    finally:
+        compile_.send_signal(signal.SIGKILL)
+        compile_.wait()
+    deadline = time.monotonic() + 30
+    while any(_alive(pid) for pid in [*zygotes, *ranks]):
+        assert time.monotonic() < deadline, "the zygote or its ranks outlived the compile"
+        time.sleep(0.1)
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+        except (OSError, IndexError, ValueError):
+            continue  # it ended as it was read
+    return found
+
+
+def _zygotes_of(pid: int) -> list[int]:
+    return [child for child in _children(pid) if b"rank_zygote" in _cmdline(child)]
+
+
+def _ranks_of(zygote: int) -> list[int]:
+    return [child for child in _children(zygote) if _alive(child)]
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_a_gpu_run_goes_to_torchrun(monkeypatch, tmp_path):
+    launched = []
+    monkeypatch.setattr(local_run, "_torchrun", lambda argv, ranks, env, **kw: launched.append((ranks, env)))
+    monkeypatch.setattr(local_run, "_forked", lambda *a, **kw: pytest.fail("forked a GPU run"))
+    run_locally(tmp_path, 2, ["--steps", "1"], timeout_s=10, cwd=tmp_path, gpus=True)
+    [(ranks, env)] = launched
+    assert ranks == 2 and env.get("CUDA_VISIBLE_DEVICES") == os.environ.get("CUDA_VISIBLE_DEVICES")
