@@ -107,7 +107,7 @@ def compile(model: str | Path, **options) -> Plan:  # noqa: A001 - the API's ver
     """Compile ``model`` (a model file) into a Plan; ``emit(plan, out_dir)`` writes its programs.
 
     Keyword options are the fields of ``CompileOptions`` (``pp=2, microbatches=4, ...``). A
-    search on the machine at hand runs its finalists here with torchrun, as the command line
+    search on the machine at hand runs its finalists here (`autopart.tools.local_run`), as the command line
     does, and keeps what they measured per model and machine (``run_finalists=False`` keeps the
     predicted order; ``run_finalists=True`` runs them afresh).
     """

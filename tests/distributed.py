@@ -65,13 +65,13 @@ def run_program(argv: list[str], nproc: int, *, timeout: float = 240,
                 env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """``nproc`` ranks of the program ``argv`` (a script and its arguments), forked as `run_ranks`
     forks a ``train.py``'s."""
-    answer, stdouts, stderrs = run_forked(_ZYGOTE, argv, nproc, {}, timeout_s=timeout, extra=env)
-    stdout = "".join(stdouts)
-    stderr = "".join(f"[rank {rank}] {text}" for rank, text in enumerate(stderrs) if text)
-    if answer["timed_out"]:
+    launched = run_forked(_ZYGOTE, argv, nproc, environment(), timeout_s=timeout, extra=env)
+    stdout = "".join(launched.stdouts)
+    stderr = "".join(f"[rank {rank}] {text}" for rank, text in enumerate(launched.stderrs) if text)
+    if launched.timed_out:
         raise subprocess.TimeoutExpired(argv, timeout, output=stdout, stderr=stderr)
-    if any(answer["codes"]):
-        raise AssertionError(f"ranks failed (exit codes {answer['codes']}):\n{stdout[-3000:]}\n{stderr[-6000:]}")
+    if launched.failed_rank is not None:
+        raise AssertionError(f"ranks failed (exit codes {launched.codes}):\n{stdout[-3000:]}\n{stderr[-6000:]}")
     return subprocess.CompletedProcess(argv, 0, stdout=stdout, stderr=stderr)
 
 

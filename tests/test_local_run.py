@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -29,7 +30,7 @@ def compiled(tmp_path_factory) -> Path:
 
 
 def _losses(out: Path, work: Path, forked: bool, *args: str) -> list[float]:
-    metrics = work / f"metrics-{forked}.jsonl"
+    metrics = work / f"metrics-{len(list(work.glob('metrics-*')))}.jsonl"  # train.py appends: one file per run
     run_locally(out, 2, ["--steps", "3", "--metrics", str(metrics), *args], timeout_s=120, cwd=work, forked=forked)
     return [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
 
@@ -39,25 +40,53 @@ def test_forked_ranks_train_as_torchrun_s_and_one_process_serves_every_run(compi
     by_fork = _losses(compiled, tmp_path, True)
     assert len(by_fork) == 3 and by_fork == by_torchrun  # the same programs, bit for bit
     zygote = local_run._ZYGOTE.process
-    assert _losses(compiled, tmp_path, True, "--seed", "1") != by_fork  # the arguments reach the ranks
+    reseeded = _losses(compiled, tmp_path, True, "--seed", "1")
+    assert len(reseeded) == 3 and reseeded != by_fork  # the arguments reach the ranks
     assert local_run._ZYGOTE.process is zygote and zygote.poll() is None
 
 
 @pytest.mark.parametrize("forked", [True, False])
 def test_a_failed_rank_is_one_error_naming_it_without_waiting_for_its_peer(compiled, tmp_path, monkeypatch, forked):
-    monkeypatch.setenv("AUTOPART_FAIL_AT", "1:1")  # rank 1 exits at step 1; rank 0 would wait 120 s for it
+    monkeypatch.setenv("AUTOPART_FAIL_AT", "1:1")  # rank 1 exits 17 at step 1; rank 0 would wait 120 s for it
     started = time.monotonic()
     with pytest.raises(LocalRunError) as error:
         _losses(compiled, tmp_path, forked)
-    assert str(error.value).startswith("the distributed run failed (exit ")  # torchrun's own code, or the rank's
+    # torchrun exits 1 for its failed workers; forked, the failed rank's own code (not its killed peer's)
+    assert str(error.value).startswith(f"the distributed run failed (exit {17 if forked else 1})")
     assert "autopart: AUTOPART_FAIL_AT: rank 1 dies at step 1" in str(error.value)
     assert time.monotonic() - started < 60
 
 
+def test_each_run_has_the_environment_of_its_launch(compiled, tmp_path, monkeypatch):
+    """The ranks are forked from a process started at the first launch: a variable set then and
+    gone since is not theirs."""
+    monkeypatch.setenv("AUTOPART_FAIL_AT", "1:1")
+    with pytest.raises(LocalRunError):
+        _losses(compiled, tmp_path, True)
+    monkeypatch.delenv("AUTOPART_FAIL_AT")
+    assert len(_losses(compiled, tmp_path, True)) == 3
+
+
 def test_a_run_past_its_time_is_stopped_and_its_ranks_with_it(compiled, tmp_path):
-    with pytest.raises(LocalRunError, match="the distributed run did not finish within 4 s"):
-        run_locally(compiled, 2, ["--steps", "1000000"], timeout_s=4, cwd=tmp_path)
-    assert _ranks_of(local_run._ZYGOTE.process.pid) == []
+    _losses(compiled, tmp_path, True)  # the zygote is up
+    zygote, seen, running = local_run._ZYGOTE.process.pid, set(), threading.Event()
+
+    def watch():
+        while not running.is_set():
+            seen.update(_ranks_of(zygote))
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(LocalRunError, match="the distributed run did not finish within 4 s"):
+            run_locally(compiled, 2, ["--steps", "1000000"], timeout_s=4, cwd=tmp_path)
+    finally:
+        running.set()
+        watcher.join()
+    assert time.monotonic() - started < 60
+    assert len(seen) == 2 and not any(_alive(pid) for pid in seen)
 
 
 def test_the_ranks_end_with_the_compile_that_started_them(compiled, tmp_path):
@@ -121,7 +150,7 @@ def _alive(pid: int) -> bool:
 def test_a_gpu_run_goes_to_torchrun(monkeypatch, tmp_path):
     launched = []
     monkeypatch.setattr(local_run, "_torchrun", lambda argv, ranks, env, **kw: launched.append((ranks, env)))
-    monkeypatch.setattr(local_run, "_forked", lambda *a, **kw: pytest.fail("forked a GPU run"))
+    monkeypatch.setattr(local_run, "run_forked", lambda *a, **kw: pytest.fail("forked a GPU run"))
     run_locally(tmp_path, 2, ["--steps", "1"], timeout_s=10, cwd=tmp_path, gpus=True)
     [(ranks, env)] = launched
     assert ranks == 2 and env.get("CUDA_VISIBLE_DEVICES") == os.environ.get("CUDA_VISIBLE_DEVICES")

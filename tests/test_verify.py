@@ -25,7 +25,7 @@ def compiled(tmp_path: Path, example: str, dtype: str = "fp32") -> Path:
 @pytest.mark.parametrize("example, dtype", [("gpt", "fp32"), ("llama", "bf16")])
 def test_verify_passes_on_the_examples(tmp_path, example, dtype):
     """A bf16 plan is held to bf16 tolerances against one bf16 process (fp32's would fail it).
-    The fp32 one runs the command as a user does (its own process, the ranks under torchrun)."""
+    The fp32 one runs the command as a user does, in a process of its own."""
     command = run_cli if dtype == "fp32" else run_cli_here
     result = command("verify", str(compiled(tmp_path, example, dtype)), "--steps", "2")
     assert result.returncode == 0, result.stdout + result.stderr

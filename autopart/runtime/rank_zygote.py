@@ -2,25 +2,32 @@
 
 Every rank of a generated program spends seconds of CPU importing torch, autopart's runtime and
 (at its first optimizer step) ``torch._dynamo``, and torchrun's agent imports torch once more
-before it starts them: on a 2-core machine, about 8 s before the first step of a run that
-lasts 8. The runs a compile makes here on the CPU (a pipeline's profile, a search's finalists,
-``autopart verify``; `autopart.tools.local_run`) start their ranks from this process instead: it
-pays for those imports once per compile and forks each rank from itself. A forked rank is a real
-process with its own gloo rank and the environment torchrun gives its workers, and runs
-``train.py`` as ``python train.py`` would (``runpy``, ``__name__ == "__main__"``, its folder first
-on ``sys.path``). This process runs no torch op, so no thread pool is inherited; it ends with the
-process that started it, and its ranks with it.
+before it starts them: on a small machine, as long as a short run's steps
+(docs/cli.md has the figures). The runs a command makes here on the CPU (a pipeline's profile, a
+search's finalists, ``autopart verify``; `autopart.tools.local_run`) start their ranks from this
+process instead: it pays for those imports once and forks each rank from itself. A forked rank
+is a real process with its own gloo rank, the whole environment its request gives it (the
+variables torchrun gives its workers for their rank and rendezvous among them), and runs
+``train.py`` as ``python train.py`` would (``runpy``, ``__name__ == "__main__"``, its folder
+first on ``sys.path``). Unlike torchrun's: rank 0 hosts the rendezvous store (there is no
+agent), and the ranks share this process's hash seed. This process runs no torch op, so no
+thread pool is inherited.
+
+It ends with its parent: at the end of its stdin, or, during a launch, as soon as the parent is
+gone (its ranks are killed, and end with it however it ends).
 
 Protocol, one JSON object per line: a request on stdin ``{"argv": [...], "envs": [{...}, ...],
 "outputs": [[stdout_path, stderr_path], ...], "timeout": seconds, "cwd": folder}`` starts one
 rank per entry of ``envs`` (in ``cwd``, where given); the answer on stdout is ``{"codes": [...],
-"timed_out": bool}`` once every rank has ended. When a rank fails the others are killed at once
-(torchrun does the same), so a failure never waits for the survivors' collective timeouts; at the
-timeout all are killed.
+"timed_out": bool, "failed": rank}`` once every rank has ended (``failed``: the first rank that
+ended with a nonzero code, or null). When a rank fails the others are killed at once (torchrun
+does the same), so a failure never waits for the survivors' collective timeouts; at the timeout
+all are killed.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import runpy
@@ -30,22 +37,84 @@ import time
 import traceback
 from collections.abc import Callable
 
-import torch  # noqa: F401  (imported here once, for every rank)
-import torch._dynamo  # noqa: F401  (torch.optim imports it at the first step)
-import torch.distributed  # noqa: F401
-
-import autopart.runtime.train  # noqa: F401
 from autopart.ir.forked import end_with_parent
 
-__all__ = ["launch", "main", "serve"]
+__all__ = ["launch", "main"]
 
 
-def _run_rank(request: dict, rank: int, parent: int, before: Callable[[], None] | None) -> None:
+def main(before: Callable[[], None] | None = None) -> None:
+    """``python -m autopart.runtime.rank_zygote PID``: serve the process PID until it ends or
+    closes this one's stdin. ``before``: what each rank does just before it runs its program (a
+    test's instrumentation)."""
+    parent = int(sys.argv[1])
+    answers = os.fdopen(os.dup(1), "w")  # the answers' own copy: a stray print goes to stderr
+    os.dup2(2, 1)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent's Ctrl-C ends this, through the parent
+    import torch  # noqa: F401  (imported here once, for every rank)
+    import torch._dynamo  # noqa: F401  (torch.optim imports it at the first step)
+    import torch.distributed  # noqa: F401
+
+    import autopart.runtime.train  # noqa: F401
+
+    gc.freeze()  # what every rank shares stays shared: a rank's collections do not copy its pages
+    for line in sys.stdin:
+        answers.write(json.dumps(launch(json.loads(line), parent, before)) + "\n")
+        answers.flush()
+        if os.getppid() != parent:
+            break
+
+
+def launch(request: dict, parent: int, before: Callable[[], None] | None = None) -> dict:
+    """Fork the ranks of ``request``, wait for them; the answer. All are killed where one fails,
+    the time runs out or ``parent`` ends."""
+    children, zygote = {}, os.getpid()
+    for rank in range(len(request["envs"])):
+        pid = os.fork()
+        if pid == 0:
+            _run_rank(request, rank, zygote, before)
+        try:
+            os.setpgid(pid, pid)  # here too, so that the group exists whichever of the two runs first
+        except OSError:
+            pass  # the child got there first (or already ended)
+        children[pid] = rank
+    codes: list[int | None] = [None] * len(children)
+    deadline = time.monotonic() + request["timeout"]
+    timed_out, failed = False, None
+    while any(code is None for code in codes):
+        pid, status = os.waitpid(-1, os.WNOHANG)
+        if pid:
+            codes[children[pid]] = os.waitstatus_to_exitcode(status)
+            if failed is None and codes[children[pid]] != 0:
+                failed = children[pid]
+            continue
+        timed_out = time.monotonic() > deadline
+        if failed is not None or timed_out or os.getppid() != parent:
+            _kill(pid for pid, rank in children.items() if codes[rank] is None)
+            while any(code is None for code in codes):
+                pid, status = os.waitpid(-1, 0)
+                codes[children[pid]] = os.waitstatus_to_exitcode(status)
+            break
+        time.sleep(0.02)
+    return {"codes": codes, "timed_out": timed_out, "failed": failed}
+
+
+def _kill(pids) -> None:
+    for pid in pids:
+        try:
+            os.killpg(pid, signal.SIGKILL)  # the rank and what it started
+        except ProcessLookupError:  # it left its group
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass  # it ended meanwhile
+
+
+def _run_rank(request: dict, rank: int, zygote: int, before: Callable[[], None] | None) -> None:
     """In the forked child: become rank ``rank`` of ``request`` and never return."""
     code = 1
     try:
         os.setpgid(0, 0)  # its own process group: killing the rank kills what it started too
-        end_with_parent(parent)
+        end_with_parent(zygote)
         if request.get("cwd") is not None:
             os.chdir(request["cwd"])
         for fd, path in zip((1, 2), request["outputs"][rank], strict=True):
@@ -55,11 +124,12 @@ def _run_rank(request: dict, rank: int, parent: int, before: Callable[[], None] 
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
         os.close(null)
-        signal.signal(signal.SIGINT, signal.default_int_handler)  # as python starts (the zygote ignores it)
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # as python starts
+        os.environ.clear()  # the request's whole environment, not the zygote's with it
         os.environ.update(request["envs"][rank])
         argv = request["argv"]
         sys.argv = list(argv)
-        sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
+        sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))  # as ``python train.py`` has it
         if before is not None:
             before()
         runpy.run_path(argv[0], run_name="__main__")
@@ -75,55 +145,6 @@ def _run_rank(request: dict, rank: int, parent: int, before: Callable[[], None] 
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
-
-
-def launch(request: dict, before: Callable[[], None] | None = None) -> dict:
-    """Fork the ranks of ``request``, wait for them; the answer. ``before``: what each rank does
-    just before it runs the program (a test's instrumentation)."""
-    children, parent = {}, os.getpid()
-    for rank in range(len(request["envs"])):
-        pid = os.fork()
-        if pid == 0:
-            _run_rank(request, rank, parent, before)
-        try:
-            os.setpgid(pid, pid)  # here too, so that the group exists whichever of the two runs first
-        except OSError:
-            pass  # the child got there first (or already ended)
-        children[pid] = rank
-    codes: list[int | None] = [None] * len(children)
-    deadline = time.monotonic() + request["timeout"]
-    timed_out = failed = False
-    while any(code is None for code in codes):
-        pid, status = os.waitpid(-1, os.WNOHANG)
-        if pid:
-            codes[children[pid]] = os.waitstatus_to_exitcode(status)
-            failed = failed or codes[children[pid]] != 0
-            continue
-        timed_out = time.monotonic() > deadline
-        if failed or timed_out:
-            for other, rank in children.items():
-                if codes[rank] is None:
-                    os.killpg(other, signal.SIGKILL)
-            while any(code is None for code in codes):
-                pid, status = os.waitpid(-1, 0)
-                codes[children[pid]] = os.waitstatus_to_exitcode(status)
-            break
-        time.sleep(0.02)
-    return {"codes": codes, "timed_out": timed_out}
-
-
-def serve(before: Callable[[], None] | None = None) -> None:
-    """Answer the requests on stdin until it closes."""
-    for line in sys.stdin:
-        sys.stdout.write(json.dumps(launch(json.loads(line), before)) + "\n")
-        sys.stdout.flush()
-
-
-def main(before: Callable[[], None] | None = None) -> None:
-    """``python -m autopart.runtime.rank_zygote PID``: serve the process PID, end with it."""
-    end_with_parent(int(sys.argv[1]))
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the terminal's Ctrl-C is the compile's, which ends this
-    serve(before)
 
 
 if __name__ == "__main__":

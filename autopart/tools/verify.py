@@ -1,6 +1,6 @@
 """``autopart verify OUT``: run the generated programs beside the original model and compare.
 
-The programs run under torchrun on this machine, on its GPUs with NCCL when the plan was
+The programs run on this machine (`autopart.tools.local_run`), on its GPUs with NCCL when the plan was
 compiled for a GPU and each rank can have one (`autopart.tools.local_run.runs_on_gpus`), else with
 gloo on the CPU; the original model trains in this process on the same device, on the same
 batches from the same initial weights (``autopart.runtime.reference``). Any user can so check any compile: the losses of
