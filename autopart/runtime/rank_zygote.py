@@ -6,15 +6,16 @@ before it starts them: on a small machine, as long as a short run's steps
 (docs/cli.md has the figures). The runs a command makes here on the CPU (a pipeline's profile, a
 search's finalists, ``autopart verify``; `autopart.tools.local_run`) start their ranks from this
 process instead: it pays for those imports once and forks each rank from itself. A forked rank
-is a real process with its own gloo rank, the whole environment its request gives it (the
-variables torchrun gives its workers for their rank and rendezvous among them), and runs
+is a real process with its own gloo rank, the whole ``os.environ`` its request gives it (the
+variables torchrun gives its workers for their rank and rendezvous among them; what was read of
+the environment at import, ``sys.path`` from PYTHONPATH say, is this process's), and runs
 ``train.py`` as ``python train.py`` would (``runpy``, ``__name__ == "__main__"``, its folder
 first on ``sys.path``). Unlike torchrun's: rank 0 hosts the rendezvous store (there is no
 agent), and the ranks share this process's hash seed. This process runs no torch op, so no
 thread pool is inherited.
 
-It ends with its parent: at the end of its stdin, or, during a launch, as soon as the parent is
-gone (its ranks are killed, and end with it however it ends).
+It ends with its parent: at the end of its stdin, or within a second of the parent's end while
+idle, at once during a launch (its ranks are killed, and end with it however it ends).
 
 Protocol, one JSON object per line: a request on stdin ``{"argv": [...], "envs": [{...}, ...],
 "outputs": [[stdout_path, stderr_path], ...], "timeout": seconds, "cwd": folder}`` starts one
@@ -31,6 +32,7 @@ import gc
 import json
 import os
 import runpy
+import select
 import signal
 import sys
 import time
@@ -57,20 +59,40 @@ def main(before: Callable[[], None] | None = None) -> None:
     import autopart.runtime.train  # noqa: F401
 
     gc.freeze()  # what every rank shares stays shared: a rank's collections do not copy its pages
-    for line in sys.stdin:
-        answers.write(json.dumps(launch(json.loads(line), parent, before)) + "\n")
-        answers.flush()
+    for line in _requests(parent):
+        answer = launch(json.loads(line), parent, before, answers.fileno())
         if os.getppid() != parent:
-            break
+            break  # nobody to answer
+        answers.write(json.dumps(answer) + "\n")
+        answers.flush()
 
 
-def launch(request: dict, parent: int, before: Callable[[], None] | None = None) -> dict:
+def _requests(parent: int):
+    """The lines of stdin, until it ends or ``parent`` does: a process the parent forked may hold
+    the pipe open after the parent is gone, so its end is not enough."""
+    pending = b""
+    while os.getppid() == parent:
+        if not select.select([0], [], [], 1.0)[0]:
+            continue
+        chunk = os.read(0, 1 << 16)
+        if not chunk:
+            return
+        pending += chunk
+        while b"\n" in pending:
+            line, pending = pending.split(b"\n", 1)
+            yield line.decode()
+
+
+def launch(request: dict, parent: int, before: Callable[[], None] | None = None, private: int | None = None) -> dict:
     """Fork the ranks of ``request``, wait for them; the answer. All are killed where one fails,
-    the time runs out or ``parent`` ends."""
+    the time runs out or ``parent`` ends. ``private``: a descriptor of this process's that the
+    ranks close."""
     children, zygote = {}, os.getpid()
     for rank in range(len(request["envs"])):
         pid = os.fork()
         if pid == 0:
+            if private is not None:
+                os.close(private)
             _run_rank(request, rank, zygote, before)
         try:
             os.setpgid(pid, pid)  # here too, so that the group exists whichever of the two runs first
@@ -82,17 +104,20 @@ def launch(request: dict, parent: int, before: Callable[[], None] | None = None)
     timed_out, failed = False, None
     while any(code is None for code in codes):
         pid, status = os.waitpid(-1, os.WNOHANG)
+        if pid and pid not in children:
+            continue  # not a rank (something an import started)
         if pid:
             codes[children[pid]] = os.waitstatus_to_exitcode(status)
             if failed is None and codes[children[pid]] != 0:
                 failed = children[pid]
             continue
-        timed_out = time.monotonic() > deadline
+        timed_out = failed is None and time.monotonic() > deadline
         if failed is not None or timed_out or os.getppid() != parent:
             _kill(pid for pid, rank in children.items() if codes[rank] is None)
             while any(code is None for code in codes):
                 pid, status = os.waitpid(-1, 0)
-                codes[children[pid]] = os.waitstatus_to_exitcode(status)
+                if pid in children:
+                    codes[children[pid]] = os.waitstatus_to_exitcode(status)
             break
         time.sleep(0.02)
     return {"codes": codes, "timed_out": timed_out, "failed": failed}
@@ -115,12 +140,12 @@ def _run_rank(request: dict, rank: int, zygote: int, before: Callable[[], None] 
     try:
         os.setpgid(0, 0)  # its own process group: killing the rank kills what it started too
         end_with_parent(zygote)
-        if request.get("cwd") is not None:
-            os.chdir(request["cwd"])
-        for fd, path in zip((1, 2), request["outputs"][rank], strict=True):
+        for fd, path in zip((1, 2), request["outputs"][rank], strict=True):  # first: what fails is said there
             target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             os.dup2(target, fd)
             os.close(target)
+        if request.get("cwd") is not None:
+            os.chdir(request["cwd"])
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
         os.close(null)

@@ -13,6 +13,7 @@ torchrun on the CPU too.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import socket
@@ -77,21 +78,32 @@ def _with_package(pythonpath: str) -> str:
 def _torchrun(argv: list[str], ranks: int, env: dict[str, str], *, timeout_s: float, cwd: Path) -> None:
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}",
                "--master-addr=127.0.0.1", f"--master-port={free_port()}", *argv]  # fmt: skip
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd)
-    try:
-        _, stderr = process.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        # torchrun passes SIGTERM on to its workers, which it starts in sessions of their own:
-        # killed outright, it would leave them running
-        process.terminate()
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                          cwd=cwd) as process:  # fmt: skip
         try:
-            process.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.communicate()
-        raise _timed_out(timeout_s) from None
+            _, stderr = process.communicate(timeout=timeout_s)
+        except BaseException as exc:
+            _stop_torchrun(process)
+            if isinstance(exc, subprocess.TimeoutExpired):
+                raise _timed_out(timeout_s) from None
+            raise
     if process.returncode != 0:
         raise run_failed(process.returncode, stderr)
+
+
+def _stop_torchrun(process: subprocess.Popen) -> None:
+    """torchrun passes SIGTERM on to its workers, which it starts in sessions of their own and
+    gives 30 s to end (killed outright, it would leave them running); then SIGKILL. Its pipes are
+    closed, not read to their end: a worker that outlived it would hold them open."""
+    process.terminate()
+    try:
+        process.wait(timeout=45)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+    for pipe in (process.stdout, process.stderr):
+        with contextlib.suppress(OSError):
+            pipe.close()
 
 
 def _timed_out(timeout_s: float) -> LocalRunError:
@@ -150,11 +162,15 @@ class RankZygote:
         if self.process is not None:
             self.process.kill()
             self.process.wait()
-            self.process.stdin.close()
-            self.process.stdout.close()
+            for pipe in (self.process.stdin, self.process.stdout):
+                with contextlib.suppress(OSError):  # a request left in the buffer of a broken pipe
+                    pipe.close()
 
     def close(self) -> None:
-        """Ends it (it holds nothing to finish: killed, its ranks end with it)."""
+        """Ends it (it holds nothing to finish: killed, its ranks end with it); a launch in
+        another thread then fails."""
+        if self.process is not None:
+            self.process.kill()
         with self.lock:
             self._end()
 
@@ -166,7 +182,7 @@ def run_forked(zygote: RankZygote, argv: list[str], ranks: int, env: dict[str, s
                cwd: Path | None = None, extra: dict[str, str] | None = None) -> Launched:
     """``ranks`` ranks of the program ``argv`` forked by ``zygote`` on loopback, each with the
     environment ``env``, then the variables torchrun gives its workers for their rank and
-    rendezvous, then ``extra``."""
+    rendezvous, then ``extra``; in ``cwd``, or in the zygote's folder (the package's)."""
     port = free_port()
     envs = [{**env, "RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0", "ROLE_RANK": str(rank),
              "WORLD_SIZE": str(ranks), "LOCAL_WORLD_SIZE": str(ranks), "ROLE_WORLD_SIZE": str(ranks),
@@ -178,8 +194,15 @@ def run_forked(zygote: RankZygote, argv: list[str], ranks: int, env: dict[str, s
         answer = zygote.launch({"argv": argv, "envs": envs, "outputs": outputs, "timeout": timeout_s,
                                 "cwd": None if cwd is None else str(cwd)})
         return Launched(codes=tuple(answer["codes"]), timed_out=answer["timed_out"], failed_rank=answer["failed"],
-                        stdouts=tuple(Path(o).read_text() for o, _ in outputs),
-                        stderrs=tuple(Path(e).read_text() for _, e in outputs))
+                        stdouts=tuple(_text(o) for o, _ in outputs), stderrs=tuple(_text(e) for _, e in outputs))
+
+
+def _text(path: str) -> str:
+    """What a rank wrote there; nothing where it failed before it could open the file."""
+    try:
+        return Path(path).read_text()
+    except FileNotFoundError:
+        return ""
 
 
 def run_failed(code: int, stderr: str) -> LocalRunError:
