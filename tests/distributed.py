@@ -1,5 +1,5 @@
-"""Launching generated programs under torchrun in tests: a free loopback port per launch and a
-timeout on every launch, so that nothing can hang CI; and the compile-train-compare helpers
+"""Launching generated programs in tests (their ranks forked, or under torchrun where the launcher
+is what a test checks): a free loopback port per launch and a timeout on every launch, so that nothing can hang CI; and the compile-train-compare helpers
 that every equivalence test shares."""
 
 from __future__ import annotations
@@ -184,7 +184,7 @@ def run_cli_here(*args: str) -> subprocess.CompletedProcess:
 
 @dataclass(frozen=True, kw_only=True)
 class Trained:
-    """A compiled plan after a torchrun training run: what it printed and what it left."""
+    """A compiled plan after a training run: what it printed and what it left."""
 
     plan: Plan
     out: Path
