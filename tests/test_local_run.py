@@ -76,10 +76,10 @@ def test_each_run_has_the_environment_of_its_launch(compiled, tmp_path, monkeypa
 
 def test_a_run_past_its_time_is_stopped_and_its_ranks_with_it(compiled, tmp_path):
     _losses(compiled, tmp_path, True)  # the zygote is up
-    zygote, seen, running = local_run._ZYGOTE.process.pid, set(), threading.Event()
+    zygote, seen, stop_watching = local_run._ZYGOTE.process.pid, set(), threading.Event()
 
     def watch():
-        while not running.is_set():
+        while not stop_watching.is_set():
             seen.update(_ranks_of(zygote))
             time.sleep(0.05)
 
@@ -90,7 +90,7 @@ def test_a_run_past_its_time_is_stopped_and_its_ranks_with_it(compiled, tmp_path
         with pytest.raises(LocalRunError, match="the distributed run did not finish within 4 s"):
             run_locally(compiled, 2, ["--steps", "1000000"], timeout_s=4, cwd=tmp_path)
     finally:
-        running.set()
+        stop_watching.set()
         watcher.join()
     assert time.monotonic() - started < 60
     assert len(seen) == 2 and not any(_alive(pid) for pid in seen)

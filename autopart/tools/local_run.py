@@ -59,8 +59,7 @@ def run_locally(
     when it fails or outlasts ``timeout_s``. On the CPU the ranks are forked from this process's
     rank zygote, or with ``forked`` False started by torchrun; on the GPUs, always by torchrun."""
     argv = [str(out_dir / "train.py"), *train_args, "--timeout", str(min(timeout_s, 300))]
-    env = dict(os.environ) if gpus else dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = _with_package(env.get("PYTHONPATH", ""))
+    env = _environment(gpus)
     if gpus or not forked:
         _torchrun(argv, ranks, env, timeout_s=timeout_s, cwd=cwd)
         return
@@ -71,8 +70,16 @@ def run_locally(
         raise run_failed(launched.codes[launched.failed_rank], "".join(launched.stderrs))
 
 
-def _with_package(pythonpath: str) -> str:
-    return os.pathsep.join(p for p in (_PACKAGE_ROOT, pythonpath) if p)
+def _environment(gpus: bool = False) -> dict[str, str]:
+    """This process's environment for ranks here: on the CPU the GPUs hidden and one thread per
+    rank, as torchrun starts them."""
+    env = dict(os.environ) if gpus else dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+    return _with_package(env)
+
+
+def _with_package(env: dict[str, str]) -> dict[str, str]:
+    """``env`` with this package first on PYTHONPATH: the generated train.py imports autopart."""
+    return dict(env, PYTHONPATH=os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH", "")) if p))
 
 
 def _torchrun(argv: list[str], ranks: int, env: dict[str, str], *, timeout_s: float, cwd: Path) -> None:
@@ -138,8 +145,7 @@ class RankZygote:
         """Its answer to ``request`` (the protocol is `autopart.runtime.rank_zygote`'s)."""
         with self.lock:
             if self.process is None or self.process.poll() is not None:
-                env = dict(self.env or dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1"))
-                env["PYTHONPATH"] = _with_package(env.get("PYTHONPATH", ""))
+                env = _environment() if self.env is None else _with_package(self.env)
                 # started in the package's folder: the caller's would come first on its sys.path
                 self.process = subprocess.Popen([*self.command, str(os.getpid())], stdin=subprocess.PIPE,
                                                 stdout=subprocess.PIPE, text=True, env=env, cwd=_PACKAGE_ROOT,
