@@ -77,9 +77,9 @@ class _Launched(Exception):
     pass
 
 
-@pytest.mark.parametrize("cap, measured_steps", [("0", pipeline.MEASURED_STEPS), ("0.5", 500)])
-def test_a_plan_s_measured_steps_follow_the_capped_seconds(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
-                                                           cap: str, measured_steps: int) -> None:
+@pytest.mark.parametrize("cap, seconds", [("0", "0.0"), ("0.5", "0.5"), ("", "8.0")])
+def test_a_plan_s_run_lasts_the_capped_seconds_within_its_least_and_most_steps(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, cap: str, seconds: str) -> None:
     launched = []
 
     def run_locally(out_dir, world_size, args, **kwargs):
@@ -91,4 +91,6 @@ def test_a_plan_s_measured_steps_follow_the_capped_seconds(monkeypatch: pytest.M
     plan = SimpleNamespace(predicted=SimpleNamespace(step_s=0.001), world_size=2)
     with pytest.raises(_Launched):
         pipeline.profile_pipeline(tmp_path, plan, overheads=None, cores=2)
-    assert launched[0][:2] == ["--steps", str(pipeline.WARMUP_STEPS + measured_steps)]
+    warmup = pipeline.WARMUP_STEPS
+    assert launched[0][:6] == ["--steps", str(warmup + pipeline.MAX_STEPS),
+                               "--min-steps", str(warmup + pipeline.MEASURED_STEPS), "--seconds", seconds]

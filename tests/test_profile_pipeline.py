@@ -6,16 +6,18 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 
 import autopart.profiling.pipeline
 from autopart.tools.cli import main as cli_main
 from autopart.driver import CompileOptions, compile_to_directory
 from autopart.ir.plan import load_plan
-from autopart.profiling.pipeline import action_seconds, message_times, measure, pipeline_key, plan_pipeline_key, run_steps
+from autopart.profiling.pipeline import action_seconds, message_times, measure, pipeline_key, plan_pipeline_key
 from autopart.schedule import Action, add_communication, build_schedule
 from cost_models import CostDatabase
 from cost_models.database import PipelineMeasurement, RuntimeOverheads, plan_shape
 from cost_models.roofline import RooflineCostModel
+from autopart.runtime.measure import StopRule
 from tests.distributed import run_ranks
 
 TINY_GPT = Path(__file__).parent / "models" / "tiny_gpt.py"
@@ -405,18 +407,33 @@ def test_where_the_ranks_share_the_cores_a_receive_that_waited_takes_its_own_tim
     with_factor(folder, plan, None)
 
 
-def test_the_run_spans_its_seconds_by_the_predicted_step_within_its_least_and_most_steps(compiled, monkeypatch):
-    """What the compile says it will run (its status line) is what it runs: 4 warm-up steps, then
-    8 s of predicted steps, at least 8 and at most 1,000; `AUTOPART_MEASURE_SECONDS` caps the 8 s."""
-    plan = compiled[0]
+@pytest.mark.multiprocess
+def test_a_run_for_seconds_stops_every_rank_after_the_same_step_within_its_least_and_most(compiled, tmp_path):
+    """``--seconds``: the first step at which the steps' agreed times (each the slowest rank's,
+    rank 0's ``step_s``) sum to the bound ends the run on every rank, not before ``--min-steps``,
+    never past ``--steps``; the run's last step is checkpointed as the end of a run of --steps is."""
+    _, out, _ = compiled
+    run_ranks(out, 2, "--steps", "400", "--min-steps", "2", "--seconds", "0.15", "--action-times", str(tmp_path / "a"),
+              "--metrics", str(tmp_path / "m.jsonl"))
+    step_s = [json.loads(line)["step_s"] for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    counts = {len((tmp_path / "a" / f"rank_{rank}.jsonl").read_text().splitlines()) for rank in (0, 1)}
+    assert counts == {len(step_s)} and 2 <= len(step_s) < 400
+    assert sum(step_s[:-1]) < 0.15 <= sum(step_s) or len(step_s) == 2
+    run_ranks(out, 2, "--steps", "400", "--min-steps", "3", "--seconds", "0", "--action-times", str(tmp_path / "b"),
+              "--checkpoint-dir", str(tmp_path / "c"))
+    assert len((tmp_path / "b" / "rank_1.jsonl").read_text().splitlines()) == 3
+    assert sorted(p.name for p in (tmp_path / "c").iterdir()) == ["step_00000003"]
+    run_ranks(out, 2, "--steps", "2", "--seconds", "1000", "--action-times", str(tmp_path / "d"))
+    assert len((tmp_path / "d" / "rank_0.jsonl").read_text().splitlines()) == 2
 
-    def at(step_s: float):
-        return replace(plan, predicted=replace(plan.predicted, step_s=step_s))
 
-    monkeypatch.delenv("AUTOPART_MEASURE_SECONDS", raising=False)
-    assert run_steps(at(0.02)) == 4 + 400
-    assert run_steps(at(0.0202)) == 4 + 397  # rounded up: at least the span
-    assert run_steps(at(1e-5)) == 4 + 1000
-    assert run_steps(at(5.0)) == 4 + 8
-    monkeypatch.setenv("AUTOPART_MEASURE_SECONDS", "0.5")
-    assert run_steps(at(0.02)) == 4 + 25
+def test_the_stop_rule_counts_the_agreed_seconds_from_the_run_s_first_step():
+    """A resumed run (first step 5) counts its own steps against ``--min-steps`` and ``--seconds``,
+    and ``--steps`` is the step number it ends at, as without --seconds."""
+    def stops(rule, times):
+        return [rule.after(torch.tensor([t])) for t in times]
+
+    assert stops(StopRule(5, 10, None, 1), [9.0] * 5) == [False] * 4 + [True]
+    assert stops(StopRule(5, 10, 1.0, 2), [0.6, 0.6, 0.1]) == [False, True, True]
+    assert stops(StopRule(5, 100, 1.0, 3), [2.0, 0.1, 0.1]) == [False, False, True]
+    assert stops(StopRule(5, 7, 100.0, 1), [0.1, 0.1]) == [False, True]

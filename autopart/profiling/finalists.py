@@ -43,7 +43,7 @@ from autopart.options import CompileOptions
 from autopart.passes.front import Front
 from autopart.profiling import finalist_cache
 from autopart.profiling.measure_defaults import NO_MEASURE_ENV, RANKS_PER_CORE, why_not_here
-from autopart.profiling.span import span
+from autopart.profiling.span import timed_run
 from autopart.solve.planner import Finalist
 from autopart.tools.local_run import LocalRunError, run_locally, runs_on_gpus
 
@@ -53,8 +53,8 @@ log = logging.getLogger("autopart")
 
 WARMUP_STEPS = 3  # left out: the first steps allocate and fill the caches
 MEASURED_STEPS = 8  # at least; and at least
-MEASURED_SECONDS = 1.0  # by the plan's predicted step (capped by `autopart.profiling.span`)
-MAX_STEPS = 100  # whatever the prediction: one far too short must not make a launch of minutes
+MEASURED_SECONDS = 1.0  # the run's steps together (capped by `autopart.profiling.span`)
+MAX_STEPS = 100  # whatever the seconds: a plan of a millisecond a step has its fixed costs per step besides
 TIMEOUT_S = 300.0  # a launch that takes longer is taken as failed
 CLOSE = 0.15
 """Finalists whose first run came within this fraction of the fastest run again: a launch's
@@ -85,7 +85,6 @@ def finalist_step_s(finalist: Finalist, *, timeout_s: float = TIMEOUT_S) -> floa
     """The median step of one launch of ``finalist``'s programs here, its first steps left out;
     raises `LocalRunError` where the launch fails or outlasts ``timeout_s``."""
     plan = finalist.plan
-    steps = max(MEASURED_STEPS, min(MAX_STEPS, math.ceil(span(MEASURED_SECONDS) / max(plan.predicted.step_s, 1e-6))))
     gpus = runs_on_gpus(plan)
     if gpus:  # this process's cached blocks on GPU 0 would be rank 0's memory less
         torch.cuda.empty_cache()
@@ -94,7 +93,8 @@ def finalist_step_s(finalist: Finalist, *, timeout_s: float = TIMEOUT_S) -> floa
         out = emit_directory(plan, finalist.front.op_graph, finalist.front.spec, work / "out",
                              chain=finalist.front.chain)
         metrics = work / "metrics.jsonl"
-        run_locally(out, plan.world_size, ["--steps", str(WARMUP_STEPS + steps), "--metrics", str(metrics)],
+        run_locally(out, plan.world_size, [*timed_run(MEASURED_SECONDS, warmup=WARMUP_STEPS, least=MEASURED_STEPS, most=MAX_STEPS),
+                                                     "--metrics", str(metrics)],
                     timeout_s=timeout_s, cwd=work, gpus=gpus)
         records = [json.loads(line) for line in metrics.read_text().splitlines()]
     return statistics.median(record["step_s"] for record in records[WARMUP_STEPS:])

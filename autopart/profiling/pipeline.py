@@ -61,7 +61,7 @@ from autopart.codegen.emit import emit_directory
 from autopart.passes.front import Front
 from autopart.tools.local_run import LocalRunError, run_locally
 from autopart.ir.plan import Plan
-from autopart.profiling.span import span
+from autopart.profiling.span import span, timed_run
 from autopart.runtime.mesh import Mesh
 from autopart.schedule import RECEIVE_KINDS, SPLIT_BACKWARD_KINDS, Action, Kind
 from cost_models.database import (
@@ -74,11 +74,11 @@ from cost_models.database import (
 )
 
 __all__ = ["PipelineProfile", "affordable", "pipeline_key", "plan_pipeline_key", "profile_pipeline", "profiled_in_place",
-           "measure", "run_steps"]
+           "measure", "run_arguments"]
 
 WARMUP_STEPS = 4  # left out: the first steps allocate, and fill the caches and the allocator
 MEASURED_STEPS = 8  # at least; and at least
-MEASURED_SECONDS = 8.0  # by the plan's step: this machine's speed moves within seconds
+MEASURED_SECONDS = 8.0  # the run's steps together: this machine's speed moves within seconds
 MAX_STEPS = 1000  # whatever the seconds: a plan of a millisecond a step has its fixed costs per step besides
 
 
@@ -280,10 +280,10 @@ def message_times(messages: dict[tuple[int, int, int, str], tuple[float, float]]
 
 def profile_pipeline(out_dir: Path, plan: Plan, overheads: RuntimeOverheads, *, cores: int,
                      timeout_s: float = 600.0) -> PipelineProfile:
-    """Run the programs in ``out_dir`` on this host's CPU for `run_steps` steps and measure them."""
+    """Run the programs in ``out_dir`` on this host's CPU for `run_arguments` and measure them."""
     with tempfile.TemporaryDirectory(prefix="autopart-pipeline-") as folder:
         work = Path(folder)
-        run_locally(out_dir, plan.world_size, ["--steps", str(run_steps(plan)), "--action-times", str(work / "actions")],
+        run_locally(out_dir, plan.world_size, [*run_arguments(), "--action-times", str(work / "actions")],
                     timeout_s=timeout_s, cwd=work)
         try:
             return measure(plan, work / "actions", overheads, cores=cores)
@@ -291,11 +291,11 @@ def profile_pipeline(out_dir: Path, plan: Plan, overheads: RuntimeOverheads, *, 
             raise LocalRunError(f"the run's action times could not be read: {exc}") from None
 
 
-def run_steps(plan: Plan) -> int:
-    """The steps `profile_pipeline` runs ``plan`` for: `WARMUP_STEPS`, then `MEASURED_STEPS` and
-    `MEASURED_SECONDS` (capped by `autopart.profiling.span`) by its predicted step, up to `MAX_STEPS`."""
-    by_time = math.ceil(span(MEASURED_SECONDS) / max(plan.predicted.step_s, 1e-6))
-    return WARMUP_STEPS + max(MEASURED_STEPS, min(MAX_STEPS, by_time))
+def run_arguments() -> list[str]:
+    """``train.py``'s arguments of `profile_pipeline`'s run: `WARMUP_STEPS`, then
+    `MEASURED_SECONDS` (capped by `autopart.profiling.span`), at least `MEASURED_STEPS` and at
+    most `MAX_STEPS` steps."""
+    return timed_run(MEASURED_SECONDS, warmup=WARMUP_STEPS, least=MEASURED_STEPS, most=MAX_STEPS)
 
 
 PROFILE_PIPELINE_ROUNDS = 3
@@ -323,8 +323,9 @@ def profiled_in_place(plan: Plan, front: Front, recompile: Callable[[], tuple[Pl
         database = front.cost_model.database
         step_s = plan.predicted.step_s
         each = f"{step_s * 1e3:.3g} ms" if step_s < 1 else f"{step_s:.3g} s"  # predicted: the run times them
-        showing = console.status(f"running the plan to time its pipeline ({plan.world_size} processes, "
-                                 f"{run_steps(plan)} steps of ~{each})") if console is not None else nullcontext()
+        seconds = max(span(MEASURED_SECONDS), (WARMUP_STEPS + MEASURED_STEPS) * step_s)
+        showing = console.status(f"running the plan to time its pipeline ({plan.world_size} processes, ~{seconds:.3g} s "
+                                 f"of steps predicted at {each})") if console is not None else nullcontext()
         with showing, tempfile.TemporaryDirectory(prefix="autopart-profile-pipeline-") as folder:
             out = emit_directory(plan, front.op_graph, front.spec, Path(folder) / "out", chain=front.chain)
             profiled = profile_pipeline(out, plan, front.cost_model.runtime_overheads,

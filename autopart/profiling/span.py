@@ -16,7 +16,7 @@ import os
 
 from autopart.ir.errors import ConfigError
 
-__all__ = ["MEASURE_SECONDS_ENV", "span"]
+__all__ = ["MEASURE_SECONDS_ENV", "span", "timed_run"]
 
 MEASURE_SECONDS_ENV = "AUTOPART_MEASURE_SECONDS"
 
@@ -34,3 +34,12 @@ def span(seconds: float) -> float:
         raise ConfigError(f"{MEASURE_SECONDS_ENV}={text!r} is not a number of seconds; "
                           f"set it to a span such as 0.5, or unset it to measure for the full spans")
     return min(seconds, cap)
+
+
+def timed_run(seconds: float, *, warmup: int, least: int, most: int) -> list[str]:
+    """``train.py``'s arguments for a run that times a plan's steps: ``warmup`` steps to leave out,
+    then at least ``least`` and at most ``most`` more, stopping once the run's steps took
+    ``seconds`` (by `span`) together (``--seconds``: every rank stops after the same step). A bound
+    in seconds, not a count of steps by the plan's prediction: a prediction made before the plan
+    ran is the figure the run is there to correct, and a count by it ran for too long or too few."""
+    return ["--steps", str(warmup + most), "--min-steps", str(warmup + least), "--seconds", repr(span(seconds))]

@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node P OUT/train.py [--steps N] [--lr LR] [--optimizer sgd|adamw]
         [--seed S] [--metrics FILE] [--trace FILE] [--action-times DIR] [--save-weights DIR] [--timeout S]
+        [--seconds S [--min-steps N]]
         [--weights CKPT.safetensors]
         [--checkpoint-dir DIR] [--checkpoint-every K] [--resume] [--no-dropout]
         [--lr-schedule constant|cosine|linear] [--warmup-steps N] [--min-lr X] [--clip-grad-norm X]
@@ -24,7 +25,8 @@ otherwise (`autopart.runtime.device`).
 ``--trace FILE`` writes the measured timeline of the last step as a Chrome trace, in the form of
 compile's predicted ``trace.json``; ``--action-times DIR`` has each rank write ``DIR/rank_<r>.jsonl``, a line per step with the wall
 and CPU seconds of every action and of the step's tail (tied gradients, optimizer), which
-``autopart compile --profile-pipeline`` reads.
+``autopart compile --profile-pipeline`` reads; it runs for ``--seconds`` (at least ``--min-steps``,
+at most ``--steps``), stopping every rank after the same step (`autopart.runtime.measure.StopRule`).
 With ``--checkpoint-dir`` it saves every K
 steps and at the end; ``--resume``, or a restart by ``torchrun --max-restarts``, continues from the
 latest good checkpoint there.
@@ -61,7 +63,7 @@ from autopart.runtime.draws import draw_seed
 from autopart.runtime.forward import StageForward
 from autopart.runtime.fully_sharded import FSDP_LEVELS, check_level, end_of_step, full_state, shard_stage
 from autopart.runtime.launch import check_launch, init_process_group, inject_failure
-from autopart.runtime.measure import StepClock, write_measured_trace
+from autopart.runtime.measure import StepClock, StopRule, write_measured_trace
 from autopart.runtime.gradients import clip_gradients, sum_tied_gradients, tied_groups
 from autopart.runtime.reducer import GradientReducer
 from autopart.runtime.optim import OPTIMIZERS, make_optimizer
@@ -82,6 +84,10 @@ __all__ = ["main", "leave", "parse_args"]
 def parse_args(argv: list[str] | None, plan: Plan) -> argparse.Namespace:
     parser = OneLineParser(prog="train.py", description="Train the compiled model (run under torchrun).")
     parser.add_argument("--steps", type=int, default=10, help="training steps (default 10)")
+    parser.add_argument("--seconds", type=float,
+                        help="stop before --steps once the steps took S seconds together, each timed on its slowest "
+                        "rank so that every rank stops after the same step (for timing runs)")
+    parser.add_argument("--min-steps", type=int, default=1, help="with --seconds, at least N steps (default 1)")
     parser.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3)")
     parser.add_argument("--optimizer", choices=OPTIMIZERS, default=plan.optimizer)
     parser.add_argument("--seed", type=int, default=0, help="seed of the training batches and of what the model "
@@ -158,12 +164,16 @@ def _train(out_dir: Path, argv: list[str] | None) -> None:
         raise ConfigError("--resume needs --checkpoint-dir DIR: the folder the checkpoints were saved in")
     Recipe.from_args(args)
     check_tensorboard(args.tensorboard)
-    for flag, value, least in (("--steps", args.steps, 1), ("--checkpoint-every", args.checkpoint_every, 0),
+    for flag, value, least in (("--steps", args.steps, 1), ("--min-steps", args.min_steps, 1), ("--checkpoint-every", args.checkpoint_every, 0),
                                ("--eval-every", args.eval_every, 0), ("--eval-batches", args.eval_batches, 1)):
         if value < least:
             raise ConfigError(f"{flag} must be at least {least}, got {value}")
     if not args.timeout > 0:
         raise ConfigError(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
+    if args.seconds is not None and not args.seconds >= 0:
+        raise ConfigError(f"--seconds must be a number of seconds, at least 0, got {args.seconds:g}")
+    if args.seconds is not None and args.trace:
+        raise ConfigError("--trace records the last of --steps, which --seconds may not reach; give one of them")
     source_file = model_file(out_dir, plan)
     schedule = plan_actions(plan)  # a bad hand edit stops every rank here, before any waits for a peer
     if not plan.schedule.actions and rank == 0:
@@ -193,7 +203,6 @@ def _loop(out_dir: Path, plan: Plan, schedule: Schedule, args: argparse.Namespac
     collectives.set_group(group_of(device_mesh, "tp"))
     data_parallel = group_of(device_mesh, "dp")
     schedule_spec = plan.schedule
-    stage_count = len(plan.stages)
     stages, executor = _executor(out_dir, plan, schedule, args, rank, device, device_mesh, data_parallel)
     fully_sharded = _fully_shard(stages, plan, executor, device_mesh)
     tied = tied_groups(plan, mesh, rank, datetime.timedelta(seconds=args.timeout))
@@ -202,7 +211,7 @@ def _loop(out_dir: Path, plan: Plan, schedule: Schedule, args: argparse.Namespac
     optimizer = _optimizer(modules, plan, args, recipe, data_parallel)
     spec = load_model_file(source_file, build=False)
     data = global_batches(spec, schedule_spec.global_batch_size, args.seed)
-    holds_loss = stage_count - 1 in stages and here.tp == 0
+    holds_loss = len(plan.stages) - 1 in stages and here.tp == 0
     checkpointing = CheckpointContext(
         root=args.checkpoint_dir, out_dir=out_dir, modules=modules,
         optimizer=optimizer, optimizer_name=args.optimizer, rank=rank, dp_rank=here.dp, tp_rank=here.tp,
@@ -213,11 +222,10 @@ def _loop(out_dir: Path, plan: Plan, schedule: Schedule, args: argparse.Namespac
         next(data)  # the data position: the batches of the steps already done
     scheduler = recipe.scheduler(optimizer, args.lr, args.steps, done=first_step)
     held_out = eval_batches(spec, schedule_spec.global_batch_size, args.seed, args.eval_batches) if args.eval_every else []
-    reporter = None
-    if holds_loss and here.dp == 0:
-        reporter = StepReporter(steps=args.steps, first_step=first_step, metrics=args.metrics, tensorboard=args.tensorboard)
-
+    reporter = StepReporter(steps=args.steps, first_step=first_step, metrics=args.metrics,
+                            tensorboard=args.tensorboard) if holds_loss and here.dp == 0 else None
     split = functools.partial(_shares, dp=mesh.dp, dp_rank=here.dp, microbatches=schedule_spec.microbatches)
+    stop = StopRule(first_step, args.steps, args.seconds, args.min_steps)
     for step in range(first_step, args.steps):
         inject_failure(rank, step)
         inputs, target = next(data)
@@ -244,6 +252,7 @@ def _loop(out_dir: Path, plan: Plan, schedule: Schedule, args: argparse.Namespac
                                 (timer.seconds(reduced), launched))
         elapsed = device_tensor([end - timer.start], device)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        stopping = stop.after(elapsed)
         peaks = _peak_memory_per_rank(device) if args.metrics else []
         evaluated = args.eval_every and (step + 1) % args.eval_every == 0
         eval_losses = _evaluate(executor, held_out, split, plan, modules, fully_sharded) if evaluated else []
@@ -255,9 +264,10 @@ def _loop(out_dir: Path, plan: Plan, schedule: Schedule, args: argparse.Namespac
                 _report(reporter, plan, inputs, line, norm, eval_loss)
         if clock is not None:
             _write_trace(clock, plan, args, rank, step)
-        done = step + 1
-        if args.checkpoint_dir and (done == args.steps or (args.checkpoint_every and done % args.checkpoint_every == 0)):
-            checkpointing.save(done)
+        if args.checkpoint_dir and (stopping or (args.checkpoint_every and (step + 1) % args.checkpoint_every == 0)):
+            checkpointing.save(step + 1)
+        if stopping:
+            break
     if reporter is not None:
         reporter.close()
     if args.save_weights:
