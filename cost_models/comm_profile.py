@@ -1,6 +1,7 @@
 """``autopart profile-comm``: measure messages and collectives between processes on this machine.
 
-Starts ``ranks`` processes (gloo on loopback here, NCCL on GPUs) and times, at a few sizes, a
+Starts ``ranks`` processes (gloo on loopback here, forked as the compile's other runs here are,
+`autopart.tools.local_run.run_here`; NCCL on GPUs, spawned) and times, at a few sizes, a
 point-to-point message in the runtime's own pattern (``isend``/``irecv`` then ``wait``, one-way
 time as half a round trip), ``all_reduce``, ``all_gather`` and ``reduce_scatter``; median of
 repeats. Of a message's time it also measures the part that is the two processes' own work,
@@ -39,6 +40,7 @@ import json
 import os
 import socket
 import statistics
+import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -47,7 +49,8 @@ from pathlib import Path
 import torch
 
 from autopart.ir.errors import ConfigError
-from autopart.tools.local_run import free_port
+from autopart.tools.local_run import free_port, run_here
+from cost_models.resident import resident_bytes
 from cost_models.calibration import cache_dir, cache_slug, usable_cores, write_json
 
 __all__ = ["CommProfile", "Effort", "FULL", "QUICK", "cache_path", "profile_comm", "load_comm_profile", "SIZES", "WAKE_IDLES"]
@@ -56,6 +59,7 @@ SIZES = (4, 4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 8 << 20)
 """Message sizes timed, in bytes: latency-bound to bandwidth-bound."""
 _REPEATS = 15
 _KINDS = ("p2p", "all_reduce", "all_gather", "reduce_scatter")
+_TIMEOUT_S = 600.0  # a run on the CPU that takes longer is stuck (FULL takes tens of seconds)
 WAKE_IDLES = (0.0005, 0.001, 0.003, 0.01, 0.03)
 """Seconds a rank is kept waiting before its work is timed, for the wake curve."""
 _CPU_KINDS = ("p2p_send_cpu", "p2p_recv_cpu")
@@ -123,11 +127,6 @@ def load_comm_profile(device: str) -> CommProfile | None:
         return CommProfile(**data)
     except (OSError, ValueError, TypeError):
         return None
-
-
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def _time(call, device: torch.device, repeats: int = _REPEATS) -> float:
@@ -379,7 +378,8 @@ def _pipeline_compute(rank: int, rounds: int = 30, steps: int = 8, nbytes: int =
     return max(1.0, (ratio + other) / 2) if rank == 0 else ratio
 
 
-def _worker(rank: int, ranks: int, backend: str, port: int, out: str, effort: Effort = FULL) -> None:
+def _worker(rank: int, ranks: int, backend: str, port: int, out: str, effort: Effort = FULL,
+            zygote: int | None = None) -> None:
     import warnings
 
     import torch.distributed as dist
@@ -395,7 +395,7 @@ def _worker(rank: int, ranks: int, backend: str, port: int, out: str, effort: Ef
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=ranks)
     dist.barrier()
     _warm_up(device)
-    process_bytes = _rss_bytes()
+    process_bytes = resident_bytes(zygote)
     curves: dict[str, list[list[float]]] = {kind: [] for kind in _KINDS + (_CPU_KINDS if backend == "gloo" else ())}
     for nbytes in SIZES:
         buffer = torch.zeros(max(1, nbytes // 4), device=device)
@@ -444,10 +444,23 @@ def _worker(rank: int, ranks: int, backend: str, port: int, out: str, effort: Ef
                                          "process_bytes": process_bytes}))
 
 
-def profile_comm(*, ranks: int = 2, backend: str | None = None, effort: Effort = FULL) -> tuple[CommProfile, Path]:
-    """Measure with ``ranks`` processes and ``effort`` samples, cache the result, return it and where it went."""
+def _spawn(ranks: int, backend: str, out: str, effort: Effort) -> None:
     import torch.multiprocessing as mp
 
+    previous = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"  # as torchrun starts every rank
+    try:
+        mp.start_processes(_worker, args=(ranks, backend, free_port(), out, effort), nprocs=ranks, join=True,
+                           start_method="spawn")
+    finally:
+        if previous is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = previous
+
+
+def profile_comm(*, ranks: int = 2, backend: str | None = None, effort: Effort = FULL) -> tuple[CommProfile, Path]:
+    """Measure with ``ranks`` processes and ``effort`` samples, cache the result, return it and where it went."""
     from cost_models.device_names import local_device_name
 
     if ranks < 2:
@@ -458,18 +471,12 @@ def profile_comm(*, ranks: int = 2, backend: str | None = None, effort: Effort =
     if backend == "nccl" and torch.cuda.device_count() < ranks:
         raise ConfigError(f"nccl over {ranks} ranks needs {ranks} GPUs, {torch.cuda.device_count()} visible; use fewer --ranks")
     device = local_device_name("cuda" if backend == "nccl" else "cpu")
-    port = free_port()
     with tempfile.TemporaryDirectory() as folder:
         out = os.path.join(folder, "comm.json")
-        previous = os.environ.get("OMP_NUM_THREADS")
-        os.environ["OMP_NUM_THREADS"] = "1"  # as torchrun starts every rank
-        try:
-            mp.start_processes(_worker, args=(ranks, backend, port, out, effort), nprocs=ranks, join=True, start_method="spawn")
-        finally:
-            if previous is None:
-                os.environ.pop("OMP_NUM_THREADS", None)
-            else:
-                os.environ["OMP_NUM_THREADS"] = previous
+        if backend == "gloo":  # forked, as the compile's other runs here: no rank imports torch again
+            run_here(["-m", __spec__.name, backend, out, json.dumps(asdict(effort))], ranks, timeout_s=_TIMEOUT_S)
+        else:  # CUDA cannot be forked into
+            _spawn(ranks, backend, out, effort)
         data = json.loads(Path(out).read_text())
     profile = CommProfile(device=device, backend=backend, ranks=ranks, host=socket.gethostname(),
                           torch_version=torch.__version__, **data)
@@ -477,3 +484,8 @@ def profile_comm(*, ranks: int = 2, backend: str | None = None, effort: Effort =
     path.parent.mkdir(parents=True, exist_ok=True)
     write_json(path, asdict(profile), indent=1)  # compiles on this host read it: never half a file
     return profile, path
+
+
+if __name__ == "__main__":  # a rank of `profile_comm`'s run on the CPU, with torchrun's variables
+    _worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), sys.argv[1], int(os.environ["MASTER_PORT"]),
+            sys.argv[2], Effort(**json.loads(sys.argv[3])), zygote=os.getppid())

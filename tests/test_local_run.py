@@ -190,3 +190,19 @@ def test_a_gpu_run_goes_to_torchrun(monkeypatch, tmp_path):
     run_locally(tmp_path, 2, ["--steps", "1"], timeout_s=10, cwd=tmp_path, gpus=True)
     [(ranks, env)] = launched
     assert ranks == 2 and env.get("CUDA_VISIBLE_DEVICES") == os.environ.get("CUDA_VISIBLE_DEVICES")
+
+
+def test_a_module_runs_in_each_rank_as_python_m_runs_it(tmp_path):
+    """``run_here(["-m", module, ...])``: each rank runs ``module`` as ``__main__``, its file
+    first in ``sys.argv`` and the working folder first on ``sys.path``, as ``python -m`` does."""
+    (tmp_path / "probe_rank.py").write_text(
+        "import json, os, sys\n"
+        "if __name__ == '__main__':\n"
+        "    with open(f'rank_{os.environ[\"RANK\"]}.json', 'w') as out:\n"
+        "        json.dump({'argv': sys.argv, 'path0': sys.path[0]}, out)\n")
+    local_run.run_here(["-m", "probe_rank", "a", "b"], 2, timeout_s=60, cwd=tmp_path)
+    for rank in (0, 1):
+        seen = json.loads((tmp_path / f"rank_{rank}.json").read_text())
+        assert seen == {"argv": [str(tmp_path / "probe_rank.py"), "a", "b"], "path0": str(tmp_path)}
+    with pytest.raises(LocalRunError, match="No module named no_such_module"):
+        local_run.run_here(["-m", "no_such_module"], 2, timeout_s=60, cwd=tmp_path)

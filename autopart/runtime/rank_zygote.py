@@ -10,9 +10,9 @@ is a real process with its own gloo rank, the whole ``os.environ`` its request g
 variables torchrun gives its workers for their rank and rendezvous among them; what was read of
 the environment at import, ``sys.path`` from PYTHONPATH say, is this process's), and runs
 ``train.py`` as ``python train.py`` would (``runpy``, ``__name__ == "__main__"``, its folder
-first on ``sys.path``). Unlike torchrun's: rank 0 hosts the rendezvous store (there is no
-agent), and the ranks share this process's hash seed. This process runs no torch op, so no
-thread pool is inherited.
+first on ``sys.path``; an ``argv`` of ``["-m", module, ...]`` as ``python -m module`` would).
+Unlike torchrun's: rank 0 hosts the rendezvous store (there is no agent), and the ranks share
+this process's hash seed. This process runs no torch op, so no thread pool is inherited.
 
 It ends with its parent: at the end of its stdin, or within a second of the parent's end while
 idle, at once during a launch (its ranks are killed, and end with it however it ends).
@@ -153,11 +153,15 @@ def _run_rank(request: dict, rank: int, zygote: int, before: Callable[[], None] 
         os.environ.clear()  # the request's whole environment, not the zygote's with it
         os.environ.update(request["envs"][rank])
         argv = request["argv"]
-        sys.argv = list(argv)
-        sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))  # as ``python train.py`` has it
+        module = argv[1] if argv[0] == "-m" else None
+        sys.argv = list(argv[1:] if module else argv)  # ``-m``: run_module puts the module's file first
+        sys.path[0] = os.getcwd() if module else os.path.dirname(os.path.abspath(argv[0]))  # as python has it
         if before is not None:
             before()
-        runpy.run_path(argv[0], run_name="__main__")
+        if module:
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(argv[0], run_name="__main__")
         code = 0
     except SystemExit as exc:
         if exc.code is None or isinstance(exc.code, int):

@@ -28,7 +28,8 @@ import torch
 
 from autopart.ir.plan import Plan
 
-__all__ = ["Launched", "LocalRunError", "RankZygote", "free_port", "run_failed", "run_forked", "run_locally", "runs_on_gpus"]
+__all__ = ["Launched", "LocalRunError", "RankZygote", "free_port", "run_failed", "run_forked", "run_here",
+           "run_locally", "runs_on_gpus"]
 
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])  # the generated train.py imports autopart
 
@@ -59,11 +60,18 @@ def run_locally(
     when it fails or outlasts ``timeout_s``. On the CPU the ranks are forked from this process's
     rank zygote, or with ``forked`` False started by torchrun; on the GPUs, always by torchrun."""
     argv = [str(out_dir / "train.py"), *train_args, "--timeout", str(min(timeout_s, 300))]
-    env = _environment(gpus)
     if gpus or not forked:
-        _torchrun(argv, ranks, env, timeout_s=timeout_s, cwd=cwd)
-        return
-    launched = run_forked(_ZYGOTE, argv, ranks, env, timeout_s=timeout_s, cwd=cwd)
+        _torchrun(argv, ranks, _environment(gpus), timeout_s=timeout_s, cwd=cwd)
+    else:
+        run_here(argv, ranks, timeout_s=timeout_s, cwd=cwd)
+
+
+def run_here(argv: list[str], ranks: int, *, timeout_s: float, cwd: Path | None = None) -> None:
+    """The program ``argv`` (a script, or ``-m`` and a module, and their arguments) on ``ranks``
+    ranks of this host's CPU, forked from this process's rank zygote with the variables torchrun
+    gives its workers (one thread each, the GPUs hidden); raises `LocalRunError` when it fails or
+    outlasts ``timeout_s``."""
+    launched = run_forked(_ZYGOTE, argv, ranks, _environment(), timeout_s=timeout_s, cwd=cwd)
     if launched.timed_out:
         raise _timed_out(timeout_s)
     if launched.failed_rank is not None:
