@@ -14,7 +14,9 @@ measures what the step model needs:
 3. how much slower the model computes beside as many copies of itself as the plan's ranks on one
    host compute at once (`autopart.profiling.co_run`), into the same database, per micro-batch
    size, precision and number of processes: the ranks compute at once and share the caches and
-   the memory bus, where the in-place profile ran alone;
+   the memory bus, where the in-place profile ran alone (not where the compile runs the plan's
+   pipeline, 4., which measures each stage's compute inside it instead; where that run is not
+   made after all, its steps too long or it failed, the compile measures the co-run then);
 4. on a CPU, for a layout given in full, the plan's pipeline itself: the compile runs the
    programs it emits here for a few seconds and compiles again with what they took
    (``--profile-pipeline``, `autopart.profiling.pipeline`), into the same database, per mesh,
@@ -94,8 +96,14 @@ def costs_cache_path(model: Path, kind: str) -> Path:
 def co_run_processes(options: CompileOptions, kind: str | None, cores: int) -> int:
     """The processes a compile times its model's compute among (`autopart.profiling.co_run`):
     the plan's ranks on one host that compute at once, on this machine's CPU while measuring is
-    on; 1 (alone, nothing to measure) otherwise."""
-    return host_processes(options.ranks_per_host, cores) if _measuring_cpu(options, kind) else 1
+    on; 1 (alone, nothing to measure) otherwise, and where the compile runs the plan's pipeline
+    (``--profile-pipeline``, by default for a layout given in full), which measures each stage's
+    compute inside it and replaces the co-run's figure: a first compile would spend its seconds
+    for nothing. Where that run is not made after all, the compile measures it then
+    (`autopart.driver.measured_plan`)."""
+    if options.profile_pipeline or not _measuring_cpu(options, kind):
+        return 1
+    return host_processes(options.ranks_per_host, cores)
 
 
 def _host_ranks(options: CompileOptions, kind: str | None) -> int:
@@ -143,9 +151,10 @@ def measure_defaults(options: CompileOptions, *, console: Console | None = None,
     with status:
         if measure_messages:
             profile_comm(ranks=2, backend="gloo" if kind == "cpu" else "nccl", effort=QUICK)
-    timed = 0 if options.searched or options.plan is not None else _profile_ops(options, kind, path, console)
     by_default = not options.profile_pipeline and _pipeline_here(options, kind)
     pipeline = options.profile_pipeline or by_default
+    timed = 0 if options.searched or options.plan is not None else \
+        _profile_ops(replace(options, costs=path, profile_pipeline=pipeline), kind, path, console)
     basis = functools.partial(basis_for, device=options.device, local=kind, measured=True, costs=None,
                               messages=_messages_known(kind), co_run=co_run_processes(options, kind, usable_cores()),
                               ranks_on_host=_host_ranks(options, kind))
