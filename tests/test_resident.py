@@ -4,8 +4,6 @@ by a real forked child of this process."""
 import json
 import os
 
-import torch  # noqa: F401  (its libraries' pages are what a forked child holds without counting them)
-
 from cost_models.resident import resident_by_mapping, resident_bytes
 
 
@@ -20,6 +18,8 @@ def test_a_process_alone_counts_its_resident_set():
 
 
 def test_a_forked_child_counts_the_library_pages_its_parent_paged_in():
+    """This process has imported torch (the suite's conftest does): the pages of its libraries
+    are the parent's, and fork leaves them out of the child's own count."""
     parent = os.getpid()
     read, write = os.pipe()
     pid = os.fork()
