@@ -126,6 +126,29 @@ def test_a_pipeline_run_not_made_after_all_leaves_the_model_timed_beside_its_cop
     assert co_run.micro_batch_size == micro_batch_size
 
 
+@pytest.mark.parametrize("pp, runs_pipeline", [(2, True), (8, False)])
+def test_the_ops_in_place_span_only_what_their_shares_need_where_the_pipeline_runs_next(
+        fresh_cache, monkeypatch, pp, runs_pipeline):
+    """A layout run here next (pp 2) has its ops timed in place for `SHARES_SECONDS`: the run
+    sets each stage's level. One not run (pp 8: more than two ranks per core here) for
+    `MIN_SECONDS`, the level its prediction rests on."""
+    from autopart.profiling import in_situ, profile
+
+    spans = []
+
+    def time_in_situ(*args, min_seconds=None, **kwargs):
+        spans.append(min_seconds)
+        return in_situ.time_in_situ(*args, min_seconds=0.0, **kwargs)  # the count of runs, not the seconds
+
+    monkeypatch.setattr(profile, "time_in_situ", time_in_situ)
+    monkeypatch.setattr(measure_defaults, "usable_cores", lambda: 2)
+    monkeypatch.setenv("AUTOPART_MEASURE_SECONDS", "2.5")  # caps both spans: the shares' stays under it
+    measured, _ = measure_defaults.measure_defaults(CompileOptions(model=MODEL, pp=pp, microbatches=pp))
+    assert measured.profile_pipeline == runs_pipeline
+    assert spans == [in_situ.SHARES_SECONDS if runs_pipeline else None]
+    assert in_situ.SHARES_SECONDS < 2.5 < in_situ.MIN_SECONDS
+
+
 def _at_once() -> str:
     """How the basis says two ranks' ops were timed on this machine."""
     if host_processes(2, usable_cores()) == 2:

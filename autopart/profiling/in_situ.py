@@ -45,7 +45,7 @@ from torch.utils import _pytree as pytree
 
 from autopart.profiling.span import span
 
-__all__ = ["NodeTimes", "left_as_it_was", "time_in_situ", "measure_resume", "optimizer_in_situ", "trimmed_mean"]
+__all__ = ["MIN_SECONDS", "SHARES_SECONDS", "NodeTimes", "left_as_it_was", "time_in_situ", "measure_resume", "optimizer_in_situ", "trimmed_mean"]
 
 REPEATS = 10
 """Runs of the whole graph timed at least (after two warm-up runs)."""
@@ -55,6 +55,11 @@ between states for seconds at a time (other tenants of the host), and a training
 their mean, while back-to-back runs of a fraction of a second catch one state. So the runs span
 seconds (a state can still outlast them), and each node keeps its trimmed mean (`trimmed_mean`):
 a median would pick one of the states."""
+SHARES_SECONDS = 1.5
+"""Seconds the timed runs span where a run of the plan's pipeline follows
+(`autopart.profiling.pipeline`): that run sets each stage's level of time, and the profile
+gives only each op's share of its stage. A core's states scale every op alike, so the shares
+settle in far fewer runs than the level (docs/first_run.md has the figures)."""
 OPTIMIZER_SECONDS = 1.0
 """Seconds the optimizer's timed steps span at least (one step takes a fraction of a forward)."""
 

@@ -51,6 +51,8 @@ from rich.console import Console
 from autopart.options import CompileOptions, local_kind
 from autopart.predict.accuracy import Basis, basis_for
 from autopart.profiling.co_run import host_processes
+from autopart.profiling.in_situ import SHARES_SECONDS
+from autopart.profiling.span import span
 from cost_models.calibration import background_load, cache_dir, cache_slug, usable_cores
 from cost_models.comm_profile import QUICK, load_comm_profile, profile_comm
 from cost_models.database import CostDatabase
@@ -204,7 +206,8 @@ def _note_busy(kind: str, path: Path) -> None:
 
 def _profile_ops(options: CompileOptions, kind: str, path: Path, console: Console | None) -> int:
     """Time in place the ops ``path`` lacks at the compile's micro-batch size and precision, with
-    a progress bar; the ops of a search's other micro-batch sizes are timed as it reaches them."""
+    a progress bar; the ops of a search's other micro-batch sizes are timed as it reaches them.
+    Only their shares where the plan's pipeline is run next, which sets each stage's level."""
     from autopart.ir.model_file import load_model_file
     from autopart.passes.capture import capture
     from autopart.profiling.profile import profile_costs
@@ -215,7 +218,8 @@ def _profile_ops(options: CompileOptions, kind: str, path: Path, console: Consol
     database = CostDatabase.load(path)
     timed = profile_costs(graph, spec, database, device=kind, micro_batch_size=micro_batch_size,
                           optimizer=options.optimizer, dtype=options.dtype, console=console,
-                          processes=co_run_processes(options, kind, usable_cores()))
+                          processes=co_run_processes(options, kind, usable_cores()),
+                          in_situ_seconds=span(SHARES_SECONDS) if options.profile_pipeline else None)
     if timed or not path.exists():
         database.save()
     return timed

@@ -267,9 +267,11 @@ def put_in_situ(database: CostDatabase, device_name: str, timer: _Timer, in_situ
 
 def profile_costs(graph: Graph, spec: ModelSpec, database: CostDatabase, *, device: str = "cpu",
                   micro_batch_size: int, optimizer: str = "adamw", threads: int = 1,
-                  console: Console | None = None, dtype: str = "fp32", processes: int = 1) -> int:
+                  console: Console | None = None, dtype: str = "fp32", processes: int = 1,
+                  in_situ_seconds: float | None = None) -> int:
     """Time what ``database`` lacks for this model at ``micro_batch_size`` in precision ``dtype``;
-    return how many were timed. On the CPU with ``processes`` > 1 (the ranks of the host that
+    return how many were timed; on the CPU the ops in place over ``in_situ_seconds`` (by default
+    `autopart.profiling.in_situ.MIN_SECONDS`). On the CPU with ``processes`` > 1 (the ranks of the host that
     compute at once, `autopart.profiling.co_run.host_processes`), also how much slower the
     graph computes beside as many copies of itself, when the database lacks it."""
     if dtype not in DTYPES:
@@ -298,7 +300,8 @@ def profile_costs(graph: Graph, spec: ModelSpec, database: CostDatabase, *, devi
             timer.run(*values)
         if timer.timed and where.type == "cpu":
             with _status(console, "timing every op in place, in the whole forward and backward (seconds)"):
-                in_situ = time_in_situ(timed, values, forward_context=partial(precision, dtype, where.type))
+                in_situ = time_in_situ(timed, values, min_seconds=in_situ_seconds,
+                                       forward_context=partial(precision, dtype, where.type))
             put_in_situ(database, device_name, timer, in_situ)
         else:
             for key, times in timer.timed.items():
