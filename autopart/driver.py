@@ -152,15 +152,11 @@ def measured_plan(options: CompileOptions, *, progress=None, console=None) -> tu
     plan, front = compile_plan(options, progress)
     basis = measured.basis
     by_default = measured.without_pipeline is not None
-    # where the run the compile meant to make is not made, it compiles again without it: the model's
-    # compute beside the host's other ranks (`autopart.profiling.co_run`), which the run would have
-    # replaced and so was not timed, is timed then
-    without_run = dataclasses.replace(options, profile_pipeline=False)
     if by_default and not affordable(plan):
         log.info(f"the plan's steps are too long ({plan.predicted.step_s:.1f} s predicted) to run here by default; "
                  "the predicted step rests on its ops and messages (--profile-pipeline with --costs runs it)")
         basis = measured.without_pipeline
-        plan, front = compile_plan(without_run, progress)
+        plan, front = _without_run(options, progress, console)
     elif options.profile_pipeline:
         try:
             plan, front = profiled_in_place(plan, front, lambda: compile_plan(options, progress), console=console)
@@ -171,8 +167,18 @@ def measured_plan(options: CompileOptions, *, progress=None, console=None) -> tu
             log.warning(f"running the plan here to measure its pipeline failed ({reason}); the predicted step rests "
                         "on its ops and messages alone")
             basis = measured.without_pipeline
-            plan, front = compile_plan(without_run, progress)
+            plan, front = _without_run(options, progress, console)
     return with_basis(with_fewer_ranks(options, plan, basis, progress=progress), basis), front
+
+
+def _without_run(options: CompileOptions, progress, console) -> tuple[Plan, Front]:
+    """The plan compiled again where the pipeline run the default compile meant to make is not
+    made: the model's compute beside the host's other ranks (`autopart.profiling.co_run`), which
+    that run would have replaced and so was not timed, is timed now."""
+    showing = console.status("timing the model beside the host's other ranks (the pipeline's run was not made)") \
+        if console is not None else contextlib.nullcontext()
+    with showing:
+        return compile_plan(dataclasses.replace(options, profile_pipeline=False), progress)
 
 
 def with_fewer_ranks(options: CompileOptions, plan: Plan, basis: Basis, *, cores: int | None = None,

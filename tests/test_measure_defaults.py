@@ -28,7 +28,7 @@ from autopart.ir.plan import load_plan
 from autopart.profiling.co_run import co_run_key, host_processes
 from cost_models.calibration import usable_cores
 from cost_models.comm_profile import CommProfile, cache_path, load_comm_profile
-from cost_models.database import CostDatabase
+from cost_models.database import CoRunMeasurement, CostDatabase
 from cost_models.devices import local_device_name
 
 MODEL = Path(__file__).parent / "models" / "three_layers.py"
@@ -116,8 +116,12 @@ def test_a_pipeline_run_not_made_after_all_leaves_the_model_timed_beside_its_cop
         def fails(*args, **kwargs):
             raise driver.LocalRunError("a rank failed")
         monkeypatch.setattr(driver, "profiled_in_place", fails)
-    plan = autopart.compile(MODEL, pp=2, microbatches=2)
+    console = Console(file=io.StringIO())
+    statuses, status = [], console.status
+    console.status = lambda what, **kwargs: (statuses.append(what), status(what, **kwargs))[1]
+    plan, _ = driver.measured_plan(CompileOptions(model=MODEL, pp=2, microbatches=2), console=console)
     assert plan.predicted.compute_factor_from == "co-run"
+    assert statuses[-1] == "timing the model beside the host's other ranks (the pipeline's run was not made)"
     assert plan.predicted.basis == f"ops{_at_once()} and messages measured on this machine"
     database = CostDatabase.load(measure_defaults.costs_cache_path(MODEL, "cpu"))
     co_run = database.co_run(local_device_name("cpu"), co_run_key("fp32", 2))
@@ -141,12 +145,13 @@ def test_the_ops_in_place_span_only_what_their_shares_need_where_the_pipeline_ru
         return in_situ.time_in_situ(*args, min_seconds=0.0, **kwargs)  # the count of runs, not the seconds
 
     monkeypatch.setattr(profile, "time_in_situ", time_in_situ)
+    monkeypatch.setattr(profile, "measure_co_run", lambda *args, processes, **kwargs:  # pp 8's: not what is tested
+                        CoRunMeasurement(processes=processes, factor=1.0, rounds=1))
     monkeypatch.setattr(measure_defaults, "usable_cores", lambda: 2)
-    monkeypatch.setenv("AUTOPART_MEASURE_SECONDS", "2.5")  # caps both spans: the shares' stays under it
-    measured, _ = measure_defaults.measure_defaults(CompileOptions(model=MODEL, pp=pp, microbatches=pp))
-    assert measured.profile_pipeline == runs_pipeline
-    assert spans == [in_situ.SHARES_SECONDS if runs_pipeline else None]
-    assert in_situ.SHARES_SECONDS < 2.5 < in_situ.MIN_SECONDS
+    monkeypatch.delenv("AUTOPART_MEASURE_SECONDS", raising=False)  # the suite's cap: the spans as they are
+    options, _ = measure_defaults.measure_defaults(CompileOptions(model=MODEL, pp=pp, microbatches=pp))
+    assert options.profile_pipeline == runs_pipeline
+    assert spans == [in_situ.SHARES_SECONDS if runs_pipeline else None]  # None: time_in_situ's MIN_SECONDS
 
 
 def _at_once() -> str:

@@ -92,5 +92,28 @@ def test_a_plan_s_run_lasts_the_capped_seconds_within_its_least_and_most_steps(
     with pytest.raises(_Launched):
         pipeline.profile_pipeline(tmp_path, plan, overheads=None, cores=2)
     warmup = pipeline.WARMUP_STEPS
-    assert launched[0][:6] == ["--steps", str(warmup + pipeline.MAX_STEPS),
-                               "--min-steps", str(warmup + pipeline.MEASURED_STEPS), "--seconds", seconds]
+    assert launched[0][:8] == ["--steps", str(warmup + pipeline.MAX_STEPS), "--min-steps",
+                               str(warmup + pipeline.MEASURED_STEPS), "--untimed-steps", str(warmup), "--seconds", seconds]
+
+
+def test_a_finalist_s_run_lasts_its_seconds_past_its_warm_up(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from autopart.profiling import finalists
+
+    launched = []
+
+    def run_locally(out_dir, world_size, args, **kwargs):
+        launched.append(args)
+        raise _Launched
+
+    monkeypatch.setattr(finalists, "run_locally", run_locally)
+    monkeypatch.setattr(finalists, "emit_directory", lambda *args, **kwargs: tmp_path)
+    monkeypatch.delenv(MEASURE_SECONDS_ENV, raising=False)
+    plan = SimpleNamespace(predicted=SimpleNamespace(step_s=0.001), world_size=2,
+                           provenance=SimpleNamespace(cost_model="roofline:cpu"))
+    front = SimpleNamespace(op_graph=None, spec=None, chain=None)
+    with pytest.raises(_Launched):
+        finalists.finalist_step_s(SimpleNamespace(plan=plan, front=front))
+    warmup = finalists.WARMUP_STEPS
+    assert launched[0][:8] == ["--steps", str(warmup + finalists.MAX_STEPS), "--min-steps",
+                               str(warmup + finalists.MEASURED_STEPS), "--untimed-steps", str(warmup),
+                               "--seconds", repr(finalists.MEASURED_SECONDS)]

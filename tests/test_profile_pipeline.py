@@ -409,16 +409,17 @@ def test_where_the_ranks_share_the_cores_a_receive_that_waited_takes_its_own_tim
 
 @pytest.mark.multiprocess
 def test_a_run_for_seconds_stops_every_rank_after_the_same_step_within_its_least_and_most(compiled, tmp_path):
-    """``--seconds``: the first step at which the steps' agreed times (each the slowest rank's,
-    rank 0's ``step_s``) sum to the bound ends the run on every rank, not before ``--min-steps``,
-    never past ``--steps``; the run's last step is checkpointed as the end of a run of --steps is."""
+    """``--seconds``: the first step at which the agreed times (each the slowest rank's, rank 0's
+    ``step_s``) of the steps past ``--untimed-steps`` sum to the bound ends the run on every rank,
+    not before ``--min-steps``, never past ``--steps``; the run's last step is checkpointed as the end of a run of --steps is."""
     _, out, _ = compiled
-    run_ranks(out, 2, "--steps", "400", "--min-steps", "2", "--seconds", "0.15", "--action-times", str(tmp_path / "a"),
-              "--metrics", str(tmp_path / "m.jsonl"))
+    run_ranks(out, 2, "--steps", "400", "--min-steps", "3", "--untimed-steps", "2", "--seconds", "0.15",
+              "--action-times", str(tmp_path / "a"), "--metrics", str(tmp_path / "m.jsonl"))
     step_s = [json.loads(line)["step_s"] for line in (tmp_path / "m.jsonl").read_text().splitlines()]
     counts = {len((tmp_path / "a" / f"rank_{rank}.jsonl").read_text().splitlines()) for rank in (0, 1)}
-    assert counts == {len(step_s)} and 2 <= len(step_s) < 400
-    assert sum(step_s[:-1]) < 0.15 <= sum(step_s) or len(step_s) == 2
+    assert counts == {len(step_s)} and 3 <= len(step_s) < 400
+    timed = step_s[2:]  # past the two untimed steps
+    assert sum(timed[:-1]) < 0.15 <= sum(timed) or len(step_s) == 3
     run_ranks(out, 2, "--steps", "400", "--min-steps", "3", "--seconds", "0", "--action-times", str(tmp_path / "b"),
               "--checkpoint-dir", str(tmp_path / "c"))
     assert len((tmp_path / "b" / "rank_1.jsonl").read_text().splitlines()) == 3
@@ -428,12 +429,14 @@ def test_a_run_for_seconds_stops_every_rank_after_the_same_step_within_its_least
 
 
 def test_the_stop_rule_counts_the_agreed_seconds_from_the_run_s_first_step():
-    """A resumed run (first step 5) counts its own steps against ``--min-steps`` and ``--seconds``,
-    and ``--steps`` is the step number it ends at, as without --seconds."""
+    """A resumed run (first step 5) counts its own steps against ``--min-steps``, ``--untimed-steps``
+    and ``--seconds``, and ``--steps`` is the step number it ends at, as without --seconds."""
     def stops(rule, times):
         return [rule.after(torch.tensor([t])) for t in times]
 
-    assert stops(StopRule(5, 10, None, 1), [9.0] * 5) == [False] * 4 + [True]
-    assert stops(StopRule(5, 10, 1.0, 2), [0.6, 0.6, 0.1]) == [False, True, True]
-    assert stops(StopRule(5, 100, 1.0, 3), [2.0, 0.1, 0.1]) == [False, False, True]
-    assert stops(StopRule(5, 7, 100.0, 1), [0.1, 0.1]) == [False, True]
+    assert stops(StopRule(5, 10, None), [9.0] * 5) == [False] * 4 + [True]
+    assert stops(StopRule(5, 10, 1.0, min_steps=2), [0.6, 0.6, 0.1]) == [False, True, True]
+    assert stops(StopRule(5, 100, 1.0, min_steps=3), [2.0, 0.1, 0.1]) == [False, False, True]
+    assert stops(StopRule(5, 7, 100.0), [0.1, 0.1]) == [False, True]
+    # the warm-up's slow steps do not count: 9 s, then 0.6 + 0.6 past it
+    assert stops(StopRule(5, 100, 1.0, untimed=1), [9.0, 0.6, 0.6]) == [False, False, True]

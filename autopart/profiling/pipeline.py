@@ -323,7 +323,8 @@ def profiled_in_place(plan: Plan, front: Front, recompile: Callable[[], tuple[Pl
         database = front.cost_model.database
         step_s = plan.predicted.step_s
         each = f"{step_s * 1e3:.3g} ms" if step_s < 1 else f"{step_s:.3g} s"  # predicted: the run times them
-        seconds = max(span(MEASURED_SECONDS), (WARMUP_STEPS + MEASURED_STEPS) * step_s)
+        measured = min(max(span(MEASURED_SECONDS), MEASURED_STEPS * step_s), MAX_STEPS * step_s)
+        seconds = WARMUP_STEPS * step_s + measured
         showing = console.status(f"running the plan to time its pipeline ({plan.world_size} processes, ~{seconds:.3g} s "
                                  f"of steps predicted at {each})") if console is not None else nullcontext()
         with showing, tempfile.TemporaryDirectory(prefix="autopart-profile-pipeline-") as folder:

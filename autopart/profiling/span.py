@@ -38,8 +38,9 @@ def span(seconds: float) -> float:
 
 def timed_run(seconds: float, *, warmup: int, least: int, most: int) -> list[str]:
     """``train.py``'s arguments for a run that times a plan's steps: ``warmup`` steps to leave out,
-    then at least ``least`` and at most ``most`` more, stopping once the run's steps took
-    ``seconds`` (by `span`) together (``--seconds``: every rank stops after the same step). A bound
-    in seconds, not a count of steps by the plan's prediction: a prediction made before the plan
-    ran is the figure the run is there to correct, and a count by it ran for too long or too few."""
-    return ["--steps", str(warmup + most), "--min-steps", str(warmup + least), "--seconds", repr(span(seconds))]
+    then at least ``least`` and at most ``most`` more, stopping once those took ``seconds`` (by
+    `span`) together (``--seconds``: every rank stops after the same step). A bound in seconds,
+    not a count of steps by the plan's prediction: a prediction made before the plan ran is the
+    figure the run is there to correct, and a count by it ran for too long or too few."""
+    return ["--steps", str(warmup + most), "--min-steps", str(warmup + least), "--untimed-steps", str(warmup),
+            "--seconds", repr(span(seconds))]

@@ -28,13 +28,16 @@ __all__ = ["StepClock", "StopRule", "write_measured_trace"]
 
 class StopRule:
     """When a run stops: after ``--steps``, or with ``--seconds``, after the first step at which the
-    run's steps took that long together and at least ``--min-steps`` are done. A timing run asks
-    for seconds, not steps, where a plan's step is known only roughly before it runs; each step's
-    time is the one all ranks agreed on (its slowest rank's, all-reduced), so the same sums reach
-    the bound at the same step everywhere and no rank waits for a peer that stopped."""
+    run's steps past its first ``untimed`` (a warm-up) took that long together and at least
+    ``min_steps`` are done. A timing run asks for seconds, not steps, where a plan's step is known
+    only roughly before it runs; each step's time is the one all ranks agreed on (its slowest
+    rank's, all-reduced), so the same sums reach the bound at the same step everywhere and no
+    rank waits for a peer that stopped. The learning-rate schedule still spans ``--steps``."""
 
-    def __init__(self, first_step: int, steps: int, seconds: float | None, min_steps: int) -> None:
-        self.done, self.steps, self.seconds, self.min_steps = first_step, steps, seconds, min_steps
+    def __init__(self, first_step: int, steps: int, seconds: float | None, *, min_steps: int = 1,
+                 untimed: int = 0) -> None:
+        self.done, self.steps, self.seconds = first_step, steps, seconds
+        self.min_steps, self.untimed = min_steps, untimed
         self.ran, self.spent = 0, 0.0
 
     def after(self, step_s: torch.Tensor) -> bool:
@@ -42,7 +45,8 @@ class StopRule:
         self.done, self.ran = self.done + 1, self.ran + 1
         if self.seconds is None:
             return self.done >= self.steps
-        self.spent += float(step_s.item())
+        if self.ran > self.untimed:
+            self.spent += float(step_s.item())
         return self.done >= self.steps or (self.ran >= self.min_steps and self.spent >= self.seconds)
 
 

@@ -2,7 +2,7 @@
 
     torchrun --nproc-per-node P OUT/train.py [--steps N] [--lr LR] [--optimizer sgd|adamw]
         [--seed S] [--metrics FILE] [--trace FILE] [--action-times DIR] [--save-weights DIR] [--timeout S]
-        [--seconds S [--min-steps N]]
+        [--seconds S [--min-steps N] [--untimed-steps N]]
         [--weights CKPT.safetensors]
         [--checkpoint-dir DIR] [--checkpoint-every K] [--resume] [--no-dropout]
         [--lr-schedule constant|cosine|linear] [--warmup-steps N] [--min-lr X] [--clip-grad-norm X]
@@ -25,8 +25,9 @@ otherwise (`autopart.runtime.device`).
 ``--trace FILE`` writes the measured timeline of the last step as a Chrome trace, in the form of
 compile's predicted ``trace.json``; ``--action-times DIR`` has each rank write ``DIR/rank_<r>.jsonl``, a line per step with the wall
 and CPU seconds of every action and of the step's tail (tied gradients, optimizer), which
-``autopart compile --profile-pipeline`` reads; it runs for ``--seconds`` (at least ``--min-steps``,
-at most ``--steps``), stopping every rank after the same step (`autopart.runtime.measure.StopRule`).
+``autopart compile --profile-pipeline`` reads; it runs for ``--seconds`` (past ``--untimed-steps``,
+at least ``--min-steps``, at most ``--steps``), stopping every rank after the same step
+(`autopart.runtime.measure.StopRule`).
 With ``--checkpoint-dir`` it saves every K
 steps and at the end; ``--resume``, or a restart by ``torchrun --max-restarts``, continues from the
 latest good checkpoint there.
@@ -87,7 +88,9 @@ def parse_args(argv: list[str] | None, plan: Plan) -> argparse.Namespace:
     parser.add_argument("--seconds", type=float,
                         help="stop before --steps once the steps took S seconds together, each timed on its slowest "
                         "rank so that every rank stops after the same step (for timing runs)")
-    parser.add_argument("--min-steps", type=int, default=1, help="with --seconds, at least N steps (default 1)")
+    parser.add_argument("--min-steps", type=int, help="with --seconds, at least N steps (default 1)")
+    parser.add_argument("--untimed-steps", type=int,
+                        help="with --seconds, the first N steps (a warm-up) do not count toward them (default 0)")
     parser.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3)")
     parser.add_argument("--optimizer", choices=OPTIMIZERS, default=plan.optimizer)
     parser.add_argument("--seed", type=int, default=0, help="seed of the training batches and of what the model "
@@ -164,14 +167,18 @@ def _train(out_dir: Path, argv: list[str] | None) -> None:
         raise ConfigError("--resume needs --checkpoint-dir DIR: the folder the checkpoints were saved in")
     Recipe.from_args(args)
     check_tensorboard(args.tensorboard)
-    for flag, value, least in (("--steps", args.steps, 1), ("--min-steps", args.min_steps, 1), ("--checkpoint-every", args.checkpoint_every, 0),
+    for flag, value, least in (("--steps", args.steps, 1), ("--min-steps", args.min_steps, 1),
+                               ("--untimed-steps", args.untimed_steps, 0), ("--checkpoint-every", args.checkpoint_every, 0),
                                ("--eval-every", args.eval_every, 0), ("--eval-batches", args.eval_batches, 1)):
-        if value < least:
+        if value is not None and value < least:
             raise ConfigError(f"{flag} must be at least {least}, got {value}")
     if not args.timeout > 0:
         raise ConfigError(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
     if args.seconds is not None and not args.seconds >= 0:
         raise ConfigError(f"--seconds must be a number of seconds, at least 0, got {args.seconds:g}")
+    if args.seconds is None and (args.min_steps is not None or args.untimed_steps is not None):
+        raise ConfigError(f"{'--min-steps' if args.min_steps is not None else '--untimed-steps'} counts toward "
+                          "--seconds S; give --seconds too, or drop it")
     if args.seconds is not None and args.trace:
         raise ConfigError("--trace records the last of --steps, which --seconds may not reach; give one of them")
     source_file = model_file(out_dir, plan)
@@ -225,7 +232,8 @@ def _loop(out_dir: Path, plan: Plan, schedule: Schedule, args: argparse.Namespac
     reporter = StepReporter(steps=args.steps, first_step=first_step, metrics=args.metrics,
                             tensorboard=args.tensorboard) if holds_loss and here.dp == 0 else None
     split = functools.partial(_shares, dp=mesh.dp, dp_rank=here.dp, microbatches=schedule_spec.microbatches)
-    stop = StopRule(first_step, args.steps, args.seconds, args.min_steps)
+    stop = StopRule(first_step, args.steps, args.seconds, min_steps=args.min_steps or 1,
+                    untimed=args.untimed_steps or 0)
     for step in range(first_step, args.steps):
         inject_failure(rank, step)
         inputs, target = next(data)
