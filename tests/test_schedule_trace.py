@@ -1,6 +1,5 @@
 """Timelines come out as Chrome traces, Gantt PNGs and torch-style CSVs, and read back."""
 
-import dataclasses
 import json
 import math
 from pathlib import Path
@@ -80,7 +79,7 @@ def test_the_trace_file_is_each_event_as_json_writes_it(tmp_path: Path, seed: in
               for rank, actions in schedule.items() for action, start in
               zip(actions, sorted(rng.uniform(0, 10) ** rng.choice([1, 5, -1]) for _ in actions))]
     if seed == 0:  # a time json writes as Infinity: written by json itself
-        events[-1] = dataclasses.replace(events[-1], end=math.inf)
+        events[-1] = events[-1]._replace(end=math.inf)
     timeline = Timeline.from_events(events, ranks=2)
     title = 'a "model", \\ é }, {'  # the process's name: written by json
     write_chrome_trace(timeline, tmp_path / "t.json", title=title)

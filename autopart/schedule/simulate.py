@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from autopart.ir.errors import ScheduleError
 from autopart.ir.actions import Action, Kind, Schedule, rank_of
@@ -23,9 +24,10 @@ from autopart.schedule.validate import format_grid
 __all__ = ["Event", "Timeline", "simulate", "simulated_events", "input_ready_at", "stage_homes"]
 
 
-@dataclass(frozen=True, kw_only=True)
-class Event:
-    """One compute action as it ran (or is predicted to run) on one rank, in seconds."""
+class Event(NamedTuple):
+    """One compute action as it ran (or is predicted to run) on one rank, in seconds. A named
+    tuple, not a frozen dataclass: a plan's timeline can hold a million of them, and a frozen
+    dataclass's ``__init__`` (a guarded ``setattr`` per field) took seconds to make them."""
 
     rank: int
     action: Action
