@@ -29,7 +29,7 @@ from autopart.predict.accuracy import Basis, with_basis
 from autopart.passes.annotate import annotate
 from autopart.passes.front import Front, build_front, capture_for, note_unsplit
 from autopart.profiling.finalists import finalists_run_here, run_finalists
-from autopart.profiling.measure_defaults import measure_defaults
+from autopart.profiling.measure_defaults import co_run_processes, measure_defaults
 from autopart.profiling.pipeline import affordable, profiled_in_place
 from autopart.schedule import validation_beside
 from autopart.solve.assemble import pipeline_problem, plan_from_cuts
@@ -156,7 +156,7 @@ def measured_plan(options: CompileOptions, *, progress=None, console=None) -> tu
         log.info(f"the plan's steps are too long ({plan.predicted.step_s:.1f} s predicted) to run here by default; "
                  "the predicted step rests on its ops and messages (--profile-pipeline with --costs runs it)")
         basis = measured.without_pipeline
-        plan, front = _without_run(options, progress, console)
+        plan, front = _without_run(options, plan, front, progress, console)
     elif options.profile_pipeline:
         try:
             plan, front = profiled_in_place(plan, front, lambda: compile_plan(options, progress), console=console)
@@ -167,18 +167,22 @@ def measured_plan(options: CompileOptions, *, progress=None, console=None) -> tu
             log.warning(f"running the plan here to measure its pipeline failed ({reason}); the predicted step rests "
                         "on its ops and messages alone")
             basis = measured.without_pipeline
-            plan, front = _without_run(options, progress, console)
+            plan, front = _without_run(options, plan, front, progress, console)
     return with_basis(with_fewer_ranks(options, plan, basis, progress=progress), basis), front
 
 
-def _without_run(options: CompileOptions, progress, console) -> tuple[Plan, Front]:
+def _without_run(options: CompileOptions, plan: Plan, front: Front, progress, console) -> tuple[Plan, Front]:
     """The plan compiled again where the pipeline run the default compile meant to make is not
     made: the model's compute beside the host's other ranks (`autopart.profiling.co_run`), which
-    that run would have replaced and so was not timed, is timed now."""
+    that run would have replaced and so was not timed, is timed now. ``plan`` as it is where the
+    plan's ranks compute alone on this host (nothing was left untimed)."""
+    without = dataclasses.replace(options, profile_pipeline=False)
+    if co_run_processes(without, local_kind(options.device), usable_cores()) == 1:
+        return plan, front
     showing = console.status("timing the model beside the host's other ranks (the pipeline's run was not made)") \
         if console is not None else contextlib.nullcontext()
     with showing:
-        return compile_plan(dataclasses.replace(options, profile_pipeline=False), progress)
+        return compile_plan(without, progress)
 
 
 def with_fewer_ranks(options: CompileOptions, plan: Plan, basis: Basis, *, cores: int | None = None,

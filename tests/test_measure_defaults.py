@@ -130,6 +130,23 @@ def test_a_pipeline_run_not_made_after_all_leaves_the_model_timed_beside_its_cop
     assert co_run.micro_batch_size == micro_batch_size
 
 
+def test_a_run_not_made_on_a_host_of_one_core_leaves_the_plan_as_compiled(fresh_cache, monkeypatch, caplog):
+    """Where the plan's ranks compute alone here (one core: they take turns), there is no co-run
+    the skipped run left untimed, so the plan is not compiled again."""
+    import autopart.driver as driver
+
+    compiles = []
+    compile_plan = driver.compile_plan
+    monkeypatch.setattr(driver, "compile_plan", lambda *args: compiles.append(args) or compile_plan(*args))
+    monkeypatch.setattr(driver, "affordable", lambda plan: False)
+    monkeypatch.setattr(driver, "usable_cores", lambda: 1)
+    monkeypatch.setattr(measure_defaults, "usable_cores", lambda: 1)
+    with caplog.at_level(logging.INFO, logger="autopart"):
+        plan, _ = driver.measured_plan(CompileOptions(model=MODEL, pp=2, microbatches=2))
+    assert "too long" in caplog.text  # the run the default compile meant to make, not made
+    assert len(compiles) == 1 and plan.predicted.compute_factor_from != "co-run"
+
+
 @pytest.mark.parametrize("pp, runs_pipeline", [(2, True), (8, False)])
 def test_the_ops_in_place_span_only_what_their_shares_need_where_the_pipeline_runs_next(
         fresh_cache, monkeypatch, pp, runs_pipeline):

@@ -93,9 +93,8 @@ def finalist_step_s(finalist: Finalist, *, timeout_s: float = TIMEOUT_S) -> floa
         out = emit_directory(plan, finalist.front.op_graph, finalist.front.spec, work / "out",
                              chain=finalist.front.chain)
         metrics = work / "metrics.jsonl"
-        run_locally(out, plan.world_size, [*timed_run(MEASURED_SECONDS, warmup=WARMUP_STEPS, least=MEASURED_STEPS, most=MAX_STEPS),
-                                                     "--metrics", str(metrics)],
-                    timeout_s=timeout_s, cwd=work, gpus=gpus)
+        timed = timed_run(MEASURED_SECONDS, warmup=WARMUP_STEPS, least=MEASURED_STEPS, most=MAX_STEPS)
+        run_locally(out, plan.world_size, [*timed, "--metrics", str(metrics)], timeout_s=timeout_s, cwd=work, gpus=gpus)
         records = [json.loads(line) for line in metrics.read_text().splitlines()]
     return statistics.median(record["step_s"] for record in records[WARMUP_STEPS:])
 

@@ -155,8 +155,8 @@ def measure_defaults(options: CompileOptions, *, console: Console | None = None,
             profile_comm(ranks=2, backend="gloo" if kind == "cpu" else "nccl", effort=QUICK)
     by_default = not options.profile_pipeline and _pipeline_here(options, kind)
     pipeline = options.profile_pipeline or by_default
-    timed = 0 if options.searched or options.plan is not None else \
-        _profile_ops(replace(options, costs=path, profile_pipeline=pipeline), kind, path, console)
+    measuring = replace(options, costs=path, profile_pipeline=pipeline)
+    timed = 0 if options.searched or options.plan is not None else _profile_ops(measuring, kind, path, console)
     basis = functools.partial(basis_for, device=options.device, local=kind, measured=True, costs=None,
                               messages=_messages_known(kind), co_run=co_run_processes(options, kind, usable_cores()),
                               ranks_on_host=_host_ranks(options, kind))
@@ -164,7 +164,7 @@ def measure_defaults(options: CompileOptions, *, console: Console | None = None,
                         without_pipeline=basis(pipeline=False) if by_default else None)
     if measure_messages or timed:
         _note_busy(kind, path)
-    return replace(options, costs=path, profile_pipeline=pipeline), measured
+    return measuring, measured
 
 
 def _pipeline_here(options: CompileOptions, kind: str) -> bool:

@@ -45,7 +45,7 @@ class StopRule:
         self.done, self.ran = self.done + 1, self.ran + 1
         if self.seconds is None:
             return self.done >= self.steps
-        if self.ran > self.untimed:
+        if self.ran > self.untimed:  # read (a device sync on a GPU) only where seconds are counted
             self.spent += float(step_s.item())
         return self.done >= self.steps or (self.ran >= self.min_steps and self.spent >= self.seconds)
 
