@@ -139,3 +139,33 @@ def test_the_compiler_s_search_on_workers_plans_what_it_plans_in_one_process(mod
         search_record = {k: v for k, v in plan.provenance.search.items() if k != "seconds"}
         searched[workers] = (search_record, plan.predicted.step_s, [s.nodes for s in plan.stages])
     assert searched["2"] == searched["0"]
+
+
+
+def test_a_zero2_layout_waits_for_its_queued_zero1_twin_instead_of_being_scored_ahead(monkeypatch):
+    """Where every ZeRO-1 result settles its ZeRO-2 twin (``fsdp_may_pay`` false), one process
+    never scores a twin whose ZeRO-1 layout came first, and the workers must not either: sent
+    ahead while its twin was still queued, it was work thrown away at its turn (95 of 777
+    layouts of a 1,024-layer search). examples/gpt.py at world size 8 queues such twins."""
+    from autopart.driver import CompileOptions
+    from autopart.solve import search as search_module
+    from autopart.solve.planner import plan_by_search
+
+    monkeypatch.setattr(search_module, "fsdp_may_pay", lambda *args: False)
+    submitted = {}
+    submit = LayoutScoring.submit
+
+    def recording(self, layout, below):
+        submitted.setdefault(self.workers, []).append(layout)
+        return submit(self, layout, below)
+
+    monkeypatch.setattr(LayoutScoring, "submit", recording)
+    options = CompileOptions(model=REPO / "examples" / "gpt.py", world_size=8, global_batch_size=16, device="h100-sxm")
+    for workers in ("0", "2"):
+        monkeypatch.setenv(scoring_pool.WORKERS_ENV, workers)
+        plan_by_search(options)
+    alone, forked = submitted[0], submitted[2]
+    assert any(layout.zero == 1 for layout in alone) and not any(layout.zero == 2 for layout in alone)
+    ahead = [layout for k, layout in enumerate(forked)
+             if layout.zero == 2 and dataclasses.replace(layout, zero=1) in forked[:k]]
+    assert ahead == []

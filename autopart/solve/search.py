@@ -54,6 +54,7 @@ from cost_models.comm import nodes_spanned
 __all__ = ["Layout", "SearchSpace", "Cluster", "CostTable", "Scored", "SearchResult", "Speculation", "search", "fits",
            "score_layout", "estimate_step_s", "tail_s", "parameter_bytes_per_rank"]
 
+_AT_TURN = object()  # in the walk's queue: a layout sent at its turn, not ahead (where it was mostly work wasted)
 INTERLEAVED_CHUNKS = (2, 3, 4, 6)  # per rank; more (8, 12) slow the search ninefold: pin --chunks
 MAX_MICRO_BATCH_SIZE = 16
 """Micro-batch sizes searched by default: the divisors of a replica's batch up to this."""
@@ -309,20 +310,23 @@ def search(
     scoring = LayoutScoring(lambda layout, below: _speculate(layout, table, cluster, space, below),
                             workers=search_workers(len(layouts)) if workers is None else workers,
                             key=_chain_key, built=built, finish=score, finish_on_workers=score_on_workers)
+    waiting: set[Layout] = set()  # ZeRO-1 layouts sent whose turn has not come: their twins wait for it
     with scoring:
         for visited in itertools.count():
             while len(sent) < scoring.ahead and (item := next(bounded, None)) is not None:
-                bound, layout = item  # a twin settled when it is sent stays settled at its turn
-                sent.append((bound, layout, None if _settled_twin(layout, settled) else
-                             scoring.submit(layout, last_finalist_s())))
+                bound, layout = item
+                sent.append((bound, layout, _sent(layout, scoring, settled, waiting, last_finalist_s())))
             if not sent or (cutoff() is not None and sent[0][0] >= cutoff()):
                 break  # where one process's walk ends: the bound at its turn reaches the last finalist
             bound, layout, handle = sent.popleft()
+            waiting.discard(layout)
             smallest_bound = min(smallest_bound, bound)
             if progress is not None:
                 progress(visited, len(layouts))
             if _settled_twin(layout, settled):
                 continue
+            if handle is _AT_TURN:
+                handle = scoring.submit(layout, last_finalist_s())
             scored += 1
             result = handle.result().under(last_finalist_s())
             if result is None or (layout.zero == 1 and not fsdp_may_pay(result, table, cluster)):
@@ -337,13 +341,22 @@ def search(
         steps = [s.estimate_s for s in best] if score is None else scoring.finished(best)
     if progress is not None:
         progress(len(layouts), len(layouts))
-    if not best:
-        return SearchResult(ranked=(), layouts=len(layouts), scored=scored, fitting=0,
-                            seconds=time.perf_counter() - start, bound_s=math.inf)
-    best = [dataclasses.replace(s, step_s=step) for s, step in zip(best, steps)]
-    best.sort(key=lambda s: (s.step_s, s.layout))
-    return SearchResult(ranked=tuple(best), layouts=len(layouts), scored=scored, fitting=fitting,
-                        seconds=time.perf_counter() - start, bound_s=smallest_bound)
+    ranked = sorted((dataclasses.replace(s, step_s=step) for s, step in zip(best, steps)),
+                    key=lambda s: (s.step_s, s.layout))
+    return SearchResult(ranked=tuple(ranked), layouts=len(layouts), scored=scored, fitting=fitting,
+                        seconds=time.perf_counter() - start, bound_s=smallest_bound if best else math.inf)
+
+
+def _sent(layout: Layout, scoring: LayoutScoring, settled: set[Layout], waiting: set[Layout], below: float):
+    """``layout``'s future, scored ahead under the last finalist ``below``; None where its twin
+    settled it; `_AT_TURN` while its ZeRO-1 twin is queued (``waiting``): that may settle it."""
+    if layout.zero == 1:
+        waiting.add(layout)
+    if _settled_twin(layout, settled):
+        return None
+    if layout.zero == 2 and dataclasses.replace(layout, zero=1) in waiting:
+        return _AT_TURN
+    return scoring.submit(layout, below)
 
 
 def _chain_key(layout: Layout) -> tuple:
