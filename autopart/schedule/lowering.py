@@ -33,46 +33,42 @@ def add_communication(schedule: Schedule, *, ranks: int, placement: Sequence[int
     if not computes:
         return {rank: [] for rank in schedule}
     last_stage = max(action.stage for action in computes)
+    # per stage, once: its rank and whether its neighbours are elsewhere (a long pipeline's
+    # schedule holds a million actions, each asking the same few questions of its stage)
+    home = [rank_of(stage, ranks, placement) for stage in range(last_stage + 1)]
+    from_before = [stage > 0 and home[stage - 1] != home[stage] for stage in range(last_stage + 1)]
+    to_after = [stage < last_stage and home[stage + 1] != home[stage] for stage in range(last_stage + 1)]
+    forward, backward = Kind.F, (Kind.B, Kind.I)
     lowered: Schedule = {}
     for rank in sorted(schedule):
         out: list[Action] = []
+        append = out.append
         for step, action in enumerate(schedule[rank]):
-            if not action.is_compute:
+            kind, stage, mb = action.kind, action.stage, action.microbatch
+            if not kind.is_compute:
                 raise ScheduleError(
                     f"rank {rank}, step {step}: {action} is already a communication action; "
                     "add_communication takes a compute-only schedule"
                 )
-            home = rank_of(action.stage, ranks, placement)
-            if home != rank:
+            if home[stage] != rank:
                 raise ScheduleError(
-                    f"rank {rank}, step {step}: {action} belongs on rank {home} (stage {action.stage} with {ranks} ranks)"
+                    f"rank {rank}, step {step}: {action} belongs on rank {home[stage]} (stage {stage} with {ranks} ranks)"
                 )
-            out.extend(_receives(action, ranks=ranks, last_stage=last_stage, placement=placement))
-            out.append(action)
-            out.extend(_sends(action, ranks=ranks, last_stage=last_stage, placement=placement))
+            # a receive right before the compute that needs remote input, a send right after
+            # the compute whose output a remote stage reads
+            if kind is forward:
+                if from_before[stage]:
+                    append(Action(stage, Kind.RECV_F, mb))
+                append(action)
+                if to_after[stage]:
+                    append(Action(stage, Kind.SEND_F, mb))
+            elif kind in backward:
+                if to_after[stage]:
+                    append(Action(stage, Kind.RECV_B, mb))
+                append(action)
+                if from_before[stage]:
+                    append(Action(stage, Kind.SEND_B, mb))
+            else:
+                append(action)
         lowered[rank] = out
     return lowered
-
-
-def _crosses(stage: int, neighbour: int, ranks: int, placement: Sequence[int] | None) -> bool:
-    return rank_of(stage, ranks, placement) != rank_of(neighbour, ranks, placement)
-
-
-def _receives(action: Action, *, ranks: int, last_stage: int, placement: Sequence[int] | None) -> list[Action]:
-    """The receive that must complete before ``action`` can run, if its input is remote."""
-    stage, mb = action.stage, action.microbatch
-    if action.kind is Kind.F and stage > 0 and _crosses(stage, stage - 1, ranks, placement):
-        return [Action(stage, Kind.RECV_F, mb)]
-    if action.kind in (Kind.B, Kind.I) and stage < last_stage and _crosses(stage, stage + 1, ranks, placement):
-        return [Action(stage, Kind.RECV_B, mb)]
-    return []
-
-
-def _sends(action: Action, *, ranks: int, last_stage: int, placement: Sequence[int] | None) -> list[Action]:
-    """The send of ``action``'s output, if the stage that consumes it is remote."""
-    stage, mb = action.stage, action.microbatch
-    if action.kind is Kind.F and stage < last_stage and _crosses(stage, stage + 1, ranks, placement):
-        return [Action(stage, Kind.SEND_F, mb)]
-    if action.kind in (Kind.B, Kind.I) and stage > 0 and _crosses(stage, stage - 1, ranks, placement):
-        return [Action(stage, Kind.SEND_B, mb)]
-    return []
