@@ -23,6 +23,7 @@ hold SMs and memory bandwidth meanwhile).
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -199,10 +200,17 @@ def overlapped_step_time(schedule: Schedule, costs: StageCosts, reductions: Mapp
         def step_with(tails: Mapping[int, float]) -> float:
             return step_time(schedule, costs, ranks=ranks, cores=cores, background=background, tail_s=dict(tails),
                              **sharing)
-    spans = {(rank, action): (start, end) for rank, action, start, end in events}
+    # only the triggers' spans are read: a long pipeline's events are a million, its triggers a
+    # few per rank, and a dict of every (rank, action) took seconds to hash
+    wanted = {(rank, reduction.trigger) for rank, mine in reductions.items() for reduction in mine}
+    microbatches = {action.microbatch for _, action in wanted}  # a cheaper test first
+    spans: dict[tuple[int, Action], tuple[float, float]] = {}
     last_end: dict[int, float] = {}
-    for (rank, _), (_, end) in spans.items():
-        last_end[rank] = max(end, last_end.get(rank, end))
+    for rank, action, start, end in events:
+        if end > last_end.get(rank, -math.inf):
+            last_end[rank] = end
+        if action.microbatch in microbatches and (rank, action) in wanted:
+            spans[rank, action] = (start, end)
     added = {}
     for rank, mine in reductions.items():
         ready = []
