@@ -16,16 +16,23 @@ __all__ = ["boundary_transfer_s"]
 
 def boundary_transfer_s(costs: ChainCosts, layout, cluster) -> tuple[float, ...]:
     """Per block boundary of ``costs`` (cut at ``layout``'s tensor-parallel degree), the seconds
-    from the send of what crosses it to its arrival on every receiving rank."""
-    gathered = costs.boundary_gathered_bytes or (0,) * len(costs.boundary_bytes)
-    pairs = tuple(zip(costs.boundary_bytes, gathered, strict=True))
-    times = {pair: _transfer_s(*pair, layout, cluster) for pair in set(pairs)}  # a chain repeats a few sizes
-    return tuple(times[pair] for pair in pairs)
-
-
-def _transfer_s(held: int, whole: int, layout, cluster) -> float:
+    from the send of what crosses it to its arrival on every receiving rank. Kept with the
+    costs per what it reads of the layout and the cluster: the search asks for every layout it
+    bounds and cuts, and a long chain has thousands of boundaries."""
     across = layout.pipeline_crosses_nodes(cluster.gpus_per_node)
+    tp_nodes = nodes_spanned(layout.tp, 1, cluster.gpus_per_node, layout.world_size)
+    key = ("boundary_transfer_s", layout.tp, across, tp_nodes, cluster.p2p_s, cluster.all_gather_s)
+    found = costs._prefix.get(key)
+    if found is None:
+        gathered = costs.boundary_gathered_bytes or (0,) * len(costs.boundary_bytes)
+        pairs = tuple(zip(costs.boundary_bytes, gathered, strict=True))
+        times = {pair: _transfer_s(*pair, layout.tp, across, tp_nodes, cluster)
+                 for pair in set(pairs)}  # a chain repeats a few sizes
+        found = costs._prefix[key] = tuple(times[pair] for pair in pairs)
+    return found
+
+
+def _transfer_s(held: int, whole: int, tp: int, across: bool, tp_nodes: int, cluster) -> float:
     if not whole:
         return cluster.p2p_s(held, across)
-    tp_nodes = nodes_spanned(layout.tp, 1, cluster.gpus_per_node, layout.world_size)
-    return cluster.p2p_s(held - whole + whole // layout.tp, across) + cluster.all_gather_s(whole, layout.tp, tp_nodes)
+    return cluster.p2p_s(held - whole + whole // tp, across) + cluster.all_gather_s(whole, tp, tp_nodes)
