@@ -57,3 +57,17 @@ def test_the_compute_order_times_as_its_lowering_where_messages_take_no_rank_tim
     assert alone.events == lowered.events
     assert (alone.step_s, alone.bubble, alone.peak_in_flight) == (lowered.step_s, lowered.bubble,
                                                                   lowered.peak_in_flight)
+
+
+def test_lowering_reports_the_first_bad_action_as_it_meets_it():
+    """Asked per stage once, the lowering still fails on the first action that is wrong, with
+    its own error, and never sizes anything by the largest stage number it meets."""
+    from autopart.ir.actions import Action, Kind
+    from autopart.ir.errors import ScheduleError
+    from autopart.schedule.lowering import add_communication
+
+    already = {0: [Action(0, Kind.SEND_F, 0)], 1: [Action(3, Kind.F, 0)]}
+    with pytest.raises(ScheduleError, match="already a communication action"):
+        add_communication(already, ranks=2, placement=(0, 1))
+    with pytest.raises(ScheduleError, match="belongs on rank 0"):
+        add_communication({1: [Action(10**9, Kind.F, 0)]}, ranks=2)

@@ -33,11 +33,23 @@ def add_communication(schedule: Schedule, *, ranks: int, placement: Sequence[int
     if not computes:
         return {rank: [] for rank in schedule}
     last_stage = max(action.stage for action in computes)
-    # per stage, once: its rank and whether its neighbours are elsewhere (a long pipeline's
-    # schedule holds a million actions, each asking the same few questions of its stage)
-    home = [rank_of(stage, ranks, placement) for stage in range(last_stage + 1)]
-    from_before = [stage > 0 and home[stage - 1] != home[stage] for stage in range(last_stage + 1)]
-    to_after = [stage < last_stage and home[stage + 1] != home[stage] for stage in range(last_stage + 1)]
+    # per stage, once: its rank, and whether its neighbours are elsewhere (a long pipeline's
+    # schedule holds a million actions, each asking the same few questions of its stage); asked
+    # where the action-by-action rule asked them, so a bad input fails with the same error
+    home: dict[int, int] = {}
+    crossing: dict[int, tuple[bool, bool]] = {}  # stage -> (input from another rank, output to another)
+
+    def home_of(stage: int) -> int:
+        if stage not in home:
+            home[stage] = rank_of(stage, ranks, placement)
+        return home[stage]
+
+    def crossings(stage: int) -> tuple[bool, bool]:
+        if stage not in crossing:
+            crossing[stage] = (stage > 0 and home_of(stage - 1) != home_of(stage),
+                               stage < last_stage and home_of(stage + 1) != home_of(stage))
+        return crossing[stage]
+
     forward, backward = Kind.F, (Kind.B, Kind.I)
     lowered: Schedule = {}
     for rank in sorted(schedule):
@@ -50,23 +62,25 @@ def add_communication(schedule: Schedule, *, ranks: int, placement: Sequence[int
                     f"rank {rank}, step {step}: {action} is already a communication action; "
                     "add_communication takes a compute-only schedule"
                 )
-            if home[stage] != rank:
+            if home_of(stage) != rank:
                 raise ScheduleError(
                     f"rank {rank}, step {step}: {action} belongs on rank {home[stage]} (stage {stage} with {ranks} ranks)"
                 )
             # a receive right before the compute that needs remote input, a send right after
             # the compute whose output a remote stage reads
             if kind is forward:
-                if from_before[stage]:
+                from_before, to_after = crossings(stage)
+                if from_before:
                     append(Action(stage, Kind.RECV_F, mb))
                 append(action)
-                if to_after[stage]:
+                if to_after:
                     append(Action(stage, Kind.SEND_F, mb))
             elif kind in backward:
-                if to_after[stage]:
+                from_before, to_after = crossings(stage)
+                if to_after:
                     append(Action(stage, Kind.RECV_B, mb))
                 append(action)
-                if from_before[stage]:
+                if from_before:
                     append(Action(stage, Kind.SEND_B, mb))
             else:
                 append(action)
