@@ -37,3 +37,23 @@ def test_the_search_times_a_boundary_as_the_plan_does(sp):
         assert costs.boundary_gathered_bytes[cut] == held > 0
         assert searched == pytest.approx(cluster.p2p_s(held // 2, True) + cluster.all_gather_s(held, 2, 1))
         assert searched != pytest.approx(whole)
+
+
+def test_a_boundary_s_time_kept_with_the_costs_is_the_one_each_layout_and_cluster_would_get_afresh():
+    """Kept per what it reads (the degree, whether the pipeline crosses nodes, the TP group's
+    nodes, the links): asked of one costs object for layouts and clusters that differ in each,
+    every answer is the one a fresh copy of the costs gives."""
+    import dataclasses
+
+    options = CompileOptions(model=TINY_GPT, sp=False, **PINS)
+    costs = FrontTable(options).chain_costs(micro_batch_size=2, tp=2, dtype="fp32")
+    within, across = cluster_of(options), cluster_of(dataclasses.replace(options, gpus_per_node=8))
+    slower = dataclasses.replace(within, p2p_s=lambda nbytes, crossing: 2 * within.p2p_s(nbytes, crossing))
+    asked = []
+    for cluster in (within, across, slower, within):
+        for pp, tp in ((2, 2), (4, 2), (2, 1), (1, 4)):
+            layout = Layout(pp=pp, tp=tp, dp=1, micro_batch_size=2, microbatches=4, schedule="1f1b")
+            kept = boundary_transfer_s(costs, layout, cluster)
+            assert kept == boundary_transfer_s(dataclasses.replace(costs, _prefix={}), layout, cluster)
+            asked.append(kept)
+    assert len(set(asked)) > 4  # the answers differ: the keys matter

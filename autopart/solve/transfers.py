@@ -21,14 +21,21 @@ def boundary_transfer_s(costs: ChainCosts, layout, cluster) -> tuple[float, ...]
     bounds and cuts, and a long chain has thousands of boundaries."""
     across = layout.pipeline_crosses_nodes(cluster.gpus_per_node)
     tp_nodes = nodes_spanned(layout.tp, 1, cluster.gpus_per_node, layout.world_size)
-    key = ("boundary_transfer_s", layout.tp, across, tp_nodes, cluster.p2p_s, cluster.all_gather_s)
-    found = costs._prefix.get(key)
+    # the links as the search's memo wraps them (a new wrapper per search) or not
+    links = tuple(getattr(f, "__wrapped__", f) for f in (cluster.p2p_s, cluster.all_gather_s))
+    key = ("boundary_transfer_s", layout.tp, across, tp_nodes, *links)
+    try:
+        found = costs._prefix.get(key)
+    except TypeError:  # links that cannot key a dict: computed each time
+        key, found = None, None
     if found is None:
         gathered = costs.boundary_gathered_bytes or (0,) * len(costs.boundary_bytes)
         pairs = tuple(zip(costs.boundary_bytes, gathered, strict=True))
         times = {pair: _transfer_s(*pair, layout.tp, across, tp_nodes, cluster)
                  for pair in set(pairs)}  # a chain repeats a few sizes
-        found = costs._prefix[key] = tuple(times[pair] for pair in pairs)
+        found = tuple(times[pair] for pair in pairs)
+        if key is not None:
+            costs._prefix[key] = found
     return found
 
 
