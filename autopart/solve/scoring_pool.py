@@ -84,15 +84,20 @@ class LayoutScoring:
     def submit(self, layout: Any, last_finalist_s: float) -> Future:
         """A future of the layout scored under this last finalist: now (no workers) or ahead."""
         if not self.workers:
-            done: Future = Future()
-            done.set_result(self.score(layout, last_finalist_s))
-            return done
+            return self.here(layout, last_finalist_s)
         key = self.key(layout)
         if self._pool is not None and key in self._known:
             return self._track(self._pool.submit(_scored, layout, last_finalist_s))
         with ctrl_c_held():  # a new pool forks its workers at its first submit
             self._fork(key)
             return self._track(self._pool.submit(_scored, layout, last_finalist_s))
+
+    def here(self, layout: Any, last_finalist_s: float) -> Future:
+        """A future of the layout scored now, in this process: one whose turn has come, which
+        sent to the workers would wait behind the layouts sent ahead of it."""
+        done: Future = Future()
+        done.set_result(self.score(layout, last_finalist_s))
+        return done
 
     def _track(self, future: Future) -> Future:
         self._sent.append(future)

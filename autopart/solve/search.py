@@ -326,7 +326,7 @@ def search(
             if _settled_twin(layout, settled):
                 continue
             if handle is _AT_TURN:
-                handle = scoring.submit(layout, last_finalist_s())
+                handle = scoring.here(layout, last_finalist_s())
             scored += 1
             result = handle.result().under(last_finalist_s())
             if result is None or (layout.zero == 1 and not fsdp_may_pay(result, table, cluster)):
