@@ -234,20 +234,10 @@ class _Greedy:
                 if self.bound_matters:
                     continue  # the memory would tell nothing more
             if parameters is None:
-                parameters = sums.owned[end] - sums.owned[first]
-                if not self.plain_parameters:
-                    if sums.split is None:  # a tied weight read before the stage and in it: `_Sums.parameters`
-                        for readers, nbytes in sums.shared:
-                            if readers[0] < first and readers[-1] >= first:
-                                k = bisect.bisect_left(readers, first)
-                                if readers[k] <= last:
-                                    parameters += nbytes
-                    else:
-                        parameters = sums.parameters(first, last)
+                parameters = sums.owned[end] - sums.owned[first] if self.plain_parameters \
+                    else sums.parameters(first, last)
             if mode == "none":
                 per_microbatch, once = sums.saved[end] - sums.saved[first], 0
-            elif mode == "stage" or (mode == "full" and sums.layers is None):  # `_Sums.held`, inline
-                per_microbatch, once = sums.received[first], self.transients[s] * (sums.saved[end] - sums.saved[first])
             else:
                 per_microbatch, once = sums.held(first, last, mode, self.transients[s])
             if self.room is None:

@@ -241,8 +241,7 @@ class _Sums:
                 *self.held(first, last, mode, transient))
 
     def held(self, first: int, last: int, mode: str, transient: int = 1) -> tuple[int, int]:
-        """``parts``' activations alone: (bytes per microbatch in flight, bytes held once).
-        (`autopart.solve.bottleneck._Greedy.fits` writes the "stage" case out inline.)"""
+        """``parts``' activations alone: (bytes per microbatch in flight, bytes held once)."""
         end = last + 1
         saved_none = self.saved[end] - self.saved[first]
         if mode == "none":
@@ -259,8 +258,7 @@ class _Sums:
     def parameters(self, first: int, last: int) -> int:
         """``parts``' parameter bytes alone (in any mode): the state of the parameters first read
         in blocks ``first..last``, a layer a cut splits at what its root units hold, and a weight
-        read before the stage and again in it. (`autopart.solve.bottleneck._Greedy.fits` writes the
-        case without split layers out inline.)"""
+        read before the stage and again in it."""
         end = last + 1
         parameters = self.owned[end] - self.owned[first]
         if self.split is not None:
