@@ -310,16 +310,14 @@ def search(
     scoring = LayoutScoring(lambda layout, below: _speculate(layout, table, cluster, space, below),
                             workers=search_workers(len(layouts)) if workers is None else workers,
                             key=_chain_key, built=built, finish=score, finish_on_workers=score_on_workers)
-    waiting: set[Layout] = set()  # ZeRO-1 layouts sent whose turn has not come: their twins wait for it
     with scoring:
         for visited in itertools.count():
             while len(sent) < scoring.ahead and (item := next(bounded, None)) is not None:
                 bound, layout = item
-                sent.append((bound, layout, _sent(layout, scoring, settled, waiting, last_finalist_s())))
+                sent.append((bound, layout, _sent(layout, scoring, settled, sent, last_finalist_s())))
             if not sent or (cutoff() is not None and sent[0][0] >= cutoff()):
                 break  # where one process's walk ends: the bound at its turn reaches the last finalist
             bound, layout, handle = sent.popleft()
-            waiting.discard(layout)
             smallest_bound = min(smallest_bound, bound)
             if progress is not None:
                 progress(visited, len(layouts))
@@ -347,14 +345,12 @@ def search(
                         seconds=time.perf_counter() - start, bound_s=smallest_bound if best else math.inf)
 
 
-def _sent(layout: Layout, scoring: LayoutScoring, settled: set[Layout], waiting: set[Layout], below: float):
+def _sent(layout: Layout, scoring: LayoutScoring, settled: set[Layout], queued, below: float):
     """``layout``'s future, scored ahead under the last finalist ``below``; None where its twin
-    settled it; `_AT_TURN` while its ZeRO-1 twin is queued (``waiting``): that may settle it."""
-    if layout.zero == 1:
-        waiting.add(layout)
+    settled it; `_AT_TURN` while its ZeRO-1 twin is ``queued`` (its turn to come): that may settle it."""
     if _settled_twin(layout, settled):
         return None
-    if layout.zero == 2 and dataclasses.replace(layout, zero=1) in waiting:
+    if layout.zero == 2 and dataclasses.replace(layout, zero=1) in (queued_layout for _, queued_layout, _ in queued):
         return _AT_TURN
     return scoring.submit(layout, below)
 
