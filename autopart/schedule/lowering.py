@@ -66,23 +66,18 @@ def add_communication(schedule: Schedule, *, ranks: int, placement: Sequence[int
                 raise ScheduleError(
                     f"rank {rank}, step {step}: {action} belongs on rank {home[stage]} (stage {stage} with {ranks} ranks)"
                 )
+            if kind is not forward and kind not in backward:  # W: nothing crosses
+                append(action)
+                continue
             # a receive right before the compute that needs remote input, a send right after
-            # the compute whose output a remote stage reads
-            if kind is forward:
-                from_before, to_after = crossings(stage)
-                if from_before:
-                    append(Action(stage, Kind.RECV_F, mb))
-                append(action)
-                if to_after:
-                    append(Action(stage, Kind.SEND_F, mb))
-            elif kind in backward:
-                from_before, to_after = crossings(stage)
-                if to_after:
-                    append(Action(stage, Kind.RECV_B, mb))
-                append(action)
-                if from_before:
-                    append(Action(stage, Kind.SEND_B, mb))
-            else:
-                append(action)
+            # the compute whose output a remote stage reads: a forward's input comes from the
+            # stage before and goes to the one after, a backward's the other way
+            from_before, to_after = crossings(stage)
+            receive, send = (from_before, to_after) if kind is forward else (to_after, from_before)
+            if receive:
+                append(Action(stage, Kind.RECV_F if kind is forward else Kind.RECV_B, mb))
+            append(action)
+            if send:
+                append(Action(stage, Kind.SEND_F if kind is forward else Kind.SEND_B, mb))
         lowered[rank] = out
     return lowered
