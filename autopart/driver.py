@@ -47,25 +47,22 @@ __all__ = ["CompileOptions", "compile", "compile_plan", "compile_to_directory", 
 
 
 @contextlib.contextmanager
-def fewer_collections():
-    """CPython's cycle collector rarer while a compile runs, the caller's thresholds back after.
+def cycle_collector_off():
+    """CPython's cycle collector off while a compile runs, on again after (also on a failure)
+    where the caller had it on.
 
     A compile makes millions of objects that live until it ends (graph nodes, schedule actions,
-    timeline events) and few reference cycles, and with the default thresholds the collector
-    walks every tracked object again each time the survivors grow by a quarter: at a thousand
-    layers over thousands of devices, a large share of the compile. Young collections come
-    after 100,000 allocations instead of 700, older ones rarer still; cycles are still freed,
-    later. A collector the caller turned off (threshold 0) stays off."""
-    before = gc.get_threshold()
-    if before[0] > 0:
-        gc.set_threshold(*(max(old, rarer) for old, rarer in zip(before, _RARER_COLLECTIONS)))
+    timeline events) and few reference cycles. The collector walks each of them at least twice
+    before it ends (as a young object, and again as a middle-aged one), seconds of a large
+    compile however rare its passes are made, to free cycles that hold about a tenth of the
+    compile's peak memory; off, the caller's next collection frees them."""
+    was_on = gc.isenabled()
+    gc.disable()
     try:
         yield
     finally:
-        gc.set_threshold(*before)
-
-
-_RARER_COLLECTIONS = (100_000, 50, 100)  # allocations per young collection, young per middle, middle per old
+        if was_on:
+            gc.enable()
 
 
 def compile_plan(options: CompileOptions, progress=None) -> tuple[Plan, Front]:
@@ -111,7 +108,7 @@ def compile(model: str | Path, **options) -> Plan:  # noqa: A001 - the API's ver
     does, and keeps what they measured per model and machine (``run_finalists=False`` keeps the
     predicted order; ``run_finalists=True`` runs them afresh).
     """
-    with fewer_collections():
+    with cycle_collector_off():
         plan, _ = measured_plan(CompileOptions(model=Path(model), **options))
     return plan
 
@@ -128,7 +125,7 @@ def emit(plan: Plan, out_dir: str | Path) -> Path:
         leaves=plan.provenance.leaves,
     )  # fmt: skip
     cost_model = get_cost_model("cpu")
-    with fewer_collections():
+    with cycle_collector_off():
         op_graph = annotate(graph, spec, cost_model, micro_batch_size=plan.schedule.micro_batch_size, dtype=plan.dtype)
         return emit_directory(plan, op_graph, spec, out_dir)
 
@@ -138,7 +135,7 @@ def compile_to_directory(options: CompileOptions, out_dir: Path, *, progress=Non
     one capture. ``progress(what, done, total)`` hears how the search goes; ``console`` shows
     the measuring."""
     check_output_directory(out_dir)
-    with fewer_collections():
+    with cycle_collector_off():
         plan, front = measured_plan(options, progress=progress, console=console)
         return plan, emit_directory(plan, front.op_graph, front.spec, out_dir, chain=front.chain)
 

@@ -1,6 +1,6 @@
 """The ``autopart`` command ends, where its work ends well, short of the interpreter's teardown
 (`autopart.tools.cli.run`): after the exit handlers and with its streams flushed, its files
-whole; an error still ends in its one line and exit code 2."""
+whole, the cycle collector off to the end; an error still ends in its one line and exit code 2."""
 
 import subprocess
 import sys
@@ -8,7 +8,7 @@ import sys
 from tests.distributed import REPO, environment
 
 SCRIPT = """
-import atexit, sys
+import atexit, gc, sys
 
 class Torn:
     def __del__(self, open=open):  # builtins may be gone by then
@@ -16,6 +16,7 @@ class Torn:
 
 kept = Torn()  # freed only by the interpreter's teardown
 atexit.register(lambda: open({handled!r}, "w").write("handled"))
+atexit.register(lambda: open({collector!r}, "w").write("on" if gc.isenabled() else "off"))
 print("unflushed", end="")
 sys.argv = ["autopart", *{argv!r}]
 from autopart.tools.cli import run
@@ -24,7 +25,8 @@ run()
 
 
 def _run(tmp_path, *argv):
-    script = SCRIPT.format(torn=str(tmp_path / "torn"), handled=str(tmp_path / "handled"), argv=list(argv))
+    script = SCRIPT.format(torn=str(tmp_path / "torn"), handled=str(tmp_path / "handled"),
+                           collector=str(tmp_path / "collector"), argv=list(argv))
     return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
                           env=environment(), cwd=REPO)
 
@@ -37,6 +39,7 @@ def test_a_command_that_ends_well_skips_the_teardown_after_its_exit_handlers(tmp
     assert done.stdout.startswith("unflushed")  # the streams flushed
     assert (tmp_path / "handled").read_text() == "handled"  # the exit handlers ran
     assert not (tmp_path / "torn").exists()  # the interpreter's teardown did not
+    assert (tmp_path / "collector").read_text() == "off"  # nor did the cycle collector, after the compile
     assert (out / "plan.json").read_text().rstrip().endswith("}") and (out / "train.py").is_file()
 
 
