@@ -9,6 +9,7 @@ import os
 import random
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -78,6 +79,38 @@ def test_without_workers_each_layout_is_scored_at_once_in_this_process():
     scoring = LayoutScoring(lambda layout, below: calls.append(layout) or os.getpid(), workers=0, key=lambda _: 0)
     handle = scoring.submit("x", 1.0)
     assert calls == ["x"] and handle.result() == os.getpid() and scoring.ahead == 1
+
+
+def test_the_callers_work_runs_here_while_the_workers_finish_the_finalists(tmp_path):
+    made = tmp_path / "made"  # what the caller's work makes meanwhile, which each finish waits for
+
+    def finish(item):
+        deadline = time.monotonic() + 60
+        while not made.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return os.getpid(), item, made.exists()
+
+    seen = []
+
+    def meanwhile(finalists):
+        seen.append((os.getpid(), list(finalists)))
+        made.touch()
+
+    with LayoutScoring(lambda layout, below: layout, workers=2, key=lambda _: 0, finish=finish,
+                       finish_on_workers=True) as scoring:
+        scoring.submit("a", 1.0).result()  # the workers forked
+        answers = scoring.finished(["a", "b", "c"], meanwhile)
+    assert seen == [(os.getpid(), ["a", "b", "c"])]
+    assert [(item, waited) for _, item, waited in answers] == [("a", True), ("b", True), ("c", True)]
+    assert os.getpid() not in {pid for pid, _, _ in answers}
+
+
+def test_without_workers_the_callers_work_runs_before_the_finalists_are_finished():
+    order = []
+    scoring = LayoutScoring(lambda layout, below: layout, workers=0, key=lambda _: 0,
+                            finish=lambda item: order.append(item) or item)
+    assert scoring.finished(["a", "b"], lambda finalists: order.append(tuple(finalists))) == ["a", "b"]
+    assert order == [("a", "b"), "a", "b"]
 
 
 def test_an_error_in_a_worker_reaches_the_caller():

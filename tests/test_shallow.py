@@ -158,3 +158,67 @@ def test_a_chain_of_one_layer_repeated_has_the_batch_inputs_at_each_boundary() -
     repeated, layers = repeat_layers(one, ["h.0"], (0, 0, 0))
     assert layers == ["h.0", "h.1", "h.2"]
     assert repeated.boundary_bytes == (64, 64) and repeated.boundary_gathered_bytes == (0, 0)
+
+
+def test_the_full_model_is_captured_while_the_finalists_are_scored_and_only_then(tmp_path, monkeypatch) -> None:
+    """The shallow search's caller captures the full model as its finalists are scored (on the
+    workers, where there are), once, and the plan is the one made without capturing ahead."""
+    from pathlib import Path
+
+    from autopart.driver import CompileOptions
+    from autopart.solve import front_table, planner
+
+    model = tmp_path / "deep.py"
+    model.write_text(MODEL_FILE.format(models=str(Path(__file__).resolve().parent.parent / "benchmarks" / "models")))
+    options = CompileOptions(model=model, world_size=4, tp=2, global_batch_size=8, device="h100-sxm")
+    real_capture, real_ahead, calls = front_table.capture_for, front_table.FrontTable.capture_ahead, []
+
+    def counted(*args, **how):
+        calls.append("capture")
+        return real_capture(*args, **how)
+
+    def ahead(self, **size):
+        calls.append(("ahead", size["tp"]))
+        real_ahead(self, **size)
+
+    monkeypatch.setattr(front_table, "capture_for", counted)
+    monkeypatch.setattr(front_table.FrontTable, "capture_ahead", ahead)
+    searched = planner.plan_by_search(options)
+    assert calls == [("ahead", 2), "capture"]  # captured ahead, then never again
+    monkeypatch.setattr(front_table.FrontTable, "capture_ahead", lambda self, **size: None)
+    plan = planner.plan_by_search(options).plan
+    assert (plan.mesh, plan.schedule, plan.stages, plan.predicted) == \
+        (searched.plan.mesh, searched.plan.schedule, searched.plan.stages, searched.plan.predicted)
+
+
+def test_a_capture_ahead_is_read_by_every_annotation_and_left_to_them_where_fx_is_not_to_be_used(tmp_path,
+                                                                                                 monkeypatch) -> None:
+    from pathlib import Path
+
+    from autopart import passes
+    from autopart.driver import CompileOptions
+    from autopart.solve import front_table, planner
+
+    model = tmp_path / "deep.py"
+    model.write_text(MODEL_FILE.format(models=str(Path(__file__).resolve().parent.parent / "benchmarks" / "models")))
+    options = CompileOptions(model=model, world_size=4, global_batch_size=8, device="h100-sxm")
+    expected = planner.FrontTable(options).chain_costs(micro_batch_size=2, tp=2, dtype="fp32")
+    table = planner.FrontTable(options)
+    table.capture_ahead(micro_batch_size=1, tp=4)  # any size and degree of the same form: biases apart
+
+    def refused(*args, **how):
+        raise AssertionError("captured again")
+
+    monkeypatch.setattr(front_table, "capture_for", refused)
+    monkeypatch.setattr(passes.front, "capture_for", refused)
+    assert table.chain_costs(micro_batch_size=2, tp=2, dtype="fp32") == expected
+    monkeypatch.undo()
+    exported = planner.FrontTable(CompileOptions(model=model, world_size=4, global_batch_size=8, device="h100-sxm",
+                                                 capture="export"))
+    exported.capture_ahead(micro_batch_size=1, tp=2)
+    assert exported._graphs == {}  # noqa: SLF001 - nothing made: an export capture holds its batch size
+    monkeypatch.setattr(front_table, "capture_for", lambda *a, **k: (_ for _ in ()).throw(
+        passes.capture.CaptureError("torch.fx could not trace deep.py")))
+    failing = planner.FrontTable(options)
+    failing.capture_ahead(micro_batch_size=1, tp=2)  # left to the path that needs it, which says why
+    assert failing._graphs == {}  # noqa: SLF001

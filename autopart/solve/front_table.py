@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from autopart.codegen.layers import layer_instances
+from autopart.ir.errors import AutopartError
 from autopart.ir.model_file import ModelSpec, is_meta, load_model_file
 from autopart.options import CompileOptions
 from autopart.passes.capture import Graph
@@ -117,6 +118,22 @@ class FrontTable:
         self._graphs[separate] = front.op_graph.graph  # captured once, annotated at each size
         self._roofline = getattr(front.cost_model, "roofline", front.cost_model)
         return front
+
+    def capture_ahead(self, *, micro_batch_size: int, tp: int) -> None:
+        """The model's fx capture for ``tp`` made now, for the annotation at any size that will
+        read it (`_annotate`): a caller whose workers are busy meanwhile (scoring the search's
+        finalists) takes the capture of a thousand layers off the path after them. Left to that
+        path where torch.fx is not to be used, or fails: there it falls back or says why."""
+        separate = tp > 1
+        if separate in self._graphs or self.options.capture == "export":
+            return
+        if self.progress is not None:
+            self.progress(f"capturing at micro-batch size {micro_batch_size}", len(self.annotated), 0)
+        try:
+            self._graphs[separate] = capture_for(self.model_spec(), tp, batch_size=micro_batch_size, method="fx",
+                                                 leaves=self.options.leaf)
+        except AutopartError:
+            pass
 
     def _laid_out(self, options: CompileOptions, size: int) -> Front | None:
         separate = options.tp > 1

@@ -200,8 +200,13 @@ def _shallow_search(options: CompileOptions, space: SearchSpace, cluster: Cluste
     plan can differ by a few percent: a full plan's messages, its refined cuts); the fastest
     is kept. None when the full model's chain is not the shallow one's laid out (its layers are alike as
     modules but not as graphs): the caller then searches the full model."""
+    def capture_ahead(ranked: list[Scored]) -> None:  # while the workers simulate them: one of them is planned
+        if len({scored.layout.tp > 1 for scored in ranked}) == 1:  # biases apart in all, or in none
+            full.capture_ahead(micro_batch_size=ranked[0].layout.micro_batch_size, tp=ranked[0].layout.tp)
+
     result = search(space, shallow, cluster, finalists=finalists, progress=_visited(progress),
-                    score=lambda scored: simulated_step_s(scored, shallow, cluster), score_on_workers=True)
+                    score=lambda scored: simulated_step_s(scored, shallow, cluster), score_on_workers=True,
+                    meanwhile=capture_ahead)
     if not result.ranked:
         raise InfeasibleError(_does_not_fit(options, space, shallow, cluster))
     planned: dict[int, Plan] = {}  # finalist's index -> its plan of the full model, where made

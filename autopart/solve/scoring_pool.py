@@ -103,11 +103,17 @@ class LayoutScoring:
         self._sent.append(future)
         return future
 
-    def finished(self, finalists: list) -> list:
-        """``finish`` of each finalist (their layouts sent before), on the workers where it may run there."""
+    def finished(self, finalists: list, meanwhile: Callable[[list], None] | None = None) -> list:
+        """``finish`` of each finalist (their layouts sent before), on the workers where it may run
+        there; ``meanwhile(finalists)`` runs in this process as they do (before, where they run here)."""
         if self._pool is None or not self.finish_on_workers:
+            if meanwhile is not None:
+                meanwhile(finalists)
             return [self.finish(item) for item in finalists]
-        return list(self._pool.map(_finished, finalists))
+        pending = [self._pool.submit(_finished, item) for item in finalists]
+        if meanwhile is not None:
+            meanwhile(finalists)
+        return [future.result() for future in pending]
 
     def drop_ahead(self) -> None:
         """Drop what the workers were sent and have not begun (the walk ended before its turn)."""

@@ -277,11 +277,13 @@ def search(
     progress: Callable[[int, int], None] | None = None,
     workers: int | None = None,
     score_on_workers: bool = False,
+    meanwhile: Callable[[list[Scored]], None] | None = None,
 ) -> SearchResult:
     """The ``finalists`` best layouts that fit, ranked by ``score`` (default: the estimate).
     ``workers``: processes that score layouts ahead (``autopart.solve.scoring_pool``; by default
     `search_workers`); the result is the same on any number. ``score_on_workers``: ``score`` may
-    run there too, as it reads nothing but the table's costs of the finalist and changes nothing."""
+    run there too, as it reads nothing but the table's costs of the finalist and changes nothing.
+    ``meanwhile(finalists)``: work of the caller's, run here while the workers score them."""
     start = time.perf_counter()
     blocks = len(table.chain_costs(micro_batch_size=space.smallest_micro_batch_size(), tp=1, dtype=space.dtype[0]))
     layouts = list(space.layouts(blocks))
@@ -336,7 +338,7 @@ def search(
             best.sort(key=lambda s: (s.estimate_s, s.layout))
             del best[finalists:]
         scoring.drop_ahead()  # sent ahead of a turn that never came
-        steps = [s.estimate_s for s in best] if score is None else scoring.finished(best)
+        steps = [s.estimate_s for s in best] if score is None else scoring.finished(best, meanwhile)
     if progress is not None:
         progress(len(layouts), len(layouts))
     ranked = sorted((dataclasses.replace(s, step_s=step) for s, step in zip(best, steps)),
