@@ -53,9 +53,10 @@ def cycle_collector_off():
 
     A compile makes millions of objects that live until it ends (graph nodes, schedule actions,
     timeline events) and few reference cycles. The collector walks each of them at least twice
-    before it ends (as a young object, and again as a middle-aged one), seconds of a large
-    compile however rare its passes are made, to free cycles that hold about a tenth of the
-    compile's peak memory; off, the caller's next collection frees them."""
+    before it ends (as a young object, and again as a middle-aged one) however rare its passes
+    are made, to free little: the cycles left are freed by the caller's next collection, and
+    what holds much memory in cycles is freed where it is let go (the profiler's copies of the
+    model, `autopart.profiling.profile.profile_costs`). docs/solver_scale.md has the figures."""
     was_on = gc.isenabled()
     gc.disable()
     try:

@@ -31,6 +31,8 @@ The keys therefore come from one run of the graph on the CPU under that same pre
 from __future__ import annotations
 
 import copy
+import functools
+import gc
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import replace
@@ -265,6 +267,23 @@ def put_in_situ(database: CostDatabase, device_name: str, timer: _Timer, in_situ
                                                backward_weight_s=backward * weight_share))
 
 
+def _frees_its_copies(profile: Callable[..., int]) -> Callable[..., int]:
+    """``profile`` that, as it returns, frees the copies of the model it made: a GraphModule and
+    its Graph refer to each other, so only the cycle collector frees one, and a compile runs with
+    the collector off (`autopart.driver.cycle_collector_off`). The young generation holds what
+    was made since the collector last ran (all of the compile so far, while it is off), not the
+    caller's older objects."""
+    @functools.wraps(profile)
+    def freeing(*args: Any, **kwargs: Any) -> int:
+        try:
+            return profile(*args, **kwargs)
+        finally:
+            gc.collect(0)
+
+    return freeing
+
+
+@_frees_its_copies
 def profile_costs(graph: Graph, spec: ModelSpec, database: CostDatabase, *, device: str = "cpu",
                   micro_batch_size: int, optimizer: str = "adamw", threads: int = 1,
                   console: Console | None = None, dtype: str = "fp32", processes: int = 1,
