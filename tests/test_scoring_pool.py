@@ -81,28 +81,44 @@ def test_without_workers_each_layout_is_scored_at_once_in_this_process():
     assert calls == ["x"] and handle.result() == os.getpid() and scoring.ahead == 1
 
 
+def _wait_for(path: Path) -> bool:
+    deadline = time.monotonic() + 10
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return path.exists()
+
+
 def test_the_callers_work_runs_here_while_the_workers_finish_the_finalists(tmp_path):
-    made = tmp_path / "made"  # what the caller's work makes meanwhile, which each finish waits for
+    begun, made = tmp_path / "begun", tmp_path / "made"  # each side waits for what the other makes
 
     def finish(item):
-        deadline = time.monotonic() + 60
-        while not made.exists() and time.monotonic() < deadline:
-            time.sleep(0.02)
-        return os.getpid(), item, made.exists()
+        begun.touch()
+        return os.getpid(), item, _wait_for(made)
 
     seen = []
 
     def meanwhile(finalists):
-        seen.append((os.getpid(), list(finalists)))
+        seen.append((os.getpid(), list(finalists), _wait_for(begun)))
         made.touch()
 
     with LayoutScoring(lambda layout, below: layout, workers=2, key=lambda _: 0, finish=finish,
                        finish_on_workers=True) as scoring:
         scoring.submit("a", 1.0).result()  # the workers forked
         answers = scoring.finished(["a", "b", "c"], meanwhile)
-    assert seen == [(os.getpid(), ["a", "b", "c"])]
+    assert seen == [(os.getpid(), ["a", "b", "c"], True)]  # a worker had begun as it ran
     assert [(item, waited) for _, item, waited in answers] == [("a", True), ("b", True), ("c", True)]
     assert os.getpid() not in {pid for pid, _, _ in answers}
+
+
+def test_a_failure_of_the_callers_work_reaches_it_and_cancels_the_finalists_not_begun():
+    def meanwhile(finalists):
+        raise KeyboardInterrupt
+
+    with LayoutScoring(lambda layout, below: layout, workers=2, key=lambda _: 0, finish=lambda item: item,
+                       finish_on_workers=True) as scoring:
+        scoring.submit("a", 1.0).result()
+        with pytest.raises(KeyboardInterrupt):
+            scoring.finished([str(k) for k in range(50)], meanwhile)
 
 
 def test_without_workers_the_callers_work_runs_before_the_finalists_are_finished():

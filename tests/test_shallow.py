@@ -161,27 +161,37 @@ def test_a_chain_of_one_layer_repeated_has_the_batch_inputs_at_each_boundary() -
 
 
 def test_the_full_model_is_captured_while_the_finalists_are_scored_and_only_then(tmp_path, monkeypatch) -> None:
-    """The shallow search's caller captures the full model as its finalists are scored (on the
-    workers, where there are), once, and the plan is the one made without capturing ahead."""
+    """The shallow search's caller captures the full model as the workers score its finalists,
+    once, and the plan is the one made without capturing ahead."""
     from pathlib import Path
 
+    from autopart import passes
     from autopart.driver import CompileOptions
     from autopart.solve import front_table, planner
+    from autopart.solve.scoring_pool import WORKERS_ENV
 
     model = tmp_path / "deep.py"
     model.write_text(MODEL_FILE.format(models=str(Path(__file__).resolve().parent.parent / "benchmarks" / "models")))
     options = CompileOptions(model=model, world_size=4, tp=2, global_batch_size=8, device="h100-sxm")
-    real_capture, real_ahead, calls = front_table.capture_for, front_table.FrontTable.capture_ahead, []
+    monkeypatch.setenv(WORKERS_ENV, "2")
+    calls = []
 
-    def counted(*args, **how):
-        calls.append("capture")
-        return real_capture(*args, **how)
+    def counted(real):
+        def capture(spec, *args, **how):
+            layers = repeated_layers(spec.module)
+            if layers is not None and layers.count == 8:  # the full model, not a shallow copy
+                calls.append("capture")
+            return real(spec, *args, **how)
+        return capture
+
+    real_ahead = front_table.FrontTable.capture_ahead
 
     def ahead(self, **size):
         calls.append(("ahead", size["tp"]))
         real_ahead(self, **size)
 
-    monkeypatch.setattr(front_table, "capture_for", counted)
+    monkeypatch.setattr(front_table, "capture_for", counted(front_table.capture_for))
+    monkeypatch.setattr(passes.front, "capture_for", counted(passes.front.capture_for))
     monkeypatch.setattr(front_table.FrontTable, "capture_ahead", ahead)
     searched = planner.plan_by_search(options)
     assert calls == [("ahead", 2), "capture"]  # captured ahead, then never again
@@ -191,12 +201,41 @@ def test_the_full_model_is_captured_while_the_finalists_are_scored_and_only_then
         (searched.plan.mesh, searched.plan.schedule, searched.plan.stages, searched.plan.predicted)
 
 
+def test_captured_ahead_only_where_every_finalist_has_the_same_form_and_fx_took_the_shallow_copy() -> None:
+    from types import SimpleNamespace
+
+    from autopart.solve import planner
+
+    class Table:
+        def __init__(self, method=None):
+            self.method, self.asked = method, []
+
+        def capture_method(self, *, tp):
+            return self.method
+
+        def capture_ahead(self, **size):
+            self.asked.append(size)
+
+    def finalists(*tps):
+        return [SimpleNamespace(layout=SimpleNamespace(tp=tp, micro_batch_size=tp + 1)) for tp in tps]
+
+    for tps, method, asked in [((2, 4), "fx", [{"micro_batch_size": 3, "tp": 2}]),
+                               ((1, 1), "fx", [{"micro_batch_size": 2, "tp": 1}]),
+                               ((2, 1), "fx", []), ((2, 2), "export", []), ((), "fx", [])]:
+        full = Table()
+        planner.capture_ahead(full, Table(method), finalists(*tps))
+        assert full.asked == asked, (tps, method)
+
+
 def test_a_capture_ahead_is_read_by_every_annotation_and_left_to_them_where_fx_is_not_to_be_used(tmp_path,
                                                                                                  monkeypatch) -> None:
     from pathlib import Path
 
+    import pytest
+
     from autopart import passes
     from autopart.driver import CompileOptions
+    from autopart.passes.capture import CaptureError
     from autopart.solve import front_table, planner
 
     model = tmp_path / "deep.py"
@@ -205,6 +244,7 @@ def test_a_capture_ahead_is_read_by_every_annotation_and_left_to_them_where_fx_i
     expected = planner.FrontTable(options).chain_costs(micro_batch_size=2, tp=2, dtype="fp32")
     table = planner.FrontTable(options)
     table.capture_ahead(micro_batch_size=1, tp=4)  # any size and degree of the same form: biases apart
+    assert table.capture_method(tp=2) == "fx"
 
     def refused(*args, **how):
         raise AssertionError("captured again")
@@ -212,13 +252,17 @@ def test_a_capture_ahead_is_read_by_every_annotation_and_left_to_them_where_fx_i
     monkeypatch.setattr(front_table, "capture_for", refused)
     monkeypatch.setattr(passes.front, "capture_for", refused)
     assert table.chain_costs(micro_batch_size=2, tp=2, dtype="fp32") == expected
-    monkeypatch.undo()
     exported = planner.FrontTable(CompileOptions(model=model, world_size=4, global_batch_size=8, device="h100-sxm",
                                                  capture="export"))
-    exported.capture_ahead(micro_batch_size=1, tp=2)
-    assert exported._graphs == {}  # noqa: SLF001 - nothing made: an export capture holds its batch size
-    monkeypatch.setattr(front_table, "capture_for", lambda *a, **k: (_ for _ in ()).throw(
-        passes.capture.CaptureError("torch.fx could not trace deep.py")))
-    failing = planner.FrontTable(options)
-    failing.capture_ahead(micro_batch_size=1, tp=2)  # left to the path that needs it, which says why
-    assert failing._graphs == {}  # noqa: SLF001
+    exported.capture_ahead(micro_batch_size=1, tp=2)  # nothing made: an export capture holds its batch size
+
+    def failing(*args, **how):
+        raise CaptureError("torch.fx could not trace deep.py: control flow")
+
+    monkeypatch.setattr(front_table, "capture_for", failing)
+    monkeypatch.setattr(passes.front, "capture_for", failing)
+    table = planner.FrontTable(options)
+    table.capture_ahead(micro_batch_size=1, tp=2)  # left to the path that needs it, which says why
+    assert table.capture_method(tp=2) is None
+    with pytest.raises(CaptureError, match="could not trace deep.py"):
+        table.chain_costs(micro_batch_size=2, tp=2, dtype="fp32")

@@ -119,6 +119,12 @@ class FrontTable:
         self._roofline = getattr(front.cost_model, "roofline", front.cost_model)
         return front
 
+    def capture_method(self, *, tp: int) -> str | None:
+        """How the model was captured in ``tp``'s form (biases apart where ``tp`` > 1): "fx" or
+        "export"; None where it has not been."""
+        graph = self._graphs.get(tp > 1)
+        return graph.method if graph is not None else None
+
     def capture_ahead(self, *, micro_batch_size: int, tp: int) -> None:
         """The model's fx capture for ``tp`` made now, for the annotation at any size that will
         read it (`_annotate`): a caller whose workers are busy meanwhile (scoring the search's

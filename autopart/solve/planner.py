@@ -49,7 +49,7 @@ from autopart.solve.simulated import simulated_step_s
 from cost_models import get_cost_model
 from cost_models.memory import communicator_bytes
 
-__all__ = ["FrontTable", "plan_by_search", "search_space", "cluster_of", "shallow_table", "sequence_parallel"]
+__all__ = ["FrontTable", "capture_ahead", "plan_by_search", "search_space", "cluster_of", "shallow_table", "sequence_parallel"]
 
 CP_SAT_LIMIT = 2_000
 """CP-SAT refines the chosen cuts when blocks x stages is at most this (its model's size)."""
@@ -200,13 +200,9 @@ def _shallow_search(options: CompileOptions, space: SearchSpace, cluster: Cluste
     plan can differ by a few percent: a full plan's messages, its refined cuts); the fastest
     is kept. None when the full model's chain is not the shallow one's laid out (its layers are alike as
     modules but not as graphs): the caller then searches the full model."""
-    def capture_ahead(ranked: list[Scored]) -> None:  # while the workers simulate them: one of them is planned
-        if len({scored.layout.tp > 1 for scored in ranked}) == 1:  # biases apart in all, or in none
-            full.capture_ahead(micro_batch_size=ranked[0].layout.micro_batch_size, tp=ranked[0].layout.tp)
-
     result = search(space, shallow, cluster, finalists=finalists, progress=_visited(progress),
                     score=lambda scored: simulated_step_s(scored, shallow, cluster), score_on_workers=True,
-                    meanwhile=capture_ahead)
+                    meanwhile=lambda ranked: capture_ahead(full, shallow.inner, ranked))
     if not result.ranked:
         raise InfeasibleError(_does_not_fit(options, space, shallow, cluster))
     planned: dict[int, Plan] = {}  # finalist's index -> its plan of the full model, where made
@@ -215,7 +211,7 @@ def _shallow_search(options: CompileOptions, space: SearchSpace, cluster: Cluste
         if not plan_every and fitting and candidate.step_s >= min(planned[i].predicted.step_s for i in fitting):
             break  # its estimate, and every later one's, is no faster than a plan already made
         layout = candidate.layout
-        with _validation_beside(options, layout):  # validated while the full model is captured
+        with _validation_beside(options, layout):  # validated while the full model is annotated
             front = _front_of(full, candidate)
             repeated = shallow.chain_costs(micro_batch_size=layout.micro_batch_size, tp=layout.tp, dtype=layout.dtype)
             if len(front.chain.blocks) != len(repeated):
@@ -238,6 +234,17 @@ def _shallow_search(options: CompileOptions, space: SearchSpace, cluster: Cluste
     others = [Finalist(row=row, plan=planned[i], front=_front_of(full, result.ranked[i]))
               for row, i in enumerate(order) if row > 0 and i in fitting]
     return Searched(plan=plan, front=front, result=result, finalists=(Finalist(row=0, plan=plan, front=front), *others))
+
+
+def capture_ahead(full: FrontTable, shallow: FrontTable, finalists: list[Scored]) -> None:
+    """The full model's capture made while the workers score the shallow search's finalists, one
+    of which is then planned on it: where they all have biases apart, or none has, and torch.fx
+    captured the ``shallow`` copy (else it would most likely fail on the full model too)."""
+    if len({scored.layout.tp > 1 for scored in finalists}) != 1:
+        return
+    first = finalists[0].layout
+    if shallow.capture_method(tp=first.tp) == "fx":
+        full.capture_ahead(micro_batch_size=first.micro_batch_size, tp=first.tp)
 
 
 def _front_of(table: FrontTable, scored: Scored) -> Front:

@@ -283,7 +283,7 @@ def search(
     ``workers``: processes that score layouts ahead (``autopart.solve.scoring_pool``; by default
     `search_workers`); the result is the same on any number. ``score_on_workers``: ``score`` may
     run there too, as it reads nothing but the table's costs of the finalist and changes nothing.
-    ``meanwhile(finalists)``: work of the caller's, run here while the workers score them."""
+    ``meanwhile(finalists)``: work of the caller's, run here while ``score`` scores them."""
     start = time.perf_counter()
     blocks = len(table.chain_costs(micro_batch_size=space.smallest_micro_batch_size(), tp=1, dtype=space.dtype[0]))
     layouts = list(space.layouts(blocks))
