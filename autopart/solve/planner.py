@@ -49,7 +49,8 @@ from autopart.solve.simulated import simulated_step_s
 from cost_models import get_cost_model
 from cost_models.memory import communicator_bytes
 
-__all__ = ["FrontTable", "capture_ahead", "plan_by_search", "search_space", "cluster_of", "shallow_table", "sequence_parallel"]
+__all__ = ["FrontTable", "capture_ahead", "plan_by_search", "search_space", "cluster_of", "shallow_table",
+           "sequence_parallel"]
 
 CP_SAT_LIMIT = 2_000
 """CP-SAT refines the chosen cuts when blocks x stages is at most this (its model's size)."""
