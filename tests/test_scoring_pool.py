@@ -110,15 +110,21 @@ def test_the_callers_work_runs_here_while_the_workers_finish_the_finalists(tmp_p
     assert os.getpid() not in {pid for pid, _, _ in answers}
 
 
-def test_a_failure_of_the_callers_work_reaches_it_and_cancels_the_finalists_not_begun():
+def test_a_failure_of_the_callers_work_reaches_it_and_cancels_the_finalists_not_begun(tmp_path):
+    def finish(item):  # each finalist that runs leaves a file
+        (tmp_path / item).touch()
+        time.sleep(0.05)
+        return item
+
     def meanwhile(finalists):
         raise KeyboardInterrupt
 
-    with LayoutScoring(lambda layout, below: layout, workers=2, key=lambda _: 0, finish=lambda item: item,
+    with LayoutScoring(lambda layout, below: layout, workers=2, key=lambda _: 0, finish=finish,
                        finish_on_workers=True) as scoring:
         scoring.submit("a", 1.0).result()
         with pytest.raises(KeyboardInterrupt):
             scoring.finished([str(k) for k in range(50)], meanwhile)
+    assert len(list(tmp_path.iterdir())) < 50  # the pool closed without running those not begun
 
 
 def test_without_workers_the_callers_work_runs_before_the_finalists_are_finished():

@@ -106,8 +106,7 @@ class FrontTable:
     def _annotate(self, size: int, *, tp: int, dtype: str) -> Front:
         """A real annotation at ``size``: read off the shallow copy's where that is alike, else made."""
         separate = tp > 1
-        if self.progress is not None:
-            self.progress(f"capturing at micro-batch size {size}", len(self.annotated), 0)
+        self._capturing(size)
         options = self._options(tp=tp, dtype=dtype)
         if self._copy is not None and self.options.costs is None:
             front = self._laid_out(options, size)
@@ -133,13 +132,16 @@ class FrontTable:
         separate = tp > 1
         if separate in self._graphs or self.options.capture == "export":
             return
-        if self.progress is not None:
-            self.progress(f"capturing at micro-batch size {micro_batch_size}", len(self.annotated), 0)
+        self._capturing(micro_batch_size)
         try:
             self._graphs[separate] = capture_for(self.model_spec(), tp, batch_size=micro_batch_size, method="fx",
                                                  leaves=self.options.leaf)
         except AutopartError:
             pass
+
+    def _capturing(self, size: int) -> None:
+        if self.progress is not None:
+            self.progress(f"capturing at micro-batch size {size}", len(self.annotated), 0)
 
     def _laid_out(self, options: CompileOptions, size: int) -> Front | None:
         separate = options.tp > 1

@@ -203,7 +203,7 @@ def _shallow_search(options: CompileOptions, space: SearchSpace, cluster: Cluste
     modules but not as graphs): the caller then searches the full model."""
     result = search(space, shallow, cluster, finalists=finalists, progress=_visited(progress),
                     score=lambda scored: simulated_step_s(scored, shallow, cluster), score_on_workers=True,
-                    meanwhile=lambda ranked: capture_ahead(full, shallow.inner, ranked))
+                    meanwhile=lambda best: capture_ahead(full, shallow.inner, best))
     if not result.ranked:
         raise InfeasibleError(_does_not_fit(options, space, shallow, cluster))
     planned: dict[int, Plan] = {}  # finalist's index -> its plan of the full model, where made

@@ -112,12 +112,7 @@ class LayoutScoring:
             return [self.finish(item) for item in finalists]
         pending = [self._pool.submit(_finished, item) for item in finalists]
         if meanwhile is not None:
-            try:
-                meanwhile(finalists)
-            except BaseException:  # Ctrl-C or a failure: what has not begun does not keep the exit waiting
-                for future in pending:
-                    future.cancel()
-                raise
+            meanwhile(finalists)
         return [future.result() for future in pending]
 
     def drop_ahead(self) -> None:
