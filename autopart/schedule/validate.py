@@ -13,9 +13,10 @@ ranks with blocking receives and asynchronous sends that finds any deadlock.
 
 from __future__ import annotations
 
-from autopart.ir.errors import ScheduleError
+import collections
 from collections.abc import Sequence
 
+from autopart.ir.errors import ScheduleError
 from autopart.ir.actions import COMPUTE_KINDS, PARTNER_KIND, RECEIVE_KINDS, Action, Kind, Schedule, rank_of
 
 __all__ = ["validate", "format_grid", "check_message_order"]
@@ -161,6 +162,14 @@ def _check_counts(
     schedule: Schedule, where: dict[_Key, _Where], *, stages: int, microbatches: int
 ) -> None:
     """Every (stage, microbatch) has one F and either one B or one I and one W."""
+    # `_place_actions` kept each action once and in range: where every (stage, microbatch) has a
+    # forward and the backwards are all whole or all split, the counts of the kinds say so (a
+    # schedule holds up to millions); any other mix is checked one by one, for its message
+    counts = collections.Counter(kind for _, kind, _ in where)
+    whole, split = counts[Kind.B], counts[Kind.I]
+    if counts[Kind.F] == stages * microbatches and counts[Kind.W] == split and \
+            (whole, split) in ((stages * microbatches, 0), (0, stages * microbatches)):
+        return
     for stage in range(stages):
         for mb in range(microbatches):
             name = f"stage {stage}, microbatch {mb}"
@@ -267,34 +276,52 @@ def _check_message(
 def _check_deadlock(
     schedule: Schedule, where: dict[_Key, _Where], *, ranks: int, stages: int, lowered: bool
 ) -> None:
-    """Run all ranks in rank order until each finishes or none can move.
+    """Run every rank until each finishes or none can move.
 
     Sends never block. A receive blocks until its send has run. In a compute-only schedule an
     action whose input comes from another rank blocks until that action has run there.
+
+    A rank runs until it blocks, then waits on what blocked it and moves again once that has run:
+    each action is visited about once, where sweeping the ranks round after round until none moves
+    visits every blocked rank each round (a pipeline's backward wave moves one rank per round). A
+    rank's progress depends only on what has run, so the ranks stop where they would in any order:
+    the same ranks stuck, at the same steps.
     """
     done: set[_Key] = set()
     cursor = {rank: 0 for rank in schedule}
 
     def blocker(action: Action) -> _Key | None:
-        if action.kind in RECEIVE_KINDS:
+        kind = action.kind
+        if kind in RECEIVE_KINDS:
             partner = _partner(action)
             return None if partner in done else partner
-        if lowered or not action.is_compute:
+        if lowered or kind is Kind.W or kind not in COMPUTE_KINDS:
+            return None  # (a W's input, its I, runs on its rank: `_check_order` saw it before)
+        stage, mb = action.stage, action.microbatch
+        if kind is Kind.F:
+            needed = (stage - 1, kind, mb)
+            return needed if stage > 0 and needed not in done else None
+        # a B or an I: its forward runs on its rank before it (`_check_order`); the next stage's backward
+        if stage + 1 == stages:
             return None
-        for needed in _inputs(action, where, stages=stages):
-            if needed not in done:
-                return needed
-        return None
+        later = _backward(where, stage + 1, mb)
+        return later[0] if later is not None and later[0] not in done else None
 
-    progress = True
-    while progress:
-        progress = False
-        for rank in sorted(schedule):
-            actions = schedule[rank]
-            while cursor[rank] < len(actions) and blocker(actions[cursor[rank]]) is None:
-                done.add(_key(actions[cursor[rank]]))
-                cursor[rank] += 1
-                progress = True
+    waiting: dict[_Key, list[int]] = {}  # an action not run yet -> the ranks blocked on it
+    movable = sorted(schedule, reverse=True)
+    while movable:
+        rank = movable.pop()
+        actions, at = schedule[rank], cursor[rank]
+        while at < len(actions):
+            needed = blocker(actions[at])
+            if needed is not None:
+                waiting.setdefault(needed, []).append(rank)
+                break
+            key = _key(actions[at])
+            done.add(key)
+            movable.extend(waiting.pop(key, ()))
+            at += 1
+        cursor[rank] = at
 
     stuck = [rank for rank in sorted(schedule) if cursor[rank] < len(schedule[rank])]
     if not stuck:
@@ -312,7 +339,6 @@ def _check_deadlock(
     raise _fail("deadlock: " + "; ".join(waits), schedule, (stuck[0], cursor[stuck[0]]))
 
 
-
 def check_message_order(schedule: Schedule, *, ranks: int, placement: Sequence[int] | None = None) -> None:
     """Raise ScheduleError unless, between two ranks and in each direction, the receiver takes
     the messages in the order the sender sends them.
@@ -321,27 +347,42 @@ def check_message_order(schedule: Schedule, *, ranks: int, placement: Sequence[i
     groups), and on each a receive takes whatever message comes next: one out of order would
     fill its buffers with another microbatch's tensors (or hang on a shape that differs).
     """
-    sent: dict[tuple[int, int, bool], list[Action]] = {}
+    homes: dict[int, int] = {}  # stage -> its rank (a lowered schedule holds millions of messages)
+
+    def home(stage: int) -> int:
+        found = homes.get(stage)
+        if found is None:
+            found = homes[stage] = rank_of(stage, ranks, placement)
+        return found
+
+    # per channel (sender, receiver, activations or not), the (stage, microbatch) of each send in order
+    sent: dict[tuple[int, int, bool], list[tuple[int, int]]] = {}
     for rank in sorted(schedule):
         for action in schedule[rank]:
-            if action.kind in (Kind.SEND_F, Kind.SEND_B):
-                channel = (rank, rank_of(action.peer_stage, ranks, placement), action.kind is Kind.SEND_F)
-                sent.setdefault(channel, []).append(action)
+            kind = action.kind
+            if kind is Kind.SEND_F or kind is Kind.SEND_B:
+                forward = kind is Kind.SEND_F
+                channel = (rank, home(action.stage + 1 if forward else action.stage - 1), forward)
+                sent.setdefault(channel, []).append((action.stage, action.microbatch))
     taken: dict[tuple[int, int, bool], int] = {}
     for rank in sorted(schedule):
         for step, action in enumerate(schedule[rank]):
-            if action.kind not in RECEIVE_KINDS:
+            kind = action.kind
+            if kind is not Kind.RECV_F and kind is not Kind.RECV_B:
                 continue
-            channel = (rank_of(action.peer_stage, ranks, placement), rank, action.kind is Kind.RECV_F)
+            forward = kind is Kind.RECV_F
+            peer = action.stage - 1 if forward else action.stage + 1  # the sending stage: ``action.partner``'s
+            channel = (home(peer), rank, forward)
             position = taken.get(channel, 0)
             taken[channel] = position + 1
-            sends = sent.get(channel, [])
-            expected = sends[position] if position < len(sends) else None
-            if expected != action.partner:
-                what = "activation" if channel[2] else "gradient"
-                raise _fail(
-                    f"rank {rank}, step {step}: {action} receives out of order: {what} message {position} from "
-                    f"rank {channel[0]} is {expected or 'never sent'}; exchange the messages in the same order on both ranks",
-                    schedule,
-                    (rank, step),
-                )
+            sends = sent.get(channel, ())
+            if position < len(sends) and sends[position] == (peer, action.microbatch):
+                continue
+            expected = Action(sends[position][0], PARTNER_KIND[kind], sends[position][1]) if position < len(sends) else None
+            what = "activation" if forward else "gradient"
+            raise _fail(
+                f"rank {rank}, step {step}: {action} receives out of order: {what} message {position} from "
+                f"rank {channel[0]} is {expected or 'never sent'}; exchange the messages in the same order on both ranks",
+                schedule,
+                (rank, step),
+            )
