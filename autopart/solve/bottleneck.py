@@ -188,7 +188,8 @@ class _Greedy:
         self.blocks = len(costs)
         self.sums = chain_sums(costs)
         self.compute = costs.prefix("compute_s")
-        self.plain_parameters = self.sums.split is None and not self.sums.shared  # a stage's: its blocks' own
+        # a stage ending before this block holds its blocks' own parameters (`_Sums.read_again_from`)
+        self.plain_before = self.sums.read_again_from if self.sums.split is None else -1
         self.cheapest_out = min(transfer_s, default=0.0)
         self.refusals = 0  # times a stage met its time bound in a mode but not its memory
         self.failed_for_memory = False  # some bound under which no cuts were found saw a refusal
@@ -234,7 +235,7 @@ class _Greedy:
                 if self.bound_matters:
                     continue  # the memory would tell nothing more
             if parameters is None:
-                parameters = sums.owned[end] - sums.owned[first] if self.plain_parameters \
+                parameters = sums.owned[end] - sums.owned[first] if last < self.plain_before \
                     else sums.parameters(first, last)
             if mode == "none":
                 per_microbatch, once = sums.saved[end] - sums.saved[first], 0

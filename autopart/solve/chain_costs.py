@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import math
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field, replace
 
@@ -193,7 +194,7 @@ class _Sums:
     """A chain's running sums, held in one place: the search evaluates millions of stages."""
 
     __slots__ = ("compute", "repeated", "saved", "selective_saved", "owned", "weight", "received",
-                 "shared", "split", "span", "layers")
+                 "shared", "read_again_from", "split", "span", "layers")
 
     def __init__(self, costs: ChainCosts):
         p = costs.prefix
@@ -206,6 +207,9 @@ class _Sums:
         self.received = tuple(b + costs.input_bytes for b in (0, *costs.boundary_bytes))
         self.shared = tuple((readers, costs.parameter_state_bytes[name])
                             for name, readers in costs.shared_parameters.items())
+        # no block before this one reads a weight that an earlier block read first: a stage that
+        # ends before it holds its blocks' own parameters alone (a tied embedding's is the last)
+        self.read_again_from = min((readers[1] for readers, _ in self.shared), default=math.inf)
         # A repeated layer that a cut splits is written inline in both stages and runs in their
         # root units (`autopart.codegen.layers`): its parameters cost what a root's do, not a
         # layer unit's shards. Per block, the layer it is in (first, end); ``split``: running sums
@@ -268,6 +272,8 @@ class _Sums:
             begin, stop = self.span[last]
             if stop > end and begin >= first:  # a layer the next stage ends
                 parameters += self.split[end] - self.split[begin]
+        if last < self.read_again_from:
+            return parameters
         for readers, nbytes in self.shared:  # a weight first read before the stage, read again in it
             if readers[0] < first:
                 k = bisect.bisect_left(readers, first)
