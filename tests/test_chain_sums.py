@@ -50,6 +50,24 @@ def test_a_stage_s_figures_asked_apart_are_its_blocks_summed(seed: int) -> None:
         sums.seconds(0, 0, "some")
 
 
+def test_weights_read_again_mid_chain_are_held_by_each_stage_that_reads_them_again() -> None:
+    """Weights read by more than one block, the second reader anywhere (not only a tied head at
+    the end): each stage holds every weight its blocks read, a stage that ends before any block
+    reads a weight again its blocks' own alone (the cutter's shortcut, `_Sums.read_again_from`)."""
+    costs = random_table(random.Random(7), layers=4, tied=True).chain_costs(micro_batch_size=2, tp=1, dtype="fp32")
+    names = [list(block) for block in costs.block_parameters]
+    first_read = next(k for k, block in enumerate(names) if block)
+    again = names[first_read][:1]
+    names[first_read + 2] += again  # read again two blocks on, and in the last block but one
+    names[-2] += again
+    costs = replace(costs, block_parameters=tuple(map(tuple, names)), _prefix={})
+    sums = chain_sums(costs)
+    assert sums.read_again_from == first_read + 2
+    for first in range(len(costs)):
+        for last in range(first, len(costs)):
+            assert sums.parameters(first, last) == _summed(costs, first, last, "none", transient=1)[1]
+
+
 def _layer_by_layer(costs: ChainCosts, first: int, last: int, transient: int) -> tuple:
     """Full recompute's figures layer by layer, by plain sums: the layers the stage holds whole
     keep what enters them and run again; the other blocks keep what they save; without a whole

@@ -378,7 +378,8 @@ def check_message_order(schedule: Schedule, *, ranks: int, placement: Sequence[i
             sends = sent.get(channel, ())
             if position < len(sends) and sends[position] == (peer, action.microbatch):
                 continue
-            expected = Action(sends[position][0], PARTNER_KIND[kind], sends[position][1]) if position < len(sends) else None
+            expected = None if position >= len(sends) else Action(sends[position][0], PARTNER_KIND[kind],
+                                                                    sends[position][1])
             what = "activation" if forward else "gradient"
             raise _fail(
                 f"rank {rank}, step {step}: {action} receives out of order: {what} message {position} from "
