@@ -11,8 +11,11 @@ import itertools
 import math
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field, replace
+from typing import Any, TypeVar
 
 __all__ = ["ChainCosts", "StageFigures", "chain_sums", "stage_figures", "stage_floor_s"]
+
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,6 +69,19 @@ class ChainCosts:
                 values = getattr(self, name)
             self._prefix[name] = [0, *itertools.accumulate(values)]
         return self._prefix[name]
+
+    def kept(self, key: Hashable, make: Callable[[], _T]) -> _T:
+        """``make()``, made once for these costs under ``key`` and kept with them: what depends on
+        the chain alone (and on what ``key`` names), which the search asks again for every layout
+        it bounds and cuts. A hashable ``key`` only."""
+        found = self._prefix.get(key)
+        if found is None:
+            found = self._prefix[key] = make()
+        return found
+
+    def changed(self, **changes: Any) -> ChainCosts:
+        """A copy with ``changes``, keeping none of these costs' kept figures (they read what changed)."""
+        return replace(self, **changes, _prefix={})
 
     def largest_block_s(self) -> float:
         """The slowest block's forward and backward."""
@@ -337,10 +353,7 @@ class _LayerSums:
 
 def chain_sums(costs: ChainCosts) -> _Sums:
     """The running sums of ``costs``, made once and kept with them."""
-    found = costs._prefix.get("sums")
-    if found is None:
-        found = costs._prefix["sums"] = _Sums(costs)
-    return found
+    return costs.kept("sums", lambda: _Sums(costs))
 
 
 def stage_floor_s(costs: ChainCosts, stages: int, transfer_s: float = 0.0) -> float:
@@ -355,8 +368,7 @@ def stage_floor_s(costs: ChainCosts, stages: int, transfer_s: float = 0.0) -> fl
     if stages <= 1 or blocks == 0:
         return compute[-1]
     fewest = -(-blocks // stages)
-    runs = costs._prefix.setdefault("cheapest_run", {})
-    if fewest not in runs:
-        runs[fewest] = min(compute[k + fewest] - compute[k] for k in range(blocks - fewest + 1))
+    cheapest = costs.kept(("cheapest_run", fewest),
+                          lambda: min(compute[k + fewest] - compute[k] for k in range(blocks - fewest + 1)))
     return max((compute[-1] + 2 * (stages - 1) * transfer_s) / stages,
-               max(costs.largest_block_s(), runs[fewest]) + transfer_s)
+               max(costs.largest_block_s(), cheapest) + transfer_s)

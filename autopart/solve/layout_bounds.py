@@ -81,8 +81,7 @@ def optimistic_costs(costs: ChainCosts, floors: list[float], tp: int) -> ChainCo
         raise ValueError(f"{len(floors)} floors for a chain of {len(costs)} blocks")
     scales = [floor / (f + b) if f + b > 0 else 1.0 for floor, f, b in zip(floors, costs.forward_s, costs.backward_s)]
     share = {name: nbytes // tp for name, nbytes in costs.parameter_bytes.items()}
-    return dataclasses.replace(
-        costs,
+    return costs.changed(
         forward_s=tuple(f * s for f, s in zip(costs.forward_s, scales)),
         backward_s=tuple(b * s for b, s in zip(costs.backward_s, scales)),
         weight_s=tuple(w * s for w, s in zip(costs.weight_s, scales)),
@@ -93,7 +92,6 @@ def optimistic_costs(costs: ChainCosts, floors: list[float], tp: int) -> ChainCo
         boundary_bytes=tuple(b // tp for b in costs.boundary_bytes),  # no less than any rank sends
         boundary_gathered_bytes=(),  # nor any all-gather: none
         layer_bytes=0,  # no more than any sharding's largest layer (ZeRO-3 holds some in flight)
-        _prefix={},
     )
 
 
@@ -281,21 +279,22 @@ def _least_kept(costs: ChainCosts, stages: int) -> list[int]:
     and recompute: stage s holds blocks s to blocks - stages + s at most (every stage holds one),
     and keeps what one of them saves, without recompute, or with it what crosses a boundary at
     the least (a stage's input, a layer's under full recompute)."""
-    found = costs._prefix.setdefault("least_kept", {})
-    if stages not in found:
-        saved, blocks = costs.saved_bytes, len(costs)
-        width = blocks - stages + 1
-        window: collections.deque[int] = collections.deque()  # indices of a running minimum of saved
-        least = []
-        for k in range(blocks):
-            while window and saved[window[-1]] >= saved[k]:
-                window.pop()
-            window.append(k)
-            if window[0] <= k - width:
-                window.popleft()
-            if k >= width - 1:
-                least.append(saved[window[0]])
-        # at the least, with recompute: what crosses a boundary, as a rank holds it
-        received = min(costs.boundary_bytes, default=0)
-        found[stages] = [min(least[s], costs.input_bytes if s == 0 else received) for s in range(stages)]
-    return found[stages]
+    return costs.kept(("least_kept", stages), lambda: _least_kept_of(costs, stages))
+
+
+def _least_kept_of(costs: ChainCosts, stages: int) -> list[int]:
+    saved, blocks = costs.saved_bytes, len(costs)
+    width = blocks - stages + 1
+    window: collections.deque[int] = collections.deque()  # indices of a running minimum of saved
+    least = []
+    for k in range(blocks):
+        while window and saved[window[-1]] >= saved[k]:
+            window.pop()
+        window.append(k)
+        if window[0] <= k - width:
+            window.popleft()
+        if k >= width - 1:
+            least.append(saved[window[0]])
+    # at the least, with recompute: what crosses a boundary, as a rank holds it
+    received = min(costs.boundary_bytes, default=0)
+    return [min(least[s], costs.input_bytes if s == 0 else received) for s in range(stages)]

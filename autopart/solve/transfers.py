@@ -24,19 +24,18 @@ def boundary_transfer_s(costs: ChainCosts, layout, cluster) -> tuple[float, ...]
     # the links as the search's memo wraps them (a new wrapper per search) or not
     links = tuple(getattr(f, "__wrapped__", f) for f in (cluster.p2p_s, cluster.all_gather_s))
     key = ("boundary_transfer_s", layout.tp, across, tp_nodes, *links)
-    try:
-        found = costs._prefix.get(key)
-    except TypeError:  # links that cannot key a dict: computed each time
-        key, found = None, None
-    if found is None:
+
+    def times() -> tuple[float, ...]:
         gathered = costs.boundary_gathered_bytes or (0,) * len(costs.boundary_bytes)
         pairs = tuple(zip(costs.boundary_bytes, gathered, strict=True))
-        times = {pair: _transfer_s(*pair, layout.tp, across, tp_nodes, cluster)
-                 for pair in set(pairs)}  # a chain repeats a few sizes
-        found = tuple(times[pair] for pair in pairs)
-        if key is not None:
-            costs._prefix[key] = found
-    return found
+        each = {pair: _transfer_s(*pair, layout.tp, across, tp_nodes, cluster) for pair in set(pairs)}  # a few sizes
+        return tuple(each[pair] for pair in pairs)
+
+    try:
+        hash(key)
+    except TypeError:  # links that cannot key a dict: computed each time
+        return times()
+    return costs.kept(key, times)
 
 
 def _transfer_s(held: int, whole: int, tp: int, across: bool, tp_nodes: int, cluster) -> float:
