@@ -113,3 +113,16 @@ def test_full_recompute_layer_by_layer_is_its_blocks_summed(seed: int) -> None:
             assert sums.held(first, last, "stage", transient=2) == stage_wide[2]
             assert sums.seconds(first, last, "stage") == pytest.approx(stage_wide[0], rel=1e-12)
     assert without_layer > 0
+
+
+def test_figures_kept_with_costs_are_made_once_and_not_carried_to_a_changed_copy() -> None:
+    costs = random_table(random.Random(3), layers=3, tied=False).chain_costs(micro_batch_size=2, tp=1, dtype="fp32")
+    made = []
+    assert costs.kept(("made", 1), lambda: made.append(1) or len(made)) == 1
+    assert costs.kept(("made", 1), lambda: made.append(1) or len(made)) == 1  # kept, not made again
+    assert made == [1]
+    slower = costs.changed(forward_s=tuple(2 * f for f in costs.forward_s))
+    assert chain_sums(slower) is not chain_sums(costs)
+    assert chain_sums(slower).seconds(0, len(costs) - 1, "none") == pytest.approx(
+        sum(2 * f + b for f, b in zip(costs.forward_s, costs.backward_s)))
+    assert slower.kept(("made", 1), lambda: 2) == 2
