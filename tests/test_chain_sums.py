@@ -60,7 +60,7 @@ def test_weights_read_again_mid_chain_are_held_by_each_stage_that_reads_them_aga
     again = names[first_read][:1]
     names[first_read + 2] += again  # read again two blocks on, and in the last block but one
     names[-2] += again
-    costs = replace(costs, block_parameters=tuple(map(tuple, names)), _prefix={})
+    costs = costs.changed(block_parameters=tuple(map(tuple, names)))
     sums = chain_sums(costs)
     assert sums.read_again_from == first_read + 2
     for first in range(len(costs)):

@@ -92,7 +92,7 @@ class SlowedTable:
         costs = self.base.chain_costs(micro_batch_size=micro_batch_size, tp=tp, dtype=dtype)
         if self.embedding_all_weight:
             weight = (costs.backward_s[0], *costs.weight_s[1:])
-            costs = dataclasses.replace(costs, weight_s=weight, _prefix={})
+            costs = costs.changed(weight_s=weight)
         return costs
 
     def chain_costs(self, *, micro_batch_size: int, tp: int, dtype: str) -> ChainCosts:
@@ -104,11 +104,11 @@ class SlowedTable:
         if rng.random() < 0.5:  # only the first block slowed, and much: where weight gradients are all
             slow = [rng.uniform(1.0, 30.0), *(1.0,) * (len(costs) - 1)]  # of a block, its time lowers zb-h1's bound
         whole = {p: b * (tp if rng.random() < 0.3 else 1) for p, b in costs.parameter_bytes.items()}
-        return dataclasses.replace(
-            costs, forward_s=tuple(f * s for f, s in zip(costs.forward_s, slow)),
+        return costs.changed(
+            forward_s=tuple(f * s for f, s in zip(costs.forward_s, slow)),
             backward_s=tuple(b * s for b, s in zip(costs.backward_s, slow)),
             weight_s=tuple(w * s for w, s in zip(costs.weight_s, slow)),
-            parameter_bytes=whole, parameter_state_bytes=dict(whole), _prefix={})
+            parameter_bytes=whole, parameter_state_bytes=dict(whole))
 
     def state_bytes(self, parameter_bytes: int, *, dp: int, zero: int, dtype: str = "fp32", layered: bool = False) -> int:
         return self.base.state_bytes(parameter_bytes, dp=dp, zero=zero, dtype=dtype, layered=layered)

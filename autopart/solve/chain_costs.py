@@ -47,14 +47,15 @@ class ChainCosts:
     # full recompute checkpoints each layer a stage holds whole by itself (a whole backward,
     # `autopart.passes.recompute`); False: it checkpoints the stage (a split backward)
     layer_by_layer: bool = False
-    _prefix: dict = field(default_factory=dict, repr=False, compare=False)
+    # what is made from these figures and kept with them: running sums (`prefix`), `kept`'s
+    _kept: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __len__(self) -> int:
         return len(self.forward_s)
 
     def prefix(self, name: str) -> list[float]:
         """Running sums of a per-block figure: ``prefix(x)[j] = sum(x[:j])``."""
-        if name not in self._prefix:
+        if name not in self._kept:
             if name == "owned_parameter_bytes":
                 values = self._owned_parameter_bytes()
             elif name == "owned_weight_bytes":  # the parameters alone, one tensor-parallel rank's share
@@ -67,27 +68,27 @@ class ChainCosts:
                 values = [f + b for f, b in zip(self.forward_s, self.backward_s)]
             else:
                 values = getattr(self, name)
-            self._prefix[name] = [0, *itertools.accumulate(values)]
-        return self._prefix[name]
+            self._kept[name] = [0, *itertools.accumulate(values)]
+        return self._kept[name]
 
     def kept(self, key: Hashable, make: Callable[[], _T]) -> _T:
         """``make()``, made once for these costs under ``key`` and kept with them: what depends on
         the chain alone (and on what ``key`` names), which the search asks again for every layout
         it bounds and cuts. A hashable ``key`` only."""
-        found = self._prefix.get(key)
+        found = self._kept.get(key)
         if found is None:
-            found = self._prefix[key] = make()
+            found = self._kept[key] = make()
         return found
 
     def changed(self, **changes: Any) -> ChainCosts:
         """A copy with ``changes``, keeping none of these costs' kept figures (they read what changed)."""
-        return replace(self, **changes, _prefix={})
+        return replace(self, **changes, _kept={})
 
     def largest_block_s(self) -> float:
         """The slowest block's forward and backward."""
-        if "largest_block" not in self._prefix:
-            self._prefix["largest_block"] = max(f + b for f, b in zip(self.forward_s, self.backward_s))
-        return self._prefix["largest_block"]
+        if "largest_block" not in self._kept:
+            self._kept["largest_block"] = max(f + b for f, b in zip(self.forward_s, self.backward_s))
+        return self._kept["largest_block"]
 
     def _owned_parameter_bytes(self) -> list[int]:
         """Each parameter counted at the first block that reads it."""
@@ -102,7 +103,7 @@ class ChainCosts:
 
     def _owned_sizes(self) -> list[tuple[tuple[tuple[int, bool], int], ...]]:
         """Per block, ((parameter bytes, layered), how many) of the parameters first read there."""
-        if "owned_sizes" not in self._prefix:
+        if "owned_sizes" not in self._kept:
             found, seen = [], set()
             for names in self.block_parameters:
                 counts: dict[tuple[int, bool], int] = {}
@@ -112,25 +113,25 @@ class ChainCosts:
                         kind = (self.parameter_bytes[p], p in self.layer_parameters)
                         counts[kind] = counts.get(kind, 0) + 1
                 found.append(tuple(counts.items()))
-            self._prefix["owned_sizes"] = found
-        return self._prefix["owned_sizes"]
+            self._kept["owned_sizes"] = found
+        return self._kept["owned_sizes"]
 
     def state_bytes_total(self, state_bytes: Callable[..., int], *, key: Hashable | None = None) -> int:
         """``with_state(state_bytes)``'s parameter state summed over the chain, each parameter
         once (``prefix("owned_parameter_bytes")[-1]``), without building those costs. ``key``
         names ``state_bytes`` as ``with_state``'s does: the total is kept under it."""
         if key is not None:
-            kept = self._prefix.setdefault("state_totals", {})
+            kept = self._kept.setdefault("state_totals", {})
             if key not in kept:
                 kept[key] = self.state_bytes_total(state_bytes)
             return kept[key]
-        if "owned_kinds" not in self._prefix:
+        if "owned_kinds" not in self._kept:
             kinds: dict[tuple[int, bool], int] = {}
             for sizes in self._owned_sizes():
                 for kind, count in sizes:
                     kinds[kind] = kinds.get(kind, 0) + count
-            self._prefix["owned_kinds"] = kinds
-        kinds = self._prefix["owned_kinds"]
+            self._kept["owned_kinds"] = kinds
+        kinds = self._kept["owned_kinds"]
         return sum(state * kinds[kind] for kind, state in _state_by_kind(state_bytes, kinds).items())
 
     def checkpointing_layers(self) -> ChainCosts:
@@ -138,10 +139,10 @@ class ChainCosts:
         that do not depend on it carried over)."""
         if self.layer_by_layer:
             return self
-        if "layer_by_layer" not in self._prefix:
-            carried = {k: v for k, v in self._prefix.items() if k not in ("sums", "with_state", "layer_by_layer")}
-            self._prefix["layer_by_layer"] = replace(self, layer_by_layer=True, _prefix=carried)
-        return self._prefix["layer_by_layer"]
+        if "layer_by_layer" not in self._kept:
+            carried = {k: v for k, v in self._kept.items() if k not in ("sums", "with_state", "layer_by_layer")}
+            self._kept["layer_by_layer"] = replace(self, layer_by_layer=True, _kept=carried)
+        return self._kept["layer_by_layer"]
 
     def with_state(self, state_bytes: Callable[..., int], *, key: Hashable | None = None) -> ChainCosts:
         """These costs with ``parameter_state_bytes[p] = state_bytes(parameter_bytes[p], layered=p in
@@ -151,7 +152,7 @@ class ChainCosts:
         (the same key, the same function): the result is kept under it and given again, with the
         running sums it gathers, to every layout that shares these costs and that state."""
         if key is not None:
-            kept = self._prefix.setdefault("with_state", {})
+            kept = self._kept.setdefault("with_state", {})
             if key not in kept:
                 kept[key] = self.with_state(state_bytes)
             return kept[key]
@@ -159,25 +160,25 @@ class ChainCosts:
         kinds |= {(size, False) for size, layered in kinds if layered}  # what a layer split by a cut costs
         state = _state_by_kind(state_bytes, kinds)
         owned = [sum(state[kind] * count for kind, count in sizes) for sizes in self._owned_sizes()]
-        carried = {name: self._prefix[name] for name in ("owned_sizes", "shared") if name in self._prefix}
+        carried = {name: self._kept[name] for name in ("owned_sizes", "shared") if name in self._kept}
         carried["owned_parameter_bytes"] = [0, *itertools.accumulate(owned)]
         split = [sum((state[size, False] - state[size, True]) * count for (size, layered), count in sizes if layered)
                  for sizes in self._owned_sizes()]
         layered = self.layer_parameters
         return replace(self, parameter_state_bytes={p: state[b, p in layered] for p, b in self.parameter_bytes.items()},
                        split_layer_bytes=tuple(split) if any(split) else (),  # a layer unit holds less than a root
-                       _prefix=carried)
+                       _kept=carried)
 
     @property
     def shared_parameters(self) -> dict[str, tuple[int, ...]]:
         """Parameters read by more than one block (tied embeddings), with the blocks that read them."""
-        if "shared" not in self._prefix:
+        if "shared" not in self._kept:
             readers: dict[str, list[int]] = {}
             for k, names in enumerate(self.block_parameters):
                 for p in names:
                     readers.setdefault(p, []).append(k)
-            self._prefix["shared"] = {p: tuple(ks) for p, ks in readers.items() if len(ks) > 1}
-        return self._prefix["shared"]
+            self._kept["shared"] = {p: tuple(ks) for p, ks in readers.items() if len(ks) > 1}
+        return self._kept["shared"]
 
 
 def _state_by_kind(state_bytes: Callable[..., int], kinds: Iterable[tuple[int, bool]]) -> dict[tuple[int, bool], int]:
