@@ -5,7 +5,6 @@ figure summed block by block."""
 from __future__ import annotations
 
 import random
-from dataclasses import replace
 
 import pytest
 
@@ -96,7 +95,7 @@ def test_full_recompute_layer_by_layer_is_its_blocks_summed(seed: int) -> None:
         if k + width <= len(costs):
             spans.append((k, k + width))
         k += width + rng.randint(0, 1)
-    costs = replace(costs, layer_spans=tuple(spans)).checkpointing_layers()
+    costs = costs.changed(layer_spans=tuple(spans)).checkpointing_layers()
     assert costs.layer_by_layer and spans
     sums = chain_sums(costs)
     without_layer = 0
@@ -126,3 +125,8 @@ def test_figures_kept_with_costs_are_made_once_and_not_carried_to_a_changed_copy
     assert chain_sums(slower).seconds(0, len(costs) - 1, "none") == pytest.approx(
         sum(2 * f + b for f, b in zip(costs.forward_s, costs.backward_s)))
     assert slower.kept(("made", 1), lambda: 2) == 2
+    # what does not depend on checkpointing layer by layer is carried to that copy; the running sums are not
+    sums = chain_sums(costs)
+    layered = costs.checkpointing_layers()
+    assert layered.kept(("made", 1), lambda: 3) == 1
+    assert chain_sums(layered) is not sums

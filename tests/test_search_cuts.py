@@ -108,8 +108,8 @@ def test_full_recompute_layer_by_layer_or_the_stage_whole_whichever_fits() -> No
     full recompute (one layer rebuilt at a time) fits where the stage whole (every activation
     rebuilt at once) does not. Eight in flight: each layer's input kept eight times outgrows what
     the stage whole rebuilds once, and the stage whole is taken."""
-    base = dataclasses.replace(random_chain(random.Random(5), 8, tied=False),
-                               saved_bytes=(400, 60, 60, 60, 60, 60, 60, 400), layer_spans=((1, 3), (3, 5), (5, 7)))
+    base = random_chain(random.Random(5), 8, tied=False).changed(
+        saved_bytes=(400, 60, 60, 60, 60, 60, 60, 400), layer_spans=((1, 3), (3, 5), (5, 7)))
     costs = base.checkpointing_layers()
     kwargs = dict(stages=1, stage_rank=(0,), transfer_s=(0.0,) * 7, overhead_bytes=0)
     for in_flight, chosen in ((1, "full"), (8, "stage")):
@@ -192,7 +192,7 @@ def test_the_fast_cutter_gives_the_reference_cutters_answers(seed: int) -> None:
 def test_with_state_is_the_state_of_every_parameter() -> None:
     costs = random_chain(random.Random(5), 9, tied=True)
     layered = frozenset(sorted(costs.parameter_bytes)[1::2])  # a repeated layer's: their state differs at ZeRO-3
-    costs = dataclasses.replace(costs, layer_parameters=layered)
+    costs = costs.changed(layer_parameters=layered)
     held = costs.with_state(lambda nbytes, layered=False: 3 * nbytes + (0 if layered else 7))
     assert held.parameter_state_bytes == {p: 3 * b + (p not in layered) * 7 for p, b in costs.parameter_bytes.items()}
     slow = ChainCosts(**{f.name: getattr(held, f.name) for f in dataclasses.fields(held) if f.name != "_kept"})

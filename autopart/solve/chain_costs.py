@@ -74,7 +74,9 @@ class ChainCosts:
     def kept(self, key: Hashable, make: Callable[[], _T]) -> _T:
         """``make()``, made once for these costs under ``key`` and kept with them: what depends on
         the chain alone (and on what ``key`` names), which the search asks again for every layout
-        it bounds and cuts. A hashable ``key`` only."""
+        it bounds and cuts. ``key``: hashable, a tuple led by what it is (``("least_kept", n)``),
+        apart from the names these costs keep themselves under. What is kept is carried to
+        `checkpointing_layers`' copy: it must not depend on ``layer_by_layer``."""
         found = self._kept.get(key)
         if found is None:
             found = self._kept[key] = make()
@@ -135,8 +137,8 @@ class ChainCosts:
         return sum(state * kinds[kind] for kind, state in _state_by_kind(state_bytes, kinds).items())
 
     def checkpointing_layers(self) -> ChainCosts:
-        """These costs with ``layer_by_layer`` set, made once and kept with them (the running sums
-        that do not depend on it carried over)."""
+        """These costs with ``layer_by_layer`` set, made once and kept with them (what is kept with
+        these that does not depend on it carried over: all but the running sums of `chain_sums`)."""
         if self.layer_by_layer:
             return self
         if "layer_by_layer" not in self._kept:
