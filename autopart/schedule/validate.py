@@ -290,7 +290,7 @@ def _check_deadlock(
     done: set[_Key] = set()
     cursor = {rank: 0 for rank in schedule}
 
-    def blocker(action: Action) -> _Key | None:
+    def blocker(action: Action) -> _Key | None:  # `_inputs` not yet run, less what its own order settles
         kind = action.kind
         if kind in RECEIVE_KINDS:
             partner = _partner(action)
@@ -355,7 +355,9 @@ def check_message_order(schedule: Schedule, *, ranks: int, placement: Sequence[i
             found = homes[stage] = rank_of(stage, ranks, placement)
         return found
 
-    # per channel (sender, receiver, activations or not), the (stage, microbatch) of each send in order
+    # per channel (sender, receiver, activations or not), the (stage, microbatch) of each send in
+    # order; each message's peer is `Action.peer_stage` written out (the property, asked millions
+    # of times, was a fifth of this check)
     sent: dict[tuple[int, int, bool], list[tuple[int, int]]] = {}
     for rank in sorted(schedule):
         for action in schedule[rank]:
@@ -371,7 +373,7 @@ def check_message_order(schedule: Schedule, *, ranks: int, placement: Sequence[i
             if kind is not Kind.RECV_F and kind is not Kind.RECV_B:
                 continue
             forward = kind is Kind.RECV_F
-            peer = action.stage - 1 if forward else action.stage + 1  # the sending stage: ``action.partner``'s
+            peer = action.stage - 1 if forward else action.stage + 1  # the sending stage
             channel = (home(peer), rank, forward)
             position = taken.get(channel, 0)
             taken[channel] = position + 1

@@ -55,21 +55,21 @@ class ChainCosts:
 
     def prefix(self, name: str) -> list[float]:
         """Running sums of a per-block figure: ``prefix(x)[j] = sum(x[:j])``."""
-        if name not in self._kept:
-            if name == "owned_parameter_bytes":
-                values = self._owned_parameter_bytes()
-            elif name == "owned_weight_bytes":  # the parameters alone, one tensor-parallel rank's share
-                values = [sum(size * count for (size, _), count in sizes) for sizes in self._owned_sizes()]
-            elif name == "owned_layer_bytes":  # of those, the repeated layers' own (their ZeRO-3 units)
-                values = [sum(size * count for (size, layered), count in sizes if layered) for sizes in self._owned_sizes()]
-            elif name == "full_recompute_s":
-                values = self.forward_s
-            elif name == "compute_s":
-                values = [f + b for f, b in zip(self.forward_s, self.backward_s)]
-            else:
-                values = getattr(self, name)
-            self._kept[name] = [0, *itertools.accumulate(values)]
-        return self._kept[name]
+        return self.kept(name, lambda: [0, *itertools.accumulate(self._per_block(name))])
+
+    def _per_block(self, name: str) -> Iterable[float]:
+        """The per-block figure that ``prefix(name)`` sums: a field, or one made from them."""
+        if name == "owned_parameter_bytes":
+            return self._owned_parameter_bytes()
+        if name == "owned_weight_bytes":  # the parameters alone, one tensor-parallel rank's share
+            return [sum(size * count for (size, _), count in sizes) for sizes in self._owned_sizes()]
+        if name == "owned_layer_bytes":  # of those, the repeated layers' own (their ZeRO-3 units)
+            return [sum(size * count for (size, layered), count in sizes if layered) for sizes in self._owned_sizes()]
+        if name == "full_recompute_s":
+            return self.forward_s
+        if name == "compute_s":
+            return [f + b for f, b in zip(self.forward_s, self.backward_s)]
+        return getattr(self, name)
 
     def kept(self, key: Hashable, make: Callable[[], _T]) -> _T:
         """``make()``, made once for these costs under ``key`` and kept with them: what depends on
@@ -88,9 +88,7 @@ class ChainCosts:
 
     def largest_block_s(self) -> float:
         """The slowest block's forward and backward."""
-        if "largest_block" not in self._kept:
-            self._kept["largest_block"] = max(f + b for f, b in zip(self.forward_s, self.backward_s))
-        return self._kept["largest_block"]
+        return self.kept("largest_block", lambda: max(f + b for f, b in zip(self.forward_s, self.backward_s)))
 
     def _owned_parameter_bytes(self) -> list[int]:
         """Each parameter counted at the first block that reads it."""
@@ -105,7 +103,7 @@ class ChainCosts:
 
     def _owned_sizes(self) -> list[tuple[tuple[tuple[int, bool], int], ...]]:
         """Per block, ((parameter bytes, layered), how many) of the parameters first read there."""
-        if "owned_sizes" not in self._kept:
+        def made() -> list[tuple[tuple[tuple[int, bool], int], ...]]:
             found, seen = [], set()
             for names in self.block_parameters:
                 counts: dict[tuple[int, bool], int] = {}
@@ -115,8 +113,9 @@ class ChainCosts:
                         kind = (self.parameter_bytes[p], p in self.layer_parameters)
                         counts[kind] = counts.get(kind, 0) + 1
                 found.append(tuple(counts.items()))
-            self._kept["owned_sizes"] = found
-        return self._kept["owned_sizes"]
+            return found
+
+        return self.kept("owned_sizes", made)
 
     def state_bytes_total(self, state_bytes: Callable[..., int], *, key: Hashable | None = None) -> int:
         """``with_state(state_bytes)``'s parameter state summed over the chain, each parameter
@@ -127,13 +126,14 @@ class ChainCosts:
             if key not in kept:
                 kept[key] = self.state_bytes_total(state_bytes)
             return kept[key]
-        if "owned_kinds" not in self._kept:
+        def made() -> dict[tuple[int, bool], int]:
             kinds: dict[tuple[int, bool], int] = {}
             for sizes in self._owned_sizes():
                 for kind, count in sizes:
                     kinds[kind] = kinds.get(kind, 0) + count
-            self._kept["owned_kinds"] = kinds
-        kinds = self._kept["owned_kinds"]
+            return kinds
+
+        kinds = self.kept("owned_kinds", made)
         return sum(state * kinds[kind] for kind, state in _state_by_kind(state_bytes, kinds).items())
 
     def checkpointing_layers(self) -> ChainCosts:
@@ -141,10 +141,8 @@ class ChainCosts:
         these that does not depend on it carried over: all but the running sums of `chain_sums`)."""
         if self.layer_by_layer:
             return self
-        if "layer_by_layer" not in self._kept:
-            carried = {k: v for k, v in self._kept.items() if k not in ("sums", "with_state", "layer_by_layer")}
-            self._kept["layer_by_layer"] = replace(self, layer_by_layer=True, _kept=carried)
-        return self._kept["layer_by_layer"]
+        return self.kept("layer_by_layer", lambda: replace(self, layer_by_layer=True, _kept={
+            k: v for k, v in self._kept.items() if k not in ("sums", "with_state", "layer_by_layer")}))
 
     def with_state(self, state_bytes: Callable[..., int], *, key: Hashable | None = None) -> ChainCosts:
         """These costs with ``parameter_state_bytes[p] = state_bytes(parameter_bytes[p], layered=p in
@@ -174,13 +172,14 @@ class ChainCosts:
     @property
     def shared_parameters(self) -> dict[str, tuple[int, ...]]:
         """Parameters read by more than one block (tied embeddings), with the blocks that read them."""
-        if "shared" not in self._kept:
+        def made() -> dict[str, tuple[int, ...]]:
             readers: dict[str, list[int]] = {}
             for k, names in enumerate(self.block_parameters):
                 for p in names:
                     readers.setdefault(p, []).append(k)
-            self._kept["shared"] = {p: tuple(ks) for p, ks in readers.items() if len(ks) > 1}
-        return self._kept["shared"]
+            return {p: tuple(ks) for p, ks in readers.items() if len(ks) > 1}
+
+        return self.kept("shared", made)
 
 
 def _state_by_kind(state_bytes: Callable[..., int], kinds: Iterable[tuple[int, bool]]) -> dict[tuple[int, bool], int]:
