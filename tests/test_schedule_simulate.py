@@ -188,10 +188,13 @@ def test_deadlock_raises_with_grid() -> None:
 
 def test_simulate_rejects_misplaced_actions() -> None:
     costs = StageCosts.uniform(2, forward_s=1.0, backward_s=1.0)
-    with pytest.raises(ScheduleError, match="wrong rank"):
-        simulate(_parse({0: "0F0 1F0"}), costs, ranks=2)
-    with pytest.raises(ScheduleError, match="costs have 2 stages"):
-        simulate(_parse({0: "2F0"}), costs, ranks=1)
+    # the first misplaced action of the first rank that has one, by its step
+    with pytest.raises(ScheduleError, match=r"^rank 0, step 1: 1F0 is on the wrong rank: stage 1 lives on rank 1$"):
+        simulate(_parse({0: "0F0 1F0 0B0 1B0", 1: ""}), costs, ranks=2)
+    with pytest.raises(ScheduleError, match=r"^rank 1, step 2: 0B0 is on the wrong rank: stage 0 lives on rank 0$"):
+        simulate(_parse({0: "0F0 0B0", 1: "1F0 1B0 0B0 3F0"}), costs, ranks=2)
+    with pytest.raises(ScheduleError, match=r"^rank 0, step 2: 2F0 names stage 2 but the costs have 2 stages$"):
+        simulate(_parse({0: "0F0 1F0 2F0 1B0 0B0"}), costs, ranks=1)
 
 
 @pytest.mark.parametrize(

@@ -11,8 +11,10 @@ event, and the plan's bubble and in-flight figures come from the schedule actual
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from itertools import repeat
 from typing import NamedTuple
 
 from autopart.ir.errors import ScheduleError
@@ -64,31 +66,38 @@ class Timeline:
         events = list(events)
         if not events:
             return cls(events=(), step_s=0.0, bubble=0.0, peak_in_flight=())
-        origin = min(e.start for e in events)
-        ordered = sorted(events, key=lambda e: (e.start, e.end, e.rank))
+        # the fields read through C (itemgetter, map): a long pipeline's timeline has a million events
+        starts = operator.itemgetter(2)
+        origin = min(map(starts, events))
+        ordered = sorted(events, key=operator.itemgetter(2, 3, 0))  # start, end, rank
         shifted = ordered if origin == 0 else [
             Event(rank=e.rank, action=e.action, start=e.start - origin, end=e.end - origin) for e in ordered
         ]
-        step_s = max(e.end for e in shifted)
-        busy = sum(e.end - e.start for e in shifted)
+        ends = operator.itemgetter(3)
+        step_s = max(map(ends, shifted))
+        busy = sum(map(operator.sub, map(ends, shifted), map(starts, shifted)))
         bubble = 1.0 - busy / (ranks * step_s) if step_s > 0 else 0.0
         return cls(
             events=tuple(shifted),
             step_s=step_s,
             bubble=bubble,
-            peak_in_flight=_peak_in_flight([e.action for e in shifted]),
+            peak_in_flight=_peak_in_flight(list(map(operator.itemgetter(1), shifted))),
         )
 
 
 def _peak_in_flight(actions_in_order: list[Action]) -> tuple[int, ...]:
-    stages = max(a.stage for a in actions_in_order) + 1
+    stages = max(map(operator.attrgetter("stage"), actions_in_order)) + 1
     live = [0] * stages
     peak = [0] * stages
+    F, B, I = Kind.F, Kind.B, Kind.I
     for action in actions_in_order:
-        if action.kind is Kind.F:
-            live[action.stage] += 1
-            peak[action.stage] = max(peak[action.stage], live[action.stage])
-        elif action.kind in (Kind.B, Kind.I):
+        kind = action.kind
+        if kind is F:
+            stage = action.stage
+            live[stage] += 1
+            if live[stage] > peak[stage]:
+                peak[stage] = live[stage]
+        elif kind is B or kind is I:
             live[action.stage] -= 1
     return tuple(peak)
 
@@ -108,19 +117,26 @@ def simulate(schedule: Schedule, costs: StageCosts, *, ranks: int, placement: Se
     stages = costs.stages
     homes = stage_homes(stages, ranks, placement)
     for rank, actions in schedule.items():
-        for step, action in enumerate(actions):
-            if action.stage >= stages:
-                raise ScheduleError(
-                    f"rank {rank}, step {step}: {action} names stage {action.stage} but the "
-                    f"costs have {stages} stages"
-                )
-            if homes[action.stage] != rank:
-                raise ScheduleError(f"rank {rank}, step {step}: {action} is on the wrong rank: stage "
-                                    f"{action.stage} lives on rank {homes[action.stage]}")
-
-    events = [Event(rank=rank, action=action, start=start, end=end)
-              for rank, action, start, end in _ran(schedule, costs, homes)]
+        here = {action.stage for action in actions}  # each stage once: a rank can hold a million actions
+        if here and (max(here) >= stages or any(homes[stage] != rank for stage in here)):
+            _refuse_placement(rank, actions, stages, homes)
+    # Event's fields made in C from run_ahead's tuples (Event(...) per event took seconds)
+    events = list(map(tuple.__new__, repeat(Event), _ran(schedule, costs, homes)))
     return Timeline.from_events(events, ranks=ranks)
+
+
+def _refuse_placement(rank: int, actions: list[Action], stages: int, homes: tuple[int, ...]) -> None:
+    """The ScheduleError of the first of ``rank``'s actions that names a stage ``homes`` has not
+    or one that lives on another rank."""
+    for step, action in enumerate(actions):
+        if action.stage >= stages:
+            raise ScheduleError(
+                f"rank {rank}, step {step}: {action} names stage {action.stage} but the "
+                f"costs have {stages} stages"
+            )
+        if homes[action.stage] != rank:
+            raise ScheduleError(f"rank {rank}, step {step}: {action} is on the wrong rank: stage "
+                                f"{action.stage} lives on rank {homes[action.stage]}")
 
 
 def simulated_events(schedule: Schedule, costs: StageCosts, *, ranks: int,
