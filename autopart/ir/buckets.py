@@ -33,8 +33,10 @@ def final_gradient_positions(actions: Sequence[Action]) -> dict[int, int]:
     """Per stage, the position in a rank's action list of its last action that adds to the
     weight gradients (B, or W where the backward is split)."""
     final: dict[int, int] = {}
+    B, W = Kind.B, Kind.W  # read once: an enum member's lookup cost more than the rest of the loop
     for position, action in enumerate(actions):
-        if action.kind in (Kind.B, Kind.W):
+        kind = action.kind
+        if kind is B or kind is W:
             final[action.stage] = position
     return final
 
