@@ -62,7 +62,10 @@ def check_tensorboard(folder: Path | None) -> None:
 class StepReporter:
     """Rank 0's report of a run: call `step` once per step, then `close`."""
 
-    def __init__(self, *, steps: int, first_step: int, metrics: Path | None, tensorboard: Path | None) -> None:
+    def __init__(self, *, steps: int, seconds: float | None, first_step: int, metrics: Path | None,
+                 tensorboard: Path | None) -> None:
+        """``steps``, ``seconds``: train.py's ``--steps`` and ``--seconds``. A run given seconds stops
+        at whichever comes first, so its bar counts steps without a total (nor a time left)."""
         from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -73,7 +76,8 @@ class StepReporter:
             TextColumn("step"), MofNCompleteColumn(), BarColumn(), TextColumn("{task.fields[status]}"),
             TimeRemainingColumn(), console=console, disable=not self.live,
         )  # fmt: skip
-        self.task = self.progress.add_task("train", total=steps, completed=first_step, status="")
+        self.task = self.progress.add_task("train", total=steps if seconds is None else None, completed=first_step,
+                                           status="")
         self.progress.start()
         self.writer = None
         if tensorboard is not None:
