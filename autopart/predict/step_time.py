@@ -22,10 +22,10 @@ from autopart.predict.fully_sharded import Piece
 from autopart.predict.reduction import overlapped_step_time, plan_reductions
 from autopart.profiling.co_run import co_run_key, host_processes
 from autopart.profiling.pipeline import pipeline_key
-from autopart.schedule import SPLIT_BACKWARD_KINDS, StageCosts, built_lowered
+from autopart.schedule import SPLIT_BACKWARD_KINDS, Schedule, StageCosts, built, built_lowered
 from cost_models.database import PipelineMeasurement, plan_shape, tail_key
 
-__all__ = ["compute_factor", "data_parallel", "data_parallel_seconds", "fully_sharded_pieces", "with_collectives", "measured_in_place", "predicted_step_s", "profiled_step", "rank_tails"]
+__all__ = ["compute_factor", "data_parallel", "data_parallel_seconds", "fully_sharded_pieces", "with_collectives", "measured_in_place", "predicted_step_s", "profiled_step", "rank_tails", "timed_schedule"]
 
 
 def data_parallel(options: CompileOptions, front: Front, stages: list[StagePlan]) -> list[DataParallelComm]:
@@ -181,7 +181,6 @@ def predicted_step_s(options: CompileOptions, front: Front, stages: list[StagePl
         transfer = tuple(in_place.send_s + in_place.recv_s + in_place.transfer_s for _ in sides)
         if in_place.waited_s is not None:  # a receive that waits ends waited_s after its send
             waited = (min(in_place.recv_s, in_place.waited_s),) * len(sides)
-    schedule = built_lowered(options.schedule, options.pp, microbatches, options.chunks)
     device = front.cost_model.device
     # the other tensor- and data-parallel ranks of the machine run the same work beside this pipeline
     cores = device.cores / (options.tp * options.dp)
@@ -199,6 +198,8 @@ def predicted_step_s(options: CompileOptions, front: Front, stages: list[StagePl
         recv_waited_s=waited,
     )
 
+    schedule = timed_schedule(options.schedule, options.pp, microbatches, options.chunks, costs,
+                              cores=cores, replayed=in_place is not None)
     replicas = options.dp if options.zero not in (2, 3) else 1  # FSDP reduces in its own backward hooks
     reductions = plan_reductions(schedule, stages, front.chain, [b for _, b, _ in block_seconds(front)], tp=options.tp,
                                  dp=replicas, cost_model=front.cost_model,
@@ -219,6 +220,18 @@ def predicted_step_s(options: CompileOptions, front: Front, stages: list[StagePl
              {rank: seconds * moved.get(tail_key(rank), 1.0) for rank, seconds in tails.items()})[0]
         for moved in in_place.step_variation
     ), step(costs, tails)[1]
+
+
+def timed_schedule(kind: str, ranks: int, microbatches: int, chunks: int, costs: StageCosts, *, cores: float,
+                   replayed: bool) -> Schedule:
+    """The schedule the step model runs: with its sends and receives where they take rank time,
+    the ranks share ``cores`` (a receive then waits on a core, `autopart.schedule.shared.step_time`)
+    or a measured step is ``replayed`` action by action; else its compute order alone, which a
+    device per rank times as its lowering (`autopart.schedule.simulate`), with a third of the
+    actions and no lowering to build: a named GPU's messages move on its copy engines and NICs."""
+    if cores > 0 or replayed or costs.messages_take_rank_time:
+        return built_lowered(kind, ranks, microbatches, chunks)
+    return built(kind, ranks, microbatches, chunks)[0]
 
 
 def _replayed(costs: StageCosts, actions: list[Action], moved: dict[str, float]) -> dict[Action, float]:

@@ -99,6 +99,13 @@ class StageCosts:
     def stages(self) -> int:
         return len(self.forward_s)
 
+    @property
+    def messages_take_rank_time(self) -> bool:
+        """Whether a send or a receive takes its rank's time (or single actions have their own):
+        where none does, a schedule's compute order alone times as its lowering does
+        (`autopart.schedule.simulate`), with a third of the actions and no lowering to build."""
+        return bool(self.actions) or any(self.send_s) or any(self.recv_s) or any(self.recv_waited_s)
+
     @functools.cached_property
     def durations(self) -> dict[Kind, tuple[float, ...]]:
         """Per kind, per stage: `duration` of that stage's action, ``actions`` aside (the

@@ -51,21 +51,27 @@ class Generated:
 
     lists: tuple[tuple[str, ...], ...]  # as a plan stores it
     compute: Schedule
-    lowered: Schedule  # with the sends and receives
     placement: tuple[int, ...]
+    shape: tuple[str, int, int, int]  # kind, ranks, microbatches, chunks
+
+    @property
+    def lowered(self) -> Schedule:
+        """With the sends and receives (`built_lowered`), made at the first ask: a compile whose
+        validation ran beside it and whose messages take no rank time never asks (lowering a
+        million actions adds two million)."""
+        return built_lowered(*self.shape)
 
 
 @functools.lru_cache(maxsize=16)
 def generated(kind: str, ranks: int, microbatches: int, chunks: int) -> Generated:
-    """``kind``'s schedule for this shape, built, lowered and validated once in a process (or
-    validated beside it, `validation_beside`, and waited for here)."""
+    """``kind``'s schedule for this shape, built and validated once in a process (or validated
+    beside it, `validation_beside`, and waited for here); lowered where asked (`Generated.lowered`)."""
     compute, placement = built(kind, ranks, microbatches, chunks)
-    lowered = built_lowered(kind, ranks, microbatches, chunks)
     shape = (kind, ranks, microbatches, chunks)
     if not _validated_beside(_beside.pop(shape, None)):
         _check_generated(*shape)
     _validated.add(shape)
-    return Generated(lists=action_lists(compute), compute=compute, lowered=lowered, placement=placement)
+    return Generated(lists=action_lists(compute), compute=compute, placement=placement, shape=shape)
 
 
 def _validated_beside(beside: Forked | None) -> bool:
