@@ -137,3 +137,32 @@ def test_a_meta_model_is_timed_on_the_weights_its_initialisers_make(monkeypatch)
     monkeypatch.setattr(profile, "physical_memory_bytes", lambda: 1 << 10)
     with pytest.raises(ConfigError, match="GiB of weights, more than this machine can make"):
         made_to_time(graph.module, spec)
+
+
+def test_a_meta_model_s_stages_declare_each_tensor_parallel_slice_as_the_real_one_is_cut(tmp_path):
+    # its tensors' slices are made once per shape (its layers' are alike); each declaration must
+    # still be the slice of its own tensor that TP rank 0 holds
+    import importlib.util
+
+    from autopart.ir.placement import Placement
+    from autopart.runtime.shards import shard_weight
+
+    wide = tmp_path / "wide_meta_lm.py"  # wide enough that a GPU's plan cuts its weights
+    wide.write_text(MODEL.read_text().replace("VOCAB, SEQ, DIM, LAYERS = 64, 8, 32, 4",
+                                              "VOCAB, SEQ, DIM, LAYERS = 2048, 128, 1024, 4"))
+    out = tmp_path / "out"
+    plan, _ = compile_to_directory(CompileOptions(model=wide, pp=2, tp=2, microbatches=2, micro_batch_size=2,
+                                                  device="a100-80gb"), out)
+    spec = load_model_file(wide)
+    real = materialise(spec.module, meta_names(spec.module), init=spec.init_weights)
+    sliced = 0
+    for stage in plan.stages:
+        module_spec = importlib.util.spec_from_file_location(f"stage_{stage.index}", out / "stages" / f"stage_{stage.index}.py")
+        module = importlib.util.module_from_spec(module_spec)
+        module_spec.loader.exec_module(module)
+        for name, (shape, dtype) in module.PARAMETERS.items():
+            placement = Placement.parse(stage.parameter_placements.get(name, "R"))
+            expected = shard_weight(real[name], placement, 2, 0)
+            assert (shape, dtype) == (tuple(expected.shape), expected.dtype), name
+            sliced += placement.kind == "S"
+    assert sliced >= 4, "tensor parallelism cut some weights"

@@ -90,8 +90,16 @@ def _write_programs(plan: Plan, op_graph: OpGraph, spec: ModelSpec, out: Path, *
     tp = plan.mesh["tp"]
     leaf_names = {str(n.target): list(op_graph.leaf_tensors[n.name]) for n in module.graph.nodes if n.op == "call_module"}
 
+    shards: dict[tuple, torch.Tensor] = {}  # a meta model's by shape: its layers' are alike, and each slice costs
+
     def local(name: str, placements: dict[str, Placement], rank: int) -> torch.Tensor:
-        return shard_weight(tensors[name].detach(), placements.get(name, REPLICATE), tp, rank)
+        tensor, placement = tensors[name], placements.get(name, REPLICATE)
+        if not tensor.is_meta:
+            return shard_weight(tensor.detach(), placement, tp, rank)
+        key = (tuple(tensor.shape), tensor.dtype, placement, rank)  # all a meta tensor's slice is
+        if key not in shards:
+            shards[key] = shard_weight(tensor.detach(), placement, tp, rank)
+        return shards[key]
 
     layers = repeated_units(chain)
     held: list[tuple[int, dict[str, Placement], list[str]]] = []  # per stage: what its weights files hold
