@@ -25,7 +25,7 @@ from autopart.runtime.backward import PendingWeights, backward_full, backward_in
 from autopart.runtime.device import Mark, StepTimer
 from autopart.runtime.draws import draw_seed
 from autopart.runtime.forward import NoDropout, Rebuild, StageForward
-from autopart.runtime.p2p import Scatter, recv_tensors, send_tensors
+from autopart.runtime.p2p import Channels, Scatter, recv_tensors, send_tensors
 from autopart.runtime.reducer import GradientReducer
 from autopart.schedule import Action, Kind, Schedule, format_grid
 
@@ -79,12 +79,15 @@ class Executor:
         device: torch.device,
         scatter: Scatter | None = None,
         reducer: GradientReducer | None = None,
-        gradient_group: Any = None,
+        channels: Channels | None = None,
+        global_rank: int = 0,
     ):
         """``scatter``: this rank's tensor-parallel group, over which messages are split (none: sent
-        whole); ``gradient_group``: the process group the gradients travel on, apart from the
-        activations (`autopart.runtime.p2p`); None sends both on the default group."""
-        self.gradient_group = gradient_group
+        whole); ``channels``: the process groups messages travel on, per kind and direction
+        (`autopart.runtime.p2p`), chosen by this process's ``global_rank`` and its peer's; None
+        sends all of them on the default group."""
+        self.channels = channels
+        self.global_rank = global_rank
         self.rank = rank
         self.scatter = scatter
         self.reducer = reducer  # the data-parallel all-reduce, launched as the gradients become final
@@ -191,25 +194,32 @@ class Executor:
         m = action.microbatch
         kind = action.kind
         if kind is Kind.RECV_F:
-            stage.received[m] = recv_tensors(stage.inputs, stage.prev_rank, self.device, self.scatter)
+            group = self._channel(gradients=False, sender=stage.prev_rank, receiver=self.global_rank)
+            stage.received[m] = recv_tensors(stage.inputs, stage.prev_rank, self.device, self.scatter, group)
         elif kind is Kind.F:
             self._forward(stage, m, microbatches, losses, seed)
         elif kind is Kind.SEND_F:
-            pending.extend(send_tensors(list(stage.outputs[m]), stage.next_rank, self.scatter, metas=stage.output_metas))
+            group = self._channel(gradients=False, sender=self.global_rank, receiver=stage.next_rank)
+            pending.extend(send_tensors(list(stage.outputs[m]), stage.next_rank, self.scatter, group,
+                                        metas=stage.output_metas))
         elif kind is Kind.RECV_B:
             sent = stage.output_metas if stage.output_metas is not None else [_meta(t) for t in stage.outputs[m]]
             metas = [meta for t, meta in zip(stage.outputs[m], sent) if t.is_floating_point()]
-            stage.output_grads[m] = recv_tensors(metas, stage.next_rank, self.device, self.scatter, self.gradient_group)
+            group = self._channel(gradients=True, sender=stage.next_rank, receiver=self.global_rank)
+            stage.output_grads[m] = recv_tensors(metas, stage.next_rank, self.device, self.scatter, group)
         elif kind in (Kind.B, Kind.I):
             self._backward(stage, m, split=kind is Kind.I)
         elif kind is Kind.W:
             backward_weight(stage.held_for_weights.pop(m))
         elif kind is Kind.SEND_B:
             metas = [meta for meta in stage.inputs if getattr(torch, meta.dtype).is_floating_point]
-            pending.extend(send_tensors(stage.input_grads.pop(m), stage.prev_rank, self.scatter, self.gradient_group,
-                                         metas=metas))
+            group = self._channel(gradients=True, sender=self.global_rank, receiver=stage.prev_rank)
+            pending.extend(send_tensors(stage.input_grads.pop(m), stage.prev_rank, self.scatter, group, metas=metas))
         else:
             raise AssertionError(f"unknown action kind {kind}")
+
+    def _channel(self, *, gradients: bool, sender: int, receiver: int) -> Any:
+        return None if self.channels is None else self.channels.of(gradients=gradients, sender=sender, receiver=receiver)
 
     def _forward(
         self, stage: StageRuntime, m: int, microbatches: list[tuple[Any, ...]], losses: list[torch.Tensor],

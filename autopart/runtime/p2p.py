@@ -1,13 +1,17 @@
 """Activations forward and gradients backward between pipeline stages.
 
 Ordered ``isend``/``irecv`` pairs, one tensor at a time: messages between two ranks match in the
-order they are posted (NCCL ignores tags). Activations and gradients go over two process groups,
-so each direction is its own channel: a V-shape schedule (zbv) sends a rank's neighbour
-activations of one chunk and gradients of the other in an order the neighbour does not receive
-them in, and each direction alone stays in order. `autopart.schedule.check_message_order`
-proves that of a schedule when the plan is loaded. (gloo's ``batch_isend_irecv`` is no real
-batch and is known to hang.) Sends are asynchronous and waited for at the end of the step;
-receives are waited for before the action that consumes them.
+order they are posted (NCCL ignores tags). Each kind of message and each direction has a process
+group of its own (`Channels`): activations toward a higher global rank, toward a lower one, and
+gradients alike. NCCL gives a group one communicator, and so one stream, per pair of ranks that
+exchange messages over it, and a send holds that stream until its peer's receive is posted: two
+ranks that each send on one stream before they receive what the other sent there both wait. A
+V-shape schedule (zbv) sends activations both ways between two ranks, and interleaving over two
+ranks does too; with a stream per direction each carries its messages in the order they are
+received, which `autopart.schedule.check_message_order` proves of a schedule when the plan is
+loaded. (gloo's ``batch_isend_irecv`` is no real batch and is known to hang.) Sends are
+asynchronous and waited for at the end of the step; receives are waited for before the action
+that consumes them.
 
 With tensor parallelism, a message is split over the tensor-parallel group
 (`autopart.ir.scatter_gather`): each rank sends its 1/t of a replicated tensor and the receivers
@@ -18,8 +22,10 @@ the same order on all of them, between the stage's own collectives.
 
 from __future__ import annotations
 
+import datetime
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -27,7 +33,7 @@ import torch.distributed as dist
 from autopart.ir.scatter_gather import gathered, held_shape, parts
 from autopart.ir.tensors import TensorMeta
 
-__all__ = ["Scatter", "send_tensors", "recv_tensors"]
+__all__ = ["Channels", "Scatter", "send_tensors", "recv_tensors"]
 
 
 @dataclass(frozen=True)
@@ -39,10 +45,33 @@ class Scatter:
     size: int
 
 
+@dataclass(frozen=True)
+class Channels:
+    """The process groups a pipeline's messages travel on, per kind and direction (the module's
+    docstring says why); None is the default group. Every rank makes them (`made`), in one order."""
+
+    activations_up: Any
+    activations_down: Any
+    gradients_up: Any
+    gradients_down: Any
+
+    @classmethod
+    def made(cls, timeout: datetime.timedelta) -> Channels:
+        """A new group per channel but the first, which is the default group: a collective call
+        that every rank makes, in the same order."""
+        return cls(None, *(dist.new_group(timeout=timeout) for _ in range(3)))
+
+    def of(self, *, gradients: bool, sender: int, receiver: int) -> Any:
+        """The group of a message from global rank ``sender`` to ``receiver``: both ends name it alike."""
+        if gradients:
+            return self.gradients_up if receiver > sender else self.gradients_down
+        return self.activations_up if receiver > sender else self.activations_down
+
+
 def send_tensors(tensors: list[torch.Tensor], peer: int, scatter: Scatter | None = None,
                  group: dist.ProcessGroup | None = None, *, metas: list[TensorMeta] | None = None) -> list[dist.Work]:
     """Post the sends of ``tensors``, which the plan describes as ``metas`` (None: all replicated);
-    ``group`` (the gradient channel) spans every rank, so ``peer`` is a global rank there too."""
+    ``group`` (one of `Channels`) spans every rank, so ``peer`` is a global rank there too."""
     metas = metas if metas is not None else [None] * len(tensors)
     return [dist.isend(_part(t.detach(), m, scatter), peer, group=group) for t, m in zip(tensors, metas, strict=True)]
 

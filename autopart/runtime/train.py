@@ -74,7 +74,7 @@ from autopart.runtime.progress import StepReporter, Throughput, check_tensorboar
 from autopart.runtime.recipe import Recipe, add_recipe_arguments, parameter_groups
 from autopart.runtime import collectives
 from autopart.runtime.mesh import Coordinates, Mesh, group_of
-from autopart.runtime.p2p import Scatter
+from autopart.runtime.p2p import Channels, Scatter
 from autopart.runtime.shards import weights_file_name
 from autopart.runtime.stage import check_checkpoint, load_stage, stage_names
 from autopart.schedule import Kind, Schedule, plan_actions
@@ -356,8 +356,8 @@ def _executor(out_dir: Path, plan: Plan, schedule: Schedule, args: argparse.Name
     here = mesh.coordinates(rank)
     schedule_spec = plan.schedule
     stage_count = len(plan.stages)
-    # gradients travel apart from activations (autopart.runtime.p2p); every rank makes the group
-    gradient_group = dist.new_group(timeout=datetime.timedelta(seconds=args.timeout)) if mesh.pp > 1 else None
+    # a group per kind of message and direction (autopart.runtime.p2p); every rank makes them
+    channels = Channels.made(datetime.timedelta(seconds=args.timeout)) if mesh.pp > 1 else None
     split_backward = any(action.kind is Kind.I for action in schedule[here.pp])
     stages = _stages_here(out_dir, plan, args, rank, device, split_backward=split_backward)
     reducer = None
@@ -376,7 +376,8 @@ def _executor(out_dir: Path, plan: Plan, schedule: Schedule, args: argparse.Name
         device=device,
         scatter=Scatter(group_of(device_mesh, "tp"), here.tp, mesh.tp) if mesh.tp > 1 else None,
         reducer=reducer,
-        gradient_group=gradient_group,
+        channels=channels,
+        global_rank=rank,
     )
     return stages, executor
 

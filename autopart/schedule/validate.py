@@ -278,7 +278,8 @@ def _check_deadlock(
 ) -> None:
     """Run every rank until each finishes or none can move.
 
-    Sends never block. A receive blocks until its send has run. In a compute-only schedule an
+    Sends never block (on NCCL, a send waits on a stream of its own direction for a receive
+    that its channel's order puts next: ``check_message_order``). A receive blocks until its send has run. In a compute-only schedule an
     action whose input comes from another rank blocks until that action has run there.
 
     A rank runs until it blocks, then waits on what blocked it and moves again once that has run:
@@ -343,9 +344,11 @@ def check_message_order(schedule: Schedule, *, ranks: int, placement: Sequence[i
     """Raise ScheduleError unless, between two ranks and in each direction, the receiver takes
     the messages in the order the sender sends them.
 
-    The runtime posts a pipeline's activations and its gradients on two channels (two process
-    groups), and on each a receive takes whatever message comes next: one out of order would
-    fill its buffers with another microbatch's tensors (or hang on a shape that differs).
+    The runtime posts a pipeline's activations and its gradients each on a process group per
+    direction (``autopart.runtime.p2p.Channels``), and on each a receive takes whatever message
+    comes next: one out of order would fill its buffers with another microbatch's tensors (or
+    hang on a shape that differs). In order, a direction's messages also never wait behind the
+    other direction's on NCCL, which holds a pair's stream at a send until its receive is posted.
     """
     homes: dict[int, int] = {}  # stage -> its rank (a lowered schedule holds millions of messages)
 
