@@ -59,3 +59,25 @@ def test_build_stages_needs_a_process_group(tmp_path):
     compile_to_directory(CompileOptions(model=REPO / "examples" / "gpt.py", pp=2, microbatches=2, micro_batch_size=2), out)
     with pytest.raises(ConfigError, match="call torch.distributed.init_process_group first"):
         build_stages(out)
+
+
+def test_the_batch_reaches_torch_s_stages_on_their_device(tmp_path):
+    # torch's PipelineStage hands a step's keywords to the module as they are: the loop's batch,
+    # drawn on the CPU, must be on the stages' device (a GPU's) before they run
+    from types import SimpleNamespace
+
+    import torch
+
+    from autopart.runtime.mesh import Mesh
+    from autopart.runtime.pipelining import Pipeline, ProcessGroups
+
+    out = tmp_path / "out"
+    plan, _ = compile_to_directory(CompileOptions(model=REPO / "examples" / "gpt.py", pp=2, microbatches=2,
+                                                  micro_batch_size=2), out)
+    pipeline = Pipeline(plan=plan, out_dir=out, coordinates=Mesh.of(plan).coordinates(1), modules={1: None},
+                        stages=[SimpleNamespace(device=torch.device("meta"), is_last=True)], schedule_class=object,
+                        groups=ProcessGroups(pp=None, tp=None, dp=None), tied=[], forwards=[])
+    inputs, target = next(pipeline.batches())
+    keywords = pipeline.step_inputs(inputs, target)
+    assert keywords and "target" in keywords
+    assert all(value.device.type == "meta" for value in keywords.values() if isinstance(value, torch.Tensor))
