@@ -80,12 +80,14 @@ class Executor:
         scatter: Scatter | None = None,
         reducer: GradientReducer | None = None,
         channels: Channels | None = None,
-        global_rank: int = 0,
+        global_rank: int | None = None,
     ):
         """``scatter``: this rank's tensor-parallel group, over which messages are split (none: sent
         whole); ``channels``: the process groups messages travel on, per kind and direction
         (`autopart.runtime.p2p`), chosen by this process's ``global_rank`` and its peer's; None
         sends all of them on the default group."""
+        if channels is not None and global_rank is None:
+            raise ValueError("Executor(channels=...) needs this process's global_rank: its messages' groups depend on it")
         self.channels = channels
         self.global_rank = global_rank
         self.rank = rank
@@ -194,18 +196,18 @@ class Executor:
         m = action.microbatch
         kind = action.kind
         if kind is Kind.RECV_F:
-            group = self._channel(gradients=False, sender=stage.prev_rank, receiver=self.global_rank)
+            group = self._channel(kind, stage.prev_rank)
             stage.received[m] = recv_tensors(stage.inputs, stage.prev_rank, self.device, self.scatter, group)
         elif kind is Kind.F:
             self._forward(stage, m, microbatches, losses, seed)
         elif kind is Kind.SEND_F:
-            group = self._channel(gradients=False, sender=self.global_rank, receiver=stage.next_rank)
+            group = self._channel(kind, stage.next_rank)
             pending.extend(send_tensors(list(stage.outputs[m]), stage.next_rank, self.scatter, group,
                                         metas=stage.output_metas))
         elif kind is Kind.RECV_B:
             sent = stage.output_metas if stage.output_metas is not None else [_meta(t) for t in stage.outputs[m]]
             metas = [meta for t, meta in zip(stage.outputs[m], sent) if t.is_floating_point()]
-            group = self._channel(gradients=True, sender=stage.next_rank, receiver=self.global_rank)
+            group = self._channel(kind, stage.next_rank)
             stage.output_grads[m] = recv_tensors(metas, stage.next_rank, self.device, self.scatter, group)
         elif kind in (Kind.B, Kind.I):
             self._backward(stage, m, split=kind is Kind.I)
@@ -213,13 +215,13 @@ class Executor:
             backward_weight(stage.held_for_weights.pop(m))
         elif kind is Kind.SEND_B:
             metas = [meta for meta in stage.inputs if getattr(torch, meta.dtype).is_floating_point]
-            group = self._channel(gradients=True, sender=self.global_rank, receiver=stage.prev_rank)
+            group = self._channel(kind, stage.prev_rank)
             pending.extend(send_tensors(stage.input_grads.pop(m), stage.prev_rank, self.scatter, group, metas=metas))
         else:
             raise AssertionError(f"unknown action kind {kind}")
 
-    def _channel(self, *, gradients: bool, sender: int, receiver: int) -> Any:
-        return None if self.channels is None else self.channels.of(gradients=gradients, sender=sender, receiver=receiver)
+    def _channel(self, kind: Kind, peer: int) -> Any:
+        return None if self.channels is None else self.channels.for_action(kind, rank=self.global_rank, peer=peer)
 
     def _forward(
         self, stage: StageRuntime, m: int, microbatches: list[tuple[Any, ...]], losses: list[torch.Tensor],

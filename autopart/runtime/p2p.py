@@ -3,9 +3,11 @@
 Ordered ``isend``/``irecv`` pairs, one tensor at a time: messages between two ranks match in the
 order they are posted (NCCL ignores tags). Each kind of message and each direction has a process
 group of its own (`Channels`): activations toward a higher global rank, toward a lower one, and
-gradients alike. NCCL gives a group one communicator, and so one stream, per pair of ranks that
-exchange messages over it, and a send holds that stream until its peer's receive is posted: two
-ranks that each send on one stream before they receive what the other sent there both wait. A
+gradients alike. Without a ``device_id`` at ``init_process_group`` (as here) NCCL gives a group
+one communicator, and so one stream, per pair of ranks that exchange messages over it (with one,
+one stream per group), and a send of more than NCCL's buffers hold keeps that stream until its
+peer's receive is posted: two ranks that each send on one stream before they receive what the
+other sent there both wait. A
 V-shape schedule (zbv) sends activations both ways between two ranks, and interleaving over two
 ranks does too; with a stream per direction each carries its messages in the order they are
 received, which `autopart.schedule.check_message_order` proves of a schedule when the plan is
@@ -30,6 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from autopart.ir.actions import Kind
 from autopart.ir.scatter_gather import gathered, held_shape, parts
 from autopart.ir.tensors import TensorMeta
 
@@ -66,6 +69,12 @@ class Channels:
         if gradients:
             return self.gradients_up if receiver > sender else self.gradients_down
         return self.activations_up if receiver > sender else self.activations_down
+
+    def for_action(self, kind: Kind, *, rank: int, peer: int) -> Any:
+        """The group of a send or receive ``kind`` that global rank ``rank`` posts to or from ``peer``."""
+        sends = kind is Kind.SEND_F or kind is Kind.SEND_B
+        return self.of(gradients=kind is Kind.SEND_B or kind is Kind.RECV_B,
+                       sender=rank if sends else peer, receiver=peer if sends else rank)
 
 
 def send_tensors(tensors: list[torch.Tensor], peer: int, scatter: Scatter | None = None,

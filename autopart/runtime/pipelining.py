@@ -149,15 +149,14 @@ class Pipeline:
             forward.begin_step()
         values = (*inputs, target) if len(self.plan.graph_inputs) > len(inputs) else tuple(inputs)
         share = split_microbatches(values, self.plan.mesh["dp"])[self.coordinates.dp]
-        # on the stages' device: torch's stages hand keywords to the module as they are given
-        device = self.stages[0].device
-        share = tuple(v.to(device) if isinstance(v, torch.Tensor) else v for v in share)
         by_name = dict(zip(self.plan.graph_inputs, share, strict=True))
         read = {name for s in self.modules for name in self.plan.stages[s].batch_inputs}
         keywords = {f"batch_{name}": by_name[name] for name in self.plan.graph_inputs if name in read}
         if self.is_last:  # torch splits it for loss_fn, which returns the loss the stage computed
             keywords["target"] = next(v for v in share if isinstance(v, torch.Tensor))
-        return keywords
+        # on the stages' device: torch's stages hand keywords to the module as they are given
+        device = self.stages[0].device
+        return {key: v.to(device) if isinstance(v, torch.Tensor) else v for key, v in keywords.items()}
 
     def reduce_gradients(self) -> None:
         """After ``schedule.step``: every copy of a tied parameter gets the sum of their gradients,

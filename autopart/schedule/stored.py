@@ -56,9 +56,9 @@ class Generated:
 
     @property
     def lowered(self) -> Schedule:
-        """With the sends and receives (`built_lowered`), made at the first ask: a compile whose
-        validation ran beside it and whose messages take no rank time never asks (lowering a
-        million actions adds two million)."""
+        """With the sends and receives (`built_lowered`), made where asked: a compile whose
+        validation ran beside it and whose messages take no rank time does not ask (lowering a
+        million actions adds two million); the runtime does."""
         return built_lowered(*self.shape)
 
 
@@ -208,7 +208,7 @@ def keep_actions(rebuilt: Any, pinned: Any) -> Any:
     if not pinned.schedule.actions:
         return rebuilt
     plan = replace(rebuilt, schedule=replace(rebuilt.schedule, actions=pinned.schedule.actions))
-    plan_actions(plan)
+    plan_actions(plan, lowered=False)  # an edited order is lowered and checked whole all the same
     return plan
 
 
