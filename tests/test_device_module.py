@@ -26,6 +26,14 @@ def test_the_device_module_picks_the_backend_and_refuses_a_rank_without_a_gpu(mo
     monkeypatch.setenv("LOCAL_RANK", "2")
     with pytest.raises(ConfigError, match="local rank 2 has no GPU of its own \\(2 visible\\)"):
         device.compute_device()
+    # one GPU visible: a launcher that gave each process its own (srun) uses it; torchrun's
+    # processes on a one-GPU machine would share it, and are refused
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert device.compute_device() == torch.device("cuda", 0)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    with pytest.raises(ConfigError, match="local rank 2 has no GPU of its own \\(1 visible\\)"):
+        device.compute_device()
     timer = device.StepTimer(torch.device("cpu"))
     mark = timer.mark()
     assert timer.start <= timer.seconds(mark) <= timer.stop()

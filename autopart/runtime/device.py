@@ -26,11 +26,15 @@ __all__ = ["compute_device", "backend", "tensor", "synchronize", "peak_memory_by
 
 
 def compute_device() -> torch.device:
-    """This rank's device: ``cuda:LOCAL_RANK`` (made current) when CUDA is present, else the CPU."""
+    """This rank's device: ``cuda:LOCAL_RANK`` (made current) when CUDA is present, else the CPU;
+    the one GPU it sees where a launcher other than torchrun (no ``LOCAL_WORLD_SIZE``) gives each
+    process a GPU of its own (``srun --gpus-per-task=1``)."""
     if not torch.cuda.is_available():
         return torch.device("cpu")
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     count = torch.cuda.device_count()
+    if count == 1 and "LOCAL_WORLD_SIZE" not in os.environ:
+        local_rank = 0
     if local_rank >= count:
         raise ConfigError(
             f"local rank {local_rank} has no GPU of its own ({count} visible); start at most {count} processes "
