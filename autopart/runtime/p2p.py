@@ -5,15 +5,14 @@ order they are posted (NCCL ignores tags). Each kind of message and each directi
 group of its own (`Channels`): activations toward a higher global rank, toward a lower one, and
 gradients alike. Without a ``device_id`` at ``init_process_group`` (as here) NCCL gives a group
 one communicator, and so one stream, per pair of ranks that exchange messages over it (with one,
-one stream per group), and a send of more than NCCL's buffers hold keeps that stream until its
-peer's receive is posted: two ranks that each send on one stream before they receive what the
-other sent there both wait. A
-V-shape schedule (zbv) sends activations both ways between two ranks, and interleaving over two
-ranks does too; with a stream per direction each carries its messages in the order they are
-received, which `autopart.schedule.check_message_order` proves of a schedule when the plan is
-loaded. (gloo's ``batch_isend_irecv`` is no real batch and is known to hang.) Sends are
-asynchronous and waited for at the end of the step; receives are waited for before the action
-that consumes them.
+a stream per group for all its pairs), and a send of more than NCCL's buffers hold keeps that
+stream until its peer's receive is posted: two ranks that each send on one stream before they
+receive what the other sent there both wait. A V-shape schedule (zbv) sends activations both ways
+between two ranks, and interleaving over two ranks does too; with a stream per direction each
+carries its messages in the order they are received, which `autopart.schedule.check_message_order`
+proves of a schedule when the plan is loaded. (gloo's ``batch_isend_irecv`` is no real batch and
+is known to hang.) Sends are asynchronous and waited for at the end of the step; receives are
+waited for before the action that consumes them.
 
 With tensor parallelism, a message is split over the tensor-parallel group
 (`autopart.ir.scatter_gather`): each rank sends its 1/t of a replicated tensor and the receivers

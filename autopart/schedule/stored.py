@@ -54,11 +54,11 @@ class Generated:
     placement: tuple[int, ...]
     shape: tuple[str, int, int, int]  # kind, ranks, microbatches, chunks
 
-    @property
+    @functools.cached_property
     def lowered(self) -> Schedule:
-        """With the sends and receives (`built_lowered`), made where asked: a compile whose
-        validation ran beside it and whose messages take no rank time does not ask (lowering a
-        million actions adds two million); the runtime does."""
+        """With the sends and receives (`built_lowered`), made at the first ask and kept: a compile
+        whose validation ran beside it and whose messages take no rank time does not ask (lowering
+        a million actions adds two million); the runtime does."""
         return built_lowered(*self.shape)
 
 
