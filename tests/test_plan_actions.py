@@ -18,7 +18,7 @@ from autopart.ir.errors import ScheduleError
 from autopart.ir.plan import load_plan
 from autopart.predict.timeline import plan_schedule, plan_timeline
 from autopart.runtime import train
-from autopart.schedule import (StageCosts, action_lists, add_communication, build_schedule, generated,
+from autopart.schedule import (StageCosts, action_lists, add_communication, build_schedule, generated, plan_actions,
                                read_chrome_trace, read_schedule_csv, simulate)
 from tests.distributed import REPO, Trained, assert_same_training, read_metrics, run_ranks, stage_weights
 from tests.test_bad_inputs import refused
@@ -162,6 +162,28 @@ def test_a_bad_edit_is_one_line_before_any_peer(tmp_path, capsys, monkeypatch, c
     line = refused(capsys, lambda: train.main(out, []), out)
     assert line.startswith("autopart: error: plan.schedule.actions"), line
     assert re.search(pattern, line), line
+
+
+def test_a_rank_runs_the_lists_its_compile_validated_without_validating_them_again(tmp_path, monkeypatch, compiled):
+    # every rank reads the whole schedule as it starts (a million actions at scale): lists equal to
+    # their kind's generated order were validated by the compile that wrote them; edits are checked
+    from autopart.schedule import stored
+
+    checked = []
+    monkeypatch.setattr(stored, "_checked", lambda schedule, shape, **check: checked.append(shape))
+    for cache in (stored.generated, stored.built, stored.built_lowered):
+        cache.cache_clear()
+    monkeypatch.setattr(stored, "_validated", set())
+    plan = load_plan(compiled / "plan.json")
+    lowered = plan_actions(plan, compiled=True)
+    assert checked == [] and lowered == add_communication(build_schedule("1f1b", ranks=PP, microbatches=MICROBATCHES),
+                                                          ranks=PP)
+    assert plan_actions(plan) == lowered and len(checked) == 2  # elsewhere (explain, a report) validated
+    gpipe = [list(r) for r in action_lists(build_schedule("gpipe", ranks=PP, microbatches=MICROBATCHES))]
+    edited = load_plan(_edited(compiled, tmp_path, lambda a: a.__setitem__(slice(None), gpipe)) / "plan.json")
+    checked.clear()
+    plan_actions(edited, compiled=True)
+    assert len(checked) == 2
 
 
 def test_a_plan_without_lists_runs_its_kind(compiled):

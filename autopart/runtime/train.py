@@ -182,7 +182,7 @@ def _train(out_dir: Path, argv: list[str] | None) -> None:
     if args.seconds is not None and args.trace:
         raise ConfigError("--trace records the last of --steps, which --seconds may not reach; give one of them")
     source_file = model_file(out_dir, plan)
-    schedule = plan_actions(plan)  # a bad hand edit stops every rank here, before any waits for a peer
+    schedule = plan_actions(plan, compiled=True)  # a bad hand edit stops every rank here, before any waits for a peer
     if not plan.schedule.actions and rank == 0:
         print(f"autopart: note: plan.json stores no schedule.actions (written by an earlier autopart); running "
               f"the {plan.schedule.kind} order generated from its kind, as it ran then", file=sys.stderr)

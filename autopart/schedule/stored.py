@@ -165,12 +165,21 @@ def built_lowered(kind: str, ranks: int, microbatches: int, chunks: int) -> Sche
     return add_communication(compute, ranks=ranks, placement=placement)
 
 
-def plan_actions(plan: Any, *, lowered: bool = True) -> Schedule:
+def plan_actions(plan: Any, *, lowered: bool = True, compiled: bool = False) -> Schedule:
     """The schedule ``plan`` runs: its stored lists, validated (lowered: with the sends and
     receives added). Raises ScheduleError, one line naming the rank and position, for a bad list.
-    Read it, never change it: an unedited plan's is shared (`generated`)."""
+    Read it, never change it: an unedited plan's is shared (`generated`).
+
+    ``compiled``: the plan is as a compile wrote it but for its lists (train.py, past its launch
+    checks), and that compile validated the lists it wrote: lists equal to its kind's generated
+    order are run as they are, where every rank validating them again took seconds at a million
+    actions; any others (an edit) are validated all the same."""
     spec, ranks = plan.schedule, plan.mesh["pp"]
     placement = tuple(stage.rank for stage in plan.stages)
+    if compiled and spec.actions:
+        compute, made_placement = built(spec.kind, ranks, spec.microbatches, spec.chunks)
+        if placement == made_placement and tuple(map(tuple, spec.actions)) == action_lists(compute):
+            return built_lowered(spec.kind, ranks, spec.microbatches, spec.chunks) if lowered else compute
     kinds = generated(spec.kind, ranks, spec.microbatches, spec.chunks)
     if placement == kinds.placement and (not spec.actions or tuple(map(tuple, spec.actions)) == kinds.lists):
         return kinds.lowered if lowered else kinds.compute
