@@ -66,12 +66,18 @@ class Generated:
 def generated(kind: str, ranks: int, microbatches: int, chunks: int) -> Generated:
     """``kind``'s schedule for this shape, built and validated once in a process (or validated
     beside it, `validation_beside`, and waited for here); lowered where asked (`Generated.lowered`)."""
-    compute, placement = built(kind, ranks, microbatches, chunks)
     shape = (kind, ranks, microbatches, chunks)
     if not _validated_beside(_beside.pop(shape, None)):
         _check_generated(*shape)
     _validated.add(shape)
-    return Generated(lists=action_lists(compute), compute=compute, placement=placement, shape=shape)
+    return _made(*shape)
+
+
+def _made(kind: str, ranks: int, microbatches: int, chunks: int) -> Generated:
+    """``kind``'s schedule for this shape as its generator builds it, not validated (`generated` is)."""
+    compute, placement = built(kind, ranks, microbatches, chunks)
+    return Generated(lists=action_lists(compute), compute=compute, placement=placement,
+                     shape=(kind, ranks, microbatches, chunks))
 
 
 def _validated_beside(beside: Forked | None) -> bool:
@@ -176,11 +182,8 @@ def plan_actions(plan: Any, *, lowered: bool = True, compiled: bool = False) -> 
     actions; any others (an edit) are validated all the same."""
     spec, ranks = plan.schedule, plan.mesh["pp"]
     placement = tuple(stage.rank for stage in plan.stages)
-    if compiled and spec.actions:
-        compute, made_placement = built(spec.kind, ranks, spec.microbatches, spec.chunks)
-        if placement == made_placement and tuple(map(tuple, spec.actions)) == action_lists(compute):
-            return built_lowered(spec.kind, ranks, spec.microbatches, spec.chunks) if lowered else compute
-    kinds = generated(spec.kind, ranks, spec.microbatches, spec.chunks)
+    shape = (spec.kind, ranks, spec.microbatches, spec.chunks)
+    kinds = _made(*shape) if compiled and spec.actions else generated(*shape)
     if placement == kinds.placement and (not spec.actions or tuple(map(tuple, spec.actions)) == kinds.lists):
         return kinds.lowered if lowered else kinds.compute
     if not spec.actions:

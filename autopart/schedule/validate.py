@@ -279,8 +279,9 @@ def _check_deadlock(
     """Run every rank until each finishes or none can move.
 
     Sends never block (on NCCL, a send waits on a stream of its own direction for a receive
-    that its channel's order puts next: ``check_message_order``). A receive blocks until its send has run. In a compute-only schedule an
-    action whose input comes from another rank blocks until that action has run there.
+    that its channel's order puts next: ``check_message_order``). A receive blocks until its send
+    has run. In a compute-only schedule an action whose input comes from another rank blocks
+    until that action has run there.
 
     A rank runs until it blocks, then waits on what blocked it and moves again once that has run:
     each action is visited about once, where sweeping the ranks round after round until none moves

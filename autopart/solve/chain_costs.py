@@ -47,7 +47,7 @@ class ChainCosts:
     # full recompute checkpoints each layer a stage holds whole by itself (a whole backward,
     # `autopart.passes.recompute`); False: it checkpoints the stage (a split backward)
     layer_by_layer: bool = False
-    # what is made from these figures and kept with them: running sums (`prefix`), `kept`'s
+    # what is made from these figures and kept with them: the running sums (`prefix`) and all `kept` keeps
     _kept: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __len__(self) -> int:
