@@ -206,7 +206,7 @@ def _loop(out_dir: Path, plan: Plan, schedule: Schedule, args: argparse.Namespac
           source_file: Path) -> None:
     mesh = Mesh.of(plan)
     here = mesh.coordinates(rank)
-    device_mesh = mesh.device_mesh(device.type)
+    device_mesh = mesh.device_mesh(device.type, datetime.timedelta(seconds=args.timeout))
     collectives.set_group(group_of(device_mesh, "tp"))
     data_parallel = group_of(device_mesh, "dp")
     schedule_spec = plan.schedule
