@@ -11,6 +11,8 @@ from autopart.ir.errors import ConfigError
 from autopart.tools.local_run import runs_on_gpus
 from autopart.ir.plan import load_plan
 from autopart.runtime import device
+from autopart.runtime.data import split_microbatches
+from autopart.runtime.device import batch_on_device
 from tests.distributed import REPO
 
 
@@ -49,3 +51,14 @@ def test_verify_runs_a_gpu_plan_on_the_gpus_only_with_one_per_rank(monkeypatch, 
         monkeypatch.setattr(torch.cuda, "device_count", lambda gpus=gpus: gpus)
         assert runs_on_gpus(plan) is expected
         assert runs_on_gpus(cpu_plan) is False
+
+
+def test_a_step_s_batch_goes_to_the_device_once_and_only_what_its_stages_read():
+    tokens, target = torch.arange(8).view(4, 2), torch.ones(4, 2)
+    microbatches = split_microbatches((tokens, target, "flag"), 2)
+    here = batch_on_device(microbatches, {0}, torch.device("cpu"))
+    assert all(a is b for values, original in zip(here, microbatches) for a, b in zip(values, original))  # no copy
+    moved = batch_on_device(microbatches, {0, 2}, torch.device("meta"))
+    for values, original in zip(moved, microbatches, strict=True):
+        assert values[0].device.type == "meta" and values[0].shape == original[0].shape
+        assert values[1] is original[1] and values[2] == "flag"  # not read here; not a tensor

@@ -17,12 +17,14 @@ from __future__ import annotations
 import os
 import resource
 import time
+from typing import Any
 
 import torch
 
 from autopart.ir.errors import ConfigError
 
-__all__ = ["compute_device", "backend", "tensor", "synchronize", "peak_memory_bytes", "Mark", "StepTimer"]
+__all__ = ["compute_device", "backend", "tensor", "batch_on_device", "synchronize", "peak_memory_bytes", "Mark",
+           "StepTimer"]
 
 
 def compute_device() -> torch.device:
@@ -53,6 +55,23 @@ def backend(device: torch.device) -> str:
 def tensor(values: list[float] | list[int], device: torch.device, dtype: torch.dtype = torch.float64) -> torch.Tensor:
     """A small tensor of host values on the compute device, to be reduced over a process group."""
     return torch.tensor(values, dtype=dtype, device=device)
+
+
+def batch_on_device(microbatches: list[tuple[Any, ...]], read: set[int], device: torch.device) -> list[tuple[Any, ...]]:
+    """A step's microbatches with the tensors at positions ``read`` (those this rank's stages
+    read) on ``device``, the rest as they are: one copy of each per step, before its first action.
+    To a GPU the copy is made from pinned memory and does not wait: a copy from pageable memory
+    first waits for every kernel queued on the stream, so a copy at each forward would stop the
+    host there, and the GPU would then idle while the forward's kernels were launched."""
+
+    def moved(value: Any) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value
+        if device.type == "cuda" and value.device.type == "cpu":
+            value = value.pin_memory()
+        return value.to(device, non_blocking=True)  # itself where it is there already
+
+    return [tuple(moved(v) if i in read else v for i, v in enumerate(values)) for values in microbatches]
 
 
 def synchronize(device: torch.device) -> None:

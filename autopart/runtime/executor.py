@@ -22,7 +22,7 @@ from torch import nn
 from autopart.ir.scatter_gather import held_shape
 from autopart.ir.tensors import TensorMeta
 from autopart.runtime.backward import PendingWeights, backward_full, backward_input, backward_weight
-from autopart.runtime.device import Mark, StepTimer
+from autopart.runtime.device import Mark, StepTimer, batch_on_device
 from autopart.runtime.draws import draw_seed
 from autopart.runtime.forward import NoDropout, Rebuild, StageForward
 from autopart.runtime.p2p import Channels, Scatter, recv_tensors, send_tensors
@@ -123,6 +123,7 @@ class Executor:
         if record is not None and timer is None:
             timer = StepTimer(self.device)
         marks: list[tuple[Action, Mark, Mark, float]] = []
+        microbatches = self._on_device(microbatches)
         self._begin_step()
         for position, action in enumerate(self.actions):
             try:
@@ -157,6 +158,7 @@ class Executor:
         `step` does."""
         losses: list[torch.Tensor] = []
         pending: list[Any] = []
+        microbatches = self._on_device(microbatches)
         with torch.no_grad(), NoDropout():
             self._begin_step()
             for position, action in enumerate(self.actions):
@@ -220,6 +222,10 @@ class Executor:
         else:
             raise AssertionError(f"unknown action kind {kind}")
 
+    def _on_device(self, microbatches: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+        """The batch values this rank's stages read, on its device (`batch_on_device`)."""
+        return batch_on_device(microbatches, {i for s in self.stages.values() for i in s.batch_inputs}, self.device)
+
     def _channel(self, kind: Kind, peer: int) -> Any:
         return None if self.channels is None else self.channels.for_action(kind, rank=self.global_rank, peer=peer)
 
@@ -231,8 +237,7 @@ class Executor:
         for tensor in inputs:
             if tensor.is_floating_point():
                 tensor.requires_grad_(True)
-        batch = [microbatches[m][i] for i in stage.batch_inputs]
-        batch = [b.to(self.device) if isinstance(b, torch.Tensor) else b for b in batch]
+        batch = [microbatches[m][i] for i in stage.batch_inputs]  # on the device (`step`)
         if seed is not None:
             torch.manual_seed(draw_seed(seed, m, stage.index))  # every device's generator
         if stage.forward is None:
