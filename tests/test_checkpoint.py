@@ -23,7 +23,7 @@ from autopart.ir.errors import ConfigError
 from autopart.runtime.checkpoint import latest_checkpoint
 from autopart.runtime.stage import load_stage
 from autopart.runtime.data import global_batches
-from tests.distributed import REPO, environment, free_port, read_metrics, run_cli, run_ranks, stage_weights
+from tests.distributed import REPO, environment, free_port, read_metrics, run_cli_here, run_ranks, stage_weights
 
 STEPS = 6
 
@@ -151,7 +151,7 @@ def test_a_rank_that_trained_to_the_end_runs_its_exit_handlers_and_exits_zero(co
 @pytest.mark.multiprocess
 def test_consolidated_weights_give_the_last_steps_loss(uninterrupted, tmp_path):
     output = tmp_path / "model.safetensors"
-    result = run_cli("consolidate", str(uninterrupted / "ckpt" / "step_00000005"), "-o", str(output))
+    result = run_cli_here("consolidate", str(uninterrupted / "ckpt" / "step_00000005"), "-o", str(output))
     assert result.returncode == 0, result.stderr
     spec = load_model_file(REPO / "examples" / "gpt.py")
     state = load_file(str(output))

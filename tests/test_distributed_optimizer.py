@@ -22,7 +22,7 @@ from autopart.runtime.checkpoint import checkpoint_keys
 from autopart.runtime.forward import working_copies
 from autopart.runtime.sharded_masters import ShardedMasters, holds_master, partition
 from autopart.tools.verify import verify
-from tests.distributed import (REPO, compile_and_train, gloo_group, replica_model, read_metrics, run_cli, spawn_ranks,
+from tests.distributed import (REPO, compile_and_train, gloo_group, replica_model, read_metrics, run_cli_here, spawn_ranks,
                                stage_weights, train_whole_and_resumed)
 
 PSI = 1_000_000  # parameters
@@ -147,7 +147,7 @@ def test_bf16_zero1_resumes_bit_identically_and_consolidates_to_the_fp32_masters
     shares = [{k.split("/", 2)[2].rsplit("/", 1)[0] for k in keys if k.startswith(f"optim/dp_{d}/")} for d in range(DP)]
     assert all(shares) and not shares[0] & shares[1], "each replica saves the moments of its own masters"
     merged = tmp_path / "model.safetensors"
-    result = run_cli("consolidate", str(runs["whole"] / "ckpt" / "step_00000004"), "-o", str(merged))
+    result = run_cli_here("consolidate", str(runs["whole"] / "ckpt" / "step_00000004"), "-o", str(merged))
     assert result.returncode == 0, result.stderr
     state = load_file(str(merged))
     finals = {name: value for weights in whole.values() for name, value in weights.items()}

@@ -16,7 +16,7 @@ from autopart.ir.model_file import eager_loss, load_model_file
 from autopart.ir.plan import Plan
 from autopart.options import CompileOptions
 from autopart.runtime.data import global_batches
-from tests.distributed import REPO, assert_same_training, compile_and_train, read_metrics, run_cli, run_ranks
+from tests.distributed import REPO, assert_same_training, compile_and_train, read_metrics, run_cli_here, run_ranks
 from tests.distributed import gloo_group, spawn_ranks, stage_weights
 
 LR = 1e-3  # AdamW's step is about lr whatever the gradient: a larger one turns reduction-order noise into 1e-5 moves
@@ -87,7 +87,7 @@ def test_zero3_checkpoint_resumes_bit_identical_and_consolidates(tmp_path):
 
     def consolidated(step: int) -> torch.nn.Module:
         output = tmp_path / f"model_{step}.safetensors"
-        result = run_cli("consolidate", str(whole / "ckpt" / f"step_{step:08d}"), "-o", str(output))
+        result = run_cli_here("consolidate", str(whole / "ckpt" / f"step_{step:08d}"), "-o", str(output))
         assert result.returncode == 0, result.stderr
         spec = load_model_file(REPO / "examples" / "gpt.py")
         spec.module.load_state_dict(load_file(str(output)), strict=True)
@@ -129,10 +129,11 @@ def test_plans_from_before_zero_levels_still_load(tmp_path):
 def test_cli_zero_alone_is_zero_1_and_a_level_is_taken(tmp_path):
     for flags, level in ((["--zero"], 1), (["--zero", "3"], 3)):
         out = tmp_path / f"out{level}"
-        result = run_cli("compile", "examples/gpt.py", "-o", str(out), "--dp", "2", *flags)
+        result = run_cli_here("compile", str(REPO / "examples" / "gpt.py"), "-o", str(out), "--dp", "2", *flags)
         assert result.returncode == 0, result.stderr
         assert Plan.from_json(__import__("json").loads((out / "plan.json").read_text())).zero == level
-    result = run_cli("compile", "examples/gpt.py", "-o", str(tmp_path / "bad"), "--dp", "2", "--zero", "5")
+    result = run_cli_here("compile", str(REPO / "examples" / "gpt.py"), "-o", str(tmp_path / "bad"), "--dp", "2",
+                          "--zero", "5")
     assert result.returncode == 2 and "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
 
 

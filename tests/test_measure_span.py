@@ -14,7 +14,7 @@ from autopart.profiling import pipeline
 from autopart.profiling.co_run import measure_co_run
 from autopart.profiling.in_situ import REPEATS, optimizer_in_situ, time_in_situ
 from autopart.profiling.span import MEASURE_SECONDS_ENV, span
-from tests.distributed import REPO, run_cli
+from tests.distributed import REPO, run_cli_here
 
 
 def test_the_cap_lowers_a_span_and_never_raises_it(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -35,7 +35,7 @@ def test_a_cap_that_is_not_seconds_is_refused(monkeypatch: pytest.MonkeyPatch, t
 
 def test_the_command_line_says_so_in_one_line(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv(MEASURE_SECONDS_ENV, "soon")
-    result = run_cli("profile", str(REPO / "tests" / "models" / "three_layers.py"), "-o", str(tmp_path / "c.json"))
+    result = run_cli_here("profile", str(REPO / "tests" / "models" / "three_layers.py"), "-o", str(tmp_path / "c.json"))
     assert result.returncode == 2
     assert result.stderr.startswith("autopart: error: AUTOPART_MEASURE_SECONDS='soon' is not a number of seconds")
     assert result.stderr.count("\n") == 1 and not (tmp_path / "c.json").exists()

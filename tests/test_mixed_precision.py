@@ -19,7 +19,7 @@ from autopart.predict.memory import state_bytes
 from autopart.runtime.forward import StageForward
 from autopart.runtime.reference import train_reference
 from autopart.tools.verify import verify
-from tests.distributed import (FREE_LINKS, REPO, compile_and_train, read_metrics, run_cli, stage_weights,
+from tests.distributed import (FREE_LINKS, REPO, compile_and_train, read_metrics, run_cli_here, stage_weights,
                                train_whole_and_resumed)
 from tests.test_recompute import wide_gpt
 
@@ -142,7 +142,7 @@ def test_bf16_resume_is_bit_identical_and_consolidates_to_fp32_masters(tmp_path)
             assert value.dtype == torch.float32, f"{name}: checkpoints hold the fp32 masters"
             assert torch.equal(parts[stage][name], value), name
     merged = tmp_path / "model.safetensors"
-    result = run_cli("consolidate", str(runs["whole"] / "ckpt" / "step_00000004"), "-o", str(merged))
+    result = run_cli_here("consolidate", str(runs["whole"] / "ckpt" / "step_00000004"), "-o", str(merged))
     assert result.returncode == 0, result.stderr
     state = load_file(str(merged))
     finals = {name: value for weights in whole.values() for name, value in weights.items()}
@@ -171,8 +171,8 @@ def test_bf16_is_priced_without_weight_casts_in_forward(tmp_path):
 def test_bf16_on_the_cpu_refuses_fp32_values_into_a_bf16_norm_weight_in_one_line(tmp_path, costs):
     """The same line whether annotate or the profiler (which runs the graph first) meets it."""
     profiled = ("--costs", str(tmp_path / "costs.json")) if costs else ()
-    result = run_cli("compile", str(REPO / "tests" / "models" / "three_layers.py"), "-o", str(tmp_path / "out"),
-                     "--dtype", "bf16", "--no-measure", *profiled)  # fmt: skip
+    result = run_cli_here("compile", str(REPO / "tests" / "models" / "three_layers.py"), "-o", str(tmp_path / "out"),
+                          "--dtype", "bf16", "--no-measure", *profiled)  # fmt: skip
     assert result.returncode == 2
     assert "at 'layer_norm'; compile with --dtype bf16-autocast" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1

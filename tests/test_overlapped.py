@@ -3,8 +3,6 @@
 and the programs trained under gloo against one process."""
 
 import re
-import subprocess
-import sys
 from dataclasses import replace
 
 import pytest
@@ -18,7 +16,7 @@ from autopart.solve.overlap import exposed_s, fused_linears, piece_counts
 from autopart.solve.sequence import boundary_placement
 from autopart.tools.verify import verify
 from cost_models import get_cost_model
-from tests.distributed import FREE_LINKS, REPO, environment, free_port, run_cli
+from tests.distributed import FREE_LINKS, REPO, run_cli_here, run_program
 from tests.test_sequence_parallel import collectives, megatron_layers
 
 LLAMA = REPO / "examples" / "llama.py"
@@ -29,10 +27,7 @@ LLAMA = REPO / "examples" / "llama.py"
 def test_overlapped_linears_equal_the_plain_ones(ranks):
     """Every rank its own slice and weights, 1 to t pieces, fp32 and bf16 autocast: the outputs and
     the gradients of the slice, the input and the weights are the plain functions'."""
-    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}", "--master-addr=127.0.0.1",
-               f"--master-port={free_port()}", str(REPO / "tests" / "overlapped_rank.py"), "12"]  # fmt: skip
-    result = subprocess.run(command, capture_output=True, text=True, timeout=180, env=environment())
-    assert result.returncode == 0, result.stdout + result.stderr[-4000:]
+    result = run_program([str(REPO / "tests" / "overlapped_rank.py"), "12"], ranks, timeout=180)
     assert result.stdout.count("ok") == ranks
 
 
@@ -286,8 +281,8 @@ def test_a_plan_that_cuts_what_the_code_cannot_is_refused(tmp_path):
         autopart.emit(edited, tmp_path / "a")
     assert not (tmp_path / "a").exists()
     edited.save(tmp_path / "plan.json")  # through --plan: the entry that differs, in one line
-    result = run_cli("compile", str(LLAMA), "-o", str(tmp_path / "c"), "--plan", str(tmp_path / "plan.json"),
-                     "--device", str(FREE_LINKS))
+    result = run_cli_here("compile", str(LLAMA), "-o", str(tmp_path / "c"), "--plan", str(tmp_path / "plan.json"),
+                          "--device", str(FREE_LINKS))
     assert result.returncode == 2 and "overlapped.no_such_linear" in result.stderr, result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
 
@@ -295,6 +290,6 @@ def test_a_plan_that_cuts_what_the_code_cannot_is_refused(tmp_path):
 def test_overlap_needs_sequence_parallelism(tmp_path):
     with pytest.raises(ConfigError, match="needs sequence parallelism"):
         CompileOptions(model=LLAMA, tp=2, sp=False, tp_overlap=True)
-    result = run_cli("compile", str(LLAMA), "-o", str(tmp_path / "out"), "--tp", "2", "--no-sp", "--tp-overlap")
+    result = run_cli_here("compile", str(LLAMA), "-o", str(tmp_path / "out"), "--tp", "2", "--no-sp", "--tp-overlap")
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert not (tmp_path / "out").exists()

@@ -16,7 +16,7 @@ from autopart.tools.cli import main as cli_main
 from autopart.tools.explain import stage_figures
 from autopart.predict.timeline import plan_timeline
 from autopart.schedule import Kind, read_chrome_trace
-from tests.distributed import Trained, assert_same_training, compile_and_train, run_cli
+from tests.distributed import Trained, assert_same_training, compile_and_train, run_cli_here
 
 pytestmark = pytest.mark.multiprocess
 
@@ -109,7 +109,7 @@ def test_compile_draws_the_timeline_and_writes_a_chrome_trace(tmp_path_factory):
 
 def test_explain_sets_a_measured_step_beside_the_prediction(tmp_path_factory):
     run = trained(tmp_path_factory, "gpt", 2, "zb-h1")
-    result = run_cli("explain", str(run.out), "--trace", str(run.trace), timeout=120)
+    result = run_cli_here("explain", str(run.out), "--trace", str(run.trace))
     assert result.returncode == 0, result.stderr
     text = result.stdout
     for header in ("blocks", "params MB", "memory GiB", "predicted ms", "measured ms", "error"):
@@ -149,7 +149,7 @@ def test_explain_errors_are_one_line_exit_2(tmp_path_factory, tmp_path, capsys, 
 
 def test_explain_and_the_timeline_show_the_v(tmp_path_factory):
     run = trained(tmp_path_factory, "gpt", 2, "zbv")
-    result = run_cli("explain", str(run.out), "--trace", str(run.trace), timeout=120)
+    result = run_cli_here("explain", str(run.out), "--trace", str(run.trace))
     assert result.returncode == 0, result.stderr
     rows = [[c.strip() for c in re.split("[│|]", line)[1:-1]] for line in result.stdout.splitlines()]
     ranks = {int(row[0]): int(row[1]) for row in rows if len(row) >= 2 and row[0].isdigit() and row[1].isdigit()}

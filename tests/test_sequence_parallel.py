@@ -2,8 +2,6 @@
 against Korthikanti et al.'s formulas, and the programs trained under gloo against one process."""
 
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -12,7 +10,7 @@ import autopart
 from autopart.driver import CompileOptions, compile_to_directory
 from autopart.ir.plan import load_plan
 from autopart.tools.verify import verify
-from tests.distributed import FREE_LINKS, REPO, environment, free_port, run_cli
+from tests.distributed import FREE_LINKS, REPO, run_cli_here, run_program
 from tests.test_tensor_parallel import train_3d
 
 MEGATRON_LAYERS = '''
@@ -148,7 +146,7 @@ def test_sequence_parallelism_is_on_by_default_with_tp_and_recorded_in_the_plan(
     assert not autopart.compile(model, tp=1, microbatches=2, device=str(FREE_LINKS)).sp
     for flag, expected in (("--no-sp", False), ("--sp", True)):  # the command line pins it either way
         out = tmp_path / flag
-        result = run_cli("compile", str(model), "-o", str(out), "--tp", "2", flag, "--device", str(FREE_LINKS))
+        result = run_cli_here("compile", str(model), "-o", str(out), "--tp", "2", flag, "--device", str(FREE_LINKS))
         assert result.returncode == 0, result.stderr[-2000:]
         assert load_plan(out / "plan.json").sp is expected
 
@@ -169,10 +167,7 @@ def test_sequence_parallel_trains_like_one_process_fp32(tmp_path, example, pp):
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("ranks", [2, 4])
 def test_sequence_parallel_collectives_match_one_process(ranks):
-    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}", "--master-addr=127.0.0.1",
-               f"--master-port={free_port()}", str(REPO / "tests" / "sp_collectives_rank.py")]  # fmt: skip
-    result = subprocess.run(command, capture_output=True, text=True, timeout=120, env=environment())
-    assert result.returncode == 0, result.stdout + result.stderr[-4000:]  # which ranks got through, then how one died
+    result = run_program([str(REPO / "tests" / "sp_collectives_rank.py")], ranks, timeout=120)
     assert result.stdout.count("ok") == ranks
 
 

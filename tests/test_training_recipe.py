@@ -14,7 +14,7 @@ from autopart.runtime.recipe import Recipe, clip_factor, embedding_parameters, p
 from autopart.runtime.reference import train_reference
 from autopart.runtime.shards import load_stage_weights
 from tests.distributed import (
-    FREE_LINKS, REPO, assert_same_training, compile_and_train, read_metrics, run_cli, run_cli_here, run_ranks,
+    FREE_LINKS, REPO, assert_same_training, compile_and_train, read_metrics, run_cli_here, run_ranks,
 )
 
 RECIPE = Recipe(lr_schedule="cosine", warmup_steps=1, min_lr=1e-4, clip_grad_norm=0.05, weight_decay=0.1)
@@ -154,7 +154,7 @@ def test_tensorboard_without_the_package_is_one_line(tmp_path, monkeypatch):
 
 
 def test_verify_takes_the_recipe_flags():
-    result = run_cli("verify", "--help")
+    result = run_cli_here("verify", "--help")
     assert "--clip-grad-norm" in result.stdout and "--lr-schedule" in result.stdout
 
 
