@@ -29,9 +29,11 @@ def _lowered(kind: str, ranks: int, microbatches: int, chunks: int) -> tuple[dic
     return add_communication(compute, ranks=ranks, placement=placement), placement
 
 
-def _stuck_on_nccl(schedule: dict, placement: tuple[int, ...], channels: Channels) -> list[str]:
+def _stuck_on_nccl(schedule: dict, placement: tuple[int, ...], channels: Channels, *,
+                   connected: bool = False) -> list[str]:
     """What is left waiting when every host and stream has run what it can (none: the step ends);
-    a pipeline rank is its global rank here, its messages' groups as the executor asks them."""
+    a pipeline rank is its global rank here, its messages' groups as the executor asks them.
+    ``connected``: each rank first opens its channels as `Executor.connect` does."""
     ranks = len(schedule)
     streams: dict[tuple, list[dict]] = {}  # (rank, "compute") or (rank, group, pair) -> its operations in order
     firsts: dict[int, list[tuple]] = {}  # per rank, in post order, the (group, pair) of each message
@@ -56,6 +58,11 @@ def _stuck_on_nccl(schedule: dict, placement: tuple[int, ...], channels: Channel
             firsts.setdefault(rank, []).append(stream)
             if not sends:
                 compute.append({"what": f"wait for {action}", "waits": operation})
+    if connected:
+        for rank, actions in schedule.items():
+            messages = {(a.kind, rank_of(a.peer_stage, ranks, placement)) for a in actions if not a.kind.is_compute}
+            opened = [(channels.groups[c], low, high) for c, low, high in Channels.connections(messages, rank)]
+            firsts[rank] = opened + firsts.get(rank, [])
     hosts = _hosts_stuck(firsts)
     if hosts:
         return hosts
@@ -142,13 +149,26 @@ def test_the_model_hangs_a_v_shape_whose_activations_cross_on_one_stream():
     assert _stuck_on_nccl(*_lowered("1f1b", 4, 8, 1), BY_KIND) == []
 
 
+CROSSING = {0: [Action.parse(a) for a in ("0F0", "0SEND_F0", "0RECV_B0", "0B0")],
+            1: [Action.parse(a) for a in ("1SEND_B0", "1RECV_F0")]}
+
+
 def test_the_model_hangs_hosts_that_first_use_two_groups_in_crossing_orders():
     # rank 0 first sends an activation (activations up), rank 1 first sends a gradient (gradients
     # down): each host waits for the other to make the communicator it needs first
-    crossing = {0: [Action.parse(a) for a in ("0F0", "0SEND_F0", "0RECV_B0", "0B0")],
-                1: [Action.parse(a) for a in ("1SEND_B0", "1RECV_F0")]}
-    assert _stuck_on_nccl(crossing, (0, 1), BY_DIRECTION) == [
+    assert _stuck_on_nccl(CROSSING, (0, 1), BY_DIRECTION) == [
         "rank 0's host making ('activations up', 0, 1)", "rank 1's host making ('gradients down', 0, 1)"]
+
+
+def test_channels_opened_in_one_order_first_cannot_cross():
+    # the crossing order above, and generated ones, once each rank has opened its channels as the
+    # executor does before its first step
+    assert _stuck_on_nccl(CROSSING, (0, 1), BY_DIRECTION, connected=True) == []
+    for kind, ranks, microbatches in CASES[::7]:
+        chunks = 2 if kind in ("interleaved", "zbv") else 1
+        assert _stuck_on_nccl(*_lowered(kind, ranks, microbatches, chunks), BY_DIRECTION, connected=True) == []
+    assert Channels.connections({(Kind.SEND_B, 1), (Kind.RECV_F, 1), (Kind.RECV_B, 5), (Kind.SEND_F, 5)}, 3) == [
+        (0, 1, 3), (0, 3, 5), (3, 1, 3), (3, 3, 5)]  # activations up from 1 and to 5; gradients down to 1, from 5
 
 
 def test_an_executor_given_channels_needs_its_global_rank():
@@ -159,3 +179,23 @@ def test_an_executor_given_channels_needs_its_global_rank():
     with pytest.raises(ValueError, match="global_rank"):
         Executor(rank=0, stages={}, last_stage=0, schedule={0: []}, microbatches=1, device=torch.device("cpu"),
                  channels=BY_DIRECTION)
+
+
+def test_an_executor_opens_the_channels_of_its_messages_before_its_first_step():
+    import torch
+    from torch import nn
+
+    from autopart.runtime.executor import Executor, StageRuntime
+
+    opened = []
+
+    class Recorded(Channels):
+        def connect(self, messages, *, rank, device):
+            opened.append((sorted(messages, key=lambda m: (m[0].value, m[1])), rank))
+
+    schedule, _ = _lowered("1f1b", 3, 4, 1)
+    middle = StageRuntime(index=1, module=nn.Identity(), inputs=[], batch_inputs=[], prev_rank=0, next_rank=2)
+    executor = Executor(rank=1, stages={1: middle}, last_stage=2, schedule=schedule, microbatches=4,
+                        device=torch.device("cpu"), channels=Recorded(*BY_DIRECTION.groups), global_rank=1)
+    executor.connect()
+    assert opened == [([(Kind.RECV_B, 2), (Kind.RECV_F, 0), (Kind.SEND_B, 0), (Kind.SEND_F, 2)], 1)]

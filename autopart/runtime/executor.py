@@ -222,6 +222,20 @@ class Executor:
         else:
             raise AssertionError(f"unknown action kind {kind}")
 
+    def connect(self) -> None:
+        """Open the communicators of every channel and peer this rank's messages use, before the
+        first step, in the one order every rank takes (`Channels.connect`)."""
+        if self.channels is None:
+            return
+        messages = set()
+        for action in self.actions:
+            if action.kind.is_compute:
+                continue
+            stage = self.stages[action.stage]
+            peer = stage.prev_rank if action.kind in (Kind.RECV_F, Kind.SEND_B) else stage.next_rank
+            messages.add((action.kind, peer))
+        self.channels.connect(messages, rank=self.global_rank, device=self.device)
+
     def _on_device(self, microbatches: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
         """The batch values this rank's stages read, on its device (`batch_on_device`)."""
         return batch_on_device(microbatches, {i for s in self.stages.values() for i in s.batch_inputs}, self.device)

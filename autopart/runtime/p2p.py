@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import datetime
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,17 +64,55 @@ class Channels:
         that every rank makes, in the same order."""
         return cls(None, *(dist.new_group(timeout=timeout) for _ in range(3)))
 
+    @property
+    def groups(self) -> tuple[Any, Any, Any, Any]:
+        """The four groups, in the order `connect` opens them."""
+        return self.activations_up, self.activations_down, self.gradients_up, self.gradients_down
+
     def of(self, *, gradients: bool, sender: int, receiver: int) -> Any:
         """The group of a message from global rank ``sender`` to ``receiver``: both ends name it alike."""
-        if gradients:
-            return self.gradients_up if receiver > sender else self.gradients_down
-        return self.activations_up if receiver > sender else self.activations_down
+        return self.groups[_channel(gradients, sender, receiver)]
 
     def for_action(self, kind: Kind, *, rank: int, peer: int) -> Any:
         """The group of a send or receive ``kind`` that global rank ``rank`` posts to or from ``peer``."""
-        sends = kind is Kind.SEND_F or kind is Kind.SEND_B
-        return self.of(gradients=kind is Kind.SEND_B or kind is Kind.RECV_B,
-                       sender=rank if sends else peer, receiver=peer if sends else rank)
+        return self.groups[_channel(*_message(kind, rank, peer))]
+
+    @staticmethod
+    def connections(messages: Iterable[tuple[Kind, int]], rank: int) -> list[tuple[int, int, int]]:
+        """Each (channel, lower rank, higher rank) that global rank ``rank``'s messages ``(kind,
+        peer)`` use once, in the one order every rank opens them (`connect`): by channel (as
+        `groups` lists them), then by the pair's ranks."""
+        return sorted({(_channel(*_message(kind, rank, peer)), min(rank, peer), max(rank, peer))
+                       for kind, peer in messages})
+
+    def connect(self, messages: Iterable[tuple[Kind, int]], *, rank: int, device: torch.device) -> None:
+        """Open, before the first step, each channel and pair that ``messages`` use, every rank in
+        the order of `connections`: one element from the channel's sender to its receiver.
+
+        NCCL without a ``device_id`` makes a pair's communicator on a group at the pair's first
+        message there, both hosts waiting for each other until it is made. Made as a step first
+        needs them, two ranks whose first uses of two channels cross would each wait for the
+        other for good (an edited order can do that; the generated ones do not). In one order
+        they cannot: of the pairs not yet open, the first in that order is the next one of both
+        its ranks. On gloo it costs one small message per pair."""
+        probe = torch.zeros(1, device=device)
+        for channel, low, high in self.connections(messages, rank):
+            sender, receiver = (low, high) if channel % 2 == 0 else (high, low)  # up, down
+            if rank == sender:
+                dist.send(probe, receiver, group=self.groups[channel])
+            else:
+                dist.recv(probe, sender, group=self.groups[channel])
+
+
+def _message(kind: Kind, rank: int, peer: int) -> tuple[bool, int, int]:
+    """A send or receive ``kind`` that ``rank`` posts to or from ``peer``: (gradients, sender, receiver)."""
+    sends = kind is Kind.SEND_F or kind is Kind.SEND_B
+    return kind is Kind.SEND_B or kind is Kind.RECV_B, rank if sends else peer, peer if sends else rank
+
+
+def _channel(gradients: bool, sender: int, receiver: int) -> int:
+    """A message's channel, its index in `Channels.groups`: by kind, then direction."""
+    return 2 * gradients + (0 if receiver > sender else 1)
 
 
 def send_tensors(tensors: list[torch.Tensor], peer: int, scatter: Scatter | None = None,

@@ -379,6 +379,7 @@ def _executor(out_dir: Path, plan: Plan, schedule: Schedule, args: argparse.Name
         channels=channels,
         global_rank=rank,
     )
+    executor.connect()  # every channel's communicators, in one order on all ranks
     return stages, executor
 
 
