@@ -60,3 +60,21 @@ def test_pipeline_and_data_parallel_train_like_one_process(tmp_path, schedule):
     assert run.plan.tied_parameters == {"wte.weight": (0, 1)}
     assert_same_training(run, optimizer="sgd", lr=0.1)
     assert all(len(launched) == 1 for launched, _ in _bucket_launches(tmp_path / "times"))  # 0.9 MB a stage
+
+
+def test_buckets_are_marked_by_the_step_s_timer():
+    """On a GPU the actions are marked by CUDA events in the stream; a bucket's launch, read off the
+    host's clock instead, would fall before the backward whose gradients it carries had run."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from autopart.runtime.device import StepTimer
+    from autopart.runtime.executor import Executor
+
+    reducer = SimpleNamespace(clock=None)
+    executor = Executor(rank=0, stages={}, last_stage=0, schedule={0: []}, microbatches=1, device=torch.device("cpu"),
+                        reducer=reducer)
+    timer = StepTimer(torch.device("cpu"))
+    executor.step([()], timer=timer)
+    assert reducer.clock == timer.mark

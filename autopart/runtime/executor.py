@@ -124,6 +124,8 @@ class Executor:
             timer = StepTimer(self.device)
         marks: list[tuple[Action, Mark, Mark, float]] = []
         microbatches = self._on_device(microbatches)
+        if self.reducer is not None:
+            self.reducer.clock = timer.mark if timer is not None else time.perf_counter
         self._begin_step()
         for position, action in enumerate(self.actions):
             try:

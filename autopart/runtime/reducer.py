@@ -25,7 +25,7 @@ model counts too (`autopart.predict.reduction`): one definition of which bytes g
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -33,6 +33,7 @@ from torch import nn
 
 from autopart.ir.actions import Action, Kind
 from autopart.ir.buckets import BUCKET_BYTES, FIRST_BUCKET_BYTES, Bucket, final_gradient_positions, plan_buckets
+from autopart.runtime.device import Mark
 
 __all__ = ["BUCKET_BYTES", "FIRST_BUCKET_BYTES", "Bucket", "plan_buckets", "final_gradient_positions",
            "GradientReducer"]
@@ -64,12 +65,15 @@ class GradientReducer:
         for key, parameter in self.parameters.items():
             parameter.register_post_accumulate_grad_hook(lambda _, key=key: self._hooked(key))
         self.armed: int | None = None
+        self.clock: Callable[[], Mark] = time.perf_counter
+        """What marks a bucket's launch: the step's `StepTimer.mark` where the executor times it (on a
+        GPU a CUDA event in the stream, as the actions' own marks; the host runs ahead of it)."""
         self._reset()
 
     def _reset(self) -> None:
         self.waiting = [set(b.names) for b in self.buckets]
         self.in_flight: list[tuple[list[torch.Tensor], torch.Tensor, dist.Work | None]] = []
-        self.launched_at: list[float] = []  # time.perf_counter of each bucket's launch, this step
+        self.launched_at: list[Mark] = []  # each bucket's launch this step, by `clock`
 
     def before(self, position: int, action: Action) -> None:
         """Arm the hooks for the stage whose last B this is: its gradients are final as written."""
@@ -94,7 +98,7 @@ class GradientReducer:
             self._launch(self.buckets[len(self.in_flight)])
 
     def _launch(self, bucket: Bucket) -> None:
-        self.launched_at.append(time.perf_counter())
+        self.launched_at.append(self.clock())
         grads = [g for g in (self.parameters[bucket.stage, n].grad for n in bucket.names) if g is not None]
         if not grads:  # no gradient reached these parameters on any replica (the same graph everywhere)
             self.in_flight.append(([], torch.empty(0), None))

@@ -57,7 +57,7 @@ from autopart.ir.plan import Plan, load_plan
 from autopart.ir.tensors import working_dtype
 from autopart.runtime.data import eval_batches, global_batches, model_file, split_microbatches
 from autopart.runtime.checkpoint import CheckpointContext, restarted
-from autopart.runtime.device import StepTimer, backend, compute_device, peak_memory_bytes
+from autopart.runtime.device import Mark, StepTimer, backend, compute_device, peak_memory_bytes
 from autopart.runtime.device import tensor as device_tensor
 from autopart.runtime.executor import ActionRecord, Executor, StageRuntime, StepFailure
 from autopart.runtime.draws import draw_seed
@@ -257,7 +257,7 @@ def _loop(out_dir: Path, plan: Plan, schedule: Schedule, args: argparse.Namespac
         if args.action_times:  # after the step's clock stopped
             marks = (timer.seconds(tail_start), end, tail_cpu, timer.seconds(tied_end), timer.seconds(optimizer_start))
             _write_action_times(args.action_times, rank, step, timer.start, record, marks,
-                                (timer.seconds(reduced), launched))
+                                (timer.seconds(reduced), [timer.seconds(mark) for mark in launched]))
         elapsed = device_tensor([end - timer.start], device)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         stopping = stop.after(elapsed)
@@ -284,8 +284,9 @@ def _loop(out_dir: Path, plan: Plan, schedule: Schedule, args: argparse.Namespac
         _save_weights(args.save_weights, stages, here, mesh.tp)
 
 
-def _reduce(reducer: GradientReducer | None) -> list[float]:
-    """Wait for the step's data-parallel all-reduce, if there are replicas; when each bucket was launched."""
+def _reduce(reducer: GradientReducer | None) -> list[Mark]:
+    """Wait for the step's data-parallel all-reduce, if there are replicas; when each bucket was
+    launched (the step timer's marks)."""
     if reducer is None:
         return []
     launched = list(reducer.launched_at)
