@@ -39,6 +39,11 @@ def test_the_device_module_picks_the_backend_and_refuses_a_rank_without_a_gpu(mo
     timer = device.StepTimer(torch.device("cpu"))
     mark = timer.mark()
     assert timer.start <= timer.seconds(mark) <= timer.stop()
+    started_over = []
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", started_over.append)
+    device.reset_peak_memory(torch.device("cpu"))
+    device.reset_peak_memory(torch.device("cuda", 1))
+    assert started_over == [torch.device("cuda", 1)]  # a GPU's peak starts over before the first step
 
 
 def test_verify_runs_a_gpu_plan_on_the_gpus_only_with_one_per_rank(monkeypatch, tmp_path):

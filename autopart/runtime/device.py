@@ -23,8 +23,8 @@ import torch
 
 from autopart.ir.errors import ConfigError
 
-__all__ = ["compute_device", "backend", "tensor", "batch_on_device", "synchronize", "peak_memory_bytes", "Mark",
-           "StepTimer"]
+__all__ = ["compute_device", "backend", "tensor", "batch_on_device", "synchronize", "reset_peak_memory",
+           "peak_memory_bytes", "Mark", "StepTimer"]
 
 
 def compute_device() -> torch.device:
@@ -80,8 +80,17 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def reset_peak_memory(device: torch.device) -> None:
+    """Start a GPU's peak over, before the first step, so that `peak_memory_bytes` is training's:
+    what the rank held as it started (the weights loaded, fp32 masters made beside the bf16
+    copies) is not what the plan predicts. The CPU's resident peak cannot be started over."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
 def peak_memory_bytes(device: torch.device) -> int:
-    """The peak so far: bytes allocated on a GPU, resident memory of the process on the CPU."""
+    """The peak so far: bytes allocated on a GPU since `reset_peak_memory`, resident memory of the
+    process on the CPU."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kilobytes on Linux

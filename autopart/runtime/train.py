@@ -57,7 +57,7 @@ from autopart.ir.plan import Plan, load_plan
 from autopart.ir.tensors import working_dtype
 from autopart.runtime.data import eval_batches, global_batches, model_file, split_microbatches
 from autopart.runtime.checkpoint import CheckpointContext, restarted
-from autopart.runtime.device import Mark, StepTimer, backend, compute_device, peak_memory_bytes
+from autopart.runtime.device import Mark, StepTimer, backend, compute_device, peak_memory_bytes, reset_peak_memory
 from autopart.runtime.device import tensor as device_tensor
 from autopart.runtime.executor import ActionRecord, Executor, StageRuntime, StepFailure
 from autopart.runtime.draws import draw_seed
@@ -234,6 +234,7 @@ def _loop(out_dir: Path, plan: Plan, schedule: Schedule, args: argparse.Namespac
     split = functools.partial(_shares, dp=mesh.dp, dp_rank=here.dp, microbatches=schedule_spec.microbatches)
     stop = StopRule(first_step, args.steps, args.seconds, min_steps=args.min_steps or 1,
                     untimed=args.untimed_steps or 0)
+    reset_peak_memory(device)
     for step in range(first_step, args.steps):
         inject_failure(rank, step)
         inputs, target = next(data)
