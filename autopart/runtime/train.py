@@ -277,12 +277,18 @@ def _loop(out_dir: Path, plan: Plan, schedule: Schedule, args: argparse.Namespac
             checkpointing.save(step + 1)
         if stopping:
             break
+    _finish(args, reporter, optimizer, stages, here, mesh.tp)
+
+
+def _finish(args: argparse.Namespace, reporter: StepReporter | None, optimizer: Any, stages: dict[int, StageRuntime],
+            here: Coordinates, tp: int) -> None:
+    """After the last step: the progress bar closed, the final weights written where asked for."""
     if reporter is not None:
         reporter.close()
     if args.save_weights:
         if isinstance(optimizer, ShardedMasters):  # the final weights are the fp32 masters, whole
             optimizer.gather_masters()
-        _save_weights(args.save_weights, stages, here, mesh.tp)
+        _save_weights(args.save_weights, stages, here, tp)
 
 
 def _reduce(reducer: GradientReducer | None) -> list[Mark]:
