@@ -33,12 +33,15 @@ for _name in started:
 gathered_dtypes = []  # of every all-gather's tensors
 
 
-def _recording(pieces, tensor, *args, _original=dist.all_gather, **kwargs):
+_GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"  # tp.gather_into's
+
+
+def _recording(out, tensor, *args, _original=getattr(dist, _GATHER), **kwargs):
     gathered_dtypes.append(tensor.dtype)
-    return _original(pieces, tensor, *args, **kwargs)
+    return _original(out, tensor, *args, **kwargs)
 
 
-dist.all_gather = _recording
+setattr(dist, _GATHER, _recording)
 scattered_dtypes = []  # of every reduce-scatter's tensors, in tp's own collectives
 
 

@@ -55,6 +55,7 @@ __all__ = [
     "gathered_linear",
     "product_dtype",
     "reduce_scatter_into",
+    "gather_into",
     "vocab_parallel_embedding",
     "vocab_parallel_cross_entropy",
     "sharded_dropout",
@@ -114,11 +115,21 @@ def reduce_scatter_into(out: torch.Tensor, whole: torch.Tensor, **kwargs):
     return scatter(out, whole, **kwargs)
 
 
+def gather_into(out: torch.Tensor, piece: torch.Tensor, **kwargs):
+    """torch's all-gather of one contiguous tensor per rank into ``out``, the pieces one after
+    another in rank order along its first dimension (``all_gather_single``, the newer name, where
+    the torch at hand has it): NCCL gathers into one buffer, where a list of outputs is gathered
+    there and copied out piece by piece."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return gather(out, piece, **kwargs)
+
+
 def _gather(tensor: torch.Tensor, dim: int, groups: int) -> torch.Tensor:
     t = group_size()
-    pieces = [torch.empty_like(tensor) for _ in range(t)]
-    dist.all_gather(pieces, tensor.contiguous(), group=_GROUP)
-    per_rank = [piece.chunk(groups, dim) for piece in pieces]  # rank -> its slice of each group
+    tensor = tensor.contiguous()
+    out = tensor.new_empty((t * tensor.shape[0], *tensor.shape[1:]))
+    gather_into(out, tensor, group=_GROUP)
+    per_rank = [piece.chunk(groups, dim) for piece in out.chunk(t)]  # rank -> its slice of each group
     return torch.cat([per_rank[r][g] for g in range(groups) for r in range(t)], dim)
 
 

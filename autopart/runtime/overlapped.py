@@ -27,11 +27,11 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 import torch
-import torch.distributed as dist
 from torch.nn import functional as F
 
 from autopart.runtime.backward import backward_phase
-from autopart.runtime.collectives import group, group_rank, group_size, product_dtype, reduce_scatter_into
+from autopart.runtime.collectives import (gather_into, group, group_rank, group_size, product_dtype,
+                                         reduce_scatter_into)
 
 __all__ = ["gathered_linear", "linear_reduce_scatter"]
 
@@ -39,13 +39,13 @@ __all__ = ["gathered_linear", "linear_reduce_scatter"]
 def _start_gather(piece: torch.Tensor) -> Callable[[], list[torch.Tensor]]:
     """Every rank's ``piece``, in rank order, once the returned call waits for them."""
     held = [piece.contiguous()]  # read until the collective ends (a copy, where the piece was not contiguous)
-    pieces = [torch.empty_like(held[0]) for _ in range(group_size())]
-    work = dist.all_gather(pieces, held[0], group=group(), async_op=True)
+    out = held[0].new_empty((group_size() * held[0].shape[0], *held[0].shape[1:]))
+    work = gather_into(out, held[0], group=group(), async_op=True)
 
     def done() -> list[torch.Tensor]:
         work.wait()
         held.clear()
-        return pieces
+        return list(out.chunk(group_size()))
 
     return done
 
