@@ -168,17 +168,41 @@ def run_cli(*args: str, timeout: float = 300, cwd: Path | None = None) -> subpro
     )  # fmt: skip
 
 
-def run_cli_here(*args: str) -> subprocess.CompletedProcess:
-    """``autopart ARGS`` in this process, as `run_cli` returns it (the exit code, what it printed):
-    what the command does, without a process of its own to start and import torch in."""
+def run_cli_here(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``autopart ARGS`` in this process, as `run_cli` returns it (the exit code, what it printed,
+    the warnings it raised among it): what the command does, without a process of its own to
+    start and import torch in. Past ``timeout`` seconds it raises, as `run_cli` would; the
+    logger the command sets up for its notes is put back as it was."""
+    import logging
+    import signal
+    import warnings
+
     from autopart.tools.cli import main
 
+    def expire(signum, frame):
+        raise TimeoutError(f"autopart {' '.join(args)} took over {timeout:g} s")
+
+    logger = logging.getLogger("autopart")
+    handlers, level = list(logger.handlers), logger.level
     stdout, stderr, code = io.StringIO(), io.StringIO(), 0
-    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
-        try:
-            main(list(args))
-        except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(max(1, int(timeout)))
+    try:
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr), \
+                warnings.catch_warnings(record=True) as raised:
+            warnings.simplefilter("default")  # a new process's filters: each warning once, none of these
+            for hidden in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
+                warnings.simplefilter("ignore", hidden)
+            try:
+                main(list(args))
+            except SystemExit as exc:
+                code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+        for warning in raised:  # where a process of its own would have printed them
+            stderr.write(warnings.formatwarning(warning.message, warning.category, warning.filename, warning.lineno))
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+        logger.handlers[:], logger.level = handlers, level
     return subprocess.CompletedProcess(["autopart", *args], code, stdout=stdout.getvalue(), stderr=stderr.getvalue())
 
 

@@ -19,7 +19,8 @@ def _checked_calls(report) -> dict[int, dict[str, int]]:
 @pytest.mark.parametrize(
     ("pp", "dp", "calls"),
     [
-        (2, 1, {"isend", "irecv", "all_reduce", "all_gather"}),  # messages, tied gradients, step time, peaks
+        # the channels opened (send, recv), messages, tied gradients, step time, peaks
+        (2, 1, {"send", "recv", "isend", "irecv", "all_reduce", "all_gather"}),
         (1, 2, {"all_reduce", "all_gather"}),  # data-parallel gradients and loss
     ],
 )

@@ -22,8 +22,8 @@ from autopart.runtime.checkpoint import checkpoint_keys
 from autopart.runtime.forward import working_copies
 from autopart.runtime.sharded_masters import ShardedMasters, holds_master, partition
 from autopart.tools.verify import verify
-from tests.distributed import (REPO, compile_and_train, gloo_group, replica_model, read_metrics, run_cli_here, spawn_ranks,
-                               stage_weights, train_whole_and_resumed)
+from tests.distributed import (REPO, compile_and_train, gloo_group, replica_model, read_metrics, run_cli_here,
+                               spawn_ranks, stage_weights, train_whole_and_resumed)
 
 PSI = 1_000_000  # parameters
 DP = 2

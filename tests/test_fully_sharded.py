@@ -134,7 +134,7 @@ def test_cli_zero_alone_is_zero_1_and_a_level_is_taken(tmp_path):
         assert Plan.from_json(__import__("json").loads((out / "plan.json").read_text())).zero == level
     result = run_cli_here("compile", str(REPO / "examples" / "gpt.py"), "-o", str(tmp_path / "bad"), "--dp", "2",
                           "--zero", "5")
-    assert result.returncode == 2 and "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
 
 
 class _Seen(torch.autograd.Function):

@@ -199,3 +199,20 @@ def test_an_executor_opens_the_channels_of_its_messages_before_its_first_step():
                         device=torch.device("cpu"), channels=Recorded(*BY_DIRECTION.groups), global_rank=1)
     executor.connect()
     assert opened == [([(Kind.RECV_B, 2), (Kind.RECV_F, 0), (Kind.SEND_B, 0), (Kind.SEND_F, 2)], 1)]
+
+
+def test_a_channel_that_cannot_be_opened_names_the_rank_the_channel_and_the_peer():
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    from autopart.runtime.executor import Executor, StageRuntime, StepFailure
+
+    assert not dist.is_initialized()  # so the first send fails, as one to a peer that never came would
+    schedule, _ = _lowered("1f1b", 2, 2, 1)
+    first = StageRuntime(index=0, module=nn.Identity(), inputs=[], batch_inputs=[], prev_rank=None, next_rank=1)
+    executor = Executor(rank=0, stages={0: first}, last_stage=1, schedule=schedule, microbatches=2,
+                        device=torch.device("cpu"), channels=Channels(None, None, None, None), global_rank=0)
+    with pytest.raises(StepFailure, match="rank 0, opening its pipeline channels before the first step: "
+                                          "RuntimeError: the activations up channel from global rank 0 to 1: "):
+        executor.connect()

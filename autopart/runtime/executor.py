@@ -236,7 +236,11 @@ class Executor:
             stage = self.stages[action.stage]
             peer = stage.prev_rank if action.kind in (Kind.RECV_F, Kind.SEND_B) else stage.next_rank
             messages.add((action.kind, peer))
-        self.channels.connect(messages, rank=self.global_rank, device=self.device)
+        try:
+            self.channels.connect(messages, rank=self.global_rank, device=self.device)
+        except Exception as exc:  # a peer that never came, or died as it started
+            raise StepFailure(f"rank {self.rank}, opening its pipeline channels before the first step: "
+                              f"{type(exc).__name__}: {exc}") from exc
 
     def _on_device(self, microbatches: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
         """The batch values this rank's stages read, on its device (`batch_on_device`)."""

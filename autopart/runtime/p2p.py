@@ -99,16 +99,23 @@ class Channels:
         probe = torch.zeros(1, device=device)
         for channel, low, high in self.connections(messages, rank):
             sender, receiver = (low, high) if channel % 2 == 0 else (high, low)  # up, down
-            if rank == sender:
-                dist.send(probe, receiver, group=self.groups[channel])
-            else:
-                dist.recv(probe, sender, group=self.groups[channel])
+            try:
+                if rank == sender:
+                    dist.send(probe, receiver, group=self.groups[channel])
+                else:
+                    dist.recv(probe, sender, group=self.groups[channel])
+            except Exception as exc:
+                raise RuntimeError(f"the {_CHANNEL_NAMES[channel]} channel from global rank {sender} to "
+                                   f"{receiver}: {exc}") from exc
 
 
 def _message(kind: Kind, rank: int, peer: int) -> tuple[bool, int, int]:
     """A send or receive ``kind`` that ``rank`` posts to or from ``peer``: (gradients, sender, receiver)."""
     sends = kind is Kind.SEND_F or kind is Kind.SEND_B
     return kind is Kind.SEND_B or kind is Kind.RECV_B, rank if sends else peer, peer if sends else rank
+
+
+_CHANNEL_NAMES = ("activations up", "activations down", "gradients up", "gradients down")  # as `Channels.groups`
 
 
 def _channel(gradients: bool, sender: int, receiver: int) -> int:
