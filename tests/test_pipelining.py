@@ -81,3 +81,29 @@ def test_the_batch_reaches_torch_s_stages_on_their_device(tmp_path):
     keywords = pipeline.step_inputs(inputs, target)
     assert keywords and "target" in keywords
     assert all(value.device.type == "meta" for value in keywords.values() if isinstance(value, torch.Tensor))
+
+
+def test_build_stages_makes_the_mesh_s_groups_with_the_timeout_given(tmp_path, monkeypatch):
+    import datetime
+
+    import torch.distributed as dist
+
+    from autopart.runtime import pipelining
+    from autopart.runtime.mesh import Mesh
+
+    out = tmp_path / "out"
+    compile_to_directory(CompileOptions(model=REPO / "examples" / "gpt.py", pp=1, microbatches=2, micro_batch_size=2), out)
+    asked = []
+
+    def device_mesh(self, device_type, timeout=None):
+        asked.append(timeout)
+        raise LookupError("enough")
+
+    monkeypatch.setattr(Mesh, "device_mesh", device_mesh)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with pytest.raises(LookupError):
+            pipelining.build_stages(out, timeout=datetime.timedelta(seconds=7))
+    finally:
+        dist.destroy_process_group()
+    assert asked == [datetime.timedelta(seconds=7)]

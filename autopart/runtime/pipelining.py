@@ -34,6 +34,7 @@ hand edits of ``plan.schedule.actions`` reach ``train.py``, not this loop.
 
 from __future__ import annotations
 
+import datetime
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -167,11 +168,13 @@ class Pipeline:
             average_gradients(self.parameters(), self.groups.dp, self.plan.mesh["dp"])
 
 
-def build_stages(out_dir: str | Path, *, device: torch.device | None = None, weights: Path | None = None) -> Pipeline:
+def build_stages(out_dir: str | Path, *, device: torch.device | None = None, weights: Path | None = None,
+                 timeout: datetime.timedelta | None = None) -> Pipeline:
     """This rank's stages of the compile in ``out_dir`` as ``PipelineStage`` objects.
 
     Call it on every rank after ``dist.init_process_group``, with the plan's world size: it makes
-    the mesh's process groups, which every rank must create together. ``weights``: a safetensors
+    the mesh's process groups, which every rank must create together, with ``timeout`` (None:
+    torch's default for a new group, whatever the world group's). ``weights``: a safetensors
     file of the whole model to start from (``train.py --weights``), else the compile's weights.
     """
     out_dir = Path(out_dir).resolve()
@@ -184,7 +187,7 @@ def build_stages(out_dir: str | Path, *, device: torch.device | None = None, wei
     mesh = Mesh.of(plan)
     rank = dist.get_rank()
     here = mesh.coordinates(rank)
-    device_mesh = mesh.device_mesh(device.type)
+    device_mesh = mesh.device_mesh(device.type, timeout)
     groups = ProcessGroups(
         pp=device_mesh.get_group("pp"), tp=group_of(device_mesh, "tp"), dp=group_of(device_mesh, "dp")
     )
