@@ -115,11 +115,12 @@ def gloo_group(rank: int, port: int, world_size: int):
         dist.destroy_process_group()
 
 
-def _leave_after(target, rank: int, port: int, *args) -> None:
-    """One spawned rank: ``target``, then out through ``os._exit``. A rank that has met its peers at
-    a barrier and destroyed its group can still abort in the interpreter's teardown ("terminate
-    called without an active exception", no Python frame left: torch's C++ teardown of gloo), which
-    is not what these tests check; faulthandler prints the stack of an abort before that point."""
+def leave_after(target, rank: int, port: int, *args) -> None:
+    """One rank of `spawn_ranks`: ``target``, then out through ``os._exit``. A rank that has met its
+    peers at a barrier and destroyed its group can still abort in the interpreter's teardown
+    ("terminate called without an active exception", no Python frame left: torch's C++ teardown of
+    gloo), which is not what these tests check; faulthandler prints the stack of an abort before
+    that point."""
     import faulthandler
     import traceback
 
@@ -136,21 +137,18 @@ def _leave_after(target, rank: int, port: int, *args) -> None:
 
 
 def spawn_ranks(target, world_size: int, *args, timeout: float = 120) -> list[int | None]:
-    """Run ``target(rank, port, *args)`` in ``world_size`` spawned processes (a gloo group's ranks
-    on a free loopback port); their exit codes. Spawned, not forked: a fork of the suite's
-    long-lived process, which has run torch's thread pools and gloo, can hang in the child (it
-    did, once in a clean CI run)."""
-    import multiprocessing
-
-    context, port = multiprocessing.get_context("spawn"), free_port()
-    processes = [context.Process(target=_leave_after, args=(target, rank, port, *args)) for rank in range(world_size)]
-    for process in processes:
-        process.start()
-    for process in processes:
-        process.join(timeout=timeout)
-        if process.is_alive():
-            process.kill()
-    return [process.exitcode for process in processes]
+    """Run ``target(rank, port, *args)`` in ``world_size`` ranks of a gloo group on a free loopback
+    port, forked by the suite's zygote (tests/target_rank.py: ``target`` is found by its module and
+    name, ``args`` are plain values or paths); their exit codes (-9: stopped, as a peer had failed
+    or the time ran out), their output written to this process's. The zygote forks a process that
+    has done nothing but import torch: a fork of the suite's long-lived process, which has run
+    torch's thread pools and gloo, can hang in the child (it did, once in a clean CI run)."""
+    encoded = json.dumps([{"path": str(a)} if isinstance(a, Path) else a for a in args])
+    launched = run_forked(_ZYGOTE, [str(REPO / "tests" / "target_rank.py"), target.__module__, target.__name__, encoded],
+                          world_size, environment(), timeout_s=timeout)
+    sys.stdout.write("".join(launched.stdouts))
+    sys.stderr.write("".join(f"[rank {rank}] {text}" for rank, text in enumerate(launched.stderrs) if text))
+    return list(launched.codes)
 
 
 def read_metrics(path: Path) -> list[dict]:
