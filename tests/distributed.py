@@ -104,7 +104,7 @@ def replica_model() -> torch.nn.Module:
 
 @contextlib.contextmanager
 def gloo_group(rank: int, port: int, world_size: int):
-    """A spawned rank's gloo group on loopback (`spawn_ranks`). Its ranks meet at a barrier before
+    """A rank's gloo group on loopback (`spawn_ranks`). Its ranks meet at a barrier before
     they destroy it: gloo can abort a rank whose peer closed first."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
