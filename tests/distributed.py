@@ -104,7 +104,7 @@ def replica_model() -> torch.nn.Module:
 
 @contextlib.contextmanager
 def gloo_group(rank: int, port: int, world_size: int):
-    """A rank's gloo group on loopback (`spawn_ranks`). Its ranks meet at a barrier before
+    """A rank's gloo group on loopback (`fork_ranks`). Its ranks meet at a barrier before
     they destroy it: gloo can abort a rank whose peer closed first."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
@@ -116,7 +116,7 @@ def gloo_group(rank: int, port: int, world_size: int):
 
 
 def leave_after(target, rank: int, port: int, *args) -> None:
-    """One rank of `spawn_ranks`: ``target``, then out through ``os._exit``. A rank that has met its
+    """One rank of `fork_ranks`: ``target``, then out through ``os._exit``. A rank that has met its
     peers at a barrier and destroyed its group can still abort in the interpreter's teardown
     ("terminate called without an active exception", no Python frame left: torch's C++ teardown of
     gloo), which is not what these tests check; faulthandler prints the stack of an abort before
@@ -136,7 +136,7 @@ def leave_after(target, rank: int, port: int, *args) -> None:
     os._exit(code)
 
 
-def spawn_ranks(target, world_size: int, *args, timeout: float = 120) -> list[int | None]:
+def fork_ranks(target, world_size: int, *args, timeout: float = 120) -> list[int | None]:
     """Run ``target(rank, port, *args)`` in ``world_size`` ranks of a gloo group on a free loopback
     port, forked by the suite's zygote (tests/target_rank.py: ``target`` is found by its module and
     name, ``args`` are plain values or paths); their exit codes (-9: stopped, as a peer had failed

@@ -1,4 +1,4 @@
-"""One rank of `tests.distributed.spawn_ranks`, forked by the suite's zygote: the function named on
+"""One rank of `tests.distributed.fork_ranks`, forked by the suite's zygote: the function named on
 the command line, called as ``target(rank, port, *args)`` with this rank's place in the launch,
 its arguments from JSON (a path as ``{"path": ...}``)."""
 

@@ -14,7 +14,7 @@ import torch
 
 from autopart.runtime.checkpoint import restore_checkpoint, save_checkpoint, training_state
 from autopart.runtime.optim import make_optimizer
-from tests.distributed import gloo_group, replica_model, spawn_ranks
+from tests.distributed import fork_ranks, gloo_group, replica_model
 
 
 def _resume_as_another_replica(rank: int, port: int, folder: Path, saved_as: int, masters: bool) -> None:
@@ -52,4 +52,4 @@ def _resume_as_another_replica(rank: int, port: int, folder: Path, saved_as: int
 @pytest.mark.parametrize("masters", [False, True], ids=["fp32", "bf16-masters"])
 @pytest.mark.parametrize("saved_as", [0, 1])
 def test_a_replica_resumes_the_moments_another_replica_saved(tmp_path: Path, saved_as: int, masters: bool) -> None:
-    assert spawn_ranks(_resume_as_another_replica, 1, tmp_path, saved_as, masters) == [0]
+    assert fork_ranks(_resume_as_another_replica, 1, tmp_path, saved_as, masters) == [0]

@@ -23,7 +23,7 @@ from autopart.runtime.forward import working_copies
 from autopart.runtime.sharded_masters import ShardedMasters, holds_master, partition
 from autopart.tools.verify import verify
 from tests.distributed import (REPO, compile_and_train, gloo_group, replica_model, read_metrics, run_cli_here,
-                               spawn_ranks, stage_weights, train_whole_and_resumed)
+                               fork_ranks, stage_weights, train_whole_and_resumed)
 
 PSI = 1_000_000  # parameters
 DP = 2
@@ -95,7 +95,7 @@ def _replica(rank: int, port: int, folder: Path) -> None:
 
 @pytest.mark.multiprocess
 def test_replicas_hold_their_share_of_the_masters_and_step_like_one_optimizer(tmp_path):
-    assert spawn_ranks(_replica, DP, tmp_path) == [0] * DP
+    assert fork_ranks(_replica, DP, tmp_path) == [0] * DP
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(DP)]
     whole = results[0]["whole"]
     assert sum(sum(r["held"]) for r in results) == whole  # every master on exactly one replica

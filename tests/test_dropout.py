@@ -21,7 +21,7 @@ from autopart.runtime.reference import train_reference
 from autopart.tools.verify import verify
 from autopart.runtime import collectives
 from tests.distributed import (FREE_LINKS, REPO, assert_same_training, compile_and_train, gloo_group, read_metrics,
-                               run_cli, run_ranks, spawn_ranks, train_whole_and_resumed)
+                               fork_ranks, run_cli, run_ranks, train_whole_and_resumed)
 
 MODEL = REPO / "tests" / "models" / "dropout_gpt.py"
 
@@ -139,7 +139,7 @@ def _draw_sharded(rank: int, port: int) -> None:
 
 @pytest.mark.multiprocess
 def test_a_dropout_of_a_split_tensor_draws_a_mask_per_rank_and_the_forward_stream_goes_on_alike():
-    assert spawn_ranks(_draw_sharded, 2) == [0, 0]
+    assert fork_ranks(_draw_sharded, 2) == [0, 0]
 
 
 def _tensor_parallel_losses(folder, *, model: Path = MODEL, **options) -> tuple[list[float], Path]:

@@ -17,7 +17,7 @@ from autopart.ir.plan import Plan
 from autopart.options import CompileOptions
 from autopart.runtime.data import global_batches
 from tests.distributed import REPO, assert_same_training, compile_and_train, read_metrics, run_cli_here, run_ranks
-from tests.distributed import gloo_group, spawn_ranks, stage_weights
+from tests.distributed import fork_ranks, gloo_group, stage_weights
 
 LR = 1e-3  # AdamW's step is about lr whatever the gradient: a larger one turns reduction-order noise into 1e-5 moves
 
@@ -205,7 +205,7 @@ def test_zero3_makes_each_layer_a_unit_gathered_only_while_it_computes(tmp_path)
     out = tmp_path / "out"
     compile_to_directory(CompileOptions(model=REPO / "examples" / "gpt.py", pp=2, dp=2, zero=3, microbatches=2,
                                         micro_batch_size=2, schedule="1f1b", optimizer="adamw"), out)  # fmt: skip
-    assert spawn_ranks(_layer_units, 2, out, tmp_path) == [0, 0]
+    assert fork_ranks(_layer_units, 2, out, tmp_path) == [0, 0]
     for rank in range(2):
         result = json.loads((tmp_path / f"rank{rank}.json").read_text())
         paths = result["paths"]

@@ -14,7 +14,7 @@ from autopart.runtime.p2p import Scatter, recv_tensors, send_tensors
 from autopart.ir.scatter_gather import gathered, held_bytes, held_shape, parts, sent_bytes
 from autopart.predict.messages import message_seconds
 from cost_models import get_cost_model
-from tests.distributed import gloo_group, spawn_ranks
+from tests.distributed import fork_ranks, gloo_group
 
 
 @pytest.mark.parametrize("numel, tp, expected", [(12, 1, 1), (12, 2, 2), (12, 4, 4), (10, 4, 1), (1, 2, 1), (0, 2, 1)])
@@ -97,4 +97,4 @@ def _rank(rank: int, port: int) -> None:
 
 @pytest.mark.multiprocess
 def test_each_rank_sends_its_share_and_every_receiver_gets_the_whole_tensor_or_its_slice():
-    assert spawn_ranks(_rank, 4) == [0, 0, 0, 0]  # a receiver exits 1 on a wrong tensor, 2 on a wrong shape
+    assert fork_ranks(_rank, 4) == [0, 0, 0, 0]  # a receiver exits 1 on a wrong tensor, 2 on a wrong shape

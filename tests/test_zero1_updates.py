@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from autopart.runtime.optim import make_optimizer
-from tests.distributed import gloo_group, replica_model, spawn_ranks
+from tests.distributed import fork_ranks, gloo_group, replica_model
 
 DP = 2
 
@@ -50,7 +50,7 @@ def _replica(rank: int, port: int, folder: Path) -> None:
 
 @pytest.mark.multiprocess
 def test_each_owner_sends_its_updated_parameters_in_one_broadcast(tmp_path):
-    assert spawn_ranks(_replica, DP, tmp_path) == [0] * DP
+    assert fork_ranks(_replica, DP, tmp_path) == [0] * DP
     for rank in range(DP):
         result = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert result["parameters"] > DP  # one broadcast per parameter would be more than one per owner
