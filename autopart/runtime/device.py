@@ -23,7 +23,7 @@ import torch
 
 from autopart.ir.errors import ConfigError
 
-__all__ = ["compute_device", "backend", "tensor", "batch_on_device", "synchronize", "reset_peak_memory",
+__all__ = ["compute_device", "backend", "tensor", "on_device", "batch_on_device", "synchronize", "reset_peak_memory",
            "peak_memory_bytes", "Mark", "StepTimer"]
 
 
@@ -57,21 +57,23 @@ def tensor(values: list[float] | list[int], device: torch.device, dtype: torch.d
     return torch.tensor(values, dtype=dtype, device=device)
 
 
+def on_device(value: Any, device: torch.device) -> Any:
+    """A batch value on ``device`` (anything but a tensor as it is). To a GPU the copy is made
+    from pinned memory and does not wait: a copy from pageable memory first waits for every
+    kernel queued on the stream, so the host would stop there and the GPU then idle while the
+    next kernels were launched."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    if device.type == "cuda" and value.device.type == "cpu":
+        value = value.pin_memory()
+    return value.to(device, non_blocking=True)  # itself where it is there already
+
+
 def batch_on_device(microbatches: list[tuple[Any, ...]], read: set[int], device: torch.device) -> list[tuple[Any, ...]]:
-    """A step's microbatches with the tensors at positions ``read`` (those this rank's stages
-    read) on ``device``, the rest as they are: one copy of each per step, before its first action.
-    To a GPU the copy is made from pinned memory and does not wait: a copy from pageable memory
-    first waits for every kernel queued on the stream, so a copy at each forward would stop the
-    host there, and the GPU would then idle while the forward's kernels were launched."""
-
-    def moved(value: Any) -> Any:
-        if not isinstance(value, torch.Tensor):
-            return value
-        if device.type == "cuda" and value.device.type == "cpu":
-            value = value.pin_memory()
-        return value.to(device, non_blocking=True)  # itself where it is there already
-
-    return [tuple(moved(v) if i in read else v for i, v in enumerate(values)) for values in microbatches]
+    """A step's microbatches with the values at positions ``read`` (those this rank's stages
+    read) `on_device`, the rest as they are: one copy of each per step, before its first action,
+    not one per forward."""
+    return [tuple(on_device(v, device) if i in read else v for i, v in enumerate(values)) for values in microbatches]
 
 
 def synchronize(device: torch.device) -> None:

@@ -200,27 +200,28 @@ class Executor:
         m = action.microbatch
         kind = action.kind
         if kind is Kind.RECV_F:
-            group = self._channel(kind, stage.prev_rank)
-            stage.received[m] = recv_tensors(stage.inputs, stage.prev_rank, self.device, self.scatter, group)
+            peer = _peer(stage, kind)
+            stage.received[m] = recv_tensors(stage.inputs, peer, self.device, self.scatter, self._channel(kind, peer))
         elif kind is Kind.F:
             self._forward(stage, m, microbatches, losses, seed)
         elif kind is Kind.SEND_F:
-            group = self._channel(kind, stage.next_rank)
-            pending.extend(send_tensors(list(stage.outputs[m]), stage.next_rank, self.scatter, group,
+            peer = _peer(stage, kind)
+            pending.extend(send_tensors(list(stage.outputs[m]), peer, self.scatter, self._channel(kind, peer),
                                         metas=stage.output_metas))
         elif kind is Kind.RECV_B:
             sent = stage.output_metas if stage.output_metas is not None else [_meta(t) for t in stage.outputs[m]]
             metas = [meta for t, meta in zip(stage.outputs[m], sent) if t.is_floating_point()]
-            group = self._channel(kind, stage.next_rank)
-            stage.output_grads[m] = recv_tensors(metas, stage.next_rank, self.device, self.scatter, group)
+            peer = _peer(stage, kind)
+            stage.output_grads[m] = recv_tensors(metas, peer, self.device, self.scatter, self._channel(kind, peer))
         elif kind in (Kind.B, Kind.I):
             self._backward(stage, m, split=kind is Kind.I)
         elif kind is Kind.W:
             backward_weight(stage.held_for_weights.pop(m))
         elif kind is Kind.SEND_B:
             metas = [meta for meta in stage.inputs if getattr(torch, meta.dtype).is_floating_point]
-            group = self._channel(kind, stage.prev_rank)
-            pending.extend(send_tensors(stage.input_grads.pop(m), stage.prev_rank, self.scatter, group, metas=metas))
+            peer = _peer(stage, kind)
+            pending.extend(send_tensors(stage.input_grads.pop(m), peer, self.scatter, self._channel(kind, peer),
+                                        metas=metas))
         else:
             raise AssertionError(f"unknown action kind {kind}")
 
@@ -229,13 +230,7 @@ class Executor:
         first step, in the one order every rank takes (`Channels.connect`)."""
         if self.channels is None:
             return
-        messages = set()
-        for action in self.actions:
-            if action.kind.is_compute:
-                continue
-            stage = self.stages[action.stage]
-            peer = stage.prev_rank if action.kind in (Kind.RECV_F, Kind.SEND_B) else stage.next_rank
-            messages.add((action.kind, peer))
+        messages = {(a.kind, _peer(self.stages[a.stage], a.kind)) for a in self.actions if not a.is_compute}
         try:
             self.channels.connect(messages, rank=self.global_rank, device=self.device)
         except Exception as exc:  # a peer that never came, or died as it started
@@ -323,6 +318,12 @@ def check_outputs(out: Any, metas: list[TensorMeta], tp: int = 1) -> None:
             "autocast on this device gives other dtypes than at compile time (CPU autocast), or the plan was compiled "
             "before --dtype bf16 meant bf16 working weights: recompile (--dtype fp32 where autocast differs)"
         )
+
+
+def _peer(stage: StageRuntime, kind: Kind) -> int:
+    """The global rank a message ``kind`` of ``stage`` goes to or comes from: activations come from
+    the previous stage and go to the next, gradients the other way."""
+    return stage.prev_rank if kind is Kind.RECV_F or kind is Kind.SEND_B else stage.next_rank
 
 
 def _meta(tensor: torch.Tensor) -> TensorMeta:

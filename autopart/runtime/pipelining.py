@@ -57,7 +57,7 @@ from autopart.ir.errors import ConfigError
 from autopart.ir.plan import Plan, load_plan
 from autopart.runtime import collectives
 from autopart.runtime.data import global_batches, model_file, split_microbatches
-from autopart.runtime.device import compute_device
+from autopart.runtime.device import compute_device, on_device
 from autopart.runtime.forward import StageForward
 from autopart.runtime.gradients import average_gradients, sum_tied_gradients, tied_groups
 from autopart.runtime.launch import check_world_size
@@ -156,8 +156,7 @@ class Pipeline:
         if self.is_last:  # torch splits it for loss_fn, which returns the loss the stage computed
             keywords["target"] = next(v for v in share if isinstance(v, torch.Tensor))
         # on the stages' device: torch's stages hand keywords to the module as they are given
-        device = self.stages[0].device
-        return {key: v.to(device) if isinstance(v, torch.Tensor) else v for key, v in keywords.items()}
+        return {key: on_device(v, self.stages[0].device) for key, v in keywords.items()}
 
     def reduce_gradients(self) -> None:
         """After ``schedule.step``: every copy of a tied parameter gets the sum of their gradients,
