@@ -20,7 +20,7 @@ from autopart.driver import CompileOptions, compile_to_directory
 from autopart.tools.consolidate import consolidated_state
 from autopart.runtime import train
 from autopart.ir.errors import ConfigError
-from autopart.runtime.checkpoint import latest_checkpoint
+from autopart.runtime.checkpoint_folders import latest_checkpoint
 from autopart.runtime.stage import load_stage
 from autopart.runtime.data import global_batches
 from tests.distributed import REPO, environment, free_port, read_metrics, run_cli_here, run_ranks, stage_weights
@@ -102,6 +102,7 @@ def test_adamw_stop_after_step_3_and_resume_is_bit_identical(compiled, tmp_path)
     assert len(read_metrics(parts / "metrics.jsonl")) == 3
     resumed = run_ranks(compiled, 2, "--steps", str(STEPS), "--resume", *train_args(parts, "adamw"))
     assert "resumed from" in resumed.stdout
+    assert "was saved by a run with" not in resumed.stderr, "a constant rate: more steps change nothing"
     assert_identical(parts, whole)
 
 
@@ -208,12 +209,12 @@ def test_a_rank_killed_by_a_signal_says_where_it_was(compiled):
     assert 'in inject_failure' in result.stderr and 'in _loop' in result.stderr
 
 
-def launch_here(out: Path, monkeypatch, capsys, *, rank: int = 0, world_size: int = 2) -> str:
+def launch_here(out: Path, monkeypatch, capsys, *args: str, rank: int = 0, world_size: int = 2) -> str:
     """train.py's launch checks, in this process: they all run before any collective."""
     monkeypatch.setenv("RANK", str(rank))
     monkeypatch.setenv("WORLD_SIZE", str(world_size))
     with pytest.raises(SystemExit) as exit_info:
-        train.main(out, ["--steps", "1"])
+        train.main(out, ["--steps", "1", *args])
     assert exit_info.value.code == 2
     error = capsys.readouterr().err
     assert error.startswith("autopart: error: ") and error.count("\n") == 1
@@ -221,10 +222,17 @@ def launch_here(out: Path, monkeypatch, capsys, *, rank: int = 0, world_size: in
 
 
 @pytest.mark.parametrize("damage", ["world size", "stage file", "edited stage file", "edited model file", "weights",
-                                    "other compile"])
+                                    "other compile", "used checkpoint dir"])
 def test_launch_checks(compiled, tmp_path, monkeypatch, capsys, damage):
     out = shutil.copytree(compiled, tmp_path / "out")
-    if damage == "world size":
+    if damage == "used checkpoint dir":  # a run from step 0 would interleave its saves with the earlier run's
+        root = tmp_path / "ckpt"
+        (root / "step_00000004").mkdir(parents=True)
+        (root / "step_00000004" / "autopart.json").write_text("{}")
+        error = launch_here(out, monkeypatch, capsys, "--checkpoint-dir", str(root))
+        assert f"--checkpoint-dir {root} already holds checkpoints of an earlier run (the latest step_00000004)" in error
+        assert "add --resume" in error and (root / "step_00000004" / "autopart.json").read_text() == "{}"
+    elif damage == "world size":
         assert "the plan needs 2 processes but 3 were started" in launch_here(out, monkeypatch, capsys, world_size=3)
     elif damage == "stage file":
         (out / "stages" / "stage_1.py").unlink()

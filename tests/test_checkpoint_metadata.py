@@ -18,7 +18,8 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from autopart.tools import cli
 from autopart.ir.errors import CheckpointError
-from autopart.runtime.checkpoint import RECORD, read_metadata_file, remove_saved
+from autopart.runtime.checkpoint import read_metadata_file
+from autopart.runtime.checkpoint_folders import RECORD, remove_saved
 
 META = "torch.distributed.checkpoint.metadata"
 

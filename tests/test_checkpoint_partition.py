@@ -36,7 +36,8 @@ def _resume_as_another_replica(rank: int, port: int, folder: Path, saved_as: int
             optimizer.step()
             optimizer.zero_grad()
         state = training_state({0: model}, optimizer, rank=0, dp_rank=saved_as, tp_rank=0, zero=1, step=2, seed=0)
-        path = save_checkpoint(folder / "ckpt", state, step=2, rank=0, out_dir=out, optimizer="adamw")
+        path = save_checkpoint(folder / "ckpt", state, step=2, rank=0, out_dir=out, optimizer="adamw",
+                               device=torch.device("cpu"))
         resumed = replica_model()
         fresh = make_optimizer("adamw", resumed.parameters(), 0.01, **zero)
         done = restore_checkpoint(path, {0: resumed}, fresh, rank=0, dp_rank=0, tp_rank=0, zero=1, seed=0,

@@ -17,7 +17,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 
 from autopart.tools import cli
-from autopart.runtime.checkpoint import RECORD
+from autopart.runtime.checkpoint_folders import RECORD
 from tests.distributed import REPO
 
 GPT = REPO / "examples" / "gpt.py"

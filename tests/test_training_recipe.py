@@ -181,15 +181,16 @@ def test_a_resumed_run_continues_the_schedule(tmp_path):
                                         optimizer="adamw"), out)  # fmt: skip
     folders = {name: tmp_path / name for name in ("whole", "parts")}
 
-    def train(folder: Path, steps: int, *extra: str) -> None:
+    def train(folder: Path, steps: int, *extra: str):
         folder.mkdir(exist_ok=True)
-        run_ranks(out, 2, "--steps", str(steps), "--optimizer", "adamw", "--lr", "0.01", *RECIPE.train_args(),
+        return run_ranks(out, 2, "--steps", str(steps), "--optimizer", "adamw", "--lr", "0.01", *RECIPE.train_args(),
                   "--metrics", str(folder / "metrics.jsonl"), "--checkpoint-dir", str(folder / "ckpt"), *extra)
 
     train(folders["whole"], 4)
     train(folders["parts"], 2)
     (folders["parts"] / "metrics.jsonl").unlink()
-    train(folders["parts"], 4, "--resume")
+    notes = train(folders["parts"], 4, "--resume").stderr
+    assert "step_00000002 was saved by a run with --steps 2 (now 4); the learning rate follows the flags given now" in notes
     resumed, whole = read_metrics(folders["parts"] / "metrics.jsonl"), read_metrics(folders["whole"] / "metrics.jsonl")
     assert [(m["step"], m["lr"], m["loss"]) for m in resumed] == [(m["step"], m["lr"], m["loss"]) for m in whole[2:]]
 

@@ -10,9 +10,10 @@ tensors, under keys that say whose they are:
     progress/step, progress/seed                where the data stream stands
 
 Replicas hold equal keys, which DCP writes once. Beside them: ``plan.json`` and ``model.py`` of
-the compile, and ``autopart.json`` with the step, the optimizer and the sha256 of every file.
-Ranks write into ``DIR/.step_<n>.partial`` and rank 0 renames it into place once every rank has
-finished, so a crash during a save leaves the previous checkpoint the latest good one.
+the compile, and ``autopart.json`` with the step, the optimizer, the learning rate's flags and
+the sha256 of every file. Ranks write into ``DIR/.step_<n>.partial`` and rank 0 renames it into
+place once every rank has finished, so a crash during a save leaves the previous checkpoint the
+latest good one (`autopart.runtime.checkpoint_folders`: the folders, what is whole, what may go).
 Nothing is unpickled on the way back beyond plain data: tensors are read with ``weights_only=True``
 and DCP's metadata file through an unpickler that resolves only an exact list of DCP's metadata
 classes, so a crafted ``.metadata`` is refused with one line before it can call anything.
@@ -22,7 +23,6 @@ from __future__ import annotations
 
 import functools
 import io
-import json
 import os
 import pickle
 import random
@@ -39,30 +39,25 @@ import torch.distributed as dist
 from torch import nn
 
 from autopart.ir.errors import CheckpointError, ConfigError
+from autopart.runtime.checkpoint_folders import (latest_checkpoint, put_in_place, read_record, staging_folder,
+                                                 step_folder, write_record)
 from autopart.runtime.fully_sharded import is_sharded
-from autopart.runtime.launch import file_sha256, plan_digest
+from autopart.runtime.launch import plan_digest
 from autopart.runtime.sharded_masters import ShardedMasters, holds_master
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata
 
 __all__ = [
-    "RECORD",
     "SafeReader",
     "training_state",
     "save_checkpoint",
-    "latest_checkpoint",
     "restore_checkpoint",
-    "read_record",
     "read_metadata_file",
-    "remove_saved",
     "load_tensors",
     "restarted",
     "CheckpointContext",
 ]
-
-RECORD = "autopart.json"
-_STEP = "step_"
 
 
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
@@ -201,95 +196,36 @@ def training_state(
 
 
 def save_checkpoint(
-    root: Path, state: dict[str, torch.Tensor], *, step: int, rank: int, out_dir: Path, optimizer: str
+    root: Path, state: dict[str, torch.Tensor], *, step: int, rank: int, out_dir: Path, optimizer: str,
+    device: torch.device, flags: dict[str, str] | None = None,
 ) -> Path:
-    """Every rank calls this at the same step; returns ``root/step_<n>`` once it is complete."""
-    final = root / f"{_STEP}{step:08d}"
-    staging = root / f".{_STEP}{step:08d}.partial"
+    """Every rank calls this at the same step; returns ``root/step_<n>`` once it is complete.
+    Rank 0 puts the save in place and tells every rank whether it could (a broadcast on
+    ``device``, which the process group's backend must reach): a rank-0 failure ends every rank
+    with a one-line error, rather than leaving the others waiting for a barrier until --timeout.
+    ``flags``: the train.py flags of the learning rate (`Recipe.flags`), recorded."""
+    final, staging = step_folder(root, step), staging_folder(root, step)
     if rank == 0:
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
     dist.barrier()
     dcp = _dcp()
     dcp.save(state, storage_writer=dcp.FileSystemWriter(str(staging)))
+    problem = ""
     if rank == 0:
-        shutil.copyfile(out_dir / "plan.json", staging / "plan.json")
-        shutil.copyfile(out_dir / "model.py", staging / "model.py")
-        files = {p.name: file_sha256(p) for p in sorted(staging.iterdir()) if p.is_file()}
-        record = {"step": step, "optimizer": optimizer, "plan_sha256": plan_digest(out_dir / "plan.json"), "files": files}
-        with open(staging / RECORD, "w") as file:
-            json.dump(record, file, indent=2)
-            file.flush()
-            os.fsync(file.fileno())
-        remove_saved(final)
-        staging.rename(final)
-    dist.barrier()
+        try:
+            write_record(staging, step=step, out_dir=out_dir, optimizer=optimizer, flags=flags or {})
+            put_in_place(staging, final)
+        except (OSError, CheckpointError) as exc:
+            problem = str(exc)
+    failed = torch.tensor([1 if problem else 0], device=device)
+    dist.broadcast(failed, src=0)
+    if problem:
+        raise CheckpointError(f"the checkpoint of step {step} was not saved: {problem}")
+    if failed.item():
+        raise CheckpointError(f"the checkpoint of step {step} was not saved: rank 0 could not put it in place "
+                              f"in {root} (its error says why)")
     return final
-
-
-def remove_saved(path: Path) -> None:
-    """Remove a checkpoint that autopart saved (a step saved again after a resume): the files its
-    record lists, the record, then the folder. Anything else in it is a file autopart did not
-    write: it is refused before anything is removed, and kept."""
-    if not path.exists():
-        return
-    try:
-        listed = {str(name) for name in read_record(path)["files"]} | {RECORD}
-    except (OSError, ValueError, KeyError, TypeError):
-        raise CheckpointError(f"{path} exists but holds no readable {RECORD}, so autopart did not save it; "
-                              "move it away or choose another --checkpoint-dir") from None
-    other = sorted(p.name for p in path.iterdir() if p.name not in listed or p.is_symlink() or not p.is_file())
-    if other:
-        raise CheckpointError(f"{path} holds {other[0]}, which autopart did not save there; "
-                              "move it away or choose another --checkpoint-dir")
-    for name in listed:
-        (path / name).unlink(missing_ok=True)
-    path.rmdir()
-
-
-def _problem(path: Path) -> str | None:
-    """Why a checkpoint directory cannot be used, or None when every file is as it was written."""
-    try:
-        record = json.loads((path / RECORD).read_text())
-        files = record["files"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return f"{RECORD} is missing or unreadable"
-    for name, digest in files.items():
-        if not (path / name).is_file():
-            return f"{name} is missing"
-        if file_sha256(path / name) != digest:
-            return f"{name} does not match its sha256"
-    return None
-
-
-def _step_of(path: Path) -> int:
-    try:
-        return int(path.name.removeprefix(_STEP))
-    except ValueError:
-        return -1
-
-
-def latest_checkpoint(root: Path) -> tuple[Path | None, list[str]]:
-    """The newest complete, intact checkpoint under ``root`` (or ``root`` itself when it is one),
-    and one line for every newer one that was passed over."""
-    root = Path(root)
-    if (root / RECORD).exists():
-        problem = _problem(root)
-        if problem:
-            raise ConfigError(f"checkpoint {root} is damaged: {problem}; use an earlier step_* directory")
-        return root, []
-    candidates = sorted((p for p in root.glob(f"{_STEP}*") if _step_of(p) >= 0), key=_step_of, reverse=True)
-    skipped = []
-    for path in candidates:
-        problem = _problem(path)
-        if problem is None:
-            return path, skipped
-        skipped.append(f"checkpoint {path} is damaged ({problem}); falling back to an earlier one")
-    return None, skipped
-
-
-def read_record(path: Path) -> dict:
-    return json.loads((Path(path) / RECORD).read_text())
 
 
 def checkpoint_keys(path: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -406,6 +342,8 @@ class CheckpointContext:
     tp_rank: int
     zero: int
     seed: int
+    device: torch.device  # where the process group's backend takes tensors (`save_checkpoint`)
+    flags: dict[str, str]  # the learning rate's train.py flags (`Recipe.flags`)
 
     def save(self, steps_done: int) -> Path:
         assert self.root is not None
@@ -414,7 +352,8 @@ class CheckpointContext:
             zero=self.zero, step=steps_done, seed=self.seed,
         )  # fmt: skip
         return save_checkpoint(
-            self.root, state, step=steps_done, rank=self.rank, out_dir=self.out_dir, optimizer=self.optimizer_name
+            self.root, state, step=steps_done, rank=self.rank, out_dir=self.out_dir, optimizer=self.optimizer_name,
+            device=self.device, flags=self.flags,
         )
 
     def resume(self) -> int:
@@ -439,4 +378,10 @@ class CheckpointContext:
         )  # fmt: skip
         if self.rank == 0:
             print(f"autopart: resumed from {path} after step {done - 1}", flush=True)
+            saved = read_record(path).get("flags") or {}  # none in a checkpoint of an earlier autopart
+            changed = [f"{flag} {saved[flag]} (now {value})" for flag, value in self.flags.items()
+                       if flag in saved and saved[flag] != value]
+            if changed:
+                print(f"autopart: note: {path.name} was saved by a run with {', '.join(changed)}; the learning rate "
+                      "follows the flags given now", file=sys.stderr, flush=True)
         return done

@@ -75,6 +75,14 @@ class Recipe:
             args += ["--weight-decay", repr(self.weight_decay)]
         return args
 
+    def flags(self, lr: float, steps: int) -> dict[str, str]:
+        """The train.py flags that shape the learning rate over a run of ``steps`` at ``lr`` (the
+        steps only where the rate decays by the last one): what a checkpoint records, so that a
+        resume with other ones is told."""
+        recipe = self.train_args()
+        steps_flag = {} if self.lr_schedule == "constant" else {"--steps": str(steps)}
+        return {**steps_flag, "--lr": repr(lr), **dict(zip(recipe[::2], recipe[1::2]))}
+
     def lr_factor(self, lr: float, steps: int) -> Callable[[int], float]:
         """The multiplier of ``lr`` at each step (0-based), for ``torch.optim.lr_scheduler.LambdaLR``."""
         floor = self.min_lr / lr if lr > 0 else 0.0

@@ -25,7 +25,8 @@ from autopart.ir.model_file import load_model_file
 from autopart.ir.errors import ConfigError
 from autopart.ir.placement import REPLICATE, Placement
 from autopart.ir.plan import Plan, load_plan
-from autopart.runtime.checkpoint import checkpoint_keys, latest_checkpoint, load_tensors, read_record
+from autopart.runtime.checkpoint import checkpoint_keys, load_tensors
+from autopart.runtime.checkpoint_folders import latest_checkpoint, read_record
 from autopart.runtime.shards import unshard_weight
 
 __all__ = ["Consolidated", "consolidate", "consolidated_state"]

@@ -1,0 +1,145 @@
+"""A checkpoint directory's folders: which steps are saved and whole, how a save is put in place
+and an earlier save of the same step removed, and when a run may not start in a folder.
+
+``DIR/step_<n>`` is a save that rank 0 renamed into place once every rank had written it into
+``DIR/.step_<n>.partial``; its ``autopart.json`` (`RECORD`) lists every file with its sha256, so a
+damaged save is passed over for the one before. Nothing is removed that the record of a folder
+autopart saved does not list, and nothing outside that folder, whatever its record names.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+from autopart.ir.errors import CheckpointError, ConfigError
+from autopart.runtime.launch import file_sha256, plan_digest
+
+__all__ = ["RECORD", "check_unused", "latest_checkpoint", "put_in_place", "read_record", "remove_saved",
+           "staging_folder", "step_folder", "write_record"]
+
+RECORD = "autopart.json"
+_STEP = "step_"
+
+
+def step_folder(root: Path, step: int) -> Path:
+    """Where the save after ``step`` steps lies once it is complete."""
+    return root / f"{_STEP}{step:08d}"
+
+
+def staging_folder(root: Path, step: int) -> Path:
+    """Where the ranks write it first: a hidden name that no resume reads."""
+    return root / f".{_STEP}{step:08d}.partial"
+
+
+def write_record(staging: Path, *, step: int, out_dir: Path, optimizer: str, flags: dict[str, str]) -> None:
+    """The compile's files beside the tensors, and the record of them all, written to disk."""
+    shutil.copyfile(out_dir / "plan.json", staging / "plan.json")
+    shutil.copyfile(out_dir / "model.py", staging / "model.py")
+    files = {p.name: file_sha256(p) for p in sorted(staging.iterdir()) if p.is_file()}
+    record = {"step": step, "optimizer": optimizer, "plan_sha256": plan_digest(out_dir / "plan.json"), "flags": flags,
+              "files": files}
+    with open(staging / RECORD, "w") as file:
+        json.dump(record, file, indent=2)
+        file.flush()
+        os.fsync(file.fileno())
+
+
+def put_in_place(staging: Path, final: Path) -> None:
+    """Rename a complete save to its step's name. A step saved again (after a resume) replaces
+    the earlier save, which is checked to hold only what autopart wrote before anything moves,
+    then moved aside, and removed only once the new one is in place: a crash leaves one of the
+    two whole (the aside one, ``.step_<n>.replaced``, is not read back but is not lost)."""
+    if not final.exists():
+        staging.rename(final)
+        return
+    aside = final.with_name(f".{final.name}.replaced")
+    remove_saved(aside)  # a crash's leftover, between these renames
+    _saved_files(final)
+    final.rename(aside)
+    staging.rename(final)
+    remove_saved(aside)
+
+
+def _saved_files(path: Path) -> list[Path]:
+    """The files of a checkpoint folder that autopart saved: its record's files and the record.
+    Anything else in it is a file autopart did not write, and refused."""
+    try:
+        listed = {str(name) for name in read_record(path)["files"]} | {RECORD}
+    except (OSError, ValueError, KeyError, TypeError):
+        raise CheckpointError(f"{path} exists but holds no readable {RECORD}, so autopart did not save it; "
+                              "move it away or choose another --checkpoint-dir") from None
+    entries = sorted(path.iterdir())
+    other = [p.name for p in entries if p.name not in listed or p.is_symlink() or not p.is_file()]
+    if other:
+        raise CheckpointError(f"{path} holds {other[0]}, which autopart did not save there; "
+                              "move it away or choose another --checkpoint-dir")
+    return entries
+
+
+def remove_saved(path: Path) -> None:
+    """Remove a checkpoint that autopart saved: its files (`_saved_files`, refused as a whole
+    before anything is removed when the folder holds anything else), then the folder. Only the
+    files found in the folder are removed, whatever names the record lists."""
+    if not path.exists():
+        return
+    for entry in _saved_files(path):
+        entry.unlink()
+    path.rmdir()
+
+
+def check_unused(root: Path) -> None:
+    """Refuse a run from step 0 whose --checkpoint-dir holds an earlier run's checkpoints: its
+    saves would interleave with theirs, and a later resume (or a torchrun restart) would take the
+    newest step of either run."""
+    saved = sorted(p.name for p in root.glob(f"{_STEP}*") if _step_of(p) >= 0) if root.is_dir() else []
+    if saved:
+        raise ConfigError(f"--checkpoint-dir {root} already holds checkpoints of an earlier run (the latest "
+                          f"{saved[-1]}); add --resume to go on from them, or give a new or empty --checkpoint-dir")
+
+
+def _problem(path: Path) -> str | None:
+    """Why a checkpoint directory cannot be used, or None when every file is as it was written."""
+    try:
+        record = json.loads((path / RECORD).read_text())
+        files = record["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"{RECORD} is missing or unreadable"
+    for name, digest in files.items():
+        if not (path / name).is_file():
+            return f"{name} is missing"
+        if file_sha256(path / name) != digest:
+            return f"{name} does not match its sha256"
+    return None
+
+
+def _step_of(path: Path) -> int:
+    try:
+        return int(path.name.removeprefix(_STEP))
+    except ValueError:
+        return -1
+
+
+def latest_checkpoint(root: Path) -> tuple[Path | None, list[str]]:
+    """The newest complete, intact checkpoint under ``root`` (or ``root`` itself when it is one),
+    and one line for every newer one that was passed over."""
+    root = Path(root)
+    if (root / RECORD).exists():
+        problem = _problem(root)
+        if problem:
+            raise ConfigError(f"checkpoint {root} is damaged: {problem}; use an earlier step_* directory")
+        return root, []
+    candidates = sorted((p for p in root.glob(f"{_STEP}*") if _step_of(p) >= 0), key=_step_of, reverse=True)
+    skipped = []
+    for path in candidates:
+        problem = _problem(path)
+        if problem is None:
+            return path, skipped
+        skipped.append(f"checkpoint {path} is damaged ({problem}); falling back to an earlier one")
+    return None, skipped
+
+
+def read_record(path: Path) -> dict:
+    return json.loads((Path(path) / RECORD).read_text())

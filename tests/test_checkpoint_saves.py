@@ -1,0 +1,70 @@
+"""How a save lands on disk: a step saved again replaces the earlier save only once the new one is
+complete and only when the earlier one holds nothing but autopart's files; a failure of rank 0,
+which alone puts a save in place, ends every rank with one line; a record read back removes
+nothing outside its own folder."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from autopart.ir.errors import CheckpointError
+from autopart.runtime.checkpoint import save_checkpoint
+from autopart.runtime.checkpoint_folders import RECORD, latest_checkpoint, read_record, remove_saved
+from tests.distributed import fork_ranks, gloo_group
+
+
+def _save(folder: Path, rank: int, value: float) -> Path:
+    state = {f"model/stage_{rank}/tp_0/w": torch.full((4,), value), "progress/step": torch.tensor(1)}
+    return save_checkpoint(folder / "ckpt", state, step=1, rank=rank, out_dir=folder / "out", optimizer="sgd",
+                           device=torch.device("cpu"))
+
+
+def _save_again(rank: int, port: int, folder: Path) -> None:
+    """Two ranks save step 1 three times: fresh, again (replacing it), and again over a folder
+    that holds a file of the user's, which rank 0 refuses to remove."""
+    with gloo_group(rank, port, 2):
+        first = _save(folder, rank, 1.0)
+        digests = read_record(first)["files"]
+        assert _save(folder, rank, 2.0) == first
+        second = read_record(first)["files"]
+        assert second != digests, "the new save's files, not the old ones"
+        assert sorted(p.name for p in (folder / "ckpt").iterdir()) == ["step_00000001"], "nothing left aside"
+        torch.distributed.barrier()
+        if rank == 0:
+            (first / "notes.txt").write_text("mine")
+        torch.distributed.barrier()
+        with pytest.raises(CheckpointError) as error:
+            _save(folder, rank, 3.0)
+        if rank == 0:
+            assert "step_00000001 holds notes.txt, which autopart did not save there" in str(error.value)
+        else:
+            assert "rank 0 could not put it in place" in str(error.value)
+        assert (first / "notes.txt").read_text() == "mine"
+        assert read_record(first)["files"] == second, "the second save, left as it was"
+
+
+def test_a_step_saved_again_replaces_the_save_and_a_failure_of_rank_0_ends_every_rank(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "plan.json").write_text(json.dumps({"plan": "a stand-in"}))
+    (out / "model.py").write_text("")
+    assert fork_ranks(_save_again, 2, tmp_path, timeout=60) == [0, 0]
+    path, skipped = latest_checkpoint(tmp_path / "ckpt")
+    assert path == tmp_path / "ckpt" / "step_00000001" and skipped == [], "the second save is intact"
+
+
+def test_a_record_that_names_files_outside_its_folder_removes_none_of_them(tmp_path: Path) -> None:
+    victim = tmp_path / "thesis.txt"
+    victim.write_text("mine")
+    step = tmp_path / "ckpt" / "step_00000001"
+    step.mkdir(parents=True)
+    (step / "data.distcp").write_bytes(b"saved")
+    files = {"data.distcp": hashlib.sha256(b"saved").hexdigest(), "../../thesis.txt": "0", str(victim): "0"}
+    (step / RECORD).write_text(json.dumps({"step": 1, "files": files}))
+    remove_saved(step)
+    assert not step.exists() and victim.read_text() == "mine"
