@@ -8,9 +8,10 @@ that it needs. Nothing about the data travels between ranks.
 from __future__ import annotations
 
 import hashlib
+import random
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -18,7 +19,10 @@ from autopart.ir.model_file import ModelSpec, check_batch
 from autopart.ir.errors import ConfigError
 from autopart.ir.plan import Plan
 
-__all__ = ["eval_batches", "global_batches", "model_file", "split_microbatches", "synthetic_batches"]
+__all__ = ["apart", "eval_batches", "global_batches", "model_file", "split_microbatches", "synthetic_batches"]
+
+
+T = TypeVar("T")
 
 
 def model_file(out_dir: Path, plan: Plan) -> Path:
@@ -52,11 +56,40 @@ def synthetic_batches(spec: ModelSpec, batch_size: int, seed: int) -> Iterator[t
 
 
 def global_batches(spec: ModelSpec, batch_size: int, seed: int) -> Iterator[tuple[tuple[torch.Tensor, ...], Any]]:
+    """The training batches: the model file's ``batches(B, seed)`` (each drawn `apart` from
+    training's random state), else synthetic ones."""
     if spec.batches is None:
         yield from synthetic_batches(spec, batch_size, seed)
         return
-    for batch in spec.batches(batch_size, seed):
+    for batch in apart(spec.batches(batch_size, seed), seed):
         yield check_batch(spec.path, "batches", batch, batch_size)
+
+
+def apart(source: Iterator[T], seed: int) -> Iterator[T]:
+    """``source``'s items, each drawn with torch's CPU generator and Python's ``random`` in states
+    of the data's own: seeded ``seed`` before the first draw, then as the previous draw left them.
+
+    A model file's ``batches`` that draws from the global generators (``torch.randint`` without
+    a ``generator``, ``random.shuffle``) would otherwise draw from what training left there: each
+    forward seeds torch's per stage (dropout), so pipeline ranks would draw different batches
+    (the last stage's targets no longer the first stage's inputs'), and a resume restores each
+    rank's state and replays the steps done, so batches after it would differ from those of one
+    uninterrupted run. Training's own states are put back after every draw."""
+    torch_state = torch.Generator().manual_seed(seed).get_state()
+    python_state = random.Random(seed).getstate()
+    while True:
+        training = torch.get_rng_state(), random.getstate()
+        torch.set_rng_state(torch_state)
+        random.setstate(python_state)
+        try:
+            item = next(source)
+        except StopIteration:
+            return
+        finally:
+            torch_state, python_state = torch.get_rng_state(), random.getstate()
+            torch.set_rng_state(training[0])
+            random.setstate(training[1])
+        yield item
 
 
 def eval_batches(spec: ModelSpec, batch_size: int, seed: int, count: int) -> list[tuple[tuple[torch.Tensor, ...], Any]]:
@@ -66,7 +99,8 @@ def eval_batches(spec: ModelSpec, batch_size: int, seed: int, count: int) -> lis
     if spec.eval_batches is None:
         source = synthetic_batches(spec, batch_size, -1 - seed)
     else:
-        source = (check_batch(spec.path, "eval_batches", b, batch_size) for b in spec.eval_batches(batch_size, seed))
+        drawn = apart(spec.eval_batches(batch_size, seed), -1 - seed)
+        source = (check_batch(spec.path, "eval_batches", b, batch_size) for b in drawn)
     batches = [batch for _, batch in zip(range(count), source)]
     if len(batches) < count:
         raise ConfigError(f"eval_batches() of {spec.path.name} gave {len(batches)} batches but --eval-batches is "

@@ -1,0 +1,83 @@
+"""A model file's own ``batches`` drawn from the global random generators: every rank draws the
+same batches whatever its training did with those generators between two draws (each forward
+seeds torch's per stage), and training's own random state is left as it was."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from autopart.driver import CompileOptions, compile_to_directory
+from autopart.ir.model_file import load_model_file
+from autopart.runtime.data import eval_batches, global_batches
+
+MODEL = """\
+import random
+import torch
+
+def build_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 16), torch.nn.GELU(),
+                               torch.nn.Linear(16, 4))
+
+def example_batch(b):
+    return (torch.zeros(b, 8),), torch.zeros(b, 4)
+
+def loss_fn(out, target):
+    return ((out - target) ** 2).mean()
+
+def batches(b, seed):  # the global generators, never seeded here
+    while True:
+        scale = random.choice([0.5, 1.0, 2.0])
+        yield (scale * torch.randn(b, 8),), torch.randn(b, 4)
+
+def eval_batches(b, seed):
+    while True:
+        yield (torch.randn(b, 8),), torch.randn(b, 4)
+"""
+
+
+@pytest.fixture
+def model(tmp_path: Path) -> Path:
+    path = tmp_path / "model.py"
+    path.write_text(MODEL)
+    return path
+
+
+def _drawn(model: Path, reseed: int) -> list[torch.Tensor]:
+    """Three batches, the global generators seeded by ``reseed`` (as a stage's forward does)
+    between two draws; each draw leaves them as it found them."""
+    data = global_batches(load_model_file(model, build=False), 4, 7)
+    drawn = []
+    for step in range(3):
+        torch.manual_seed(reseed + step)
+        random.seed(reseed + step)
+        training = torch.get_rng_state(), random.getstate()
+        inputs, target = next(data)
+        assert torch.equal(torch.get_rng_state(), training[0]) and random.getstate() == training[1]
+        drawn += [inputs[0], target]
+    return drawn
+
+
+def test_batches_from_the_global_generators_are_the_same_on_every_rank(model: Path) -> None:
+    stage_0, stage_1 = _drawn(model, 100), _drawn(model, 200)
+    assert all(torch.equal(a, b) for a, b in zip(stage_0, stage_1))
+    assert not torch.equal(stage_0[0], stage_0[2]), "each step a new batch"
+    spec = load_model_file(model, build=False)
+    torch.manual_seed(1)
+    first = eval_batches(spec, 4, 7, 2)
+    torch.manual_seed(2)
+    assert all(torch.equal(a[1], b[1]) for a, b in zip(first, eval_batches(spec, 4, 7, 2)))
+
+
+@pytest.mark.multiprocess
+def test_a_pipeline_trains_on_such_batches_as_one_process(model: Path, tmp_path: Path) -> None:
+    from autopart.tools.verify import verify
+
+    out = tmp_path / "out"
+    compile_to_directory(CompileOptions(model=model, pp=2, microbatches=2, micro_batch_size=2, measure=False), out)
+    result = verify(out, steps=3)
+    assert result.matches, result.failures
