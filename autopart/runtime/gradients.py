@@ -97,7 +97,7 @@ def clip_gradients(stages: dict[int, nn.Module], plan: Plan, here: Coordinates, 
                 sharded = placements.get(name, "R").startswith("S")
                 if parameter.grad is None or (holders and holders[0] != s) or (here.tp != 0 and not sharded):
                     continue
-                squares += local(parameter.grad).detach().double().pow(2).sum()
+                squares += _norm(local(parameter.grad).detach()).double().square()
     dist.all_reduce(squares)
     norm = float(squares.sqrt().item())
     factor = clip_factor(norm, max_norm)
@@ -107,3 +107,11 @@ def clip_gradients(stages: dict[int, nn.Module], plan: Plan, here: Coordinates, 
                 if parameter.grad is not None:
                     parameter.grad.mul_(factor)
     return norm
+
+
+def _norm(gradient: torch.Tensor) -> torch.Tensor:
+    """A gradient's 2-norm, at least in fp32, as ``clip_grad_norm_`` takes it per tensor: without
+    the fp64 copy of the whole tensor that a norm in fp64 would make on the device (for a
+    vocabulary-sized gradient, gigabytes); the squares are summed over tensors in fp64."""
+    half = gradient.dtype in (torch.bfloat16, torch.float16)
+    return torch.linalg.vector_norm(gradient, dtype=torch.float32 if half else None)
