@@ -41,6 +41,14 @@ scattered.backward(torch.ones_like(scattered) * (rank + 1))
 torch.testing.assert_close(partial.grad, torch.cat([torch.ones_like(scattered) * (r + 1) for r in range(t)], 1))
 gathered = tp.gather_from_sequence(shard.detach().clone().requires_grad_(), 1)
 torch.testing.assert_close(gathered, x.detach())
+
+# a bf16 working weight's partial gradients (a norm's weight read by a sequence-split norm) are
+# summed in fp32 and rounded once: element i is 1 on rank i and 3 * 2**-10 elsewhere, each of which
+# a bf16 running sum that starts from the 1 rounds away (half an ulp of 1 is 2**-8)
+norm_weight = torch.nn.Parameter(torch.ones(t, dtype=torch.bfloat16))
+parts = torch.full((t, t), 3 * 2.0**-10).fill_diagonal_(1.0)  # row r: rank r's gradient
+tp.copy_to_tp(norm_weight).backward(parts[rank].to(torch.bfloat16))
+torch.testing.assert_close(norm_weight.grad, parts.to(torch.bfloat16).float().sum(0).to(torch.bfloat16), rtol=0, atol=0)
 print("ok", rank, flush=True)
 dist.barrier()
 dist.destroy_process_group()

@@ -155,13 +155,19 @@ class _AllReduce(torch.autograd.Function):
 
 
 class _CopyToTP(torch.autograd.Function):
+    """The identity, whose backward sums the gradient over the group (Megatron's f). A
+    parameter's (a norm's weight under sequence parallelism) is summed in fp32 where it is a
+    16-bit working weight, as every weight gradient is reduced (`autopart.ir.tensors.DTYPES`):
+    a 16-bit sum over t ranks rounds up to t - 1 times."""
+
     @staticmethod
     def forward(ctx, tensor: torch.Tensor) -> torch.Tensor:
+        ctx.weight = isinstance(tensor, torch.nn.Parameter) and tensor.dtype in (torch.bfloat16, torch.float16)
         return tensor.view_as(tensor)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        return _reduce(grad)
+        return _reduce(grad.float()).to(grad.dtype) if ctx.weight else _reduce(grad)
 
 
 class _CopyForProducts(torch.autograd.Function):
