@@ -116,6 +116,24 @@ def test_combinations_that_cannot_run_are_refused(options, message):
         CompileOptions(model=REPO / "examples" / "gpt.py", **options)
 
 
+def test_a_torch_without_public_fully_shard_is_told_and_not_searched(monkeypatch):
+    """torch 2.4 and 2.5 (which the package allows) have no ``torch.distributed.fsdp.fully_shard``:
+    a ZeRO-2/3 plan is refused in one line at compile (and at launch, by the same check) and the
+    search leaves those levels out."""
+    import torch.distributed.fsdp as fsdp
+
+    from autopart.solve.planner import search_space
+
+    monkeypatch.delattr(fsdp, "fully_shard")
+    with pytest.raises(ConfigError, match=r"--zero 3 runs on torch.distributed.fsdp.fully_shard, which torch .* lacks "
+                                          r"\(public from torch 2.6\); install torch 2.6 or later, or use --zero 1"):
+        CompileOptions(model=REPO / "examples" / "gpt.py", zero=3, dp=2)
+    options = CompileOptions(model=REPO / "examples" / "gpt.py", world_size=4, global_batch_size=8)
+    assert search_space(options).zero == (0, 1)
+    monkeypatch.undo()
+    assert search_space(options).zero == (0, 1, 2, 3)
+
+
 def test_plans_from_before_zero_levels_still_load(tmp_path):
     out = tmp_path / "out"
     plan, _ = compile_to_directory(CompileOptions(model=REPO / "examples" / "gpt.py", dp=2, zero=True), out)

@@ -44,13 +44,26 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["FSDP_LEVELS", "check_level", "end_of_step", "full_state", "is_sharded", "local", "shard_stage"]
+__all__ = ["FSDP_LEVELS", "check_level", "runs_here", "end_of_step", "full_state", "is_sharded", "local", "shard_stage"]
 
 FSDP_LEVELS = (2, 3)
 
 
+def runs_here(level: int) -> bool:
+    """Whether this torch runs ``level``: FSDP's levels need ``torch.distributed.fsdp.fully_shard``,
+    public from torch 2.6 (before, a private module's, whose interface moved)."""
+    if level not in FSDP_LEVELS:
+        return True
+    import torch.distributed.fsdp as fsdp
+
+    return hasattr(fsdp, "fully_shard") and hasattr(fsdp, "register_fsdp_forward_method")
+
+
 def check_level(level: int, *, dp: int, split_backward: bool) -> str | None:
-    """Why ``level`` cannot run with this mesh and schedule, or None when it can."""
+    """Why ``level`` cannot run with this mesh and schedule (or this torch), or None when it can."""
+    if not runs_here(level):
+        return (f"--zero {level} runs on torch.distributed.fsdp.fully_shard, which torch {torch.__version__} lacks "
+                "(public from torch 2.6); install torch 2.6 or later, or use --zero 1")
     if level in FSDP_LEVELS and dp < 2:
         return f"--zero {level} shards over data-parallel ranks; it needs --dp 2 or more"
     if level in FSDP_LEVELS and split_backward:

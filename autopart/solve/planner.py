@@ -36,6 +36,7 @@ from autopart.options import CompileOptions, local_kind
 from autopart.passes.front import Front
 from autopart.passes.repeat_annotation import LAID_OUT_FROM
 from autopart.passes.shallow import KEPT_LAYERS, repeated_layers, shallow_module
+from autopart.runtime.fully_sharded import runs_here
 from autopart.schedule import SCHEDULE_KINDS, validation_beside
 from autopart.solve.assemble import pipeline_problem, plan_from_cuts, with_solver
 from autopart.solve.baselines import block_layers
@@ -77,7 +78,7 @@ def search_space(options: CompileOptions) -> SearchSpace:
         microbatches=pin(options.microbatches),
         schedule=pin(options.schedule) or SCHEDULE_KINDS,
         chunks=pin(options.chunks),
-        zero=pin(options.zero) or (0, 1, 2, 3),
+        zero=pin(options.zero) or tuple(level for level in (0, 1, 2, 3) if runs_here(level)),
         dtype=SEARCHED_DTYPES if options.dtype == "auto" else (options.dtype or "fp32",),
         recompute=(options.recompute,) if isinstance(options.recompute, str) else RECOMPUTE_MODES,
         recompute_per_stage=options.recompute if isinstance(options.recompute, tuple) else None,
