@@ -68,3 +68,32 @@ def test_a_record_that_names_files_outside_its_folder_removes_none_of_them(tmp_p
     (step / RECORD).write_text(json.dumps({"step": 1, "files": files}))
     remove_saved(step)
     assert not step.exists() and victim.read_text() == "mine"
+
+
+def _resume(rank: int, port: int, root: Path) -> None:
+    """Two ranks resume from ``root``: nothing there yet, then ``root`` a damaged checkpoint itself."""
+    from autopart.ir.errors import ConfigError
+    from autopart.runtime.checkpoint import CheckpointContext
+
+    module = torch.nn.Linear(2, 2)
+    context = CheckpointContext(root=root, out_dir=root, modules={0: module}, rank=rank, dp_rank=0, tp_rank=0,
+                                optimizer=torch.optim.SGD(module.parameters(), lr=0.1), optimizer_name="sgd", zero=0,
+                                seed=0, device=torch.device("cpu"), flags={})  # fmt: skip
+    with gloo_group(rank, port, 2):
+        root.mkdir(exist_ok=True)
+        assert context.resume() == 0
+        torch.distributed.barrier()
+        if rank == 0:
+            (root / RECORD).write_text(json.dumps({"files": {"__0_0.distcp": "0"}}))
+        torch.distributed.barrier()
+        with pytest.raises(ConfigError) as error:
+            context.resume()
+        if rank == 0:
+            assert f"checkpoint {root} is damaged: __0_0.distcp is missing" in str(error.value)
+        else:
+            assert f"rank 0 could not choose a checkpoint in {root} to resume from" in str(error.value)
+
+
+def test_rank_0_chooses_the_checkpoint_to_resume_and_its_error_ends_every_rank(tmp_path: Path) -> None:
+    """Only rank 0 reads the checkpoints' files for their sha256; the others are told its choice."""
+    assert fork_ranks(_resume, 2, tmp_path / "ckpt", timeout=60) == [0, 0]

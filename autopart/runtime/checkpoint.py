@@ -40,7 +40,7 @@ from torch import nn
 
 from autopart.ir.errors import CheckpointError, ConfigError
 from autopart.runtime.checkpoint_folders import (latest_checkpoint, put_in_place, read_record, staging_folder,
-                                                 step_folder, write_record)
+                                                 step_folder, step_of, write_record)
 from autopart.runtime.fully_sharded import is_sharded
 from autopart.runtime.launch import plan_digest
 from autopart.runtime.sharded_masters import ShardedMasters, holds_master
@@ -359,10 +359,7 @@ class CheckpointContext:
     def resume(self) -> int:
         """Load the latest good checkpoint; the number of steps it had done (0 when there is none)."""
         assert self.root is not None
-        path, skipped = latest_checkpoint(self.root) if self.root.is_dir() else (None, [])
-        for line in skipped:
-            if self.rank == 0:
-                print(f"autopart: {line}", file=sys.stderr, flush=True)
+        path = self._chosen()
         if path is None:
             if self.rank == 0:
                 print(f"autopart: no checkpoint in {self.root} yet; starting from step 0", flush=True)
@@ -385,3 +382,32 @@ class CheckpointContext:
                 print(f"autopart: note: {path.name} was saved by a run with {', '.join(changed)}; the learning rate "
                       "follows the flags given now", file=sys.stderr, flush=True)
         return done
+
+    def _chosen(self) -> Path | None:
+        """The checkpoint to resume from, as rank 0 finds it and tells the others (a broadcast on
+        `device`): finding it reads every file of each newer checkpoint for its sha256, which
+        every rank of a large job doing at once would multiply by the world size on a shared
+        filesystem. Rank 0's error (a damaged checkpoint named itself) ends every rank."""
+        code, problem = _NONE, None
+        if self.rank == 0:
+            try:
+                path, skipped = latest_checkpoint(self.root) if self.root.is_dir() else (None, [])
+                for line in skipped:
+                    print(f"autopart: {line}", file=sys.stderr, flush=True)
+                code = _NONE if path is None else _ROOT if path == self.root else step_of(path)
+            except ConfigError as exc:
+                code, problem = _FAILED, exc
+            except OSError as exc:
+                code, problem = _FAILED, CheckpointError(f"{self.root} cannot be read ({exc.strerror or exc}); "
+                                                         "check the path given to --checkpoint-dir")
+        told = torch.tensor([code], dtype=torch.int64, device=self.device)
+        dist.broadcast(told, src=0)
+        code = int(told.item())
+        if problem is not None:
+            raise problem
+        if code == _FAILED:
+            raise ConfigError(f"rank 0 could not choose a checkpoint in {self.root} to resume from (its error says why)")
+        return None if code == _NONE else self.root if code == _ROOT else step_folder(self.root, code)
+
+
+_NONE, _ROOT, _FAILED = -1, -2, -3  # what rank 0 tells of its choice (`CheckpointContext._chosen`), else the step

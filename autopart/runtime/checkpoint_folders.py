@@ -18,7 +18,7 @@ from autopart.ir.errors import CheckpointError, ConfigError
 from autopart.runtime.launch import file_sha256, plan_digest
 
 __all__ = ["RECORD", "check_unused", "latest_checkpoint", "put_in_place", "read_record", "remove_saved",
-           "staging_folder", "step_folder", "write_record"]
+           "staging_folder", "step_folder", "step_of", "write_record"]
 
 RECORD = "autopart.json"
 _STEP = "step_"
@@ -94,7 +94,7 @@ def check_unused(root: Path) -> None:
     """Refuse a run from step 0 whose --checkpoint-dir holds an earlier run's checkpoints: its
     saves would interleave with theirs, and a later resume (or a torchrun restart) would take the
     newest step of either run."""
-    saved = sorted(p.name for p in root.glob(f"{_STEP}*") if _step_of(p) >= 0) if root.is_dir() else []
+    saved = sorted(p.name for p in root.glob(f"{_STEP}*") if step_of(p) >= 0) if root.is_dir() else []
     if saved:
         raise ConfigError(f"--checkpoint-dir {root} already holds checkpoints of an earlier run (the latest "
                           f"{saved[-1]}); add --resume to go on from them, or give a new or empty --checkpoint-dir")
@@ -115,11 +115,13 @@ def _problem(path: Path) -> str | None:
     return None
 
 
-def _step_of(path: Path) -> int:
-    try:
-        return int(path.name.removeprefix(_STEP))
-    except ValueError:
+def step_of(path: Path) -> int:
+    """The steps a checkpoint folder holds, n of its name ``step_<n>`` as `step_folder` writes it;
+    -1 for any other name."""
+    number = path.name.removeprefix(_STEP)
+    if path.name == number or not number.isdigit() or path.name != step_folder(path.parent, int(number)).name:
         return -1
+    return int(number)
 
 
 def latest_checkpoint(root: Path) -> tuple[Path | None, list[str]]:
@@ -131,7 +133,7 @@ def latest_checkpoint(root: Path) -> tuple[Path | None, list[str]]:
         if problem:
             raise ConfigError(f"checkpoint {root} is damaged: {problem}; use an earlier step_* directory")
         return root, []
-    candidates = sorted((p for p in root.glob(f"{_STEP}*") if _step_of(p) >= 0), key=_step_of, reverse=True)
+    candidates = sorted((p for p in root.glob(f"{_STEP}*") if step_of(p) >= 0), key=step_of, reverse=True)
     skipped = []
     for path in candidates:
         problem = _problem(path)
