@@ -70,8 +70,9 @@ def test_a_record_that_names_files_outside_its_folder_removes_none_of_them(tmp_p
     assert not step.exists() and victim.read_text() == "mine"
 
 
-def _resume(rank: int, port: int, root: Path) -> None:
-    """Two ranks resume from ``root``: nothing there yet, then ``root`` a damaged checkpoint itself."""
+def _choose(rank: int, port: int, root: Path) -> None:
+    """Two ranks choose the checkpoint to resume from ``root``, each reading half the files for
+    their sha256: ``b.distcp`` is rank 1's half."""
     from autopart.ir.errors import ConfigError
     from autopart.runtime.checkpoint import CheckpointContext
 
@@ -79,21 +80,46 @@ def _resume(rank: int, port: int, root: Path) -> None:
     context = CheckpointContext(root=root, out_dir=root, modules={0: module}, rank=rank, dp_rank=0, tp_rank=0,
                                 optimizer=torch.optim.SGD(module.parameters(), lr=0.1), optimizer_name="sgd", zero=0,
                                 seed=0, device=torch.device("cpu"), flags={})  # fmt: skip
+
+    def saved(folder: Path, wrong: bool) -> Path:
+        folder.mkdir(parents=True)
+        for name in ("a.distcp", "b.distcp"):
+            (folder / name).write_bytes(name.encode())
+        digest = hashlib.sha256(b"b.distcp").hexdigest()
+        files = {"a.distcp": hashlib.sha256(b"a.distcp").hexdigest(), "b.distcp": "0" * 64 if wrong else digest}
+        (folder / RECORD).write_text(json.dumps({"step": 1, "files": files}))
+        return folder
+
     with gloo_group(rank, port, 2):
-        root.mkdir(exist_ok=True)
-        assert context.resume() == 0
+        if rank == 0:
+            root.mkdir()
+        torch.distributed.barrier()
+        assert context.chosen() is None and context.resume() == 0, "nothing there yet"
         torch.distributed.barrier()
         if rank == 0:
-            (root / RECORD).write_text(json.dumps({"files": {"__0_0.distcp": "0"}}))
+            saved(root / "step_00000001", wrong=False)
+            saved(root / "step_00000002", wrong=True)
         torch.distributed.barrier()
+        assert context.chosen() == root / "step_00000001", "rank 1 found step 2 damaged: both fall back"
+        single = CheckpointContext(**{**vars(context), "root": root / "step_00000002"})
         with pytest.raises(ConfigError) as error:
-            context.resume()
-        if rank == 0:
-            assert f"checkpoint {root} is damaged: __0_0.distcp is missing" in str(error.value)
-        else:
-            assert f"rank 0 could not choose a checkpoint in {root} to resume from" in str(error.value)
+            single.chosen()
+        why = "b.distcp does not match its sha256" if rank == 1 else "another rank found a file"
+        assert f"checkpoint {root / 'step_00000002'} is damaged: {why}" in str(error.value)
 
 
-def test_rank_0_chooses_the_checkpoint_to_resume_and_its_error_ends_every_rank(tmp_path: Path) -> None:
-    """Only rank 0 reads the checkpoints' files for their sha256; the others are told its choice."""
-    assert fork_ranks(_resume, 2, tmp_path / "ckpt", timeout=60) == [0, 0]
+def test_the_ranks_check_a_checkpoint_together_and_agree_on_the_one_to_resume(tmp_path: Path, capfd) -> None:
+    """Each rank reads its share of the files for their sha256 (one rank alone would read them
+    all); the one that finds a damaged file says so, and every rank passes that checkpoint over."""
+    assert fork_ranks(_choose, 2, tmp_path / "ckpt", timeout=60) == [0, 0]
+    assert "step_00000002 is damaged (b.distcp does not match its sha256); falling back to an earlier one (rank 1)" in \
+        capfd.readouterr().err
+
+
+def test_a_save_is_hashed_by_its_ranks_together(tmp_path: Path) -> None:
+    """`share` deals the files out so that the ranks' shares cover them once."""
+    from autopart.runtime.checkpoint_folders import share
+
+    names = [f"__{r}_{k}.distcp" for r in range(5) for k in range(3)] + [".metadata"]
+    shares = [share(names, rank, 4) for rank in range(4)]
+    assert sorted(sum(shares, [])) == sorted(names) and max(map(len, shares)) - min(map(len, shares)) <= 1

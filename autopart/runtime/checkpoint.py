@@ -39,8 +39,8 @@ import torch.distributed as dist
 from torch import nn
 
 from autopart.ir.errors import CheckpointError, ConfigError
-from autopart.runtime.checkpoint_folders import (latest_checkpoint, put_in_place, read_record, staging_folder,
-                                                 step_folder, step_of, write_record)
+from autopart.runtime.checkpoint_folders import (candidates, damaged, problem, put_in_place, read_record, refused,
+                                                 staging_folder, step_folder, step_of, write_digests, write_record)
 from autopart.runtime.fully_sharded import is_sharded
 from autopart.runtime.launch import plan_digest
 from autopart.runtime.sharded_masters import ShardedMasters, holds_master
@@ -211,17 +211,19 @@ def save_checkpoint(
     dist.barrier()
     dcp = _dcp()
     dcp.save(state, storage_writer=dcp.FileSystemWriter(str(staging)))
-    problem = ""
+    write_digests(staging, rank, dist.get_world_size())
+    dist.barrier()
+    failure = ""
     if rank == 0:
         try:
             write_record(staging, step=step, out_dir=out_dir, optimizer=optimizer, flags=flags or {})
             put_in_place(staging, final)
         except (OSError, CheckpointError) as exc:
-            problem = str(exc)
-    failed = torch.tensor([1 if problem else 0], device=device)
+            failure = str(exc)
+    failed = torch.tensor([1 if failure else 0], device=device)
     dist.broadcast(failed, src=0)
-    if problem:
-        raise CheckpointError(f"the checkpoint of step {step} was not saved: {problem}")
+    if failure:
+        raise CheckpointError(f"the checkpoint of step {step} was not saved: {failure}")
     if failed.item():
         raise CheckpointError(f"the checkpoint of step {step} was not saved: rank 0 could not put it in place "
                               f"in {root} (its error says why)")
@@ -359,7 +361,7 @@ class CheckpointContext:
     def resume(self) -> int:
         """Load the latest good checkpoint; the number of steps it had done (0 when there is none)."""
         assert self.root is not None
-        path = self._chosen()
+        path = self.chosen()
         if path is None:
             if self.rank == 0:
                 print(f"autopart: no checkpoint in {self.root} yet; starting from step 0", flush=True)
@@ -383,31 +385,33 @@ class CheckpointContext:
                       "follows the flags given now", file=sys.stderr, flush=True)
         return done
 
-    def _chosen(self) -> Path | None:
-        """The checkpoint to resume from, as rank 0 finds it and tells the others (a broadcast on
-        `device`): finding it reads every file of each newer checkpoint for its sha256, which
-        every rank of a large job doing at once would multiply by the world size on a shared
-        filesystem. Rank 0's error (a damaged checkpoint named itself) ends every rank."""
-        code, problem = _NONE, None
+    def chosen(self) -> Path | None:
+        """The checkpoint to resume from: the first of rank 0's `candidates` (it lists them and
+        tells the others, by broadcasts on `device`) that every rank finds whole, each reading
+        its `share` of the files for their sha256, where one rank alone would read them all."""
+        listed = torch.zeros(_MOST_CANDIDATES, dtype=torch.int64, device=self.device)
+        count = torch.zeros(1, dtype=torch.int64, device=self.device)
         if self.rank == 0:
-            try:
-                path, skipped = latest_checkpoint(self.root) if self.root.is_dir() else (None, [])
-                for line in skipped:
-                    print(f"autopart: {line}", file=sys.stderr, flush=True)
-                code = _NONE if path is None else _ROOT if path == self.root else step_of(path)
-            except ConfigError as exc:
-                code, problem = _FAILED, exc
-            except OSError as exc:
-                code, problem = _FAILED, CheckpointError(f"{self.root} cannot be read ({exc.strerror or exc}); "
-                                                         "check the path given to --checkpoint-dir")
-        told = torch.tensor([code], dtype=torch.int64, device=self.device)
-        dist.broadcast(told, src=0)
-        code = int(told.item())
-        if problem is not None:
-            raise problem
-        if code == _FAILED:
-            raise ConfigError(f"rank 0 could not choose a checkpoint in {self.root} to resume from (its error says why)")
-        return None if code == _NONE else self.root if code == _ROOT else step_folder(self.root, code)
+            found = candidates(self.root) if self.root.is_dir() else []
+            steps = [_ROOT if path == self.root else step_of(path) for path in found][:_MOST_CANDIDATES]
+            count[0] = len(steps)
+            listed[:len(steps)] = torch.tensor(steps, dtype=torch.int64)
+        dist.broadcast(count, src=0)
+        dist.broadcast(listed, src=0)
+        world_size = dist.get_world_size()
+        for code in listed[:int(count.item())].tolist():
+            path = self.root if code == _ROOT else step_folder(self.root, code)
+            why = problem(path, self.rank, world_size)
+            bad = torch.tensor([0 if why is None else 1], dtype=torch.int64, device=self.device)
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+            if not bad.item():
+                return path
+            if path == self.root:
+                raise refused(self.root, why or "another rank found a file that does not match its sha256")
+            if why is not None:
+                print(f"autopart: {damaged(path, why)} (rank {self.rank})", file=sys.stderr, flush=True)
+        return None
 
 
-_NONE, _ROOT, _FAILED = -1, -2, -3  # what rank 0 tells of its choice (`CheckpointContext._chosen`), else the step
+_ROOT = -1  # of rank 0's candidates (`CheckpointContext.chosen`): the folder given is a checkpoint itself
+_MOST_CANDIDATES = 1024  # the newest checkpoints a resume looks at

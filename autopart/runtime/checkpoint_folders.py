@@ -17,11 +17,13 @@ from pathlib import Path
 from autopart.ir.errors import CheckpointError, ConfigError
 from autopart.runtime.launch import file_sha256, plan_digest
 
-__all__ = ["RECORD", "check_unused", "latest_checkpoint", "put_in_place", "read_record", "remove_saved",
-           "staging_folder", "step_folder", "step_of", "write_record"]
+__all__ = ["RECORD", "candidates", "check_unused", "damaged", "latest_checkpoint", "problem", "put_in_place",
+           "read_record", "refused", "remove_saved", "share", "staging_folder", "step_folder", "step_of",
+           "write_digests", "write_record"]
 
 RECORD = "autopart.json"
 _STEP = "step_"
+_DIGESTS = ".sha256-of-rank-"  # a rank's share of a save's digests, while it is staged
 
 
 def step_folder(root: Path, step: int) -> Path:
@@ -34,11 +36,30 @@ def staging_folder(root: Path, step: int) -> Path:
     return root / f".{_STEP}{step:08d}.partial"
 
 
+def share(names: list[str], rank: int, world_size: int) -> list[str]:
+    """The files of a checkpoint that ``rank`` reads for their sha256, of ``names`` sorted: every
+    ``world_size``-th, so that the ranks of a large job hash a save (and check one on resume)
+    together, each a share, where one rank alone would read it all."""
+    return sorted(names)[rank::world_size]
+
+
+def write_digests(staging: Path, rank: int, world_size: int) -> None:
+    """This rank's share of the sha256 of the files written into ``staging`` so far, in a small
+    JSON file there that `write_record` folds into the record."""
+    names = [p.name for p in staging.iterdir() if p.is_file() and not p.name.startswith(_DIGESTS)]
+    digests = {name: file_sha256(staging / name) for name in share(names, rank, world_size)}
+    (staging / f"{_DIGESTS}{rank}").write_text(json.dumps(digests))
+
+
 def write_record(staging: Path, *, step: int, out_dir: Path, optimizer: str, flags: dict[str, str]) -> None:
     """The compile's files beside the tensors, and the record of them all, written to disk."""
     shutil.copyfile(out_dir / "plan.json", staging / "plan.json")
     shutil.copyfile(out_dir / "model.py", staging / "model.py")
-    files = {p.name: file_sha256(p) for p in sorted(staging.iterdir()) if p.is_file()}
+    hashed: dict[str, str] = {}
+    for part in sorted(staging.glob(f"{_DIGESTS}*")):  # the ranks' shares (`write_digests`)
+        hashed.update(json.loads(part.read_text()))
+        part.unlink()
+    files = {p.name: hashed.get(p.name) or file_sha256(p) for p in sorted(staging.iterdir()) if p.is_file()}
     record = {"step": step, "optimizer": optimizer, "plan_sha256": plan_digest(out_dir / "plan.json"), "flags": flags,
               "files": files}
     with open(staging / RECORD, "w") as file:
@@ -100,19 +121,39 @@ def check_unused(root: Path) -> None:
                           f"{saved[-1]}); add --resume to go on from them, or give a new or empty --checkpoint-dir")
 
 
-def _problem(path: Path) -> str | None:
-    """Why a checkpoint directory cannot be used, or None when every file is as it was written."""
+def problem(path: Path, rank: int = 0, world_size: int = 1) -> str | None:
+    """Why a checkpoint directory cannot be used, or None when every file is as it was written:
+    its record, every file it lists, and of those the ``rank``-th `share`'s sha256."""
     try:
         record = json.loads((path / RECORD).read_text())
-        files = record["files"]
+        files = dict(record["files"])
     except (OSError, ValueError, KeyError, TypeError):
         return f"{RECORD} is missing or unreadable"
-    for name, digest in files.items():
+    for name in files:
         if not (path / name).is_file():
             return f"{name} is missing"
-        if file_sha256(path / name) != digest:
+    for name in share(list(files), rank, world_size):
+        if file_sha256(path / name) != files[name]:
             return f"{name} does not match its sha256"
     return None
+
+
+def candidates(root: Path) -> list[Path]:
+    """What a resume from ``root`` may take, best first: ``root`` itself when it is a checkpoint,
+    else its checkpoint folders, newest first."""
+    if (root / RECORD).exists():
+        return [root]
+    return sorted((p for p in root.glob(f"{_STEP}*") if step_of(p) >= 0), key=step_of, reverse=True)
+
+
+def damaged(path: Path, why: str) -> str:
+    """The line of a checkpoint passed over for an earlier one."""
+    return f"checkpoint {path} is damaged ({why}); falling back to an earlier one"
+
+
+def refused(root: Path, why: str) -> ConfigError:
+    """The error of a ``root`` that is a damaged checkpoint itself: nothing earlier to fall back to."""
+    return ConfigError(f"checkpoint {root} is damaged: {why}; use an earlier step_* directory")
 
 
 def step_of(path: Path) -> int:
@@ -128,18 +169,14 @@ def latest_checkpoint(root: Path) -> tuple[Path | None, list[str]]:
     """The newest complete, intact checkpoint under ``root`` (or ``root`` itself when it is one),
     and one line for every newer one that was passed over."""
     root = Path(root)
-    if (root / RECORD).exists():
-        problem = _problem(root)
-        if problem:
-            raise ConfigError(f"checkpoint {root} is damaged: {problem}; use an earlier step_* directory")
-        return root, []
-    candidates = sorted((p for p in root.glob(f"{_STEP}*") if step_of(p) >= 0), key=step_of, reverse=True)
     skipped = []
-    for path in candidates:
-        problem = _problem(path)
-        if problem is None:
+    for path in candidates(root):
+        why = problem(path)
+        if why is None:
             return path, skipped
-        skipped.append(f"checkpoint {path} is damaged ({problem}); falling back to an earlier one")
+        if path == root:
+            raise refused(root, why)
+        skipped.append(damaged(path, why))
     return None, skipped
 
 
