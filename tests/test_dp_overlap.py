@@ -7,6 +7,7 @@ import json
 import pytest
 
 from autopart.ir.buckets import BUCKET_BYTES, FIRST_BUCKET_BYTES, final_gradient_positions, plan_buckets
+from autopart.ir.actions import Kind
 from autopart.schedule import Action, add_communication, build_schedule
 from tests.distributed import FREE_LINKS, REPO, assert_same_training, compile_and_train
 
@@ -78,3 +79,44 @@ def test_buckets_are_marked_by_the_step_s_timer():
     timer = StepTimer(torch.device("cpu"))
     executor.step([()], timer=timer)
     assert reducer.clock == timer.mark
+
+
+def _reduce_in_buckets(rank: int, port: int) -> None:
+    """Two replicas reduce one stage's gradients: each ``.grad`` ends as a view of its bucket (no
+    second copy of the gradients is held), holding the mean of the replicas' gradients."""
+    import torch
+    import torch.distributed as dist
+
+    from autopart.runtime.reducer import GradientReducer
+    from tests.distributed import gloo_group
+
+    with gloo_group(rank, port, 2):
+        torch.manual_seed(0)
+        module = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+        actions = add_communication(build_schedule("1f1b", ranks=1, microbatches=1), ranks=1)[0]
+        reducer = GradientReducer(modules={0: module}, orders={0: [n for n, _ in module.named_parameters()]},
+                                  actions=actions, group=dist.group.WORLD, size=2)
+        expected = {}
+        for replica in range(2):
+            module.zero_grad(set_to_none=True)
+            module(torch.full((3, 4), float(replica + 1))).square().sum().backward()
+            for name, parameter in module.named_parameters():
+                expected[name] = expected.get(name, 0) + parameter.grad / 2
+        module.zero_grad(set_to_none=True)
+        for position, action in enumerate(actions):
+            reducer.before(position, action)
+            if action.kind is Kind.B:
+                module(torch.full((3, 4), float(rank + 1))).square().sum().backward()
+            reducer.after(position, action)
+        reducer.wait()
+        storages = {p.grad.untyped_storage().data_ptr() for p in module.parameters()}
+        assert len(reducer.buckets) == 1 and len(storages) == 1, "every gradient a view of the one bucket"
+        for name, parameter in module.named_parameters():
+            torch.testing.assert_close(parameter.grad, expected[name], msg=name)
+
+
+@pytest.mark.multiprocess
+def test_gradients_live_in_their_buckets_once_launched():
+    from tests.distributed import fork_ranks
+
+    assert fork_ranks(_reduce_in_buckets, 2, timeout=60) == [0, 0]

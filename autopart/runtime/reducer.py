@@ -16,7 +16,8 @@ writes its gradients by hand, and its stage's parameters are final when it retur
 are launched strictly in their order (``async_op=True``), so that every replica issues the
 same collectives in the same order whatever order autograd runs in; `GradientReducer.wait`
 waits for them all before the optimizer step and divides by the replicas (the mean loss over
-the global batch, as each replica's loss is already the mean over its microbatches).
+the global batch, as each replica's loss is already the mean over its microbatches). A bucket's
+gradients move into its flat tensor when it is launched, and stay there as views.
 
 `plan_buckets` and `final_gradient_positions` (`autopart.ir.buckets`) are the rule the step
 model counts too (`autopart.predict.reduction`): one definition of which bytes go when.
@@ -72,7 +73,8 @@ class GradientReducer:
 
     def _reset(self) -> None:
         self.waiting = [set(b.names) for b in self.buckets]
-        self.in_flight: list[tuple[list[torch.Tensor], torch.Tensor, dist.Work | None]] = []
+        self.reduced = 0  # buckets launched this step
+        self.in_flight: list[tuple[torch.Tensor, dist.Work]] = []
         self.launched_at: list[Mark] = []  # each bucket's launch this step, by `clock`
 
     def before(self, position: int, action: Action) -> None:
@@ -94,28 +96,31 @@ class GradientReducer:
 
     def _ready(self, key: tuple[int, str]) -> None:
         self.waiting[self.bucket_of[key]].discard(key[1])
-        while len(self.in_flight) < len(self.buckets) and not self.waiting[len(self.in_flight)]:
-            self._launch(self.buckets[len(self.in_flight)])
+        while self.reduced < len(self.buckets) and not self.waiting[self.reduced]:
+            self._launch(self.buckets[self.reduced])
 
     def _launch(self, bucket: Bucket) -> None:
+        """All-reduce the bucket's gradients as one flat tensor per dtype (one, in practice). The
+        gradients move into it and live there from then on (each ``.grad`` a view of it), as
+        DDP's ``gradient_as_bucket_view``: the step holds one copy of its gradients, where a flat
+        copy beside them, kept until the step's last bucket was reduced, doubled them."""
         self.launched_at.append(self.clock())
-        grads = [g for g in (self.parameters[bucket.stage, n].grad for n in bucket.names) if g is not None]
-        if not grads:  # no gradient reached these parameters on any replica (the same graph everywhere)
-            self.in_flight.append(([], torch.empty(0), None))
-            return
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        self.in_flight.append((grads, flat, dist.all_reduce(flat, group=self.group, async_op=True)))
+        held = [p for p in (self.parameters[bucket.stage, n] for n in bucket.names) if p.grad is not None]
+        # none at all: no gradient reached these parameters on any replica (the same graph everywhere)
+        for dtype in dict.fromkeys(p.grad.dtype for p in held):
+            members = [p for p in held if p.grad.dtype == dtype]
+            flat = torch.cat([p.grad.reshape(-1) for p in members])
+            offset = 0
+            for parameter in members:
+                parameter.grad = flat[offset : offset + parameter.numel()].view_as(parameter)
+                offset += parameter.numel()
+            self.in_flight.append((flat, dist.all_reduce(flat, group=self.group, async_op=True)))
+        self.reduced += 1
 
     def wait(self) -> None:
-        """Wait for every bucket's all-reduce and write the mean back into the gradients."""
-        assert len(self.in_flight) == len(self.buckets), "a stage's last backward did not run"
-        for grads, flat, work in self.in_flight:
-            if work is None:
-                continue
+        """Wait for every bucket's all-reduce and take the mean (in the gradients, views of the buckets)."""
+        assert self.reduced == len(self.buckets), "a stage's last backward did not run"
+        for flat, work in self.in_flight:
             work.wait()
             flat /= self.size
-            offset = 0
-            for grad in grads:
-                grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
-                offset += grad.numel()
         self._reset()
