@@ -44,11 +44,14 @@ torch.testing.assert_close(gathered, x.detach())
 
 # a bf16 working weight's partial gradients (a norm's weight read by a sequence-split norm) are
 # summed in fp32 and rounded once: element i is 1 on rank i and 3 * 2**-10 elsewhere, each of which
-# a bf16 running sum that starts from the 1 rounds away (half an ulp of 1 is 2**-8)
-norm_weight = torch.nn.Parameter(torch.ones(t, dtype=torch.bfloat16))
+# a bf16 running sum that starts from the 1 rounds away (half an ulp of 1 is 2**-8). The working
+# weight is a plain tensor, cast from the fp32 master as `autopart.runtime.forward` casts it.
+master = torch.ones(t, requires_grad=True)
 parts = torch.full((t, t), 3 * 2.0**-10).fill_diagonal_(1.0)  # row r: rank r's gradient
-tp.copy_to_tp(norm_weight).backward(parts[rank].to(torch.bfloat16))
-torch.testing.assert_close(norm_weight.grad, parts.to(torch.bfloat16).float().sum(0).to(torch.bfloat16), rtol=0, atol=0)
+tp.copy_weight_to_tp(master.to(torch.bfloat16)).backward(parts[rank].to(torch.bfloat16))
+norm_weight = master
+torch.testing.assert_close(norm_weight.grad, parts.to(torch.bfloat16).float().sum(0).to(torch.bfloat16).float(),
+                           rtol=0, atol=0)
 print("ok", rank, flush=True)
 dist.barrier()
 dist.destroy_process_group()

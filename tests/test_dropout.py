@@ -159,6 +159,21 @@ def test_sequence_parallel_dropout_is_emitted_per_rank_and_replayed_by_recompute
     assert rebuilt == pytest.approx(kept, rel=1e-6)
 
 
+def test_torch_dropout_of_a_split_tensor_is_emitted_per_rank(tmp_path):
+    """``torch.dropout(x, p, train)``, which fx keeps as it is written, draws per rank as ``F.dropout`` does."""
+    model = tmp_path / "torch_dropout_gpt.py"
+    line = "return x + F.dropout(self.out(F.gelu(self.fc(self.ln_2(x)))), DROPOUT, self.training)"
+    assert line in MODEL.read_text()
+    model.write_text(MODEL.read_text().replace(line, line.replace("F.dropout", "torch.dropout").replace(
+        "self.training", "train=self.training")))
+    out = tmp_path / "out"
+    compile_to_directory(CompileOptions(model=model, pp=1, tp=2, microbatches=2, micro_batch_size=2,
+                                        device=str(FREE_LINKS)), out)  # every op that can split does
+    source = (out / "stages" / "stage_0.py").read_text()
+    assert load_plan(out / "plan.json").sp and "torch.dropout(" not in source, source
+    assert source.count("= tp.sharded_dropout(") == 2 and "train=" not in source, source
+
+
 @pytest.mark.multiprocess
 def test_attention_with_dropout_splits_its_heads_each_rank_drawing_its_own(tmp_path):
     """Attention with dropout on the probabilities was kept whole under tensor parallelism (one

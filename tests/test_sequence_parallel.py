@@ -90,7 +90,7 @@ def test_a_size_read_off_the_normed_input_keeps_the_regathered_slice(tmp_path):
 
 
 TP_COLLECTIVES = ("all_reduce", "reduce_scatter", "gather_from_sequence", "gather_for_products", "gathered_linear",
-                  "copy_to_tp", "copy_for_products")
+                  "copy_to_tp", "copy_weight_to_tp", "copy_for_products")
 
 
 def collectives(source: str, names: tuple[str, ...] = TP_COLLECTIVES, module: str = "tp") -> dict[str, int]:
@@ -110,11 +110,14 @@ def test_sequence_parallel_turns_all_reduces_into_reduce_scatters(tmp_path, sp):
     model = megatron_layers(tmp_path / "layers.py")
     plan = autopart.compile(model, tp=8, sp=sp, microbatches=1, micro_batch_size=1, device="h100-sxm")
     assert plan.sp is sp
-    found = collectives((autopart.emit(plan, tmp_path / "out") / "stages" / "stage_0.py").read_text())
+    source = (autopart.emit(plan, tmp_path / "out") / "stages" / "stage_0.py").read_text()
+    found = collectives(source)
     if sp:  # per layer: the two row-parallel linears reduce-scatter, the two column-parallel ones gather
         assert found["all_reduce"] == 0, found
         assert found["reduce_scatter"] == 2 * 2, found
         assert found["gathered_linear"] == 2 * 2 + 1, found  # and the head's
+        # the norms' weights, read by norms of sequence slices: their partial gradients summed in fp32
+        assert found["copy_weight_to_tp"] > 0 and "tp.copy_to_tp(self." not in source, found
     else:
         assert found["reduce_scatter"] == found["gathered_linear"] == found["gather_from_sequence"] == 0, found
         assert found["all_reduce"] == 2 * 2, found

@@ -186,7 +186,7 @@ def _without_defaults(target: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
 VIEW_OPS = frozenset({
     "view", "reshape", "transpose", "permute", "getitem", "chunk", "split", "unbind", "expand", "expand_as",
     "unsqueeze", "squeeze", "t", "flatten", "unflatten", "narrow", "select", "view_as", "reshape_as", "detach",
-    "contiguous", "to", "type_as", "float", "as_strided", "copy_to_tp", "copy_for_products", "all_reduce",
+    "contiguous", "to", "type_as", "float", "as_strided", "copy_to_tp", "copy_weight_to_tp", "copy_for_products", "all_reduce",
 })  # fmt: skip
 """Ops whose output may share its input's storage (``tp.copy_to_tp`` and ``tp.copy_for_products`` are the identity in forward):
 clearing one name of the two frees nothing."""

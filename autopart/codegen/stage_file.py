@@ -28,7 +28,7 @@ _RESERVED = {"F", "torch", "tp", "overlapped", "math", "self", "layer", "Path", 
 """Names the generated code binds itself: a value named so by fx is renamed."""
 
 
-_SAME_SHAPE = {"all_reduce", "copy_to_tp", "copy_for_products"}
+_SAME_SHAPE = {"all_reduce", "copy_to_tp", "copy_weight_to_tp", "copy_for_products"}
 
 
 class _Writer:

@@ -9,7 +9,7 @@ rank runs:
   ``tp.reduce_scatter``; what the stage receives and sends is as the plan holds it across the
   boundary, the residual stream's slice under sequence parallelism); a replicated tensor that
   needs a gradient and feeds a split op goes through ``tp.copy_to_tp`` (all-reduce of its
-  gradient), or, gathered from a sequence split, through ``tp.gather_from_sequence`` (its gradient
+  gradient; a weight's through ``tp.copy_weight_to_tp``, summed in fp32), or, gathered from a sequence split, through ``tp.gather_from_sequence`` (its gradient
   reduce-scattered); under autocast, of an activation that only matrix products read, each moves
   the dtype they read
   (``tp.copy_for_products``, ``tp.gather_for_products``);
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import torch
 from torch import fx
 from torch.nn import functional as F
 
@@ -46,6 +47,7 @@ __all__ = ["overlapped_shapes", "shard_stage_graph"]
 
 _DRAWING = {  # an op that draws, and what a split tensor's rank calls instead
     F.dropout: collectives.sharded_dropout,
+    torch.dropout: collectives.sharded_dropout,  # (input, p, train): F.dropout's first three
     F.scaled_dot_product_attention: collectives.sharded_attention,
 }
 _KINDS = {
@@ -96,7 +98,9 @@ def shard_stage_graph(
             if strategy.kind:
                 _replace_op(node, strategy.kind)
             elif strategy.output.kind == "S" and node.target in _DRAWING:
-                if node.target is F.dropout or argument(node, 4, "dropout_p", 0.0):
+                if node.target in (F.dropout, torch.dropout) or argument(node, 4, "dropout_p", 0.0):
+                    if "train" in node.kwargs:  # torch.dropout's name of F.dropout's ``training``
+                        node.kwargs = {("training" if k == "train" else k): v for k, v in node.kwargs.items()}
                     node.target = _DRAWING[node.target]  # each rank's slice its own mask
         _fold_numbers(node, op_graph, placement, tp)
     for node in graph.nodes:  # the outputs: sent on as the plan holds them (whole, or a slice), or the (replicated) loss
@@ -148,8 +152,9 @@ class _Conversions:
                 value = call(collectives.all_gather, (value, current.dim, current.groups))
             elif current == REPLICATE and required.kind == "S":
                 value = call(collectives.scatter, (value, required.dim, required.groups))
-            if copy:
-                value = call(collectives.copy_to_tp, (value,))
+            if copy:  # a weight's gradient summed in fp32 (`tp.copy_weight_to_tp`), an activation's in its dtype
+                weight = arg.op == "get_attr"
+                value = call(collectives.copy_weight_to_tp if weight else collectives.copy_to_tp, (value,))
                 self.sources[value] = arg.name
         self.converted[key] = value
         return value
@@ -184,7 +189,7 @@ def _move_for_products(graph: fx.Graph, op_graph: OpGraph, sources: dict[fx.Node
     matrix products read (a Llama layer's normed input of q, k and v) becomes its ``_for_products``
     form, which moves the dtype they read, by the rule the solver prices it by
     (``autopart.solve.overlap.moves_for_products``, which the solver asks of every reader that
-    may need the conversion). A weight's gradient is summed in its own dtype."""
+    may need the conversion). A weight's gradient is summed in fp32 (`tp.copy_weight_to_tp`)."""
     for node in list(graph.nodes):
         source = sources.get(node)  # None: not inserted by this pass, left as it is
         if node.target in _FOR_PRODUCTS and source is not None and moves_for_products(op_graph, source, node.users):

@@ -46,6 +46,7 @@ __all__ = [
     "group_rank",
     "all_reduce",
     "copy_to_tp",
+    "copy_weight_to_tp",
     "copy_for_products",
     "all_gather",
     "scatter",
@@ -155,19 +156,30 @@ class _AllReduce(torch.autograd.Function):
 
 
 class _CopyToTP(torch.autograd.Function):
-    """The identity, whose backward sums the gradient over the group (Megatron's f). A
-    parameter's (a norm's weight under sequence parallelism) is summed in fp32 where it is a
-    16-bit working weight, as every weight gradient is reduced (`autopart.ir.tensors.DTYPES`):
-    a 16-bit sum over t ranks rounds up to t - 1 times."""
-
     @staticmethod
     def forward(ctx, tensor: torch.Tensor) -> torch.Tensor:
-        ctx.weight = isinstance(tensor, torch.nn.Parameter) and tensor.dtype in (torch.bfloat16, torch.float16)
         return tensor.view_as(tensor)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        return _reduce(grad.float()).to(grad.dtype) if ctx.weight else _reduce(grad)
+        return _reduce(grad)
+
+
+class _CopyWeightToTP(torch.autograd.Function):
+    """``copy_to_tp`` of a weight (a norm's under sequence parallelism): its partial gradients
+    are summed in fp32 and rounded once where they are 16-bit (a ``bf16`` working weight's), as
+    every weight gradient is reduced (`autopart.ir.tensors.DTYPES`); a 16-bit sum over t ranks
+    rounds up to t - 1 times."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        if grad.dtype in (torch.bfloat16, torch.float16):
+            return _reduce(grad.float()).to(grad.dtype)
+        return _reduce(grad)
 
 
 class _CopyForProducts(torch.autograd.Function):
@@ -284,6 +296,10 @@ def all_reduce(tensor: torch.Tensor) -> torch.Tensor:
 
 def copy_to_tp(tensor: torch.Tensor) -> torch.Tensor:
     return _CopyToTP.apply(tensor)
+
+
+def copy_weight_to_tp(tensor: torch.Tensor) -> torch.Tensor:
+    return _CopyWeightToTP.apply(tensor)
 
 
 def copy_for_products(tensor: torch.Tensor) -> torch.Tensor:
