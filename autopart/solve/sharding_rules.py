@@ -310,10 +310,12 @@ def _cross_entropy(node: fx.Node, op_graph: OpGraph, t: int, inputs: list[fx.Nod
 
 
 def _attention(node: fx.Node, op_graph: OpGraph, t: int, inputs: list[fx.Node]) -> list[Strategy]:
-    """Split over the batch or the heads; a mask follows along the dims it does not broadcast. With
+    """Split over the batch or the heads, never the sequence (the keys each query sees); a mask
+    follows along the dims it does not broadcast. With
     dropout on the probabilities each rank draws its slice's from a stream of its own
     (``tp.sharded_attention``, emitted by `autopart.codegen.tensor_parallel`)."""
-    return follow(node, op_graph, t, inputs, out_dims=[0, 1])
+    out = meta_of(op_graph, node)  # (batch, heads, sequence, head dim), or (batch·heads, sequence, head dim)
+    return follow(node, op_graph, t, inputs, out_dims=list(range(len(out.shape) - 2)))
 
 
 def _layer_norm(node: fx.Node, op_graph: OpGraph, t: int, inputs: list[fx.Node]) -> list[Strategy]:
