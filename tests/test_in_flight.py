@@ -1,6 +1,7 @@
 """One count of the microbatches in flight: the closed form the compiler and the search both use
 (`autopart.predict.in_flight`) against the schedule simulated, as the compiler once counted it,
-and what a rank of several stages holds at once against its action lists."""
+and what a rank of several stages holds at once against its action lists. A microbatch is held
+from its forward to its whole backward or its weight half (W): its input half keeps the graph."""
 
 import random
 
@@ -50,7 +51,7 @@ def _walked_moments(kind: str, ranks: int, microbatches: int, chunks: int) -> di
             if action.kind is Kind.F:
                 live[action.stage] += 1
                 found[rank].append(tuple(live[s] for s in mine))
-            elif action.kind in (Kind.B, Kind.I):
+            elif action.kind in (Kind.B, Kind.W):  # an I keeps the graph, and so the activations, for its W
                 live[action.stage] -= 1
     return found
 

@@ -27,14 +27,15 @@ TINY_GPT = Path(__file__).parent / "models" / "tiny_gpt.py"
 
 def rank_activation_peak(actions: list, parts: list[tuple[int, int, int]]) -> int:
     """The most activation bytes a rank holds at once as it runs its action list in order (a
-    forward takes a microbatch in, its backward or input-gradient half lets it go)."""
+    forward takes a microbatch in, its backward or weight-gradient half lets it go: the input half
+    keeps the graph for it)."""
     live: dict[int, int] = {}
     peak = 0
     for action in actions:
         if action.kind is Kind.F:
             live[action.stage] = live.get(action.stage, 0) + 1
             peak = max(peak, sum(count * parts[s][1] for s, count in live.items()))
-        elif action.kind in (Kind.B, Kind.I):
+        elif action.kind in (Kind.B, Kind.W):
             live[action.stage] -= 1
     return peak
 

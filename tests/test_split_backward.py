@@ -111,6 +111,37 @@ def test_input_then_weight_gradients_equal_one_backward(case):
         torch.testing.assert_close(split, full, rtol=1e-6, atol=1e-7)
 
 
+def test_the_input_half_keeps_what_the_forward_saved_until_the_weight_half():
+    """What the memory model counts (`autopart.schedule.peaks`): a microbatch's activations
+    live until its W, not its I, where the backward is split; W lets them go."""
+    import gc
+    import weakref
+
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.LayerNorm(16), nn.Linear(16, 8), nn.Tanh(), nn.Linear(8, 4))
+    x = torch.randn(3, 8)
+    saved = []
+
+    def pack(tensor):  # what the graph holds: a detached alias (a tensor itself would make a cycle with its node)
+        alias = tensor.detach()
+        saved.append(weakref.ref(alias))
+        return alias
+
+    inputs = [x.clone().requires_grad_(True)]
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        out = module(*inputs)
+    made = list(saved)
+    assert len(made) > 6, "the forward saved its activations"
+    _, pending = backward_input([out], [torch.ones_like(out)], inputs, list(module.parameters()))
+    del out
+    gc.collect()
+    assert sum(ref() is not None for ref in made) == len(made), "I keeps every saved activation"
+    backward_weight(pending)
+    del pending
+    gc.collect()
+    assert not any(ref() is not None for ref in made), "W lets them go"
+
+
 def test_weight_gradients_accumulate_over_microbatches():
     module, (x,), _ = _cases()["gpt-block"]
     module.zero_grad(set_to_none=True)

@@ -1,5 +1,9 @@
 """How many microbatches' activations each stage holds at its peak, without building the schedule.
 
+A microbatch's activations live from its forward to its whole backward, or, where the backward
+is split, to its weight half (W): the input half (I) keeps the autograd graph for W
+(``retain_graph``, `autopart.runtime.backward`), and with it every tensor the forward saved.
+
 The search asks this for every layout it scores, for pipelines of up to hundreds of ranks, where
 building and simulating the action lists takes seconds. Each stage lives on one rank, so its
 peak follows from that rank's order of forwards and backwards alone, which ``generators.py``
@@ -22,8 +26,10 @@ def peak_in_flight(kind: str, *, ranks: int, microbatches: int, chunks: int = 1)
     p, m = ranks, microbatches
     if kind == "gpipe":  # every forward before any backward
         return (m,) * p
-    if kind in ("1f1b", "zb-h1"):  # p - 1 - r warm-up forwards, then one in, one out
+    if kind == "1f1b":  # p - 1 - r warm-up forwards, then one in, one out
         return tuple(min(p - r, m) for r in range(p))
+    if kind == "zb-h1":  # as 1F1B's to its I, and rank r holds r weight halves back: p on every rank
+        return (min(p, m),) * p
     if kind == "zbv":  # stage s of the V (down then up) is as far from the loss as stage p - 1 - s of 1F1B over 2p
         return tuple(min(2 * p - s, m) for s in range(2 * p))
     if kind != "interleaved":
@@ -124,7 +130,7 @@ def _interleaved_after(warmup: np.ndarray, steps: np.ndarray, p: int, v: int, to
 @functools.lru_cache(maxsize=256)
 def _walked(kind: str, ranks: int, microbatches: int) -> tuple[tuple[tuple[int, ...], ...], ...]:
     """The moments of ``_peak_candidates`` read off the action lists themselves (a forward takes a
-    microbatch in, its backward or input-gradient half lets it go), for schedules with no closed form."""
+    microbatch in, its backward or weight-gradient half lets it go), for schedules with no closed form."""
     from autopart.ir.actions import Kind
     from autopart.schedule.generators import build_schedule, stage_placement
 
@@ -137,7 +143,7 @@ def _walked(kind: str, ranks: int, microbatches: int) -> tuple[tuple[tuple[int, 
             if action.kind is Kind.F:
                 live[mine.index(action.stage)] += 1
                 rows.append(list(live))
-            elif action.kind in (Kind.B, Kind.I):
+            elif action.kind in (Kind.B, Kind.W):
                 live[mine.index(action.stage)] -= 1
         found.extend(_peak_candidates(np.array([rows or [live]])))
     return tuple(found)

@@ -89,7 +89,7 @@ def _peak_in_flight(actions_in_order: list[Action]) -> tuple[int, ...]:
     stages = max(map(operator.attrgetter("stage"), actions_in_order)) + 1
     live = [0] * stages
     peak = [0] * stages
-    F, B, I = Kind.F, Kind.B, Kind.I
+    F, B, W = Kind.F, Kind.B, Kind.W
     for action in actions_in_order:
         kind = action.kind
         if kind is F:
@@ -97,7 +97,7 @@ def _peak_in_flight(actions_in_order: list[Action]) -> tuple[int, ...]:
             live[stage] += 1
             if live[stage] > peak[stage]:
                 peak[stage] = live[stage]
-        elif kind is B or kind is I:
+        elif kind is B or kind is W:  # an I keeps the graph for its W (`autopart.schedule.peaks`)
             live[action.stage] -= 1
     return tuple(peak)
 
