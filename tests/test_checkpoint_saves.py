@@ -123,3 +123,29 @@ def test_a_save_is_hashed_by_its_ranks_together(tmp_path: Path) -> None:
     names = [f"__{r}_{k}.distcp" for r in range(5) for k in range(3)] + [".metadata"]
     shares = [share(names, rank, 4) for rank in range(4)]
     assert sorted(sum(shares, [])) == sorted(names) and max(map(len, shares)) - min(map(len, shares)) <= 1
+
+
+def _save_apart(rank: int, port: int, folder: Path) -> None:
+    """Rank 1's files land where rank 0 does not see them (each node's own disk): its share of
+    the digests never reaches rank 0's folder."""
+    from autopart.runtime import checkpoint
+
+    if rank == 1:
+        checkpoint.write_digests = lambda staging, rank, world_size: None
+    with gloo_group(rank, port, 2):
+        with pytest.raises(CheckpointError) as error:
+            _save(folder, rank, 1.0)
+        if rank == 0:
+            assert "holds the files of 1 of the 2 ranks" in str(error.value)
+            assert "give --checkpoint-dir on a filesystem that every node shares" in str(error.value)
+        else:
+            assert "rank 0 could not put it in place" in str(error.value)
+        assert not (folder / "ckpt" / "step_00000001").exists()
+
+
+def test_a_checkpoint_dir_that_not_every_node_sees_is_refused(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "plan.json").write_text(json.dumps({"plan": "a stand-in"}))
+    (out / "model.py").write_text("")
+    assert fork_ranks(_save_apart, 2, tmp_path, timeout=60) == [0, 0]

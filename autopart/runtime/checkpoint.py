@@ -216,7 +216,8 @@ def save_checkpoint(
     failure = ""
     if rank == 0:
         try:
-            write_record(staging, step=step, out_dir=out_dir, optimizer=optimizer, flags=flags or {})
+            write_record(staging, step=step, out_dir=out_dir, optimizer=optimizer, flags=flags or {},
+                         world_size=dist.get_world_size())
             put_in_place(staging, final)
         except (OSError, CheckpointError) as exc:
             failure = str(exc)

@@ -51,12 +51,20 @@ def write_digests(staging: Path, rank: int, world_size: int) -> None:
     (staging / f"{_DIGESTS}{rank}").write_text(json.dumps(digests))
 
 
-def write_record(staging: Path, *, step: int, out_dir: Path, optimizer: str, flags: dict[str, str]) -> None:
-    """The compile's files beside the tensors, and the record of them all, written to disk."""
+def write_record(staging: Path, *, step: int, out_dir: Path, optimizer: str, flags: dict[str, str],
+                 world_size: int = 1) -> None:
+    """The compile's files beside the tensors, and the record of them all, written to disk. Every
+    one of the ``world_size`` ranks' shares of the digests must be there: a rank whose share is
+    not wrote into a folder this one does not see (a --checkpoint-dir on each node's own disk)."""
+    parts = sorted(staging.glob(f"{_DIGESTS}*"))  # the ranks' shares (`write_digests`)
+    if len(parts) != world_size:
+        raise CheckpointError(f"{staging} holds the files of {len(parts)} of the {world_size} ranks: the others wrote "
+                              "into a folder of the same name that this node does not see; give --checkpoint-dir "
+                              "on a filesystem that every node shares")
     shutil.copyfile(out_dir / "plan.json", staging / "plan.json")
     shutil.copyfile(out_dir / "model.py", staging / "model.py")
     hashed: dict[str, str] = {}
-    for part in sorted(staging.glob(f"{_DIGESTS}*")):  # the ranks' shares (`write_digests`)
+    for part in parts:
         hashed.update(json.loads(part.read_text()))
         part.unlink()
     files = {p.name: hashed.get(p.name) or file_sha256(p) for p in sorted(staging.iterdir()) if p.is_file()}
