@@ -72,7 +72,7 @@ def test_a_record_that_names_files_outside_its_folder_removes_none_of_them(tmp_p
 
 def _choose(rank: int, port: int, root: Path) -> None:
     """Two ranks choose the checkpoint to resume from ``root``, each reading half the files for
-    their sha256: ``b.distcp`` is rank 1's half."""
+    their sha256: ``__1_0.distcp``, which DCP writes for rank 1, is its share."""
     from autopart.ir.errors import ConfigError
     from autopart.runtime.checkpoint import CheckpointContext
 
@@ -83,10 +83,11 @@ def _choose(rank: int, port: int, root: Path) -> None:
 
     def saved(folder: Path, wrong: bool) -> Path:
         folder.mkdir(parents=True)
-        for name in ("a.distcp", "b.distcp"):
+        for name in ("__0_0.distcp", "__1_0.distcp"):
             (folder / name).write_bytes(name.encode())
-        digest = hashlib.sha256(b"b.distcp").hexdigest()
-        files = {"a.distcp": hashlib.sha256(b"a.distcp").hexdigest(), "b.distcp": "0" * 64 if wrong else digest}
+        digest = hashlib.sha256(b"__1_0.distcp").hexdigest()
+        files = {"__0_0.distcp": hashlib.sha256(b"__0_0.distcp").hexdigest(),
+                 "__1_0.distcp": "0" * 64 if wrong else digest}
         (folder / RECORD).write_text(json.dumps({"step": 1, "files": files}))
         return folder
 
@@ -104,7 +105,7 @@ def _choose(rank: int, port: int, root: Path) -> None:
         single = CheckpointContext(**{**vars(context), "root": root / "step_00000002"})
         with pytest.raises(ConfigError) as error:
             single.chosen()
-        why = "b.distcp does not match its sha256" if rank == 1 else "another rank found a file"
+        why = "__1_0.distcp does not match its sha256" if rank == 1 else "another rank found a file"
         assert f"checkpoint {root / 'step_00000002'} is damaged: {why}" in str(error.value)
 
 
@@ -112,26 +113,30 @@ def test_the_ranks_check_a_checkpoint_together_and_agree_on_the_one_to_resume(tm
     """Each rank reads its share of the files for their sha256 (one rank alone would read them
     all); the one that finds a damaged file says so, and every rank passes that checkpoint over."""
     assert fork_ranks(_choose, 2, tmp_path / "ckpt", timeout=60) == [0, 0]
-    assert "step_00000002 is damaged (b.distcp does not match its sha256); falling back to an earlier one (rank 1)" in \
-        capfd.readouterr().err
+    said = "step_00000002 is damaged (__1_0.distcp does not match its sha256); falling back to an earlier one (rank 1)"
+    assert said in capfd.readouterr().err
 
 
 def test_a_save_is_hashed_by_its_ranks_together(tmp_path: Path) -> None:
-    """`share` deals the files out so that the ranks' shares cover them once."""
+    """`share` deals the files out so that the ranks' shares cover them once: each rank the files
+    DCP wrote for it, which it sees at once whatever the filesystem."""
     from autopart.runtime.checkpoint_folders import share
 
-    names = [f"__{r}_{k}.distcp" for r in range(5) for k in range(3)] + [".metadata"]
+    names = [f"__{r}_{k}.distcp" for r in range(4) for k in range(3)] + [".metadata", "plan.json", "model.py"]
     shares = [share(names, rank, 4) for rank in range(4)]
-    assert sorted(sum(shares, [])) == sorted(names) and max(map(len, shares)) - min(map(len, shares)) <= 1
+    assert sorted(sum(shares, [])) == sorted(names), "every file in one share"
+    assert shares[2] == ["__2_0.distcp", "__2_1.distcp", "__2_2.distcp"], "each rank the files it wrote"
+    assert set(shares[0]) == {"__0_0.distcp", "__0_1.distcp", "__0_2.distcp", ".metadata", "plan.json", "model.py"}
 
 
 def _save_apart(rank: int, port: int, folder: Path) -> None:
     """Rank 1's files land where rank 0 does not see them (each node's own disk): its share of
     the digests never reaches rank 0's folder."""
-    from autopart.runtime import checkpoint
+    from autopart.runtime import checkpoint, checkpoint_folders
 
     if rank == 1:
         checkpoint.write_digests = lambda staging, rank, world_size: None
+    checkpoint_folders.SHARES_WITHIN_S = 2.0  # rank 0 waits this long for rank 1's share (60 s in a run)
     with gloo_group(rank, port, 2):
         with pytest.raises(CheckpointError) as error:
             _save(folder, rank, 1.0)

@@ -11,19 +11,23 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import time
 from pathlib import Path
 
 from autopart.ir.errors import CheckpointError, ConfigError
 from autopart.runtime.launch import file_sha256, plan_digest
 
-__all__ = ["RECORD", "candidates", "check_unused", "damaged", "latest_checkpoint", "problem", "put_in_place",
-           "read_record", "refused", "remove_saved", "share", "staging_folder", "step_folder", "step_of",
+__all__ = ["RECORD", "SHARES_WITHIN_S", "candidates", "check_unused", "damaged", "latest_checkpoint", "problem",
+           "put_in_place", "read_record", "refused", "remove_saved", "share", "staging_folder", "step_folder", "step_of",
            "write_digests", "write_record"]
 
 RECORD = "autopart.json"
 _STEP = "step_"
 _DIGESTS = ".sha256-of-rank-"  # a rank's share of a save's digests, while it is staged
+_DCP_FILE = re.compile(r"__(\d+)_\d+\.distcp$")  # torch.distributed.checkpoint's FileSystemWriter's, per rank
+SHARES_WITHIN_S = 60.0  # how long rank 0 waits to see every rank's share (NFS caches a directory up to 60 s)
 
 
 def step_folder(root: Path, step: int) -> Path:
@@ -37,10 +41,17 @@ def staging_folder(root: Path, step: int) -> Path:
 
 
 def share(names: list[str], rank: int, world_size: int) -> list[str]:
-    """The files of a checkpoint that ``rank`` reads for their sha256, of ``names`` sorted: every
-    ``world_size``-th, so that the ranks of a large job hash a save (and check one on resume)
-    together, each a share, where one rank alone would read it all."""
-    return sorted(names)[rank::world_size]
+    """The files of a checkpoint that ``rank`` reads for their sha256, so that the ranks of a
+    large job hash a save (and check one on resume) together, where one rank alone would read it
+    all: the files DCP wrote for it (``__<rank>_<n>.distcp``; each rank sees its own on any
+    filesystem at once), and rank 0's the rest (DCP's ``.metadata``, the compile's files)."""
+    return sorted(name for name in names if _writer(name, world_size) == rank)
+
+
+def _writer(name: str, world_size: int) -> int:
+    """The rank whose share ``name`` is: its DCP writer's, else 0."""
+    match = _DCP_FILE.match(name)
+    return int(match.group(1)) if match and int(match.group(1)) < world_size else 0
 
 
 def write_digests(staging: Path, rank: int, world_size: int) -> None:
@@ -54,20 +65,25 @@ def write_digests(staging: Path, rank: int, world_size: int) -> None:
 def write_record(staging: Path, *, step: int, out_dir: Path, optimizer: str, flags: dict[str, str],
                  world_size: int = 1) -> None:
     """The compile's files beside the tensors, and the record of them all, written to disk. Every
-    one of the ``world_size`` ranks' shares of the digests must be there: a rank whose share is
-    not wrote into a folder this one does not see (a --checkpoint-dir on each node's own disk)."""
-    parts = sorted(staging.glob(f"{_DIGESTS}*"))  # the ranks' shares (`write_digests`)
-    if len(parts) != world_size:
-        raise CheckpointError(f"{staging} holds the files of {len(parts)} of the {world_size} ranks: the others wrote "
-                              "into a folder of the same name that this node does not see; give --checkpoint-dir "
-                              "on a filesystem that every node shares")
+    one of the ``world_size`` ranks' shares of the digests must come (a network filesystem may
+    show another host's new file a little late): one that does not wrote into a folder this node
+    does not see (a --checkpoint-dir on each node's own disk)."""
+    parts = [staging / f"{_DIGESTS}{rank}" for rank in range(world_size)]  # `write_digests`
+    deadline = time.monotonic() + SHARES_WITHIN_S
+    while (missing := sum(not part.is_file() for part in parts)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    if missing:
+        raise CheckpointError(f"{staging} holds the files of {world_size - missing} of the {world_size} ranks: the "
+                              "others wrote into a folder of the same name that this node does not see; give "
+                              "--checkpoint-dir on a filesystem that every node shares")
     shutil.copyfile(out_dir / "plan.json", staging / "plan.json")
     shutil.copyfile(out_dir / "model.py", staging / "model.py")
     hashed: dict[str, str] = {}
     for part in parts:
         hashed.update(json.loads(part.read_text()))
         part.unlink()
-    files = {p.name: hashed.get(p.name) or file_sha256(p) for p in sorted(staging.iterdir()) if p.is_file()}
+    seen = {p.name for p in staging.iterdir() if p.is_file()}  # a listing may lag behind, as above
+    files = {name: hashed.get(name) or file_sha256(staging / name) for name in sorted(seen | set(hashed))}
     record = {"step": step, "optimizer": optimizer, "plan_sha256": plan_digest(out_dir / "plan.json"), "flags": flags,
               "files": files}
     with open(staging / RECORD, "w") as file:
