@@ -222,10 +222,17 @@ def launch_here(out: Path, monkeypatch, capsys, *args: str, rank: int = 0, world
 
 
 @pytest.mark.parametrize("damage", ["world size", "stage file", "edited stage file", "edited model file", "weights",
-                                    "other compile", "used checkpoint dir"])
+                                    "other compile", "used checkpoint dir", "one checkpoint as the dir"])
 def test_launch_checks(compiled, tmp_path, monkeypatch, capsys, damage):
     out = shutil.copytree(compiled, tmp_path / "out")
-    if damage == "used checkpoint dir":  # a run from step 0 would interleave its saves with the earlier run's
+    if damage == "one checkpoint as the dir":  # its saves would go inside it, and every resume take it again
+        one = tmp_path / "ckpt" / "step_00000002"
+        one.mkdir(parents=True)
+        (one / "autopart.json").write_text("{}")
+        for extra in ((), ("--resume",)):
+            error = launch_here(out, monkeypatch, capsys, "--checkpoint-dir", str(one), *extra)
+            assert "is one checkpoint, not a folder of them: give the folder it is in" in error
+    elif damage == "used checkpoint dir":  # a run from step 0 would interleave its saves with the earlier run's
         root = tmp_path / "ckpt"
         (root / "step_00000004").mkdir(parents=True)
         (root / "step_00000004" / "autopart.json").write_text("{}")

@@ -29,14 +29,17 @@ def example_batch(b):
 def loss_fn(out, target):
     return ((out - target) ** 2).mean()
 
-def batches(b, seed):  # the global generators, never seeded here
+def batches(b, seed):  # the global generators, never seeded here: one draw when called, the rest as it goes
+    shift = torch.randn(())
+    return _drawn(b, shift)
+
+def _drawn(b, shift):
     while True:
         scale = random.choice([0.5, 1.0, 2.0])
-        yield (scale * torch.randn(b, 8),), torch.randn(b, 4)
+        yield (scale * torch.randn(b, 8) + shift,), torch.randn(b, 4)
 
-def eval_batches(b, seed):
-    while True:
-        yield (torch.randn(b, 8),), torch.randn(b, 4)
+def eval_batches(b, seed):  # a list: any iterable will do
+    return [((torch.randn(b, 8),), torch.randn(b, 4)) for _ in range(3)]
 """
 
 

@@ -190,7 +190,7 @@ def test_a_resumed_run_continues_the_schedule(tmp_path):
     train(folders["parts"], 2)
     (folders["parts"] / "metrics.jsonl").unlink()
     notes = train(folders["parts"], 4, "--resume").stderr
-    assert "step_00000002 was saved by a run with --steps 2 (now 4); the learning rate follows the flags given now" in notes
+    assert "step_00000002 was saved by a run with --steps 2 (now 4); the training recipe follows the flags given now" in notes
     resumed, whole = read_metrics(folders["parts"] / "metrics.jsonl"), read_metrics(folders["whole"] / "metrics.jsonl")
     assert [(m["step"], m["lr"], m["loss"]) for m in resumed] == [(m["step"], m["lr"], m["loss"]) for m in whole[2:]]
 

@@ -10,7 +10,7 @@ tensors, under keys that say whose they are:
     progress/step, progress/seed                where the data stream stands
 
 Replicas hold equal keys, which DCP writes once. Beside them: ``plan.json`` and ``model.py`` of
-the compile, and ``autopart.json`` with the step, the optimizer, the learning rate's flags and
+the compile, and ``autopart.json`` with the step, the optimizer, the training recipe's flags and
 the sha256 of every file. Ranks write into ``DIR/.step_<n>.partial`` and rank 0 renames it into
 place once every rank has finished, so a crash during a save leaves the previous checkpoint the
 latest good one (`autopart.runtime.checkpoint_folders`: the folders, what is whole, what may go).
@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch import nn
 
 from autopart.ir.errors import CheckpointError, ConfigError
-from autopart.runtime.checkpoint_folders import (candidates, damaged, problem, put_in_place, read_record, refused,
+from autopart.runtime.checkpoint_folders import (candidates, damaged, problem, put_in_place, read_record,
                                                  staging_folder, step_folder, step_of, write_digests, write_record)
 from autopart.runtime.fully_sharded import is_sharded
 from autopart.runtime.launch import plan_digest
@@ -200,35 +200,47 @@ def save_checkpoint(
     device: torch.device, flags: dict[str, str] | None = None,
 ) -> Path:
     """Every rank calls this at the same step; returns ``root/step_<n>`` once it is complete.
-    Rank 0 puts the save in place and tells every rank whether it could (a broadcast on
-    ``device``, which the process group's backend must reach): a rank-0 failure ends every rank
-    with a one-line error, rather than leaving the others waiting for a barrier until --timeout.
-    ``flags``: the train.py flags of the learning rate (`Recipe.flags`), recorded."""
+    After each part that a rank may fail alone (rank 0 makes the folder, every rank hashes its
+    files, rank 0 puts the save in place) the ranks agree whether all could (`_agree`, on
+    ``device``, which the process group's backend must reach), so that one rank's failure ends
+    every rank with one line rather than leaving the others waiting until --timeout.
+    ``flags``: the train.py flags of the training recipe (`Recipe.flags`), recorded."""
     final, staging = step_folder(root, step), staging_folder(root, step)
+    failure = ""
     if rank == 0:
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir(parents=True)
-    dist.barrier()
+        try:
+            shutil.rmtree(staging, ignore_errors=True)
+            staging.mkdir(parents=True)
+        except OSError as exc:
+            failure = f"{staging} cannot be made ({exc.strerror or exc})"
+    _agree(failure, device, step)
     dcp = _dcp()
     dcp.save(state, storage_writer=dcp.FileSystemWriter(str(staging)))
-    write_digests(staging, rank, dist.get_world_size())
-    dist.barrier()
-    failure = ""
+    try:
+        write_digests(staging, rank, dist.get_world_size())
+    except OSError as exc:
+        failure = f"rank {rank} cannot hash its files in {staging} ({exc.strerror or exc})"
+    _agree(failure, device, step)
     if rank == 0:
         try:
             write_record(staging, step=step, out_dir=out_dir, optimizer=optimizer, flags=flags or {},
                          world_size=dist.get_world_size())
             put_in_place(staging, final)
-        except (OSError, CheckpointError) as exc:
+        except (OSError, ValueError, TypeError, CheckpointError) as exc:  # ValueError: a share's file unreadable
             failure = str(exc)
+    _agree(failure, device, step)
+    return final
+
+
+def _agree(failure: str, device: torch.device, step: int) -> None:
+    """Every rank learns whether any failed (``failure``: this one's reason, "" for none): all
+    raise, the failed ones with their reason, the others pointing to it."""
     failed = torch.tensor([1 if failure else 0], device=device)
-    dist.broadcast(failed, src=0)
+    dist.all_reduce(failed, op=dist.ReduceOp.MAX)
     if failure:
         raise CheckpointError(f"the checkpoint of step {step} was not saved: {failure}")
     if failed.item():
-        raise CheckpointError(f"the checkpoint of step {step} was not saved: rank 0 could not put it in place "
-                              f"in {root} (its error says why)")
-    return final
+        raise CheckpointError(f"the checkpoint of step {step} was not saved: another rank failed (its error says why)")
 
 
 def checkpoint_keys(path: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -346,7 +358,7 @@ class CheckpointContext:
     zero: int
     seed: int
     device: torch.device  # where the process group's backend takes tensors (`save_checkpoint`)
-    flags: dict[str, str]  # the learning rate's train.py flags (`Recipe.flags`)
+    flags: dict[str, str]  # the training recipe's train.py flags (`Recipe.flags`)
 
     def save(self, steps_done: int) -> Path:
         assert self.root is not None
@@ -378,41 +390,46 @@ class CheckpointContext:
         )  # fmt: skip
         if self.rank == 0:
             print(f"autopart: resumed from {path} after step {done - 1}", flush=True)
-            saved = read_record(path).get("flags") or {}  # none in a checkpoint of an earlier autopart
-            changed = [f"{flag} {saved[flag]} (now {value})" for flag, value in self.flags.items()
-                       if flag in saved and saved[flag] != value]
+            saved = read_record(path).get("flags")  # none in a checkpoint of an earlier autopart
+            changed = [f"{flag} {saved.get(flag, '(none)')} (now {self.flags.get(flag, '(none)')})"
+                       for flag in sorted(set(saved or {}) | set(self.flags)) if saved is not None
+                       and saved.get(flag) != self.flags.get(flag)]
             if changed:
-                print(f"autopart: note: {path.name} was saved by a run with {', '.join(changed)}; the learning rate "
+                print(f"autopart: note: {path.name} was saved by a run with {', '.join(changed)}; the training recipe "
                       "follows the flags given now", file=sys.stderr, flush=True)
         return done
 
     def chosen(self) -> Path | None:
         """The checkpoint to resume from: the first of rank 0's `candidates` (it lists them and
         tells the others, by broadcasts on `device`) that every rank finds whole, each reading
-        its `share` of the files for their sha256, where one rank alone would read them all."""
+        its `share` of the files for their sha256, where one rank alone would read them all.
+        (A --checkpoint-dir that is one checkpoint itself was refused at launch: `check_folder`.)"""
         listed = torch.zeros(_MOST_CANDIDATES, dtype=torch.int64, device=self.device)
         count = torch.zeros(1, dtype=torch.int64, device=self.device)
+        unreadable = None
         if self.rank == 0:
-            found = candidates(self.root) if self.root.is_dir() else []
-            steps = [_ROOT if path == self.root else step_of(path) for path in found][:_MOST_CANDIDATES]
-            count[0] = len(steps)
-            listed[:len(steps)] = torch.tensor(steps, dtype=torch.int64)
+            try:
+                found = candidates(self.root) if self.root.is_dir() else []
+                steps = [step_of(path) for path in found][:_MOST_CANDIDATES]
+                count[0] = len(steps)
+                listed[:len(steps)] = torch.tensor(steps, dtype=torch.int64)
+            except OSError as exc:
+                unreadable, count[0] = f"{self.root} cannot be read ({exc.strerror or exc})", -1
         dist.broadcast(count, src=0)
         dist.broadcast(listed, src=0)
+        if int(count.item()) < 0:
+            raise CheckpointError(unreadable or f"rank 0 cannot read {self.root} (its error says why)")
         world_size = dist.get_world_size()
-        for code in listed[:int(count.item())].tolist():
-            path = self.root if code == _ROOT else step_folder(self.root, code)
+        for step in listed[:int(count.item())].tolist():
+            path = step_folder(self.root, step)
             why = problem(path, self.rank, world_size)
             bad = torch.tensor([0 if why is None else 1], dtype=torch.int64, device=self.device)
             dist.all_reduce(bad, op=dist.ReduceOp.MAX)
             if not bad.item():
                 return path
-            if path == self.root:
-                raise refused(self.root, why or "another rank found a file that does not match its sha256")
             if why is not None:
                 print(f"autopart: {damaged(path, why)} (rank {self.rank})", file=sys.stderr, flush=True)
         return None
 
 
-_ROOT = -1  # of rank 0's candidates (`CheckpointContext.chosen`): the folder given is a checkpoint itself
 _MOST_CANDIDATES = 1024  # the newest checkpoints a resume looks at

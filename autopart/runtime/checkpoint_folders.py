@@ -13,15 +13,16 @@ import json
 import os
 import re
 import shutil
+import sys
 import time
 from pathlib import Path
 
 from autopart.ir.errors import CheckpointError, ConfigError
 from autopart.runtime.launch import file_sha256, plan_digest
 
-__all__ = ["RECORD", "SHARES_WITHIN_S", "candidates", "check_unused", "damaged", "latest_checkpoint", "problem",
-           "put_in_place", "read_record", "refused", "remove_saved", "share", "staging_folder", "step_folder", "step_of",
-           "write_digests", "write_record"]
+__all__ = ["RECORD", "SHARES_WITHIN_S", "candidates", "check_folder", "damaged", "latest_checkpoint", "problem",
+           "put_in_place", "read_record", "refused", "remove_saved", "share", "staging_folder", "step_folder",
+           "step_of", "write_digests", "write_record"]
 
 RECORD = "autopart.json"
 _STEP = "step_"
@@ -105,7 +106,10 @@ def put_in_place(staging: Path, final: Path) -> None:
     _saved_files(final)
     final.rename(aside)
     staging.rename(final)
-    remove_saved(aside)
+    try:  # the new save is in place: what is left of the old one is only noted
+        remove_saved(aside)
+    except (OSError, CheckpointError) as exc:
+        print(f"autopart: note: the earlier save of {final.name} stays in {aside} ({exc})", file=sys.stderr, flush=True)
 
 
 def _saved_files(path: Path) -> list[Path]:
@@ -130,17 +134,22 @@ def remove_saved(path: Path) -> None:
     files found in the folder are removed, whatever names the record lists."""
     if not path.exists():
         return
-    for entry in _saved_files(path):
-        entry.unlink()
+    for entry in sorted(_saved_files(path), key=lambda entry: entry.name == RECORD):  # the record last: a folder
+        entry.unlink()  # left part-way by a crash still says what autopart may remove from it
     path.rmdir()
 
 
-def check_unused(root: Path) -> None:
-    """Refuse a run from step 0 whose --checkpoint-dir holds an earlier run's checkpoints: its
-    saves would interleave with theirs, and a later resume (or a torchrun restart) would take the
-    newest step of either run."""
+def check_folder(root: Path, *, resuming: bool) -> None:
+    """Refuse a --checkpoint-dir that is one checkpoint (``autopart.json`` in it), whose saves
+    would go inside it while every resume took it again; and, for a run from step 0, one that holds
+    an earlier run's checkpoints: its saves would interleave with theirs, and a later resume (or a
+    torchrun restart) would take the newest step of either run."""
+    if (root / RECORD).exists():
+        raise ConfigError(f"--checkpoint-dir {root} is one checkpoint, not a folder of them: give the folder it is in "
+                          f"({root.parent}) with --resume, which takes its newest whole checkpoint, or copy this one "
+                          "into a new folder and give that")
     saved = sorted(p.name for p in root.glob(f"{_STEP}*") if step_of(p) >= 0) if root.is_dir() else []
-    if saved:
+    if saved and not resuming:
         raise ConfigError(f"--checkpoint-dir {root} already holds checkpoints of an earlier run (the latest "
                           f"{saved[-1]}); add --resume to go on from them, or give a new or empty --checkpoint-dir")
 
@@ -157,8 +166,11 @@ def problem(path: Path, rank: int = 0, world_size: int = 1) -> str | None:
         if not (path / name).is_file():
             return f"{name} is missing"
     for name in share(list(files), rank, world_size):
-        if file_sha256(path / name) != files[name]:
-            return f"{name} does not match its sha256"
+        try:
+            if file_sha256(path / name) != files[name]:
+                return f"{name} does not match its sha256"
+        except OSError as exc:
+            return f"{name} cannot be read ({exc.strerror or exc})"
     return None
 
 

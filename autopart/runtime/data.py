@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -61,32 +61,35 @@ def global_batches(spec: ModelSpec, batch_size: int, seed: int) -> Iterator[tupl
     if spec.batches is None:
         yield from synthetic_batches(spec, batch_size, seed)
         return
-    for batch in apart(spec.batches(batch_size, seed), seed):
+    for batch in apart(lambda: spec.batches(batch_size, seed), seed):
         yield check_batch(spec.path, "batches", batch, batch_size)
 
 
-def apart(source: Iterator[T], seed: int) -> Iterator[T]:
-    """``source``'s items, each drawn with torch's CPU generator and Python's ``random`` in states
-    of the data's own: seeded ``seed`` before the first draw, then as the previous draw left them.
+def apart(make: Callable[[], Iterable[T]], seed: int) -> Iterator[T]:
+    """The items of the iterable that ``make()`` returns, made and each drawn with torch's CPU
+    generator and Python's ``random`` in states of the data's own: seeded ``seed`` before the call,
+    then as the previous draw left them.
 
     A model file's ``batches`` that draws from the global generators (``torch.randint`` without
-    a ``generator``, ``random.shuffle``) would otherwise draw from what training left there: each
-    forward seeds torch's per stage (dropout), so pipeline ranks would draw different batches
-    (the last stage's targets no longer the first stage's inputs'), and a resume restores each
-    rank's state and replays the steps done, so batches after it would differ from those of one
-    uninterrupted run. Training's own states are put back after every draw."""
-    torch_state = torch.Generator().manual_seed(seed).get_state()
-    python_state = random.Random(seed).getstate()
+    a ``generator``, ``random.shuffle``, a shuffling ``DataLoader``, which draws its seed when it
+    is iterated) would otherwise draw from what training left there: each forward seeds torch's
+    per stage (dropout), so pipeline ranks would draw different batches (the last stage's targets
+    no longer the first stage's inputs'), and a resume restores each rank's state and replays the
+    steps done, so batches after it would differ from those of one uninterrupted run. Training's
+    own states are put back after every draw."""
+    states = torch.Generator().manual_seed(seed).get_state(), random.Random(seed).getstate()
+    source: Iterator[T] | None = None
     while True:
         training = torch.get_rng_state(), random.getstate()
-        torch.set_rng_state(torch_state)
-        random.setstate(python_state)
+        torch.set_rng_state(states[0])
+        random.setstate(states[1])
         try:
+            source = iter(make()) if source is None else source
             item = next(source)
         except StopIteration:
             return
         finally:
-            torch_state, python_state = torch.get_rng_state(), random.getstate()
+            states = torch.get_rng_state(), random.getstate()
             torch.set_rng_state(training[0])
             random.setstate(training[1])
         yield item
@@ -99,7 +102,7 @@ def eval_batches(spec: ModelSpec, batch_size: int, seed: int, count: int) -> lis
     if spec.eval_batches is None:
         source = synthetic_batches(spec, batch_size, -1 - seed)
     else:
-        drawn = apart(spec.eval_batches(batch_size, seed), -1 - seed)
+        drawn = apart(lambda: spec.eval_batches(batch_size, seed), -1 - seed)
         source = (check_batch(spec.path, "eval_batches", b, batch_size) for b in drawn)
     batches = [batch for _, batch in zip(range(count), source)]
     if len(batches) < count:

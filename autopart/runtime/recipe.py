@@ -76,9 +76,9 @@ class Recipe:
         return args
 
     def flags(self, lr: float, steps: int) -> dict[str, str]:
-        """The train.py flags that shape the learning rate over a run of ``steps`` at ``lr`` (the
-        steps only where the rate decays by the last one): what a checkpoint records, so that a
-        resume with other ones is told."""
+        """The train.py flags of this recipe over a run of ``steps`` at ``lr`` (the steps only
+        where the rate decays by the last one): what a checkpoint records, so that a resume with
+        other ones is told."""
         recipe = self.train_args()
         steps_flag = {} if self.lr_schedule == "constant" else {"--steps": str(steps)}
         return {**steps_flag, "--lr": repr(lr), **dict(zip(recipe[::2], recipe[1::2]))}

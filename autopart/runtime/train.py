@@ -57,7 +57,7 @@ from autopart.ir.plan import Plan, load_plan
 from autopart.ir.tensors import working_dtype
 from autopart.runtime.data import eval_batches, global_batches, model_file, split_microbatches
 from autopart.runtime.checkpoint import CheckpointContext, restarted
-from autopart.runtime.checkpoint_folders import check_unused
+from autopart.runtime.checkpoint_folders import check_folder
 from autopart.runtime.device import Mark, StepTimer, backend, compute_device, peak_memory_bytes, reset_peak_memory
 from autopart.runtime.device import tensor as device_tensor
 from autopart.runtime.executor import ActionRecord, Executor, StageRuntime, StepFailure
@@ -166,8 +166,8 @@ def _train(out_dir: Path, argv: list[str] | None) -> None:
     check_launch(out_dir, plan, rank=rank, world_size=world_size)
     if args.resume and args.checkpoint_dir is None:
         raise ConfigError("--resume needs --checkpoint-dir DIR: the folder the checkpoints were saved in")
-    if args.checkpoint_dir is not None and not (args.resume or restarted()):
-        check_unused(args.checkpoint_dir)
+    if args.checkpoint_dir is not None:
+        check_folder(args.checkpoint_dir, resuming=args.resume or restarted())
     Recipe.from_args(args)
     check_tensorboard(args.tensorboard)
     for flag, value, least in (("--steps", args.steps, 1), ("--min-steps", args.min_steps, 1),
