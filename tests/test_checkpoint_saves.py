@@ -18,6 +18,14 @@ from autopart.runtime.checkpoint_folders import RECORD, latest_checkpoint, read_
 from tests.distributed import fork_ranks, gloo_group
 
 
+def _stand_in_compile(folder: Path) -> None:
+    """The compile's files a save copies, as ``folder/out`` (the saves here write ``folder/ckpt``)."""
+    out = folder / "out"
+    out.mkdir()
+    (out / "plan.json").write_text(json.dumps({"plan": "a stand-in"}))
+    (out / "model.py").write_text("")
+
+
 def _save(folder: Path, rank: int, value: float) -> Path:
     state = {f"model/stage_{rank}/tp_0/w": torch.full((4,), value), "progress/step": torch.tensor(1)}
     return save_checkpoint(folder / "ckpt", state, step=1, rank=rank, out_dir=folder / "out", optimizer="sgd",
@@ -49,10 +57,7 @@ def _save_again(rank: int, port: int, folder: Path) -> None:
 
 
 def test_a_step_saved_again_replaces_the_save_and_a_failure_of_rank_0_ends_every_rank(tmp_path: Path) -> None:
-    out = tmp_path / "out"
-    out.mkdir()
-    (out / "plan.json").write_text(json.dumps({"plan": "a stand-in"}))
-    (out / "model.py").write_text("")
+    _stand_in_compile(tmp_path)
     assert fork_ranks(_save_again, 2, tmp_path, timeout=60) == [0, 0]
     path, skipped = latest_checkpoint(tmp_path / "ckpt")
     assert path == tmp_path / "ckpt" / "step_00000001" and skipped == [], "the second save is intact"
@@ -143,10 +148,7 @@ def _save_apart(rank: int, port: int, folder: Path) -> None:
 
 
 def test_a_checkpoint_dir_that_not_every_node_sees_is_refused(tmp_path: Path) -> None:
-    out = tmp_path / "out"
-    out.mkdir()
-    (out / "plan.json").write_text(json.dumps({"plan": "a stand-in"}))
-    (out / "model.py").write_text("")
+    _stand_in_compile(tmp_path)
     assert fork_ranks(_save_apart, 2, tmp_path, timeout=60) == [0, 0]
 
 
@@ -167,8 +169,5 @@ def _fail_hashing(rank: int, port: int, folder: Path) -> None:
 
 
 def test_any_rank_s_failure_during_a_save_ends_every_rank(tmp_path: Path) -> None:
-    out = tmp_path / "out"
-    out.mkdir()
-    (out / "plan.json").write_text(json.dumps({"plan": "a stand-in"}))
-    (out / "model.py").write_text("")
+    _stand_in_compile(tmp_path)
     assert fork_ranks(_fail_hashing, 2, tmp_path, timeout=60) == [0, 0]
