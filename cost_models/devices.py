@@ -87,8 +87,9 @@ class DeviceSpec:
     background_load: float = field(default=0.0, compare=False)
     """Other busy processes sharing `cores`, measured when the spec is loaded (CPU only)."""
     process_overhead_bytes: int = 0
-    """Measured memory of one rank before the model (``autopart profile-comm``); 0: the
-    estimate for the device's kind."""
+    """Measured memory of one rank before the model (``autopart profile-comm``, on the CPU: its
+    resident set; a GPU's is device memory, which that does not measure); 0: the estimate for
+    the device's kind."""
     comm_curves: Mapping[str, tuple[tuple[float, float], ...]] = field(default_factory=dict, hash=False)
     """Measured (bytes, seconds) per message kind inside a node (``autopart profile-comm``):
     ``p2p`` and collectives at `comm_ranks` processes; empty: the link figures' formula."""
@@ -290,7 +291,8 @@ def _from_table(data: dict[str, Any], *, default_name: str) -> DeviceSpec:
     if measured is not None:
         data["comm_curves"] = measured.curves
         data["comm_ranks"] = measured.ranks
-        data["process_overhead_bytes"] = measured.process_bytes
+        if data.get("kind") == "cpu":  # the host memory of a rank: a GPU's context is the kind's estimate
+            data["process_overhead_bytes"] = measured.process_bytes
     optional = {"fp32_matmul_uses_tf32", "overlap_compute_slowdown", "cores", "background_load",
                 "process_overhead_bytes", "comm_curves", "comm_ranks"}
     missing = [f.name for f in fields(DeviceSpec) if f.name not in data and f.name not in optional]

@@ -65,3 +65,23 @@ def test_profile_comm_measures_every_curve_and_the_cpu_device_uses_them(tmp_path
     assert model.p2p_time(SIZES[2]) == pytest.approx(profile.curves["p2p"][2][1])
     between = (SIZES[2] + SIZES[3]) / 2  # interpolated between the measured sizes
     assert profile.curves["p2p"][2][1] <= model.p2p_time(between) <= profile.curves["p2p"][3][1]
+
+
+def test_a_measured_rank_size_is_the_cpu_s_overhead_and_never_a_gpu_s(tmp_path, monkeypatch) -> None:
+    """profile-comm measures a rank's resident (host) memory: the CPU's overhead, while a GPU's is
+    device memory (its context, NCCL, workspaces), which that does not measure."""
+    import json
+    from dataclasses import asdict
+
+    from cost_models.comm_profile import CommProfile, cache_path
+    from cost_models.devices import FRAMEWORK_OVERHEAD_BYTES, load_device
+
+    monkeypatch.setenv("AUTOPART_CACHE_DIR", str(tmp_path))
+    for device, backend in (("cpu", "gloo"), ("h100-sxm", "nccl")):
+        profile = CommProfile(device=device, backend=backend, ranks=2, host="test", torch_version=torch.__version__,
+                              curves={"p2p": [[4, 1e-5], [1 << 20, 1e-4]]}, process_bytes=3 << 30)
+        cache_path(device, backend).parent.mkdir(parents=True, exist_ok=True)
+        cache_path(device, backend).write_text(json.dumps(asdict(profile)))
+    assert load_device("cpu").framework_overhead_bytes == 3 << 30
+    gpu = load_device("h100-sxm")
+    assert gpu.comm_curves and gpu.framework_overhead_bytes == FRAMEWORK_OVERHEAD_BYTES["cuda"]
