@@ -11,7 +11,8 @@ from types import MappingProxyType
 
 from autopart.ir.errors import ConfigError
 
-__all__ = ["FRAMEWORK_OVERHEAD_BYTES", "OPTIMIZER_STATES", "model_state_bytes", "communicator_bytes"]
+__all__ = ["FRAMEWORK_OVERHEAD_BYTES", "OPTIMIZER_STATES", "model_state_bytes", "communicator_bytes",
+           "pipeline_channels"]
 
 _MIB = 1 << 20
 
@@ -69,14 +70,26 @@ NCCL_CHANNELS = 16
 on PCIe; 16 is the common figure, so the estimate errs low rather than refuse a plan that fits."""
 
 
-def communicator_bytes(kind: str, *, pp: int, tp: int, dp: int) -> int:
+def communicator_bytes(kind: str, *, pp: int, tp: int, dp: int, schedule: str = "1f1b") -> int:
     """Device memory of the collective library's own buffers on one rank of a (pp, tp, dp) mesh:
-    `NCCL_BUFFER_BYTES` per channel for every peer it is connected to. It belongs to the whole
-    world's group (step time, peaks) and to its data- and tensor-parallel groups, a ring in each
-    (two peers, one in a group of two), and messages its pipeline neighbours (one or two); a tied
-    parameter's group, of a few ranks, is left out. Nothing on the CPU, where gloo's buffers are
-    the process's own memory."""
+    `NCCL_BUFFER_BYTES` per channel for every peer it is connected to in each communicator. It
+    belongs to the whole world's group (step time, peaks) and to its data- and tensor-parallel
+    groups, a ring in each (two peers, one in a group of two); a tied parameter's group, of a few
+    ranks, is left out. A pipeline's messages go over a group per kind and direction
+    (`pipeline_channels`), which gives each pair of ranks that exchange over it a communicator
+    of its own. Nothing on the CPU, where gloo's buffers are the process's own memory."""
     if kind not in ("cuda", "rocm"):  # RCCL keeps NCCL's buffers
         return 0
-    peers = sum(min(size - 1, 2) for size in (pp * tp * dp, dp, tp) if size > 1) + min(pp - 1, 2)
+    peers = sum(min(size - 1, 2) for size in (pp * tp * dp, dp, tp) if size > 1) + pipeline_channels(schedule, pp)
     return peers * NCCL_CHANNELS * NCCL_BUFFER_BYTES
+
+
+def pipeline_channels(schedule: str, pp: int) -> int:
+    """The pipeline communicators of the busiest rank (`autopart.runtime.p2p.Channels`: one per
+    kind, direction and pair): to each of its neighbours (two past two stages), activations one
+    way and gradients the other, and both ways where the messages turn back, as ZB-V's do at the
+    bottom of its V and interleaving's between two ranks."""
+    if pp < 2:
+        return 0
+    both_ways = schedule == "zbv" or (schedule == "interleaved" and pp == 2)
+    return min(pp - 1, 2) * (4 if both_ways else 2)

@@ -72,18 +72,45 @@ def test_the_cpu_framework_overhead_covers_a_process_with_torch_imported() -> No
 
 
 @pytest.mark.parametrize(
-    "kind,pp,tp,dp,peers",
+    "kind,pp,tp,dp,schedule,peers",
     [
-        ("cuda", 1, 1, 1, 0),  # one rank: NCCL connects to nobody
-        ("cuda", 1, 1, 2, 2),  # dp 2: the world's group and the dp group, one peer each
-        ("cuda", 1, 8, 1, 4),  # tp 8: two rings, two peers each
-        ("cuda", 4, 1, 1, 4),  # pp 4: the world's ring and two pipeline neighbours
-        ("cpu", 4, 2, 2, 0),  # gloo's buffers are the process's own memory
+        ("cuda", 1, 1, 1, "1f1b", 0),  # one rank: NCCL connects to nobody
+        ("cuda", 1, 1, 2, "1f1b", 2),  # dp 2: the world's group and the dp group, one peer each
+        ("cuda", 1, 8, 1, "1f1b", 4),  # tp 8: two rings, two peers each
+        ("cuda", 4, 1, 1, "1f1b", 6),  # pp 4: the world's ring, and to each of two neighbours activations one way,
+        ("cuda", 4, 1, 1, "zb-h1", 6),  # gradients the other: a communicator per kind, direction and pair
+        ("cuda", 4, 1, 1, "zbv", 10),  # ZB-V's messages turn back at the bottom of the V: both ways to each
+        ("cuda", 2, 1, 1, "interleaved", 5),  # two ranks interleaved send each other both ways
+        ("cuda", 4, 1, 1, "interleaved", 6),  # four: one way to the next rank round the ring
+        ("cpu", 4, 2, 2, "zbv", 0),  # gloo's buffers are the process's own memory
     ],
 )
-def test_nccl_buffers_per_peer_and_channel(kind: str, pp: int, tp: int, dp: int, peers: int) -> None:
+def test_nccl_buffers_per_peer_and_channel(kind: str, pp: int, tp: int, dp: int, schedule: str, peers: int) -> None:
     assert NCCL_BUFFER_BYTES == 4 << 20  # NCCL_BUFFSIZE's default
-    assert communicator_bytes(kind, pp=pp, tp=tp, dp=dp) == peers * NCCL_CHANNELS * NCCL_BUFFER_BYTES
+    assert communicator_bytes(kind, pp=pp, tp=tp, dp=dp, schedule=schedule) == peers * NCCL_CHANNELS * NCCL_BUFFER_BYTES
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1", "zbv", "interleaved"])
+@pytest.mark.parametrize("pp", [2, 4])
+def test_the_pipeline_channels_counted_are_those_the_runtime_opens(schedule: str, pp: int) -> None:
+    """The busiest rank's pipeline communicators are those `Channels.connections` opens for the
+    generated action lists: a channel of a kind and direction between a pair of ranks."""
+    from autopart.ir.actions import Kind
+    from autopart.runtime.p2p import Channels
+    from autopart.schedule import add_communication, build_schedule, stage_placement
+    from cost_models.memory import pipeline_channels
+
+    chunks = 2 if schedule in ("zbv", "interleaved") else 1
+    placement = stage_placement(schedule, ranks=pp, chunks=chunks)
+    lists = add_communication(build_schedule(schedule, ranks=pp, microbatches=2 * pp, chunks=chunks), ranks=pp,
+                              placement=placement)
+    opened = []
+    for rank, actions in lists.items():
+        earlier = (Kind.RECV_F, Kind.SEND_B)  # from or to the stage before; the others the stage after
+        messages = {(a.kind, placement[a.stage - 1 if a.kind in earlier else a.stage + 1])
+                    for a in actions if not a.is_compute}
+        opened.append(len(Channels.connections(messages, rank)))
+    assert max(opened) == pipeline_channels(schedule, pp)
 
 
 def test_a_gpu_plan_predicts_the_nccl_buffers_on_every_rank(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -97,5 +124,5 @@ def test_a_gpu_plan_predicts_the_nccl_buffers_on_every_rank(monkeypatch: pytest.
         return plan.predicted.memory_bytes
 
     with_buffers, without = predicted(16), predicted(0)
-    peers = 2  # the world's group of two ranks, and the pipeline neighbour
+    peers = 3  # the world's group of two ranks, and the neighbour's activations and gradients channels
     assert [a - b for a, b in zip(with_buffers, without)] == [peers * 16 * NCCL_BUFFER_BYTES] * 2

@@ -88,9 +88,10 @@ def _named_memory(message: str) -> float:
 
 def test_a_model_that_cannot_fit_names_the_memory_that_would(tmp_path: Path) -> None:
     # An H100 process takes 500 MiB before the model, and NCCL's buffers 128 MiB more on every
-    # layout of two ranks (two connected peers): at 0.47 GiB nothing fits, at any layout.
-    nccl_gib = communicator_bytes("cuda", pp=2, tp=1, dp=1) / 2**30
-    assert all(communicator_bytes("cuda", pp=1, tp=t, dp=3 - t) / 2**30 == nccl_gib for t in (1, 2))
+    # layout of two ranks (two connected peers; a pipeline's two channels, 192): at 0.47 GiB nothing fits.
+    nccl_gib = communicator_bytes("cuda", pp=1, tp=1, dp=2) / 2**30
+    assert communicator_bytes("cuda", pp=1, tp=2, dp=1) / 2**30 == nccl_gib
+    assert communicator_bytes("cuda", pp=2, tp=1, dp=1) / 2**30 == 1.5 * nccl_gib
     out = tmp_path / "out"
     result = run_cli_here("compile", str(GPT), "-o", str(out), "--world-size", "2", "--global-batch-size", "4",
                           "--device", "h100-sxm", "--memory", "0.47")

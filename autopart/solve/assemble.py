@@ -327,8 +327,9 @@ def _block_modes(chain, modes, ranges: list[range], layers: list[tuple[int, int]
 def _overhead_bytes(options: CompileOptions, device: DeviceSpec, layer_bytes: int) -> int:
     """Per rank, what the mesh holds besides its stages: the framework's, the collective library's
     buffers, and at ZeRO-3 the gathered layers in flight."""
-    return (device.framework_overhead_bytes + communicator_bytes(device.kind, pp=options.pp, tp=options.tp, dp=options.dp)
-            + layers_in_flight_bytes(layer_bytes, dp=options.dp, zero=int(options.zero)))
+    nccl = communicator_bytes(device.kind, pp=options.pp, tp=options.tp, dp=options.dp, schedule=options.schedule)
+    gathered = layers_in_flight_bytes(layer_bytes, dp=options.dp, zero=int(options.zero))
+    return device.framework_overhead_bytes + nccl + gathered
 
 
 def _rebuilding(options: CompileOptions, rebuilt: tuple[int, ...], microbatches: int) -> dict[str, tuple[int, ...]]:

@@ -235,7 +235,7 @@ def _layout_state(table, layout) -> Callable[..., int]:
 def mesh_overhead_bytes(layout, costs: ChainCosts, cluster) -> int:
     """Per rank, what ``layout``'s mesh holds besides its stages: the framework's, the collective
     library's buffers, and at ZeRO-3 the gathered layers in flight."""
-    return (cluster.overhead_bytes + cluster.communicator_bytes(layout.pp, layout.tp, layout.dp)
+    return (cluster.overhead_bytes + cluster.communicator_bytes(layout.pp, layout.tp, layout.dp, layout.schedule)
             + layers_in_flight_bytes(costs.layer_bytes, dp=layout.dp, zero=int(layout.zero)))
 
 

@@ -193,7 +193,7 @@ class Cluster:
     overlap_slowdown: float = 0.0
     """How much longer the compute takes while they run beside it (the device's
     ``overlap_compute_slowdown``; `autopart.predict.fully_sharded.slowing`)."""
-    communicator_bytes: Callable[[int, int, int], int] = lambda pp, tp, dp: 0  # (pp, tp, dp) -> per rank, besides
+    communicator_bytes: Callable[[int, int, int, str], int] = lambda pp, tp, dp, schedule: 0  # -> per rank, besides
     # overhead_bytes: the collective library's buffers (`cost_models.memory.communicator_bytes`)
 
 
