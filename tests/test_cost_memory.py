@@ -126,3 +126,30 @@ def test_a_gpu_plan_predicts_the_nccl_buffers_on_every_rank(monkeypatch: pytest.
     with_buffers, without = predicted(16), predicted(0)
     peers = 3  # the world's group of two ranks, and the neighbour's activations and gradients channels
     assert [a - b for a, b in zip(with_buffers, without)] == [peers * 16 * NCCL_BUFFER_BYTES] * 2
+
+
+def test_the_loss_backward_s_working_set_is_counted_on_the_last_stage_s_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cross-entropy's backward holds the gradients of its log-probabilities and its logits in
+    fp32 besides what the forward saved: 8 bytes a logit, on the rank of the last stage alone."""
+    from autopart.driver import compile
+    from autopart.options import CompileOptions
+    from autopart.passes import front as front_pass
+    from autopart.solve import assemble
+    from tests.distributed import FREE_LINKS, REPO
+
+    gpt = REPO / "examples" / "gpt.py"  # micro-batch 2 of 32 tokens, 512 words
+    front = front_pass.build_front(CompileOptions(model=gpt, pp=1, tp=1, micro_batch_size=2, device="h100-sxm",
+                                                  dtype="bf16", measure=False), 2)
+    assert front_pass.loss_working_bytes(front, 1) == 2 * 4 * (2 * 32) * 512
+    split = front_pass.build_front(CompileOptions(model=gpt, pp=1, tp=2, micro_batch_size=2, device=str(FREE_LINKS),
+                                                  measure=False), 2)
+    assert front_pass.loss_working_bytes(split, 2) == 4 * (2 * 32) * 512, "the vocabulary split: each rank half"
+
+    def predicted(counted: bool) -> tuple[int, ...]:
+        if not counted:
+            monkeypatch.setattr(assemble, "loss_working_bytes", lambda front, tp: 0)
+        plan = compile(gpt, pp=2, microbatches=2, micro_batch_size=2, device="h100-sxm", time_limit_s=5)
+        return plan.predicted.memory_bytes
+
+    with_loss, without = predicted(True), predicted(False)
+    assert [a - b for a, b in zip(with_loss, without)] == [0, 2 * 4 * (2 * 32) * 512]

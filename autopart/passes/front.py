@@ -10,6 +10,8 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
+from torch import fx
+
 from autopart.ir.model_file import ModelSpec, is_meta, load_model_file
 from autopart.ir.placement import Placement
 from autopart.ir.scatter_gather import gathered, held_bytes
@@ -28,7 +30,7 @@ from autopart.solve.tensor import BlockSharding, shard_chain
 from cost_models import CostDatabase, CostModel, ProfiledCostModel, get_cost_model
 
 __all__ = ["Front", "annotated", "block_seconds", "boundary_gathered_bytes", "boundary_held_bytes", "build_front",
-           "capture_for", "held_tensors", "layer_input_bytes", "layer_rebuilt_bytes",
+           "capture_for", "held_tensors", "layer_input_bytes", "layer_rebuilt_bytes", "loss_working_bytes",
            "note_unsplit", "parameter_placements", "recompute_blocks", "sharded"]
 
 log = logging.getLogger("autopart")
@@ -202,3 +204,39 @@ def _saved_shares(front: Front) -> list[float]:
     """Per block, the share of its saved bytes that one tensor-parallel rank holds."""
     return [front.shardings[k].saved_bytes / b.saved_bytes if front.shardings and b.saved_bytes else 1.0
             for k, b in enumerate(front.chain.blocks)]
+
+
+_CROSS_ENTROPY = frozenset({"cross_entropy", "cross_entropy_loss", "vocab_parallel_cross_entropy"})
+
+
+def loss_working_bytes(front: Front, tp: int) -> int:
+    """What the loss's backward holds beside the saved activations, on the rank of the last
+    stage: the gradient of each of its float inputs in fp32 (autocast runs losses in fp32), and
+    for a cross-entropy the gradient of its log-probabilities too, both the logits' size (a
+    vocabulary-parallel one's 1/tp). At 128k words and 8k tokens that is 8 GB: more than a layer
+    saves, and what nothing else counts."""
+    graph = front.op_graph.graph.module.graph
+    output = next(node for node in graph.nodes if node.op == "output")
+    loss = output.args[0] if isinstance(output.args[0], fx.Node) else None
+    if loss is None or loss.op != "call_function":
+        return 0
+    name = getattr(loss.target, "__name__", str(loss.target)).split(".")[-1]
+    inputs = [front.op_graph.nodes[a.name].output for a in loss.all_input_nodes
+              if a.op != "placeholder" and a.name in front.op_graph.nodes]  # a batch input (the target) takes no gradient
+    floats = [meta for meta in inputs if meta is not None and meta.dtype in ("float32", "bfloat16", "float16")]
+    elements = sum(_elements(meta.shape) for meta in floats)
+    split = tp if tp > 1 and _vocabulary_parallel(front, loss.name) else 1
+    return (2 if name in _CROSS_ENTROPY else 1) * 4 * elements // split
+
+
+def _elements(shape: Sequence[int]) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count
+
+
+def _vocabulary_parallel(front: Front, name: str) -> bool:
+    """Whether the sharding split the loss over the vocabulary (each rank its 1/t of the logits)."""
+    return any(name in sharding.strategies and sharding.strategies[name].kind == "vocab_parallel_cross_entropy"
+               for sharding in front.shardings or ())

@@ -18,7 +18,8 @@ from autopart.ir.plan import Plan, Predicted, Provenance, ScheduleSpec, StagePla
 from autopart.options import CompileOptions
 from autopart.passes.annotate import OpGraph
 from autopart.passes.front import (
-    Front, block_seconds, held_tensors, layer_input_bytes, layer_rebuilt_bytes, parameter_placements, recompute_blocks,
+    Front, block_seconds, held_tensors, layer_input_bytes, layer_rebuilt_bytes, loss_working_bytes, parameter_placements,
+    recompute_blocks,
 )
 from autopart.passes.recompute import (
     batch_inputs, checkpointed_layers, recompute_cost, stage_input_bytes, stage_modes,
@@ -74,6 +75,7 @@ def pipeline_problem(options: CompileOptions, front: Front, microbatches: int) -
         overhead_bytes=_overhead_bytes(options, device, layer_bytes) + layer_rebuilt_bytes(front, layers),
         stage_rank=stage_placement(options.schedule, ranks=options.pp, chunks=options.chunks),
         split_layers=_split_layers(options, chain, local, state),
+        loss_working_bytes=loss_working_bytes(front, options.tp),
     )
 
 

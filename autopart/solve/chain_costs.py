@@ -47,6 +47,8 @@ class ChainCosts:
     # full recompute checkpoints each layer a stage holds whole by itself (a whole backward,
     # `autopart.passes.recompute`); False: it checkpoints the stage (a split backward)
     layer_by_layer: bool = False
+    # what the loss's backward holds besides, on the last block's stage (`autopart.passes.front.loss_working_bytes`)
+    loss_working_bytes: int = 0
     # what is made from these figures and kept with them: the running sums (`prefix`) and all `kept` keeps
     _kept: dict = field(default_factory=dict, repr=False, compare=False)
 
@@ -212,7 +214,7 @@ class _Sums:
     """A chain's running sums, held in one place: the search evaluates millions of stages."""
 
     __slots__ = ("compute", "repeated", "saved", "selective_saved", "owned", "weight", "received",
-                 "shared", "read_again_from", "split", "span", "layers")
+                 "shared", "read_again_from", "split", "span", "layers", "loss", "blocks")
 
     def __init__(self, costs: ChainCosts):
         p = costs.prefix
@@ -238,6 +240,7 @@ class _Sums:
             span[first:end] = [(first, end)] * (end - first)
         self.span = tuple(span)
         self.layers = _LayerSums(costs, self.span) if costs.layer_by_layer and costs.layer_spans else None
+        self.loss, self.blocks = costs.loss_working_bytes, len(costs)
 
     def stage(self, first: int, last: int, mode: str, in_flight: int, transfer_in_s: float,
               transfer_out_s: float, transient: int = 1) -> tuple[float, float, int]:
@@ -263,7 +266,12 @@ class _Sums:
                 *self.held(first, last, mode, transient))
 
     def held(self, first: int, last: int, mode: str, transient: int = 1) -> tuple[int, int]:
-        """``parts``' activations alone: (bytes per microbatch in flight, bytes held once)."""
+        """``parts``' activations alone: (bytes per microbatch in flight, bytes held once; the last
+        stage's holds the loss's backward too)."""
+        per_microbatch, once = self._held(first, last, mode, transient)
+        return per_microbatch, once + (self.loss if last == self.blocks - 1 else 0)
+
+    def _held(self, first: int, last: int, mode: str, transient: int) -> tuple[int, int]:
         end = last + 1
         saved_none = self.saved[end] - self.saved[first]
         if mode == "none":

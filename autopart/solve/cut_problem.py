@@ -48,6 +48,8 @@ class PipelineProblem:
     # no recompute.
     block_rebuilt_bytes: tuple[int, ...] = ()
     rebuilt_at_once: tuple[int, ...] = ()
+    # what the loss's backward holds besides, on the rank of the last stage (`autopart.passes.front.loss_working_bytes`)
+    loss_working_bytes: int = 0
 
     @property
     def ranks(self) -> int:
@@ -133,6 +135,7 @@ def evaluate(problem: PipelineProblem, cuts: tuple[int, ...]) -> CutEvaluation:
             for s, members in enumerate(ranges):
                 memory[problem.rank_of(s)] += sum(nbytes for nbytes, readers in extra
                                                   if any(k in members for k in readers))
+    memory[problem.rank_of(problem.stages - 1)] += problem.loss_working_bytes
     for rank in range(problem.ranks):
         mine = [activations[s] for s in problem.rank_stages(rank)]
         memory[rank] += max(sum(count * nbytes for count, nbytes in zip(held, mine)) for held in problem.moments(rank))

@@ -106,7 +106,7 @@ def cutter_cuts(problem: PipelineProblem) -> tuple[int, ...] | None:
         boundary_bytes=zeros[1:], input_bytes=0, parameter_bytes=dict(problem.parameter_state_bytes),
         parameter_state_bytes=dict(problem.parameter_state_bytes), block_parameters=problem.block_parameters,
         layer_spans=tuple((first, end) for first, end, _ in problem.split_layers),
-        split_layer_bytes=tuple(split) if any(split) else (),
+        split_layer_bytes=tuple(split) if any(split) else (), loss_working_bytes=problem.loss_working_bytes,
     )  # fmt: skip
     cut = cut_stages(costs, stages=problem.stages, in_flight=problem.in_flight,
                      stage_rank=tuple(problem.rank_of(s) for s in range(problem.stages)),

@@ -18,8 +18,8 @@ from autopart.options import CompileOptions
 from autopart.passes.capture import Graph
 from autopart.passes.blocks import build_blocks
 from autopart.passes.front import (
-    Front, annotated, block_seconds, boundary_gathered_bytes, boundary_held_bytes, capture_for, parameter_placements,
-    sharded,
+    Front, annotated, block_seconds, boundary_gathered_bytes, boundary_held_bytes, capture_for, loss_working_bytes,
+    parameter_placements, sharded,
 )
 from autopart.passes.repeat_annotation import laid_out
 from autopart.passes.scale import SizeLines
@@ -229,6 +229,7 @@ def chain_costs(front: Front, tp: int) -> ChainCosts:
         layer_parameters=layered,
         layer_bytes=layer_bytes,
         layer_spans=tuple((first, end) for first, end, _ in layer_instances(chain)),
+        loss_working_bytes=loss_working_bytes(front, tp),
     )
 
 

@@ -124,6 +124,8 @@ class _CutModel:
         stages = p.rank_stages(rank)
         moments = p.moments(rank)
         state = sum(self.stage_state(s) for s in stages) + p.overhead_bytes + self.rank_rebuilt(rank)
+        if rank == p.rank_of(p.stages - 1):
+            state += p.loss_working_bytes
         if len(moments) == 1:
             return [state + sum(count * self.stage_activations(s) for count, s in zip(moments[0], stages))]
         # several moments: each stage's bytes per microbatch once, as a variable the moments share
@@ -281,6 +283,7 @@ def _smallest_peak_memory(problem: PipelineProblem, time_limit_s: float) -> int:
         + problem.overhead_bytes * problem.ranks
         + max(problem.rebuilt_at_once, default=0) * sum(problem.block_rebuilt_bytes) * problem.ranks
         + sum(nbytes * len(readers) for _, _, extra in problem.split_layers for nbytes, readers in extra)
+        + problem.loss_working_bytes
     )
     peak = m.new_int_var(0, everything, "peak_memory")
     for rank in range(problem.ranks):
