@@ -226,7 +226,7 @@ def _outside_allocator_bytes(plan) -> int:
 
     spec = load_device(plan.provenance.cost_model.rpartition(":")[2])
     inside = CUBLAS_WORKSPACE_BYTES if spec.kind == "cuda" else 0
-    return spec.framework_overhead_bytes - inside + communicator_bytes(spec.kind, **plan.mesh)
+    return spec.framework_overhead_bytes - inside + communicator_bytes(spec.kind, **plan.mesh, schedule=plan.schedule.kind)
 
 
 def _cli(*args: str) -> None:
