@@ -33,7 +33,7 @@ for _name in started:
 gathered_dtypes = []  # of every all-gather's tensors
 
 
-_GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"  # tp.gather_into's
+_GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"  # tp.all_gathered's
 
 
 def _recording(out, tensor, *args, _original=getattr(dist, _GATHER), **kwargs):

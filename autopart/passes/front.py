@@ -26,6 +26,7 @@ from autopart.profiling.measure_defaults import co_run_processes
 from autopart.profiling.profile import profile_costs
 from autopart.runtime.materialise import check_initialisers
 from autopart.solve.sequence import boundary_placement
+from autopart.solve.sharding import op_name
 from autopart.solve.tensor import BlockSharding, shard_chain
 from cost_models import CostDatabase, CostModel, ProfiledCostModel, get_cost_model
 
@@ -207,6 +208,7 @@ def _saved_shares(front: Front) -> list[float]:
 
 
 _CROSS_ENTROPY = frozenset({"cross_entropy", "cross_entropy_loss", "vocab_parallel_cross_entropy"})
+_FLOATS = frozenset({"float32", "bfloat16", "float16"})
 
 
 def loss_working_bytes(front: Front, tp: int) -> int:
@@ -220,20 +222,12 @@ def loss_working_bytes(front: Front, tp: int) -> int:
     loss = output.args[0] if isinstance(output.args[0], fx.Node) else None
     if loss is None or loss.op != "call_function":
         return 0
-    name = getattr(loss.target, "__name__", str(loss.target)).split(".")[-1]
+    # a batch input (the target) takes no gradient
     inputs = [front.op_graph.nodes[a.name].output for a in loss.all_input_nodes
-              if a.op != "placeholder" and a.name in front.op_graph.nodes]  # a batch input (the target) takes no gradient
-    floats = [meta for meta in inputs if meta is not None and meta.dtype in ("float32", "bfloat16", "float16")]
-    elements = sum(_elements(meta.shape) for meta in floats)
-    split = tp if tp > 1 and _vocabulary_parallel(front, loss.name) else 1
-    return (2 if name in _CROSS_ENTROPY else 1) * 4 * elements // split
-
-
-def _elements(shape: Sequence[int]) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count
+              if a.op != "placeholder" and a.name in front.op_graph.nodes]
+    elements = sum(meta.numel for meta in inputs if meta is not None and meta.dtype in _FLOATS)
+    split = tp if _vocabulary_parallel(front, loss.name) else 1
+    return (2 if op_name(loss) in _CROSS_ENTROPY else 1) * 4 * elements // split
 
 
 def _vocabulary_parallel(front: Front, name: str) -> bool:

@@ -379,7 +379,8 @@ class CheckpointContext:
             if self.rank == 0:
                 print(f"autopart: no checkpoint in {self.root} yet; starting from step 0", flush=True)
             return 0
-        if read_record(path).get("plan_sha256") != plan_digest(self.out_dir / "plan.json"):
+        record = read_record(path)
+        if record.get("plan_sha256") != plan_digest(self.out_dir / "plan.json"):
             raise ConfigError(
                 f"checkpoint {path} was saved by another compile than {self.out_dir}; "
                 "resume it with the output directory that saved it, or choose a new --checkpoint-dir"
@@ -390,11 +391,10 @@ class CheckpointContext:
         )  # fmt: skip
         if self.rank == 0:
             print(f"autopart: resumed from {path} after step {done - 1}", flush=True)
-            saved = read_record(path).get("flags")  # none in a checkpoint of an earlier autopart
+            saved = record.get("flags") or {}  # none in a checkpoint of an earlier autopart: nothing to tell
             changed = [f"{flag} {saved.get(flag, '(none)')} (now {self.flags.get(flag, '(none)')})"
-                       for flag in sorted(set(saved or {}) | set(self.flags)) if saved is not None
-                       and saved.get(flag) != self.flags.get(flag)]
-            if changed:
+                       for flag in sorted(saved.keys() | self.flags.keys()) if saved.get(flag) != self.flags.get(flag)]
+            if saved and changed:
                 print(f"autopart: note: {path.name} was saved by a run with {', '.join(changed)}; the training recipe "
                       "follows the flags given now", file=sys.stderr, flush=True)
         return done

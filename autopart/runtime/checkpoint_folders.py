@@ -21,7 +21,7 @@ from autopart.ir.errors import CheckpointError, ConfigError
 from autopart.runtime.launch import file_sha256, plan_digest
 
 __all__ = ["RECORD", "SHARES_WITHIN_S", "candidates", "check_folder", "damaged", "latest_checkpoint", "problem",
-           "put_in_place", "read_record", "refused", "remove_saved", "share", "staging_folder", "step_folder",
+           "put_in_place", "read_record", "remove_saved", "share", "staging_folder", "step_folder",
            "step_of", "write_digests", "write_record"]
 
 RECORD = "autopart.json"
@@ -148,18 +148,17 @@ def check_folder(root: Path, *, resuming: bool) -> None:
         raise ConfigError(f"--checkpoint-dir {root} is one checkpoint, not a folder of them: give the folder it is in "
                           f"({root.parent}) with --resume, which takes its newest whole checkpoint, or copy this one "
                           "into a new folder and give that")
-    saved = sorted(p.name for p in root.glob(f"{_STEP}*") if step_of(p) >= 0) if root.is_dir() else []
-    if saved and not resuming:
+    saved = candidates(root) if root.is_dir() and not resuming else []  # newest first
+    if saved:
         raise ConfigError(f"--checkpoint-dir {root} already holds checkpoints of an earlier run (the latest "
-                          f"{saved[-1]}); add --resume to go on from them, or give a new or empty --checkpoint-dir")
+                          f"{saved[0].name}); add --resume to go on from them, or give a new or empty --checkpoint-dir")
 
 
 def problem(path: Path, rank: int = 0, world_size: int = 1) -> str | None:
     """Why a checkpoint directory cannot be used, or None when every file is as it was written:
     its record, every file it lists, and of those the ``rank``-th `share`'s sha256."""
     try:
-        record = json.loads((path / RECORD).read_text())
-        files = dict(record["files"])
+        files = dict(read_record(path)["files"])
     except (OSError, ValueError, KeyError, TypeError):
         return f"{RECORD} is missing or unreadable"
     for name in files:
@@ -187,11 +186,6 @@ def damaged(path: Path, why: str) -> str:
     return f"checkpoint {path} is damaged ({why}); falling back to an earlier one"
 
 
-def refused(root: Path, why: str) -> ConfigError:
-    """The error of a ``root`` that is a damaged checkpoint itself: nothing earlier to fall back to."""
-    return ConfigError(f"checkpoint {root} is damaged: {why}; use an earlier step_* directory")
-
-
 def step_of(path: Path) -> int:
     """The steps a checkpoint folder holds, n of its name ``step_<n>`` as `step_folder` writes it;
     -1 for any other name."""
@@ -210,8 +204,8 @@ def latest_checkpoint(root: Path) -> tuple[Path | None, list[str]]:
         why = problem(path)
         if why is None:
             return path, skipped
-        if path == root:
-            raise refused(root, why)
+        if path == root:  # a checkpoint itself: nothing earlier to fall back to
+            raise ConfigError(f"checkpoint {root} is damaged: {why}; use an earlier step_* directory")
         skipped.append(damaged(path, why))
     return None, skipped
 

@@ -56,7 +56,7 @@ __all__ = [
     "gathered_linear",
     "product_dtype",
     "reduce_scatter_into",
-    "gather_into",
+    "all_gathered",
     "vocab_parallel_embedding",
     "vocab_parallel_cross_entropy",
     "sharded_dropout",
@@ -116,20 +116,20 @@ def reduce_scatter_into(out: torch.Tensor, whole: torch.Tensor, **kwargs):
     return scatter(out, whole, **kwargs)
 
 
-def gather_into(out: torch.Tensor, piece: torch.Tensor, **kwargs):
-    """torch's all-gather of one contiguous tensor per rank into ``out``, the pieces one after
-    another in rank order along its first dimension (``all_gather_single``, the newer name, where
-    the torch at hand has it): NCCL gathers into one buffer, where a list of outputs is gathered
-    there and copied out piece by piece."""
+def all_gathered(piece: torch.Tensor, size: int, **kwargs) -> tuple[torch.Tensor, dist.Work | None]:
+    """torch's all-gather of one contiguous tensor per rank of a group of ``size`` into one new
+    tensor, the pieces one after another in rank order along its first dimension, and the
+    collective's work (``async_op``). ``all_gather_single``, the newer name, where the torch at
+    hand has it: NCCL gathers into one buffer, where a list of outputs is gathered there and
+    copied out piece by piece."""
+    out = piece.new_empty((size * piece.shape[0], *piece.shape[1:]))
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return gather(out, piece, **kwargs)
+    return out, gather(out, piece, **kwargs)
 
 
 def _gather(tensor: torch.Tensor, dim: int, groups: int) -> torch.Tensor:
     t = group_size()
-    tensor = tensor.contiguous()
-    out = tensor.new_empty((t * tensor.shape[0], *tensor.shape[1:]))
-    gather_into(out, tensor, group=_GROUP)
+    out, _ = all_gathered(tensor.contiguous(), t, group=_GROUP)
     per_rank = [piece.chunk(groups, dim) for piece in out.chunk(t)]  # rank -> its slice of each group
     return torch.cat([per_rank[r][g] for g in range(groups) for r in range(t)], dim)
 
@@ -165,15 +165,11 @@ class _CopyToTP(torch.autograd.Function):
         return _reduce(grad)
 
 
-class _CopyWeightToTP(torch.autograd.Function):
+class _CopyWeightToTP(_CopyToTP):
     """``copy_to_tp`` of a weight (a norm's under sequence parallelism): its partial gradients
     are summed in fp32 and rounded once where they are 16-bit (a ``bf16`` working weight's), as
     every weight gradient is reduced (`autopart.ir.tensors.DTYPES`); a 16-bit sum over t ranks
     rounds up to t - 1 times."""
-
-    @staticmethod
-    def forward(ctx, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.view_as(tensor)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:

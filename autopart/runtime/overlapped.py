@@ -30,7 +30,7 @@ import torch
 from torch.nn import functional as F
 
 from autopart.runtime.backward import backward_phase
-from autopart.runtime.collectives import (gather_into, group, group_rank, group_size, product_dtype,
+from autopart.runtime.collectives import (all_gathered, group, group_rank, group_size, product_dtype,
                                          reduce_scatter_into)
 
 __all__ = ["gathered_linear", "linear_reduce_scatter"]
@@ -39,8 +39,7 @@ __all__ = ["gathered_linear", "linear_reduce_scatter"]
 def _start_gather(piece: torch.Tensor) -> Callable[[], list[torch.Tensor]]:
     """Every rank's ``piece``, in rank order, once the returned call waits for them."""
     held = [piece.contiguous()]  # read until the collective ends (a copy, where the piece was not contiguous)
-    out = held[0].new_empty((group_size() * held[0].shape[0], *held[0].shape[1:]))
-    work = gather_into(out, held[0], group=group(), async_op=True)
+    out, work = all_gathered(held[0], group_size(), group=group(), async_op=True)
 
     def done() -> list[torch.Tensor]:
         work.wait()

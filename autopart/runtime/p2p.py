@@ -35,7 +35,7 @@ import torch.distributed as dist
 from autopart.ir.actions import Kind
 from autopart.ir.scatter_gather import gathered, held_shape, parts
 from autopart.ir.tensors import TensorMeta
-from autopart.runtime.collectives import gather_into
+from autopart.runtime.collectives import all_gathered
 
 __all__ = ["Channels", "Scatter", "send_tensors", "recv_tensors"]
 
@@ -157,6 +157,5 @@ def _part(tensor: torch.Tensor, meta: TensorMeta | None, scatter: Scatter | None
 def _gathered(buffer: torch.Tensor, shape: tuple[int, ...], split: int, scatter: Scatter | None) -> torch.Tensor:
     if split == 1:
         return buffer.view(shape)
-    whole = buffer.new_empty(split * buffer.numel())
-    gather_into(whole, buffer, group=scatter.group)
+    whole, _ = all_gathered(buffer.view(-1), split, group=scatter.group)
     return whole.view(shape)
