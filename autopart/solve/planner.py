@@ -24,7 +24,6 @@ that fits as a plan; that plan (step 3's, exactly) is the one emitted.
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -102,7 +101,8 @@ def cluster_of(options: CompileOptions) -> Cluster:
         optimizer_s_per_byte=per_byte,
         reduction_overlaps=device.collectives_overlap_compute,  # as ``autopart.predict.step_time`` overlaps them
         overlap_slowdown=device.slowdown_beside_collectives,
-        communicator_bytes=functools.partial(_communicator_bytes, device.kind),
+        communicator_bytes=lambda pp, tp, dp, schedule: communicator_bytes(device.kind, pp=pp, tp=tp, dp=dp,
+                                                                           schedule=schedule),
     )
 
 
@@ -404,8 +404,3 @@ def _smallest_memory(layout: Layout, table: FrontTable, cluster: Cluster, space:
         else:
             lo = mid
     return hi
-
-
-def _communicator_bytes(kind: str, pp: int, tp: int, dp: int, schedule: str) -> int:
-    """`cost_models.memory.communicator_bytes` in the order the search's `Cluster` asks it."""
-    return communicator_bytes(kind, pp=pp, tp=tp, dp=dp, schedule=schedule)
