@@ -78,6 +78,10 @@ class SyntheticTable:
             return 2 * parameter_bytes + 4 * parameter_bytes // dp
         return 2 * parameter_bytes + (2 * parameter_bytes // dp if zero else 2 * parameter_bytes)
 
+    def owned_bytes(self, parameter_bytes: int, *, dp: int, zero: int, dtype: str = "fp32") -> int:
+        """The two moments, which ZeRO-1 leaves whole to each tensor's owner (`state_bytes`)."""
+        return 2 * parameter_bytes if zero == 1 and dp > 1 else 0
+
 
 def random_table(rng: random.Random, *, layers: int, tied: bool | None = None) -> SyntheticTable:
     blocks = 2 * layers + 2

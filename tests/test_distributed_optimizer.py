@@ -20,7 +20,7 @@ from autopart.driver import CompileOptions, compile_to_directory
 from autopart.predict.memory import state_bytes
 from autopart.runtime.checkpoint import checkpoint_keys
 from autopart.runtime.forward import working_copies
-from autopart.runtime.sharded_masters import ShardedMasters, holds_master, partition
+from autopart.runtime.sharded_masters import ShardedMasters, holds_master
 from autopart.tools.verify import verify
 from tests.distributed import (REPO, compile_and_train, gloo_group, replica_model, read_metrics, run_cli_here,
                                fork_ranks, stage_weights, train_whole_and_resumed)
@@ -40,12 +40,6 @@ def test_memory_shards_the_fp32_masters_with_the_optimizer_state_in_bf16_zero1()
     # fp32 and autocast keep whole fp32 weights: ZeRO-1 shards only the optimizer state there
     assert state_bytes(fp32, optimizer="adamw", dp=4, zero=1, dtype="fp32") == 8 * PSI + 8 * PSI // 4
     assert state_bytes(fp32, optimizer="adamw", dp=4, zero=1, dtype="bf16-autocast") == 8 * PSI + 8 * PSI // 4
-
-
-def test_whole_parameters_go_largest_first_to_the_least_loaded_replica():
-    assert partition([10, 40, 30, 20], 2) == [0, 0, 1, 1]  # 40 -> 0, 30 -> 1, 20 -> 1 (30 < 40), 10 -> 0
-    assert partition([5, 5, 5], 3) == [0, 1, 2]
-    assert partition([7], 2) == [0]
 
 
 def _groups(model: nn.Module) -> list[dict]:

@@ -113,12 +113,15 @@ class SlowedTable:
     def state_bytes(self, parameter_bytes: int, *, dp: int, zero: int, dtype: str = "fp32", layered: bool = False) -> int:
         return self.base.state_bytes(parameter_bytes, dp=dp, zero=zero, dtype=dtype, layered=layered)
 
+    def owned_bytes(self, parameter_bytes: int, *, dp: int, zero: int, dtype: str = "fp32") -> int:
+        return self.base.owned_bytes(parameter_bytes, dp=dp, zero=zero, dtype=dtype)
+
 
 class Exact:
     """The same table without ``optimistic_costs``: every layout costed before the walk."""
 
     def __init__(self, table):
-        self.chain_costs, self.state_bytes = table.chain_costs, table.state_bytes
+        self.chain_costs, self.state_bytes, self.owned_bytes = table.chain_costs, table.state_bytes, table.owned_bytes
 
 
 @pytest.mark.parametrize("seed", range(25))

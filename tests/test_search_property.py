@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from autopart.driver import CompileOptions
 from autopart.ir.actions import Kind
 from autopart.ir.errors import ConfigError
+from autopart.ir.owners import largest_share
 from autopart.solve.planner import plan_by_search
 from autopart.predict.timeline import simulate_pipeline
 from autopart.passes.recompute import transient_microbatches
@@ -38,6 +39,17 @@ def rank_activation_peak(actions: list, parts: list[tuple[int, int, int]]) -> in
         elif action.kind in (Kind.B, Kind.W):
             live[action.stage] -= 1
     return peak
+
+
+def owners_beyond_shares(table, costs, layout, firsts, lasts, placement, rank: int) -> int:
+    """What the rank's ZeRO-1 replica owning most holds beyond the shares (`autopart.ir.owners`): the
+    synthetic chains are fp32 with no decayed parameter, so one group of the rank's stages' tensors."""
+    if layout.zero != 1 or layout.dp == 1:
+        return 0
+    sizes = [table.owned_bytes(costs.parameter_bytes[p], dp=layout.dp, zero=1)
+             for s, (a, b) in enumerate(zip(firsts, lasts)) if placement[s] == rank
+             for p in dict.fromkeys(p for k in range(a, b + 1) for p in costs.block_parameters[k])]
+    return largest_share([sizes], layout.dp) - sum(size // layout.dp for size in sizes)
 
 
 def simulated_in_flight(kind: str, ranks: int, microbatches: int, chunks: int) -> tuple[int, ...]:
@@ -103,6 +115,7 @@ def test_every_plan_the_search_returns_is_valid(seed, layers, world_size, gpus_p
             assert figures.time_s == pytest.approx(cut.stage_time_s[s])
         memory_per_rank = [devices.overhead_bytes + rank_activation_peak(actions, parts)
                            + sum(parts[s][0] + parts[s][2] for s in range(layout.stages) if placement[s] == rank)
+                           + owners_beyond_shares(table, costs, layout, firsts, lasts, placement, rank)
                            for rank, actions in sorted(schedule.items())]  # fmt: skip
         assert tuple(memory_per_rank) == cut.rank_memory_bytes
         assert max(memory_per_rank) <= devices.memory_bytes

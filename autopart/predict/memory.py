@@ -32,14 +32,22 @@ optimizer): P/2 + P + (P + S)/dp, 6 + 12/dp bytes per parameter with AdamW. Unde
 FSDP holds the fp32 shards and gathers bf16 whole weights (P/2);
 their bf16 whole gradients and the fp32 copy that FSDP reduce-scatters take P/2 + P at its peak,
 so the whole copies weigh 2P as at fp32.
+
+ZeRO-1's replicas own whole tensors, not even shares (`autopart.ir.owners`): ``state_bytes``
+counts 1/dp of each parameter's ``owned_bytes``, and ``owner_excess_bytes`` what the replica that
+owns most holds beyond those shares on a rank; a rank whose stage holds a vocabulary table at dp 64
+holds the table's whole state on one replica, gigabytes more than 1/64 of it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+from autopart.ir.owners import largest_share
 from autopart.ir.tensors import working_dtype
 from cost_models import model_state_bytes
 
-__all__ = ["state_bytes", "layers_in_flight_bytes", "LAYERS_IN_FLIGHT"]
+__all__ = ["state_bytes", "owned_bytes", "optimizer_group", "owner_excess_bytes", "layers_in_flight_bytes", "LAYERS_IN_FLIGHT"]
 
 LAYERS_IN_FLIGHT = 2
 """Layer units whose parameters and gradients a ZeRO-3 rank holds whole at once (the module's docstring)."""
@@ -55,13 +63,39 @@ def state_bytes(parameter_bytes: int, *, optimizer: str, dp: int, zero: int, dty
     working = parameter_bytes // 2 if working_dtype(dtype) is not None else 0  # bf16 copies beside fp32 masters
     if not zero or dp == 1:
         return full + working
-    if zero == 1 and working:  # bf16 weights and fp32 gradients whole, the fp32 masters sharded with the state
-        return working + parameter_bytes + (full - parameter_bytes) // dp
     if zero == 1:
-        return weights_and_grads + (full - weights_and_grads) // dp
+        owned = owned_bytes(parameter_bytes, optimizer=optimizer, dp=dp, zero=zero, dtype=dtype)
+        return full + working - owned + owned // dp
     if zero == 3 and layered:
         return full // dp
     return weights_and_grads + full // dp  # whole while computing, and the shards of everything
+
+
+def owned_bytes(parameter_bytes: int, *, optimizer: str, dp: int, zero: int, dtype: str = "fp32") -> int:
+    """The bytes of ``parameter_bytes``' state that ZeRO-1 leaves to the one replica owning the
+    tensor: its optimizer state, and under ``bf16`` its fp32 master too (the bf16 weight and the
+    fp32 gradient stay whole on every replica). 0 where nothing is sharded that way."""
+    if zero != 1 or dp == 1:
+        return 0
+    whole = parameter_bytes if working_dtype(dtype) is not None else 2 * parameter_bytes
+    return model_state_bytes(parameter_bytes, optimizer=optimizer) - whole
+
+
+def optimizer_group(dtype: str, decayed: bool) -> int:
+    """The index of a parameter's group as ZeRO-1 partitions it (`owner_excess_bytes`): under a
+    working dtype `autopart.runtime.sharded_masters` partitions all the rank's tensors at once; else
+    torch's ``ZeroRedundancyOptimizer`` takes the recipe's groups in turn, the decayed first
+    (`autopart.runtime.recipe.parameter_groups`)."""
+    return 0 if decayed or working_dtype(dtype) is not None else 1
+
+
+def owner_excess_bytes(groups: Sequence[Sequence[int]], dp: int) -> int:
+    """What the replica owning most holds beyond the 1/dp shares that `state_bytes` counts, for
+    one rank's tensors' ``owned_bytes`` in the optimizer's parameter groups (their order and
+    membership as the runtime builds them: `autopart.ir.owners`)."""
+    if dp == 1:
+        return 0
+    return largest_share(groups, dp) - sum(size // dp for sizes in groups for size in sizes)
 
 
 def layers_in_flight_bytes(layer_bytes: int, *, dp: int, zero: int) -> int:

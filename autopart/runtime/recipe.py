@@ -25,7 +25,8 @@ import torch
 
 from autopart.ir.errors import ConfigError
 
-__all__ = ["LR_SCHEDULES", "Recipe", "add_recipe_arguments", "embedding_parameters", "parameter_groups", "clip_factor"]
+__all__ = ["LR_SCHEDULES", "Recipe", "add_recipe_arguments", "embedding_parameters", "decayed_parameters", "parameter_groups",
+           "clip_factor"]
 
 LR_SCHEDULES = ("constant", "cosine", "linear")
 
@@ -132,9 +133,20 @@ def parameter_groups(
     tables = set(embeddings)
     decayed, kept = [], []
     for name, parameter in named:
-        (decayed if parameter.ndim >= 2 and name not in tables else kept).append(parameter)
+        (decayed if _is_decayed(name, parameter.ndim, tables) else kept).append(parameter)
     first = {"params": decayed} if weight_decay is None else {"params": decayed, "weight_decay": weight_decay}
     return [group for group in (first, {"params": kept, "weight_decay": 0.0}) if group["params"]]
+
+
+def _is_decayed(name: str, ndim: int, embeddings: Iterable[str]) -> bool:
+    """The rule of the module docstring, of a parameter's name and number of dimensions."""
+    return ndim >= 2 and name not in embeddings
+
+
+def decayed_parameters(model: torch.nn.Module) -> frozenset[str]:
+    """The names (every alias) of the model's decayed parameters; works on the meta device."""
+    tables = set(embedding_parameters(model))
+    return frozenset(n for n, p in model.named_parameters(remove_duplicate=False) if _is_decayed(n, p.ndim, tables))
 
 
 def clip_factor(total_norm: float, max_norm: float) -> float:

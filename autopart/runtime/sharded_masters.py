@@ -17,7 +17,8 @@ same order as the cast from fp32 masters (`autopart.runtime.forward`), so losses
 without ZeRO bit for bit.
 
 Whole parameters are partitioned over the replicas, largest first onto the least-loaded replica
-(as torch's ``ZeroRedundancyOptimizer`` does), rather than flat shards: each owner then steps
+(`autopart.ir.owners`, torch's ``ZeroRedundancyOptimizer``'s rule, over all the groups at once),
+rather than flat shards: each owner then steps
 whole tensors with the optimizer of `autopart.runtime.optim`, one tensor at a time exactly as
 the unsharded run does, its state keeps the parameters' shapes (checkpoints and ``consolidate``
 read it as before), and the weight decay of every parameter group applies per parameter as
@@ -32,7 +33,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["ShardedMasters", "holds_master", "working_weight", "partition"]
+from autopart.ir.owners import partition
+
+__all__ = ["ShardedMasters", "holds_master", "working_weight"]
 
 _WEIGHT = "autopart_bf16_weight"  # the attribute of a parameter that holds its bf16 weight
 _RELEASED = "autopart_released"  # the attribute that marks a parameter whose fp32 master is elsewhere
@@ -65,18 +68,6 @@ class _Working(torch.autograd.Function):
         return grad.to(ctx.master_dtype), None
 
 
-def partition(sizes: list[int], ranks: int) -> list[int]:
-    """The owner of each of ``sizes`` (elements): largest first onto the replica holding least,
-    the lower rank on a tie, the earlier tensor first among equal sizes."""
-    owners = [0] * len(sizes)
-    loads = [0] * ranks
-    for index in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
-        owner = min(range(ranks), key=lambda r: (loads[r], r))
-        owners[index] = owner
-        loads[owner] += sizes[index]
-    return owners
-
-
 class ShardedMasters(torch.optim.Optimizer):
     """The optimizer of `make_optimizer` (``kind`` with ``options``) over this replica's share of
     the parameters, the bf16 weights of all of them, gathered after each step."""
@@ -87,7 +78,7 @@ class ShardedMasters(torch.optim.Optimizer):
         self.group = group
         self.rank = dist.get_rank(group)
         tensors = [p for g in self.param_groups for p in g["params"]]
-        owners = partition([p.numel() for p in tensors], dist.get_world_size(group))
+        owners = partition([[p.numel() for p in tensors]], dist.get_world_size(group))[0]  # one group: all of them
         self.owned = [[p for p, o in zip(tensors, owners) if o == r] for r in range(dist.get_world_size(group))]
         self.buffers = [self._hold_weights(params, working) for params in self.owned]
         mine = {id(p) for p in self.owned[self.rank]}

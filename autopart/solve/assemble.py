@@ -25,14 +25,14 @@ from autopart.passes.recompute import (
     batch_inputs, checkpointed_layers, recompute_cost, stage_input_bytes, stage_modes,
 )
 from autopart.predict.in_flight import in_flight, rank_in_flight, transient
-from autopart.predict.memory import layers_in_flight_bytes, state_bytes
+from autopart.predict.memory import layers_in_flight_bytes, optimizer_group, owned_bytes, state_bytes
 from autopart.predict.messages import boundary_seconds
 from autopart.predict.step_time import (
     compute_factor, data_parallel, data_parallel_seconds, measured_in_place, predicted_step_s, profiled_step, rank_tails,
     with_collectives,
 )
 from autopart.predict.timeline import simulate_pipeline
-from autopart.runtime.recipe import embedding_parameters
+from autopart.runtime.recipe import decayed_parameters, embedding_parameters
 from autopart.schedule import SPLIT_BACKWARD_KINDS, generated, stage_placement
 from autopart.solve.pipeline import PipelineProblem, evaluate, stage_ranges
 from autopart.solve.tensor import listed_strategies
@@ -76,7 +76,21 @@ def pipeline_problem(options: CompileOptions, front: Front, microbatches: int) -
         stage_rank=stage_placement(options.schedule, ranks=options.pp, chunks=options.chunks),
         split_layers=_split_layers(options, chain, local, state),
         loss_working_bytes=loss_working_bytes(front, options.tp),
+        owned_state=_owned_state(options, front, local),
+        replicas=options.dp,
     )
+
+
+def _owned_state(options: CompileOptions, front: Front, local: dict[str, int]) -> dict[str, tuple[int, int]]:
+    """``PipelineProblem.owned_state``: per parameter, the bytes of its state that its ZeRO-1
+    owner holds whole and its group as the rank's optimizer partitions them."""
+    if int(options.zero) != 1 or options.dp == 1:
+        return {}
+    dtype = options.dtype or "fp32"
+    decayed = decayed_parameters(front.spec.module) if front.spec.module is not None else frozenset()
+    return {name: (owned_bytes(nbytes, optimizer=options.optimizer, dp=options.dp, zero=1, dtype=dtype),
+                   optimizer_group(dtype, name in decayed))
+            for name, nbytes in local.items()}
 
 
 def _split_layers(options: CompileOptions, chain, local: dict[str, int], state: dict[str, int]) -> tuple:

@@ -49,6 +49,9 @@ class ChainCosts:
     layer_by_layer: bool = False
     # what the loss's backward holds besides, on the last block's stage (`autopart.passes.front.loss_working_bytes`)
     loss_working_bytes: int = 0
+    # the parameters weight decay applies to, in the optimizer's first group (`autopart.runtime.recipe`):
+    # ZeRO-1 partitions fp32 groups in turn (`autopart.predict.memory.optimizer_group`)
+    decayed_parameters: frozenset[str] = frozenset()
     # what is made from these figures and kept with them: the running sums (`prefix`) and all `kept` keeps
     _kept: dict = field(default_factory=dict, repr=False, compare=False)
 

@@ -10,11 +10,13 @@ exhaustive enumeration all check cuts with the same figures.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 from autopart.ir.errors import ConfigError
+from autopart.predict.memory import owner_excess_bytes
 
-__all__ = ["PipelineProblem", "CutEvaluation", "CutSolution", "evaluate", "stage_ranges"]
+__all__ = ["PipelineProblem", "CutEvaluation", "CutSolution", "evaluate", "largest_owned", "owner_excess", "stage_ranges"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,6 +52,11 @@ class PipelineProblem:
     rebuilt_at_once: tuple[int, ...] = ()
     # what the loss's backward holds besides, on the rank of the last stage (`autopart.passes.front.loss_working_bytes`)
     loss_working_bytes: int = 0
+    # ZeRO-1 (`autopart.predict.memory.owner_excess_bytes`): per parameter, the bytes of its state
+    # that one data-parallel replica owns whole and its optimizer parameter group, and the replicas;
+    # a rank holds what its replica owning most owns, beyond the 1/dp shares in parameter_state_bytes
+    owned_state: dict[str, tuple[int, int]] = field(default_factory=dict)
+    replicas: int = 1
 
     @property
     def ranks(self) -> int:
@@ -130,6 +137,8 @@ def evaluate(problem: PipelineProblem, cuts: tuple[int, ...]) -> CutEvaluation:
         activations.append(sum(problem.block_activation_bytes[k] for k in members))
         memory[problem.rank_of(s)] += sum(problem.parameter_state_bytes[p] for p in held)
         times.append(time)
+    for rank, excess in enumerate(owner_excess(problem, cuts)):
+        memory[rank] += excess
     for first, end, extra in problem.split_layers:
         if any(first <= c < end - 1 for c in cuts):
             for s, members in enumerate(ranges):
@@ -146,3 +155,35 @@ def evaluate(problem: PipelineProblem, cuts: tuple[int, ...]) -> CutEvaluation:
     return CutEvaluation(
         cuts=tuple(cuts), stage_time_s=tuple(times), rank_memory_bytes=tuple(memory), objective_s=objective
     )
+
+
+def owner_excess(problem: PipelineProblem, cuts: tuple[int, ...]) -> list[int]:
+    """Per rank, what its ZeRO-1 replica owning most holds beyond the shares of its stages'
+    parameters (`PipelineProblem.owned_state`)."""
+    return [owner_excess_bytes(_groups(problem, names), problem.replicas) for names in _rank_owned(problem, cuts)]
+
+
+def largest_owned(problem: PipelineProblem, cuts: tuple[int, ...]) -> list[str | None]:
+    """Per rank, the parameter of the largest owned state it holds; None where it holds none."""
+    return [max(names, key=lambda n: problem.owned_state[n][0], default=None) for names in _rank_owned(problem, cuts)]
+
+
+def _rank_owned(problem: PipelineProblem, cuts: tuple[int, ...]) -> list[list[str]]:
+    """Per rank, the parameters with owned state in its optimizer: a parameter two stages of a
+    rank read is in both stages' modules, so twice."""
+    held: list[list[str]] = [[] for _ in range(problem.ranks)]
+    if not problem.owned_state:
+        return held
+    for s, members in enumerate(stage_ranges(cuts, len(problem.block_time_s))):
+        stage = dict.fromkeys(p for k in members for p in problem.block_parameters[k])
+        held[problem.rank_of(s)] += [name for name in stage if name in problem.owned_state]
+    return held
+
+
+def _groups(problem: PipelineProblem, names: Iterable[str]) -> list[list[int]]:
+    """The owned bytes of ``names`` in their optimizer parameter groups, in the groups' order."""
+    groups: dict[int, list[int]] = {}
+    for name in names:
+        size, group = problem.owned_state[name]
+        groups.setdefault(group, []).append(size)
+    return [groups[g] for g in sorted(groups)]

@@ -23,8 +23,9 @@ from autopart.passes.front import (
 )
 from autopart.passes.repeat_annotation import laid_out
 from autopart.passes.scale import SizeLines
-from autopart.predict.memory import state_bytes
+from autopart.predict.memory import owned_bytes, state_bytes
 from autopart.runtime.materialise import check_initialisers
+from autopart.runtime.recipe import decayed_parameters
 from autopart.solve.assemble import layered_parameters
 from autopart.solve.chain_costs import ChainCosts
 from autopart.solve.layout_bounds import optimistic_costs
@@ -189,6 +190,9 @@ class FrontTable:
         return state_bytes(parameter_bytes, optimizer=self.options.optimizer, dp=dp, zero=zero, dtype=dtype,
                            layered=layered)
 
+    def owned_bytes(self, parameter_bytes: int, *, dp: int, zero: int, dtype: str = "fp32") -> int:
+        return owned_bytes(parameter_bytes, optimizer=self.options.optimizer, dp=dp, zero=zero, dtype=dtype)
+
 
 def chain_costs(front: Front, tp: int) -> ChainCosts:
     """What the cutter reads, per block, from an annotated (and sharded) front."""
@@ -230,6 +234,7 @@ def chain_costs(front: Front, tp: int) -> ChainCosts:
         layer_bytes=layer_bytes,
         layer_spans=tuple((first, end) for first, end, _ in layer_instances(chain)),
         loss_working_bytes=loss_working_bytes(front, tp),
+        decayed_parameters=decayed_parameters(front.spec.module) if front.spec.module is not None else frozenset(),
     )
 
 

@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import TypeVar
 
 from autopart.predict.in_flight import in_flight, rank_in_flight
-from autopart.predict.memory import layers_in_flight_bytes
+from autopart.predict.memory import layers_in_flight_bytes, optimizer_group, owner_excess_bytes
 from autopart.schedule import SPLIT_BACKWARD_KINDS, stage_placement
 from autopart.solve.chain_costs import ChainCosts, stage_floor_s
 from autopart.solve.rank_room import stages_by_rank
@@ -42,7 +42,7 @@ from autopart.solve.data_parallel_tail import FORWARD_SHARE, fully_sharded_floor
 from autopart.solve.transfers import boundary_transfer_s
 
 __all__ = ["early_bound", "layout_bound", "lazy_order", "may_fit", "mesh_overhead_bytes", "no_early_bound",
-           "optimistic_costs", "stage_floor", "with_layout_state"]
+           "optimistic_costs", "parameter_bytes_per_rank", "stage_floor", "with_layout_state", "with_owners"]
 
 Item = TypeVar("Item")
 
@@ -230,6 +230,40 @@ def _state_key(layout) -> tuple:
 def _layout_state(table, layout) -> Callable[..., int]:
     """The state bytes of a parameter's bytes at ``layout``'s data-parallel degree, ZeRO level and dtype."""
     return functools.partial(table.state_bytes, dp=layout.dp, zero=layout.zero, dtype=layout.dtype)
+
+
+def parameter_bytes_per_rank(table, layout, cut, ranks: tuple[int, ...]) -> list[int]:
+    """Per rank, the bytes of the parameters its stages read (a tied weight once per rank)."""
+    costs = table.chain_costs(micro_batch_size=layout.micro_batch_size, tp=layout.tp, dtype=layout.dtype)
+    return [sum(costs.parameter_bytes[p] for p in set(names)) for names in _rank_parameters(costs, layout, cut, ranks)]
+
+
+def with_owners(cut, table, layout, costs: ChainCosts, ranks: tuple[int, ...], memory_limit_bytes: int):
+    """``cut`` (a `StageCut`) with what each rank's ZeRO-1 replica owning most holds beyond its
+    shares in its memory (`autopart.predict.memory.owner_excess_bytes`, which no running sum of
+    the cutter says); None where a rank then breaks the limit."""
+    if cut is None or int(layout.zero) != 1 or layout.dp == 1:
+        return cut
+    owned = functools.cache(lambda nbytes: table.owned_bytes(nbytes, dp=layout.dp, zero=1, dtype=layout.dtype))
+    excess = []
+    for names in _rank_parameters(costs, layout, cut, ranks):
+        groups: dict[int, list[int]] = {}
+        for name in names:
+            group = optimizer_group(layout.dtype, name in costs.decayed_parameters)
+            groups.setdefault(group, []).append(owned(costs.parameter_bytes[name]))
+        excess.append(owner_excess_bytes([groups[g] for g in sorted(groups)], layout.dp))
+    memory = tuple(nbytes + more for nbytes, more in zip(cut.rank_memory_bytes, excess))
+    return dataclasses.replace(cut, rank_memory_bytes=memory) if max(memory) <= memory_limit_bytes else None
+
+
+def _rank_parameters(costs: ChainCosts, layout, cut, ranks: tuple[int, ...]) -> list[list[str]]:
+    """Per rank, the parameters of its stages' optimizer, stage by stage (a weight two of its
+    stages read is in both stages' modules)."""
+    firsts, lasts = [0, *(c + 1 for c in cut.cuts)], [*cut.cuts, len(costs) - 1]
+    held: list[list[str]] = [[] for _ in range(layout.pp)]
+    for s, (first, last) in enumerate(zip(firsts, lasts)):
+        held[ranks[s]] += dict.fromkeys(p for k in range(first, last + 1) for p in costs.block_parameters[k])
+    return held
 
 
 def mesh_overhead_bytes(layout, costs: ChainCosts, cluster) -> int:

@@ -13,7 +13,10 @@ A rank that holds several stages has them at their own peaks at different moment
 activations are bounded at each moment that may be its peak (``PipelineProblem.rank_in_flight``).
 At ZeRO-3 a cut inside a repeated layer makes the stages that read its parameters hold them in
 their root units, whole beside the shards (``PipelineProblem.split_layers``): the model pays it
-where a cut falls inside, so a tight memory limit moves cuts between layers.
+where a cut falls inside, so a tight memory limit moves cuts between layers. At ZeRO-1 the
+replica that owns a rank's largest tensors holds them whole (``PipelineProblem.owned_state``),
+which no linear term says: `solve_cuts` adds a bound per rank and tensor where its cuts break
+the limit by it, and solves again.
 
 ``solve_cuts(problem, time_limit_s=...)`` returns the cuts; ``evaluate(problem, cuts)`` computes
 the same figures in plain Python (`autopart.solve.cut_problem`), used to re-check every solution and by the tests' exhaustive
@@ -25,7 +28,7 @@ from __future__ import annotations
 from autopart.ir.errors import InfeasibleError, gib_beside
 from autopart.solve import fitting
 from autopart.solve._cp_sat import cp_model
-from autopart.solve.cut_problem import CutEvaluation, CutSolution, PipelineProblem, evaluate, stage_ranges
+from autopart.solve.cut_problem import CutEvaluation, CutSolution, PipelineProblem, evaluate, largest_owned, stage_ranges
 
 __all__ = ["PipelineProblem", "CutEvaluation", "CutSolution", "evaluate", "solve_cuts", "stage_ranges"]
 
@@ -60,21 +63,36 @@ class _CutModel:
                 m.add_bool_or([e, here.Not(), there.Not()])
         for s in range(stages - 1):
             m.add_exactly_one(self.end[k][s] for k in range(blocks - 1))
-        # a parameter one block reads is held by that block's stage: its bytes are the block's own
-        # (no variable per stage and parameter: 1,024 layers on 256 stages would need millions)
-        readers: dict[str, list[int]] = {}
+        self.readers: dict[str, list[int]] = {}
         for k, names in enumerate(problem.block_parameters):
             for name in dict.fromkeys(names):
-                readers.setdefault(name, []).append(k)
-        self.own_bytes = [0] * blocks
-        self.shared: list[tuple[str, int, list[int]]] = []
-        for name, nbytes in problem.parameter_state_bytes.items():
-            read = readers.get(name, [])
-            if len(read) == 1:
-                self.own_bytes[read[0]] += nbytes
-            elif read:
-                self.shared.append((name, nbytes, read))
+                self.readers.setdefault(name, []).append(k)
+        self.state = self._by_block(problem.parameter_state_bytes)
+        # ZeRO-1: each parameter's share of its owned state, which `owner_bound` takes off a rank
+        self.shares = self._by_block({name: nbytes // problem.replicas for name, (nbytes, _) in problem.owned_state.items()})
+        self._holds: dict[tuple[str, str | int], cp_model.IntVar] = {}
         self.split = [self._split(first, end) for first, end, _ in problem.split_layers]
+
+    def _by_block(self, nbytes_of: dict[str, int]) -> tuple[list[int], list[tuple[str, int, list[int]]]]:
+        """``nbytes_of`` per parameter as per-block bytes where one block reads the parameter (its
+        stage holds it: no variable per stage and parameter, of which 1,024 layers on 256 stages
+        would need millions), and (name, bytes, the blocks that read it) for the others."""
+        own, shared = [0] * len(self.problem.block_time_s), []
+        for name, nbytes in nbytes_of.items():
+            read = self.readers.get(name, [])
+            if len(read) == 1:
+                own[read[0]] += nbytes
+            elif read:
+                shared.append((name, nbytes, read))
+        return own, shared
+
+    def _held(self, name: str, stages: list[int], where: str | int) -> cp_model.IntVar:
+        """Whether any of ``stages`` (named ``where``: a stage or a rank) reads ``name``."""
+        if (name, where) not in self._holds:
+            held = self.model.new_bool_var(f"{where}_holds_{name}")
+            self.model.add_max_equality(held, [self.x[k][s] for k in self.readers[name] for s in stages])
+            self._holds[name, where] = held
+        return self._holds[name, where]
 
     def _split(self, first: int, end: int) -> cp_model.IntVar:
         """Whether a cut falls inside the layer of blocks ``first..end - 1``."""
@@ -98,21 +116,32 @@ class _CutModel:
                 transfer += cost * self.end[k][s - 1]
         return compute + transfer
 
-    def stage_state(self, s: int) -> cp_model.LinearExpr:
-        """Bytes of the parameters' weights, gradients and optimizer state that stage ``s`` holds."""
+    def stage_state(self, s: int, by_block: tuple | None = None) -> cp_model.LinearExpr:
+        """Bytes of the parameters' weights, gradients and optimizer state that stage ``s`` holds
+        (of ``by_block``, `_by_block`'s, its parameters' bytes alone)."""
         m = self.model
-        holds = []
-        for name, nbytes, readers in self.shared:  # held once however many of its readers the stage has
-            held = m.new_bool_var(f"stage{s}_holds_{name}")
-            m.add_max_equality(held, [self.x[k][s] for k in readers])
-            holds.append(nbytes * held)
+        own, shared = by_block or self.state
+        holds = [nbytes * self._held(name, [s], f"stage{s}") for name, nbytes, _ in shared]  # once however many read it
+        if by_block is not None:
+            return sum(holds) + sum(nbytes * self.x[k][s] for k, nbytes in enumerate(own) if nbytes)
         for split, (first, end, extra) in zip(self.split, self.problem.split_layers):
             for n, (nbytes, readers) in enumerate(extra):  # paid where the stage reads them and a cut splits the layer
                 paid = m.new_bool_var(f"stage{s}_holds_split_layer_{first}_part{n}")
                 for k in readers:
                     m.add(paid >= self.x[k][s] + split - 1)
                 holds.append(nbytes * paid)
-        return sum(holds) + sum(nbytes * self.x[k][s] for k, nbytes in enumerate(self.own_bytes) if nbytes)
+        return sum(holds) + sum(nbytes * self.x[k][s] for k, nbytes in enumerate(own) if nbytes)
+
+    def owner_bound(self, rank: int, name: str) -> None:
+        """Where the rank holds ``name`` under ZeRO-1, its replica owning it holds all of the
+        parameter's owned state, not its share: the rank's memory with its shares replaced by
+        that must fit too (a bound the owner's exact figure, `cut_problem.owner_excess`, never falls below)."""
+        p = self.problem
+        stages = p.rank_stages(rank)
+        shares = sum(self.stage_state(s, self.shares) for s in stages)
+        owned = p.owned_state[name][0] * self._held(name, stages, f"rank{rank}")
+        for memory in self.rank_memory(rank):
+            self.model.add(memory - shares + owned <= p.memory_limit_bytes)
 
     def stage_activations(self, s: int) -> cp_model.LinearExpr:
         """Bytes that stage ``s`` saves for backward per microbatch."""
@@ -180,11 +209,55 @@ def _solve(model: cp_model.CpModel, time_limit_s: float) -> tuple[cp_model.CpSol
 
 def solve_cuts(problem: PipelineProblem, *, time_limit_s: float = 30.0, hint: tuple[int, ...] | None = None) -> CutSolution:
     """The cuts that minimise the pipeline latency within the memory limit; the search starts
-    from ``hint`` (by default, cuts that balance the stages' compute)."""
+    from ``hint`` (by default, cuts that balance the stages' compute).
+
+    What a ZeRO-1 rank's replica owning most holds beyond its shares depends on which whole
+    tensors the rank holds (`cut_problem.owner_excess`), which no linear term says. CP-SAT solves
+    without it; where its cuts break the limit by it, the rank's largest tensor's `owner_bound` is
+    added and it solves again, and where that bound is already in, those cuts are ruled out. Both
+    only rule out cuts that do not fit, so the rounds' bounds and optimality hold for the problem;
+    the bound comes from a few large tables, which the first rounds place."""
     if problem.stages == 1:
         evaluation = evaluate(problem, ())
         _check_memory(problem, evaluation)
         return CutSolution(evaluation=evaluation, status="optimal", bound_s=evaluation.objective_s, gap=0.0)
+    start = _start(problem, hint)
+    start_fits = max(start.rank_memory_bytes) <= problem.memory_limit_bytes
+    bounds: set[tuple[int, str]] = set()
+    ruled_out: list[tuple[int, ...]] = []
+    for _ in range(_OWNER_ROUNDS):
+        evaluation, status, bound = _solved(problem, start, start_fits, bounds, ruled_out, time_limit_s)
+        over = [r for r, nbytes in enumerate(evaluation.rank_memory_bytes) if nbytes > problem.memory_limit_bytes]
+        largest = largest_owned(problem, evaluation.cuts)
+        if not over or any(largest[r] is None for r in over):
+            break  # fits, or breaks the limit by more than the owners (_check_memory says so)
+        new = {(r, largest[r]) for r in over} - bounds
+        bounds |= new
+        if not new:
+            ruled_out.append(evaluation.cuts)
+    else:
+        if not start_fits:
+            raise InfeasibleError(fitting.no_fit_message(problem, time_limit_s, upper_bytes=max(start.rank_memory_bytes)))
+        evaluation, status = start, cp_model.FEASIBLE
+    _check_memory(problem, evaluation)
+    bound = min(bound, evaluation.objective_s)
+    objective = evaluation.objective_s
+    return CutSolution(
+        evaluation=evaluation,
+        status="optimal" if status == cp_model.OPTIMAL else "feasible",
+        bound_s=bound,
+        gap=0.0 if objective == 0 else max(0.0, (objective - bound) / objective),
+    )
+
+
+_OWNER_ROUNDS = 8
+
+
+def _solved(problem: PipelineProblem, start: CutEvaluation, start_fits: bool, bounds: set[tuple[int, str]],
+            ruled_out: list[tuple[int, ...]], time_limit_s: float) -> tuple[CutEvaluation, int, float]:
+    """CP-SAT's cuts, with the `owner_bound` of each (rank, parameter) of ``bounds`` and none of
+    ``ruled_out``, evaluated, or ``start`` where it fits and is faster; with CP-SAT's status and
+    bound (seconds)."""
     cut_model = _CutModel(problem)
     m = cut_model.model
     horizon = round(sum(problem.block_time_s) * _NS + 2 * sum(problem.boundary_transfer_s) * _NS) + 1
@@ -195,39 +268,33 @@ def solve_cuts(problem: PipelineProblem, *, time_limit_s: float = 30.0, hint: tu
     for rank in range(problem.ranks):
         for memory in cut_model.rank_memory(rank):
             m.add(memory <= problem.memory_limit_bytes)
+    for rank, name in sorted(bounds):
+        cut_model.owner_bound(rank, name)
+    for cuts in ruled_out:
+        m.add(sum(cut_model.end[k][s] for s, k in enumerate(cuts)) <= len(cuts) - 1)
     m.minimize(sum(times) + (problem.microbatches - 1) * slowest)
-    start = _start(problem, hint)
     cut_model.hint(start.cuts)
     solver, status = _solve(m, time_limit_s)
     if status == cp_model.INFEASIBLE:
-        raise InfeasibleError(_infeasible_message(problem, time_limit_s))
+        raise InfeasibleError(_owners_message(problem, bounds) if bounds else _infeasible_message(problem, time_limit_s))
+    bound = max(0.0, solver.best_objective_bound / _NS)
     # On long chains CP-SAT may stop with no plan or a poor one, hint or not: the starting
     # cuts, when they fit in memory, are then the answer, and CP-SAT's bound still says how good.
-    start_fits = max(start.rank_memory_bytes) <= problem.memory_limit_bytes
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         if not start_fits:
             raise InfeasibleError(fitting.no_fit_message(problem, time_limit_s, upper_bytes=max(start.rank_memory_bytes)))
+        return start, status, bound
+    evaluation = evaluate(problem, cut_model.cuts(solver))
+    # The solution is re-checked in plain Python: the CP-SAT model and evaluate() must agree up to
+    # the rounding of each block's time to whole nanoseconds. A solution found before the time
+    # limit, not proven optimal, may hold the slowest-stage variable above its slowest stage, so
+    # its objective may exceed the cuts' own; never fall below it.
+    rounding = (len(problem.block_time_s) + 2 * problem.stages) * problem.microbatches
+    excess = solver.objective_value - evaluation.objective_s * _NS
+    assert -rounding <= excess and (status != cp_model.OPTIMAL or excess <= rounding), (evaluation, excess)
+    if start_fits and start.objective_s < evaluation.objective_s:
         evaluation = start
-    else:
-        evaluation = evaluate(problem, cut_model.cuts(solver))
-        # The solution is re-checked in plain Python: the CP-SAT model and evaluate() must agree up to
-        # the rounding of each block's time to whole nanoseconds. A solution found before the time
-        # limit, not proven optimal, may hold the slowest-stage variable above its slowest stage, so
-        # its objective may exceed the cuts' own; never fall below it.
-        rounding = (len(problem.block_time_s) + 2 * problem.stages) * problem.microbatches
-        excess = solver.objective_value - evaluation.objective_s * _NS
-        assert -rounding <= excess and (status != cp_model.OPTIMAL or excess <= rounding), (evaluation, excess)
-        if start_fits and start.objective_s < evaluation.objective_s:
-            evaluation = start
-    _check_memory(problem, evaluation)
-    bound = min(max(0.0, solver.best_objective_bound / _NS), evaluation.objective_s)
-    objective = evaluation.objective_s
-    return CutSolution(
-        evaluation=evaluation,
-        status="optimal" if status == cp_model.OPTIMAL else "feasible",
-        bound_s=bound,
-        gap=0.0 if objective == 0 else max(0.0, (objective - bound) / objective),
-    )
+    return evaluation, status, bound
 
 
 def _start(problem: PipelineProblem, hint: tuple[int, ...] | None) -> CutEvaluation:
@@ -293,6 +360,18 @@ def _smallest_peak_memory(problem: PipelineProblem, time_limit_s: float) -> int:
     solver, status = _solve(m, time_limit_s)
     assert status in (cp_model.OPTIMAL, cp_model.FEASIBLE)
     return round(solver.objective_value)
+
+
+def _owners_message(problem: PipelineProblem, bounds: set[tuple[int, str]]) -> str:
+    """Why no cuts fit once ZeRO-1's owners of whole tensors are counted (`solve_cuts`)."""
+    name = max((name for _, name in bounds), key=lambda n: problem.owned_state[n][0])
+    owned, limit = gib_beside(problem.owned_state[name][0], problem.memory_limit_bytes)
+    return (
+        f"the model does not fit: with {problem.stages} pipeline stages and {problem.microbatches} microbatches, "
+        f"ZeRO-1 leaves the optimizer state of each tensor whole to one replica ({owned} GiB for {name}), and no "
+        f"cuts keep the fullest device within {limit} GiB; use --zero 2 or 3 (which shard every tensor), more "
+        "stages (--pp), or raise --memory"
+    )
 
 
 def _infeasible_message(problem: PipelineProblem, time_limit_s: float) -> str:

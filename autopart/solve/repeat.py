@@ -87,8 +87,8 @@ def repeat_layers(costs: ChainCosts, layers: Sequence[str | None],
             parameter_state_bytes[new] = costs.parameter_state_bytes[p]
     assert names == set(parameter_bytes)
 
-    layered = frozenset(rename.get(p, p) for k, rename in zip(source, renames) for p in costs.block_parameters[k]
-                        if p in costs.layer_parameters)
+    def renamed(names: frozenset[str]) -> frozenset[str]:
+        return frozenset(rename.get(p, p) for k, rename in zip(source, renames) for p in costs.block_parameters[k] if p in names)
 
     def pick(values):
         return tuple(values[k] for k in source)
@@ -106,7 +106,7 @@ def repeat_layers(costs: ChainCosts, layers: Sequence[str | None],
         parameter_bytes=parameter_bytes,
         parameter_state_bytes=parameter_state_bytes,
         block_parameters=block_parameters,
-        layer_parameters=layered,
+        layer_parameters=renamed(costs.layer_parameters), decayed_parameters=renamed(costs.decayed_parameters),
         layer_bytes=costs.layer_bytes,  # every layer a copy of a captured one
         layer_spans=_copied_spans(costs.layer_spans, spans, pattern, head_first),
     )
@@ -180,3 +180,6 @@ class RepeatedTable:
 
     def state_bytes(self, parameter_bytes: int, *, dp: int, zero: int, dtype: str = "fp32", layered: bool = False) -> int:
         return self.inner.state_bytes(parameter_bytes, dp=dp, zero=zero, dtype=dtype, layered=layered)
+
+    def owned_bytes(self, parameter_bytes: int, *, dp: int, zero: int, dtype: str = "fp32") -> int:
+        return self.inner.owned_bytes(parameter_bytes, dp=dp, zero=zero, dtype=dtype)

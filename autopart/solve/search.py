@@ -45,14 +45,14 @@ from autopart.ir.recompute import RECOMPUTE_MODES
 from autopart.solve.bottleneck import StageCut, cut_stages, fixed_cut
 from autopart.solve.chain_costs import ChainCosts
 from autopart.solve.layout_bounds import (early_bound, layout_bound, lazy_order, may_fit, mesh_overhead_bytes,
-                                         with_layout_state)
+                                         parameter_bytes_per_rank, with_layout_state, with_owners)
 from autopart.solve.refine import CutJudge, refine_cuts
 from autopart.solve.scoring_pool import LayoutScoring, search_workers
 from autopart.solve.transfers import boundary_transfer_s
 from cost_models.comm import nodes_spanned
 
 __all__ = ["Layout", "SearchSpace", "Cluster", "CostTable", "Scored", "SearchResult", "Speculation", "search", "fits",
-           "score_layout", "estimate_step_s", "tail_s", "parameter_bytes_per_rank"]
+           "score_layout", "estimate_step_s", "tail_s"]
 
 _AT_TURN = object()  # in the walk's queue: a layout sent at its turn, not ahead (where it was mostly work wasted)
 INTERLEAVED_CHUNKS = (2, 3, 4, 6)  # per rank; more (8, 12) slow the search ninefold: pin --chunks
@@ -203,6 +203,9 @@ class CostTable(Protocol):
 
     def state_bytes(self, parameter_bytes: int, *, dp: int, zero: int, dtype: str = "fp32", layered: bool = False) -> int:
         """Weights, gradients and optimizer state of a share of ``parameter_bytes`` (of a repeated ``layered``)."""
+
+    def owned_bytes(self, parameter_bytes: int, *, dp: int, zero: int, dtype: str = "fp32") -> int:
+        """Of those, what ZeRO-1 leaves whole to the replica that owns the tensor (`autopart.predict.memory.owned_bytes`)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -439,6 +442,7 @@ def _cut_and_estimate(layout: Layout, table: CostTable, cluster: Cluster, space:
         if not fit_only:
             return _with_refinement(layout, table, cluster, costs, cut, modes, flight, transient, ranks, transfer, nodes,
                                     refine_below)
+    cut = with_owners(cut, table, layout, costs, ranks, cluster.memory_bytes)
     if cut is None:
         return None
     rank_bytes = parameter_bytes_per_rank(table, layout, cut, ranks)
@@ -456,6 +460,8 @@ def _with_refinement(layout, table, cluster, costs, cut, modes, flight, transien
                      objective=lambda c, rank_bytes: estimate_step_s(layout, c, cluster, rank_bytes, nodes,
                                                                      last_bucket_bytes(layout, costs, c.cuts), costs))
     judged = judge.judge(cut.cuts) if cut is not None else None
+    owned = None if judged is None else with_owners(judged[1], table, layout, costs, ranks, cluster.memory_bytes)
+    judged = None if owned is None else (judged[0], owned)  # None too where ZeRO-1's owners break the limit
     if judged is None:
         refine_from = -math.inf  # refined whatever the finalists: it may find cuts that fit
     elif layout.chunks == 1:  # under it, no cuts of this layout make the finalists: its slowest stage keeps it out
@@ -466,26 +472,15 @@ def _with_refinement(layout, table, cluster, costs, cut, modes, flight, transien
     if refine_below <= refine_from:
         return Speculation(plain=plain, refine_from=refine_from)
     refined = refine_cuts(judge, cut)
+    owned = None if refined is None else with_owners(refined[1], table, layout, costs, ranks, cluster.memory_bytes)
     return Speculation(plain=plain, refine_from=refine_from,
-                       refined=None if refined is None else Scored(layout=layout, cut=refined[1], estimate_s=refined[0]))
+                       refined=None if owned is None else Scored(layout=layout, cut=owned, estimate_s=refined[0]))
 
 
 def _refine_bound(table: CostTable, layout: Layout, cluster: Cluster, cut: StageCut) -> float:
     """``layout_bound`` with the bisection's smallest slowest stage for a floor, where it is more
     (the cut in hand fits; ``cluster`` may carry the mesh's overhead already)."""
     return layout_bound(table, layout, cluster, slowest_s=cut.bound_s, memory=False)
-
-
-def parameter_bytes_per_rank(table: CostTable, layout: Layout, cut: StageCut, ranks: tuple[int, ...]) -> list[int]:
-    """Per rank, the bytes of the parameters its stages read (a tied weight once per rank)."""
-    costs = table.chain_costs(micro_batch_size=layout.micro_batch_size, tp=layout.tp, dtype=layout.dtype)
-    firsts = [0, *(c + 1 for c in cut.cuts)]
-    lasts = [*cut.cuts, len(costs) - 1]
-    held: list[set[str]] = [set() for _ in range(layout.pp)]
-    for s, (a, b) in enumerate(zip(firsts, lasts)):
-        for k in range(a, b + 1):
-            held[ranks[s]].update(costs.block_parameters[k])
-    return [sum(costs.parameter_bytes[p] for p in names) for names in held]
 
 
 def _no_layout_message(space: SearchSpace) -> str:

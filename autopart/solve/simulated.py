@@ -31,7 +31,8 @@ from dataclasses import dataclass
 
 from autopart.ir.actions import Kind
 from autopart.schedule import SPLIT_BACKWARD_KINDS, StageCosts, built, simulated_events, stage_placement
-from autopart.solve.search import Cluster, CostTable, Scored, parameter_bytes_per_rank, tail_s
+from autopart.solve.layout_bounds import parameter_bytes_per_rank
+from autopart.solve.search import Cluster, CostTable, Scored, tail_s
 from autopart.solve.baselines import stage_parameter_bytes
 from autopart.solve.chain_costs import ChainCosts, chain_sums
 from autopart.solve.data_parallel_tail import fully_sharded_extra_s, last_bucket_bytes, stage_layers, update_s

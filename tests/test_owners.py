@@ -1,0 +1,201 @@
+"""ZeRO-1's owners of whole tensors: the rule (`autopart.ir.owners`) is the one the runtime's two
+sharded optimizers run, the memory model counts what the replica owning most holds, and the cut
+solver keeps a rank within its memory by that count."""
+
+import itertools
+import json
+import random
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from autopart.driver import CompileOptions
+from autopart.ir.errors import InfeasibleError
+from autopart.ir.owners import largest_share, partition
+from autopart.predict.memory import owned_bytes, owner_excess_bytes, state_bytes
+from autopart.runtime.optim import make_optimizer
+from autopart.runtime.recipe import embedding_parameters, parameter_groups
+from autopart.passes.front import build_front
+from autopart.solve.assemble import pipeline_problem, plan_from_cuts
+from autopart.solve.cut_problem import owner_excess
+from autopart.solve.pipeline import PipelineProblem, evaluate, solve_cuts
+from tests.distributed import REPO, fork_ranks, gloo_group
+
+REPLICAS = 3
+
+
+def test_whole_parameters_go_largest_first_to_the_least_loaded_replica():
+    assert partition([[10, 40, 30, 20]], 2) == [[0, 0, 1, 1]]  # 40 -> 0, 30 -> 1, 20 -> 1 (30 < 40), 10 -> 0
+    assert partition([[5, 5, 5]], 3) == [[0, 1, 2]]
+    assert partition([[7]], 2) == [[0]]
+
+
+def test_groups_are_partitioned_in_turn_with_the_loads_carried():
+    # 40 -> 0, 10 -> 1; then 30 -> 1 (10 < 40), 20 -> 0 (40 = 40: the lower replica)
+    assert partition([[40, 10], [30, 20]], 2) == [[0, 1], [1, 0]]
+    assert largest_share([[40, 10], [30, 20]], 2) == 60
+    assert largest_share([], 4) == 0
+
+
+def test_the_owner_of_a_table_holds_it_whole_beyond_its_share():
+    table, layer = 12 * 1000, 12 * 10  # owned bytes: a vocabulary table and 20 small tensors
+    groups = [[table] + [layer] * 20]
+    assert owner_excess_bytes(groups, 1) == 0
+    assert owner_excess_bytes(groups, 4) == table - (table + 20 * layer) // 4
+    # where no tensor outweighs an even share, the owners are within a tensor of it
+    assert 0 <= owner_excess_bytes([[layer] * 20], 4) <= layer
+
+
+def test_owned_bytes_are_what_state_bytes_shares():
+    fp32 = 4_000_000
+    for dtype in ("fp32", "bf16"):
+        for optimizer in ("adamw", "sgd"):
+            owned = owned_bytes(fp32, optimizer=optimizer, dp=8, zero=1, dtype=dtype)
+            whole = state_bytes(fp32, optimizer=optimizer, dp=1, zero=1, dtype=dtype)
+            assert state_bytes(fp32, optimizer=optimizer, dp=8, zero=1, dtype=dtype) == whole - owned + owned // 8
+    assert owned_bytes(fp32, optimizer="adamw", dp=8, zero=1, dtype="bf16") == 3 * fp32  # fp32 master, two moments
+    assert owned_bytes(fp32, optimizer="adamw", dp=8, zero=1, dtype="fp32") == 2 * fp32  # two moments
+    assert owned_bytes(fp32, optimizer="adamw", dp=8, zero=3) == 0 == owned_bytes(fp32, optimizer="adamw", dp=1, zero=1)
+
+
+class _Tables(nn.Module):
+    """Two vocabulary tables, each larger than a third of all, norms (no decay) and linears."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(300, 8)
+        self.norm = nn.LayerNorm(8)
+        self.mlp = nn.Sequential(nn.Linear(8, 32), nn.Linear(32, 8))
+        self.head = nn.Linear(8, 300, bias=False)
+
+    def forward(self, tokens):
+        return self.head(self.mlp(self.norm(self.embed(tokens))))
+
+
+def _groups(model: nn.Module) -> list[dict]:
+    """The recipe's groups, as the runtime makes them (the optimizers take these dicts over)."""
+    return parameter_groups(list(model.named_parameters()), weight_decay=0.1, embeddings=embedding_parameters(model))
+
+
+def _owners(rank: int, port: int, folder: Path) -> None:
+    """Each sharded optimizer's owned elements on this replica, after one step, beside the rule's."""
+    with gloo_group(rank, port, REPLICAS):
+        result = {}
+        for shard_masters in (False, True):
+            torch.manual_seed(0)
+            model = _Tables()
+            optimizer = make_optimizer("adamw", _groups(model), 1e-3, zero_group=dist.group.WORLD,
+                                       shard_masters=shard_masters)
+            model(torch.arange(6).view(2, 3)).sum().backward()
+            optimizer.step()
+            inner = optimizer.optim
+            result[str(shard_masters)] = sum(p.numel() for p in inner.state)
+            sizes = [[p.numel() for p in g["params"]] for g in _groups(model)]
+            sizes = [sum(sizes, [])] if shard_masters else sizes  # `ShardedMasters` partitions all at once
+            result[f"rule {shard_masters}"] = sum(size for group, owners in zip(sizes, partition(sizes, REPLICAS))
+                                                  for size, owner in zip(group, owners) if owner == rank)
+        (folder / f"rank{rank}.json").write_text(json.dumps(result))
+
+
+@pytest.mark.multiprocess
+def test_the_runtime_owns_what_the_rule_says(tmp_path):
+    """torch's ``ZeroRedundancyOptimizer`` (fp32) and `ShardedMasters` (bf16) hold optimizer state
+    for the elements `partition` gives each replica, so the largest owner is the model's."""
+    assert fork_ranks(_owners, REPLICAS, tmp_path) == [0] * REPLICAS
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(REPLICAS)]
+    for key in ("False", "True"):
+        assert [r[key] for r in results] == [r[f"rule {key == 'True'}"] for r in results]
+    sizes = [[p.numel() for p in g["params"]] for g in _groups(_Tables())]
+    assert max(r["False"] for r in results) == largest_share(sizes, REPLICAS)
+    assert max(r["True"] for r in results) == largest_share([sum(sizes, [])], REPLICAS) == 300 * 8  # a table
+    # fp32: the decayed group first (the head, the two linears' weights), then the embedding table
+    # goes beside a linear weight: 2400 + 256
+    assert max(r["False"] for r in results) == 2400 + 256 > sum(map(sum, sizes)) / REPLICAS * 1.4  # no even share
+
+
+def _table_problem(limit: int, **overrides) -> PipelineProblem:
+    """Four blocks of equal time; block 0 reads a table whose owned state is 60 (20 a replica's
+    share), the others a tensor of 30 each; block 1 saves 20 bytes of activations."""
+    owned = {"table": 60, "w1": 30, "w2": 30, "w3": 30}
+    fields = dict(block_time_s=(1.0, 1.0, 1.0, 1.0), block_activation_bytes=(0, 20, 0, 0),
+                  boundary_transfer_s=(0.0, 0.0, 0.0), parameter_state_bytes={n: b // REPLICAS for n, b in owned.items()},
+                  block_parameters=(("table",), ("w1",), ("w2",), ("w3",)), stages=2, microbatches=2, in_flight=(1, 1),
+                  memory_limit_bytes=limit, owned_state={n: (b, 0) for n, b in owned.items()}, replicas=REPLICAS)
+    fields.update(overrides)
+    return PipelineProblem(**fields)
+
+
+def test_evaluate_counts_the_owner_of_the_table():
+    problem = _table_problem(1 << 30)
+    # cuts 2|2: rank 0 holds the table and w1, owned 60 and 30 by two replicas: it holds 60, not 30
+    assert evaluate(problem, (1,)).rank_memory_bytes == (60 + 20, 30)
+    assert evaluate(problem, (0,)).rank_memory_bytes == (60, 30 + 20)
+    assert evaluate(_table_problem(1 << 30, owned_state={}), (1,)).rank_memory_bytes == (20 + 10 + 20, 20)
+
+
+def test_the_cut_solver_keeps_the_owner_within_its_memory():
+    # by the shares alone the even cuts fit in 75 bytes (rank 0: 50); the table's owner holds 80
+    solution = solve_cuts(_table_problem(75), time_limit_s=10)
+    assert solution.evaluation.cuts == (0,)
+    assert max(solution.evaluation.rank_memory_bytes) <= 75
+    assert solution.status == "optimal"  # the owner's bound rules out only cuts that do not fit
+    assert solve_cuts(_table_problem(80), time_limit_s=10).evaluation.cuts == (1,)  # where the owner fits, the even cuts
+    with pytest.raises(InfeasibleError, match=r"ZeRO-1 leaves the optimizer state of each tensor whole to one "
+                                              r"replica \(.* GiB for table\).*--zero 2 or 3"):
+        solve_cuts(_table_problem(59), time_limit_s=10)  # the table alone is 60
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_cut_solver_finds_the_fastest_cuts_that_fit_wherever_some_do(seed):
+    rng = random.Random(seed)
+    blocks, stages, dp = rng.randint(4, 8), rng.randint(2, 3), rng.choice([2, 4, 8])
+    owned = {f"p{k}": rng.choice([1, 2, 3, 40]) * 1200 for k in range(blocks)}
+    problem = PipelineProblem(
+        block_time_s=tuple(rng.uniform(1e-3, 5e-3) for _ in range(blocks)),
+        block_activation_bytes=tuple(rng.randint(1, 40) * 100 for _ in range(blocks)),
+        boundary_transfer_s=(0.0,) * (blocks - 1), parameter_state_bytes={n: b // dp for n, b in owned.items()},
+        block_parameters=tuple((f"p{k}",) for k in range(blocks)), stages=stages, microbatches=2,
+        in_flight=tuple(min(stages - s, 2) for s in range(stages)), memory_limit_bytes=1 << 40,
+        owned_state={n: (b, 0) for n, b in owned.items()}, replicas=dp)
+    every = [evaluate(problem, cuts) for cuts in itertools.combinations(range(blocks - 1), stages - 1)]
+    peaks = sorted(max(e.rank_memory_bytes) for e in every)
+    for limit in sorted({peaks[0] - 1, peaks[0], peaks[len(peaks) // 2]}):
+        bounded = replace(problem, memory_limit_bytes=limit)
+        if limit < peaks[0]:
+            with pytest.raises(InfeasibleError):
+                solve_cuts(bounded, time_limit_s=10)
+            continue
+        solution = solve_cuts(bounded, time_limit_s=10)
+        assert max(solution.evaluation.rank_memory_bytes) <= limit
+        assert solution.status == "optimal"
+        best = min(e.objective_s for e in every if max(e.rank_memory_bytes) <= limit)
+        assert solution.evaluation.objective_s == pytest.approx(best, rel=1e-6)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_the_compiler_gives_each_tensor_its_owned_state_and_group(tmp_path, monkeypatch, dtype):
+    monkeypatch.setenv("AUTOPART_CACHE_DIR", str(tmp_path / "cache"))
+    options = CompileOptions(model=REPO / "examples" / "gpt.py", pp=2, dp=4, zero=1, microbatches=2,
+                             micro_batch_size=1, schedule="1f1b", optimizer="adamw", dtype=dtype, measure=False)
+    front = build_front(options, 1)
+    problem = pipeline_problem(options, front, 2)
+    module = front.spec.module
+    shapes = {n: p.shape for n, p in module.named_parameters(remove_duplicate=False)}
+    tables = set(embedding_parameters(module))
+    assert problem.replicas == 4 and set(problem.owned_state) == set(front.chain.parameter_bytes)
+    for name, (owned, group) in problem.owned_state.items():
+        fp32 = front.chain.parameter_bytes[name]
+        assert owned == (3 if dtype == "bf16" else 2) * fp32  # AdamW's moments, and the fp32 master under bf16
+        decayed = len(shapes[name]) >= 2 and name not in tables
+        assert group == (0 if dtype == "bf16" or decayed else 1)
+    assert {group for _, group in problem.owned_state.values()} == ({0} if dtype == "bf16" else {0, 1})
+    # the plan's memory is evaluate's, its owners counted: the stage holding the token table holds it whole
+    cuts = (len(front.chain.blocks) // 2,)
+    plan = plan_from_cuts(options, front, problem, cuts, options.batch_shape(), ("pinned", 0.0, 0.0))
+    assert owner_excess(problem, cuts)[0] > 0
+    assert plan.predicted.memory_bytes == evaluate(problem, cuts).rank_memory_bytes
+    assert pipeline_problem(replace(options, zero=2), front, 2).owned_state == {}
