@@ -42,7 +42,8 @@ from autopart.solve.data_parallel_tail import FORWARD_SHARE, fully_sharded_floor
 from autopart.solve.transfers import boundary_transfer_s
 
 __all__ = ["early_bound", "layout_bound", "lazy_order", "may_fit", "mesh_overhead_bytes", "no_early_bound",
-           "optimistic_costs", "parameter_bytes_per_rank", "stage_floor", "with_layout_state", "with_owners"]
+           "optimistic_costs", "owners_beyond_shares", "parameter_bytes_per_rank", "rank_spans", "stage_floor",
+           "with_layout_state", "with_owners"]
 
 Item = TypeVar("Item")
 
@@ -238,32 +239,51 @@ def parameter_bytes_per_rank(table, layout, cut, ranks: tuple[int, ...]) -> list
     return [sum(costs.parameter_bytes[p] for p in set(names)) for names in _rank_parameters(costs, layout, cut, ranks)]
 
 
-def with_owners(cut, table, layout, costs: ChainCosts, ranks: tuple[int, ...], memory_limit_bytes: int):
-    """``cut`` (a `StageCut`) with what each rank's ZeRO-1 replica owning most holds beyond its
-    shares in its memory (`autopart.predict.memory.owner_excess_bytes`, which no running sum of
-    the cutter says); None where a rank then breaks the limit."""
-    if cut is None or int(layout.zero) != 1 or layout.dp == 1:
-        return cut
+def owners_beyond_shares(table, layout, costs: ChainCosts) -> Callable[[tuple[tuple[int, int], ...]], int] | None:
+    """Of a rank whose stages hold blocks ``spans`` (a (first, last) per stage): what its ZeRO-1
+    replica owning most holds beyond its shares (`autopart.predict.memory.owner_excess_bytes`),
+    which no running sum of the cutter says. None where ZeRO-1 gives no replica whole tensors."""
+    if int(layout.zero) != 1 or layout.dp == 1:
+        return None
     owned = functools.cache(lambda nbytes: table.owned_bytes(nbytes, dp=layout.dp, zero=1, dtype=layout.dtype))
-    excess = []
-    for names in _rank_parameters(costs, layout, cut, ranks):
+
+    @functools.cache
+    def excess(spans: tuple[tuple[int, int], ...]) -> int:
         groups: dict[int, list[int]] = {}
-        for name in names:
-            group = optimizer_group(layout.dtype, name in costs.decayed_parameters)
-            groups.setdefault(group, []).append(owned(costs.parameter_bytes[name]))
-        excess.append(owner_excess_bytes([groups[g] for g in sorted(groups)], layout.dp))
-    memory = tuple(nbytes + more for nbytes, more in zip(cut.rank_memory_bytes, excess))
+        for first, last in spans:  # a weight two of the rank's stages read is in both stages' modules
+            for name in dict.fromkeys(p for k in range(first, last + 1) for p in costs.block_parameters[k]):
+                group = optimizer_group(layout.dtype, name in costs.decayed_parameters)
+                groups.setdefault(group, []).append(owned(costs.parameter_bytes[name]))
+        return owner_excess_bytes([groups[g] for g in sorted(groups)], layout.dp)
+
+    return excess
+
+
+def with_owners(cut, excess: Callable[[tuple[tuple[int, int], ...]], int] | None, *, blocks: int,
+                ranks: tuple[int, ...], memory_limit_bytes: int):
+    """``cut`` (a `StageCut` of a chain of ``blocks``) with each rank's `owners_beyond_shares` in
+    its memory; None where a rank then breaks the limit."""
+    if cut is None or excess is None:
+        return cut
+    spans = rank_spans(cut.cuts, blocks, ranks)
+    memory = tuple(nbytes + excess(mine) for nbytes, mine in zip(cut.rank_memory_bytes, spans))
     return dataclasses.replace(cut, rank_memory_bytes=memory) if max(memory) <= memory_limit_bytes else None
 
 
 def _rank_parameters(costs: ChainCosts, layout, cut, ranks: tuple[int, ...]) -> list[list[str]]:
-    """Per rank, the parameters of its stages' optimizer, stage by stage (a weight two of its
-    stages read is in both stages' modules)."""
-    firsts, lasts = [0, *(c + 1 for c in cut.cuts)], [*cut.cuts, len(costs) - 1]
-    held: list[list[str]] = [[] for _ in range(layout.pp)]
-    for s, (first, last) in enumerate(zip(firsts, lasts)):
-        held[ranks[s]] += dict.fromkeys(p for k in range(first, last + 1) for p in costs.block_parameters[k])
-    return held
+    """Per rank, the parameters its stages read, stage by stage."""
+    return [[p for first, last in mine for p in dict.fromkeys(p for k in range(first, last + 1)
+                                                              for p in costs.block_parameters[k])]
+            for mine in rank_spans(cut.cuts, len(costs), ranks)]
+
+
+def rank_spans(cuts: tuple[int, ...], blocks: int, ranks: tuple[int, ...]) -> list[tuple[tuple[int, int], ...]]:
+    """Per rank, the (first, last) blocks of each of its stages, in stage order."""
+    firsts, lasts = [0, *(c + 1 for c in cuts)], [*cuts, blocks - 1]
+    held: list[list[tuple[int, int]]] = [[] for _ in range(max(ranks) + 1)]
+    for s, span in enumerate(zip(firsts, lasts)):
+        held[ranks[s]].append(span)
+    return [tuple(spans) for spans in held]
 
 
 def mesh_overhead_bytes(layout, costs: ChainCosts, cluster) -> int:

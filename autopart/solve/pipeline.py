@@ -25,6 +25,8 @@ enumeration.
 
 from __future__ import annotations
 
+import time
+
 from autopart.ir.errors import InfeasibleError, gib_beside
 from autopart.solve import fitting
 from autopart.solve._cp_sat import cp_model
@@ -132,6 +134,15 @@ class _CutModel:
                 holds.append(nbytes * paid)
         return sum(holds) + sum(nbytes * self.x[k][s] for k, nbytes in enumerate(own) if nbytes)
 
+    def rule_out(self, rank: int, spans: tuple[tuple[int, int], ...]) -> None:
+        """No cuts in which the rank's stages hold blocks ``spans`` (a (first, last) per stage)."""
+        last, differs = len(self.problem.block_time_s) - 1, []
+        for s, (first, end) in zip(self.problem.rank_stages(rank), spans):
+            differs += [self.x[first][s].Not(), self.x[end][s].Not()]
+            differs += [self.x[first - 1][s]] if first > 0 else []
+            differs += [self.x[end + 1][s]] if end < last else []
+        self.model.add_bool_or(differs)
+
     def owner_bound(self, rank: int, name: str) -> None:
         """Where the rank holds ``name`` under ZeRO-1, its replica owning it holds all of the
         parameter's owned state, not its share: the rank's memory with its shares replaced by
@@ -213,10 +224,12 @@ def solve_cuts(problem: PipelineProblem, *, time_limit_s: float = 30.0, hint: tu
 
     What a ZeRO-1 rank's replica owning most holds beyond its shares depends on which whole
     tensors the rank holds (`cut_problem.owner_excess`), which no linear term says. CP-SAT solves
-    without it; where its cuts break the limit by it, the rank's largest tensor's `owner_bound` is
-    added and it solves again, and where that bound is already in, those cuts are ruled out. Both
-    only rule out cuts that do not fit, so the rounds' bounds and optimality hold for the problem;
-    the bound comes from a few large tables, which the first rounds place."""
+    without it; where its cuts break a rank's limit by it, that rank's largest tensor's
+    `owner_bound` is added, or where that bound is in already, the rank's stages' spans are ruled
+    out (a rank's memory depends on its own spans alone), and CP-SAT solves again, in what is left
+    of ``time_limit_s``. Both rule out only cuts that do not fit, so each round's bound and
+    optimality hold for the problem; where the time runs out first, the starting cuts are taken
+    if they fit."""
     if problem.stages == 1:
         evaluation = evaluate(problem, ())
         _check_memory(problem, evaluation)
@@ -224,21 +237,27 @@ def solve_cuts(problem: PipelineProblem, *, time_limit_s: float = 30.0, hint: tu
     start = _start(problem, hint)
     start_fits = max(start.rank_memory_bytes) <= problem.memory_limit_bytes
     bounds: set[tuple[int, str]] = set()
-    ruled_out: list[tuple[int, ...]] = []
-    for _ in range(_OWNER_ROUNDS):
-        evaluation, status, bound = _solved(problem, start, start_fits, bounds, ruled_out, time_limit_s)
+    ruled_out: set[tuple[int, tuple[tuple[int, int], ...]]] = set()  # (rank, its stages' spans)
+    deadline = time.monotonic() + time_limit_s
+    while True:
+        evaluation, status, bound = _solved(problem, start, start_fits, bounds, ruled_out,
+                                            max(deadline - time.monotonic(), _LEAST_ROUND_S))
         over = [r for r, nbytes in enumerate(evaluation.rank_memory_bytes) if nbytes > problem.memory_limit_bytes]
         largest = largest_owned(problem, evaluation.cuts)
         if not over or any(largest[r] is None for r in over):
             break  # fits, or breaks the limit by more than the owners (_check_memory says so)
-        new = {(r, largest[r]) for r in over} - bounds
-        bounds |= new
-        if not new:
-            ruled_out.append(evaluation.cuts)
-    else:
-        if not start_fits:
-            raise InfeasibleError(fitting.no_fit_message(problem, time_limit_s, upper_bytes=max(start.rank_memory_bytes)))
-        evaluation, status = start, cp_model.FEASIBLE
+        spans = stage_ranges(evaluation.cuts, len(problem.block_time_s))
+        for r in over:
+            if (r, largest[r]) not in bounds:
+                bounds.add((r, largest[r]))
+            else:
+                ruled_out.add((r, tuple((spans[s][0], spans[s][-1]) for s in problem.rank_stages(r))))
+        if time.monotonic() >= deadline:
+            if not start_fits:
+                raise InfeasibleError(fitting.no_fit_message(problem, time_limit_s,
+                                                             upper_bytes=max(start.rank_memory_bytes)))
+            evaluation, status = start, cp_model.FEASIBLE
+            break
     _check_memory(problem, evaluation)
     bound = min(bound, evaluation.objective_s)
     objective = evaluation.objective_s
@@ -250,28 +269,28 @@ def solve_cuts(problem: PipelineProblem, *, time_limit_s: float = 30.0, hint: tu
     )
 
 
-_OWNER_ROUNDS = 8
+_LEAST_ROUND_S = 1.0  # a round of `solve_cuts` past its deadline still gets this long
 
 
 def _solved(problem: PipelineProblem, start: CutEvaluation, start_fits: bool, bounds: set[tuple[int, str]],
-            ruled_out: list[tuple[int, ...]], time_limit_s: float) -> tuple[CutEvaluation, int, float]:
-    """CP-SAT's cuts, with the `owner_bound` of each (rank, parameter) of ``bounds`` and none of
-    ``ruled_out``, evaluated, or ``start`` where it fits and is faster; with CP-SAT's status and
-    bound (seconds)."""
+            ruled_out: set[tuple[int, tuple[tuple[int, int], ...]]], time_limit_s: float) -> tuple[CutEvaluation, int, float]:
+    """CP-SAT's cuts, with the `owner_bound` of each (rank, parameter) of ``bounds`` and no rank
+    on the spans ``ruled_out`` for it, evaluated, or ``start`` where it fits and is faster; with
+    CP-SAT's status and bound (seconds)."""
     cut_model = _CutModel(problem)
     m = cut_model.model
     horizon = round(sum(problem.block_time_s) * _NS + 2 * sum(problem.boundary_transfer_s) * _NS) + 1
     slowest = m.new_int_var(0, horizon, "slowest_stage_time")
     times = [cut_model.stage_time(s) for s in range(problem.stages)]
-    for time in times:
-        m.add(slowest >= time)
+    for stage_time in times:
+        m.add(slowest >= stage_time)
     for rank in range(problem.ranks):
         for memory in cut_model.rank_memory(rank):
             m.add(memory <= problem.memory_limit_bytes)
     for rank, name in sorted(bounds):
         cut_model.owner_bound(rank, name)
-    for cuts in ruled_out:
-        m.add(sum(cut_model.end[k][s] for s, k in enumerate(cuts)) <= len(cuts) - 1)
+    for rank, spans in sorted(ruled_out):
+        cut_model.rule_out(rank, spans)
     m.minimize(sum(times) + (problem.microbatches - 1) * slowest)
     cut_model.hint(start.cuts)
     solver, status = _solve(m, time_limit_s)

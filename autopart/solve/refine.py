@@ -52,8 +52,10 @@ class CutJudge:
     def __init__(self, costs: ChainCosts, *, in_flight: tuple[int, ...], stage_rank: tuple[int, ...],
                  transfer_s: tuple[float, ...], memory_limit_bytes: int, overhead_bytes: int,
                  modes: tuple[tuple[str, ...], ...], objective: Objective, transient: tuple[int, ...] | None = None,
-                 rank_in_flight: tuple[tuple[tuple[int, ...], ...], ...] | None = None):
+                 rank_in_flight: tuple[tuple[tuple[int, ...], ...], ...] | None = None,
+                 rank_extra: Callable[[tuple[tuple[int, int], ...]], int] | None = None):
         self.costs = costs
+        self.rank_extra = rank_extra  # a rank's bytes beside its stages', of its spans (ZeRO-1's owners)
         self.moments = rank_in_flight  # a rank of several stages is held at its fullest moment (`rank_room`)
         self.stages = len(stage_rank)
         self.in_flight, self.stage_rank, self.transfer_s = in_flight, stage_rank, transfer_s
@@ -90,13 +92,14 @@ class CutJudge:
         key = (r, spans)
         if key not in self._rank:
             per_stage = [self._options(s, a, b) for s, (a, b) in zip(self.rank_stages[r], spans)]
-            best = None
+            extra = self.rank_extra(spans) if self.rank_extra is not None else 0
+            budget, best = self.budget - extra, None
             if len(per_stage) == 1:
                 for option in per_stage[0]:
-                    if option[3] <= self.budget and (best is None or option[1] < best[0]):
+                    if option[3] <= budget and (best is None or option[1] < best[0]):
                         best = (option[1], (option,), option[3])
             else:
-                best = fastest_fitting(per_stage, None if self.moments is None else self.moments[r], self.budget)
+                best = fastest_fitting(per_stage, None if self.moments is None else self.moments[r], budget)
             if best is None:
                 self._rank[key] = None
             else:
@@ -107,7 +110,7 @@ class CutJudge:
                     read |= shared_read
                     owned |= shared_owned
                 nbytes += sum(self.costs.parameter_bytes[p] for p in read - owned)
-                self._rank[key] = (best[1], self.overhead_bytes + best[2], nbytes)
+                self._rank[key] = (best[1], self.overhead_bytes + best[2] + extra, nbytes)
         return self._rank[key]
 
     def _weights_of(self, first: int, last: int) -> tuple[int, frozenset, frozenset]:

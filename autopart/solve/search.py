@@ -45,7 +45,8 @@ from autopart.ir.recompute import RECOMPUTE_MODES
 from autopart.solve.bottleneck import StageCut, cut_stages, fixed_cut
 from autopart.solve.chain_costs import ChainCosts
 from autopart.solve.layout_bounds import (early_bound, layout_bound, lazy_order, may_fit, mesh_overhead_bytes,
-                                         parameter_bytes_per_rank, with_layout_state, with_owners)
+                                         owners_beyond_shares, parameter_bytes_per_rank, with_layout_state,
+                                         with_owners)
 from autopart.solve.refine import CutJudge, refine_cuts
 from autopart.solve.scoring_pool import LayoutScoring, search_workers
 from autopart.solve.transfers import boundary_transfer_s
@@ -442,7 +443,8 @@ def _cut_and_estimate(layout: Layout, table: CostTable, cluster: Cluster, space:
         if not fit_only:
             return _with_refinement(layout, table, cluster, costs, cut, modes, flight, transient, ranks, transfer, nodes,
                                     refine_below)
-    cut = with_owners(cut, table, layout, costs, ranks, cluster.memory_bytes)
+    cut = with_owners(cut, owners_beyond_shares(table, layout, costs), blocks=len(costs), ranks=ranks,
+                      memory_limit_bytes=cluster.memory_bytes)
     if cut is None:
         return None
     rank_bytes = parameter_bytes_per_rank(table, layout, cut, ranks)
@@ -458,10 +460,9 @@ def _with_refinement(layout, table, cluster, costs, cut, modes, flight, transien
                      rank_in_flight=rank_in_flight(layout.schedule, layout.pp, layout.microbatches, layout.chunks),
                      memory_limit_bytes=cluster.memory_bytes, overhead_bytes=cluster.overhead_bytes, modes=modes,
                      objective=lambda c, rank_bytes: estimate_step_s(layout, c, cluster, rank_bytes, nodes,
-                                                                     last_bucket_bytes(layout, costs, c.cuts), costs))
-    judged = judge.judge(cut.cuts) if cut is not None else None
-    owned = None if judged is None else with_owners(judged[1], table, layout, costs, ranks, cluster.memory_bytes)
-    judged = None if owned is None else (judged[0], owned)  # None too where ZeRO-1's owners break the limit
+                                                                     last_bucket_bytes(layout, costs, c.cuts), costs),
+                     rank_extra=owners_beyond_shares(table, layout, costs))
+    judged = judge.judge(cut.cuts) if cut is not None else None  # None too where ZeRO-1's owners break the limit
     if judged is None:
         refine_from = -math.inf  # refined whatever the finalists: it may find cuts that fit
     elif layout.chunks == 1:  # under it, no cuts of this layout make the finalists: its slowest stage keeps it out
@@ -472,9 +473,8 @@ def _with_refinement(layout, table, cluster, costs, cut, modes, flight, transien
     if refine_below <= refine_from:
         return Speculation(plain=plain, refine_from=refine_from)
     refined = refine_cuts(judge, cut)
-    owned = None if refined is None else with_owners(refined[1], table, layout, costs, ranks, cluster.memory_bytes)
     return Speculation(plain=plain, refine_from=refine_from,
-                       refined=None if owned is None else Scored(layout=layout, cut=owned, estimate_s=refined[0]))
+                       refined=None if refined is None else Scored(layout=layout, cut=refined[1], estimate_s=refined[0]))
 
 
 def _refine_bound(table: CostTable, layout: Layout, cluster: Cluster, cut: StageCut) -> float:
