@@ -17,6 +17,7 @@ from autopart.driver import CompileOptions
 from autopart.ir.errors import InfeasibleError
 from autopart.ir.owners import largest_share, partition
 from autopart.predict.memory import owned_bytes, owner_excess_bytes, state_bytes
+from autopart.predict.step_time import rank_tails
 from autopart.runtime.optim import make_optimizer
 from autopart.runtime.recipe import embedding_parameters, parameter_groups
 from autopart.passes.front import build_front
@@ -230,3 +231,23 @@ def test_the_search_cuts_where_the_table_s_owner_fits():
     assert owner <= scored.cut.rank_memory_bytes[0] <= devices.memory_bytes
     roomy = cluster(memory_bytes=1 << 30, gpus_per_node=8)
     assert score_layout(layout, table, roomy, space).cut.cuts == (2,)  # the even cuts, where the owner fits
+
+
+def test_a_rank_waits_for_the_step_of_its_slowest_replica(tmp_path, monkeypatch):
+    """The step ends once every owner has shared its weights: a rank's optimizer time is the
+    slowest replica's over the tensors it owns, not 1/dp of all of them."""
+    monkeypatch.setenv("AUTOPART_CACHE_DIR", str(tmp_path / "cache"))
+    options = CompileOptions(model=REPO / "examples" / "gpt.py", pp=1, dp=4, zero=1, microbatches=2,
+                             micro_batch_size=1, schedule="1f1b", optimizer="adamw", dtype="bf16", measure=False)
+    front = build_front(options, 1)
+    plan = plan_from_cuts(options, front, pipeline_problem(options, front, 2), (), options.batch_shape(),
+                          ("pinned", 0.0, 0.0))
+    params = dict(front.spec.module.named_parameters(remove_duplicate=False))
+    held = list(plan.stages[0].parameters)
+    owners = partition([[params[n].numel() for n in held]], 4)[0]  # bf16: one group
+    time = front.cost_model.optimizer_time
+    per_replica = [time("adamw", [(params[n].shape, "float32") for n, o in zip(held, owners) if o == r])
+                   for r in range(4)]
+    tails = rank_tails(options, front, list(plan.stages), {n: [0] for n in held}, None)
+    assert tails[0] == pytest.approx(max(per_replica))
+    assert max(per_replica) > min(per_replica) * 1.2  # the replicas' steps differ: not an even share

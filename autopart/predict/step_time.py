@@ -13,15 +13,19 @@ from dataclasses import replace
 
 from autopart.codegen.layers import layer_instances
 from autopart.ir.actions import RECEIVE_KINDS, Action
+from autopart.ir.owners import partition
+from autopart.ir.placement import REPLICATE
 from autopart.ir.plan import StagePlan
 from autopart.ir.scatter_gather import sent_bytes
 from autopart.options import CompileOptions
-from autopart.passes.front import Front, block_seconds
+from autopart.passes.front import Front, block_seconds, parameter_placements
 from autopart.predict.data_parallel import DataParallelComm, data_parallel_comm
 from autopart.predict.fully_sharded import Piece
+from autopart.predict.memory import optimizer_group
 from autopart.predict.reduction import overlapped_step_time, plan_reductions
 from autopart.profiling.co_run import co_run_key, host_processes
 from autopart.profiling.pipeline import pipeline_key
+from autopart.runtime.recipe import decayed_parameters
 from autopart.schedule import SPLIT_BACKWARD_KINDS, Schedule, StageCosts, built, built_lowered
 from cost_models.database import PipelineMeasurement, plan_shape, tail_key
 
@@ -105,13 +109,35 @@ def rank_tails(options: CompileOptions, front: Front, stages: list[StagePlan], h
         if tied and in_place is not None and in_place.tied_s is not None:
             tied = in_place.tied_s
         measured = in_place.optimizer_time([st.blocks for st in stages if st.rank == rank]) if in_place else None
-        optimizer = cost_model.optimizer_time(options.optimizer, [(metas[p].shape, metas[p].dtype) for p in held])
-        if options.zero and options.dp > 1:  # each data-parallel rank steps its shard of the state
+        replicas = _replica_parameters(options, front, list(held), metas)
+        optimizer = max(cost_model.optimizer_time(options.optimizer, [(metas[p].shape, metas[p].dtype) for p in mine])
+                        for mine in replicas)
+        if options.zero and options.dp > 1 and int(options.zero) != 1:  # each data-parallel rank steps its shard
             optimizer /= options.dp
         if measured is not None:
             optimizer = measured
         tails[rank] = tied + optimizer
     return tails
+
+
+def _replica_parameters(options: CompileOptions, front: Front, held: list[str], metas: dict) -> list[list[str]]:
+    """Of a rank's parameters, those each replica steps: under ZeRO-1 with replicas each owner's
+    whole tensors (`autopart.ir.owners`, in its optimizer's groups), and the step ends once every
+    owner has shared its weights, so the rank waits for the slowest; else all of them."""
+    if int(options.zero) != 1 or options.dp == 1:
+        return [held]
+    decayed = decayed_parameters(front.spec.module) if front.spec.module is not None else frozenset()
+    groups: dict[int, list[str]] = {}
+    for name in held:
+        groups.setdefault(optimizer_group(options.dtype or "fp32", name in decayed), []).append(name)
+    names = [groups[g] for g in sorted(groups)]
+    placements = parameter_placements(front)
+    local = {n: metas[n].numel // (options.tp if placements.get(n, REPLICATE).kind == "S" else 1) for n in held}
+    mine: list[list[str]] = [[] for _ in range(options.dp)]
+    for group, owners in zip(names, partition([[local[n] for n in group] for group in names], options.dp)):
+        for name, owner in zip(group, owners):
+            mine[owner].append(name)
+    return mine
 
 
 def measured_in_place(options: CompileOptions, front: Front, micro_batch_size: int, stages: list[StagePlan], *,
