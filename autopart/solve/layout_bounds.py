@@ -42,8 +42,8 @@ from autopart.solve.data_parallel_tail import FORWARD_SHARE, fully_sharded_floor
 from autopart.solve.transfers import boundary_transfer_s
 
 __all__ = ["early_bound", "layout_bound", "lazy_order", "may_fit", "mesh_overhead_bytes", "no_early_bound",
-           "optimistic_costs", "owners_beyond_shares", "parameter_bytes_per_rank", "rank_spans", "stage_floor",
-           "with_layout_state", "with_owners"]
+           "optimistic_costs", "owners_beyond_shares", "parameter_bytes_per_rank", "stage_floor", "with_layout_state",
+           "with_owners"]
 
 Item = TypeVar("Item")
 
@@ -236,7 +236,9 @@ def _layout_state(table, layout) -> Callable[..., int]:
 def parameter_bytes_per_rank(table, layout, cut, ranks: tuple[int, ...]) -> list[int]:
     """Per rank, the bytes of the parameters its stages read (a tied weight once per rank)."""
     costs = table.chain_costs(micro_batch_size=layout.micro_batch_size, tp=layout.tp, dtype=layout.dtype)
-    return [sum(costs.parameter_bytes[p] for p in set(names)) for names in _rank_parameters(costs, layout, cut, ranks)]
+    return [sum(costs.parameter_bytes[p] for p in {p for first, last in spans for k in range(first, last + 1)
+                                                   for p in costs.block_parameters[k]})
+            for spans in rank_spans(cut.cuts, len(costs), ranks)]
 
 
 def owners_beyond_shares(table, layout, costs: ChainCosts) -> Callable[[tuple[tuple[int, int], ...]], int] | None:
@@ -268,13 +270,6 @@ def with_owners(cut, excess: Callable[[tuple[tuple[int, int], ...]], int] | None
     spans = rank_spans(cut.cuts, blocks, ranks)
     memory = tuple(nbytes + excess(mine) for nbytes, mine in zip(cut.rank_memory_bytes, spans))
     return dataclasses.replace(cut, rank_memory_bytes=memory) if max(memory) <= memory_limit_bytes else None
-
-
-def _rank_parameters(costs: ChainCosts, layout, cut, ranks: tuple[int, ...]) -> list[list[str]]:
-    """Per rank, the parameters its stages read, stage by stage."""
-    return [[p for first, last in mine for p in dict.fromkeys(p for k in range(first, last + 1)
-                                                              for p in costs.block_parameters[k])]
-            for mine in rank_spans(cut.cuts, len(costs), ranks)]
 
 
 def rank_spans(cuts: tuple[int, ...], blocks: int, ranks: tuple[int, ...]) -> list[tuple[tuple[int, int], ...]]:

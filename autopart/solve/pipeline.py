@@ -15,8 +15,8 @@ At ZeRO-3 a cut inside a repeated layer makes the stages that read its parameter
 their root units, whole beside the shards (``PipelineProblem.split_layers``): the model pays it
 where a cut falls inside, so a tight memory limit moves cuts between layers. At ZeRO-1 the
 replica that owns a rank's largest tensors holds them whole (``PipelineProblem.owned_state``),
-which no linear term says: `solve_cuts` adds a bound per rank and tensor where its cuts break
-the limit by it, and solves again.
+which no linear term says: where CP-SAT's cuts break a rank's limit by it, `solve_cuts` adds a
+bound for the rank's largest tensor or rules out the rank's spans, and solves again.
 
 ``solve_cuts(problem, time_limit_s=...)`` returns the cuts; ``evaluate(problem, cuts)`` computes
 the same figures in plain Python (`autopart.solve.cut_problem`), used to re-check every solution and by the tests' exhaustive
@@ -72,7 +72,7 @@ class _CutModel:
         self.state = self._by_block(problem.parameter_state_bytes)
         # ZeRO-1: each parameter's share of its owned state, which `owner_bound` takes off a rank
         self.shares = self._by_block({name: nbytes // problem.replicas for name, (nbytes, _) in problem.owned_state.items()})
-        self._holds: dict[tuple[str, str | int], cp_model.IntVar] = {}
+        self._holds: dict[tuple[str, str], cp_model.IntVar] = {}
         self.split = [self._split(first, end) for first, end, _ in problem.split_layers]
 
     def _by_block(self, nbytes_of: dict[str, int]) -> tuple[list[int], list[tuple[str, int, list[int]]]]:
@@ -88,7 +88,7 @@ class _CutModel:
                 shared.append((name, nbytes, read))
         return own, shared
 
-    def _held(self, name: str, stages: list[int], where: str | int) -> cp_model.IntVar:
+    def _held(self, name: str, stages: list[int], where: str) -> cp_model.IntVar:
         """Whether any of ``stages`` (named ``where``: a stage or a rank) reads ``name``."""
         if (name, where) not in self._holds:
             held = self.model.new_bool_var(f"{where}_holds_{name}")
@@ -135,12 +135,13 @@ class _CutModel:
         return sum(holds) + sum(nbytes * self.x[k][s] for k, nbytes in enumerate(own) if nbytes)
 
     def rule_out(self, rank: int, spans: tuple[tuple[int, int], ...]) -> None:
-        """No cuts in which the rank's stages hold blocks ``spans`` (a (first, last) per stage)."""
-        last, differs = len(self.problem.block_time_s) - 1, []
-        for s, (first, end) in zip(self.problem.rank_stages(rank), spans):
-            differs += [self.x[first][s].Not(), self.x[end][s].Not()]
+        """No cuts in which the rank's stages hold blocks ``spans`` (a (first, last) per stage):
+        some stage of the rank lacks its first or last block, or holds the block before or after."""
+        final, differs = len(self.problem.block_time_s) - 1, []
+        for s, (first, last) in zip(self.problem.rank_stages(rank), spans):
+            differs += [self.x[first][s].Not(), self.x[last][s].Not()]
             differs += [self.x[first - 1][s]] if first > 0 else []
-            differs += [self.x[end + 1][s]] if end < last else []
+            differs += [self.x[last + 1][s]] if last < final else []
         self.model.add_bool_or(differs)
 
     def owner_bound(self, rank: int, name: str) -> None:
