@@ -16,6 +16,7 @@ from torch import nn
 from autopart.driver import CompileOptions
 from autopart.ir.errors import InfeasibleError
 from autopart.ir.owners import largest_share, partition
+from autopart.ir.placement import Placement
 from autopart.predict.memory import owned_bytes, owner_excess_bytes, state_bytes
 from autopart.predict.step_time import rank_tails
 from autopart.runtime.optim import make_optimizer
@@ -251,3 +252,21 @@ def test_a_rank_waits_for_the_step_of_its_slowest_replica(tmp_path, monkeypatch)
     tails = rank_tails(options, front, list(plan.stages), {n: [0] for n in held}, None)
     assert tails[0] == pytest.approx(max(per_replica))
     assert max(per_replica) > min(per_replica) * 1.2  # the replicas' steps differ: not an even share
+
+
+def test_a_tensor_parallel_rank_steps_its_shards(tmp_path, monkeypatch):
+    """The optimizer step of a tensor-parallel rank is timed on its shards of the split weights
+    (the whole of the replicated ones), not on the whole tensors."""
+    monkeypatch.setenv("AUTOPART_CACHE_DIR", str(tmp_path / "cache"))
+    options = CompileOptions(model=REPO / "examples" / "gpt.py", pp=1, tp=2, microbatches=2, micro_batch_size=1,
+                             schedule="1f1b", optimizer="adamw", measure=False, device="h100-sxm")
+    front = build_front(options, 1)
+    plan = plan_from_cuts(options, front, pipeline_problem(options, front, 2), (), options.batch_shape(),
+                          ("pinned", 0.0, 0.0))
+    params = dict(front.spec.module.named_parameters(remove_duplicate=False))
+    split = plan.stages[0].parameter_placements
+    assert split  # some weights are split
+    shards = [tuple(s // 2 if d == Placement.parse(split[n]).dim else s for d, s in enumerate(params[n].shape))
+              if n in split else tuple(params[n].shape) for n in plan.stages[0].parameters]
+    tails = rank_tails(options, front, list(plan.stages), {n: [0] for n in plan.stages[0].parameters}, None)
+    assert tails[0] == pytest.approx(front.cost_model.optimizer_time("adamw", [(s, "float32") for s in shards]))

@@ -8,6 +8,7 @@ the data-parallel gradient exchange; with the figures this very pipeline measure
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import replace
 
@@ -101,16 +102,20 @@ def rank_tails(options: CompileOptions, front: Front, stages: list[StagePlan], h
              for n in front.op_graph.fx_nodes() if front.op_graph.nodes[n.name].is_parameter}
     for leaf in front.op_graph.leaf_tensors.values():  # the weights of --leaf modules
         metas.update(leaf)
+    placements = parameter_placements(front)
+    shapes = {p: _local_shape(meta.shape, placements.get(p, REPLICATE), options.tp) for p, meta in metas.items()}
     tails = {}
     for rank in range(options.pp):
-        held = dict.fromkeys(p for st in stages if st.rank == rank for p in st.parameters)
-        tied = sum(_tied_all_reduce_s(cost_model, options, metas[p].nbytes, {stages[s].rank for s in holders[p]})
-                   for p in held if len(holders[p]) > 1)
+        # each stage's module holds its own copy of a weight that two of the rank's stages read
+        copies = [p for st in stages if st.rank == rank for p in dict.fromkeys(st.parameters)]
+        tied = sum(_tied_all_reduce_s(cost_model, options, metas[p].nbytes * math.prod(shapes[p]) // metas[p].numel,
+                                      {stages[s].rank for s in holders[p]})
+                   for p in dict.fromkeys(copies) if len(holders[p]) > 1)
         if tied and in_place is not None and in_place.tied_s is not None:
             tied = in_place.tied_s
         measured = in_place.optimizer_time([st.blocks for st in stages if st.rank == rank]) if in_place else None
-        replicas = _replica_parameters(options, front, list(held), metas)
-        optimizer = max(cost_model.optimizer_time(options.optimizer, [(metas[p].shape, metas[p].dtype) for p in mine])
+        replicas = _replica_parameters(options, front, copies, shapes)
+        optimizer = max(cost_model.optimizer_time(options.optimizer, [(shapes[p], metas[p].dtype) for p in mine])
                         for mine in replicas)
         if options.zero and options.dp > 1 and int(options.zero) != 1:  # each data-parallel rank steps its shard
             optimizer /= options.dp
@@ -120,10 +125,19 @@ def rank_tails(options: CompileOptions, front: Front, stages: list[StagePlan], h
     return tails
 
 
-def _replica_parameters(options: CompileOptions, front: Front, held: list[str], metas: dict) -> list[list[str]]:
-    """Of a rank's parameters, those each replica steps: under ZeRO-1 with replicas each owner's
-    whole tensors (`autopart.ir.owners`, in its optimizer's groups), and the step ends once every
-    owner has shared its weights, so the rank waits for the slowest; else all of them."""
+def _local_shape(shape: tuple[int, ...], placement, tp: int) -> tuple[int, ...]:
+    """A parameter's shape on one rank of the tensor-parallel group."""
+    if placement.kind != "S" or tp == 1:
+        return tuple(shape)
+    return tuple(size // tp if dim == placement.dim else size for dim, size in enumerate(shape))
+
+
+def _replica_parameters(options: CompileOptions, front: Front, held: list[str],
+                        shapes: dict[str, tuple[int, ...]]) -> list[list[str]]:
+    """Of a rank's parameters (of ``shapes`` on its tensor-parallel rank), those each replica
+    steps: under ZeRO-1 with replicas each owner's whole tensors (`autopart.ir.owners`, in its
+    optimizer's groups), and the step ends once every owner has shared its weights, so the rank
+    waits for the slowest; else all of them."""
     if int(options.zero) != 1 or options.dp == 1:
         return [held]
     decayed = decayed_parameters(front.spec.module) if front.spec.module is not None else frozenset()
@@ -131,10 +145,8 @@ def _replica_parameters(options: CompileOptions, front: Front, held: list[str], 
     for name in held:
         groups.setdefault(optimizer_group(options.dtype or "fp32", name in decayed), []).append(name)
     names = [groups[g] for g in sorted(groups)]
-    placements = parameter_placements(front)
-    local = {n: metas[n].numel // (options.tp if placements.get(n, REPLICATE).kind == "S" else 1) for n in held}
     mine: list[list[str]] = [[] for _ in range(options.dp)]
-    for group, owners in zip(names, partition([[local[n] for n in group] for group in names], options.dp)):
+    for group, owners in zip(names, partition([[math.prod(shapes[n]) for n in group] for group in names], options.dp)):
         for name, owner in zip(group, owners):
             mine[owner].append(name)
     return mine

@@ -31,7 +31,7 @@ import functools
 import heapq
 import math
 from collections.abc import Callable, Iterable, Iterator
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from autopart.predict.in_flight import in_flight, rank_in_flight
 from autopart.predict.memory import layers_in_flight_bytes, optimizer_group, owner_excess_bytes
@@ -41,9 +41,9 @@ from autopart.solve.rank_room import stages_by_rank
 from autopart.solve.data_parallel_tail import FORWARD_SHARE, fully_sharded_floor_s, most_hidden_s, tail_s
 from autopart.solve.transfers import boundary_transfer_s
 
-__all__ = ["early_bound", "layout_bound", "lazy_order", "may_fit", "mesh_overhead_bytes", "no_early_bound",
-           "optimistic_costs", "owners_beyond_shares", "parameter_bytes_per_rank", "stage_floor", "with_layout_state",
-           "with_owners"]
+__all__ = ["cut_within_owners", "early_bound", "layout_bound", "lazy_order", "may_fit", "mesh_overhead_bytes",
+           "no_early_bound", "optimistic_costs", "owners_beyond_shares", "parameter_bytes_per_rank", "rank_spans",
+           "stage_floor", "with_layout_state", "with_owners"]
 
 Item = TypeVar("Item")
 
@@ -270,6 +270,19 @@ def with_owners(cut, excess: Callable[[tuple[tuple[int, int], ...]], int] | None
     spans = rank_spans(cut.cuts, blocks, ranks)
     memory = tuple(nbytes + excess(mine) for nbytes, mine in zip(cut.rank_memory_bytes, spans))
     return dataclasses.replace(cut, rank_memory_bytes=memory) if max(memory) <= memory_limit_bytes else None
+
+
+def cut_within_owners(cutter: Callable[[int], Any], excess: Callable[[tuple[tuple[int, int], ...]], int] | None, *,
+                      blocks: int, ranks: tuple[int, ...], memory_limit_bytes: int):
+    """``cutter(memory_limit_bytes)``'s cuts (a `StageCut` or None); where ZeRO-1's owners
+    (`owners_beyond_shares`), which the cutter's running sums leave out, make them break the
+    limit, its cuts within what the owners of those cuts leave of it (the first where it finds
+    none there: the refinement, which counts the owners, may still move them into the limit)."""
+    cut = cutter(memory_limit_bytes)
+    if excess is None or cut is None or with_owners(cut, excess, blocks=blocks, ranks=ranks,
+                                                    memory_limit_bytes=memory_limit_bytes) is not None:
+        return cut
+    return cutter(memory_limit_bytes - max(excess(spans) for spans in rank_spans(cut.cuts, blocks, ranks))) or cut
 
 
 def rank_spans(cuts: tuple[int, ...], blocks: int, ranks: tuple[int, ...]) -> list[tuple[tuple[int, int], ...]]:

@@ -227,10 +227,10 @@ def solve_cuts(problem: PipelineProblem, *, time_limit_s: float = 30.0, hint: tu
     tensors the rank holds (`cut_problem.owner_excess`), which no linear term says. CP-SAT solves
     without it; where its cuts break a rank's limit by it, that rank's largest tensor's
     `owner_bound` is added, or where that bound is in already, the rank's stages' spans are ruled
-    out (a rank's memory depends on its own spans alone), and CP-SAT solves again, in what is left
-    of ``time_limit_s``. Both rule out only cuts that do not fit, so each round's bound and
-    optimality hold for the problem; where the time runs out first, the starting cuts are taken
-    if they fit."""
+    out (a rank's memory depends on its own spans alone), and CP-SAT solves again, each round
+    within ``time_limit_s``, all of them within `_OWNER_ROUNDS_LIMIT` times it. Both rule out
+    only cuts that do not fit, so every round's bound and optimality hold for the problem; where
+    the time runs out first, the starting cuts are taken if they fit."""
     if problem.stages == 1:
         evaluation = evaluate(problem, ())
         _check_memory(problem, evaluation)
@@ -239,10 +239,12 @@ def solve_cuts(problem: PipelineProblem, *, time_limit_s: float = 30.0, hint: tu
     start_fits = max(start.rank_memory_bytes) <= problem.memory_limit_bytes
     bounds: set[tuple[int, str]] = set()
     ruled_out: set[tuple[int, tuple[tuple[int, int], ...]]] = set()  # (rank, its stages' spans)
-    deadline = time.monotonic() + time_limit_s
+    deadline, bound = time.monotonic() + _OWNER_ROUNDS_LIMIT * time_limit_s, 0.0
     while True:
-        evaluation, status, bound = _solved(problem, start, start_fits, bounds, ruled_out,
-                                            max(deadline - time.monotonic(), _LEAST_ROUND_S))
+        round_s = max(min(time_limit_s, deadline - time.monotonic()), _LEAST_ROUND_S)
+        evaluation, status, round_bound = _solved(problem, start, start_fits, bounds, ruled_out, round_s,
+                                                  time_limit_s=time_limit_s)
+        bound = max(bound, round_bound)
         over = [r for r, nbytes in enumerate(evaluation.rank_memory_bytes) if nbytes > problem.memory_limit_bytes]
         largest = largest_owned(problem, evaluation.cuts)
         if not over or any(largest[r] is None for r in over):
@@ -270,14 +272,17 @@ def solve_cuts(problem: PipelineProblem, *, time_limit_s: float = 30.0, hint: tu
     )
 
 
-_LEAST_ROUND_S = 1.0  # a round of `solve_cuts` past its deadline still gets this long
+_OWNER_ROUNDS_LIMIT = 4  # `solve_cuts`'s rounds for ZeRO-1's owners, in all, in times its time limit
+_LEAST_ROUND_S = 1.0  # a round near that deadline still gets this long
 
 
 def _solved(problem: PipelineProblem, start: CutEvaluation, start_fits: bool, bounds: set[tuple[int, str]],
-            ruled_out: set[tuple[int, tuple[tuple[int, int], ...]]], time_limit_s: float) -> tuple[CutEvaluation, int, float]:
-    """CP-SAT's cuts, with the `owner_bound` of each (rank, parameter) of ``bounds`` and no rank
-    on the spans ``ruled_out`` for it, evaluated, or ``start`` where it fits and is faster; with
-    CP-SAT's status and bound (seconds)."""
+            ruled_out: set[tuple[int, tuple[tuple[int, int], ...]]], round_s: float, *,
+            time_limit_s: float) -> tuple[CutEvaluation, int, float]:
+    """CP-SAT's cuts within ``round_s``, with the `owner_bound` of each (rank, parameter) of
+    ``bounds`` and no rank on the spans ``ruled_out`` for it, evaluated, or ``start`` where it
+    fits and is faster; with CP-SAT's status and bound (seconds). ``time_limit_s``: the user's, as
+    the errors say it."""
     cut_model = _CutModel(problem)
     m = cut_model.model
     horizon = round(sum(problem.block_time_s) * _NS + 2 * sum(problem.boundary_transfer_s) * _NS) + 1
@@ -294,7 +299,7 @@ def _solved(problem: PipelineProblem, start: CutEvaluation, start_fits: bool, bo
         cut_model.rule_out(rank, spans)
     m.minimize(sum(times) + (problem.microbatches - 1) * slowest)
     cut_model.hint(start.cuts)
-    solver, status = _solve(m, time_limit_s)
+    solver, status = _solve(m, round_s)
     if status == cp_model.INFEASIBLE:
         raise InfeasibleError(_owners_message(problem, bounds) if bounds else _infeasible_message(problem, time_limit_s))
     bound = max(0.0, solver.best_objective_bound / _NS)

@@ -44,9 +44,9 @@ from autopart.predict.in_flight import in_flight, rank_in_flight, transient as t
 from autopart.ir.recompute import RECOMPUTE_MODES
 from autopart.solve.bottleneck import StageCut, cut_stages, fixed_cut
 from autopart.solve.chain_costs import ChainCosts
-from autopart.solve.layout_bounds import (early_bound, layout_bound, lazy_order, may_fit, mesh_overhead_bytes,
-                                         owners_beyond_shares, parameter_bytes_per_rank, with_layout_state,
-                                         with_owners)
+from autopart.solve.layout_bounds import (cut_within_owners, early_bound, layout_bound, lazy_order, may_fit,
+                                         mesh_overhead_bytes, owners_beyond_shares, parameter_bytes_per_rank,
+                                         with_layout_state, with_owners)
 from autopart.solve.refine import CutJudge, refine_cuts
 from autopart.solve.scoring_pool import LayoutScoring, search_workers
 from autopart.solve.transfers import boundary_transfer_s
@@ -437,9 +437,13 @@ def _cut_and_estimate(layout: Layout, table: CostTable, cluster: Cluster, space:
                         transfer_s=transfer, memory_limit_bytes=cluster.memory_bytes,
                         overhead_bytes=cluster.overhead_bytes, rank_in_flight=moments)
     else:
-        cut = cut_stages(costs, stages=stages, in_flight=flight, stage_rank=ranks, transfer_s=transfer,
-                         memory_limit_bytes=cluster.memory_bytes, overhead_bytes=cluster.overhead_bytes,
-                         modes=modes, transient=transient, fit_only=fit_only, rank_in_flight=moments)
+        def cutter(memory_bytes: int) -> StageCut | None:
+            return cut_stages(costs, stages=stages, in_flight=flight, stage_rank=ranks, transfer_s=transfer,
+                              memory_limit_bytes=memory_bytes, overhead_bytes=cluster.overhead_bytes, modes=modes,
+                              transient=transient, fit_only=fit_only, rank_in_flight=moments)
+
+        cut = cut_within_owners(cutter, owners_beyond_shares(table, layout, costs), blocks=len(costs), ranks=ranks,
+                                memory_limit_bytes=cluster.memory_bytes)
         if not fit_only:
             return _with_refinement(layout, table, cluster, costs, cut, modes, flight, transient, ranks, transfer, nodes,
                                     refine_below)
