@@ -41,13 +41,14 @@ holds the table's whole state on one replica, gigabytes more than 1/64 of it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Container, Iterable, Sequence
 
 from autopart.ir.owners import largest_share
 from autopart.ir.tensors import working_dtype
 from cost_models import model_state_bytes
 
-__all__ = ["state_bytes", "owned_bytes", "optimizer_group", "owner_excess_bytes", "layers_in_flight_bytes", "LAYERS_IN_FLIGHT"]
+__all__ = ["state_bytes", "owned_bytes", "optimizer_group", "optimizer_groups",
+           "owner_excess_bytes", "layers_in_flight_bytes", "LAYERS_IN_FLIGHT"]
 
 LAYERS_IN_FLIGHT = 2
 """Layer units whose parameters and gradients a ZeRO-3 rank holds whole at once (the module's docstring)."""
@@ -87,6 +88,14 @@ def optimizer_group(dtype: str, decayed: bool) -> int:
     torch's ``ZeroRedundancyOptimizer`` takes the recipe's groups in turn, the decayed first
     (`autopart.runtime.recipe.parameter_groups`)."""
     return 0 if decayed or working_dtype(dtype) is not None else 1
+
+
+def optimizer_groups(names: Iterable[str], *, dtype: str, decayed: Container[str]) -> list[list[str]]:
+    """``names`` in the groups that ZeRO-1 partitions in turn (`optimizer_group`), in their order."""
+    groups: dict[int, list[str]] = {}
+    for name in names:
+        groups.setdefault(optimizer_group(dtype, name in decayed), []).append(name)
+    return [groups[g] for g in sorted(groups)]
 
 
 def owner_excess_bytes(groups: Sequence[Sequence[int]], dp: int) -> int:

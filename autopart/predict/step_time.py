@@ -22,7 +22,7 @@ from autopart.options import CompileOptions
 from autopart.passes.front import Front, block_seconds, parameter_placements
 from autopart.predict.data_parallel import DataParallelComm, data_parallel_comm
 from autopart.predict.fully_sharded import Piece
-from autopart.predict.memory import optimizer_group
+from autopart.predict.memory import optimizer_groups
 from autopart.predict.reduction import overlapped_step_time, plan_reductions
 from autopart.profiling.co_run import co_run_key, host_processes
 from autopart.profiling.pipeline import pipeline_key
@@ -104,6 +104,7 @@ def rank_tails(options: CompileOptions, front: Front, stages: list[StagePlan], h
         metas.update(leaf)
     placements = parameter_placements(front)
     shapes = {p: _local_shape(meta.shape, placements.get(p, REPLICATE), options.tp) for p, meta in metas.items()}
+    decayed = decayed_parameters(front.spec.module)
     tails = {}
     for rank in range(options.pp):
         # each stage's module holds its own copy of a weight that two of the rank's stages read
@@ -114,7 +115,7 @@ def rank_tails(options: CompileOptions, front: Front, stages: list[StagePlan], h
         if tied and in_place is not None and in_place.tied_s is not None:
             tied = in_place.tied_s
         measured = in_place.optimizer_time([st.blocks for st in stages if st.rank == rank]) if in_place else None
-        replicas = _replica_parameters(options, front, copies, shapes)
+        replicas = _replica_parameters(options, copies, shapes, decayed)
         optimizer = max(cost_model.optimizer_time(options.optimizer, [(shapes[p], metas[p].dtype) for p in mine])
                         for mine in replicas)
         if options.zero and options.dp > 1 and int(options.zero) != 1:  # each data-parallel rank steps its shard
@@ -132,19 +133,15 @@ def _local_shape(shape: tuple[int, ...], placement, tp: int) -> tuple[int, ...]:
     return tuple(size // tp if dim == placement.dim else size for dim, size in enumerate(shape))
 
 
-def _replica_parameters(options: CompileOptions, front: Front, held: list[str],
-                        shapes: dict[str, tuple[int, ...]]) -> list[list[str]]:
+def _replica_parameters(options: CompileOptions, held: list[str], shapes: dict[str, tuple[int, ...]],
+                        decayed: frozenset[str]) -> list[list[str]]:
     """Of a rank's parameters (of ``shapes`` on its tensor-parallel rank), those each replica
     steps: under ZeRO-1 with replicas each owner's whole tensors (`autopart.ir.owners`, in its
-    optimizer's groups), and the step ends once every owner has shared its weights, so the rank
-    waits for the slowest; else all of them."""
+    optimizer's groups, ``decayed`` first), and the step ends once every owner has shared its
+    weights, so the rank waits for the slowest; else all of them."""
     if int(options.zero) != 1 or options.dp == 1:
         return [held]
-    decayed = decayed_parameters(front.spec.module) if front.spec.module is not None else frozenset()
-    groups: dict[int, list[str]] = {}
-    for name in held:
-        groups.setdefault(optimizer_group(options.dtype or "fp32", name in decayed), []).append(name)
-    names = [groups[g] for g in sorted(groups)]
+    names = optimizer_groups(held, dtype=options.dtype or "fp32", decayed=decayed)
     mine: list[list[str]] = [[] for _ in range(options.dp)]
     for group, owners in zip(names, partition([[math.prod(shapes[n]) for n in group] for group in names], options.dp)):
         for name, owner in zip(group, owners):

@@ -143,8 +143,11 @@ def _is_decayed(name: str, ndim: int, embeddings: Iterable[str]) -> bool:
     return ndim >= 2 and name not in embeddings
 
 
-def decayed_parameters(model: torch.nn.Module) -> frozenset[str]:
-    """The names (every alias) of the model's decayed parameters; works on the meta device."""
+def decayed_parameters(model: torch.nn.Module | None) -> frozenset[str]:
+    """The names (every alias) of the model's decayed parameters; works on the meta device. None
+    (a model file loaded for its data functions only): none."""
+    if model is None:
+        return frozenset()
     tables = set(embedding_parameters(model))
     return frozenset(n for n, p in model.named_parameters(remove_duplicate=False) if _is_decayed(n, p.ndim, tables))
 

@@ -87,7 +87,7 @@ def _owned_state(options: CompileOptions, front: Front, local: dict[str, int]) -
     if int(options.zero) != 1 or options.dp == 1:
         return {}
     dtype = options.dtype or "fp32"
-    decayed = decayed_parameters(front.spec.module) if front.spec.module is not None else frozenset()
+    decayed = decayed_parameters(front.spec.module)
     return {name: (owned_bytes(nbytes, optimizer=options.optimizer, dp=options.dp, zero=1, dtype=dtype),
                    optimizer_group(dtype, name in decayed))
             for name, nbytes in local.items()}

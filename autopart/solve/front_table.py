@@ -234,7 +234,7 @@ def chain_costs(front: Front, tp: int) -> ChainCosts:
         layer_bytes=layer_bytes,
         layer_spans=tuple((first, end) for first, end, _ in layer_instances(chain)),
         loss_working_bytes=loss_working_bytes(front, tp),
-        decayed_parameters=decayed_parameters(front.spec.module) if front.spec.module is not None else frozenset(),
+        decayed_parameters=decayed_parameters(front.spec.module),
     )
 
 

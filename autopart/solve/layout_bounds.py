@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
 from autopart.predict.in_flight import in_flight, rank_in_flight
-from autopart.predict.memory import layers_in_flight_bytes, optimizer_group, owner_excess_bytes
+from autopart.predict.memory import layers_in_flight_bytes, optimizer_groups, owner_excess_bytes
 from autopart.schedule import SPLIT_BACKWARD_KINDS, stage_placement
 from autopart.solve.chain_costs import ChainCosts, stage_floor_s
 from autopart.solve.rank_room import stages_by_rank
@@ -251,12 +251,10 @@ def owners_beyond_shares(table, layout, costs: ChainCosts) -> Callable[[tuple[tu
 
     @functools.cache
     def excess(spans: tuple[tuple[int, int], ...]) -> int:
-        groups: dict[int, list[int]] = {}
-        for first, last in spans:  # a weight two of the rank's stages read is in both stages' modules
-            for name in dict.fromkeys(p for k in range(first, last + 1) for p in costs.block_parameters[k]):
-                group = optimizer_group(layout.dtype, name in costs.decayed_parameters)
-                groups.setdefault(group, []).append(owned(costs.parameter_bytes[name]))
-        return owner_excess_bytes([groups[g] for g in sorted(groups)], layout.dp)
+        names = [p for first, last in spans  # a weight two of the rank's stages read is in both stages' modules
+                 for p in dict.fromkeys(p for k in range(first, last + 1) for p in costs.block_parameters[k])]
+        groups = optimizer_groups(names, dtype=layout.dtype, decayed=costs.decayed_parameters)
+        return owner_excess_bytes([[owned(costs.parameter_bytes[n]) for n in group] for group in groups], layout.dp)
 
     return excess
 

@@ -432,6 +432,7 @@ def _cut_and_estimate(layout: Layout, table: CostTable, cluster: Cluster, space:
     if len(modes) != stages:
         return None if cuts is not None or fit_only else Speculation(plain=None, refine_from=math.inf)
     nodes = layout.data_parallel_nodes(cluster.gpus_per_node)
+    owners = owners_beyond_shares(table, layout, costs)  # one per layout: what it gives each rank's spans is kept
     if cuts is not None:
         cut = fixed_cut(costs, cuts, modes=modes, in_flight=flight, transient=transient, stage_rank=ranks,
                         transfer_s=transfer, memory_limit_bytes=cluster.memory_bytes,
@@ -442,13 +443,11 @@ def _cut_and_estimate(layout: Layout, table: CostTable, cluster: Cluster, space:
                               memory_limit_bytes=memory_bytes, overhead_bytes=cluster.overhead_bytes, modes=modes,
                               transient=transient, fit_only=fit_only, rank_in_flight=moments)
 
-        cut = cut_within_owners(cutter, owners_beyond_shares(table, layout, costs), blocks=len(costs), ranks=ranks,
-                                memory_limit_bytes=cluster.memory_bytes)
+        cut = cut_within_owners(cutter, owners, blocks=len(costs), ranks=ranks, memory_limit_bytes=cluster.memory_bytes)
         if not fit_only:
             return _with_refinement(layout, table, cluster, costs, cut, modes, flight, transient, ranks, transfer, nodes,
-                                    refine_below)
-    cut = with_owners(cut, owners_beyond_shares(table, layout, costs), blocks=len(costs), ranks=ranks,
-                      memory_limit_bytes=cluster.memory_bytes)
+                                    refine_below, owners)
+    cut = with_owners(cut, owners, blocks=len(costs), ranks=ranks, memory_limit_bytes=cluster.memory_bytes)
     if cut is None:
         return None
     rank_bytes = parameter_bytes_per_rank(table, layout, cut, ranks)
@@ -458,14 +457,14 @@ def _cut_and_estimate(layout: Layout, table: CostTable, cluster: Cluster, space:
 
 
 def _with_refinement(layout, table, cluster, costs, cut, modes, flight, transient, ranks, transfer, nodes,
-                     refine_below) -> Speculation:
+                     refine_below, owners) -> Speculation:
     """The bisection's cut, and refined by the step itself where that may bring it into the finalists."""
     judge = CutJudge(costs, in_flight=flight, transient=transient, stage_rank=ranks, transfer_s=transfer,
                      rank_in_flight=rank_in_flight(layout.schedule, layout.pp, layout.microbatches, layout.chunks),
                      memory_limit_bytes=cluster.memory_bytes, overhead_bytes=cluster.overhead_bytes, modes=modes,
                      objective=lambda c, rank_bytes: estimate_step_s(layout, c, cluster, rank_bytes, nodes,
                                                                      last_bucket_bytes(layout, costs, c.cuts), costs),
-                     rank_extra=owners_beyond_shares(table, layout, costs))
+                     rank_extra=owners)
     judged = judge.judge(cut.cuts) if cut is not None else None  # None too where ZeRO-1's owners break the limit
     if judged is None:
         refine_from = -math.inf  # refined whatever the finalists: it may find cuts that fit
