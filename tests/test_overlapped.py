@@ -212,6 +212,19 @@ def test_the_code_cuts_the_linears_the_plan_prices_in_the_pieces_it_priced(tmp_p
     assert f"{len(priced)} linears run in pieces beside their collectives" in (out / "report.md").read_text()
 
 
+@pytest.mark.parametrize("pp", [1, 2])
+def test_a_linear_that_reads_a_value_its_stage_made_whole_is_not_cut(tmp_path, pp):
+    """GPT's tied head reads the final norm, which its block runs whole under free links: the head's
+    block priced gathering it from the boundary's sequence split, but within a stage the head gets it
+    whole and the code gathers nothing, so the plan does not cut it (it named it, and emit refused)."""
+    how = dict(pp=pp, tp=2, microbatches=pp, global_batch_size=2 * pp, device=str(FREE_LINKS), tp_overlap=True)
+    plan, out = compile_to_directory(CompileOptions(model=REPO / "examples" / "gpt.py", **how), tmp_path / "out")
+    listed = sum(len(stage.overlapped) for stage in plan.stages)
+    source = "".join(p.read_text() for p in sorted((out / "stages").glob("stage_*.py")))
+    assert "linear_16" not in plan.stages[-1].overlapped and "linear_16 = F.linear(" in source
+    assert listed and _cut(source) > 0  # the other linears are still cut
+
+
 def _fused_by_the_solver(plan, options) -> set:
     """The linears the sharding solver priced fused with their collectives (``FusedLinear``s)."""
     front = build_front(options, plan.schedule.micro_batch_size)

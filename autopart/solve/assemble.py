@@ -35,6 +35,7 @@ from autopart.predict.timeline import simulate_pipeline
 from autopart.runtime.recipe import decayed_parameters, embedding_parameters
 from autopart.schedule import SPLIT_BACKWARD_KINDS, generated, stage_placement
 from autopart.solve.pipeline import PipelineProblem, evaluate, stage_ranges
+from autopart.solve.sequence import boundary_placement
 from autopart.solve.tensor import listed_strategies
 from cost_models.devices import DeviceSpec
 from cost_models.memory import communicator_bytes
@@ -212,17 +213,32 @@ def _provenance(options: CompileOptions, front: Front, objective_s: float, solve
     )
 
 
-def _overlapped(front: Front, blocks: range, received: set[str], sent: set[str], by_name: dict) -> dict[str, int]:
+def _overlapped(front: Front, blocks: range, received: set[str], sent: set[str], by_name: dict, tp: int
+                ) -> dict[str, int]:
     """The stage's linears cut into pieces (``autopart.solve.overlap``), but those the stage's
     code does not cut: one that reads what the stage receives or makes what it sends (the code
-    cuts a linear between the stage's own ops). The blocks' times priced them cut: a block does
-    not know the cuts (a Transformer's cuts pass only the residual stream, which no linear reads)."""
+    cuts a linear between the stage's own ops), and one that reads what another of the stage's
+    blocks makes in another placement than a block boundary's (a final norm run whole): the code
+    hands it on as its maker left it and gathers nothing for the linear. The blocks' times priced
+    them cut: a block does not know the cuts (a Transformer's cuts pass only the residual stream,
+    which no linear reads)."""
+    if not front.shardings:
+        return {}
+    unlike = _unlike_boundaries(front, blocks, tp)
     kept = {}
     for k in blocks:
-        for name, pieces in (front.shardings[k].overlapped if front.shardings else {}).items():
-            if name not in sent and received.isdisjoint(n.name for n in by_name[name].all_input_nodes):
+        for name, pieces in front.shardings[k].overlapped.items():
+            inputs = {n.name for n in by_name[name].all_input_nodes}
+            if name not in sent and received.isdisjoint(inputs) and all(unlike.get(n, k) == k for n in inputs):
                 kept[name] = pieces
     return kept
+
+
+def _unlike_boundaries(front: Front, blocks: range, tp: int) -> dict[str, int]:
+    """The values that ``blocks`` make in another placement than they would cross a block boundary
+    in, with the block that makes each."""
+    return {name: k for k in blocks for name, strategy in front.shardings[k].strategies.items()
+            if strategy.output != boundary_placement(front.op_graph, name, tp, front.shardings[k].sequence_parallel)}
 
 
 def _stage_plans(front: Front, problem: PipelineProblem, ranges: list[range], recompute: list, tp: int
@@ -251,7 +267,7 @@ def _stage_plans(front: Front, problem: PipelineProblem, ranges: list[range], re
         strategies = {n: text for k in r for n, text in
                       (listed_strategies(front.shardings[k], front.op_graph, fx_nodes) if front.shardings else {}).items()}
         overlapped = _overlapped(front, r, set(sends[s - 1] if s > 0 else ()), set(sends[s] if s < len(sends) else ()),
-                                 fx_nodes)
+                                 fx_nodes, tp)
         backward = sum(problem.block_time_s[k] for k in r) - sum(f for f, _, _ in times)  # recompute included
         stages.append(
             StagePlan(
