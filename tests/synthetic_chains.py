@@ -57,6 +57,7 @@ class SyntheticTable:
             saved_bytes=saved,
             selective_saved_bytes=tuple(s // 2 for s in saved),
             selective_recompute_s=tuple(f / 4 for f in forward),
+            weight_seed_bytes=tuple(s // 3 for s in saved),  # what a split backward keeps from I to W
             boundary_bytes=(self.boundary_bytes * micro_batch_size,) * (len(forward) - 1),
             input_bytes=8 * micro_batch_size,
             parameter_bytes=parameter_bytes,

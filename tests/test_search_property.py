@@ -98,6 +98,8 @@ def test_every_plan_the_search_returns_is_valid(seed, layers, world_size, gpus_p
         assert held.parameter_state_bytes == state
         if layout.schedule not in SPLIT_BACKWARD_KINDS:  # a whole backward: full recompute layer by layer
             held = held.checkpointing_layers()
+        else:  # a split one: each stage but the first keeps its seeds for W, as long as its recompute's rebuilds
+            held = held.splitting_backward()
         flight = simulated_in_flight(layout.schedule, layout.pp, layout.microbatches, layout.chunks)
         # recomputed activations live from a microbatch's backward to its weight gradient (zb-h1's W waits)
         schedule = build_schedule(layout.schedule, ranks=layout.pp, microbatches=layout.microbatches,

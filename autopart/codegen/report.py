@@ -105,7 +105,9 @@ Cost model: {plan.provenance.cost_model}. Solver: {plan.provenance.solver_status
 
 Memory: weights, gradients and optimizer state ({plan.optimizer}), plus the
 activations of the microbatches that the schedule keeps in flight (what each stage's recompute
-mode keeps), plus the activations that a recomputing backward holds while it runs, plus framework overhead.
+mode keeps), plus the activations that a recomputing backward holds while it runs, plus, under a
+split backward (zb-h1, zbv), the gradients each stage's input half keeps for its weight half, plus the
+loss's backward, plus framework overhead.
 Tied parameters held by several stages: {", ".join(f"{k} (stages {', '.join(map(str, v))})" for k, v in plan.tied_parameters.items()) or "none"}.
 
 Files: `plan.json` (the plan), `stages/` (one module per stage), `weights/`, `train.py` (the entry point),

@@ -28,7 +28,7 @@ whose op lists differ from CPU's (CUDA runs ``pow``, ``rsqrt``, softmax and the 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -41,6 +41,7 @@ from autopart.ir.tensors import DTYPES, TensorMeta, autocast_dtype, precision, t
 from autopart.passes.autocast_lists import cuda_autocast
 from autopart.passes.kernel_figures import kernel_figures, recompute_share
 from autopart.passes.grad_leaves import grad_ready, leaves_for_grad
+from autopart.passes.weight_seeds import OpSeeds, measure_seeds, shared_seeds
 from autopart.ir.errors import ConfigError
 from autopart.ir.model_file import ModelSpec, is_meta
 from autopart.passes.capture import Graph, graph_args
@@ -73,6 +74,8 @@ class NodeCost:
     saved_bytes: int = 0
     selective_saved_bytes: int = 0  # outputs of its ops that selective recompute keeps (matmuls, attention)
     selective_recompute_s: float = 0.0  # forward seconds of its other ops, which selective recompute runs again
+    weight_seed_bytes: int = 0  # what a split backward keeps from I to W (`autopart.passes.weight_seeds`)
+    weight_seed_reader: str = ""  # the one reader that keeps the same gradient (`weight_seeds.shared_seeds`)
     parameter_bytes: int = 0  # for a get_attr of a parameter
     is_parameter: bool = False
     is_buffer: bool = False
@@ -245,11 +248,14 @@ def cost_key(node: fx.Node, args: tuple, kwargs: dict, parameters: set[int], dty
 
 
 def _measure_kernels(
-    node: fx.Node, args: tuple, kwargs: dict, state: _State
-) -> tuple[list[Kernel], list[Kernel], list[Kernel]]:
-    """Kernels of the node's forward, of its input gradients and of its weight gradients."""
+    node: fx.Node, args: tuple, kwargs: dict, state: _State, input_values: list
+) -> tuple[list[Kernel], list[Kernel], list[Kernel], OpSeeds]:
+    """Kernels of the node's forward, of its input gradients and of its weight gradients, and
+    what a split backward keeps from its I to its W (``input_values``: of ``node.all_input_nodes``)."""
     parameters = state.parameter_ids
+    originals = pytree.tree_leaves((args, kwargs))
     args, kwargs, inputs, weights = leaves_for_grad(args, kwargs, parameters, master=state.master)
+    original_of = {id(leaf): value for value, leaf in zip(originals, pytree.tree_leaves((args, kwargs)))}
     with KernelRecorder() as forward, state.precision():  # backward runs outside autocast, as in training
         try:
             if node.op == "call_module":  # a leaf module: its own weights are the node's weights
@@ -267,12 +273,16 @@ def _measure_kernels(
     grads = [torch.ones_like(t) for t in outputs]
     input_kernels: list[Kernel] = []
     weight_kernels: list[Kernel] = []
+    input_grads: dict[int, torch.Tensor | None] = {}
     for wrt, sink in ((inputs, input_kernels), (weights, weight_kernels)):
         if outputs and wrt:
             with KernelRecorder() as backward:
-                torch.autograd.grad(outputs, wrt, grads, retain_graph=True, allow_unused=True)
+                found = torch.autograd.grad(outputs, wrt, grads, retain_graph=True, allow_unused=True)
             sink.extend(backward.kernels)
-    return forward.kernels, input_kernels, weight_kernels
+            if wrt is inputs:
+                input_grads = {id(original_of.get(id(leaf))): g for leaf, g in zip(inputs, found)}
+    seeds = measure_seeds(outputs, grads, inputs, weights, input_grads, input_values)
+    return forward.kernels, input_kernels, weight_kernels, seeds
 
 
 class _KeptOutputs(TorchDispatchMode):
@@ -401,6 +411,7 @@ def _annotate_nodes(
     nodes: dict[str, NodeCost] = {}
     kernels: dict[str, tuple[tuple[Kernel, ...], ...]] = {}
     leaves: dict[str, dict[str, TensorMeta]] = {}
+    measured_seeds: dict[str, OpSeeds] = {}
     feed = iter(feed_values)
     parameter_names = set(state.parameters)
     for node in graph.module.graph.nodes:
@@ -436,11 +447,12 @@ def _annotate_nodes(
         # layer's nodes are measured once, the rest take the first's kernels (a leaf module's
         # key names the module, so it is never shared)
         if key not in measured_by_key:
-            forward, backward_input, backward_weight = _measure_kernels(node, args, kwargs, state)
+            forward, backward_input, backward_weight, seeds = _measure_kernels(
+                node, args, kwargs, state, [values[n.name] for n in node.all_input_nodes])
             measured_by_key[key] = (forward, backward_input, backward_weight,
                                     cost_model.op_times(key, forward, backward_input, backward_weight),
-                                    recompute_share(forward, cost_model))
-        forward, backward_input, backward_weight, times, share = measured_by_key[key]
+                                    recompute_share(forward, cost_model), seeds)
+        forward, backward_input, backward_weight, times, share, seeds = measured_by_key[key]
         kernels[node.name] = (tuple(forward), tuple(backward_input), tuple(backward_weight))
         parameter_bytes = 0
         if node.op == "call_module":
@@ -452,10 +464,14 @@ def _annotate_nodes(
             constant=_constant(value),
             saved_bytes=saved.get(node.name, 0),
             selective_saved_bytes=kept.get(node.name, 0),
+            weight_seed_bytes=seeds.nbytes,
             parameter_bytes=parameter_bytes,
             **kernel_figures(kernels[node.name], times, share),
             **common,
         )
+        measured_seeds[node.name] = seeds
+    for name, reader in shared_seeds(graph.module.graph, measured_seeds).items():
+        nodes[name] = replace(nodes[name], weight_seed_reader=reader)
     return nodes, kernels, leaves
 
 

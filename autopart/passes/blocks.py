@@ -51,6 +51,7 @@ class Block:
     saved_bytes: int
     selective_saved_bytes: int  # outputs of its matmuls and attention, which selective recompute keeps
     selective_recompute_s: float  # forward seconds of its other ops, which selective recompute runs again
+    weight_seed_bytes: int  # what a split backward keeps from I to W (`autopart.passes.weight_seeds`)
     parameters: tuple[str, ...]  # get_attr node targets of the parameters the block reads
     signature: str  # equal for identical blocks (the repeated layers)
 
@@ -149,6 +150,7 @@ def _make_block(index: int, members: list[fx.Node], op_graph: OpGraph) -> Block:
         saved_bytes=sum(costs[n].saved_bytes for n in names),
         selective_saved_bytes=sum(costs[n].selective_saved_bytes for n in names),
         selective_recompute_s=sum(costs[n].selective_recompute_s for n in names),
+        weight_seed_bytes=sum(costs[n].weight_seed_bytes for n in names if not costs[n].weight_seed_reader),
         parameters=tuple(parameters),
         signature=_signature(members, costs),
     )

@@ -31,7 +31,7 @@ from autopart.solve.tensor import BlockSharding, shard_chain
 from cost_models import CostDatabase, CostModel, ProfiledCostModel, get_cost_model
 
 __all__ = ["Front", "annotated", "block_seconds", "boundary_gathered_bytes", "boundary_held_bytes", "build_front",
-           "capture_for", "held_tensors", "layer_input_bytes", "layer_rebuilt_bytes", "loss_working_bytes",
+           "block_weight_seeds", "capture_for", "held_tensors", "layer_input_bytes", "layer_rebuilt_bytes", "loss_working_bytes",
            "note_unsplit", "parameter_placements", "recompute_blocks", "sharded"]
 
 log = logging.getLogger("autopart")
@@ -199,6 +199,14 @@ def layer_rebuilt_bytes(front: Front, layers: Sequence[tuple[int, int]]) -> int:
     chain, shares = front.chain, _saved_shares(front)
     return max((round(sum(chain.blocks[k].saved_bytes * shares[k] for k in range(begin, end))) for begin, end in layers),
                default=0)
+
+
+def block_weight_seeds(front: Front) -> tuple[int, ...]:
+    """Per block, what a split backward's I keeps for its W on one tensor-parallel rank
+    (`autopart.passes.weight_seeds`)."""
+    if front.shardings is not None:
+        return tuple(s.weight_seed_bytes for s in front.shardings)
+    return tuple(b.weight_seed_bytes for b in front.chain.blocks)
 
 
 def _saved_shares(front: Front) -> list[float]:

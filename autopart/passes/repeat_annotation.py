@@ -73,13 +73,23 @@ def laid_out(graph: Graph, shallow: OpGraph, layers_path: str) -> OpGraph | None
                                          (full_layers, copy_layers), layer_pattern):
             return None
         cost = shallow.nodes[partner.name]
-        nodes[node.name] = replace(cost, name=node.name, module_path=module_path(node))
+        nodes[node.name] = replace(cost, name=node.name, module_path=module_path(node),
+                                   weight_seed_reader=_partner_reader(node, partner, cost.weight_seed_reader))
         if partner.name in shallow.kernels:
             kernels[node.name] = shallow.kernels[partner.name]
         if partner.name in shallow.leaf_tensors:
             leaves[node.name] = {_renamed(name, layer_pattern, place): meta
                                  for name, meta in shallow.leaf_tensors[partner.name].items()}
     return replace(shallow, graph=graph, nodes=nodes, kernels=kernels, leaf_tensors=leaves)
+
+
+def _partner_reader(node: fx.Node, partner: fx.Node, reader: str) -> str:
+    """``node``'s reader where its partner's is ``reader`` (`autopart.passes.weight_seeds.shared_seeds`):
+    the user in the same place; none where the users differ."""
+    users = [u.name for u in partner.users]
+    if not reader or reader not in users or len(node.users) != len(users):
+        return ""
+    return list(node.users)[users.index(reader)].name
 
 
 def _places(nodes: list[fx.Node], layer_pattern: re.Pattern) -> list[tuple[_Place, int]] | None:
@@ -136,13 +146,18 @@ def _settled(shallow: OpGraph, nodes: list[fx.Node], index: dict, layers: int) -
     if len(last) != len(before):
         return False
     for a, b in zip(before, last):
-        if replace(shallow.nodes[a.name], name="", module_path="") != replace(shallow.nodes[b.name], name="", module_path=""):
+        if _unnamed(shallow.nodes[a.name]) != _unnamed(shallow.nodes[b.name]):
             return False
         if shallow.kernels.get(a.name) != shallow.kernels.get(b.name):
             return False
         if [*shallow.leaf_tensors.get(a.name, {}).values()] != [*shallow.leaf_tensors.get(b.name, {}).values()]:
             return False
     return True
+
+
+def _unnamed(cost: NodeCost) -> NodeCost:
+    """``cost`` without what names its node (its name, module path, the reader it shares seeds with)."""
+    return replace(cost, name="", module_path="", weight_seed_reader="shared" if cost.weight_seed_reader else "")
 
 
 def _shape(value: Any, leaves: list) -> Any:

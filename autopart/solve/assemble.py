@@ -18,13 +18,13 @@ from autopart.ir.plan import Plan, Predicted, Provenance, ScheduleSpec, StagePla
 from autopart.options import CompileOptions
 from autopart.passes.annotate import OpGraph
 from autopart.passes.front import (
-    Front, block_seconds, held_tensors, layer_input_bytes, layer_rebuilt_bytes, loss_working_bytes, parameter_placements,
-    recompute_blocks,
+    Front, block_seconds, block_weight_seeds, held_tensors, layer_input_bytes, layer_rebuilt_bytes, loss_working_bytes,
+    parameter_placements, recompute_blocks,
 )
 from autopart.passes.recompute import (
     batch_inputs, checkpointed_layers, recompute_cost, stage_input_bytes, stage_modes,
 )
-from autopart.predict.in_flight import in_flight, rank_in_flight, transient
+from autopart.predict.in_flight import in_flight, rank_in_flight, transient, weight_pending
 from autopart.predict.memory import layers_in_flight_bytes, optimizer_group, owned_bytes, state_bytes
 from autopart.predict.messages import boundary_seconds
 from autopart.predict.step_time import (
@@ -77,6 +77,7 @@ def pipeline_problem(options: CompileOptions, front: Front, microbatches: int) -
         stage_rank=stage_placement(options.schedule, ranks=options.pp, chunks=options.chunks),
         split_layers=_split_layers(options, chain, local, state),
         loss_working_bytes=loss_working_bytes(front, options.tp),
+        **_weight_seeds(options, front, microbatches),
         owned_state=_owned_state(options, front, local),
         replicas=options.dp,
     )
@@ -371,6 +372,15 @@ def _rebuilding(options: CompileOptions, rebuilt: tuple[int, ...], microbatches:
         return {"block_rebuilt_bytes": (), "rebuilt_at_once": ()}
     return {"block_rebuilt_bytes": rebuilt,
             "rebuilt_at_once": transient(options.schedule, options.pp, microbatches, options.chunks)}
+
+
+def _weight_seeds(options: CompileOptions, front: Front, microbatches: int) -> dict[str, tuple[int, ...]]:
+    """``PipelineProblem``'s figures of what a split backward keeps from I to W: per block the
+    seeds, per stage the microbatches whose seeds live at once; none where the backward is whole."""
+    pending = weight_pending(options.schedule, options.pp, microbatches, options.chunks)
+    if not any(pending):
+        return {"block_weight_seed_bytes": (), "weight_seeds_at_once": ()}
+    return {"block_weight_seed_bytes": block_weight_seeds(front), "weight_seeds_at_once": pending}
 
 
 def _state_bytes(options: CompileOptions, parameter_bytes: int, *, layered: bool) -> int:

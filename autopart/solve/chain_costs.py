@@ -49,6 +49,11 @@ class ChainCosts:
     layer_by_layer: bool = False
     # what the loss's backward holds besides, on the last block's stage (`autopart.passes.front.loss_working_bytes`)
     loss_working_bytes: int = 0
+    # per block, what a split backward's I keeps for its W (`autopart.passes.weight_seeds`); () where nothing
+    weight_seed_bytes: tuple[int, ...] = ()
+    # the backward is split (zero-bubble): a stage holds its seeds for as many microbatches as its
+    # recompute rebuilds at once (both live from I to W), but the first, which keeps its whole graph instead
+    split_backward: bool = False
     # the parameters weight decay applies to, in the optimizer's first group (`autopart.runtime.recipe`):
     # ZeRO-1 partitions fp32 groups in turn (`autopart.predict.memory.optimizer_group`)
     decayed_parameters: frozenset[str] = frozenset()
@@ -146,8 +151,18 @@ class ChainCosts:
         these that does not depend on it carried over: all but the running sums of `chain_sums`)."""
         if self.layer_by_layer:
             return self
-        return self.kept("layer_by_layer", lambda: replace(self, layer_by_layer=True, _kept={
-            k: v for k, v in self._kept.items() if k not in ("sums", "with_state", "layer_by_layer")}))
+        return self.kept("layer_by_layer", lambda: replace(self, layer_by_layer=True, _kept=self._unsummed()))
+
+    def splitting_backward(self) -> ChainCosts:
+        """These costs with ``split_backward`` set, made once and kept with them (as ``checkpointing_layers``)."""
+        assert not self.layer_by_layer, "full recompute checkpoints layer by layer only where the backward is whole"
+        if self.split_backward or not any(self.weight_seed_bytes):
+            return self
+        return self.kept("split_backward", lambda: replace(self, split_backward=True, _kept=self._unsummed()))
+
+    def _unsummed(self) -> dict:
+        """What is kept with these costs that a copy with another backward keeps too: all but the running sums."""
+        return {k: v for k, v in self._kept.items() if k not in ("sums", "with_state", "layer_by_layer", "split_backward")}
 
     def with_state(self, state_bytes: Callable[..., int], *, key: Hashable | None = None) -> ChainCosts:
         """These costs with ``parameter_state_bytes[p] = state_bytes(parameter_bytes[p], layered=p in
@@ -217,7 +232,7 @@ class _Sums:
     """A chain's running sums, held in one place: the search evaluates millions of stages."""
 
     __slots__ = ("compute", "repeated", "saved", "selective_saved", "owned", "weight", "received",
-                 "shared", "read_again_from", "split", "span", "layers", "loss", "blocks")
+                 "shared", "read_again_from", "split", "span", "layers", "loss", "blocks", "seeds")
 
     def __init__(self, costs: ChainCosts):
         p = costs.prefix
@@ -244,6 +259,7 @@ class _Sums:
         self.span = tuple(span)
         self.layers = _LayerSums(costs, self.span) if costs.layer_by_layer and costs.layer_spans else None
         self.loss, self.blocks = costs.loss_working_bytes, len(costs)
+        self.seeds = p("weight_seed_bytes") if costs.split_backward else None
 
     def stage(self, first: int, last: int, mode: str, in_flight: int, transfer_in_s: float,
               transfer_out_s: float, transient: int = 1) -> tuple[float, float, int]:
@@ -270,8 +286,11 @@ class _Sums:
 
     def held(self, first: int, last: int, mode: str, transient: int = 1) -> tuple[int, int]:
         """``parts``' activations alone: (bytes per microbatch in flight, bytes held once; the last
-        stage's holds the loss's backward too)."""
+        stage's holds the loss's backward too, and under a split backward every stage but the first
+        the seeds of ``transient`` microbatches' W)."""
         per_microbatch, once = self._held(first, last, mode, transient)
+        if self.seeds is not None and first > 0:
+            once += transient * (self.seeds[last + 1] - self.seeds[first])
         return per_microbatch, once + (self.loss if last == self.blocks - 1 else 0)
 
     def _held(self, first: int, last: int, mode: str, transient: int) -> tuple[int, int]:

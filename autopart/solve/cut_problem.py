@@ -52,6 +52,11 @@ class PipelineProblem:
     rebuilt_at_once: tuple[int, ...] = ()
     # what the loss's backward holds besides, on the rank of the last stage (`autopart.passes.front.loss_working_bytes`)
     loss_working_bytes: int = 0
+    # Per block, what a split backward's I keeps for its W (`autopart.passes.weight_seeds`), and per
+    # stage, how many microbatches' seeds live at once (`autopart.predict.in_flight.weight_pending`);
+    # a rank holds its stages' together. Empty: the backward is whole.
+    block_weight_seed_bytes: tuple[int, ...] = ()
+    weight_seeds_at_once: tuple[int, ...] = ()
     # ZeRO-1 (`autopart.predict.memory.owner_excess_bytes`): per parameter, the bytes of its state
     # that one data-parallel replica owns whole and its optimizer parameter group, and the replicas;
     # a rank holds what its replica owning most owns, beyond the 1/dp shares in parameter_state_bytes
@@ -93,6 +98,8 @@ class PipelineProblem:
         assert len(self.block_parameters) == blocks == len(self.block_activation_bytes)
         assert len(self.block_rebuilt_bytes) in (0, blocks) and len(self.rebuilt_at_once) == (
             self.stages if self.block_rebuilt_bytes else 0)
+        assert len(self.block_weight_seed_bytes) in (0, blocks) and len(self.weight_seeds_at_once) == (
+            self.stages if self.block_weight_seed_bytes else 0)
         if self.rank_in_flight:  # each stage's own peak is the most it holds at any of its rank's moments
             for rank, moments in enumerate(self.rank_in_flight):
                 assert all(len(held) == len(self.rank_stages(rank)) for held in moments)
@@ -145,6 +152,10 @@ def evaluate(problem: PipelineProblem, cuts: tuple[int, ...]) -> CutEvaluation:
                 memory[problem.rank_of(s)] += sum(nbytes for nbytes, readers in extra
                                                   if any(k in members for k in readers))
     memory[problem.rank_of(problem.stages - 1)] += problem.loss_working_bytes
+    if problem.block_weight_seed_bytes:
+        for s, members in enumerate(ranges):
+            memory[problem.rank_of(s)] += problem.weight_seeds_at_once[s] * sum(problem.block_weight_seed_bytes[k]
+                                                                                for k in members)
     for rank in range(problem.ranks):
         mine = [activations[s] for s in problem.rank_stages(rank)]
         memory[rank] += max(sum(count * nbytes for count, nbytes in zip(held, mine)) for held in problem.moments(rank))

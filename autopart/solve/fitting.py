@@ -107,12 +107,13 @@ def cutter_cuts(problem: PipelineProblem) -> tuple[int, ...] | None:
         parameter_state_bytes=dict(problem.parameter_state_bytes), block_parameters=problem.block_parameters,
         layer_spans=tuple((first, end) for first, end, _ in problem.split_layers),
         split_layer_bytes=tuple(split) if any(split) else (), loss_working_bytes=problem.loss_working_bytes,
-    )  # fmt: skip
+        weight_seed_bytes=problem.block_weight_seed_bytes,
+    ).splitting_backward()  # fmt: skip
     cut = cut_stages(costs, stages=problem.stages, in_flight=problem.in_flight,
                      stage_rank=tuple(problem.rank_of(s) for s in range(problem.stages)),
                      transfer_s=problem.boundary_transfer_s, memory_limit_bytes=problem.memory_limit_bytes,
                      overhead_bytes=problem.overhead_bytes, modes=(("selective" if rebuilt else "none",),) * problem.stages,
-                     transient=problem.rebuilt_at_once or None,
+                     transient=problem.rebuilt_at_once or problem.weight_seeds_at_once or None,
                      rank_in_flight=tuple(problem.moments(r) for r in range(problem.ranks)))  # fmt: skip
     if cut is None or max(evaluate(problem, cut.cuts).rank_memory_bytes) > problem.memory_limit_bytes:
         return None
@@ -133,10 +134,12 @@ def spread_cuts(problem: PipelineProblem) -> tuple[int, ...]:
     peak = solver.NumVar(0.0, solver.infinity(), "peak")
     solver.Add(sum(length) == blocks)
     rebuilt = sum(problem.block_rebuilt_bytes) / blocks / scale
+    seeds = sum(problem.block_weight_seed_bytes) / blocks / scale
     for rank in range(problem.ranks):
         mine = problem.rank_stages(rank)
         for held in problem.moments(rank):
-            kept = sum(length[s] * (state + count * activation) for s, count in zip(mine, held))
+            kept = sum(length[s] * (state + count * activation + _stage_kind(problem, s)[2] * seeds)
+                       for s, count in zip(mine, held))
             for s in mine if rebuilt else (None,):  # and the largest of its stages' rebuilt bytes
                 solver.Add(kept + (0.0 if s is None else length[s] * _rebuilt_at_once(problem, s) * rebuilt) <= peak)
     solver.Minimize(peak)
@@ -148,28 +151,37 @@ def spread_cuts(problem: PipelineProblem) -> tuple[int, ...]:
     return tuple(cuts)
 
 
-def _block_bytes(problem: PipelineProblem, k: int, in_flight: int, held: set[str], rebuilt_at_once: int = 0) -> int:
-    """What block ``k`` adds to a stage that holds the parameters ``held``, keeps ``in_flight``
-    microbatches and rebuilds ``rebuilt_at_once`` microbatches' recomputed activations in backward
-    (exact on a rank of one stage; on a rank of several, which holds the largest stage's, more)."""
+def _block_bytes(problem: PipelineProblem, k: int, kind: tuple[int, int, int], held: set[str]) -> int:
+    """What block ``k`` adds to a stage of ``kind`` (``_stage_kind``) that holds the parameters
+    ``held`` (exact on a rank of one stage; on a rank of several, which holds the largest stage's
+    rebuilt bytes, more)."""
+    in_flight, rebuilt_at_once, seeds_at_once = kind
     new = sum(problem.parameter_state_bytes[p] for p in set(problem.block_parameters[k]) - held)
     rebuilt = rebuilt_at_once * problem.block_rebuilt_bytes[k] if problem.block_rebuilt_bytes else 0
-    return new + in_flight * problem.block_activation_bytes[k] + rebuilt
+    seeds = seeds_at_once * problem.block_weight_seed_bytes[k] if problem.block_weight_seed_bytes else 0
+    return new + in_flight * problem.block_activation_bytes[k] + rebuilt + seeds
 
 
 def _rebuilt_at_once(problem: PipelineProblem, s: int) -> int:
     return problem.rebuilt_at_once[s] if problem.rebuilt_at_once else 0
 
 
-def _cheapest(problem: PipelineProblem) -> dict[tuple[int, int], int]:
-    """Per (microbatches in flight, rebuilt at once), the least memory a stage of one block needs."""
+def _stage_kind(problem: PipelineProblem, s: int) -> tuple[int, int, int]:
+    """What stage ``s`` holds of each block's bytes: its microbatches in flight, those whose
+    recomputed activations it rebuilds at once, and those whose weight-gradient seeds it keeps."""
+    return (problem.in_flight[s], _rebuilt_at_once(problem, s),
+            problem.weight_seeds_at_once[s] if problem.weight_seeds_at_once else 0)
+
+
+def _cheapest(problem: PipelineProblem) -> dict[tuple[int, int, int], int]:
+    """Per stage kind (``_stage_kind``), the least memory a stage of one block needs."""
     blocks = range(len(problem.block_time_s))
-    kinds = {(problem.in_flight[s], _rebuilt_at_once(problem, s)) for s in range(problem.stages)}
-    return {kind: min(_block_bytes(problem, k, kind[0], set(), kind[1]) for k in blocks) for kind in kinds}
+    kinds = {_stage_kind(problem, s) for s in range(problem.stages)}
+    return {kind: min(_block_bytes(problem, k, kind, set()) for k in blocks) for kind in kinds}
 
 
 def _cut_from_the_end(
-    problem: PipelineProblem, limit_s: float, *, memory_bytes: int, cheapest: dict[int, int]
+    problem: PipelineProblem, limit_s: float, *, memory_bytes: int, cheapest: dict[tuple[int, int, int], int]
 ) -> tuple[int, ...] | None:
     """Stages from the last backwards, each as long as ``limit_s`` and ``memory_bytes`` on its rank
     allow, one block at least; None where the cuts end up over either bound."""
@@ -177,18 +189,18 @@ def _cut_from_the_end(
     used = [problem.overhead_bytes] * problem.ranks
     reserve = [0] * problem.ranks  # a block each, at the least, for the rank's stages still to be cut
     for s in range(stages - 1):
-        reserve[problem.rank_of(s)] += cheapest[problem.in_flight[s], _rebuilt_at_once(problem, s)]
+        reserve[problem.rank_of(s)] += cheapest[_stage_kind(problem, s)]
     starts: list[int] = []
     k = blocks - 1
     for s in range(stages - 1, -1, -1):
         rank = problem.rank_of(s)
         if s < stages - 1:
-            reserve[rank] -= cheapest[problem.in_flight[s], _rebuilt_at_once(problem, s)]
+            reserve[rank] -= cheapest[_stage_kind(problem, s)]
         held: set[str] = set()
         time = problem.boundary_transfer_s[k] if s < stages - 1 else 0.0
         first = True
         while k >= s:  # leave a block for each stage before this one
-            extra = _block_bytes(problem, k, problem.in_flight[s], held, _rebuilt_at_once(problem, s))
+            extra = _block_bytes(problem, k, _stage_kind(problem, s), held)
             lower = problem.boundary_transfer_s[k - 1] if k > 0 and s > 0 else 0.0
             over_time = time + problem.block_time_s[k] + lower > limit_s
             over_memory = used[rank] + extra + reserve[rank] > memory_bytes
@@ -227,10 +239,12 @@ def memory_lower_bound(problem: PipelineProblem) -> int:
     for s in range(stages):
         solver.Add(sum(share[k][s] for k in range(blocks)) >= 1)
     rebuilt = problem.block_rebuilt_bytes or (0,) * blocks
+    seeds = problem.block_weight_seed_bytes or (0,) * blocks
     for rank in range(problem.ranks):
         for moment in problem.moments(rank):
             held = sum(
-                share[k][s] * ((state[k] + count * problem.block_activation_bytes[k]) / scale)
+                share[k][s] * ((state[k] + count * problem.block_activation_bytes[k]
+                                + _stage_kind(problem, s)[2] * seeds[k]) / scale)
                 for s, count in zip(problem.rank_stages(rank), moment) for k in range(blocks)
             )  # fmt: skip
             # the rank holds the largest of its stages' rebuilt bytes: any one of them at least

@@ -18,8 +18,8 @@ from autopart.options import CompileOptions
 from autopart.passes.capture import Graph
 from autopart.passes.blocks import build_blocks
 from autopart.passes.front import (
-    Front, annotated, block_seconds, boundary_gathered_bytes, boundary_held_bytes, capture_for, loss_working_bytes,
-    parameter_placements, sharded,
+    Front, annotated, block_seconds, block_weight_seeds, boundary_gathered_bytes, boundary_held_bytes, capture_for,
+    loss_working_bytes, parameter_placements, sharded,
 )
 from autopart.passes.repeat_annotation import laid_out
 from autopart.passes.scale import SizeLines
@@ -234,6 +234,7 @@ def chain_costs(front: Front, tp: int) -> ChainCosts:
         layer_bytes=layer_bytes,
         layer_spans=tuple((first, end) for first, end, _ in layer_instances(chain)),
         loss_working_bytes=loss_working_bytes(front, tp),
+        weight_seed_bytes=block_weight_seeds(front),
         decayed_parameters=decayed_parameters(front.spec.module),
     )
 

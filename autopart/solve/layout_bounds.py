@@ -88,6 +88,7 @@ def optimistic_costs(costs: ChainCosts, floors: list[float], tp: int) -> ChainCo
         weight_s=tuple(w * s for w, s in zip(costs.weight_s, scales)),
         saved_bytes=(0,) * len(costs),  # a sharded block may keep a little under a tp-th of its bytes
         selective_saved_bytes=(0,) * len(costs),
+        weight_seed_bytes=(),
         parameter_bytes=share,
         parameter_state_bytes=dict(share),
         boundary_bytes=tuple(b // tp for b in costs.boundary_bytes),  # no less than any rank sends
@@ -216,11 +217,12 @@ def stage_floor(costs: ChainCosts, layout, cluster) -> float:
 
 def with_layout_state(table, layout) -> ChainCosts:
     """``layout``'s chain costs with each parameter's state at its data-parallel degree and ZeRO
-    level, and full recompute layer by layer where its schedule's backward is whole."""
+    level, and full recompute layer by layer where its schedule's backward is whole (else the
+    weight-gradient seeds its split backward keeps)."""
     costs = table.chain_costs(micro_batch_size=layout.micro_batch_size, tp=layout.tp, dtype=layout.dtype)
     costs.shared_parameters  # noqa: B018 - computed once on the table's costs, carried to each layout's
     costs = costs.with_state(_layout_state(table, layout), key=_state_key(layout))
-    return costs if layout.schedule in SPLIT_BACKWARD_KINDS else costs.checkpointing_layers()
+    return costs.splitting_backward() if layout.schedule in SPLIT_BACKWARD_KINDS else costs.checkpointing_layers()
 
 
 def _state_key(layout) -> tuple:

@@ -165,6 +165,9 @@ class _CutModel:
         stages = p.rank_stages(rank)
         moments = p.moments(rank)
         state = sum(self.stage_state(s) for s in stages) + p.overhead_bytes + self.rank_rebuilt(rank)
+        if p.block_weight_seed_bytes:
+            state += sum(p.weight_seeds_at_once[s] * nbytes * self.x[k][s] for s in stages
+                         for k, nbytes in enumerate(p.block_weight_seed_bytes) if nbytes and p.weight_seeds_at_once[s])
         if rank == p.rank_of(p.stages - 1):
             state += p.loss_working_bytes
         if len(moments) == 1:
@@ -376,6 +379,7 @@ def _smallest_peak_memory(problem: PipelineProblem, time_limit_s: float) -> int:
         + max(problem.rebuilt_at_once, default=0) * sum(problem.block_rebuilt_bytes) * problem.ranks
         + sum(nbytes * len(readers) for _, _, extra in problem.split_layers for nbytes, readers in extra)
         + problem.loss_working_bytes
+        + max(problem.weight_seeds_at_once, default=0) * sum(problem.block_weight_seed_bytes)
     )
     peak = m.new_int_var(0, everything, "peak_memory")
     for rank in range(problem.ranks):

@@ -91,15 +91,14 @@ def repeat_layers(costs: ChainCosts, layers: Sequence[str | None],
         return frozenset(rename.get(p, p) for k, rename in zip(source, renames) for p in costs.block_parameters[k] if p in names)
 
     def pick(values):
-        return tuple(values[k] for k in source)
+        return tuple(values[k] for k in source) if values else ()
 
     repeated = ChainCosts(
         forward_s=pick(costs.forward_s),
         backward_s=pick(costs.backward_s),
         weight_s=pick(costs.weight_s),
-        saved_bytes=pick(costs.saved_bytes),
-        selective_saved_bytes=pick(costs.selective_saved_bytes),
-        selective_recompute_s=pick(costs.selective_recompute_s),
+        saved_bytes=pick(costs.saved_bytes), selective_saved_bytes=pick(costs.selective_saved_bytes),
+        selective_recompute_s=pick(costs.selective_recompute_s), weight_seed_bytes=pick(costs.weight_seed_bytes),
         boundary_bytes=_crossing(costs.boundary_bytes, crossed, costs.input_bytes),
         boundary_gathered_bytes=_crossing(costs.boundary_gathered_bytes or (0,) * len(costs.boundary_bytes), crossed, 0),
         input_bytes=costs.input_bytes, loss_working_bytes=costs.loss_working_bytes,

@@ -40,6 +40,7 @@ from torch import fx
 
 from autopart.passes.blocks import Block, BlockChain
 from autopart.solve.overlap import fused_seconds, gathered_input, moved_share, moves_for_products
+from autopart.solve.seed_shares import local_seed_bytes
 from autopart.solve.sequence import SEQUENCE_DIM, boundary_placement
 from autopart.solve.sharding import REPLICATE, Placement, Strategy, is_tuple_of_tensors, shard
 from autopart.solve.sharding_rules import strategies
@@ -65,6 +66,7 @@ class BlockSharding:
     compute_s: float  # forward + backward of one microbatch on one rank
     communication_s: float
     saved_bytes: int  # saved for backward on one rank
+    weight_seed_bytes: int = 0  # what a split backward keeps from I to W on one rank (`autopart.passes.weight_seeds`)
     sequence_parallel: bool = False  # boundaries split over the sequence (``autopart.solve.sequence``)
     overlapped: dict[str, int] = field(default_factory=dict)  # linear -> the pieces it runs in (``--tp-overlap``)
 
@@ -329,6 +331,7 @@ class _BlockModel:
         fused_s, overlapped = fused_seconds(
             self.chain.op_graph, self.members, chosen, self._boundary, self._seconds, t=self.t, cost_model=self.cost_model,
             overlap=self.overlap, priced_share=lambda value: self._share(value, REPLICATE, True))  # fmt: skip
+        seeds = local_seed_bytes(costs, self.fx_nodes, self.block.nodes, chosen, overlapped, self.t)
         return BlockSharding(
             strategies=chosen,
             parameters=parameters,
@@ -336,6 +339,7 @@ class _BlockModel:
             communication_s=max(0.0, total - compute + fused_s),
             overlapped=overlapped,
             saved_bytes=saved,
+            weight_seed_bytes=seeds,
             sequence_parallel=self.sequence_parallel,
         )
 
