@@ -96,6 +96,7 @@ def test_every_plan_the_search_returns_is_valid(seed, layers, world_size, gpus_p
         state = {p: table.state_bytes(b, dp=layout.dp, zero=layout.zero) for p, b in costs.parameter_bytes.items()}
         held = costs.with_state(lambda nbytes: table.state_bytes(nbytes, dp=layout.dp, zero=layout.zero))
         assert held.parameter_state_bytes == state
+        plain = held
         if layout.schedule not in SPLIT_BACKWARD_KINDS:  # a whole backward: full recompute layer by layer
             held = held.checkpointing_layers()
         else:  # a split one: each stage but the first keeps its seeds for W, as long as its recompute's rebuilds
@@ -115,6 +116,10 @@ def test_every_plan_the_search_returns_is_valid(seed, layers, world_size, gpus_p
                                     transient=transient[s])
             parts.append(figures.parts)
             assert figures.time_s == pytest.approx(cut.stage_time_s[s])
+            if layout.schedule in SPLIT_BACKWARD_KINDS:  # the seeds of the microbatches between I and W
+                without = stage_figures(plain, a, b, mode=cut.recompute[s], in_flight=flight[s], transfer_in_s=0.0,
+                                        transfer_out_s=0.0, transient=transient[s]).parts[2]
+                assert figures.parts[2] - without == (transient[s] * sum(costs.weight_seed_bytes[a : b + 1]) if s else 0)
         memory_per_rank = [devices.overhead_bytes + rank_activation_peak(actions, parts)
                            + sum(parts[s][0] + parts[s][2] for s in range(layout.stages) if placement[s] == rank)
                            + owners_beyond_shares(table, costs, layout, firsts, lasts, placement, rank)

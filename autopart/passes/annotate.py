@@ -41,7 +41,7 @@ from autopart.ir.tensors import DTYPES, TensorMeta, autocast_dtype, precision, t
 from autopart.passes.autocast_lists import cuda_autocast
 from autopart.passes.kernel_figures import kernel_figures, recompute_share
 from autopart.passes.grad_leaves import grad_ready, leaves_for_grad
-from autopart.passes.weight_seeds import OpSeeds, measure_seeds, shared_seeds
+from autopart.passes.weight_seeds import OpSeeds, ParameterValues, arg_nodes, op_seeds, shared_seeds
 from autopart.ir.errors import ConfigError
 from autopart.ir.model_file import ModelSpec, is_meta
 from autopart.passes.capture import Graph, graph_args
@@ -248,10 +248,10 @@ def cost_key(node: fx.Node, args: tuple, kwargs: dict, parameters: set[int], dty
 
 
 def _measure_kernels(
-    node: fx.Node, args: tuple, kwargs: dict, state: _State, input_values: list
+    node: fx.Node, args: tuple, kwargs: dict, state: _State, arg_values: list, made_from_weights: tuple[int, ...]
 ) -> tuple[list[Kernel], list[Kernel], list[Kernel], OpSeeds]:
     """Kernels of the node's forward, of its input gradients and of its weight gradients, and
-    what a split backward keeps from its I to its W (``input_values``: of ``node.all_input_nodes``)."""
+    what a split backward keeps from its I to its W (`autopart.passes.weight_seeds.op_seeds`)."""
     parameters = state.parameter_ids
     originals = pytree.tree_leaves((args, kwargs))
     args, kwargs, inputs, weights = leaves_for_grad(args, kwargs, parameters, master=state.master)
@@ -281,7 +281,7 @@ def _measure_kernels(
             sink.extend(backward.kernels)
             if wrt is inputs:
                 input_grads = {id(original_of.get(id(leaf))): g for leaf, g in zip(inputs, found)}
-    seeds = measure_seeds(outputs, grads, inputs, weights, input_grads, input_values)
+    seeds = op_seeds(outputs, grads, inputs, weights, input_grads, original_of, arg_values, made_from_weights)
     return forward.kernels, input_kernels, weight_kernels, seeds
 
 
@@ -414,8 +414,10 @@ def _annotate_nodes(
     measured_seeds: dict[str, OpSeeds] = {}
     feed = iter(feed_values)
     parameter_names = set(state.parameters)
+    from_parameters = ParameterValues(parameter_names)
     for node in graph.module.graph.nodes:
         derived[node.name] = _batch_derived(node, derived, parameter_names)
+        made_from_weights = from_parameters.visit(node)  # an op's seeds depend on which it reads: in the key
         common = dict(name=node.name, op=node.op, module_path=module_path(node), batch_derived=derived[node.name])
         if node.op == "placeholder":
             value = next(feed)
@@ -446,13 +448,13 @@ def _annotate_nodes(
         # the key holds all that the kernels depend on (op, shapes, dtypes, roles): a repeated
         # layer's nodes are measured once, the rest take the first's kernels (a leaf module's
         # key names the module, so it is never shared)
-        if key not in measured_by_key:
+        if (key, made_from_weights) not in measured_by_key:
             forward, backward_input, backward_weight, seeds = _measure_kernels(
-                node, args, kwargs, state, [values[n.name] for n in node.all_input_nodes])
-            measured_by_key[key] = (forward, backward_input, backward_weight,
-                                    cost_model.op_times(key, forward, backward_input, backward_weight),
-                                    recompute_share(forward, cost_model), seeds)
-        forward, backward_input, backward_weight, times, share, seeds = measured_by_key[key]
+                node, args, kwargs, state, [values[n.name] for n in arg_nodes(node)], made_from_weights)
+            measured_by_key[key, made_from_weights] = (forward, backward_input, backward_weight,
+                                                       cost_model.op_times(key, forward, backward_input, backward_weight),
+                                                       recompute_share(forward, cost_model), seeds)
+        forward, backward_input, backward_weight, times, share, seeds = measured_by_key[key, made_from_weights]
         kernels[node.name] = (tuple(forward), tuple(backward_input), tuple(backward_weight))
         parameter_bytes = 0
         if node.op == "call_module":

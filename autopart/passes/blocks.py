@@ -133,6 +133,7 @@ def build_blocks(op_graph: OpGraph) -> BlockChain:
 def _make_block(index: int, members: list[fx.Node], op_graph: OpGraph) -> Block:
     costs = op_graph.nodes
     names = tuple(n.name for n in members)
+    inside = set(names)
     parameters: list[str] = []
     for n in members:
         for arg in n.all_input_nodes:
@@ -150,7 +151,8 @@ def _make_block(index: int, members: list[fx.Node], op_graph: OpGraph) -> Block:
         saved_bytes=sum(costs[n].saved_bytes for n in names),
         selective_saved_bytes=sum(costs[n].selective_saved_bytes for n in names),
         selective_recompute_s=sum(costs[n].selective_recompute_s for n in names),
-        weight_seed_bytes=sum(costs[n].weight_seed_bytes for n in names if not costs[n].weight_seed_reader),
+        # a seed its reader keeps too is that one's, where a cut cannot fall between them
+        weight_seed_bytes=sum(costs[n].weight_seed_bytes for n in names if costs[n].weight_seed_reader not in inside),
         parameters=tuple(parameters),
         signature=_signature(members, costs),
     )

@@ -14,6 +14,11 @@ A stage's frontier is its ops' frontiers together: an op's outputs lead to the s
 and its float inputs to the stage's inputs, in every stage but the first, whose inputs take no
 gradient (there `backward_input` keeps the whole graph instead, and no seeds).
 
+The count per stage takes in the microbatch whose I runs (`weight_pending`), whose head seed on
+the last stage is, in fp32, the storage of the loss input's gradient that
+`autopart.passes.front.loss_working_bytes` counts too: one logits-sized tensor counted twice
+there, on the safe side.
+
 One gradient can be two ops' seeds: a bias add (`autopart.passes.rewrite.separate_biases`) hands
 the gradient it keeps to its linear unchanged, which keeps it too (a view of it). Each op says
 whether its seeds are its output's gradient and which of its inputs get that gradient itself, and
@@ -30,27 +35,64 @@ from torch import fx
 
 from autopart.runtime.backward import backward_input
 
-__all__ = ["OpSeeds", "measure_seeds", "shared_seeds"]
+__all__ = ["OpSeeds", "ParameterValues", "arg_nodes", "op_seeds", "shared_seeds"]
 
 
 @dataclass(frozen=True)
 class OpSeeds:
     nbytes: int = 0  # what I keeps for W, each storage once
     of_output: bool = False  # they are the op's output's gradient (one storage)
-    passes: tuple[int, ...] = ()  # positions in ``node.all_input_nodes`` whose gradient is the output's itself
-    takes: tuple[int, ...] = ()  # positions in ``node.all_input_nodes`` that get a gradient at all (not a type_as's dtype)
+    passes: tuple[int, ...] = ()  # places in ``arg_nodes(node)`` whose gradient is the output's itself
+    takes: tuple[int, ...] = ()  # places in ``arg_nodes(node)`` that get a gradient at all (not a type_as's dtype)
 
 
-def measure_seeds(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor],
-                  weights: Sequence[torch.Tensor], input_grads: dict[int, torch.Tensor | None],
-                  input_values: Sequence[object]) -> OpSeeds:
+def arg_nodes(node: fx.Node) -> list[fx.Node]:
+    """The values ``node`` reads, once per place it reads them (``all_input_nodes`` lists each once)."""
+    found: list[fx.Node] = []
+    fx.node.map_arg((node.args, node.kwargs), found.append)
+    return found
+
+
+class ParameterValues:
+    """Which values are made from parameters alone (a tied head's ``wte.weight.T``, Gemma's
+    ``1 + w``): autograd reaches only parameters past one, so an op that reads one has a frontier
+    there, as at a parameter, though the op reads no parameter itself."""
+
+    def __init__(self, parameter_names: set[str]):
+        self.names = parameter_names
+        self.static: dict[str, bool] = {}  # made from parameters, buffers and constants alone
+        self.weighty: dict[str, bool] = {}  # and from a parameter
+
+    def visit(self, node: fx.Node) -> tuple[int, ...]:
+        """Take ``node`` in (in graph order); the places in ``arg_nodes(node)`` of the values it reads
+        that ops made from parameters alone."""
+        reads = arg_nodes(node)
+        if node.op == "get_attr":
+            static, weighty = True, node.target in self.names
+        elif node.op in ("call_function", "call_method"):
+            static = bool(reads) and all(self.static[a.name] for a in reads)
+            weighty = static and any(self.weighty[a.name] for a in reads)
+        else:  # the batch, a leaf module's output, the graph's output
+            static = weighty = False
+        self.static[node.name], self.weighty[node.name] = static, weighty
+        return tuple(i for i, a in enumerate(reads) if self.weighty[a.name] and a.op != "get_attr")
+
+
+def op_seeds(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor],
+             weights: Sequence[torch.Tensor], input_grads: dict[int, torch.Tensor | None],
+             original_of: dict[int, object], arg_values: Sequence[object], made_from_weights: tuple[int, ...]) -> OpSeeds:
     """The seeds of an op whose ``outputs`` (made from the leaves ``inputs`` and ``weights``) get
     ``grads``. ``input_grads``: per id of an input's original value, the gradient a backward gave
-    it; ``input_values``: the values of ``node.all_input_nodes``, in order."""
+    it; ``original_of``: per id of a leaf, its original value; ``arg_values``: the values of
+    ``arg_nodes(node)``, of which those at ``made_from_weights`` count as weights (`ParameterValues`)."""
     output_storage = _storage(grads[0]) if len(grads) == 1 else None
-    found = [input_grads.get(id(value)) for value in input_values]
+    found = [input_grads.get(id(value)) for value in arg_values]
     takes = tuple(i for i, g in enumerate(found) if g is not None)
     passes = tuple(i for i in takes if output_storage is not None and _storage(found[i]) == output_storage)
+    derived = {id(arg_values[i]) for i in made_from_weights}
+    moved = [leaf for leaf in inputs if id(original_of.get(id(leaf))) in derived]
+    inputs = [leaf for leaf in inputs if id(original_of.get(id(leaf))) not in derived]
+    weights = [*weights, *moved]
     if not (outputs and inputs and weights):
         return OpSeeds(passes=passes, takes=takes)
     _, pending = backward_input(outputs, grads, inputs, weights)
@@ -75,7 +117,7 @@ def shared_seeds(graph: fx.Graph, seeds: dict[str, OpSeeds]) -> dict[str, str]:
         reader = readers[0]
         theirs = seeds.get(reader.name)
         if theirs is not None and theirs.nbytes and theirs.of_output and any(
-                reader.all_input_nodes[i] is node for i in theirs.passes):
+                arg_nodes(reader)[i] is node for i in theirs.passes):
             shared[node.name] = reader.name
     return shared
 
@@ -84,7 +126,8 @@ def _sends_gradient(user: fx.Node, node: fx.Node, seeds: dict[str, OpSeeds]) -> 
     measured = seeds.get(user.name)
     if measured is None:  # not an op (the graph's output): as if it did
         return True
-    return any(user.all_input_nodes[i] is node for i in measured.takes)
+    reads = arg_nodes(user)
+    return any(reads[i] is node for i in measured.takes)
 
 
 def _storage(tensor: torch.Tensor) -> int:

@@ -237,7 +237,7 @@ class _Greedy:
             if parameters is None:
                 parameters = sums.owned[end] - sums.owned[first] if last < self.plain_before \
                     else sums.parameters(first, last)
-            if mode == "none" and sums.seeds is None and last < sums.blocks - 1:  # `held`'s plain case, inline
+            if mode == "none" and (sums.seeds is None or first == 0) and last < sums.blocks - 1:  # `held`'s plain case
                 per_microbatch, once = sums.saved[end] - sums.saved[first], 0
             else:
                 per_microbatch, once = sums.held(first, last, mode, self.transients[s])

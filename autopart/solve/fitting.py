@@ -138,7 +138,7 @@ def spread_cuts(problem: PipelineProblem) -> tuple[int, ...]:
     for rank in range(problem.ranks):
         mine = problem.rank_stages(rank)
         for held in problem.moments(rank):
-            kept = sum(length[s] * (state + count * activation + _stage_kind(problem, s)[2] * seeds)
+            kept = sum(length[s] * (state + count * activation + _seeds_at_once(problem, s) * seeds)
                        for s, count in zip(mine, held))
             for s in mine if rebuilt else (None,):  # and the largest of its stages' rebuilt bytes
                 solver.Add(kept + (0.0 if s is None else length[s] * _rebuilt_at_once(problem, s) * rebuilt) <= peak)
@@ -166,11 +166,14 @@ def _rebuilt_at_once(problem: PipelineProblem, s: int) -> int:
     return problem.rebuilt_at_once[s] if problem.rebuilt_at_once else 0
 
 
+def _seeds_at_once(problem: PipelineProblem, s: int) -> int:
+    return problem.weight_seeds_at_once[s] if problem.weight_seeds_at_once else 0
+
+
 def _stage_kind(problem: PipelineProblem, s: int) -> tuple[int, int, int]:
     """What stage ``s`` holds of each block's bytes: its microbatches in flight, those whose
     recomputed activations it rebuilds at once, and those whose weight-gradient seeds it keeps."""
-    return (problem.in_flight[s], _rebuilt_at_once(problem, s),
-            problem.weight_seeds_at_once[s] if problem.weight_seeds_at_once else 0)
+    return problem.in_flight[s], _rebuilt_at_once(problem, s), _seeds_at_once(problem, s)
 
 
 def _cheapest(problem: PipelineProblem) -> dict[tuple[int, int, int], int]:
@@ -244,7 +247,7 @@ def memory_lower_bound(problem: PipelineProblem) -> int:
         for moment in problem.moments(rank):
             held = sum(
                 share[k][s] * ((state[k] + count * problem.block_activation_bytes[k]
-                                + _stage_kind(problem, s)[2] * seeds[k]) / scale)
+                                + _seeds_at_once(problem, s) * seeds[k]) / scale)
                 for s, count in zip(problem.rank_stages(rank), moment) for k in range(blocks)
             )  # fmt: skip
             # the rank holds the largest of its stages' rebuilt bytes: any one of them at least

@@ -43,6 +43,7 @@ class _CutModel:
     def __init__(self, problem: PipelineProblem):
         self.problem = problem
         self.model = cp_model.CpModel()
+        self._seeds: dict[int, cp_model.IntVar | int] = {}  # per rank, `rank_seeds`
         blocks, stages = len(problem.block_time_s), problem.stages
         m = self.model
         self.x = [[m.new_bool_var(f"block{k}_on_stage{s}") for s in range(stages)] for k in range(blocks)]
@@ -164,10 +165,7 @@ class _CutModel:
         p, m = self.problem, self.model
         stages = p.rank_stages(rank)
         moments = p.moments(rank)
-        state = sum(self.stage_state(s) for s in stages) + p.overhead_bytes + self.rank_rebuilt(rank)
-        if p.block_weight_seed_bytes:
-            state += sum(p.weight_seeds_at_once[s] * nbytes * self.x[k][s] for s in stages
-                         for k, nbytes in enumerate(p.block_weight_seed_bytes) if nbytes and p.weight_seeds_at_once[s])
+        state = sum(self.stage_state(s) for s in stages) + p.overhead_bytes + self.rank_rebuilt(rank) + self.rank_seeds(rank)
         if rank == p.rank_of(p.stages - 1):
             state += p.loss_working_bytes
         if len(moments) == 1:
@@ -180,6 +178,21 @@ class _CutModel:
             m.add(nbytes == self.stage_activations(s))
             per_stage.append(nbytes)
         return [state + sum(count * nbytes for count, nbytes in zip(held, per_stage)) for held in moments]
+
+    def rank_seeds(self, rank: int) -> cp_model.IntVar | int:
+        """The weight-gradient seeds the rank's stages keep under a split backward, as one variable
+        that its moments share (each asks it: the owners' bounds too)."""
+        p = self.problem
+        if rank not in self._seeds:
+            terms = [p.weight_seeds_at_once[s] * nbytes * self.x[k][s] for s in p.rank_stages(rank)
+                     if p.block_weight_seed_bytes and p.weight_seeds_at_once[s]
+                     for k, nbytes in enumerate(p.block_weight_seed_bytes) if nbytes]
+            self._seeds[rank] = 0
+            if terms:
+                bound = max(p.weight_seeds_at_once) * sum(p.block_weight_seed_bytes)
+                self._seeds[rank] = self.model.new_int_var(0, bound, f"rank{rank}_seed_bytes")
+                self.model.add(self._seeds[rank] == sum(terms))
+        return self._seeds[rank]
 
     def rank_rebuilt(self, rank: int) -> cp_model.LinearExpr | int:
         """The bytes that the recompute of one of the rank's stages rebuilds in backward: the
