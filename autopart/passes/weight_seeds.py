@@ -12,7 +12,9 @@ They are measured here by running the runtime's own I on the op, so that what th
 counts is what the runtime keeps, whatever the op is (a leaf module's internal frontier too).
 A stage's frontier is its ops' frontiers together: an op's outputs lead to the stage's outputs,
 and its float inputs to the stage's inputs, in every stage but the first, whose inputs take no
-gradient (there `backward_input` keeps the whole graph instead, and no seeds).
+gradient (there `backward_input` keeps the whole graph instead, and no seeds); a value made from
+parameters alone counts as a parameter (`ParameterValues`). Not counted: an in-place op on a
+weight, which annotate runs without autograd.
 
 The count per stage takes in the microbatch whose I runs (`weight_pending`), whose head seed on
 the last stage is, in fp32, the storage of the loss input's gradient that
