@@ -16,6 +16,7 @@ from autopart.codegen.emit import emit_directory
 from autopart.driver import CompileOptions, compile_plan
 from autopart.ir.model_file import load_model_file
 from autopart.passes.front import block_weight_seeds
+from autopart.passes.weight_seeds import arg_nodes, arg_places
 from autopart.predict.in_flight import in_flight, rank_in_flight, transient, weight_pending
 from autopart.runtime.backward import backward_input
 from autopart.runtime.forward import StageForward
@@ -201,12 +202,24 @@ def test_the_cut_solvers_count_the_seeds_a_rank_keeps(seed):
         assert [a - b for a, b in zip(evaluate(problem, cuts).rank_memory_bytes,
                                       evaluate(plain, cuts).rank_memory_bytes)] == added
     needs = sorted(max(evaluate(problem, cuts).rank_memory_bytes) for cuts in every)
-    limited = dataclasses.replace(problem, memory_limit_bytes=needs[len(needs) // 4])
+    # a limit that the fastest cuts meet without their seeds and break with them
+    fastest = min(every, key=lambda cuts: evaluate(plain, cuts).objective_s)
+    limited = dataclasses.replace(problem, memory_limit_bytes=max(evaluate(problem, fastest).rank_memory_bytes) - 1)
     fitting = [evaluate(limited, cuts) for cuts in every if max(evaluate(limited, cuts).rank_memory_bytes)
                <= limited.memory_limit_bytes]
+    assert fitting and max(evaluate(plain, fastest).rank_memory_bytes) <= limited.memory_limit_bytes
     solved = solve_cuts(limited, time_limit_s=20)
     assert solved.status == "optimal"
     assert solved.evaluation.objective_s == pytest.approx(min(e.objective_s for e in fitting), rel=1e-6)
     found = fitting_cuts(limited)
-    assert found is None or max(evaluate(limited, found).rank_memory_bytes) <= limited.memory_limit_bytes
+    assert found is not None and max(evaluate(limited, found).rank_memory_bytes) <= limited.memory_limit_bytes
     assert memory_lower_bound(plain) < memory_lower_bound(problem) <= needs[0]
+
+
+def test_ops_share_a_measurement_only_where_they_read_nodes_in_the_same_places():
+    """A cost key shows a number by its value, whether a node or a constant gives it: the places
+    `OpSeeds` keeps index the node arguments, so those must be alike."""
+    traced = torch.fx.symbolic_trace(lambda x, s: (torch.mul(x, 0.5), torch.mul(x, s)))
+    first, second = [n for n in traced.graph.nodes if n.op == "call_function"][:2]
+    assert arg_places(first) == (True, False) and arg_places(second) == (True, True)
+    assert [a.name for a in arg_nodes(second)] == ["x", "s"]

@@ -41,7 +41,7 @@ from autopart.ir.tensors import DTYPES, TensorMeta, autocast_dtype, precision, t
 from autopart.passes.autocast_lists import cuda_autocast
 from autopart.passes.kernel_figures import kernel_figures, recompute_share
 from autopart.passes.grad_leaves import grad_ready, leaves_for_grad
-from autopart.passes.weight_seeds import OpSeeds, ParameterValues, arg_nodes, op_seeds, shared_seeds
+from autopart.passes.weight_seeds import OpSeeds, ParameterValues, arg_nodes, arg_places, op_seeds, shared_seeds
 from autopart.ir.errors import ConfigError
 from autopart.ir.model_file import ModelSpec, is_meta
 from autopart.passes.capture import Graph, graph_args
@@ -361,14 +361,15 @@ def _batch_derived(node: fx.Node, derived: dict[str, bool], parameter_names: set
 
 def annotate(
     graph: Graph, spec: ModelSpec, cost_model: CostModel, *, micro_batch_size: int, dtype: str = "fp32",
-    measured: dict[str, tuple] | None = None,
+    measured: dict[tuple, tuple] | None = None,
 ) -> OpGraph:
     """Shapes, kernels, times and saved bytes of every node at ``micro_batch_size``, in ``dtype``.
 
     A model built on the meta device runs on fake tensors: shapes, kernels and saved bytes come
-    out the same, and nothing is allocated. ``measured``: the kernels and times of ops by cost
-    key, from earlier calls with the same cost model, used and added to (ops that several
-    captures share, such as one model's at two tensor-parallel degrees, are measured once).
+    out the same, and nothing is allocated. ``measured``: the kernels, times and seeds of ops by
+    cost key (and what their seeds depend on besides), from earlier calls with the same cost model,
+    used and added to (ops that several captures share, such as one model's at two
+    tensor-parallel degrees, are measured once).
     """
     assert dtype in DTYPES, dtype
     module = graph.module
@@ -402,7 +403,7 @@ def _annotate_nodes(
     measured: tuple[dict[str, int], dict[str, int]],
     cost_model: CostModel,
     feed_values: tuple,
-    measured_by_key: dict[str, tuple],
+    measured_by_key: dict[tuple, tuple],
     ran: dict[str, Any],
 ):
     saved, kept = measured
@@ -417,7 +418,7 @@ def _annotate_nodes(
     from_parameters = ParameterValues(parameter_names)
     for node in graph.module.graph.nodes:
         derived[node.name] = _batch_derived(node, derived, parameter_names)
-        made_from_weights = from_parameters.visit(node)  # an op's seeds depend on which it reads: in the key
+        seed_key = from_parameters.visit(node), arg_places(node)  # what an op's seeds depend on beside its cost key
         common = dict(name=node.name, op=node.op, module_path=module_path(node), batch_derived=derived[node.name])
         if node.op == "placeholder":
             value = next(feed)
@@ -448,13 +449,13 @@ def _annotate_nodes(
         # the key holds all that the kernels depend on (op, shapes, dtypes, roles): a repeated
         # layer's nodes are measured once, the rest take the first's kernels (a leaf module's
         # key names the module, so it is never shared)
-        if (key, made_from_weights) not in measured_by_key:
+        if (key, seed_key) not in measured_by_key:
             forward, backward_input, backward_weight, seeds = _measure_kernels(
-                node, args, kwargs, state, [values[n.name] for n in arg_nodes(node)], made_from_weights)
-            measured_by_key[key, made_from_weights] = (forward, backward_input, backward_weight,
-                                                       cost_model.op_times(key, forward, backward_input, backward_weight),
-                                                       recompute_share(forward, cost_model), seeds)
-        forward, backward_input, backward_weight, times, share, seeds = measured_by_key[key, made_from_weights]
+                node, args, kwargs, state, [values[n.name] for n in arg_nodes(node)], seed_key[0])
+            measured_by_key[key, seed_key] = (forward, backward_input, backward_weight,
+                                              cost_model.op_times(key, forward, backward_input, backward_weight),
+                                              recompute_share(forward, cost_model), seeds)
+        forward, backward_input, backward_weight, times, share, seeds = measured_by_key[key, seed_key]
         kernels[node.name] = (tuple(forward), tuple(backward_input), tuple(backward_weight))
         parameter_bytes = 0
         if node.op == "call_module":

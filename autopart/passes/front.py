@@ -79,7 +79,7 @@ def note_unsplit(options: CompileOptions, front: Front) -> None:
 
 def annotated(options: CompileOptions, micro_batch_size: int, *, separate_biases: bool,
                spec: ModelSpec | None = None, roofline: CostModel | None = None,
-               measured: dict[str, tuple] | None = None, graph: Graph | None = None,
+               measured: dict[tuple, tuple] | None = None, graph: Graph | None = None,
                ranks_from: CompileOptions | None = None) -> Front:
     """Capture, cost and cut into blocks; ``separate_biases`` for graphs whose ops will be split.
     ``spec`` and ``roofline``: the model and device cost model of an earlier call, to reuse;

@@ -34,10 +34,11 @@ from dataclasses import dataclass
 
 import torch
 from torch import fx
+from torch.utils import _pytree as pytree
 
 from autopart.runtime.backward import backward_input
 
-__all__ = ["OpSeeds", "ParameterValues", "arg_nodes", "op_seeds", "shared_seeds"]
+__all__ = ["OpSeeds", "ParameterValues", "arg_nodes", "arg_places", "op_seeds", "shared_seeds"]
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,15 @@ def arg_nodes(node: fx.Node) -> list[fx.Node]:
     found: list[fx.Node] = []
     fx.node.map_arg((node.args, node.kwargs), found.append)
     return found
+
+
+def arg_places(node: fx.Node) -> tuple[bool, ...]:
+    """Per argument leaf of ``node``, whether a node makes it: two ops whose cost keys agree (which
+    show a number by its value) may still read a number from a node in one and a constant in the
+    other, and `OpSeeds`' places index ``arg_nodes``; measurements are shared only where these agree."""
+    found: list[bool] = []
+    fx.node.map_aggregate((node.args, node.kwargs), lambda a: found.append(isinstance(a, fx.Node)))
+    return tuple(found)
 
 
 class ParameterValues:
@@ -91,7 +101,7 @@ def op_seeds(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], inp
     found = [input_grads.get(id(value)) for value in arg_values]
     takes = tuple(i for i, g in enumerate(found) if g is not None)
     passes = tuple(i for i in takes if output_storage is not None and _storage(found[i]) == output_storage)
-    derived = {id(arg_values[i]) for i in made_from_weights}
+    derived = {id(v) for i in made_from_weights for v in pytree.tree_leaves(arg_values[i])}  # a tuple's items too
     moved = [leaf for leaf in inputs if id(original_of.get(id(leaf))) in derived]
     inputs = [leaf for leaf in inputs if id(original_of.get(id(leaf))) not in derived]
     weights = [*weights, *moved]

@@ -52,7 +52,7 @@ class FrontTable:
         self._optimistic: dict[tuple[int, int, str], ChainCosts] = {}
         self._spec = spec
         self._roofline = None
-        self._measured: dict[str, tuple] = {}  # ops' kernels and times by cost key, for every capture
+        self._measured: dict[tuple, tuple] = {}  # ops' kernels, times and seeds by cost key, for every capture
         self._graphs: dict[bool, Graph] = {}  # the capture, by whether biases are ops of their own
         self._lines = SizeLines(largest_size)  # annotations at most sizes read off a line through two
         self._exact: dict[tuple[int, bool, str], Front] = {}  # real annotations the lines did not make
