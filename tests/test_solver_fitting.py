@@ -12,7 +12,7 @@ from autopart.solve.fitting import fitting_cuts, memory_lower_bound, no_fit_mess
 from autopart.solve.pipeline import PipelineProblem, evaluate, solve_cuts
 
 
-def _interleaved(blocks: int, *, ranks: int, chunks: int, limit: int, seed: int = 0) -> PipelineProblem:
+def interleaved_problem(blocks: int, *, ranks: int, chunks: int, limit: int, seed: int = 0) -> PipelineProblem:
     """A chain of alike layers on ``ranks`` ranks of ``chunks`` stages each, the first stages keeping
     many microbatches in flight and the last few (as interleaved 1F1B does)."""
     rng = random.Random(seed)
@@ -40,9 +40,9 @@ def _least_memory(problem: PipelineProblem) -> int:
 
 
 def test_cuts_that_fit_are_found_where_the_balanced_ones_do_not():
-    roomy = _interleaved(24, ranks=2, chunks=3, limit=1 << 40)
+    roomy = interleaved_problem(24, ranks=2, chunks=3, limit=1 << 40)
     need = _least_memory(roomy)
-    problem = _interleaved(24, ranks=2, chunks=3, limit=round(need * 1.05))
+    problem = interleaved_problem(24, ranks=2, chunks=3, limit=round(need * 1.05))
     balanced = evaluate(problem, tuple(range(3, 23, 4))[:5])
     assert max(balanced.rank_memory_bytes) > problem.memory_limit_bytes  # the even split does not fit
     cuts = fitting_cuts(problem)
@@ -54,20 +54,20 @@ def test_cuts_that_fit_are_found_where_the_balanced_ones_do_not():
 
 @pytest.mark.parametrize("seed", range(4))
 def test_no_cut_needs_less_than_the_bound(seed):
-    problem = _interleaved(12, ranks=2, chunks=2, limit=1 << 40, seed=seed)
+    problem = interleaved_problem(12, ranks=2, chunks=2, limit=1 << 40, seed=seed)
     assert memory_lower_bound(problem) <= _least_memory(problem)
 
 
 def test_spread_cuts_are_cuts():
-    problem = _interleaved(40, ranks=4, chunks=3, limit=1 << 40)
+    problem = interleaved_problem(40, ranks=4, chunks=3, limit=1 << 40)
     cuts = spread_cuts(problem)
     assert len(cuts) == problem.stages - 1
     assert all(a < b for a, b in zip(cuts, cuts[1:])) and 0 <= cuts[0] and cuts[-1] < 39
 
 
 def test_a_model_that_cannot_fit_says_so_in_one_line():
-    roomy = _interleaved(12, ranks=2, chunks=2, limit=1 << 40)
-    problem = _interleaved(12, ranks=2, chunks=2, limit=memory_lower_bound(roomy) // 2)
+    roomy = interleaved_problem(12, ranks=2, chunks=2, limit=1 << 40)
+    problem = interleaved_problem(12, ranks=2, chunks=2, limit=memory_lower_bound(roomy) // 2)
     assert fitting_cuts(problem) is None
     message = no_fit_message(problem, 1.0, upper_bytes=1 << 40)
     assert "\n" not in message and "no cut fits" in message and "--recompute" in message
@@ -83,7 +83,7 @@ def test_a_time_limited_solve_ends_no_worse_than_the_searchs_cutter():
 
     from autopart.solve.fitting import cutter_cuts
 
-    base = _interleaved(37, ranks=2, chunks=3, limit=1 << 40, seed=53)
+    base = interleaved_problem(37, ranks=2, chunks=3, limit=1 << 40, seed=53)
     balanced = (5, 12, 18, 24, 30)  # each stage about a sixth of the compute, as solve_cuts starts by default
     problem = replace(base, memory_limit_bytes=int(0.95 * max(evaluate(base, balanced).rank_memory_bytes)))
     cutter = evaluate(problem, cutter_cuts(problem))
@@ -158,7 +158,7 @@ def test_the_heuristics_count_what_a_recompute_rebuilds(seed):
     from dataclasses import replace
 
     rng = random.Random(seed)
-    plain = _interleaved(12, ranks=2, chunks=2, limit=1 << 40, seed=seed)
+    plain = interleaved_problem(12, ranks=2, chunks=2, limit=1 << 40, seed=seed)
     roomy = replace(plain, block_rebuilt_bytes=tuple(rng.randint(80, 120) * 1000 for _ in range(12)),
                     rebuilt_at_once=(1,) * plain.stages)
     need = _least_memory(roomy)

@@ -26,6 +26,7 @@ from autopart.solve.assemble import pipeline_problem
 from autopart.solve.fitting import fitting_cuts, memory_lower_bound
 from autopart.solve.pipeline import PipelineProblem, evaluate, solve_cuts, stage_ranges
 from tests.distributed import FREE_LINKS, REPO, run_program
+from tests.test_solver_fitting import interleaved_problem
 
 GPT = REPO / "examples" / "gpt.py"
 CPU = torch.device("cpu")
@@ -166,21 +167,16 @@ def test_a_zero_bubble_plan_counts_the_seeds_and_a_whole_backward_does_not(tmp_p
     assert plan.predicted.memory_bytes == evaluate(split, cuts).rank_memory_bytes
 
 
-def _zbv_problem(seed: int, limit: int = 1 << 40) -> PipelineProblem:
-    """Eight blocks on a zbv V of 2 ranks (stages 0 and 3 on rank 0), each block keeping seeds
-    for its W about as large as what it saves."""
+def _zbv_problem(seed: int) -> PipelineProblem:
+    """Eight alike blocks (`interleaved_problem`'s) on a zbv V of 2 ranks (stages 0 and 3 on rank
+    0), each block keeping seeds for its W about as large as what it saves."""
     rng = random.Random(seed)
-    blocks, microbatches = 8, 4
-    return PipelineProblem(
-        block_time_s=tuple(rng.uniform(0.9e-3, 1.1e-3) for _ in range(blocks)),
-        block_activation_bytes=tuple(rng.randint(90, 110) * 1000 for _ in range(blocks)),
-        boundary_transfer_s=(1e-4,) * (blocks - 1),
-        parameter_state_bytes={f"p{k}": 50_000 for k in range(blocks)},
-        block_parameters=tuple((f"p{k}",) for k in range(blocks)),
-        stages=4, microbatches=microbatches, memory_limit_bytes=limit,
+    microbatches = 4
+    return dataclasses.replace(
+        interleaved_problem(8, ranks=2, chunks=2, limit=1 << 40, seed=seed), microbatches=microbatches,
         in_flight=in_flight("zbv", 2, microbatches, 2), rank_in_flight=rank_in_flight("zbv", 2, microbatches, 2),
         stage_rank=stage_placement("zbv", ranks=2, chunks=2),
-        block_weight_seed_bytes=tuple(rng.randint(80, 120) * 1000 for _ in range(blocks)),
+        block_weight_seed_bytes=tuple(rng.randint(80, 120) * 1000 for _ in range(8)),
         weight_seeds_at_once=weight_pending("zbv", 2, microbatches, 2),
     )
 
