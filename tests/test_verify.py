@@ -6,11 +6,14 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 
 import autopart
 from autopart.codegen.names import plain_text
 from autopart.driver import CompileOptions, compile_to_directory
 from autopart.ir.errors import CaptureError
+from autopart.runtime.reference import train_reference
+from autopart.tools.verify import verify
 from tests.distributed import REPO, run_cli, run_cli_here
 
 
@@ -42,17 +45,51 @@ def test_verify_passes_on_the_examples(tmp_path, example, dtype):
 @pytest.mark.multiprocess
 def test_verify_names_the_parameter_of_a_corrupted_stage(tmp_path):
     out = compiled(tmp_path, "gpt")
-    stage = out / "stages" / "stage_1.py"
-    source = stage.read_text()
-    gelu = re.search(r"F\.gelu\((\w+)\)", source)  # an MLP's activation in the last stage
-    assert gelu is not None
-    stage.write_text(source.replace(gelu.group(0), f"torch.relu({gelu.group(1)})"))
-    sign_again(out)  # as a compile would have: the ranks refuse a stage file that the plan does not know
+    corrupt(out, "gelu")
     result = run_cli_here("verify", str(out), "--steps", "2")
     assert result.returncode == 1, result.stdout + result.stderr
     worst = re.search(r"largest parameter difference [0-9.e-]+ \(([^,]+),", result.stdout).group(1)
     assert re.search(rf"autopart: verify: parameter {re.escape(worst)} \(stage \d\) differs by up to", result.stderr)
     assert "the loss of step 0 differs" in result.stderr and "tolerance 1e-05 + 1e-05*|loss|" in result.stderr
+
+
+@pytest.mark.multiprocess
+def test_verify_holds_adamw_to_what_the_order_of_sums_does(tmp_path):
+    """AdamW steps an element whose gradient is within rounding of zero by about the rate, the
+    way the order of the sums decides: at a rate of 0.1 a pipeline's elements end apart from one
+    process's by far more than rounding, in every matrix. The plan matches as one process summing
+    over other microbatches does; the same plan with a corrupted stage does not."""
+    out = compiled(tmp_path, "llama")
+    result = verify(out, steps=2, lr=0.1, optimizer="adamw")
+    assert result.matches, result.failures
+    assert result.parameter_difference > 1e-3  # a hundred times what the rounding tolerance allows
+    assert "or, AdamW, a mean difference within 2x one process's summing in other orders" in result.parameter_tolerance
+    corrupt(out, "silu")
+    result = verify(out, steps=2, lr=0.1, optimizer="adamw")
+    assert not result.matches and len(result.failures) > 10
+
+
+def test_the_reference_sums_the_same_gradient_over_microbatches(tmp_path):
+    """One process summing each step's gradient over equal parts of the batch trains the model
+    the whole batch trains (to rounding): what `_order_noise` compares is the order alone."""
+    out = compiled(tmp_path, "gpt")
+    whole = train_reference(out, steps=2, lr=0.1, optimizer="sgd")
+    parts = train_reference(out, steps=2, lr=0.1, optimizer="sgd", microbatches=4)
+    assert parts.losses == pytest.approx(whole.losses, rel=1e-6)
+    for name, value in whole.parameters.items():
+        torch.testing.assert_close(parts.parameters[name], value, atol=1e-6, rtol=1e-5)
+    assert any(not torch.equal(parts.parameters[n], v) for n, v in whole.parameters.items())  # summed otherwise
+
+
+def corrupt(out: Path, activation: str) -> None:
+    """The last stage's first call of ``F.<activation>`` (an MLP's) made a ReLU, signed as a compile would sign it
+    (the ranks refuse a stage file that the plan does not know)."""
+    stage = out / "stages" / "stage_1.py"
+    source = stage.read_text()
+    call = re.search(rf"F\.{activation}\((\w+)\)", source)
+    assert call is not None
+    stage.write_text(source.replace(call.group(0), f"torch.relu({call.group(1)})", 1))
+    sign_again(out)
 
 
 def sign_again(out: Path) -> None:

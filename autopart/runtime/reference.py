@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 from autopart.ir.tensors import precision, working_dtype
 from autopart.ir.model_file import eager_loss, load_model_file
 from autopart.ir.plan import load_plan
-from autopart.runtime.data import eval_batches, global_batches, model_file
+from autopart.runtime.data import eval_batches, global_batches, model_file, split_microbatches
 from autopart.runtime.materialise import materialise, meta_names
 from autopart.runtime.stage import stage_names
 from autopart.runtime.draws import draw_seed
@@ -44,6 +44,14 @@ class ReferenceRun:
     eval_losses: dict[int, float] = field(default_factory=dict)  # step -> mean held-out loss after it
 
 
+def _parts(batch: tuple[tuple[Any, ...], Any], count: int) -> list[tuple[tuple[Any, ...], Any]]:
+    """A batch (inputs, target) as ``count`` microbatches (`split_microbatches`)."""
+    if count == 1:
+        return [batch]
+    inputs, target = batch
+    return [(tuple(part[:-1]), part[-1]) for part in split_microbatches((*inputs, target), count)]
+
+
 def initial_weights(out_dir: Path) -> dict[str, torch.Tensor]:
     """The union of every stage's initial weights, whole, by their names in the original model."""
     weights: dict[str, torch.Tensor] = {}
@@ -55,14 +63,15 @@ def initial_weights(out_dir: Path) -> dict[str, torch.Tensor]:
 def train_reference(
     out_dir: str | Path, *, steps: int, lr: float, optimizer: str, seed: int = 0, weights: Path | None = None,
     dtype: str | None = None, device: str = "cpu", recipe: Recipe | None = None, eval_every: int = 0,
-    eval_batch_count: int = 1, dropout: bool = True,
+    eval_batch_count: int = 1, dropout: bool = True, microbatches: int = 1,
 ) -> ReferenceRun:
     """``weights`` is the checkpoint the programs were started from (``train.py --weights``), if any;
     ``dtype`` the precision, by default the plan's; ``device`` where it trains (``"cuda"``: the
     current GPU, to compare with programs that ran on GPUs: autocast and kernels differ by device);
     ``recipe`` the schedule, decay and clipping of train.py's flags; ``eval_every`` and
     ``eval_batch_count``: train.py's ``--eval-every`` and ``--eval-batches``; ``dropout`` False:
-    train.py's ``--no-dropout``."""
+    train.py's ``--no-dropout``; ``microbatches``: the batch's gradient summed over this many
+    parts of it (another order of the same sums, as a pipeline adds them)."""
     recipe = recipe or Recipe()
     out_dir = Path(out_dir)
     plan = load_plan(out_dir / "plan.json")
@@ -105,8 +114,11 @@ def train_reference(
         batch = next(data)  # before seeding, as train.py draws it
         torch.manual_seed(draw_seed(draw_seed(seed, step, 0), 0, 0))
         with contextlib.nullcontext() if dropout else NoDropout():
-            loss = loss_of(*batch)
-            loss.backward()
+            loss = torch.zeros(())
+            for inputs, target in _parts(batch, microbatches):
+                part = loss_of(inputs, target) / microbatches
+                part.backward()
+                loss = loss + part.detach().cpu()
         if recipe.clip_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.clip_grad_norm)
         opt.step()

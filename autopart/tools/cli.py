@@ -118,7 +118,7 @@ def _parser() -> argparse.ArgumentParser:
     v = commands.add_parser("verify", help="run a compile's programs beside the original model and compare")
     v.add_argument("out", type=Path, help="the output directory of autopart compile")
     v.add_argument("--steps", type=int, default=3, help="training steps to compare (default 3)")
-    v.add_argument("--lr", type=float, default=0.1, help="learning rate (default 0.1)")
+    v.add_argument("--lr", type=float, help="learning rate (default 0.1 for sgd, 1e-3 for adamw)")
     v.add_argument("--optimizer", default="sgd", help="sgd or adamw (default sgd: its updates are exact to compare)")
     v.add_argument("--timeout", type=float, default=600.0, help="seconds for the distributed run (default 600)")
     add_recipe_arguments(v)
