@@ -12,7 +12,7 @@ cases at the end use the captured chain as it is, so that exhaustive search can 
 
 The score, in two steps as the issue asks ("lower bounds prune the space; the simulator ranks
 the finalists"): every method first ranks its candidates by the closed-form estimate
-(``autopart.solve.search.estimate_step_s`` through ``score_layout``: the schedule's pipeline latency,
+(``autopart.solve.closed_form.estimate_step_s`` through ``score_layout``: the schedule's pipeline latency,
 the data-parallel gradient all-reduce and the optimizer step of the busiest rank); then its best
 few are simulated (``autopart.solve.simulated.simulated_step_s``: each stage's summed block
 costs on the schedule the compiler emits, action by action, then the same all-reduce and

@@ -24,7 +24,9 @@ from autopart.runtime.recipe import embedding_parameters, parameter_groups
 from autopart.passes.front import build_front
 from autopart.solve.assemble import pipeline_problem, plan_from_cuts
 from autopart.solve.pipeline import PipelineProblem, evaluate, solve_cuts
+from autopart.solve.data_parallel_tail import fsdp_may_pay
 from autopart.solve.search import Layout, SearchSpace, score_layout
+from autopart.solve.simulated import simulated_step_s
 from tests.distributed import REPO, fork_ranks, gloo_group
 from tests.synthetic_chains import SyntheticTable, cluster
 
@@ -232,6 +234,37 @@ def test_the_search_cuts_where_the_table_s_owner_fits():
     assert owner <= scored.cut.rank_memory_bytes[0] <= devices.memory_bytes
     roomy = cluster(memory_bytes=1 << 30, gpus_per_node=8)
     assert score_layout(layout, table, roomy, space).cut.cuts == (2,)  # the even cuts, where the owner fits
+
+
+def test_the_search_waits_for_the_step_of_the_slowest_replica_too():
+    """The search's step, closed form and simulated, counts what the compiled plan's does
+    (`test_a_rank_waits_for_the_step_of_its_slowest_replica`): the replica that owns the first
+    rank's 8,000-byte table steps it alone, 8,000 bytes' step where an even share is 2,050."""
+    table = SyntheticTable(forward_s=(1.0,) * 6, saved_bytes=(1,) * 6, parameter_bytes=(8000,) + (100,) * 5,
+                           boundary_bytes=1)
+    space = SearchSpace(world_size=8, global_batch_size=16, gpus_per_node=8)
+    layout = Layout(pp=2, tp=1, dp=4, micro_batch_size=1, microbatches=4, schedule="1f1b", zero=1)
+    stepping, free = (cluster(memory_bytes=1 << 30, gpus_per_node=8, optimizer_s_per_byte=rate) for rate in (1e-4, 0.0))
+    scored, unstepped = (score_layout(layout, table, devices, space) for devices in (stepping, free))
+    assert scored.cut.cuts == unstepped.cut.cuts == (2,)
+    assert scored.estimate_s - unstepped.estimate_s == pytest.approx(1e-4 * 8000)
+    simulated = simulated_step_s(scored, table, stepping) - simulated_step_s(unstepped, table, free)
+    assert simulated == pytest.approx(1e-4 * 8000)
+
+
+def test_the_search_tries_zero_2_where_zero_1_s_owners_step_unevenly():
+    """ZeRO-2 shards every tensor evenly: where ZeRO-1's all-reduce hides behind the backward but
+    its slowest replica steps the 8,000-byte table alone, ZeRO-2 is faster, and the search's test of
+    whether it may pay (`fsdp_may_pay`, which spares it the ZeRO-2 twin otherwise) says so."""
+    table = SyntheticTable(forward_s=(10.0,) * 6, saved_bytes=(1,) * 6, parameter_bytes=(100, 8000) + (100,) * 4,
+                           boundary_bytes=1)
+    devices = replace(cluster(memory_bytes=1 << 30, gpus_per_node=8, optimizer_s_per_byte=1e-2),
+                      reduction_overlaps=True)
+    space = SearchSpace(world_size=8, global_batch_size=16, gpus_per_node=8, zero=(1, 2))
+    layout = Layout(pp=2, tp=1, dp=4, micro_batch_size=1, microbatches=4, schedule="1f1b", zero=1)
+    level_1, level_2 = (score_layout(replace(layout, zero=zero), table, devices, space) for zero in (1, 2))
+    assert level_2.estimate_s < level_1.estimate_s
+    assert fsdp_may_pay(level_1, table, devices)
 
 
 def test_a_rank_waits_for_the_step_of_its_slowest_replica(tmp_path, monkeypatch):

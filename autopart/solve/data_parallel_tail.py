@@ -28,6 +28,7 @@ from autopart.predict.data_parallel import gathered_bytes
 from autopart.predict.fully_sharded import Piece, added_beside, fully_sharded_cost
 from autopart.runtime.fully_sharded import FSDP_LEVELS
 from autopart.schedule import SPLIT_BACKWARD_KINDS, stage_placement
+from autopart.solve.replica_shares import rank_spans, slowest_replica_bytes
 from autopart.solve.transfers import boundary_transfer_s
 
 __all__ = ["fully_sharded_levels", "tail_s", "update_s", "exposed_all_reduce_s", "hidden_s", "last_bucket_bytes",
@@ -52,12 +53,14 @@ def _reduce_scatter_s(cluster, nbytes: float, group: int, nodes: int) -> float:
 
 
 def tail_s(layout, cluster, rank_parameter_bytes: Sequence[int], nodes: int,
-           hidden: Sequence[float] | None = None, last_bytes: Sequence[int] | None = None) -> float:
+           hidden: Sequence[float] | None = None, last_bytes: Sequence[int] | None = None,
+           stepped_bytes: Sequence[int] | None = None) -> float:
     """What the step does after the pipeline drains, on its busiest rank: the part of the
     data-parallel collectives that nothing hides, and the optimizer step (a shard of it under
     ZeRO). ``hidden``: per rank, the backward its all-reduce runs beside (``hidden_s``); None
     hides nothing. ``last_bytes``: per rank, the parameter bytes whose gradients are final only
-    as its last backward ends (``last_bucket_bytes``): their all-reduce hides behind nothing."""
+    as its last backward ends (``last_bucket_bytes``): their all-reduce hides behind nothing.
+    ``stepped_bytes``: per rank, what its slowest ZeRO-1 replica steps (`update_s`)."""
     tail = 0.0
     dp, level = layout.dp, int(layout.zero)
     for rank, nbytes in enumerate(rank_parameter_bytes):
@@ -66,7 +69,8 @@ def tail_s(layout, cluster, rank_parameter_bytes: Sequence[int], nodes: int,
             if dp > 1 and hidden is not None and cluster.reduction_overlaps:
                 last = cluster.all_reduce_s(last_bytes[rank], dp, nodes) if last_bytes is not None else 0.0
                 sync = exposed_all_reduce_s(sync, last, hidden[rank], cluster.overlap_slowdown)
-            rank_tail = sync + update_s(layout, cluster, nbytes, nodes)
+            rank_tail = sync + update_s(layout, cluster, nbytes, nodes,
+                                        None if stepped_bytes is None else stepped_bytes[rank])
         else:  # FSDP: the step waits for the last reduce-scatter where it runs beside the compute
             last = _reduce_scatter_s(cluster, nbytes, dp, nodes) if cluster.reduction_overlaps else 0.0
             gather = cluster.all_gather_s(gathered_bytes(nbytes, layout.dtype), dp, nodes) if level == 2 else 0.0
@@ -83,14 +87,17 @@ def exposed_all_reduce_s(sync_s: float, last_s: float, hidden_s: float, slowdown
     return last_s + added_beside(sync_s - last_s, hidden_s, slowdown)
 
 
-def update_s(layout, cluster, nbytes: int, nodes: int) -> float:
+def update_s(layout, cluster, nbytes: int, nodes: int, stepped: int | None = None) -> float:
     """After its gradients are reduced, a rank's optimizer step over ``nbytes`` of parameters:
-    whole, or under ZeRO-1 (with replicas) a 1/dp shard of it and then the gather of the updated
-    weights (bf16 under ``bf16``: ``autopart.predict.data_parallel.gathered_bytes``)."""
-    step = cluster.optimizer_s_per_byte * nbytes
+    whole, or under ZeRO-1 (with replicas) the share of its slowest replica, ``stepped`` bytes
+    (`autopart.solve.replica_shares.slowest_replica_bytes`; a 1/dp share where not given: no
+    replica steps less), and then the gather of the updated weights (bf16 under ``bf16``:
+    ``autopart.predict.data_parallel.gathered_bytes``)."""
     if layout.dp == 1 or int(layout.zero) != 1:
-        return step
-    return step / layout.dp + cluster.all_gather_s(gathered_bytes(nbytes, layout.dtype), layout.dp, nodes)
+        return cluster.optimizer_s_per_byte * nbytes
+    share = nbytes / layout.dp if stepped is None else stepped
+    return (cluster.optimizer_s_per_byte * share
+            + cluster.all_gather_s(gathered_bytes(nbytes, layout.dtype), layout.dp, nodes))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -281,11 +288,12 @@ def most_hidden_s(layout, costs, cluster) -> float:
 
 def fsdp_may_pay(scored, table, cluster) -> bool:
     """Whether ZeRO-2 might beat ZeRO-1's ``scored`` layout: only where on some rank the
-    all-reduce adds more to the step (`exposed_all_reduce_s`) than a reduce-scatter of its
-    gradients. On
-    the same cuts ZeRO-2 adds at least that reduce-scatter to the tail (its last one, or one per
-    microbatch where nothing hides them) and never less to a stage, and no cuts fit at ZeRO-2
-    that do not fit at ZeRO-1 (``autopart.predict.memory``); other cuts are not compared."""
+    all-reduce adds more to the step (`exposed_all_reduce_s`), with what ZeRO-1's slowest replica
+    steps beyond an even share (`update_s`: ZeRO-2 shards every tensor evenly), than a
+    reduce-scatter of its gradients. On the same cuts ZeRO-2 adds at least that reduce-scatter to
+    the tail (its last one, or one per microbatch where nothing hides them) and never less to a
+    stage, and no cuts fit at ZeRO-2 that do not fit at ZeRO-1 (``autopart.predict.memory``);
+    other cuts are not compared."""
     layout, cut = scored.layout, scored.cut
     costs = table.chain_costs(micro_batch_size=layout.micro_batch_size, tp=layout.tp, dtype=layout.dtype)
     held: list[set[str]] = [set() for _ in range(layout.pp)]
@@ -296,10 +304,13 @@ def fsdp_may_pay(scored, table, cluster) -> bool:
     nodes = layout.data_parallel_nodes(cluster.gpus_per_node)
     hidden = hidden_s(layout, cut.stage_time_s) if cluster.reduction_overlaps else [0.0] * layout.pp
     last = last_bucket_bytes(layout, costs, cut.cuts)
+    stepped = slowest_replica_bytes(layout, costs)
+    spans = rank_spans(cut.cuts, len(costs), _placement(layout.schedule, layout.pp, layout.chunks))
     for rank, nbytes in enumerate(rank_bytes):
         exposed = exposed_all_reduce_s(cluster.all_reduce_s(nbytes, layout.dp, nodes),
                                        cluster.all_reduce_s(last[rank], layout.dp, nodes), hidden[rank],
                                        cluster.overlap_slowdown)
-        if exposed > _reduce_scatter_s(cluster, nbytes, layout.dp, nodes):
+        uneven = 0.0 if stepped is None else cluster.optimizer_s_per_byte * (stepped(spans[rank]) - nbytes / layout.dp)
+        if exposed + uneven > _reduce_scatter_s(cluster, nbytes, layout.dp, nodes):
             return True
     return False

@@ -34,16 +34,17 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
 from autopart.predict.in_flight import in_flight, rank_in_flight
-from autopart.predict.memory import layers_in_flight_bytes, optimizer_groups, owner_excess_bytes
+from autopart.predict.memory import layers_in_flight_bytes
 from autopart.schedule import SPLIT_BACKWARD_KINDS, stage_placement
 from autopart.solve.chain_costs import ChainCosts, stage_floor_s
 from autopart.solve.rank_room import stages_by_rank
+from autopart.solve.replica_shares import rank_spans
 from autopart.solve.data_parallel_tail import FORWARD_SHARE, fully_sharded_floor_s, most_hidden_s, tail_s
 from autopart.solve.transfers import boundary_transfer_s
 
 __all__ = ["cut_within_owners", "early_bound", "layout_bound", "lazy_order", "may_fit", "mesh_overhead_bytes",
-           "no_early_bound", "optimistic_costs", "owners_beyond_shares", "parameter_bytes_per_rank", "rank_spans",
-           "stage_floor", "with_layout_state", "with_owners"]
+           "no_early_bound", "optimistic_costs", "parameter_bytes_per_rank", "stage_floor", "with_layout_state",
+           "with_owners"]
 
 Item = TypeVar("Item")
 
@@ -165,7 +166,7 @@ def no_early_bound(_item: object) -> float:
 
 def layout_bound(table, layout, cluster, *, slowest_s: float = 0.0, hides_all: bool = False,
                  memory: bool = True) -> float:
-    """No cut or recompute makes ``layout``'s estimate (``autopart.solve.search.estimate_step_s``)
+    """No cut or recompute makes ``layout``'s estimate (``autopart.solve.closed_form.estimate_step_s``)
     shorter: every stage at least ``stage_floor`` (or ``slowest_s``, where more) and every rank at
     least its share of the stages' least summed time, the stages' times summing to at least the
     compute and a transfer each way at every cut, zb-h1's smallest weight-gradient stage at most
@@ -243,24 +244,6 @@ def parameter_bytes_per_rank(table, layout, cut, ranks: tuple[int, ...]) -> list
             for spans in rank_spans(cut.cuts, len(costs), ranks)]
 
 
-def owners_beyond_shares(table, layout, costs: ChainCosts) -> Callable[[tuple[tuple[int, int], ...]], int] | None:
-    """Of a rank whose stages hold blocks ``spans`` (a (first, last) per stage): what its ZeRO-1
-    replica owning most holds beyond its shares (`autopart.predict.memory.owner_excess_bytes`),
-    which no running sum of the cutter says. None where ZeRO-1 gives no replica whole tensors."""
-    if int(layout.zero) != 1 or layout.dp == 1:
-        return None
-    owned = functools.cache(lambda nbytes: table.owned_bytes(nbytes, dp=layout.dp, zero=1, dtype=layout.dtype))
-
-    @functools.cache
-    def excess(spans: tuple[tuple[int, int], ...]) -> int:
-        names = [p for first, last in spans  # a weight two of the rank's stages read is in both stages' modules
-                 for p in dict.fromkeys(p for k in range(first, last + 1) for p in costs.block_parameters[k])]
-        groups = optimizer_groups(names, dtype=layout.dtype, decayed=costs.decayed_parameters)
-        return owner_excess_bytes([[owned(costs.parameter_bytes[n]) for n in group] for group in groups], layout.dp)
-
-    return excess
-
-
 def with_owners(cut, excess: Callable[[tuple[tuple[int, int], ...]], int] | None, *, blocks: int,
                 ranks: tuple[int, ...], memory_limit_bytes: int):
     """``cut`` (a `StageCut` of a chain of ``blocks``) with each rank's `owners_beyond_shares` in
@@ -283,15 +266,6 @@ def cut_within_owners(cutter: Callable[[int], Any], excess: Callable[[tuple[tupl
                                                     memory_limit_bytes=memory_limit_bytes) is not None:
         return cut
     return cutter(memory_limit_bytes - max(excess(spans) for spans in rank_spans(cut.cuts, blocks, ranks))) or cut
-
-
-def rank_spans(cuts: tuple[int, ...], blocks: int, ranks: tuple[int, ...]) -> list[tuple[tuple[int, int], ...]]:
-    """Per rank, the (first, last) blocks of each of its stages, in stage order."""
-    firsts, lasts = [0, *(c + 1 for c in cuts)], [*cuts, blocks - 1]
-    held: list[list[tuple[int, int]]] = [[] for _ in range(max(ranks) + 1)]
-    for s, span in enumerate(zip(firsts, lasts)):
-        held[ranks[s]].append(span)
-    return [tuple(spans) for spans in held]
 
 
 def mesh_overhead_bytes(layout, costs: ChainCosts, cluster) -> int:

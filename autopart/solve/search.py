@@ -35,25 +35,24 @@ from typing import Protocol
 
 from autopart.ir.errors import ConfigError
 from autopart.schedule import SCHEDULE_KINDS, stage_placement
-from autopart.solve.data_parallel_tail import (fsdp_may_pay, fully_sharded_levels, hidden_s,
-                                               last_bucket_bytes, stage_layers, stage_times,
-                                               tail_s)
-from autopart.solve.interleaved import interleaved_pipeline_s
-from autopart.solve.vshape import zbv_fits, zbv_pipeline_s
+from autopart.solve.closed_form import estimate_step_s
+from autopart.solve.data_parallel_tail import fsdp_may_pay, fully_sharded_levels, last_bucket_bytes
+from autopart.solve.vshape import zbv_fits
 from autopart.predict.in_flight import in_flight, rank_in_flight, transient as transient_count
 from autopart.ir.recompute import RECOMPUTE_MODES
 from autopart.solve.bottleneck import StageCut, cut_stages, fixed_cut
 from autopart.solve.chain_costs import ChainCosts
 from autopart.solve.layout_bounds import (cut_within_owners, early_bound, layout_bound, lazy_order, may_fit,
-                                         mesh_overhead_bytes, owners_beyond_shares, parameter_bytes_per_rank,
-                                         with_layout_state, with_owners)
+                                         mesh_overhead_bytes, parameter_bytes_per_rank, with_layout_state,
+                                         with_owners)
+from autopart.solve.replica_shares import owners_beyond_shares, slowest_replica_bytes
 from autopart.solve.refine import CutJudge, refine_cuts
 from autopart.solve.scoring_pool import LayoutScoring, search_workers
 from autopart.solve.transfers import boundary_transfer_s
 from cost_models.comm import nodes_spanned
 
 __all__ = ["Layout", "SearchSpace", "Cluster", "CostTable", "Scored", "SearchResult", "Speculation", "search", "fits",
-           "score_layout", "estimate_step_s", "tail_s"]
+           "score_layout"]
 
 _AT_TURN = object()  # in the walk's queue: a layout sent at its turn, not ahead (where it was mostly work wasted)
 INTERLEAVED_CHUNKS = (2, 3, 4, 6)  # per rank; more (8, 12) slow the search ninefold: pin --chunks
@@ -252,25 +251,6 @@ class SearchResult:
         return self.ranked[0]
 
 
-def estimate_step_s(layout: Layout, cut: StageCut, cluster: Cluster, rank_parameter_bytes: list[int],
-                    nodes: int, last_bytes: list[int] | None, costs: ChainCosts) -> float:
-    """The step in closed form: the schedule's pipeline latency (stages with FSDP's collectives), then
-    what the data-parallel collectives run past it and the busiest rank's optimizer step (``data_parallel_tail``).
-    ``costs``: the chain's, whose repeated layers are ZeRO-3's units (``layout_bound`` counts their gathers)."""
-    m, p = layout.microbatches, layout.pp
-    layers = stage_layers(costs, cut.cuts) if int(layout.zero) == 3 and layout.dp > 1 else None
-    times = stage_times(layout, cluster, cut.stage_time_s, rank_parameter_bytes, nodes, layers)
-    if layout.schedule == "interleaved":
-        pipeline = interleaved_pipeline_s(times, p, m, layout.chunks)
-    elif layout.schedule == "zbv":
-        pipeline = zbv_pipeline_s(times, cut.stage_weight_s, p, m)
-    else:
-        pipeline = sum(times) + (m - 1) * max(times)
-        if layout.schedule == "zb-h1":  # W fills the cool-down bubble: (p-1)(F+I-W), not (p-1)(F+I+W)
-            pipeline -= 2 * (p - 1) * min(cut.stage_weight_s)
-    return pipeline + tail_s(layout, cluster, rank_parameter_bytes, nodes, hidden_s(layout, times), last_bytes)
-
-
 def search(
     space: SearchSpace,
     table: CostTable,
@@ -433,6 +413,7 @@ def _cut_and_estimate(layout: Layout, table: CostTable, cluster: Cluster, space:
         return None if cuts is not None or fit_only else Speculation(plain=None, refine_from=math.inf)
     nodes = layout.data_parallel_nodes(cluster.gpus_per_node)
     owners = owners_beyond_shares(table, layout, costs)  # one per layout: what it gives each rank's spans is kept
+    stepped = slowest_replica_bytes(layout, costs)
     if cuts is not None:
         cut = fixed_cut(costs, cuts, modes=modes, in_flight=flight, transient=transient, stage_rank=ranks,
                         transfer_s=transfer, memory_limit_bytes=cluster.memory_bytes,
@@ -446,24 +427,25 @@ def _cut_and_estimate(layout: Layout, table: CostTable, cluster: Cluster, space:
         cut = cut_within_owners(cutter, owners, blocks=len(costs), ranks=ranks, memory_limit_bytes=cluster.memory_bytes)
         if not fit_only:
             return _with_refinement(layout, table, cluster, costs, cut, modes, flight, transient, ranks, transfer, nodes,
-                                    refine_below, owners)
+                                    refine_below, owners, stepped)
     cut = with_owners(cut, owners, blocks=len(costs), ranks=ranks, memory_limit_bytes=cluster.memory_bytes)
     if cut is None:
         return None
     rank_bytes = parameter_bytes_per_rank(table, layout, cut, ranks)
     estimate = estimate_step_s(layout, cut, cluster, rank_bytes, nodes, last_bucket_bytes(layout, costs, cut.cuts),
-                               costs)
+                               costs, stepped)
     return Scored(layout=layout, cut=cut, estimate_s=estimate)
 
 
 def _with_refinement(layout, table, cluster, costs, cut, modes, flight, transient, ranks, transfer, nodes,
-                     refine_below, owners) -> Speculation:
+                     refine_below, owners, stepped) -> Speculation:
     """The bisection's cut, and refined by the step itself where that may bring it into the finalists."""
     judge = CutJudge(costs, in_flight=flight, transient=transient, stage_rank=ranks, transfer_s=transfer,
                      rank_in_flight=rank_in_flight(layout.schedule, layout.pp, layout.microbatches, layout.chunks),
                      memory_limit_bytes=cluster.memory_bytes, overhead_bytes=cluster.overhead_bytes, modes=modes,
                      objective=lambda c, rank_bytes: estimate_step_s(layout, c, cluster, rank_bytes, nodes,
-                                                                     last_bucket_bytes(layout, costs, c.cuts), costs),
+                                                                     last_bucket_bytes(layout, costs, c.cuts), costs,
+                                                                     stepped),
                      rank_extra=owners)
     judged = judge.judge(cut.cuts) if cut is not None else None  # None too where ZeRO-1's owners break the limit
     if judged is None:

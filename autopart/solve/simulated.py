@@ -1,6 +1,6 @@
 """A layout's step by the schedule simulator instead of the closed form: ranks the finalists.
 
-The search estimates thousands of layouts in closed form (``autopart.solve.search.estimate_step_s``:
+The search estimates thousands of layouts in closed form (``autopart.solve.closed_form.estimate_step_s``:
 ``sum T_s + (m - 1) max T_s`` and the like, each stage's time counting its transfers). Here a
 scored layout is run action by action on its own schedule (``autopart.schedule.build_schedule``,
 the generator the compiler emits, virtual stages for interleaved) with the block-level chain
@@ -32,10 +32,12 @@ from dataclasses import dataclass
 from autopart.ir.actions import Kind
 from autopart.schedule import SPLIT_BACKWARD_KINDS, StageCosts, built, simulated_events, stage_placement
 from autopart.solve.layout_bounds import parameter_bytes_per_rank
-from autopart.solve.search import Cluster, CostTable, Scored, tail_s
+from autopart.solve.replica_shares import rank_spans, slowest_replica_bytes
+from autopart.solve.search import Cluster, CostTable, Scored
 from autopart.solve.baselines import stage_parameter_bytes
 from autopart.solve.chain_costs import ChainCosts, chain_sums
-from autopart.solve.data_parallel_tail import fully_sharded_extra_s, last_bucket_bytes, stage_layers, update_s
+from autopart.solve.data_parallel_tail import (fully_sharded_extra_s, last_bucket_bytes, stage_layers, tail_s,
+                                               update_s)
 from autopart.solve.transfers import boundary_transfer_s
 from autopart.predict.reduction import collectives_delay
 
@@ -53,17 +55,20 @@ def simulated_step_s(scored: Scored, table: CostTable, cluster: Cluster) -> floa
     ranks = stage_placement(layout.schedule, ranks=layout.pp, chunks=layout.chunks)
     rank_bytes = parameter_bytes_per_rank(table, layout, cut, ranks)
     nodes = layout.data_parallel_nodes(cluster.gpus_per_node)
+    stepped = slowest_replica_bytes(layout, chain)
+    stepped_bytes = None if stepped is None else [stepped(spans) for spans in rank_spans(cut.cuts, len(chain), ranks)]
     if layout.dp > 1 and int(layout.zero) in (0, 1) and cluster.reduction_overlaps:
-        return _overlapped_step_s(layout, cluster, chain, cut.cuts, costs, rank_bytes, nodes)
+        return _overlapped_step_s(layout, cluster, chain, cut.cuts, costs, rank_bytes, nodes, stepped_bytes)
     pipeline = pipeline_s(layout.schedule, layout.pp, layout.microbatches, layout.chunks, costs)
     behind = [0.0] * layout.pp  # per rank, its last microbatch's backward: what its all-reduce runs beside
     for rank, backward in zip(ranks, costs.backward_s):
         behind[rank] += backward
-    return pipeline + tail_s(layout, cluster, rank_bytes, nodes, behind, last_bucket_bytes(layout, chain, cut.cuts))
+    return pipeline + tail_s(layout, cluster, rank_bytes, nodes, behind, last_bucket_bytes(layout, chain, cut.cuts),
+                             stepped_bytes)
 
 
 def _overlapped_step_s(layout, cluster: Cluster, chain: ChainCosts, cuts: tuple[int, ...], costs: StageCosts,
-                       rank_bytes: list[int], nodes: int) -> float:
+                       rank_bytes: list[int], nodes: int, stepped_bytes: list[int] | None) -> float:
     """The step with each rank's gradient all-reduces queued on its communicator as the runtime
     launches them (`autopart.predict.reduction`, at stage grain): a stage's parameters but its
     first block's are ready from the start of its last backward (B, or W where the backward is
@@ -85,7 +90,8 @@ def _overlapped_step_s(layout, cluster: Cluster, chain: ChainCosts, cuts: tuple[
         delay, wait = collectives_delay([ready for ready, _ in items],
                                         [(cluster.all_reduce_s(nbytes, layout.dp, nodes), 0.0) for _, nbytes in items],
                                         ends[rank], slowdown=cluster.overlap_slowdown)
-        step = max(step, ends[rank] + delay + wait + update_s(layout, cluster, rank_bytes[rank], nodes))
+        stepped = None if stepped_bytes is None else stepped_bytes[rank]
+        step = max(step, ends[rank] + delay + wait + update_s(layout, cluster, rank_bytes[rank], nodes, stepped))
     return step
 
 

@@ -1,0 +1,68 @@
+"""What each pipeline rank holds of a layout's chain, and how ZeRO-1's data-parallel replicas
+share it. Each replica owns whole tensors (`autopart.ir.owners`, in the optimizer's groups), so
+the replica owning most holds more than an even share of the optimizer state
+(`owners_beyond_shares`, as `autopart.predict.memory.owner_excess_bytes` counts it) and steps more
+than an even share of the parameters (`slowest_replica_bytes`), while FSDP (ZeRO-2 and 3) shards
+every tensor evenly. The compiled plan's step (`autopart.predict.step_time.rank_tails`) picks the
+slowest replica by its optimizer time; the search by its bytes, at the cluster's rate per byte.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+from autopart.ir.owners import largest_share
+from autopart.predict.memory import optimizer_groups, owner_excess_bytes
+from autopart.solve.chain_costs import ChainCosts
+
+__all__ = ["owners_beyond_shares", "rank_spans", "slowest_replica_bytes"]
+
+
+def rank_spans(cuts: tuple[int, ...], blocks: int, ranks: tuple[int, ...]) -> list[tuple[tuple[int, int], ...]]:
+    """Per rank, the (first, last) blocks of each of its stages, in stage order."""
+    firsts, lasts = [0, *(c + 1 for c in cuts)], [*cuts, blocks - 1]
+    held: list[list[tuple[int, int]]] = [[] for _ in range(max(ranks) + 1)]
+    for s, span in enumerate(zip(firsts, lasts)):
+        held[ranks[s]].append(span)
+    return [tuple(spans) for spans in held]
+
+
+def owners_beyond_shares(table, layout, costs: ChainCosts) -> Callable[[tuple[tuple[int, int], ...]], int] | None:
+    """Of a rank whose stages hold blocks ``spans`` (a (first, last) per stage): what its ZeRO-1
+    replica owning most holds beyond its shares (`autopart.predict.memory.owner_excess_bytes`),
+    which no running sum of the cutter says. None where ZeRO-1 gives no replica whole tensors."""
+    if int(layout.zero) != 1 or layout.dp == 1:
+        return None
+    owned = functools.cache(lambda nbytes: table.owned_bytes(nbytes, dp=layout.dp, zero=1, dtype=layout.dtype))
+
+    @functools.cache
+    def excess(spans: tuple[tuple[int, int], ...]) -> int:
+        groups = _rank_groups(layout, costs, spans)
+        return owner_excess_bytes([[owned(costs.parameter_bytes[n]) for n in group] for group in groups], layout.dp)
+
+    return excess
+
+
+def slowest_replica_bytes(layout, costs: ChainCosts) -> Callable[[tuple[tuple[int, int], ...]], int] | None:
+    """Of a rank whose stages hold blocks ``spans``: the parameter bytes that its ZeRO-1 replica
+    owning most steps. Each replica steps whole tensors and the step ends once the slowest has
+    shared its weights (`autopart.predict.step_time.rank_tails`, which takes the slowest by its
+    optimizer time where this takes the most bytes). None where no replica owns whole tensors."""
+    if int(layout.zero) != 1 or layout.dp == 1:
+        return None
+
+    @functools.cache
+    def stepped(spans: tuple[tuple[int, int], ...]) -> int:
+        groups = _rank_groups(layout, costs, spans)
+        return largest_share([[costs.parameter_bytes[n] for n in group] for group in groups], layout.dp)
+
+    return stepped
+
+
+def _rank_groups(layout, costs: ChainCosts, spans: tuple[tuple[int, int], ...]) -> list[list[str]]:
+    """The parameters of a rank holding blocks ``spans``, in the optimizer groups that ZeRO-1
+    partitions in turn (a weight two of the rank's stages read is in both stages' modules)."""
+    names = [p for first, last in spans
+             for p in dict.fromkeys(p for k in range(first, last + 1) for p in costs.block_parameters[k])]
+    return optimizer_groups(names, dtype=layout.dtype, decayed=costs.decayed_parameters)
