@@ -89,11 +89,13 @@ class Model(nn.Module):
         self.wte = nn.Embedding(64, 32)
         self.layers = nn.ModuleList(nn.Linear(32, 32) for _ in range(4))
         self.scale = nn.Parameter(torch.zeros(32))
+        self.queries = nn.Parameter(torch.zeros(1, 8, 32))
 
     def forward(self, idx):
         x = self.wte(idx)
         for layer in self.layers:
             x = x + torch.tanh(layer(x))
+        x = x + self.queries.expand(x.size(0), -1, -1)  # learned queries: made from a parameter and a size
         x = x * (1 + self.scale)  # a norm's weight as Gemma holds it: made from a parameter
         return x @ self.wte.weight.t()  # the tied head written by hand
 
@@ -114,8 +116,9 @@ def loss_fn(logits, target):
 
 
 def test_an_op_that_reads_a_value_made_from_parameters_alone_keeps_seeds_as_at_a_parameter(tmp_path):
-    """Autograd reaches only the parameter past ``wte.weight.t()`` and ``1 + scale``: the products
-    that read them are frontier nodes, as if they read the parameters themselves."""
+    """Autograd reaches only the parameter past ``wte.weight.t()``, ``1 + scale`` and the queries
+    expanded to the batch's size: the ops that read them are frontier nodes, as if they read the
+    parameters themselves."""
     model = tmp_path / "hand_tied.py"
     model.write_text(HAND_TIED)
     plan, front, out = _compiled(tmp_path, model=model, pp=2, microbatches=2, micro_batch_size=2)

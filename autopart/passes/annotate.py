@@ -418,7 +418,7 @@ def _annotate_nodes(
     from_parameters = ParameterValues(parameter_names)
     for node in graph.module.graph.nodes:
         derived[node.name] = _batch_derived(node, derived, parameter_names)
-        seed_key = from_parameters.visit(node), arg_places(node)  # what an op's seeds depend on beside its cost key
+        seed_key = from_parameters.visit(node, ran.get(node.name)), arg_places(node)  # beside its cost key
         common = dict(name=node.name, op=node.op, module_path=module_path(node), batch_derived=derived[node.name])
         if node.op == "placeholder":
             value = next(feed)

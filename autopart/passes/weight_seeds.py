@@ -75,12 +75,17 @@ class ParameterValues:
         self.static: dict[str, bool] = {}  # made from parameters, buffers and constants alone
         self.weighty: dict[str, bool] = {}  # and from a parameter
 
-    def visit(self, node: fx.Node) -> tuple[int, ...]:
+    def visit(self, node: fx.Node, value: object = None) -> tuple[int, ...]:
         """Take ``node`` in (in graph order); the places in ``arg_nodes(node)`` of the values it reads
-        that ops made from parameters alone."""
+        that ops made from parameters alone. ``value``: what the node made, where known: one that
+        holds no tensor (a size read off an activation, as ``q.expand(x.size(0), -1, -1)`` reads
+        one) carries no gradient, so it keeps nothing that reads it from being made of parameters."""
         reads = arg_nodes(node)
+        tensorless = value is not None and not any(isinstance(v, torch.Tensor) for v in pytree.tree_leaves(value))
         if node.op == "get_attr":
             static, weighty = True, node.target in self.names
+        elif node.op in ("call_function", "call_method") and tensorless:
+            static, weighty = True, False
         elif node.op in ("call_function", "call_method"):
             static = bool(reads) and all(self.static[a.name] for a in reads)
             weighty = static and any(self.weighty[a.name] for a in reads)
