@@ -17,18 +17,20 @@ from autopart.driver import CompileOptions
 from autopart.ir.errors import InfeasibleError
 from autopart.ir.owners import largest_share, partition
 from autopart.ir.placement import Placement
-from autopart.predict.memory import owned_bytes, owner_excess_bytes, state_bytes
+from autopart.predict.memory import optimizer_groups, owned_bytes, owner_excess_bytes, state_bytes
 from autopart.predict.step_time import rank_tails
 from autopart.runtime.optim import make_optimizer
 from autopart.runtime.recipe import embedding_parameters, parameter_groups
 from autopart.passes.front import build_front
 from autopart.solve.assemble import pipeline_problem, plan_from_cuts
 from autopart.solve.pipeline import PipelineProblem, evaluate, solve_cuts
+from autopart.schedule import stage_placement
 from autopart.solve.data_parallel_tail import fsdp_may_pay
+from autopart.solve.replica_shares import rank_spans, slowest_replica_bytes
 from autopart.solve.search import Layout, SearchSpace, score_layout
 from autopart.solve.simulated import simulated_step_s
 from tests.distributed import REPO, fork_ranks, gloo_group
-from tests.synthetic_chains import SyntheticTable, cluster
+from tests.synthetic_chains import SyntheticTable, cluster, random_table
 
 REPLICAS = 3
 
@@ -250,6 +252,32 @@ def test_the_search_waits_for_the_step_of_the_slowest_replica_too():
     assert scored.estimate_s - unstepped.estimate_s == pytest.approx(1e-4 * 8000)
     simulated = simulated_step_s(scored, table, stepping) - simulated_step_s(unstepped, table, free)
     assert simulated == pytest.approx(1e-4 * 8000)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_search_s_slowest_replica_is_the_partition_of_the_rank_s_tensors(seed):
+    """`slowest_replica_bytes`, which answers ranks of alike blocks once, is the largest share of
+    the rank's tensors in the optimizer's groups (`autopart.ir.owners`, as the runtime owns them):
+    blocks of two or three tensors of a few sizes, a weight tied between the first and last block
+    (in both stages' modules where two of a rank's stages read it), some of them decayed."""
+    rng = random.Random(seed)
+    blocks = 12
+    names = [tuple(f"w{k}.{i}" for i in range(rng.choice((2, 3)))) for k in range(blocks)]
+    names[-1] += ("w0.0",)
+    costs = random_table(rng, layers=(blocks - 2) // 2).chain_costs(micro_batch_size=1, tp=1, dtype="fp32").changed(
+        block_parameters=tuple(names), parameter_bytes={n: rng.choice((100, 200, 300)) for ns in names for n in ns},
+        decayed_parameters=frozenset(n for ns in names for n in ns if n.endswith(".0")))
+    for dtype in ("fp32", "bf16"):
+        layout = Layout(pp=3, tp=1, dp=3, micro_batch_size=1, microbatches=6, schedule="interleaved", chunks=2, zero=1,
+                        dtype=dtype)
+        stepped = slowest_replica_bytes(layout, costs)
+        for _ in range(20):
+            cuts = tuple(sorted(rng.sample(range(blocks - 1), 5)))
+            for spans in rank_spans(cuts, blocks, stage_placement("interleaved", ranks=3, chunks=2)):
+                held = [p for first, last in spans
+                        for p in dict.fromkeys(p for k in range(first, last + 1) for p in costs.block_parameters[k])]
+                groups = optimizer_groups(held, dtype=dtype, decayed=costs.decayed_parameters)
+                assert stepped(spans) == largest_share([[costs.parameter_bytes[n] for n in g] for g in groups], 3)
 
 
 def test_the_search_tries_zero_2_where_zero_1_s_owners_step_unevenly():

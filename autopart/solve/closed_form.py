@@ -8,6 +8,7 @@ Functions of plain values: the layout, cut and cluster are read by attribute onl
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 from autopart.schedule import stage_placement
@@ -39,7 +40,13 @@ def estimate_step_s(layout, cut, cluster, rank_parameter_bytes: list[int], nodes
             pipeline -= 2 * (p - 1) * min(cut.stage_weight_s)
     stepped_bytes = None
     if stepped is not None:
-        placement = stage_placement(layout.schedule, ranks=p, chunks=layout.chunks)
-        stepped_bytes = [stepped(spans) for spans in rank_spans(cut.cuts, len(costs), placement)]
+        spans = _rank_spans(cut.cuts, len(costs), layout.schedule, p, layout.chunks)
+        stepped_bytes = [stepped(mine) for mine in spans]
     return pipeline + tail_s(layout, cluster, rank_parameter_bytes, nodes, hidden_s(layout, times), last_bytes,
                              stepped_bytes)
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _rank_spans(cuts: tuple[int, ...], blocks: int, schedule: str, pp: int, chunks: int):
+    """`rank_spans` of a layout's cuts, kept: refining a layout judges cuts again and again."""
+    return rank_spans(cuts, blocks, stage_placement(schedule, ranks=pp, chunks=chunks))

@@ -9,11 +9,12 @@ slowest replica by its optimizer time; the search by its bytes, at the cluster's
 
 from __future__ import annotations
 
+import collections
 import functools
 from collections.abc import Callable
 
 from autopart.ir.owners import largest_share
-from autopart.predict.memory import optimizer_groups, owner_excess_bytes
+from autopart.predict.memory import optimizer_group, optimizer_groups, owner_excess_bytes
 from autopart.solve.chain_costs import ChainCosts
 
 __all__ = ["owners_beyond_shares", "rank_spans", "slowest_replica_bytes"]
@@ -48,14 +49,39 @@ def slowest_replica_bytes(layout, costs: ChainCosts) -> Callable[[tuple[tuple[in
     """Of a rank whose stages hold blocks ``spans``: the parameter bytes that its ZeRO-1 replica
     owning most steps. Each replica steps whole tensors and the step ends once the slowest has
     shared its weights (`autopart.predict.step_time.rank_tails`, which takes the slowest by its
-    optimizer time where this takes the most bytes). None where no replica owns whole tensors."""
+    optimizer time where this takes the most bytes). None where no replica owns whole tensors.
+
+    The search asks it of every rank of every cut it judges; what the owners take depends only on
+    how many tensors of each size each optimizer group holds, so ranks holding alike blocks (the
+    repeated layers) share one answer."""
     if int(layout.zero) != 1 or layout.dp == 1:
         return None
+    shared = costs.shared_parameters
+
+    def sized(names) -> tuple[tuple[int, int], ...]:  # (group, bytes), of each name once
+        return tuple(sorted((optimizer_group(layout.dtype, p in costs.decayed_parameters), costs.parameter_bytes[p])
+                            for p in dict.fromkeys(names)))
+
+    kinds: dict[tuple[tuple[int, int], ...], int] = {}
+    kind = [kinds.setdefault(sized(p for p in names if p not in shared), len(kinds))
+            for names in costs.block_parameters]
+    sizes = list(kinds)
+    tied = [tuple(dict.fromkeys(p for p in names if p in shared)) for names in costs.block_parameters]
+
+    @functools.cache
+    def share(held: tuple[tuple[int, int], ...], ties: tuple[tuple[int, int], ...]) -> int:
+        groups: dict[int, list[int]] = {}
+        for group, nbytes in [pair for k, count in held for pair in sizes[k] * count] + list(ties):
+            groups.setdefault(group, []).append(nbytes)
+        return largest_share([groups[g] for g in sorted(groups)], layout.dp)
 
     @functools.cache
     def stepped(spans: tuple[tuple[int, int], ...]) -> int:
-        groups = _rank_groups(layout, costs, spans)
-        return largest_share([[costs.parameter_bytes[n] for n in group] for group in groups], layout.dp)
+        held = collections.Counter(kind[k] for first, last in spans for k in range(first, last + 1))
+        # a weight two of the rank's stages read is in both stages' modules: once per stage
+        ties = tuple(sorted(pair for first, last in spans
+                            for pair in sized(p for k in range(first, last + 1) for p in tied[k])))
+        return share(tuple(sorted(held.items())), ties)
 
     return stepped
 
