@@ -4,7 +4,8 @@ The programs run on this machine (`autopart.tools.local_run`), on its GPUs with 
 compiled for a GPU and each rank can have one (`autopart.tools.local_run.runs_on_gpus`), else with
 gloo on the CPU; the original model trains in this process on the same device, on the same
 batches from the same initial weights (``autopart.runtime.reference``). Any user can so check any compile: the losses of
-every step and every final parameter must agree to float tolerance.
+every step and every final parameter must agree to float tolerance (under AdamW, as far as the
+order of the sums lets them: `ORDER_NOISE_FACTOR`).
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ import torch
 
 from autopart.ir.errors import ConfigError
 from autopart.tools.local_run import run_locally, runs_on_gpus
-from autopart.ir.plan import load_plan
+from autopart.ir.plan import Plan, load_plan
 from autopart.runtime.recipe import Recipe
-from autopart.runtime.reference import initial_weights, train_reference
+from autopart.runtime.reference import ReferenceRun, initial_weights, train_reference
 from autopart.runtime.shards import load_stage_weights
 
 __all__ = ["Verification", "verify", "DEFAULT_LR", "LOSS_TOLERANCE", "PARAMETER_TOLERANCE"]
@@ -45,11 +46,17 @@ ORDER_NOISE_FACTOR = 2.0
 """AdamW divides each gradient by its own running size, so an element whose gradient is within
 rounding of zero (its parts over the batch nearly cancel) moves by up to the learning rate either
 way, and which way hangs on the order the sums were taken in, which a plan changes (microbatches,
-replicas, tensor-parallel pieces): a few in a hundred elements in fp32, a quarter in bf16. No
-element's difference then says much, but a tensor's mean difference does: under AdamW a parameter
-whose elements are not all within the tolerance of rounding matches where its mean difference is
-at most this many times the largest that one process gives when it sums each step's gradient in
-another order (`_order_noise`). A wrong gradient or update moves most elements: beyond it."""
+replicas, tensor-parallel pieces): many elements in fp32, more in bf16. No element's difference
+then says much, but a row's mean difference does: under AdamW a parameter whose elements are not
+all within the tolerance of rounding matches where each row's (each slice of its first dimension;
+a vector is one row) mean difference is at most this many times the largest that one process
+gives, in that row or in the whole tensor, when it sums each step's gradient in another order
+(`_order_noise`); a step's loss likewise. A wrong update or gradient direction in a row, or in a
+shard of rows, moves most of its elements: beyond it. Under bf16 a row may also differ as far
+as the precision's rounding takes one process (`BF16_NOISE_FACTOR`'s measure). AdamW does not see
+a gradient's scale (a missing 1/dp leaves its steps as they were), nor tell a bug from roundings
+that no order of one process's sums makes (a tensor-parallel plan's pieces summed in bf16): SGD,
+the default, checks the gradients."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -79,26 +86,58 @@ def _bf16_noise(out_dir: Path, parameters: dict[str, torch.Tensor], *, steps: in
     return {name: (value.double() - fp32.parameters[name].double()).abs() for name, value in parameters.items()}
 
 
-def _order_noise(out_dir: Path, reference, plan, *, steps: int, lr: float, optimizer: str, gpus: bool, recipe: Recipe,
-                 dropout: bool) -> tuple[dict[str, float], list[float]]:
-    """How far the order of the sums alone takes training (`ORDER_NOISE_FACTOR`): per parameter,
-    the largest mean difference from ``reference`` (one process's run), and per step the largest
-    loss difference, of one process that sums each step's gradient over the plan's microbatches of
-    every replica, over twice as many and over half as many (2 or 4 parts where those do not
-    divide the batch)."""
+@dataclass(frozen=True, kw_only=True)
+class _OrderNoise:
+    """How far the order of the sums alone takes training (`ORDER_NOISE_FACTOR`)."""
+
+    rows: dict[str, torch.Tensor]  # per parameter, per row, the largest mean difference
+    means: dict[str, float]  # per parameter, the largest mean difference
+    losses: list[float]  # per step, the largest loss difference
+
+    def covers(self, name: str, gap: torch.Tensor, precision: torch.Tensor | None = None) -> bool:
+        """Whether each row of a parameter's difference ``gap`` is within what the order makes, or
+        the precision's own rounding (``precision``: elementwise, how far a bf16 process ends from
+        fp32's; a tensor-parallel plan adds its pieces' products in bf16, where one process rounds
+        their sum once)."""
+        if name not in self.rows:
+            return False
+        noise = torch.maximum(self.rows[name], torch.full_like(self.rows[name], self.means[name]))
+        if precision is not None:
+            noise = torch.maximum(noise, _row_means(precision))
+        return bool((_row_means(gap) <= ORDER_NOISE_FACTOR * noise).all())
+
+
+def _row_means(gap: torch.Tensor) -> torch.Tensor:
+    """A difference's mean per slice of its first dimension (a vector or a scalar: one row)."""
+    return gap.reshape(gap.shape[0] if gap.dim() >= 2 else 1, -1).mean(1)
+
+
+def _order_noise(out_dir: Path, reference: ReferenceRun, plan: Plan, *, steps: int, lr: float, optimizer: str,
+                 gpus: bool, recipe: Recipe, dropout: bool, loss_tolerance: tuple[float, float]) -> _OrderNoise:
+    """The largest differences from ``reference`` (one process's run) of one process that sums
+    each step's gradient over the plan's microbatches of every replica, over twice as many and
+    over half as many (2 or 4 parts where those do not divide the batch). A count whose first
+    loss, before any step, is not the reference's (a loss that is no mean over the batch, a norm
+    over it) is no other order of the same sums: left out."""
     batch = plan.schedule.global_batch_size
     parts = plan.schedule.microbatches * plan.mesh["dp"]
     counts = [k for k in dict.fromkeys((parts, 2 * parts, parts // 2, 2, 4)) if 1 < k <= batch and batch % k == 0]
-    means: dict[str, float] = {}
-    losses = [0.0] * steps
+    noise = _OrderNoise(rows={}, means={}, losses=[0.0] * steps)
+    atol, rtol = loss_tolerance
     for count in counts[:3]:
         other = train_reference(out_dir, steps=steps, lr=lr, optimizer=optimizer, device="cuda" if gpus else "cpu",
                                 recipe=recipe, dropout=dropout, microbatches=count)
+        if abs(other.losses[0] - reference.losses[0]) > atol + rtol * abs(reference.losses[0]):
+            continue
         for name, value in reference.parameters.items():
-            gap = float((other.parameters[name].double() - value.double()).abs().mean()) if value.numel() else 0.0
-            means[name] = max(means.get(name, 0.0), gap)
-        losses = [max(gap, abs(a - b)) for gap, a, b in zip(losses, other.losses, reference.losses)]
-    return means, losses
+            if not value.numel():
+                continue
+            gap = (other.parameters[name].double() - value.double()).abs()
+            rows, mean = _row_means(gap), float(gap.mean())
+            noise.rows[name] = torch.maximum(noise.rows[name], rows) if name in noise.rows else rows
+            noise.means[name] = max(noise.means.get(name, 0.0), mean)
+        noise.losses[:] = [max(gap, abs(a - b)) for gap, a, b in zip(noise.losses, other.losses, reference.losses)]
+    return noise
 
 
 def _draws(out_dir: Path) -> bool:
@@ -155,21 +194,22 @@ def verify(out_dir: str | Path, *, steps: int = 3, lr: float | None = None, opti
                         recipe=recipe, dropout=dropout) if plan.dtype == "bf16" else {}  # fmt: skip
     # an order of sums is compared only where the draws are the same in every order of them
     adaptive = optimizer == "adamw" and not (dropout and _draws(out_dir))
-    order, order_losses = _order_noise(out_dir, reference, plan, steps=steps, lr=lr, optimizer=optimizer, gpus=gpus,
-                                       recipe=recipe, dropout=dropout) if adaptive else ({}, [])  # fmt: skip
+    loss_atol, loss_rtol = BF16_LOSS_TOLERANCE if bf16 else LOSS_TOLERANCE
+    order = _order_noise(out_dir, reference, plan, steps=steps, lr=lr, optimizer=optimizer, gpus=gpus, recipe=recipe,
+                         dropout=dropout, loss_tolerance=(loss_atol, loss_rtol)) if adaptive else None  # fmt: skip
     losses = [r["loss"] for r in sorted(records, key=lambda r: r["step"])]
     failures: list[tuple[float, str]] = []
-    loss_atol, loss_rtol = BF16_LOSS_TOLERANCE if bf16 else LOSS_TOLERANCE
     atol, rtol = PARAMETER_TOLERANCE
-    reordered = f"; or, AdamW, within {ORDER_NOISE_FACTOR:g}x one process's summing in other orders" if order else ""
+    reordered = (f"; or, AdamW, within {ORDER_NOISE_FACTOR:g}x one process's summing in other orders"
+                 if order is not None and order.means else "")
     loss_tolerance = f"{loss_atol:g} + {loss_rtol:g}*|loss|{', bf16' if bf16 else ''}{reordered}"
-    reordered = reordered.replace("within", "a mean difference within")
+    reordered = reordered.replace("within", "each row's mean difference within")
     parameter_tolerance = (f"{BF16_SHARE_OF_STEP:g}*|its change in training| + 1e-07"
                            f"{f' + {BF16_NOISE_FACTOR:g}*|bf16 process - fp32 process|' if noise else ''}, bf16{reordered}"
                            if bf16 else f"{atol:g} + {rtol:g}*|value|{reordered}")
     loss_gaps = [abs(a - b) for a, b in zip(losses, reference.losses)]
     for step, (gap, expected) in enumerate(zip(loss_gaps, reference.losses)):
-        reordering = ORDER_NOISE_FACTOR * order_losses[step] if order_losses else 0.0
+        reordering = ORDER_NOISE_FACTOR * order.losses[step] if order is not None else 0.0
         if gap > max(loss_atol + loss_rtol * abs(expected), reordering):
             failures.append((gap, f"the loss of step {step} differs by {gap:.3g} ({losses[step]:.6f} vs {expected:.6f}; "
                                   f"tolerance {loss_tolerance})"))
@@ -191,8 +231,8 @@ def verify(out_dir: str | Path, *, steps: int = 3, lr: float | None = None, opti
             else:
                 allowed = atol + rtol * expected.double().abs()
             within = not bool((gap_tensor > allowed).any())
-            if not within and name in order:  # AdamW: the tensor's mean, as far as the order of sums takes it
-                within = float(gap_tensor.mean()) <= ORDER_NOISE_FACTOR * order[name]
+            if not within and order is not None:  # AdamW: each row's mean, as far as the order of sums takes it
+                within = order.covers(name, gap_tensor, noise.get(name))
             if not within:
                 failures.append((gap, f"parameter {name} (stage {stage}) differs by up to {gap:.3g} "
                                       f"(tolerance {parameter_tolerance})"))
