@@ -255,25 +255,28 @@ def test_the_search_waits_for_the_step_of_the_slowest_replica_too():
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_the_search_s_slowest_replica_is_the_partition_of_the_rank_s_tensors(seed):
+@pytest.mark.parametrize("schedule", ["interleaved", "zbv"])
+def test_the_search_s_slowest_replica_is_the_partition_of_the_rank_s_tensors(seed, schedule):
     """`slowest_replica_bytes`, which answers ranks of alike blocks once, is the largest share of
     the rank's tensors in the optimizer's groups (`autopart.ir.owners`, as the runtime owns them):
-    blocks of two or three tensors of a few sizes, a weight tied between the first and last block
-    (in both stages' modules where two of a rank's stages read it), some of them decayed."""
+    blocks of two or three tensors of a few sizes, some decayed, one read twice by its block, and a
+    weight tied between the first and last block and with a middle one (in both stages' modules
+    where two of a rank's stages read it: the V's first rank holds the first and last stage)."""
     rng = random.Random(seed)
     blocks = 12
     names = [tuple(f"w{k}.{i}" for i in range(rng.choice((2, 3)))) for k in range(blocks)]
     names[-1] += ("w0.0",)
+    names[5] += ("w0.0", names[5][0])
     costs = random_table(rng, layers=(blocks - 2) // 2).chain_costs(micro_batch_size=1, tp=1, dtype="fp32").changed(
         block_parameters=tuple(names), parameter_bytes={n: rng.choice((100, 200, 300)) for ns in names for n in ns},
         decayed_parameters=frozenset(n for ns in names for n in ns if n.endswith(".0")))
     for dtype in ("fp32", "bf16"):
-        layout = Layout(pp=3, tp=1, dp=3, micro_batch_size=1, microbatches=6, schedule="interleaved", chunks=2, zero=1,
+        layout = Layout(pp=3, tp=1, dp=3, micro_batch_size=1, microbatches=6, schedule=schedule, chunks=2, zero=1,
                         dtype=dtype)
         stepped = slowest_replica_bytes(layout, costs)
         for _ in range(20):
             cuts = tuple(sorted(rng.sample(range(blocks - 1), 5)))
-            for spans in rank_spans(cuts, blocks, stage_placement("interleaved", ranks=3, chunks=2)):
+            for spans in rank_spans(cuts, blocks, stage_placement(schedule, ranks=3, chunks=2)):
                 held = [p for first, last in spans
                         for p in dict.fromkeys(p for k in range(first, last + 1) for p in costs.block_parameters[k])]
                 groups = optimizer_groups(held, dtype=dtype, decayed=costs.decayed_parameters)

@@ -65,6 +65,11 @@ def arg_places(node: fx.Node) -> tuple[bool, ...]:
     return tuple(found)
 
 
+_PLAIN = (bool, int, float, complex, str, torch.dtype, torch.device, torch.layout, torch.memory_format, torch.SymInt,
+          type(None))
+"""What a value that carries no gradient is made of (an object pytree cannot look into may hold a tensor)."""
+
+
 class ParameterValues:
     """Which values are made from parameters alone (a tied head's ``wte.weight.T``, Gemma's
     ``1 + w``): autograd reaches only parameters past one, so an op that reads one has a frontier
@@ -72,7 +77,7 @@ class ParameterValues:
 
     def __init__(self, parameter_names: set[str]):
         self.names = parameter_names
-        self.static: dict[str, bool] = {}  # made from parameters, buffers and constants alone
+        self.static: dict[str, bool] = {}  # carries a gradient to parameters only, if any
         self.weighty: dict[str, bool] = {}  # and from a parameter
 
     def visit(self, node: fx.Node, value: object = None) -> tuple[int, ...]:
@@ -81,7 +86,7 @@ class ParameterValues:
         holds no tensor (a size read off an activation, as ``q.expand(x.size(0), -1, -1)`` reads
         one) carries no gradient, so it keeps nothing that reads it from being made of parameters."""
         reads = arg_nodes(node)
-        tensorless = value is not None and not any(isinstance(v, torch.Tensor) for v in pytree.tree_leaves(value))
+        tensorless = value is not None and all(isinstance(v, _PLAIN) for v in pytree.tree_leaves(value))
         if node.op == "get_attr":
             static, weighty = True, node.target in self.names
         elif node.op in ("call_function", "call_method") and tensorless:

@@ -46,7 +46,9 @@ def estimate_step_s(layout, cut, cluster, rank_parameter_bytes: list[int], nodes
                              stepped_bytes)
 
 
-@functools.lru_cache(maxsize=1 << 14)
-def _rank_spans(cuts: tuple[int, ...], blocks: int, schedule: str, pp: int, chunks: int):
-    """`rank_spans` of a layout's cuts, kept: refining a layout judges cuts again and again."""
-    return rank_spans(cuts, blocks, stage_placement(schedule, ranks=pp, chunks=chunks))
+@functools.lru_cache(maxsize=256)
+def _rank_spans(cuts: tuple[int, ...], blocks: int, schedule: str, pp: int,
+                chunks: int) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """`rank_spans` of a layout's cuts, kept: refining a layout judges cuts again and again, the
+    ones it moves from most (a few hundred: an entry of a deep pipeline holds thousands of spans)."""
+    return tuple(rank_spans(cuts, blocks, stage_placement(schedule, ranks=pp, chunks=chunks)))

@@ -52,9 +52,10 @@ all within the tolerance of rounding matches where each row's (each slice of its
 a vector is one row) mean difference is at most this many times the largest that one process
 gives, in that row or in the whole tensor, when it sums each step's gradient in another order
 (`_order_noise`); a step's loss likewise. A wrong update or gradient direction in a row, or in a
-shard of rows, moves most of its elements: beyond it. Under bf16 a row may also differ as far
+shard of rows, moves most of its elements. Under bf16 a row may also differ as far
 as the precision's rounding takes one process (`BF16_NOISE_FACTOR`'s measure). AdamW does not see
-a gradient's scale (a missing 1/dp leaves its steps as they were), nor tell a bug from roundings
+a gradient's scale (unclipped, a missing 1/dp leaves its steps as they were), nor a bug within the
+noise of the whole tensor, nor tell a bug from roundings
 that no order of one process's sums makes (a tensor-parallel plan's pieces summed in bf16): SGD,
 the default, checks the gradients."""
 
@@ -101,24 +102,24 @@ class _OrderNoise:
         their sum once)."""
         if name not in self.rows:
             return False
-        noise = torch.maximum(self.rows[name], torch.full_like(self.rows[name], self.means[name]))
+        noise = ORDER_NOISE_FACTOR * torch.maximum(self.rows[name], torch.full_like(self.rows[name], self.means[name]))
         if precision is not None:
-            noise = torch.maximum(noise, _row_means(precision))
-        return bool((_row_means(gap) <= ORDER_NOISE_FACTOR * noise).all())
+            noise = torch.maximum(noise, BF16_NOISE_FACTOR * _row_means(precision))
+        return bool((_row_means(gap) <= noise).all())
 
 
 def _row_means(gap: torch.Tensor) -> torch.Tensor:
     """A difference's mean per slice of its first dimension (a vector or a scalar: one row)."""
-    return gap.reshape(gap.shape[0] if gap.dim() >= 2 else 1, -1).mean(1)
+    return gap.flatten(1).mean(1) if gap.dim() >= 2 else gap.reshape(1, -1).mean(1)
 
 
 def _order_noise(out_dir: Path, reference: ReferenceRun, plan: Plan, *, steps: int, lr: float, optimizer: str,
                  gpus: bool, recipe: Recipe, dropout: bool, loss_tolerance: tuple[float, float]) -> _OrderNoise:
     """The largest differences from ``reference`` (one process's run) of one process that sums
     each step's gradient over the plan's microbatches of every replica, over twice as many and
-    over half as many (2 or 4 parts where those do not divide the batch). A count whose first
-    loss, before any step, is not the reference's (a loss that is no mean over the batch, a norm
-    over it) is no other order of the same sums: left out."""
+    over half as many (2 or 4 parts where those are no count that divides the batch). A count
+    whose first loss, before any step, is not the reference's (a loss that is no mean over the
+    batch, a norm over it) is no other order of the same sums: left out."""
     batch = plan.schedule.global_batch_size
     parts = plan.schedule.microbatches * plan.mesh["dp"]
     counts = [k for k in dict.fromkeys((parts, 2 * parts, parts // 2, 2, 4)) if 1 < k <= batch and batch % k == 0]
@@ -201,7 +202,8 @@ def verify(out_dir: str | Path, *, steps: int = 3, lr: float | None = None, opti
     failures: list[tuple[float, str]] = []
     atol, rtol = PARAMETER_TOLERANCE
     reordered = (f"; or, AdamW, within {ORDER_NOISE_FACTOR:g}x one process's summing in other orders"
-                 if order is not None and order.means else "")
+                 if order is not None and order.means else
+                 "; AdamW: no other order of this batch's sums to compare with" if order is not None else "")
     loss_tolerance = f"{loss_atol:g} + {loss_rtol:g}*|loss|{', bf16' if bf16 else ''}{reordered}"
     reordered = reordered.replace("within", "each row's mean difference within")
     parameter_tolerance = (f"{BF16_SHARE_OF_STEP:g}*|its change in training| + 1e-07"
