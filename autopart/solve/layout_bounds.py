@@ -246,8 +246,9 @@ def parameter_bytes_per_rank(table, layout, cut, ranks: tuple[int, ...]) -> list
 
 def with_owners(cut, excess: Callable[[tuple[tuple[int, int], ...]], int] | None, *, blocks: int,
                 ranks: tuple[int, ...], memory_limit_bytes: int):
-    """``cut`` (a `StageCut` of a chain of ``blocks``) with each rank's `owners_beyond_shares` in
-    its memory; None where a rank then breaks the limit."""
+    """``cut`` (a `StageCut` of a chain of ``blocks``) with each rank's
+    `autopart.solve.replica_shares.owners_beyond_shares` in its memory; None where a rank then
+    breaks the limit."""
     if cut is None or excess is None:
         return cut
     spans = rank_spans(cut.cuts, blocks, ranks)
@@ -258,9 +259,10 @@ def with_owners(cut, excess: Callable[[tuple[tuple[int, int], ...]], int] | None
 def cut_within_owners(cutter: Callable[[int], Any], excess: Callable[[tuple[tuple[int, int], ...]], int] | None, *,
                       blocks: int, ranks: tuple[int, ...], memory_limit_bytes: int):
     """``cutter(memory_limit_bytes)``'s cuts (a `StageCut` or None); where ZeRO-1's owners
-    (`owners_beyond_shares`), which the cutter's running sums leave out, make them break the
-    limit, its cuts within what the owners of those cuts leave of it (the first where it finds
-    none there: the refinement, which counts the owners, may still move them into the limit)."""
+    (`autopart.solve.replica_shares.owners_beyond_shares`), which the cutter's running sums leave
+    out, make them break the limit, its cuts within what the owners of those cuts leave of it (the
+    first where it finds none there: the refinement, which counts the owners, may still move them
+    into the limit)."""
     cut = cutter(memory_limit_bytes)
     if excess is None or cut is None or with_owners(cut, excess, blocks=blocks, ranks=ranks,
                                                     memory_limit_bytes=memory_limit_bytes) is not None:
