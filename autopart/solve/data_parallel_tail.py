@@ -28,7 +28,7 @@ from autopart.predict.data_parallel import gathered_bytes
 from autopart.predict.fully_sharded import Piece, added_beside, fully_sharded_cost
 from autopart.runtime.fully_sharded import FSDP_LEVELS
 from autopart.schedule import SPLIT_BACKWARD_KINDS, stage_placement
-from autopart.solve.replica_shares import rank_spans, slowest_replica_bytes
+from autopart.solve.replica_shares import parameter_bytes_per_rank, rank_spans, slowest_replica_bytes
 from autopart.solve.transfers import boundary_transfer_s
 
 __all__ = ["fully_sharded_levels", "tail_s", "update_s", "exposed_all_reduce_s", "hidden_s", "last_bucket_bytes",
@@ -296,16 +296,13 @@ def fsdp_may_pay(scored, table, cluster) -> bool:
     other cuts are not compared."""
     layout, cut = scored.layout, scored.cut
     costs = table.chain_costs(micro_batch_size=layout.micro_batch_size, tp=layout.tp, dtype=layout.dtype)
-    held: list[set[str]] = [set() for _ in range(layout.pp)]
-    firsts, ends = (0, *(c + 1 for c in cut.cuts)), (*(c + 1 for c in cut.cuts), len(costs))
-    for stage, rank in enumerate(_placement(layout.schedule, layout.pp, layout.chunks)):
-        held[rank].update(p for k in range(firsts[stage], ends[stage]) for p in costs.block_parameters[k])
-    rank_bytes = [sum(costs.parameter_bytes[p] for p in names) for names in held]
+    placement = _placement(layout.schedule, layout.pp, layout.chunks)
+    rank_bytes = parameter_bytes_per_rank(table, layout, cut, placement)
     nodes = layout.data_parallel_nodes(cluster.gpus_per_node)
     hidden = hidden_s(layout, cut.stage_time_s) if cluster.reduction_overlaps else [0.0] * layout.pp
     last = last_bucket_bytes(layout, costs, cut.cuts)
     stepped = slowest_replica_bytes(layout, costs)
-    spans = rank_spans(cut.cuts, len(costs), _placement(layout.schedule, layout.pp, layout.chunks))
+    spans = rank_spans(cut.cuts, len(costs), placement)
     for rank, nbytes in enumerate(rank_bytes):
         exposed = exposed_all_reduce_s(cluster.all_reduce_s(nbytes, layout.dp, nodes),
                                        cluster.all_reduce_s(last[rank], layout.dp, nodes), hidden[rank],

@@ -43,7 +43,7 @@ from autopart.solve.data_parallel_tail import FORWARD_SHARE, fully_sharded_floor
 from autopart.solve.transfers import boundary_transfer_s
 
 __all__ = ["cut_within_owners", "early_bound", "layout_bound", "lazy_order", "may_fit", "mesh_overhead_bytes",
-           "no_early_bound", "optimistic_costs", "parameter_bytes_per_rank", "stage_floor", "with_layout_state",
+           "no_early_bound", "optimistic_costs", "stage_floor", "with_layout_state",
            "with_owners"]
 
 Item = TypeVar("Item")
@@ -234,14 +234,6 @@ def _state_key(layout) -> tuple:
 def _layout_state(table, layout) -> Callable[..., int]:
     """The state bytes of a parameter's bytes at ``layout``'s data-parallel degree, ZeRO level and dtype."""
     return functools.partial(table.state_bytes, dp=layout.dp, zero=layout.zero, dtype=layout.dtype)
-
-
-def parameter_bytes_per_rank(table, layout, cut, ranks: tuple[int, ...]) -> list[int]:
-    """Per rank, the bytes of the parameters its stages read (a tied weight once per rank)."""
-    costs = table.chain_costs(micro_batch_size=layout.micro_batch_size, tp=layout.tp, dtype=layout.dtype)
-    return [sum(costs.parameter_bytes[p] for p in {p for first, last in spans for k in range(first, last + 1)
-                                                   for p in costs.block_parameters[k]})
-            for spans in rank_spans(cut.cuts, len(costs), ranks)]
 
 
 def with_owners(cut, excess: Callable[[tuple[tuple[int, int], ...]], int] | None, *, blocks: int,

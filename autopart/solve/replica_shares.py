@@ -17,7 +17,7 @@ from autopart.ir.owners import largest_share
 from autopart.predict.memory import optimizer_group, optimizer_groups, owner_excess_bytes
 from autopart.solve.chain_costs import ChainCosts
 
-__all__ = ["owners_beyond_shares", "rank_spans", "slowest_replica_bytes"]
+__all__ = ["owners_beyond_shares", "parameter_bytes_per_rank", "rank_spans", "slowest_replica_bytes"]
 
 
 def rank_spans(cuts: tuple[int, ...], blocks: int, ranks: tuple[int, ...]) -> list[tuple[tuple[int, int], ...]]:
@@ -27,6 +27,14 @@ def rank_spans(cuts: tuple[int, ...], blocks: int, ranks: tuple[int, ...]) -> li
     for s, span in enumerate(zip(firsts, lasts)):
         held[ranks[s]].append(span)
     return [tuple(spans) for spans in held]
+
+
+def parameter_bytes_per_rank(table, layout, cut, ranks: tuple[int, ...]) -> list[int]:
+    """Per rank, the bytes of the parameters its stages read (a tied weight once per rank)."""
+    costs = table.chain_costs(micro_batch_size=layout.micro_batch_size, tp=layout.tp, dtype=layout.dtype)
+    return [sum(costs.parameter_bytes[p] for p in {p for first, last in spans for k in range(first, last + 1)
+                                                   for p in costs.block_parameters[k]})
+            for spans in rank_spans(cut.cuts, len(costs), ranks)]
 
 
 def owners_beyond_shares(table, layout, costs: ChainCosts) -> Callable[[tuple[tuple[int, int], ...]], int] | None:

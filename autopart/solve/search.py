@@ -43,9 +43,8 @@ from autopart.ir.recompute import RECOMPUTE_MODES
 from autopart.solve.bottleneck import StageCut, cut_stages, fixed_cut
 from autopart.solve.chain_costs import ChainCosts
 from autopart.solve.layout_bounds import (cut_within_owners, early_bound, layout_bound, lazy_order, may_fit,
-                                         mesh_overhead_bytes, parameter_bytes_per_rank, with_layout_state,
-                                         with_owners)
-from autopart.solve.replica_shares import owners_beyond_shares, slowest_replica_bytes
+                                         mesh_overhead_bytes, with_layout_state, with_owners)
+from autopart.solve.replica_shares import owners_beyond_shares, parameter_bytes_per_rank, slowest_replica_bytes
 from autopart.solve.refine import CutJudge, refine_cuts
 from autopart.solve.scoring_pool import LayoutScoring, search_workers
 from autopart.solve.transfers import boundary_transfer_s

@@ -31,8 +31,7 @@ from dataclasses import dataclass
 
 from autopart.ir.actions import Kind
 from autopart.schedule import SPLIT_BACKWARD_KINDS, StageCosts, built, simulated_events, stage_placement
-from autopart.solve.layout_bounds import parameter_bytes_per_rank
-from autopart.solve.replica_shares import rank_spans, slowest_replica_bytes
+from autopart.solve.replica_shares import parameter_bytes_per_rank, rank_spans, slowest_replica_bytes
 from autopart.solve.search import Cluster, CostTable, Scored
 from autopart.solve.baselines import stage_parameter_bytes
 from autopart.solve.chain_costs import ChainCosts, chain_sums

@@ -141,6 +141,15 @@ def _order_noise(out_dir: Path, reference: ReferenceRun, plan: Plan, *, steps: i
     return noise
 
 
+def _reordered(order: _OrderNoise | None, what: str) -> str:
+    """The verdict's words for what AdamW allows besides rounding (``what``: of the figure held)."""
+    if order is None:
+        return ""
+    if not order.means:
+        return "; AdamW: no other order of this batch's sums to compare with"
+    return f"; or, AdamW, {what}within {ORDER_NOISE_FACTOR:g}x one process's summing in other orders"
+
+
 def _draws(out_dir: Path) -> bool:
     """The stage programs call a dropout (or pass a ``dropout_p``)."""
     return any("dropout" in p.read_text() for p in (out_dir / "stages").glob("stage_*.py"))
@@ -201,11 +210,8 @@ def verify(out_dir: str | Path, *, steps: int = 3, lr: float | None = None, opti
     losses = [r["loss"] for r in sorted(records, key=lambda r: r["step"])]
     failures: list[tuple[float, str]] = []
     atol, rtol = PARAMETER_TOLERANCE
-    reordered = (f"; or, AdamW, within {ORDER_NOISE_FACTOR:g}x one process's summing in other orders"
-                 if order is not None and order.means else
-                 "; AdamW: no other order of this batch's sums to compare with" if order is not None else "")
-    loss_tolerance = f"{loss_atol:g} + {loss_rtol:g}*|loss|{', bf16' if bf16 else ''}{reordered}"
-    reordered = reordered.replace("within", "each row's mean difference within")
+    loss_tolerance = f"{loss_atol:g} + {loss_rtol:g}*|loss|{', bf16' if bf16 else ''}{_reordered(order, '')}"
+    reordered = _reordered(order, "each row's mean difference ")
     parameter_tolerance = (f"{BF16_SHARE_OF_STEP:g}*|its change in training| + 1e-07"
                            f"{f' + {BF16_NOISE_FACTOR:g}*|bf16 process - fp32 process|' if noise else ''}, bf16{reordered}"
                            if bf16 else f"{atol:g} + {rtol:g}*|value|{reordered}")
