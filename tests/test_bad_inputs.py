@@ -148,6 +148,8 @@ OPTION_CASES = {
     "first_stage_layers_zero": (["--first-stage-layers", "0"], r"gives a stage 0 layers; every stage needs at least one"),
     "stage_layers_with_plan": (["--stage-layers", "1,1", "--plan", "plan.json"],
                                r"--stage-layers pins the cuts that --plan already records; drop one of them"),
+    "search_without_global_batch": (["--world-size", "3"], r"the search needs the global batch: add --global-batch-size"),
+    "time_limit_not_positive": (["--time-limit", "0"], r"--time-limit must be a positive number of seconds, got 0"),
     "profile_pipeline_without_costs": (
         ["--profile-pipeline"], r"--profile-pipeline keeps what it measures in a cost database: add --costs COSTS.json"
     ),
@@ -174,8 +176,8 @@ def refused(capsys, run, *watch: Path) -> str:
         run()
     err = capsys.readouterr().err
     assert exit_info.value.code == 2, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in err, err
+    lines = err.splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, repr(err)  # no empty line either (a progress bar's)
     assert lines[0].startswith("autopart: error: ")
     assert snapshot(*watch) == before, "a file was written, changed or deleted"
     return lines[0]
@@ -255,6 +257,7 @@ OUTPUT_CASES = {
     "thesis_beside_an_empty_plan": (_thesis, r"holds files but no \.autopart-output\.json"),
     "a_file": (lambda out: out.write_text("mine"), r"is a file; choose a directory path for -o"),
     "a_link": (_link_out, r"is a symbolic link; give the directory itself with -o"),
+    "under_a_file": (lambda out: out.write_text("mine"), r"-o .*run lies under .*out, which is a file; give a path under a folder"),
 }
 
 
@@ -262,7 +265,8 @@ OUTPUT_CASES = {
 def test_output_path_that_autopart_did_not_write_is_left_alone(tmp_path, capsys, case):
     make, pattern = OUTPUT_CASES[case]
     make(tmp_path / "out")
-    line = call_cli(capsys, "compile", "examples/gpt.py", "-o", str(tmp_path / "out"), "--pp", "2", watch=(tmp_path,))
+    out = tmp_path / "out" / "run" if case == "under_a_file" else tmp_path / "out"
+    line = call_cli(capsys, "compile", "examples/gpt.py", "-o", str(out), "--pp", "2", watch=(tmp_path,))
     assert re.search(pattern, line), line
 
 
@@ -324,6 +328,11 @@ def _not_safetensors(folder: Path, out: Path) -> list[str]:
     return ["--weights", str(folder / "w.safetensors")]
 
 
+def _a_file(path: Path) -> list[str]:
+    path.write_text("mine")
+    return []
+
+
 TRAIN_CASES = {  # name -> (environment, arguments given (folder, OUT), pattern of the one line)
     "wrong_world_size": ({"WORLD_SIZE": "3"}, lambda f, o: [], r"the plan needs 2 processes but 3 were started"),
     "without_torchrun": ({"WORLD_SIZE": None, "RANK": None}, lambda f, o: [],
@@ -342,6 +351,11 @@ TRAIN_CASES = {  # name -> (environment, arguments given (folder, OUT), pattern 
                            r"--trace records the last of --steps, which --seconds may not reach; give one of them"),
     "negative_checkpoint_every": ({}, lambda f, o: ["--checkpoint-dir", str(f / "c"), "--checkpoint-every", "-1"],
                                   r"--checkpoint-every must be at least 0, got -1"),
+    "metrics_under_a_file": ({}, lambda f, o: _a_file(f / "notes") + ["--metrics", str(f / "notes" / "m.jsonl")],
+                             r"--metrics .*m\.jsonl lies under .*notes, which is a file; give a path under a folder"),
+    "metrics_a_folder": ({}, lambda f, o: ["--metrics", str(f)], r"--metrics .* is a folder; give the path of a file"),
+    "save_weights_a_file": ({}, lambda f, o: _a_file(f / "w") + ["--save-weights", str(f / "w")],
+                            r"--save-weights .*w is a file; give the path of a folder"),
     "resume_without_checkpoint_dir": ({}, lambda f, o: ["--resume"], r"--resume needs --checkpoint-dir DIR"),
     "weights_lacking_a_parameter": ({}, _weights_lacking_one,
                                     r"lacks 1 tensor\(s\) of stage 0, first .*; save every parameter under its name"),
@@ -417,6 +431,13 @@ COMMAND_CASES = {  # name -> (arguments given the test's folder and OUT, pattern
     "profile_zero_batch": (lambda f, o: ["profile", "examples/gpt.py", "-o", str(f / "c.json"), "--micro-batch-size", "0"],
                            r"--micro-batch-size must be at least 1, got 0"),
     "profile_into_a_directory": (lambda f, o: ["profile", "examples/gpt.py", "-o", str(f)], r"is a directory; give the path of a \.json"),
+    "profile_under_a_file": (lambda f, o: _a_file(f / "x") + ["profile", "examples/gpt.py", "-o", str(f / "x" / "c.json")],
+                             r"-o .*c\.json lies under .*x, which is a file"),
+    "consolidate_under_a_file": (lambda f, o: _a_file(f / "x") + ["consolidate", str(f), "-o", str(f / "x" / "m.st")],
+                                 r"-o .*m\.st lies under .*x, which is a file"),
+    "compile_costs_under_a_file": (lambda f, o: _a_file(f / "x") + ["compile", "examples/gpt.py", "-o", str(f / "out"),
+                                                                    "--costs", str(f / "x" / "c.json")],
+                                   r"--costs .*c\.json lies under .*x, which is a file"),
     "unknown_command": (lambda f, o: ["compiel", "examples/gpt.py"], r"invalid choice: 'compiel'"),
 }
 

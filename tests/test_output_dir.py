@@ -91,3 +91,17 @@ def test_autopart_s_own_directory_is_replaced_with_its_bytecode(tmp_path, capsys
     check_output_directory(out)  # a second compile may replace it again
     remove_output(out)
     assert not out.exists()
+
+
+def test_a_folder_that_cannot_be_made_is_one_line(tmp_path, capsys, monkeypatch):
+    """Where the system refuses the folder (no permission, a read-only disk), the compile says so in
+    its line; root on this machine may write anywhere, so the refusal is the system's stand-in."""
+    from autopart.codegen import emit
+
+    def refuse(**_):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(emit.tempfile, "mkdtemp", refuse)
+    line = refused(capsys, tmp_path / "out")
+    assert f"cannot write the output directory '{tmp_path / 'out'}' (Permission denied)" in line
+    assert not (tmp_path / "out").exists()

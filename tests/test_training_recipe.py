@@ -247,13 +247,14 @@ def test_tensorboard_gets_every_scalar(tmp_path, monkeypatch):
             written.append(("closed", 0, 0))
 
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", types.SimpleNamespace(SummaryWriter=Writer))
-    reporter = StepReporter(steps=2, seconds=None, first_step=0, metrics=tmp_path / "m.jsonl", tensorboard=tmp_path)
+    metrics = tmp_path / "logs" / "m.jsonl"  # in a folder not made yet: the run makes it, not its first step's crash
+    reporter = StepReporter(steps=2, seconds=None, first_step=0, metrics=metrics, tensorboard=tmp_path)
     reporter.step({"step": 0, "loss": 2.0, "step_s": 0.5, "lr": 1e-3, "eval_loss": 2.5},
                   Throughput(tokens_per_s=10.0, tflops_per_device=1.0, mfu=0.25))  # fmt: skip
     reporter.close()
     tags = {tag: value for tag, value, _ in written}
     assert tags["train/loss"] == 2.0 and tags["eval/loss"] == 2.5 and tags["train/mfu"] == 0.25 and "closed" in tags
-    assert read_metrics(tmp_path / "m.jsonl")[0]["tokens_per_s"] == 10.0
+    assert read_metrics(metrics)[0]["tokens_per_s"] == 10.0
 
 
 def test_the_progress_bar_counts_to_steps_and_without_a_total_where_the_run_stops_on_time():

@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 from autopart.passes.annotate import OpGraph
 from autopart.ir.model_file import ModelSpec, is_meta
 from autopart.codegen.names import plain_text
+from autopart.ir.errors import ConfigError
 from autopart.codegen.output_dir import check_output_directory, remove_output, write_marker
 from autopart.codegen.report import begin_report, report_forks
 from autopart.codegen.tensor_parallel import overlapped_shapes, shard_stage_graph
@@ -41,10 +42,14 @@ def emit_directory(plan: Plan, op_graph: OpGraph, spec: ModelSpec, out_dir: Path
     where the caller has them (cutting a model of a thousand layers again takes seconds)."""
     out_dir = Path(out_dir)
     check_output_directory(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    # a folder of our own beside the destination (so the rename stays on one file system): removing it
-    # whole on a failure removes nothing that autopart did not write
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=out_dir.parent))
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        # a folder of our own beside the destination (so the rename stays on one file system): removing
+        # it whole on a failure removes nothing that autopart did not write
+        staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=out_dir.parent))
+    except OSError as exc:
+        raise ConfigError(f"cannot write the output directory '{out_dir}' ({exc.strerror}); choose a path for -o "
+                          "where you may create folders") from None
     try:
         _write(plan, op_graph, spec, staging, final=out_dir, chain=build_blocks(op_graph) if chain is None else chain)
         write_marker(staging)

@@ -311,8 +311,9 @@ def profile_costs(graph: Graph, spec: ModelSpec, database: CostDatabase, *, devi
         on_cpu = graph_args(graph, inputs, target)
         keys = _compile_keys(_working(on_host, dtype), on_cpu, dtype, where.type)
         values = [v.to(where) if isinstance(v, torch.Tensor) else v for v in on_cpu]
+        live = console is not None and console.is_terminal  # elsewhere rich leaves an empty line behind
         progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                            console=console, transient=True) if console is not None else None
+                            console=console, transient=True) if live else None
         timed = _working(module, dtype)
         timer = _Timer(timed, database, where, device_name, progress, dtype, keys)
         with progress or nullcontext(), torch.no_grad():

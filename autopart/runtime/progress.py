@@ -70,6 +70,8 @@ class StepReporter:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
         self.metrics = metrics
+        if metrics is not None:
+            metrics.parent.mkdir(parents=True, exist_ok=True)
         console = Console()
         self.live = console.is_terminal
         self.progress = Progress(

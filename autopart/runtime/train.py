@@ -71,6 +71,7 @@ from autopart.runtime.reducer import GradientReducer
 from autopart.runtime.optim import OPTIMIZERS, make_optimizer
 from autopart.runtime.process_exit import leave
 from autopart.runtime.sharded_masters import ShardedMasters
+from autopart.ir.output_paths import check_file_path, check_folder_path
 from autopart.runtime.progress import StepReporter, Throughput, check_tensorboard, tokens_in
 from autopart.runtime.recipe import Recipe, add_recipe_arguments, parameter_groups
 from autopart.runtime import collectives
@@ -170,6 +171,11 @@ def _train(out_dir: Path, argv: list[str] | None) -> None:
         check_folder(args.checkpoint_dir, resuming=args.resume or restarted())
     Recipe.from_args(args)
     check_tensorboard(args.tensorboard)
+    for flag, path in (("--metrics", args.metrics), ("--trace", args.trace)):
+        check_file_path(path, flag)
+    for flag, path in (("--action-times", args.action_times), ("--save-weights", args.save_weights),
+                       ("--checkpoint-dir", args.checkpoint_dir), ("--tensorboard", args.tensorboard)):
+        check_folder_path(path, flag)
     for flag, value, least in (("--steps", args.steps, 1), ("--min-steps", args.min_steps, 1),
                                ("--untimed-steps", args.untimed_steps, 0), ("--checkpoint-every", args.checkpoint_every, 0),
                                ("--eval-every", args.eval_every, 0), ("--eval-batches", args.eval_batches, 1)):

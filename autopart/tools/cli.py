@@ -176,6 +176,7 @@ def _profile(args: argparse.Namespace, console: Console) -> None:
     from autopart.ir.model_file import load_model_file
     from autopart.passes.capture import capture
     from autopart.ir.errors import ConfigError
+    from autopart.ir.output_paths import check_parent
     from autopart.profiling.profile import profile_costs
     from autopart.runtime.optim import OPTIMIZERS
     from cost_models import CostDatabase
@@ -186,6 +187,7 @@ def _profile(args: argparse.Namespace, console: Console) -> None:
         raise ConfigError(f"--micro-batch-size must be at least 1, got {min(args.micro_batch_size)}")
     if args.out.exists() and args.out.is_dir():
         raise ConfigError(f"{args.out} is a directory; give the path of a .json file with -o")
+    check_parent(args.out, "-o")
     spec = load_model_file(args.model)
     graph = capture(spec)
     database = CostDatabase.load(args.out)
@@ -332,8 +334,9 @@ class _SearchProgress:
     def __init__(self, console: Console):
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+        stderr = Console(stderr=True)  # where it is not a terminal, rich would leave an empty line behind
         self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                            console=Console(stderr=True), transient=True)
+                            console=stderr, transient=True, disable=not stderr.is_terminal)
         self.task = None
 
     def __enter__(self) -> _SearchProgress:

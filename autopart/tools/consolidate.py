@@ -22,6 +22,7 @@ import torch
 from safetensors.torch import save_file
 
 from autopart.ir.model_file import load_model_file
+from autopart.ir.output_paths import check_parent
 from autopart.ir.errors import ConfigError
 from autopart.ir.placement import REPLICATE, Placement
 from autopart.ir.plan import Plan, load_plan
@@ -100,6 +101,7 @@ def consolidate(checkpoint: Path, output: Path, model: Path | None = None) -> Co
     output = Path(output)
     if output.is_dir():
         raise ConfigError(f"output path '{output}' is a directory; give a file path such as model.safetensors")
+    check_parent(output, "-o")
     state, summary = consolidated_state(checkpoint, model)
     output.parent.mkdir(parents=True, exist_ok=True)
     partial = output.with_name(f".{output.name}.partial-{os.getpid()}")
