@@ -25,10 +25,16 @@ import torch
 
 from autopart.ir.errors import ConfigError
 
-__all__ = ["LR_SCHEDULES", "Recipe", "add_recipe_arguments", "embedding_parameters", "decayed_parameters", "parameter_groups",
+__all__ = ["LR_SCHEDULES", "Recipe", "add_recipe_arguments", "check_lr", "embedding_parameters", "decayed_parameters", "parameter_groups",
            "clip_factor"]
 
 LR_SCHEDULES = ("constant", "cosine", "linear")
+
+
+def check_lr(lr: float) -> None:
+    """Refuse a rate that torch's optimizers would refuse with a traceback on every rank (NaN too)."""
+    if not 0 <= lr < math.inf:
+        raise ConfigError(f"--lr must be a learning rate, at least 0, got {lr:g}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,11 +59,11 @@ class Recipe:
             raise ConfigError(f"unknown --lr-schedule {self.lr_schedule!r}; use one of {', '.join(LR_SCHEDULES)}")
         if self.warmup_steps < 0:
             raise ConfigError(f"--warmup-steps must be at least 0, got {self.warmup_steps}")
-        if self.min_lr < 0:
+        if not 0 <= self.min_lr < math.inf:  # NaN too
             raise ConfigError(f"--min-lr must be at least 0, got {self.min_lr:g}")
         if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
             raise ConfigError(f"--clip-grad-norm must be a positive norm, got {self.clip_grad_norm:g}")
-        if self.weight_decay is not None and self.weight_decay < 0:
+        if self.weight_decay is not None and not 0 <= self.weight_decay < math.inf:
             raise ConfigError(f"--weight-decay must be at least 0, got {self.weight_decay:g}")
 
     @staticmethod

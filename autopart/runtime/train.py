@@ -73,7 +73,7 @@ from autopart.runtime.process_exit import leave
 from autopart.runtime.sharded_masters import ShardedMasters
 from autopart.ir.output_paths import check_file_path, check_folder_path
 from autopart.runtime.progress import StepReporter, Throughput, check_tensorboard, tokens_in
-from autopart.runtime.recipe import Recipe, add_recipe_arguments, parameter_groups
+from autopart.runtime.recipe import Recipe, add_recipe_arguments, check_lr, parameter_groups
 from autopart.runtime import collectives
 from autopart.runtime.mesh import Coordinates, Mesh, group_of
 from autopart.runtime.p2p import Channels, Scatter
@@ -181,6 +181,7 @@ def _train(out_dir: Path, argv: list[str] | None) -> None:
                                ("--eval-every", args.eval_every, 0), ("--eval-batches", args.eval_batches, 1)):
         if value is not None and value < least:
             raise ConfigError(f"{flag} must be at least {least}, got {value}")
+    check_lr(args.lr)
     if not args.timeout > 0:
         raise ConfigError(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
     if args.seconds is not None and not args.seconds >= 0:
