@@ -26,6 +26,7 @@ from autopart.ir.model_file import load_model_file
 from autopart.ir.plan import Plan, load_plan
 from autopart.options import CompileOptions, local_kind
 from autopart.predict.accuracy import Basis, with_basis
+from autopart.predict.headroom import headroom_warning
 from autopart.passes.annotate import annotate
 from autopart.passes.front import Front, build_front, capture_for, note_unsplit
 from autopart.profiling.finalists import finalists_run_here, run_finalists
@@ -166,7 +167,12 @@ def measured_plan(options: CompileOptions, *, progress=None, console=None) -> tu
                         "on its ops and messages alone")
             basis = measured.without_pipeline
             plan, front = _without_run(options, plan, front, progress, console)
-    return with_basis(with_fewer_ranks(options, plan, basis, progress=progress), basis), front
+    plan = with_basis(with_fewer_ranks(options, plan, basis, progress=progress), basis)
+    device = front.cost_model.device
+    tight = headroom_warning(plan, device_bytes=device.memory_bytes, kind=device.kind)
+    if tight:
+        log.warning(tight)
+    return plan, front
 
 
 def _without_run(options: CompileOptions, plan: Plan, front: Front, progress, console) -> tuple[Plan, Front]:

@@ -24,7 +24,10 @@ stage and builds no CP-SAT model). Each row of its table is one check:
 2. ``autopart profile --device cuda`` (in the plans' precision), then ``autopart compile
    --costs``: the predicted step against the measured median step (target 15%), the predicted
    peak memory, less what lives outside PyTorch's allocator (the CUDA context, NCCL's buffers; the
-   cuBLAS workspaces are inside it), against ``torch.cuda.max_memory_allocated`` (target 10%);
+   cuBLAS workspaces are inside it), against ``torch.cuda.max_memory_allocated`` (target 10%),
+   and on a GPU the caching allocator's reserved peak beyond that (target: the compile's
+   warning margin, `autopart.predict.headroom.ALLOCATOR_MARGIN`; the generated train.py runs
+   with expandable segments);
 3. the spec's matmul efficiency at each of its points against the kernel time of bf16 GEMMs of
    that size (25%);
 4. the ``roofline`` plan's predicted step, from the spec alone, against its measured median step
@@ -58,6 +61,7 @@ import torch  # noqa: E402
 
 from autopart.tools.local_run import run_locally  # noqa: E402
 from autopart.ir.plan import load_plan  # noqa: E402
+from autopart.predict.headroom import ALLOCATOR_MARGIN  # noqa: E402
 from autopart.runtime.reference import train_reference  # noqa: E402
 from autopart.tools.verify import BF16_LOSS_TOLERANCE, LOSS_TOLERANCE  # noqa: E402
 
@@ -207,6 +211,12 @@ def _against_run(out: Path, steps: int, work: Path, device: str, *, what: str, s
         predicted_peak -= _outside_allocator_bytes(plan)
     step_error, memory_error = predicted / measured - 1, predicted_peak / peak - 1
     measured_by = "max_memory_allocated (less the CUDA context)" if judged else "resident memory (CPU)"
+    reserved = metrics[-1].get("peak_reserved_bytes", [None])[0]
+    allocator = [] if reserved is None else [
+        Row(check=f"{what}: the caching allocator's reserved peak beyond its allocated peak",
+            figure=f"{(reserved - peak) / 2**20:.1f} MiB beyond {peak / 2**20:.1f} ({reserved / peak - 1:+.1%})",
+            target=f"within {ALLOCATOR_MARGIN:.0%} (the compile's warning margin)",
+            passed=reserved / peak - 1 <= ALLOCATOR_MARGIN)]
     return [
         Row(check=f"{what}: predicted step vs measured median",
             figure=f"{predicted * 1e3:.3f} vs {measured * 1e3:.3f} ms ({step_error:+.1%})",
@@ -214,7 +224,7 @@ def _against_run(out: Path, steps: int, work: Path, device: str, *, what: str, s
         Row(check=f"{what}: predicted peak memory vs {measured_by}",
             figure=f"{predicted_peak / 2**20:.1f} vs {peak / 2**20:.1f} MiB ({memory_error:+.1%})",
             target=f"within {MEMORY_TARGET:.0%}", passed=abs(memory_error) <= MEMORY_TARGET if judged else None),
-    ]  # fmt: skip
+    ] + allocator  # fmt: skip
 
 
 def _outside_allocator_bytes(plan) -> int:

@@ -221,7 +221,10 @@ Options: --steps N --lr LR --optimizer sgd|adamw --seed S --metrics FILE --trace
 import sys
 from pathlib import Path
 
-from autopart.runtime.train import leave, main
+from autopart.runtime.allocator import prefer_expandable_segments
+
+prefer_expandable_segments()  # before torch is imported: the CUDA allocator reads it once, as it starts
+from autopart.runtime.train import leave, main  # noqa: E402
 
 if __name__ == "__main__":
     main(Path(__file__).resolve().parent, sys.argv[1:])

@@ -24,7 +24,7 @@ import torch
 from autopart.ir.errors import ConfigError
 
 __all__ = ["compute_device", "backend", "tensor", "on_device", "batch_on_device", "synchronize", "reset_peak_memory",
-           "peak_memory_bytes", "Mark", "StepTimer"]
+           "peak_memory_bytes", "peak_reserved_bytes", "Mark", "StepTimer"]
 
 
 def compute_device() -> torch.device:
@@ -96,6 +96,12 @@ def peak_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kilobytes on Linux
+
+
+def peak_reserved_bytes(device: torch.device) -> int | None:
+    """A GPU's caching allocator's peak of reserved memory since `reset_peak_memory`: what it held
+    beyond the tensors at its fullest (`autopart.predict.headroom`); None on the CPU."""
+    return torch.cuda.max_memory_reserved(device) if device.type == "cuda" else None
 
 
 Mark = float | torch.cuda.Event

@@ -58,7 +58,8 @@ from autopart.ir.tensors import working_dtype
 from autopart.runtime.data import eval_batches, global_batches, model_file, split_microbatches
 from autopart.runtime.checkpoint import CheckpointContext, restarted
 from autopart.runtime.checkpoint_folders import check_folder
-from autopart.runtime.device import Mark, StepTimer, backend, compute_device, peak_memory_bytes, reset_peak_memory
+from autopart.runtime.device import (Mark, StepTimer, backend, compute_device, peak_memory_bytes, peak_reserved_bytes,
+                                     reset_peak_memory)
 from autopart.runtime.device import tensor as device_tensor
 from autopart.runtime.executor import ActionRecord, Executor, StageRuntime, StepFailure
 from autopart.runtime.draws import draw_seed
@@ -100,7 +101,8 @@ def parse_args(argv: list[str] | None, plan: Plan) -> argparse.Namespace:
     parser.add_argument("--no-dropout", action="store_true",
                         help="every dropout passes its input through (autopart verify compares a model with dropout so)")
     parser.add_argument("--metrics", type=Path,
-                        help="append one JSON line per step: step, loss, step_s, lr, peak_memory_bytes (per rank), "
+                        help="append one JSON line per step: step, loss, step_s, lr, peak_memory_bytes (per rank; and "
+                        "peak_reserved_bytes on a GPU), "
                         "tokens_per_s, tflops_per_device, mfu, and grad_norm, eval_loss when asked for")
     parser.add_argument("--trace", type=Path, help="write the measured timeline of the last step (Chrome trace JSON)")
     parser.add_argument("--action-times", type=Path,
@@ -272,14 +274,14 @@ def _loop(out_dir: Path, plan: Plan, schedule: Schedule, args: argparse.Namespac
         elapsed = device_tensor([end - timer.start], device)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         stopping = stop.after(elapsed)
-        peaks = _peak_memory_per_rank(device) if args.metrics else []
+        peaks = _peak_memory_per_rank(device) if args.metrics else {"peak_memory_bytes": []}
         evaluated = args.eval_every and (step + 1) % args.eval_every == 0
         eval_losses = _evaluate(executor, held_out, split, plan, modules, fully_sharded) if evaluated else []
         if holds_loss:
             loss = _mean_loss(losses, data_parallel, mesh.dp)
             eval_loss = _mean_loss(eval_losses, data_parallel, mesh.dp) if evaluated else None
             if reporter is not None:
-                line = {"step": step, "loss": loss, "step_s": elapsed.item(), "peak_memory_bytes": peaks, "lr": lr}
+                line = {"step": step, "loss": loss, "step_s": elapsed.item(), **peaks, "lr": lr}
                 _report(reporter, plan, inputs, line, norm, eval_loss)
         if clock is not None:
             _write_trace(clock, plan, args, rank, step)
@@ -480,8 +482,13 @@ def _graph_values(plan: Plan, inputs: tuple, target: Any) -> tuple:
     return (*inputs, target) if len(plan.graph_inputs) > len(inputs) else tuple(inputs)
 
 
-def _peak_memory_per_rank(device: torch.device) -> list[int]:
-    """Every rank's peak so far (`autopart.runtime.device.peak_memory_bytes`)."""
-    gathered = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, device_tensor([peak_memory_bytes(device)], device, torch.int64))
-    return torch.cat(gathered).tolist()
+def _peak_memory_per_rank(device: torch.device) -> dict[str, list[int]]:
+    """Every rank's peak so far (`autopart.runtime.device.peak_memory_bytes`), and on a GPU its
+    allocator's reserved peak (`peak_reserved_bytes`), as --metrics names them."""
+    reserved = peak_reserved_bytes(device)
+    mine = [peak_memory_bytes(device)] + ([] if reserved is None else [reserved])
+    gathered = [torch.zeros(len(mine), dtype=torch.int64, device=device) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, device_tensor(mine, device, torch.int64))
+    ranks = [g.tolist() for g in gathered]
+    peaks = {"peak_memory_bytes": [r[0] for r in ranks]}
+    return peaks if reserved is None else {**peaks, "peak_reserved_bytes": [r[1] for r in ranks]}

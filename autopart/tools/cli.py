@@ -416,10 +416,12 @@ def _explain(args: argparse.Namespace, console: Console) -> None:
 
 
 class _Notes(logging.Handler):
-    """Notes from the passes (a capture fallback) as ``autopart: note: ...`` lines on stderr."""
+    """Notes from the passes (a capture fallback) as ``autopart: note: ...`` lines on stderr, and
+    warnings (a plan whose memory is tight) as ``autopart: warning: ...``."""
 
     def emit(self, record: logging.LogRecord) -> None:
-        print(f"autopart: note: {record.getMessage()}", file=sys.stderr)
+        kind = "warning" if record.levelno >= logging.WARNING else "note"
+        print(f"autopart: {kind}: {record.getMessage()}", file=sys.stderr)
 
 
 def _show_notes() -> None:

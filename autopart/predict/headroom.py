@@ -1,0 +1,38 @@
+"""Whether a plan leaves its GPU room beyond the tensors that the memory model counts.
+
+The memory model predicts what ``torch.cuda.max_memory_allocated`` shows: tensors, besides the
+CUDA context and the collective library's buffers (`cost_models.memory`). The caching allocator
+reserves more than that: it rounds each block up and keeps freed blocks that a later request may
+not fit. Expandable segments (`autopart.runtime.allocator`, which the generated train.py turns
+on) keep the excess small, not nil, and it depends on the order of the run's allocations, which
+no compile sees. So a plan that fits within a few percent of the limit fits on paper and may
+not on the device; the compile says so, and how to keep a margin (``--memory``), rather than
+refuse a plan that may well run.
+"""
+
+from __future__ import annotations
+
+import math
+
+from autopart.ir.plan import Plan
+
+__all__ = ["ALLOCATOR_MARGIN", "headroom_warning"]
+
+ALLOCATOR_MARGIN = 0.05
+"""The share of a GPU's memory below which what a plan leaves free earns a warning: a judgement,
+not a measurement, about what the caching allocator may hold beyond the tensors."""
+
+
+def headroom_warning(plan: Plan, *, device_bytes: int, kind: str) -> str | None:
+    """A line for a plan on an accelerator (``kind`` "cuda" or "rocm") whose fullest device
+    leaves less than `ALLOCATOR_MARGIN` of the device's memory, ``device_bytes``, free; None
+    otherwise (a CPU's allocator is the system's, and a plan there has the machine's memory).
+    A ``--memory`` below the device's is a margin the user chose, and leaves this one be."""
+    need = max(plan.predicted.memory_bytes, default=0)
+    if kind not in ("cuda", "rocm") or need <= (1 - ALLOCATOR_MARGIN) * device_bytes:
+        return None
+    margin = math.floor((1 - ALLOCATOR_MARGIN) * device_bytes / (1 << 30) * 100) / 100
+    return (f"the fullest device needs {need / (1 << 30):.2f} of its {device_bytes / (1 << 30):.2f} GiB, which leaves "
+            f"the caching allocator less than {ALLOCATOR_MARGIN:.0%} beyond the tensors that the memory model counts "
+            f"(train.py turns on its expandable segments to keep what it needs small); for a margin, compile with "
+            f"--memory {margin:g}")
