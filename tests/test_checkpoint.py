@@ -107,6 +107,17 @@ def test_adamw_stop_after_step_3_and_resume_is_bit_identical(compiled, tmp_path)
 
 
 @pytest.mark.multiprocess
+def test_another_compile_s_checkpoint_is_refused_with_the_way_to_its_weights(uninterrupted, tmp_path):
+    other = tmp_path / "other"
+    compile_to_directory(CompileOptions(model=REPO / "examples" / "gpt.py", pp=2, microbatches=4, micro_batch_size=1),
+                         other)
+    result, _ = launch(other, "--steps", "2", "--resume", "--checkpoint-dir", str(uninterrupted / "ckpt"))
+    assert result.returncode != 0
+    assert f"was saved by another compile than {other}" in result.stderr, result.stderr[-3000:]
+    assert f"autopart consolidate {uninterrupted / 'ckpt'} -o model.safetensors" in result.stderr
+
+
+@pytest.mark.multiprocess
 def test_a_stage_of_the_loss_alone_trains_like_one_process_and_resumes(tmp_path):
     """A cut may leave a stage nothing but the loss (no parameter): its ranks' optimizer has one
     empty group (torch refuses no group at all) and steps nothing, with ZeRO-1 over two replicas;

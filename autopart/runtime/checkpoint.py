@@ -382,8 +382,10 @@ class CheckpointContext:
         record = read_record(path)
         if record.get("plan_sha256") != plan_digest(self.out_dir / "plan.json"):
             raise ConfigError(
-                f"checkpoint {path} was saved by another compile than {self.out_dir}; "
-                "resume it with the output directory that saved it, or choose a new --checkpoint-dir"
+                f"checkpoint {path} was saved by another compile than {self.out_dir}; resume it with the output "
+                f"directory that saved it, or go on with this plan from its weights (the optimizer's state and the data "
+                f"stream start anew): autopart consolidate {self.root} -o model.safetensors, then --weights "
+                "model.safetensors with a new --checkpoint-dir"
             )
         done = restore_checkpoint(
             path, self.modules, self.optimizer, rank=self.rank, dp_rank=self.dp_rank, tp_rank=self.tp_rank,
