@@ -169,7 +169,8 @@ def measured_plan(options: CompileOptions, *, progress=None, console=None) -> tu
             plan, front = _without_run(options, plan, front, progress, console)
     plan = with_basis(with_fewer_ranks(options, plan, basis, progress=progress), basis)
     device = front.cost_model.device
-    tight = headroom_warning(plan, device_bytes=device.memory_bytes, kind=device.kind)
+    tight = headroom_warning(plan, device_bytes=device.memory_bytes, kind=device.kind,
+                             budget_chosen=options.memory_gib is not None)
     if tight:
         log.warning(tight)
     return plan, front

@@ -11,7 +11,6 @@ from pathlib import Path
 import torch
 
 from autopart.ir.errors import ConfigError
-from autopart.ir.output_paths import check_file_path
 from autopart.ir.tensors import DTYPES
 from autopart.passes.recompute import stage_modes
 from autopart.runtime.optim import OPTIMIZERS
@@ -146,7 +145,6 @@ class CompileOptions:
             raise ConfigError(f"unknown capture method {self.capture!r}; use --capture fx or --capture export")
         if self.leaf and self.capture == "export":
             raise ConfigError("--leaf keeps modules opaque to torch.fx, which torch.export cannot do; drop --capture export")
-        check_file_path(self.costs, "--costs")  # written after the ops are timed
         if not self.time_limit_s > 0:  # CP-SAT would stop at once and hand back no cuts, or the first it met
             raise ConfigError(f"--time-limit must be a positive number of seconds, got {self.time_limit_s:g}")
         if self.memory_gib is not None and self.memory_gib <= 0:

@@ -333,6 +333,11 @@ def _a_file(path: Path) -> list[str]:
     return []
 
 
+def _dangling(path: Path) -> list[str]:
+    path.symlink_to(path.parent / "nowhere")
+    return []
+
+
 TRAIN_CASES = {  # name -> (environment, arguments given (folder, OUT), pattern of the one line)
     "wrong_world_size": ({"WORLD_SIZE": "3"}, lambda f, o: [], r"the plan needs 2 processes but 3 were started"),
     "without_torchrun": ({"WORLD_SIZE": None, "RANK": None}, lambda f, o: [],
@@ -356,9 +361,13 @@ TRAIN_CASES = {  # name -> (environment, arguments given (folder, OUT), pattern 
     "metrics_a_folder": ({}, lambda f, o: ["--metrics", str(f)], r"--metrics .* is a folder; give the path of a file"),
     "save_weights_a_file": ({}, lambda f, o: _a_file(f / "w") + ["--save-weights", str(f / "w")],
                             r"--save-weights .*w is a file; give the path of a folder"),
-    "negative_lr": ({}, lambda f, o: ["--lr", "-1"], r"--lr must be a learning rate, at least 0, got -1"),
-    "nan_lr": ({}, lambda f, o: ["--lr", "nan"], r"--lr must be a learning rate, at least 0, got nan"),
-    "nan_min_lr": ({}, lambda f, o: ["--min-lr", "nan"], r"--min-lr must be at least 0, got nan"),
+    "negative_lr": ({}, lambda f, o: ["--lr", "-1"], r"--lr must be a finite learning rate, at least 0, got -1"),
+    "nan_lr": ({}, lambda f, o: ["--lr", "nan"], r"--lr must be a finite learning rate, at least 0, got nan"),
+    "nan_min_lr": ({}, lambda f, o: ["--min-lr", "nan"], r"--min-lr must be a finite rate, at least 0, got nan"),
+    "nan_weight_decay": ({}, lambda f, o: ["--weight-decay", "nan"], r"--weight-decay must be finite, at least 0, got nan"),
+    "infinite_lr": ({}, lambda f, o: ["--lr", "inf"], r"--lr must be a finite learning rate, at least 0, got inf"),
+    "metrics_under_a_link_to_nothing": ({}, lambda f, o: _dangling(f / "gone") + ["--metrics", str(f / "gone" / "m.jsonl")],
+                                        r"--metrics .*m\.jsonl: .*gone is a link to nothing"),
     "resume_without_checkpoint_dir": ({}, lambda f, o: ["--resume"], r"--resume needs --checkpoint-dir DIR"),
     "weights_lacking_a_parameter": ({}, _weights_lacking_one,
                                     r"lacks 1 tensor\(s\) of stage 0, first .*; save every parameter under its name"),
@@ -429,7 +438,7 @@ COMMAND_CASES = {  # name -> (arguments given the test's folder and OUT, pattern
                                      r"checkpoint metadata names os\.system, which no checkpoint holds"),
     "consolidate_into_a_directory": (lambda f, o: ["consolidate", str(f), "-o", str(f)], r"is a directory; give a file path"),
     "verify_not_an_output": (lambda f, o: ["verify", str(f)], r"is not an autopart output directory \(no plan\.json\)"),
-    "verify_negative_lr": (lambda f, o: ["verify", str(o), "--lr", "-1"], r"--lr must be a learning rate, at least 0, got -1"),
+    "verify_negative_lr": (lambda f, o: ["verify", str(o), "--lr", "-1"], r"--lr must be a finite learning rate, at least 0, got -1"),
     "verify_negative_timeout": (lambda f, o: ["verify", str(o), "--timeout", "-1"],
                                 r"--timeout must be a positive number of seconds, got -1"),
     "verify_zero_steps": (lambda f, o: ["verify", str(o), "--steps", "0"], r"--steps must be at least 1, got 0"),

@@ -105,3 +105,15 @@ def test_a_folder_that_cannot_be_made_is_one_line(tmp_path, capsys, monkeypatch)
     line = refused(capsys, tmp_path / "out")
     assert f"cannot write the output directory '{tmp_path / 'out'}' (Permission denied)" in line
     assert not (tmp_path / "out").exists()
+
+
+def test_a_folder_this_user_may_not_write_in_is_refused_before_the_compile(tmp_path, capsys, monkeypatch):
+    """Checked before the search, where the output directory is only written after it; the
+    folder above -o counts even where -o exists, since the output is made beside it."""
+    from autopart.runtime import output_paths
+
+    real_access = output_paths.os.access
+    monkeypatch.setattr(output_paths.os, "access", lambda p, mode: Path(p) != tmp_path and real_access(p, mode))
+    (tmp_path / "out").mkdir()
+    line = refused(capsys, tmp_path / "out")
+    assert f"-o {tmp_path / 'out'}: this user may not write in {tmp_path}" in line

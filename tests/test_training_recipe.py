@@ -45,8 +45,8 @@ def test_cosine_factor_is_half_a_cosine():
         ({"lr_schedule": "step"}, "unknown --lr-schedule 'step'"),
         ({"warmup_steps": -1}, "--warmup-steps must be at least 0"),
         ({"clip_grad_norm": 0.0}, "--clip-grad-norm must be a positive norm"),
-        ({"weight_decay": -0.1}, "--weight-decay must be at least 0"),
-        ({"min_lr": -1.0}, "--min-lr must be at least 0"),
+        ({"weight_decay": -0.1}, "--weight-decay must be finite, at least 0"),
+        ({"min_lr": -1.0}, "--min-lr must be a finite rate, at least 0"),
     ],
 )
 def test_a_recipe_out_of_range_is_a_config_error(options, message):

@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 
 from autopart.ir.errors import ConfigError
-from autopart.ir.output_paths import check_parent
+from autopart.runtime.output_paths import check_parent
 from autopart.runtime.launch import plan_digest
 
 __all__ = ["MARKER", "check_output_directory", "write_marker", "remove_output"]
@@ -77,7 +77,7 @@ def check_output_directory(out_dir: Path) -> None:
         raise ConfigError(f"output path '{out_dir}' is a symbolic link; give the directory itself with -o")
     if out_dir.exists() and not out_dir.is_dir():
         raise ConfigError(f"output path '{out_dir}' is a file; choose a directory path for -o")
-    check_parent(out_dir, "-o")
+    check_parent(out_dir, "-o", made_beside=True)
     if out_dir.is_dir() and any(out_dir.iterdir()):
         _owned_files(out_dir)
 

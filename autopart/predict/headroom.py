@@ -1,13 +1,14 @@
-"""Whether a plan leaves its GPU room beyond the tensors that the memory model counts.
+"""Whether a plan leaves its GPU room beyond what the memory model counts.
 
-The memory model predicts what ``torch.cuda.max_memory_allocated`` shows: tensors, besides the
-CUDA context and the collective library's buffers (`cost_models.memory`). The caching allocator
-reserves more than that: it rounds each block up and keeps freed blocks that a later request may
-not fit. Expandable segments (`autopart.runtime.allocator`, which the generated train.py turns
-on) keep the excess small, not nil, and it depends on the order of the run's allocations, which
-no compile sees. So a plan that fits within a few percent of the limit fits on paper and may
-not on the device; the compile says so, and how to keep a margin (``--memory``), rather than
-refuse a plan that may well run.
+The memory model counts tensors (what ``torch.cuda.max_memory_allocated`` shows), and beside
+them the CUDA context and the collective library's buffers (`cost_models.memory`). The caching
+allocator reserves more than the tensors: it rounds each block up and keeps freed blocks that a
+later request may not fit. Expandable segments (`autopart.runtime.allocator`, which the
+generated train.py turns on) keep the excess small, not nil, and it depends on the order of the
+run's allocations, which no compile sees. So a plan that fits within a few percent of the
+device's memory fits on paper and may not on the device; the compile says so, and how to keep a
+margin (``--memory``), rather than refuse a plan that may well run. A ``--memory`` of the user's
+own is a budget they chose, margin or not, and gets no warning.
 """
 
 from __future__ import annotations
@@ -23,16 +24,16 @@ ALLOCATOR_MARGIN = 0.05
 not a measurement, about what the caching allocator may hold beyond the tensors."""
 
 
-def headroom_warning(plan: Plan, *, device_bytes: int, kind: str) -> str | None:
+def headroom_warning(plan: Plan, *, device_bytes: int, kind: str, budget_chosen: bool) -> str | None:
     """A line for a plan on an accelerator (``kind`` "cuda" or "rocm") whose fullest device
     leaves less than `ALLOCATOR_MARGIN` of the device's memory, ``device_bytes``, free; None
-    otherwise (a CPU's allocator is the system's, and a plan there has the machine's memory).
-    A ``--memory`` below the device's is a margin the user chose, and leaves this one be."""
+    otherwise: on a CPU (whose allocator is the system's), and where the user gave the memory
+    (``budget_chosen``, ``--memory``)."""
     need = max(plan.predicted.memory_bytes, default=0)
-    if kind not in ("cuda", "rocm") or need <= (1 - ALLOCATOR_MARGIN) * device_bytes:
+    if budget_chosen or kind not in ("cuda", "rocm") or need <= (1 - ALLOCATOR_MARGIN) * device_bytes:
         return None
     margin = math.floor((1 - ALLOCATOR_MARGIN) * device_bytes / (1 << 30) * 100) / 100
     return (f"the fullest device needs {need / (1 << 30):.2f} of its {device_bytes / (1 << 30):.2f} GiB, which leaves "
-            f"the caching allocator less than {ALLOCATOR_MARGIN:.0%} beyond the tensors that the memory model counts "
+            f"the caching allocator less than {ALLOCATOR_MARGIN:.0%} of it beyond what the memory model counts "
             f"(train.py turns on its expandable segments to keep what it needs small); for a margin, compile with "
             f"--memory {margin:g}")

@@ -99,8 +99,8 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 
 def peak_reserved_bytes(device: torch.device) -> int | None:
-    """A GPU's caching allocator's peak of reserved memory since `reset_peak_memory`: what it held
-    beyond the tensors at its fullest (`autopart.predict.headroom`); None on the CPU."""
+    """A GPU's caching allocator's peak of reserved memory since `reset_peak_memory`, the tensors'
+    blocks and what it held beyond them (`autopart.predict.headroom`); None on the CPU."""
     return torch.cuda.max_memory_reserved(device) if device.type == "cuda" else None
 
 

@@ -32,9 +32,10 @@ LR_SCHEDULES = ("constant", "cosine", "linear")
 
 
 def check_lr(lr: float) -> None:
-    """Refuse a rate that torch's optimizers would refuse with a traceback on every rank (NaN too)."""
+    """Refuse a rate that torch's optimizers would refuse with a traceback on every rank (NaN), or
+    that would make every weight infinite (inf)."""
     if not 0 <= lr < math.inf:
-        raise ConfigError(f"--lr must be a learning rate, at least 0, got {lr:g}")
+        raise ConfigError(f"--lr must be a finite learning rate, at least 0, got {lr:g}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,11 +61,11 @@ class Recipe:
         if self.warmup_steps < 0:
             raise ConfigError(f"--warmup-steps must be at least 0, got {self.warmup_steps}")
         if not 0 <= self.min_lr < math.inf:  # NaN too
-            raise ConfigError(f"--min-lr must be at least 0, got {self.min_lr:g}")
+            raise ConfigError(f"--min-lr must be a finite rate, at least 0, got {self.min_lr:g}")
         if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
             raise ConfigError(f"--clip-grad-norm must be a positive norm, got {self.clip_grad_norm:g}")
         if self.weight_decay is not None and not 0 <= self.weight_decay < math.inf:
-            raise ConfigError(f"--weight-decay must be at least 0, got {self.weight_decay:g}")
+            raise ConfigError(f"--weight-decay must be finite, at least 0, got {self.weight_decay:g}")
 
     @staticmethod
     def from_args(args: argparse.Namespace) -> Recipe:

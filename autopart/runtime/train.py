@@ -72,7 +72,7 @@ from autopart.runtime.reducer import GradientReducer
 from autopart.runtime.optim import OPTIMIZERS, make_optimizer
 from autopart.runtime.process_exit import leave
 from autopart.runtime.sharded_masters import ShardedMasters
-from autopart.ir.output_paths import check_file_path, check_folder_path
+from autopart.runtime.output_paths import check_file_path, check_folder_path
 from autopart.runtime.progress import StepReporter, Throughput, check_tensorboard, tokens_in
 from autopart.runtime.recipe import Recipe, add_recipe_arguments, check_lr, parameter_groups
 from autopart.runtime import collectives

@@ -176,7 +176,7 @@ def _profile(args: argparse.Namespace, console: Console) -> None:
     from autopart.ir.model_file import load_model_file
     from autopart.passes.capture import capture
     from autopart.ir.errors import ConfigError
-    from autopart.ir.output_paths import check_parent
+    from autopart.runtime.output_paths import check_parent
     from autopart.profiling.profile import profile_costs
     from autopart.runtime.optim import OPTIMIZERS
     from cost_models import CostDatabase
@@ -234,6 +234,8 @@ def _print_table(console: Console, rows: list[list[str]], title: str) -> None:
 def _compile(args: argparse.Namespace, console: Console) -> None:
     from autopart.codegen.report import search_table, stage_table
     from autopart.driver import CompileOptions, compile_to_directory
+    from autopart.options import local_kind
+    from autopart.runtime.output_paths import check_file_path
 
     options = CompileOptions(
         model=args.model,
@@ -267,6 +269,8 @@ def _compile(args: argparse.Namespace, console: Console) -> None:
         measure=not args.no_measure,
         run_finalists=args.run_finalists,
     )
+    # timed ops are added to it where the device is this machine's; another device's is only read
+    check_file_path(args.costs, "--costs", writes=local_kind(options.device) is not None)
     known = _entries(args.costs)
     if options.searched:
         with _SearchProgress(console) as progress:

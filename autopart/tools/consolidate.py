@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import save_file
 
 from autopart.ir.model_file import load_model_file
-from autopart.ir.output_paths import check_parent
+from autopart.runtime.output_paths import check_parent
 from autopart.ir.errors import ConfigError
 from autopart.ir.placement import REPLICATE, Placement
 from autopart.ir.plan import Plan, load_plan
