@@ -218,6 +218,19 @@ def _layer_methods_line(stage: StageGraph, units: list[Unit]) -> str:
     return "".join(f"\n{line}" for line in lines)
 
 
+def _leaf_block(stage: StageGraph, root: torch.nn.Module) -> str:
+    """The LEAVES declaration of a stage that holds --leaf modules whole ("" for one that holds none)."""
+    if not stage.leaves:
+        return ""
+    leaves = "".join(f"    {t!r}: {type(root.get_submodule(t)).__name__!r},\n" for t in stage.leaves)
+    return f"""
+# module path -> its class in model.py: kept whole (--leaf); built by model.py's build_model()
+# on the meta device, then given this stage's weights like every other tensor
+LEAVES = {{
+{leaves}}}
+"""
+
+
 def stage_source(
     stage: StageGraph,
     *,
@@ -257,17 +270,10 @@ CONSTANTS = {{
         else ""
     )
     root = op_graph.graph.module
-    leaves = "".join(f"    {t!r}: {type(root.get_submodule(t)).__name__!r},\n" for t in stage.leaves)
-    leaf_block = (
-        f"""
-# module path -> its class in model.py: kept whole (--leaf); built by model.py's build_model()
-# on the meta device, then given this stage's weights like every other tensor
-LEAVES = {{
-{leaves}}}
-"""
-        if stage.leaves
-        else ""
-    )
+    frozen = tuple(name for name in stage.parameters if not root.get_parameter(name).requires_grad)
+    frozen_block = (f"# the model's parameters that do not train (requires_grad=False): no gradient, no optimizer step\n"
+                    f"FROZEN = ({signature(frozen)})\n") if frozen else ""
+    leaf_block = _leaf_block(stage, root)
     layers = _layer_methods_line(stage, units)
     runtime = f"from autopart.runtime.stage import {'declare_leaves, ' if stage.leaves else ''}declare_tensors"
     import_lines = _import_block(imports, runtime, leaves=bool(stage.leaves))
@@ -280,7 +286,7 @@ PARAMETERS = {{
 {declarations(stage.parameters)}}}
 BUFFERS = {{
 {declarations(stage.buffers)}}}
-{constant_block}{leaf_block}
+{frozen_block}{constant_block}{leaf_block}
 
 class {class_name}(torch.nn.Module):
     """Stage {stage.index} of {stages}."""
@@ -291,7 +297,7 @@ class {class_name}(torch.nn.Module):
 
     def __init__(self):
         super().__init__()
-        declare_tensors(self, PARAMETERS, BUFFERS{", CONSTANTS" if stage.constants else ""}){declare_leaves}
+        declare_tensors(self, PARAMETERS, BUFFERS{", CONSTANTS" if stage.constants else ""}{", frozen=FROZEN" if frozen else ""}){declare_leaves}
 
 {body}
 

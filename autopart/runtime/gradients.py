@@ -65,6 +65,8 @@ _BUCKET_BYTES = 25 * 1024 * 1024
 def sum_tied_gradients(stages: dict[int, nn.Module], name: str, group: dist.ProcessGroup) -> None:
     """Every copy of a parameter held by several stages gets the sum of all copies' gradients."""
     copies = [p for module in stages.values() for n, p in module.named_parameters() if n == name]
+    if not copies[0].requires_grad:  # frozen in the model: every rank leaves it, and none waits here
+        return
     total = torch.zeros_like(local(copies[0]))  # under FSDP every copy holds the same shard of it
     for copy in copies:
         if copy.grad is not None:

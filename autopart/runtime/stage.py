@@ -61,15 +61,18 @@ def declare_tensors(
     parameters: dict[str, tuple[tuple[int, ...], torch.dtype]],
     buffers: dict[str, tuple[tuple[int, ...], torch.dtype]],
     constants: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None,
+    frozen: tuple[str, ...] = (),
 ) -> None:
-    """Register empty parameters and buffers under their names in the original model.
+    """Register empty parameters and buffers under their names in the original model; those
+    ``frozen`` (``requires_grad=False`` in the model) as it has them: no gradient reaches them,
+    so no optimizer steps them, no reduction sums them.
 
     Keeping the original names (``h.0.attn.c_attn.weight``) makes every stage's state dict a
     slice of the original model's, so weights and checkpoints map back by name.
     """
     for name, (shape, dtype) in parameters.items():
         owner, leaf = _owner(module, name)
-        owner.register_parameter(leaf, nn.Parameter(torch.empty(shape, dtype=dtype)))
+        owner.register_parameter(leaf, nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=name not in frozen))
     for name, (shape, dtype) in buffers.items():
         owner, leaf = _owner(module, name)
         owner.register_buffer(leaf, torch.empty(shape, dtype=dtype))
