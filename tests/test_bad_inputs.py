@@ -61,6 +61,22 @@ NO_INITIALISER = GOOD_BATCH + textwrap.dedent(
     """
 )
 
+SCALAR = GOOD_BATCH + textwrap.dedent(
+    """
+    class Tempered(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(8, 4)
+            self.temperature = torch.nn.Parameter(torch.tensor(2.0))
+
+        def forward(self, x):
+            return self.linear(x) / self.temperature
+
+    def build_model():
+        return Tempered()
+    """
+)
+
 # name -> (model source or None for a missing file, extra arguments, pattern of the one line)
 MODEL_CASES = {
     "missing": (None, [], r"model file '.*missing\.py' does not exist"),
@@ -120,6 +136,12 @@ MODEL_CASES = {
         r"meta_without_initialiser\.py defines no init_weights\(module\)",
     ),
     "not_a_python_file": (LINEAR, [], r"is not a \.py file"),
+    "scalar_parameter_zero3": (SCALAR, ["--pp", "1", "--dp", "2", "--zero", "3"],
+                               r"--zero 3 shards parameters with FSDP's fully_shard, which refuses the 0-dim parameter "
+                               r"'temperature'; make it a tensor of one element"),
+    "scalar_parameter_zero2_searched": (SCALAR, ["--pp", "1", "--world-size", "2", "--zero", "2",
+                                                 "--global-batch-size", "8"],
+                                        r"--zero 2 shards parameters with FSDP's fully_shard, which refuses the 0-dim"),
 }
 
 OPTION_CASES = {

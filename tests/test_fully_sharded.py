@@ -134,6 +134,46 @@ def test_a_torch_without_public_fully_shard_is_told_and_not_searched(monkeypatch
     assert search_space(options).zero == (0, 1, 2, 3)
 
 
+TEMPERED = """
+import torch
+
+
+class Tempered(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+        self.temperature = torch.nn.Parameter(torch.tensor(2.0))
+
+    def forward(self, x):
+        return self.layers(x) / self.temperature
+
+
+def build_model():
+    return Tempered()
+
+
+def example_batch(batch_size):
+    return (torch.randn(batch_size, 8),), torch.randint(0, 4, (batch_size,))
+
+
+def loss_fn(logits, target):
+    return torch.nn.functional.cross_entropy(logits, target)
+"""
+
+
+def test_a_model_with_a_scalar_parameter_is_searched_without_fsdp(tmp_path, caplog):
+    """FSDP's fully_shard refuses a 0-dim parameter: the search leaves ZeRO 2 and 3 out and says
+    why (pinned, they are refused in one line: tests/test_bad_inputs.py)."""
+    import autopart
+
+    model = tmp_path / "tempered.py"
+    model.write_text(TEMPERED)
+    with caplog.at_level("INFO", logger="autopart"):
+        plan = autopart.compile(model, world_size=2, dp=2, global_batch_size=8, measure=False, run_finalists=False)
+    assert plan.zero in (0, 1)
+    assert "the search leaves out ZeRO 2 and 3: FSDP cannot shard the 0-dim parameter 'temperature'" in caplog.text
+
+
 def test_plans_from_before_zero_levels_still_load(tmp_path):
     out = tmp_path / "out"
     plan, _ = compile_to_directory(CompileOptions(model=REPO / "examples" / "gpt.py", dp=2, zero=True), out)

@@ -44,7 +44,9 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["FSDP_LEVELS", "check_level", "runs_here", "end_of_step", "full_state", "is_sharded", "local", "shard_stage"]
+from autopart.ir.errors import ConfigError
+
+__all__ = ["FSDP_LEVELS", "check_level", "check_shardable", "runs_here", "scalar_parameter", "end_of_step", "full_state", "is_sharded", "local", "shard_stage"]
 
 FSDP_LEVELS = (2, 3)
 
@@ -72,6 +74,21 @@ def check_level(level: int, *, dp: int, split_backward: bool) -> str | None:
     return None
 
 
+def scalar_parameter(module: nn.Module) -> str | None:
+    """The name of a parameter of ``module`` that has no dimensions (a learnable scalar), if any:
+    FSDP's ``fully_shard`` refuses one, having no dim 0 to split."""
+    return next((name for name, parameter in module.named_parameters() if parameter.dim() == 0), None)
+
+
+def check_shardable(module: nn.Module, level: int) -> str | None:
+    """Why ``module``'s parameters cannot be sharded at ``level`` (`scalar_parameter`), or None."""
+    scalar = scalar_parameter(module) if level in FSDP_LEVELS else None
+    if scalar is None:
+        return None
+    return (f"--zero {level} shards parameters with FSDP's fully_shard, which refuses the 0-dim parameter "
+            f"{scalar!r}; make it a tensor of one element (torch.ones(1)), or use --zero 1")
+
+
 def shard_stage(module: nn.Module, mesh: DeviceMesh, level: int, param_dtype: torch.dtype | None = None) -> None:
     """Make ``module`` (a stage, its weights loaded) fully sharded over the 1-D data-parallel ``mesh``.
 
@@ -80,6 +97,9 @@ def shard_stage(module: nn.Module, mesh: DeviceMesh, level: int, param_dtype: to
     steps the fp32 master shards: the precision `autopart.runtime.forward` keeps without FSDP."""
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+    refused = check_shardable(module, level)  # a hand-edited plan: the compile refuses it before this
+    if refused:
+        raise ConfigError(refused)
     per_microbatch = level == 3
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
     shard = functools.partial(fully_shard, mesh=mesh, reshard_after_forward=per_microbatch, mp_policy=policy)

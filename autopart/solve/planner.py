@@ -24,9 +24,12 @@ that fits as a plan; that plan (step 3's, exactly) is the one emitted.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+
+from torch import nn
 
 from autopart.ir.errors import ConfigError, InfeasibleError, gib_up
 from autopart.ir.plan import Plan
@@ -36,7 +39,7 @@ from autopart.options import CompileOptions, local_kind
 from autopart.passes.front import Front
 from autopart.passes.repeat_annotation import LAID_OUT_FROM
 from autopart.passes.shallow import KEPT_LAYERS, repeated_layers, shallow_module
-from autopart.runtime.fully_sharded import runs_here
+from autopart.runtime.fully_sharded import FSDP_LEVELS, check_shardable, runs_here, scalar_parameter
 from autopart.schedule import SCHEDULE_KINDS, validation_beside
 from autopart.solve.assemble import pipeline_problem, plan_from_cuts, with_solver
 from autopart.solve.baselines import block_layers
@@ -49,6 +52,8 @@ from autopart.solve.search import Cluster, Layout, Scored, SearchResult, SearchS
 from autopart.solve.simulated import simulated_step_s
 from cost_models import get_cost_model
 from cost_models.memory import communicator_bytes
+
+log = logging.getLogger("autopart")
 
 __all__ = ["FrontTable", "capture_ahead", "plan_by_search", "search_space", "cluster_of", "shallow_table",
            "sequence_parallel"]
@@ -151,6 +156,7 @@ def plan_by_search(options: CompileOptions, *, progress: Progress | None = None,
     search_workers(0)  # a $AUTOPART_SEARCH_WORKERS that is not a count is told before any capture
     sizes = {layout.micro_batch_size for layout in space.layouts(1 << 30)}  # those it asks costs at
     full = FrontTable(options, progress, largest_size=max(sizes, default=None))
+    space = _shardable(space, full.model_spec().module)
     cluster = cluster_of(options)
     shallow = shallow_table(full)
     if shallow is not None:
@@ -159,6 +165,20 @@ def plan_by_search(options: CompileOptions, *, progress: Progress | None = None,
         if searched is not None:
             return searched
     return _full_search(options, space, cluster, full, progress=progress, finalists=finalists)
+
+
+def _shardable(space: SearchSpace, model: nn.Module) -> SearchSpace:
+    """``space`` without FSDP's levels where the model holds a parameter they cannot shard
+    (`autopart.runtime.fully_sharded.scalar_parameter`); refused where the user pinned one."""
+    scalar = scalar_parameter(model)
+    if scalar is None or not set(space.zero) & set(FSDP_LEVELS):
+        return space
+    kept = tuple(level for level in space.zero if level not in FSDP_LEVELS)
+    if not kept:
+        raise ConfigError(check_shardable(model, space.zero[0]))
+    log.info(f"the search leaves out ZeRO 2 and 3: FSDP cannot shard the 0-dim parameter {scalar!r} (a tensor of one "
+             "element can be)")
+    return replace(space, zero=kept)
 
 
 def _visited(progress: Progress | None) -> Callable[[int, int], None]:
