@@ -84,3 +84,31 @@ def test_a_pipeline_trains_on_such_batches_as_one_process(model: Path, tmp_path:
     compile_to_directory(CompileOptions(model=model, pp=2, microbatches=2, micro_batch_size=2, measure=False), out)
     result = verify(out, steps=3)
     assert result.matches, result.failures
+
+
+PADDED_LABELS = """\
+import torch
+
+def build_model():
+    return torch.nn.Sequential(torch.nn.Embedding(64, 8), torch.nn.Linear(8, 64))
+
+def example_batch(b):
+    tokens = torch.randint(1, 64, (b, 9), generator=torch.Generator().manual_seed(1))
+    labels = tokens[:, 1:].clone()
+    labels[:, -3:] = -100  # padding, which cross_entropy leaves out
+    return (tokens[:, :-1],), labels
+
+def loss_fn(logits, labels):
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, 64), labels.reshape(-1), ignore_index=-100)
+"""
+
+
+def test_synthetic_labels_keep_clear_of_a_marker_like_ignore_index(tmp_path: Path) -> None:
+    """Drawn over the example's whole range, labels from -100 to 63 held values such as -43,
+    which cross_entropy refuses; the markers are left out of the range, the classes kept."""
+    path = tmp_path / "padded.py"
+    path.write_text(PADDED_LABELS)
+    spec = load_model_file(path)
+    for inputs, labels in [next(global_batches(spec, 16, seed)) for seed in range(3)]:
+        assert int(labels.min()) >= 0 and int(labels.max()) <= 63 and int(inputs[0].min()) >= 1
+        assert torch.isfinite(spec.loss_fn(spec.module(*inputs), labels))

@@ -35,7 +35,11 @@ def model_file(out_dir: Path, plan: Plan) -> Path:
 
 
 def synthetic_batches(spec: ModelSpec, batch_size: int, seed: int) -> Iterator[tuple[tuple[torch.Tensor, ...], Any]]:
-    """Seeded random batches with the shapes, dtypes and value ranges of ``example_batch``."""
+    """Seeded random batches with the shapes, dtypes and value ranges of ``example_batch``: floats
+    from a normal distribution, integers uniform over the example's range. Negative integers
+    beside non-negative ones are read as markers, not as a range (cross_entropy's
+    ``ignore_index=-100`` on padded labels): the range is the non-negative values', since a value
+    drawn between a marker and the classes (-43) is no class at all."""
     inputs, target = spec.example(batch_size)
     step = 0
     while True:
@@ -48,7 +52,10 @@ def synthetic_batches(spec: ModelSpec, batch_size: int, seed: int) -> Iterator[t
                 return torch.randn(like.shape, generator=generator, dtype=like.dtype)
             if like.dtype == torch.bool:
                 return torch.randint(0, 2, like.shape, generator=generator).bool()
-            low, high = int(like.min()), int(like.max())
+            if like.numel() == 0:
+                return like.clone()
+            kept = like[like >= 0] if bool((like < 0).any() and (like >= 0).any()) else like
+            low, high = int(kept.min()), int(kept.max())
             return torch.randint(low, high + 1, like.shape, generator=generator, dtype=like.dtype)
 
         yield tuple(fill(x) for x in inputs), fill(target)
