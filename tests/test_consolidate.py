@@ -31,18 +31,24 @@ def checkpoint(tmp_path_factory) -> tuple[Path, Path, Path]:
     out = folder / "out"
     cli.main(["compile", str(model), "-o", str(out), "--pp", "2", "--microbatches", "2", "--global-batch-size", "4",
               "--device", "h100-sxm", "--time-limit", "5"])
-    step = folder / "ckpt" / "step_00000001"
+    sentinel = folder / "SENTINEL"
+    save_weights_as_checkpoint(out, folder / "ckpt", f"open({str(sentinel)!r}, 'w').close()\n" + GPT.read_text())
+    return folder / "ckpt", model, sentinel
+
+
+def save_weights_as_checkpoint(out: Path, root: Path, model_source: str | None = None) -> None:
+    """A compile's initial weights (two stages, no TP) saved as the checkpoint of step 1 under ``root``."""
+    step = root / "step_00000001"
     state = {f"model/stage_{k}/tp_0/{name}": value
              for k in (0, 1) for name, value in load_file(str(out / "weights" / f"stage_{k}.safetensors")).items()}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp.save(state, storage_writer=dcp.FileSystemWriter(str(step)), no_dist=True)
     shutil.copyfile(out / "plan.json", step / "plan.json")
-    sentinel = folder / "SENTINEL"
-    (step / "model.py").write_text(f"open({str(sentinel)!r}, 'w').close()\n" + GPT.read_text())
+    if model_source is not None:
+        (step / "model.py").write_text(model_source)
     files = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in step.iterdir() if p.is_file()}
     (step / RECORD).write_text(json.dumps({"step": 1, "optimizer": "adamw", "plan_sha256": "", "files": files}))
-    return folder / "ckpt", model, sentinel
 
 
 def consolidate(capsys, checkpoint: Path, output: Path, *extra: str) -> tuple[int, str]:
@@ -94,3 +100,26 @@ def test_model_given_with_model_is_used(checkpoint, tmp_path, capsys):
     assert not sentinel.exists()
     assert torch.equal(load_file(str(tmp_path / "m.safetensors"))["wte.weight"],
                        load_file(str(root.parent / "out" / "weights" / "stage_0.safetensors"))["wte.weight"])
+
+
+def test_a_parameter_no_stage_reads_is_written_as_the_model_builds_it(tmp_path, capsys):
+    """The compile leaves out a parameter the forward never reads, so no checkpoint holds it; no
+    gradient reaches it and no optimizer steps it, so its value is the one build_model() gives."""
+    from autopart.ir.model_file import load_model_file
+
+    model = tmp_path / "gpt_unused.py"
+    model.write_text(GPT.read_text().replace(
+        "        self.ln_f = nn.LayerNorm(config.n_embd)\n",
+        "        self.ln_f = nn.LayerNorm(config.n_embd)\n        self.unused = nn.Linear(4, 4)  # read by nothing\n", 1))
+    out = tmp_path / "out"
+    cli.main(["compile", str(model), "-o", str(out), "--pp", "2", "--microbatches", "2", "--no-measure"])
+    assert "unused.weight" not in (out / "stages" / "stage_1.py").read_text()
+    save_weights_as_checkpoint(out, tmp_path / "ckpt")
+    capsys.readouterr()
+    code, err = consolidate(capsys, tmp_path / "ckpt", tmp_path / "model.safetensors")
+    assert code == 0, err
+    assert "no stage reads unused.weight, unused.bias" in err
+    written = load_file(str(tmp_path / "model.safetensors"))
+    built = load_model_file(model).module.state_dict()
+    assert written.keys() == built.keys()
+    assert torch.equal(written["unused.weight"], built["unused.weight"])

@@ -169,6 +169,9 @@ def _consolidate(args: argparse.Namespace, console: Console) -> None:
     summary = consolidate(args.checkpoint, args.out, args.model)
     for line in summary.skipped:
         print(f"autopart: {line}", file=sys.stderr)
+    if summary.unread:
+        print(f"autopart: note: no stage reads {', '.join(summary.unread)}, so training left them as build_model() "
+              "makes them: they are written so", file=sys.stderr)
     console.print(f"wrote {args.out}: {summary.tensors} tensors from {summary.checkpoint} (after {summary.step} steps)")
 
 

@@ -39,6 +39,7 @@ class Consolidated:
     step: int  # steps done when it was saved
     tensors: int
     skipped: tuple[str, ...]  # newer checkpoints passed over as damaged
+    unread: tuple[str, ...] = ()  # the model's parameters that no stage reads: as build_model() makes them
 
 
 def _model_file(plan: Plan, model: Path | None) -> Path:
@@ -83,16 +84,23 @@ def consolidated_state(checkpoint: Path, model: Path | None = None) -> tuple[dic
     for name, value in module.state_dict(keep_vars=True).items():
         aliases.setdefault(id(value), []).append(name)
     state: dict[str, torch.Tensor] = {}
+    unread: list[str] = []
     for names in aliases.values():
         found = next((whole[n] for n in names if n in whole), None)
-        if found is None:
+        parameter = dict(module.named_parameters()).get(names[0])
+        if found is None and parameter is not None and not parameter.is_meta:
+            # no stage reads it, so it has no gradient and no optimizer steps it: it is as it was built
+            found = parameter
+            unread.append(names[0])
+        if found is None:  # a buffer may be one the model writes and the capture left out (a counter)
             raise ConfigError(
-                f"the checkpoint holds no values for {names[0]!r} of the model (no stage reads it); "
-                "consolidate from a checkpoint of this model's compile"
+                f"the checkpoint holds no values for {names[0]!r} of the model (no stage reads it, and it is a buffer "
+                "or built on the meta device); consolidate from a checkpoint of this model's compile"
             )
         for name in names:
             state[name] = found.detach().clone().contiguous()
-    summary = Consolidated(checkpoint=path, step=int(read_record(path)["step"]), tensors=len(state), skipped=tuple(skipped))
+    summary = Consolidated(checkpoint=path, step=int(read_record(path)["step"]), tensors=len(state),
+                           skipped=tuple(skipped), unread=tuple(unread))
     return state, summary
 
 
