@@ -28,7 +28,7 @@ from autopart.options import CompileOptions, local_kind
 from autopart.predict.accuracy import Basis, with_basis
 from autopart.predict.headroom import headroom_warning
 from autopart.passes.annotate import annotate
-from autopart.passes.front import Front, build_front, capture_for, note_unsplit
+from autopart.passes.front import Front, build_front, capture_for, note_batch_statistics, note_unsplit
 from autopart.profiling.finalists import finalists_run_here, run_finalists
 from autopart.profiling.measure_defaults import co_run_processes, measure_defaults
 from autopart.profiling.pipeline import affordable, profiled_in_place
@@ -177,6 +177,7 @@ def measured_plan(options: CompileOptions, *, progress=None, console=None) -> tu
                              budget_chosen=options.memory_gib is not None)
     if tight:
         log.warning(tight)
+    note_batch_statistics(plan, front.op_graph.graph.module.graph)
     return plan, front
 
 

@@ -14,6 +14,7 @@ from torch import fx
 
 from autopart.ir.model_file import ModelSpec, is_meta, load_model_file
 from autopart.ir.placement import Placement
+from autopart.ir.plan import Plan
 from autopart.ir.scatter_gather import gathered, held_bytes
 from autopart.ir.tensors import TensorMeta
 from autopart.options import CompileOptions, local_kind
@@ -75,6 +76,28 @@ def note_unsplit(options: CompileOptions, front: Front) -> None:
         log.info(f"--tp {options.tp} splits no weight of {front.spec.path.name}: none divides {options.tp} ways, or"
                  f" splitting would be slower than running it whole; each of the {options.tp} ranks holds and computes"
                  " the whole model (lower --tp, or use --pp or --dp)")
+
+
+_TRAINING_ARG = 5
+"""Where ``training`` stands among the arguments of every batch-norm op a capture holds:
+``F.batch_norm`` (input, running_mean, running_var, weight, bias, training, ...) and ATen's
+``batch_norm`` and ``native_batch_norm`` (input, weight, bias, running_mean, running_var, training, ...)."""
+
+
+def note_batch_statistics(plan: Plan, graph: fx.Graph) -> None:
+    """BatchNorm in training normalises by its batch's statistics, and a pipeline's batch is a
+    microbatch, a replica's its share: the model trains as BatchNorm over fewer samples than the
+    global batch (as torch's DDP without SyncBatchNorm does). Said where it is so."""
+    samples = plan.schedule.micro_batch_size
+    if samples == plan.schedule.global_batch_size:
+        return
+    norms = [node for node in graph.nodes if node.op == "call_function" and "batch_norm" in str(node.target)
+             and (node.kwargs.get("training") if len(node.args) <= _TRAINING_ARG else node.args[_TRAINING_ARG])]
+    if norms:
+        log.info(f"{len(norms)} BatchNorm op(s) normalise by the statistics of each microbatch of {samples} samples, "
+                 f"not of the global batch of {plan.schedule.global_batch_size}: the model trains as BatchNorm over "
+                 f"{samples} (autopart verify, which compares with one process over the whole batch, will differ); "
+                 "a global batch in one microbatch of one replica keeps the model's own")
 
 
 def annotated(options: CompileOptions, micro_batch_size: int, *, separate_biases: bool,

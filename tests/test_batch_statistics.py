@@ -1,0 +1,44 @@
+"""BatchNorm in training normalises by its batch, and a pipeline's batch is a microbatch: the
+compile says so where the microbatch is smaller than the global batch, whichever capture ran."""
+
+import pytest
+
+import autopart
+
+MODEL = """
+import torch
+from torch import nn
+
+
+class Normed(nn.Module):  # batch statistics alone, as torch.fx traces them (nn.BatchNorm1d it cannot)
+    def forward(self, x):
+        return nn.functional.batch_norm(x, None, None, training=True)
+
+
+def build_model():
+    torch.manual_seed(0)
+    norm = NORM
+    return nn.Sequential(nn.Linear(8, 16), norm(), nn.ReLU(), nn.Linear(16, 16), norm(), nn.ReLU(), nn.Linear(16, 4))
+
+
+def example_batch(batch_size):
+    return (torch.randn(batch_size, 8),), torch.randint(0, 4, (batch_size,))
+
+
+def loss_fn(logits, target):
+    return nn.functional.cross_entropy(logits, target)
+"""
+
+
+@pytest.mark.parametrize("capture, norm", [("fx", "Normed"), ("export", "lambda: nn.BatchNorm1d(16)")])
+def test_batch_norm_over_microbatches_is_noted(tmp_path, caplog, capture, norm):
+    model = tmp_path / "bn.py"
+    model.write_text(MODEL.replace("NORM", norm))
+    with caplog.at_level("INFO", logger="autopart"):
+        autopart.compile(model, pp=2, microbatches=4, global_batch_size=8, capture=capture, measure=False)
+    assert "2 BatchNorm op(s) normalise by the statistics of each microbatch of 2 samples, not of the global batch " \
+           "of 8" in caplog.text
+    caplog.clear()
+    with caplog.at_level("INFO", logger="autopart"):
+        autopart.compile(model, pp=2, microbatches=1, global_batch_size=8, capture=capture, measure=False)
+    assert "BatchNorm" not in caplog.text
