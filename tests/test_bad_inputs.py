@@ -136,6 +136,27 @@ MODEL_CASES = {
         r"meta_without_initialiser\.py defines no init_weights\(module\)",
     ),
     "not_a_python_file": (LINEAR, [], r"is not a \.py file"),
+    "forward_writes_a_buffer_it_reads": (
+        GOOD_BATCH + textwrap.dedent(
+            """
+            class Centred(torch.nn.Module):
+                def __init__(self):
+                    super().__init__()
+                    self.linear = torch.nn.Linear(8, 4)
+                    self.register_buffer("mean", torch.zeros(4))
+
+                def forward(self, x):
+                    y = self.linear(x)
+                    self.mean.mul_(0.5).add_(y.detach().mean(0), alpha=0.5)
+                    return y - self.mean
+
+            def build_model():
+                return Centred()
+            """
+        ),
+        [],
+        r"the model's forward changes its buffer 'mean' and reads it back, so each run computes another loss",
+    ),
     "scalar_parameter_zero3": (SCALAR, ["--pp", "1", "--dp", "2", "--zero", "3"],
                                r"--zero 3 shards parameters with FSDP's fully_shard, which refuses the 0-dim parameter "
                                r"'temperature'; make it a tensor of one element"),

@@ -217,7 +217,11 @@ def capture(
     from autopart.codegen.names import check_model_names
 
     check_model_names(spec.module, spec.path.name)
+    before = {name: b.clone() for name, b in spec.module.named_buffers() if not b.is_meta}
     expected = _eager_reference(spec, inputs, target)
+    # a buffer the forward writes (a running statistic) that feeds the loss runs the graph on other values
+    written = tuple(name for name, b in spec.module.named_buffers()
+                    if name in before and not torch.equal(b, before[name]))
     leaf_types = leaf_classes(spec.module, leaves)
     if leaves and method == "export":
         raise ConfigError("--leaf keeps modules opaque to torch.fx, which torch.export cannot do; drop --capture export")
@@ -226,7 +230,7 @@ def capture(
     if method in (None, "fx"):
         try:
             graph = _graph(_trace_fx(spec, inputs, leaf_types), "fx", has_target, spec.module)
-            _check_same_loss(spec, graph, inputs, target, expected)
+            _check_same_loss(spec, graph, inputs, target, expected, written)
             return graph
         except Exception as exc:
             fx_failure = _reason(exc, spec.path)
@@ -249,7 +253,7 @@ def capture(
             "rewrite that code without Python control flow on tensor values"
         ) from None
     graph = _graph(_drawing_as_functions(module), "export", has_target, spec.module)
-    _check_same_loss(spec, graph, inputs, target, expected)
+    _check_same_loss(spec, graph, inputs, target, expected, written)
     if fx_failure:
         log.info(f"torch.fx could not trace {spec.path.name} ({fx_failure}); captured it with torch.export")
     return graph
@@ -341,12 +345,21 @@ def _same_draws() -> Iterator[None]:
 
 
 def _check_same_loss(
-    spec: ModelSpec, graph: Graph, inputs: tuple[torch.Tensor, ...], target: Any, expected: torch.Tensor | None
+    spec: ModelSpec, graph: Graph, inputs: tuple[torch.Tensor, ...], target: Any, expected: torch.Tensor | None,
+    written: tuple[str, ...] = (),
 ) -> None:
+    """``written``: the model's buffers that its eager forward changed."""
     if expected is None:  # a meta model: nothing to compare, annotate runs the graph on fake tensors
         return
     with torch.no_grad(), _same_draws():
         got = graph.module(*graph_args(graph, inputs, target))
+    if not torch.allclose(got, expected, rtol=1e-5, atol=1e-6) and written:
+        raise CaptureError(
+            f"the captured graph computes loss {got.item():.6g} but the model computes {expected.item():.6g}: the "
+            f"model's forward changes its buffer {written[0]!r}{f' (and {len(written) - 1} more)' if written[1:] else ''}"
+            " and reads it back, so each run computes another loss (a running statistic that feeds the output); "
+            "update it outside forward, or keep the output from reading it (as BatchNorm in training does)"
+        )
     if not torch.allclose(got, expected, rtol=1e-5, atol=1e-6):
         raise CaptureError(
             f"the captured graph computes loss {got.item():.6g} but the model computes {expected.item():.6g}; "
