@@ -1,6 +1,7 @@
 """autopart verify on the examples and on a corrupted stage file; names from the model in generated code."""
 
 import ast
+import math
 import re
 import shutil
 from dataclasses import replace
@@ -52,6 +53,17 @@ def test_verify_names_the_parameter_of_a_corrupted_stage(tmp_path):
     worst = re.search(r"largest parameter difference [0-9.e-]+ \(([^,]+),", result.stdout).group(1)
     assert re.search(rf"autopart: verify: parameter {re.escape(worst)} \(stage \d\) differs by up to", result.stderr)
     assert "the loss of step 0 differs" in result.stderr and "tolerance 1e-05 + 1e-05*|loss|" in result.stderr
+
+
+@pytest.mark.multiprocess
+def test_a_run_that_turns_to_nan_does_not_match(tmp_path):
+    """A NaN compares false with every tolerance: a broken run whose losses and weights turn to
+    NaN passed as a match."""
+    out = compiled(tmp_path, "gpt")
+    corrupt(out, "F.gelu(", "float('nan') * F.gelu(")
+    result = verify(out, steps=2)
+    assert not result.matches and result.loss_difference == math.inf and result.parameter_difference == math.inf
+    assert "the loss of step 0 differs by inf" in result.failures[0] or "differs by up to inf" in result.failures[0]
 
 
 @pytest.mark.multiprocess

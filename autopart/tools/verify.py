@@ -11,6 +11,7 @@ order of the sums lets them: `ORDER_NOISE_FACTOR`).
 from __future__ import annotations
 
 import json
+import math
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -176,6 +177,13 @@ def _run_distributed(
     run_locally(out_dir, plan.world_size, train_args, timeout_s=timeout_s, cwd=work, gpus=gpus)
 
 
+def _gap(got: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
+    """|got - expected|, infinite where one of them is NaN and 0 where both are: a NaN compares
+    false with every tolerance, and would pass where it stands for a broken run."""
+    gap = (got - expected).abs()
+    return torch.where(got.isnan() & expected.isnan(), 0.0, torch.nan_to_num(gap, nan=math.inf))
+
+
 def verify(out_dir: str | Path, *, steps: int = 3, lr: float | None = None, optimizer: str = "sgd",
            timeout_s: float = 600.0, recipe: Recipe | None = None) -> Verification:  # fmt: skip
     """``lr``: by default the optimizer's (`DEFAULT_LR`); ``recipe``: the learning-rate schedule,
@@ -218,7 +226,7 @@ def verify(out_dir: str | Path, *, steps: int = 3, lr: float | None = None, opti
     parameter_tolerance = (f"{BF16_SHARE_OF_STEP:g}*|its change in training| + 1e-07"
                            f"{f' + {BF16_NOISE_FACTOR:g}*|bf16 process - fp32 process|' if noise else ''}, bf16{reordered}"
                            if bf16 else f"{atol:g} + {rtol:g}*|value|{reordered}")
-    loss_gaps = [abs(a - b) for a, b in zip(losses, reference.losses)]
+    loss_gaps = [float(_gap(torch.tensor(a), torch.tensor(b))) for a, b in zip(losses, reference.losses)]
     for step, (gap, expected) in enumerate(zip(loss_gaps, reference.losses)):
         reordering = ORDER_NOISE_FACTOR * order.losses[step] if order is not None else 0.0
         if gap > max(loss_atol + loss_rtol * abs(expected), reordering):
@@ -232,7 +240,7 @@ def verify(out_dir: str | Path, *, steps: int = 3, lr: float | None = None, opti
             if name not in reference.parameters:
                 continue  # a constant of the graph, not a tensor of the model
             expected = reference.parameters[name]
-            gap_tensor = (value.double() - expected.double()).abs()
+            gap_tensor = _gap(value.double(), expected.double())
             gap = float(gap_tensor.max()) if gap_tensor.numel() else 0.0
             if gap > worst:
                 worst, worst_name = gap, name
