@@ -218,3 +218,47 @@ def test_no_dropout_reaches_positional_and_composite_dropouts():
         assert torch.equal(attention(x[None], x[None], x[None])[0], attention(x[None], x[None], x[None])[0])
         assert torch.equal(torch.dropout_(x.clone(), 0.9, True), x)
         assert torch.equal(collectives.sharded_dropout(x, 0.9), x)
+
+
+NO_DRAWS = """
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+
+class Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(16, 48)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).unflatten(-1, (3, 2, 8)).transpose(1, 3).unbind(2)
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=0.0, is_causal=True).transpose(1, 2).flatten(2)
+
+
+def build_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), Attention(), nn.Dropout(0.0), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+
+
+def example_batch(batch_size):
+    return (torch.randn(batch_size, 6, 8),), torch.randn(batch_size, 6, 4)
+
+
+def loss_fn(output, target):
+    return F.mse_loss(output, target)
+"""
+
+
+@pytest.mark.multiprocess
+def test_a_dropout_of_zero_draws_nothing_and_is_compared_as_it_is(tmp_path):
+    """An attention's ``dropout_p=0.0`` and an ``nn.Dropout(0.0)`` draw nothing: verify compares the
+    programs as they are, where it turned every dropout off for them."""
+    model = tmp_path / "no_draws.py"
+    model.write_text(NO_DRAWS)
+    out = tmp_path / "out"
+    compile_to_directory(CompileOptions(model=model, pp=2, microbatches=2, micro_batch_size=2, measure=False), out)
+    source = "".join(p.read_text() for p in (out / "stages").glob("*.py"))
+    assert "dropout_p=0.0" in source and "F.dropout(" in source
+    result = verify(out, steps=2)
+    assert not result.without_dropout and result.matches, result.failures[:3]

@@ -10,6 +10,7 @@ order of the sums lets them: `ORDER_NOISE_FACTOR`).
 
 from __future__ import annotations
 
+import ast
 import json
 import math
 import tempfile
@@ -152,8 +153,27 @@ def _reordered(order: _OrderNoise | None, what: str) -> str:
 
 
 def _draws(out_dir: Path) -> bool:
-    """The stage programs call a dropout (or pass a ``dropout_p``)."""
-    return any("dropout" in p.read_text() for p in (out_dir / "stages").glob("stage_*.py"))
+    """The stage programs call a dropout, or pass a ``dropout_p``, that is not a literal 0 (an
+    attention's ``dropout_p=0.0``, a ``nn.Dropout(0.0)``) or a literal training=False."""
+    return any(_draws_in(call) for path in (out_dir / "stages").glob("stage_*.py")
+               for call in ast.walk(ast.parse(path.read_text())) if isinstance(call, ast.Call))
+
+
+def _draws_in(call: ast.Call) -> bool:
+    keywords = {k.arg: k.value for k in call.keywords}
+    if "dropout_p" in keywords:  # F.scaled_dot_product_attention
+        return not _zero(keywords["dropout_p"])
+    if "dropout" not in ast.unparse(call.func).lower():
+        return False
+    # F.dropout and ATen's dropout and native_dropout alike: (input, p, training)
+    probability = keywords.get("p", call.args[1] if len(call.args) > 1 else None)
+    training = keywords.get("training", keywords.get("train", call.args[2] if len(call.args) > 2 else None))
+    return not (_zero(probability) or (isinstance(training, ast.Constant) and training.value is False))
+
+
+def _zero(node: ast.expr | None) -> bool:
+    """A literal 0 or 0.0 (None: an argument left to its default, which for a dropout is not 0)."""
+    return isinstance(node, ast.Constant) and not isinstance(node.value, bool) and node.value == 0
 
 
 def _draws_apart_from_one_process(out_dir: Path, plan) -> bool:
