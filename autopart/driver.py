@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from autopart.codegen.emit import check_output_directory, emit_directory
-from autopart.ir.errors import AutopartError, ConfigError, PlanError
+from autopart.ir.errors import AutopartError, PlanError
 from autopart.ir.model_file import load_model_file
 from autopart.ir.plan import Plan, load_plan
 from autopart.options import CompileOptions, local_kind
@@ -32,7 +32,6 @@ from autopart.passes.front import Front, build_front, capture_for, note_batch_st
 from autopart.profiling.finalists import finalists_run_here, run_finalists
 from autopart.profiling.measure_defaults import co_run_processes, measure_defaults
 from autopart.profiling.pipeline import affordable, profiled_in_place
-from autopart.runtime.fully_sharded import check_shardable
 from autopart.schedule import validation_beside
 from autopart.solve.assemble import pipeline_problem, plan_from_cuts
 from autopart.solve.pinned import rebuild_pinned
@@ -89,9 +88,6 @@ def compile_plan(options: CompileOptions, progress=None) -> tuple[Plan, Front]:
 def _fixed_layout_plan(options: CompileOptions, batch: tuple[int, int, int]) -> tuple[Plan, Front]:
     """The plan of a layout given in full: its cuts the user's or CP-SAT's."""
     front = build_front(options, batch[2])
-    refused = check_shardable(front.op_graph.graph.module, options.zero or 0)
-    if refused:
-        raise ConfigError(refused)
     note_unsplit(options, front)
     problem = pipeline_problem(options, front, batch[1])
     if options.pins_layers:  # the cuts are the user's: predicted as they are, memory checked

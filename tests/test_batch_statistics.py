@@ -30,6 +30,16 @@ def loss_fn(logits, target):
 """
 
 
+def test_a_batch_norm_in_eval_mode_is_not_noted(tmp_path, caplog):
+    """A BatchNorm kept in eval mode (a fine-tune's frozen statistics) normalises by its running
+    statistics, whatever the microbatch."""
+    model = tmp_path / "bn.py"
+    model.write_text(MODEL.replace("NORM", "lambda: nn.BatchNorm1d(16).eval()"))
+    with caplog.at_level("INFO", logger="autopart"):
+        autopart.compile(model, pp=2, microbatches=4, global_batch_size=8, capture="export", measure=False)
+    assert "BatchNorm" not in caplog.text
+
+
 @pytest.mark.parametrize("capture, norm", [("fx", "Normed"), ("export", "lambda: nn.BatchNorm1d(16)")])
 def test_batch_norm_over_microbatches_is_noted(tmp_path, caplog, capture, norm):
     model = tmp_path / "bn.py"

@@ -262,3 +262,16 @@ def test_a_dropout_of_zero_draws_nothing_and_is_compared_as_it_is(tmp_path):
     assert "dropout_p=0.0" in source and "F.dropout(" in source
     result = verify(out, steps=2)
     assert not result.without_dropout and result.matches, result.failures[:3]
+
+
+@pytest.mark.multiprocess
+def test_an_attention_dropout_given_by_place_draws(tmp_path):
+    """``F.scaled_dot_product_attention(q, k, v, None, 0.2)`` (as nn.MultiheadAttention passes its
+    own) draws: verify turns it off in both runs, where comparing draws made apart would fail."""
+    model = tmp_path / "draws.py"
+    model.write_text(NO_DRAWS.replace("dropout_p=0.0, is_causal=True", "None, 0.2, True"))
+    out = tmp_path / "out"
+    compile_to_directory(CompileOptions(model=model, pp=2, microbatches=2, micro_batch_size=2, measure=False), out)
+    assert "None, 0.2, True)" in (out / "stages" / "stage_0.py").read_text()
+    result = verify(out, steps=2)
+    assert result.without_dropout and result.matches, result.failures[:3]

@@ -174,6 +174,22 @@ def test_a_model_with_a_scalar_parameter_is_searched_without_fsdp(tmp_path, capl
     assert "the search leaves out ZeRO 2 and 3: FSDP cannot shard the 0-dim parameter 'temperature'" in caplog.text
 
 
+def test_a_plan_that_shards_a_scalar_parameter_is_refused(tmp_path):
+    """--plan: a plan.json edited to ZeRO 3 for a model with a 0-dim parameter is refused at
+    compile, as a pinned --zero 3 is, not at launch on every rank."""
+    from autopart.ir.errors import PlanError
+
+    model = tmp_path / "tempered.py"
+    model.write_text(TEMPERED)
+    out = tmp_path / "out"
+    compile_to_directory(CompileOptions(model=model, dp=2, zero=1, global_batch_size=8, measure=False), out)
+    plan = out / "plan.json"
+    plan.write_text(plan.read_text().replace('"zero": 1', '"zero": 3', 1))
+    with pytest.raises(PlanError, match=r"--zero 3 shards parameters with FSDP's fully_shard, which refuses the "
+                                        r"0-dim parameter 'temperature'"):
+        compile_to_directory(CompileOptions(model=model, plan=plan, measure=False), tmp_path / "again")
+
+
 def test_plans_from_before_zero_levels_still_load(tmp_path):
     out = tmp_path / "out"
     plan, _ = compile_to_directory(CompileOptions(model=REPO / "examples" / "gpt.py", dp=2, zero=True), out)

@@ -112,3 +112,11 @@ def test_synthetic_labels_keep_clear_of_a_marker_like_ignore_index(tmp_path: Pat
     for inputs, labels in [next(global_batches(spec, 16, seed)) for seed in range(3)]:
         assert int(labels.min()) >= 0 and int(labels.max()) <= 63 and int(inputs[0].min()) >= 1
         assert torch.isfinite(spec.loss_fn(spec.module(*inputs), labels))
+
+
+def test_signed_integers_keep_their_range(tmp_path: Path) -> None:
+    """Several negative values are a signed range (relative positions), not a marker."""
+    path = tmp_path / "signed.py"
+    path.write_text(PADDED_LABELS.replace("labels[:, -3:] = -100", "labels[:, -3:] = torch.tensor([-1, -2, -3])"))
+    drawn = torch.cat([next(global_batches(load_model_file(path), 16, seed))[1].flatten() for seed in range(3)])
+    assert int(drawn.min()) < 0

@@ -67,6 +67,26 @@ def test_a_run_that_turns_to_nan_does_not_match(tmp_path):
 
 
 @pytest.mark.multiprocess
+def test_a_reference_that_turns_to_nan_does_not_match_a_finite_run(tmp_path, monkeypatch):
+    """The other way round: the tolerance made of a NaN reference value is NaN, and no gap is
+    above it. The reference is made NaN here (a model whose one process diverges and whose
+    pipeline does not has no example small enough), the distributed run as it is."""
+    from autopart.tools import verify as verifying
+
+    out = compiled(tmp_path, "gpt")
+    real = verifying.train_reference
+
+    def diverged(*args, **kwargs):
+        run = real(*args, **kwargs)
+        return replace(run, losses=[math.nan] * len(run.losses),
+                       parameters={name: torch.full_like(value, math.nan) for name, value in run.parameters.items()})
+
+    monkeypatch.setattr(verifying, "train_reference", diverged)
+    result = verify(out, steps=1)
+    assert not result.matches and result.loss_difference == math.inf and result.parameter_difference == math.inf
+
+
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_verify_holds_adamw_to_what_the_order_of_sums_does(tmp_path, dtype):
     """AdamW steps an element whose gradient is within rounding of zero by about the rate, the

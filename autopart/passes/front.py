@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 
 from torch import fx
 
+from autopart.ir.errors import ConfigError
 from autopart.ir.model_file import ModelSpec, is_meta, load_model_file
 from autopart.ir.placement import Placement
 from autopart.ir.plan import Plan
@@ -25,6 +26,7 @@ from autopart.passes.recompute import recompute_cost
 from autopart.passes.rewrite import separate_biases
 from autopart.profiling.measure_defaults import co_run_processes
 from autopart.profiling.profile import profile_costs
+from autopart.runtime.fully_sharded import check_shardable
 from autopart.runtime.materialise import check_initialisers
 from autopart.solve.sequence import boundary_placement
 from autopart.solve.sharding import op_name
@@ -57,7 +59,13 @@ def capture_for(spec: ModelSpec, tp: int, **how) -> Graph:
 
 
 def build_front(options: CompileOptions, micro_batch_size: int) -> Front:
-    return sharded(annotated(options, micro_batch_size, separate_biases=options.tp > 1), options)
+    """The front of a layout given in full (pinned, or from --plan): refused where its ZeRO level
+    cannot shard a parameter that the captured graph holds (`check_shardable`)."""
+    front = sharded(annotated(options, micro_batch_size, separate_biases=options.tp > 1), options)
+    refused = check_shardable(front.op_graph.graph.module, options.zero or 0)
+    if refused:
+        raise ConfigError(refused)
+    return front
 
 
 def sharded(front: Front, options: CompileOptions) -> Front:
@@ -78,10 +86,27 @@ def note_unsplit(options: CompileOptions, front: Front) -> None:
                  " the whole model (lower --tp, or use --pp or --dp)")
 
 
-_TRAINING_ARG = 5
-"""Where ``training`` stands among the arguments of every batch-norm op a capture holds:
-``F.batch_norm`` (input, running_mean, running_var, weight, bias, training, ...) and ATen's
-``batch_norm`` and ``native_batch_norm`` (input, weight, bias, running_mean, running_var, training, ...)."""
+def _batch_statistics(node: fx.Node) -> bool:
+    """``node`` is a batch norm that normalises by its batch: one whose ``training`` (or ``train``)
+    argument is true, found by name in the op's schema (an ATen overload) or at the place
+    ``F.batch_norm`` gives it; ``_batch_norm_with_update`` trains by its name, ``_no_update`` and
+    ``_no_training`` do not."""
+    target = node.target
+    name = str(getattr(target, "__name__", target))
+    if node.op != "call_function" or "batch_norm" not in name:
+        return False
+    if "with_update" in name:
+        return True
+    if "no_update" in name or "no_training" in name:
+        return False
+    schema = getattr(target, "_schema", None)
+    names = [a.name for a in schema.arguments] if schema is not None else \
+        ["input", "running_mean", "running_var", "weight", "bias", "training"]  # F.batch_norm
+    place = next((i for i, n in enumerate(names) if n in ("training", "train")), None)
+    if place is None:
+        return False
+    flag = node.args[place] if len(node.args) > place else node.kwargs.get(names[place], False)
+    return flag is True
 
 
 def note_batch_statistics(plan: Plan, graph: fx.Graph) -> None:
@@ -91,8 +116,7 @@ def note_batch_statistics(plan: Plan, graph: fx.Graph) -> None:
     samples = plan.schedule.micro_batch_size
     if samples == plan.schedule.global_batch_size:
         return
-    norms = [node for node in graph.nodes if node.op == "call_function" and "batch_norm" in str(node.target)
-             and (node.kwargs.get("training") if len(node.args) <= _TRAINING_ARG else node.args[_TRAINING_ARG])]
+    norms = [node for node in graph.nodes if _batch_statistics(node)]
     if norms:
         log.info(f"{len(norms)} BatchNorm op(s) normalise by the statistics of each microbatch of {samples} samples, "
                  f"not of the global batch of {plan.schedule.global_batch_size}: the model trains as BatchNorm over "

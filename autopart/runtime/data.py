@@ -36,10 +36,11 @@ def model_file(out_dir: Path, plan: Plan) -> Path:
 
 def synthetic_batches(spec: ModelSpec, batch_size: int, seed: int) -> Iterator[tuple[tuple[torch.Tensor, ...], Any]]:
     """Seeded random batches with the shapes, dtypes and value ranges of ``example_batch``: floats
-    from a normal distribution, integers uniform over the example's range. Negative integers
-    beside non-negative ones are read as markers, not as a range (cross_entropy's
+    from a normal distribution, integers uniform over the example's range. One negative value
+    beside non-negative ones is read as a marker, not as the start of a range (cross_entropy's
     ``ignore_index=-100`` on padded labels): the range is the non-negative values', since a value
-    drawn between a marker and the classes (-43) is no class at all."""
+    drawn between a marker and the classes (-43) is no class at all; several negative values are
+    a signed range (relative positions)."""
     inputs, target = spec.example(batch_size)
     step = 0
     while True:
@@ -54,7 +55,8 @@ def synthetic_batches(spec: ModelSpec, batch_size: int, seed: int) -> Iterator[t
                 return torch.randint(0, 2, like.shape, generator=generator).bool()
             if like.numel() == 0:
                 return like.clone()
-            kept = like[like >= 0] if bool((like < 0).any() and (like >= 0).any()) else like
+            negative = like[like < 0].unique()
+            kept = like[like >= 0] if negative.numel() == 1 and bool((like >= 0).any()) else like
             low, high = int(kept.min()), int(kept.max())
             return torch.randint(low, high + 1, like.shape, generator=generator, dtype=like.dtype)
 

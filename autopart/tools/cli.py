@@ -170,8 +170,9 @@ def _consolidate(args: argparse.Namespace, console: Console) -> None:
     for line in summary.skipped:
         print(f"autopart: {line}", file=sys.stderr)
     if summary.unread:
-        print(f"autopart: note: no stage reads {', '.join(summary.unread)}, so training left them as build_model() "
-              "makes them: they are written so", file=sys.stderr)
+        print(f"autopart: note: no stage reads {', '.join(summary.unread)}, so training left them as they started: "
+              "they are written as build_model() makes them (a run started from --weights started them from there)",
+              file=sys.stderr)
     console.print(f"wrote {args.out}: {summary.tensors} tensors from {summary.checkpoint} (after {summary.step} steps)")
 
 

@@ -85,9 +85,10 @@ def consolidated_state(checkpoint: Path, model: Path | None = None) -> tuple[dic
         aliases.setdefault(id(value), []).append(name)
     state: dict[str, torch.Tensor] = {}
     unread: list[str] = []
+    parameters = dict(module.named_parameters())
     for names in aliases.values():
         found = next((whole[n] for n in names if n in whole), None)
-        parameter = dict(module.named_parameters()).get(names[0])
+        parameter = parameters.get(names[0])
         if found is None and parameter is not None and not parameter.is_meta:
             # no stage reads it, so it has no gradient and no optimizer steps it: it is as it was built
             found = parameter

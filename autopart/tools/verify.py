@@ -161,14 +161,23 @@ def _draws(out_dir: Path) -> bool:
 
 def _draws_in(call: ast.Call) -> bool:
     keywords = {k.arg: k.value for k in call.keywords}
-    if "dropout_p" in keywords:  # F.scaled_dot_product_attention
+    function = ast.unparse(call.func)
+    if "dropout_p" in keywords:  # an attention's
         return not _zero(keywords["dropout_p"])
-    if "dropout" not in ast.unparse(call.func).lower():
+    for name, place in _ATTENTION_DROPOUT_PLACES.items():  # given by place, as nn.MultiheadAttention gives it
+        if function.endswith(name):
+            return len(call.args) > place and not _zero(call.args[place])
+    if "dropout" not in function.lower():
         return False
     # F.dropout and ATen's dropout and native_dropout alike: (input, p, training)
     probability = keywords.get("p", call.args[1] if len(call.args) > 1 else None)
     training = keywords.get("training", keywords.get("train", call.args[2] if len(call.args) > 2 else None))
     return not (_zero(probability) or (isinstance(training, ast.Constant) and training.value is False))
+
+
+_ATTENTION_DROPOUT_PLACES = {"scaled_dot_product_attention": 4, "sharded_attention": 4,
+                             "multi_head_attention_forward": 10}
+"""Where the attentions a stage calls take their ``dropout_p`` by place (`autopart.runtime.forward.NoDropout`)."""
 
 
 def _zero(node: ast.expr | None) -> bool:
@@ -198,10 +207,17 @@ def _run_distributed(
 
 
 def _gap(got: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
-    """|got - expected|, infinite where one of them is NaN and 0 where both are: a NaN compares
-    false with every tolerance, and would pass where it stands for a broken run."""
-    gap = (got - expected).abs()
-    return torch.where(got.isnan() & expected.isnan(), 0.0, torch.nan_to_num(gap, nan=math.inf))
+    """|got - expected|: 0 where both are the same value, NaN or infinite too; infinite where only
+    one of them is NaN or infinite. A NaN compares false with every tolerance, and would pass where
+    it stands for a broken run."""
+    same = (got == expected) | (got.isnan() & expected.isnan())
+    return torch.where(same, 0.0, torch.nan_to_num((got - expected).abs(), nan=math.inf))
+
+
+def _finite(tolerance: torch.Tensor | float) -> torch.Tensor:
+    """A tolerance made of a reference value: none beyond its constant part where that value is
+    NaN or infinite (else a gap of infinity would be within a tolerance of NaN)."""
+    return torch.nan_to_num(torch.as_tensor(tolerance, dtype=torch.float64), nan=0.0, posinf=0.0)
 
 
 def verify(out_dir: str | Path, *, steps: int = 3, lr: float | None = None, optimizer: str = "sgd",
@@ -246,10 +262,11 @@ def verify(out_dir: str | Path, *, steps: int = 3, lr: float | None = None, opti
     parameter_tolerance = (f"{BF16_SHARE_OF_STEP:g}*|its change in training| + 1e-07"
                            f"{f' + {BF16_NOISE_FACTOR:g}*|bf16 process - fp32 process|' if noise else ''}, bf16{reordered}"
                            if bf16 else f"{atol:g} + {rtol:g}*|value|{reordered}")
-    loss_gaps = [float(_gap(torch.tensor(a), torch.tensor(b))) for a, b in zip(losses, reference.losses)]
+    loss_gaps = [float(_gap(torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64)))
+                 for a, b in zip(losses, reference.losses)]
     for step, (gap, expected) in enumerate(zip(loss_gaps, reference.losses)):
         reordering = ORDER_NOISE_FACTOR * order.losses[step] if order is not None else 0.0
-        if gap > max(loss_atol + loss_rtol * abs(expected), reordering):
+        if gap > max(float(_finite(loss_atol + loss_rtol * abs(expected))), float(_finite(reordering))):
             failures.append((gap, f"the loss of step {step} differs by {gap:.3g} ({losses[step]:.6f} vs {expected:.6f}; "
                                   f"tolerance {loss_tolerance})"))
     if len(losses) != steps:
@@ -269,7 +286,7 @@ def verify(out_dir: str | Path, *, steps: int = 3, lr: float | None = None, opti
                 allowed = BF16_SHARE_OF_STEP * moved + 1e-7 + BF16_NOISE_FACTOR * noise.get(name, 0.0)
             else:
                 allowed = atol + rtol * expected.double().abs()
-            within = not bool((gap_tensor > allowed).any())
+            within = not bool((gap_tensor > _finite(allowed)).any())
             if not within and order is not None:  # AdamW: each row's mean, as far as the order of sums takes it
                 within = order.covers(name, gap_tensor, noise.get(name))
             if not within:
