@@ -2,6 +2,7 @@
 compile says so where the microbatch is smaller than the global batch, whichever capture ran."""
 
 import pytest
+import torch
 
 import autopart
 
@@ -52,3 +53,21 @@ def test_batch_norm_over_microbatches_is_noted(tmp_path, caplog, capture, norm):
     with caplog.at_level("INFO", logger="autopart"):
         autopart.compile(model, pp=2, microbatches=1, global_batch_size=8, capture=capture, measure=False)
     assert "BatchNorm" not in caplog.text
+
+
+def test_the_running_statistics_are_emitted_as_built(tmp_path):
+    """The capture's checks and annotate's timing run forwards in training mode, which move
+    BatchNorm's running statistics; the weights written start where build_model() started them,
+    as the reference run does."""
+    from safetensors.torch import load_file
+
+    model = tmp_path / "bn.py"
+    model.write_text(MODEL.replace("NORM", "lambda: nn.BatchNorm1d(16)"))
+    out = tmp_path / "out"
+    autopart.emit(autopart.compile(model, pp=2, microbatches=4, global_batch_size=8, measure=False), out)
+    weights = {**load_file(str(out / "weights" / "stage_0.safetensors")),
+               **load_file(str(out / "weights" / "stage_1.safetensors"))}
+    means = [value for name, value in weights.items() if name.endswith("running_mean")]
+    variances = [value for name, value in weights.items() if name.endswith("running_var")]
+    assert len(means) == len(variances) == 2
+    assert all(torch.equal(m, torch.zeros(16)) for m in means) and all(torch.equal(v, torch.ones(16)) for v in variances)

@@ -87,6 +87,7 @@ def _write_programs(plan: Plan, op_graph: OpGraph, spec: ModelSpec, out: Path, *
             for part in str(node.target).split("."):
                 value = getattr(value, part)
             tensors[str(node.target)] = value
+    tensors.update({name: value for name, value in op_graph.graph.built_buffers.items() if name in tensors})
     # a model built on the meta device has no values to write: each rank makes its own weights
     # with the model's initialisers, or reads them from a checkpoint (train.py --weights)
     materialised = not is_meta(module)

@@ -26,8 +26,9 @@ import inspect
 import logging
 import sys
 import types
+import weakref
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +66,10 @@ class Graph:
     input_names: tuple[str, ...]  # placeholders, in call order; the last is TARGET when there is a loss
     has_target: bool
     constants: tuple[str, ...] = ()  # get_attr targets that are not the model's tensors (made in forward)
+    built_buffers: dict[str, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
+    """The model's buffers as build_model made them, before the capture's checks and annotate's
+    timing ran forwards in training mode on them (BatchNorm's running statistics move): what the
+    emitted weights hold, as the reference run starts from them."""
 
 
 class _Proxy(fx.Proxy):
@@ -217,7 +222,7 @@ def capture(
     from autopart.codegen.names import check_model_names
 
     check_model_names(spec.module, spec.path.name)
-    before = {name: b.clone() for name, b in spec.module.named_buffers() if not b.is_meta}
+    before = _built_buffers(spec.module)
     expected = _eager_reference(spec, inputs, target)
     # a buffer the forward writes (a running statistic) that feeds the loss runs the graph on other values
     written = tuple(name for name, b in spec.module.named_buffers()
@@ -231,7 +236,7 @@ def capture(
         try:
             graph = _graph(_trace_fx(spec, inputs, leaf_types), "fx", has_target, spec.module)
             _check_same_loss(spec, graph, inputs, target, expected, written)
-            return graph
+            return replace(graph, built_buffers=before)
         except Exception as exc:
             fx_failure = _reason(exc, spec.path)
             if method == "fx" or leaves:
@@ -256,7 +261,18 @@ def capture(
     _check_same_loss(spec, graph, inputs, target, expected, written)
     if fx_failure:
         log.info(f"torch.fx could not trace {spec.path.name} ({fx_failure}); captured it with torch.export")
-    return graph
+    return replace(graph, built_buffers=before)
+
+
+_BUILT: weakref.WeakKeyDictionary[nn.Module, dict[str, torch.Tensor]] = weakref.WeakKeyDictionary()
+
+
+def _built_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``model``'s buffers as they were when it was first captured: a model captured again (another
+    tensor-parallel degree in a search) has had forwards run on it since."""
+    if model not in _BUILT:
+        _BUILT[model] = {name: b.clone() for name, b in model.named_buffers() if not b.is_meta}
+    return _BUILT[model]
 
 
 def _graph(module: fx.GraphModule, method: str, has_target: bool, model: nn.Module) -> Graph:
