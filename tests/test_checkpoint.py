@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from autopart.ir.model_file import eager_loss, load_model_file
 from autopart.driver import CompileOptions, compile_to_directory
@@ -104,6 +104,25 @@ def test_adamw_stop_after_step_3_and_resume_is_bit_identical(compiled, tmp_path)
     assert "resumed from" in resumed.stdout
     assert "was saved by a run with" not in resumed.stderr, "a constant rate: more steps change nothing"
     assert_identical(parts, whole)
+
+
+@pytest.mark.multiprocess
+def test_resuming_past_the_steps_is_refused_and_weights_beside_a_checkpoint_are_named(compiled, uninterrupted,
+                                                                                      tmp_path):
+    """--resume from a checkpoint that already did --steps would train nothing and write none of
+    its outputs; --weights beside a checkpoint to resume is not read, and the run says so."""
+    result, _ = launch(compiled, "--steps", "3", "--resume", "--optimizer", "sgd", "--checkpoint-dir",
+                       str(uninterrupted / "ckpt"))
+    assert result.returncode != 0
+    assert f"--steps 3: the checkpoint resumed from had done {STEPS} steps already" in result.stderr, result.stderr[-3000:]
+    folder = shutil.copytree(uninterrupted / "ckpt", tmp_path / "ckpt")
+    whole = tmp_path / "whole.safetensors"
+    save_file({name: value for stage in stage_weights(compiled / "weights").values() for name, value in stage.items()},
+              str(whole))
+    result, _ = launch(compiled, "--steps", str(STEPS + 1), "--resume", "--optimizer", "sgd", "--checkpoint-dir",
+                       str(folder), "--weights", str(whole))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "resumed from a checkpoint, so --weights" in result.stderr and "lr_scheduler" not in result.stderr
 
 
 @pytest.mark.multiprocess

@@ -7,6 +7,7 @@ compile's initial weights, and its ``model.py`` creates a sentinel file when imp
 
 import hashlib
 import json
+import re
 import shutil
 import warnings
 from pathlib import Path
@@ -123,3 +124,18 @@ def test_a_parameter_no_stage_reads_is_written_as_the_model_builds_it(tmp_path, 
     built = load_model_file(model).module.state_dict()
     assert written.keys() == built.keys()
     assert torch.equal(written["unused.weight"], built["unused.weight"])
+
+
+@pytest.mark.parametrize("edit, message", [
+    (("n_embd: int = 64", "n_embd: int = 128"), r"gpt_other\.py's model holds '\S+' at \([\d, ]+\), the checkpoint at \([\d, ]+\); give the model file"),
+    (("n_layer: int = 4", "n_layer: int = 2"), r"gpt_other\.py's model has no 'h\.2\.\S+', which the checkpoint holds"),
+])  # fmt: skip
+def test_a_model_given_with_model_that_is_not_the_checkpoint_s_is_refused(checkpoint, tmp_path, capsys, edit, message):
+    """Written anyway, the file would not load into that model, or would leave trained layers out."""
+    root, _, _ = checkpoint
+    other = tmp_path / "gpt_other.py"
+    assert edit[0] in GPT.read_text()
+    other.write_text(GPT.read_text().replace(*edit))
+    code, err = consolidate(capsys, root, tmp_path / "m.safetensors", "--model", str(other))
+    assert code == 2 and len(err.splitlines()) == 1 and re.search(message, err), err
+    assert not (tmp_path / "m.safetensors").exists()

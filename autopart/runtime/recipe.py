@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -110,8 +111,10 @@ class Recipe:
     def scheduler(self, optimizer: torch.optim.Optimizer, lr: float, steps: int, *, done: int = 0):
         """The LambdaLR of this schedule over ``steps``, advanced past the ``done`` steps of a resumed run."""
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, self.lr_factor(lr, steps))
-        for _ in range(done):
-            scheduler.step()
+        with warnings.catch_warnings():  # replaying the steps done, not skipping an optimizer step
+            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
+            for _ in range(done):
+                scheduler.step()
         return scheduler
 
 

@@ -72,9 +72,9 @@ from autopart.runtime.reducer import GradientReducer
 from autopart.runtime.optim import OPTIMIZERS, make_optimizer
 from autopart.runtime.process_exit import leave
 from autopart.runtime.sharded_masters import ShardedMasters
-from autopart.runtime.output_paths import check_file_path, check_folder_path
+from autopart.runtime.train_flags import check_arguments, resumed_past_the_end
 from autopart.runtime.progress import StepReporter, Throughput, check_tensorboard, tokens_in
-from autopart.runtime.recipe import Recipe, add_recipe_arguments, check_lr, parameter_groups
+from autopart.runtime.recipe import Recipe, add_recipe_arguments, parameter_groups
 from autopart.runtime import collectives
 from autopart.runtime.mesh import Coordinates, Mesh, group_of
 from autopart.runtime.p2p import Channels, Scatter
@@ -173,26 +173,7 @@ def _train(out_dir: Path, argv: list[str] | None) -> None:
         check_folder(args.checkpoint_dir, resuming=args.resume or restarted())
     Recipe.from_args(args)
     check_tensorboard(args.tensorboard)
-    for flag, path in (("--metrics", args.metrics), ("--trace", args.trace)):
-        check_file_path(path, flag)
-    for flag, path in (("--action-times", args.action_times), ("--save-weights", args.save_weights),
-                       ("--checkpoint-dir", args.checkpoint_dir), ("--tensorboard", args.tensorboard)):
-        check_folder_path(path, flag)
-    for flag, value, least in (("--steps", args.steps, 1), ("--min-steps", args.min_steps, 1),
-                               ("--untimed-steps", args.untimed_steps, 0), ("--checkpoint-every", args.checkpoint_every, 0),
-                               ("--eval-every", args.eval_every, 0), ("--eval-batches", args.eval_batches, 1)):
-        if value is not None and value < least:
-            raise ConfigError(f"{flag} must be at least {least}, got {value}")
-    check_lr(args.lr)
-    if not args.timeout > 0:
-        raise ConfigError(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
-    if args.seconds is not None and not args.seconds >= 0:
-        raise ConfigError(f"--seconds must be a number of seconds, at least 0, got {args.seconds:g}")
-    if args.seconds is None and (args.min_steps is not None or args.untimed_steps is not None):
-        raise ConfigError(f"{'--min-steps' if args.min_steps is not None else '--untimed-steps'} counts toward "
-                          "--seconds S; give --seconds too, or drop it")
-    if args.seconds is not None and args.trace:
-        raise ConfigError("--trace records the last of --steps, which --seconds may not reach; give one of them")
+    check_arguments(args)
     source_file = model_file(out_dir, plan)
     schedule = plan_actions(plan, compiled=True)  # a bad hand edit stops every rank here, before any waits for a peer
     if not plan.schedule.actions and rank == 0:
@@ -236,7 +217,9 @@ def _loop(out_dir: Path, plan: Plan, schedule: Schedule, args: argparse.Namespac
         optimizer=optimizer, optimizer_name=args.optimizer, rank=rank, dp_rank=here.dp, tp_rank=here.tp,
         zero=plan.zero, seed=args.seed, device=device, flags=recipe.flags(args.lr, args.steps),
     )  # fmt: skip
-    first_step = checkpointing.resume() if args.checkpoint_dir and (args.resume or restarted()) else 0
+    first_step = _resumed(checkpointing, args, rank)
+    if resumed_past_the_end(args, first_step, restarted=restarted()):
+        return
     for _ in range(first_step):
         next(data)  # the data position: the batches of the steps already done
     scheduler = recipe.scheduler(optimizer, args.lr, args.steps, done=first_step)
@@ -445,6 +428,15 @@ def _mean_loss(losses: list[torch.Tensor], data_parallel: Any, dp: int) -> float
 def _shares(values: tuple, dp: int, dp_rank: int, microbatches: int) -> list[tuple]:
     share = split_microbatches(values, dp)[dp_rank]  # this replica's share of the global batch
     return split_microbatches(share, microbatches)
+
+
+def _resumed(checkpointing: CheckpointContext, args: argparse.Namespace, rank: int) -> int:
+    """The steps done by the checkpoint this run resumes from (0 where it starts afresh)."""
+    done = checkpointing.resume() if args.checkpoint_dir and (args.resume or restarted()) else 0
+    if done and args.weights is not None and rank == 0:
+        print(f"autopart: note: resumed from a checkpoint, so --weights {args.weights} (a run's start) was not read",
+              file=sys.stderr, flush=True)
+    return done
 
 
 def _write_trace(clock: StepClock, plan: Plan, args: argparse.Namespace, rank: int, step: int) -> None:

@@ -80,6 +80,7 @@ def consolidated_state(checkpoint: Path, model: Path | None = None) -> tuple[dic
                 pieces = [tensors[f"model/stage_{stage.index}/tp_{r}/{name}"] for r in range(tp)]
                 whole[name] = unshard_weight(pieces, placements.get(name, REPLICATE))
     assert module is not None
+    _check_same_model(module, whole, _model_file(plan, model))
     aliases: dict[int, list[str]] = {}
     for name, value in module.state_dict(keep_vars=True).items():
         aliases.setdefault(id(value), []).append(name)
@@ -103,6 +104,20 @@ def consolidated_state(checkpoint: Path, model: Path | None = None) -> tuple[dic
     summary = Consolidated(checkpoint=path, step=int(read_record(path)["step"]), tensors=len(state),
                            skipped=tuple(skipped), unread=tuple(unread))
     return state, summary
+
+
+def _check_same_model(module: torch.nn.Module, whole: dict[str, torch.Tensor], model_file: Path) -> None:
+    """Refuse a model file (``--model``) whose model is not the one the checkpoint trained: a
+    tensor the checkpoint holds that the model lacks, or holds at another shape, would write a
+    file that its own ``load_state_dict`` refuses, or drop trained values without a word."""
+    held = module.state_dict(keep_vars=True)
+    for name, value in whole.items():
+        if name not in held:
+            raise ConfigError(f"{model_file.name}'s model has no {name!r}, which the checkpoint holds; give the model "
+                              "file that was compiled with --model")
+        if tuple(held[name].shape) != tuple(value.shape):
+            raise ConfigError(f"{model_file.name}'s model holds {name!r} at {tuple(held[name].shape)}, the checkpoint "
+                              f"at {tuple(value.shape)}; give the model file that was compiled with --model")
 
 
 def consolidate(checkpoint: Path, output: Path, model: Path | None = None) -> Consolidated:

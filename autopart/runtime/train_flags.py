@@ -1,0 +1,57 @@
+"""train.py's flags checked together, before any process waits for a peer: each mistake one line
+(`autopart.ir.errors.ConfigError`), on every rank alike, since every rank reads the same flags."""
+
+from __future__ import annotations
+
+import argparse
+
+from autopart.ir.errors import ConfigError
+from autopart.runtime.output_paths import check_file_path, check_folder_path
+from autopart.runtime.recipe import check_lr
+
+__all__ = ["check_arguments", "resumed_past_the_end"]
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    """Refuse flags out of range, flags that need another, and output paths that cannot be written."""
+    for flag, path in (("--metrics", args.metrics), ("--trace", args.trace)):
+        check_file_path(path, flag)
+    for flag, path in (("--action-times", args.action_times), ("--save-weights", args.save_weights),
+                       ("--checkpoint-dir", args.checkpoint_dir), ("--tensorboard", args.tensorboard)):
+        check_folder_path(path, flag)
+    for flag, value, least in (("--steps", args.steps, 1), ("--min-steps", args.min_steps, 1),
+                               ("--untimed-steps", args.untimed_steps, 0), ("--checkpoint-every", args.checkpoint_every, 0),
+                               ("--eval-every", args.eval_every, 0), ("--eval-batches", args.eval_batches, 1)):
+        if value is not None and value < least:
+            raise ConfigError(f"{flag} must be at least {least}, got {value}")
+    check_lr(args.lr)
+    if args.lr_schedule != "constant" and args.min_lr > args.lr:
+        raise ConfigError(f"--min-lr {args.min_lr:g} is above --lr {args.lr:g}, so --lr-schedule {args.lr_schedule} "
+                          "would raise the rate as it goes; give a --min-lr below --lr")
+    if args.checkpoint_every and args.checkpoint_dir is None:
+        raise ConfigError("--checkpoint-every saves into --checkpoint-dir DIR; give it too, or drop --checkpoint-every")
+    if args.eval_batches != 1 and not args.eval_every:
+        raise ConfigError("--eval-batches counts the held-out batches of each --eval-every K; give it too, or drop "
+                          "--eval-batches")
+    if not args.timeout > 0:
+        raise ConfigError(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
+    if args.seconds is not None and not args.seconds >= 0:
+        raise ConfigError(f"--seconds must be a number of seconds, at least 0, got {args.seconds:g}")
+    if args.seconds is None and (args.min_steps is not None or args.untimed_steps is not None):
+        raise ConfigError(f"{'--min-steps' if args.min_steps is not None else '--untimed-steps'} counts toward "
+                          "--seconds S; give --seconds too, or drop it")
+    if args.seconds is not None and args.trace:
+        raise ConfigError("--trace records the last of --steps, which --seconds may not reach; give one of them")
+
+
+def resumed_past_the_end(args: argparse.Namespace, done: int, *, restarted: bool) -> bool:
+    """Whether a resumed run has nothing left to train (its checkpoint had done ``done`` of
+    ``--steps``): True for torchrun's restart of a run whose last checkpoint ended it; a first
+    launch with --resume is refused, as it would train nothing and write none of the outputs it
+    was given."""
+    if done < args.steps:
+        return False
+    if restarted:
+        return True
+    raise ConfigError(f"--steps {args.steps}: the checkpoint resumed from had done {done} steps already; give "
+                      f"--steps above {done} to train on")
