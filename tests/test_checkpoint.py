@@ -230,6 +230,19 @@ def test_dead_or_stuck_peer_ends_the_job_with_the_failing_action(compiled, tmp_p
 
 
 @pytest.mark.multiprocess
+def test_a_peer_that_dies_during_a_save_ends_the_job_in_one_line(compiled, tmp_path):
+    """The survivor, waiting in the save's collectives, says where it was, not the collective
+    library's traceback; the checkpoint before it stays the latest good one."""
+    result, _ = launch(compiled, "--steps", "4", "--timeout", "8", "--checkpoint-dir", str(tmp_path / "ckpt"),
+                       "--checkpoint-every", "1", env={"AUTOPART_FAIL_AT": "1:1:save"}, monitor_interval=2.0)
+    assert result.returncode != 0
+    assert "autopart: error on rank 0: rank 0, saving the checkpoint after step 1: " in result.stderr, \
+        result.stderr[-3000:]
+    assert "[rank0]: Traceback" not in result.stderr
+    assert latest_checkpoint(tmp_path / "ckpt")[0].name == "step_00000001"
+
+
+@pytest.mark.multiprocess
 def test_a_rank_killed_by_a_signal_says_where_it_was(compiled):
     """An abort inside a C++ library leaves no Python traceback of its own; the rank's stack is
     what tells a user (and a CI log) where it died."""

@@ -96,15 +96,16 @@ def check_launch(out_dir: Path, plan: Plan, *, rank: int, world_size: int) -> No
             )
 
 
-def inject_failure(rank: int, step: int) -> None:
+def inject_failure(rank: int, step: int, *, saving: bool = False) -> None:
     """Test hook: ``AUTOPART_FAIL_AT=RANK:STEP`` ends that rank at the start of that step, and
     ``RANK:STEP:hang`` makes it stop answering instead, ``RANK:STEP:abort`` kills it with SIGABRT
-    (as a collective library's failed check does); only in torchrun's first attempt."""
+    (as a collective library's failed check does), ``RANK:STEP:save`` ends it as it starts to save
+    the checkpoint after that step (``saving``); only in torchrun's first attempt."""
     spec = os.environ.get("AUTOPART_FAIL_AT")
     if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
         return
     parts = spec.split(":")
-    if int(parts[0]) != rank or int(parts[1]) != step:
+    if int(parts[0]) != rank or int(parts[1]) != step or (len(parts) > 2 and parts[2] == "save") != saving:
         return
     if len(parts) > 2 and parts[2] == "hang":
         print(f"autopart: AUTOPART_FAIL_AT: rank {rank} stops answering at step {step}", file=sys.stderr, flush=True)

@@ -269,7 +269,7 @@ def _loop(out_dir: Path, plan: Plan, schedule: Schedule, args: argparse.Namespac
         if clock is not None:
             _write_trace(clock, plan, args, rank, step)
         if args.checkpoint_dir and (stopping or (args.checkpoint_every and (step + 1) % args.checkpoint_every == 0)):
-            checkpointing.save(step + 1)
+            _save(checkpointing, step + 1, rank)
         if stopping:
             break
     _finish(args, reporter, optimizer, stages, here, mesh.tp)
@@ -428,6 +428,19 @@ def _mean_loss(losses: list[torch.Tensor], data_parallel: Any, dp: int) -> float
 def _shares(values: tuple, dp: int, dp_rank: int, microbatches: int) -> list[tuple]:
     share = split_microbatches(values, dp)[dp_rank]  # this replica's share of the global batch
     return split_microbatches(share, microbatches)
+
+
+def _save(checkpointing: CheckpointContext, steps_done: int, rank: int) -> None:
+    """A checkpoint saved; a peer that dies during it (or a full disk) ends this rank as a failed
+    action does, in one line that says where it was, not in the collective library's traceback.
+    The half-written folder is left for the next resume to pass over."""
+    inject_failure(rank, steps_done - 1, saving=True)
+    try:
+        checkpointing.save(steps_done)
+    except (RuntimeError, OSError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise StepFailure(f"rank {rank}, saving the checkpoint after step {steps_done - 1}: "
+                          f"{type(exc).__name__}: {first}") from None
 
 
 def _resumed(checkpointing: CheckpointContext, args: argparse.Namespace, rank: int) -> int:
