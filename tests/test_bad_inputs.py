@@ -371,7 +371,9 @@ def _not_safetensors(folder: Path, out: Path) -> list[str]:
     return ["--weights", str(folder / "w.safetensors")]
 
 
-def _a_file(path: Path) -> list[str]:
+def _a_file(path: Path, folder: bool = False) -> list[str]:
+    if folder:
+        path.parent.mkdir()
     path.write_text("mine")
     return []
 
@@ -417,6 +419,10 @@ TRAIN_CASES = {  # name -> (environment, arguments given (folder, OUT), pattern 
                                      r"--checkpoint-every saves into --checkpoint-dir DIR; give it too"),
     "eval_batches_without_eval_every": ({}, lambda f, o: ["--eval-batches", "4"],
                                         r"--eval-batches counts the held-out batches of each --eval-every K"),
+    "save_weights_beside_another_plan_s": ({}, lambda f, o: _a_file(f / "w" / "stage_3.safetensors", folder=True)
+                                           + ["--save-weights", str(f / "w")],
+                                           r"--save-weights .*w holds stage_3\.safetensors, which this plan \(2 stages, "
+                                           r"tp 1\) does not write"),
     "resume_without_checkpoint_dir": ({}, lambda f, o: ["--resume"], r"--resume needs --checkpoint-dir DIR"),
     "weights_lacking_a_parameter": ({}, _weights_lacking_one,
                                     r"lacks 1 tensor\(s\) of stage 0, first .*; save every parameter under its name"),

@@ -72,7 +72,7 @@ from autopart.runtime.reducer import GradientReducer
 from autopart.runtime.optim import OPTIMIZERS, make_optimizer
 from autopart.runtime.process_exit import leave
 from autopart.runtime.sharded_masters import ShardedMasters
-from autopart.runtime.train_flags import check_arguments, resumed_past_the_end
+from autopart.runtime.train_flags import check_arguments, check_weights_folder, resumed, resumed_past_the_end
 from autopart.runtime.progress import StepReporter, Throughput, check_tensorboard, tokens_in
 from autopart.runtime.recipe import Recipe, add_recipe_arguments, parameter_groups
 from autopart.runtime import collectives
@@ -174,6 +174,7 @@ def _train(out_dir: Path, argv: list[str] | None) -> None:
     Recipe.from_args(args)
     check_tensorboard(args.tensorboard)
     check_arguments(args)
+    check_weights_folder(args.save_weights, plan)
     source_file = model_file(out_dir, plan)
     schedule = plan_actions(plan, compiled=True)  # a bad hand edit stops every rank here, before any waits for a peer
     if not plan.schedule.actions and rank == 0:
@@ -217,7 +218,7 @@ def _loop(out_dir: Path, plan: Plan, schedule: Schedule, args: argparse.Namespac
         optimizer=optimizer, optimizer_name=args.optimizer, rank=rank, dp_rank=here.dp, tp_rank=here.tp,
         zero=plan.zero, seed=args.seed, device=device, flags=recipe.flags(args.lr, args.steps),
     )  # fmt: skip
-    first_step = _resumed(checkpointing, args, rank)
+    first_step = resumed(checkpointing, args, rank)
     if resumed_past_the_end(args, first_step, restarted=restarted()):
         return
     for _ in range(first_step):
@@ -441,15 +442,6 @@ def _save(checkpointing: CheckpointContext, steps_done: int, rank: int) -> None:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         raise StepFailure(f"rank {rank}, saving the checkpoint after step {steps_done - 1}: "
                           f"{type(exc).__name__}: {first}") from None
-
-
-def _resumed(checkpointing: CheckpointContext, args: argparse.Namespace, rank: int) -> int:
-    """The steps done by the checkpoint this run resumes from (0 where it starts afresh)."""
-    done = checkpointing.resume() if args.checkpoint_dir and (args.resume or restarted()) else 0
-    if done and args.weights is not None and rank == 0:
-        print(f"autopart: note: resumed from a checkpoint, so --weights {args.weights} (a run's start) was not read",
-              file=sys.stderr, flush=True)
-    return done
 
 
 def _write_trace(clock: StepClock, plan: Plan, args: argparse.Namespace, rank: int, step: int) -> None:

@@ -4,12 +4,17 @@
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 from autopart.ir.errors import ConfigError
+from autopart.ir.plan import Plan
+from autopart.runtime.checkpoint import CheckpointContext, restarted
 from autopart.runtime.output_paths import check_file_path, check_folder_path
 from autopart.runtime.recipe import check_lr
+from autopart.runtime.shards import weights_file_name
 
-__all__ = ["check_arguments", "resumed_past_the_end"]
+__all__ = ["check_arguments", "check_weights_folder", "resumed", "resumed_past_the_end"]
 
 
 def check_arguments(args: argparse.Namespace) -> None:
@@ -44,6 +49,16 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise ConfigError("--trace records the last of --steps, which --seconds may not reach; give one of them")
 
 
+def resumed(checkpointing: CheckpointContext, args: argparse.Namespace, rank: int) -> int:
+    """The steps done by the checkpoint this run resumes from (0 where it starts afresh); where
+    one is resumed, a --weights given beside it (for a launch that may find none) is not read."""
+    done = checkpointing.resume() if args.checkpoint_dir and (args.resume or restarted()) else 0
+    if done and args.weights is not None and rank == 0:
+        print(f"autopart: note: resumed from a checkpoint, so --weights {args.weights} (a run's start) was not read",
+              file=sys.stderr, flush=True)
+    return done
+
+
 def resumed_past_the_end(args: argparse.Namespace, done: int, *, restarted: bool) -> bool:
     """Whether a resumed run has nothing left to train (its checkpoint had done ``done`` of
     ``--steps``): True for torchrun's restart of a run whose last checkpoint ended it; a first
@@ -55,3 +70,16 @@ def resumed_past_the_end(args: argparse.Namespace, done: int, *, restarted: bool
         return True
     raise ConfigError(f"--steps {args.steps}: the checkpoint resumed from had done {done} steps already; give "
                       f"--steps above {done} to train on")
+
+
+def check_weights_folder(folder: Path | None, plan: Plan) -> None:
+    """Refuse a --save-weights folder that holds stage files this plan does not write (another
+    plan's): merged with this run's, they would mix another run's weights into this one's."""
+    if folder is None or not folder.is_dir():
+        return
+    tp = plan.mesh["tp"]
+    ours = {weights_file_name(stage.index, r, tp) for stage in plan.stages for r in range(tp)}
+    others = sorted(p.name for p in folder.glob("stage_*.safetensors") if p.name not in ours)
+    if others:
+        raise ConfigError(f"--save-weights {folder} holds {others[0]}, which this plan ({len(plan.stages)} stages, tp "
+                          f"{tp}) does not write: another run's; give a new or empty folder")
