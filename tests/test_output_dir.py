@@ -117,3 +117,18 @@ def test_a_folder_this_user_may_not_write_in_is_refused_before_the_compile(tmp_p
     (tmp_path / "out").mkdir()
     line = refused(capsys, tmp_path / "out")
     assert f"-o {tmp_path / 'out'}: this user may not write in {tmp_path}" in line
+
+
+def test_the_output_is_as_readable_as_the_umask_makes_a_user_s_files(tmp_path, capsys):
+    """tempfile makes its folder 0700 and safetensors its files 0600: on a shared file system the
+    other users and jobs that train from OUT could read none of it."""
+    import os
+
+    mask = os.umask(0o027)
+    try:
+        cli.main(["compile", GPT, "-o", str(tmp_path / "out"), "--pp", "2", "--microbatches", "2", "--no-measure"])
+    finally:
+        os.umask(mask)
+    capsys.readouterr()
+    assert (tmp_path / "out").stat().st_mode & 0o777 == 0o750
+    assert (tmp_path / "out" / "weights" / "stage_0.safetensors").stat().st_mode & 0o777 == 0o640

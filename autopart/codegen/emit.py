@@ -28,6 +28,7 @@ from autopart.ir.placement import shard
 from autopart.ir.plan import Plan
 from autopart.ir.tensors import PRECISION_TEXT
 from autopart.runtime.launch import PLAN_HASH_KEY, file_sha256, plan_digest
+from autopart.runtime.output_paths import as_umask
 from autopart.runtime.shards import shard_weight
 from autopart.runtime.shards import weights_file_name
 from autopart.passes.blocks import BlockChain, build_blocks
@@ -54,7 +55,7 @@ def emit_directory(plan: Plan, op_graph: OpGraph, spec: ModelSpec, out_dir: Path
         _write(plan, op_graph, spec, staging, final=out_dir, chain=build_blocks(op_graph) if chain is None else chain)
         write_marker(staging)
         remove_output(out_dir)
-        staging.rename(out_dir)
+        as_umask(staging).rename(out_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -134,7 +135,9 @@ def _write_programs(plan: Plan, op_graph: OpGraph, spec: ModelSpec, out: Path, *
     for index, placements, names in held:
         for rank in range(tp):  # written even when empty (a meta model's ranks make their weights): it
             weights = {name: local(name, placements, rank).contiguous().clone() for name in names}  # carries the plan's hash
-            save_file(weights, str(out / "weights" / weights_file_name(index, rank, tp)), metadata=compile_id)
+            path = out / "weights" / weights_file_name(index, rank, tp)
+            save_file(weights, str(path), metadata=compile_id)
+            as_umask(path)
     shutil.copyfile(spec.path, out / "model.py")
     (out / "train.py").write_text(_entry_point(plan, command))
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from autopart.ir.errors import ConfigError
 
-__all__ = ["check_file_path", "check_folder_path", "check_parent"]
+__all__ = ["check_file_path", "check_folder_path", "check_parent", "as_umask"]
 
 
 def check_parent(path: Path, flag: str, *, writes: bool = True, made_beside: bool = False) -> None:
@@ -59,3 +59,13 @@ def check_folder_path(path: Path | None, flag: str) -> None:
     if Path(path).exists() and not Path(path).is_dir():
         raise ConfigError(f"{flag} {path} is a file; give the path of a folder")
     check_parent(path, flag)
+
+
+def as_umask(path: Path) -> Path:
+    """``path`` given the modes the user's umask gives a file (or folder) they make: safetensors
+    writes its files 0600 and ``tempfile.mkdtemp`` its folders 0700, which on a shared file system
+    keeps the weights from the other users and jobs that would read them."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, (0o777 if Path(path).is_dir() else 0o666) & ~mask)
+    return Path(path)

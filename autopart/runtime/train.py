@@ -72,6 +72,7 @@ from autopart.runtime.reducer import GradientReducer
 from autopart.runtime.optim import OPTIMIZERS, make_optimizer
 from autopart.runtime.process_exit import leave
 from autopart.runtime.sharded_masters import ShardedMasters
+from autopart.runtime.output_paths import as_umask
 from autopart.runtime.train_flags import check_arguments, check_weights_folder, resumed, resumed_past_the_end
 from autopart.runtime.progress import StepReporter, Throughput, check_tensorboard, tokens_in
 from autopart.runtime.recipe import Recipe, add_recipe_arguments, parameter_groups
@@ -472,6 +473,7 @@ def _save_weights(folder: Path, stages: dict[int, StageRuntime], here: Coordinat
     for s, state in states.items():
         state = {k: v.detach().cpu().contiguous() for k, v in state.items()}
         save_file(state, str(folder / weights_file_name(s, here.tp, tp)))
+        as_umask(folder / weights_file_name(s, here.tp, tp))
 
 
 def _graph_values(plan: Plan, inputs: tuple, target: Any) -> tuple:

@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import save_file
 
 from autopart.ir.model_file import load_model_file
-from autopart.runtime.output_paths import check_parent
+from autopart.runtime.output_paths import as_umask, check_parent
 from autopart.ir.errors import ConfigError
 from autopart.ir.placement import REPLICATE, Placement
 from autopart.ir.plan import Plan, load_plan
@@ -130,5 +130,6 @@ def consolidate(checkpoint: Path, output: Path, model: Path | None = None) -> Co
     output.parent.mkdir(parents=True, exist_ok=True)
     partial = output.with_name(f".{output.name}.partial-{os.getpid()}")
     save_file(state, str(partial), metadata={"autopart_checkpoint": str(summary.checkpoint), "step": str(summary.step)})
+    as_umask(partial)
     partial.replace(output)
     return summary
