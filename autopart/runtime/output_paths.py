@@ -65,7 +65,17 @@ def as_umask(path: Path) -> Path:
     """``path`` given the modes the user's umask gives a file (or folder) they make: safetensors
     writes its files 0600 and ``tempfile.mkdtemp`` its folders 0700, which on a shared file system
     keeps the weights from the other users and jobs that would read them."""
-    mask = os.umask(0)
-    os.umask(mask)
-    os.chmod(path, (0o777 if Path(path).is_dir() else 0o666) & ~mask)
+    os.chmod(path, (0o777 if Path(path).is_dir() else 0o666) & ~_umask())
     return Path(path)
+
+
+def _umask() -> int:
+    """The process's umask, read where Linux shows it: setting it to read it (``os.umask``) would
+    leave, for an instant, every file another thread makes open to all."""
+    try:
+        with open("/proc/self/status") as status:
+            return next(int(line.split()[1], 8) for line in status if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError):
+        mask = os.umask(0o077)  # the narrowest for the instant it is held
+        os.umask(mask)
+        return mask

@@ -1,5 +1,6 @@
-"""train.py's flags checked together, before any process waits for a peer: each mistake one line
-(`autopart.ir.errors.ConfigError`), on every rank alike, since every rank reads the same flags."""
+"""train.py's flags checked together, before any process waits for a peer, and what they ask of a
+resume: each mistake one line (`autopart.ir.errors.ConfigError`), on every rank alike, since
+every rank reads the same flags."""
 
 from __future__ import annotations
 
