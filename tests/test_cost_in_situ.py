@@ -81,9 +81,11 @@ def test_each_node_gets_its_own_time_in_the_whole_graph() -> None:
     names = {n.name: n for n in module.graph.nodes}
     a = next(k for k, n in names.items() if n.op == "call_function" and n.target is slow_a)
     b = next(k for k, n in names.items() if n.op == "call_function" and n.target is slow_b)
-    # each spin lands on the node that spins, in forward and in backward, and nowhere else
-    assert 0.0019 < times[a].forward_s < 0.0035 and 0.0009 < times[a].backward_s < 0.0025
-    assert 0.0004 < times[b].forward_s < 0.002 and 0.0028 < times[b].backward_s < 0.0045
+    # each spin lands on the node that spins, in forward and in backward, and nowhere else: a spin
+    # charged to the other node would take its own below the lower bound; the upper bounds leave
+    # room for a busy machine's preemptions, which only add
+    assert 0.0019 < times[a].forward_s < 0.005 and 0.0009 < times[a].backward_s < 0.004
+    assert 0.0004 < times[b].forward_s < 0.0035 and 0.0028 < times[b].backward_s < 0.006
     for name, node_times in times.items():
         if name not in (a, b):
             assert node_times.forward_s < 0.0004 and node_times.backward_s < 0.0004, name
