@@ -496,6 +496,8 @@ COMMAND_CASES = {  # name -> (arguments given the test's folder and OUT, pattern
     "verify_negative_lr": (lambda f, o: ["verify", str(o), "--lr", "-1"], r"--lr must be a finite learning rate, at least 0, got -1"),
     "verify_negative_timeout": (lambda f, o: ["verify", str(o), "--timeout", "-1"],
                                 r"--timeout must be a positive number of seconds, got -1"),
+    "verify_min_lr_above_lr": (lambda f, o: ["verify", str(o), "--lr-schedule", "linear", "--min-lr", "0.5"],
+                               r"--min-lr 0\.5 is above --lr 0\.1, so --lr-schedule linear would raise the rate"),
     "verify_zero_steps": (lambda f, o: ["verify", str(o), "--steps", "0"], r"--steps must be at least 1, got 0"),
     "explain_not_an_output": (lambda f, o: ["explain", str(f)], r"plan\.json"),
     "profile_zero_batch": (lambda f, o: ["profile", "examples/gpt.py", "-o", str(f / "c.json"), "--micro-batch-size", "0"],

@@ -12,7 +12,6 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from autopart.passes.annotate import OpGraph
 from autopart.ir.model_file import ModelSpec, is_meta
@@ -28,7 +27,7 @@ from autopart.ir.placement import shard
 from autopart.ir.plan import Plan
 from autopart.ir.tensors import PRECISION_TEXT
 from autopart.runtime.launch import PLAN_HASH_KEY, file_sha256, plan_digest
-from autopart.runtime.output_paths import as_umask
+from autopart.runtime.output_paths import as_umask, save_tensors
 from autopart.runtime.shards import shard_weight
 from autopart.runtime.shards import weights_file_name
 from autopart.passes.blocks import BlockChain, build_blocks
@@ -135,9 +134,7 @@ def _write_programs(plan: Plan, op_graph: OpGraph, spec: ModelSpec, out: Path, *
     for index, placements, names in held:
         for rank in range(tp):  # written even when empty (a meta model's ranks make their weights): it
             weights = {name: local(name, placements, rank).contiguous().clone() for name in names}  # carries the plan's hash
-            path = out / "weights" / weights_file_name(index, rank, tp)
-            save_file(weights, str(path), metadata=compile_id)
-            as_umask(path)
+            save_tensors(weights, out / "weights" / weights_file_name(index, rank, tp), compile_id)
     shutil.copyfile(spec.path, out / "model.py")
     (out / "train.py").write_text(_entry_point(plan, command))
 

@@ -46,7 +46,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from autopart.ir.errors import ConfigError
 
-__all__ = ["FSDP_LEVELS", "check_level", "check_shardable", "runs_here", "scalar_parameter", "end_of_step", "full_state", "is_sharded", "local", "shard_stage"]
+__all__ = ["FSDP_LEVELS", "check_level", "check_shardable", "runs_here", "scalar_parameter", "end_of_step", "full_state",
+           "is_sharded", "local", "shard_stage"]
 
 FSDP_LEVELS = (2, 3)
 

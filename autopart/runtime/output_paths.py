@@ -12,9 +12,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import torch
+from safetensors.torch import save_file
+
 from autopart.ir.errors import ConfigError
 
-__all__ = ["check_file_path", "check_folder_path", "check_parent", "as_umask"]
+__all__ = ["check_file_path", "check_folder_path", "check_parent", "as_umask", "save_tensors"]
 
 
 def check_parent(path: Path, flag: str, *, writes: bool = True, made_beside: bool = False) -> None:
@@ -59,6 +62,12 @@ def check_folder_path(path: Path | None, flag: str) -> None:
     if Path(path).exists() and not Path(path).is_dir():
         raise ConfigError(f"{flag} {path} is a file; give the path of a folder")
     check_parent(path, flag)
+
+
+def save_tensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> Path:
+    """A safetensors file of ``tensors`` at ``path``, with the modes the user's umask gives (`as_umask`)."""
+    save_file(tensors, str(path), metadata=metadata)
+    return as_umask(path)
 
 
 def as_umask(path: Path) -> Path:

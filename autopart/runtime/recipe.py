@@ -26,17 +26,10 @@ import torch
 
 from autopart.ir.errors import ConfigError
 
-__all__ = ["LR_SCHEDULES", "Recipe", "add_recipe_arguments", "check_lr", "embedding_parameters", "decayed_parameters", "parameter_groups",
+__all__ = ["LR_SCHEDULES", "Recipe", "add_recipe_arguments", "embedding_parameters", "decayed_parameters", "parameter_groups",
            "clip_factor"]
 
 LR_SCHEDULES = ("constant", "cosine", "linear")
-
-
-def check_lr(lr: float) -> None:
-    """Refuse a rate that torch's optimizers would refuse with a traceback on every rank (NaN), or
-    that would make every weight infinite (inf)."""
-    if not 0 <= lr < math.inf:
-        raise ConfigError(f"--lr must be a finite learning rate, at least 0, got {lr:g}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -67,6 +60,16 @@ class Recipe:
             raise ConfigError(f"--clip-grad-norm must be a positive norm, got {self.clip_grad_norm:g}")
         if self.weight_decay is not None and not 0 <= self.weight_decay < math.inf:
             raise ConfigError(f"--weight-decay must be finite, at least 0, got {self.weight_decay:g}")
+
+    def check_lr(self, lr: float) -> None:
+        """Refuse a rate that torch's optimizers would refuse with a traceback on every rank (NaN),
+        that would make every weight infinite (inf), or that this schedule would raise as it goes
+        (a ``min_lr`` above it)."""
+        if not 0 <= lr < math.inf:
+            raise ConfigError(f"--lr must be a finite learning rate, at least 0, got {lr:g}")
+        if self.lr_schedule != "constant" and self.min_lr > lr:
+            raise ConfigError(f"--min-lr {self.min_lr:g} is above --lr {lr:g}, so --lr-schedule {self.lr_schedule} "
+                              "would raise the rate as it goes; give a --min-lr below --lr")
 
     @staticmethod
     def from_args(args: argparse.Namespace) -> Recipe:

@@ -48,7 +48,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import save_file
 from torch.distributed.device_mesh import DeviceMesh
 
 from autopart.ir.model_file import load_model_file
@@ -72,7 +71,7 @@ from autopart.runtime.reducer import GradientReducer
 from autopart.runtime.optim import OPTIMIZERS, make_optimizer
 from autopart.runtime.process_exit import leave
 from autopart.runtime.sharded_masters import ShardedMasters
-from autopart.runtime.output_paths import as_umask
+from autopart.runtime.output_paths import save_tensors
 from autopart.runtime.train_flags import check_arguments, check_weights_folder, resumed, resumed_past_the_end
 from autopart.runtime.progress import StepReporter, Throughput, check_tensorboard, tokens_in
 from autopart.runtime.recipe import Recipe, add_recipe_arguments, parameter_groups
@@ -172,7 +171,6 @@ def _train(out_dir: Path, argv: list[str] | None) -> None:
         raise ConfigError("--resume needs --checkpoint-dir DIR: the folder the checkpoints were saved in")
     if args.checkpoint_dir is not None:
         check_folder(args.checkpoint_dir, resuming=args.resume or restarted())
-    Recipe.from_args(args)
     check_tensorboard(args.tensorboard)
     check_arguments(args)
     check_weights_folder(args.save_weights, plan)
@@ -472,8 +470,7 @@ def _save_weights(folder: Path, stages: dict[int, StageRuntime], here: Coordinat
     folder.mkdir(parents=True, exist_ok=True)
     for s, state in states.items():
         state = {k: v.detach().cpu().contiguous() for k, v in state.items()}
-        save_file(state, str(folder / weights_file_name(s, here.tp, tp)))
-        as_umask(folder / weights_file_name(s, here.tp, tp))
+        save_tensors(state, folder / weights_file_name(s, here.tp, tp))
 
 
 def _graph_values(plan: Plan, inputs: tuple, target: Any) -> tuple:

@@ -12,14 +12,15 @@ from autopart.ir.errors import ConfigError
 from autopart.ir.plan import Plan
 from autopart.runtime.checkpoint import CheckpointContext, restarted
 from autopart.runtime.output_paths import check_file_path, check_folder_path
-from autopart.runtime.recipe import check_lr
+from autopart.runtime.recipe import Recipe
 from autopart.runtime.shards import weights_file_name
 
 __all__ = ["check_arguments", "check_weights_folder", "resumed", "resumed_past_the_end"]
 
 
 def check_arguments(args: argparse.Namespace) -> None:
-    """Refuse flags out of range, flags that need another, and output paths that cannot be written."""
+    """Refuse flags out of range (the training recipe's too), flags that need another, and output
+    paths that cannot be written."""
     for flag, path in (("--metrics", args.metrics), ("--trace", args.trace)):
         check_file_path(path, flag)
     for flag, path in (("--action-times", args.action_times), ("--save-weights", args.save_weights),
@@ -30,10 +31,7 @@ def check_arguments(args: argparse.Namespace) -> None:
                                ("--eval-every", args.eval_every, 0), ("--eval-batches", args.eval_batches, 1)):
         if value is not None and value < least:
             raise ConfigError(f"{flag} must be at least {least}, got {value}")
-    check_lr(args.lr)
-    if args.lr_schedule != "constant" and args.min_lr > args.lr:
-        raise ConfigError(f"--min-lr {args.min_lr:g} is above --lr {args.lr:g}, so --lr-schedule {args.lr_schedule} "
-                          "would raise the rate as it goes; give a --min-lr below --lr")
+    Recipe.from_args(args).check_lr(args.lr)
     if args.checkpoint_every and args.checkpoint_dir is None:
         raise ConfigError("--checkpoint-every saves into --checkpoint-dir DIR; give it too, or drop --checkpoint-every")
     if args.eval_batches != 1 and not args.eval_every:

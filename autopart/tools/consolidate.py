@@ -19,10 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from autopart.ir.model_file import load_model_file
-from autopart.runtime.output_paths import as_umask, check_parent
+from autopart.runtime.output_paths import check_parent, save_tensors
 from autopart.ir.errors import ConfigError
 from autopart.ir.placement import REPLICATE, Placement
 from autopart.ir.plan import Plan, load_plan
@@ -68,7 +67,8 @@ def consolidated_state(checkpoint: Path, model: Path | None = None) -> tuple[dic
         raise ConfigError(f"'{checkpoint}' holds no complete checkpoint; pass the --checkpoint-dir of a run")
     keys = [k for k in checkpoint_keys(path) if k.startswith("model/")]  # the metadata is checked first
     plan = load_plan(path / "plan.json")
-    module = load_model_file(_model_file(plan, model)).module
+    model_file = _model_file(plan, model)
+    module = load_model_file(model_file).module
     tensors = load_tensors(path, keys, distributed=False)
     tp = plan.mesh["tp"]
     whole: dict[str, torch.Tensor] = {}
@@ -80,9 +80,10 @@ def consolidated_state(checkpoint: Path, model: Path | None = None) -> tuple[dic
                 pieces = [tensors[f"model/stage_{stage.index}/tp_{r}/{name}"] for r in range(tp)]
                 whole[name] = unshard_weight(pieces, placements.get(name, REPLICATE))
     assert module is not None
-    _check_same_model(module, whole, _model_file(plan, model))
+    held = module.state_dict(keep_vars=True)
+    _check_same_model(held, whole, model_file)
     aliases: dict[int, list[str]] = {}
-    for name, value in module.state_dict(keep_vars=True).items():
+    for name, value in held.items():
         aliases.setdefault(id(value), []).append(name)
     state: dict[str, torch.Tensor] = {}
     unread: list[str] = []
@@ -106,11 +107,10 @@ def consolidated_state(checkpoint: Path, model: Path | None = None) -> tuple[dic
     return state, summary
 
 
-def _check_same_model(module: torch.nn.Module, whole: dict[str, torch.Tensor], model_file: Path) -> None:
-    """Refuse a model file (``--model``) whose model is not the one the checkpoint trained: a
-    tensor the checkpoint holds that the model lacks, or holds at another shape, would write a
-    file that its own ``load_state_dict`` refuses, or drop trained values without a word."""
-    held = module.state_dict(keep_vars=True)
+def _check_same_model(held: dict[str, torch.Tensor], whole: dict[str, torch.Tensor], model_file: Path) -> None:
+    """Refuse a model file (``--model``) whose state dict, ``held``, is not the one the checkpoint
+    trained: a tensor the checkpoint holds that the model lacks, or holds at another shape, would
+    write a file that its own ``load_state_dict`` refuses, or drop trained values without a word."""
     for name, value in whole.items():
         if name not in held:
             raise ConfigError(f"{model_file.name}'s model has no {name!r}, which the checkpoint holds; give the model "
@@ -129,7 +129,6 @@ def consolidate(checkpoint: Path, output: Path, model: Path | None = None) -> Co
     state, summary = consolidated_state(checkpoint, model)
     output.parent.mkdir(parents=True, exist_ok=True)
     partial = output.with_name(f".{output.name}.partial-{os.getpid()}")
-    save_file(state, str(partial), metadata={"autopart_checkpoint": str(summary.checkpoint), "step": str(summary.step)})
-    as_umask(partial)
+    save_tensors(state, partial, {"autopart_checkpoint": str(summary.checkpoint), "step": str(summary.step)})
     partial.replace(output)
     return summary

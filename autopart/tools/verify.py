@@ -22,7 +22,7 @@ import torch
 from autopart.ir.errors import ConfigError
 from autopart.tools.local_run import run_locally, runs_on_gpus
 from autopart.ir.plan import Plan, load_plan
-from autopart.runtime.recipe import Recipe, check_lr
+from autopart.runtime.recipe import Recipe
 from autopart.runtime.reference import ReferenceRun, initial_weights, train_reference
 from autopart.runtime.shards import load_stage_weights
 
@@ -231,7 +231,7 @@ def verify(out_dir: str | Path, *, steps: int = 3, lr: float | None = None, opti
         raise ConfigError(f"'{out_dir}' is not an autopart output directory (no plan.json); pass the -o of a compile")
     if steps < 1:
         raise ConfigError(f"--steps must be at least 1, got {steps}")
-    check_lr(lr)
+    recipe.check_lr(lr)
     if not timeout_s > 0:
         raise ConfigError(f"--timeout must be a positive number of seconds, got {timeout_s:g}")
     plan = load_plan(out_dir / "plan.json")
