@@ -224,9 +224,6 @@ def capture(
     check_model_names(spec.module, spec.path.name)
     before = _built_buffers(spec.module)
     expected = _eager_reference(spec, inputs, target)
-    # a buffer the forward writes (a running statistic) that feeds the loss runs the graph on other values
-    written = tuple(name for name, b in spec.module.named_buffers()
-                    if name in before and not torch.equal(b, before[name]))
     leaf_types = leaf_classes(spec.module, leaves)
     if leaves and method == "export":
         raise ConfigError("--leaf keeps modules opaque to torch.fx, which torch.export cannot do; drop --capture export")
@@ -235,7 +232,7 @@ def capture(
     if method in (None, "fx"):
         try:
             graph = _graph(_trace_fx(spec, inputs, leaf_types), "fx", has_target, spec.module)
-            _check_same_loss(spec, graph, inputs, target, expected, written)
+            _check_same_loss(spec, graph, inputs, target, expected, before)
             return replace(graph, built_buffers=before)
         except Exception as exc:
             fx_failure = _reason(exc, spec.path)
@@ -258,7 +255,7 @@ def capture(
             "rewrite that code without Python control flow on tensor values"
         ) from None
     graph = _graph(_drawing_as_functions(module), "export", has_target, spec.module)
-    _check_same_loss(spec, graph, inputs, target, expected, written)
+    _check_same_loss(spec, graph, inputs, target, expected, before)
     if fx_failure:
         log.info(f"torch.fx could not trace {spec.path.name} ({fx_failure}); captured it with torch.export")
     return replace(graph, built_buffers=before)
@@ -362,16 +359,18 @@ def _same_draws() -> Iterator[None]:
 
 def _check_same_loss(
     spec: ModelSpec, graph: Graph, inputs: tuple[torch.Tensor, ...], target: Any, expected: torch.Tensor | None,
-    written: tuple[str, ...] = (),
+    built: dict[str, torch.Tensor],
 ) -> None:
-    """``written``: the model's buffers that its eager forward changed; where the graph differs, an
-    eager run again from them tells whether they feed the loss (it then differs from the first)."""
+    """``built``: the model's buffers as built. Where the graph differs, those the forwards since
+    changed (a running statistic) may be why: an eager run again from them tells whether they feed
+    the loss (it then differs from the first)."""
     if expected is None:  # a meta model: nothing to compare, annotate runs the graph on fake tensors
         return
     with torch.no_grad(), _same_draws():
         got = graph.module(*graph_args(graph, inputs, target))
     if torch.allclose(got, expected, rtol=1e-5, atol=1e-6):
         return
+    written = tuple(name for name, b in spec.module.named_buffers() if name in built and not torch.equal(b, built[name]))
     if written:
         with torch.no_grad(), _same_draws():
             again = eager_loss(spec, inputs, target)
