@@ -224,8 +224,33 @@ def test_eval_batches_come_from_the_model_file_when_it_has_them(tmp_path):
     with pytest.raises(ConfigError, match="gave 2 batches but --eval-batches is 3"):
         eval_batches(spec, 4, 10, 3)
     spec = load_model_file(REPO / "examples" / "gpt.py", build=False)
-    held_out, training = eval_batches(spec, 2, 0, 1)[0], next(global_batches(spec, 2, 0))
+    held_out, training = next(iter(eval_batches(spec, 2, 0, 1))), next(global_batches(spec, 2, 0))
     assert not torch.equal(held_out[0][0], training[0][0]), "synthetic held-out batches are not the training ones"
+
+
+def test_held_out_batches_are_drawn_afresh_for_each_evaluation_and_not_kept(tmp_path):
+    """--eval-batches may be more than memory holds: each evaluation draws its batches again (the
+    same ones), and none is kept between evaluations."""
+    from autopart.ir.model_file import load_model_file
+    from autopart.runtime.data import eval_batches
+
+    model = tmp_path / "model.py"
+    model.write_text(
+        "import itertools, torch\n"
+        "DRAWN = [0]\n"
+        "def build_model():\n    return torch.nn.Linear(3, 1)\n"
+        "def example_batch(b):\n    return (torch.zeros(b, 3),), torch.zeros(b, 1)\n"
+        "def eval_batches(b, seed):\n    for i in itertools.count():\n        DRAWN[0] += 1\n"
+        "        yield (torch.randn(b, 3),), torch.zeros(b, 1)\n"
+    )  # fmt: skip
+    spec = load_model_file(model, build=False)
+    drawn = spec.eval_batches.__globals__["DRAWN"]
+    held_out = eval_batches(spec, 4, 0, 5)
+    assert len(held_out) == 5 and drawn[0] == 5, "counted once before training"
+    first, second = list(held_out), list(held_out)
+    assert drawn[0] == 15, "each evaluation draws its batches again"
+    assert all(torch.equal(a[0][0], b[0][0]) for a, b in zip(first, second)), "the same batches each time"
+    assert not any(isinstance(v, (list, tuple)) for v in vars(held_out).values()), "no batches kept"
 
 
 def test_tensorboard_gets_every_scalar(tmp_path, monkeypatch):

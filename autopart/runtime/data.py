@@ -104,20 +104,39 @@ def apart(make: Callable[[], Iterable[T]], seed: int) -> Iterator[T]:
         yield item
 
 
-def eval_batches(spec: ModelSpec, batch_size: int, seed: int, count: int) -> list[tuple[tuple[torch.Tensor, ...], Any]]:
-    """The ``count`` held-out batches of every evaluation (the same each time, so that evaluations
-    compare): the model file's ``eval_batches(B, seed)``, else synthetic batches of seed
-    ``-1 - seed``, a seed that no training run (seeds from 0) draws."""
-    if spec.eval_batches is None:
-        source = synthetic_batches(spec, batch_size, -1 - seed)
-    else:
-        drawn = apart(lambda: spec.eval_batches(batch_size, seed), -1 - seed)
-        source = (check_batch(spec.path, "eval_batches", b, batch_size) for b in drawn)
-    batches = [batch for _, batch in zip(range(count), source)]
-    if len(batches) < count:
-        raise ConfigError(f"eval_batches() of {spec.path.name} gave {len(batches)} batches but --eval-batches is "
-                          f"{count}; give more or lower --eval-batches")
-    return batches
+class HeldOut:
+    """The ``count`` held-out batches of every evaluation, drawn afresh each time they are
+    iterated, the same batches each time (so that evaluations compare): the model file's
+    ``eval_batches(B, seed)``, else synthetic batches of seed ``-1 - seed``, a seed that no
+    training run (seeds from 0) draws. None is kept between evaluations: ``--eval-batches`` may
+    be larger than memory holds."""
+
+    def __init__(self, spec: ModelSpec, batch_size: int, seed: int, count: int):
+        self.spec, self.batch_size, self.seed, self.count = spec, batch_size, seed, count
+        drawn = sum(1 for _ in self._source())  # a model file that gives too few: said before training
+        if drawn < count:
+            raise ConfigError(f"eval_batches() of {spec.path.name} gave {drawn} batches but --eval-batches is "
+                              f"{count}; give more or lower --eval-batches")
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __iter__(self) -> Iterator[tuple[tuple[torch.Tensor, ...], Any]]:
+        return self._source()
+
+    def _source(self) -> Iterator[tuple[tuple[torch.Tensor, ...], Any]]:
+        spec, batch_size, seed = self.spec, self.batch_size, self.seed
+        if spec.eval_batches is None:
+            source = synthetic_batches(spec, batch_size, -1 - seed)
+        else:
+            drawn = apart(lambda: spec.eval_batches(batch_size, seed), -1 - seed)
+            source = (check_batch(spec.path, "eval_batches", b, batch_size) for b in drawn)
+        return (batch for _, batch in zip(range(self.count), source))
+
+
+def eval_batches(spec: ModelSpec, batch_size: int, seed: int, count: int) -> HeldOut:
+    """The held-out batches of every evaluation (`HeldOut`)."""
+    return HeldOut(spec, batch_size, seed, count)
 
 
 def split_microbatches(values: tuple[Any, ...], microbatches: int) -> list[tuple[Any, ...]]:

@@ -43,6 +43,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -323,7 +324,7 @@ def _sum_tied(modules: dict[int, torch.nn.Module], tied: list, fully_sharded: bo
         sum_tied_gradients(modules, name, group)
 
 
-def _evaluate(executor: Executor, held_out: list, split: Any, plan: Plan, modules: dict[int, torch.nn.Module],
+def _evaluate(executor: Executor, held_out: Iterable, split: Any, plan: Plan, modules: dict[int, torch.nn.Module],
               fully_sharded: bool) -> list[torch.Tensor]:
     """The held-out batches' losses held here, outside the step's clock; under ZeRO-2 the
     forwards gathered the parameters, which are let go again."""
