@@ -195,6 +195,17 @@ def test_a_resumed_run_continues_the_schedule(tmp_path):
     assert [(m["step"], m["lr"], m["loss"]) for m in resumed] == [(m["step"], m["lr"], m["loss"]) for m in whole[2:]]
 
 
+def test_a_resume_is_told_the_recipe_flags_that_changed_and_steps_only_where_both_runs_decayed():
+    from autopart.runtime.recipe import Recipe
+
+    constant, cosine = Recipe(lr_schedule="constant"), Recipe(lr_schedule="cosine")
+    assert Recipe.changed_flags(constant.flags(0.1, 4), constant.flags(0.1, 6)) == []
+    assert Recipe.changed_flags(constant.flags(0.1, 4), cosine.flags(0.1, 6)) == ["--lr-schedule constant (now cosine)"]
+    assert Recipe.changed_flags(cosine.flags(0.1, 4), cosine.flags(0.2, 6)) == ["--lr 0.1 (now 0.2)", "--steps 4 (now 6)"]
+    decayed = Recipe(lr_schedule="constant", weight_decay=0.1)
+    assert Recipe.changed_flags(constant.flags(0.1, 4), decayed.flags(0.1, 4)) == ["--weight-decay (not given) (now 0.1)"]
+
+
 @pytest.mark.multiprocess
 def test_verify_applies_the_recipe(tmp_path):
     out = tmp_path / "out"

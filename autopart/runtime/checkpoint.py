@@ -43,6 +43,7 @@ from autopart.runtime.checkpoint_folders import (candidates, damaged, problem, p
                                                  staging_folder, step_folder, step_of, write_digests, write_record)
 from autopart.runtime.fully_sharded import is_sharded
 from autopart.runtime.launch import plan_digest
+from autopart.runtime.recipe import Recipe
 from autopart.runtime.sharded_masters import ShardedMasters, holds_master
 
 if TYPE_CHECKING:
@@ -394,8 +395,7 @@ class CheckpointContext:
         if self.rank == 0:
             print(f"autopart: resumed from {path} after step {done - 1}", flush=True)
             saved = record.get("flags") or {}  # none in a checkpoint of an earlier autopart: nothing to tell
-            changed = [f"{flag} {saved.get(flag, '(none)')} (now {self.flags.get(flag, '(none)')})"
-                       for flag in sorted(saved.keys() | self.flags.keys()) if saved.get(flag) != self.flags.get(flag)]
+            changed = Recipe.changed_flags(saved, self.flags)
             if saved and changed:
                 print(f"autopart: note: {path.name} was saved by a run with {', '.join(changed)}; the training recipe "
                       "follows the flags given now", file=sys.stderr, flush=True)

@@ -95,6 +95,18 @@ class Recipe:
         steps_flag = {} if self.lr_schedule == "constant" else {"--steps": str(steps)}
         return {**steps_flag, "--lr": repr(lr), **dict(zip(recipe[::2], recipe[1::2]))}
 
+    @staticmethod
+    def changed_flags(saved: dict[str, str], now: dict[str, str]) -> list[str]:
+        """The recipe flags a resumed run gives otherwise than the run that saved its checkpoint
+        (both `flags`), as "FLAG SAVED (now NOW)". ``--steps`` is recorded only under a decaying
+        schedule, so it is compared only where both runs recorded it: a change of schedule is told
+        by ``--lr-schedule`` itself."""
+        flags = sorted(saved.keys() | now.keys())
+        if not ("--steps" in saved and "--steps" in now):
+            flags = [f for f in flags if f != "--steps"]
+        return [f"{flag} {saved.get(flag, '(not given)')} (now {now.get(flag, '(not given)')})"
+                for flag in flags if saved.get(flag) != now.get(flag)]
+
     def lr_factor(self, lr: float, steps: int) -> Callable[[int], float]:
         """The multiplier of ``lr`` at each step (0-based), for ``torch.optim.lr_scheduler.LambdaLR``."""
         floor = self.min_lr / lr if lr > 0 else 0.0
