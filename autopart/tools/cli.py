@@ -417,9 +417,15 @@ def _explain(args: argparse.Namespace, console: Console) -> None:
     _print_table(console, comparison_rows(comparison, plan), f"predicted vs measured ({args.trace})")
     (step_p, step_m), (bubble_p, bubble_m) = comparison.step_s, comparison.bubble
     console.print(
-        f"step: predicted {step_p * 1e3:.3f} ms, measured {step_m * 1e3:.3f} ms ({relative_error(step_p, step_m)}); "
-        f"bubble: predicted {bubble_p:.1%}, measured {bubble_m:.1%}"
+        f"pipeline (the trace's span: forwards, backwards, transfers): predicted {step_p * 1e3:.3f} ms, measured "
+        f"{step_m * 1e3:.3f} ms ({relative_error(step_p, step_m)}); bubble: predicted {bubble_p:.1%}, measured "
+        f"{bubble_m:.1%}"
     )
+    after = predicted.step_s - step_p
+    if after > 0:  # what the plan's step holds beyond the actions a trace records
+        console.print(f"the predicted step of {predicted.step_s * 1e3:.3f} ms adds {after * 1e3:.3f} ms after the pipeline "
+                      "(the gradient reduction, the optimizer step and the step's own overheads), which the trace "
+                      "does not time; train.py --metrics measures whole steps")
 
 
 
