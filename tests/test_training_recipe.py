@@ -3,6 +3,7 @@ evaluation: the rules in one process, then the programs under pp x dp and pp x t
 single-process reference (torch's LambdaLR and clip_grad_norm_ on the original model)."""
 
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -187,12 +188,14 @@ def test_a_resumed_run_continues_the_schedule(tmp_path):
                   "--metrics", str(folder / "metrics.jsonl"), "--checkpoint-dir", str(folder / "ckpt"), *extra)
 
     train(folders["whole"], 4)
-    train(folders["parts"], 2)
-    (folders["parts"] / "metrics.jsonl").unlink()
+    train(folders["parts"], 3, "--checkpoint-every", "2")
+    shutil.rmtree(folders["parts"] / "ckpt" / "step_00000003")  # as if it died after reporting step 2
     notes = train(folders["parts"], 4, "--resume").stderr
-    assert "step_00000002 was saved by a run with --steps 2 (now 4); the training recipe follows the flags given now" in notes
+    assert "step_00000002 was saved by a run with --steps 3 (now 4); the training recipe follows the flags given now" in notes
+    assert f"dropped 1 records of steps 2 on from {folders['parts'] / 'metrics.jsonl'}" in " ".join(notes.split())
     resumed, whole = read_metrics(folders["parts"] / "metrics.jsonl"), read_metrics(folders["whole"] / "metrics.jsonl")
-    assert [(m["step"], m["lr"], m["loss"]) for m in resumed] == [(m["step"], m["lr"], m["loss"]) for m in whole[2:]]
+    assert [m["step"] for m in resumed] == [0, 1, 2, 3], "each step once: the resumed run's records replace step 2's"
+    assert [(m["lr"], m["loss"]) for m in resumed[2:]] == [(m["lr"], m["loss"]) for m in whole[2:]]
 
 
 def test_a_resume_is_told_the_recipe_flags_that_changed_and_steps_only_where_both_runs_decayed():
@@ -273,8 +276,9 @@ def test_tensorboard_gets_every_scalar(tmp_path, monkeypatch):
     written: list[tuple[str, float, int]] = []
 
     class Writer:
-        def __init__(self, folder):
+        def __init__(self, folder, purge_step=None):
             assert folder == str(tmp_path)
+            written.append(("purge_step", purge_step, 0))
 
         def add_scalar(self, tag, value, step):
             written.append((tag, value, step))
@@ -291,6 +295,9 @@ def test_tensorboard_gets_every_scalar(tmp_path, monkeypatch):
     tags = {tag: value for tag, value, _ in written}
     assert tags["train/loss"] == 2.0 and tags["eval/loss"] == 2.5 and tags["train/mfu"] == 0.25 and "closed" in tags
     assert read_metrics(metrics)[0]["tokens_per_s"] == 10.0
+    assert tags["purge_step"] is None, "a run that resumes nothing keeps the event files whole"
+    StepReporter(steps=9, seconds=None, first_step=4, metrics=None, tensorboard=tmp_path, resumed=True).close()
+    assert written[-2] == ("purge_step", 4, 0), "a resumed run's tensorboard forgets the steps it trains again"
 
 
 def test_the_progress_bar_counts_to_steps_and_without_a_total_where_the_run_stops_on_time():

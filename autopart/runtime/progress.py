@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,7 +24,7 @@ import torch
 from autopart.ir.errors import ConfigError
 from autopart.ir.plan import Plan
 
-__all__ = ["Throughput", "StepReporter", "check_tensorboard", "tokens_in"]
+__all__ = ["Throughput", "StepReporter", "check_tensorboard", "drop_steps_from", "tokens_in"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -63,15 +65,21 @@ class StepReporter:
     """Rank 0's report of a run: call `step` once per step, then `close`."""
 
     def __init__(self, *, steps: int, seconds: float | None, first_step: int, metrics: Path | None,
-                 tensorboard: Path | None) -> None:
+                 tensorboard: Path | None, resumed: bool = False) -> None:
         """``steps``, ``seconds``: train.py's ``--steps`` and ``--seconds``. A run given seconds stops
-        at whichever comes first, so its bar counts steps without a total (nor a time left)."""
+        at whichever comes first, so its bar counts steps without a total (nor a time left).
+        ``resumed``: a ``--resume`` run, which trains again from ``first_step`` the steps that the
+        run it resumes may have reported after its checkpoint; their records are dropped from
+        ``metrics`` (`drop_steps_from`) and tensorboard's event files (its ``purge_step``), so that
+        each step is reported once."""
         from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
         self.metrics = metrics
         if metrics is not None:
             metrics.parent.mkdir(parents=True, exist_ok=True)
+            if resumed:
+                drop_steps_from(metrics, first_step)
         console = Console()
         self.live = console.is_terminal
         self.progress = Progress(
@@ -85,7 +93,7 @@ class StepReporter:
         if tensorboard is not None:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(str(tensorboard))
+            self.writer = SummaryWriter(str(tensorboard), purge_step=first_step if resumed else None)
 
     def step(self, record: dict[str, Any], throughput: Throughput) -> None:
         """One step's ``record`` (step, loss, step_s, lr, ... as written to ``--metrics``)."""
@@ -115,3 +123,27 @@ class StepReporter:
         self.progress.stop()
         if self.writer is not None:
             self.writer.close()
+
+
+def drop_steps_from(metrics: Path, first_step: int) -> None:
+    """Drop from a ``--metrics`` file the records of steps from ``first_step`` on, which a resumed
+    run trains and reports again, with a note of how many. Every other line is kept as it was
+    (one that is not such a record too); the file is replaced whole, never left half written."""
+    if not metrics.is_file():
+        return
+    kept, dropped = [], 0
+    for line in metrics.read_text().splitlines(keepends=True):
+        try:
+            step = json.loads(line).get("step")
+        except (ValueError, AttributeError):
+            step = None
+        if isinstance(step, int) and step >= first_step:
+            dropped += 1
+        else:
+            kept.append(line)
+    if dropped:
+        staging = metrics.with_name(f".{metrics.name}.resumed")
+        staging.write_text("".join(kept))
+        os.replace(staging, metrics)
+        print(f"autopart: note: dropped {dropped} records of steps {first_step} on from {metrics}: this resumed run "
+              "trains those steps again and writes them anew", file=sys.stderr, flush=True)
