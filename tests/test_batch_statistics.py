@@ -71,3 +71,22 @@ def test_the_running_statistics_are_emitted_as_built(tmp_path):
     variances = [value for name, value in weights.items() if name.endswith("running_var")]
     assert len(means) == len(variances) == 2
     assert all(torch.equal(m, torch.zeros(16)) for m in means) and all(torch.equal(v, torch.ones(16)) for v in variances)
+
+
+def test_a_batch_norm_inside_a_leaf_module_is_noted(tmp_path, caplog):
+    """A --leaf module is traced whole, its ops unseen: the BatchNorm modules it holds in training
+    are what say it normalises by its microbatch."""
+    model = tmp_path / "bn.py"
+    model.write_text(MODEL.replace("NORM", "Block").replace("class Normed", """class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.BatchNorm1d(16)
+
+    def forward(self, x):
+        return self.norm(x)
+
+
+class Normed"""))
+    with caplog.at_level("INFO", logger="autopart"):
+        autopart.compile(model, pp=2, microbatches=4, global_batch_size=8, leaf=("Block",), measure=False)
+    assert "2 BatchNorm op(s) normalise by the statistics of each microbatch of 2 samples" in caplog.text

@@ -275,3 +275,45 @@ def test_an_attention_dropout_given_by_place_draws(tmp_path):
     assert "None, 0.2, True)" in (out / "stages" / "stage_0.py").read_text()
     result = verify(out, steps=2)
     assert result.without_dropout and result.matches, result.failures[:3]
+
+
+LEAF_DROPOUT = '''
+import torch
+from torch import nn
+
+
+class Block(nn.Module):  # kept whole (--leaf): its dropout is the model's code, not the stage file's
+    def __init__(self):
+        super().__init__()
+        self.linear, self.drop = nn.Linear(16, 16), nn.Dropout(0.3)
+
+    def forward(self, x):
+        return self.drop(torch.relu(self.linear(x)))
+
+
+def build_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), Block(), Block(), nn.Linear(16, 4))
+
+
+def example_batch(batch_size):
+    return (torch.randn(batch_size, 8),), torch.randint(0, 4, (batch_size,))
+
+
+def loss_fn(logits, target):
+    return nn.functional.cross_entropy(logits, target)
+'''
+
+
+@pytest.mark.multiprocess
+def test_a_dropout_inside_a_leaf_module_is_turned_off_for_the_comparison(tmp_path):
+    """A --leaf module's forward is the model's code, which the stage files call and do not show:
+    verify cannot tell that it draws nothing, so it compares both runs with dropout off."""
+    model = tmp_path / "leafy.py"
+    model.write_text(LEAF_DROPOUT)
+    out = tmp_path / "out"
+    compile_to_directory(CompileOptions(model=model, pp=2, microbatches=2, micro_batch_size=2, leaf=("Block",),
+                                        measure=False), out)  # fmt: skip
+    assert "dropout(" not in "".join(p.read_text() for p in (out / "stages").glob("*.py")).lower(), "no call shows"
+    result = verify(out, steps=2)
+    assert result.without_dropout and result.matches, result.failures[:3]

@@ -10,7 +10,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-from torch import fx
+from torch import fx, nn
 
 from autopart.ir.errors import ConfigError
 from autopart.ir.model_file import ModelSpec, is_meta, load_model_file
@@ -109,6 +109,14 @@ def _batch_statistics(node: fx.Node) -> bool:
     return flag is True
 
 
+def _leaf_batch_statistics(node: fx.Node, graph: fx.Graph) -> bool:
+    """``node`` calls a ``--leaf`` module (traced whole, its ops unseen) holding a BatchNorm in training."""
+    if node.op != "call_module" or graph.owning_module is None:
+        return False
+    batch_norm = nn.modules.batchnorm._BatchNorm  # BatchNorm1d/2d/3d, SyncBatchNorm and the lazy ones
+    return any(isinstance(m, batch_norm) and m.training for m in graph.owning_module.get_submodule(str(node.target)).modules())
+
+
 def note_batch_statistics(plan: Plan, graph: fx.Graph) -> None:
     """BatchNorm in training normalises by its batch's statistics, and a pipeline's batch is a
     microbatch, a replica's its share: the model trains as BatchNorm over fewer samples than the
@@ -116,7 +124,7 @@ def note_batch_statistics(plan: Plan, graph: fx.Graph) -> None:
     samples = plan.schedule.micro_batch_size
     if samples == plan.schedule.global_batch_size:
         return
-    norms = [node for node in graph.nodes if _batch_statistics(node)]
+    norms = [node for node in graph.nodes if _batch_statistics(node) or _leaf_batch_statistics(node, graph)]
     if norms:
         log.info(f"{len(norms)} BatchNorm op(s) normalise by the statistics of each microbatch of {samples} samples, "
                  f"not of the global batch of {plan.schedule.global_batch_size}: the model trains as BatchNorm over "

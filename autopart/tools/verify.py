@@ -154,12 +154,19 @@ def _reordered(order: _OrderNoise | None, what: str) -> str:
 
 def _draws(out_dir: Path) -> bool:
     """The stage programs call a dropout, or pass a ``dropout_p``, that is not a literal 0 (an
-    attention's ``dropout_p=0.0``, a ``nn.Dropout(0.0)``) or a literal training=False."""
-    return any(_draws_in(call) for path in (out_dir / "stages").glob("stage_*.py")
-               for call in ast.walk(ast.parse(path.read_text())) if isinstance(call, ast.Call))
+    attention's ``dropout_p=0.0``, a ``nn.Dropout(0.0)``) or a literal training=False; or they call
+    a ``--leaf`` module (declared in ``LEAVES``), whose forward is the model's own code, unseen here."""
+    trees = [ast.parse(path.read_text()) for path in (out_dir / "stages").glob("stage_*.py")]
+    return any(_draws_in(node) or _declares_leaves(node) for tree in trees for node in ast.walk(tree))
 
 
-def _draws_in(call: ast.Call) -> bool:
+def _declares_leaves(node: ast.AST) -> bool:
+    return isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "LEAVES" for t in node.targets)
+
+
+def _draws_in(call: ast.AST) -> bool:
+    if not isinstance(call, ast.Call):
+        return False
     keywords = {k.arg: k.value for k in call.keywords}
     function = ast.unparse(call.func)
     if "dropout_p" in keywords:  # an attention's
