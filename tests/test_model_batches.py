@@ -120,3 +120,25 @@ def test_signed_integers_keep_their_range(tmp_path: Path) -> None:
     path.write_text(PADDED_LABELS.replace("labels[:, -3:] = -100", "labels[:, -3:] = torch.tensor([-1, -2, -3])"))
     drawn = torch.cat([next(global_batches(load_model_file(path), 16, seed))[1].flatten() for seed in range(3)])
     assert int(drawn.min()) < 0
+
+
+def test_synthetic_labels_take_their_range_from_an_example_drawn_in_a_state_of_its_own(tmp_path: Path) -> None:
+    """An ``example_batch`` that draws its labels from the global generator over few samples sees
+    another range at every call: the synthetic batches take it from one drawn apart, the same on
+    every rank and launch, whatever the global generator holds (else a loss-only last stage drew
+    other labels than one process did, and verify failed a model it had compiled right)."""
+    model = tmp_path / "labels.py"
+    model.write_text(
+        "import torch\n"
+        "def build_model():\n    return torch.nn.Linear(4, 8)\n"
+        "def example_batch(b):\n    return (torch.randn(b, 4),), torch.randint(0, 8, (b,))\n"
+    )  # fmt: skip
+    spec = load_model_file(model, build=False)
+    drawn = []
+    for seed in range(6):
+        torch.manual_seed(seed)
+        state = torch.get_rng_state()
+        batches = global_batches(spec, 2, 0)
+        drawn.append(torch.cat([next(batches)[1] for _ in range(8)]))
+        assert torch.equal(torch.get_rng_state(), state), "training's generator left as it was"
+    assert all(torch.equal(labels, drawn[0]) for labels in drawn)

@@ -40,8 +40,11 @@ def synthetic_batches(spec: ModelSpec, batch_size: int, seed: int) -> Iterator[t
     beside non-negative ones is read as a marker, not as the start of a range (cross_entropy's
     ``ignore_index=-100`` on padded labels): the range is the non-negative values', since a value
     drawn between a marker and the classes (-43) is no class at all; several negative values are
-    a signed range (relative positions)."""
-    inputs, target = spec.example(batch_size)
+    a signed range (relative positions). The example is drawn `apart` in a state of its own: an
+    ``example_batch`` that draws from torch's global generator (``torch.randint(0, 8, (b,))``)
+    would otherwise give each rank and each launch another range, and the ranks' data would
+    differ from each other's and from one process's."""
+    inputs, target = next(apart(lambda: [spec.example(batch_size)], 0))
     step = 0
     while True:
         generator = torch.Generator().manual_seed(seed * 1_000_003 + step)
