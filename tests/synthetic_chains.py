@@ -68,19 +68,22 @@ class SyntheticTable:
             layer_spans=self.layer_spans(),  # what full recompute checkpoints one by one
         )
 
-    def state_bytes(self, parameter_bytes: int, *, dp: int, zero: int, dtype: str = "fp32", layered: bool = False) -> int:
+    def state_bytes(self, parameter_bytes: int, *, dp: int, zero: int, dtype: str = "fp32", layered: bool = False,
+                    frozen: bool = False) -> int:
         """fp32 Adam: weights, gradients and two moments; ZeRO-1 shards the moments, ZeRO-2/3
         everything beside a whole copy of weights and gradients, which a layer's own unit at
         ZeRO-3 holds only in flight (``autopart.predict.memory``). The synthetic layouts are fp32:
-        ``dtype`` is taken as the real tables take it, and unused."""
+        ``dtype`` is taken as the real tables take it, and unused; their chains freeze nothing."""
+        assert not frozen
         if zero == 3 and layered:
             return 4 * parameter_bytes // dp
         if zero in (2, 3):
             return 2 * parameter_bytes + 4 * parameter_bytes // dp
         return 2 * parameter_bytes + (2 * parameter_bytes // dp if zero else 2 * parameter_bytes)
 
-    def owned_bytes(self, parameter_bytes: int, *, dp: int, zero: int, dtype: str = "fp32") -> int:
+    def owned_bytes(self, parameter_bytes: int, *, dp: int, zero: int, dtype: str = "fp32", frozen: bool = False) -> int:
         """The two moments, which ZeRO-1 leaves whole to each tensor's owner (`state_bytes`)."""
+        assert not frozen
         return 2 * parameter_bytes if zero == 1 and dp > 1 else 0
 
 

@@ -61,3 +61,92 @@ def test_frozen_parameters_stay_frozen(tmp_path, layout):
     assert "FROZEN = ('emb.weight', 'blocks.0.weight')" in first, first
     result = verify(out, steps=2, lr=0.1, optimizer="adamw")
     assert result.matches, result.failures
+
+
+BASE = """
+import torch
+from torch import nn
+
+
+def build_model():  # a wide frozen base and a small trained head: a fine-tune's shape
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 256), nn.Tanh())
+    base.requires_grad_(FROZEN)
+    return nn.Sequential(base, nn.Linear(256, 8))
+
+
+def example_batch(batch_size):
+    return (torch.randn(batch_size, 256),), torch.randint(0, 8, (batch_size,))
+
+
+def loss_fn(logits, target):
+    return nn.functional.cross_entropy(logits, target)
+"""
+FROZEN_NUMEL = 2 * (256 * 256 + 256)
+
+
+def _base(tmp_path, frozen: bool):
+    model = tmp_path / f"base_{frozen}.py"
+    model.write_text(BASE.replace("FROZEN", str(not frozen)))
+    return model
+
+
+@pytest.mark.parametrize("dtype, per_parameter", [("fp32", 16 - 4), ("bf16", 18 - 6)])
+def test_a_frozen_base_is_costed_as_weights_alone(tmp_path, dtype, per_parameter):
+    """No gradient and no optimizer state for a frozen parameter: AdamW's 16 bytes per parameter
+    (18 under bf16) fall to its weights' 4 (and bf16's working copy, 6); its activations may fall
+    too (a frozen weight's matrix product keeps no input for a weight gradient), by a little here."""
+    import autopart
+
+    memory = {frozen: autopart.compile(_base(tmp_path, frozen), pp=1, microbatches=1, global_batch_size=2,
+                                       optimizer="adamw", dtype=dtype, measure=False).predicted.memory_bytes[0]
+              for frozen in (False, True)}  # fmt: skip
+    saved = memory[False] - memory[True]
+    assert per_parameter * FROZEN_NUMEL <= saved <= per_parameter * FROZEN_NUMEL + 16 * 1024
+
+
+def test_the_search_costs_a_frozen_parameter_as_weights_alone(tmp_path):
+    import functools
+
+    from autopart.solve.front_table import FrontTable
+
+    table = FrontTable(CompileOptions(model=_base(tmp_path, True), world_size=2, global_batch_size=4,
+                                      optimizer="adamw", measure=False))  # fmt: skip
+    costs = table.chain_costs(micro_batch_size=2, tp=1, dtype="fp32")
+    assert costs.frozen_parameters == {"0.0.weight", "0.0.bias", "0.2.weight", "0.2.bias"}
+    for zero, dp, frozen_state in ((0, 1, 4), (1, 2, 4), (2, 2, 4 + 4 / 2), (3, 2, 4 + 4 / 2)):
+        state = costs.with_state(functools.partial(table.state_bytes, dp=dp, zero=zero)).parameter_state_bytes
+        assert state["0.0.weight"] == frozen_state * 256 * 256, (zero, dp)
+        assert state["1.weight"] == table.state_bytes(4 * 256 * 8, dp=dp, zero=zero), "the trained head as before"
+    zero1 = functools.partial(table.owned_bytes, dp=2, zero=1)
+    assert zero1(1024, frozen=True) == 0 and zero1(1024, dtype="bf16", frozen=True) == 1024, "no state; bf16's master"
+
+
+def test_a_fine_tune_that_fits_with_its_base_frozen_is_not_refused(tmp_path):
+    """A memory limit half the frozen state's saving under the model trained whole: that does not
+    fit, its fine-tune does."""
+    import autopart
+    from autopart.ir.errors import InfeasibleError
+
+    options = dict(pp=1, microbatches=1, global_batch_size=2, optimizer="adamw", measure=False)
+    trained = autopart.compile(_base(tmp_path, False), **options).predicted.memory_bytes[0]
+    limit_gib = (trained - 12 * FROZEN_NUMEL // 2) / 2 ** 30
+    with pytest.raises(InfeasibleError, match="does not fit"):
+        autopart.compile(_base(tmp_path, False), memory_gib=limit_gib, **options)
+    assert autopart.compile(_base(tmp_path, True), memory_gib=limit_gib, **options).predicted.memory_bytes[0] <= \
+        limit_gib * 2 ** 30
+
+
+def test_a_frozen_base_takes_no_weight_gradients_optimizer_step_nor_reduction(tmp_path):
+    """The runtime computes no weight gradient for a frozen parameter, steps it in no optimizer and
+    reduces it over no data-parallel group: the step model counts none of those either. (Input
+    gradients through frozen layers are still counted where they lie behind nothing trained.)"""
+    import autopart
+
+    options = dict(pp=1, dp=2, microbatches=1, global_batch_size=64, optimizer="adamw", measure=False)
+    trained, frozen = (autopart.compile(_base(tmp_path, f), **options) for f in (False, True))
+    assert frozen.stages[0].forward_s == pytest.approx(trained.stages[0].forward_s)
+    assert frozen.stages[0].backward_s < 0.7 * trained.stages[0].backward_s, "the base's weight gradients are gone"
+    assert frozen.predicted.rank_tail_s[0] < 0.1 * trained.predicted.rank_tail_s[0], "AdamW steps the head alone"
+    reduced = [sum(r) for r in (trained.predicted.reduction_s[0], frozen.predicted.reduction_s[0])]
+    assert reduced[1] < 0.5 * reduced[0], "the head's gradients alone are all-reduced"

@@ -110,11 +110,12 @@ class SlowedTable:
             weight_s=tuple(w * s for w, s in zip(costs.weight_s, slow)),
             parameter_bytes=whole, parameter_state_bytes=dict(whole))
 
-    def state_bytes(self, parameter_bytes: int, *, dp: int, zero: int, dtype: str = "fp32", layered: bool = False) -> int:
-        return self.base.state_bytes(parameter_bytes, dp=dp, zero=zero, dtype=dtype, layered=layered)
+    def state_bytes(self, parameter_bytes: int, *, dp: int, zero: int, dtype: str = "fp32", layered: bool = False,
+                    frozen: bool = False) -> int:
+        return self.base.state_bytes(parameter_bytes, dp=dp, zero=zero, dtype=dtype, layered=layered, frozen=frozen)
 
-    def owned_bytes(self, parameter_bytes: int, *, dp: int, zero: int, dtype: str = "fp32") -> int:
-        return self.base.owned_bytes(parameter_bytes, dp=dp, zero=zero, dtype=dtype)
+    def owned_bytes(self, parameter_bytes: int, *, dp: int, zero: int, dtype: str = "fp32", frozen: bool = False) -> int:
+        return self.base.owned_bytes(parameter_bytes, dp=dp, zero=zero, dtype=dtype, frozen=frozen)
 
 
 class Exact:

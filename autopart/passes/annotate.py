@@ -39,6 +39,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from autopart.ir.tensors import DTYPES, TensorMeta, autocast_dtype, precision, tensor_meta, working_dtype
 from autopart.passes.autocast_lists import cuda_autocast
+from autopart.passes.cost_keys import cost_key
 from autopart.passes.kernel_figures import kernel_figures, recompute_share
 from autopart.passes.grad_leaves import grad_ready, leaves_for_grad
 from autopart.passes.weight_seeds import OpSeeds, ParameterValues, arg_nodes, arg_places, op_seeds, shared_seeds
@@ -48,7 +49,7 @@ from autopart.passes.capture import Graph, graph_args
 from autopart.ir.recompute import dropout_mask_bytes, keeps_output
 from cost_models import CostModel, Kernel, KernelRecorder
 
-__all__ = ["mixed_dtype_error", "module_path", "NodeCost", "OpGraph", "annotate", "cost_key", "target_precision", "op_key"]
+__all__ = ["mixed_dtype_error", "module_path", "NodeCost", "OpGraph", "annotate", "target_precision"]
 
 def target_precision(dtype: str, device_kind: str) -> contextlib.AbstractContextManager:
     """The autocast a device of ``device_kind`` runs the forward in, applied on this machine's
@@ -156,6 +157,7 @@ class _State:
                     cast[id(t)] = t.detach().to(lower).requires_grad_(t.requires_grad)
                 self.tensors[name] = cast.get(id(t), t)
         self.parameter_ids = {id(self.tensors[name]) for name in self.parameters}
+        self.frozen_ids = {id(self.tensors[name]) for name, p in self.parameters.items() if not p.requires_grad}
 
     def precision(self) -> contextlib.AbstractContextManager:
         return target_precision(self.dtype, self.device_kind)
@@ -203,50 +205,6 @@ def run_one(node: fx.Node, args: tuple, kwargs: dict, state: _State | None = Non
     raise AssertionError(f"unexpected node {node.op}")
 
 
-def _target_name(node: fx.Node) -> str:
-    if node.op == "call_method":
-        return f"Tensor.{node.target}"
-    target = node.target
-    module = getattr(target, "__module__", None) or ""
-    name = getattr(target, "__qualname__", None) or getattr(target, "__name__", None) or str(target)
-    return f"{module}.{name}".removeprefix("torch._C._nn.").removeprefix("_operator.")
-
-
-def op_key(node: fx.Node, args: tuple, kwargs: dict, parameters: set[int]) -> str:
-    """What an op's cost depends on: the function, and per argument its shape, dtype and role.
-
-    Tensors print as ``float32[2,32,64]`` with ``:w`` for a parameter (weight gradient),
-    ``:g`` for another floating tensor (input gradient) and ``:nc`` when not contiguous;
-    other arguments by value. Names are left out, so repeated layers give the same keys.
-    """
-
-    def describe(value: Any) -> str:
-        if isinstance(value, torch.Tensor):
-            text = f"{str(value.dtype).removeprefix('torch.')}[{','.join(map(str, value.shape))}]"
-            if id(value) in parameters:
-                text += ":w"
-            elif value.is_floating_point():
-                text += ":g"
-            return text if value.is_contiguous() else text + ":nc"
-        if isinstance(value, (list, tuple)):
-            inner = ",".join(describe(v) for v in value)
-            return f"[{inner}]" if isinstance(value, list) else f"({inner})"
-        if isinstance(value, dict):
-            return "{" + ",".join(f"{k}={describe(v)}" for k, v in value.items()) + "}"
-        return repr(value)
-
-    parts = [describe(a) for a in args] + [f"{k}={describe(v)}" for k, v in kwargs.items()]
-    return f"{_target_name(node)}({', '.join(parts)})"
-
-
-def cost_key(node: fx.Node, args: tuple, kwargs: dict, parameters: set[int], dtype: str) -> str:
-    """The cost database's key of an op run in precision ``dtype``: its `op_key`, and under bf16
-    the autocast it ran in (its arguments may be fp32 while it runs in 16 bits: not the op that
-    an fp32 run timed). `autopart.profiling.profile` stores under this key, annotate looks it up."""
-    key = op_key(node, args, kwargs, parameters)
-    return key if dtype == "fp32" else f"{key} autocast=bf16"  # which bf16: the weights' dtypes in the key say
-
-
 def _measure_kernels(
     node: fx.Node, args: tuple, kwargs: dict, state: _State, arg_values: list, made_from_weights: tuple[int, ...]
 ) -> tuple[list[Kernel], list[Kernel], list[Kernel], OpSeeds]:
@@ -254,13 +212,15 @@ def _measure_kernels(
     what a split backward keeps from its I to its W (`autopart.passes.weight_seeds.op_seeds`)."""
     parameters = state.parameter_ids
     originals = pytree.tree_leaves((args, kwargs))
-    args, kwargs, inputs, weights = leaves_for_grad(args, kwargs, parameters, master=state.master)
+    args, kwargs, inputs, weights = leaves_for_grad(args, kwargs, parameters, master=state.master,
+                                                    frozen=state.frozen_ids)
     original_of = {id(leaf): value for value, leaf in zip(originals, pytree.tree_leaves((args, kwargs)))}
     with KernelRecorder() as forward, state.precision():  # backward runs outside autocast, as in training
         try:
             if node.op == "call_module":  # a leaf module: its own weights are the node's weights
                 own = {
-                    k: grad_ready(v, parameters, inputs, weights, state.master) if id(v) in parameters else v
+                    k: grad_ready(v, parameters, inputs, weights, state.master)
+                    if id(v) in parameters and id(v) not in state.frozen_ids else v
                     for k, v in state.leaf_state(str(node.target)).items()
                 }
                 out = state.call_leaf(str(node.target), args, kwargs, own)
@@ -445,7 +405,7 @@ def _annotate_nodes(
             lambda a: values[a.name] if isinstance(a, fx.Node) else a, (node.args, node.kwargs)
         )
         value = values[node.name] = ran[node.name]  # as the run that measured saved bytes made it
-        key = cost_key(node, args, kwargs, state.parameter_ids, state.dtype)
+        key = cost_key(node, args, kwargs, state.parameter_ids, state.dtype, state.frozen_ids)
         # the key holds all that the kernels depend on (op, shapes, dtypes, roles): a repeated
         # layer's nodes are measured once, the rest take the first's kernels (a leaf module's
         # key names the module, so it is never shared)

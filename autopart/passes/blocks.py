@@ -14,6 +14,7 @@ a boundary. A parameter read on both sides of a boundary (tied embeddings) is he
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import dataclass
 
@@ -69,6 +70,13 @@ class BlockChain:
 
     def __len__(self) -> int:
         return len(self.blocks)
+
+    @functools.cached_property
+    def frozen_parameters(self) -> frozenset[str]:
+        """The parameters that do not train (``requires_grad=False`` in the model), as the stage
+        files declare them (``FROZEN``): no gradient, no optimizer state, no reduction."""
+        module = self.op_graph.graph.module
+        return frozenset(name for name in self.parameter_bytes if not module.get_parameter(name).requires_grad)
 
 
 def _is_free(cost: NodeCost) -> bool:

@@ -3,6 +3,7 @@ gradients can be run and timed alone (`autopart.passes.annotate`, `autopart.prof
 
 from __future__ import annotations
 
+from collections.abc import Set
 from typing import Any
 
 import torch
@@ -12,7 +13,8 @@ __all__ = ["grad_ready", "leaves_for_grad"]
 
 
 def leaves_for_grad(args: tuple, kwargs: dict, parameters: set[int], *, clone: bool = False,
-                    master: torch.dtype | None = None) -> tuple[tuple, dict, list[torch.Tensor], list[torch.Tensor]]:
+                    master: torch.dtype | None = None,
+                    frozen: Set[int] = frozenset()) -> tuple[tuple, dict, list[torch.Tensor], list[torch.Tensor]]:
     """The arguments as fresh autograd leaves: (args, kwargs, input leaves, weight leaves).
 
     ``clone=True`` copies every tensor first, so that timing an in-place op many times never
@@ -20,6 +22,7 @@ def leaves_for_grad(args: tuple, kwargs: dict, parameters: set[int], *, clone: b
     working copies are cast from (``bf16``); the weight leaves are then in it and the op gets
     their casts, made here, so that the forward has no cast and the weight gradient is cast back
     into the master's dtype, as the runtime's one cast per step does in every microbatch's backward.
+    ``frozen``: the parameters (by id) that do not train, which get no gradient, as in training.
     """
     inputs: list[torch.Tensor] = []
     weights: list[torch.Tensor] = []
@@ -28,6 +31,8 @@ def leaves_for_grad(args: tuple, kwargs: dict, parameters: set[int], *, clone: b
         if not isinstance(value, torch.Tensor):
             return value
         copy = value.detach().clone() if clone else value
+        if id(value) in frozen:
+            return copy.detach()
         return grad_ready(copy, {id(copy)} if id(value) in parameters else set(), inputs, weights, master)
 
     args, kwargs = pytree.tree_map(ready, (args, kwargs))

@@ -33,6 +33,11 @@ FSDP holds the fp32 shards and gathers bf16 whole weights (P/2);
 their bf16 whole gradients and the fp32 copy that FSDP reduce-scatters take P/2 + P at its peak,
 so the whole copies weigh 2P as at fp32.
 
+A frozen parameter (``requires_grad=False``: a fine-tune's pretrained base) has no gradient and
+no optimizer state: P of weights (and the bf16 working copy), sharded at ZeRO-2/3 as the others'
+weights are (FSDP shards it and gathers it alike); under ``bf16`` ZeRO-1 its fp32 master is
+partitioned with the others (`autopart.runtime.sharded_masters`), its bf16 weight whole.
+
 ZeRO-1's replicas own whole tensors, not even shares (`autopart.ir.owners`): ``state_bytes``
 counts 1/dp of each parameter's ``owned_bytes``, and ``owner_excess_bytes`` what the replica that
 owns most holds beyond those shares on a rank; a rank whose stage holds a vocabulary table at dp 64
@@ -55,31 +60,39 @@ LAYERS_IN_FLIGHT = 2
 
 
 def state_bytes(parameter_bytes: int, *, optimizer: str, dp: int, zero: int, dtype: str = "fp32",
-                layered: bool = False) -> int:
+                layered: bool = False, frozen: bool = False) -> int:
     """Peak bytes of weights, gradients and optimizer state for ``parameter_bytes`` of fp32
     parameters on one rank, in precision ``dtype``; ``layered``: they belong to a repeated layer,
-    its own FSDP unit at level 3, whose whole copies ``layers_in_flight_bytes`` counts."""
-    full = model_state_bytes(parameter_bytes, optimizer=optimizer)
-    weights_and_grads = 2 * parameter_bytes
+    its own FSDP unit at level 3, whose whole copies ``layers_in_flight_bytes`` counts; ``frozen``:
+    they do not train (weights alone)."""
+    full = _model_state(parameter_bytes, optimizer=optimizer, frozen=frozen)
+    whole_copies = parameter_bytes if frozen else 2 * parameter_bytes  # weights (and gradients) while computing
     working = parameter_bytes // 2 if working_dtype(dtype) is not None else 0  # bf16 copies beside fp32 masters
     if not zero or dp == 1:
         return full + working
     if zero == 1:
-        owned = owned_bytes(parameter_bytes, optimizer=optimizer, dp=dp, zero=zero, dtype=dtype)
+        owned = owned_bytes(parameter_bytes, optimizer=optimizer, dp=dp, zero=zero, dtype=dtype, frozen=frozen)
         return full + working - owned + owned // dp
     if zero == 3 and layered:
         return full // dp
-    return weights_and_grads + full // dp  # whole while computing, and the shards of everything
+    return whole_copies + full // dp  # whole while computing, and the shards of everything
 
 
-def owned_bytes(parameter_bytes: int, *, optimizer: str, dp: int, zero: int, dtype: str = "fp32") -> int:
+def owned_bytes(parameter_bytes: int, *, optimizer: str, dp: int, zero: int, dtype: str = "fp32",
+                frozen: bool = False) -> int:
     """The bytes of ``parameter_bytes``' state that ZeRO-1 leaves to the one replica owning the
     tensor: its optimizer state, and under ``bf16`` its fp32 master too (the bf16 weight and the
     fp32 gradient stay whole on every replica). 0 where nothing is sharded that way."""
     if zero != 1 or dp == 1:
         return 0
-    whole = parameter_bytes if working_dtype(dtype) is not None else 2 * parameter_bytes
-    return model_state_bytes(parameter_bytes, optimizer=optimizer) - whole
+    gradients = 0 if frozen else parameter_bytes
+    whole = gradients + (0 if working_dtype(dtype) is not None else parameter_bytes)  # fp32 weights stay whole
+    return _model_state(parameter_bytes, optimizer=optimizer, frozen=frozen) - whole
+
+
+def _model_state(parameter_bytes: int, *, optimizer: str, frozen: bool) -> int:
+    """Weights, gradients and optimizer state of fp32 parameters; a frozen one's weights alone."""
+    return parameter_bytes if frozen else model_state_bytes(parameter_bytes, optimizer=optimizer)
 
 
 def optimizer_group(dtype: str, decayed: bool) -> int:

@@ -108,7 +108,7 @@ def plan_reductions(schedule: Schedule, stages: Sequence[StagePlan], chain: Bloc
             done = sum(backward_s[k:last + 1]) / total if total > 0 else 1.0
             after.update({p: done for p in chain.blocks[k].parameters if p in stage.parameters})
         sizes = tuple((p, chain.parameter_bytes[p] // (tp if p in stage.parameter_placements else 1))
-                      for p in stage.parameters)
+                      for p in stage.parameters if p not in chain.frozen_parameters)  # no gradient to reduce
         found.setdefault(stage.rank, []).append(StageGradients(stage=stage.index, parameters=sizes, final_after=after))
     return {rank: rank_reductions(schedule[rank], held, seconds=seconds) for rank, held in found.items()}
 

@@ -107,8 +107,10 @@ def rank_tails(options: CompileOptions, front: Front, stages: list[StagePlan], h
     decayed = decayed_parameters(front.spec.module)
     tails = {}
     for rank in range(options.pp):
-        # each stage's module holds its own copy of a weight that two of the rank's stages read
-        copies = [p for st in stages if st.rank == rank for p in dict.fromkeys(st.parameters)]
+        # each stage's module holds its own copy of a weight that two of the rank's stages read; a
+        # frozen one has no gradient to sum nor to step
+        copies = [p for st in stages if st.rank == rank for p in dict.fromkeys(st.parameters)
+                  if p not in front.chain.frozen_parameters]
         tied = sum(_tied_all_reduce_s(cost_model, options, metas[p].nbytes * math.prod(shapes[p]) // metas[p].numel,
                                       {stages[s].rank for s in holders[p]})
                    for p in dict.fromkeys(copies) if len(holders[p]) > 1)

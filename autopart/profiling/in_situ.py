@@ -273,7 +273,7 @@ def optimizer_in_situ(module: fx.GraphModule, args: Sequence[Any], make_step: Ca
 
     A step timed alone in a loop finds its parameters, gradients and state in the caches; after
     a training step's backward it does not, and takes markedly longer there."""
-    parameters = list(dict.fromkeys(module.parameters()))
+    parameters = [p for p in dict.fromkeys(module.parameters()) if p.requires_grad]  # a frozen one is not stepped
     copies = [p.detach().clone().requires_grad_(True) for p in parameters]
     for copy in copies:
         copy.grad = torch.full_like(copy, 1e-3)

@@ -1,7 +1,7 @@
 """The profile pass: time every op of the training graph on the device at hand.
 
 ``profile_costs(graph, spec, database, ...) -> int`` runs the graph once on the example batch
-at a microbatch size and, for every node whose key (`autopart.passes.annotate.op_key`: op, shapes,
+at a microbatch size and, for every node whose key (`autopart.passes.cost_keys.op_key`: op, shapes,
 dtypes, roles) the database lacks for this device and torch version, times its forward and its
 two backward halves (`cost_models.profiler.time_op`). Repeated layers produce the same keys, so
 they are timed once; a second run over the same model times nothing. It also times one
@@ -21,7 +21,7 @@ events.
 With a bf16 ``dtype`` every forward runs under ``torch.autocast`` of the device (CUDA's on a GPU,
 the CPU's on the CPU), as the generated programs run it; backward runs outside autocast, as
 there. Under ``bf16`` the ops read bf16 working copies of the weights and each weight gradient
-is cast back to fp32, as the stages run them (`_working`). Each op is stored under the key that a compile looks it up by (`autopart.passes.annotate.cost_key`),
+is cast back to fp32, as the stages run them (`_working`). Each op is stored under the key that a compile looks it up by (`autopart.passes.cost_keys.cost_key`),
 which names its arguments' dtypes as annotate sees them: annotate runs the graph on the CPU under
 the target's autocast as ``autopart.passes.annotate.target_precision`` applies it (CUDA's casts for a GPU).
 The keys therefore come from one run of the graph on the CPU under that same precision
@@ -45,7 +45,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from torch import fx, nn
 
 from autopart.ir.tensors import DTYPES, precision, working_dtype
-from autopart.passes.annotate import cost_key, mixed_dtype_error, run_one, target_precision
+from autopart.passes.annotate import mixed_dtype_error, run_one, target_precision
+from autopart.passes.cost_keys import cost_key
 from autopart.passes.grad_leaves import leaves_for_grad
 from autopart.ir.model_file import ModelSpec, is_meta
 from autopart.passes.capture import Graph, graph_args
@@ -87,6 +88,7 @@ class _Timer(fx.Interpreter):
         self.database, self.device, self.device_name, self.dtype = database, device, device_name, dtype
         self.keys = keys
         self.parameters = {id(p) for p in module.parameters()}
+        self.frozen = {id(p) for p in module.parameters() if not p.requires_grad}
         self.master = torch.float32 if working_dtype(dtype) is not None else None  # bf16: weights cast from fp32
         self.overheads = database.overheads[device_name]
         self.progress = progress
@@ -110,7 +112,7 @@ class _Timer(fx.Interpreter):
             if self.progress is not None:
                 self.progress.update(self.task, description=f"timing {key[:70]}")
             fresh_args, fresh_kwargs, inputs, weights = leaves_for_grad(args, kwargs, self.parameters, clone=True,
-                                                                         master=self.master)
+                                                                         master=self.master, frozen=self.frozen)
             with torch.enable_grad():
                 times = time_op(lambda: self._forward(node, fresh_args, fresh_kwargs), inputs=inputs,
                                 weights=weights, device=self.device, overheads=self.overheads)
@@ -182,6 +184,7 @@ def _compile_keys(module: fx.GraphModule, values: list[Any], dtype: str, device_
     """Per op node, the key a compile in ``dtype`` for a ``device_kind`` device looks it up by: the
     graph run on the CPU under that device's autocast, as annotate runs it (see the module's docstring)."""
     parameters = {id(p) for p in module.parameters()}
+    frozen = {id(p) for p in module.parameters() if not p.requires_grad}
     keys: dict[str, str] = {}
 
     class Keys(fx.Interpreter):
@@ -193,7 +196,7 @@ def _compile_keys(module: fx.GraphModule, values: list[Any], dtype: str, device_
                 value = super().run_node(node)
             if node.op in ("call_function", "call_method"):
                 args, kwargs = self.fetch_args_kwargs_from_env(node)
-                keys[node.name] = cost_key(node, args, kwargs, parameters, dtype)
+                keys[node.name] = cost_key(node, args, kwargs, parameters, dtype, frozen)
             return value
 
     runner = Keys(module)
@@ -338,7 +341,8 @@ def profile_costs(graph: Graph, spec: ModelSpec, database: CostDatabase, *, devi
                                           forward_context=partial(precision, dtype, where.type))
             database.put_co_run(device_name, co_run, replace(measured, micro_batch_size=micro_batch_size))
         in_step = partial(optimizer_in_situ, module, values) if where.type == "cpu" else None
-        time_optimizer(database, device_name, where, optimizer, list(dict.fromkeys(module.parameters())), in_step)
+        trained = [p for p in dict.fromkeys(module.parameters()) if p.requires_grad]  # a frozen one is not stepped
+        time_optimizer(database, device_name, where, optimizer, trained, in_step)
     finally:
         torch.set_num_threads(previous_threads)
     return database.timed - before

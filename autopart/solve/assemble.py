@@ -18,8 +18,8 @@ from autopart.ir.plan import Plan, Predicted, Provenance, ScheduleSpec, StagePla
 from autopart.options import CompileOptions
 from autopart.passes.annotate import OpGraph
 from autopart.passes.front import (
-    Front, block_seconds, block_weight_seeds, held_tensors, layer_input_bytes, layer_rebuilt_bytes, loss_working_bytes,
-    parameter_placements, recompute_blocks,
+    Front, block_seconds, block_weight_seeds, held_tensors, layer_input_bytes, layer_rebuilt_bytes,
+    loss_working_bytes, parameter_placements, recompute_blocks,
 )
 from autopart.passes.recompute import (
     batch_inputs, checkpointed_layers, recompute_cost, stage_input_bytes, stage_modes,
@@ -58,7 +58,9 @@ def pipeline_problem(options: CompileOptions, front: Front, microbatches: int) -
                                              layers, tp=options.tp)
     local = _local_bytes(options, front)
     layered, layer_bytes = layered_parameters(chain, local)
-    state = {name: _state_bytes(options, nbytes, layered=name in layered) for name, nbytes in local.items()}
+    frozen = front.chain.frozen_parameters
+    state = {name: _state_bytes(options, nbytes, layered=name in layered, frozen=name in frozen)
+             for name, nbytes in local.items()}
     return PipelineProblem(
         block_time_s=times,
         block_activation_bytes=saved,
@@ -75,7 +77,7 @@ def pipeline_problem(options: CompileOptions, front: Front, microbatches: int) -
         # full recompute layer by layer: one layer's rebuild on every rank, as its stages' cuts are not known
         overhead_bytes=_overhead_bytes(options, device, layer_bytes) + layer_rebuilt_bytes(front, layers),
         stage_rank=stage_placement(options.schedule, ranks=options.pp, chunks=options.chunks),
-        split_layers=_split_layers(options, chain, local, state),
+        split_layers=_split_layers(options, chain, local, state, frozen),
         loss_working_bytes=loss_working_bytes(front, options.tp),
         **_weight_seeds(options, front, microbatches),
         owned_state=_owned_state(options, front, local),
@@ -89,13 +91,15 @@ def _owned_state(options: CompileOptions, front: Front, local: dict[str, int]) -
     if int(options.zero) != 1 or options.dp == 1:
         return {}
     dtype = options.dtype or "fp32"
-    decayed = decayed_parameters(front.spec.module)
-    return {name: (owned_bytes(nbytes, optimizer=options.optimizer, dp=options.dp, zero=1, dtype=dtype),
+    decayed, frozen = decayed_parameters(front.spec.module), front.chain.frozen_parameters
+    return {name: (owned_bytes(nbytes, optimizer=options.optimizer, dp=options.dp, zero=1, dtype=dtype,
+                               frozen=name in frozen),
                    optimizer_group(dtype, name in decayed))
             for name, nbytes in local.items()}
 
 
-def _split_layers(options: CompileOptions, chain, local: dict[str, int], state: dict[str, int]) -> tuple:
+def _split_layers(options: CompileOptions, chain, local: dict[str, int], state: dict[str, int],
+                  frozen: frozenset[str]) -> tuple:
     """``PipelineProblem.split_layers``: at ZeRO-3, per repeated layer, what its parameters cost
     more where a cut splits it (they run in each stage's root unit, `autopart.codegen.layers`,
     rather than the layer's own, whose ``state`` they hold), summed over the parameters that the
@@ -111,7 +115,7 @@ def _split_layers(options: CompileOptions, chain, local: dict[str, int], state: 
                     readers.setdefault(name, []).append(k)
         extra: dict[tuple[int, ...], int] = {}
         for name, blocks in readers.items():
-            more = _state_bytes(options, local[name], layered=False) - state[name]
+            more = _state_bytes(options, local[name], layered=False, frozen=name in frozen) - state[name]
             extra[tuple(blocks)] = extra.get(tuple(blocks), 0) + more
         if end - first > 1 and any(extra.values()):
             found.append((first, end, tuple((nbytes, blocks) for blocks, nbytes in extra.items() if nbytes)))
@@ -383,10 +387,10 @@ def _weight_seeds(options: CompileOptions, front: Front, microbatches: int) -> d
     return {"block_weight_seed_bytes": block_weight_seeds(front), "weight_seeds_at_once": pending}
 
 
-def _state_bytes(options: CompileOptions, parameter_bytes: int, *, layered: bool) -> int:
+def _state_bytes(options: CompileOptions, parameter_bytes: int, *, layered: bool, frozen: bool) -> int:
     """Weights, gradients and optimizer state of one rank's share of a parameter."""
     return state_bytes(parameter_bytes, optimizer=options.optimizer, dp=options.dp, zero=options.zero,
-                       dtype=options.dtype or "fp32", layered=layered)
+                       dtype=options.dtype or "fp32", layered=layered, frozen=frozen)
 
 
 def _local_bytes(options: CompileOptions, front: Front) -> dict[str, int]:

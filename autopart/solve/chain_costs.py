@@ -16,6 +16,8 @@ from typing import Any, TypeVar
 __all__ = ["ChainCosts", "StageFigures", "chain_sums", "stage_figures", "stage_floor_s"]
 
 _T = TypeVar("_T")
+Kind = tuple[int, bool, bool]
+"""A parameter's kind, all that its state depends on: its bytes, a repeated layer's own, frozen."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,6 +41,7 @@ class ChainCosts:
     parameter_state_bytes: dict[str, int]  # the same with gradients and optimizer state
     block_parameters: tuple[tuple[str, ...], ...]
     layer_parameters: frozenset[str] = frozenset()  # a repeated layer's own: its own FSDP unit at ZeRO-3
+    frozen_parameters: frozenset[str] = frozenset()  # requires_grad=False in the model: weights alone, no state
     layer_bytes: int = 0  # the largest repeated layer's ``parameter_bytes`` (``autopart.predict.memory``)
     layer_spans: tuple[tuple[int, int], ...] = ()  # each repeated layer's blocks (first, end), in chain order
     # per block, what the parameters first read there cost more where a cut splits their layer
@@ -72,9 +75,9 @@ class ChainCosts:
         if name == "owned_parameter_bytes":
             return self._owned_parameter_bytes()
         if name == "owned_weight_bytes":  # the parameters alone, one tensor-parallel rank's share
-            return [sum(size * count for (size, _), count in sizes) for sizes in self._owned_sizes()]
+            return [sum(size * count for (size, _, _), count in sizes) for sizes in self._owned_sizes()]
         if name == "owned_layer_bytes":  # of those, the repeated layers' own (their ZeRO-3 units)
-            return [sum(size * count for (size, layered), count in sizes if layered) for sizes in self._owned_sizes()]
+            return [sum(size * count for (size, layered, _), count in sizes if layered) for sizes in self._owned_sizes()]
         if name == "full_recompute_s":
             return self.forward_s
         if name == "compute_s":
@@ -111,21 +114,24 @@ class ChainCosts:
                     owned[k] += self.parameter_state_bytes[p]
         return owned
 
-    def _owned_sizes(self) -> list[tuple[tuple[tuple[int, bool], int], ...]]:
-        """Per block, ((parameter bytes, layered), how many) of the parameters first read there."""
-        def made() -> list[tuple[tuple[tuple[int, bool], int], ...]]:
+    def _owned_sizes(self) -> list[tuple[tuple[Kind, int], ...]]:
+        """Per block, ((parameter bytes, layered, frozen), how many) of the parameters first read there."""
+        def made() -> list[tuple[tuple[Kind, int], ...]]:
             found, seen = [], set()
             for names in self.block_parameters:
-                counts: dict[tuple[int, bool], int] = {}
+                counts: dict[Kind, int] = {}
                 for p in names:
                     if p not in seen:
                         seen.add(p)
-                        kind = (self.parameter_bytes[p], p in self.layer_parameters)
+                        kind = (self.parameter_bytes[p], p in self.layer_parameters, p in self.frozen_parameters)
                         counts[kind] = counts.get(kind, 0) + 1
                 found.append(tuple(counts.items()))
             return found
 
         return self.kept("owned_sizes", made)
+
+    def _kind(self, name: str) -> Kind:
+        return self.parameter_bytes[name], name in self.layer_parameters, name in self.frozen_parameters
 
     def state_bytes_total(self, state_bytes: Callable[..., int], *, key: Hashable | None = None) -> int:
         """``with_state(state_bytes)``'s parameter state summed over the chain, each parameter
@@ -136,8 +142,8 @@ class ChainCosts:
             if key not in kept:
                 kept[key] = self.state_bytes_total(state_bytes)
             return kept[key]
-        def made() -> dict[tuple[int, bool], int]:
-            kinds: dict[tuple[int, bool], int] = {}
+        def made() -> dict[Kind, int]:
+            kinds: dict[Kind, int] = {}
             for sizes in self._owned_sizes():
                 for kind, count in sizes:
                     kinds[kind] = kinds.get(kind, 0) + count
@@ -166,7 +172,7 @@ class ChainCosts:
 
     def with_state(self, state_bytes: Callable[..., int], *, key: Hashable | None = None) -> ChainCosts:
         """These costs with ``parameter_state_bytes[p] = state_bytes(parameter_bytes[p], layered=p in
-        layer_parameters)``. Fast
+        layer_parameters, frozen=p in frozen_parameters)``. Fast
         for chains of thousands of parameters: one call per distinct size, and the running sums
         that depend only on which block reads what are carried over. ``key`` names ``state_bytes``
         (the same key, the same function): the result is kept under it and given again, with the
@@ -176,16 +182,16 @@ class ChainCosts:
             if key not in kept:
                 kept[key] = self.with_state(state_bytes)
             return kept[key]
-        kinds = {(b, p in self.layer_parameters) for p, b in self.parameter_bytes.items()}
-        kinds |= {(size, False) for size, layered in kinds if layered}  # what a layer split by a cut costs
+        kinds = {self._kind(p) for p in self.parameter_bytes}
+        kinds |= {(size, False, frozen) for size, layered, frozen in kinds if layered}  # what a layer split by a cut costs
         state = _state_by_kind(state_bytes, kinds)
         owned = [sum(state[kind] * count for kind, count in sizes) for sizes in self._owned_sizes()]
         carried = {name: self._kept[name] for name in ("owned_sizes", "shared") if name in self._kept}
         carried["owned_parameter_bytes"] = [0, *itertools.accumulate(owned)]
-        split = [sum((state[size, False] - state[size, True]) * count for (size, layered), count in sizes if layered)
+        split = [sum((state[size, False, frozen] - state[size, True, frozen]) * count
+                     for (size, layered, frozen), count in sizes if layered)
                  for sizes in self._owned_sizes()]
-        layered = self.layer_parameters
-        return replace(self, parameter_state_bytes={p: state[b, p in layered] for p, b in self.parameter_bytes.items()},
+        return replace(self, parameter_state_bytes={p: state[self._kind(p)] for p in self.parameter_bytes},
                        split_layer_bytes=tuple(split) if any(split) else (),  # a layer unit holds less than a root
                        _kept=carried)
 
@@ -202,9 +208,15 @@ class ChainCosts:
         return self.kept("shared", made)
 
 
-def _state_by_kind(state_bytes: Callable[..., int], kinds: Iterable[tuple[int, bool]]) -> dict[tuple[int, bool], int]:
-    """Per (parameter bytes, a repeated layer's own), the state ``state_bytes`` gives it."""
-    return {(size, layered): state_bytes(size, layered=True) if layered else state_bytes(size) for size, layered in kinds}
+def _state_by_kind(state_bytes: Callable[..., int], kinds: Iterable[Kind]) -> dict[Kind, int]:
+    """Per (parameter bytes, a repeated layer's own, frozen), the state ``state_bytes`` gives it
+    (asked with those flags only where they are set: a plain ``state_bytes(nbytes)`` serves a chain
+    that has neither)."""
+    def state(size: int, layered: bool, frozen: bool) -> int:
+        flags = {name: True for name, value in (("layered", layered), ("frozen", frozen)) if value}
+        return state_bytes(size, **flags)
+
+    return {kind: state(*kind) for kind in kinds}
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -186,12 +186,15 @@ class FrontTable:
             self._costs[key] = chain_costs(self.front(micro_batch_size=micro_batch_size, tp=tp, dtype=dtype), tp)
         return self._costs[key]
 
-    def state_bytes(self, parameter_bytes: int, *, dp: int, zero: int, dtype: str = "fp32", layered: bool = False) -> int:
+    def state_bytes(self, parameter_bytes: int, *, dp: int, zero: int, dtype: str = "fp32", layered: bool = False,
+                    frozen: bool = False) -> int:
         return state_bytes(parameter_bytes, optimizer=self.options.optimizer, dp=dp, zero=zero, dtype=dtype,
-                           layered=layered)
+                           layered=layered, frozen=frozen)
 
-    def owned_bytes(self, parameter_bytes: int, *, dp: int, zero: int, dtype: str = "fp32") -> int:
-        return owned_bytes(parameter_bytes, optimizer=self.options.optimizer, dp=dp, zero=zero, dtype=dtype)
+    def owned_bytes(self, parameter_bytes: int, *, dp: int, zero: int, dtype: str = "fp32",
+                    frozen: bool = False) -> int:
+        return owned_bytes(parameter_bytes, optimizer=self.options.optimizer, dp=dp, zero=zero, dtype=dtype,
+                           frozen=frozen)
 
 
 def chain_costs(front: Front, tp: int) -> ChainCosts:
@@ -231,6 +234,7 @@ def chain_costs(front: Front, tp: int) -> ChainCosts:
         parameter_state_bytes=local,  # replaced per layout by the search (dp, ZeRO)
         block_parameters=tuple(b.parameters for b in chain.blocks),
         layer_parameters=layered,
+        frozen_parameters=front.chain.frozen_parameters,
         layer_bytes=layer_bytes,
         layer_spans=tuple((first, end) for first, end, _ in layer_instances(chain)),
         loss_working_bytes=loss_working_bytes(front, tp),

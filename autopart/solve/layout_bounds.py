@@ -114,8 +114,8 @@ def early_bound(table, cluster) -> Callable:
             return optimistic(micro_batch_size=micro_batch_size, tp=tp, dtype=dtype)
 
         def state_bytes(self, parameter_bytes: int, *, dp: int, zero: int, dtype: str = "fp32",
-                        layered: bool = False) -> int:
-            return table.state_bytes(parameter_bytes, dp=dp, zero=zero, dtype=dtype, layered=layered)
+                        layered: bool = False, frozen: bool = False) -> int:
+            return table.state_bytes(parameter_bytes, dp=dp, zero=zero, dtype=dtype, layered=layered, frozen=frozen)
 
     def early(layout) -> float:
         if layout.schedule != "zb-h1":

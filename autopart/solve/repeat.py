@@ -106,6 +106,7 @@ def repeat_layers(costs: ChainCosts, layers: Sequence[str | None],
         parameter_state_bytes=parameter_state_bytes,
         block_parameters=block_parameters,
         layer_parameters=renamed(costs.layer_parameters), decayed_parameters=renamed(costs.decayed_parameters),
+        frozen_parameters=renamed(costs.frozen_parameters),
         layer_bytes=costs.layer_bytes,  # every layer a copy of a captured one
         layer_spans=_copied_spans(costs.layer_spans, spans, pattern, head_first),
     )
@@ -177,8 +178,10 @@ class RepeatedTable:
             self._cache[key] = repeat_layers(costs, self.layers_of(micro_batch_size, tp, dtype), self.pattern)
         return self._cache[key][0]
 
-    def state_bytes(self, parameter_bytes: int, *, dp: int, zero: int, dtype: str = "fp32", layered: bool = False) -> int:
-        return self.inner.state_bytes(parameter_bytes, dp=dp, zero=zero, dtype=dtype, layered=layered)
+    def state_bytes(self, parameter_bytes: int, *, dp: int, zero: int, dtype: str = "fp32", layered: bool = False,
+                    frozen: bool = False) -> int:
+        return self.inner.state_bytes(parameter_bytes, dp=dp, zero=zero, dtype=dtype, layered=layered, frozen=frozen)
 
-    def owned_bytes(self, parameter_bytes: int, *, dp: int, zero: int, dtype: str = "fp32") -> int:
-        return self.inner.owned_bytes(parameter_bytes, dp=dp, zero=zero, dtype=dtype)
+    def owned_bytes(self, parameter_bytes: int, *, dp: int, zero: int, dtype: str = "fp32",
+                    frozen: bool = False) -> int:
+        return self.inner.owned_bytes(parameter_bytes, dp=dp, zero=zero, dtype=dtype, frozen=frozen)

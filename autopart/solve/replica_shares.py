@@ -43,12 +43,15 @@ def owners_beyond_shares(table, layout, costs: ChainCosts) -> Callable[[tuple[tu
     which no running sum of the cutter says. None where ZeRO-1 gives no replica whole tensors."""
     if int(layout.zero) != 1 or layout.dp == 1:
         return None
-    owned = functools.cache(lambda nbytes: table.owned_bytes(nbytes, dp=layout.dp, zero=1, dtype=layout.dtype))
+    owned = functools.cache(lambda nbytes, frozen: table.owned_bytes(nbytes, dp=layout.dp, zero=1, dtype=layout.dtype,
+                                                                      frozen=frozen))
+    frozen = costs.frozen_parameters
 
     @functools.cache
     def excess(spans: tuple[tuple[int, int], ...]) -> int:
         groups = _rank_groups(layout, costs, spans)
-        return owner_excess_bytes([[owned(costs.parameter_bytes[n]) for n in group] for group in groups], layout.dp)
+        return owner_excess_bytes([[owned(costs.parameter_bytes[n], n in frozen) for n in group] for group in groups],
+                                  layout.dp)
 
     return excess
 

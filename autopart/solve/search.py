@@ -200,10 +200,13 @@ class CostTable(Protocol):
     def chain_costs(self, *, micro_batch_size: int, tp: int, dtype: str) -> ChainCosts:
         """The chain's costs per microbatch on one rank of a tensor-parallel group of ``tp``."""
 
-    def state_bytes(self, parameter_bytes: int, *, dp: int, zero: int, dtype: str = "fp32", layered: bool = False) -> int:
-        """Weights, gradients and optimizer state of a share of ``parameter_bytes`` (of a repeated ``layered``)."""
+    def state_bytes(self, parameter_bytes: int, *, dp: int, zero: int, dtype: str = "fp32", layered: bool = False,
+                    frozen: bool = False) -> int:
+        """Weights, gradients and optimizer state of a share of ``parameter_bytes`` (of a repeated
+        ``layered``; of a ``frozen`` one, weights alone: `autopart.predict.memory.state_bytes`)."""
 
-    def owned_bytes(self, parameter_bytes: int, *, dp: int, zero: int, dtype: str = "fp32") -> int:
+    def owned_bytes(self, parameter_bytes: int, *, dp: int, zero: int, dtype: str = "fp32",
+                    frozen: bool = False) -> int:
         """Of those, what ZeRO-1 leaves whole to the replica that owns the tensor (`autopart.predict.memory.owned_bytes`)."""
 
 
