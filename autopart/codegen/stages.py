@@ -18,7 +18,24 @@ from autopart.passes.annotate import OpGraph
 from autopart.codegen.names import plain_text
 from autopart.ir.errors import PlanError
 
-__all__ = ["StageGraph", "stage_graphs", "stage_boundaries", "describe_tensors"]
+__all__ = ["StageGraph", "kept_unread", "stage_graphs", "stage_boundaries", "describe_tensors"]
+
+
+def kept_unread(node: fx.Node) -> bool:
+    """A node that a stage runs though nothing reads its value: one fx calls impure, or an in-place
+    op (``att.masked_fill_(mask, -inf)``, ``x.add_(bias)``, ``F.relu(x, inplace=True)``), whose
+    effect is on its input, which fx's dead-code pass takes for pure and would drop (the mask
+    lost, the bias never trained). A graph without its module cannot ask a leaf module's call
+    whether it is pure: it is."""
+    if node.op == "call_module":
+        return False
+    if node.is_impure() or node.kwargs.get("inplace") is True:
+        return True
+    schema = getattr(node.target, "_schema", None)  # an ATen overload (torch.export): its schema says
+    if schema is not None:
+        return schema.is_mutable
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    return isinstance(name, str) and name.endswith("_") and not name.endswith("__")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -121,8 +138,7 @@ def stage_graphs(op_graph: OpGraph, stage_nodes: list[tuple[str, ...]]) -> list[
             if node.op == "call_module":
                 leaves.append(str(node.target))
         graph.output(env[sends[0]] if s == len(stage_nodes) - 1 else tuple(env[n] for n in sends))
-        # a graph without its module cannot ask a leaf module's call whether it is pure: it is
-        graph.eliminate_dead_code(is_impure_node=lambda n: n.op != "call_module" and n.is_impure())
+        graph.eliminate_dead_code(is_impure_node=kept_unread)
         graph.lint()
         result.append(
             StageGraph(

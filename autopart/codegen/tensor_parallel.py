@@ -33,7 +33,7 @@ from torch.nn import functional as F
 
 from autopart.ir.tensors import TensorMeta, autocast_dtype
 from autopart.passes.annotate import OpGraph
-from autopart.codegen.stages import StageGraph
+from autopart.codegen.stages import StageGraph, kept_unread
 from autopart.ir.errors import PlanError
 from autopart.runtime import collectives
 from autopart.runtime import overlapped as overlapped_linears
@@ -106,7 +106,7 @@ def shard_stage_graph(
     for node in graph.nodes:  # the outputs: sent on as the plan holds them (whole, or a slice), or the (replicated) loss
         if node.op == "output":
             node.args = fx.map_arg(node.args, lambda a: convert(a, boundary.get(a.name, REPLICATE), False, node))
-    graph.eliminate_dead_code()
+    graph.eliminate_dead_code(is_impure_node=kept_unread)
     _fuse_gathered_linears(graph)
     if autocast_dtype(op_graph.dtype) is not None:
         _move_for_products(graph, op_graph, convert.sources)

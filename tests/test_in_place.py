@@ -1,0 +1,74 @@
+"""An in-place op whose result nothing reads (``att.masked_fill_(mask, -inf)``, ``x.add_(bias)``)
+has its effect on its input: the stage programs run it, where fx's dead-code pass, which takes
+such a call for pure, dropped it (the causal mask lost, the bias never trained) and the run
+trained another model than the one compiled."""
+
+import pytest
+
+from autopart.driver import CompileOptions, compile_to_directory
+from autopart.tools.verify import verify
+
+MODEL = """
+import math, torch
+from torch import nn
+import torch.nn.functional as F
+
+D, V, T, H = 32, 64, 8, 4
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln, self.qkv, self.proj = nn.LayerNorm(D), nn.Linear(D, 3 * D), nn.Linear(D, D)
+        self.bias = nn.Parameter(torch.full((D,), 0.5))
+        self.register_buffer("mask", torch.triu(torch.ones(T, T, dtype=torch.bool), 1))
+
+    def forward(self, x):
+        h = self.ln(x)
+        h.add_(self.bias)  # in place, its result unread
+        qkv = self.qkv(h)
+        q, k, v = (qkv[..., i * D:(i + 1) * D].reshape(-1, T, H, D // H).transpose(1, 2) for i in range(3))
+        att = q @ k.transpose(-2, -1) / math.sqrt(D // H)
+        att.masked_fill_(self.mask, float("-inf"))  # the causal mask, in place
+        y = F.softmax(att, dim=-1) @ v
+        return x + self.proj(y.transpose(1, 2).reshape(-1, T, D))
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.blocks, self.head = nn.Embedding(V, D), nn.ModuleList(Block() for _ in range(2)), nn.Linear(D, V)
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def build_model():
+    torch.manual_seed(0)
+    return Model()
+
+
+def example_batch(batch_size):
+    tokens = torch.randint(0, V, (batch_size, T + 1), generator=torch.Generator().manual_seed(1))
+    return (tokens[:, :-1],), tokens[:, 1:]
+
+
+def loss_fn(out, target):
+    return F.cross_entropy(out.reshape(-1, V), target.reshape(-1))
+"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("layout", [dict(pp=2, microbatches=2), dict(tp=2, microbatches=1, device="h100-sxm")])
+def test_in_place_ops_whose_result_is_unread_are_run(tmp_path, layout):
+    model = tmp_path / "in_place.py"
+    model.write_text(MODEL)
+    out = tmp_path / "out"
+    compile_to_directory(CompileOptions(model=model, micro_batch_size=2, measure=False, capture="fx", **layout), out)
+    source = "".join(p.read_text() for p in (out / "stages").glob("*.py"))
+    assert ".masked_fill_(" in source and ".add_(" in source  # once per layer, or once in a layer's shared method
+    result = verify(out, steps=2)
+    assert result.matches, result.failures[:3]
