@@ -7,8 +7,9 @@ import pytest
 
 from autopart.driver import CompileOptions, compile_to_directory
 from autopart.tools.verify import verify
+from tests.tiny_models import token_model
 
-MODEL = """
+MODEL = token_model("""
 import math, torch
 from torch import nn
 import torch.nn.functional as F
@@ -33,28 +34,7 @@ class Block(nn.Module):
         y = F.softmax(att, dim=-1) @ v
         return x + self.proj(y.transpose(1, 2).reshape(-1, T, D))
 
-
-class Model(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.emb, self.blocks, self.head = nn.Embedding(V, D), nn.ModuleList(Block() for _ in range(2)), nn.Linear(D, V)
-
-    def forward(self, idx):
-        x = self.emb(idx)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
-
-
-def build_model():
-    torch.manual_seed(0)
-    return Model()
-
-
-def example_batch(batch_size):
-    tokens = torch.randint(0, V, (batch_size, T + 1), generator=torch.Generator().manual_seed(1))
-    return (tokens[:, :-1],), tokens[:, 1:]
-
+""") + """
 
 def loss_fn(out, target):
     return F.cross_entropy(out.reshape(-1, V), target.reshape(-1))

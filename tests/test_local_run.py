@@ -206,3 +206,17 @@ def test_a_module_runs_in_each_rank_as_python_m_runs_it(tmp_path):
         assert seen == {"argv": [str(tmp_path / "probe_rank.py"), "a", "b"], "path0": str(tmp_path)}
     with pytest.raises(LocalRunError, match="No module named no_such_module"):
         local_run.run_here(["-m", "no_such_module"], 2, timeout_s=60, cwd=tmp_path)
+
+
+def test_the_rank_that_failed_says_the_cause_on_the_first_line():
+    """Its peer's error says only the symptom (the connection it found closed); the failed rank's
+    own one-line error leads, else the end of its traceback, where a warning quotes one line."""
+    from autopart.tools.local_run import run_failed
+
+    peer = "autopart: error on rank 1: RuntimeError: Connection closed by peer\n"
+    traceback = "Traceback (most recent call last):\n  File \"stage_0.py\", line 9\nModuleNotFoundError: No module named 'm'\n"
+    error = str(run_failed(1, traceback + peer, failed=traceback))
+    assert error.splitlines()[0] == "the distributed run failed (exit 1): ModuleNotFoundError: No module named 'm'"
+    own = "autopart: error on rank 0: out of memory\n"
+    assert str(run_failed(1, own + peer, failed=own)).splitlines()[0].endswith("): autopart: error on rank 0: out of memory")
+    assert str(run_failed(1, peer)).splitlines()[0].endswith("Connection closed by peer"), "none known: the errors written"

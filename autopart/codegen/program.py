@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import fx
 
 from autopart.ir.errors import PlanError
+from autopart.ir.model_file import MODULE_PREFIX
 from autopart.solve.sharding import op_name
 
 __all__ = ["Step", "Memory", "Expressions", "attribute_path", "function_lines", "shape_comment", "large", "LARGE_OPS", "VIEW_OPS"]
@@ -75,6 +76,7 @@ class Expressions:
         self.variable = variable  # the expression of a value node: its variable name
         self.attribute = attribute  # the expression of a get_attr node (or a call_module's module)
         self.imports: set[str] = set()
+        self.from_model: set[str] = set()  # the model file's own functions and classes, by qualified name
 
     def callee(self, node: fx.Node) -> str | None:
         """The name a call_function node calls its function by, when it is written as a call."""
@@ -130,6 +132,9 @@ class Expressions:
         module, qualname = getattr(target, "__module__", None), getattr(target, "__qualname__", None)
         if not module or not qualname or not _dotted(module) or not _dotted(qualname):
             raise PlanError(f"generated code would need {target!r}, which cannot be imported by name; report this model")
+        if module.startswith(MODULE_PREFIX):  # the model file's own (an fx.wrap function, an output dataclass)
+            self.from_model.add(qualname)  # read from OUT/model.py at run time: the compile's import name is its own
+            return qualname.replace(".", "_")
         if "." in qualname:  # a static method: reached through its class's module
             self.imports.add(f"import {module}")
             return f"{module}.{qualname}"

@@ -184,20 +184,31 @@ class _Writer:
 
 
 def stage_body(stage: StageGraph, op_graph: OpGraph, units: list[Unit],
-               shapes: dict[str, tuple[tuple[int, ...], str]]) -> tuple[list[str], list[str]]:  # fmt: skip
-    """The imports and the indented methods (forward first) of a stage's class."""
+               shapes: dict[str, tuple[tuple[int, ...], str]]) -> tuple[list[str], list[str], list[str]]:  # fmt: skip
+    """The imports, the model file's own functions and classes that the code calls (by qualified
+    name), and the indented methods (forward first) of a stage's class."""
     writer = _Writer(stage, op_graph, units, shapes)
     body = [*writer.forward(), *writer.methods()]
-    return sorted(writer.expressions.imports), body
+    return sorted(writer.expressions.imports), sorted(writer.expressions.from_model), body
 
 
-def _import_block(imports: list[str], runtime: str, *, leaves: bool) -> str:
+def _import_block(imports: list[str], runtime: str, *, paths: bool) -> str:
     """The standard library, then torch, then autopart, as isort would order them."""
-    standard = ["from pathlib import Path"] if leaves else []
+    standard = ["from pathlib import Path"] if paths else []
     standard += [line for line in imports if line == "import math"]
     third = ["import torch", *(line for line in imports if line.startswith("import torch."))]
     own = [line for line in imports if line not in standard and line not in third] + [runtime]
     return "\n\n".join("\n".join(sorted(group)) for group in (standard, third, sorted(own)) if group) + "\n"
+
+
+def _model_block(names: list[str]) -> str:
+    """The model file's own functions and classes that the code calls, taken from OUT/model.py
+    (the compile imported the model under a name of its own, which no rank can import)."""
+    if not names:
+        return ""
+    lines = "".join(f"{name.replace('.', '_')} = model_attribute(MODEL_FILE, {name!r})\n" for name in names)
+    return ("\n# the model file's own functions and classes that its code calls\n"
+            f"MODEL_FILE = Path(__file__).resolve().parents[1] / \"model.py\"\n{lines}")
 
 
 def _layer_methods_line(stage: StageGraph, units: list[Unit]) -> str:
@@ -242,7 +253,7 @@ def stage_source(
     shapes: dict[str, tuple[tuple[int, ...], str]],
 ) -> str:
     """Python source of one stage: a module docstring, the tensor declarations, the forward and layer code."""
-    imports, body_lines = stage_body(stage, op_graph, units, shapes)
+    imports, from_model, body_lines = stage_body(stage, op_graph, units, shapes)
     class_name = f"Stage{stage.index}"
 
     def declarations(names: tuple[str, ...]) -> str:
@@ -275,8 +286,9 @@ CONSTANTS = {{
                     f"FROZEN = ({signature(frozen)})\n") if frozen else ""
     leaf_block = _leaf_block(stage, root)
     layers = _layer_methods_line(stage, units)
-    runtime = f"from autopart.runtime.stage import {'declare_leaves, ' if stage.leaves else ''}declare_tensors"
-    import_lines = _import_block(imports, runtime, leaves=bool(stage.leaves))
+    named = ["declare_leaves"] * bool(stage.leaves) + ["declare_tensors"] + ["model_attribute"] * bool(from_model)
+    runtime = f"from autopart.runtime.stage import {', '.join(named)}"
+    import_lines = _import_block(imports, runtime, paths=bool(stage.leaves or from_model)) + _model_block(from_model)
     return f'''{header}
 {import_lines}
 

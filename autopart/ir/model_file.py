@@ -20,7 +20,16 @@ from torch import nn
 
 from autopart.ir.errors import ModelFileError
 
-__all__ = ["ModelSpec", "load_model_file", "check_batch", "describe_error", "file_line", "eager_loss", "is_meta"]
+__all__ = ["MODULE_PREFIX", "ModelSpec", "import_name", "load_model_file", "check_batch", "describe_error", "file_line", "eager_loss", "is_meta"]
+
+MODULE_PREFIX = "_autopart_model_"
+"""The start of the name a model file is imported under (the rest a digest of its path): its
+functions and classes are known by it in the compile alone."""
+
+
+def import_name(path: Path) -> str:
+    """The name ``path`` is imported under (`MODULE_PREFIX` and a digest of its resolved path)."""
+    return f"{MODULE_PREFIX}{hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:12]}"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -71,7 +80,7 @@ def load_model_file(path: str | Path, *, build: bool = True) -> ModelSpec:
     if path.suffix != ".py":
         raise ModelFileError(f"model file '{path}' is not a .py file; pass a Python model file")
     source = path.read_bytes()
-    name = f"_autopart_model_{hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:12]}"
+    name = import_name(path)
     spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

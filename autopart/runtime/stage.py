@@ -8,7 +8,7 @@ import hashlib
 import sys
 import types
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import safe_open
@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 __all__ = [
     "declare_tensors",
     "declare_leaves",
+    "model_attribute",
     "load_stage",
     "stage_names",
     "check_checkpoint",
@@ -95,6 +96,21 @@ def _meta_spec(model_file: Path):
 
 def _meta_model(model_file: Path) -> nn.Module:
     return _meta_spec(model_file).module
+
+
+def model_attribute(model_file: Path, qualified_name: str) -> Any:
+    """A function or class of the model file that the stage's code calls (an ``fx.wrap``
+    function, the dataclass or NamedTuple its forward returns), from ``model_file`` as imported
+    here (once per process, with the folder it sits in on the path, as the compile imports it)."""
+    return functools.reduce(getattr, qualified_name.split("."), _model_module(model_file))
+
+
+@functools.cache
+def _model_module(model_file: Path) -> types.ModuleType:
+    from autopart.ir.model_file import import_name, load_model_file
+
+    load_model_file(model_file, build=False)
+    return sys.modules[import_name(model_file)]
 
 
 def declare_leaves(module: nn.Module, leaves: dict[str, str], model_file: Path) -> None:

@@ -75,7 +75,8 @@ def run_here(argv: list[str], ranks: int, *, timeout_s: float, cwd: Path | None 
     if launched.timed_out:
         raise _timed_out(timeout_s)
     if launched.failed_rank is not None:
-        raise run_failed(launched.codes[launched.failed_rank], "".join(launched.stderrs))
+        raise run_failed(launched.codes[launched.failed_rank], "".join(launched.stderrs),
+                         failed=launched.stderrs[launched.failed_rank])
 
 
 def _environment(gpus: bool = False) -> dict[str, str]:
@@ -219,9 +220,15 @@ def _text(path: str) -> str:
         return ""
 
 
-def run_failed(code: int, stderr: str) -> LocalRunError:
+def run_failed(code: int, stderr: str, *, failed: str = "") -> LocalRunError:
     """The error of a run whose launcher exited with ``code``: the ranks' own one-line errors
-    (``autopart: ...``) where they wrote any, else the end of what they wrote."""
-    errors = [line for line in stderr.splitlines() if line.startswith("autopart:")]
-    tail = "\n".join(errors) if errors else stderr[-3000:]
-    return LocalRunError(f"the distributed run failed (exit {code}):\n{tail}")
+    (``autopart: ...``) where they wrote any, else the end of what they wrote. ``failed``: what
+    the rank that failed first wrote, which says the cause where the others' say only its
+    symptom (a peer that closed its connection): its own errors, else the end of its traceback."""
+    def errors(text: str) -> list[str]:
+        return [line for line in text.splitlines() if line.startswith("autopart:")]
+
+    own = errors(failed) or failed.strip().splitlines()[-12:]
+    lines = own or errors(stderr) or stderr[-3000:].splitlines()
+    cause = next((line.strip() for line in reversed(lines) if line.strip()), "")
+    return LocalRunError(f"the distributed run failed (exit {code}): {cause}\n" + "\n".join(lines))
