@@ -107,6 +107,18 @@ MODEL_CASES = {
         [],
         r"example_batch\(2\) in batch_not_first\.py: input 0 has shape \(8, 2\), whose first dimension is not the batch size 2",
     ),
+    "module_backward_hook": (
+        GOOD_BATCH + "\ndef build_model():\n    m = torch.nn.Sequential(torch.nn.Linear(8, 4))\n"
+        "    m[0].register_full_backward_hook(lambda mod, gi, go: (gi[0] * 0.5,))\n    return m\n",
+        [],
+        r"module '0' \(Linear\) of module_backward_hook\.py has a backward hook, which the generated stages cannot run",
+    ),
+    "parameter_gradient_hook": (
+        GOOD_BATCH + "\ndef build_model():\n    m = torch.nn.Linear(8, 4)\n    m.weight.register_hook(lambda g: g * 10)\n"
+        "    return m\n",
+        [],
+        r"parameter 'weight' of parameter_gradient_hook\.py has a gradient hook \(register_hook\)",
+    ),
     "model_rejects_batch": (
         LINEAR.replace("torch.randn(batch_size, 8)", "torch.randn(batch_size, 5)"),
         [],

@@ -222,6 +222,7 @@ def capture(
     from autopart.codegen.names import check_model_names
 
     check_model_names(spec.module, spec.path.name)
+    _check_no_backward_hooks(spec.module, spec.path.name)
     before = _built_buffers(spec.module)
     expected = _eager_reference(spec, inputs, target)
     leaf_types = leaf_classes(spec.module, leaves)
@@ -262,6 +263,26 @@ def capture(
 
 
 _BUILT: weakref.WeakKeyDictionary[nn.Module, dict[str, torch.Tensor]] = weakref.WeakKeyDictionary()
+
+
+def _check_no_backward_hooks(model: nn.Module, file: str) -> None:
+    """Refuse a backward hook on a module or a parameter: the captured graph holds the forward's
+    ops, and the stages' backward is autograd's over them, which no such hook reaches (training
+    would go on with other gradients than the model's, in silence)."""
+    from torch.nn.modules import module as torch_module
+
+    if torch_module._global_backward_hooks or torch_module._global_backward_pre_hooks:
+        raise CaptureError(f"{file} registers a global module backward hook, which the generated stages cannot run; "
+                           "remove it, or do its work in the forward or the loss")
+    for name, module in model.named_modules():
+        if module._backward_hooks or module._backward_pre_hooks:
+            raise CaptureError(f"module '{name or 'the model'}' ({type(module).__name__}) of {file} has a backward hook, "
+                               "which the generated stages cannot run (their backward is autograd's over the captured "
+                               "ops); remove it, or do its work in the forward or the loss")
+    for name, parameter in model.named_parameters():
+        if parameter._backward_hooks or getattr(parameter, "_post_accumulate_grad_hooks", None):
+            raise CaptureError(f"parameter '{name}' of {file} has a gradient hook (register_hook), which the generated "
+                               "stages cannot run; remove it, or do its work in the forward or the loss")
 
 
 def _built_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
