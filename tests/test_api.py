@@ -110,3 +110,45 @@ def test_malformed_plan_names_the_field(plan, edit, message):
     edit(data)
     with pytest.raises(PlanError, match=message):
         Plan.from_json(data)
+
+
+def _model_with_a_sibling(folder: Path) -> Path:
+    """A model file that imports a file beside it (``from layers import Block``) of width 16."""
+    (folder / "layers.py").write_text("import torch\nWIDTH = 16\nclass Block(torch.nn.Linear):\n"
+                                      "    def __init__(self):\n        super().__init__(8, WIDTH)\n")
+    model = folder / "model.py"
+    model.write_text("import torch\nfrom layers import Block, WIDTH\n"
+                     "def build_model():\n    return torch.nn.Sequential(Block(), torch.nn.Linear(WIDTH, 4))\n"
+                     "def example_batch(b):\n    return (torch.randn(b, 8),), torch.randn(b, 4)\n"
+                     "def loss_fn(out, target):\n    return ((out - target) ** 2).mean()\n")  # fmt: skip
+    return model
+
+
+def _widen(folder: Path) -> None:
+    (folder / "layers.py").write_text((folder / "layers.py").read_text().replace("WIDTH = 16", "WIDTH = 32"))
+
+
+def test_a_second_compile_in_one_process_reads_the_model_s_sibling_files_as_they_are_now(tmp_path):
+    """A notebook that edits a file the model imports and compiles again gets the model as it is
+    now, not the first import's."""
+    model = _model_with_a_sibling(tmp_path)
+
+    def parameters() -> int:
+        return sum(s.parameter_bytes for s in autopart.compile(model, pp=1, microbatches=1, measure=False).stages)
+
+    first = parameters()
+    _widen(tmp_path)
+    assert parameters() == first * 2 - 4 * 4  # (8*W + W + W*4 + 4) * 4 bytes: W 16 -> 32
+
+
+@pytest.mark.multiprocess
+def test_verify_of_a_model_changed_since_its_compile_says_so_in_one_line(tmp_path):
+    from autopart.ir.errors import ConfigError
+    from autopart.tools.verify import verify
+
+    out = tmp_path / "out"
+    autopart.emit(autopart.compile(_model_with_a_sibling(tmp_path), pp=2, microbatches=2, measure=False), out)
+    _widen(tmp_path)
+    with pytest.raises(ConfigError, match=r"model\.py now builds '0\.\w+' of shape \(32.*\), where .* was compiled "
+                                          r"with \(16.*\) \(a file it imports changed\?\); compile it again"):
+        verify(out, steps=1)

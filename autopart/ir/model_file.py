@@ -32,6 +32,19 @@ def import_name(path: Path) -> str:
     return f"{MODULE_PREFIX}{hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:12]}"
 
 
+def _beside(name: str, folder: str) -> bool:
+    """Module ``name`` is one a model file in ``folder`` imports from there (its top package is a
+    file or folder there), whichever file it was first imported from: the model file is imported
+    with its folder first on the path, and such a module is imported again with it, so that a
+    process that imports model files twice (the Python API, a notebook, a test run) reads a file
+    beside one as it is now, not as it was first (nor another folder's file of that name). The
+    standard library, torch and autopart are never taken for one."""
+    top = name.partition(".")[0]
+    if top in sys.stdlib_module_names or top in ("torch", "autopart") or top.startswith(("__", MODULE_PREFIX)):
+        return False
+    return Path(folder, f"{top}.py").is_file() or Path(folder, top, "__init__.py").is_file()
+
+
 @dataclass(frozen=True, kw_only=True)
 class ModelSpec:
     """What a user's ``model.py`` provides, checked against the contract."""
@@ -85,6 +98,8 @@ def load_model_file(path: str | Path, *, build: bool = True) -> ModelSpec:
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     folder = str(path.resolve().parent)
+    for stale in [m for m in sys.modules if _beside(m, folder)]:  # imported afresh, as in a new process
+        sys.modules.pop(stale)
     sys.path.insert(0, folder)
     try:
         sys.modules[name] = module

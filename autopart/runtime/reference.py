@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
+from autopart.ir.errors import ConfigError
 from autopart.ir.tensors import precision, working_dtype
 from autopart.ir.model_file import eager_loss, load_model_file
 from autopart.ir.plan import load_plan
@@ -85,6 +86,10 @@ def train_reference(
     with torch.no_grad():
         for name, value in initial.items():
             if name in named:  # not the constants that the model makes in forward
+                if named[name].shape != value.shape:
+                    raise ConfigError(f"{spec.path.name} now builds '{name}' of shape {tuple(named[name].shape)}, where "
+                                      f"{out_dir} was compiled with {tuple(value.shape)} (a file it imports changed?); "
+                                      "compile it again")
                 named[name].copy_(value)
     held = [name for stage in plan.stages for name in stage_names(out_dir, stage.index)]
     model.to(device)
