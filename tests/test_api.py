@@ -152,3 +152,31 @@ def test_verify_of_a_model_changed_since_its_compile_says_so_in_one_line(tmp_pat
     with pytest.raises(ConfigError, match=r"model\.py now builds '0\.\w+' of shape \(32.*\), where .* was compiled "
                                           r"with \(16.*\) \(a file it imports changed\?\); compile it again"):
         verify(out, steps=1)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("signature", ["idx, temperature=2.0", "idx, *, temperature=2.0"])
+def test_forward_arguments_left_to_their_defaults_are_traced_at_them(tmp_path, signature):
+    """An input that example_batch() does not give, positional or keyword-only, is fixed at its
+    default by torch.fx, which kept it as an input of the graph beside a check of its value: the
+    compile refused the model (2 inputs, 1 given)."""
+    from autopart.tools.verify import verify
+
+    model = tmp_path / "defaults.py"
+    model.write_text(
+        "import torch\n"
+        "class Model(torch.nn.Module):\n"
+        "    def __init__(self):\n        super().__init__()\n"
+        "        self.emb, self.mid, self.head = torch.nn.Embedding(16, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 16)\n"
+        f"    def forward(self, {signature}):\n"
+        "        return self.head(torch.tanh(self.mid(self.emb(idx)))) / temperature\n"
+        "def build_model():\n    torch.manual_seed(0)\n    return Model()\n"
+        "def example_batch(b):\n    g = torch.Generator().manual_seed(0)\n"
+        "    return (torch.randint(0, 16, (b, 4), generator=g),), torch.randint(0, 16, (b, 4), generator=g)\n"
+        "def loss_fn(out, target):\n    return torch.nn.functional.cross_entropy(out.reshape(-1, 16), target.reshape(-1))\n"
+    )  # fmt: skip
+    out = tmp_path / "out"
+    autopart.emit(autopart.compile(model, pp=2, microbatches=2, capture="fx", measure=False), out)
+    assert "/ 2.0" in "".join(p.read_text() for p in (out / "stages").glob("*.py"))
+    result = verify(out, steps=2)
+    assert result.matches, result.failures[:3]

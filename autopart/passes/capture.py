@@ -24,6 +24,7 @@ import dis
 import functools
 import inspect
 import logging
+import operator
 import sys
 import types
 import weakref
@@ -154,15 +155,30 @@ def _concrete_defaults(forward: Callable, positional: int) -> dict[str, Any]:
     }
 
 
+def _drop_fixed_arguments(graph: fx.Graph) -> None:
+    """Remove the inputs fixed at their defaults (`_concrete_defaults`): fx keeps each as an input
+    with its default, read only by a check that it still has that value; the model is trained at
+    the default, which the graph holds as a constant, and takes the example's inputs alone."""
+    for node in [n for n in graph.nodes if n.op == "placeholder" and n.args]:  # args: (its default,)
+        guards = list(node.users)
+        if all(g.target is operator.eq and all(a.target is torch._assert for a in g.users) for g in guards):
+            for guard in guards:
+                for check in list(guard.users):
+                    graph.erase_node(check)
+                graph.erase_node(guard)
+            graph.erase_node(node)
+
+
 def _trace_fx(spec: ModelSpec, inputs: tuple[torch.Tensor, ...], leaves: frozenset[type]) -> fx.GraphModule:
     model = spec.module
     tracer = _ThroughTracer(leaves)
     graph = tracer.trace(model, concrete_args=_concrete_defaults(model.forward, len(inputs)) or None)
+    _drop_fixed_arguments(graph)
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     if len(placeholders) != len(inputs):
-        raise CaptureError(
-            f"the model's forward takes {len(placeholders)} inputs but example_batch() gives {len(inputs)}; "
-            "make them agree"
+        raise ModelFileError(
+            f"the model's forward takes {len(placeholders)} inputs but example_batch() of {spec.path.name} gives "
+            f"{len(inputs)}; make them agree (an input with a default may be left out)"
         )
     if spec.loss_fn is not None:
         output = next(n for n in graph.nodes if n.op == "output")
@@ -173,7 +189,7 @@ def _trace_fx(spec: ModelSpec, inputs: tuple[torch.Tensor, ...], leaves: frozens
         loss_graph = _ThroughTracer().trace(spec.loss_fn)
         loss_inputs = [n for n in loss_graph.nodes if n.op == "placeholder"]
         if len(loss_inputs) != 2:
-            raise CaptureError(f"loss_fn in {spec.path.name} must take exactly (output, target)")
+            raise ModelFileError(f"loss_fn in {spec.path.name} must take exactly (output, target)")
         loss = graph.graph_copy(loss_graph, {loss_inputs[0]: model_output, loss_inputs[1]: target})
         graph.output(loss)
     graph.lint()
@@ -235,6 +251,8 @@ def capture(
             graph = _graph(_trace_fx(spec, inputs, leaf_types), "fx", has_target, spec.module)
             _check_same_loss(spec, graph, inputs, target, expected, before)
             return replace(graph, built_buffers=before)
+        except ModelFileError:  # the file breaks the contract: no other capture will do better
+            raise
         except Exception as exc:
             fx_failure = _reason(exc, spec.path)
             if method == "fx" or leaves:
