@@ -74,6 +74,14 @@ def test_the_search_through_the_shallow_copy_chooses_the_full_models_plan(tmp_pa
     assert shallow.mesh == full.mesh and shallow.schedule == full.schedule
     assert [s.blocks for s in shallow.stages] == [s.blocks for s in full.stages]
     assert shallow.predicted.step_s == full.predicted.step_s
+    # the rows the shallow search did not plan in full say so, and the table marks their figures
+    from autopart.codegen.report import search_table
+
+    rows, planned = shallow.provenance.search["ranked"], len(searched.finalists)
+    assert [row.get("estimated", False) for row in rows] == [False] * planned + [True] * (len(rows) - planned)
+    assert not any("estimated" in row for row in full.provenance.search["ranked"])
+    table = search_table(shallow)[1:]
+    assert all(cells[3].startswith("~") == rows[i].get("estimated", False) for i, cells in enumerate(table))
 
 
 def test_a_first_finalist_whose_full_plan_is_slower_than_the_next_estimate_gives_way(tmp_path, monkeypatch) -> None:

@@ -18,7 +18,7 @@ from autopart.predict.accuracy import describe_prediction
 from autopart.predict.timeline import plan_schedule, plan_timeline
 from autopart.schedule import worth_forking, write_chrome_trace, write_gantt_png, write_schedule_csv
 
-__all__ = ["begin_report", "report_forks", "write_report", "search_table", "stage_table"]
+__all__ = ["ESTIMATED_NOTE", "begin_report", "report_forks", "write_report", "search_table", "stage_table"]
 
 _GIB = 1 << 30
 
@@ -53,10 +53,16 @@ def search_table(plan: Plan) -> list[list[str]]:
         modes = entry["recompute"]
         recompute = modes[0] if len(set(modes)) == 1 else ",".join(modes)
         measured = entry.get("measured_step_s")
-        rows.append([str(i + 1), entry["layout"], recompute, f"{entry['step_s'] * 1e3:.3f}",
-                     f"{entry['step_s'] / best:.3f}x", f"{entry['memory_bytes'] / _GIB:.2f}",
+        about = "~" if entry.get("estimated") else ""  # the search's estimate, the full model not planned
+        rows.append([str(i + 1), entry["layout"], recompute, f"{about}{entry['step_s'] * 1e3:.3f}",
+                     f"{about}{entry['step_s'] / best:.3f}x", f"{entry['memory_bytes'] / _GIB:.2f}",
                      *([f"{measured * 1e3:.3f}" if measured is not None else "-"] if ran else [])])
     return rows
+
+
+ESTIMATED_NOTE = ("~: the search's estimate on its shallow copy of the model (a few layers), no faster than the "
+                  "chosen plan's, so the full model was not planned for it; pin that layout for its prediction")
+"""Said under a search table whose rows hold such estimates."""
 
 
 def _markdown(rows: list[list[str]]) -> str:

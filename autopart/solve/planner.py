@@ -253,7 +253,8 @@ def _shallow_search(options: CompileOptions, space: SearchSpace, cluster: Cluste
     rows += [(result.ranked[i], planned[i].predicted.step_s if i in planned else result.ranked[i].step_s,
               max(planned[i].predicted.memory_bytes) if i in planned else result.ranked[i].peak_memory_bytes)
              for i in order[1:]]  # fmt: skip
-    plan = replace(plan, provenance=replace(plan.provenance, search=_summary(result, rows)))
+    estimated = {row for row, i in enumerate(order) if i not in planned}  # the shallow copy's figures alone
+    plan = replace(plan, provenance=replace(plan.provenance, search=_summary(result, rows, estimated)))
     others = [Finalist(row=row, plan=planned[i], front=_front_of(full, result.ranked[i]))
               for row, i in enumerate(order) if row > 0 and i in fitting]
     return Searched(plan=plan, front=front, result=result, finalists=(Finalist(row=0, plan=plan, front=front), *others))
@@ -350,16 +351,19 @@ def _latency_bound(problem) -> float:
     return total + (problem.microbatches - 1) * slowest
 
 
-def _summary(result: SearchResult, rows: list[tuple[Scored, float, int]]) -> dict:
-    """The search in the plan's provenance; ``rows``: per finalist, best first, its step and peak memory."""
+def _summary(result: SearchResult, rows: list[tuple[Scored, float, int]], estimated: set[int] = frozenset()) -> dict:
+    """The search in the plan's provenance; ``rows``: per finalist, best first, its step and peak
+    memory; ``estimated``: the rows whose figures are the shallow copy's estimates, the full model
+    not planned for them (its estimate is a bound on it, which is why it was not)."""
     return {
         "layouts": result.layouts,
         "scored": result.scored,
         "fitting": result.fitting,
         "seconds": round(result.seconds, 3),
         "ranked": [
-            {"layout": s.layout.describe(), "recompute": list(s.recompute), "step_s": step_s, "memory_bytes": memory}
-            for s, step_s, memory in rows
+            {"layout": s.layout.describe(), "recompute": list(s.recompute), "step_s": step_s, "memory_bytes": memory,
+             **({"estimated": True} if row in estimated else {})}
+            for row, (s, step_s, memory) in enumerate(rows)
         ],
     }
 

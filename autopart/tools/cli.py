@@ -236,7 +236,7 @@ def _print_table(console: Console, rows: list[list[str]], title: str) -> None:
 
 
 def _compile(args: argparse.Namespace, console: Console) -> None:
-    from autopart.codegen.report import search_table, stage_table
+    from autopart.codegen.report import ESTIMATED_NOTE, search_table, stage_table
     from autopart.driver import CompileOptions, compile_to_directory
     from autopart.options import local_kind
     from autopart.runtime.output_paths import check_file_path
@@ -280,6 +280,8 @@ def _compile(args: argparse.Namespace, console: Console) -> None:
         with _SearchProgress(console) as progress:
             plan, out = compile_to_directory(options, args.out, progress=progress, console=console)
         _print_table(console, search_table(plan), _search_title(plan))
+        if any(entry.get("estimated") for entry in plan.provenance.search.get("ranked", [])):
+            console.print(ESTIMATED_NOTE)
     else:
         plan, out = compile_to_directory(options, args.out, console=console)
     title = f"{args.model.name}: {plan.schedule.kind}, {plan.schedule.microbatches} microbatches"
