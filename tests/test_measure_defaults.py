@@ -282,6 +282,25 @@ def test_the_printed_step_carries_the_band_of_the_shipped_file(fresh_cache, tmp_
     assert "median 9%, worst 31%" in " ".join(capsys.readouterr().out.split())
 
 
+def test_a_band_holds_only_on_the_devices_and_precision_its_rows_ran_on(fresh_cache, tmp_path, monkeypatch,
+                                                                       capsys) -> None:
+    """published_runs' rows ran in bf16 on A100s and H100s: an MI300X plan, or an fp32 one, has no
+    band of its own, and says so, where it printed theirs."""
+    bands = tmp_path / "accuracy.json"
+    write_band("spec-roofline", Band(median=0.06, worst=0.12, rows=6, benchmark="published_runs", command="x",
+                                     date="2026-12-01", covers=("h100-sxm/bf16",)), bands)  # fmt: skip
+    monkeypatch.setattr(accuracy, "ACCURACY_FILE", bands)
+    printed = {}
+    for device, dtype in (("h100-sxm", "bf16"), ("h100-sxm", "fp32"), ("mi300x", "bf16")):
+        main(["compile", str(MODEL), "-o", str(tmp_path / f"{device}-{dtype}"), "--pp", "2", "--microbatches", "2",
+              "--device", device, "--dtype", dtype])  # fmt: skip
+        printed[device, dtype] = " ".join(capsys.readouterr().out.split())
+    assert "(h100-sxm roofline; published_runs: median 6%, worst 12%)" in printed["h100-sxm", "bf16"]
+    assert "(h100-sxm roofline; no benchmark has measured the error of this basis yet)" in printed["h100-sxm", "fp32"]
+    assert "(mi300x roofline; no benchmark has measured the error of this basis yet)" in printed["mi300x", "bf16"]
+    assert load_plan(tmp_path / "mi300x-bf16" / "plan.json").predicted.error_median is None
+
+
 def test_into_a_pipe_a_search_table_keeps_each_row_on_one_line(fresh_cache, tmp_path, capsys) -> None:
     """rich draws a table at most as wide as its console, 80 columns where the output is not a
     terminal, and wraps cells to fit: the search table (wider than 80) must not."""

@@ -57,15 +57,23 @@ class Band:
     """The benchmark's short name, as the printed line names it (``cost_accuracy``)."""
     command: str
     date: str
+    covers: tuple[str, ...] = ()
+    """The devices and precisions its rows ran on ("h100-sxm/bf16"): a named device's band holds
+    for those alone (its kernel efficiencies and links are other figures elsewhere); () for a
+    band of the machine at hand."""
 
     @classmethod
-    def from_errors(cls, errors: list[float], *, benchmark: str, command: str) -> Band:
-        """The band of signed relative errors ``errors`` (at least one)."""
+    def from_errors(cls, errors: list[float], *, benchmark: str, command: str, covers: tuple[str, ...] = ()) -> Band:
+        """The band of signed relative errors ``errors`` (at least one), of rows run on ``covers``."""
         absolute = sorted(abs(e) for e in errors)
         middle = len(absolute) // 2
         median = absolute[middle] if len(absolute) % 2 else (absolute[middle - 1] + absolute[middle]) / 2
         return cls(median=median, worst=absolute[-1], rows=len(absolute), benchmark=benchmark, command=command,
-                   date=datetime.date.today().isoformat())
+                   date=datetime.date.today().isoformat(), covers=tuple(sorted(covers)))
+
+    def holds_for(self, device: str, dtype: str) -> bool:
+        """Whether the band was measured on ``device`` in ``dtype`` (any, for one of the machine at hand)."""
+        return not self.covers or f"{device}/{dtype}" in self.covers
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,6 +82,7 @@ class Basis:
 
     key: str
     what: str
+    device: str = ""  # the device compiled for, whose bands alone hold (`Band.covers`)
     band: Band | None = None
     zero3_band: Band | None = None
     """The band of this basis over ZeRO-3 plans alone, where a benchmark measured one (`FULLY_SHARDED`)."""
@@ -96,7 +105,7 @@ def load_bands(path: Path | None = None) -> dict[str, Band]:
     except (OSError, ValueError) as error:
         raise ConfigError(f"{path}: cannot be read as JSON ({error}); rerun the benchmark that writes it") from None
     try:
-        return {key: Band(**value) for key, value in data.items()}
+        return {key: Band(**{**value, "covers": tuple(value.get("covers", ()))}) for key, value in data.items()}
     except TypeError as error:
         raise ConfigError(f"{path}: not a table of bands ({error}); rerun the benchmark that writes it") from None
 
@@ -142,7 +151,7 @@ def basis_for(*, device: str, local: str | None, measured: bool, costs: Path | N
     else:
         kind, what = ROOFLINE, f"{device} roofline"
     key = band_key(kind, local)
-    return Basis(key=key, what=what, band=bands.get(key), zero3_band=bands.get(key + FULLY_SHARDED))
+    return Basis(key=key, what=what, device=device, band=bands.get(key), zero3_band=bands.get(key + FULLY_SHARDED))
 
 
 def _timed_among(co_run: int, ranks_on_host: int) -> str:
@@ -159,10 +168,13 @@ def _timed_among(co_run: int, ranks_on_host: int) -> str:
 
 def with_basis(plan: Plan, basis: Basis) -> Plan:
     """``plan`` with its prediction's basis and band recorded (``plan.predicted``): a ZeRO-3
-    plan's the band of the ZeRO-3 rows, where one was measured."""
+    plan's the band of the ZeRO-3 rows, where one was measured; none where the band's rows ran on
+    other devices or in another precision than the plan's."""
     key, band = basis.key, basis.band
     if plan.zero == 3 and basis.zero3_band is not None:
         key, band = key + FULLY_SHARDED, basis.zero3_band
+    if band is not None and not band.holds_for(basis.device, plan.dtype):
+        band = None  # measured on other devices or in another precision: no band for this one
     predicted = replace(plan.predicted, basis=basis.what, basis_key=key,
                         error_median=None if band is None else band.median,
                         error_worst=None if band is None else band.worst,
