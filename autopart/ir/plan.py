@@ -84,6 +84,9 @@ class Predicted:
     error_median: float | None = None  # the band the benchmark of that basis measured: median |error| ...
     error_worst: float | None = None  # ... and worst |error| (fractions); None where none was measured
     error_benchmark: str = ""  # the benchmark that measured the band ("cost_accuracy", "published_runs")
+    # where the step the models gave implies more than the ~55% MFU that dense 16-bit training
+    # reaches at best (`autopart.predict.accuracy.MFU_CEILING`), step_s is the ceiling's and this theirs
+    unbounded_step_s: float | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -245,6 +248,7 @@ def _read_predicted(predicted: _Reader) -> Predicted:
         error_median=_optional_float(predicted.data.get("error_median")),
         error_worst=_optional_float(predicted.data.get("error_worst")),
         error_benchmark=str(predicted.data.get("error_benchmark", "")),
+        unbounded_step_s=_optional_float(predicted.data.get("unbounded_step_s")),
     )
 
 

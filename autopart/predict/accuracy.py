@@ -185,8 +185,9 @@ def with_basis(plan: Plan, basis: Basis) -> Plan:
 MFU_CEILING = 0.55
 """About the most model FLOPs utilisation that published dense 16-bit training runs reach
 (MegaScale's 175B on 256 GPUs, 55.2% by its own count, 53.0% by benchmarks/published_runs.py's;
-NVIDIA's GPT-3 175B recipe on H100s 53.7%): a predicted step that implies more rests on kernel
-efficiencies the device does not reach for that model."""
+NVIDIA's GPT-3 175B recipe on H100s 53.7%): a step the models give that implies more rests on
+kernel efficiencies the device does not reach for that model, and a 16-bit plan's predicted step
+is bounded by it (`autopart.solve.assemble`), saying so."""
 
 
 def implied_mfu(plan: Plan) -> float:
@@ -199,9 +200,8 @@ def implied_mfu(plan: Plan) -> float:
 
 def describe_prediction(plan: Plan) -> str:
     """The parenthesis after a recorded plan's predicted step: its basis and band as the plan
-    records them ("" for a plan written before they were recorded, which gets no warning either),
-    and in 16-bit precision a warning where the step implies more than `MFU_CEILING`: such a
-    step is too fast to be true."""
+    records them ("" for a plan written before they were recorded), and where the step is the
+    `MFU_CEILING`'s, what the models gave beneath it."""
     predicted = plan.predicted
     if not predicted.basis:
         return ""
@@ -209,8 +209,9 @@ def describe_prediction(plan: Plan) -> str:
         median=predicted.error_median, worst=predicted.error_worst, rows=0, benchmark=predicted.error_benchmark,
         command="", date="")
     text = " " + Basis(key=predicted.basis_key, what=predicted.basis, band=band).describe()
-    mfu = implied_mfu(plan)
-    if plan.dtype != "fp32" and mfu > MFU_CEILING:
-        text += (f"; it implies {mfu:.0%} MFU, above the ~{MFU_CEILING:.0%} that the best published dense 16-bit"
-                 " runs reach: the device's kernel efficiencies are optimistic for this model, expect a slower step")
+    if predicted.unbounded_step_s is not None:
+        unbounded = replace(plan, predicted=replace(predicted, step_s=predicted.unbounded_step_s))
+        text += (f"; bounded by the ~{MFU_CEILING:.0%} MFU that the best published dense 16-bit runs reach, where the "
+                 f"device's kernel efficiencies alone gave {predicted.unbounded_step_s * 1e3:.3f} ms, "
+                 f"{implied_mfu(unbounded):.0%} MFU")
     return text

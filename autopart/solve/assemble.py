@@ -24,6 +24,7 @@ from autopart.passes.front import (
 from autopart.passes.recompute import (
     batch_inputs, checkpointed_layers, recompute_cost, stage_input_bytes, stage_modes,
 )
+from autopart.predict.accuracy import MFU_CEILING
 from autopart.predict.in_flight import in_flight, rank_in_flight, transient, weight_pending
 from autopart.predict.memory import layers_in_flight_bytes, optimizer_group, owned_bytes, state_bytes
 from autopart.predict.messages import boundary_seconds
@@ -156,6 +157,9 @@ def plan_from_cuts(
     factor = compute_factor(options, front, stages, in_place)
     step_s, reduction = predicted_step_s(options, front, timed, transfer, tails, microbatches, factor, in_place)
     gradient_sync = data_parallel_seconds(stages, comm)
+    flops, peak = _model_flops(front.op_graph, total), _peak_flops(front.cost_model.device, options.dtype)
+    modelled = step_s + gradient_sync
+    ceiling_s = _ceiling_step_s(front.cost_model.device, options, flops, peak)
     return Plan(
         mesh={"pp": options.pp, "tp": options.tp, "dp": options.dp},
         stages=tuple(stages),
@@ -168,7 +172,8 @@ def plan_from_cuts(
             actions=generated(options.schedule, options.pp, microbatches, options.chunks).lists,
         ),
         predicted=Predicted(
-            step_s=step_s + gradient_sync,
+            step_s=max(modelled, ceiling_s),
+            unbounded_step_s=modelled if ceiling_s > modelled else None,
             bubble=timeline.bubble,
             memory_bytes=memory,
             p2p_bytes_per_step=2 * microbatches * sum(sum(m.nbytes for _, m in st.outputs) for st in stages),
@@ -181,8 +186,8 @@ def plan_from_cuts(
             compute_factor_from=factor[1],
             profiled_step_s=profiled_step(options, stages, microbatches, in_place),
             background_load=front.cost_model.device.background_load,
-            model_flops_per_step=_model_flops(front.op_graph, total),
-            peak_flops=_peak_flops(front.cost_model.device, options.dtype),
+            model_flops_per_step=flops,
+            peak_flops=peak,
         ),
         provenance=_provenance(options, front, evaluation.objective_s, solver),
         zero=options.zero,
@@ -304,6 +309,17 @@ def _model_flops(op_graph: OpGraph, global_batch_size: int) -> float:
     FLOPs at the annotated microbatch size: what MFU counts as useful work."""
     per_sample = sum(n.forward_flops + n.backward_flops for n in op_graph.nodes.values()) / op_graph.micro_batch_size
     return per_sample * global_batch_size
+
+
+def _ceiling_step_s(device: DeviceSpec, options: CompileOptions, flops: float, peak: float) -> float:
+    """The shortest step a 16-bit plan on an accelerator can take: its model FLOPs at `MFU_CEILING`
+    of its devices' dense peak. The roofline's kernel efficiencies are each a matrix product's
+    alone, at full clocks, with no other kernel beside it; for some models (wide, few layers) they
+    sum to a step no published dense 16-bit run has come near, which is not a prediction (0 for
+    fp32 and the CPU, which no such run bounds)."""
+    if device.kind == "cpu" or not (options.dtype or "fp32").startswith("bf16") or peak <= 0:
+        return 0.0
+    return flops / (options.pp * options.tp * options.dp * peak * MFU_CEILING)
 
 
 def _peak_flops(device: DeviceSpec, dtype: str) -> float:
