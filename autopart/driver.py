@@ -111,7 +111,7 @@ def compile(model: str | Path, **options) -> Plan:  # noqa: A001 - the API's ver
     predicted order; ``run_finalists=True`` runs them afresh).
     """
     with cycle_collector_off():
-        plan, _ = measured_plan(CompileOptions(model=Path(model), **options))
+        plan, _ = measured_plan(CompileOptions(model=model, **options))
     return plan
 
 

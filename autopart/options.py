@@ -5,8 +5,15 @@ Validated on construction, so that every bad combination fails in one line befor
 
 from __future__ import annotations
 
+import dataclasses
+import numbers
+import operator
+import os
+import typing
 from dataclasses import dataclass
 from pathlib import Path
+from types import UnionType
+from typing import Any
 
 import torch
 
@@ -37,7 +44,7 @@ class CompileOptions:
     """Tensor-parallel degree: ranks that split each op of a stage (innermost, inside a node); 1 unless searched."""
     dp: int | None = None
     """Data-parallel degree: copies of the whole pipeline, each on its share of the batch; 1 unless searched."""
-    zero: int | None = None
+    zero: int | bool | None = None
     """What to shard over the data-parallel group: 1 the optimizer state (ZeRO-1), 2 the gradients
     too, 3 the parameters too (2 and 3 through FSDP); 0 (or False) nothing; True means 1; 0 unless searched."""
     sp: bool | None = None
@@ -107,6 +114,11 @@ class CompileOptions:
     here)."""
 
     def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):  # a Python caller's '2' for pp, or 'Block' for leaf
+            value = getattr(self, field.name)
+            converted = _as_annotated(field.name, value, _ANNOTATIONS[field.name])
+            if converted is not value:
+                object.__setattr__(self, field.name, converted)
         for name in ("world_size", "pp", "tp", "dp", "gpus_per_node"):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -265,6 +277,74 @@ class CompileOptions:
                 f"use --microbatches {self.pp * -(-m // self.pp)}"
             )
         return total, m, b
+
+
+_ANNOTATIONS = typing.get_type_hints(CompileOptions)
+_REFUSED = object()
+
+
+def _as_annotated(name: str, value: Any, annotation: Any) -> Any:
+    """``value`` as its field's ``annotation`` says, or a ConfigError: the command line's parser
+    gives every option its type, a Python caller may not. What means the same is converted: a
+    str or os.PathLike for a path, a whole number for a float, a list for a tuple, and a str for a
+    tuple as the command line reads it (``leaf="Block"`` one class, ``stage_layers="2,2"``). A bool
+    is no whole number (``pp=True``), nor a float or a str one (``pp=2.0``, ``pp="2"``)."""
+    members = typing.get_args(annotation) if isinstance(annotation, UnionType) else (annotation,)
+    if value is None and type(None) in members:
+        return None
+    kinds = tuple(kind for kind in members if kind is not type(None))
+    for kind in kinds:
+        converted = _converted(kind, value)
+        if converted is not _REFUSED:
+            return converted
+    wanted = " or ".join(_WANTED[kind] for kind in kinds)
+    raise ConfigError(f"{name} must be {wanted}, got {value!r} ({type(value).__name__}){_suggestion(name, value, kinds)}")
+
+
+def _converted(kind: Any, value: Any) -> Any:
+    """``value`` as a ``kind``, or ``_REFUSED``."""
+    if kind is bool or kind is str:
+        return value if isinstance(value, kind) else _REFUSED
+    if kind is int:
+        try:  # a numpy integer is one; a float is not, even 2.0
+            return _REFUSED if isinstance(value, bool) else operator.index(value)
+        except TypeError:
+            return _REFUSED
+    if kind is float:
+        return float(value) if isinstance(value, numbers.Real) and not isinstance(value, bool) else _REFUSED
+    if kind is Path:
+        return Path(value) if isinstance(value, (str, os.PathLike)) else _REFUSED
+    assert typing.get_origin(kind) is tuple, f"no conversion to {kind} for an option"
+    item = typing.get_args(kind)[0]
+    if isinstance(value, str) and item is str:
+        return (value,)
+    if isinstance(value, str):  # whole numbers separated by commas, as --stage-layers takes them
+        try:
+            return tuple(int(part) for part in value.split(","))
+        except ValueError:
+            return _REFUSED
+    if not isinstance(value, (list, tuple)):
+        return _REFUSED
+    items = tuple(_converted(item, v) for v in value)
+    return _REFUSED if any(v is _REFUSED for v in items) else items
+
+
+_WANTED = {int: "a whole number", bool: "True or False", float: "a number", str: "a str",
+           Path: "a path (a str or pathlib.Path)", tuple[str, ...]: "a tuple of str (or one str)",
+           tuple[int, ...]: "a tuple of whole numbers (or a str of them separated by commas, '2,2')"}
+
+
+def _suggestion(name: str, value: Any, kinds: tuple[Any, ...]) -> str:
+    """'; pass pp=2' where ``value`` is plainly a number of another type ('2', 2.0), else ''."""
+    for kind in (int, float):
+        if kind in kinds and isinstance(value, str | float):
+            try:
+                number = kind(value)
+                if number == float(value):
+                    return f"; pass {name}={number!r}"
+            except (ValueError, OverflowError):  # int('x'), int(inf)
+                continue
+    return ""
 
 
 _DEFAULTS = {"pp": 1, "tp": 1, "dp": 1, "zero": 0, "sp": True, "schedule": "1f1b", "chunks": 1, "recompute": "none",

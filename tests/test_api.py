@@ -1,6 +1,7 @@
 """The Python API and the plan as a value: compile, emit, save, load, pin."""
 
 import json
+import typing
 from pathlib import Path
 
 import pytest
@@ -8,7 +9,7 @@ import torch
 
 import autopart
 from autopart.ir.model_file import eager_loss, load_model_file
-from autopart.ir.errors import PlanError
+from autopart.ir.errors import ConfigError, PlanError
 from autopart.ir.plan import Plan, load_plan
 from autopart.runtime.reference import initial_weights
 from autopart.runtime.stage import load_stage
@@ -16,6 +17,7 @@ from tests.stage_chain import chained_loss
 
 REPO = Path(__file__).resolve().parent.parent
 GPT = REPO / "examples" / "gpt.py"
+TINY_GPT = REPO / "tests" / "models" / "tiny_gpt.py"
 
 
 @pytest.fixture(scope="module")
@@ -180,3 +182,39 @@ def test_forward_arguments_left_to_their_defaults_are_traced_at_them(tmp_path, s
     assert "/ 2.0" in "".join(p.read_text() for p in (out / "stages").glob("*.py"))
     result = verify(out, steps=2)
     assert result.matches, result.failures[:3]
+
+
+def test_options_given_in_another_form_are_taken_as_the_command_line_takes_them():
+    options = autopart.CompileOptions(model=str(TINY_GPT), costs="costs.json", leaf="Block", pp=2,
+                                      stage_layers="1,1", time_limit_s=5, dp=2, zero=True)
+    assert options.model == TINY_GPT and options.costs == Path("costs.json")  # a str path is a Path, as for plan=
+    assert options.leaf == ("Block",) and options.stage_layers == (1, 1)  # one class; --stage-layers 1,1
+    assert options.time_limit_s == 5.0 and options.zero == 1
+    assert autopart.CompileOptions(model=TINY_GPT, leaf=["Block", "MLP"]).leaf == ("Block", "MLP")
+
+
+@pytest.mark.parametrize("given, message", [
+    ({"pp": "2"}, r"pp must be a whole number, got '2' \(str\); pass pp=2"),
+    ({"pp": 2.0}, r"pp must be a whole number, got 2\.0 \(float\); pass pp=2"),
+    ({"pp": True}, r"pp must be a whole number, got True \(bool\)"),
+    ({"sp": 1}, r"sp must be True or False, got 1 \(int\)"),
+    ({"memory_gib": "40"}, r"memory_gib must be a number, got '40' \(str\); pass memory_gib=40\.0"),
+    ({"leaf": [1]}, r"leaf must be a tuple of str \(or one str\), got \[1\] \(list\)"),
+    ({"pp": 2, "stage_layers": "2,x"}, r"stage_layers must be a tuple of whole numbers \(or a str of them .*'2,x' \(str\)"),
+    ({"costs": 3}, r"costs must be a path \(a str or pathlib\.Path\), got 3 \(int\)"),
+])
+def test_an_option_of_another_type_is_refused_in_one_line(given, message):
+    with pytest.raises(ConfigError, match=f"^{message}$"):
+        autopart.CompileOptions(model=TINY_GPT, **given)
+
+
+def test_every_whole_number_option_refuses_a_str_a_float_and_a_bool():
+    annotations = typing.get_type_hints(autopart.CompileOptions)
+    whole = [name for name, annotation in annotations.items() if int in typing.get_args(annotation) + (annotation,)]
+    assert {"pp", "tp", "dp", "zero", "microbatches", "chunks", "gpus_per_node", "first_stage_layers"} <= set(whole)
+    for name in whole:
+        allows_bool = bool in typing.get_args(annotations[name])  # zero: True is ZeRO-1
+        for value in ("2", 2.0, *(() if allows_bool else (True,))):
+            with pytest.raises(ConfigError, match=f"^{name} must be a whole number"):
+                autopart.CompileOptions(model=TINY_GPT, **{name: value})
+
