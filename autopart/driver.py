@@ -17,11 +17,12 @@ import contextlib
 import dataclasses
 import gc
 import logging
+import os
 import time
 from pathlib import Path
 
 from autopart.codegen.emit import check_output_directory, emit_directory
-from autopart.ir.errors import AutopartError, PlanError
+from autopart.ir.errors import AutopartError, ConfigError, PlanError
 from autopart.ir.model_file import load_model_file
 from autopart.ir.plan import Plan, load_plan
 from autopart.options import CompileOptions, local_kind
@@ -117,6 +118,12 @@ def compile(model: str | Path, **options) -> Plan:  # noqa: A001 - the API's ver
 
 def emit(plan: Plan, out_dir: str | Path) -> Path:
     """Write the output directory of ``plan``; the model file is captured again from the plan's provenance."""
+    if not isinstance(plan, Plan):  # a path, most likely: the API's mistakes are autopart's errors, as compile's are
+        raise ConfigError(f"emit takes the Plan that autopart.compile returns, got {plan!r:.80} "
+                          f"({type(plan).__name__}); for a saved plan.json, pass autopart.load_plan(path)")
+    if not isinstance(out_dir, (str, os.PathLike)):
+        raise ConfigError(f"emit's out_dir must be a path (a str or pathlib.Path), got {out_dir!r:.80} "
+                          f"({type(out_dir).__name__})")
     out_dir = Path(out_dir)
     check_output_directory(out_dir)
     spec = load_model_file(plan.provenance.model_file)
