@@ -9,7 +9,7 @@ import torch
 
 import autopart
 from autopart.ir.model_file import eager_loss, load_model_file
-from autopart.ir.errors import ConfigError, PlanError
+from autopart.ir.errors import ConfigError, ModelFileError, PlanError
 from autopart.ir.plan import Plan, load_plan
 from autopart.runtime.reference import initial_weights
 from autopart.runtime.stage import load_stage
@@ -225,3 +225,7 @@ def test_emit_of_what_is_not_a_plan_says_what_it_takes(tmp_path):
         autopart.emit(str(tmp_path / "plan.json"), tmp_path / "out")
     assert list(tmp_path.iterdir()) == []
 
+
+def test_a_folder_given_as_the_model_is_called_one(tmp_path):
+    with pytest.raises(ModelFileError, match=r"model file '.*' is a directory; pass the path of the Python file in it"):
+        autopart.compile(tmp_path, measure=False)

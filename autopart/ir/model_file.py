@@ -85,6 +85,9 @@ def load_model_file(path: str | Path, *, build: bool = True) -> ModelSpec:
     ``build=False`` skips ``build_model()``: the runtime needs only the data functions.
     """
     path = Path(path)
+    if path.is_dir():
+        raise ModelFileError(f"model file '{path}' is a directory; pass the path of the Python file in it that "
+                             "defines build_model() and example_batch()")
     if not path.is_file():
         raise ModelFileError(
             f"model file '{path}' does not exist; pass the path of a Python file that defines "
