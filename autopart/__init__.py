@@ -27,6 +27,12 @@ _LAZY = {
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
         import importlib
+        import random
 
-        return getattr(importlib.import_module(_LAZY[name]), name)
+        state = random.getstate()  # rich, which the compiler imports, draws from it when it is first imported
+        try:
+            module = importlib.import_module(_LAZY[name])
+        finally:
+            random.setstate(state)
+        return getattr(module, name)
     raise AttributeError(f"module 'autopart' has no attribute {name!r}")

@@ -18,8 +18,11 @@ import dataclasses
 import gc
 import logging
 import os
+import random
 import time
 from pathlib import Path
+
+import torch
 
 from autopart.codegen.emit import check_output_directory, emit_directory
 from autopart.ir.errors import AutopartError, ConfigError, PlanError
@@ -68,6 +71,33 @@ def cycle_collector_off():
             gc.enable()
 
 
+@contextlib.contextmanager
+def random_state_kept():
+    """torch's generators (the CPU's, and CUDA's where there is CUDA) and Python's ``random`` left
+    as the caller had them. A compile builds the model, whose file may seed torch itself (a
+    ``build_model`` that calls ``torch.manual_seed(0)``), and runs it, which draws: else the
+    caller's next draws would follow the compile's, and ``torch.initial_seed()`` be the model
+    file's. What the compile draws is as without this: it starts from the caller's state.
+
+    CUDA's generators are made when CUDA is first used; until then ``torch.manual_seed`` queues
+    its seed for them, the caller's and the model file's alike. Where a compile that found them
+    not yet made seeds torch or uses CUDA, the caller's seed is queued (or set) again."""
+    python, seed = random.getstate(), torch.initial_seed()
+    cuda = torch.cuda.is_available()
+    made = cuda and torch.cuda.is_initialized()
+    touched = False
+    try:
+        with torch.random.fork_rng(devices=range(torch.cuda.device_count()) if made else []):
+            try:
+                yield
+            finally:
+                touched = torch.initial_seed() != seed or (cuda and torch.cuda.is_initialized())
+    finally:
+        random.setstate(python)
+        if cuda and not made and touched:
+            torch.cuda.manual_seed_all(seed)
+
+
 def compile_plan(options: CompileOptions, progress=None) -> tuple[Plan, Front]:
     """The Plan of ``options`` and the front it was costed on (kept, so emitting needs no second capture)."""
     if options.searched:
@@ -111,7 +141,7 @@ def compile(model: str | Path, **options) -> Plan:  # noqa: A001 - the API's ver
     does, and keeps what they measured per model and machine (``run_finalists=False`` keeps the
     predicted order; ``run_finalists=True`` runs them afresh).
     """
-    with cycle_collector_off():
+    with cycle_collector_off(), random_state_kept():
         plan, _ = measured_plan(CompileOptions(model=model, **options))
     return plan
 
@@ -126,17 +156,19 @@ def emit(plan: Plan, out_dir: str | Path) -> Path:
                           f"({type(out_dir).__name__})")
     out_dir = Path(out_dir)
     check_output_directory(out_dir)
-    spec = load_model_file(plan.provenance.model_file)
-    if spec.source_sha256 != plan.provenance.model_sha256:
-        raise PlanError(f"{spec.path} changed since this plan was compiled; compile it again")
-    graph = capture_for(
-        spec, plan.mesh["tp"], batch_size=plan.schedule.micro_batch_size, method=plan.provenance.capture,
-        leaves=plan.provenance.leaves,
-    )  # fmt: skip
-    cost_model = get_cost_model("cpu")
-    with cycle_collector_off():
-        op_graph = annotate(graph, spec, cost_model, micro_batch_size=plan.schedule.micro_batch_size, dtype=plan.dtype)
-        return emit_directory(plan, op_graph, spec, out_dir)
+    with random_state_kept():
+        spec = load_model_file(plan.provenance.model_file)
+        if spec.source_sha256 != plan.provenance.model_sha256:
+            raise PlanError(f"{spec.path} changed since this plan was compiled; compile it again")
+        graph = capture_for(
+            spec, plan.mesh["tp"], batch_size=plan.schedule.micro_batch_size, method=plan.provenance.capture,
+            leaves=plan.provenance.leaves,
+        )  # fmt: skip
+        cost_model = get_cost_model("cpu")
+        with cycle_collector_off():
+            op_graph = annotate(graph, spec, cost_model, micro_batch_size=plan.schedule.micro_batch_size,
+                                dtype=plan.dtype)
+            return emit_directory(plan, op_graph, spec, out_dir)
 
 
 def compile_to_directory(options: CompileOptions, out_dir: Path, *, progress=None, console=None) -> tuple[Plan, Path]:
@@ -144,7 +176,7 @@ def compile_to_directory(options: CompileOptions, out_dir: Path, *, progress=Non
     one capture. ``progress(what, done, total)`` hears how the search goes; ``console`` shows
     the measuring."""
     check_output_directory(out_dir)
-    with cycle_collector_off():
+    with cycle_collector_off(), random_state_kept():
         plan, front = measured_plan(options, progress=progress, console=console)
         return plan, emit_directory(plan, front.op_graph, front.spec, out_dir, chain=front.chain)
 

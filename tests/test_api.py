@@ -1,6 +1,9 @@
 """The Python API and the plan as a value: compile, emit, save, load, pin."""
 
 import json
+import random
+import subprocess
+import sys
 import typing
 from pathlib import Path
 
@@ -9,6 +12,7 @@ import torch
 
 import autopart
 from autopart.ir.model_file import eager_loss, load_model_file
+from autopart.driver import random_state_kept
 from autopart.ir.errors import ConfigError, ModelFileError, PlanError
 from autopart.ir.plan import Plan, load_plan
 from autopart.runtime.reference import initial_weights
@@ -229,3 +233,43 @@ def test_emit_of_what_is_not_a_plan_says_what_it_takes(tmp_path):
 def test_a_folder_given_as_the_model_is_called_one(tmp_path):
     with pytest.raises(ModelFileError, match=r"model file '.*' is a directory; pass the path of the Python file in it"):
         autopart.compile(tmp_path, measure=False)
+
+
+def test_compile_and_emit_leave_the_callers_random_state_as_they_found_it(tmp_path):
+    """tiny_gpt's build_model seeds torch itself; the caller's next draws are as without the compile."""
+    def seeded_draws() -> tuple[list[float], float]:
+        return torch.rand(3).tolist(), random.random()
+
+    torch.manual_seed(123)
+    random.seed(5)
+    expected = seeded_draws()
+    torch.manual_seed(123)
+    random.seed(5)
+    plan = autopart.compile(TINY_GPT, pp=2, microbatches=2, measure=False)
+    assert torch.initial_seed() == 123 and seeded_draws() == expected  # the seed was 0, the draws build_model's
+    torch.manual_seed(123)
+    random.seed(5)
+    out = autopart.emit(plan, tmp_path / "out")
+    assert torch.initial_seed() == 123 and seeded_draws() == expected
+    built = load_model_file(TINY_GPT).module.state_dict()  # the compile's own draws are as they were
+    assert all(torch.equal(tensor, built[name]) for name, tensor in initial_weights(out).items())
+
+
+def test_the_api_imported_on_first_use_leaves_pythons_random_as_it_was():
+    """rich, which the compiler imports, draws from Python's random when first imported."""
+    code = ("import random, autopart; random.seed(5); state = random.getstate(); autopart.compile; "
+            "assert random.getstate() == state")
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=120)
+
+
+def test_a_seed_queued_for_cuda_inside_is_replaced_by_the_callers(monkeypatch):
+    """Before CUDA is first used, torch.manual_seed queues its seed for CUDA's generators; the
+    model file's seed must not be the one they are made with."""
+    queued: list[int] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", queued.append)
+    torch.manual_seed(123)
+    with random_state_kept():
+        torch.manual_seed(0)
+    assert queued == [123, 0, 123]
