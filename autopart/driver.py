@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from autopart.codegen.emit import check_output_directory, emit_directory
-from autopart.ir.errors import AutopartError, ConfigError, PlanError
+from autopart.ir.errors import AutopartError, ConfigError, DeviceSpecError, PlanError
 from autopart.ir.model_file import load_model_file
 from autopart.ir.plan import Plan, load_plan
 from autopart.options import CompileOptions, local_kind
@@ -43,7 +43,7 @@ from autopart.solve.pipeline import solve_cuts
 from autopart.solve.planner import plan_by_search
 from autopart.solve.stage_layers import check_fits, stage_layer_cuts
 from autopart.tools.local_run import LocalRunError
-from cost_models import get_cost_model
+from cost_models import CostModel, get_cost_model
 from cost_models.calibration import usable_cores
 
 log = logging.getLogger("autopart")
@@ -156,7 +156,8 @@ def emit(plan: Plan, out_dir: str | Path) -> Path:
                           f"({type(out_dir).__name__})")
     out_dir = Path(out_dir)
     check_output_directory(out_dir)
-    with random_state_kept():
+    with random_state_kept():  # the device's calibration, on first use, draws too
+        cost_model = _cost_model_of(plan)
         spec = load_model_file(plan.provenance.model_file)
         if spec.source_sha256 != plan.provenance.model_sha256:
             raise PlanError(f"{spec.path} changed since this plan was compiled; compile it again")
@@ -164,11 +165,22 @@ def emit(plan: Plan, out_dir: str | Path) -> Path:
             spec, plan.mesh["tp"], batch_size=plan.schedule.micro_batch_size, method=plan.provenance.capture,
             leaves=plan.provenance.leaves,
         )  # fmt: skip
-        cost_model = get_cost_model("cpu")
         with cycle_collector_off():
             op_graph = annotate(graph, spec, cost_model, micro_batch_size=plan.schedule.micro_batch_size,
                                 dtype=plan.dtype)
             return emit_directory(plan, op_graph, spec, out_dir)
+
+
+def _cost_model_of(plan: Plan) -> CostModel:
+    """The roofline of the device ``plan`` was costed for: its kind decides the precision each op
+    runs in (CUDA's autocast lists under bf16), which the stage files show. A plan written before
+    its provenance kept the device names it in its cost model ("roofline:h100-sxm")."""
+    device = plan.provenance.device or plan.provenance.cost_model.rpartition(":")[2]
+    try:
+        return get_cost_model(device)
+    except DeviceSpecError:  # a .toml moved since, or a spec of the user's known by its name alone
+        raise PlanError(f"the plan was costed for device '{device}', which cannot be loaded here; emit it with "
+                        "autopart compile MODEL --plan PLAN.json --device SPEC.toml -o OUT") from None
 
 
 def compile_to_directory(options: CompileOptions, out_dir: Path, *, progress=None, console=None) -> tuple[Plan, Path]:

@@ -1,5 +1,6 @@
 """The Python API and the plan as a value: compile, emit, save, load, pin."""
 
+import dataclasses
 import json
 import random
 import subprocess
@@ -12,11 +13,12 @@ import torch
 
 import autopart
 from autopart.ir.model_file import eager_loss, load_model_file
-from autopart.driver import random_state_kept
+from autopart.driver import CompileOptions, compile_to_directory, random_state_kept
 from autopart.ir.errors import ConfigError, ModelFileError, PlanError
 from autopart.ir.plan import Plan, load_plan
 from autopart.runtime.reference import initial_weights
 from autopart.runtime.stage import load_stage
+from tests.distributed import FREE_LINKS
 from tests.stage_chain import chained_loss
 
 REPO = Path(__file__).resolve().parent.parent
@@ -273,3 +275,20 @@ def test_a_seed_queued_for_cuda_inside_is_replaced_by_the_callers(monkeypatch):
     with random_state_kept():
         torch.manual_seed(0)
     assert queued == [123, 0, 123]
+
+
+@pytest.mark.parametrize("device", ["h100-sxm", str(FREE_LINKS)], ids=["bundled", "toml"])
+def test_emit_writes_the_stage_files_the_command_line_writes_for_a_gpu_plan(tmp_path, device):
+    """The stage files name each value's dtype, which the device's autocast decides (under bf16 a
+    GPU's layer norm runs in fp32): emit costs the plan's device, not this machine's."""
+    options = {"pp": 2, "tp": 2, "microbatches": 2, "device": device, "dtype": "bf16"}
+    plan, cli = compile_to_directory(CompileOptions(model=TINY_GPT, **options), tmp_path / "cli")
+    api = autopart.emit(autopart.compile(TINY_GPT, **options), tmp_path / "api")
+    assert plan.provenance.device == device
+    for stage in ("stage_0.py", "stage_1.py"):
+        written = [(out / "stages" / stage).read_text().replace(str(out), "OUT") for out in (cli, api)]
+        assert "float32" in written[0] and written[1] == written[0], stage
+    moved = dataclasses.replace(plan, provenance=dataclasses.replace(plan.provenance, device="/nowhere/gpu.toml"))
+    with pytest.raises(PlanError, match=r"^the plan was costed for device '/nowhere/gpu\.toml', which cannot be loaded "
+                                        r"here; emit it with autopart compile MODEL --plan PLAN\.json --device SPEC\.toml"):
+        autopart.emit(moved, tmp_path / "moved")

@@ -102,6 +102,7 @@ class Provenance:
     autopart_version: str
     torch_version: str
     leaves: tuple[str, ...] = ()  # module classes kept whole by tracing (--leaf)
+    device: str = ""  # the device spec costed for: a bundled name or a .toml's absolute path ("" in older plans)
     search: dict[str, Any] = field(default_factory=dict)  # what the search visited, and its finalists
 
 
@@ -180,6 +181,7 @@ class Plan:
                 autopart_version=provenance.str("autopart_version"),
                 torch_version=provenance.str("torch_version"),
                 leaves=tuple(str(n) for n in provenance.data.get("leaves", [])),
+                device=provenance.str("device") if "device" in provenance.data else "",
                 search=provenance.sub("search").data if "search" in provenance.data else {},
             ),
             zero=reader.zero_level("zero"),

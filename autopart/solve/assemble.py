@@ -7,6 +7,7 @@ plan means the same whichever of them made it.
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 
@@ -208,11 +209,15 @@ def with_solver(plan: Plan, solver: tuple[str, float, float]) -> Plan:
 
 def _provenance(options: CompileOptions, front: Front, objective_s: float, solver: tuple[str, float, float]) -> Provenance:
     """Where the plan came from: the model, the capture, the cost model, and the solver's status, bound and gap."""
+    device = options.device  # a .toml by its absolute path: emit loads it again, from any folder
+    if device.endswith(".toml"):
+        device = str(Path(device).expanduser().resolve())
     return Provenance(
         model_file=str(front.spec.path.resolve()),
         model_sha256=front.spec.source_sha256,
         capture=front.op_graph.graph.method,
         leaves=options.leaf,
+        device=device,
         cost_model=front.cost_model.name,
         solver_status=solver[0],
         objective_s=objective_s,
