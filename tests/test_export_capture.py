@@ -3,6 +3,7 @@ with torch.export, and their generated programs train like the original model.""
 
 import logging
 import re
+import textwrap
 
 import pytest
 
@@ -44,6 +45,51 @@ def test_forced_fx_on_an_untraceable_model_is_a_capture_error():
 def test_forced_export_on_a_traceable_model():
     graph = capture(load_model_file(REPO / "examples" / "llama.py"), batch_size=2, method="export")
     assert graph.method == "export"
+
+
+SUBGRAPH_MODEL = textwrap.dedent(
+    """
+    import torch
+    import torch.nn.functional as F
+    from torch.utils.checkpoint import checkpoint
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(8, 8)
+
+        def forward(self, h):
+            h = self.linear(h)
+            return {body}
+
+    def build_model():
+        return torch.nn.Sequential(Block(), Block())
+
+    def example_batch(batch_size):
+        return (torch.randn(batch_size, 8),), torch.randn(batch_size, 8)
+
+    def loss_fn(output, target):
+        return F.mse_loss(output, target)
+    """
+)
+
+
+@pytest.mark.parametrize("body, method, message", [
+    ("torch.cond(h.sum() > 0, lambda h: F.gelu(h), lambda h: F.relu(h), (h,))", "export",
+     r"^the model calls torch\.cond at model\.py:13, control flow on tensor values that torch\.export keeps as "
+     r"subgraphs and autopart cannot split into stages \(nor torch\.fx trace\); compute both branches and choose "
+     r"with torch\.where instead$"),
+    ("torch.cond(h.sum() > 0, lambda h: F.gelu(h), lambda h: F.relu(h), (h,))", None, r"^the model calls torch\.cond "),
+    ("checkpoint(F.gelu, h, use_reentrant=True)", "export",
+     r"^torch\.export keeps a part of forward that runs under torch\.no_grad\(\) .*use_reentrant=True.*; checkpoint "
+     r"with use_reentrant=False \(or leave it to --recompute\)"),
+], ids=["cond", "cond_by_default", "reentrant_checkpoint"])
+def test_a_subgraph_of_the_export_names_what_made_it_and_what_to_write(tmp_path, body, method, message):
+    """torch.cond and a reentrant checkpoint export as higher-order ops over subgraphs; the advice
+    must lead away from them, not to the other capture (fx cannot trace torch.cond either)."""
+    (tmp_path / "model.py").write_text(SUBGRAPH_MODEL.format(body=body))
+    with pytest.raises(CaptureError, match=message):
+        capture(load_model_file(tmp_path / "model.py"), batch_size=2, method=method)
 
 
 @pytest.mark.multiprocess

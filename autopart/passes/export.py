@@ -18,7 +18,10 @@ import contextlib
 import inspect
 import io
 import logging
+import os
+import re
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -139,6 +142,8 @@ def _convert(program: ExportedProgram, model: nn.Module, input_names: list[str])
             continue
         if node.op == "call_function" and node.target in _DROPPED:
             continue
+        if node.op == "get_attr":  # a higher-order op's subgraph (true_graph_0 of a torch.cond)
+            raise CaptureError(_subgraph_refusal(node))
         if node.op != "call_function":
             raise CaptureError(
                 f"torch.export produced a {node.op} node ({node.target}), which autopart cannot split into "
@@ -155,6 +160,42 @@ def _convert(program: ExportedProgram, model: nn.Module, input_names: list[str])
     graph.eliminate_dead_code()
     graph.lint()
     return fx.GraphModule(attributes, graph, class_name="TrainingGraph")
+
+
+_CONTROL_FLOW = {"cond": ("torch.cond", "compute both branches and choose with torch.where"),
+                 "while_loop": ("torch.while_loop", "loop a number of times that Python knows")}
+"""Higher-order ops of control flow on tensor values: what the model calls, and what to write instead."""
+
+
+def _subgraph_refusal(node: fx.Node) -> str:
+    """Why a subgraph of the export (a ``get_attr`` of a GraphModule that a higher-order op
+    runs) cannot be split into stages, named by what in the model made it, and what to write instead."""
+    users = [user for user in node.users if user.op == "call_function"]
+    op = getattr(users[0].target, "__name__", str(users[0].target)) if users else str(node.target)
+    where = _model_line(users[0]) if users else ""
+    if op in _CONTROL_FLOW:
+        called, instead = _CONTROL_FLOW[op]
+        return (f"the model calls {called}{where}, control flow on tensor values that torch.export keeps as "
+                f"subgraphs and autopart cannot split into stages (nor torch.fx trace); {instead} instead")
+    if op == "wrap_with_set_grad_enabled":
+        return ("torch.export keeps a part of forward that runs under torch.no_grad() or torch.enable_grad() (as a "
+                "torch.utils.checkpoint with use_reentrant=True runs its function) as a subgraph, which autopart cannot "
+                "split into stages; checkpoint with use_reentrant=False (or leave it to --recompute), and .detach() "
+                "what needs no gradient")
+    if op == "wrap_with_autocast":
+        return ("torch.export keeps a torch.autocast region of forward as a subgraph, which autopart cannot split into "
+                "stages; remove the autocast and compile with --dtype bf16-autocast")
+    return (f"torch.export keeps {op}{where} as a subgraph ({node.target}), which autopart cannot split into stages; "
+            "rewrite that part of forward without it, or try --capture fx")
+
+
+def _model_line(node: fx.Node) -> str:
+    """' at model.py:14': the innermost frame of the node's stack that is neither torch's nor autopart's."""
+    frames = re.findall(r'File "([^"]+)", line (\d+)', node.meta.get("stack_trace") or "")
+    ours = tuple(f"{folder}{os.sep}" for folder in (Path(torch.__file__).parent, Path(__file__).resolve().parents[1]))
+    theirs = [(file, line) for file, line in frames if not file.startswith(("<", *ours))]
+    return f" at {Path(theirs[-1][0]).name}:{theirs[-1][1]}" if theirs else ""
+
 
 def _lifted_inputs(program: ExportedProgram, model: nn.Module, input_names: list[str]
                    ) -> tuple[dict[str, Any], dict[str, str], list[str]]:
