@@ -3,13 +3,31 @@
 ``build_blocks(op_graph) -> BlockChain``.
 
 The compute nodes are kept in the graph's topological order. A boundary may fall between two
-of them when everything that is live across it is a tensor (no Python ints, no tuples), its
-elements are within ``NARROW_FACTOR`` of the narrowest such point in the whole graph, and no
-more tensors cross it than cross the fewest-crossed of those points: in a Transformer these are
-the residual stream alone, between sublayers. Nodes that depend only on the
-batch and on buffers (position ids, masks, reshaped targets), the parameters and the inputs
-belong to no block: every stage that needs them recomputes or holds them, so they never cross
-a boundary. A parameter read on both sides of a boundary (tied embeddings) is held by both.
+of them when everything that is live across it is a tensor (no Python ints, no tuples), the
+activations among them are within ``NARROW_FACTOR`` of the narrowest point in the model, and no
+more activations cross it than cross the fewest-crossed of those points: in a Transformer these
+are the residual stream alone, between sublayers.
+
+An activation is a value that some later op reading a weight depends on. What else is live (a
+loss term already computed, a running auxiliary loss that each MoE layer adds to, a side output
+that the loss adds) is on its way to the loss alone: it crosses whichever boundary it is live at,
+and is sent and costed there, but it says nothing of where a layer ends, so the width and the
+count leave it out. Counted, the point after a z-loss's two scalars exist (two elements) would be
+the narrowest in the graph, with every residual-stream cut too wide beside it, and a per-layer
+auxiliary scalar beside the stream would make each layer boundary one tensor more than the few
+points before the first layer's scalar exists: either leaves no cut between layers.
+
+"The narrowest point in the model" is taken over the points that some activation crosses, those
+before the last op that reads a weight. A point after it (the head's output on its way into the
+loss, the loss's own arithmetic) is measured by all it carries and may still be a boundary where
+it is as narrow as the model's, as a cut that leaves a stage the loss alone; it never sets the
+width that the layer cuts are held to, since a classifier's head (a few outputs per sample) is
+narrower than any layer's stream and would throw every layer cut away.
+
+Nodes that depend only on the batch and on buffers (position ids, masks, reshaped targets), the
+parameters and the inputs belong to no block: every stage that needs them recomputes or holds
+them, so they never cross a boundary. A parameter read on both sides of a boundary (tied
+embeddings) is held by both.
 """
 
 from __future__ import annotations
@@ -102,21 +120,7 @@ def build_blocks(op_graph: OpGraph) -> BlockChain:
         live.add(n.name)
         live = {name for name in live if last_use[name] > i}
         crossing.append(sorted(live, key=position.__getitem__))
-    candidates = [
-        i
-        for i in range(len(compute) - 1)
-        if crossing[i] and all(costs[name].output is not None for name in crossing[i])
-    ]
-    if candidates:
-        # Widths in elements, not bytes: under autocast the 16-bit output of a sublayer beside the
-        # fp32 residual stream would otherwise look as narrow as the stream alone, and the cuts
-        # (and so the blocks the sharding solver sees) would depend on the precision.
-        widths = {i: sum(costs[name].output.numel for name in crossing[i]) for i in candidates}
-        narrowest = min(widths.values())
-        candidates = [i for i in candidates if widths[i] <= NARROW_FACTOR * narrowest]
-        # Where the stream alone is live, not beside a small side value (an RMSNorm's rsqrt).
-        fewest = min(len(crossing[i]) for i in candidates)
-        candidates = [i for i in candidates if len(crossing[i]) == fewest]
+    candidates = _cut_points(compute, crossing, op_graph)
 
     parameter_bytes = {
         str(n.target): costs[n.name].parameter_bytes for n in fx_nodes if costs[n.name].is_parameter
@@ -136,6 +140,92 @@ def build_blocks(op_graph: OpGraph) -> BlockChain:
     return BlockChain(
         op_graph=op_graph, blocks=tuple(blocks), boundaries=tuple(boundaries), parameter_bytes=parameter_bytes
     )
+
+
+def _cut_points(compute: list[fx.Node], crossing: list[list[str]], op_graph: OpGraph) -> list[int]:
+    """The indices i at which a boundary may fall after ``compute[i]`` (see the module's docstring)."""
+    costs = op_graph.nodes
+    weight_use = _last_weight_use(compute, op_graph)
+    measured: dict[int, list[str]] = {}  # per possible point, the values its width and count are of
+    inside: list[int] = []  # the points some activation crosses: those before the last op that reads a weight
+    for i in range(len(compute) - 1):
+        if crossing[i] and all(costs[name].output is not None for name in crossing[i]):
+            activations = [name for name in crossing[i] if weight_use.get(name, -1) > i]
+            measured[i] = activations or crossing[i]
+            if activations:
+                inside.append(i)
+    if not measured:
+        return []
+    # Widths in elements, not bytes: under autocast the 16-bit output of a sublayer beside the
+    # fp32 residual stream would otherwise look as narrow as the stream alone, and the cuts
+    # (and so the blocks the sharding solver sees) would depend on the precision.
+    widths = {i: sum(costs[name].output.numel for name in names) for i, names in measured.items()}
+    reference = set(inside) or set(measured)  # a model of one weighted op has only its loss's points
+    narrowest = min(widths[i] for i in reference)
+    narrow = [i for i in measured if widths[i] <= NARROW_FACTOR * narrowest]
+    # Where the stream alone is live, not beside a small side value (an RMSNorm's rsqrt).
+    fewest = min(len(measured[i]) for i in narrow if i in reference)
+    runs: list[list[int]] = []  # points in a row that carry the same activations
+    for i in (i for i in narrow if len(measured[i]) <= fewest):
+        if runs and measured[runs[-1][-1]] == measured[i]:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return _one_point_per_run(runs, compute, costs)
+
+
+def _one_point_per_run(runs: list[list[int]], compute: list[fx.Node], costs: dict[str, NodeCost]) -> list[int]:
+    """Between two points that carry the same activations lie only ops on the way to the loss (a
+    layer's auxiliary term, its running sum): a cut between them would make a block of those
+    alone, a stage that holds no weight and that a solver may still choose where every stage's
+    time is mostly its transfers. So one point of each run is a boundary: the last, so that the
+    ops go with the layer whose output they are computed from and each layer's block holds its
+    own term alike; or the first, where only that makes the block before it one of the repeated
+    layers (a term computed once, from the last layer's output), since the stage programs write a
+    repeated layer once and ``--stage-layers`` counts them."""
+    if all(len(run) == 1 for run in runs):
+        return [run[0] for run in runs]
+    cuts: list[int] = []
+    seen: set[str] = set()  # the signatures of the blocks so far
+    start = 0
+    for run in runs:
+        point = run[-1]
+        if len(run) > 1:
+            early, late = (_signature(compute[start : i + 1], costs) for i in (run[0], run[-1]))
+            if early in seen and late not in seen:
+                point = run[0]
+        seen.add(_signature(compute[start : point + 1], costs))
+        cuts.append(point)
+        start = point + 1
+    return cuts
+
+
+def _last_weight_use(compute: list[fx.Node], op_graph: OpGraph) -> dict[str, int]:
+    """Per compute node on the way to a weight, the position of its last user that is: one that
+    reads a weight (a parameter, a value made from parameters alone such as a transposed tied
+    head, or a --leaf module's own), or one that is itself on the way to a weight. A value live at
+    a point after that position is carried to the loss alone."""
+    costs = op_graph.nodes
+    position = {n.name: i for i, n in enumerate(compute)}
+    weights: set[str] = set()
+    for node in op_graph.fx_nodes():
+        if costs[node.name].is_parameter:
+            weights.add(node.name)
+        elif node.op in ("call_function", "call_method"):
+            tensors = [arg.name for arg in node.all_input_nodes if costs[arg.name].output is not None]
+            if tensors and all(name in weights for name in tensors):  # sizes read from activations aside
+                weights.add(node.name)
+
+    def reads_weights(node: fx.Node) -> bool:
+        return bool(op_graph.leaf_parameters(node.name)) or any(arg.name in weights for arg in node.all_input_nodes)
+
+    last: dict[str, int] = {}
+    for node in reversed(compute):  # every user of a compute node comes after it
+        uses = [position[user.name] for user in node.users
+                if user.name in position and (user.name in last or reads_weights(user))]
+        if uses:
+            last[node.name] = max(uses)
+    return last
 
 
 def _make_block(index: int, members: list[fx.Node], op_graph: OpGraph) -> Block:
