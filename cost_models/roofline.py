@@ -13,6 +13,7 @@ memory. Views cost nothing: they launch no kernel.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -26,6 +27,10 @@ __all__ = ["RooflineCostModel"]
 _MATRIX_CATEGORIES = frozenset({"matmul", "attention"})
 _HALF_DTYPES = {"bfloat16": "bfloat16", "float16": "float16"}
 _OPTIMIZER_KERNELS = {"sgd": 1, "adamw": 10, "adam": 10}
+_MULTI_TENSOR = {"sgd": (2, 3), "adamw": (4, 7), "adam": (4, 7)}  # tensor lists, tensors streamed per element
+_MULTI_TENSOR_LISTS = {2: 64, 4: 36}  # the most tensors of each list one launch takes, by the lists' number
+_MULTI_TENSOR_BLOCKS = 320
+_MULTI_TENSOR_CHUNK = 65536
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,12 +85,17 @@ class RooflineCostModel:
                        backward_weight_s=self.kernels_time(backward_weight))
 
     def optimizer_time(self, optimizer: str, parameters: Iterable[tuple[tuple[int, ...], str]]) -> float:
-        """Per tensor, the elementwise kernels of ``torch.optim``'s single-tensor step.
+        """The step as the runtime's optimizer runs it on this kind of device
+        (`autopart.runtime.optim`): on the CPU, per tensor, the elementwise kernels of
+        ``torch.optim``'s single-tensor step; on an accelerator, fused AdamW and foreach SGD
+        (`_multi_tensor_time`).
 
-        AdamW runs about ten kernels per tensor (decay, two moment updates, bias corrections, the
-        square root, the division, the update), each streaming about three tensors of the
-        parameter's size; SGD one kernel over three.
+        AdamW's single-tensor step runs about ten kernels per tensor (decay, two moment updates,
+        bias corrections, the square root, the division, the update), each streaming about three
+        tensors of the parameter's size; SGD one kernel over three.
         """
+        if self.device.kind != "cpu":
+            return self._multi_tensor_time(optimizer, list(parameters))
         kernels = _OPTIMIZER_KERNELS.get(optimizer, 1)
         total = 0.0
         for shape, dtype in parameters:
@@ -95,6 +105,21 @@ class RooflineCostModel:
             nbytes = 3 * numel * (2 if dtype in _HALF_DTYPES else 4)
             total += kernels * (self.device.kernel_overhead_s + nbytes / (self.device.memory_bandwidth * self.device.memory_efficiency))
         return total
+
+    def _multi_tensor_time(self, optimizer: str, parameters: list[tuple[tuple[int, ...], str]]) -> float:
+        """Fused AdamW (one pass reading the weight, its gradient and both moments and writing the
+        weight and the moments: 7 tensors streamed) or foreach SGD (3), as torch's
+        multi_tensor_apply launches them: a launch takes at most ``_MULTI_TENSOR_LISTS`` tensors
+        of each list and ``_MULTI_TENSOR_BLOCKS`` chunks of ``_MULTI_TENSOR_CHUNK`` elements
+        (ATen/native/cuda/MultiTensorApply.cuh, the 4 KB kernel-argument limits)."""
+        lists, streamed = _MULTI_TENSOR.get(optimizer, (2, 3))
+        numels = [math.prod(shape) for shape, _ in parameters]
+        if not numels:
+            return 0.0
+        chunks = sum(-(-n // _MULTI_TENSOR_CHUNK) for n in numels)
+        launches = max(-(-len(numels) // _MULTI_TENSOR_LISTS[lists]), -(-chunks // _MULTI_TENSOR_BLOCKS))
+        nbytes = sum(streamed * n * (2 if dtype in _HALF_DTYPES else 4) for n, (_, dtype) in zip(numels, parameters))
+        return launches * self.device.kernel_overhead_s + nbytes / (self.device.memory_bandwidth * self.device.memory_efficiency)
 
     @property
     def runtime_overheads(self) -> RuntimeOverheads:

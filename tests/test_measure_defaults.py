@@ -346,7 +346,7 @@ def test_a_basis_no_benchmark_measured_says_so_and_old_plans_load(tmp_path) -> N
 
 
 def test_a_16_bit_step_is_no_faster_than_the_mfu_ceiling_and_says_so() -> None:
-    """Wide matrix products on an A100's roofline: the kernels alone give a bf16 step at 64% MFU,
+    """Wide matrix products on an A100's roofline: the kernels alone give a bf16 step above 60% MFU,
     which no published dense 16-bit run reaches; the plan's step is the ceiling's, and says what
     the kernels gave. fp32 (its own peak) is not bounded, nor a plan under the ceiling."""
     wide = Path(__file__).resolve().parent / "models" / "wide_linears.py"
@@ -358,8 +358,8 @@ def test_a_16_bit_step_is_no_faster_than_the_mfu_ceiling_and_says_so() -> None:
     unbounded = replace(plan, predicted=replace(predicted, step_s=predicted.unbounded_step_s))
     assert accuracy.implied_mfu(unbounded) > 0.6
     assert (f"bounded by the ~55% MFU that the best published dense 16-bit runs reach, where the device's kernel "
-            f"efficiencies alone gave {predicted.unbounded_step_s * 1e3:.3f} ms, 64% MFU") in \
-        accuracy.describe_prediction(plan)
+            f"efficiencies alone gave {predicted.unbounded_step_s * 1e3:.3f} ms, {accuracy.implied_mfu(unbounded):.0%} "
+            "MFU") in accuracy.describe_prediction(plan)
     assert autopart.compile(wide, dtype="fp32", **options).predicted.unbounded_step_s is None
     small = autopart.compile(wide, dtype="bf16", **{**options, "microbatches": 1, "global_batch_size": 4})
     assert small.predicted.unbounded_step_s is None and "MFU" not in accuracy.describe_prediction(small)

@@ -201,7 +201,7 @@ def test_a_zero2_layout_waits_for_its_queued_zero1_twin_instead_of_being_scored_
     """One process never scores a ZeRO-2 layout that its ZeRO-1 twin settled first; the workers
     must not either: sent ahead while its twin was still queued, it was work thrown away at its
     turn (95 of 777 layouts of a 1,024-layer search). One the twin leaves unsettled is scored at
-    its turn, with the answer one process gives. examples/gpt.py at world size 8 queues twins."""
+    its turn, with the answer one process gives. examples/gpt.py at world size 8 and batch 32 queues twins."""
     from autopart.driver import CompileOptions
     from autopart.solve import search as search_module
     from autopart.solve.planner import plan_by_search
@@ -232,7 +232,7 @@ def test_a_zero2_layout_waits_for_its_queued_zero1_twin_instead_of_being_scored_
     monkeypatch.setattr(LayoutScoring, "submit", recording)
     monkeypatch.setattr(LayoutScoring, "here", scored_here)
     monkeypatch.setattr(search_module, "_sent", queueing)
-    options = CompileOptions(model=REPO / "examples" / "gpt.py", world_size=8, global_batch_size=16, device="h100-sxm")
+    options = CompileOptions(model=REPO / "examples" / "gpt.py", world_size=8, global_batch_size=32, device="h100-sxm")
     searched = {}
     for workers in ("0", "2"):
         monkeypatch.setenv(scoring_pool.WORKERS_ENV, workers)

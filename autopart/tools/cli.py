@@ -397,7 +397,7 @@ def _entries(path: Path | None) -> int:
 
 def _explain(args: argparse.Namespace, console: Console) -> None:
     from autopart.codegen.report import stage_table
-    from autopart.tools.explain import compare, comparison_rows, load_output, relative_error
+    from autopart.tools.explain import compare, comparison_rows, load_output, step_lines
 
     plan = load_output(args.out)
     comparison = compare(plan, args.trace) if args.trace is not None else None  # a bad trace fails before printing
@@ -417,18 +417,8 @@ def _explain(args: argparse.Namespace, console: Console) -> None:
         )
         return
     _print_table(console, comparison_rows(comparison, plan), f"predicted vs measured ({args.trace})")
-    (step_p, step_m), (bubble_p, bubble_m) = comparison.step_s, comparison.bubble
-    console.print(
-        f"pipeline (the trace's span: forwards, backwards, transfers): predicted {step_p * 1e3:.3f} ms, measured "
-        f"{step_m * 1e3:.3f} ms ({relative_error(step_p, step_m)}); bubble: predicted {bubble_p:.1%}, measured "
-        f"{bubble_m:.1%}"
-    )
-    after = predicted.step_s - step_p
-    if after > 0:  # what the plan's step holds beyond the actions a trace records
-        console.print(f"the predicted step of {predicted.step_s * 1e3:.3f} ms adds {after * 1e3:.3f} ms after the pipeline "
-                      "(the gradient reduction, the optimizer step and the step's own overheads), which the trace "
-                      "does not time; train.py --metrics measures whole steps")
-
+    for line in step_lines(comparison, plan):
+        console.print(line)
 
 
 class _Notes(logging.Handler):

@@ -19,7 +19,8 @@ from autopart.ir.plan import Plan, load_plan
 from autopart.predict.timeline import plan_timeline
 from autopart.schedule import Kind, Timeline, read_chrome_trace
 
-__all__ = ["StageFigures", "Comparison", "load_output", "compare", "stage_figures", "comparison_rows", "relative_error"]
+__all__ = ["StageFigures", "Comparison", "load_output", "compare", "stage_figures", "comparison_rows", "relative_error",
+           "step_lines"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -113,6 +114,24 @@ def comparison_rows(comparison: Comparison, plan: Plan) -> list[list[str]]:
                  relative_error(predicted, measured)]
             )  # fmt: skip
     return rows
+
+
+def step_lines(comparison: Comparison, plan: Plan) -> list[str]:
+    """The lines under the table: the pipeline's span, predicted and measured, and what the plan's
+    step holds beyond it, which a trace does not time."""
+    (step_p, step_m), (bubble_p, bubble_m) = comparison.step_s, comparison.bubble
+    lines = [f"pipeline (the trace's span: forwards, backwards, transfers): predicted {step_p * 1e3:.3f} ms, measured "
+             f"{step_m * 1e3:.3f} ms ({relative_error(step_p, step_m)}); bubble: predicted {bubble_p:.1%}, measured "
+             f"{bubble_m:.1%}"]
+    predicted = plan.predicted
+    modelled = predicted.unbounded_step_s or predicted.step_s  # beneath an MFU ceiling, what the models gave
+    if modelled > step_p:
+        lines.append(f"the predicted step of {modelled * 1e3:.3f} ms adds {(modelled - step_p) * 1e3:.3f} ms after the "
+                     "pipeline (the gradient reduction, the optimizer step and the step's own overheads), which the "
+                     "trace does not time; train.py --metrics measures whole steps"
+                     + (f"; the MFU ceiling raises it to {predicted.step_s * 1e3:.3f} ms" if predicted.unbounded_step_s
+                        else ""))
+    return lines
 
 
 def relative_error(predicted: float, measured: float) -> str:
