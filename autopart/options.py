@@ -293,6 +293,8 @@ def _as_annotated(name: str, value: Any, annotation: Any) -> Any:
     if value is None and type(None) in members:
         return None
     kinds = tuple(kind for kind in members if kind is not type(None))
+    if isinstance(value, str) and "," in value and tuple[str, ...] in kinds:  # recompute="full,none", per stage
+        return tuple(value.split(","))
     for kind in kinds:
         converted = _converted(kind, value)
         if converted is not _REFUSED:
@@ -303,6 +305,8 @@ def _as_annotated(name: str, value: Any, annotation: Any) -> Any:
 
 def _converted(kind: Any, value: Any) -> Any:
     """``value`` as a ``kind``, or ``_REFUSED``."""
+    if kind is str and isinstance(value, os.PathLike):  # device=Path("gpu.toml"), as the command line takes it
+        return os.fspath(value)
     if kind is bool or kind is str:
         return value if isinstance(value, kind) else _REFUSED
     if kind is int:

@@ -163,7 +163,7 @@ def test_verify_of_a_model_changed_since_its_compile_says_so_in_one_line(tmp_pat
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("signature", ["idx, temperature=2.0", "idx, *, temperature=2.0"])
+@pytest.mark.parametrize("signature", ["idx, temperature=2.0, targets=None", "idx, *, temperature=2.0"])
 def test_forward_arguments_left_to_their_defaults_are_traced_at_them(tmp_path, signature):
     """An input that example_batch() does not give, positional or keyword-only, is fixed at its
     default by torch.fx, which kept it as an input of the graph beside a check of its value: the
@@ -197,6 +197,8 @@ def test_options_given_in_another_form_are_taken_as_the_command_line_takes_them(
     assert options.leaf == ("Block",) and options.stage_layers == (1, 1)  # one class; --stage-layers 1,1
     assert options.time_limit_s == 5.0 and options.zero == 1
     assert autopart.CompileOptions(model=TINY_GPT, leaf=["Block", "MLP"]).leaf == ("Block", "MLP")
+    per_stage = autopart.CompileOptions(model=TINY_GPT, pp=2, recompute="full,none", device=Path("h100-sxm.toml"))
+    assert per_stage.recompute == ("full", "none") and per_stage.device == "h100-sxm.toml"  # --recompute full,none
 
 
 @pytest.mark.parametrize("given, message", [

@@ -88,6 +88,12 @@ class Predicted:
     # reaches at best (`autopart.predict.accuracy.MFU_CEILING`), step_s is the ceiling's and this theirs
     unbounded_step_s: float | None = None
 
+    @property
+    def modelled_step_s(self) -> float:
+        """The step the models gave, beneath any ceiling: what the search ranks plans by, since
+        plans that one ceiling bounds alike still differ in what they would take."""
+        return self.step_s if self.unbounded_step_s is None else self.unbounded_step_s
+
 
 @dataclass(frozen=True, kw_only=True)
 class Provenance:

@@ -161,12 +161,18 @@ def _drop_fixed_arguments(graph: fx.Graph) -> None:
     the default, which the graph holds as a constant, and takes the example's inputs alone."""
     for node in [n for n in graph.nodes if n.op == "placeholder" and n.args]:  # args: (its default,)
         guards = list(node.users)
-        if all(g.target is operator.eq and all(a.target is torch._assert for a in g.users) for g in guards):
+        if all(_is_check(g) or (g.target is operator.eq and all(_is_check(c) for c in g.users)) for g in guards):
             for guard in guards:
                 for check in list(guard.users):
                     graph.erase_node(check)
                 graph.erase_node(guard)
             graph.erase_node(node)
+
+
+def _is_check(node: fx.Node) -> bool:
+    """A check fx adds of an input fixed at its default: ``_assert(x == default)``, or that a
+    ``None`` default is still None (``_assert_is_none``)."""
+    return node.target is torch._assert or getattr(node.target, "__name__", "") == "_assert_is_none"
 
 
 def _trace_fx(spec: ModelSpec, inputs: tuple[torch.Tensor, ...], leaves: frozenset[type]) -> fx.GraphModule:

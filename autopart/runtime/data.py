@@ -116,7 +116,8 @@ class HeldOut:
 
     def __init__(self, spec: ModelSpec, batch_size: int, seed: int, count: int):
         self.spec, self.batch_size, self.seed, self.count = spec, batch_size, seed, count
-        drawn = sum(1 for _ in self._source())  # a model file that gives too few: said before training
+        # a model file that gives too few is told before training (synthetic batches never run out)
+        drawn = count if spec.eval_batches is None else sum(1 for _ in self._source())
         if drawn < count:
             raise ConfigError(f"eval_batches() of {spec.path.name} gave {drawn} batches but --eval-batches is "
                               f"{count}; give more or lower --eval-batches")

@@ -68,8 +68,9 @@ class StepReporter:
                  tensorboard: Path | None, resumed: bool = False) -> None:
         """``steps``, ``seconds``: train.py's ``--steps`` and ``--seconds``. A run given seconds stops
         at whichever comes first, so its bar counts steps without a total (nor a time left).
-        ``resumed``: a ``--resume`` run, which trains again from ``first_step`` the steps that the
-        run it resumes may have reported after its checkpoint; their records are dropped from
+        ``resumed``: a ``--resume`` run or torchrun's restart of one that failed, which trains again
+        from ``first_step`` the steps that the run before it may have reported after its checkpoint
+        (all of them, where there is none); their records are dropped from
         ``metrics`` (`drop_steps_from`) and tensorboard's event files (its ``purge_step``), so that
         each step is reported once."""
         from rich.console import Console

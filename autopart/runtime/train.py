@@ -226,7 +226,8 @@ def _loop(out_dir: Path, plan: Plan, schedule: Schedule, args: argparse.Namespac
     scheduler = recipe.scheduler(optimizer, args.lr, args.steps, done=first_step)
     held_out = eval_batches(spec, schedule_spec.global_batch_size, args.seed, args.eval_batches) if args.eval_every else []
     reporter = StepReporter(steps=args.steps, seconds=args.seconds, first_step=first_step, metrics=args.metrics,
-                            tensorboard=args.tensorboard, resumed=args.resume) if holds_loss and here.dp == 0 else None
+                            tensorboard=args.tensorboard, resumed=args.resume or restarted()) \
+        if holds_loss and here.dp == 0 else None
     split = functools.partial(_shares, dp=mesh.dp, dp_rank=here.dp, microbatches=schedule_spec.microbatches)
     stop = StopRule(first_step, args.steps, args.seconds, min_steps=args.min_steps or 1,
                     untimed=args.untimed_steps or 0)

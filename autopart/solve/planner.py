@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Set
 from dataclasses import dataclass, replace
 
 from torch import nn
@@ -198,7 +198,7 @@ def _full_search(options: CompileOptions, space: SearchSpace, cluster: Cluster, 
         plan = plans[scored.layout] = _plan_of(options, table, scored)
         # the cutter's memory is the compiler's up to what it simplifies (every batch input held
         # by a recomputing stage, each stage's own share of its rank): a finalist over the limit goes
-        return plan.predicted.step_s if max(plan.predicted.memory_bytes) <= cluster.memory_bytes else math.inf
+        return plan.predicted.modelled_step_s if max(plan.predicted.memory_bytes) <= cluster.memory_bytes else math.inf
 
     result = search(space, table, cluster, finalists=finalists, score=exact, progress=_visited(progress))
     result = replace(result, ranked=tuple(s for s in result.ranked if s.step_s < math.inf))
@@ -231,7 +231,7 @@ def _shallow_search(options: CompileOptions, space: SearchSpace, cluster: Cluste
     planned: dict[int, Plan] = {}  # finalist's index -> its plan of the full model, where made
     for index, candidate in enumerate(result.ranked):
         fitting = [i for i, p in planned.items() if max(p.predicted.memory_bytes) <= cluster.memory_bytes]
-        if not plan_every and fitting and candidate.step_s >= min(planned[i].predicted.step_s for i in fitting):
+        if not plan_every and fitting and candidate.step_s >= min(planned[i].predicted.modelled_step_s for i in fitting):
             break  # its estimate, and every later one's, is no faster than a plan already made
         layout = candidate.layout
         with _validation_beside(options, layout):  # validated while the full model is annotated
@@ -245,7 +245,7 @@ def _shallow_search(options: CompileOptions, space: SearchSpace, cluster: Cluste
         return None
     # the finalists are ranked on the shallow copy's costs; where the full model's plan of the
     # first is slower than the next one's estimate, that one is planned too, and the faster kept
-    best = min(fitting, key=lambda i: planned[i].predicted.step_s)
+    best = min(fitting, key=lambda i: planned[i].predicted.modelled_step_s)
     chosen = result.ranked[best]
     plan, front = _refined(options, full, chosen, planned[best], time_limit_s=options.time_limit_s)
     order = [best, *(i for i in range(len(result.ranked)) if i != best)]  # the rows' finalists, the chosen first
@@ -328,7 +328,7 @@ def _refined(options: CompileOptions, table: FrontTable, best: Scored, scored_pl
         bound = solution.bound_s
         if solution.evaluation.cuts != cuts:
             proposed = plan_from_cuts(concrete, front, problem, solution.evaluation.cuts, batch, ("", 0.0, 0.0))
-            if proposed.predicted.step_s < scored_plan.predicted.step_s:
+            if proposed.predicted.modelled_step_s < scored_plan.predicted.modelled_step_s:
                 cuts, chosen = solution.evaluation.cuts, proposed
         objective = evaluate(problem, cuts).objective_s
         status = solution.status if objective <= solution.evaluation.objective_s * (1 + 1e-9) else "feasible"
@@ -351,7 +351,8 @@ def _latency_bound(problem) -> float:
     return total + (problem.microbatches - 1) * slowest
 
 
-def _summary(result: SearchResult, rows: list[tuple[Scored, float, int]], estimated: set[int] = frozenset()) -> dict:
+def _summary(result: SearchResult, rows: list[tuple[Scored, float, int]],
+             estimated: Set[int] = frozenset()) -> dict:
     """The search in the plan's provenance; ``rows``: per finalist, best first, its step and peak
     memory; ``estimated``: the rows whose figures are the shallow copy's estimates, the full model
     not planned for them (its estimate is a bound on it, which is why it was not)."""

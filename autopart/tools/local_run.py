@@ -230,5 +230,6 @@ def run_failed(code: int, stderr: str, *, failed: str = "") -> LocalRunError:
 
     own = errors(failed) or failed.strip().splitlines()[-12:]
     lines = own or errors(stderr) or stderr[-3000:].splitlines()
-    cause = next((line.strip() for line in reversed(lines) if line.strip()), "")
-    return LocalRunError(f"the distributed run failed (exit {code}): {cause}\n" + "\n".join(lines))
+    lines = [line for line in lines if line.strip()]
+    cause = lines.pop().strip() if lines else ""  # on the first line, and not again below it
+    return LocalRunError("\n".join([f"the distributed run failed (exit {code}): {cause}", *lines]))
