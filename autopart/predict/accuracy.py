@@ -15,7 +15,7 @@ import datetime
 import json
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from autopart.ir.errors import ConfigError
 
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from autopart.ir.plan import Plan
 
 __all__ = ["ACCURACY_FILE", "FULLY_SHARDED", "MEASURED", "MEASURED_PIPELINE", "MFU_CEILING", "PROFILED", "ROOFLINE", "Band", "Basis", "band_key",
-           "basis_for", "describe_prediction", "implied_mfu", "load_bands", "with_basis", "write_band"]
+           "basis_for", "ceiling_step_s", "describe_prediction", "implied_mfu", "load_bands", "with_basis", "write_band"]
 
 ACCURACY_FILE = Path(__file__).with_name("accuracy.json")
 """The bands the repository ships, one per basis key (see `basis_for`)."""
@@ -188,6 +188,19 @@ MFU_CEILING = 0.55
 NVIDIA's GPT-3 175B recipe on H100s 53.7%): a step the models give that implies more rests on
 kernel efficiencies the device does not reach for that model, and a 16-bit plan's predicted step
 is bounded by it (`autopart.solve.assemble`), saying so."""
+
+
+def ceiling_step_s(cost_model: Any, dtype: str | None, devices: int, flops: float, peak: float) -> float:
+    """The shortest step a 16-bit plan on an accelerator's roofline can take: its model FLOPs at
+    `MFU_CEILING` of its ``devices``' dense ``peak``. The roofline's kernel efficiencies are each a
+    matrix product's alone, at full clocks, with no other kernel beside it; for some models (wide,
+    few layers) they sum to a step no published dense 16-bit run has come near, which is not a
+    prediction. 0 for fp32 and the CPU, which no such run bounds, and for ops measured on the
+    device, which say what it did."""
+    roofline = cost_model.name.startswith("roofline:")
+    if not roofline or cost_model.device.kind == "cpu" or not (dtype or "fp32").startswith("bf16") or peak <= 0:
+        return 0.0
+    return flops / (devices * peak * MFU_CEILING)
 
 
 def implied_mfu(plan: Plan) -> float:

@@ -25,7 +25,7 @@ from autopart.passes.front import (
 from autopart.passes.recompute import (
     batch_inputs, checkpointed_layers, recompute_cost, stage_input_bytes, stage_modes,
 )
-from autopart.predict.accuracy import MFU_CEILING
+from autopart.predict.accuracy import ceiling_step_s
 from autopart.predict.in_flight import in_flight, rank_in_flight, transient, weight_pending
 from autopart.predict.memory import layers_in_flight_bytes, optimizer_group, owned_bytes, state_bytes
 from autopart.predict.messages import boundary_seconds
@@ -160,7 +160,7 @@ def plan_from_cuts(
     gradient_sync = data_parallel_seconds(stages, comm)
     flops, peak = _model_flops(front.op_graph, total), _peak_flops(front.cost_model.device, options.dtype)
     modelled = step_s + gradient_sync
-    ceiling_s = _ceiling_step_s(front.cost_model, options, flops, peak)
+    ceiling_s = ceiling_step_s(front.cost_model, options.dtype, options.pp * options.tp * options.dp, flops, peak)
     return Plan(
         mesh={"pp": options.pp, "tp": options.tp, "dp": options.dp},
         stages=tuple(stages),
@@ -314,20 +314,6 @@ def _model_flops(op_graph: OpGraph, global_batch_size: int) -> float:
     FLOPs at the annotated microbatch size: what MFU counts as useful work."""
     per_sample = sum(n.forward_flops + n.backward_flops for n in op_graph.nodes.values()) / op_graph.micro_batch_size
     return per_sample * global_batch_size
-
-
-def _ceiling_step_s(cost_model, options: CompileOptions, flops: float, peak: float) -> float:
-    """The shortest step a 16-bit plan on an accelerator's roofline can take: its model FLOPs at
-    `MFU_CEILING` of its devices' dense peak. The roofline's kernel efficiencies are each a matrix
-    product's alone, at full clocks, with no other kernel beside it; for some models (wide, few
-    layers) they sum to a step no published dense 16-bit run has come near, which is not a
-    prediction. 0 for fp32 and the CPU, which no such run bounds, and for ops measured on the
-    device, which say what it did."""
-    device = cost_model.device
-    roofline = cost_model.name.startswith("roofline:")
-    if not roofline or device.kind == "cpu" or not (options.dtype or "fp32").startswith("bf16") or peak <= 0:
-        return 0.0
-    return flops / (options.pp * options.tp * options.dp * peak * MFU_CEILING)
 
 
 def _peak_flops(device: DeviceSpec, dtype: str) -> float:
