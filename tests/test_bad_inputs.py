@@ -107,6 +107,11 @@ MODEL_CASES = {
         [],
         r"example_batch\(2\) in batch_not_first\.py: input 0 has shape \(8, 2\), whose first dimension is not the batch size 2",
     ),
+    "batch_on_the_meta_device": (
+        LINEAR.replace("torch.randn(batch_size, 8)", "torch.randn(batch_size, 8, device='meta')"),
+        [],
+        r"example_batch\(\) in batch_on_the_meta_device\.py: input 0 is on the meta device; return tensors on the CPU",
+    ),
     "module_backward_hook": (
         GOOD_BATCH + "\ndef build_model():\n    m = torch.nn.Sequential(torch.nn.Linear(8, 4))\n"
         "    m[0].register_full_backward_hook(lambda mod, gi, go: (gi[0] * 0.5,))\n    return m\n",

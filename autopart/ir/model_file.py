@@ -206,6 +206,9 @@ def check_batch(path: Path, producer: str, batch: Any, batch_size: int) -> tuple
                 f"{producer}({batch_size}) in {path.name}: {what} has shape {tuple(tensor.shape)}, "
                 f"whose first dimension is not the batch size {batch_size}"
             )
+        if tensor.is_meta:  # the batch is data: every rank and the reference compute on it
+            raise ModelFileError(f"{producer}() in {path.name}: {what} is on the meta device; return tensors on the "
+                                 "CPU (a model may be built on the meta device, its batches may not)")
     return tuple(inputs), target
 
 
