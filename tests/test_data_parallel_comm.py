@@ -63,3 +63,14 @@ def test_the_gathers_move_the_weights_in_the_dtype_the_replicas_compute_with(dty
     assert run(1).tail_s == pytest.approx(gathered)
     assert (run(2).backward_s, run(2).tail_s) == pytest.approx((1.0, gathered))
     assert (run(3).forward_s, run(3).backward_s) == pytest.approx((gathered, gathered + 1.0))
+
+
+def test_frozen_bytes_are_gathered_and_not_reduce_scattered():
+    """A stage whose parameters are a quarter trained (a fine-tune's frozen base beside them): its
+    weights are gathered whole, its gradients, a quarter of them, alone reduce-scattered."""
+    def frozen(zero: int):
+        return data_parallel_comm(zero, 1e9, dp=4, nodes=1, cost_model=LinearCollectives(), overlapped=False,
+                                  hidden_behind_s=2.0, trained=0.25)
+
+    assert (frozen(2).backward_s, frozen(2).tail_s) == pytest.approx((0.25, 1.0))  # the scatter, the gather
+    assert (frozen(3).forward_s, frozen(3).backward_s) == pytest.approx((1.0, 1.25))  # gathered; again, and scattered

@@ -47,7 +47,7 @@ class DataParallelComm:
 
 def data_parallel_comm(zero: int, parameter_bytes: float, *, dp: int, nodes: int, cost_model: CostModel,
                        overlapped: bool, slowdown: float = 0.0, hidden_behind_s: float = 0.0,
-                       dtype: str = "fp32", pieces: Sequence[Piece] = ()) -> DataParallelComm:
+                       dtype: str = "fp32", pieces: Sequence[Piece] = (), trained: float = 1.0) -> DataParallelComm:
     """The collectives of one stage holding ``parameter_bytes`` (this rank's, after tensor
     parallelism), over ``dp`` replicas on ``nodes`` nodes. ``overlapped``: collectives run beside
     the compute (a GPU's streams), slowing it by ``slowdown`` while they run (the device's
@@ -56,12 +56,13 @@ def data_parallel_comm(zero: int, parameter_bytes: float, *, dp: int, nodes: int
     a backward in a pipeline's steady state), and what it runs past that action or slows it by
     adds to the backward. ``dtype``: the plan's precision, what the gathers move
     (`gathered_bytes`). ``pieces``: the stage's compute with its layer units, in forward order
-    (level 3; none: the stage is one unit)."""
+    (level 3; none: the stage is one unit). ``trained``: the share of the bytes that train; the
+    frozen rest is gathered as the others are, and has no gradient to reduce-scatter."""
     if dp == 1:
         return DataParallelComm()
 
     def time(kind: str) -> float:
-        nbytes = gathered_bytes(parameter_bytes, dtype) if kind == "all_gather" else parameter_bytes
+        nbytes = gathered_bytes(parameter_bytes, dtype) if kind == "all_gather" else parameter_bytes * trained
         return cost_model.collective_time(kind, nbytes, dp, nodes=nodes)
 
     if zero in (0, 1):  # the all-reduce overlaps the backward (`autopart.predict.reduction`); ZeRO-1's
@@ -74,7 +75,7 @@ def data_parallel_comm(zero: int, parameter_bytes: float, *, dp: int, nodes: int
     layered = fully_sharded_cost(
         pieces or (Piece(hidden_behind_s, 2 * hidden_behind_s),), parameter_bytes - sum(p.count * p.unit_bytes for p in pieces),
         gather_s=lambda nbytes: cost_model.collective_time("all_gather", gathered_bytes(nbytes, dtype), dp, nodes=nodes),
-        reduce_s=lambda nbytes: cost_model.collective_time("reduce_scatter", nbytes, dp, nodes=nodes),
+        reduce_s=lambda nbytes: cost_model.collective_time("reduce_scatter", nbytes * trained, dp, nodes=nodes),
         overlapped=overlapped, slowdown=slowdown)
     return DataParallelComm(forward_s=layered.forward_s, backward_s=layered.backward_beside(hidden_behind_s),
                             tail_s=layered.pending_s)

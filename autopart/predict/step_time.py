@@ -41,8 +41,17 @@ def data_parallel(options: CompileOptions, front: Front, stages: list[StagePlan]
     return [data_parallel_comm(options.zero, stage.parameter_bytes / options.tp, dp=options.dp,
                                nodes=options.data_parallel_nodes, cost_model=front.cost_model,
                                overlapped=device.collectives_overlap_compute, slowdown=device.slowdown_beside_collectives,
-                               hidden_behind_s=stage.forward_s, dtype=options.dtype, pieces=pieces[i] if pieces else ())
+                               hidden_behind_s=stage.forward_s, dtype=options.dtype, pieces=pieces[i] if pieces else (),
+                               trained=_trained_share(front, stage))
             for i, stage in enumerate(stages)]
+
+
+def _trained_share(front: Front, stage: StagePlan) -> float:
+    """The share of a stage's parameter bytes that train (a fine-tune's frozen base: none of its)."""
+    sizes = front.chain.parameter_bytes
+    total = sum(sizes[p] for p in stage.parameters)
+    frozen = sum(sizes[p] for p in stage.parameters if p in front.chain.frozen_parameters)
+    return 1.0 - frozen / total if total else 1.0
 
 
 def fully_sharded_pieces(front: Front, stages: list[StagePlan], tp: int) -> list[tuple[Piece, ...]]:
