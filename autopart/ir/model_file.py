@@ -32,17 +32,19 @@ def import_name(path: Path) -> str:
     return f"{MODULE_PREFIX}{hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:12]}"
 
 
-def _beside(name: str, folder: str) -> bool:
-    """Module ``name`` is one a model file in ``folder`` imports from there (its top package is a
-    file or folder there), whichever file it was first imported from: the model file is imported
-    with its folder first on the path, and such a module is imported again with it, so that a
-    process that imports model files twice (the Python API, a notebook, a test run) reads a file
-    beside one as it is now, not as it was first (nor another folder's file of that name). The
-    standard library, torch and autopart are never taken for one."""
-    top = name.partition(".")[0]
-    if top in sys.stdlib_module_names or top in ("torch", "autopart") or top.startswith(("__", MODULE_PREFIX)):
-        return False
-    return Path(folder, f"{top}.py").is_file() or Path(folder, top, "__init__.py").is_file()
+def _imported_beside(folder: str) -> list[str]:
+    """The modules imported so far that a model file in ``folder`` imports from there (their top
+    package is a file or folder there), whichever file each was first imported from: the model file
+    is imported with its folder first on the path, and such a module is imported again with it, so
+    that a process that imports model files twice (the Python API, a notebook, a test run) reads a
+    file beside one as it is now, not as it was first (nor another folder's file of that name). The
+    standard library, torch and autopart are never taken for one. The folder is listed once, not
+    asked about each module imported."""
+    there = Path(folder)
+    tops = {p.stem for p in there.glob("*.py")} | {p.parent.name for p in there.glob("*/__init__.py")}
+    tops = {top for top in tops if top not in sys.stdlib_module_names and top not in ("torch", "autopart")
+            and not top.startswith(("__", MODULE_PREFIX))}
+    return [name for name in sys.modules if name.partition(".")[0] in tops]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -101,7 +103,7 @@ def load_model_file(path: str | Path, *, build: bool = True) -> ModelSpec:
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     folder = str(path.resolve().parent)
-    for stale in [m for m in sys.modules if _beside(m, folder)]:  # imported afresh, as in a new process
+    for stale in _imported_beside(folder):  # imported afresh, as in a new process
         sys.modules.pop(stale)
     sys.path.insert(0, folder)
     try:

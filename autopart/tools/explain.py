@@ -124,7 +124,7 @@ def step_lines(comparison: Comparison, plan: Plan) -> list[str]:
              f"{step_m * 1e3:.3f} ms ({relative_error(step_p, step_m)}); bubble: predicted {bubble_p:.1%}, measured "
              f"{bubble_m:.1%}"]
     predicted = plan.predicted
-    modelled = predicted.unbounded_step_s or predicted.step_s  # beneath an MFU ceiling, what the models gave
+    modelled = predicted.modelled_step_s  # beneath an MFU ceiling, what the models gave
     if modelled > step_p:
         lines.append(f"the predicted step of {modelled * 1e3:.3f} ms adds {(modelled - step_p) * 1e3:.3f} ms after the "
                      "pipeline (the gradient reduction, the optimizer step and the step's own overheads), which the "
