@@ -27,6 +27,13 @@ each rank's bytes through its own NIC. NCCL's tuning model (``src/graph/tuning.c
 network's latency only on the ring steps that cross a node boundary, ``nodes − 1`` of them (twice
 that for all_reduce); the other steps go over NVLink at its latency. A ring of 512 ranks on 64
 nodes so pays 63 network latencies an all-gather, not 511.
+
+An all-reduce over several nodes has a second algorithm, which NCCL picks where its model finds it
+faster: a double binary tree (`tree_all_reduce_time`). Its latency grows with the log of the nodes
+(a chain through each node's members, then the tree between nodes, up and down), where the
+ring's grows with the ranks, so at hundreds of data-parallel ranks with small buckets the tree is
+many times faster; its bandwidth is a little below the ring's and, for medium messages, well
+below. The all-reduce costs the faster of the two.
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ from __future__ import annotations
 import functools
 
 __all__ = ["COLLECTIVE_KINDS", "bus_factor", "ring_steps", "node_steps", "node_members", "nodes_spanned",
-           "collective_time", "p2p_time"]
+           "collective_time", "tree_all_reduce_time", "p2p_time"]
 
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast",
                     "reduce")
@@ -114,8 +121,39 @@ def collective_time(kind: str, nbytes: float, group_size: int, *, bus_bandwidth:
     if group_size == 1:
         return 0.0
     crossing = node_steps(kind, group_size, nodes)
-    return (step_latency_s * (ring_steps(kind, group_size) - crossing) + node_step_latency_s * crossing
+    ring = (step_latency_s * (ring_steps(kind, group_size) - crossing) + node_step_latency_s * crossing
             + nbytes * bus_factor(kind, group_size) / bus_bandwidth)
+    if kind != "all_reduce" or nodes == 1:  # NCCL runs its trees for all-reduce alone, and not within a node
+        return ring
+    return min(ring, tree_all_reduce_time(nbytes, group_size, bus_bandwidth=bus_bandwidth, nodes=nodes,
+                                          step_latency_s=step_latency_s, node_step_latency_s=node_step_latency_s))
+
+
+TREE_BANDWIDTH_SHARE = 0.92
+"""Of the ring's bus bandwidth, what NCCL's model gives its all-reduce tree (``tuning.cc``)."""
+
+TREE_SIZE_SHARES = (.9, .9, .9, .9, .9, .9, .9, .8, .7, .6, .6, .5, .5, .5, .5, .6, .7, .8, .7, .7, .8, .9, .9)
+"""A further share of the tree's bandwidth by message size, for 64 B·2**i up to 64 B·2**(i + 1)
+(1 from 512 MiB): NCCL's own correction of its model for the Simple protocol, from its
+measurements (``treeCorrectionFactor`` in ``tuning.cc``), since trees fall short of it for medium
+sizes. The data-parallel buckets (tens of MB) sit where it is 0.7."""
+
+
+def tree_all_reduce_time(nbytes: float, group_size: int, *, bus_bandwidth: float, nodes: int,
+                         step_latency_s: float, node_step_latency_s: float) -> float:
+    """Seconds for an all-reduce by NCCL's double binary tree over ``nodes`` nodes: up the tree and
+    down again, each way through a chain of a node's members (``group_size / nodes`` of them) and
+    ``floor(log2(nodes))`` levels between nodes, as NCCL's tuning model charges it; each rank moves
+    the whole buffer up and down (an algorithm bandwidth of half the bus bandwidth, whatever the
+    group's size), at ``TREE_BANDWIDTH_SHARE`` and ``TREE_SIZE_SHARES`` of the ring's."""
+    _check("all_reduce", group_size)
+    if group_size == 1:
+        return 0.0
+    per_node = max(1, group_size // nodes)
+    latency = 2 * ((per_node - 1) * step_latency_s + (nodes.bit_length() - 1) * node_step_latency_s)
+    size_class = max(0, (int(nbytes) >> 6).bit_length() - 1)
+    share = TREE_SIZE_SHARES[size_class] if size_class < len(TREE_SIZE_SHARES) else 1.0
+    return latency + 2 * nbytes / (bus_bandwidth * TREE_BANDWIDTH_SHARE * share)
 
 
 def p2p_time(nbytes: float, *, bandwidth: float, latency_s: float) -> float:

@@ -16,7 +16,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from cost_models import calibration
-from cost_models.comm import bus_factor, node_steps, nodes_spanned
+from cost_models.comm import bus_factor, node_steps, nodes_spanned, tree_all_reduce_time
 from cost_models import CostModel, Kernel, KernelRecorder, RooflineCostModel, get_cost_model, load_device
 
 
@@ -138,9 +138,12 @@ def test_a_ring_over_nodes_pays_the_network_latency_only_where_it_crosses_a_node
     gather = model.collective_time("all_gather", nbytes, n, nodes=nodes)
     assert gather == pytest.approx(63 * spec.inter_node_latency_s + (511 - 63) * spec.intra_node_latency_s
                                    + nbytes * (n - 1) / n / network)
-    reduce = model.collective_time("all_reduce", nbytes, n, nodes=nodes)
-    assert reduce == pytest.approx(126 * spec.inter_node_latency_s + (1022 - 126) * spec.intra_node_latency_s
-                                   + nbytes * 2 * (n - 1) / n / network)
+    ring = (126 * spec.inter_node_latency_s + (1022 - 126) * spec.intra_node_latency_s
+            + nbytes * 2 * (n - 1) / n / network)
+    tree = tree_all_reduce_time(nbytes, n, nodes=nodes, bus_bandwidth=network,
+                                step_latency_s=spec.intra_node_latency_s, node_step_latency_s=spec.inter_node_latency_s)
+    # the all-reduce is NCCL's faster algorithm: at 512 ranks the ring's 1,022 steps make it the tree
+    assert tree < ring and model.collective_time("all_reduce", nbytes, n, nodes=nodes) == pytest.approx(tree)
     # latency-bound: each further node adds one network latency in place of an NVLink one
     small = [model.collective_time("all_gather", 0, n, nodes=k) for k in (2, 4, 64, 512)]
     assert small == sorted(small) and small[-1] - small[-2] == pytest.approx(
@@ -160,7 +163,9 @@ def test_a_group_crosses_between_nodes_through_its_members_nics() -> None:
 
     def bus_bandwidth(members: int, kind: str = "all_reduce") -> float:
         n = members * nodes
-        latency = model.collective_time(kind, 0, n, nodes=nodes)
+        # the ring's latency (an all-reduce's is twice an all-gather's), where an empty all-reduce is the tree's
+        latency = (2 * model.collective_time("all_gather", 0, n, nodes=nodes) if kind == "all_reduce"
+                   else model.collective_time(kind, 0, n, nodes=nodes))
         return nbytes * bus_factor(kind, n) / (model.collective_time(kind, nbytes, n, nodes=nodes) - latency)
 
     nic = spec.inter_node_bandwidth * spec.link_efficiency
@@ -216,3 +221,28 @@ def test_default_cost_model_is_this_cpu(tmp_path: Path, monkeypatch: pytest.Monk
     assert model.kernel_time(small) == pytest.approx(2 * 64**3 / 10e9 + 4e-6)  # 10 % of peak
     copy = Kernel(op="aten.copy_.default", category="copy", flops=0.0, bytes=1e9, dtype="float32")
     assert model.kernel_time(copy) == pytest.approx(1e9 / 20e9 + 4e-6)
+
+
+def test_an_all_reduce_over_many_nodes_takes_ncclS_tree_where_it_is_faster() -> None:
+    """NCCL's double binary tree: latency up and down a chain per node and log2(nodes) levels
+    between nodes, the whole buffer at 0.92 of the ring's bus bandwidth (less for medium sizes,
+    as NCCL corrects its own model). A data-parallel group of 512 replicas, one a node, reducing
+    25 MB buckets would pay the ring's 1,022 network latencies (14 ms) a bucket; NCCL runs the tree."""
+    spec = load_device("h100-sxm")
+    model = get_cost_model("h100-sxm")
+    nic = spec.inter_node_bandwidth * spec.link_efficiency
+    latency = spec.inter_node_latency_s
+    bucket = 25e6  # 64 B * 2**18 to 2**19: NCCL's 0.7
+    assert model.collective_time("all_reduce", bucket, 512, nodes=512) == pytest.approx(
+        2 * 9 * latency + 2 * bucket / (nic * 0.92 * 0.7))
+    # eight members a node: a chain of seven NVLink steps each way besides the tree's levels
+    assert tree_all_reduce_time(bucket, 512, nodes=64, bus_bandwidth=nic, step_latency_s=spec.intra_node_latency_s,
+                                node_step_latency_s=latency) == pytest.approx(
+        2 * (7 * spec.intra_node_latency_s + 6 * latency) + 2 * bucket / (nic * 0.92 * 0.7))
+    # the ring where it is faster: few nodes and large messages, and always within a node
+    ring = 2 * 3 * latency + 1e9 * 2 * 3 / 4 / nic
+    assert model.collective_time("all_reduce", 1e9, 4, nodes=4) == pytest.approx(ring)
+    # latency-bound small messages: from 64 to 512 replicas the tree adds 3 levels each way, the ring 896 steps
+    small = [model.collective_time("all_reduce", 1e4, n, nodes=n) for n in (64, 512)]
+    assert small[1] - small[0] == pytest.approx(2 * 3 * latency)
+    assert tree_all_reduce_time(0, 1, nodes=1, bus_bandwidth=nic, step_latency_s=1e-6, node_step_latency_s=1e-5) == 0.0
