@@ -345,7 +345,7 @@ def test_a_basis_no_benchmark_measured_says_so_and_old_plans_load(tmp_path) -> N
     assert load_plan(tmp_path / "plan.json").predicted.basis == ""
 
 
-def test_a_16_bit_step_is_no_faster_than_the_mfu_ceiling_and_says_so() -> None:
+def test_a_16_bit_step_is_no_faster_than_the_mfu_ceiling_and_says_so(tmp_path) -> None:
     """Wide matrix products on an A100's roofline: the kernels alone give a bf16 step above 60% MFU,
     which no published dense 16-bit run reaches; the plan's step is the ceiling's, and says what
     the kernels gave. fp32 (its own peak) is not bounded, nor a plan under the ceiling."""
@@ -360,6 +360,9 @@ def test_a_16_bit_step_is_no_faster_than_the_mfu_ceiling_and_says_so() -> None:
     assert (f"bounded by the ~55% MFU that the best published dense 16-bit runs reach, where the device's kernel "
             f"efficiencies alone gave {predicted.unbounded_step_s * 1e3:.3f} ms, {accuracy.implied_mfu(unbounded):.0%} "
             "MFU") in accuracy.describe_prediction(plan)
+    # the trace's actions are the kernels' times, which add up to less than the step: its title says so
+    title = json.loads((autopart.emit(plan, tmp_path / "out") / "trace.json").read_text())["otherData"]["title"]
+    assert title.endswith(f"(the kernels' times; the ~55% MFU ceiling puts the step at {predicted.step_s * 1e3:.3f} ms)")
     assert autopart.compile(wide, dtype="fp32", **options).predicted.unbounded_step_s is None
     small = autopart.compile(wide, dtype="bf16", **{**options, "microbatches": 1, "global_batch_size": 1})
     assert small.predicted.unbounded_step_s is None and "MFU" not in accuracy.describe_prediction(small)

@@ -14,7 +14,7 @@ from pathlib import Path
 from autopart.ir.forked import Forked
 from autopart.ir.plan import Plan
 from autopart.ir.tensors import PRECISION_TEXT
-from autopart.predict.accuracy import describe_prediction
+from autopart.predict.accuracy import MFU_CEILING, describe_prediction
 from autopart.predict.timeline import plan_schedule, plan_timeline
 from autopart.schedule import worth_forking, write_chrome_trace, write_gantt_png, write_schedule_csv
 
@@ -87,7 +87,13 @@ def write_report(plan: Plan, out: Path) -> None:
 
 
 def _title(plan: Plan) -> str:
-    return f"{Path(plan.provenance.model_file).name}: {plan.schedule.kind}, pp={plan.mesh['pp']}, m={plan.schedule.microbatches}"
+    """The trace's and the picture's title. Under an MFU ceiling their actions are the kernels'
+    times, faster than the step the plan predicts, and the title says so."""
+    title = f"{Path(plan.provenance.model_file).name}: {plan.schedule.kind}, pp={plan.mesh['pp']}, m={plan.schedule.microbatches}"
+    if plan.predicted.unbounded_step_s is not None:
+        title += (f" (the kernels' times; the ~{MFU_CEILING:.0%} MFU ceiling puts the step at "
+                  f"{plan.predicted.step_s * 1e3:.3f} ms)")
+    return title
 
 
 def _trace(plan: Plan, out: Path) -> None:
