@@ -6,6 +6,7 @@ and no rank could (every rank died, and the compile, measuring its plan, only wa
 import pytest
 
 from autopart.driver import CompileOptions, compile_to_directory
+from autopart.ir.errors import ModelFileError
 from autopart.tools.verify import verify
 from tests.tiny_models import token_model
 
@@ -63,3 +64,90 @@ def test_the_model_file_s_own_functions_and_classes_reach_the_stages(tmp_path, o
     assert "scaled_gelu = model_attribute(MODEL_FILE, 'scaled_gelu')" in source and "_autopart_model_" not in source
     result = verify(out, steps=2)
     assert result.matches, result.failures[:3]
+
+
+LAYERS = """
+import torch
+from torch import nn
+
+
+@torch.fx.wrap
+def halved(x):
+    return x * 0.5
+
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, x):
+        return x + halved(torch.relu(self.fc(x)))
+"""
+
+SPLIT_MODEL = """
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+from IMPORTED import Block
+from parts.head import Head
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.Sequential(*[Block(16) for _ in range(4)])
+        self.head = Head()
+
+    def forward(self, x):
+        return self.head(self.blocks(x))
+
+
+def build_model():
+    return Model()
+
+
+def example_batch(batch_size: int):
+    return (torch.randn(batch_size, 16),), torch.randint(0, 4, (batch_size,))
+
+
+def loss_fn(out, target):
+    return F.cross_entropy(out, target)
+"""
+
+
+def _split_model(folder, imported: str = "layers"):
+    """A model file that imports its layers from a file and a package beside it."""
+    (folder / "parts").mkdir(parents=True)
+    (folder / f"{imported}.py").write_text(LAYERS)
+    (folder / "parts" / "__init__.py").write_text("")
+    (folder / "parts" / "head.py").write_text("from torch import nn\n\n\nclass Head(nn.Linear):\n"
+                                              "    def __init__(self):\n        super().__init__(16, 4)\n")
+    (folder / "split.py").write_text(SPLIT_MODEL.replace("IMPORTED", imported))
+    return folder / "split.py"
+
+
+@pytest.mark.multiprocess
+def test_the_modules_a_model_file_imports_from_beside_it_travel_with_the_output(tmp_path):
+    """``from layers import Block`` (with an fx.wrap function the stages call) and a package
+    beside the model file: the output directory carries them, and trains where their folder is
+    not (as on a cluster the directory was copied to). Every rank died of a ModuleNotFoundError."""
+    model = _split_model(tmp_path / "src")
+    out = tmp_path / "out"
+    compile_to_directory(CompileOptions(model=model, pp=2, microbatches=2, micro_batch_size=2, capture="fx",
+                                        measure=False), out)  # fmt: skip
+    assert (out / "layers.py").read_text() == LAYERS and (out / "parts" / "head.py").is_file()
+    assert "from layers import halved" in "".join(p.read_text() for p in (out / "stages").glob("*.py"))
+    (tmp_path / "src").rename(tmp_path / "gone")
+    result = verify(out, steps=2)
+    assert result.matches, result.failures[:3]
+
+
+def test_a_module_beside_the_model_named_as_an_output_file_is_refused(tmp_path):
+    model = _split_model(tmp_path / "src", imported="train")
+    with pytest.raises(ModelFileError, match=r"^split.py imports train.py from beside it, a name the output directory "
+                                             "keeps for its own files; rename that module$"):
+        compile_to_directory(CompileOptions(model=model, pp=2, microbatches=2, micro_batch_size=2, measure=False),
+                             tmp_path / "out")
+    assert not (tmp_path / "out").exists()

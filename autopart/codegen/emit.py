@@ -14,9 +14,9 @@ from pathlib import Path
 import torch
 
 from autopart.passes.annotate import OpGraph
-from autopart.ir.model_file import ModelSpec, is_meta
+from autopart.ir.model_file import ModelSpec, files_beside, is_meta
 from autopart.codegen.names import plain_text
-from autopart.ir.errors import ConfigError
+from autopart.ir.errors import ConfigError, ModelFileError
 from autopart.codegen.output_dir import check_output_directory, remove_output, write_marker
 from autopart.codegen.report import begin_report, report_forks
 from autopart.codegen.tensor_parallel import overlapped_shapes, shard_stage_graph
@@ -136,7 +136,26 @@ def _write_programs(plan: Plan, op_graph: OpGraph, spec: ModelSpec, out: Path, *
             weights = {name: local(name, placements, rank).contiguous().clone() for name in names}  # carries the plan's hash
             save_tensors(weights, out / "weights" / weights_file_name(index, rank, tp), compile_id)
     shutil.copyfile(spec.path, out / "model.py")
+    _copy_files_beside(spec.path, out)
     (out / "train.py").write_text(_entry_point(plan, command))
+
+
+_OWN_NAMES = frozenset({"model.py", "train.py", "plan.json", "report.md", "schedule.csv", "timeline.png", "trace.json",
+                        "stages", "weights"})
+"""What the output directory holds at its top of its own, besides its marker."""
+
+
+def _copy_files_beside(model_file: Path, out: Path) -> None:
+    """The modules the model file imports from its folder, beside OUT/model.py (`files_beside`):
+    the output directory trains wherever it is copied to, and train.py puts its folder first on
+    the path, as the compile put the model's."""
+    for relative, source in files_beside(model_file).items():
+        target = out / relative
+        if target.exists() or relative.partition("/")[0] in _OWN_NAMES:
+            raise ModelFileError(f"{model_file.name} imports {relative} from beside it, a name the output directory "
+                                 "keeps for its own files; rename that module")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(source, target)
 
 
 def _stage_strategies(stage, stage_plan, op_graph: OpGraph) -> dict[str, Strategy]:

@@ -20,7 +20,7 @@ from torch import nn
 
 from autopart.ir.errors import ModelFileError
 
-__all__ = ["MODULE_PREFIX", "ModelSpec", "import_name", "load_model_file", "check_batch", "describe_error", "file_line", "eager_loss", "is_meta"]
+__all__ = ["MODULE_PREFIX", "ModelSpec", "import_name", "files_beside", "load_model_file", "check_batch", "describe_error", "file_line", "eager_loss", "is_meta"]
 
 MODULE_PREFIX = "_autopart_model_"
 """The start of the name a model file is imported under (the rest a digest of its path): its
@@ -45,6 +45,23 @@ def _imported_beside(folder: str) -> list[str]:
     tops = {top for top in tops if top not in sys.stdlib_module_names and top not in ("torch", "autopart")
             and not top.startswith(("__", MODULE_PREFIX))}
     return [name for name in sys.modules if name.partition(".")[0] in tops]
+
+
+def files_beside(path: Path) -> dict[str, Path]:
+    """The source files of the modules that the model file ``path``, imported in this process,
+    imported from its own folder (`_imported_beside`: ``from layers import Block``, a package's
+    modules), by their path relative to that folder. The output directory carries them beside its
+    copy of the model file, which imports them, as the stage programs import the functions of
+    theirs that the captured code calls: they are the model, and the folder they came from may
+    not be there where it trains."""
+    folder = path.resolve().parent
+    found = {}
+    for name in _imported_beside(str(folder)):
+        file = getattr(sys.modules.get(name), "__file__", None)
+        if (file and Path(file).suffix == ".py" and Path(file).resolve().is_relative_to(folder)
+                and Path(file).resolve() != path.resolve()):
+            found[Path(file).resolve().relative_to(folder).as_posix()] = Path(file).resolve()
+    return dict(sorted(found.items()))
 
 
 @dataclass(frozen=True, kw_only=True)
