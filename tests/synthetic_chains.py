@@ -21,6 +21,7 @@ class SyntheticTable:
     tied: bool = False  # the head reads the embedding's weight
     tp_overhead: float = 0.1  # each split op costs this fraction more per tp > 1
     layered: bool = False  # the layers' parameters are their own (FSDP units at ZeRO-3, ``autopart.predict.memory``)
+    frozen: frozenset[str] = frozenset()  # parameters (``w<block>``) the model does not train
 
     @property
     def layers(self) -> list[str | None]:
@@ -66,6 +67,7 @@ class SyntheticTable:
             layer_parameters=frozenset(p for ps in layers.values() for p in ps),
             layer_bytes=max((sum(parameter_bytes[p] for p in ps) for ps in layers.values()), default=0),
             layer_spans=self.layer_spans(),  # what full recompute checkpoints one by one
+            frozen_parameters=self.frozen & frozenset(parameter_bytes),
         )
 
     def state_bytes(self, parameter_bytes: int, *, dp: int, zero: int, dtype: str = "fp32", layered: bool = False,
@@ -73,8 +75,10 @@ class SyntheticTable:
         """fp32 Adam: weights, gradients and two moments; ZeRO-1 shards the moments, ZeRO-2/3
         everything beside a whole copy of weights and gradients, which a layer's own unit at
         ZeRO-3 holds only in flight (``autopart.predict.memory``). The synthetic layouts are fp32:
-        ``dtype`` is taken as the real tables take it, and unused; their chains freeze nothing."""
-        assert not frozen
+        ``dtype`` is taken as the real tables take it, and unused. A frozen parameter: its weights
+        alone, sharded at ZeRO-3 where it is a layer's own."""
+        if frozen:
+            return parameter_bytes // dp if zero == 3 and layered else parameter_bytes
         if zero == 3 and layered:
             return 4 * parameter_bytes // dp
         if zero in (2, 3):
@@ -82,9 +86,9 @@ class SyntheticTable:
         return 2 * parameter_bytes + (2 * parameter_bytes // dp if zero else 2 * parameter_bytes)
 
     def owned_bytes(self, parameter_bytes: int, *, dp: int, zero: int, dtype: str = "fp32", frozen: bool = False) -> int:
-        """The two moments, which ZeRO-1 leaves whole to each tensor's owner (`state_bytes`)."""
-        assert not frozen
-        return 2 * parameter_bytes if zero == 1 and dp > 1 else 0
+        """The two moments, which ZeRO-1 leaves whole to each tensor's owner (`state_bytes`); a
+        frozen parameter has none."""
+        return 2 * parameter_bytes if zero == 1 and dp > 1 and not frozen else 0
 
 
 def random_table(rng: random.Random, *, layers: int, tied: bool | None = None) -> SyntheticTable:

@@ -153,3 +153,34 @@ def test_a_frozen_base_takes_no_weight_gradients_optimizer_step_nor_reduction(tm
     assert frozen.predicted.rank_tail_s[0] < 0.1 * trained.predicted.rank_tail_s[0], "AdamW steps the head alone"
     reduced = [sum(r) for r in (trained.predicted.reduction_s[0], frozen.predicted.reduction_s[0])]
     assert reduced[1] < 0.5 * reduced[0], "the head's gradients alone are all-reduced"
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2])
+@pytest.mark.parametrize("pp", [1, 2])
+def test_the_search_reduces_and_steps_only_what_trains(zero, pp):
+    """The search's estimate of a fine-tune whose base is frozen: its gradient reduction and
+    optimizer step cover the trained head alone, as a model whose base weighs (almost) nothing
+    (ZeRO-2 still gathers the frozen weights, as FSDP does). It all-reduced and stepped the whole
+    base, so the search ranked a fine-tune's data-parallel layouts on collectives the runtime
+    never runs."""
+    import dataclasses
+    import random
+
+    from autopart.solve.search import Layout, SearchSpace, score_layout
+    from tests.synthetic_chains import cluster, random_table
+
+    table = dataclasses.replace(random_table(random.Random(3), layers=2, tied=False),
+                                parameter_bytes=(40_000,) * 5 + (4_000,))  # the head: a tenth of a layer
+    frozen = dataclasses.replace(table, frozen=frozenset(f"w{k}" for k in range(5)))
+    light = dataclasses.replace(table, parameter_bytes=(1,) * 5 + (4_000,))
+    devices = cluster(memory_bytes=10 ** 9, gpus_per_node=1, across=10.0)
+    space = SearchSpace(world_size=2 * pp, global_batch_size=4, gpus_per_node=1)
+    layout = Layout(pp=pp, tp=1, dp=2, micro_batch_size=1, microbatches=2, schedule="1f1b", zero=zero)
+    cuts = (2,) if pp == 2 else ()
+    estimate = {name: score_layout(layout, t, devices, space, cuts=cuts).estimate_s
+                for name, t in (("trained", table), ("frozen", frozen), ("light", light))}
+    if zero == 2:  # the frozen base's gathers as the trained model's, its reduce-scatters as the light one's
+        assert estimate["light"] < estimate["frozen"] < estimate["trained"]
+    else:
+        assert estimate["frozen"] == pytest.approx(estimate["light"], rel=0.02) and \
+            estimate["trained"] > 2 * estimate["frozen"]

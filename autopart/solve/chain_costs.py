@@ -99,6 +99,18 @@ class ChainCosts:
         """A copy with ``changes``, keeping none of these costs' kept figures (they read what changed)."""
         return replace(self, **changes, _kept={})
 
+    @property
+    def trained_share(self) -> float:
+        """Of the parameter bytes, the share that trains (1 with nothing frozen): the busiest rank
+        reduces and steps at least this share of an even split of the bytes, as the search's bounds
+        take it (its estimates count each rank's own, `autopart.solve.replica_shares.trained_bytes`)."""
+        def made() -> float:
+            total = sum(self.parameter_bytes.values())
+            frozen = sum(self.parameter_bytes[p] for p in self.frozen_parameters if p in self.parameter_bytes)
+            return 1.0 - frozen / total if total else 1.0
+
+        return self.kept("trained_share", made)
+
     def largest_block_s(self) -> float:
         """The slowest block's forward and backward."""
         return self.kept("largest_block", lambda: max(f + b for f, b in zip(self.forward_s, self.backward_s)))

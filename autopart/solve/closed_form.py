@@ -15,7 +15,7 @@ from autopart.schedule import stage_placement
 from autopart.solve.chain_costs import ChainCosts
 from autopart.solve.data_parallel_tail import hidden_s, stage_layers, stage_times, tail_s
 from autopart.solve.interleaved import interleaved_pipeline_s
-from autopart.solve.replica_shares import rank_spans
+from autopart.solve.replica_shares import rank_spans, trained_bytes
 from autopart.solve.vshape import zbv_pipeline_s
 
 __all__ = ["estimate_step_s"]
@@ -29,7 +29,11 @@ def estimate_step_s(layout, cut, cluster, rank_parameter_bytes: list[int], nodes
     (`autopart.solve.replica_shares.slowest_replica_bytes`; None: a 1/dp share)."""
     m, p = layout.microbatches, layout.pp
     layers = stage_layers(costs, cut.cuts) if int(layout.zero) == 3 and layout.dp > 1 else None
-    times = stage_times(layout, cluster, cut.stage_time_s, rank_parameter_bytes, nodes, layers)
+    trained = None
+    if costs.frozen_parameters:  # what each rank reduces and steps: no frozen parameter's bytes
+        trained = [trained_bytes(costs, mine) for mine in _rank_spans(cut.cuts, len(costs), layout.schedule, p,
+                                                                     layout.chunks)]
+    times = stage_times(layout, cluster, cut.stage_time_s, rank_parameter_bytes, nodes, layers, trained)
     if layout.schedule == "interleaved":
         pipeline = interleaved_pipeline_s(times, p, m, layout.chunks)
     elif layout.schedule == "zbv":
@@ -43,7 +47,7 @@ def estimate_step_s(layout, cut, cluster, rank_parameter_bytes: list[int], nodes
         spans = _rank_spans(cut.cuts, len(costs), layout.schedule, p, layout.chunks)
         stepped_bytes = [stepped(mine) for mine in spans]
     return pipeline + tail_s(layout, cluster, rank_parameter_bytes, nodes, hidden_s(layout, times), last_bytes,
-                             stepped_bytes)
+                             stepped_bytes, trained)
 
 
 @functools.lru_cache(maxsize=256)

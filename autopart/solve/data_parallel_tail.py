@@ -28,7 +28,7 @@ from autopart.predict.data_parallel import gathered_bytes
 from autopart.predict.fully_sharded import Piece, added_beside, fully_sharded_cost
 from autopart.runtime.fully_sharded import FSDP_LEVELS
 from autopart.schedule import SPLIT_BACKWARD_KINDS, stage_placement
-from autopart.solve.replica_shares import parameter_bytes_per_rank, rank_spans, slowest_replica_bytes
+from autopart.solve.replica_shares import rank_spans, slowest_replica_bytes, trained_bytes
 from autopart.solve.transfers import boundary_transfer_s
 
 __all__ = ["fully_sharded_levels", "tail_s", "update_s", "exposed_all_reduce_s", "hidden_s", "last_bucket_bytes",
@@ -54,16 +54,20 @@ def _reduce_scatter_s(cluster, nbytes: float, group: int, nodes: int) -> float:
 
 def tail_s(layout, cluster, rank_parameter_bytes: Sequence[int], nodes: int,
            hidden: Sequence[float] | None = None, last_bytes: Sequence[int] | None = None,
-           stepped_bytes: Sequence[int] | None = None) -> float:
+           stepped_bytes: Sequence[float] | None = None, trained_bytes: Sequence[float] | None = None) -> float:
     """What the step does after the pipeline drains, on its busiest rank: the part of the
     data-parallel collectives that nothing hides, and the optimizer step (a shard of it under
     ZeRO). ``hidden``: per rank, the backward its all-reduce runs beside (``hidden_s``); None
     hides nothing. ``last_bytes``: per rank, the parameter bytes whose gradients are final only
     as its last backward ends (``last_bucket_bytes``): their all-reduce hides behind nothing.
-    ``stepped_bytes``: per rank, what its slowest ZeRO-1 replica steps (`update_s`)."""
+    ``stepped_bytes``: per rank, what its slowest ZeRO-1 replica steps (`update_s`).
+    ``trained_bytes``: per rank, the bytes of those parameters that train
+    (`autopart.solve.replica_shares.trained_bytes`; None: all), all that it reduces and steps;
+    FSDP gathers the frozen rest too."""
     tail = 0.0
     dp, level = layout.dp, int(layout.zero)
-    for rank, nbytes in enumerate(rank_parameter_bytes):
+    for rank, whole in enumerate(rank_parameter_bytes):
+        nbytes = whole if trained_bytes is None else trained_bytes[rank]
         if dp == 1 or level in (0, 1):
             sync = cluster.all_reduce_s(nbytes, dp, nodes) if dp > 1 else 0.0
             if dp > 1 and hidden is not None and cluster.reduction_overlaps:
@@ -73,7 +77,7 @@ def tail_s(layout, cluster, rank_parameter_bytes: Sequence[int], nodes: int,
                                         None if stepped_bytes is None else stepped_bytes[rank])
         else:  # FSDP: the step waits for the last reduce-scatter where it runs beside the compute
             last = _reduce_scatter_s(cluster, nbytes, dp, nodes) if cluster.reduction_overlaps else 0.0
-            gather = cluster.all_gather_s(gathered_bytes(nbytes, layout.dtype), dp, nodes) if level == 2 else 0.0
+            gather = cluster.all_gather_s(gathered_bytes(whole, layout.dtype), dp, nodes) if level == 2 else 0.0
             rank_tail = cluster.optimizer_s_per_byte * nbytes / dp + last + gather
         tail = max(tail, rank_tail)
     return tail
@@ -124,31 +128,33 @@ def last_bucket_bytes(layout, costs, cuts: Sequence[int]) -> list[int]:
     for stage, rank in enumerate(_placement(layout.schedule, layout.pp, layout.chunks)):
         if rank not in seen:
             seen.add(rank)
-            found[rank] = sum(costs.parameter_bytes[p] for p in costs.block_parameters[firsts[stage]])
+            found[rank] = sum(costs.parameter_bytes[p] for p in costs.block_parameters[firsts[stage]]
+                              if p not in costs.frozen_parameters)  # no gradient to reduce
     return found
 
 
 def fully_sharded_extra_s(level: int, cluster, stage_bytes: float, forward_s: float, *, dp: int,
                           nodes: int, dtype: str, backward_s: float | None = None,
-                          layers: tuple[int, int] = (0, 0)) -> tuple[float, float]:
+                          layers: tuple[int, int] = (0, 0), trained: float = 1.0) -> tuple[float, float]:
     """What FSDP adds to each forward and each backward of a stage holding ``stage_bytes`` of
     fp32 parameters in precision ``dtype`` (``autopart.predict.data_parallel.data_parallel_comm``'s
     levels 2 and 3). ``layers`` (level 3): the bytes and the number of its repeated layers
     (``stage_layers``), each its own unit, of equal size and compute, whose collectives run beside
-    the compute (``autopart.predict.fully_sharded``); ``backward_s`` defaults to twice the forward."""
+    the compute (``autopart.predict.fully_sharded``); ``backward_s`` defaults to twice the forward.
+    ``trained``: the share of the bytes that trains, all that is reduce-scattered."""
     if level not in FSDP_LEVELS or dp == 1:
         return 0.0, 0.0
     overlapped = cluster.reduction_overlaps
     if level == 2:
-        scatter = _reduce_scatter_s(cluster, stage_bytes, dp, nodes)  # beside the next forward, as predicted
+        scatter = _reduce_scatter_s(cluster, stage_bytes * trained, dp, nodes)  # beside the next forward, as predicted
         return 0.0, added_beside(scatter, forward_s, cluster.overlap_slowdown) if overlapped else scatter
     return _layered_extra_s(cluster, stage_bytes, forward_s, 2 * forward_s if backward_s is None else backward_s,
-                            layers, dp, nodes, dtype)
+                            layers, dp, nodes, dtype, trained)
 
 
 @functools.lru_cache(maxsize=1 << 16)
 def _layered_extra_s(cluster, stage_bytes: float, forward_s: float, backward_s: float, layers: tuple[int, int],
-                     dp: int, nodes: int, dtype: str) -> tuple[float, float]:
+                     dp: int, nodes: int, dtype: str, trained: float) -> tuple[float, float]:
     """``fully_sharded_extra_s`` at level 3, kept: refining a layout's cuts asks for the same
     stages again and again."""
     layered_bytes, count = layers
@@ -156,7 +162,7 @@ def _layered_extra_s(cluster, stage_bytes: float, forward_s: float, backward_s: 
               else Piece(forward_s, backward_s),)
     cost = fully_sharded_cost(pieces, max(0.0, stage_bytes - (layered_bytes if count else 0)),
                               gather_s=lambda n: _gather_s(cluster, n, dp, nodes, dtype),
-                              reduce_s=lambda n: _reduce_scatter_s(cluster, n, dp, nodes),
+                              reduce_s=lambda n: _reduce_scatter_s(cluster, n * trained, dp, nodes),
                               overlapped=cluster.reduction_overlaps, slowdown=cluster.overlap_slowdown)
     return cost.forward_s, cost.backward_beside(forward_s)
 
@@ -197,7 +203,8 @@ def fully_sharded_floor_s(layout, costs, cluster) -> float:
     nodes = layout.data_parallel_nodes(cluster.gpus_per_node)
     if level == 2:
         share = sum(costs.parameter_bytes.values()) // layout.pp / layout.chunks  # a stage's of the busiest rank
-        return layout.microbatches * layout.chunks * _reduce_scatter_s(cluster, share, layout.dp, nodes) * (1 - 1e-9)
+        scattered = share * costs.trained_share
+        return layout.microbatches * layout.chunks * _reduce_scatter_s(cluster, scattered, layout.dp, nodes) * (1 - 1e-9)
     if not costs.layer_bytes:
         return 0.0
     m, stages, layer = layout.microbatches, layout.stages, costs.layer_bytes
@@ -216,30 +223,35 @@ def fully_sharded_floor_s(layout, costs, cluster) -> float:
             return 2 * g + r
         return min(at(t) for t in (0.0, g / FORWARD_SHARE, g / (1 - FORWARD_SHARE), g + r, r / FORWARD_SHARE))
 
+    # a stage reduce-scatters its layers' share of its trained bytes: none at least, where anything is frozen
+    layered_trained = 0.0 if costs.frozen_parameters else 1.0
     units = round(-(-layered // stages) / layer)  # the fullest stage's bytes at least its ceiled share
     fullest = 0.0
     if units:
         unit = layer * (1 - 0.5 / units) * (1 - 1e-9)  # under the estimate's own, for its rounding
         fullest = stage_s(units * _gather_s(cluster, unit, layout.dp, nodes, layout.dtype),
-                          units * _reduce_scatter_s(cluster, unit, layout.dp, nodes))
+                          units * _reduce_scatter_s(cluster, unit * layered_trained, layout.dp, nodes))
     held = max(0.0, layered - stages * layer / 2)  # in stages of a unit or more
     summed = stage_s(held * _least_per_byte(cluster, layer, layout.dp, nodes, layout.dtype, gather=True),
-                     held * _least_per_byte(cluster, layer, layout.dp, nodes, layout.dtype, gather=False))
+                     held * _least_per_byte(cluster, layer, layout.dp, nodes, layout.dtype, gather=False,
+                                            trained=layered_trained))
     spread = m / layout.pp if layout.schedule == "interleaved" else 1 + (m - 1) / stages
     return max(m * fullest, spread * summed) * (1 - 1e-9)  # under the estimate's own rounding
 
 
 @functools.lru_cache(maxsize=1024)
-def _least_per_byte(cluster, layer: int, dp: int, nodes: int, dtype: str, *, gather: bool, pieces: int = 64) -> float:
+def _least_per_byte(cluster, layer: int, dp: int, nodes: int, dtype: str, *, gather: bool, pieces: int = 64,
+                    trained: float = 1.0) -> float:
     """No gather (or reduce-scatter) of a unit between half of ``layer`` and one and a half takes
-    fewer seconds per byte: over each of ``pieces`` spans of that range, its least bytes' over its most."""
+    fewer seconds per byte: over each of ``pieces`` spans of that range, its least bytes' over its most
+    (a reduce-scatter moving the ``trained`` share of them)."""
     edges = [layer * (0.5 + k / pieces) for k in range(pieces + 1)]
     edges[0], edges[-1] = edges[0] * (1 - 1e-9), edges[-1] * (1 + 1e-9)  # the estimate's units, rounded
 
     def seconds(nbytes: float) -> float:
         if gather:
             return _gather_s(cluster, nbytes, dp, nodes, dtype)
-        return _reduce_scatter_s(cluster, nbytes, dp, nodes)
+        return _reduce_scatter_s(cluster, nbytes * trained, dp, nodes)
 
     return min(seconds(low) / high for low, high in zip(edges, edges[1:]))
 
@@ -260,19 +272,23 @@ def stage_layers(costs, cuts: Sequence[int]) -> tuple[tuple[int, int], ...]:
 
 
 def stage_times(layout, cluster, times: Sequence[float], rank_parameter_bytes: Sequence[int],
-                nodes: int, layers: Sequence[tuple[int, int]] | None = None) -> tuple[float, ...]:
+                nodes: int, layers: Sequence[tuple[int, int]] | None = None,
+                trained_bytes: Sequence[float] | None = None) -> tuple[float, ...]:
     """``times`` (per stage, a microbatch's forward and backward) with FSDP's gathers and
     unhidden reduce-scatters added; each stage holds its rank's parameters over its chunks, and
-    at level 3 its ``layers`` (``stage_layers``; None: the stage is one unit)."""
+    at level 3 its ``layers`` (``stage_layers``; None: the stage is one unit); it reduce-scatters
+    the share of them that trains (``trained_bytes``, per rank, as `tail_s` takes it)."""
     if int(layout.zero) not in FSDP_LEVELS or layout.dp == 1:
         return tuple(times)
     found = []
     for stage, (time, rank) in enumerate(zip(times, _placement(layout.schedule, layout.pp, layout.chunks))):
         share = rank_parameter_bytes[rank] / layout.chunks
+        trained = 1.0 if trained_bytes is None or not share else trained_bytes[rank] / layout.chunks / share
         forward, backward = fully_sharded_extra_s(int(layout.zero), cluster, share, FORWARD_SHARE * time,
                                                   dp=layout.dp, nodes=nodes, dtype=layout.dtype,
                                                   backward_s=(1 - FORWARD_SHARE) * time,
-                                                  layers=layers[stage] if layers is not None else (0, 0))
+                                                  layers=layers[stage] if layers is not None else (0, 0),
+                                                  trained=trained)
         found.append(time + forward + backward)
     return tuple(found)
 
@@ -297,13 +313,12 @@ def fsdp_may_pay(scored, table, cluster) -> bool:
     layout, cut = scored.layout, scored.cut
     costs = table.chain_costs(micro_batch_size=layout.micro_batch_size, tp=layout.tp, dtype=layout.dtype)
     placement = _placement(layout.schedule, layout.pp, layout.chunks)
-    rank_bytes = parameter_bytes_per_rank(table, layout, cut, placement)
     nodes = layout.data_parallel_nodes(cluster.gpus_per_node)
     hidden = hidden_s(layout, cut.stage_time_s) if cluster.reduction_overlaps else [0.0] * layout.pp
     last = last_bucket_bytes(layout, costs, cut.cuts)
     stepped = slowest_replica_bytes(layout, costs)
     spans = rank_spans(cut.cuts, len(costs), placement)
-    for rank, nbytes in enumerate(rank_bytes):
+    for rank, nbytes in enumerate(trained_bytes(costs, mine) for mine in spans):  # what has a gradient
         exposed = exposed_all_reduce_s(cluster.all_reduce_s(nbytes, layout.dp, nodes),
                                        cluster.all_reduce_s(last[rank], layout.dp, nodes), hidden[rank],
                                        cluster.overlap_slowdown)

@@ -200,7 +200,9 @@ def layout_bound(table, layout, cluster, *, slowest_s: float = 0.0, hides_all: b
         behind = (1 - FORWARD_SHARE) * rank
     else:
         behind = most_hidden_s(layout, costs, cluster)
-    tail = tail_s(layout, cluster, [share], layout.data_parallel_nodes(cluster.gpus_per_node), [behind])
+    # the busiest rank reduces and steps no less than an even share of what trains
+    tail = tail_s(layout, cluster, [share], layout.data_parallel_nodes(cluster.gpus_per_node), [behind],
+                  trained_bytes=[share * costs.trained_share])
     return (pipeline + tail) * (1 - 1e-12)  # below the estimate's own rounding
 
 

@@ -17,7 +17,7 @@ from autopart.ir.owners import largest_share
 from autopart.predict.memory import optimizer_group, optimizer_groups, owner_excess_bytes
 from autopart.solve.chain_costs import ChainCosts
 
-__all__ = ["owners_beyond_shares", "parameter_bytes_per_rank", "rank_spans", "slowest_replica_bytes"]
+__all__ = ["owners_beyond_shares", "parameter_bytes_per_rank", "rank_spans", "slowest_replica_bytes", "trained_bytes"]
 
 
 def rank_spans(cuts: tuple[int, ...], blocks: int, ranks: tuple[int, ...]) -> list[tuple[tuple[int, int], ...]]:
@@ -35,6 +35,14 @@ def parameter_bytes_per_rank(table, layout, cut, ranks: tuple[int, ...]) -> list
     return [sum(costs.parameter_bytes[p] for p in {p for first, last in spans for k in range(first, last + 1)
                                                    for p in costs.block_parameters[k]})
             for spans in rank_spans(cut.cuts, len(costs), ranks)]
+
+
+def trained_bytes(costs: ChainCosts, spans: tuple[tuple[int, int], ...]) -> int:
+    """Of the parameters that blocks ``spans`` read (each once), the bytes that train: what a rank
+    holding them reduces over its data-parallel group and steps. All of them where nothing is
+    frozen; a fine-tune's frozen base has no gradient."""
+    names = {p for first, last in spans for k in range(first, last + 1) for p in costs.block_parameters[k]}
+    return sum(costs.parameter_bytes[p] for p in names if p not in costs.frozen_parameters)
 
 
 def owners_beyond_shares(table, layout, costs: ChainCosts) -> Callable[[tuple[tuple[int, int], ...]], int] | None:
@@ -67,17 +75,17 @@ def slowest_replica_bytes(layout, costs: ChainCosts) -> Callable[[tuple[tuple[in
     repeated layers) share one answer."""
     if int(layout.zero) != 1 or layout.dp == 1:
         return None
-    shared = costs.shared_parameters
+    shared, frozen = costs.shared_parameters, costs.frozen_parameters  # a frozen one is not stepped
 
     def sized(names) -> tuple[tuple[int, int], ...]:  # (group, bytes), of each name once
         return tuple(sorted((optimizer_group(layout.dtype, p in costs.decayed_parameters), costs.parameter_bytes[p])
                             for p in dict.fromkeys(names)))
 
     kinds: dict[tuple[tuple[int, int], ...], int] = {}
-    kind = [kinds.setdefault(sized(p for p in names if p not in shared), len(kinds))
+    kind = [kinds.setdefault(sized(p for p in names if p not in shared and p not in frozen), len(kinds))
             for names in costs.block_parameters]
     sizes = list(kinds)
-    tied = [tuple(dict.fromkeys(p for p in names if p in shared)) for names in costs.block_parameters]
+    tied = [tuple(dict.fromkeys(p for p in names if p in shared and p not in frozen)) for names in costs.block_parameters]
 
     @functools.cache
     def share(held: tuple[tuple[int, int], ...], ties: tuple[tuple[int, int], ...]) -> int:

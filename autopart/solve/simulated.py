@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from autopart.ir.actions import Kind
 from autopart.schedule import SPLIT_BACKWARD_KINDS, StageCosts, built, simulated_events, stage_placement
-from autopart.solve.replica_shares import parameter_bytes_per_rank, rank_spans, slowest_replica_bytes
+from autopart.solve.replica_shares import parameter_bytes_per_rank, rank_spans, slowest_replica_bytes, trained_bytes
 from autopart.solve.search import Cluster, CostTable, Scored
 from autopart.solve.baselines import stage_parameter_bytes
 from autopart.solve.chain_costs import ChainCosts, chain_sums
@@ -55,33 +55,36 @@ def simulated_step_s(scored: Scored, table: CostTable, cluster: Cluster) -> floa
     rank_bytes = parameter_bytes_per_rank(table, layout, cut, ranks)
     nodes = layout.data_parallel_nodes(cluster.gpus_per_node)
     stepped = slowest_replica_bytes(layout, chain)
-    stepped_bytes = None if stepped is None else [stepped(spans) for spans in rank_spans(cut.cuts, len(chain), ranks)]
+    spans = rank_spans(cut.cuts, len(chain), ranks)
+    stepped_bytes = None if stepped is None else [stepped(mine) for mine in spans]
+    trained = [trained_bytes(chain, mine) for mine in spans]  # what each rank reduces and steps
     if layout.dp > 1 and int(layout.zero) in (0, 1) and cluster.reduction_overlaps:
-        return _overlapped_step_s(layout, cluster, chain, cut.cuts, costs, rank_bytes, nodes, stepped_bytes)
+        return _overlapped_step_s(layout, cluster, chain, cut.cuts, costs, trained, nodes, stepped_bytes)
     pipeline = pipeline_s(layout.schedule, layout.pp, layout.microbatches, layout.chunks, costs)
     behind = [0.0] * layout.pp  # per rank, its last microbatch's backward: what its all-reduce runs beside
     for rank, backward in zip(ranks, costs.backward_s):
         behind[rank] += backward
     return pipeline + tail_s(layout, cluster, rank_bytes, nodes, behind, last_bucket_bytes(layout, chain, cut.cuts),
-                             stepped_bytes)
+                             stepped_bytes, trained)
 
 
 def _overlapped_step_s(layout, cluster: Cluster, chain: ChainCosts, cuts: tuple[int, ...], costs: StageCosts,
-                       rank_bytes: list[int], nodes: int, stepped_bytes: list[int] | None) -> float:
+                       reduced_bytes: list[int], nodes: int, stepped_bytes: list[int] | None) -> float:
     """The step with each rank's gradient all-reduces queued on its communicator as the runtime
     launches them (`autopart.predict.reduction`, at stage grain): a stage's parameters but its
     first block's are ready from the start of its last backward (B, or W where the backward is
     split; the backward reaches the later blocks first), its first block's at that action's end.
     Under interleaving a rank's chunks finish at different times of the cool-down, so the
-    reductions of the first to finish run beside the others' backwards."""
+    reductions of the first to finish run beside the others' backwards. ``reduced_bytes``: per rank,
+    the bytes of its parameters that train, all that it reduces and steps."""
     run = _run(layout.schedule, layout.pp, layout.microbatches, layout.chunks, costs)
     ends, final = run.ends, run.final
     firsts, lasts = (0, *(c + 1 for c in cuts)), (*cuts, len(chain) - 1)
     queued: list[list[tuple[float, int]]] = [[] for _ in range(layout.pp)]  # per rank, (ready at, bytes)
     for stage, rank in enumerate(stage_placement(layout.schedule, ranks=layout.pp, chunks=layout.chunks)):
         start, end = final.get(stage, (0.0, 0.0))
-        whole = stage_parameter_bytes(chain, firsts[stage], lasts[stage])
-        first = stage_parameter_bytes(chain, firsts[stage], firsts[stage])
+        whole = trained_bytes(chain, ((firsts[stage], lasts[stage]),))  # what has a gradient
+        first = trained_bytes(chain, ((firsts[stage], firsts[stage]),))
         queued[rank] += [(start, whole - first), (end, first)]
     step = 0.0
     for rank, items in enumerate(queued):
@@ -90,7 +93,7 @@ def _overlapped_step_s(layout, cluster: Cluster, chain: ChainCosts, cuts: tuple[
                                         [(cluster.all_reduce_s(nbytes, layout.dp, nodes), 0.0) for _, nbytes in items],
                                         ends[rank], slowdown=cluster.overlap_slowdown)
         stepped = None if stepped_bytes is None else stepped_bytes[rank]
-        step = max(step, ends[rank] + delay + wait + update_s(layout, cluster, rank_bytes[rank], nodes, stepped))
+        step = max(step, ends[rank] + delay + wait + update_s(layout, cluster, reduced_bytes[rank], nodes, stepped))
     return step
 
 
@@ -109,9 +112,11 @@ def simulated_stage_costs(scored: Scored, table: CostTable, cluster: Cluster) ->
     for first, end, mode, layers in zip(firsts, ends, cut.recompute, stage_layers(costs, cut.cuts), strict=True):
         stage_forward = forward[end] - forward[first]
         stage_backward = backward[end] - backward[first] + _recompute_s(costs, mode, first, end)
-        gather, reduce = fully_sharded_extra_s(int(layout.zero), cluster, stage_parameter_bytes(costs, first, end - 1),
-                                               stage_forward, dp=layout.dp, nodes=data_parallel_nodes,
-                                               dtype=layout.dtype, backward_s=stage_backward, layers=layers)
+        held = stage_parameter_bytes(costs, first, end - 1)
+        trained = trained_bytes(costs, ((first, end - 1),)) / held if held else 1.0
+        gather, reduce = fully_sharded_extra_s(int(layout.zero), cluster, held, stage_forward, dp=layout.dp,
+                                               nodes=data_parallel_nodes, dtype=layout.dtype,
+                                               backward_s=stage_backward, layers=layers, trained=trained)
         forward_s.append(stage_forward + gather)
         backward_s.append(stage_backward + reduce)
         weight_s.append(weight[end] - weight[first])
