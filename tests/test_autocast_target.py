@@ -5,6 +5,7 @@ import torch
 
 import autopart
 from autopart.passes.autocast_lists import cuda_autocast, cuda_policies
+from tests.distributed import run_cli_here
 
 SOFTMAX_CHAIN = """
 import torch
@@ -72,3 +73,46 @@ def test_a_plan_for_a_gpu_sends_what_cuda_autocast_gives(tmp_path):
         plan = autopart.compile(model, pp=2, microbatches=2, micro_batch_size=4, device=device, dtype="bf16")
         sent[device] = [meta.dtype for _, meta in plan.stages[0].outputs]
     assert sent == {"cpu": ["bfloat16"], "h100-sxm": ["float32"]}  # softmax of a bf16 product: fp32 on CUDA
+
+
+TOP_K_ROUTER = """
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+class Router(nn.Module):  # a mixture of experts' gates, as users write them
+    def __init__(self):
+        super().__init__()
+        self.router = nn.Linear(16, 4)
+        self.experts = nn.ModuleList(nn.Linear(16, 16) for _ in range(4))
+
+    def forward(self, x):
+        logits = self.router(x)  # (B, 4): bf16 under autocast
+        top, index = torch.topk(logits, 2, dim=-1)
+        gates = torch.zeros_like(logits).scatter(-1, index, F.softmax(top, dim=-1))  # softmax: fp32 on CUDA
+        return sum(gates[:, e:e + 1] * expert(x) for e, expert in enumerate(self.experts))
+
+def build_model():
+    torch.manual_seed(0)
+    return Router()
+
+def example_batch(batch_size):
+    return (torch.randn(batch_size, 16),), torch.randn(batch_size, 16)
+
+def loss_fn(output, target):
+    return ((output - target) ** 2).mean()
+"""
+
+
+def test_an_op_that_cuda_autocast_gives_two_dtypes_is_refused_in_one_line(tmp_path):
+    # CUDA autocast runs the softmax in fp32 and the linear in bf16: scatter refuses the two, on the
+    # GPU as here, where annotate used to end in a RuntimeError traceback
+    model = tmp_path / "router.py"
+    model.write_text(TOP_K_ROUTER)
+    result = run_cli_here("compile", str(model), "-o", str(tmp_path / "out"), "--dtype", "bf16", "--device", "h100-sxm",
+                          "--global-batch-size", "4")  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.startswith("autopart: error: under --dtype bf16 this model's op 'scatter' fails on the dtypes")
+    assert "compile with --dtype fp32" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert autopart.compile(model, global_batch_size=4, device="h100-sxm").dtype == "fp32"  # the model itself is sound

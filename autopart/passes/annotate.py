@@ -182,14 +182,22 @@ class _State:
         return torch.func.functional_call(module, state or self.leaf_state(target), args, kwargs)
 
 
-def mixed_dtype_error(exc: RuntimeError, op: str) -> Exception:
-    """``exc`` as the one line a user can act on when it is CPU autocast's refusal to mix a bf16
-    working weight with fp32 values (it runs norms in their input's dtype, CUDA's in fp32);
-    ``exc`` itself otherwise."""
-    if "mixed dtype (CPU)" not in str(exc):
-        return exc
-    return ConfigError(f"on the CPU, autocast runs norms in their input's dtype and this model meets a bf16 working "
-                       f"weight with fp32 values at '{op}'; compile with --dtype bf16-autocast (fp32 weights) for the CPU")
+def mixed_dtype_error(exc: RuntimeError, op: str, dtype: str = "fp32") -> Exception:
+    """``exc`` as the one line a user can act on when it is the precision's doing: CPU autocast's
+    refusal to mix a bf16 working weight with fp32 values (it runs norms in their input's dtype,
+    CUDA's in fp32), or an op that refuses operands of two dtypes, which autocast makes where the
+    model mixes ops it casts differently (a ``scatter`` of a softmax, which CUDA's runs in fp32,
+    into a matmul's bf16 output); ``exc`` itself otherwise."""
+    if "mixed dtype (CPU)" in str(exc):
+        return ConfigError(f"on the CPU, autocast runs norms in their input's dtype and this model meets a bf16 "
+                           f"working weight with fp32 values at '{op}'; compile with --dtype bf16-autocast (fp32 "
+                           "weights) for the CPU")  # fmt: skip
+    message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if dtype != "fp32" and ("dtype" in message or "scalar type" in message):
+        return ConfigError(f"under --dtype {dtype} this model's op '{op}' fails on the dtypes autocast gives its "
+                           f"operands ({message}); cast them to one dtype in the model (as torch.autocast on the "
+                           "device would need too), or compile with --dtype fp32")  # fmt: skip
+    return exc
 
 
 def run_one(node: fx.Node, args: tuple, kwargs: dict, state: _State | None = None) -> Any:
@@ -341,7 +349,7 @@ def annotate(
         try:
             saved, kept = run.measure(*graph_args(graph, inputs, target))
         except RuntimeError as exc:
-            raise mixed_dtype_error(exc, run.current) from None
+            raise mixed_dtype_error(exc, run.current, dtype) from None
         nodes, kernels, leaves = _annotate_nodes(
             graph, state, (saved, kept), cost_model, graph_args(graph, inputs, target),
             {} if measured is None else measured, run.values,

@@ -204,7 +204,7 @@ def _compile_keys(module: fx.GraphModule, values: list[Any], dtype: str, device_
         try:
             runner.run(*values)
         except RuntimeError as exc:
-            raise mixed_dtype_error(exc, runner.current) from None
+            raise mixed_dtype_error(exc, runner.current, dtype) from None
     return keys
 
 
