@@ -6,6 +6,7 @@ Validated on construction, so that every bad combination fails in one line befor
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 import operator
 import os
@@ -159,8 +160,8 @@ class CompileOptions:
             raise ConfigError("--leaf keeps modules opaque to torch.fx, which torch.export cannot do; drop --capture export")
         if not self.time_limit_s > 0:  # CP-SAT would stop at once and hand back no cuts, or the first it met
             raise ConfigError(f"--time-limit must be a positive number of seconds, got {self.time_limit_s:g}")
-        if self.memory_gib is not None and self.memory_gib <= 0:
-            raise ConfigError(f"--memory must be positive, got {self.memory_gib}")
+        if self.memory_gib is not None and not 0 < self.memory_gib < math.inf:  # nan fails both comparisons
+            raise ConfigError(f"--memory must be a positive number of GiB, got {self.memory_gib}")
         if self.dtype not in (None, *DTYPES, "auto"):
             raise ConfigError(f"unknown --dtype {self.dtype!r}; use one of {', '.join(DTYPES)} or auto")
         if self.dtype == "auto" and self.world_size is None:

@@ -196,6 +196,8 @@ OPTION_CASES = {
         r"the model does not fit: .* the fullest device needs 0\.\d+ GiB but the memory limit is 0\.0001 GiB; raise --memory to at least 0\.\d+ or",
     ),
     "bad_flag_value": (["--pp", "two"], r"argument --pp: invalid int value: 'two'"),
+    "memory_nan": (["--memory", "nan"], r"--memory must be a positive number of GiB, got nan"),
+    "memory_infinite": (["--memory", "inf"], r"--memory must be a positive number of GiB, got inf"),
     "stage_layers_count": (["--stage-layers", "1,1,1"], r"--stage-layers lists 3 stages but --pp x --chunks is 2"),
     "stage_layers_empty_stage": (["--stage-layers", "2,0"], r"--stage-layers gives stage 1 0 layers; every stage needs"),
     "stage_layers_not_numbers": (["--stage-layers", "2,x"], r"--stage-layers takes whole numbers separated by commas"),
