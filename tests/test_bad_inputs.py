@@ -442,6 +442,12 @@ TRAIN_CASES = {  # name -> (environment, arguments given (folder, OUT), pattern 
                                            + ["--save-weights", str(f / "w")],
                                            r"--save-weights .*w holds stage_3\.safetensors, which this plan \(2 stages, "
                                            r"tp 1\) does not write"),
+    "metrics_appended_to_the_plan": ({}, lambda f, o: ["--metrics", str(o / "plan.json")],
+                                     r"--metrics .*plan\.json would write over plan\.json, which autopart compile wrote in "),
+    "trace_over_train_py": ({}, lambda f, o: ["--trace", str(o / "train.py")], r"--trace .*train\.py would write over train\.py"),
+    "save_weights_over_the_initial_weights": ({}, lambda f, o: ["--save-weights", str(o / "stages" / ".." / "weights")],
+                                              r"--save-weights .*weights would write over weights/stage_0\.safetensors, "
+                                              r"which autopart compile wrote in .*; give a path outside the compile's files"),
     "resume_without_checkpoint_dir": ({}, lambda f, o: ["--resume"], r"--resume needs --checkpoint-dir DIR"),
     "weights_lacking_a_parameter": ({}, _weights_lacking_one,
                                     r"lacks 1 tensor\(s\) of stage 0, first .*; save every parameter under its name"),

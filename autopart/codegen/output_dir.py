@@ -15,12 +15,10 @@ import os
 from pathlib import Path
 
 from autopart.ir.errors import ConfigError
-from autopart.runtime.output_paths import check_parent
+from autopart.runtime.output_paths import MARKER, check_parent
 from autopart.runtime.launch import plan_digest
 
 __all__ = ["MARKER", "check_output_directory", "write_marker", "remove_output"]
-
-MARKER = ".autopart-output.json"
 
 
 def _listed(out_dir: Path) -> set[str] | None:

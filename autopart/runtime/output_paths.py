@@ -17,7 +17,9 @@ from safetensors.torch import save_file
 
 from autopart.ir.errors import ConfigError
 
-__all__ = ["check_file_path", "check_folder_path", "check_parent", "as_umask", "save_tensors"]
+__all__ = ["MARKER", "check_file_path", "check_folder_path", "check_parent", "as_umask", "save_tensors"]
+
+MARKER = ".autopart-output.json"  # in an output directory: the files autopart compile wrote there
 
 
 def check_parent(path: Path, flag: str, *, writes: bool = True, made_beside: bool = False) -> None:

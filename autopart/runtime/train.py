@@ -73,7 +73,8 @@ from autopart.runtime.optim import OPTIMIZERS, make_optimizer
 from autopart.runtime.process_exit import leave
 from autopart.runtime.sharded_masters import ShardedMasters
 from autopart.runtime.output_paths import save_tensors
-from autopart.runtime.train_flags import check_arguments, check_weights_folder, resumed, resumed_past_the_end
+from autopart.runtime.train_flags import (check_arguments, check_compile_kept, check_weights_folder, resumed,
+                                          resumed_past_the_end)
 from autopart.runtime.progress import StepReporter, Throughput, check_tensorboard, tokens_in
 from autopart.runtime.recipe import Recipe, add_recipe_arguments, parameter_groups
 from autopart.runtime import collectives
@@ -175,6 +176,7 @@ def _train(out_dir: Path, argv: list[str] | None) -> None:
     check_tensorboard(args.tensorboard)
     check_arguments(args)
     check_weights_folder(args.save_weights, plan)
+    check_compile_kept(out_dir, plan, args)
     source_file = model_file(out_dir, plan)
     schedule = plan_actions(plan, compiled=True)  # a bad hand edit stops every rank here, before any waits for a peer
     if not plan.schedule.actions and rank == 0:

@@ -5,17 +5,19 @@ every rank reads the same flags."""
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
 from autopart.ir.errors import ConfigError
 from autopart.ir.plan import Plan
 from autopart.runtime.checkpoint import CheckpointContext, restarted
-from autopart.runtime.output_paths import check_file_path, check_folder_path
+from autopart.runtime.output_paths import MARKER, check_file_path, check_folder_path
 from autopart.runtime.recipe import Recipe
 from autopart.runtime.shards import weights_file_name
 
-__all__ = ["check_arguments", "check_weights_folder", "resumed", "resumed_past_the_end"]
+__all__ = ["check_arguments", "check_compile_kept", "check_weights_folder", "compile_files", "resumed",
+           "resumed_past_the_end"]
 
 
 def check_arguments(args: argparse.Namespace) -> None:
@@ -82,3 +84,32 @@ def check_weights_folder(folder: Path | None, plan: Plan) -> None:
     if others:
         raise ConfigError(f"--save-weights {folder} holds {others[0]}, which this plan ({len(plan.stages)} stages, tp "
                           f"{tp}) does not write: another run's; give a new or empty folder")
+
+
+def compile_files(out_dir: Path, plan: Plan) -> set[Path]:
+    """The files autopart compile wrote in ``out_dir``: those its marker lists, and those the ranks
+    read (all there is of an output whose marker is gone or that an earlier autopart wrote)."""
+    names = {"plan.json", "train.py", "model.py", MARKER, *plan.stage_sha256}
+    try:
+        names.update(name for name in json.loads((out_dir / MARKER).read_text())["files"] if isinstance(name, str))
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    names.update(path.relative_to(out_dir).as_posix() for path in (out_dir / "weights").glob("*.safetensors"))
+    return {(out_dir / name).resolve() for name in names}
+
+
+def check_compile_kept(out_dir: Path, plan: Plan, args: argparse.Namespace) -> None:
+    """Refuse an output of train.py's flags that would write over a file of the compile it runs:
+    metrics appended to plan.json leave a compile that no longer starts, final weights saved into
+    OUT/weights one whose next run starts from trained weights without a word."""
+    kept = compile_files(out_dir, plan)
+    written = [(flag, path, Path(path)) for flag, path in (("--metrics", args.metrics), ("--trace", args.trace))
+               if path is not None]
+    if args.save_weights is not None:
+        tp = plan.mesh["tp"]
+        written += [("--save-weights", args.save_weights, Path(args.save_weights) / weights_file_name(stage.index, r, tp))
+                    for stage in plan.stages for r in range(tp)]
+    for flag, given, path in written:
+        if path.resolve() in kept:
+            raise ConfigError(f"{flag} {given} would write over {path.resolve().relative_to(out_dir).as_posix()}, "
+                              f"which autopart compile wrote in {out_dir}; give a path outside the compile's files")
