@@ -507,6 +507,14 @@ def _crafted(folder: Path) -> Path:
     return folder / "ckpt"
 
 
+def _edited_copy(folder: Path, out: Path, edit) -> Path:
+    import shutil
+
+    copy = shutil.copytree(out, folder / "edited")
+    edit(copy)
+    return copy
+
+
 COMMAND_CASES = {  # name -> (arguments given the test's folder and OUT, pattern of the one line)
     "consolidate_no_such_dir": (lambda f, o: ["consolidate", str(f / "nowhere"), "-o", str(f / "m.safetensors")],
                                 r"checkpoint directory '.*nowhere' does not exist"),
@@ -518,6 +526,14 @@ COMMAND_CASES = {  # name -> (arguments given the test's folder and OUT, pattern
                                      r"checkpoint metadata names os\.system, which no checkpoint holds"),
     "consolidate_into_a_directory": (lambda f, o: ["consolidate", str(f), "-o", str(f)], r"is a directory; give a file path"),
     "verify_not_an_output": (lambda f, o: ["verify", str(f)], r"is not an autopart output directory \(no plan\.json\)"),
+    "verify_a_stage_edited": (lambda f, o: ["verify", str(_edited_copy(f, o, lambda c: (c / "stages" / "stage_1.py").write_text(
+                                  (c / "stages" / "stage_1.py").read_text() + "\nimport os\n")))],
+                              r"stages/stage_1\.py in .*edited is not the file that autopart compile wrote"),
+    "verify_a_stage_deleted": (lambda f, o: ["verify", str(_edited_copy(f, o, lambda c: (c / "stages" / "stage_0.py").unlink()))],
+                               r"rank 0 needs stages/stage_0\.py of stage 0, which is missing from .*edited; recompile"),
+    "verify_model_copy_edited": (lambda f, o: ["verify", str(_edited_copy(f, o, lambda c: (c / "model.py").write_text(
+                                     (c / "model.py").read_text() + "\n# edited\n")))],
+                                 r"model\.py in .*edited is not the model file that was compiled"),
     "verify_negative_lr": (lambda f, o: ["verify", str(o), "--lr", "-1"], r"--lr must be a finite learning rate, at least 0, got -1"),
     "verify_negative_timeout": (lambda f, o: ["verify", str(o), "--timeout", "-1"],
                                 r"--timeout must be a positive number of seconds, got -1"),
