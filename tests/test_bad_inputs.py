@@ -397,6 +397,11 @@ def _a_file(path: Path, folder: bool = False) -> list[str]:
     return []
 
 
+def _binary(path: Path) -> Path:
+    path.write_bytes(b"\x80\x04\x95 not text")  # what a pickle starts with
+    return path
+
+
 def _dangling(path: Path) -> list[str]:
     path.symlink_to(path.parent / "nowhere")
     return []
@@ -540,6 +545,9 @@ COMMAND_CASES = {  # name -> (arguments given the test's folder and OUT, pattern
     "verify_min_lr_above_lr": (lambda f, o: ["verify", str(o), "--lr-schedule", "linear", "--min-lr", "0.5"],
                                r"--min-lr 0\.5 is above --lr 0\.1, so --lr-schedule linear would raise the rate"),
     "verify_zero_steps": (lambda f, o: ["verify", str(o), "--steps", "0"], r"--steps must be at least 1, got 0"),
+    "explain_trace_not_text": (lambda f, o: ["explain", str(o), "--trace", str(_binary(f / "t.json"))],
+                               r"cannot read the trace .*t\.json: 'utf-8' codec can't decode .*; give a trace that "
+                               r"OUT/train\.py --trace FILE wrote"),
     "explain_not_an_output": (lambda f, o: ["explain", str(f)], r"plan\.json"),
     "profile_zero_batch": (lambda f, o: ["profile", "examples/gpt.py", "-o", str(f / "c.json"), "--micro-batch-size", "0"],
                            r"--micro-batch-size must be at least 1, got 0"),

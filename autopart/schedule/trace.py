@@ -107,8 +107,9 @@ def read_chrome_trace(path: str | Path) -> Timeline:
     """
     try:
         document = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ScheduleError(f"cannot read the trace {path}: {exc}") from exc
+    except (OSError, ValueError) as exc:  # ValueError: not JSON, or not text at all (UnicodeDecodeError)
+        raise ScheduleError(f"cannot read the trace {path}: {exc}; give a trace that OUT/train.py --trace FILE "
+                            "wrote") from None
     raw = document.get("traceEvents") if isinstance(document, dict) else document
     if not isinstance(raw, list):
         raise ScheduleError(f"{path} is not a Chrome trace: it has no traceEvents list")
