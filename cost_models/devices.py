@@ -238,7 +238,7 @@ def load_device(name: str) -> DeviceSpec:
     try:
         with path.open("rb") as handle:
             data = tomllib.load(handle)
-    except tomllib.TOMLDecodeError as error:
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:  # the second: not text at all
         raise DeviceSpecError(f"{path}: not valid TOML ({error}); fix the file") from None
     except OSError as error:
         raise DeviceSpecError(f"{path}: cannot be read ({error.strerror})") from None

@@ -281,6 +281,7 @@ def test_bad_options(tmp_path, capsys, case):
 H100 = (DEVICES_DIR / "h100-sxm.toml").read_text()
 DEVICE_CASES = {  # name -> (the file's text, or None for no file; the pattern of the one line)
     "not_toml": ("name = 'mygpu'\npeak_flops = [oops\n", r"mygpu\.toml: not valid TOML .*; fix the file"),
+    "not_text": (b"\x80\x04\x95 not text", r"mygpu\.toml: not valid TOML \('utf-8' codec can't decode .*; fix the file"),
     "negative_bandwidth": (H100.replace("memory_bandwidth = 3.35e12", "memory_bandwidth = -1"),
                            r"field 'memory_bandwidth' must be a positive number"),
     "misspelt_field": (H100.replace("memory_bandwidth = 3.35e12", "memory_bandwith = 3.35e12"),
@@ -295,7 +296,7 @@ def test_bad_device_spec(tmp_path, capsys, case):
     text, pattern = DEVICE_CASES[case]
     spec = tmp_path / "mygpu.toml"
     if text is not None:
-        spec.write_text(text)
+        spec.write_bytes(text) if isinstance(text, bytes) else spec.write_text(text)
     line = call_cli(capsys, "compile", "examples/gpt.py", "-o", str(tmp_path / "out"), "--device", str(spec),
                     watch=(tmp_path,))
     assert re.search(pattern, line), line
