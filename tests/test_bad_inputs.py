@@ -89,7 +89,13 @@ MODEL_CASES = {
     "raises_in_build_model": (
         GOOD_BATCH + "\ndef build_model():\n    return torch.nn.Linear(8, -4)\n",
         [],
-        r"build_model\(\) in raises_in_build_model\.py raised RuntimeError: .*negative dimension.*\(raises_in_build_model\.py:9\)",
+        r"build_model\(\) in raises_in_build_model\.py raised RuntimeError: .*negative dimension.*\(raises_in_build_model\.py:9\); "
+        r"fix build_model\(\)$",
+    ),
+    "raises_in_example_batch": (
+        LINEAR.replace("    return (torch.randn(batch_size, 8),)", "    raise KeyError('x')\n    return (torch.randn(batch_size, 8),)"),
+        [],
+        r"example_batch\(\d+\) in raises_in_example_batch\.py raised KeyError: 'x' \(raises_in_example_batch\.py:4\); fix example_batch\(\)",
     ),
     "returns_not_a_module": (GOOD_BATCH + "\ndef build_model():\n    return 3\n", [], r"returned int, not a torch\.nn\.Module"),
     "contract_not_a_function": (

@@ -79,7 +79,12 @@ class ModelSpec:
 
     def example(self, batch_size: int) -> tuple[tuple[torch.Tensor, ...], Any]:
         """The example batch at ``batch_size``, checked to be ``(tuple of tensors, target)``."""
-        return check_batch(self.path, "example_batch", self.example_batch(batch_size), batch_size)
+        try:
+            batch = self.example_batch(batch_size)
+        except Exception as exc:  # the user's code may raise anything
+            raise ModelFileError(f"example_batch({batch_size}) in {self.path.name} raised "
+                                 f"{describe_error(exc, self.path)}; fix example_batch()") from None
+        return check_batch(self.path, "example_batch", batch, batch_size)
 
 
 def file_line(exc: BaseException, path: Path) -> str | None:
@@ -144,7 +149,7 @@ def load_model_file(path: str | Path, *, build: bool = True) -> ModelSpec:
             with _NoRandomFillsOnMeta():
                 model = build_model()
     except Exception as exc:
-        raise ModelFileError(f"build_model() in {path.name} raised {describe_error(exc, path)}") from None
+        raise ModelFileError(f"build_model() in {path.name} raised {describe_error(exc, path)}; fix build_model()") from None
     if build and not isinstance(model, nn.Module):
         raise ModelFileError(
             f"build_model() in {path.name} returned {type(model).__name__}, not a torch.nn.Module; "
