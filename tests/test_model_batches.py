@@ -4,15 +4,19 @@ seeds torch's per stage), and training's own random state is left as it was."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
+import re
 from pathlib import Path
 
 import pytest
 import torch
 
 from autopart.driver import CompileOptions, compile_to_directory
+from autopart.ir.errors import ModelFileError
 from autopart.ir.model_file import load_model_file
-from autopart.runtime.data import eval_batches, global_batches
+from autopart.runtime.data import eval_batches, global_batches, training_batches
+from tests.distributed import torchrun
 
 MODEL = """\
 import random
@@ -142,3 +146,60 @@ def test_synthetic_labels_take_their_range_from_an_example_drawn_in_a_state_of_i
         drawn.append(torch.cat([next(batches)[1] for _ in range(8)]))
         assert torch.equal(torch.get_rng_state(), state), "training's generator left as it was"
     assert all(torch.equal(labels, drawn[0]) for labels in drawn)
+
+
+BROKEN_BATCHES = {  # name -> (the model file's batches and eval_batches, the error's type name, pattern of its line)
+    "runs_out": ("def batches(b, seed):\n    yield (torch.zeros(b, 8),), torch.zeros(b, 4)\n", "ConfigError",
+                 r"batches\(4, 7\) of broken\.py ran out after 1 global batches, before the last step .*; make it yield "
+                 r"as many as --steps"),
+    "not_iterable": ("def batches(b, seed):\n    return 3\n", "ModelFileError",
+                     r"batches\(4, 7\) in broken\.py raised TypeError: 'int' object is not iterable; fix batches\(\)"),
+    "wrong_signature": ("def batches(b):\n    return []\n", "ModelFileError",
+                        r"batches\(4, 7\) in broken\.py raised TypeError: batches\(\) takes 1 positional argument"),
+    "raises_while_drawing": ("def batches(b, seed):\n    yield (torch.zeros(b, 8),), torch.zeros(b, 4)\n"
+                             "    open('/nonexistent/shard-1')\n", "ModelFileError",
+                             r"batches\(4, 7\) in broken\.py raised FileNotFoundError: .*shard-1' \(broken\.py:\d+\)"),
+}
+
+
+def test_the_batches_of_a_loop_of_one_s_own_end_with_the_model_file_s():
+    """`global_batches` (``pipeline.batches()``) ends where the data does: a loop of the user's own
+    may run an epoch; only a run of a given number of steps (`training_batches`) is refused."""
+    spec = load_model_file(Path(__file__).parent / "models" / "tiny_gpt.py", build=False)
+    spec = dataclasses.replace(spec, batches=lambda b, seed: [spec.example_batch(b)] * 2)
+    assert len(list(global_batches(spec, 4, 0))) == 2
+
+
+@pytest.mark.parametrize("case", sorted(BROKEN_BATCHES))
+def test_a_model_file_s_broken_batches_are_one_line(tmp_path: Path, case: str) -> None:
+    """The user's data code fails inside training, on every rank alike: a named error (one line,
+    exit 2), not a traceback per rank; running out before --steps too, where it was a StopIteration."""
+    source, kind, pattern = BROKEN_BATCHES[case]
+    model = tmp_path / "broken.py"
+    model.write_text(MODEL.split("def batches")[0] + source)
+    data = training_batches(load_model_file(model, build=False), 4, 7)
+    with pytest.raises(Exception) as raised:
+        for _ in range(3):
+            next(data)
+    assert type(raised.value).__name__ == kind and re.search(pattern, str(raised.value)), repr(raised.value)
+
+
+def test_broken_eval_batches_are_one_line(tmp_path: Path) -> None:
+    model = tmp_path / "broken.py"
+    model.write_text(MODEL.replace("    return [((torch.randn(b, 8),)", "    raise KeyError('split')\n    return [((torch.randn(b, 8),)"))
+    with pytest.raises(ModelFileError, match=r"eval_batches\(4, 7\) in broken\.py raised KeyError: 'split' \(broken\.py:\d+\)"):
+        eval_batches(load_model_file(model, build=False), 4, 7, 2)
+
+
+@pytest.mark.multiprocess
+def test_batches_that_run_out_end_each_rank_in_its_line_and_code_2(tmp_path: Path) -> None:
+    model = tmp_path / "short.py"
+    model.write_text(MODEL.split("def batches")[0] + BROKEN_BATCHES["runs_out"][0])
+    out = tmp_path / "out"
+    compile_to_directory(CompileOptions(model=model, pp=2, microbatches=2, micro_batch_size=2, measure=False), out)
+    with pytest.raises(AssertionError) as failed:
+        torchrun(out, 2, "--steps", "3")
+    text = str(failed.value)
+    assert "[rank0]: Traceback" not in text and "[rank1]: Traceback" not in text and "StopIteration" not in text, text
+    assert text.count("autopart: error: batches(4, 0) of short.py ran out after 1 global batches") == 2, text
+    assert "exitcode: 2" in text or "(exitcode: 2)" in text, text

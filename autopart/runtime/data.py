@@ -15,11 +15,12 @@ from typing import Any, TypeVar
 
 import torch
 
-from autopart.ir.model_file import ModelSpec, check_batch
-from autopart.ir.errors import ConfigError
+from autopart.ir.model_file import ModelSpec, check_batch, describe_error
+from autopart.ir.errors import ConfigError, ModelFileError
 from autopart.ir.plan import Plan
 
-__all__ = ["apart", "eval_batches", "global_batches", "model_file", "split_microbatches", "synthetic_batches"]
+__all__ = ["apart", "eval_batches", "global_batches", "model_file", "split_microbatches", "synthetic_batches",
+           "training_batches"]
 
 
 T = TypeVar("T")
@@ -73,8 +74,35 @@ def global_batches(spec: ModelSpec, batch_size: int, seed: int) -> Iterator[tupl
     if spec.batches is None:
         yield from synthetic_batches(spec, batch_size, seed)
         return
-    for batch in apart(lambda: spec.batches(batch_size, seed), seed):
+    for batch in _users(spec, "batches", apart(lambda: spec.batches(batch_size, seed), seed), (batch_size, seed)):
         yield check_batch(spec.path, "batches", batch, batch_size)
+
+
+def training_batches(spec: ModelSpec, batch_size: int, seed: int) -> Iterator[tuple[tuple[torch.Tensor, ...], Any]]:
+    """`global_batches` for a run of a given number of steps, which the model file's batches must
+    not run out before: every rank draws the same batches, so every rank stops at the same step,
+    with one line, before it waits for a peer."""
+    drawn = 0
+    for batch in global_batches(spec, batch_size, seed):
+        drawn += 1
+        yield batch
+    raise ConfigError(f"batches({batch_size}, {seed}) of {spec.path.name} ran out after {drawn} global batches, "
+                      "before the last step (a resumed run draws the batches of the steps done too); make it yield "
+                      "as many as --steps (one epoch after another), or lower --steps")
+
+
+def _users(spec: ModelSpec, producer: str, items: Iterator[T], arguments: tuple[int, int]) -> Iterator[T]:
+    """``items`` drawn from the model file's ``producer``, whose errors (the user's code may raise
+    anything: a wrong signature, a file it cannot open) are one line naming the model file's line."""
+    while True:
+        try:
+            item = next(items)
+        except StopIteration:
+            return
+        except Exception as exc:
+            raise ModelFileError(f"{producer}{arguments} in {spec.path.name} raised {describe_error(exc, spec.path)}; "
+                                 f"fix {producer}()") from None
+        yield item
 
 
 def apart(make: Callable[[], Iterable[T]], seed: int) -> Iterator[T]:
@@ -133,7 +161,8 @@ class HeldOut:
         if spec.eval_batches is None:
             source = synthetic_batches(spec, batch_size, -1 - seed)
         else:
-            drawn = apart(lambda: spec.eval_batches(batch_size, seed), -1 - seed)
+            drawn = _users(spec, "eval_batches", apart(lambda: spec.eval_batches(batch_size, seed), -1 - seed),
+                           (batch_size, seed))
             source = (check_batch(spec.path, "eval_batches", b, batch_size) for b in drawn)
         return (batch for _, batch in zip(range(self.count), source))
 

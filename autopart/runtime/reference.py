@@ -26,7 +26,7 @@ from autopart.ir.errors import ConfigError
 from autopart.ir.tensors import precision, working_dtype
 from autopart.ir.model_file import eager_loss, load_model_file
 from autopart.ir.plan import load_plan
-from autopart.runtime.data import eval_batches, global_batches, model_file, split_microbatches
+from autopart.runtime.data import eval_batches, model_file, split_microbatches, training_batches
 from autopart.runtime.materialise import materialise, meta_names
 from autopart.runtime.stage import stage_names
 from autopart.runtime.draws import draw_seed
@@ -98,7 +98,7 @@ def train_reference(
     opt = make_optimizer(optimizer, groups, lr)
     scheduler = recipe.scheduler(opt, lr, steps)
     batch_size = plan.schedule.global_batch_size
-    data = global_batches(spec, batch_size, seed)
+    data = training_batches(spec, batch_size, seed)
     held_out = eval_batches(spec, batch_size, seed, eval_batch_count) if eval_every else []
 
     dtype = dtype or plan.dtype

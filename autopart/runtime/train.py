@@ -55,7 +55,7 @@ from autopart.ir.model_file import load_model_file
 from autopart.ir.errors import AutopartError, ConfigError, OneLineParser
 from autopart.ir.plan import Plan, load_plan
 from autopart.ir.tensors import working_dtype
-from autopart.runtime.data import eval_batches, global_batches, model_file, split_microbatches
+from autopart.runtime.data import eval_batches, model_file, split_microbatches, training_batches
 from autopart.runtime.checkpoint import CheckpointContext, restarted
 from autopart.runtime.checkpoint_folders import check_folder
 from autopart.runtime.device import (Mark, StepTimer, backend, compute_device, peak_memory_bytes, peak_reserved_bytes,
@@ -213,7 +213,7 @@ def _loop(out_dir: Path, plan: Plan, schedule: Schedule, args: argparse.Namespac
     recipe = Recipe.from_args(args)
     optimizer = _optimizer(modules, plan, args, recipe, data_parallel)
     spec = load_model_file(source_file, build=False)
-    data = global_batches(spec, schedule_spec.global_batch_size, args.seed)
+    data = training_batches(spec, schedule_spec.global_batch_size, args.seed)
     holds_loss = len(plan.stages) - 1 in stages and here.tp == 0
     checkpointing = CheckpointContext(
         root=args.checkpoint_dir, out_dir=out_dir, modules=modules,
