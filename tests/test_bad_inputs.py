@@ -501,6 +501,28 @@ def test_plan_edited_after_the_compile(tmp_path, capsys, monkeypatch, compiled):
     assert re.search(r"plan\.stages\[1\]\.rank is 5 .*; fix the field or recompile with autopart compile$", line), line
 
 
+@pytest.mark.parametrize("edit, pattern", [
+    (lambda out: (out / "stages" / "stage_1.py").unlink(), r"rank 1 needs stages/stage_1\.py of stage 1, which is missing"),
+    (lambda out: (out / "model.py").write_text("# edited\n"), r"model\.py in .* is not the model file that was compiled"),
+], ids=["stage_deleted", "model_copy_edited"])
+def test_explain_says_that_train_py_would_refuse_an_output_edited_after_the_compile(tmp_path, capsys, compiled, edit,
+                                                                                     pattern):
+    """explain shows the plan of an edited output, as it was compiled, and says in one line that it no longer runs."""
+    import shutil
+
+    out = shutil.copytree(compiled, tmp_path / "out")
+    edit(out)
+    cli.main(["explain", str(out)])
+    captured = capsys.readouterr()
+    lines = captured.err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("autopart: warning: the figures below are the compile's; train.py "
+                                                   "would refuse this folder: "), captured.err
+    assert re.search(pattern, lines[0]), lines[0]
+    assert "predicted step" in captured.out
+    cli.main(["explain", str(compiled)])
+    assert capsys.readouterr().err == "", "an output as compiled is explained without a word"
+
+
 def _damaged(folder: Path) -> Path:
     (folder / "ckpt").mkdir()
     (folder / "ckpt" / "autopart.json").write_text(json.dumps({"step": 1, "files": {".metadata": "0" * 64}}))

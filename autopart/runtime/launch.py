@@ -24,8 +24,8 @@ from autopart.runtime.mesh import Mesh
 from autopart.runtime.shards import weights_file_name
 from autopart.runtime.stage import checked_stage_source
 
-__all__ = ["PLAN_HASH_KEY", "file_sha256", "plan_digest", "check_launch", "check_world_size", "inject_failure",
-           "init_process_group"]
+__all__ = ["PLAN_HASH_KEY", "file_sha256", "plan_digest", "check_launch", "check_output", "check_world_size",
+           "inject_failure", "init_process_group"]
 
 PLAN_HASH_KEY = "autopart_plan_sha256"  # safetensors metadata of every weights file: the plan it was written with
 
@@ -94,6 +94,15 @@ def check_launch(out_dir: Path, plan: Plan, *, rank: int, world_size: int) -> No
                 f"(plan sha256 {digest[:12]}, weights made for {str(written_with)[:12]}); "
                 "recompile with autopart compile instead of mixing output directories"
             )
+
+
+def check_output(out_dir: Path, plan: Plan) -> None:
+    """`check_launch` of every rank of one replica (the others read the same files): what a run of
+    ``out_dir`` as it is now would refuse, refused before one starts."""
+    mesh = Mesh.of(plan)
+    for rank in range(plan.world_size):
+        if mesh.coordinates(rank).dp == 0:
+            check_launch(out_dir, plan, rank=rank, world_size=plan.world_size)
 
 
 def inject_failure(rank: int, step: int, *, saving: bool = False) -> None:

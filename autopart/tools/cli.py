@@ -397,9 +397,12 @@ def _entries(path: Path | None) -> int:
 
 def _explain(args: argparse.Namespace, console: Console) -> None:
     from autopart.codegen.report import stage_table
-    from autopart.tools.explain import compare, comparison_rows, load_output, step_lines
+    from autopart.tools.explain import compare, comparison_rows, load_output, refused_as_it_is, step_lines
 
     plan = load_output(args.out)
+    if (refused := refused_as_it_is(args.out, plan)) is not None:
+        print(f"autopart: warning: the figures below are the compile's; train.py would refuse this folder: {refused}",
+              file=sys.stderr)
     comparison = compare(plan, args.trace) if args.trace is not None else None  # a bad trace fails before printing
     spec = plan.schedule
     name = Path(plan.provenance.model_file).name

@@ -17,9 +17,10 @@ from pathlib import Path
 from autopart.ir.errors import ConfigError, ScheduleError
 from autopart.ir.plan import Plan, load_plan
 from autopart.predict.timeline import plan_timeline
+from autopart.runtime.launch import check_output
 from autopart.schedule import Kind, Timeline, read_chrome_trace
 
-__all__ = ["StageFigures", "Comparison", "load_output", "compare", "stage_figures", "comparison_rows", "relative_error",
+__all__ = ["StageFigures", "Comparison", "load_output", "refused_as_it_is", "compare", "stage_figures", "comparison_rows", "relative_error",
            "step_lines"]
 
 
@@ -54,6 +55,16 @@ def load_output(out_dir: Path) -> Plan:
             "give the -o directory of autopart compile"
         )
     return load_plan(out_dir / "plan.json")
+
+
+def refused_as_it_is(out_dir: Path, plan: Plan) -> str | None:
+    """Why train.py would refuse ``out_dir`` now (a stage file or model.py edited or deleted since
+    the compile), or None: the figures explain prints are the plan's, not the edited files'."""
+    try:
+        check_output(out_dir, plan)
+    except ConfigError as exc:
+        return str(exc)
+    return None
 
 
 def stage_figures(timeline: Timeline) -> dict[int, StageFigures]:

@@ -22,7 +22,7 @@ import torch
 from autopart.ir.errors import ConfigError
 from autopart.tools.local_run import run_locally, runs_on_gpus
 from autopart.ir.plan import Plan, load_plan
-from autopart.runtime.launch import check_launch
+from autopart.runtime.launch import check_output
 from autopart.runtime.recipe import Recipe
 from autopart.runtime.reference import ReferenceRun, initial_weights, train_reference
 from autopart.runtime.shards import load_stage_weights
@@ -243,8 +243,7 @@ def verify(out_dir: str | Path, *, steps: int = 3, lr: float | None = None, opti
     if not timeout_s > 0:
         raise ConfigError(f"--timeout must be a positive number of seconds, got {timeout_s:g}")
     plan = load_plan(out_dir / "plan.json")
-    for rank in range(plan.world_size):  # an output edited since its compile: refused here, not by a failed run
-        check_launch(out_dir, plan, rank=rank, world_size=plan.world_size)
+    check_output(out_dir, plan)  # an output edited since its compile: refused here, not by a failed run
     gpus = runs_on_gpus(plan)
     dropout = not _draws_apart_from_one_process(out_dir, plan)
     with tempfile.TemporaryDirectory(prefix="autopart-verify-") as folder:
