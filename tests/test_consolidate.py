@@ -139,3 +139,23 @@ def test_a_model_given_with_model_that_is_not_the_checkpoint_s_is_refused(checkp
     code, err = consolidate(capsys, root, tmp_path / "m.safetensors", "--model", str(other))
     assert code == 2 and len(err.splitlines()) == 1 and re.search(message, err), err
     assert not (tmp_path / "m.safetensors").exists()
+
+
+def test_a_file_of_the_user_s_at_o_is_kept_and_consolidate_s_own_is_replaced(checkpoint, tmp_path, capsys):
+    """-o over the user's own file (their model source, weights of their own) is refused before any
+    work: it was replaced without a word. A file that consolidate wrote is replaced, as a rerun does."""
+    from safetensors.torch import save_file
+
+    root, model, _ = checkpoint
+    theirs = {"mine.py": b"print('four years of work')\n"}
+    save_file({"w": torch.ones(2)}, str(tmp_path / "theirs.safetensors"))
+    theirs["theirs.safetensors"] = (tmp_path / "theirs.safetensors").read_bytes()
+    (tmp_path / "mine.py").write_bytes(theirs["mine.py"])
+    for name, before in theirs.items():
+        code, err = consolidate(capsys, root, tmp_path / name)
+        assert code == 2 and re.fullmatch(rf"autopart: error: -o .*{re.escape(name)} exists and autopart consolidate did "
+                                          r"not write it; give a new path, or move the file away first\n", err), err
+        assert (tmp_path / name).read_bytes() == before
+    for _ in range(2):
+        code, err = consolidate(capsys, root, tmp_path / "m.safetensors")
+        assert code == 0, err

@@ -21,6 +21,8 @@ from pathlib import Path
 import torch
 
 from autopart.ir.model_file import load_model_file
+from safetensors import SafetensorError, safe_open
+
 from autopart.runtime.output_paths import check_parent, save_tensors
 from autopart.ir.errors import ConfigError
 from autopart.ir.placement import REPLICATE, Placement
@@ -126,9 +128,25 @@ def consolidate(checkpoint: Path, output: Path, model: Path | None = None) -> Co
     if output.is_dir():
         raise ConfigError(f"output path '{output}' is a directory; give a file path such as model.safetensors")
     check_parent(output, "-o")
+    _check_replaceable(output)
     state, summary = consolidated_state(checkpoint, model)
     output.parent.mkdir(parents=True, exist_ok=True)
     partial = output.with_name(f".{output.name}.partial-{os.getpid()}")
     save_tensors(state, partial, {"autopart_checkpoint": str(summary.checkpoint), "step": str(summary.step)})
     partial.replace(output)
     return summary
+
+
+def _check_replaceable(output: Path) -> None:
+    """Refuse an ``output`` that exists and that no consolidate wrote (its metadata names the
+    checkpoint it came from): the user's own file (``-o model.py``, their weights) is not replaced."""
+    if not output.exists() and not output.is_symlink():
+        return
+    try:
+        with safe_open(str(output), framework="pt") as handle:
+            written = "autopart_checkpoint" in (handle.metadata() or {})
+    except (SafetensorError, OSError, ValueError):
+        written = False
+    if not written:
+        raise ConfigError(f"-o {output} exists and autopart consolidate did not write it; give a new path, or move "
+                          "the file away first")
