@@ -454,6 +454,12 @@ TRAIN_CASES = {  # name -> (environment, arguments given (folder, OUT), pattern 
                                            + ["--save-weights", str(f / "w")],
                                            r"--save-weights .*w holds stage_3\.safetensors, which this plan \(2 stages, "
                                            r"tp 1\) does not write"),
+    "trace_over_the_user_s_file": ({}, lambda f, o: _a_file(f / "model.py") + ["--trace", str(f / "model.py")],
+                                   r"--trace .*model\.py exists and is not a Chrome trace that train\.py wrote; give a new "
+                                   r"path, or move the file away first"),
+    "metrics_appended_to_the_user_s_file": ({}, lambda f, o: _a_file(f / "notes.txt") + ["--metrics", str(f / "notes.txt")],
+                                            r"--metrics .*notes\.txt exists and is not JSON lines of steps that train\.py "
+                                            r"wrote"),
     "metrics_appended_to_the_plan": ({}, lambda f, o: ["--metrics", str(o / "plan.json")],
                                      r"--metrics .*plan\.json would write over plan\.json, which autopart compile wrote in "),
     "trace_over_train_py": ({}, lambda f, o: ["--trace", str(o / "train.py")], r"--trace .*train\.py would write over train\.py"),

@@ -174,9 +174,9 @@ def _train(out_dir: Path, argv: list[str] | None) -> None:
     if args.checkpoint_dir is not None:
         check_folder(args.checkpoint_dir, resuming=args.resume or restarted())
     check_tensorboard(args.tensorboard)
+    check_compile_kept(out_dir, plan, args)  # first: it names the compile's file, where others see a stranger's
     check_arguments(args)
     check_weights_folder(args.save_weights, plan)
-    check_compile_kept(out_dir, plan, args)
     source_file = model_file(out_dir, plan)
     schedule = plan_actions(plan, compiled=True)  # a bad hand edit stops every rank here, before any waits for a peer
     if not plan.schedule.actions and rank == 0:

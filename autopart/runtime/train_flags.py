@@ -25,6 +25,7 @@ def check_arguments(args: argparse.Namespace) -> None:
     paths that cannot be written."""
     for flag, path in (("--metrics", args.metrics), ("--trace", args.trace)):
         check_file_path(path, flag)
+        _check_ours(path, flag)
     for flag, path in (("--action-times", args.action_times), ("--save-weights", args.save_weights),
                        ("--checkpoint-dir", args.checkpoint_dir), ("--tensorboard", args.tensorboard)):
         check_folder_path(path, flag)
@@ -113,3 +114,27 @@ def check_compile_kept(out_dir: Path, plan: Plan, args: argparse.Namespace) -> N
         if path.resolve() in kept:
             raise ConfigError(f"{flag} {given} would write over {path.resolve().relative_to(out_dir).as_posix()}, "
                               f"which autopart compile wrote in {out_dir}; give a path outside the compile's files")
+
+
+_WRITTEN = {"--metrics": "JSON lines of steps", "--trace": "a Chrome trace"}
+
+
+def _check_ours(path: Path | None, flag: str) -> None:
+    """Refuse an existing file at ``path`` that train.py did not write there (--metrics appends to
+    one, --trace replaces it): the user's own file (``--trace model.py``) is kept as it is."""
+    if path is None or not Path(path).is_file():
+        return
+    with open(path, "rb") as file:
+        first = file.readline(1 << 16).strip()
+    if not first:
+        return
+    if flag == "--trace":
+        ours = first.startswith(b'{"traceEvents": [')
+    else:
+        try:
+            ours = isinstance(json.loads(first), dict)
+        except ValueError:
+            ours = False
+    if not ours:
+        raise ConfigError(f"{flag} {path} exists and is not {_WRITTEN[flag]} that train.py wrote; give a new path, or "
+                          "move the file away first")
