@@ -208,6 +208,7 @@ def _run_distributed(
     dropout: bool,
 ) -> None:
     plan = load_plan(out_dir / "plan.json")
+    check_output(out_dir, plan)  # an output edited since its compile: refused here, not by a failed run
     train_args = ["--steps", str(steps), "--lr", str(lr), "--optimizer", optimizer, *recipe.train_args(),
                   "--metrics", str(work / "metrics.jsonl"), "--save-weights", str(work / "final"),
                   *([] if dropout else ["--no-dropout"])]
@@ -243,7 +244,6 @@ def verify(out_dir: str | Path, *, steps: int = 3, lr: float | None = None, opti
     if not timeout_s > 0:
         raise ConfigError(f"--timeout must be a positive number of seconds, got {timeout_s:g}")
     plan = load_plan(out_dir / "plan.json")
-    check_output(out_dir, plan)  # an output edited since its compile: refused here, not by a failed run
     gpus = runs_on_gpus(plan)
     dropout = not _draws_apart_from_one_process(out_dir, plan)
     with tempfile.TemporaryDirectory(prefix="autopart-verify-") as folder:
