@@ -126,6 +126,8 @@ class CompileOptions:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
         if self.schedule == "zbv" and self.chunks is None:  # its V is two chunks per rank
             object.__setattr__(self, "chunks", 2)
+        if self.plan is not None and not self.pins_layers:  # with layer pins: refused below, the file unread
+            self._take_pins_from_plan()
         if self.world_size is None:  # nothing is searched: what is not given takes its default
             for name, default in _DEFAULTS.items():
                 if getattr(self, name) is None:
@@ -184,6 +186,28 @@ class CompileOptions:
                 raise ConfigError("--recompute with one mode per stage needs the stages pinned: add --pp (and --chunks)")
             else:
                 stage_modes(self.recompute, 1)
+
+    def _take_pins_from_plan(self) -> None:
+        """Refuse a pin that the plan of ``--plan`` contradicts: the plan is emitted as it is, and
+        the pin would be dropped without a word (``--pp 4`` giving a plan of 2 stages). What is not
+        pinned is the plan's, not the defaults: a copy of these options (`dataclasses.replace`)
+        pins them all, and must agree with the plan as well."""
+        from autopart.ir.plan import load_plan
+
+        plan = load_plan(Path(self.plan))
+        for name, recorded in (("world_size", plan.world_size), ("pp", plan.mesh["pp"]), ("tp", plan.mesh["tp"]),
+                               ("dp", plan.mesh["dp"]), ("schedule", plan.schedule.kind),
+                               ("chunks", plan.schedule.chunks), ("microbatches", plan.schedule.microbatches),
+                               ("micro_batch_size", plan.schedule.micro_batch_size),
+                               ("global_batch_size", plan.schedule.global_batch_size), ("zero", plan.zero),
+                               ("dtype", plan.dtype)):
+            given = getattr(self, name)
+            if given is not None and given != "auto" and given != recorded:
+                flag = f"--{name.replace('_', '-')}"
+                raise ConfigError(f"{flag} {given} contradicts {Path(self.plan).name}, which --plan emits as it is "
+                                  f"({name} {recorded}); drop {flag}, or recompile without --plan")
+            if given is None and name not in ("world_size", "micro_batch_size"):  # those two would search, or split
+                object.__setattr__(self, name, recorded)
 
     @property
     def pins_layers(self) -> bool:

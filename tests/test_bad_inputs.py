@@ -384,6 +384,20 @@ def test_plan_of_another_model(tmp_path, capsys, compiled):
     assert_nothing_written(tmp_path, tmp_path / "out")
 
 
+@pytest.mark.parametrize("pins, pattern", [
+    (["--pp", "4"], r"--pp 4 contradicts plan\.json, which --plan emits as it is \(pp 2\); drop --pp, or recompile without --plan"),
+    (["--microbatches", "4"], r"--microbatches 4 contradicts plan\.json, .*\(microbatches 2\)"),
+    (["--dtype", "bf16"], r"--dtype bf16 contradicts plan\.json, .*\(dtype fp32\)"),
+    (["--world-size", "8", "--global-batch-size", "64"], r"--world-size 8 contradicts plan\.json, .*\(world_size 2\)"),
+], ids=["pp", "microbatches", "dtype", "world_size"])
+def test_a_pin_that_the_plan_contradicts(tmp_path, capsys, compiled, pins, pattern):
+    """--plan emits the plan as it is: a pin it contradicts was dropped without a word."""
+    line = call_cli(capsys, "compile", "examples/gpt.py", "-o", str(tmp_path / "out"), "--plan",
+                    str(compiled / "plan.json"), *pins, watch=(tmp_path, compiled))
+    assert re.search(pattern, line), line
+    assert_nothing_written(tmp_path, tmp_path / "out")
+
+
 def _weights_lacking_one(folder: Path, out: Path) -> list[str]:
     from safetensors.torch import load_file, save_file
 
