@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 from autopart.schedule import stage_placement
 from autopart.solve.chain_costs import ChainCosts
-from autopart.solve.data_parallel_tail import hidden_s, stage_layers, stage_times, tail_s
+from autopart.solve.data_parallel_tail import hidden_s, ranks_pending_s, stage_layers, stage_times, tail_s
 from autopart.solve.interleaved import interleaved_pipeline_s
 from autopart.solve.replica_shares import rank_spans, trained_bytes
 from autopart.solve.vshape import zbv_pipeline_s
@@ -47,7 +47,9 @@ def estimate_step_s(layout, cut, cluster, rank_parameter_bytes: list[int], nodes
         spans = _rank_spans(cut.cuts, len(costs), layout.schedule, p, layout.chunks)
         stepped_bytes = [stepped(mine) for mine in spans]
     return pipeline + tail_s(layout, cluster, rank_parameter_bytes, nodes, hidden_s(layout, times), last_bytes,
-                             stepped_bytes, trained)
+                             stepped_bytes, trained,
+                             ranks_pending_s(layout, cluster, cut.stage_time_s, rank_parameter_bytes, nodes, layers,
+                                             trained))
 
 
 @functools.lru_cache(maxsize=256)

@@ -32,7 +32,7 @@ from autopart.solve.replica_shares import rank_spans, slowest_replica_bytes, tra
 from autopart.solve.transfers import boundary_transfer_s
 
 __all__ = ["fully_sharded_levels", "tail_s", "update_s", "exposed_all_reduce_s", "hidden_s", "last_bucket_bytes",
-           "fully_sharded_extra_s", "stage_layers", "stage_times", "most_hidden_s", "fsdp_may_pay",
+           "fully_sharded_extra_s", "layered_pending_s", "ranks_pending_s", "stage_layers", "stage_times", "most_hidden_s", "fsdp_may_pay",
            "fully_sharded_floor_s"]
 
 FORWARD_SHARE = 1 / 3
@@ -54,7 +54,8 @@ def _reduce_scatter_s(cluster, nbytes: float, group: int, nodes: int) -> float:
 
 def tail_s(layout, cluster, rank_parameter_bytes: Sequence[int], nodes: int,
            hidden: Sequence[float] | None = None, last_bytes: Sequence[int] | None = None,
-           stepped_bytes: Sequence[float] | None = None, trained_bytes: Sequence[float] | None = None) -> float:
+           stepped_bytes: Sequence[float] | None = None, trained_bytes: Sequence[float] | None = None,
+           pending_s: Sequence[float] | None = None) -> float:
     """What the step does after the pipeline drains, on its busiest rank: the part of the
     data-parallel collectives that nothing hides, and the optimizer step (a shard of it under
     ZeRO). ``hidden``: per rank, the backward its all-reduce runs beside (``hidden_s``); None
@@ -63,7 +64,9 @@ def tail_s(layout, cluster, rank_parameter_bytes: Sequence[int], nodes: int,
     ``stepped_bytes``: per rank, what its slowest ZeRO-1 replica steps (`update_s`).
     ``trained_bytes``: per rank, the bytes of those parameters that train
     (`autopart.solve.replica_shares.trained_bytes`; None: all), all that it reduces and steps;
-    FSDP gathers the frozen rest too."""
+    FSDP gathers the frozen rest too. ``pending_s``: per rank, what its reduce-scatters run past
+    its last backward (ZeRO-3's `layered_pending_s`); None: the whole of its bytes' (ZeRO-2's,
+    which reduce-scatters a stage at once)."""
     tail = 0.0
     dp, level = layout.dp, int(layout.zero)
     for rank, whole in enumerate(rank_parameter_bytes):
@@ -77,6 +80,8 @@ def tail_s(layout, cluster, rank_parameter_bytes: Sequence[int], nodes: int,
                                         None if stepped_bytes is None else stepped_bytes[rank])
         else:  # FSDP: the step waits for the last reduce-scatter where it runs beside the compute
             last = _reduce_scatter_s(cluster, nbytes, dp, nodes) if cluster.reduction_overlaps else 0.0
+            if pending_s is not None:
+                last = pending_s[rank]
             gather = cluster.all_gather_s(gathered_bytes(whole, layout.dtype), dp, nodes) if level == 2 else 0.0
             rank_tail = cluster.optimizer_s_per_byte * nbytes / dp + last + gather
         tail = max(tail, rank_tail)
@@ -149,14 +154,26 @@ def fully_sharded_extra_s(level: int, cluster, stage_bytes: float, forward_s: fl
         scatter = _reduce_scatter_s(cluster, stage_bytes * trained, dp, nodes)  # beside the next forward, as predicted
         return 0.0, added_beside(scatter, forward_s, cluster.overlap_slowdown) if overlapped else scatter
     return _layered_extra_s(cluster, stage_bytes, forward_s, 2 * forward_s if backward_s is None else backward_s,
-                            layers, dp, nodes, dtype, trained)
+                            layers, dp, nodes, dtype, trained)[:2]
+
+
+def layered_pending_s(cluster, stage_bytes: float, forward_s: float, *, dp: int, nodes: int, dtype: str,
+                      backward_s: float | None = None, layers: tuple[int, int] = (0, 0), trained: float = 1.0) -> float:
+    """Of a ZeRO-3 stage (as `fully_sharded_extra_s` takes it), the reduce-scatters still running
+    as its backward ends, which the step waits for (``autopart.predict.fully_sharded``'s
+    ``pending_s``, the compiled plan's tail): the root unit's, after the layers' that ran beside
+    the backward, not the whole stage's."""
+    if dp == 1:
+        return 0.0
+    return _layered_extra_s(cluster, stage_bytes, forward_s, 2 * forward_s if backward_s is None else backward_s,
+                            layers, dp, nodes, dtype, trained)[2]
 
 
 @functools.lru_cache(maxsize=1 << 16)
 def _layered_extra_s(cluster, stage_bytes: float, forward_s: float, backward_s: float, layers: tuple[int, int],
-                     dp: int, nodes: int, dtype: str, trained: float) -> tuple[float, float]:
-    """``fully_sharded_extra_s`` at level 3, kept: refining a layout's cuts asks for the same
-    stages again and again."""
+                     dp: int, nodes: int, dtype: str, trained: float) -> tuple[float, float, float]:
+    """``fully_sharded_extra_s`` at level 3, and `layered_pending_s`, kept: refining a layout's
+    cuts asks for the same stages again and again."""
     layered_bytes, count = layers
     pieces = (Piece(forward_s / count, backward_s / count, layered_bytes / count, count) if count
               else Piece(forward_s, backward_s),)
@@ -164,7 +181,7 @@ def _layered_extra_s(cluster, stage_bytes: float, forward_s: float, backward_s: 
                               gather_s=lambda n: _gather_s(cluster, n, dp, nodes, dtype),
                               reduce_s=lambda n: _reduce_scatter_s(cluster, n * trained, dp, nodes),
                               overlapped=cluster.reduction_overlaps, slowdown=cluster.overlap_slowdown)
-    return cost.forward_s, cost.backward_beside(forward_s)
+    return cost.forward_s, cost.backward_beside(forward_s), cost.pending_s
 
 
 def _gather_s(cluster, parameter_bytes: float, dp: int, nodes: int, dtype: str) -> float:
@@ -281,16 +298,40 @@ def stage_times(layout, cluster, times: Sequence[float], rank_parameter_bytes: S
     if int(layout.zero) not in FSDP_LEVELS or layout.dp == 1:
         return tuple(times)
     found = []
+    for time, (share, forward_s, kwargs) in zip(times, _stages(layout, times, rank_parameter_bytes, layers,
+                                                               trained_bytes)):
+        forward, backward = fully_sharded_extra_s(int(layout.zero), cluster, share, forward_s, dp=layout.dp,
+                                                  nodes=nodes, dtype=layout.dtype, **kwargs)
+        found.append(time + forward + backward)
+    return tuple(found)
+
+
+def ranks_pending_s(layout, cluster, times: Sequence[float], rank_parameter_bytes: Sequence[int], nodes: int,
+                    layers: Sequence[tuple[int, int]] | None,
+                    trained_bytes: Sequence[float] | None = None) -> list[float] | None:
+    """Per rank, what its ZeRO-3 reduce-scatters run past its last backward (`layered_pending_s`
+    of its stages, as `stage_times` takes them; the longest, as the rank's stages' backwards end
+    close together at the pipeline's end): `tail_s`'s ``pending_s``. None at other levels."""
+    if int(layout.zero) != 3 or layout.dp == 1:
+        return None
+    found = [0.0] * layout.pp
+    placement = _placement(layout.schedule, layout.pp, layout.chunks)
+    for rank, (share, forward_s, kwargs) in zip(placement, _stages(layout, times, rank_parameter_bytes, layers,
+                                                                  trained_bytes)):
+        pending = layered_pending_s(cluster, share, forward_s, dp=layout.dp, nodes=nodes, dtype=layout.dtype, **kwargs)
+        found[rank] = max(found[rank], pending)
+    return found
+
+
+def _stages(layout, times: Sequence[float], rank_parameter_bytes: Sequence[int],
+            layers: Sequence[tuple[int, int]] | None, trained_bytes: Sequence[float] | None):
+    """Per stage, its parameter bytes, its forward and the rest of `fully_sharded_extra_s`'s
+    arguments, as `stage_times` and `ranks_pending_s` take them."""
     for stage, (time, rank) in enumerate(zip(times, _placement(layout.schedule, layout.pp, layout.chunks))):
         share = rank_parameter_bytes[rank] / layout.chunks
         trained = 1.0 if trained_bytes is None or not share else trained_bytes[rank] / layout.chunks / share
-        forward, backward = fully_sharded_extra_s(int(layout.zero), cluster, share, FORWARD_SHARE * time,
-                                                  dp=layout.dp, nodes=nodes, dtype=layout.dtype,
-                                                  backward_s=(1 - FORWARD_SHARE) * time,
-                                                  layers=layers[stage] if layers is not None else (0, 0),
-                                                  trained=trained)
-        found.append(time + forward + backward)
-    return tuple(found)
+        yield share, FORWARD_SHARE * time, dict(backward_s=(1 - FORWARD_SHARE) * time, trained=trained,
+                                                layers=layers[stage] if layers is not None else (0, 0))
 
 
 def most_hidden_s(layout, costs, cluster) -> float:

@@ -35,8 +35,8 @@ from autopart.solve.replica_shares import parameter_bytes_per_rank, rank_spans, 
 from autopart.solve.search import Cluster, CostTable, Scored
 from autopart.solve.baselines import stage_parameter_bytes
 from autopart.solve.chain_costs import ChainCosts, chain_sums
-from autopart.solve.data_parallel_tail import (fully_sharded_extra_s, last_bucket_bytes, stage_layers, tail_s,
-                                               update_s)
+from autopart.solve.data_parallel_tail import (fully_sharded_extra_s, last_bucket_bytes, layered_pending_s,
+                                               stage_layers, tail_s, update_s)
 from autopart.solve.transfers import boundary_transfer_s
 from autopart.predict.reduction import collectives_delay
 
@@ -49,7 +49,7 @@ def simulated_step_s(scored: Scored, table: CostTable, cluster: Cluster) -> floa
     Where the collectives overlap the compute (ZeRO 0 or 1), each rank's reductions run beside
     its own remaining actions as the simulated timeline has them (`_overlapped_step_s`)."""
     layout, cut = scored.layout, scored.cut
-    costs = simulated_stage_costs(scored, table, cluster)
+    costs, pending = _stage_costs(scored, table, cluster)
     chain = table.chain_costs(micro_batch_size=layout.micro_batch_size, tp=layout.tp, dtype=layout.dtype)
     ranks = stage_placement(layout.schedule, ranks=layout.pp, chunks=layout.chunks)
     rank_bytes = parameter_bytes_per_rank(table, layout, cut, ranks)
@@ -65,7 +65,7 @@ def simulated_step_s(scored: Scored, table: CostTable, cluster: Cluster) -> floa
     for rank, backward in zip(ranks, costs.backward_s):
         behind[rank] += backward
     return pipeline + tail_s(layout, cluster, rank_bytes, nodes, behind, last_bucket_bytes(layout, chain, cut.cuts),
-                             stepped_bytes, trained)
+                             stepped_bytes, trained, pending)
 
 
 def _overlapped_step_s(layout, cluster: Cluster, chain: ChainCosts, cuts: tuple[int, ...], costs: StageCosts,
@@ -100,6 +100,12 @@ def _overlapped_step_s(layout, cluster: Cluster, chain: ChainCosts, cuts: tuple[
 def simulated_stage_costs(scored: Scored, table: CostTable, cluster: Cluster) -> StageCosts:
     """Per stage of ``scored.cut``, its blocks' summed costs in its recompute mode; per boundary,
     the point-to-point time of what crosses it."""
+    return _stage_costs(scored, table, cluster)[0]
+
+
+def _stage_costs(scored: Scored, table: CostTable, cluster: Cluster) -> tuple[StageCosts, list[float] | None]:
+    """`simulated_stage_costs`, and at ZeRO-3 per rank what its reduce-scatters run past its last
+    backward (`autopart.solve.data_parallel_tail.layered_pending_s`, the longest of its stages')."""
     layout, cut = scored.layout, scored.cut
     costs = table.chain_costs(micro_batch_size=layout.micro_batch_size, tp=layout.tp, dtype=layout.dtype)
     if layout.schedule not in SPLIT_BACKWARD_KINDS:  # full recompute layer by layer, as the search counted it
@@ -108,22 +114,27 @@ def simulated_stage_costs(scored: Scored, table: CostTable, cluster: Cluster) ->
     ends = [*(c + 1 for c in cut.cuts), len(costs)]
     forward, backward, weight = costs.prefix("forward_s"), costs.prefix("backward_s"), costs.prefix("weight_s")
     forward_s, backward_s, weight_s = [], [], []
+    placement = stage_placement(layout.schedule, ranks=layout.pp, chunks=layout.chunks)
+    pending = [0.0] * layout.pp if int(layout.zero) == 3 else None
     data_parallel_nodes = layout.data_parallel_nodes(cluster.gpus_per_node)
-    for first, end, mode, layers in zip(firsts, ends, cut.recompute, stage_layers(costs, cut.cuts), strict=True):
+    for rank, first, end, mode, layers in zip(placement, firsts, ends, cut.recompute, stage_layers(costs, cut.cuts),
+                                              strict=True):
         stage_forward = forward[end] - forward[first]
         stage_backward = backward[end] - backward[first] + _recompute_s(costs, mode, first, end)
         held = stage_parameter_bytes(costs, first, end - 1)
         trained = trained_bytes(costs, ((first, end - 1),)) / held if held else 1.0
-        gather, reduce = fully_sharded_extra_s(int(layout.zero), cluster, held, stage_forward, dp=layout.dp,
-                                               nodes=data_parallel_nodes, dtype=layout.dtype,
-                                               backward_s=stage_backward, layers=layers, trained=trained)
+        arguments = dict(dp=layout.dp, nodes=data_parallel_nodes, dtype=layout.dtype, backward_s=stage_backward,
+                         layers=layers, trained=trained)
+        gather, reduce = fully_sharded_extra_s(int(layout.zero), cluster, held, stage_forward, **arguments)
+        if pending is not None:
+            pending[rank] = max(pending[rank], layered_pending_s(cluster, held, stage_forward, **arguments))
         forward_s.append(stage_forward + gather)
         backward_s.append(stage_backward + reduce)
         weight_s.append(weight[end] - weight[first])
     transfers = boundary_transfer_s(costs, layout, cluster)
     transfer_s = tuple(transfers[c] for c in cut.cuts)
     return StageCosts(forward_s=tuple(forward_s), backward_s=tuple(backward_s), weight_s=tuple(weight_s),
-                      transfer_s=transfer_s)
+                      transfer_s=transfer_s), pending
 
 
 def _recompute_s(costs: ChainCosts, mode: str, first: int, end: int) -> float:
