@@ -116,3 +116,16 @@ def test_an_op_that_cuda_autocast_gives_two_dtypes_is_refused_in_one_line(tmp_pa
     assert "compile with --dtype fp32" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
     assert autopart.compile(model, global_batch_size=4, device="h100-sxm").dtype == "fp32"  # the model itself is sound
+
+
+def test_a_search_over_precisions_leaves_out_the_one_the_model_does_not_run_in(tmp_path, caplog):
+    """--dtype auto: bf16 is refused for this model (above), so the search chooses among fp32's
+    layouts and says why, where it ended on bf16's error."""
+    import logging
+
+    model = tmp_path / "router.py"
+    model.write_text(TOP_K_ROUTER)
+    with caplog.at_level(logging.INFO, logger="autopart"):
+        plan = autopart.compile(model, world_size=2, global_batch_size=4, device="h100-sxm", dtype="auto")
+    assert plan.dtype == "fp32"
+    assert "the search leaves out bf16: under --dtype bf16 this model's op 'scatter' fails" in caplog.text

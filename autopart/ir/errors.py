@@ -15,6 +15,7 @@ __all__ = [
     "ModelFileError",
     "CaptureError",
     "ConfigError",
+    "PrecisionError",
     "InfeasibleError",
     "PlanError",
     "ScheduleError",
@@ -39,6 +40,11 @@ class CaptureError(AutopartError):
 
 class ConfigError(AutopartError):
     """The options do not fit together or do not fit the model."""
+
+
+class PrecisionError(ConfigError):
+    """The model does not run in the precision asked for (autopart.passes.annotate.mixed_dtype_error);
+    a search that may choose another leaves this one out."""
 
 
 class InfeasibleError(AutopartError):

@@ -43,7 +43,7 @@ from autopart.passes.cost_keys import cost_key
 from autopart.passes.kernel_figures import kernel_figures, recompute_share
 from autopart.passes.grad_leaves import grad_ready, leaves_for_grad
 from autopart.passes.weight_seeds import OpSeeds, ParameterValues, arg_nodes, arg_places, op_seeds, shared_seeds
-from autopart.ir.errors import ConfigError
+from autopart.ir.errors import PrecisionError
 from autopart.ir.model_file import ModelSpec, is_meta
 from autopart.passes.capture import Graph, graph_args
 from autopart.ir.recompute import dropout_mask_bytes, keeps_output
@@ -189,12 +189,12 @@ def mixed_dtype_error(exc: RuntimeError, op: str, dtype: str = "fp32") -> Except
     model mixes ops it casts differently (a ``scatter`` of a softmax, which CUDA's runs in fp32,
     into a matmul's bf16 output); ``exc`` itself otherwise."""
     if "mixed dtype (CPU)" in str(exc):
-        return ConfigError(f"on the CPU, autocast runs norms in their input's dtype and this model meets a bf16 "
+        return PrecisionError(f"on the CPU, autocast runs norms in their input's dtype and this model meets a bf16 "
                            f"working weight with fp32 values at '{op}'; compile with --dtype bf16-autocast (fp32 "
                            "weights) for the CPU")  # fmt: skip
     message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     if dtype != "fp32" and ("dtype" in message or "scalar type" in message):
-        return ConfigError(f"under --dtype {dtype} this model's op '{op}' fails on the dtypes autocast gives its "
+        return PrecisionError(f"under --dtype {dtype} this model's op '{op}' fails on the dtypes autocast gives its "
                            f"operands ({message}); cast them to one dtype in the model (as torch.autocast on the "
                            "device would need too), or compile with --dtype fp32")  # fmt: skip
     return exc

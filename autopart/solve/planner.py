@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 
 from torch import nn
 
-from autopart.ir.errors import ConfigError, InfeasibleError, gib_up
+from autopart.ir.errors import ConfigError, InfeasibleError, PrecisionError, gib_up
 from autopart.ir.plan import Plan
 from autopart.ir.recompute import RECOMPUTE_MODES
 from autopart.ir.tensors import SEARCHED_DTYPES
@@ -159,12 +159,33 @@ def plan_by_search(options: CompileOptions, *, progress: Progress | None = None,
     space = _shardable(space, full.model_spec().module)
     cluster = cluster_of(options)
     shallow = shallow_table(full)
+    space = _runnable_dtypes(space, shallow or full, min(sizes, default=1))
     if shallow is not None:
         searched = _shallow_search(options, space, cluster, full, shallow, progress=progress, finalists=finalists,
                                    plan_every=plan_every)
         if searched is not None:
             return searched
     return _full_search(options, space, cluster, full, progress=progress, finalists=finalists)
+
+
+def _runnable_dtypes(space: SearchSpace, table, micro_batch_size: int) -> SearchSpace:
+    """``space`` without the precisions the model does not run in (`PrecisionError`: an op that
+    autocast gives two dtypes), where the search chooses among several; annotated here, before
+    the search asks, so that it can leave them out (the costs are kept for it)."""
+    if len(space.dtype) == 1:
+        return space
+    kept, refused = [], []
+    for dtype in space.dtype:
+        try:
+            table.annotated_front(micro_batch_size=micro_batch_size, tp=1, dtype=dtype)
+        except PrecisionError as error:
+            log.info(f"the search leaves out {dtype}: {error}")
+            refused.append(error)
+        else:
+            kept.append(dtype)
+    if not kept:
+        raise refused[0]
+    return replace(space, dtype=tuple(kept))
 
 
 def _shardable(space: SearchSpace, model: nn.Module) -> SearchSpace:
