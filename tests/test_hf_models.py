@@ -31,3 +31,18 @@ def test_hf_bert_compiles_with_its_attention_mask_on_every_stage(tmp_path):
     # the mask is batch-derived: each stage rebuilds it from the batch instead of receiving it
     assert all("attention_mask" in s.batch_inputs for s in plan.stages)
     assert all(name not in ("attention_mask",) for s in plan.stages for name, _ in s.inputs)
+
+
+@pytest.mark.multiprocess
+def test_a_gpu_bf16_plan_that_cpu_autocast_refuses_says_why_and_what_to_do(tmp_path):
+    """GPT-2's plan for an H100 in bf16 meets CPU autocast's refusal of a bf16 norm weight beside
+    fp32 values (CUDA's runs norms in fp32): the rank's line says so and how to run it here,
+    where it ended on torch's 'mixed dtype (CPU)'."""
+    from autopart.tools.verify import verify
+    from autopart.tools.local_run import LocalRunError
+
+    compile_to_directory(CompileOptions(model=MODELS / "hf_gpt2.py", global_batch_size=2, device="h100-sxm",
+                                        dtype="bf16", measure=False), tmp_path / "out")  # fmt: skip
+    with pytest.raises(LocalRunError, match=r"mixed dtype \(CPU\).*a bf16 plan compiled for a GPU runs there, or "
+                                            r"compile with --device cpu"):
+        verify(tmp_path / "out", steps=1)

@@ -189,7 +189,7 @@ class Executor:
         grid = format_grid(self.schedule, mark=(self.rank, position))
         return StepFailure(
             f"rank {self.rank}, stage {action.stage}, microbatch {action.microbatch}, action {action}: "
-            f"{type(exc).__name__}: {exc}\n{grid}"
+            f"{type(exc).__name__}: {exc}{_hint(exc)}\n{grid}"
         )
 
     def _run(
@@ -318,6 +318,16 @@ def check_outputs(out: Any, metas: list[TensorMeta], tp: int = 1) -> None:
             "autocast on this device gives other dtypes than at compile time (CPU autocast), or the plan was compiled "
             "before --dtype bf16 meant bf16 working weights: recompile (--dtype fp32 where autocast differs)"
         )
+
+
+def _hint(exc: Exception) -> str:
+    """What to do about a failure the user can act on, after its message: CPU autocast refuses a
+    bf16 norm weight beside fp32 values, which CUDA's runs in fp32 (a plan compiled for a GPU)."""
+    if "mixed dtype (CPU)" in str(exc):
+        return ("; on the CPU, autocast runs norms in their input's dtype, where CUDA's runs them in fp32: a bf16 "
+                "plan compiled for a GPU runs there, or compile with --device cpu (or --dtype bf16-autocast) to run "
+                "it on this CPU")
+    return ""
 
 
 def _peer(stage: StageRuntime, kind: Kind) -> int:
