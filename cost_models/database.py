@@ -207,7 +207,7 @@ class CostDatabase:
             raise
         except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
             raise ConfigError(f"cost database {path} is not a valid cost database ({exc}); "
-                              "delete it or write a new one with 'autopart profile'") from None
+                              "give one that 'autopart profile' wrote, or a new path to write one at") from None
         return CostDatabase(path=path, entries=entries, overheads=overheads, pipelines=pipelines, co_runs=co_runs)
 
     def get(self, device: str, op_key: str) -> OpTimes | None:

@@ -603,6 +603,10 @@ COMMAND_CASES = {  # name -> (arguments given the test's folder and OUT, pattern
     "profile_into_a_directory": (lambda f, o: ["profile", "examples/gpt.py", "-o", str(f)], r"is a directory; give the path of a \.json"),
     "profile_under_a_file": (lambda f, o: _a_file(f / "x") + ["profile", "examples/gpt.py", "-o", str(f / "x" / "c.json")],
                              r"-o .*c\.json lies under .*x, which is a file"),
+    "profile_over_a_file_of_the_user_s": (lambda f, o: _a_file(f / "mine.py") + ["profile", "examples/gpt.py", "-o",
+                                                                         str(f / "mine.py")],
+                                          r"mine\.py is not a valid cost database .*; give one that 'autopart profile' "
+                                          r"wrote, or a new path to write one at$"),
     "consolidate_under_a_file": (lambda f, o: _a_file(f / "x") + ["consolidate", str(f), "-o", str(f / "x" / "m.st")],
                                  r"-o .*m\.st lies under .*x, which is a file"),
     "compile_costs_under_a_file": (lambda f, o: _a_file(f / "x") + ["compile", "examples/gpt.py", "-o", str(f / "out"),
