@@ -32,8 +32,8 @@ from autopart.solve.replica_shares import rank_spans, slowest_replica_bytes, tra
 from autopart.solve.transfers import boundary_transfer_s
 
 __all__ = ["fully_sharded_levels", "tail_s", "update_s", "exposed_all_reduce_s", "hidden_s", "last_bucket_bytes",
-           "fully_sharded_extra_s", "layered_pending_s", "ranks_pending_s", "stage_layers", "stage_times", "most_hidden_s", "fsdp_may_pay",
-           "fully_sharded_floor_s"]
+           "fully_sharded_extra_s", "layered_pending_s", "ranks_pending_s", "stage_layers", "stage_times",
+           "most_hidden_s", "fsdp_may_pay", "fully_sharded_floor_s"]
 
 FORWARD_SHARE = 1 / 3
 """Of a stage's forward and backward, the forward's part (a backward is about twice a forward)."""
