@@ -22,7 +22,9 @@ before the last op that reads a weight. A point after it (the head's output on i
 loss, the loss's own arithmetic) is measured by all it carries and may still be a boundary where
 it is as narrow as the model's, as a cut that leaves a stage the loss alone; it never sets the
 width that the layer cuts are held to, since a classifier's head (a few outputs per sample) is
-narrower than any layer's stream and would throw every layer cut away.
+narrower than any layer's stream and would throw every layer cut away. For the same reason the
+points after a pooling (the last fall in width, made by an op that reads no weight: a CNN's mean
+over the image, a ViT's first token) set no width either.
 
 Nodes that depend only on the batch and on buffers (position ids, masks, reshaped targets), the
 parameters and the inputs belong to no block: every stage that needs them recomputes or holds
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from torch import fx
@@ -160,7 +163,8 @@ def _cut_points(compute: list[fx.Node], crossing: list[list[str]], op_graph: OpG
     # fp32 residual stream would otherwise look as narrow as the stream alone, and the cuts
     # (and so the blocks the sharding solver sees) would depend on the precision.
     widths = {i: sum(costs[name].output.numel for name in names) for i, names in measured.items()}
-    reference = set(inside) or set(measured)  # a model of one weighted op has only its loss's points
+    # a model of one weighted op has only its loss's points
+    reference = set(_before_the_pooling(inside, widths, compute, op_graph)) or set(measured)
     narrowest = min(widths[i] for i in reference)
     narrow = [i for i in measured if widths[i] <= NARROW_FACTOR * narrowest]
     # Where the stream alone is live, not beside a small side value (an RMSNorm's rsqrt).
@@ -172,6 +176,23 @@ def _cut_points(compute: list[fx.Node], crossing: list[list[str]], op_graph: OpG
         else:
             runs.append([i])
     return _one_point_per_run(runs, compute, costs)
+
+
+def _before_the_pooling(inside: list[int], widths: dict[int, int], compute: list[fx.Node],
+                        op_graph: OpGraph) -> list[int]:
+    """The points that set the width the layer cuts are held to: all of ``inside`` but those after
+    the model's last fall in width, where an op that reads no weight makes it (a classifier's
+    pooling: a CNN's mean over the image, a ViT's or BERT's first token). The pooled features are
+    narrower than any layer's stream, and as the reference they would throw every layer cut away
+    (``--pp 2`` gave the last stage the head alone; ``--stage-layers`` counted one layer). A fall
+    made by a weight (a funnel's linears) is the model's own narrow point and stays."""
+    later = 0  # the widest point after the one at hand
+    for k in range(len(inside) - 1, 0, -1):
+        later = max(later, widths[inside[k]])
+        fall = inside[k - 1]
+        if widths[fall] > NARROW_FACTOR * later:
+            return inside if any(map(_weight_readers(op_graph), compute[fall + 1 : inside[k] + 1])) else inside[:k]
+    return inside
 
 
 def _one_point_per_run(runs: list[list[int]], compute: list[fx.Node], costs: dict[str, NodeCost]) -> list[int]:
@@ -205,8 +226,21 @@ def _last_weight_use(compute: list[fx.Node], op_graph: OpGraph) -> dict[str, int
     reads a weight (a parameter, a value made from parameters alone such as a transposed tied
     head, or a --leaf module's own), or one that is itself on the way to a weight. A value live at
     a point after that position is carried to the loss alone."""
-    costs = op_graph.nodes
     position = {n.name: i for i, n in enumerate(compute)}
+    reads_weights = _weight_readers(op_graph)
+    last: dict[str, int] = {}
+    for node in reversed(compute):  # every user of a compute node comes after it
+        uses = [position[user.name] for user in node.users
+                if user.name in position and (user.name in last or reads_weights(user))]
+        if uses:
+            last[node.name] = max(uses)
+    return last
+
+
+def _weight_readers(op_graph: OpGraph) -> Callable[[fx.Node], bool]:
+    """Whether a node reads a weight: a parameter, a value made from parameters alone (a transposed
+    tied head), or a --leaf module's own."""
+    costs = op_graph.nodes
     weights: set[str] = set()
     for node in op_graph.fx_nodes():
         if costs[node.name].is_parameter:
@@ -219,13 +253,7 @@ def _last_weight_use(compute: list[fx.Node], op_graph: OpGraph) -> dict[str, int
     def reads_weights(node: fx.Node) -> bool:
         return bool(op_graph.leaf_parameters(node.name)) or any(arg.name in weights for arg in node.all_input_nodes)
 
-    last: dict[str, int] = {}
-    for node in reversed(compute):  # every user of a compute node comes after it
-        uses = [position[user.name] for user in node.users
-                if user.name in position and (user.name in last or reads_weights(user))]
-        if uses:
-            last[node.name] = max(uses)
-    return last
+    return reads_weights
 
 
 def _make_block(index: int, members: list[fx.Node], op_graph: OpGraph) -> Block:
