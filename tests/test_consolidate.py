@@ -159,3 +159,97 @@ def test_a_file_of_the_user_s_at_o_is_kept_and_consolidate_s_own_is_replaced(che
     for _ in range(2):
         code, err = consolidate(capsys, root, tmp_path / "m.safetensors")
         assert code == 0, err
+
+
+BUFFERED = '''
+import torch
+from torch import nn
+
+
+class Layer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.norm = nn.BatchNorm1d(8)  # running statistics, and a counter that the capture leaves out
+
+    def forward(self, x):
+        return x + torch.tanh(self.norm(self.linear(x)))
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(Layer() for _ in range(2))
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, 8), persistent=False)  # as a Llama's rotary tables
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x) * self.scale
+        return x.pow(2).mean()
+
+
+def build_model():
+    torch.manual_seed(0)
+    return Model()
+
+
+def example_batch(batch_size):
+    return (torch.randn(batch_size, 8),), None
+'''
+
+
+@pytest.fixture
+def buffered(tmp_path) -> tuple[Path, Path]:
+    """(a compile at pp 2 of a model with a non-persistent buffer and BatchNorms, its checkpoint folder)."""
+    model = tmp_path / "buffered.py"
+    model.write_text(BUFFERED)
+    out = tmp_path / "out"
+    cli.main(["compile", str(model), "-o", str(out), "--pp", "2", "--microbatches", "2", "--no-measure"])
+    assert "scale" in (out / "stages" / "stage_1.py").read_text(), "each stage holds the buffer it reads"
+    save_weights_as_checkpoint(out, tmp_path / "ckpt")
+    return out, tmp_path / "ckpt"
+
+
+def test_the_file_holds_the_state_dict_of_a_model_with_buffers_outside_it(buffered, tmp_path, capsys):
+    """A non-persistent buffer, which the stages hold, is not written (the model's load_state_dict
+    refuses it: 'has no scale' stopped consolidation); a counter no stage reads (BatchNorm's
+    num_batches_tracked) is written as the model builds it, with a note."""
+    from autopart.ir.model_file import load_model_file
+
+    out, root = buffered
+    capsys.readouterr()
+    code, err = consolidate(capsys, root, tmp_path / "model.safetensors")
+    assert code == 0, err
+    assert "no stage reads layers.0.norm.num_batches_tracked" in err
+    written = load_file(str(tmp_path / "model.safetensors"))
+    module = load_model_file(out / "model.py").module
+    assert written.keys() == module.state_dict().keys()
+    module.load_state_dict(written, strict=True)
+    trained = load_file(str(out / "weights" / "stage_0.safetensors"))
+    assert torch.equal(written["layers.0.norm.running_var"], trained["layers.0.norm.running_var"])
+
+
+def test_weights_saved_from_the_state_dict_load_into_every_stage(buffered, tmp_path):
+    """train.py --weights takes model.state_dict(), which holds no non-persistent buffer: the
+    stages take theirs from weights/ ('lacks 1 tensor(s) of stage 0, first 'scale'' before)."""
+    from safetensors.torch import save_file
+
+    from autopart.ir.model_file import load_model_file
+    from autopart.runtime.stage import check_checkpoint, load_stage, state_names
+
+    out, _ = buffered
+    module = load_model_file(out / "model.py").module
+    with torch.no_grad():
+        for parameter in module.parameters():
+            parameter.add_(1.0)  # weights other than the compile's
+    weights = tmp_path / "state.safetensors"
+    save_file(module.state_dict(), str(weights))
+    for index in (0, 1):
+        check_checkpoint(weights, state_names(out, index), index)
+        stage = load_stage(out, index, torch.device("cpu"), weights=weights)
+        held = dict(stage.named_parameters()) | dict(stage.named_buffers())
+        assert "scale" in held
+        assert torch.equal(held["scale"], module.scale)
+        for name, value in held.items():
+            torch.testing.assert_close(value, module.get_parameter(name) if name.endswith(("weight", "bias"))
+                                       else module.get_buffer(name), msg=name)

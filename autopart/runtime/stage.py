@@ -26,6 +26,7 @@ __all__ = [
     "model_attribute",
     "load_stage",
     "stage_names",
+    "state_names",
     "check_checkpoint",
     "read_checkpoint",
     "checked_stage_source",
@@ -171,6 +172,21 @@ def stage_names(out_dir: Path, index: int) -> list[str]:
     return names
 
 
+def state_names(out_dir: Path, index: int) -> list[str]:
+    """The names of stage ``index``'s tensors that a state dict of the model holds, those a
+    ``--weights`` checkpoint gives: all of `stage_names` but the model's non-persistent buffers
+    (``register_buffer(..., persistent=False)``, a Llama's rotary tables), which
+    ``model.state_dict()`` leaves out; the stage has them from ``weights/`` or the model's init."""
+    transient = _transient_buffers(out_dir / "model.py")
+    return [name for name in stage_names(out_dir, index) if name not in transient]
+
+
+@functools.cache
+def _transient_buffers(model_file: Path) -> frozenset[str]:
+    model = _meta_model(model_file)
+    return frozenset(name for name, _ in model.named_buffers(remove_duplicate=False)) - set(model.state_dict())
+
+
 def checked_stage_source(out_dir: Path, plan: Plan, index: int) -> bytes:
     """The bytes of ``stages/stage_<index>.py``, once they are known to be the ones the compile wrote.
 
@@ -232,7 +248,7 @@ def load_stage(
     own = stage_names(out_dir, index)
     whole: dict[str, torch.Tensor] = {}
     if weights is not None:
-        whole.update(read_checkpoint(weights, own))
+        whole.update(read_checkpoint(weights, state_names(out_dir, index)))
     missing = [name for name in own if name not in values and name not in whole]
     if missing:
         from autopart.runtime.materialise import materialise

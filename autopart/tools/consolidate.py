@@ -40,7 +40,7 @@ class Consolidated:
     step: int  # steps done when it was saved
     tensors: int
     skipped: tuple[str, ...]  # newer checkpoints passed over as damaged
-    unread: tuple[str, ...] = ()  # the model's parameters that no stage reads: as build_model() makes them
+    unread: tuple[str, ...] = ()  # the model's tensors that no stage reads: as build_model() makes them
 
 
 def _model_file(plan: Plan, model: Path | None) -> Path:
@@ -83,24 +83,28 @@ def consolidated_state(checkpoint: Path, model: Path | None = None) -> tuple[dic
                 whole[name] = unshard_weight(pieces, placements.get(name, REPLICATE))
     assert module is not None
     held = module.state_dict(keep_vars=True)
+    # a non-persistent buffer (register_buffer(..., persistent=False)) is a stage's, so a checkpoint
+    # holds it, but the model's state dict leaves it out: so does the file
+    for name, _ in module.named_buffers(remove_duplicate=False):
+        if name not in held:
+            whole.pop(name, None)
     _check_same_model(held, whole, model_file)
     aliases: dict[int, list[str]] = {}
     for name, value in held.items():
         aliases.setdefault(id(value), []).append(name)
     state: dict[str, torch.Tensor] = {}
     unread: list[str] = []
-    parameters = dict(module.named_parameters())
     for names in aliases.values():
         found = next((whole[n] for n in names if n in whole), None)
-        parameter = parameters.get(names[0])
-        if found is None and parameter is not None and not parameter.is_meta:
-            # no stage reads it, so it has no gradient and no optimizer steps it: it is as it was built
-            found = parameter
+        if found is None and not held[names[0]].is_meta:
+            # no stage reads it (a parameter no op uses; a counter the capture leaves out, as
+            # BatchNorm's num_batches_tracked): no gradient, optimizer or op changed it, so it is as built
+            found = held[names[0]]
             unread.append(names[0])
-        if found is None:  # a buffer may be one the model writes and the capture left out (a counter)
+        if found is None:
             raise ConfigError(
-                f"the checkpoint holds no values for {names[0]!r} of the model (no stage reads it, and it is a buffer "
-                "or built on the meta device); consolidate from a checkpoint of this model's compile"
+                f"the checkpoint holds no values for {names[0]!r} of the model (no stage reads it, and it is built on "
+                "the meta device); consolidate from a checkpoint of this model's compile"
             )
         for name in names:
             state[name] = found.detach().clone().contiguous()
