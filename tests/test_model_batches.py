@@ -203,3 +203,26 @@ def test_batches_that_run_out_end_each_rank_in_its_line_and_code_2(tmp_path: Pat
     assert "[rank0]: Traceback" not in text and "[rank1]: Traceback" not in text and "StopIteration" not in text, text
     assert text.count("autopart: error: batches(4, 0) of short.py ran out after 1 global batches") == 2, text
     assert "exitcode: 2" in text or "(exitcode: 2)" in text, text
+
+
+@pytest.mark.parametrize("edit, message", [
+    (("scale * torch.randn(b, 8)", "scale * torch.randn(b, 9)"),
+     r"batches\(\) in model\.py: input 0 has shape \(4, 9\), where example_batch's is \(4, 8\), the shape the plan was "
+     r"compiled for; give batches of example_batch's shapes"),
+    (("torch.randn(b, 4)", "torch.randn(b, 2, 4)"), r"batches\(\) in model\.py: the target has shape \(4, 2, 4\)"),
+    (("yield (scale * torch.randn(b, 8) + shift,)", "yield (scale * torch.randn(b, 8) + shift, torch.zeros(b))"),
+     r"batches\(\) in model\.py gives 2 inputs, where example_batch gives 1"),
+    (("[((torch.randn(b, 8),)", "[((torch.randn(b, 16),)"), r"eval_batches\(\) in model\.py: input 0 has shape \(4, 16\)"),
+])  # fmt: skip
+def test_batches_of_other_shapes_than_the_example_are_refused(tmp_path: Path, edit, message) -> None:
+    """The plan is compiled for example_batch's shapes: a stage given a batch of 16 tokens where
+    the example has 32 failed on its message to the next stage, put down to autocast."""
+    from autopart.ir.errors import ModelFileError
+
+    assert edit[0] in MODEL
+    path = tmp_path / "model.py"
+    path.write_text(MODEL.replace(*edit))
+    spec = load_model_file(path, build=False)
+    with pytest.raises(ModelFileError, match=message):
+        next(global_batches(spec, 4, 7))
+        eval_batches(spec, 4, 7, 2)

@@ -19,8 +19,8 @@ from autopart.ir.model_file import ModelSpec, check_batch, describe_error
 from autopart.ir.errors import ConfigError, ModelFileError
 from autopart.ir.plan import Plan
 
-__all__ = ["apart", "eval_batches", "global_batches", "model_file", "split_microbatches", "synthetic_batches",
-           "training_batches"]
+__all__ = ["apart", "eval_batches", "global_batches", "model_file", "shaped_as", "split_microbatches",
+           "synthetic_batches", "training_batches"]
 
 
 T = TypeVar("T")
@@ -74,8 +74,30 @@ def global_batches(spec: ModelSpec, batch_size: int, seed: int) -> Iterator[tupl
     if spec.batches is None:
         yield from synthetic_batches(spec, batch_size, seed)
         return
+    example = next(apart(lambda: [spec.example(batch_size)], 0))
     for batch in _users(spec, "batches", apart(lambda: spec.batches(batch_size, seed), seed), (batch_size, seed)):
-        yield check_batch(spec.path, "batches", batch, batch_size)
+        yield shaped_as(example, spec, "batches", check_batch(spec.path, "batches", batch, batch_size))
+
+
+def shaped_as(example: tuple[tuple[torch.Tensor, ...], Any], spec: ModelSpec, producer: str,
+              batch: tuple[tuple[torch.Tensor, ...], Any]) -> tuple[tuple[torch.Tensor, ...], Any]:
+    """``batch``, once its tensors are known to be shaped as ``example``'s (``example_batch``'s)
+    past the batch dimension: the plan was compiled for those shapes, and a stage given others
+    failed far from the cause (its output not the message the next stage awaits, put down to
+    autocast)."""
+    inputs, target = batch
+    if len(inputs) != len(example[0]):
+        raise ModelFileError(f"{producer}() in {spec.path.name} gives {len(inputs)} inputs, where example_batch gives "
+                             f"{len(example[0])}, the inputs the plan was compiled for; give as many")
+    for i, (tensor, like) in enumerate(zip([*inputs, target], [*example[0], example[1]])):
+        if isinstance(tensor, torch.Tensor) and isinstance(like, torch.Tensor) and tensor.shape[1:] != like.shape[1:]:
+            what = f"input {i}" if i < len(inputs) else "the target"
+            raise ModelFileError(
+                f"{producer}() in {spec.path.name}: {what} has shape {tuple(tensor.shape)}, where example_batch's is "
+                f"{(tensor.shape[0], *like.shape[1:])}, the shape the plan was compiled for; give batches of "
+                "example_batch's shapes, or make example_batch give these and compile again"
+            )
+    return batch
 
 
 def training_batches(spec: ModelSpec, batch_size: int, seed: int) -> Iterator[tuple[tuple[torch.Tensor, ...], Any]]:
@@ -161,9 +183,11 @@ class HeldOut:
         if spec.eval_batches is None:
             source = synthetic_batches(spec, batch_size, -1 - seed)
         else:
+            example = next(apart(lambda: [spec.example(batch_size)], 0))
             drawn = _users(spec, "eval_batches", apart(lambda: spec.eval_batches(batch_size, seed), -1 - seed),
                            (batch_size, seed))
-            source = (check_batch(spec.path, "eval_batches", b, batch_size) for b in drawn)
+            source = (shaped_as(example, spec, "eval_batches", check_batch(spec.path, "eval_batches", b, batch_size))
+                      for b in drawn)
         return (batch for _, batch in zip(range(self.count), source))
 
 
