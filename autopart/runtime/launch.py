@@ -11,6 +11,7 @@ import datetime
 import hashlib
 import json
 import os
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -64,7 +65,8 @@ def check_world_size(plan: Plan, world_size: int, command: str) -> None:
 
 def check_launch(out_dir: Path, plan: Plan, *, rank: int, world_size: int) -> None:
     """World size, this rank's stage files and weights, and that they come from this plan's compile."""
-    check_world_size(plan, world_size, f"torchrun --nproc-per-node {plan.world_size} {out_dir / 'train.py'}")
+    train = shlex.quote(str(out_dir / "train.py"))  # a command to paste: a folder of spaces stays one word
+    check_world_size(plan, world_size, f"torchrun --nproc-per-node {plan.world_size} {train}")
     mesh = Mesh.of(plan)
     here = mesh.coordinates(rank)
     digest = plan_digest(out_dir / "plan.json")

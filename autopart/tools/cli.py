@@ -10,6 +10,7 @@ import argparse
 import gc
 import logging
 import resource
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -220,7 +221,7 @@ so none wraps a cell (a table takes its natural width, up to the console's)."""
 def _console() -> Console:
     """The commands' console. Into a file or a pipe (a CI log, ``| tee``) a line stays whole, for
     grep, and a table its natural width: rich would wrap both at 80 columns."""
-    console = Console(highlight=False)
+    console = Console(highlight=False, markup=False)  # paths and names as given: '-o runs/[exp]' is no style
     if not console.is_terminal:
         console.soft_wrap, console.width = True, _UNWRAPPED
     return console
@@ -313,7 +314,8 @@ def _compile(args: argparse.Namespace, console: Console) -> None:
         console.print(f"{plan.predicted.background_load:g} other busy processes shared this machine's cores while it "
                       "compiled; the predicted step counts them (compile on a quiet machine for a quiet one's step)")
     console.print(f"compile peak memory {peak_memory_gib():.2f} GiB")
-    console.print(f"wrote {out}/; train with:\n  torchrun --nproc-per-node {plan.world_size} {out}/train.py --steps 10")
+    train = shlex.quote(f"{out}/train.py")  # a command to paste: a folder of spaces stays one word
+    console.print(f"wrote {out}/; train with:\n  torchrun --nproc-per-node {plan.world_size} {train} --steps 10")
 
 
 def _print_turns(console: Console, plan, ran: float | None) -> None:
@@ -415,7 +417,7 @@ def _explain(args: argparse.Namespace, console: Console) -> None:
     )
     if comparison is None:
         console.print(
-            f"measure a step with: torchrun --nproc-per-node {plan.world_size} {args.out}/train.py "
+            f"measure a step with: torchrun --nproc-per-node {plan.world_size} {shlex.quote(f'{args.out}/train.py')} "
             "--steps 3 --trace trace.json"
         )
         return
