@@ -3,11 +3,13 @@ compile says so where the microbatch is smaller than the global batch, whichever
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 import autopart
 
 MODEL = """
 import torch
+from safetensors.torch import load_file
 from torch import nn
 
 
@@ -90,3 +92,30 @@ class Normed"""))
     with caplog.at_level("INFO", logger="autopart"):
         autopart.compile(model, pp=2, microbatches=4, global_batch_size=8, leaf=("Block",), measure=False)
     assert "2 BatchNorm op(s) normalise by the statistics of each microbatch of 2 samples" in caplog.text
+
+
+@pytest.mark.multiprocess
+def test_an_evaluation_leaves_the_running_statistics_as_training_left_them(tmp_path):
+    """A held-out forward runs the captured BatchNorms in training mode, which moved their running
+    statistics by the held-out batches: --eval-every changed the model trained (the reference's
+    eager evaluation likewise). The weights saved with and without evaluations are the same."""
+    from autopart.runtime.reference import train_reference
+    from tests.distributed import run_ranks
+
+    model = tmp_path / "bn.py"
+    model.write_text(MODEL.replace("NORM", "lambda: nn.BatchNorm1d(16)"))
+    out = tmp_path / "out"
+    autopart.emit(autopart.compile(model, pp=2, microbatches=2, global_batch_size=4, capture="export", measure=False),
+                  out)  # fmt: skip
+    saved = {}
+    for name, evaluation in (("plain", []), ("evaluated", ["--eval-every", "1"])):
+        run_ranks(out, 2, "--steps", "2", "--save-weights", str(tmp_path / name), *evaluation)
+        saved[name] = {k: v for stage in (0, 1) for k, v in
+                       load_file(str(tmp_path / name / f"stage_{stage}.safetensors")).items()}  # fmt: skip
+    assert any("running_mean" in name for name in saved["plain"])
+    for name, value in saved["plain"].items():
+        assert torch.equal(value, saved["evaluated"][name]), name
+    plain, evaluated = (train_reference(out, steps=2, lr=0.1, optimizer="sgd", eval_every=every)
+                        for every in (0, 1))  # fmt: skip
+    for name, value in plain.parameters.items():
+        assert torch.equal(value, evaluated.parameters[name]), name

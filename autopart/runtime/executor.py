@@ -24,7 +24,7 @@ from autopart.ir.tensors import TensorMeta
 from autopart.runtime.backward import PendingWeights, backward_full, backward_input, backward_weight
 from autopart.runtime.device import Mark, StepTimer, batch_on_device
 from autopart.runtime.draws import draw_seed
-from autopart.runtime.forward import NoDropout, Rebuild, StageForward
+from autopart.runtime.forward import NoDropout, Rebuild, StageForward, buffers_kept
 from autopart.runtime.p2p import Channels, Scatter, recv_tensors, send_tensors
 from autopart.runtime.reducer import GradientReducer
 from autopart.schedule import Action, Kind, Schedule, format_grid
@@ -161,7 +161,7 @@ class Executor:
         losses: list[torch.Tensor] = []
         pending: list[Any] = []
         microbatches = self._on_device(microbatches)
-        with torch.no_grad(), NoDropout():
+        with torch.no_grad(), NoDropout(), buffers_kept([stage.module for stage in self.stages.values()]):
             self._begin_step()
             for position, action in enumerate(self.actions):
                 if action.kind not in _FORWARD_KINDS:

@@ -62,6 +62,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,12 +77,27 @@ from autopart.runtime.fully_sharded import is_sharded
 from autopart.runtime.sharded_masters import working_weight
 from autopart.ir.recompute import keeps_output
 
-__all__ = ["StageForward", "Rebuild", "selective_policy", "working_copies", "NoDropout"]
+__all__ = ["StageForward", "Rebuild", "selective_policy", "working_copies", "NoDropout", "buffers_kept"]
 
 
 def selective_policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
     """Keep the outputs of the compute-heavy ops (`autopart.passes.recompute.keeps_output`), recompute the rest."""
     return CheckpointPolicy.MUST_SAVE if keeps_output(func) else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+@contextlib.contextmanager
+def buffers_kept(modules: list[nn.Module]) -> Iterator[None]:
+    """Put the modules' buffers back as they were on leaving: a captured graph has its
+    BatchNorms' training flag baked in, so a held-out forward (an evaluation) would move their
+    running statistics by the held-out data, and the model trained with --eval-every would not be
+    the one trained without; the reference evaluates alike."""
+    kept = [[(buffer, buffer.detach().clone()) for buffer in module.buffers()] for module in modules]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buffer, value in (pair for pairs in kept for pair in pairs):
+                buffer.copy_(value)
 
 
 class NoDropout(TorchFunctionMode):

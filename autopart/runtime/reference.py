@@ -30,7 +30,7 @@ from autopart.runtime.data import eval_batches, model_file, split_microbatches, 
 from autopart.runtime.materialise import materialise, meta_names
 from autopart.runtime.stage import stage_names
 from autopart.runtime.draws import draw_seed
-from autopart.runtime.forward import NoDropout, working_copies
+from autopart.runtime.forward import NoDropout, buffers_kept, working_copies
 from autopart.runtime.optim import make_optimizer
 from autopart.runtime.recipe import Recipe, parameter_groups
 from autopart.runtime.shards import load_stage_weights
@@ -131,7 +131,7 @@ def train_reference(
         scheduler.step()
         losses.append(loss.item())
         if eval_every and (step + 1) % eval_every == 0:
-            with torch.no_grad(), NoDropout():  # as the programs evaluate
+            with torch.no_grad(), NoDropout(), buffers_kept([model]):  # as the programs evaluate
                 evaluations[step] = sum(loss_of(*batch).item() for batch in held_out) / len(held_out)
     final = {name: named[name].detach().cpu().clone() for name in held}
     return ReferenceRun(losses=losses, parameters=final, eval_losses=evaluations)
