@@ -180,6 +180,13 @@ MODEL_CASES = {
         [],
         r"the model's forward changes its buffer 'mean' and reads it back, so each run computes another loss",
     ),
+    "batch_norm_of_a_cumulative_average": (  # 'control flow on tensor values' at the line that calls it, before
+        GOOD_BATCH + "\ndef build_model():\n    return torch.nn.Sequential(torch.nn.Linear(8, 4), "
+                     "torch.nn.BatchNorm1d(4, momentum=None))\n",
+        [],
+        r"module '1' \(BatchNorm1d\) of batch_norm_of_a_cumulative_average\.py has momentum=None, .*; give it a "
+        r"momentum \(0\.1 is BatchNorm's default\), or keep it whole with --leaf BatchNorm1d",
+    ),
     "scalar_parameter_zero3": (SCALAR, ["--pp", "1", "--dp", "2", "--zero", "3"],
                                r"--zero 3 shards parameters with FSDP's fully_shard, which refuses the 0-dim parameter "
                                r"'temperature'; make it a tensor of one element"),

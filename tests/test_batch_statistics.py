@@ -119,3 +119,12 @@ def test_an_evaluation_leaves_the_running_statistics_as_training_left_them(tmp_p
                         for every in (0, 1))  # fmt: skip
     for name, value in plain.parameters.items():
         assert torch.equal(value, evaluated.parameters[name]), name
+
+
+def test_a_cumulative_batch_norm_kept_whole_compiles(tmp_path):
+    """momentum=None is refused where the capture traces the BatchNorm; whole under --leaf, as
+    that refusal says, it counts its own batches and compiles."""
+    model = tmp_path / "bn.py"
+    model.write_text(MODEL.replace("NORM", "lambda: nn.BatchNorm1d(16, momentum=None)"))
+    plan = autopart.compile(model, pp=2, microbatches=2, global_batch_size=4, leaf="BatchNorm1d", measure=False)
+    assert len(plan.stages) == 2

@@ -248,6 +248,7 @@ def capture(
     before = _built_buffers(spec.module)
     expected = _eager_reference(spec, inputs, target)
     leaf_types = leaf_classes(spec.module, leaves)
+    _check_no_cumulative_batch_norm(spec.module, spec.path.name, leaf_types)
     if leaves and method == "export":
         raise ConfigError("--leaf keeps modules opaque to torch.fx, which torch.export cannot do; drop --capture export")
     has_target = spec.loss_fn is not None
@@ -307,6 +308,26 @@ def _check_no_backward_hooks(model: nn.Module, file: str) -> None:
         if parameter._backward_hooks or getattr(parameter, "_post_accumulate_grad_hooks", None):
             raise CaptureError(f"parameter '{name}' of {file} has a gradient hook (register_hook), which the generated "
                                "stages cannot run; remove it, or do its work in the forward or the loss")
+
+
+def _check_no_cumulative_batch_norm(model: nn.Module, file: str, leaf_types: frozenset[type]) -> None:
+    """Refuse a BatchNorm in training with ``momentum=None``: its running statistics are a
+    cumulative average over ``num_batches_tracked``, a counter read as a Python number, which
+    neither capture can trace (both said 'control flow on tensor values' at the line that calls
+    it, which has none). Whole under ``--leaf``, it runs its own forward and counts."""
+    batch_norm = nn.modules.batchnorm._BatchNorm  # BatchNorm1d/2d/3d, SyncBatchNorm and the lazy ones
+    whole: list[str] = []  # the paths of the --leaf modules, whose insides are not traced
+    for name, module in model.named_modules():
+        if isinstance(module, tuple(leaf_types)):
+            whole.append(name)
+        inside = any(name == path or name.startswith(f"{path}.") for path in whole)
+        if (isinstance(module, batch_norm) and module.training and module.track_running_stats
+                and module.momentum is None and not inside):
+            raise CaptureError(
+                f"module '{name}' ({type(module).__name__}) of {file} has momentum=None, a cumulative average of its "
+                "statistics by a count of batches, which the capture cannot trace; give it a momentum (0.1 is "
+                f"BatchNorm's default), or keep it whole with --leaf {type(module).__name__}"
+            )
 
 
 def _built_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
