@@ -165,3 +165,24 @@ def test_a_random_single_field_edit_is_refused_or_compiles_to_a_verified_program
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["verify", str(verified[0] if verified else original), "--steps", "1"])
     assert exit_info.value.code == 0, capsys.readouterr()
+
+
+def test_a_stage_s_nodes_are_named_where_they_differ(original, tmp_path, capsys):
+    """The whole list, cut at 80 characters, read the same in the plan and in the model's."""
+    data = json.loads((original / "plan.json").read_text())
+    kept = data["stages"][0]["nodes"][5]
+    data["stages"][0]["nodes"][5] = "elsewhere"
+    line = refused(tmp_path, capsys, data)
+    assert f'plan.stages[0].nodes[5] is "elsewhere" but this model and the plan\'s other fields give "{kept}"' in line, line
+
+
+@pytest.mark.parametrize("cost_model, fix", [
+    ("roofline:a100-80gb", "pass its --device"),
+    ("profiled:h100-sxm", "compile with its --costs, or measuring, as it was"),  # the device was the same
+])  # fmt: skip
+def test_a_plan_costed_otherwise_is_told_what_differs(original, tmp_path, capsys, cost_model, fix):
+    data = json.loads((original / "plan.json").read_text())
+    data["mesh"]["dp"] = 2
+    data["provenance"]["cost_model"] = cost_model
+    line = refused(tmp_path, capsys, data)
+    assert f"(it was costed with {cost_model}, this compile with roofline:h100-sxm: {fix})" in line, line

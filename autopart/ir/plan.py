@@ -424,8 +424,18 @@ def first_difference(pinned: Plan, rebuilt: Plan) -> tuple[str, Any, Any] | None
                 if isinstance(a[key], dict) and isinstance(b[key], dict):  # name the entry: the whole may be long
                     name = next(k for k in sorted({*a[key], *b[key]}) if a[key].get(k) != b[key].get(k))
                     return f"plan.stages[{index}].{key}.{name}", a[key].get(name), b[key].get(name)
+                if isinstance(a[key], list) and isinstance(b[key], list) and max(map(_shown, (a[key], b[key]))) > 80:
+                    # a stage's nodes: shown whole, cut short, the two read alike up to where they differ
+                    at = next((i for i, (x, y) in enumerate(zip(a[key], b[key])) if x != y), min(len(a[key]), len(b[key])))
+                    return (f"plan.stages[{index}].{key}[{at}]", a[key][at] if at < len(a[key]) else None,
+                            b[key][at] if at < len(b[key]) else None)
                 return f"plan.stages[{index}].{key}", a[key], b[key]
     return None
+
+
+def _shown(value: Any) -> int:
+    """The length of ``value`` as a message shows a field (JSON), which cuts it at 80 characters."""
+    return len(json.dumps(value))
 
 
 def _optional_float(value: Any) -> float | None:

@@ -52,13 +52,27 @@ def rebuild_pinned(options: CompileOptions, pinned: Plan) -> tuple[Plan, Front]:
     difference = first_difference(pinned, plan)
     if difference is not None:
         field_path, given, expected = difference
-        costs = pinned.provenance.cost_model, plan.provenance.cost_model
-        hint = f" (it was costed with {costs[0]}, this compile with {costs[1]}: pass its --device)" if costs[0] != costs[1] else ""
+        hint = _costs_hint(pinned.provenance.cost_model, plan.provenance.cost_model)
         raise PlanError(
             f"{options.plan}: {field_path} is {json.dumps(given)[:80]} but this model and the plan's other fields "
             f"give {json.dumps(expected)[:80]}{hint}; fix the field, or recompile without --plan"
         )
     return plan, front
+
+
+def _costs_hint(given: str, here: str) -> str:
+    """What the compile may change so that its costs are the plan's (they decide the sharding):
+    the device where the plan was costed for another, else how its ops were costed, the roofline's
+    (``--no-measure``) or measured ones (a same device's "pass its --device" sent the user nowhere)."""
+    if given == here:
+        return ""
+    if given.partition(":")[2] != here.partition(":")[2]:
+        fix = "pass its --device"
+    elif given.startswith("roofline:"):
+        fix = "compile with --no-measure, as it was"
+    else:
+        fix = "compile with its --costs, or measuring, as it was"
+    return f" (it was costed with {given}, this compile with {here}: {fix})"
 
 
 def _pinned_cuts(plan: Plan, options: CompileOptions, front: Front) -> tuple[int, ...]:
