@@ -166,3 +166,65 @@ def test_a_meta_model_s_stages_declare_each_tensor_parallel_slice_as_the_real_on
             assert (shape, dtype) == (tuple(expected.shape), expected.dtype), name
             sliced += placement.kind == "S"
     assert sliced >= 4, "tensor parallelism cut some weights"
+
+
+_ROPE_MODEL = '''
+import math
+import torch
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(8, 8)
+        self.down = nn.Linear(8, 8)
+        angles = torch.outer(torch.arange(4).float(), torch.ones(2))  # (T, hs/2): on meta, shapes alone
+        self.register_buffer("cos", angles.cos(), persistent=False)
+        {extra}
+
+    def forward(self, x):  # (B, 4, 2)
+        return (self.down(torch.tanh(self.up(x.flatten(1)))).view(-1, 4, 2) * self.cos).pow(2).mean()
+
+
+def build_model():
+    with torch.device("meta"):
+        return Net()
+
+
+def init_weights(module):
+    if isinstance(module, nn.Linear):
+        module.reset_parameters()
+    {init}
+
+
+def example_batch(batch_size):
+    return (torch.randn(batch_size, 4, 2),), None
+'''
+
+
+def _rope_model(tmp_path, extra: str = "", init: str = ""):
+    path = tmp_path / "rope.py"
+    path.write_text(_ROPE_MODEL.format(extra=extra, init=init))
+    return path
+
+
+def test_a_buffer_its_initialiser_leaves_without_values_is_refused_at_compile_time(tmp_path):
+    """A buffer computed in __init__ is on the meta device too: each rank made it of torch.empty's
+    memory, and a Llama with its rotary tables made so trained to NaN losses."""
+    options = CompileOptions(model=_rope_model(tmp_path), pp=2, microbatches=2, measure=False)
+    with pytest.raises(ConfigError, match=r"the model is built on the meta device, and init_weights\(module\) leaves "
+                                          r"buffer 'cos' of module '' \(Net\) without values; set it there for that "
+                                          r"module, or compute it in forward"):  # fmt: skip
+        compile_to_directory(options, tmp_path / "out")
+    made = _rope_model(tmp_path, init="if isinstance(module, Net):\n        module.cos.copy_(torch.ones(4, 2))")
+    plan, _ = compile_to_directory(CompileOptions(model=made, pp=2, microbatches=2, measure=False), tmp_path / "made")
+    assert len(plan.stages) == 2
+
+
+def test_a_parameter_its_initialiser_leaves_without_values_is_refused_where_it_is_made(tmp_path):
+    spec = load_model_file(_rope_model(tmp_path, extra="self.scale = nn.Parameter(torch.ones(8))",
+                                       init="if isinstance(module, Net):\n        module.cos.fill_(1.0)"))
+    with pytest.raises(ConfigError, match=r"leaves parameter 'scale' of module '' \(Net\) without values; set it there "
+                                          r"for that module$"):  # fmt: skip
+        materialise(copy.deepcopy(spec.module), ["scale"], init=spec.init_weights)

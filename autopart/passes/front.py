@@ -27,7 +27,7 @@ from autopart.passes.rewrite import separate_biases
 from autopart.profiling.measure_defaults import co_run_processes
 from autopart.profiling.profile import profile_costs
 from autopart.runtime.fully_sharded import check_shardable
-from autopart.runtime.materialise import check_initialisers
+from autopart.runtime.materialise import check_buffers_made, check_initialisers
 from autopart.solve.sequence import boundary_placement
 from autopart.solve.sharding import op_name
 from autopart.solve.tensor import BlockSharding, shard_chain
@@ -149,6 +149,7 @@ def annotated(options: CompileOptions, micro_batch_size: int, *, separate_biases
         spec = load_model_file(options.model)
         if is_meta(spec.module):  # each rank will make its own weights: every module needs an initialiser
             check_initialisers(spec.module, spec.init_weights, spec.path.name)
+            check_buffers_made(spec.module, spec.init_weights)
     if graph is None or graph.method != "fx":
         graph = capture_for(spec, 2 if separate_biases else 1, batch_size=micro_batch_size, method=options.capture,
                          leaves=options.leaf)

@@ -15,6 +15,8 @@ rank makes exactly its own slice, and the single-process reference makes the sam
 
 from __future__ import annotations
 
+import copy
+import math
 import zlib
 from collections.abc import Callable, Iterable
 
@@ -23,7 +25,7 @@ from torch import nn
 
 from autopart.ir.errors import ConfigError
 
-__all__ = ["INIT_SEED", "materialise", "check_initialisers", "meta_names"]
+__all__ = ["INIT_SEED", "materialise", "check_buffers_made", "check_initialisers", "meta_names"]
 
 INIT_SEED = 0
 """Added to every module's seed; the same on every rank and in the reference."""
@@ -93,8 +95,15 @@ def materialise(
         if initialise is None:
             raise ConfigError(f"module '{path}' ({type(module).__name__}) has no initialiser; see check_initialisers")
         with torch.random.fork_rng(devices=[]), torch.no_grad():
+            for tensor in (*module.parameters(recurse=False), *module.buffers(recurse=False)):
+                if tensor.is_floating_point():
+                    tensor.fill_(math.nan)  # what the initialiser leaves unset is told, not trained on
             torch.manual_seed(INIT_SEED + zlib.crc32(path.encode()))
             initialise()
+    for name in names:
+        tensor = _get(model, canonical[name])
+        if tensor.is_floating_point() and tensor.numel() and bool(tensor.isnan().all()):
+            raise ConfigError(_unset(name, tensor, model, init))
     result: dict[str, torch.Tensor] = {}
     for name in names:
         tensor = _get(model, canonical[name])
@@ -102,6 +111,28 @@ def materialise(
             _set(model, alias, tensor)
         result[name] = tensor
     return result
+
+
+def _unset(name: str, tensor: torch.Tensor, model: nn.Module, init: Init) -> str:
+    """Why ``name`` of a meta model has no values after its module's initialiser ran, and the fix.
+
+    A buffer computed in ``__init__`` (a Llama's rotary tables) is on the meta device too, with
+    shape and no values; torch.empty's memory in its place trained on garbage (NaN losses)."""
+    path = _owner_path(name)
+    module = model.get_submodule(path)
+    kind = "parameter" if isinstance(tensor, nn.Parameter) else "buffer"
+    made_by = "init_weights(module)" if init is not None else "its initialiser (_init_weights or reset_parameters)"
+    return (f"the model is built on the meta device, and {made_by} leaves {kind} '{name}' of module '{path}' "
+            f"({type(module).__name__}) without values; set it there for that module"
+            f"{', or compute it in forward' if kind == 'buffer' else ''}")
+
+
+def check_buffers_made(model: nn.Module, init: Init) -> None:
+    """Make the meta buffers of ``model`` (a copy's: they are small) as each rank will, to refuse
+    at compile time one that its initialiser leaves without values (`materialise`)."""
+    buffers = [name for name, b in model.named_buffers(remove_duplicate=False) if b.is_meta]
+    if buffers:
+        materialise(copy.deepcopy(model), buffers, init=init)
 
 
 def _get(model: nn.Module, name: str) -> torch.Tensor:

@@ -24,7 +24,7 @@ from autopart.passes.front import (
 from autopart.passes.repeat_annotation import laid_out
 from autopart.passes.scale import SizeLines
 from autopart.predict.memory import owned_bytes, state_bytes
-from autopart.runtime.materialise import check_initialisers
+from autopart.runtime.materialise import check_buffers_made, check_initialisers
 from autopart.runtime.recipe import decayed_parameters
 from autopart.solve.assemble import layered_parameters
 from autopart.solve.chain_costs import ChainCosts
@@ -71,6 +71,7 @@ class FrontTable:
             spec = load_model_file(self.options.model)
             if is_meta(spec.module):  # each rank will make its own weights: every module needs an initialiser
                 check_initialisers(spec.module, spec.init_weights, spec.path.name)
+                check_buffers_made(spec.module, spec.init_weights)
             self._spec = spec
         return self._spec
 
