@@ -55,7 +55,7 @@ def _initialiser(model: nn.Module, path: str, init: Init) -> Callable[[], None] 
     if callable(getattr(module, "reset_parameters", None)):
         return module.reset_parameters
     if not any(True for _ in module.parameters(recurse=False)):
-        return lambda: None  # buffers only: nothing random; what forward needs it recomputes
+        return lambda: None  # buffers only: nothing random to draw; one left without values is refused
     return None
 
 
