@@ -413,6 +413,16 @@ def _weights_lacking_one(folder: Path, out: Path) -> list[str]:
     return ["--weights", str(folder / "partial.safetensors")]
 
 
+def _weights_of_another_shape(folder: Path, out: Path) -> list[str]:
+    """Stage 0's weights with one cut short: a rank copying it failed on a bare size mismatch."""
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(str(out / "weights" / "stage_0.safetensors"))
+    name = "h.0.attn.c_attn.weight"
+    save_file({**weights, name: weights[name][:10].contiguous()}, str(folder / "other.safetensors"))
+    return ["--weights", str(folder / "other.safetensors")]
+
+
 def _not_safetensors(folder: Path, out: Path) -> list[str]:
     (folder / "w.safetensors").write_text("not a checkpoint")
     return ["--weights", str(folder / "w.safetensors")]
@@ -491,6 +501,9 @@ TRAIN_CASES = {  # name -> (environment, arguments given (folder, OUT), pattern 
     "weights_lacking_a_parameter": ({}, _weights_lacking_one,
                                     r"lacks 1 tensor\(s\) of stage 0, first .*; save every parameter under its name"),
     "weights_not_safetensors": ({}, _not_safetensors, r"is not a safetensors file"),
+    "weights_of_another_shape": ({}, _weights_of_another_shape,
+                                 r"holds 'h\.0\.attn\.c_attn\.weight' at \(10, 64\), where the model compiled holds it "
+                                 r"at \(192, 64\); give the weights of that model"),
 }
 
 

@@ -253,3 +253,25 @@ def test_weights_saved_from_the_state_dict_load_into_every_stage(buffered, tmp_p
         for name, value in held.items():
             torch.testing.assert_close(value, module.get_parameter(name) if name.endswith(("weight", "bias"))
                                        else module.get_buffer(name), msg=name)
+
+
+@pytest.mark.multiprocess
+def test_weights_load_into_a_model_that_imports_a_file_beside_it(tmp_path):
+    """The model's state-dict names are read from the model file compiled, whose imports of files
+    beside it work, not from OUT's copy (ModuleNotFoundError: 'layers' on every rank)."""
+    from safetensors.torch import save_file
+
+    from autopart.ir.model_file import load_model_file
+    from tests.distributed import run_ranks
+
+    (tmp_path / "layers.py").write_text("import torch\n\ndef block():\n    return torch.nn.Linear(8, 8)\n")
+    model = tmp_path / "beside.py"
+    model.write_text("import torch\nfrom layers import block\n\ndef build_model():\n"
+                     "    return torch.nn.Sequential(block(), torch.nn.Tanh(), block(), torch.nn.Tanh(), block())\n"
+                     "\ndef example_batch(b):\n    return (torch.randn(b, 8),), None\n"
+                     "\ndef loss_fn(out, target):\n    return out.pow(2).mean()\n")  # fmt: skip
+    out = tmp_path / "out"
+    cli.main(["compile", str(model), "-o", str(out), "--pp", "2", "--microbatches", "2", "--no-measure"])
+    weights = tmp_path / "state.safetensors"
+    save_file(load_model_file(model).module.state_dict(), str(weights))
+    run_ranks(out, 2, "--steps", "1", "--weights", str(weights))

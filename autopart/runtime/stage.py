@@ -28,6 +28,7 @@ __all__ = [
     "stage_names",
     "state_names",
     "check_checkpoint",
+    "model_shapes",
     "read_checkpoint",
     "checked_stage_source",
     "Container",
@@ -144,13 +145,15 @@ def read_checkpoint(path: Path, names: list[str]) -> dict[str, torch.Tensor]:
         return {name: checkpoint.get_tensor(name) for name in names}
 
 
-def check_checkpoint(path: Path, names: list[str], stage: int) -> None:
-    """Refuse, before training starts, a checkpoint that lacks some of a stage's tensors."""
+def check_checkpoint(path: Path, names: list[str], stage: int, shapes: dict[str, tuple[int, ...]] | None = None) -> None:
+    """Refuse, before training starts, a checkpoint that lacks some of a stage's tensors, or holds
+    one at another shape than ``shapes`` (the model's, whole: a rank copying it failed on a bare
+    size mismatch, its peers on a closed connection)."""
     if not path.is_file():
         raise ConfigError(f"weights file '{path}' does not exist; pass a safetensors file of the model's weights")
     try:
         with safe_open(str(path), framework="pt", device="cpu") as checkpoint:
-            held = set(checkpoint.keys())
+            held = {name: tuple(checkpoint.get_slice(name).get_shape()) for name in checkpoint.keys()}
     except Exception as exc:  # safetensors raises its own error types
         raise ConfigError(f"weights file '{path}' is not a safetensors file ({exc}); pass a safetensors file") from None
     missing = [n for n in names if n not in held]
@@ -159,6 +162,15 @@ def check_checkpoint(path: Path, names: list[str], stage: int) -> None:
             f"weights file '{path}' lacks {len(missing)} tensor(s) of stage {stage}, first {missing[0]!r}; "
             "save every parameter under its name in the original model (model.state_dict())"
         )
+    for name in names:
+        if shapes is not None and name in shapes and held[name] != shapes[name]:
+            raise ConfigError(f"weights file '{path}' holds {name!r} at {held[name]}, where the model compiled holds it "
+                              f"at {shapes[name]}; give the weights of that model (its model.state_dict())")
+
+
+def model_shapes(out_dir: Path) -> dict[str, tuple[int, ...]]:
+    """The shapes of the compiled model's tensors by name, whole (before any tensor-parallel slice)."""
+    return {name: tuple(tensor.shape) for name, tensor in stage_tensors(_meta_model(_model_source(out_dir))).items()}
 
 
 def stage_names(out_dir: Path, index: int) -> list[str]:
@@ -177,8 +189,17 @@ def state_names(out_dir: Path, index: int) -> list[str]:
     ``--weights`` checkpoint gives: all of `stage_names` but the model's non-persistent buffers
     (``register_buffer(..., persistent=False)``, a Llama's rotary tables), which
     ``model.state_dict()`` leaves out; the stage has them from ``weights/`` or the model's init."""
-    transient = _transient_buffers(out_dir / "model.py")
+    transient = _transient_buffers(_model_source(out_dir))
     return [name for name in stage_names(out_dir, index) if name not in transient]
+
+
+def _model_source(out_dir: Path) -> Path:
+    """The model file to build the model from: the original while it is the file compiled (its
+    imports of files beside it work), else the copy in OUT, as the data is taken (`data.model_file`)."""
+    from autopart.ir.plan import load_plan
+    from autopart.runtime.data import model_file
+
+    return model_file(out_dir, load_plan(out_dir / "plan.json"))
 
 
 @functools.cache

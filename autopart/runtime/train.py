@@ -81,7 +81,7 @@ from autopart.runtime import collectives
 from autopart.runtime.mesh import Coordinates, Mesh, group_of
 from autopart.runtime.p2p import Channels, Scatter
 from autopart.runtime.shards import weights_file_name
-from autopart.runtime.stage import check_checkpoint, load_stage, state_names
+from autopart.runtime.stage import check_checkpoint, load_stage, model_shapes, state_names
 from autopart.schedule import Kind, Schedule, plan_actions
 
 __all__ = ["main", "leave", "parse_args"]
@@ -186,7 +186,8 @@ def _train(out_dir: Path, argv: list[str] | None) -> None:
         pipeline_rank = Mesh.of(plan).coordinates(rank).pp
         for stage_plan in plan.stages:
             if stage_plan.rank == pipeline_rank:
-                check_checkpoint(args.weights, state_names(out_dir, stage_plan.index), stage_plan.index)
+                check_checkpoint(args.weights, state_names(out_dir, stage_plan.index), stage_plan.index,
+                                 model_shapes(out_dir))
     device = compute_device()
     init_process_group(backend(device), args.timeout)
     try:
