@@ -228,3 +228,21 @@ def test_a_parameter_its_initialiser_leaves_without_values_is_refused_where_it_i
     with pytest.raises(ConfigError, match=r"leaves parameter 'scale' of module '' \(Net\) without values; set it there "
                                           r"for that module$"):  # fmt: skip
         materialise(copy.deepcopy(spec.module), ["scale"], init=spec.init_weights)
+
+
+@pytest.mark.multiprocess
+def test_a_meta_model_that_imports_a_file_beside_it_trains(tmp_path):
+    """Each rank makes its weights from the model file compiled, whose imports of files beside it
+    work, not from OUT's copy (ModuleNotFoundError: 'layers' on every rank)."""
+    from autopart.tools import cli
+    from tests.distributed import run_ranks
+
+    (tmp_path / "layers.py").write_text("import torch\n\ndef block():\n    return torch.nn.Linear(8, 8)\n")
+    model = tmp_path / "beside.py"
+    model.write_text("import torch\nfrom layers import block\n\ndef build_model():\n    with torch.device('meta'):\n"
+                     "        return torch.nn.Sequential(block(), torch.nn.Tanh(), block(), torch.nn.Tanh(), block())\n"
+                     "\ndef example_batch(b):\n    return (torch.randn(b, 8),), None\n"
+                     "\ndef loss_fn(out, target):\n    return out.pow(2).mean()\n")  # fmt: skip
+    out = tmp_path / "out"
+    cli.main(["compile", str(model), "-o", str(out), "--pp", "2", "--microbatches", "2", "--no-measure"])
+    assert "step 0 loss" in run_ranks(out, 2, "--steps", "1").stdout

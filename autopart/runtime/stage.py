@@ -177,7 +177,7 @@ def stage_names(out_dir: Path, index: int) -> list[str]:
     """The names of the tensors that stage ``index`` holds, from its generated source."""
     source = _stage_source(out_dir, index)
     names = [*source.PARAMETERS, *source.BUFFERS]
-    model_file = out_dir / "model.py"
+    model_file = _model_source(out_dir)
     for path in getattr(source, "LEAVES", {}):
         leaf = _meta_model(model_file).get_submodule(path)
         names.extend(f"{path}.{name}" for name in stage_tensors(leaf))
@@ -274,7 +274,7 @@ def load_stage(
     if missing:
         from autopart.runtime.materialise import materialise
 
-        spec = _meta_spec(out_dir / "model.py")
+        spec = _meta_spec(_model_source(out_dir))
         whole.update(materialise(copy.deepcopy(spec.module), missing, init=spec.init_weights))
     placed = {name: Placement.parse(p) for name, p in (placements or {}).items()}
     for name, tensor in whole.items():
