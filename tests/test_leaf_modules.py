@@ -29,3 +29,24 @@ def test_leaf_modules_train_like_one_process(tmp_path):
     held = {p for s in run.plan.stages for p in s.parameters}
     assert {f"layers.{i}.feed_forward.w{j}.weight" for i in range(4) for j in (1, 2, 3)} <= held
     assert_same_training(run, optimizer="sgd", lr=0.1)
+
+
+@pytest.mark.multiprocess
+def test_a_leaf_module_from_a_file_beside_the_model_trains(tmp_path):
+    """The stages take a --leaf module from the model file compiled, whose imports of files beside
+    it work, not from OUT's copy (ModuleNotFoundError: 'layers' on every rank)."""
+    from autopart.tools import cli
+    from tests.distributed import run_ranks
+
+    (tmp_path / "layers.py").write_text("import torch\n\nclass Block(torch.nn.Module):\n    def __init__(self):\n"
+                                        "        super().__init__()\n        self.linear = torch.nn.Linear(8, 8)\n\n"
+                                        "    def forward(self, x):\n        return x + torch.tanh(self.linear(x))\n")
+    model = tmp_path / "beside.py"
+    model.write_text("import torch\nfrom layers import Block\n\ndef build_model():\n    torch.manual_seed(0)\n"
+                     "    return torch.nn.Sequential(Block(), Block(), Block())\n"
+                     "\ndef example_batch(b):\n    return (torch.randn(b, 8),), None\n"
+                     "\ndef loss_fn(out, target):\n    return out.pow(2).mean()\n")  # fmt: skip
+    out = tmp_path / "out"
+    cli.main(["compile", str(model), "-o", str(out), "--pp", "2", "--microbatches", "2", "--leaf", "Block",
+              "--no-measure"])
+    assert "step 0 loss" in run_ranks(out, 2, "--steps", "1").stdout

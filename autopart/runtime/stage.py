@@ -104,7 +104,14 @@ def model_attribute(model_file: Path, qualified_name: str) -> Any:
     """A function or class of the model file that the stage's code calls (an ``fx.wrap``
     function, the dataclass or NamedTuple its forward returns), from ``model_file`` as imported
     here (once per process, with the folder it sits in on the path, as the compile imports it)."""
-    return functools.reduce(getattr, qualified_name.split("."), _model_module(model_file))
+    return functools.reduce(getattr, qualified_name.split("."), _model_module(_compiled(model_file)))
+
+
+def _compiled(model_file: Path) -> Path:
+    """The model file that a stage names as OUT's ``model.py``: the one compiled while it is
+    unchanged (`_model_source`), which can import the files beside it; OUT's copy cannot."""
+    out_dir = model_file.parent
+    return _model_source(out_dir) if model_file.name == "model.py" and (out_dir / "plan.json").is_file() else model_file
 
 
 @functools.cache
@@ -122,7 +129,7 @@ def declare_leaves(module: nn.Module, leaves: dict[str, str], model_file: Path) 
     weights are made for the rest of the model), then given empty storage; the stage's weights
     fill it like every other tensor.
     """
-    model = _meta_model(model_file)
+    model = _meta_model(_compiled(model_file))
     for path, class_name in leaves.items():
         leaf = copy.deepcopy(model.get_submodule(path))
         if type(leaf).__name__ != class_name:
@@ -145,7 +152,8 @@ def read_checkpoint(path: Path, names: list[str]) -> dict[str, torch.Tensor]:
         return {name: checkpoint.get_tensor(name) for name in names}
 
 
-def check_checkpoint(path: Path, names: list[str], stage: int, shapes: dict[str, tuple[int, ...]] | None = None) -> None:
+def check_checkpoint(path: Path, names: list[str], stage: int,
+                     shapes: dict[str, tuple[int, ...]] | None = None) -> None:
     """Refuse, before training starts, a checkpoint that lacks some of a stage's tensors, or holds
     one at another shape than ``shapes`` (the model's, whole: a rank copying it failed on a bare
     size mismatch, its peers on a closed connection)."""
@@ -170,7 +178,8 @@ def check_checkpoint(path: Path, names: list[str], stage: int, shapes: dict[str,
 
 def model_shapes(out_dir: Path) -> dict[str, tuple[int, ...]]:
     """The shapes of the compiled model's tensors by name, whole (before any tensor-parallel slice)."""
-    return {name: tuple(tensor.shape) for name, tensor in stage_tensors(_meta_model(_model_source(out_dir))).items()}
+    model = _meta_model(_model_source(out_dir))
+    return {name: tuple(tensor.shape) for name, tensor in stage_tensors(model).items()}
 
 
 def stage_names(out_dir: Path, index: int) -> list[str]:
