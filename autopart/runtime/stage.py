@@ -172,8 +172,8 @@ def check_checkpoint(path: Path, names: list[str], stage: int,
         )
     for name in names:
         if shapes is not None and name in shapes and held[name] != shapes[name]:
-            raise ConfigError(f"weights file '{path}' holds {name!r} at {held[name]}, where the model compiled holds it "
-                              f"at {shapes[name]}; give the weights of that model (its model.state_dict())")
+            raise ConfigError(f"weights file '{path}' holds {name!r} at {held[name]}, where the model compiled holds "
+                              f"it at {shapes[name]}; give the weights of that model (its model.state_dict())")
 
 
 def model_shapes(out_dir: Path) -> dict[str, tuple[int, ...]]:
