@@ -129,3 +129,17 @@ def test_a_search_over_precisions_leaves_out_the_one_the_model_does_not_run_in(t
         plan = autopart.compile(model, world_size=2, global_batch_size=4, device="h100-sxm", dtype="auto")
     assert plan.dtype == "fp32"
     assert "the search leaves out bf16: under --dtype bf16 this model's op 'scatter' fails" in caplog.text
+
+
+def test_a_search_over_precisions_of_a_model_of_repeated_layers_runs(tmp_path):
+    """Its search costs a shallow copy of the model (a table of its own), whose precisions are
+    tried as the full model's: an AttributeError, for every such model."""
+    from tests.distributed import REPO
+
+    model = tmp_path / "deep.py"
+    model.write_text(f"import sys\nsys.path.insert(0, {str(REPO / 'benchmarks' / 'models')!r})\nfrom shallow import gpt3\n"
+                     "MODEL = gpt3(n_embd=64, n_head=4, layers=8, seq_len=16, vocab_size=128)\n"
+                     "build_model, init_weights, example_batch, loss_fn = MODEL.build_model, MODEL.init_weights, "
+                     "MODEL.example_batch, MODEL.loss_fn\n")
+    plan = autopart.compile(model, world_size=2, global_batch_size=8, device="h100-sxm", dtype="auto")
+    assert plan.dtype in ("fp32", "bf16")

@@ -188,7 +188,7 @@ def mixed_dtype_error(exc: RuntimeError, op: str, dtype: str = "fp32") -> Except
     CUDA's in fp32), or an op that refuses operands of two dtypes, which autocast makes where the
     model mixes ops it casts differently (a ``scatter`` of a softmax, which CUDA's runs in fp32,
     into a matmul's bf16 output); ``exc`` itself otherwise."""
-    if "mixed dtype (CPU)" in str(exc):
+    if "mixed dtype (CPU)" in str(exc) and dtype != "fp32":
         return PrecisionError(f"on the CPU, autocast runs norms in their input's dtype and this model meets a bf16 "
                            f"working weight with fp32 values at '{op}'; compile with --dtype bf16-autocast (fp32 "
                            "weights) for the CPU")  # fmt: skip

@@ -159,7 +159,7 @@ def plan_by_search(options: CompileOptions, *, progress: Progress | None = None,
     space = _shardable(space, full.model_spec().module)
     cluster = cluster_of(options)
     shallow = shallow_table(full)
-    space = _runnable_dtypes(space, shallow or full, min(sizes, default=1))
+    space = _runnable_dtypes(space, full if shallow is None else shallow.inner, min(sizes, default=1))
     if shallow is not None:
         searched = _shallow_search(options, space, cluster, full, shallow, progress=progress, finalists=finalists,
                                    plan_every=plan_every)
