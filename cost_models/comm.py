@@ -112,9 +112,12 @@ def nodes_spanned(group_size: int, stride: int, gpus_per_node: int, world_size: 
 
 
 def collective_time(kind: str, nbytes: float, group_size: int, *, bus_bandwidth: float,
-                    step_latency_s: float, nodes: int = 1, node_step_latency_s: float = 0.0) -> float:
+                    step_latency_s: float, nodes: int = 1, node_step_latency_s: float = 0.0,
+                    trees: bool = True) -> float:
     """Seconds for one collective; see the module docstring for the formula. Over several
-    ``nodes``, the steps that cross a node boundary pay ``node_step_latency_s`` instead."""
+    ``nodes``, the steps that cross a node boundary pay ``node_step_latency_s`` instead; an
+    all-reduce there takes the tree where it is faster, where the library has one (``trees``:
+    NCCL and RCCL, not gloo)."""
     _check(kind, group_size)
     if nbytes < 0:
         raise ValueError(f"nbytes must be >= 0, got {nbytes}")
@@ -123,7 +126,7 @@ def collective_time(kind: str, nbytes: float, group_size: int, *, bus_bandwidth:
     crossing = node_steps(kind, group_size, nodes)
     ring = (step_latency_s * (ring_steps(kind, group_size) - crossing) + node_step_latency_s * crossing
             + nbytes * bus_factor(kind, group_size) / bus_bandwidth)
-    if kind != "all_reduce" or nodes == 1:  # NCCL runs its trees for all-reduce alone, and not within a node
+    if kind != "all_reduce" or nodes == 1 or not trees:  # NCCL runs its trees for all-reduce alone, across nodes
         return ring
     return min(ring, tree_all_reduce_time(nbytes, group_size, bus_bandwidth=bus_bandwidth, nodes=nodes,
                                           step_latency_s=step_latency_s, node_step_latency_s=node_step_latency_s))
@@ -136,7 +139,7 @@ TREE_SIZE_SHARES = (.9, .9, .9, .9, .9, .9, .9, .8, .7, .6, .6, .5, .5, .5, .5, 
 """A further share of the tree's bandwidth by message size, for 64 B·2**i up to 64 B·2**(i + 1)
 (1 from 512 MiB): NCCL's own correction of its model for the Simple protocol, from its
 measurements (``treeCorrectionFactor`` in ``tuning.cc``), since trees fall short of it for medium
-sizes. The data-parallel buckets (tens of MB) sit where it is 0.7."""
+sizes (a 25 MB data-parallel bucket: 0.7)."""
 
 
 def tree_all_reduce_time(nbytes: float, group_size: int, *, bus_bandwidth: float, nodes: int,
@@ -145,15 +148,25 @@ def tree_all_reduce_time(nbytes: float, group_size: int, *, bus_bandwidth: float
     down again, each way through a chain of a node's members (``group_size / nodes`` of them) and
     ``floor(log2(nodes))`` levels between nodes, as NCCL's tuning model charges it; each rank moves
     the whole buffer up and down (an algorithm bandwidth of half the bus bandwidth, whatever the
-    group's size), at ``TREE_BANDWIDTH_SHARE`` and ``TREE_SIZE_SHARES`` of the ring's."""
+    group's size), at ``TREE_BANDWIDTH_SHARE`` and ``TREE_SIZE_SHARES`` of the ring's.
+
+    Where the share steps up at a size class's start, a larger message would take less time than
+    a smaller one just below it; a message takes no less than any larger one, as a sender could
+    pad it (the search's bounds count on time growing with bytes)."""
     _check("all_reduce", group_size)
     if group_size == 1:
         return 0.0
     per_node = max(1, group_size // nodes)
     latency = 2 * ((per_node - 1) * step_latency_s + (nodes.bit_length() - 1) * node_step_latency_s)
     size_class = max(0, (int(nbytes) >> 6).bit_length() - 1)
-    share = TREE_SIZE_SHARES[size_class] if size_class < len(TREE_SIZE_SHARES) else 1.0
-    return latency + 2 * nbytes / (bus_bandwidth * TREE_BANDWIDTH_SHARE * share)
+    starts = [64 << k for k in range(size_class + 1, len(TREE_SIZE_SHARES) + 1)]  # the larger classes'
+    return latency + min(2 * size / (bus_bandwidth * TREE_BANDWIDTH_SHARE * _tree_share(size))
+                         for size in (nbytes, *starts))
+
+
+def _tree_share(nbytes: float) -> float:
+    size_class = max(0, (int(nbytes) >> 6).bit_length() - 1)
+    return TREE_SIZE_SHARES[size_class] if size_class < len(TREE_SIZE_SHARES) else 1.0
 
 
 def p2p_time(nbytes: float, *, bandwidth: float, latency_s: float) -> float:

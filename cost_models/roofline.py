@@ -188,4 +188,4 @@ class RooflineCostModel:
             bandwidth = min(bandwidth, comm.node_members(kind, group_size, nodes) * device.inter_node_bandwidth)
         return comm.collective_time(kind, nbytes, group_size, bus_bandwidth=bandwidth * device.link_efficiency,
                                     nodes=nodes, step_latency_s=device.intra_node_latency_s,
-                                    node_step_latency_s=device.inter_node_latency_s)
+                                    node_step_latency_s=device.inter_node_latency_s, trees=device.kind != "cpu")

@@ -246,3 +246,23 @@ def test_an_all_reduce_over_many_nodes_takes_ncclS_tree_where_it_is_faster() -> 
     small = [model.collective_time("all_reduce", 1e4, n, nodes=n) for n in (64, 512)]
     assert small[1] - small[0] == pytest.approx(2 * 3 * latency)
     assert tree_all_reduce_time(0, 1, nodes=1, bus_bandwidth=nic, step_latency_s=1e-6, node_step_latency_s=1e-5) == 0.0
+
+
+@pytest.mark.parametrize("group, nodes", [(16, 2), (64, 8), (512, 64), (512, 512)])
+def test_an_all_reduce_takes_no_less_time_on_more_bytes(group, nodes) -> None:
+    """NCCL's size correction of the tree steps up at some sizes (0.7 to 0.8 at 64 MiB), where a
+    byte more would take less time: the search's bounds, which time a rank's least bytes, count on
+    time growing with bytes."""
+    model = get_cost_model("h100-sxm")
+    sizes = sorted({int(64 * 2 ** (k / 16)) for k in range(16 * 26)} | {(64 << k) + d for k in range(24) for d in (-1, 0)})
+    times = [model.collective_time("all_reduce", size, group, nodes=nodes) for size in sizes]
+    assert all(a <= b for a, b in zip(times, times[1:]))
+
+
+def test_gloo_has_no_tree() -> None:
+    """A CPU's collectives (gloo) run as rings across nodes too."""
+    cpu = get_cost_model("cpu")
+    spec = cpu.device
+    ring = (2 * 15 * spec.inter_node_latency_s
+            + 1e4 * 2 * 15 / 16 / (min(spec.intra_node_bandwidth, spec.inter_node_bandwidth) * spec.link_efficiency))
+    assert cpu.collective_time("all_reduce", 1e4, 16, nodes=16) == pytest.approx(ring)
