@@ -114,6 +114,22 @@ def example_batch(batch_size: int):
 
 def loss_fn(out, target):
     return F.cross_entropy(out, target)
+
+
+def batches(batch_size, seed):
+    from source import draw  # imported when training draws its data, never by the compile
+
+    return draw(batch_size, seed)
+"""
+
+SOURCE = """
+import torch
+
+
+def draw(batch_size, seed):
+    generator = torch.Generator().manual_seed(seed)
+    while True:
+        yield (torch.randn(batch_size, 16, generator=generator),), torch.randint(0, 4, (batch_size,), generator=generator)
 """
 
 
@@ -124,6 +140,7 @@ def _split_model(folder, imported: str = "layers"):
     (folder / "parts" / "__init__.py").write_text("")
     (folder / "parts" / "head.py").write_text("from torch import nn\n\n\nclass Head(nn.Linear):\n"
                                               "    def __init__(self):\n        super().__init__(16, 4)\n")
+    (folder / "source.py").write_text(SOURCE)
     (folder / "split.py").write_text(SPLIT_MODEL.replace("IMPORTED", imported))
     return folder / "split.py"
 
@@ -133,11 +150,21 @@ def test_the_modules_a_model_file_imports_from_beside_it_travel_with_the_output(
     """``from layers import Block`` (with an fx.wrap function the stages call) and a package
     beside the model file: the output directory carries them, and trains where their folder is
     not (as on a cluster the directory was copied to). Every rank died of a ModuleNotFoundError."""
+    import importlib.util
+    import sys
+
     model = _split_model(tmp_path / "src")
+    (tmp_path / "src" / "notes.py").write_text("")  # beside it, imported by the process (a notebook), not by the model
+    notes = importlib.util.spec_from_file_location("notes", tmp_path / "src" / "notes.py")
+    sys.modules["notes"] = importlib.util.module_from_spec(notes)
     out = tmp_path / "out"
-    compile_to_directory(CompileOptions(model=model, pp=2, microbatches=2, micro_batch_size=2, capture="fx",
-                                        measure=False), out)  # fmt: skip
+    try:
+        compile_to_directory(CompileOptions(model=model, pp=2, microbatches=2, micro_batch_size=2, capture="fx",
+                                            measure=False), out)  # fmt: skip
+    finally:
+        sys.modules.pop("notes", None)
     assert (out / "layers.py").read_text() == LAYERS and (out / "parts" / "head.py").is_file()
+    assert (out / "source.py").is_file() and not (out / "notes.py").exists()
     assert "from layers import halved" in "".join(p.read_text() for p in (out / "stages").glob("*.py"))
     (tmp_path / "src").rename(tmp_path / "gone")
     result = verify(out, steps=2)

@@ -136,7 +136,7 @@ def _write_programs(plan: Plan, op_graph: OpGraph, spec: ModelSpec, out: Path, *
             weights = {name: local(name, placements, rank).contiguous().clone() for name in names}  # carries the plan's hash
             save_tensors(weights, out / "weights" / weights_file_name(index, rank, tp), compile_id)
     shutil.copyfile(spec.path, out / "model.py")
-    _copy_files_beside(spec.path, out)
+    _copy_files_beside(spec, out)
     (out / "train.py").write_text(_entry_point(plan, command))
 
 
@@ -145,14 +145,14 @@ _OWN_NAMES = frozenset({"model.py", "train.py", "plan.json", "report.md", "sched
 """What the output directory holds at its top of its own, besides its marker."""
 
 
-def _copy_files_beside(model_file: Path, out: Path) -> None:
+def _copy_files_beside(spec: ModelSpec, out: Path) -> None:
     """The modules the model file imports from its folder, beside OUT/model.py (`files_beside`):
     the output directory trains wherever it is copied to, and train.py puts its folder first on
     the path, as the compile put the model's."""
-    for relative, source in files_beside(model_file).items():
+    for relative, source in files_beside(spec).items():
         target = out / relative
-        if target.exists() or relative.partition("/")[0] in _OWN_NAMES:
-            raise ModelFileError(f"{model_file.name} imports {relative} from beside it, a name the output directory "
+        if relative.partition("/")[0] in _OWN_NAMES:
+            raise ModelFileError(f"{spec.path.name} imports {relative} from beside it, a name the output directory "
                                  "keeps for its own files; rename that module")
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(source, target)

@@ -6,6 +6,7 @@ lives here, below the passes and the runtime alike.
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import importlib.util
 import sys
@@ -40,27 +41,52 @@ def _imported_beside(folder: str) -> list[str]:
     file beside one as it is now, not as it was first (nor another folder's file of that name). The
     standard library, torch and autopart are never taken for one. The folder is listed once, not
     asked about each module imported."""
-    there = Path(folder)
-    tops = {p.stem for p in there.glob("*.py")} | {p.parent.name for p in there.glob("*/__init__.py")}
-    tops = {top for top in tops if top not in sys.stdlib_module_names and top not in ("torch", "autopart")
-            and not top.startswith(("__", MODULE_PREFIX))}
+    tops = _tops_beside(folder)
     return [name for name in sys.modules if name.partition(".")[0] in tops]
 
 
-def files_beside(path: Path) -> dict[str, Path]:
-    """The source files of the modules that the model file ``path``, imported in this process,
-    imported from its own folder (`_imported_beside`: ``from layers import Block``, a package's
-    modules), by their path relative to that folder. The output directory carries them beside its
-    copy of the model file, which imports them, as the stage programs import the functions of
-    theirs that the captured code calls: they are the model, and the folder they came from may
-    not be there where it trains."""
-    folder = path.resolve().parent
+def _tops_beside(folder: str) -> set[str]:
+    """The names a module or package in ``folder`` is imported by (a ``.py`` file, a folder with an
+    ``__init__.py``), but the standard library's, torch's and autopart's."""
+    there = Path(folder)
+    tops = {p.stem for p in there.glob("*.py")} | {p.parent.name for p in there.glob("*/__init__.py")}
+    return {top for top in tops if top not in sys.stdlib_module_names and top not in ("torch", "autopart")
+            and not top.startswith(("__", MODULE_PREFIX))}
+
+
+def _imports_beside(path: Path, source: bytes, imported: set[str]) -> tuple[str, ...]:
+    """The modules and packages of the model file's folder that it imports: those its import
+    brought in (``imported``: new in ``sys.modules``, a module beside it importing another too),
+    and those its own code names in an import statement, in a function too (a lazy import in
+    ``batches``, which the compile never runs)."""
+    tops = _tops_beside(str(path.parent)) - {path.stem}
+    named = set()
+    try:
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Import):
+                named |= {alias.name.partition(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                named.add(node.module.partition(".")[0])
+    except (SyntaxError, ValueError):  # it imported: Python read it, as a version of its own may not
+        pass
+    return tuple(sorted(tops & ({name.partition(".")[0] for name in imported} | named)))
+
+
+def files_beside(spec: ModelSpec) -> dict[str, Path]:
+    """The source files of the modules and packages that the model file imports from its own
+    folder (``ModelSpec.beside``: ``from layers import Block``), whole packages' ``.py`` files, by
+    their path relative to that folder. The output directory carries them beside its copy of the
+    model file, which imports them, as the stage programs import the functions of theirs that the
+    captured code calls: they are the model, and the folder they came from may not be there
+    where it trains."""
+    folder = spec.path.absolute().parent
     found = {}
-    for name in _imported_beside(str(folder)):
-        file = getattr(sys.modules.get(name), "__file__", None)
-        if (file and Path(file).suffix == ".py" and Path(file).resolve().is_relative_to(folder)
-                and Path(file).resolve() != path.resolve()):
-            found[Path(file).resolve().relative_to(folder).as_posix()] = Path(file).resolve()
+    for top in spec.beside:
+        if (folder / f"{top}.py").is_file():
+            found[f"{top}.py"] = folder / f"{top}.py"
+        for file in (folder / top).rglob("*.py") if (folder / top / "__init__.py").is_file() else ():
+            if "__pycache__" not in file.relative_to(folder).parts:
+                found[file.relative_to(folder).as_posix()] = file
     return dict(sorted(found.items()))
 
 
@@ -76,6 +102,7 @@ class ModelSpec:
     batches: Callable[[int, int], Iterator[tuple[tuple[Any, ...], Any]]] | None
     eval_batches: Callable[[int, int], Iterator[tuple[tuple[Any, ...], Any]]] | None = None  # held-out data
     init_weights: Callable[[nn.Module], None] | None = None  # for models built on the meta device
+    beside: tuple[str, ...] = ()  # the modules and packages it imports from its folder (`files_beside`)
 
     def example(self, batch_size: int) -> tuple[tuple[torch.Tensor, ...], Any]:
         """The example batch at ``batch_size``, checked to be ``(tuple of tensors, target)``."""
@@ -128,6 +155,7 @@ def load_model_file(path: str | Path, *, build: bool = True) -> ModelSpec:
     for stale in _imported_beside(folder):  # imported afresh, as in a new process
         sys.modules.pop(stale)
     sys.path.insert(0, folder)
+    before = set(sys.modules)
     try:
         sys.modules[name] = module
         spec.loader.exec_module(module)
@@ -136,6 +164,9 @@ def load_model_file(path: str | Path, *, build: bool = True) -> ModelSpec:
         raise ModelFileError(f"importing {path.name} failed: {describe_error(exc, path)}; fix the model file") from None
     finally:
         sys.path.remove(folder)
+    beside = _imports_beside(path, source, set(sys.modules) - before)
+    if beside and folder not in sys.path:  # its functions may import them when called (batches' data source):
+        sys.path.append(folder)  # found there, after every other place, where nothing else is
 
     build_model = _contract_function(module, path, "build_model", required=True)
     example_batch = _contract_function(module, path, "example_batch", required=True)
@@ -164,6 +195,7 @@ def load_model_file(path: str | Path, *, build: bool = True) -> ModelSpec:
         batches=batches,
         eval_batches=eval_batches,
         init_weights=init_weights,
+        beside=beside,
     )
 
 
