@@ -319,7 +319,7 @@ def _as_annotated(name: str, value: Any, annotation: Any) -> Any:
         return None
     kinds = tuple(kind for kind in members if kind is not type(None))
     if isinstance(value, str) and "," in value and tuple[str, ...] in kinds:  # recompute="full,none", per stage
-        return tuple(value.split(","))
+        return tuple(part.strip() for part in value.split(","))  # "full, none" as the command line takes it
     for kind in kinds:
         converted = _converted(kind, value)
         if converted is not _REFUSED:

@@ -199,6 +199,7 @@ def test_options_given_in_another_form_are_taken_as_the_command_line_takes_them(
     assert autopart.CompileOptions(model=TINY_GPT, leaf=["Block", "MLP"]).leaf == ("Block", "MLP")
     per_stage = autopart.CompileOptions(model=TINY_GPT, pp=2, recompute="full,none", device=Path("h100-sxm.toml"))
     assert per_stage.recompute == ("full", "none") and per_stage.device == "h100-sxm.toml"  # --recompute full,none
+    assert autopart.CompileOptions(model=TINY_GPT, pp=2, recompute="full, none").recompute == ("full", "none")
 
 
 @pytest.mark.parametrize("given, message", [
