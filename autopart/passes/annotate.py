@@ -316,12 +316,23 @@ class _SavedBytes(fx.Interpreter):
         return self.saved, self.kept
 
 
+def _in_place(node: fx.Node) -> bool:
+    """An op that writes its input: an ATen overload whose schema says so (torch.export), or ``x.add_``."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is not None:
+        return schema.is_mutable
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    return isinstance(name, str) and name.endswith("_") and not name.endswith("__")
+
+
 def _batch_derived(node: fx.Node, derived: dict[str, bool], parameter_names: set[str]) -> bool:
     if node.op == "placeholder":
         return True
     if node.op == "get_attr":
         return node.target not in parameter_names
     if node.op in ("output", "call_module"):  # a leaf module holds weights
+        return False
+    if not node.users and _in_place(node):  # run for its effect (a buffer's update): by one stage, not by none
         return False
     inputs = node.all_input_nodes
     return all(derived[n.name] for n in inputs)

@@ -432,6 +432,7 @@ def _check_same_loss(
     the loss (it then differs from the first)."""
     if expected is None:  # a meta model: nothing to compare, annotate runs the graph on fake tensors
         return
+    _check_buffer_writes(spec, graph, inputs, target)
     with torch.no_grad(), _same_draws():
         got = graph.module(*graph_args(graph, inputs, target))
     if torch.allclose(got, expected, rtol=1e-5, atol=1e-6):
@@ -453,3 +454,32 @@ def _check_same_loss(
         "the model has behaviour that tracing cannot see (random numbers from outside torch's generator, "
         "global state); report this model"
     )
+
+
+def _check_buffer_writes(spec: ModelSpec, graph: Graph, inputs: tuple[torch.Tensor, ...], target: Any) -> None:
+    """Refuse a forward that writes a buffer by an op no traced tensor reaches (a step counter's
+    ``self.steps.add_(1)``): fx runs such an op once while tracing and records nothing, and
+    torch.export drops it as dead code, so the stages would train with the buffer as built and
+    save it so, in silence. The buffers one eager forward changes must be those the graph changes
+    (a BatchNorm's running statistics are in the graph); each is left as it was."""
+    def changed(module: nn.Module, run: Callable[[], Any]) -> set[str]:
+        buffers = dict(module.named_buffers(remove_duplicate=False))
+        start = {name: b.clone() for name, b in buffers.items()}
+        try:
+            with torch.no_grad(), _same_draws():
+                run()
+            return {name for name, b in buffers.items() if not torch.equal(b, start[name])}
+        finally:
+            with torch.no_grad():
+                for name, b in buffers.items():
+                    b.copy_(start[name])
+
+    eager = changed(spec.module, lambda: eager_loss(spec, inputs, target))
+    traced = changed(graph.module, lambda: graph.module(*graph_args(graph, inputs, target)))
+    missing = sorted(eager - traced)
+    if missing:
+        raise CaptureError(
+            f"the model's forward changes its buffer {missing[0]!r}{f' (and {len(missing) - 1} more)' if missing[1:] else ''}"
+            " by an op that the capture cannot record (an in-place update that no input tensor reaches, "
+            "as a step counter's); update it outside forward, or make it a plain attribute"
+        )
