@@ -75,8 +75,21 @@ def run_here(argv: list[str], ranks: int, *, timeout_s: float, cwd: Path | None 
     if launched.timed_out:
         raise _timed_out(timeout_s)
     if launched.failed_rank is not None:
-        raise run_failed(launched.codes[launched.failed_rank], "".join(launched.stderrs),
-                         failed=launched.stderrs[launched.failed_rank])
+        cause = _cause_rank(launched)
+        raise run_failed(launched.codes[cause], "".join(launched.stderrs), failed=launched.stderrs[cause])
+
+
+_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "remote worker", "Broken pipe")
+"""What a rank says when a peer died under it (gloo): the symptom, not the cause."""
+
+
+def _cause_rank(launched: Launched) -> int:
+    """Of the ranks that ended with a code of their own, the one that says why: the first to end
+    may be a peer that found the failed rank's connection gone, where the failed rank ended an
+    instant before the launcher looked (``launched.failed_rank`` is the first it saw)."""
+    ended = [launched.failed_rank, *(r for r, code in enumerate(launched.codes)
+                                     if code not in (0, -9) and r != launched.failed_rank)]
+    return next((r for r in ended if not any(s in launched.stderrs[r] for s in _PEER_LOST)), launched.failed_rank)
 
 
 def _environment(gpus: bool = False) -> dict[str, str]:
