@@ -264,13 +264,9 @@ def test_weights_load_into_a_model_that_imports_a_file_beside_it(tmp_path):
 
     from autopart.ir.model_file import load_model_file
     from tests.distributed import run_ranks
+    from tests.tiny_models import beside_model
 
-    (tmp_path / "layers.py").write_text("import torch\n\ndef block():\n    return torch.nn.Linear(8, 8)\n")
-    model = tmp_path / "beside.py"
-    model.write_text("import torch\nfrom layers import block\n\ndef build_model():\n"
-                     "    return torch.nn.Sequential(block(), torch.nn.Tanh(), block(), torch.nn.Tanh(), block())\n"
-                     "\ndef example_batch(b):\n    return (torch.randn(b, 8),), None\n"
-                     "\ndef loss_fn(out, target):\n    return out.pow(2).mean()\n")  # fmt: skip
+    model = beside_model(tmp_path)
     out = tmp_path / "out"
     cli.main(["compile", str(model), "-o", str(out), "--pp", "2", "--microbatches", "2", "--no-measure"])
     weights = tmp_path / "state.safetensors"

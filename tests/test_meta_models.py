@@ -236,13 +236,9 @@ def test_a_meta_model_that_imports_a_file_beside_it_trains(tmp_path):
     work, not from OUT's copy (ModuleNotFoundError: 'layers' on every rank)."""
     from autopart.tools import cli
     from tests.distributed import run_ranks
+    from tests.tiny_models import beside_model
 
-    (tmp_path / "layers.py").write_text("import torch\n\ndef block():\n    return torch.nn.Linear(8, 8)\n")
-    model = tmp_path / "beside.py"
-    model.write_text("import torch\nfrom layers import block\n\ndef build_model():\n    with torch.device('meta'):\n"
-                     "        return torch.nn.Sequential(block(), torch.nn.Tanh(), block(), torch.nn.Tanh(), block())\n"
-                     "\ndef example_batch(b):\n    return (torch.randn(b, 8),), None\n"
-                     "\ndef loss_fn(out, target):\n    return out.pow(2).mean()\n")  # fmt: skip
+    model = beside_model(tmp_path, meta=True)
     out = tmp_path / "out"
     cli.main(["compile", str(model), "-o", str(out), "--pp", "2", "--microbatches", "2", "--no-measure"])
     assert "step 0 loss" in run_ranks(out, 2, "--steps", "1").stdout

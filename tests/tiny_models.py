@@ -32,3 +32,16 @@ def example_batch(batch_size):
 def token_model(preamble: str, *, output: str = "self.head(x)") -> str:
     """A model file's text but its ``loss_fn``: ``preamble``, then the model, whose forward returns ``output``."""
     return preamble + _MODEL.replace("OUTPUT", output)
+
+
+def beside_model(folder, *, meta: bool = False):
+    """A model file, ``folder/beside.py``, whose layers come from a file beside it
+    (``from layers import block``): three linears; built on the meta device where ``meta``."""
+    (folder / "layers.py").write_text("import torch\n\ndef block():\n    return torch.nn.Linear(8, 8)\n")
+    build = ("    with torch.device('meta'):\n        return " if meta else "    return ")
+    model = folder / "beside.py"
+    model.write_text("import torch\nfrom layers import block\n\ndef build_model():\n" + build +
+                     "torch.nn.Sequential(block(), torch.nn.Tanh(), block(), torch.nn.Tanh(), block())\n"
+                     "\ndef example_batch(b):\n    return (torch.randn(b, 8),), None\n"
+                     "\ndef loss_fn(out, target):\n    return out.pow(2).mean()\n")
+    return model
