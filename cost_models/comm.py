@@ -158,14 +158,18 @@ def tree_all_reduce_time(nbytes: float, group_size: int, *, bus_bandwidth: float
         return 0.0
     per_node = max(1, group_size // nodes)
     latency = 2 * ((per_node - 1) * step_latency_s + (nodes.bit_length() - 1) * node_step_latency_s)
-    size_class = max(0, (int(nbytes) >> 6).bit_length() - 1)
-    starts = [64 << k for k in range(size_class + 1, len(TREE_SIZE_SHARES) + 1)]  # the larger classes'
+    starts = [64 << k for k in range(_size_class(nbytes) + 1, len(TREE_SIZE_SHARES) + 1)]  # the larger classes'
     return latency + min(2 * size / (bus_bandwidth * TREE_BANDWIDTH_SHARE * _tree_share(size))
                          for size in (nbytes, *starts))
 
 
+def _size_class(nbytes: float) -> int:
+    """NCCL's index into its correction: ``log2(nbytes / 64)``, rounded down (0 below 128 B)."""
+    return max(0, (int(nbytes) >> 6).bit_length() - 1)
+
+
 def _tree_share(nbytes: float) -> float:
-    size_class = max(0, (int(nbytes) >> 6).bit_length() - 1)
+    size_class = _size_class(nbytes)
     return TREE_SIZE_SHARES[size_class] if size_class < len(TREE_SIZE_SHARES) else 1.0
 
 

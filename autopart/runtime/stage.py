@@ -109,7 +109,8 @@ def model_attribute(model_file: Path, qualified_name: str) -> Any:
 
 def _compiled(model_file: Path) -> Path:
     """The model file that a stage names as OUT's ``model.py``: the one compiled while it is
-    unchanged (`_model_source`), which can import the files beside it; OUT's copy cannot."""
+    unchanged (`_model_source`), as the data and the loss are taken, so that the classes its
+    forward returns are the ones its loss knows (OUT's copy carries the files beside it too)."""
     out_dir = model_file.parent
     return _model_source(out_dir) if model_file.name == "model.py" and (out_dir / "plan.json").is_file() else model_file
 

@@ -29,10 +29,9 @@ def estimate_step_s(layout, cut, cluster, rank_parameter_bytes: list[int], nodes
     (`autopart.solve.replica_shares.slowest_replica_bytes`; None: a 1/dp share)."""
     m, p = layout.microbatches, layout.pp
     layers = stage_layers(costs, cut.cuts) if int(layout.zero) == 3 and layout.dp > 1 else None
-    trained = None
-    if costs.frozen_parameters:  # what each rank reduces and steps: no frozen parameter's bytes
-        trained = [trained_bytes(costs, mine) for mine in _rank_spans(cut.cuts, len(costs), layout.schedule, p,
-                                                                     layout.chunks)]
+    spans = _rank_spans(cut.cuts, len(costs), layout.schedule, p, layout.chunks)
+    # what each rank reduces and steps: no frozen parameter's bytes
+    trained = [trained_bytes(costs, mine) for mine in spans] if costs.frozen_parameters else None
     times = stage_times(layout, cluster, cut.stage_time_s, rank_parameter_bytes, nodes, layers, trained)
     if layout.schedule == "interleaved":
         pipeline = interleaved_pipeline_s(times, p, m, layout.chunks)
@@ -42,10 +41,7 @@ def estimate_step_s(layout, cut, cluster, rank_parameter_bytes: list[int], nodes
         pipeline = sum(times) + (m - 1) * max(times)
         if layout.schedule == "zb-h1":  # W fills the cool-down bubble: (p-1)(F+I-W), not (p-1)(F+I+W)
             pipeline -= 2 * (p - 1) * min(cut.stage_weight_s)
-    stepped_bytes = None
-    if stepped is not None:
-        spans = _rank_spans(cut.cuts, len(costs), layout.schedule, p, layout.chunks)
-        stepped_bytes = [stepped(mine) for mine in spans]
+    stepped_bytes = None if stepped is None else [stepped(mine) for mine in spans]
     return pipeline + tail_s(layout, cluster, rank_parameter_bytes, nodes, hidden_s(layout, times), last_bytes,
                              stepped_bytes, trained,
                              ranks_pending_s(layout, cluster, cut.stage_time_s, rank_parameter_bytes, nodes, layers,

@@ -32,8 +32,7 @@ def rank_spans(cuts: tuple[int, ...], blocks: int, ranks: tuple[int, ...]) -> li
 def parameter_bytes_per_rank(table, layout, cut, ranks: tuple[int, ...]) -> list[int]:
     """Per rank, the bytes of the parameters its stages read (a tied weight once per rank)."""
     costs = table.chain_costs(micro_batch_size=layout.micro_batch_size, tp=layout.tp, dtype=layout.dtype)
-    return [sum(costs.parameter_bytes[p] for p in {p for first, last in spans for k in range(first, last + 1)
-                                                   for p in costs.block_parameters[k]})
+    return [sum(costs.parameter_bytes[p] for p in _read_by(costs, spans))
             for spans in rank_spans(cut.cuts, len(costs), ranks)]
 
 
@@ -41,8 +40,12 @@ def trained_bytes(costs: ChainCosts, spans: tuple[tuple[int, int], ...]) -> int:
     """Of the parameters that blocks ``spans`` read (each once), the bytes that train: what a rank
     holding them reduces over its data-parallel group and steps. All of them where nothing is
     frozen; a fine-tune's frozen base has no gradient."""
-    names = {p for first, last in spans for k in range(first, last + 1) for p in costs.block_parameters[k]}
-    return sum(costs.parameter_bytes[p] for p in names if p not in costs.frozen_parameters)
+    return sum(costs.parameter_bytes[p] for p in _read_by(costs, spans) if p not in costs.frozen_parameters)
+
+
+def _read_by(costs: ChainCosts, spans: tuple[tuple[int, int], ...]) -> set[str]:
+    """The parameters that blocks ``spans`` read, each once."""
+    return {p for first, last in spans for k in range(first, last + 1) for p in costs.block_parameters[k]}
 
 
 def owners_beyond_shares(table, layout, costs: ChainCosts) -> Callable[[tuple[tuple[int, int], ...]], int] | None:
@@ -85,7 +88,8 @@ def slowest_replica_bytes(layout, costs: ChainCosts) -> Callable[[tuple[tuple[in
     kind = [kinds.setdefault(sized(p for p in names if p not in shared and p not in frozen), len(kinds))
             for names in costs.block_parameters]
     sizes = list(kinds)
-    tied = [tuple(dict.fromkeys(p for p in names if p in shared and p not in frozen)) for names in costs.block_parameters]
+    tied = [tuple(dict.fromkeys(p for p in names if p in shared and p not in frozen))
+            for names in costs.block_parameters]
 
     @functools.cache
     def share(held: tuple[tuple[int, int], ...], ties: tuple[tuple[int, int], ...]) -> int:
