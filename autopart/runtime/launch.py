@@ -7,6 +7,7 @@ leaving its peers waiting in a collective until their timeout.
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import hashlib
 import json
@@ -15,6 +16,7 @@ import shlex
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
@@ -26,7 +28,7 @@ from autopart.runtime.shards import weights_file_name
 from autopart.runtime.stage import checked_stage_source
 
 __all__ = ["PLAN_HASH_KEY", "file_sha256", "plan_digest", "check_launch", "check_output", "check_world_size",
-           "inject_failure", "init_process_group"]
+           "check_nodes_agree", "inject_failure", "init_process_group"]
 
 PLAN_HASH_KEY = "autopart_plan_sha256"  # safetensors metadata of every weights file: the plan it was written with
 
@@ -105,6 +107,42 @@ def check_output(out_dir: Path, plan: Plan) -> None:
     for rank in range(plan.world_size):
         if mesh.coordinates(rank).dp == 0:
             check_launch(out_dir, plan, rank=rank, world_size=plan.world_size)
+
+
+def check_nodes_agree(out_dir: Path, args: argparse.Namespace) -> None:
+    """That every rank runs the same compile with the same training flags, checked over the world
+    group before any other collective. Each node of a multi-node launch reads its own copy of OUT
+    and its own command line, and each node's checks above pass on their own: a node whose OUT was
+    recompiled (another mesh) would wait in a process group its peers never make, until the
+    timeout, and one with another schedule, --steps, --lr or --seed would train a different
+    model or stop at another step. Paths are compared only as given or not (a shared folder may
+    be mounted under another name on each node), and --timeout not at all."""
+    flags = {name: (value is not None) if name in _PATHS else value
+             for name, value in sorted(vars(args).items()) if name != "timeout"}
+    mine = {"plan.json": file_sha256(out_dir / "plan.json"), "flags": flags}
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    for rank, theirs in enumerate(everyone):
+        if theirs["plan.json"] != everyone[0]["plan.json"]:
+            raise ConfigError(f"rank {rank} runs another compile than rank 0 (their plan.json differs); copy the same "
+                              "output directory to every node instead of compiling on each")
+        differing = [name for name in flags if theirs["flags"].get(name) != everyone[0]["flags"].get(name)]
+        if differing:
+            said = [_said(differing[0], f["flags"].get(differing[0])) for f in (theirs, everyone[0])]
+            raise ConfigError(f"rank {rank} was started with {said[0]} but rank 0 with {said[1]}; give train.py the "
+                              "same options on every node")
+
+
+# options that name a file or folder: compared as given or not
+_PATHS = frozenset(("metrics", "trace", "action_times", "save_weights", "weights", "checkpoint_dir", "tensorboard"))
+
+
+def _said(name: str, value: Any) -> str:
+    """How an option was given, in a message (a path flag, or a switch, as given or not)."""
+    option = "--" + name.replace("_", "-")
+    if isinstance(value, bool):
+        return option if value else f"no {option}"
+    return f"{option} {value}"
 
 
 def inject_failure(rank: int, step: int, *, saving: bool = False) -> None:

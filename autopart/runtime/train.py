@@ -65,7 +65,7 @@ from autopart.runtime.executor import ActionRecord, Executor, StageRuntime, Step
 from autopart.runtime.draws import draw_seed
 from autopart.runtime.forward import StageForward
 from autopart.runtime.fully_sharded import FSDP_LEVELS, check_level, end_of_step, full_state, shard_stage
-from autopart.runtime.launch import check_launch, init_process_group, inject_failure
+from autopart.runtime.launch import check_launch, check_nodes_agree, init_process_group, inject_failure
 from autopart.runtime.measure import StepClock, StopRule, write_measured_trace
 from autopart.runtime.gradients import clip_gradients, sum_tied_gradients, tied_groups
 from autopart.runtime.reducer import GradientReducer
@@ -191,6 +191,7 @@ def _train(out_dir: Path, argv: list[str] | None) -> None:
     device = compute_device()
     init_process_group(backend(device), args.timeout)
     try:
+        check_nodes_agree(out_dir, args)
         _loop(out_dir, plan, schedule, args, rank, device, source_file)
         # every rank leaves together: a gloo rank whose peer closed its sockets first can abort
         # (SIGABRT) in its own teardown. Not on an error, where a peer may never come.

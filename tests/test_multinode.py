@@ -1,0 +1,73 @@
+"""Several nodes simulated on this machine: one torchrun agent per node, each with its own copy of
+OUT and its own command line, meeting through torchrun's rendezvous on the loopback."""
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from autopart.driver import CompileOptions, compile_to_directory
+from tests.distributed import FREE_LINKS, REPO, environment, free_port
+
+MODEL = REPO / "tests" / "models" / "tiny_gpt.py"
+
+
+def compiled(out: Path, **pins) -> Path:
+    options = dict(model=MODEL, pp=2, dp=2, tp=1, microbatches=2, global_batch_size=4, gpus_per_node=2,
+                   device=str(FREE_LINKS)) | pins
+    compile_to_directory(CompileOptions(**options), out)
+    return out
+
+
+def nodes(outs: list[Path], nprocs: list[int], args: list[list[str]], timeout: float = 200) -> list[tuple[int, str]]:
+    """Each node's agent (static rendezvous, ``--node-rank`` its index) started at once; each
+    one's exit status and output. Every launch has a timeout: a node left waiting fails the test."""
+    port = free_port()
+    agents = [
+        subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", f"--nnodes={len(outs)}", f"--nproc-per-node={nproc}",
+             f"--node-rank={index}", "--master-addr=127.0.0.1", f"--master-port={port}", str(out / "train.py"),
+             "--timeout", "100", *extra],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=environment(),
+        )
+        for index, (out, nproc, extra) in enumerate(zip(outs, nprocs, args))
+    ]  # fmt: skip
+    try:
+        logs = [agent.communicate(timeout=timeout)[0] for agent in agents]
+    finally:
+        for agent in agents:
+            agent.kill()
+    return [(agent.returncode, log) for agent, log in zip(agents, logs)]
+
+
+def autopart_lines(log: str) -> list[str]:
+    return [line for line in log.splitlines() if line.startswith("autopart: error")]
+
+
+@pytest.mark.multiprocess
+def test_a_node_with_another_compile_is_refused_on_every_rank(tmp_path):
+    first = compiled(tmp_path / "first")
+    other = compiled(tmp_path / "other", pp=2, dp=1, tp=2)  # the same world size, another mesh
+    results = nodes([first, other], [2, 2], [["--steps", "2"]] * 2, timeout=150)
+    for code, log in results:
+        assert code != 0, log[-3000:]
+        lines = autopart_lines(log)
+        assert len(lines) == 2, log[-3000:]  # one line per rank, no traceback
+        assert all("rank 2 runs another compile than rank 0" in line for line in lines), lines
+        # a worker's traceback ("[rankN]: Traceback"), not the agent's own report of a failed worker
+        assert "]: Traceback" not in log and "exitcode  : 2" in log, log[-3000:]
+
+
+@pytest.mark.multiprocess
+def test_a_node_started_with_other_training_options_is_refused(tmp_path):
+    out = compiled(tmp_path / "out")
+    copy = tmp_path / "copy"  # the other node's own copy of OUT, byte for byte
+    shutil.copytree(out, copy)
+    results = nodes([out, copy], [2, 2], [["--steps", "2"], ["--steps", "3"]])
+    for code, log in results:
+        assert code != 0 and "]: Traceback" not in log, log[-3000:]
+        lines = autopart_lines(log)
+        assert lines == ["autopart: error: rank 2 was started with --steps 3 but rank 0 with --steps 2; give train.py "
+                         "the same options on every node"] * 2, log[-3000:]
