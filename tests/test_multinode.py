@@ -71,3 +71,19 @@ def test_a_node_started_with_other_training_options_is_refused(tmp_path):
         lines = autopart_lines(log)
         assert lines == ["autopart: error: rank 2 was started with --steps 3 but rank 0 with --steps 2; give train.py "
                          "the same options on every node"] * 2, log[-3000:]
+
+
+@pytest.mark.multiprocess
+def test_a_rank_that_refuses_to_start_is_named_on_the_other_node(tmp_path):
+    """A refusal before the process group (here: node 1's OUT was compiled for 6 ranks) ends the
+    other node's ranks too, at once, each with one line, instead of leaving them in the rendezvous."""
+    first = compiled(tmp_path / "first")
+    six = compiled(tmp_path / "six", pp=3, dp=2, tp=1, microbatches=3, global_batch_size=6)
+    results = nodes([first, six], [2, 2], [["--steps", "2"]] * 2, timeout=150)
+    expected = "the plan needs 6 processes but 4 were started"
+    (code, log), (other_code, other_log) = results
+    assert code != 0 and other_code != 0, log[-3000:]
+    assert autopart_lines(log) == [f"autopart: error: rank 2 cannot start: {expected}; run torchrun --nproc-per-node 6 "
+                                   f"{six / 'train.py'}"] * 2, log[-3000:]
+    assert len(autopart_lines(other_log)) == 2 and expected in other_log, other_log[-3000:]
+    assert "]: Traceback" not in log + other_log

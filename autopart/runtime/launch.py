@@ -165,22 +165,45 @@ def inject_failure(rank: int, step: int, *, saving: bool = False) -> None:
     os._exit(17)
 
 
-def init_process_group(backend: str, timeout_s: float) -> None:
-    """``init_process_group`` whose store keys are kept apart per torchrun attempt.
+def init_process_group(backend: str, timeout_s: float, refusal: str | None = None) -> None:
+    """``init_process_group`` whose store keys are kept apart per torchrun attempt; with
+    ``refusal`` (what this rank refused before it could start), that told to every rank instead.
 
     torchrun's static rendezvous (``--master-addr``/``--master-port``, the default) keeps one
     agent store across ``--max-restarts`` attempts without a per-attempt prefix, so a restarted
     rank would read the dead attempt's addresses and fail to connect. A prefix with the restart
     count gives every attempt its own keys.
+
+    Under torchrun every rank first posts what it refused, or nothing, in that store and reads
+    every other's. On several nodes a rank that leaves alone (its node's OUT or command line is
+    another) is a failure of its own agent only: the other nodes' ranks would wait for it in the
+    rendezvous of the process group until --timeout and end in a traceback. So every rank ends
+    with one line that names the rank that refused, before any process group is made.
     """
     timeout = datetime.timedelta(seconds=timeout_s)
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        dist.init_process_group(backend, timeout=timeout)
-        return
+        if refusal is None:
+            dist.init_process_group(backend, timeout=timeout)
+        return  # a refusal: the caller raises it (every rank reads the same OUT and flags on one node)
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     store = dist.TCPStore(
         os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False, timeout=timeout
     )
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     prefixed = dist.PrefixStore(f"autopart/attempt_{attempt}", store)
-    dist.init_process_group(backend, store=prefixed, rank=rank, world_size=world_size, timeout=timeout)
+    _tell_refusals(prefixed, rank, world_size, refusal)
+    if refusal is None:
+        dist.init_process_group(backend, store=prefixed, rank=rank, world_size=world_size, timeout=timeout)
+
+
+def _tell_refusals(store: dist.Store, rank: int, world_size: int, refusal: str | None) -> None:
+    """Post this rank's refusal ("" for none), wait for every rank's, and refuse with the first
+    other rank's if this one has none of its own (the caller raises its own)."""
+    store.set(f"refusal/{rank}", refusal or "")
+    keys = [f"refusal/{other}" for other in range(world_size)]
+    store.wait(keys)
+    if refusal is not None:
+        return
+    for other, said in enumerate(store.multi_get(keys)):
+        if said:
+            raise ConfigError(f"rank {other} cannot start: {said.decode()}")

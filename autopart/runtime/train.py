@@ -73,15 +73,15 @@ from autopart.runtime.optim import OPTIMIZERS, make_optimizer
 from autopart.runtime.process_exit import leave
 from autopart.runtime.sharded_masters import ShardedMasters
 from autopart.runtime.output_paths import save_tensors
-from autopart.runtime.train_flags import (check_arguments, check_compile_kept, check_weights_folder, resumed,
-                                          resumed_past_the_end)
+from autopart.runtime.train_flags import (check_arguments, check_compile_kept, check_initial_weights,
+                                          check_weights_folder, resumed, resumed_past_the_end)
 from autopart.runtime.progress import StepReporter, Throughput, check_tensorboard, tokens_in
 from autopart.runtime.recipe import Recipe, add_recipe_arguments, parameter_groups
 from autopart.runtime import collectives
 from autopart.runtime.mesh import Coordinates, Mesh, group_of
 from autopart.runtime.p2p import Channels, Scatter
 from autopart.runtime.shards import weights_file_name
-from autopart.runtime.stage import check_checkpoint, load_stage, model_shapes, state_names
+from autopart.runtime.stage import load_stage
 from autopart.schedule import Kind, Schedule, plan_actions
 
 __all__ = ["main", "leave", "parse_args"]
@@ -167,8 +167,25 @@ def _train(out_dir: Path, argv: list[str] | None) -> None:
     plan = load_plan(out_dir / "plan.json")
     args = parse_args(argv, plan)
     rank = int(os.environ.get("RANK", "0"))
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    check_launch(out_dir, plan, rank=rank, world_size=world_size)
+    try:
+        schedule, source_file, device = _checked(out_dir, plan, args, rank)
+    except AutopartError as refusal:  # told to every rank first: a peer on another node would wait for this one
+        init_process_group("gloo", args.timeout, refusal=str(refusal))
+        raise
+    init_process_group(backend(device), args.timeout)
+    try:
+        check_nodes_agree(out_dir, args)
+        _loop(out_dir, plan, schedule, args, rank, device, source_file)
+        # every rank leaves together: a gloo rank whose peer closed its sockets first can abort
+        # (SIGABRT) in its own teardown. Not on an error, where a peer may never come.
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _checked(out_dir: Path, plan: Plan, args: argparse.Namespace, rank: int) -> tuple[Schedule, Path, torch.device]:
+    """What this rank refuses before it waits for a peer; its schedule, model file and device."""
+    check_launch(out_dir, plan, rank=rank, world_size=int(os.environ.get("WORLD_SIZE", "1")))
     if args.resume and args.checkpoint_dir is None:
         raise ConfigError("--resume needs --checkpoint-dir DIR: the folder the checkpoints were saved in")
     if args.checkpoint_dir is not None:
@@ -182,22 +199,8 @@ def _train(out_dir: Path, argv: list[str] | None) -> None:
     if not plan.schedule.actions and rank == 0:
         print(f"autopart: note: plan.json stores no schedule.actions (written by an earlier autopart); running "
               f"the {plan.schedule.kind} order generated from its kind, as it ran then", file=sys.stderr)
-    if args.weights is not None:  # refuse a checkpoint that lacks this rank's tensors before any peer waits
-        pipeline_rank = Mesh.of(plan).coordinates(rank).pp
-        for stage_plan in plan.stages:
-            if stage_plan.rank == pipeline_rank:
-                check_checkpoint(args.weights, state_names(out_dir, stage_plan.index), stage_plan.index,
-                                 model_shapes(out_dir))
-    device = compute_device()
-    init_process_group(backend(device), args.timeout)
-    try:
-        check_nodes_agree(out_dir, args)
-        _loop(out_dir, plan, schedule, args, rank, device, source_file)
-        # every rank leaves together: a gloo rank whose peer closed its sockets first can abort
-        # (SIGABRT) in its own teardown. Not on an error, where a peer may never come.
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    check_initial_weights(args.weights, out_dir, plan, rank)
+    return schedule, source_file, compute_device()
 
 
 def _loop(out_dir: Path, plan: Plan, schedule: Schedule, args: argparse.Namespace, rank: int, device: torch.device,

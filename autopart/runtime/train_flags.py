@@ -14,9 +14,11 @@ from autopart.ir.plan import Plan
 from autopart.runtime.checkpoint import CheckpointContext, restarted
 from autopart.runtime.output_paths import MARKER, check_file_path, check_folder_path
 from autopart.runtime.recipe import Recipe
+from autopart.runtime.mesh import Mesh
 from autopart.runtime.shards import weights_file_name
+from autopart.runtime.stage import check_checkpoint, model_shapes, state_names
 
-__all__ = ["check_arguments", "check_compile_kept", "check_weights_folder", "compile_files", "resumed",
+__all__ = ["check_arguments", "check_compile_kept", "check_initial_weights", "check_weights_folder", "compile_files", "resumed",
            "resumed_past_the_end"]
 
 
@@ -138,3 +140,13 @@ def _check_ours(path: Path | None, flag: str) -> None:
     if not ours:
         raise ConfigError(f"{flag} {path} exists and is not {_WRITTEN[flag]} that train.py wrote; give a new path, or "
                           "move the file away first")
+
+
+def check_initial_weights(weights: Path | None, out_dir: Path, plan: Plan, rank: int) -> None:
+    """Refuse a --weights checkpoint that lacks this rank's tensors before any peer waits."""
+    if weights is None:
+        return
+    pipeline_rank = Mesh.of(plan).coordinates(rank).pp
+    for stage_plan in plan.stages:
+        if stage_plan.rank == pipeline_rank:
+            check_checkpoint(weights, state_names(out_dir, stage_plan.index), stage_plan.index, model_shapes(out_dir))
