@@ -87,3 +87,16 @@ def test_a_rank_that_refuses_to_start_is_named_on_the_other_node(tmp_path):
                                    f"{six / 'train.py'}"] * 2, log[-3000:]
     assert len(autopart_lines(other_log)) == 2 and expected in other_log, other_log[-3000:]
     assert "]: Traceback" not in log + other_log
+
+
+@pytest.mark.multiprocess
+def test_too_few_processes_on_one_node_is_told_the_command_for_several_nodes(tmp_path):
+    out = compiled(tmp_path / "out")
+    copy = tmp_path / "copy"
+    shutil.copytree(out, copy)
+    results = nodes([out, copy], [2, 1], [["--steps", "2"]] * 2, timeout=150)
+    for code, log in results:
+        assert code != 0 and "]: Traceback" not in log, log[-3000:]
+        assert all("the plan needs 4 processes but 3 were started; run torchrun --nnodes 2 --nproc-per-node 2 " in line
+                   and line.endswith("train.py on each node") for line in autopart_lines(log)), log[-3000:]
+    assert sum(len(autopart_lines(log)) for _, log in results) == 3  # one line per rank

@@ -68,7 +68,7 @@ def check_world_size(plan: Plan, world_size: int, command: str) -> None:
 def check_launch(out_dir: Path, plan: Plan, *, rank: int, world_size: int) -> None:
     """World size, this rank's stage files and weights, and that they come from this plan's compile."""
     train = shlex.quote(str(out_dir / "train.py"))  # a command to paste: a folder of spaces stays one word
-    check_world_size(plan, world_size, f"torchrun --nproc-per-node {plan.world_size} {train}")
+    check_world_size(plan, world_size, _launch_command(plan.world_size, train))
     mesh = Mesh.of(plan)
     here = mesh.coordinates(rank)
     digest = plan_digest(out_dir / "plan.json")
@@ -98,6 +98,16 @@ def check_launch(out_dir: Path, plan: Plan, *, rank: int, world_size: int) -> No
                 f"(plan sha256 {digest[:12]}, weights made for {str(written_with)[:12]}); "
                 "recompile with autopart compile instead of mixing output directories"
             )
+
+
+def _launch_command(world_size: int, train: str) -> str:
+    """The torchrun command that starts ``world_size`` ranks: over as many nodes as this launch
+    has (torchrun's GROUP_WORLD_SIZE), where they divide evenly; a one-node command would be
+    no advice to a user whose nodes each hold part of the ranks."""
+    nodes = int(os.environ.get("GROUP_WORLD_SIZE", "1"))
+    if nodes > 1 and world_size % nodes == 0:
+        return f"torchrun --nnodes {nodes} --nproc-per-node {world_size // nodes} {train} on each node"
+    return f"torchrun --nproc-per-node {world_size} {train}"
 
 
 def check_output(out_dir: Path, plan: Plan) -> None:
