@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from autopart.driver import CompileOptions, compile_to_directory
-from tests.distributed import FREE_LINKS, REPO, environment, free_port
+from tests.distributed import FREE_LINKS, REPO, environment, free_port, run_cli_here
 
 MODEL = REPO / "tests" / "models" / "tiny_gpt.py"
 
@@ -100,3 +100,14 @@ def test_too_few_processes_on_one_node_is_told_the_command_for_several_nodes(tmp
         assert all("the plan needs 4 processes but 3 were started; run torchrun --nnodes 2 --nproc-per-node 2 " in line
                    and line.endswith("train.py on each node") for line in autopart_lines(log)), log[-3000:]
     assert sum(len(autopart_lines(log)) for _, log in results) == 3  # one line per rank
+
+
+def test_a_compile_over_several_nodes_prints_the_command_for_each_node(tmp_path):
+    out = tmp_path / "out"
+    result = run_cli_here("compile", str(MODEL), "-o", str(out), "--pp", "2", "--dp", "2", "--tp", "1",
+                          "--microbatches", "2", "--global-batch-size", "4", "--gpus-per-node", "2",
+                          "--device", str(FREE_LINKS), "--no-measure")
+    assert result.returncode == 0, result.stderr
+    assert "on each of the 2 nodes" in result.stdout, result.stdout
+    assert f"torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint HOST:29500 --rdzv-id autopart " \
+           f"{out}/train.py --steps 10" in result.stdout, result.stdout

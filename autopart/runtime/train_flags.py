@@ -18,8 +18,8 @@ from autopart.runtime.mesh import Mesh
 from autopart.runtime.shards import weights_file_name
 from autopart.runtime.stage import check_checkpoint, model_shapes, state_names
 
-__all__ = ["check_arguments", "check_compile_kept", "check_initial_weights", "check_weights_folder", "compile_files", "resumed",
-           "resumed_past_the_end"]
+__all__ = ["check_arguments", "check_compile_kept", "check_initial_weights", "check_weights_folder", "compile_files",
+           "resumed", "resumed_past_the_end"]
 
 
 def check_arguments(args: argparse.Namespace) -> None:

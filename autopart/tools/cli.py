@@ -20,7 +20,7 @@ from rich.table import Table
 
 from autopart.predict.accuracy import describe_prediction
 from autopart.ir.errors import AutopartError, ConfigError, OneLineParser
-from autopart.tools.local_run import LocalRunError
+from autopart.tools.local_run import LocalRunError, train_command
 from autopart.runtime.process_exit import leave
 from autopart.runtime.recipe import Recipe, add_recipe_arguments
 from cost_models.calibration import usable_cores
@@ -315,7 +315,7 @@ def _compile(args: argparse.Namespace, console: Console) -> None:
                       "compiled; the predicted step counts them (compile on a quiet machine for a quiet one's step)")
     console.print(f"compile peak memory {peak_memory_gib():.2f} GiB")
     train = shlex.quote(f"{out}/train.py")  # a command to paste: a folder of spaces stays one word
-    console.print(f"wrote {out}/; train with:\n  torchrun --nproc-per-node {plan.world_size} {train} --steps 10")
+    console.print(f"wrote {out}/; train with{train_command(train, plan.world_size, options.gpus_per_node)}")
 
 
 def _print_turns(console: Console, plan, ran: float | None) -> None:
