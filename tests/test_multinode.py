@@ -111,3 +111,14 @@ def test_a_compile_over_several_nodes_prints_the_command_for_each_node(tmp_path)
     assert "on each of the 2 nodes" in result.stdout, result.stdout
     assert f"torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint HOST:29500 --rdzv-id autopart " \
            f"{out}/train.py --steps 10" in result.stdout, result.stdout
+
+
+@pytest.mark.multiprocess
+def test_a_node_whose_command_line_is_refused_ends_the_other_node_with_one_line(tmp_path):
+    out = compiled(tmp_path / "out")
+    results = nodes([out, out], [2, 2], [["--steps", "2", "--timeout", "10"], ["--steps", "2", "--stpes", "3"]])
+    (code, log), (other_code, other_log) = results
+    assert code != 0 and other_code != 0 and "]: Traceback" not in log + other_log, log[-3000:]
+    assert autopart_lines(log) == ["autopart: error: rank 2 did not start within --timeout; see that node's output "
+                                   "(its train.py options refused?), and give every node the same command"] * 2, log
+    assert len(autopart_lines(other_log)) == 2 and "unrecognized arguments: --stpes" in other_log

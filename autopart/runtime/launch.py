@@ -211,7 +211,12 @@ def _tell_refusals(store: dist.Store, rank: int, world_size: int, refusal: str |
     other rank's if this one has none of its own (the caller raises its own)."""
     store.set(f"refusal/{rank}", refusal or "")
     keys = [f"refusal/{other}" for other in range(world_size)]
-    store.wait(keys)
+    try:
+        store.wait(keys)
+    except dist.DistStoreError:  # a rank that left before it could post (argparse refused its command line)
+        missing = [other for other, key in enumerate(keys) if not store.check([key])]
+        raise ConfigError(f"rank {missing[0]} did not start within --timeout; see that node's output (its "
+                          "train.py options refused?), and give every node the same command") from None
     if refusal is not None:
         return
     for other, said in enumerate(store.multi_get(keys)):
