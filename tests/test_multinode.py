@@ -83,8 +83,8 @@ def test_a_rank_that_refuses_to_start_is_named_on_the_other_node(tmp_path):
     expected = "the plan needs 6 processes but 4 were started"
     (code, log), (other_code, other_log) = results
     assert code != 0 and other_code != 0, log[-3000:]
-    assert autopart_lines(log) == [f"autopart: error: rank 2 cannot start: {expected}; run torchrun --nproc-per-node 6 "
-                                   f"{six / 'train.py'}"] * 2, log[-3000:]
+    assert autopart_lines(log) == [f"autopart: error: rank 2 cannot start: {expected}; run torchrun --nnodes 2 "
+                                   f"--nproc-per-node 3 {six / 'train.py'} on each node"] * 2, log[-3000:]
     assert len(autopart_lines(other_log)) == 2 and expected in other_log, other_log[-3000:]
     assert "]: Traceback" not in log + other_log
 
