@@ -1,4 +1,5 @@
-"""The measured timeline of one training step (``train.py --trace FILE``).
+"""The measured timeline of one training step (``train.py --trace FILE``), and the seconds of each
+action per step (``--action-times DIR``).
 
 Every rank records when each of its actions starts and ends (`Executor.step(record=...)`), in
 seconds after a barrier that all ranks leave together at the start of the step: the barrier is
@@ -12,6 +13,7 @@ gap before the action that needed it.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -23,7 +25,7 @@ from autopart.runtime.device import synchronize
 from autopart.runtime.executor import ActionRecord
 from autopart.schedule import Action, Event, Timeline, write_chrome_trace
 
-__all__ = ["StepClock", "StopRule", "write_measured_trace"]
+__all__ = ["StepClock", "StopRule", "write_action_times", "write_measured_trace"]
 
 
 class StopRule:
@@ -95,3 +97,25 @@ def write_measured_trace(
     path.parent.mkdir(parents=True, exist_ok=True)
     write_chrome_trace(timeline, path, title=title)
     return timeline
+
+
+def write_action_times(folder: Path, rank: int, step: int, origin: float, record: list[ActionRecord],
+                       tail: tuple[float, float, float, float, float],
+                       reduction: tuple[float, list[float]]) -> None:
+    """One line of ``--action-times``: seconds from the step's start (``origin``, in
+    ``time.perf_counter`` seconds, one clock for every process of a host), and CPU seconds. The
+    tail: its start, end and CPU time, when the sums of tied gradients ended within it and when
+    the optimizer step began (it runs to the end). ``reduced``: when the data-parallel
+    all-reduce had ended (`autopart.runtime.reducer`; the tail's start without one), and
+    ``buckets``: when each of its buckets was launched, during the actions."""
+    folder.mkdir(parents=True, exist_ok=True)
+    line = {
+        "step": step,
+        "origin": origin,
+        "actions": [[str(r.action), r.start - origin, r.end - origin, r.cpu_s] for r in record],
+        "tail": [tail[0] - origin, tail[1] - origin, tail[2], tail[3] - origin, tail[4] - origin],
+        "reduced": reduction[0] - origin,
+        "buckets": [launched - origin for launched in reduction[1]],
+    }
+    with open(folder / f"rank_{rank}.jsonl", "a") as file:
+        file.write(json.dumps(line) + "\n")

@@ -39,7 +39,6 @@ import argparse
 import datetime
 import faulthandler
 import functools
-import json
 import os
 import sys
 import time
@@ -61,12 +60,12 @@ from autopart.runtime.checkpoint_folders import check_folder
 from autopart.runtime.device import (Mark, StepTimer, backend, compute_device, peak_memory_bytes, peak_reserved_bytes,
                                      reset_peak_memory)
 from autopart.runtime.device import tensor as device_tensor
-from autopart.runtime.executor import ActionRecord, Executor, StageRuntime, StepFailure
+from autopart.runtime.executor import Executor, StageRuntime, StepFailure
 from autopart.runtime.draws import draw_seed
 from autopart.runtime.forward import StageForward
 from autopart.runtime.fully_sharded import FSDP_LEVELS, check_level, end_of_step, full_state, shard_stage
 from autopart.runtime.launch import check_launch, check_nodes_agree, init_process_group, inject_failure
-from autopart.runtime.measure import StepClock, StopRule, write_measured_trace
+from autopart.runtime.measure import StepClock, StopRule, write_action_times, write_measured_trace
 from autopart.runtime.gradients import clip_gradients, sum_tied_gradients, tied_groups
 from autopart.runtime.reducer import GradientReducer
 from autopart.runtime.optim import OPTIMIZERS, make_optimizer
@@ -123,28 +122,6 @@ def parse_args(argv: list[str] | None, plan: Plan) -> argparse.Namespace:
     parser.add_argument("--tensorboard", type=Path, help="write scalars here (needs the tensorboard package)")
     return parser.parse_args(argv)
 
-
-
-def _write_action_times(folder: Path, rank: int, step: int, origin: float, record: list[ActionRecord],
-                        tail: tuple[float, float, float, float, float],
-                        reduction: tuple[float, list[float]]) -> None:
-    """One line of ``--action-times``: seconds from the step's start (``origin``, in
-    ``time.perf_counter`` seconds, one clock for every process of a host), and CPU seconds. The
-    tail: its start, end and CPU time, when the sums of tied gradients ended within it and when
-    the optimizer step began (it runs to the end). ``reduced``: when the data-parallel
-    all-reduce had ended (`autopart.runtime.reducer`; the tail's start without one), and
-    ``buckets``: when each of its buckets was launched, during the actions."""
-    folder.mkdir(parents=True, exist_ok=True)
-    line = {
-        "step": step,
-        "origin": origin,
-        "actions": [[str(r.action), r.start - origin, r.end - origin, r.cpu_s] for r in record],
-        "tail": [tail[0] - origin, tail[1] - origin, tail[2], tail[3] - origin, tail[4] - origin],
-        "reduced": reduction[0] - origin,
-        "buckets": [launched - origin for launched in reduction[1]],
-    }
-    with open(folder / f"rank_{rank}.jsonl", "a") as file:
-        file.write(json.dumps(line) + "\n")
 
 
 def main(out_dir: str | Path, argv: list[str] | None = None) -> None:
@@ -261,7 +238,7 @@ def _loop(out_dir: Path, plan: Plan, schedule: Schedule, args: argparse.Namespac
         end, tail_cpu = timer.stop(), time.thread_time() - tail_cpu
         if args.action_times:  # after the step's clock stopped
             marks = (timer.seconds(tail_start), end, tail_cpu, timer.seconds(tied_end), timer.seconds(optimizer_start))
-            _write_action_times(args.action_times, rank, step, timer.start, record, marks,
+            write_action_times(args.action_times, rank, step, timer.start, record, marks,
                                 (timer.seconds(reduced), [timer.seconds(mark) for mark in launched]))
         elapsed = device_tensor([end - timer.start], device)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
