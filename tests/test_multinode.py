@@ -1,14 +1,18 @@
 """Several nodes simulated on this machine: one torchrun agent per node, each with its own copy of
 OUT and its own command line, meeting through torchrun's rendezvous on the loopback."""
 
+import datetime
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 
 from autopart.driver import CompileOptions, compile_to_directory
+from autopart.runtime.launch import RefusedTogether
 from tests.distributed import FREE_LINKS, REPO, environment, free_port, run_cli_here
 
 MODEL = REPO / "tests" / "models" / "tiny_gpt.py"
@@ -122,3 +126,18 @@ def test_a_node_whose_command_line_is_refused_ends_the_other_node_with_one_line(
     assert autopart_lines(log) == ["autopart: error: rank 2 did not start within --timeout; see that node's output "
                                    "(its train.py options refused?), and give every node the same command"] * 2, log
     assert len(autopart_lines(other_log)) == 2 and "unrecognized arguments: --stpes" in other_log
+
+
+def test_a_refusing_rank_leaves_only_once_every_peer_has_said_its_line():
+    """torchrun's agent ends a node's other ranks as soon as one exits, so a rank that left
+    straight after its line would cut off the line of a peer a moment slower."""
+    timeout = datetime.timedelta(seconds=30)
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timeout)
+    peer = dist.TCPStore("127.0.0.1", server.port, is_master=False, wait_for_workers=False, timeout=timeout)
+    first = threading.Thread(target=RefusedTogether("refused", store=server, rank=0, ranks=[0, 1]).leave_together)
+    first.start()
+    first.join(timeout=1)
+    assert first.is_alive()  # rank 0 said its line; rank 1 has not yet
+    RefusedTogether("refused", store=peer, rank=1, ranks=[0, 1]).leave_together()
+    first.join(timeout=30)
+    assert not first.is_alive()

@@ -28,7 +28,7 @@ from autopart.runtime.shards import weights_file_name
 from autopart.runtime.stage import checked_stage_source
 
 __all__ = ["PLAN_HASH_KEY", "file_sha256", "plan_digest", "check_launch", "check_output", "check_world_size",
-           "check_nodes_agree", "inject_failure", "init_process_group"]
+           "check_nodes_agree", "inject_failure", "init_process_group", "leave_with_node", "RefusedTogether"]
 
 PLAN_HASH_KEY = "autopart_plan_sha256"  # safetensors metadata of every weights file: the plan it was written with
 
@@ -119,28 +119,30 @@ def check_output(out_dir: Path, plan: Plan) -> None:
             check_launch(out_dir, plan, rank=rank, world_size=plan.world_size)
 
 
-def check_nodes_agree(out_dir: Path, args: argparse.Namespace) -> None:
+def check_nodes_agree(out_dir: Path, args: argparse.Namespace, store: dist.Store | None) -> None:
     """That every rank runs the same compile with the same training flags, checked over the world
     group before any other collective. Each node of a multi-node launch reads its own copy of OUT
     and its own command line, and each node's checks above pass on their own: a node whose OUT was
     recompiled (another mesh) would wait in a process group its peers never make, until the
     timeout, and one with another schedule, --steps, --lr or --seed would train a different
     model or stop at another step. Paths are compared only as given or not (a shared folder may
-    be mounted under another name on each node), and --timeout not at all."""
+    be mounted under another name on each node), and --timeout not at all. Every rank refuses
+    the same (`RefusedTogether`, in ``store``, as `init_process_group` gave it)."""
     flags = {name: (value is not None) if name in _PATHS else value
              for name, value in sorted(vars(args).items()) if name != "timeout"}
     mine = {"plan.json": file_sha256(out_dir / "plan.json"), "flags": flags}
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
+    together = dict(store=store, rank=dist.get_rank(), ranks=list(range(len(everyone))))
     for rank, theirs in enumerate(everyone):
         if theirs["plan.json"] != everyone[0]["plan.json"]:
-            raise ConfigError(f"rank {rank} runs another compile than rank 0 (their plan.json differs); copy the same "
-                              "output directory to every node instead of compiling on each")
+            raise RefusedTogether(f"rank {rank} runs another compile than rank 0 (their plan.json differs); copy the "
+                                  "same output directory to every node instead of compiling on each", **together)
         differing = [name for name in flags if theirs["flags"].get(name) != everyone[0]["flags"].get(name)]
         if differing:
             said = [_said(differing[0], f["flags"].get(differing[0])) for f in (theirs, everyone[0])]
-            raise ConfigError(f"rank {rank} was started with {said[0]} but rank 0 with {said[1]}; give train.py the "
-                              "same options on every node")
+            raise RefusedTogether(f"rank {rank} was started with {said[0]} but rank 0 with {said[1]}; give train.py "
+                                  "the same options on every node", **together)
 
 
 # options that name a file or folder: compared as given or not
@@ -175,9 +177,11 @@ def inject_failure(rank: int, step: int, *, saving: bool = False) -> None:
     os._exit(17)
 
 
-def init_process_group(backend: str, timeout_s: float, refusal: str | None = None) -> None:
+def init_process_group(backend: str, timeout_s: float, refusal: str | None = None) -> dist.Store | None:
     """``init_process_group`` whose store keys are kept apart per torchrun attempt; with
-    ``refusal`` (what this rank refused before it could start), that told to every rank instead.
+    ``refusal`` (what this rank refused before it could start), that told to every rank and
+    raised instead. The store under torchrun, where its ranks may wait for each other (None
+    without torchrun's agent store).
 
     torchrun's static rendezvous (``--master-addr``/``--master-port``, the default) keeps one
     agent store across ``--max-restarts`` attempts without a per-attempt prefix, so a restarted
@@ -194,31 +198,88 @@ def init_process_group(backend: str, timeout_s: float, refusal: str | None = Non
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         if refusal is None:
             dist.init_process_group(backend, timeout=timeout)
-        return  # a refusal: the caller raises it (every rank reads the same OUT and flags on one node)
+        return None  # a refusal: the caller raises it (every rank reads the same OUT and flags on one node)
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = _agent_store(timeout)
+    _tell_refusals(store, rank, world_size, refusal)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    return store
+
+
+def _agent_store(timeout: datetime.timedelta) -> dist.Store:
+    """torchrun's agent store, under this attempt's prefix (see `init_process_group`)."""
     store = dist.TCPStore(
-        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False, timeout=timeout
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]), is_master=False,
+        timeout=timeout,
     )
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    prefixed = dist.PrefixStore(f"autopart/attempt_{attempt}", store)
-    _tell_refusals(prefixed, rank, world_size, refusal)
-    if refusal is None:
-        dist.init_process_group(backend, store=prefixed, rank=rank, world_size=world_size, timeout=timeout)
+    return dist.PrefixStore(f"autopart/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 def _tell_refusals(store: dist.Store, rank: int, world_size: int, refusal: str | None) -> None:
-    """Post this rank's refusal ("" for none), wait for every rank's, and refuse with the first
-    other rank's if this one has none of its own (the caller raises its own)."""
+    """Post this rank's refusal ("" for none), wait for every rank's, and refuse with this one's,
+    or else the first other rank's."""
     store.set(f"refusal/{rank}", refusal or "")
     keys = [f"refusal/{other}" for other in range(world_size)]
     try:
         store.wait(keys)
     except dist.DistStoreError:  # a rank that left before it could post (argparse refused its command line)
-        missing = [other for other, key in enumerate(keys) if not store.check([key])]
-        raise ConfigError(f"rank {missing[0]} did not start within --timeout; see that node's output (its "
-                          "train.py options refused?), and give every node the same command") from None
+        posted = [other for other, key in enumerate(keys) if store.check([key])]
+        missing = sorted(set(range(world_size)) - set(posted))
+        raise RefusedTogether(f"rank {missing[0]} did not start within --timeout; see that node's output (its "
+                              "train.py options refused?), and give every node the same command",
+                              store=store, rank=rank, ranks=posted) from None
+    everyone = list(range(world_size))
     if refusal is not None:
-        return
+        raise RefusedTogether(refusal, store=store, rank=rank, ranks=everyone)
     for other, said in enumerate(store.multi_get(keys)):
         if said:
-            raise ConfigError(f"rank {other} cannot start: {said.decode()}")
+            raise RefusedTogether(f"rank {other} cannot start: {said.decode()}", store=store, rank=rank, ranks=everyone)
+
+
+class RefusedTogether(ConfigError):
+    """A refusal that ``ranks`` all make at once: read from the agent store, found in the
+    start-up all-gather, or their node's command line refused. torchrun's agent ends the other
+    ranks of its node (SIGTERM) as soon as one of them exits, and node 0's agent ends the store
+    with it, so a rank that left straight after its line would cut off the line of a peer a
+    moment slower (a loaded machine) on its own node, and the reads of another node's. Each
+    rank therefore, after its line, posts that it said it and waits for every one of ``ranks``
+    before it exits (`leave_together`)."""
+
+    def __init__(self, message: str, *, store: dist.Store | None, rank: int, ranks: list[int]) -> None:
+        super().__init__(message)
+        self.store, self.rank, self.ranks = store, rank, ranks
+
+    def leave_together(self) -> None:
+        """Once this rank's line is out: wait until every one of ``ranks`` has said its own."""
+        if self.store is not None:
+            _said_together(self.store, self.rank, self.ranks)
+
+
+def _said_together(store: dist.Store, rank: int, ranks: list[int]) -> None:
+    """Post that ``rank`` said its line and wait, a bounded time, for every one of ``ranks``.
+    Peers past the same decision say theirs within moments; a peer ended meanwhile (its node's
+    agent stopped it) or a store gone (node 0's agent ended) must not hold this rank up to
+    --timeout, and cost nothing but the wait."""
+    try:
+        store.set(f"said/{rank}", "")
+        store.wait([f"said/{other}" for other in ranks], datetime.timedelta(seconds=_SAID_WAIT_S))
+    except dist.DistError:
+        pass
+
+
+_SAID_WAIT_S = 60.0  # far above the moments that peers past the same decision take to say their lines
+
+
+def leave_with_node() -> None:
+    """After a refusal of this node's command line (argparse's line printed, exit 2): every rank
+    of the node refuses the same, so each waits, as `RefusedTogether.leave_together`, until all
+    of the node's ranks (torchrun numbers them one after another) have said theirs."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return
+    first = int(os.environ["RANK"]) - int(os.environ["LOCAL_RANK"])
+    node = range(first, first + int(os.environ["LOCAL_WORLD_SIZE"]))
+    try:
+        store = _agent_store(datetime.timedelta(seconds=_SAID_WAIT_S))
+    except dist.DistError:  # node 0's agent gone: no peer is left to wait for
+        return
+    _said_together(store, int(os.environ["RANK"]), list(node))

@@ -64,7 +64,8 @@ from autopart.runtime.executor import Executor, StageRuntime, StepFailure
 from autopart.runtime.draws import draw_seed
 from autopart.runtime.forward import StageForward
 from autopart.runtime.fully_sharded import FSDP_LEVELS, check_level, end_of_step, full_state, shard_stage
-from autopart.runtime.launch import check_launch, check_nodes_agree, init_process_group, inject_failure
+from autopart.runtime.launch import (RefusedTogether, check_launch, check_nodes_agree, init_process_group, inject_failure,
+                                     leave_with_node)
 from autopart.runtime.measure import StepClock, StopRule, write_action_times, write_measured_trace
 from autopart.runtime.gradients import clip_gradients, sum_tied_gradients, tied_groups
 from autopart.runtime.reducer import GradientReducer
@@ -133,7 +134,9 @@ def main(out_dir: str | Path, argv: list[str] | None = None) -> None:
     try:
         _train(out_dir, argv)
     except AutopartError as exc:
-        print(f"autopart: error: {exc}", file=sys.stderr)
+        print(f"autopart: error: {exc}", file=sys.stderr, flush=True)
+        if isinstance(exc, RefusedTogether):
+            exc.leave_together()
         raise SystemExit(2) from None
     except StepFailure as exc:
         print(f"autopart: error on rank {os.environ.get('RANK', '0')}: {exc}", file=sys.stderr, flush=True)
@@ -142,16 +145,21 @@ def main(out_dir: str | Path, argv: list[str] | None = None) -> None:
 
 def _train(out_dir: Path, argv: list[str] | None) -> None:
     plan = load_plan(out_dir / "plan.json")
-    args = parse_args(argv, plan)
+    try:
+        args = parse_args(argv, plan)
+    except SystemExit as refused:  # argparse's line printed (or --help's text): the same on every rank of this node
+        if refused.code:
+            leave_with_node()
+        raise
     rank = int(os.environ.get("RANK", "0"))
     try:
         schedule, source_file, device = _checked(out_dir, plan, args, rank)
     except AutopartError as refusal:  # told to every rank first: a peer on another node would wait for this one
-        init_process_group("gloo", args.timeout, refusal=str(refusal))
+        init_process_group("gloo", args.timeout, refusal=str(refusal))  # raises it under torchrun
         raise
-    init_process_group(backend(device), args.timeout)
+    store = init_process_group(backend(device), args.timeout)
     try:
-        check_nodes_agree(out_dir, args)
+        check_nodes_agree(out_dir, args, store)
         _loop(out_dir, plan, schedule, args, rank, device, source_file)
         # every rank leaves together: a gloo rank whose peer closed its sockets first can abort
         # (SIGABRT) in its own teardown. Not on an error, where a peer may never come.
