@@ -58,3 +58,22 @@ def test_the_stages_run_the_buffer_updates(tmp_path, model):
 def test_fx_refuses_an_update_it_cannot_record(model):
     with pytest.raises(CaptureError, match=r"changes its buffer '0.calls' \(and 1 more\) by an op that the capture"):
         autopart.compile(model, pp=2, microbatches=2, global_batch_size=4, capture="fx", measure=False)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("options", [{"pp": 2, "recompute": "full", "schedule": "1f1b"},
+                                     {"pp": 2, "recompute": "selective", "schedule": "zb-h1"},
+                                     {"pp": 1, "dp": 2, "schedule": "1f1b"}])
+def test_a_counter_advances_once_per_step_whatever_the_microbatches_replicas_and_recompute(tmp_path, options):
+    """One process runs one forward per step over the global batch, so its counter advances by one
+    per step, where the programs advanced it once per microbatch and again in each recompute (6
+    after 3 steps of 2 microbatches, 12 recomputing), and verify's reference once per step."""
+    from tests.distributed import assert_same_training, compile_and_train
+
+    path = tmp_path / "counted.py"
+    path.write_text(MODEL)
+    run = compile_and_train(tmp_path, path, microbatches=2, micro_batch_size=2, steps=3, measure=False, **options)
+    counters = {name: value for weights in run.finals.values() for name, value in weights.items()
+                if name.endswith("calls")}
+    assert counters and all(float(value) == 3.0 for value in counters.values()), counters
+    assert_same_training(run, optimizer="sgd", lr=0.1)

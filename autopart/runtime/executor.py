@@ -7,11 +7,14 @@ over in memory, where lowering put no send and receive. The loss of every microb
 by the number of microbatches before its backward, so the gradients are those of the mean loss
 over the global batch. Zero-bubble's I and W are `autopart.runtime.backward`'s split. A stage's
 forward runs through its `StageForward` (the plan's precision and recompute); a recomputing
-stage in a split backward rebuilds its graph once, at I, for I and W to share.
+stage in a split backward rebuilds its graph once, at I, for I and W to share. The buffers that
+a forward updates in place (a counter, BatchNorm's statistics) are left as one forward of the
+whole global batch leaves them (`autopart.runtime.buffer_updates`), not once per microbatch.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -21,6 +24,7 @@ from torch import nn
 
 from autopart.ir.scatter_gather import held_shape
 from autopart.ir.tensors import TensorMeta
+from autopart.runtime.buffer_updates import BufferUpdates
 from autopart.runtime.backward import PendingWeights, backward_full, backward_input, backward_weight
 from autopart.runtime.device import Mark, StepTimer, batch_on_device
 from autopart.runtime.draws import draw_seed
@@ -81,11 +85,13 @@ class Executor:
         reducer: GradientReducer | None = None,
         channels: Channels | None = None,
         global_rank: int | None = None,
+        replicas: tuple[Any, int] | None = None,
     ):
         """``scatter``: this rank's tensor-parallel group, over which messages are split (none: sent
         whole); ``channels``: the process groups messages travel on, per kind and direction
         (`autopart.runtime.p2p`), chosen by this process's ``global_rank`` and its peer's; None
-        sends all of them on the default group."""
+        sends all of them on the default group. ``replicas``: the data-parallel group and its size,
+        over which the buffers' updates are averaged too (`autopart.runtime.buffer_updates`)."""
         if channels is not None and global_rank is None:
             raise ValueError("Executor(channels=...) needs this process's global_rank: its messages' groups depend on it")
         self.channels = channels
@@ -99,6 +105,7 @@ class Executor:
         self.actions = schedule[rank]
         self.microbatches = microbatches
         self.device = device
+        self.updates = {s: BufferUpdates(stage.module, replicas) for s, stage in stages.items()}
 
     def step(
         self,
@@ -142,6 +149,8 @@ class Executor:
                 raise self._failure(position, action, exc) from exc
         for work in pending:
             work.wait()
+        for updates in self.updates.values():
+            updates.finish()
         for stage in self.stages.values():
             assert not (
                 stage.received or stage.outputs or stage.output_grads or stage.held_for_weights or stage.rebuilds
@@ -167,7 +176,7 @@ class Executor:
                 if action.kind not in _FORWARD_KINDS:
                     continue
                 try:
-                    self._run(action, microbatches, losses, pending, None)  # nothing is drawn
+                    self._run(action, microbatches, losses, pending, None, training=False)  # nothing is drawn
                 except Exception as exc:
                     raise self._failure(position, action, exc) from exc
         for work in pending:
@@ -194,8 +203,9 @@ class Executor:
 
     def _run(
         self, action: Action, microbatches: list[tuple[Any, ...]], losses: list[torch.Tensor], pending: list,
-        seed: int | None,
+        seed: int | None, *, training: bool = True,
     ) -> None:
+        """One action; ``training`` False: an evaluation's forward, whose buffer updates `buffers_kept` puts back."""
         stage = self.stages[action.stage]
         m = action.microbatch
         kind = action.kind
@@ -203,7 +213,9 @@ class Executor:
             peer = _peer(stage, kind)
             stage.received[m] = recv_tensors(stage.inputs, peer, self.device, self.scatter, self._channel(kind, peer))
         elif kind is Kind.F:
-            self._forward(stage, m, microbatches, losses, seed)
+            updates = self.updates[stage.index].forward() if training else contextlib.nullcontext()
+            with updates:  # from the step's buffers; its updates averaged after the step
+                self._forward(stage, m, microbatches, losses, seed)
         elif kind is Kind.SEND_F:
             peer = _peer(stage, kind)
             pending.extend(send_tensors(list(stage.outputs[m]), peer, self.scatter, self._channel(kind, peer),
@@ -214,9 +226,11 @@ class Executor:
             peer = _peer(stage, kind)
             stage.output_grads[m] = recv_tensors(metas, peer, self.device, self.scatter, self._channel(kind, peer))
         elif kind in (Kind.B, Kind.I):
-            self._backward(stage, m, split=kind is Kind.I)
+            with self.updates[stage.index].recompute():  # what a recompute writes is put back
+                self._backward(stage, m, split=kind is Kind.I)
         elif kind is Kind.W:
-            backward_weight(stage.held_for_weights.pop(m))
+            with self.updates[stage.index].recompute():
+                backward_weight(stage.held_for_weights.pop(m))
         elif kind is Kind.SEND_B:
             metas = [meta for meta in stage.inputs if getattr(torch, meta.dtype).is_floating_point]
             peer = _peer(stage, kind)

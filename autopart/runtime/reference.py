@@ -9,7 +9,11 @@ reference has none. A model that draws random numbers (dropout) draws here what 
 stage, one microbatch and one rank draws (``draw_seed``); other plans draw per microbatch, stage
 and tensor-parallel slice, which no single forward over the whole batch repeats. It applies
 train.py's `Recipe` with torch's own means (``LambdaLR``, ``clip_grad_norm_`` over the model's
-parameters, each once), which the distributed programs must equal.
+parameters, each once), which the distributed programs must equal. Buffers that a forward
+updates (a counter, BatchNorm's statistics) move once per step, as one forward of the whole batch
+moves them; where it sums its gradient over parts of the batch (``microbatches``) each part
+starts from the step's buffers and they end at the parts' mean, as the programs' microbatches do
+(`autopart.runtime.buffer_updates`).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from autopart.ir.plan import load_plan
 from autopart.runtime.data import eval_batches, model_file, split_microbatches, training_batches
 from autopart.runtime.materialise import materialise, meta_names
 from autopart.runtime.stage import stage_names
+from autopart.runtime.buffer_updates import BufferUpdates
 from autopart.runtime.draws import draw_seed
 from autopart.runtime.forward import NoDropout, buffers_kept, working_copies
 from autopart.runtime.optim import make_optimizer
@@ -113,6 +118,7 @@ def train_reference(
             return eager_loss(spec, inputs, target, weights)
 
     losses, evaluations = [], {}
+    updates = BufferUpdates(model)
     for step in range(steps):
         # seeded as the programs seed replica 0's first microbatch on stage 0: a model that draws
         # (dropout) draws the same here as a plan of one stage, one microbatch and one rank does
@@ -121,9 +127,11 @@ def train_reference(
         with contextlib.nullcontext() if dropout else NoDropout():
             loss = torch.zeros(())
             for inputs, target in _parts(batch, microbatches):
-                part = loss_of(inputs, target) / microbatches
+                with updates.forward():
+                    part = loss_of(inputs, target) / microbatches
                 part.backward()
                 loss = loss + part.detach().cpu()
+            updates.finish()  # parts leave the buffers as the whole batch does, as the programs' microbatches
         if recipe.clip_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.clip_grad_norm)
         opt.step()

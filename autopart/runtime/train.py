@@ -375,6 +375,7 @@ def _executor(out_dir: Path, plan: Plan, schedule: Schedule, args: argparse.Name
         reducer=reducer,
         channels=channels,
         global_rank=rank,
+        replicas=(data_parallel, mesh.dp) if data_parallel is not None else None,
     )
     executor.connect()  # every channel's communicators, in one order on all ranks
     return stages, executor

@@ -1,0 +1,141 @@
+"""What a training step leaves in the buffers that a forward updates in place (a step counter's
+``self.steps.add_(1)``, BatchNorm's running statistics and ``num_batches_tracked``).
+
+The programs must train the model that one process trains on the same batches, and that process
+runs one forward per step, over the whole global batch: a counter advances by one per step, a
+running mean moves once towards the batch's mean. A pipeline runs a stage's forward once per
+microbatch, on every replica, and once more in each recompute, so left alone a counter would
+advance by the microbatches of a step, twice that under recompute, and depend on the plan.
+
+So within a step every forward reads the buffers as they were at the step's start, as the one
+forward of the single process does (a forward that reads its counter reads the same value in
+every microbatch), and after the step each updated buffer holds the mean over the step's
+forwards, of every microbatch and replica, of what each left it at; what a recompute writes is
+put back, since its forward already counted. The mean is the single process's update exactly
+where the update is the same for every part of the batch (a counter, ``num_batches_tracked``)
+or an affine function of the part's mean (BatchNorm's ``running_mean``, the parts being of one
+size); BatchNorm's ``running_var`` becomes the mean of the parts' variances, which leaves out the
+spread between the parts' means, as BatchNorm's normalisation by microbatch does (the compile
+notes it). A floating buffer is averaged in fp64, an integer one rounded down.
+
+Which buffers a forward updates is found by value in the first step (a kernel such as
+``batch_norm`` writes its running statistics without bumping the tensor's version), agreed over
+the replicas, and only those are kept and compared from then on; a buffer no forward changes
+(a rotary table that autograd may have saved) is never written. An updated one is written through
+``.data``, which leaves its version as it was: autograd saves BatchNorm's running statistics for
+its backward, which in training reads none of them, and would refuse a tensor whose version moved
+(as ``batch_norm``'s own update leaves it); the capture refuses a model whose output reads a buffer
+that its forward updates, so no backward reads a value that this puts back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["BufferUpdates"]
+
+
+class BufferUpdates:
+    """The buffers of one stage module through a step (module docstring): `forward` around each
+    F, `recompute` around each backward, `finish` after the step's last action."""
+
+    def __init__(self, module: nn.Module, replicas: tuple[dist.ProcessGroup, int] | None = None):
+        self.module = module
+        self.replicas = replicas  # the data-parallel group and its size, over which the mean is also taken
+        self.tracked: list[int] | None = None  # positions in module.buffers() that a forward updates; None: not known yet
+        self.start: dict[int, torch.Tensor] = {}  # the step's starting values, by position
+        self.sums: dict[int, torch.Tensor] = {}  # the sum over the step's forwards of what each changed
+        self.forwards = 0
+        self.pending = False  # a forward ran whose updates are not collected yet
+
+    def _buffers(self) -> list[torch.Tensor]:
+        return list(self.module.buffers())
+
+    def _watched(self) -> list[int]:
+        buffers = self._buffers()
+        return list(range(len(buffers))) if self.tracked is None else self.tracked
+
+    @contextlib.contextmanager
+    def forward(self) -> Iterator[None]:
+        """One microbatch's F: it starts from the step's values; its updates are counted."""
+        if not self.start:
+            buffers = self._buffers()
+            self.start = {i: buffers[i].detach().clone() for i in self._watched() if _averaged(buffers[i])}
+        self._collect()
+        yield
+        self.forwards += 1
+        self.pending = True
+
+    @contextlib.contextmanager
+    def recompute(self) -> Iterator[None]:
+        """A backward, which may run the forward again: what it writes is put back."""
+        self._collect()
+        yield
+        self._restore(count=False)
+
+    def finish(self) -> None:
+        """After the step: each updated buffer holds the mean of its forwards' values, over the
+        replicas too."""
+        if not self.start:
+            return
+        self._collect()
+        buffers = self._buffers()
+        if self.tracked is None:
+            self._agree_on_tracked(len(buffers))
+        changes = {i: self.sums[i] / self.forwards if i in self.sums else
+                   torch.zeros(self.start[i].shape, dtype=torch.float64, device=self.start[i].device)
+                   for i in self.tracked}
+        if self.replicas is not None and changes:
+            group, size = self.replicas
+            flat = torch.cat([change.reshape(-1) for change in changes.values()])
+            dist.all_reduce(flat, group=group)
+            flat /= size
+            offset = 0
+            for i, change in changes.items():
+                changes[i] = flat[offset:offset + change.numel()].view_as(change)
+                offset += change.numel()
+        with torch.no_grad():
+            for i, change in changes.items():
+                value = self.start[i].double() + change
+                buffers[i].data.copy_(value if buffers[i].is_floating_point() else value.floor())
+        self.start, self.sums, self.forwards, self.pending = {}, {}, 0, False
+
+    def _collect(self) -> None:
+        if self.pending:
+            self._restore(count=True)
+            self.pending = False
+
+    def _restore(self, *, count: bool) -> None:
+        """Put every changed buffer back to the step's start; ``count``: add its change to the sums."""
+        buffers = self._buffers()
+        with torch.no_grad():
+            for i, start in self.start.items():
+                if torch.equal(buffers[i], start):
+                    continue
+                if count:
+                    change = buffers[i].double() - start.double()
+                    self.sums[i] = self.sums[i] + change if i in self.sums else change
+                buffers[i].data.copy_(start)  # unversioned: see the module docstring
+
+    def _agree_on_tracked(self, count: int) -> None:
+        """After the first step: the buffers some forward changed on some replica."""
+        device = next(iter(self.start.values())).device
+        changed = torch.zeros(count, dtype=torch.int64, device=device)
+        for i in self.sums:
+            changed[i] = 1
+        if self.replicas is not None:
+            dist.all_reduce(changed, op=dist.ReduceOp.MAX, group=self.replicas[0])
+        self.tracked = [i for i in range(count) if changed[i]]
+        for i in list(self.start):
+            if i not in self.tracked:
+                del self.start[i]
+
+
+def _averaged(buffer: torch.Tensor) -> bool:
+    """A buffer of numbers (not of booleans): one whose mean says something."""
+    return buffer.dtype != torch.bool and not buffer.is_complex()
