@@ -11,6 +11,7 @@ import torch
 
 from autopart.driver import CompileOptions, compile_to_directory
 from autopart.ir.errors import ConfigError
+from autopart.ir.plan import load_plan
 from autopart.runtime.recipe import Recipe, clip_factor, embedding_parameters, parameter_groups
 from autopart.runtime.reference import train_reference
 from autopart.runtime.shards import load_stage_weights
@@ -317,3 +318,58 @@ def test_tokens_are_the_token_ids_else_the_samples():
 
     assert tokens_in((torch.zeros(4, 32, dtype=torch.long),)) == 128
     assert tokens_in((torch.zeros(4, 3),)) == 4
+
+
+MOMENTUM = Recipe(momentum=0.9, nesterov=True, clip_grad_norm=0.5, weight_decay=0.01)
+
+
+def test_sgd_momentum_steps_as_torchs_sgd():
+    from autopart.runtime.optim import make_optimizer
+    from tests.distributed import replica_model
+
+    ours, theirs = replica_model(), replica_model()
+    optimizer = make_optimizer("sgd", ours.parameters(), 0.1, momentum=0.9, nesterov=True)
+    plain = torch.optim.SGD(theirs.parameters(), lr=0.1, momentum=0.9, nesterov=True)
+    for step in range(3):
+        batch = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+        for model, opt in ((ours, optimizer), (theirs, plain)):
+            model(batch).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    for mine, torchs in zip(ours.parameters(), theirs.parameters()):
+        torch.testing.assert_close(mine, torchs, rtol=0, atol=0)
+    assert any(state["momentum_buffer"] is not None for state in optimizer.state.values())
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: Recipe(momentum=0.9).check(lr=0.1, optimizer="adamw"), "--momentum is SGD's, and --optimizer is adamw"),
+    (lambda: Recipe(nesterov=True), "--nesterov is a kind of momentum"),
+    (lambda: Recipe(momentum=-0.5), "--momentum must be finite, at least 0"),
+])
+def test_momentum_for_another_optimizer_or_out_of_range_is_a_config_error(make, message):
+    with pytest.raises(ConfigError, match=message):
+        make()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("zero", [1, 3])
+def test_sgd_momentum_trains_like_torchs_and_resumes_with_its_buffers(tmp_path, zero):
+    """--momentum 0.9 --nesterov under pp x dp with the momentum buffers sharded (ZeRO-1) or the
+    parameters too (ZeRO-3): the final weights are torch.optim.SGD's on the original model, and a
+    run stopped after 2 steps and resumed ends where one run of 4 ends, the buffers restored."""
+    out = tmp_path / "out"
+    compile_to_directory(CompileOptions(model=REPO / "tests" / "models" / "tiny_gpt.py", pp=2, dp=2, zero=zero,
+                                        microbatches=2, micro_batch_size=1, optimizer="sgd", measure=False), out)
+    finals = {}
+    for name, steps in (("whole", ["4"]), ("parts", ["2", "4"])):
+        for count in steps:
+            run_ranks(out, 4, "--steps", count, "--lr", "0.1", *MOMENTUM.train_args(), "--save-weights",
+                      str(tmp_path / name), "--checkpoint-dir", str(tmp_path / f"{name}-ckpt"),
+                      *(["--resume"] if count == "4" and name == "parts" else []), timeout=400)
+        finals[name] = {k: v for stage in load_stage_weights(load_plan(out / "plan.json"), tmp_path / name).values()
+                        for k, v in stage.items()}
+    reference = train_reference(out, steps=4, lr=0.1, optimizer="sgd", recipe=MOMENTUM)
+    for name, value in finals["whole"].items():
+        torch.testing.assert_close(finals["parts"][name], value, rtol=0, atol=0, msg=name)
+        torch.testing.assert_close(value, reference.parameters[name], rtol=1e-5, atol=1e-6, msg=name)
+

@@ -22,11 +22,14 @@ def make_optimizer(
     zero_group: torch.distributed.ProcessGroup | None = None,
     shard_masters: bool = False,
     fully_sharded: bool = False,
+    momentum: float = 0.0,
+    nesterov: bool = False,
 ) -> torch.optim.Optimizer:
     """SGD or AdamW; with ``zero_group``, its state sharded over that group (ZeRO-1), and with
     ``shard_masters`` (``--dtype bf16``) the fp32 master weights too, the weights held in bf16
     (`autopart.runtime.sharded_masters`). ``fully_sharded``: the parameters are FSDP's DTensors
-    (ZeRO-2 and 3).
+    (ZeRO-2 and 3). ``momentum`` and ``nesterov``: SGD's (train.py's ``--momentum``, ``--nesterov``,
+    `autopart.runtime.recipe.Recipe`), as ``torch.optim.SGD`` takes them; AdamW takes neither.
 
     On the CPU, one tensor at a time (``foreach=False``, but for FSDP's parameters): the same
     per-tensor arithmetic on every rank and in the reference, whichever parameters each holds. On
@@ -51,8 +54,11 @@ def make_optimizer(
     # within tolerance.
     grouped = cuda or fully_sharded
     if name == "sgd":
-        kind, options = torch.optim.SGD, {"lr": lr, "foreach": grouped}
+        kind, options = torch.optim.SGD, {"lr": lr, "foreach": grouped, "momentum": momentum, "nesterov": nesterov}
     else:
+        if momentum or nesterov:
+            raise ConfigError("--momentum and --nesterov are SGD's; AdamW's first moment is its own (drop them, or "
+                              "give --optimizer sgd)")
         kind, options = torch.optim.AdamW, {"lr": lr, "fused": True} if cuda else {"lr": lr, "foreach": grouped}
     if zero_group is not None and shard_masters:
         return ShardedMasters(params, kind, options, zero_group)

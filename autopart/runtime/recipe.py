@@ -1,5 +1,5 @@
 """How the parameters move each step, beyond the optimizer's kind: the learning-rate schedule,
-weight decay by parameter, and gradient clipping's factor.
+weight decay by parameter, gradient clipping's factor, and SGD's momentum.
 
 ``train.py``, the single-process reference (`autopart.runtime.reference`) and ``autopart verify``
 all read one `Recipe`, so that the distributed programs and the original model are updated by the
@@ -48,6 +48,11 @@ class Recipe:
     weight_decay: float | None = None
     """Decoupled decay of the decayed parameters (module docstring); None: the optimizer's default
     (AdamW 0.01, SGD 0). The others are never decayed."""
+    momentum: float = 0.0
+    """SGD's momentum (``torch.optim.SGD``'s, dampening 0): its buffer is optimizer state, kept by
+    checkpoints and sharded as AdamW's moments are. 0: plain SGD."""
+    nesterov: bool = False
+    """SGD's Nesterov momentum (needs a ``momentum`` above 0)."""
 
     def __post_init__(self) -> None:
         if self.lr_schedule not in LR_SCHEDULES:
@@ -60,6 +65,18 @@ class Recipe:
             raise ConfigError(f"--clip-grad-norm must be a positive norm, got {self.clip_grad_norm:g}")
         if self.weight_decay is not None and not 0 <= self.weight_decay < math.inf:
             raise ConfigError(f"--weight-decay must be finite, at least 0, got {self.weight_decay:g}")
+        if not 0 <= self.momentum < math.inf:
+            raise ConfigError(f"--momentum must be finite, at least 0, got {self.momentum:g}")
+        if self.nesterov and not self.momentum > 0:
+            raise ConfigError("--nesterov is a kind of momentum: give --momentum above 0 too (0.9 is usual)")
+
+    def check(self, *, lr: float, optimizer: str) -> None:
+        """`check_lr`, and refuse SGD's momentum given to another optimizer, which would ignore it unsaid."""
+        self.check_lr(lr)
+        if optimizer != "sgd" and (self.momentum or self.nesterov):
+            flag = "--momentum" if self.momentum else "--nesterov"
+            raise ConfigError(f"{flag} is SGD's, and --optimizer is {optimizer}, whose first moment is its own; drop "
+                              f"{flag}, or give --optimizer sgd")
 
     def check_lr(self, lr: float) -> None:
         """Refuse a rate that torch's optimizers would refuse with a traceback on every rank (NaN),
@@ -75,7 +92,8 @@ class Recipe:
     def from_args(args: argparse.Namespace) -> Recipe:
         """The recipe of the flags of `add_recipe_arguments`; raises ConfigError for values out of range."""
         return Recipe(lr_schedule=args.lr_schedule, warmup_steps=args.warmup_steps, min_lr=args.min_lr,
-                      clip_grad_norm=args.clip_grad_norm, weight_decay=args.weight_decay)
+                      clip_grad_norm=args.clip_grad_norm, weight_decay=args.weight_decay, momentum=args.momentum,
+                      nesterov=args.nesterov)
 
     def train_args(self) -> list[str]:
         """The train.py flags that give this recipe (for ``autopart verify`` and tests)."""
@@ -85,15 +103,18 @@ class Recipe:
             args += ["--clip-grad-norm", repr(self.clip_grad_norm)]
         if self.weight_decay is not None:
             args += ["--weight-decay", repr(self.weight_decay)]
-        return args
+        if self.momentum:
+            args += ["--momentum", repr(self.momentum)]
+        return args + (["--nesterov"] if self.nesterov else [])
 
     def flags(self, lr: float, steps: int) -> dict[str, str]:
         """The train.py flags of this recipe over a run of ``steps`` at ``lr`` (the steps only
         where the rate decays by the last one): what a checkpoint records, so that a resume with
         other ones is told."""
-        recipe = self.train_args()
+        recipe = [arg for arg in self.train_args() if arg != "--nesterov"]
         steps_flag = {} if self.lr_schedule == "constant" else {"--steps": str(steps)}
-        return {**steps_flag, "--lr": repr(lr), **dict(zip(recipe[::2], recipe[1::2]))}
+        nesterov = {"--nesterov": "given"} if self.nesterov else {}
+        return {**steps_flag, "--lr": repr(lr), **dict(zip(recipe[::2], recipe[1::2])), **nesterov}
 
     @staticmethod
     def changed_flags(saved: dict[str, str], now: dict[str, str]) -> list[str]:
@@ -142,6 +163,8 @@ def add_recipe_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--clip-grad-norm", type=float, help="clip the whole model's gradient norm to X")
     parser.add_argument("--weight-decay", type=float,
                         help="decay of the weights of 2+ dims that are no embedding (default: the optimizer's)")
+    parser.add_argument("--momentum", type=float, default=0.0, help="SGD's momentum, as torch.optim.SGD's (default 0)")
+    parser.add_argument("--nesterov", action="store_true", help="SGD's Nesterov momentum (with --momentum)")
 
 
 def embedding_parameters(model: torch.nn.Module) -> tuple[str, ...]:

@@ -6,7 +6,7 @@
         [--weights CKPT.safetensors]
         [--checkpoint-dir DIR] [--checkpoint-every K] [--resume] [--no-dropout]
         [--lr-schedule constant|cosine|linear] [--warmup-steps N] [--min-lr X] [--clip-grad-norm X]
-        [--weight-decay X] [--eval-every K] [--eval-batches N] [--tensorboard DIR]
+        [--weight-decay X] [--momentum X [--nesterov]] [--eval-every K] [--eval-batches N] [--tensorboard DIR]
 
 Each rank builds its stage from ``stages/stage_<k>.py`` and ``weights/stage_<k>.safetensors``
 (or, with ``--weights CKPT``, the stage's tensors of a whole-model safetensors checkpoint; or,
@@ -16,8 +16,8 @@ draws the same global batches as every other rank, runs its action list of the p
 the data-parallel all-reduce of each bucket of gradients launched as soon as they are final,
 `autopart.runtime.reducer`), waits for that all-reduce, sums the gradients of parameters that
 several stages hold (tied embeddings), and steps its optimizer, with the `autopart.runtime.recipe`
-of the flags (learning-rate schedule, weight decay by parameter, clipping of the whole model's
-gradient norm, `autopart.runtime.gradients`).
+of the flags (learning-rate schedule, weight decay by parameter, SGD's momentum, clipping of the
+whole model's gradient norm, `autopart.runtime.gradients`).
 Every ``--eval-every`` K steps it runs the pipeline's forwards alone on ``--eval-batches`` held-out
 batches (`autopart.runtime.data.eval_batches`). Rank 0 reports each step's loss, tokens/s,
 TFLOP/s per device and MFU (`autopart.runtime.progress`). NCCL when CUDA is present, gloo
@@ -297,7 +297,8 @@ def _optimizer(modules: dict[int, torch.nn.Module], plan: Plan, args: argparse.N
     groups = parameter_groups(named, weight_decay=recipe.weight_decay, embeddings=plan.embedding_parameters)
     zero_group = data_parallel if plan.zero == 1 else None
     return make_optimizer(args.optimizer, groups, args.lr, zero_group=zero_group,
-                          shard_masters=working_dtype(plan.dtype) is not None, fully_sharded=plan.zero in FSDP_LEVELS)
+                          shard_masters=working_dtype(plan.dtype) is not None, fully_sharded=plan.zero in FSDP_LEVELS,
+                          momentum=recipe.momentum, nesterov=recipe.nesterov)
 
 
 def _report(reporter: StepReporter, plan: Plan, inputs: tuple, line: dict, norm: float | None,

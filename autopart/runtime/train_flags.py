@@ -36,7 +36,7 @@ def check_arguments(args: argparse.Namespace) -> None:
                                ("--eval-every", args.eval_every, 0), ("--eval-batches", args.eval_batches, 1)):
         if value is not None and value < least:
             raise ConfigError(f"{flag} must be at least {least}, got {value}")
-    Recipe.from_args(args).check_lr(args.lr)
+    Recipe.from_args(args).check(lr=args.lr, optimizer=args.optimizer)
     if args.checkpoint_every and args.checkpoint_dir is None:
         raise ConfigError("--checkpoint-every saves into --checkpoint-dir DIR; give it too, or drop --checkpoint-every")
     if args.eval_batches != 1 and not args.eval_every:

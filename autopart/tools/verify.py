@@ -240,7 +240,7 @@ def verify(out_dir: str | Path, *, steps: int = 3, lr: float | None = None, opti
         raise ConfigError(f"'{out_dir}' is not an autopart output directory (no plan.json); pass the -o of a compile")
     if steps < 1:
         raise ConfigError(f"--steps must be at least 1, got {steps}")
-    recipe.check_lr(lr)
+    recipe.check(lr=lr, optimizer=optimizer)
     if not timeout_s > 0:
         raise ConfigError(f"--timeout must be a positive number of seconds, got {timeout_s:g}")
     plan = load_plan(out_dir / "plan.json")
