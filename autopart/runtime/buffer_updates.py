@@ -18,14 +18,15 @@ size); BatchNorm's ``running_var`` becomes the mean of the parts' variances, whi
 spread between the parts' means, as BatchNorm's normalisation by microbatch does (the compile
 notes it). A floating buffer is averaged in fp64, an integer one rounded down.
 
-Which buffers a forward updates is found by value in the first step (a kernel such as
+Which buffers a forward updates is found by value over the first step (a kernel such as
 ``batch_norm`` writes its running statistics without bumping the tensor's version), agreed over
-the replicas, and only those are kept and compared from then on; a buffer no forward changes
-(a rotary table that autograd may have saved) is never written. An updated one is written through
-``.data``, which leaves its version as it was: autograd saves BatchNorm's running statistics for
-its backward, which in training reads none of them, and would refuse a tensor whose version moved
-(as ``batch_norm``'s own update leaves it); the capture refuses a model whose output reads a buffer
-that its forward updates, so no backward reads a value that this puts back.
+the replicas, and only those are kept from then on. A buffer is written through ``.data``, which
+leaves its version as it was: autograd saves BatchNorm's running statistics for its backward,
+which in training reads none of them, and would refuse a tensor whose version moved (as
+``batch_norm``'s own update leaves it); in the first step every buffer is put back, with its own
+values where no forward changed it (a rotary table that autograd saved is left as it saved it);
+and the capture refuses a model whose output reads a buffer that its forward updates, so no
+backward reads a value that this puts back.
 """
 
 from __future__ import annotations
@@ -111,23 +112,22 @@ class BufferUpdates:
             self.pending = False
 
     def _restore(self, *, count: bool) -> None:
-        """Put every changed buffer back to the step's start; ``count``: add its change to the sums."""
+        """Put every watched buffer back to the step's start; ``count``: add its change (0 where
+        the forward left it) to the sums. No comparison, which on a GPU would wait for the device."""
         buffers = self._buffers()
         with torch.no_grad():
             for i, start in self.start.items():
-                if torch.equal(buffers[i], start):
-                    continue
                 if count:
                     change = buffers[i].double() - start.double()
                     self.sums[i] = self.sums[i] + change if i in self.sums else change
-                buffers[i].data.copy_(start)  # unversioned: see the module docstring
+                buffers[i].data.copy_(start)  # unversioned, and the same values where unchanged: module docstring
 
     def _agree_on_tracked(self, count: int) -> None:
         """After the first step: the buffers some forward changed on some replica."""
         device = next(iter(self.start.values())).device
         changed = torch.zeros(count, dtype=torch.int64, device=device)
-        for i in self.sums:
-            changed[i] = 1
+        for i, change in self.sums.items():
+            changed[i] = change.ne(0).any()
         if self.replicas is not None:
             dist.all_reduce(changed, op=dist.ReduceOp.MAX, group=self.replicas[0])
         self.tracked = [i for i in range(count) if changed[i]]
