@@ -323,13 +323,17 @@ def test_tokens_are_the_token_ids_else_the_samples():
 MOMENTUM = Recipe(momentum=0.9, nesterov=True, clip_grad_norm=0.5, weight_decay=0.01)
 
 
-def test_sgd_momentum_steps_as_torchs_sgd():
+@pytest.mark.parametrize("name, options, torchs", [
+    ("sgd", {"momentum": 0.9, "nesterov": True}, lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True)),
+    ("adamw", {"betas": (0.8, 0.95)}, lambda p: torch.optim.AdamW(p, lr=0.1, betas=(0.8, 0.95))),
+])
+def test_sgd_momentum_and_adamw_betas_step_as_torchs(name, options, torchs):
     from autopart.runtime.optim import make_optimizer
     from tests.distributed import replica_model
 
     ours, theirs = replica_model(), replica_model()
-    optimizer = make_optimizer("sgd", ours.parameters(), 0.1, momentum=0.9, nesterov=True)
-    plain = torch.optim.SGD(theirs.parameters(), lr=0.1, momentum=0.9, nesterov=True)
+    optimizer = make_optimizer(name, ours.parameters(), 0.1, **options)
+    plain = torchs(theirs.parameters())
     for step in range(3):
         batch = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
         for model, opt in ((ours, optimizer), (theirs, plain)):
@@ -338,15 +342,17 @@ def test_sgd_momentum_steps_as_torchs_sgd():
             opt.zero_grad()
     for mine, torchs in zip(ours.parameters(), theirs.parameters()):
         torch.testing.assert_close(mine, torchs, rtol=0, atol=0)
-    assert any(state["momentum_buffer"] is not None for state in optimizer.state.values())
+    assert optimizer.state and all(state for state in optimizer.state.values())
 
 
 @pytest.mark.parametrize("make, message", [
     (lambda: Recipe(momentum=0.9).check(lr=0.1, optimizer="adamw"), "--momentum is SGD's, and --optimizer is adamw"),
     (lambda: Recipe(nesterov=True), "--nesterov is a kind of momentum"),
     (lambda: Recipe(momentum=-0.5), "--momentum must be finite, at least 0"),
+    (lambda: Recipe(betas=(0.9, 0.95)).check(lr=0.1, optimizer="sgd"), "--betas are AdamW's, and --optimizer is sgd"),
+    (lambda: Recipe(betas=(0.9, 1.0)), r"--betas must be two rates in \[0, 1\), got 0.9,1"),
 ])
-def test_momentum_for_another_optimizer_or_out_of_range_is_a_config_error(make, message):
+def test_momentum_or_betas_for_the_other_optimizer_or_out_of_range_is_a_config_error(make, message):
     with pytest.raises(ConfigError, match=message):
         make()
 
@@ -373,3 +379,16 @@ def test_sgd_momentum_trains_like_torchs_and_resumes_with_its_buffers(tmp_path, 
         torch.testing.assert_close(finals["parts"][name], value, rtol=0, atol=0, msg=name)
         torch.testing.assert_close(value, reference.parameters[name], rtol=1e-5, atol=1e-6, msg=name)
 
+
+
+@pytest.mark.multiprocess
+def test_adamw_betas_train_like_torchs(tmp_path):
+    """--betas 0.8,0.95 under pp 2 with the recipe's schedule and clipping: torch.optim.AdamW's betas."""
+    recipe = Recipe(betas=(0.8, 0.95), clip_grad_norm=0.5, lr_schedule="cosine", warmup_steps=1)
+    run = compile_and_train(tmp_path, REPO / "tests" / "models" / "tiny_gpt.py", pp=2, microbatches=2, schedule="1f1b",
+                            optimizer="adamw", lr=1e-2, steps=4, train_args=tuple(recipe.train_args()), measure=False)
+    assert_same_training(run, optimizer="adamw", lr=1e-2, recipe=recipe, param_atol=1e-5)
+    default = train_reference(run.out, steps=4, lr=1e-2, optimizer="adamw", recipe=Recipe(clip_grad_norm=0.5,
+                              lr_schedule="cosine", warmup_steps=1))
+    assert any(not torch.allclose(default.parameters[name], value, atol=1e-4)
+               for stage in run.finals.values() for name, value in stage.items()), "the betas changed the training"

@@ -24,12 +24,14 @@ def make_optimizer(
     fully_sharded: bool = False,
     momentum: float = 0.0,
     nesterov: bool = False,
+    betas: tuple[float, float] | None = None,
 ) -> torch.optim.Optimizer:
     """SGD or AdamW; with ``zero_group``, its state sharded over that group (ZeRO-1), and with
     ``shard_masters`` (``--dtype bf16``) the fp32 master weights too, the weights held in bf16
     (`autopart.runtime.sharded_masters`). ``fully_sharded``: the parameters are FSDP's DTensors
     (ZeRO-2 and 3). ``momentum`` and ``nesterov``: SGD's (train.py's ``--momentum``, ``--nesterov``,
-    `autopart.runtime.recipe.Recipe`), as ``torch.optim.SGD`` takes them; AdamW takes neither.
+    `autopart.runtime.recipe.Recipe`), as ``torch.optim.SGD`` takes them; ``betas``: AdamW's
+    (``--betas``), None for torch's default.
 
     On the CPU, one tensor at a time (``foreach=False``, but for FSDP's parameters): the same
     per-tensor arithmetic on every rank and in the reference, whichever parameters each holds. On
@@ -54,12 +56,15 @@ def make_optimizer(
     # within tolerance.
     grouped = cuda or fully_sharded
     if name == "sgd":
+        if betas is not None:
+            raise ConfigError("--betas are AdamW's; drop them, or give --optimizer adamw")
         kind, options = torch.optim.SGD, {"lr": lr, "foreach": grouped, "momentum": momentum, "nesterov": nesterov}
     else:
         if momentum or nesterov:
             raise ConfigError("--momentum and --nesterov are SGD's; AdamW's first moment is its own (drop them, or "
                               "give --optimizer sgd)")
         kind, options = torch.optim.AdamW, {"lr": lr, "fused": True} if cuda else {"lr": lr, "foreach": grouped}
+        options |= {"betas": betas} if betas is not None else {}
     if zero_group is not None and shard_masters:
         return ShardedMasters(params, kind, options, zero_group)
     if zero_group is not None:

@@ -1,5 +1,5 @@
 """How the parameters move each step, beyond the optimizer's kind: the learning-rate schedule,
-weight decay by parameter, gradient clipping's factor, and SGD's momentum.
+weight decay by parameter, gradient clipping's factor, SGD's momentum and AdamW's betas.
 
 ``train.py``, the single-process reference (`autopart.runtime.reference`) and ``autopart verify``
 all read one `Recipe`, so that the distributed programs and the original model are updated by the
@@ -53,6 +53,8 @@ class Recipe:
     checkpoints and sharded as AdamW's moments are. 0: plain SGD."""
     nesterov: bool = False
     """SGD's Nesterov momentum (needs a ``momentum`` above 0)."""
+    betas: tuple[float, float] | None = None
+    """AdamW's decay rates of its moments (``torch.optim.AdamW``'s ``betas``); None: torch's (0.9, 0.999)."""
 
     def __post_init__(self) -> None:
         if self.lr_schedule not in LR_SCHEDULES:
@@ -69,10 +71,16 @@ class Recipe:
             raise ConfigError(f"--momentum must be finite, at least 0, got {self.momentum:g}")
         if self.nesterov and not self.momentum > 0:
             raise ConfigError("--nesterov is a kind of momentum: give --momentum above 0 too (0.9 is usual)")
+        if self.betas is not None and not all(0 <= beta < 1 for beta in self.betas):
+            raise ConfigError(f"--betas must be two rates in [0, 1), got {','.join(f'{b:g}' for b in self.betas)}")
 
     def check(self, *, lr: float, optimizer: str) -> None:
-        """`check_lr`, and refuse SGD's momentum given to another optimizer, which would ignore it unsaid."""
+        """`check_lr`, and refuse SGD's momentum or AdamW's betas given to the other optimizer, which
+        would ignore them unsaid."""
         self.check_lr(lr)
+        if optimizer != "adamw" and self.betas is not None:
+            raise ConfigError(f"--betas are AdamW's, and --optimizer is {optimizer}; drop --betas, or give "
+                              "--optimizer adamw")
         if optimizer != "sgd" and (self.momentum or self.nesterov):
             flag = "--momentum" if self.momentum else "--nesterov"
             raise ConfigError(f"{flag} is SGD's, and --optimizer is {optimizer}, whose first moment is its own; drop "
@@ -93,7 +101,11 @@ class Recipe:
         """The recipe of the flags of `add_recipe_arguments`; raises ConfigError for values out of range."""
         return Recipe(lr_schedule=args.lr_schedule, warmup_steps=args.warmup_steps, min_lr=args.min_lr,
                       clip_grad_norm=args.clip_grad_norm, weight_decay=args.weight_decay, momentum=args.momentum,
-                      nesterov=args.nesterov)
+                      nesterov=args.nesterov, betas=_betas(args.betas))
+
+    def optimizer_options(self) -> dict:
+        """The keyword arguments of `autopart.runtime.optim.make_optimizer` that this recipe sets."""
+        return {"momentum": self.momentum, "nesterov": self.nesterov, "betas": self.betas}
 
     def train_args(self) -> list[str]:
         """The train.py flags that give this recipe (for ``autopart verify`` and tests)."""
@@ -105,6 +117,8 @@ class Recipe:
             args += ["--weight-decay", repr(self.weight_decay)]
         if self.momentum:
             args += ["--momentum", repr(self.momentum)]
+        if self.betas is not None:
+            args += ["--betas", ",".join(map(repr, self.betas))]
         return args + (["--nesterov"] if self.nesterov else [])
 
     def flags(self, lr: float, steps: int) -> dict[str, str]:
@@ -165,6 +179,19 @@ def add_recipe_arguments(parser: argparse.ArgumentParser) -> None:
                         help="decay of the weights of 2+ dims that are no embedding (default: the optimizer's)")
     parser.add_argument("--momentum", type=float, default=0.0, help="SGD's momentum, as torch.optim.SGD's (default 0)")
     parser.add_argument("--nesterov", action="store_true", help="SGD's Nesterov momentum (with --momentum)")
+    parser.add_argument("--betas", metavar="B1,B2",
+                        help="AdamW's moment decay rates, as torch.optim.AdamW's betas (default 0.9,0.999)")
+
+
+def _betas(text: str | None) -> tuple[float, float] | None:
+    """``--betas B1,B2`` as two numbers."""
+    if text is None:
+        return None
+    try:
+        first, second = (float(part) for part in text.split(","))
+    except ValueError:
+        raise ConfigError(f"--betas takes two rates with a comma between them (0.9,0.95), got {text!r}") from None
+    return first, second
 
 
 def embedding_parameters(model: torch.nn.Module) -> tuple[str, ...]:

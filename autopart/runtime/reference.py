@@ -100,7 +100,7 @@ def train_reference(
     model.to(device)
     groups = parameter_groups(model.named_parameters(), weight_decay=recipe.weight_decay,
                               embeddings=plan.embedding_parameters)
-    opt = make_optimizer(optimizer, groups, lr, momentum=recipe.momentum, nesterov=recipe.nesterov)
+    opt = make_optimizer(optimizer, groups, lr, **recipe.optimizer_options())
     scheduler = recipe.scheduler(opt, lr, steps)
     batch_size = plan.schedule.global_batch_size
     data = training_batches(spec, batch_size, seed)

@@ -6,7 +6,8 @@
         [--weights CKPT.safetensors]
         [--checkpoint-dir DIR] [--checkpoint-every K] [--resume] [--no-dropout]
         [--lr-schedule constant|cosine|linear] [--warmup-steps N] [--min-lr X] [--clip-grad-norm X]
-        [--weight-decay X] [--momentum X [--nesterov]] [--eval-every K] [--eval-batches N] [--tensorboard DIR]
+        [--weight-decay X] [--momentum X [--nesterov]] [--betas B1,B2]
+        [--eval-every K] [--eval-batches N] [--tensorboard DIR]
 
 Each rank builds its stage from ``stages/stage_<k>.py`` and ``weights/stage_<k>.safetensors``
 (or, with ``--weights CKPT``, the stage's tensors of a whole-model safetensors checkpoint; or,
@@ -298,7 +299,7 @@ def _optimizer(modules: dict[int, torch.nn.Module], plan: Plan, args: argparse.N
     zero_group = data_parallel if plan.zero == 1 else None
     return make_optimizer(args.optimizer, groups, args.lr, zero_group=zero_group,
                           shard_masters=working_dtype(plan.dtype) is not None, fully_sharded=plan.zero in FSDP_LEVELS,
-                          momentum=recipe.momentum, nesterov=recipe.nesterov)
+                          **recipe.optimizer_options())
 
 
 def _report(reporter: StepReporter, plan: Plan, inputs: tuple, line: dict, norm: float | None,
