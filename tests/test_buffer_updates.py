@@ -3,6 +3,7 @@ torch.fx cannot record it (the op reaches no traced tensor, so it runs once whil
 torch.export records it as an op whose value nothing reads."""
 
 import pytest
+import torch
 
 import autopart
 from autopart.ir.errors import CaptureError
@@ -77,3 +78,25 @@ def test_a_counter_advances_once_per_step_whatever_the_microbatches_replicas_and
                 if name.endswith("calls")}
     assert counters and all(float(value) == 3.0 for value in counters.values()), counters
     assert_same_training(run, optimizer="sgd", lr=0.1)
+
+
+@pytest.mark.multiprocess
+def test_batch_norm_statistics_are_the_mean_over_the_replicas(tmp_path):
+    """Two replicas of one microbatch each normalise by their halves of the batch, as one process
+    that sums its gradient over the two halves (the reference's ``microbatches=2``) does; their
+    running statistics are the mean of the halves' updates, where each replica kept its own and
+    the first one's were saved."""
+    from autopart.runtime.reference import train_reference
+    from tests.distributed import compile_and_train
+
+    path = tmp_path / "bn.py"
+    path.write_text(MODEL.replace("Counted(), Counted()", "nn.Linear(8, 8), nn.BatchNorm1d(8)"))
+    run = compile_and_train(tmp_path, path, pp=1, dp=2, microbatches=1, micro_batch_size=4, schedule="1f1b", steps=3,
+                            measure=False)
+    reference = train_reference(run.out, steps=3, lr=0.1, optimizer="sgd", microbatches=2)
+    torch.testing.assert_close(torch.tensor([m["loss"] for m in run.metrics]), torch.tensor(reference.losses))
+    finals = {name: value for weights in run.finals.values() for name, value in weights.items()}
+    assert {"1.running_mean", "1.running_var", "1.num_batches_tracked"} <= set(finals)
+    for name, value in finals.items():
+        torch.testing.assert_close(value, reference.parameters[name], rtol=1e-5, atol=1e-6, msg=name)
+    assert int(finals["1.num_batches_tracked"]) == 3
