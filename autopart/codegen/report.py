@@ -97,11 +97,11 @@ def _title(plan: Plan) -> str:
 
 
 def _trace(plan: Plan, out: Path) -> None:
-    write_chrome_trace(plan_timeline(plan), out / "trace.json", title=_title(plan))
+    write_chrome_trace(plan_timeline(plan), out / "trace.json", title=_title(plan), step_s=plan.predicted.step_s)
 
 
 def _picture_and_text(plan: Plan, out: Path) -> None:
-    write_gantt_png(plan_timeline(plan), out / "timeline.png", title=_title(plan))
+    write_gantt_png(plan_timeline(plan), out / "timeline.png", title=_title(plan), step_s=plan.predicted.step_s)
     write_schedule_csv(plan_schedule(plan, lowered=False), out / "schedule.csv")
     predicted = plan.predicted
     text = f"""# autopart plan for {Path(plan.provenance.model_file).name}

@@ -66,12 +66,15 @@ def _complete_event(event: Event) -> dict[str, Any]:
     }
 
 
-def write_chrome_trace(timeline: Timeline, path: str | Path, *, title: str = "") -> None:
+def write_chrome_trace(timeline: Timeline, path: str | Path, *, title: str = "", step_s: float | None = None) -> None:
     """Write ``timeline`` as a Chrome trace JSON file (open it in Perfetto): `chrome_trace_events`,
-    one event per line (an indented document goes through json's Python encoder)."""
+    one event per line (an indented document goes through json's Python encoder). Its figures say
+    what they are: ``pipeline_s`` the actions' span, ``step_s`` (where given) a plan's whole step,
+    which adds what follows the pipeline (the gradient reduction, the optimizer step)."""
     head = [{"name": "process_name", "ph": "M", "pid": 0, "args": {"name": title}}] if title else []
     head += _thread_names(timeline)
-    other = {"title": title, "step_s": timeline.step_s, "bubble": timeline.bubble}
+    other = {"title": title, "pipeline_s": timeline.step_s, "bubble": timeline.bubble}
+    other |= {"step_s": step_s} if step_s is not None else {}
     lines = ",\n".join([*(json.dumps(event) for event in head), *_complete_events(timeline)])
     Path(path).write_text(f'{{"traceEvents": [\n{lines}\n],\n"displayTimeUnit": "ms",\n"otherData": {json.dumps(other)}}}\n')
 
@@ -148,8 +151,9 @@ def read_chrome_trace(path: str | Path) -> Timeline:
     return Timeline.from_events(events, ranks=max(ranks) + 1 if ranks else 1)
 
 
-def write_gantt_png(timeline: Timeline, path: str | Path, *, title: str = "") -> None:
-    """Draw ``timeline`` as a Gantt chart: a row per rank, microbatch numbers on the bars.
+def write_gantt_png(timeline: Timeline, path: str | Path, *, title: str = "", step_s: float | None = None) -> None:
+    """Draw ``timeline`` as a Gantt chart: a row per rank, microbatch numbers on the bars; its
+    heading gives the actions' span and, where given, the plan's whole step (``step_s``).
 
     With several model chunks per rank (interleaved), odd chunks are drawn lighter so that the
     rounds through the chunks can be told apart.
@@ -181,7 +185,8 @@ def write_gantt_png(timeline: Timeline, path: str | Path, *, title: str = "") ->
         bbox_to_anchor=(1.005, 1.0),
         frameon=False,
     )
-    heading = f"step {timeline.step_s:.4g} s, bubble {timeline.bubble:.1%}"
+    of_step = f" of a {step_s * 1e3:.3f} ms step" if step_s is not None else ""
+    heading = f"pipeline {timeline.step_s * 1e3:.3f} ms{of_step}, bubble {timeline.bubble:.1%}"
     axes.set_title(f"{title}: {heading}" if title else heading)
     figure.tight_layout()
     figure.savefig(path)
