@@ -68,7 +68,7 @@ class NodeCost:
     op: str  # fx op: placeholder, get_attr, call_function, call_method, output
     output: TensorMeta | None  # None when the node produces something other than one tensor
     forward_flops: float = 0.0
-    backward_flops: float = 0.0
+    backward_flops: float = 0.0  # model FLOPs, without a fused attention's recompute (`kernel_figures`)
     forward_s: float = 0.0
     backward_input_s: float = 0.0  # gradients of the node's inputs
     backward_weight_s: float = 0.0  # gradients of the parameters the node reads
