@@ -68,6 +68,9 @@ class Predicted:
     stage_time_s: tuple[float, ...]  # forward + backward + transfers of one microbatch, per stage
     transfer_s: tuple[float, ...]  # one way, one microbatch, per boundary between stages
     pipeline_s: float = 0.0  # the schedule alone (the trace's span); step_s adds the runtime's costs
+    collective_s: tuple[tuple[float, float], ...] = ()  # per stage, what its data-parallel collectives add
+    # to each forward and each backward (ZeRO-2/3's gathers and reduce-scatters): inside pipeline_s and
+    # the trace's actions, beside the stages' own times; () for none
     rank_tail_s: tuple[float, ...] = ()  # per rank, after the pipeline: tied gradients, optimizer step
     reduction_s: tuple[tuple[float, float], ...] = ()  # per rank, what the data-parallel all-reduce adds:
     # (the compute's delay by its work on shared cores, the wait past the rank's last action)
@@ -242,6 +245,7 @@ def _read_predicted(predicted: _Reader) -> Predicted:
         stage_time_s=tuple(float(v) for v in predicted.list("stage_time_s")),
         transfer_s=tuple(float(v) for v in predicted.list("transfer_s")),
         pipeline_s=predicted.float("pipeline_s") if "pipeline_s" in predicted.data else 0.0,
+        collective_s=tuple((float(f), float(b)) for f, b in predicted.data.get("collective_s", ())),
         rank_tail_s=tuple(float(v) for v in predicted.data.get("rank_tail_s", ())),
         reduction_s=tuple((float(d), float(w)) for d, w in predicted.data.get("reduction_s", ())),
         compute_factor=tuple(float(v) for v in predicted.data.get("compute_factor", ())),

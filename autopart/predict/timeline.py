@@ -44,12 +44,14 @@ def plan_schedule(plan: Plan, *, lowered: bool = True) -> Schedule:
 
 
 def plan_timeline(plan: Plan) -> Timeline:
-    """The plan's own action lists (hand-edited ones included) run against its stage times; its
-    compute order alone, as in `simulate_pipeline`."""
+    """The plan's own action lists (hand-edited ones included) run against its stage times, each
+    forward and backward with the data-parallel collectives that run inside it (ZeRO-2/3), as the
+    plan's pipeline was timed; its compute order alone, as in `simulate_pipeline`."""
     stages = plan.stages
+    collectives = plan.predicted.collective_s or ((0.0, 0.0),) * len(stages)
     costs = StageCosts(
-        forward_s=tuple(s.forward_s for s in stages),
-        backward_s=tuple(s.backward_s for s in stages),
+        forward_s=tuple(s.forward_s + c[0] for s, c in zip(stages, collectives)),
+        backward_s=tuple(s.backward_s + c[1] for s, c in zip(stages, collectives)),
         weight_s=tuple(s.backward_weight_s for s in stages),
         transfer_s=plan.predicted.transfer_s,
     )

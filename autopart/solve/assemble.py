@@ -181,6 +181,8 @@ def plan_from_cuts(
             stage_time_s=evaluation.stage_time_s,
             transfer_s=transfer,
             pipeline_s=timeline.step_s,
+            collective_s=tuple((c.forward_s, c.backward_s) for c in comm) if any(c.forward_s or c.backward_s for c in comm)
+            else (),
             rank_tail_s=tuple(tails[r] for r in range(options.pp)),
             reduction_s=tuple(reduction.get(r, (0.0, 0.0)) for r in range(options.pp)) if options.dp > 1 else (),
             compute_factor=factor[0],
