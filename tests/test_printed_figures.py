@@ -73,3 +73,14 @@ def test_the_trace_s_actions_hold_the_collectives_the_pipeline_was_timed_with(tm
     other = json.loads((autopart.emit(plan, tmp_path / "out") / "trace.json").read_text())["otherData"]
     assert other["pipeline_s"] == pytest.approx(plan.predicted.pipeline_s)
     assert load_plan(tmp_path / "out" / "plan.json").predicted.collective_s == plan.predicted.collective_s
+
+
+def test_the_stage_table_says_its_rank_is_the_pipeline_s_and_its_bytes_a_pipeline_s(replicated) -> None:
+    """The stage table's 'rank' column held the pipeline rank: at tp 2 stage 1 runs on ranks 2
+    and 3, not on the rank 1 it printed; and the bytes sent between stages were one pipeline's
+    of several, unsaid."""
+    plan, out = replicated
+    report = (out / "report.md").read_text()
+    assert "| stage | pp rank | blocks | params MB | memory GiB |" in report
+    assert "pp rank: tp x dp = 2 processes each" in report
+    assert f"{plan.predicted.p2p_bytes_per_step / 1e6:.3f} MB sent between stages per step in each of its 2 pipelines" in report

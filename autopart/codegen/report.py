@@ -24,8 +24,9 @@ _GIB = 1 << 30
 
 
 def stage_table(plan: Plan) -> list[list[str]]:
-    """Rows of the per-stage table: stage, rank, blocks, parameters, memory, predicted times."""
-    rows = [["stage", "rank", "blocks", "params MB", "memory GiB", "fwd ms", "bwd ms", "stage ms"]]
+    """Rows of the per-stage table: stage, its pipeline rank (the mesh's pp coordinate, not a
+    process's rank where tp or dp is above 1), blocks, parameters, memory, predicted times."""
+    rows = [["stage", "pp rank", "blocks", "params MB", "memory GiB", "fwd ms", "bwd ms", "stage ms"]]
     for stage in plan.stages:
         rows.append(
             [
@@ -80,6 +81,11 @@ def _tensor_parallel(plan: Plan) -> str:
     return f"\nTensor parallelism: {'with' if plan.sp else 'without'} sequence parallelism{overlap}."
 
 
+def _per_pipeline(plan: Plan) -> str:
+    """Where the plan has data-parallel replicas, that the bytes sent are each pipeline's."""
+    return f" in each of its {plan.mesh['dp']} pipelines" if plan.mesh["dp"] > 1 else ""
+
+
 def write_report(plan: Plan, out: Path) -> None:
     """The whole report, in this process: each of `PARTS` in turn."""
     for _, part in PARTS:
@@ -110,11 +116,13 @@ Mesh: pp={plan.mesh['pp']}, tp={plan.mesh['tp']}, dp={plan.mesh['dp']} ({plan.wo
 Schedule: {plan.schedule.kind}, {plan.schedule.microbatches} microbatches of {plan.schedule.micro_batch_size} (global batch {plan.schedule.global_batch_size}).
 Precision: {plan.dtype}{"" if plan.dtype == "fp32" else f" ({PRECISION_TEXT[plan.dtype]})"}. Activation recompute per stage: {", ".join(st.recompute for st in plan.stages)}.
 
-Predicted step time {predicted.step_s * 1e3:.3f} ms{describe_prediction(plan)}, bubble {predicted.bubble:.1%}, {predicted.p2p_bytes_per_step / 1e6:.3f} MB sent between stages per step.
+Predicted step time {predicted.step_s * 1e3:.3f} ms{describe_prediction(plan)}, bubble {predicted.bubble:.1%}, {predicted.p2p_bytes_per_step / 1e6:.3f} MB sent between stages per step{_per_pipeline(plan)}.
 Cost model: {plan.provenance.cost_model}. Solver: {plan.provenance.solver_status} (objective {plan.provenance.objective_s * 1e3:.3f} ms, bound {plan.provenance.bound_s * 1e3:.3f} ms, gap {plan.provenance.gap:.2%}).
 
 {_markdown(stage_table(plan))}
 
+Per stage: its pipeline rank (pp rank: tp x dp = {plan.mesh['tp'] * plan.mesh['dp']} processes each), its parameters in
+their own dtype before tensor-parallel sharding (params MB), and one device's peak memory (memory GiB).
 Memory: weights, gradients and optimizer state ({plan.optimizer}), plus the
 activations of the microbatches that the schedule keeps in flight (what each stage's recompute
 mode keeps), plus the activations that a recomputing backward holds while it runs, plus, under a

@@ -112,7 +112,7 @@ def compare(plan: Plan, trace: Path) -> Comparison:
 
 def comparison_rows(comparison: Comparison, plan: Plan) -> list[list[str]]:
     """A row per stage and figure: predicted and measured milliseconds and the relative error."""
-    rows = [["stage", "rank", "figure", "predicted ms", "measured ms", "error"]]
+    rows = [["stage", "pp rank", "figure", "predicted ms", "measured ms", "error"]]
     for stage in plan.stages:
         p, m = comparison.predicted[stage.index], comparison.measured[stage.index]
         for name, predicted, measured in (
