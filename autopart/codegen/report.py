@@ -18,7 +18,7 @@ from autopart.predict.accuracy import MFU_CEILING, describe_prediction
 from autopart.predict.timeline import plan_schedule, plan_timeline
 from autopart.schedule import worth_forking, write_chrome_trace, write_gantt_png, write_schedule_csv
 
-__all__ = ["ESTIMATED_NOTE", "begin_report", "report_forks", "write_report", "search_table", "stage_table"]
+__all__ = ["ESTIMATED_NOTE", "begin_report", "collectives_line", "report_forks", "write_report", "search_table", "stage_table"]
 
 _GIB = 1 << 30
 
@@ -81,6 +81,17 @@ def _tensor_parallel(plan: Plan) -> str:
     return f"\nTensor parallelism: {'with' if plan.sp else 'without'} sequence parallelism{overlap}."
 
 
+def collectives_line(plan: Plan) -> str:
+    """Under ZeRO-2/3, what the data-parallel collectives add to each forward and backward of each
+    stage: inside the pipeline (the trace's actions, the bubble, the step), outside the table's
+    fwd, bwd and stage columns, which are the stage's own compute and transfers. "" for none."""
+    if not plan.predicted.collective_s:
+        return ""
+    added = ", ".join(f"{f * 1e3:.3f}/{b * 1e3:.3f}" for f, b in plan.predicted.collective_s)
+    return (f"ZeRO-{plan.zero}'s collectives add to each forward/backward, per stage, ms: {added} "
+            "(in the pipeline and the trace; not in the table's fwd, bwd and stage columns)")
+
+
 def _per_pipeline(plan: Plan) -> str:
     """Where the plan has data-parallel replicas, that the bytes sent are each pipeline's."""
     return f" in each of its {plan.mesh['dp']} pipelines" if plan.mesh["dp"] > 1 else ""
@@ -120,7 +131,7 @@ Predicted step time {predicted.step_s * 1e3:.3f} ms{describe_prediction(plan)}, 
 Cost model: {plan.provenance.cost_model}. Solver: {plan.provenance.solver_status} (objective {plan.provenance.objective_s * 1e3:.3f} ms, bound {plan.provenance.bound_s * 1e3:.3f} ms, gap {plan.provenance.gap:.2%}).
 
 {_markdown(stage_table(plan))}
-
+{collectives_line(plan) and chr(10) + collectives_line(plan) + "." + chr(10)}
 Per stage: its pipeline rank (pp rank: tp x dp = {plan.mesh['tp'] * plan.mesh['dp']} processes each), its parameters in
 their own dtype before tensor-parallel sharding (params MB), and one device's peak memory (memory GiB).
 Memory: weights, gradients and optimizer state ({plan.optimizer}), plus the

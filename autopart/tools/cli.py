@@ -227,8 +227,8 @@ def _console() -> Console:
     return console
 
 
-def _print_table(console: Console, rows: list[list[str]], title: str) -> None:
-    table = Table(title=title)
+def _print_table(console: Console, rows: list[list[str]], title: str, caption: str = "") -> None:
+    table = Table(title=title, caption=caption or None, caption_justify="left")
     for header in rows[0]:
         table.add_column(header, justify="right")
     for row in rows[1:]:
@@ -237,7 +237,7 @@ def _print_table(console: Console, rows: list[list[str]], title: str) -> None:
 
 
 def _compile(args: argparse.Namespace, console: Console) -> None:
-    from autopart.codegen.report import ESTIMATED_NOTE, search_table, stage_table
+    from autopart.codegen.report import ESTIMATED_NOTE, collectives_line, search_table, stage_table
     from autopart.driver import CompileOptions, compile_to_directory
     from autopart.options import local_kind
     from autopart.runtime.output_paths import check_file_path
@@ -286,7 +286,7 @@ def _compile(args: argparse.Namespace, console: Console) -> None:
     else:
         plan, out = compile_to_directory(options, args.out, console=console)
     title = f"{args.model.name}: {plan.schedule.kind}, {plan.schedule.microbatches} microbatches"
-    _print_table(console, stage_table(plan), title)
+    _print_table(console, stage_table(plan), title, caption=collectives_line(plan))  # ZeRO-2/3's, beside it
     console.print(
         f"predicted step {plan.predicted.step_s * 1e3:.3f} ms{describe_prediction(plan)}, "
         f"bubble {plan.predicted.bubble:.1%}, solver {plan.provenance.solver_status}, capture {plan.provenance.capture}"
@@ -398,7 +398,7 @@ def _entries(path: Path | None) -> int:
 
 
 def _explain(args: argparse.Namespace, console: Console) -> None:
-    from autopart.codegen.report import stage_table
+    from autopart.codegen.report import collectives_line, stage_table
     from autopart.tools.explain import compare, comparison_rows, load_output, refused_as_it_is, step_lines
 
     plan = load_output(args.out)
@@ -409,7 +409,7 @@ def _explain(args: argparse.Namespace, console: Console) -> None:
     spec = plan.schedule
     name = Path(plan.provenance.model_file).name
     title = f"{name}: {spec.kind}, pp={plan.mesh['pp']}, {spec.microbatches} microbatches of {spec.micro_batch_size}"
-    _print_table(console, stage_table(plan), title)
+    _print_table(console, stage_table(plan), title, caption=collectives_line(plan))  # ZeRO-2/3's, beside it
     predicted = plan.predicted
     console.print(
         f"predicted step {predicted.step_s * 1e3:.3f} ms{describe_prediction(plan)}, "
