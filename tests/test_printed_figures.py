@@ -46,6 +46,7 @@ def test_the_picture_s_heading_names_its_span_the_pipeline_and_gives_the_plan_s_
     span = plan_timeline(plan).step_s
     assert titles and titles[-1].endswith(
         f"pipeline {span * 1e3:.3f} ms of a {plan.predicted.step_s * 1e3:.3f} ms step, bubble {plan.predicted.bubble:.1%}")
+    assert titles[-1].startswith("tiny_gpt.py: 1f1b, pp=2, m=4\npipeline ")  # two lines: a long title was cut off
 
 
 def test_model_flops_leave_out_the_fused_attention_s_recompute() -> None:

@@ -187,7 +187,7 @@ def write_gantt_png(timeline: Timeline, path: str | Path, *, title: str = "", st
     )
     of_step = f" of a {step_s * 1e3:.3f} ms step" if step_s is not None else ""
     heading = f"pipeline {timeline.step_s * 1e3:.3f} ms{of_step}, bubble {timeline.bubble:.1%}"
-    axes.set_title(f"{title}: {heading}" if title else heading)
+    axes.set_title(f"{title}\n{heading}" if title else heading)  # two lines: a long title is not cut off
     figure.tight_layout()
     figure.savefig(path)
 
