@@ -123,6 +123,9 @@ class PipelineMeasurement:
     """The median step as it ran (the slowest rank's, from its start to its optimizer step's
     end: ``train.py``'s ``step_s``), of the plan that `step_of` names (`plan_shape`)."""
     step_of: str = ""
+    background_load: float = 0.0
+    """Other busy processes on the machine's cores when it ran (the compile's
+    `cost_models.calibration.background_load`): its times hold their share of the cores already."""
 
     def stage_factor(self, blocks: tuple[int, int]) -> float:
         return self.stage_factors.get(blocks_key([blocks]), self.compute_factor)
@@ -198,6 +201,7 @@ class CostDatabase:
                    for n in ("tied_s", "send_s", "recv_s", "transfer_s", "waited_s", "step_s")},
                 step_variation=tuple({str(b): float(m) for b, m in step.items()} for step in v.get("step_variation", ())),
                 step_of=str(v.get("step_of", "")),
+                background_load=float(v.get("background_load", 0.0)),
             ) for k, v in data.get("pipelines", {}).items()}
             co_runs = {str(k): CoRunMeasurement(processes=int(v["processes"]), factor=float(v["factor"]),
                                                 rounds=int(v.get("rounds", 0)),

@@ -250,7 +250,7 @@ def test_the_steps_variation_survives_the_database(tmp_path):
     database = CostDatabase.load(tmp_path / "costs.json")
     measured = PipelineMeasurement(compute_factor=1.2, step_variation=({"0F0": 1.5, "1RECV_F0": -1e-5, "tail 0": 0.9},
                                                                        {"0F0": 1.0}),
-                                   step_s=0.031, step_of="1f1b x4: 0-3,4-7", waited_s=2e-4)
+                                   step_s=0.031, step_of="1f1b x4: 0-3,4-7", waited_s=2e-4, background_load=3.0)
     database.put_pipeline("cpu", "pipeline(x)", measured)
     database.save()
     assert CostDatabase.load(tmp_path / "costs.json").pipeline("cpu", "pipeline(x)") == measured
@@ -259,7 +259,7 @@ def test_the_steps_variation_survives_the_database(tmp_path):
 def with_factor(folder: Path, plan, factor: float | None, tied_s: float | None = None,
                 optimizer_s: dict[str, float] | None = None, messages: tuple[float | None, ...] = (None,) * 4,
                 step_variation: tuple[dict[str, float], ...] = (), step_s: float | None = None, step_of: str = "",
-                **stage_factors) -> None:
+                background_load: float = 0.0, **stage_factors) -> None:
     database = CostDatabase.load(folder / "costs.json")
     key = plan_pipeline_key(plan)
     database.pipelines = {k: v for k, v in database.pipelines.items() if not k.endswith(key)}
@@ -269,6 +269,7 @@ def with_factor(folder: Path, plan, factor: float | None, tied_s: float | None =
                                                                optimizer_s=optimizer_s or {},
                                                                step_variation=step_variation,
                                                                step_s=step_s, step_of=step_of,
+                                                               background_load=background_load,
                                                                **dict(zip(("send_s", "recv_s", "transfer_s", "waited_s"),
                                                                           messages))))
     database.save()
@@ -320,6 +321,26 @@ def test_a_stored_factor_scales_the_compute_and_replaces_waking_and_resuming(com
     unprofiled = compile_to_directory(options, tmp_path / "unprofiled")[0]
     assert unprofiled.predicted.compute_factor_from != "pipeline"
     assert unprofiled.predicted.step_s > at_two.predicted.step_s  # 50 ms of waking now counts
+
+
+def test_a_pipeline_measured_beside_busy_processes_is_not_slowed_by_them_again(compiled, tmp_path, monkeypatch):
+    """The replayed actions of a pipeline run beside busy processes took their share of the cores
+    already; the step model shared the cores out among them again: the quickstart, run beside 13
+    busy processes at 24.8 ms a step, was predicted at 195.9 ms in the line above it (+691%)."""
+    from cost_models import calibration
+
+    plan, _, folder = compiled
+    options = tiny_options(folder)
+    with_factor(folder, plan, 1.0)
+    quiet = compile_to_directory(options, tmp_path / "quiet")[0].predicted
+    monkeypatch.setattr(calibration, "background_load", lambda cores, seconds=0.3: 6.0)
+    busier = compile_to_directory(options, tmp_path / "busier")[0].predicted  # measured quiet, busy now
+    assert busier.background_load == 6.0 and busier.step_s > 1.5 * quiet.step_s
+    with_factor(folder, plan, 1.0, background_load=6.0)  # measured beside them
+    beside = compile_to_directory(options, tmp_path / "beside")[0].predicted
+    assert beside.background_load == 0.0 and beside.step_s == pytest.approx(quiet.step_s)
+    with_factor(folder, plan, 1.0, background_load=4.0)  # beside fewer than now: the rest count
+    assert compile_to_directory(options, tmp_path / "fewer")[0].predicted.background_load == 2.0
 
 
 def test_the_step_model_replays_each_measured_step_and_takes_the_median(compiled, tmp_path):

@@ -30,7 +30,7 @@ from autopart.runtime.recipe import decayed_parameters
 from autopart.schedule import SPLIT_BACKWARD_KINDS, Schedule, StageCosts, built, built_lowered
 from cost_models.database import PipelineMeasurement, plan_shape, tail_key
 
-__all__ = ["compute_factor", "data_parallel", "data_parallel_seconds", "fully_sharded_pieces", "with_collectives", "measured_in_place", "predicted_step_s", "profiled_step", "rank_tails", "timed_schedule"]
+__all__ = ["compute_factor", "counted_background_load", "data_parallel", "data_parallel_seconds", "fully_sharded_pieces", "with_collectives", "measured_in_place", "predicted_step_s", "profiled_step", "rank_tails", "timed_schedule"]
 
 
 def data_parallel(options: CompileOptions, front: Front, stages: list[StagePlan]) -> list[DataParallelComm]:
@@ -228,6 +228,7 @@ def predicted_step_s(options: CompileOptions, front: Front, stages: list[StagePl
         if in_place.waited_s is not None:  # a receive that waits ends waited_s after its send
             waited = (min(in_place.recv_s, in_place.waited_s),) * len(sides)
     device = front.cost_model.device
+    background = counted_background_load(device.background_load, in_place)
     # the other tensor- and data-parallel ranks of the machine run the same work beside this pipeline
     cores = device.cores / (options.tp * options.dp)
     # measured in place, the factor holds what waking and refilling a shared core cost the compute
@@ -253,7 +254,7 @@ def predicted_step_s(options: CompileOptions, front: Front, stages: list[StagePl
 
     def step(costs: StageCosts, tails: dict[int, float]) -> tuple[float, dict[int, tuple[float, float]]]:
         return overlapped_step_time(schedule, costs, reductions, ranks=options.pp, cores=cores,
-                                    background=device.background_load, tail_s=tails, resume_s=resume,
+                                    background=background, tail_s=tails, resume_s=resume,
                                     slowdown=device.slowdown_beside_collectives, placement=[s.rank for s in stages],
                                     busy_delay_s=front.cost_model.p2p_busy_delay(),
                                     wake_s=None if in_place is not None else front.cost_model.wake_time)
@@ -266,6 +267,13 @@ def predicted_step_s(options: CompileOptions, front: Front, stages: list[StagePl
              {rank: seconds * moved.get(tail_key(rank), 1.0) for rank, seconds in tails.items()})[0]
         for moved in in_place.step_variation
     ), step(costs, tails)[1]
+
+
+def counted_background_load(now: float, in_place: PipelineMeasurement | None) -> float:
+    """The other busy processes that the step shares the cores with beyond what its times hold:
+    all of them (``now``) for ops timed alone, those beyond the ones that ran beside the measured
+    pipeline for its replayed actions, which took their share already."""
+    return now if in_place is None else max(0.0, now - in_place.background_load)
 
 
 def timed_schedule(kind: str, ranks: int, microbatches: int, chunks: int, costs: StageCosts, *, cores: float,

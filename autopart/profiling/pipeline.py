@@ -52,7 +52,7 @@ import statistics
 import tempfile
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from rich.console import Console
@@ -331,7 +331,8 @@ def profiled_in_place(plan: Plan, front: Front, recompile: Callable[[], tuple[Pl
             out = emit_directory(plan, front.op_graph, front.spec, Path(folder) / "out", chain=front.chain)
             profiled = profile_pipeline(out, plan, front.cost_model.runtime_overheads,
                                         cores=front.cost_model.device.cores)
-        database.put_pipeline(front.cost_model.device.name, profiled.key, profiled.measured)
+        measured = replace(profiled.measured, background_load=front.cost_model.device.background_load)
+        database.put_pipeline(front.cost_model.device.name, profiled.key, measured)
         database.save()
         plan, front = recompile()
     return plan, front

@@ -30,7 +30,7 @@ from autopart.predict.in_flight import in_flight, rank_in_flight, transient, wei
 from autopart.predict.memory import layers_in_flight_bytes, optimizer_group, owned_bytes, state_bytes
 from autopart.predict.messages import boundary_seconds
 from autopart.predict.step_time import (
-    compute_factor, data_parallel, data_parallel_seconds, measured_in_place, predicted_step_s, profiled_step, rank_tails,
+    compute_factor, counted_background_load, data_parallel, data_parallel_seconds, measured_in_place, predicted_step_s, profiled_step, rank_tails,
     with_collectives,
 )
 from autopart.predict.timeline import simulate_pipeline
@@ -188,7 +188,7 @@ def plan_from_cuts(
             compute_factor=factor[0],
             compute_factor_from=factor[1],
             profiled_step_s=profiled_step(options, stages, microbatches, in_place),
-            background_load=front.cost_model.device.background_load,
+            background_load=counted_background_load(front.cost_model.device.background_load, in_place),
             model_flops_per_step=flops,
             peak_flops=peak,
         ),

@@ -297,8 +297,7 @@ def _compile(args: argparse.Namespace, console: Console) -> None:
         where = {"pipeline": "measured in this pipeline", "device": "the device's, from profile-comm",
                  "co-run": "the model measured beside the host's other ranks"}
         factors = " ".join(f"x{f:.3f}" for f in plan.predicted.compute_factor)
-        from_ = where[plan.predicted.compute_factor_from]
-        console.print(f"compute inside the pipeline, per stage: {factors} ({from_})")
+        console.print(f"compute inside the pipeline, per stage: {factors} ({where[plan.predicted.compute_factor_from]})")
     search = plan.provenance.search
     ran = search["ranked"][0].get("measured_step_s") if search.get("chosen_by") == "run" else None
     finalists = "the fastest of the search's finalists run here"
@@ -310,9 +309,10 @@ def _compile(args: argparse.Namespace, console: Console) -> None:
             console.print(f"this plan ran here at {measured * 1e3:.3f} ms a step ({how}; "
                           f"predicted {(plan.predicted.step_s - measured) / measured:+.1%})")
     _print_turns(console, plan, ran)
-    if plan.predicted.background_load > 0:
-        console.print(f"{plan.predicted.background_load:g} other busy processes shared this machine's cores while it "
-                      "compiled; the predicted step counts them (compile on a quiet machine for a quiet one's step)")
+    if (load := plan.predicted.background_load) > 0:  # beside a measured pipeline, those beyond its run's
+        beyond = " more than beside its measured pipeline" if plan.predicted.compute_factor_from == "pipeline" else ""
+        console.print(f"{load:g} other busy processes{beyond} shared this machine's cores while it compiled; the "
+                      "predicted step counts them (compile on a quiet machine for a quiet one's step)")
     console.print(f"compile peak memory {peak_memory_gib():.2f} GiB")
     train = shlex.quote(f"{out}/train.py")  # a command to paste: a folder of spaces stays one word
     console.print(f"wrote {out}/; train with{train_command(train, plan.world_size, options.gpus_per_node)}")
