@@ -96,3 +96,21 @@ def test_the_report_says_what_zero_s_collectives_add_beside_the_stage_table(tmp_
     report = (autopart.emit(plan, tmp_path / "out") / "report.md").read_text()
     added = ", ".join(f"{f * 1e3:.3f}/{b * 1e3:.3f}" for f, b in plan.predicted.collective_s)
     assert f"ZeRO-3's collectives add to each forward/backward, per stage, ms: {added} (in the pipeline" in report
+
+
+def test_explain_says_the_step_counts_turns_on_shared_cores_beside_the_pipeline(replicated) -> None:
+    """A step on cores shared with busy processes is longer than the traced pipeline mostly by
+    their turns, inside the pipeline; explain --trace put all of it 'after the pipeline', as the
+    gradient reduction, the optimizer step and the step's own overheads (a CPU plan beside 4 busy
+    processes: 131 ms of a 192 ms step)."""
+    from dataclasses import replace
+
+    from autopart.tools.explain import Comparison, step_lines
+
+    plan, _ = replicated
+    plan = replace(plan, predicted=replace(plan.predicted, background_load=4.0))
+    span = plan_timeline(plan).step_s
+    lines = step_lines(Comparison(predicted={}, measured={}, step_s=(span, span), bubble=(0.1, 0.1)), plan)
+    assert (f"adds {(plan.predicted.step_s - span) * 1e3:.3f} ms to the pipeline (the gradient reduction, the optimizer "
+            "step and the step's own overheads, the turns its ranks take on cores shared with 4 other busy "
+            "processes)") in lines[-1]

@@ -125,7 +125,7 @@ def test_explain_sets_a_measured_step_beside_the_prediction(tmp_path_factory):
     assert "pipeline (the trace's span: forwards, backwards, transfers): predicted" in text and "bubble: predicted" in text
     pipeline = plan_timeline(run.plan).step_s  # the plan's step says what it adds beyond the traced pipeline
     assert f"the predicted step of {run.plan.predicted.step_s * 1e3:.3f} ms adds " \
-           f"{(run.plan.predicted.step_s - pipeline) * 1e3:.3f} ms after the pipeline" in " ".join(text.split())
+           f"{(run.plan.predicted.step_s - pipeline) * 1e3:.3f} ms to the pipeline" in " ".join(text.split())
 
 
 @pytest.mark.parametrize(

@@ -136,10 +136,12 @@ def step_lines(comparison: Comparison, plan: Plan) -> list[str]:
              f"{bubble_m:.1%}"]
     predicted = plan.predicted
     modelled = predicted.modelled_step_s  # beneath an MFU ceiling, what the models gave
+    shared = (f", the turns its ranks take on cores shared with {predicted.background_load:g} other busy processes"
+              if predicted.background_load > 0 else "")  # inside the pipeline, which the trace's own times leave out
     if modelled > step_p:
-        lines.append(f"the predicted step of {modelled * 1e3:.3f} ms adds {(modelled - step_p) * 1e3:.3f} ms after the "
-                     "pipeline (the gradient reduction, the optimizer step and the step's own overheads), which the "
-                     "trace does not time; train.py --metrics measures whole steps"
+        lines.append(f"the predicted step of {modelled * 1e3:.3f} ms adds {(modelled - step_p) * 1e3:.3f} ms to the "
+                     f"pipeline (the gradient reduction, the optimizer step and the step's own overheads{shared}), which "
+                     "the trace does not time; train.py --metrics measures whole steps"
                      + (f"; the MFU ceiling raises it to {predicted.step_s * 1e3:.3f} ms" if predicted.unbounded_step_s
                         else ""))
     return lines
