@@ -6,6 +6,7 @@ import pytest
 from autopart.driver import CompileOptions, compile_to_directory
 from tests.distributed import REPO
 from tests.distributed import assert_same_training, compile_and_train
+from tests.test_tp_families import model_file
 
 pytest.importorskip("transformers", minversion="5")
 
@@ -18,6 +19,17 @@ def test_hf_model_trains_like_one_process(tmp_path, model):
     run = compile_and_train(tmp_path, MODELS / f"{model}.py", pp=2, microbatches=2, schedule="1f1b")
     assert run.plan.provenance.capture == "export"
     assert len(run.plan.stages) == 2
+    assert_same_training(run, optimizer="sgd", lr=0.1)
+
+
+@pytest.mark.multiprocess
+def test_hf_mixtral_experts_train_like_one_process(tmp_path):
+    """Mixtral's experts run a custom op of transformers' (``torch.ops.transformers.grouped_mm_fallback``),
+    which a rank has only once it imports the module defining it, and which importing the model
+    file does not import: each stage file imports it, where every rank failed on its first forward."""
+    model = model_file(tmp_path, "hf_mixtral", vocab=128, width=32, heads=4, kv_heads=2)
+    run = compile_and_train(tmp_path, model, pp=2, microbatches=2, schedule="1f1b")
+    assert "import transformers.integrations.moe" in (run.out / "stages" / "stage_0.py").read_text()
     assert_same_training(run, optimizer="sgd", lr=0.1)
 
 

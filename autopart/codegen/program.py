@@ -108,6 +108,9 @@ class Expressions:
     def function(self, target: Any) -> str:
         """The name a reader knows the function by, importing what that name needs."""
         if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+            module = _defining_module(target)
+            if module is not None and not module.startswith(MODULE_PREFIX):  # the model file's: loaded for its loss
+                self.imports.add(f"import {module}")
             return f"torch.ops.{target}"
         module = getattr(target, "__module__", None)
         if module == "autopart.runtime.collectives":  # read as tp.all_reduce(x)
@@ -167,6 +170,18 @@ class Expressions:
         if isinstance(value, torch._ops.OpOverload):
             return f"torch.ops.{value}"
         raise PlanError(f"generated code would need the constant {value!r}, which has no source form; report this model")
+
+
+def _defining_module(op: torch._ops.OpOverload | torch._ops.OpOverloadPacket) -> str | None:
+    """The Python module that defined ``op`` with ``torch.library.custom_op`` (transformers' MoE
+    ``torch.ops.transformers.grouped_mm_fallback``): a rank that has not imported it has no such op,
+    and a library may import it lazily, only when the model class is first reached."""
+    from torch._library.custom_ops import OPDEFS
+
+    packet = op if isinstance(op, torch._ops.OpOverloadPacket) else op.overloadpacket
+    definition = OPDEFS.get(packet._qualified_op_name)
+    module = getattr(getattr(definition, "_init_fn", None), "__module__", None)
+    return module if isinstance(module, str) and _dotted(module) else None
 
 
 def _dotted(name: str) -> bool:

@@ -196,8 +196,8 @@ def _import_block(imports: list[str], runtime: str, *, paths: bool) -> str:
     """The standard library, then torch, then autopart, as isort would order them."""
     standard = ["from pathlib import Path"] if paths else []
     standard += [line for line in imports if line == "import math"]
-    third = ["import torch", *(line for line in imports if line.startswith("import torch."))]
-    own = [line for line in imports if line not in standard and line not in third] + [runtime]
+    own = [line for line in imports if line not in standard and line.split()[1].startswith("autopart")] + [runtime]
+    third = ["import torch", *(line for line in imports if line not in standard and line not in own)]
     return "\n\n".join("\n".join(sorted(group)) for group in (standard, third, sorted(own)) if group) + "\n"
 
 

@@ -11,7 +11,9 @@ that widths where compute, not kernel launches, decides the layout compile in se
 - ``untraceable_gpt``: nanoGPT's shape with an ``assert`` on the sequence length, which fx cannot
   trace: captured with torch.export (aten ``linear``, ``view``, ``split``);
 - ``hf_gpt2`` and ``hf_llama``: Hugging Face transformers models (Conv1D's ``addmm`` with a
-  transposed weight; GQA through ``expand``), captured with torch.export.
+  transposed weight; GQA through ``expand``), captured with torch.export;
+- ``hf_mixtral``: transformers' Mixtral (top-2 of 4 experts, through the custom op
+  ``torch.ops.transformers.grouped_mm_fallback``), captured with torch.export.
 
 Each model file in a test is two lines: import this module and bind the names of one family.
 """
@@ -87,6 +89,12 @@ def _hf(name: str, *, vocab: int, seq: int, width: int, heads: int, kv_heads: in
         config = transformers.GPT2Config(vocab_size=vocab, n_positions=seq, n_embd=width, n_layer=layers, n_head=heads,
                                          resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
         return _Logits(transformers.GPT2LMHeadModel(config))
+    if name == "hf_mixtral":  # made as AutoModelForCausalLM makes it: transformers' MoE module imported only now
+        config = transformers.MixtralConfig(vocab_size=vocab, hidden_size=width, intermediate_size=2 * width,
+                                            num_hidden_layers=layers, num_attention_heads=heads,
+                                            num_key_value_heads=kv_heads, max_position_embeddings=seq,
+                                            num_local_experts=4, num_experts_per_tok=2)  # fmt: skip
+        return _Logits(transformers.AutoModelForCausalLM.from_config(config))
     config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=width, intermediate_size=4 * width,
                                       num_hidden_layers=layers, num_attention_heads=heads,
                                       num_key_value_heads=kv_heads, max_position_embeddings=seq)  # fmt: skip
