@@ -1,11 +1,15 @@
 """Hugging Face transformers 5.x models (tiny random configs, wrapped to return the logits) are
 captured with torch.export and train through autopart like the original model."""
 
+import runpy
+
 import pytest
+import torch
+from safetensors.torch import save_file
 
 from autopart.driver import CompileOptions, compile_to_directory
 from tests.distributed import REPO
-from tests.distributed import assert_same_training, compile_and_train
+from tests.distributed import Trained, assert_same_training, compile_and_train, read_metrics, run_ranks, stage_weights
 from tests.test_tp_families import model_file
 
 pytest.importorskip("transformers", minversion="5")
@@ -31,6 +35,26 @@ def test_hf_mixtral_experts_train_like_one_process(tmp_path):
     run = compile_and_train(tmp_path, model, pp=2, microbatches=2, schedule="1f1b")
     assert "import transformers.integrations.moe" in (run.out / "stages" / "stage_0.py").read_text()
     assert_same_training(run, optimizer="sgd", lr=0.1)
+
+
+@pytest.mark.multiprocess
+def test_weights_that_hold_a_tied_head_under_its_embeddings_name_alone_train_like_one_process(tmp_path):
+    """Hugging Face's ``save_pretrained`` keeps a tied tensor under one of its names: ``--weights``
+    reads a tied tensor under any name the model holds it by, where it refused a file without the
+    name the plan gives it (GPT-2's head, ``lm_head.weight``, under torch.export)."""
+    plan, out = compile_to_directory(CompileOptions(model=MODELS / "hf_gpt2.py", pp=2, microbatches=2,
+                                                    micro_batch_size=2), tmp_path / "out")  # fmt: skip
+    (held, stages), = plan.tied_parameters.items()
+    assert held == "gpt2.lm_head.weight" and stages == (0, 1)
+    state = runpy.run_path(str(MODELS / "hf_gpt2.py"))["build_model"]().state_dict()
+    weights = tmp_path / "pretrained.safetensors"
+    save_file({name: value + 0.01 for name, value in state.items() if name != held}, str(weights))
+    run_ranks(out, 2, "--steps", "2", "--lr", "0.1", "--optimizer", "sgd", "--weights", str(weights),
+              "--metrics", str(tmp_path / "m.jsonl"), "--save-weights", str(tmp_path / "final"))  # fmt: skip
+    run = Trained(plan=plan, out=out, metrics=read_metrics(tmp_path / "m.jsonl"),
+                  finals=stage_weights(tmp_path / "final"), steps=2, trace=None)  # fmt: skip
+    assert_same_training(run, optimizer="sgd", lr=0.1, weights=weights)
+    torch.testing.assert_close(run.finals[0][held][:2], run.finals[1][held][:2])
 
 
 def test_hf_bert_compiles_with_its_attention_mask_on_every_stage(tmp_path):

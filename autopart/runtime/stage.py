@@ -7,6 +7,7 @@ import functools
 import hashlib
 import sys
 import types
+from collections.abc import Collection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +31,7 @@ __all__ = [
     "check_checkpoint",
     "model_shapes",
     "read_checkpoint",
+    "tensor_aliases",
     "checked_stage_source",
     "Container",
 ]
@@ -147,17 +149,35 @@ def stage_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
     return dict(module.named_parameters(remove_duplicate=False)) | dict(module.named_buffers(remove_duplicate=False))
 
 
-def read_checkpoint(path: Path, names: list[str]) -> dict[str, torch.Tensor]:
-    """The tensors ``names`` from a safetensors checkpoint, reading those and no others."""
+def read_checkpoint(path: Path, names: list[str],
+                    aliases: dict[str, tuple[str, ...]] | None = None) -> dict[str, torch.Tensor]:
+    """The tensors ``names`` from a safetensors checkpoint, reading those and no others; a tied
+    tensor under whichever of its ``aliases`` the file holds it by."""
     with safe_open(str(path), framework="pt", device="cpu") as checkpoint:
-        return {name: checkpoint.get_tensor(name) for name in names}
+        held = set(checkpoint.keys())
+        return {name: checkpoint.get_tensor(_stored_name(name, held, aliases or {})) for name in names}
 
 
-def check_checkpoint(path: Path, names: list[str], stage: int,
-                     shapes: dict[str, tuple[int, ...]] | None = None) -> None:
-    """Refuse, before training starts, a checkpoint that lacks some of a stage's tensors, or holds
-    one at another shape than ``shapes`` (the model's, whole: a rank copying it failed on a bare
-    size mismatch, its peers on a closed connection)."""
+def tensor_aliases(out_dir: Path) -> dict[str, tuple[str, ...]]:
+    """Per name of a tied tensor, every name the model holds it by, the name itself first: a
+    checkpoint written by Hugging Face's ``save_pretrained`` keeps a tied head only under its
+    embedding's name, where the plan may name it by the head's."""
+    names: dict[int, list[str]] = {}
+    for name, tensor in stage_tensors(_meta_model(_model_source(out_dir))).items():
+        names.setdefault(id(tensor), []).append(name)
+    return {name: (name, *(other for other in tied if other != name))
+            for tied in names.values() if len(tied) > 1 for name in tied}  # fmt: skip
+
+
+def _stored_name(name: str, held: Collection[str], aliases: dict[str, tuple[str, ...]]) -> str:
+    return next((alias for alias in aliases.get(name, ()) if alias in held), name)
+
+
+def check_checkpoint(path: Path, names: list[str], stage: int, shapes: dict[str, tuple[int, ...]] | None = None,
+                     aliases: dict[str, tuple[str, ...]] | None = None) -> None:
+    """Refuse, before training starts, a checkpoint that lacks some of a stage's tensors (under
+    every one of its ``aliases``), or holds one at another shape than ``shapes`` (the model's,
+    whole: a rank copying it failed on a bare size mismatch, its peers on a closed connection)."""
     if not path.is_file():
         raise ConfigError(f"weights file '{path}' does not exist; pass a safetensors file of the model's weights")
     try:
@@ -165,15 +185,16 @@ def check_checkpoint(path: Path, names: list[str], stage: int,
             held = {name: tuple(checkpoint.get_slice(name).get_shape()) for name in checkpoint.keys()}
     except Exception as exc:  # safetensors raises its own error types
         raise ConfigError(f"weights file '{path}' is not a safetensors file ({exc}); pass a safetensors file") from None
-    missing = [n for n in names if n not in held]
+    stored = {name: _stored_name(name, held.keys(), aliases or {}) for name in names}
+    missing = [n for n in names if stored[n] not in held]
     if missing:
         raise ConfigError(
             f"weights file '{path}' lacks {len(missing)} tensor(s) of stage {stage}, first {missing[0]!r}; "
             "save every parameter under its name in the original model (model.state_dict())"
         )
     for name in names:
-        if shapes is not None and name in shapes and held[name] != shapes[name]:
-            raise ConfigError(f"weights file '{path}' holds {name!r} at {held[name]}, where the model compiled holds "
+        if shapes is not None and name in shapes and held[stored[name]] != shapes[name]:
+            raise ConfigError(f"weights file '{path}' holds {stored[name]!r} at {held[stored[name]]}, where the model compiled holds "
                               f"it at {shapes[name]}; give the weights of that model (its model.state_dict())")
 
 
@@ -279,7 +300,7 @@ def load_stage(
     own = stage_names(out_dir, index)
     whole: dict[str, torch.Tensor] = {}
     if weights is not None:
-        whole.update(read_checkpoint(weights, state_names(out_dir, index)))
+        whole.update(read_checkpoint(weights, state_names(out_dir, index), tensor_aliases(out_dir)))
     missing = [name for name in own if name not in values and name not in whole]
     if missing:
         from autopart.runtime.materialise import materialise

@@ -16,7 +16,7 @@ from autopart.runtime.output_paths import MARKER, check_file_path, check_folder_
 from autopart.runtime.recipe import Recipe
 from autopart.runtime.mesh import Mesh
 from autopart.runtime.shards import weights_file_name
-from autopart.runtime.stage import check_checkpoint, model_shapes, state_names
+from autopart.runtime.stage import check_checkpoint, model_shapes, state_names, tensor_aliases
 
 __all__ = ["check_arguments", "check_compile_kept", "check_initial_weights", "check_weights_folder", "compile_files",
            "resumed", "resumed_past_the_end"]
@@ -149,4 +149,5 @@ def check_initial_weights(weights: Path | None, out_dir: Path, plan: Plan, rank:
     pipeline_rank = Mesh.of(plan).coordinates(rank).pp
     for stage_plan in plan.stages:
         if stage_plan.rank == pipeline_rank:
-            check_checkpoint(weights, state_names(out_dir, stage_plan.index), stage_plan.index, model_shapes(out_dir))
+            check_checkpoint(weights, state_names(out_dir, stage_plan.index), stage_plan.index, model_shapes(out_dir),
+                             tensor_aliases(out_dir))
