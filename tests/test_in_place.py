@@ -5,6 +5,7 @@ trained another model than the one compiled."""
 
 import pytest
 
+import autopart
 from autopart.driver import CompileOptions, compile_to_directory
 from autopart.tools.verify import verify
 from tests.tiny_models import token_model
@@ -52,3 +53,41 @@ def test_in_place_ops_whose_result_is_unread_are_run(tmp_path, layout):
     assert ".masked_fill_(" in source and ".add_(" in source  # once per layer, or once in a layer's shared method
     result = verify(out, steps=2)
     assert result.matches, result.failures[:3]
+
+
+BUCKETS = token_model("""
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+D, V, T = 16, 64, 8
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.table, self.proj = nn.Embedding(T, D), nn.Linear(D, D)
+
+    def forward(self, x):
+        position = torch.arange(T, device=x.device)
+        buckets = torch.zeros_like(position)
+        buckets += (position >= T // 2).long() * (T // 2)  # in place, as T5's relative-position buckets
+        buckets += position % (T // 2)  # 0 .. T-1
+        return x + self.proj(torch.tanh(x + self.table(buckets)))
+
+""") + """
+
+def loss_fn(out, target):
+    return F.cross_entropy(out.reshape(-1, V), target.reshape(-1))
+"""
+
+
+def test_measuring_an_in_place_op_leaves_the_values_later_ops_read(tmp_path):
+    """The compile times each op on the values of a run of the model: an in-place op timed on them
+    wrote them again, and the embedding after T5's ``buckets += ...`` (``add_`` under torch.export;
+    fx traces ``+=`` on a proxy as ``+``) read an index past its table: an IndexError's traceback,
+    where the model trains."""
+    model = tmp_path / "buckets.py"
+    model.write_text(BUCKETS)
+    plan = autopart.compile(model, pp=2, microbatches=2, micro_batch_size=2, measure=False, capture="export")
+    assert plan.provenance.capture == "export"

@@ -220,8 +220,10 @@ def _measure_kernels(
     what a split backward keeps from its I to its W (`autopart.passes.weight_seeds.op_seeds`)."""
     parameters = state.parameter_ids
     originals = pytree.tree_leaves((args, kwargs))
-    args, kwargs, inputs, weights = leaves_for_grad(args, kwargs, parameters, master=state.master,
-                                                    frozen=state.frozen_ids)
+    # an in-place op runs on copies: on the values themselves it would write them again, under the
+    # nodes that read them next (T5's relative-position buckets, ``+=`` twice, index past its table)
+    args, kwargs, inputs, weights = leaves_for_grad(args, kwargs, parameters, clone=_in_place(node),
+                                                    master=state.master, frozen=state.frozen_ids)
     original_of = {id(leaf): value for value, leaf in zip(originals, pytree.tree_leaves((args, kwargs)))}
     with KernelRecorder() as forward, state.precision():  # backward runs outside autocast, as in training
         try:
