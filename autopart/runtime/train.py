@@ -135,13 +135,20 @@ def main(out_dir: str | Path, argv: list[str] | None = None) -> None:
     try:
         _train(out_dir, argv)
     except AutopartError as exc:
-        print(f"autopart: error: {exc}", file=sys.stderr, flush=True)
+        _say(f"autopart: error: {exc}")
         if isinstance(exc, RefusedTogether):
             exc.leave_together()
         raise SystemExit(2) from None
     except StepFailure as exc:
-        print(f"autopart: error on rank {os.environ.get('RANK', '0')}: {exc}", file=sys.stderr, flush=True)
+        _say(f"autopart: error on rank {os.environ.get('RANK', '0')}: {exc}")
         os._exit(1)  # a dead peer can leave the process group unable to shut down cleanly
+
+
+def _say(line: str) -> None:
+    """``line`` on stderr in one write: the ranks of a node share its pipe, and print's two writes
+    (the text, then its newline) of two ranks refusing at once ran into one line."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
 
 
 def _train(out_dir: Path, argv: list[str] | None) -> None:
