@@ -30,6 +30,7 @@ and how much slower the model computes with the other ranks of its host computin
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -147,6 +148,27 @@ class CoRunMeasurement:
     """The micro-batch size it was measured at (0: not recorded)."""
 
 
+_MOST_SECONDS = 1e6
+"""More than any one op, message or step takes (11 days): a figure past it is no measurement."""
+
+
+def _finite(value: object) -> float:
+    """``value`` as a float, refusing what no measurement gives: NaN, infinity (which the search
+    carries into every sum and never finishes with) and magnitudes past `_MOST_SECONDS`."""
+    number = float(value)  # type: ignore[arg-type]
+    if not math.isfinite(number) or abs(number) > _MOST_SECONDS:
+        raise ValueError(f"{value!r} is not a measured figure (a finite number within {_MOST_SECONDS:g})")
+    return number
+
+
+def _seconds(value: object) -> float:
+    """An op's or the runtime's measured time: also at least 0."""
+    number = _finite(value)
+    if number < 0:
+        raise ValueError(f"{value!r} is not a time in seconds (at least 0)")
+    return number
+
+
 def plan_shape(schedule: str, microbatches: int, blocks: Sequence[tuple[int, int]]) -> str:
     """``"1f1b x8: 0-6,7-12"``: a plan's schedule, microbatches and stages, as `PipelineMeasurement.step_of` names them."""
     return f"{schedule} x{microbatches}: {blocks_key(blocks)}"
@@ -189,27 +211,27 @@ class CostDatabase:
             data = json.loads(path.read_text())
             if data.get("schema") != _SCHEMA:
                 raise ConfigError(f"cost database {path} has schema {data.get('schema')!r}, not {_SCHEMA}; profile again")
-            entries = {str(k): OpTimes(**{n: float(v[n]) for n in ("forward_s", "backward_input_s", "backward_weight_s")})
+            entries = {str(k): OpTimes(**{n: _seconds(v[n]) for n in ("forward_s", "backward_input_s", "backward_weight_s")})
                        for k, v in data["entries"].items()}
-            overheads = {str(k): RuntimeOverheads(**{n: float(x) for n, x in v.items()})
+            overheads = {str(k): RuntimeOverheads(**{n: _seconds(x) for n, x in v.items()})
                          for k, v in data.get("overheads", {}).items()}
             pipelines = {str(k): PipelineMeasurement(
-                compute_factor=float(v["compute_factor"]),
-                stage_factors={str(b): float(f) for b, f in v.get("stage_factors", {}).items()},
-                optimizer_s={str(b): float(t) for b, t in v.get("optimizer_s", {}).items()},
-                **{n: None if v.get(n) is None else float(v[n])
+                compute_factor=_finite(v["compute_factor"]),
+                stage_factors={str(b): _finite(f) for b, f in v.get("stage_factors", {}).items()},
+                optimizer_s={str(b): _finite(t) for b, t in v.get("optimizer_s", {}).items()},
+                **{n: None if v.get(n) is None else _finite(v[n])
                    for n in ("tied_s", "send_s", "recv_s", "transfer_s", "waited_s", "step_s")},
-                step_variation=tuple({str(b): float(m) for b, m in step.items()} for step in v.get("step_variation", ())),
+                step_variation=tuple({str(b): _finite(m) for b, m in step.items()} for step in v.get("step_variation", ())),
                 step_of=str(v.get("step_of", "")),
                 background_load=float(v.get("background_load", 0.0)),
             ) for k, v in data.get("pipelines", {}).items()}
-            co_runs = {str(k): CoRunMeasurement(processes=int(v["processes"]), factor=float(v["factor"]),
+            co_runs = {str(k): CoRunMeasurement(processes=int(v["processes"]), factor=_finite(v["factor"]),
                                                 rounds=int(v.get("rounds", 0)),
                                                 micro_batch_size=int(v.get("micro_batch_size", 0)))
                        for k, v in data.get("co_runs", {}).items()}
         except ConfigError:
             raise
-        except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
+        except (OSError, ValueError, TypeError, KeyError, AttributeError, RecursionError) as exc:
             raise ConfigError(f"cost database {path} is not a valid cost database ({exc}); "
                               "give one that 'autopart profile' wrote, or a new path to write one at") from None
         return CostDatabase(path=path, entries=entries, overheads=overheads, pipelines=pipelines, co_runs=co_runs)

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from autopart.driver import compile
+from autopart.ir.errors import ConfigError
 from cost_models import CostDatabase, ProfiledCostModel, known_devices
 from tests.distributed import REPO, run_cli_here
 
@@ -128,3 +129,18 @@ def test_profiled_keys_are_the_keys_a_compile_of_that_precision_looks_up(
     compile(model_file, pp=1, microbatches=2, micro_batch_size=2, costs=costs, dtype=dtype, time_limit_s=5)
     assert timings == [], "the compile found every op measured, so it timed none again"
     assert looked_up and [key for key, found in looked_up if not found] == [], "no op fell back to the roofline"
+
+
+@pytest.mark.parametrize("figure", ["Infinity", "NaN", "-1.0", "1e300"])
+def test_a_cost_database_of_figures_no_measurement_gives_is_refused_in_one_line(tmp_path: Path, figure: str) -> None:
+    """An infinite op time kept the search from ever finishing; NaN, negative and absurd ones were
+    carried into the predicted step: the file is refused where it is read, saying why."""
+    costs = tmp_path / "costs.json"
+    entry = {"forward_s": 1e-4, "backward_input_s": 1e-4, "backward_weight_s": 1e-4}
+    costs.write_text('{"schema": 2, "entries": {"cpu|torch 2|add(float32[1,16]:g)": '
+                     + json.dumps(entry).replace("0.0001}", figure + "}") + "}}")
+    with pytest.raises(ConfigError, match=r"costs\.json is not a valid cost database \(\S+ is not a (measured figure|time "
+                                          r"in seconds).*\); give one that 'autopart profile' wrote"):
+        CostDatabase.load(costs)
+    costs.write_text(costs.read_text().replace(figure, "0.0001"))
+    assert CostDatabase.load(costs).entries  # the same file with a measured figure reads back
