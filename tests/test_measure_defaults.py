@@ -447,3 +447,18 @@ def test_a_plan_too_slow_to_run_by_default_is_not_run(fresh_cache, monkeypatch, 
         plan = autopart.compile(MODEL, pp=2, microbatches=2)
     assert plan.predicted.basis == f"ops{_at_once()} and messages measured on this machine"
     assert plan.predicted.basis_key == "cpu-measured" and "too long" in caplog.text and "to run here by default" in caplog.text
+
+
+@pytest.mark.parametrize("content", ['{"schema": 2, "entries": {"cpu|torch', "", '{"schema": 1, "entries": {}}'])
+def test_a_cached_database_that_cannot_be_read_is_measured_again(fresh_cache, monkeypatch, caplog, content) -> None:
+    """A cache file cut short, emptied or of another schema failed the compile with the error a
+    --costs file gets ('give one that autopart profile wrote'), for a file the user never named."""
+    cached = measure_defaults.costs_cache_path(MODEL, "cpu")
+    cached.parent.mkdir(parents=True)
+    cached.write_text(content)
+    monkeypatch.setattr(measure_defaults, "_profile_ops", lambda options, kind, path, console: 0)
+    with caplog.at_level(logging.INFO, logger="autopart"):
+        options, measured = measure_defaults.measure_defaults(CompileOptions(model=MODEL, pp=2, microbatches=2))
+    assert options.costs == cached and measured.costs == cached
+    assert CostDatabase.load(cached, missing_ok=False).entries == {}  # what the compile reads next
+    assert f"the cached cost database {cached} is not one this autopart can read" in caplog.text

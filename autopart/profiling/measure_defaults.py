@@ -48,6 +48,7 @@ from pathlib import Path
 import torch
 from rich.console import Console
 
+from autopart.ir.errors import ConfigError
 from autopart.options import CompileOptions, local_kind
 from autopart.predict.accuracy import Basis, basis_for
 from autopart.profiling.co_run import host_processes
@@ -143,6 +144,7 @@ def measure_defaults(options: CompileOptions, *, console: Console | None = None,
                           ranks_on_host=_host_ranks(options, kind))
         return options, Measured(basis=basis, costs=options.costs)
     path = costs_cache_path(options.model, kind)
+    _unreadable_measured_again(path)
     measure_messages = not _messages_known(kind) and _can_measure_messages(kind)
     what = "measuring messages between two processes on this machine (once)"
     status = nullcontext()
@@ -165,6 +167,19 @@ def measure_defaults(options: CompileOptions, *, console: Console | None = None,
     if measure_messages or timed:
         _note_busy(kind, path)
     return measuring, measured
+
+
+def _unreadable_measured_again(path: Path) -> None:
+    """The cached database, where it cannot be read as one (cut short, edited by hand, of another
+    autopart's schema), replaced by an empty one, so that this compile measures the model again:
+    the cache is autopart's own, and the error that a ``--costs`` file of the user's gets (give
+    another) is no help for a file the user never named."""
+    try:
+        CostDatabase.load(path)
+    except ConfigError:
+        log.warning(f"the cached cost database {path} is not one this autopart can read; measuring the model "
+                    "again in its place")
+        CostDatabase(path=path).save()
 
 
 def _pipeline_here(options: CompileOptions, kind: str) -> bool:
