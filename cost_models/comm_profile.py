@@ -37,6 +37,7 @@ messages go out at once, larger ones pay a fixed rendezvous first).
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import statistics
@@ -122,11 +123,13 @@ def cache_path(device: str, backend: str) -> Path:
 def load_comm_profile(device: str) -> CommProfile | None:
     """The cached measurements for ``device`` on this host and torch, or None."""
     backend = "nccl" if device != "cpu" else "gloo"
-    try:
-        data = json.loads(cache_path(device, backend).read_text())
-        return CommProfile(**data)
-    except (OSError, ValueError, TypeError):
+    try:  # one edited by hand or cut short is measured again, as one that is not JSON: not a traceback later
+        profile = CommProfile(**json.loads(cache_path(device, backend).read_text()))
+        figures = [float(x) for curve in profile.curves.values() for size, s in curve for x in (size, s)]
+        figures.append(float(profile.process_bytes))
+    except (OSError, ValueError, TypeError, AttributeError, RecursionError):
         return None
+    return profile if all(0 <= x < math.inf for x in figures) else None
 
 
 def _time(call, device: torch.device, repeats: int = _REPEATS) -> float:

@@ -85,3 +85,24 @@ def test_a_measured_rank_size_is_the_cpu_s_overhead_and_never_a_gpu_s(tmp_path, 
     assert load_device("cpu").framework_overhead_bytes == 3 << 30
     gpu = load_device("h100-sxm")
     assert gpu.comm_curves and gpu.framework_overhead_bytes == FRAMEWORK_OVERHEAD_BYTES["cuda"]
+
+
+@pytest.mark.parametrize("curves", [{"p2p": "x"}, {"p2p": [[4]]}, {"p2p": [[4, float("nan")]]}, {"p2p": [[4, -1e-5]]},
+                                    {"p2p": [[4, float("inf")]]}, ["p2p"]])
+def test_a_cached_message_profile_edited_out_of_shape_is_measured_again(tmp_path, monkeypatch, curves) -> None:
+    """A cached profile whose curves are not [bytes, seconds] pairs of finite figures failed the
+    compile with a traceback (the device spec unpacking them), or put NaN into every message."""
+    import json
+    from dataclasses import asdict
+
+    from cost_models.comm_profile import CommProfile, cache_path
+    from cost_models.devices import load_device
+
+    monkeypatch.setenv("AUTOPART_CACHE_DIR", str(tmp_path))
+    profile = CommProfile(device="cpu", backend="gloo", ranks=2, host="test", torch_version=torch.__version__,
+                          curves={"p2p": [[4, 1e-5], [1 << 20, 1e-4]]}, process_bytes=3 << 30)
+    cache_path("cpu", "gloo").write_text(json.dumps(asdict(profile)))
+    assert load_comm_profile("cpu") == profile
+    cache_path("cpu", "gloo").write_text(json.dumps({**asdict(profile), "curves": curves}))
+    assert load_comm_profile("cpu") is None
+    assert load_device("cpu").comm_curves == {}  # the link formula until 'autopart profile-comm' measures again
