@@ -27,9 +27,9 @@ from typing import Any
 
 import torch
 
-from autopart.ir.errors import DeviceSpecError
+from autopart.ir.errors import ConfigError, DeviceSpecError
 
-__all__ = ["CpuCalibration", "cache_dir", "usable_cores", "calibrate_cpu", "calibrated_cpu_fields",
+__all__ = ["CpuCalibration", "cache_dir", "writable_cache_dir", "usable_cores", "calibrate_cpu", "calibrated_cpu_fields",
            "physical_memory_bytes", "background_load"]
 
 _SCHEMA = 1
@@ -68,6 +68,23 @@ def usable_cores() -> int:
 
 def cache_dir() -> Path:
     return Path(os.environ.get("AUTOPART_CACHE_DIR") or Path.home() / ".cache" / "autopart")
+
+
+def writable_cache_dir() -> Path:
+    """`cache_dir`, made where it is missing: refused in one line, before anything is measured into
+    it, where it cannot be (``AUTOPART_CACHE_DIR`` naming a file, a folder this user may not
+    write), which otherwise failed after the measuring, with a traceback."""
+    folder = cache_dir()
+    named = "AUTOPART_CACHE_DIR" if os.environ.get("AUTOPART_CACHE_DIR") else "the default cache folder"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise PermissionError(f"this user may not write in {folder}")
+    except OSError as error:
+        why = "it is a file" if folder.exists() and not folder.is_dir() else (error.strerror or str(error))
+        raise ConfigError(f"{named} {folder} cannot hold autopart's measurements ({why}); set AUTOPART_CACHE_DIR to a "
+                          "folder you may write, or compile with --no-measure, which measures nothing") from None
+    return folder
 
 
 def cache_slug(text: str) -> str:

@@ -52,7 +52,7 @@ import torch
 from autopart.ir.errors import ConfigError
 from autopart.tools.local_run import free_port, run_here
 from cost_models.resident import resident_bytes
-from cost_models.calibration import cache_dir, cache_slug, usable_cores, write_json
+from cost_models.calibration import cache_dir, cache_slug, usable_cores, writable_cache_dir, write_json
 
 __all__ = ["CommProfile", "Effort", "FULL", "QUICK", "cache_path", "profile_comm", "load_comm_profile", "SIZES", "WAKE_IDLES"]
 
@@ -474,6 +474,7 @@ def profile_comm(*, ranks: int = 2, backend: str | None = None, effort: Effort =
     if backend == "nccl" and torch.cuda.device_count() < ranks:
         raise ConfigError(f"nccl over {ranks} ranks needs {ranks} GPUs, {torch.cuda.device_count()} visible; use fewer --ranks")
     device = local_device_name("cuda" if backend == "nccl" else "cpu")
+    writable_cache_dir()  # before the seconds of measuring, not after them
     with tempfile.TemporaryDirectory() as folder:
         out = os.path.join(folder, "comm.json")
         if backend == "gloo":  # forked, as the compile's other runs here: no rank imports torch again
@@ -484,7 +485,6 @@ def profile_comm(*, ranks: int = 2, backend: str | None = None, effort: Effort =
     profile = CommProfile(device=device, backend=backend, ranks=ranks, host=socket.gethostname(),
                           torch_version=torch.__version__, **data)
     path = cache_path(device, backend)
-    path.parent.mkdir(parents=True, exist_ok=True)
     write_json(path, asdict(profile), indent=1)  # compiles on this host read it: never half a file
     return profile, path
 

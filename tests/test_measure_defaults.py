@@ -462,3 +462,21 @@ def test_a_cached_database_that_cannot_be_read_is_measured_again(fresh_cache, mo
     assert options.costs == cached and measured.costs == cached
     assert CostDatabase.load(cached, missing_ok=False).entries == {}  # what the compile reads next
     assert f"the cached cost database {cached} is not one this autopart can read" in caplog.text
+
+
+@pytest.mark.parametrize("command", ["compile", "profile-comm"])
+def test_a_cache_folder_that_is_a_file_is_one_line_before_anything_is_measured(fresh_cache, tmp_path, monkeypatch,
+                                                                               capsys, command) -> None:
+    """AUTOPART_CACHE_DIR naming a file failed both commands with FileExistsError's traceback, and
+    profile-comm only after its seconds of measuring."""
+    a_file = tmp_path / "not_a_folder"
+    a_file.write_text("mine\n")
+    monkeypatch.setenv("AUTOPART_CACHE_DIR", str(a_file))
+    argv = ["compile", str(MODEL), "-o", str(tmp_path / "out"), "--pp", "2"] if command == "compile" else [command]
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err == (f"autopart: error: AUTOPART_CACHE_DIR {a_file} cannot hold autopart's measurements "
+                                       "(it is a file); set AUTOPART_CACHE_DIR to a folder you may write, or compile "
+                                       "with --no-measure, which measures nothing\n")
+    assert a_file.read_text() == "mine\n" and not (tmp_path / "out").exists()

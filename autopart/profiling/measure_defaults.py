@@ -54,7 +54,7 @@ from autopart.predict.accuracy import Basis, basis_for
 from autopart.profiling.co_run import host_processes
 from autopart.profiling.in_situ import SHARES_SECONDS
 from autopart.profiling.span import span
-from cost_models.calibration import background_load, cache_dir, cache_slug, usable_cores
+from cost_models.calibration import background_load, cache_dir, cache_slug, usable_cores, writable_cache_dir
 from cost_models.comm_profile import QUICK, load_comm_profile, profile_comm
 from cost_models.database import CostDatabase
 from cost_models.devices import local_device_name
@@ -143,6 +143,7 @@ def measure_defaults(options: CompileOptions, *, console: Console | None = None,
                           pipeline=options.profile_pipeline, co_run=co_run_processes(options, kind, usable_cores()),
                           ranks_on_host=_host_ranks(options, kind))
         return options, Measured(basis=basis, costs=options.costs)
+    writable_cache_dir()
     path = costs_cache_path(options.model, kind)
     _unreadable_measured_again(path)
     measure_messages = not _messages_known(kind) and _can_measure_messages(kind)
