@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import autopart
 import autopart.profiling.pipeline
 from autopart.tools.cli import main as cli_main
 from autopart.driver import CompileOptions, compile_to_directory
@@ -461,3 +462,24 @@ def test_the_stop_rule_counts_the_agreed_seconds_from_the_run_s_first_step():
     assert stops(StopRule(5, 7, 100.0), [0.1, 0.1]) == [False, True]
     # the warm-up's slow steps do not count: 9 s, then 0.6 + 0.6 past it
     assert stops(StopRule(5, 100, 1.0, untimed=1), [9.0, 0.6, 0.6]) == [False, False, True]
+
+
+def test_an_edit_to_a_file_beside_the_model_keys_its_measurements_afresh(tmp_path) -> None:
+    """A model whose layers come from layers.py beside it, widened there 16 to 2048, was compiled
+    with the pipeline factor and steps measured of the narrow one ('measured in this pipeline'):
+    the keys of what was measured knew the model file alone. A plan written before the plan kept
+    the files' hash keys its measurements by the model file's, as it did."""
+    from autopart.profiling.finalist_cache import finalist_key
+    from tests.tiny_models import beside_model
+
+    model = beside_model(tmp_path)
+    before = autopart.compile(model, pp=2, microbatches=2, device="a100-80gb")
+    assert before.provenance.sources_sha256 not in ("", before.provenance.model_sha256)
+    (tmp_path / "layers.py").write_text((tmp_path / "layers.py").read_text().replace("return torch", "return (torch"
+                                                                                     ).replace("(8, 8)", "(8, 8))"))
+    after = autopart.compile(model, pp=2, microbatches=2, device="a100-80gb")
+    assert after.provenance.model_sha256 == before.provenance.model_sha256  # the model file is as it was
+    assert plan_pipeline_key(after) != plan_pipeline_key(before)
+    assert finalist_key(after, "cpu") != finalist_key(before, "cpu")
+    older = replace(before, provenance=replace(before.provenance, sources_sha256=""))
+    assert plan_pipeline_key(older).startswith(f"pipeline(model={before.provenance.model_sha256[:16]}, ")

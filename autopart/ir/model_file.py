@@ -104,6 +104,18 @@ class ModelSpec:
     init_weights: Callable[[nn.Module], None] | None = None  # for models built on the meta device
     beside: tuple[str, ...] = ()  # the modules and packages it imports from its folder (`files_beside`)
 
+    @property
+    def sources_sha256(self) -> str:
+        """The hash of the model as measurements of it rest on: its file's and, where it imports
+        modules from its folder, theirs (an edit to ``layers.py`` beside it changes the model as
+        much as one to the file); the file's hash alone where it imports none."""
+        if not self.beside:
+            return self.source_sha256
+        digest = hashlib.sha256(self.source_sha256.encode())
+        for name, file in files_beside(self).items():
+            digest.update(f"\0{name}\0{hashlib.sha256(file.read_bytes()).hexdigest()}".encode())
+        return digest.hexdigest()
+
     def example(self, batch_size: int) -> tuple[tuple[torch.Tensor, ...], Any]:
         """The example batch at ``batch_size``, checked to be ``(tuple of tensors, target)``."""
         try:

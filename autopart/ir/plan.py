@@ -113,6 +113,12 @@ class Provenance:
     leaves: tuple[str, ...] = ()  # module classes kept whole by tracing (--leaf)
     device: str = ""  # the device spec costed for: a bundled name or a .toml's absolute path ("" in older plans)
     search: dict[str, Any] = field(default_factory=dict)  # what the search visited, and its finalists
+    sources_sha256: str = ""  # the model file's and the files' beside it that it imports ("" in older plans)
+
+    @property
+    def measured_sha256(self) -> str:
+        """The hash that measurements of the model are kept under (`ModelSpec.sources_sha256`)."""
+        return self.sources_sha256 or self.model_sha256
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -192,6 +198,7 @@ class Plan:
                 leaves=tuple(str(n) for n in provenance.data.get("leaves", [])),
                 device=provenance.str("device") if "device" in provenance.data else "",
                 search=provenance.sub("search").data if "search" in provenance.data else {},
+                sources_sha256=provenance.str("sources_sha256") if "sources_sha256" in provenance.data else "",
             ),
             zero=reader.zero_level("zero"),
             sp=reader.bool("sp") if "sp" in reader.data else False,  # plans written before it had none

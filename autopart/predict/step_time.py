@@ -166,7 +166,7 @@ def measured_in_place(options: CompileOptions, front: Front, micro_batch_size: i
     `autopart.profiling.pipeline.plan_pipeline_key` keys the plan that ``stages`` make (``sp`` and
     ``tp_overlap`` as that plan holds them)."""
     mesh = {"pp": options.pp, "tp": options.tp, "dp": options.dp}
-    key = pipeline_key(front.spec.source_sha256, mesh, micro_batch_size, options.optimizer,
+    key = pipeline_key(front.spec.sources_sha256, mesh, micro_batch_size, options.optimizer,
                        dtype=options.dtype or "fp32", zero=options.zero or 0,
                        recompute=tuple(stage.recompute for stage in stages), sp=sp, tp_overlap=tp_overlap,
                        capture=front.op_graph.graph.method, leaves=options.leaf)

@@ -24,9 +24,8 @@ file is JSON, read back only as numbers; a record that is not well formed is lef
 that cannot be read is taken as empty, and one that cannot be written costs the next compile
 a run of its finalists, not this one.
 
-Like the op profile's, the key knows the model file, not the files it imports: an edit to a
-module beside it that changes what the model computes is measured afresh only with
-``--run-finalists`` (or a changed model file).
+The key knows the files the model file imports from its folder too (`ModelSpec.sources_sha256`):
+an edit to ``layers.py`` beside it runs the finalists afresh, as one to the model file does.
 """
 
 from __future__ import annotations
@@ -82,7 +81,7 @@ def finalist_key(plan: Plan, kind: str) -> str:
     for stage in data["stages"]:
         for name in _PREDICTED_STAGE_FIELDS:
             stage.pop(name)
-    data["model"] = [provenance["model_sha256"], provenance["capture"], provenance["leaves"]]
+    data["model"] = [provenance["model_sha256"], provenance["sources_sha256"], provenance["capture"], provenance["leaves"]]
     data["code"] = _source_digest()
     data["machine"] = _machine(kind)
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()

@@ -97,7 +97,7 @@ def pipeline_key(model_sha256: str, mesh: dict[str, int], micro_batch_size: int,
 
 def plan_pipeline_key(plan: Plan) -> str:
     """`pipeline_key` of the pipeline ``plan`` runs."""
-    return pipeline_key(plan.provenance.model_sha256, plan.mesh, plan.schedule.micro_batch_size, plan.optimizer,
+    return pipeline_key(plan.provenance.measured_sha256, plan.mesh, plan.schedule.micro_batch_size, plan.optimizer,
                         dtype=plan.dtype, zero=plan.zero, recompute=tuple(stage.recompute for stage in plan.stages),
                         sp=plan.sp, tp_overlap=plan.tp_overlap, capture=plan.provenance.capture,
                         leaves=plan.provenance.leaves)

@@ -217,6 +217,7 @@ def _provenance(options: CompileOptions, front: Front, objective_s: float, solve
     return Provenance(
         model_file=str(front.spec.path.resolve()),
         model_sha256=front.spec.source_sha256,
+        sources_sha256=front.spec.sources_sha256,
         capture=front.op_graph.graph.method,
         leaves=options.leaf,
         device=device,
