@@ -21,7 +21,8 @@ The file is plain JSON so that it can be read, diffed, merged and checked in::
      "pipelines": {KEY: {"compute_factor": .., "stage_factors": {"FIRST-LAST": ..}, "tied_s": ..,
                          "optimizer_s": {"FIRST-LAST[,FIRST-LAST...]": ..},
                          "send_s": .., "recv_s": .., "transfer_s": ..}},
-     "co_runs": {KEY: {"processes": .., "factor": .., "rounds": .., "micro_batch_size": ..}}}
+     "co_runs": {KEY: {"processes": .., "factor": .., "rounds": .., "micro_batch_size": ..}},
+     "hosts": {DEVICE: [HOST, ..]}}
 
 and how much slower the model computes with the other ranks of its host computing beside it
 (`autopart.profiling.co_run`), keyed by precision and processes.
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import json
 import math
+import socket
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -197,6 +199,8 @@ class CostDatabase:
     overheads: dict[str, RuntimeOverheads] = field(default_factory=dict)
     pipelines: dict[str, PipelineMeasurement] = field(default_factory=dict)
     co_runs: dict[str, CoRunMeasurement] = field(default_factory=dict)
+    hosts: dict[str, list[str]] = field(default_factory=dict)
+    """Per device, the hosts its figures were measured on (empty in databases written before it was kept)."""
     timed: int = 0
 
     @staticmethod
@@ -229,18 +233,32 @@ class CostDatabase:
                                                 rounds=int(v.get("rounds", 0)),
                                                 micro_batch_size=int(v.get("micro_batch_size", 0)))
                        for k, v in data.get("co_runs", {}).items()}
+            hosts = {str(d): [str(h) for h in v] for d, v in data.get("hosts", {}).items()}
         except ConfigError:
             raise
         except (OSError, ValueError, TypeError, KeyError, AttributeError, RecursionError) as exc:
             raise ConfigError(f"cost database {path} is not a valid cost database ({exc}); "
                               "give one that 'autopart profile' wrote, or a new path to write one at") from None
-        return CostDatabase(path=path, entries=entries, overheads=overheads, pipelines=pipelines, co_runs=co_runs)
+        return CostDatabase(path=path, entries=entries, overheads=overheads, pipelines=pipelines, co_runs=co_runs,
+                            hosts=hosts)
 
     def get(self, device: str, op_key: str) -> OpTimes | None:
         return self.entries.get(entry_key(device, op_key))
 
+    def measured_here(self, device: str) -> None:
+        """Record that ``device``'s figures are being measured on this host: a compile that reads
+        them elsewhere says whose they are (`autopart.predict.accuracy.basis_for`)."""
+        hosts = self.hosts.setdefault(device, [])
+        if socket.gethostname() not in hosts:
+            hosts.append(socket.gethostname())
+
+    def measured_on(self) -> list[str]:
+        """Every host any of the figures were measured on, as recorded."""
+        return sorted({host for hosts in self.hosts.values() for host in hosts})
+
     def put(self, device: str, op_key: str, times: OpTimes) -> None:
         self.entries[entry_key(device, op_key)] = times
+        self.measured_here(device)
         self.timed += 1
 
     def pipeline(self, device: str, key: str) -> PipelineMeasurement | None:
@@ -248,12 +266,14 @@ class CostDatabase:
 
     def put_pipeline(self, device: str, key: str, measured: PipelineMeasurement) -> None:
         self.pipelines[entry_key(device, key)] = measured
+        self.measured_here(device)
 
     def co_run(self, device: str, key: str) -> CoRunMeasurement | None:
         return self.co_runs.get(entry_key(device, key))
 
     def put_co_run(self, device: str, key: str, measured: CoRunMeasurement) -> None:
         self.co_runs[entry_key(device, key)] = measured
+        self.measured_here(device)
         self.timed += 1
 
     def devices(self) -> set[str]:
@@ -266,6 +286,7 @@ class CostDatabase:
             "overheads": {k: asdict(v) for k, v in sorted(self.overheads.items())},
             "pipelines": {k: asdict(v) for k, v in sorted(self.pipelines.items())},
             "co_runs": {k: asdict(v) for k, v in sorted(self.co_runs.items())},
+            "hosts": {k: sorted(v) for k, v in sorted(self.hosts.items())},
         }
 
     def save(self, path: str | Path | None = None) -> Path:

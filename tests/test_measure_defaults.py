@@ -480,3 +480,25 @@ def test_a_cache_folder_that_is_a_file_is_one_line_before_anything_is_measured(f
                                        "(it is a file); set AUTOPART_CACHE_DIR to a folder you may write, or compile "
                                        "with --no-measure, which measures nothing\n")
     assert a_file.read_text() == "mine\n" and not (tmp_path / "out").exists()
+
+
+def test_costs_measured_on_another_host_are_named_so_in_the_basis(tmp_path) -> None:
+    """A cost file copied from another machine's CPU read as this machine's ('ops from c.json'):
+    its keys name the device, not the host. The database now records its hosts, and the basis
+    names them where one is not this machine."""
+    import socket
+
+    from cost_models.database import OpTimes
+
+    costs = tmp_path / "c.json"
+    database = CostDatabase(path=costs)
+    database.put("cpu", "add(float32[1,16]:g)", OpTimes(forward_s=1e-5))
+    database.save()
+    assert CostDatabase.load(costs).measured_on() == [socket.gethostname()]
+    options = CompileOptions(model=MODEL, pp=2, microbatches=2, costs=costs)
+    _, measured = measure_defaults.measure_defaults(options)
+    assert measured.basis.what.startswith("ops from c.json, messages")  # measured here: nothing to add
+    data = json.loads(costs.read_text())
+    costs.write_text(json.dumps({**data, "hosts": {"cpu": ["gpu-node-7"]}}))
+    _, measured = measure_defaults.measure_defaults(options)
+    assert measured.basis.what.startswith("ops from c.json, measured on gpu-node-7, messages"), measured.basis.what

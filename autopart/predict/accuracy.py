@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import socket
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -127,14 +128,16 @@ def band_key(kind: str, local: str | None) -> str:
 
 def basis_for(*, device: str, local: str | None, measured: bool, costs: Path | None, messages: bool,
               pipeline: bool = False, co_run: int = 1, ranks_on_host: int = 1,
-              bands: dict[str, Band] | None = None) -> Basis:
+              bands: dict[str, Band] | None = None, costs_hosts: tuple[str, ...] = ()) -> Basis:
     """The basis of a compile for ``device``: ``measured`` when the default path measured its ops
     here, ``costs`` the cost database given instead, ``messages`` whether this machine's message
     figures were measured, ``pipeline`` whether the plan ran here first (``--profile-pipeline``,
     or the default compile of a layout given in full for this CPU),
     ``co_run`` the processes the model's compute was timed among (the host's ranks that compute
     at once, one per core at most: `autopart.profiling.co_run`; 1: alone), ``ranks_on_host`` the
-    plan's ranks on this host (more than ``co_run`` where they outnumber its cores)."""
+    plan's ranks on this host (more than ``co_run`` where they outnumber its cores), ``costs_hosts``
+    the hosts the ``costs`` database records its figures measured on: named where one is not this
+    machine (a file copied from another machine's CPU reads as this one's, its keys name no host)."""
     bands = load_bands() if bands is None else bands
     on = "this pipeline, " if pipeline else ""
     beside = "" if pipeline else _timed_among(co_run, ranks_on_host)
@@ -145,7 +148,9 @@ def basis_for(*, device: str, local: str | None, measured: bool, costs: Path | N
             f"{ops} measured on this machine, messages from the device spec"
     elif costs is not None:
         kind = PROFILED
-        what = f"ops from {costs.name}{beside}, {on}messages " + ("measured on this machine" if messages else "from the spec")
+        elsewhere = set(costs_hosts) - {socket.gethostname()}
+        source = f"{costs.name}, measured on {', '.join(sorted(costs_hosts))}" if elsewhere else costs.name
+        what = f"ops from {source}{beside}, {on}messages " + ("measured on this machine" if messages else "from the spec")
     elif local is not None:
         kind, what = ROOFLINE, f"{device} roofline: nothing measured (--no-measure)"
     else:

@@ -139,9 +139,10 @@ def measure_defaults(options: CompileOptions, *, console: Console | None = None,
     missing = not Path(options.model).is_file()  # the compile says so in its own words
     if kind is None or options.costs is not None or not options.measure or os.environ.get(NO_MEASURE_ENV) or missing:
         messages = kind is not None and _messages_known(kind)
+        hosts = CostDatabase.load(options.costs).measured_on() if options.costs is not None and not missing else []
         basis = basis_for(device=options.device, local=kind, measured=False, costs=options.costs, messages=messages,
                           pipeline=options.profile_pipeline, co_run=co_run_processes(options, kind, usable_cores()),
-                          ranks_on_host=_host_ranks(options, kind))
+                          ranks_on_host=_host_ranks(options, kind), costs_hosts=tuple(hosts))
         return options, Measured(basis=basis, costs=options.costs)
     writable_cache_dir()
     path = costs_cache_path(options.model, kind)
