@@ -191,12 +191,18 @@ def test_broken_eval_batches_are_one_line(tmp_path: Path) -> None:
         eval_batches(load_model_file(model, build=False), 4, 7, 2)
 
 
+def _compiled_with_one_batch(folder: Path) -> Path:
+    """OUT of a model file, ``folder/short.py``, whose batches() yields one batch: two stages."""
+    model = folder / "short.py"
+    model.write_text(MODEL.split("def batches")[0] + BROKEN_BATCHES["runs_out"][0])
+    out = folder / "out"
+    compile_to_directory(CompileOptions(model=model, pp=2, microbatches=2, micro_batch_size=2, measure=False), out)
+    return out
+
+
 @pytest.mark.multiprocess
 def test_batches_that_run_out_end_each_rank_in_its_line_and_code_2(tmp_path: Path) -> None:
-    model = tmp_path / "short.py"
-    model.write_text(MODEL.split("def batches")[0] + BROKEN_BATCHES["runs_out"][0])
-    out = tmp_path / "out"
-    compile_to_directory(CompileOptions(model=model, pp=2, microbatches=2, micro_batch_size=2, measure=False), out)
+    out = _compiled_with_one_batch(tmp_path)
     with pytest.raises(AssertionError) as failed:
         torchrun(out, 2, "--steps", "3")
     text = str(failed.value)
@@ -226,3 +232,25 @@ def test_batches_of_other_shapes_than_the_example_are_refused(tmp_path: Path, ed
     with pytest.raises(ModelFileError, match=message):
         next(global_batches(spec, 4, 7))
         eval_batches(spec, 4, 7, 2)
+
+
+def test_a_timing_run_draws_a_small_dataset_again_and_a_run_of_steps_does_not(tmp_path: Path) -> None:
+    """A model file of three batches failed every run the compile makes of a plan here (its
+    pipeline, its finalists: as many steps as fit their seconds) with 'ran out after 3 global
+    batches ... lower --steps', a flag the compile's user never gave."""
+    model = tmp_path / "three.py"
+    model.write_text(MODEL.split("def batches")[0] + "def batches(b, seed):\n"
+                     "    return [((torch.full((b, 8), float(i)),), torch.zeros(b, 4)) for i in range(3)]\n")
+    spec = load_model_file(model, build=False)
+    drawn = [inputs[0][0, 0].item() for (inputs, _), _ in zip(training_batches(spec, 2, 0, epochs=True), range(7))]
+    assert drawn == [0.0, 1.0, 2.0, 0.0, 1.0, 2.0, 0.0]
+    with pytest.raises(Exception, match=r"ran out after 3 global batches"):
+        list(zip(training_batches(spec, 2, 0), range(4)))
+    model.write_text(MODEL.split("def batches")[0] + "def batches(b, seed):\n    return []\n")
+    with pytest.raises(Exception, match=r"ran out after 0 global batches"):  # no epoch without end
+        next(training_batches(load_model_file(model, build=False), 2, 0, epochs=True))
+
+
+@pytest.mark.multiprocess
+def test_train_py_timing_its_steps_runs_past_the_end_of_the_data(tmp_path: Path) -> None:
+    torchrun(_compiled_with_one_batch(tmp_path), 2, "--steps", "3", "--min-steps", "3", "--seconds", "600")

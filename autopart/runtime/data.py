@@ -100,14 +100,22 @@ def shaped_as(example: tuple[tuple[torch.Tensor, ...], Any], spec: ModelSpec, pr
     return batch
 
 
-def training_batches(spec: ModelSpec, batch_size: int, seed: int) -> Iterator[tuple[tuple[torch.Tensor, ...], Any]]:
+def training_batches(spec: ModelSpec, batch_size: int, seed: int, *,
+                     epochs: bool = False) -> Iterator[tuple[tuple[torch.Tensor, ...], Any]]:
     """`global_batches` for a run of a given number of steps, which the model file's batches must
     not run out before: every rank draws the same batches, so every rank stops at the same step,
-    with one line, before it waits for a peer."""
+    with one line, before it waits for a peer. ``epochs``: where they run out, they are drawn again,
+    one epoch after another, for a run that times steps (``train.py --seconds``): the compile's runs
+    of a plan here take as many steps as fit their seconds, which a model file of a small dataset
+    failed, so that its pipeline and finalists were never measured."""
     drawn = 0
-    for batch in global_batches(spec, batch_size, seed):
-        drawn += 1
-        yield batch
+    while True:
+        before = drawn
+        for batch in global_batches(spec, batch_size, seed):
+            drawn += 1
+            yield batch
+        if not epochs or drawn == before:
+            break
     raise ConfigError(f"batches({batch_size}, {seed}) of {spec.path.name} ran out after {drawn} global batches, "
                       "before the last step (a resumed run draws the batches of the steps done too); make it yield "
                       "as many as --steps (one epoch after another), or lower --steps")

@@ -93,7 +93,8 @@ def parse_args(argv: list[str] | None, plan: Plan) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=10, help="training steps (default 10)")
     parser.add_argument("--seconds", type=float,
                         help="stop before --steps once the steps took S seconds together, each timed on its slowest "
-                        "rank so that every rank stops after the same step (for timing runs)")
+                        "rank so that every rank stops after the same step (for timing runs: the model file's batches "
+                        "are drawn again where they run out)")
     parser.add_argument("--min-steps", type=int, help="with --seconds, at least N steps (default 1)")
     parser.add_argument("--untimed-steps", type=int,
                         help="with --seconds, the first N steps (a warm-up) do not count toward them (default 0)")
@@ -211,7 +212,7 @@ def _loop(out_dir: Path, plan: Plan, schedule: Schedule, args: argparse.Namespac
     recipe = Recipe.from_args(args)
     optimizer = _optimizer(modules, plan, args, recipe, data_parallel)
     spec = load_model_file(source_file, build=False)
-    data = training_batches(spec, schedule_spec.global_batch_size, args.seed)
+    data = training_batches(spec, schedule_spec.global_batch_size, args.seed, epochs=args.seconds is not None)
     holds_loss = len(plan.stages) - 1 in stages and here.tp == 0
     checkpointing = CheckpointContext(
         root=args.checkpoint_dir, out_dir=out_dir, modules=modules,
