@@ -231,6 +231,7 @@ def main() -> None:
         folder = Path(folder)
         costs = args.costs or folder / "costs.json"
         row_errors: list[float] = []  # per row, its median repeat's
+        ran = []  # the rows' plans: the band covers their precisions
         for row in args.rows.split(","):
             name, ranks = row.split(":")
             ranks = int(ranks)
@@ -240,6 +241,7 @@ def main() -> None:
             options = CompileOptions(model=model, pp=ranks, microbatches=2 * ranks, micro_batch_size=2, costs=costs,
                                      time_limit_s=10)
             alone, _ = compile_to_directory(options, folder / f"{name}-{ranks}-alone")
+            ran.append(alone)
             runs = []  # (plan, measured step, peaks) per repeat: profiled afresh, then run right after
             for repeat in range(args.repeats):
                 _forget_pipelines(costs)
@@ -273,15 +275,17 @@ def main() -> None:
                           f"from the ops alone; pipeline {plan.predicted.pipeline_s * 1e3:.1f}, tails "
                           f"{' '.join(f'{t * 1e3:.1f}' for t in plan.predicted.rank_tail_s)}), {step * 1e3:.1f} ms measured")
     console.print(table)
-    _write_band(args, band_key(PROFILED, "cpu"), row_errors)
+    _write_band(args, band_key(PROFILED, "cpu"), row_errors, ran)
 
 
-def _write_band(args: argparse.Namespace, key: str, errors: list[float]) -> None:
+def _write_band(args: argparse.Namespace, key: str, errors: list[float], plans: list) -> None:
     """Record the band of this run's rows under the basis ``key``, where ``autopart compile`` reads
-    it (see autopart/predict/accuracy.py)."""
+    it (see autopart/predict/accuracy.py), as the band of the precisions its ``plans`` ran in: a
+    compile in another (bf16 on this CPU) has none of its own, and says so."""
     if errors and not args.no_write:
         command = " ".join(["python", "benchmarks/cost_accuracy.py", *sys.argv[1:]])
-        band = Band.from_errors(errors, benchmark="cost_accuracy", command=command)
+        covers = {f"{plan.provenance.device}/{plan.dtype}" for plan in plans}
+        band = Band.from_errors(errors, benchmark="cost_accuracy", command=command, covers=tuple(covers))
         print(f"wrote the band ({band.median:.1%} median, {band.worst:.1%} worst) to "
               f"{write_band(key, band)}")
 
@@ -296,6 +300,7 @@ def _default_path(args: argparse.Namespace) -> None:
         table.add_column(header, justify="right")
     errors: list[float] = []
     keys: set[str] = set()  # the bases the rows' predictions rest on: the band is theirs
+    ran = []  # their plans: the band covers their precisions
     with tempfile.TemporaryDirectory(prefix="cost_accuracy_default_") as folder:
         folder = Path(folder)
         os.environ["AUTOPART_CACHE_DIR"] = str(folder / "cache")
@@ -308,6 +313,7 @@ def _default_path(args: argparse.Namespace) -> None:
             plan, out = compile_to_directory(options, folder / f"{name}-{ranks}")
             compile_s = time.perf_counter() - start
             keys.add(plan.predicted.basis_key)
+            ran.append(plan)
             steps = max(args.steps, args.warmup + math.ceil(args.seconds / plan.predicted.step_s))
             measured = [_run(out, ranks, steps, args.warmup, shield=args.shield)[0] for _ in range(args.repeats)]
             row_errors = [(plan.predicted.step_s - m) / m for m in measured]
@@ -321,7 +327,7 @@ def _default_path(args: argparse.Namespace) -> None:
     if len(keys) > 1:  # one band per basis: rows of two are not one band (a pipeline run failed, say)
         raise SystemExit(f"the rows rest on different bases ({', '.join(sorted(keys))}); no band written")
     if keys:
-        _write_band(args, keys.pop(), errors)
+        _write_band(args, keys.pop(), errors, ran)
 
 
 if __name__ == "__main__":

@@ -60,8 +60,9 @@ class Band:
     date: str
     covers: tuple[str, ...] = ()
     """The devices and precisions its rows ran on ("h100-sxm/bf16"): a named device's band holds
-    for those alone (its kernel efficiencies and links are other figures elsewhere); () for a
-    band of the machine at hand."""
+    for those alone (its kernel efficiencies and links are other figures elsewhere), as the machine
+    at hand's holds for the precisions its rows ran in ("cpu/fp32"); (): a band written without them,
+    taken to hold for any."""
 
     @classmethod
     def from_errors(cls, errors: list[float], *, benchmark: str, command: str, covers: tuple[str, ...] = ()) -> Band:
