@@ -510,3 +510,16 @@ def test_the_shipped_cpu_bands_hold_for_the_precision_their_rows_ran_in() -> Non
     for key in ("cpu-measured", "cpu-measured-pipeline"):
         band = load_bands()[key]
         assert band.holds_for("cpu", "fp32") and not band.holds_for("cpu", "bf16-autocast"), key
+
+
+def test_an_edit_beside_the_model_file_is_cached_apart(tmp_path, monkeypatch) -> None:
+    """The cached database (and the co-run factor in it) was kept by the model file's hash alone:
+    layers.py beside it, edited, read the figures of the model before the edit."""
+    from tests.tiny_models import beside_model
+
+    monkeypatch.setenv("AUTOPART_CACHE_DIR", str(tmp_path / "cache"))
+    model = beside_model(tmp_path)
+    before = measure_defaults.costs_cache_path(model, "cpu")
+    assert measure_defaults.costs_cache_path(model, "cpu") == before
+    (tmp_path / "layers.py").write_text((tmp_path / "layers.py").read_text().replace("(8, 8)", "(8, 8, bias=False)"))
+    assert measure_defaults.costs_cache_path(model, "cpu") != before

@@ -36,7 +36,6 @@ a named device (``a100-80gb``) is never measured: it is not here.
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
 import os
 import socket
@@ -90,8 +89,12 @@ class Measured:
 
 def costs_cache_path(model: Path, kind: str) -> Path:
     """The cached cost database of the model file ``model`` on this machine's ``kind`` device:
-    per host, torch version and the model file's hash (an edited model is measured afresh)."""
-    digest = hashlib.sha256(Path(model).read_bytes()).hexdigest()[:16]
+    per host, torch version and the hash of the model file and the files beside it that it imports
+    (`autopart.ir.model_file.ModelSpec.sources_sha256`: an edited model is measured afresh, its
+    co-run factor too, where the op keys alone would not tell an edit to ``layers.py``)."""
+    from autopart.ir.model_file import load_model_file
+
+    digest = load_model_file(model, build=False).sources_sha256[:16]
     host = cache_slug(f"{socket.gethostname()}-{local_device_name(kind)}-torch{torch.__version__}")
     return cache_dir() / "costs" / f"{host}-{Path(model).stem}-{digest}.json"
 
