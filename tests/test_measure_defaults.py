@@ -523,3 +523,18 @@ def test_an_edit_beside_the_model_file_is_cached_apart(tmp_path, monkeypatch) ->
     assert measure_defaults.costs_cache_path(model, "cpu") == before
     (tmp_path / "layers.py").write_text((tmp_path / "layers.py").read_text().replace("(8, 8)", "(8, 8, bias=False)"))
     assert measure_defaults.costs_cache_path(model, "cpu") != before
+
+
+def test_a_cost_file_of_another_device_is_not_the_basis_of_a_named_device_s_step(tmp_path) -> None:
+    """A100 compiled with --costs of this CPU's ops printed 'ops from c.json', where every op was
+    the A100 roofline's: a named device's ops are never timed into the file, and it held none."""
+    from cost_models.database import OpTimes
+
+    costs = tmp_path / "c.json"
+    database = CostDatabase(path=costs)
+    database.put("cpu", "add(float32[1,16]:g)", OpTimes(forward_s=1e-5))
+    database.save()
+    plan = autopart.compile(MODEL, pp=2, microbatches=2, device="a100-80gb", costs=costs)
+    assert plan.predicted.basis == "a100-80gb roofline" and plan.predicted.basis_key == "spec-roofline"
+    plan = autopart.compile(MODEL, pp=2, microbatches=2, device="cpu", costs=costs)  # timed into it here
+    assert plan.predicted.basis.startswith("ops from c.json")

@@ -56,7 +56,7 @@ from autopart.profiling.span import span
 from cost_models.calibration import background_load, cache_dir, cache_slug, usable_cores, writable_cache_dir
 from cost_models.comm_profile import QUICK, load_comm_profile, profile_comm
 from cost_models.database import CostDatabase
-from cost_models.devices import local_device_name
+from cost_models.devices import load_device, local_device_name
 
 __all__ = ["NO_MEASURE_ENV", "RANKS_PER_CORE", "Measured", "co_run_processes", "measure_defaults", "costs_cache_path",
            "why_not_here"]
@@ -142,8 +142,12 @@ def measure_defaults(options: CompileOptions, *, console: Console | None = None,
     missing = not Path(options.model).is_file()  # the compile says so in its own words
     if kind is None or options.costs is not None or not options.measure or os.environ.get(NO_MEASURE_ENV) or missing:
         messages = kind is not None and _messages_known(kind)
-        hosts = CostDatabase.load(options.costs).measured_on() if options.costs is not None and not missing else []
-        basis = basis_for(device=options.device, local=kind, measured=False, costs=options.costs, messages=messages,
+        database = CostDatabase.load(options.costs) if options.costs is not None and not missing else None
+        hosts = database.measured_on() if database is not None else []
+        costs = options.costs
+        if kind is None and database is not None and load_device(options.device).name not in database.devices():
+            costs = None  # ops of no other device are timed into it: the named device's roofline answers them all
+        basis = basis_for(device=options.device, local=kind, measured=False, costs=costs, messages=messages,
                           pipeline=options.profile_pipeline, co_run=co_run_processes(options, kind, usable_cores()),
                           ranks_on_host=_host_ranks(options, kind), costs_hosts=tuple(hosts))
         return options, Measured(basis=basis, costs=options.costs)
