@@ -136,7 +136,21 @@ def _read_cache(path: Path, *, host: str, threads: int) -> CpuCalibration | None
     if (calibration.host, calibration.torch_version, calibration.threads) != (
             host, torch.__version__, threads):
         return None
-    return calibration
+    return calibration if _measured_figures(calibration) else None
+
+
+def _measured_figures(calibration: CpuCalibration) -> bool:
+    """Whether the cache's figures are ones a measurement gives (rates and a bandwidth above 0, an
+    overhead at least 0, all finite): one edited by hand or damaged is measured again, where its
+    figures failed the spec as if ``cpu.toml``'s ('fix the file')."""
+    rates = calibration.matmul_rates
+
+    def number(value: Any) -> bool:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < math.inf
+
+    return (len(rates) > 0 and all(len(point) == 2 and all(number(x) and x > 0 for x in point) for point in rates)
+            and number(calibration.copy_bandwidth) and calibration.copy_bandwidth > 0
+            and number(calibration.kernel_overhead_s))
 
 
 def _write_cache(path: Path, calibration: CpuCalibration) -> None:

@@ -272,3 +272,26 @@ def test_background_load_without_procfs_is_inferred_from_a_threads_share(monkeyp
         assert calibration.background_load(2, seconds=0.05) == others
     monkeypatch.setattr(calibration, "_others_from_share", lambda cores, seconds: 1.4)  # noise on a share
     assert calibration.background_load(2) == 1.0
+
+
+@pytest.mark.parametrize("edit", [{"copy_bandwidth": -1.0}, {"copy_bandwidth": float("nan")}, {"matmul_rates": []},
+                                  {"matmul_rates": [[1e6, float("inf")]]}, {"matmul_rates": [[1e6]]},
+                                  {"kernel_overhead_s": "fast"}])
+def test_a_cached_calibration_of_figures_no_measurement_gives_is_measured_again(
+        cache: Path, monkeypatch: pytest.MonkeyPatch, edit: dict) -> None:
+    """A cache edited by hand to NaN or a negative bandwidth failed every compile for the CPU with
+    'cpu.toml: field peak_flops.float32 must be a positive number, got nan; fix the file', a file
+    that was fine."""
+    measured: list[str] = []
+
+    def measure(*, host: str, threads: int) -> calibration.CpuCalibration:
+        measured.append(host)
+        return calibration.CpuCalibration(
+            host=host, torch_version=torch.__version__, threads=threads,
+            matmul_rates=((1e6, 1e9), (1e9, 5e10)), copy_bandwidth=1e10, kernel_overhead_s=5e-6, seconds_spent=0.0)
+
+    monkeypatch.setattr(calibration, "_measure", measure)
+    first = calibration.calibrate_cpu()
+    path = next(cache.glob("cpu-*.json"))
+    path.write_text(json.dumps({**json.loads(path.read_text()), **edit}))
+    assert calibration.calibrate_cpu() == first and len(measured) == 2
