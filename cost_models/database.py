@@ -171,6 +171,13 @@ def _seconds(value: object) -> float:
     return number
 
 
+def _host_names(value: object) -> list[str]:
+    """A device's hosts as the file lists them: a string would read as one host per letter."""
+    if not isinstance(value, list) or not all(isinstance(host, str) for host in value):
+        raise TypeError(f"hosts {value!r} are not a list of host names")
+    return list(value)
+
+
 def plan_shape(schedule: str, microbatches: int, blocks: Sequence[tuple[int, int]]) -> str:
     """``"1f1b x8: 0-6,7-12"``: a plan's schedule, microbatches and stages, as `PipelineMeasurement.step_of` names them."""
     return f"{schedule} x{microbatches}: {blocks_key(blocks)}"
@@ -233,7 +240,7 @@ class CostDatabase:
                                                 rounds=int(v.get("rounds", 0)),
                                                 micro_batch_size=int(v.get("micro_batch_size", 0)))
                        for k, v in data.get("co_runs", {}).items()}
-            hosts = {str(d): [str(h) for h in v] for d, v in data.get("hosts", {}).items()}
+            hosts = {str(d): _host_names(v) for d, v in data.get("hosts", {}).items()}
         except ConfigError:
             raise
         except (OSError, ValueError, TypeError, KeyError, AttributeError, RecursionError) as exc:

@@ -144,3 +144,12 @@ def test_a_cost_database_of_figures_no_measurement_gives_is_refused_in_one_line(
         CostDatabase.load(costs)
     costs.write_text(costs.read_text().replace(figure, "0.0001"))
     assert CostDatabase.load(costs).entries  # the same file with a measured figure reads back
+
+
+def test_a_cost_database_s_hosts_are_a_list_of_names(tmp_path: Path) -> None:
+    costs = tmp_path / "costs.json"
+    costs.write_text('{"schema": 2, "entries": {}, "hosts": {"cpu": "gpu-node-7"}}')
+    with pytest.raises(ConfigError, match=r"hosts 'gpu-node-7' are not a list of host names"):
+        CostDatabase.load(costs)
+    costs.write_text('{"schema": 2, "entries": {}, "hosts": {"cpu": ["gpu-node-7"]}}')
+    assert CostDatabase.load(costs).measured_on() == ["gpu-node-7"]
