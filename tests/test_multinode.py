@@ -128,6 +128,20 @@ def test_a_node_whose_command_line_is_refused_ends_the_other_node_with_one_line(
     assert len(autopart_lines(other_log)) == 2 and "unrecognized arguments: --stpes" in other_log
 
 
+@pytest.mark.multiprocess
+def test_node_0_s_command_line_refused_ends_the_other_node_with_one_line(tmp_path):
+    """Node 0's agent holds the store: its ranks refused, it ends and takes the store along, and
+    the other node's ranks, waiting in it for every rank's start, lose it (DistNetworkError)."""
+    out = compiled(tmp_path / "out")
+    results = nodes([out, out], [2, 2], [["--steps", "2", "--stpes", "3"], ["--steps", "2", "--timeout", "10"]])
+    (code, log), (other_code, other_log) = results
+    assert code != 0 and other_code != 0 and "]: Traceback" not in log + other_log, other_log[-3000:]
+    assert "unrecognized arguments: --stpes" in log
+    lines = autopart_lines(other_log)
+    assert len(lines) == 2 and all("see node 0's output" in line or "did not start within --timeout" in line
+                                   for line in lines), other_log[-3000:]
+
+
 def test_a_refusing_rank_leaves_only_once_every_peer_has_said_its_line():
     """torchrun's agent ends a node's other ranks as soon as one exits, so a rank that left
     straight after its line would cut off the line of a peer a moment slower."""

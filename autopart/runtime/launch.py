@@ -200,8 +200,12 @@ def init_process_group(backend: str, timeout_s: float, refusal: str | None = Non
             dist.init_process_group(backend, timeout=timeout)
         return None  # a refusal: the caller raises it (every rank reads the same OUT and flags on one node)
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    store = _agent_store(timeout)
-    _tell_refusals(store, rank, world_size, refusal)
+    try:
+        store = _agent_store(timeout)
+        _tell_refusals(store, rank, world_size, refusal)
+    except dist.DistNetworkError:  # node 0's agent ended, its store with it: its ranks left before they posted
+        raise ConfigError(refusal or "torchrun's store on node 0 closed before every rank started; see node 0's "
+                          "output (its train.py options refused?), and give every node the same command") from None
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     return store
 
