@@ -107,3 +107,23 @@ def test_build_stages_makes_the_mesh_s_groups_with_the_timeout_given(tmp_path, m
     finally:
         dist.destroy_process_group()
     assert asked == [datetime.timedelta(seconds=7)]
+
+
+def test_build_stages_refuses_weights_that_lack_a_tensor_in_one_line(tmp_path):
+    """As train.py --weights does: a partial file ended in safetensors' own error inside load_stage."""
+    import torch.distributed as dist
+    from safetensors.torch import load_file, save_file
+
+    from autopart.ir.errors import ConfigError
+    from autopart.runtime.pipelining import build_stages
+
+    out = tmp_path / "out"
+    compile_to_directory(CompileOptions(model=REPO / "examples" / "gpt.py", pp=1, microbatches=2, micro_batch_size=2), out)
+    weights = load_file(str(out / "weights" / "stage_0.safetensors"))
+    save_file({k: v for k, v in weights.items() if k != sorted(weights)[0]}, str(tmp_path / "partial.safetensors"))
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with pytest.raises(ConfigError, match=r"lacks 1 tensor\(s\) of stage 0, first "):
+            build_stages(out, weights=tmp_path / "partial.safetensors")
+    finally:
+        dist.destroy_process_group()

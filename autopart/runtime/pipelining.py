@@ -63,6 +63,7 @@ from autopart.runtime.gradients import average_gradients, sum_tied_gradients, ti
 from autopart.runtime.launch import check_world_size
 from autopart.runtime.mesh import Coordinates, Mesh, group_of
 from autopart.runtime.stage import load_stage
+from autopart.runtime.train_flags import check_initial_weights
 
 __all__ = ["TORCH_SCHEDULES", "ProcessGroups", "Pipeline", "build_stages", "loss_is_the_output"]
 
@@ -185,6 +186,7 @@ def build_stages(out_dir: str | Path, *, device: torch.device | None = None, wei
     device = device or compute_device()
     mesh = Mesh.of(plan)
     rank = dist.get_rank()
+    check_initial_weights(weights, out_dir, plan, rank)  # one line, as train.py's, before any group is made
     here = mesh.coordinates(rank)
     device_mesh = mesh.device_mesh(device.type, timeout)
     groups = ProcessGroups(
