@@ -141,6 +141,11 @@ class ModelFile:
             nn.init.zeros_(module.bias)
         elif isinstance(module, (llama_7b.RMSNorm, llama_example.RMSNorm)):
             nn.init.ones_(module.weight)
+        elif isinstance(module, llama_example.Llama):  # its rotary tables, made on the meta device without values
+            seq_len, half = module.rope_cos.shape
+            cos, sin = llama_example.rotary_tables(2 * half, seq_len, llama_example.LlamaConfig.rope_theta)
+            module.rope_cos.copy_(cos)
+            module.rope_sin.copy_(sin)
 
 
 def gpt3(*, n_embd: int, n_head: int, layers: int = 2, seq_len: int = 2048, vocab_size: int = 50304,
