@@ -230,12 +230,12 @@ bubble {plan.predicted.bubble:.1%}. Precision {plan.dtype}; recompute per stage:
 
     {command}
 
-Options: --steps N --lr LR --optimizer sgd|adamw --seed S --metrics FILE --trace FILE
---save-weights DIR --weights CKPT.safetensors --timeout S
---checkpoint-dir DIR --checkpoint-every K --resume
---lr-schedule constant|cosine|linear --warmup-steps N --min-lr X --clip-grad-norm X --weight-decay X
---eval-every K --eval-batches N --tensorboard DIR
-(NCCL when CUDA is present, gloo otherwise; several nodes through torchrun's rendezvous).
+on one node; on N nodes of G devices each (N x G = {plan.world_size}), on each node:
+
+    torchrun --nnodes N --nproc-per-node G --rdzv-backend c10d --rdzv-endpoint HOST:29500 --rdzv-id autopart ...
+
+The training recipe, checkpoints and metrics: python train.py --help.
+(NCCL when CUDA is present, gloo otherwise.)
 """
 
 import sys
