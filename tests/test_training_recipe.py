@@ -392,3 +392,24 @@ def test_adamw_betas_train_like_torchs(tmp_path):
                               lr_schedule="cosine", warmup_steps=1))
     assert any(not torch.allclose(default.parameters[name], value, atol=1e-4)
                for stage in run.finals.values() for name, value in stage.items()), "the betas changed the training"
+
+
+@pytest.mark.parametrize("optimizer, momentum, said", [
+    ("adamw", 0.0, "--optimizer adamw keeps two fp32 moments per parameter that the plan, compiled for --optimizer "
+                   "sgd, does not count in its memory; compile with --optimizer adamw to plan for them"),
+    ("sgd", 0.9, "--momentum keeps an fp32 buffer per parameter that the plan, compiled for --optimizer sgd, does "
+                 "not count in its memory"),
+    ("sgd", 0.0, None),
+])
+def test_optimizer_state_the_plan_did_not_count_is_noted_once(capsys, optimizer, momentum, said):
+    import argparse
+    import types
+
+    from autopart.runtime.train_flags import note_optimizer_state
+
+    args = argparse.Namespace(optimizer=optimizer, momentum=momentum)
+    for rank in (0, 1):
+        note_optimizer_state(args, types.SimpleNamespace(optimizer="sgd"), rank)
+    note_optimizer_state(args, types.SimpleNamespace(optimizer="adamw"), 0)  # a plan that counts two buffers
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == ([] if said is None else [lines[0]]) and (said is None or said in lines[0]), lines

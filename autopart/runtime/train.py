@@ -75,7 +75,7 @@ from autopart.runtime.process_exit import leave
 from autopart.runtime.sharded_masters import ShardedMasters
 from autopart.runtime.output_paths import save_tensors
 from autopart.runtime.train_flags import (check_arguments, check_compile_kept, check_initial_weights,
-                                          check_weights_folder, resumed, resumed_past_the_end)
+                                          check_weights_folder, note_optimizer_state, resumed, resumed_past_the_end)
 from autopart.runtime.progress import StepReporter, Throughput, check_tensorboard, tokens_in
 from autopart.runtime.recipe import Recipe, add_recipe_arguments, parameter_groups
 from autopart.runtime import collectives
@@ -194,6 +194,7 @@ def _checked(out_dir: Path, plan: Plan, args: argparse.Namespace, rank: int) -> 
         print(f"autopart: note: plan.json stores no schedule.actions (written by an earlier autopart); running "
               f"the {plan.schedule.kind} order generated from its kind, as it ran then", file=sys.stderr)
     check_initial_weights(args.weights, out_dir, plan, rank)
+    note_optimizer_state(args, plan, rank)
     return schedule, source_file, compute_device()
 
 

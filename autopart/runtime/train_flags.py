@@ -18,7 +18,7 @@ from autopart.runtime.mesh import Mesh
 from autopart.runtime.shards import weights_file_name
 from autopart.runtime.stage import check_checkpoint, model_shapes, state_names, tensor_aliases
 
-__all__ = ["check_arguments", "check_compile_kept", "check_initial_weights", "check_weights_folder", "compile_files",
+__all__ = ["check_arguments", "note_optimizer_state", "check_compile_kept", "check_initial_weights", "check_weights_folder", "compile_files",
            "resumed", "resumed_past_the_end"]
 
 
@@ -151,3 +151,19 @@ def check_initial_weights(weights: Path | None, out_dir: Path, plan: Plan, rank:
         if stage_plan.rank == pipeline_rank:
             check_checkpoint(weights, state_names(out_dir, stage_plan.index), stage_plan.index, model_shapes(out_dir),
                              tensor_aliases(out_dir))
+
+
+def note_optimizer_state(args: argparse.Namespace, plan: Plan, rank: int) -> None:
+    """Say, on rank 0, where the optimizer keeps state that the plan's memory left out: a plan
+    compiled for plain SGD (``--optimizer sgd``) counts none, so AdamW's two moments or SGD's
+    momentum buffer, one fp32 tensor per parameter each, are beyond every figure it printed."""
+    if rank != 0 or plan.optimizer != "sgd":
+        return
+    if args.optimizer == "adamw":
+        kept, advice = "--optimizer adamw keeps two fp32 moments", "compile with --optimizer adamw to plan for them"
+    elif args.momentum:
+        kept, advice = "--momentum keeps an fp32 buffer", "a plan compiled with --optimizer adamw counts two"
+    else:
+        return
+    print(f"autopart: note: {kept} per parameter that the plan, compiled for --optimizer sgd, does not count in its "
+          f"memory; {advice}", file=sys.stderr)
