@@ -155,3 +155,25 @@ def test_a_refusing_rank_leaves_only_once_every_peer_has_said_its_line():
     RefusedTogether("refused", store=peer, rank=1, ranks=[0, 1]).leave_together()
     first.join(timeout=30)
     assert not first.is_alive()
+
+
+def test_an_error_of_the_batches_every_rank_draws_is_refused_together():
+    """Every rank draws the model file's batches alike, so an error of theirs ends every rank at
+    the same step: each waits for its peers' lines (`RefusedTogether`) rather than be cut off."""
+    from autopart.ir.errors import ConfigError
+    from autopart.runtime.launch import drawn_alike
+
+    def batches():
+        yield 1
+        raise ConfigError("batches(4, 0) of short.py ran out after 1 global batches")
+
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        drawn = drawn_alike(batches(), store, 0)
+        assert next(drawn) == 1
+        with pytest.raises(RefusedTogether, match="ran out after 1 global batches") as refused:
+            next(drawn)
+    finally:
+        dist.destroy_process_group()
+    assert refused.value.ranks == [0] and refused.value.store is store

@@ -16,19 +16,22 @@ import shlex
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from collections.abc import Iterator
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
 
-from autopart.ir.errors import ConfigError
+from autopart.ir.errors import AutopartError, ConfigError
 from autopart.ir.plan import Plan
 from autopart.runtime.mesh import Mesh
 from autopart.runtime.shards import weights_file_name
 from autopart.runtime.stage import checked_stage_source
 
 __all__ = ["PLAN_HASH_KEY", "file_sha256", "plan_digest", "check_launch", "check_output", "check_world_size",
-           "check_nodes_agree", "inject_failure", "init_process_group", "leave_with_node", "RefusedTogether"]
+           "check_nodes_agree", "drawn_alike", "inject_failure", "init_process_group", "leave_with_node", "RefusedTogether"]
+
+T = TypeVar("T")
 
 PLAN_HASH_KEY = "autopart_plan_sha256"  # safetensors metadata of every weights file: the plan it was written with
 
@@ -272,6 +275,16 @@ def _said_together(store: dist.Store, rank: int, ranks: list[int]) -> None:
 
 
 _SAID_WAIT_S = 60.0  # far above the moments that peers past the same decision take to say their lines
+
+
+def drawn_alike(items: Iterator[T], store: dist.Store | None, rank: int) -> Iterator[T]:
+    """``items``, the model file's batches, which every rank draws alike: an error of theirs (they
+    ran out, the user's code raised) stops every rank at the same step, and is refused together
+    (`RefusedTogether`), so that no rank's line is cut off by its node's agent ending it."""
+    try:
+        yield from items
+    except AutopartError as error:
+        raise RefusedTogether(str(error), store=store, rank=rank, ranks=list(range(dist.get_world_size()))) from None
 
 
 def leave_with_node() -> None:

@@ -65,8 +65,8 @@ from autopart.runtime.executor import Executor, StageRuntime, StepFailure
 from autopart.runtime.draws import draw_seed
 from autopart.runtime.forward import StageForward
 from autopart.runtime.fully_sharded import FSDP_LEVELS, check_level, end_of_step, full_state, shard_stage
-from autopart.runtime.launch import (RefusedTogether, check_launch, check_nodes_agree, init_process_group, inject_failure,
-                                     leave_with_node)
+from autopart.runtime.launch import (RefusedTogether, check_launch, check_nodes_agree, drawn_alike, init_process_group,
+                                     inject_failure, leave_with_node)
 from autopart.runtime.measure import StepClock, StopRule, write_action_times, write_measured_trace
 from autopart.runtime.gradients import clip_gradients, sum_tied_gradients, tied_groups
 from autopart.runtime.reducer import GradientReducer
@@ -169,7 +169,7 @@ def _train(out_dir: Path, argv: list[str] | None) -> None:
     store = init_process_group(backend(device), args.timeout)
     try:
         check_nodes_agree(out_dir, args, store)
-        _loop(out_dir, plan, schedule, args, rank, device, source_file)
+        _loop(out_dir, plan, schedule, args, rank, device, source_file, store)
         # every rank leaves together: a gloo rank whose peer closed its sockets first can abort
         # (SIGABRT) in its own teardown. Not on an error, where a peer may never come.
         dist.barrier()
@@ -199,7 +199,7 @@ def _checked(out_dir: Path, plan: Plan, args: argparse.Namespace, rank: int) -> 
 
 
 def _loop(out_dir: Path, plan: Plan, schedule: Schedule, args: argparse.Namespace, rank: int, device: torch.device,
-          source_file: Path) -> None:
+          source_file: Path, store: dist.Store | None) -> None:
     mesh = Mesh.of(plan)
     here = mesh.coordinates(rank)
     device_mesh = mesh.device_mesh(device.type, datetime.timedelta(seconds=args.timeout))
@@ -213,7 +213,8 @@ def _loop(out_dir: Path, plan: Plan, schedule: Schedule, args: argparse.Namespac
     recipe = Recipe.from_args(args)
     optimizer = _optimizer(modules, plan, args, recipe, data_parallel)
     spec = load_model_file(source_file, build=False)
-    data = training_batches(spec, schedule_spec.global_batch_size, args.seed, epochs=args.seconds is not None)
+    data = drawn_alike(training_batches(spec, schedule_spec.global_batch_size, args.seed, epochs=args.seconds is not None),
+                       store, rank)
     holds_loss = len(plan.stages) - 1 in stages and here.tp == 0
     checkpointing = CheckpointContext(
         root=args.checkpoint_dir, out_dir=out_dir, modules=modules,
