@@ -100,3 +100,26 @@ def test_batch_norm_statistics_are_the_mean_over_the_replicas(tmp_path):
     for name, value in finals.items():
         torch.testing.assert_close(value, reference.parameters[name], rtol=1e-5, atol=1e-6, msg=name)
     assert int(finals["1.num_batches_tracked"]) == 3
+
+
+def test_a_buffer_holding_infinities_keeps_them_and_one_starting_at_infinity_moves():
+    """A float causal mask (-inf above the diagonal) that no forward changes, and an observer's
+    minimum that starts at +inf: a step's mean of their changes made both NaN (-inf minus -inf)."""
+    from torch import nn
+
+    from autopart.runtime.buffer_updates import BufferUpdates
+
+    module = nn.Module()
+    module.register_buffer("mask", torch.triu(torch.full((3, 3), float("-inf")), diagonal=1))
+    module.register_buffer("lowest", torch.full((2,), float("inf")))
+    module.register_buffer("calls", torch.zeros((), dtype=torch.int64))
+    mask = module.mask.clone()
+    updates = BufferUpdates(module)
+    for step, lowest in enumerate(([2.0, 3.0], [1.5, 2.5])):  # each microbatch's minimum from the step's, averaged
+        for part in (torch.tensor([1.0, 4.0]), torch.tensor([3.0, 2.0])):  # two microbatches
+            with updates.forward():
+                torch.minimum(module.lowest, part, out=module.lowest)
+                module.calls.add_(1)
+        updates.finish()
+        assert torch.equal(module.mask, mask)
+        assert module.lowest.tolist() == lowest and int(module.calls) == step + 1

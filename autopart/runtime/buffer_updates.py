@@ -10,7 +10,8 @@ advance by the microbatches of a step, twice that under recompute, and depend on
 So within a step every forward reads the buffers as they were at the step's start, as the one
 forward of the single process does (a forward that reads its counter reads the same value in
 every microbatch), and after the step each updated buffer holds the mean over the step's
-forwards, of every microbatch and replica, of what each left it at; what a recompute writes is
+forwards, of every microbatch and replica, of what each left it at (the values averaged, not
+their changes: a float mask's -inf minus itself would be NaN); what a recompute writes is
 put back, since its forward already counted. The mean is the single process's update exactly
 where the update is the same for every part of the batch (a counter, ``num_batches_tracked``)
 or an affine function of the part's mean (BatchNorm's ``running_mean``, the parts being of one
@@ -50,7 +51,8 @@ class BufferUpdates:
         self.replicas = replicas  # the data-parallel group and its size, over which the mean is also taken
         self.tracked: list[int] | None = None  # positions in module.buffers() that a forward updates; None: not known yet
         self.start: dict[int, torch.Tensor] = {}  # the step's starting values, by position
-        self.sums: dict[int, torch.Tensor] = {}  # the sum over the step's forwards of what each changed
+        self.sums: dict[int, torch.Tensor] = {}  # the sum over the step's forwards of the values each left
+        self.changed: dict[int, torch.Tensor] = {}  # over the first step, whether some forward changed it (on the device)
         self.forwards = 0
         self.pending = False  # a forward ran whose updates are not collected yet
 
@@ -88,23 +90,20 @@ class BufferUpdates:
         buffers = self._buffers()
         if self.tracked is None:
             self._agree_on_tracked(len(buffers))
-        changes = {i: self.sums[i] / self.forwards if i in self.sums else
-                   torch.zeros(self.start[i].shape, dtype=torch.float64, device=self.start[i].device)
-                   for i in self.tracked}
-        if self.replicas is not None and changes:
+        means = {i: self.sums[i] / self.forwards for i in self.tracked}
+        if self.replicas is not None and means:
             group, size = self.replicas
-            flat = torch.cat([change.reshape(-1) for change in changes.values()])
+            flat = torch.cat([mean.reshape(-1) for mean in means.values()])
             dist.all_reduce(flat, group=group)
             flat /= size
             offset = 0
-            for i, change in changes.items():
-                changes[i] = flat[offset:offset + change.numel()].view_as(change)
-                offset += change.numel()
+            for i, mean in means.items():
+                means[i] = flat[offset:offset + mean.numel()].view_as(mean)
+                offset += mean.numel()
         with torch.no_grad():
-            for i, change in changes.items():
-                value = self.start[i].double() + change
-                buffers[i].data.copy_(value if buffers[i].is_floating_point() else value.floor())
-        self.start, self.sums, self.forwards, self.pending = {}, {}, 0, False
+            for i, mean in means.items():
+                buffers[i].data.copy_(mean if buffers[i].is_floating_point() else mean.floor())
+        self.start, self.sums, self.changed, self.forwards, self.pending = {}, {}, {}, 0, False
 
     def _collect(self) -> None:
         if self.pending:
@@ -112,28 +111,38 @@ class BufferUpdates:
             self.pending = False
 
     def _restore(self, *, count: bool) -> None:
-        """Put every watched buffer back to the step's start; ``count``: add its change (0 where
-        the forward left it) to the sums. No comparison, which on a GPU would wait for the device."""
+        """Put every watched buffer back to the step's start; ``count``: add the value the forward
+        left to the sums (values, not changes: an infinite entry, a float mask's -inf, minus itself
+        is NaN), and over the first step note on the device whether it moved, with no wait for it."""
         buffers = self._buffers()
         with torch.no_grad():
             for i, start in self.start.items():
                 if count:
-                    change = buffers[i].double() - start.double()
-                    self.sums[i] = self.sums[i] + change if i in self.sums else change
+                    value = buffers[i].double()
+                    self.sums[i] = self.sums[i] + value if i in self.sums else value
+                    if self.tracked is None:
+                        moved = _moved(buffers[i], start)
+                        self.changed[i] = self.changed[i] | moved if i in self.changed else moved
                 buffers[i].data.copy_(start)  # unversioned, and the same values where unchanged: module docstring
 
     def _agree_on_tracked(self, count: int) -> None:
         """After the first step: the buffers some forward changed on some replica."""
         device = next(iter(self.start.values())).device
         changed = torch.zeros(count, dtype=torch.int64, device=device)
-        for i, change in self.sums.items():
-            changed[i] = change.ne(0).any()
+        for i, moved in self.changed.items():
+            changed[i] = moved
         if self.replicas is not None:
             dist.all_reduce(changed, op=dist.ReduceOp.MAX, group=self.replicas[0])
         self.tracked = [i for i in range(count) if changed[i]]
         for i in list(self.start):
             if i not in self.tracked:
                 del self.start[i]
+
+
+def _moved(value: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+    """Whether ``value`` differs from ``start`` anywhere (a NaN kept as NaN is no change)."""
+    same = value.eq(start) | (value.isnan() & start.isnan()) if value.is_floating_point() else value.eq(start)
+    return ~same.all()
 
 
 def _averaged(buffer: torch.Tensor) -> bool:
