@@ -171,6 +171,15 @@ def _seconds(value: object) -> float:
     return number
 
 
+def _load(value: object) -> float:
+    """A count of busy processes beside a measurement: at least 0 (a negative one would add to
+    the load that a prediction counts, `autopart.predict.step_time.counted_background_load`)."""
+    number = _finite(value)
+    if number < 0:
+        raise ValueError(f"{value!r} is not a count of busy processes (at least 0)")
+    return number
+
+
 def _host_names(value: object) -> list[str]:
     """A device's hosts as the file lists them: a string would read as one host per letter."""
     if not isinstance(value, list) or not all(isinstance(host, str) for host in value):
@@ -234,7 +243,7 @@ class CostDatabase:
                    for n in ("tied_s", "send_s", "recv_s", "transfer_s", "waited_s", "step_s")},
                 step_variation=tuple({str(b): _finite(m) for b, m in step.items()} for step in v.get("step_variation", ())),
                 step_of=str(v.get("step_of", "")),
-                background_load=float(v.get("background_load", 0.0)),
+                background_load=_load(v.get("background_load", 0.0)),
             ) for k, v in data.get("pipelines", {}).items()}
             co_runs = {str(k): CoRunMeasurement(processes=int(v["processes"]), factor=_finite(v["factor"]),
                                                 rounds=int(v.get("rounds", 0)),

@@ -153,3 +153,16 @@ def test_a_cost_database_s_hosts_are_a_list_of_names(tmp_path: Path) -> None:
         CostDatabase.load(costs)
     costs.write_text('{"schema": 2, "entries": {}, "hosts": {"cpu": ["gpu-node-7"]}}')
     assert CostDatabase.load(costs).measured_on() == ["gpu-node-7"]
+
+
+@pytest.mark.parametrize("load", ["-5", "NaN"])
+def test_a_pipeline_measured_beside_a_load_no_count_gives_is_refused(tmp_path: Path, load: str) -> None:
+    """A negative count added to the busy processes a prediction counts; NaN was read as it was."""
+    costs = tmp_path / "costs.json"
+    costs.write_text('{"schema": 2, "entries": {}, "pipelines": {"plan": {"compute_factor": 1.0, "background_load": '
+                     + load + "}}}")
+    with pytest.raises(ConfigError, match=r"costs\.json is not a valid cost database \(\S+ is not a (count of busy "
+                                          r"processes|measured figure)"):
+        CostDatabase.load(costs)
+    costs.write_text(costs.read_text().replace(load, "2"))
+    assert CostDatabase.load(costs).pipelines["plan"].background_load == 2.0

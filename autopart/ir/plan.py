@@ -79,7 +79,7 @@ class Predicted:
     compute_factor_from: str = "none"  # "pipeline" (measured in it: --profile-pipeline), "co-run" (the model
     # timed beside the host's other ranks), "device" or "none"
     profiled_step_s: float | None = None  # the median step this very plan took when --profile-pipeline ran it
-    background_load: float = 0.0  # other busy processes on the machine's cores at compile time, which step_s counts
+    background_load: float = 0.0  # other busy processes at compile time that step_s counts (beyond those beside a measured pipeline)
     model_flops_per_step: float = 0.0  # forward and backward of the whole model over the global batch, no recompute
     peak_flops: float = 0.0  # one device's dense peak FLOP/s in the plan's precision (its spec): MFU's denominator
     basis: str = ""  # what step_s rests on ("ops and messages measured on this machine", "h100-sxm roofline")

@@ -232,9 +232,10 @@ def _tell_refusals(store: dist.Store, rank: int, world_size: int, refusal: str |
     except dist.DistStoreError:  # a rank that left before it could post (argparse refused its command line)
         posted = [other for other, key in enumerate(keys) if store.check([key])]
         missing = sorted(set(range(world_size)) - set(posted))
-        raise RefusedTogether(f"rank {missing[0]} did not start within --timeout; see that node's output (its "
-                              "train.py options refused?), and give every node the same command",
-                              store=store, rank=rank, ranks=posted) from None
+        if missing:  # else the last came just after the wait ended: read them all as below
+            raise RefusedTogether(f"rank {missing[0]} did not start within --timeout; see that node's output (its "
+                                  "train.py options refused?), and give every node the same command",
+                                  store=store, rank=rank, ranks=posted) from None
     everyone = list(range(world_size))
     if refusal is not None:
         raise RefusedTogether(refusal, store=store, rank=rank, ranks=everyone)
