@@ -46,8 +46,9 @@ class Recipe:
     """Scale every gradient by ``min(1, X / (norm + 1e-6))``, the norm over the whole model (as
     ``torch.nn.utils.clip_grad_norm_``); None: no clipping."""
     weight_decay: float | None = None
-    """Decoupled decay of the decayed parameters (module docstring); None: the optimizer's default
-    (AdamW 0.01, SGD 0). The others are never decayed."""
+    """Decay of the decayed parameters (module docstring), as each torch optimizer takes it: AdamW's
+    decoupled from the gradient, SGD's an L2 term added to it (which its momentum then carries);
+    None: the optimizer's default (AdamW 0.01, SGD 0). The others are never decayed."""
     momentum: float = 0.0
     """SGD's momentum (``torch.optim.SGD``'s, dampening 0): its buffer is optimizer state, kept by
     checkpoints and sharded as AdamW's moments are. 0: plain SGD."""
