@@ -11,6 +11,7 @@ import hashlib
 import importlib.util
 import sys
 import traceback
+from functools import cached_property
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -104,11 +105,14 @@ class ModelSpec:
     init_weights: Callable[[nn.Module], None] | None = None  # for models built on the meta device
     beside: tuple[str, ...] = ()  # the modules and packages it imports from its folder (`files_beside`)
 
-    @property
+    @cached_property
     def sources_sha256(self) -> str:
         """The hash of the model as measurements of it rest on: its file's and, where it imports
         modules from its folder, theirs (an edit to ``layers.py`` beside it changes the model as
-        much as one to the file); the file's hash alone where it imports none."""
+        much as one to the file); the file's hash alone where it imports none. Taken once per
+        load: the search asks it per candidate, and a file edited during the compile must not
+        move the key between a measurement's save and its lookup. Files the model reads as data
+        (a config.json beside it) are not in it."""
         if not self.beside:
             return self.source_sha256
         digest = hashlib.sha256(self.source_sha256.encode())
