@@ -114,3 +114,20 @@ def test_explain_says_the_step_counts_turns_on_shared_cores_beside_the_pipeline(
     assert (f"adds {(plan.predicted.step_s - span) * 1e3:.3f} ms to the pipeline (the gradient reduction, the optimizer "
             "step and the step's own overheads, the turns its ranks take on cores shared with 4 other busy "
             "processes)") in lines[-1]
+
+
+def test_explain_s_rows_say_where_forward_and_backward_hold_zero_s_collectives(replicated) -> None:
+    """explain --trace's rows, from the predicted trace, hold a ZeRO-2/3 stage's gathers and
+    reduce-scatters, which the stage table printed above them leaves out: two 'forward' figures
+    of one stage, unlike and unsaid."""
+    from dataclasses import replace
+
+    from autopart.tools.explain import Comparison, comparison_rows, stage_figures
+
+    plan, _ = replicated
+    figures = stage_figures(plan_timeline(plan))
+    comparison = Comparison(predicted=figures, measured=figures, step_s=(1.0, 1.0), bubble=(0.1, 0.1))
+    assert {row[2] for row in comparison_rows(comparison, plan)[1:]} == {"forward", "backward", "per step"}
+    sharded = replace(plan, predicted=replace(plan.predicted, collective_s=((0.001, 0.002),) * len(plan.stages)))
+    assert {row[2] for row in comparison_rows(comparison, sharded)[1:]} == {
+        "forward with its gathers", "backward with its reduce-scatters", "per step"}

@@ -113,11 +113,13 @@ def compare(plan: Plan, trace: Path) -> Comparison:
 def comparison_rows(comparison: Comparison, plan: Plan) -> list[list[str]]:
     """A row per stage and figure: predicted and measured milliseconds and the relative error."""
     rows = [["stage", "pp rank", "figure", "predicted ms", "measured ms", "error"]]
+    # under ZeRO-2/3 both count the gathers and reduce-scatters run inside them, as the stage table above does not
+    gathered, scattered = (" with its gathers", " with its reduce-scatters") if any(f or b for f, b in plan.predicted.collective_s) else ("", "")
     for stage in plan.stages:
         p, m = comparison.predicted[stage.index], comparison.measured[stage.index]
         for name, predicted, measured in (
-            ("forward", p.forward_s, m.forward_s),
-            ("backward", p.backward_s, m.backward_s),
+            ("forward" + gathered, p.forward_s, m.forward_s),
+            ("backward" + scattered, p.backward_s, m.backward_s),
             ("per step", p.busy_s, m.busy_s),
         ):
             rows.append(
