@@ -123,3 +123,24 @@ def test_a_buffer_holding_infinities_keeps_them_and_one_starting_at_infinity_mov
         updates.finish()
         assert torch.equal(module.mask, mask)
         assert module.lowest.tolist() == lowest and int(module.calls) == step + 1
+
+
+def test_a_flag_set_beside_the_buffer_it_initialises_is_put_back_with_it():
+    """A vector quantiser's pattern: the first forward initialises ``embed`` from its batch and
+    sets ``initted``. The flag was not put back with the buffer, so the second microbatch skipped
+    the initialisation and the step ended at half the initial value."""
+    from torch import nn
+
+    from autopart.runtime.buffer_updates import BufferUpdates
+
+    module = nn.Module()
+    module.register_buffer("initted", torch.tensor(False))
+    module.register_buffer("embed", torch.zeros(2))
+    updates = BufferUpdates(module)
+    for part in (torch.tensor([2.0, 4.0]), torch.tensor([4.0, 8.0])):
+        with updates.forward():
+            if not module.initted:
+                module.embed.copy_(part)
+                module.initted.fill_(True)
+    updates.finish()
+    assert bool(module.initted) and module.embed.tolist() == [3.0, 6.0]  # each part's initialisation, averaged

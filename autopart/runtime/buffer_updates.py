@@ -17,7 +17,8 @@ where the update is the same for every part of the batch (a counter, ``num_batch
 or an affine function of the part's mean (BatchNorm's ``running_mean``, the parts being of one
 size); BatchNorm's ``running_var`` becomes the mean of the parts' variances, which leaves out the
 spread between the parts' means, as BatchNorm's normalisation by microbatch does (the compile
-notes it). A floating buffer is averaged in fp64, an integer one rounded down.
+notes it). A floating buffer is averaged in fp64, an integer one rounded down, and a flag is set where
+some forward set it.
 
 Which buffers a forward updates is found by value over the first step (a kernel such as
 ``batch_norm`` writes its running statistics without bumping the tensor's version), agreed over
@@ -68,7 +69,7 @@ class BufferUpdates:
         """One microbatch's F: it starts from the step's values; its updates are counted."""
         if not self.start:
             buffers = self._buffers()
-            self.start = {i: buffers[i].detach().clone() for i in self._watched() if _averaged(buffers[i])}
+            self.start = {i: buffers[i].detach().clone() for i in self._watched() if _kept(buffers[i])}
         self._collect()
         yield
         self.forwards += 1
@@ -90,7 +91,9 @@ class BufferUpdates:
         buffers = self._buffers()
         if self.tracked is None:
             self._agree_on_tracked(len(buffers))
-        means = {i: self.sums[i] / self.forwards for i in self.tracked}
+        # a flag is 1 where some forward set it, and its mean over the replicas above 0 where one did
+        means = {i: self.sums[i].double() if self.sums[i].dtype == torch.bool else self.sums[i] / self.forwards
+                 for i in self.tracked}
         if self.replicas is not None and means:
             group, size = self.replicas
             flat = torch.cat([mean.reshape(-1) for mean in means.values()])
@@ -102,7 +105,11 @@ class BufferUpdates:
                 offset += mean.numel()
         with torch.no_grad():
             for i, mean in means.items():
-                buffers[i].data.copy_(mean if buffers[i].is_floating_point() else mean.floor())
+                if buffers[i].dtype == torch.bool:
+                    mean = mean > 0
+                elif not buffers[i].is_floating_point():
+                    mean = mean.floor()
+                buffers[i].data.copy_(mean)
         self.start, self.sums, self.changed, self.forwards, self.pending = {}, {}, {}, 0, False
 
     def _collect(self) -> None:
@@ -118,8 +125,12 @@ class BufferUpdates:
         with torch.no_grad():
             for i, start in self.start.items():
                 if count:
-                    value = buffers[i].double()
-                    self.sums[i] = self.sums[i] + value if i in self.sums else value
+                    if buffers[i].dtype == torch.bool:  # a flag: whether some forward left it set, kept as flags
+                        value = buffers[i].clone()
+                        self.sums[i] = self.sums[i] | value if i in self.sums else value
+                    else:
+                        value = buffers[i].double()
+                        self.sums[i] = self.sums[i] + value if i in self.sums else value
                     if self.tracked is None:
                         moved = _moved(buffers[i], start)
                         self.changed[i] = self.changed[i] | moved if i in self.changed else moved
@@ -145,6 +156,8 @@ def _moved(value: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
     return ~same.all()
 
 
-def _averaged(buffer: torch.Tensor) -> bool:
-    """A buffer of numbers (not of booleans): one whose mean says something."""
-    return buffer.dtype != torch.bool and not buffer.is_complex()
+def _kept(buffer: torch.Tensor) -> bool:
+    """A buffer of real numbers or of flags, whose mean over the forwards says something (a flag
+    is set after the step where some forward set it: a forward that sets an 'initialised' flag
+    beside the buffer it initialises is put back with that buffer)."""
+    return not buffer.is_complex()
