@@ -144,3 +144,35 @@ def test_a_flag_set_beside_the_buffer_it_initialises_is_put_back_with_it():
                 module.initted.fill_(True)
     updates.finish()
     assert bool(module.initted) and module.embed.tolist() == [3.0, 6.0]  # each part's initialisation, averaged
+
+
+GATED = MODEL.replace('''        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        self.calls.add_(1)
+        return torch.relu(self.fc(x))''', '''        self.register_buffer("calls", torch.zeros(()))
+        self.register_buffer("average", torch.zeros(()))
+
+    def forward(self, x):
+        h = self.fc(x)
+        # an average that starts moving in the second step: the first step leaves it as it was
+        self.average.copy_(torch.where(self.calls > 0, 0.5 * self.average + 0.5 * h.detach().mean(), self.average))
+        self.calls.add_(1)
+        return torch.relu(h)''')
+
+
+@pytest.mark.multiprocess
+def test_a_buffer_that_first_moves_in_a_later_step_moves_once_a_step(tmp_path):
+    """Found by value over the first step, an average that the first step leaves alone was never
+    tracked and moved once per microbatch from the second step on; the stage file now says which
+    buffers its forward writes, as the capture shows it."""
+    from autopart.runtime.buffer_updates import stages_updated_buffers
+    from tests.distributed import assert_same_training, compile_and_train
+
+    assert GATED != MODEL
+    path = tmp_path / "gated.py"
+    path.write_text(GATED)
+    run = compile_and_train(tmp_path, path, pp=2, microbatches=2, micro_batch_size=2, schedule="1f1b", steps=3,
+                            measure=False)
+    assert set(stages_updated_buffers(run.out)) == {"0.average", "0.calls", "1.average", "1.calls"}
+    assert_same_training(run, optimizer="sgd", lr=0.1)  # the averages too: one process moves them once a step

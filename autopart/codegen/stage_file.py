@@ -20,7 +20,7 @@ from autopart.codegen.program import (
     VIEW_OPS, Expressions, Memory, Step, attribute_path, function_lines, large, shape_comment,
 )
 from autopart.solve.sharding import op_name
-from autopart.codegen.stages import StageGraph
+from autopart.codegen.stages import StageGraph, updated_buffers
 
 __all__ = ["stage_source", "stage_body"]
 
@@ -285,6 +285,8 @@ CONSTANTS = {{
     frozen_block = (f"# the model's parameters that do not train (requires_grad=False): no gradient, no optimizer step\n"
                     f"FROZEN = ({signature(frozen)})\n") if frozen else ""
     leaf_block = _leaf_block(stage, root)
+    updated = (f"\n    updated_buffers = ({signature(updated_buffers(stage))})  # written by forward: moved once a step "
+               "(autopart.runtime.buffer_updates)")
     layers = _layer_methods_line(stage, units)
     named = ["declare_leaves"] * bool(stage.leaves) + ["declare_tensors"] + ["model_attribute"] * bool(from_model)
     runtime = f"from autopart.runtime.stage import {', '.join(named)}"
@@ -305,7 +307,7 @@ class {class_name}(torch.nn.Module):
 
     inputs = ({signature(stage.inputs)})  # {"the first stage: none" if stage.index == 0 else f"received from stage {stage.index - 1}"}
     batch_inputs = ({signature(stage.batch_inputs)})  # read from the batch
-    outputs = ({signature(stage.outputs)})  # {"the loss" if stage.index == stages - 1 else f"sent to stage {stage.index + 1}"}{layers}
+    outputs = ({signature(stage.outputs)})  # {"the loss" if stage.index == stages - 1 else f"sent to stage {stage.index + 1}"}{updated}{layers}
 
     def __init__(self):
         super().__init__()

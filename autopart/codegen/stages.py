@@ -15,10 +15,11 @@ from torch import fx
 
 from autopart.ir.tensors import TensorMeta
 from autopart.passes.annotate import OpGraph
+from autopart.passes.front import batch_norm_statistics
 from autopart.codegen.names import plain_text
 from autopart.ir.errors import PlanError
 
-__all__ = ["StageGraph", "kept_unread", "stage_graphs", "stage_boundaries", "describe_tensors"]
+__all__ = ["StageGraph", "kept_unread", "updated_buffers", "stage_graphs", "stage_boundaries", "describe_tensors"]
 
 
 def kept_unread(node: fx.Node) -> bool:
@@ -36,6 +37,28 @@ def kept_unread(node: fx.Node) -> bool:
         return schema.is_mutable
     name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
     return isinstance(name, str) and name.endswith("_") and not name.endswith("__")
+
+
+def updated_buffers(stage: StageGraph) -> tuple[str, ...]:
+    """The stage's buffers that its forward writes: the written argument of an in-place op (its
+    schema's ``Tensor(a!)``, or an fx method's trailing underscore), a batch norm's running
+    statistics in training, and every buffer of a --leaf module, whose code is unseen here. The
+    runtime moves each once a step (`autopart.runtime.buffer_updates`) and no other, where a
+    search by value over the first step missed a buffer that first moves later."""
+    written: set[str] = set()
+    for node in stage.graph.nodes:
+        schema = getattr(node.target, "_schema", None)
+        if schema is not None:
+            values = [node.args[k] if k < len(node.args) else node.kwargs.get(a.name)
+                      for k, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
+        elif node.op in ("call_method", "call_function") and kept_unread(node) and node.args:
+            values = [node.args[0]]
+        else:
+            values = []
+        values += batch_norm_statistics(node) if node.op == "call_function" else []
+        written |= {str(v.target) for v in values if isinstance(v, fx.Node) and v.op == "get_attr"}
+    leaves = tuple(f"{leaf}." for leaf in stage.leaves)
+    return tuple(name for name in stage.buffers if name in written or name.startswith(leaves))
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -34,7 +34,7 @@ from autopart.solve.tensor import BlockSharding, shard_chain
 from cost_models import CostDatabase, CostModel, ProfiledCostModel, get_cost_model
 
 __all__ = ["Front", "annotated", "block_seconds", "boundary_gathered_bytes", "boundary_held_bytes", "build_front",
-           "block_weight_seeds", "capture_for", "held_tensors", "layer_input_bytes", "layer_rebuilt_bytes", "loss_working_bytes",
+           "batch_norm_statistics", "block_weight_seeds", "capture_for", "held_tensors", "layer_input_bytes", "layer_rebuilt_bytes", "loss_working_bytes",
            "note_unsplit", "parameter_placements", "recompute_blocks", "sharded"]
 
 log = logging.getLogger("autopart")
@@ -107,6 +107,20 @@ def _batch_statistics(node: fx.Node) -> bool:
         return False
     flag = node.args[place] if len(node.args) > place else node.kwargs.get(names[place], False)
     return flag is True
+
+
+def batch_norm_statistics(node: fx.Node) -> list[fx.Node]:
+    """The running statistics that a batch norm normalising by its batch (`_batch_statistics`)
+    writes as it runs: a kernel that says nothing of it in its schema (``aten.batch_norm``,
+    ``F.batch_norm``)."""
+    if not _batch_statistics(node):
+        return []
+    schema = getattr(node.target, "_schema", None)
+    names = [a.name for a in schema.arguments] if schema is not None else \
+        ["input", "running_mean", "running_var", "weight", "bias", "training"]  # F.batch_norm
+    found = [node.args[k] if k < len(node.args) else node.kwargs.get(name) for k, name in enumerate(names)
+             if name in ("running_mean", "running_var")]
+    return [value for value in found if isinstance(value, fx.Node)]
 
 
 def _leaf_batch_statistics(node: fx.Node, graph: fx.Graph) -> bool:

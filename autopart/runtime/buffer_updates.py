@@ -21,8 +21,10 @@ notes it). A floating buffer is averaged in fp64, an integer one rounded down, a
 some forward set it.
 
 Which buffers a forward updates is found by value over the first step (a kernel such as
-``batch_norm`` writes its running statistics without bumping the tensor's version), agreed over
-the replicas, and only those are kept from then on. A buffer is written through ``.data``, which
+``batch_norm`` writes its running statistics without bumping the tensor's version; a write through
+a view shows in no schema), with those the stage file says its forward writes (``updated_buffers``:
+`autopart.codegen.stages.updated_buffers`, which holds one that the first step leaves as it was),
+agreed over the replicas, and only those are kept from then on. A buffer is written through ``.data``, which
 leaves its version as it was: autograd saves BatchNorm's running statistics for its backward,
 which in training reads none of them, and would refuse a tensor whose version moved (as
 ``batch_norm``'s own update leaves it); in the first step every buffer is put back, with its own
@@ -33,24 +35,30 @@ backward reads a value that this puts back.
 
 from __future__ import annotations
 
+import ast
 import contextlib
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["BufferUpdates"]
+__all__ = ["BufferUpdates", "stages_updated_buffers"]
 
 
 class BufferUpdates:
     """The buffers of one stage module through a step (module docstring): `forward` around each
     F, `recompute` around each backward, `finish` after the step's last action."""
 
-    def __init__(self, module: nn.Module, replicas: tuple[dist.ProcessGroup, int] | None = None):
+    def __init__(self, module: nn.Module, replicas: tuple[dist.ProcessGroup, int] | None = None,
+                 updated: tuple[str, ...] | None = None):
         self.module = module
         self.replicas = replicas  # the data-parallel group and its size, over which the mean is also taken
         self.tracked: list[int] | None = None  # positions in module.buffers() that a forward updates; None: not known yet
+        names = [name for name, _ in module.named_buffers()]
+        # those the capture shows it write (a stage file's ``updated_buffers``), tracked whether or not they move at first
+        self.written = {names.index(name) for name in updated or () if name in names}
         self.start: dict[int, torch.Tensor] = {}  # the step's starting values, by position
         self.sums: dict[int, torch.Tensor] = {}  # the sum over the step's forwards of the values each left
         self.changed: dict[int, torch.Tensor] = {}  # over the first step, whether some forward changed it (on the device)
@@ -93,7 +101,7 @@ class BufferUpdates:
             self._agree_on_tracked(len(buffers))
         # a flag is 1 where some forward set it, and its mean over the replicas above 0 where one did
         means = {i: self.sums[i].double() if self.sums[i].dtype == torch.bool else self.sums[i] / self.forwards
-                 for i in self.tracked}
+                 for i in self.start}  # the tracked buffers of numbers and flags
         if self.replicas is not None and means:
             group, size = self.replicas
             flat = torch.cat([mean.reshape(-1) for mean in means.values()])
@@ -144,7 +152,7 @@ class BufferUpdates:
             changed[i] = moved
         if self.replicas is not None:
             dist.all_reduce(changed, op=dist.ReduceOp.MAX, group=self.replicas[0])
-        self.tracked = [i for i in range(count) if changed[i]]
+        self.tracked = [i for i in range(count) if changed[i] or i in self.written]
         for i in list(self.start):
             if i not in self.tracked:
                 del self.start[i]
@@ -161,3 +169,17 @@ def _kept(buffer: torch.Tensor) -> bool:
     is set after the step where some forward set it: a forward that sets an 'initialised' flag
     beside the buffer it initialises is put back with that buffer)."""
     return not buffer.is_complex()
+
+
+def stages_updated_buffers(out_dir: Path) -> tuple[str, ...] | None:
+    """The buffers that the stage files of ``out_dir`` say their forwards write, together (for a
+    run of the whole model, as verify's reference is); None where a stage file says nothing (one
+    written by an earlier autopart), to be found over the first step."""
+    found: list[str] = []
+    for path in sorted((out_dir / "stages").glob("stage_*.py")):
+        said = [node.value for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Assign)
+                and any(isinstance(t, ast.Name) and t.id == "updated_buffers" for t in node.targets)]
+        if not said:
+            return None
+        found += ast.literal_eval(said[0])
+    return tuple(dict.fromkeys(found))

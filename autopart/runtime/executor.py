@@ -105,7 +105,8 @@ class Executor:
         self.actions = schedule[rank]
         self.microbatches = microbatches
         self.device = device
-        self.updates = {s: BufferUpdates(stage.module, replicas) for s, stage in stages.items()}
+        self.updates = {s: BufferUpdates(stage.module, replicas, getattr(stage.module, "updated_buffers", None))
+                        for s, stage in stages.items()}
 
     def step(
         self,

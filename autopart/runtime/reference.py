@@ -33,7 +33,7 @@ from autopart.ir.plan import load_plan
 from autopart.runtime.data import eval_batches, model_file, split_microbatches, training_batches
 from autopart.runtime.materialise import materialise, meta_names
 from autopart.runtime.stage import stage_names
-from autopart.runtime.buffer_updates import BufferUpdates
+from autopart.runtime.buffer_updates import BufferUpdates, stages_updated_buffers
 from autopart.runtime.draws import draw_seed
 from autopart.runtime.forward import NoDropout, buffers_kept, working_copies
 from autopart.runtime.optim import make_optimizer
@@ -118,7 +118,7 @@ def train_reference(
             return eager_loss(spec, inputs, target, weights)
 
     losses, evaluations = [], {}
-    updates = BufferUpdates(model)
+    updates = BufferUpdates(model, updated=stages_updated_buffers(out_dir))
     for step in range(steps):
         # seeded as the programs seed replica 0's first microbatch on stage 0: a model that draws
         # (dropout) draws the same here as a plan of one stage, one microbatch and one rank does

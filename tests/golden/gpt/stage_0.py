@@ -58,6 +58,7 @@ class Stage0(torch.nn.Module):
     inputs = ()  # the first stage: none
     batch_inputs = ('idx',)  # read from the batch
     outputs = ('add_4',)  # sent to stage 1
+    updated_buffers = ()  # written by forward: moved once a step (autopart.runtime.buffer_updates)
     # the layers each method computes, given as ``layer``: full recompute checkpoints each call
     layer_calls = {'block': ('h.0', 'h.1')}
     # of those, the layers whose tensors only their method reads: each its own FSDP unit under ZeRO-3

@@ -53,6 +53,7 @@ class Stage0(torch.nn.Module):
     inputs = ()  # the first stage: none
     batch_inputs = ('tokens',)  # read from the batch
     outputs = ('add_11',)  # sent to stage 1
+    updated_buffers = ()  # written by forward: moved once a step (autopart.runtime.buffer_updates)
     # the layers each method computes, given as ``layer``: full recompute checkpoints each call
     layer_calls = {'transformer_block': ('layers.0', 'layers.1')}
     # of those, the layers whose tensors only their method reads: each its own FSDP unit under ZeRO-3
