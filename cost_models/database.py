@@ -165,18 +165,19 @@ def _finite(value: object) -> float:
 
 def _seconds(value: object) -> float:
     """An op's or the runtime's measured time: also at least 0."""
-    number = _finite(value)
-    if number < 0:
-        raise ValueError(f"{value!r} is not a time in seconds (at least 0)")
-    return number
+    return _not_negative(value, "a time in seconds")
 
 
 def _load(value: object) -> float:
     """A count of busy processes beside a measurement: at least 0 (a negative one would add to
     the load that a prediction counts, `autopart.predict.step_time.counted_background_load`)."""
+    return _not_negative(value, "a count of busy processes")
+
+
+def _not_negative(value: object, what: str) -> float:
     number = _finite(value)
     if number < 0:
-        raise ValueError(f"{value!r} is not a count of busy processes (at least 0)")
+        raise ValueError(f"{value!r} is not {what} (at least 0)")
     return number
 
 

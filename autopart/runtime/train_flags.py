@@ -147,10 +147,10 @@ def check_initial_weights(weights: Path | None, out_dir: Path, plan: Plan, rank:
     if weights is None:
         return
     pipeline_rank = Mesh.of(plan).coordinates(rank).pp
+    shapes, aliases = model_shapes(out_dir), tensor_aliases(out_dir)  # the model's, whichever stages this rank holds
     for stage_plan in plan.stages:
         if stage_plan.rank == pipeline_rank:
-            check_checkpoint(weights, state_names(out_dir, stage_plan.index), stage_plan.index, model_shapes(out_dir),
-                             tensor_aliases(out_dir))
+            check_checkpoint(weights, state_names(out_dir, stage_plan.index), stage_plan.index, shapes, aliases)
 
 
 def note_optimizer_state(args: argparse.Namespace, plan: Plan, rank: int) -> None:
