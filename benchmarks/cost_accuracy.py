@@ -1,7 +1,7 @@
 """How wrong are the cost models? Predicted against measured on this machine.
 
     python benchmarks/cost_accuracy.py [--steps 40] [--seconds 8] [--warmup 5] [--costs COSTS.json]
-        [--rows gpt-s:2,...] [--repeats 1] [--shield]
+        [--rows gpt-s:2,gpt-s:2x2,...] [--repeats 1] [--shield]
 
 For each example at two sizes and for 2 and 4 ranks: compile with profiled costs
 (``--costs``: ops the database lacks are timed on the way), once with the ops' times alone and
@@ -57,7 +57,7 @@ import torch  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from autopart.predict.accuracy import PROFILED, Band, band_key, write_band  # noqa: E402
+from autopart.predict.accuracy import PROFILED, Band, band_key, layout_of, write_band  # noqa: E402
 from autopart.ir.model_file import load_model_file  # noqa: E402
 from autopart.passes.capture import capture, graph_args  # noqa: E402
 from autopart.driver import CompileOptions, compile_to_directory  # noqa: E402
@@ -233,20 +233,20 @@ def main() -> None:
         row_errors: list[float] = []  # per row, its median repeat's
         ran = []  # the rows' plans: the band covers their precisions
         for row in args.rows.split(","):
-            name, ranks = row.split(":")
-            ranks = int(ranks)
+            name, pp, dp = _row(row)
+            ranks = pp * dp
             model = _model_file(folder, name)
             probe = _SpeedProbe(model)
             before = probe.seconds()
-            options = CompileOptions(model=model, pp=ranks, microbatches=2 * ranks, micro_batch_size=2, costs=costs,
+            options = CompileOptions(model=model, pp=pp, dp=dp, microbatches=2 * pp, micro_batch_size=2, costs=costs,
                                      time_limit_s=10)
-            alone, _ = compile_to_directory(options, folder / f"{name}-{ranks}-alone")
+            alone, _ = compile_to_directory(options, folder / f"{row.replace(':', '-')}-alone")
             ran.append(alone)
             runs = []  # (plan, measured step, peaks) per repeat: profiled afresh, then run right after
             for repeat in range(args.repeats):
                 _forget_pipelines(costs)
                 plan, out = compile_to_directory(replace(options, profile_pipeline=True),
-                                                 folder / f"{name}-{ranks}-{repeat}")
+                                                 folder / f"{row.replace(':', '-')}-{repeat}")
                 # the run right after the pipeline was profiled: this machine's speed moves within seconds
                 steps = max(args.steps, args.warmup + math.ceil(args.seconds / plan.predicted.step_s))
                 runs.append((plan, out, *_run(out, ranks, steps, args.warmup, shield=args.shield)))
@@ -265,7 +265,7 @@ def main() -> None:
             stage_cells = " ".join(f"{p * 1e3:.2f}/{m * 1e3:.2f}" for p, m in zip(predicted_stages, measured_stages))
             predicted_memory, measured_memory = max(plan.predicted.memory_bytes), max(peaks)
             factors = " ".join(f"{f:.2f}" for f in plan.predicted.compute_factor)
-            table.add_row(name, str(ranks), f"{stage_cells} ({_error(*worst)})", factors,
+            table.add_row(name, row.split(":")[1], f"{stage_cells} ({_error(*worst)})", factors,
                           f"{plan.predicted.step_s * 1e3:.1f}", f"{step * 1e3:.1f}", _error(plan.predicted.step_s, step),
                           " ".join(f"{e:+.1%}" for e in errors), in_run_cell, _error(alone.predicted.step_s, step),
                           f"{moved:+.1%}",
@@ -278,6 +278,14 @@ def main() -> None:
     _write_band(args, band_key(PROFILED, "cpu"), row_errors, ran)
 
 
+def _row(row: str) -> tuple[str, int, int]:
+    """A ``--rows`` entry: ``MODEL:PP`` (a pipeline of PP ranks) or ``MODEL:PPxDP`` (PP stages on
+    each of DP replicas; ``MODEL:1x2`` is data parallelism alone)."""
+    name, _, layout = row.partition(":")
+    pp, _, dp = layout.partition("x")
+    return name, int(pp), int(dp or 1)
+
+
 def _write_band(args: argparse.Namespace, key: str, errors: list[float], plans: list) -> None:
     """Record the band of this run's rows under the basis ``key``, where ``autopart compile`` reads
     it (see autopart/predict/accuracy.py), as the band of the precisions its ``plans`` ran in: a
@@ -285,7 +293,8 @@ def _write_band(args: argparse.Namespace, key: str, errors: list[float], plans: 
     if errors and not args.no_write:
         command = " ".join(["python", "benchmarks/cost_accuracy.py", *sys.argv[1:]])
         covers = {f"{plan.provenance.device}/{plan.dtype}" for plan in plans}
-        band = Band.from_errors(errors, benchmark="cost_accuracy", command=command, covers=tuple(covers))
+        band = Band.from_errors(errors, benchmark="cost_accuracy", command=command, covers=tuple(covers),
+                                layouts=tuple(layout_of(plan) for plan in plans))
         print(f"wrote the band ({band.median:.1%} median, {band.worst:.1%} worst) to "
               f"{write_band(key, band)}")
 
@@ -305,12 +314,12 @@ def _default_path(args: argparse.Namespace) -> None:
         folder = Path(folder)
         os.environ["AUTOPART_CACHE_DIR"] = str(folder / "cache")
         for row in args.rows.split(","):
-            name, ranks = row.split(":")
-            ranks = int(ranks)
-            options = CompileOptions(model=_model_file(folder, name), pp=ranks, microbatches=2 * ranks,
+            name, pp, dp = _row(row)
+            ranks = pp * dp
+            options = CompileOptions(model=_model_file(folder, name), pp=pp, dp=dp, microbatches=2 * pp,
                                      micro_batch_size=2, time_limit_s=10)
             start = time.perf_counter()
-            plan, out = compile_to_directory(options, folder / f"{name}-{ranks}")
+            plan, out = compile_to_directory(options, folder / f"{row.replace(':', '-')}")
             compile_s = time.perf_counter() - start
             keys.add(plan.predicted.basis_key)
             ran.append(plan)
@@ -318,7 +327,7 @@ def _default_path(args: argparse.Namespace) -> None:
             measured = [_run(out, ranks, steps, args.warmup, shield=args.shield)[0] for _ in range(args.repeats)]
             row_errors = [(plan.predicted.step_s - m) / m for m in measured]
             errors += row_errors
-            table.add_row(name, str(ranks), f"{compile_s:.1f}", f"{plan.predicted.step_s * 1e3:.1f}",
+            table.add_row(name, row.split(":")[1], f"{compile_s:.1f}", f"{plan.predicted.step_s * 1e3:.1f}",
                           " ".join(f"{m * 1e3:.1f}" for m in measured), " ".join(f"{e:+.1%}" for e in row_errors),
                           f"{os.getloadavg()[0]:.1f}")
             console.print(f"{row}: predicted {plan.predicted.step_s * 1e3:.1f} ms, measured "

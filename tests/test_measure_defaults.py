@@ -301,6 +301,35 @@ def test_a_band_holds_only_on_the_devices_and_precision_its_rows_ran_on(fresh_ca
     assert load_plan(tmp_path / "mi300x-bf16" / "plan.json").predicted.error_median is None
 
 
+def test_a_band_holds_only_for_the_layouts_its_rows_ran(fresh_cache, tmp_path, monkeypatch, capsys) -> None:
+    """cost_accuracy's rows are pipelines: a pp x dp plan on this CPU printed their band (worst
+    13%) and ran 34% off it, its gradient reduction and its ranks' sharing of the cores priced by
+    figures no row checked. A plan of a layout the band's rows did not run has none, and says so."""
+    bands = tmp_path / "accuracy.json"
+    write_band("spec-roofline", Band(median=0.06, worst=0.12, rows=6, benchmark="published_runs", command="x",
+                                     date="2026-12-01", layouts=("pp",)), bands)  # fmt: skip
+    monkeypatch.setattr(accuracy, "ACCURACY_FILE", bands)
+    printed = {}
+    for pp, dp in ((2, 1), (1, 2), (2, 2)):
+        out = tmp_path / f"pp{pp}-dp{dp}"
+        main(["compile", str(MODEL), "-o", str(out), "--pp", str(pp), "--dp", str(dp), "--microbatches", "2",
+              "--device", "h100-sxm"])  # fmt: skip
+        printed[pp, dp] = " ".join(capsys.readouterr().out.split())
+    assert "(h100-sxm roofline; published_runs: median 6%, worst 12%)" in printed[2, 1]
+    assert "(h100-sxm roofline; no band for dp plans: published_runs's rows ran pp plans alone)" in printed[1, 2]
+    assert "no band for pp+dp plans: published_runs's rows ran pp plans alone" in printed[2, 2]
+    plan = load_plan(tmp_path / "pp2-dp2" / "plan.json")
+    assert plan.predicted.error_median is None and accuracy.layout_of(plan) == "pp+dp"
+    assert "no band for pp+dp plans" in accuracy.describe_prediction(plan)  # as read back from plan.json
+
+
+def test_the_shipped_cpu_bands_hold_for_the_layouts_their_rows_ran() -> None:
+    for key in ("cpu-measured", "cpu-measured-pipeline"):
+        band = load_bands()[key]
+        assert band.holds_for_layout("pp") and not band.holds_for_layout("pp+dp"), key
+    assert load_bands()["spec-roofline"].holds_for_layout("tp+dp")  # published runs of every layout
+
+
 def test_into_a_pipe_a_search_table_keeps_each_row_on_one_line(fresh_cache, tmp_path, capsys) -> None:
     """rich draws a table at most as wide as its console, 80 columns where the output is not a
     terminal, and wraps cells to fit: the search table (wider than 80) must not."""

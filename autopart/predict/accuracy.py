@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from autopart.ir.plan import Plan
 
 __all__ = ["ACCURACY_FILE", "FULLY_SHARDED", "MEASURED", "MEASURED_PIPELINE", "MFU_CEILING", "PROFILED", "ROOFLINE", "Band", "Basis", "band_key",
-           "basis_for", "ceiling_step_s", "describe_prediction", "implied_mfu", "load_bands", "with_basis", "write_band"]
+           "basis_for", "ceiling_step_s", "describe_prediction", "implied_mfu", "layout_of", "load_bands", "with_basis", "write_band"]
 
 ACCURACY_FILE = Path(__file__).with_name("accuracy.json")
 """The bands the repository ships, one per basis key (see `basis_for`)."""
@@ -63,19 +63,37 @@ class Band:
     for those alone (its kernel efficiencies and links are other figures elsewhere), as the machine
     at hand's holds for the precisions its rows ran in ("cpu/fp32"); (): a band written without them,
     taken to hold for any."""
+    layouts: tuple[str, ...] = ()
+    """The layouts its rows ran (`layout_of`: "pp", "pp+dp", ...): a step model checked on
+    pipelines alone says nothing of how far off it is where replicas reduce gradients or ranks
+    split ops, whose messages and core sharing are other figures; (): taken to hold for any."""
 
     @classmethod
-    def from_errors(cls, errors: list[float], *, benchmark: str, command: str, covers: tuple[str, ...] = ()) -> Band:
-        """The band of signed relative errors ``errors`` (at least one), of rows run on ``covers``."""
+    def from_errors(cls, errors: list[float], *, benchmark: str, command: str, covers: tuple[str, ...] = (),
+                    layouts: tuple[str, ...] = ()) -> Band:
+        """The band of signed relative errors ``errors`` (at least one), of rows run on ``covers``
+        in ``layouts``."""
         absolute = sorted(abs(e) for e in errors)
         middle = len(absolute) // 2
         median = absolute[middle] if len(absolute) % 2 else (absolute[middle - 1] + absolute[middle]) / 2
         return cls(median=median, worst=absolute[-1], rows=len(absolute), benchmark=benchmark, command=command,
-                   date=datetime.date.today().isoformat(), covers=tuple(sorted(covers)))
+                   date=datetime.date.today().isoformat(), covers=tuple(sorted(covers)),
+                   layouts=tuple(sorted(set(layouts))))
 
     def holds_for(self, device: str, dtype: str) -> bool:
         """Whether the band was measured on ``device`` in ``dtype`` (any, for one of the machine at hand)."""
         return not self.covers or f"{device}/{dtype}" in self.covers
+
+    def holds_for_layout(self, layout: str) -> bool:
+        """Whether the band's rows ran plans of ``layout`` (`layout_of`)."""
+        return not self.layouts or layout in self.layouts
+
+
+def layout_of(plan: Plan) -> str:
+    """The dimensions a plan splits over, as bands record them: "pp", "pp+dp", "tp+dp", ...; a
+    single rank is a pipeline of one stage ("pp")."""
+    split = [dim for dim in ("pp", "tp", "dp") if plan.mesh[dim] > 1]
+    return "+".join(split) if split and split != ["pp"] else "pp"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -107,7 +125,8 @@ def load_bands(path: Path | None = None) -> dict[str, Band]:
     except (OSError, ValueError) as error:
         raise ConfigError(f"{path}: cannot be read as JSON ({error}); rerun the benchmark that writes it") from None
     try:
-        return {key: Band(**{**value, "covers": tuple(value.get("covers", ()))}) for key, value in data.items()}
+        return {key: Band(**{**value, "covers": tuple(value.get("covers", ())), "layouts": tuple(value.get("layouts", ()))})
+                for key, value in data.items()}
     except TypeError as error:
         raise ConfigError(f"{path}: not a table of bands ({error}); rerun the benchmark that writes it") from None
 
@@ -175,16 +194,20 @@ def _timed_among(co_run: int, ranks_on_host: int) -> str:
 def with_basis(plan: Plan, basis: Basis) -> Plan:
     """``plan`` with its prediction's basis and band recorded (``plan.predicted``): a ZeRO-3
     plan's the band of the ZeRO-3 rows, where one was measured; none where the band's rows ran on
-    other devices or in another precision than the plan's."""
+    other devices or in another precision than the plan's; none, naming the benchmark, where its
+    rows ran other layouts (`Band.layouts`)."""
     key, band = basis.key, basis.band
     if plan.zero == 3 and basis.zero3_band is not None:
         key, band = key + FULLY_SHARDED, basis.zero3_band
     if band is not None and not band.holds_for(basis.device, plan.dtype):
         band = None  # measured on other devices or in another precision: no band for this one
+    benchmark = "" if band is None else band.benchmark
+    if band is not None and not band.holds_for_layout(layout_of(plan)):  # `describe_prediction` says so
+        benchmark, band = f"{band.benchmark}'s rows ran {' and '.join(band.layouts)} plans alone", None
     predicted = replace(plan.predicted, basis=basis.what, basis_key=key,
                         error_median=None if band is None else band.median,
                         error_worst=None if band is None else band.worst,
-                        error_benchmark="" if band is None else band.benchmark)
+                        error_benchmark=benchmark)
     return replace(plan, predicted=predicted)
 
 
@@ -224,10 +247,13 @@ def describe_prediction(plan: Plan) -> str:
     predicted = plan.predicted
     if not predicted.basis:
         return ""
-    band = None if predicted.error_median is None else Band(
-        median=predicted.error_median, worst=predicted.error_worst, rows=0, benchmark=predicted.error_benchmark,
-        command="", date="")
-    text = " " + Basis(key=predicted.basis_key, what=predicted.basis, band=band).describe()
+    if predicted.error_median is None and predicted.error_benchmark:  # a band of other layouts (`with_basis`)
+        text = f" ({predicted.basis}; no band for {layout_of(plan)} plans: {predicted.error_benchmark})"
+    else:
+        band = None if predicted.error_median is None else Band(
+            median=predicted.error_median, worst=predicted.error_worst, rows=0, benchmark=predicted.error_benchmark,
+            command="", date="")
+        text = " " + Basis(key=predicted.basis_key, what=predicted.basis, band=band).describe()
     if predicted.unbounded_step_s is not None:
         unbounded = replace(plan, predicted=replace(predicted, step_s=predicted.unbounded_step_s))
         text += (f"; bounded by the ~{MFU_CEILING:.0%} MFU that the best published dense 16-bit runs reach, where the "
