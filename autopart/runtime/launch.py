@@ -24,6 +24,7 @@ from safetensors import SafetensorError, safe_open
 
 from autopart.ir.errors import AutopartError, ConfigError
 from autopart.ir.plan import Plan
+from autopart.runtime.exchange import gather_json
 from autopart.runtime.mesh import Mesh
 from autopart.runtime.shards import weights_file_name
 from autopart.runtime.stage import checked_stage_source
@@ -128,14 +129,14 @@ def check_nodes_agree(out_dir: Path, args: argparse.Namespace, store: dist.Store
     and its own command line, and each node's checks above pass on their own: a node whose OUT was
     recompiled (another mesh) would wait in a process group its peers never make, until the
     timeout, and one with another schedule, --steps, --lr or --seed would train a different
-    model or stop at another step. Paths are compared only as given or not (a shared folder may
+    model or stop at another step. What each rank sends is JSON (`gather_json`): nothing a peer
+    sends is unpickled. Paths are compared only as given or not (a shared folder may
     be mounted under another name on each node), and --timeout not at all. Every rank refuses
     the same (`RefusedTogether`, in ``store``, as `init_process_group` gave it)."""
     flags = {name: (value is not None) if name in _PATHS else value
              for name, value in sorted(vars(args).items()) if name != "timeout"}
-    mine = {"plan.json": file_sha256(out_dir / "plan.json"), "flags": flags}
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
+    everyone = gather_json({"plan.json": file_sha256(out_dir / "plan.json"), "flags": flags})
+    assert everyone is not None
     together = dict(store=store, rank=dist.get_rank(), ranks=list(range(len(everyone))))
     for rank, theirs in enumerate(everyone):
         if theirs["plan.json"] != everyone[0]["plan.json"]:

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from autopart.runtime.device import synchronize
+from autopart.runtime.exchange import gather_json
 from autopart.runtime.executor import ActionRecord
 from autopart.schedule import Action, Event, Timeline, write_chrome_trace
 
@@ -65,7 +66,6 @@ class StepClock:
 def write_measured_trace(
     clock: StepClock,
     *,
-    rank: int,
     ranks: int,
     path: Path,
     title: str,
@@ -80,13 +80,9 @@ def write_measured_trace(
         for record in clock.record
         if record.action.is_compute
     ]
-    gathered: list[list[tuple[str, float, float]]] | None = None
-    if rank == 0:
-        gathered = [[] for _ in range(dist.get_world_size())]
-    dist.gather_object(mine, gathered, dst=0)
-    if rank != 0:
+    gathered = gather_json(mine, dst=0)
+    if gathered is None:
         return None
-    assert gathered is not None
     events = [
         Event(rank=pipeline_rank(r), action=Action.parse(name), start=start, end=end)
         for r, records in enumerate(gathered)

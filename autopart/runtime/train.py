@@ -272,7 +272,7 @@ def _loop(out_dir: Path, plan: Plan, schedule: Schedule, args: argparse.Namespac
                 line = {"step": step, "loss": loss, "step_s": elapsed.item(), **peaks, "lr": lr}
                 _report(reporter, plan, inputs, line, norm, eval_loss)
         if clock is not None:
-            _write_trace(clock, plan, args, rank, step)
+            _write_trace(clock, plan, args, step)
         if args.checkpoint_dir and (stopping or (args.checkpoint_every and (step + 1) % args.checkpoint_every == 0)):
             _save(checkpointing, step + 1, rank)
         if stopping:
@@ -450,7 +450,7 @@ def _save(checkpointing: CheckpointContext, steps_done: int, rank: int) -> None:
                           f"{type(exc).__name__}: {first}") from None
 
 
-def _write_trace(clock: StepClock, plan: Plan, args: argparse.Namespace, rank: int, step: int) -> None:
+def _write_trace(clock: StepClock, plan: Plan, args: argparse.Namespace, step: int) -> None:
     """The measured timeline of ``step`` as a Chrome trace, drawn for the first pipeline's ranks."""
     mesh = Mesh.of(plan)
     name = Path(plan.provenance.model_file).name
@@ -461,7 +461,7 @@ def _write_trace(clock: StepClock, plan: Plan, args: argparse.Namespace, rank: i
         return where.pp if where.dp == 0 and where.tp == 0 else None
 
     timeline = write_measured_trace(
-        clock, rank=rank, ranks=mesh.pp, path=args.trace, title=title, pipeline_rank=drawn
+        clock, ranks=mesh.pp, path=args.trace, title=title, pipeline_rank=drawn
     )
     if timeline is not None:
         print(f"wrote {args.trace}: step {step} measured {timeline.step_s * 1e3:.3f} ms, "
