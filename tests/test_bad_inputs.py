@@ -470,6 +470,8 @@ TRAIN_CASES = {  # name -> (environment, arguments given (folder, OUT), pattern 
                             r"--save-weights .*w is a file; give the path of a folder"),
     "negative_lr": ({}, lambda f, o: ["--lr", "-1"], r"--lr must be a finite learning rate, at least 0, got -1"),
     "nan_lr": ({}, lambda f, o: ["--lr", "nan"], r"--lr must be a finite learning rate, at least 0, got nan"),
+    "betas_not_two_rates": ({}, lambda f, o: ["--betas", "0.9"], r"^autopart: error: argument --betas: takes two rates "
+                            r"with a comma between them \(0\.9,0\.95\), got '0\.9'; see 'train\.py --help'$"),
     "nan_min_lr": ({}, lambda f, o: ["--min-lr", "nan"], r"--min-lr must be a finite rate, at least 0, got nan"),
     "nan_weight_decay": ({}, lambda f, o: ["--weight-decay", "nan"], r"--weight-decay must be finite, at least 0, got nan"),
     "infinite_lr": ({}, lambda f, o: ["--lr", "inf"], r"--lr must be a finite learning rate, at least 0, got inf"),

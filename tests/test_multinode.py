@@ -78,6 +78,22 @@ def test_a_node_started_with_other_training_options_is_refused(tmp_path):
 
 
 @pytest.mark.multiprocess
+def test_nodes_compare_options_as_parsed_not_as_typed(tmp_path):
+    """``--betas 0.9,0.95`` and ``0.90,0.950`` are the same rates: the nodes train; other rates
+    are refused in one line on every rank."""
+    out = compiled(tmp_path / "out")
+    copy = tmp_path / "copy"
+    shutil.copytree(out, copy)
+    adamw = ["--steps", "1", "--optimizer", "adamw", "--betas"]
+    for code, log in nodes([out, copy], [2, 2], [adamw + ["0.9,0.95"], adamw + ["0.90,0.950"]]):
+        assert code == 0, log[-3000:]
+    for code, log in nodes([out, copy], [2, 2], [adamw + ["0.9,0.95"], adamw + ["0.9,0.96"]]):
+        assert code != 0 and "]: Traceback" not in log, log[-3000:]
+        assert autopart_lines(log) == ["autopart: error: rank 2 was started with --betas 0.9,0.96 but rank 0 with "
+                                       "--betas 0.9,0.95; give train.py the same options on every node"] * 2, log[-3000:]
+
+
+@pytest.mark.multiprocess
 def test_a_rank_that_refuses_to_start_is_named_on_the_other_node(tmp_path):
     """A refusal before the process group (here: node 1's OUT was compiled for 6 ranks) ends the
     other node's ranks too, at once, each with one line, instead of leaving them in the rendezvous."""

@@ -129,8 +129,9 @@ def check_nodes_agree(out_dir: Path, args: argparse.Namespace, store: dist.Store
     and its own command line, and each node's checks above pass on their own: a node whose OUT was
     recompiled (another mesh) would wait in a process group its peers never make, until the
     timeout, and one with another schedule, --steps, --lr or --seed would train a different
-    model or stop at another step. What each rank sends is JSON (`gather_json`): nothing a peer
-    sends is unpickled. Paths are compared only as given or not (a shared folder may
+    model or stop at another step. Options are compared as argparse parsed them (``--betas
+    0.9,0.95`` is ``--betas 0.90,0.950``), sent as JSON (`gather_json`): nothing a peer sends is
+    unpickled. Paths are compared only as given or not (a shared folder may
     be mounted under another name on each node), and --timeout not at all. Every rank refuses
     the same (`RefusedTogether`, in ``store``, as `init_process_group` gave it)."""
     flags = {name: (value is not None) if name in _PATHS else value
@@ -158,6 +159,8 @@ def _said(name: str, value: Any) -> str:
     option = "--" + name.replace("_", "-")
     if isinstance(value, bool):
         return option if value else f"no {option}"
+    if isinstance(value, list):  # a tuple flag (--betas), as JSON brought it
+        return f"{option} {','.join(map(str, value))}"
     return f"{option} {value}"
 
 

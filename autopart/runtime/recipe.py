@@ -26,8 +26,8 @@ import torch
 
 from autopart.ir.errors import ConfigError
 
-__all__ = ["LR_SCHEDULES", "Recipe", "add_recipe_arguments", "embedding_parameters", "decayed_parameters", "parameter_groups",
-           "clip_factor"]
+__all__ = ["LR_SCHEDULES", "Recipe", "add_recipe_arguments", "betas_flag", "embedding_parameters", "decayed_parameters",
+           "parameter_groups", "clip_factor"]
 
 LR_SCHEDULES = ("constant", "cosine", "linear")
 
@@ -102,7 +102,7 @@ class Recipe:
         """The recipe of the flags of `add_recipe_arguments`; raises ConfigError for values out of range."""
         return Recipe(lr_schedule=args.lr_schedule, warmup_steps=args.warmup_steps, min_lr=args.min_lr,
                       clip_grad_norm=args.clip_grad_norm, weight_decay=args.weight_decay, momentum=args.momentum,
-                      nesterov=args.nesterov, betas=_betas(args.betas))
+                      nesterov=args.nesterov, betas=args.betas)
 
     def optimizer_options(self) -> dict:
         """The keyword arguments of `autopart.runtime.optim.make_optimizer` that this recipe sets."""
@@ -180,18 +180,17 @@ def add_recipe_arguments(parser: argparse.ArgumentParser) -> None:
                         help="decay of the weights of 2+ dims that are no embedding (default: the optimizer's)")
     parser.add_argument("--momentum", type=float, default=0.0, help="SGD's momentum, as torch.optim.SGD's (default 0)")
     parser.add_argument("--nesterov", action="store_true", help="SGD's Nesterov momentum (with --momentum)")
-    parser.add_argument("--betas", metavar="B1,B2",
+    parser.add_argument("--betas", metavar="B1,B2", type=betas_flag,
                         help="AdamW's moment decay rates, as torch.optim.AdamW's betas (default 0.9,0.999)")
 
 
-def _betas(text: str | None) -> tuple[float, float] | None:
-    """``--betas B1,B2`` as two numbers."""
-    if text is None:
-        return None
+def betas_flag(text: str) -> tuple[float, float]:
+    """``--betas B1,B2`` as the two numbers it gives (argparse's type), so that flags given as
+    ``0.9,0.95`` and ``0.90,0.950`` are the same value wherever they are compared."""
     try:
         first, second = (float(part) for part in text.split(","))
     except ValueError:
-        raise ConfigError(f"--betas takes two rates with a comma between them (0.9,0.95), got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"takes two rates with a comma between them (0.9,0.95), got {text!r}") from None
     return first, second
 
 
