@@ -1,7 +1,10 @@
 """Several nodes simulated on this machine: one torchrun agent per node, each with its own copy of
 OUT and its own command line, meeting through torchrun's rendezvous on the loopback."""
 
+import dataclasses
 import datetime
+import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -12,10 +15,13 @@ import pytest
 import torch.distributed as dist
 
 from autopart.driver import CompileOptions, compile_to_directory
-from autopart.runtime.launch import RefusedTogether
+from autopart.ir.errors import ConfigError
+from autopart.ir.plan import load_plan
+from autopart.runtime.launch import RefusedTogether, check_launch
 from tests.distributed import FREE_LINKS, REPO, environment, free_port, run_cli_here
 
 MODEL = REPO / "tests" / "models" / "tiny_gpt.py"
+RENDEZVOUS = "--rdzv-backend c10d --rdzv-endpoint HOST:29500 --rdzv-id autopart"
 
 
 def compiled(out: Path, **pins) -> Path:
@@ -103,8 +109,10 @@ def test_a_rank_that_refuses_to_start_is_named_on_the_other_node(tmp_path):
     expected = "the plan needs 6 processes but 4 were started"
     (code, log), (other_code, other_log) = results
     assert code != 0 and other_code != 0, log[-3000:]
-    assert autopart_lines(log) == [f"autopart: error: rank 2 cannot start: {expected}; run torchrun --nnodes 2 "
-                                   f"--nproc-per-node 3 {six / 'train.py'} on each node"] * 2, log[-3000:]
+    # the plan's own nodes (of 2 ranks, as it was compiled for), not this launch's
+    assert autopart_lines(log) == [f"autopart: error: rank 2 cannot start: {expected}; run torchrun --nnodes 3 "
+                                   f"--nproc-per-node 2 {RENDEZVOUS} {six / 'train.py'} on each of the 3 nodes (HOST: "
+                                   "the first node's address)"] * 2, log[-3000:]
     assert len(autopart_lines(other_log)) == 2 and expected in other_log, other_log[-3000:]
     assert "]: Traceback" not in log + other_log
 
@@ -117,8 +125,9 @@ def test_too_few_processes_on_one_node_is_told_the_command_for_several_nodes(tmp
     results = nodes([out, copy], [2, 1], [["--steps", "2"]] * 2, timeout=150)
     for code, log in results:
         assert code != 0 and "]: Traceback" not in log, log[-3000:]
-        assert all("the plan needs 4 processes but 3 were started; run torchrun --nnodes 2 --nproc-per-node 2 " in line
-                   and line.endswith("train.py on each node") for line in autopart_lines(log)), log[-3000:]
+        assert all(f"the plan needs 4 processes but 3 were started; run torchrun --nnodes 2 --nproc-per-node 2 "
+                   f"{RENDEZVOUS} " in line and line.endswith("train.py on each of the 2 nodes (HOST: the first node's "
+                                                              "address)") for line in autopart_lines(log)), log[-3000:]
     assert sum(len(autopart_lines(log)) for _, log in results) == 3  # one line per rank
 
 
@@ -131,6 +140,46 @@ def test_a_compile_over_several_nodes_prints_the_command_for_each_node(tmp_path)
     assert "on each of the 2 nodes" in result.stdout, result.stdout
     assert f"torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint HOST:29500 --rdzv-id autopart " \
            f"{out}/train.py --steps 10" in result.stdout, result.stdout
+
+
+@pytest.mark.multiprocess
+def test_nodes_of_unequal_size_run_the_commands_that_compile_printed(tmp_path, monkeypatch):
+    """3 ranks on nodes of 2 devices: node 0 starts 2 and node 1 starts 1, each with its own
+    --node-rank. The commands as compile printed them (HOST: this machine) train, and a launch of
+    another size is told the same commands."""
+    out = tmp_path / "out"
+    result = run_cli_here("compile", str(MODEL), "-o", str(out), "--pp", "3", "--dp", "1", "--tp", "1",
+                          "--microbatches", "3", "--global-batch-size", "3", "--gpus-per-node", "2",
+                          "--device", str(FREE_LINKS), "--no-measure")
+    assert result.returncode == 0, result.stderr
+    printed = [line.strip() for line in result.stdout.splitlines() if line.strip().startswith("on node ")]
+    assert [line.split(" --master-addr")[0] for line in printed] == [
+        "on node 0: torchrun --nnodes 2 --node-rank 0 --nproc-per-node 2",
+        "on node 1: torchrun --nnodes 2 --node-rank 1 --nproc-per-node 1"], result.stdout
+    with pytest.raises(ConfigError) as refused:  # started on 2 nodes of 2: what each node runs instead
+        check_launch(out, load_plan(out / "plan.json"), rank=0, world_size=4)
+    commands = "; ".join(line.removesuffix(" --steps 10") for line in printed)
+    assert str(refused.value) == (f"the plan needs 3 processes but 4 were started; run {commands} (HOST: the first "
+                                  "node's address)")
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "2")  # a plan that does not record its nodes: this launch's, filled
+    with pytest.raises(ConfigError, match=f"; run {re.escape(commands)} "):
+        check_launch(out, dataclasses.replace(load_plan(out / "plan.json"), gpus_per_node=None), rank=0, world_size=4)
+    port = free_port()
+    agents = [
+        subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run",
+             *shlex.split(line.split(": ", 1)[1].replace("HOST", "127.0.0.1").replace("29500", str(port)))[1:],
+             "--steps", "2", "--timeout", "100"],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=environment(),
+        )
+        for line in printed
+    ]  # fmt: skip
+    try:
+        logs = [agent.communicate(timeout=200)[0] for agent in agents]
+    finally:
+        for agent in agents:
+            agent.kill()
+    assert [agent.returncode for agent in agents] == [0, 0], logs[0][-3000:] + logs[1][-3000:]
 
 
 @pytest.mark.multiprocess

@@ -75,6 +75,7 @@ def test_rank_5_on_a_2_stage_plan_is_named(original, tmp_path, capsys):
     (lambda d: d["schedule"].update(kind="zigzag"), r"unknown schedule 'zigzag'"),
     (lambda d: d["schedule"].update(micro_batch_size=3), r"plan\.schedule\.micro_batch_size is 3"),
     (lambda d: d.update(dtype="fp16"), r"plan\.dtype must be one of fp32, bf16"),
+    (lambda d: d.update(gpus_per_node=0), r"plan\.gpus_per_node must be at least 1, got 0"),
     (lambda d: d.update(graph_inputs=["x"]), r"plan\.graph_inputs is \[\"x\"\]"),
     (lambda d: d["tied_parameters"].clear(), r"plan\.tied_parameters is \{\}"),
     (lambda d: d["provenance"].update(capture="export"), r"plan\.(tied_parameters|stages\[0\]\.\w+) is"),  # names differ

@@ -30,6 +30,7 @@ from autopart.runtime.launch import PLAN_HASH_KEY, file_sha256, plan_digest
 from autopart.runtime.output_paths import as_umask, save_tensors
 from autopart.runtime.shards import shard_weight
 from autopart.runtime.shards import weights_file_name
+from autopart.runtime.torchrun_command import plan_launch
 from autopart.passes.blocks import BlockChain, build_blocks
 from autopart.solve.sharding import REPLICATE, Placement, Strategy, local_shape
 from autopart.solve.sharding_rules import strategies
@@ -92,7 +93,8 @@ def _write_programs(plan: Plan, op_graph: OpGraph, spec: ModelSpec, out: Path, *
     # with the model's initialisers, or reads them from a checkpoint (train.py --weights)
     materialised = not is_meta(module)
     graphs = stage_graphs(op_graph, [stage.nodes for stage in plan.stages])
-    command = plain_text(f"torchrun --nproc-per-node {plan.world_size} {final / 'train.py'} --steps 10")
+    command = plain_text(str(final / "train.py"))  # the commands are lines of docstrings
+    command = plan_launch(plan, command, "--steps 10").block("    ", gap=True)
     tp = plan.mesh["tp"]
     leaf_names = {str(n.target): list(op_graph.leaf_tensors[n.name]) for n in module.graph.nodes if n.op == "call_module"}
 
@@ -199,9 +201,7 @@ Reads from the batch: {", ".join(stage.batch_inputs) or "nothing"}
 Sends: {"the loss" if last else describe_tensors(stage.outputs, op_graph, dict(stage_plan.outputs), tp)}
 
 Tensors keep their names in the original model, so weights and checkpoints map back by name.
-Train with:
-
-    {command}
+Train with{command}
 """'''
 
 
@@ -228,11 +228,9 @@ Plan: {len(plan.stages)} pipeline stages, {schedule.kind} schedule, {schedule.mi
 {schedule.micro_batch_size} (global batch {schedule.global_batch_size}); predicted step {plan.predicted.step_s * 1e3:.2f} ms,
 bubble {plan.predicted.bubble:.1%}. Precision {plan.dtype}; recompute per stage: {", ".join(s.recompute for s in plan.stages)}.
 
-    {command}
+Run it{command}
 
-on one node; on N nodes of G devices each (N x G = {plan.world_size}), on each node:
-
-    torchrun --nnodes N --nproc-per-node G --rdzv-backend c10d --rdzv-endpoint HOST:29500 --rdzv-id autopart ...
+(For nodes of another size, compile with --gpus-per-node G: it prints the command for each node.)
 
 The training recipe, checkpoints and metrics: python train.py --help.
 (NCCL when CUDA is present, gloo otherwise.)

@@ -139,6 +139,9 @@ class Plan:
     tied_parameters: dict[str, tuple[int, ...]] = field(default_factory=dict)  # parameter -> stages holding it
     dtype: str = "fp32"  # autopart.ir.tensors.DTYPES: fp32, bf16 (bf16 working weights, fp32 masters), bf16-autocast
     embedding_parameters: tuple[str, ...] = ()  # weights of embedding modules, every alias: never weight-decayed
+    gpus_per_node: int | None = None
+    """The ranks of a node that the plan was costed for (``--gpus-per-node``), which fill nodes in
+    order: what the printed torchrun commands start on each node. None in plans written before."""
     version: int = PLAN_VERSION
     stage_sha256: dict[str, str] = field(default_factory=dict, compare=False)
     """The sha256 of every stage file the compile wrote ("stages/stage_0.py": ...), which each rank
@@ -210,6 +213,7 @@ class Plan:
             },
             dtype=reader.choice("dtype", DTYPES, default="fp32"),
             embedding_parameters=tuple(str(n) for n in reader.data.get("embedding_parameters", [])),
+            gpus_per_node=reader.positive("gpus_per_node") if reader.data.get("gpus_per_node") is not None else None,
             stage_sha256={str(k): str(v) for k, v in reader.sub("stage_sha256").data.items()}
             if "stage_sha256" in reader.data else {},
         )

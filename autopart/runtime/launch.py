@@ -28,6 +28,7 @@ from autopart.runtime.exchange import gather_json
 from autopart.runtime.mesh import Mesh
 from autopart.runtime.shards import weights_file_name
 from autopart.runtime.stage import checked_stage_source
+from autopart.runtime.torchrun_command import Launch, node_sizes, plan_launch
 
 __all__ = ["PLAN_HASH_KEY", "file_sha256", "plan_digest", "check_launch", "check_output", "check_world_size",
            "check_nodes_agree", "drawn_alike", "inject_failure", "init_process_group", "leave_with_node", "RefusedTogether"]
@@ -72,7 +73,7 @@ def check_world_size(plan: Plan, world_size: int, command: str) -> None:
 def check_launch(out_dir: Path, plan: Plan, *, rank: int, world_size: int) -> None:
     """World size, this rank's stage files and weights, and that they come from this plan's compile."""
     train = shlex.quote(str(out_dir / "train.py"))  # a command to paste: a folder of spaces stays one word
-    check_world_size(plan, world_size, _launch_command(plan.world_size, train))
+    check_world_size(plan, world_size, _launch_command(plan, train))
     mesh = Mesh.of(plan)
     here = mesh.coordinates(rank)
     digest = plan_digest(out_dir / "plan.json")
@@ -104,14 +105,14 @@ def check_launch(out_dir: Path, plan: Plan, *, rank: int, world_size: int) -> No
             )
 
 
-def _launch_command(world_size: int, train: str) -> str:
-    """The torchrun command that starts ``world_size`` ranks: over as many nodes as this launch
-    has (torchrun's GROUP_WORLD_SIZE), where they divide evenly; a one-node command would be
-    no advice to a user whose nodes each hold part of the ranks."""
+def _launch_command(plan: Plan, train: str) -> str:
+    """The torchrun command(s) that start ``plan`` (`plan_launch`); for a plan that does not record
+    its nodes, over as many nodes as this launch has (torchrun's GROUP_WORLD_SIZE), filled in
+    order: a one-node command would be no advice to a user whose nodes each hold part of the ranks."""
+    if plan.gpus_per_node is not None:
+        return plan_launch(plan, train).one_line()
     nodes = int(os.environ.get("GROUP_WORLD_SIZE", "1"))
-    if nodes > 1 and world_size % nodes == 0:
-        return f"torchrun --nnodes {nodes} --nproc-per-node {world_size // nodes} {train} on each node"
-    return f"torchrun --nproc-per-node {world_size} {train}"
+    return Launch(train=train, sizes=node_sizes(plan.world_size, -(-plan.world_size // nodes))).one_line()
 
 
 def check_output(out_dir: Path, plan: Plan) -> None:

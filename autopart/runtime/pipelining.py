@@ -35,6 +35,8 @@ hand edits of ``plan.schedule.actions`` reach ``train.py``, not this loop.
 from __future__ import annotations
 
 import datetime
+import shlex
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,6 +65,7 @@ from autopart.runtime.gradients import average_gradients, sum_tied_gradients, ti
 from autopart.runtime.launch import check_world_size
 from autopart.runtime.mesh import Coordinates, Mesh, group_of
 from autopart.runtime.stage import load_stage
+from autopart.runtime.torchrun_command import plan_launch
 from autopart.runtime.train_flags import check_initial_weights
 
 __all__ = ["TORCH_SCHEDULES", "ProcessGroups", "Pipeline", "build_stages", "loss_is_the_output"]
@@ -182,7 +185,7 @@ def build_stages(out_dir: str | Path, *, device: torch.device | None = None, wei
     if not dist.is_initialized():
         raise ConfigError("build_stages needs a process group: call torch.distributed.init_process_group first "
                           "(run the script under torchrun)")  # fmt: skip
-    check_world_size(plan, dist.get_world_size(), f"torchrun --nproc-per-node {plan.world_size}")
+    check_world_size(plan, dist.get_world_size(), plan_launch(plan, shlex.quote(sys.argv[0] or "SCRIPT.py")).one_line())
     device = device or compute_device()
     mesh = Mesh.of(plan)
     rank = dist.get_rank()

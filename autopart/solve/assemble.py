@@ -198,6 +198,7 @@ def plan_from_cuts(
         tp_overlap=tp_overlap,
         graph_inputs=front.op_graph.graph.input_names,
         optimizer=options.optimizer,
+        gpus_per_node=options.gpus_per_node,
         tied_parameters={p: tuple(s) for p, s in holders.items() if len(s) > 1},
         dtype=options.dtype,
         embedding_parameters=embedding_parameters(front.spec.module) if front.spec.module is not None else (),

@@ -20,9 +20,10 @@ from rich.table import Table
 
 from autopart.predict.accuracy import describe_prediction
 from autopart.ir.errors import AutopartError, ConfigError, OneLineParser
-from autopart.tools.local_run import LocalRunError, train_command
+from autopart.tools.local_run import LocalRunError
 from autopart.runtime.process_exit import leave
 from autopart.runtime.recipe import Recipe, add_recipe_arguments
+from autopart.runtime.torchrun_command import plan_launch
 from cost_models.calibration import usable_cores
 
 __all__ = ["main", "run"]
@@ -315,7 +316,7 @@ def _compile(args: argparse.Namespace, console: Console) -> None:
                       "predicted step counts them (compile on a quiet machine for a quiet one's step)")
     console.print(f"compile peak memory {peak_memory_gib():.2f} GiB")
     train = shlex.quote(f"{out}/train.py")  # a command to paste: a folder of spaces stays one word
-    console.print(f"wrote {out}/; train with{train_command(train, plan.world_size, options.gpus_per_node)}")
+    console.print(f"wrote {out}/; train with{plan_launch(plan, train, '--steps 10').block()}")
 
 
 def _print_turns(console: Console, plan, ran: float | None) -> None:
@@ -416,10 +417,8 @@ def _explain(args: argparse.Namespace, console: Console) -> None:
         f"bubble {predicted.bubble:.1%}, cost model {plan.provenance.cost_model}"
     )
     if comparison is None:
-        console.print(
-            f"measure a step with: torchrun --nproc-per-node {plan.world_size} {shlex.quote(f'{args.out}/train.py')} "
-            "--steps 3 --trace trace.json"
-        )
+        measure = plan_launch(plan, shlex.quote(f"{args.out}/train.py"), "--steps 3 --trace trace.json")
+        console.print(f"measure a step with: {measure.one_line()}")
         return
     _print_table(console, comparison_rows(comparison, plan), f"predicted vs measured ({args.trace})")
     for line in step_lines(comparison, plan):

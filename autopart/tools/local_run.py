@@ -29,7 +29,7 @@ import torch
 from autopart.ir.plan import Plan
 
 __all__ = ["Launched", "LocalRunError", "RankZygote", "free_port", "run_failed", "run_forked", "run_here",
-           "run_locally", "runs_on_gpus", "train_command"]
+           "run_locally", "runs_on_gpus"]
 
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])  # the generated train.py imports autopart
 
@@ -246,15 +246,3 @@ def run_failed(code: int, stderr: str, *, failed: str = "") -> LocalRunError:
     lines = [line for line in lines if line.strip()]
     cause = lines.pop().strip() if lines else ""  # on the first line, and not again below it
     return LocalRunError("\n".join([f"the distributed run failed (exit {code}): {cause}", *lines]))
-
-
-def train_command(train: str, world_size: int, per_node: int) -> str:
-    """What follows "train with" after a compile: the torchrun command for ``train`` (OUT's
-    train.py, quoted), run on each node where the plan spans nodes of ``per_node`` devices (a
-    one-node command would not fit them), with torchrun's elastic rendezvous."""
-    nodes = world_size // per_node
-    if nodes > 1 and world_size % per_node == 0:
-        return (f", on each of the {nodes} nodes (HOST: the first one's address):\n  torchrun --nnodes {nodes} "
-                f"--nproc-per-node {per_node} --rdzv-backend c10d --rdzv-endpoint HOST:29500 --rdzv-id autopart "
-                f"{train} --steps 10")
-    return f":\n  torchrun --nproc-per-node {world_size} {train} --steps 10"
