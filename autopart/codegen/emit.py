@@ -93,8 +93,8 @@ def _write_programs(plan: Plan, op_graph: OpGraph, spec: ModelSpec, out: Path, *
     # with the model's initialisers, or reads them from a checkpoint (train.py --weights)
     materialised = not is_meta(module)
     graphs = stage_graphs(op_graph, [stage.nodes for stage in plan.stages])
-    command = plain_text(str(final / "train.py"))  # the commands are lines of docstrings
-    command = plan_launch(plan, command, "--steps 10").block("    ", gap=True)
+    train_py = plain_text(str(final / "train.py"))  # the commands are lines of docstrings
+    command = plan_launch(plan, train_py, "--steps 10").block("    ", gap=True)
     tp = plan.mesh["tp"]
     leaf_names = {str(n.target): list(op_graph.leaf_tensors[n.name]) for n in module.graph.nodes if n.op == "call_module"}
 

@@ -11,6 +11,7 @@ import argparse
 import datetime
 import hashlib
 import json
+import math
 import os
 import shlex
 import sys
@@ -112,7 +113,7 @@ def _launch_command(plan: Plan, train: str) -> str:
     if plan.gpus_per_node is not None:
         return plan_launch(plan, train).one_line()
     nodes = int(os.environ.get("GROUP_WORLD_SIZE", "1"))
-    return Launch(train=train, sizes=node_sizes(plan.world_size, -(-plan.world_size // nodes))).one_line()
+    return Launch(train=train, sizes=node_sizes(plan.world_size, math.ceil(plan.world_size / nodes))).one_line()
 
 
 def check_output(out_dir: Path, plan: Plan) -> None:
@@ -132,9 +133,9 @@ def check_nodes_agree(out_dir: Path, args: argparse.Namespace, store: dist.Store
     timeout, and one with another schedule, --steps, --lr or --seed would train a different
     model or stop at another step. Options are compared as argparse parsed them (``--betas
     0.9,0.95`` is ``--betas 0.90,0.950``), sent as JSON (`gather_json`): nothing a peer sends is
-    unpickled. Paths are compared only as given or not (a shared folder may
-    be mounted under another name on each node), and --timeout not at all. Every rank refuses
-    the same (`RefusedTogether`, in ``store``, as `init_process_group` gave it)."""
+    unpickled. Paths are compared only as given or not (a shared folder may be mounted under
+    another name on each node), and --timeout not at all. Every rank refuses the same
+    (`RefusedTogether`, in ``store``, as `init_process_group` gave it)."""
     flags = {name: (value is not None) if name in _PATHS else value
              for name, value in sorted(vars(args).items()) if name != "timeout"}
     everyone = gather_json({"plan.json": file_sha256(out_dir / "plan.json"), "flags": flags})
