@@ -52,3 +52,15 @@ def test_a_plan_records_its_nodes_and_an_older_one_reads_as_none():
     assert Plan.from_json(data).gpus_per_node == data["gpus_per_node"] == 8
     del data["gpus_per_node"]
     assert Plan.from_json(data).gpus_per_node is None
+
+
+def test_a_plan_given_with_plan_keeps_its_nodes(tmp_path):
+    """``--plan`` rebuilt a plan for 2-device nodes with the compile's --gpus-per-node (8): its
+    stages placed as on one node, and its launch told as 'torchrun --nproc-per-node 4'."""
+    from autopart.driver import CompileOptions, compile_to_directory
+
+    options = dict(model=REPO / "examples" / "gpt.py", measure=False)
+    first, _ = compile_to_directory(CompileOptions(**options, pp=2, dp=2, microbatches=2, gpus_per_node=2),
+                                    tmp_path / "a")  # fmt: skip
+    pinned, _ = compile_to_directory(CompileOptions(**options, plan=tmp_path / "a" / "plan.json"), tmp_path / "b")
+    assert first.gpus_per_node == pinned.gpus_per_node == 2
