@@ -224,7 +224,7 @@ def measured_plan(options: CompileOptions, *, progress=None, console=None) -> tu
                              budget_chosen=options.memory_gib is not None)
     if tight:
         log.warning(tight)
-    note_batch_statistics(plan, front.op_graph.graph.module.graph)
+    note_batch_statistics(plan)
     return plan, front
 
 

@@ -39,8 +39,9 @@ def test_a_batch_norm_in_eval_mode_is_not_noted(tmp_path, caplog):
     model = tmp_path / "bn.py"
     model.write_text(MODEL.replace("NORM", "lambda: nn.BatchNorm1d(16).eval()"))
     with caplog.at_level("INFO", logger="autopart"):
-        autopart.compile(model, pp=2, microbatches=4, global_batch_size=8, capture="export", measure=False)
+        plan = autopart.compile(model, pp=2, microbatches=4, global_batch_size=8, capture="export", measure=False)
     assert "BatchNorm" not in caplog.text
+    assert plan.batch_statistics == ()
 
 
 @pytest.mark.parametrize("capture, norm", [("fx", "Normed"), ("export", "lambda: nn.BatchNorm1d(16)")])
@@ -48,9 +49,10 @@ def test_batch_norm_over_microbatches_is_noted(tmp_path, caplog, capture, norm):
     model = tmp_path / "bn.py"
     model.write_text(MODEL.replace("NORM", norm))
     with caplog.at_level("INFO", logger="autopart"):
-        autopart.compile(model, pp=2, microbatches=4, global_batch_size=8, capture=capture, measure=False)
+        plan = autopart.compile(model, pp=2, microbatches=4, global_batch_size=8, capture=capture, measure=False)
     assert "2 BatchNorm op(s) normalise by the statistics of each microbatch of 2 samples, not of the global batch " \
            "of 8" in caplog.text
+    assert len(plan.batch_statistics) == 2
     caplog.clear()
     with caplog.at_level("INFO", logger="autopart"):
         autopart.compile(model, pp=2, microbatches=1, global_batch_size=8, capture=capture, measure=False)
@@ -90,8 +92,9 @@ def test_a_batch_norm_inside_a_leaf_module_is_noted(tmp_path, caplog):
 
 class Normed"""))
     with caplog.at_level("INFO", logger="autopart"):
-        autopart.compile(model, pp=2, microbatches=4, global_batch_size=8, leaf=("Block",), measure=False)
+        plan = autopart.compile(model, pp=2, microbatches=4, global_batch_size=8, leaf=("Block",), measure=False)
     assert "2 BatchNorm op(s) normalise by the statistics of each microbatch of 2 samples" in caplog.text
+    assert len(plan.batch_statistics) == 2  # the calls of the two Block modules
 
 
 @pytest.mark.multiprocess

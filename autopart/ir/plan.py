@@ -142,6 +142,9 @@ class Plan:
     gpus_per_node: int | None = None
     """The ranks of a node that the plan was costed for (``--gpus-per-node``), which fill nodes in
     order: what the printed torchrun commands start on each node. None in plans written before."""
+    batch_statistics: tuple[str, ...] = ()
+    """The ops that normalise by their batch's statistics (BatchNorm in training): a part of the
+    batch trains them otherwise than the whole does, so the reference splits it as the plan does."""
     version: int = PLAN_VERSION
     stage_sha256: dict[str, str] = field(default_factory=dict, compare=False)
     """The sha256 of every stage file the compile wrote ("stages/stage_0.py": ...), which each rank
@@ -214,6 +217,7 @@ class Plan:
             dtype=reader.choice("dtype", DTYPES, default="fp32"),
             embedding_parameters=tuple(str(n) for n in reader.data.get("embedding_parameters", [])),
             gpus_per_node=reader.positive("gpus_per_node") if reader.data.get("gpus_per_node") is not None else None,
+            batch_statistics=tuple(str(n) for n in reader.data.get("batch_statistics", [])),
             stage_sha256={str(k): str(v) for k, v in reader.sub("stage_sha256").data.items()}
             if "stage_sha256" in reader.data else {},
         )

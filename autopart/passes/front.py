@@ -34,7 +34,7 @@ from autopart.solve.tensor import BlockSharding, shard_chain
 from cost_models import CostDatabase, CostModel, ProfiledCostModel, get_cost_model
 
 __all__ = ["Front", "annotated", "block_seconds", "boundary_gathered_bytes", "boundary_held_bytes", "build_front",
-           "batch_norm_statistics", "block_weight_seeds", "capture_for", "held_tensors", "layer_input_bytes", "layer_rebuilt_bytes", "loss_working_bytes",
+           "batch_norm_statistics", "batch_statistics_ops", "block_weight_seeds", "capture_for", "held_tensors", "layer_input_bytes", "layer_rebuilt_bytes", "loss_working_bytes",
            "note_unsplit", "parameter_placements", "recompute_blocks", "sharded"]
 
 log = logging.getLogger("autopart")
@@ -131,19 +131,23 @@ def _leaf_batch_statistics(node: fx.Node, graph: fx.Graph) -> bool:
     return any(isinstance(m, batch_norm) and m.training for m in graph.owning_module.get_submodule(str(node.target)).modules())
 
 
-def note_batch_statistics(plan: Plan, graph: fx.Graph) -> None:
+def batch_statistics_ops(graph: fx.Graph) -> tuple[str, ...]:
+    """The ops of ``graph`` that normalise by their batch's statistics (`_batch_statistics`), and
+    the ``--leaf`` modules holding a BatchNorm in training: what `Plan.batch_statistics` names."""
+    return tuple(node.name for node in graph.nodes if _batch_statistics(node) or _leaf_batch_statistics(node, graph))
+
+
+def note_batch_statistics(plan: Plan) -> None:
     """BatchNorm in training normalises by its batch's statistics, and a pipeline's batch is a
     microbatch, a replica's its share: the model trains as BatchNorm over fewer samples than the
     global batch (as torch's DDP without SyncBatchNorm does). Said where it is so."""
     samples = plan.schedule.micro_batch_size
-    if samples == plan.schedule.global_batch_size:
+    if samples == plan.schedule.global_batch_size or not plan.batch_statistics:
         return
-    norms = [node for node in graph.nodes if _batch_statistics(node) or _leaf_batch_statistics(node, graph)]
-    if norms:
-        log.info(f"{len(norms)} BatchNorm op(s) normalise by the statistics of each microbatch of {samples} samples, "
-                 f"not of the global batch of {plan.schedule.global_batch_size}: the model trains as BatchNorm over "
-                 f"{samples} (autopart verify, which compares with one process over the whole batch, will differ); "
-                 "a global batch in one microbatch of one replica keeps the model's own")
+    log.info(f"{len(plan.batch_statistics)} BatchNorm op(s) normalise by the statistics of each microbatch of {samples} "
+             f"samples, not of the global batch of {plan.schedule.global_batch_size}: the model trains as BatchNorm "
+             f"over {samples} (autopart verify, which compares with one process over the whole batch, will differ); "
+             "a global batch in one microbatch of one replica keeps the model's own")
 
 
 def annotated(options: CompileOptions, micro_batch_size: int, *, separate_biases: bool,

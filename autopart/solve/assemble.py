@@ -19,7 +19,7 @@ from autopart.ir.plan import Plan, Predicted, Provenance, ScheduleSpec, StagePla
 from autopart.options import CompileOptions
 from autopart.passes.annotate import OpGraph
 from autopart.passes.front import (
-    Front, block_seconds, block_weight_seeds, held_tensors, layer_input_bytes, layer_rebuilt_bytes,
+    Front, batch_statistics_ops, block_seconds, block_weight_seeds, held_tensors, layer_input_bytes, layer_rebuilt_bytes,
     loss_working_bytes, parameter_placements, recompute_blocks,
 )
 from autopart.passes.recompute import (
@@ -202,6 +202,7 @@ def plan_from_cuts(
         tied_parameters={p: tuple(s) for p, s in holders.items() if len(s) > 1},
         dtype=options.dtype,
         embedding_parameters=embedding_parameters(front.spec.module) if front.spec.module is not None else (),
+        batch_statistics=batch_statistics_ops(front.op_graph.graph.module.graph),
     )
 
 
