@@ -41,7 +41,7 @@ def test_a_batch_norm_in_eval_mode_is_not_noted(tmp_path, caplog):
     with caplog.at_level("INFO", logger="autopart"):
         plan = autopart.compile(model, pp=2, microbatches=4, global_batch_size=8, capture="export", measure=False)
     assert "BatchNorm" not in caplog.text
-    assert plan.batch_statistics == ()
+    assert plan.batch_statistics == ()  # verify's reference runs the whole batch in one forward
 
 
 @pytest.mark.parametrize("capture, norm", [("fx", "Normed"), ("export", "lambda: nn.BatchNorm1d(16)")])
@@ -52,6 +52,7 @@ def test_batch_norm_over_microbatches_is_noted(tmp_path, caplog, capture, norm):
         plan = autopart.compile(model, pp=2, microbatches=4, global_batch_size=8, capture=capture, measure=False)
     assert "2 BatchNorm op(s) normalise by the statistics of each microbatch of 2 samples, not of the global batch " \
            "of 8" in caplog.text
+    assert "autopart verify's reference splits the batch as the plan does" in caplog.text
     assert len(plan.batch_statistics) == 2
     caplog.clear()
     with caplog.at_level("INFO", logger="autopart"):

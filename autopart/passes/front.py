@@ -146,8 +146,8 @@ def note_batch_statistics(plan: Plan) -> None:
         return
     log.info(f"{len(plan.batch_statistics)} BatchNorm op(s) normalise by the statistics of each microbatch of {samples} "
              f"samples, not of the global batch of {plan.schedule.global_batch_size}: the model trains as BatchNorm "
-             f"over {samples} (autopart verify, which compares with one process over the whole batch, will differ); "
-             "a global batch in one microbatch of one replica keeps the model's own")
+             f"over {samples} (autopart verify's reference splits the batch as the plan does); a global batch in one "
+             "microbatch of one replica keeps the model's own")
 
 
 def annotated(options: CompileOptions, micro_batch_size: int, *, separate_biases: bool,

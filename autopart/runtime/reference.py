@@ -14,6 +14,13 @@ updates (a counter, BatchNorm's statistics) move once per step, as one forward o
 moves them; where it sums its gradient over parts of the batch (``microbatches``) each part
 starts from the step's buffers and they end at the parts' mean, as the programs' microbatches do
 (`autopart.runtime.buffer_updates`).
+
+A model whose ops normalise by their batch's statistics (``plan.batch_statistics``: BatchNorm in
+training) computes another function on a part of the batch than on the whole: the programs train
+it over each replica's microbatches, as DDP and pipelining do. For such a plan the reference runs
+one forward per microbatch of each replica, on the same samples, each loss scaled as the plan
+scales it, and evaluates so too; for any other it runs one forward over the whole batch, which
+checks more (that the plan's parts add up to it).
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ from safetensors.torch import load_file
 from autopart.ir.errors import ConfigError
 from autopart.ir.tensors import precision, working_dtype
 from autopart.ir.model_file import eager_loss, load_model_file
-from autopart.ir.plan import load_plan
+from autopart.ir.plan import Plan, load_plan
 from autopart.runtime.data import eval_batches, model_file, split_microbatches, training_batches
 from autopart.runtime.materialise import materialise, meta_names
 from autopart.runtime.stage import stage_names
@@ -40,7 +47,7 @@ from autopart.runtime.optim import make_optimizer
 from autopart.runtime.recipe import Recipe, parameter_groups
 from autopart.runtime.shards import load_stage_weights
 
-__all__ = ["ReferenceRun", "initial_weights", "train_reference"]
+__all__ = ["ReferenceRun", "initial_weights", "plan_parts", "train_reference"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,12 +57,22 @@ class ReferenceRun:
     eval_losses: dict[int, float] = field(default_factory=dict)  # step -> mean held-out loss after it
 
 
-def _parts(batch: tuple[tuple[Any, ...], Any], count: int) -> list[tuple[tuple[Any, ...], Any]]:
-    """A batch (inputs, target) as ``count`` microbatches (`split_microbatches`)."""
-    if count == 1:
+def _parts(batch: tuple[tuple[Any, ...], Any], replicas: int, microbatches: int) -> list[tuple[tuple[Any, ...], Any]]:
+    """A batch (inputs, target) as each of ``replicas`` shares of it in ``microbatches`` parts, in
+    that order, as train.py splits it (`split_microbatches`)."""
+    if replicas * microbatches == 1:
         return [batch]
     inputs, target = batch
-    return [(tuple(part[:-1]), part[-1]) for part in split_microbatches((*inputs, target), count)]
+    shares = split_microbatches((*inputs, target), replicas)
+    return [(tuple(part[:-1]), part[-1]) for share in shares for part in split_microbatches(share, microbatches)]
+
+
+def plan_parts(plan: Plan) -> tuple[int, int]:
+    """(replicas, microbatches): the parts of the batch that the reference of ``plan`` runs one
+    forward each on, the plan's own where its ops normalise by their batch (module docstring)."""
+    if not plan.batch_statistics:
+        return 1, 1
+    return plan.mesh["dp"], plan.schedule.microbatches
 
 
 def initial_weights(out_dir: Path) -> dict[str, torch.Tensor]:
@@ -69,7 +86,7 @@ def initial_weights(out_dir: Path) -> dict[str, torch.Tensor]:
 def train_reference(
     out_dir: str | Path, *, steps: int, lr: float, optimizer: str, seed: int = 0, weights: Path | None = None,
     dtype: str | None = None, device: str = "cpu", recipe: Recipe | None = None, eval_every: int = 0,
-    eval_batch_count: int = 1, dropout: bool = True, microbatches: int = 1,
+    eval_batch_count: int = 1, dropout: bool = True, microbatches: int | None = None,
 ) -> ReferenceRun:
     """``weights`` is the checkpoint the programs were started from (``train.py --weights``), if any;
     ``dtype`` the precision, by default the plan's; ``device`` where it trains (``"cuda"``: the
@@ -77,7 +94,8 @@ def train_reference(
     ``recipe`` the schedule, decay and clipping of train.py's flags; ``eval_every`` and
     ``eval_batch_count``: train.py's ``--eval-every`` and ``--eval-batches``; ``dropout`` False:
     train.py's ``--no-dropout``; ``microbatches``: the batch's gradient summed over this many
-    parts of it (another order of the same sums, as a pipeline adds them)."""
+    parts of it (another order of the same sums, as a pipeline adds them), by default the plan's
+    parts where they train another function than the whole batch (`plan_parts`), else one."""
     recipe = recipe or Recipe()
     out_dir = Path(out_dir)
     plan = load_plan(out_dir / "plan.json")
@@ -108,6 +126,7 @@ def train_reference(
 
     dtype = dtype or plan.dtype
     lower = working_dtype(dtype)
+    replicas, microbatches = plan_parts(plan) if microbatches is None else (1, microbatches)
 
     def loss_of(inputs: tuple, target: Any) -> torch.Tensor:
         inputs = tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in inputs)
@@ -126,9 +145,9 @@ def train_reference(
         torch.manual_seed(draw_seed(draw_seed(seed, step, 0), 0, 0))
         with contextlib.nullcontext() if dropout else NoDropout():
             loss = torch.zeros(())
-            for inputs, target in _parts(batch, microbatches):
+            for inputs, target in _parts(batch, replicas, microbatches):
                 with updates.forward():
-                    part = loss_of(inputs, target) / microbatches
+                    part = loss_of(inputs, target) / (replicas * microbatches)
                 part.backward()
                 loss = loss + part.detach().cpu()
             updates.finish()  # parts leave the buffers as the whole batch does, as the programs' microbatches
@@ -140,6 +159,7 @@ def train_reference(
         losses.append(loss.item())
         if eval_every and (step + 1) % eval_every == 0:
             with torch.no_grad(), NoDropout(), buffers_kept([model]):  # as the programs evaluate
-                evaluations[step] = sum(loss_of(*batch).item() for batch in held_out) / len(held_out)
+                evaluations[step] = sum(loss_of(*part).item() for batch in held_out
+                                        for part in _parts(batch, replicas, microbatches)) / (len(held_out) * replicas * microbatches)
     final = {name: named[name].detach().cpu().clone() for name in held}
     return ReferenceRun(losses=losses, parameters=final, eval_losses=evaluations)

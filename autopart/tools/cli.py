@@ -148,6 +148,9 @@ def _verify(args: argparse.Namespace, console: Console) -> int:
     if result.without_dropout:
         console.print("the model draws random numbers (dropout), which this plan draws per stage, microbatch and "
                       "rank where one process draws them once: both trained with dropout off", soft_wrap=True)
+    if result.reference_parts != (1, 1):
+        console.print("the model normalises by its batch (BatchNorm): the reference ran one forward per microbatch of "
+                      "each replica, {} x {}, as the plan does".format(*result.reference_parts), soft_wrap=True)
     console.print(
         f"{result.steps} steps: largest loss difference {result.loss_difference:.3g} (step {result.loss_step}, "
         f"tolerance {result.loss_tolerance}); largest parameter difference {result.parameter_difference:.3g} "

@@ -3,7 +3,9 @@
 The programs run on this machine (`autopart.tools.local_run`), on its GPUs with NCCL when the plan was
 compiled for a GPU and each rank can have one (`autopart.tools.local_run.runs_on_gpus`), else with
 gloo on the CPU; the original model trains in this process on the same device, on the same
-batches from the same initial weights (``autopart.runtime.reference``). Any user can so check any compile: the losses of
+batches from the same initial weights (``autopart.runtime.reference``), in one forward per step,
+or in one per microbatch of each replica where the model normalises by its batch (BatchNorm), as
+the plan does. Any user can so check any compile: the losses of
 every step and every final parameter must agree to float tolerance (under AdamW, as far as the
 order of the sums lets them: `ORDER_NOISE_FACTOR`).
 """
@@ -24,7 +26,7 @@ from autopart.tools.local_run import run_locally, runs_on_gpus
 from autopart.ir.plan import Plan, load_plan
 from autopart.runtime.launch import check_output
 from autopart.runtime.recipe import Recipe
-from autopart.runtime.reference import ReferenceRun, initial_weights, train_reference
+from autopart.runtime.reference import ReferenceRun, initial_weights, plan_parts, train_reference
 from autopart.runtime.shards import load_stage_weights
 
 __all__ = ["Verification", "verify", "DEFAULT_LR", "LOSS_TOLERANCE", "PARAMETER_TOLERANCE"]
@@ -76,6 +78,7 @@ class Verification:
     loss_tolerance: str  # the tolerances applied, as the verdict prints them: a bf16 plan's are looser
     parameter_tolerance: str
     without_dropout: bool = False  # both trained with every dropout passing its input (`_draws_apart_from_one_process`)
+    reference_parts: tuple[int, int] = (1, 1)  # (replicas, microbatches) the reference ran one forward each on (`plan_parts`)
 
     @property
     def matches(self) -> bool:
@@ -304,7 +307,7 @@ def verify(out_dir: str | Path, *, steps: int = 3, lr: float | None = None, opti
     failures.sort(key=lambda f: -f[0])
     loss_step = max(range(len(loss_gaps)), key=loss_gaps.__getitem__) if loss_gaps else 0
     return Verification(
-        steps=steps, losses=losses, reference_losses=reference.losses,
+        steps=steps, losses=losses, reference_losses=reference.losses, reference_parts=plan_parts(plan),
         loss_difference=max(loss_gaps, default=0.0), loss_step=loss_step,
         parameter_difference=worst, parameter=worst_name, failures=[text for _, text in failures],
         loss_tolerance=loss_tolerance, parameter_tolerance=parameter_tolerance, without_dropout=not dropout,
