@@ -97,3 +97,22 @@ def test_the_reference_evaluates_by_the_plans_parts(tmp_path):
     torch.testing.assert_close(torch.tensor([r["eval_loss"] for r in records], dtype=torch.float64),
                                torch.tensor([reference.eval_losses[s] for s in (0, 1)], dtype=torch.float64),
                                rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.multiprocess
+def test_verify_holds_adamw_on_such_a_plan_to_what_shuffled_samples_do(tmp_path):
+    """A bias before a BatchNorm has no gradient but rounding, and AdamW steps it by about the rate
+    whichever way the rounding falls. Other counts of parts would train another function here, so
+    the order of the sums is measured by one process over the plan's parts with each part's samples
+    shuffled: the plan matches as that does; with another epsilon or momentum it does not."""
+    out = compiled(tmp_path, pp=2, dp=1, microbatches=2)
+    result = verify(out, steps=2, lr=0.1, optimizer="adamw")
+    assert result.matches, result.failures
+    assert result.parameter_difference > 1e-3  # a hundred times what the rounding tolerance allows
+    for text, instead, failing in (("True, 0.1, 1e-05", "True, 0.1, 0.1", "the loss of step 0 differs"),
+                                   ("True, 0.1, 1e-05", "True, 0.2, 1e-05", "parameter 5.running_mean")):
+        broken = tmp_path / f"broken{len(failing)}"
+        shutil.copytree(out, broken)
+        corrupt(broken, text, instead)
+        result = verify(broken, steps=2, lr=0.1, optimizer="adamw")
+        assert any(f.startswith(failing) for f in result.failures), result.failures

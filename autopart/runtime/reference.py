@@ -67,6 +67,22 @@ def _parts(batch: tuple[tuple[Any, ...], Any], replicas: int, microbatches: int)
     return [(tuple(part[:-1]), part[-1]) for share in shares for part in split_microbatches(share, microbatches)]
 
 
+def _shuffled(parts: list[tuple[tuple[Any, ...], Any]], seed: int | None) -> list[tuple[tuple[Any, ...], Any]]:
+    """Each part's samples in an order drawn from ``seed`` (None: as they are). A model that
+    treats its samples alike (a mean loss, a batch norm's statistics) computes the same function
+    over them, with its sums over the batch taken in another order."""
+    if seed is None:
+        return parts
+    generator = torch.Generator().manual_seed(seed)
+    shuffled = []
+    for inputs, target in parts:
+        size = next((v.shape[0] for v in (*inputs, target) if isinstance(v, torch.Tensor)), 0)
+        order = torch.randperm(size, generator=generator)
+        inputs = tuple(v[order] if isinstance(v, torch.Tensor) else v for v in inputs)
+        shuffled.append((inputs, target[order] if isinstance(target, torch.Tensor) else target))
+    return shuffled
+
+
 def plan_parts(plan: Plan) -> tuple[int, int]:
     """(replicas, microbatches): the parts of the batch that the reference of ``plan`` runs one
     forward each on, the plan's own where its ops normalise by their batch (module docstring)."""
@@ -83,10 +99,25 @@ def initial_weights(out_dir: Path) -> dict[str, torch.Tensor]:
     return weights
 
 
+def _started(model: torch.nn.Module, initial: dict[str, torch.Tensor], *, file: str,
+             out_dir: Path) -> dict[str, torch.Tensor]:
+    """The model's parameters and buffers by name, set to ``initial`` (the compile's weights)."""
+    named = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers(remove_duplicate=False))
+    with torch.no_grad():
+        for name, value in initial.items():
+            if name in named:  # not the constants that the model makes in forward
+                if named[name].shape != value.shape:
+                    raise ConfigError(f"{file} now builds '{name}' of shape {tuple(named[name].shape)}, where "
+                                      f"{out_dir} was compiled with {tuple(value.shape)} (a file it imports changed?); "
+                                      "compile it again")
+                named[name].copy_(value)
+    return named
+
+
 def train_reference(
     out_dir: str | Path, *, steps: int, lr: float, optimizer: str, seed: int = 0, weights: Path | None = None,
     dtype: str | None = None, device: str = "cpu", recipe: Recipe | None = None, eval_every: int = 0,
-    eval_batch_count: int = 1, dropout: bool = True, microbatches: int | None = None,
+    eval_batch_count: int = 1, dropout: bool = True, microbatches: int | None = None, sample_order: int | None = None,
 ) -> ReferenceRun:
     """``weights`` is the checkpoint the programs were started from (``train.py --weights``), if any;
     ``dtype`` the precision, by default the plan's; ``device`` where it trains (``"cuda"``: the
@@ -95,7 +126,8 @@ def train_reference(
     ``eval_batch_count``: train.py's ``--eval-every`` and ``--eval-batches``; ``dropout`` False:
     train.py's ``--no-dropout``; ``microbatches``: the batch's gradient summed over this many
     parts of it (another order of the same sums, as a pipeline adds them), by default the plan's
-    parts where they train another function than the whole batch (`plan_parts`), else one."""
+    parts where they train another function than the whole batch (`plan_parts`), else one;
+    ``sample_order``: a seed by which to shuffle the samples of each part (`_shuffled`)."""
     recipe = recipe or Recipe()
     out_dir = Path(out_dir)
     plan = load_plan(out_dir / "plan.json")
@@ -104,16 +136,8 @@ def train_reference(
     assert model is not None
     if any(True for _ in meta_names(model)):  # made as every rank makes its slice
         materialise(model, meta_names(model), init=spec.init_weights)
-    initial = load_file(str(weights)) if weights is not None else initial_weights(out_dir)
-    named = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers(remove_duplicate=False))
-    with torch.no_grad():
-        for name, value in initial.items():
-            if name in named:  # not the constants that the model makes in forward
-                if named[name].shape != value.shape:
-                    raise ConfigError(f"{spec.path.name} now builds '{name}' of shape {tuple(named[name].shape)}, where "
-                                      f"{out_dir} was compiled with {tuple(value.shape)} (a file it imports changed?); "
-                                      "compile it again")
-                named[name].copy_(value)
+    named = _started(model, load_file(str(weights)) if weights is not None else initial_weights(out_dir),
+                     file=spec.path.name, out_dir=out_dir)
     held = [name for stage in plan.stages for name in stage_names(out_dir, stage.index)]
     model.to(device)
     groups = parameter_groups(model.named_parameters(), weight_decay=recipe.weight_decay,
@@ -145,7 +169,7 @@ def train_reference(
         torch.manual_seed(draw_seed(draw_seed(seed, step, 0), 0, 0))
         with contextlib.nullcontext() if dropout else NoDropout():
             loss = torch.zeros(())
-            for inputs, target in _parts(batch, replicas, microbatches):
+            for inputs, target in _shuffled(_parts(batch, replicas, microbatches), sample_order):
                 with updates.forward():
                     part = loss_of(inputs, target) / (replicas * microbatches)
                 part.backward()
