@@ -303,7 +303,8 @@ def test_a_rank_waits_for_the_step_of_its_slowest_replica(tmp_path, monkeypatch)
     slowest replica's over the tensors it owns, not 1/dp of all of them."""
     monkeypatch.setenv("AUTOPART_CACHE_DIR", str(tmp_path / "cache"))
     options = CompileOptions(model=REPO / "examples" / "gpt.py", pp=1, dp=4, zero=1, microbatches=2,
-                             micro_batch_size=1, schedule="1f1b", optimizer="adamw", dtype="bf16", measure=False)
+                             micro_batch_size=1, schedule="1f1b", optimizer="adamw", dtype="bf16", measure=False,
+                             device="h100-sxm")  # a spec: timings the machine's load does not move
     front = build_front(options, 1)
     plan = plan_from_cuts(options, front, pipeline_problem(options, front, 2), (), options.batch_shape(),
                           ("pinned", 0.0, 0.0))
@@ -315,7 +316,7 @@ def test_a_rank_waits_for_the_step_of_its_slowest_replica(tmp_path, monkeypatch)
                    for r in range(4)]
     tails = rank_tails(options, front, list(plan.stages), {n: [0] for n in held}, None)
     assert tails[0] == pytest.approx(max(per_replica))
-    assert max(per_replica) > min(per_replica) * 1.2  # the replicas' steps differ: not an even share
+    assert max(per_replica) > sum(per_replica) / 4 * (1 + 1e-4)  # the replicas' steps differ: not an even share
 
 
 def test_a_tensor_parallel_rank_steps_its_shards(tmp_path, monkeypatch):
