@@ -127,6 +127,7 @@ def test_in_situ_times_are_averaged_per_key_and_split_as_the_op_split_alone() ->
                  "op(b)": OpTimes(forward_s=5.0),
                  "op(c)": OpTimes(forward_s=7.0, backward_input_s=1.0)}
         nodes = {"op(a)": ["a1", "a2"], "op(b)": ["b"], "op(c)": ["c"]}
+        whole_backward = {"a1", "a2", "b", "c"}
 
     from autopart.profiling.in_situ import NodeTimes
 
@@ -137,6 +138,27 @@ def test_in_situ_times_are_averaged_per_key_and_split_as_the_op_split_alone() ->
     assert database.get("cpu", "op(a)") == OpTimes(forward_s=3.0, backward_input_s=6.0, backward_weight_s=2.0)
     assert database.get("cpu", "op(b)") == OpTimes(forward_s=6.0, backward_input_s=0.5, backward_weight_s=0.0)
     assert database.get("cpu", "op(c)") == Timer.timed["op(c)"]  # not seen in place: timed alone
+
+
+def test_a_frozen_nodes_backward_is_not_averaged_into_its_keys() -> None:
+    """A frozen layer's op runs no backward in the whole graph (nothing trained feeds it) while the
+    same op in a trained layer runs it: the key's backward is the trained node's, not half of it.
+    Where none of a key's nodes runs its whole backward (a trained linear fed by frozen layers
+    computes no input gradient), the backward is as timed alone."""
+    class Timer:
+        timed = {"op(a)": OpTimes(forward_s=1.0, backward_input_s=3.0, backward_weight_s=1.0),
+                 "op(b)": OpTimes(forward_s=1.0, backward_input_s=3.0, backward_weight_s=1.0)}
+        nodes = {"op(a)": ["frozen", "trained"], "op(b)": ["weights_only"]}
+        whole_backward = {"trained"}
+
+    from autopart.profiling.in_situ import NodeTimes
+
+    in_situ = {"frozen": NodeTimes(forward_s=2.0, backward_s=0.0), "trained": NodeTimes(forward_s=2.0, backward_s=8.0),
+               "weights_only": NodeTimes(forward_s=2.0, backward_s=2.0)}
+    database = CostDatabase()
+    put_in_situ(database, "cpu", Timer(), in_situ)
+    assert database.get("cpu", "op(a)") == OpTimes(forward_s=2.0, backward_input_s=6.0, backward_weight_s=2.0)
+    assert database.get("cpu", "op(b)") == OpTimes(forward_s=2.0, backward_input_s=3.0, backward_weight_s=1.0)
 
 
 def test_an_optimizer_step_pays_its_fixed_cost_once() -> None:

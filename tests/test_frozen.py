@@ -142,8 +142,8 @@ def test_a_fine_tune_that_fits_with_its_base_frozen_is_not_refused(tmp_path):
 
 def test_a_frozen_base_takes_no_weight_gradients_optimizer_step_nor_reduction(tmp_path):
     """The runtime computes no weight gradient for a frozen parameter, steps it in no optimizer and
-    reduces it over no data-parallel group: the step model counts none of those either. (Input
-    gradients through frozen layers are still counted where they lie behind nothing trained.)"""
+    reduces it over no data-parallel group: the step model counts none of those either (nor the
+    base's input gradients: nothing trained lies before it, `test_a_frozen_prefix_costs_no_backward`)."""
     import autopart
 
     options = dict(pp=1, dp=2, microbatches=1, global_batch_size=64, optimizer="adamw", measure=False)
@@ -184,3 +184,77 @@ def test_the_search_reduces_and_steps_only_what_trains(zero, pp):
     else:
         assert estimate["frozen"] == pytest.approx(estimate["light"], rel=0.02) and \
             estimate["trained"] > 2 * estimate["frozen"]
+
+
+PREFIX = """
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+
+class Model(nn.Module):  # a frozen embedding and three frozen blocks below three trained ones
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(64, 32)
+        self.blocks = nn.ModuleList(nn.Linear(32, 32) for _ in range(6))
+        self.norm = nn.LayerNorm(32)
+        self.head = nn.Linear(32, 64)
+        self.emb.requires_grad_(False)
+        for block in self.blocks[:3]:
+            block.requires_grad_(False)
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        for block in self.blocks:
+            x = x + torch.tanh(block(x))
+        return self.head(self.norm(x))
+
+
+def build_model():
+    torch.manual_seed(0)
+    return Model()
+
+
+def example_batch(batch_size):
+    tokens = torch.randint(0, 64, (batch_size, 9), generator=torch.Generator().manual_seed(1))
+    return (tokens[:, :-1],), tokens[:, 1:]
+
+
+def loss_fn(logits, target):
+    return F.cross_entropy(logits.reshape(-1, 64), target.reshape(-1))
+"""
+PREFIX_NODES = ("embedding", "linear", "tanh", "add", "linear_1", "tanh_1", "add_1", "linear_2", "tanh_2", "add_2")
+"""The frozen prefix's ops: the embedding and blocks 0 to 2."""
+
+
+def _prefix(tmp_path):
+    model = tmp_path / "prefix.py"
+    model.write_text(PREFIX)
+    return model
+
+
+def test_a_frozen_prefix_costs_no_backward(tmp_path):
+    """Ops that no trained parameter feeds (a frozen embedding and the frozen blocks after it) run
+    no backward in training and keep nothing for one: they cost none and save nothing. The first
+    trained block computes its weights' gradients, not its input's. Every op was charged an input
+    gradient, and a stage of frozen layers predicted a backward the runtime never runs."""
+    import autopart
+    from autopart.ir.model_file import load_model_file
+    from autopart.passes.annotate import annotate
+    from autopart.passes.capture import capture
+    from cost_models import get_cost_model
+
+    spec = load_model_file(_prefix(tmp_path))
+    nodes = annotate(capture(spec, batch_size=2), spec, get_cost_model("cpu"), micro_batch_size=2).nodes
+    for name in PREFIX_NODES:
+        cost = nodes[name]
+        assert not cost.needs_grad and cost.backward_s == 0, name
+        assert cost.saved_bytes == cost.selective_saved_bytes == cost.weight_seed_bytes == 0, name
+    assert not nodes["blocks_2_weight"].needs_grad and nodes["blocks_3_weight"].needs_grad
+    first_trained = nodes["linear_3"]
+    assert first_trained.needs_grad and first_trained.backward_input_s == 0 < first_trained.backward_weight_s
+    assert nodes["linear_4"].backward_input_s > 0 and nodes["tanh_3"].backward_input_s > 0
+    plan = autopart.compile(_prefix(tmp_path), pp=2, stage_layers=(2, 4), microbatches=2, global_batch_size=4,
+                            measure=False)
+    assert plan.stages[0].backward_s == 0 < plan.stages[0].forward_s, "the frozen stage: no backward"
+    assert plan.stages[1].backward_s > plan.stages[1].backward_weight_s > 0

@@ -10,6 +10,8 @@ example batch at the microbatch size and records, per node:
 - the bytes that autograd saves for backward, measured with saved-tensor hooks on a run of the
   whole graph (a storage saved by two nodes counts once), and the bytes of the outputs that
   selective recompute keeps (`autopart.passes.recompute.keeps_output`), measured on the same run;
+- whether its value needs a gradient (a trainable parameter upstream, `autopart.passes.grad_flow`):
+  an op whose inputs need none has no input-gradient half, and one that needs none no backward;
 - whether it reads a parameter, and whether it depends only on the batch and on buffers
   ("batch-derived": position ids, masks, reshaped targets), which later passes recompute on
   every stage that needs them instead of sending them through the pipeline.
@@ -41,6 +43,7 @@ from autopart.ir.tensors import DTYPES, TensorMeta, autocast_dtype, precision, t
 from autopart.passes.autocast_lists import cuda_autocast
 from autopart.passes.cost_keys import cost_key
 from autopart.passes.kernel_figures import kernel_figures, recompute_share
+from autopart.passes.grad_flow import GradientFlow, needed_backward, trainable_parameters
 from autopart.passes.grad_leaves import grad_ready, leaves_for_grad
 from autopart.passes.weight_seeds import OpSeeds, ParameterValues, arg_nodes, arg_places, op_seeds, shared_seeds
 from autopart.ir.errors import PrecisionError
@@ -81,6 +84,7 @@ class NodeCost:
     is_parameter: bool = False
     is_buffer: bool = False
     batch_derived: bool = False
+    needs_grad: bool = False  # a trainable parameter upstream (`autopart.passes.grad_flow`): else no backward
     module_path: str = ""
     constant: Any = None  # the value, for a node that computes a Python number or a shape
 
@@ -88,14 +92,6 @@ class NodeCost:
     @property
     def backward_s(self) -> float:
         return self.backward_input_s + self.backward_weight_s
-
-    @property
-    def needs_grad(self) -> bool:
-        """A parameter, or a floating activation (not an input, a buffer or a batch-derived value)."""
-        if self.is_parameter:
-            return True
-        free = self.op in ("placeholder", "get_attr") or self.batch_derived
-        return not free and self.output is not None and self.output.dtype.startswith(("float", "bfloat"))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -397,27 +393,20 @@ def _annotate_nodes(
     feed = iter(feed_values)
     parameter_names = set(state.parameters)
     from_parameters = ParameterValues(parameter_names)
+    flow = GradientFlow(trainable_parameters(graph.module))
     for node in graph.module.graph.nodes:
         derived[node.name] = _batch_derived(node, derived, parameter_names)
         seed_key = from_parameters.visit(node, ran.get(node.name)), arg_places(node)  # beside its cost key
-        common = dict(name=node.name, op=node.op, module_path=module_path(node), batch_derived=derived[node.name])
+        needs = flow.visit(node, ran.get(node.name))
+        common = dict(name=node.name, op=node.op, module_path=module_path(node), batch_derived=derived[node.name],
+                      needs_grad=needs)
         if node.op == "placeholder":
             value = next(feed)
             values[node.name] = value
             nodes[node.name] = NodeCost(output=_meta(value), **common)
             continue
         if node.op == "get_attr":
-            value = state.attr(str(node.target))
-            values[node.name] = value
-            is_parameter = node.target in state.parameters
-            output = state.held(value) if is_parameter else _meta(value)
-            nodes[node.name] = NodeCost(
-                output=output,
-                is_parameter=is_parameter,
-                is_buffer=not is_parameter and isinstance(value, torch.Tensor),
-                parameter_bytes=output.nbytes if is_parameter else 0,
-                **common,
-            )
+            values[node.name], nodes[node.name] = _attribute(node, state, common)
             continue
         if node.op == "output":
             nodes[node.name] = NodeCost(output=None, **common)
@@ -437,6 +426,9 @@ def _annotate_nodes(
                                               cost_model.op_times(key, forward, backward_input, backward_weight),
                                               recompute_share(forward, cost_model), seeds)
         forward, backward_input, backward_weight, times, share, seeds = measured_by_key[key, seed_key]
+        (backward_input, backward_weight), times, seeds = needed_backward(  # what training runs of it
+            (backward_input, backward_weight), times, seeds, input_gradient=flow.input_gradient(node, parameter_names),
+            needs=needs)
         kernels[node.name] = (tuple(forward), tuple(backward_input), tuple(backward_weight))
         parameter_bytes = 0
         if node.op == "call_module":
@@ -446,17 +438,26 @@ def _annotate_nodes(
         nodes[node.name] = NodeCost(
             output=_meta(value),
             constant=_constant(value),
-            saved_bytes=saved.get(node.name, 0),
-            selective_saved_bytes=kept.get(node.name, 0),
+            saved_bytes=saved.get(node.name, 0) if needs else 0,  # kept for no backward
+            selective_saved_bytes=kept.get(node.name, 0) if needs else 0,
             weight_seed_bytes=seeds.nbytes,
             parameter_bytes=parameter_bytes,
-            **kernel_figures(kernels[node.name], times, share),
+            **kernel_figures(kernels[node.name], times, share if needs else 0.0),  # no backward to recompute for
             **common,
         )
         measured_seeds[node.name] = seeds
     for name, reader in shared_seeds(graph.module.graph, measured_seeds).items():
         nodes[name] = replace(nodes[name], weight_seed_reader=reader)
     return nodes, kernels, leaves
+
+
+def _attribute(node: fx.Node, state: _State, common: dict[str, Any]) -> tuple[Any, NodeCost]:
+    """A ``get_attr`` node's value and its annotation: a parameter as the rank holds it, or a buffer."""
+    value = state.attr(str(node.target))
+    is_parameter = node.target in state.parameters
+    output = state.held(value) if is_parameter else _meta(value)
+    return value, NodeCost(output=output, is_parameter=is_parameter, parameter_bytes=output.nbytes if is_parameter else 0,
+                           is_buffer=not is_parameter and isinstance(value, torch.Tensor), **common)
 
 
 def _constant(value: Any) -> Any:

@@ -47,6 +47,7 @@ from torch import fx, nn
 from autopart.ir.tensors import DTYPES, precision, working_dtype
 from autopart.passes.annotate import mixed_dtype_error, run_one, target_precision
 from autopart.passes.cost_keys import cost_key
+from autopart.passes.grad_flow import GradientFlow, trainable_parameters
 from autopart.passes.grad_leaves import leaves_for_grad
 from autopart.ir.model_file import ModelSpec, is_meta
 from autopart.passes.capture import Graph, graph_args
@@ -94,6 +95,8 @@ class _Timer(fx.Interpreter):
         self.progress = progress
         self.timed: dict[str, OpTimes] = {}
         self.nodes: dict[str, list[str]] = {}
+        self.flow = GradientFlow(trainable_parameters(module))
+        self.whole_backward: set[str] = set()  # the nodes whose backward training runs, both halves
         self.task = progress.add_task("profiling", total=sum(n.op.startswith("call") for n in module.graph.nodes)) if progress else None
 
     def _precision(self):
@@ -102,6 +105,8 @@ class _Timer(fx.Interpreter):
     def run_node(self, node: fx.Node) -> Any:
         with self._precision():
             value = super().run_node(node)
+        if self.flow.visit(node, value) and self.flow.input_gradient(node, self.flow.trainable):
+            self.whole_backward.add(node.name)
         if node.op not in ("call_function", "call_method"):
             return value
         args, kwargs = self.fetch_args_kwargs_from_env(node)
@@ -257,14 +262,17 @@ def _scaled_to(fresh: dict[str, float], uses: list[str], missing_s: float) -> di
 
 def put_in_situ(database: CostDatabase, device_name: str, timer: _Timer, in_situ: dict[str, NodeTimes]) -> None:
     """Per key, the mean over its nodes of their in-place times; the backward split into its
-    halves as the op split it when timed alone."""
+    halves as the op split it when timed alone. The backward's mean is over the nodes whose whole
+    backward training runs (a frozen layer's op runs none, `autopart.passes.grad_flow`, and the
+    same op in a trained one both halves): where the key has none here, as timed alone."""
     for key, alone in timer.timed.items():
         nodes = [in_situ[n] for n in timer.nodes[key] if n in in_situ]
         if not nodes:
             database.put(device_name, key, alone)
             continue
         forward = sum(n.forward_s for n in nodes) / len(nodes)
-        backward = sum(n.backward_s for n in nodes) / len(nodes)
+        running = [in_situ[n] for n in timer.nodes[key] if n in in_situ and n in timer.whole_backward]
+        backward = sum(n.backward_s for n in running) / len(running) if running else alone.backward_s
         weight_share = alone.backward_weight_s / alone.backward_s if alone.backward_s > 0 else 0.0
         database.put(device_name, key, OpTimes(forward_s=forward, backward_input_s=backward * (1 - weight_share),
                                                backward_weight_s=backward * weight_share))

@@ -1,0 +1,91 @@
+"""Which values of the training graph need a gradient: those with a trainable parameter upstream.
+
+A value that no trainable parameter feeds (the batch, a buffer, a frozen embedding's rows, what
+frozen lower layers make of them, an integer index) takes no gradient in training: autograd
+records nothing for the ops that make it, and their backward never runs. This is the one fact
+that the annotation costs backward by (`autopart.passes.annotate`: such an op has no
+input-gradient half, saves nothing, and without a trainable parameter of its own no backward at
+all), that the plan records for the tensors crossing a pipeline boundary (`StagePlan.no_grad_inputs`)
+and that the runtime follows: a received tensor requires grad only where it needs one, and no
+gradient goes back for one that does not (`autopart.runtime.executor`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import torch
+from torch import fx
+from torch.utils import _pytree as pytree
+
+from autopart.passes.weight_seeds import OpSeeds
+from cost_models import OpTimes
+
+__all__ = ["GradientFlow", "needed_backward", "trainable_parameters"]
+
+_DETACHING = {"detach", "detach_", torch.Tensor.detach, torch.detach}
+"""Ops whose output never takes a gradient whatever they read."""
+
+
+def trainable_parameters(module: torch.nn.Module) -> set[str]:
+    """The names (tied ones under each of their names) of the parameters that train."""
+    return {name for name, p in module.named_parameters(remove_duplicate=False) if p.requires_grad}
+
+
+class GradientFlow:
+    """Visits the nodes of a graph in order and says of each whether its value needs a gradient.
+
+    ``trainable``: the names of the parameters that train (`trainable_parameters`), as ``get_attr``
+    targets name them; a ``--leaf`` module's node needs one where the module holds one of them."""
+
+    def __init__(self, trainable: set[str]):
+        self.trainable = trainable
+        self.needs: dict[str, bool] = {}
+
+    def visit(self, node: fx.Node, value: Any = None) -> bool:
+        """Take ``node`` in (after every node it reads); ``value``: what it made, where known (a
+        value with no floating tensor in it takes no gradient, a size or an index)."""
+        if node.op == "placeholder":
+            needs = False
+        elif node.op == "get_attr":
+            needs = node.target in self.trainable
+        elif node.target in _DETACHING or not _floating(value):
+            needs = False
+        elif node.op == "call_module":
+            prefix = f"{node.target}."
+            needs = self._reads_gradient(node) or any(name.startswith(prefix) for name in self.trainable)
+        else:
+            needs = self._reads_gradient(node)
+        self.needs[node.name] = needs
+        return needs
+
+    def _reads_gradient(self, node: fx.Node) -> bool:
+        return any(self.needs[a.name] for a in node.all_input_nodes)
+
+    def input_gradient(self, node: fx.Node, parameters: set[str]) -> bool:
+        """Whether any value ``node`` reads, besides the ``parameters`` themselves (whose gradients
+        are the weight-gradient half), needs a gradient: else the node's input-gradient half never runs."""
+        return any(self.needs[a.name] for a in node.all_input_nodes
+                   if not (a.op == "get_attr" and a.target in parameters))
+
+
+def _floating(value: Any) -> bool:
+    if value is None:  # not known: as if it were
+        return True
+    return any(isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
+               for t in pytree.tree_leaves(value))
+
+
+def needed_backward(backward: tuple[Any, Any], times: OpTimes, seeds: OpSeeds, *, input_gradient: bool,
+                    needs: bool) -> tuple[tuple[Any, Any], OpTimes, OpSeeds]:
+    """An op's measured backward kernels (input-gradient, weight-gradient), times and seeds, less
+    what training never runs: without an ``input_gradient`` (`GradientFlow.input_gradient`) the
+    input-gradient half and the seeds it keeps for W; where its value ``needs`` no gradient, all.
+    (An op that reads one value needing a gradient and one that does not is charged both.)"""
+    into_inputs, into_weights = backward
+    if not needs:
+        return ((), ()), OpTimes(forward_s=times.forward_s), OpSeeds()
+    if not input_gradient:
+        return ((), into_weights), replace(times, backward_input_s=0.0), OpSeeds()
+    return backward, times, seeds
