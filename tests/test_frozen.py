@@ -4,6 +4,8 @@ stage files declare them frozen, so no gradient reaches them and no optimizer, r
 of tied copies touches them. Before, every stage declared every parameter trainable, and a run of
 more than one rank trained the frozen ones."""
 
+import json
+
 import pytest
 
 from autopart.driver import CompileOptions, compile_to_directory
@@ -258,3 +260,123 @@ def test_a_frozen_prefix_costs_no_backward(tmp_path):
                             measure=False)
     assert plan.stages[0].backward_s == 0 < plan.stages[0].forward_s, "the frozen stage: no backward"
     assert plan.stages[1].backward_s > plan.stages[1].backward_weight_s > 0
+
+
+COUNTING = '''
+"""train.py ARGS, counting per stage the tanh nodes each backward runs through and the gradient
+tensors each send and receive of gradients carries (COUNTS: the folder their rank files go to)."""
+import collections
+import json
+import os
+import runpy
+import sys
+
+from autopart.runtime import executor
+from autopart.schedule import Kind
+
+counts = {"tanh_backward": collections.Counter(), "gradients_sent": collections.Counter(),
+          "gradients_received": collections.Counter()}
+running = []
+
+
+def tanh_nodes(outputs):
+    seen, queue = set(), [t.grad_fn for t in outputs if t.grad_fn is not None]
+    while queue:
+        node = queue.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        queue.extend(child for child, _ in node.next_functions)
+    return sum("Tanh" in type(node).__name__ for node in seen)
+
+
+def counted(backward):
+    def run(outputs, *args):
+        counts["tanh_backward"][running[-1]] += tanh_nodes(outputs)
+        return backward(outputs, *args)
+    return run
+
+
+executor.backward_full, executor.backward_input = counted(executor.backward_full), counted(executor.backward_input)
+backward, act = executor.Executor._backward, executor.Executor._run
+
+
+def _backward(self, stage, m, *, split):
+    running.append(stage.index)
+    backward(self, stage, m, split=split)
+
+
+def _run(self, action, *args, **kwargs):
+    stage = self.stages[action.stage]
+    if action.kind is Kind.SEND_B:
+        counts["gradients_sent"][action.stage] += len(stage.input_grads[action.microbatch])
+    act(self, action, *args, **kwargs)
+    if action.kind is Kind.RECV_B:
+        counts["gradients_received"][action.stage] += len(stage.output_grads[action.microbatch])
+    with open(os.path.join(os.environ["COUNTS"], f"rank_{os.environ['RANK']}.json"), "w") as out:
+        json.dump(counts, out)
+
+
+executor.Executor._backward, executor.Executor._run = _backward, _run
+sys.argv = sys.argv[1:]
+sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0]))
+runpy.run_path(sys.argv[0], run_name="__main__")
+'''
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("layout, tanh_backward, gradients_sent", [
+    (dict(stage_layers=(2, 4)), {"1": 3}, {}),
+    (dict(stage_layers=(2, 4), schedule="zb-h1"), {"1": 3}, {}),
+    (dict(stage_layers=(1, 1, 2, 2), schedule="interleaved", chunks=2), {"2": 1, "3": 2}, {"3": 1}),
+], ids=["pp2-1f1b", "pp2-zb-h1", "pp2-interleaved"])
+def test_a_frozen_prefix_runs_no_backward_and_trains_as_one_process(tmp_path, layout, tanh_backward, gradients_sent):
+    """A frozen prefix spanning the first stage (or two) and part of the next: the stages make
+    received tensors that nothing trained lies before no leaves of autograd, so the frozen ops of
+    the later stage record nothing and run no backward (a tanh each: the trained blocks' alone are
+    counted), and no gradient crosses a boundary behind which nothing trains. Training still
+    matches one process. Every received float tensor was made to require grad: the later stage
+    ran its frozen ops' backward and sent a gradient back that the first stage threw away."""
+    from tests.distributed import run_program
+
+    out = tmp_path / "out"
+    plan, _ = compile_to_directory(CompileOptions(model=_prefix(tmp_path), pp=2, microbatches=4, global_batch_size=8,
+                                                  measure=False, **layout), out)
+    frozen_boundaries = [(), ("add_1",)] if len(plan.stages) == 2 else [(), ("add",), ("add_1",), ()]
+    assert [s.no_grad_inputs for s in plan.stages] == frozen_boundaries  # a frozen block's output
+    result = verify(out, steps=3, lr=0.1, optimizer="sgd")
+    assert result.matches, result.failures
+    counting = tmp_path / "counting.py"
+    counting.write_text(COUNTING)
+    folder = tmp_path / "counts"
+    folder.mkdir()
+    run_program([str(counting), str(out / "train.py"), "--timeout", "120", "--steps", "1"], 2,
+                env={"COUNTS": str(folder)})
+    counts = [json.loads((folder / f"rank_{rank}.json").read_text()) for rank in range(2)]
+    microbatches = 4
+    for kind, expected in (("tanh_backward", tanh_backward), ("gradients_sent", gradients_sent)):
+        found = {stage: n for rank in counts for stage, n in rank[kind].items() if n}
+        assert found == {stage: n * microbatches for stage, n in expected.items()}, (kind, found)
+    received = {stage: n for rank in counts for stage, n in rank["gradients_received"].items() if n}
+    assert received == {str(int(stage) - 1): n * microbatches for stage, n in gradients_sent.items()}
+
+
+def test_a_plan_names_the_received_tensors_that_take_no_gradient(tmp_path):
+    """The plan carries which received tensors need no gradient, where any do (a model with nothing
+    frozen writes its stages as before), reads them back, and refuses one the stage does not receive."""
+    import autopart
+    from autopart.ir.errors import PlanError
+    from autopart.ir.plan import Plan
+
+    plan = autopart.compile(_prefix(tmp_path), pp=2, stage_layers=(2, 4), microbatches=2, global_batch_size=4,
+                            measure=False)
+    data = plan.to_json()
+    assert "no_grad_inputs" not in data["stages"][0] and data["stages"][1]["no_grad_inputs"] == ["add_1"]
+    assert Plan.from_json(data).stages[1].no_grad_inputs == ("add_1",)
+    data["stages"][1]["no_grad_inputs"] = ["add_9"]
+    with pytest.raises(PlanError, match=r"plan\.stages\[1\]\.no_grad_inputs names \['add_9'\], which the stage"):
+        Plan.from_json(data)
+    del data["stages"][1]["no_grad_inputs"]  # a plan written before them, pinned: the model decides them
+    pinned = tmp_path / "plan.json"
+    pinned.write_text(json.dumps(data))
+    assert autopart.compile(_prefix(tmp_path), plan=pinned, measure=False).stages[1].no_grad_inputs == ("add_1",)

@@ -17,7 +17,8 @@ from autopart.ir.tensors import DTYPES, TensorMeta
 from autopart.ir.errors import PlanError
 from autopart.ir.recompute import RECOMPUTE_MODES
 
-__all__ = ["PLAN_VERSION", "StagePlan", "ScheduleSpec", "Predicted", "Provenance", "Plan", "load_plan", "first_difference"]
+__all__ = ["PLAN_VERSION", "StagePlan", "ScheduleSpec", "Predicted", "Provenance", "Plan", "load_plan", "first_difference",
+           "takes_gradient"]
 
 PLAN_VERSION = 1
 
@@ -43,6 +44,17 @@ class StagePlan:
     overlapped: dict[str, int] = field(default_factory=dict)  # linear -> the pieces it runs in (--tp-overlap)
     parameter_placements: dict[str, str] = field(default_factory=dict)  # parameter -> placement, when sharded
     recompute: str = "none"  # none | selective | full (autopart.passes.recompute); backward_s includes its recompute
+    no_grad_inputs: tuple[str, ...] = ()
+    """The received tensors that need no gradient (no trainable parameter before them,
+    `autopart.passes.grad_flow`): the stage makes them no leaf of autograd and sends no gradient
+    back for them; every other floating one takes one. Written only where there are some."""
+
+
+def takes_gradient(tensors: tuple[tuple[str, TensorMeta], ...], no_grad_inputs: tuple[str, ...]) -> list[bool]:
+    """Per tensor crossing a boundary (a stage's ``inputs``, or its ``outputs`` with the next
+    stage's ``no_grad_inputs``), whether a gradient goes back for it: a floating one that needs one."""
+    return [meta.dtype.startswith(("float", "bfloat", "complex")) and name not in no_grad_inputs
+            for name, meta in tensors]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -162,6 +174,8 @@ class Plan:
         for written, stage in zip(data["stages"], self.stages):  # a tensor as TensorMeta writes it (no null split)
             written["inputs"], written["outputs"] = ([[n, m.to_json()] for n, m in tensors]
                                                      for tensors in (stage.inputs, stage.outputs))
+            if not stage.no_grad_inputs:
+                del written["no_grad_inputs"]
         return json.loads(json.dumps(data))
 
     def save(self, path: str | Path) -> None:
@@ -230,6 +244,10 @@ def _check_boundaries(stages: tuple[StagePlan, ...], tp: int) -> None:
         if position + 1 < len(stages) and stage.outputs != stages[position + 1].inputs:
             raise PlanError(f"plan.stages[{position}].outputs differ from plan.stages[{position + 1}].inputs; "
                             "each stage receives what the one before it sends: recompile")
+        unknown = set(stage.no_grad_inputs) - {name for name, _ in stage.inputs}
+        if unknown:
+            raise PlanError(f"plan.stages[{position}].no_grad_inputs names {sorted(unknown)}, which the stage does not "
+                            "receive; list only its inputs, or recompile")
         for name, meta in (*stage.inputs, *stage.outputs):
             if meta.split_dim is not None and meta.shape[meta.split_dim] % tp:
                 raise PlanError(f"plan.stages[{position}] holds {name!r} split {tp} ways along dim {meta.split_dim}, "
@@ -299,6 +317,7 @@ def _read_stage(data: Any, index: int) -> StagePlan:
         overlapped=_read_pieces(reader.sub("overlapped")) if "overlapped" in reader.data else {},
         parameter_placements={str(k): str(v) for k, v in reader.sub("parameter_placements").data.items()},
         recompute=reader.choice("recompute", RECOMPUTE_MODES, default="none"),
+        no_grad_inputs=tuple(str(n) for n in reader.data.get("no_grad_inputs", ())),
     )
 
 
@@ -414,7 +433,8 @@ _DECIDED = {
     "provenance": ("capture", "leaves"),
 }
 _DECIDED_PER_STAGE = ("index", "rank", "blocks", "nodes", "inputs", "outputs", "batch_inputs", "parameters",
-                      "strategies", "overlapped", "parameter_placements", "recompute", "parameter_bytes")
+                      "strategies", "overlapped", "parameter_placements", "recompute", "parameter_bytes",
+                      "no_grad_inputs")
 
 
 def first_difference(pinned: Plan, rebuilt: Plan) -> tuple[str, Any, Any] | None:
@@ -437,7 +457,10 @@ def first_difference(pinned: Plan, rebuilt: Plan) -> tuple[str, Any, Any] | None
                 return (f"plan.{part}.{key}" if part else f"plan.{key}"), a, b
     if len(mine["stages"]) != len(theirs["stages"]):
         return "plan.stages", len(mine["stages"]), len(theirs["stages"])
+    old_plan = not any("no_grad_inputs" in stage for stage in mine["stages"])
     for index, (a, b) in enumerate(zip(mine["stages"], theirs["stages"])):
+        # written only where there are some; a plan written before it was: the rebuilt one decides them
+        a, b = ({"no_grad_inputs": b.get("no_grad_inputs", []) if old_plan else [], **stage} for stage in (a, b))
         for key in _DECIDED_PER_STAGE:
             if a[key] != b[key]:
                 if isinstance(a[key], dict) and isinstance(b[key], dict):  # name the entry: the whole may be long

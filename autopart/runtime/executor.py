@@ -63,12 +63,25 @@ class StageRuntime:
     next_rank: int | None
     forward: StageForward | None = None  # how F runs; by default the module itself, in fp32, keeping everything
     output_metas: list[TensorMeta] | None = None  # what the plan says it sends (checked in F)
+    input_gradients: list[bool] | None = None  # per received tensor, whether a gradient goes back for it
+    output_gradients: list[bool] | None = None  # per sent tensor, whether a gradient comes back for it
     rebuilds: dict[int, Rebuild] = field(default_factory=dict)  # recomputing stages in a split backward
     received: dict[int, list[torch.Tensor]] = field(default_factory=dict)
     outputs: dict[int, Any] = field(default_factory=dict)  # the loss, or the tensors sent on
     output_grads: dict[int, list[torch.Tensor]] = field(default_factory=dict)
     input_grads: dict[int, list[torch.Tensor]] = field(default_factory=dict)
     held_for_weights: dict[int, PendingWeights] = field(default_factory=dict)
+
+    def takes_input_gradients(self) -> list[bool]:
+        """Per received tensor, whether it takes a gradient: as the plan says (one that nothing
+        trained lies before takes none, `autopart.ir.plan.StagePlan.no_grad_inputs`), by default each floating one."""
+        if self.input_gradients is not None:
+            return self.input_gradients
+        return [getattr(torch, meta.dtype).is_floating_point for meta in self.inputs]
+
+    def takes_output_gradients(self, out: list[torch.Tensor]) -> list[bool]:
+        """Per sent tensor ``out``, whether a gradient comes back for it (the next stage's `takes_input_gradients`)."""
+        return self.output_gradients if self.output_gradients is not None else [t.is_floating_point() for t in out]
 
 
 class Executor:
@@ -223,7 +236,7 @@ class Executor:
                                         metas=stage.output_metas))
         elif kind is Kind.RECV_B:
             sent = stage.output_metas if stage.output_metas is not None else [_meta(t) for t in stage.outputs[m]]
-            metas = [meta for t, meta in zip(stage.outputs[m], sent) if t.is_floating_point()]
+            metas = [meta for takes, meta in zip(stage.takes_output_gradients(stage.outputs[m]), sent) if takes]
             peer = _peer(stage, kind)
             stage.output_grads[m] = recv_tensors(metas, peer, self.device, self.scatter, self._channel(kind, peer))
         elif kind in (Kind.B, Kind.I):
@@ -233,7 +246,7 @@ class Executor:
             with self.updates[stage.index].recompute():
                 backward_weight(stage.held_for_weights.pop(m))
         elif kind is Kind.SEND_B:
-            metas = [meta for meta in stage.inputs if getattr(torch, meta.dtype).is_floating_point]
+            metas = [meta for meta, takes in zip(stage.inputs, stage.takes_input_gradients()) if takes]
             peer = _peer(stage, kind)
             pending.extend(send_tensors(stage.input_grads.pop(m), peer, self.scatter, self._channel(kind, peer),
                                         metas=metas))
@@ -264,8 +277,8 @@ class Executor:
         seed: int | None,
     ) -> None:
         inputs = stage.received.get(m, [])
-        for tensor in inputs:
-            if tensor.is_floating_point():
+        for tensor, takes in zip(inputs, stage.takes_input_gradients()):
+            if takes:  # else autograd records nothing that only it feeds: a frozen prefix runs no backward
                 tensor.requires_grad_(True)
         batch = [microbatches[m][i] for i in stage.batch_inputs]  # on the device (`step`)
         if seed is not None:
@@ -291,8 +304,8 @@ class Executor:
         out = stage.outputs.pop(m)
         if isinstance(out, torch.Tensor):
             return [out], [torch.ones_like(out)]
-        floating = [t for t in out if t.is_floating_point()]
-        pairs = [(t, g) for t, g in zip(floating, stage.output_grads.pop(m)) if t.requires_grad]
+        taking = [t for t, takes in zip(out, stage.takes_output_gradients(out)) if takes]
+        pairs = [(t, g) for t, g in zip(taking, stage.output_grads.pop(m)) if t.requires_grad]
         return [t for t, _ in pairs], [g for _, g in pairs]
 
     def _backward(self, stage: StageRuntime, m: int, *, split: bool) -> None:
@@ -301,8 +314,13 @@ class Executor:
             out = stage.forward.rebuild(stage.rebuilds.pop(m))
             stage.outputs[m] = out / self.microbatches if stage.index == self.last_stage else out
         outputs, grads = self._differentiable(stage, m)
-        inputs = [t for t in stage.received.pop(m, []) if t.is_floating_point()]
-        if split:  # zero-bubble I: the input gradients now, the weight gradients left for W
+        received = stage.received.pop(m, [])
+        inputs = [t for t, takes in zip(received, stage.takes_input_gradients()) if takes]
+        if not outputs:  # nothing trained before its outputs: no backward, and no gradient goes back
+            found: list[torch.Tensor | None] = [None] * len(inputs)
+            if split:
+                stage.held_for_weights[m] = PendingWeights()
+        elif split:  # zero-bubble I: the input gradients now, the weight gradients left for W
             found, stage.held_for_weights[m] = backward_input(outputs, grads, inputs, list(stage.module.parameters()))
         else:
             found = backward_full(outputs, grads, inputs)

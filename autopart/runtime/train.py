@@ -53,7 +53,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from autopart.ir.model_file import load_model_file
 from autopart.ir.errors import AutopartError, ConfigError, OneLineParser
-from autopart.ir.plan import Plan, load_plan
+from autopart.ir.plan import Plan, load_plan, takes_gradient
 from autopart.ir.tensors import working_dtype
 from autopart.runtime.data import eval_batches, model_file, split_microbatches, training_batches
 from autopart.runtime.checkpoint import CheckpointContext, restarted
@@ -417,6 +417,8 @@ def _stages_here(out_dir: Path, plan: Plan, args: argparse.Namespace, rank: int,
             ),
             inputs=[meta for _, meta in stage_plan.inputs],
             output_metas=[meta for _, meta in stage_plan.outputs],
+            input_gradients=takes_gradient(stage_plan.inputs, stage_plan.no_grad_inputs),
+            output_gradients=takes_gradient(stage_plan.outputs, plan.stages[s + 1].no_grad_inputs if s < stage_count - 1 else ()),
             batch_inputs=[plan.graph_inputs.index(name) for name in stage_plan.batch_inputs],
             prev_rank=peer(s - 1) if s > 0 else None,
             next_rank=peer(s + 1) if s < stage_count - 1 else None,

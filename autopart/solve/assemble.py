@@ -6,6 +6,7 @@ plan means the same whichever of them made it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -309,9 +310,17 @@ def _stage_plans(front: Front, problem: PipelineProblem, ranges: list[range], re
                 overlapped=overlapped,
                 parameter_placements={p: str(placements[p]) for p in parameters if placements.get(p, REPLICATE) != REPLICATE},
                 recompute=recompute[s].mode,
+                no_grad_inputs=_no_grad(front.op_graph, sends[s - 1] if s > 0 else ()),
             )
         )
     return stages, holders
+
+
+def _no_grad(op_graph: OpGraph, received: Sequence[str]) -> tuple[str, ...]:
+    """The floating tensors of ``received`` that need no gradient (`autopart.passes.grad_flow`)."""
+    costs = [op_graph.nodes[name] for name in received]
+    return tuple(c.name for c in costs if c.output is not None and c.output.dtype.startswith(("float", "bfloat"))
+                 and not c.needs_grad)
 
 
 def _model_flops(op_graph: OpGraph, global_batch_size: int) -> float:
