@@ -260,6 +260,12 @@ def test_a_frozen_prefix_costs_no_backward(tmp_path):
                             measure=False)
     assert plan.stages[0].backward_s == 0 < plan.stages[0].forward_s, "the frozen stage: no backward"
     assert plan.stages[1].backward_s > plan.stages[1].backward_weight_s > 0
+    activations = plan.schedule.microbatches * sum(meta.nbytes for _, meta in plan.stages[0].outputs)
+    assert plan.predicted.p2p_bytes_per_step == activations, "no gradient comes back to the frozen stage"
+    from autopart.predict.timeline import plan_timeline
+
+    ends = {str(e.action): e.end for e in plan_timeline(plan).events}
+    assert ends["0B1"] < ends["1B0"], "the frozen stage's (empty) backward waits for no gradient"
 
 
 COUNTING = '''

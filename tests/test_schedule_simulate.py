@@ -256,3 +256,25 @@ def test_the_duration_table_is_each_action_s_duration(messages):
     assert len({(a.kind, a.stage) for a in actions}) == 4 * stages + 4 * (stages - 1)
     for action in actions:
         assert costs.durations[action.kind][action.stage] == costs.duration(action), action
+
+
+def test_a_boundary_that_no_gradient_crosses_waits_for_no_backward() -> None:
+    """Nothing trained before a boundary (a frozen prefix): its gradient messages carry nothing, so
+    the stage before it runs its backward once its own forward is done, not after the next
+    stage's, and the empty send and receive take no rank time. It waited for a gradient the
+    runtime no longer sends."""
+    schedule = build_schedule("gpipe", ranks=2, microbatches=1)
+    trained = StageCosts.uniform(2, forward_s=1.0, backward_s=2.0)
+    frozen = StageCosts(forward_s=(1.0, 1.0), backward_s=(2.0, 2.0), weight_s=(0.0, 0.0), transfer_s=(0.0,),
+                        gradients=(False,))
+    assert simulate(schedule, trained, ranks=2).step_s == pytest.approx(6.0)  # F, F, B, B one after another
+    assert simulate(schedule, frozen, ranks=2).step_s == pytest.approx(4.0)  # the two backwards side by side
+    lowered = add_communication(schedule, ranks=2)
+    messages = StageCosts(forward_s=(1.0, 1.0), backward_s=(2.0, 2.0), weight_s=(0.0, 0.0), transfer_s=(0.5,),
+                          send_s=(0.25,), recv_s=(0.25,), gradients=(False,))
+    # rank 1: F after 0.25 + 0.5 of sending and receiving, B; rank 0: F, its send, its empty receive, B
+    assert simulate(lowered, messages, ranks=2).step_s == pytest.approx(1.0 + 0.25 + 0.5 + 0.25 + 1.0 + 2.0)
+    assert messages.duration(Action.parse("0RECV_B0")) == messages.duration(Action.parse("1SEND_B0")) == 0.0
+    with pytest.raises(ConfigError, match="StageCosts.gradients has 2 values for 2 stages"):
+        StageCosts(forward_s=(1.0, 1.0), backward_s=(2.0, 2.0), weight_s=(0.0, 0.0), transfer_s=(0.0,),
+                   gradients=(False, True))

@@ -62,6 +62,8 @@ def _costs(rng: random.Random, stages: int, messages: bool, schedule) -> StageCo
         **({"send_s": times(stages - 1), "recv_s": times(stages - 1), "recv_waited_s": times(stages - 1)}
            if messages else {}),
         actions={a: rng.uniform(0.0, 2.0) for a in rng.sample(actions, 3)} if rng.random() < 0.3 else {},
+        # some boundaries behind which nothing trains: their gradient messages carry nothing
+        gradients=tuple(rng.random() < 0.6 for _ in range(stages - 1)) if rng.random() < 0.5 else (),
     )
 
 

@@ -9,6 +9,7 @@ the path of the field that is wrong.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ from autopart.ir.errors import PlanError
 from autopart.ir.recompute import RECOMPUTE_MODES
 
 __all__ = ["PLAN_VERSION", "StagePlan", "ScheduleSpec", "Predicted", "Provenance", "Plan", "load_plan", "first_difference",
-           "takes_gradient"]
+           "gradient_boundaries", "takes_gradient"]
 
 PLAN_VERSION = 1
 
@@ -55,6 +56,11 @@ def takes_gradient(tensors: tuple[tuple[str, TensorMeta], ...], no_grad_inputs: 
     stage's ``no_grad_inputs``), whether a gradient goes back for it: a floating one that needs one."""
     return [meta.dtype.startswith(("float", "bfloat", "complex")) and name not in no_grad_inputs
             for name, meta in tensors]
+
+
+def gradient_boundaries(stages: Sequence[StagePlan]) -> tuple[bool, ...]:
+    """Per boundary between ``stages``, whether a gradient comes back across it (`takes_gradient`)."""
+    return tuple(any(takes_gradient(before.outputs, after.no_grad_inputs)) for before, after in zip(stages, stages[1:]))
 
 
 @dataclass(frozen=True, kw_only=True)

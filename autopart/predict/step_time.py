@@ -16,7 +16,7 @@ from autopart.codegen.layers import layer_instances
 from autopart.ir.actions import RECEIVE_KINDS, Action
 from autopart.ir.owners import partition
 from autopart.ir.placement import REPLICATE
-from autopart.ir.plan import StagePlan
+from autopart.ir.plan import StagePlan, gradient_boundaries
 from autopart.ir.scatter_gather import sent_bytes
 from autopart.options import CompileOptions
 from autopart.passes.front import Front, block_seconds, parameter_placements
@@ -243,6 +243,7 @@ def predicted_step_s(options: CompileOptions, front: Front, stages: list[StagePl
         send_s=send,
         recv_s=receive,
         recv_waited_s=waited,
+        gradients=gradient_boundaries(stages),
     )
 
     schedule = timed_schedule(options.schedule, options.pp, microbatches, options.chunks, costs,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 
-from autopart.ir.plan import Plan
+from autopart.ir.plan import Plan, gradient_boundaries
 from autopart.schedule import Schedule, StageCosts, Timeline, built, generated, plan_actions, simulate, validate
 
 __all__ = ["simulate_pipeline", "plan_schedule", "plan_timeline"]
@@ -54,6 +54,7 @@ def plan_timeline(plan: Plan) -> Timeline:
         backward_s=tuple(s.backward_s + c[1] for s, c in zip(stages, collectives)),
         weight_s=tuple(s.backward_weight_s for s in stages),
         transfer_s=plan.predicted.transfer_s,
+        gradients=gradient_boundaries(stages),
     )
     placement, spec, ranks = tuple(s.rank for s in stages), plan.schedule, plan.mesh["pp"]
     schedule = plan_schedule(plan, lowered=False)

@@ -50,16 +50,18 @@ def run_ahead(schedule: Schedule, costs: StageCosts, homes: tuple[int, ...], *,
     rank's first work after an idle spell pays (`woken_s`); ``waited_receives``: a receive whose
     data came after its rank was idle takes ``costs.waited_duration``."""
     stages = len(homes)
+    last = stages - 1
     microbatches = 1 + max((action.microbatch for actions in schedule.values() for action in actions), default=0)
     # (stage * 3 + slot) * microbatches + microbatch -> the end of that F (slot 0), B (1) or I (2); -1 until it ends
     ended = [-1.0] * (stages * 3 * microbatches)
     slots = {Kind.F: 0, Kind.B: 1, Kind.I: 2}
     crosses = [homes[s] != homes[s + 1] for s in range(stages - 1)]  # per boundary after stage s
+    # a gradient message that carries nothing (`StageCosts.gradients`) waits for no backward
+    waits_for_gradient = [s < last and (not crosses[s] or costs.gradient_crosses(s)) for s in range(stages)]
     send, transfer = costs.send_s, costs.transfer_s
     durations = None if costs.actions else costs.durations
     duration = costs.duration
     waited = waited_receives and bool(costs.recv_waited_s)  # else a waited receive takes its duration
-    last = stages - 1
     F, B, I, W, RECV_F, RECV_B = Kind.F, Kind.B, Kind.I, Kind.W, Kind.RECV_F, Kind.RECV_B
     free_at, idle_at = dict.fromkeys(schedule, 0.0), dict.fromkeys(schedule, 0.0)
     cursor = dict.fromkeys(schedule, 0)
@@ -85,7 +87,7 @@ def run_ahead(schedule: Schedule, costs: StageCosts, homes: tuple[int, ...], *,
                     ready = 0.0 if kind is RECV_B else ended[stage * 3 * microbatches + mb]  # its own forward
                     if ready < 0:
                         break
-                    if stage != last:
+                    if waits_for_gradient[stage]:
                         base = (stage + 1) * 3 * microbatches + mb
                         gradient = ended[base + microbatches]  # the next stage's B, else its I
                         if gradient < 0:

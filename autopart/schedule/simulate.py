@@ -190,8 +190,9 @@ def input_ready_at(action: Action, finished: dict[tuple[int, Kind, int], float],
         own_forward = 0.0 if kind is Kind.RECV_B else finished.get((stage, Kind.F, mb))
         if own_forward is None:
             return None
-        if stage == len(homes) - 1:
-            return own_forward
+        crosses = stage < len(homes) - 1 and homes[stage + 1] != homes[stage]
+        if stage == len(homes) - 1 or (crosses and not costs.gradient_crosses(stage)):
+            return own_forward  # no gradient comes (`StageCosts.gradients`)
         gradient = finished.get((stage + 1, Kind.B, mb))
         if gradient is None:
             gradient = finished.get((stage + 1, Kind.I, mb))

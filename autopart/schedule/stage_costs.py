@@ -38,6 +38,11 @@ class StageCosts:
     """Per boundary: rank time of a receive that waited for its data, from the data being there
     (`autopart.schedule.shared.step_time`; gloo completes a posted receive as its send does,
     sooner than one whose data came first); empty: ``recv_s``."""
+    gradients: tuple[bool, ...] = ()
+    """Per boundary: whether a gradient comes back across it (empty: over every one). Over a
+    boundary that nothing trained lies before (`autopart.ir.plan.StagePlan.no_grad_inputs`) the
+    runtime's gradient messages carry nothing: the stage before it waits for none, and its send
+    and receive take no rank time."""
     actions: Mapping[Action, float] = field(default_factory=dict, hash=False)
     """Rank time of single actions in place of their stage's figure above: one step of a
     pipeline that was run, replayed (`autopart.driver`'s step model)."""
@@ -61,6 +66,9 @@ class StageCosts:
                     f"StageCosts.{name} has {given} values for {stages} stages; "
                     f"give one per boundary ({stages - 1})"
                 )
+        if len(self.gradients) not in (0, stages - 1):
+            raise ConfigError(f"StageCosts.gradients has {len(self.gradients)} values for {stages} stages; "
+                              f"give one per boundary ({stages - 1}) or none")
         if self.recv_waited_s and not self.recv_s:
             raise ConfigError("StageCosts.recv_waited_s needs recv_s: it replaces a receive's time when it waited")
         for name in ("forward_s", "backward_s", "weight_s", "transfer_s", "send_s", "recv_s", "recv_waited_s"):
@@ -111,8 +119,11 @@ class StageCosts:
         """Per kind, per stage: `duration` of that stage's action, ``actions`` aside (the
         simulators read it where ``actions`` is empty: a method call per action cost them more
         than the rest of its step, at a million actions)."""
-        def by_stage(per_boundary: tuple[float, ...], *, boundary_before: bool) -> tuple[float, ...]:
+        def by_stage(per_boundary: tuple[float, ...], *, boundary_before: bool, gradient: bool = False
+                     ) -> tuple[float, ...]:
             values = per_boundary or (0.0,) * (self.stages - 1)  # none given: messages take no rank time
+            if gradient:
+                values = tuple(v if self.gradient_crosses(b) else 0.0 for b, v in enumerate(values))
             return (0.0, *values) if boundary_before else (*values, 0.0)
 
         return {
@@ -121,10 +132,14 @@ class StageCosts:
             Kind.I: tuple(b - w for b, w in zip(self.backward_s, self.weight_s)),
             Kind.W: self.weight_s,
             Kind.SEND_F: by_stage(self.send_s, boundary_before=False),  # stage s sends over boundary s
-            Kind.SEND_B: by_stage(self.send_s, boundary_before=True),  # over boundary s - 1
+            Kind.SEND_B: by_stage(self.send_s, boundary_before=True, gradient=True),  # over boundary s - 1
             Kind.RECV_F: by_stage(self.recv_s, boundary_before=True),
-            Kind.RECV_B: by_stage(self.recv_s, boundary_before=False),
+            Kind.RECV_B: by_stage(self.recv_s, boundary_before=False, gradient=True),
         }
+
+    def gradient_crosses(self, boundary: int) -> bool:
+        """Whether a gradient comes back over ``boundary`` (s for s -> s + 1): see `gradients`."""
+        return not self.gradients or self.gradients[boundary]
 
     def duration(self, action: Action) -> float:
         """Rank time that an action takes."""
@@ -139,13 +154,15 @@ class StageCosts:
             return self.backward_s[stage] - self.weight_s[stage]
         if action.kind is Kind.W:
             return self.weight_s[stage]
+        if action.kind in (Kind.SEND_B, Kind.RECV_B) and not self.gradient_crosses(_boundary(action)):
+            return 0.0  # an empty message
         side = self.send_s if action.kind in (Kind.SEND_F, Kind.SEND_B) else self.recv_s
         return side[_boundary(action)] if side else 0.0
 
     def waited_duration(self, action: Action) -> float:
         """Rank time of a receive that waited for its data: `duration` with `recv_waited_s` in
         place of `recv_s` (a replayed step's lateness kept)."""
-        if not self.recv_waited_s:
+        if not self.recv_waited_s or (action.kind is Kind.RECV_B and not self.gradient_crosses(_boundary(action))):
             return self.duration(action)
         boundary = _boundary(action)
         return max(0.0, self.duration(action) - self.recv_s[boundary] + self.recv_waited_s[boundary])

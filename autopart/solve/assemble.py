@@ -16,7 +16,7 @@ import autopart
 from autopart.codegen.layers import layer_instances, layer_parameters
 from autopart.codegen.stages import stage_boundaries
 from autopart.ir.placement import REPLICATE
-from autopart.ir.plan import Plan, Predicted, Provenance, ScheduleSpec, StagePlan
+from autopart.ir.plan import Plan, Predicted, Provenance, ScheduleSpec, StagePlan, takes_gradient
 from autopart.options import CompileOptions
 from autopart.passes.annotate import OpGraph
 from autopart.passes.front import (
@@ -178,7 +178,7 @@ def plan_from_cuts(
             unbounded_step_s=modelled if ceiling_s > modelled else None,
             bubble=timeline.bubble,
             memory_bytes=memory,
-            p2p_bytes_per_step=2 * microbatches * sum(sum(m.nbytes for _, m in st.outputs) for st in stages),
+            p2p_bytes_per_step=microbatches * _message_bytes(stages),
             stage_time_s=evaluation.stage_time_s,
             transfer_s=transfer,
             pipeline_s=timeline.step_s,
@@ -314,6 +314,12 @@ def _stage_plans(front: Front, problem: PipelineProblem, ranges: list[range], re
             )
         )
     return stages, holders
+
+
+def _message_bytes(stages: list[StagePlan]) -> int:
+    """One microbatch's bytes between stages: each activation, and each gradient that comes back (`takes_gradient`)."""
+    return sum(meta.nbytes * (1 + back) for before, after in zip(stages, stages[1:])
+               for (_, meta), back in zip(before.outputs, takes_gradient(before.outputs, after.no_grad_inputs)))
 
 
 def _no_grad(op_graph: OpGraph, received: Sequence[str]) -> tuple[str, ...]:
