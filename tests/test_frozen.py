@@ -386,3 +386,51 @@ def test_a_plan_names_the_received_tensors_that_take_no_gradient(tmp_path):
     pinned = tmp_path / "plan.json"
     pinned.write_text(json.dumps(data))
     assert autopart.compile(_prefix(tmp_path), plan=pinned, measure=False).stages[1].no_grad_inputs == ("add_1",)
+
+
+WRITES = """
+import torch
+from torch import nn
+
+
+class Writes(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        buf = torch.zeros_like(x)
+        before = buf * 2
+        buf.view(-1).add_(self.lin(x).view(-1))
+        return buf * 3 + before
+
+
+def build_model():
+    return Writes()
+
+
+def example_batch(batch_size):
+    return (torch.randn(batch_size, 4),), torch.randn(batch_size, 4)
+
+
+def loss_fn(out, target):
+    return ((out - target) ** 2).mean()
+"""
+
+
+def test_a_value_written_in_place_with_a_trained_one_needs_a_gradient_from_then_on(tmp_path):
+    """A buffer made from the batch needs no gradient until a trained value is written into it
+    through a view (``buf.view(-1).add_(y)``): its readers after the write take a gradient, and
+    one that read it before does not. Sent across a boundary as needing none, the write's
+    gradient would be dropped without a word."""
+    from autopart.ir.model_file import load_model_file
+    from autopart.passes.annotate import annotate
+    from autopart.passes.capture import capture
+    from cost_models import get_cost_model
+
+    model = tmp_path / "writes.py"
+    model.write_text(WRITES)
+    spec = load_model_file(model)
+    nodes = annotate(capture(spec, batch_size=2), spec, get_cost_model("cpu"), micro_batch_size=2).nodes
+    assert nodes["zeros_like"].needs_grad and nodes["view"].needs_grad and nodes["mul_1"].needs_grad
+    assert not nodes["mul"].needs_grad and not nodes["x"].needs_grad

@@ -448,6 +448,8 @@ def _annotate_nodes(
         measured_seeds[node.name] = seeds
     for name, reader in shared_seeds(graph.module.graph, measured_seeds).items():
         nodes[name] = replace(nodes[name], weight_seed_reader=reader)
+    for name in (name for name, needs in flow.needs.items() if needs and not nodes[name].needs_grad):
+        nodes[name] = replace(nodes[name], needs_grad=True)  # written in place later with what needs one
     return nodes, kernels, leaves
 
 

@@ -12,6 +12,7 @@ gradient goes back for one that does not (`autopart.runtime.executor`).
 
 from __future__ import annotations
 
+import operator
 from dataclasses import replace
 from typing import Any
 
@@ -26,6 +27,11 @@ __all__ = ["GradientFlow", "needed_backward", "trainable_parameters"]
 
 _DETACHING = {"detach", "detach_", torch.Tensor.detach, torch.detach}
 """Ops whose output never takes a gradient whatever they read."""
+
+_VIEWS = {"view", "view_as", "reshape", "reshape_as", "transpose", "permute", "expand", "expand_as", "select", "narrow",
+          "unsqueeze", "squeeze", "flatten", "unflatten", "t", "contiguous", "split", "chunk", "unbind", "diagonal",
+          "movedim", "swapaxes", "as_strided", "getitem", "__getitem__"}
+"""Ops (by name) whose output may share its first argument's storage: a write into it writes that too."""
 
 
 def trainable_parameters(module: torch.nn.Module) -> set[str]:
@@ -58,7 +64,18 @@ class GradientFlow:
         else:
             needs = self._reads_gradient(node)
         self.needs[node.name] = needs
+        written = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
+        if needs and written is not None and _writes(node):  # ``buf[i] = y``, ``v.add_(y)``: buf now takes y's
+            self._written(written)
         return needs
+
+    def _written(self, node: fx.Node) -> None:
+        """``node``'s value, and the values it is a view of, need a gradient from here on (their
+        readers after the write take them so; an op that read them before did not)."""
+        self.needs[node.name] = True
+        source = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
+        if source is not None and _name(node) in _VIEWS:
+            self._written(source)
 
     def _reads_gradient(self, node: fx.Node) -> bool:
         return any(self.needs[a.name] for a in node.all_input_nodes)
@@ -68,6 +85,22 @@ class GradientFlow:
         are the weight-gradient half), needs a gradient: else the node's input-gradient half never runs."""
         return any(self.needs[a.name] for a in node.all_input_nodes
                    if not (a.op == "get_attr" and a.target in parameters))
+
+
+def _name(node: fx.Node) -> str:
+    return node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+
+
+def _writes(node: fx.Node) -> bool:
+    """An op that writes its first argument: ``operator.setitem``, an ATen overload whose schema
+    says so (torch.export), or an in-place method or function (``x.add_``)."""
+    if node.target is operator.setitem:
+        return True
+    schema = getattr(node.target, "_schema", None)
+    if schema is not None:
+        return schema.is_mutable
+    name = _name(node)
+    return node.op in ("call_function", "call_method") and name.endswith("_") and not name.endswith("__")
 
 
 def _floating(value: Any) -> bool:
