@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file
 
 from autopart.tools import cli
-from autopart.ir.plan import first_difference, load_plan
+from autopart.ir.plan import load_plan
+from autopart.ir.plan_difference import first_difference
 from tests.distributed import REPO
 
 TINY_GPT = REPO / "tests" / "models" / "tiny_gpt.py"

@@ -11,7 +11,8 @@ import autopart
 from autopart.driver import CompileOptions, compile_to_directory
 from autopart.ir.errors import PlanError
 from autopart.ir.placement import REPLICATE
-from autopart.ir.plan import Plan, first_difference
+from autopart.ir.plan import Plan
+from autopart.ir.plan_difference import first_difference
 from autopart.ir.scatter_gather import held_bytes
 from autopart.passes.front import boundary_held_bytes, build_front, held_tensors, recompute_blocks
 from autopart.passes.recompute import stage_input_bytes

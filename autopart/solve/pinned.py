@@ -10,7 +10,8 @@ import json
 from dataclasses import replace
 
 from autopart.ir.errors import ConfigError, PlanError, ScheduleError
-from autopart.ir.plan import Plan, first_difference
+from autopart.ir.plan import Plan
+from autopart.ir.plan_difference import first_difference
 from autopart.options import CompileOptions
 from autopart.passes.front import Front, build_front
 from autopart.schedule import keep_actions
