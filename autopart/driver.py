@@ -264,11 +264,11 @@ def with_fewer_ranks(options: CompileOptions, plan: Plan, basis: Basis, *, cores
     except (AutopartError, RuntimeError, MemoryError) as exc:  # advice only: the plan stands as compiled
         record = {"world_size": cores, "reason": str(exc).splitlines()[0] if str(exc) else type(exc).__name__}
     else:
-        worst = with_basis(fewer, basis).predicted.error_worst  # a ZeRO-3 plan's own band, where there is one
-        mesh = fewer.mesh
+        banded = with_basis(fewer, basis).predicted  # a ZeRO-3 plan's own band; none for a layout no row ran
+        worst, mesh = banded.error_worst, fewer.mesh
         record = {"world_size": cores, "layout": f"pp{mesh['pp']} tp{mesh['tp']} dp{mesh['dp']}",
                   "predicted_step_s": fewer.predicted.step_s, "error_worst": worst,
-                  "error_benchmark": basis.band.benchmark,
+                  "error_benchmark": banded.error_benchmark,
                   "faster": worst is not None and worst < 1 and fewer.predicted.step_s / (1 - worst) < ran_s}
     record["seconds"] = round(time.perf_counter() - start, 3)
     return dataclasses.replace(plan, provenance=dataclasses.replace(plan.provenance,

@@ -123,3 +123,24 @@ def test_a_compile_asks_for_fewer_ranks_with_the_basis_it_prints(monkeypatch) ->
     options = CompileOptions(model=TINY_GPT, world_size=4, global_batch_size=8, measure=False, run_finalists=False)
     plan, _ = autopart.driver.measured_plan(options)
     assert len(asked) == 1 and asked[0][0].world_size == 4 and asked[0][1].what == plan.predicted.basis
+
+
+def test_fewer_ranks_of_a_layout_no_row_ran_are_said_without_a_band(searched, tmp_path, monkeypatch, capsys) -> None:
+    """Where the band's rows ran other layouts than the fewer ranks' plan, it has no worst error:
+    the line formatted None ('unsupported format string passed to NoneType') and the compile ended
+    in a traceback after writing OUT."""
+    import autopart.driver
+    import autopart.tools.cli
+
+    options, plan, fewer_s = searched
+    other = dataclasses.replace(BASIS, band=dataclasses.replace(BAND, layouts=("tp",)))  # none of this plan's
+    recorded = with_fewer_ranks(options, _ran(plan, _at_worst(fewer_s) * 2), other, cores=2)
+    fewer = recorded.provenance.search["fewer_ranks"]
+    assert fewer["error_worst"] is None and fewer["faster"] is False
+    assert fewer["error_benchmark"] == "cost_accuracy's rows ran tp plans alone"
+    monkeypatch.setattr(autopart.tools.cli, "usable_cores", lambda: 2)
+    monkeypatch.setattr(autopart.driver, "compile_to_directory", lambda *args, **kwargs: (recorded, tmp_path))
+    cli_main(["compile", str(TINY_GPT), "--world-size", "4", "--global-batch-size", "8", "-o", str(tmp_path / "o")])
+    printed = " ".join(capsys.readouterr().out.split())
+    assert (f"({fewer['layout']}) is predicted at {fewer_s * 1e3:.1f} ms a step (no band: cost_accuracy's rows ran "
+            "tp plans alone)") in printed and "whether it is faster is not known" in printed

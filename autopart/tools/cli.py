@@ -66,7 +66,7 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--pp", type=int, help="pipeline stages (default 1, or searched)")
     c.add_argument("--tp", type=int, help="tensor-parallel degree, innermost (default 1, or searched)")
     c.add_argument("--dp", type=int, help="data-parallel degree (default 1, or searched)")
-    c.add_argument("--gpus-per-node", type=int, default=8, help="devices per node; larger groups cross nodes (default 8)")
+    c.add_argument("--gpus-per-node", type=int, help="devices per node; larger groups cross nodes (default 8)")
     c.add_argument("--zero", type=int, nargs="?", const=1, default=None, choices=(0, 1, 2, 3),
                    help="shard over data-parallel ranks: 1 optimizer state (--zero alone), 2 and gradients, "
                         "3 and parameters (FSDP); default 0, or searched")
@@ -337,11 +337,13 @@ def _print_turns(console: Console, plan, ran: float | None) -> None:
         console.print(f"{turns} (the predicted step counts it); no plan of {fewer['world_size']} was found "
                       f"({fewer['reason']})")
     else:
+        worst = fewer["error_worst"]  # None: no benchmark row ran that plan's layout, and the band says why
+        band = f"no band: {fewer['error_benchmark']}" if worst is None else f"{fewer['error_benchmark']}: worst {worst:.0%}"
         best = (f"the best plan of {fewer['world_size']} ({fewer['layout']}) is predicted at "
-                f"{fewer['predicted_step_s'] * 1e3:.1f} ms a step ({fewer['error_benchmark']}: worst "
-                f"{fewer['error_worst']:.0%}), this one ran at {ran * 1e3:.1f} ms")
+                f"{fewer['predicted_step_s'] * 1e3:.1f} ms a step ({band}), this one ran at {ran * 1e3:.1f} ms")
+        verdict = "not faster by more than that error" if worst is not None else "whether it is faster is not known"
         console.print(f"{turns}: {best}: --world-size {fewer['world_size']} trains faster here" if fewer["faster"]
-                      else f"{turns} (the predicted step counts it); {best}, not faster by more than that error")
+                      else f"{turns} (the predicted step counts it); {best}, {verdict}")
 
 
 class _SearchProgress:
