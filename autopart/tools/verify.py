@@ -125,14 +125,17 @@ def _order_noise(out_dir: Path, reference: ReferenceRun, plan: Plan, *, steps: i
     each step's gradient over the plan's microbatches of every replica, over twice as many and
     over half as many (2 or 4 parts where those are no count that divides the batch). A count
     whose first loss, before any step, is not the reference's (a loss that is no mean over the
-    batch, a norm over it) is no other order of the same sums: left out. Where the reference runs
-    the plan's own parts (`plan_parts`: the model normalises by its batch), other parts would train
-    another function: there the samples of each part are shuffled instead, three ways."""
+    batch, a norm over it) is no other order of the same sums: left out. Where the model normalises
+    by its batch (``plan.batch_statistics``; the reference runs the plan's own parts, `plan_parts`,
+    one where the plan has one), other parts would train another function: there the samples of
+    each part are shuffled instead, three ways."""
     batch = plan.schedule.global_batch_size
     parts = plan.schedule.microbatches * plan.mesh["dp"]
     counts = [k for k in dict.fromkeys((parts, 2 * parts, parts // 2, 2, 4)) if 1 < k <= batch and batch % k == 0]
-    orders = [{"sample_order": seed} for seed in (1, 2, 3)] if plan_parts(plan) != (1, 1) else \
-        [{"microbatches": count} for count in counts[:3]]
+    if plan.batch_statistics:  # another count of parts trains another function, the plan's one part too
+        orders = [{"sample_order": seed} for seed in (1, 2, 3)]
+    else:
+        orders = [{"microbatches": count} for count in counts[:3]]
     noise = _OrderNoise(rows={}, means={}, losses=[0.0] * steps)
     atol, rtol = loss_tolerance
     for order in orders:
