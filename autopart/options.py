@@ -54,8 +54,9 @@ class CompileOptions:
     """Overlap the sequence-parallel collectives with the linears beside them, the sequence cut
     into pieces (``autopart.runtime.overlapped``, Megatron-LM's ``--tp-comm-overlap``); needs
     sequence parallelism."""
-    gpus_per_node: int = 8
-    """Devices per node: collectives of groups larger than this cross nodes."""
+    gpus_per_node: int | None = None
+    """Devices per node: collectives of groups larger than this cross nodes (8 where neither the
+    caller nor the plan of ``--plan`` says; always an int once the options are made)."""
     microbatches: int | None = None
     """Microbatches per step; by default twice the stages, or global batch / micro-batch size."""
     micro_batch_size: int | None = None
@@ -128,6 +129,8 @@ class CompileOptions:
             object.__setattr__(self, "chunks", 2)
         if self.plan is not None and not self.pins_layers:  # with layer pins: refused below, the file unread
             self._take_pins_from_plan()
+        if self.gpus_per_node is None:
+            object.__setattr__(self, "gpus_per_node", 8)
         if self.world_size is None:  # nothing is searched: what is not given takes its default
             for name, default in _DEFAULTS.items():
                 if getattr(self, name) is None:
@@ -200,9 +203,9 @@ class CompileOptions:
                                ("chunks", plan.schedule.chunks), ("microbatches", plan.schedule.microbatches),
                                ("micro_batch_size", plan.schedule.micro_batch_size),
                                ("global_batch_size", plan.schedule.global_batch_size), ("zero", plan.zero),
-                               ("dtype", plan.dtype)):
+                               ("dtype", plan.dtype), ("gpus_per_node", plan.gpus_per_node)):
             given = getattr(self, name)
-            if given is not None and given != "auto" and given != recorded:
+            if given is not None and given != "auto" and recorded is not None and given != recorded:
                 flag = f"--{name.replace('_', '-')}"
                 raise ConfigError(f"{flag} {given} contradicts {Path(self.plan).name}, which --plan emits as it is "
                                   f"({name} {recorded}); drop {flag}, or recompile without --plan")

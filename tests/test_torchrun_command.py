@@ -64,3 +64,19 @@ def test_a_plan_given_with_plan_keeps_its_nodes(tmp_path):
                                     tmp_path / "a")  # fmt: skip
     pinned, _ = compile_to_directory(CompileOptions(**options, plan=tmp_path / "a" / "plan.json"), tmp_path / "b")
     assert first.gpus_per_node == pinned.gpus_per_node == 2
+
+
+def test_a_plan_given_with_plan_refuses_other_nodes(tmp_path, capsys):
+    """--gpus-per-node 4 beside a plan for nodes of 2 was dropped without a word (the flag's
+    default, 8, and a value typed looked alike): refused as any pin the plan contradicts."""
+    from autopart.tools.cli import main
+
+    model = str(REPO / "examples" / "gpt.py")
+    main(["compile", model, "-o", str(tmp_path / "a"), "--pp", "2", "--dp", "2", "--microbatches", "2",
+          "--gpus-per-node", "2", "--no-measure"])  # fmt: skip
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit:
+        main(["compile", model, "-o", str(tmp_path / "b"), "--plan", str(tmp_path / "a" / "plan.json"),
+              "--gpus-per-node", "4", "--no-measure"])  # fmt: skip
+    assert exit.value.code == 2
+    assert "--gpus-per-node 4 contradicts plan.json, which --plan emits as it is (gpus_per_node 2)" in capsys.readouterr().err

@@ -42,7 +42,6 @@ def rebuild_pinned(options: CompileOptions, pinned: Plan) -> tuple[Plan, Front]:
             dtype=pinned.dtype,
             capture=pinned.provenance.capture if pinned.provenance.capture in ("fx", "export") else None,
             leaf=pinned.provenance.leaves,
-            gpus_per_node=options.gpus_per_node if pinned.gpus_per_node is None else pinned.gpus_per_node,
         )
         batch = options.batch_shape()
         front = build_front(options, batch[2])
