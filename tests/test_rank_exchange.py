@@ -52,6 +52,10 @@ def _exchange(rank: int, port: int, out: Path) -> None:
             check_nodes_agree(out, argparse.Namespace(**flags | {"betas": (0.9, [0.95, 0.96][rank])}), None)
         assert str(refused.value) == ("rank 1 was started with --betas 0.9,0.96 but rank 0 with --betas 0.9,0.95; "
                                       "give train.py the same options on every node")
+        with pytest.raises(RefusedTogether) as refused:  # given on one node alone: not "--betas None"
+            check_nodes_agree(out, argparse.Namespace(**flags | {"betas": [(0.9, 0.95), None][rank]}), None)
+        assert str(refused.value) == ("rank 1 was started with no --betas but rank 0 with --betas 0.9,0.95; "
+                                      "give train.py the same options on every node")
         clock = StepClock(torch.device("cpu"))
         clock.record.append(ActionRecord(Action.parse(f"{rank}F0"), clock.origin + rank, clock.origin + rank + 1, 0.5))
         timeline = write_measured_trace(clock, ranks=2, path=out / "trace.json", title="measured")

@@ -104,7 +104,8 @@ class Predicted:
     basis_key: str = ""  # that basis's key in autopart/predict/accuracy.json ("cpu-measured", "spec-roofline")
     error_median: float | None = None  # the band the benchmark of that basis measured: median |error| ...
     error_worst: float | None = None  # ... and worst |error| (fractions); None where none was measured
-    error_benchmark: str = ""  # the benchmark that measured the band ("cost_accuracy", "published_runs")
+    error_benchmark: str = ""  # the benchmark that measured the band ("cost_accuracy", "published_runs"); with
+    # no band, why none holds where one was measured for other layouts ("cost_accuracy's rows ran pp plans alone")
     # where the step the models gave implies more than the ~55% MFU that dense 16-bit training
     # reaches at best (`autopart.predict.accuracy.MFU_CEILING`), step_s is the ceiling's and this theirs
     unbounded_step_s: float | None = None

@@ -23,8 +23,9 @@ from autopart.ir.errors import ConfigError
 if TYPE_CHECKING:
     from autopart.ir.plan import Plan
 
-__all__ = ["ACCURACY_FILE", "FULLY_SHARDED", "MEASURED", "MEASURED_PIPELINE", "MFU_CEILING", "PROFILED", "ROOFLINE", "Band", "Basis", "band_key",
-           "basis_for", "ceiling_step_s", "describe_prediction", "implied_mfu", "layout_of", "load_bands", "with_basis", "write_band"]
+__all__ = ["ACCURACY_FILE", "FULLY_SHARDED", "MEASURED", "MEASURED_PIPELINE", "MFU_CEILING", "PROFILED", "ROOFLINE",
+           "Band", "Basis", "band_key", "basis_for", "ceiling_step_s", "describe_prediction", "implied_mfu", "layout_of",
+           "load_bands", "with_basis", "write_band"]
 
 ACCURACY_FILE = Path(__file__).with_name("accuracy.json")
 """The bands the repository ships, one per basis key (see `basis_for`)."""
@@ -125,8 +126,8 @@ def load_bands(path: Path | None = None) -> dict[str, Band]:
     except (OSError, ValueError) as error:
         raise ConfigError(f"{path}: cannot be read as JSON ({error}); rerun the benchmark that writes it") from None
     try:
-        return {key: Band(**{**value, "covers": tuple(value.get("covers", ())), "layouts": tuple(value.get("layouts", ()))})
-                for key, value in data.items()}
+        return {key: Band(**{**value, "covers": tuple(value.get("covers", ())),
+                             "layouts": tuple(value.get("layouts", ()))}) for key, value in data.items()}
     except TypeError as error:
         raise ConfigError(f"{path}: not a table of bands ({error}); rerun the benchmark that writes it") from None
 

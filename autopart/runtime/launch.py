@@ -161,6 +161,8 @@ def _said(name: str, value: Any) -> str:
     option = "--" + name.replace("_", "-")
     if isinstance(value, bool):
         return option if value else f"no {option}"
+    if value is None:  # an option given on one node and not on another (--betas, --clip-grad-norm)
+        return f"no {option}"
     if isinstance(value, list):  # a tuple flag (--betas), as JSON brought it
         return f"{option} {','.join(map(str, value))}"
     return f"{option} {value}"
