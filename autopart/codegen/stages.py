@@ -15,7 +15,7 @@ from torch import fx
 
 from autopart.ir.tensors import TensorMeta
 from autopart.passes.annotate import OpGraph
-from autopart.passes.front import batch_norm_statistics
+from autopart.passes.buffer_writes import written_attributes
 from autopart.codegen.names import plain_text
 from autopart.ir.errors import PlanError
 
@@ -40,23 +40,11 @@ def kept_unread(node: fx.Node) -> bool:
 
 
 def updated_buffers(stage: StageGraph) -> tuple[str, ...]:
-    """The stage's buffers that its forward writes: the written argument of an in-place op (its
-    schema's ``Tensor(a!)``, or an fx method's trailing underscore), a batch norm's running
-    statistics in training, and every buffer of a --leaf module, whose code is unseen here. The
-    runtime moves each once a step (`autopart.runtime.buffer_updates`) and no other, where a
-    search by value over the first step missed a buffer that first moves later."""
-    written: set[str] = set()
-    for node in stage.graph.nodes:
-        schema = getattr(node.target, "_schema", None)
-        if schema is not None:
-            values = [node.args[k] if k < len(node.args) else node.kwargs.get(a.name)
-                      for k, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
-        elif node.op in ("call_method", "call_function") and kept_unread(node) and node.args:
-            values = [node.args[0]]
-        else:
-            values = []
-        values += batch_norm_statistics(node) if node.op == "call_function" else []
-        written |= {str(v.target) for v in values if isinstance(v, fx.Node) and v.op == "get_attr"}
+    """The stage's buffers that its forward writes (`autopart.passes.buffer_writes`: an in-place
+    op's written argument or a view of it, a batch norm's running statistics in training), and
+    every buffer of a --leaf module, whose code is unseen here. The runtime moves each once a step
+    (`autopart.runtime.buffer_updates`) and tracks no other."""
+    written = written_attributes(stage.graph)
     leaves = tuple(f"{leaf}." for leaf in stage.leaves)
     return tuple(name for name in stage.buffers if name in written or name.startswith(leaves))
 

@@ -1,0 +1,131 @@
+"""Which of a graph's ``get_attr`` tensors its ops write in place, directly or through a view.
+
+A forward that updates a buffer (a counter, BatchNorm's running statistics, an EMA, a queue
+written a slice at a time) must have that buffer moved once a step by the runtime
+(`autopart.runtime.buffer_updates`), and the runtime tracks no other: what this misses moves once
+per microbatch, so it errs towards a buffer too many. A write reaches a buffer through any chain
+of views (``self.buf[:, 0].add_(1)``, ``self.buf.view(-1)[0] = x``, ``buf.t().index_put_(...)``),
+which no op's schema shows as a write to the buffer itself: the written value's aliases are
+followed back, as torch.export (ATen schemas, ``Tensor(a)``) and torch.fx (method and function
+names) capture them.
+
+An op whose effects are unknown (a --leaf module, a function of the user's that fx kept whole)
+is taken to write every tensor it is given, and to return a view of each.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+
+import torch
+from torch import fx
+
+from autopart.passes.front import batch_norm_statistics
+
+__all__ = ["written_attributes"]
+
+# modules whose functions write no argument unless their name or arguments say so (a trailing
+# underscore, ``inplace=True``, ``out=``): torch's, and Python's own operators
+_KNOWN_MODULES = ("torch", "_operator", "operator", "builtins", "math")
+_SETITEM = ("__setitem__", "setitem")
+
+
+def written_attributes(graph: fx.Graph) -> set[str]:
+    """The ``get_attr`` targets (parameters, buffers, constants) whose memory some op of ``graph``
+    writes: its own argument, a view of one, or a batch norm's running statistics in training."""
+    aliases: dict[fx.Node, frozenset[str]] = {}  # node -> the get_attr targets whose memory its value may share
+    written: set[str] = set()
+    for node in graph.nodes:
+        if node.op == "get_attr":
+            aliases[node] = frozenset({str(node.target)})
+            continue
+        if node.op not in ("call_function", "call_method", "call_module"):
+            continue
+        for value in (*_written_arguments(node), *batch_norm_statistics(node)):
+            written |= aliases.get(value, frozenset())
+        shared = frozenset().union(*(aliases.get(value, frozenset()) for value in _aliased_arguments(node)))
+        if shared:
+            aliases[node] = shared
+    return written
+
+
+def _nodes(value: object) -> list[fx.Node]:
+    """The nodes in an argument: itself, or those of a list or tuple (``index_put_``'s indices)."""
+    if isinstance(value, fx.Node):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [n for item in value for n in _nodes(item)]
+    return []
+
+
+def _argument(node: fx.Node, position: int, name: str) -> object:
+    return node.args[position] if position < len(node.args) else node.kwargs.get(name)
+
+
+def _name(node: fx.Node) -> str:
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    return name if isinstance(name, str) else ""
+
+
+def _opaque(node: fx.Node) -> bool:
+    """A call whose effects on its arguments the graph does not show: a --leaf module, or a
+    function that is neither an ATen overload nor torch's or Python's own."""
+    if node.op == "call_module":
+        return True
+    if node.op != "call_function" or getattr(node.target, "_schema", None) is not None:
+        return False
+    module = getattr(node.target, "__module__", None) or type(node.target).__module__ or ""
+    return module.split(".")[0] not in _KNOWN_MODULES
+
+
+def _written_arguments(node: fx.Node) -> list[fx.Node]:
+    """The arguments that ``node`` writes: those its schema marks ``Tensor(a!)``, else by name."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is not None:
+        return [n for k, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write
+                for n in _nodes(_argument(node, k, a.name))]
+    if _opaque(node):
+        return list(node.all_input_nodes)
+    name = _name(node)
+    found = _nodes(node.kwargs.get("out"))
+    if node.args and (node.kwargs.get("inplace") is True or name in _SETITEM
+                      or (name.endswith("_") and not name.endswith("__"))):
+        found += _nodes(node.args[0])
+    return found
+
+
+def _aliased_arguments(node: fx.Node) -> list[fx.Node]:
+    """The arguments whose memory the value of ``node`` may share: a view's base (``view``,
+    ``select``, ``t``, ``getitem``...), an in-place op's written argument, which it returns."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is not None:
+        # a returned ``Tensor(a)`` or ``Tensor(a)[]`` shares an annotated argument's memory (the
+        # schema gives a list's element sets not at all: every annotated argument, conservatively)
+        if all(r.alias_info is None for r in schema.returns):
+            return []
+        return [n for k, a in enumerate(schema.arguments) if a.alias_info is not None
+                for n in _nodes(_argument(node, k, a.name))]
+    if _opaque(node):
+        return list(node.all_input_nodes)
+    name = _name(node)
+    if node.target is operator.getitem or name == "__getitem__" or _returns_view(name) or name.endswith("_"):
+        return _nodes(node.args[0]) if node.args else []
+    return []
+
+
+@functools.cache
+def _returns_view(name: str) -> bool:
+    """Whether some ATen op of this name returns a view of an argument (``view``, ``reshape``,
+    ``transpose``, ``split``...): a method or torch function of that name may then too."""
+    if not name.isidentifier() or name.startswith("_"):
+        return False
+    try:
+        packet = getattr(torch.ops.aten, name)
+    except (AttributeError, RuntimeError):
+        return False
+    try:
+        schemas = [getattr(packet, overload)._schema for overload in packet.overloads()]
+    except (AttributeError, RuntimeError):
+        return True  # an ATen op whose schemas cannot be read: conservatively a view
+    return any(r.alias_info is not None and not r.alias_info.is_write for s in schemas for r in s.returns)

@@ -1,0 +1,125 @@
+"""Which buffers a forward writes, found in the captured graph: a write through a view of a buffer
+(``self.buf[:, 0].add_(1)``) shows in no op's schema as a write to the buffer, and a buffer the
+stage file leaves out moves once per microbatch (`autopart.runtime.buffer_updates`)."""
+
+import operator
+
+import pytest
+import torch
+from torch import fx, nn
+
+import autopart
+from autopart.passes.buffer_writes import written_attributes
+
+VIEWS = """
+import torch
+from torch import nn
+
+
+class Viewed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        for name, shape in [("grid", (3, 4)), ("flat", (2, 3)), ("tail", (10,)), ("cols", (4, 3)),
+                            ("narrowed", (5,)), ("wide", (2, 8)), ("strided", (6,)), ("halves", (4, 2)),
+                            ("permuted", (2, 3, 4)), ("read", (4,))]:
+            self.register_buffer(name, torch.zeros(shape))
+
+    def forward(self, x):
+        h = self.fc(x)
+        m = h.detach().mean()
+        self.grid[:, 0].add_(1)                                    # slice, select, in-place arithmetic
+        self.flat.view(-1)[0] = m                                  # view, setitem
+        self.tail[2:].copy_(h.detach().mean(0))                    # slice, copy_
+        self.cols.t().index_put_((torch.tensor([1]),), m.expand(1, 4))  # t, index_put_
+        self.narrowed.narrow(0, 1, 2).fill_(3)                     # narrow, fill_
+        self.wide.unsqueeze(0).transpose(1, 2).reshape(8, 2)[:, 1].mul_(0.5)  # unsqueeze, transpose, reshape
+        self.strided.as_strided((2,), (3,)).zero_()                # as_strided, zero_
+        self.halves.chunk(2)[1].squeeze(0).sub_(m)                 # chunk, getitem, squeeze
+        self.permuted.permute(2, 0, 1).flatten(1)[0].clamp_(max=m) # permute, flatten
+        return torch.relu(h) + self.read.t().sum() + self.read[1:].clone().add_(1).sum()  # read, or a copy written
+
+
+def build_model():
+    torch.manual_seed(0)
+    return nn.Sequential(Viewed(), nn.Linear(8, 4))
+
+
+def example_batch(batch_size):
+    return (torch.randn(batch_size, 8),), torch.randint(0, 4, (batch_size,))
+
+
+def loss_fn(logits, target):
+    return nn.functional.cross_entropy(logits, target)
+"""
+
+WRITTEN = {f"0.{name}" for name in ("grid", "flat", "tail", "cols", "narrowed", "wide", "strided", "halves", "permuted")}
+
+
+def test_a_write_through_any_view_of_a_buffer_is_in_the_stage_file(tmp_path):
+    """torch.export captures each write as an op on a view (``aten.add_(aten.select(grid))``): the
+    stage file said its forward updated none of these buffers."""
+    from autopart.runtime.buffer_updates import stages_updated_buffers
+
+    path = tmp_path / "views.py"
+    path.write_text(VIEWS)
+    plan = autopart.compile(path, pp=2, microbatches=2, global_batch_size=4, measure=False)
+    assert plan.provenance.capture == "export"
+    autopart.emit(plan, tmp_path / "out")
+    assert set(stages_updated_buffers(tmp_path / "out")) == WRITTEN  # '0.read' only read, or copied first
+
+
+class _BufferTracer(fx.Tracer):
+    """fx with buffers as graph values, so that their views are method and function calls."""
+    proxy_buffer_attributes = True
+
+
+@fx.wrap
+def _opaque_update(buffer, value):
+    buffer.add_(value)
+    return value
+
+
+class _FxViews(nn.Module):
+    def __init__(self):
+        super().__init__()
+        for name in ("selected", "narrowed", "out", "relu", "method", "wrapped", "read", "cloned"):
+            self.register_buffer(name, torch.zeros(4, 4))
+
+    def forward(self, x):
+        torch.select(self.selected, 0, 1).add_(x.sum())             # a torch function's view
+        torch.narrow(self.narrowed, 1, 0, 2).copy_(x[:4, :2])
+        torch.add(x[:4], 1, out=self.out.view(4, 4))               # out=
+        nn.functional.relu(self.relu.expand(2, 4, 4)[0], inplace=True)
+        self.method.view(16).masked_fill_(x[0].repeat(2) > 0, 1.0)
+        y = _opaque_update(self.wrapped[0], x.sum())                # the user's function, kept whole
+        z = self.cloned.clone()
+        z.add_(1)
+        return x + y + self.read.t()[0] + z.sum()
+
+
+def test_fx_views_of_buffers_are_followed_and_an_opaque_function_taken_to_write():
+    graph = _BufferTracer().trace(_FxViews())
+    assert any(n.op == "call_method" and n.target == "view" for n in graph.nodes)  # the views are in the graph
+    assert written_attributes(graph) == {"selected", "narrowed", "out", "relu", "method", "wrapped"}
+
+
+@pytest.mark.parametrize("write", ["add_", "copy_"])
+def test_an_in_place_op_s_result_is_the_buffer_it_wrote(write):
+    """``y = buf.add_(1); y[0].zero_()`` writes ``buf`` twice: the in-place op returns it."""
+    graph = fx.Graph()
+    buffer = graph.get_attr("counter")
+    result = graph.call_method(write, (buffer, graph.placeholder("x")))
+    graph.call_method("zero_", (graph.call_function(operator.getitem, (result, 0)),))
+    graph.output(None)
+    assert written_attributes(graph) == {"counter"}
+
+
+@pytest.mark.parametrize("op, target", [("call_function", operator.setitem), ("call_method", "__setitem__")])
+def test_an_item_set_in_a_view_writes_the_buffer(op, target):
+    """``buf.view(-1)[0] = x`` as fx records it when it can (a proxy cannot take item assignment)."""
+    graph = fx.Graph()
+    view = graph.call_method("view", (graph.get_attr("flat"), -1))
+    graph.create_node(op, target, (view, 0, graph.placeholder("x")))
+    graph.output(None)
+    assert written_attributes(graph) == {"flat"}
