@@ -176,3 +176,25 @@ def test_a_buffer_that_first_moves_in_a_later_step_moves_once_a_step(tmp_path):
                             measure=False)
     assert set(stages_updated_buffers(run.out)) == {"0.average", "0.calls", "1.average", "1.calls"}
     assert_same_training(run, optimizer="sgd", lr=0.1)  # the averages too: one process moves them once a step
+
+
+@pytest.mark.multiprocess
+def test_a_leaf_module_s_buffers_move_once_a_step(tmp_path):
+    """A --leaf BatchNorm's running statistics are written by code the capture does not see: the
+    stage file listed none of them (the first step's search by value found them). Each microbatch
+    normalises by its own statistics, as one process running the batch in two parts does."""
+    from autopart.runtime.buffer_updates import stages_updated_buffers
+    from autopart.runtime.reference import train_reference
+    from tests.distributed import compile_and_train
+
+    path = tmp_path / "bn.py"
+    path.write_text(MODEL.replace("Counted(), Counted()", "nn.Linear(8, 8), nn.BatchNorm1d(8)"))
+    run = compile_and_train(tmp_path, path, pp=2, microbatches=2, micro_batch_size=2, schedule="1f1b", steps=3,
+                            measure=False, leaf=("BatchNorm1d",))
+    assert set(stages_updated_buffers(run.out)) == {"1.running_mean", "1.running_var", "1.num_batches_tracked"}
+    reference = train_reference(run.out, steps=3, lr=0.1, optimizer="sgd", microbatches=2)
+    torch.testing.assert_close(torch.tensor([m["loss"] for m in run.metrics]), torch.tensor(reference.losses))
+    finals = {name: value for weights in run.finals.values() for name, value in weights.items()}
+    for name, value in finals.items():
+        torch.testing.assert_close(value, reference.parameters[name], rtol=1e-5, atol=1e-6, msg=name)
+    assert int(finals["1.num_batches_tracked"]) == 3

@@ -285,7 +285,7 @@ CONSTANTS = {{
     frozen_block = (f"# the model's parameters that do not train (requires_grad=False): no gradient, no optimizer step\n"
                     f"FROZEN = ({signature(frozen)})\n") if frozen else ""
     leaf_block = _leaf_block(stage, root)
-    updated = (f"\n    updated_buffers = ({signature(updated_buffers(stage))})  # written by forward: moved once a step "
+    updated = (f"\n    updated_buffers = ({signature(updated_buffers(stage, root))})  # written by forward: moved once a step "
                "(autopart.runtime.buffer_updates)")
     layers = _layer_methods_line(stage, units)
     named = ["declare_leaves"] * bool(stage.leaves) + ["declare_tensors"] + ["model_attribute"] * bool(from_model)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from torch import fx
+from torch import fx, nn
 
 from autopart.ir.tensors import TensorMeta
 from autopart.passes.annotate import OpGraph
@@ -39,14 +39,14 @@ def kept_unread(node: fx.Node) -> bool:
     return isinstance(name, str) and name.endswith("_") and not name.endswith("__")
 
 
-def updated_buffers(stage: StageGraph) -> tuple[str, ...]:
+def updated_buffers(stage: StageGraph, root: nn.Module) -> tuple[str, ...]:
     """The stage's buffers that its forward writes (`autopart.passes.buffer_writes`: an in-place
     op's written argument or a view of it, a batch norm's running statistics in training), and
-    every buffer of a --leaf module, whose code is unseen here. The runtime moves each once a step
-    (`autopart.runtime.buffer_updates`) and tracks no other."""
+    every buffer of the --leaf modules it holds (``root``'s submodules), whose code is unseen here.
+    The runtime moves each once a step (`autopart.runtime.buffer_updates`) and tracks no other."""
     written = written_attributes(stage.graph)
-    leaves = tuple(f"{leaf}." for leaf in stage.leaves)
-    return tuple(name for name in stage.buffers if name in written or name.startswith(leaves))
+    leaves = tuple(f"{leaf}.{name}" for leaf in stage.leaves for name, _ in root.get_submodule(leaf).named_buffers())
+    return tuple(name for name in stage.buffers if name in written) + leaves
 
 
 @dataclass(frozen=True, kw_only=True)
