@@ -146,6 +146,28 @@ def test_a_flag_set_beside_the_buffer_it_initialises_is_put_back_with_it():
     assert bool(module.initted) and module.embed.tolist() == [3.0, 6.0]  # each part's initialisation, averaged
 
 
+def test_only_the_buffers_the_stage_file_lists_are_tracked():
+    """Every buffer was cloned and summed over the first step to find those that moved (a large
+    float mask cost three times its bytes, counted by no plan): now a buffer that the stage file
+    does not list is left to the forwards, and one it lists, an int8 counter, is summed without
+    wrapping."""
+    from torch import nn
+
+    from autopart.runtime.buffer_updates import BufferUpdates
+
+    module = nn.Module()
+    module.register_buffer("calls", torch.tensor(120, dtype=torch.int8))
+    module.register_buffer("unlisted", torch.zeros(()))
+    updates = BufferUpdates(module, updated=("calls",))
+    for _ in range(4):
+        with updates.forward():
+            module.calls.add_(1)
+            module.unlisted.add_(1)
+    updates.finish()
+    assert int(module.calls) == 121  # 4 * 121 wraps in int8
+    assert float(module.unlisted) == 4.0  # untracked: each forward's write stays
+
+
 GATED = MODEL.replace('''        self.register_buffer("calls", torch.zeros(()))
 
     def forward(self, x):
@@ -176,6 +198,40 @@ def test_a_buffer_that_first_moves_in_a_later_step_moves_once_a_step(tmp_path):
                             measure=False)
     assert set(stages_updated_buffers(run.out)) == {"0.average", "0.calls", "1.average", "1.calls"}
     assert_same_training(run, optimizer="sgd", lr=0.1)  # the averages too: one process moves them once a step
+
+
+VIEWED = MODEL.replace('''        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        self.calls.add_(1)
+        return torch.relu(self.fc(x))''', '''        self.register_buffer("state", torch.zeros(3))
+        self.register_buffer("features", torch.zeros(8, 2))
+
+    def forward(self, x):
+        h = self.fc(x)
+        self.state[:1].add_(1)  # a counter in a slice
+        self.state.view(-1)[1] = 0.5 * self.state[1] + 0.5 * h.detach().mean()  # an average, set as an item of a view
+        self.features[:, 0].copy_(0.9 * self.features[:, 0] + 0.1 * h.detach().mean(0))  # into a column
+        return torch.relu(h)''')
+
+
+@pytest.mark.multiprocess
+def test_buffers_updated_through_views_move_once_a_step(tmp_path):
+    """Writes through views show in no op's schema as writes to the buffer: the stage files said
+    nothing of these, and with only the buffers they list tracked, the counter ended at 6 (once
+    per microbatch) and the averages moved twice a step."""
+    from autopart.runtime.buffer_updates import stages_updated_buffers
+    from tests.distributed import assert_same_training, compile_and_train
+
+    assert VIEWED != MODEL
+    path = tmp_path / "viewed.py"
+    path.write_text(VIEWED)
+    run = compile_and_train(tmp_path, path, pp=2, microbatches=2, micro_batch_size=2, schedule="1f1b", steps=3,
+                            measure=False)
+    assert set(stages_updated_buffers(run.out)) == {"0.state", "0.features", "1.state", "1.features"}
+    states = [weights[name] for weights in run.finals.values() for name in weights if name.endswith("state")]
+    assert len(states) == 2 and all(float(state[0]) == 3.0 for state in states), states
+    assert_same_training(run, optimizer="sgd", lr=0.1)
 
 
 @pytest.mark.multiprocess

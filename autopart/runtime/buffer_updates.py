@@ -17,20 +17,24 @@ where the update is the same for every part of the batch (a counter, ``num_batch
 or an affine function of the part's mean (BatchNorm's ``running_mean``, the parts being of one
 size); BatchNorm's ``running_var`` becomes the mean of the parts' variances, which leaves out the
 spread between the parts' means, as BatchNorm's normalisation by microbatch does (the compile
-notes it). A floating buffer is averaged in fp64, an integer one rounded down, and a flag is set where
-some forward set it.
+notes it). A floating buffer is averaged in its own dtype (fp32 for a 16-bit one: `_accumulating`),
+an integer one rounded down, and a flag is set where some forward set it.
 
-Which buffers a forward updates is found by value over the first step (a kernel such as
-``batch_norm`` writes its running statistics without bumping the tensor's version; a write through
-a view shows in no schema), with those the stage file says its forward writes (``updated_buffers``:
-`autopart.codegen.stages.updated_buffers`, which holds one that the first step leaves as it was),
-agreed over the replicas, and only those are kept from then on. A buffer is written through ``.data``, which
-leaves its version as it was: autograd saves BatchNorm's running statistics for its backward,
-which in training reads none of them, and would refuse a tensor whose version moved (as
-``batch_norm``'s own update leaves it); in the first step every buffer is put back, with its own
-values where no forward changed it (a rotary table that autograd saved is left as it saved it);
-and the capture refuses a model whose output reads a buffer that its forward updates, so no
-backward reads a value that this puts back.
+Which buffers a forward updates is what the stage file says (``updated_buffers``,
+`autopart.codegen.stages.updated_buffers`): those the captured graph writes, through any view
+(`autopart.passes.buffer_writes`), and every buffer of a --leaf module, whose code is unseen. No
+other buffer is touched, so a buffer's update that first comes in a later step (an average gated
+on a counter) is tracked from the first, and a stage file of an earlier autopart, which says
+nothing, has all its buffers tracked. Each tracked buffer costs, through a step, a copy of its
+starting values and the sum of its forwards' values: twice its bytes, three times a 16-bit
+one's. The memory model counts none of it: a forward's buffers are running statistics,
+counters and averages, small beside the weights and their optimizer state.
+
+A buffer is written through ``.data``, which leaves its version as it was: autograd saves
+BatchNorm's running statistics for its backward, which in training reads none of them, and
+would refuse a tensor whose version moved (as ``batch_norm``'s own update, which bumps no
+version, leaves it); and the capture refuses a model whose output reads a buffer that its
+forward updates, so no backward reads a value that this puts back.
 """
 
 from __future__ import annotations
@@ -55,29 +59,27 @@ class BufferUpdates:
                  updated: tuple[str, ...] | None = None):
         self.module = module
         self.replicas = replicas  # the data-parallel group and its size, over which the mean is also taken
-        self.tracked: list[int] | None = None  # positions in module.buffers() that a forward updates; None: not known yet
-        names = [name for name, _ in module.named_buffers()]
-        # those the capture shows it write (a stage file's ``updated_buffers``), tracked whether or not they move at first
-        self.written = {names.index(name) for name in updated or () if name in names}
+        # positions in module.buffers() that a forward writes: the stage file's ``updated_buffers``;
+        # without it (a stage file of an earlier autopart), every buffer
+        self.tracked = [i for i, (name, buffer) in enumerate(module.named_buffers())
+                        if (updated is None or name in updated) and _kept(buffer)]
         self.start: dict[int, torch.Tensor] = {}  # the step's starting values, by position
         self.sums: dict[int, torch.Tensor] = {}  # the sum over the step's forwards of the values each left
-        self.changed: dict[int, torch.Tensor] = {}  # over the first step, whether some forward changed it (on the device)
         self.forwards = 0
         self.pending = False  # a forward ran whose updates are not collected yet
 
     def _buffers(self) -> list[torch.Tensor]:
         return list(self.module.buffers())
 
-    def _watched(self) -> list[int]:
-        buffers = self._buffers()
-        return list(range(len(buffers))) if self.tracked is None else self.tracked
-
     @contextlib.contextmanager
     def forward(self) -> Iterator[None]:
         """One microbatch's F: it starts from the step's values; its updates are counted."""
+        if not self.tracked:
+            yield
+            return
         if not self.start:
             buffers = self._buffers()
-            self.start = {i: buffers[i].detach().clone() for i in self._watched() if _kept(buffers[i])}
+            self.start = {i: buffers[i].detach().clone() for i in self.tracked}
         self._collect()
         yield
         self.forwards += 1
@@ -96,29 +98,32 @@ class BufferUpdates:
         if not self.start:
             return
         self._collect()
+        if self.replicas is not None:
+            self._sum_over_replicas()
+        forwards = self.forwards * (self.replicas[1] if self.replicas is not None else 1)
         buffers = self._buffers()
-        if self.tracked is None:
-            self._agree_on_tracked(len(buffers))
-        # a flag is 1 where some forward set it, and its mean over the replicas above 0 where one did
-        means = {i: self.sums[i].double() if self.sums[i].dtype == torch.bool else self.sums[i] / self.forwards
-                 for i in self.start}  # the tracked buffers of numbers and flags
-        if self.replicas is not None and means:
-            group, size = self.replicas
-            flat = torch.cat([mean.reshape(-1) for mean in means.values()])
-            dist.all_reduce(flat, group=group)
-            flat /= size
-            offset = 0
-            for i, mean in means.items():
-                means[i] = flat[offset:offset + mean.numel()].view_as(mean)
-                offset += mean.numel()
         with torch.no_grad():
-            for i, mean in means.items():
-                if buffers[i].dtype == torch.bool:
-                    mean = mean > 0
-                elif not buffers[i].is_floating_point():
-                    mean = mean.floor()
+            for i, total in self.sums.items():
+                if buffers[i].dtype == torch.bool:  # a flag: set where some forward set it
+                    mean = total > 0
+                elif buffers[i].is_floating_point():
+                    mean = total / forwards
+                else:
+                    mean = torch.div(total, forwards, rounding_mode="floor")
                 buffers[i].data.copy_(mean)
-        self.start, self.sums, self.changed, self.forwards, self.pending = {}, {}, {}, 0, False
+        self.start, self.sums, self.forwards, self.pending = {}, {}, 0, False
+
+    def _sum_over_replicas(self) -> None:
+        """The sums over every replica's forwards, one all-reduce per accumulating dtype."""
+        group = self.replicas[0]
+        for dtype in dict.fromkeys(total.dtype for total in self.sums.values()):
+            same = [i for i, total in self.sums.items() if total.dtype == dtype]
+            flat = torch.cat([self.sums[i].reshape(-1) for i in same])
+            dist.all_reduce(flat, group=group)
+            offset = 0
+            for i in same:
+                self.sums[i] = flat[offset:offset + self.sums[i].numel()].view_as(self.sums[i])
+                offset += self.sums[i].numel()
 
     def _collect(self) -> None:
         if self.pending:
@@ -126,42 +131,29 @@ class BufferUpdates:
             self.pending = False
 
     def _restore(self, *, count: bool) -> None:
-        """Put every watched buffer back to the step's start; ``count``: add the value the forward
+        """Put every tracked buffer back to the step's start; ``count``: add the value the forward
         left to the sums (values, not changes: an infinite entry, a float mask's -inf, minus itself
-        is NaN), and over the first step note on the device whether it moved, with no wait for it."""
+        is NaN)."""
         buffers = self._buffers()
         with torch.no_grad():
             for i, start in self.start.items():
-                if count:
-                    if buffers[i].dtype == torch.bool:  # a flag: whether some forward left it set, kept as flags
-                        value = buffers[i].clone()
-                        self.sums[i] = self.sums[i] | value if i in self.sums else value
-                    else:
-                        value = buffers[i].double()
-                        self.sums[i] = self.sums[i] + value if i in self.sums else value
-                    if self.tracked is None:
-                        moved = _moved(buffers[i], start)
-                        self.changed[i] = self.changed[i] | moved if i in self.changed else moved
+                if count and i in self.sums:
+                    self.sums[i].add_(buffers[i])  # in place, promoted: no copy of a 16-bit buffer beside the sum
+                elif count:
+                    self.sums[i] = buffers[i].to(_accumulating(buffers[i].dtype), copy=True)
                 buffers[i].data.copy_(start)  # unversioned, and the same values where unchanged: module docstring
 
-    def _agree_on_tracked(self, count: int) -> None:
-        """After the first step: the buffers some forward changed on some replica."""
-        device = next(iter(self.start.values())).device
-        changed = torch.zeros(count, dtype=torch.int64, device=device)
-        for i, moved in self.changed.items():
-            changed[i] = moved
-        if self.replicas is not None:
-            dist.all_reduce(changed, op=dist.ReduceOp.MAX, group=self.replicas[0])
-        self.tracked = [i for i in range(count) if changed[i] or i in self.written]
-        for i in list(self.start):
-            if i not in self.tracked:
-                del self.start[i]
 
-
-def _moved(value: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
-    """Whether ``value`` differs from ``start`` anywhere (a NaN kept as NaN is no change)."""
-    same = value.eq(start) | (value.isnan() & start.isnan()) if value.is_floating_point() else value.eq(start)
-    return ~same.all()
+def _accumulating(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a buffer's values are summed in over a step's forwards: its own where that holds
+    the sum of a few of its values about as well as it holds one (fp32, fp64), fp32 for a 16-bit
+    float, int64 for an integer (an int8 counter summed over a few hundred microbatches would
+    wrap) and for a flag, whose sum counts the forwards that set it."""
+    if dtype in (torch.float16, torch.bfloat16):
+        return torch.float32
+    if dtype.is_floating_point:
+        return dtype
+    return torch.int64
 
 
 def _kept(buffer: torch.Tensor) -> bool:
@@ -174,7 +166,7 @@ def _kept(buffer: torch.Tensor) -> bool:
 def stages_updated_buffers(out_dir: Path) -> tuple[str, ...] | None:
     """The buffers that the stage files of ``out_dir`` say their forwards write, together (for a
     run of the whole model, as verify's reference is); None where a stage file says nothing (one
-    written by an earlier autopart), to be found over the first step."""
+    written by an earlier autopart): every buffer is then tracked."""
     found: list[str] = []
     for path in sorted((out_dir / "stages").glob("stage_*.py")):
         said = [node.value for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Assign)
