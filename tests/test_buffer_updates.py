@@ -254,3 +254,34 @@ def test_a_leaf_module_s_buffers_move_once_a_step(tmp_path):
     for name, value in finals.items():
         torch.testing.assert_close(value, reference.parameters[name], rtol=1e-5, atol=1e-6, msg=name)
     assert int(finals["1.num_batches_tracked"]) == 3
+
+
+ITEM_SET = MODEL.replace('''        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        self.calls.add_(1)
+        return torch.relu(self.fc(x))''', '''        self.register_buffer("last", torch.zeros(2))
+
+    def forward(self, x):
+        h = self.fc(x)
+        self.last[0] = h.detach().mean()  # fx records Tensor.__setitem__ on the buffer
+        return torch.relu(h)''')
+
+
+@pytest.mark.multiprocess
+def test_an_item_set_in_a_buffer_under_fx_trains_as_one_process(tmp_path):
+    """fx records ``self.last[0] = x`` as a ``__setitem__`` call whose value nothing reads, which
+    the stages' dead-code pass took for pure and dropped: the buffer never moved."""
+    from autopart.runtime.buffer_updates import stages_updated_buffers
+    from tests.distributed import assert_same_training, compile_and_train
+
+    assert ITEM_SET != MODEL
+    path = tmp_path / "item_set.py"
+    path.write_text(ITEM_SET)
+    run = compile_and_train(tmp_path, path, pp=2, microbatches=2, micro_batch_size=2, schedule="1f1b", steps=3,
+                            measure=False)
+    assert run.plan.provenance.capture == "fx"
+    assert set(stages_updated_buffers(run.out)) == {"0.last", "1.last"}
+    assert all(float(weights[name][0]) != 0.0 for weights in run.finals.values() for name in weights
+               if name.endswith("last"))
+    assert_same_training(run, optimizer="sgd", lr=0.1)

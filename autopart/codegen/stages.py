@@ -15,7 +15,7 @@ from torch import fx, nn
 
 from autopart.ir.tensors import TensorMeta
 from autopart.passes.annotate import OpGraph
-from autopart.passes.buffer_writes import written_attributes
+from autopart.passes.buffer_writes import writes_in_place, written_attributes
 from autopart.codegen.names import plain_text
 from autopart.ir.errors import PlanError
 
@@ -30,13 +30,7 @@ def kept_unread(node: fx.Node) -> bool:
     whether it is pure: it is."""
     if node.op == "call_module":
         return False
-    if node.is_impure() or node.kwargs.get("inplace") is True:
-        return True
-    schema = getattr(node.target, "_schema", None)  # an ATen overload (torch.export): its schema says
-    if schema is not None:
-        return schema.is_mutable
-    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
-    return isinstance(name, str) and name.endswith("_") and not name.endswith("__")
+    return node.is_impure() or writes_in_place(node)
 
 
 def updated_buffers(stage: StageGraph, root: nn.Module) -> tuple[str, ...]:

@@ -41,6 +41,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from autopart.ir.tensors import DTYPES, TensorMeta, autocast_dtype, precision, tensor_meta, working_dtype
 from autopart.passes.autocast_lists import cuda_autocast
+from autopart.passes.buffer_writes import writes_in_place
 from autopart.passes.cost_keys import cost_key
 from autopart.passes.kernel_figures import kernel_figures, recompute_share
 from autopart.passes.grad_flow import GradientFlow, needed_backward, trainable_parameters
@@ -218,7 +219,7 @@ def _measure_kernels(
     originals = pytree.tree_leaves((args, kwargs))
     # an in-place op runs on copies: on the values themselves it would write them again, under the
     # nodes that read them next (T5's relative-position buckets, ``+=`` twice, index past its table)
-    args, kwargs, inputs, weights = leaves_for_grad(args, kwargs, parameters, clone=_in_place(node),
+    args, kwargs, inputs, weights = leaves_for_grad(args, kwargs, parameters, clone=writes_in_place(node),
                                                     master=state.master, frozen=state.frozen_ids)
     original_of = {id(leaf): value for value, leaf in zip(originals, pytree.tree_leaves((args, kwargs)))}
     with KernelRecorder() as forward, state.precision():  # backward runs outside autocast, as in training
@@ -314,15 +315,6 @@ class _SavedBytes(fx.Interpreter):
         return self.saved, self.kept
 
 
-def _in_place(node: fx.Node) -> bool:
-    """An op that writes its input: an ATen overload whose schema says so (torch.export), or ``x.add_``."""
-    schema = getattr(node.target, "_schema", None)
-    if schema is not None:
-        return schema.is_mutable
-    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
-    return isinstance(name, str) and name.endswith("_") and not name.endswith("__")
-
-
 def _batch_derived(node: fx.Node, derived: dict[str, bool], parameter_names: set[str]) -> bool:
     if node.op == "placeholder":
         return True
@@ -330,7 +322,7 @@ def _batch_derived(node: fx.Node, derived: dict[str, bool], parameter_names: set
         return node.target not in parameter_names
     if node.op in ("output", "call_module"):  # a leaf module holds weights
         return False
-    if not node.users and _in_place(node):  # run for its effect (a buffer's update): by one stage, not by none
+    if not node.users and writes_in_place(node):  # run for its effect (a buffer's update): by one stage, not by none
         return False
     inputs = node.all_input_nodes
     return all(derived[n.name] for n in inputs)

@@ -21,9 +21,7 @@ import operator
 import torch
 from torch import fx
 
-from autopart.passes.front import batch_norm_statistics
-
-__all__ = ["written_attributes"]
+__all__ = ["written_attributes", "writes_in_place", "normalises_by_batch", "batch_norm_statistics"]
 
 # modules whose functions write no argument unless their name or arguments say so (a trailing
 # underscore, ``inplace=True``, ``out=``): torch's, and Python's own operators
@@ -48,6 +46,20 @@ def written_attributes(graph: fx.Graph) -> set[str]:
         if shared:
             aliases[node] = shared
     return written
+
+
+def writes_in_place(node: fx.Node) -> bool:
+    """An op that writes an argument: one an ATen schema marks ``Tensor(a!)`` (torch.export), an
+    fx method or function whose name ends in an underscore (``x.add_``), ``inplace=True``,
+    ``out=``, or an item set (``buf[0] = x``, which fx records as ``__setitem__``). A graph keeps
+    such an op though nothing reads its value, and a stage runs it once; a call whose effects are
+    unknown (`_opaque`) is left to fx's own rule of what is pure."""
+    if node.op not in ("call_function", "call_method"):
+        return False
+    schema = getattr(node.target, "_schema", None)
+    if schema is not None:
+        return schema.is_mutable
+    return bool(_written_arguments(node)) and not _opaque(node)
 
 
 def _nodes(value: object) -> list[fx.Node]:
@@ -129,3 +141,40 @@ def _returns_view(name: str) -> bool:
     except (AttributeError, RuntimeError):
         return True  # an ATen op whose schemas cannot be read: conservatively a view
     return any(r.alias_info is not None and not r.alias_info.is_write for s in schemas for r in s.returns)
+
+
+def normalises_by_batch(node: fx.Node) -> bool:
+    """``node`` is a batch norm that normalises by its batch: one whose ``training`` (or ``train``)
+    argument is true, found by name in the op's schema (an ATen overload) or at the place
+    ``F.batch_norm`` gives it; ``_batch_norm_with_update`` trains by its name, ``_no_update`` and
+    ``_no_training`` do not."""
+    target = node.target
+    name = str(getattr(target, "__name__", target))
+    if node.op != "call_function" or "batch_norm" not in name:
+        return False
+    if "with_update" in name:
+        return True
+    if "no_update" in name or "no_training" in name:
+        return False
+    schema = getattr(target, "_schema", None)
+    names = [a.name for a in schema.arguments] if schema is not None else \
+        ["input", "running_mean", "running_var", "weight", "bias", "training"]  # F.batch_norm
+    place = next((i for i, n in enumerate(names) if n in ("training", "train")), None)
+    if place is None:
+        return False
+    flag = node.args[place] if len(node.args) > place else node.kwargs.get(names[place], False)
+    return flag is True
+
+
+def batch_norm_statistics(node: fx.Node) -> list[fx.Node]:
+    """The running statistics that a batch norm normalising by its batch (`normalises_by_batch`)
+    writes as it runs: a kernel that says nothing of it in its schema (``aten.batch_norm``,
+    ``F.batch_norm``)."""
+    if not normalises_by_batch(node):
+        return []
+    schema = getattr(node.target, "_schema", None)
+    names = [a.name for a in schema.arguments] if schema is not None else \
+        ["input", "running_mean", "running_var", "weight", "bias", "training"]  # F.batch_norm
+    found = [node.args[k] if k < len(node.args) else node.kwargs.get(name) for k, name in enumerate(names)
+             if name in ("running_mean", "running_var")]
+    return [value for value in found if isinstance(value, fx.Node)]

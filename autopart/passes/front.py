@@ -21,6 +21,7 @@ from autopart.ir.tensors import TensorMeta
 from autopart.options import CompileOptions, local_kind
 from autopart.passes.annotate import OpGraph, annotate
 from autopart.passes.blocks import BlockChain, build_blocks
+from autopart.passes.buffer_writes import normalises_by_batch
 from autopart.passes.capture import Graph, capture
 from autopart.passes.recompute import recompute_cost
 from autopart.passes.rewrite import separate_biases
@@ -34,7 +35,7 @@ from autopart.solve.tensor import BlockSharding, shard_chain
 from cost_models import CostDatabase, CostModel, ProfiledCostModel, get_cost_model
 
 __all__ = ["Front", "annotated", "block_seconds", "boundary_gathered_bytes", "boundary_held_bytes", "build_front",
-           "batch_norm_statistics", "batch_statistics_ops", "block_weight_seeds", "capture_for", "held_tensors", "layer_input_bytes", "layer_rebuilt_bytes", "loss_working_bytes",
+           "batch_statistics_ops", "block_weight_seeds", "capture_for", "held_tensors", "layer_input_bytes", "layer_rebuilt_bytes", "loss_working_bytes",
            "note_unsplit", "parameter_placements", "recompute_blocks", "sharded"]
 
 log = logging.getLogger("autopart")
@@ -86,43 +87,6 @@ def note_unsplit(options: CompileOptions, front: Front) -> None:
                  " the whole model (lower --tp, or use --pp or --dp)")
 
 
-def _batch_statistics(node: fx.Node) -> bool:
-    """``node`` is a batch norm that normalises by its batch: one whose ``training`` (or ``train``)
-    argument is true, found by name in the op's schema (an ATen overload) or at the place
-    ``F.batch_norm`` gives it; ``_batch_norm_with_update`` trains by its name, ``_no_update`` and
-    ``_no_training`` do not."""
-    target = node.target
-    name = str(getattr(target, "__name__", target))
-    if node.op != "call_function" or "batch_norm" not in name:
-        return False
-    if "with_update" in name:
-        return True
-    if "no_update" in name or "no_training" in name:
-        return False
-    schema = getattr(target, "_schema", None)
-    names = [a.name for a in schema.arguments] if schema is not None else \
-        ["input", "running_mean", "running_var", "weight", "bias", "training"]  # F.batch_norm
-    place = next((i for i, n in enumerate(names) if n in ("training", "train")), None)
-    if place is None:
-        return False
-    flag = node.args[place] if len(node.args) > place else node.kwargs.get(names[place], False)
-    return flag is True
-
-
-def batch_norm_statistics(node: fx.Node) -> list[fx.Node]:
-    """The running statistics that a batch norm normalising by its batch (`_batch_statistics`)
-    writes as it runs: a kernel that says nothing of it in its schema (``aten.batch_norm``,
-    ``F.batch_norm``)."""
-    if not _batch_statistics(node):
-        return []
-    schema = getattr(node.target, "_schema", None)
-    names = [a.name for a in schema.arguments] if schema is not None else \
-        ["input", "running_mean", "running_var", "weight", "bias", "training"]  # F.batch_norm
-    found = [node.args[k] if k < len(node.args) else node.kwargs.get(name) for k, name in enumerate(names)
-             if name in ("running_mean", "running_var")]
-    return [value for value in found if isinstance(value, fx.Node)]
-
-
 def _leaf_batch_statistics(node: fx.Node, graph: fx.Graph) -> bool:
     """``node`` calls a ``--leaf`` module (traced whole, its ops unseen) holding a BatchNorm in training."""
     if node.op != "call_module" or graph.owning_module is None:
@@ -132,9 +96,9 @@ def _leaf_batch_statistics(node: fx.Node, graph: fx.Graph) -> bool:
 
 
 def batch_statistics_ops(graph: fx.Graph) -> tuple[str, ...]:
-    """The ops of ``graph`` that normalise by their batch's statistics (`_batch_statistics`), and
+    """The ops of ``graph`` that normalise by their batch's statistics (`normalises_by_batch`), and
     the ``--leaf`` modules holding a BatchNorm in training: what `Plan.batch_statistics` names."""
-    return tuple(node.name for node in graph.nodes if _batch_statistics(node) or _leaf_batch_statistics(node, graph))
+    return tuple(node.name for node in graph.nodes if normalises_by_batch(node) or _leaf_batch_statistics(node, graph))
 
 
 def note_batch_statistics(plan: Plan) -> None:
