@@ -123,3 +123,30 @@ def test_an_item_set_in_a_view_writes_the_buffer(op, target):
     graph.create_node(op, target, (view, 0, graph.placeholder("x")))
     graph.output(None)
     assert written_attributes(graph) == {"flat"}
+
+
+EAGER_VIEWS = VIEWS.replace("""        self.grid[:, 0].add_(1)                                    # slice, select, in-place arithmetic
+""", "").replace(""".fill_(3)""", ".fill_(m)").replace(""".mul_(0.5)""", ".mul_(m)").replace("""
+        self.strided.as_strided((2,), (3,)).zero_()                # as_strided, zero_
+        self.halves.chunk(2)[1].squeeze(0).sub_(m)                 # chunk, getitem, squeeze
+        self.permuted.permute(2, 0, 1).flatten(1)[0].clamp_(max=m) # permute, flatten""", "")
+EAGER_WRITTEN = {"0.flat", "0.tail", "0.cols", "0.narrowed", "0.wide"}
+
+
+def test_a_view_that_fx_keeps_as_a_copy_is_captured_by_export(tmp_path):
+    """fx computes ``self.tail[2:]`` as it traces (no traced value reaches the buffer) and keeps the
+    view as a constant that shares the buffer's memory while tracing, so the capture's check saw the
+    buffer move; the stage files loaded the constant as a tensor of its own, wrote it and never the
+    buffer, and listed no buffer as updated."""
+    from autopart.ir.errors import CaptureError
+    from autopart.runtime.buffer_updates import stages_updated_buffers
+
+    assert EAGER_VIEWS.count("\n") == VIEWS.count("\n") - 4
+    path = tmp_path / "eager_views.py"
+    path.write_text(EAGER_VIEWS)
+    with pytest.raises(CaptureError, match=r"writes its buffer '0\.\w+' through a view that torch.fx keeps as a copy"):
+        autopart.compile(path, pp=2, microbatches=2, global_batch_size=4, capture="fx", measure=False)
+    plan = autopart.compile(path, pp=2, microbatches=2, global_batch_size=4, measure=False)
+    assert plan.provenance.capture == "export"
+    autopart.emit(plan, tmp_path / "out")
+    assert set(stages_updated_buffers(tmp_path / "out")) == EAGER_WRITTEN

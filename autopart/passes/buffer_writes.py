@@ -19,9 +19,11 @@ import functools
 import operator
 
 import torch
-from torch import fx
+from torch import fx, nn
 
-__all__ = ["written_attributes", "writes_in_place", "normalises_by_batch", "batch_norm_statistics"]
+from autopart.ir.errors import CaptureError
+
+__all__ = ["written_attributes", "writes_in_place", "check_no_written_copies", "normalises_by_batch", "batch_norm_statistics"]
 
 # modules whose functions write no argument unless their name or arguments say so (a trailing
 # underscore, ``inplace=True``, ``out=``): torch's, and Python's own operators
@@ -46,6 +48,22 @@ def written_attributes(graph: fx.Graph) -> set[str]:
         if shared:
             aliases[node] = shared
     return written
+
+
+def check_no_written_copies(module: fx.GraphModule, constants: tuple[str, ...], model: nn.Module) -> None:
+    """Refuse a graph that writes a buffer through a constant sharing its memory: fx computes a
+    view of a buffer that no traced value reaches (``self.buf[:, 0]``) as it traces and keeps the
+    view as a constant, which the stage files load as a tensor of its own, so the programs would
+    write the copy and never the buffer."""
+    owners = {b.untyped_storage().data_ptr(): name for name, b in model.named_buffers() if not b.is_meta}
+    owners.pop(0, None)  # an empty buffer's storage has no address
+    for constant in sorted(written_attributes(module.graph) & set(constants)):
+        value = functools.reduce(lambda owner, part: getattr(owner, part, None), constant.split("."), module)
+        owner = owners.get(value.untyped_storage().data_ptr()) if isinstance(value, torch.Tensor) and not value.is_meta \
+            else None
+        if owner is not None:
+            raise CaptureError(f"the model's forward writes its buffer {owner!r} through a view that torch.fx "
+                               "keeps as a copy (a view of a buffer that no traced value reaches)")
 
 
 def writes_in_place(node: fx.Node) -> bool:

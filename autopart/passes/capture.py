@@ -39,6 +39,7 @@ from torch.nn import functional as F
 
 from autopart.ir.errors import CaptureError, ConfigError, ModelFileError
 from autopart.ir.model_file import ModelSpec, describe_error, eager_loss, file_line, is_meta
+from autopart.passes.buffer_writes import check_no_written_copies
 from autopart.passes.export import export_training_graph
 from autopart.passes.shallow import repeated_layers, shallow_module
 
@@ -256,6 +257,7 @@ def capture(
     if method in (None, "fx"):
         try:
             graph = _graph(_trace_fx(spec, inputs, leaf_types), "fx", has_target, spec.module)
+            check_no_written_copies(graph.module, graph.constants, spec.module)
             _check_same_loss(spec, graph, inputs, target, expected, before)
             return replace(graph, built_buffers=before)
         except ModelFileError:  # the file breaks the contract: no other capture will do better
