@@ -168,6 +168,41 @@ def test_only_the_buffers_the_stage_file_lists_are_tracked():
     assert float(module.unlisted) == 4.0  # untracked: each forward's write stays
 
 
+MASKED = MODEL.replace('''        self.register_buffer("calls", torch.zeros(()))
+''', '''        self.register_buffer("calls", torch.zeros(()))
+        self.register_buffer("mask", torch.zeros(7, 5))  # read, never written: of a shape nothing else has
+''').replace("return torch.relu(self.fc(x))", "return torch.relu(self.fc(x)) + self.mask[0, :1]")
+
+
+def test_a_buffer_that_no_forward_writes_is_never_copied(tmp_path):
+    """Training and evaluating copied every buffer (the first step's search by value, and each
+    evaluation's putting back): a large float mask cost its bytes again, counted by no plan."""
+    from torch.overrides import TorchFunctionMode
+
+    from autopart.runtime.reference import train_reference
+
+    class Copies(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.shapes = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func in (torch.Tensor.clone, torch.Tensor.double) and isinstance(args[0], torch.Tensor):
+                self.shapes.append(tuple(args[0].shape))
+            return func(*args, **(kwargs or {}))
+
+    assert MASKED != MODEL and "self.mask[0, :1]" in MASKED
+    path = tmp_path / "masked.py"
+    path.write_text(MASKED)
+    plan = autopart.compile(path, pp=2, microbatches=2, global_batch_size=4, measure=False)
+    autopart.emit(plan, tmp_path / "out")
+    with Copies() as copies:
+        run = train_reference(tmp_path / "out", steps=2, lr=0.1, optimizer="sgd", eval_every=1)
+    assert run.eval_losses and () in copies.shapes  # the counters are copied
+    masks = [name for name, value in run.parameters.items() if value.shape == (7, 5)]
+    assert len(masks) == 2 and copies.shapes.count((7, 5)) == len(masks)  # the run's result alone
+
+
 GATED = MODEL.replace('''        self.register_buffer("calls", torch.zeros(()))
 
     def forward(self, x):

@@ -71,6 +71,11 @@ class BufferUpdates:
     def _buffers(self) -> list[torch.Tensor]:
         return list(self.module.buffers())
 
+    def tracked_buffers(self) -> list[torch.Tensor]:
+        """The buffers a forward writes, as the module holds them now."""
+        buffers = self._buffers()
+        return [buffers[i] for i in self.tracked]
+
     @contextlib.contextmanager
     def forward(self) -> Iterator[None]:
         """One microbatch's F: it starts from the step's values; its updates are counted."""

@@ -184,7 +184,7 @@ class Executor:
         losses: list[torch.Tensor] = []
         pending: list[Any] = []
         microbatches = self._on_device(microbatches)
-        with torch.no_grad(), NoDropout(), buffers_kept([stage.module for stage in self.stages.values()]):
+        with torch.no_grad(), NoDropout(), buffers_kept([b for updates in self.updates.values() for b in updates.tracked_buffers()]):
             self._begin_step()
             for position, action in enumerate(self.actions):
                 if action.kind not in _FORWARD_KINDS:

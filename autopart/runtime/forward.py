@@ -86,17 +86,19 @@ def selective_policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Checkpoi
 
 
 @contextlib.contextmanager
-def buffers_kept(modules: list[nn.Module]) -> Iterator[None]:
-    """Put the modules' buffers back as they were on leaving: a captured graph has its
-    BatchNorms' training flag baked in, so a held-out forward (an evaluation) would move their
-    running statistics by the held-out data, and the model trained with --eval-every would not be
-    the one trained without; the reference evaluates alike."""
-    kept = [[(buffer, buffer.detach().clone()) for buffer in module.buffers()] for module in modules]
+def buffers_kept(buffers: list[torch.Tensor]) -> Iterator[None]:
+    """Put the buffers back as they were on leaving: a captured graph has its BatchNorms' training
+    flag baked in, so a held-out forward (an evaluation) would move their running statistics by
+    the held-out data, and the model trained with --eval-every would not be the one trained
+    without; the reference evaluates alike. The buffers are those a forward writes
+    (`autopart.runtime.buffer_updates.BufferUpdates.tracked_buffers`): a copy of any other would
+    be memory spent on nothing."""
+    kept = [(buffer, buffer.detach().clone()) for buffer in buffers]
     try:
         yield
     finally:
         with torch.no_grad():
-            for buffer, value in (pair for pairs in kept for pair in pairs):
+            for buffer, value in kept:
                 buffer.copy_(value)
 
 

@@ -182,8 +182,8 @@ def train_reference(
         scheduler.step()
         losses.append(loss.item())
         if eval_every and (step + 1) % eval_every == 0:
-            with torch.no_grad(), NoDropout(), buffers_kept([model]):  # as the programs evaluate
-                evaluations[step] = sum(loss_of(*part).item() for batch in held_out
-                                        for part in _parts(batch, replicas, microbatches)) / (len(held_out) * replicas * microbatches)
+            with torch.no_grad(), NoDropout(), buffers_kept(updates.tracked_buffers()):  # as the programs evaluate
+                parts = [part for batch in held_out for part in _parts(batch, replicas, microbatches)]
+                evaluations[step] = sum(loss_of(*part).item() for part in parts) / len(parts)
     final = {name: named[name].detach().cpu().clone() for name in held}
     return ReferenceRun(losses=losses, parameters=final, eval_losses=evaluations)
