@@ -320,3 +320,27 @@ def test_an_item_set_in_a_buffer_under_fx_trains_as_one_process(tmp_path):
     assert all(float(weights[name][0]) != 0.0 for weights in run.finals.values() for name in weights
                if name.endswith("last"))
     assert_same_training(run, optimizer="sgd", lr=0.1)
+
+
+READ_BACK = ITEM_SET.replace("self.last[0] = h.detach().mean()  # fx records Tensor.__setitem__ on the buffer",
+                             "self.last[0] = 0.5 * self.last[1] + h.detach().mean()  # fx computes the read as it traces\n"
+                             "        self.last[1] = h.detach().mean()")
+
+
+@pytest.mark.multiprocess
+def test_a_buffer_read_back_by_its_own_update_trains_as_one_process(tmp_path):
+    """fx computes ``0.5 * self.last[1]`` as it traces (no traced value reaches the buffer) and
+    kept the result as a constant, so the stages read the value of the capture's time at every
+    step; the capture now refuses that fx graph and torch.export captures the read."""
+    from autopart.ir.errors import CaptureError
+    from tests.distributed import assert_same_training, compile_and_train
+
+    assert READ_BACK != ITEM_SET
+    path = tmp_path / "read_back.py"
+    path.write_text(READ_BACK)
+    with pytest.raises(CaptureError, match=r"reads its buffer '0\.last', which it changes"):
+        autopart.compile(path, pp=2, microbatches=2, global_batch_size=4, capture="fx", measure=False)
+    run = compile_and_train(tmp_path, path, pp=2, microbatches=2, micro_batch_size=2, schedule="1f1b", steps=3,
+                            measure=False)
+    assert run.plan.provenance.capture == "export"
+    assert_same_training(run, optimizer="sgd", lr=0.1)

@@ -434,7 +434,7 @@ def _check_same_loss(
     the loss (it then differs from the first)."""
     if expected is None:  # a meta model: nothing to compare, annotate runs the graph on fake tensors
         return
-    _check_buffer_writes(spec, graph, inputs, target)
+    _check_buffer_writes(spec, graph, inputs, target, built)
     with torch.no_grad(), _same_draws():
         got = graph.module(*graph_args(graph, inputs, target))
     if torch.allclose(got, expected, rtol=1e-5, atol=1e-6):
@@ -458,26 +458,34 @@ def _check_same_loss(
     )
 
 
-def _check_buffer_writes(spec: ModelSpec, graph: Graph, inputs: tuple[torch.Tensor, ...], target: Any) -> None:
+def _check_buffer_writes(spec: ModelSpec, graph: Graph, inputs: tuple[torch.Tensor, ...], target: Any,
+                         built: dict[str, torch.Tensor]) -> None:
     """Refuse a forward that writes a buffer by an op no traced tensor reaches (a step counter's
     ``self.steps.add_(1)``): fx runs such an op once while tracing and records nothing, and
     torch.export drops it as dead code, so the stages would train with the buffer as built and
     save it so, in silence. The buffers one eager forward changes must be those the graph changes
-    (a BatchNorm's running statistics are in the graph); each is left as it was."""
-    def changed(module: nn.Module, run: Callable[[], Any]) -> set[str]:
+    (a BatchNorm's running statistics are in the graph), and two forwards from the buffers as
+    ``built`` must leave them as the model's do: fx computes a read that no traced value reaches
+    (``0.5 * self.avg[1]``) as it traces, as a constant. Each buffer is left as it was."""
+    def changed(module: nn.Module, run: Callable[[], Any]) -> tuple[set[str], list[dict[str, torch.Tensor]]]:
         buffers = dict(module.named_buffers(remove_duplicate=False))
         start = {name: b.clone() for name, b in buffers.items()}
         try:
             with torch.no_grad(), _same_draws():
-                run()
-            return {name for name, b in buffers.items() if not torch.equal(b, start[name])}
+                for name in buffers.keys() & built.keys():
+                    buffers[name].copy_(built[name])
+                seen = [{name: b.clone() for name, b in buffers.items()}]
+                for _ in range(2):
+                    run()
+                    seen.append({name: b.clone() for name, b in buffers.items()})
+            return {name for name in buffers if not torch.equal(seen[1][name], seen[0][name])}, seen[1:]
         finally:
             with torch.no_grad():
                 for name, b in buffers.items():
                     b.copy_(start[name])
 
-    eager = changed(spec.module, lambda: eager_loss(spec, inputs, target))
-    traced = changed(graph.module, lambda: graph.module(*graph_args(graph, inputs, target)))
+    eager, eager_after = changed(spec.module, lambda: eager_loss(spec, inputs, target))
+    traced, traced_after = changed(graph.module, lambda: graph.module(*graph_args(graph, inputs, target)))
     missing = sorted(eager - traced)
     if missing:
         raise CaptureError(
@@ -485,3 +493,8 @@ def _check_buffer_writes(spec: ModelSpec, graph: Graph, inputs: tuple[torch.Tens
             " by an op that the capture cannot record (an in-place update that no input tensor reaches, "
             "as a step counter's); update it outside forward, or make it a plain attribute"
         )
+    stale = sorted({name for name in eager for ours, theirs in zip(eager_after, traced_after)
+                    if not torch.allclose(ours[name].double(), theirs[name].double(), rtol=1e-5, atol=1e-6, equal_nan=True)})
+    if stale:
+        raise CaptureError(f"the model's forward reads its buffer {stale[0]!r}, which it changes, by an op that the "
+                           "capture keeps at the value it had while tracing (a read that no input tensor reaches)")
