@@ -57,7 +57,7 @@ import torch  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from autopart.predict.accuracy import PROFILED, Band, band_key, layout_of, write_band  # noqa: E402
+from autopart.predict.accuracy import OF_LAYOUT, PROFILED, Band, band_key, layout_of, write_band  # noqa: E402
 from autopart.ir.model_file import load_model_file  # noqa: E402
 from autopart.passes.capture import capture, graph_args  # noqa: E402
 from autopart.driver import CompileOptions, compile_to_directory  # noqa: E402
@@ -288,15 +288,22 @@ def _row(row: str) -> tuple[str, int, int]:
 
 def _write_band(args: argparse.Namespace, key: str, errors: list[float], plans: list) -> None:
     """Record the band of this run's rows under the basis ``key``, where ``autopart compile`` reads
-    it (see autopart/predict/accuracy.py), as the band of the precisions its ``plans`` ran in: a
-    compile in another (bf16 on this CPU) has none of its own, and says so."""
-    if errors and not args.no_write:
-        command = " ".join(["python", "benchmarks/cost_accuracy.py", *sys.argv[1:]])
-        covers = {f"{plan.provenance.device}/{plan.dtype}" for plan in plans}
-        band = Band.from_errors(errors, benchmark="cost_accuracy", command=command, covers=tuple(covers),
-                                layouts=tuple(layout_of(plan) for plan in plans))
-        print(f"wrote the band ({band.median:.1%} median, {band.worst:.1%} worst) to "
-              f"{write_band(key, band)}")
+    it (see autopart/predict/accuracy.py), as the band of the precisions its ``plans`` (one per
+    error) ran in: a compile in another (bf16 on this CPU) has none of its own, and says so. Rows
+    of pipelines alone make the basis's band; those of each other layout their own (`OF_LAYOUT`)."""
+    if not errors or args.no_write:
+        return
+    command = " ".join(["python", "benchmarks/cost_accuracy.py", *sys.argv[1:]])
+    covers = tuple({f"{plan.provenance.device}/{plan.dtype}" for plan in plans})
+    by_layout: dict[str, list[float]] = {}
+    for plan, error in zip(plans, errors, strict=True):
+        by_layout.setdefault(layout_of(plan), []).append(error)
+    base = "pp" if "pp" in by_layout else min(by_layout)
+    for layout, errors_of in sorted(by_layout.items()):
+        band = Band.from_errors(errors_of, benchmark="cost_accuracy", command=command, covers=covers, layouts=(layout,))
+        written = key if layout == base else f"{key}{OF_LAYOUT}{layout}"
+        print(f"wrote the band of {layout} rows ({band.median:.1%} median, {band.worst:.1%} worst) as {written} "
+              f"to {write_band(written, band)}")
 
 
 def _default_path(args: argparse.Namespace) -> None:
@@ -309,7 +316,7 @@ def _default_path(args: argparse.Namespace) -> None:
         table.add_column(header, justify="right")
     errors: list[float] = []
     keys: set[str] = set()  # the bases the rows' predictions rest on: the band is theirs
-    ran = []  # their plans: the band covers their precisions
+    ran = []  # their plans, one per error: the bands cover their precisions and layouts
     with tempfile.TemporaryDirectory(prefix="cost_accuracy_default_") as folder:
         folder = Path(folder)
         os.environ["AUTOPART_CACHE_DIR"] = str(folder / "cache")
@@ -321,12 +328,12 @@ def _default_path(args: argparse.Namespace) -> None:
             start = time.perf_counter()
             plan, out = compile_to_directory(options, folder / f"{row.replace(':', '-')}")
             compile_s = time.perf_counter() - start
-            keys.add(plan.predicted.basis_key)
-            ran.append(plan)
+            keys.add(plan.predicted.basis_key.partition(OF_LAYOUT)[0])  # its layout's band, where one is
             steps = max(args.steps, args.warmup + math.ceil(args.seconds / plan.predicted.step_s))
             measured = [_run(out, ranks, steps, args.warmup, shield=args.shield)[0] for _ in range(args.repeats)]
             row_errors = [(plan.predicted.step_s - m) / m for m in measured]
             errors += row_errors
+            ran += [plan] * len(row_errors)  # one per error: each counts in its layout's band
             table.add_row(name, row.split(":")[1], f"{compile_s:.1f}", f"{plan.predicted.step_s * 1e3:.1f}",
                           " ".join(f"{m * 1e3:.1f}" for m in measured), " ".join(f"{e:+.1%}" for e in row_errors),
                           f"{os.getloadavg()[0]:.1f}")

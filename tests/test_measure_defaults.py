@@ -321,6 +321,18 @@ def test_a_band_holds_only_for_the_layouts_its_rows_ran(fresh_cache, tmp_path, m
     plan = load_plan(tmp_path / "pp2-dp2" / "plan.json")
     assert plan.predicted.error_median is None and accuracy.layout_of(plan) == "pp+dp"
     assert "no band for pp+dp plans" in accuracy.describe_prediction(plan)  # as read back from plan.json
+    # rows of pp x dp measured apart: their band is that layout's, and the others name both
+    write_band("spec-roofline@pp+dp", Band(median=0.2, worst=0.3, rows=2, benchmark="published_runs", command="x",
+                                           date="2026-12-01", layouts=("pp+dp",)), bands)  # fmt: skip
+    for pp, dp in ((2, 1), (1, 2), (2, 2)):
+        out = tmp_path / f"again-pp{pp}-dp{dp}"
+        main(["compile", str(MODEL), "-o", str(out), "--pp", str(pp), "--dp", str(dp), "--microbatches", "2",
+              "--device", "h100-sxm"])  # fmt: skip
+        printed[pp, dp] = " ".join(capsys.readouterr().out.split())
+    assert "(h100-sxm roofline; published_runs: median 6%, worst 12%)" in printed[2, 1]
+    assert "no band for dp plans: published_runs's rows ran pp and pp+dp plans alone" in printed[1, 2]
+    assert "(h100-sxm roofline; published_runs: median 20%, worst 30%)" in printed[2, 2]
+    assert load_plan(tmp_path / "again-pp2-dp2" / "plan.json").predicted.basis_key == "spec-roofline@pp+dp"
 
 
 def test_the_shipped_cpu_bands_hold_for_the_layouts_their_rows_ran() -> None:

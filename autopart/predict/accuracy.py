@@ -14,7 +14,7 @@ from __future__ import annotations
 import datetime
 import json
 import socket
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -23,9 +23,9 @@ from autopart.ir.errors import ConfigError
 if TYPE_CHECKING:
     from autopart.ir.plan import Plan
 
-__all__ = ["ACCURACY_FILE", "FULLY_SHARDED", "MEASURED", "MEASURED_PIPELINE", "MFU_CEILING", "PROFILED", "ROOFLINE",
-           "Band", "Basis", "band_key", "basis_for", "ceiling_step_s", "describe_prediction", "implied_mfu", "layout_of",
-           "load_bands", "with_basis", "write_band"]
+__all__ = ["ACCURACY_FILE", "FULLY_SHARDED", "MEASURED", "MEASURED_PIPELINE", "MFU_CEILING", "OF_LAYOUT", "PROFILED",
+           "ROOFLINE", "Band", "Basis", "band_key", "basis_for", "ceiling_step_s", "describe_prediction", "implied_mfu",
+           "layout_of", "load_bands", "with_basis", "write_band"]
 
 ACCURACY_FILE = Path(__file__).with_name("accuracy.json")
 """The bands the repository ships, one per basis key (see `basis_for`)."""
@@ -40,6 +40,11 @@ PROFILED = "profiled"
 """Ops from a cost database (``--costs``), and, with ``--profile-pipeline``, the pipeline run first."""
 ROOFLINE = "roofline"
 """A device spec's roofline and link figures: nothing measured."""
+OF_LAYOUT = "@"
+"""Between a basis key and a layout (`layout_of`), the key of that basis's band over the
+benchmark's rows of that layout alone ("cpu-measured-pipeline@pp+dp"): replicas that reduce
+gradients beside a pipeline are priced by other figures (the reduction, more ranks sharing the
+cores) and are off by other amounts than pipelines alone, whose band the basis key holds."""
 FULLY_SHARDED = "-zero3"
 """Added to a basis key, the band of that basis over the benchmark's ZeRO-3 rows alone: a plan
 that gathers its layers' weights for every forward and backward is priced by other figures
@@ -107,6 +112,8 @@ class Basis:
     band: Band | None = None
     zero3_band: Band | None = None
     """The band of this basis over ZeRO-3 plans alone, where a benchmark measured one (`FULLY_SHARDED`)."""
+    layout_bands: dict[str, Band] = field(default_factory=dict)
+    """The bands of this basis over one layout's rows alone, by layout (`OF_LAYOUT`)."""
 
     def describe(self) -> str:
         """The parenthesis printed after a predicted step."""
@@ -177,7 +184,10 @@ def basis_for(*, device: str, local: str | None, measured: bool, costs: Path | N
     else:
         kind, what = ROOFLINE, f"{device} roofline"
     key = band_key(kind, local)
-    return Basis(key=key, what=what, device=device, band=bands.get(key), zero3_band=bands.get(key + FULLY_SHARDED))
+    layout_bands = {name.partition(OF_LAYOUT)[2]: band for name, band in bands.items()
+                    if name.partition(OF_LAYOUT)[0] == key and OF_LAYOUT in name}
+    return Basis(key=key, what=what, device=device, band=bands.get(key), zero3_band=bands.get(key + FULLY_SHARDED),
+                 layout_bands=layout_bands)
 
 
 def _timed_among(co_run: int, ranks_on_host: int) -> str:
@@ -194,17 +204,22 @@ def _timed_among(co_run: int, ranks_on_host: int) -> str:
 
 def with_basis(plan: Plan, basis: Basis) -> Plan:
     """``plan`` with its prediction's basis and band recorded (``plan.predicted``): a ZeRO-3
-    plan's the band of the ZeRO-3 rows, where one was measured; none where the band's rows ran on
+    plan's the band of the ZeRO-3 rows, where one was measured, any other's that of its layout's
+    rows (`OF_LAYOUT`), where there is one apart from the basis's; none where the band's rows ran on
     other devices or in another precision than the plan's; none, naming the benchmark, where its
     rows ran other layouts (`Band.layouts`)."""
-    key, band = basis.key, basis.band
+    key, band, layout = basis.key, basis.band, layout_of(plan)
     if plan.zero == 3 and basis.zero3_band is not None:
         key, band = key + FULLY_SHARDED, basis.zero3_band
+    elif layout in basis.layout_bands:
+        key, band = f"{key}{OF_LAYOUT}{layout}", basis.layout_bands[layout]
     if band is not None and not band.holds_for(basis.device, plan.dtype):
         band = None  # measured on other devices or in another precision: no band for this one
     benchmark = "" if band is None else band.benchmark
-    if band is not None and not band.holds_for_layout(layout_of(plan)):  # `describe_prediction` says so
-        benchmark, band = f"{band.benchmark}'s rows ran {' and '.join(band.layouts)} plans alone", None
+    if band is not None and not band.holds_for_layout(layout):  # `describe_prediction` says so
+        *others, last = sorted({*band.layouts, *basis.layout_bands})
+        ran = f"{', '.join(others)} and {last}" if others else last
+        benchmark, band = f"{band.benchmark}'s rows ran {ran} plans alone", None
     predicted = replace(plan.predicted, basis=basis.what, basis_key=key,
                         error_median=None if band is None else band.median,
                         error_worst=None if band is None else band.worst,
