@@ -44,7 +44,7 @@ from autopart.passes.autocast_lists import cuda_autocast
 from autopart.passes.buffer_writes import writes_in_place
 from autopart.passes.cost_keys import cost_key
 from autopart.passes.kernel_figures import kernel_figures, recompute_share
-from autopart.passes.grad_flow import GradientFlow, needed_backward, trainable_parameters
+from autopart.passes.grad_flow import GradientFlow, needed_backward, took_gradient, trainable_parameters
 from autopart.passes.grad_leaves import grad_ready, leaves_for_grad
 from autopart.passes.weight_seeds import OpSeeds, ParameterValues, arg_nodes, arg_places, op_seeds, shared_seeds
 from autopart.ir.errors import PrecisionError
@@ -385,7 +385,7 @@ def _annotate_nodes(
     feed = iter(feed_values)
     parameter_names = set(state.parameters)
     from_parameters = ParameterValues(parameter_names)
-    flow = GradientFlow(trainable_parameters(graph.module))
+    flow = GradientFlow(trainable_parameters(graph.module), took_gradient(ran))
     for node in graph.module.graph.nodes:
         derived[node.name] = _batch_derived(node, derived, parameter_names)
         seed_key = from_parameters.visit(node, ran.get(node.name)), arg_places(node)  # beside its cost key

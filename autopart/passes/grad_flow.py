@@ -23,7 +23,7 @@ from torch.utils import _pytree as pytree
 from autopart.passes.weight_seeds import OpSeeds
 from cost_models import OpTimes
 
-__all__ = ["GradientFlow", "needed_backward", "trainable_parameters"]
+__all__ = ["GradientFlow", "needed_backward", "took_gradient", "trainable_parameters"]
 
 _DETACHING = {"detach", "detach_", torch.Tensor.detach, torch.detach}
 """Ops whose output never takes a gradient whatever they read."""
@@ -43,10 +43,17 @@ class GradientFlow:
     """Visits the nodes of a graph in order and says of each whether its value needs a gradient.
 
     ``trainable``: the names of the parameters that train (`trainable_parameters`), as ``get_attr``
-    targets name them; a ``--leaf`` module's node needs one where the module holds one of them."""
+    targets name them; a ``--leaf`` module's node needs one where the module holds one of them.
+    ``seen``: the nodes whose value took a gradient in a run of the whole graph (`took_gradient`),
+    which need one whatever the rule says. The rule follows what each op reads and the writes it
+    can see; autograd follows every write through any alias (a frozen embedding's rows with a
+    trained prompt written into a slice of them, under torch.export's ``slice.Tensor`` and
+    ``copy_``; a view taken before its base is written), and a gradient that one of the two
+    misses would be dropped in silence, where one it adds costs only a backward."""
 
-    def __init__(self, trainable: set[str]):
+    def __init__(self, trainable: set[str], seen: set[str] | frozenset[str] = frozenset()):
         self.trainable = trainable
+        self.seen = seen
         self.needs: dict[str, bool] = {}
 
     def visit(self, node: fx.Node, value: Any = None) -> bool:
@@ -67,7 +74,8 @@ class GradientFlow:
         written = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
         if needs and written is not None and _writes(node):  # ``buf[i] = y``, ``v.add_(y)``: buf now takes y's
             self._written(written)
-        return needs
+        return needs or node.name in self.seen  # autograd's verdict on the value itself, not passed on to
+        # its readers: one that read it before a later write took none, and one after is seen itself
 
     def _written(self, node: fx.Node) -> None:
         """``node``'s value, and the values it is a view of, need a gradient from here on (their
@@ -83,8 +91,15 @@ class GradientFlow:
     def input_gradient(self, node: fx.Node, parameters: set[str]) -> bool:
         """Whether any value ``node`` reads, besides the ``parameters`` themselves (whose gradients
         are the weight-gradient half), needs a gradient: else the node's input-gradient half never runs."""
-        return any(self.needs[a.name] for a in node.all_input_nodes
+        return any(self.needs[a.name] or a.name in self.seen for a in node.all_input_nodes
                    if not (a.op == "get_attr" and a.target in parameters))
+
+
+def took_gradient(values: dict[str, Any]) -> set[str]:
+    """The nodes whose value (a node's output, by name, as a run of the whole graph left it: after
+    every in-place write of the run) holds a tensor that requires grad."""
+    return {name for name, value in values.items()
+            if any(isinstance(t, torch.Tensor) and t.requires_grad for t in pytree.tree_leaves(value))}
 
 
 def _name(node: fx.Node) -> str:
