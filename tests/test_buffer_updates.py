@@ -168,6 +168,23 @@ def test_only_the_buffers_the_stage_file_lists_are_tracked():
     assert float(module.unlisted) == 4.0  # untracked: each forward's write stays
 
 
+def test_an_int64_counter_near_its_end_moves_once_per_step():
+    """Integers are summed as their changes over the step: their values, 2**62 over four
+    forwards, overflowed int64 and the counter ended at 1."""
+    from torch import nn
+
+    from autopart.runtime.buffer_updates import BufferUpdates
+
+    module = nn.Module()
+    module.register_buffer("seen", torch.tensor(2**62, dtype=torch.int64))
+    updates = BufferUpdates(module, updated=("seen",))
+    for _ in range(4):
+        with updates.forward():
+            module.seen.add_(1)
+    updates.finish()
+    assert int(module.seen) == 2**62 + 1
+
+
 MASKED = MODEL.replace('''        self.register_buffer("calls", torch.zeros(()))
 ''', '''        self.register_buffer("calls", torch.zeros(()))
         self.register_buffer("mask", torch.zeros(7, 5))  # read, never written: of a shape nothing else has

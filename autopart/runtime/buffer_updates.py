@@ -113,8 +113,8 @@ class BufferUpdates:
                     mean = total > 0
                 elif buffers[i].is_floating_point():
                     mean = total / forwards
-                else:
-                    mean = torch.div(total, forwards, rounding_mode="floor")
+                else:  # the sum of changes (`_restore`): the step's start plus their mean
+                    mean = self.start[i] + torch.div(total, forwards, rounding_mode="floor")
                 buffers[i].data.copy_(mean)
         self.start, self.sums, self.forwards, self.pending = {}, {}, 0, False
 
@@ -136,16 +136,21 @@ class BufferUpdates:
             self.pending = False
 
     def _restore(self, *, count: bool) -> None:
-        """Put every tracked buffer back to the step's start; ``count``: add the value the forward
-        left to the sums (values, not changes: an infinite entry, a float mask's -inf, minus itself
-        is NaN)."""
+        """Put every tracked buffer back to the step's start; ``count``: add what the forward left
+        to the sums: a float's value (not its change: an infinite entry, a float mask's -inf, minus
+        itself is NaN), an integer's change (its values, a counter near its dtype's end, summed
+        over a step's forwards would overflow even int64), a flag's value."""
         buffers = self._buffers()
         with torch.no_grad():
             for i, start in self.start.items():
-                if count and i in self.sums:
-                    self.sums[i].add_(buffers[i])  # in place, promoted: no copy of a 16-bit buffer beside the sum
-                elif count:
-                    self.sums[i] = buffers[i].to(_accumulating(buffers[i].dtype), copy=True)
+                if count:
+                    left = buffers[i]
+                    if not (left.is_floating_point() or left.dtype == torch.bool):
+                        left = left.to(torch.int64) - start.to(torch.int64)
+                    if i in self.sums:
+                        self.sums[i].add_(left)  # in place, promoted: no copy of a 16-bit buffer beside the sum
+                    else:
+                        self.sums[i] = left.to(_accumulating(left.dtype), copy=True)
                 buffers[i].data.copy_(start)  # unversioned, and the same values where unchanged: module docstring
 
 
