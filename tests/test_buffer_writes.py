@@ -83,7 +83,7 @@ def _opaque_update(buffer, value):
 class _FxViews(nn.Module):
     def __init__(self):
         super().__init__()
-        for name in ("selected", "narrowed", "out", "relu", "method", "wrapped", "read", "cloned"):
+        for name in ("selected", "narrowed", "out", "relu", "method", "wrapped", "read", "cloned", "transposed"):
             self.register_buffer(name, torch.zeros(4, 4))
 
     def forward(self, x):
@@ -95,13 +95,14 @@ class _FxViews(nn.Module):
         y = _opaque_update(self.wrapped[0], x.sum())                # the user's function, kept whole
         z = self.cloned.clone()
         z.add_(1)
+        self.transposed.T[0].add_(x.sum())                          # an attribute that is a view
         return x + y + self.read.t()[0] + z.sum()
 
 
 def test_fx_views_of_buffers_are_followed_and_an_opaque_function_taken_to_write():
     graph = _BufferTracer().trace(_FxViews())
     assert any(n.op == "call_method" and n.target == "view" for n in graph.nodes)  # the views are in the graph
-    assert written_attributes(graph) == {"selected", "narrowed", "out", "relu", "method", "wrapped"}
+    assert written_attributes(graph) == {"selected", "narrowed", "out", "relu", "method", "wrapped", "transposed"}
 
 
 @pytest.mark.parametrize("write", ["add_", "copy_"])

@@ -141,7 +141,13 @@ def _aliased_arguments(node: fx.Node) -> list[fx.Node]:
     name = _name(node)
     if node.target is operator.getitem or name == "__getitem__" or _returns_view(name) or name.endswith("_"):
         return _nodes(node.args[0]) if node.args else []
+    if node.target is getattr and len(node.args) > 1 and node.args[1] in _VIEW_ATTRIBUTES:
+        return _nodes(node.args[0])
     return []
+
+
+_VIEW_ATTRIBUTES = frozenset(("T", "mT", "H", "mH", "data", "real", "imag"))
+"""Tensor attributes that are views of it (``buf.T[0].add_(1)``, fx's ``getattr(buf, 'T')``)."""
 
 
 @functools.cache
