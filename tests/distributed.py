@@ -247,7 +247,9 @@ def assert_same_training(
 ) -> None:
     """Every step's loss and every final parameter equal a single-process run's on the same batches
     (started from the checkpoint ``weights`` when the programs were; with train.py's ``recipe``)."""
-    reference = train_reference(run.out, steps=run.steps, lr=lr, optimizer=optimizer, weights=weights, recipe=recipe)
+    reference = train_reference(run.out, steps=run.steps, lr=lr, optimizer=optimizer, weights=weights, recipe=recipe,
+                                watch_buffers=True)
+    assert not reference.unlisted_moves, f"buffers that move and that no stage file lists: {reference.unlisted_moves}"
     assert [m["step"] for m in run.metrics] == list(range(run.steps))
     torch.testing.assert_close(
         torch.tensor([m["loss"] for m in run.metrics], dtype=torch.float64),

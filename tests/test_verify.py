@@ -14,6 +14,7 @@ import autopart
 from autopart.codegen.names import plain_text
 from autopart.driver import CompileOptions, compile_to_directory
 from autopart.ir.errors import CaptureError
+from autopart.ir.plan import load_plan
 from autopart.runtime.reference import train_reference
 from autopart.tools.verify import verify
 from tests.distributed import REPO, run_cli, run_cli_here
@@ -122,6 +123,60 @@ def test_the_reference_sums_the_same_gradient_over_microbatches(tmp_path):
     for name, value in whole.parameters.items():
         torch.testing.assert_close(parts.parameters[name], value, atol=1e-6, rtol=1e-5)
     assert any(not torch.equal(parts.parameters[n], v) for n, v in whole.parameters.items())  # summed otherwise
+
+
+COUNTED_NORMALISED = """
+import torch
+from torch import nn
+
+
+class Counted(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        self.calls.add_(1)
+        return torch.relu(self.fc(x))
+
+
+def build_model():
+    torch.manual_seed(0)
+    return nn.Sequential(Counted(), nn.BatchNorm1d(8), Counted(), nn.Linear(8, 4))
+
+
+def example_batch(batch_size):
+    return (torch.randn(batch_size, 8),), torch.randint(0, 4, (batch_size,))
+
+
+def loss_fn(logits, target):
+    return nn.functional.cross_entropy(logits, target)
+"""
+
+
+@pytest.mark.multiprocess
+def test_verify_names_a_moving_buffer_that_no_stage_file_lists(tmp_path):
+    """The reference moved the buffers the stage files list, the list under test: one they leave
+    out moved once per forward in both, and a plan with batch statistics, whose reference runs one
+    forward per microbatch, passed with a counter that advanced twice a step. The reference now
+    finds the buffers that move by value."""
+    path = tmp_path / "counted.py"
+    path.write_text(COUNTED_NORMALISED)
+    out = tmp_path / "out"
+    compile_to_directory(CompileOptions(model=path, pp=2, microbatches=2, micro_batch_size=2, measure=False), out)
+    assert load_plan(out / "plan.json").batch_statistics  # the reference runs one forward per microbatch
+    assert verify(out, steps=2).matches
+    listing = next(p for p in (out / "stages").glob("stage_*.py") if "'2.calls', " in p.read_text() or
+                   ", '2.calls'" in p.read_text())
+    source = listing.read_text()
+    listing.write_text(source.replace(", '2.calls'", "", 1) if ", '2.calls'" in source
+                       else source.replace("'2.calls', ", "", 1))
+    sign_again(out)
+    result = run_cli_here("verify", str(out), "--steps", "2")
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert ("autopart: verify: buffer 2.calls moves in the model's forward, but no stage file lists it in "
+            "updated_buffers" in " ".join(result.stderr.split())), result.stderr
 
 
 def corrupt(out: Path, text: str, instead: str) -> None:

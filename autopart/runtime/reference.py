@@ -21,11 +21,19 @@ it over each replica's microbatches, as DDP and pipelining do. For such a plan t
 one forward per microbatch of each replica, on the same samples, each loss scaled as the plan
 scales it, and evaluates so too; for any other it runs one forward over the whole batch, which
 checks more (that the plan's parts add up to it).
+
+Which buffers move is what the stage files say (``updated_buffers``), the very list under test: a
+buffer that list leaves out moves once per forward in the reference as in the programs, and where
+the reference runs one forward per microbatch too (a plan with batch statistics) the two agree.
+So the reference can also find by value, around each of its forwards, the buffers that move and
+that no stage file lists (``watch_buffers``): it is one process, where a copy of every buffer per
+forward costs no rank's memory.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,6 +63,8 @@ class ReferenceRun:
     losses: list[float]
     parameters: dict[str, torch.Tensor]  # by the names the stages use
     eval_losses: dict[int, float] = field(default_factory=dict)  # step -> mean held-out loss after it
+    # buffers that a forward moved and that no stage file lists as updated (found with ``watch_buffers``)
+    unlisted_moves: tuple[str, ...] = ()
 
 
 def _parts(batch: tuple[tuple[Any, ...], Any], replicas: int, microbatches: int) -> list[tuple[tuple[Any, ...], Any]]:
@@ -114,10 +124,33 @@ def _started(model: torch.nn.Module, initial: dict[str, torch.Tensor], *, file: 
     return named
 
 
+@contextlib.contextmanager
+def _unlisted_moves(model: torch.nn.Module, listed: tuple[str, ...] | None, moved: set[str]) -> Iterator[None]:
+    """Adds to ``moved`` the names of the buffers outside ``listed`` (None: every buffer is listed)
+    whose values the body changes: a NaN left a NaN is unchanged."""
+    if listed is None:
+        yield
+        return
+    before = {name: buffer.detach().clone() for name, buffer in model.named_buffers() if name not in listed}
+    yield
+    after = dict(model.named_buffers())
+    moved.update(name for name, value in before.items() if name not in after or not _same(after[name], value))
+
+
+def _same(got: torch.Tensor, expected: torch.Tensor) -> bool:
+    if got.shape != expected.shape or got.dtype != expected.dtype:
+        return False
+    equal = got.detach() == expected
+    if got.is_floating_point() or got.is_complex():
+        equal |= got.detach().isnan() & expected.isnan()
+    return bool(equal.all())
+
+
 def train_reference(
     out_dir: str | Path, *, steps: int, lr: float, optimizer: str, seed: int = 0, weights: Path | None = None,
     dtype: str | None = None, device: str = "cpu", recipe: Recipe | None = None, eval_every: int = 0,
     eval_batch_count: int = 1, dropout: bool = True, microbatches: int | None = None, sample_order: int | None = None,
+    watch_buffers: bool = False,
 ) -> ReferenceRun:
     """``weights`` is the checkpoint the programs were started from (``train.py --weights``), if any;
     ``dtype`` the precision, by default the plan's; ``device`` where it trains (``"cuda"``: the
@@ -127,7 +160,8 @@ def train_reference(
     train.py's ``--no-dropout``; ``microbatches``: the batch's gradient summed over this many
     parts of it (another order of the same sums, as a pipeline adds them), by default the plan's
     parts where they train another function than the whole batch (`plan_parts`), else one;
-    ``sample_order``: a seed by which to shuffle the samples of each part (`_shuffled`)."""
+    ``sample_order``: a seed by which to shuffle the samples of each part (`_shuffled`);
+    ``watch_buffers``: find the buffers that move and that no stage file lists (module docstring)."""
     recipe = recipe or Recipe()
     out_dir = Path(out_dir)
     plan = load_plan(out_dir / "plan.json")
@@ -161,7 +195,10 @@ def train_reference(
             return eager_loss(spec, inputs, target, weights)
 
     losses, evaluations = [], {}
-    updates = BufferUpdates(model, updated=stages_updated_buffers(out_dir))
+    listed = stages_updated_buffers(out_dir)
+    updates = BufferUpdates(model, updated=listed)
+    moved: set[str] = set()
+    watched = listed if watch_buffers else None
     for step in range(steps):
         # seeded as the programs seed replica 0's first microbatch on stage 0: a model that draws
         # (dropout) draws the same here as a plan of one stage, one microbatch and one rank does
@@ -170,7 +207,7 @@ def train_reference(
         with contextlib.nullcontext() if dropout else NoDropout():
             loss = torch.zeros(())
             for inputs, target in _shuffled(_parts(batch, replicas, microbatches), sample_order):
-                with updates.forward():
+                with updates.forward(), _unlisted_moves(model, watched, moved):
                     part = loss_of(inputs, target) / (replicas * microbatches)
                 part.backward()
                 loss = loss + part.detach().cpu()
@@ -182,8 +219,9 @@ def train_reference(
         scheduler.step()
         losses.append(loss.item())
         if eval_every and (step + 1) % eval_every == 0:
-            with torch.no_grad(), NoDropout(), buffers_kept(updates.tracked_buffers()):  # as the programs evaluate
+            with (torch.no_grad(), NoDropout(), buffers_kept(updates.tracked_buffers()),  # as the programs evaluate
+                  _unlisted_moves(model, watched, moved)):
                 parts = [part for batch in held_out for part in _parts(batch, replicas, microbatches)]
                 evaluations[step] = sum(loss_of(*part).item() for part in parts) / len(parts)
     final = {name: named[name].detach().cpu().clone() for name in held}
-    return ReferenceRun(losses=losses, parameters=final, eval_losses=evaluations)
+    return ReferenceRun(losses=losses, parameters=final, eval_losses=evaluations, unlisted_moves=tuple(sorted(moved)))
