@@ -9,7 +9,7 @@ import torch
 from torch import fx, nn
 
 import autopart
-from autopart.passes.buffer_writes import written_attributes
+from autopart.passes.buffer_writes import written_attributes, written_in_forward
 
 VIEWS = """
 import torch
@@ -124,6 +124,23 @@ def test_an_item_set_in_a_view_writes_the_buffer(op, target):
     graph.create_node(op, target, (view, 0, graph.placeholder("x")))
     graph.output(None)
     assert written_attributes(graph) == {"flat"}
+
+
+def test_values_made_in_forward_and_written_are_found_with_their_views():
+    """``z = zeros_like(x); z[0].add_(w); y = z * 2``: a stage that made ``z`` again from the batch
+    would read it unwritten, so it and its views are found; an input, a buffer and the values made
+    from them are the runtime's, and a product of the written value is a value of its own."""
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    made = graph.call_function(torch.zeros_like, (x,))
+    row = graph.call_function(operator.getitem, (made, 0))
+    written = graph.call_method("add_", (row, graph.get_attr("weight")))
+    product = graph.call_function(operator.mul, (made, 2))
+    graph.call_method("add_", (graph.call_method("view", (x, -1)), 1))  # the input's own
+    graph.call_method("add_", (graph.call_function(operator.getitem, (graph.get_attr("counter"), 0)), 1))
+    untouched = graph.call_function(torch.ones_like, (x,))
+    graph.output((product, untouched))
+    assert written_in_forward(graph) == {made.name, row.name, written.name}
 
 
 EAGER_VIEWS = VIEWS.replace("""        self.grid[:, 0].add_(1)                                    # slice, select, in-place arithmetic

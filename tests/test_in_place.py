@@ -91,3 +91,55 @@ def test_measuring_an_in_place_op_leaves_the_values_later_ops_read(tmp_path):
     model.write_text(BUCKETS)
     plan = autopart.compile(model, pp=2, microbatches=2, micro_batch_size=2, measure=False, capture="export")
     assert plan.provenance.capture == "export"
+
+
+WRITTEN_LATE = """
+import torch
+from torch import nn
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first = nn.Linear(8, 8)
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(6))
+        self.head = nn.Linear(8, 8)
+
+    def forward(self, x):
+        written = torch.zeros_like(x)  # made from the batch alone
+        written.add_(self.first(x))  # then written with a trained value
+        late = written * 2  # read after the write, on the last stage
+        h = x
+        for layer in self.layers:
+            h = torch.tanh(layer(h))
+        return self.head(h) + late
+
+
+def build_model():
+    torch.manual_seed(0)
+    return Model()
+
+
+def example_batch(batch_size):
+    return (torch.randn(batch_size, 8),), torch.randn(batch_size, 8)
+
+
+def loss_fn(out, target):
+    return ((out - target) ** 2).mean()
+"""
+
+
+@pytest.mark.multiprocess
+def test_a_value_made_from_the_batch_and_written_in_place_is_sent_not_made_again(tmp_path):
+    """A value made from the batch alone was made again by each stage that read it, without the
+    write that came after: the last stage read zeros, ``first`` never trained and the head
+    trained on another input. (torch.export has the product read the write's result, which is
+    no value of the batch alone; torch.fx has it read the value written.)"""
+    from tests.distributed import assert_same_training, compile_and_train
+
+    path = tmp_path / "written_late.py"
+    path.write_text(WRITTEN_LATE)
+    run = compile_and_train(tmp_path, path, pp=2, microbatches=2, micro_batch_size=2, schedule="1f1b", steps=3,
+                            measure=False, capture="fx")
+    assert [name for name, _ in run.plan.stages[1].inputs] == ["mul", "linear_4"]  # the product of the written value
+    assert_same_training(run, optimizer="sgd", lr=0.1)

@@ -41,7 +41,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from autopart.ir.tensors import DTYPES, TensorMeta, autocast_dtype, precision, tensor_meta, working_dtype
 from autopart.passes.autocast_lists import cuda_autocast
-from autopart.passes.buffer_writes import writes_in_place
+from autopart.passes.buffer_writes import writes_in_place, written_in_forward
 from autopart.passes.cost_keys import cost_key
 from autopart.passes.kernel_figures import kernel_figures, recompute_share
 from autopart.passes.grad_flow import GradientFlow, needed_backward, took_gradient, trainable_parameters
@@ -315,7 +315,7 @@ class _SavedBytes(fx.Interpreter):
         return self.saved, self.kept
 
 
-def _batch_derived(node: fx.Node, derived: dict[str, bool], parameter_names: set[str]) -> bool:
+def _batch_derived(node: fx.Node, derived: dict[str, bool], parameter_names: set[str], written: set[str]) -> bool:
     if node.op == "placeholder":
         return True
     if node.op == "get_attr":
@@ -323,6 +323,8 @@ def _batch_derived(node: fx.Node, derived: dict[str, bool], parameter_names: set
     if node.op in ("output", "call_module"):  # a leaf module holds weights
         return False
     if not node.users and writes_in_place(node):  # run for its effect (a buffer's update): by one stage, not by none
+        return False
+    if node.name in written:  # made again elsewhere, it would miss its writes: sent, as computed values are
         return False
     inputs = node.all_input_nodes
     return all(derived[n.name] for n in inputs)
@@ -386,8 +388,9 @@ def _annotate_nodes(
     parameter_names = set(state.parameters)
     from_parameters = ParameterValues(parameter_names)
     flow = GradientFlow(trainable_parameters(graph.module), took_gradient(ran))
+    written = written_in_forward(graph.module.graph)
     for node in graph.module.graph.nodes:
-        derived[node.name] = _batch_derived(node, derived, parameter_names)
+        derived[node.name] = _batch_derived(node, derived, parameter_names, written)
         seed_key = from_parameters.visit(node, ran.get(node.name)), arg_places(node)  # beside its cost key
         needs = flow.visit(node, ran.get(node.name))
         common = dict(name=node.name, op=node.op, module_path=module_path(node), batch_derived=derived[node.name],

@@ -23,7 +23,7 @@ from torch import fx, nn
 
 from autopart.ir.errors import CaptureError
 
-__all__ = ["written_attributes", "writes_in_place", "check_no_written_copies", "normalises_by_batch", "batch_norm_statistics"]
+__all__ = ["written_attributes", "written_in_forward", "writes_in_place", "check_no_written_copies", "normalises_by_batch", "batch_norm_statistics"]
 
 # modules whose functions write no argument unless their name or arguments say so (a trailing
 # underscore, ``inplace=True``, ``out=``): torch's, and Python's own operators
@@ -48,6 +48,36 @@ def written_attributes(graph: fx.Graph) -> set[str]:
         if shared:
             aliases[node] = shared
     return written
+
+
+def written_in_forward(graph: fx.Graph) -> set[str]:
+    """The names of the values made in forward (no input or attribute shares their memory) that
+    some op of ``graph`` writes in place, with every value sharing their memory: the views of one,
+    the base it views, an in-place op's own result. Such a value is what it was after its writes
+    only where it was written: a stage that made it again from the batch would read it unwritten."""
+    group: dict[fx.Node, fx.Node] = {}  # node -> another node sharing its memory, towards one root
+
+    def root(node: fx.Node) -> fx.Node:
+        while group.get(node, node) is not node:
+            node = group[node]
+        return node
+
+    written: list[fx.Node] = []
+    for node in graph.nodes:
+        if node.op not in ("call_function", "call_method", "call_module"):
+            continue
+        for value in _aliased_arguments(node):
+            if root(value) is not root(node):
+                group[root(node)] = root(value)
+        written += _written_arguments(node)
+    members: dict[fx.Node, list[fx.Node]] = {}
+    for node in graph.nodes:
+        members.setdefault(root(node), []).append(node)
+    found: set[str] = set()
+    for base in {root(node) for node in written}:
+        if all(node.op not in ("placeholder", "get_attr") for node in members[base]):  # a buffer's: the runtime's
+            found.update(node.name for node in members[base])
+    return found
 
 
 def check_no_written_copies(module: fx.GraphModule, constants: tuple[str, ...], model: nn.Module) -> None:
