@@ -361,3 +361,25 @@ def test_a_buffer_read_back_by_its_own_update_trains_as_one_process(tmp_path):
                             measure=False)
     assert run.plan.provenance.capture == "export"
     assert_same_training(run, optimizer="sgd", lr=0.1)
+
+
+RUNNING_SUM = ITEM_SET.replace("self.last[0] = h.detach().mean()  # fx records Tensor.__setitem__ on the buffer",
+                               "self.last[0] = h.detach().mean() + self.last[0]  # fx keeps the read as a view")
+
+
+@pytest.mark.multiprocess
+def test_a_running_sum_read_through_a_view_trains_as_one_process(tmp_path):
+    """fx keeps ``self.last[0]`` (no traced value reaches the buffer) as a constant that shares the
+    buffer's memory while tracing, so the capture's checks saw the sum advance; the stage files
+    load it as a tensor of its own, and the sum read the buffer as built at every step."""
+    from tests.distributed import assert_same_training, compile_and_train
+
+    assert RUNNING_SUM != ITEM_SET
+    path = tmp_path / "running_sum.py"
+    path.write_text(RUNNING_SUM)
+    with pytest.raises(CaptureError, match=r"reads its buffer '0\.last', which it changes, through a view"):
+        autopart.compile(path, pp=2, microbatches=2, global_batch_size=4, capture="fx", measure=False)
+    run = compile_and_train(tmp_path, path, pp=2, microbatches=2, micro_batch_size=2, schedule="1f1b", steps=3,
+                            measure=False)
+    assert_same_training(run, optimizer="sgd", lr=0.1)  # the sum over the steps in the saved buffer
+    assert run.plan.provenance.capture == "export"

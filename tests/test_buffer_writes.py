@@ -168,3 +168,66 @@ def test_a_view_that_fx_keeps_as_a_copy_is_captured_by_export(tmp_path):
     assert plan.provenance.capture == "export"
     autopart.emit(plan, tmp_path / "out")
     assert set(stages_updated_buffers(tmp_path / "out")) == EAGER_WRITTEN
+
+
+FORMS = """
+import torch
+from torch import nn
+
+
+class Written(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.register_buffer("buf", torch.zeros(10))
+
+    def reset_parameters(self):  # what makes the buffer's values when the model is built on the meta device
+        self.buf.zero_()
+
+    def forward(self, x):
+        h = self.fc(x)
+        WRITE
+        return torch.relu(h)
+
+
+def build_model():
+    with torch.device(DEVICE):
+        return nn.Sequential(Written(), nn.Linear(8, 4))
+
+
+def example_batch(batch_size):
+    return (torch.randn(batch_size, 8),), torch.randint(0, 4, (batch_size,))
+
+
+def loss_fn(logits, target):
+    return nn.functional.cross_entropy(logits, target)
+"""
+
+WRITES = {  # how fx loses the write, and the refusal that says so
+    "counter": ("self.buf.add_(1)", r"changes its buffer '0\.buf' by an op that the capture cannot record"),
+    "view": ("self.buf[2:].copy_(h.detach().mean(0))",
+             r"writes its buffer '0\.buf' through a view that torch.fx keeps as a copy"),
+    "read": ("self.buf[0] = h.detach().mean() + self.buf[0]",
+             r"reads its buffer '0\.buf', which it changes, through a view that torch.fx keeps as a copy"),
+}
+
+
+@pytest.mark.parametrize("device, write", [("meta", "view"), ("meta", "read"), ("cpu", "read")])
+def test_a_write_fx_loses_is_refused_under_fx_and_captured_by_export(tmp_path, device, write):
+    """fx runs ``self.buf.add_(1)`` once while tracing, and keeps ``self.buf[2:]`` or ``self.buf[0]``
+    as a constant that shares the buffer's memory while tracing but is loaded by the stage files as
+    a tensor of its own: the write is lost, or the update reads the buffer as built at every step.
+    A read was refused on no device, and nothing on the meta device, where the check compared
+    storage addresses (none there) and ran no forward to compare."""
+    from autopart.ir.errors import CaptureError
+    from autopart.runtime.buffer_updates import stages_updated_buffers
+
+    code, refusal = WRITES[write]
+    path = tmp_path / f"{write}_{device}.py"
+    path.write_text(FORMS.replace("WRITE", code).replace("DEVICE", repr(device)))
+    with pytest.raises(CaptureError, match=refusal):
+        autopart.compile(path, pp=2, microbatches=2, global_batch_size=4, capture="fx", measure=False)
+    plan = autopart.compile(path, pp=2, microbatches=2, global_batch_size=4, measure=False)
+    assert plan.provenance.capture == "export"
+    autopart.emit(plan, tmp_path / "out")
+    assert set(stages_updated_buffers(tmp_path / "out")) == {"0.buf"}

@@ -20,6 +20,7 @@ import operator
 
 import torch
 from torch import fx, nn
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from autopart.ir.errors import CaptureError
 
@@ -81,19 +82,36 @@ def written_in_forward(graph: fx.Graph) -> set[str]:
 
 
 def check_no_written_copies(module: fx.GraphModule, constants: tuple[str, ...], model: nn.Module) -> None:
-    """Refuse a graph that writes a buffer through a constant sharing its memory: fx computes a
-    view of a buffer that no traced value reaches (``self.buf[:, 0]``) as it traces and keeps the
-    view as a constant, which the stage files load as a tensor of its own, so the programs would
-    write the copy and never the buffer."""
-    owners = {b.untyped_storage().data_ptr(): name for name, b in model.named_buffers() if not b.is_meta}
-    owners.pop(0, None)  # an empty buffer's storage has no address
-    for constant in sorted(written_attributes(module.graph) & set(constants)):
+    """Refuse a graph with a constant sharing memory with a buffer, where the graph writes either:
+    fx computes a view of a buffer that no traced value reaches (``self.buf[:, 0]``) as it traces
+    and keeps the view as a constant, which the stage files load as a tensor of its own. Writing
+    that copy, the programs would never write the buffer; reading it in an update of the buffer
+    (``self.total[0] = x + self.total[0]``), they would read the buffer as built at every step. While
+    tracing the two share memory, so no run of the graph in this process tells them apart: the
+    storages are compared, by identity, which a model built on the meta device has too."""
+    owners = {_storage(b): name for name, b in model.named_buffers()}
+    owners.pop(None, None)
+    written = written_attributes(module.graph)
+    for constant in sorted(constants, key=lambda c: c not in written):  # a written copy first: the worse
         value = functools.reduce(lambda owner, part: getattr(owner, part, None), constant.split("."), module)
-        owner = owners.get(value.untyped_storage().data_ptr()) if isinstance(value, torch.Tensor) and not value.is_meta \
-            else None
-        if owner is not None:
+        owner = owners.get(_storage(value)) if isinstance(value, torch.Tensor) else None
+        if owner is None:
+            continue
+        if constant in written:
             raise CaptureError(f"the model's forward writes its buffer {owner!r} through a view that torch.fx "
                                "keeps as a copy (a view of a buffer that no traced value reaches)")
+        if owner in written:
+            raise CaptureError(f"the model's forward reads its buffer {owner!r}, which it changes, through a view "
+                               "that torch.fx keeps as a copy (a view of a buffer that no traced value reaches)")
+
+
+def _storage(tensor: torch.Tensor) -> StorageWeakRef | None:
+    """The storage that ``tensor``'s views share, by identity (a meta tensor's has no address to
+    compare); None for a tensor without one (sparse)."""
+    try:
+        return StorageWeakRef(tensor.untyped_storage())
+    except (NotImplementedError, RuntimeError):
+        return None
 
 
 def writes_in_place(node: fx.Node) -> bool:
