@@ -212,7 +212,7 @@ WRITES = {  # how fx loses the write, and the refusal that says so
 }
 
 
-@pytest.mark.parametrize("device, write", [("meta", "view"), ("meta", "read"), ("cpu", "read")])
+@pytest.mark.parametrize("device, write", [("meta", "counter"), ("meta", "view"), ("meta", "read"), ("cpu", "read")])
 def test_a_write_fx_loses_is_refused_under_fx_and_captured_by_export(tmp_path, device, write):
     """fx runs ``self.buf.add_(1)`` once while tracing, and keeps ``self.buf[2:]`` or ``self.buf[0]``
     as a constant that shares the buffer's memory while tracing but is loaded by the stage files as
@@ -231,3 +231,18 @@ def test_a_write_fx_loses_is_refused_under_fx_and_captured_by_export(tmp_path, d
     assert plan.provenance.capture == "export"
     autopart.emit(plan, tmp_path / "out")
     assert set(stages_updated_buffers(tmp_path / "out")) == {"0.buf"}
+
+
+def test_a_meta_model_s_leaf_module_writes_its_own_buffers(tmp_path):
+    """On the meta device the capture tells the buffers a forward wrote by their version counters,
+    and the graph's writes by its ops: a --leaf BatchNorm's call is the op that writes its statistics."""
+    from autopart.ir.model_file import load_model_file
+    from autopart.passes.capture import capture
+
+    path = tmp_path / "leaf_norm.py"
+    path.write_text(FORMS.replace("WRITE", "h = self.norm(h)").replace("DEVICE", "'meta'").replace(
+        'self.register_buffer("buf", torch.zeros(10))', 'self.register_buffer("buf", torch.zeros(10))\n'
+        '        self.norm = nn.BatchNorm1d(8)'))
+    graph = capture(load_model_file(path), batch_size=2, leaves=("BatchNorm1d",))
+    assert graph.method == "fx"
+    assert [str(n.target) for n in graph.module.graph.nodes if n.op == "call_module"] == ["0.norm"]

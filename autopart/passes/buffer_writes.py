@@ -24,7 +24,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from autopart.ir.errors import CaptureError
 
-__all__ = ["written_attributes", "written_in_forward", "writes_in_place", "check_no_written_copies", "normalises_by_batch", "batch_norm_statistics"]
+__all__ = ["written_attributes", "written_in_forward", "writes_in_place", "check_no_written_copies", "buffer_versions",
+           "check_writes_recorded", "unrecorded_writes", "normalises_by_batch", "batch_norm_statistics"]
 
 # modules whose functions write no argument unless their name or arguments say so (a trailing
 # underscore, ``inplace=True``, ``out=``): torch's, and Python's own operators
@@ -103,6 +104,39 @@ def check_no_written_copies(module: fx.GraphModule, constants: tuple[str, ...], 
         if owner in written:
             raise CaptureError(f"the model's forward reads its buffer {owner!r}, which it changes, through a view "
                                "that torch.fx keeps as a copy (a view of a buffer that no traced value reaches)")
+
+
+def buffer_versions(model: nn.Module) -> dict[str, int]:
+    """Each buffer's version counter, which every in-place write advances, through any view, on
+    the meta device too: what a forward wrote, where there are no values to compare."""
+    return {name: b._version for name, b in model.named_buffers(remove_duplicate=False)}
+
+
+def check_writes_recorded(module: fx.GraphModule, model: nn.Module, versions: dict[str, int]) -> None:
+    """Refuse a graph that writes no buffer that the model's forwards wrote since ``versions``
+    (`buffer_versions`) by an op that no traced tensor reaches (``self.steps.add_(1)``): fx runs it
+    once while tracing and records nothing, so the stages would never move the buffer. A --leaf
+    module's call writes its own buffers."""
+    written = written_attributes(module.graph)
+    whole = tuple(f"{n.target}." for n in module.graph.nodes if n.op == "call_module")
+    buffers = dict(model.named_buffers(remove_duplicate=False))
+    names: dict[int, list[str]] = {}  # a buffer under all its names: the graph reads it under one
+    for name, buffer in buffers.items():
+        names.setdefault(id(buffer), []).append(name)
+    missing = sorted(aliases[0] for aliases in names.values()
+                     if buffers[aliases[0]]._version != versions.get(aliases[0], buffers[aliases[0]]._version)
+                     and not any(n in written or n.startswith(whole) for n in aliases))
+    if missing:
+        raise unrecorded_writes(missing)
+
+
+def unrecorded_writes(missing: list[str]) -> CaptureError:
+    """The refusal of a forward that changes the buffers ``missing`` by ops the graph lacks."""
+    return CaptureError(
+        f"the model's forward changes its buffer {missing[0]!r}{f' (and {len(missing) - 1} more)' if missing[1:] else ''}"
+        " by an op that the capture cannot record (an in-place update that no input tensor reaches, "
+        "as a step counter's); update it outside forward, or make it a plain attribute"
+    )
 
 
 def _storage(tensor: torch.Tensor) -> StorageWeakRef | None:

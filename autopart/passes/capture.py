@@ -39,7 +39,8 @@ from torch.nn import functional as F
 
 from autopart.ir.errors import CaptureError, ConfigError, ModelFileError
 from autopart.ir.model_file import ModelSpec, describe_error, eager_loss, file_line, is_meta
-from autopart.passes.buffer_writes import check_no_written_copies
+from autopart.passes.buffer_writes import (buffer_versions, check_no_written_copies, check_writes_recorded,
+                                           unrecorded_writes)
 from autopart.passes.export import export_training_graph
 from autopart.passes.shallow import repeated_layers, shallow_module
 
@@ -246,7 +247,7 @@ def capture(
 
     check_model_names(spec.module, spec.path.name)
     _check_no_backward_hooks(spec.module, spec.path.name)
-    before = _built_buffers(spec.module)
+    before, versions = _built_buffers(spec.module), buffer_versions(spec.module)
     expected = _eager_reference(spec, inputs, target)
     leaf_types = leaf_classes(spec.module, leaves)
     _check_no_cumulative_batch_norm(spec.module, spec.path.name, leaf_types)
@@ -258,7 +259,7 @@ def capture(
         try:
             graph = _graph(_trace_fx(spec, inputs, leaf_types), "fx", has_target, spec.module)
             check_no_written_copies(graph.module, graph.constants, spec.module)
-            _check_same_loss(spec, graph, inputs, target, expected, before)
+            _check_same_loss(spec, graph, inputs, target, expected, before, versions)
             return replace(graph, built_buffers=before)
         except ModelFileError:  # the file breaks the contract: no other capture will do better
             raise
@@ -283,7 +284,7 @@ def capture(
             "rewrite that code without Python control flow on tensor values"
         ) from None
     graph = _graph(_drawing_as_functions(module), "export", has_target, spec.module)
-    _check_same_loss(spec, graph, inputs, target, expected, before)
+    _check_same_loss(spec, graph, inputs, target, expected, before, versions)
     if fx_failure:
         log.info(f"torch.fx could not trace {spec.path.name} ({fx_failure}); captured it with torch.export")
     return replace(graph, built_buffers=before)
@@ -427,12 +428,14 @@ def _same_draws() -> Iterator[None]:
 
 def _check_same_loss(
     spec: ModelSpec, graph: Graph, inputs: tuple[torch.Tensor, ...], target: Any, expected: torch.Tensor | None,
-    built: dict[str, torch.Tensor],
+    built: dict[str, torch.Tensor], versions: dict[str, int],
 ) -> None:
     """``built``: the model's buffers as built. Where the graph differs, those the forwards since
     changed (a running statistic) may be why: an eager run again from them tells whether they feed
-    the loss (it then differs from the first)."""
-    if expected is None:  # a meta model: nothing to compare, annotate runs the graph on fake tensors
+    the loss (it then differs from the first). ``versions``: the buffers' version counters before
+    the eager run, which tell on the meta device which buffers the model's forward wrote."""
+    if expected is None:  # a meta model: no values to compare, annotate runs the graph on fake tensors
+        check_writes_recorded(graph.module, spec.module, versions)
         return
     _check_buffer_writes(spec, graph, inputs, target, built)
     with torch.no_grad(), _same_draws():
@@ -486,13 +489,8 @@ def _check_buffer_writes(spec: ModelSpec, graph: Graph, inputs: tuple[torch.Tens
 
     eager, eager_after = changed(spec.module, lambda: eager_loss(spec, inputs, target))
     traced, traced_after = changed(graph.module, lambda: graph.module(*graph_args(graph, inputs, target)))
-    missing = sorted(eager - traced)
-    if missing:
-        raise CaptureError(
-            f"the model's forward changes its buffer {missing[0]!r}{f' (and {len(missing) - 1} more)' if missing[1:] else ''}"
-            " by an op that the capture cannot record (an in-place update that no input tensor reaches, "
-            "as a step counter's); update it outside forward, or make it a plain attribute"
-        )
+    if eager - traced:
+        raise unrecorded_writes(sorted(eager - traced))
     stale = sorted({name for name in eager for ours, theirs in zip(eager_after, traced_after)
                     if not torch.allclose(ours[name].double(), theirs[name].double(), rtol=1e-5, atol=1e-6, equal_nan=True)})
     if stale:
