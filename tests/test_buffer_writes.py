@@ -225,8 +225,9 @@ def test_a_write_fx_loses_is_refused_under_fx_and_captured_by_export(tmp_path, d
     code, refusal = WRITES[write]
     path = tmp_path / f"{write}_{device}.py"
     path.write_text(FORMS.replace("WRITE", code).replace("DEVICE", repr(device)))
-    with pytest.raises(CaptureError, match=refusal):
+    with pytest.raises(CaptureError, match=refusal) as refused:
         autopart.compile(path, pp=2, microbatches=2, global_batch_size=4, capture="fx", measure=False)
+    assert str(refused.value).endswith("; use --capture export"), "the model has no control flow to rewrite"
     plan = autopart.compile(path, pp=2, microbatches=2, global_batch_size=4, measure=False)
     assert plan.provenance.capture == "export"
     autopart.emit(plan, tmp_path / "out")

@@ -265,11 +265,11 @@ def capture(
             raise
         except Exception as exc:
             fx_failure = _reason(exc, spec.path)
-            if method == "fx" or leaves:
-                raise CaptureError(
-                    f"torch.fx could not trace {spec.path.name}: {fx_failure}; rewrite that code without Python "
-                    f"control flow on tensors{'' if leaves else ', or use --capture export'}"
-                ) from None
+            if method == "fx" or leaves:  # a refusal of the capture's own says what to change
+                fixes = [] if isinstance(exc, CaptureError) else ["rewrite that code without Python control flow on tensors"]
+                fixes += [] if leaves else ["use --capture export"]
+                raise CaptureError(f"torch.fx could not trace {spec.path.name}: {fx_failure}"
+                                   + (f"; {', or '.join(fixes)}" if fixes else "")) from None
     try:
         on_device = _on_model_device(spec, (*inputs, target) if isinstance(target, torch.Tensor) else inputs)
         module = export_training_graph(spec.module, spec.loss_fn, on_device[: len(inputs)],
