@@ -209,16 +209,20 @@ WRITES = {  # how fx loses the write, and the refusal that says so
              r"writes its buffer '0\.buf' through a view that torch.fx keeps as a copy"),
     "read": ("self.buf[0] = h.detach().mean() + self.buf[0]",
              r"reads its buffer '0\.buf', which it changes, through a view that torch.fx keeps as a copy"),
+    "computed": ("self.buf[0] = 0.5 * self.buf[1] + h.detach().mean()",
+                 r"computes _tensor_constant\d+ as it traces, from the model's tensors on the meta device"),
 }
 
 
-@pytest.mark.parametrize("device, write", [("meta", "counter"), ("meta", "view"), ("meta", "read"), ("cpu", "read")])
+@pytest.mark.parametrize("device, write", [("meta", "counter"), ("meta", "view"), ("meta", "read"), ("meta", "computed"),
+                                           ("cpu", "read")])
 def test_a_write_fx_loses_is_refused_under_fx_and_captured_by_export(tmp_path, device, write):
     """fx runs ``self.buf.add_(1)`` once while tracing, and keeps ``self.buf[2:]`` or ``self.buf[0]``
     as a constant that shares the buffer's memory while tracing but is loaded by the stage files as
     a tensor of its own: the write is lost, or the update reads the buffer as built at every step.
     A read was refused on no device, and nothing on the meta device, where the check compared
-    storage addresses (none there) and ran no forward to compare."""
+    storage addresses (none there) and ran no forward to compare; a value fx computes from a meta
+    buffer (``0.5 * self.buf[1]``) has no values for the stage files to load."""
     from autopart.ir.errors import CaptureError
     from autopart.runtime.buffer_updates import stages_updated_buffers
 

@@ -24,8 +24,9 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from autopart.ir.errors import CaptureError
 
-__all__ = ["written_attributes", "written_in_forward", "writes_in_place", "check_no_written_copies", "buffer_versions",
-           "check_writes_recorded", "unrecorded_writes", "normalises_by_batch", "batch_norm_statistics"]
+__all__ = ["written_attributes", "written_in_forward", "writes_in_place", "check_no_written_copies",
+           "check_constants_have_values", "buffer_versions", "check_writes_recorded", "unrecorded_writes",
+           "normalises_by_batch", "batch_norm_statistics"]
 
 # modules whose functions write no argument unless their name or arguments say so (a trailing
 # underscore, ``inplace=True``, ``out=``): torch's, and Python's own operators
@@ -104,6 +105,18 @@ def check_no_written_copies(module: fx.GraphModule, constants: tuple[str, ...], 
         if owner in written:
             raise CaptureError(f"the model's forward reads its buffer {owner!r}, which it changes, through a view "
                                "that torch.fx keeps as a copy (a view of a buffer that no traced value reaches)")
+
+
+def check_constants_have_values(module: fx.GraphModule, constants: tuple[str, ...]) -> None:
+    """Refuse a graph with a constant on the meta device: fx computes what no traced value reaches
+    (``0.5 * self.buf[1]``) as it traces, and from a model built on the meta device that is a
+    tensor without values, which the stage files could not load (the emitted weights hold each
+    constant's values)."""
+    for constant in constants:
+        value = functools.reduce(lambda owner, part: getattr(owner, part, None), constant.split("."), module)
+        if isinstance(value, torch.Tensor) and value.is_meta:
+            raise CaptureError(f"torch.fx computes {constant} as it traces, from the model's tensors on the meta "
+                               "device, which have no values to keep (a read that no traced value reaches)")
 
 
 def buffer_versions(model: nn.Module) -> dict[str, int]:

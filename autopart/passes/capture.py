@@ -39,8 +39,8 @@ from torch.nn import functional as F
 
 from autopart.ir.errors import CaptureError, ConfigError, ModelFileError
 from autopart.ir.model_file import ModelSpec, describe_error, eager_loss, file_line, is_meta
-from autopart.passes.buffer_writes import (buffer_versions, check_no_written_copies, check_writes_recorded,
-                                           unrecorded_writes)
+from autopart.passes.buffer_writes import (buffer_versions, check_constants_have_values, check_no_written_copies,
+                                           check_writes_recorded, unrecorded_writes)
 from autopart.passes.export import export_training_graph
 from autopart.passes.shallow import repeated_layers, shallow_module
 
@@ -259,6 +259,7 @@ def capture(
         try:
             graph = _graph(_trace_fx(spec, inputs, leaf_types), "fx", has_target, spec.module)
             check_no_written_copies(graph.module, graph.constants, spec.module)
+            check_constants_have_values(graph.module, graph.constants)
             _check_same_loss(spec, graph, inputs, target, expected, before, versions)
             return replace(graph, built_buffers=before)
         except ModelFileError:  # the file breaks the contract: no other capture will do better
