@@ -117,3 +117,65 @@ def test_prompt_tuning_over_a_frozen_embedding_trains_as_one_process(tmp_path):
     assert plan.provenance.capture == "export" and not plan.stages[1].no_grad_inputs
     result = verify(out, steps=2, lr=0.1, optimizer="sgd")
     assert result.matches, result.failures
+
+
+LAYER_WRITES = """
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+
+class Prompted(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.prompt = nn.Parameter(torch.randn(2, 16))
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, h):
+        y = h * 2  # reads the input before the write, keeping nothing of it for backward
+        h[:, :2] = self.prompt  # writes the layer's input in place
+        return torch.tanh(self.lin(h)) + y
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(32, 16).requires_grad_(False)
+        self.layers = nn.ModuleList(Prompted() for _ in range(4))
+        self.head = nn.Linear(16, 32)
+
+    def forward(self, idx):
+        h = self.emb(idx)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(h)
+
+
+def build_model():
+    torch.manual_seed(0)
+    return Model()
+
+
+def example_batch(batch_size):
+    t = torch.randint(0, 32, (batch_size, 9), generator=torch.Generator().manual_seed(1))
+    return (t[:, :-1],), t[:, 1:]
+
+
+def loss_fn(logits, target):
+    return F.cross_entropy(logits.reshape(-1, 32), target.reshape(-1))
+"""
+
+
+@pytest.mark.multiprocess
+def test_a_stage_that_writes_what_it_received_writes_a_copy(tmp_path):
+    """A layer that writes its input in place, cut before it: the stage wrote the tensor it
+    received, a leaf of autograd that takes a gradient ('a leaf Variable that requires grad is
+    being used in an in-place operation'), and a recompute would write it twice. The stage
+    program copies such an input first."""
+    model = tmp_path / "layer_writes.py"
+    model.write_text(LAYER_WRITES)
+    out = tmp_path / "out"
+    compile_to_directory(CompileOptions(model=model, pp=2, microbatches=2, stage_layers=(2, 2), measure=False), out)
+    assert ".clone()  # written in place below" in (out / "stages" / "stage_1.py").read_text()
+    result = verify(out, steps=2, lr=0.1, optimizer="sgd")
+    assert result.matches, result.failures

@@ -14,6 +14,7 @@ import torch
 from torch import fx
 
 from autopart.passes.annotate import OpGraph
+from autopart.passes.buffer_writes import written_inputs
 from autopart.codegen.layers import Unit, layer_methods, relative_target
 from autopart.codegen.names import plain_text
 from autopart.codegen.program import (
@@ -120,10 +121,21 @@ class _Writer:
                                   comment=self._comment(unit.output), path=""))  # fmt: skip
             else:
                 steps.append(self._step(node, self._path(node.name)))
+        steps = self._copies_of_written_inputs() + steps
         signature = f"def forward(self{''.join(', ' + self.names[p] for p in parameters)}):"
         memory = self._memory(parameters, list(steps[-1].uses) if steps else [])
         return function_lines(signature, steps, parameters=set(parameters), memory=memory,
                               variable=self.names.__getitem__)  # fmt: skip
+
+    def _copies_of_written_inputs(self) -> list[Step]:
+        """A copy of each input that the stage writes in place (`written_inputs`), made first: a
+        received tensor that takes a gradient is a leaf of autograd, which refuses a write, and a
+        recompute or a split backward's rebuild runs the forward again on what it received, which
+        must be as it came; the rank's other stages read the same batch values."""
+        written = written_inputs(self.stage.graph)
+        return [Step(defines=name, text=f"{self.names[name]} = {self.names[name]}.clone()  # written in place below",
+                     uses=(name,), large=False)
+                for name in (n.name for n in self.stage.graph.nodes if n.op == "placeholder") if name in written]
 
     def _name_stream(self) -> None:
         """``x`` for the residual stream between layers: each call's result replaces its input, as in nanoGPT."""

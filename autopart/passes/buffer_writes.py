@@ -24,7 +24,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from autopart.ir.errors import CaptureError
 
-__all__ = ["written_attributes", "written_in_forward", "writes_in_place", "check_no_written_copies",
+__all__ = ["written_attributes", "written_inputs", "written_in_forward", "writes_in_place", "check_no_written_copies",
            "check_constants_have_values", "buffer_versions", "check_writes_recorded", "unrecorded_writes",
            "normalises_by_batch", "batch_norm_statistics"]
 
@@ -37,11 +37,24 @@ _SETITEM = ("__setitem__", "setitem")
 def written_attributes(graph: fx.Graph) -> set[str]:
     """The ``get_attr`` targets (parameters, buffers, constants) whose memory some op of ``graph``
     writes: its own argument, a view of one, or a batch norm's running statistics in training."""
-    aliases: dict[fx.Node, frozenset[str]] = {}  # node -> the get_attr targets whose memory its value may share
+    return _written_roots(graph, "get_attr")
+
+
+def written_inputs(graph: fx.Graph) -> set[str]:
+    """The placeholders (a stage's received tensors and batch values) whose memory some op of
+    ``graph`` writes, directly or through a view: a stage that wrote what it received would write
+    a leaf of autograd (refused), the same tensor again in recompute, or a batch value another
+    stage of the rank reads too."""
+    return _written_roots(graph, "placeholder")
+
+
+def _written_roots(graph: fx.Graph, op: str) -> set[str]:
+    """The nodes of kind ``op`` (by ``get_attr`` target, or placeholder name) whose memory some op writes."""
+    aliases: dict[fx.Node, frozenset[str]] = {}  # node -> the roots whose memory its value may share
     written: set[str] = set()
     for node in graph.nodes:
-        if node.op == "get_attr":
-            aliases[node] = frozenset({str(node.target)})
+        if node.op == op:
+            aliases[node] = frozenset({str(node.target) if op == "get_attr" else node.name})
             continue
         if node.op not in ("call_function", "call_method", "call_module"):
             continue
