@@ -179,3 +179,45 @@ def test_a_stage_that_writes_what_it_received_writes_a_copy(tmp_path):
     assert ".clone()  # written in place below" in (out / "stages" / "stage_1.py").read_text()
     result = verify(out, steps=2, lr=0.1, optimizer="sgd")
     assert result.matches, result.failures
+
+
+INPUT_WRITE = """
+import torch
+from torch import nn
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = torch.tanh(self.first(x))
+        x.mul_(0.5)  # the batch itself, written: a later stage would read it as it came
+        return self.second(h + x)
+
+
+def build_model():
+    torch.manual_seed(0)
+    return Model()
+
+
+def example_batch(batch_size):
+    return (torch.randn(batch_size, 4),), torch.randn(batch_size, 4)
+
+
+def loss_fn(out, target):
+    return ((out - target) ** 2).mean()
+"""
+
+
+def test_a_forward_that_writes_its_input_is_refused_in_one_line(tmp_path, capsys):
+    from autopart.tools.cli import main
+
+    model = tmp_path / "input_write.py"
+    model.write_text(INPUT_WRITE)
+    with pytest.raises(SystemExit) as exit:
+        main(["compile", str(model), "-o", str(tmp_path / "out"), "--pp", "2", "--microbatches", "2", "--no-measure"])
+    err = capsys.readouterr().err
+    assert exit.value.code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "writes its input 'x' in place" in err and "x = x.clone()" in err, err

@@ -25,8 +25,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from autopart.ir.errors import CaptureError
 
 __all__ = ["written_attributes", "written_inputs", "written_in_forward", "writes_in_place", "check_no_written_copies",
-           "check_constants_have_values", "buffer_versions", "check_writes_recorded", "unrecorded_writes",
-           "normalises_by_batch", "batch_norm_statistics"]
+           "check_constants_have_values", "check_inputs_unwritten", "check_fx_graph", "buffer_versions",
+           "check_writes_recorded", "unrecorded_writes", "normalises_by_batch", "batch_norm_statistics"]
 
 # modules whose functions write no argument unless their name or arguments say so (a trailing
 # underscore, ``inplace=True``, ``out=``): torch's, and Python's own operators
@@ -130,6 +130,24 @@ def check_constants_have_values(module: fx.GraphModule, constants: tuple[str, ..
         if isinstance(value, torch.Tensor) and value.is_meta:
             raise CaptureError(f"torch.fx computes {constant} as it traces, from the model's tensors on the meta "
                                "device, which have no values to keep (a read that no traced value reaches)")
+
+
+def check_inputs_unwritten(graph: fx.Graph) -> None:
+    """Refuse a forward that writes its own input in place (``x.add_(y)``, ``x.masked_fill_(m, 0)``):
+    each pipeline stage reads the batch as it came, where the model's ops after the write read it
+    written, and a stage that holds only those would train another function, in silence."""
+    written = [node.name for node in graph.nodes if node.op == "placeholder" and node.name in written_inputs(graph)]
+    if written:
+        raise CaptureError(f"the model's forward writes its input {written[0]!r} in place, which the pipeline's "
+                           f"stages would read unwritten; copy it first in forward ({written[0]} = {written[0]}.clone())")
+
+
+def check_fx_graph(module: fx.GraphModule, constants: tuple[str, ...], model: nn.Module) -> None:
+    """What torch.fx's graph of ``model`` may hold that the stages would run otherwise than the
+    model (`check_no_written_copies`, `check_constants_have_values`, `check_inputs_unwritten`)."""
+    check_no_written_copies(module, constants, model)
+    check_constants_have_values(module, constants)
+    check_inputs_unwritten(module.graph)
 
 
 def buffer_versions(model: nn.Module) -> dict[str, int]:

@@ -39,7 +39,7 @@ from torch.nn import functional as F
 
 from autopart.ir.errors import CaptureError, ConfigError, ModelFileError
 from autopart.ir.model_file import ModelSpec, describe_error, eager_loss, file_line, is_meta
-from autopart.passes.buffer_writes import (buffer_versions, check_constants_have_values, check_no_written_copies,
+from autopart.passes.buffer_writes import (buffer_versions, check_fx_graph, check_inputs_unwritten,
                                            check_writes_recorded, unrecorded_writes)
 from autopart.passes.export import export_training_graph
 from autopart.passes.shallow import repeated_layers, shallow_module
@@ -258,8 +258,7 @@ def capture(
     if method in (None, "fx"):
         try:
             graph = _graph(_trace_fx(spec, inputs, leaf_types), "fx", has_target, spec.module)
-            check_no_written_copies(graph.module, graph.constants, spec.module)
-            check_constants_have_values(graph.module, graph.constants)
+            check_fx_graph(graph.module, graph.constants, spec.module)
             _check_same_loss(spec, graph, inputs, target, expected, before, versions)
             return replace(graph, built_buffers=before)
         except ModelFileError:  # the file breaks the contract: no other capture will do better
@@ -285,6 +284,7 @@ def capture(
             "rewrite that code without Python control flow on tensor values"
         ) from None
     graph = _graph(_drawing_as_functions(module), "export", has_target, spec.module)
+    check_inputs_unwritten(graph.module.graph)
     _check_same_loss(spec, graph, inputs, target, expected, before, versions)
     if fx_failure:
         log.info(f"torch.fx could not trace {spec.path.name} ({fx_failure}); captured it with torch.export")
