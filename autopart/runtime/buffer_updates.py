@@ -10,8 +10,9 @@ advance by the microbatches of a step, twice that under recompute, and depend on
 So within a step every forward reads the buffers as they were at the step's start, as the one
 forward of the single process does (a forward that reads its counter reads the same value in
 every microbatch), and after the step each updated buffer holds the mean over the step's
-forwards, of every microbatch and replica, of what each left it at (the values averaged, not
-their changes: a float mask's -inf minus itself would be NaN); what a recompute writes is
+forwards, of every microbatch and replica, of what each left it at (a float's values averaged,
+not their changes: a float mask's -inf minus itself would be NaN; an integer's changes, whose
+values could overflow summed); what a recompute writes is
 put back, since its forward already counted. The mean is the single process's update exactly
 where the update is the same for every part of the batch (a counter, ``num_batches_tracked``)
 or an affine function of the part's mean (BatchNorm's ``running_mean``, the parts being of one
@@ -64,7 +65,7 @@ class BufferUpdates:
         self.tracked = [i for i, (name, buffer) in enumerate(module.named_buffers())
                         if (updated is None or name in updated) and _kept(buffer)]
         self.start: dict[int, torch.Tensor] = {}  # the step's starting values, by position
-        self.sums: dict[int, torch.Tensor] = {}  # the sum over the step's forwards of the values each left
+        self.sums: dict[int, torch.Tensor] = {}  # the sum over the step's forwards of what each left (`_restore`)
         self.forwards = 0
         self.pending = False  # a forward ran whose updates are not collected yet
 
