@@ -35,8 +35,9 @@ from autopart.solve.tensor import BlockSharding, shard_chain
 from cost_models import CostDatabase, CostModel, ProfiledCostModel, get_cost_model
 
 __all__ = ["Front", "annotated", "block_seconds", "boundary_gathered_bytes", "boundary_held_bytes", "build_front",
-           "batch_statistics_ops", "block_weight_seeds", "capture_for", "held_tensors", "layer_input_bytes", "layer_rebuilt_bytes", "loss_working_bytes",
-           "note_unsplit", "parameter_placements", "recompute_blocks", "sharded"]
+           "batch_statistics_ops", "block_weight_seeds", "capture_for", "held_tensors", "layer_input_bytes",
+           "layer_rebuilt_bytes", "loss_working_bytes", "note_batch_statistics", "note_unsplit", "parameter_placements", "recompute_blocks",
+           "sharded"]
 
 log = logging.getLogger("autopart")
 
