@@ -224,7 +224,8 @@ def _node(x: NodeCost, y: NodeCost, line: _Line, kernels: tuple[tuple[Kernel, ..
             raise _OffLine
         return replace(x, **changes)
     times = cost_model.op_times("", *kernels)
-    return replace(x, **changes, **kernel_figures(kernels, times, recompute_share(kernels[0], cost_model)))
+    share = recompute_share(kernels[0], cost_model) if x.needs_grad else 0.0  # no backward: nothing recomputed for it
+    return replace(x, **changes, **kernel_figures(kernels, times, share))
 
 
 def _kernels_agree(x: Kernel, y: Kernel, rel: float) -> bool:
