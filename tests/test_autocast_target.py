@@ -11,14 +11,22 @@ SOFTMAX_CHAIN = """
 import torch
 from torch import nn
 
+class Layer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(32, 32)
+
+    def forward(self, x):
+        return torch.softmax(self.linear(x), dim=-1)  # (B, 32)
+
 class Chain(nn.Module):
     def __init__(self):
         super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(32, 32) for _ in range(4))
+        self.layers = nn.ModuleList(Layer() for _ in range(4))
 
     def forward(self, x):
         for layer in self.layers:
-            x = torch.softmax(layer(x), dim=-1)  # (B, 32)
+            x = layer(x)
         return x
 
 def build_model():
@@ -70,7 +78,8 @@ def test_a_plan_for_a_gpu_sends_what_cuda_autocast_gives(tmp_path):
     model.write_text(SOFTMAX_CHAIN)
     sent = {}
     for device in ("cpu", "h100-sxm"):
-        plan = autopart.compile(model, pp=2, microbatches=2, micro_batch_size=4, device=device, dtype="bf16")
+        plan = autopart.compile(model, pp=2, microbatches=2, micro_batch_size=4, device=device, dtype="bf16",
+                                stage_layers=(2, 2))  # a softmax's output crosses, wherever the costs would cut
         sent[device] = [meta.dtype for _, meta in plan.stages[0].outputs]
     assert sent == {"cpu": ["bfloat16"], "h100-sxm": ["float32"]}  # softmax of a bf16 product: fp32 on CUDA
 
