@@ -44,19 +44,22 @@ def written_inputs(graph: fx.Graph) -> set[str]:
     """The placeholders (a stage's received tensors and batch values) whose memory some op of
     ``graph`` writes, directly or through a view: a stage that wrote what it received would write
     a leaf of autograd (refused), the same tensor again in recompute, or a batch value another
-    stage of the rank reads too."""
-    return _written_roots(graph, "placeholder")
+    stage of the rank reads too. Only writes the graph shows: a ``--leaf`` module or a function
+    kept whole is taken to write nothing of its inputs here (it would otherwise be taken to write
+    every hidden state passed to a layer, and each stage to copy it)."""
+    return _written_roots(graph, "placeholder", opaque=False)
 
 
-def _written_roots(graph: fx.Graph, op: str) -> set[str]:
-    """The nodes of kind ``op`` (by ``get_attr`` target, or placeholder name) whose memory some op writes."""
+def _written_roots(graph: fx.Graph, op: str, *, opaque: bool = True) -> set[str]:
+    """The nodes of kind ``op`` (by ``get_attr`` target, or placeholder name) whose memory some op
+    writes; ``opaque``: a call whose effects the graph does not show (`_opaque`) writes all it takes."""
     aliases: dict[fx.Node, frozenset[str]] = {}  # node -> the roots whose memory its value may share
     written: set[str] = set()
     for node in graph.nodes:
         if node.op == op:
             aliases[node] = frozenset({str(node.target) if op == "get_attr" else node.name})
             continue
-        if node.op not in ("call_function", "call_method", "call_module"):
+        if node.op not in ("call_function", "call_method", "call_module") or (not opaque and _opaque(node)):
             continue
         for value in (*_written_arguments(node), *batch_norm_statistics(node)):
             written |= aliases.get(value, frozenset())
