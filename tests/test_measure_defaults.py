@@ -301,6 +301,16 @@ def test_a_band_holds_only_on_the_devices_and_precision_its_rows_ran_on(fresh_ca
     assert load_plan(tmp_path / "mi300x-bf16" / "plan.json").predicted.error_median is None
 
 
+def _printed_by_layout(tmp_path, capsys, prefix: str) -> dict[tuple[int, int], str]:
+    """What compile prints for an H100 plan of pp 2, dp 2 and pp 2 x dp 2, into OUT ``{prefix}pp{P}-dp{D}``."""
+    printed = {}
+    for pp, dp in ((2, 1), (1, 2), (2, 2)):
+        main(["compile", str(MODEL), "-o", str(tmp_path / f"{prefix}pp{pp}-dp{dp}"), "--pp", str(pp), "--dp", str(dp),
+              "--microbatches", "2", "--device", "h100-sxm"])  # fmt: skip
+        printed[pp, dp] = " ".join(capsys.readouterr().out.split())
+    return printed
+
+
 def test_a_band_holds_only_for_the_layouts_its_rows_ran(fresh_cache, tmp_path, monkeypatch, capsys) -> None:
     """cost_accuracy's rows are pipelines: a pp x dp plan on this CPU printed their band (worst
     13%) and ran 34% off it, its gradient reduction and its ranks' sharing of the cores priced by
@@ -309,12 +319,7 @@ def test_a_band_holds_only_for_the_layouts_its_rows_ran(fresh_cache, tmp_path, m
     write_band("spec-roofline", Band(median=0.06, worst=0.12, rows=6, benchmark="published_runs", command="x",
                                      date="2026-12-01", layouts=("pp",)), bands)  # fmt: skip
     monkeypatch.setattr(accuracy, "ACCURACY_FILE", bands)
-    printed = {}
-    for pp, dp in ((2, 1), (1, 2), (2, 2)):
-        out = tmp_path / f"pp{pp}-dp{dp}"
-        main(["compile", str(MODEL), "-o", str(out), "--pp", str(pp), "--dp", str(dp), "--microbatches", "2",
-              "--device", "h100-sxm"])  # fmt: skip
-        printed[pp, dp] = " ".join(capsys.readouterr().out.split())
+    printed = _printed_by_layout(tmp_path, capsys, "")
     assert "(h100-sxm roofline; published_runs: median 6%, worst 12%)" in printed[2, 1]
     assert "(h100-sxm roofline; no band for dp plans: published_runs's rows ran pp plans alone)" in printed[1, 2]
     assert "no band for pp+dp plans: published_runs's rows ran pp plans alone" in printed[2, 2]
@@ -324,11 +329,7 @@ def test_a_band_holds_only_for_the_layouts_its_rows_ran(fresh_cache, tmp_path, m
     # rows of pp x dp measured apart: their band is that layout's, and the others name both
     write_band("spec-roofline@pp+dp", Band(median=0.2, worst=0.3, rows=2, benchmark="published_runs", command="x",
                                            date="2026-12-01", layouts=("pp+dp",)), bands)  # fmt: skip
-    for pp, dp in ((2, 1), (1, 2), (2, 2)):
-        out = tmp_path / f"again-pp{pp}-dp{dp}"
-        main(["compile", str(MODEL), "-o", str(out), "--pp", str(pp), "--dp", str(dp), "--microbatches", "2",
-              "--device", "h100-sxm"])  # fmt: skip
-        printed[pp, dp] = " ".join(capsys.readouterr().out.split())
+    printed = _printed_by_layout(tmp_path, capsys, "again-")
     assert "(h100-sxm roofline; published_runs: median 6%, worst 12%)" in printed[2, 1]
     assert "no band for dp plans: published_runs's rows ran pp and pp+dp plans alone" in printed[1, 2]
     assert "(h100-sxm roofline; published_runs: median 20%, worst 30%)" in printed[2, 2]
