@@ -180,6 +180,31 @@ MODEL_CASES = {
         [],
         r"the model's forward changes its buffer 'mean' and reads it back, so each run computes another loss",
     ),
+    "buffer_filled_on_the_first_run_only": (  # the stages started from the unfilled cache, in silence, before
+        GOOD_BATCH + textwrap.dedent(
+            """
+            class Cached(torch.nn.Module):
+                def __init__(self):
+                    super().__init__()
+                    self.linear = torch.nn.Linear(8, 4)
+                    self.register_buffer("table", torch.zeros(4))
+                    self.filled = False
+
+                def forward(self, x):
+                    if not self.filled:
+                        self.table.copy_(torch.arange(4.0))
+                        self.filled = True
+                    return self.linear(x) * self.table
+
+            def build_model():
+                return Cached()
+            """
+        ),
+        [],
+        r"the model's forward fills its buffer 'table' on its first run only \(behind a Python flag or check, .*\), "
+        r"and the stages start from the buffers as built; "
+        r"fill it in build_model\(\) or in the module's __init__",
+    ),
     "batch_norm_of_a_cumulative_average": (  # 'control flow on tensor values' at the line that calls it, before
         GOOD_BATCH + "\ndef build_model():\n    return torch.nn.Sequential(torch.nn.Linear(8, 4), "
                      "torch.nn.BatchNorm1d(4, momentum=None))\n",

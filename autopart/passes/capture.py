@@ -28,7 +28,7 @@ import operator
 import sys
 import types
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -39,8 +39,8 @@ from torch.nn import functional as F
 
 from autopart.ir.errors import CaptureError, ConfigError, ModelFileError
 from autopart.ir.model_file import ModelSpec, describe_error, eager_loss, file_line, is_meta
-from autopart.passes.buffer_writes import (buffer_versions, check_fx_graph, check_inputs_unwritten,
-                                           check_writes_recorded, unrecorded_writes)
+from autopart.passes.buffer_writes import buffer_versions, check_fx_graph, check_inputs_unwritten
+from autopart.passes.capture_checks import Example, check_same_loss, same_draws
 from autopart.passes.export import export_training_graph
 from autopart.passes.shallow import repeated_layers, shallow_module
 
@@ -259,7 +259,7 @@ def capture(
         try:
             graph = _graph(_trace_fx(spec, inputs, leaf_types), "fx", has_target, spec.module)
             check_fx_graph(graph.module, graph.constants, spec.module)
-            _check_same_loss(spec, graph, inputs, target, expected, before, versions)
+            check_same_loss(spec, graph.module, Example(inputs, target, has_target), expected, before, versions)
             return replace(graph, built_buffers=before)
         except ModelFileError:  # the file breaks the contract: no other capture will do better
             raise
@@ -285,7 +285,7 @@ def capture(
         ) from None
     graph = _graph(_drawing_as_functions(module), "export", has_target, spec.module)
     check_inputs_unwritten(graph.module.graph)
-    _check_same_loss(spec, graph, inputs, target, expected, before, versions)
+    check_same_loss(spec, graph.module, Example(inputs, target, has_target), expected, before, versions)
     if fx_failure:
         log.info(f"torch.fx could not trace {spec.path.name} ({fx_failure}); captured it with torch.export")
     return replace(graph, built_buffers=before)
@@ -383,10 +383,6 @@ def _on_model_device(spec: ModelSpec, inputs: tuple[torch.Tensor, ...]) -> tuple
     return tuple(x.to("meta") for x in inputs) if is_meta(spec.module) else inputs
 
 
-def graph_args(graph: Graph, inputs: tuple[torch.Tensor, ...], target: Any) -> tuple[Any, ...]:
-    return (*inputs, target) if graph.has_target else tuple(inputs)
-
-
 def _eager_reference(spec: ModelSpec, inputs: tuple[torch.Tensor, ...], target: Any) -> torch.Tensor | None:
     """The eager loss that the graph must match; on the meta device only checked to run (None).
 
@@ -402,7 +398,7 @@ def _eager_reference(spec: ModelSpec, inputs: tuple[torch.Tensor, ...], target: 
     with torch.no_grad(), torch.device("meta") if meta else contextlib.nullcontext():
         try:
             args = _on_model_device(spec, inputs), target.to("meta") if meta and target is not None else target
-            with _same_draws():
+            with same_draws():
                 expected = eager_loss(checked, *args)
         except Exception as exc:
             raise ModelFileError(
@@ -417,83 +413,5 @@ def _eager_reference(spec: ModelSpec, inputs: tuple[torch.Tensor, ...], target: 
     return None if meta else expected
 
 
-@contextlib.contextmanager
-def _same_draws() -> Iterator[None]:
-    """The eager run and the graph's from one seed: a model that draws random numbers (dropout in
-    training mode) draws the same ones in both, op for op, and the caller's generator is left as it was."""
-    cuda = range(torch.cuda.device_count()) if torch.cuda.is_initialized() else []  # manual_seed seeds them too
-    with torch.random.fork_rng(devices=cuda):
-        torch.manual_seed(0)
-        yield
-
-
-def _check_same_loss(
-    spec: ModelSpec, graph: Graph, inputs: tuple[torch.Tensor, ...], target: Any, expected: torch.Tensor | None,
-    built: dict[str, torch.Tensor], versions: dict[str, int],
-) -> None:
-    """``built``: the model's buffers as built. Where the graph differs, those the forwards since
-    changed (a running statistic) may be why: an eager run again from them tells whether they feed
-    the loss (it then differs from the first). ``versions``: the buffers' version counters before
-    the eager run, which tell on the meta device which buffers the model's forward wrote."""
-    if expected is None:  # a meta model: no values to compare, annotate runs the graph on fake tensors
-        check_writes_recorded(graph.module, spec.module, versions)
-        return
-    _check_buffer_writes(spec, graph, inputs, target, built)
-    with torch.no_grad(), _same_draws():
-        got = graph.module(*graph_args(graph, inputs, target))
-    if torch.allclose(got, expected, rtol=1e-5, atol=1e-6):
-        return
-    written = tuple(name for name, b in spec.module.named_buffers() if name in built and not torch.equal(b, built[name]))
-    if written:
-        with torch.no_grad(), _same_draws():
-            again = eager_loss(spec, inputs, target)
-        written = written if not torch.allclose(again, expected, rtol=1e-5, atol=1e-6) else ()
-    if written:
-        raise CaptureError(
-            f"the captured graph computes loss {got.item():.6g} but the model computes {expected.item():.6g}: the "
-            f"model's forward changes its buffer {written[0]!r}{f' (and {len(written) - 1} more)' if written[1:] else ''}"
-            " and reads it back, so each run computes another loss (a running statistic that feeds the output); "
-            "update it outside forward, or keep the output from reading it (as BatchNorm in training does)"
-        )
-    raise CaptureError(
-        f"the captured graph computes loss {got.item():.6g} but the model computes {expected.item():.6g}; "
-        "the model has behaviour that tracing cannot see (random numbers from outside torch's generator, "
-        "global state); report this model"
-    )
-
-
-def _check_buffer_writes(spec: ModelSpec, graph: Graph, inputs: tuple[torch.Tensor, ...], target: Any,
-                         built: dict[str, torch.Tensor]) -> None:
-    """Refuse a forward that writes a buffer by an op no traced tensor reaches (a step counter's
-    ``self.steps.add_(1)``): fx runs such an op once while tracing and records nothing, and
-    torch.export drops it as dead code, so the stages would train with the buffer as built and
-    save it so, in silence. The buffers one eager forward changes must be those the graph changes
-    (a BatchNorm's running statistics are in the graph), and two forwards from the buffers as
-    ``built`` must leave them as the model's do: fx computes a read that no traced value reaches
-    (``0.5 * self.avg[1]``) as it traces, as a constant. Each buffer is left as it was."""
-    def changed(module: nn.Module, run: Callable[[], Any]) -> tuple[set[str], list[dict[str, torch.Tensor]]]:
-        buffers = dict(module.named_buffers(remove_duplicate=False))
-        start = {name: b.clone() for name, b in buffers.items()}
-        try:
-            with torch.no_grad(), _same_draws():
-                for name in buffers.keys() & built.keys():
-                    buffers[name].copy_(built[name])
-                seen = [{name: b.clone() for name, b in buffers.items()}]
-                for _ in range(2):
-                    run()
-                    seen.append({name: b.clone() for name, b in buffers.items()})
-            return {name for name in buffers if not torch.equal(seen[1][name], seen[0][name])}, seen[1:]
-        finally:
-            with torch.no_grad():
-                for name, b in buffers.items():
-                    b.copy_(start[name])
-
-    eager, eager_after = changed(spec.module, lambda: eager_loss(spec, inputs, target))
-    traced, traced_after = changed(graph.module, lambda: graph.module(*graph_args(graph, inputs, target)))
-    if eager - traced:
-        raise unrecorded_writes(sorted(eager - traced))
-    stale = sorted({name for name in eager for ours, theirs in zip(eager_after, traced_after)
-                    if not torch.allclose(ours[name].double(), theirs[name].double(), rtol=1e-5, atol=1e-6, equal_nan=True)})
-    if stale:
-        raise CaptureError(f"the model's forward reads its buffer {stale[0]!r}, which it changes, by an op that the "
-                           "capture keeps at the value it had while tracing (a read that no input tensor reaches)")
+def graph_args(graph: Graph, inputs: tuple[torch.Tensor, ...], target: Any) -> tuple[Any, ...]:
+    return (*inputs, target) if graph.has_target else tuple(inputs)
