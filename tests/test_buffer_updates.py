@@ -81,6 +81,29 @@ def test_a_counter_advances_once_per_step_whatever_the_microbatches_replicas_and
 
 
 @pytest.mark.multiprocess
+@pytest.mark.parametrize("options", [{"pp": 2, "recompute": "full", "schedule": "1f1b"},
+                                     {"pp": 2, "dp": 2, "recompute": "full", "schedule": "zb-h1"}])
+def test_a_loop_over_torch_s_schedules_advances_the_counter_once_per_step(tmp_path, options):
+    """`autopart.runtime.pipelining`'s stages, driven by torch's schedules, which run the
+    backward and its recompute themselves: the counters advanced once per microbatch and again in
+    each recompute (12 after 3 steps of 2 microbatches), on each replica its own."""
+    import json
+    import re
+
+    from tests.distributed import REPO, run_program
+
+    path = tmp_path / "counted.py"
+    path.write_text(MODEL)
+    out = tmp_path / "out"
+    plan = autopart.compile(path, microbatches=2, micro_batch_size=2, measure=False, **options)
+    autopart.emit(plan, out)
+    result = run_program([str(REPO / "tests" / "pipelining_buffers_rank.py"), str(out), "3"], plan.world_size)
+    printed = [json.loads(line) for line in re.findall(r"^buffers (.*)$", result.stdout, re.MULTILINE)]
+    counters = [value for buffers in printed for name, value in buffers.items() if name.endswith("calls")]
+    assert len(counters) == 2 * plan.mesh["dp"] and all(value == 3.0 for value in counters), printed
+
+
+@pytest.mark.multiprocess
 def test_batch_norm_statistics_are_the_mean_over_the_replicas(tmp_path):
     """Two replicas of one microbatch each normalise by their halves of the batch, as one process
     that sums its gradient over the two halves (the reference's ``microbatches=2``) does; their
@@ -168,21 +191,24 @@ def test_only_the_buffers_the_stage_file_lists_are_tracked():
     assert float(module.unlisted) == 4.0  # untracked: each forward's write stays
 
 
-def test_an_int64_counter_near_its_end_moves_once_per_step():
-    """Integers are summed as their changes over the step: their values, 2**62 over four
-    forwards, overflowed int64 and the counter ended at 1."""
+def test_int64_buffers_near_their_ends_take_their_exact_mean():
+    """A counter near 2**63 and a sentinel at -2**63 that each forward replaces: their values
+    summed over a step's four forwards overflowed int64 (the counter ended at 1), and so did the
+    sentinel's changes (it ended at -2**63 + 5). Values that differ between forwards take their
+    mean rounded down, negative ones too."""
     from torch import nn
 
     from autopart.runtime.buffer_updates import BufferUpdates
 
     module = nn.Module()
-    module.register_buffer("seen", torch.tensor(2**62, dtype=torch.int64))
+    module.register_buffer("seen", torch.tensor([2**62, -2**63, 0, 0], dtype=torch.int64))
     updates = BufferUpdates(module, updated=("seen",))
-    for _ in range(4):
+    for part in range(4):
         with updates.forward():
-            module.seen.add_(1)
+            module.seen[0] += 1
+            module.seen[1:] = torch.tensor([5, part, -part - 1])  # 0..3 has mean 1.5, -1..-4 has -2.5
     updates.finish()
-    assert int(module.seen) == 2**62 + 1
+    assert module.seen.tolist() == [2**62 + 1, 5, 1, -3]
 
 
 MASKED = MODEL.replace('''        self.register_buffer("calls", torch.zeros(()))

@@ -61,6 +61,21 @@ def test_build_stages_needs_a_process_group(tmp_path):
         build_stages(out)
 
 
+def test_build_stages_refuses_selective_recompute_under_a_zero_bubble_schedule(tmp_path):
+    """torch's zero-bubble schedules take a stage's backward in two passes, which a selective
+    checkpoint refuses in the middle of the first step ("backward once on any region computed
+    under selective activation checkpoint"); build_stages says so before any group is made."""
+    from autopart.ir.errors import ConfigError
+    from autopart.runtime.pipelining import build_stages
+
+    out = tmp_path / "out"
+    compile_to_directory(CompileOptions(model=REPO / "examples" / "gpt.py", pp=2, microbatches=2, micro_batch_size=2,
+                                        schedule="zb-h1", recompute="selective"), out)  # fmt: skip
+    with pytest.raises(ConfigError, match=r"stage 0 recomputes selectively, which torch's ScheduleInterleavedZeroBubble "
+                                          r"cannot run: .*; compile with --recompute full or none"):
+        build_stages(out)
+
+
 def test_the_batch_reaches_torch_s_stages_on_their_device(tmp_path):
     # torch's PipelineStage hands a step's keywords to the module as they are: the loop's batch,
     # drawn on the CPU, must be on the stages' device (a GPU's) before they run

@@ -11,9 +11,9 @@ So within a step every forward reads the buffers as they were at the step's star
 forward of the single process does (a forward that reads its counter reads the same value in
 every microbatch), and after the step each updated buffer holds the mean over the step's
 forwards, of every microbatch and replica, of what each left it at (a float's values averaged,
-not their changes: a float mask's -inf minus itself would be NaN; an integer's changes, whose
-values could overflow summed); what a recompute writes is
-put back, since its forward already counted. The mean is the single process's update exactly
+not their changes: a float mask's -inf minus itself would be NaN; an integer's values as their
+high and low 32-bit halves, whose sums do not overflow where the values' own would: `_integer_mean`);
+what a recompute writes is put back, since its forward already counted. The mean is the single process's update exactly
 where the update is the same for every part of the batch (a counter, ``num_batches_tracked``)
 or an affine function of the part's mean (BatchNorm's ``running_mean``, the parts being of one
 size); BatchNorm's ``running_var`` becomes the mean of the parts' variances, which leaves out the
@@ -28,7 +28,7 @@ other buffer is touched, so a buffer's update that first comes in a later step (
 on a counter) is tracked from the first, and a stage file of an earlier autopart, which says
 nothing, has all its buffers tracked. Each tracked buffer costs, through a step, a copy of its
 starting values and the sum of its forwards' values: twice its bytes, three times a 16-bit
-one's. The memory model counts none of it: a forward's buffers are running statistics,
+float's, 17 times an int8 counter's (two int64 halves). The memory model counts none of it: a forward's buffers are running statistics,
 counters and averages, small beside the weights and their optimizer state.
 
 A buffer is written through ``.data``, which leaves its version as it was: autograd saves
@@ -68,6 +68,7 @@ class BufferUpdates:
         self.sums: dict[int, torch.Tensor] = {}  # the sum over the step's forwards of what each left (`_restore`)
         self.forwards = 0
         self.pending = False  # a forward ran whose updates are not collected yet
+        self.rewritten = False  # a backward began whose recompute may have written them since (`backward_begins`)
 
     def _buffers(self) -> list[torch.Tensor]:
         return list(self.module.buffers())
@@ -87,9 +88,20 @@ class BufferUpdates:
             buffers = self._buffers()
             self.start = {i: buffers[i].detach().clone() for i in self.tracked}
         self._collect()
+        if self.rewritten:
+            self._restore(count=False)
+            self.rewritten = False
         yield
         self.forwards += 1
         self.pending = True
+
+    def backward_begins(self) -> None:
+        """A backward begins whose end the caller does not see (torch's schedules run it, with
+        any recompute inside): the forwards' updates are counted now, and what the recompute
+        writes is put back before the next forward; `finish` overwrites it."""
+        if self.tracked:
+            self._collect()
+            self.rewritten = True
 
     @contextlib.contextmanager
     def recompute(self) -> Iterator[None]:
@@ -114,10 +126,10 @@ class BufferUpdates:
                     mean = total > 0
                 elif buffers[i].is_floating_point():
                     mean = total / forwards
-                else:  # the sum of changes (`_restore`): the step's start plus their mean
-                    mean = self.start[i] + torch.div(total, forwards, rounding_mode="floor")
+                else:
+                    mean = _integer_mean(total, forwards)
                 buffers[i].data.copy_(mean)
-        self.start, self.sums, self.forwards, self.pending = {}, {}, 0, False
+        self.start, self.sums, self.forwards, self.pending, self.rewritten = {}, {}, 0, False, False
 
     def _sum_over_replicas(self) -> None:
         """The sums over every replica's forwards, one all-reduce per accumulating dtype."""
@@ -139,20 +151,32 @@ class BufferUpdates:
     def _restore(self, *, count: bool) -> None:
         """Put every tracked buffer back to the step's start; ``count``: add what the forward left
         to the sums: a float's value (not its change: an infinite entry, a float mask's -inf, minus
-        itself is NaN), an integer's change (its values, a counter near its dtype's end, summed
-        over a step's forwards would overflow even int64), a flag's value."""
+        itself is NaN), an integer's value in two halves (`_integer_mean`), a flag's value."""
         buffers = self._buffers()
         with torch.no_grad():
             for i, start in self.start.items():
                 if count:
                     left = buffers[i]
                     if not (left.is_floating_point() or left.dtype == torch.bool):
-                        left = left.to(torch.int64) - start.to(torch.int64)
+                        value = left.to(torch.int64)
+                        left = torch.stack((value >> 32, value & 0xFFFFFFFF))
                     if i in self.sums:
                         self.sums[i].add_(left)  # in place, promoted: no copy of a 16-bit buffer beside the sum
                     else:
                         self.sums[i] = left.to(_accumulating(left.dtype), copy=True)
                 buffers[i].data.copy_(start)  # unversioned, and the same values where unchanged: module docstring
+
+
+def _integer_mean(halves: torch.Tensor, count: int) -> torch.Tensor:
+    """The mean, rounded down, of ``count`` int64 values from the sums of their high halves
+    (``value >> 32``) and low halves (``value & 0xFFFFFFFF``): the values' own sum overflows int64
+    where they lie near its ends (a counter near 2**63, a sentinel at -2**63 that a forward
+    replaces, or a sum of changes from it), and neither half's sum does. With
+    ``high = q * count + r``, the mean is ``q * 2**32 + (r * 2**32 + low) // count``, each term
+    within int64 for any count below 2**30."""
+    high, low = halves
+    quotient, remainder = torch.div(high, count, rounding_mode="floor"), torch.remainder(high, count)
+    return quotient * 2**32 + torch.div(remainder * 2**32 + low, count, rounding_mode="floor")
 
 
 def _accumulating(dtype: torch.dtype) -> torch.dtype:

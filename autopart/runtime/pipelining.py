@@ -10,7 +10,7 @@
     for inputs, target in pipeline.batches(seed=0):
         losses = []
         schedule.step(**pipeline.step_inputs(inputs, target), losses=losses)
-        pipeline.reduce_gradients()                  # tied copies summed, data-parallel replicas averaged
+        pipeline.reduce_gradients()                  # tied copies summed, replicas averaged, buffers settled
         optimizer.step(); optimizer.zero_grad()
 
 (``examples/pipelining_loop.py`` is this loop, whole.) The stages are autopart's generated
@@ -23,7 +23,11 @@ rank), each wrapped so that torch can drive it:
 - autopart's last stage computes the loss itself, so the schedule's ``loss_fn`` returns the
   stage's output; torch scales the gradients by 1/M after the backward, where autopart's runtime
   scales each loss by 1/M before it: the same gradients;
-- each forward runs in the plan's precision and with its stage's recompute, as in ``train.py``.
+- each forward runs in the plan's precision and with its stage's recompute, as in ``train.py``;
+- the buffers a forward updates (a step counter, BatchNorm's running statistics) end the step as
+  ``train.py`` leaves them: each forward reads the step's starting values, what a recompute
+  writes is put back, and ``reduce_gradients`` sets each to the mean over the step's forwards
+  (`autopart.runtime.buffer_updates`).
 
 The plan's schedule maps to torch's class: gpipe -> ``ScheduleGPipe``, 1f1b -> ``Schedule1F1B``,
 interleaved -> ``ScheduleInterleaved1F1B``, zb-h1 -> ``ScheduleInterleavedZeroBubble`` (with one
@@ -58,6 +62,7 @@ from autopart.ir.model_file import load_model_file
 from autopart.ir.errors import ConfigError
 from autopart.ir.plan import Plan, load_plan
 from autopart.runtime import collectives
+from autopart.runtime.buffer_updates import BufferUpdates
 from autopart.runtime.data import global_batches, model_file, split_microbatches
 from autopart.runtime.device import compute_device, on_device
 from autopart.runtime.forward import StageForward
@@ -88,15 +93,24 @@ def loss_is_the_output(output: torch.Tensor, target: Any) -> torch.Tensor:
 class BatchByKeyword(nn.Module):
     """An autopart stage under torch's API: batch values arrive as ``batch_<name>`` keywords."""
 
-    def __init__(self, forward: StageForward, module: nn.Module, batch_inputs: tuple[str, ...]):
+    def __init__(self, forward: StageForward, module: nn.Module, batch_inputs: tuple[str, ...], updates: BufferUpdates):
         super().__init__()
         self.stage = module
         self.run = forward
         self.batch_inputs = batch_inputs
+        self.updates = updates
 
     def forward(self, *received: torch.Tensor, **batch: Any) -> Any:
-        out, _ = self.run(*received, *(batch[f"batch_{name}"] for name in self.batch_inputs))
+        with self.updates.forward():
+            out, _ = self.run(*received, *(batch[f"batch_{name}"] for name in self.batch_inputs))
+        if self.updates.tracked:  # torch runs the backward, and its recompute, out of our sight
+            for tensor in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+                    tensor.register_hook(self._backward_begins)
         return out
+
+    def _backward_begins(self, grad: torch.Tensor) -> None:
+        self.updates.backward_begins()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -121,6 +135,7 @@ class Pipeline:
     groups: ProcessGroups
     tied: list[tuple[str, dist.ProcessGroup]]  # parameters several stages hold, and the group that sums them
     forwards: list[StageForward]  # how each stage's forward runs (its precision's working weights)
+    updates: list[BufferUpdates]  # the buffers each stage's forwards update, through a step
 
     @property
     def is_last(self) -> bool:
@@ -164,11 +179,14 @@ class Pipeline:
 
     def reduce_gradients(self) -> None:
         """After ``schedule.step``: every copy of a tied parameter gets the sum of their gradients,
-        then data-parallel replicas average theirs (``train.py``'s order)."""
+        then data-parallel replicas average theirs (``train.py``'s order), and each buffer that the
+        forwards update takes the mean of what the step's forwards, on every replica, left it at."""
         for name, group in self.tied:
             sum_tied_gradients(self.modules, name, group)
         if self.groups.dp is not None:
             average_gradients(self.parameters(), self.groups.dp, self.plan.mesh["dp"])
+        for updates in self.updates:
+            updates.finish()
 
 
 def build_stages(out_dir: str | Path, *, device: torch.device | None = None, weights: Path | None = None,
@@ -182,6 +200,13 @@ def build_stages(out_dir: str | Path, *, device: torch.device | None = None, wei
     """
     out_dir = Path(out_dir).resolve()
     plan = load_plan(out_dir / "plan.json")
+    selective = [s.index for s in plan.stages if s.recompute == "selective"]
+    if plan.schedule.kind in ("zb-h1", "zbv") and selective:
+        raise ConfigError(
+            f"stage {selective[0]} recomputes selectively, which torch's {TORCH_SCHEDULES[plan.schedule.kind].__name__} "
+            "cannot run: it takes each backward in two passes (inputs, then weights), and a selective checkpoint "
+            "allows one; compile with --recompute full or none, or another --schedule, or train with train.py"
+        )
     if not dist.is_initialized():
         raise ConfigError("build_stages needs a process group: call torch.distributed.init_process_group first "
                           "(run the script under torchrun)")  # fmt: skip
@@ -199,6 +224,8 @@ def build_stages(out_dir: str | Path, *, device: torch.device | None = None, wei
     modules: dict[int, nn.Module] = {}
     stages: list[PipelineStage] = []
     forwards: list[StageForward] = []
+    updates: list[BufferUpdates] = []
+    replicas = (groups.dp, mesh.dp) if groups.dp is not None else None
     for stage_plan in plan.stages:
         if stage_plan.rank != here.pp:
             continue
@@ -209,8 +236,9 @@ def build_stages(out_dir: str | Path, *, device: torch.device | None = None, wei
                                split_backward=False)  # fmt: skip
         modules[stage_plan.index] = module
         forwards.append(forward)
-        wrapped = BatchByKeyword(forward, module, stage_plan.batch_inputs)
+        updates.append(BufferUpdates(module, replicas, getattr(module, "updated_buffers", None)))
+        wrapped = BatchByKeyword(forward, module, stage_plan.batch_inputs, updates[-1])
         stages.append(PipelineStage(wrapped, stage_plan.index, len(plan.stages), device, group=groups.pp))
     return Pipeline(plan=plan, out_dir=out_dir, coordinates=here, modules=modules, stages=stages,
                     schedule_class=TORCH_SCHEDULES[plan.schedule.kind], groups=groups,
-                    tied=tied_groups(plan, mesh, rank), forwards=forwards)  # fmt: skip
+                    tied=tied_groups(plan, mesh, rank), forwards=forwards, updates=updates)  # fmt: skip
