@@ -418,10 +418,10 @@ def shard_chain(
         def solve(k: int, pins: dict[str, Placement]) -> BlockSharding:
             return start(k, pins).result()
 
-        first_of: dict[str, int] = {}  # per signature, the block solved for all blocks alike
+        first_of: dict[str, int] = {}  # per kind of block (`_alike`), the block solved for all blocks alike
         for k, block in enumerate(chain.blocks):
-            first_of.setdefault(block.signature, k)
-            if first_of[block.signature] == k or not shared.keys().isdisjoint(block.parameters):
+            first_of.setdefault(_alike(chain, block), k)
+            if first_of[_alike(chain, block)] == k or not shared.keys().isdisjoint(block.parameters):
                 start(k, {})  # every block's own solution is wanted: the last loop's, or a candidate's
         pinned: dict[str, Placement] = {}
         for parameter, blocks in shared.items():
@@ -438,12 +438,22 @@ def shard_chain(
         result = []
         for k, block in enumerate(chain.blocks):
             own_pins = {p: pinned[p] for p in block.parameters if p in pinned}
-            key = block.signature if not own_pins else f"{block.signature}:{k}"
+            key = _alike(chain, block) if not own_pins else f"{block.signature}:{k}"
             if key not in solved:
                 solved[key] = (block, solve(k, own_pins))
             first, solution = solved[key]
             result.append(solution if first is block else _translate(solution, first, block))
         return result
+
+
+def _alike(chain: BlockChain, block: Block) -> str:
+    """What blocks share one solution by: their signature (the same ops, wiring and shapes) and
+    which of their ops run a backward and an input gradient (`autopart.passes.grad_flow`). A
+    frozen layer and a trained one of the same signature cost differently: the trained one took
+    the frozen one's solution and with it no backward."""
+    ops = [chain.op_graph.nodes[name] for name in block.nodes]
+    return block.signature + ":" + "".join("-" if not op.needs_grad else "w" if not op.backward_input_s else "b"
+                                           for op in ops)
 
 
 def _rank_bytes(chain: BlockChain, solution: BlockSharding, t: int) -> int:
