@@ -22,6 +22,7 @@ class SyntheticTable:
     tp_overhead: float = 0.1  # each split op costs this fraction more per tp > 1
     layered: bool = False  # the layers' parameters are their own (FSDP units at ZeRO-3, ``autopart.predict.memory``)
     frozen: frozenset[str] = frozenset()  # parameters (``w<block>``) the model does not train
+    frozen_prefix: int = 0  # blocks whose boundaries after them no gradient crosses (nothing trained before them)
 
     @property
     def layers(self) -> list[str | None]:
@@ -68,6 +69,8 @@ class SyntheticTable:
             layer_bytes=max((sum(parameter_bytes[p] for p in ps) for ps in layers.values()), default=0),
             layer_spans=self.layer_spans(),  # what full recompute checkpoints one by one
             frozen_parameters=self.frozen & frozenset(parameter_bytes),
+            boundary_gradients=tuple(k >= self.frozen_prefix for k in range(len(forward) - 1)) if self.frozen_prefix
+            else (),
         )
 
     def state_bytes(self, parameter_bytes: int, *, dp: int, zero: int, dtype: str = "fp32", layered: bool = False,

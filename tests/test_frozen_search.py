@@ -31,3 +31,35 @@ def test_a_trained_block_sharded_is_not_costed_as_its_frozen_twin(prefix):
     for k in range(len(sharded)):
         assert sharded.forward_s[k] + sharded.backward_s[k] >= (floor.forward_s[k] + floor.backward_s[k]) * (1 - 1e-9), k
     assert min(sharded.backward_s[k] for k in trained) > max(sharded.backward_s[k] for k in frozen) == 0
+
+
+@pytest.mark.parametrize("stage_layers, gradient", [((2, 4), False), ((4, 2), True)], ids=["frozen-cut", "trained-cut"])
+def test_the_search_times_a_cut_as_the_plan_it_makes_does(prefix, stage_layers, gradient):
+    """Two stages cut inside the frozen prefix (no gradient comes back over the cut) or after it:
+    the search's simulated pipeline of those cuts is the plan's own timeline, and the cutter's
+    time of the stage after the cut holds the gradient it sends back only where one crosses.
+    The search charged a gradient message at every cut: its pipeline of a cut in the frozen
+    prefix was the plan's and that message more."""
+    import autopart
+    from autopart.ir.plan import gradient_boundaries
+    from autopart.predict.timeline import plan_timeline
+    from autopart.solve.planner import cluster_of
+    from autopart.solve.search import Layout, SearchSpace, score_layout
+    from autopart.solve.simulated import pipeline_s, simulated_stage_costs
+
+    pins = dict(pp=2, microbatches=4, global_batch_size=8, schedule="1f1b", measure=False)
+    plan = autopart.compile(prefix, stage_layers=stage_layers, **pins)
+    assert gradient_boundaries(plan.stages) == (gradient,)
+    options = CompileOptions(model=prefix, **pins)
+    table, cluster = FrontTable(options), cluster_of(options)
+    micro_batch_size = plan.schedule.micro_batch_size
+    cut = plan.stages[0].blocks[1]
+    layout = Layout(pp=2, tp=1, dp=1, micro_batch_size=micro_batch_size, microbatches=4, schedule="1f1b")
+    scored = score_layout(layout, table, cluster, SearchSpace(world_size=2, global_batch_size=8),
+                          recompute=(("none",), ("none",)), cuts=(cut,))
+    searched = pipeline_s("1f1b", 2, 4, 1, simulated_stage_costs(scored, table, cluster))
+    assert searched == pytest.approx(plan_timeline(plan).step_s, rel=1e-9)
+    after = plan.stages[1]
+    assert scored.cut.stage_time_s[1] == pytest.approx(after.forward_s + after.backward_s
+                                                       + gradient * plan.predicted.transfer_s[0], rel=1e-9)
+    assert table.chain_costs(micro_batch_size=micro_batch_size, tp=1, dtype="fp32").boundary_gradients[cut] is gradient

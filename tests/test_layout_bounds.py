@@ -215,6 +215,8 @@ def test_the_exact_bound_is_below_the_estimate_of_every_cut_set(seed):
     blocks = len(table.forward_s)
     if rng.random() < 0.5:  # a fine-tune: some parameters frozen, which nothing reduces nor steps
         table = dataclasses.replace(table, frozen=frozenset(f"w{k}" for k in range(blocks) if rng.random() < 0.7))
+    if rng.random() < 0.5:  # a frozen prefix: no gradient crosses back over its boundaries
+        table = dataclasses.replace(table, frozen_prefix=rng.randrange(1, blocks))
     costs = table.chain_costs(micro_batch_size=1, tp=1, dtype="fp32")
     whole = 4 * sum(costs.parameter_bytes.values()) + 8 * sum(costs.saved_bytes)  # memory from scarce to ample:
     memory = int(whole * rng.choice([0.05, 0.2, 0.5, 1e6]))  # an infinite bound must mean that no cuts fit

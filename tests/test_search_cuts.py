@@ -36,8 +36,10 @@ def random_chain(rng: random.Random, blocks: int, *, tied: bool) -> ChainCosts:
     )
 
 
-def exhaustive(costs: ChainCosts, stages: int, in_flight, transfer, limit: int):
-    """The smallest slowest stage over every cut set, each stage with the lightest recompute that fits."""
+def exhaustive(costs: ChainCosts, stages: int, in_flight, transfer, limit: int, returning=None):
+    """The smallest slowest stage over every cut set, each stage with the lightest recompute that
+    fits; ``returning``: per boundary, the gradient's time back over it (``transfer`` by default)."""
+    returning = transfer if returning is None else returning
     blocks = len(costs)
     best = None
     for cuts in itertools.combinations(range(blocks - 1), stages - 1):
@@ -46,7 +48,7 @@ def exhaustive(costs: ChainCosts, stages: int, in_flight, transfer, limit: int):
         for s in range(stages):
             for mode in RECOMPUTE_MODES:
                 f = stage_figures(costs, firsts[s], lasts[s], mode=mode, in_flight=in_flight[s],
-                                  transfer_in_s=transfer[firsts[s] - 1] if s else 0.0,
+                                  transfer_in_s=returning[firsts[s] - 1] if s else 0.0,
                                   transfer_out_s=transfer[lasts[s]] if s < stages - 1 else 0.0)
                 if f.memory_bytes <= limit:
                     times.append(f.time_s)
@@ -164,6 +166,33 @@ def reference_cut_stages(costs, *, stages, in_flight, transfer, limit):
         lo, hi = (lo, mid) if greedy(mid) is not None else (mid, hi)
     chosen = greedy(hi)
     return tuple(last for last, _ in chosen[:-1]), tuple(mode for _, mode in chosen)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_a_stage_after_a_frozen_prefix_sends_no_gradient_back(seed: int) -> None:
+    """Behind a frozen prefix no gradient crosses a cut (``ChainCosts.boundary_gradients``): the
+    stage after it sends none back, and the cutter finds the smallest slowest stage so charged.
+    It charged a gradient at every cut, as the plan it made then did not."""
+    rng = random.Random(2000 + seed)
+    blocks = rng.randint(3, 9)
+    stages = rng.randint(2, min(4, blocks))
+    frozen = rng.randint(1, blocks - 1)
+    costs = random_chain(rng, blocks, tied=False).changed(
+        boundary_gradients=tuple(k >= frozen for k in range(blocks - 1)))
+    in_flight = tuple(stages - s for s in range(stages))
+    transfer = (rng.choice([0.5, 3.0]),) * (blocks - 1)
+    returning = tuple(t if k >= frozen else 0.0 for k, t in enumerate(transfer))
+    assert costs.gradient_transfer_s(transfer) == returning
+    expected = exhaustive(costs, stages, in_flight, transfer, 10**9, returning)
+    cut = cut_stages(costs, stages=stages, in_flight=in_flight, stage_rank=tuple(range(stages)),
+                     transfer_s=transfer, memory_limit_bytes=10**9, overhead_bytes=0)
+    assert max(cut.stage_time_s) == pytest.approx(expected, rel=2e-4)
+    firsts, lasts = [0, *(c + 1 for c in cut.cuts)], [*cut.cuts, blocks - 1]
+    for s in range(1, stages):  # each stage after a cut: the gradient it sends back, where one comes
+        f = stage_figures(costs, firsts[s], lasts[s], mode=cut.recompute[s], in_flight=in_flight[s],
+                          transfer_in_s=returning[firsts[s] - 1],
+                          transfer_out_s=transfer[lasts[s]] if s < stages - 1 else 0.0)
+        assert f.time_s == pytest.approx(cut.stage_time_s[s])
 
 
 @pytest.mark.parametrize("seed", range(40))

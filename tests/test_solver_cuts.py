@@ -154,3 +154,32 @@ def test_a_rank_of_two_interleaved_stages_is_bounded_at_its_moments_not_at_their
     assert evaluate(summed, (0, 1, 2)).rank_memory_bytes[0] == 200 + 6 * 1000
     with pytest.raises(InfeasibleError):
         solve_cuts(summed, time_limit_s=10)
+
+
+def test_a_cut_behind_which_nothing_trains_costs_no_gradient_back():
+    """A boundary that no gradient crosses (a frozen prefix's, ``boundary_gradients``) costs the
+    stage after it no gradient to send: four equal blocks on two stages, a transfer taking as long
+    as a block, are cut in the middle (3 s a stage) where a gradient crosses every boundary, and
+    after the first block (2 s and 3 s) where none crosses it. The cutters charged a gradient
+    message at every boundary, as the plan's step model charges none there."""
+    plain = PipelineProblem(block_time_s=(1.0,) * 4, block_activation_bytes=(1,) * 4, boundary_transfer_s=(1.0,) * 3,
+                            parameter_state_bytes={}, block_parameters=((),) * 4, stages=2, microbatches=4,
+                            in_flight=(2, 1), memory_limit_bytes=1 << 40)
+    frozen = replace(plain, boundary_gradients=(False, True, True))
+    assert evaluate(plain, (0,)).stage_time_s == (2.0, 4.0)
+    assert evaluate(frozen, (0,)).stage_time_s == (2.0, 3.0)
+    assert solve_cuts(plain, time_limit_s=20).evaluation.cuts == (1,)
+    assert solve_cuts(frozen, time_limit_s=20).evaluation.cuts == (0,)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_cuts_are_optimal_with_boundaries_no_gradient_crosses(seed):
+    rng = random.Random(300 + seed)
+    blocks = rng.randint(4, 9)
+    stages = rng.randint(2, min(4, blocks))
+    frozen = rng.randint(1, blocks - 1)  # a frozen prefix: no gradient over its boundaries
+    problem = _problem(rng, blocks, stages, rng.choice([1, 2, 4, 8]),
+                       boundary_gradients=tuple(k >= frozen for k in range(blocks - 1)))
+    solution = solve_cuts(problem, time_limit_s=20)
+    assert solution.status == "optimal"
+    assert solution.evaluation.objective_s == pytest.approx(_exhaustive(problem), rel=1e-6)

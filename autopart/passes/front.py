@@ -15,7 +15,7 @@ from torch import fx, nn
 from autopart.ir.errors import ConfigError
 from autopart.ir.model_file import ModelSpec, is_meta, load_model_file
 from autopart.ir.placement import Placement
-from autopart.ir.plan import Plan
+from autopart.ir.plan import Plan, takes_gradient
 from autopart.ir.scatter_gather import gathered, held_bytes
 from autopart.ir.tensors import TensorMeta
 from autopart.options import CompileOptions, local_kind
@@ -181,6 +181,22 @@ def boundary_held_bytes(front: Front, tp: int) -> tuple[int, ...]:
     """Per block boundary, the bytes of what crosses it that one rank holds (`held_tensors`)."""
     return tuple(sum(held_bytes(meta, tp) for _, meta in held_tensors(front, b.tensors, k + 1, tp))
                  for k, b in enumerate(front.chain.boundaries))
+
+
+def boundary_gradients(front: Front) -> tuple[bool, ...]:
+    """Per block boundary, whether a gradient comes back across it: the rule a plan's stages
+    follow (`autopart.ir.plan.gradient_boundaries`), for the cutters to charge a gradient message
+    only where one crosses (none behind a frozen prefix)."""
+    return tuple(any(takes_gradient(b.tensors, no_grad_values(front.op_graph, [name for name, _ in b.tensors])))
+                 for b in front.chain.boundaries)
+
+
+def no_grad_values(op_graph: OpGraph, names: Sequence[str]) -> tuple[str, ...]:
+    """The floating values of ``names`` that need no gradient (`autopart.passes.grad_flow`): a
+    stage that receives them sends none back (`autopart.ir.plan.StagePlan.no_grad_inputs`)."""
+    costs = [op_graph.nodes[name] for name in names]
+    return tuple(c.name for c in costs if c.output is not None and c.output.dtype.startswith(("float", "bfloat"))
+                 and not c.needs_grad)
 
 
 def boundary_gathered_bytes(front: Front, tp: int) -> tuple[int, ...]:

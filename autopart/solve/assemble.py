@@ -6,7 +6,6 @@ plan means the same whichever of them made it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -20,8 +19,8 @@ from autopart.ir.plan import Plan, Predicted, Provenance, ScheduleSpec, StagePla
 from autopart.options import CompileOptions
 from autopart.passes.annotate import OpGraph
 from autopart.passes.front import (
-    Front, batch_statistics_ops, block_seconds, block_weight_seeds, held_tensors, layer_input_bytes, layer_rebuilt_bytes,
-    loss_working_bytes, parameter_placements, recompute_blocks,
+    Front, batch_statistics_ops, block_seconds, block_weight_seeds, boundary_gradients, held_tensors, layer_input_bytes,
+    layer_rebuilt_bytes, loss_working_bytes, no_grad_values, parameter_placements, recompute_blocks,
 )
 from autopart.passes.recompute import (
     batch_inputs, checkpointed_layers, recompute_cost, stage_input_bytes, stage_modes,
@@ -70,6 +69,7 @@ def pipeline_problem(options: CompileOptions, front: Front, microbatches: int) -
         **_rebuilding(options, rebuilt, microbatches),
         boundary_transfer_s=tuple(boundary_seconds(options, cost_model, held_tensors(front, b.tensors, k + 1, options.tp))
                                   for k, b in enumerate(chain.boundaries)),
+        boundary_gradients=boundary_gradients(front),
         parameter_state_bytes=state,
         block_parameters=tuple(b.parameters for b in chain.blocks),
         stages=stages,
@@ -310,7 +310,7 @@ def _stage_plans(front: Front, problem: PipelineProblem, ranges: list[range], re
                 overlapped=overlapped,
                 parameter_placements={p: str(placements[p]) for p in parameters if placements.get(p, REPLICATE) != REPLICATE},
                 recompute=recompute[s].mode,
-                no_grad_inputs=_no_grad(front.op_graph, sends[s - 1] if s > 0 else ()),
+                no_grad_inputs=no_grad_values(front.op_graph, sends[s - 1] if s > 0 else ()),
             )
         )
     return stages, holders
@@ -320,13 +320,6 @@ def _message_bytes(stages: list[StagePlan]) -> int:
     """One microbatch's bytes between stages: each activation, and each gradient that comes back (`takes_gradient`)."""
     return sum(meta.nbytes * (1 + back) for before, after in zip(stages, stages[1:])
                for (_, meta), back in zip(before.outputs, takes_gradient(before.outputs, after.no_grad_inputs)))
-
-
-def _no_grad(op_graph: OpGraph, received: Sequence[str]) -> tuple[str, ...]:
-    """The floating tensors of ``received`` that need no gradient (`autopart.passes.grad_flow`)."""
-    costs = [op_graph.nodes[name] for name in received]
-    return tuple(c.name for c in costs if c.output is not None and c.output.dtype.startswith(("float", "bfloat"))
-                 and not c.needs_grad)
 
 
 def _model_flops(op_graph: OpGraph, global_batch_size: int) -> float:

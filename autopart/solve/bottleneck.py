@@ -60,7 +60,8 @@ def cut_stages(
     """The cuts with the smallest slowest stage that fit in memory, or None if nothing fits.
     With ``fit_only``, any cuts that fit (the question is whether some do).
 
-    ``transfer_s[k]``: one-way seconds of what crosses after block k. ``modes``: per stage, the
+    ``transfer_s[k]``: one-way seconds of what crosses after block k (and of its gradient back,
+    where one comes: `ChainCosts.gradient_transfer_s`). ``modes``: per stage, the
     recompute modes allowed (all three by default). ``transient``: per stage, the microbatches
     whose recomputed activations live at once (1 each by default; more where a zero-bubble W waits).
 
@@ -84,10 +85,12 @@ def cut_stages(
     if min(budget) <= 0 or costs.prefix("owned_parameter_bytes")[-1] > ranks * room_bytes:
         return None  # the ranks together cannot hold the parameters, however the chain is cut
 
+    returning_s = costs.gradient_transfer_s(transfer_s)  # the gradient each stage sends back
+
     def stage(s: int, first: int, last: int, mode: str) -> StageFigures:
         return stage_figures(
             costs, first, last, mode=mode, in_flight=in_flight[s],
-            transfer_in_s=transfer_s[first - 1] if s > 0 else 0.0,
+            transfer_in_s=returning_s[first - 1] if s > 0 else 0.0,
             transfer_out_s=transfer_s[last] if s < stages - 1 else 0.0,
             transient=transient[s] if transient else 1,
         )  # fmt: skip
@@ -184,6 +187,7 @@ class _Greedy:
                  room: RankRoom | None = None):
         self.costs, self.stages, self.modes, self.budget, self.room = costs, stages, modes, budget, room
         self.in_flight, self.transfer_s = in_flight, transfer_s
+        self.returning_s = costs.gradient_transfer_s(transfer_s)  # the gradient a stage sends back over its first boundary
         self.transients = tuple(transient) if transient else (1,) * stages
         self.blocks = len(costs)
         self.sums = chain_sums(costs)
@@ -219,7 +223,7 @@ class _Greedy:
         # (the search asks this millions of times: the running sums are read inline, the bytes
         # as ``_Sums.parameters`` and ``_Sums.held`` add them; the seconds of "full" are the whole
         # forward again, never less than what `_Sums.seconds` gives layer by layer)
-        transfer_in = self.transfer_s[first - 1] if s > 0 else 0.0
+        transfer_in = self.returning_s[first - 1] if s > 0 else 0.0
         transfer_out = self.transfer_s[last] if s < self.stages - 1 else 0.0
         sums, end = self.sums, last + 1
         parameters = None  # the same in every mode: asked once, where the memory is asked
@@ -259,7 +263,7 @@ class _Greedy:
         """The slowest stage's time (with its transfers) of stages the greedy pass found."""
         slowest, first = 0.0, 0
         for s, (last, mode) in enumerate(chosen):
-            transfer_in = self.transfer_s[first - 1] if s > 0 else 0.0
+            transfer_in = self.returning_s[first - 1] if s > 0 else 0.0
             transfer_out = self.transfer_s[last] if s < self.stages - 1 else 0.0
             compute_s = self.sums.seconds(first, last, mode)
             slowest, first = max(slowest, compute_s + transfer_in + transfer_out), last + 1
@@ -276,7 +280,7 @@ class _Greedy:
         # No mode is faster than no recompute, so the compute alone caps the stage's end; at
         # that cap it usually fits, and otherwise bisection finds the last block it can end on
         # (longer stages only cost more).
-        inbound = self.transfer_s[first - 1] if s > 0 else 0.0
+        inbound = self.returning_s[first - 1] if s > 0 else 0.0
         compute = self.compute
         cap = bisect.bisect_right(compute, bound * (1 + 1e-9) + compute[first] - inbound - self.cheapest_out) - 2
         if cap < latest:  # the cap moves once the bound lets the stage's compute reach the next block
@@ -365,9 +369,11 @@ def fixed_cut(costs: ChainCosts, cuts: tuple[int, ...], *, modes: tuple[tuple[st
     ranks = max(stage_rank) + 1
     per_rank = [len(held) for held in stages_by_rank(stage_rank)]
 
+    returning_s = costs.gradient_transfer_s(transfer_s)  # the gradient each stage sends back
+
     def stage(s: int, first: int, last: int, mode: str) -> StageFigures:
         return stage_figures(costs, first, last, mode=mode, in_flight=in_flight[s],
-                             transfer_in_s=transfer_s[first - 1] if s > 0 else 0.0,
+                             transfer_in_s=returning_s[first - 1] if s > 0 else 0.0,
                              transfer_out_s=transfer_s[last] if s < stages - 1 else 0.0, transient=transient[s])
 
     chosen = []

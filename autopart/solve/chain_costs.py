@@ -36,6 +36,10 @@ class ChainCosts:
     # of those, per boundary, the replicated tensors that travel in tensor-parallel parts and are
     # all-gathered on arrival (`autopart.ir.scatter_gather.gathered`); () where there are none
     boundary_gathered_bytes: tuple[int, ...] = ()
+    # per boundary, whether a gradient comes back across it: some value crossing it needs one
+    # (`autopart.ir.plan.gradient_boundaries`, the rule the plan, the step model and the runtime
+    # follow); () where one comes back across every boundary
+    boundary_gradients: tuple[bool, ...] = ()
     input_bytes: int  # the batch inputs (token ids, targets) a stage may read, per microbatch
     parameter_bytes: dict[str, int]  # per parameter, its share on one rank of the tensor-parallel group
     parameter_state_bytes: dict[str, int]  # the same with gradients and optimizer state
@@ -94,6 +98,15 @@ class ChainCosts:
         if found is None:
             found = self._kept[key] = make()
         return found
+
+    def gradient_transfer_s(self, transfer_s: tuple[float, ...]) -> tuple[float, ...]:
+        """Per boundary, the seconds of the gradient message back across it, of one whose
+        activations take ``transfer_s`` (per boundary) forward: none where no gradient comes back
+        (`boundary_gradients`: behind a frozen prefix the runtime sends none, and a cut there
+        costs the stage after it no gradient to send)."""
+        if not self.boundary_gradients:
+            return transfer_s
+        return tuple(t if back else 0.0 for t, back in zip(transfer_s, self.boundary_gradients, strict=True))
 
     def changed(self, **changes: Any) -> ChainCosts:
         """A copy with ``changes``, keeping none of these costs' kept figures (they read what changed)."""
@@ -412,13 +425,15 @@ def chain_sums(costs: ChainCosts) -> _Sums:
     return costs.kept("sums", lambda: _Sums(costs))
 
 
-def stage_floor_s(costs: ChainCosts, stages: int, transfer_s: float = 0.0) -> float:
+def stage_floor_s(costs: ChainCosts, stages: int, transfer_s: float = 0.0, gradient_s: float | None = None) -> float:
     """No cuts of ``costs`` into ``stages`` stages make the slowest stage faster than this, where
-    no transfer between stages takes less than ``transfer_s`` (one way). Each cut adds a transfer
-    to the stage before it and one to the stage after, so the stages' times sum to at least the
-    compute and 2 (stages - 1) transfers; some stage holds the largest block, and some stage
-    holds at least ceil(blocks / stages) blocks (pigeonhole), so at least the cheapest run of that
-    many; each of those, with a transfer at one end at least."""
+    no transfer between stages takes less than ``transfer_s`` (one way) and no gradient back less
+    than ``gradient_s`` (``transfer_s`` where not given; 0 where some boundary takes none). Each
+    cut adds a transfer to the stage before it and a gradient to the one after, so the stages'
+    times sum to at least the compute and (stages - 1) of each; some stage holds the largest
+    block, and some stage holds at least ceil(blocks / stages) blocks (pigeonhole), so at least
+    the cheapest run of that many; each of those, with a message at one end at least."""
+    gradient_s = transfer_s if gradient_s is None else gradient_s
     blocks = len(costs)
     compute = costs.prefix("compute_s")
     if stages <= 1 or blocks == 0:
@@ -426,5 +441,5 @@ def stage_floor_s(costs: ChainCosts, stages: int, transfer_s: float = 0.0) -> fl
     fewest = -(-blocks // stages)
     cheapest = costs.kept(("cheapest_run", fewest),
                           lambda: min(compute[k + fewest] - compute[k] for k in range(blocks - fewest + 1)))
-    return max((compute[-1] + 2 * (stages - 1) * transfer_s) / stages,
-               max(costs.largest_block_s(), cheapest) + transfer_s)
+    return max((compute[-1] + (stages - 1) * (transfer_s + gradient_s)) / stages,
+               max(costs.largest_block_s(), cheapest) + min(transfer_s, gradient_s))

@@ -26,6 +26,9 @@ class PipelineProblem:
     block_time_s: tuple[float, ...]  # forward + backward of one microbatch
     block_activation_bytes: tuple[int, ...]  # saved for backward, one microbatch
     boundary_transfer_s: tuple[float, ...]  # one way, one microbatch; len = blocks - 1
+    # per boundary, whether a gradient comes back across it (`autopart.solve.chain_costs.ChainCosts.boundary_gradients`);
+    # () where one comes back across every boundary
+    boundary_gradients: tuple[bool, ...] = ()
     parameter_state_bytes: dict[str, int]  # parameter -> bytes of weights, gradients, optimizer state
     block_parameters: tuple[tuple[str, ...], ...]  # per block, the parameters it reads
     stages: int
@@ -74,6 +77,14 @@ class PipelineProblem:
         return self._stages_by_rank[rank]
 
     @functools.cached_property
+    def gradient_transfer_s(self) -> tuple[float, ...]:
+        """Per boundary, the seconds of the gradient message back across it: ``boundary_transfer_s``,
+        or none where no gradient comes back (``boundary_gradients``)."""
+        if not self.boundary_gradients:
+            return self.boundary_transfer_s
+        return tuple(t if back else 0.0 for t, back in zip(self.boundary_transfer_s, self.boundary_gradients, strict=True))
+
+    @functools.cached_property
     def _stages_by_rank(self) -> list[list[int]]:
         found: list[list[int]] = [[] for _ in range(self.ranks)]
         for s in range(self.stages):
@@ -94,6 +105,7 @@ class PipelineProblem:
                 f"for; use --pp {blocks} or fewer"
             )
         assert len(self.boundary_transfer_s) == blocks - 1
+        assert len(self.boundary_gradients) in (0, blocks - 1)
         assert len(self.in_flight) == self.stages
         assert len(self.block_parameters) == blocks == len(self.block_activation_bytes)
         assert len(self.block_rebuilt_bytes) in (0, blocks) and len(self.rebuilt_at_once) == (
@@ -136,8 +148,8 @@ def evaluate(problem: PipelineProblem, cuts: tuple[int, ...]) -> CutEvaluation:
     ranges = stage_ranges(cuts, blocks)
     for s, members in enumerate(ranges):
         time = sum(problem.block_time_s[k] for k in members)
-        if s > 0:
-            time += problem.boundary_transfer_s[cuts[s - 1]]
+        if s > 0:  # the gradient it sends back
+            time += problem.gradient_transfer_s[cuts[s - 1]]
         if s < problem.stages - 1:
             time += problem.boundary_transfer_s[cuts[s]]
         held = {p for k in members for p in problem.block_parameters[k]}

@@ -103,8 +103,9 @@ def cutter_cuts(problem: PipelineProblem) -> tuple[int, ...] | None:
     costs = ChainCosts(
         forward_s=problem.block_time_s, backward_s=(0.0,) * blocks, weight_s=(0.0,) * blocks, saved_bytes=saved,
         selective_saved_bytes=problem.block_activation_bytes if rebuilt else zeros, selective_recompute_s=(0.0,) * blocks,
-        boundary_bytes=zeros[1:], input_bytes=0, parameter_bytes=dict(problem.parameter_state_bytes),
-        parameter_state_bytes=dict(problem.parameter_state_bytes), block_parameters=problem.block_parameters,
+        boundary_bytes=zeros[1:], boundary_gradients=problem.boundary_gradients, input_bytes=0,
+        parameter_bytes=dict(problem.parameter_state_bytes), parameter_state_bytes=dict(problem.parameter_state_bytes),
+        block_parameters=problem.block_parameters,
         layer_spans=tuple((first, end) for first, end, _ in problem.split_layers),
         split_layer_bytes=tuple(split) if any(split) else (), loss_working_bytes=problem.loss_working_bytes,
         weight_seed_bytes=problem.block_weight_seed_bytes,
@@ -204,7 +205,7 @@ def _cut_from_the_end(
         first = True
         while k >= s:  # leave a block for each stage before this one
             extra = _block_bytes(problem, k, _stage_kind(problem, s), held)
-            lower = problem.boundary_transfer_s[k - 1] if k > 0 and s > 0 else 0.0
+            lower = problem.gradient_transfer_s[k - 1] if k > 0 and s > 0 else 0.0  # the gradient it sends back
             over_time = time + problem.block_time_s[k] + lower > limit_s
             over_memory = used[rank] + extra + reserve[rank] > memory_bytes
             if not first and s > 0 and (over_time or over_memory):

@@ -18,8 +18,8 @@ from autopart.options import CompileOptions
 from autopart.passes.capture import Graph
 from autopart.passes.blocks import build_blocks
 from autopart.passes.front import (
-    Front, annotated, block_seconds, block_weight_seeds, boundary_gathered_bytes, boundary_held_bytes, capture_for,
-    loss_working_bytes, parameter_placements, sharded,
+    Front, annotated, block_seconds, block_weight_seeds, boundary_gathered_bytes, boundary_gradients, boundary_held_bytes,
+    capture_for, loss_working_bytes, parameter_placements, sharded,
 )
 from autopart.passes.repeat_annotation import laid_out
 from autopart.passes.scale import SizeLines
@@ -230,6 +230,7 @@ def chain_costs(front: Front, tp: int) -> ChainCosts:
         selective_recompute_s=tuple(selective_s),
         boundary_bytes=boundary_held_bytes(front, tp),
         boundary_gathered_bytes=boundary_gathered_bytes(front, tp) if tp > 1 else (),
+        boundary_gradients=boundary_gradients(front),
         input_bytes=inputs,
         parameter_bytes=local,
         parameter_state_bytes=local,  # replaced per layout by the search (dp, ZeRO)

@@ -169,18 +169,18 @@ def layout_bound(table, layout, cluster, *, slowest_s: float = 0.0, hides_all: b
     """No cut or recompute makes ``layout``'s estimate (``autopart.solve.closed_form.estimate_step_s``)
     shorter: every stage at least ``stage_floor`` (or ``slowest_s``, where more) and every rank at
     least its share of the stages' least summed time, the stages' times summing to at least the
-    compute and a transfer each way at every cut, zb-h1's smallest weight-gradient stage at most
-    its share, FSDP's collectives (``fully_sharded_floor_s``), and the busiest rank holding at
-    least its share of the parameters; infinite where no cuts fit (``may_fit``; not asked with
-    ``memory`` False, where the caller holds cuts that fit). ``hides_all``: every all-reduce that
-    may hide behind the backward taken as hidden."""
+    compute, a transfer forward at every cut and its gradient back where one comes, zb-h1's
+    smallest weight-gradient stage at most its share, FSDP's collectives (``fully_sharded_floor_s``),
+    and the busiest rank holding at least its share of the parameters; infinite where no cuts fit
+    (``may_fit``; not asked with ``memory`` False, where the caller holds cuts that fit).
+    ``hides_all``: every all-reduce that may hide behind the backward taken as hidden."""
     costs = table.chain_costs(micro_batch_size=layout.micro_batch_size, tp=layout.tp, dtype=layout.dtype)
     if memory and not may_fit(table, layout, cluster):
         return math.inf
     m, p = layout.microbatches, layout.pp
-    transfer = cheapest_transfer_s(costs, layout, cluster)
-    summed = costs.prefix("compute_s")[-1] + 2 * (layout.stages - 1) * transfer  # every stage's time, summed
-    stage = max(stage_floor_s(costs, layout.stages, transfer), slowest_s)
+    transfer, gradient = cheapest_transfers_s(costs, layout, cluster)
+    summed = costs.prefix("compute_s")[-1] + (layout.stages - 1) * (transfer + gradient)  # every stage's time, summed
+    stage = max(stage_floor_s(costs, layout.stages, transfer, gradient), slowest_s)
     rank = max(summed / p, stage)  # its stages' time: an interleaved or V-shape rank holds several
     if layout.schedule == "zbv":  # its estimate is at least the busiest rank's m microbatches
         pipeline = m * rank
@@ -207,16 +207,18 @@ def layout_bound(table, layout, cluster, *, slowest_s: float = 0.0, hides_all: b
     return (pipeline + tail) * (1 - 1e-12)  # below the estimate's own rounding
 
 
-def cheapest_transfer_s(costs: ChainCosts, layout, cluster) -> float:
-    """The least one transfer between two of ``layout``'s stages takes (0 with one stage)."""
+def cheapest_transfers_s(costs: ChainCosts, layout, cluster) -> tuple[float, float]:
+    """The least one transfer between two of ``layout``'s stages takes, and the least its gradient
+    back takes (none over a boundary that takes none, `ChainCosts.gradient_transfer_s`); 0 with one stage."""
     if layout.stages == 1 or not costs.boundary_bytes:
-        return 0.0
-    return min(boundary_transfer_s(costs, layout, cluster))
+        return 0.0, 0.0
+    transfers = boundary_transfer_s(costs, layout, cluster)
+    return min(transfers), min(costs.gradient_transfer_s(transfers))
 
 
 def stage_floor(costs: ChainCosts, layout, cluster) -> float:
     """``stage_floor_s`` of ``costs`` cut into ``layout``'s stages on ``cluster``'s links."""
-    return stage_floor_s(costs, layout.stages, cheapest_transfer_s(costs, layout, cluster))
+    return stage_floor_s(costs, layout.stages, *cheapest_transfers_s(costs, layout, cluster))
 
 
 def with_layout_state(table, layout) -> ChainCosts:

@@ -2,7 +2,8 @@
 
 The problem is a chain of blocks to be cut into ``stages`` contiguous stages. A stage's time per
 microbatch is its blocks' forward and backward time plus the transfers at its two ends (the
-activation it sends forward, the gradient it sends back). The objective is Alpa's pipeline
+activation it sends forward, the gradient it sends back: none where nothing crossing its first
+boundary needs one, ``PipelineProblem.boundary_gradients``). The objective is Alpa's pipeline
 latency, ``sum_s T_s + (microbatches - 1) * max_s T_s``, which the bubble makes the right one:
 the slowest stage is paid once per microbatch, the others once per step.
 
@@ -112,11 +113,10 @@ class _CutModel:
         compute = sum(round(p.block_time_s[k] * _NS) * self.x[k][s] for k in range(blocks))
         transfer = 0
         for k in range(blocks - 1):
-            cost = round(p.boundary_transfer_s[k] * _NS)
-            if s < p.stages - 1:
-                transfer += cost * self.end[k][s]
-            if s > 0:
-                transfer += cost * self.end[k][s - 1]
+            if s < p.stages - 1:  # the activation it sends forward
+                transfer += round(p.boundary_transfer_s[k] * _NS) * self.end[k][s]
+            if s > 0:  # the gradient it sends back, where one comes
+                transfer += round(p.gradient_transfer_s[k] * _NS) * self.end[k][s - 1]
         return compute + transfer
 
     def stage_state(self, s: int, by_block: tuple | None = None) -> cp_model.LinearExpr:

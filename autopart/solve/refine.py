@@ -59,6 +59,7 @@ class CutJudge:
         self.moments = rank_in_flight  # a rank of several stages is held at its fullest moment (`rank_room`)
         self.stages = len(stage_rank)
         self.in_flight, self.stage_rank, self.transfer_s = in_flight, stage_rank, transfer_s
+        self.returning_s = costs.gradient_transfer_s(transfer_s)  # the gradient a stage sends back over its first boundary
         self.transient = transient or (1,) * self.stages
         self.ranks = max(stage_rank) + 1
         self.rank_stages = [tuple(stages) for stages in stages_by_rank(stage_rank)]
@@ -79,7 +80,7 @@ class CutJudge:
             options = []
             for mode in self.modes[s]:
                 f = stage_figures(self.costs, first, last, mode=mode, in_flight=self.in_flight[s],
-                                  transfer_in_s=self.transfer_s[first - 1] if s > 0 else 0.0,
+                                  transfer_in_s=self.returning_s[first - 1] if s > 0 else 0.0,
                                   transfer_out_s=self.transfer_s[last] if s < self.stages - 1 else 0.0,
                                   transient=self.transient[s])
                 options.append((mode, f.time_s, f.weight_s, f.memory_bytes, f.parts))

@@ -16,10 +16,13 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from autopart.solve.chain_costs import ChainCosts
 
 __all__ = ["repeat_layers", "repeat_last", "RepeatedTable"]
+
+_Figure = TypeVar("_Figure", int, bool)
 
 _INDEX = re.compile(r"^(.*)\.(\d+)$")
 
@@ -45,9 +48,8 @@ def repeat_layers(costs: ChainCosts, layers: Sequence[str | None],
         raise ValueError(f"the pattern names layers 0..{len(order) - 1} of the capture, at least one")
     blocks_of = {layer: [k for k, x in enumerate(layers) if x == layer] for layer in order}
     spans = [(blocks_of[x][0], blocks_of[x][-1]) for x in order]
-    if any(b - a + 1 != len(blocks_of[x]) for (a, b), x in zip(spans, order)) or any(
-        spans[i][1] + 1 != spans[i + 1][0] for i in range(len(spans) - 1)
-    ):
+    if any(b - a + 1 != len(blocks_of[x]) for (a, b), x in zip(spans, order)) \
+            or any(spans[i][1] + 1 != spans[i + 1][0] for i in range(len(spans) - 1)):
         raise ValueError("the captured layers are not contiguous runs of blocks next to one another")
     head_first, tail_first = spans[0][0], spans[-1][1] + 1
     prefix = _split(order[0])[0]
@@ -101,6 +103,7 @@ def repeat_layers(costs: ChainCosts, layers: Sequence[str | None],
         selective_recompute_s=pick(costs.selective_recompute_s), weight_seed_bytes=pick(costs.weight_seed_bytes),
         boundary_bytes=_crossing(costs.boundary_bytes, crossed, costs.input_bytes),
         boundary_gathered_bytes=_crossing(costs.boundary_gathered_bytes or (0,) * len(costs.boundary_bytes), crossed, 0),
+        boundary_gradients=_crossing(costs.boundary_gradients or (True,) * len(costs.boundary_bytes), crossed, True),
         input_bytes=costs.input_bytes, loss_working_bytes=costs.loss_working_bytes,
         parameter_bytes=parameter_bytes,
         parameter_state_bytes=parameter_state_bytes,
@@ -113,9 +116,11 @@ def repeat_layers(costs: ChainCosts, layers: Sequence[str | None],
     return repeated, new_layers
 
 
-def _crossing(values: tuple[int, ...], crossed: list[int], batch: int) -> tuple[int, ...]:
+def _crossing(values: tuple[_Figure, ...], crossed: list[int], batch: _Figure) -> tuple[_Figure, ...]:
     """A per-boundary figure at the copies' boundaries, each its captured boundary's (``batch``
-    where the batch inputs cross: -1; a chain of one block has no boundary but those)."""
+    where the batch inputs cross: -1; a chain of one block has no boundary but those). There,
+    between two copies, the first copy's output crosses: a gradient comes back over it (``True``)
+    as over a trained layer's, though the batch itself takes none."""
     return tuple(values[k] if k >= 0 else batch for k in crossed)
 
 

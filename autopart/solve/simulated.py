@@ -16,7 +16,7 @@ is added after the pipeline drains:
 - transfer: per boundary, `autopart.solve.transfers.boundary_transfer_s` (each tensor-parallel
   rank's share over the link, then any all-gather), as ``score_layout`` takes it; here it is
   latency on the message, overlapped with other work, where the closed form adds it to both
-  stages' time.
+  stages' time; the gradient back only over a boundary where one comes (`ChainCosts.boundary_gradients`).
 
 Where the closed form is exact (gpipe and 1f1b with equal stages and no transfer) the two agree;
 elsewhere the simulator is the better judge (unequal stages under interleaving, zb-h1's W filling
@@ -133,8 +133,9 @@ def _stage_costs(scored: Scored, table: CostTable, cluster: Cluster) -> tuple[St
         weight_s.append(weight[end] - weight[first])
     transfers = boundary_transfer_s(costs, layout, cluster)
     transfer_s = tuple(transfers[c] for c in cut.cuts)
+    gradients = tuple(costs.boundary_gradients[c] for c in cut.cuts) if costs.boundary_gradients else ()
     return StageCosts(forward_s=tuple(forward_s), backward_s=tuple(backward_s), weight_s=tuple(weight_s),
-                      transfer_s=transfer_s), pending
+                      transfer_s=transfer_s, gradients=gradients), pending
 
 
 def _recompute_s(costs: ChainCosts, mode: str, first: int, end: int) -> float:
