@@ -85,18 +85,15 @@ def test_a_node_started_with_other_training_options_is_refused(tmp_path):
 
 @pytest.mark.multiprocess
 def test_nodes_compare_options_as_parsed_not_as_typed(tmp_path):
-    """``--betas 0.9,0.95`` and ``0.90,0.950`` are the same rates: the nodes train; other rates
-    are refused in one line on every rank."""
+    """``--betas 0.9,0.95`` and ``0.90,0.950`` are the same rates: the nodes, each with its own
+    copy of OUT, train. (Other rates are refused as --steps is above: tests/test_rank_exchange.py
+    checks the comparison's every message.)"""
     out = compiled(tmp_path / "out")
     copy = tmp_path / "copy"
     shutil.copytree(out, copy)
     adamw = ["--steps", "1", "--optimizer", "adamw", "--betas"]
     for code, log in nodes([out, copy], [2, 2], [adamw + ["0.9,0.95"], adamw + ["0.90,0.950"]]):
         assert code == 0, log[-3000:]
-    for code, log in nodes([out, copy], [2, 2], [adamw + ["0.9,0.95"], adamw + ["0.9,0.96"]]):
-        assert code != 0 and "]: Traceback" not in log, log[-3000:]
-        assert autopart_lines(log) == ["autopart: error: rank 2 was started with --betas 0.9,0.96 but rank 0 with "
-                                       "--betas 0.9,0.95; give train.py the same options on every node"] * 2, log[-3000:]
 
 
 @pytest.mark.multiprocess
@@ -185,7 +182,7 @@ def test_nodes_of_unequal_size_run_the_commands_that_compile_printed(tmp_path, m
 @pytest.mark.multiprocess
 def test_a_node_whose_command_line_is_refused_ends_the_other_node_with_one_line(tmp_path):
     out = compiled(tmp_path / "out")
-    results = nodes([out, out], [2, 2], [["--steps", "2", "--timeout", "10"], ["--steps", "2", "--stpes", "3"]])
+    results = nodes([out, out], [2, 2], [["--steps", "2", "--timeout", "5"], ["--steps", "2", "--stpes", "3"]])
     (code, log), (other_code, other_log) = results
     assert code != 0 and other_code != 0 and "]: Traceback" not in log + other_log, log[-3000:]
     assert autopart_lines(log) == ["autopart: error: rank 2 did not start within --timeout; see that node's output "
@@ -198,7 +195,7 @@ def test_node_0_s_command_line_refused_ends_the_other_node_with_one_line(tmp_pat
     """Node 0's agent holds the store: its ranks refused, it ends and takes the store along, and
     the other node's ranks, waiting in it for every rank's start, lose it (DistNetworkError)."""
     out = compiled(tmp_path / "out")
-    results = nodes([out, out], [2, 2], [["--steps", "2", "--stpes", "3"], ["--steps", "2", "--timeout", "10"]])
+    results = nodes([out, out], [2, 2], [["--steps", "2", "--stpes", "3"], ["--steps", "2", "--timeout", "5"]])
     (code, log), (other_code, other_log) = results
     assert code != 0 and other_code != 0 and "]: Traceback" not in log + other_log, other_log[-3000:]
     assert "unrecognized arguments: --stpes" in log
