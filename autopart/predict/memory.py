@@ -42,17 +42,25 @@ ZeRO-1's replicas own whole tensors, not even shares (`autopart.ir.owners`): ``s
 counts 1/dp of each parameter's ``owned_bytes``, and ``owner_excess_bytes`` what the replica that
 owns most holds beyond those shares on a rank; a rank whose stage holds a vocabulary table at dp 64
 holds the table's whole state on one replica, gigabytes more than 1/64 of it.
+
+A stage also holds the buffers its ops read (a causal mask per attention layer, rotary tables,
+BatchNorm's statistics), whole on every tensor-parallel and data-parallel rank and in their own
+dtype: ``held_buffer_bytes`` says what one costs, and every figure of a rank's memory (the plan's,
+the cut solver's, the search's) counts each buffer of each stage by it. A buffer that a forward
+updates costs more while training (`autopart.runtime.buffer_updates`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Container, Iterable, Sequence
 
+import torch
+
 from autopart.ir.owners import largest_share
-from autopart.ir.tensors import working_dtype
+from autopart.ir.tensors import TensorMeta, working_dtype
 from cost_models import model_state_bytes
 
-__all__ = ["state_bytes", "owned_bytes", "optimizer_group", "optimizer_groups",
+__all__ = ["held_buffer_bytes", "state_bytes", "owned_bytes", "optimizer_group", "optimizer_groups",
            "owner_excess_bytes", "layers_in_flight_bytes", "LAYERS_IN_FLIGHT"]
 
 LAYERS_IN_FLIGHT = 2
@@ -76,6 +84,27 @@ def state_bytes(parameter_bytes: int, *, optimizer: str, dp: int, zero: int, dty
     if zero == 3 and layered:
         return full // dp
     return whole_copies + full // dp  # whole while computing, and the shards of everything
+
+
+def held_buffer_bytes(buffer: TensorMeta, *, updated: bool) -> int:
+    """What a stage holding ``buffer`` holds for it through a training step: its bytes and, where
+    its forward updates it (the stage file's ``updated_buffers``), what
+    `autopart.runtime.buffer_updates.BufferUpdates` keeps beside it: a copy of its starting values
+    and the sum of its forwards' values, in fp32 for a 16-bit float, int64 for a flag and two int64
+    halves per element for an integer. A complex buffer is never tracked."""
+    nbytes = buffer.nbytes
+    dtype = getattr(torch, buffer.dtype)
+    if not updated or dtype.is_complex:
+        return nbytes
+    if dtype in (torch.float16, torch.bfloat16):
+        summed = 4
+    elif dtype.is_floating_point:
+        summed = dtype.itemsize
+    elif dtype == torch.bool:
+        summed = 8
+    else:
+        summed = 2 * 8
+    return 2 * nbytes + buffer.numel * summed
 
 
 def owned_bytes(parameter_bytes: int, *, optimizer: str, dp: int, zero: int, dtype: str = "fp32",
