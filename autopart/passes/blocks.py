@@ -29,11 +29,14 @@ over the image, a ViT's first token) set no width either.
 Nodes that depend only on the batch and on buffers (position ids, masks, reshaped targets), the
 parameters and the inputs belong to no block: every stage that needs them recomputes or holds
 them, so they never cross a boundary. A parameter read on both sides of a boundary (tied
-embeddings) is held by both.
+embeddings) is held by both, and so is a buffer: a block's buffers are those its ops read
+directly or through such nodes (a causal mask sliced to the sequence), as the stage that holds
+the block holds them (`autopart.codegen.stages.stage_graphs`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 from collections.abc import Callable
@@ -43,6 +46,8 @@ from torch import fx
 
 from autopart.ir.tensors import TensorMeta
 from autopart.passes.annotate import NodeCost, OpGraph
+from autopart.passes.buffer_writes import written_attributes
+from autopart.predict.memory import held_buffer_bytes
 
 __all__ = ["Block", "Boundary", "BlockChain", "build_blocks", "NARROW_FACTOR"]
 
@@ -76,6 +81,9 @@ class Block:
     weight_seed_bytes: int  # what a split backward keeps from I to W (`autopart.passes.weight_seeds`)
     parameters: tuple[str, ...]  # get_attr node targets of the parameters the block reads
     signature: str  # equal for identical blocks (the repeated layers)
+    # the buffers (and tensors made in forward) that its stage holds for it: get_attr targets read
+    # through the batch- and buffer-derived nodes, and the buffers of its --leaf modules
+    buffers: tuple[str, ...] = ()
 
     @property
     def backward_s(self) -> float:
@@ -88,6 +96,8 @@ class BlockChain:
     blocks: tuple[Block, ...]
     boundaries: tuple[Boundary, ...]  # boundaries[k] lies between blocks[k] and blocks[k + 1]
     parameter_bytes: dict[str, int]  # parameter target -> bytes
+    # buffer -> what a stage that holds it holds for it (`autopart.predict.memory.held_buffer_bytes`)
+    buffer_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.blocks)
@@ -141,8 +151,24 @@ def build_blocks(op_graph: OpGraph) -> BlockChain:
         if end < len(compute):
             boundaries.append(Boundary(tensors=tuple((name, costs[name].output) for name in crossing[end - 1])))
     return BlockChain(
-        op_graph=op_graph, blocks=tuple(blocks), boundaries=tuple(boundaries), parameter_bytes=parameter_bytes
+        op_graph=op_graph, blocks=tuple(blocks), boundaries=tuple(boundaries), parameter_bytes=parameter_bytes,
+        buffer_bytes=_buffer_bytes(op_graph, blocks),
     )
+
+
+def _buffer_bytes(op_graph: OpGraph, blocks: list[Block]) -> dict[str, int]:
+    """Per buffer that some block holds, what its stage holds for it: updated, where the forward
+    writes it (`autopart.codegen.stages.updated_buffers`: the graph's writes, and every buffer of a
+    --leaf module), the constants made in forward excepted."""
+    held = {name for block in blocks for name in block.buffers}
+    metas = {str(n.target): op_graph.nodes[n.name].output for n in op_graph.fx_nodes()
+             if n.op == "get_attr" and op_graph.nodes[n.name].is_buffer}
+    updated = written_attributes(op_graph.graph.module.graph) - set(op_graph.graph.constants)
+    for tensors in op_graph.leaf_tensors.values():
+        leaf_buffers = {name: meta for name, meta in tensors.items() if name not in metas and name in held}
+        metas.update(leaf_buffers)
+        updated |= set(leaf_buffers)
+    return {name: held_buffer_bytes(metas[name], updated=name in updated) for name in sorted(held) if name in metas}
 
 
 def _cut_points(compute: list[fx.Node], crossing: list[list[str]], op_graph: OpGraph) -> list[int]:
@@ -281,7 +307,25 @@ def _make_block(index: int, members: list[fx.Node], op_graph: OpGraph) -> Block:
         weight_seed_bytes=sum(costs[n].weight_seed_bytes for n in names if costs[n].weight_seed_reader not in inside),
         parameters=tuple(parameters),
         signature=_signature(members, costs),
+        buffers=_block_buffers(members, op_graph, set(parameters)),
     )
+
+
+def _block_buffers(members: list[fx.Node], op_graph: OpGraph, parameters: set[str]) -> tuple[str, ...]:
+    """The buffers that the stage holding ``members`` holds for them (``Block.buffers``)."""
+    costs, found, seen = op_graph.nodes, [], set()
+    stack = [arg for n in members for arg in n.all_input_nodes]
+    for n in members:
+        found += [name for name in op_graph.leaf_tensors.get(n.name, {}) if name not in parameters]
+    while stack:
+        node = stack.pop()
+        if node.name in seen or not _is_free(costs[node.name]):
+            continue
+        seen.add(node.name)
+        if node.op == "get_attr" and costs[node.name].is_buffer:
+            found.append(str(node.target))
+        stack.extend(node.all_input_nodes)
+    return tuple(dict.fromkeys(found))
 
 
 def _signature(members: list[fx.Node], costs: dict[str, NodeCost]) -> str:

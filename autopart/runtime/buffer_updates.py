@@ -28,8 +28,9 @@ other buffer is touched, so a buffer's update that first comes in a later step (
 on a counter) is tracked from the first, and a stage file of an earlier autopart, which says
 nothing, has all its buffers tracked. Each tracked buffer costs, through a step, a copy of its
 starting values and the sum of its forwards' values: twice its bytes, three times a 16-bit
-float's, 17 times an int8 counter's (two int64 halves). The memory model counts none of it: a forward's buffers are running statistics,
-counters and averages, small beside the weights and their optimizer state.
+float's, 17 times an int8 counter's (two int64 halves). The memory model counts them on the
+stage that holds the buffer (`autopart.predict.memory.held_buffer_bytes`, which a test holds to
+what this class keeps).
 
 A buffer is written through ``.data``, which leaves its version as it was: autograd saves
 BatchNorm's running statistics for its backward, which in training reads none of them, and

@@ -85,6 +85,8 @@ def pipeline_problem(options: CompileOptions, front: Front, microbatches: int) -
         **_weight_seeds(options, front, microbatches),
         owned_state=_owned_state(options, front, local),
         replicas=options.dp,
+        buffer_bytes=chain.buffer_bytes,
+        block_buffers=tuple(b.buffers for b in chain.blocks),
     )
 
 

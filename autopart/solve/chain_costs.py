@@ -64,6 +64,11 @@ class ChainCosts:
     # the parameters weight decay applies to, in the optimizer's first group (`autopart.runtime.recipe`):
     # ZeRO-1 partitions fp32 groups in turn (`autopart.predict.memory.optimizer_group`)
     decayed_parameters: frozenset[str] = frozenset()
+    # per buffer, what a stage that reads it holds for it (`autopart.predict.memory.held_buffer_bytes`,
+    # whatever the layout), and per block the buffers it reads; () where there are none. A stage
+    # holds its blocks' buffers as its parameters' state: ``owned_parameter_bytes`` counts both
+    buffer_bytes: dict[str, int] = field(default_factory=dict)
+    block_buffers: tuple[tuple[str, ...], ...] = ()
     # what is made from these figures and kept with them: the running sums (`prefix`) and all `kept` keeps
     _kept: dict = field(default_factory=dict, repr=False, compare=False)
 
@@ -129,8 +134,8 @@ class ChainCosts:
         return self.kept("largest_block", lambda: max(f + b for f, b in zip(self.forward_s, self.backward_s)))
 
     def _owned_parameter_bytes(self) -> list[int]:
-        """Each parameter counted at the first block that reads it."""
-        owned = [0] * len(self)
+        """Each parameter's state counted at the first block that reads it, and each buffer's bytes."""
+        owned = self._owned_buffer_bytes()
         seen: set[str] = set()
         for k, names in enumerate(self.block_parameters):
             for p in names:
@@ -138,6 +143,17 @@ class ChainCosts:
                     seen.add(p)
                     owned[k] += self.parameter_state_bytes[p]
         return owned
+
+    def _owned_buffer_bytes(self) -> list[int]:
+        """Per block, the held bytes of the buffers first read there."""
+        def made() -> tuple[int, ...]:
+            owned, seen = [0] * len(self), set()
+            for k, names in enumerate(self.block_buffers):
+                owned[k] = sum(self.buffer_bytes[b] for b in names if b not in seen)
+                seen.update(names)
+            return tuple(owned)
+
+        return list(self.kept("owned_buffers", made))
 
     def _owned_sizes(self) -> list[tuple[tuple[Kind, int], ...]]:
         """Per block, ((parameter bytes, layered, frozen), how many) of the parameters first read there."""
@@ -175,7 +191,8 @@ class ChainCosts:
             return kinds
 
         kinds = self.kept("owned_kinds", made)
-        return sum(state * kinds[kind] for kind, state in _state_by_kind(state_bytes, kinds).items())
+        buffers = sum(self.buffer_bytes.values())
+        return buffers + sum(state * kinds[kind] for kind, state in _state_by_kind(state_bytes, kinds).items())
 
     def checkpointing_layers(self) -> ChainCosts:
         """These costs with ``layer_by_layer`` set, made once and kept with them (what is kept with
@@ -210,8 +227,9 @@ class ChainCosts:
         kinds = {self._kind(p) for p in self.parameter_bytes}
         kinds |= {(size, False, frozen) for size, layered, frozen in kinds if layered}  # what a layer split by a cut costs
         state = _state_by_kind(state_bytes, kinds)
-        owned = [sum(state[kind] * count for kind, count in sizes) for sizes in self._owned_sizes()]
-        carried = {name: self._kept[name] for name in ("owned_sizes", "shared") if name in self._kept}
+        owned = [buffers + sum(state[kind] * count for kind, count in sizes)
+                 for sizes, buffers in zip(self._owned_sizes(), self._owned_buffer_bytes())]
+        carried = {name: self._kept[name] for name in ("owned_sizes", "shared", "owned_buffers", "shared_buffers") if name in self._kept}
         carried["owned_parameter_bytes"] = [0, *itertools.accumulate(owned)]
         split = [sum((state[size, False, frozen] - state[size, True, frozen]) * count
                      for (size, layered, frozen), count in sizes if layered)
@@ -231,6 +249,18 @@ class ChainCosts:
             return {p: tuple(ks) for p, ks in readers.items() if len(ks) > 1}
 
         return self.kept("shared", made)
+
+    @property
+    def shared_buffers(self) -> dict[str, tuple[int, ...]]:
+        """Buffers read by more than one block (rotary tables that every layer reads), with the blocks that read them."""
+        def made() -> dict[str, tuple[int, ...]]:
+            readers: dict[str, list[int]] = {}
+            for k, names in enumerate(self.block_buffers):
+                for b in dict.fromkeys(names):
+                    readers.setdefault(b, []).append(k)
+            return {b: tuple(ks) for b, ks in readers.items() if len(ks) > 1}
+
+        return self.kept("shared_buffers", made)
 
 
 def _state_by_kind(state_bytes: Callable[..., int], kinds: Iterable[Kind]) -> dict[Kind, int]:
@@ -282,6 +312,7 @@ class _Sums:
         self.received = tuple(b + costs.input_bytes for b in (0, *costs.boundary_bytes))
         self.shared = tuple((readers, costs.parameter_state_bytes[name])
                             for name, readers in costs.shared_parameters.items())
+        self.shared += tuple((readers, costs.buffer_bytes[name]) for name, readers in costs.shared_buffers.items())
         # no block before this one reads a weight that an earlier block read first: a stage that
         # ends before it holds its blocks' own parameters alone (a tied embedding's is the last)
         self.read_again_from = min((readers[1] for readers, _ in self.shared), default=math.inf)
@@ -347,7 +378,7 @@ class _Sums:
     def parameters(self, first: int, last: int) -> int:
         """``parts``' parameter bytes alone (in any mode): the state of the parameters first read
         in blocks ``first..last``, a layer a cut splits at what its root units hold, and a weight
-        read before the stage and again in it."""
+        read before the stage and again in it; the stage's buffers alike."""
         end = last + 1
         parameters = self.owned[end] - self.owned[first]
         if self.split is not None:

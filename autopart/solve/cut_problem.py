@@ -65,6 +65,22 @@ class PipelineProblem:
     # a rank holds what its replica owning most owns, beyond the 1/dp shares in parameter_state_bytes
     owned_state: dict[str, tuple[int, int]] = field(default_factory=dict)
     replicas: int = 1
+    # per buffer, what a stage that reads it holds for it (`autopart.predict.memory.held_buffer_bytes`),
+    # and per block, the buffers it reads; each stage holds its blocks' buffers, as its parameters
+    buffer_bytes: dict[str, int] = field(default_factory=dict)
+    block_buffers: tuple[tuple[str, ...], ...] = ()
+
+    @functools.cached_property
+    def held_bytes(self) -> dict[str, int]:
+        """Per parameter its state, per buffer its held bytes: what a stage holds for each tensor it reads."""
+        return {**self.parameter_state_bytes, **self.buffer_bytes}
+
+    @functools.cached_property
+    def block_held(self) -> tuple[tuple[str, ...], ...]:
+        """Per block, the parameters and buffers it reads (``held_bytes``' keys)."""
+        if not self.block_buffers:
+            return self.block_parameters
+        return tuple((*p, *b) for p, b in zip(self.block_parameters, self.block_buffers))
 
     @property
     def ranks(self) -> int:
@@ -108,6 +124,7 @@ class PipelineProblem:
         assert len(self.boundary_gradients) in (0, blocks - 1)
         assert len(self.in_flight) == self.stages
         assert len(self.block_parameters) == blocks == len(self.block_activation_bytes)
+        assert len(self.block_buffers) in (0, blocks) and self.parameter_state_bytes.keys().isdisjoint(self.buffer_bytes)
         assert len(self.block_rebuilt_bytes) in (0, blocks) and len(self.rebuilt_at_once) == (
             self.stages if self.block_rebuilt_bytes else 0)
         assert len(self.block_weight_seed_bytes) in (0, blocks) and len(self.weight_seeds_at_once) == (
@@ -152,9 +169,9 @@ def evaluate(problem: PipelineProblem, cuts: tuple[int, ...]) -> CutEvaluation:
             time += problem.gradient_transfer_s[cuts[s - 1]]
         if s < problem.stages - 1:
             time += problem.boundary_transfer_s[cuts[s]]
-        held = {p for k in members for p in problem.block_parameters[k]}
+        held = {p for k in members for p in problem.block_held[k]}
         activations.append(sum(problem.block_activation_bytes[k] for k in members))
-        memory[problem.rank_of(s)] += sum(problem.parameter_state_bytes[p] for p in held)
+        memory[problem.rank_of(s)] += sum(problem.held_bytes[p] for p in held)
         times.append(time)
     for rank, excess in enumerate(owner_excess(problem, cuts)):
         memory[rank] += excess

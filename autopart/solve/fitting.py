@@ -104,8 +104,8 @@ def cutter_cuts(problem: PipelineProblem) -> tuple[int, ...] | None:
         forward_s=problem.block_time_s, backward_s=(0.0,) * blocks, weight_s=(0.0,) * blocks, saved_bytes=saved,
         selective_saved_bytes=problem.block_activation_bytes if rebuilt else zeros, selective_recompute_s=(0.0,) * blocks,
         boundary_bytes=zeros[1:], boundary_gradients=problem.boundary_gradients, input_bytes=0,
-        parameter_bytes=dict(problem.parameter_state_bytes), parameter_state_bytes=dict(problem.parameter_state_bytes),
-        block_parameters=problem.block_parameters,
+        parameter_bytes=dict(problem.held_bytes), parameter_state_bytes=dict(problem.held_bytes),
+        block_parameters=problem.block_held,
         layer_spans=tuple((first, end) for first, end, _ in problem.split_layers),
         split_layer_bytes=tuple(split) if any(split) else (), loss_working_bytes=problem.loss_working_bytes,
         weight_seed_bytes=problem.block_weight_seed_bytes,
@@ -129,7 +129,7 @@ def spread_cuts(problem: PipelineProblem) -> tuple[int, ...]:
     solver = linear.Solver.CreateSolver("GLOP")
     blocks, stages = len(problem.block_time_s), problem.stages
     scale = float(1 << 30)
-    state = sum(problem.parameter_state_bytes.values()) / blocks / scale
+    state = sum(problem.held_bytes.values()) / blocks / scale
     activation = sum(problem.block_activation_bytes) / blocks / scale
     length = [solver.NumVar(1.0, blocks, f"stage{s}_blocks") for s in range(stages)]
     peak = solver.NumVar(0.0, solver.infinity(), "peak")
@@ -157,7 +157,7 @@ def _block_bytes(problem: PipelineProblem, k: int, kind: tuple[int, int, int], h
     ``held`` (exact on a rank of one stage; on a rank of several, which holds the largest stage's
     rebuilt bytes, more)."""
     in_flight, rebuilt_at_once, seeds_at_once = kind
-    new = sum(problem.parameter_state_bytes[p] for p in set(problem.block_parameters[k]) - held)
+    new = sum(problem.held_bytes[p] for p in set(problem.block_held[k]) - held)
     rebuilt = rebuilt_at_once * problem.block_rebuilt_bytes[k] if problem.block_rebuilt_bytes else 0
     seeds = seeds_at_once * problem.block_weight_seed_bytes[k] if problem.block_weight_seed_bytes else 0
     return new + in_flight * problem.block_activation_bytes[k] + rebuilt + seeds
@@ -211,7 +211,7 @@ def _cut_from_the_end(
             if not first and s > 0 and (over_time or over_memory):
                 break
             used[rank] += extra
-            held |= set(problem.block_parameters[k])
+            held |= set(problem.block_held[k])
             time += problem.block_time_s[k]
             first = False
             k -= 1
@@ -228,13 +228,13 @@ def memory_lower_bound(problem: PipelineProblem) -> int:
     linear = importlib.import_module("ortools.linear_solver.pywraplp")  # with OR-Tools, at first use
     solver = linear.Solver.CreateSolver("GLOP")
     blocks, stages = len(problem.block_time_s), problem.stages
-    owner: dict[str, int] = {}  # each parameter paid once, by the first block that reads it
+    owner: dict[str, int] = {}  # each parameter (and buffer) paid once, by the first block that reads it
     for k in range(blocks):
-        for name in problem.block_parameters[k]:
+        for name in problem.block_held[k]:
             owner.setdefault(name, k)
     state = [0] * blocks
     for name, k in owner.items():
-        state[k] += problem.parameter_state_bytes[name]
+        state[k] += problem.held_bytes[name]
     scale = float(1 << 30)  # GiB: keeps the coefficients near one
     share = [[solver.NumVar(0.0, 1.0, f"block{k}_on_stage{s}") for s in range(stages)] for k in range(blocks)]
     peak = solver.NumVar(0.0, solver.infinity(), "peak")

@@ -242,6 +242,8 @@ def chain_costs(front: Front, tp: int) -> ChainCosts:
         loss_working_bytes=loss_working_bytes(front, tp),
         weight_seed_bytes=block_weight_seeds(front),
         decayed_parameters=decayed_parameters(front.spec.module),
+        buffer_bytes=chain.buffer_bytes,
+        block_buffers=tuple(b.buffers for b in chain.blocks),
     )
 
 

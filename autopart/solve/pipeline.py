@@ -68,10 +68,10 @@ class _CutModel:
         for s in range(stages - 1):
             m.add_exactly_one(self.end[k][s] for k in range(blocks - 1))
         self.readers: dict[str, list[int]] = {}
-        for k, names in enumerate(problem.block_parameters):
+        for k, names in enumerate(problem.block_held):
             for name in dict.fromkeys(names):
                 self.readers.setdefault(name, []).append(k)
-        self.state = self._by_block(problem.parameter_state_bytes)
+        self.state = self._by_block(problem.held_bytes)
         # ZeRO-1: each parameter's share of its owned state, which `owner_bound` takes off a rank
         self.shares = self._by_block({name: nbytes // problem.replicas for name, (nbytes, _) in problem.owned_state.items()})
         self._holds: dict[tuple[str, str], cp_model.IntVar] = {}
@@ -386,7 +386,7 @@ def _smallest_peak_memory(problem: PipelineProblem, time_limit_s: float) -> int:
     cut_model = _CutModel(problem)
     m = cut_model.model
     everything = (
-        sum(problem.parameter_state_bytes.values())
+        sum(problem.held_bytes.values())
         + max(problem.in_flight) * sum(problem.block_activation_bytes)
         + problem.overhead_bytes * problem.ranks
         + max(problem.rebuilt_at_once, default=0) * sum(problem.block_rebuilt_bytes) * problem.ranks

@@ -67,7 +67,7 @@ def repeat_layers(costs: ChainCosts, layers: Sequence[str | None],
         for k in range(first, last + 1):
             source.append(k)
             new_layers.append(mapping[order[c]])
-            renames.append({p: _renamed(p, mapping) for p in costs.block_parameters[k]})
+            renames.append({p: _renamed(p, mapping) for p in (*costs.block_parameters[k], *_buffers(costs, k))})
             if k < last:
                 crossed.append(k)
     for k in range(tail_first, len(costs)):
@@ -95,7 +95,7 @@ def repeat_layers(costs: ChainCosts, layers: Sequence[str | None],
     def pick(values):
         return tuple(values[k] for k in source) if values else ()
 
-    repeated = ChainCosts(
+    return ChainCosts(
         forward_s=pick(costs.forward_s),
         backward_s=pick(costs.backward_s),
         weight_s=pick(costs.weight_s),
@@ -112,8 +112,8 @@ def repeat_layers(costs: ChainCosts, layers: Sequence[str | None],
         frozen_parameters=renamed(costs.frozen_parameters),
         layer_bytes=costs.layer_bytes,  # every layer a copy of a captured one
         layer_spans=_copied_spans(costs.layer_spans, spans, pattern, head_first),
-    )
-    return repeated, new_layers
+        **_renamed_buffers(costs, source, renames),
+    ), new_layers
 
 
 def _crossing(values: tuple[_Figure, ...], crossed: list[int], batch: _Figure) -> tuple[_Figure, ...]:
@@ -190,3 +190,19 @@ class RepeatedTable:
     def owned_bytes(self, parameter_bytes: int, *, dp: int, zero: int, dtype: str = "fp32",
                     frozen: bool = False) -> int:
         return self.inner.owned_bytes(parameter_bytes, dp=dp, zero=zero, dtype=dtype, frozen=frozen)
+
+
+def _renamed_buffers(costs: ChainCosts, source: list[int], renames: list[dict[str, str]]) -> dict:
+    """``ChainCosts``' buffer fields of the repeated chain: a layer's own buffers renamed with its
+    parameters, one that every layer reads (rotary tables) shared as it was."""
+    if not costs.block_buffers:
+        return {}
+    return {"block_buffers": tuple(tuple(rename.get(b, b) for b in costs.block_buffers[k])
+                                   for k, rename in zip(source, renames)),
+            "buffer_bytes": {rename.get(b, b): costs.buffer_bytes[b] for k, rename in zip(source, renames)
+                             for b in costs.block_buffers[k]}}
+
+
+def _buffers(costs: ChainCosts, k: int) -> tuple[str, ...]:
+    """The buffers block ``k`` reads; none where the costs list none."""
+    return costs.block_buffers[k] if costs.block_buffers else ()
