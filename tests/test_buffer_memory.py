@@ -3,6 +3,8 @@
 layer is counted on the stage of each layer, in the plan's figures and in the search's and the
 cut solver's memory limits; a buffer that the forward updates costs its runtime copies too."""
 
+import itertools
+import random
 from pathlib import Path
 
 import pytest
@@ -17,7 +19,10 @@ from autopart.predict import memory
 from autopart.predict.memory import held_buffer_bytes
 from autopart.runtime.buffer_updates import BufferUpdates, stages_updated_buffers
 from autopart.runtime.stage import stage_names
+from autopart.solve.chain_costs import chain_sums
+from autopart.solve.pipeline import PipelineProblem, evaluate, solve_cuts
 from tests.distributed import run_cli_here
+from tests.synthetic_chains import random_table
 
 LAYERS, SEQ = 4, 8
 BLOCK = 1024  # the mask's side: 4 MiB of fp32 per layer, beside well under 1 MiB of weights
@@ -206,3 +211,52 @@ def test_the_plan_counts_an_updated_buffer_s_copies(tmp_path, monkeypatch):
     fp32, bf16 = 4 * elements, 2 * elements
     # a start copy of each, and the sums: fp32's in fp32, bf16's in fp32
     assert plan.predicted.memory_bytes[0] - untracked.predicted.memory_bytes[0] == 2 * fp32 + (bf16 + 2 * bf16)
+
+
+def _buffer_reads(blocks: int) -> tuple[list[tuple[str, ...]], dict[str, int]]:
+    """Per block the buffers it reads: rotary tables that every block but the first and last
+    reads, and a mask of its own in every other block; and each buffer's held bytes."""
+    reads = [(("rope",) if 0 < k < blocks - 1 else ()) + ((f"mask{k}",) if k % 2 else ()) for k in range(blocks)]
+    held = {"rope": 3 * MIB, **{f"mask{k}": (k + 1) * MIB for k in range(1, blocks, 2)}}
+    return reads, held
+
+
+def _stage_buffers(reads: list[tuple[str, ...]], held: dict[str, int], first: int, last: int) -> int:
+    return sum(held[name] for name in {name for k in range(first, last + 1) for name in reads[k]})
+
+
+def test_the_search_s_cutter_holds_each_stage_s_buffers_a_shared_one_in_every_stage_that_reads_it():
+    costs = random_table(random.Random(3), layers=3).chain_costs(micro_batch_size=2, tp=1, dtype="fp32")
+    reads, held = _buffer_reads(len(costs))
+    buffered = costs.changed(buffer_bytes=held, block_buffers=tuple(reads))
+    adam = lambda size, **kind: 4 * size  # noqa: E731 - a layout's state, as the search sets it
+    for plain, with_buffers in ((costs, buffered), (costs.with_state(adam), buffered.with_state(adam))):
+        plain_sums, buffered_sums = chain_sums(plain), chain_sums(with_buffers)
+        for first, last in itertools.combinations_with_replacement(range(len(costs)), 2):
+            more = buffered_sums.parameters(first, last) - plain_sums.parameters(first, last)
+            assert more == _stage_buffers(reads, held, first, last), (first, last)
+    assert buffered.state_bytes_total(adam) - costs.state_bytes_total(adam) == sum(held.values())
+
+
+def test_the_cut_problem_holds_each_stage_s_buffers_and_cp_sat_keeps_them_under_the_limit():
+    rng = random.Random(5)
+    blocks, stages = 8, 3
+    reads, held = _buffer_reads(blocks)
+    fields = dict(block_time_s=tuple(rng.uniform(1e-4, 5e-3) for _ in range(blocks)),
+                  block_activation_bytes=(1000,) * blocks, boundary_transfer_s=(1e-5,) * (blocks - 1),
+                  parameter_state_bytes={f"p{k}": 1000 for k in range(blocks)},
+                  block_parameters=tuple((f"p{k}",) for k in range(blocks)), stages=stages, microbatches=4,
+                  in_flight=(3, 2, 1), memory_limit_bytes=1 << 40)
+    plain, buffered = PipelineProblem(**fields), PipelineProblem(**fields, buffer_bytes=held, block_buffers=tuple(reads))
+    all_cuts = list(itertools.combinations(range(blocks - 1), stages - 1))
+    for cuts in all_cuts:
+        ranges = list(zip((0, *(c + 1 for c in cuts)), (*cuts, blocks - 1)))
+        more = [a - b for a, b in zip(evaluate(buffered, cuts).rank_memory_bytes, evaluate(plain, cuts).rank_memory_bytes)]
+        assert more == [_stage_buffers(reads, held, first, last) for first, last in ranges]
+    fastest = solve_cuts(buffered, time_limit_s=20).evaluation
+    limit = max(fastest.rank_memory_bytes) - 1  # the buffers alone make the fastest cuts too large
+    limited = PipelineProblem(**{**fields, "memory_limit_bytes": limit}, buffer_bytes=held, block_buffers=tuple(reads))
+    fitting = [evaluate(limited, cuts) for cuts in all_cuts if max(evaluate(limited, cuts).rank_memory_bytes) <= limit]
+    solution = solve_cuts(limited, time_limit_s=20)
+    assert max(solution.evaluation.rank_memory_bytes) <= limit
+    assert solution.evaluation.objective_s == pytest.approx(min(e.objective_s for e in fitting), rel=1e-6)
