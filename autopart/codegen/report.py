@@ -134,7 +134,8 @@ Cost model: {plan.provenance.cost_model}. Solver: {plan.provenance.solver_status
 {collectives_line(plan) and chr(10) + collectives_line(plan) + "." + chr(10)}
 Per stage: its pipeline rank (pp rank: tp x dp = {plan.mesh['tp'] * plan.mesh['dp']} processes each), its parameters in
 their own dtype before tensor-parallel sharding (params MB), and one device's peak memory (memory GiB).
-Memory: weights, gradients and optimizer state ({plan.optimizer}), plus the
+Memory: weights, gradients and optimizer state ({plan.optimizer}), plus the buffers the stage's ops
+read (whole on each rank; one its forward updates with the copies kept to move it once a step), plus the
 activations of the microbatches that the schedule keeps in flight (what each stage's recompute
 mode keeps), plus the activations that a recomputing backward holds while it runs, plus, under a
 split backward (zb-h1, zbv), the gradients each stage's input half keeps for its weight half, plus the
