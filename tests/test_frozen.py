@@ -52,8 +52,8 @@ def loss_fn(logits, target):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("layout", [dict(pp=2, microbatches=4), dict(dp=2, zero=1, global_batch_size=8, dtype="bf16")],
-                         ids=["pp2", "dp2-zero1-bf16"])
+@pytest.mark.parametrize("layout", [dict(pp=2, microbatches=4, stage_layers="2,2"),  # both frozen on stage 0
+                                    dict(dp=2, zero=1, global_batch_size=8, dtype="bf16")], ids=["pp2", "dp2-zero1-bf16"])
 def test_frozen_parameters_stay_frozen(tmp_path, layout):
     model = tmp_path / "frozen.py"
     model.write_text(MODEL)
