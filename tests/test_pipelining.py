@@ -91,7 +91,7 @@ def test_the_batch_reaches_torch_s_stages_on_their_device(tmp_path):
                                                   micro_batch_size=2), out)
     pipeline = Pipeline(plan=plan, out_dir=out, coordinates=Mesh.of(plan).coordinates(1), modules={1: None},
                         stages=[SimpleNamespace(device=torch.device("meta"), is_last=True)], schedule_class=object,
-                        groups=ProcessGroups(pp=None, tp=None, dp=None), tied=[], forwards=[])
+                        groups=ProcessGroups(pp=None, tp=None, dp=None), tied=[], forwards=[], updates=[])
     inputs, target = next(pipeline.batches())
     keywords = pipeline.step_inputs(inputs, target)
     assert keywords and "target" in keywords
