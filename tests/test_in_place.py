@@ -140,6 +140,6 @@ def test_a_value_made_from_the_batch_and_written_in_place_is_sent_not_made_again
     path = tmp_path / "written_late.py"
     path.write_text(WRITTEN_LATE)
     run = compile_and_train(tmp_path, path, pp=2, microbatches=2, micro_batch_size=2, schedule="1f1b", steps=3,
-                            measure=False, capture="fx")
-    assert [name for name, _ in run.plan.stages[1].inputs] == ["mul", "linear_4"]  # the product of the written value
+                            measure=False, capture="fx", stage_layers="3,3")  # a cut that the CPU's speed moves not
+    assert [name for name, _ in run.plan.stages[1].inputs] == ["mul", "linear_3"]  # the product of the written value
     assert_same_training(run, optimizer="sgd", lr=0.1)

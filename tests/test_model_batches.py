@@ -16,7 +16,7 @@ from autopart.driver import CompileOptions, compile_to_directory
 from autopart.ir.errors import ModelFileError
 from autopart.ir.model_file import load_model_file
 from autopart.runtime.data import eval_batches, global_batches, training_batches
-from tests.distributed import torchrun
+from tests.distributed import run_ranks, torchrun
 
 MODEL = """\
 import random
@@ -253,4 +253,4 @@ def test_a_timing_run_draws_a_small_dataset_again_and_a_run_of_steps_does_not(tm
 
 @pytest.mark.multiprocess
 def test_train_py_timing_its_steps_runs_past_the_end_of_the_data(tmp_path: Path) -> None:
-    torchrun(_compiled_with_one_batch(tmp_path), 2, "--steps", "3", "--min-steps", "3", "--seconds", "600")
+    run_ranks(_compiled_with_one_batch(tmp_path), 2, "--steps", "3", "--min-steps", "3", "--seconds", "600")
