@@ -100,7 +100,36 @@ def test_a_loop_over_torch_s_schedules_advances_the_counter_once_per_step(tmp_pa
     result = run_program([str(REPO / "tests" / "pipelining_buffers_rank.py"), str(out), "3"], plan.world_size)
     printed = [json.loads(line) for line in re.findall(r"^buffers (.*)$", result.stdout, re.MULTILINE)]
     counters = [value for buffers in printed for name, value in buffers.items() if name.endswith("calls")]
-    assert len(counters) == 2 * plan.mesh["dp"] and all(value == 3.0 for value in counters), printed
+    assert len(counters) == 2 * 2 * plan.mesh["dp"] and all(value == 3.0 for value in counters), printed
+
+
+@pytest.mark.multiprocess
+def test_batch_norm_under_torch_s_schedules_ends_as_train_py_leaves_it(tmp_path):
+    """torch runs each stage once more to infer its messages' shapes (on the first microbatch,
+    and on a later stage on uninitialised tensors) and runs an evaluation with gradients on: the
+    running statistics averaged those forwards in with the step's."""
+    import json
+    import re
+
+    from tests.distributed import REPO, run_program, run_ranks, stage_weights
+
+    path = tmp_path / "bn.py"
+    path.write_text(MODEL.replace("Counted(), Counted()", "nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 8)"))
+    out = tmp_path / "out"
+    plan = autopart.compile(path, pp=2, microbatches=2, micro_batch_size=2, schedule="gpipe", measure=False)
+    autopart.emit(plan, out)
+    run_ranks(out, 2, "--steps", "3", "--lr", "0", "--optimizer", "sgd", "--save-weights", str(tmp_path / "final"))
+    statistics = {"1.running_mean", "1.running_var", "1.num_batches_tracked"}
+    expected = {name: value for weights in stage_weights(tmp_path / "final").values() for name, value in weights.items()
+                if name in statistics}
+    result = run_program([str(REPO / "tests" / "pipelining_buffers_rank.py"), str(out), "3", "0"], 2)
+    printed = [json.loads(line) for line in re.findall(r"^buffers (.*)$", result.stdout, re.MULTILINE)]
+    assert set(expected) == statistics
+    for buffers in printed:  # after training, and after the evaluation
+        for name in buffers.keys() & expected.keys():
+            torch.testing.assert_close(torch.tensor(buffers[name], dtype=expected[name].dtype), expected[name],
+                                       msg=name)
+    assert sum(len(buffers.keys() & expected.keys()) for buffers in printed) == 2 * len(expected)
 
 
 @pytest.mark.multiprocess

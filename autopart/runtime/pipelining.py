@@ -27,7 +27,9 @@ rank), each wrapped so that torch can drive it:
 - the buffers a forward updates (a step counter, BatchNorm's running statistics) end the step as
   ``train.py`` leaves them: each forward reads the step's starting values, what a recompute
   writes is put back, and ``reduce_gradients`` sets each to the mean over the step's forwards
-  (`autopart.runtime.buffer_updates`).
+  (`autopart.runtime.buffer_updates`); an evaluation's forwards (``schedule.eval``, with no
+  gradient) and torch's own runs to infer shapes leave them as they were. Call
+  ``reduce_gradients`` after every step: without it the buffers stay at the first step's start.
 
 The plan's schedule maps to torch's class: gpipe -> ``ScheduleGPipe``, 1f1b -> ``Schedule1F1B``,
 interleaved -> ``ScheduleInterleaved1F1B``, zb-h1 -> ``ScheduleInterleavedZeroBubble`` (with one
@@ -38,6 +40,7 @@ hand edits of ``plan.schedule.actions`` reach ``train.py``, not this loop.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import shlex
 import sys
@@ -65,7 +68,7 @@ from autopart.runtime import collectives
 from autopart.runtime.buffer_updates import BufferUpdates
 from autopart.runtime.data import global_batches, model_file, split_microbatches
 from autopart.runtime.device import compute_device, on_device
-from autopart.runtime.forward import StageForward
+from autopart.runtime.forward import StageForward, buffers_kept
 from autopart.runtime.gradients import average_gradients, sum_tied_gradients, tied_groups
 from autopart.runtime.launch import check_world_size
 from autopart.runtime.mesh import Coordinates, Mesh, group_of
@@ -100,17 +103,57 @@ class BatchByKeyword(nn.Module):
         self.batch_inputs = batch_inputs
         self.updates = updates
 
+        self.training_step = True  # False while torch infers its messages' shapes (`InferringStage`)
+
     def forward(self, *received: torch.Tensor, **batch: Any) -> Any:
+        values = (*received, *(batch[f"batch_{name}"] for name in self.batch_inputs))
+        if not (self.training_step and torch.is_grad_enabled()):  # an evaluation, or torch's inference
+            with buffers_kept(self.updates.tracked_buffers()):
+                return self.run(*values)[0]
         with self.updates.forward():
-            out, _ = self.run(*received, *(batch[f"batch_{name}"] for name in self.batch_inputs))
+            out, _ = self.run(*values)
         if self.updates.tracked:  # torch runs the backward, and its recompute, out of our sight
             for tensor in out if isinstance(out, (tuple, list)) else (out,):
                 if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
                     tensor.register_hook(self._backward_begins)
         return out
 
+    @contextlib.contextmanager
+    def not_a_step(self) -> Iterator[None]:
+        """Forwards and backwards that train nothing: the buffers are left as they were, and none counts."""
+        self.training_step = False
+        try:
+            with buffers_kept(self.updates.tracked_buffers()):
+                yield
+        finally:
+            self.training_step = True
+
     def _backward_begins(self, grad: torch.Tensor) -> None:
         self.updates.backward_begins()
+
+
+class InferringStage(PipelineStage):
+    """torch's ``PipelineStage``, whose runs of the stage to infer its messages' shapes and dtypes
+    (on the first step, and on a step with a backward after an evaluation) train nothing: torch
+    runs the forward again on the first microbatch, and on a later stage on uninitialised tensors,
+    then a backward through it, which a step counter or BatchNorm's running statistics would
+    otherwise count (`BatchByKeyword.not_a_step`); nor do an evaluation's forwards
+    (``schedule.eval``, which torch runs with gradients on). Torch versions that infer shapes
+    otherwise call neither inference method."""
+
+    def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+        if self.has_backward:
+            return super().forward_one_chunk(*args, **kwargs)
+        with self.submod.not_a_step():
+            return super().forward_one_chunk(*args, **kwargs)
+
+    def _forward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
+        with self.submod.not_a_step():
+            return super()._forward_metadata_inference(*args, **kwargs)
+
+    def _backward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
+        with self.submod.not_a_step():  # a recompute inside it runs the forward once more
+            return super()._backward_metadata_inference(*args, **kwargs)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -238,7 +281,7 @@ def build_stages(out_dir: str | Path, *, device: torch.device | None = None, wei
         forwards.append(forward)
         updates.append(BufferUpdates(module, replicas, getattr(module, "updated_buffers", None)))
         wrapped = BatchByKeyword(forward, module, stage_plan.batch_inputs, updates[-1])
-        stages.append(PipelineStage(wrapped, stage_plan.index, len(plan.stages), device, group=groups.pp))
+        stages.append(InferringStage(wrapped, stage_plan.index, len(plan.stages), device, group=groups.pp))
     return Pipeline(plan=plan, out_dir=out_dir, coordinates=here, modules=modules, stages=stages,
                     schedule_class=TORCH_SCHEDULES[plan.schedule.kind], groups=groups,
                     tied=tied_groups(plan, mesh, rank), forwards=forwards, updates=updates)  # fmt: skip
