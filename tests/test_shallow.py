@@ -313,3 +313,77 @@ def test_a_llama3_benchmark_model_compiles_and_emits_from_the_command_line(tmp_p
                           "--global-batch-size", "2", "--dtype", "bf16", "--no-measure")
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "out" / "train.py").exists()
+
+
+TWO_LISTS = """
+import torch
+from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, x):
+        return x + torch.tanh(self.fc(x))
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(16, 32)
+        self.h = nn.ModuleList(Block(32) for _ in range(4))  # a shorter list of other layers, first
+        self.mlp = nn.ModuleList(Block(32) for _ in range(10))
+        self.head = nn.Linear(32, 16)
+
+    def forward(self, x):
+        x = self.embed(x)
+        for block in (*self.h, *self.mlp):
+            x = block(x)
+        return self.head(x)
+
+
+def build_model():
+    torch.manual_seed(0)
+    return Model()
+
+
+def example_batch(batch_size):
+    return (torch.randn(batch_size, 16),), torch.randn(batch_size, 16)
+
+
+def loss_fn(out, target):
+    return ((out - target) ** 2).mean()
+"""
+
+
+def test_a_shorter_list_of_other_layers_before_the_repeated_one_is_kept_as_captured(tmp_path) -> None:
+    """The chain built from two captured layers of ``mlp`` repeated the first layers it found,
+    ``h``'s, to ``mlp``'s depth: 10 blocks of ``h`` layers for the model's 16, whose memory and
+    time the search then planned (it refused a model that fits)."""
+    from autopart.driver import CompileOptions
+    from autopart.solve import planner
+
+    model = tmp_path / "two_lists.py"
+    model.write_text(TWO_LISTS)
+    full = planner.FrontTable(CompileOptions(model=model, world_size=4, global_batch_size=8, device="h100-sxm"))
+    shallow = planner.shallow_table(full)
+    assert shallow is not None
+    repeated = shallow.chain_costs(micro_batch_size=1, tp=1, dtype="fp32")
+    captured = full.chain_costs(micro_batch_size=1, tp=1, dtype="fp32")
+    assert len(repeated) == len(captured)
+    assert repeated.forward_s == pytest.approx(captured.forward_s)
+    assert sorted(repeated.parameter_bytes) == sorted(captured.parameter_bytes)
+
+
+def test_a_model_calling_two_lists_layers_in_turn_is_searched_whole(tmp_path) -> None:
+    """Its shallow copy's layers are no run of blocks to lay out (``h``'s lie between ``mlp``'s):
+    the search costs the whole model, where it raised a ValueError from the laying out."""
+    import autopart
+
+    model = tmp_path / "in_turn.py"
+    model.write_text(TWO_LISTS.replace("for block in (*self.h, *self.mlp):\n            x = block(x)",
+                                       "for i, block in enumerate(self.mlp):\n            x = self.h[i % 4](block(x))"))
+    plan = autopart.compile(model, world_size=2, global_batch_size=8, device="h100-sxm")
+    assert plan.world_size == 2 and plan.predicted.step_s > 0

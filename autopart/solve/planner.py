@@ -46,7 +46,7 @@ from autopart.solve.baselines import block_layers
 from autopart.solve.front_table import FrontTable, Progress, sequence_parallel
 from autopart.solve.layout_bounds import may_fit
 from autopart.solve.pipeline import evaluate, solve_cuts
-from autopart.solve.repeat import RepeatedTable, repeat_last
+from autopart.solve.repeat import NotLaidOut, RepeatedTable, repeat_last
 from autopart.solve.scoring_pool import search_workers
 from autopart.solve.search import Cluster, Layout, Scored, SearchResult, SearchSpace, fits, score_layout, search
 from autopart.solve.simulated import simulated_step_s
@@ -143,7 +143,11 @@ def shallow_table(full: FrontTable) -> RepeatedTable | None:
     full.lay_out_from(FrontTable(full.options, full.progress, spec=laid_out_from), layers.path)
 
     def layers_of(micro_batch_size: int, tp: int, dtype: str) -> list[str | None]:
-        return block_layers(shallow.annotated_front(micro_batch_size=micro_batch_size, tp=tp, dtype=dtype).chain)
+        # the list cut short alone: another list's layers (four attention blocks before ten MLP
+        # blocks) are captured whole, and kept as the blocks before and after the list are
+        chain = shallow.annotated_front(micro_batch_size=micro_batch_size, tp=tp, dtype=dtype).chain
+        return [layer if layer is not None and layer.rsplit(".", 1)[0] == layers.path else None
+                for layer in block_layers(chain)]
 
     return RepeatedTable(inner=shallow, layers_of=layers_of, pattern=repeat_last(KEPT_LAYERS, layers.count))
 
@@ -243,10 +247,14 @@ def _shallow_search(options: CompileOptions, space: SearchSpace, cluster: Cluste
     whose estimate is below the fastest full plan that fits so far (the estimate and the full
     plan can differ by a few percent: a full plan's messages, its refined cuts); the fastest
     is kept. None when the full model's chain is not the shallow one's laid out (its layers are alike as
-    modules but not as graphs): the caller then searches the full model."""
-    result = search(space, shallow, cluster, finalists=finalists, progress=_visited(progress),
-                    score=lambda scored: simulated_step_s(scored, shallow, cluster), score_on_workers=True,
-                    meanwhile=lambda best: capture_ahead(full, shallow.inner, best))
+    modules but not as graphs, or called in turn with another list's): the caller then searches the
+    full model."""
+    try:
+        result = search(space, shallow, cluster, finalists=finalists, progress=_visited(progress),
+                        score=lambda scored: simulated_step_s(scored, shallow, cluster), score_on_workers=True,
+                        meanwhile=lambda best: capture_ahead(full, shallow.inner, best))
+    except NotLaidOut:
+        return None
     if not result.ranked:
         raise InfeasibleError(_does_not_fit(options, space, shallow, cluster))
     planned: dict[int, Plan] = {}  # finalist's index -> its plan of the full model, where made

@@ -20,9 +20,14 @@ from typing import TypeVar
 
 from autopart.solve.chain_costs import ChainCosts
 
-__all__ = ["repeat_layers", "repeat_last", "RepeatedTable"]
+__all__ = ["NotLaidOut", "repeat_layers", "repeat_last", "RepeatedTable"]
 
 _Figure = TypeVar("_Figure", int, bool)
+
+
+class NotLaidOut(ValueError):
+    """The captured chain's layers cannot be laid out to full depth: the list's layers are not one
+    run of blocks (a forward that calls two lists' layers in turn); the caller costs the whole model."""
 
 _INDEX = re.compile(r"^(.*)\.(\d+)$")
 
@@ -50,7 +55,7 @@ def repeat_layers(costs: ChainCosts, layers: Sequence[str | None],
     spans = [(blocks_of[x][0], blocks_of[x][-1]) for x in order]
     if any(b - a + 1 != len(blocks_of[x]) for (a, b), x in zip(spans, order)) \
             or any(spans[i][1] + 1 != spans[i + 1][0] for i in range(len(spans) - 1)):
-        raise ValueError("the captured layers are not contiguous runs of blocks next to one another")
+        raise NotLaidOut("the captured layers are not contiguous runs of blocks next to one another")
     head_first, tail_first = spans[0][0], spans[-1][1] + 1
     prefix = _split(order[0])[0]
 
