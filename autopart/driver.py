@@ -149,7 +149,8 @@ def compile(model: str | Path, **options) -> Plan:  # noqa: A001 - the API's ver
 def emit(plan: Plan, out_dir: str | Path) -> Path:
     """Write the output directory of ``plan``; the model file is captured again from the plan's provenance."""
     if not isinstance(plan, Plan):  # a path, most likely: the API's mistakes are autopart's errors, as compile's are
-        raise ConfigError(f"emit takes the Plan that autopart.compile returns, got {plan!r:.80} "
+        shown = repr(plan) if isinstance(plan, (str, os.PathLike)) else f"{plan!r:.80}"  # a path whole, however long
+        raise ConfigError(f"emit takes the Plan that autopart.compile returns, got {shown} "
                           f"({type(plan).__name__}); for a saved plan.json, pass autopart.load_plan(path)")
     if not isinstance(out_dir, (str, os.PathLike)):
         raise ConfigError(f"emit's out_dir must be a path (a str or pathlib.Path), got {out_dir!r:.80} "

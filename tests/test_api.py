@@ -231,7 +231,7 @@ def test_every_whole_number_option_refuses_a_str_a_float_and_a_bool():
 def test_emit_of_what_is_not_a_plan_says_what_it_takes(tmp_path):
     with pytest.raises(ConfigError, match=r"^emit takes the Plan that autopart\.compile returns, got '.*plan\.json' "
                                           r"\(str\); for a saved plan\.json, pass autopart\.load_plan\(path\)$"):
-        autopart.emit(str(tmp_path / "plan.json"), tmp_path / "out")
+        autopart.emit(str(tmp_path / ("a-long-folder-name" * 4) / "plan.json"), tmp_path / "out")  # not cut at 80
     assert list(tmp_path.iterdir()) == []
 
 

@@ -51,9 +51,10 @@ def test_profile_comm_measures_every_curve_and_the_cpu_device_uses_them(tmp_path
         assert dict(profile.curves[kind])[largest] <= 2 * p2p[largest], kind
     wake = profile.curves["wake"]  # a point per idle time asked for (the idle is a median of rank 1's, not a bound)
     assert len(wake) == len(WAKE_IDLES)
-    # a rank's resident memory: at least this test process's own torch, at most many times it
+    # a rank's resident memory: at least torch's libraries, at most many times this test process's peak
+    # (which grows with every test the process ran before, so it bounds nothing from below)
     own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10
-    assert own / 4 < profile.process_bytes < 4 * own
+    assert 100 << 20 < profile.process_bytes < 4 * own
     [[_, factor]] = profile.curves["pipeline_compute"]
     assert factor > 0  # how much slower depends on who else runs here: no bound holds on a shared machine
 
