@@ -98,6 +98,40 @@ def test_the_batch_reaches_torch_s_stages_on_their_device(tmp_path):
     assert all(value.device.type == "meta" for value in keywords.values() if isinstance(value, torch.Tensor))
 
 
+def test_a_step_whose_buffer_updates_were_never_settled_is_refused_at_the_next(tmp_path):
+    """A loop that leaves out ``reduce_gradients`` (a no-op at dp 1 without tied weights, before
+    it settled the buffers) would train on with every updated buffer put back to the first step's
+    start by each forward: the next step's inputs are refused in one line instead."""
+    from types import SimpleNamespace
+
+    import torch
+    from torch import nn
+
+    from autopart.ir.errors import ConfigError
+    from autopart.runtime.buffer_updates import BufferUpdates
+    from autopart.runtime.mesh import Mesh
+    from autopart.runtime.pipelining import Pipeline, ProcessGroups
+
+    out = tmp_path / "out"
+    plan, _ = compile_to_directory(CompileOptions(model=REPO / "examples" / "gpt.py", pp=2, microbatches=2,
+                                                  micro_batch_size=2), out)
+    module = nn.Module()
+    module.register_buffer("calls", torch.zeros(()))
+    updates = BufferUpdates(module)
+    pipeline = Pipeline(plan=plan, out_dir=out, coordinates=Mesh.of(plan).coordinates(1), modules={1: None},
+                        stages=[SimpleNamespace(device=torch.device("cpu"), is_last=True)], schedule_class=object,
+                        groups=ProcessGroups(pp=None, tp=None, dp=None), tied=[], forwards=[], updates=[updates])
+    inputs, target = next(pipeline.batches())
+    pipeline.step_inputs(inputs, target)
+    with updates.forward():
+        module.calls.add_(1)
+    with pytest.raises(ConfigError, match=r"^the last step's buffer updates were not settled: call "
+                                          r"pipeline\.reduce_gradients\(\) after each schedule\.step"):
+        pipeline.step_inputs(inputs, target)
+    updates.finish()
+    assert float(module.calls) == 1.0 and pipeline.step_inputs(inputs, target)
+
+
 def test_build_stages_makes_the_mesh_s_groups_with_the_timeout_given(tmp_path, monkeypatch):
     import datetime
 

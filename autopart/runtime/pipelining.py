@@ -29,7 +29,7 @@ rank), each wrapped so that torch can drive it:
   writes is put back, and ``reduce_gradients`` sets each to the mean over the step's forwards
   (`autopart.runtime.buffer_updates`); an evaluation's forwards (``schedule.eval``, with no
   gradient) and torch's own runs to infer shapes leave them as they were. Call
-  ``reduce_gradients`` after every step: without it the buffers stay at the first step's start.
+  ``reduce_gradients`` after every step: ``step_inputs`` refuses the next step's batch until it ran.
 
 The plan's schedule maps to torch's class: gpipe -> ``ScheduleGPipe``, 1f1b -> ``Schedule1F1B``,
 interleaved -> ``ScheduleInterleaved1F1B``, zb-h1 -> ``ScheduleInterleavedZeroBubble`` (with one
@@ -208,6 +208,10 @@ class Pipeline:
         values its stages read, as ``batch_<name>``, and on the last stage ``target``. Call it once
         per step, after the optimizer's step: in ``bf16`` it casts the step's working copies of the
         weights (`autopart.runtime.forward`)."""
+        if any(updates.forwards for updates in self.updates):  # a step's forwards ran, and it was never settled
+            raise ConfigError("the last step's buffer updates were not settled: call pipeline.reduce_gradients() after "
+                              "each schedule.step, before the optimizer's step (it also sets the buffers the "
+                              "forwards update, as train.py does)")
         for forward in self.forwards:
             forward.begin_step()
         values = (*inputs, target) if len(self.plan.graph_inputs) > len(inputs) else tuple(inputs)
