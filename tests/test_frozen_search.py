@@ -33,6 +33,25 @@ def test_a_trained_block_sharded_is_not_costed_as_its_frozen_twin(prefix):
     assert min(sharded.backward_s[k] for k in trained) > max(sharded.backward_s[k] for k in frozen) == 0
 
 
+def test_a_trained_block_is_not_costed_as_a_frozen_twin_that_passes_gradients_through(tmp_path):
+    """A trained embedding below the frozen blocks: they pass its gradient back (an input
+    gradient, no weight gradient), so their ops ran a backward as the trained blocks' do, and the
+    trained blocks took the first frozen one's solution at TP 2, its time without their weight
+    gradients (4.0e-5 s where they cost 5.0e-5). They cost what the same blocks cost in the model
+    that trains every block."""
+    middle, everything = tmp_path / "middle.py", tmp_path / "everything.py"
+    middle.write_text(PREFIX.replace("        self.emb.requires_grad_(False)\n", ""))
+    everything.write_text(PREFIX.replace("        self.emb.requires_grad_(False)\n", "").replace(
+        "        for block in self.blocks[:3]:\n            block.requires_grad_(False)\n", ""))
+    costs = {path.name: FrontTable(CompileOptions(model=path, **A100)).chain_costs(micro_batch_size=2, tp=2, dtype="fp32")
+             for path in (middle, everything)}
+    trained = range(4, 7)
+    for k in trained:
+        assert costs["middle.py"].forward_s[k] == pytest.approx(costs["everything.py"].forward_s[k], rel=1e-12), k
+        assert costs["middle.py"].backward_s[k] == pytest.approx(costs["everything.py"].backward_s[k], rel=1e-12), k
+    assert all(costs["middle.py"].weight_s[k] == 0 for k in range(1, 4))
+
+
 @pytest.mark.parametrize("stage_layers, gradient", [((2, 4), False), ((4, 2), True)], ids=["frozen-cut", "trained-cut"])
 def test_the_search_times_a_cut_as_the_plan_it_makes_does(prefix, stage_layers, gradient):
     """Two stages cut inside the frozen prefix (no gradient comes back over the cut) or after it:

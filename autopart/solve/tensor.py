@@ -447,13 +447,15 @@ def shard_chain(
 
 
 def _alike(chain: BlockChain, block: Block) -> str:
-    """What blocks share one solution by: their signature (the same ops, wiring and shapes) and
-    which of their ops run a backward and an input gradient (`autopart.passes.grad_flow`). A
-    frozen layer and a trained one of the same signature cost differently: the trained one took
-    the frozen one's solution and with it no backward."""
+    """What blocks share one solution (and its ``compute_s``, `_translate`) by: their signature (the
+    same ops, wiring and shapes) and which of their ops run a backward, an input gradient and a
+    weight gradient (`autopart.passes.grad_flow`). A frozen layer and a trained one of the same
+    signature cost differently: the trained one took the frozen one's solution and with it no
+    backward, or, behind a trained embedding whose gradient the frozen layer passes on, no weight
+    gradient."""
     ops = [chain.op_graph.nodes[name] for name in block.nodes]
-    return block.signature + ":" + "".join("-" if not op.needs_grad else "w" if not op.backward_input_s else "b"
-                                           for op in ops)
+    return block.signature + ":" + "".join(
+        "-" if not op.needs_grad else "0iwb"[bool(op.backward_input_s) + 2 * bool(op.backward_weight_s)] for op in ops)
 
 
 def _rank_bytes(chain: BlockChain, solution: BlockSharding, t: int) -> int:
