@@ -58,6 +58,7 @@ import torch
 
 from autopart.ir.owners import largest_share
 from autopart.ir.tensors import TensorMeta, working_dtype
+from autopart.runtime.buffer_updates import summed_bytes
 from cost_models import model_state_bytes
 
 __all__ = ["held_buffer_bytes", "state_bytes", "owned_bytes", "optimizer_group", "optimizer_groups",
@@ -91,20 +92,12 @@ def held_buffer_bytes(buffer: TensorMeta, *, updated: bool) -> int:
     its forward updates it (the stage file's ``updated_buffers``), what
     `autopart.runtime.buffer_updates.BufferUpdates` keeps beside it: a copy of its starting values
     and the sum of its forwards' values, in fp32 for a 16-bit float, int64 for a flag and two int64
-    halves per element for an integer. A complex buffer is never tracked."""
-    nbytes = buffer.nbytes
+    halves per element for an integer (`autopart.runtime.buffer_updates.summed_bytes`). A complex
+    buffer is never tracked."""
     dtype = getattr(torch, buffer.dtype)
     if not updated or dtype.is_complex:
-        return nbytes
-    if dtype in (torch.float16, torch.bfloat16):
-        summed = 4
-    elif dtype.is_floating_point:
-        summed = dtype.itemsize
-    elif dtype == torch.bool:
-        summed = 8
-    else:
-        summed = 2 * 8
-    return 2 * nbytes + buffer.numel * summed
+        return buffer.nbytes
+    return 2 * buffer.nbytes + buffer.numel * summed_bytes(dtype)
 
 
 def owned_bytes(parameter_bytes: int, *, optimizer: str, dp: int, zero: int, dtype: str = "fp32",

@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["BufferUpdates", "stages_updated_buffers"]
+__all__ = ["BufferUpdates", "stages_updated_buffers", "summed_bytes"]
 
 
 class BufferUpdates:
@@ -178,6 +178,14 @@ def _integer_mean(halves: torch.Tensor, count: int) -> torch.Tensor:
     high, low = halves
     quotient, remainder = torch.div(high, count, rounding_mode="floor"), torch.remainder(high, count)
     return quotient * 2**32 + torch.div(remainder * 2**32 + low, count, rounding_mode="floor")
+
+
+def summed_bytes(dtype: torch.dtype) -> int:
+    """The bytes per element of a tracked buffer's sum over a step's forwards (`_restore`): an
+    integer's two int64 halves (`_integer_mean`), else one value in `_accumulating`'s dtype. The
+    memory model charges a stage what this class keeps (`autopart.predict.memory.held_buffer_bytes`)."""
+    halves = 1 if dtype.is_floating_point or dtype == torch.bool else 2
+    return halves * _accumulating(dtype).itemsize
 
 
 def _accumulating(dtype: torch.dtype) -> torch.dtype:
