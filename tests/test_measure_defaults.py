@@ -410,6 +410,25 @@ def test_a_16_bit_step_is_no_faster_than_the_mfu_ceiling_and_says_so(tmp_path) -
     assert small.predicted.unbounded_step_s is None and "MFU" not in accuracy.describe_prediction(small)
 
 
+def test_a_plan_for_an_accelerator_prints_its_mfu_and_one_for_the_cpu_does_not(tmp_path, capsys) -> None:
+    """The compile line, explain's and report.md give a GPU plan's MFU, the figure users hold their
+    Megatron and torchtitan runs to; it is the step's own (`implied_mfu`), under the ceiling. The
+    CPU's peak is a matrix product measured here: no MFU is printed for it."""
+    wide = Path(__file__).resolve().parent / "models" / "wide_linears.py"
+    common = ["--pp", "1", "--microbatches", "4", "--global-batch-size", "16", "--dtype", "bf16"]
+    main(["compile", str(wide), "-o", str(tmp_path / "gpu"), "--device", "a100-80gb", *common])
+    main(["explain", str(tmp_path / "gpu")])
+    plan = load_plan(tmp_path / "gpu" / "plan.json")
+    mfu = accuracy.implied_mfu(plan)
+    assert 0.05 < mfu <= accuracy.MFU_CEILING
+    printed = " ".join(capsys.readouterr().out.split())
+    assert printed.count(f"ms (a100-80gb roofline") == 2 and printed.count(f", MFU {mfu:.1%}, bubble") == 2
+    assert f", MFU {mfu:.1%}, bubble" in (tmp_path / "gpu" / "report.md").read_text()
+    main(["compile", str(MODEL), "-o", str(tmp_path / "cpu"), "--pp", "1", "--microbatches", "2", "--device", "cpu",
+          "--no-measure"])
+    assert "MFU" not in capsys.readouterr().out and "MFU" not in (tmp_path / "cpu" / "report.md").read_text()
+
+
 def test_a_broken_accuracy_file_is_one_line(tmp_path) -> None:
     broken = tmp_path / "accuracy.json"
     broken.write_text("{not json")

@@ -14,7 +14,7 @@ from pathlib import Path
 from autopart.ir.forked import Forked
 from autopart.ir.plan import Plan
 from autopart.ir.tensors import PRECISION_TEXT
-from autopart.predict.accuracy import MFU_CEILING, describe_prediction
+from autopart.predict.accuracy import MFU_CEILING, describe_prediction, mfu_clause
 from autopart.predict.timeline import plan_schedule, plan_timeline
 from autopart.schedule import worth_forking, write_chrome_trace, write_gantt_png, write_schedule_csv
 
@@ -127,7 +127,7 @@ Mesh: pp={plan.mesh['pp']}, tp={plan.mesh['tp']}, dp={plan.mesh['dp']} ({plan.wo
 Schedule: {plan.schedule.kind}, {plan.schedule.microbatches} microbatches of {plan.schedule.micro_batch_size} (global batch {plan.schedule.global_batch_size}).
 Precision: {plan.dtype}{"" if plan.dtype == "fp32" else f" ({PRECISION_TEXT[plan.dtype]})"}. Activation recompute per stage: {", ".join(st.recompute for st in plan.stages)}.
 
-Predicted step time {predicted.step_s * 1e3:.3f} ms{describe_prediction(plan)}, bubble {predicted.bubble:.1%}, {predicted.p2p_bytes_per_step / 1e6:.3f} MB sent between stages per step{_per_pipeline(plan)}.
+Predicted step time {predicted.step_s * 1e3:.3f} ms{describe_prediction(plan)}{mfu_clause(plan)}, bubble {predicted.bubble:.1%}, {predicted.p2p_bytes_per_step / 1e6:.3f} MB sent between stages per step{_per_pipeline(plan)}.
 Cost model: {plan.provenance.cost_model}. Solver: {plan.provenance.solver_status} (objective {plan.provenance.objective_s * 1e3:.3f} ms, bound {plan.provenance.bound_s * 1e3:.3f} ms, gap {plan.provenance.gap:.2%}).
 
 {_markdown(stage_table(plan))}

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 __all__ = ["ACCURACY_FILE", "FULLY_SHARDED", "MEASURED", "MEASURED_PIPELINE", "MFU_CEILING", "OF_LAYOUT", "PROFILED",
            "ROOFLINE", "Band", "Basis", "band_key", "basis_for", "ceiling_step_s", "describe_prediction", "implied_mfu",
-           "layout_of", "load_bands", "with_basis", "write_band"]
+           "layout_of", "load_bands", "mfu_clause", "with_basis", "write_band"]
 
 ACCURACY_FILE = Path(__file__).with_name("accuracy.json")
 """The bands the repository ships, one per basis key (see `basis_for`)."""
@@ -254,6 +254,17 @@ def implied_mfu(plan: Plan) -> float:
     if predicted.step_s <= 0 or predicted.peak_flops <= 0:
         return 0.0
     return predicted.model_flops_per_step / (predicted.step_s * plan.world_size * predicted.peak_flops)
+
+
+def mfu_clause(plan: Plan) -> str:
+    """", MFU 44.1%" after the predicted step of a plan for an accelerator (its roofline or its
+    measured ops): the figure Megatron, torchtitan and the papers report, so a user compares the
+    plan with their runs in their own terms, and one above `MFU_CEILING` stands out at once. ""
+    for the CPU, whose peak is a matrix product measured here, which no published run is held to."""
+    device = plan.provenance.cost_model.partition(":")[2]
+    if device in ("", "cpu") or implied_mfu(plan) <= 0:
+        return ""
+    return f", MFU {implied_mfu(plan):.1%}"
 
 
 def describe_prediction(plan: Plan) -> str:

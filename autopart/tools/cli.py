@@ -18,7 +18,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from autopart.predict.accuracy import describe_prediction
+from autopart.predict.accuracy import describe_prediction, mfu_clause
 from autopart.ir.errors import AutopartError, ConfigError, OneLineParser
 from autopart.tools.local_run import LocalRunError
 from autopart.runtime.process_exit import leave
@@ -292,7 +292,7 @@ def _compile(args: argparse.Namespace, console: Console) -> None:
     title = f"{args.model.name}: {plan.schedule.kind}, {plan.schedule.microbatches} microbatches"
     _print_table(console, stage_table(plan), title, caption=collectives_line(plan))  # ZeRO-2/3's, beside it
     console.print(
-        f"predicted step {plan.predicted.step_s * 1e3:.3f} ms{describe_prediction(plan)}, "
+        f"predicted step {plan.predicted.step_s * 1e3:.3f} ms{describe_prediction(plan)}{mfu_clause(plan)}, "
         f"bubble {plan.predicted.bubble:.1%}, solver {plan.provenance.solver_status}, capture {plan.provenance.capture}"
     )
     if args.costs is not None:
@@ -418,7 +418,7 @@ def _explain(args: argparse.Namespace, console: Console) -> None:
     _print_table(console, stage_table(plan), title, caption=collectives_line(plan))  # ZeRO-2/3's, beside it
     predicted = plan.predicted
     console.print(
-        f"predicted step {predicted.step_s * 1e3:.3f} ms{describe_prediction(plan)}, "
+        f"predicted step {predicted.step_s * 1e3:.3f} ms{describe_prediction(plan)}{mfu_clause(plan)}, "
         f"bubble {predicted.bubble:.1%}, cost model {plan.provenance.cost_model}"
     )
     if comparison is None:
