@@ -84,6 +84,16 @@ class StageRuntime:
         return self.output_gradients if self.output_gradients is not None else [t.is_floating_point() for t in out]
 
 
+def unfinished(sends: list[Any]) -> list[Any]:
+    """The posted sends still under way. A send's handle holds the tensor it sends (gloo's and
+    NCCL's both) until the handle goes, so one kept to the step's end keeps every microbatch's
+    activation and input gradient alive that long, past the backward that freed them, which the
+    memory model does not count. Asking is no wait: under NCCL, waiting here would make the
+    compute stream wait for a peer. (gloo calls a send complete only once waited for, so on the
+    CPU they all stay to the step's end, where CPU memory is not what is planned.)"""
+    return [work for work in sends if not work.is_completed()]
+
+
 class Executor:
     def __init__(
         self,
@@ -155,6 +165,7 @@ class Executor:
                 if self.reducer is not None:
                     self.reducer.before(position, action)
                 self._run(action, microbatches, losses, pending, seed)
+                pending[:] = unfinished(pending)
                 if record is not None:
                     marks.append((action, start, timer.mark(), time.thread_time() - cpu))
                 if self.reducer is not None:  # outside the action's time: launching what it finished
@@ -191,6 +202,7 @@ class Executor:
                     continue
                 try:
                     self._run(action, microbatches, losses, pending, None, training=False)  # nothing is drawn
+                    pending[:] = unfinished(pending)
                 except Exception as exc:
                     raise self._failure(position, action, exc) from exc
         for work in pending:
