@@ -323,6 +323,32 @@ def _gemms(device: str) -> list[Row]:
     return rows
 
 
+def _data_draws(device: str) -> list[Row]:
+    """A model file's ``batches`` that draws on the device from its global generator (``torch.randint(...,
+    device="cuda")``) draws the same batches whatever training seeded between two draws
+    (`autopart.runtime.data.apart`): each forward seeds every generator per stage, so each pipeline
+    rank's would differ, and the last stage's targets would not be the first stage's tokens."""
+    from autopart.runtime.data import apart
+
+    where = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
+
+    def batches():
+        while True:
+            yield torch.randint(0, 1000, (64,), device=where)
+
+    drawn = []
+    for training_seed in (1, 2):
+        source = apart(batches, seed=7)
+        draws = []
+        for step in range(3):
+            torch.manual_seed(training_seed * 100 + step)  # what a forward does to every generator
+            draws.append(next(source).cpu())
+        drawn.append(torch.stack(draws))
+    same = torch.equal(*drawn) and not torch.equal(drawn[0][0], drawn[0][1])
+    return [Row(check=f"batches drawn on {where.type} apart from training's seeds", figure="same" if same else "differ",
+                target="the same batches", passed=same)]
+
+
 def _checked(what: str, check: Callable[[], list[Row]]) -> list[Row]:
     """The check's rows, or one failed row that says why it could not run: one machine session
     should report every check, not stop at the first that breaks (a module missing there, say)."""
@@ -355,6 +381,7 @@ def run(folder: Path, steps: int) -> int:
         rows.extend(_checked("profile, compile --costs", lambda: _profiled(folder, model, steps, work, device)))
         rows.extend(_checked("roofline", lambda: _roofline(folder, steps, work, device)))
     rows.extend(_checked("matmul efficiency", lambda: _gemms(device)))
+    rows.extend(_checked("data draws", lambda: _data_draws(device)))
     where = torch.cuda.get_device_name() if device == "cuda" else "cpu (gloo)"
     print(f"gpu_check on {where}, torch {torch.__version__}, {time.perf_counter() - started:.0f} s")
     width = max(len(r.check) for r in rows)

@@ -137,32 +137,47 @@ def _users(spec: ModelSpec, producer: str, items: Iterator[T], arguments: tuple[
 
 def apart(make: Callable[[], Iterable[T]], seed: int) -> Iterator[T]:
     """The items of the iterable that ``make()`` returns, made and each drawn with torch's CPU
-    generator and Python's ``random`` in states of the data's own: seeded ``seed`` before the call,
-    then as the previous draw left them.
+    generator, this process's CUDA device's (once it uses one) and Python's ``random`` in
+    states of the data's own: seeded ``seed`` before the call, then as the previous draw left them.
 
     A model file's ``batches`` that draws from the global generators (``torch.randint`` without
-    a ``generator``, ``random.shuffle``, a shuffling ``DataLoader``, which draws its seed when it
-    is iterated) would otherwise draw from what training left there: each forward seeds torch's
-    per stage (dropout), so pipeline ranks would draw different batches (the last stage's targets
-    no longer the first stage's inputs'), and a resume restores each rank's state and replays the
-    steps done, so batches after it would differ from those of one uninterrupted run. Training's
-    own states are put back after every draw."""
-    states = torch.Generator().manual_seed(seed).get_state(), random.Random(seed).getstate()
+    a ``generator``, on the CPU or with ``device="cuda"``, ``random.shuffle``, a shuffling
+    ``DataLoader``, which draws its seed when it is iterated) would otherwise draw from what
+    training left there: each forward seeds torch's per stage (dropout), so pipeline ranks would
+    draw different batches (the last stage's targets no longer the first stage's inputs'), and a
+    resume restores each rank's state and replays the steps done, so batches after it would
+    differ from those of one uninterrupted run. Training's own states are put back after every
+    draw."""
+    # a process that has not started CUDA (a compile, a CPU run) draws nothing there worth a context
+    devices = [torch.cuda.current_device()] if torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)  # the CPU generator and every CUDA device's
+        states = _torch_states(devices), random.Random(seed).getstate()
     source: Iterator[T] | None = None
     while True:
-        training = torch.get_rng_state(), random.getstate()
-        torch.set_rng_state(states[0])
-        random.setstate(states[1])
-        try:
-            source = iter(make()) if source is None else source
-            item = next(source)
-        except StopIteration:
-            return
-        finally:
-            states = torch.get_rng_state(), random.getstate()
-            torch.set_rng_state(training[0])
-            random.setstate(training[1])
+        training = random.getstate()
+        with torch.random.fork_rng(devices=devices):
+            _set_torch_states(states[0], devices)
+            random.setstate(states[1])
+            try:
+                source = iter(make()) if source is None else source
+                item = next(source)
+            except StopIteration:
+                return
+            finally:
+                states = _torch_states(devices), random.getstate()
+                random.setstate(training)
         yield item
+
+
+def _torch_states(devices: list[int]) -> tuple[torch.Tensor, ...]:
+    return torch.get_rng_state(), *(torch.cuda.get_rng_state(device) for device in devices)
+
+
+def _set_torch_states(states: tuple[torch.Tensor, ...], devices: list[int]) -> None:
+    torch.set_rng_state(states[0])
+    for device, state in zip(devices, states[1:], strict=True):
+        torch.cuda.set_rng_state(state, device)
 
 
 class HeldOut:
