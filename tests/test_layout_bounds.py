@@ -199,7 +199,7 @@ def test_state_kept_under_a_key_is_the_state_computed_anew():
     assert costs.with_state(lambda nbytes: 3 * nbytes, key=(4, False)) is first  # kept: layouts share it
     fresh = costs.with_state(lambda nbytes: 3 * nbytes)
     assert first.parameter_state_bytes == fresh.parameter_state_bytes
-    assert first.prefix("owned_parameter_bytes") == fresh.prefix("owned_parameter_bytes")
+    assert first.prefix("owned_state_bytes") == fresh.prefix("owned_state_bytes")
     other = costs.with_state(lambda nbytes: nbytes, key=(4, True))
     assert other.parameter_state_bytes == {p: b for p, b in costs.parameter_bytes.items()}
 
@@ -285,7 +285,7 @@ def test_the_state_total_is_what_the_costs_with_that_state_sum_to(seed):
     costs = table.chain_costs(micro_batch_size=2, tp=rng.choice([1, 2]), dtype="fp32")
     for dp, zero in [(1, 0), (4, 1), (4, 2), (8, 3)]:
         state = functools.partial(table.state_bytes, dp=dp, zero=zero)
-        assert costs.state_bytes_total(state) == costs.with_state(state).prefix("owned_parameter_bytes")[-1]
+        assert costs.state_bytes_total(state) == costs.with_state(state).prefix("owned_state_bytes")[-1]
 
 
 @pytest.mark.parametrize("seed", range(10))

@@ -225,7 +225,7 @@ def test_with_state_is_the_state_of_every_parameter() -> None:
     held = costs.with_state(lambda nbytes, layered=False: 3 * nbytes + (0 if layered else 7))
     assert held.parameter_state_bytes == {p: 3 * b + (p not in layered) * 7 for p, b in costs.parameter_bytes.items()}
     slow = ChainCosts(**{f.name: getattr(held, f.name) for f in dataclasses.fields(held) if f.name != "_kept"})
-    assert held.prefix("owned_parameter_bytes") == slow.prefix("owned_parameter_bytes")
+    assert held.prefix("owned_state_bytes") == slow.prefix("owned_state_bytes")
     assert held.shared_parameters == slow.shared_parameters == {"emb": (0, 8)}
 
 

@@ -82,7 +82,7 @@ def cut_stages(
     per_rank = [len(held) for held in stages_by_rank(stage_rank)]
     room_bytes = memory_limit_bytes - overhead_bytes  # per rank
     budget = [room_bytes // per_rank[stage_rank[s]] for s in range(stages)]
-    if min(budget) <= 0 or costs.prefix("owned_parameter_bytes")[-1] > ranks * room_bytes:
+    if min(budget) <= 0 or costs.prefix("owned_state_bytes")[-1] > ranks * room_bytes:
         return None  # the ranks together cannot hold the parameters, however the chain is cut
 
     returning_s = costs.gradient_transfer_s(transfer_s)  # the gradient each stage sends back
@@ -174,7 +174,7 @@ _GROWTH = 1.25  # the bound on the slowest stage, raised by this factor per step
 
 def _least_parameter_bytes(costs: ChainCosts) -> int:
     """The fewest parameter bytes a stage of one block holds: what a stage still to come needs at the least."""
-    owned = costs.prefix("owned_parameter_bytes")
+    owned = costs.prefix("owned_state_bytes")
     return min(owned[k + 1] - owned[k] for k in range(len(costs)))
 
 

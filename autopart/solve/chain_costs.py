@@ -66,7 +66,7 @@ class ChainCosts:
     decayed_parameters: frozenset[str] = frozenset()
     # per buffer, what a stage that reads it holds for it (`autopart.predict.memory.held_buffer_bytes`,
     # whatever the layout), and per block the buffers it reads; () where there are none. A stage
-    # holds its blocks' buffers as its parameters' state: ``owned_parameter_bytes`` counts both
+    # holds its blocks' buffers beside its parameters' state: ``owned_state_bytes`` counts both
     buffer_bytes: dict[str, int] = field(default_factory=dict)
     block_buffers: tuple[tuple[str, ...], ...] = ()
     # what is made from these figures and kept with them: the running sums (`prefix`) and all `kept` keeps
@@ -81,8 +81,8 @@ class ChainCosts:
 
     def _per_block(self, name: str) -> Iterable[float]:
         """The per-block figure that ``prefix(name)`` sums: a field, or one made from them."""
-        if name == "owned_parameter_bytes":
-            return self._owned_parameter_bytes()
+        if name == "owned_state_bytes":
+            return self._owned_state_bytes()
         if name == "owned_weight_bytes":  # the parameters alone, one tensor-parallel rank's share
             return [sum(size * count for (size, _, _), count in sizes) for sizes in self._owned_sizes()]
         if name == "owned_layer_bytes":  # of those, the repeated layers' own (their ZeRO-3 units)
@@ -133,7 +133,7 @@ class ChainCosts:
         """The slowest block's forward and backward."""
         return self.kept("largest_block", lambda: max(f + b for f, b in zip(self.forward_s, self.backward_s)))
 
-    def _owned_parameter_bytes(self) -> list[int]:
+    def _owned_state_bytes(self) -> list[int]:
         """Each parameter's state counted at the first block that reads it, and each buffer's bytes."""
         owned = self._owned_buffer_bytes()
         seen: set[str] = set()
@@ -176,7 +176,7 @@ class ChainCosts:
 
     def state_bytes_total(self, state_bytes: Callable[..., int], *, key: Hashable | None = None) -> int:
         """``with_state(state_bytes)``'s parameter state summed over the chain, each parameter
-        once (``prefix("owned_parameter_bytes")[-1]``), without building those costs. ``key``
+        once (``prefix("owned_state_bytes")[-1]``), without building those costs. ``key``
         names ``state_bytes`` as ``with_state``'s does: the total is kept under it."""
         if key is not None:
             kept = self._kept.setdefault("state_totals", {})
@@ -230,7 +230,7 @@ class ChainCosts:
         owned = [buffers + sum(state[kind] * count for kind, count in sizes)
                  for sizes, buffers in zip(self._owned_sizes(), self._owned_buffer_bytes())]
         carried = {name: self._kept[name] for name in ("owned_sizes", "shared", "owned_buffers", "shared_buffers") if name in self._kept}
-        carried["owned_parameter_bytes"] = [0, *itertools.accumulate(owned)]
+        carried["owned_state_bytes"] = [0, *itertools.accumulate(owned)]
         split = [sum((state[size, False, frozen] - state[size, True, frozen]) * count
                      for (size, layered, frozen), count in sizes if layered)
                  for sizes in self._owned_sizes()]
@@ -303,7 +303,7 @@ class _Sums:
 
     def __init__(self, costs: ChainCosts):
         p = costs.prefix
-        self.compute, self.weight, self.owned = p("compute_s"), p("weight_s"), p("owned_parameter_bytes")
+        self.compute, self.weight, self.owned = p("compute_s"), p("weight_s"), p("owned_state_bytes")
         # per recompute mode, the running sums of the forward work its backward repeats
         self.repeated = {"none": None, "selective": p("selective_recompute_s"), "full": p("full_recompute_s"),
                          "stage": p("full_recompute_s")}
