@@ -32,6 +32,7 @@ from autopart.options import CompileOptions, local_kind
 from autopart.predict.accuracy import Basis, with_basis
 from autopart.predict.headroom import headroom_warning
 from autopart.passes.annotate import annotate
+from autopart.passes.loss_reduction import check_mean_loss
 from autopart.passes.front import Front, build_front, capture_for, note_batch_statistics, note_unsplit
 from autopart.profiling.finalists import finalists_run_here, run_finalists
 from autopart.profiling.measure_defaults import co_run_processes, measure_defaults
@@ -201,6 +202,7 @@ def measured_plan(options: CompileOptions, *, progress=None, console=None) -> tu
     that fails leaves the prediction on the ops and messages, with a warning that says why."""
     options, measured = measure_defaults(options, console=console, progress=progress)
     plan, front = compile_plan(options, progress)
+    check_mean_loss(front.spec, plan)  # before the plan runs here
     basis = measured.basis
     by_default = measured.without_pipeline is not None
     if by_default and not affordable(plan):
