@@ -104,6 +104,34 @@ def test_a_loop_over_torch_s_schedules_advances_the_counter_once_per_step(tmp_pa
 
 
 @pytest.mark.multiprocess
+@pytest.mark.parametrize("schedule, chunks", [("zb-h1", 1)])
+def test_a_weight_pass_after_its_stage_s_next_forward_recomputes_nothing_into_the_counter(tmp_path, schedule, chunks):
+    """Under full recompute torch's W pass runs the forward again, unseen; what that wrote was
+    put back only at the stage's next forward, so a W run after that forward (an order of one's
+    own; torch's run each W first) added its recompute to the forward's update: the last stage's
+    counter ended at 4.5 after 3 steps. The counters are on every stage (the first recomputes
+    nothing in I, having no input gradient to compute)."""
+    import json
+    import re
+
+    from tests.distributed import REPO, run_program
+
+    path = tmp_path / "counted.py"
+    path.write_text(MODEL.replace("Counted(), Counted(), nn.Linear(8, 4)", "Counted(), Counted(), Counted(), Counted()"))
+    out = tmp_path / "out"
+    plan = autopart.compile(path, pp=2, chunks=chunks, microbatches=4, micro_batch_size=1, recompute="full",
+                            schedule=schedule, measure=False)
+    autopart.emit(plan, out)
+    result = run_program([str(REPO / "tests" / "pipelining_buffers_rank.py"), str(out), "3",
+                          "--weights-after-next-forward"], plan.world_size)
+    assert all(int(n) > 0 for n in re.findall(r"^delayed (\d+)$", result.stdout, re.MULTILINE))
+    printed = [json.loads(line) for line in re.findall(r"^buffers (.*)$", result.stdout, re.MULTILINE)]
+    counters = [value for buffers in printed for name, value in buffers.items() if name.endswith("calls")]
+    assert len(counters) == 4 * 2 and all(value == 3.0 for value in counters), printed
+    assert all(buffers for buffers in printed), "a counter on every rank"
+
+
+@pytest.mark.multiprocess
 def test_batch_norm_under_torch_s_schedules_ends_as_train_py_leaves_it(tmp_path):
     """torch runs each stage once more to infer its messages' shapes (on the first microbatch,
     and on a later stage on uninitialised tensors) and runs an evaluation with gradients on: the

@@ -55,7 +55,8 @@ __all__ = ["BufferUpdates", "stages_updated_buffers", "summed_bytes"]
 
 class BufferUpdates:
     """The buffers of one stage module through a step (module docstring): `forward` around each
-    F, `recompute` around each backward, `finish` after the step's last action."""
+    F, `recompute` around each backward or each recompute inside one, `finish` after the step's
+    last action."""
 
     def __init__(self, module: nn.Module, replicas: tuple[dist.ProcessGroup, int] | None = None,
                  updated: tuple[str, ...] | None = None):
@@ -69,7 +70,6 @@ class BufferUpdates:
         self.sums: dict[int, torch.Tensor] = {}  # the sum over the step's forwards of what each left (`_restore`)
         self.forwards = 0
         self.pending = False  # a forward ran whose updates are not collected yet
-        self.rewritten = False  # a backward began whose recompute may have written them since (`backward_begins`)
 
     def _buffers(self) -> list[torch.Tensor]:
         return list(self.module.buffers())
@@ -89,27 +89,17 @@ class BufferUpdates:
             buffers = self._buffers()
             self.start = {i: buffers[i].detach().clone() for i in self.tracked}
         self._collect()
-        if self.rewritten:
-            self._restore(count=False)
-            self.rewritten = False
         yield
         self.forwards += 1
         self.pending = True
 
-    def backward_begins(self) -> None:
-        """A backward begins whose end the caller does not see (torch's schedules run it, with
-        any recompute inside): the forwards' updates are counted now, and what the recompute
-        writes is put back before the next forward; `finish` overwrites it."""
-        if self.tracked:
-            self._collect()
-            self.rewritten = True
-
-    @contextlib.contextmanager
-    def recompute(self) -> Iterator[None]:
-        """A backward, which may run the forward again: what it writes is put back."""
-        self._collect()
-        yield
-        self._restore(count=False)
+    def recompute(self) -> contextlib.AbstractContextManager:
+        """Around a backward, or a recompute inside one: the forwards' updates are counted first,
+        and what the recompute writes is put back on leaving, even by an exception (a checkpoint
+        stops its recompute early by one). The one object may be entered again, and nested: a
+        checkpoint enters its recompute context in each backward that recomputes (torch's
+        zero-bubble W pass recomputes after I, whatever the stage ran between them)."""
+        return _PutBack(self)
 
     def finish(self) -> None:
         """After the step: each updated buffer holds the mean of its forwards' values, over the
@@ -130,7 +120,7 @@ class BufferUpdates:
                 else:
                     mean = _integer_mean(total, forwards)
                 buffers[i].data.copy_(mean)
-        self.start, self.sums, self.forwards, self.pending, self.rewritten = {}, {}, 0, False, False
+        self.start, self.sums, self.forwards, self.pending = {}, {}, 0, False
 
     def _sum_over_replicas(self) -> None:
         """The sums over every replica's forwards, one all-reduce per accumulating dtype."""
@@ -166,6 +156,19 @@ class BufferUpdates:
                     else:
                         self.sums[i] = left.to(_accumulating(left.dtype), copy=True)
                 buffers[i].data.copy_(start)  # unversioned, and the same values where unchanged: module docstring
+
+
+class _PutBack(contextlib.AbstractContextManager):
+    """`BufferUpdates.recompute`'s context: reusable, unlike a generator's."""
+
+    def __init__(self, updates: BufferUpdates):
+        self.updates = updates
+
+    def __enter__(self) -> None:
+        self.updates._collect()
+
+    def __exit__(self, *exc: object) -> None:
+        self.updates._restore(count=False)
 
 
 def _integer_mean(halves: torch.Tensor, count: int) -> torch.Tensor:

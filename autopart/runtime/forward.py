@@ -155,8 +155,11 @@ class StageForward:
     """Calls a stage module in the plan's precision, recomputing as the plan says."""
 
     def __init__(self, module: nn.Module, *, recompute: str, dtype: str, device: torch.device, split_backward: bool,
-                 dropout: bool = True):
+                 dropout: bool = True, around_recompute: contextlib.AbstractContextManager | None = None):
         self.module = module
+        # entered around each checkpoint's recompute, which a caller that does not run the
+        # backward itself cannot see (`autopart.runtime.buffer_updates.BufferUpdates.recompute`)
+        self.around_recompute = around_recompute
         self.dropout = dropout  # False: every dropout passes its input, in F and in any recompute (`NoDropout`)
         self.recompute = recompute
         self.dtype = dtype
@@ -205,7 +208,7 @@ class StageForward:
                 if self.recompute == "selective"
                 else _no_contexts
             )
-            return checkpoint(self._call, *args, use_reentrant=False, context_fn=context_fn), None
+            return checkpoint(self._call, *args, use_reentrant=False, context_fn=self._around(context_fn)), None
         selective = self.recompute == "selective"
         contexts = create_selective_checkpoint_contexts(selective_policy) if selective else _no_contexts()
         rebuild = Rebuild(args=args, rng_states=self._rng_states(), kept_outputs=contexts[1])
@@ -226,7 +229,19 @@ class StageForward:
     def _checkpointed_layer(self, body: Any, *inputs: Any, **kwargs: Any) -> Any:
         """A layer method's call (``body(*inputs, layer)``, the layer maybe by keyword, as FSDP's
         unit passes it) under its own checkpoint."""
-        return checkpoint(self._layer, body, *inputs, use_reentrant=False, **kwargs)
+        return checkpoint(self._layer, body, *inputs, use_reentrant=False, context_fn=self._around(_no_contexts),
+                          **kwargs)  # fmt: skip
+
+    def _around(self, context_fn: Any) -> Any:
+        """``context_fn`` with `around_recompute` entered around its recompute context."""
+        if self.around_recompute is None:
+            return context_fn
+
+        def contexts() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+            forward, recompute = context_fn()
+            return forward, _Together(self.around_recompute, recompute)
+
+        return contexts
 
     def _layer(self, body: Any, *inputs: Any, **kwargs: Any) -> Any:
         """One layer's forward, in F and again in its recompute: the checkpoint restores autocast
@@ -266,6 +281,24 @@ def _layer_calls(module: nn.Module) -> dict[str, tuple[str, ...]]:
 
 def _no_contexts() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
     return contextlib.nullcontext(), contextlib.nullcontext()
+
+
+class _Together(contextlib.AbstractContextManager):
+    """Contexts entered in order and left in reverse, again at each entry (a checkpoint enters
+    its recompute context once per backward that recomputes), nested too."""
+
+    def __init__(self, *contexts: contextlib.AbstractContextManager):
+        self.contexts = contexts
+        self.entered: list[contextlib.ExitStack] = []
+
+    def __enter__(self) -> None:
+        with contextlib.ExitStack() as stack:
+            for context in self.contexts:
+                stack.enter_context(context)
+            self.entered.append(stack.pop_all())
+
+    def __exit__(self, *exc: Any) -> bool | None:
+        return self.entered.pop().__exit__(*exc)
 
 
 class _MethodCall(nn.Module):

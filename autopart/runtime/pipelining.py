@@ -110,13 +110,8 @@ class BatchByKeyword(nn.Module):
         if not (self.training_step and torch.is_grad_enabled()):  # an evaluation, or torch's inference
             with buffers_kept(self.updates.tracked_buffers()):
                 return self.run(*values)[0]
-        with self.updates.forward():
-            out, _ = self.run(*values)
-        if self.updates.tracked:  # torch runs the backward, and its recompute, out of our sight
-            for tensor in out if isinstance(out, (tuple, list)) else (out,):
-                if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
-                    tensor.register_hook(self._backward_begins)
-        return out
+        with self.updates.forward():  # torch runs the backward, and its recompute: `StageForward.around_recompute`
+            return self.run(*values)[0]
 
     @contextlib.contextmanager
     def not_a_step(self) -> Iterator[None]:
@@ -127,9 +122,6 @@ class BatchByKeyword(nn.Module):
                 yield
         finally:
             self.training_step = True
-
-    def _backward_begins(self, grad: torch.Tensor) -> None:
-        self.updates.backward_begins()
 
 
 class InferringStage(PipelineStage):
@@ -278,12 +270,13 @@ def build_stages(out_dir: str | Path, *, device: torch.device | None = None, wei
             continue
         module = load_stage(out_dir, stage_plan.index, device, tp_rank=here.tp, tp=mesh.tp, weights=weights,
                             placements=stage_plan.parameter_placements)  # fmt: skip
-        # torch splits a zero-bubble backward itself, with autograd: the stage's forward is a plain one
+        updates.append(BufferUpdates(module, replicas, getattr(module, "updated_buffers", None)))
+        # torch splits a zero-bubble backward itself, with autograd: the stage's forward is a plain
+        # one, which recomputes in I and again in W, wherever torch's order puts them
         forward = StageForward(module, recompute=stage_plan.recompute, dtype=plan.dtype, device=device,
-                               split_backward=False)  # fmt: skip
+                               split_backward=False, around_recompute=updates[-1].recompute())  # fmt: skip
         modules[stage_plan.index] = module
         forwards.append(forward)
-        updates.append(BufferUpdates(module, replicas, getattr(module, "updated_buffers", None)))
         wrapped = BatchByKeyword(forward, module, stage_plan.batch_inputs, updates[-1])
         stages.append(InferringStage(wrapped, stage_plan.index, len(plan.stages), device, group=groups.pp))
     return Pipeline(plan=plan, out_dir=out_dir, coordinates=here, modules=modules, stages=stages,
