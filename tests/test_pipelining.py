@@ -176,3 +176,60 @@ def test_build_stages_refuses_weights_that_lack_a_tensor_in_one_line(tmp_path):
             build_stages(out, weights=tmp_path / "partial.safetensors")
     finally:
         dist.destroy_process_group()
+
+
+NORMED = """
+import torch
+from torch import nn
+
+
+def build_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Dropout(0.5), nn.Linear(8, 4))
+
+
+def example_batch(batch_size):
+    return (torch.randn(batch_size, 8),), torch.randint(0, 4, (batch_size,))
+
+
+def loss_fn(logits, target):
+    return nn.functional.cross_entropy(logits, target)
+"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("schedule, chunks", [("1f1b", 1), ("zbv", 2)])
+def test_an_evaluation_between_steps_is_train_py_s(tmp_path, schedule, chunks):
+    """``schedule.eval`` after each step, as ``train.py --eval-every 1``: the same held-out losses
+    (no dropout: the evaluation ran the captured graph's dropout), no autograd graph kept until the
+    next step, one copy of each updated buffer at a time (two were), and the same buffers at the
+    end. The rate is 0: the loop's training draws its dropout otherwise than train.py, and the
+    BatchNorm before it sees none of it. Under torch's V-shaped schedule an evaluation failed
+    outright ("can't steal_bwd_input if this stage doesn't have backward")."""
+    import json
+
+    import torch
+
+    from tests.distributed import stage_weights
+
+    path = tmp_path / "normed.py"
+    path.write_text(NORMED)
+    out = tmp_path / "out"
+    plan, _ = compile_to_directory(CompileOptions(model=path, pp=2, chunks=chunks, microbatches=4, micro_batch_size=2,
+                                                  schedule=schedule, measure=False), out)  # fmt: skip
+    metrics = tmp_path / "metrics.jsonl"
+    run_ranks(out, plan.world_size, "--steps", "3", "--lr", "0", "--optimizer", "sgd", "--eval-every", "1",
+              "--eval-batches", "1", "--metrics", str(metrics), "--save-weights", str(tmp_path / "final"))  # fmt: skip
+    expected = [m["eval_loss"] for m in read_metrics(metrics)]
+    result = run_program([str(REPO / "tests" / "pipelining_eval_rank.py"), str(out), "3", "0"], plan.world_size)
+    printed = [float(x) for x in re.findall(r"^eval_loss (\S+)$", result.stdout, re.MULTILINE)]
+    assert printed == pytest.approx(expected, rel=1e-6) and len(printed) == 3
+    copies = re.findall(r"^copies (\d+) of (\d+)$", result.stdout, re.MULTILINE)
+    assert copies and all(most == tracked for most, tracked in copies), copies
+    assert set(re.findall(r"^graph kept (\w+)$", result.stdout, re.MULTILINE)) == {"False"}
+    finals = {name: value for weights in stage_weights(tmp_path / "final").values() for name, value in weights.items()}
+    buffers = {name: value for line in re.findall(r"^buffers (.*)$", result.stdout, re.MULTILINE)
+               for name, value in json.loads(line).items()}
+    assert set(buffers) == {"1.running_mean", "1.running_var", "1.num_batches_tracked"}
+    for name, value in buffers.items():
+        torch.testing.assert_close(torch.tensor(value, dtype=finals[name].dtype), finals[name], msg=name)

@@ -99,7 +99,10 @@ def buffers_kept(buffers: list[torch.Tensor]) -> Iterator[None]:
     finally:
         with torch.no_grad():
             for buffer, value in kept:
-                buffer.copy_(value)
+                # unversioned, as `BufferUpdates` writes them: autograd saves BatchNorm's running
+                # statistics for a backward that torch may run after this (its inference of a
+                # stage's gradient shapes follows the forward's, each kept apart)
+                buffer.data.copy_(value)
 
 
 class NoDropout(TorchFunctionMode):

@@ -27,9 +27,10 @@ rank), each wrapped so that torch can drive it:
 - the buffers a forward updates (a step counter, BatchNorm's running statistics) end the step as
   ``train.py`` leaves them: each forward reads the step's starting values, what a recompute
   writes is put back, and ``reduce_gradients`` sets each to the mean over the step's forwards
-  (`autopart.runtime.buffer_updates`); an evaluation's forwards (``schedule.eval``, with no
-  gradient) and torch's own runs to infer shapes leave them as they were. Call
-  ``reduce_gradients`` after every step: ``step_inputs`` refuses the next step's batch until it ran.
+  (`autopart.runtime.buffer_updates`); torch's own runs to infer shapes leave them as they were;
+  call ``reduce_gradients`` after every step: ``step_inputs`` refuses the next step's batch until it ran;
+- an evaluation (``schedule.eval``) runs as ``train.py``'s: without dropout, without autograd,
+  and leaving the buffers as they were.
 
 The plan's schedule maps to torch's class: gpipe -> ``ScheduleGPipe``, 1f1b -> ``Schedule1F1B``,
 interleaved -> ``ScheduleInterleaved1F1B``, zb-h1 -> ``ScheduleInterleavedZeroBubble`` (with one
@@ -107,11 +108,26 @@ class BatchByKeyword(nn.Module):
 
     def forward(self, *received: torch.Tensor, **batch: Any) -> Any:
         values = (*received, *(batch[f"batch_{name}"] for name in self.batch_inputs))
-        if not (self.training_step and torch.is_grad_enabled()):  # an evaluation, or torch's inference
-            with buffers_kept(self.updates.tracked_buffers()):
+        if not self.training_step:  # an evaluation, or torch's inference: `not_a_step` keeps the buffers
+            return self.run(*values)[0]
+        if not torch.is_grad_enabled():  # a forward of one's own, outside torch's schedules
+            with self.not_a_step():
                 return self.run(*values)[0]
         with self.updates.forward():  # torch runs the backward, and its recompute: `StageForward.around_recompute`
             return self.run(*values)[0]
+
+    @contextlib.contextmanager
+    def evaluating(self) -> Iterator[None]:
+        """An evaluation's forward (``schedule.eval``), as ``train.py``'s: it trains nothing, keeps
+        no autograd graph (torch runs it with gradients on, and holds its outputs until the next
+        step) and drops no units (the captured graph's dropouts are baked in training)."""
+        dropout = self.run.dropout
+        self.run.dropout = False
+        try:
+            with self.not_a_step(), torch.no_grad():
+                yield
+        finally:
+            self.run.dropout = dropout
 
     @contextlib.contextmanager
     def not_a_step(self) -> Iterator[None]:
@@ -130,14 +146,25 @@ class InferringStage(PipelineStage):
     runs the forward again on the first microbatch, and on a later stage on uninitialised tensors,
     then a backward through it, which a step counter or BatchNorm's running statistics would
     otherwise count (`BatchByKeyword.not_a_step`); nor do an evaluation's forwards
-    (``schedule.eval``, which torch runs with gradients on). Torch versions that infer shapes
-    otherwise call neither inference method."""
+    (``schedule.eval``, `BatchByKeyword.evaluating`). Torch versions that infer shapes otherwise
+    call neither inference method."""
 
     def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
         if self.has_backward:
             return super().forward_one_chunk(*args, **kwargs)
-        with self.submod.not_a_step():
+        with self.submod.evaluating():
             return super().forward_one_chunk(*args, **kwargs)
+
+    # torch's runtime hands the input gradients of a V-shaped schedule's stage to the stage
+    # before it on the same rank (ZBV), in an evaluation too, where there are none and torch's own
+    # methods refuse: ``schedule.eval`` failed on its first backward action
+
+    def get_local_bwd_output(self, mb_index: int) -> tuple[torch.Tensor | None, ...]:
+        return super().get_local_bwd_output(mb_index) if self.has_backward else ()
+
+    def set_local_bwd_input(self, next_stage_bwd_outputs: tuple[torch.Tensor | None, ...], mb_index: int) -> None:
+        if self.has_backward:
+            super().set_local_bwd_input(next_stage_bwd_outputs, mb_index)
 
     def _forward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
         with self.submod.not_a_step():
