@@ -104,7 +104,7 @@ def test_a_loop_over_torch_s_schedules_advances_the_counter_once_per_step(tmp_pa
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("schedule, chunks", [("zb-h1", 1)])
+@pytest.mark.parametrize("schedule, chunks", [("zb-h1", 1), ("zbv", 2)])
 def test_a_weight_pass_after_its_stage_s_next_forward_recomputes_nothing_into_the_counter(tmp_path, schedule, chunks):
     """Under full recompute torch's W pass runs the forward again, unseen; what that wrote was
     put back only at the stage's next forward, so a W run after that forward (an order of one's
