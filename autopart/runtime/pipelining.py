@@ -32,6 +32,13 @@ rank), each wrapped so that torch can drive it:
 - an evaluation (``schedule.eval``) runs as ``train.py``'s: without dropout, without autograd,
   and leaving the buffers as they were.
 
+Two differences from ``train.py`` remain. A dropout draws from torch's generator as it stands,
+not from ``train.py``'s seed per forward (`autopart.runtime.draws`): with dropout the losses are
+not ``train.py``'s. Torch divides each stage's whole ``.grad`` by the microbatches at the end of
+every ``schedule.step``, so gradients accumulated over several steps are not their mean (and
+``reduce_gradients`` after each would sum a tied weight's earlier steps again): for a larger
+batch, compile with more microbatches.
+
 The plan's schedule maps to torch's class: gpipe -> ``ScheduleGPipe``, 1f1b -> ``Schedule1F1B``,
 interleaved -> ``ScheduleInterleaved1F1B``, zb-h1 -> ``ScheduleInterleavedZeroBubble`` (with one
 stage per rank it is ZB-H1, the order autopart's own ``zb-h1`` generator gives), zbv ->
