@@ -30,13 +30,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--weight-decay", type=float, default=0.01, help="as train.py --weight-decay (default 0.01)")
-    parser.add_argument("--seed", type=int, default=0, help="of the training batches, as train.py --seed")
+    parser.add_argument("--seed", type=int, default=0, help="of the training batches and dropout draws, as train.py --seed")
     args = parser.parse_args()
 
     device = compute_device()
     dist.init_process_group(backend(device))
     try:
-        pipeline = build_stages(args.out, device=device)
+        pipeline = build_stages(args.out, device=device, seed=args.seed)
         schedule = pipeline.schedule()
         # train.py's AdamW on a CPU (one tensor at a time), decaying what train.py decays
         groups = parameter_groups(pipeline.named_parameters(), weight_decay=args.weight_decay,

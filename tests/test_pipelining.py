@@ -21,11 +21,11 @@ def test_every_schedule_kind_has_a_torch_class():
     assert TORCH_SCHEDULES["interleaved"] is ScheduleInterleaved1F1B
 
 
-def _example_losses(out, nproc: int) -> list[float]:
+def _example_losses(out, nproc: int, *more: str) -> list[float]:
     """The example's printed losses, its ranks forked as `run_ranks` forks train.py's (what it
     computes does not depend on the launcher; the README's torchrun line is the user's)."""
     result = run_program([str(REPO / "examples" / "pipelining_loop.py"), str(out), "--steps", str(STEPS), "--lr",
-                          "1e-3", "--weight-decay", "0.1"], nproc, timeout=300)
+                          "1e-3", "--weight-decay", "0.1", *more], nproc, timeout=300)
     return [float(x) for x in re.findall(r"^step \d+ loss (\S+)$", result.stdout, re.MULTILINE)]
 
 
@@ -233,3 +233,42 @@ def test_an_evaluation_between_steps_is_train_py_s(tmp_path, schedule, chunks):
     assert set(buffers) == {"1.running_mean", "1.running_var", "1.num_batches_tracked"}
     for name, value in buffers.items():
         torch.testing.assert_close(torch.tensor(value, dtype=finals[name].dtype), finals[name], msg=name)
+
+
+DROPPED = """
+import torch
+from torch import nn
+
+
+def build_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.5), nn.Linear(16, 16), nn.ReLU(), nn.Dropout(0.5),
+                         nn.Linear(16, 4))
+
+
+def example_batch(batch_size):
+    return (torch.randn(batch_size, 8),), torch.randint(0, 4, (batch_size,))
+
+
+def loss_fn(logits, target):
+    return nn.functional.cross_entropy(logits, target)
+"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("schedule, recompute, dp", [("1f1b", "none", 1), ("zb-h1", "full", 2)])
+def test_the_example_loop_draws_train_py_s_dropout(tmp_path, schedule, recompute, dp):
+    """train.py seeds each forward from --seed, the step, the replica, the microbatch and the
+    stage; the loop's stages drew from torch's generator as it stood, so with dropout its losses
+    were not train.py's. A recompute (torch's W pass too) replays the forward's draws."""
+    path = tmp_path / "dropped.py"
+    path.write_text(DROPPED)
+    out = tmp_path / "out"
+    plan, _ = compile_to_directory(CompileOptions(model=path, pp=2, dp=dp, microbatches=4, global_batch_size=8 * dp,
+                                                  schedule=schedule, recompute=recompute, optimizer="adamw",
+                                                  measure=False), out)  # fmt: skip
+    metrics = tmp_path / "metrics.jsonl"
+    run_ranks(out, plan.world_size, "--steps", str(STEPS), "--lr", "1e-3", "--optimizer", "adamw", "--seed", "3",
+              "--weight-decay", "0.1", "--metrics", str(metrics))  # fmt: skip
+    expected = [m["loss"] for m in read_metrics(metrics)]
+    assert _example_losses(out, plan.world_size, "--seed", "3") == pytest.approx(expected, abs=2e-6)

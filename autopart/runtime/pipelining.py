@@ -30,14 +30,15 @@ rank), each wrapped so that torch can drive it:
   (`autopart.runtime.buffer_updates`); torch's own runs to infer shapes leave them as they were;
   call ``reduce_gradients`` after every step: ``step_inputs`` refuses the next step's batch until it ran;
 - an evaluation (``schedule.eval``) runs as ``train.py``'s: without dropout, without autograd,
-  and leaving the buffers as they were.
+  and leaving the buffers as they were;
+- each training forward draws (dropout) from ``train.py``'s seed for it (`autopart.runtime.draws`:
+  ``build_stages(seed=)``, the step, the replica, the microbatch, the stage), the steps counted by
+  ``reduce_gradients``.
 
-Two differences from ``train.py`` remain. A dropout draws from torch's generator as it stands,
-not from ``train.py``'s seed per forward (`autopart.runtime.draws`): with dropout the losses are
-not ``train.py``'s. Torch divides each stage's whole ``.grad`` by the microbatches at the end of
-every ``schedule.step``, so gradients accumulated over several steps are not their mean (and
-``reduce_gradients`` after each would sum a tied weight's earlier steps again): for a larger
-batch, compile with more microbatches.
+One difference from ``train.py`` remains, torch's: it divides each stage's whole ``.grad`` by the
+microbatches at the end of every ``schedule.step``, so gradients accumulated over several steps
+are not their mean (and ``reduce_gradients`` after each would sum a tied weight's earlier steps
+again): for a larger batch, compile with more microbatches.
 
 The plan's schedule maps to torch's class: gpipe -> ``ScheduleGPipe``, 1f1b -> ``Schedule1F1B``,
 interleaved -> ``ScheduleInterleaved1F1B``, zb-h1 -> ``ScheduleInterleavedZeroBubble`` (with one
@@ -76,6 +77,7 @@ from autopart.runtime import collectives
 from autopart.runtime.buffer_updates import BufferUpdates
 from autopart.runtime.data import global_batches, model_file, split_microbatches
 from autopart.runtime.device import compute_device, on_device
+from autopart.runtime.draws import draw_seed
 from autopart.runtime.forward import StageForward, buffers_kept
 from autopart.runtime.gradients import average_gradients, sum_tied_gradients, tied_groups
 from autopart.runtime.launch import check_world_size
@@ -147,6 +149,20 @@ class BatchByKeyword(nn.Module):
             self.training_step = True
 
 
+@dataclass(kw_only=True)
+class Draws:
+    """Where the stages' random numbers come from, as ``train.py``'s (`autopart.runtime.draws`):
+    its ``--seed``, this rank's replica, and the steps that ``reduce_gradients`` has ended."""
+
+    seed: int
+    replica: int
+    step: int = 0
+
+    def seed_forward(self, microbatch: int, stage: int) -> None:
+        """Seed every device's generator for one training forward, as the executor does."""
+        torch.manual_seed(draw_seed(draw_seed(self.seed, self.step, self.replica), microbatch, stage))
+
+
 class InferringStage(PipelineStage):
     """torch's ``PipelineStage``, whose runs of the stage to infer its messages' shapes and dtypes
     (on the first step, and on a step with a backward after an evaluation) train nothing: torch
@@ -156,11 +172,16 @@ class InferringStage(PipelineStage):
     (``schedule.eval``, `BatchByKeyword.evaluating`). Torch versions that infer shapes otherwise
     call neither inference method."""
 
-    def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
-        if self.has_backward:
-            return super().forward_one_chunk(*args, **kwargs)
+    def __init__(self, *args: Any, draws: Draws, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.draws = draws
+
+    def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        if self.has_backward:  # a recompute replays the generator's state at this forward (torch's checkpoint)
+            self.draws.seed_forward(fwd_chunk_id, self.stage_index)
+            return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
         with self.submod.evaluating():
-            return super().forward_one_chunk(*args, **kwargs)
+            return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
 
     # torch's runtime hands the input gradients of a V-shaped schedule's stage to the stage
     # before it on the same rank (ZBV), in an evaluation too, where there are none and torch's own
@@ -205,6 +226,7 @@ class Pipeline:
     tied: list[tuple[str, dist.ProcessGroup]]  # parameters several stages hold, and the group that sums them
     forwards: list[StageForward]  # how each stage's forward runs (its precision's working weights)
     updates: list[BufferUpdates]  # the buffers each stage's forwards update, through a step
+    draws: Draws | None = None  # the stages' random numbers; None: not counted (no stages of torch's)
 
     @property
     def is_last(self) -> bool:
@@ -260,16 +282,19 @@ class Pipeline:
             average_gradients(self.parameters(), self.groups.dp, self.plan.mesh["dp"])
         for updates in self.updates:
             updates.finish()
+        if self.draws is not None:
+            self.draws.step += 1
 
 
 def build_stages(out_dir: str | Path, *, device: torch.device | None = None, weights: Path | None = None,
-                 timeout: datetime.timedelta | None = None) -> Pipeline:
+                 timeout: datetime.timedelta | None = None, seed: int = 0) -> Pipeline:
     """This rank's stages of the compile in ``out_dir`` as ``PipelineStage`` objects.
 
     Call it on every rank after ``dist.init_process_group``, with the plan's world size: it makes
     the mesh's process groups, which every rank must create together, with ``timeout`` (None:
     torch's default for a new group, whatever the world group's). ``weights``: a safetensors
     file of the whole model to start from (``train.py --weights``), else the compile's weights.
+    ``seed``: ``train.py``'s ``--seed``, whose draws (dropout) the step's forwards make.
     """
     out_dir = Path(out_dir).resolve()
     plan = load_plan(out_dir / "plan.json")
@@ -299,6 +324,7 @@ def build_stages(out_dir: str | Path, *, device: torch.device | None = None, wei
     forwards: list[StageForward] = []
     updates: list[BufferUpdates] = []
     replicas = (groups.dp, mesh.dp) if groups.dp is not None else None
+    draws = Draws(seed=seed, replica=here.dp)
     for stage_plan in plan.stages:
         if stage_plan.rank != here.pp:
             continue
@@ -312,7 +338,7 @@ def build_stages(out_dir: str | Path, *, device: torch.device | None = None, wei
         modules[stage_plan.index] = module
         forwards.append(forward)
         wrapped = BatchByKeyword(forward, module, stage_plan.batch_inputs, updates[-1])
-        stages.append(InferringStage(wrapped, stage_plan.index, len(plan.stages), device, group=groups.pp))
+        stages.append(InferringStage(wrapped, stage_plan.index, len(plan.stages), device, group=groups.pp, draws=draws))
     return Pipeline(plan=plan, out_dir=out_dir, coordinates=here, modules=modules, stages=stages,
                     schedule_class=TORCH_SCHEDULES[plan.schedule.kind], groups=groups,
-                    tied=tied_groups(plan, mesh, rank), forwards=forwards, updates=updates)  # fmt: skip
+                    tied=tied_groups(plan, mesh, rank), forwards=forwards, updates=updates, draws=draws)  # fmt: skip
