@@ -60,8 +60,12 @@ try:
         kept = any(t.requires_grad for stage in pipeline.stages for outputs, _ in stage.fwd_cache.values()
                    for t in outputs if isinstance(t, torch.Tensor))
         print(f"graph kept {kept}", flush=True)
-        if pipeline.is_last and pipeline.coordinates.dp == 0 and pipeline.coordinates.tp == 0:
-            print(f"eval_loss {torch.stack(losses).double().mean().item()!r}", flush=True)
+        if pipeline.is_last:  # the mean over the replicas, as train.py's
+            loss = torch.stack(losses).double().mean().reshape(1) / pipeline.plan.mesh["dp"]
+            if pipeline.groups.dp is not None:
+                dist.all_reduce(loss, group=pipeline.groups.dp)
+            if pipeline.coordinates.dp == 0 and pipeline.coordinates.tp == 0:
+                print(f"eval_loss {loss.item()!r}", flush=True)
     buffers = {name: b.tolist() for module in pipeline.modules.values() for name, b in module.named_buffers()}
     print("buffers " + json.dumps(buffers), flush=True)
 finally:

@@ -198,8 +198,8 @@ def loss_fn(logits, target):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("schedule, chunks", [("1f1b", 1), ("zbv", 2)])
-def test_an_evaluation_between_steps_is_train_py_s(tmp_path, schedule, chunks):
+@pytest.mark.parametrize("schedule, chunks, dp", [("1f1b", 1, 1), ("zbv", 2, 1), ("1f1b", 1, 2)])
+def test_an_evaluation_between_steps_is_train_py_s(tmp_path, schedule, chunks, dp):
     """``schedule.eval`` after each step, as ``train.py --eval-every 1``: the same held-out losses
     (no dropout: the evaluation ran the captured graph's dropout), no autograd graph kept until the
     next step, one copy of each updated buffer at a time (two were), and the same buffers at the
@@ -215,8 +215,8 @@ def test_an_evaluation_between_steps_is_train_py_s(tmp_path, schedule, chunks):
     path = tmp_path / "normed.py"
     path.write_text(NORMED)
     out = tmp_path / "out"
-    plan, _ = compile_to_directory(CompileOptions(model=path, pp=2, chunks=chunks, microbatches=4, micro_batch_size=2,
-                                                  schedule=schedule, measure=False), out)  # fmt: skip
+    plan, _ = compile_to_directory(CompileOptions(model=path, pp=2, dp=dp, chunks=chunks, microbatches=4,
+                                                  micro_batch_size=2, schedule=schedule, measure=False), out)  # fmt: skip
     metrics = tmp_path / "metrics.jsonl"
     run_ranks(out, plan.world_size, "--steps", "3", "--lr", "0", "--optimizer", "sgd", "--eval-every", "1",
               "--eval-batches", "1", "--metrics", str(metrics), "--save-weights", str(tmp_path / "final"))  # fmt: skip
