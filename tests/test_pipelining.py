@@ -272,3 +272,22 @@ def test_the_example_loop_draws_train_py_s_dropout(tmp_path, schedule, recompute
               "--weight-decay", "0.1", "--metrics", str(metrics))  # fmt: skip
     expected = [m["loss"] for m in read_metrics(metrics)]
     assert _example_losses(out, plan.world_size, "--seed", "3") == pytest.approx(expected, abs=2e-6)
+
+
+@pytest.mark.multiprocess
+def test_a_loop_without_reduce_gradients_draws_each_step_s_dropout(tmp_path):
+    """The step of train.py's seed per forward is counted by the stages' own forwards: a loop
+    with nothing to reduce may leave ``reduce_gradients`` out, and counted by it, every step drew
+    the first step's masks. At rate 0 the loop's losses are train.py's, step by step."""
+    path = tmp_path / "dropped.py"
+    path.write_text(DROPPED)
+    out = tmp_path / "out"
+    plan, _ = compile_to_directory(CompileOptions(model=path, pp=2, microbatches=2, micro_batch_size=2,
+                                                  schedule="1f1b", measure=False), out)  # fmt: skip
+    assert not plan.tied_parameters
+    metrics = tmp_path / "metrics.jsonl"
+    run_ranks(out, plan.world_size, "--steps", "3", "--lr", "0", "--optimizer", "sgd", "--metrics", str(metrics))
+    expected = [m["loss"] for m in read_metrics(metrics)]
+    result = run_program([str(REPO / "tests" / "pipelining_no_reduce_rank.py"), str(out), "3"], plan.world_size)
+    printed = [float(x) for x in re.findall(r"^loss (\S+)$", result.stdout, re.MULTILINE)]
+    assert printed == pytest.approx(expected, rel=1e-6) and len(printed) == 3

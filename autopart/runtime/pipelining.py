@@ -32,8 +32,7 @@ rank), each wrapped so that torch can drive it:
 - an evaluation (``schedule.eval``) runs as ``train.py``'s: without dropout, without autograd,
   and leaving the buffers as they were;
 - each training forward draws (dropout) from ``train.py``'s seed for it (`autopart.runtime.draws`:
-  ``build_stages(seed=)``, the step, the replica, the microbatch, the stage), the steps counted by
-  ``reduce_gradients``.
+  ``build_stages(seed=)``, the step, the replica, the microbatch, the stage; `Draws`).
 
 One difference from ``train.py`` remains, torch's: it divides each stage's whole ``.grad`` by the
 microbatches at the end of every ``schedule.step``, so gradients accumulated over several steps
@@ -152,11 +151,13 @@ class BatchByKeyword(nn.Module):
 @dataclass(kw_only=True)
 class Draws:
     """Where the stages' random numbers come from, as ``train.py``'s (`autopart.runtime.draws`):
-    its ``--seed``, this rank's replica, and the steps that ``reduce_gradients`` has ended."""
+    its ``--seed``, this rank's replica, and the training step, counted by the forwards of the
+    first microbatch on this rank's first stage (a loop need not call ``reduce_gradients`` where
+    there is nothing to reduce, and an evaluation is no step)."""
 
     seed: int
     replica: int
-    step: int = 0
+    step: int = -1  # none begun
 
     def seed_forward(self, microbatch: int, stage: int) -> None:
         """Seed every device's generator for one training forward, as the executor does."""
@@ -172,12 +173,15 @@ class InferringStage(PipelineStage):
     (``schedule.eval``, `BatchByKeyword.evaluating`). Torch versions that infer shapes otherwise
     call neither inference method."""
 
-    def __init__(self, *args: Any, draws: Draws, **kwargs: Any):
+    def __init__(self, *args: Any, draws: Draws, counts_steps: bool, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.draws = draws
+        self.counts_steps = counts_steps  # this rank's first stage, whose microbatch 0 begins each step
 
     def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
         if self.has_backward:  # a recompute replays the generator's state at this forward (torch's checkpoint)
+            if self.counts_steps and fwd_chunk_id == 0:
+                self.draws.step += 1
             self.draws.seed_forward(fwd_chunk_id, self.stage_index)
             return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
         with self.submod.evaluating():
@@ -226,7 +230,6 @@ class Pipeline:
     tied: list[tuple[str, dist.ProcessGroup]]  # parameters several stages hold, and the group that sums them
     forwards: list[StageForward]  # how each stage's forward runs (its precision's working weights)
     updates: list[BufferUpdates]  # the buffers each stage's forwards update, through a step
-    draws: Draws | None = None  # the stages' random numbers; None: not counted (no stages of torch's)
 
     @property
     def is_last(self) -> bool:
@@ -282,8 +285,6 @@ class Pipeline:
             average_gradients(self.parameters(), self.groups.dp, self.plan.mesh["dp"])
         for updates in self.updates:
             updates.finish()
-        if self.draws is not None:
-            self.draws.step += 1
 
 
 def build_stages(out_dir: str | Path, *, device: torch.device | None = None, weights: Path | None = None,
@@ -338,7 +339,8 @@ def build_stages(out_dir: str | Path, *, device: torch.device | None = None, wei
         modules[stage_plan.index] = module
         forwards.append(forward)
         wrapped = BatchByKeyword(forward, module, stage_plan.batch_inputs, updates[-1])
-        stages.append(InferringStage(wrapped, stage_plan.index, len(plan.stages), device, group=groups.pp, draws=draws))
+        stages.append(InferringStage(wrapped, stage_plan.index, len(plan.stages), device, group=groups.pp, draws=draws,
+                                     counts_steps=not stages))  # fmt: skip
     return Pipeline(plan=plan, out_dir=out_dir, coordinates=here, modules=modules, stages=stages,
                     schedule_class=TORCH_SCHEDULES[plan.schedule.kind], groups=groups,
-                    tied=tied_groups(plan, mesh, rank), forwards=forwards, updates=updates, draws=draws)  # fmt: skip
+                    tied=tied_groups(plan, mesh, rank), forwards=forwards, updates=updates)  # fmt: skip
