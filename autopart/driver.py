@@ -202,7 +202,7 @@ def measured_plan(options: CompileOptions, *, progress=None, console=None) -> tu
     that fails leaves the prediction on the ops and messages, with a warning that says why."""
     options, measured = measure_defaults(options, console=console, progress=progress)
     plan, front = compile_plan(options, progress)
-    check_mean_loss(front.spec, plan)  # before the plan runs here
+    check_mean_loss(plan, front.op_graph.graph.loss_reduction, front.spec.path.name)  # before the plan runs here
     basis = measured.basis
     by_default = measured.without_pipeline is not None
     if by_default and not affordable(plan):

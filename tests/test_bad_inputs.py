@@ -208,10 +208,9 @@ MODEL_CASES = {
     "loss_summed_over_the_batch": (  # trained with gradients 1/4 of the model's, in silence, before
         LINEAR.replace("mse_loss(output, target)", "mse_loss(output, target, reduction='sum')"),
         ["--microbatches", "4", "--no-measure"],
-        r"the loss of loss_summed_over_the_batch\.py sums over the batch \(a batch of 2 gives [0-9.]+, the sum of its "
-        r"samples' [0-9.]+, [0-9.]+\), and the plan splits each batch of 8 into 4 of 2 and averages their losses, so "
-        r"it would train with gradients 1/4 of the model's; make it a mean over the batch \(reduction='mean', or "
-        r"divide by the batch size\)",
+        r"the loss of loss_summed_over_the_batch\.py sums over the batch \(the loss of two samples is the sum of each "
+        r"one's\), and the plan splits each batch of 8 into 4 of 2 and averages their losses, so it would train with "
+        r"gradients 1/4 of the model's; make it a mean over the batch \(reduction='mean', or divide by the batch size\)",
     ),
     "batch_norm_of_a_cumulative_average": (  # 'control flow on tensor values' at the line that calls it, before
         GOOD_BATCH + "\ndef build_model():\n    return torch.nn.Sequential(torch.nn.Linear(8, 4), "

@@ -6,10 +6,10 @@ import logging
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import autopart
-from autopart.ir.model_file import load_model_file
-from autopart.passes.loss_reduction import check_mean_loss
+from autopart.passes.loss_reduction import MEAN, OTHER, SUM, UNKNOWN, reduction_of
 
 MODEL = """
 import torch
@@ -20,12 +20,9 @@ class Model(torch.nn.Module):
     def __init__(self):
         super().__init__()
         self.linear = torch.nn.Linear(8, 8)
-        self.drop = torch.nn.Dropout(0.5)
-        self.register_buffer("calls", torch.zeros((), dtype=torch.int64))
 
     def forward(self, x):
-        self.calls += 1
-        return self.drop(self.linear(x))
+        return self.linear(x) + 0.1 * torch.randn_like(x)  # noise drawn in forward (a VAE's sampling)
 
 
 def build_model():
@@ -34,6 +31,7 @@ def build_model():
 
 
 def example_batch(batch_size):
+    assert batch_size % 2 == 0, "pairs only"
     g = torch.Generator().manual_seed(1)
     return (torch.randn(batch_size, 8, generator=g),), torch.randn(batch_size, 8, generator=g)
 
@@ -41,7 +39,7 @@ def example_batch(batch_size):
 def loss_fn(output, target):
     return LOSS
 """
-SUM = "F.mse_loss(output, target, reduction='sum')"
+SUM_LOSS = "F.mse_loss(output, target, reduction='sum')"
 IN_BATCH = "F.cross_entropy(output @ target.T, torch.arange(len(output)))"  # each sample against the batch's others
 
 
@@ -52,14 +50,17 @@ def _model(tmp_path, loss):
 
 
 def test_a_summed_loss_is_refused_only_where_the_plan_splits_the_batch(tmp_path):
-    model = _model(tmp_path, SUM)
-    with pytest.raises(autopart.AutopartError, match=r"sums over the batch .* so it would train with gradients 1/2 "):
+    model = _model(tmp_path, SUM_LOSS)
+    with pytest.raises(autopart.AutopartError, match=r"sums over the batch .* splits each batch of 4 into 2 of 2 and "
+                                                     r"averages their losses, so it would train with gradients 1/2 "):
         autopart.compile(model, pp=1, microbatches=2, global_batch_size=4, measure=False)
     whole = autopart.compile(model, pp=1, microbatches=1, global_batch_size=4, measure=False)  # the model's own loss
     assert whole.schedule.micro_batch_size == whole.schedule.global_batch_size == 4
 
 
 def test_a_loss_within_the_batch_is_warned_of_and_a_mean_is_not(tmp_path, caplog):
+    """The model draws noise in its forward and its example batch takes pairs only: the check
+    runs no forward of its own and asks no other batch size, so neither tells the samples apart."""
     with caplog.at_level(logging.WARNING, logger="autopart"):
         autopart.compile(_model(tmp_path, IN_BATCH), pp=1, microbatches=2, global_batch_size=4, measure=False)
     warned = [r.getMessage() for r in caplog.records if "not a mean over the batch" in r.getMessage()]
@@ -71,14 +72,19 @@ def test_a_loss_within_the_batch_is_warned_of_and_a_mean_is_not(tmp_path, caplog
     assert not [r for r in caplog.records if "mean over the batch" in r.getMessage()]
 
 
-def test_the_check_leaves_the_model_as_it_found_it(tmp_path):
-    """Run in eval mode, so that dropout and batch statistics do not tell the halves apart: the
-    training flags, the buffers a forward advances and the caller's random state are put back."""
-    spec = load_model_file(_model(tmp_path, "F.mse_loss(output, target)"))
-    plan = autopart.compile(spec.path, pp=1, microbatches=2, global_batch_size=4, measure=False)
-    spec.module.drop.eval()  # one submodule's own flag, which module.train() would overwrite
-    calls = spec.module.calls.clone()
-    state = torch.get_rng_state()
-    check_mean_loss(spec, plan)
-    assert spec.module.training and not spec.module.drop.training and spec.module.linear.training
-    assert torch.equal(spec.module.calls, calls) and torch.equal(torch.get_rng_state(), state)
+def test_how_a_loss_reduces_over_the_batch():
+    logits, labels = torch.randn(3, 5, 7), torch.randint(0, 7, (3, 5))
+
+    def tokens(output, target, **kw):
+        return F.cross_entropy(output.reshape(-1, 7), target.reshape(-1), **kw)
+
+    assert reduction_of(tokens, logits, labels) == MEAN
+    assert reduction_of(tokens, logits.bfloat16(), labels) == MEAN  # 16-bit rounding is no reduction
+    assert reduction_of(lambda o, t: tokens(o, t, reduction="sum"), logits, labels) == SUM
+    assert reduction_of(lambda o, t: tokens(o, t, reduction="sum"), logits[:1], labels[:1]) == SUM  # one sample, twice
+    uneven = labels.clone()
+    uneven[0, :3] = -100  # sample 0 counts 2 tokens, sample 1 counts 5: the batch's mean is no mean of theirs
+    assert reduction_of(tokens, logits, uneven) == OTHER
+    assert reduction_of(None, logits, labels) == UNKNOWN  # the model returns its loss
+    assert reduction_of(lambda o, t: o[1].mean(), logits, labels) == UNKNOWN  # needs a second sample
+    assert reduction_of(lambda o, t: tokens(o["logits"], t["labels"]), {"logits": logits}, {"labels": labels}) == MEAN

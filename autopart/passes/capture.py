@@ -42,6 +42,7 @@ from autopart.ir.model_file import ModelSpec, describe_error, eager_loss, file_l
 from autopart.passes.buffer_writes import buffer_versions, check_fx_graph, check_inputs_unwritten
 from autopart.passes.capture_checks import Example, check_same_loss, same_draws
 from autopart.passes.export import export_training_graph
+from autopart.passes.loss_reduction import UNKNOWN, reduction_of
 from autopart.passes.shallow import repeated_layers, shallow_module
 
 # A GraphModule that writes its Python code when it is first run or read, not when it is made or
@@ -73,6 +74,7 @@ class Graph:
     """The model's buffers as build_model made them, before the capture's checks and annotate's
     timing ran forwards in training mode on them (BatchNorm's running statistics move): what the
     emitted weights hold, as the reference run starts from them."""
+    loss_reduction: str = UNKNOWN  # how the loss reduces over the batch (`autopart.passes.loss_reduction`)
 
 
 class _Proxy(fx.Proxy):
@@ -248,7 +250,7 @@ def capture(
     check_model_names(spec.module, spec.path.name)
     _check_no_backward_hooks(spec.module, spec.path.name)
     before, versions = _built_buffers(spec.module), buffer_versions(spec.module)
-    expected = _eager_reference(spec, inputs, target)
+    expected, reduction = _eager_reference(spec, inputs, target)
     leaf_types = leaf_classes(spec.module, leaves)
     _check_no_cumulative_batch_norm(spec.module, spec.path.name, leaf_types)
     if leaves and method == "export":
@@ -260,7 +262,7 @@ def capture(
             graph = _graph(_trace_fx(spec, inputs, leaf_types), "fx", has_target, spec.module)
             check_fx_graph(graph.module, graph.constants, spec.module)
             check_same_loss(spec, graph.module, Example(inputs, target, has_target), expected, before, versions)
-            return replace(graph, built_buffers=before)
+            return replace(graph, built_buffers=before, loss_reduction=reduction)
         except ModelFileError:  # the file breaks the contract: no other capture will do better
             raise
         except Exception as exc:
@@ -288,7 +290,7 @@ def capture(
     check_same_loss(spec, graph.module, Example(inputs, target, has_target), expected, before, versions)
     if fx_failure:
         log.info(f"torch.fx could not trace {spec.path.name} ({fx_failure}); captured it with torch.export")
-    return replace(graph, built_buffers=before)
+    return replace(graph, built_buffers=before, loss_reduction=reduction)
 
 
 _BUILT: weakref.WeakKeyDictionary[nn.Module, dict[str, torch.Tensor]] = weakref.WeakKeyDictionary()
@@ -383,8 +385,9 @@ def _on_model_device(spec: ModelSpec, inputs: tuple[torch.Tensor, ...]) -> tuple
     return tuple(x.to("meta") for x in inputs) if is_meta(spec.module) else inputs
 
 
-def _eager_reference(spec: ModelSpec, inputs: tuple[torch.Tensor, ...], target: Any) -> torch.Tensor | None:
-    """The eager loss that the graph must match; on the meta device only checked to run (None).
+def _eager_reference(spec: ModelSpec, inputs: tuple[torch.Tensor, ...], target: Any) -> tuple[torch.Tensor | None, str]:
+    """The eager loss that the graph must match, on the meta device only checked to run (None), and
+    how the loss reduces over the batch (`autopart.passes.loss_reduction.reduction_of`).
 
     A meta model with a long run of layers alike is run with two of them (``autopart.passes.shallow``):
     the layers past the second take what the second gives, of the same shapes, so the check
@@ -395,11 +398,17 @@ def _eager_reference(spec: ModelSpec, inputs: tuple[torch.Tensor, ...], target: 
         layers = repeated_layers(spec.module)
         if layers is not None:
             checked = replace(spec, module=shallow_module(spec.module, layers))
+    reduction = UNKNOWN
     with torch.no_grad(), torch.device("meta") if meta else contextlib.nullcontext():
         try:
             args = _on_model_device(spec, inputs), target.to("meta") if meta and target is not None else target
             with same_draws():
-                expected = eager_loss(checked, *args)
+                if meta or spec.loss_fn is None:
+                    expected = eager_loss(checked, *args)
+                else:  # the output kept to tell how the loss reduces over the batch, which needs no forward
+                    output = checked.module(*args[0])
+                    expected = spec.loss_fn(output, args[1])
+                    reduction = reduction_of(spec.loss_fn, output, args[1])
         except Exception as exc:
             raise ModelFileError(
                 f"the model rejects its own example batch: {describe_error(exc, spec.path)}; "
@@ -410,7 +419,7 @@ def _eager_reference(spec: ModelSpec, inputs: tuple[torch.Tensor, ...], target: 
             f"the loss of {spec.path.name} is not a scalar tensor; define loss_fn(output, target) "
             "that returns the mean loss, or make the model return it"
         )
-    return None if meta else expected
+    return (None if meta else expected), reduction
 
 
 def graph_args(graph: Graph, inputs: tuple[torch.Tensor, ...], target: Any) -> tuple[Any, ...]:

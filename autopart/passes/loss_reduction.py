@@ -4,101 +4,87 @@ batch's loss for a mean and only for a mean. A sum (``reduction="sum"``) trains 
 divided by the number of microbatches and replicas, silently a smaller learning rate; a loss that
 compares samples within the batch (in-batch negatives) trains on pairs within each microbatch only.
 
-Checked on the example batch in eval mode (no dropout; BatchNorm on its running statistics), so
-that the halves' losses differ from the whole's through the loss's reduction alone, with the
-model's training flags, buffers and random state put back afterwards."""
+The capture tells which (`reduction_of`): ``loss_fn`` alone, on the output of the eager run it
+makes anyway, for two samples against each one alone. No forward is run for it, so nothing of the
+model (its buffers, its random draws, its training flags) is touched. `check_mean_loss` then judges
+a plan by it: a sum is refused where the plan splits the batch, any other loss that is not the
+batch's mean is warned of."""
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import nn
 from torch.utils import _pytree as pytree
 
 from autopart.ir.errors import ModelFileError
-from autopart.ir.model_file import ModelSpec, eager_loss, is_meta
 from autopart.ir.plan import Plan
-from autopart.passes.capture_checks import same_draws
 
-__all__ = ["check_mean_loss"]
+__all__ = ["MEAN", "SUM", "OTHER", "UNKNOWN", "check_mean_loss", "reduction_of"]
 
 log = logging.getLogger("autopart")
 
-SAMPLES = 2
-"""The example batch the check splits in two: one sample each, so any reduction shows."""
+MEAN, SUM, OTHER, UNKNOWN = "mean", "sum", "other", "unknown"
 
 
-def check_mean_loss(spec: ModelSpec, plan: Plan) -> None:
+def reduction_of(loss_fn: Callable[[Any, Any], Any] | None, output: Any, target: Any) -> str:
+    """How ``loss_fn`` reduces over the batch of ``output`` and ``target`` (batch first): `MEAN`
+    where the loss of two samples is the mean of each one's, `SUM` where it is their sum, `OTHER`
+    else; `UNKNOWN` where it cannot be told (no loss_fn: the model returns its loss; no tensor
+    split along a batch). A batch of one sample is compared as that sample twice."""
+    outputs = [t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor)]
+    if loss_fn is None or not outputs or outputs[0].dim() == 0:
+        return UNKNOWN
+    batch = outputs[0].shape[0]
+
+    def rows(value: Any, picked: list[int]) -> Any:
+        def part(t: Any) -> Any:
+            if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == batch:
+                t = t.detach()[picked]
+                return t.float() if t.is_floating_point() else t  # 16-bit rounding is no reduction
+            return t
+
+        return pytree.tree_map(part, value)
+
+    pair = [0, 1] if batch >= 2 else [0, 0]
+    try:
+        with torch.no_grad():
+            whole = _scalar(loss_fn(rows(output, pair), rows(target, pair)))
+            each = [_scalar(loss_fn(rows(output, [i]), rows(target, [i]))) for i in pair]
+    except Exception:  # noqa: BLE001 - a loss that needs more samples than one: nothing to compare
+        return UNKNOWN
+    if whole is None or None in each:
+        return UNKNOWN
+    if _close(whole, sum(each) / 2):
+        return MEAN
+    return SUM if _close(whole, sum(each)) else OTHER
+
+
+def check_mean_loss(plan: Plan, reduction: str, model_file: str) -> None:
     """Refuse a loss that sums over the batch where ``plan`` splits the batch (microbatches or
     replicas), in one line; warn of any other loss that is not the batch's mean."""
     schedule = plan.schedule
     pieces = schedule.global_batch_size // schedule.micro_batch_size
-    if pieces == 1 or spec.module is None or is_meta(spec.module):
+    if pieces == 1 or reduction in (MEAN, UNKNOWN):
         return
-    inputs, target = spec.example(SAMPLES)
-    if any(not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] != SAMPLES for t in inputs):
-        return  # not split along a first dimension of the batch: nothing to compare
-    with _evaluated(spec.module):
-        whole = _loss(spec, inputs, target, slice(None))
-        halves = [_loss(spec, inputs, target, slice(i, i + 1)) for i in range(SAMPLES)]
-    if whole is None or any(h is None for h in halves):
-        return
-    mean, total = sum(halves) / SAMPLES, sum(halves)
-    if _close(whole, mean):
-        return
-    name = spec.path.name
     split = f"the plan splits each batch of {schedule.global_batch_size} into {pieces} of {schedule.micro_batch_size}"
-    if _close(whole, total):
+    if reduction == SUM:
         raise ModelFileError(
-            f"the loss of {name} sums over the batch (a batch of {SAMPLES} gives {whole:.6g}, the sum of its samples' "
-            f"{', '.join(f'{h:.6g}' for h in halves)}), and {split} and averages their losses, so it would train with "
-            f"gradients 1/{pieces} of the model's; make it a mean over the batch (reduction='mean', or divide by the "
-            "batch size)"
+            f"the loss of {model_file} sums over the batch (the loss of two samples is the sum of each one's), and "
+            f"{split} and averages their losses, so it would train with gradients 1/{pieces} of the model's; make it "
+            "a mean over the batch (reduction='mean', or divide by the batch size)"
         )
-    log.warning(f"the loss of {name} is not a mean over the batch (a batch of {SAMPLES} gives {whole:.6g}, its samples "
-                f"{', '.join(f'{h:.6g}' for h in halves)} alone): {split} and averages their losses, so it trains on "
-                "another loss than the whole batch's (one that compares samples within the batch, or ignore_index "
-                "counting unequally), and autopart verify, whose reference runs the whole batch, shows the difference")
+    log.warning(f"the loss of {model_file} is not a mean over the batch (the loss of two samples is not the mean of "
+                f"each one's): {split} and averages their losses, so it trains on another loss than the whole "
+                "batch's (one that compares samples within the batch, or ignore_index counting unequally), and "
+                "autopart verify, whose reference runs the whole batch, shows the difference")
 
 
-def _loss(spec: ModelSpec, inputs: tuple[torch.Tensor, ...], target: Any, rows: slice) -> float | None:
-    """The loss of the example's ``rows``; None where the target is not split alike (no batch dimension)."""
-    def part(value: Any) -> Any:
-        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == SAMPLES:
-            return value[rows]
-        return value
-
-    if target is not None and not any(isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == SAMPLES
-                                      for t in pytree.tree_leaves(target)):
-        return None
-    try:
-        with torch.no_grad(), same_draws():
-            loss = eager_loss(spec, tuple(part(t) for t in inputs), pytree.tree_map(part, target))
-    except Exception:  # noqa: BLE001 - a model that needs more samples than one: nothing to compare
-        return None
-    return float(loss.detach().float()) if isinstance(loss, torch.Tensor) and loss.numel() == 1 else None
+def _scalar(loss: Any) -> float | None:
+    return float(loss.detach().double()) if isinstance(loss, torch.Tensor) and loss.numel() == 1 else None
 
 
 def _close(a: float, b: float) -> bool:
     return abs(a - b) <= 1e-4 * max(abs(a), abs(b)) + 1e-6
-
-
-@contextlib.contextmanager
-def _evaluated(module: nn.Module) -> Iterator[None]:
-    """``module`` in eval mode, its buffers (a counter that forward advances) and each submodule's
-    training flag as they were afterwards."""
-    flags = [(m, m.training) for m in module.modules()]
-    buffers = [(b, b.clone()) for b in module.buffers()]
-    module.eval()
-    try:
-        yield
-    finally:
-        for m, training in flags:
-            m.training = training
-        with torch.no_grad():
-            for b, kept in buffers:
-                b.copy_(kept)
