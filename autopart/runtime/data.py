@@ -148,36 +148,30 @@ def apart(make: Callable[[], Iterable[T]], seed: int) -> Iterator[T]:
     resume restores each rank's state and replays the steps done, so batches after it would
     differ from those of one uninterrupted run. Training's own states are put back after every
     draw."""
-    # a process that has not started CUDA (a compile, a CPU run) draws nothing there worth a context
-    devices = [torch.cuda.current_device()] if torch.cuda.is_initialized() else []
-    with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(seed)  # the CPU generator and every CUDA device's
-        states = _torch_states(devices), random.Random(seed).getstate()
+    cpu, python = torch.Generator().manual_seed(seed).get_state(), random.Random(seed).getstate()
+    cuda: dict[int, torch.Tensor] = {}  # per device, from the first draw after the process starts using it
     source: Iterator[T] | None = None
     while True:
+        # a process that has not started CUDA (a compile, a CPU run) draws nothing there worth a context
+        devices = [torch.cuda.current_device()] if torch.cuda.is_initialized() else []
+        for device in devices:
+            cuda.setdefault(device, torch.Generator(device=f"cuda:{device}").manual_seed(seed).get_state())
         training = random.getstate()
         with torch.random.fork_rng(devices=devices):
-            _set_torch_states(states[0], devices)
-            random.setstate(states[1])
+            torch.set_rng_state(cpu)
+            for device in devices:
+                torch.cuda.set_rng_state(cuda[device], device)
+            random.setstate(python)
             try:
                 source = iter(make()) if source is None else source
                 item = next(source)
             except StopIteration:
                 return
             finally:
-                states = _torch_states(devices), random.getstate()
+                cpu, python = torch.get_rng_state(), random.getstate()
+                cuda.update({device: torch.cuda.get_rng_state(device) for device in devices})
                 random.setstate(training)
         yield item
-
-
-def _torch_states(devices: list[int]) -> tuple[torch.Tensor, ...]:
-    return torch.get_rng_state(), *(torch.cuda.get_rng_state(device) for device in devices)
-
-
-def _set_torch_states(states: tuple[torch.Tensor, ...], devices: list[int]) -> None:
-    torch.set_rng_state(states[0])
-    for device, state in zip(devices, states[1:], strict=True):
-        torch.cuda.set_rng_state(state, device)
 
 
 class HeldOut:
