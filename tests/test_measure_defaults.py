@@ -19,6 +19,7 @@ from rich.console import Console
 from safetensors.torch import load_file
 
 import autopart
+import cost_models
 from autopart.predict import accuracy
 from autopart.profiling import measure_defaults
 from autopart.predict.accuracy import Band, basis_for, load_bands, write_band
@@ -397,6 +398,7 @@ def test_a_16_bit_step_is_no_faster_than_the_mfu_ceiling_and_says_so(tmp_path) -
     predicted = plan.predicted
     assert predicted.unbounded_step_s is not None and predicted.unbounded_step_s < predicted.step_s
     assert accuracy.implied_mfu(plan) == pytest.approx(accuracy.MFU_CEILING)
+    assert accuracy.mfu_clause(plan) == ""  # the parenthesis says the ceiling's; no second MFU beside it
     unbounded = replace(plan, predicted=replace(predicted, step_s=predicted.unbounded_step_s))
     assert accuracy.implied_mfu(unbounded) > 0.6
     assert (f"bounded by the ~55% MFU that the best published dense 16-bit runs reach, where the device's kernel "
@@ -411,22 +413,28 @@ def test_a_16_bit_step_is_no_faster_than_the_mfu_ceiling_and_says_so(tmp_path) -
 
 
 def test_a_plan_for_an_accelerator_prints_its_mfu_and_one_for_the_cpu_does_not(tmp_path, capsys) -> None:
-    """The compile line, explain's and report.md give a GPU plan's MFU, the figure users hold their
-    Megatron and torchtitan runs to; it is the step's own (`implied_mfu`), under the ceiling. The
-    CPU's peak is a matrix product measured here: no MFU is printed for it."""
+    """The compile line, explain's and report.md give a 16-bit GPU plan's MFU, the figure users hold
+    their Megatron and torchtitan runs to; it is the step's own (`implied_mfu`), under the ceiling.
+    None for the CPU (its peak is a matrix product measured here), under any name, nor for fp32."""
     wide = Path(__file__).resolve().parent / "models" / "wide_linears.py"
-    common = ["--pp", "1", "--microbatches", "4", "--global-batch-size", "16", "--dtype", "bf16"]
+    common = ["--pp", "1", "--microbatches", "4", "--global-batch-size", "4", "--dtype", "bf16"]  # under the ceiling
     main(["compile", str(wide), "-o", str(tmp_path / "gpu"), "--device", "a100-80gb", *common])
     main(["explain", str(tmp_path / "gpu")])
     plan = load_plan(tmp_path / "gpu" / "plan.json")
     mfu = accuracy.implied_mfu(plan)
-    assert 0.05 < mfu <= accuracy.MFU_CEILING
+    assert 0.05 < mfu < accuracy.MFU_CEILING and plan.predicted.unbounded_step_s is None
     printed = " ".join(capsys.readouterr().out.split())
     assert printed.count(f"ms (a100-80gb roofline") == 2 and printed.count(f", MFU {mfu:.1%}, bubble") == 2
     assert f", MFU {mfu:.1%}, bubble" in (tmp_path / "gpu" / "report.md").read_text()
-    main(["compile", str(MODEL), "-o", str(tmp_path / "cpu"), "--pp", "1", "--microbatches", "2", "--device", "cpu",
-          "--no-measure"])
-    assert "MFU" not in capsys.readouterr().out and "MFU" not in (tmp_path / "cpu" / "report.md").read_text()
+    assert plan.provenance.device_kind == "cuda"
+    xeon = tmp_path / "xeon.toml"  # a CPU spec of the user's, under a name of theirs
+    xeon.write_text((Path(cost_models.__file__).parent / "devices" / "cpu.toml").read_text())
+    others = {"cpu": ["--device", "cpu"], "xeon": ["--device", str(xeon)],
+              "fp32": ["--device", "a100-80gb", "--dtype", "fp32"]}  # its peak is not the one MFU figures are of
+    for name, extra in others.items():
+        main(["compile", str(MODEL), "-o", str(tmp_path / name), "--pp", "1", "--microbatches", "2", "--no-measure",
+              *extra])
+        assert "MFU" not in capsys.readouterr().out and "MFU" not in (tmp_path / name / "report.md").read_text(), name
 
 
 def test_a_broken_accuracy_file_is_one_line(tmp_path) -> None:

@@ -131,6 +131,7 @@ class Provenance:
     torch_version: str
     leaves: tuple[str, ...] = ()  # module classes kept whole by tracing (--leaf)
     device: str = ""  # the device spec costed for: a bundled name or a .toml's absolute path ("" in older plans)
+    device_kind: str = ""  # that spec's kind: "cpu", "cuda", "rocm" ("" in older plans)
     search: dict[str, Any] = field(default_factory=dict)  # what the search visited, and its finalists
     sources_sha256: str = ""  # the model file's and the files' beside it that it imports ("" in older plans)
 
@@ -224,6 +225,7 @@ class Plan:
                 torch_version=provenance.str("torch_version"),
                 leaves=tuple(str(n) for n in provenance.data.get("leaves", [])),
                 device=provenance.str("device") if "device" in provenance.data else "",
+                device_kind=provenance.str("device_kind") if "device_kind" in provenance.data else "",
                 search=provenance.sub("search").data if "search" in provenance.data else {},
                 sources_sha256=provenance.str("sources_sha256") if "sources_sha256" in provenance.data else "",
             ),

@@ -257,14 +257,15 @@ def implied_mfu(plan: Plan) -> float:
 
 
 def mfu_clause(plan: Plan) -> str:
-    """", MFU 44.1%" after the predicted step of a plan for an accelerator (its roofline or its
-    measured ops): the figure Megatron, torchtitan and the papers report, so a user compares the
-    plan with their runs in their own terms, and one above `MFU_CEILING` stands out at once. ""
-    for the CPU, whose peak is a matrix product measured here, which no published run is held to."""
-    device = plan.provenance.cost_model.partition(":")[2]
-    if device in ("", "cpu") or implied_mfu(plan) <= 0:
+    """", MFU 44.1%" after the predicted step of a 16-bit plan for an accelerator (its roofline or
+    its measured ops): the figure Megatron, torchtitan and the papers report, so a user compares
+    the plan with their runs in their own terms. "" for the CPU (its peak is a matrix product
+    measured here, which no published run is held to), for fp32 (its peak is not the one those
+    figures are of), and where the step is the MFU ceiling's (`describe_prediction` says so)."""
+    kind = plan.provenance.device_kind or ("cpu" if plan.provenance.cost_model.endswith(":cpu") else "")
+    if kind in ("", "cpu") or not plan.dtype.startswith("bf16") or plan.predicted.unbounded_step_s is not None:
         return ""
-    return f", MFU {implied_mfu(plan):.1%}"
+    return f", MFU {implied_mfu(plan):.1%}" if implied_mfu(plan) > 0 else ""
 
 
 def describe_prediction(plan: Plan) -> str:

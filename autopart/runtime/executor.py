@@ -91,7 +91,13 @@ def unfinished(sends: list[Any]) -> list[Any]:
     memory model does not count. Asking is no wait: under NCCL, waiting here would make the
     compute stream wait for a peer. (gloo calls a send complete only once waited for, so on the
     CPU they all stay to the step's end, where CPU memory is not what is planned.)"""
-    return [work for work in sends if not work.is_completed()]
+    under_way = []
+    for work in sends:
+        if work.is_completed():
+            work.wait()  # no wait once done; raises for a send that failed, which is done too
+        else:
+            under_way.append(work)
+    return under_way
 
 
 class Executor:

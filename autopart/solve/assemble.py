@@ -226,6 +226,7 @@ def _provenance(options: CompileOptions, front: Front, objective_s: float, solve
         capture=front.op_graph.graph.method,
         leaves=options.leaf,
         device=device,
+        device_kind=front.cost_model.device.kind,
         cost_model=front.cost_model.name,
         solver_status=solver[0],
         objective_s=objective_s,
