@@ -473,6 +473,11 @@ def profile_comm(*, ranks: int = 2, backend: str | None = None, effort: Effort =
         raise ConfigError(f"--backend must be gloo or nccl, got {backend!r}")
     if backend == "nccl" and torch.cuda.device_count() < ranks:
         raise ConfigError(f"nccl over {ranks} ranks needs {ranks} GPUs, {torch.cuda.device_count()} visible; use fewer --ranks")
+    cores = usable_cores()
+    if backend == "gloo" and ranks > max(2, cores):  # each rank is a process here: a typo was a fork bomb
+        raise ConfigError(f"--ranks {ranks} would start {ranks} processes on this machine's {cores} core"
+                          f"{'s' * (cores > 1)}, where ranks past one per core measure the cores taking turns, not "
+                          f"the links; use --ranks {max(2, cores)} or fewer")
     device = local_device_name("cuda" if backend == "nccl" else "cpu")
     writable_cache_dir()  # before the seconds of measuring, not after them
     with tempfile.TemporaryDirectory() as folder:

@@ -701,3 +701,16 @@ def test_a_need_just_above_the_limit_prints_above_it():
     assert gib_beside(862951728, round(0.803 * gib)) == ("0.8037", "0.803")
     assert gib_beside(round(79.6481 * gib), round(79.6472 * gib)) == ("79.6481", "79.6472")
     assert gib_beside(335000000, round(0.0001 * gib)) == ("0.312", "0.0001")
+
+
+def test_profile_comm_starts_no_more_processes_than_cores(capsys, monkeypatch):
+    """Each gloo rank of profile-comm is a process of this machine: ``--ranks 100000`` (a typo of
+    10) started them all, a fork bomb, where past one per core they measure the cores taking turns."""
+    import cost_models.comm_profile as comm_profile
+    from cost_models.calibration import usable_cores
+
+    monkeypatch.setattr(comm_profile, "run_here", lambda *args, **kwargs: pytest.fail("profile-comm started its ranks"))
+    ranks = max(2, usable_cores()) + 1
+    line = call_cli(capsys, "profile-comm", "--ranks", str(ranks), "--backend", "gloo")
+    assert re.search(rf"--ranks {ranks} would start {ranks} processes on this machine's \d+ cores?, .*; use --ranks "
+                     rf"{ranks - 1} or fewer$", line), line
