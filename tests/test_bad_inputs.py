@@ -493,6 +493,11 @@ TRAIN_CASES = {  # name -> (environment, arguments given (folder, OUT), pattern 
     "negative_seconds": ({}, lambda f, o: ["--seconds", "-1"], r"--seconds must be a number of seconds, at least 0, got -1"),
     "seconds_with_trace": ({}, lambda f, o: ["--seconds", "1", "--trace", str(f / "t.json")],
                            r"--trace records the last of --steps, which --seconds may not reach; give one of them"),
+    "nan_timeout": ({}, lambda f, o: ["--timeout", "nan"],  # the refusal's own wait took it, and failed in a traceback
+                    r"--timeout must be a positive number of seconds, at most 31536000 \(a year\), got nan$"),
+    "infinite_timeout": ({}, lambda f, o: ["--timeout", "inf"], r"--timeout must be a positive number of seconds, .*got inf"),
+    "seed_past_64_bits": ({}, lambda f, o: ["--seed", str(10**20)],
+                          r"--seed must lie between -2\*\*40 and 2\*\*40 \(1099511627776\), got 10{20}; give a smaller"),
     "negative_checkpoint_every": ({}, lambda f, o: ["--checkpoint-dir", str(f / "c"), "--checkpoint-every", "-1"],
                                   r"--checkpoint-every must be at least 0, got -1"),
     "metrics_under_a_file": ({}, lambda f, o: _a_file(f / "notes") + ["--metrics", str(f / "notes" / "m.jsonl")],

@@ -74,8 +74,9 @@ from autopart.runtime.optim import OPTIMIZERS, make_optimizer
 from autopart.runtime.process_exit import leave
 from autopart.runtime.sharded_masters import ShardedMasters
 from autopart.runtime.output_paths import save_tensors
-from autopart.runtime.train_flags import (check_arguments, check_compile_kept, check_initial_weights,
-                                          check_weights_folder, note_optimizer_state, resumed, resumed_past_the_end)
+from autopart.runtime.train_flags import (DEFAULT_TIMEOUT_S, check_arguments, check_compile_kept, check_initial_weights,
+                                          check_weights_folder, note_optimizer_state, resumed, resumed_past_the_end,
+                                          timeout_to_refuse_with)
 from autopart.runtime.progress import StepReporter, Throughput, check_tensorboard, tokens_in
 from autopart.runtime.recipe import Recipe, add_recipe_arguments, parameter_groups
 from autopart.runtime import collectives
@@ -112,7 +113,7 @@ def parse_args(argv: list[str] | None, plan: Plan) -> argparse.Namespace:
     parser.add_argument("--action-times", type=Path,
                         help="each rank writes DIR/rank_<r>.jsonl: per step, each action's wall and CPU seconds")
     parser.add_argument("--save-weights", type=Path, help="write each stage's final weights here (safetensors)")
-    parser.add_argument("--timeout", type=float, default=600.0, help="seconds before a stuck peer is an error")
+    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds before a stuck peer is an error")
     parser.add_argument(
         "--weights", type=Path, help="initial weights: a safetensors file of the model, read by parameter name"
     )
@@ -164,7 +165,7 @@ def _train(out_dir: Path, argv: list[str] | None) -> None:
     try:
         schedule, source_file, device = _checked(out_dir, plan, args, rank)
     except AutopartError as refusal:  # told to every rank first: a peer on another node would wait for this one
-        init_process_group("gloo", args.timeout, refusal=str(refusal))  # raises it under torchrun
+        init_process_group("gloo", timeout_to_refuse_with(args.timeout), refusal=str(refusal))  # raises it under torchrun
         raise
     store = init_process_group(backend(device), args.timeout)
     try:

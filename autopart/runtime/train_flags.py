@@ -18,8 +18,20 @@ from autopart.runtime.mesh import Mesh
 from autopart.runtime.shards import weights_file_name
 from autopart.runtime.stage import check_checkpoint, model_shapes, state_names, tensor_aliases
 
-__all__ = ["check_arguments", "note_optimizer_state", "check_compile_kept", "check_initial_weights", "check_weights_folder", "compile_files",
+__all__ = ["DEFAULT_TIMEOUT_S", "timeout_to_refuse_with", "check_arguments", "note_optimizer_state", "check_compile_kept", "check_initial_weights", "check_weights_folder", "compile_files",
            "resumed", "resumed_past_the_end"]
+
+DEFAULT_TIMEOUT_S = 600.0
+LONGEST_TIMEOUT_S = 365 * 24 * 3600.0
+"""A year: past it (inf, 1e20) the timeout does not fit the process group's, which failed in a traceback."""
+SEED_LIMIT = 2**40
+"""The synthetic batches seed a generator with seed * 1_000_003 + step, which must fit in 64 bits."""
+
+
+def timeout_to_refuse_with(timeout_s: float) -> float:
+    """The seconds that every rank waits for the others' refusals: ``--timeout`` where it is one
+    (0 or nan is itself what they refuse, and made the process group fail in a traceback first)."""
+    return timeout_s if 0 < timeout_s <= LONGEST_TIMEOUT_S else DEFAULT_TIMEOUT_S
 
 
 def check_arguments(args: argparse.Namespace) -> None:
@@ -42,8 +54,11 @@ def check_arguments(args: argparse.Namespace) -> None:
     if args.eval_batches != 1 and not args.eval_every:
         raise ConfigError("--eval-batches counts the held-out batches of each --eval-every K; give it too, or drop "
                           "--eval-batches")
-    if not args.timeout > 0:
-        raise ConfigError(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
+    if not 0 < args.timeout <= LONGEST_TIMEOUT_S:
+        raise ConfigError(f"--timeout must be a positive number of seconds, at most {LONGEST_TIMEOUT_S:.0f} (a year), "
+                          f"got {args.timeout:g}")
+    if not -SEED_LIMIT < args.seed < SEED_LIMIT:
+        raise ConfigError(f"--seed must lie between -2**40 and 2**40 ({SEED_LIMIT}), got {args.seed}; give a smaller seed")
     if args.seconds is not None and not args.seconds >= 0:
         raise ConfigError(f"--seconds must be a number of seconds, at least 0, got {args.seconds:g}")
     if args.seconds is None and (args.min_steps is not None or args.untimed_steps is not None):
