@@ -108,6 +108,32 @@ def _choose(rank: int, port: int, root: Path) -> None:
         assert context.chosen() == root / "step_00000001", "rank 1 found step 2 damaged: both fall back"
 
 
+def _resume_where_every_checkpoint_is_damaged(rank: int, port: int, root: Path) -> None:
+    from autopart.runtime.checkpoint import CheckpointContext
+
+    module = torch.nn.Linear(2, 2)
+    context = CheckpointContext(root=root, out_dir=root, modules={0: module}, rank=rank, dp_rank=0, tp_rank=0,
+                                optimizer=torch.optim.SGD(module.parameters(), lr=0.1), optimizer_name="sgd", zero=0,
+                                seed=0, device=torch.device("cpu"), flags={})  # fmt: skip
+    with gloo_group(rank, port, 2):
+        if rank == 0:
+            for step in (1, 2):
+                folder = root / f"step_{step:08d}"
+                folder.mkdir(parents=True)
+                (folder / "__0_0.distcp").write_bytes(b"damaged")
+                (folder / RECORD).write_text(json.dumps({"step": step, "files": {"__0_0.distcp": "0" * 64}}))
+        torch.distributed.barrier()
+        with pytest.raises(CheckpointError, match=r"every checkpoint in .*ckpt is damaged .*, and --resume would start "
+                                                  r"again from step 0; restore the folder from a copy, or drop --resume"):
+            context.resume()
+
+
+def test_a_resume_where_every_checkpoint_is_damaged_is_refused_not_begun_again(tmp_path: Path) -> None:
+    """Every rank refuses together; before, they trained from step 0 with exit code 0, having said
+    'no checkpoint yet' of a folder of them."""
+    assert fork_ranks(_resume_where_every_checkpoint_is_damaged, 2, tmp_path / "ckpt", timeout=60) == [0, 0]
+
+
 def test_the_ranks_check_a_checkpoint_together_and_agree_on_the_one_to_resume(tmp_path: Path, capfd) -> None:
     """Each rank reads its share of the files for their sha256 (one rank alone would read them
     all); the one that finds a damaged file says so, and every rank passes that checkpoint over."""

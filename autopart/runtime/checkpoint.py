@@ -404,7 +404,8 @@ class CheckpointContext:
     def chosen(self) -> Path | None:
         """The checkpoint to resume from: the first of rank 0's `candidates` (it lists them and
         tells the others, by broadcasts on `device`) that every rank finds whole, each reading
-        its `share` of the files for their sha256, where one rank alone would read them all.
+        its `share` of the files for their sha256, where one rank alone would read them all; None
+        where there is none, an error where every one is damaged.
         (A --checkpoint-dir that is one checkpoint itself was refused at launch: `check_folder`.)"""
         listed = torch.zeros(_MOST_CANDIDATES, dtype=torch.int64, device=self.device)
         count = torch.zeros(1, dtype=torch.int64, device=self.device)
@@ -431,6 +432,10 @@ class CheckpointContext:
                 return path
             if why is not None:
                 print(f"autopart: {damaged(path, why)} (rank {self.rank})", file=sys.stderr, flush=True)
+        if int(count.item()) > 0:  # going on from step 0 would leave their steps behind without a word
+            raise CheckpointError(f"every checkpoint in {self.root} is damaged (the lines above say how), and --resume "
+                                  "would start again from step 0; restore the folder from a copy, or drop --resume and "
+                                  "give a new --checkpoint-dir to train afresh")
         return None
 
 
