@@ -36,6 +36,19 @@ def _losses(out: Path, work: Path, forked: bool, *args: str) -> list[float]:
     return [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
 
 
+@pytest.mark.parametrize("forked", [True, False], ids=["forked", "torchrun"])
+def test_a_train_py_edited_in_out_is_never_what_autopart_runs(compiled, tmp_path, forked):
+    """verify, a pipeline's profile and the finalists run what the compile wrote: the compile
+    checks the stage files, not train.py, and an edited one ran whatever it had become."""
+    import shutil
+
+    out = shutil.copytree(compiled, tmp_path / "out")
+    ran = tmp_path / "ran"
+    (out / "train.py").write_text(f"open({str(ran)!r}, 'w').write('edited')\nraise SystemExit(1)\n")
+    assert len(_losses(out, tmp_path, forked)) == 3
+    assert not ran.exists()
+
+
 def test_forked_ranks_train_as_torchrun_s_and_one_process_serves_every_run(compiled, tmp_path):
     by_torchrun = _losses(compiled, tmp_path, False)
     by_fork = _losses(compiled, tmp_path, True)

@@ -1,8 +1,8 @@
 """Run a compile's programs on this machine: loopback, a timeout; gloo on the CPU, or NCCL on
 this machine's GPUs when the plan was compiled for a GPU and there is one per rank.
 
-`autopart verify`, a pipeline's profile and a search's finalists all launch the generated
-``train.py`` here; this is the one place that knows how. On the GPUs the ranks start under
+`autopart verify`, a pipeline's profile and a search's finalists all launch what the generated
+``train.py`` runs here; this is the one place that knows how. On the GPUs the ranks start under
 torchrun, as a user starts them. On the CPU they are forked from a process of this command that
 has imported torch once (`autopart.runtime.rank_zygote`, which says how a forked rank differs
 from torchrun's): torchrun's agent and every rank would import it again, seconds of a small
@@ -55,11 +55,12 @@ def run_locally(
     out_dir: Path, ranks: int, train_args: list[str], *, timeout_s: float, cwd: Path, gpus: bool = False,
     forked: bool = True,
 ) -> None:
-    """``out_dir/train.py train_args`` on ``ranks`` ranks of this host, one GPU per rank with
+    """What ``out_dir/train.py train_args`` runs (`autopart.runtime.__main__`, not the file, which
+    the compile does not check) on ``ranks`` ranks of this host, one GPU per rank with
     ``gpus``, else on the CPU (the GPUs hidden) with one thread per rank; raises `LocalRunError`
     when it fails or outlasts ``timeout_s``. On the CPU the ranks are forked from this process's
     rank zygote, or with ``forked`` False started by torchrun; on the GPUs, always by torchrun."""
-    argv = [str(out_dir / "train.py"), *train_args, "--timeout", str(min(timeout_s, 300))]
+    argv = ["-m", "autopart.runtime", str(out_dir), *train_args, "--timeout", str(min(timeout_s, 300))]
     if gpus or not forked:
         _torchrun(argv, ranks, _environment(gpus), timeout_s=timeout_s, cwd=cwd)
     else:
