@@ -97,6 +97,15 @@ MODEL_CASES = {
         [],
         r"example_batch\(\d+\) in raises_in_example_batch\.py raised KeyError: 'x' \(raises_in_example_batch\.py:4\); fix example_batch\(\)",
     ),
+    "exits_on_import": (  # the compile ended with the file's exit code, 0 here, and no word
+        "import sys\nsys.exit(0)\n",
+        [],
+        r"importing exits_on_import\.py failed: SystemExit\(0\) \(exits_on_import\.py:2\); the file exits as it is "
+        r"imported; keep what it does as a script under if __name__ == '__main__':$",
+    ),
+    "exits_in_build_model": (GOOD_BATCH + "\ndef build_model():\n    raise SystemExit(3)\n", [],
+                             r"build_model\(\) in exits_in_build_model\.py raised SystemExit\(3\) "
+                             r"\(exits_in_build_model\.py:9\); fix build_model\(\)$"),
     "returns_not_a_module": (GOOD_BATCH + "\ndef build_model():\n    return 3\n", [], r"returned int, not a torch\.nn\.Module"),
     "contract_not_a_function": (
         LINEAR.replace("def example_batch(batch_size):", "example_batch = 3\ndef _unused(batch_size):"),

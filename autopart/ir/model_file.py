@@ -22,7 +22,7 @@ from torch import nn
 
 from autopart.ir.errors import ModelFileError
 
-__all__ = ["MODULE_PREFIX", "ModelSpec", "import_name", "files_beside", "load_model_file", "check_batch", "describe_error", "file_line", "eager_loss", "is_meta"]
+__all__ = ["MODULE_PREFIX", "ModelSpec", "import_name", "files_beside", "load_model_file", "check_batch", "describe_error", "file_line", "USER_CODE_ERRORS", "eager_loss", "is_meta"]
 
 MODULE_PREFIX = "_autopart_model_"
 """The start of the name a model file is imported under (the rest a digest of its path): its
@@ -124,7 +124,7 @@ class ModelSpec:
         """The example batch at ``batch_size``, checked to be ``(tuple of tensors, target)``."""
         try:
             batch = self.example_batch(batch_size)
-        except Exception as exc:  # the user's code may raise anything
+        except USER_CODE_ERRORS as exc:  # the user's code may raise anything
             raise ModelFileError(f"example_batch({batch_size}) in {self.path.name} raised "
                                  f"{describe_error(exc, self.path)}; fix example_batch()") from None
         return check_batch(self.path, "example_batch", batch, batch_size)
@@ -139,7 +139,15 @@ def file_line(exc: BaseException, path: Path) -> str | None:
     return where
 
 
+USER_CODE_ERRORS = (Exception, SystemExit)
+"""What a call into the model file may raise: SystemExit too (a script's argparse or sys.exit() run
+on import), which ended the command with the file's exit code, 0 included, and no word."""
+
+
 def describe_error(exc: BaseException, path: Path) -> str:
+    if isinstance(exc, SystemExit):
+        where = file_line(exc, path)
+        return f"SystemExit({exc.code!r})" + (f" ({where})" if where else "")
     message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
     where = file_line(exc, path)
     text = f"{type(exc).__name__}: {message}" if message else type(exc).__name__
@@ -175,9 +183,11 @@ def load_model_file(path: str | Path, *, build: bool = True) -> ModelSpec:
     try:
         sys.modules[name] = module
         spec.loader.exec_module(module)
-    except Exception as exc:  # the user's code may raise anything
+    except USER_CODE_ERRORS as exc:  # the user's code may raise anything
         sys.modules.pop(name, None)
-        raise ModelFileError(f"importing {path.name} failed: {describe_error(exc, path)}; fix the model file") from None
+        fix = ("the file exits as it is imported; keep what it does as a script under if __name__ == '__main__':"
+               if isinstance(exc, SystemExit) else "fix the model file")
+        raise ModelFileError(f"importing {path.name} failed: {describe_error(exc, path)}; {fix}") from None
     finally:
         sys.path.remove(folder)
     beside = _imports_beside(path, source, set(sys.modules) - before)
@@ -195,7 +205,7 @@ def load_model_file(path: str | Path, *, build: bool = True) -> ModelSpec:
         if build:
             with _NoRandomFillsOnMeta():
                 model = build_model()
-    except Exception as exc:
+    except USER_CODE_ERRORS as exc:
         raise ModelFileError(f"build_model() in {path.name} raised {describe_error(exc, path)}; fix build_model()") from None
     if build and not isinstance(model, nn.Module):
         raise ModelFileError(
