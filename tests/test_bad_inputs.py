@@ -106,6 +106,28 @@ MODEL_CASES = {
     "exits_in_build_model": (GOOD_BATCH + "\ndef build_model():\n    raise SystemExit(3)\n", [],
                              r"build_model\(\) in exits_in_build_model\.py raised SystemExit\(3\) "
                              r"\(exits_in_build_model\.py:9\); fix build_model\(\)$"),
+    "nothing_trains": (  # compiled; its programs failed at the first backward ('does not require grad')
+        GOOD_BATCH + "\ndef build_model():\n    return torch.nn.Linear(8, 4).requires_grad_(False)\n",
+        [],
+        r"the loss of nothing_trains\.py takes no gradient from any parameter that trains \(.*\), so training could "
+        r"change nothing; return a floating-point loss computed from the model's output, with requires_grad on",
+    ),
+    "no_parameters": (  # a KeyError of the stage generator, in a traceback
+        GOOD_BATCH.replace("torch.randn(batch_size, 4)", "torch.randn(batch_size, 8)")
+        + "\ndef build_model():\n    return torch.nn.ReLU()\n",
+        [],
+        r"the loss of no_parameters\.py takes no gradient from any parameter that trains",
+    ),
+    "detached_loss": (
+        LINEAR.replace("mse_loss(output, target)", "mse_loss(output.detach(), target)"),
+        [],
+        r"the loss of detached_loss\.py takes no gradient",
+    ),
+    "integer_loss": (
+        LINEAR.replace("return torch.nn.functional.mse_loss(output, target)", "return (output > target).sum()"),
+        [],
+        r"the loss of integer_loss\.py takes no gradient",
+    ),
     "returns_not_a_module": (GOOD_BATCH + "\ndef build_model():\n    return 3\n", [], r"returned int, not a torch\.nn\.Module"),
     "contract_not_a_function": (
         LINEAR.replace("def example_batch(batch_size):", "example_batch = 3\ndef _unused(batch_size):"),
