@@ -6,7 +6,6 @@ Validated on construction, so that every bad combination fails in one line befor
 from __future__ import annotations
 
 import dataclasses
-import math
 import numbers
 import operator
 import os
@@ -28,6 +27,12 @@ from cost_models.comm import nodes_spanned
 from cost_models.devices import local_device_name
 
 __all__ = ["CompileOptions", "local_kind"]
+
+MOST_DEVICES = 1 << 20
+"""More devices, and stages, than any cluster holds: layouts are enumerated and stages listed one by
+one, and --pp 10**9 ran out of memory (10**20: an OverflowError) where one line would do."""
+MOST_MEMORY_GIB = float(1 << 30)
+"""An exbibyte per device: past it (1e300) the bytes overflowed an integer, in a traceback."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -121,10 +126,7 @@ class CompileOptions:
             converted = _as_annotated(field.name, value, _ANNOTATIONS[field.name])
             if converted is not value:
                 object.__setattr__(self, field.name, converted)
-        for name in ("world_size", "pp", "tp", "dp", "gpus_per_node"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+        self._check_device_counts()
         if self.schedule == "zbv" and self.chunks is None:  # its V is two chunks per rank
             object.__setattr__(self, "chunks", 2)
         if self.plan is not None and not self.pins_layers:  # with layer pins: refused below, the file unread
@@ -165,8 +167,9 @@ class CompileOptions:
             raise ConfigError("--leaf keeps modules opaque to torch.fx, which torch.export cannot do; drop --capture export")
         if not self.time_limit_s > 0:  # CP-SAT would stop at once and hand back no cuts, or the first it met
             raise ConfigError(f"--time-limit must be a positive number of seconds, got {self.time_limit_s:g}")
-        if self.memory_gib is not None and not 0 < self.memory_gib < math.inf:  # nan fails both comparisons
-            raise ConfigError(f"--memory must be a positive number of GiB, got {self.memory_gib}")
+        if self.memory_gib is not None and not 0 < self.memory_gib <= MOST_MEMORY_GIB:  # nan fails both comparisons
+            raise ConfigError(f"--memory must be a positive number of GiB, at most {MOST_MEMORY_GIB:.0f}, got "
+                              f"{self.memory_gib}")
         if self.dtype not in (None, *DTYPES, "auto"):
             raise ConfigError(f"unknown --dtype {self.dtype!r}; use one of {', '.join(DTYPES)} or auto")
         if self.dtype == "auto" and self.world_size is None:
@@ -189,6 +192,20 @@ class CompileOptions:
                 raise ConfigError("--recompute with one mode per stage needs the stages pinned: add --pp (and --chunks)")
             else:
                 stage_modes(self.recompute, 1)
+
+    def _check_device_counts(self) -> None:
+        for name in ("world_size", "pp", "tp", "dp", "gpus_per_node"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+        for name in ("world_size", "pp", "tp", "dp", "gpus_per_node", "chunks"):
+            value = getattr(self, name)
+            if value is not None and value > MOST_DEVICES:
+                raise ConfigError(f"--{name.replace('_', '-')} {value} is more than any cluster holds; give at most "
+                                  f"{MOST_DEVICES}")
+        if self.pp is not None and self.chunks is not None and self.pp * self.chunks > MOST_DEVICES:
+            raise ConfigError(f"--pp x --chunks is {self.pp * self.chunks} stages, more than any cluster holds; give "
+                              f"at most {MOST_DEVICES}")
 
     def _take_pins_from_plan(self) -> None:
         """Refuse a pin that the plan of ``--plan`` contradicts: the plan is emitted as it is, and

@@ -272,8 +272,14 @@ OPTION_CASES = {
         r"the model does not fit: .* the fullest device needs 0\.\d+ GiB but the memory limit is 0\.0001 GiB; raise --memory to at least 0\.\d+ or",
     ),
     "bad_flag_value": (["--pp", "two"], r"argument --pp: invalid int value: 'two'"),
-    "memory_nan": (["--memory", "nan"], r"--memory must be a positive number of GiB, got nan"),
-    "memory_infinite": (["--memory", "inf"], r"--memory must be a positive number of GiB, got inf"),
+    "memory_nan": (["--memory", "nan"], r"--memory must be a positive number of GiB, at most 1073741824, got nan"),
+    "memory_infinite": (["--memory", "inf"], r"--memory must be a positive number of GiB, at most 1073741824, got inf"),
+    "memory_past_a_float_of_bytes": (["--memory", "1e300"],  # its bytes overflowed an integer, in a traceback
+                                     r"--memory must be a positive number of GiB, at most 1073741824, got 1e\+300"),
+    "pp_past_any_cluster": (["--pp", str(10**20)],  # an OverflowError listing its stages (10**9: out of memory)
+                            r"--pp 100000000000000000000 is more than any cluster holds; give at most 1048576$"),
+    "stages_past_any_cluster": (["--schedule", "interleaved", "--pp", "1048576", "--chunks", "2"],
+                                r"--pp x --chunks is 2097152 stages, more than any cluster holds; give at most 1048576$"),
     "stage_layers_count": (["--stage-layers", "1,1,1"], r"--stage-layers lists 3 stages but --pp x --chunks is 2"),
     "stage_layers_empty_stage": (["--stage-layers", "2,0"], r"--stage-layers gives stage 1 0 layers; every stage needs"),
     "stage_layers_not_numbers": (["--stage-layers", "2,x"], r"--stage-layers takes whole numbers separated by commas"),
