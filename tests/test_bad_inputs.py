@@ -657,6 +657,14 @@ def _crafted(folder: Path) -> Path:
     return folder / "ckpt"
 
 
+def _damaged_steps(folder: Path) -> Path:
+    for step in (1, 2):
+        (folder / "ckpt" / f"step_0000000{step}").mkdir(parents=True)
+        (folder / "ckpt" / f"step_0000000{step}" / "autopart.json").write_text(
+            json.dumps({"step": step, "files": {".metadata": "0" * 64}}))
+    return folder / "ckpt"
+
+
 def _edited_copy(folder: Path, out: Path, edit) -> Path:
     import shutil
 
@@ -674,6 +682,12 @@ COMMAND_CASES = {  # name -> (arguments given the test's folder and OUT, pattern
                             r"checkpoint .*ckpt is damaged: \.metadata does not match its sha256"),
     "consolidate_crafted_metadata": (lambda f, o: ["consolidate", str(_crafted(f)), "-o", str(f / "m.safetensors")],
                                      r"checkpoint metadata names os\.system, which no checkpoint holds"),
+    "consolidate_every_checkpoint_damaged": (  # 'holds no complete checkpoint; pass the --checkpoint-dir of a run'
+        lambda f, o: ["consolidate", str(_damaged_steps(f)), "-o", str(f / "m.safetensors")],
+        r"every checkpoint in '.*ckpt' is damaged \(the newest, step_00000002: \.metadata is missing\); restore the "
+        r"folder from a copy$"),
+    "consolidate_a_file": (lambda f, o: _a_file(f / "ckpt") + ["consolidate", str(f / "ckpt"), "-o", str(f / "m.st")],
+                           r"checkpoint directory '.*ckpt' is a file; pass the --checkpoint-dir of a run$"),
     "consolidate_into_a_directory": (lambda f, o: ["consolidate", str(f), "-o", str(f)], r"is a directory; give a file path"),
     "verify_not_an_output": (lambda f, o: ["verify", str(f)], r"is not an autopart output directory \(no plan\.json\)"),
     "verify_a_stage_edited": (lambda f, o: ["verify", str(_edited_copy(f, o, lambda c: (c / "stages" / "stage_1.py").write_text(

@@ -28,7 +28,7 @@ from autopart.ir.errors import ConfigError
 from autopart.ir.placement import REPLICATE, Placement
 from autopart.ir.plan import Plan, load_plan
 from autopart.runtime.checkpoint import checkpoint_keys, load_tensors
-from autopart.runtime.checkpoint_folders import latest_checkpoint, read_record
+from autopart.runtime.checkpoint_folders import candidates, latest_checkpoint, problem, read_record
 from autopart.runtime.shards import unshard_weight
 
 __all__ = ["Consolidated", "consolidate", "consolidated_state"]
@@ -62,9 +62,15 @@ def consolidated_state(checkpoint: Path, model: Path | None = None) -> tuple[dic
     """The original model's state dict from the latest good checkpoint under ``checkpoint``, built
     from ``model`` (default: the model file the plan names, when its hash still matches)."""
     checkpoint = Path(checkpoint)
+    if checkpoint.is_file():
+        raise ConfigError(f"checkpoint directory '{checkpoint}' is a file; pass the --checkpoint-dir of a run")
     if not checkpoint.is_dir():
         raise ConfigError(f"checkpoint directory '{checkpoint}' does not exist; pass the --checkpoint-dir of a run")
     path, skipped = latest_checkpoint(checkpoint)
+    if path is None and skipped:  # the --checkpoint-dir of a run, whose checkpoints were damaged after their save
+        newest = candidates(checkpoint)[0]
+        raise ConfigError(f"every checkpoint in '{checkpoint}' is damaged (the newest, {newest.name}: "
+                          f"{problem(newest)}); restore the folder from a copy")
     if path is None:
         raise ConfigError(f"'{checkpoint}' holds no complete checkpoint; pass the --checkpoint-dir of a run")
     keys = [k for k in checkpoint_keys(path) if k.startswith("model/")]  # the metadata is checked first
