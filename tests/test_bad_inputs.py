@@ -431,6 +431,10 @@ def _edited_plan(compiled: Path, edit) -> str:
 
 PLAN_CASES = {  # name -> (the plan's text, given the compiled output; the pattern of the one line)
     "not_json": (lambda out: "{ not json", r"bad\.json is not valid JSON .*; fix it or recompile"),
+    "nested_past_the_parser": (lambda out: "[" * 100000 + "]" * 100000,  # a RecursionError, in a traceback
+                               r"bad\.json is not valid JSON \(maximum recursion depth exceeded.*\); fix it or recompile"),
+    "integer_past_the_parser": (lambda out: '{"version": ' + "9" * 5000 + "}",  # a ValueError, in a traceback
+                                r"bad\.json is not valid JSON \(Exceeds the limit \(4300 digits\).*; fix it or recompile"),
     "missing_field": (lambda out: '{"version": 1}', r"plan\.mesh is missing; the plan is incomplete"),
     "wrong_version": (lambda out: '{"version": 99}', r"plan version 99 is not supported"),
     "rank_5_of_2_stages": (lambda out: _edited_plan(out, lambda d: d["stages"][1].update(rank=5)),
@@ -506,6 +510,11 @@ def _a_file(path: Path, folder: bool = False) -> list[str]:
 
 def _binary(path: Path) -> Path:
     path.write_bytes(b"\x80\x04\x95 not text")  # what a pickle starts with
+    return path
+
+
+def _written(path: Path, text: str) -> Path:
+    path.write_text(text)
     return path
 
 
@@ -707,6 +716,9 @@ COMMAND_CASES = {  # name -> (arguments given the test's folder and OUT, pattern
     "explain_trace_not_text": (lambda f, o: ["explain", str(o), "--trace", str(_binary(f / "t.json"))],
                                r"cannot read the trace .*t\.json: 'utf-8' codec can't decode .*; give a trace that "
                                r"OUT/train\.py --trace FILE wrote"),
+    "explain_trace_nested_past_the_parser": (
+        lambda f, o: ["explain", str(o), "--trace", str(_written(f / "t.json", "[" * 100000 + "]" * 100000))],
+        r"cannot read the trace .*t\.json: maximum recursion depth exceeded.*; give a trace that OUT/train\.py"),
     "explain_not_an_output": (lambda f, o: ["explain", str(f)], r"plan\.json"),
     "profile_zero_batch": (lambda f, o: ["profile", "examples/gpt.py", "-o", str(f / "c.json"), "--micro-batch-size", "0"],
                            r"--micro-batch-size must be at least 1, got 0"),

@@ -446,6 +446,6 @@ def load_plan(path: str | Path) -> Plan:
         raise PlanError(f"plan file '{path}' does not exist")
     try:
         data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except (ValueError, RecursionError) as exc:  # not JSON, not text, an integer of 5000 digits, nested past the parser
         raise PlanError(f"{path} is not valid JSON ({exc}); fix it or recompile to write a new plan") from None
     return Plan.from_json(data)

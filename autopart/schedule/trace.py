@@ -110,7 +110,7 @@ def read_chrome_trace(path: str | Path) -> Timeline:
     """
     try:
         document = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as exc:  # ValueError: not JSON, or not text at all (UnicodeDecodeError)
+    except (OSError, ValueError, RecursionError) as exc:  # not JSON, not text at all, nested past the parser
         raise ScheduleError(f"cannot read the trace {path}: {exc}; give a trace that OUT/train.py --trace FILE "
                             "wrote") from None
     raw = document.get("traceEvents") if isinstance(document, dict) else document
