@@ -26,7 +26,7 @@ from autopart.schedule import SCHEDULE_KINDS, SPLIT_BACKWARD_KINDS
 from cost_models.comm import nodes_spanned
 from cost_models.devices import local_device_name
 
-__all__ = ["CompileOptions", "local_kind"]
+__all__ = ["CompileOptions", "check_sequence_parallel_asked", "local_kind"]
 
 MOST_DEVICES = 1 << 20
 """More devices, and stages, than any cluster holds: layouts are enumerated and stages listed one by
@@ -399,6 +399,19 @@ def _suggestion(name: str, value: Any, kinds: tuple[Any, ...]) -> str:
 _DEFAULTS = {"pp": 1, "tp": 1, "dp": 1, "zero": 0, "sp": True, "schedule": "1f1b", "chunks": 1, "recompute": "none",
              "dtype": "fp32"}
 """What the options not given are when nothing is searched."""
+
+
+def check_sequence_parallel_asked(*, sp: bool | None, tp_overlap: bool, tp: int | None, world_size: int | None,
+                                  plan: Any = None) -> None:
+    """Refuse ``--sp`` or ``--tp-overlap`` as the user gave them where tensor parallelism is 1
+    (pinned, or its default when nothing is searched): the plan would have neither, without a
+    word. Checked on the user's own values, since `CompileOptions` fills ``sp`` in by default and
+    the search pins it on for each of its layouts, TP 1 among them."""
+    no_tensor_parallelism = tp == 1 or (tp is None and world_size is None and plan is None)
+    for flag, given in (("--sp", sp is True), ("--tp-overlap", tp_overlap)):
+        if given and no_tensor_parallelism:
+            raise ConfigError(f"{flag} splits what tensor parallelism computes, and this compile has none (--tp 1); "
+                              f"add --tp 2 or more, or drop {flag}")
 
 
 def local_kind(device: str) -> str | None:

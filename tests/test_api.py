@@ -228,6 +228,13 @@ def test_every_whole_number_option_refuses_a_str_a_float_and_a_bool():
                 autopart.CompileOptions(model=TINY_GPT, **{name: value})
 
 
+@pytest.mark.parametrize("given", [{"pp": 2, "sp": True}, {"tp": 1, "world_size": 2, "tp_overlap": True}])
+def test_sequence_parallelism_asked_without_tensor_parallelism_is_refused(given):
+    """The plan would have none, without a word: TP 1 has nothing to split."""
+    with pytest.raises(ConfigError, match=r"splits what tensor parallelism computes, and this compile has none"):
+        autopart.compile(TINY_GPT, microbatches=2, measure=False, **given)
+
+
 def test_emit_of_what_is_not_a_plan_says_what_it_takes(tmp_path):
     with pytest.raises(ConfigError, match=r"^emit takes the Plan that autopart\.compile returns, got '.*plan\.json' "
                                           r"\(str\); for a saved plan\.json, pass autopart\.load_plan\(path\)$"):

@@ -294,6 +294,10 @@ OPTION_CASES = {
                                r"--stage-layers pins the cuts that --plan already records; drop one of them"),
     "search_without_global_batch": (["--world-size", "3"], r"the search needs the global batch: add --global-batch-size"),
     "time_limit_not_positive": (["--time-limit", "0"], r"--time-limit must be a positive number of seconds, got 0"),
+    "sp_without_tensor_parallelism": (["--sp"], r"--sp splits what tensor parallelism computes, and this compile has "
+                                                r"none \(--tp 1\); add --tp 2 or more, or drop --sp$"),
+    "tp_overlap_with_tp_1": (["--tp", "1", "--tp-overlap"], r"--tp-overlap splits what tensor parallelism computes, .*"
+                                                           r"add --tp 2 or more, or drop --tp-overlap$"),
     "profile_pipeline_without_costs": (
         ["--profile-pipeline"], r"--profile-pipeline keeps what it measures in a cost database: add --costs COSTS.json"
     ),

@@ -243,9 +243,10 @@ def _print_table(console: Console, rows: list[list[str]], title: str, caption: s
 def _compile(args: argparse.Namespace, console: Console) -> None:
     from autopart.codegen.report import ESTIMATED_NOTE, collectives_line, search_table, stage_table
     from autopart.driver import CompileOptions, compile_to_directory
-    from autopart.options import local_kind
+    from autopart.options import check_sequence_parallel_asked, local_kind
     from autopart.runtime.output_paths import check_file_path
 
+    check_sequence_parallel_asked(sp=args.sp, tp_overlap=args.tp_overlap, tp=args.tp, world_size=args.world_size, plan=args.plan)
     options = CompileOptions(
         model=args.model,
         world_size=args.world_size,
@@ -272,8 +273,7 @@ def _compile(args: argparse.Namespace, console: Console) -> None:
         recompute=_recompute_modes(args.recompute) if args.recompute is not None else None,
         dtype=args.dtype,
         stage_layers=_layer_counts(args.stage_layers) if args.stage_layers is not None else None,
-        first_stage_layers=args.first_stage_layers,
-        last_stage_layers=args.last_stage_layers,
+        first_stage_layers=args.first_stage_layers, last_stage_layers=args.last_stage_layers,
         profile_pipeline=args.profile_pipeline,
         measure=not args.no_measure,
         run_finalists=args.run_finalists,
