@@ -28,7 +28,7 @@ from autopart.codegen.emit import check_output_directory, emit_directory
 from autopart.ir.errors import AutopartError, ConfigError, DeviceSpecError, PlanError
 from autopart.ir.model_file import load_model_file
 from autopart.ir.plan import Plan, load_plan
-from autopart.options import CompileOptions, check_sequence_parallel_asked, local_kind
+from autopart.options import CompileOptions, check_option_names, check_sequence_parallel_asked, local_kind
 from autopart.predict.accuracy import Basis, with_basis
 from autopart.predict.headroom import headroom_warning
 from autopart.passes.annotate import annotate
@@ -142,6 +142,7 @@ def compile(model: str | Path, **options) -> Plan:  # noqa: A001 - the API's ver
     does, and keeps what they measured per model and machine (``run_finalists=False`` keeps the
     predicted order; ``run_finalists=True`` runs them afresh).
     """
+    check_option_names(options)
     check_sequence_parallel_asked(sp=options.get("sp"), tp_overlap=options.get("tp_overlap", False), tp=options.get("tp"),
                                   world_size=options.get("world_size"), plan=options.get("plan"))
     with cycle_collector_off(), random_state_kept():

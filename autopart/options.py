@@ -6,10 +6,12 @@ Validated on construction, so that every bad combination fails in one line befor
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import numbers
 import operator
 import os
 import typing
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from types import UnionType
@@ -26,7 +28,7 @@ from autopart.schedule import SCHEDULE_KINDS, SPLIT_BACKWARD_KINDS
 from cost_models.comm import nodes_spanned
 from cost_models.devices import local_device_name
 
-__all__ = ["CompileOptions", "check_sequence_parallel_asked", "local_kind"]
+__all__ = ["CompileOptions", "check_option_names", "check_sequence_parallel_asked", "local_kind"]
 
 MOST_DEVICES = 1 << 20
 """More devices, and stages, than any cluster holds: layouts are enumerated and stages listed one by
@@ -399,6 +401,17 @@ def _suggestion(name: str, value: Any, kinds: tuple[Any, ...]) -> str:
 _DEFAULTS = {"pp": 1, "tp": 1, "dp": 1, "zero": 0, "sp": True, "schedule": "1f1b", "chunks": 1, "recompute": "none",
              "dtype": "fp32"}
 """What the options not given are when nothing is searched."""
+
+
+def check_option_names(names: Iterable[str]) -> None:
+    """Refuse a keyword of ``autopart.compile`` that is no field of `CompileOptions` in one line,
+    with the nearest field's name, where the dataclass would raise a TypeError."""
+    fields = [field.name for field in dataclasses.fields(CompileOptions) if field.name != "model"]
+    for name in names:
+        if name not in fields:
+            close = difflib.get_close_matches(name, fields, n=1)
+            hint = f"did you mean {close[0]}?" if close else f"the options are {', '.join(fields)}"
+            raise ConfigError(f"autopart.compile has no option {name!r}; {hint}")
 
 
 def check_sequence_parallel_asked(*, sp: bool | None, tp_overlap: bool, tp: int | None, world_size: int | None,

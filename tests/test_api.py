@@ -235,6 +235,13 @@ def test_sequence_parallelism_asked_without_tensor_parallelism_is_refused(given)
         autopart.compile(TINY_GPT, microbatches=2, measure=False, **given)
 
 
+def test_a_misspelt_option_is_refused_in_one_line_with_the_nearest_name():
+    with pytest.raises(ConfigError, match=r"^autopart\.compile has no option 'microbatch'; did you mean microbatches\?$"):
+        autopart.compile(TINY_GPT, pp=2, microbatch=2)
+    with pytest.raises(ConfigError, match=r"^autopart\.compile has no option 'xyzzy'; the options are world_size, "):
+        autopart.compile(TINY_GPT, xyzzy=1)
+
+
 def test_emit_of_what_is_not_a_plan_says_what_it_takes(tmp_path):
     with pytest.raises(ConfigError, match=r"^emit takes the Plan that autopart\.compile returns, got '.*plan\.json' "
                                           r"\(str\); for a saved plan\.json, pass autopart\.load_plan\(path\)$"):
