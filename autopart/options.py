@@ -305,8 +305,9 @@ class CompileOptions:
                 f"use a global batch that is a multiple of {self.dp}"
             )
         share = total // self.dp  # what one pipeline replica runs per step
-        if m is None and b is None:
-            m = max(d for d in range(1, 2 * self.pp + 1) if share % d == 0)
+        runnable = [d for d in range(1, share + 1) if share % d == 0 and self._schedule_runs(d)]
+        if m is None and b is None:  # up to two per stage, as many as divide the share and the schedule runs
+            m = max((d for d in runnable if d <= 2 * self.pp), default=min(runnable, default=1))
         if m is None:
             m = share // b if share % b == 0 else 0
         if b is None:
@@ -318,12 +319,27 @@ class CompileOptions:
                 " --microbatches and --micro-batch-size so that microbatches x micro-batch size x data-parallel"
                 " degree = global batch"
             )
-        if self.schedule == "interleaved" and m % self.pp:
-            raise ConfigError(
-                f"interleaved needs microbatches ({m}) to be a multiple of the pipeline degree ({self.pp}); "
-                f"use --microbatches {self.pp * -(-m // self.pp)}"
-            )
+        if not self._schedule_runs(m):
+            need = (f"interleaved needs microbatches ({m}) to be a multiple of the pipeline degree ({self.pp})"
+                    if self.schedule == "interleaved" else
+                    f"zbv needs at least 2 x pp - 1 = {2 * self.pp - 1} microbatches to fill its V (got {m})")
+            if runnable:  # the nearest count that also divides each replica's share of the batch
+                nearest = min(runnable, key=lambda d: (abs(d - m), d))
+                fix = f"use --microbatches {nearest}"
+                fix += " (and drop --micro-batch-size)" if self.micro_batch_size else ""
+            else:
+                fix = f"use a --global-batch-size whose share per data-parallel replica ({share} now) has such a count"
+            raise ConfigError(f"{need}; {fix}")
         return total, m, b
+
+    def _schedule_runs(self, microbatches: int) -> bool:
+        """Whether the pinned schedule runs this many microbatches: interleaved's rounds take one per
+        stage, zbv's V needs 2 x pp - 1 to fill."""
+        if self.schedule == "interleaved":
+            return microbatches % self.pp == 0
+        if self.schedule == "zbv":
+            return microbatches >= 2 * self.pp - 1
+        return True
 
 
 _ANNOTATIONS = typing.get_type_hints(CompileOptions)

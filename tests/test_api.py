@@ -242,6 +242,17 @@ def test_a_misspelt_option_is_refused_in_one_line_with_the_nearest_name():
         autopart.compile(TINY_GPT, xyzzy=1)
 
 
+@pytest.mark.parametrize("schedule, pp, dp, global_batch, microbatches", [
+    ("zbv", 2, 2, 14, 7),  # 7 per replica: 1 divides it and is too few to fill the V; 7 is the one that runs
+    ("interleaved", 2, 1, 6, 2),  # 3 divides 6 but interleaved's rounds take a multiple of 2
+    ("1f1b", 2, 1, 6, 3),  # the largest divisor up to two per stage, as before
+])
+def test_the_default_microbatch_count_is_one_the_schedule_runs(schedule, pp, dp, global_batch, microbatches):
+    options = autopart.CompileOptions(model=TINY_GPT, pp=pp, dp=dp, schedule=schedule, global_batch_size=global_batch,
+                                      chunks=2 if schedule == "interleaved" else None)
+    assert options.batch_shape() == (global_batch, microbatches, global_batch // dp // microbatches)
+
+
 def test_emit_of_what_is_not_a_plan_says_what_it_takes(tmp_path):
     with pytest.raises(ConfigError, match=r"^emit takes the Plan that autopart\.compile returns, got '.*plan\.json' "
                                           r"\(str\); for a saved plan\.json, pass autopart\.load_plan\(path\)$"):

@@ -262,7 +262,16 @@ OPTION_CASES = {
     "batch_does_not_divide": (["--global-batch-size", "10", "--microbatches", "4"], r"the global batch \(10\) is not a whole number of microbatches"),
     "interleaved_does_not_divide": (
         ["--schedule", "interleaved", "--chunks", "2", "--microbatches", "3", "--global-batch-size", "6"],
-        r"interleaved needs microbatches \(3\) to be a multiple of the pipeline degree \(2\); use --microbatches 4",
+        r"interleaved needs microbatches \(3\) to be a multiple of the pipeline degree \(2\); use --microbatches 2$",
+    ),  # 4, the next multiple of 2, is no whole number of microbatches of 6
+    "zbv_too_few_for_the_batch": (
+        ["--schedule", "zbv", "--microbatches", "1", "--global-batch-size", "7"],
+        r"zbv needs at least 2 x pp - 1 = 3 microbatches to fill its V \(got 1\); use --microbatches 7$",
+    ),
+    "interleaved_no_count_divides": (
+        ["--schedule", "interleaved", "--chunks", "2", "--global-batch-size", "3"],
+        r"interleaved needs microbatches \(1\) .*; use a --global-batch-size whose share per data-parallel replica "
+        r"\(3 now\) has such a count$",
     ),
     "more_stages_than_blocks": (["--pp", "64"], r"places where a pipeline stage can start but 64 stages were asked for; use --pp \d+ or fewer"),
     "unknown_device": (["--device", "tpu-v9"], r"unknown device 'tpu-v9'; known devices: .*h100-sxm"),
