@@ -11,6 +11,7 @@ import pytest
 from autopart.driver import CompileOptions, compile_to_directory
 from autopart.ir.errors import ConfigError, InfeasibleError
 from autopart.solve.planner import plan_by_search
+from autopart.solve.search import SearchSpace
 from cost_models.memory import communicator_bytes
 from tests.distributed import run_cli_here
 
@@ -69,6 +70,17 @@ def test_a_searched_plan_pinned_again_is_predicted_the_same(searched, tmp_path: 
     again, _ = compile_to_directory(CompileOptions(model=GPT, device="h100-sxm", plan=path), tmp_path / "out")
     assert again.predicted.step_s == pytest.approx(searched.plan.predicted.step_s, rel=1e-9)
     assert again.predicted.memory_bytes == searched.plan.predicted.memory_bytes
+
+
+def test_a_pinned_zero_level_rules_out_the_layouts_without_data_parallelism() -> None:
+    """A layout of dp 1 has nothing to shard: it took ZeRO 0 whatever --zero pinned, so the pin was dropped without
+    a word where the search chose one (--world-size 2 --zero 1 gave pp 2, ZeRO 0)."""
+    space = SearchSpace(world_size=4, global_batch_size=8, zero=(1,))
+    layouts = list(space.layouts(blocks=8))
+    assert layouts and all(layout.dp > 1 and layout.zero == 1 for layout in layouts)
+    assert any(layout.dp == 1 for layout in SearchSpace(world_size=4, global_batch_size=8).layouts(blocks=8))
+    with pytest.raises(ConfigError, match=r"no layout of 1 devices .*\(and be 2 or more with --zero\)"):
+        plan_by_search(CompileOptions(model=GPT, world_size=1, global_batch_size=4, device="h100-sxm", zero=1))
 
 
 def test_the_search_needs_the_global_batch() -> None:

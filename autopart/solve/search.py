@@ -136,7 +136,9 @@ class SearchSpace:
                 for mbs in self._micro_batch_sizes(share):
                     m = share // mbs
                     for schedule, chunks in self._schedules(pp, m, blocks):
-                        for zero in fully_sharded_levels(self.zero, schedule) if dp > 1 else (0,):
+                        # without data parallelism nothing shards: a pinned ZeRO level rules the layout out
+                        levels = fully_sharded_levels(self.zero, schedule) if dp > 1 else (0,) if 0 in self.zero else ()
+                        for zero in levels:
                             for dtype in self.dtype:
                                 yield Layout(pp=pp, tp=tp, dp=dp, micro_batch_size=mbs, microbatches=m,
                                              schedule=schedule, chunks=chunks, zero=zero, dtype=dtype)
@@ -473,7 +475,7 @@ def _refine_bound(table: CostTable, layout: Layout, cluster: Cluster, cut: Stage
 def _no_layout_message(space: SearchSpace) -> str:
     return (
         f"no layout of {space.world_size} devices fits the pins and a global batch of {space.global_batch_size}: "
-        "pp x tp x dp must equal --world-size, dp must divide the global batch, and interleaved needs "
-        "microbatches divisible by pp; relax a pin or change --global-batch-size"
+        "pp x tp x dp must equal --world-size, dp must divide the global batch (and be 2 or more with --zero), and "
+        "interleaved needs microbatches divisible by pp; relax a pin or change --global-batch-size"
     )
 
