@@ -83,6 +83,17 @@ def test_a_pinned_zero_level_rules_out_the_layouts_without_data_parallelism() ->
         plan_by_search(CompileOptions(model=GPT, world_size=1, global_batch_size=4, device="h100-sxm", zero=1))
 
 
+@pytest.mark.parametrize("pins", [{"schedule": ("zbv",)}, {"schedule": ("interleaved",)}, {"chunks": (2,)}])
+def test_a_single_stage_layout_keeps_the_chunks_its_pins_need(pins) -> None:
+    """One stage took 1 chunk whatever was pinned: zbv's estimate then read a second stage that was not there
+    (IndexError), interleaved was refused for its 1 chunk, and --chunks 2 was dropped without a word."""
+    layouts = list(SearchSpace(world_size=2, global_batch_size=8, **pins).layouts(blocks=8))
+    assert any(layout.pp == 1 for layout in layouts)
+    assert all(layout.chunks == 2 for layout in layouts if layout.schedule == "zbv" or "chunks" in pins)
+    assert all(layout.chunks > 1 for layout in layouts if layout.schedule == "interleaved")
+    assert all(layout.schedule == pins["schedule"][0] for layout in layouts) if "schedule" in pins else True
+
+
 def test_the_search_needs_the_global_batch() -> None:
     with pytest.raises(ConfigError, match="--global-batch-size"):
         plan_by_search(CompileOptions(model=GPT, world_size=2, device="h100-sxm"))

@@ -156,8 +156,6 @@ class SearchSpace:
         return [b for b in _divisors(share) if b <= MAX_MICRO_BATCH_SIZE]
 
     def _schedules(self, pp: int, m: int, blocks: int) -> list[tuple[str, int]]:
-        if pp == 1:  # one stage: every schedule runs forward then backward
-            return [(self.schedule[0] if len(self.schedule) == 1 else "1f1b", 1)]
         found = []
         for kind in self.schedule:
             if kind == "interleaved":
@@ -169,6 +167,8 @@ class SearchSpace:
                     found.append((kind, 2))
             elif not self.chunks or self.chunks == (1,):
                 found.append((kind, 1))
+        if pp == 1:  # one rank runs every forward then every backward: one schedule stands for all, with its chunks
+            return [("1f1b", 1)] if ("1f1b", 1) in found else found[:1]
         return found
 
 
