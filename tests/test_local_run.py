@@ -233,3 +233,16 @@ def test_the_rank_that_failed_says_the_cause_on_the_first_line():
     own = "autopart: error on rank 0: out of memory\n"
     assert str(run_failed(1, own + peer, failed=own)).splitlines()[0].endswith("): autopart: error on rank 0: out of memory")
     assert str(run_failed(1, peer)).splitlines()[0].endswith("Connection closed by peer"), "none known: the errors written"
+
+
+def test_the_runtime_entry_without_an_output_directory_is_one_line():
+    import subprocess
+    import sys
+
+    from tests.distributed import environment
+
+    for argv in ([], ["--help"]):
+        result = subprocess.run([sys.executable, "-m", "autopart.runtime", *argv], capture_output=True, text=True,
+                                timeout=60, env=environment())
+        assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+        assert result.stderr.startswith("usage: python -m autopart.runtime OUT") and result.stderr.count("\n") == 1
