@@ -203,8 +203,9 @@ def test_an_evaluation_between_steps_is_train_py_s(tmp_path, schedule, chunks, d
     """``schedule.eval`` after each step, as ``train.py --eval-every 1``: the same held-out losses
     (no dropout: the evaluation ran the captured graph's dropout), no autograd graph kept until the
     next step, one copy of each updated buffer at a time (two were), and the same buffers at the
-    end. The rate is 0: the loop's training draws its dropout otherwise than train.py, and the
-    BatchNorm before it sees none of it. Under torch's V-shaped schedule an evaluation failed
+    end. The rate is 0, so that the weights stay as they were and only what the evaluation keeps of
+    the steps (BatchNorm's statistics) moves it; the loop's training draws and weights are
+    checked beside train.py's by the dropout tests below. Under torch's V-shaped schedule an evaluation failed
     outright ("can't steal_bwd_input if this stage doesn't have backward")."""
     import json
 
@@ -291,3 +292,13 @@ def test_a_loop_without_reduce_gradients_draws_each_step_s_dropout(tmp_path):
     result = run_program([str(REPO / "tests" / "pipelining_no_reduce_rank.py"), str(out), "3"], plan.world_size)
     printed = [float(x) for x in re.findall(r"^loss (\S+)$", result.stdout, re.MULTILINE)]
     assert printed == pytest.approx(expected, rel=1e-6) and len(printed) == 3
+
+
+def test_a_seed_train_py_would_refuse_is_refused_by_the_loop_too(tmp_path):
+    """train.py's --seed lies within ±2**40 (its draws are 64-bit seeds made from it); past that the
+    loop's batches failed deep in the batch generator."""
+    from autopart.ir.errors import ConfigError
+    from autopart.runtime.pipelining import build_stages
+
+    with pytest.raises(ConfigError, match=r"the seed must lie between -2\*\*40 and 2\*\*40, got 4611686018427387904"):
+        build_stages(tmp_path, seed=2**62)

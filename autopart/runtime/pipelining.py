@@ -77,6 +77,7 @@ from autopart.runtime.buffer_updates import BufferUpdates
 from autopart.runtime.data import global_batches, model_file, split_microbatches
 from autopart.runtime.device import compute_device, on_device
 from autopart.runtime.draws import draw_seed
+from autopart.runtime.train_flags import SEED_LIMIT
 from autopart.runtime.forward import StageForward, buffers_kept
 from autopart.runtime.gradients import average_gradients, sum_tied_gradients, tied_groups
 from autopart.runtime.launch import check_world_size
@@ -230,6 +231,7 @@ class Pipeline:
     tied: list[tuple[str, dist.ProcessGroup]]  # parameters several stages hold, and the group that sums them
     forwards: list[StageForward]  # how each stage's forward runs (its precision's working weights)
     updates: list[BufferUpdates]  # the buffers each stage's forwards update, through a step
+    seed: int = 0  # train.py's --seed: the stages' draws, and by default the batches'
 
     @property
     def is_last(self) -> bool:
@@ -249,8 +251,10 @@ class Pipeline:
         return self.schedule_class(stages, n_microbatches=self.plan.schedule.microbatches,
                                    loss_fn=loss_is_the_output, **options)  # fmt: skip
 
-    def batches(self, seed: int = 0) -> Iterator[tuple[tuple[Any, ...], Any]]:
-        """The global batches that ``train.py --seed SEED`` draws, the same on every rank."""
+    def batches(self, seed: int | None = None) -> Iterator[tuple[tuple[Any, ...], Any]]:
+        """The global batches that ``train.py --seed SEED`` draws, the same on every rank; by default
+        of the seed the stages draw their dropout from (``build_stages(seed=)``), as train.py's one seed."""
+        seed = self.seed if seed is None else _checked_seed(seed)
         spec = load_model_file(model_file(self.out_dir, self.plan), build=False)
         return global_batches(spec, self.plan.schedule.global_batch_size, seed)
 
@@ -297,6 +301,7 @@ def build_stages(out_dir: str | Path, *, device: torch.device | None = None, wei
     file of the whole model to start from (``train.py --weights``), else the compile's weights.
     ``seed``: ``train.py``'s ``--seed``, whose draws (dropout) the step's forwards make.
     """
+    _checked_seed(seed)  # train.py refuses it before anything starts
     out_dir = Path(out_dir).resolve()
     plan = load_plan(out_dir / "plan.json")
     selective = [s.index for s in plan.stages if s.recompute == "selective"]
@@ -343,4 +348,11 @@ def build_stages(out_dir: str | Path, *, device: torch.device | None = None, wei
                                      counts_steps=not stages))  # fmt: skip
     return Pipeline(plan=plan, out_dir=out_dir, coordinates=here, modules=modules, stages=stages,
                     schedule_class=TORCH_SCHEDULES[plan.schedule.kind], groups=groups,
-                    tied=tied_groups(plan, mesh, rank), forwards=forwards, updates=updates)  # fmt: skip
+                    tied=tied_groups(plan, mesh, rank), forwards=forwards, updates=updates, seed=seed)  # fmt: skip
+
+
+def _checked_seed(seed: int) -> int:
+    """``seed``, where train.py's --seed takes it (its draws are 64-bit)."""
+    if not -SEED_LIMIT < seed < SEED_LIMIT:
+        raise ConfigError(f"the seed must lie between -2**40 and 2**40, got {seed}; give a smaller seed")
+    return seed
