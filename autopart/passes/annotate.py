@@ -41,7 +41,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from autopart.ir.tensors import DTYPES, TensorMeta, autocast_dtype, precision, tensor_meta, working_dtype
 from autopart.passes.autocast_lists import cuda_autocast
-from autopart.passes.buffer_writes import writes_in_place, written_in_forward
+from autopart.passes.buffer_writes import check_buffers_hold_no_graph, writes_in_place, written_in_forward
 from autopart.passes.cost_keys import cost_key
 from autopart.passes.kernel_figures import kernel_figures, recompute_share
 from autopart.passes.grad_flow import GradientFlow, needed_backward, took_gradient, trainable_parameters
@@ -353,6 +353,7 @@ def annotate(
             saved, kept = run.measure(*graph_args(graph, inputs, target))
         except RuntimeError as exc:
             raise mixed_dtype_error(exc, run.current, dtype) from None
+        check_buffers_hold_no_graph(module)
         nodes, kernels, leaves = _annotate_nodes(
             graph, state, (saved, kept), cost_model, graph_args(graph, inputs, target),
             {} if measured is None else measured, run.values,

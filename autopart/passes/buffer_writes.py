@@ -22,7 +22,7 @@ import torch
 from torch import fx, nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from autopart.ir.errors import CaptureError
+from autopart.ir.errors import CaptureError, ModelFileError
 
 __all__ = ["written_attributes", "written_inputs", "written_in_forward", "writes_in_place", "check_no_written_copies",
            "check_constants_have_values", "check_inputs_unwritten", "check_fx_graph", "buffer_versions",
@@ -331,3 +331,19 @@ def batch_norm_statistics(node: fx.Node) -> list[fx.Node]:
     found = [node.args[k] if k < len(node.args) else node.kwargs.get(name) for k, name in enumerate(names)
              if name in ("running_mean", "running_var")]
     return [value for value in found if isinstance(value, fx.Node)]
+
+
+def check_buffers_hold_no_graph(module: nn.Module) -> None:
+    """Refuse a forward that writes into a buffer a value computed from trained parameters
+    (``self.buf.copy_(self.w * 2)``): the buffer then keeps that forward's autograd graph, and the
+    next forward's write chains onto it, so the next backward runs through the freed graph and
+    fails (in the model's own training loop too). Called after a forward with gradients on."""
+    held = sorted(name for name, buffer in module.named_buffers() if buffer.requires_grad)
+    if held:
+        raise ModelFileError(
+            f"the model's forward writes into its buffer {held[0]!r}{f' (and {len(held) - 1} more)' if held[1:] else ''}"
+            " a value computed from trained parameters, so the buffer keeps that forward's autograd graph and the "
+            "next backward runs through it again (it fails in the model's own training loop too); write a detached "
+            "value (.copy_(value.detach())), or keep the value a plain tensor of the forward rather than a buffer"
+        )
+

@@ -43,6 +43,7 @@ import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
+from autopart.passes.buffer_writes import check_buffers_hold_no_graph
 from autopart.profiling.span import span
 
 __all__ = ["MIN_SECONDS", "SHARES_SECONDS", "NodeTimes", "left_as_it_was", "time_in_situ", "measure_resume", "optimizer_in_situ", "trimmed_mean"]
@@ -187,10 +188,9 @@ def time_in_situ(module: fx.GraphModule, args: Sequence[Any], *, repeats: int = 
                  min_seconds: float | None = None,
                  forward_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
                  ) -> dict[str, NodeTimes]:
-    """Forward and backward seconds of every node of ``module`` run whole on ``args``: the
-    trimmed mean over at least ``repeats`` runs spanning at least ``min_seconds`` (by default
-    `MIN_SECONDS`, capped by `autopart.profiling.span`); every forward
-    in ``forward_context()`` (the training precision's autocast), every backward outside it.
+    """Forward and backward seconds of every node of ``module`` run whole on ``args``: the trimmed
+    mean over at least ``repeats`` runs spanning at least ``min_seconds`` (`MIN_SECONDS` by default,
+    capped by `autopart.profiling.span`); forwards in ``forward_context()`` (the precision's autocast).
 
     ``get_attr`` nodes get nothing: their reads (and, in backward, their gradient accumulation)
     are charged to the first node that uses them. Leaves ``module``'s parameters without
@@ -215,6 +215,8 @@ def time_in_situ(module: fx.GraphModule, args: Sequence[Any], *, repeats: int = 
                 with forward_context():
                     loss = module(*args)
                 middle = time.perf_counter()
+                if run == 1:
+                    check_buffers_hold_no_graph(module)  # else the second backward fails in torch's words
                 _backward(loss)
                 plain.append((middle - start, time.perf_counter() - middle))
                 ticks.reset()
