@@ -78,6 +78,31 @@ SCALAR = GOOD_BATCH + textwrap.dedent(
 )
 
 # name -> (model source or None for a missing file, extra arguments, pattern of the one line)
+BUFFER_GIVEN_A_GRADIENT = GOOD_BATCH + textwrap.dedent(
+    """
+    class Scaled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale = torch.nn.Parameter(torch.ones(8))
+            self.register_buffer("last_scale", torch.zeros(8))
+            self.linear = torch.nn.Linear(8, 4)
+
+        def forward(self, x):
+            self.last_scale.copy_(self.scale * 2)
+            return self.linear(x * self.last_scale)
+
+    def build_model():
+        return Scaled()
+    """
+)
+
+BUFFER_GIVEN_A_GRADIENT_REFUSED = (
+    r"the model's forward writes into its buffer 'last_scale' a value computed from trained parameters, so the buffer "
+    r"keeps that forward's autograd graph and the next backward runs through it again \(it fails in the model's own "
+    r"training loop too\); write a detached value \(\.copy_\(value\.detach\(\)\)\), or keep the value a plain tensor "
+    r"of the forward rather than a buffer"
+)
+
 MODEL_CASES = {
     "missing": (None, [], r"model file '.*missing\.py' does not exist"),
     "no_build_model": (GOOD_BATCH, [], r"does not define build_model\(\); add `def build_model\(\) -> nn.Module`"),
@@ -244,52 +269,14 @@ MODEL_CASES = {
         r"gradients 1/4 of the model's; make it a mean over the batch \(reduction='mean', or divide by the batch size\)",
     ),
     "buffer_given_a_parameter_s_gradient": (  # the op timing's second backward failed in a traceback, before
-        GOOD_BATCH + textwrap.dedent(
-            """
-            class Scaled(torch.nn.Module):
-                def __init__(self):
-                    super().__init__()
-                    self.scale = torch.nn.Parameter(torch.ones(8))
-                    self.register_buffer("last_scale", torch.zeros(8))
-                    self.linear = torch.nn.Linear(8, 4)
-
-                def forward(self, x):
-                    self.last_scale.copy_(self.scale * 2)
-                    return self.linear(x * self.last_scale)
-
-            def build_model():
-                return Scaled()
-            """
-        ),
+        BUFFER_GIVEN_A_GRADIENT,
         [],
-        r"the model's forward writes into its buffer 'last_scale' a value computed from trained parameters, so the "
-        r"buffer keeps that forward's autograd graph and the next backward runs through it again \(it fails in the "
-        r"model's own training loop too\); write a detached value \(\.copy_\(value\.detach\(\)\)\), or keep the value "
-        r"a plain tensor of the forward rather than a buffer",
+        BUFFER_GIVEN_A_GRADIENT_REFUSED,
     ),
     "buffer_given_a_parameter_s_gradient_unmeasured": (  # compiled, and its programs failed at the second B
-        GOOD_BATCH + textwrap.dedent(
-            """
-            class Scaled(torch.nn.Module):
-                def __init__(self):
-                    super().__init__()
-                    self.scale = torch.nn.Parameter(torch.ones(8))
-                    self.register_buffer("last_scale", torch.zeros(8))
-                    self.linear = torch.nn.Linear(8, 4)
-
-                def forward(self, x):
-                    self.last_scale.copy_(self.scale * 2)
-                    return self.linear(x * self.last_scale)
-
-            def build_model():
-                return Scaled()
-            """
-        ),
+        BUFFER_GIVEN_A_GRADIENT,
         ["--no-measure"],
-        r"the model's forward writes into its buffer 'last_scale' a value computed from trained parameters, so the "
-        r"buffer keeps that forward's autograd graph and the next backward runs through it again \(it fails in the "
-        r"model's own training loop too\); write a detached value \(\.copy_\(value\.detach\(\)\)\), or keep the value "
-        r"a plain tensor of the forward rather than a buffer",
+        BUFFER_GIVEN_A_GRADIENT_REFUSED,
     ),
     "batch_norm_of_a_cumulative_average": (  # 'control flow on tensor values' at the line that calls it, before
         GOOD_BATCH + "\ndef build_model():\n    return torch.nn.Sequential(torch.nn.Linear(8, 4), "
