@@ -152,7 +152,9 @@ def test_a_frozen_base_takes_no_weight_gradients_optimizer_step_nor_reduction(tm
     trained, frozen = (autopart.compile(_base(tmp_path, f), **options) for f in (False, True))
     assert frozen.stages[0].forward_s == pytest.approx(trained.stages[0].forward_s)
     assert frozen.stages[0].backward_s < 0.7 * trained.stages[0].backward_s, "the base's weight gradients are gone"
-    assert frozen.predicted.rank_tail_s[0] < 0.1 * trained.predicted.rank_tail_s[0], "AdamW steps the head alone"
+    # the head's step and each tensor's fixed cost remain (how large, this CPU's calibration says: 0.06 to
+    # 0.10 of the whole); a step that still counted the base would be about all of it
+    assert frozen.predicted.rank_tail_s[0] < 0.25 * trained.predicted.rank_tail_s[0], "AdamW steps the head alone"
     reduced = [sum(r) for r in (trained.predicted.reduction_s[0], frozen.predicted.reduction_s[0])]
     assert reduced[1] < 0.5 * reduced[0], "the head's gradients alone are all-reduced"
 
