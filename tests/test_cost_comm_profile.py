@@ -46,9 +46,12 @@ def test_profile_comm_measures_every_curve_and_the_cpu_device_uses_them(tmp_path
     assert p2p[largest] >= _copy_seconds(largest)
     # 2 ranks: an all-reduce sends at least half the buffer each way and adds it: not under half a message
     assert dict(profile.curves["all_reduce"])[largest] >= 0.5 * p2p[largest]
-    # the host's part of a message is part of its time: each side's CPU seconds within the one-way time, give or take
+    # each side's CPU seconds count the kernel's copy of the message into or out of its socket (in the
+    # calling thread or gloo's): never under half a copy. No upper bound holds: these are cold messages
+    # between computations, p2p's are hot ones back to back, and how far apart they are depends on
+    # who else runs here (a clean suite saw the receiver's at 2.07x the one-way time)
     for kind in ("p2p_send_cpu", "p2p_recv_cpu"):
-        assert dict(profile.curves[kind])[largest] <= 2 * p2p[largest], kind
+        assert dict(profile.curves[kind])[largest] >= 0.5 * _copy_seconds(largest), kind
     wake = profile.curves["wake"]  # a point per idle time asked for (the idle is a median of rank 1's, not a bound)
     assert len(wake) == len(WAKE_IDLES)
     # a rank's resident memory: at least torch's libraries, at most many times this test process's peak
