@@ -262,10 +262,12 @@ def mfu_clause(plan: Plan) -> str:
     the plan with their runs in their own terms. "" for the CPU (its peak is a matrix product
     measured here, which no published run is held to), for fp32 (its peak is not the one those
     figures are of), and where the step is the MFU ceiling's (`describe_prediction` says so)."""
-    kind = plan.provenance.device_kind or ("cpu" if plan.provenance.cost_model.endswith(":cpu") else "")
-    if kind in ("", "cpu") or not plan.dtype.startswith("bf16") or plan.predicted.unbounded_step_s is not None:
+    if plan.provenance.device_kind in ("", "cpu") or not plan.dtype.startswith("bf16"):
+        return ""  # "" also for a plan written before it recorded its device's kind
+    if plan.predicted.unbounded_step_s is not None:
         return ""
-    return f", MFU {implied_mfu(plan):.1%}" if implied_mfu(plan) > 0 else ""
+    mfu = implied_mfu(plan)
+    return f", MFU {mfu:.1%}" if mfu > 0 else ""
 
 
 def describe_prediction(plan: Plan) -> str:
