@@ -113,6 +113,31 @@ def test_verify_holds_adamw_to_what_the_order_of_sums_does(tmp_path, dtype):
     assert not verify(out, steps=2, lr=0.1, optimizer="adamw").matches
 
 
+@pytest.mark.multiprocess
+def test_verify_holds_adamw_on_a_tensor_parallel_plan_to_what_fp32_rounding_does(tmp_path):
+    """Tensor-parallel ranks add their pieces of a product, where one process sums it whole: an
+    order no count of microbatches repeats, which AdamW's steps of near-cancelling gradients
+    spread over whole rows (at a rate of 0.1, differences of 1e-2 where SGD's are 1e-8). The plan
+    matches as far as one fp32 process ends from fp64; with one row of a split weight left
+    without its gradient, it does not. (Compiled for a100-80gb: its cuts and splits are the same
+    on every machine.)"""
+    out = tmp_path / "gpt"
+    compile_to_directory(CompileOptions(model=REPO / "examples" / "gpt.py", tp=2, microbatches=2, micro_batch_size=2,
+                                        device="a100-80gb"), out)  # fmt: skip
+    source = (out / "stages" / "stage_0.py").read_text()
+    split = re.search(r"F\.linear\(\w+, ((?:self\.h\[\d+\]|layer)\.mlp\.c_proj\.weight)\)[^\n]*\n(?:[^\n]*\n)?"
+                      r"\s*\w+ = tp\.all_reduce", source)
+    assert split, "the plan splits no MLP's second product over its ranks"
+    result = verify(out, steps=3, lr=0.1, optimizer="adamw")
+    assert result.matches, result.failures
+    assert result.parameter_difference > 1e-3
+    assert "or in fp64 (twice that difference)" in result.parameter_tolerance
+    weight = split.group(1)
+    corrupt(out, weight + ")", f"torch.cat([{weight}[:1].detach(), {weight}[1:]]))", stage_index=0)
+    result = verify(out, steps=3, lr=0.1, optimizer="adamw")
+    assert [f for f in result.failures if "mlp.c_proj.weight" in f] and not result.matches
+
+
 def test_the_reference_sums_the_same_gradient_over_microbatches(tmp_path):
     """One process summing each step's gradient over equal parts of the batch trains the model
     the whole batch trains (to rounding): what `_order_noise` compares is the order alone."""
@@ -179,10 +204,10 @@ def test_verify_names_a_moving_buffer_that_no_stage_file_lists(tmp_path):
             "updated_buffers" in " ".join(result.stderr.split())), result.stderr
 
 
-def corrupt(out: Path, text: str, instead: str) -> None:
-    """The last stage's first ``text`` made ``instead``, signed as a compile would sign it (the
-    ranks refuse a stage file that the plan does not know)."""
-    stage = out / "stages" / "stage_1.py"
+def corrupt(out: Path, text: str, instead: str, *, stage_index: int = 1) -> None:
+    """The stage's (by default the last of two) first ``text`` made ``instead``, signed as a
+    compile would sign it (the ranks refuse a stage file that the plan does not know)."""
+    stage = out / "stages" / f"stage_{stage_index}.py"
     source = stage.read_text()
     assert text in source
     stage.write_text(source.replace(text, instead, 1))

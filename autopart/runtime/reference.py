@@ -43,7 +43,7 @@ from safetensors.torch import load_file
 
 from autopart.ir.errors import ConfigError
 from autopart.ir.tensors import precision, working_dtype
-from autopart.ir.model_file import eager_loss, load_model_file
+from autopart.ir.model_file import ModelSpec, eager_loss, load_model_file
 from autopart.ir.plan import Plan, load_plan
 from autopart.runtime.data import eval_batches, model_file, split_microbatches, training_batches
 from autopart.runtime.materialise import materialise, meta_names
@@ -109,9 +109,15 @@ def initial_weights(out_dir: Path) -> dict[str, torch.Tensor]:
     return weights
 
 
-def _started(model: torch.nn.Module, initial: dict[str, torch.Tensor], *, file: str,
-             out_dir: Path) -> dict[str, torch.Tensor]:
-    """The model's parameters and buffers by name, set to ``initial`` (the compile's weights)."""
+def _started(spec: ModelSpec, initial: dict[str, torch.Tensor], *, out_dir: Path, device: str,
+             dtype: torch.dtype | None) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    """The model on ``device`` (and in ``dtype``, where given), and its parameters and buffers by
+    name, set to ``initial`` (the compile's weights)."""
+    model, file = spec.module, spec.path.name
+    assert model is not None
+    if any(True for _ in meta_names(model)):  # made as every rank makes its slice
+        materialise(model, meta_names(model), init=spec.init_weights)
+    model.to(device=device, dtype=dtype)  # before naming them: a buffer moved or cast is another tensor
     named = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers(remove_duplicate=False))
     with torch.no_grad():
         for name, value in initial.items():
@@ -121,7 +127,25 @@ def _started(model: torch.nn.Module, initial: dict[str, torch.Tensor], *, file: 
                                       f"{out_dir} was compiled with {tuple(value.shape)} (a file it imports changed?); "
                                       "compile it again")
                 named[name].copy_(value)
-    return named
+    return model, named
+
+
+def _on(value: Any, device: str, dtype: str) -> Any:
+    """A batch value on ``device``; a floating one in float64 for an ``fp64`` reference."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    return value.to(device, torch.float64 if dtype == "fp64" and value.is_floating_point() else None)
+
+
+@contextlib.contextmanager
+def _float64() -> Iterator[None]:
+    """Tensors that a forward makes without a dtype (a mask, a scale) in float64, as its weights."""
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(default)
 
 
 @contextlib.contextmanager
@@ -153,8 +177,10 @@ def train_reference(
     watch_buffers: bool = False,
 ) -> ReferenceRun:
     """``weights`` is the checkpoint the programs were started from (``train.py --weights``), if any;
-    ``dtype`` the precision, by default the plan's; ``device`` where it trains (``"cuda"``: the
-    current GPU, to compare with programs that ran on GPUs: autocast and kernels differ by device);
+    ``dtype`` the precision, by default the plan's (``"fp64"``: the model and its batches in
+    float64, the nearest to exact sums one process has: how far fp32's roundings alone take
+    training is how far an fp32 run ends from it, `autopart.tools.verify`'s measure); ``device``
+    where it trains (``"cuda"``: the current GPU, to compare with programs that ran on GPUs: autocast and kernels differ by device);
     ``recipe`` the schedule, decay and clipping of train.py's flags; ``eval_every`` and
     ``eval_batch_count``: train.py's ``--eval-every`` and ``--eval-batches``; ``dropout`` False:
     train.py's ``--no-dropout``; ``microbatches``: the batch's gradient summed over this many
@@ -166,14 +192,10 @@ def train_reference(
     out_dir = Path(out_dir)
     plan = load_plan(out_dir / "plan.json")
     spec = load_model_file(model_file(out_dir, plan))
-    model = spec.module
-    assert model is not None
-    if any(True for _ in meta_names(model)):  # made as every rank makes its slice
-        materialise(model, meta_names(model), init=spec.init_weights)
-    named = _started(model, load_file(str(weights)) if weights is not None else initial_weights(out_dir),
-                     file=spec.path.name, out_dir=out_dir)
+    dtype = dtype or plan.dtype
+    model, named = _started(spec, load_file(str(weights)) if weights is not None else initial_weights(out_dir),
+                            out_dir=out_dir, device=device, dtype=torch.float64 if dtype == "fp64" else None)
     held = [name for stage in plan.stages for name in stage_names(out_dir, stage.index)]
-    model.to(device)
     groups = parameter_groups(model.named_parameters(), weight_decay=recipe.weight_decay,
                               embeddings=plan.embedding_parameters)
     opt = make_optimizer(optimizer, groups, lr, **recipe.optimizer_options())
@@ -182,16 +204,15 @@ def train_reference(
     data = training_batches(spec, batch_size, seed)
     held_out = eval_batches(spec, batch_size, seed, eval_batch_count) if eval_every else []
 
-    dtype = dtype or plan.dtype
-    lower = working_dtype(dtype)
+    lower = None if dtype == "fp64" else working_dtype(dtype)
     replicas, microbatches = plan_parts(plan) if microbatches is None else (1, microbatches)
 
     def loss_of(inputs: tuple, target: Any) -> torch.Tensor:
-        inputs = tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in inputs)
-        target = target.to(device) if isinstance(target, torch.Tensor) else target
+        inputs = tuple(_on(x, device, dtype) for x in inputs)
+        target = _on(target, device, dtype)
         # bf16: the step's working copies, cast after the last optimizer step, as the stages cast theirs
         weights = working_copies(model, lower) if lower is not None else None
-        with precision(dtype, torch.device(device).type):
+        with _float64() if dtype == "fp64" else precision(dtype, torch.device(device).type):
             return eager_loss(spec, inputs, target, weights)
 
     losses, evaluations = [], {}

@@ -16,7 +16,7 @@ import ast
 import json
 import math
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -100,6 +100,7 @@ class _OrderNoise:
     rows: dict[str, torch.Tensor]  # per parameter, per row, the largest mean difference
     means: dict[str, float]  # per parameter, the largest mean difference
     losses: list[float]  # per step, the largest loss difference
+    exact: bool = False  # an fp64 run is among the orders (an fp32 plan's)
 
     def covers(self, name: str, gap: torch.Tensor, precision: torch.Tensor | None = None) -> bool:
         """Whether each row of a parameter's difference ``gap`` is within what the order makes, or
@@ -128,7 +129,13 @@ def _order_noise(out_dir: Path, reference: ReferenceRun, plan: Plan, *, steps: i
     batch, a norm over it) is no other order of the same sums: left out. Where the model normalises
     by its batch (``plan.batch_statistics``; the reference runs the plan's own parts, `plan_parts`,
     one where the plan has one), other parts would train another function: there the samples of
-    each part are shuffled instead, three ways."""
+    each part are shuffled instead, three ways.
+
+    An fp32 plan also sums within a product in another order than one process does (a
+    tensor-parallel plan adds its ranks' pieces of each), which no order of parts repeats: for it
+    the reference is also run in fp64, the nearest to exact sums one process has. The plan's run
+    and the reference each end about as far from exact as the reference ends from the fp64 run,
+    so they may end twice as far apart: that difference counts twice."""
     batch = plan.schedule.global_batch_size
     parts = plan.schedule.microbatches * plan.mesh["dp"]
     counts = [k for k in dict.fromkeys((parts, 2 * parts, parts // 2, 2, 4)) if 1 < k <= batch and batch % k == 0]
@@ -136,6 +143,8 @@ def _order_noise(out_dir: Path, reference: ReferenceRun, plan: Plan, *, steps: i
         orders = [{"sample_order": seed} for seed in (1, 2, 3)]
     else:
         orders = [{"microbatches": count} for count in counts[:3]]
+    if plan.dtype == "fp32":
+        orders.append({"dtype": "fp64"})
     noise = _OrderNoise(rows={}, means={}, losses=[0.0] * steps)
     atol, rtol = loss_tolerance
     for order in orders:
@@ -143,14 +152,17 @@ def _order_noise(out_dir: Path, reference: ReferenceRun, plan: Plan, *, steps: i
                                 recipe=recipe, dropout=dropout, **order)
         if abs(other.losses[0] - reference.losses[0]) > atol + rtol * abs(reference.losses[0]):
             continue
+        weight = 2.0 if "dtype" in order else 1.0
+        noise = replace(noise, exact=noise.exact or "dtype" in order)
         for name, value in reference.parameters.items():
             if not value.numel():
                 continue
-            gap = (other.parameters[name].double() - value.double()).abs()
+            gap = weight * (other.parameters[name].double() - value.double()).abs()
             rows, mean = _row_means(gap), float(gap.mean())
             noise.rows[name] = torch.maximum(noise.rows[name], rows) if name in noise.rows else rows
             noise.means[name] = max(noise.means.get(name, 0.0), mean)
-        noise.losses[:] = [max(gap, abs(a - b)) for gap, a, b in zip(noise.losses, other.losses, reference.losses)]
+        noise.losses[:] = [max(gap, weight * abs(a - b))
+                           for gap, a, b in zip(noise.losses, other.losses, reference.losses)]
     return noise
 
 
@@ -160,7 +172,8 @@ def _reordered(order: _OrderNoise | None, what: str) -> str:
         return ""
     if not order.means:
         return "; AdamW: no other order of this batch's sums to compare with"
-    return f"; or, AdamW, {what}within {ORDER_NOISE_FACTOR:g}x one process's summing in other orders"
+    exact = " or in fp64 (twice that difference)" if order.exact else ""
+    return f"; or, AdamW, {what}within {ORDER_NOISE_FACTOR:g}x one process's summing in other orders{exact}"
 
 
 def _draws(out_dir: Path) -> bool:
