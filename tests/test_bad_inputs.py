@@ -77,7 +77,6 @@ SCALAR = GOOD_BATCH + textwrap.dedent(
     """
 )
 
-# name -> (model source or None for a missing file, extra arguments, pattern of the one line)
 BUFFER_GIVEN_A_GRADIENT = GOOD_BATCH + textwrap.dedent(
     """
     class Scaled(torch.nn.Module):
@@ -97,12 +96,13 @@ BUFFER_GIVEN_A_GRADIENT = GOOD_BATCH + textwrap.dedent(
 )
 
 BUFFER_GIVEN_A_GRADIENT_REFUSED = (
-    r"the model's forward writes into its buffer 'last_scale' a value computed from trained parameters, so the buffer "
-    r"keeps that forward's autograd graph and the next backward runs through it again \(it fails in the model's own "
-    r"training loop too\); write a detached value \(\.copy_\(value\.detach\(\)\)\), or keep the value a plain tensor "
-    r"of the forward rather than a buffer"
+    r"the model's buffer 'last_scale' holds a value computed from trained parameters \(written in forward or in "
+    r"__init__\), so it keeps that autograd graph and the next backward runs through it again \(it fails in the "
+    r"model's own training loop too\); write a detached value \(\.copy_\(value\.detach\(\)\)\), or keep the value "
+    r"a plain tensor of the forward rather than a buffer"
 )
 
+# name -> (model source or None for a missing file, extra arguments, pattern of the one line)
 MODEL_CASES = {
     "missing": (None, [], r"model file '.*missing\.py' does not exist"),
     "no_build_model": (GOOD_BATCH, [], r"does not define build_model\(\); add `def build_model\(\) -> nn.Module`"),

@@ -305,6 +305,26 @@ def test_a_buffer_that_no_forward_writes_is_never_copied(tmp_path):
     assert len(masks) == 2 and copies.shapes.count((7, 5)) == len(masks)  # the run's result alone
 
 
+def test_a_buffer_that_requires_grad_and_holds_no_graph_compiles(tmp_path):
+    """A buffer registered as a leaf that requires grad, and only read, trains in the model's own
+    loop: the refusal of a buffer that keeps an autograd graph (`check_buffers_hold_no_graph`,
+    after the op timing's forward and annotate's) leaves it alone; one built in __init__ from a
+    parameter holds a graph from the start and is refused."""
+    leaf = MODEL.replace('self.register_buffer("calls", torch.zeros(()))',
+                         'self.register_buffer("probe", torch.ones(8, requires_grad=True))').replace(
+        "self.calls.add_(1)\n        return torch.relu(self.fc(x))", "return torch.relu(self.fc(x * self.probe))")
+    assert "x * self.probe" in leaf
+    path = tmp_path / "leaf.py"
+    path.write_text(leaf)
+    plan = autopart.compile(path, pp=2, microbatches=2, global_batch_size=4)  # measured on this CPU: both checks
+    assert plan.mesh["pp"] == 2
+    built = leaf.replace("torch.ones(8, requires_grad=True))", "self.fc.weight[0] * 2)")
+    path.write_text(built)
+    with pytest.raises(autopart.AutopartError, match=r"the model's buffer '0\.probe' \(and 1 more\) holds a value "
+                                                     r"computed from trained parameters \(written in forward or in __init__\)"):
+        autopart.compile(path, pp=2, microbatches=2, global_batch_size=4, device="a100-80gb")
+
+
 GATED = MODEL.replace('''        self.register_buffer("calls", torch.zeros(()))
 
     def forward(self, x):

@@ -334,16 +334,18 @@ def batch_norm_statistics(node: fx.Node) -> list[fx.Node]:
 
 
 def check_buffers_hold_no_graph(module: nn.Module) -> None:
-    """Refuse a forward that writes into a buffer a value computed from trained parameters
-    (``self.buf.copy_(self.w * 2)``): the buffer then keeps that forward's autograd graph, and the
-    next forward's write chains onto it, so the next backward runs through the freed graph and
-    fails (in the model's own training loop too). Called after a forward with gradients on."""
-    held = sorted(name for name, buffer in module.named_buffers() if buffer.requires_grad)
+    """Refuse a buffer that holds a value computed from trained parameters, written by a forward
+    (``self.buf.copy_(self.w * 2)``) or by ``__init__``: the buffer keeps that autograd graph, and
+    the next write chains onto it, so the next backward runs through the freed graph and fails
+    (in the model's own training loop too). Called after a forward with gradients on. A buffer
+    that is a leaf, even one that requires grad, holds no graph: it is left alone."""
+    held = sorted(name for name, buffer in module.named_buffers() if buffer.grad_fn is not None)
     if held:
         raise ModelFileError(
-            f"the model's forward writes into its buffer {held[0]!r}{f' (and {len(held) - 1} more)' if held[1:] else ''}"
-            " a value computed from trained parameters, so the buffer keeps that forward's autograd graph and the "
-            "next backward runs through it again (it fails in the model's own training loop too); write a detached "
-            "value (.copy_(value.detach())), or keep the value a plain tensor of the forward rather than a buffer"
+            f"the model's buffer {held[0]!r}{f' (and {len(held) - 1} more)' if held[1:] else ''} holds a value "
+            "computed from trained parameters (written in forward or in __init__), so it keeps that autograd graph "
+            "and the next backward runs through it again (it fails in the model's own training loop too); write a "
+            "detached value (.copy_(value.detach())), or keep the value a plain tensor of the forward rather than "
+            "a buffer"
         )
 
