@@ -144,7 +144,8 @@ def compile(model: str | Path, **options) -> Plan:  # noqa: A001 - the API's ver
     """
     check_option_names(options)
     check_sequence_parallel_asked(sp=options.get("sp"), tp_overlap=options.get("tp_overlap", False), tp=options.get("tp"),
-                                  world_size=options.get("world_size"), plan=options.get("plan"))
+                                  world_size=options.get("world_size"), plan=options.get("plan"), pp=options.get("pp"),
+                                  dp=options.get("dp"))
     with cycle_collector_off(), random_state_kept():
         plan, _ = measured_plan(CompileOptions(model=model, **options))
     return plan

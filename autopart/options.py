@@ -230,6 +230,19 @@ class CompileOptions:
                                   f"({name} {recorded}); drop {flag}, or recompile without --plan")
             if given is None and name not in ("world_size", "micro_batch_size"):  # those two would search, or split
                 object.__setattr__(self, name, recorded)
+        modes = tuple(stage.recompute for stage in plan.stages)
+        given_modes = (self.recompute,) * len(modes) if isinstance(self.recompute, str) else self.recompute
+        for flag, contradicts, recorded in (
+            ("--sp", self.sp is True and not plan.sp, "sp False"), ("--no-sp", self.sp is False and plan.sp, "sp True"),
+            ("--tp-overlap", self.tp_overlap and not plan.tp_overlap, "tp_overlap False"),
+            (f"--recompute {self.recompute if isinstance(self.recompute, str) else ','.join(self.recompute or ())}",
+             given_modes is not None and tuple(given_modes) != modes, f"recompute {','.join(modes)}"),
+        ):
+            if contradicts:
+                raise ConfigError(f"{flag} contradicts {Path(self.plan).name}, which --plan emits as it is ({recorded}); "
+                                  f"drop {flag.split()[0]}, or recompile without --plan")
+        for name, recorded in (("sp", plan.sp), ("tp_overlap", plan.tp_overlap), ("recompute", modes)):
+            object.__setattr__(self, name, recorded)  # the plan's, for the copies of these options too
 
     @property
     def pins_layers(self) -> bool:
@@ -431,15 +444,17 @@ def check_option_names(names: Iterable[str]) -> None:
 
 
 def check_sequence_parallel_asked(*, sp: bool | None, tp_overlap: bool, tp: int | None, world_size: int | None,
-                                  plan: Any = None) -> None:
+                                  plan: Any = None, pp: int | None = None, dp: int | None = None) -> None:
     """Refuse ``--sp`` or ``--tp-overlap`` as the user gave them where tensor parallelism is 1
-    (pinned, or its default when nothing is searched): the plan would have neither, without a
-    word. Checked on the user's own values, since `CompileOptions` fills ``sp`` in by default and
-    the search pins it on for each of its layouts, TP 1 among them."""
-    no_tensor_parallelism = tp == 1 or (tp is None and world_size is None and plan is None)
+    (pinned, left by the pinned pp and dp, or its default when nothing is searched): the plan would
+    have neither, without a word. Checked on the user's own values, since `CompileOptions` fills
+    ``sp`` in by default and the search pins it on for each of its layouts, TP 1 among them (a
+    search given either takes only layouts with TP, `SearchSpace.least_tp`)."""
+    left_one = world_size is not None and world_size <= (pp or 1) * (dp or 1)  # tp = world / (pp x dp)
+    no_tensor_parallelism = tp == 1 or (tp is None and (left_one or (world_size is None and plan is None)))
     for flag, given in (("--sp", sp is True), ("--tp-overlap", tp_overlap)):
         if given and no_tensor_parallelism:
-            raise ConfigError(f"{flag} splits what tensor parallelism computes, and this compile has none (--tp 1); "
+            raise ConfigError(f"{flag} splits what tensor parallelism computes, and this compile has none (tensor parallelism 1); "
                               f"add --tp 2 or more, or drop {flag}")
 
 

@@ -228,11 +228,21 @@ def test_every_whole_number_option_refuses_a_str_a_float_and_a_bool():
                 autopart.CompileOptions(model=TINY_GPT, **{name: value})
 
 
-@pytest.mark.parametrize("given", [{"pp": 2, "sp": True}, {"tp": 1, "world_size": 2, "tp_overlap": True}])
+@pytest.mark.parametrize("given", [{"pp": 2, "sp": True}, {"tp": 1, "world_size": 2, "tp_overlap": True},
+                                   {"world_size": 2, "dp": 2, "tp_overlap": True, "global_batch_size": 4}])
 def test_sequence_parallelism_asked_without_tensor_parallelism_is_refused(given):
-    """The plan would have none, without a word: TP 1 has nothing to split."""
+    """The plan would have none, without a word: TP 1 (pinned, or all the pinned pp and dp
+    leave) has nothing to split."""
     with pytest.raises(ConfigError, match=r"splits what tensor parallelism computes, and this compile has none"):
         autopart.compile(TINY_GPT, microbatches=2, measure=False, **given)
+
+
+@pytest.mark.parametrize("given", [{"tp_overlap": True}, {"sp": True}])
+def test_a_search_asked_for_sequence_parallelism_takes_a_layout_with_tensor_parallelism(given):
+    """Where TP is searched, --sp or --tp-overlap leaves the search only layouts that have it:
+    it took pp 2 at TP 1 and dropped both in silence."""
+    plan = autopart.compile(TINY_GPT, world_size=2, global_batch_size=4, device="a100-80gb", measure=False, **given)
+    assert plan.mesh["tp"] == 2 and plan.sp and plan.tp_overlap == given.get("tp_overlap", False)
 
 
 def test_a_misspelt_option_is_refused_in_one_line_with_the_nearest_name():

@@ -339,7 +339,9 @@ OPTION_CASES = {
     "search_without_global_batch": (["--world-size", "3"], r"the search needs the global batch: add --global-batch-size"),
     "time_limit_not_positive": (["--time-limit", "0"], r"--time-limit must be a positive number of seconds, got 0"),
     "sp_without_tensor_parallelism": (["--sp"], r"--sp splits what tensor parallelism computes, and this compile has "
-                                                r"none \(--tp 1\); add --tp 2 or more, or drop --sp$"),
+                                                r"none \(tensor parallelism 1\); add --tp 2 or more, or drop --sp$"),
+    "sp_where_the_pins_leave_tp_1": (["--world-size", "2", "--pp", "2", "--global-batch-size", "4", "--sp"],
+                                     r"--sp splits what tensor parallelism computes, and this compile has none"),
     "tp_overlap_with_tp_1": (["--tp", "1", "--tp-overlap"], r"--tp-overlap splits what tensor parallelism computes, .*"
                                                            r"add --tp 2 or more, or drop --tp-overlap$"),
     "profile_pipeline_without_costs": (
@@ -517,7 +519,10 @@ def test_plan_of_another_model(tmp_path, capsys, compiled):
     (["--microbatches", "4"], r"--microbatches 4 contradicts plan\.json, .*\(microbatches 2\)"),
     (["--dtype", "bf16"], r"--dtype bf16 contradicts plan\.json, .*\(dtype fp32\)"),
     (["--world-size", "8", "--global-batch-size", "64"], r"--world-size 8 contradicts plan\.json, .*\(world_size 2\)"),
-], ids=["pp", "microbatches", "dtype", "world_size"])
+    (["--sp"], r"--sp contradicts plan\.json, .*\(sp False\); drop --sp, or recompile without --plan"),
+    (["--tp-overlap"], r"--tp-overlap contradicts plan\.json, .*\(tp_overlap False\)"),
+    (["--recompute", "full"], r"--recompute full contradicts plan\.json, .*\(recompute none,none\); drop --recompute,"),
+], ids=["pp", "microbatches", "dtype", "world_size", "sp", "tp_overlap", "recompute"])
 def test_a_pin_that_the_plan_contradicts(tmp_path, capsys, compiled, pins, pattern):
     """--plan emits the plan as it is: a pin it contradicts was dropped without a word."""
     line = call_cli(capsys, "compile", "examples/gpt.py", "-o", str(tmp_path / "out"), "--plan",

@@ -87,6 +87,8 @@ def search_space(options: CompileOptions) -> SearchSpace:
         dtype=SEARCHED_DTYPES if options.dtype == "auto" else (options.dtype or "fp32",),
         recompute=(options.recompute,) if isinstance(options.recompute, str) else RECOMPUTE_MODES,
         recompute_per_stage=options.recompute if isinstance(options.recompute, tuple) else None,
+        # a search keeps sp None unless it was given (`CompileOptions` fills it in only where nothing is searched)
+        least_tp=2 if options.tp_overlap or options.sp is True else 1,
     )
 
 

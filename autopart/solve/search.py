@@ -115,12 +115,13 @@ class SearchSpace:
     recompute: tuple[str, ...] = RECOMPUTE_MODES  # modes any stage may take
     recompute_per_stage: tuple[str, ...] | None = None  # a pin of one mode per stage
     tp_across_nodes: bool = False
+    least_tp: int = 1  # 2 where the options ask for what only tensor parallelism does (--sp, --tp-overlap)
 
     def layouts(self, blocks: int) -> Iterator[Layout]:
         """Every layout of the space that a chain of ``blocks`` blocks can take."""
         n, batch = self.world_size, self.global_batch_size
         for tp in self.tp or _divisors(n):
-            if tp > self.gpus_per_node and not (self.tp_across_nodes or self.tp):
+            if tp > self.gpus_per_node and not (self.tp_across_nodes or self.tp) or tp < self.least_tp:
                 continue
             for pp in self.pp or _divisors(n // tp):
                 if n % (tp * pp) or pp > blocks:

@@ -246,13 +246,11 @@ def _compile(args: argparse.Namespace, console: Console) -> None:
     from autopart.options import check_sequence_parallel_asked, local_kind
     from autopart.runtime.output_paths import check_file_path
 
-    check_sequence_parallel_asked(sp=args.sp, tp_overlap=args.tp_overlap, tp=args.tp, world_size=args.world_size, plan=args.plan)
+    check_sequence_parallel_asked(sp=args.sp, tp_overlap=args.tp_overlap, tp=args.tp, world_size=args.world_size,
+                                  plan=args.plan, pp=args.pp, dp=args.dp)
     options = CompileOptions(
         model=args.model,
-        world_size=args.world_size,
-        pp=args.pp,
-        tp=args.tp,
-        dp=args.dp,
+        world_size=args.world_size, pp=args.pp, tp=args.tp, dp=args.dp,
         zero=args.zero,
         sp=args.sp,
         tp_overlap=args.tp_overlap,
