@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
+import math
 import numbers
 import operator
 import os
@@ -318,7 +320,7 @@ class CompileOptions:
                 f"use a global batch that is a multiple of {self.dp}"
             )
         share = total // self.dp  # what one pipeline replica runs per step
-        runnable = [d for d in range(1, share + 1) if share % d == 0 and self._schedule_runs(d)]
+        runnable = [d for d in _divisors(share) if self._schedule_runs(d)]
         if m is None and b is None:  # up to two per stage, as many as divide the share and the schedule runs
             m = max((d for d in runnable if d <= 2 * self.pp), default=min(runnable, default=1))
         if m is None:
@@ -336,7 +338,11 @@ class CompileOptions:
             need = (f"interleaved needs microbatches ({m}) to be a multiple of the pipeline degree ({self.pp})"
                     if self.schedule == "interleaved" else
                     f"zbv needs at least 2 x pp - 1 = {2 * self.pp - 1} microbatches to fill its V (got {m})")
-            if runnable:  # the nearest count that also divides each replica's share of the batch
+            if self.global_batch_size is None:  # the batch follows the counts: the nearest count that runs
+                nearest = min((c for c in (m - m % self.pp, m - m % self.pp + self.pp, 2 * self.pp - 1)
+                               if c >= 1 and self._schedule_runs(c)), key=lambda c: (abs(c - m), c))
+                fix = f"use --microbatches {nearest}"
+            elif runnable:  # the nearest count that also divides each replica's share of the batch
                 nearest = min(runnable, key=lambda d: (abs(d - m), d))
                 fix = f"use --microbatches {nearest}"
                 fix += " (and drop --micro-batch-size)" if self.micro_batch_size else ""
@@ -353,6 +359,12 @@ class CompileOptions:
         if self.schedule == "zbv":
             return microbatches >= 2 * self.pp - 1
         return True
+
+
+def _divisors(n: int) -> list[int]:
+    """``n``'s divisors, ascending, in square-root time (a batch may be given as 10**8 samples)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 _ANNOTATIONS = typing.get_type_hints(CompileOptions)
@@ -432,15 +444,29 @@ _DEFAULTS = {"pp": 1, "tp": 1, "dp": 1, "zero": 0, "sp": True, "schedule": "1f1b
 """What the options not given are when nothing is searched."""
 
 
-def check_option_names(names: Iterable[str]) -> None:
-    """Refuse a keyword of ``autopart.compile`` that is no field of `CompileOptions` in one line,
-    with the nearest field's name, where the dataclass would raise a TypeError."""
+def check_option_names(names: Iterable[str], *, where: str = "autopart.compile") -> None:
+    """Refuse a keyword of ``autopart.compile`` (or ``where``) that is no field of `CompileOptions`
+    in one line, with the nearest field's name, where the dataclass would raise a TypeError."""
     fields = [field.name for field in dataclasses.fields(CompileOptions) if field.name != "model"]
     for name in names:
         if name not in fields:
             close = difflib.get_close_matches(name, fields, n=1)
             hint = f"did you mean {close[0]}?" if close else f"the options are {', '.join(fields)}"
-            raise ConfigError(f"autopart.compile has no option {name!r}; {hint}")
+            raise ConfigError(f"{where} has no option {name!r}; {hint}")
+
+
+def _checked_init(generated: Any) -> Any:
+    """`CompileOptions.__init__` that refuses a misspelt keyword as `autopart.compile` does."""
+
+    @functools.wraps(generated)
+    def init(self: CompileOptions, *args: Any, **kwargs: Any) -> None:
+        check_option_names((name for name in kwargs if name != "model"), where="CompileOptions")
+        generated(self, *args, **kwargs)
+
+    return init
+
+
+CompileOptions.__init__ = _checked_init(CompileOptions.__init__)  # type: ignore[method-assign]
 
 
 def check_sequence_parallel_asked(*, sp: bool | None, tp_overlap: bool, tp: int | None, world_size: int | None,

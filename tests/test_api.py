@@ -248,6 +248,8 @@ def test_a_search_asked_for_sequence_parallelism_takes_a_layout_with_tensor_para
 def test_a_misspelt_option_is_refused_in_one_line_with_the_nearest_name():
     with pytest.raises(ConfigError, match=r"^autopart\.compile has no option 'microbatch'; did you mean microbatches\?$"):
         autopart.compile(TINY_GPT, pp=2, microbatch=2)
+    with pytest.raises(ConfigError, match=r"^CompileOptions has no option 'microbatch'; did you mean microbatches\?$"):
+        autopart.CompileOptions(model=TINY_GPT, pp=2, microbatch=2)
     with pytest.raises(ConfigError, match=r"^autopart\.compile has no option 'xyzzy'; the options are world_size, "):
         autopart.compile(TINY_GPT, xyzzy=1)
 
@@ -261,6 +263,17 @@ def test_the_default_microbatch_count_is_one_the_schedule_runs(schedule, pp, dp,
     options = autopart.CompileOptions(model=TINY_GPT, pp=pp, dp=dp, schedule=schedule, global_batch_size=global_batch,
                                       chunks=2 if schedule == "interleaved" else None)
     assert options.batch_shape() == (global_batch, microbatches, global_batch // dp // microbatches)
+
+
+@pytest.mark.parametrize("schedule, pp, microbatches, nearest", [("interleaved", 4, 3, 4), ("interleaved", 4, 6, 4),
+                                                                  ("zbv", 2, 2, 3), ("zbv", 4, 2, 7)])
+def test_without_a_global_batch_the_refusal_names_a_count_that_runs(schedule, pp, microbatches, nearest):
+    """The global batch follows the counts when it is not given: the hint is the nearest count the
+    schedule runs, not a --global-batch-size (which the counts would contradict); and it runs."""
+    options = dict(model=TINY_GPT, pp=pp, schedule=schedule, chunks=2, micro_batch_size=2)
+    with pytest.raises(ConfigError, match=rf"; use --microbatches {nearest}$"):
+        autopart.CompileOptions(**options, microbatches=microbatches).batch_shape()
+    assert autopart.CompileOptions(**options, microbatches=nearest).batch_shape() == (2 * nearest, nearest, 2)
 
 
 def test_emit_of_what_is_not_a_plan_says_what_it_takes(tmp_path):
