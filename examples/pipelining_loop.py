@@ -7,13 +7,17 @@ Every rank builds its stages of the plan (`autopart.runtime.pipelining.build_sta
 plan's torch schedule class, and steps it on the batches that ``out/train.py`` would draw, with
 the same optimizer: the losses it prints are ``train.py``'s. Replace the loop's body with your
 own (another optimizer, your data, logging): the stages and the schedule are torch's own objects.
+
+To continue a run from step N's weights (a whole-model safetensors file, as ``autopart
+consolidate`` writes), give ``--weights FILE --first-step N``: the loop then draws step N's
+batch and dropout first, as ``train.py --resume`` does (it starts the optimizer afresh: with
+SGD, whose only state is the weights, the losses are those of the uninterrupted run).
 This file is a script, not a model file: it defines no ``build_model``.
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
 from pathlib import Path
 
 import torch
@@ -29,20 +33,26 @@ def main() -> None:
     parser.add_argument("out", type=Path, help="an output directory of autopart compile")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--optimizer", choices=("sgd", "adamw"), default="adamw", help="as train.py --optimizer")
     parser.add_argument("--weight-decay", type=float, default=0.01, help="as train.py --weight-decay (default 0.01)")
     parser.add_argument("--seed", type=int, default=0, help="of the training batches and dropout draws, as train.py --seed")
+    parser.add_argument("--weights", type=Path, help="a safetensors file of the whole model to start from")
+    parser.add_argument("--first-step", type=int, default=0, help="the steps --weights were trained for")
     args = parser.parse_args()
 
     device = compute_device()
     dist.init_process_group(backend(device))
     try:
-        pipeline = build_stages(args.out, device=device, seed=args.seed)
+        pipeline = build_stages(args.out, device=device, seed=args.seed, weights=args.weights, first_step=args.first_step)
         schedule = pipeline.schedule()
-        # train.py's AdamW on a CPU (one tensor at a time), decaying what train.py decays
+        # train.py's optimizer on a CPU (one tensor at a time), decaying what train.py decays
         groups = parameter_groups(pipeline.named_parameters(), weight_decay=args.weight_decay,
                                   embeddings=pipeline.plan.embedding_parameters)
-        optimizer = torch.optim.AdamW(groups, lr=args.lr, foreach=False)
-        for step, (inputs, target) in enumerate(itertools.islice(pipeline.batches(args.seed), args.steps)):
+        if args.optimizer == "sgd":
+            optimizer = torch.optim.SGD(groups, lr=args.lr, foreach=False)
+        else:
+            optimizer = torch.optim.AdamW(groups, lr=args.lr, foreach=False)
+        for step, (inputs, target) in zip(range(args.first_step, args.steps), pipeline.batches(args.seed)):
             losses: list[torch.Tensor] = []
             schedule.step(**pipeline.step_inputs(inputs, target), losses=losses, return_outputs=False)
             pipeline.reduce_gradients()

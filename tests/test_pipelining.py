@@ -10,7 +10,7 @@ from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleIn
 from autopart.driver import CompileOptions, compile_to_directory
 from autopart.runtime.pipelining import TORCH_SCHEDULES
 from autopart.schedule import SCHEDULE_KINDS
-from tests.distributed import FREE_LINKS, REPO, read_metrics, run_program, run_ranks
+from tests.distributed import FREE_LINKS, REPO, read_metrics, run_program, run_ranks, stage_weights
 
 STEPS = 3
 
@@ -211,7 +211,6 @@ def test_an_evaluation_between_steps_is_train_py_s(tmp_path, schedule, chunks, d
 
     import torch
 
-    from tests.distributed import stage_weights
 
     path = tmp_path / "normed.py"
     path.write_text(NORMED)
@@ -302,3 +301,39 @@ def test_a_seed_train_py_would_refuse_is_refused_by_the_loop_too(tmp_path):
 
     with pytest.raises(ConfigError, match=r"the seed must lie between -2\*\*40 and 2\*\*40, got 4611686018427387904"):
         build_stages(tmp_path, seed=2**62)
+
+
+@pytest.mark.multiprocess
+def test_a_loop_resumed_at_a_step_draws_that_step_s_dropout_and_batch(tmp_path):
+    """The example loop continuing a run from step 2's weights (``build_stages(first_step=2)``)
+    trains steps 2 and 3 as one uninterrupted train.py does (SGD: the weights are its whole
+    state); it drew step 0's dropout masks and batch again, where ``train.py --resume`` goes on
+    with step 2's."""
+    from safetensors.torch import save_file
+
+    path = tmp_path / "dropped.py"
+    path.write_text(DROPPED)
+    out = tmp_path / "out"
+    plan, _ = compile_to_directory(CompileOptions(model=path, pp=2, microbatches=2, micro_batch_size=2,
+                                                  schedule="1f1b", measure=False), out)  # fmt: skip
+    metrics = tmp_path / "metrics.jsonl"
+    common = ("--lr", "0.1", "--optimizer", "sgd", "--seed", "3", "--weight-decay", "0.1")
+    run_ranks(out, plan.world_size, "--steps", "4", *common, "--metrics", str(metrics))
+    run_ranks(out, plan.world_size, "--steps", "2", *common, "--save-weights", str(tmp_path / "step2"))
+    weights = tmp_path / "step2.safetensors"
+    save_file({name: value for stage in stage_weights(tmp_path / "step2").values() for name, value in stage.items()},
+              str(weights))
+    result = run_program([str(REPO / "examples" / "pipelining_loop.py"), str(out), "--steps", "4", *common,
+                          "--weights", str(weights), "--first-step", "2"], plan.world_size, timeout=300)  # fmt: skip
+    printed = re.findall(r"^step (\d+) loss (\S+)$", result.stdout, re.MULTILINE)
+    expected = [m["loss"] for m in read_metrics(metrics)]
+    assert [int(step) for step, _ in printed] == [2, 3]
+    assert [float(loss) for _, loss in printed] == pytest.approx(expected[2:], abs=2e-6)  # printed to 6 decimals
+
+
+def test_a_first_step_below_zero_is_refused_in_one_line(tmp_path):
+    from autopart.ir.errors import ConfigError
+    from autopart.runtime.pipelining import build_stages
+
+    with pytest.raises(ConfigError, match=r"first_step is the number of steps already trained, an integer 0 or more"):
+        build_stages(tmp_path, first_step=-1)

@@ -32,7 +32,9 @@ rank), each wrapped so that torch can drive it:
 - an evaluation (``schedule.eval``) runs as ``train.py``'s: without dropout, without autograd,
   and leaving the buffers as they were;
 - each training forward draws (dropout) from ``train.py``'s seed for it (`autopart.runtime.draws`:
-  ``build_stages(seed=)``, the step, the replica, the microbatch, the stage; `Draws`).
+  ``build_stages(seed=)``, the step, the replica, the microbatch, the stage; `Draws`); a loop
+  that continues a run from step N's weights (``build_stages(weights=, first_step=N)``) draws
+  step N's, and ``batches()`` begin at step N's batch, as ``train.py --resume`` goes on.
 
 One difference from ``train.py`` remains, torch's: it divides each stage's whole ``.grad`` by the
 microbatches at the end of every ``schedule.step``, so gradients accumulated over several steps
@@ -50,6 +52,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import itertools
 import shlex
 import sys
 from collections.abc import Iterator
@@ -232,6 +235,7 @@ class Pipeline:
     forwards: list[StageForward]  # how each stage's forward runs (its precision's working weights)
     updates: list[BufferUpdates]  # the buffers each stage's forwards update, through a step
     seed: int = 0  # train.py's --seed: the stages' draws, and by default the batches'
+    first_step: int = 0  # the step the loop begins at: the draws' and the batches' first
 
     @property
     def is_last(self) -> bool:
@@ -252,11 +256,13 @@ class Pipeline:
                                    loss_fn=loss_is_the_output, **options)  # fmt: skip
 
     def batches(self, seed: int | None = None) -> Iterator[tuple[tuple[Any, ...], Any]]:
-        """The global batches that ``train.py --seed SEED`` draws, the same on every rank; by default
-        of the seed the stages draw their dropout from (``build_stages(seed=)``), as train.py's one seed."""
+        """The global batches that ``train.py --seed SEED`` draws, the same on every rank, from the
+        loop's first step on (``build_stages(first_step=)``: a resumed train.py passes over those of
+        the steps done too); by default of the seed the stages draw their dropout from
+        (``build_stages(seed=)``), as train.py's one seed."""
         seed = self.seed if seed is None else _checked_seed(seed)
         spec = load_model_file(model_file(self.out_dir, self.plan), build=False)
-        return global_batches(spec, self.plan.schedule.global_batch_size, seed)
+        return itertools.islice(global_batches(spec, self.plan.schedule.global_batch_size, seed), self.first_step, None)
 
     def step_inputs(self, inputs: tuple[Any, ...], target: Any) -> dict[str, Any]:
         """The keywords of ``schedule.step`` for a global batch: this replica's share of the batch
@@ -291,8 +297,8 @@ class Pipeline:
             updates.finish()
 
 
-def build_stages(out_dir: str | Path, *, device: torch.device | None = None, weights: Path | None = None,
-                 timeout: datetime.timedelta | None = None, seed: int = 0) -> Pipeline:
+def build_stages(out_dir: str | Path, *, device: torch.device | None = None, weights: str | Path | None = None,
+                 timeout: datetime.timedelta | None = None, seed: int = 0, first_step: int = 0) -> Pipeline:
     """This rank's stages of the compile in ``out_dir`` as ``PipelineStage`` objects.
 
     Call it on every rank after ``dist.init_process_group``, with the plan's world size: it makes
@@ -300,9 +306,16 @@ def build_stages(out_dir: str | Path, *, device: torch.device | None = None, wei
     torch's default for a new group, whatever the world group's). ``weights``: a safetensors
     file of the whole model to start from (``train.py --weights``), else the compile's weights.
     ``seed``: ``train.py``'s ``--seed``, whose draws (dropout) the step's forwards make.
+    ``first_step``: the step a loop that continues a run begins at (the steps its ``weights``
+    trained, as ``train.py --resume`` from that step's checkpoint): its first ``schedule.step``
+    draws that step's dropout, and ``batches()`` begin at that step's batch.
     """
     _checked_seed(seed)  # train.py refuses it before anything starts
+    if isinstance(first_step, bool) or not isinstance(first_step, int) or first_step < 0:
+        raise ConfigError(f"first_step is the number of steps already trained, an integer 0 or more, "
+                          f"got {first_step!r}")
     out_dir = Path(out_dir).resolve()
+    weights = None if weights is None else Path(weights)  # a path given as a string, as out_dir may be
     plan = load_plan(out_dir / "plan.json")
     selective = [s.index for s in plan.stages if s.recompute == "selective"]
     if plan.schedule.kind in ("zb-h1", "zbv") and selective:
@@ -330,7 +343,7 @@ def build_stages(out_dir: str | Path, *, device: torch.device | None = None, wei
     forwards: list[StageForward] = []
     updates: list[BufferUpdates] = []
     replicas = (groups.dp, mesh.dp) if groups.dp is not None else None
-    draws = Draws(seed=seed, replica=here.dp)
+    draws = Draws(seed=seed, replica=here.dp, step=first_step - 1)  # the step before the first: none of its own begun
     for stage_plan in plan.stages:
         if stage_plan.rank != here.pp:
             continue
@@ -348,7 +361,8 @@ def build_stages(out_dir: str | Path, *, device: torch.device | None = None, wei
                                      counts_steps=not stages))  # fmt: skip
     return Pipeline(plan=plan, out_dir=out_dir, coordinates=here, modules=modules, stages=stages,
                     schedule_class=TORCH_SCHEDULES[plan.schedule.kind], groups=groups,
-                    tied=tied_groups(plan, mesh, rank), forwards=forwards, updates=updates, seed=seed)  # fmt: skip
+                    tied=tied_groups(plan, mesh, rank), forwards=forwards, updates=updates, seed=seed,
+                    first_step=first_step)  # fmt: skip
 
 
 def _checked_seed(seed: int) -> int:
