@@ -12,6 +12,10 @@ To continue a run from step N's weights (a whole-model safetensors file, as ``au
 consolidate`` writes), give ``--weights FILE --first-step N``: the loop then draws step N's
 batch and dropout first, as ``train.py --resume`` does (it starts the optimizer afresh: with
 SGD, whose only state is the weights, the losses are those of the uninterrupted run).
+
+To accumulate gradients over K batches before one optimizer step, run ``schedule.step`` and
+``pipeline.reduce_gradients()`` for each (the gradients add up, as ``loss.backward()``'s do), then
+divide them by K (``p.grad.div_(K)``) for their mean before ``optimizer.step()``.
 This file is a script, not a model file: it defines no ``build_model``.
 """
 

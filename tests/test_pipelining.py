@@ -21,6 +21,15 @@ def test_every_schedule_kind_has_a_torch_class():
     assert TORCH_SCHEDULES["interleaved"] is ScheduleInterleaved1F1B
 
 
+def _compiled(tmp_path, source: str, **options):
+    """(plan, out): the model file ``source``, as tmp_path/model.py, compiled into tmp_path/out."""
+    path = tmp_path / "model.py"
+    path.write_text(source)
+    out = tmp_path / "out"
+    plan, _ = compile_to_directory(CompileOptions(model=path, **options), out)
+    return plan, out
+
+
 def _example_losses(out, nproc: int, *more: str) -> list[float]:
     """The example's printed losses, its ranks forked as `run_ranks` forks train.py's (what it
     computes does not depend on the launcher; the README's torchrun line is the user's)."""
@@ -261,12 +270,8 @@ def test_the_example_loop_draws_train_py_s_dropout(tmp_path, schedule, recompute
     """train.py seeds each forward from --seed, the step, the replica, the microbatch and the
     stage; the loop's stages drew from torch's generator as it stood, so with dropout its losses
     were not train.py's. A recompute (torch's W pass too) replays the forward's draws."""
-    path = tmp_path / "dropped.py"
-    path.write_text(DROPPED)
-    out = tmp_path / "out"
-    plan, _ = compile_to_directory(CompileOptions(model=path, pp=2, dp=dp, microbatches=4, global_batch_size=8 * dp,
-                                                  schedule=schedule, recompute=recompute, optimizer="adamw",
-                                                  measure=False), out)  # fmt: skip
+    plan, out = _compiled(tmp_path, DROPPED, pp=2, dp=dp, microbatches=4, global_batch_size=8 * dp,
+                          schedule=schedule, recompute=recompute, optimizer="adamw", measure=False)  # fmt: skip
     metrics = tmp_path / "metrics.jsonl"
     run_ranks(out, plan.world_size, "--steps", str(STEPS), "--lr", "1e-3", "--optimizer", "adamw", "--seed", "3",
               "--weight-decay", "0.1", "--metrics", str(metrics))  # fmt: skip
@@ -279,11 +284,7 @@ def test_a_loop_without_reduce_gradients_draws_each_step_s_dropout(tmp_path):
     """The step of train.py's seed per forward is counted by the stages' own forwards: a loop
     with nothing to reduce may leave ``reduce_gradients`` out, and counted by it, every step drew
     the first step's masks. At rate 0 the loop's losses are train.py's, step by step."""
-    path = tmp_path / "dropped.py"
-    path.write_text(DROPPED)
-    out = tmp_path / "out"
-    plan, _ = compile_to_directory(CompileOptions(model=path, pp=2, microbatches=2, micro_batch_size=2,
-                                                  schedule="1f1b", measure=False), out)  # fmt: skip
+    plan, out = _compiled(tmp_path, DROPPED, pp=2, microbatches=2, micro_batch_size=2, schedule="1f1b", measure=False)
     assert not plan.tied_parameters
     metrics = tmp_path / "metrics.jsonl"
     run_ranks(out, plan.world_size, "--steps", "3", "--lr", "0", "--optimizer", "sgd", "--metrics", str(metrics))
@@ -311,11 +312,7 @@ def test_a_loop_resumed_at_a_step_draws_that_step_s_dropout_and_batch(tmp_path):
     with step 2's."""
     from safetensors.torch import save_file
 
-    path = tmp_path / "dropped.py"
-    path.write_text(DROPPED)
-    out = tmp_path / "out"
-    plan, _ = compile_to_directory(CompileOptions(model=path, pp=2, microbatches=2, micro_batch_size=2,
-                                                  schedule="1f1b", measure=False), out)  # fmt: skip
+    plan, out = _compiled(tmp_path, DROPPED, pp=2, microbatches=2, micro_batch_size=2, schedule="1f1b", measure=False)
     metrics = tmp_path / "metrics.jsonl"
     common = ("--lr", "0.1", "--optimizer", "sgd", "--seed", "3", "--weight-decay", "0.1")
     run_ranks(out, plan.world_size, "--steps", "4", *common, "--metrics", str(metrics))
@@ -337,3 +334,71 @@ def test_a_first_step_below_zero_is_refused_in_one_line(tmp_path):
 
     with pytest.raises(ConfigError, match=r"first_step is the number of steps already trained, an integer 0 or more"):
         build_stages(tmp_path, first_step=-1)
+
+
+TIED = """
+import torch
+from torch import nn
+
+
+class Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+        self.body = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh())
+        self.head = nn.Linear(8, 16, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids):
+        return self.head(self.body(self.embed(ids)))
+
+
+def build_model():
+    torch.manual_seed(0)
+    return Tied()
+
+
+def example_batch(batch_size):
+    return (torch.randint(0, 16, (batch_size, 4)),), torch.randint(0, 16, (batch_size, 4))
+
+
+def loss_fn(logits, target):
+    return nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())
+"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("schedule, chunks, dp", [("1f1b", 1, 1), ("interleaved", 2, 2)])
+def test_gradients_accumulated_over_steps_are_one_process_s(tmp_path, schedule, chunks, dp):
+    """Gradients accumulated over 3 ``schedule.step`` calls (each with ``reduce_gradients``) are
+    the sum of the 3 batches' mean-loss gradients, as 3 ``loss.backward()`` calls in one process
+    give: torch's ``scale_grads`` divided each step's whole ``.grad`` by the microbatches, the
+    earlier steps' share again each time, and a tied weight's copies summed the earlier steps'
+    sum again. The second round begins from gradients zeroed in place, which hold no earlier step."""
+    import itertools
+    import json
+
+    import torch
+
+    from autopart.ir.model_file import load_model_file
+    from autopart.runtime.data import global_batches
+    from autopart.runtime.reference import initial_weights
+
+    plan, out = _compiled(tmp_path, TIED, pp=2, dp=dp, microbatches=4, global_batch_size=8 * dp, schedule=schedule,
+                          chunks=chunks, device="a100-80gb", measure=False)  # fmt: skip
+    assert plan.tied_parameters == {"embed.weight": (0, len(plan.stages) - 1)}
+    result = run_program([str(REPO / "tests" / "pipelining_accumulate_rank.py"), str(out), "3"], plan.world_size)
+    spec = load_model_file(tmp_path / "model.py")
+    model = spec.module
+    named = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, value in initial_weights(out).items():
+            named[name].copy_(value)
+    for inputs, target in itertools.islice(global_batches(spec, plan.schedule.global_batch_size, 0), 3, 6):
+        spec.loss_fn(model(*inputs), target).backward()
+    assert "refused pipeline.schedule() sets scale_grads itself" in result.stdout
+    printed = [json.loads(line) for line in re.findall(r"^grads (.*)$", result.stdout, re.MULTILINE)]
+    assert len(printed) == 2 and sorted(name for grads in printed for name in grads) == sorted([*named, "embed.weight"])
+    for grads in printed:
+        for name, grad in grads.items():
+            torch.testing.assert_close(torch.tensor(grad), named[name].grad, msg=name)

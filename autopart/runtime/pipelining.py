@@ -21,8 +21,9 @@ rank), each wrapped so that torch can drive it:
   as keyword arguments ``batch_<name>``, which torch splits into microbatches and hands to
   every stage; a stage takes its own and ignores the rest, so nothing extra is sent;
 - autopart's last stage computes the loss itself, so the schedule's ``loss_fn`` returns the
-  stage's output; torch scales the gradients by 1/M after the backward, where autopart's runtime
-  scales each loss by 1/M before it: the same gradients;
+  stage's output, whose gradient it scales by 1/M as autopart's runtime scales each loss
+  (`MicrobatchLoss`); torch's own scaling (``scale_grads``, which divides each stage's whole
+  ``.grad`` at the end of the step, what earlier steps left there too) is off;
 - each forward runs in the plan's precision and with its stage's recompute, as in ``train.py``;
 - the buffers a forward updates (a step counter, BatchNorm's running statistics) end the step as
   ``train.py`` leaves them: each forward reads the step's starting values, what a recompute
@@ -36,10 +37,11 @@ rank), each wrapped so that torch can drive it:
   that continues a run from step N's weights (``build_stages(weights=, first_step=N)``) draws
   step N's, and ``batches()`` begin at step N's batch, as ``train.py --resume`` goes on.
 
-One difference from ``train.py`` remains, torch's: it divides each stage's whole ``.grad`` by the
-microbatches at the end of every ``schedule.step``, so gradients accumulated over several steps
-are not their mean (and ``reduce_gradients`` after each would sum a tied weight's earlier steps
-again): for a larger batch, compile with more microbatches.
+Gradients accumulate over several ``schedule.step`` calls before one optimizer step as over
+several ``loss.backward()`` calls: each adds the gradient of its batch's mean loss, and
+``reduce_gradients`` after each sums over a tied weight's copies only what that step added. For
+the mean over K steps, divide the gradients by K before the optimizer's step (or compile with K
+times the microbatches, one step of the larger batch).
 
 The plan's schedule maps to torch's class: gpipe -> ``ScheduleGPipe``, 1f1b -> ``Schedule1F1B``,
 interleaved -> ``ScheduleInterleaved1F1B``, zb-h1 -> ``ScheduleInterleavedZeroBubble`` (with one
@@ -56,7 +58,7 @@ import itertools
 import shlex
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -89,7 +91,7 @@ from autopart.runtime.stage import load_stage
 from autopart.runtime.torchrun_command import plan_launch
 from autopart.runtime.train_flags import check_initial_weights
 
-__all__ = ["TORCH_SCHEDULES", "ProcessGroups", "Pipeline", "build_stages", "loss_is_the_output"]
+__all__ = ["TORCH_SCHEDULES", "MicrobatchLoss", "ProcessGroups", "Pipeline", "build_stages", "loss_is_the_output"]
 
 TORCH_SCHEDULES: dict[str, type] = {
     "gpipe": ScheduleGPipe,
@@ -104,6 +106,32 @@ _MULTI_STAGE = (ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble, Schedule
 def loss_is_the_output(output: torch.Tensor, target: Any) -> torch.Tensor:
     """The schedule's ``loss_fn``: autopart's last stage has computed the loss already."""
     return output
+
+
+class _ScaledBackward(torch.autograd.Function):
+    """The loss as it is, its gradient divided by the microbatches: the backward of ``loss / M``."""
+
+    @staticmethod
+    def forward(ctx: Any, loss: torch.Tensor, microbatches: int) -> torch.Tensor:
+        ctx.microbatches = microbatches
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad / ctx.microbatches, None
+
+
+@dataclass(frozen=True, kw_only=True)
+class MicrobatchLoss:
+    """The schedule's ``loss_fn``: the loss autopart's last stage computed, with the gradient of
+    ``loss / microbatches``, as autopart's runtime scales it; the schedule's losses read as the
+    stage's. Torch's ``scale_grads`` divides the whole ``.grad`` after each step instead, which
+    divides again what earlier steps accumulated there."""
+
+    microbatches: int
+
+    def __call__(self, output: torch.Tensor, target: Any) -> torch.Tensor:
+        return _ScaledBackward.apply(output, self.microbatches)
 
 
 class BatchByKeyword(nn.Module):
@@ -236,6 +264,8 @@ class Pipeline:
     updates: list[BufferUpdates]  # the buffers each stage's forwards update, through a step
     seed: int = 0  # train.py's --seed: the stages' draws, and by default the batches'
     first_step: int = 0  # the step the loop begins at: the draws' and the batches' first
+    # the tied copies' gradients as the step began (what earlier steps accumulated), by parameter
+    step_began: list[tuple[nn.Parameter, torch.Tensor]] = field(default_factory=list)
 
     @property
     def is_last(self) -> bool:
@@ -251,9 +281,13 @@ class Pipeline:
 
     def schedule(self, **options: Any):
         """The plan's torch schedule over this rank's stages; ``options``: more of its keywords."""
+        if "scale_grads" in options or "loss_fn" in options:
+            raise ConfigError(f"pipeline.schedule() sets {'scale_grads' if 'scale_grads' in options else 'loss_fn'} "
+                              "itself (the last stage computes the loss and scales its gradient by 1/M); leave it out")
         stages = self.stages if self.schedule_class in _MULTI_STAGE else self.stages[0]
-        return self.schedule_class(stages, n_microbatches=self.plan.schedule.microbatches,
-                                   loss_fn=loss_is_the_output, **options)  # fmt: skip
+        microbatches = self.plan.schedule.microbatches
+        return self.schedule_class(stages, n_microbatches=microbatches, loss_fn=MicrobatchLoss(microbatches=microbatches),
+                                   scale_grads=False, **options)  # fmt: skip
 
     def batches(self, seed: int | None = None) -> Iterator[tuple[tuple[Any, ...], Any]]:
         """The global batches that ``train.py --seed SEED`` draws, the same on every rank, from the
@@ -263,6 +297,12 @@ class Pipeline:
         seed = self.seed if seed is None else _checked_seed(seed)
         spec = load_model_file(model_file(self.out_dir, self.plan), build=False)
         return itertools.islice(global_batches(spec, self.plan.schedule.global_batch_size, seed), self.first_step, None)
+
+    def tied_copies(self) -> list[nn.Parameter]:
+        """This rank's copies of the parameters that several stages hold."""
+        tied = {name for name, _ in self.tied}
+        return [p for module in self.modules.values() for name, p in module.named_parameters() if name in tied] \
+            if tied else []
 
     def step_inputs(self, inputs: tuple[Any, ...], target: Any) -> dict[str, Any]:
         """The keywords of ``schedule.step`` for a global batch: this replica's share of the batch
@@ -275,6 +315,7 @@ class Pipeline:
                               "forwards update, as train.py does)")
         for forward in self.forwards:
             forward.begin_step()
+        self.step_began[:] = [(p, p.grad.clone()) for p in self.tied_copies() if p.grad is not None]
         values = (*inputs, target) if len(self.plan.graph_inputs) > len(inputs) else tuple(inputs)
         share = split_microbatches(values, self.plan.mesh["dp"])[self.coordinates.dp]
         by_name = dict(zip(self.plan.graph_inputs, share, strict=True))
@@ -288,9 +329,17 @@ class Pipeline:
     def reduce_gradients(self) -> None:
         """After ``schedule.step``: every copy of a tied parameter gets the sum of their gradients,
         then data-parallel replicas average theirs (``train.py``'s order), and each buffer that the
-        forwards update takes the mean of what the step's forwards, on every replica, left it at."""
+        forwards update takes the mean of what the step's forwards, on every replica, left it at.
+        Gradients accumulated over several steps stay their sum: a tied copy's sum is of what this
+        step added (earlier steps' are summed already), and the replicas' mean of what they hold
+        alike is itself."""
+        for parameter, began in self.step_began:
+            parameter.grad.sub_(began)
         for name, group in self.tied:
             sum_tied_gradients(self.modules, name, group)
+        for parameter, began in self.step_began:
+            parameter.grad.add_(began)
+        self.step_began.clear()
         if self.groups.dp is not None:
             average_gradients(self.parameters(), self.groups.dp, self.plan.mesh["dp"])
         for updates in self.updates:
