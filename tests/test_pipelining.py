@@ -368,7 +368,7 @@ def loss_fn(logits, target):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("schedule, chunks, dp", [("1f1b", 1, 1), ("interleaved", 2, 2)])
+@pytest.mark.parametrize("schedule, chunks, dp", [("1f1b", 1, 1), ("interleaved", 2, 2), ("zbv", 2, 1)])
 def test_gradients_accumulated_over_steps_are_one_process_s(tmp_path, schedule, chunks, dp):
     """Gradients accumulated over 3 ``schedule.step`` calls (each with ``reduce_gradients``) are
     the sum of the 3 batches' mean-loss gradients, as 3 ``loss.backward()`` calls in one process
@@ -398,7 +398,23 @@ def test_gradients_accumulated_over_steps_are_one_process_s(tmp_path, schedule, 
         spec.loss_fn(model(*inputs), target).backward()
     assert "refused pipeline.schedule() sets scale_grads itself" in result.stdout
     printed = [json.loads(line) for line in re.findall(r"^grads (.*)$", result.stdout, re.MULTILINE)]
-    assert len(printed) == 2 and sorted(name for grads in printed for name in grads) == sorted([*named, "embed.weight"])
+    assert len(printed) == 2 and {name for grads in printed for name in grads} == set(named)
     for grads in printed:
         for name, grad in grads.items():
             torch.testing.assert_close(torch.tensor(grad), named[name].grad, msg=name)
+
+
+@pytest.mark.multiprocess
+def test_a_stage_whose_output_is_a_view_trains_under_torch_s_zero_bubble_schedules(tmp_path):
+    """A stage that ends in a linear layer over 3-D activations returns a view (``F.linear``
+    reshapes its 2-D product), and torch's zero-bubble schedules (``zb-h1``, ``zbv``) detach a
+    stage's outputs in place after its input-gradient pass, which a view refuses: the loop failed
+    at the first backward of such a middle stage ("Can't detach views in-place")."""
+    plan, out = _compiled(tmp_path, TIED, pp=2, microbatches=4, global_batch_size=8, schedule="zbv", chunks=2,
+                          optimizer="adamw", device="a100-80gb", measure=False)  # fmt: skip
+    assert re.search(r"(\w+) = F\.linear\(.*\n\s+return \(\1,\)", (out / "stages" / "stage_1.py").read_text())
+    metrics = tmp_path / "metrics.jsonl"
+    run_ranks(out, plan.world_size, "--steps", str(STEPS), "--lr", "1e-3", "--optimizer", "adamw",
+              "--weight-decay", "0.1", "--metrics", str(metrics))  # fmt: skip
+    expected = [m["loss"] for m in read_metrics(metrics)]
+    assert _example_losses(out, plan.world_size) == pytest.approx(expected, abs=2e-6)

@@ -154,7 +154,7 @@ class BatchByKeyword(nn.Module):
             with self.not_a_step():
                 return self.run(*values)[0]
         with self.updates.forward():  # torch runs the backward, and its recompute: `StageForward.around_recompute`
-            return self.run(*values)[0]
+            return _owning_storage(self.run(*values)[0])
 
     @contextlib.contextmanager
     def evaluating(self) -> Iterator[None]:
@@ -178,6 +178,17 @@ class BatchByKeyword(nn.Module):
                 yield
         finally:
             self.training_step = True
+
+
+def _owning_storage(output: Any) -> Any:
+    """``output`` with each tensor that is a view of another (``F.linear`` over 3-D activations
+    reshapes its product) copied: torch's zero-bubble schedules detach a stage's outputs in place
+    after the input-gradient pass, which a view refuses."""
+    if isinstance(output, torch.Tensor):
+        return output.clone() if output._base is not None else output
+    if isinstance(output, (tuple, list)):
+        return type(output)(_owning_storage(item) for item in output)
+    return output
 
 
 @dataclass(kw_only=True)
