@@ -135,25 +135,6 @@ def test_another_compile_s_checkpoint_is_refused_with_the_way_to_its_weights(uni
     assert f"autopart consolidate {uninterrupted / 'ckpt'} -o model.safetensors" in result.stderr
 
 
-ONE_LINEAR = """
-import torch
-from torch import nn
-
-
-def build_model():
-    torch.manual_seed(0)
-    return nn.Linear(16, 4)
-
-
-def example_batch(batch_size):
-    return (torch.randn(batch_size, 16),), torch.randn(batch_size, 4)
-
-
-def loss_fn(output, target):
-    return torch.nn.functional.mse_loss(output, target)
-"""
-
-
 @pytest.mark.multiprocess
 def test_a_stage_of_the_loss_alone_trains_like_one_process_and_resumes(tmp_path):
     """A cut may leave a stage nothing but the loss (no parameter): its ranks' optimizer has one
@@ -162,8 +143,7 @@ def test_a_stage_of_the_loss_alone_trains_like_one_process_and_resumes(tmp_path)
     cut there is falls before its loss (a model of layers is cut between them)."""
     from autopart.tools.verify import verify
 
-    model = tmp_path / "one_linear.py"
-    model.write_text(ONE_LINEAR)
+    model = REPO / "tests" / "models" / "one_linear.py"
     out = tmp_path / "out"
     plan, _ = compile_to_directory(
         CompileOptions(model=model, pp=2, dp=2, zero=True, microbatches=2, global_batch_size=4), out

@@ -418,3 +418,19 @@ def test_a_stage_whose_output_is_a_view_trains_under_torch_s_zero_bubble_schedul
               "--weight-decay", "0.1", "--metrics", str(metrics))  # fmt: skip
     expected = [m["loss"] for m in read_metrics(metrics)]
     assert _example_losses(out, plan.world_size) == pytest.approx(expected, abs=2e-6)
+
+
+@pytest.mark.multiprocess
+def test_the_example_loop_trains_a_rank_without_parameters(tmp_path):
+    """A cut may leave a stage the loss alone: its rank has no parameter, and the example's AdamW
+    failed there with torch's "optimizer got an empty parameter list"; `parameter_groups` gives it
+    one empty group, whose steps do nothing, as train.py's optimizer has."""
+    out = tmp_path / "out"
+    plan, _ = compile_to_directory(CompileOptions(model=REPO / "tests" / "models" / "one_linear.py", pp=2,
+                                                  microbatches=2, global_batch_size=4, measure=False), out)  # fmt: skip
+    assert plan.stages[-1].parameters == () and plan.stages[0].parameters
+    metrics = tmp_path / "metrics.jsonl"
+    run_ranks(out, plan.world_size, "--steps", str(STEPS), "--lr", "1e-3", "--optimizer", "adamw",
+              "--weight-decay", "0.1", "--metrics", str(metrics))  # fmt: skip
+    expected = [m["loss"] for m in read_metrics(metrics)]
+    assert _example_losses(out, plan.world_size) == pytest.approx(expected, abs=2e-6)

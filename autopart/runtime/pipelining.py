@@ -6,7 +6,7 @@
     dist.init_process_group("gloo")                  # under torchrun, as for any torch pipeline
     pipeline = build_stages("out")                   # this rank's stages, with their weights
     schedule = pipeline.schedule()                   # ScheduleGPipe, Schedule1F1B, ... as the plan says
-    optimizer = torch.optim.AdamW(pipeline.parameters())
+    optimizer = torch.optim.AdamW(pipeline.parameters() or [{"params": []}])  # a stage of the loss alone has none
     for inputs, target in pipeline.batches(seed=0):
         losses = []
         schedule.step(**pipeline.step_inputs(inputs, target), losses=losses)

@@ -204,13 +204,15 @@ def embedding_parameters(model: torch.nn.Module) -> tuple[str, ...]:
 def parameter_groups(
     named: Iterable[tuple[str, torch.nn.Parameter]], *, weight_decay: float | None, embeddings: Iterable[str]
 ) -> list[dict]:
-    """The optimizer's parameter groups: decayed parameters, then the others at decay 0 (module docstring)."""
+    """The optimizer's parameter groups: decayed parameters, then the others at decay 0 (module
+    docstring). No parameter at all (a rank whose stages are the loss alone) gives one empty group,
+    whose steps do nothing: torch's optimizers refuse no group ("empty parameter list")."""
     tables = set(embeddings)
     decayed, kept = [], []
     for name, parameter in named:
         (decayed if _is_decayed(name, parameter.ndim, tables) else kept).append(parameter)
     first = {"params": decayed} if weight_decay is None else {"params": decayed, "weight_decay": weight_decay}
-    return [group for group in (first, {"params": kept, "weight_decay": 0.0}) if group["params"]]
+    return [group for group in (first, {"params": kept, "weight_decay": 0.0}) if group["params"]] or [{"params": []}]
 
 
 def _is_decayed(name: str, ndim: int, embeddings: Iterable[str]) -> bool:
