@@ -26,6 +26,7 @@ import torch
 
 from autopart.codegen.emit import check_output_directory, emit_directory
 from autopart.ir.errors import AutopartError, ConfigError, DeviceSpecError, PlanError
+from autopart.ir.machine import physical_memory_bytes
 from autopart.ir.model_file import load_model_file
 from autopart.ir.plan import Plan, load_plan
 from autopart.options import CompileOptions, check_option_names, check_sequence_parallel_asked, local_kind
@@ -199,11 +200,32 @@ def compile_to_directory(options: CompileOptions, out_dir: Path, *, progress=Non
         return plan, emit_directory(plan, front.op_graph, front.spec, out_dir, chain=front.chain)
 
 
+def check_global_batch_fits(options: CompileOptions) -> None:
+    """Refuse a global batch larger than this machine's memory before anything is built, measured
+    or solved: each rank of train.py draws every global batch whole (and the compile builds
+    batches of the micro-batch size); a billion rows hung in counting the batch's divisors, in
+    the schedule's billions of microbatches, or in building an example batch of that size. What
+    else is wrong with the options or the model file is said where it was."""
+    try:  # a search's layout is not known yet: its global batch is the one given
+        total = options.global_batch_size if options.searched else options.batch_shape()[0]
+        memory = physical_memory_bytes()
+        with random_state_kept():  # what the model file draws as it is imported and samples
+            spec = load_model_file(options.model, build=False)
+            sample = spec.sample_bytes
+    except AutopartError:
+        return
+    if total is not None and sample is not None and sample * total > memory:
+        raise ConfigError(f"the global batch of {total} samples of {spec.path.name} takes {sample * total / 2**30:,.1f} "
+                          f"GiB ({sample} bytes a sample), more than this machine's {memory / 2**30:.1f} GiB of memory, "
+                          "and every rank of train.py draws it whole; give a smaller --global-batch-size")
+
+
 def measured_plan(options: CompileOptions, *, progress=None, console=None) -> tuple[Plan, Front]:
     """Measure what the defaults need, compile, and where the plan is to run here first (asked
     with ``--profile-pipeline``, or by default, `autopart.profiling.measure_defaults`), run it and
     compile again; the plan carries what its prediction rests on. A run the user did not ask for
     that fails leaves the prediction on the ops and messages, with a warning that says why."""
+    check_global_batch_fits(options)
     options, measured = measure_defaults(options, console=console, progress=progress)
     plan, front = compile_plan(options, progress)
     check_mean_loss(plan, front.op_graph.graph.loss_reduction, front.spec.path.name)  # before the plan runs here

@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
-import math
 import numbers
 import operator
 import os
@@ -21,6 +20,7 @@ from typing import Any
 
 import torch
 
+from autopart.ir.divisors import divisors
 from autopart.ir.errors import ConfigError
 from autopart.ir.tensors import DTYPES
 from autopart.passes.recompute import stage_modes
@@ -320,7 +320,7 @@ class CompileOptions:
                 f"use a global batch that is a multiple of {self.dp}"
             )
         share = total // self.dp  # what one pipeline replica runs per step
-        runnable = [d for d in _divisors(share) if self._schedule_runs(d)]
+        runnable = [d for d in divisors(share) if self._schedule_runs(d)]
         if m is None and b is None:  # up to two per stage, as many as divide the share and the schedule runs
             m = max((d for d in runnable if d <= 2 * self.pp), default=min(runnable, default=1))
         if m is None:
@@ -359,12 +359,6 @@ class CompileOptions:
         if self.schedule == "zbv":
             return microbatches >= 2 * self.pp - 1
         return True
-
-
-def _divisors(n: int) -> list[int]:
-    """``n``'s divisors, ascending, in square-root time (a batch may be given as 10**8 samples)."""
-    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
-    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 _ANNOTATIONS = typing.get_type_hints(CompileOptions)

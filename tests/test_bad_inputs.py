@@ -10,6 +10,8 @@ real subprocess, to show that no traceback reaches the terminal.
 import hashlib
 import json
 import re
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -19,7 +21,7 @@ from autopart.ir.errors import gib_beside
 from autopart.tools import cli
 from autopart.runtime import train
 from cost_models.devices import DEVICES_DIR
-from tests.distributed import REPO, run_cli
+from tests.distributed import REPO, environment, run_cli
 
 GOOD_BATCH = """
 import torch
@@ -835,3 +837,32 @@ def test_profile_comm_starts_no_more_processes_than_cores(capsys, monkeypatch):
     line = call_cli(capsys, "profile-comm", "--ranks", str(ranks), "--backend", "gloo")
     assert re.search(rf"--ranks {ranks} would start {ranks} processes on this machine's \d+ cores?, .*; use --ranks "
                      rf"{ranks - 1} or fewer$", line), line
+
+
+HUGE_BATCH = 10**12  # gpt's samples take 512 bytes each: 466 TiB, past any machine's memory
+
+
+@pytest.mark.parametrize("how", ["cli", "cli_searched", "api"])
+def test_a_global_batch_past_the_machine_s_memory_is_refused_before_it_is_built(tmp_path, how):
+    """``--global-batch-size 1000000000`` hung: in counting up to it for the batch's divisors, then
+    in an example batch of half a billion rows (the micro-batch), or under the search in a schedule
+    of millions of microbatches. Every rank of train.py draws each global batch whole: one larger
+    than this machine's memory is refused in one line, from the bytes of one example sample."""
+    out = tmp_path / "out"
+    gpt = REPO / "examples" / "gpt.py"
+    if how == "api":
+        code = ("import sys, autopart\n"
+                f"try:\n    autopart.compile({str(gpt)!r}, global_batch_size={HUGE_BATCH})\n"
+                "except autopart.AutopartError as error:\n"
+                "    print(f'autopart: error: {error}', file=sys.stderr)\n    sys.exit(2)\n")
+        result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=90,
+                                env=environment(), cwd=REPO)  # fmt: skip
+    else:
+        searched = ["--world-size", "2"] if how == "cli_searched" else []
+        result = run_cli("compile", str(gpt), "-o", str(out), "--global-batch-size", str(HUGE_BATCH), *searched,
+                         timeout=90)  # fmt: skip
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert re.fullmatch(r"autopart: error: the global batch of 1000000000000 samples of gpt\.py takes [\d,]+\.\d GiB "
+                        r"\(512 bytes a sample\), more than this machine's [\d.]+ GiB of memory, and every rank of "
+                        r"train\.py draws it whole; give a smaller --global-batch-size\n", result.stderr), result.stderr
+    assert not out.exists()

@@ -120,6 +120,17 @@ class ModelSpec:
             digest.update(f"\0{name}\0{hashlib.sha256(file.read_bytes()).hexdigest()}".encode())
         return digest.hexdigest()
 
+    @cached_property
+    def sample_bytes(self) -> int | None:
+        """The bytes one sample of the example batch takes (every tensor of it has the batch
+        first, so a batch of B takes B times as many); None where ``example_batch(1)`` fails (a
+        batch that is built will say why, if it fails too)."""
+        try:
+            inputs, target = self.example(1)
+        except ModelFileError:
+            return None
+        return sum(t.numel() * t.element_size() for t in (*inputs, target) if isinstance(t, torch.Tensor))
+
     def example(self, batch_size: int) -> tuple[tuple[torch.Tensor, ...], Any]:
         """The example batch at ``batch_size``, checked to be ``(tuple of tensors, target)``."""
         try:

@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
+from autopart.ir.divisors import divisors
 from autopart.ir.errors import ConfigError
 from autopart.schedule import SCHEDULE_KINDS, stage_placement
 from autopart.solve.closed_form import estimate_step_s
@@ -120,10 +121,10 @@ class SearchSpace:
     def layouts(self, blocks: int) -> Iterator[Layout]:
         """Every layout of the space that a chain of ``blocks`` blocks can take."""
         n, batch = self.world_size, self.global_batch_size
-        for tp in self.tp or _divisors(n):
+        for tp in self.tp or divisors(n):
             if tp > self.gpus_per_node and not (self.tp_across_nodes or self.tp) or tp < self.least_tp:
                 continue
-            for pp in self.pp or _divisors(n // tp):
+            for pp in self.pp or divisors(n // tp):
                 if n % (tp * pp) or pp > blocks:
                     continue
                 dp = n // (tp * pp)
@@ -154,7 +155,7 @@ class SearchSpace:
             return [share // m for m in self.microbatches if share % m == 0]
         if self.micro_batch_size:
             return [b for b in self.micro_batch_size if share % b == 0]
-        return [b for b in _divisors(share) if b <= MAX_MICRO_BATCH_SIZE]
+        return [b for b in divisors(share) if b <= MAX_MICRO_BATCH_SIZE]
 
     def _schedules(self, pp: int, m: int, blocks: int) -> list[tuple[str, int]]:
         found = []
@@ -171,10 +172,6 @@ class SearchSpace:
         if pp == 1:  # one rank runs every forward then every backward: one schedule stands for all, with its chunks
             return [("1f1b", 1)] if ("1f1b", 1) in found else found[:1]
         return found
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 @dataclass(frozen=True, kw_only=True)
