@@ -205,7 +205,7 @@ def predict(run: Run, folder: Path, *, search: bool) -> dict:
     try:
         row = {"plan": autopart.compile(model, tp=run.tp, pp=run.pp, dp=run.dp, zero=run.zero,
                                         micro_batch_size=run.micro_batch_size, recompute=run.recompute,
-                                        schedule=run.schedule, chunks=run.chunks, sp=run.sp,
+                                        schedule=run.schedule, chunks=run.chunks, sp=run.sp if run.tp > 1 else None,
                                         stage_layers=run.stage_layers, **common)}  # fmt: skip
     except autopart.AutopartError as error:  # the published layout does not compile: the search may still
         row = {"error": str(error)}
@@ -299,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     for run in runs:
         if run.assumed:
             console.print(f"assumed in {run.name}: {run.assumed}")
-    return 0
+    return 1 if len(errors) < len(runs) else 0  # a published layout that no longer compiles is a regression
 
 
 if __name__ == "__main__":
