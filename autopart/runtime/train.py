@@ -52,7 +52,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from autopart.ir.model_file import load_model_file
-from autopart.ir.errors import AutopartError, ConfigError, OneLineParser
+from autopart.ir.errors import AutopartError, ConfigError
 from autopart.ir.plan import Plan, load_plan, takes_gradient
 from autopart.ir.tensors import working_dtype
 from autopart.runtime.data import eval_batches, model_file, split_microbatches, training_batches
@@ -70,15 +70,15 @@ from autopart.runtime.launch import (RefusedTogether, check_launch, check_nodes_
 from autopart.runtime.measure import StepClock, StopRule, write_action_times, write_measured_trace
 from autopart.runtime.gradients import clip_gradients, sum_tied_gradients, tied_groups
 from autopart.runtime.reducer import GradientReducer
-from autopart.runtime.optim import OPTIMIZERS, make_optimizer
+from autopart.runtime.optim import make_optimizer
 from autopart.runtime.process_exit import leave
 from autopart.runtime.sharded_masters import ShardedMasters
 from autopart.runtime.output_paths import save_tensors
-from autopart.runtime.train_flags import (DEFAULT_TIMEOUT_S, check_arguments, check_compile_kept, check_initial_weights,
+from autopart.runtime.train_flags import (check_arguments, check_compile_kept, check_initial_weights,
                                           check_weights_folder, note_optimizer_state, resumed, resumed_past_the_end,
-                                          timeout_to_refuse_with)
+                                          parse_args, timeout_to_refuse_with)
 from autopart.runtime.progress import StepReporter, Throughput, check_tensorboard, tokens_in
-from autopart.runtime.recipe import Recipe, add_recipe_arguments, parameter_groups
+from autopart.runtime.recipe import Recipe, parameter_groups
 from autopart.runtime import collectives
 from autopart.runtime.mesh import Coordinates, Mesh, group_of
 from autopart.runtime.p2p import Channels, Scatter
@@ -86,46 +86,7 @@ from autopart.runtime.shards import weights_file_name
 from autopart.runtime.stage import load_stage
 from autopart.schedule import Kind, Schedule, plan_actions
 
-__all__ = ["main", "leave", "parse_args"]
-
-
-def parse_args(argv: list[str] | None, plan: Plan) -> argparse.Namespace:
-    parser = OneLineParser(prog="train.py", description="Train the compiled model (run under torchrun).")
-    parser.add_argument("--steps", type=int, default=10, help="training steps (default 10)")
-    parser.add_argument("--seconds", type=float,
-                        help="stop before --steps once the steps took S seconds together, each timed on its slowest "
-                        "rank so that every rank stops after the same step (for timing runs: the model file's batches "
-                        "are drawn again where they run out)")
-    parser.add_argument("--min-steps", type=int, help="with --seconds, at least N steps (default 1)")
-    parser.add_argument("--untimed-steps", type=int,
-                        help="with --seconds, the first N steps (a warm-up) do not count toward them (default 0)")
-    parser.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3)")
-    parser.add_argument("--optimizer", choices=OPTIMIZERS, default=plan.optimizer)
-    parser.add_argument("--seed", type=int, default=0, help="seed of the training batches and of what the model "
-                        "draws (dropout), per step, replica, microbatch and stage (default 0)")
-    parser.add_argument("--no-dropout", action="store_true",
-                        help="every dropout passes its input through (autopart verify compares a model with dropout so)")
-    parser.add_argument("--metrics", type=Path,
-                        help="append one JSON line per step: step, loss, step_s, lr, peak_memory_bytes (per rank; and "
-                        "peak_reserved_bytes on a GPU), "
-                        "tokens_per_s, tflops_per_device, mfu, and grad_norm, eval_loss when asked for")
-    parser.add_argument("--trace", type=Path, help="write the measured timeline of the last step (Chrome trace JSON)")
-    parser.add_argument("--action-times", type=Path,
-                        help="each rank writes DIR/rank_<r>.jsonl: per step, each action's wall and CPU seconds")
-    parser.add_argument("--save-weights", type=Path, help="write each stage's final weights here (safetensors)")
-    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds before a stuck peer is an error")
-    parser.add_argument(
-        "--weights", type=Path, help="initial weights: a safetensors file of the model, read by parameter name"
-    )
-    parser.add_argument("--checkpoint-dir", type=Path, help="save checkpoints here (torch.distributed.checkpoint)")
-    parser.add_argument("--checkpoint-every", type=int, default=0, help="save every K steps (default: at the end only)")
-    parser.add_argument("--resume", action="store_true", help="continue from the latest good checkpoint in --checkpoint-dir")
-    add_recipe_arguments(parser)
-    parser.add_argument("--eval-every", type=int, default=0, help="every K steps, the mean loss on held-out batches")
-    parser.add_argument("--eval-batches", type=int, default=1, help="held-out global batches per evaluation (default 1)")
-    parser.add_argument("--tensorboard", type=Path, help="write scalars here (needs the tensorboard package)")
-    return parser.parse_args(argv)
-
+__all__ = ["main", "leave"]
 
 
 def main(out_dir: str | Path, argv: list[str] | None = None) -> None:

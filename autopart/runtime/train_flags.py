@@ -1,6 +1,6 @@
-"""train.py's flags checked together, before any process waits for a peer, and what they ask of a
-resume: each mistake one line (`autopart.ir.errors.ConfigError`), on every rank alike, since
-every rank reads the same flags."""
+"""train.py's flags (`parse_args`), checked together before any process waits for a peer, and what
+they ask of a resume: each mistake one line (`autopart.ir.errors.ConfigError`), on every rank
+alike, since every rank reads the same flags."""
 
 from __future__ import annotations
 
@@ -9,16 +9,17 @@ import json
 import sys
 from pathlib import Path
 
-from autopart.ir.errors import ConfigError
+from autopart.ir.errors import ConfigError, OneLineParser
 from autopart.ir.plan import Plan
 from autopart.runtime.checkpoint import CheckpointContext, restarted
 from autopart.runtime.output_paths import MARKER, check_file_path, check_folder_path
-from autopart.runtime.recipe import Recipe
+from autopart.runtime.optim import OPTIMIZERS
+from autopart.runtime.recipe import Recipe, add_recipe_arguments
 from autopart.runtime.mesh import Mesh
 from autopart.runtime.shards import weights_file_name
 from autopart.runtime.stage import check_checkpoint, model_shapes, state_names, tensor_aliases
 
-__all__ = ["DEFAULT_TIMEOUT_S", "timeout_to_refuse_with", "check_arguments", "note_optimizer_state", "check_compile_kept", "check_initial_weights", "check_weights_folder", "compile_files",
+__all__ = ["parse_args", "DEFAULT_TIMEOUT_S", "timeout_to_refuse_with", "check_arguments", "note_optimizer_state", "check_compile_kept", "check_initial_weights", "check_weights_folder", "compile_files",
            "resumed", "resumed_past_the_end"]
 
 DEFAULT_TIMEOUT_S = 600.0
@@ -27,6 +28,44 @@ LONGEST_TIMEOUT_S = 365 * 24 * 3600.0
 SEED_LIMIT = 2**40
 """The synthetic batches seed a generator with seed * 1_000_003 + step, which must fit in 64 bits."""
 
+
+
+def parse_args(argv: list[str] | None, plan: Plan) -> argparse.Namespace:
+    parser = OneLineParser(prog="train.py", description="Train the compiled model (run under torchrun).")
+    parser.add_argument("--steps", type=int, default=10, help="training steps (default 10)")
+    parser.add_argument("--seconds", type=float,
+                        help="stop before --steps once the steps took S seconds together, each timed on its slowest "
+                        "rank so that every rank stops after the same step (for timing runs: the model file's batches "
+                        "are drawn again where they run out)")
+    parser.add_argument("--min-steps", type=int, help="with --seconds, at least N steps (default 1)")
+    parser.add_argument("--untimed-steps", type=int,
+                        help="with --seconds, the first N steps (a warm-up) do not count toward them (default 0)")
+    parser.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3)")
+    parser.add_argument("--optimizer", choices=OPTIMIZERS, default=plan.optimizer)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the training batches and of what the model "
+                        "draws (dropout), per step, replica, microbatch and stage (default 0)")
+    parser.add_argument("--no-dropout", action="store_true",
+                        help="every dropout passes its input through (autopart verify compares a model with dropout so)")
+    parser.add_argument("--metrics", type=Path,
+                        help="append one JSON line per step: step, loss, step_s, lr, peak_memory_bytes (per rank; and "
+                        "peak_reserved_bytes on a GPU), "
+                        "tokens_per_s, tflops_per_device, mfu, and grad_norm, eval_loss when asked for")
+    parser.add_argument("--trace", type=Path, help="write the measured timeline of the last step (Chrome trace JSON)")
+    parser.add_argument("--action-times", type=Path,
+                        help="each rank writes DIR/rank_<r>.jsonl: per step, each action's wall and CPU seconds")
+    parser.add_argument("--save-weights", type=Path, help="write each stage's final weights here (safetensors)")
+    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds before a stuck peer is an error")
+    parser.add_argument(
+        "--weights", type=Path, help="initial weights: a safetensors file of the model, read by parameter name"
+    )
+    parser.add_argument("--checkpoint-dir", type=Path, help="save checkpoints here (torch.distributed.checkpoint)")
+    parser.add_argument("--checkpoint-every", type=int, default=0, help="save every K steps (default: at the end only)")
+    parser.add_argument("--resume", action="store_true", help="continue from the latest good checkpoint in --checkpoint-dir")
+    add_recipe_arguments(parser)
+    parser.add_argument("--eval-every", type=int, default=0, help="every K steps, the mean loss on held-out batches")
+    parser.add_argument("--eval-batches", type=int, default=1, help="held-out global batches per evaluation (default 1)")
+    parser.add_argument("--tensorboard", type=Path, help="write scalars here (needs the tensorboard package)")
+    return parser.parse_args(argv)
 
 def timeout_to_refuse_with(timeout_s: float) -> float:
     """The seconds that every rank waits for the others' refusals: ``--timeout`` where it is one
