@@ -46,8 +46,9 @@ from autopart.passes.cost_keys import cost_key
 from autopart.passes.kernel_figures import kernel_figures, recompute_share
 from autopart.passes.grad_flow import GradientFlow, needed_backward, took_gradient, trainable_parameters
 from autopart.passes.grad_leaves import grad_ready, leaves_for_grad
+from autopart.passes.loss_gradient import no_gradient_error
 from autopart.passes.weight_seeds import OpSeeds, ParameterValues, arg_nodes, arg_places, op_seeds, shared_seeds
-from autopart.ir.errors import ModelFileError, PrecisionError
+from autopart.ir.errors import PrecisionError
 from autopart.ir.model_file import ModelSpec, is_meta
 from autopart.passes.capture import Graph, graph_args
 from autopart.ir.recompute import dropout_mask_bytes, keeps_output
@@ -359,12 +360,8 @@ def annotate(
             {} if measured is None else measured, run.values,
         )
     loss = next(node for node in reversed(module.graph.nodes) if node.op == "output")
-    if not nodes[loss.name].needs_grad:  # the programs failed at their first backward, or trained nothing
-        raise ModelFileError(
-            f"the loss of {spec.path.name} takes no gradient from any parameter that trains (the model has no "
-            "trainable parameter, or the loss is detached or an integer), so training could change nothing; return "
-            "a floating-point loss computed from the model's output, with requires_grad on for what should train"
-        )
+    if not nodes[loss.name].needs_grad:  # what the capture's rule passed (an integer made midway): the values tell
+        raise no_gradient_error(spec.path.name)
     return OpGraph(
         graph=graph,
         nodes=nodes,

@@ -42,6 +42,7 @@ from autopart.ir.model_file import ModelSpec, describe_error, eager_loss, file_l
 from autopart.passes.buffer_writes import buffer_versions, check_fx_graph, check_inputs_unwritten
 from autopart.passes.capture_checks import Example, check_same_loss, same_draws
 from autopart.passes.export import export_training_graph
+from autopart.passes.loss_gradient import check_loss_takes_gradient
 from autopart.passes.loss_reduction import UNKNOWN, reduction_of
 from autopart.passes.shallow import repeated_layers, shallow_module
 
@@ -250,7 +251,8 @@ def capture(
     check_model_names(spec.module, spec.path.name)
     _check_no_backward_hooks(spec.module, spec.path.name)
     before, versions = _built_buffers(spec.module), buffer_versions(spec.module)
-    expected, reduction = _eager_reference(spec, inputs, target)
+    loss, reduction = _eager_reference(spec, inputs, target)
+    expected = None if is_meta(spec.module) else loss  # a meta model's loss has no value to compare
     leaf_types = leaf_classes(spec.module, leaves)
     _check_no_cumulative_batch_norm(spec.module, spec.path.name, leaf_types)
     if leaves and method == "export":
@@ -262,6 +264,7 @@ def capture(
             graph = _graph(_trace_fx(spec, inputs, leaf_types), "fx", has_target, spec.module)
             check_fx_graph(graph.module, graph.constants, spec.module)
             check_same_loss(spec, graph.module, Example(inputs, target, has_target), expected, before, versions)
+            _check_takes_gradient(spec, graph, Example(inputs, target, has_target), loss)
             return replace(graph, built_buffers=before, loss_reduction=reduction)
         except ModelFileError:  # the file breaks the contract: no other capture will do better
             raise
@@ -288,9 +291,18 @@ def capture(
     graph = _graph(_drawing_as_functions(module), "export", has_target, spec.module)
     check_inputs_unwritten(graph.module.graph)
     check_same_loss(spec, graph.module, Example(inputs, target, has_target), expected, before, versions)
+    _check_takes_gradient(spec, graph, Example(inputs, target, has_target), loss)
     if fx_failure:
         log.info(f"torch.fx could not trace {spec.path.name} ({fx_failure}); captured it with torch.export")
     return replace(graph, built_buffers=before, loss_reduction=reduction)
+
+
+def _check_takes_gradient(spec: ModelSpec, graph: Graph, example: Example, loss: torch.Tensor) -> None:
+    """Refuse a loss that no trained parameter feeds now, before any op is timed (`autopart.passes.loss_gradient`)."""
+    args = example.graph_args
+    if is_meta(spec.module):
+        args = tuple(a.to("meta") if isinstance(a, torch.Tensor) else a for a in args)  # as the eager run took them
+    check_loss_takes_gradient(graph.module, args, loss, spec.path.name)
 
 
 _BUILT: weakref.WeakKeyDictionary[nn.Module, dict[str, torch.Tensor]] = weakref.WeakKeyDictionary()
@@ -385,8 +397,8 @@ def _on_model_device(spec: ModelSpec, inputs: tuple[torch.Tensor, ...]) -> tuple
     return tuple(x.to("meta") for x in inputs) if is_meta(spec.module) else inputs
 
 
-def _eager_reference(spec: ModelSpec, inputs: tuple[torch.Tensor, ...], target: Any) -> tuple[torch.Tensor | None, str]:
-    """The eager loss that the graph must match, on the meta device only checked to run (None), and
+def _eager_reference(spec: ModelSpec, inputs: tuple[torch.Tensor, ...], target: Any) -> tuple[torch.Tensor, str]:
+    """The eager loss that the graph must match (on the meta device only its dtype is known), and
     how the loss reduces over the batch (`autopart.passes.loss_reduction.reduction_of`).
 
     A meta model with a long run of layers alike is run with two of them (``autopart.passes.shallow``):
@@ -419,7 +431,7 @@ def _eager_reference(spec: ModelSpec, inputs: tuple[torch.Tensor, ...], target: 
             f"the loss of {spec.path.name} is not a scalar tensor; define loss_fn(output, target) "
             "that returns the mean loss, or make the model return it"
         )
-    return (None if meta else expected), reduction
+    return expected, reduction
 
 
 def graph_args(graph: Graph, inputs: tuple[torch.Tensor, ...], target: Any) -> tuple[Any, ...]:

@@ -1,0 +1,113 @@
+"""A model file that the compile will refuse is refused right after its capture, before any of its
+ops is timed on this machine: timing a large model's every kernel takes minutes, and a search's
+finalists run for seconds each, all thrown away by a refusal that the capture alone could make.
+
+Each case compiles as a user's first compile on this CPU does (measuring on, the op profile cached
+per model under ``$AUTOPART_CACHE_DIR/costs``) or into a ``--costs`` file of the user's, and looks
+for what the op timing leaves behind: a profile, which a refusal must not have let it write.
+"""
+
+import json
+from dataclasses import asdict
+
+import pytest
+import torch
+
+import autopart
+from autopart.profiling.measure_defaults import NO_MEASURE_ENV
+from cost_models.comm_profile import CommProfile, cache_path
+
+LINEAR = """
+import torch
+
+
+def build_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))FROZEN
+
+
+def example_batch(batch_size):
+    return (torch.randn(batch_size, 8),), torch.randn(batch_size, 4)
+
+
+def loss_fn(output, target):
+    return torch.nn.functional.mse_loss(output, target, reduction=REDUCTION)
+"""
+FROZEN = LINEAR.replace("FROZEN", ".requires_grad_(False)").replace("REDUCTION", "'mean'")
+FROZEN_ON_META = FROZEN.replace("    return torch.nn.Sequential(",
+                                "    with torch.device('meta'):\n        return torch.nn.Sequential(")
+PROMPTED = """
+import torch
+from torch import nn
+
+
+class Prompted(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(10, 4).requires_grad_(False)
+        self.prompt = nn.Parameter(torch.ones(4))
+
+    def forward(self, idx):
+        x = self.emb(idx)  # (B, 3, 4), frozen: takes no gradient
+        flat = x.view(x.shape[0], -1)  # (B, 12), taken before the write below: a view of x all the same
+        x[:, 0] = self.prompt  # the trained prompt written into the frozen rows, and so into flat
+        return flat
+
+
+def build_model():
+    torch.manual_seed(0)
+    return Prompted()
+
+
+def example_batch(batch_size):
+    return (torch.randint(0, 10, (batch_size, 3)),), torch.randn(batch_size, 12)
+
+
+def loss_fn(output, target):
+    return torch.nn.functional.mse_loss(output, target)
+"""
+CASES = {  # name -> (model file, compile options, the refusal)
+    "loss_takes_no_gradient": (FROZEN, {"pp": 1, "microbatches": 2},
+                               r"the loss of model\.py takes no gradient from any parameter that trains"),
+    "loss_takes_no_gradient_on_the_meta_device": (FROZEN_ON_META, {"pp": 1, "microbatches": 2},
+                                                  r"the loss of model\.py takes no gradient from any parameter"),
+}
+
+
+@pytest.fixture
+def measuring(tmp_path, monkeypatch):
+    """This machine's default measuring, on, into an empty cache that already holds the message
+    figures (measured once per machine, not per model: not what these tests look for)."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("AUTOPART_CACHE_DIR", str(cache))
+    monkeypatch.delenv(NO_MEASURE_ENV, raising=False)  # the suite's conftest turns it off
+    profile = CommProfile(device="cpu", backend="gloo", ranks=2, host="test", torch_version=torch.__version__,
+                          curves={"p2p": [[4, 1e-4], [1 << 20, 1e-3]]}, process_bytes=300 << 20)
+    path = cache_path("cpu", "gloo")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(asdict(profile)))
+    return cache
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_model_to_be_refused_has_none_of_its_ops_timed(measuring, tmp_path, case):
+    source, options, refusal = CASES[case]
+    model = tmp_path / "model.py"
+    model.write_text(source)
+    with pytest.raises(autopart.AutopartError, match=refusal):
+        autopart.compile(model, **options)
+    assert not list(measuring.rglob("costs/*.json"))  # the default path's op profile of this model
+    costs = tmp_path / "costs.json"
+    with pytest.raises(autopart.AutopartError, match=refusal):
+        autopart.compile(model, costs=costs, **options)  # the ops it lacks timed into the user's database
+    assert not costs.exists()
+
+
+def test_a_gradient_that_only_autograd_follows_is_not_refused(tmp_path):
+    """The capture's rule misses the gradient that reaches a view taken before its base was
+    written (the loss reads ``flat``, which the rule last saw with none); the forward that
+    confirms a refusal finds it, and the model compiles."""
+    model = tmp_path / "model.py"
+    model.write_text(PROMPTED)
+    plan = autopart.compile(model, pp=1, device="a100-80gb")
+    assert plan.mesh["pp"] == 1
