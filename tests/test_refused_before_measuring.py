@@ -33,6 +33,7 @@ def example_batch(batch_size):
 def loss_fn(output, target):
     return torch.nn.functional.mse_loss(output, target, reduction=REDUCTION)
 """
+SUMMED = LINEAR.replace("FROZEN", "").replace("REDUCTION", "'sum'")
 FROZEN = LINEAR.replace("FROZEN", ".requires_grad_(False)").replace("REDUCTION", "'mean'")
 FROZEN_ON_META = FROZEN.replace("    return torch.nn.Sequential(",
                                 "    with torch.device('meta'):\n        return torch.nn.Sequential(")
@@ -66,7 +67,18 @@ def example_batch(batch_size):
 def loss_fn(output, target):
     return torch.nn.functional.mse_loss(output, target)
 """
+SUMS = r"the loss of model\.py sums over the batch \(the loss of two samples is the sum of each one's\), and "
 CASES = {  # name -> (model file, compile options, the refusal)
+    "summed_loss_in_microbatches": (SUMMED, {"pp": 1, "microbatches": 2},
+                                    SUMS + r"the plan splits each batch of 8 into 2 of 4 and averages their losses"),
+    "summed_loss_in_replicas": (SUMMED, {"pp": 1, "dp": 2, "microbatches": 1, "global_batch_size": 4},
+                                SUMS + r"the plan splits each batch of 4 into 2 of 2"),
+    "summed_loss_searched": (SUMMED, {"world_size": 2, "global_batch_size": 4},
+                             SUMS + r"the search splits each batch of 4 into microbatches or data-parallel replicas "
+                                    r"and averages their losses, .*; make it a mean over the batch \(.*\), or keep "
+                                    r"each batch whole with --microbatches 1 --dp 1$"),
+    "summed_loss_searched_over_replicas_pinned": (SUMMED, {"world_size": 2, "global_batch_size": 4, "dp": 2},
+                                                  SUMS + r"the search splits .*divide by the batch size\)$"),
     "loss_takes_no_gradient": (FROZEN, {"pp": 1, "microbatches": 2},
                                r"the loss of model\.py takes no gradient from any parameter that trains"),
     "loss_takes_no_gradient_on_the_meta_device": (FROZEN_ON_META, {"pp": 1, "microbatches": 2},
@@ -101,6 +113,13 @@ def test_a_model_to_be_refused_has_none_of_its_ops_timed(measuring, tmp_path, ca
     with pytest.raises(autopart.AutopartError, match=refusal):
         autopart.compile(model, costs=costs, **options)  # the ops it lacks timed into the user's database
     assert not costs.exists()
+
+
+def test_a_summed_loss_compiles_where_the_search_keeps_the_batch_whole(tmp_path):
+    model = tmp_path / "model.py"
+    model.write_text(SUMMED)
+    plan = autopart.compile(model, world_size=2, global_batch_size=4, dp=1, microbatches=1, device="a100-80gb")
+    assert plan.mesh["dp"] == 1 and plan.schedule.micro_batch_size == plan.schedule.global_batch_size == 4
 
 
 def test_a_gradient_that_only_autograd_follows_is_not_refused(tmp_path):

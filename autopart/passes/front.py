@@ -23,6 +23,7 @@ from autopart.passes.annotate import OpGraph, annotate
 from autopart.passes.blocks import BlockChain, build_blocks
 from autopart.passes.buffer_writes import normalises_by_batch
 from autopart.passes.capture import Graph, capture
+from autopart.passes.summed_loss import check_split_asked
 from autopart.passes.recompute import recompute_cost
 from autopart.passes.rewrite import separate_biases
 from autopart.profiling.measure_defaults import co_run_processes
@@ -126,7 +127,8 @@ def annotated(options: CompileOptions, micro_batch_size: int, *, separate_biases
     fx capture of the same model at any micro-batch size (fx graphs hold no batch size);
     ``ranks_from``: the options whose ranks on one host compute at once, where ``options`` are a
     search's for one capture (which hold one rank): the model's co-run slowdown is measured for
-    them with its ops, so that every plan costed on this front sees it."""
+    them with its ops, so that every plan costed on this front sees it; and whose batch a summed
+    loss is refused for splitting (`check_split_asked`), right after the capture."""
     roofline = roofline or get_cost_model(options.device)  # a bad device spec fails before the slow passes
     if spec is None:
         spec = load_model_file(options.model)
@@ -136,6 +138,7 @@ def annotated(options: CompileOptions, micro_batch_size: int, *, separate_biases
     if graph is None or graph.method != "fx":
         graph = capture_for(spec, 2 if separate_biases else 1, batch_size=micro_batch_size, method=options.capture,
                          leaves=options.leaf)
+        check_split_asked(ranks_from or options, graph.loss_reduction, spec.path.name)  # before any op is timed
     database, timed = None, 0
     if options.costs is not None:
         database = CostDatabase.load(options.costs)

@@ -8,7 +8,9 @@ The capture tells which (`reduction_of`): ``loss_fn`` alone, on the output of th
 makes anyway, for two samples against each one alone. No forward is run for it, so nothing of the
 model (its buffers, its random draws, its training flags) is touched. `check_mean_loss` then judges
 a plan by it: a sum is refused where the plan splits the batch, any other loss that is not the
-batch's mean is warned of."""
+batch's mean is warned of. Where the options already say that the batch will be split (a layout
+given in full, a search free to choose microbatches and replicas), `autopart.passes.summed_loss` refuses a
+sum right after the capture, before any op is timed."""
 
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from torch.utils import _pytree as pytree
 from autopart.ir.errors import ModelFileError
 from autopart.ir.plan import Plan
 
-__all__ = ["MEAN", "SUM", "OTHER", "UNKNOWN", "check_mean_loss", "reduction_of"]
+__all__ = ["MEAN", "SUM", "OTHER", "UNKNOWN", "check_mean_loss", "reduction_of", "summed_loss_error"]
 
 log = logging.getLogger("autopart")
 
@@ -71,15 +73,21 @@ def check_mean_loss(plan: Plan, reduction: str, model_file: str) -> None:
         return
     split = f"the plan splits each batch of {schedule.global_batch_size} into {pieces} of {schedule.micro_batch_size}"
     if reduction == SUM:
-        raise ModelFileError(
-            f"the loss of {model_file} sums over the batch (the loss of two samples is the sum of each one's), and "
-            f"{split} and averages their losses, so it would train with gradients 1/{pieces} of the model's; make it "
-            "a mean over the batch (reduction='mean', or divide by the batch size)"
-        )
+        raise summed_loss_error(model_file, split, f"1/{pieces}")
     log.warning(f"the loss of {model_file} is not a mean over the batch (the loss of two samples is not the mean of "
                 f"each one's): {split} and averages their losses, so it trains on another loss than the whole "
                 "batch's (one that compares samples within the batch, or ignore_index counting unequally), and "
                 "autopart verify, whose reference runs the whole batch, shows the difference")
+
+
+def summed_loss_error(model_file: str, split: str, share: str, whole: str = "") -> ModelFileError:
+    """The one-line refusal of a summed loss: ``split`` says how the batch is split, ``share`` what
+    share of the model's gradients it would train with, ``whole`` another fix, where there is one."""
+    return ModelFileError(
+        f"the loss of {model_file} sums over the batch (the loss of two samples is the sum of each one's), and "
+        f"{split} and averages their losses, so it would train with gradients {share} of the model's; make it "
+        f"a mean over the batch (reduction='mean', or divide by the batch size){whole}"
+    )
 
 
 def _scalar(loss: Any) -> float | None:
