@@ -748,7 +748,8 @@ COMMAND_CASES = {  # name -> (arguments given the test's folder and OUT, pattern
                                      r"checkpoint metadata names os\.system, which no checkpoint holds"),
     "consolidate_every_checkpoint_damaged": (  # 'holds no complete checkpoint; pass the --checkpoint-dir of a run'
         lambda f, o: ["consolidate", str(_damaged_steps(f)), "-o", str(f / "m.safetensors")],
-        r"every checkpoint in '.*ckpt' is damaged \(the newest, step_00000002: \.metadata is missing\); restore the "
+        r"every checkpoint in '.*ckpt' is damaged \(2 checked; the newest, step_00000002: \.metadata is missing\); "
+        r"restore the "
         r"folder from a copy$"),
     "consolidate_a_file": (lambda f, o: _a_file(f / "ckpt") + ["consolidate", str(f / "ckpt"), "-o", str(f / "m.st")],
                            r"checkpoint directory '.*ckpt' is a file; pass the --checkpoint-dir of a run$"),

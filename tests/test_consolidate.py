@@ -9,6 +9,8 @@ import hashlib
 import json
 import re
 import shutil
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -19,7 +21,7 @@ from safetensors.torch import load_file
 
 from autopart.tools import cli
 from autopart.runtime.checkpoint_folders import RECORD
-from tests.distributed import REPO
+from tests.distributed import REPO, environment
 
 GPT = REPO / "examples" / "gpt.py"
 
@@ -272,3 +274,46 @@ def test_weights_load_into_a_model_that_imports_a_file_beside_it(tmp_path):
     weights = tmp_path / "state.safetensors"
     save_file(load_model_file(model).module.state_dict(), str(weights))
     run_ranks(out, 2, "--steps", "1", "--weights", str(weights))
+
+
+COUNT_OPENS = """
+import os
+import sys
+
+from autopart.ir.errors import AutopartError
+from autopart.tools.consolidate import consolidated_state
+
+root, watched, opened = sys.argv[1], os.path.realpath(sys.argv[2]), []
+
+
+def count(event, args):
+    if event == "open" and isinstance(args[0], (str, os.PathLike)) and os.path.realpath(args[0]) == watched:
+        opened.append(args[0])
+
+
+sys.addaudithook(count)
+try:
+    consolidated_state(root)
+except AutopartError as exc:
+    print(exc)
+print(len(opened))
+"""
+
+
+def test_every_damaged_checkpoint_is_hashed_once_and_the_refusal_says_how_many(tmp_path):
+    """The newest checkpoint's files were hashed twice, once to pass it over and again for the
+    refusal's reason: on a large checkpoint, minutes. A process of its own counts the opens of
+    the newest's one file (an audit hook, which this process would keep for good)."""
+    root = tmp_path / "ckpt"
+    for step in (1, 2, 3):
+        folder = root / f"step_0000000{step}"
+        folder.mkdir(parents=True)
+        (folder / "shard.bin").write_bytes(bytes(1 << 16))
+        (folder / RECORD).write_text(json.dumps({"step": step, "files": {"shard.bin": "0" * 64}}))
+    result = subprocess.run([sys.executable, "-c", COUNT_OPENS, str(root), str(root / "step_00000003" / "shard.bin")],
+                            capture_output=True, text=True, timeout=120, env=environment())
+    assert result.returncode == 0, result.stderr[-2000:]
+    refusal, opens = result.stdout.strip().splitlines()
+    assert re.fullmatch(r"every checkpoint in '.*ckpt' is damaged \(3 checked; the newest, step_00000003: shard\.bin "
+                        r"does not match its sha256\); restore the folder from a copy", refusal), refusal
+    assert opens == "1"

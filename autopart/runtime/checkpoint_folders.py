@@ -20,8 +20,8 @@ from pathlib import Path
 from autopart.ir.errors import CheckpointError, ConfigError
 from autopart.runtime.launch import file_sha256, plan_digest
 
-__all__ = ["RECORD", "SHARES_WITHIN_S", "candidates", "check_folder", "damaged", "latest_checkpoint", "problem",
-           "put_in_place", "read_record", "remove_saved", "share", "staging_folder", "step_folder",
+__all__ = ["RECORD", "SHARES_WITHIN_S", "candidates", "check_folder", "damaged", "latest_checkpoint", "newest_intact",
+           "problem", "put_in_place", "read_record", "remove_saved", "share", "staging_folder", "step_folder",
            "step_of", "write_digests", "write_record"]
 
 RECORD = "autopart.json"
@@ -195,19 +195,25 @@ def step_of(path: Path) -> int:
     return int(number)
 
 
-def latest_checkpoint(root: Path) -> tuple[Path | None, list[str]]:
+def newest_intact(root: Path) -> tuple[Path | None, list[tuple[Path, str]]]:
     """The newest complete, intact checkpoint under ``root`` (or ``root`` itself when it is one),
-    and one line for every newer one that was passed over."""
+    and every newer one passed over with why, newest first: each checked, its files hashed, once."""
     root = Path(root)
-    skipped = []
+    passed = []
     for path in candidates(root):
         why = problem(path)
         if why is None:
-            return path, skipped
+            return path, passed
         if path == root:  # a checkpoint itself: nothing earlier to fall back to
             raise ConfigError(f"checkpoint {root} is damaged: {why}; use an earlier step_* directory")
-        skipped.append(damaged(path, why))
-    return None, skipped
+        passed.append((path, why))
+    return None, passed
+
+
+def latest_checkpoint(root: Path) -> tuple[Path | None, list[str]]:
+    """`newest_intact`, with one line (`damaged`) for every newer checkpoint that was passed over."""
+    path, passed = newest_intact(root)
+    return path, [damaged(folder, why) for folder, why in passed]
 
 
 def read_record(path: Path) -> dict:

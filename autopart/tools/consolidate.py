@@ -28,7 +28,7 @@ from autopart.ir.errors import ConfigError
 from autopart.ir.placement import REPLICATE, Placement
 from autopart.ir.plan import Plan, load_plan
 from autopart.runtime.checkpoint import checkpoint_keys, load_tensors
-from autopart.runtime.checkpoint_folders import candidates, latest_checkpoint, problem, read_record
+from autopart.runtime.checkpoint_folders import damaged, newest_intact, read_record
 from autopart.runtime.shards import unshard_weight
 
 __all__ = ["Consolidated", "consolidate", "consolidated_state"]
@@ -66,11 +66,12 @@ def consolidated_state(checkpoint: Path, model: Path | None = None) -> tuple[dic
         raise ConfigError(f"checkpoint directory '{checkpoint}' is a file; pass the --checkpoint-dir of a run")
     if not checkpoint.is_dir():
         raise ConfigError(f"checkpoint directory '{checkpoint}' does not exist; pass the --checkpoint-dir of a run")
-    path, skipped = latest_checkpoint(checkpoint)
-    if path is None and skipped:  # the --checkpoint-dir of a run, whose checkpoints were damaged after their save
-        newest = candidates(checkpoint)[0]
-        raise ConfigError(f"every checkpoint in '{checkpoint}' is damaged (the newest, {newest.name}: "
-                          f"{problem(newest)}); restore the folder from a copy")
+    path, passed = newest_intact(checkpoint)
+    if path is None and passed:  # the --checkpoint-dir of a run, whose checkpoints were damaged after their save
+        newest, why = passed[0]
+        raise ConfigError(f"every checkpoint in '{checkpoint}' is damaged ({len(passed)} checked; the newest, "
+                          f"{newest.name}: {why}); restore the folder from a copy")
+    skipped = [damaged(folder, why) for folder, why in passed]
     if path is None:
         raise ConfigError(f"'{checkpoint}' holds no complete checkpoint; pass the --checkpoint-dir of a run")
     keys = [k for k in checkpoint_keys(path) if k.startswith("model/")]  # the metadata is checked first
