@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from autopart.ir.errors import CheckpointError
-from autopart.runtime.checkpoint import save_checkpoint
+from autopart.runtime.checkpoint import CheckpointContext, save_checkpoint
 from autopart.runtime.checkpoint_folders import RECORD, latest_checkpoint, read_record, remove_saved
 from tests.distributed import fork_ranks, gloo_group
 
@@ -75,15 +75,18 @@ def test_a_record_that_names_files_outside_its_folder_removes_none_of_them(tmp_p
     assert not step.exists() and victim.read_text() == "mine"
 
 
+def _context(rank: int, root: Path) -> CheckpointContext:
+    """A rank's checkpoints under ``root``, of a one-layer model trained with SGD."""
+    module = torch.nn.Linear(2, 2)
+    return CheckpointContext(root=root, out_dir=root, modules={0: module}, rank=rank, dp_rank=0, tp_rank=0,
+                             optimizer=torch.optim.SGD(module.parameters(), lr=0.1), optimizer_name="sgd", zero=0,
+                             seed=0, device=torch.device("cpu"), flags={})  # fmt: skip
+
+
 def _choose(rank: int, port: int, root: Path) -> None:
     """Two ranks choose the checkpoint to resume from ``root``, each reading half the files for
     their sha256: ``__1_0.distcp``, which DCP writes for rank 1, is its share."""
-    from autopart.runtime.checkpoint import CheckpointContext
-
-    module = torch.nn.Linear(2, 2)
-    context = CheckpointContext(root=root, out_dir=root, modules={0: module}, rank=rank, dp_rank=0, tp_rank=0,
-                                optimizer=torch.optim.SGD(module.parameters(), lr=0.1), optimizer_name="sgd", zero=0,
-                                seed=0, device=torch.device("cpu"), flags={})  # fmt: skip
+    context = _context(rank, root)
 
     def saved(folder: Path, wrong: bool) -> Path:
         folder.mkdir(parents=True)
@@ -109,12 +112,7 @@ def _choose(rank: int, port: int, root: Path) -> None:
 
 
 def _resume_where_every_checkpoint_is_damaged(rank: int, port: int, root: Path) -> None:
-    from autopart.runtime.checkpoint import CheckpointContext
-
-    module = torch.nn.Linear(2, 2)
-    context = CheckpointContext(root=root, out_dir=root, modules={0: module}, rank=rank, dp_rank=0, tp_rank=0,
-                                optimizer=torch.optim.SGD(module.parameters(), lr=0.1), optimizer_name="sgd", zero=0,
-                                seed=0, device=torch.device("cpu"), flags={})  # fmt: skip
+    context = _context(rank, root)
     with gloo_group(rank, port, 2):
         if rank == 0:
             for step in (1, 2):
@@ -123,8 +121,9 @@ def _resume_where_every_checkpoint_is_damaged(rank: int, port: int, root: Path) 
                 (folder / "__0_0.distcp").write_bytes(b"damaged")
                 (folder / RECORD).write_text(json.dumps({"step": step, "files": {"__0_0.distcp": "0" * 64}}))
         torch.distributed.barrier()
-        with pytest.raises(CheckpointError, match=r"every checkpoint in .*ckpt is damaged .*, and --resume would start "
-                                                  r"again from step 0; restore the folder from a copy, or drop --resume"):
+        with pytest.raises(CheckpointError, match=r"every checkpoint in .*ckpt is damaged \(2 checked; the lines above "
+                                                  r"say how\), and --resume would start again from step 0; restore the "
+                                                  r"folder from a copy, or drop --resume"):
             context.resume()
 
 
@@ -132,6 +131,27 @@ def test_a_resume_where_every_checkpoint_is_damaged_is_refused_not_begun_again(t
     """Every rank refuses together; before, they trained from step 0 with exit code 0, having said
     'no checkpoint yet' of a folder of them."""
     assert fork_ranks(_resume_where_every_checkpoint_is_damaged, 2, tmp_path / "ckpt", timeout=60) == [0, 0]
+
+
+def _resume_past_many_damaged(rank: int, port: int, root: Path) -> None:
+    context = _context(rank, root)
+    with gloo_group(rank, port, 2):
+        if rank == 0:
+            for step in range(1, 1027):  # one intact, under 1,025 newer ones that lack their file
+                folder = root / f"step_{step:08d}"
+                folder.mkdir(parents=True)
+                if step == 1:
+                    (folder / "__0_0.distcp").write_bytes(b"saved")
+                (folder / RECORD).write_text(json.dumps({"step": step, "files": {
+                    "__0_0.distcp": hashlib.sha256(b"saved").hexdigest()}}))
+        torch.distributed.barrier()
+        assert context.chosen() == root / "step_00000001"
+
+
+def test_a_resume_looks_past_any_number_of_damaged_checkpoints(tmp_path: Path) -> None:
+    """The ranks looked at the newest 1,024 only, and said that every checkpoint was damaged (and
+    refused to resume) where an older one was intact."""
+    assert fork_ranks(_resume_past_many_damaged, 2, tmp_path / "ckpt", timeout=120) == [0, 0]
 
 
 def test_the_ranks_check_a_checkpoint_together_and_agree_on_the_one_to_resume(tmp_path: Path, capfd) -> None:

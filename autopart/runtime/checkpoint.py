@@ -407,23 +407,23 @@ class CheckpointContext:
         its `share` of the files for their sha256, where one rank alone would read them all; None
         where there is none, an error where every one is damaged.
         (A --checkpoint-dir that is one checkpoint itself was refused at launch: `check_folder`.)"""
-        listed = torch.zeros(_MOST_CANDIDATES, dtype=torch.int64, device=self.device)
         count = torch.zeros(1, dtype=torch.int64, device=self.device)
-        unreadable = None
+        unreadable, steps = None, []
         if self.rank == 0:
             try:
-                found = candidates(self.root) if self.root.is_dir() else []
-                steps = [step_of(path) for path in found][:_MOST_CANDIDATES]
+                steps = [step_of(path) for path in (candidates(self.root) if self.root.is_dir() else [])]
                 count[0] = len(steps)
-                listed[:len(steps)] = torch.tensor(steps, dtype=torch.int64)
             except OSError as exc:
                 unreadable, count[0] = f"{self.root} cannot be read ({exc.strerror or exc})", -1
         dist.broadcast(count, src=0)
-        dist.broadcast(listed, src=0)
         if int(count.item()) < 0:
             raise CheckpointError(unreadable or f"rank 0 cannot read {self.root} (its error says why)")
+        listed = torch.tensor(steps, dtype=torch.int64, device=self.device) if self.rank == 0 else \
+            torch.zeros(int(count.item()), dtype=torch.int64, device=self.device)
+        if len(listed):  # every one: "every checkpoint is damaged" is said of all of them
+            dist.broadcast(listed, src=0)
         world_size = dist.get_world_size()
-        for step in listed[:int(count.item())].tolist():
+        for step in listed.tolist():
             path = step_folder(self.root, step)
             why = problem(path, self.rank, world_size)
             bad = torch.tensor([0 if why is None else 1], dtype=torch.int64, device=self.device)
@@ -433,10 +433,8 @@ class CheckpointContext:
             if why is not None:
                 print(f"autopart: {damaged(path, why)} (rank {self.rank})", file=sys.stderr, flush=True)
         if int(count.item()) > 0:  # going on from step 0 would leave their steps behind without a word
-            raise CheckpointError(f"every checkpoint in {self.root} is damaged (the lines above say how), and --resume "
-                                  "would start again from step 0; restore the folder from a copy, or drop --resume and "
-                                  "give a new --checkpoint-dir to train afresh")
+            raise CheckpointError(f"every checkpoint in {self.root} is damaged ({len(listed)} checked; the lines above "
+                                  "say how), and --resume would start again from step 0; restore the folder from a "
+                                  "copy, or drop --resume and give a new --checkpoint-dir to train afresh")
         return None
 
-
-_MOST_CANDIDATES = 1024  # the newest checkpoints a resume looks at
