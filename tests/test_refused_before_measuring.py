@@ -1,6 +1,7 @@
-"""A model file that the compile will refuse is refused right after its capture, before any of its
-ops is timed on this machine: timing a large model's every kernel takes minutes, and a search's
-finalists run for seconds each, all thrown away by a refusal that the capture alone could make.
+"""A model file that the compile will refuse (or the options' asks of it) is refused right after
+its capture, before any of its ops is timed on this machine: timing a large model's every kernel
+takes minutes, and a search's finalists run for seconds each, all thrown away by a refusal that the
+capture alone could make.
 
 Each case compiles as a user's first compile on this CPU does (measuring on, the op profile cached
 per model under ``$AUTOPART_CACHE_DIR/costs``) or into a ``--costs`` file of the user's, and looks
@@ -37,6 +38,31 @@ SUMMED = LINEAR.replace("FROZEN", "").replace("REDUCTION", "'sum'")
 FROZEN = LINEAR.replace("FROZEN", ".requires_grad_(False)").replace("REDUCTION", "'mean'")
 FROZEN_ON_META = FROZEN.replace("    return torch.nn.Sequential(",
                                 "    with torch.device('meta'):\n        return torch.nn.Sequential(")
+TEMPERED = """
+import torch
+
+
+class Tempered(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 4)
+        self.temperature = torch.nn.Parameter(torch.tensor(2.0))  # 0-dim: FSDP refuses to shard it
+
+    def forward(self, x):
+        return self.linear(x) / self.temperature
+
+
+def build_model():
+    return Tempered()
+
+
+def example_batch(batch_size):
+    return (torch.randn(batch_size, 8),), torch.randn(batch_size, 4)
+
+
+def loss_fn(output, target):
+    return torch.nn.functional.mse_loss(output, target)
+"""
 PROMPTED = """
 import torch
 from torch import nn
@@ -81,6 +107,9 @@ CASES = {  # name -> (model file, compile options, the refusal)
                                                   SUMS + r"the search splits .*divide by the batch size\)$"),
     "loss_takes_no_gradient": (FROZEN, {"pp": 1, "microbatches": 2},
                                r"the loss of model\.py takes no gradient from any parameter that trains"),
+    "scalar_parameter_under_zero3": (TEMPERED, {"pp": 1, "dp": 2, "zero": 3},
+                                     r"--zero 3 shards parameters with FSDP's fully_shard, which refuses the 0-dim "
+                                     r"parameter 'temperature'; make it a tensor of one element"),
     "loss_takes_no_gradient_on_the_meta_device": (FROZEN_ON_META, {"pp": 1, "microbatches": 2},
                                                   r"the loss of model\.py takes no gradient from any parameter"),
 }

@@ -12,7 +12,6 @@ from dataclasses import dataclass, field, replace
 
 from torch import fx, nn
 
-from autopart.ir.errors import ConfigError
 from autopart.ir.model_file import ModelSpec, is_meta, load_model_file
 from autopart.ir.placement import Placement
 from autopart.ir.plan import Plan, takes_gradient
@@ -23,12 +22,11 @@ from autopart.passes.annotate import OpGraph, annotate
 from autopart.passes.blocks import BlockChain, build_blocks
 from autopart.passes.buffer_writes import normalises_by_batch
 from autopart.passes.capture import Graph, capture
-from autopart.passes.summed_loss import check_split_asked
+from autopart.passes.early_refusals import refuse_early
 from autopart.passes.recompute import recompute_cost
 from autopart.passes.rewrite import separate_biases
 from autopart.profiling.measure_defaults import co_run_processes
 from autopart.profiling.profile import profile_costs
-from autopart.runtime.fully_sharded import check_shardable
 from autopart.runtime.materialise import check_buffers_made, check_initialisers
 from autopart.solve.sequence import boundary_placement
 from autopart.solve.sharding import op_name
@@ -62,13 +60,10 @@ def capture_for(spec: ModelSpec, tp: int, **how) -> Graph:
 
 
 def build_front(options: CompileOptions, micro_batch_size: int) -> Front:
-    """The front of a layout given in full (pinned, or from --plan): refused where its ZeRO level
-    cannot shard a parameter that the captured graph holds (`check_shardable`)."""
-    front = sharded(annotated(options, micro_batch_size, separate_biases=options.tp > 1), options)
-    refused = check_shardable(front.op_graph.graph.module, options.zero or 0)
-    if refused:
-        raise ConfigError(refused)
-    return front
+    """The front of a layout given in full (pinned, or from --plan): refused, right after the
+    capture, where its ZeRO level cannot shard a parameter that the captured graph holds
+    (`autopart.passes.early_refusals`)."""
+    return sharded(annotated(options, micro_batch_size, separate_biases=options.tp > 1), options)
 
 
 def sharded(front: Front, options: CompileOptions) -> Front:
@@ -127,8 +122,8 @@ def annotated(options: CompileOptions, micro_batch_size: int, *, separate_biases
     fx capture of the same model at any micro-batch size (fx graphs hold no batch size);
     ``ranks_from``: the options whose ranks on one host compute at once, where ``options`` are a
     search's for one capture (which hold one rank): the model's co-run slowdown is measured for
-    them with its ops, so that every plan costed on this front sees it; and whose batch a summed
-    loss is refused for splitting (`check_split_asked`), right after the capture."""
+    them with its ops, so that every plan costed on this front sees it; and whose asks of the model
+    are refused right after the capture where it cannot meet them (`refuse_early`)."""
     roofline = roofline or get_cost_model(options.device)  # a bad device spec fails before the slow passes
     if spec is None:
         spec = load_model_file(options.model)
@@ -138,7 +133,7 @@ def annotated(options: CompileOptions, micro_batch_size: int, *, separate_biases
     if graph is None or graph.method != "fx":
         graph = capture_for(spec, 2 if separate_biases else 1, batch_size=micro_batch_size, method=options.capture,
                          leaves=options.leaf)
-        check_split_asked(ranks_from or options, graph.loss_reduction, spec.path.name)  # before any op is timed
+        refuse_early(ranks_from or options, graph, spec.path.name)  # before any op is timed
     database, timed = None, 0
     if options.costs is not None:
         database = CostDatabase.load(options.costs)

@@ -9,8 +9,8 @@ makes anyway, for two samples against each one alone. No forward is run for it, 
 model (its buffers, its random draws, its training flags) is touched. `check_mean_loss` then judges
 a plan by it: a sum is refused where the plan splits the batch, any other loss that is not the
 batch's mean is warned of. Where the options already say that the batch will be split (a layout
-given in full, a search free to choose microbatches and replicas), `autopart.passes.summed_loss` refuses a
-sum right after the capture, before any op is timed."""
+given in full, a search free to choose microbatches and replicas), `autopart.passes.early_refusals`
+refuses a sum right after the capture, before any op is timed."""
 
 from __future__ import annotations
 

@@ -234,13 +234,13 @@ def _profile_ops(options: CompileOptions, kind: str, path: Path, console: Consol
     Only their shares where the plan's pipeline is run next, which sets each stage's level."""
     from autopart.ir.model_file import load_model_file
     from autopart.passes.capture import capture
-    from autopart.passes.summed_loss import check_split_asked
+    from autopart.passes.early_refusals import refuse_early
     from autopart.profiling.profile import profile_costs
 
     micro_batch_size = options.batch_shape()[2]
     spec = load_model_file(options.model)
     graph = capture(spec, batch_size=micro_batch_size, method=options.capture, leaves=options.leaf)
-    check_split_asked(options, graph.loss_reduction, spec.path.name)  # a model to be refused is not timed first
+    refuse_early(options, graph, spec.path.name)  # a model to be refused is not timed first
     database = CostDatabase.load(path)
     timed = profile_costs(graph, spec, database, device=kind, micro_batch_size=micro_batch_size,
                           optimizer=options.optimizer, dtype=options.dtype, console=console,

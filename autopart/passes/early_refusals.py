@@ -1,21 +1,37 @@
-"""A loss summed over the batch, refused where the compile's options already say that its plan will
-split the batch (`autopart.passes.loss_reduction` says why such a plan trains another loss): right
-after the capture, which tells how the loss reduces, and before any op is timed."""
+"""The refusals of what the options ask of the captured model, made right after the capture and
+before any op is timed: the op timing (the default compile's, a ``--costs`` file's, a search's)
+runs every op's kernels, minutes on a large model, all thrown away by a refusal that the capture
+and the options alone could make.
+
+- a loss summed over the batch, where the options already say that the plan will split the batch
+  (`autopart.passes.loss_reduction` says why such a plan trains another loss);
+- a ZeRO level whose FSDP cannot shard a parameter that the captured graph holds (`check_shardable`).
+"""
 
 from __future__ import annotations
 
+from autopart.ir.errors import ConfigError
 from autopart.options import CompileOptions
+from autopart.passes.capture import Graph
 from autopart.passes.loss_reduction import SUM, summed_loss_error
+from autopart.runtime.fully_sharded import check_shardable
 
-__all__ = ["check_split_asked"]
+__all__ = ["check_split_asked", "refuse_early"]
+
+
+def refuse_early(options: CompileOptions, graph: Graph, model_file: str) -> None:
+    """Refuse, in one line, what ``options`` ask of the model ``graph`` captures that it cannot do."""
+    check_split_asked(options, graph.loss_reduction, model_file)
+    refused = check_shardable(graph.module, options.zero or 0)
+    if refused:
+        raise ConfigError(refused)
 
 
 def check_split_asked(options: CompileOptions, reduction: str, model_file: str) -> None:
     """Refuse a loss that sums over the batch where ``options`` already say that the plan will
     split the batch: a layout given in full (or a plan file's) that runs it in several microbatches
-    or replicas, and a search not pinned to one microbatch of one replica. Called right after the
-    capture, which tells the reduction, so that a model that will be refused is not timed first
-    (its ops, a search's finalists: minutes); `check_mean_loss` judges the plan made."""
+    or replicas, and a search not pinned to one microbatch of one replica (whose finalists would
+    run here too, before `check_mean_loss` judged the plan made)."""
     if reduction != SUM:
         return
     if not options.searched:
