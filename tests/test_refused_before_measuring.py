@@ -10,6 +10,7 @@ for what the op timing leaves behind: a profile, which a refusal must not have l
 
 import json
 from dataclasses import asdict
+from pathlib import Path
 
 import pytest
 import torch
@@ -63,6 +64,7 @@ def example_batch(batch_size):
 def loss_fn(output, target):
     return torch.nn.functional.mse_loss(output, target)
 """
+LAYERED = (Path(__file__).parent / "models" / "tanh_mlp.py").read_text()  # six repeated layers
 PROMPTED = """
 import torch
 from torch import nn
@@ -110,6 +112,12 @@ CASES = {  # name -> (model file, compile options, the refusal)
     "scalar_parameter_under_zero3": (TEMPERED, {"pp": 1, "dp": 2, "zero": 3},
                                      r"--zero 3 shards parameters with FSDP's fully_shard, which refuses the 0-dim "
                                      r"parameter 'temperature'; make it a tensor of one element"),
+    "stage_layers_of_a_model_without_repeated_layers": (
+        FROZEN.replace(".requires_grad_(False)", ""), {"pp": 2, "stage_layers": "1,1"},
+        r"--stage-layers counts repeated layers \(a ModuleList of blocks\), and this model has none; drop "),
+    "stage_layers_beyond_the_model_s": (LAYERED, {"pp": 2, "stage_layers": "4,4"},
+                                        r"--stage-layers sums to 8 layers but the model has 6 \(layers\.0 to "
+                                        r"layers\.5\); give counts that sum to 6$"),
     "loss_takes_no_gradient_on_the_meta_device": (FROZEN_ON_META, {"pp": 1, "microbatches": 2},
                                                   r"the loss of model\.py takes no gradient from any parameter"),
 }
@@ -142,6 +150,17 @@ def test_a_model_to_be_refused_has_none_of_its_ops_timed(measuring, tmp_path, ca
     with pytest.raises(autopart.AutopartError, match=refusal):
         autopart.compile(model, costs=costs, **options)  # the ops it lacks timed into the user's database
     assert not costs.exists()
+
+
+def test_layers_pinned_as_the_model_has_them_compile(tmp_path):
+    """The capture's check of --stage-layers refuses no count that the chain of blocks meets,
+    and the chain's own check still refuses a count short of the model's layers."""
+    model = tmp_path / "model.py"
+    model.write_text(LAYERED)
+    plan = autopart.compile(model, pp=2, stage_layers="2,4", device="a100-80gb")
+    assert len(plan.stages) == 2
+    with pytest.raises(autopart.AutopartError, match=r"--stage-layers sums to 5 layers but the model has 6 "):
+        autopart.compile(model, pp=2, stage_layers="2,3", device="a100-80gb")
 
 
 def test_a_summed_loss_compiles_where_the_search_keeps_the_batch_whole(tmp_path):

@@ -5,7 +5,8 @@ and the options alone could make.
 
 - a loss summed over the batch, where the options already say that the plan will split the batch
   (`autopart.passes.loss_reduction` says why such a plan trains another loss);
-- a ZeRO level whose FSDP cannot shard a parameter that the captured graph holds (`check_shardable`).
+- a ZeRO level whose FSDP cannot shard a parameter that the captured graph holds (`check_shardable`);
+- pinned layers per stage (``--stage-layers``) that the model's repeated layers cannot meet.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from autopart.options import CompileOptions
 from autopart.passes.capture import Graph
 from autopart.passes.loss_reduction import SUM, summed_loss_error
 from autopart.runtime.fully_sharded import check_shardable
+from autopart.solve.stage_layers import check_captured_layers
 
 __all__ = ["check_split_asked", "refuse_early"]
 
@@ -25,6 +27,8 @@ def refuse_early(options: CompileOptions, graph: Graph, model_file: str) -> None
     refused = check_shardable(graph.module, options.zero or 0)
     if refused:
         raise ConfigError(refused)
+    if options.stage_layers is not None:
+        check_captured_layers(graph.module.graph, options.stage_layers)
 
 
 def check_split_asked(options: CompileOptions, reduction: str, model_file: str) -> None:

@@ -33,6 +33,7 @@ from autopart.ir.errors import ConfigError
 from autopart.solve.chain_costs import ChainCosts
 
 __all__ = [
+    "layer_of",
     "block_layers",
     "layer_units",
     "uniform_cuts",
@@ -49,12 +50,17 @@ Layers = Sequence[str | None]
 """Per block, the repeated layer it belongs to (``h.3``), or None outside them."""
 
 
+def layer_of(module_path: str) -> str | None:
+    """The repeated layer (``h.3``, ``layers.0``) that a module path lies in, or None outside them."""
+    found = _LAYER.match(module_path)
+    return found.group(1) if found else None
+
+
 def block_layers(chain: BlockChain) -> list[str | None]:
     """Per block, the repeated layer it belongs to (``h.3``, ``layers.0``), or None outside them."""
     layers: list[str | None] = []
     for block in chain.blocks:
-        paths = [chain.op_graph.nodes[n].module_path for n in block.nodes]
-        found = [m.group(1) for p in paths if (m := _LAYER.match(p))]
+        found = [layer for n in block.nodes if (layer := layer_of(chain.op_graph.nodes[n].module_path))]
         layers.append(found[0] if found else None)
     return layers
 

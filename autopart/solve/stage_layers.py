@@ -10,32 +10,48 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from torch import fx
+
 from autopart.ir.errors import ConfigError, InfeasibleError
 from autopart.ir.plan import Plan
+from autopart.passes.annotate import module_path
 from autopart.passes.blocks import BlockChain
-from autopart.solve.baselines import Layers, block_layers
+from autopart.solve.baselines import Layers, block_layers, layer_of
 from autopart.solve.cut_problem import PipelineProblem
 
-__all__ = ["check_fits", "layer_count_cuts", "megatron_counts", "stage_layer_cuts"]
+__all__ = ["check_captured_layers", "check_fits", "layer_count_cuts", "megatron_counts", "stage_layer_cuts"]
 
 
 def layer_count_cuts(layers: Layers, counts: Sequence[int]) -> tuple[int, ...]:
     """Cuts after the last block of layer ``counts[0] + ... + counts[s] - 1`` for each stage s but the last."""
     order = list(dict.fromkeys(layer for layer in layers if layer is not None))
-    if not order:
-        raise ConfigError("--stage-layers counts repeated layers (a ModuleList of blocks), and this model has none; "
-                          "drop --stage-layers")
-    if sum(counts) != len(order):
-        raise ConfigError(
-            f"--stage-layers sums to {sum(counts)} layers but the model has {len(order)} ({order[0]} to {order[-1]}); "
-            f"give counts that sum to {len(order)}"
-        )
+    _check_counts(order, counts, exact=True)
     last_block = {layer: k for k, layer in enumerate(layers) if layer is not None}
     cuts, taken = [], 0
     for count in counts[:-1]:
         taken += count
         cuts.append(last_block[order[taken - 1]])
     return tuple(cuts)
+
+
+def check_captured_layers(graph: fx.Graph, counts: Sequence[int]) -> None:
+    """Refuse, from the captured ``graph`` before it is costed, ``--stage-layers`` counts that no
+    chain of its blocks can meet: a model with no repeated layers, or counts summing to more
+    layers than its ops lie in. A block lies in the layer of its first op that lies in one, so the
+    chain names no layer that the graph does not; `stage_layer_cuts` checks the rest."""
+    order = list(dict.fromkeys(layer for node in graph.nodes if (layer := layer_of(module_path(node)))))
+    _check_counts(order, counts, exact=False)
+
+
+def _check_counts(order: list[str], counts: Sequence[int], *, exact: bool) -> None:
+    if not order:
+        raise ConfigError("--stage-layers counts repeated layers (a ModuleList of blocks), and this model has none; "
+                          "drop --stage-layers")
+    if sum(counts) > len(order) or (exact and sum(counts) != len(order)):
+        raise ConfigError(
+            f"--stage-layers sums to {sum(counts)} layers but the model has {len(order)} ({order[0]} to {order[-1]}); "
+            f"give counts that sum to {len(order)}"
+        )
 
 
 def megatron_counts(layers: int, stages: int, *, first: int | None, last: int | None) -> tuple[int, ...]:
