@@ -9,6 +9,7 @@ for what the op timing leaves behind: a profile, which a refusal must not have l
 """
 
 import json
+import sys
 from dataclasses import asdict
 from pathlib import Path
 
@@ -118,9 +119,17 @@ CASES = {  # name -> (model file, compile options, the refusal)
     "stage_layers_beyond_the_model_s": (LAYERED, {"pp": 2, "stage_layers": "4,4"},
                                         r"--stage-layers sums to 8 layers but the model has 6 \(layers\.0 to "
                                         r"layers\.5\); give counts that sum to 6$"),
+    "module_beside_named_as_an_output_file": (
+        "from train import WIDTH  # train.py beside the model\n" + FROZEN.replace(".requires_grad_(False)", ""),
+        {"pp": 1, "microbatches": 2},
+        r"^model\.py imports train\.py from beside it, a name the output directory keeps for its own files; rename "
+        r"that module$"),
     "loss_takes_no_gradient_on_the_meta_device": (FROZEN_ON_META, {"pp": 1, "microbatches": 2},
                                                   r"the loss of model\.py takes no gradient from any parameter"),
 }
+
+
+BESIDE = {"module_beside_named_as_an_output_file": {"train.py": "WIDTH = 8\n"}}  # case -> files beside the model
 
 
 @pytest.fixture
@@ -143,13 +152,19 @@ def test_a_model_to_be_refused_has_none_of_its_ops_timed(measuring, tmp_path, ca
     source, options, refusal = CASES[case]
     model = tmp_path / "model.py"
     model.write_text(source)
-    with pytest.raises(autopart.AutopartError, match=refusal):
-        autopart.compile(model, **options)
-    assert not list(measuring.rglob("costs/*.json"))  # the default path's op profile of this model
-    costs = tmp_path / "costs.json"
-    with pytest.raises(autopart.AutopartError, match=refusal):
-        autopart.compile(model, costs=costs, **options)  # the ops it lacks timed into the user's database
-    assert not costs.exists()
+    for name, text in BESIDE.get(case, {}).items():
+        (tmp_path / name).write_text(text)
+    try:
+        with pytest.raises(autopart.AutopartError, match=refusal):
+            autopart.compile(model, **options)
+        assert not list(measuring.rglob("costs/*.json"))  # the default path's op profile of this model
+        costs = tmp_path / "costs.json"
+        with pytest.raises(autopart.AutopartError, match=refusal):
+            autopart.compile(model, costs=costs, **options)  # the ops it lacks timed into the user's database
+        assert not costs.exists()
+    finally:
+        for name in BESIDE.get(case, {}):
+            sys.modules.pop(name.removesuffix(".py"), None)  # the model file imported it by its plain name
 
 
 def test_layers_pinned_as_the_model_has_them_compile(tmp_path):

@@ -16,8 +16,8 @@ import torch
 from autopart.passes.annotate import OpGraph
 from autopart.ir.model_file import ModelSpec, files_beside, is_meta
 from autopart.codegen.names import plain_text
-from autopart.ir.errors import ConfigError, ModelFileError
-from autopart.codegen.output_dir import check_output_directory, remove_output, write_marker
+from autopart.ir.errors import ConfigError
+from autopart.codegen.output_dir import check_files_beside, check_output_directory, remove_output, write_marker
 from autopart.codegen.report import begin_report, report_forks
 from autopart.codegen.tensor_parallel import overlapped_shapes, shard_stage_graph
 from autopart.codegen.layers import repeated_units, stage_units
@@ -142,20 +142,13 @@ def _write_programs(plan: Plan, op_graph: OpGraph, spec: ModelSpec, out: Path, *
     (out / "train.py").write_text(_entry_point(plan, command))
 
 
-_OWN_NAMES = frozenset({"model.py", "train.py", "plan.json", "report.md", "schedule.csv", "timeline.png", "trace.json",
-                        "stages", "weights"})
-"""What the output directory holds at its top of its own, besides its marker."""
-
-
 def _copy_files_beside(spec: ModelSpec, out: Path) -> None:
     """The modules the model file imports from its folder, beside OUT/model.py (`files_beside`):
     the output directory trains wherever it is copied to, and train.py puts its folder first on
     the path, as the compile put the model's."""
+    check_files_beside(spec)  # the compile said so before its work; an emit of a plan alone says so here
     for relative, source in files_beside(spec).items():
         target = out / relative
-        if relative.partition("/")[0] in _OWN_NAMES:
-            raise ModelFileError(f"{spec.path.name} imports {relative} from beside it, a name the output directory "
-                                 "keeps for its own files; rename that module")
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(source, target)
 

@@ -14,11 +14,27 @@ import json
 import os
 from pathlib import Path
 
-from autopart.ir.errors import ConfigError
+from autopart.ir.errors import ConfigError, ModelFileError
+from autopart.ir.model_file import ModelSpec, files_beside
 from autopart.runtime.output_paths import MARKER, check_parent
 from autopart.runtime.launch import plan_digest
 
-__all__ = ["MARKER", "check_output_directory", "write_marker", "remove_output"]
+__all__ = ["MARKER", "OWN_NAMES", "check_files_beside", "check_output_directory", "write_marker", "remove_output"]
+
+OWN_NAMES = frozenset({"model.py", "train.py", "plan.json", "report.md", "schedule.csv", "timeline.png", "trace.json",
+                       "stages", "weights"})
+"""What the output directory holds at its top of its own, besides its marker."""
+
+
+def check_files_beside(spec: ModelSpec) -> None:
+    """Refuse a model file that imports a module from beside it under a name the output directory
+    keeps for its own files: the output directory carries those modules beside its copy of the
+    model file (`autopart.ir.model_file.files_beside`). Known once the model file is loaded, so
+    said before any of the compile's work, of which emitting is the last."""
+    for relative in files_beside(spec):
+        if relative.partition("/")[0] in OWN_NAMES:
+            raise ModelFileError(f"{spec.path.name} imports {relative} from beside it, a name the output directory "
+                                 "keeps for its own files; rename that module")
 
 
 def _listed(out_dir: Path) -> set[str] | None:

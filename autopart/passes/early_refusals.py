@@ -6,12 +6,16 @@ and the options alone could make.
 - a loss summed over the batch, where the options already say that the plan will split the batch
   (`autopart.passes.loss_reduction` says why such a plan trains another loss);
 - a ZeRO level whose FSDP cannot shard a parameter that the captured graph holds (`check_shardable`);
-- pinned layers per stage (``--stage-layers``) that the model's repeated layers cannot meet.
+- pinned layers per stage (``--stage-layers``) that the model's repeated layers cannot meet;
+- a model file that imports a module from beside it under a name the output directory keeps for
+  its own files (`check_files_beside`), which emitting, the compile's last step, refused.
 """
 
 from __future__ import annotations
 
+from autopart.codegen.output_dir import check_files_beside
 from autopart.ir.errors import ConfigError
+from autopart.ir.model_file import ModelSpec
 from autopart.options import CompileOptions
 from autopart.passes.capture import Graph
 from autopart.passes.loss_reduction import SUM, summed_loss_error
@@ -21,9 +25,11 @@ from autopart.solve.stage_layers import check_captured_layers
 __all__ = ["check_split_asked", "refuse_early"]
 
 
-def refuse_early(options: CompileOptions, graph: Graph, model_file: str) -> None:
-    """Refuse, in one line, what ``options`` ask of the model ``graph`` captures that it cannot do."""
-    check_split_asked(options, graph.loss_reduction, model_file)
+def refuse_early(options: CompileOptions, graph: Graph, spec: ModelSpec) -> None:
+    """Refuse, in one line, what ``options`` ask of the model ``graph`` captures (from ``spec``)
+    that it cannot do, and a model file whose output directory could not be written."""
+    check_files_beside(spec)
+    check_split_asked(options, graph.loss_reduction, spec.path.name)
     refused = check_shardable(graph.module, options.zero or 0)
     if refused:
         raise ConfigError(refused)

@@ -133,7 +133,7 @@ def annotated(options: CompileOptions, micro_batch_size: int, *, separate_biases
     if graph is None or graph.method != "fx":
         graph = capture_for(spec, 2 if separate_biases else 1, batch_size=micro_batch_size, method=options.capture,
                          leaves=options.leaf)
-        refuse_early(ranks_from or options, graph, spec.path.name)  # before any op is timed
+        refuse_early(ranks_from or options, graph, spec)  # before any op is timed
     database, timed = None, 0
     if options.costs is not None:
         database = CostDatabase.load(options.costs)

@@ -240,7 +240,7 @@ def _profile_ops(options: CompileOptions, kind: str, path: Path, console: Consol
     micro_batch_size = options.batch_shape()[2]
     spec = load_model_file(options.model)
     graph = capture(spec, batch_size=micro_batch_size, method=options.capture, leaves=options.leaf)
-    refuse_early(options, graph, spec.path.name)  # a model to be refused is not timed first
+    refuse_early(options, graph, spec)  # a model to be refused is not timed first
     database = CostDatabase.load(path)
     timed = profile_costs(graph, spec, database, device=kind, micro_batch_size=micro_batch_size,
                           optimizer=options.optimizer, dtype=options.dtype, console=console,
