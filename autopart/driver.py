@@ -42,7 +42,7 @@ from autopart.schedule import validation_beside
 from autopart.solve.assemble import pipeline_problem, plan_from_cuts
 from autopart.solve.pinned import rebuild_pinned
 from autopart.solve.pipeline import solve_cuts
-from autopart.solve.planner import plan_by_search
+from autopart.solve.planner import plan_by_search, search_space
 from autopart.solve.stage_layers import check_fits, stage_layer_cuts
 from autopart.tools.local_run import LocalRunError
 from cost_models import CostModel, get_cost_model
@@ -225,6 +225,8 @@ def measured_plan(options: CompileOptions, *, progress=None, console=None) -> tu
     with ``--profile-pipeline``, or by default, `autopart.profiling.measure_defaults`), run it and
     compile again; the plan carries what its prediction rests on. A run the user did not ask for
     that fails leaves the prediction on the ops and messages, with a warning that says why."""
+    if options.searched:
+        search_space(options)  # its refusals of the options (no global batch) before anything is measured
     check_global_batch_fits(options)
     options, measured = measure_defaults(options, console=console, progress=progress)
     plan, front = compile_plan(options, progress)

@@ -193,3 +193,15 @@ def test_a_gradient_that_only_autograd_follows_is_not_refused(tmp_path):
     model.write_text(PROMPTED)
     plan = autopart.compile(model, pp=1, device="a100-80gb")
     assert plan.mesh["pp"] == 1
+
+
+def test_a_search_without_its_global_batch_is_refused_before_the_messages_are_measured(tmp_path, monkeypatch):
+    """A first compile on this machine measures its messages between two processes (seconds) before
+    the search; the search's refusal of its options needs none of it."""
+    monkeypatch.setenv("AUTOPART_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv(NO_MEASURE_ENV, raising=False)
+    model = tmp_path / "model.py"
+    model.write_text(FROZEN.replace(".requires_grad_(False)", ""))
+    with pytest.raises(autopart.AutopartError, match=r"^the search needs the global batch: add --global-batch-size B"):
+        autopart.compile(model, world_size=2)
+    assert not cache_path("cpu", "gloo").exists()
