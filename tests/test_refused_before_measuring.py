@@ -205,3 +205,14 @@ def test_a_search_without_its_global_batch_is_refused_before_the_messages_are_me
     with pytest.raises(autopart.AutopartError, match=r"^the search needs the global batch: add --global-batch-size B"):
         autopart.compile(model, world_size=2)
     assert not cache_path("cpu", "gloo").exists()
+
+
+def test_a_plan_of_another_version_of_the_model_is_refused_before_its_ops_are_timed(measuring, tmp_path):
+    model = tmp_path / "model.py"
+    model.write_text(FROZEN.replace(".requires_grad_(False)", ""))
+    autopart.compile(model, pp=1, measure=False).save(tmp_path / "plan.json")
+    model.write_text(model.read_text() + "# edited since\n")
+    with pytest.raises(autopart.AutopartError, match=r"plan\.json was compiled from another version of model\.py "
+                                                     r"\(its model hash differs\); recompile without --plan$"):
+        autopart.compile(model, plan=tmp_path / "plan.json")
+    assert not list(measuring.rglob("costs/*.json"))

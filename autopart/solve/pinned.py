@@ -6,8 +6,10 @@ solver's place.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import replace
+from pathlib import Path
 
 from autopart.ir.errors import ConfigError, PlanError, ScheduleError
 from autopart.ir.plan import Plan
@@ -23,6 +25,7 @@ __all__ = ["rebuild_pinned"]
 def rebuild_pinned(options: CompileOptions, pinned: Plan) -> tuple[Plan, Front]:
     """The plan of ``--plan``, rebuilt for the model; refused in one line naming the first field
     that the model or the plan's other fields contradict."""
+    _check_same_model(options, pinned)
     try:
         options = replace(
             options,
@@ -76,13 +79,20 @@ def _costs_hint(given: str, here: str) -> str:
     return f" (it was costed with {given}, this compile with {here}: {fix})"
 
 
+def _check_same_model(options: CompileOptions, plan: Plan) -> None:
+    """Refuse a plan compiled from another version of the model file, from the file's bytes alone:
+    before the model is captured and costed (its ops timed, on the machine at hand)."""
+    try:
+        source = Path(options.model).read_bytes()
+    except OSError:
+        return  # no file to read: loading it says why, in its own words
+    if plan.provenance.model_sha256 != hashlib.sha256(source).hexdigest():
+        raise PlanError(f"{options.plan} was compiled from another version of {Path(options.model).name} (its model "
+                        "hash differs); recompile without --plan")
+
+
 def _pinned_cuts(plan: Plan, options: CompileOptions, front: Front) -> tuple[int, ...]:
     """The cuts of a hand-written or earlier plan, checked against this model."""
-    if plan.provenance.model_sha256 != front.spec.source_sha256:
-        raise PlanError(
-            f"{options.plan} was compiled from another version of {front.spec.path.name} "
-            "(its model hash differs); recompile without --plan"
-        )
     block_ending_at = {b.nodes[-1]: k for k, b in enumerate(front.chain.blocks)}
     cuts = []
     for stage in plan.stages[:-1]:
