@@ -29,8 +29,9 @@ OWN_NAMES = frozenset({"model.py", "train.py", "plan.json", "report.md", "schedu
 def check_files_beside(spec: ModelSpec) -> None:
     """Refuse a model file that imports a module from beside it under a name the output directory
     keeps for its own files: the output directory carries those modules beside its copy of the
-    model file (`autopart.ir.model_file.files_beside`). Known once the model file is loaded, so
-    said before any of the compile's work, of which emitting is the last."""
+    model file (`autopart.ir.model_file.files_beside`). Known once the model file is loaded: the
+    compile says so right after the capture (`autopart.passes.early_refusals`), not when it emits,
+    its last step."""
     for relative in files_beside(spec):
         if relative.partition("/")[0] in OWN_NAMES:
             raise ModelFileError(f"{spec.path.name} imports {relative} from beside it, a name the output directory "
