@@ -75,10 +75,10 @@ def test_the_default_compile_measures_once_and_a_second_reads_the_cache(fresh_ca
     assert database.parent == cache / "costs" and database.exists()
     assert first.ops_timed > 0 and first.messages_measured and len(calls) == 1
     assert calls[0] == measure_defaults.QUICK and load_comm_profile("cpu") is not None
-    # no stretch of the measuring goes unannounced: the messages, the ops in place; not the ranks beside
+    # no stretch of the measuring goes unannounced: the ops in place, the messages; not the ranks beside
     # each other, which the pipeline's run (below) measures inside the pipeline instead
-    assert statuses == ["measuring messages between two processes on this machine (once)",
-                        "timing every op in place, in the whole forward and backward (seconds)"]
+    assert statuses == ["timing every op in place, in the whole forward and backward (seconds)",
+                        "measuring messages between two processes on this machine (once)"]
     written = database.stat().st_mtime_ns, database.read_bytes()
 
     _, second = measure_defaults.measure_defaults(options)

@@ -195,15 +195,20 @@ def test_a_gradient_that_only_autograd_follows_is_not_refused(tmp_path):
     assert plan.mesh["pp"] == 1
 
 
-def test_a_search_without_its_global_batch_is_refused_before_the_messages_are_measured(tmp_path, monkeypatch):
-    """A first compile on this machine measures its messages between two processes (seconds) before
-    the search; the search's refusal of its options needs none of it."""
+@pytest.mark.parametrize("source, options, refusal", [
+    (FROZEN.replace(".requires_grad_(False)", ""), {"world_size": 2},
+     r"^the search needs the global batch: add --global-batch-size B"),
+    (FROZEN, {"pp": 1, "microbatches": 2}, r"takes no gradient from any parameter that trains"),
+], ids=["search_without_its_global_batch", "loss_takes_no_gradient"])
+def test_a_refusal_comes_before_the_messages_are_measured(tmp_path, monkeypatch, source, options, refusal):
+    """A first compile on this machine measures its messages between two processes (seconds): a
+    search's refusal of its options, and a layout given in full's of its model, need none of it."""
     monkeypatch.setenv("AUTOPART_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv(NO_MEASURE_ENV, raising=False)
     model = tmp_path / "model.py"
-    model.write_text(FROZEN.replace(".requires_grad_(False)", ""))
-    with pytest.raises(autopart.AutopartError, match=r"^the search needs the global batch: add --global-batch-size B"):
-        autopart.compile(model, world_size=2)
+    model.write_text(source)
+    with pytest.raises(autopart.AutopartError, match=refusal):
+        autopart.compile(model, **options)
     assert not cache_path("cpu", "gloo").exists()
 
 

@@ -7,7 +7,9 @@ machine (``--device cpu``, or a GPU here) and the user gave no cost database, th
 measures what the step model needs:
 
 1. the message figures (``cost_models.comm_profile``, its `QUICK` effort) when the cache has
-   none for this host, backend and torch; ``autopart profile-comm`` measures them at full effort;
+   none for this host, backend and torch; ``autopart profile-comm`` measures them at full effort
+   (after the ops of 2., whose capture refuses a model that cannot be compiled before seconds of
+   two processes are spent for it);
 2. every op of the training graph in place (`autopart.profiling.profile.profile_costs`) into a cost
    database cached per machine and model hash (``$AUTOPART_CACHE_DIR/costs/``); its keys name
    shapes and dtypes, so other micro-batch sizes and precisions add to the same file;
@@ -154,6 +156,11 @@ def measure_defaults(options: CompileOptions, *, console: Console | None = None,
     writable_cache_dir()
     path = costs_cache_path(options.model, kind)
     _unreadable_measured_again(path)
+    by_default = not options.profile_pipeline and _pipeline_here(options, kind)
+    pipeline = options.profile_pipeline or by_default
+    measuring = replace(options, costs=path, profile_pipeline=pipeline)
+    # the ops before the messages: their capture refuses a model that cannot be compiled first
+    timed = 0 if options.searched or options.plan is not None else _profile_ops(measuring, kind, path, console)
     measure_messages = not _messages_known(kind) and _can_measure_messages(kind)
     what = "measuring messages between two processes on this machine (once)"
     status = nullcontext()
@@ -164,10 +171,6 @@ def measure_defaults(options: CompileOptions, *, console: Console | None = None,
     with status:
         if measure_messages:
             profile_comm(ranks=2, backend="gloo" if kind == "cpu" else "nccl", effort=QUICK)
-    by_default = not options.profile_pipeline and _pipeline_here(options, kind)
-    pipeline = options.profile_pipeline or by_default
-    measuring = replace(options, costs=path, profile_pipeline=pipeline)
-    timed = 0 if options.searched or options.plan is not None else _profile_ops(measuring, kind, path, console)
     basis = functools.partial(basis_for, device=options.device, local=kind, measured=True, costs=None,
                               messages=_messages_known(kind), co_run=co_run_processes(options, kind, usable_cores()),
                               ranks_on_host=_host_ranks(options, kind))
