@@ -5,7 +5,8 @@ capture alone could make.
 
 Each case compiles as a user's first compile on this CPU does (measuring on, the op profile cached
 per model under ``$AUTOPART_CACHE_DIR/costs``) or into a ``--costs`` file of the user's, and looks
-for what the op timing leaves behind: a profile, which a refusal must not have let it write.
+for what the op timing leaves behind: a profile, which a refusal must not have let it write; and,
+where the cache starts empty, for the message figures a first compile measures.
 """
 
 import json
