@@ -155,6 +155,12 @@ MODEL_CASES = {
         [],
         r"the loss of integer_loss\.py takes no gradient",
     ),
+    "loss_of_an_integer_made_midway": (  # the capture's rule, without values, passes it; the annotation's refuses
+        LINEAR.replace("return torch.nn.functional.mse_loss(output, target)",
+                       "return (output.argmax(-1) == target.argmax(-1)).float().mean()"),
+        [],
+        r"the loss of loss_of_an_integer_made_midway\.py takes no gradient",
+    ),
     "returns_not_a_module": (GOOD_BATCH + "\ndef build_model():\n    return 3\n", [], r"returned int, not a torch\.nn\.Module"),
     "contract_not_a_function": (
         LINEAR.replace("def example_batch(batch_size):", "example_batch = 3\ndef _unused(batch_size):"),
