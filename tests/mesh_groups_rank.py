@@ -1,15 +1,18 @@
-"""One rank of tests/test_mesh_groups.py: the mesh's groups have their axes' ranks, and a
-tensor-parallel peer that never joins ends its partner's collective after the mesh's timeout."""
+"""One rank of tests/test_mesh_groups.py: the mesh's groups have their axes' ranks and the
+mesh's timeout.
+
+The timeout is read from each group's gloo backend, not waited for: every collective of these
+groups has it, the working ones too, and a timeout short enough to wait for in a test is one a
+loaded machine can reach between two ranks that are otherwise fine."""
 
 import datetime
-import time
 
 import torch
 import torch.distributed as dist
 
 from autopart.runtime.mesh import Mesh, group_of
 
-TIMEOUT_S = 2.0
+TIMEOUT_S = 123.0  # not torch's default (30 minutes on gloo), and more than any healthy wait here
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()
@@ -23,19 +26,13 @@ assert group_of(device_mesh, "pp") is None and device_mesh["dp"].get_group() is 
 value = torch.ones(1)
 dist.all_reduce(value, group=dp)
 assert value.item() == 2
-if rank == 0:  # rank 1, its tensor-parallel peer, never joins: the group's timeout ends the wait
-    start = time.monotonic()
-    try:
-        dist.all_reduce(torch.ones(1), group=tp)
-    except RuntimeError:
-        waited = time.monotonic() - start
-        assert TIMEOUT_S * 0.9 <= waited < 60, f"waited {waited:.1f} s"
-    else:
-        raise AssertionError("an all-reduce that its peer never joined returned")
-elif rank in (2, 3):  # the other replica's group works as before
-    value = torch.ones(1)
-    dist.all_reduce(value, group=tp)
-    assert value.item() == 2
-dist.barrier()  # rank 1 waits here, at the world group's, until rank 0 has timed out
+value = torch.ones(1)
+dist.all_reduce(value, group=tp)
+assert value.item() == 2
+for group in (tp, dp, device_mesh["pp"].get_group()):
+    # torch keeps a group's timeout in its backend's options and has no public reader of it
+    timeout = group._get_backend(torch.device("cpu")).options._timeout
+    assert timeout == datetime.timedelta(seconds=TIMEOUT_S), timeout
+dist.barrier()
 dist.destroy_process_group()
 print("ok", rank, flush=True)
