@@ -44,8 +44,10 @@ def test_profile_comm_measures_every_curve_and_the_cpu_device_uses_them(tmp_path
     largest = SIZES[-1]
     # gloo on loopback copies a message through the kernel at least once: never faster than a copy
     assert p2p[largest] >= _copy_seconds(largest)
-    # 2 ranks: an all-reduce sends at least half the buffer each way and adds it: not under half a message
-    assert dict(profile.curves["all_reduce"])[largest] >= 0.5 * p2p[largest]
+    # 2 ranks: each receives at least half the buffer through the kernel (and adds it): never faster
+    # than a copy of half of it. (Not against half a p2p message: the two curves are measured seconds
+    # apart, and the other processes here can slow one of them by more than twice the other.)
+    assert dict(profile.curves["all_reduce"])[largest] >= _copy_seconds(largest // 2)
     # each side's CPU seconds count the kernel's copy of the message into or out of its socket (in the
     # calling thread or gloo's): never under half a copy. No upper bound holds: these are cold messages
     # between computations, p2p's are hot ones back to back, and how far apart they are depends on
