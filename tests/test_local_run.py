@@ -71,7 +71,8 @@ def test_a_failed_rank_is_one_error_naming_it_without_waiting_for_its_peer(compi
     codes = (17, 1) if forked else (1,)
     assert any(str(error.value).startswith(f"the distributed run failed (exit {code})") for code in codes)
     assert "autopart: AUTOPART_FAIL_AT: rank 1 dies at step 1" in str(error.value)
-    assert time.monotonic() - started < 60
+    # below the 120 s that waiting for the peer takes, with room for a loaded machine's start
+    assert time.monotonic() - started < 100
 
 
 def test_each_run_has_the_environment_of_its_launch(compiled, tmp_path, monkeypatch):
