@@ -53,12 +53,15 @@ def test_an_error_still_ends_in_its_line_and_code_2(tmp_path):
 
 def test_a_reader_gone_ends_in_code_120_without_a_traceback(tmp_path):
     # ``autopart explain ... | head``: the flush at the end finds the pipe closed, as Python's own exit would
-    script = ("import sys, time; from autopart.runtime.process_exit import leave; time.sleep(0.3); "
+    # the writer waits for its go on stdin, so that the reader has left whatever else runs here
+    script = ("import sys; from autopart.runtime.process_exit import leave; sys.stdin.readline(); "
               "sys.stdout.write('x' * 100); leave()")
     buffered = {name: value for name, value in environment().items() if name != "PYTHONUNBUFFERED"}
-    process = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               env=buffered, cwd=REPO)
+    process = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, env=buffered, cwd=REPO)
     process.stdout.close()  # the reader leaves before the writer flushes
+    process.stdin.write(b"go\n")
+    process.stdin.close()
     assert process.wait(timeout=60) == 120
     assert process.stderr.read() == b""
     process.stderr.close()
