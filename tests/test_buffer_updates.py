@@ -119,8 +119,8 @@ def test_a_weight_pass_after_its_stage_s_next_forward_recomputes_nothing_into_th
     path = tmp_path / "counted.py"
     path.write_text(MODEL.replace("Counted(), Counted(), nn.Linear(8, 4)", "Counted(), Counted(), Counted(), Counted()"))
     out = tmp_path / "out"
-    # a spec's roofline cuts it alike on every machine (this CPU's, calibrated per session, once left
-    # one rank's stages no counter)
+    # a spec's roofline cuts it alike on every machine (this CPU's, calibrated per session, may cut
+    # it so that one rank's stages hold no counter)
     plan = autopart.compile(path, pp=2, chunks=chunks, microbatches=4, micro_batch_size=1, recompute="full",
                             schedule=schedule, measure=False, device="a100-80gb")
     autopart.emit(plan, out)

@@ -51,7 +51,7 @@ def test_profile_comm_measures_every_curve_and_the_cpu_device_uses_them(tmp_path
     # each side's CPU seconds count the kernel's copy of the message into or out of its socket (in the
     # calling thread or gloo's): never under half a copy. No upper bound holds: these are cold messages
     # between computations, p2p's are hot ones back to back, and how far apart they are depends on
-    # who else runs here (a clean suite saw the receiver's at 2.07x the one-way time)
+    # who else runs here
     for kind in ("p2p_send_cpu", "p2p_recv_cpu"):
         assert dict(profile.curves[kind])[largest] >= 0.5 * _copy_seconds(largest), kind
     wake = profile.curves["wake"]  # a point per idle time asked for (the idle is a median of rank 1's, not a bound)
