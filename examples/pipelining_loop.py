@@ -38,7 +38,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--optimizer", choices=("sgd", "adamw"), default="adamw", help="as train.py --optimizer")
-    parser.add_argument("--weight-decay", type=float, default=0.01, help="as train.py --weight-decay (default 0.01)")
+    parser.add_argument("--weight-decay", type=float,
+                        help="as train.py --weight-decay (default: the optimizer's, AdamW 0.01, SGD 0)")
     parser.add_argument("--seed", type=int, default=0, help="of the training batches and dropout draws, as train.py --seed")
     parser.add_argument("--weights", type=Path, help="a safetensors file of the whole model to start from")
     parser.add_argument("--first-step", type=int, default=0, help="the steps --weights were trained for")

@@ -314,7 +314,7 @@ def test_a_loop_resumed_at_a_step_draws_that_step_s_dropout_and_batch(tmp_path):
 
     plan, out = _compiled(tmp_path, DROPPED, pp=2, microbatches=2, micro_batch_size=2, schedule="1f1b", measure=False)
     metrics = tmp_path / "metrics.jsonl"
-    common = ("--lr", "0.1", "--optimizer", "sgd", "--seed", "3", "--weight-decay", "0.1")
+    common = ("--lr", "0.1", "--optimizer", "sgd", "--seed", "3")  # each at its default decay: SGD's, none
     run_ranks(out, plan.world_size, "--steps", "4", *common, "--metrics", str(metrics))
     run_ranks(out, plan.world_size, "--steps", "2", *common, "--save-weights", str(tmp_path / "step2"))
     weights = tmp_path / "step2.safetensors"
@@ -368,13 +368,16 @@ def loss_fn(logits, target):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("schedule, chunks, dp", [("1f1b", 1, 1), ("interleaved", 2, 2), ("zbv", 2, 1)])
-def test_gradients_accumulated_over_steps_are_one_process_s(tmp_path, schedule, chunks, dp):
-    """Gradients accumulated over 3 ``schedule.step`` calls (each with ``reduce_gradients``) are
-    the sum of the 3 batches' mean-loss gradients, as 3 ``loss.backward()`` calls in one process
-    give: torch's ``scale_grads`` divided each step's whole ``.grad`` by the microbatches, the
-    earlier steps' share again each time, and a tied weight's copies summed the earlier steps'
-    sum again. The second round begins from gradients zeroed in place, which hold no earlier step."""
+@pytest.mark.parametrize("schedule, chunks, dp, reduce", [("1f1b", 1, 1, "each"), ("1f1b", 1, 1, "once"),
+                                                        ("interleaved", 2, 2, "once"), ("zbv", 2, 1, "each")])
+def test_gradients_accumulated_over_steps_are_one_process_s(tmp_path, schedule, chunks, dp, reduce):
+    """Gradients accumulated over 3 ``schedule.step`` calls (with ``reduce_gradients`` after each,
+    or once after the last, as DDP's no_sync) are the sum of the 3 batches' mean-loss gradients,
+    as 3 ``loss.backward()`` calls in one process give: torch's ``scale_grads`` divided each
+    step's whole ``.grad`` by the microbatches, the earlier steps' share again each time, and a
+    tied weight's copies summed the earlier steps' sum again (or, reduced once, took the last
+    step's alone). The second round begins from gradients zeroed in place, which hold no earlier
+    step."""
     import itertools
     import json
 
@@ -387,7 +390,8 @@ def test_gradients_accumulated_over_steps_are_one_process_s(tmp_path, schedule, 
     plan, out = _compiled(tmp_path, TIED, pp=2, dp=dp, microbatches=4, global_batch_size=8 * dp, schedule=schedule,
                           chunks=chunks, device="a100-80gb", measure=False)  # fmt: skip
     assert plan.tied_parameters == {"embed.weight": (0, len(plan.stages) - 1)}
-    result = run_program([str(REPO / "tests" / "pipelining_accumulate_rank.py"), str(out), "3"], plan.world_size)
+    result = run_program([str(REPO / "tests" / "pipelining_accumulate_rank.py"), str(out), "3", reduce],
+                         plan.world_size)
     spec = load_model_file(tmp_path / "model.py")
     model = spec.module
     named = dict(model.named_parameters())

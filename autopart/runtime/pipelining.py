@@ -58,7 +58,7 @@ import itertools
 import shlex
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -275,8 +275,9 @@ class Pipeline:
     updates: list[BufferUpdates]  # the buffers each stage's forwards update, through a step
     seed: int = 0  # train.py's --seed: the stages' draws, and by default the batches'
     first_step: int = 0  # the step the loop begins at: the draws' and the batches' first
-    # the tied copies' gradients as the step began (what earlier steps accumulated), by parameter
-    step_began: list[tuple[nn.Parameter, torch.Tensor]] = field(default_factory=list)
+    # the tied copies' gradients as the first step since the last reduce_gradients began (what was
+    # summed already), by parameter; None until that step
+    step_began: list[tuple[nn.Parameter, torch.Tensor]] | None = None
 
     @property
     def is_last(self) -> bool:
@@ -326,7 +327,8 @@ class Pipeline:
                               "forwards update, as train.py does)")
         for forward in self.forwards:
             forward.begin_step()
-        self.step_began[:] = [(p, p.grad.clone()) for p in self.tied_copies() if p.grad is not None]
+        if self.step_began is None:  # steps since then add to the gradients; reduce_gradients sums what they added
+            object.__setattr__(self, "step_began", [(p, p.grad.clone()) for p in self.tied_copies() if p.grad is not None])
         values = (*inputs, target) if len(self.plan.graph_inputs) > len(inputs) else tuple(inputs)
         share = split_microbatches(values, self.plan.mesh["dp"])[self.coordinates.dp]
         by_name = dict(zip(self.plan.graph_inputs, share, strict=True))
@@ -341,16 +343,18 @@ class Pipeline:
         """After ``schedule.step``: every copy of a tied parameter gets the sum of their gradients,
         then data-parallel replicas average theirs (``train.py``'s order), and each buffer that the
         forwards update takes the mean of what the step's forwards, on every replica, left it at.
-        Gradients accumulated over several steps stay their sum: a tied copy's sum is of what this
-        step added (earlier steps' are summed already), and the replicas' mean of what they hold
-        alike is itself."""
-        for parameter, began in self.step_began:
-            parameter.grad.sub_(began)
+        Gradients accumulated over several steps stay their sum, whether it is called after each
+        of them or once after the last (as DDP's no_sync accumulates): a tied copy's sum is of what
+        the steps since the last call added (earlier ones are summed already), and the replicas'
+        mean of what they hold alike is itself."""
+        began = self.step_began or []
+        for parameter, before in began:
+            parameter.grad.sub_(before)
         for name, group in self.tied:
             sum_tied_gradients(self.modules, name, group)
-        for parameter, began in self.step_began:
-            parameter.grad.add_(began)
-        self.step_began.clear()
+        for parameter, before in began:
+            parameter.grad.add_(before)
+        object.__setattr__(self, "step_began", None)
         if self.groups.dp is not None:
             average_gradients(self.parameters(), self.groups.dp, self.plan.mesh["dp"])
         for updates in self.updates:
