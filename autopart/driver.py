@@ -201,23 +201,31 @@ def compile_to_directory(options: CompileOptions, out_dir: Path, *, progress=Non
 
 
 def check_global_batch_fits(options: CompileOptions) -> None:
-    """Refuse a global batch larger than this machine's memory before anything is built, measured
-    or solved: each rank of train.py draws every global batch whole (and the compile builds
-    batches of the micro-batch size); a billion rows hung in counting the batch's divisors, in
-    the schedule's billions of microbatches, or in building an example batch of that size. What
-    else is wrong with the options or the model file is said where it was."""
-    try:  # a search's layout is not known yet: its global batch is the one given
-        total = options.global_batch_size if options.searched else options.batch_shape()[0]
+    """Refuse, before anything is built, measured or solved, batches that cannot be held where
+    they are built: where the ranks run on this machine (its own device), each draws every global
+    batch whole, so the ranks here hold it that many times; for a remote device the compile
+    builds only batches of the micro-batch size (the ranks draw theirs on the cluster's nodes).
+    A billion rows hung in building an example batch of that size. What else is wrong with the
+    options or the model file is said where it was."""
+    try:  # a search's layout is not known yet: its global batch is the one given, its micro-batches small
         memory = physical_memory_bytes()
         with random_state_kept():  # what the model file draws as it is imported and samples
             spec = load_model_file(options.model, build=False)
             sample = spec.sample_bytes
+        if local_kind(options.device) is not None:
+            ranks = options.ranks if local_kind(options.device) == "cpu" else options.ranks_per_host
+            samples = ranks * (options.global_batch_size if options.searched else options.batch_shape()[0])
+            held = (f"{'the rank here draws' if ranks == 1 else f'the {ranks} ranks here each draw'} every global batch "
+                    f"({samples // ranks} samples) whole")
+        else:
+            samples = 0 if options.searched else options.batch_shape()[2]
+            held = f"the compile builds example batches of the micro-batch size, {samples} samples"
     except AutopartError:
         return
-    if total is not None and sample is not None and sample * total > memory:
-        raise ConfigError(f"the global batch of {total} samples of {spec.path.name} takes {sample * total / 2**30:,.1f} "
-                          f"GiB ({sample} bytes a sample), more than this machine's {memory / 2**30:.1f} GiB of memory, "
-                          "and every rank of train.py draws it whole; give a smaller --global-batch-size")
+    if sample is not None and sample * samples > memory:
+        raise ConfigError(f"{held}: {sample * samples / 2**30:,.1f} GiB of {spec.path.name}'s samples ({sample} bytes "
+                          f"each), more than this machine's {memory / 2**30:.1f} GiB of memory; give a smaller "
+                          f"{'--global-batch-size' if local_kind(options.device) else '--micro-batch-size'}")
 
 
 def measured_plan(options: CompileOptions, *, progress=None, console=None) -> tuple[Plan, Front]:

@@ -26,7 +26,7 @@ from autopart.ir.tensors import DTYPES
 from autopart.passes.recompute import stage_modes
 from autopart.runtime.optim import OPTIMIZERS
 from autopart.runtime.fully_sharded import check_level
-from autopart.schedule import SCHEDULE_KINDS, SPLIT_BACKWARD_KINDS
+from autopart.schedule import MOST_MICROBATCHES, SCHEDULE_KINDS, SPLIT_BACKWARD_KINDS
 from cost_models.comm import nodes_spanned
 from cost_models.devices import local_device_name
 
@@ -334,6 +334,10 @@ class CompileOptions:
                 " --microbatches and --micro-batch-size so that microbatches x micro-batch size x data-parallel"
                 " degree = global batch"
             )
+        if m > MOST_MICROBATCHES:
+            raise ConfigError(f"{m} microbatches a step per data-parallel replica is more than the {MOST_MICROBATCHES} a "
+                              f"schedule is laid out for; give a --micro-batch-size of at least "
+                              f"{-(-share // MOST_MICROBATCHES)}")
         if not self._schedule_runs(m):
             need = (f"interleaved needs microbatches ({m}) to be a multiple of the pipeline degree ({self.pp})"
                     if self.schedule == "interleaved" else

@@ -869,7 +869,36 @@ def test_a_global_batch_past_the_machine_s_memory_is_refused_before_it_is_built(
         result = run_cli("compile", str(gpt), "-o", str(out), "--global-batch-size", str(HUGE_BATCH), *searched,
                          timeout=90)  # fmt: skip
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
-    assert re.fullmatch(r"autopart: error: the global batch of 1000000000000 samples of gpt\.py takes [\d,]+\.\d GiB "
-                        r"\(512 bytes a sample\), more than this machine's [\d.]+ GiB of memory, and every rank of "
-                        r"train\.py draws it whole; give a smaller --global-batch-size\n", result.stderr), result.stderr
+    ranks = "the 2 ranks here each draw" if how == "cli_searched" else "the rank here draws"
+    assert re.fullmatch(rf"autopart: error: {ranks} every global batch \(1000000000000 samples\) whole: [\d,]+\.\d GiB "
+                        r"of gpt\.py's samples \(512 bytes each\), more than this machine's [\d.]+ GiB of memory; give a "
+                        r"smaller --global-batch-size\n", result.stderr), result.stderr
     assert not out.exists()
+
+
+def test_a_global_batch_for_a_remote_cluster_is_bounded_by_what_the_compile_builds(tmp_path):
+    """Compiled for a remote device, the ranks draw their batches on the cluster's nodes: this
+    machine builds example batches of the micro-batch size only. A global batch larger than its
+    memory compiles; a micro-batch larger is refused, and so are more microbatches a step than a
+    schedule is laid out for (a million of them took minutes)."""
+    import os
+
+    sample = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 256  # 512 samples: twice the memory
+    path = tmp_path / "volumes.py"
+    path.write_text(GOOD_BATCH.replace("torch.randn(batch_size, 8)", f"torch.zeros(batch_size, {sample // 4})")
+                    + "class Head(torch.nn.Linear):\n    def forward(self, x):\n        return super().forward(x[:, :8])\n"
+                    + "def build_model():\n    return Head(8, 4)\n")  # fmt: skip
+    gib = "--micro-batch-size"
+    common = [str(path), "--device", "a100-80gb", "--no-measure"]
+    result = run_cli("compile", *common, "-o", str(tmp_path / "out"), "--dp", "8", "--global-batch-size", "512",
+                     "--micro-batch-size", "2", timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    result = run_cli("compile", *common, "-o", str(tmp_path / "big"), "--global-batch-size", "512", timeout=300)
+    assert result.returncode == 2 and re.fullmatch(
+        r"autopart: error: the compile builds example batches of the micro-batch size, 256 samples: .* more than this "
+        rf"machine's [\d.]+ GiB of memory; give a smaller {gib}\n", result.stderr), result.stderr
+    result = run_cli("compile", str(REPO / "examples" / "gpt.py"), "-o", str(tmp_path / "many"), "--device", "a100-80gb",
+                     "--global-batch-size", str(1 << 20), "--micro-batch-size", "1", timeout=300)
+    assert result.returncode == 2 and "1048576 microbatches a step per data-parallel replica is more than the 16384 a " \
+        "schedule is laid out for; give a --micro-batch-size of at least 64\n" in result.stderr, result.stderr
+    assert not (tmp_path / "big").exists() and not (tmp_path / "many").exists()

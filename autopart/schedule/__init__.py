@@ -8,7 +8,8 @@ per-rank action lists that the runtime executes, plus a simulated `Timeline`. In
 """
 
 from autopart.ir.actions import COMM_KINDS, COMPUTE_KINDS, RECEIVE_KINDS, Action, Kind, Schedule, rank_of, stage_rank, v_stage_rank
-from autopart.schedule.generators import SCHEDULE_KINDS, SPLIT_BACKWARD_KINDS, build_schedule, stage_placement
+from autopart.schedule.generators import (MOST_MICROBATCHES, SCHEDULE_KINDS, SPLIT_BACKWARD_KINDS, build_schedule,
+                                          stage_placement)
 from autopart.schedule.lowering import add_communication
 from autopart.schedule.simulate import Event, Timeline, simulate, simulated_events
 from autopart.schedule.stage_costs import StageCosts
@@ -38,6 +39,7 @@ __all__ = [
     "RECEIVE_KINDS",
     "SCHEDULE_KINDS",
     "SPLIT_BACKWARD_KINDS",
+    "MOST_MICROBATCHES",
     "build_schedule",
     "add_communication",
     "validate",

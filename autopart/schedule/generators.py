@@ -27,6 +27,11 @@ SCHEDULE_KINDS: tuple[str, ...] = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv
 SPLIT_BACKWARD_KINDS: tuple[str, ...] = ("zb-h1", "zbv")
 """The zero-bubble schedules, whose backward is split into I (input gradients) and W (weights)."""
 
+MOST_MICROBATCHES = 1 << 14
+"""Microbatches a replica runs in one step, at most: each is an action of every stage in the
+schedule that the compile lays out, validates and simulates, and writes into plan.json (a step of
+a million of them took minutes to compile); published pipelines run a few hundred."""
+
 _Work = tuple[int, int]  # (stage, microbatch)
 
 

@@ -35,7 +35,7 @@ from typing import Protocol
 
 from autopart.ir.divisors import divisors
 from autopart.ir.errors import ConfigError
-from autopart.schedule import SCHEDULE_KINDS, stage_placement
+from autopart.schedule import MOST_MICROBATCHES, SCHEDULE_KINDS, stage_placement
 from autopart.solve.closed_form import estimate_step_s
 from autopart.solve.data_parallel_tail import fsdp_may_pay, fully_sharded_levels, last_bucket_bytes
 from autopart.solve.vshape import zbv_fits
@@ -155,7 +155,7 @@ class SearchSpace:
             return [share // m for m in self.microbatches if share % m == 0]
         if self.micro_batch_size:
             return [b for b in self.micro_batch_size if share % b == 0]
-        return [b for b in divisors(share) if b <= MAX_MICRO_BATCH_SIZE]
+        return [b for b in divisors(share) if b <= MAX_MICRO_BATCH_SIZE and share // b <= MOST_MICROBATCHES]
 
     def _schedules(self, pp: int, m: int, blocks: int) -> list[tuple[str, int]]:
         found = []
