@@ -280,3 +280,65 @@ def example_batch(batch_size):
 def loss_fn(output, target):
     return ((output - target) ** 2).mean()
 '''
+
+
+ROTATED = """
+import torch
+from torch import nn
+
+
+class Rotated(nn.Module):
+    def __init__(self, t=4, d=8):
+        super().__init__()
+        self.a = nn.Linear(d, d)
+        self.b = nn.Linear(d, 4)
+        angles = torch.outer(torch.arange(t).float(), 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d)))
+        self.register_buffer("freqs_cis", torch.polar(torch.ones_like(angles), angles))  # complex64, as Llama's
+
+    def forward(self, x):
+        h = self.a(x)
+        h = torch.view_as_real(torch.view_as_complex(h.reshape(*h.shape[:-1], -1, 2)) * self.freqs_cis).flatten(2)
+        return self.b(torch.tanh(h)).mean(1)
+
+
+def build_model():
+    torch.manual_seed(0)
+    return Rotated()
+
+
+def example_batch(batch_size):
+    return (torch.randn(batch_size, 4, 8),), torch.randint(0, 4, (batch_size,))
+
+
+def loss_fn(out, target):
+    return nn.functional.cross_entropy(out, target)
+"""
+
+
+def _compiled_file(tmp_path: Path, source: str) -> Path:
+    path = tmp_path / "model.py"
+    path.write_text(source)
+    out = tmp_path / "out"
+    compile_to_directory(CompileOptions(model=path, pp=2, microbatches=2, micro_batch_size=2, device="a100-80gb"), out)
+    return out
+
+
+def test_the_fp64_reference_keeps_a_complex_buffer_whole(tmp_path):
+    """verify's fp64 run casts the real floating tensors alone: a rotary embedding's complex
+    buffer cast to float64 lost its imaginary part, and trained another model."""
+    out = _compiled_file(tmp_path, ROTATED)
+    fp32 = train_reference(out, steps=1, lr=0.1, optimizer="adamw")
+    fp64 = train_reference(out, steps=1, lr=0.1, optimizer="adamw", dtype="fp64")
+    assert fp64.losses[0] == pytest.approx(fp32.losses[0], rel=1e-6)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.filterwarnings("error:Casting complex values to real")
+def test_verify_holds_adamw_to_the_orders_alone_where_the_model_cannot_run_in_fp64(tmp_path):
+    """A forward that makes an fp32 tensor of its own cannot run over fp64 weights: verify says so
+    and holds the plan to the orders of sums, where it failed in a traceback. The complex buffer
+    is compared whole (its imaginary part was dropped, with torch's warning)."""
+    mixed = ROTATED.replace("h = self.a(x)", "h = self.a(x) @ torch.eye(8, dtype=torch.float32)")
+    result = verify(_compiled_file(tmp_path, mixed), steps=2, optimizer="adamw")
+    assert result.matches, result.failures
+    assert "fp64" not in result.parameter_tolerance

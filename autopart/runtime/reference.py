@@ -117,7 +117,9 @@ def _started(spec: ModelSpec, initial: dict[str, torch.Tensor], *, out_dir: Path
     assert model is not None
     if any(True for _ in meta_names(model)):  # made as every rank makes its slice
         materialise(model, meta_names(model), init=spec.init_weights)
-    model.to(device=device, dtype=dtype)  # before naming them: a buffer moved or cast is another tensor
+    model.to(device=device)  # before naming them: a buffer moved or cast is another tensor
+    if dtype is not None:  # real floating tensors only: a complex buffer (RoPE's) cast to a real dtype loses a part
+        model._apply(lambda t: t.to(dtype) if t.is_floating_point() else t)
     named = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers(remove_duplicate=False))
     with torch.no_grad():
         for name, value in initial.items():
