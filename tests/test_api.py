@@ -243,6 +243,9 @@ def test_a_search_asked_for_sequence_parallelism_takes_a_layout_with_tensor_para
     it took pp 2 at TP 1 and dropped both in silence."""
     plan = autopart.compile(TINY_GPT, world_size=2, global_batch_size=4, device="a100-80gb", measure=False, **given)
     assert plan.mesh["tp"] == 2 and plan.sp and plan.tp_overlap == given.get("tp_overlap", False)
+    with pytest.raises(ConfigError, match=r"no layout of 2 devices .* --sp and --tp-overlap need tp 2 or more within a "
+                                          r"node, and a replica runs at most 16384 microbatches; relax a pin"):
+        autopart.compile(TINY_GPT, world_size=2, global_batch_size=4, device="a100-80gb", gpus_per_node=1, **given)
 
 
 def test_a_misspelt_option_is_refused_in_one_line_with_the_nearest_name():

@@ -473,7 +473,9 @@ def _refine_bound(table: CostTable, layout: Layout, cluster: Cluster, cut: Stage
 def _no_layout_message(space: SearchSpace) -> str:
     return (
         f"no layout of {space.world_size} devices fits the pins and a global batch of {space.global_batch_size}: "
-        "pp x tp x dp must equal --world-size, dp must divide the global batch (and be 2 or more with --zero), and "
-        "interleaved needs microbatches divisible by pp; relax a pin or change --global-batch-size"
+        "pp x tp x dp must equal --world-size, dp must divide the global batch (and be 2 or more with --zero), "
+        "interleaved needs microbatches divisible by pp"
+        f"{', --sp and --tp-overlap need tp 2 or more within a node' if space.least_tp > 1 else ''}"
+        f", and a replica runs at most {MOST_MICROBATCHES} microbatches; relax a pin or change --global-batch-size"
     )
 
