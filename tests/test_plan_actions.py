@@ -21,7 +21,7 @@ from autopart.runtime import train
 from autopart.schedule import (StageCosts, action_lists, add_communication, build_schedule, generated, plan_actions,
                                read_chrome_trace, read_schedule_csv, simulate)
 from tests.distributed import REPO, Trained, assert_same_training, read_metrics, run_ranks, stage_weights
-from tests.test_bad_inputs import refused
+from tests.refusals import refused
 
 PP, MICROBATCHES = 2, 4
 

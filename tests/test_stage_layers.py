@@ -11,7 +11,7 @@ from autopart.ir.plan import load_plan
 from autopart.solve.stage_layers import layer_count_cuts, megatron_counts
 from autopart.tools import cli
 from tests.distributed import REPO, assert_same_training, compile_and_train
-from tests.test_bad_inputs import call_cli
+from tests.refusals import call_cli
 
 GPT = REPO / "examples" / "gpt.py"  # four layers h.0 .. h.3, tied embedding and head
 
