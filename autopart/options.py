@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from autopart.ir.divisors import divisors
-from autopart.ir.errors import ConfigError
+from autopart.ir.errors import AutopartError, ConfigError
 from autopart.ir.tensors import DTYPES
 from autopart.passes.recompute import stage_modes
 from autopart.runtime.optim import OPTIMIZERS
@@ -235,8 +235,10 @@ class CompileOptions:
         modes = tuple(stage.recompute for stage in plan.stages)
         given_modes = (self.recompute,) * len(modes) if isinstance(self.recompute, str) else self.recompute
         for flag, contradicts, recorded in (
-            ("--sp", self.sp is True and not plan.sp, "sp False"), ("--no-sp", self.sp is False and plan.sp, "sp True"),
-            ("--tp-overlap", self.tp_overlap and not plan.tp_overlap, "tp_overlap False"),
+            # at tp 1 sequence parallelism is nothing either way (a copy of these options has sp on by default)
+            ("--sp", self.sp is True and not plan.sp and plan.mesh["tp"] > 1, "sp False"),
+            ("--no-sp", self.sp is False and plan.sp, "sp True"),
+            ("--tp-overlap", self.tp_overlap and not plan.tp_overlap and plan.mesh["tp"] > 1, "tp_overlap False"),
             (f"--recompute {self.recompute if isinstance(self.recompute, str) else ','.join(self.recompute or ())}",
              given_modes is not None and tuple(given_modes) != modes, f"recompute {','.join(modes)}"),
         ):
@@ -475,6 +477,13 @@ def check_sequence_parallel_asked(*, sp: bool | None, tp_overlap: bool, tp: int 
     ``sp`` in by default and the search pins it on for each of its layouts, TP 1 among them (a
     search given either takes only layouts with TP, `SearchSpace.least_tp`)."""
     left_one = world_size is not None and world_size <= (pp or 1) * (dp or 1)  # tp = world / (pp x dp)
+    if plan is not None and tp is None:  # --plan emits its plan's tp
+        from autopart.ir.plan import load_plan
+
+        try:
+            tp = load_plan(Path(plan)).mesh["tp"]
+        except AutopartError:
+            pass  # refused where the plan is read, in the words of that
     no_tensor_parallelism = tp == 1 or (tp is None and (left_one or (world_size is None and plan is None)))
     for flag, given in (("--sp", sp is True), ("--tp-overlap", tp_overlap)):
         if given and no_tensor_parallelism:

@@ -126,8 +126,8 @@ def test_plan_of_another_model(tmp_path, capsys, compiled):
     (["--microbatches", "4"], r"--microbatches 4 contradicts plan\.json, .*\(microbatches 2\)"),
     (["--dtype", "bf16"], r"--dtype bf16 contradicts plan\.json, .*\(dtype fp32\)"),
     (["--world-size", "8", "--global-batch-size", "64"], r"--world-size 8 contradicts plan\.json, .*\(world_size 2\)"),
-    (["--sp"], r"--sp contradicts plan\.json, .*\(sp False\); drop --sp, or recompile without --plan"),
-    (["--tp-overlap"], r"--tp-overlap contradicts plan\.json, .*\(tp_overlap False\)"),
+    (["--sp"], r"--sp splits what tensor parallelism computes, and this compile has none \(tensor parallelism 1\)"),
+    (["--tp-overlap"], r"--tp-overlap splits what tensor parallelism computes, and this compile has none"),
     (["--recompute", "full"], r"--recompute full contradicts plan\.json, .*\(recompute none,none\); drop --recompute,"),
 ], ids=["pp", "microbatches", "dtype", "world_size", "sp", "tp_overlap", "recompute"])
 def test_a_pin_that_the_plan_contradicts(tmp_path, capsys, compiled, pins, pattern):
