@@ -179,10 +179,14 @@ def test_layers_pinned_as_the_model_has_them_compile(tmp_path):
         autopart.compile(model, pp=2, stage_layers="2,3", device="a100-80gb")
 
 
-def test_a_summed_loss_compiles_where_the_search_keeps_the_batch_whole(tmp_path):
+@pytest.mark.parametrize("pins", [{"world_size": 2, "dp": 1}, {"world_size": 1}, {"world_size": 2, "tp": 2}],
+                         ids=["dp_1", "world_1", "tp_fills_the_world"])
+def test_a_summed_loss_compiles_where_the_search_keeps_the_batch_whole(tmp_path, pins):
+    """One microbatch, and dp 1 pinned or left by the pins (the world is one device, or tp fills
+    it): nothing the search may choose splits the batch (it refused the last two)."""
     model = tmp_path / "model.py"
     model.write_text(SUMMED)
-    plan = autopart.compile(model, world_size=2, global_batch_size=4, dp=1, microbatches=1, device="a100-80gb")
+    plan = autopart.compile(model, global_batch_size=4, microbatches=1, device="a100-80gb", **pins)
     assert plan.mesh["dp"] == 1 and plan.schedule.micro_batch_size == plan.schedule.global_batch_size == 4
 
 

@@ -53,7 +53,9 @@ def check_split_asked(options: CompileOptions, reduction: str, model_file: str) 
         return
     total = options.global_batch_size
     one_microbatch = options.microbatches == 1 or options.micro_batch_size == total
-    if total is None or total == 1 or (options.dp == 1 and one_microbatch):
+    # dp is 1 where pinned so, or where the pinned pp and tp fill the world (dp = world / (pp x tp))
+    one_replica = options.dp == 1 or (options.world_size or 1) <= (options.pp or 1) * (options.tp or 1)
+    if total is None or total == 1 or (one_replica and one_microbatch):
         return  # nothing the search may choose splits the batch (the search refuses a missing global batch)
     whole = options.dp in (None, 1) and options.microbatches in (None, 1) and options.micro_batch_size in (None, total)
     split = f"the search splits each batch of {total} into microbatches or data-parallel replicas"
