@@ -339,7 +339,7 @@ class CompileOptions:
         if m > MOST_MICROBATCHES:
             raise ConfigError(f"{m} microbatches a step per data-parallel replica is more than the {MOST_MICROBATCHES} a "
                               f"schedule is laid out for; give a --micro-batch-size of at least "
-                              f"{-(-share // MOST_MICROBATCHES)}")
+                              f"{next(d for d in divisors(share) if share // d <= MOST_MICROBATCHES)}")
         if not self._schedule_runs(m):
             need = (f"interleaved needs microbatches ({m}) to be a multiple of the pipeline degree ({self.pp})"
                     if self.schedule == "interleaved" else

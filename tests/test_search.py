@@ -193,3 +193,22 @@ def test_dtype_auto_chooses_bf16_where_tensor_cores_pay(tmp_path: Path) -> None:
     fp32 = plan_by_search(CompileOptions(dtype="fp32", **common)).plan
     assert auto.dtype == "bf16" and fp32.dtype == "fp32"
     assert auto.predicted.step_s < 0.5 * fp32.predicted.step_s
+
+
+def test_the_search_keeps_each_replica_within_the_microbatches_a_schedule_is_laid_out_for(monkeypatch) -> None:
+    """A replica runs at most MOST_MICROBATCHES a step (here lowered to 8): a pinned micro-batch
+    size takes the layouts whose share it splits within them (dp 2 here; it chose dp 1 and was
+    refused mid-search), an unpinned one grows past MAX_MICRO_BATCH_SIZE where the share needs
+    it (the search found no layout), and a refusal names a size that divides the share."""
+    import autopart.options
+    import autopart.solve.search
+
+    for module in (autopart.options, autopart.solve.search):
+        monkeypatch.setattr(module, "MOST_MICROBATCHES", 8)
+    space = SearchSpace(world_size=2, global_batch_size=64, micro_batch_size=(4,))
+    assert {(layout.dp, layout.microbatches) for layout in space.layouts(8)} == {(2, 8)}
+    space = SearchSpace(world_size=1, global_batch_size=1024)
+    assert {layout.micro_batch_size for layout in space.layouts(8)} == {128}
+    with pytest.raises(ConfigError, match=r"^45 microbatches a step per data-parallel replica is more than the 8 a "
+                                          r"schedule is laid out for; give a --micro-batch-size of at least 9$"):
+        CompileOptions(model=GPT, global_batch_size=45, micro_batch_size=1).batch_shape()

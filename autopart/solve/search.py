@@ -151,11 +151,16 @@ class SearchSpace:
         return min((layout.micro_batch_size for layout in self.layouts(1 << 30)), default=1)
 
     def _micro_batch_sizes(self, share: int) -> list[int]:
+        """The micro-batch sizes a replica's ``share`` of the batch may take, each in at most
+        `MOST_MICROBATCHES`: up to `MAX_MICRO_BATCH_SIZE`, or the least that the count allows."""
         if self.microbatches:
-            return [share // m for m in self.microbatches if share % m == 0]
-        if self.micro_batch_size:
-            return [b for b in self.micro_batch_size if share % b == 0]
-        return [b for b in divisors(share) if b <= MAX_MICRO_BATCH_SIZE and share // b <= MOST_MICROBATCHES]
+            sizes = [share // m for m in self.microbatches if share % m == 0]
+        elif self.micro_batch_size:
+            sizes = [b for b in self.micro_batch_size if share % b == 0]
+        else:
+            sizes = [b for b in divisors(share) if share // b <= MOST_MICROBATCHES]
+            return [b for b in sizes if b <= MAX_MICRO_BATCH_SIZE] or sizes[:1]
+        return [b for b in sizes if share // b <= MOST_MICROBATCHES]
 
     def _schedules(self, pp: int, m: int, blocks: int) -> list[tuple[str, int]]:
         found = []
