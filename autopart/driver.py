@@ -213,7 +213,7 @@ def check_global_batch_fits(options: CompileOptions) -> None:
             spec = load_model_file(options.model, build=False)
             sample = spec.sample_bytes
         if local_kind(options.device) is not None:
-            ranks = options.ranks if local_kind(options.device) == "cpu" else options.ranks_per_host
+            ranks = options.ranks_per_host  # --gpus-per-node: the ranks of a node, on a CPU cluster too
             samples = ranks * (options.global_batch_size if options.searched else options.batch_shape()[0])
             held = (f"{'the rank here draws' if ranks == 1 else f'the {ranks} ranks here each draw'} every global batch "
                     f"({samples // ranks} samples) whole")
