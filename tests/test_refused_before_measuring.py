@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import autopart
+from autopart.driver import CompileOptions, compile_to_directory
 from autopart.profiling.measure_defaults import NO_MEASURE_ENV
 from cost_models.comm_profile import CommProfile, cache_path
 
@@ -188,6 +189,19 @@ def test_a_summed_loss_compiles_where_the_search_keeps_the_batch_whole(tmp_path,
     model.write_text(SUMMED)
     plan = autopart.compile(model, global_batch_size=4, microbatches=1, device="a100-80gb", **pins)
     assert plan.mesh["dp"] == 1 and plan.schedule.micro_batch_size == plan.schedule.global_batch_size == 4
+
+
+def test_a_module_beside_imported_only_as_a_script_runs_is_not_the_model_s(tmp_path):
+    """``import train`` under ``if __name__ == "__main__":`` runs only when the file runs as a
+    script: the user's own train.py beside it is not a module the model imports (it was refused
+    as one named like an output file), and the output does not carry it."""
+    model = tmp_path / "model.py"
+    model.write_text(FROZEN.replace(".requires_grad_(False)", "")
+                     + '\nif __name__ == "__main__":\n    import train\n\n    train.main()\n')
+    (tmp_path / "train.py").write_text("def main():\n    pass\n")
+    plan, out = compile_to_directory(CompileOptions(model=model, pp=1, microbatches=2, device="a100-80gb"),
+                                     tmp_path / "out")
+    assert plan.mesh["pp"] == 1 and "def main():\n    pass" not in (out / "train.py").read_text()
 
 
 def test_a_gradient_that_only_autograd_follows_is_not_refused(tmp_path):

@@ -59,11 +59,12 @@ def _imports_beside(path: Path, source: bytes, imported: set[str]) -> tuple[str,
     """The modules and packages of the model file's folder that it imports: those its import
     brought in (``imported``: new in ``sys.modules``, a module beside it importing another too),
     and those its own code names in an import statement, in a function too (a lazy import in
-    ``batches``, which the compile never runs)."""
+    ``batches``, which the compile never runs), but not under ``if __name__ == "__main__":``, which
+    runs only as a script (the user's own ``train.py`` beside it, say)."""
     tops = _tops_beside(str(path.parent)) - {path.stem}
     named = set()
     try:
-        for node in ast.walk(ast.parse(source)):
+        for node in _outside_main(ast.parse(source)):
             if isinstance(node, ast.Import):
                 named |= {alias.name.partition(".")[0] for alias in node.names}
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
@@ -71,6 +72,16 @@ def _imports_beside(path: Path, source: bytes, imported: set[str]) -> tuple[str,
     except (SyntaxError, ValueError):  # it imported: Python read it, as a version of its own may not
         pass
     return tuple(sorted(tops & ({name.partition(".")[0] for name in imported} | named)))
+
+
+def _outside_main(tree: ast.AST) -> Iterator[ast.AST]:
+    """Every node of ``tree`` but those of its ``if __name__ == "__main__":`` blocks."""
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, ast.If) and ast.unparse(node.test).replace("'", '"') == '__name__ == "__main__"':
+            yield from (n for child in node.orelse for n in ast.walk(child))
+            continue
+        yield node
+        yield from _outside_main(node)
 
 
 def files_beside(spec: ModelSpec) -> dict[str, Path]:
