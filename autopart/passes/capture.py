@@ -41,6 +41,7 @@ from autopart.ir.errors import CaptureError, ConfigError, ModelFileError
 from autopart.ir.model_file import ModelSpec, describe_error, eager_loss, file_line, is_meta
 from autopart.passes.buffer_writes import buffer_versions, check_fx_graph, check_inputs_unwritten
 from autopart.passes.capture_checks import Example, check_same_loss, same_draws
+from autopart.passes.custom_functions import check_same_gradients, traced_functions
 from autopart.passes.export import export_training_graph
 from autopart.passes.loss_gradient import check_loss_takes_gradient
 from autopart.passes.loss_reduction import UNKNOWN, reduction_of
@@ -180,10 +181,14 @@ def _is_check(node: fx.Node) -> bool:
     return node.target is torch._assert or getattr(node.target, "__name__", "") == "_assert_is_none"
 
 
-def _trace_fx(spec: ModelSpec, inputs: tuple[torch.Tensor, ...], leaves: frozenset[type]) -> fx.GraphModule:
+def _trace_fx(spec: ModelSpec, inputs: tuple[torch.Tensor, ...],
+              leaves: frozenset[type]) -> tuple[fx.GraphModule, dict[str, str]]:
+    """The model and its loss traced into one graph, and the model's own autograd.Functions that
+    the trace ran (`autopart.passes.custom_functions`)."""
     model = spec.module
     tracer = _ThroughTracer(leaves)
-    graph = tracer.trace(model, concrete_args=_concrete_defaults(model.forward, len(inputs)) or None)
+    with traced_functions(tracer) as functions:
+        graph = tracer.trace(model, concrete_args=_concrete_defaults(model.forward, len(inputs)) or None)
     _drop_fixed_arguments(graph)
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     if len(placeholders) != len(inputs):
@@ -197,14 +202,17 @@ def _trace_fx(spec: ModelSpec, inputs: tuple[torch.Tensor, ...], leaves: frozens
         graph.erase_node(output)
         with graph.inserting_after(placeholders[-1]):
             target = graph.placeholder(TARGET)
-        loss_graph = _ThroughTracer().trace(spec.loss_fn)
+        loss_tracer = _ThroughTracer()
+        with traced_functions(loss_tracer) as in_loss:
+            loss_graph = loss_tracer.trace(spec.loss_fn)
+        functions |= in_loss
         loss_inputs = [n for n in loss_graph.nodes if n.op == "placeholder"]
         if len(loss_inputs) != 2:
             raise ModelFileError(f"loss_fn in {spec.path.name} must take exactly (output, target)")
         loss = graph.graph_copy(loss_graph, {loss_inputs[0]: model_output, loss_inputs[1]: target})
         graph.output(loss)
     graph.lint()
-    return _GraphModule(model, graph, class_name="TrainingGraph")
+    return _GraphModule(model, graph, class_name="TrainingGraph"), functions
 
 
 def leaf_classes(module: nn.Module, names: tuple[str, ...]) -> frozenset[type]:
@@ -261,9 +269,12 @@ def capture(
     fx_failure = None
     if method in (None, "fx"):
         try:
-            graph = _graph(_trace_fx(spec, inputs, leaf_types), "fx", has_target, spec.module)
+            traced, functions = _trace_fx(spec, inputs, leaf_types)
+            graph = _graph(traced, "fx", has_target, spec.module)
             check_fx_graph(graph.module, graph.constants, spec.module)
             check_same_loss(spec, graph.module, Example(inputs, target, has_target), expected, before, versions)
+            if expected is not None:  # a meta model has no values to differentiate
+                check_same_gradients(spec, graph.module, Example(inputs, target, has_target), functions)
             _check_takes_gradient(spec, graph, Example(inputs, target, has_target), loss)
             return replace(graph, built_buffers=before, loss_reduction=reduction)
         except ModelFileError:  # the file breaks the contract: no other capture will do better
