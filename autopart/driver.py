@@ -40,7 +40,7 @@ from autopart.profiling.measure_defaults import co_run_processes, measure_defaul
 from autopart.profiling.pipeline import affordable, profiled_in_place
 from autopart.schedule import validation_beside
 from autopart.solve.assemble import pipeline_problem, plan_from_cuts
-from autopart.solve.pinned import rebuild_pinned
+from autopart.solve.pinned import check_same_model, rebuild_pinned
 from autopart.solve.pipeline import solve_cuts
 from autopart.solve.planner import plan_by_search, search_space
 from autopart.solve.stage_layers import check_fits, stage_layer_cuts
@@ -235,6 +235,8 @@ def measured_plan(options: CompileOptions, *, progress=None, console=None) -> tu
     that fails leaves the prediction on the ops and messages, with a warning that says why."""
     if options.searched:
         search_space(options)  # its refusals of the options (no global batch) before anything is measured
+    if options.plan is not None:
+        check_same_model(options, load_plan(Path(options.plan)))
     check_global_batch_fits(options)
     options, measured = measure_defaults(options, console=console, progress=progress)
     plan, front = compile_plan(options, progress)

@@ -240,3 +240,17 @@ def test_a_plan_of_another_version_of_the_model_is_refused_before_its_ops_are_ti
                                                      r"\(its model hash differs\); recompile without --plan$"):
         autopart.compile(model, plan=tmp_path / "plan.json")
     assert not list(measuring.rglob("costs/*.json"))
+
+
+def test_a_plan_of_another_version_of_the_model_is_refused_before_the_messages_are_measured(tmp_path, monkeypatch):
+    """The plan's model hash is read from the file alone: on a machine whose messages were never
+    measured it was compared after they were (seconds of two processes)."""
+    model = tmp_path / "model.py"
+    model.write_text(FROZEN.replace(".requires_grad_(False)", ""))
+    autopart.compile(model, pp=1, measure=False).save(tmp_path / "plan.json")
+    model.write_text(model.read_text() + "# edited since\n")
+    monkeypatch.setenv("AUTOPART_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv(NO_MEASURE_ENV, raising=False)
+    with pytest.raises(autopart.AutopartError, match=r"was compiled from another version of model\.py"):
+        autopart.compile(model, plan=tmp_path / "plan.json")
+    assert not cache_path("cpu", "gloo").exists()

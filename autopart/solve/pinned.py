@@ -19,13 +19,13 @@ from autopart.passes.front import Front, build_front
 from autopart.schedule import keep_actions
 from autopart.solve.assemble import pipeline_problem, plan_from_cuts
 
-__all__ = ["rebuild_pinned"]
+__all__ = ["rebuild_pinned", "check_same_model"]
 
 
 def rebuild_pinned(options: CompileOptions, pinned: Plan) -> tuple[Plan, Front]:
     """The plan of ``--plan``, rebuilt for the model; refused in one line naming the first field
     that the model or the plan's other fields contradict."""
-    _check_same_model(options, pinned)
+    check_same_model(options, pinned)
     try:
         options = replace(
             options,
@@ -79,9 +79,9 @@ def _costs_hint(given: str, here: str) -> str:
     return f" (it was costed with {given}, this compile with {here}: {fix})"
 
 
-def _check_same_model(options: CompileOptions, plan: Plan) -> None:
+def check_same_model(options: CompileOptions, plan: Plan) -> None:
     """Refuse a plan compiled from another version of the model file, from the file's bytes alone:
-    before the model is captured and costed (its ops timed, on the machine at hand)."""
+    before the model is captured and costed, and before this machine's messages are measured."""
     try:
         source = Path(options.model).read_bytes()
     except OSError:
