@@ -346,7 +346,8 @@ class Pipeline:
         Gradients accumulated over several steps stay their sum, whether it is called after each
         of them or once after the last (as DDP's no_sync accumulates): a tied copy's sum is of what
         the steps since the last call added (earlier ones are summed already), and the replicas'
-        mean of what they hold alike is itself."""
+        mean of what they hold alike is itself. Steps whose gradients are dropped (zeroed) are
+        first reduced as the others, or the next call subtracts what they held."""
         began = self.step_began or []
         for parameter, before in began:
             parameter.grad.sub_(before)
