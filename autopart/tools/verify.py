@@ -158,7 +158,7 @@ def _order_noise(out_dir: Path, reference: ReferenceRun, plan: Plan, *, steps: i
             if "dtype" not in order:
                 raise
             # a forward that makes fp32 tensors of its own (torch.eye(n, dtype=torch.float32)) cannot run in fp64
-            log.warning("verify: the fp64 reference does not run (%s): the plan is held to the orders of sums alone",
+            log.warning("verify: the fp64 reference run failed (%s): the plan is held to the orders of sums alone",
                         str(error).splitlines()[0])
             continue
         if abs(other.losses[0] - reference.losses[0]) > atol + rtol * abs(reference.losses[0]):
