@@ -41,7 +41,7 @@ from autopart.ir.errors import CaptureError, ConfigError, ModelFileError
 from autopart.ir.model_file import ModelSpec, describe_error, eager_loss, file_line, is_meta
 from autopart.passes.buffer_writes import buffer_versions, check_fx_graph, check_inputs_unwritten
 from autopart.passes.capture_checks import Example, check_same_loss, same_draws
-from autopart.passes.custom_functions import check_same_gradients, traced_functions
+from autopart.passes.custom_functions import check_same_gradients, traced_functions, used_functions
 from autopart.passes.export import export_training_graph
 from autopart.passes.loss_gradient import check_loss_takes_gradient
 from autopart.passes.loss_reduction import UNKNOWN, reduction_of
@@ -259,7 +259,8 @@ def capture(
     check_model_names(spec.module, spec.path.name)
     _check_no_backward_hooks(spec.module, spec.path.name)
     before, versions = _built_buffers(spec.module), buffer_versions(spec.module)
-    loss, reduction = _eager_reference(spec, inputs, target)
+    with used_functions() as used:  # the model's own autograd.Functions (`check_same_gradients`)
+        loss, reduction = _eager_reference(spec, inputs, target)
     expected = None if is_meta(spec.module) else loss  # a meta model's loss has no value to compare
     leaf_types = leaf_classes(spec.module, leaves)
     _check_no_cumulative_batch_norm(spec.module, spec.path.name, leaf_types)
@@ -269,12 +270,12 @@ def capture(
     fx_failure = None
     if method in (None, "fx"):
         try:
-            traced, functions = _trace_fx(spec, inputs, leaf_types)
+            traced, callers = _trace_fx(spec, inputs, leaf_types)
             graph = _graph(traced, "fx", has_target, spec.module)
             check_fx_graph(graph.module, graph.constants, spec.module)
             check_same_loss(spec, graph.module, Example(inputs, target, has_target), expected, before, versions)
             if expected is not None:  # a meta model has no values to differentiate
-                check_same_gradients(spec, graph.module, Example(inputs, target, has_target), functions)
+                check_same_gradients(spec, graph.module, Example(inputs, target, has_target), used, callers)
             _check_takes_gradient(spec, graph, Example(inputs, target, has_target), loss)
             return replace(graph, built_buffers=before, loss_reduction=reduction)
         except ModelFileError:  # the file breaks the contract: no other capture will do better
@@ -302,6 +303,8 @@ def capture(
     graph = _graph(_drawing_as_functions(module), "export", has_target, spec.module)
     check_inputs_unwritten(graph.module.graph)
     check_same_loss(spec, graph.module, Example(inputs, target, has_target), expected, before, versions)
+    if expected is not None:
+        check_same_gradients(spec, graph.module, Example(inputs, target, has_target), used, {})
     _check_takes_gradient(spec, graph, Example(inputs, target, has_target), loss)
     if fx_failure:
         log.info(f"torch.fx could not trace {spec.path.name} ({fx_failure}); captured it with torch.export")

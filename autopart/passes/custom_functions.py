@@ -1,11 +1,13 @@
 """A model's own ``torch.autograd.Function``: torch.fx traces its forward into the graph like any
 other code and keeps nothing of its backward, so the stages would differentiate the forward's ops
-instead (a straight-through estimator's ``round`` then passes no gradient at all). torch.export
-does the same. The capture notes each such Function that the trace ran (`traced_functions`) and,
-where one was, compares the graph's parameter gradients with the model's own
+instead (a straight-through estimator's ``round`` then passes no gradient at all); torch.export
+does the same. The capture notes each such Function that the model's eager run applies
+(`used_functions`), and which module applies it where fx traces it (`traced_functions`); where
+one was, it compares the graph's parameter gradients with the model's own
 (`check_same_gradients`): a Function whose backward is its forward's derivative trains alike
-either way; one whose backward is its own is refused, with the way out, ``--leaf`` on the module
-that calls it, which the stages then call as the model does."""
+either way; one whose backward is its own is refused, with the ways out: ``--leaf`` on the
+module that calls it (the stages then call it as the model does), or the gradient written with
+the forward's own ops."""
 
 from __future__ import annotations
 
@@ -19,35 +21,67 @@ from autopart.ir.errors import ModelFileError
 from autopart.ir.model_file import ModelSpec, eager_loss
 from autopart.passes.capture_checks import Example, same_draws
 
-__all__ = ["traced_functions", "check_same_gradients"]
+__all__ = ["used_functions", "traced_functions", "check_same_gradients"]
 
 
 @contextlib.contextmanager
-def traced_functions(tracer: fx.Tracer) -> Iterator[dict[str, str]]:
-    """While ``tracer`` traces: each autograd.Function of the model's (not torch's own, such as
-    a reentrant checkpoint's, whose backward is its forward's) applied to a traced value, by name,
-    with the class of the module that applied it ("" at the top)."""
-    functions: dict[str, str] = {}
+def _patched_apply(record) -> Iterator[None]:
+    """torch.autograd.Function.apply with ``record(cls, args, kwargs)`` called first, put back after."""
     original = torch.autograd.Function.__dict__["apply"]  # the classmethod itself: subclasses bind it
 
     def apply(cls, *args, **kwargs):
-        if not cls.__module__.startswith("torch.") and any(isinstance(a, fx.Proxy) for a in (*args, *kwargs.values())):
-            caller = next(reversed(tracer.module_stack.values()), None) if tracer.module_stack else None
-            functions.setdefault(cls.__name__, caller[1].__name__ if caller and isinstance(caller[1], type) else "")
+        if not cls.__module__.startswith("torch."):  # torch's own (a reentrant checkpoint's) are its forward's
+            record(cls, args, kwargs)
         return original.__func__(cls, *args, **kwargs)
 
     torch.autograd.Function.apply = classmethod(apply)
     try:
-        yield functions
+        yield
     finally:
         torch.autograd.Function.apply = original
 
 
-def check_same_gradients(spec: ModelSpec, module: fx.GraphModule, example: Example, functions: dict[str, str]) -> None:
+@contextlib.contextmanager
+def used_functions() -> Iterator[set[str]]:
+    """The names of the model's own autograd.Functions that the body applies (the eager run of
+    the model and its loss: whichever capture follows, fx or export, traces them alike)."""
+    names: set[str] = set()
+    with _patched_apply(lambda cls, args, kwargs: names.add(cls.__name__)):
+        yield names
+
+
+@contextlib.contextmanager
+def traced_functions(tracer: fx.Tracer) -> Iterator[dict[str, str]]:
+    """While ``tracer`` traces: the class of the module that applied each of the model's own
+    autograd.Functions to a traced value, by the Function's name ("" at the top)."""
+    callers: dict[str, str] = {}
+
+    def record(cls, args, kwargs) -> None:
+        if any(isinstance(a, fx.Proxy) for a in (*args, *kwargs.values())):
+            caller = next(reversed(tracer.module_stack.values()), None) if tracer.module_stack else None
+            callers.setdefault(cls.__name__, caller[1].__name__ if caller and isinstance(caller[1], type) else "")
+
+    with _patched_apply(record):
+        yield callers
+
+
+def _close(ours: torch.Tensor | None, traced: torch.Tensor | None) -> bool:
+    """Whether two gradients of a parameter agree as far as their dtype's rounding (a 16-bit
+    model's backward formulas round apart): by the norm of their difference."""
+    if ours is None or traced is None:
+        return ours is None and traced is None
+    tolerance = 2e-2 if ours.dtype in (torch.bfloat16, torch.float16) else 1e-4
+    difference = float((ours.double() - traced.double()).norm())
+    return difference <= tolerance * max(float(ours.double().norm()), float(traced.double().norm())) + 1e-12
+
+
+def check_same_gradients(spec: ModelSpec, module: fx.GraphModule, example: Example, used: set[str],
+                         callers: dict[str, str]) -> None:
     """Refuse a graph whose parameter gradients on ``example`` are not the model's, where the
-    trace ran ``functions`` (`traced_functions`); the graph holds the model's own parameters. Each
+    model applies its own autograd.Functions (``used``); the graph holds the model's own
+    parameters. ``callers``: the module class that applies each, where the fx trace saw it. Each
     parameter's gradient, and the buffers, are left as they were."""
-    if not functions:
+    if not used:
         return
     trained = [p for p in spec.module.parameters() if p.requires_grad]
     kept = [p.grad for p in trained]
@@ -71,16 +105,15 @@ def check_same_gradients(spec: ModelSpec, module: fx.GraphModule, example: Examp
     finally:
         for p, grad in zip(trained, kept):
             p.grad = grad
-    if all((a is None) == (b is None) and (a is None or torch.allclose(a, b, rtol=1e-4, atol=1e-6))
-           for a, b in zip(ours, traced)):
+    if all(_close(a, b) for a, b in zip(ours, traced)):
         return
-    name, caller = next(iter(functions.items()))
-    if caller and caller != type(spec.module).__name__:
-        fix = f"keep the module that calls it opaque with --leaf {caller}"
-    else:  # the model's own forward calls it: the whole model cannot be a leaf
-        fix = "call it in a module of its own and keep that module opaque with --leaf"
+    names = sorted(used)
+    leaves = {callers.get(name, "") for name in names} - {"", type(spec.module).__name__}
+    fix = (f"keep the module that calls it opaque with --leaf {leaves.pop()}, or " if len(leaves) == 1 and
+           all(callers.get(name) for name in names) else "")
     raise ModelFileError(
-        f"the model's autograd.Function {name} has a backward of its own, which a traced graph cannot keep (torch.fx "
-        f"and torch.export trace its forward alone, and the gradients come out otherwise); {fix}, whose forward the "
-        "stages then run as the model does"
+        f"the model's autograd.Function {names[0]}{f' (or one of {len(names) - 1} more)' if names[1:] else ''} has a "
+        "backward of its own, which a traced graph cannot keep (torch.fx and torch.export trace its forward alone, "
+        f"and the gradients come out otherwise); {fix}write its gradient with the forward's own ops (a "
+        "straight-through estimator: x + (x.round() - x).detach())"
     )
