@@ -247,3 +247,21 @@ def test_the_runtime_entry_without_an_output_directory_is_one_line():
                                 timeout=60, env=environment())
         assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
         assert result.stderr.startswith("usage: python -m autopart.runtime OUT") and result.stderr.count("\n") == 1
+
+
+def test_a_free_port_lies_below_the_ports_the_kernel_hands_out():
+    """A port the kernel handed out (a bind to port 0) went to another run's gloo connection
+    before the rendezvous listened on it (EADDRINUSE, under two test workers); one below the
+    ephemeral range can be taken only by a process that names it. Seeding Python's generator
+    alike in two runs does not make them pick alike."""
+    import random
+    from pathlib import Path
+
+    from autopart.tools.local_run import free_port
+
+    lowest = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    picks = []
+    for _ in range(20):
+        random.seed(0)
+        picks.append(free_port())
+    assert all(10_000 <= port < lowest for port in picks) and len(set(picks)) > 1

@@ -16,6 +16,7 @@ import atexit
 import contextlib
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -39,9 +40,37 @@ class LocalRunError(RuntimeError):
 
 
 def free_port() -> int:
+    """A loopback port that no process holds now, for a rendezvous to listen on a moment later.
+    Chosen at random below the kernel's ephemeral range: a port the kernel hands out (a bind to
+    port 0) is free only until it hands it out again, to any other process's connection or
+    listener (gloo's pairs in a run beside this one took it: EADDRINUSE), where below the range
+    only a process that names the port itself can take it."""
+    lowest_ephemeral = _ephemeral_range()[0]
+    chooser = random.SystemRandom()  # not the seeded module generator: two runs seeded alike pick alike
+    for _ in range(100) if lowest_ephemeral > _LOWEST_PORT + 1000 else ():
+        port = chooser.randrange(_LOWEST_PORT, lowest_ephemeral)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+_LOWEST_PORT = 10_000
+"""Below it lie the ports services are registered at; free_port stays above them."""
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """The ports the kernel hands out to a bind to port 0 (Linux's default where it cannot be read)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
 
 
 def runs_on_gpus(plan: Plan) -> bool:
