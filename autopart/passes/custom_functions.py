@@ -16,6 +16,7 @@ from collections.abc import Iterator
 
 import torch
 from torch import fx
+from torch.func import functional_call
 
 from autopart.ir.errors import ModelFileError
 from autopart.ir.model_file import ModelSpec, eager_loss
@@ -80,28 +81,27 @@ def check_same_gradients(spec: ModelSpec, module: fx.GraphModule, example: Examp
     """Refuse a graph whose parameter gradients on ``example`` are not the model's, where the
     model applies its own autograd.Functions (``used``); the graph holds the model's own
     parameters. ``callers``: the module class that applies each, where the fx trace saw it. Each
-    parameter's gradient, and the buffers, are left as they were."""
+    parameter's gradient is left as it was, and each run writes copies of the buffers (as
+    `autopart.passes.loss_gradient`'s confirming forward does)."""
     if not used:
         return
     trained = [p for p in spec.module.parameters() if p.requires_grad]
     kept = [p.grad for p in trained]
-    buffers = {name: b.clone() for name, b in spec.module.named_buffers()}
 
-    def gradients(run) -> list[torch.Tensor | None]:
+    def gradients(run, buffers: dict[str, torch.Tensor]) -> list[torch.Tensor | None]:
         for p in trained:
             p.grad = None
         with same_draws():
-            loss = run()
+            loss = run({name: b.clone() for name, b in buffers.items()})
         if loss.requires_grad:  # else none flows (a Function whose forward detaches): told apart below
             loss.backward()
-        with torch.no_grad():
-            for name, b in spec.module.named_buffers():
-                b.copy_(buffers[name])
         return [p.grad for p in trained]
 
     try:
-        ours = gradients(lambda: eager_loss(spec, example.inputs, example.target))
-        traced = gradients(lambda: module(*example.graph_args))
+        ours = gradients(lambda copies: eager_loss(spec, example.inputs, example.target, copies),
+                         dict(spec.module.named_buffers()))
+        traced = gradients(lambda copies: functional_call(module, copies, example.graph_args, strict=False,
+                                                          tie_weights=False), dict(module.named_buffers()))
     finally:
         for p, grad in zip(trained, kept):
             p.grad = grad
