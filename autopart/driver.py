@@ -212,7 +212,8 @@ def check_global_batch_fits(options: CompileOptions) -> None:
         with random_state_kept():  # what the model file draws as it is imported and samples
             spec = load_model_file(options.model, build=False)
             sample = spec.sample_bytes
-        if local_kind(options.device) is not None:
+        here = local_kind(options.device) is not None
+        if here:
             ranks = options.ranks_per_host  # --gpus-per-node: the ranks of a node, on a CPU cluster too
             samples = ranks * (options.global_batch_size if options.searched else options.batch_shape()[0])
             held = (f"{'the rank here draws' if ranks == 1 else f'the {ranks} ranks here each draw'} every global batch "
@@ -225,7 +226,7 @@ def check_global_batch_fits(options: CompileOptions) -> None:
     if sample is not None and sample * samples > memory:
         raise ConfigError(f"{held}: {sample * samples / 2**30:,.1f} GiB of {spec.path.name}'s samples ({sample} bytes "
                           f"each), more than this machine's {memory / 2**30:.1f} GiB of memory; give a smaller "
-                          f"{'--global-batch-size' if local_kind(options.device) else '--micro-batch-size'}")
+                          f"{'--global-batch-size' if here else '--micro-batch-size'}")
 
 
 def measured_plan(options: CompileOptions, *, progress=None, console=None) -> tuple[Plan, Front]:

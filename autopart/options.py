@@ -487,8 +487,8 @@ def check_sequence_parallel_asked(*, sp: bool | None, tp_overlap: bool, tp: int 
     no_tensor_parallelism = tp == 1 or (tp is None and (left_one or (world_size is None and plan is None)))
     for flag, given in (("--sp", sp is True), ("--tp-overlap", tp_overlap)):
         if given and no_tensor_parallelism:
-            raise ConfigError(f"{flag} splits what tensor parallelism computes, and this compile has none (tensor parallelism 1); "
-                              f"add --tp 2 or more, or drop {flag}")
+            raise ConfigError(f"{flag} splits what tensor parallelism computes, and this compile has none (tensor "
+                              f"parallelism 1); add --tp 2 or more, or drop {flag}")
 
 
 def local_kind(device: str) -> str | None:

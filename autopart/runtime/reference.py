@@ -182,7 +182,8 @@ def train_reference(
     ``dtype`` the precision, by default the plan's (``"fp64"``: the model and its batches in
     float64, the nearest to exact sums one process has: how far fp32's roundings alone take
     training is how far an fp32 run ends from it, `autopart.tools.verify`'s measure); ``device``
-    where it trains (``"cuda"``: the current GPU, to compare with programs that ran on GPUs: autocast and kernels differ by device);
+    where it trains (``"cuda"``: the current GPU, to compare with programs that ran on GPUs:
+    autocast and kernels differ by device);
     ``recipe`` the schedule, decay and clipping of train.py's flags; ``eval_every`` and
     ``eval_batch_count``: train.py's ``--eval-every`` and ``--eval-batches``; ``dropout`` False:
     train.py's ``--no-dropout``; ``microbatches``: the batch's gradient summed over this many

@@ -158,9 +158,11 @@ class SearchSpace:
         elif self.micro_batch_size:
             sizes = [b for b in self.micro_batch_size if share % b == 0]
         else:
-            sizes = [b for b in divisors(share) if share // b <= MOST_MICROBATCHES]
-            return [b for b in sizes if b <= MAX_MICRO_BATCH_SIZE] or sizes[:1]
-        return [b for b in sizes if share // b <= MOST_MICROBATCHES]
+            sizes = divisors(share)
+        sizes = [b for b in sizes if share // b <= MOST_MICROBATCHES]
+        if self.microbatches or self.micro_batch_size:
+            return sizes
+        return [b for b in sizes if b <= MAX_MICRO_BATCH_SIZE] or sizes[:1]
 
     def _schedules(self, pp: int, m: int, blocks: int) -> list[tuple[str, int]]:
         found = []

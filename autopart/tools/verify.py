@@ -149,6 +149,7 @@ def _order_noise(out_dir: Path, reference: ReferenceRun, plan: Plan, *, steps: i
     if plan.dtype == "fp32":
         orders.append({"dtype": "fp64"})
     noise = _OrderNoise(rows={}, means={}, losses=[0.0] * steps)
+    exact = False  # whether the fp64 run is among the orders compared
     atol, rtol = loss_tolerance
     for order in orders:
         try:
@@ -164,7 +165,7 @@ def _order_noise(out_dir: Path, reference: ReferenceRun, plan: Plan, *, steps: i
         if abs(other.losses[0] - reference.losses[0]) > atol + rtol * abs(reference.losses[0]):
             continue
         weight = 2.0 if "dtype" in order else 1.0
-        noise = replace(noise, exact=noise.exact or "dtype" in order)
+        exact = exact or "dtype" in order
         for name, value in reference.parameters.items():
             if not value.numel():
                 continue
@@ -174,7 +175,7 @@ def _order_noise(out_dir: Path, reference: ReferenceRun, plan: Plan, *, steps: i
             noise.means[name] = max(noise.means.get(name, 0.0), mean)
         noise.losses[:] = [max(gap, weight * abs(a - b))
                            for gap, a, b in zip(noise.losses, other.losses, reference.losses)]
-    return noise
+    return replace(noise, exact=exact)
 
 
 def _reordered(order: _OrderNoise | None, what: str) -> str:
