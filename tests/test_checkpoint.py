@@ -4,6 +4,7 @@ One gpt compile (pp=2) and one uninterrupted 6-step run are shared by every test
 the interrupted runs must reproduce that run bit for bit on the CPU.
 """
 
+import json
 import os
 import shutil
 import subprocess
@@ -233,6 +234,21 @@ def test_dead_or_stuck_peer_ends_the_job_with_the_failing_action(compiled, tmp_p
         assert "Timed out" in result.stderr
     else:  # found by the closed connection, not by waiting out the timeout
         assert seconds < timeout - 10, f"took {seconds:.0f} s"
+
+
+@pytest.mark.multiprocess
+def test_a_failed_rank_says_where_before_any_teardown(compiled, tmp_path):
+    """A rank whose action failed leaves without tearing its process group down: on NCCL the
+    teardown waits for every queued kernel, the dead peer's receive among them, so its line would
+    come only after the watchdog's abort. The ranks' check writes a line at each
+    ``destroy_process_group``; the failed rank must write none."""
+    report = tmp_path / "destroyed.jsonl"
+    result = run_ranks(compiled, 2, "--steps", "3", "--timeout", "10", check=False,
+                       env={"AUTOPART_FAIL_AT": "1:1:hang", "AUTOPART_DEVICE_CHECK": str(report)})  # fmt: skip
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "autopart: error on rank 0: rank 0, stage 0, microbatch 0, action 0RECV_B0" in result.stderr
+    destroyed = [json.loads(line)["rank"] for line in report.read_text().splitlines()] if report.exists() else []
+    assert 0 not in destroyed
 
 
 @pytest.mark.multiprocess

@@ -45,7 +45,7 @@ import sys
 import time
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -102,9 +102,6 @@ def main(out_dir: str | Path, argv: list[str] | None = None) -> None:
         if isinstance(exc, RefusedTogether):
             exc.leave_together()
         raise SystemExit(2) from None
-    except StepFailure as exc:
-        _say(f"autopart: error on rank {os.environ.get('RANK', '0')}: {exc}")
-        os._exit(1)  # a dead peer can leave the process group unable to shut down cleanly
 
 
 def _say(line: str) -> None:
@@ -135,8 +132,18 @@ def _train(out_dir: Path, argv: list[str] | None) -> None:
         # every rank leaves together: a gloo rank whose peer closed its sockets first can abort
         # (SIGABRT) in its own teardown. Not on an error, where a peer may never come.
         dist.barrier()
-    finally:
+    except StepFailure as failure:
+        _leave_failed(rank, failure)
+    finally:  # refused together, or done: no collective is left in flight
         dist.destroy_process_group()
+
+
+def _leave_failed(rank: int, failure: StepFailure) -> NoReturn:
+    """Say where this rank failed and end it at once, without the process group's teardown: NCCL's
+    waits for every kernel still queued, a receive from a dead peer among them, so the line would
+    come only after the peers' watchdogs had aborted them (``--timeout``), if at all."""
+    _say(f"autopart: error on rank {rank}: {failure}")
+    os._exit(1)
 
 
 def _checked(out_dir: Path, plan: Plan, args: argparse.Namespace, rank: int) -> tuple[Schedule, Path, torch.device]:
