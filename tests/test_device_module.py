@@ -28,6 +28,12 @@ def test_the_device_module_picks_the_backend_and_refuses_a_rank_without_a_gpu(mo
     monkeypatch.setenv("LOCAL_RANK", "2")
     with pytest.raises(ConfigError, match="local rank 2 has no GPU of its own \\(2 visible\\)"):
         device.compute_device()
+    monkeypatch.delenv("LOCAL_RANK")  # started by srun itself: its place on the node, not GPU 0 for all
+    monkeypatch.setenv("SLURM_LOCALID", "1")
+    assert device.compute_device() == torch.device("cuda", 1)
+    monkeypatch.setenv("LOCAL_RANK", "0")  # torchrun's, where both are set (srun starting torchrun)
+    assert device.compute_device() == torch.device("cuda", 0)
+    monkeypatch.setenv("LOCAL_RANK", "2")
     # one GPU visible: a launcher that gave each process its own (srun) uses it; torchrun's
     # processes on a one-GPU machine would share it, and are refused
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)

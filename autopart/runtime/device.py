@@ -30,10 +30,12 @@ __all__ = ["compute_device", "backend", "tensor", "on_device", "batch_on_device"
 def compute_device() -> torch.device:
     """This rank's device: ``cuda:LOCAL_RANK`` (made current) when CUDA is present, else the CPU;
     the one GPU it sees where a launcher other than torchrun (no ``LOCAL_WORLD_SIZE``) gives each
-    process a GPU of its own (``srun --gpus-per-task=1``)."""
+    process a GPU of its own (``srun --gpus-per-task=1``). Started by ``srun`` itself, which sets
+    ``SLURM_LOCALID`` and not ``LOCAL_RANK``, a rank that sees its node's every GPU takes the one
+    of its place on the node: all of them on GPU 0 would end in NCCL's "Duplicate GPU detected"."""
     if not torch.cuda.is_available():
         return torch.device("cpu")
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0")))
     count = torch.cuda.device_count()
     if count == 1 and "LOCAL_WORLD_SIZE" not in os.environ:
         local_rank = 0
