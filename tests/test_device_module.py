@@ -50,6 +50,11 @@ def test_the_device_module_picks_the_backend_and_refuses_a_rank_without_a_gpu(mo
     device.reset_peak_memory(torch.device("cpu"))
     device.reset_peak_memory(torch.device("cuda", 1))
     assert started_over == [torch.device("cuda", 1)]  # a GPU's peak starts over before the first step
+    barriers = []  # on a GPU the barrier names the rank's own device, which torch would guess (and warn)
+    monkeypatch.setattr(torch.distributed, "barrier", lambda **options: barriers.append(options))
+    device.barrier(torch.device("cuda", 1))
+    device.barrier(torch.device("cpu"))
+    assert barriers == [{"device_ids": [1]}, {"device_ids": None}]
 
 
 def test_verify_runs_a_gpu_plan_on_the_gpus_only_with_one_per_rank(monkeypatch, tmp_path):

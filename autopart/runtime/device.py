@@ -20,11 +20,12 @@ import time
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from autopart.ir.errors import ConfigError
 
-__all__ = ["compute_device", "backend", "tensor", "on_device", "batch_on_device", "synchronize", "reset_peak_memory",
-           "peak_memory_bytes", "peak_reserved_bytes", "Mark", "StepTimer"]
+__all__ = ["compute_device", "backend", "tensor", "on_device", "batch_on_device", "synchronize", "barrier",
+           "reset_peak_memory", "peak_memory_bytes", "peak_reserved_bytes", "Mark", "StepTimer"]
 
 
 def compute_device() -> torch.device:
@@ -82,6 +83,12 @@ def synchronize(device: torch.device) -> None:
     """Wait until every kernel launched on ``device`` has run (nothing to wait for on the CPU)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def barrier(device: torch.device) -> None:
+    """Every rank of the world group waits for the others; on a GPU the barrier's tensor on this
+    rank's own (torch otherwise guesses the current device, and warns that it did)."""
+    dist.barrier(device_ids=[device.index] if device.type == "cuda" else None)
 
 
 def reset_peak_memory(device: torch.device) -> None:

@@ -19,9 +19,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
-from autopart.runtime.device import synchronize
+from autopart.runtime.device import barrier, synchronize
 from autopart.runtime.exchange import gather_json
 from autopart.runtime.executor import ActionRecord
 from autopart.schedule import Action, Event, Timeline, write_chrome_trace
@@ -58,7 +57,7 @@ class StepClock:
 
     def __init__(self, device: torch.device) -> None:
         synchronize(device)  # what the previous step launched is not this step's
-        dist.barrier()
+        barrier(device)
         self.origin = time.perf_counter()
         self.record: list[ActionRecord] = []
 

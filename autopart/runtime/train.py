@@ -58,8 +58,8 @@ from autopart.ir.tensors import working_dtype
 from autopart.runtime.data import eval_batches, model_file, split_microbatches, training_batches
 from autopart.runtime.checkpoint import CheckpointContext, restarted
 from autopart.runtime.checkpoint_folders import check_folder
-from autopart.runtime.device import (Mark, StepTimer, backend, compute_device, peak_memory_bytes, peak_reserved_bytes,
-                                     reset_peak_memory)
+from autopart.runtime.device import (Mark, StepTimer, backend, barrier, compute_device, peak_memory_bytes,
+                                     peak_reserved_bytes, reset_peak_memory)
 from autopart.runtime.device import tensor as device_tensor
 from autopart.runtime.executor import Executor, StageRuntime, StepFailure
 from autopart.runtime.draws import draw_seed
@@ -131,7 +131,7 @@ def _train(out_dir: Path, argv: list[str] | None) -> None:
         _loop(out_dir, plan, schedule, args, rank, device, source_file, store)
         # every rank leaves together: a gloo rank whose peer closed its sockets first can abort
         # (SIGABRT) in its own teardown. Not on an error, where a peer may never come.
-        dist.barrier()
+        barrier(device)
     except StepFailure as failure:
         _leave_failed(rank, failure)
     finally:  # refused together, or done: no collective is left in flight
