@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from autopart.ir.errors import ConfigError
+from autopart.ir.errors import ConfigError, read_user_file
 from cost_models.calibration import write_json
 
 __all__ = ["OpTimes", "RuntimeOverheads", "PipelineMeasurement", "CoRunMeasurement", "VARIATION_STEPS", "CostDatabase", "blocks_key", "plan_shape", "entry_key",
@@ -228,8 +228,10 @@ class CostDatabase:
             if not missing_ok:
                 raise ConfigError(f"cost database {path} does not exist; write one with 'autopart profile MODEL.py -o {path}'")
             return CostDatabase(path=path)
+        text = read_user_file(path, ConfigError, "cost database", "give one that 'autopart profile' wrote, or a new "
+                              "path to write one at")
         try:
-            data = json.loads(path.read_text())
+            data = json.loads(text.decode())
             if data.get("schema") != _SCHEMA:
                 raise ConfigError(f"cost database {path} has schema {data.get('schema')!r}, not {_SCHEMA}; profile again")
             entries = {str(k): OpTimes(**{n: _seconds(v[n]) for n in ("forward_s", "backward_input_s", "backward_weight_s")})

@@ -105,6 +105,28 @@ def test_model_given_with_model_is_used(checkpoint, tmp_path, capsys):
                        load_file(str(root.parent / "out" / "weights" / "stage_0.safetensors"))["wte.weight"])
 
 
+@pytest.mark.skipif(not Path("/proc/self/mem").exists(), reason="needs Linux's /proc/self/mem")
+def test_an_unreadable_model_file_is_refused_in_one_line(checkpoint, tmp_path, capsys):
+    """The plan's model file, or one given with --model, that is there but cannot be read: a link
+    to /proc/self/mem, whose first page no process reads (root reads a file without permission)."""
+    root, model, sentinel = checkpoint
+    unread = tmp_path / "unread.py"
+    unread.symlink_to("/proc/self/mem")
+    code, err = consolidate(capsys, root, tmp_path / "m.safetensors", "--model", str(unread))
+    assert code == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert f"model file '{unread}' cannot be read (Input/output error)" in err
+    model.rename(model.with_suffix(".moved"))
+    model.symlink_to("/proc/self/mem")
+    try:
+        code, err = consolidate(capsys, root, tmp_path / "m.safetensors")
+    finally:
+        model.unlink()
+        model.with_suffix(".moved").rename(model)
+    assert code == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert "cannot be read (Input/output error); pass a readable copy with --model MODEL.py" in err
+    assert not (tmp_path / "m.safetensors").exists() and not sentinel.exists()
+
+
 def test_a_parameter_no_stage_reads_is_written_as_the_model_builds_it(tmp_path, capsys):
     """The compile leaves out a parameter the forward never reads, so no checkpoint holds it; no
     gradient reaches it and no optimizer steps it, so its value is the one build_model() gives."""

@@ -8,6 +8,7 @@ without a traceback. ``assert`` is kept for autopart's own invariants.
 import argparse
 import math
 import sys
+from pathlib import Path
 
 __all__ = [
     "OneLineParser",
@@ -23,6 +24,7 @@ __all__ = [
     "CheckpointError",
     "gib_up",
     "gib_beside",
+    "read_user_file",
 ]
 
 
@@ -74,6 +76,16 @@ class OneLineParser(argparse.ArgumentParser):
     def error(self, message: str) -> None:
         print(f"autopart: error: {message}; see '{self.prog} --help'", file=sys.stderr)
         raise SystemExit(2)
+
+
+def read_user_file(path: str | Path, error: type[AutopartError], what: str, fix: str) -> bytes:
+    """The bytes of a file the user named (``what``: "plan file"). One that is there but cannot be
+    read (a folder, a file without read permission, a failing disk) is ``error``, one line that names
+    it and says why and what to do (``fix``), where the OSError would end the command in a traceback."""
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise error(f"{what} '{path}' cannot be read ({exc.strerror or exc}); {fix}") from None
 
 
 def gib_up(nbytes: int, figures: int = 4) -> str:

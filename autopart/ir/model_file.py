@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from autopart.ir.errors import ModelFileError
+from autopart.ir.errors import ModelFileError, read_user_file
 
 __all__ = ["MODULE_PREFIX", "ModelSpec", "import_name", "files_beside", "load_model_file", "check_batch", "describe_error", "file_line", "USER_CODE_ERRORS", "eager_loss", "is_meta"]
 
@@ -192,7 +192,7 @@ def load_model_file(path: str | Path, *, build: bool = True) -> ModelSpec:
         )
     if path.suffix != ".py":
         raise ModelFileError(f"model file '{path}' is not a .py file; pass a Python model file")
-    source = path.read_bytes()
+    source = read_user_file(path, ModelFileError, "model file", "make it readable, or pass a copy that is")
     name = import_name(path)
     spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None and spec.loader is not None

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from autopart.ir.tensors import DTYPES, TensorMeta
-from autopart.ir.errors import PlanError
+from autopart.ir.errors import PlanError, read_user_file
 from autopart.ir.recompute import RECOMPUTE_MODES
 
 __all__ = ["PLAN_VERSION", "StagePlan", "ScheduleSpec", "Predicted", "Provenance", "Plan", "load_plan",
@@ -442,10 +442,11 @@ def _optional_float(value: Any) -> float | None:
 
 def load_plan(path: str | Path) -> Plan:
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():
         raise PlanError(f"plan file '{path}' does not exist")
+    text = read_user_file(path, PlanError, "plan file", "give the plan.json that autopart compile wrote")
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(text.decode())
     except (ValueError, RecursionError) as exc:  # not JSON, not text, an integer of 5000 digits, nested past the parser
         raise PlanError(f"{path} is not valid JSON ({exc}); fix it or recompile to write a new plan") from None
     return Plan.from_json(data)

@@ -24,7 +24,7 @@ from autopart.ir.model_file import load_model_file
 from safetensors import SafetensorError, safe_open
 
 from autopart.runtime.output_paths import check_parent, save_tensors
-from autopart.ir.errors import ConfigError
+from autopart.ir.errors import ConfigError, read_user_file
 from autopart.ir.placement import REPLICATE, Placement
 from autopart.ir.plan import Plan, load_plan
 from autopart.runtime.checkpoint import checkpoint_keys, load_tensors
@@ -52,7 +52,8 @@ def _model_file(plan: Plan, model: Path | None) -> Path:
     named = Path(plan.provenance.model_file)
     if not named.is_file():
         raise ConfigError(f"the plan's model file '{named}' does not exist here; pass it with --model MODEL.py")
-    if hashlib.sha256(named.read_bytes()).hexdigest() != plan.provenance.model_sha256:
+    source = read_user_file(named, ConfigError, "the plan's model file", "pass a readable copy with --model MODEL.py")
+    if hashlib.sha256(source).hexdigest() != plan.provenance.model_sha256:
         raise ConfigError(f"'{named}' changed since the checkpoint's compile (its sha256 differs from the plan's); "
                           "pass the model file that was compiled with --model MODEL.py")
     return named
