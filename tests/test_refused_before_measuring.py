@@ -191,13 +191,14 @@ def test_a_summed_loss_compiles_where_the_search_keeps_the_batch_whole(tmp_path,
     assert plan.mesh["dp"] == 1 and plan.schedule.micro_batch_size == plan.schedule.global_batch_size == 4
 
 
-def test_a_module_beside_imported_only_as_a_script_runs_is_not_the_model_s(tmp_path):
-    """``import train`` under ``if __name__ == "__main__":`` runs only when the file runs as a
-    script: the user's own train.py beside it is not a module the model imports (it was refused
-    as one named like an output file), and the output does not carry it."""
+@pytest.mark.parametrize("script_test", ['__name__ == "__main__"', "'__main__' == __name__"])
+def test_a_module_beside_imported_only_as_a_script_runs_is_not_the_model_s(tmp_path, script_test):
+    """``import train`` under ``if __name__ == "__main__":`` (either way round) runs only when the
+    file runs as a script: the user's own train.py beside it is not a module the model imports (it
+    was refused as one named like an output file), and the output does not carry it."""
     model = tmp_path / "model.py"
     model.write_text(FROZEN.replace(".requires_grad_(False)", "")
-                     + '\nif __name__ == "__main__":\n    import train\n\n    train.main()\n')
+                     + f"\nif {script_test}:\n    import train\n\n    train.main()\n")
     (tmp_path / "train.py").write_text("def main():\n    pass\n")
     plan, out = compile_to_directory(CompileOptions(model=model, pp=1, microbatches=2, device="a100-80gb"),
                                      tmp_path / "out")

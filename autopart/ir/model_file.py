@@ -74,10 +74,14 @@ def _imports_beside(path: Path, source: bytes, imported: set[str]) -> tuple[str,
     return tuple(sorted(tops & ({name.partition(".")[0] for name in imported} | named)))
 
 
+_SCRIPT_TESTS = ('__name__ == "__main__"', '"__main__" == __name__')
+
+
 def _outside_main(tree: ast.AST) -> Iterator[ast.AST]:
-    """Every node of ``tree`` but those of its ``if __name__ == "__main__":`` blocks."""
+    """Every node of ``tree`` but those of its ``if __name__ == "__main__":`` blocks, written
+    either way round (``if "__main__" == __name__:`` runs as a script alike)."""
     for node in ast.iter_child_nodes(tree):
-        if isinstance(node, ast.If) and ast.unparse(node.test).replace("'", '"') == '__name__ == "__main__"':
+        if isinstance(node, ast.If) and ast.unparse(node.test).replace("'", '"') in _SCRIPT_TESTS:
             yield from (n for child in node.orelse for n in ast.walk(child))
             continue
         yield node
