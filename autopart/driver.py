@@ -28,7 +28,7 @@ from autopart.codegen.emit import check_output_directory, emit_directory
 from autopart.ir.errors import AutopartError, ConfigError, DeviceSpecError, PlanError
 from autopart.ir.machine import physical_memory_bytes
 from autopart.ir.model_file import load_model_file
-from autopart.ir.plan import Plan, load_plan
+from autopart.ir.plan import Plan, load_plan, plan_files_read_once
 from autopart.options import CompileOptions, check_option_names, check_sequence_parallel_asked, local_kind
 from autopart.predict.accuracy import Basis, with_basis
 from autopart.predict.headroom import headroom_warning
@@ -144,11 +144,12 @@ def compile(model: str | Path, **options) -> Plan:  # noqa: A001 - the API's ver
     predicted order; ``run_finalists=True`` runs them afresh).
     """
     check_option_names(options)
-    check_sequence_parallel_asked(sp=options.get("sp"), tp_overlap=options.get("tp_overlap", False), tp=options.get("tp"),
-                                  world_size=options.get("world_size"), plan=options.get("plan"), pp=options.get("pp"),
-                                  dp=options.get("dp"))
-    with cycle_collector_off(), random_state_kept():
-        plan, _ = measured_plan(CompileOptions(model=model, **options))
+    with plan_files_read_once():
+        check_sequence_parallel_asked(sp=options.get("sp"), tp_overlap=options.get("tp_overlap", False),
+                                      tp=options.get("tp"), world_size=options.get("world_size"),
+                                      plan=options.get("plan"), pp=options.get("pp"), dp=options.get("dp"))
+        with cycle_collector_off(), random_state_kept():
+            plan, _ = measured_plan(CompileOptions(model=model, **options))
     return plan
 
 

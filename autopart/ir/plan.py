@@ -8,8 +8,9 @@ the path of the field that is wrong.
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ from autopart.ir.errors import PlanError, read_user_file
 from autopart.ir.recompute import RECOMPUTE_MODES
 
 __all__ = ["PLAN_VERSION", "StagePlan", "ScheduleSpec", "Predicted", "Provenance", "Plan", "load_plan",
-           "gradient_boundaries", "takes_gradient"]
+           "plan_files_read_once", "gradient_boundaries", "takes_gradient"]
 
 PLAN_VERSION = 1
 
@@ -440,11 +441,37 @@ def _optional_float(value: Any) -> float | None:
     return None if value is None else float(value)
 
 
+_read_once: dict[tuple[Path, int, int], bytes] | None = None
+"""The plan files read while `plan_files_read_once` holds, by path and the stat that read them."""
+
+
+@contextlib.contextmanager
+def plan_files_read_once() -> Iterator[None]:
+    """Each plan file read once while this holds (one compile): its options and their copies, the
+    check of its model and its rebuild each ask for the plan of ``--plan``. A file written since
+    (another size or time) is read again."""
+    global _read_once
+    if _read_once is not None:  # within a compile already
+        yield
+        return
+    _read_once = {}
+    try:
+        yield
+    finally:
+        _read_once = None
+
+
 def load_plan(path: str | Path) -> Plan:
     path = Path(path)
     if not path.exists():
         raise PlanError(f"plan file '{path}' does not exist")
-    text = read_user_file(path, PlanError, "plan file", "give the plan.json that autopart compile wrote")
+    stat = path.stat()
+    key = (path.resolve(), stat.st_mtime_ns, stat.st_size)
+    text = _read_once.get(key) if _read_once is not None else None
+    if text is None:
+        text = read_user_file(path, PlanError, "plan file", "give the plan.json that autopart compile wrote")
+        if _read_once is not None:
+            _read_once[key] = text
     try:
         data = json.loads(text.decode())
     except (ValueError, RecursionError) as exc:  # not JSON, not text, an integer of 5000 digits, nested past the parser

@@ -20,6 +20,7 @@ from rich.table import Table
 
 from autopart.predict.accuracy import describe_prediction, mfu_clause
 from autopart.ir.errors import AutopartError, ConfigError, OneLineParser
+from autopart.ir.plan import plan_files_read_once
 from autopart.tools.local_run import LocalRunError
 from autopart.runtime.process_exit import leave
 from autopart.runtime.recipe import Recipe, add_recipe_arguments
@@ -456,7 +457,8 @@ def main(argv: list[str] | None = None) -> None:
     console = _console()
     try:
         if args.command == "compile":
-            _compile(args, console)
+            with plan_files_read_once():
+                _compile(args, console)
         elif args.command == "profile":
             _profile(args, console)
         elif args.command == "profile-comm":
