@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import gc
 import logging
 import os
@@ -43,6 +44,7 @@ from autopart.solve.assemble import pipeline_problem, plan_from_cuts
 from autopart.solve.pinned import check_same_model, rebuild_pinned
 from autopart.solve.pipeline import solve_cuts
 from autopart.solve.planner import plan_by_search, search_space
+from autopart.solve.search import SearchSpace
 from autopart.solve.stage_layers import check_fits, stage_layer_cuts
 from autopart.tools.local_run import LocalRunError
 from cost_models import CostModel, get_cost_model
@@ -230,17 +232,23 @@ def check_global_batch_fits(options: CompileOptions) -> None:
                           f"{'--global-batch-size' if here else '--micro-batch-size'}")
 
 
+def _smallest_size(space: SearchSpace) -> int:
+    """The micro-batch size a search captures its model at first: the smallest it costs."""
+    return min((layout.micro_batch_size for layout in space.layouts(1 << 30)), default=1)
+
+
 def measured_plan(options: CompileOptions, *, progress=None, console=None) -> tuple[Plan, Front]:
     """Measure what the defaults need, compile, and where the plan is to run here first (asked
     with ``--profile-pipeline``, or by default, `autopart.profiling.measure_defaults`), run it and
     compile again; the plan carries what its prediction rests on. A run the user did not ask for
     that fails leaves the prediction on the ops and messages, with a warning that says why."""
-    if options.searched:
-        search_space(options)  # its refusals of the options (no global batch) before anything is measured
+    search_size = None
+    if options.searched:  # its refusals of the options (no global batch) before anything is measured
+        search_size = functools.partial(_smallest_size, search_space(options))
     if options.plan is not None:
         check_same_model(options, load_plan(Path(options.plan)))
     check_global_batch_fits(options)
-    options, measured = measure_defaults(options, console=console, progress=progress)
+    options, measured = measure_defaults(options, console=console, progress=progress, search_size=search_size)
     plan, front = compile_plan(options, progress)
     check_mean_loss(plan, front.op_graph.graph.loss_reduction, front.spec.path.name)  # before the plan runs here
     basis = measured.basis

@@ -219,10 +219,12 @@ def test_a_gradient_that_only_autograd_follows_is_not_refused(tmp_path):
     (FROZEN.replace(".requires_grad_(False)", ""), {"world_size": 2},
      r"^the search needs the global batch: add --global-batch-size B"),
     (FROZEN, {"pp": 1, "microbatches": 2}, r"takes no gradient from any parameter that trains"),
-], ids=["search_without_its_global_batch", "loss_takes_no_gradient"])
+    (SUMMED, {"world_size": 2, "global_batch_size": 4}, r"the search splits each batch of 4 into microbatches"),
+], ids=["search_without_its_global_batch", "loss_takes_no_gradient", "search_of_a_summed_loss"])
 def test_a_refusal_comes_before_the_messages_are_measured(tmp_path, monkeypatch, source, options, refusal):
     """A first compile on this machine measures its messages between two processes (seconds): a
-    search's refusal of its options, and a layout given in full's of its model, need none of it."""
+    search's refusal of its options, and a layout given in full's or a search's of its model, need
+    none of it (a search, which times no op before it, measured them before its capture refused)."""
     monkeypatch.setenv("AUTOPART_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv(NO_MEASURE_ENV, raising=False)
     model = tmp_path / "model.py"
@@ -253,5 +255,21 @@ def test_a_plan_of_another_version_of_the_model_is_refused_before_the_messages_a
     monkeypatch.setenv("AUTOPART_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv(NO_MEASURE_ENV, raising=False)
     with pytest.raises(autopart.AutopartError, match=r"was compiled from another version of model\.py"):
+        autopart.compile(model, plan=tmp_path / "plan.json")
+    assert not cache_path("cpu", "gloo").exists()
+
+
+def test_a_plan_s_refusal_of_the_model_comes_before_the_messages_are_measured(tmp_path, monkeypatch):
+    """A plan that splits the batch of a model whose loss sums over it: refused by the capture,
+    which a --plan compile made after it measured the messages (it times no op before)."""
+    model = tmp_path / "model.py"
+    model.write_text(SUMMED)
+    autopart.compile(model, pp=1, microbatches=1, measure=False).save(tmp_path / "plan.json")
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    plan["schedule"].update(microbatches=2, micro_batch_size=4)  # the batch of 8 in two
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    monkeypatch.setenv("AUTOPART_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv(NO_MEASURE_ENV, raising=False)
+    with pytest.raises(autopart.AutopartError, match=r"the plan splits each batch of 8 into 2 of 4"):
         autopart.compile(model, plan=tmp_path / "plan.json")
     assert not cache_path("cpu", "gloo").exists()

@@ -9,7 +9,7 @@ measures what the step model needs:
 1. the message figures (``cost_models.comm_profile``, its `QUICK` effort) when the cache has
    none for this host, backend and torch; ``autopart profile-comm`` measures them at full effort
    (after the ops of 2., whose capture refuses a model that cannot be compiled before seconds of
-   two processes are spent for it);
+   two processes are spent for it; a search's model, or a plan file's, is captured for that alone);
 2. every op of the training graph in place (`autopart.profiling.profile.profile_costs`) into a cost
    database cached per machine and model hash (``$AUTOPART_CACHE_DIR/costs/``); its keys name
    shapes and dtypes, so other micro-batch sizes and precisions add to the same file;
@@ -50,6 +50,8 @@ import torch
 from rich.console import Console
 
 from autopart.ir.errors import ConfigError
+from autopart.ir.model_file import ModelSpec
+from autopart.passes.capture import Graph
 from autopart.options import CompileOptions, local_kind
 from autopart.predict.accuracy import Basis, basis_for
 from autopart.profiling.co_run import host_processes
@@ -133,13 +135,16 @@ def _can_measure_messages(kind: str) -> bool:
 
 
 def measure_defaults(options: CompileOptions, *, console: Console | None = None,
-                     progress: Callable[[str, int, int], None] | None = None) -> tuple[CompileOptions, Measured]:
+                     progress: Callable[[str, int, int], None] | None = None,
+                     search_size: Callable[[], int] | None = None) -> tuple[CompileOptions, Measured]:
     """``options`` reading this machine's measured costs, with what was measured to get them.
 
     Measures only on the default path: a local device, no ``--costs``, measuring not turned off.
     ``console`` shows a progress bar while measuring; ``progress(what, done, total)``, a search's
     bar already on the screen, hears what is measured instead (two live displays on one
-    terminal overwrite each other's lines)."""
+    terminal overwrite each other's lines). ``search_size``, where the compile is a search: the
+    micro-batch size it captures its model at first, asked where it is captured here for its
+    refusals before the messages are measured (without it, the search's capture refuses after)."""
     kind = local_kind(options.device)
     missing = not Path(options.model).is_file()  # the compile says so in its own words
     if kind is None or options.costs is not None or not options.measure or os.environ.get(NO_MEASURE_ENV) or missing:
@@ -159,9 +164,16 @@ def measure_defaults(options: CompileOptions, *, console: Console | None = None,
     by_default = not options.profile_pipeline and _pipeline_here(options, kind)
     pipeline = options.profile_pipeline or by_default
     measuring = replace(options, costs=path, profile_pipeline=pipeline)
-    # the ops before the messages: their capture refuses a model that cannot be compiled first
-    timed = 0 if options.searched or options.plan is not None else _profile_ops(measuring, kind, path, console)
     measure_messages = not _messages_known(kind) and _can_measure_messages(kind)
+    # the ops before the messages: their capture refuses a model that cannot be compiled first; a
+    # search or a plan file, which time none here, is captured for its refusals alone
+    if options.searched or options.plan is not None:
+        timed = 0
+        first_size = search_size if options.searched else lambda: options.batch_shape()[2]
+        if measure_messages and first_size is not None:
+            _refused_capture(measuring, first_size())
+    else:
+        timed = _profile_ops(measuring, kind, path, console)
     what = "measuring messages between two processes on this machine (once)"
     status = nullcontext()
     if measure_messages and progress is not None:
@@ -235,15 +247,10 @@ def _profile_ops(options: CompileOptions, kind: str, path: Path, console: Consol
     """Time in place the ops ``path`` lacks at the compile's micro-batch size and precision, with
     a progress bar; the ops of a search's other micro-batch sizes are timed as it reaches them.
     Only their shares where the plan's pipeline is run next, which sets each stage's level."""
-    from autopart.ir.model_file import load_model_file
-    from autopart.passes.capture import capture
-    from autopart.passes.early_refusals import refuse_early
     from autopart.profiling.profile import profile_costs
 
     micro_batch_size = options.batch_shape()[2]
-    spec = load_model_file(options.model)
-    graph = capture(spec, batch_size=micro_batch_size, method=options.capture, leaves=options.leaf)
-    refuse_early(options, graph, spec)  # a model to be refused is not timed first
+    spec, graph = _refused_capture(options, micro_batch_size)  # a model to be refused is not timed first
     database = CostDatabase.load(path)
     timed = profile_costs(graph, spec, database, device=kind, micro_batch_size=micro_batch_size,
                           optimizer=options.optimizer, dtype=options.dtype, console=console,
@@ -252,3 +259,16 @@ def _profile_ops(options: CompileOptions, kind: str, path: Path, console: Consol
     if timed or not path.exists():
         database.save()
     return timed
+
+
+def _refused_capture(options: CompileOptions, micro_batch_size: int) -> tuple[ModelSpec, Graph]:
+    """The model file and its capture at ``micro_batch_size``, refused where the options ask of it
+    what it cannot do (`autopart.passes.early_refusals`)."""
+    from autopart.ir.model_file import load_model_file
+    from autopart.passes.capture import capture
+    from autopart.passes.early_refusals import refuse_early
+
+    spec = load_model_file(options.model)
+    graph = capture(spec, batch_size=micro_batch_size, method=options.capture, leaves=options.leaf)
+    refuse_early(options, graph, spec)
+    return spec, graph
