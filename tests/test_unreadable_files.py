@@ -52,3 +52,18 @@ def test_a_folder_given_as_the_plan_is_refused_in_one_line(tmp_path):
     (tmp_path / "plans").mkdir()
     line = refused(tmp_path, "compile", "model.py", "-o", "out", "--plan", "plans")
     assert "plan file 'plans' cannot be read (Is a directory)" in line
+
+
+def test_a_run_whose_original_model_file_cannot_be_read_takes_the_copy_in_its_output(tmp_path):
+    """The ranks take the data functions from the model file that was compiled, or from the copy
+    in OUT where it changed since: one that cannot be read any more ended the rank in a traceback."""
+    import autopart
+    from autopart.runtime.data import model_file
+
+    model = tmp_path / "model.py"
+    model.write_text(MODEL)
+    plan = autopart.compile(model, pp=1, device="a100-80gb")
+    assert model_file(tmp_path / "out", plan) == model
+    model.unlink()
+    model.symlink_to("/proc/self/mem")
+    assert model_file(tmp_path / "out", plan) == tmp_path / "out" / "model.py"

@@ -28,10 +28,14 @@ T = TypeVar("T")
 
 def model_file(out_dir: Path, plan: Plan) -> Path:
     """The model file to take the data functions from: the original when it is still the file
-    that was compiled (its imports of sibling files keep working), else the copy in OUT."""
+    that was compiled (its imports of sibling files keep working), else the copy in OUT (also where
+    the original cannot be read here: the copy is the file that was compiled)."""
     original = Path(plan.provenance.model_file)
-    if original.is_file() and hashlib.sha256(original.read_bytes()).hexdigest() == plan.provenance.model_sha256:
-        return original
+    try:
+        if original.is_file() and hashlib.sha256(original.read_bytes()).hexdigest() == plan.provenance.model_sha256:
+            return original
+    except OSError:
+        pass
     return out_dir / "model.py"
 
 
