@@ -88,6 +88,44 @@ def test_clip_factor_is_torchs():
     assert clip_factor(0.5, 1.0) == 1.0
 
 
+@pytest.mark.parametrize("scale", [5.0, 1e-3], ids=["clipped", "under the norm"])
+def test_clipping_reads_nothing_on_the_host_and_scales_as_the_python_factor(monkeypatch, scale):
+    """clip_gradients takes the norm and scales on the device (a read would stop a GPU's host
+    between the backward and the optimizer step): no value is read, and every gradient, of each
+    dtype (a half one in fp32 arithmetic, a 0-d one), is what the factor as a Python number made."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from autopart.runtime.gradients import clip_gradients
+    from autopart.runtime.mesh import Coordinates
+
+    torch.manual_seed(0)
+    module = torch.nn.ParameterDict({
+        "w": torch.nn.Parameter(torch.zeros(3, 4)), "b": torch.nn.Parameter(torch.zeros(())),
+        "h": torch.nn.Parameter(torch.zeros(5, dtype=torch.bfloat16)),
+        "d": torch.nn.Parameter(torch.zeros(2, dtype=torch.float64)),
+    })
+    for p in module.parameters():
+        p.grad = (torch.randn(p.shape) * scale).to(p.dtype)
+    before = {n: p.grad.clone() for n, p in module.named_parameters()}
+    plan = SimpleNamespace(zero=0, tied_parameters={}, stages=[SimpleNamespace(parameter_placements={})])
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        for read in ("item", "tolist", "__float__", "__bool__"):
+            monkeypatch.setattr(torch.Tensor, read, lambda *a, read=read: pytest.fail(f"read on the host: {read}"))
+        norm = clip_gradients({0: module}, plan, Coordinates(dp=0, pp=0, tp=0), 1.0)
+        monkeypatch.undo()
+    finally:
+        dist.destroy_process_group()
+    total = math.sqrt(sum(float(g.double().pow(2).sum()) for g in before.values()))
+    assert float(norm) == pytest.approx(total, rel=1e-6)
+    factor = clip_factor(float(norm), 1.0)
+    assert (factor < 1.0) == (scale > 1.0)
+    for name, p in module.named_parameters():
+        assert torch.equal(p.grad, before[name] * factor), name
+
+
 def _train(tmp_path: Path, *, pp: int, tp: int, dp: int, zero: bool = False, eval_every: int = 0):
     out = tmp_path / "out"
     microbatches = 2 * pp

@@ -18,7 +18,6 @@ from autopart.ir.plan import Plan
 from autopart.runtime.device import compute_device
 from autopart.runtime.fully_sharded import FSDP_LEVELS, local
 from autopart.runtime.mesh import Coordinates, Mesh
-from autopart.runtime.recipe import clip_factor
 
 __all__ = ["tied_groups", "sum_tied_gradients", "average_gradients", "clip_gradients"]
 
@@ -78,19 +77,22 @@ def sum_tied_gradients(stages: dict[int, nn.Module], name: str, group: dist.Proc
         local(copy.grad).copy_(total)
 
 
-def clip_gradients(stages: dict[int, nn.Module], plan: Plan, here: Coordinates, max_norm: float) -> float:
+def clip_gradients(stages: dict[int, nn.Module], plan: Plan, here: Coordinates, max_norm: float) -> torch.Tensor:
     """Scale every gradient so that the whole model's gradient norm is at most ``max_norm``, as
-    ``torch.nn.utils.clip_grad_norm_`` on the single-process model; return the norm before.
+    ``torch.nn.utils.clip_grad_norm_`` on the single-process model; return the norm before, a
+    one-element fp64 tensor on the device, read only where it is reported (after the step's sync).
 
     Each parameter's square sum is counted once over the world: by the data-parallel replica 0
     alone (after averaging, every replica holds the same gradients), or under ZeRO-2/3 by every
     replica for the shard it holds; a tensor-parallel shard by
     each of its ranks (the shards partition it), a replicated parameter by tensor-parallel rank 0
     alone; a tied parameter by the first stage that holds it (after the sum, every copy holds the
-    whole gradient). One all-reduce of one number, then every rank scales by the same factor.
+    whole gradient). One all-reduce of one number, then every rank scales by the same factor,
+    computed on the device as torch computes it: a factor read on the host would stop the host
+    between the backward and the optimizer step until the device caught up.
     """
     device = next((p.device for module in stages.values() for p in module.parameters()), compute_device())
-    squares = torch.zeros(1, dtype=torch.float64, device=device)
+    counted = []
     if here.dp == 0 or plan.zero in FSDP_LEVELS:
         for s, module in stages.items():
             placements = plan.stages[s].parameter_placements
@@ -99,21 +101,45 @@ def clip_gradients(stages: dict[int, nn.Module], plan: Plan, here: Coordinates, 
                 sharded = placements.get(name, "R").startswith("S")
                 if parameter.grad is None or (holders and holders[0] != s) or (here.tp != 0 and not sharded):
                     continue
-                squares += _norm(local(parameter.grad).detach()).double().square()
+                counted.append(local(parameter.grad).detach())
+    squares = torch.zeros(1, dtype=torch.float64, device=device)
+    for (_, dtype), grads in _by_device_and_dtype(counted).items():
+        squares += _norms(grads, dtype).to(device, torch.float64).square().sum()
     dist.all_reduce(squares)
-    norm = float(squares.sqrt().item())
-    factor = clip_factor(norm, max_norm)
-    if factor < 1.0:
-        for module in stages.values():
-            for parameter in module.parameters():
-                if parameter.grad is not None:
-                    parameter.grad.mul_(factor)
+    norm = squares.sqrt()
+    ratio = torch.full_like(norm, max_norm).div_(norm + 1e-6)  # max_norm / norm rounds twice (a reciprocal)
+    factor = torch.where(ratio < 1.0, ratio, 1.0)  # clip_factor's min(1, ratio): 1 where the norm is NaN too
+    grads = [local(p.grad) for module in stages.values() for p in module.parameters() if p.grad is not None]
+    for (_, dtype), group in _by_device_and_dtype(grads).items():
+        _scale(group, factor.to(group[0].device), dtype)
     return norm
 
 
-def _norm(gradient: torch.Tensor) -> torch.Tensor:
-    """A gradient's 2-norm, at least in fp32, as ``clip_grad_norm_`` takes it per tensor: without
+def _by_device_and_dtype(tensors: list[torch.Tensor]) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
+    """The tensors by device and dtype, in their order: a foreach op takes tensors of one of each."""
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for tensor in tensors:
+        groups.setdefault((tensor.device, tensor.dtype), []).append(tensor)
+    return groups
+
+
+def _norms(gradients: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """The gradients' 2-norms, at least in fp32, as ``clip_grad_norm_`` takes them per tensor: without
     the fp64 copy of the whole tensor that a norm in fp64 would make on the device (for a
     vocabulary-sized gradient, gigabytes); the squares are summed over tensors in fp64."""
-    half = gradient.dtype in (torch.bfloat16, torch.float16)
-    return torch.linalg.vector_norm(gradient, dtype=torch.float32 if half else None)
+    half = dtype in (torch.bfloat16, torch.float16)
+    return torch.stack(torch._foreach_norm(gradients, 2, dtype=torch.float32 if half else None))
+
+
+def _scale(gradients: list[torch.Tensor], factor: torch.Tensor, dtype: torch.dtype) -> None:
+    """Every gradient (of ``dtype``) times the one-element fp64 ``factor``, with the arithmetic a
+    Python number's product has: the factor rounded to fp32 or kept in fp64, as the gradients'
+    dtype computes. A half gradient times a 0-d factor of another dtype would round the factor to
+    the gradient's dtype on a GPU; times a one-element fp32 factor of its own (a dimension of 1,
+    which type promotion counts), it is computed in fp32 and rounded once, as a Python number's
+    product is."""
+    if dtype not in (torch.bfloat16, torch.float16):
+        torch._foreach_mul_(gradients, factor.to(dtype).reshape(()))
+        return
+    single = factor.to(torch.float32)
+    torch._foreach_mul_([g.unsqueeze(0) for g in gradients], [single] * len(gradients))

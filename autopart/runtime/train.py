@@ -281,10 +281,11 @@ def _optimizer(modules: dict[int, torch.nn.Module], plan: Plan, args: argparse.N
                           **recipe.optimizer_options())
 
 
-def _report(reporter: StepReporter, plan: Plan, inputs: tuple, line: dict, norm: float | None,
+def _report(reporter: StepReporter, plan: Plan, inputs: tuple, line: dict, norm: torch.Tensor | None,
             eval_loss: float | None) -> None:
-    """One step's line, with the gradient norm and the held-out loss where there are ones."""
-    line |= {"grad_norm": norm} if norm is not None else {}
+    """One step's line, with the gradient norm (read here, on the reporter alone, after the step's
+    sync) and the held-out loss where there are ones."""
+    line |= {"grad_norm": norm.item()} if norm is not None else {}
     line |= {"eval_loss": eval_loss} if eval_loss is not None else {}
     reporter.step(line, Throughput.of(plan, tokens=tokens_in(inputs), step_s=line["step_s"]))
 
