@@ -7,9 +7,10 @@ made without a device (``torch.tensor([x])``, on the CPU) fails on an NCCL group
 collective; `tensor` makes the small tensors the step loop reduces on the compute device.
 
 On a GPU the host runs ahead of the kernels it launches: a clock read after a launch measures
-the launch. `StepTimer` therefore synchronises the device at the start and the end of a step,
-and times actions with CUDA events, which the GPU records in stream order, resolved once after
-the step (one host sync per step instead of one per action).
+the launch. `StepTimer` therefore synchronises the device at the end of a step, and at its start
+where what was launched since the previous step's end is not this step's to time, and times
+actions with CUDA events, which the GPU records in stream order, resolved once after the step
+(one host sync per step instead of one per action).
 """
 
 from __future__ import annotations
@@ -125,10 +126,16 @@ class StepTimer:
     seconds after the step by its distance from the event recorded at the start.
     """
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, *, settle: bool = True) -> None:
+        """``settle``: wait first for what the device still runs. Needed where this step's marks
+        are read (`seconds` counts them from the start, as if the device were idle there), or where
+        work that is not this step's was launched since the previous step's `stop` (a held-out
+        evaluation, a checkpoint); past a step's `stop` and its few reductions the wait only stops
+        the host from launching this step's first kernels while the device ends them."""
         self.cuda = device.type == "cuda"
         self.device = device
-        synchronize(device)
+        if settle:
+            synchronize(device)
         self.start = time.perf_counter()
         self._origin = self.mark()
 

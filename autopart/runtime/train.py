@@ -204,13 +204,13 @@ def _loop(out_dir: Path, plan: Plan, schedule: Schedule, args: argparse.Namespac
     stop = StopRule(first_step, args.steps, args.seconds, min_steps=args.min_steps or 1,
                     untimed=args.untimed_steps or 0)
     reset_peak_memory(device)
+    settled = False  # whether the device ran nothing since the previous step's end but its reductions
     for step in range(first_step, args.steps):
         inject_failure(rank, step)
         inputs, target = next(data)
         values = _graph_values(plan, inputs, target)
-        clock = StepClock(device) if args.trace and step == args.steps - 1 else None
-        record = clock.record if clock else [] if args.action_times else None
-        timer = StepTimer(device)
+        clock, record = _recording(args, step, device)
+        timer = StepTimer(device, settle=record is not None or not settled)
         losses = executor.step(split(values), record=record, timer=timer, seed=draw_seed(args.seed, step, here.dp))
         tail_start, tail_cpu = timer.mark(), time.thread_time()
         launched = _reduce(executor.reducer)  # the mean over the replicas first: a tied copy's sum is of means
@@ -234,18 +234,18 @@ def _loop(out_dir: Path, plan: Plan, schedule: Schedule, args: argparse.Namespac
         peaks = _peak_memory_per_rank(device) if args.metrics else {"peak_memory_bytes": []}
         evaluated = args.eval_every and (step + 1) % args.eval_every == 0
         eval_losses = _evaluate(executor, held_out, split, plan, modules, fully_sharded) if evaluated else []
-        if holds_loss:
+        if holds_loss:  # every replica all-reduces its losses; the reporter alone reads them
             loss = _mean_loss(losses, data_parallel, mesh.dp)
             eval_loss = _mean_loss(eval_losses, data_parallel, mesh.dp) if evaluated else None
             if reporter is not None:
-                line = {"step": step, "loss": loss, "step_s": elapsed.item(), **peaks, "lr": lr}
-                _report(reporter, plan, inputs, line, norm, eval_loss)
+                _report(reporter, plan, inputs, {"step": step, **peaks, "lr": lr}, (loss, elapsed, norm, eval_loss))
         if clock is not None:
             _write_trace(clock, plan, args, step)
-        if args.checkpoint_dir and (stopping or (args.checkpoint_every and (step + 1) % args.checkpoint_every == 0)):
+        if saving := _checkpoint_due(args, step, stopping):
             _save(checkpointing, step + 1, rank)
         if stopping:
             break
+        settled = not (evaluated or saving)
     _finish(args, reporter, optimizer, stages, here, mesh.tp)
 
 
@@ -281,12 +281,28 @@ def _optimizer(modules: dict[int, torch.nn.Module], plan: Plan, args: argparse.N
                           **recipe.optimizer_options())
 
 
-def _report(reporter: StepReporter, plan: Plan, inputs: tuple, line: dict, norm: torch.Tensor | None,
-            eval_loss: float | None) -> None:
-    """One step's line, with the gradient norm (read here, on the reporter alone, after the step's
-    sync) and the held-out loss where there are ones."""
+def _recording(args: argparse.Namespace, step: int, device: torch.device
+               ) -> tuple[StepClock | None, list | None]:
+    """The clock of the step that ``--trace`` draws (the last), and where the step's actions are
+    recorded, if they are (``--trace``, ``--action-times``)."""
+    clock = StepClock(device) if args.trace and step == args.steps - 1 else None
+    return clock, clock.record if clock else [] if args.action_times else None
+
+
+def _checkpoint_due(args: argparse.Namespace, step: int, stopping: bool) -> bool:
+    """Whether a checkpoint is saved after ``step``: every ``--checkpoint-every`` steps, and after the last."""
+    every = args.checkpoint_every
+    return bool(args.checkpoint_dir) and (stopping or bool(every and (step + 1) % every == 0))
+
+
+def _report(reporter: StepReporter, plan: Plan, inputs: tuple, line: dict,
+            values: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]) -> None:
+    """One step's line, with its ``values`` read here, on the reporter alone, after the step's
+    sync: the loss, the step's seconds, and the gradient norm and held-out loss where there are ones."""
+    loss, step_s, norm, eval_loss = values
+    line = {"step": line.pop("step"), "loss": loss.item(), "step_s": step_s.item(), **line}  # in the metrics' order
     line |= {"grad_norm": norm.item()} if norm is not None else {}
-    line |= {"eval_loss": eval_loss} if eval_loss is not None else {}
+    line |= {"eval_loss": eval_loss.item()} if eval_loss is not None else {}
     reporter.step(line, Throughput.of(plan, tokens=tokens_in(inputs), step_s=line["step_s"]))
 
 
@@ -396,12 +412,13 @@ def _stages_here(out_dir: Path, plan: Plan, args: argparse.Namespace, rank: int,
     return stages
 
 
-def _mean_loss(losses: list[torch.Tensor], data_parallel: Any, dp: int) -> float:
-    """The mean over the global batch, of the microbatch losses held here (pipeline's last stage, tp 0)."""
-    loss = torch.stack(losses).to(torch.float64).mean().reshape(1)  # one host read per step, below
+def _mean_loss(losses: list[torch.Tensor], data_parallel: Any, dp: int) -> torch.Tensor:
+    """The mean over the global batch, of the microbatch losses held here (pipeline's last stage,
+    tp 0): a one-element fp64 tensor on the device, which the reporter alone reads."""
+    loss = torch.stack(losses).to(torch.float64).mean().reshape(1)
     if data_parallel is not None:
         dist.all_reduce(loss, group=data_parallel)
-    return loss.item() / dp
+    return loss / dp
 
 
 def _shares(values: tuple, dp: int, dp_rank: int, microbatches: int) -> list[tuple]:
