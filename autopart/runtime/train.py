@@ -231,7 +231,7 @@ def _loop(out_dir: Path, plan: Plan, schedule: Schedule, args: argparse.Namespac
         elapsed = device_tensor([end - timer.start], device)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         stopping = stop.after(elapsed)
-        peaks = _peak_memory_per_rank(device) if args.metrics else {"peak_memory_bytes": []}
+        peaks = _peak_memory_per_rank(device, reporter is not None) if args.metrics else {"peak_memory_bytes": []}
         evaluated = args.eval_every and (step + 1) % args.eval_every == 0
         eval_losses = _evaluate(executor, held_out, split, plan, modules, fully_sharded) if evaluated else []
         if holds_loss:  # every replica all-reduces its losses; the reporter alone reads them
@@ -474,13 +474,21 @@ def _graph_values(plan: Plan, inputs: tuple, target: Any) -> tuple:
     return (*inputs, target) if len(plan.graph_inputs) > len(inputs) else tuple(inputs)
 
 
-def _peak_memory_per_rank(device: torch.device) -> dict[str, list[int]]:
+def _peak_memory_per_rank(device: torch.device, reporting: bool) -> dict[str, list[int]]:
     """Every rank's peak so far (`autopart.runtime.device.peak_memory_bytes`), and on a GPU its
-    allocator's reserved peak (`peak_reserved_bytes`), as --metrics names them."""
+    allocator's reserved peak (`peak_reserved_bytes`), as --metrics names them: every rank takes
+    part in one gather into one (world, k) tensor, which the reporter alone reads, once (the
+    others get empty lists). gloo gathers into the tensor's rows, in the list form: the tensor
+    form (``_allgather_base``) is missing from the gloo of earlier torch releases."""
     reserved = peak_reserved_bytes(device)
-    mine = [peak_memory_bytes(device)] + ([] if reserved is None else [reserved])
-    gathered = [torch.zeros(len(mine), dtype=torch.int64, device=device) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, device_tensor(mine, device, torch.int64))
-    ranks = [g.tolist() for g in gathered]
+    mine = device_tensor([peak_memory_bytes(device)] + ([] if reserved is None else [reserved]), device, torch.int64)
+    gathered = torch.zeros((dist.get_world_size(), mine.numel()), dtype=torch.int64, device=device)
+    if device.type == "cuda":
+        dist.all_gather_into_tensor(gathered, mine)
+    else:
+        dist.all_gather(list(gathered.unbind()), mine)
+    if not reporting:
+        return {"peak_memory_bytes": []}
+    ranks = gathered.tolist()
     peaks = {"peak_memory_bytes": [r[0] for r in ranks]}
     return peaks if reserved is None else {**peaks, "peak_reserved_bytes": [r[1] for r in ranks]}
