@@ -37,6 +37,11 @@ stage and builds no CP-SAT model). Each row of its table is one check:
 It exits 1 when a check fails. On the CPU (gloo) it runs the same code paths, so that the suite
 (``tests/test_gpu_check.py``) keeps it working; there the figures of rows 2 to 4 are printed
 but not judged: a shared CPU's step times and resident memory are not what the GPU model predicts.
+On a GPU other than the prepared spec's (an H100 where the plans were compiled for the h200) the
+rows of 3 are judged against the spec of the GPU at hand, where there is one, and the roofline's
+predictions of 4 are printed but not judged: they are another GPU's (`judging`). A torch whose
+major.minor differs from the one the plans were compiled under is warned about: its kernels, and
+so the measured figures, may differ from those the plans were made with.
 """
 
 from __future__ import annotations
@@ -124,7 +129,7 @@ def prepare(folder: Path, device: str, model: Path) -> None:
         )  # fmt: skip
         compile_to_directory(options, folder / name)
     _prepare_roofline(folder, device)
-    (folder / "check.json").write_text(json.dumps({"device": device}) + "\n")
+    (folder / "check.json").write_text(json.dumps({"device": device, "spec": SPEC[device]}) + "\n")
     print(f"prepared {', '.join([*PLANS, 'roofline'])} in {folder}; run: python benchmarks/gpu_check.py --run {folder}")
 
 
@@ -188,29 +193,32 @@ def _profiled(folder: Path, model: Path, steps: int, work: Path, device: str) ->
     return _against_run(out, steps, work, device, what=f"profiled {dtype} plan", step_target=STEP_TARGET)
 
 
-def _roofline(folder: Path, steps: int, work: Path, device: str) -> list[Row]:
+def _roofline(folder: Path, steps: int, work: Path, device: str, judged: Judged) -> list[Row]:
     """The plan compiled from the spec alone, run with the optimizer it was compiled for (AdamW,
-    what users train with): its predicted step and peak against the run's."""
+    what users train with): its predicted step and peak against the run's, judged only on a GPU
+    of the spec it was compiled for."""
     plan = load_plan(folder / "roofline" / "plan.json")
-    what = f"{plan.dtype} {SPEC[device]} roofline plan ({plan.provenance.cost_model})"
+    what = f"{plan.dtype} {judged.prepared} roofline plan ({plan.provenance.cost_model})"
     return _against_run(folder / "roofline", steps, work, device, what=what, step_target=ROOFLINE_TARGET,
-                        verify_optimizer=False)
+                        verify_optimizer=False, judged=judged.roofline)
 
 
 def _against_run(out: Path, steps: int, work: Path, device: str, *, what: str, step_target: float,
-                 verify_optimizer: bool = True) -> list[Row]:
+                 verify_optimizer: bool = True, judged: bool = True) -> list[Row]:
     """The compiled plan in ``out`` run: its predicted step against the measured median step (past
-    the warm-up), its predicted peak against the run's; judged on a GPU only."""
+    the warm-up), its predicted peak against the run's; judged on a GPU only, and there only where
+    ``judged`` (the plan's spec is the GPU's)."""
     plan = load_plan(out / "plan.json")
     metrics = _train(out, max(steps, WARMUP_STEPS + 3), work, gpus=device == "cuda", verify_optimizer=verify_optimizer)
     measured = statistics.median(m["step_s"] for m in metrics[WARMUP_STEPS:])
     peak = metrics[-1]["peak_memory_bytes"][0]
     predicted, predicted_peak = plan.predicted.step_s, plan.predicted.memory_bytes[0]
-    judged = device == "cuda"
-    if judged:  # the allocator sees the model's tensors and the cuBLAS workspaces, not the CUDA context or NCCL's buffers
+    gpu = device == "cuda"
+    judged = gpu and judged
+    if gpu:  # the allocator sees the model's tensors and the cuBLAS workspaces, not the CUDA context or NCCL's buffers
         predicted_peak -= _outside_allocator_bytes(plan)
     step_error, memory_error = predicted / measured - 1, predicted_peak / peak - 1
-    measured_by = "max_memory_allocated (less the CUDA context)" if judged else "resident memory (CPU)"
+    measured_by = "max_memory_allocated (less the CUDA context)" if gpu else "resident memory (CPU)"
     reserved = metrics[-1].get("peak_reserved_bytes", [None])[0]
     device_bytes = torch.cuda.get_device_properties(0).total_memory if reserved is not None else 0
     allocator = [] if reserved is None else [
@@ -299,12 +307,13 @@ def _gemm_seconds(n: int, device: torch.device, dtype: torch.dtype) -> float:
     return statistics.median(samples)
 
 
-def _gemms(device: str) -> list[Row]:
+def _gemms(device: str, judged: Judged) -> list[Row]:
     """The spec's efficiency curve at its own points against measured GEMMs of those sizes (bf16 on
-    a GPU; fp32 on the CPU, whose spec is calibrated in fp32; the largest skipped there)."""
+    a GPU; fp32 on the CPU, whose spec is calibrated in fp32; the largest skipped there): the spec
+    of the GPU at hand, else the prepared one's, printed but not judged."""
     from cost_models.devices import load_device
 
-    spec = load_device(SPEC[device])
+    spec = load_device(judged.gemm_spec)
     where = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
     dtype, peak_name = (torch.bfloat16, "bfloat16") if device == "cuda" else (torch.float32, "float32")
     rows = []
@@ -319,7 +328,7 @@ def _gemms(device: str) -> list[Row]:
         rows.append(Row(check=f"{spec.name} matmul efficiency, {dtype_name(dtype)} {n}^3 (1e{log_flops:.1f} FLOPs)",
                         figure=f"measured {measured:.3f} vs spec {expected:.3f} ({error:+.0%})",
                         target=f"within {GEMM_TARGET:.0%}",
-                        passed=abs(error) <= GEMM_TARGET if device == "cuda" else None))  # fmt: skip
+                        passed=abs(error) <= GEMM_TARGET if judged.gemms else None))  # fmt: skip
     return rows
 
 
@@ -364,13 +373,56 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+@dataclass(frozen=True, kw_only=True)
+class Judged:
+    """What a run's rows are judged against: ``prepared``, the spec the plans were compiled for;
+    ``gemm_spec``, the spec the GEMM rows are measured against, and whether they (``gemms``) and
+    the roofline plan's predictions (``roofline``) are judged; ``warnings``, printed first."""
+
+    prepared: str
+    gemm_spec: str
+    gemms: bool
+    roofline: bool
+    warnings: tuple[str, ...]
+
+
+def judging(device: str, prepared: str, here: str, known: list[str], plans_torch: str, torch_here: str) -> Judged:
+    """The judgement of a run of plans prepared for spec ``prepared`` (under torch ``plans_torch``)
+    on the device ``here`` (its spec name, `local_device_name`; ``known``: the specs there are).
+    On the CPU nothing is judged (the module docstring says why). On a GPU of another spec the
+    roofline plan's predictions are another GPU's, and the GEMM rows are judged against the spec
+    of the GPU at hand, or, where it has none, printed against the prepared one's."""
+    gpu = device == "cuda"
+    warnings = []
+    if gpu and here != prepared:
+        warnings.append(f"the plans were prepared for {prepared}, this GPU is {here}: the roofline plan's predictions "
+                        "are not judged, the GEMMs " + (f"are judged against {here}'s spec" if here in known else
+                                                        f"are not judged ({here} has no spec)"))
+    if _major_minor(plans_torch) != _major_minor(torch_here):
+        warnings.append(f"the plans were compiled under torch {plans_torch}, this is torch {torch_here}: kernels, "
+                        "and so the measured figures, may differ from those the plans were made with")
+    own = here in known
+    return Judged(prepared=prepared, gemm_spec=here if gpu and own else prepared, gemms=gpu and own,
+                  roofline=gpu and here == prepared, warnings=tuple(warnings))
+
+
+def _major_minor(version: str) -> tuple[str, ...]:
+    return tuple(version.split("+")[0].split(".")[:2])
+
+
 def run(folder: Path, steps: int) -> int:
     """Every check, its table; 1 when one failed."""
+    from cost_models.devices import known_devices, local_device_name
+
     folder = folder.resolve()  # the runs start in a scratch folder
     check = json.loads((folder / "check.json").read_text())
     device = check["device"]
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit(f"{folder} was prepared for CUDA but no GPU is visible here; prepare with --device cpu")
+    judged = judging(device, check.get("spec", SPEC[device]), local_device_name(device), known_devices(),
+                     load_plan(folder / "fp32" / "plan.json").provenance.torch_version, torch.__version__)
+    for warning in judged.warnings:
+        print(f"gpu_check: warning: {warning}")
     started = time.perf_counter()
     rows: list[Row] = []
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as scratch:
@@ -379,8 +431,8 @@ def run(folder: Path, steps: int) -> int:
             rows.extend(_checked(name, lambda name=name: [_same_losses(folder, name, steps, work, device)]))
         model = folder / "fp32" / "model.py"  # the compiled copy
         rows.extend(_checked("profile, compile --costs", lambda: _profiled(folder, model, steps, work, device)))
-        rows.extend(_checked("roofline", lambda: _roofline(folder, steps, work, device)))
-    rows.extend(_checked("matmul efficiency", lambda: _gemms(device)))
+        rows.extend(_checked("roofline", lambda: _roofline(folder, steps, work, device, judged)))
+    rows.extend(_checked("matmul efficiency", lambda: _gemms(device, judged)))
     rows.extend(_checked("data draws", lambda: _data_draws(device)))
     where = torch.cuda.get_device_name() if device == "cuda" else "cpu (gloo)"
     print(f"gpu_check on {where}, torch {torch.__version__}, {time.perf_counter() - started:.0f} s")

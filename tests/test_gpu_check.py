@@ -31,3 +31,20 @@ def test_gpu_check_prepares_and_runs_on_the_cpu(tmp_path: Path, capsys: pytest.C
                   "ok    batches drawn on cpu apart from training's seeds"):  # fmt: skip
         assert check in table, table
     assert f"0 failed of {len(gpu_check.PLANS) + 1} judged checks" in table, table  # the plans' losses, the draws
+
+
+def test_rows_of_another_gpu_s_spec_are_judged_against_the_gpu_at_hand_or_not_at_all():
+    """Plans prepared for the h200, run on an H100: the roofline plan's predictions are the h200's
+    and are not judged; the GEMMs are judged against the H100's own spec, and printed unjudged on
+    a GPU without a spec. A torch of another major.minor than the plans' is warned about."""
+    known = ["cpu", "h100-sxm", "h200"]
+    same = gpu_check.judging("cuda", "h200", "h200", known, "2.13.0", "2.13.1+cu126")
+    assert (same.gemm_spec, same.gemms, same.roofline, same.warnings) == ("h200", True, True, ())
+    other = gpu_check.judging("cuda", "h200", "h100-sxm", known, "2.13.0", "2.13.0")
+    assert (other.gemm_spec, other.gemms, other.roofline) == ("h100-sxm", True, False)
+    assert len(other.warnings) == 1 and "prepared for h200, this GPU is h100-sxm" in other.warnings[0]
+    unknown = gpu_check.judging("cuda", "h200", "nvidia-l40s", known, "2.13.0", "2.11.0+cu126")
+    assert (unknown.gemm_spec, unknown.gemms, unknown.roofline) == ("h200", False, False)
+    assert any("compiled under torch 2.13.0, this is torch 2.11.0+cu126" in w for w in unknown.warnings)
+    cpu = gpu_check.judging("cpu", "cpu", "cpu", known, "2.13.0", "2.13.0")
+    assert (cpu.gemms, cpu.roofline, cpu.warnings) == (False, False, ())
