@@ -238,7 +238,7 @@ def _loop(out_dir: Path, plan: Plan, schedule: Schedule, args: argparse.Namespac
             loss = _mean_loss(losses, data_parallel, mesh.dp)
             eval_loss = _mean_loss(eval_losses, data_parallel, mesh.dp) if evaluated else None
             if reporter is not None:
-                _report(reporter, plan, inputs, {"step": step, **peaks, "lr": lr}, (loss, elapsed, norm, eval_loss))
+                _report(reporter, plan, inputs, {"step": step, **peaks, "lr": lr}, loss, elapsed, norm, eval_loss)
         if clock is not None:
             _write_trace(clock, plan, args, step)
         if saving := _checkpoint_due(args, step, stopping):
@@ -295,11 +295,10 @@ def _checkpoint_due(args: argparse.Namespace, step: int, stopping: bool) -> bool
     return bool(args.checkpoint_dir) and (stopping or bool(every and (step + 1) % every == 0))
 
 
-def _report(reporter: StepReporter, plan: Plan, inputs: tuple, line: dict,
-            values: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]) -> None:
-    """One step's line, with its ``values`` read here, on the reporter alone, after the step's
-    sync: the loss, the step's seconds, and the gradient norm and held-out loss where there are ones."""
-    loss, step_s, norm, eval_loss = values
+def _report(reporter: StepReporter, plan: Plan, inputs: tuple, line: dict, loss: torch.Tensor, step_s: torch.Tensor,
+            norm: torch.Tensor | None, eval_loss: torch.Tensor | None) -> None:
+    """One step's line, with its values read here, on the reporter alone, after the step's sync:
+    the loss, the step's seconds, and the gradient norm and held-out loss where there are ones."""
     line = {"step": line.pop("step"), "loss": loss.item(), "step_s": step_s.item(), **line}  # in the metrics' order
     line |= {"grad_norm": norm.item()} if norm is not None else {}
     line |= {"eval_loss": eval_loss.item()} if eval_loss is not None else {}
