@@ -12,6 +12,7 @@ from autopart.tools.local_run import runs_on_gpus
 from autopart.ir.plan import load_plan
 from autopart.runtime import device
 from autopart.runtime.data import split_microbatches
+from autopart.runtime.launch import check_launch, older_torch
 from autopart.runtime.device import batch_on_device
 from tests.distributed import REPO
 
@@ -78,3 +79,22 @@ def test_a_step_s_batch_goes_to_the_device_once_and_only_what_its_stages_read():
     for values, original in zip(moved, microbatches, strict=True):
         assert values[0].device.type == "meta" and values[0].shape == original[0].shape
         assert values[1] is original[1] and values[2] == "flag"  # not read here; not a tensor
+
+
+def test_a_plan_compiled_under_a_newer_torch_is_run_with_a_warning_on_rank_0(tmp_path, capsys):
+    """A laptop's torch compiles for a cluster's older one: its stage files may call an op that
+    torch lacks, which the warning names as the cause before the first step fails."""
+    compile_to_directory(CompileOptions(model=REPO / "examples" / "gpt.py", pp=2, microbatches=2, device="h200"),
+                         tmp_path / "out")
+    plan = load_plan(tmp_path / "out" / "plan.json")
+    assert older_torch(plan) is None  # compiled here
+    for version, older in (("99.1.0", True), ("2.4.0", False), (torch.__version__.split("+")[0] + "+cu128", False)):
+        newer = replace(plan, provenance=replace(plan.provenance, torch_version=version))
+        assert (older_torch(newer) is not None) is older, version
+    newer = replace(plan, provenance=replace(plan.provenance, torch_version="99.1.0"))
+    for rank in (0, 1):
+        check_launch(tmp_path / "out", newer, rank=rank, world_size=2)
+        said = capsys.readouterr().err
+        assert said == ("autopart: warning: the plan was compiled under torch 99.1.0 and runs under torch "
+                        f"{torch.__version__}; a stage that calls an op this torch lacks fails at its first step: "
+                        "compile under this torch if one does\n" if rank == 0 else "")

@@ -20,6 +20,7 @@ from pathlib import Path
 from collections.abc import Iterator
 from typing import Any, TypeVar
 
+import torch
 import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
 
@@ -31,7 +32,7 @@ from autopart.runtime.shards import weights_file_name
 from autopart.runtime.stage import checked_stage_source
 from autopart.runtime.torchrun_command import Launch, node_sizes, plan_launch
 
-__all__ = ["PLAN_HASH_KEY", "file_sha256", "plan_digest", "check_launch", "check_output", "check_world_size",
+__all__ = ["PLAN_HASH_KEY", "file_sha256", "plan_digest", "check_launch", "older_torch", "check_output", "check_world_size",
            "check_nodes_agree", "drawn_alike", "inject_failure", "init_process_group", "leave_with_node", "RefusedTogether"]
 
 T = TypeVar("T")
@@ -75,6 +76,9 @@ def check_launch(out_dir: Path, plan: Plan, *, rank: int, world_size: int) -> No
     """World size, this rank's stage files and weights, and that they come from this plan's compile."""
     train = shlex.quote(str(out_dir / "train.py"))  # a command to paste: a folder of spaces stays one word
     check_world_size(plan, world_size, _launch_command(plan, train))
+    older = older_torch(plan)
+    if older is not None and rank == 0:
+        sys.stderr.write(f"autopart: warning: {older}\n")
     mesh = Mesh.of(plan)
     here = mesh.coordinates(rank)
     digest = plan_digest(out_dir / "plan.json")
@@ -104,6 +108,20 @@ def check_launch(out_dir: Path, plan: Plan, *, rank: int, world_size: int) -> No
                 f"(plan sha256 {digest[:12]}, weights made for {str(written_with)[:12]}); "
                 "recompile with autopart compile instead of mixing output directories"
             )
+
+
+def older_torch(plan: Plan) -> str | None:
+    """What to say where this torch is older than the one that compiled ``plan``: the stage files
+    call the ops that torch traced, and an older torch may lack one (a laptop's new torch compiles
+    for a cluster's older one). A newer torch keeps what an older one had; None then."""
+    def release(version: str) -> tuple[int, ...]:
+        return tuple(int(part) for part in version.split("+")[0].split(".")[:2] if part.isdigit())
+
+    compiled, here = plan.provenance.torch_version, torch.__version__
+    if release(here) >= release(compiled):
+        return None
+    return (f"the plan was compiled under torch {compiled} and runs under torch {here}; a stage that calls an op "
+            f"this torch lacks fails at its first step: compile under this torch if one does")
 
 
 def _launch_command(plan: Plan, train: str) -> str:
