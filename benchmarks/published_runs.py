@@ -51,7 +51,7 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 import autopart  # noqa: E402
-from autopart.predict.accuracy import FULLY_SHARDED, ROOFLINE, Band, band_key, write_band  # noqa: E402
+from autopart.predict.accuracy import FULLY_SHARDED, ROOFLINE, Band, band_key, layout_of, write_band  # noqa: E402
 from cost_models import get_cost_model  # noqa: E402
 
 MODELS = REPO / "benchmarks" / "models"
@@ -254,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
                    *(("searched s", "searched layout") if args.search else ()), "source"):
         table.add_column(column, justify="left" if column in ("run", "layout", "source", "searched layout") else "right")
     errors = []
-    errors_by_zero: list[tuple[float, str, int]] = []  # the bands are written apart for ZeRO-3 rows and the rest
+    errors_by_zero: list[tuple[float, str, int, str]] = []  # the bands are written apart for ZeRO-3 rows and the rest
     with tempfile.TemporaryDirectory() as folder:
         for run in runs:
             row = predict(run, Path(folder), search=args.search)
@@ -270,7 +270,9 @@ def main(argv: list[str] | None = None) -> int:
                           f"(compiled in {row['compile_s']:.0f} s)")  # fmt: skip
             step = row["plan"].predicted.step_s
             errors.append(step / run.published_s - 1)
-            errors_by_zero.append((errors[-1], f"{run.device}/bf16", run.zero))  # every row trains in bf16
+            # every row trains in bf16; its band holds for the layouts the rows ran (a single GPU's or a
+            # TP group's step was never held to one)
+            errors_by_zero.append((errors[-1], f"{run.device}/bf16", run.zero, layout_of(row["plan"])))
             layout = (f"t{run.tp} p{run.pp} d{run.dp} {run.schedule}{f' v{run.chunks}' if run.chunks > 1 else ''} "
                       f"b{run.micro_batch_size} {run.recompute}{'' if run.sp or run.tp == 1 else ' no-sp'}"
                       f"{' overlap' if run.tp_overlap else ''}{f' zero{run.zero}' if run.zero != 1 else ''} "
@@ -288,10 +290,11 @@ def main(argv: list[str] | None = None) -> int:
         command = " ".join(["python", "benchmarks/published_runs.py", *(argv or sys.argv[1:])])
         for suffix, rows, benchmark in (("", "the rows without ZeRO-3", "published_runs"),
                                         (FULLY_SHARDED, "the ZeRO-3 rows", "published_runs, its ZeRO-3 rows")):
-            these = [e for e, _, zero in errors_by_zero if (zero == 3) == bool(suffix)]
-            covers = {device for _, device, zero in errors_by_zero if (zero == 3) == bool(suffix)}
+            these = [(e, device, layout) for e, device, zero, layout in errors_by_zero if (zero == 3) == bool(suffix)]
             if these:
-                band = Band.from_errors(these, benchmark=benchmark, command=command, covers=tuple(covers))
+                errors_of, covers, layouts = zip(*these)
+                band = Band.from_errors(list(errors_of), benchmark=benchmark, command=command,
+                                        covers=tuple(set(covers)), layouts=layouts)
                 written = write_band(band_key(ROOFLINE, None) + suffix, band)
                 console.print(f"wrote the band of the GPU specs' roofline over {rows} to {written}")
     for name, why in NOT_EXPRESSIBLE:

@@ -148,6 +148,13 @@ def test_a_zero3_plan_carries_the_band_of_the_zero3_rows(cache_dir, tmp_path, mo
     zero3 = load_plan(tmp_path / "z3" / "plan.json").predicted
     assert (zero3.basis_key, zero3.error_median, zero3.error_worst) == ("spec-roofline-zero3", 0.4, 0.6)
     assert load_plan(tmp_path / "z1" / "plan.json").predicted.basis_key == "spec-roofline"
+    write_band("spec-roofline-zero3", Band(median=0.4, worst=0.6, rows=3, benchmark="published_runs, its ZeRO-3 rows",
+                                           command="python x.py", date="2026-12-04", layouts=("dp",)), bands)
+    main(["compile", str(MODEL), "-o", str(tmp_path / "z3pp"), "--pp", "2", "--microbatches", "2", "--device",
+          "h100-sxm", "--dp", "2", "--zero", "3"])  # its rows ran ZeRO-3 over data parallelism alone
+    printed = " ".join(capsys.readouterr().out.split())
+    assert ("(h100-sxm roofline; no band for pp+dp plans: published_runs, its ZeRO-3 rows ran dp plans alone)"
+            in printed), printed
 
 
 def test_a_basis_no_benchmark_measured_says_so_and_old_plans_load(tmp_path) -> None:

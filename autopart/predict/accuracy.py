@@ -219,7 +219,8 @@ def with_basis(plan: Plan, basis: Basis) -> Plan:
     if band is not None and not band.holds_for_layout(layout):  # `describe_prediction` says so
         *others, last = sorted({*band.layouts, *basis.layout_bands})
         ran = f"{', '.join(others)} and {last}" if others else last
-        benchmark, band = f"{band.benchmark}'s rows ran {ran} plans alone", None
+        rows = band.benchmark if band.benchmark.endswith(" rows") else f"{band.benchmark}'s rows"  # "its ZeRO-3 rows"
+        benchmark, band = f"{rows} ran {ran} plans alone", None
     predicted = replace(plan.predicted, basis=basis.what, basis_key=key,
                         error_median=None if band is None else band.median,
                         error_worst=None if band is None else band.worst,
