@@ -10,10 +10,15 @@ import hashlib
 import json
 import os
 import pickle
+import re
+import shutil
 import struct
+import warnings
 from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata
 
 from autopart.tools import cli
@@ -132,3 +137,36 @@ def test_a_step_saved_again_removes_only_what_its_record_lists(tmp_path):
     with pytest.raises(CheckpointError, match="holds no readable autopart.json"):
         remove_saved(tmp_path / "step_00000002")
     assert (tmp_path / "step_00000002" / "thesis.txt").exists()
+
+
+def _entry_of_another_kind(metadata) -> None:
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    metadata.state_dict_metadata["w"] = ChunkStorageMetadata(offsets=torch.Size([0]), sizes=torch.Size([3]))
+
+
+def _a_part_to_decode(metadata) -> None:
+    for info in metadata.storage_data.values():
+        info.transform_descriptors = ["zstd/1"]
+
+
+@pytest.mark.parametrize(("edit", "held"), [(_entry_of_another_kind, "'w' as a ChunkStorageMetadata"),
+                                            (_a_part_to_decode, r"a file part of another kind \(_StorageInfo\)")])
+def test_metadata_of_what_autopart_never_saves_is_refused_in_one_line(tmp_path, capsys, edit, held):
+    """Only plain tensors are read: an entry of another kind would reach DCP's reading of
+    non-tensors, a file part to decode would reach its stream extensions."""
+    step = tmp_path / "ckpt"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"w": torch.ones(3)}, storage_writer=dcp.FileSystemWriter(str(step)), no_dist=True)
+    metadata = pickle.loads((step / ".metadata").read_bytes())
+    edit(metadata)
+    shutil.rmtree(step)
+    crafted_checkpoint(step, pickle.dumps(metadata))
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["consolidate", str(step), "-o", str(tmp_path / "model.safetensors")])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and len(err.splitlines()) == 1, err
+    assert re.fullmatch(rf"autopart: error: checkpoint metadata .*ckpt/\.metadata holds {held}, where autopart saves "
+                        r"tensors alone; it is damaged or autopart did not save it, so it is not read \(use a "
+                        r"checkpoint that autopart saved\)\n", err), err

@@ -7,6 +7,8 @@ compile's initial weights, and its ``model.py`` creates a sentinel file when imp
 
 import hashlib
 import json
+import os
+import pickle
 import re
 import shutil
 import subprocess
@@ -183,6 +185,49 @@ def test_a_file_of_the_user_s_at_o_is_kept_and_consolidate_s_own_is_replaced(che
     for _ in range(2):
         code, err = consolidate(capsys, root, tmp_path / "m.safetensors")
         assert code == 0, err
+
+
+
+class _Touch:
+    """Unpickled, it creates ``path``: the harmless payload of a crafted checkpoint file."""
+
+    def __init__(self, path: Path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.path}",))
+
+
+def test_an_entry_that_dcp_would_unpickle_is_refused_in_one_line_and_runs_nothing(checkpoint, tmp_path, capsys):
+    """A checkpoint whose metadata calls a tensor's entry ``BytesStorageMetadata`` (keeping the
+    tensor's size, so that it still looks like one) and points it at a pickle beside it: DCP's load
+    planner reads such an entry with ``torch.load(weights_only=False)``. The record lists the files
+    with their true hashes, as whoever hands over a whole folder would write it."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+    root, _, sentinel = checkpoint
+    crafted = shutil.copytree(root, tmp_path / "ckpt")
+    step = crafted / "step_00000001"
+    metadata = pickle.loads((step / ".metadata").read_bytes())
+    key = next(k for k in metadata.state_dict_metadata if k.startswith("model/stage_0/"))
+    entry = BytesStorageMetadata()
+    entry.size, entry.properties = metadata.state_dict_metadata[key].size, metadata.state_dict_metadata[key].properties
+    metadata.state_dict_metadata[key] = entry
+    marker = tmp_path / "MARKER"
+    payload = pickle.dumps(_Touch(marker))
+    (step / "evil.bin").write_bytes(payload)
+    metadata.storage_data[MetadataIndex(key)] = _StorageInfo("evil.bin", 0, len(payload))
+    (step / ".metadata").write_bytes(pickle.dumps(metadata))
+    files = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in step.iterdir() if p.name != RECORD}
+    (step / RECORD).write_text(json.dumps({**json.loads((step / RECORD).read_text()), "files": files}))
+    code, err = consolidate(capsys, crafted, tmp_path / "m.safetensors")
+    assert not marker.exists(), "the crafted checkpoint ran its payload"
+    assert code == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert re.fullmatch(r"autopart: error: checkpoint metadata names torch\.distributed\.checkpoint\.metadata\."
+                        r"BytesStorageMetadata, which no checkpoint holds; it is damaged or autopart did not save it, "
+                        r"so it is not read \(use a checkpoint that autopart saved\)\n", err), err
+    assert not (tmp_path / "m.safetensors").exists() and not sentinel.exists()
 
 
 BUFFERED = '''

@@ -16,7 +16,10 @@ place once every rank has finished, so a crash during a save leaves the previous
 latest good one (`autopart.runtime.checkpoint_folders`: the folders, what is whole, what may go).
 Nothing is unpickled on the way back beyond plain data: tensors are read with ``weights_only=True``
 and DCP's metadata file through an unpickler that resolves only an exact list of DCP's metadata
-classes, so a crafted ``.metadata`` is refused with one line before it can call anything.
+classes, so a crafted ``.metadata`` is refused with one line before it can call anything. Nor may
+the metadata name an entry that is not a tensor: DCP reads such an entry (``BytesStorageMetadata``)
+with ``torch.load(weights_only=False)``, which unpickles a file of the checkpoint, and autopart
+never saves one.
 """
 
 from __future__ import annotations
@@ -65,15 +68,16 @@ _DCP_METADATA = "torch.distributed.checkpoint.metadata"
 _ALLOWED = frozenset({
     *((_DCP_METADATA, name) for name in (
         "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
-        "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING",
+        "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING",
     )),
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     ("torch.serialization", "_get_layout"), ("torch", "Size"), ("torch", "device"),
     ("collections", "OrderedDict"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
     *(("torch", name) for name, value in vars(torch).items() if isinstance(value, torch.dtype)),
 })  # fmt: skip
-"""Every global that DCP's metadata pickle names, as exact (module, name) pairs: each is a class
-whose construction only stores its arguments, a dtype, or a lookup of a layout by name. A whole
+"""Every global that DCP's metadata pickle of tensors names, as exact (module, name) pairs: each is a
+class whose construction only stores its arguments, a dtype, or a lookup of a layout by name. Not
+``BytesStorageMetadata``: DCP unpickles the data of such an entry (`_check_entries`). A whole
 module is never allowed (a module's namespace holds what it imported: ``os`` among them), nor a
 dotted name (protocol 4 resolves ``a.b.c`` attribute by attribute, out of any allowed object)."""
 
@@ -84,8 +88,8 @@ class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
         if (module, name) not in _ALLOWED:
             raise CheckpointError(
-                f"checkpoint metadata names {module}.{name}, which no checkpoint holds; it was not written by "
-                "torch.distributed.checkpoint, so it is not read (use a checkpoint that autopart saved)"
+                f"checkpoint metadata names {module}.{name}, which no checkpoint holds; it is damaged or autopart did "
+                "not save it, so it is not read (use a checkpoint that autopart saved)"
             )
         return super().find_class(module, name)
 
@@ -104,7 +108,30 @@ def read_metadata_file(path: Path) -> Metadata:
     if not isinstance(metadata, Metadata):
         raise CheckpointError(f"checkpoint metadata {path} holds a {type(metadata).__name__}, not DCP's Metadata; "
                               "use a checkpoint that autopart saved")
+    _check_entries(metadata, path)
     return metadata
+
+
+def _check_entries(metadata: Metadata, path: Path) -> None:
+    """Refuse metadata that would make DCP read anything but a tensor: an entry of another kind
+    (``BytesStorageMetadata``, which DCP's load planner unpickles with ``weights_only=False``, even
+    where the state dict asks for a tensor) or a file part to be decoded by an extension. autopart
+    saves tensors alone, plainly, so such metadata is damaged or another program's."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    entries = getattr(metadata, "state_dict_metadata", None)
+    storage = getattr(metadata, "storage_data", None)
+    if not isinstance(entries, dict) or not isinstance(storage, dict):
+        odd = "an index of another kind"
+    else:
+        odd = next((f"{key!r} as a {type(entry).__name__}" for key, entry in entries.items()
+                    if type(entry) is not TensorStorageMetadata), None)
+        odd = odd or next((f"a file part of another kind ({type(info).__name__})" for info in storage.values()
+                           if type(info) is not _StorageInfo or getattr(info, "transform_descriptors", None)), None)
+    if odd is not None:
+        raise CheckpointError(f"checkpoint metadata {path} holds {odd}, where autopart saves tensors alone; it is "
+                              "damaged or autopart did not save it, so it is not read (use a checkpoint that autopart saved)")
 
 
 def _dcp():
