@@ -182,7 +182,8 @@ def test_a_rank_that_trained_to_the_end_runs_its_exit_handlers_and_exits_zero(co
 @pytest.mark.multiprocess
 def test_consolidated_weights_give_the_last_steps_loss(uninterrupted, tmp_path):
     output = tmp_path / "model.safetensors"
-    result = run_cli_here("consolidate", str(uninterrupted / "ckpt" / "step_00000005"), "-o", str(output))
+    result = run_cli_here("consolidate", str(uninterrupted / "ckpt" / "step_00000005"), "-o", str(output),
+                          "--model", str(REPO / "examples" / "gpt.py"))
     assert result.returncode == 0, result.stderr
     spec = load_model_file(REPO / "examples" / "gpt.py")
     state = load_file(str(output))
@@ -208,7 +209,7 @@ def test_damaged_latest_checkpoint_falls_back_to_the_previous_one(uninterrupted,
     assert path == root / "step_00000005"
     assert skipped == [f"checkpoint {root / 'step_00000006'} is damaged (__0_0.distcp does not match its sha256); "
                        "falling back to an earlier one"]  # fmt: skip
-    _, summary = consolidated_state(root)
+    _, summary = consolidated_state(root, REPO / "examples" / "gpt.py")
     assert summary.step == 5 and summary.skipped == tuple(skipped)
 
 

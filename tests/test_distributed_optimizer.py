@@ -141,7 +141,8 @@ def test_bf16_zero1_resumes_bit_identically_and_consolidates_to_the_fp32_masters
     shares = [{k.split("/", 2)[2].rsplit("/", 1)[0] for k in keys if k.startswith(f"optim/dp_{d}/")} for d in range(DP)]
     assert all(shares) and not shares[0] & shares[1], "each replica saves the moments of its own masters"
     merged = tmp_path / "model.safetensors"
-    result = run_cli_here("consolidate", str(runs["whole"] / "ckpt" / "step_00000004"), "-o", str(merged))
+    result = run_cli_here("consolidate", str(runs["whole"] / "ckpt" / "step_00000004"), "-o", str(merged),
+                          "--model", str(REPO / "examples" / "gpt.py"))
     assert result.returncode == 0, result.stderr
     state = load_file(str(merged))
     finals = {name: value for weights in whole.values() for name, value in weights.items()}

@@ -87,7 +87,8 @@ def test_zero3_checkpoint_resumes_bit_identical_and_consolidates(tmp_path):
 
     def consolidated(step: int) -> torch.nn.Module:
         output = tmp_path / f"model_{step}.safetensors"
-        result = run_cli_here("consolidate", str(whole / "ckpt" / f"step_{step:08d}"), "-o", str(output))
+        result = run_cli_here("consolidate", str(whole / "ckpt" / f"step_{step:08d}"), "-o", str(output),
+                              "--model", str(REPO / "examples" / "gpt.py"))
         assert result.returncode == 0, result.stderr
         spec = load_model_file(REPO / "examples" / "gpt.py")
         spec.module.load_state_dict(load_file(str(output)), strict=True)

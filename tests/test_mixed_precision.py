@@ -142,7 +142,8 @@ def test_bf16_resume_is_bit_identical_and_consolidates_to_fp32_masters(tmp_path)
             assert value.dtype == torch.float32, f"{name}: checkpoints hold the fp32 masters"
             assert torch.equal(parts[stage][name], value), name
     merged = tmp_path / "model.safetensors"
-    result = run_cli_here("consolidate", str(runs["whole"] / "ckpt" / "step_00000004"), "-o", str(merged))
+    result = run_cli_here("consolidate", str(runs["whole"] / "ckpt" / "step_00000004"), "-o", str(merged),
+                          "--model", str(REPO / "examples" / "gpt.py"))
     assert result.returncode == 0, result.stderr
     state = load_file(str(merged))
     finals = {name: value for weights in whole.values() for name, value in weights.items()}

@@ -131,7 +131,8 @@ def _check_entries(metadata: Metadata, path: Path) -> None:
                            if type(info) is not _StorageInfo or getattr(info, "transform_descriptors", None)), None)
     if odd is not None:
         raise CheckpointError(f"checkpoint metadata {path} holds {odd}, where autopart saves tensors alone; it is "
-                              "damaged or autopart did not save it, so it is not read (use a checkpoint that autopart saved)")
+                              "damaged or autopart did not save it, so it is not read (use a checkpoint that autopart "
+                              "saved)")
 
 
 def _dcp():
@@ -412,8 +413,8 @@ class CheckpointContext:
             raise ConfigError(
                 f"checkpoint {path} was saved by another compile than {self.out_dir}; resume it with the output "
                 f"directory that saved it, or go on with this plan from its weights (the optimizer's state and the data "
-                f"stream start anew): autopart consolidate {self.root} -o model.safetensors, then --weights "
-                "model.safetensors with a new --checkpoint-dir"
+                f"stream start anew): autopart consolidate {self.root} -o model.safetensors --model MODEL.py, then "
+                "--weights model.safetensors with a new --checkpoint-dir"
             )
         done = restore_checkpoint(
             path, self.modules, self.optimizer, rank=self.rank, dp_rank=self.dp_rank, tp_rank=self.tp_rank,

@@ -128,8 +128,8 @@ def _parser() -> argparse.ArgumentParser:
     k = commands.add_parser("consolidate", help="merge a training checkpoint into the original model's state dict")
     k.add_argument("checkpoint", type=Path, help="a --checkpoint-dir (its latest good checkpoint) or one step_* in it")
     k.add_argument("-o", "--out", type=Path, required=True, help="the safetensors file to write")
-    k.add_argument("--model", type=Path,
-                   help="the model file that was compiled (default: the one the plan names, if its hash matches)")
+    k.add_argument("--model", type=Path, help="the model file that was compiled (needed: the file that the "
+                   "checkpoint's plan names is not imported, a checkpoint being data)")
     return parser
 
 

@@ -6,14 +6,16 @@ a parameter that several stages hold (a tied embedding), and fill in every name 
 original model exposes it (``wte.weight`` and ``lm_head.weight``), so that
 ``build_model().load_state_dict(load_file(path))`` accepts the file with strict checking.
 
-The model is built from the user's model file: the one given, or by default the one the plan
-names, checked against the plan's hash. The copy of ``model.py`` inside a checkpoint folder is
-never imported: a checkpoint is data, and whoever hands one over must not be able to run code.
+The model is built from the model file given with ``--model``, and from no other: a checkpoint
+is data, and whoever hands one over must not be able to run code. So neither the copy of
+``model.py`` inside a checkpoint folder is imported, nor the file that the checkpoint's own
+``plan.json`` names (a forged plan could name any script here, with its true hash); the refusal
+names that file, for the user to pass if it is theirs. The model is needed: the names under which
+it exposes a tied parameter, the values of what no stage reads, its non-persistent buffers.
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +26,7 @@ from autopart.ir.model_file import load_model_file
 from safetensors import SafetensorError, safe_open
 
 from autopart.runtime.output_paths import check_parent, save_tensors
-from autopart.ir.errors import ConfigError, read_user_file
+from autopart.ir.errors import ConfigError
 from autopart.ir.placement import REPLICATE, Placement
 from autopart.ir.plan import Plan, load_plan
 from autopart.runtime.checkpoint import checkpoint_keys, load_tensors
@@ -44,24 +46,21 @@ class Consolidated:
 
 
 def _model_file(plan: Plan, model: Path | None) -> Path:
-    """The model file to build the model from: ``model``, else the plan's own while its hash holds."""
-    if model is not None:
-        if not Path(model).is_file():
-            raise ConfigError(f"model file '{model}' does not exist; pass the model file that was compiled with --model")
-        return Path(model)
-    named = Path(plan.provenance.model_file)
-    if not named.is_file():
-        raise ConfigError(f"the plan's model file '{named}' does not exist here; pass it with --model MODEL.py")
-    source = read_user_file(named, ConfigError, "the plan's model file", "pass a readable copy with --model MODEL.py")
-    if hashlib.sha256(source).hexdigest() != plan.provenance.model_sha256:
-        raise ConfigError(f"'{named}' changed since the checkpoint's compile (its sha256 differs from the plan's); "
-                          "pass the model file that was compiled with --model MODEL.py")
-    return named
+    """The model file to build the model from: ``model``, the one the user named. The plan's own is
+    only named in the refusal: the plan is the checkpoint's, and what it names is not run."""
+    if model is None:
+        named = plan.provenance.model_file
+        raise ConfigError(f"consolidate imports only a model file given with --model: the checkpoint's plan names "
+                          f"'{named}', but a checkpoint is data and what it names is not run; pass --model {named} "
+                          "if that is the model file you compiled")
+    if not Path(model).is_file():
+        raise ConfigError(f"model file '{model}' does not exist; pass the model file that was compiled with --model")
+    return Path(model)
 
 
 def consolidated_state(checkpoint: Path, model: Path | None = None) -> tuple[dict[str, torch.Tensor], Consolidated]:
     """The original model's state dict from the latest good checkpoint under ``checkpoint``, built
-    from ``model`` (default: the model file the plan names, when its hash still matches)."""
+    from ``model``, the model file the user gives (None is refused, naming the plan's)."""
     checkpoint = Path(checkpoint)
     if checkpoint.is_file():
         raise ConfigError(f"checkpoint directory '{checkpoint}' is a file; pass the --checkpoint-dir of a run")
