@@ -168,6 +168,18 @@ def _a_file(path: Path, folder: bool = False) -> list[str]:
     return []
 
 
+def _weights_of_a_plan(folder: Path, digest: str) -> list[str]:
+    """Stage 0's weights as train.py --save-weights writes them, for the plan of ``digest``."""
+    import torch
+    from safetensors.torch import save_file
+
+    from autopart.runtime.launch import PLAN_HASH_KEY
+
+    folder.mkdir()
+    save_file({"w": torch.ones(2)}, str(folder / "stage_0.safetensors"), metadata={PLAN_HASH_KEY: digest})
+    return []
+
+
 def _binary(path: Path) -> Path:
     path.write_bytes(b"\x80\x04\x95 not text")  # what a pickle starts with
     return path
@@ -230,6 +242,15 @@ TRAIN_CASES = {  # name -> (environment, arguments given (folder, OUT), pattern 
                                            + ["--save-weights", str(f / "w")],
                                            r"--save-weights .*w holds stage_3\.safetensors, which this plan \(2 stages, "
                                            r"tp 1\) does not write"),
+    "save_weights_over_the_user_s_file": ({}, lambda f, o: _a_file(f / "w" / "stage_0.safetensors", folder=True)
+                                          + ["--save-weights", str(f / "w")],
+                                          r"--save-weights .*w holds stage_0\.safetensors, which autopart did not write; "
+                                          r"give another folder, or delete the file first$"),
+    "save_weights_over_another_compile_s": ({}, lambda f, o: _weights_of_a_plan(f / "w", "0" * 64)
+                                            + ["--save-weights", str(f / "w")],
+                                            r"--save-weights .*w holds stage_0\.safetensors, another compile's weights "
+                                            r"\(plan sha256 000000000000, this one's [0-9a-f]{12}\); give another "
+                                            r"folder, or delete them first$"),
     "trace_over_the_user_s_file": ({}, lambda f, o: _a_file(f / "model.py") + ["--trace", str(f / "model.py")],
                                    r"--trace .*model\.py exists and is not a Chrome trace that train\.py wrote; give a new "
                                    r"path, or move the file away first"),

@@ -200,6 +200,26 @@ def test_consolidated_weights_give_the_last_steps_loss(uninterrupted, tmp_path):
 
 
 @pytest.mark.multiprocess
+def test_saved_weights_name_their_plan_and_a_rerun_replaces_its_own(compiled, uninterrupted, tmp_path):
+    """--save-weights replaced whatever stage files its folder held: the user's own, another
+    compile's (now refused: tests/test_bad_inputs_of_outputs.py). The files it writes name their
+    plan, so that a rerun of the same plan over its own saved weights replaces them."""
+    from safetensors import safe_open
+
+    from autopart.runtime.launch import PLAN_HASH_KEY, plan_digest
+
+    final = shutil.copytree(uninterrupted / "final", tmp_path / "final")
+    for path in sorted(final.glob("stage_*.safetensors")):
+        with safe_open(str(path), framework="pt") as handle:
+            assert (handle.metadata() or {}).get(PLAN_HASH_KEY) == plan_digest(compiled / "plan.json"), path.name
+    before = stage_weights(final)
+    run_ranks(compiled, 2, "--steps", "1", "--save-weights", str(final))
+    after = stage_weights(final)
+    assert after.keys() == before.keys()
+    assert any(not torch.equal(after[s][name], value) for s in before for name, value in before[s].items())
+
+
+@pytest.mark.multiprocess
 def test_damaged_latest_checkpoint_falls_back_to_the_previous_one(uninterrupted, tmp_path):
     root = shutil.copytree(uninterrupted / "ckpt", tmp_path / "ckpt")
     (root / ".step_00000007.partial").mkdir()  # a save that crashed: never a candidate

@@ -65,8 +65,8 @@ from autopart.runtime.executor import Executor, StageRuntime, StepFailure
 from autopart.runtime.draws import draw_seed
 from autopart.runtime.forward import StageForward
 from autopart.runtime.fully_sharded import FSDP_LEVELS, check_level, end_of_step, full_state, shard_stage
-from autopart.runtime.launch import (RefusedTogether, check_launch, check_nodes_agree, drawn_alike, init_process_group,
-                                     inject_failure, leave_with_node)
+from autopart.runtime.launch import (PLAN_HASH_KEY, RefusedTogether, check_launch, check_nodes_agree, drawn_alike,
+                                     init_process_group, inject_failure, leave_with_node, plan_digest)
 from autopart.runtime.measure import StepClock, StopRule, write_action_times, write_measured_trace
 from autopart.runtime.gradients import clip_gradients, sum_tied_gradients, tied_groups
 from autopart.runtime.reducer import GradientReducer
@@ -156,7 +156,7 @@ def _checked(out_dir: Path, plan: Plan, args: argparse.Namespace, rank: int) -> 
     check_tensorboard(args.tensorboard)
     check_compile_kept(out_dir, plan, args)  # first: it names the compile's file, where others see a stranger's
     check_arguments(args)
-    check_weights_folder(args.save_weights, plan)
+    check_weights_folder(args.save_weights, plan, plan_digest(out_dir / "plan.json"))
     source_file = model_file(out_dir, plan)
     schedule = plan_actions(plan, compiled=True)  # a bad hand edit stops every rank here, before any waits for a peer
     if not plan.schedule.actions and rank == 0:
@@ -246,18 +246,18 @@ def _loop(out_dir: Path, plan: Plan, schedule: Schedule, args: argparse.Namespac
         if stopping:
             break
         settled = not (evaluated or saving)
-    _finish(args, reporter, optimizer, stages, here, mesh.tp)
+    _finish(args, reporter, optimizer, stages, here, mesh.tp, plan_digest(out_dir / "plan.json"))
 
 
 def _finish(args: argparse.Namespace, reporter: StepReporter | None, optimizer: Any, stages: dict[int, StageRuntime],
-            here: Coordinates, tp: int) -> None:
+            here: Coordinates, tp: int, digest: str) -> None:
     """After the last step: the progress bar closed, the final weights written where asked for."""
     if reporter is not None:
         reporter.close()
     if args.save_weights:
         if isinstance(optimizer, ShardedMasters):  # the final weights are the fp32 masters, whole
             optimizer.gather_masters()
-        _save_weights(args.save_weights, stages, here, tp)
+        _save_weights(args.save_weights, stages, here, tp, digest)
 
 
 def _reduce(reducer: GradientReducer | None) -> list[Mark]:
@@ -456,16 +456,18 @@ def _write_trace(clock: StepClock, plan: Plan, args: argparse.Namespace, step: i
               f"bubble {timeline.bubble:.1%}", flush=True)
 
 
-def _save_weights(folder: Path, stages: dict[int, StageRuntime], here: Coordinates, tp: int) -> None:
+def _save_weights(folder: Path, stages: dict[int, StageRuntime], here: Coordinates, tp: int, digest: str) -> None:
     """Each stage's trained weights, in the files the output directory's weights/ uses, written
-    by the first data-parallel replica; every replica gathers them whole first (ZeRO-2/3)."""
+    by the first data-parallel replica; every replica gathers them whole first (ZeRO-2/3). Each
+    names its plan (``digest``), so that a later run replaces it only as this plan's own
+    (`check_weights_folder`)."""
     states = {s: full_state(stage.module) for s, stage in stages.items()}
     if here.dp != 0:
         return
     folder.mkdir(parents=True, exist_ok=True)
     for s, state in states.items():
         state = {k: v.detach().cpu().contiguous() for k, v in state.items()}
-        save_tensors(state, folder / weights_file_name(s, here.tp, tp))
+        save_tensors(state, folder / weights_file_name(s, here.tp, tp), {PLAN_HASH_KEY: digest})
 
 
 def _graph_values(plan: Plan, inputs: tuple, target: Any) -> tuple:

@@ -9,9 +9,12 @@ import json
 import sys
 from pathlib import Path
 
+from safetensors import SafetensorError, safe_open
+
 from autopart.ir.errors import ConfigError, OneLineParser
 from autopart.ir.plan import Plan
 from autopart.runtime.checkpoint import CheckpointContext, restarted
+from autopart.runtime.launch import PLAN_HASH_KEY
 from autopart.runtime.output_paths import MARKER, check_file_path, check_folder_path
 from autopart.runtime.optim import OPTIMIZERS
 from autopart.runtime.recipe import Recipe, add_recipe_arguments
@@ -130,17 +133,32 @@ def resumed_past_the_end(args: argparse.Namespace, done: int, *, restarted: bool
                       f"--steps above {done} to train on")
 
 
-def check_weights_folder(folder: Path | None, plan: Plan) -> None:
+def check_weights_folder(folder: Path | None, plan: Plan, digest: str) -> None:
     """Refuse a --save-weights folder that holds stage files this plan does not write (another
-    plan's): merged with this run's, they would mix another run's weights into this one's."""
+    plan's: merged with this run's, they would mix another run's weights into this one's), or the
+    files it writes but not as this plan's weights (``digest``, `plan_digest`, names the plan in
+    each file that train.py saves): a file of the user's, or another compile's weights, would be
+    replaced without a word. A rerun's own weights are replaced. Only the files' headers are read."""
     if folder is None or not folder.is_dir():
         return
     tp = plan.mesh["tp"]
-    ours = {weights_file_name(stage.index, r, tp) for stage in plan.stages for r in range(tp)}
+    ours = sorted({weights_file_name(stage.index, r, tp) for stage in plan.stages for r in range(tp)})
     others = sorted(p.name for p in folder.glob("stage_*.safetensors") if p.name not in ours)
     if others:
         raise ConfigError(f"--save-weights {folder} holds {others[0]}, which this plan ({len(plan.stages)} stages, tp "
                           f"{tp}) does not write: another run's; give a new or empty folder")
+    for name in (n for n in ours if (folder / n).exists() or (folder / n).is_symlink()):
+        try:
+            with safe_open(str(folder / name), framework="pt") as handle:
+                written_with = (handle.metadata() or {}).get(PLAN_HASH_KEY)
+        except (SafetensorError, OSError, ValueError):
+            written_with = None
+        if written_with is None:
+            raise ConfigError(f"--save-weights {folder} holds {name}, which autopart did not write; give another "
+                              "folder, or delete the file first")
+        if written_with != digest:
+            raise ConfigError(f"--save-weights {folder} holds {name}, another compile's weights (plan sha256 "
+                              f"{written_with[:12]}, this one's {digest[:12]}); give another folder, or delete them first")
 
 
 def compile_files(out_dir: Path, plan: Plan) -> set[Path]:
