@@ -150,11 +150,19 @@ def _a_part_to_decode(metadata) -> None:
         info.transform_descriptors = ["zstd/1"]
 
 
+def _a_part_elsewhere(metadata) -> None:
+    for info in metadata.storage_data.values():
+        info.relative_path = "../elsewhere.distcp"
+
+
 @pytest.mark.parametrize(("edit", "held"), [(_entry_of_another_kind, "'w' as a ChunkStorageMetadata"),
-                                            (_a_part_to_decode, r"a file part of another kind \(_StorageInfo\)")])
+                                            (_a_part_to_decode, r"a file part of another kind \(_StorageInfo\)"),
+                                            (_a_part_elsewhere, r"a file part at '\.\./elsewhere\.distcp', outside "
+                                                                r"the checkpoint's files")])
 def test_metadata_of_what_autopart_never_saves_is_refused_in_one_line(tmp_path, capsys, edit, held):
-    """Only plain tensors are read: an entry of another kind would reach DCP's reading of
-    non-tensors, a file part to decode would reach its stream extensions."""
+    """Only plain tensors of the checkpoint's own files are read: an entry of another kind would
+    reach DCP's reading of non-tensors, a file part to decode its stream extensions, a part
+    elsewhere a file outside the folder (which its record's hashes do not cover)."""
     step = tmp_path / "ckpt"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

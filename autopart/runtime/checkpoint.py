@@ -113,10 +113,11 @@ def read_metadata_file(path: Path) -> Metadata:
 
 
 def _check_entries(metadata: Metadata, path: Path) -> None:
-    """Refuse metadata that would make DCP read anything but a tensor: an entry of another kind
-    (``BytesStorageMetadata``, which DCP's load planner unpickles with ``weights_only=False``, even
-    where the state dict asks for a tensor) or a file part to be decoded by an extension. autopart
-    saves tensors alone, plainly, so such metadata is damaged or another program's."""
+    """Refuse metadata that would make DCP read anything but a tensor of the checkpoint's own files:
+    an entry of another kind (``BytesStorageMetadata``, which DCP's load planner unpickles with
+    ``weights_only=False``, even where the state dict asks for a tensor), a file part to be decoded
+    by an extension, or one in a file elsewhere (`_in_folder`). autopart saves tensors alone,
+    plainly, so such metadata is damaged or another program's."""
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -129,10 +130,20 @@ def _check_entries(metadata: Metadata, path: Path) -> None:
                     if type(entry) is not TensorStorageMetadata), None)
         odd = odd or next((f"a file part of another kind ({type(info).__name__})" for info in storage.values()
                            if type(info) is not _StorageInfo or getattr(info, "transform_descriptors", None)), None)
+        odd = odd or next((f"a file part at {getattr(info, 'relative_path', None)!r}, outside the checkpoint's files"
+                           for info in storage.values() if not _in_folder(info)), None)
     if odd is not None:
         raise CheckpointError(f"checkpoint metadata {path} holds {odd}, where autopart saves tensors alone; it is "
                               "damaged or autopart did not save it, so it is not read (use a checkpoint that autopart "
                               "saved)")
+
+
+def _in_folder(info) -> bool:
+    """Whether a part of DCP's metadata lies in a file of the checkpoint folder itself, by a bare
+    name (DCP writes no other): a path elsewhere would read a file outside the checkpoint."""
+    name, offset, length = (getattr(info, field, None) for field in ("relative_path", "offset", "length"))
+    return (type(name) is str and name not in ("", ".", "..") and Path(name).name == name and "\\" not in name
+            and type(offset) is int and type(length) is int and offset >= 0 and length >= 0)
 
 
 def _dcp():
