@@ -27,7 +27,7 @@ from autopart.passes.recompute import stage_modes
 from autopart.runtime.optim import OPTIMIZERS
 from autopart.runtime.fully_sharded import check_level
 from autopart.schedule import MOST_MICROBATCHES, SCHEDULE_KINDS, SPLIT_BACKWARD_KINDS
-from cost_models.comm import nodes_spanned
+from cost_models.comm import NodeSpan, node_span
 from cost_models.devices import local_device_name
 
 __all__ = ["CompileOptions", "check_option_names", "check_sequence_parallel_asked", "local_kind"]
@@ -296,14 +296,14 @@ class CompileOptions:
         return min(self.ranks, self.gpus_per_node)
 
     @property
-    def data_parallel_nodes(self) -> int:
-        """Nodes one data-parallel group spans (replicas are outermost, a replica's ranks apart)."""
-        return nodes_spanned(self.dp, self.pp * self.tp, self.gpus_per_node, self.dp * self.pp * self.tp)
+    def data_parallel_span(self) -> NodeSpan:
+        """How a data-parallel group lies on the nodes (replicas are outermost, a replica's ranks apart)."""
+        return node_span(self.dp, self.pp * self.tp, self.gpus_per_node, self.dp * self.pp * self.tp)
 
     @property
-    def tensor_parallel_nodes(self) -> int:
-        """Nodes one tensor-parallel group spans (its ranks are neighbours)."""
-        return nodes_spanned(self.tp, 1, self.gpus_per_node, self.ranks)
+    def tensor_parallel_span(self) -> NodeSpan:
+        """How a tensor-parallel group lies on the nodes (its ranks are neighbours)."""
+        return node_span(self.tp, 1, self.gpus_per_node, self.ranks)
 
     @property
     def pipeline_crosses_nodes(self) -> bool:

@@ -96,7 +96,9 @@ class CostModel(Protocol):
         (``key``: `autopart.profiling.co_run.co_run_key`). None where not measured."""
         ...
 
-    def collective_time(self, kind: str, nbytes: float, group_size: int, *, nodes: int = 1) -> float:
+    def collective_time(self, kind: str, nbytes: float, group_size: int, *, nodes: int = 1,
+                        members: int | None = None) -> float:
         """Seconds for one collective over ``group_size`` ranks on ``nodes`` nodes
-        (`cost_models.comm.nodes_spanned`); ``nbytes`` as in nccl-tests."""
+        (`cost_models.comm.nodes_spanned`), the fewest of them on one node ``members``
+        (`cost_models.comm.fewest_members`; None: spread evenly); ``nbytes`` as in nccl-tests."""
         ...

@@ -39,9 +39,10 @@ below. The all-reduce costs the faster of the two.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 __all__ = ["COLLECTIVE_KINDS", "bus_factor", "ring_steps", "node_steps", "node_members", "nodes_spanned",
-           "collective_time", "tree_all_reduce_time", "p2p_time"]
+           "fewest_members", "NodeSpan", "node_span", "collective_time", "tree_all_reduce_time", "p2p_time"]
 
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast",
                     "reduce")
@@ -84,12 +85,17 @@ def node_steps(kind: str, group_size: int, nodes: int) -> int:
     return 2 * (nodes - 1) if kind == "all_reduce" else nodes - 1
 
 
-def node_members(kind: str, group_size: int, nodes: int) -> int:
-    """The NICs a group's traffic between nodes spreads over, per node: its members there, taken
-    as even (exact where the group fills its nodes alike, as on clusters of whole nodes), one for
-    an all-to-all, whose every rank sends its own bytes off its node."""
+def node_members(kind: str, group_size: int, nodes: int, fewest: int | None = None) -> int:
+    """The NICs a group's traffic between nodes spreads over, per node: its members on the node
+    that holds the fewest (``fewest``, `fewest_members`), since every byte that leaves or enters
+    that node goes through their NICs alone (6 ranks on one node and 2 on the next cross at 2
+    NICs' bandwidth, not 4); None takes them as even, ``group_size // nodes``, exact where the
+    group fills its nodes alike. One for an all-to-all, whose every rank sends its own bytes off
+    its node."""
     _check(kind, group_size)
-    return 1 if kind == "all_to_all" else max(1, group_size // nodes)
+    if kind == "all_to_all":
+        return 1
+    return max(1, group_size // nodes if fewest is None else fewest)
 
 
 @functools.lru_cache(maxsize=None)
@@ -105,10 +111,51 @@ def nodes_spanned(group_size: int, stride: int, gpus_per_node: int, world_size: 
         raise ValueError(f"group size, stride and GPUs per node must be >= 1, got {group_size}, {stride}, {gpus_per_node}")
     if stride >= gpus_per_node:
         return group_size  # each member on a node of its own
+    return max(len(members) for members in _members_by_node(group_size, stride, gpus_per_node, world_size))
+
+
+@functools.lru_cache(maxsize=None)
+def fewest_members(group_size: int, stride: int, gpus_per_node: int, world_size: int | None = None) -> int:
+    """Of the groups of a mesh axis laid out as `nodes_spanned` lays them, those spanning several
+    nodes, the fewest members that one holds on any node (the whole group where none spans
+    several): the NICs its traffic between nodes is narrowed to (`node_members`). The slowest
+    group bounds the step, so the axis is priced by it: 8 ranks on nodes of 6 lie 6 + 2 (then
+    4 + 4), and cross at 2 NICs' bandwidth."""
+    if min(group_size, stride, gpus_per_node) < 1:
+        raise ValueError(f"group size, stride and GPUs per node must be >= 1, got {group_size}, {stride}, {gpus_per_node}")
+    if stride >= gpus_per_node:
+        return 1 if group_size > 1 else group_size  # each member on a node of its own
+    spread = [members for members in _members_by_node(group_size, stride, gpus_per_node, world_size) if len(members) > 1]
+    return min((min(members) for members in spread), default=group_size)
+
+
+class NodeSpan(NamedTuple):
+    """How the groups of a mesh axis lie on the nodes, as their collectives are priced: the most
+    nodes one spans (`nodes_spanned`) and the fewest members one holds on a node (`fewest_members`)."""
+
+    nodes: int
+    fewest: int
+
+
+def node_span(group_size: int, stride: int, gpus_per_node: int, world_size: int | None = None) -> NodeSpan:
+    """`NodeSpan` of the axis's groups of ``group_size`` ranks ``stride`` apart (as `nodes_spanned`)."""
+    return NodeSpan(nodes_spanned(group_size, stride, gpus_per_node, world_size),
+                    fewest_members(group_size, stride, gpus_per_node, world_size))
+
+
+def _members_by_node(group_size: int, stride: int, gpus_per_node: int, world_size: int | None) -> list[list[int]]:
+    """Per group of the axis (up to where the placement repeats), its members on each node it spans."""
     block, g = group_size * stride, gpus_per_node
     blocks = g if world_size is None else max(1, min(g, world_size // block))  # past g blocks the nodes repeat
     starts = {(b * block + offset) % g for b in range(blocks) for offset in range(stride)}
-    return max(len({(start + k * stride) // g for k in range(group_size)}) for start in starts)
+    found = []
+    for start in sorted(starts):
+        counts: dict[int, int] = {}
+        for k in range(group_size):
+            node = (start + k * stride) // g
+            counts[node] = counts.get(node, 0) + 1
+        found.append(list(counts.values()))
+    return found
 
 
 def collective_time(kind: str, nbytes: float, group_size: int, *, bus_bandwidth: float,

@@ -91,5 +91,6 @@ class ProfiledCostModel:
     def co_run(self, key: str) -> CoRunMeasurement | None:
         return self.database.co_run(self.device.name, key)
 
-    def collective_time(self, kind: str, nbytes: float, group_size: int, *, nodes: int = 1) -> float:
-        return self.roofline.collective_time(kind, nbytes, group_size, nodes=nodes)
+    def collective_time(self, kind: str, nbytes: float, group_size: int, *, nodes: int = 1,
+                        members: int | None = None) -> float:
+        return self.roofline.collective_time(kind, nbytes, group_size, nodes=nodes, members=members)

@@ -177,7 +177,8 @@ class RooflineCostModel:
     def co_run(self, key: str) -> CoRunMeasurement | None:
         return None  # measured per model: the cost database holds it
 
-    def collective_time(self, kind: str, nbytes: float, group_size: int, *, nodes: int = 1) -> float:
+    def collective_time(self, kind: str, nbytes: float, group_size: int, *, nodes: int = 1,
+                        members: int | None = None) -> float:
         if nodes == 1 and group_size == self.device.comm_ranks and group_size > 1:
             measured = self.device.measured_comm_time(kind, nbytes)
             if measured is not None:
@@ -185,7 +186,7 @@ class RooflineCostModel:
         device = self.device
         bandwidth = device.intra_node_bandwidth
         if nodes > 1:
-            bandwidth = min(bandwidth, comm.node_members(kind, group_size, nodes) * device.inter_node_bandwidth)
+            bandwidth = min(bandwidth, comm.node_members(kind, group_size, nodes, members) * device.inter_node_bandwidth)
         return comm.collective_time(kind, nbytes, group_size, bus_bandwidth=bandwidth * device.link_efficiency,
                                     nodes=nodes, step_latency_s=device.intra_node_latency_s,
                                     node_step_latency_s=device.inter_node_latency_s, trees=device.kind != "cpu")

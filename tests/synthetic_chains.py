@@ -118,7 +118,7 @@ def cluster(*, memory_bytes: int, gpus_per_node: int, bandwidth: float = 1_000.0
         overhead_bytes=memory_bytes // 50,
         gpus_per_node=gpus_per_node,
         p2p_s=lambda nbytes, is_across: nbytes / link(is_across) + latency_s,
-        all_reduce_s=lambda nbytes, group, nodes: 2 * (group - 1) / group * nbytes / link(nodes > 1) + latency_s,
-        all_gather_s=lambda nbytes, group, nodes: (group - 1) / group * nbytes / link(nodes > 1) + latency_s,
+        all_reduce_s=lambda nbytes, group, span: 2 * (group - 1) / group * nbytes / link(span.nodes > 1) + latency_s,
+        all_gather_s=lambda nbytes, group, span: (group - 1) / group * nbytes / link(span.nodes > 1) + latency_s,
         optimizer_s_per_byte=optimizer_s_per_byte,
     )

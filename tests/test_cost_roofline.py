@@ -16,7 +16,8 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from cost_models import calibration
-from cost_models.comm import bus_factor, node_steps, nodes_spanned, tree_all_reduce_time
+from cost_models.comm import (NodeSpan, bus_factor, fewest_members, node_span, node_steps, nodes_spanned,
+                              tree_all_reduce_time)
 from cost_models import CostModel, Kernel, KernelRecorder, RooflineCostModel, get_cost_model, load_device
 
 
@@ -194,6 +195,50 @@ def test_nodes_spanned_follows_torchruns_placement() -> None:
     assert [node_steps("all_gather", 16, 2), node_steps("all_reduce", 16, 2), node_steps("all_to_all", 16, 2)] == [1, 2, 8]
     with pytest.raises(ValueError, match=">= 1"):
         nodes_spanned(4, 0, 8)
+
+
+def test_fewest_members_follows_torchruns_placement() -> None:
+    """Of an axis's groups that span several nodes, the fewest members one holds on a node: every
+    axis of every mesh of up to 48 ranks, against the nodes of its groups' ranks."""
+    for gpus in (4, 6, 8):
+        for dp, pp, tp in itertools.product(range(1, 7), range(1, 5), range(1, 9)):
+            rank = lambda d, p, t: (d * pp + p) * tp + t  # autopart.runtime.mesh
+            groups = {"tp": [[rank(d, p, t) for t in range(tp)] for d in range(dp) for p in range(pp)],
+                      "dp": [[rank(d, p, t) for d in range(dp)] for p in range(pp) for t in range(tp)]}
+            fewest = {}
+            for axis, found in groups.items():
+                counts = [[sum(r // gpus == node for r in group) for node in {r // gpus for r in group}] for group in found]
+                fewest[axis] = min((min(c) for c in counts if len(c) > 1), default=len(found[0]))
+            world = dp * pp * tp
+            assert fewest == {"tp": fewest_members(tp, 1, gpus, world), "dp": fewest_members(dp, pp * tp, gpus, world)}, \
+                (dp, pp, tp, gpus)
+
+
+def test_a_group_split_unevenly_across_nodes_crosses_at_the_nics_of_its_smaller_side() -> None:
+    """TP 8 on nodes of 6 GPUs lies 6 + 2: every byte between its two nodes goes through the 2
+    NICs of the node holding 2, not 4 as an even 4 + 4 split would give it. Even splits (nodes of
+    4 or 8) are priced as before."""
+    spec = load_device("h100-sxm")
+    model = get_cost_model("h100-sxm")
+    nbytes = 402.6e6  # one sequence-parallel all-gather of a GPT-3 layer at TP 8
+
+    def on_two_nodes(nics: int) -> float:
+        bandwidth = min(spec.intra_node_bandwidth, nics * spec.inter_node_bandwidth) * spec.link_efficiency
+        return spec.inter_node_latency_s + 6 * spec.intra_node_latency_s + nbytes * 7 / 8 / bandwidth
+
+    def gather(span: NodeSpan) -> float:
+        return model.collective_time("all_gather", nbytes, 8, nodes=span.nodes, members=span.fewest)
+
+    assert node_span(8, 1, 6, 8) == NodeSpan(nodes=2, fewest=2)
+    assert gather(node_span(8, 1, 6, 8)) == pytest.approx(on_two_nodes(2))
+    assert node_span(8, 1, 4, 8) == NodeSpan(nodes=2, fewest=4)  # 4 + 4: as an even split always was
+    assert gather(node_span(8, 1, 4, 8)) == pytest.approx(on_two_nodes(4))
+    assert gather(node_span(8, 1, 4, 8)) == model.collective_time("all_gather", nbytes, 8, nodes=2)
+    assert gather(node_span(8, 1, 6, 8)) > 1.9 * gather(node_span(8, 1, 4, 8))
+    assert node_span(16, 1, 12, 16) == NodeSpan(nodes=2, fewest=4)  # TP 16 on nodes of 12: 12 + 4
+    assert node_span(12, 1, 8, 12) == NodeSpan(nodes=2, fewest=4)  # 12 replicas on nodes of 8: 8 + 4
+    assert node_span(16, 4, 8, 64) == NodeSpan(nodes=8, fewest=2)  # whole nodes: 2 of each group a node
+    assert node_span(8, 1, 8, 8) == NodeSpan(nodes=1, fewest=8)
 
 
 def test_p2p_is_one_latency_plus_bytes_over_bandwidth() -> None:

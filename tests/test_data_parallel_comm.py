@@ -10,7 +10,8 @@ from autopart.predict.data_parallel import data_parallel_comm
 class LinearCollectives:
     """Seconds = bytes / 1e9 per collective, whatever its kind; an all-reduce is twice that."""
 
-    def collective_time(self, kind: str, nbytes: float, group_size: int, *, nodes: int = 1) -> float:
+    def collective_time(self, kind: str, nbytes: float, group_size: int, *, nodes: int = 1,
+                        members: int | None = None) -> float:
         return nbytes / 1e9 * (2 if kind == "all_reduce" else 1)
 
 

@@ -14,6 +14,7 @@ from autopart.predict.fully_sharded import FullyShardedCost, Piece, fully_sharde
 from autopart.predict.step_time import fully_sharded_pieces
 from autopart.solve.chain_costs import ChainCosts
 from autopart.solve.data_parallel_tail import fully_sharded_extra_s, stage_layers
+from cost_models.comm import NodeSpan
 from tests.distributed import REPO
 
 
@@ -131,13 +132,13 @@ class LinearCluster:
     def __init__(self, slowdown: float):
         self.overlap_slowdown = slowdown
 
-    def all_gather_s(self, nbytes, group, nodes):
+    def all_gather_s(self, nbytes, group, span):
         return nbytes / 1e9
 
 
 class LinearModel:
     """The step model's cost model of the same links."""
-    def collective_time(self, kind, nbytes, group, *, nodes=1):
+    def collective_time(self, kind, nbytes, group, *, nodes=1, members=None):
         return nbytes / 1e9
 
 
@@ -151,8 +152,8 @@ def test_the_step_model_charges_a_stage_its_unhidden_transfers_and_the_search_th
                     count=layers)
     plan = data_parallel_comm(3, 1.5e9, dp=8, nodes=8, cost_model=LinearModel(), overlapped=True, slowdown=slowdown,
                               hidden_behind_s=forward, pieces=pieces)
-    search = fully_sharded_extra_s(3, LinearCluster(slowdown), 1.5e9, forward, dp=8, nodes=8, dtype="fp32",
-                                   layers=(int(layer_bytes), layers))
+    search = fully_sharded_extra_s(3, LinearCluster(slowdown), 1.5e9, forward, dp=8,
+                                   dp_span=NodeSpan(nodes=8, fewest=1), dtype="fp32", layers=(int(layer_bytes), layers))
     assert (plan.forward_s, plan.backward_s) == pytest.approx(search)
     assert data_parallel_comm(3, 1.5e9, dp=8, nodes=8, cost_model=LinearModel(), overlapped=True, slowdown=slowdown,
                               hidden_behind_s=forward, pieces=(counted,)) == plan  # four equal layers, as one piece
@@ -173,7 +174,8 @@ def test_zero_2_s_reduce_scatter_slows_the_next_forward_in_the_plan_and_the_sear
     for forward, scatter in ((1.0, 0.4), (0.2, 0.4)):  # the reduce-scatter hidden, or running past the forward
         plan = data_parallel_comm(2, scatter * 1e9, dp=8, nodes=1, cost_model=LinearModel(), overlapped=True,
                                   slowdown=slowdown, hidden_behind_s=forward)
-        search = fully_sharded_extra_s(2, LinearCluster(slowdown), scatter * 1e9, forward, dp=8, nodes=1, dtype="fp32")
+        search = fully_sharded_extra_s(2, LinearCluster(slowdown), scatter * 1e9, forward, dp=8,
+                                       dp_span=NodeSpan(nodes=1, fewest=8), dtype="fp32")
         assert plan.backward_s == pytest.approx(search[1])
         ran_past = scatter - forward
         slowed_by = min(scatter, forward * (1 + slowdown)) * slowdown / (1 + slowdown)

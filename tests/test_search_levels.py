@@ -15,7 +15,10 @@ from autopart.predict.memory import state_bytes
 from autopart.schedule import SPLIT_BACKWARD_KINDS
 from autopart.solve.data_parallel_tail import fsdp_may_pay, tail_s
 from autopart.solve.search import Layout, SearchSpace, score_layout, search
+from cost_models.comm import NodeSpan
 from tests.synthetic_chains import SyntheticTable, cluster, random_table
+
+ONE_NODE = NodeSpan(nodes=1, fewest=4)  # the data-parallel group of four on one node
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -74,16 +77,16 @@ def test_the_all_reduce_adds_only_what_runs_past_the_last_backward_where_collect
     overlapping = dataclasses.replace(devices, reduction_overlaps=True)
     nbytes = 8000  # all-reduce over 4: 2 * 3/4 * 8000 / 1000 = 12 s; the optimizer step 0.8 s
     step, reduce = 0.8, 12.0
-    assert tail_s(layout(), devices, [nbytes], 1, [20.0]) == pytest.approx(reduce + step)  # a CPU: it adds
-    assert tail_s(layout(), overlapping, [nbytes], 1, [20.0]) == pytest.approx(step)  # hidden whole
-    assert tail_s(layout(), overlapping, [nbytes], 1, [5.0]) == pytest.approx(reduce - 5.0 + step)
-    assert tail_s(layout(), overlapping, [nbytes], 1) == pytest.approx(reduce + step)  # nothing to hide behind
+    assert tail_s(layout(), devices, [nbytes], ONE_NODE, [20.0]) == pytest.approx(reduce + step)  # a CPU: it adds
+    assert tail_s(layout(), overlapping, [nbytes], ONE_NODE, [20.0]) == pytest.approx(step)  # hidden whole
+    assert tail_s(layout(), overlapping, [nbytes], ONE_NODE, [5.0]) == pytest.approx(reduce - 5.0 + step)
+    assert tail_s(layout(), overlapping, [nbytes], ONE_NODE) == pytest.approx(reduce + step)  # nothing to hide behind
     # ZeRO-1: a quarter of the step, then the updated shards gathered (6 s), which nothing hides
-    assert tail_s(layout(zero=1), overlapping, [nbytes], 1, [20.0]) == pytest.approx(step / 4 + 6.0)
+    assert tail_s(layout(zero=1), overlapping, [nbytes], ONE_NODE, [20.0]) == pytest.approx(step / 4 + 6.0)
     # bf16 ZeRO-1: the distributed optimizer gathers bf16 weights, half the bytes (3 s)
-    assert tail_s(layout(zero=1, dtype="bf16"), overlapping, [nbytes], 1, [20.0]) == pytest.approx(step / 4 + 3.0)
+    assert tail_s(layout(zero=1, dtype="bf16"), overlapping, [nbytes], ONE_NODE, [20.0]) == pytest.approx(step / 4 + 3.0)
     # ZeRO-2: the step waits for the last reduce-scatter (6 s) and gathers once (6 s)
-    assert tail_s(layout(zero=2), overlapping, [nbytes], 1, [20.0]) == pytest.approx(step / 4 + 12.0)
+    assert tail_s(layout(zero=2), overlapping, [nbytes], ONE_NODE, [20.0]) == pytest.approx(step / 4 + 12.0)
 
 
 def test_the_estimate_hides_the_all_reduce_behind_the_backward_on_overlapping_devices() -> None:
@@ -94,7 +97,7 @@ def test_the_estimate_hides_the_all_reduce_behind_the_backward_on_overlapping_de
     hidden = score_layout(layout(), table, dataclasses.replace(devices, reduction_overlaps=True), space, cuts=(),
                           recompute=plain.cut.recompute and ((plain.cut.recompute[0],),))
     costs = table.chain_costs(micro_batch_size=1, tp=1, dtype="fp32")
-    reduce = devices.all_reduce_s(sum(costs.parameter_bytes.values()), 4, 1)
+    reduce = devices.all_reduce_s(sum(costs.parameter_bytes.values()), 4, ONE_NODE)
     backward = 2 / 3 * plain.cut.stage_time_s[0]
     assert plain.estimate_s - hidden.estimate_s == pytest.approx(min(reduce, backward))
 

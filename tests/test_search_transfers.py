@@ -12,6 +12,7 @@ from autopart.options import CompileOptions
 from autopart.solve.planner import FrontTable, cluster_of
 from autopart.solve.search import Layout
 from autopart.solve.transfers import boundary_transfer_s
+from cost_models.comm import NodeSpan
 
 TINY_GPT = Path(__file__).parent / "models" / "tiny_gpt.py"
 PINS = dict(pp=2, tp=2, dp=1, micro_batch_size=2, microbatches=4, schedule="1f1b", device="a100-80gb",
@@ -35,7 +36,8 @@ def test_the_search_times_a_boundary_as_the_plan_does(sp):
     else:  # half over the pipeline link, then an all-gather inside the node (here, tiny, slower than the whole)
         held = costs.boundary_bytes[cut]
         assert costs.boundary_gathered_bytes[cut] == held > 0
-        assert searched == pytest.approx(cluster.p2p_s(held // 2, True) + cluster.all_gather_s(held, 2, 1))
+        inside = NodeSpan(nodes=1, fewest=2)
+        assert searched == pytest.approx(cluster.p2p_s(held // 2, True) + cluster.all_gather_s(held, 2, inside))
         assert searched != pytest.approx(whole)
 
 

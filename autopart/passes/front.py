@@ -71,8 +71,8 @@ def sharded(front: Front, options: CompileOptions) -> Front:
     if options.tp == 1:
         return replace(front, shardings=None)
     shardings = tuple(shard_chain(front.chain, tp=options.tp, cost_model=front.cost_model,
-                                  nodes=options.tensor_parallel_nodes, sequence_parallel=bool(options.sp),
-                                  overlap=options.tp_overlap))
+                                  nodes=options.tensor_parallel_span.nodes, sequence_parallel=bool(options.sp),
+                                  overlap=options.tp_overlap, fewest=options.tensor_parallel_span.fewest))
     return replace(front, shardings=shardings)
 
 

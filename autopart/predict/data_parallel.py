@@ -46,10 +46,11 @@ class DataParallelComm:
 
 
 def data_parallel_comm(zero: int, parameter_bytes: float, *, dp: int, nodes: int, cost_model: CostModel,
-                       overlapped: bool, slowdown: float = 0.0, hidden_behind_s: float = 0.0,
+                       overlapped: bool, members: int | None = None, slowdown: float = 0.0, hidden_behind_s: float = 0.0,
                        dtype: str = "fp32", pieces: Sequence[Piece] = (), trained: float = 1.0) -> DataParallelComm:
     """The collectives of one stage holding ``parameter_bytes`` (this rank's, after tensor
-    parallelism), over ``dp`` replicas on ``nodes`` nodes. ``overlapped``: collectives run beside
+    parallelism), over ``dp`` replicas on ``nodes`` nodes, ``members`` of them on the node holding the fewest
+    (`cost_models.comm.fewest_members`; None: spread evenly). ``overlapped``: collectives run beside
     the compute (a GPU's streams), slowing it by ``slowdown`` while they run (the device's
     ``overlap_compute_slowdown``); a reduce-scatter still running as a backward ends runs beside
     the next action, which takes at least ``hidden_behind_s`` (the stage's forward: what follows
@@ -63,7 +64,7 @@ def data_parallel_comm(zero: int, parameter_bytes: float, *, dp: int, nodes: int
 
     def time(kind: str) -> float:
         nbytes = gathered_bytes(parameter_bytes, dtype) if kind == "all_gather" else parameter_bytes * trained
-        return cost_model.collective_time(kind, nbytes, dp, nodes=nodes)
+        return cost_model.collective_time(kind, nbytes, dp, nodes=nodes, members=members)
 
     if zero in (0, 1):  # the all-reduce overlaps the backward (`autopart.predict.reduction`); ZeRO-1's
         return DataParallelComm(tail_s=time("all_gather") if zero == 1 else 0.0)  # update is shared after the step
@@ -74,8 +75,10 @@ def data_parallel_comm(zero: int, parameter_bytes: float, *, dp: int, nodes: int
         return DataParallelComm(backward_s=reduce, tail_s=time("all_gather") + last)
     layered = fully_sharded_cost(
         pieces or (Piece(hidden_behind_s, 2 * hidden_behind_s),), parameter_bytes - sum(p.count * p.unit_bytes for p in pieces),
-        gather_s=lambda nbytes: cost_model.collective_time("all_gather", gathered_bytes(nbytes, dtype), dp, nodes=nodes),
-        reduce_s=lambda nbytes: cost_model.collective_time("reduce_scatter", nbytes * trained, dp, nodes=nodes),
+        gather_s=lambda nbytes: cost_model.collective_time("all_gather", gathered_bytes(nbytes, dtype), dp, nodes=nodes,
+                                                            members=members),
+        reduce_s=lambda nbytes: cost_model.collective_time("reduce_scatter", nbytes * trained, dp, nodes=nodes,
+                                                            members=members),
         overlapped=overlapped, slowdown=slowdown)
     return DataParallelComm(forward_s=layered.forward_s, backward_s=layered.backward_beside(hidden_behind_s),
                             tail_s=layered.pending_s)

@@ -85,15 +85,16 @@ def rank_reductions(actions: Sequence[Action], stages: Sequence[StageGradients],
 
 def plan_reductions(schedule: Schedule, stages: Sequence[StagePlan], chain: BlockChain,
                     backward_s: Sequence[float], *, tp: int, dp: int, cost_model: CostModel,
-                    nodes: int) -> dict[int, list[Reduction]]:
+                    nodes: int, members: int | None = None) -> dict[int, list[Reduction]]:
     """Per pipeline rank, the reductions of a plan's stages: ``backward_s`` per block (its share
     of its stage's B), each parameter's bytes on a rank (a tensor-parallel shard's where the
-    plan splits it), the all-reduce over ``dp`` replicas on ``nodes`` nodes as ``cost_model`` times it."""
+    plan splits it), the all-reduce over ``dp`` replicas on ``nodes`` nodes (``members`` of them on the node
+    holding the fewest, `cost_models.comm.fewest_members`) as ``cost_model`` times it."""
     if dp == 1:
         return {}
 
     def seconds(nbytes: int) -> tuple[float, float]:
-        alone = cost_model.collective_time("all_reduce", nbytes, dp, nodes=nodes)
+        alone = cost_model.collective_time("all_reduce", nbytes, dp, nodes=nodes, members=members)
         piece = nbytes / dp  # a ring all-reduce moves the bytes in dp pieces, 2 (dp - 1) times each way
         send, receive = cost_model.p2p_rank_time(piece, across_nodes=nodes > 1)
         message = cost_model.p2p_time(piece, across_nodes=nodes > 1)

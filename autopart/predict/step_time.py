@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections import Counter
 from dataclasses import replace
 
 from autopart.codegen.layers import layer_instances
@@ -39,7 +40,8 @@ def data_parallel(options: CompileOptions, front: Front, stages: list[StagePlan]
     device = front.cost_model.device
     pieces = fully_sharded_pieces(front, stages, options.tp) if options.zero == 3 and options.dp > 1 else None
     return [data_parallel_comm(options.zero, stage.parameter_bytes / options.tp, dp=options.dp,
-                               nodes=options.data_parallel_nodes, cost_model=front.cost_model,
+                               nodes=options.data_parallel_span.nodes, members=options.data_parallel_span.fewest,
+                               cost_model=front.cost_model,
                                overlapped=device.collectives_overlap_compute, slowdown=device.slowdown_beside_collectives,
                                hidden_behind_s=stage.forward_s, dtype=options.dtype, pieces=pieces[i] if pieces else (),
                                trained=_trained_share(front, stage))
@@ -97,9 +99,10 @@ def data_parallel_seconds(stages: list[StagePlan], comm: list[DataParallelComm])
 
 def _tied_all_reduce_s(cost_model, options: CompileOptions, nbytes: int, ranks: set[int]) -> float:
     """The sum of a tied weight's gradient over the pipeline ranks that hold it, on the nodes
-    those ranks' first replica sits on (pipeline rank r is global rank r * tp there)."""
-    nodes = len({rank * options.tp // options.gpus_per_node for rank in ranks})
-    return cost_model.collective_time("all_reduce", nbytes, len(ranks), nodes=nodes)
+    those ranks' first replica sits on (pipeline rank r is global rank r * tp there), crossing
+    between them at the NICs of the node holding the fewest."""
+    counts = Counter(rank * options.tp // options.gpus_per_node for rank in ranks)
+    return cost_model.collective_time("all_reduce", nbytes, len(ranks), nodes=len(counts), members=min(counts.values()))
 
 
 def rank_tails(options: CompileOptions, front: Front, stages: list[StagePlan], holders: dict[str, list[int]],
@@ -251,7 +254,7 @@ def predicted_step_s(options: CompileOptions, front: Front, stages: list[StagePl
     replicas = options.dp if options.zero not in (2, 3) else 1  # FSDP reduces in its own backward hooks
     reductions = plan_reductions(schedule, stages, front.chain, [b for _, b, _ in block_seconds(front)], tp=options.tp,
                                  dp=replicas, cost_model=front.cost_model,
-                                 nodes=options.data_parallel_nodes)
+                                 nodes=options.data_parallel_span.nodes, members=options.data_parallel_span.fewest)
 
     def step(costs: StageCosts, tails: dict[int, float]) -> tuple[float, dict[int, tuple[float, float]]]:
         return overlapped_step_time(schedule, costs, reductions, ranks=options.pp, cores=cores,

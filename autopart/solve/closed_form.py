@@ -17,11 +17,12 @@ from autopart.solve.data_parallel_tail import hidden_s, ranks_pending_s, stage_l
 from autopart.solve.interleaved import interleaved_pipeline_s
 from autopart.solve.replica_shares import rank_spans, trained_bytes
 from autopart.solve.vshape import zbv_pipeline_s
+from cost_models.comm import NodeSpan
 
 __all__ = ["estimate_step_s"]
 
 
-def estimate_step_s(layout, cut, cluster, rank_parameter_bytes: list[int], nodes: int, last_bytes: list[int] | None,
+def estimate_step_s(layout, cut, cluster, rank_parameter_bytes: list[int], dp_span: NodeSpan, last_bytes: list[int] | None,
                     costs: ChainCosts, stepped: Callable[[tuple[tuple[int, int], ...]], int] | None = None) -> float:
     """The step of ``layout`` cut as ``cut`` (a `StageCut`) says. ``costs``: the chain's, whose
     repeated layers are ZeRO-3's units (``layout_bound`` counts their gathers). ``stepped``: of a
@@ -32,7 +33,7 @@ def estimate_step_s(layout, cut, cluster, rank_parameter_bytes: list[int], nodes
     spans = _rank_spans(cut.cuts, len(costs), layout.schedule, p, layout.chunks)
     # what each rank reduces and steps: no frozen parameter's bytes
     trained = [trained_bytes(costs, mine) for mine in spans] if costs.frozen_parameters else None
-    times = stage_times(layout, cluster, cut.stage_time_s, rank_parameter_bytes, nodes, layers, trained)
+    times = stage_times(layout, cluster, cut.stage_time_s, rank_parameter_bytes, dp_span, layers, trained)
     if layout.schedule == "interleaved":
         pipeline = interleaved_pipeline_s(times, p, m, layout.chunks)
     elif layout.schedule == "zbv":
@@ -42,9 +43,9 @@ def estimate_step_s(layout, cut, cluster, rank_parameter_bytes: list[int], nodes
         if layout.schedule == "zb-h1":  # W fills the cool-down bubble: (p-1)(F+I-W), not (p-1)(F+I+W)
             pipeline -= 2 * (p - 1) * min(cut.stage_weight_s)
     stepped_bytes = None if stepped is None else [stepped(mine) for mine in spans]
-    return pipeline + tail_s(layout, cluster, rank_parameter_bytes, nodes, hidden_s(layout, times), last_bytes,
+    return pipeline + tail_s(layout, cluster, rank_parameter_bytes, dp_span, hidden_s(layout, times), last_bytes,
                              stepped_bytes, trained,
-                             ranks_pending_s(layout, cluster, cut.stage_time_s, rank_parameter_bytes, nodes, layers,
+                             ranks_pending_s(layout, cluster, cut.stage_time_s, rank_parameter_bytes, dp_span, layers,
                                              trained))
 
 

@@ -30,6 +30,7 @@ from autopart.runtime.fully_sharded import FSDP_LEVELS
 from autopart.schedule import SPLIT_BACKWARD_KINDS, stage_placement
 from autopart.solve.replica_shares import rank_spans, slowest_replica_bytes, trained_bytes
 from autopart.solve.transfers import boundary_transfer_s
+from cost_models.comm import NodeSpan
 
 __all__ = ["fully_sharded_levels", "tail_s", "update_s", "exposed_all_reduce_s", "hidden_s", "last_bucket_bytes",
            "fully_sharded_extra_s", "layered_pending_s", "ranks_pending_s", "stage_layers", "stage_times",
@@ -47,12 +48,12 @@ def fully_sharded_levels(levels: tuple[int, ...], schedule: str) -> tuple[int, .
     return levels
 
 
-def _reduce_scatter_s(cluster, nbytes: float, group: int, nodes: int) -> float:
+def _reduce_scatter_s(cluster, nbytes: float, group: int, dp_span: NodeSpan) -> float:
     """A reduce-scatter moves what an all-gather moves (nccl-tests' bus factor (n - 1)/n both)."""
-    return cluster.all_gather_s(nbytes, group, nodes)
+    return cluster.all_gather_s(nbytes, group, dp_span)
 
 
-def tail_s(layout, cluster, rank_parameter_bytes: Sequence[int], nodes: int,
+def tail_s(layout, cluster, rank_parameter_bytes: Sequence[int], dp_span: NodeSpan,
            hidden: Sequence[float] | None = None, last_bytes: Sequence[int] | None = None,
            stepped_bytes: Sequence[float] | None = None, trained_bytes: Sequence[float] | None = None,
            pending_s: Sequence[float] | None = None) -> float:
@@ -72,17 +73,17 @@ def tail_s(layout, cluster, rank_parameter_bytes: Sequence[int], nodes: int,
     for rank, whole in enumerate(rank_parameter_bytes):
         nbytes = whole if trained_bytes is None else trained_bytes[rank]
         if dp == 1 or level in (0, 1):
-            sync = cluster.all_reduce_s(nbytes, dp, nodes) if dp > 1 else 0.0
+            sync = cluster.all_reduce_s(nbytes, dp, dp_span) if dp > 1 else 0.0
             if dp > 1 and hidden is not None and cluster.reduction_overlaps:
-                last = cluster.all_reduce_s(last_bytes[rank], dp, nodes) if last_bytes is not None else 0.0
+                last = cluster.all_reduce_s(last_bytes[rank], dp, dp_span) if last_bytes is not None else 0.0
                 sync = exposed_all_reduce_s(sync, last, hidden[rank], cluster.overlap_slowdown)
-            rank_tail = sync + update_s(layout, cluster, nbytes, nodes,
+            rank_tail = sync + update_s(layout, cluster, nbytes, dp_span,
                                         None if stepped_bytes is None else stepped_bytes[rank])
         else:  # FSDP: the step waits for the last reduce-scatter where it runs beside the compute
-            last = _reduce_scatter_s(cluster, nbytes, dp, nodes) if cluster.reduction_overlaps else 0.0
+            last = _reduce_scatter_s(cluster, nbytes, dp, dp_span) if cluster.reduction_overlaps else 0.0
             if pending_s is not None:
                 last = pending_s[rank]
-            gather = cluster.all_gather_s(gathered_bytes(whole, layout.dtype), dp, nodes) if level == 2 else 0.0
+            gather = cluster.all_gather_s(gathered_bytes(whole, layout.dtype), dp, dp_span) if level == 2 else 0.0
             rank_tail = cluster.optimizer_s_per_byte * nbytes / dp + last + gather
         tail = max(tail, rank_tail)
     return tail
@@ -96,7 +97,7 @@ def exposed_all_reduce_s(sync_s: float, last_s: float, hidden_s: float, slowdown
     return last_s + added_beside(sync_s - last_s, hidden_s, slowdown)
 
 
-def update_s(layout, cluster, nbytes: int, nodes: int, stepped: int | None = None) -> float:
+def update_s(layout, cluster, nbytes: int, dp_span: NodeSpan, stepped: int | None = None) -> float:
     """After its gradients are reduced, a rank's optimizer step over ``nbytes`` of parameters:
     whole, or under ZeRO-1 (with replicas) the share of its slowest replica, ``stepped`` bytes
     (`autopart.solve.replica_shares.slowest_replica_bytes`; a 1/dp share where not given: no
@@ -106,7 +107,7 @@ def update_s(layout, cluster, nbytes: int, nodes: int, stepped: int | None = Non
         return cluster.optimizer_s_per_byte * nbytes
     share = nbytes / layout.dp if stepped is None else stepped
     return (cluster.optimizer_s_per_byte * share
-            + cluster.all_gather_s(gathered_bytes(nbytes, layout.dtype), layout.dp, nodes))
+            + cluster.all_gather_s(gathered_bytes(nbytes, layout.dtype), layout.dp, dp_span))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -139,7 +140,7 @@ def last_bucket_bytes(layout, costs, cuts: Sequence[int]) -> list[int]:
 
 
 def fully_sharded_extra_s(level: int, cluster, stage_bytes: float, forward_s: float, *, dp: int,
-                          nodes: int, dtype: str, backward_s: float | None = None,
+                          dp_span: NodeSpan, dtype: str, backward_s: float | None = None,
                           layers: tuple[int, int] = (0, 0), trained: float = 1.0) -> tuple[float, float]:
     """What FSDP adds to each forward and each backward of a stage holding ``stage_bytes`` of
     fp32 parameters in precision ``dtype`` (``autopart.predict.data_parallel.data_parallel_comm``'s
@@ -151,13 +152,13 @@ def fully_sharded_extra_s(level: int, cluster, stage_bytes: float, forward_s: fl
         return 0.0, 0.0
     overlapped = cluster.reduction_overlaps
     if level == 2:
-        scatter = _reduce_scatter_s(cluster, stage_bytes * trained, dp, nodes)  # beside the next forward, as predicted
+        scatter = _reduce_scatter_s(cluster, stage_bytes * trained, dp, dp_span)  # beside the next forward, as predicted
         return 0.0, added_beside(scatter, forward_s, cluster.overlap_slowdown) if overlapped else scatter
     return _layered_extra_s(cluster, stage_bytes, forward_s, 2 * forward_s if backward_s is None else backward_s,
-                            layers, dp, nodes, dtype, trained)[:2]
+                            layers, dp, dp_span, dtype, trained)[:2]
 
 
-def layered_pending_s(cluster, stage_bytes: float, forward_s: float, *, dp: int, nodes: int, dtype: str,
+def layered_pending_s(cluster, stage_bytes: float, forward_s: float, *, dp: int, dp_span: NodeSpan, dtype: str,
                       backward_s: float | None = None, layers: tuple[int, int] = (0, 0), trained: float = 1.0) -> float:
     """Of a ZeRO-3 stage (as `fully_sharded_extra_s` takes it), the reduce-scatters still running
     as its backward ends, which the step waits for (``autopart.predict.fully_sharded``'s
@@ -166,27 +167,27 @@ def layered_pending_s(cluster, stage_bytes: float, forward_s: float, *, dp: int,
     if dp == 1:
         return 0.0
     return _layered_extra_s(cluster, stage_bytes, forward_s, 2 * forward_s if backward_s is None else backward_s,
-                            layers, dp, nodes, dtype, trained)[2]
+                            layers, dp, dp_span, dtype, trained)[2]
 
 
 @functools.lru_cache(maxsize=1 << 16)
 def _layered_extra_s(cluster, stage_bytes: float, forward_s: float, backward_s: float, layers: tuple[int, int],
-                     dp: int, nodes: int, dtype: str, trained: float) -> tuple[float, float, float]:
+                     dp: int, dp_span: NodeSpan, dtype: str, trained: float) -> tuple[float, float, float]:
     """``fully_sharded_extra_s`` at level 3, and `layered_pending_s`, kept: refining a layout's
     cuts asks for the same stages again and again."""
     layered_bytes, count = layers
     pieces = (Piece(forward_s / count, backward_s / count, layered_bytes / count, count) if count
               else Piece(forward_s, backward_s),)
     cost = fully_sharded_cost(pieces, max(0.0, stage_bytes - (layered_bytes if count else 0)),
-                              gather_s=lambda n: _gather_s(cluster, n, dp, nodes, dtype),
-                              reduce_s=lambda n: _reduce_scatter_s(cluster, n * trained, dp, nodes),
+                              gather_s=lambda n: _gather_s(cluster, n, dp, dp_span, dtype),
+                              reduce_s=lambda n: _reduce_scatter_s(cluster, n * trained, dp, dp_span),
                               overlapped=cluster.reduction_overlaps, slowdown=cluster.overlap_slowdown)
     return cost.forward_s, cost.backward_beside(forward_s), cost.pending_s
 
 
-def _gather_s(cluster, parameter_bytes: float, dp: int, nodes: int, dtype: str) -> float:
+def _gather_s(cluster, parameter_bytes: float, dp: int, dp_span: NodeSpan, dtype: str) -> float:
     """FSDP's all-gather of a unit of ``parameter_bytes`` fp32 parameters (moved in the compute dtype)."""
-    return cluster.all_gather_s(gathered_bytes(parameter_bytes, dtype), dp, nodes)
+    return cluster.all_gather_s(gathered_bytes(parameter_bytes, dtype), dp, dp_span)
 
 
 def fully_sharded_floor_s(layout, costs, cluster) -> float:
@@ -217,11 +218,11 @@ def fully_sharded_floor_s(layout, costs, cluster) -> float:
     level = int(layout.zero)
     if level not in FSDP_LEVELS or layout.dp == 1 or layout.schedule not in _ONE_BACKWARD:
         return 0.0
-    nodes = layout.data_parallel_nodes(cluster.gpus_per_node)
+    dp_span = layout.data_parallel_span(cluster.gpus_per_node)
     if level == 2:
         share = sum(costs.parameter_bytes.values()) // layout.pp / layout.chunks  # a stage's of the busiest rank
         scattered = share * costs.trained_share
-        return layout.microbatches * layout.chunks * _reduce_scatter_s(cluster, scattered, layout.dp, nodes) * (1 - 1e-9)
+        return layout.microbatches * layout.chunks * _reduce_scatter_s(cluster, scattered, layout.dp, dp_span) * (1 - 1e-9)
     if not costs.layer_bytes:
         return 0.0
     m, stages, layer = layout.microbatches, layout.stages, costs.layer_bytes
@@ -246,18 +247,18 @@ def fully_sharded_floor_s(layout, costs, cluster) -> float:
     fullest = 0.0
     if units:
         unit = layer * (1 - 0.5 / units) * (1 - 1e-9)  # under the estimate's own, for its rounding
-        fullest = stage_s(units * _gather_s(cluster, unit, layout.dp, nodes, layout.dtype),
-                          units * _reduce_scatter_s(cluster, unit * layered_trained, layout.dp, nodes))
+        fullest = stage_s(units * _gather_s(cluster, unit, layout.dp, dp_span, layout.dtype),
+                          units * _reduce_scatter_s(cluster, unit * layered_trained, layout.dp, dp_span))
     held = max(0.0, layered - stages * layer / 2)  # in stages of a unit or more
-    summed = stage_s(held * _least_per_byte(cluster, layer, layout.dp, nodes, layout.dtype, gather=True),
-                     held * _least_per_byte(cluster, layer, layout.dp, nodes, layout.dtype, gather=False,
+    summed = stage_s(held * _least_per_byte(cluster, layer, layout.dp, dp_span, layout.dtype, gather=True),
+                     held * _least_per_byte(cluster, layer, layout.dp, dp_span, layout.dtype, gather=False,
                                             trained=layered_trained))
     spread = m / layout.pp if layout.schedule == "interleaved" else 1 + (m - 1) / stages
     return max(m * fullest, spread * summed) * (1 - 1e-9)  # under the estimate's own rounding
 
 
 @functools.lru_cache(maxsize=1024)
-def _least_per_byte(cluster, layer: int, dp: int, nodes: int, dtype: str, *, gather: bool, pieces: int = 64,
+def _least_per_byte(cluster, layer: int, dp: int, dp_span: NodeSpan, dtype: str, *, gather: bool, pieces: int = 64,
                     trained: float = 1.0) -> float:
     """No gather (or reduce-scatter) of a unit between half of ``layer`` and one and a half takes
     fewer seconds per byte: over each of ``pieces`` spans of that range, its least bytes' over its most
@@ -267,8 +268,8 @@ def _least_per_byte(cluster, layer: int, dp: int, nodes: int, dtype: str, *, gat
 
     def seconds(nbytes: float) -> float:
         if gather:
-            return _gather_s(cluster, nbytes, dp, nodes, dtype)
-        return _reduce_scatter_s(cluster, nbytes * trained, dp, nodes)
+            return _gather_s(cluster, nbytes, dp, dp_span, dtype)
+        return _reduce_scatter_s(cluster, nbytes * trained, dp, dp_span)
 
     return min(seconds(low) / high for low, high in zip(edges, edges[1:]))
 
@@ -289,7 +290,7 @@ def stage_layers(costs, cuts: Sequence[int]) -> tuple[tuple[int, int], ...]:
 
 
 def stage_times(layout, cluster, times: Sequence[float], rank_parameter_bytes: Sequence[int],
-                nodes: int, layers: Sequence[tuple[int, int]] | None = None,
+                dp_span: NodeSpan, layers: Sequence[tuple[int, int]] | None = None,
                 trained_bytes: Sequence[float] | None = None) -> tuple[float, ...]:
     """``times`` (per stage, a microbatch's forward and backward) with FSDP's gathers and
     unhidden reduce-scatters added; each stage holds its rank's parameters over its chunks, and
@@ -301,12 +302,12 @@ def stage_times(layout, cluster, times: Sequence[float], rank_parameter_bytes: S
     for time, (share, forward_s, kwargs) in zip(times, _stages(layout, times, rank_parameter_bytes, layers,
                                                                trained_bytes)):
         forward, backward = fully_sharded_extra_s(int(layout.zero), cluster, share, forward_s, dp=layout.dp,
-                                                  nodes=nodes, dtype=layout.dtype, **kwargs)
+                                                  dp_span=dp_span, dtype=layout.dtype, **kwargs)
         found.append(time + forward + backward)
     return tuple(found)
 
 
-def ranks_pending_s(layout, cluster, times: Sequence[float], rank_parameter_bytes: Sequence[int], nodes: int,
+def ranks_pending_s(layout, cluster, times: Sequence[float], rank_parameter_bytes: Sequence[int], dp_span: NodeSpan,
                     layers: Sequence[tuple[int, int]] | None,
                     trained_bytes: Sequence[float] | None = None) -> list[float] | None:
     """Per rank, what its ZeRO-3 reduce-scatters run past its last backward (`layered_pending_s`
@@ -318,7 +319,7 @@ def ranks_pending_s(layout, cluster, times: Sequence[float], rank_parameter_byte
     placement = _placement(layout.schedule, layout.pp, layout.chunks)
     for rank, (share, forward_s, kwargs) in zip(placement, _stages(layout, times, rank_parameter_bytes, layers,
                                                                   trained_bytes)):
-        pending = layered_pending_s(cluster, share, forward_s, dp=layout.dp, nodes=nodes, dtype=layout.dtype, **kwargs)
+        pending = layered_pending_s(cluster, share, forward_s, dp=layout.dp, dp_span=dp_span, dtype=layout.dtype, **kwargs)
         found[rank] = max(found[rank], pending)
     return found
 
@@ -354,16 +355,16 @@ def fsdp_may_pay(scored, table, cluster) -> bool:
     layout, cut = scored.layout, scored.cut
     costs = table.chain_costs(micro_batch_size=layout.micro_batch_size, tp=layout.tp, dtype=layout.dtype)
     placement = _placement(layout.schedule, layout.pp, layout.chunks)
-    nodes = layout.data_parallel_nodes(cluster.gpus_per_node)
+    dp_span = layout.data_parallel_span(cluster.gpus_per_node)
     hidden = hidden_s(layout, cut.stage_time_s) if cluster.reduction_overlaps else [0.0] * layout.pp
     last = last_bucket_bytes(layout, costs, cut.cuts)
     stepped = slowest_replica_bytes(layout, costs)
     spans = rank_spans(cut.cuts, len(costs), placement)
     for rank, nbytes in enumerate(trained_bytes(costs, mine) for mine in spans):  # what has a gradient
-        exposed = exposed_all_reduce_s(cluster.all_reduce_s(nbytes, layout.dp, nodes),
-                                       cluster.all_reduce_s(last[rank], layout.dp, nodes), hidden[rank],
+        exposed = exposed_all_reduce_s(cluster.all_reduce_s(nbytes, layout.dp, dp_span),
+                                       cluster.all_reduce_s(last[rank], layout.dp, dp_span), hidden[rank],
                                        cluster.overlap_slowdown)
         uneven = 0.0 if stepped is None else cluster.optimizer_s_per_byte * (stepped(spans[rank]) - nbytes / layout.dp)
-        if exposed + uneven > _reduce_scatter_s(cluster, nbytes, layout.dp, nodes):
+        if exposed + uneven > _reduce_scatter_s(cluster, nbytes, layout.dp, dp_span):
             return True
     return False

@@ -201,7 +201,7 @@ def layout_bound(table, layout, cluster, *, slowest_s: float = 0.0, hides_all: b
     else:
         behind = most_hidden_s(layout, costs, cluster)
     # the busiest rank reduces and steps no less than an even share of what trains
-    tail = tail_s(layout, cluster, [share], layout.data_parallel_nodes(cluster.gpus_per_node), [behind],
+    tail = tail_s(layout, cluster, [share], layout.data_parallel_span(cluster.gpus_per_node), [behind],
                   trained_bytes=[share * costs.trained_share],
                   pending_s=[0.0] if int(layout.zero) == 3 else None)  # ZeRO-3's: at least nothing
     return (pipeline + tail) * (1 - 1e-12)  # below the estimate's own rounding

@@ -103,8 +103,10 @@ def cluster_of(options: CompileOptions) -> Cluster:
         overhead_bytes=device.framework_overhead_bytes,
         gpus_per_node=options.gpus_per_node,
         p2p_s=lambda nbytes, across: cost_model.p2p_time(nbytes, across_nodes=across),
-        all_reduce_s=lambda nbytes, group, nodes: cost_model.collective_time("all_reduce", nbytes, group, nodes=nodes),
-        all_gather_s=lambda nbytes, group, nodes: cost_model.collective_time("all_gather", nbytes, group, nodes=nodes),
+        all_reduce_s=lambda nbytes, group, span: cost_model.collective_time("all_reduce", nbytes, group, nodes=span.nodes,
+                                                                            members=span.fewest),
+        all_gather_s=lambda nbytes, group, span: cost_model.collective_time("all_gather", nbytes, group, nodes=span.nodes,
+                                                                            members=span.fewest),
         optimizer_s_per_byte=per_byte,
         reduction_overlaps=device.collectives_overlap_compute,  # as ``autopart.predict.step_time`` overlaps them
         overlap_slowdown=device.slowdown_beside_collectives,

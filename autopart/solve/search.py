@@ -49,7 +49,7 @@ from autopart.solve.replica_shares import owners_beyond_shares, parameter_bytes_
 from autopart.solve.refine import CutJudge, refine_cuts
 from autopart.solve.scoring_pool import LayoutScoring, search_workers
 from autopart.solve.transfers import boundary_transfer_s
-from cost_models.comm import nodes_spanned
+from cost_models.comm import NodeSpan, node_span
 
 __all__ = ["Layout", "SearchSpace", "Cluster", "CostTable", "Scored", "SearchResult", "Speculation", "search", "fits",
            "score_layout"]
@@ -82,9 +82,9 @@ class Layout:
     def world_size(self) -> int:
         return self.pp * self.tp * self.dp
 
-    def data_parallel_nodes(self, gpus_per_node: int) -> int:
-        """Nodes a data-parallel group spans: data parallelism is outermost, a replica's ranks apart."""
-        return nodes_spanned(self.dp, self.pp * self.tp, gpus_per_node, self.world_size)
+    def data_parallel_span(self, gpus_per_node: int) -> NodeSpan:
+        """How a data-parallel group lies on the nodes: data parallelism is outermost, a replica's ranks apart."""
+        return node_span(self.dp, self.pp * self.tp, gpus_per_node, self.world_size)
 
     def pipeline_crosses_nodes(self, gpus_per_node: int) -> bool:
         """A pipeline (pp x tp ranks, tensor parallelism innermost) spans nodes once it has more ranks than a node."""
@@ -189,8 +189,8 @@ class Cluster:
     overhead_bytes: int  # per rank, before the model
     gpus_per_node: int
     p2p_s: Callable[[float, bool], float]  # (bytes, across nodes) -> seconds
-    all_reduce_s: Callable[[float, int, int], float]  # (bytes, group, nodes it spans) -> seconds
-    all_gather_s: Callable[[float, int, int], float]
+    all_reduce_s: Callable[[float, int, NodeSpan], float]  # (bytes, group, how it lies on the nodes) -> seconds
+    all_gather_s: Callable[[float, int, NodeSpan], float]
     optimizer_s_per_byte: float  # seconds of the optimizer step per byte of parameters
     reduction_overlaps: bool = False
     """The data-parallel collectives run beside the compute (a GPU's streams): the all-reduce
@@ -420,7 +420,7 @@ def _cut_and_estimate(layout: Layout, table: CostTable, cluster: Cluster, space:
         modes = (space.recompute,) * stages
     if len(modes) != stages:
         return None if cuts is not None or fit_only else Speculation(plain=None, refine_from=math.inf)
-    nodes = layout.data_parallel_nodes(cluster.gpus_per_node)
+    dp_span = layout.data_parallel_span(cluster.gpus_per_node)
     owners = owners_beyond_shares(table, layout, costs)  # one per layout: what it gives each rank's spans is kept
     stepped = slowest_replica_bytes(layout, costs)
     if cuts is not None:
@@ -435,24 +435,24 @@ def _cut_and_estimate(layout: Layout, table: CostTable, cluster: Cluster, space:
 
         cut = cut_within_owners(cutter, owners, blocks=len(costs), ranks=ranks, memory_limit_bytes=cluster.memory_bytes)
         if not fit_only:
-            return _with_refinement(layout, table, cluster, costs, cut, modes, flight, transient, ranks, transfer, nodes,
+            return _with_refinement(layout, table, cluster, costs, cut, modes, flight, transient, ranks, transfer, dp_span,
                                     refine_below, owners, stepped)
     cut = with_owners(cut, owners, blocks=len(costs), ranks=ranks, memory_limit_bytes=cluster.memory_bytes)
     if cut is None:
         return None
     rank_bytes = parameter_bytes_per_rank(table, layout, cut, ranks)
-    estimate = estimate_step_s(layout, cut, cluster, rank_bytes, nodes, last_bucket_bytes(layout, costs, cut.cuts),
+    estimate = estimate_step_s(layout, cut, cluster, rank_bytes, dp_span, last_bucket_bytes(layout, costs, cut.cuts),
                                costs, stepped)
     return Scored(layout=layout, cut=cut, estimate_s=estimate)
 
 
-def _with_refinement(layout, table, cluster, costs, cut, modes, flight, transient, ranks, transfer, nodes,
+def _with_refinement(layout, table, cluster, costs, cut, modes, flight, transient, ranks, transfer, dp_span,
                      refine_below, owners, stepped) -> Speculation:
     """The bisection's cut, and refined by the step itself where that may bring it into the finalists."""
     judge = CutJudge(costs, in_flight=flight, transient=transient, stage_rank=ranks, transfer_s=transfer,
                      rank_in_flight=rank_in_flight(layout.schedule, layout.pp, layout.microbatches, layout.chunks),
                      memory_limit_bytes=cluster.memory_bytes, overhead_bytes=cluster.overhead_bytes, modes=modes,
-                     objective=lambda c, rank_bytes: estimate_step_s(layout, c, cluster, rank_bytes, nodes,
+                     objective=lambda c, rank_bytes: estimate_step_s(layout, c, cluster, rank_bytes, dp_span,
                                                                      last_bucket_bytes(layout, costs, c.cuts), costs,
                                                                      stepped),
                      rank_extra=owners)

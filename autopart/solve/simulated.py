@@ -39,6 +39,7 @@ from autopart.solve.data_parallel_tail import (fully_sharded_extra_s, last_bucke
                                                stage_layers, tail_s, update_s)
 from autopart.solve.transfers import boundary_transfer_s
 from autopart.predict.reduction import collectives_delay
+from cost_models.comm import NodeSpan
 
 __all__ = ["simulated_step_s", "simulated_stage_costs", "pipeline_s"]
 
@@ -53,23 +54,23 @@ def simulated_step_s(scored: Scored, table: CostTable, cluster: Cluster) -> floa
     chain = table.chain_costs(micro_batch_size=layout.micro_batch_size, tp=layout.tp, dtype=layout.dtype)
     ranks = stage_placement(layout.schedule, ranks=layout.pp, chunks=layout.chunks)
     rank_bytes = parameter_bytes_per_rank(table, layout, cut, ranks)
-    nodes = layout.data_parallel_nodes(cluster.gpus_per_node)
+    dp_span = layout.data_parallel_span(cluster.gpus_per_node)
     stepped = slowest_replica_bytes(layout, chain)
     spans = rank_spans(cut.cuts, len(chain), ranks)
     stepped_bytes = None if stepped is None else [stepped(mine) for mine in spans]
     trained = [trained_bytes(chain, mine) for mine in spans]  # what each rank reduces and steps
     if layout.dp > 1 and int(layout.zero) in (0, 1) and cluster.reduction_overlaps:
-        return _overlapped_step_s(layout, cluster, chain, cut.cuts, costs, trained, nodes, stepped_bytes)
+        return _overlapped_step_s(layout, cluster, chain, cut.cuts, costs, trained, dp_span, stepped_bytes)
     pipeline = pipeline_s(layout.schedule, layout.pp, layout.microbatches, layout.chunks, costs)
     behind = [0.0] * layout.pp  # per rank, its last microbatch's backward: what its all-reduce runs beside
     for rank, backward in zip(ranks, costs.backward_s):
         behind[rank] += backward
-    return pipeline + tail_s(layout, cluster, rank_bytes, nodes, behind, last_bucket_bytes(layout, chain, cut.cuts),
+    return pipeline + tail_s(layout, cluster, rank_bytes, dp_span, behind, last_bucket_bytes(layout, chain, cut.cuts),
                              stepped_bytes, trained, pending)
 
 
 def _overlapped_step_s(layout, cluster: Cluster, chain: ChainCosts, cuts: tuple[int, ...], costs: StageCosts,
-                       reduced_bytes: list[int], nodes: int, stepped_bytes: list[int] | None) -> float:
+                       reduced_bytes: list[int], dp_span: NodeSpan, stepped_bytes: list[int] | None) -> float:
     """The step with each rank's gradient all-reduces queued on its communicator as the runtime
     launches them (`autopart.predict.reduction`, at stage grain): a stage's parameters but its
     first block's are ready from the start of its last backward (B, or W where the backward is
@@ -90,10 +91,10 @@ def _overlapped_step_s(layout, cluster: Cluster, chain: ChainCosts, cuts: tuple[
     for rank, items in enumerate(queued):
         items = sorted((ready, nbytes) for ready, nbytes in items if nbytes)
         delay, wait = collectives_delay([ready for ready, _ in items],
-                                        [(cluster.all_reduce_s(nbytes, layout.dp, nodes), 0.0) for _, nbytes in items],
+                                        [(cluster.all_reduce_s(nbytes, layout.dp, dp_span), 0.0) for _, nbytes in items],
                                         ends[rank], slowdown=cluster.overlap_slowdown)
         stepped = None if stepped_bytes is None else stepped_bytes[rank]
-        step = max(step, ends[rank] + delay + wait + update_s(layout, cluster, reduced_bytes[rank], nodes, stepped))
+        step = max(step, ends[rank] + delay + wait + update_s(layout, cluster, reduced_bytes[rank], dp_span, stepped))
     return step
 
 
@@ -116,14 +117,14 @@ def _stage_costs(scored: Scored, table: CostTable, cluster: Cluster) -> tuple[St
     forward_s, backward_s, weight_s = [], [], []
     placement = stage_placement(layout.schedule, ranks=layout.pp, chunks=layout.chunks)
     pending = [0.0] * layout.pp if int(layout.zero) == 3 else None
-    data_parallel_nodes = layout.data_parallel_nodes(cluster.gpus_per_node)
+    data_parallel_span = layout.data_parallel_span(cluster.gpus_per_node)
     for rank, first, end, mode, layers in zip(placement, firsts, ends, cut.recompute, stage_layers(costs, cut.cuts),
                                               strict=True):
         stage_forward = forward[end] - forward[first]
         stage_backward = backward[end] - backward[first] + _recompute_s(costs, mode, first, end)
         held = stage_parameter_bytes(costs, first, end - 1)
         trained = trained_bytes(costs, ((first, end - 1),)) / held if held else 1.0
-        arguments = dict(dp=layout.dp, nodes=data_parallel_nodes, dtype=layout.dtype, backward_s=stage_backward,
+        arguments = dict(dp=layout.dp, dp_span=data_parallel_span, dtype=layout.dtype, backward_s=stage_backward,
                          layers=layers, trained=trained)
         gather, reduce = fully_sharded_extra_s(int(layout.zero), cluster, held, stage_forward, **arguments)
         if pending is not None:

@@ -104,11 +104,11 @@ def gathers_for_split_op(source: Placement, target: Placement, copy: bool) -> bo
 class _BlockModel:
     def __init__(
         self, chain: BlockChain, block: Block, t: int, cost_model: CostModel, pinned: dict[str, Placement], nodes: int,
-        sequence_parallel: bool = False, overlap: bool = False,
+        sequence_parallel: bool = False, overlap: bool = False, fewest: int | None = None,
     ):
         self.chain, self.block, self.t, self.cost_model = chain, block, t, cost_model
         self.sequence_parallel, self.overlap = sequence_parallel, overlap
-        self.nodes = nodes
+        self.nodes, self.fewest = nodes, fewest
         op_graph = chain.op_graph
         fx_nodes = {n.name: n for n in op_graph.fx_nodes()}
         self.members = [fx_nodes[n] for n in block.nodes if self._tensorish(fx_nodes[n])]
@@ -213,7 +213,7 @@ class _BlockModel:
             return 0.0
         meta = self.chain.op_graph.nodes[name].output
         nbytes = meta.nbytes * share if meta else 0
-        return self.cost_model.collective_time(kind, nbytes, self.t, nodes=self.nodes)
+        return self.cost_model.collective_time(kind, nbytes, self.t, nodes=self.nodes, members=self.fewest)
 
     def _edges(self, node: fx.Node) -> None:
         """The op's own time per strategy, and what each strategy needs of each input."""
@@ -372,9 +372,9 @@ def fastest_compute_s(chain: BlockChain, *, t: int, cost_model: CostModel) -> li
 
 def _solve_block(
     chain: BlockChain, index: int, t: int, cost_model: CostModel, pinned: dict[str, Placement], nodes: int,
-    sequence_parallel: bool = False, overlap: bool = False,
+    sequence_parallel: bool = False, overlap: bool = False, fewest: int | None = None,
 ) -> BlockSharding:
-    model = _BlockModel(chain, chain.blocks[index], t, cost_model, pinned, nodes, sequence_parallel, overlap)
+    model = _BlockModel(chain, chain.blocks[index], t, cost_model, pinned, nodes, sequence_parallel, overlap, fewest)
     return model.solve(time_limit_s=20.0)
 
 
@@ -392,9 +392,10 @@ def _translate(solution: BlockSharding, source: Block, target: Block) -> BlockSh
 
 def shard_chain(
     chain: BlockChain, *, tp: int, cost_model: CostModel, nodes: int = 1, sequence_parallel: bool = False,
-    overlap: bool = False,
+    overlap: bool = False, fewest: int | None = None,
 ) -> list[BlockSharding]:
-    """The cheapest sharding of every block on ``tp`` ranks (spanning ``nodes`` nodes; the
+    """The cheapest sharding of every block on ``tp`` ranks (spanning ``nodes`` nodes, ``fewest``
+    of them on one, `cost_models.comm.fewest_members`; the
     residual stream split over the sequence between blocks when ``sequence_parallel``; its
     linears' collectives overlapped with their products when ``overlap``, ``autopart.solve.overlap``). The blocks' models are solved side by side, one per core: CP-SAT
     lets go of the interpreter while it solves, and each solve is deterministic on its own."""
@@ -412,7 +413,7 @@ def shard_chain(
             once (the blocks that share a weight are solved per candidate, and again once it is chosen)."""
             own = tuple(sorted((p, pins[p]) for p in chain.blocks[k].parameters if p in pins))
             if (k, own) not in found:
-                found[k, own] = pool.submit(_solve_block, chain, k, tp, cost_model, dict(own), nodes, sp, overlap)
+                found[k, own] = pool.submit(_solve_block, chain, k, tp, cost_model, dict(own), nodes, sp, overlap, fewest)
             return found[k, own]
 
         def solve(k: int, pins: dict[str, Placement]) -> BlockSharding:
