@@ -32,7 +32,7 @@ from autopart.ir.model_file import load_model_file
 from autopart.ir.plan import Plan, load_plan, plan_files_read_once
 from autopart.options import CompileOptions, check_option_names, check_sequence_parallel_asked, local_kind
 from autopart.predict.accuracy import Basis, with_basis
-from autopart.predict.headroom import headroom_warning
+from autopart.predict.headroom import headroom_warning, over_device_warning
 from autopart.passes.annotate import annotate
 from autopart.passes.loss_reduction import check_mean_loss
 from autopart.passes.front import Front, build_front, capture_for, note_batch_statistics, note_unsplit
@@ -275,6 +275,10 @@ def measured_plan(options: CompileOptions, *, progress=None, console=None) -> tu
                              budget_chosen=options.memory_gib is not None)
     if tight:
         log.warning(tight)
+    beyond = over_device_warning(plan, device_bytes=device.memory_bytes, device_name=device.name,
+                                 memory_gib=options.memory_gib)
+    if beyond:
+        log.warning(beyond)
     note_batch_statistics(plan)
     return plan, front
 

@@ -62,3 +62,17 @@ def test_a_plan_with_room_or_a_chosen_budget_is_not_warned(tmp_path, capsys, nee
     tight = round(need_gib * GIB / (1 - ALLOCATOR_MARGIN / 2))  # warned above, without --memory
     _, err = _compile(tmp_path, capsys, tight, "--memory", f"{need_gib * 1.01:.4f}")
     assert "warning" not in err, err
+
+
+def test_a_memory_above_the_device_s_own_warns_that_the_plan_will_not_fit_on_it(tmp_path, capsys, need_gib):
+    """``--memory`` overrides the device's memory: a plan it lets through beyond what the named
+    device has compiles, with a line that says it will not fit there."""
+    device = round(need_gib * GIB / 2)  # half what the plan needs
+    _, err = _compile(tmp_path, capsys, device, "--memory", f"{2 * need_gib:.4f}")
+    lines = [line for line in err.splitlines() if line.startswith("autopart: warning: ")]
+    assert len(lines) == 1, err
+    assert f"more than the {device / GIB:.2f} GiB of a small" in lines[0]
+    given = float(re.search(r"--memory ([\d.]+) let the plan through", lines[0]).group(1))
+    assert given == pytest.approx(2 * need_gib, abs=1e-3) and "will not fit on that device" in lines[0]
+    _, err = _compile(tmp_path, capsys, round(need_gib * GIB * 1.5), "--memory", f"{2 * need_gib:.4f}")
+    assert "warning" not in err, err  # the plan fits the device: the budget above it is the user's own

@@ -8,7 +8,9 @@ generated train.py turns on) keep the excess small, not nil, and it depends on t
 run's allocations, which no compile sees. So a plan that fits within a few percent of the
 device's memory fits on paper and may not on the device; the compile says so, and how to keep a
 margin (``--memory``), rather than refuse a plan that may well run. A ``--memory`` of the user's
-own is a budget they chose, margin or not, and gets no warning.
+own is a budget they chose, margin or not, and gets no warning, unless it is above the device's
+memory: ``--memory`` is an override (a device of more memory than its spec says), and a plan
+beyond the named device's memory cannot run on that device, so the compile says so.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import math
 
 from autopart.ir.plan import Plan
 
-__all__ = ["ALLOCATOR_MARGIN", "headroom_warning"]
+__all__ = ["ALLOCATOR_MARGIN", "headroom_warning", "over_device_warning"]
 
 ALLOCATOR_MARGIN = 0.05
 """The share of a GPU's memory below which what a plan leaves free earns a warning: a judgement,
@@ -37,3 +39,14 @@ def headroom_warning(plan: Plan, *, device_bytes: int, kind: str, budget_chosen:
             f"the caching allocator less than {ALLOCATOR_MARGIN:.0%} of it beyond what the memory model counts "
             f"(train.py turns on its expandable segments to keep what it needs small); for a margin, compile with "
             f"--memory {margin:g}")
+
+
+def over_device_warning(plan: Plan, *, device_bytes: int, device_name: str, memory_gib: float | None) -> str | None:
+    """A line for a plan compiled under a ``--memory`` (``memory_gib``) above ``device_bytes``,
+    the named device's memory, whose fullest device needs more than that memory; None otherwise."""
+    need = max(plan.predicted.memory_bytes, default=0)
+    if memory_gib is None or need <= device_bytes:
+        return None
+    return (f"the fullest device needs {need / (1 << 30):.2f} GiB, more than the {device_bytes / (1 << 30):.2f} GiB "
+            f"of a {device_name}: --memory {memory_gib:g} let the plan through, and it will not fit on that device "
+            f"(compile without --memory for a plan that fits it, or for a device that has the memory)")
