@@ -115,7 +115,11 @@ def test_the_shipped_cpu_bands_hold_for_the_layouts_their_rows_ran() -> None:
     for key in ("cpu-measured", "cpu-measured-pipeline"):
         band = load_bands()[key]
         assert band.holds_for_layout("pp") and not band.holds_for_layout("pp+dp"), key
-    assert load_bands()["spec-roofline"].holds_for_layout("tp+dp")  # published runs of every layout
+    # the published runs: pp+tp+dp, and ZeRO-3 over data parallelism alone
+    assert load_bands()["spec-roofline"].holds_for_layout("pp+tp+dp")
+    assert not load_bands()["spec-roofline"].holds_for_layout("tp+dp")
+    assert load_bands()["spec-roofline-zero3"].holds_for_layout("dp")
+    assert not load_bands()["spec-roofline-zero3"].holds_for_layout("pp+dp")
 
 
 def test_into_a_pipe_a_search_table_keeps_each_row_on_one_line(cache_dir, tmp_path, capsys) -> None:
