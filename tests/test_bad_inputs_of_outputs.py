@@ -6,6 +6,8 @@ problem and what to do, exit code 2, no traceback, and nothing half-written or d
 import json
 import re
 import hashlib
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,7 +15,7 @@ import pytest
 from autopart.tools import cli
 from autopart.runtime import train
 from cost_models.devices import DEVICES_DIR
-from tests.distributed import REPO
+from tests.distributed import REPO, environment
 from tests.refusals import assert_nothing_written, call_cli, refused
 
 H100 = (DEVICES_DIR / "h100-sxm.toml").read_text()
@@ -282,6 +284,27 @@ def test_torchrun_misuse(tmp_path, capsys, monkeypatch, compiled, case):
     argv = arguments(tmp_path, compiled)
     line = refused(capsys, lambda: train.main(compiled, argv), tmp_path, compiled)
     assert re.search(pattern, line), line
+
+
+@pytest.mark.multiprocess
+def test_a_one_rank_plan_trains_as_a_plain_python_program(tmp_path):
+    """``python OUT/train.py`` of a 1-rank plan, without torchrun (no RANK, WORLD_SIZE, MASTER_*):
+    it trains, saves and resumes as under torchrun, where it ended in torch's env:// traceback."""
+    out = tmp_path / "out"
+    cli.main(["compile", str(REPO / "examples" / "gpt.py"), "-o", str(out), "--world-size", "1", "--microbatches", "1",
+              "--global-batch-size", "2"])
+    env = {name: value for name, value in environment().items() if name not in _TORCHRUN_VARIABLES}
+    metrics, checkpoints = tmp_path / "metrics.jsonl", tmp_path / "ckpt"
+    for steps, resume in (("2", []), ("3", ["--resume"])):
+        done = subprocess.run([sys.executable, str(out / "train.py"), "--steps", steps, "--metrics", str(metrics),
+                               "--checkpoint-dir", str(checkpoints), *resume],
+                              capture_output=True, text=True, env=env, timeout=240)  # fmt: skip
+        assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == [0, 1, 2]
+
+
+_TORCHRUN_VARIABLES = frozenset(("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                                 "GROUP_WORLD_SIZE", "TORCHELASTIC_USE_AGENT_STORE"))
 
 
 def test_stage_file_edited_after_the_compile(tmp_path, capsys, monkeypatch, compiled):

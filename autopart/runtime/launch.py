@@ -225,7 +225,11 @@ def init_process_group(backend: str, timeout_s: float, refusal: str | None = Non
     """
     timeout = datetime.timedelta(seconds=timeout_s)
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        if refusal is None:
+        if refusal is None and "RANK" not in os.environ and "WORLD_SIZE" not in os.environ:
+            # ``python OUT/train.py`` of a 1-rank plan (`check_launch` refused any other): a world
+            # of this process alone, whose store is in memory, with no port to find or to lose
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        elif refusal is None:
             dist.init_process_group(backend, timeout=timeout)
         return None  # a refusal: the caller raises it (every rank reads the same OUT and flags on one node)
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

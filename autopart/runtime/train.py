@@ -1,4 +1,5 @@
-"""The training loop that every generated ``train.py`` runs, one process per rank under torchrun.
+"""The training loop that every generated ``train.py`` runs, one process per rank under torchrun
+(a 1-rank plan also as ``python OUT/train.py``, `autopart.runtime.launch.init_process_group`).
 
     torchrun --nproc-per-node P OUT/train.py [--steps N] [--lr LR] [--optimizer sgd|adamw]
         [--seed S] [--metrics FILE] [--trace FILE] [--action-times DIR] [--save-weights DIR] [--timeout S]
