@@ -26,7 +26,8 @@ import torch.distributed as dist
 from autopart.ir.errors import ConfigError
 
 __all__ = ["compute_device", "backend", "tensor", "on_device", "batch_on_device", "synchronize", "barrier",
-           "reset_peak_memory", "peak_memory_bytes", "peak_reserved_bytes", "Mark", "StepTimer"]
+           "reset_peak_memory", "peak_memory_bytes", "peak_reserved_bytes", "peak_memory_per_rank", "Mark",
+           "StepTimer"]
 
 
 def compute_device() -> torch.device:
@@ -112,6 +113,26 @@ def peak_reserved_bytes(device: torch.device) -> int | None:
     """A GPU's caching allocator's peak of reserved memory since `reset_peak_memory`, the tensors'
     blocks and what it held beyond them (`autopart.predict.headroom`); None on the CPU."""
     return torch.cuda.max_memory_reserved(device) if device.type == "cuda" else None
+
+
+def peak_memory_per_rank(device: torch.device, reporting: bool) -> dict[str, list[int]]:
+    """Every rank's peak so far (`peak_memory_bytes`), and on a GPU its allocator's reserved peak
+    (`peak_reserved_bytes`), as train.py's --metrics names them: every rank takes
+    part in one gather into one (world, k) tensor, which the reporter alone reads, once (the
+    others get empty lists). gloo gathers into the tensor's rows, in the list form: the tensor
+    form (``_allgather_base``) is missing from the gloo of earlier torch releases."""
+    reserved = peak_reserved_bytes(device)
+    mine = tensor([peak_memory_bytes(device)] + ([] if reserved is None else [reserved]), device, torch.int64)
+    gathered = torch.zeros((dist.get_world_size(), mine.numel()), dtype=torch.int64, device=device)
+    if device.type == "cuda":
+        dist.all_gather_into_tensor(gathered, mine)
+    else:
+        dist.all_gather(list(gathered.unbind()), mine)
+    if not reporting:
+        return {"peak_memory_bytes": []}
+    ranks = gathered.tolist()
+    peaks = {"peak_memory_bytes": [r[0] for r in ranks]}
+    return peaks if reserved is None else {**peaks, "peak_reserved_bytes": [r[1] for r in ranks]}
 
 
 Mark = float | torch.cuda.Event

@@ -11,8 +11,8 @@ from typing import NoReturn
 __all__ = ["leave"]
 
 
-def leave() -> NoReturn:
-    """End the process as Python's own exit would, with code 0, short of the interpreter's
+def leave(code: int = 0) -> NoReturn:
+    """End the process as Python's own exit would, with ``code``, short of the interpreter's
     teardown, which frees every object one by one and runs C++ destructors: a trained rank's
     torch gloo teardown can abort there after every process group is destroyed ("terminate
     called without an active exception", SIGABRT, rarely and more often under load: torchrun
@@ -23,7 +23,6 @@ def leave() -> NoReturn:
     temporary folders), the streams flushed."""
     threading._shutdown()
     atexit._run_exitfuncs()
-    code = 0
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

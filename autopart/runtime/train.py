@@ -59,8 +59,8 @@ from autopart.ir.tensors import working_dtype
 from autopart.runtime.data import eval_batches, model_file, split_microbatches, training_batches
 from autopart.runtime.checkpoint import CheckpointContext, restarted
 from autopart.runtime.checkpoint_folders import check_folder
-from autopart.runtime.device import (Mark, StepTimer, backend, barrier, compute_device, peak_memory_bytes,
-                                     peak_reserved_bytes, reset_peak_memory)
+from autopart.runtime.device import (Mark, StepTimer, backend, barrier, compute_device, peak_memory_per_rank,
+                                     reset_peak_memory)
 from autopart.runtime.device import tensor as device_tensor
 from autopart.runtime.executor import Executor, StageRuntime, StepFailure
 from autopart.runtime.draws import draw_seed
@@ -99,10 +99,15 @@ def main(out_dir: str | Path, argv: list[str] | None = None) -> None:
     try:
         _train(out_dir, argv)
     except AutopartError as exc:
-        _say(f"autopart: error: {exc}")
-        if isinstance(exc, RefusedTogether):
-            exc.leave_together()
+        _refuse(exc)
         raise SystemExit(2) from None
+
+
+def _refuse(exc: AutopartError) -> None:
+    """This rank's line; of a refusal that every rank makes, once every one has said its own."""
+    _say(f"autopart: error: {exc}")
+    if isinstance(exc, RefusedTogether):
+        exc.leave_together()
 
 
 def _say(line: str) -> None:
@@ -135,6 +140,10 @@ def _train(out_dir: Path, argv: list[str] | None) -> None:
         barrier(device)
     except StepFailure as failure:
         _leave_failed(rank, failure)
+    except AutopartError as refusal:  # refused once the group was made: left as a finished run leaves, and for
+        dist.destroy_process_group()  # its reason (gloo's teardown of a group can abort, `leave`)
+        _refuse(refusal)
+        leave(2)
     finally:  # refused together, or done: no collective is left in flight
         dist.destroy_process_group()
 
@@ -232,7 +241,7 @@ def _loop(out_dir: Path, plan: Plan, schedule: Schedule, args: argparse.Namespac
         elapsed = device_tensor([end - timer.start], device)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         stopping = stop.after(elapsed)
-        peaks = _peak_memory_per_rank(device, reporter is not None) if args.metrics else {"peak_memory_bytes": []}
+        peaks = peak_memory_per_rank(device, reporter is not None) if args.metrics else {"peak_memory_bytes": []}
         evaluated = args.eval_every and (step + 1) % args.eval_every == 0
         eval_losses = _evaluate(executor, held_out, split, plan, modules, fully_sharded) if evaluated else []
         if holds_loss:  # every replica all-reduces its losses; the reporter alone reads them
@@ -475,22 +484,3 @@ def _graph_values(plan: Plan, inputs: tuple, target: Any) -> tuple:
     """A batch as the graph's inputs: the model's inputs, then the target when there is a loss_fn."""
     return (*inputs, target) if len(plan.graph_inputs) > len(inputs) else tuple(inputs)
 
-
-def _peak_memory_per_rank(device: torch.device, reporting: bool) -> dict[str, list[int]]:
-    """Every rank's peak so far (`autopart.runtime.device.peak_memory_bytes`), and on a GPU its
-    allocator's reserved peak (`peak_reserved_bytes`), as --metrics names them: every rank takes
-    part in one gather into one (world, k) tensor, which the reporter alone reads, once (the
-    others get empty lists). gloo gathers into the tensor's rows, in the list form: the tensor
-    form (``_allgather_base``) is missing from the gloo of earlier torch releases."""
-    reserved = peak_reserved_bytes(device)
-    mine = device_tensor([peak_memory_bytes(device)] + ([] if reserved is None else [reserved]), device, torch.int64)
-    gathered = torch.zeros((dist.get_world_size(), mine.numel()), dtype=torch.int64, device=device)
-    if device.type == "cuda":
-        dist.all_gather_into_tensor(gathered, mine)
-    else:
-        dist.all_gather(list(gathered.unbind()), mine)
-    if not reporting:
-        return {"peak_memory_bytes": []}
-    ranks = gathered.tolist()
-    peaks = {"peak_memory_bytes": [r[0] for r in ranks]}
-    return peaks if reserved is None else {**peaks, "peak_reserved_bytes": [r[1] for r in ranks]}
