@@ -219,6 +219,9 @@ def test_batches_that_run_out_end_each_rank_in_its_line_and_code_2(tmp_path: Pat
     (("yield (scale * torch.randn(b, 8) + shift,)", "yield (scale * torch.randn(b, 8) + shift, torch.zeros(b))"),
      r"batches\(\) in model\.py gives 2 inputs, where example_batch gives 1"),
     (("[((torch.randn(b, 8),)", "[((torch.randn(b, 16),)"), r"eval_batches\(\) in model\.py: input 0 has shape \(4, 16\)"),
+    (("torch.randn(b, 4)\n", "torch.randn(b, 4).long()\n"),
+     r"batches\(\) in model\.py: the target is int64, where example_batch's is float32, the dtype the plan was compiled "
+     r"for; give batches of example_batch's dtypes \(\.to\(torch\.float32\)\)"),
 ])  # fmt: skip
 def test_batches_of_other_shapes_than_the_example_are_refused(tmp_path: Path, edit, message) -> None:
     """The plan is compiled for example_batch's shapes: a stage given a batch of 16 tokens where
@@ -232,6 +235,21 @@ def test_batches_of_other_shapes_than_the_example_are_refused(tmp_path: Path, ed
     with pytest.raises(ModelFileError, match=message):
         next(global_batches(spec, 4, 7))
         eval_batches(spec, 4, 7, 2)
+
+
+@pytest.mark.multiprocess
+def test_train_py_refuses_batches_of_another_dtype_than_the_example_in_one_line(tmp_path: Path) -> None:
+    """Inputs of float64 where the plan was compiled for example_batch's float32: a stage's
+    RuntimeError in the first action, with the schedule's grid, exit code 1, not naming batches()."""
+    model = tmp_path / "model.py"
+    model.write_text(MODEL.replace("yield (scale * torch.randn(b, 8) + shift,)",
+                                   "yield ((scale * torch.randn(b, 8) + shift).double(),)"))
+    out = tmp_path / "out"
+    compile_to_directory(CompileOptions(model=model, pp=1, microbatches=1, micro_batch_size=2, measure=False), out)
+    done = run_ranks(out, 1, "--steps", "2", check=False)
+    assert done.returncode == 2 and "Traceback" not in done.stderr and len(done.stderr.splitlines()) == 1, done.stderr
+    assert re.search(r"autopart: error: batches\(\) in model\.py: input 0 is float64, where example_batch's is float32",
+                     done.stderr), done.stderr
 
 
 def test_a_timing_run_draws_a_small_dataset_again_and_a_run_of_steps_does_not(tmp_path: Path) -> None:

@@ -86,7 +86,7 @@ def global_batches(spec: ModelSpec, batch_size: int, seed: int) -> Iterator[tupl
 def shaped_as(example: tuple[tuple[torch.Tensor, ...], Any], spec: ModelSpec, producer: str,
               batch: tuple[tuple[torch.Tensor, ...], Any]) -> tuple[tuple[torch.Tensor, ...], Any]:
     """``batch``, once its tensors are known to be shaped as ``example``'s (``example_batch``'s)
-    past the batch dimension: the plan was compiled for those shapes, and a stage given others
+    past the batch dimension, and of its dtypes: the plan was compiled for those shapes, and a stage given others
     failed far from the cause (its output not the message the next stage awaits, put down to
     autocast)."""
     inputs, target = batch
@@ -100,6 +100,14 @@ def shaped_as(example: tuple[tuple[torch.Tensor, ...], Any], spec: ModelSpec, pr
                 f"{producer}() in {spec.path.name}: {what} has shape {tuple(tensor.shape)}, where example_batch's is "
                 f"{(tensor.shape[0], *like.shape[1:])}, the shape the plan was compiled for; give batches of "
                 "example_batch's shapes, or make example_batch give these and compile again"
+            )
+        if isinstance(tensor, torch.Tensor) and isinstance(like, torch.Tensor) and tensor.dtype != like.dtype:
+            what = f"input {i}" if i < len(inputs) else "the target"
+            raise ModelFileError(
+                f"{producer}() in {spec.path.name}: {what} is {str(tensor.dtype).removeprefix('torch.')}, where "
+                f"example_batch's is {str(like.dtype).removeprefix('torch.')}, the dtype the plan was compiled for; "
+                f"give batches of example_batch's dtypes (.to({like.dtype})), or make example_batch give these and "
+                "compile again"
             )
     return batch
 
