@@ -3,6 +3,7 @@ checkpoints, torchrun misuse and the commands that read an output directory (the
 tests/test_bad_inputs.py: model files and the compile's options). Each ends as one line naming the
 problem and what to do, exit code 2, no traceback, and nothing half-written or deleted."""
 
+import ast
 import json
 import re
 import hashlib
@@ -334,6 +335,24 @@ def test_a_refusal_once_the_process_group_is_made_leaves_as_a_finished_run_does(
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
     assert done.stderr.splitlines()[-1].startswith("autopart: error: every checkpoint in"), done.stderr
     assert marks["handled"].exists() and not marks["torn"].exists()
+
+
+@pytest.mark.multiprocess
+def test_a_rank_s_warning_is_one_write(tmp_path, one_rank):
+    """The ranks of a node share its stderr: a line written as print writes it (the text, then its
+    newline) ran into another rank's, ``...(rank 0)autopart: checkpoint ...``."""
+    (tmp_path / "userX" / "step_00000001").mkdir(parents=True)
+    (tmp_path / "userX" / "step_00000001" / "notes.txt").write_text("mine")
+    script = ("import sys\nclass Writes:\n    def __init__(self, stream):\n        self.stream = stream\n"
+              "    def write(self, text):\n        return self.stream.write(repr(text) + '\\n')\n"
+              "    def __getattr__(self, name):\n        return getattr(self.stream, name)\n"
+              "sys.stderr = Writes(sys.stderr)  # each write on a line of its own")
+    done = _plain_python(str(one_rank / "train.py"), "--steps", "2", "--checkpoint-dir", str(tmp_path / "userX"),
+                         "--resume", script=script)
+    writes = [ast.literal_eval(line) for line in done.stderr.splitlines()]
+    assert done.returncode == 2 and len(writes) == 2, done.stderr
+    assert writes[0].startswith("autopart: checkpoint ") and writes[0].endswith(" (rank 0)\n"), writes
+    assert writes[1].startswith("autopart: error: every checkpoint in ") and writes[1].endswith("\n"), writes
 
 
 _TORCHRUN_VARIABLES = frozenset(("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",

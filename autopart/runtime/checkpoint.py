@@ -46,6 +46,7 @@ from autopart.runtime.checkpoint_folders import (candidates, damaged, problem, p
                                                  staging_folder, step_folder, step_of, write_digests, write_record)
 from autopart.runtime.fully_sharded import is_sharded
 from autopart.runtime.launch import plan_digest
+from autopart.runtime.process_exit import say
 from autopart.runtime.recipe import Recipe
 from autopart.runtime.sharded_masters import ShardedMasters, holds_master
 
@@ -470,7 +471,7 @@ class CheckpointContext:
             if not bad.item():
                 return path
             if why is not None:
-                print(f"autopart: {damaged(path, why)} (rank {self.rank})", file=sys.stderr, flush=True)
+                say(f"autopart: {damaged(path, why)} (rank {self.rank})")  # every rank's, in one write
         if int(count.item()) > 0:  # going on from step 0 would leave their steps behind without a word
             raise CheckpointError(f"every checkpoint in {self.root} is damaged ({len(listed)} checked; the lines above "
                                   "say how), and --resume would start again from step 0; restore the folder from a "

@@ -13,12 +13,12 @@ import json
 import os
 import re
 import shutil
-import sys
 import time
 from pathlib import Path
 
 from autopart.ir.errors import CheckpointError, ConfigError
 from autopart.runtime.launch import file_sha256, plan_digest
+from autopart.runtime.process_exit import say
 
 __all__ = ["RECORD", "SHARES_WITHIN_S", "candidates", "check_folder", "damaged", "latest_checkpoint", "newest_intact",
            "problem", "put_in_place", "read_record", "remove_saved", "share", "staging_folder", "step_folder",
@@ -109,7 +109,7 @@ def put_in_place(staging: Path, final: Path) -> None:
     try:  # the new save is in place: what is left of the old one is only noted
         remove_saved(aside)
     except (OSError, CheckpointError) as exc:
-        print(f"autopart: note: the earlier save of {final.name} stays in {aside} ({exc})", file=sys.stderr, flush=True)
+        say(f"autopart: note: the earlier save of {final.name} stays in {aside} ({exc})")
 
 
 def _saved_files(path: Path) -> list[Path]:

@@ -1,4 +1,5 @@
-"""Ending a process that finished its work short of the interpreter's teardown."""
+"""Ending a process that finished its work short of the interpreter's teardown, and the lines a
+rank says on stderr on its way, each in one write."""
 
 from __future__ import annotations
 
@@ -8,7 +9,14 @@ import sys
 import threading
 from typing import NoReturn
 
-__all__ = ["leave"]
+__all__ = ["leave", "say"]
+
+
+def say(line: str) -> None:
+    """``line`` on stderr in one write: the ranks of a node share its pipe, and print's two writes
+    (the text, then its newline) of two ranks saying a line at once ran into one line."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
 
 
 def leave(code: int = 0) -> NoReturn:

@@ -72,7 +72,7 @@ from autopart.runtime.measure import StepClock, StopRule, write_action_times, wr
 from autopart.runtime.gradients import clip_gradients, sum_tied_gradients, tied_groups
 from autopart.runtime.reducer import GradientReducer
 from autopart.runtime.optim import make_optimizer
-from autopart.runtime.process_exit import leave
+from autopart.runtime.process_exit import leave, say
 from autopart.runtime.sharded_masters import ShardedMasters
 from autopart.runtime.output_paths import save_tensors
 from autopart.runtime.train_flags import (check_arguments, check_compile_kept, check_initial_weights,
@@ -105,16 +105,9 @@ def main(out_dir: str | Path, argv: list[str] | None = None) -> None:
 
 def _refuse(exc: AutopartError) -> None:
     """This rank's line; of a refusal that every rank makes, once every one has said its own."""
-    _say(f"autopart: error: {exc}")
+    say(f"autopart: error: {exc}")
     if isinstance(exc, RefusedTogether):
         exc.leave_together()
-
-
-def _say(line: str) -> None:
-    """``line`` on stderr in one write: the ranks of a node share its pipe, and print's two writes
-    (the text, then its newline) of two ranks refusing at once ran into one line."""
-    sys.stderr.write(line + "\n")
-    sys.stderr.flush()
 
 
 def _train(out_dir: Path, argv: list[str] | None) -> None:
@@ -152,7 +145,7 @@ def _leave_failed(rank: int, failure: StepFailure) -> NoReturn:
     """Say where this rank failed and end it at once, without the process group's teardown: NCCL's
     waits for every kernel still queued, a receive from a dead peer among them, so the line would
     come only after the peers' watchdogs had aborted them (``--timeout``), if at all."""
-    _say(f"autopart: error on rank {rank}: {failure}")
+    say(f"autopart: error on rank {rank}: {failure}")
     os._exit(1)
 
 
