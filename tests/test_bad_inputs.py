@@ -195,6 +195,25 @@ MODEL_CASES = {
         [],
         r"the model rejects its own example batch: RuntimeError: .*; make example_batch\(\) match the model's forward",
     ),
+    "loss_fn_of_one_argument": (  # the example batch went through the model: blaming it sent the user astray
+        LINEAR.replace("def loss_fn(output, target):", "def loss_fn(output):"),
+        [],
+        r"loss_fn\(output, target\) in loss_fn_of_one_argument\.py raised TypeError: loss_fn\(\) takes 1 positional "
+        r"argument but 2 were given; fix loss_fn so that it takes the model's output and the target",
+    ),
+    "model_returns_a_dict": (
+        GOOD_BATCH + "\nclass M(torch.nn.Linear):\n    def forward(self, x):\n        return {'y': super().forward(x)}\n"
+        "def build_model():\n    return M(8, 4)\n",
+        [],
+        r"loss_fn\(output, target\) in model_returns_a_dict\.py raised AttributeError: 'dict' object has no attribute "
+        r"'size' \(model_returns_a_dict\.py:6\), given the dict that the model's forward returns; fix loss_fn",
+    ),
+    "loss_nan": (  # the graph's check compared nan with nan and put it down to tracing
+        LINEAR.replace("mse_loss(output, target)", "mse_loss(output, target) * float('nan')"),
+        [],
+        r"the loss of loss_nan\.py on example_batch\(\) is nan with the weights build_model\(\) gives: its forward or "
+        r"loss_fn computes a value that is not finite .*; fix the model so that its loss is finite",
+    ),
     "loss_not_scalar": (
         LINEAR.replace("mse_loss(output, target)", "mse_loss(output, target, reduction='none')"),
         [],

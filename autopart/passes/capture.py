@@ -38,7 +38,7 @@ from torch import fx, nn
 from torch.nn import functional as F
 
 from autopart.ir.errors import CaptureError, ConfigError, ModelFileError
-from autopart.ir.model_file import ModelSpec, describe_error, eager_loss, file_line, is_meta
+from autopart.ir.model_file import ModelSpec, describe_error, file_line, is_meta
 from autopart.passes.buffer_writes import buffer_versions, check_fx_graph, check_inputs_unwritten
 from autopart.passes.capture_checks import Example, check_same_loss, same_draws
 from autopart.passes.custom_functions import check_same_gradients, traced_functions, used_functions
@@ -425,27 +425,44 @@ def _eager_reference(spec: ModelSpec, inputs: tuple[torch.Tensor, ...], target: 
         if layers is not None:
             checked = replace(spec, module=shallow_module(spec.module, layers))
     reduction = UNKNOWN
-    with torch.no_grad(), torch.device("meta") if meta else contextlib.nullcontext():
+    with torch.no_grad(), torch.device("meta") if meta else contextlib.nullcontext(), same_draws():
         try:
             args = _on_model_device(spec, inputs), target.to("meta") if meta and target is not None else target
-            with same_draws():
-                if meta or spec.loss_fn is None:
-                    expected = eager_loss(checked, *args)
-                else:  # the output kept to tell how the loss reduces over the batch, which needs no forward
-                    output = checked.module(*args[0])
-                    expected = spec.loss_fn(output, args[1])
-                    reduction = reduction_of(spec.loss_fn, output, args[1])
+            output = checked.module(*args[0])
         except Exception as exc:
             raise ModelFileError(
                 f"the model rejects its own example batch: {describe_error(exc, spec.path)}; "
                 "make example_batch() match the model's forward"
             ) from None
+        expected = output if spec.loss_fn is None else _loss_of(spec, output, args[1])
+        if not meta and spec.loss_fn is not None:  # the output kept to tell how the loss reduces over the batch
+            reduction = _loss_of(spec, output, args[1], lambda: reduction_of(spec.loss_fn, output, args[1]))
     if not isinstance(expected, torch.Tensor) or expected.numel() != 1:
         raise ModelFileError(
             f"the loss of {spec.path.name} is not a scalar tensor; define loss_fn(output, target) "
             "that returns the mean loss, or make the model return it"
         )
+    if not meta and not bool(torch.isfinite(expected)):  # the graph's check would compare nan with nan
+        raise ModelFileError(
+            f"the loss of {spec.path.name} on example_batch() is {expected.item()} with the weights build_model() "
+            "gives: its forward or loss_fn computes a value that is not finite (a log or a division by 0, a "
+            "parameter left uninitialised); fix the model so that its loss is finite, and compile again"
+        )
     return expected, reduction
+
+
+def _loss_of(spec: ModelSpec, output: Any, target: Any, run: Callable[[], Any] | None = None) -> Any:
+    """``loss_fn(output, target)`` (or ``run()``, which calls it), a failure of it named as its own:
+    the example batch went through the model's forward, which is not what went wrong."""
+    try:
+        return run() if run is not None else spec.loss_fn(output, target)
+    except Exception as exc:
+        given = "" if isinstance(output, torch.Tensor) else \
+            f", given the {type(output).__name__} that the model's forward returns"
+        raise ModelFileError(
+            f"loss_fn(output, target) in {spec.path.name} raised {describe_error(exc, spec.path)}{given}; fix loss_fn "
+            "so that it takes the model's output and the target and returns the mean loss"
+        ) from None
 
 
 def graph_args(graph: Graph, inputs: tuple[torch.Tensor, ...], target: Any) -> tuple[Any, ...]:
