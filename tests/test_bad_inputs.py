@@ -157,6 +157,11 @@ MODEL_CASES = {
         [],
         r"the loss of loss_of_an_integer_made_midway\.py takes no gradient",
     ),
+    "build_model_an_instance": (  # callable: build_model() ran the Linear's forward, and said it missed an input
+        GOOD_BATCH + "\nbuild_model = torch.nn.Linear(8, 4)\n", [],
+        r"build_model in build_model_an_instance\.py is a Linear instance, not a function that returns the model; "
+        r"define it with def, as `def build_model\(\): return Linear\(\.\.\.\)`$",
+    ),
     "returns_not_a_module": (GOOD_BATCH + "\ndef build_model():\n    return 3\n", [], r"returned int, not a torch\.nn\.Module"),
     "contract_not_a_function": (
         LINEAR.replace("def example_batch(batch_size):", "example_batch = 3\ndef _unused(batch_size):"),

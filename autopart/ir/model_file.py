@@ -286,6 +286,10 @@ def _contract_function(module: Any, path: Path, name: str, *, required: bool) ->
         return None
     if not callable(fn):
         raise ModelFileError(f"{name} in {path.name} is a {type(fn).__name__}, not a function; define it with def")
+    if name == "build_model" and isinstance(fn, nn.Module):  # callable: build_model() would run its forward
+        raise ModelFileError(f"build_model in {path.name} is a {type(fn).__name__} instance, not a function that "
+                             f"returns the model; define it with def, as `def build_model(): return "
+                             f"{type(fn).__name__}(...)`")
     return fn
 
 
