@@ -162,6 +162,12 @@ MODEL_CASES = {
         r"build_model in build_model_an_instance\.py is a Linear instance, not a function that returns the model; "
         r"define it with def, as `def build_model\(\): return Linear\(\.\.\.\)`$",
     ),
+    "example_batch_of_three": (  # the inputs one by one: the line said only that it "returned tuple"
+        LINEAR.replace("return (torch.randn(batch_size, 8),), torch.randn(batch_size, 4)",
+                       "return torch.randn(batch_size, 8), torch.randn(batch_size, 8), torch.randn(batch_size, 4)"), [],
+        r"example_batch\(\) in example_batch_of_three\.py returned a tuple of 3 items; it must return two, \(inputs: "
+        r"tuple, target\): the model's inputs in one tuple, then the target$",
+    ),
     "returns_not_a_module": (GOOD_BATCH + "\ndef build_model():\n    return 3\n", [], r"returned int, not a torch\.nn\.Module"),
     "contract_not_a_function": (
         LINEAR.replace("def example_batch(batch_size):", "example_batch = 3\ndef _unused(batch_size):"),

@@ -296,6 +296,10 @@ def _contract_function(module: Any, path: Path, name: str, *, required: bool) ->
 def check_batch(path: Path, producer: str, batch: Any, batch_size: int) -> tuple[tuple[torch.Tensor, ...], Any]:
     """Check one ``(inputs, target)`` pair from the model file and return it normalised."""
     if not (isinstance(batch, tuple | list) and len(batch) == 2):
+        if isinstance(batch, tuple | list):  # the inputs given one by one, not in a tuple of their own
+            raise ModelFileError(f"{producer}() in {path.name} returned a {type(batch).__name__} of {len(batch)} items; "
+                                 "it must return two, (inputs: tuple, target): the model's inputs in one tuple, then "
+                                 "the target")
         raise ModelFileError(
             f"{producer}() in {path.name} returned {type(batch).__name__}; it must return (inputs: tuple, target)"
         )
