@@ -329,6 +329,11 @@ MODEL_CASES = {
 
 OPTION_CASES = {
     "batch_does_not_divide": (["--global-batch-size", "10", "--microbatches", "4"], r"the global batch \(10\) is not a whole number of microbatches"),
+    "pins_of_more_devices": (["--world-size", "2", "--dp", "2", "--global-batch-size", "8"],  # and --pp 2: a list of
+                             r"--pp 2 x --dp 2 = 4 does not divide --world-size 2: pp x tp x dp must equal the world "
+                             r"size; change a pin or --world-size$"),  # every reason a layout may fail said nothing
+    "pins_of_all_three": (["--world-size", "4", "--tp", "1", "--dp", "1", "--global-batch-size", "8"],
+                          r"--pp 2 x --tp 1 x --dp 1 = 2 is not --world-size 4"),
     "interleaved_does_not_divide": (
         ["--schedule", "interleaved", "--chunks", "2", "--microbatches", "3", "--global-batch-size", "6"],
         r"interleaved needs microbatches \(3\) to be a multiple of the pipeline degree \(2\); use --microbatches 2$",

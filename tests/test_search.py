@@ -100,7 +100,8 @@ def test_the_search_needs_the_global_batch() -> None:
 
 
 def test_impossible_pins_say_which(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="no layout of 4 devices"):
+    with pytest.raises(ConfigError, match=r"^--pp 3 does not divide --world-size 4: pp x tp x dp must equal the world "
+                                          r"size; change a pin or --world-size$"):
         plan_by_search(CompileOptions(model=GPT, world_size=4, global_batch_size=8, device="h100-sxm", pp=3))
 
 

@@ -478,6 +478,13 @@ def _refine_bound(table: CostTable, layout: Layout, cluster: Cluster, cut: Stage
 
 
 def _no_layout_message(space: SearchSpace) -> str:
+    pinned = {name: values[0] for name in ("pp", "tp", "dp") if (values := getattr(space, name)) and len(values) == 1}
+    product = math.prod(pinned.values())
+    if space.world_size % product or (len(pinned) == 3 and product != space.world_size):  # the pins alone, named
+        pins = " x ".join(f"--{name} {value}" for name, value in pinned.items())
+        said = pins if len(pinned) == 1 else f"{pins} = {product}"
+        return (f"{said} {'is not' if len(pinned) == 3 else 'does not divide'} --world-size {space.world_size}: "
+                "pp x tp x dp must equal the world size; change a pin or --world-size")
     return (
         f"no layout of {space.world_size} devices fits the pins and a global batch of {space.global_batch_size}: "
         "pp x tp x dp must equal --world-size, dp must divide the global batch (and be 2 or more with --zero), "
