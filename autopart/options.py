@@ -60,9 +60,8 @@ class CompileOptions:
     sp: bool | None = None
     """Sequence parallelism with TP (``autopart.solve.sequence``); on unless searched, a no-op at tp 1."""
     tp_overlap: bool = False
-    """Overlap the sequence-parallel collectives with the linears beside them, the sequence cut
-    into pieces (``autopart.runtime.overlapped``, Megatron-LM's ``--tp-comm-overlap``); needs
-    sequence parallelism."""
+    """Overlap the sequence-parallel collectives with the linears beside them, the sequence cut into pieces
+    (``autopart.runtime.overlapped``, Megatron-LM's ``--tp-comm-overlap``); needs sequence parallelism."""
     gpus_per_node: int | None = None
     """Devices per node: collectives of groups larger than this cross nodes (8 where neither the
     caller nor the plan of ``--plan`` says; always an int once the options are made)."""
@@ -157,14 +156,15 @@ class CompileOptions:
             raise ConfigError(f"unknown schedule {self.schedule!r}; use one of {', '.join(SCHEDULE_KINDS)}")
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError(f"unknown optimizer {self.optimizer!r}; use one of {', '.join(OPTIMIZERS)}")
-        if self.chunks is not None and (self.chunks < 1 or (self.chunks > 1 and self.schedule not in (None, "interleaved", "zbv"))):
+        for name in ("chunks", "microbatches", "micro_batch_size", "global_batch_size"):
+            value = getattr(self, name)
+            if value is not None and value < 1:  # interleaved's chunks: 2 or more (`autopart.schedule.generators`)
+                least = 2 if name == "chunks" and self.schedule == "interleaved" else 1
+                raise ConfigError(f"--{name.replace('_', '-')} must be at least {least}, got {value}")
+        if self.chunks is not None and self.chunks > 1 and self.schedule not in (None, "interleaved", "zbv"):
             raise ConfigError(f"--chunks {self.chunks} needs --schedule interleaved (other schedules use 1 chunk)")
         if self.schedule == "zbv" and self.chunks != 2:
             raise ConfigError(f"--schedule zbv runs exactly 2 model chunks per rank in a V; drop --chunks {self.chunks}")
-        for name in ("microbatches", "micro_batch_size", "global_batch_size"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
         if self.capture not in (None, "fx", "export"):
             raise ConfigError(f"unknown capture method {self.capture!r}; use --capture fx or --capture export")
         if self.leaf and self.capture == "export":

@@ -334,6 +334,9 @@ OPTION_CASES = {
                              r"size; change a pin or --world-size$"),  # every reason a layout may fail said nothing
     "pins_of_all_three": (["--world-size", "4", "--tp", "1", "--dp", "1", "--global-batch-size", "8"],
                           r"--pp 2 x --tp 1 x --dp 1 = 2 is not --world-size 4"),
+    "interleaved_of_no_chunks": (["--schedule", "interleaved", "--chunks", "0"],  # it said: needs --schedule interleaved
+                                 r"--chunks must be at least 2, got 0$"),
+    "negative_chunks": (["--chunks", "-1"], r"--chunks must be at least 1, got -1$"),
     "interleaved_does_not_divide": (
         ["--schedule", "interleaved", "--chunks", "2", "--microbatches", "3", "--global-batch-size", "6"],
         r"interleaved needs microbatches \(3\) to be a multiple of the pipeline degree \(2\); use --microbatches 2$",
