@@ -120,8 +120,17 @@ def test_bad_plan(tmp_path, capsys, compiled, case):
 def test_plan_of_another_model(tmp_path, capsys, compiled):
     line = call_cli(capsys, "compile", "examples/llama.py", "-o", str(tmp_path / "out"), "--plan",
                     str(compiled / "plan.json"), watch=(tmp_path, compiled))
-    assert re.search(r"plan\.json was compiled from another version of llama\.py .*; recompile without --plan", line), line
+    assert re.search(r"plan\.json was compiled from gpt\.py, not from llama\.py; give gpt\.py with this --plan, or "
+                     r"recompile without --plan$", line), line  # not 'from another version of llama.py'
     assert_nothing_written(tmp_path, tmp_path / "out")
+
+
+def test_plan_of_another_version_of_the_model(tmp_path, capsys, compiled):
+    model = tmp_path / "gpt.py"
+    model.write_text((REPO / "examples" / "gpt.py").read_text() + "\n# edited\n")
+    line = call_cli(capsys, "compile", str(model), "-o", str(tmp_path / "out"), "--plan", str(compiled / "plan.json"),
+                    watch=(tmp_path, compiled))
+    assert re.search(r"plan\.json was compiled from another version of gpt\.py .*; recompile without --plan$", line), line
 
 
 @pytest.mark.parametrize("pins, pattern", [

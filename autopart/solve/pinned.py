@@ -87,8 +87,12 @@ def check_same_model(options: CompileOptions, plan: Plan) -> None:
     except OSError:
         return  # no file to read: loading it says why, in its own words
     if plan.provenance.model_sha256 != hashlib.sha256(source).hexdigest():
-        raise PlanError(f"{options.plan} was compiled from another version of {Path(options.model).name} (its model "
-                        "hash differs); recompile without --plan")
+        name, compiled = Path(options.model).name, Path(plan.provenance.model_file).name
+        if compiled and compiled != name:  # another model altogether, not an edit of this one
+            raise PlanError(f"{options.plan} was compiled from {compiled}, not from {name}; give {compiled} with this "
+                            "--plan, or recompile without --plan")
+        raise PlanError(f"{options.plan} was compiled from another version of {name} (its model hash differs); "
+                        "recompile without --plan")
 
 
 def _pinned_cuts(plan: Plan, options: CompileOptions, front: Front) -> tuple[int, ...]:
