@@ -60,6 +60,10 @@ def _link_out(out: Path) -> None:
 OUTPUT_CASES = {
     "other_files": (lambda out: (out.mkdir(), (out / "notes.txt").write_text("mine")), r"holds files but no \.autopart-output\.json"),
     "thesis_beside_an_empty_plan": (_thesis, r"holds files but no \.autopart-output\.json"),
+    "corrupt_marker": (lambda out: (out.mkdir(), (out / "plan.json").write_text("{}"),
+                                    (out / ".autopart-output.json").write_text('{"files": ["plan.js')),
+                       r"holds a \.autopart-output\.json that cannot be read \(JSONDecodeError: Unterminated string .*\), so "
+                       r"which of its files autopart wrote is unknown; choose a new or empty directory for -o"),
     "a_file": (lambda out: out.write_text("mine"), r"is a file; choose a directory path for -o"),
     "a_link": (_link_out, r"is a symbolic link; give the directory itself with -o"),
     "under_a_file": (lambda out: out.write_text("mine"), r"-o .*run lies under .*out, which is a file; give a path under a folder"),

@@ -38,15 +38,24 @@ def check_files_beside(spec: ModelSpec) -> None:
                                  "keeps for its own files; rename that module")
 
 
-def _listed(out_dir: Path) -> set[str] | None:
-    """The files the marker lists (relative POSIX paths), or None when there is no readable marker."""
+def _listed(out_dir: Path) -> set[str]:
+    """The files the marker lists (relative POSIX paths); refuses where there is no readable marker."""
+    if not (out_dir / MARKER).exists():
+        raise ConfigError(
+            f"output directory '{out_dir}' holds files but no {MARKER}, so autopart did not write it; "
+            "choose a new or empty directory for -o"
+        )
     try:
         data = json.loads((out_dir / MARKER).read_text())
         files = data["files"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    if not isinstance(files, list) or not all(isinstance(f, str) for f in files):
-        return None
+        if not isinstance(files, list) or not all(isinstance(f, str) for f in files):
+            raise TypeError("'files' is no list of paths")
+    except (OSError, ValueError, KeyError, TypeError) as exc:  # the list of what is autopart's is lost
+        why = exc.strerror if isinstance(exc, OSError) else f"{type(exc).__name__}: {exc}"
+        raise ConfigError(
+            f"output directory '{out_dir}' holds a {MARKER} that cannot be read ({why}), so which of its files "
+            "autopart wrote is unknown; choose a new or empty directory for -o, or remove this one yourself"
+        ) from None
     return {f for f in files if not f.startswith("/") and ".." not in Path(f).parts}
 
 
@@ -61,11 +70,6 @@ def _is_bytecode_of(relative: Path, listed: set[str]) -> bool:
 def _owned_files(out_dir: Path) -> list[Path]:
     """Every file under ``out_dir`` (relative paths) once each is known to be autopart's; refuses otherwise."""
     listed = _listed(out_dir)
-    if listed is None:
-        raise ConfigError(
-            f"output directory '{out_dir}' holds files but no {MARKER}, so autopart did not write it; "
-            "choose a new or empty directory for -o"
-        )
     owned = []
     for folder, folders, files in os.walk(out_dir, followlinks=False):
         for name in [*folders, *files]:
