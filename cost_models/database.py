@@ -232,6 +232,11 @@ class CostDatabase:
                               "path to write one at")
         try:
             data = json.loads(text.decode())
+            if not isinstance(data, dict) or "schema" not in data:  # another JSON file, not one of an earlier schema
+                what = "a plan that autopart compile wrote" if isinstance(data, dict) and {"mesh", "stages"} <= \
+                    data.keys() else "JSON without a cost database's schema"
+                raise ConfigError(f"cost database {path} is not one but {what}; give one that 'autopart profile' "
+                                  "wrote, or a new path to write one at")
             if data.get("schema") != _SCHEMA:
                 raise ConfigError(f"cost database {path} has schema {data.get('schema')!r}, not {_SCHEMA}; profile again")
             entries = {str(k): OpTimes(**{n: _seconds(v[n]) for n in ("forward_s", "backward_input_s", "backward_weight_s")})

@@ -499,6 +499,9 @@ COMMAND_CASES = {  # name -> (arguments given the test's folder and OUT, pattern
                                                                          str(f / "mine.py")],
                                           r"mine\.py is not a valid cost database .*; give one that 'autopart profile' "
                                           r"wrote, or a new path to write one at$"),
+    "profile_over_a_plan": (lambda f, o: ["profile", "examples/gpt.py", "-o", str(o / "plan.json")],  # 'has schema None'
+                            r"cost database .*plan\.json is not one but a plan that autopart compile wrote; give one "
+                            r"that 'autopart profile' wrote, or a new path to write one at$"),
     "consolidate_under_a_file": (lambda f, o: _a_file(f / "x") + ["consolidate", str(f), "-o", str(f / "x" / "m.st")],
                                  r"-o .*m\.st lies under .*x, which is a file"),
     "compile_costs_under_a_file": (lambda f, o: _a_file(f / "x") + ["compile", "examples/gpt.py", "-o", str(f / "out"),
