@@ -471,8 +471,9 @@ def profile_comm(*, ranks: int = 2, backend: str | None = None, effort: Effort =
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend not in ("gloo", "nccl"):
         raise ConfigError(f"--backend must be gloo or nccl, got {backend!r}")
-    if backend == "nccl" and torch.cuda.device_count() < ranks:
-        raise ConfigError(f"nccl over {ranks} ranks needs {ranks} GPUs, {torch.cuda.device_count()} visible; use fewer --ranks")
+    if backend == "nccl" and (visible := torch.cuda.device_count()) < ranks:  # fewer than 2: 2 ranks are the fewest
+        fix = "use fewer --ranks" if visible > 1 else "use --backend gloo for this machine's CPU, or a machine of 2 GPUs"
+        raise ConfigError(f"nccl over {ranks} ranks needs {ranks} GPUs, {visible} visible; {fix}")
     cores = usable_cores()
     if backend == "gloo" and ranks > max(2, cores):  # each rank is a process here: a typo was a fork bomb
         raise ConfigError(f"--ranks {ranks} would start {ranks} processes on this machine's {cores} core"

@@ -457,6 +457,17 @@ def test_profile_comm_starts_no_more_processes_than_cores(capsys, monkeypatch):
                      rf"{ranks - 1} or fewer$", line), line
 
 
+def test_profile_comm_on_nccl_without_two_gpus_points_to_gloo(capsys, monkeypatch):
+    """'use fewer --ranks' was no way out: 2 is the fewest, and a machine without GPUs measures with gloo."""
+    import cost_models.comm_profile as comm_profile
+
+    monkeypatch.setattr(comm_profile.torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setattr(comm_profile, "run_here", lambda *args, **kwargs: pytest.fail("profile-comm started its ranks"))
+    line = call_cli(capsys, "profile-comm", "--backend", "nccl")
+    assert re.search(r"nccl over 2 ranks needs 2 GPUs, 0 visible; use --backend gloo for this machine's CPU, or a "
+                     r"machine of 2 GPUs$", line), line
+
+
 HUGE_BATCH = 10**12  # gpt's samples take 512 bytes each: 466 TiB, past any machine's memory
 
 
