@@ -179,7 +179,7 @@ def _not_safetensors(folder: Path, out: Path) -> list[str]:
 
 def _a_file(path: Path, folder: bool = False) -> list[str]:
     if folder:
-        path.parent.mkdir()
+        path.parent.mkdir(parents=True)
     path.write_text("mine")
     return []
 
@@ -279,6 +279,11 @@ TRAIN_CASES = {  # name -> (environment, arguments given (folder, OUT), pattern 
     "save_weights_over_the_initial_weights": ({}, lambda f, o: ["--save-weights", str(o / "stages" / ".." / "weights")],
                                               r"--save-weights .*weights would write over weights/stage_0\.safetensors, "
                                               r"which autopart compile wrote in .*; give a path outside the compile's files"),
+    "checkpoint_dir_holding_a_step_of_the_user_s": (  # it was 'damaged', and 'restore the folder from a copy'
+        {}, lambda f, o: _a_file(f / "c" / "step_00000001" / "notes.txt", folder=True) + ["--checkpoint-dir", str(f / "c"),
+                                                                                         "--resume"],
+        r"--checkpoint-dir .*c holds step_00000001, which autopart did not save \(it holds no autopart\.json and none "
+        r"of a checkpoint's files\); move it out of .*c, or give another --checkpoint-dir$"),
     "resume_without_checkpoint_dir": ({}, lambda f, o: ["--resume"], r"--resume needs --checkpoint-dir DIR"),
     "weights_lacking_a_parameter": ({}, _weights_lacking_one,
                                     r"lacks 1 tensor\(s\) of stage 0, first .*; save every parameter under its name"),
@@ -319,6 +324,12 @@ def _plain_python(*argv: str, script: str = "") -> subprocess.CompletedProcess:
     return subprocess.run(command, capture_output=True, text=True, env=env, timeout=240)
 
 
+def _damaged_save(folder: Path) -> None:
+    """A save whose record lists nothing: every rank finds it damaged together, past the launch checks."""
+    (folder / "step_00000001").mkdir(parents=True)
+    (folder / "step_00000001" / "autopart.json").write_text("{}")
+
+
 @pytest.mark.multiprocess
 def test_a_one_rank_plan_trains_as_a_plain_python_program(tmp_path, one_rank):
     """``python OUT/train.py`` of a 1-rank plan, without torchrun: it trains, saves and resumes as
@@ -333,12 +344,11 @@ def test_a_one_rank_plan_trains_as_a_plain_python_program(tmp_path, one_rank):
 
 @pytest.mark.multiprocess
 def test_a_refusal_once_the_process_group_is_made_leaves_as_a_finished_run_does(tmp_path, one_rank):
-    """Refused after the process group was made (here: a --checkpoint-dir of a user's folder),
+    """Refused after the process group was made (here: --resume where every save is damaged),
     train.py says its line and exits 2 past the interpreter's teardown, as a finished run leaves
     (`autopart.runtime.process_exit.leave`): gloo's teardown can abort there (SIGABRT) after the
     line, rarely and under load, so the test checks the way out, not the abort. Its exit handlers run."""
-    (tmp_path / "userX" / "step_00000001").mkdir(parents=True)
-    (tmp_path / "userX" / "step_00000001" / "notes.txt").write_text("mine")
+    _damaged_save(tmp_path / "userX")
     marks = {name: tmp_path / name for name in ("torn", "handled")}
     script = (f"import atexit\nclass Torn:\n    def __del__(self, open=open):\n        open({str(marks['torn'])!r}, 'w')\n"
               f"kept = Torn()  # freed only by the interpreter's teardown\n"
@@ -354,8 +364,7 @@ def test_a_refusal_once_the_process_group_is_made_leaves_as_a_finished_run_does(
 def test_a_rank_s_warning_is_one_write(tmp_path, one_rank):
     """The ranks of a node share its stderr: a line written as print writes it (the text, then its
     newline) ran into another rank's, ``...(rank 0)autopart: checkpoint ...``."""
-    (tmp_path / "userX" / "step_00000001").mkdir(parents=True)
-    (tmp_path / "userX" / "step_00000001" / "notes.txt").write_text("mine")
+    _damaged_save(tmp_path / "userX")
     script = ("import sys\nclass Writes:\n    def __init__(self, stream):\n        self.stream = stream\n"
               "    def write(self, text):\n        return self.stream.write(repr(text) + '\\n')\n"
               "    def __getattr__(self, name):\n        return getattr(self.stream, name)\n"

@@ -141,17 +141,35 @@ def remove_saved(path: Path) -> None:
 
 def check_folder(root: Path, *, resuming: bool) -> None:
     """Refuse a --checkpoint-dir that is one checkpoint (``autopart.json`` in it), whose saves
-    would go inside it while every resume took it again; and, for a run from step 0, one that holds
+    would go inside it while every resume took it again; one that holds a ``step_<n>`` of the
+    user's, no save of autopart's (see `_not_saved`); and, for a run from step 0, one that holds
     an earlier run's checkpoints: its saves would interleave with theirs, and a later resume (or a
     torchrun restart) would take the newest step of either run."""
     if (root / RECORD).exists():
         raise ConfigError(f"--checkpoint-dir {root} is one checkpoint, not a folder of them: give the folder it is in "
                           f"({root.parent}) with --resume, which takes its newest whole checkpoint, or copy this one "
                           "into a new folder and give that")
+    stranger = next((path for path in candidates(root) if _not_saved(path)), None) if root.is_dir() else None
+    if stranger is not None:  # not a damaged save, which a resume passes over: 'restore it from a copy' misleads
+        raise ConfigError(f"--checkpoint-dir {root} holds {stranger.name}, which autopart did not save (it holds no "
+                          f"{RECORD} and none of a checkpoint's files); move it out of {root}, or give another "
+                          "--checkpoint-dir")
     saved = candidates(root) if root.is_dir() and not resuming else []  # newest first
     if saved:
         raise ConfigError(f"--checkpoint-dir {root} already holds checkpoints of an earlier run (the latest "
                           f"{saved[0].name}); add --resume to go on from them, or give a new or empty --checkpoint-dir")
+
+
+def _not_saved(path: Path) -> bool:
+    """Whether ``path``, named as a save is, is no save at all, even a damaged one: not a folder,
+    or one that holds none of the files a save holds (its record, DCP's)."""
+    if not path.is_dir():
+        return True
+    try:
+        names = [entry.name for entry in path.iterdir()]
+    except OSError:  # unreadable: the resume's check of the save says why
+        return False
+    return not any(name in (RECORD, ".metadata") or _DCP_FILE.match(name) for name in names)
 
 
 def problem(path: Path, rank: int = 0, world_size: int = 1) -> str | None:
