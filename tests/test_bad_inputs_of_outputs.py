@@ -273,6 +273,9 @@ TRAIN_CASES = {  # name -> (environment, arguments given (folder, OUT), pattern 
     "metrics_appended_to_the_user_s_file": ({}, lambda f, o: _a_file(f / "notes.txt") + ["--metrics", str(f / "notes.txt")],
                                             r"--metrics .*notes\.txt exists and is not JSON lines of steps that train\.py "
                                             r"wrote"),
+    "action_times_appended_to_the_user_s_file": (  # appended to in silence, where --metrics refused such a file
+        {}, lambda f, o: _a_file(f / "t" / "rank_0.jsonl", folder=True) + ["--action-times", str(f / "t")],
+        r"--action-times .*t/rank_0\.jsonl exists and is not JSON lines of steps that train\.py wrote; give a new path"),
     "metrics_appended_to_the_plan": ({}, lambda f, o: ["--metrics", str(o / "plan.json")],
                                      r"--metrics .*plan\.json would write over plan\.json, which autopart compile wrote in "),
     "trace_over_train_py": ({}, lambda f, o: ["--trace", str(o / "train.py")], r"--trace .*train\.py would write over train\.py"),

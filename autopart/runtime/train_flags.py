@@ -85,6 +85,8 @@ def check_arguments(args: argparse.Namespace) -> None:
     for flag, path in (("--action-times", args.action_times), ("--save-weights", args.save_weights),
                        ("--checkpoint-dir", args.checkpoint_dir), ("--tensorboard", args.tensorboard)):
         check_folder_path(path, flag)
+    for path in sorted(Path(args.action_times).glob("rank_*.jsonl")) if args.action_times else []:
+        _check_ours(path, "--action-times")  # each rank appends to its own file there
     for flag, value, least in (("--steps", args.steps, 1), ("--min-steps", args.min_steps, 1),
                                ("--untimed-steps", args.untimed_steps, 0), ("--checkpoint-every", args.checkpoint_every, 0),
                                ("--eval-every", args.eval_every, 0), ("--eval-batches", args.eval_batches, 1)):
@@ -190,12 +192,12 @@ def check_compile_kept(out_dir: Path, plan: Plan, args: argparse.Namespace) -> N
                               f"which autopart compile wrote in {out_dir}; give a path outside the compile's files")
 
 
-_WRITTEN = {"--metrics": "JSON lines of steps", "--trace": "a Chrome trace"}
+_WRITTEN = {"--metrics": "JSON lines of steps", "--trace": "a Chrome trace", "--action-times": "JSON lines of steps"}
 
 
 def _check_ours(path: Path | None, flag: str) -> None:
-    """Refuse an existing file at ``path`` that train.py did not write there (--metrics appends to
-    one, --trace replaces it): the user's own file (``--trace model.py``) is kept as it is."""
+    """Refuse an existing file at ``path`` that train.py did not write there (--metrics and
+    --action-times append to one, --trace replaces it): the user's own file (``--trace model.py``) is kept as it is."""
     if path is None or not Path(path).is_file():
         return
     with open(path, "rb") as file:
