@@ -177,3 +177,34 @@ def test_bf16_on_the_cpu_refuses_fp32_values_into_a_bf16_norm_weight_in_one_line
     assert result.returncode == 2
     assert "at 'layer_norm'; compile with --dtype bf16-autocast" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+HALF_MODEL = """
+import torch
+def example_batch(b):
+    return (torch.randn(b, 8),), torch.randn(b, 4)
+def loss_fn(output, target):
+    return torch.nn.functional.mse_loss(output.float(), target)
+class Half(torch.nn.Linear):
+    def forward(self, x):
+        return super().forward(x.to(self.weight.dtype))
+def build_model():
+    return Half(8, 4).to({dtype})
+"""
+
+
+@pytest.mark.parametrize("dtype", ["torch.float16", "torch.float32"])
+def test_a_model_built_in_half_precision_for_an_fp32_plan_is_warned(tmp_path, capsys, dtype):
+    """A ``.half()`` model in a plan of fp32 trained its fp16 parameters with no master copy and
+    went to loss nan at step 1, where the plan said fp32, without a word."""
+    from autopart.tools import cli
+
+    model = tmp_path / "half.py"
+    model.write_text(HALF_MODEL.format(dtype=dtype))
+    cli.main(["compile", str(model), "-o", str(tmp_path / "out"), "--pp", "1", "--microbatches", "1", "--no-measure"])
+    warned = [line for line in capsys.readouterr().err.splitlines() if "without fp32 master weights" in line]
+    if dtype == "torch.float32":
+        assert warned == []
+    else:
+        assert len(warned) == 1 and warned[0].startswith("autopart: warning: build_model() of half.py gives float16 "
+                                                         "parameters (first 'weight'), which train.py updates"), warned

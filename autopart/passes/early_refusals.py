@@ -9,9 +9,15 @@ and the options alone could make.
 - pinned layers per stage (``--stage-layers``) that the model's repeated layers cannot meet;
 - a model file that imports a module from beside it under a name the output directory keeps for
   its own files (`check_files_beside`), which emitting, the compile's last step, refused.
+
+And one warning: parameters of half precision in a plan of fp32 (`warn_of_half_parameters`).
 """
 
 from __future__ import annotations
+
+import logging
+
+import torch
 
 from autopart.codegen.output_dir import check_files_beside
 from autopart.ir.errors import ConfigError
@@ -22,7 +28,9 @@ from autopart.passes.loss_reduction import SUM, summed_loss_error
 from autopart.runtime.fully_sharded import check_shardable
 from autopart.solve.stage_layers import check_captured_layers
 
-__all__ = ["check_split_asked", "refuse_early"]
+__all__ = ["check_split_asked", "refuse_early", "warn_of_half_parameters"]
+
+_LOG = logging.getLogger("autopart.passes.early_refusals")
 
 
 def refuse_early(options: CompileOptions, graph: Graph, spec: ModelSpec) -> None:
@@ -35,6 +43,22 @@ def refuse_early(options: CompileOptions, graph: Graph, spec: ModelSpec) -> None
         raise ConfigError(refused)
     if options.stage_layers is not None:
         check_captured_layers(graph.module.graph, options.stage_layers)
+    warn_of_half_parameters(options, spec)
+
+
+def warn_of_half_parameters(options: CompileOptions, spec: ModelSpec) -> None:
+    """Warn of a model built in half precision (``.half()``) for a plan of fp32: train.py steps its
+    parameters in their own dtype, with no fp32 master copy, and a plain fp16 AdamW goes to loss nan
+    within steps, where the plan and its report say fp32."""
+    if options.dtype not in (None, "fp32"):
+        return
+    half = next(((name, p.dtype) for name, p in spec.module.named_parameters()
+                 if p.dtype in (torch.float16, torch.bfloat16)), None)
+    if half is not None:
+        _LOG.warning(f"build_model() of {spec.path.name} gives {str(half[1]).removeprefix('torch.')} parameters "
+                     f"(first {half[0]!r}), which train.py updates in that dtype, without fp32 master weights (fp16 "
+                     "AdamW soon trains to loss nan); build the model in fp32 and compile with --dtype bf16 for mixed "
+                     "precision")
 
 
 def check_split_asked(options: CompileOptions, reduction: str, model_file: str) -> None:
