@@ -477,6 +477,11 @@ COMMAND_CASES = {  # name -> (arguments given the test's folder and OUT, pattern
         r"every checkpoint in '.*ckpt' is damaged \(2 checked; the newest, step_00000002: \.metadata is missing\); "
         r"restore the "
         r"folder from a copy$"),
+    "consolidate_a_folder_of_the_user_s": (  # 'every checkpoint is damaged; restore the folder from a copy'
+        lambda f, o: _a_file(f / "c" / "step_00000001" / "notes.txt", folder=True) + ["consolidate", str(f / "c"), "-o",
+                                                                                     str(f / "m.safetensors")],
+        r"'.*c' holds no checkpoint \(step_00000001 holds no autopart\.json and none of a checkpoint's files\); pass the "
+        r"--checkpoint-dir of a run$"),
     "consolidate_a_file": (lambda f, o: _a_file(f / "ckpt") + ["consolidate", str(f / "ckpt"), "-o", str(f / "m.st")],
                            r"checkpoint directory '.*ckpt' is a file; pass the --checkpoint-dir of a run$"),
     "consolidate_into_a_directory": (lambda f, o: ["consolidate", str(f), "-o", str(f)], r"is a directory; give a file path"),

@@ -21,7 +21,7 @@ from autopart.runtime.launch import file_sha256, plan_digest
 from autopart.runtime.process_exit import say
 
 __all__ = ["RECORD", "SHARES_WITHIN_S", "candidates", "check_folder", "damaged", "latest_checkpoint", "newest_intact",
-           "problem", "put_in_place", "read_record", "remove_saved", "share", "staging_folder", "step_folder",
+           "not_saved", "problem", "put_in_place", "read_record", "remove_saved", "share", "staging_folder", "step_folder",
            "step_of", "write_digests", "write_record"]
 
 RECORD = "autopart.json"
@@ -142,14 +142,14 @@ def remove_saved(path: Path) -> None:
 def check_folder(root: Path, *, resuming: bool) -> None:
     """Refuse a --checkpoint-dir that is one checkpoint (``autopart.json`` in it), whose saves
     would go inside it while every resume took it again; one that holds a ``step_<n>`` of the
-    user's, no save of autopart's (see `_not_saved`); and, for a run from step 0, one that holds
+    user's, no save of autopart's (see `not_saved`); and, for a run from step 0, one that holds
     an earlier run's checkpoints: its saves would interleave with theirs, and a later resume (or a
     torchrun restart) would take the newest step of either run."""
     if (root / RECORD).exists():
         raise ConfigError(f"--checkpoint-dir {root} is one checkpoint, not a folder of them: give the folder it is in "
                           f"({root.parent}) with --resume, which takes its newest whole checkpoint, or copy this one "
                           "into a new folder and give that")
-    stranger = next((path for path in candidates(root) if _not_saved(path)), None) if root.is_dir() else None
+    stranger = next((path for path in candidates(root) if not_saved(path)), None) if root.is_dir() else None
     if stranger is not None:  # not a damaged save, which a resume passes over: 'restore it from a copy' misleads
         raise ConfigError(f"--checkpoint-dir {root} holds {stranger.name}, which autopart did not save (it holds no "
                           f"{RECORD} and none of a checkpoint's files); move it out of {root}, or give another "
@@ -160,7 +160,7 @@ def check_folder(root: Path, *, resuming: bool) -> None:
                           f"{saved[0].name}); add --resume to go on from them, or give a new or empty --checkpoint-dir")
 
 
-def _not_saved(path: Path) -> bool:
+def not_saved(path: Path) -> bool:
     """Whether ``path``, named as a save is, is no save at all, even a damaged one: not a folder,
     or one that holds none of the files a save holds (its record, DCP's)."""
     if not path.is_dir():

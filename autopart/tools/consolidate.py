@@ -30,7 +30,7 @@ from autopart.ir.errors import ConfigError
 from autopart.ir.placement import REPLICATE, Placement
 from autopart.ir.plan import Plan, load_plan
 from autopart.runtime.checkpoint import checkpoint_keys, load_tensors
-from autopart.runtime.checkpoint_folders import damaged, newest_intact, read_record
+from autopart.runtime.checkpoint_folders import RECORD, damaged, newest_intact, not_saved, read_record
 from autopart.runtime.shards import unshard_weight
 
 __all__ = ["Consolidated", "consolidate", "consolidated_state"]
@@ -67,6 +67,9 @@ def consolidated_state(checkpoint: Path, model: Path | None = None) -> tuple[dic
     if not checkpoint.is_dir():
         raise ConfigError(f"checkpoint directory '{checkpoint}' does not exist; pass the --checkpoint-dir of a run")
     path, passed = newest_intact(checkpoint)
+    if path is None and passed and all(not_saved(folder) for folder, _ in passed):  # none is autopart's, damaged or not
+        raise ConfigError(f"'{checkpoint}' holds no checkpoint ({passed[0][0].name} holds no {RECORD} and none of a "
+                          "checkpoint's files); pass the --checkpoint-dir of a run")
     if path is None and passed:  # the --checkpoint-dir of a run, whose checkpoints were damaged after their save
         newest, why = passed[0]
         raise ConfigError(f"every checkpoint in '{checkpoint}' is damaged ({len(passed)} checked; the newest, "
