@@ -137,7 +137,7 @@ def _train(out_dir: Path, argv: list[str] | None) -> None:
         dist.destroy_process_group()  # its reason (gloo's teardown of a group can abort, `leave`)
         _refuse(refusal)
         leave(2)
-    finally:  # refused together, or done: no collective is left in flight
+    finally:  # done: no collective is left in flight
         dist.destroy_process_group()
 
 
