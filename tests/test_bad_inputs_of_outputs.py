@@ -260,8 +260,9 @@ TRAIN_CASES = {  # name -> (environment, arguments given (folder, OUT), pattern 
                                            r"tp 1\) does not write"),
     "save_weights_over_the_user_s_file": ({}, lambda f, o: _a_file(f / "w" / "stage_0.safetensors", folder=True)
                                           + ["--save-weights", str(f / "w")],
-                                          r"--save-weights .*w holds stage_0\.safetensors, which autopart did not write; "
-                                          r"give another folder, or delete the file first$"),
+                                          r"--save-weights .*w holds stage_0\.safetensors, which names no plan \(not "
+                                          r"autopart's, or saved by an older autopart\); give another folder, or delete "
+                                          r"the file first$"),
     "save_weights_over_another_compile_s": ({}, lambda f, o: _weights_of_a_plan(f / "w", "0" * 64)
                                             + ["--save-weights", str(f / "w")],
                                             r"--save-weights .*w holds stage_0\.safetensors, another compile's weights "

@@ -156,8 +156,8 @@ def check_weights_folder(folder: Path | None, plan: Plan, digest: str) -> None:
         except (SafetensorError, OSError, ValueError):
             written_with = None
         if written_with is None:
-            raise ConfigError(f"--save-weights {folder} holds {name}, which autopart did not write; give another "
-                              "folder, or delete the file first")
+            raise ConfigError(f"--save-weights {folder} holds {name}, which names no plan (not autopart's, or saved "
+                              "by an older autopart); give another folder, or delete the file first")
         if written_with != digest:
             raise ConfigError(f"--save-weights {folder} holds {name}, another compile's weights (plan sha256 "
                               f"{written_with[:12]}, this one's {digest[:12]}); give another folder, or delete them first")
@@ -204,13 +204,9 @@ def _check_ours(path: Path | None, flag: str) -> None:
         first = file.readline(1 << 16).strip()
     if not first:
         return
-    if flag == "--trace":
-        ours = first.startswith(b'{"traceEvents": [')
-    else:
-        try:
-            ours = isinstance(json.loads(first), dict)
-        except ValueError:
-            ours = False
+    # by how train.py's lines begin: a step of a long schedule's --action-times, or of many ranks'
+    # --metrics, is longer than what is read of it
+    ours = first.startswith(b'{"traceEvents": [' if flag == "--trace" else b'{"step": ')
     if not ours:
         raise ConfigError(f"{flag} {path} exists and is not {_WRITTEN[flag]} that train.py wrote; give a new path, or "
                           "move the file away first")
