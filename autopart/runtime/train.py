@@ -112,6 +112,7 @@ def _refuse(exc: AutopartError) -> None:
 
 def _train(out_dir: Path, argv: list[str] | None) -> None:
     plan = load_plan(out_dir / "plan.json")
+    digest = plan_digest(out_dir / "plan.json")  # of the plan this run trains: the weights it saves name it
     try:
         args = parse_args(argv, plan)
     except SystemExit as refused:  # argparse's line printed (or --help's text): the same on every rank of this node
@@ -120,14 +121,14 @@ def _train(out_dir: Path, argv: list[str] | None) -> None:
         raise
     rank = int(os.environ.get("RANK", "0"))
     try:
-        schedule, source_file, device = _checked(out_dir, plan, args, rank)
+        schedule, source_file, device = _checked(out_dir, plan, args, rank, digest)
     except AutopartError as refusal:  # told to every rank first: a peer on another node would wait for this one
         init_process_group("gloo", timeout_to_refuse_with(args.timeout), refusal=str(refusal))  # raises it under torchrun
         raise
     store = init_process_group(backend(device), args.timeout)
     try:
         check_nodes_agree(out_dir, args, store)
-        _loop(out_dir, plan, schedule, args, rank, device, source_file, store)
+        _loop(out_dir, plan, schedule, args, rank, device, source_file, store, digest)
         # every rank leaves together: a gloo rank whose peer closed its sockets first can abort
         # (SIGABRT) in its own teardown. Not on an error, where a peer may never come.
         barrier(device)
@@ -149,7 +150,8 @@ def _leave_failed(rank: int, failure: StepFailure) -> NoReturn:
     os._exit(1)
 
 
-def _checked(out_dir: Path, plan: Plan, args: argparse.Namespace, rank: int) -> tuple[Schedule, Path, torch.device]:
+def _checked(out_dir: Path, plan: Plan, args: argparse.Namespace, rank: int, digest: str
+             ) -> tuple[Schedule, Path, torch.device]:
     """What this rank refuses before it waits for a peer; its schedule, model file and device."""
     check_launch(out_dir, plan, rank=rank, world_size=int(os.environ.get("WORLD_SIZE", "1")))
     if args.resume and args.checkpoint_dir is None:
@@ -159,7 +161,7 @@ def _checked(out_dir: Path, plan: Plan, args: argparse.Namespace, rank: int) -> 
     check_tensorboard(args.tensorboard)
     check_compile_kept(out_dir, plan, args)  # first: it names the compile's file, where others see a stranger's
     check_arguments(args)
-    check_weights_folder(args.save_weights, plan, plan_digest(out_dir / "plan.json"))
+    check_weights_folder(args.save_weights, plan, digest)
     source_file = model_file(out_dir, plan)
     schedule = plan_actions(plan, compiled=True)  # a bad hand edit stops every rank here, before any waits for a peer
     if not plan.schedule.actions and rank == 0:
@@ -171,7 +173,7 @@ def _checked(out_dir: Path, plan: Plan, args: argparse.Namespace, rank: int) -> 
 
 
 def _loop(out_dir: Path, plan: Plan, schedule: Schedule, args: argparse.Namespace, rank: int, device: torch.device,
-          source_file: Path, store: dist.Store | None) -> None:
+          source_file: Path, store: dist.Store | None, digest: str) -> None:
     mesh = Mesh.of(plan)
     here = mesh.coordinates(rank)
     device_mesh = mesh.device_mesh(device.type, datetime.timedelta(seconds=args.timeout))
@@ -249,7 +251,7 @@ def _loop(out_dir: Path, plan: Plan, schedule: Schedule, args: argparse.Namespac
         if stopping:
             break
         settled = not (evaluated or saving)
-    _finish(args, reporter, optimizer, stages, here, mesh.tp, plan_digest(out_dir / "plan.json"))
+    _finish(args, reporter, optimizer, stages, here, mesh.tp, digest)
 
 
 def _finish(args: argparse.Namespace, reporter: StepReporter | None, optimizer: Any, stages: dict[int, StageRuntime],
