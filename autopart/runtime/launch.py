@@ -225,9 +225,11 @@ def init_process_group(backend: str, timeout_s: float, refusal: str | None = Non
     """
     timeout = datetime.timedelta(seconds=timeout_s)
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        if refusal is None and "RANK" not in os.environ and "WORLD_SIZE" not in os.environ:
-            # ``python OUT/train.py`` of a 1-rank plan (`check_launch` refused any other): a world
-            # of this process alone, whose store is in memory, with no port to find or to lose
+        alone = os.environ.get("RANK", "0") == "0" and os.environ.get("WORLD_SIZE", "1") == "1"
+        if refusal is None and alone:
+            # ``python OUT/train.py`` of a 1-rank plan (`check_launch` refused any other), a shell's
+            # WORLD_SIZE=1 or RANK=0 beside it or not: a world of this process alone, whose store is
+            # in memory, with no port to find or to lose
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         elif refusal is None:
             dist.init_process_group(backend, timeout=timeout)
