@@ -35,6 +35,7 @@ from autopart.predict.accuracy import Basis, with_basis
 from autopart.predict.headroom import headroom_warning, over_device_warning
 from autopart.passes.annotate import annotate
 from autopart.passes.loss_reduction import check_mean_loss
+from autopart.passes.early_refusals import warn_of_half_parameters
 from autopart.passes.front import Front, build_front, capture_for, note_batch_statistics, note_unsplit
 from autopart.profiling.finalists import finalists_run_here, run_finalists
 from autopart.profiling.measure_defaults import co_run_processes, measure_defaults
@@ -251,6 +252,7 @@ def measured_plan(options: CompileOptions, *, progress=None, console=None) -> tu
     options, measured = measure_defaults(options, console=console, progress=progress, search_size=search_size)
     plan, front = compile_plan(options, progress)
     check_mean_loss(plan, front.op_graph.graph.loss_reduction, front.spec.path.name)  # before the plan runs here
+    warn_of_half_parameters(options, front.spec)  # once a compile (its captures refuse, each of them)
     basis = measured.basis
     by_default = measured.without_pipeline is not None
     if by_default and not affordable(plan):

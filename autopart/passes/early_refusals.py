@@ -10,7 +10,8 @@ and the options alone could make.
 - a model file that imports a module from beside it under a name the output directory keeps for
   its own files (`check_files_beside`), which emitting, the compile's last step, refused.
 
-And one warning: parameters of half precision in a plan of fp32 (`warn_of_half_parameters`).
+And one warning, which the compile gives once (`autopart.driver.measured_plan`), not at each capture:
+parameters of half precision in a plan of fp32 (`warn_of_half_parameters`).
 """
 
 from __future__ import annotations
@@ -43,7 +44,6 @@ def refuse_early(options: CompileOptions, graph: Graph, spec: ModelSpec) -> None
         raise ConfigError(refused)
     if options.stage_layers is not None:
         check_captured_layers(graph.module.graph, options.stage_layers)
-    warn_of_half_parameters(options, spec)
 
 
 def warn_of_half_parameters(options: CompileOptions, spec: ModelSpec) -> None:
