@@ -97,3 +97,14 @@ def test_a_one_rank_plan_runs_as_python_with_part_of_torchrun_s_variables(tmp_pa
     not torch's env:// traceback for the variable it lacks."""
     done = _plain_python(str(one_rank / "train.py"), "--steps", "1", env=given)
     assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-3000:]
+
+
+@pytest.mark.multiprocess
+def test_a_plan_of_a_newer_torch_is_warned_of_once_by_rank_0(one_rank):
+    """train.py's rank 0 says that the torch that compiled the plan is newer than its own (here
+    made to think so: `autopart.runtime.launch.older_torch` answers as for a plan of torch 99)."""
+    script = ("import autopart.runtime.train as train\n"
+              "train.older_torch = lambda plan: 'the plan was compiled under torch 99.0'")
+    done = _plain_python(str(one_rank / "train.py"), "--steps", "1", script=script)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stderr.count("autopart: warning: the plan was compiled under torch 99.0\n") == 1, done.stderr

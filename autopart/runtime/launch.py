@@ -76,9 +76,6 @@ def check_launch(out_dir: Path, plan: Plan, *, rank: int, world_size: int) -> No
     """World size, this rank's stage files and weights, and that they come from this plan's compile."""
     train = shlex.quote(str(out_dir / "train.py"))  # a command to paste: a folder of spaces stays one word
     check_world_size(plan, world_size, _launch_command(plan, train))
-    older = older_torch(plan)
-    if older is not None and rank == 0:
-        sys.stderr.write(f"autopart: warning: {older}\n")
     mesh = Mesh.of(plan)
     here = mesh.coordinates(rank)
     digest = plan_digest(out_dir / "plan.json")

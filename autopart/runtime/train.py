@@ -67,7 +67,7 @@ from autopart.runtime.draws import draw_seed
 from autopart.runtime.forward import StageForward
 from autopart.runtime.fully_sharded import FSDP_LEVELS, check_level, end_of_step, full_state, shard_stage
 from autopart.runtime.launch import (PLAN_HASH_KEY, RefusedTogether, check_launch, check_nodes_agree, drawn_alike,
-                                     init_process_group, inject_failure, leave_with_node, plan_digest)
+                                     init_process_group, inject_failure, leave_with_node, older_torch, plan_digest)
 from autopart.runtime.measure import StepClock, StopRule, write_action_times, write_measured_trace
 from autopart.runtime.gradients import clip_gradients, sum_tied_gradients, tied_groups
 from autopart.runtime.reducer import GradientReducer
@@ -154,6 +154,9 @@ def _checked(out_dir: Path, plan: Plan, args: argparse.Namespace, rank: int, dig
              ) -> tuple[Schedule, Path, torch.device]:
     """What this rank refuses before it waits for a peer; its schedule, model file and device."""
     check_launch(out_dir, plan, rank=rank, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    older = older_torch(plan)
+    if older is not None and rank == 0:
+        say(f"autopart: warning: {older}")
     if args.resume and args.checkpoint_dir is None:
         raise ConfigError("--resume needs --checkpoint-dir DIR: the folder the checkpoints were saved in")
     if args.checkpoint_dir is not None:
