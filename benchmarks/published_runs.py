@@ -270,8 +270,8 @@ def main(argv: list[str] | None = None) -> int:
                           f"(compiled in {row['compile_s']:.0f} s)")  # fmt: skip
             step = row["plan"].predicted.step_s
             errors.append(step / run.published_s - 1)
-            # every row trains in bf16; its band holds for the layouts the rows ran (a single GPU's or a
-            # TP group's step was never held to one)
+            # every row trains in bf16; its band holds for the layouts and ZeRO levels the rows ran (a
+            # single GPU's or a TP group's step, or FSDP's messages, was never held to one)
             errors_by_zero.append((errors[-1], f"{run.device}/bf16", run.zero, layout_of(row["plan"])))
             layout = (f"t{run.tp} p{run.pp} d{run.dp} {run.schedule}{f' v{run.chunks}' if run.chunks > 1 else ''} "
                       f"b{run.micro_batch_size} {run.recompute}{'' if run.sp or run.tp == 1 else ' no-sp'}"
@@ -290,11 +290,11 @@ def main(argv: list[str] | None = None) -> int:
         command = " ".join(["python", "benchmarks/published_runs.py", *(argv or sys.argv[1:])])
         for suffix, rows, benchmark in (("", "the rows without ZeRO-3", "published_runs"),
                                         (FULLY_SHARDED, "the ZeRO-3 rows", "published_runs, its ZeRO-3 rows")):
-            these = [(e, device, layout) for e, device, zero, layout in errors_by_zero if (zero == 3) == bool(suffix)]
+            these = [row for row in errors_by_zero if (row[2] == 3) == bool(suffix)]
             if these:
-                errors_of, covers, layouts = zip(*these)
+                errors_of, covers, levels, layouts = zip(*these)
                 band = Band.from_errors(list(errors_of), benchmark=benchmark, command=command,
-                                        covers=tuple(set(covers)), layouts=layouts)
+                                        covers=tuple(set(covers)), layouts=layouts, zero=levels)
                 written = write_band(band_key(ROOFLINE, None) + suffix, band)
                 console.print(f"wrote the band of the GPU specs' roofline over {rows} to {written}")
     for name, why in NOT_EXPRESSIBLE:

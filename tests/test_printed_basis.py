@@ -120,6 +120,7 @@ def test_the_shipped_cpu_bands_hold_for_the_layouts_their_rows_ran() -> None:
     assert not load_bands()["spec-roofline"].holds_for_layout("tp+dp")
     assert load_bands()["spec-roofline-zero3"].holds_for_layout("dp")
     assert not load_bands()["spec-roofline-zero3"].holds_for_layout("pp+dp")
+    assert load_bands()["spec-roofline"].zero == (1,) and load_bands()["spec-roofline-zero3"].zero == (3,)
 
 
 def test_into_a_pipe_a_search_table_keeps_each_row_on_one_line(cache_dir, tmp_path, capsys) -> None:
@@ -159,6 +160,15 @@ def test_a_zero3_plan_carries_the_band_of_the_zero3_rows(cache_dir, tmp_path, mo
     printed = " ".join(capsys.readouterr().out.split())
     assert ("(h100-sxm roofline; no band for pp+dp plans: published_runs, its ZeRO-3 rows ran dp plans alone)"
             in printed), printed
+    write_band("spec-roofline", Band(median=0.06, worst=0.12, rows=6, benchmark="published_runs", command="x",
+                                     date="2026-12-04", zero=(1,)), bands)
+    for zero in (0, 1, 2):  # FSDP's messages, or ZeRO-0's one all-reduce, where the rows ran ZeRO-1 alone
+        main(["compile", str(MODEL), "-o", str(tmp_path / f"z{zero}"), "--dp", "2", "--zero", str(zero), *common])
+    printed = " ".join(capsys.readouterr().out.split())
+    assert printed.count("(h100-sxm roofline; published_runs: median 6%, worst 12%)") == 1
+    for zero in (0, 2):
+        assert f"(h100-sxm roofline; no band for ZeRO-{zero} plans: published_runs's rows ran ZeRO-1 plans alone)" \
+            in printed, printed
 
 
 def test_a_basis_no_benchmark_measured_says_so_and_old_plans_load(tmp_path) -> None:

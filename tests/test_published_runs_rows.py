@@ -23,5 +23,5 @@ def test_a_row_of_each_kind_compiles_in_its_published_layout(monkeypatch, tmp_pa
     assert bench.main(["--rows", *rows]) == 0
     printed = capsys.readouterr().out
     assert "over 3 rows" in printed, printed
-    assert {key: band.layouts for key, band in written.items()} == {
-        "spec-roofline": ("pp+tp+dp",), "spec-roofline-zero3": ("dp",)}
+    assert {key: (band.layouts, band.zero) for key, band in written.items()} == {
+        "spec-roofline": (("pp+tp+dp",), (1,)), "spec-roofline-zero3": (("dp",), (3,))}

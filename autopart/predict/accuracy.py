@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import re
 import socket
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -73,18 +74,22 @@ class Band:
     """The layouts its rows ran (`layout_of`: "pp", "pp+dp", ...): a step model checked on
     pipelines alone says nothing of how far off it is where replicas reduce gradients or ranks
     split ops, whose messages and core sharing are other figures; (): taken to hold for any."""
+    zero: tuple[int, ...] = ()
+    """The ZeRO levels its rows ran: ZeRO-0 all-reduces the gradients, ZeRO-1 gathers the updated
+    shards too, ZeRO-2/3 gather and reduce-scatter through FSDP, other messages each; (): taken to
+    hold for any."""
 
     @classmethod
     def from_errors(cls, errors: list[float], *, benchmark: str, command: str, covers: tuple[str, ...] = (),
-                    layouts: tuple[str, ...] = ()) -> Band:
+                    layouts: tuple[str, ...] = (), zero: tuple[int, ...] = ()) -> Band:
         """The band of signed relative errors ``errors`` (at least one), of rows run on ``covers``
-        in ``layouts``."""
+        in ``layouts`` at the ZeRO levels ``zero``."""
         absolute = sorted(abs(e) for e in errors)
         middle = len(absolute) // 2
         median = absolute[middle] if len(absolute) % 2 else (absolute[middle - 1] + absolute[middle]) / 2
         return cls(median=median, worst=absolute[-1], rows=len(absolute), benchmark=benchmark, command=command,
                    date=datetime.date.today().isoformat(), covers=tuple(sorted(covers)),
-                   layouts=tuple(sorted(set(layouts))))
+                   layouts=tuple(sorted(set(layouts))), zero=tuple(sorted(set(zero))))
 
     def holds_for(self, device: str, dtype: str) -> bool:
         """Whether the band was measured on ``device`` in ``dtype`` (any, for one of the machine at hand)."""
@@ -93,6 +98,10 @@ class Band:
     def holds_for_layout(self, layout: str) -> bool:
         """Whether the band's rows ran plans of ``layout`` (`layout_of`)."""
         return not self.layouts or layout in self.layouts
+
+    def holds_for_zero(self, level: int) -> bool:
+        """Whether the band's rows ran plans of ZeRO level ``level``."""
+        return not self.zero or level in self.zero
 
 
 def layout_of(plan: Plan) -> str:
@@ -134,7 +143,8 @@ def load_bands(path: Path | None = None) -> dict[str, Band]:
         raise ConfigError(f"{path}: cannot be read as JSON ({error}); rerun the benchmark that writes it") from None
     try:
         return {key: Band(**{**value, "covers": tuple(value.get("covers", ())),
-                             "layouts": tuple(value.get("layouts", ()))}) for key, value in data.items()}
+                             "layouts": tuple(value.get("layouts", ())), "zero": tuple(value.get("zero", ()))})
+                for key, value in data.items()}
     except TypeError as error:
         raise ConfigError(f"{path}: not a table of bands ({error}); rerun the benchmark that writes it") from None
 
@@ -207,7 +217,8 @@ def with_basis(plan: Plan, basis: Basis) -> Plan:
     plan's the band of the ZeRO-3 rows, where one was measured, any other's that of its layout's
     rows (`OF_LAYOUT`), where there is one apart from the basis's; none where the band's rows ran on
     other devices or in another precision than the plan's; none, naming the benchmark, where its
-    rows ran other layouts (`Band.layouts`)."""
+    rows ran other layouts (`Band.layouts`) or, where replicas reduce gradients, other ZeRO levels
+    (`Band.zero`)."""
     key, band, layout = basis.key, basis.band, layout_of(plan)
     if plan.zero == 3 and basis.zero3_band is not None:
         key, band = key + FULLY_SHARDED, basis.zero3_band
@@ -216,11 +227,13 @@ def with_basis(plan: Plan, basis: Basis) -> Plan:
     if band is not None and not band.holds_for(basis.device, plan.dtype):
         band = None  # measured on other devices or in another precision: no band for this one
     benchmark = "" if band is None else band.benchmark
+    rows = benchmark if benchmark.endswith(" rows") else f"{benchmark}'s rows"  # "published_runs, its ZeRO-3 rows"
     if band is not None and not band.holds_for_layout(layout):  # `describe_prediction` says so
         *others, last = sorted({*band.layouts, *basis.layout_bands})
         ran = f"{', '.join(others)} and {last}" if others else last
-        rows = band.benchmark if band.benchmark.endswith(" rows") else f"{band.benchmark}'s rows"  # "its ZeRO-3 rows"
         benchmark, band = f"{rows} ran {ran} plans alone", None
+    if band is not None and plan.mesh["dp"] > 1 and not band.holds_for_zero(plan.zero):  # other messages
+        benchmark, band = f"{rows} ran {' and '.join(f'ZeRO-{z}' for z in band.zero)} plans alone", None
     predicted = replace(plan.predicted, basis=basis.what, basis_key=key,
                         error_median=None if band is None else band.median,
                         error_worst=None if band is None else band.worst,
@@ -279,7 +292,8 @@ def describe_prediction(plan: Plan) -> str:
     if not predicted.basis:
         return ""
     if predicted.error_median is None and predicted.error_benchmark:  # a band of other layouts (`with_basis`)
-        text = f" ({predicted.basis}; no band for {layout_of(plan)} plans: {predicted.error_benchmark})"
+        of = f"ZeRO-{plan.zero}" if re.search(r" ran ZeRO-\d", predicted.error_benchmark) else layout_of(plan)
+        text = f" ({predicted.basis}; no band for {of} plans: {predicted.error_benchmark})"
     else:
         band = None if predicted.error_median is None else Band(
             median=predicted.error_median, worst=predicted.error_worst, rows=0, benchmark=predicted.error_benchmark,
