@@ -39,6 +39,7 @@ below. The all-reduce costs the faster of the two.
 from __future__ import annotations
 
 import functools
+from collections import Counter
 from typing import NamedTuple
 
 __all__ = ["COLLECTIVE_KINDS", "bus_factor", "ring_steps", "node_steps", "node_members", "nodes_spanned",
@@ -107,24 +108,15 @@ def nodes_spanned(group_size: int, stride: int, gpus_per_node: int, world_size: 
     ``gpus_per_node`` in order (torchrun's placement). A tensor-parallel group has stride 1, a
     data-parallel group the ranks of one replica; a group whose size does not divide a node's
     GPUs may straddle two nodes."""
-    if min(group_size, stride, gpus_per_node) < 1:
-        raise ValueError(f"group size, stride and GPUs per node must be >= 1, got {group_size}, {stride}, {gpus_per_node}")
-    if stride >= gpus_per_node:
-        return group_size  # each member on a node of its own
     return max(len(members) for members in _members_by_node(group_size, stride, gpus_per_node, world_size))
 
 
-@functools.lru_cache(maxsize=None)
 def fewest_members(group_size: int, stride: int, gpus_per_node: int, world_size: int | None = None) -> int:
     """Of the groups of a mesh axis laid out as `nodes_spanned` lays them, those spanning several
     nodes, the fewest members that one holds on any node (the whole group where none spans
     several): the NICs its traffic between nodes is narrowed to (`node_members`). The slowest
     group bounds the step, so the axis is priced by it: 8 ranks on nodes of 6 lie 6 + 2 (then
     4 + 4), and cross at 2 NICs' bandwidth."""
-    if min(group_size, stride, gpus_per_node) < 1:
-        raise ValueError(f"group size, stride and GPUs per node must be >= 1, got {group_size}, {stride}, {gpus_per_node}")
-    if stride >= gpus_per_node:
-        return 1 if group_size > 1 else group_size  # each member on a node of its own
     spread = [members for members in _members_by_node(group_size, stride, gpus_per_node, world_size) if len(members) > 1]
     return min((min(members) for members in spread), default=group_size)
 
@@ -143,19 +135,19 @@ def node_span(group_size: int, stride: int, gpus_per_node: int, world_size: int 
                     fewest_members(group_size, stride, gpus_per_node, world_size))
 
 
-def _members_by_node(group_size: int, stride: int, gpus_per_node: int, world_size: int | None) -> list[list[int]]:
-    """Per group of the axis (up to where the placement repeats), its members on each node it spans."""
+@functools.lru_cache(maxsize=None)
+def _members_by_node(group_size: int, stride: int, gpus_per_node: int, world_size: int | None
+                     ) -> tuple[tuple[int, ...], ...]:
+    """Per group of the axis (up to where the placement repeats), its members on each node it
+    spans: what `nodes_spanned` and `fewest_members` read, so kept for both."""
+    if min(group_size, stride, gpus_per_node) < 1:
+        raise ValueError(f"group size, stride and GPUs per node must be >= 1, got {group_size}, {stride}, {gpus_per_node}")
+    if stride >= gpus_per_node:
+        return ((1,) * group_size,)  # each member on a node of its own
     block, g = group_size * stride, gpus_per_node
     blocks = g if world_size is None else max(1, min(g, world_size // block))  # past g blocks the nodes repeat
     starts = {(b * block + offset) % g for b in range(blocks) for offset in range(stride)}
-    found = []
-    for start in sorted(starts):
-        counts: dict[int, int] = {}
-        for k in range(group_size):
-            node = (start + k * stride) // g
-            counts[node] = counts.get(node, 0) + 1
-        found.append(list(counts.values()))
-    return found
+    return tuple(tuple(Counter((start + k * stride) // g for k in range(group_size)).values()) for start in sorted(starts))
 
 
 def collective_time(kind: str, nbytes: float, group_size: int, *, bus_bandwidth: float,
