@@ -12,7 +12,7 @@ import torch
 from autopart.driver import CompileOptions, compile_to_directory
 from autopart.ir.errors import ConfigError
 from autopart.ir.plan import load_plan
-from autopart.runtime.recipe import Recipe, clip_factor, embedding_parameters, parameter_groups
+from autopart.runtime.recipe import Recipe, embedding_parameters, parameter_groups
 from autopart.runtime.reference import train_reference
 from autopart.runtime.shards import load_stage_weights
 from tests.distributed import (
@@ -74,6 +74,12 @@ def test_decay_skips_biases_norms_and_every_name_of_a_tied_embedding():
     assert not {names[id(p)] for p in decayed["params"]} & set(tables)
     assert any(names[id(p)].endswith(".bias") for p in kept["params"])
     assert any(p.ndim == 1 and not names[id(p)].endswith(".bias") for p in kept["params"]), "norm weights"
+
+
+def clip_factor(total_norm: float, max_norm: float) -> float:
+    """What ``torch.nn.utils.clip_grad_norm_`` multiplies every gradient by, as a Python number: the
+    reference of train.py's clipping, which computes it on the device."""
+    return min(1.0, max_norm / (total_norm + 1e-6))
 
 
 def test_clip_factor_is_torchs():

@@ -108,7 +108,7 @@ def clip_gradients(stages: dict[int, nn.Module], plan: Plan, here: Coordinates, 
     dist.all_reduce(squares)
     norm = squares.sqrt()
     ratio = torch.full_like(norm, max_norm).div_(norm + 1e-6)  # max_norm / norm rounds twice (a reciprocal)
-    factor = torch.where(ratio < 1.0, ratio, 1.0)  # clip_factor's min(1, ratio): 1 where the norm is NaN too
+    factor = torch.where(ratio < 1.0, ratio, 1.0)  # a Python min(1, ratio): 1 where the norm is NaN too
     grads = [local(p.grad) for module in stages.values() for p in module.parameters() if p.grad is not None]
     for (_, dtype), group in _by_device_and_dtype(grads).items():
         _scale(group, factor.to(group[0].device), dtype)

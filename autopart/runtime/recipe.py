@@ -27,7 +27,7 @@ import torch
 from autopart.ir.errors import ConfigError
 
 __all__ = ["LR_SCHEDULES", "Recipe", "add_recipe_arguments", "betas_flag", "embedding_parameters", "decayed_parameters",
-           "parameter_groups", "clip_factor"]
+           "parameter_groups"]
 
 LR_SCHEDULES = ("constant", "cosine", "linear")
 
@@ -227,8 +227,3 @@ def decayed_parameters(model: torch.nn.Module | None) -> frozenset[str]:
         return frozenset()
     tables = set(embedding_parameters(model))
     return frozenset(n for n, p in model.named_parameters(remove_duplicate=False) if _is_decayed(n, p.ndim, tables))
-
-
-def clip_factor(total_norm: float, max_norm: float) -> float:
-    """What ``torch.nn.utils.clip_grad_norm_`` multiplies every gradient by."""
-    return min(1.0, max_norm / (total_norm + 1e-6))
