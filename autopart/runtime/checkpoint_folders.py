@@ -21,8 +21,8 @@ from autopart.runtime.launch import file_sha256, plan_digest
 from autopart.runtime.process_exit import say
 
 __all__ = ["RECORD", "SHARES_WITHIN_S", "candidates", "check_folder", "damaged", "latest_checkpoint", "newest_intact",
-           "not_saved", "problem", "put_in_place", "read_record", "remove_saved", "share", "staging_folder", "step_folder",
-           "step_of", "write_digests", "write_record"]
+           "not_saved", "problem", "put_in_place", "read_record", "remove_saved", "share", "staging_folder",
+           "step_folder", "step_of", "write_digests", "write_record"]
 
 RECORD = "autopart.json"
 _STEP = "step_"

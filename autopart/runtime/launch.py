@@ -32,8 +32,9 @@ from autopart.runtime.shards import weights_file_name
 from autopart.runtime.stage import checked_stage_source
 from autopart.runtime.torchrun_command import Launch, node_sizes, plan_launch
 
-__all__ = ["PLAN_HASH_KEY", "file_sha256", "plan_digest", "check_launch", "older_torch", "check_output", "check_world_size",
-           "check_nodes_agree", "drawn_alike", "inject_failure", "init_process_group", "leave_with_node", "RefusedTogether"]
+__all__ = ["PLAN_HASH_KEY", "file_sha256", "plan_digest", "check_launch", "older_torch", "check_output",
+           "check_world_size", "check_nodes_agree", "drawn_alike", "inject_failure", "init_process_group",
+           "leave_with_node", "RefusedTogether"]
 
 T = TypeVar("T")
 
