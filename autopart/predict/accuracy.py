@@ -142,8 +142,7 @@ def load_bands(path: Path | None = None) -> dict[str, Band]:
     except (OSError, ValueError) as error:
         raise ConfigError(f"{path}: cannot be read as JSON ({error}); rerun the benchmark that writes it") from None
     try:
-        return {key: Band(**{**value, "covers": tuple(value.get("covers", ())),
-                             "layouts": tuple(value.get("layouts", ())), "zero": tuple(value.get("zero", ()))})
+        return {key: Band(**{**value, **{name: tuple(value.get(name, ())) for name in ("covers", "layouts", "zero")}})
                 for key, value in data.items()}
     except TypeError as error:
         raise ConfigError(f"{path}: not a table of bands ({error}); rerun the benchmark that writes it") from None
